@@ -1,0 +1,27 @@
+# Two commands do all the set-up on a fresh machine with Python 3.11 and pip:
+#   make plan   creates .venv, installs soapjax, runs the main job on the embedded default
+#   make test   creates .venv, installs soapjax with its test extra, runs the suite
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: plan test install clean
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+plan: $(STAMP)
+	$(BIN)/soapjax plan
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,115 @@
+"""The model registry: names, their configs, and `get`, which builds a `Workload`.
+
+Example::
+
+  >>> models.names()
+  ('alexnet', 'inception_v3', 'resnet101', 'rnntc', 'rnnlm', 'nmt', 'lenet', 'mlp', 'gpt2')
+  >>> models.configs("gpt2")
+  ('default', 'tiny')
+  >>> models.get("mlp", "tiny", api="nnx").api
+  'nnx'
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import types
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+from models import cnn, gpt2, mlp, rnn
+from models.workload import Workload
+from soapjax.errors import UnknownModelError
+
+
+class _Entry(NamedTuple):
+    configs: Mapping[str, Any]
+    build: Callable[[str, str, Any, str], Workload]
+    apis: tuple[str, ...] = ("linen",)
+
+
+_REGISTRY: Mapping[str, _Entry] = types.MappingProxyType(
+    {
+        "alexnet": _Entry(cnn.ALEXNET_CONFIGS, cnn.build_alexnet),
+        "inception_v3": _Entry(cnn.INCEPTION_V3_CONFIGS, cnn.build_inception_v3),
+        "resnet101": _Entry(cnn.RESNET101_CONFIGS, cnn.build_resnet101),
+        "rnntc": _Entry(rnn.RNNTC_CONFIGS, rnn.build_rnntc),
+        "rnnlm": _Entry(rnn.RNNLM_CONFIGS, rnn.build_rnnlm),
+        "nmt": _Entry(rnn.NMT_CONFIGS, rnn.build_nmt),
+        "lenet": _Entry(cnn.LENET_CONFIGS, cnn.build_lenet, ("linen", "nnx")),
+        "mlp": _Entry(mlp.MLP_CONFIGS, mlp.build_mlp, ("linen", "nnx")),
+        "gpt2": _Entry(gpt2.GPT2_CONFIGS, gpt2.build_gpt2),
+    }
+)
+
+
+def names() -> tuple[str, ...]:
+    """The registered model names, in registry order."""
+    return tuple(_REGISTRY)
+
+
+def configs(name: str) -> tuple[str, ...]:
+    """The config names of model `name`, e.g. ``("default", "tiny")``.
+
+    Raises:
+      UnknownModelError: `name` is not registered.
+    """
+    return tuple(_entry(name).configs)
+
+
+def apis(name: str) -> tuple[str, ...]:
+    """The Flax APIs model `name` is written in: ``("linen",)`` or ``("linen", "nnx")``.
+
+    Raises:
+      UnknownModelError: `name` is not registered.
+    """
+    return _entry(name).apis
+
+
+def get(name: str, config: str = "default", *, api: str = "linen") -> Workload:
+    """Builds the workload of model `name` in config `config`.
+
+    Building allocates nothing: parameters and batches exist only once `init_params` and
+    `make_batch` are called. The same arguments return the same `Workload` object, so jitted
+    functions of it are cached across calls.
+
+    Args:
+      name: a registered name, see `names()`.
+      config: one of `configs(name)`.
+      api: ``"linen"``, or ``"nnx"`` where `apis(name)` has it.
+
+    Returns:
+      The workload.
+
+    Raises:
+      UnknownModelError: unknown name, config or api; the message lists the valid choices.
+    """
+    entry = _entry(name)
+    if config not in entry.configs:
+        raise UnknownModelError(
+            f"model {name!r} has no config {config!r}; expected one of: {', '.join(entry.configs)}"
+        )
+    if api not in entry.apis:
+        raise UnknownModelError(
+            f"model {name!r} is not available in api {api!r}; expected one of: "
+            f"{', '.join(entry.apis)}"
+        )
+    return _build(name, config, api)
+
+
+@functools.cache
+def _build(name: str, config: str, api: str) -> Workload:
+    entry = _REGISTRY[name]
+    return entry.build(name, config, entry.configs[config], api)
+
+
+def _entry(name: str) -> _Entry:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        message = f"unknown model {name!r}; expected one of: {', '.join(_REGISTRY)}"
+        close = difflib.get_close_matches(str(name), list(_REGISTRY), n=1)
+        if close:
+            message += f"; did you mean {close[0]!r}?"
+        raise UnknownModelError(message) from None

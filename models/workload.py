@@ -1,0 +1,367 @@
+"""Workload: a model, its loss, its optimizer and its synthetic batches, as one frozen record.
+
+A `Workload` is what the rest of soapjax plans for: a pure `loss_fn(params, batch)`, the
+`init_params` and `make_batch` that produce its arguments, and the optax optimizer of the
+training step. `summarize` reads its size and cost without allocating a single parameter, so it
+is safe on the full-size configs (GPT-2 small, ResNet-101, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import flax.linen as nn
+import jax
+import jax.extend
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.extend import core as jcore
+
+from soapjax.errors import SoapjaxError
+
+Family = Literal["cnn", "rnn", "transformer", "mlp"]
+Api = Literal["linen", "nnx"]
+Batch = dict[str, jax.Array]
+TrainStep = Callable[[Any, Any, Batch], tuple[Any, Any, jax.Array]]
+
+
+class ModelConfigError(SoapjaxError, ValueError):
+    """A model config whose values do not fit together (e.g. heads that do not divide d_model)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One training workload: model, loss, optimizer and synthetic data, all pure functions.
+
+    Attributes:
+      name: registry name, e.g. ``"gpt2"``.
+      config: config name, e.g. ``"default"`` or ``"tiny"``.
+      api: ``"linen"`` or ``"nnx"``.
+      family: ``"cnn"``, ``"rnn"``, ``"transformer"`` or ``"mlp"``; the expert strategies use it.
+      description: one line.
+      batch_size: samples per step; dim 0 of every leaf of a batch.
+      loss_fn: ``loss_fn(params, batch) -> scalar``; pure, differentiable in ``params``.
+      init_params: ``init_params(rng) -> params``; only the trained parameters.
+      make_batch: ``make_batch(rng) -> dict[str, jax.Array]``; synthetic, right shapes and dtypes.
+      optimizer: the optax transformation of the training step.
+
+    Example::
+
+      w = models.get("mlp", "tiny")
+      params = w.init_params(jax.random.key(0))
+      opt_state = w.optimizer.init(params)
+      params, opt_state, loss = jax.jit(w.train_step())(
+          params, opt_state, w.make_batch(jax.random.key(1)))
+    """
+
+    name: str
+    config: str
+    api: Api
+    family: Family
+    description: str
+    batch_size: int
+    loss_fn: Callable[[Any, Batch], jax.Array]
+    init_params: Callable[[jax.Array], Any]
+    make_batch: Callable[[jax.Array], Batch]
+    optimizer: optax.GradientTransformation
+
+    def abstract_params(self) -> Any:
+        """The parameters as `jax.ShapeDtypeStruct`s, traced with `jax.eval_shape` (no memory)."""
+        return jax.eval_shape(self.init_params, jax.random.key(0))
+
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """One batch as `jax.ShapeDtypeStruct`s (no memory)."""
+        return jax.eval_shape(self.make_batch, jax.random.key(0))
+
+    def abstract_opt_state(self) -> Any:
+        """The optimizer state of `abstract_params` as `jax.ShapeDtypeStruct`s (no memory)."""
+        return jax.eval_shape(self.optimizer.init, self.abstract_params())
+
+    def train_step(self) -> TrainStep:
+        """Returns the pure step ``step(params, opt_state, batch) -> (params, opt_state, loss)``.
+
+        It is `jax.value_and_grad` of `loss_fn`, then `optimizer.update` and
+        `optax.apply_updates`; not jitted, so callers can trace or shard it as they like.
+        """
+        loss_fn, optimizer = self.loss_fn, self.optimizer
+
+        def step(params: Any, opt_state: Any, batch: Batch) -> tuple[Any, Any, jax.Array]:
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        return step
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSummary:
+    """Size and cost of one workload, read from abstract values.
+
+    Attributes:
+      name: registry name.
+      config: config name.
+      api: ``"linen"`` or ``"nnx"``.
+      family: model family.
+      param_count: number of trained parameters (scalars).
+      param_bytes: their size in bytes.
+      flops_per_step: XLA's count for one whole training step (forward, backward and optimizer
+        update), from ``jax.jit(step).lower(...).cost_analysis()["flops"]``. XLA counts the body
+        of a loop once, whatever its trip count, so steps containing `lax.scan` (the LSTMs) are
+        lowered with every scan fully unrolled first; the count then covers every time step.
+      batch_size: samples per step.
+      description: one line.
+    """
+
+    name: str
+    config: str
+    api: str
+    family: str
+    param_count: int
+    param_bytes: int
+    flops_per_step: float
+    batch_size: int
+    description: str
+
+
+def summarize(w: Workload) -> ModelSummary:
+    """Counts the parameters and the FLOPs of one training step of `w`, allocating nothing.
+
+    Args:
+      w: the workload.
+
+    Returns:
+      Its `ModelSummary`. Everything is traced from `jax.ShapeDtypeStruct`s, so this is cheap
+      even for the full-size configs.
+    """
+    params = w.abstract_params()
+    leaves = jax.tree.leaves(params)
+    return ModelSummary(
+        name=w.name,
+        config=w.config,
+        api=w.api,
+        family=w.family,
+        param_count=sum(math.prod(x.shape) for x in leaves),
+        param_bytes=sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves),
+        flops_per_step=step_flops(w.train_step(), params, w.abstract_opt_state(), w.abstract_batch()),
+        batch_size=w.batch_size,
+        description=w.description,
+    )
+
+
+def step_flops(step: Callable[..., Any], *args: Any) -> float:
+    """XLA's FLOP count of ``step(*args)``, with every `lax.scan` counted at its full length.
+
+    Args:
+      step: the function to cost.
+      *args: its arguments; `jax.ShapeDtypeStruct`s are enough.
+
+    Returns:
+      ``cost_analysis()["flops"]`` of the lowered computation. When the traced step contains
+      scans, it is re-evaluated from its jaxpr with ``unroll=length`` on every scan, because
+      XLA's cost analysis counts a while loop's body once. Scans nested inside a scan body stay
+      loops (no model here has them).
+    """
+    closed = jax.make_jaxpr(step)(*args)
+    if not _has_scan(closed.jaxpr):
+        return _lowered_flops(jax.jit(step).lower(*args))
+    flat_args = jax.tree.leaves(args)
+
+    def unrolled(*flat: Any) -> list[Any]:
+        return _eval_unrolled(closed.jaxpr, closed.consts, flat)
+
+    return _lowered_flops(jax.jit(unrolled).lower(*flat_args))
+
+
+def _lowered_flops(lowered: Any) -> float:
+    analysis = lowered.cost_analysis()
+    if isinstance(analysis, Sequence):  # older jax returned one dict per device
+        analysis = analysis[0]
+    return float(analysis["flops"])
+
+
+def _sub_jaxprs(eqn: jcore.JaxprEqn) -> list[jcore.Jaxpr]:
+    found = []
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, jcore.ClosedJaxpr):
+                found.append(v.jaxpr)
+            elif isinstance(v, jcore.Jaxpr):
+                found.append(v)
+    return found
+
+
+def _has_scan(jaxpr: jcore.Jaxpr) -> bool:
+    return any(
+        eqn.primitive.name == "scan" or any(_has_scan(j) for j in _sub_jaxprs(eqn))
+        for eqn in jaxpr.eqns
+    )
+
+
+def _eval_unrolled(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    """`jax.core.eval_jaxpr`, inlining `jit` equations and binding each scan fully unrolled."""
+    env: dict[jcore.Var, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if eqn.primitive.name == "jit":
+            inner = eqn.params["jaxpr"]
+            outs = _eval_unrolled(inner.jaxpr, inner.consts, invals)
+        else:
+            params = dict(eqn.params)
+            if eqn.primitive.name == "scan":
+                params["unroll"] = max(1, params["length"])
+            bind_params = eqn.primitive.get_bind_params(params)
+            if isinstance(bind_params, tuple):  # jax < 0.10 returned (subfuns, params)
+                subfuns, bind_params = bind_params
+                invals = [*subfuns, *invals]
+            with eqn.ctx.manager:
+                ans = eqn.primitive.bind(*invals, **bind_params)
+            outs = ans if eqn.primitive.multiple_results else [ans]
+        for v, out in zip(eqn.outvars, outs):
+            if not isinstance(v, jcore.DropVar):
+                env[v] = out
+    return [read(v) for v in jaxpr.outvars]
+
+
+# Shared pieces of the model modules.
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean softmax cross entropy over every position, with integer labels."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def sgd_momentum(
+    learning_rate: float, momentum: float = 0.9, weight_decay: float = 0.0
+) -> optax.GradientTransformation:
+    """SGD with momentum and L2 weight decay, as the CNN papers trained."""
+    return optax.chain(
+        optax.add_decayed_weights(weight_decay), optax.sgd(learning_rate, momentum=momentum)
+    )
+
+
+def adam_clipped(learning_rate: float, max_norm: float) -> optax.GradientTransformation:
+    """Adam after clipping the global gradient norm, the usual recipe for LSTMs."""
+    return optax.chain(optax.clip_by_global_norm(max_norm), optax.adam(learning_rate))
+
+
+def linen_workload(
+    *,
+    name: str,
+    config: str,
+    family: Family,
+    description: str,
+    module: nn.Module,
+    make_batch: Callable[[jax.Array], Batch],
+    inputs: Sequence[str],
+    label: str,
+    optimizer: optax.GradientTransformation,
+    batch_stats: bool = False,
+) -> Workload:
+    """A `Workload` for a linen module trained with softmax cross entropy.
+
+    Args:
+      name: registry name.
+      config: config name.
+      family: model family.
+      description: one line.
+      module: the linen module; ``module.apply(params, *[batch[k] for k in inputs])`` gives logits.
+      make_batch: ``make_batch(rng) -> batch``.
+      inputs: the batch keys passed to the module, in order.
+      label: the batch key of the integer labels.
+      optimizer: the optax optimizer.
+      batch_stats: the module has BatchNorm layers in training mode. They normalise with the
+        statistics of the current batch; the running averages they also write (the
+        ``batch_stats`` collection) are created inside the loss and dropped, so they are not
+        part of ``params``, which stays the trained parameters only (``{"params": ...}``).
+
+    Returns:
+      The workload. Its params are ``{"params": {...}}``, linen's own variable layout.
+    """
+    mutable = ["batch_stats"] if batch_stats else False
+    example = _example_inputs(make_batch, inputs)
+
+    def init_params(rng: jax.Array) -> dict[str, Any]:
+        variables = module.init(rng, *example())
+        return {"params": variables["params"]}
+
+    def loss_fn(params: Mapping[str, Any], batch: Batch) -> jax.Array:
+        out = module.apply(params, *(batch[k] for k in inputs), mutable=mutable)
+        logits = out[0] if batch_stats else out
+        return cross_entropy(logits, batch[label])
+
+    return Workload(
+        name=name,
+        config=config,
+        api="linen",
+        family=family,
+        description=description,
+        batch_size=_batch_size(make_batch),
+        loss_fn=loss_fn,
+        init_params=init_params,
+        make_batch=make_batch,
+        optimizer=optimizer,
+    )
+
+
+def nnx_workload(
+    *,
+    name: str,
+    config: str,
+    family: Family,
+    description: str,
+    make_model: Callable[[nnx.Rngs], nnx.Module],
+    make_batch: Callable[[jax.Array], Batch],
+    inputs: Sequence[str],
+    label: str,
+    optimizer: optax.GradientTransformation,
+) -> Workload:
+    """A `Workload` for an nnx module; params are the `nnx.State` of its `nnx.Param`s.
+
+    The loss is pure: ``nnx.merge(graphdef, params)`` rebuilds the module inside it, with the
+    graphdef taken once from an abstract model (`nnx.eval_shape`), so nothing is allocated here.
+    """
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: make_model(nnx.Rngs(0))), nnx.Param)
+
+    def init_params(rng: jax.Array) -> nnx.State:
+        return nnx.split(make_model(nnx.Rngs(params=rng)), nnx.Param)[1]
+
+    def loss_fn(params: nnx.State, batch: Batch) -> jax.Array:
+        model = nnx.merge(graphdef, params)
+        return cross_entropy(model(*(batch[k] for k in inputs)), batch[label])
+
+    return Workload(
+        name=name,
+        config=config,
+        api="nnx",
+        family=family,
+        description=description,
+        batch_size=_batch_size(make_batch),
+        loss_fn=loss_fn,
+        init_params=init_params,
+        make_batch=make_batch,
+        optimizer=optimizer,
+    )
+
+
+def _batch_size(make_batch: Callable[[jax.Array], Batch]) -> int:
+    sizes = {x.shape[0] for x in jax.tree.leaves(jax.eval_shape(make_batch, jax.random.key(0)))}
+    assert len(sizes) == 1, f"batch leaves disagree on dim 0: {sizes}"
+    return sizes.pop()
+
+
+def _example_inputs(
+    make_batch: Callable[[jax.Array], Batch], inputs: Sequence[str]
+) -> Callable[[], list[jax.Array]]:
+    """Zeros shaped like one sample of each input, for `init` (parameter shapes ignore batch)."""
+    shapes = jax.eval_shape(make_batch, jax.random.key(0))
+    return lambda: [jnp.zeros((1, *shapes[k].shape[1:]), shapes[k].dtype) for k in inputs]

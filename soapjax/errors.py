@@ -1,0 +1,26 @@
+"""The exceptions soapjax raises for user mistakes, one class per kind of mistake."""
+
+from __future__ import annotations
+
+
+class SoapjaxError(Exception):
+    """Base class of every error soapjax raises on purpose."""
+
+
+class TraceError(SoapjaxError, ValueError):
+    """The function or its example arguments cannot be traced into an operator graph."""
+
+
+class UnknownModelError(SoapjaxError, KeyError):
+    """A model name that is not in the registry."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class TopologyError(SoapjaxError, ValueError):
+    """A topology file is malformed, or the attached devices cannot realise it."""
+
+
+class PlanError(SoapjaxError, ValueError):
+    """A plan does not match the model, the topology or the attached devices."""
