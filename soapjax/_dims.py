@@ -2,7 +2,9 @@
 
 Every dim of every value gets an integer *label*. Equations relate labels: an elementwise add
 makes the dims of its operands and its result the same label (splitting one splits the others
-for free); a matmul's contracting dims become the same label and are *reduced* by it; a reshape
+for free); a slice, a concatenation or a pooling window keeps its dim's label at another extent
+(each device takes its fraction); a matmul's contracting dims become the same label and are
+*reduced* by it; a reshape
 that merges `(B, T) -> (B*T,)` *derives* the merged label from its major part `B` (splitting the
 merged dim by a degree that divides `B` is splitting `B`). The graph stage runs this engine once
 over the whole forward pass, to learn the role of every dim (sample, parameter, attribute), and
@@ -65,8 +67,12 @@ class LabelSet:
         return root
 
     def union(self, a: int, b: int) -> None:
-        """Makes `a` and `b` one label; only dims of the same size (>1) are ever joined."""
-        if self.size[a] != self.size[b] or self.size[a] <= 1:
+        """Makes `a` and `b` one label: they are split together.
+
+        Labels of one class may differ in extent: a slice, pad or window of a dim splits with
+        it (each device takes its fraction). Dims of size 1 are never joined.
+        """
+        if self.size[a] <= 1 or self.size[b] <= 1:
             return
         ra, rb = self.find(a), self.find(b)
         if ra != rb:
@@ -96,13 +102,25 @@ class LabelSet:
             out |= self.marks(self.derived_from[a]) - {"seq"}
         return out
 
-    def canonical(self, a: int) -> int:
-        """The root of `a`, or of what it derives from when `a` was a merged/strided dim."""
-        seen = set()
-        while a in self.derived_from and a not in seen:
-            seen.add(a)
-            a = self.derived_from[a]
-        return self.find(a)
+    def chain(self, a: int) -> list[int]:
+        """`a`'s class, then the classes it derives from (a merged or strided dim's sources)."""
+        out: list[int] = []
+        while True:
+            r = self.find(a)
+            if r in out:
+                return out
+            out.append(r)
+            nxt = self.derived_from.get(a, self.derived_from.get(r))
+            if nxt is None:
+                return out
+            a = nxt
+
+    def lookup(self, a: int, table: dict[int, int]) -> int | None:
+        """The first class on `a`'s chain that `table` knows, mapped through it."""
+        for r in self.chain(a):
+            if r in table:
+                return table[r]
+        return None
 
 
 class EqnInfo(NamedTuple):
@@ -174,9 +192,8 @@ def _elementwise(ls: LabelSet, ins: list[Labels | None], in_shapes, out_shapes) 
         lab = lab if lab is not None else ls.fresh_many(oshape)
         for lb, sh in zip(ins, in_shapes):
             if lb is not None and len(sh) == len(oshape):
-                for d in range(len(oshape)):
-                    if sh[d] == oshape[d]:
-                        ls.union(lb[d], lab[d])
+                for d in range(len(oshape)):  # a slice, pad or split is the same dim
+                    ls.union(lb[d], lab[d])
         outs.append(lab)
     return outs
 
@@ -285,11 +302,8 @@ def eqn_labels(ls: LabelSet, eqn, ins: Sequence[Labels | None], env: dict) -> Eq
             reduced.append(lhs[dn.lhs_spec[1]])
         elif p["feature_group_count"] == in_shapes[0][dn.lhs_spec[1]]:  # depthwise
             ls.derive(out[dn.out_spec[1]], lhs[dn.lhs_spec[1]])
-        for ls_d, os_d in zip(dn.lhs_spec[2:], dn.out_spec[2:]):
-            if in_shapes[0][ls_d] == out_shapes[0][os_d]:
-                ls.union(out[os_d], lhs[ls_d])
-            else:
-                ls.derive(out[os_d], lhs[ls_d])
+        for ls_d, os_d in zip(dn.lhs_spec[2:], dn.out_spec[2:]):  # halo ignored
+            ls.union(out[os_d], lhs[ls_d])
         return EqnInfo([tuple(out)], reduced, flops, prims)
     if name in ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
                 "reduce_or", "reduce_xor", "argmax", "argmin"):
@@ -302,11 +316,8 @@ def eqn_labels(ls: LabelSet, eqn, ins: Sequence[Labels | None], env: dict) -> Eq
         src = ins[0] or ls.fresh_many(in_shapes[0])
         out = list(ls.fresh_many(out_shapes[0]))
         win, strides = p.get("window_dimensions"), p.get("window_strides")
-        for d in range(len(out)):
-            if win is not None and win[d] == 1 and strides[d] == 1 and in_shapes[0][d] == out_shapes[0][d]:
-                ls.union(out[d], src[d])
-            else:
-                ls.derive(out[d], src[d])
+        for d in range(len(out)):  # a pooled dim splits with its input (halo ignored)
+            ls.union(out[d], src[d])
         return EqnInfo([tuple(out)], reduced, flops, prims)
     if name == "broadcast_in_dim":
         out = list(ls.fresh_many(out_shapes[0]))
@@ -326,11 +337,8 @@ def eqn_labels(ls: LabelSet, eqn, ins: Sequence[Labels | None], env: dict) -> Eq
         out = list(ls.fresh_many(out_shapes[0]))
         for lb in ins:
             if lb is not None:
-                for d in range(len(out)):
-                    if d != p["dimension"]:
-                        ls.union(out[d], lb[d])
-                    else:
-                        ls.derive(out[d], lb[d])
+                for d in range(len(out)):  # along the concat dim each input takes its share
+                    ls.union(out[d], lb[d])
         return EqnInfo([tuple(out)], reduced, flops, prims)
     if name in ("iota", "rng_bit_generator") or name.startswith("random_") or name == "threefry2x32":
         return EqnInfo([ls.fresh_many(s) for s in out_shapes], reduced, flops, prims)
@@ -346,8 +354,7 @@ def _gather(ls: LabelSet, p, ins, in_shapes, out_shapes) -> Labels:
     skip = set(dn.collapsed_slice_dims) | set(getattr(dn, "operand_batching_dims", ()))
     operand_dims = [d for d in range(len(operand)) if d not in skip]
     for od, opd in zip(offset_dims, operand_dims):
-        if p["slice_sizes"][opd] == in_shapes[0][opd]:
-            ls.union(out[od], operand[opd])
+        ls.union(out[od], operand[opd])
     batch_out = [d for d in range(len(out)) if d not in offset_dims]
     for od, idx_d in zip(batch_out, range(len(indices) - 1)):
         ls.union(out[od], indices[idx_d])

@@ -104,6 +104,99 @@ def _cmd_graph(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- meshes, mesh show --------------------------------------------------------------------------
+
+
+def _add_meshes(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "meshes",
+        help="list the shipped cluster topologies",
+        description="List the topologies in meshes/: name, devices, mesh axes, device kind.",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_cmd_meshes)
+
+
+def _cmd_meshes(args: argparse.Namespace) -> int:
+    from soapjax import topology
+
+    rows = []
+    for name in topology.list_topologies():
+        t = topology.load_topology(name)
+        axes = dict(zip(t.axis_names, t.axis_sizes))
+        rows.append(
+            {
+                "name": name,
+                "platform": t.platform,
+                "num_devices": t.num_devices,
+                "axes": axes,
+                "device_kind": t.device.kind,
+            }
+        )
+    if args.json:
+        _print_json(rows)
+        return 0
+    print(f"{'name':<14}{'platform':<10}{'devices':>8}  {'axes':<22}device")
+    for r in rows:
+        axes = ", ".join(f"{a}={n}" for a, n in r["axes"].items())
+        print(
+            f"{r['name']:<14}{r['platform']:<10}{r['num_devices']:>8}  {axes:<22}{r['device_kind']}"
+        )
+    return 0
+
+
+def _add_mesh(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("mesh", help="inspect one topology (see `soapjax mesh show --help`)")
+    mesh_sub = p.add_subparsers(dest="mesh_command", metavar="SUBCOMMAND", required=True)
+    show = mesh_sub.add_parser(
+        "show",
+        help="devices, mesh axes, links and the bandwidth each axis sees",
+        description="Print a topology: its devices, its mesh axes with the per-device "
+        "bandwidth (GB/s = gigabytes/s; Gb/s = gigabits/s) and latency a ring collective over "
+        "each axis alone gets with all its groups running at once, and its links by kind.",
+    )
+    show.add_argument("name", help="a shipped topology (see `soapjax meshes`) or a .toml path")
+    show.add_argument("--json", action="store_true", help="print JSON instead of text")
+    show.set_defaults(func=_cmd_mesh_show)
+
+
+def _cmd_mesh_show(args: argparse.Namespace) -> int:
+    from soapjax import topology
+
+    s = topology.load_topology(args.name).summary()
+    if args.json:
+        _print_json(s)
+        return 0
+    d = s["device"]
+    flops = ", ".join(f"{k} {v:g}" for k, v in d["peak_tflops"].items())
+    print(f"{s['name']}: {s['description']}")
+    print(
+        f"  {s['num_devices']} {s['platform']} devices = {s['num_nodes']} nodes x "
+        f"{s['devices_per_node']}, each {d['kind']}: {d['memory_GB']:g} GB at "
+        f"{d['memory_bandwidth_GBps']:g} GB/s; peak TFLOP/s {flops}"
+    )
+    print(f"  from {s['source_file']}, fingerprint {s['fingerprint'][:16]}")
+    print(f"\n  {'axis':<8}{'size':>5}{'GB/s':>10}{'Gb/s':>10}{'latency':>10}  bottleneck")
+    for a in s["axes"]:
+        b = a["bottleneck"]
+        why = "-"
+        if b is not None:
+            shared = f" shared by {b['sharing']} ring flows" if b["sharing"] > 1 else ""
+            why = f"{b['class']} {b['link']} ({b['link_bandwidth_GBps']:g} GB/s{shared})"
+        print(
+            f"  {a['name']:<8}{a['size']:>5}{a['bandwidth_GBps']:>10.4g}"
+            f"{a['bandwidth_gbps']:>10.4g}{a['latency_us']:>8.3g}us  {why}"
+        )
+    print(f"\n  {'links':<16}{'count':>6}{'GB/s':>10}{'latency':>10}")
+    for k in s["links"]:
+        print(
+            f"  {k['class']:<16}{k['count']:>6}{k['bandwidth_GBps']:>10.4g}"
+            f"{k['latency_us']:>8.3g}us"
+        )
+    print("  (GB/s: gigabytes per second, per direction; Gb/s: gigabits per second)")
+    return 0
+
+
 # --- entry point --------------------------------------------------------------------------------
 
 
@@ -117,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for add in (_add_models, _add_graph):
+    for add in (_add_models, _add_graph, _add_meshes, _add_mesh):
         add(sub)
     return parser
 

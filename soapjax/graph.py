@@ -333,10 +333,32 @@ class _Unit:
     stack: str
 
 
+@dataclasses.dataclass
+class _Local:
+    """One operator's own label analysis: enough to rebuild it at any shard shape."""
+
+    units: tuple[int, ...]
+    inputs: tuple[int, ...]  # value ids, in `Operator.inputs` order
+    exports: tuple[int, ...]  # value ids, in `Operator.outputs` order
+    labels: _dims.LabelSet
+    lab: dict[int, tuple[int, ...]]  # value id -> labels
+    env: dict  # inner jaxpr var -> labels (bodies of scan, remat2, custom_jvp_call, ...)
+    iter_of: dict[int, int]  # canonical label -> iteration dim
+
+    def shard_shape(self, labels: Sequence[int], shape: Sequence[int],
+                    degrees: Sequence[int]) -> tuple[int, ...]:
+        out = []
+        for lbl, size in zip(labels, shape):
+            d = self.labels.lookup(lbl, self.iter_of)
+            out.append(size // degrees[d] if d is not None and size % degrees[d] == 0 else size)
+        return tuple(out)
+
+
 class _Program:
     """The traced function with `jit`s inlined, as equations over integer value ids."""
 
     def __init__(self, closed: jcore.ClosedJaxpr):
+        self.local: dict[str, _Local] = {}
         self.shapes: list[tuple[int, ...]] = []
         self.dtypes: list[str] = []
         self.literals: dict[int, Any] = {}
@@ -686,7 +708,10 @@ class _Builder:
         unsupported: list[str] = []
         value_group: dict[int, int] = {}
         open_group: dict[str, int] = {}  # module path -> its latest operator
+        live = self.live = self._live()
         for i, u in enumerate(units):
+            if i not in live:  # dead code (XLA drops it): no operator
+                continue
             kind = self._kind(i)
             ins = [value_group[v] for v in u.ins if v in value_group]
             latest = max(ins) if ins else None
@@ -720,7 +745,7 @@ class _Builder:
             groups.append([])
             anchors.append(0)
         for i in reversed(range(len(units))):  # equations that only read inputs: join a consumer
-            if group_of[i] is not None:
+            if group_of[i] is not None or i not in live:
                 continue
             cons = [group_of[c] for v in units[i].outs if v is not None
                     for c in self.consumers.get(v, ()) if group_of[c] is not None]
@@ -734,6 +759,17 @@ class _Builder:
             g.sort()
         return groups, anchors, unsupported
 
+    def _live(self) -> set[int]:
+        """Units the function's result depends on."""
+        needed = set(self.p.outputs)
+        live = set()
+        for i in reversed(range(len(self.p.units))):
+            u = self.p.units[i]
+            if any(v in needed for v in u.outs if v is not None) or u.eqn.effects:
+                live.add(i)
+                needed.update(u.ins)
+        return live
+
     def _primary(self, exports: list[int]) -> int:
         """The main output among exports: the largest, the earliest produced on a tie."""
         return max(exports, key=lambda v: (math.prod(self.p.shapes[v]), -v))
@@ -741,7 +777,8 @@ class _Builder:
     def _exports(self, members: set[int]) -> list[int]:
         units = self.p.units
         return [v for i in sorted(members) for v in units[i].outs if v is not None and (
-            v in self.is_output or any(c not in members for c in self.consumers.get(v, ())))]
+            v in self.is_output or any(c not in members and c in self.live
+                                       for c in self.consumers.get(v, ())))]
 
     def _sink_side_branches(self, groups: list[list[int]], group_of: list[int]) -> None:
         """Moves equations off an operator's main line into the one operator they feed.
@@ -762,7 +799,7 @@ class _Builder:
                 if self.p.units[i].eqn.primitive.name in _ANCHORS or i == min(members):
                     continue
                 cons = {group_of[c] for v in units[i].outs if v is not None
-                        for c in self.consumers.get(v, ())}
+                        for c in self.consumers.get(v, ()) if group_of[c] is not None}
                 if len(cons) == 1 and (g := cons.pop()) > h:
                     mset.discard(i)
                     group_of[i] = g
@@ -848,25 +885,27 @@ class _Builder:
                     lab[v] = lb
         out_vid = exports[0]
         out_shape = self.p.shapes[out_vid]
-        iter_of: dict[int, int] = {}
+        iter_of: dict[int, int] = {}  # label class -> iteration dim
         roles: list[Role] = []
         for d, lbl in enumerate(lab[out_vid]):
-            root = ls.canonical(lbl)
-            dup = root in iter_of
-            role = "-" if dup else self.role(out_vid, d)
-            roles.append(role)
+            dup = ls.find(lbl) in iter_of
+            roles.append("-" if dup else self.role(out_vid, d))
             if not dup:
-                iter_of[root] = d
+                iter_of[ls.find(lbl)] = d
         red_dims: list[ReductionDim] = []
         for lbl in reduced:
-            root = ls.canonical(lbl)
-            if root in iter_of or ls.size[lbl] <= 1 or "seq" in ls.marks(lbl):
+            if ls.lookup(lbl, iter_of) is not None or ls.size[lbl] <= 1 or "seq" in ls.marks(lbl):
                 continue
-            iter_of[root] = len(out_shape) + len(red_dims)
-            red_dims.append(ReductionDim(ls.size[lbl], self._reduction_role(ls, root, inputs, lab)))
+            k = len(out_shape) + len(red_dims)
+            iter_of[ls.find(lbl)] = k
+            red_dims.append(ReductionDim(ls.size[lbl], self._reduction_role(ls, k, iter_of, inputs, lab)))
 
-        def dims_of(v):
-            return tuple(iter_of.get(ls.canonical(x)) for x in lab[v])
+        def dims_of(v):  # a dim split twice in one tensor (an LSTM's H x 4H kernel): once
+            out: list[int | None] = []
+            for x in lab[v]:
+                d = ls.lookup(x, iter_of)
+                out.append(None if d in out else d)
+            return tuple(out)
 
         operands = []
         for v in inputs:
@@ -875,6 +914,8 @@ class _Builder:
                                     dims_of(v), v))
         outputs = tuple(OutputTensor(self.p.shapes[v], self.p.dtypes[v], dims_of(v), v)
                         for v in exports)
+        self.p.local[name] = _Local(tuple(group), tuple(inputs), tuple(exports), ls, lab, env,
+                                    iter_of)
         flops = sum(self.info[i].flops for i in group)
         nbytes = sum(o.nbytes for o in operands) + sum(t.nbytes for t in outputs)
         unknown = self._kind(anchor) == "unknown"
@@ -884,10 +925,10 @@ class _Builder:
                         bytes_accessed=float(nbytes), inputs=tuple(operands), outputs=outputs,
                         num_equations=len(group), replicate_only=unknown)
 
-    def _reduction_role(self, ls, root, inputs, lab) -> Role:
+    def _reduction_role(self, ls, k, iter_of, inputs, lab) -> Role:
         for v in inputs:
             for d, x in enumerate(lab[v]):
-                if ls.canonical(x) == root and v in self.gl:
+                if ls.lookup(x, iter_of) == k and v in self.gl:
                     r = self.role(v, d)
                     return r if r != "-" else "A"
         return "A"

@@ -88,15 +88,17 @@ from soapjax.errors import TopologyError
 
 Platform = Literal["gpu", "cpu", "tpu"]
 PLATFORMS: tuple[str, ...] = ("gpu", "cpu", "tpu")
-LINK_CLASSES: tuple[str, ...] = (
-    "nvlink", "pcie", "infiniband", "ethernet", "shared_memory", "ici",
-)  # fmt: skip
+LINK_CLASSES: tuple[str, ...] = ("nvlink", "pcie", "infiniband", "ethernet", "shared_memory", "ici")
 REQUIRED_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
-KNOWN_DTYPES: tuple[str, ...] = REQUIRED_DTYPES + ("float64", "int8", "float8_e4m3fn", "float8_e5m2")
+KNOWN_DTYPES = (*REQUIRED_DTYPES, "float64", "int8", "float8_e4m3fn", "float8_e5m2")
 COLLECTIVES: tuple[str, ...] = (
-    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "collective_permute",
     "point_to_point",
-)  # fmt: skip
+)
 ALGORITHMS: tuple[str, ...] = ("auto", "ring", "hierarchical")
 
 _MESHES_DIRS = (
@@ -107,13 +109,31 @@ _MESHES_DIRS = (
 # --- units ---------------------------------------------------------------------------------------
 
 _UNITS: dict[str, dict[str, float]] = {
-    "bytes/s": {"B/s": 1.0, "KB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e12,
-                "Kb/s": 1e3 / 8, "Mb/s": 1e6 / 8, "Gb/s": 1e9 / 8, "Tb/s": 1e12 / 8},
-    "bytes": {"B": 1.0, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
-              "KiB": 2.0**10, "MiB": 2.0**20, "GiB": 2.0**30, "TiB": 2.0**40},
+    "bytes/s": {
+        "B/s": 1.0,
+        "KB/s": 1e3,
+        "MB/s": 1e6,
+        "GB/s": 1e9,
+        "TB/s": 1e12,
+        "Kb/s": 1e3 / 8,
+        "Mb/s": 1e6 / 8,
+        "Gb/s": 1e9 / 8,
+        "Tb/s": 1e12 / 8,
+    },
+    "bytes": {
+        "B": 1.0,
+        "KB": 1e3,
+        "MB": 1e6,
+        "GB": 1e9,
+        "TB": 1e12,
+        "KiB": 2.0**10,
+        "MiB": 2.0**20,
+        "GiB": 2.0**30,
+        "TiB": 2.0**40,
+    },
     "seconds": {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9},
     "FLOP/s": {"FLOP/s": 1.0, "GFLOP/s": 1e9, "TFLOP/s": 1e12, "PFLOP/s": 1e15},
-}  # fmt: skip
+}
 _QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z/]+)\s*$")
 
 
@@ -328,8 +348,10 @@ class Topology:
         for i, link in enumerate(self.links):
             for end in (link.a, link.b):
                 if end not in vertices:
-                    raise TopologyError(f"links: link {i} ({link.a} -- {link.b}): {end!r} is no "
-                                        f"device or switch of this topology")  # fmt: skip
+                    raise TopologyError(
+                        f"links: link {i} ({link.a} -- {link.b}): {end!r} is no "
+                        f"device or switch of this topology"
+                    )
         self._check_connected()
 
     # --- structure -------------------------------------------------------------------------------
@@ -430,7 +452,9 @@ class Topology:
         """
         kind = kind.replace("-", "_")
         if kind not in COLLECTIVES:
-            raise TopologyError(f"collective kind {kind!r}: expected one of {', '.join(COLLECTIVES)}")
+            raise TopologyError(
+                f"collective kind {kind!r}: expected one of {', '.join(COLLECTIVES)}"
+            )
         if algorithm not in ALGORITHMS:
             raise TopologyError(f"algorithm {algorithm!r}: expected one of {', '.join(ALGORITHMS)}")
         if nbytes < 0:
@@ -493,23 +517,14 @@ class Topology:
         device gets in a ring collective over that axis alone, all groups at once;
         ``bottleneck`` names the link that limits it and how many ring flows share it.
         """
-        axes = []
-        for name, size in zip(self.axis_names, self.axis_sizes):
-            r = self.ring_stats((name,))
-            link = None if r.link is None else self.links[r.link]
-            axes.append({
-                "name": name, "size": size,
-                "bandwidth_GBps": r.bandwidth / 1e9, "bandwidth_gbps": r.bandwidth * 8 / 1e9,
-                "latency_us": r.latency * 1e6,
-                "bottleneck": None if link is None else {
-                    "class": link.link_class, "link": f"{link.a} -- {link.b}",
-                    "link_bandwidth_GBps": link.bandwidth / 1e9, "sharing": r.sharing,
-                },
-            })  # fmt: skip
+        axes = [self._axis_summary(name) for name in self.axis_names]
         kinds = Counter((k.link_class, k.bandwidth, k.latency) for k in self.links)
         return {
-            "name": self.name, "platform": self.platform, "description": self.description,
-            "num_devices": self.num_devices, "num_nodes": self.num_nodes,
+            "name": self.name,
+            "platform": self.platform,
+            "description": self.description,
+            "num_devices": self.num_devices,
+            "num_nodes": self.num_nodes,
             "devices_per_node": self.devices_per_node,
             "device": {
                 "kind": self.device.kind,
@@ -523,8 +538,29 @@ class Topology:
                 for (c, bw, lat), count in kinds.items()
             ],
             "switches": list(self.switches),
-            "fingerprint": self.fingerprint(), "source_file": self.source_file,
-        }  # fmt: skip
+            "fingerprint": self.fingerprint(),
+            "source_file": self.source_file,
+        }
+
+    def _axis_summary(self, axis: str) -> dict[str, Any]:
+        r = self.ring_stats((axis,))
+        bottleneck = None
+        if r.link is not None:
+            link = self.links[r.link]
+            bottleneck = {
+                "class": link.link_class,
+                "link": f"{link.a} -- {link.b}",
+                "link_bandwidth_GBps": link.bandwidth / 1e9,
+                "sharing": r.sharing,
+            }
+        return {
+            "name": axis,
+            "size": r.size,
+            "bandwidth_GBps": r.bandwidth / 1e9,
+            "bandwidth_gbps": r.bandwidth * 8 / 1e9,
+            "latency_us": r.latency * 1e6,
+            "bottleneck": bottleneck,
+        }
 
     # --- internals -------------------------------------------------------------------------------
 
@@ -612,8 +648,9 @@ class Topology:
         if not load:
             return _IDLE
         hop = min(load, key=lambda h: (self.links[h[0]].bandwidth / load[h], h))
-        return RingStats(size, self.links[hop[0]].bandwidth / load[hop], latency, hop[0],
-                         load[hop], solo)  # fmt: skip
+        return RingStats(
+            size, self.links[hop[0]].bandwidth / load[hop], latency, hop[0], load[hop], solo
+        )
 
     def _hierarchy(self, groups: Sequence[Sequence[int]]) -> tuple[RingStats, RingStats] | None:
         local, cross = [], []
@@ -657,8 +694,8 @@ class Topology:
         if kind == "point_to_point":
             return s / r.solo_bandwidth + r.latency
         load, latency = self._all_pairs(axes)  # all_to_all
-        worst = max(load[h] / self.links[h[0]].bandwidth for h in load)
-        return (n - 1) / n * s / ((n - 1) / worst) + (n - 1) * latency
+        b_a2a = (n - 1) / max(load[h] / self.links[h[0]].bandwidth for h in load)
+        return (n - 1) / n * s / b_a2a + (n - 1) * latency
 
 
 def _gather_time(s: float, n: int, bandwidth: float, latency: float) -> float:
@@ -692,8 +729,9 @@ def load_topology(name_or_path: str | Path) -> Topology:
         the key and what was expected).
     """
     path = Path(name_or_path)
-    if path.suffix != ".toml" and len(path.parts) == 1 and not path.exists():
-        found = [d / f"{name_or_path}.toml" for d in _MESHES_DIRS if (d / f"{name_or_path}.toml").is_file()]  # noqa: E501
+    if path.suffix != ".toml" and len(path.parts) == 1 and not path.is_file():
+        candidates = [d / f"{name_or_path}.toml" for d in _MESHES_DIRS]
+        found = [c for c in candidates if c.is_file()]
         if not found:
             raise TopologyError(
                 f"no topology named {str(name_or_path)!r}; expected one of "
@@ -713,14 +751,34 @@ def load_topology(name_or_path: str | Path) -> Topology:
         raise TopologyError(f"{path}: {e}") from None
 
 
-_TOP_KEYS = {"name": False, "platform": True, "description": False, "device": True,
-             "nodes": True, "fabric": False, "mesh": True, "links": True}  # fmt: skip
+_TOP_KEYS = {
+    "name": False,
+    "platform": True,
+    "description": False,
+    "device": True,
+    "nodes": True,
+    "fabric": False,
+    "mesh": True,
+    "links": True,
+}
 _DEVICE_KEYS = {"kind": True, "peak_flops": True, "memory_bandwidth": True, "memory_bytes": True}
 _NODES_KEYS = {"count": True, "devices_per_node": True, "switches": False}
 _FABRIC_KEYS = {"switches": False}
 _MESH_KEYS = {"axes": True, "device_order": False}
 _LINK_KEYS = {"class": True, "bandwidth": True, "latency": True, "connect": True, "scope": False}
-_LINK_HELP = {
+_HELP = {  # what a required key holds, for "missing required key" errors
+    "platform": f"one of {', '.join(PLATFORMS)}",
+    "device": "a [device] table",
+    "nodes": "a [nodes] table",
+    "mesh": "a [mesh] table",
+    "links": "[[links]] tables",
+    "kind": 'the device name, e.g. "H100 SXM5 80GB"',
+    "peak_flops": 'a table of dtype = FLOP/s, e.g. { float32 = "67 TFLOP/s", ... }',
+    "memory_bandwidth": 'bytes/s, a number or a string like "3.35 TB/s"',
+    "memory_bytes": 'bytes, a number or a string like "80 GB"',
+    "count": "the number of nodes",
+    "devices_per_node": "the number of devices in each node",
+    "axes": "a table of axis = size, e.g. { node = 4, gpu = 4 }",
     "bandwidth": 'bytes/s in each direction, a number or a string like "20 GB/s"',
     "latency": 'seconds per hop, a number or a string like "1.5 us"',
     "connect": 'a list of [end, end] pairs such as [["device:0", "device:1"]]',
@@ -741,8 +799,7 @@ def _table(data: object, where: str, keys: dict[str, bool]) -> dict[str, Any]:
             )
     for key, required in keys.items():
         if required and key not in data:
-            what = f" ({_LINK_HELP[key]})" if where.startswith("links[") else ""
-            raise TopologyError(f"{where}: missing required key {key!r}{what}")
+            raise TopologyError(f"{where}: missing required key {key!r} ({_HELP[key]})")
     return data
 
 
@@ -759,8 +816,10 @@ def _switch_names(data: object, where: str) -> list[str]:
     names = []
     for name, count in data.items():
         if not re.fullmatch(r"[A-Za-z_][\w-]*", name) or name in ("device", "node"):
-            raise TopologyError(f"{where}: switch name {name!r}: expected an identifier other "
-                                f"than 'device' and 'node'")  # fmt: skip
+            raise TopologyError(
+                f"{where}: switch name {name!r}: expected an identifier other "
+                f"than 'device' and 'node'"
+            )
         count = _int(count, f"{where}.{name}")
         names += [name] if count == 1 else [f"{name}:{i}" for i in range(count)]
     return names
@@ -771,16 +830,7 @@ def _parse(data: dict[str, Any], *, default_name: str, source: str) -> Topology:
     name = data.get("name", default_name)
     if not isinstance(name, str) or not name:
         raise TopologyError(f"name: expected a non-empty string, found {name!r}")
-    dev = _table(data["device"], "[device]", _DEVICE_KEYS)
-    flops = dev["peak_flops"]
-    if not isinstance(flops, dict):
-        raise TopologyError(f"[device].peak_flops: expected a table dtype = FLOP/s, found {flops!r}")
-    device = DeviceSpec(
-        kind=str(dev["kind"]),
-        peak_flops=tuple((k, _quantity(v, "FLOP/s", f"[device].peak_flops.{k}")) for k, v in flops.items()),  # noqa: E501
-        memory_bandwidth=_quantity(dev["memory_bandwidth"], "bytes/s", "[device].memory_bandwidth"),
-        memory_bytes=int(_quantity(dev["memory_bytes"], "bytes", "[device].memory_bytes")),
-    )
+    device = _parse_device(data["device"])
     nodes = _table(data["nodes"], "[nodes]", _NODES_KEYS)
     num_nodes = _int(nodes["count"], "[nodes].count")
     per_node = _int(nodes["devices_per_node"], "[nodes].devices_per_node")
@@ -792,7 +842,9 @@ def _parse(data: dict[str, Any], *, default_name: str, source: str) -> Topology:
     mesh = _table(data["mesh"], "[mesh]", _MESH_KEYS)
     axes = mesh["axes"]
     if not isinstance(axes, dict) or not axes:
-        raise TopologyError(f"[mesh].axes: expected a table like {{ node = 4, gpu = 4 }}, found {axes!r}")  # noqa: E501
+        raise TopologyError(
+            f"[mesh].axes: expected a table like {{ node = 4, gpu = 4 }}, found {axes!r}"
+        )
     sizes = tuple(_int(v, f"[mesh].axes.{k}") for k, v in axes.items())
     order = mesh.get("device_order", list(range(num_nodes * per_node)))
     if not isinstance(order, list) or not all(isinstance(i, int) for i in order):
@@ -802,20 +854,46 @@ def _parse(data: dict[str, Any], *, default_name: str, source: str) -> Topology:
         raise TopologyError("links: expected at least one [[links]] table")
     ends = _Ends(num_nodes, per_node, local_sw, global_sw)
     parsed = [link for i, entry in enumerate(links) for link in _parse_link(entry, i, ends)]
-    seen: dict[frozenset[str], int] = {}
+    seen: set[frozenset[str]] = set()
     for link in parsed:
-        pair = frozenset((link.a, link.b))
-        if pair in seen:
-            raise TopologyError(f"links: {link.a} -- {link.b} is listed twice; give one link "
-                                f"with the summed bandwidth")  # fmt: skip
-        seen[pair] = 1
+        if (pair := frozenset((link.a, link.b))) in seen:
+            raise TopologyError(
+                f"links: {link.a} -- {link.b} is listed twice; give one link with the summed "
+                f"bandwidth"
+            )
+        seen.add(pair)
     return Topology(
-        name=name, platform=data["platform"], device=device, num_devices=num_nodes * per_node,
-        axis_names=tuple(axes), axis_sizes=sizes, device_order=tuple(order),
-        num_nodes=num_nodes, devices_per_node=per_node,
-        switches=tuple(f"node:{n}/{s}" for n in range(num_nodes) for s in local_sw) + tuple(global_sw),  # noqa: E501
-        links=tuple(parsed), description=str(data.get("description", "")), source_file=source,
-    )  # fmt: skip
+        name=name,
+        platform=data["platform"],
+        device=device,
+        num_devices=num_nodes * per_node,
+        axis_names=tuple(axes),
+        axis_sizes=sizes,
+        device_order=tuple(order),
+        num_nodes=num_nodes,
+        devices_per_node=per_node,
+        switches=(*(f"node:{n}/{s}" for n in range(num_nodes) for s in local_sw), *global_sw),
+        links=tuple(parsed),
+        description=str(data.get("description", "")),
+        source_file=source,
+    )
+
+
+def _parse_device(table: object) -> DeviceSpec:
+    dev = _table(table, "[device]", _DEVICE_KEYS)
+    flops = dev["peak_flops"]
+    if not isinstance(flops, dict):
+        raise TopologyError(
+            f"[device].peak_flops: expected a table of dtype = FLOP/s, found {flops!r}"
+        )
+    return DeviceSpec(
+        kind=str(dev["kind"]),
+        peak_flops=tuple(
+            (k, _quantity(v, "FLOP/s", f"[device].peak_flops.{k}")) for k, v in flops.items()
+        ),
+        memory_bandwidth=_quantity(dev["memory_bandwidth"], "bytes/s", "[device].memory_bandwidth"),
+        memory_bytes=int(_quantity(dev["memory_bytes"], "bytes", "[device].memory_bytes")),
+    )
 
 
 class _Ends(NamedTuple):
@@ -825,8 +903,8 @@ class _Ends(NamedTuple):
     cluster: list[str]
 
 
-def _expand(end: object, scope: str, node: int, ends: _Ends, where: str) -> list[tuple[str, int]]:
-    """One ``connect`` end -> [(vertex name, index for pairing starred ends)]."""
+def _expand(end: object, scope: str, node: int, ends: _Ends, where: str) -> list[str]:
+    """One ``connect`` end -> the vertex names it stands for (several when starred)."""
     if not isinstance(end, str):
         raise TopologyError(f"{where}: expected a string such as 'device:0', found {end!r}")
     n_dev = ends.per_node if scope == "node" else ends.num_nodes * ends.per_node
@@ -834,10 +912,12 @@ def _expand(end: object, scope: str, node: int, ends: _Ends, where: str) -> list
         ids = range(n_dev) if m.group(1) == "*" else [int(m.group(1))]
         if ids and max(ids) >= n_dev:
             span = "each node has" if scope == "node" else "the cluster has"
-            raise TopologyError(f"{where}: {end!r} names a device that does not exist; expected "
-                                f"device:0 .. device:{n_dev - 1} ({span} {n_dev} devices)")  # fmt: skip
+            raise TopologyError(
+                f"{where}: {end!r} names a device that does not exist; expected "
+                f"device:0 .. device:{n_dev - 1} ({span} {n_dev} devices)"
+            )
         base = node * ends.per_node if scope == "node" else 0
-        return [(f"device:{base + i}", i) for i in ids]
+        return [f"device:{base + i}" for i in ids]
     prefix, names = "", ends.cluster
     if scope == "node":
         if end.split(":")[0] in {s.split(":")[0] for s in ends.local}:
@@ -848,9 +928,9 @@ def _expand(end: object, scope: str, node: int, ends: _Ends, where: str) -> list
         prefix, names, end = f"node:{m.group(1)}/", ends.local, m.group(2)
     if end.endswith(":*"):
         stem = end[:-2]
-        found = [(f"{prefix}{s}", i) for i, s in enumerate(x for x in names if x.startswith(stem + ":"))]  # noqa: E501
+        found = [f"{prefix}{x}" for x in names if x.startswith(stem + ":")]
     else:
-        found = [(f"{prefix}{end}", 0)] if end in names else []
+        found = [f"{prefix}{end}"] if end in names else []
     if not found:
         known = ", ".join(["device:N"] + ends.local + ends.cluster)
         raise TopologyError(f"{where}: {end!r} is no device or switch; expected one of {known}")
@@ -863,7 +943,7 @@ def _parse_link(entry: object, i: int, ends: _Ends) -> list[Link]:
     cls = entry["class"]
     where = f"links[{i}] (class {cls!r})"
     if cls not in LINK_CLASSES:
-        raise TopologyError(f"{where}.class: expected {_LINK_HELP['class']}, found {cls!r}")
+        raise TopologyError(f"{where}.class: expected {_HELP['class']}, found {cls!r}")
     bandwidth = _quantity(entry["bandwidth"], "bytes/s", f"{where}.bandwidth")
     latency = _quantity(entry["latency"], "seconds", f"{where}.latency", allow_zero=True)
     scope = entry.get("scope", "node")
@@ -871,7 +951,7 @@ def _parse_link(entry: object, i: int, ends: _Ends) -> list[Link]:
         raise TopologyError(f"{where}.scope: expected 'node' or 'cluster', found {scope!r}")
     pairs = entry["connect"]
     if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 for p in pairs):
-        raise TopologyError(f"{where}.connect: expected {_LINK_HELP['connect']}, found {pairs!r}")
+        raise TopologyError(f"{where}.connect: expected {_HELP['connect']}, found {pairs!r}")
     out = []
     for node in range(ends.num_nodes) if scope == "node" else [0]:
         for a, b in pairs:
@@ -879,11 +959,13 @@ def _parse_link(entry: object, i: int, ends: _Ends) -> list[Link]:
             eb = _expand(b, scope, node, ends, f"{where}.connect")
             if len(ea) > 1 and len(eb) > 1:
                 if len(ea) != len(eb):
-                    raise TopologyError(f"{where}.connect: [{a!r}, {b!r}] pairs {len(ea)} ends with "
-                                        f"{len(eb)}; expected equal counts")  # fmt: skip
-                joined = [(x, y) for (x, _), (y, _) in zip(ea, eb)]
+                    raise TopologyError(
+                        f"{where}.connect: [{a!r}, {b!r}] pairs {len(ea)} ends with {len(eb)}; "
+                        f"expected equal counts"
+                    )
+                joined = list(zip(ea, eb))
             else:
-                joined = [(x, y) for x, _ in ea for y, _ in eb]
+                joined = [(x, y) for x in ea for y in eb]
             for x, y in joined:
                 if x == y:
                     raise TopologyError(f"{where}.connect: [{a!r}, {b!r}] joins {x} to itself")
@@ -938,7 +1020,10 @@ def make_mesh(topology: Topology, devices: Sequence[Any] | None = None) -> Any:
                 else f"run where {need} {topology.platform} devices are attached"
             )
         else:
-            fix = f"choose a topology for the attached devices, e.g. 'cpu8', or run on {topology.platform}s"  # noqa: E501
+            fix = (
+                f"run on {topology.platform}s, or choose a topology for the attached devices, "
+                f"e.g. 'cpu8'"
+            )
         raise TopologyError(
             f"topology {topology.name!r} needs {need} {topology.platform} devices but "
             f"{len(devices)} {attached} devices {verb}; {fix}"

@@ -1,0 +1,180 @@
+"""The per-device program of one operator at a shard shape.
+
+When a config splits an operator's iteration dims by some degrees, each device runs the same
+equations on smaller operands. Shapes are baked into a jaxpr (`broadcast_in_dim`'s `shape`,
+`reshape`'s `new_sizes`, `iota`, gather slice sizes), so the equations are re-bound with those
+parameters rewritten from the operator's own dim labels: every value's shard shape is its
+global shape with each dim that follows a split iteration dim divided by that dim's degree.
+Nested bodies (scan, while, cond, remat2, custom_jvp_call) are re-expressed with `jax.lax`
+control flow around the same rewriting interpreter. This is what XLA's SPMD partitioner runs
+per device, without the collectives; the cost stage times it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+from jax.extend import core as jcore
+
+from soapjax.graph import OpGraph, _Local
+
+
+def operator_fn(graph: OpGraph, name: str, degrees: Sequence[int] | None = None
+                ) -> tuple[Callable, list[jax.ShapeDtypeStruct]]:
+    """The per-device forward program of operator `name` split by `degrees`.
+
+    Args:
+      graph: the traced graph.
+      name: the operator's name.
+      degrees: one degree per iteration dim (`Operator.iteration_sizes`); None for unsplit.
+        Each must divide its dim.
+
+    Returns:
+      ``(fn, in_avals)``: ``fn(*operands)`` returns the operator's outputs (a list, in
+      `Operator.outputs` order) at shard shapes; `in_avals` are the shard-shaped operands in
+      `Operator.inputs` order.
+
+    Raises:
+      ValueError: a degree that does not divide its dim.
+    """
+    op = graph.operator(name)
+    loc = graph.program.local[name]
+    prog = graph.program
+    sizes = op.iteration_sizes
+    degrees = tuple(degrees) if degrees is not None else (1,) * len(sizes)
+    if len(degrees) != len(sizes) or any(s % d for s, d in zip(sizes, degrees)):
+        raise ValueError(f"degrees {degrees} do not divide the iteration dims {sizes} of "
+                         f"operator {name!r}")
+
+    def shard(vid: int) -> tuple[int, ...]:
+        return loc.shard_shape(loc.lab[vid], prog.shapes[vid], degrees)
+
+    in_avals = [jax.ShapeDtypeStruct(shard(v), prog.dtypes[v]) for v in loc.inputs]
+    interp = _Interp(loc, degrees)
+
+    def fn(*operands):
+        env = {}
+        for vid in loc.lab:
+            if vid in prog.literals:
+                env[vid] = prog.literals[vid]
+            elif vid in prog.consts:
+                env[vid] = _crop(prog.consts[vid], shard(vid))
+        env.update(zip(loc.inputs, operands))
+        for i in loc.units:
+            u = prog.units[i]
+            outs = interp.bind(u.eqn, [env[v] for v in u.ins],
+                               [shard(v) if v is not None else None for v in u.outs])
+            env.update((v, o) for v, o in zip(u.outs, outs) if v is not None)
+        return [env[v] for v in loc.exports]
+
+    return fn, in_avals
+
+
+def _crop(x, shape):
+    if tuple(x.shape) == tuple(shape):
+        return x
+    return x[tuple(slice(0, s) for s in shape)]
+
+
+class _Interp:
+    """Binds equations at shard shapes, following the operator's labels into nested bodies."""
+
+    def __init__(self, loc: _Local, degrees: Sequence[int]):
+        self.loc = loc
+        self.degrees = degrees
+
+    def var_shape(self, v) -> tuple[int, ...] | None:
+        labels = self.loc.env.get(v)
+        full = tuple(int(d) for d in getattr(v.aval, "shape", ()))
+        return full if labels is None else self.loc.shard_shape(labels, full, self.degrees)
+
+    def run(self, jaxpr: jcore.Jaxpr, consts: Sequence, args: Sequence) -> list:
+        env = {}
+
+        def read(v):
+            return v.val if isinstance(v, jcore.Literal) else env[v]
+
+        for v, c in zip(jaxpr.constvars, consts):
+            env[v] = _crop(c, self.var_shape(v))
+        env.update(zip(jaxpr.invars, args))
+        for eqn in jaxpr.eqns:
+            shapes = [None if isinstance(v, jcore.DropVar) else self.var_shape(v) for v in eqn.outvars]
+            outs = self.bind(eqn, [read(v) for v in eqn.invars], shapes)
+            env.update((v, o) for v, o in zip(eqn.outvars, outs) if not isinstance(v, jcore.DropVar))
+        return [read(v) for v in jaxpr.outvars]
+
+    def bind(self, eqn, args: list, out_shapes: list) -> list:
+        name = eqn.primitive.name
+        p = eqn.params
+        if name in ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
+                    "custom_vjp_call", "custom_vjp_call_jaxpr"):
+            sub = p.get("jaxpr", p.get("call_jaxpr", p.get("fun_jaxpr")))
+            return self.run(*_open(sub), args)
+        if name in ("remat2", "checkpoint"):
+            body = p["jaxpr"]
+            fn = jax.checkpoint(lambda *a: self.run(*_open(body), a),
+                                prevent_cse=p["prevent_cse"], policy=p["policy"])
+            return list(fn(*args))
+        if name == "scan":
+            return self._scan(p, args)
+        if name == "while":
+            cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
+            cn, bn = p["cond_nconsts"], p["body_nconsts"]
+            cc, bc, carry = args[:cn], args[cn:cn + bn], args[cn + bn:]
+            out = jax.lax.while_loop(lambda c: self.run(*_open(cj), [*cc, *c])[0],
+                                     lambda c: tuple(self.run(*_open(bj), [*bc, *c])),
+                                     tuple(carry))
+            return list(out)
+        if name == "cond":
+            branches = [lambda *ops, b=b: tuple(self.run(*_open(b), ops)) for b in p["branches"]]
+            return list(jax.lax.switch(args[0], branches, *args[1:]))
+        params = dict(eqn.primitive.get_bind_params(p))
+        _rewrite(eqn, name, params, args, out_shapes)
+        with eqn.ctx.manager:
+            ans = eqn.primitive.bind(*args, **params)
+        return list(ans) if eqn.primitive.multiple_results else [ans]
+
+    def _scan(self, p, args):
+        body = p["jaxpr"]
+        nc, nk = p["num_consts"], p["num_carry"]
+        consts, carry, xs = args[:nc], args[nc:nc + nk], args[nc + nk:]
+
+        def step(c, x):
+            outs = self.run(*_open(body), [*consts, *c, *x])
+            return tuple(outs[:nk]), tuple(outs[nk:])
+
+        c, ys = jax.lax.scan(step, tuple(carry), tuple(xs), length=p["length"],
+                             reverse=p["reverse"], unroll=p["unroll"])
+        return [*c, *ys]
+
+
+def _open(sub) -> tuple[jcore.Jaxpr, Sequence]:
+    return (sub.jaxpr, sub.consts) if isinstance(sub, jcore.ClosedJaxpr) else (sub, ())
+
+
+def _rewrite(eqn, name: str, params: dict, args: list, out_shapes: list) -> None:
+    """Rewrites the shape parameters of one equation for shard-shaped operands."""
+    out = out_shapes[0] if out_shapes else None
+    if name == "broadcast_in_dim":
+        params["shape"] = out
+    elif name == "reshape":
+        params["new_sizes"] = out
+        params["dimensions"] = None
+    elif name in ("iota", "random_bits", "rng_uniform") and "shape" in params:
+        params["shape"] = out
+    elif name in ("gather", "dynamic_slice"):
+        full = params["slice_sizes"]
+        operand = args[0]
+        params["slice_sizes"] = tuple(min(s, operand.shape[d]) for d, s in enumerate(full))
+    elif name == "slice" and params.get("strides") is None:
+        # A slice of a split dim takes the same fraction of the shard (an LSTM's gates).
+        have, full = args[0].shape, eqn.invars[0].aval.shape
+        starts = tuple(s * h // f for s, h, f in zip(params["start_indices"], have, full))
+        params["start_indices"] = starts
+        params["limit_indices"] = tuple(s + o for s, o in zip(starts, out))
+    elif name == "split":
+        total = sum(params["sizes"])
+        have = args[0].shape[params["axis"]]
+        if have != total and all(s * have % total == 0 for s in params["sizes"]):
+            params["sizes"] = tuple(s * have // total for s in params["sizes"])

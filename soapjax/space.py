@@ -1,0 +1,221 @@
+"""The SOAP search space on named mesh axes: the configs of an operator, and strategies.
+
+A `Config` of an operator says, for each of its iteration dims (its output dims, then its
+reduction dims; see `soapjax.graph.Operator`), which mesh axes split it. A mesh axis is used at
+most once per operator; the degree of a dim is the product of its axes' sizes; axes the config
+does not use replicate the operator. The output dims' part is exactly a `PartitionSpec`:
+
+    >>> mesh = MeshShape(("data", "model"), (2, 4))
+    >>> op.shape, op.roles, op.reduction_dims     # a Dense layer: [batch, features] @ [in, out]
+    ((64, 1024), ('S', 'P'), (ReductionDim(size=512, role='P'),))
+    >>> c = Config((("data",), ("model",), ()))   # batch over data, features over model
+    >>> c.output_spec(op)
+    PartitionSpec('data', 'model')
+    >>> c.shard_sizes(op, mesh)
+    (32, 256, 512)
+
+Splitting a reduction dim (``R``, beyond the paper) leaves partial sums that an all-reduce over
+those axes completes: Megatron's row-parallel layer is ``Config(((), (), ("model",)))``.
+
+A `Strategy` is one config per operator of a graph, in the graph's operator order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+
+from jax.sharding import PartitionSpec
+
+from soapjax.graph import Operator, OpGraph
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+    """Named mesh axes and their sizes, e.g. ``MeshShape(("node", "gpu"), (4, 4))``."""
+
+    axis_names: tuple[str, ...]
+    axis_sizes: tuple[int, ...]
+
+    def __post_init__(self):
+        if len(self.axis_names) != len(self.axis_sizes):
+            raise ValueError(f"{len(self.axis_names)} axis names {self.axis_names} but "
+                             f"{len(self.axis_sizes)} sizes {self.axis_sizes}")
+        if len(set(self.axis_names)) != len(self.axis_names):
+            raise ValueError(f"mesh axis names must be distinct, got {self.axis_names}")
+
+    @classmethod
+    def of(cls, mesh_or_topology) -> MeshShape:
+        """From a `Topology`, a `jax.sharding.Mesh`, or a MeshShape."""
+        if isinstance(mesh_or_topology, MeshShape):
+            return mesh_or_topology
+        if hasattr(mesh_or_topology, "axis_sizes") and hasattr(mesh_or_topology, "axis_names"):
+            return cls(tuple(mesh_or_topology.axis_names), tuple(mesh_or_topology.axis_sizes))
+        shape = mesh_or_topology.shape  # jax Mesh: OrderedDict name -> size
+        return cls(tuple(shape.keys()), tuple(shape.values()))
+
+    def size(self, axis: str) -> int:
+        return self.axis_sizes[self.axis_names.index(axis)]
+
+    def degree(self, axes: Sequence[str]) -> int:
+        return math.prod(self.size(a) for a in axes)
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.axis_sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Which mesh axes split each iteration dim of one operator.
+
+    Attributes:
+      axes: one tuple of mesh axis names per iteration dim (output dims, then reduction dims).
+    """
+
+    axes: tuple[tuple[str, ...], ...]
+
+    def __post_init__(self):
+        used = [a for dim in self.axes for a in dim]
+        if len(used) != len(set(used)):
+            raise ValueError(f"config {self.axes} uses a mesh axis twice; each axis splits at "
+                             "most one dim of an operator")
+
+    @classmethod
+    def replicated(cls, op: Operator) -> Config:
+        return cls(((),) * len(op.iteration_sizes))
+
+    @property
+    def used_axes(self) -> frozenset[str]:
+        return frozenset(a for dim in self.axes for a in dim)
+
+    def degrees(self, mesh: MeshShape) -> tuple[int, ...]:
+        return tuple(mesh.degree(d) for d in self.axes)
+
+    def parallelism(self, mesh: MeshShape) -> int:
+        """How many devices hold distinct shards (the paper's |c_i|)."""
+        return math.prod(self.degrees(mesh))
+
+    def shard_sizes(self, op: Operator, mesh: MeshShape) -> tuple[int, ...]:
+        """Iteration dim sizes of one device's shard."""
+        return tuple(s // d for s, d in zip(op.iteration_sizes, self.degrees(mesh)))
+
+    def output_spec(self, op: Operator, k: int = 0) -> PartitionSpec:
+        """The PartitionSpec of `op.outputs[k]` under this config (complete: R sums done)."""
+        return _spec(self._dim_axes(op.outputs[k].dims))
+
+    def operand_axes(self, dims: Sequence[int | None]) -> tuple[tuple[str, ...], ...]:
+        """Per operand dim, the axes splitting it (dims from `Operand.dims`)."""
+        return self._dim_axes(dims)
+
+    def operand_spec(self, dims: Sequence[int | None]) -> PartitionSpec:
+        return _spec(self._dim_axes(dims))
+
+    def reduction_axes(self, op: Operator) -> tuple[str, ...]:
+        """Mesh axes over which the output holds partial sums before the all-reduce."""
+        return tuple(a for dim in self.axes[len(op.shape):] for a in dim)
+
+    def _dim_axes(self, dims: Sequence[int | None]) -> tuple[tuple[str, ...], ...]:
+        return tuple(self.axes[d] if d is not None else () for d in dims)
+
+    def describe(self, op: Operator) -> str:
+        """Compact text, e.g. ``[S:data, P:model | R:-]``."""
+        roles = op.iteration_roles
+        parts = [f"{r}:{'+'.join(a) or '-'}" for r, a in zip(roles, self.axes)]
+        n = len(op.shape)
+        return "[" + ", ".join(parts[:n]) + (" | " + ", ".join(parts[n:]) if parts[n:] else "") + "]"
+
+
+def _spec(axes: Sequence[tuple[str, ...]]) -> PartitionSpec:
+    return PartitionSpec(*[(a[0] if len(a) == 1 else a) if a else None for a in axes])
+
+
+Strategy = tuple[Config, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpaceLimits:
+    """Narrows the SOAP space, to compare with the paper's own or with simpler spaces.
+
+    Attributes:
+      allow_reduction: split reduction dims (R; FlexFlow cannot).
+      allow_attribute: split attribute dims (A: sequence, height, width).
+      allow_parameter: split parameter dims (P).
+      max_axes_per_dim: how many mesh axes may split one dim.
+    """
+
+    allow_reduction: bool = True
+    allow_attribute: bool = True
+    allow_parameter: bool = True
+    max_axes_per_dim: int = 2
+
+
+def configs(op: Operator, mesh: MeshShape, limits: SpaceLimits = SpaceLimits()) -> tuple[Config, ...]:
+    """Every config of `op` on `mesh`: each axis splits at most one divisible dim, or none.
+
+    Degrees always divide the dim. Axes on one dim appear in mesh order (the order changes
+    only which device holds which shard, not any cost). The replicated config comes first.
+    """
+    dims = [d for d in op.divisible_dims if _allowed(op.iteration_roles[d], limits)]
+    sizes = op.iteration_sizes
+    out = []
+    # Each axis goes to one of the allowed dims or to none (replicate over it).
+    for choice in itertools.product([None, *dims], repeat=len(mesh.axis_names)):
+        per_dim: dict[int, list[str]] = {}
+        for axis, d in zip(mesh.axis_names, choice):
+            if d is not None:
+                per_dim.setdefault(d, []).append(axis)
+        if any(len(a) > limits.max_axes_per_dim for a in per_dim.values()):
+            continue
+        if any(sizes[d] % mesh.degree(a) for d, a in per_dim.items()):
+            continue
+        out.append(Config(tuple(tuple(per_dim.get(d, ())) for d in range(len(sizes)))))
+    return tuple(out)
+
+
+def _allowed(role: str, limits: SpaceLimits) -> bool:
+    return {"R": limits.allow_reduction, "A": limits.allow_attribute,
+            "P": limits.allow_parameter}.get(role, True)
+
+
+def data_parallel(graph: OpGraph, mesh: MeshShape) -> Strategy:
+    """Every operator split over its sample dim by as many mesh axes as divide it.
+
+    The sample dim is the first output dim with role ``S``, or for an operator whose output
+    has none (the loss, a mean over the batch), its first reduction dim with role ``S``.
+    """
+    return tuple(_split_sample(op, mesh, mesh.axis_names) for op in graph.operators)
+
+
+def _split_sample(op: Operator, mesh: MeshShape, axes: Sequence[str]) -> Config:
+    axes_of: list[tuple[str, ...]] = [()] * len(op.iteration_sizes)
+    d = sample_dim(op)
+    if d is not None and not op.replicate_only:
+        axes_of[d] = dividing_axes(op.iteration_sizes[d], axes, mesh)
+    return Config(tuple(axes_of))
+
+
+def sample_dim(op: Operator) -> int | None:
+    """The iteration dim that follows the batch, if any."""
+    roles = op.roles + tuple(r.role for r in op.reduction_dims)
+    return next((i for i, r in enumerate(roles) if r == "S"), None)
+
+
+def dividing_axes(size: int, axes: Sequence[str], mesh: MeshShape) -> tuple[str, ...]:
+    """The longest prefix of `axes` whose degree divides `size`."""
+    out: list[str] = []
+    for a in axes:
+        if size % (mesh.degree(out) * mesh.size(a)) == 0:
+            out.append(a)
+    return tuple(out)
+
+
+def iter_neighbours(strategy: Strategy, graph: OpGraph, mesh: MeshShape,
+                    limits: SpaceLimits = SpaceLimits()) -> Iterator[tuple[int, Config]]:
+    """Every single-operator change of `strategy`: (operator index, its new config)."""
+    for i, op in enumerate(graph.operators):
+        for c in configs(op, mesh, limits):
+            if c != strategy[i]:
+                yield i, c
