@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 plan: $(STAMP)
-	$(BIN)/soapjax plan
+	$(BIN)/soapjax graph --model gpt2
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -49,14 +49,22 @@ class LabelSet:
         self._marks: dict[int, set[str]] = {}
         self.derived_from: dict[int, int] = {}
         self._root_marks: dict[int, set[str]] | None = None
+        self.weak: set[int] = set()
 
-    def fresh(self, size: int) -> int:
+    def fresh(self, size: int, *, weak: bool = False) -> int:
+        """A new label; a *weak* one (an iota's) never joins another.
+
+        One `arange(T)` broadcast into both dims of a causal mask would otherwise make the
+        query and key sequence dims one label.
+        """
         self._parent.append(len(self._parent))
         self.size.append(int(size))
+        if weak:
+            self.weak.add(len(self._parent) - 1)
         return len(self._parent) - 1
 
-    def fresh_many(self, shape: Sequence[int]) -> Labels:
-        return tuple(self.fresh(s) for s in shape)
+    def fresh_many(self, shape: Sequence[int], *, weak: bool = False) -> Labels:
+        return tuple(self.fresh(s, weak=weak) for s in shape)
 
     def find(self, a: int) -> int:
         root = a
@@ -72,12 +80,20 @@ class LabelSet:
         Labels of one class may differ in extent: a slice, pad or window of a dim splits with
         it (each device takes its fraction). Dims of size 1 are never joined.
         """
-        if self.size[a] <= 1 or self.size[b] <= 1:
+        if self.size[a] <= 1 or self.size[b] <= 1 or a in self.weak or b in self.weak:
             return
         ra, rb = self.find(a), self.find(b)
         if ra != rb:
             self._parent[max(ra, rb)] = min(ra, rb)
             self._root_marks = None
+
+    def link(self, a: int, out: int) -> None:
+        """Relates operand dim `a` to result dim `out`: one label, or, for a weak `a`, `a`
+        split whenever `out` is (a mask or index array is cut as what it is applied to)."""
+        if a in self.weak:
+            self.derive(a, out)
+        else:
+            self.union(a, out)
 
     def derive(self, new: int, src: int) -> None:
         """Records that `new` (a merged or strided dim) is split whenever `src` is."""
@@ -171,7 +187,7 @@ def _reshape_map(ls: LabelSet, src: Labels, src_shape, dst_shape) -> Labels:
             else:
                 return tuple(out)
         if i - i0 == 1 and j - j0 == 1:
-            ls.union(out[j0], src[i0])
+            ls.link(src[i0], out[j0])
         else:
             major = next((k for k in range(i0, i) if src_shape[k] > 1), i0)
             for k in range(j0, j):
@@ -186,14 +202,14 @@ def _elementwise(ls: LabelSet, ins: list[Labels | None], in_shapes, out_shapes) 
     for oshape in out_shapes:
         lab = None
         for lb, sh in zip(ins, in_shapes):
-            if lb is not None and sh == oshape:
+            if lb is not None and sh == oshape and not ls.weak.intersection(lb):
                 lab = lb
                 break
         lab = lab if lab is not None else ls.fresh_many(oshape)
         for lb, sh in zip(ins, in_shapes):
             if lb is not None and len(sh) == len(oshape):
                 for d in range(len(oshape)):  # a slice, pad or split is the same dim
-                    ls.union(lb[d], lab[d])
+                    ls.link(lb[d], lab[d])
         outs.append(lab)
     return outs
 
@@ -275,6 +291,15 @@ def eqn_labels(ls: LabelSet, eqn, ins: Sequence[Labels | None], env: dict) -> Eq
     prims = {name}
     if name in _HIGHER_ORDER:
         return _higher_order(ls, eqn, ins, in_shapes, out_shapes, env)
+    info = _first_order(ls, name, p, ins, in_shapes, out_shapes, prims)
+    given = [lb for lb in ins if lb]
+    if given and all(ls.weak.issuperset(lb) for lb in given):  # index arithmetic, masks
+        for lb in info.outs:
+            ls.weak.update(lb)
+    return info
+
+
+def _first_order(ls: LabelSet, name: str, p, ins, in_shapes, out_shapes, prims) -> EqnInfo:
     flops = _flops(name, p, in_shapes, out_shapes)
     reduced: list[int] = []
     if name == "dot_general":
@@ -323,7 +348,7 @@ def eqn_labels(ls: LabelSet, eqn, ins: Sequence[Labels | None], env: dict) -> Eq
         out = list(ls.fresh_many(out_shapes[0]))
         if ins[0] is not None:
             for i, d in enumerate(p["broadcast_dimensions"]):
-                ls.union(out[d], ins[0][i])
+                ls.link(ins[0][i], out[d])
         return EqnInfo([tuple(out)], reduced, flops, prims)
     if name in ("reshape", "squeeze", "expand_dims"):
         src = ins[0] or ls.fresh_many(in_shapes[0])
@@ -338,9 +363,11 @@ def eqn_labels(ls: LabelSet, eqn, ins: Sequence[Labels | None], env: dict) -> Eq
         for lb in ins:
             if lb is not None:
                 for d in range(len(out)):  # along the concat dim each input takes its share
-                    ls.union(out[d], lb[d])
+                    ls.link(lb[d], out[d])
         return EqnInfo([tuple(out)], reduced, flops, prims)
-    if name in ("iota", "rng_bit_generator") or name.startswith("random_") or name == "threefry2x32":
+    if name == "iota":
+        return EqnInfo([ls.fresh_many(s, weak=True) for s in out_shapes], reduced, flops, prims)
+    if name == "rng_bit_generator" or name.startswith("random_") or name == "threefry2x32":
         return EqnInfo([ls.fresh_many(s) for s in out_shapes], reduced, flops, prims)
     return EqnInfo(_elementwise(ls, ins, in_shapes, out_shapes), reduced, flops, prims)
 

@@ -63,16 +63,19 @@ def operator_fn(graph: OpGraph, name: str, degrees: Sequence[int] | None = None
         env.update(zip(loc.inputs, operands))
         for i in loc.units:
             u = prog.units[i]
-            outs = interp.bind(u.eqn, [env[v] for v in u.ins],
-                               [shard(v) if v is not None else None for v in u.outs])
-            env.update((v, o) for v, o in zip(u.outs, outs) if v is not None)
+            shapes = [shard(v) if v is not None else None for v in u.outs]
+            outs = interp.bind(u.eqn, [_crop(env[v], shard(v)) for v in u.ins], shapes)
+            env.update((v, _crop(o, s)) for v, o, s in zip(u.outs, outs, shapes) if v is not None)
         return [env[v] for v in loc.exports]
 
     return fn, in_avals
 
 
 def _crop(x, shape):
-    if tuple(x.shape) == tuple(shape):
+    """Device 0's shard of a value computed larger than its shard (an iota-built mask)."""
+    if shape is None or not hasattr(x, "shape") or tuple(x.shape) == tuple(shape):
+        return x
+    if len(x.shape) != len(shape) or any(s > h for s, h in zip(shape, x.shape)):
         return x
     return x[tuple(slice(0, s) for s in shape)]
 
@@ -100,8 +103,11 @@ class _Interp:
         env.update(zip(jaxpr.invars, args))
         for eqn in jaxpr.eqns:
             shapes = [None if isinstance(v, jcore.DropVar) else self.var_shape(v) for v in eqn.outvars]
-            outs = self.bind(eqn, [read(v) for v in eqn.invars], shapes)
-            env.update((v, o) for v, o in zip(eqn.outvars, outs) if not isinstance(v, jcore.DropVar))
+            ins = [read(v) if isinstance(v, jcore.Literal) else _crop(read(v), self.var_shape(v))
+                   for v in eqn.invars]
+            outs = self.bind(eqn, ins, shapes)
+            env.update((v, _crop(o, s)) for v, o, s in zip(eqn.outvars, outs, shapes)
+                       if not isinstance(v, jcore.DropVar))
         return [read(v) for v in jaxpr.outvars]
 
     def bind(self, eqn, args: list, out_shapes: list) -> list:

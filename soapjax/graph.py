@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -69,6 +70,8 @@ random_fold_in random_wrap random_unwrap threefry2x32 custom_jvp_call custom_vjp
 checkpoint pjit jit closed_call optimization_barrier
 """.split())
 _INLINED = ("jit", "pjit", "closed_call", "core_call")
+# Name-stack entries that are module names (not `jit(...)` or an einsum's `...qhd,...khd->...`).
+_MODULE_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
 _PARAM_LEAF_NAMES = ("value",)  # nnx.Variable's attribute in state paths
 
 
@@ -587,6 +590,12 @@ def module_of_param(path: str) -> str:
     return "/".join(keys[:-1])
 
 
+def _per_operator_role(global_role: Role, splits_param: bool) -> Role:
+    if global_role in ("S", "-"):
+        return global_role
+    return "P" if splits_param else "A"
+
+
 def _common_prefix(paths: Sequence[str]) -> str:
     split = [p.split("/") for p in paths if p]
     if not split:
@@ -667,7 +676,7 @@ class _Builder:
         strip = len(roots) == 1 and not (roots & top_modules)
         self.module = []
         for i, s in enumerate(stacks):
-            s = [c for c in (s[1:] if strip and s else s) if "(" not in c]
+            s = [c for c in (s[1:] if strip and s else s) if _MODULE_NAME.fullmatch(c)]
             mod = "/".join(s)
             if not mod:
                 mod = _common_prefix([module_of_param(self.param_of[v].path)
@@ -723,7 +732,7 @@ class _Builder:
                 latest = same
             g = latest
             if (kind == "cheap" and mod and latest is not None
-                    and mod != self.group_mod(anchors[latest])):
+                    and mod != self.group_mod(anchors[latest]) and self._feeds_only(i, mod)):
                 g = None  # a module's prologue (a norm's squares): decided by its consumer
             if kind in ("anchor", "unknown") or (
                     kind == "soft" and (latest is None or mod != self.module[anchors[latest]])):
@@ -754,10 +763,16 @@ class _Builder:
             g = max([g] + [s for s in srcs if s is not None])  # never before what it reads
             group_of[i] = g
             groups[g].append(i)
-        self._sink_side_branches(groups, group_of)
+        self._sink_side_branches(groups, group_of, anchors)
         for g in groups:
             g.sort()
         return groups, anchors, unsupported
+
+    def _feeds_only(self, i: int, mod: str) -> bool:
+        """Whether unit `i`'s results are used only inside module `mod`."""
+        cons = [c for v in self.p.units[i].outs if v is not None for c in self.consumers.get(v, ())]
+        return bool(cons) and all(self.module[c] == mod or self.module[c].startswith(mod + "/")
+                                  for c in cons)
 
     def _live(self) -> set[int]:
         """Units the function's result depends on."""
@@ -770,9 +785,11 @@ class _Builder:
                 needed.update(u.ins)
         return live
 
-    def _primary(self, exports: list[int]) -> int:
-        """The main output among exports: the largest, the earliest produced on a tie."""
-        return max(exports, key=lambda v: (math.prod(self.p.shapes[v]), -v))
+    def _primary(self, exports: list[int], members: set[int], anchor: int) -> int:
+        """The main output among exports: computed from the anchor, the largest, the earliest."""
+        def key(v):
+            return (anchor in self._ancestors(v, members), math.prod(self.p.shapes[v]), -v)
+        return max(exports, key=key)
 
     def _exports(self, members: set[int]) -> list[int]:
         units = self.p.units
@@ -780,7 +797,8 @@ class _Builder:
             v in self.is_output or any(c not in members and c in self.live
                                        for c in self.consumers.get(v, ())))]
 
-    def _sink_side_branches(self, groups: list[list[int]], group_of: list[int]) -> None:
+    def _sink_side_branches(self, groups: list[list[int]], group_of: list[int],
+                            anchors: list[int]) -> None:
         """Moves equations off an operator's main line into the one operator they feed.
 
         Flax's LayerNorm squares its input before its first reduction; that square reads the
@@ -792,7 +810,7 @@ class _Builder:
             exports = self._exports(mset)
             if not exports:
                 continue
-            main = self._ancestors(self._primary(exports), mset)
+            main = self._ancestors(self._primary(exports, mset, anchors[h]), mset)
             for i in sorted(members, reverse=True):
                 if i in main or any(v in self.is_output for v in units[i].outs if v is not None):
                     continue
@@ -865,7 +883,7 @@ class _Builder:
         exports = self._exports(inside)
         if not exports:
             exports = [v for v in units[anchor].outs if v is not None][:1]
-        primary = self._primary(exports)
+        primary = self._primary(exports, inside, anchor)
         exports.remove(primary)
         exports.insert(0, primary)
 
@@ -912,6 +930,12 @@ class _Builder:
             kind, source, index = self._source(v, g)
             operands.append(Operand(kind, source, index, self.p.shapes[v], self.p.dtypes[v],
                                     dims_of(v), v))
+        # P is per operator (the paper's definition): splitting the dim splits a parameter
+        # *this* operator reads. A pooling layer's channels are A, though a conv's are P.
+        param_dims = {d for o in operands if o.kind == "param" for d in o.dims if d is not None}
+        roles = [_per_operator_role(r, d in param_dims) for d, r in enumerate(roles)]
+        red_dims = [dataclasses.replace(r, role=_per_operator_role(r.role, len(roles) + k in param_dims))
+                    for k, r in enumerate(red_dims)]
         outputs = tuple(OutputTensor(self.p.shapes[v], self.p.dtypes[v], dims_of(v), v)
                         for v in exports)
         self.p.local[name] = _Local(tuple(group), tuple(inputs), tuple(exports), ls, lab, env,

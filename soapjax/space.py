@@ -17,7 +17,8 @@ does not use replicate the operator. The output dims' part is exactly a `Partiti
 Splitting a reduction dim (``R``, beyond the paper) leaves partial sums that an all-reduce over
 those axes completes: Megatron's row-parallel layer is ``Config(((), (), ("model",)))``.
 
-A `Strategy` is one config per operator of a graph, in the graph's operator order.
+A `Strategy` is one config per operator of a graph, in the graph's operator order, plus the
+mesh axes over which parameters are stored sharded beyond what the configs need (ZeRO-3).
 """
 
 from __future__ import annotations
@@ -132,7 +133,29 @@ def _spec(axes: Sequence[tuple[str, ...]]) -> PartitionSpec:
     return PartitionSpec(*[(a[0] if len(a) == 1 else a) if a else None for a in axes])
 
 
-Strategy = tuple[Config, ...]
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """A config for every operator of a graph, and how parameters are stored.
+
+    Attributes:
+      configs: one config per operator, in `OpGraph.operators` order.
+      zero_axes: ZeRO-3 / fully sharded data parallel: parameters, gradients and optimizer
+        state are additionally split over these mesh axes where they are replicated; each
+        operator all-gathers its parameters before use and gradients are reduce-scattered.
+    """
+
+    configs: tuple[Config, ...]
+    zero_axes: tuple[str, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.configs)
+
+    def __getitem__(self, i: int) -> Config:
+        return self.configs[i]
+
+    def replace(self, i: int, config: Config) -> Strategy:
+        """This strategy with operator `i` given `config`."""
+        return dataclasses.replace(self, configs=self.configs[:i] + (config,) + self.configs[i + 1:])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +209,7 @@ def data_parallel(graph: OpGraph, mesh: MeshShape) -> Strategy:
     The sample dim is the first output dim with role ``S``, or for an operator whose output
     has none (the loss, a mean over the batch), its first reduction dim with role ``S``.
     """
-    return tuple(_split_sample(op, mesh, mesh.axis_names) for op in graph.operators)
+    return Strategy(tuple(_split_sample(op, mesh, mesh.axis_names) for op in graph.operators))
 
 
 def _split_sample(op: Operator, mesh: MeshShape, axes: Sequence[str]) -> Config:
@@ -219,3 +242,62 @@ def iter_neighbours(strategy: Strategy, graph: OpGraph, mesh: MeshShape,
         for c in configs(op, mesh, limits):
             if c != strategy[i]:
                 yield i, c
+
+
+Spec = tuple[tuple[str, ...], ...]
+
+
+def param_specs(graph: OpGraph, strategy: Strategy, mesh: MeshShape) -> dict[str, Spec]:
+    """How each parameter is stored: per dim, the mesh axes splitting it.
+
+    A parameter is stored as the first operator that reads it needs it (its operand spec under
+    that operator's config), so the forward pass moves no parameters. Under ZeRO-3
+    (`strategy.zero_axes`), it is further split over those axes it is still replicated on, each
+    on its largest dim that stays divisible; readers then all-gather it before use.
+
+    Returns:
+      Parameter pytree path (`LeafInfo.path`) -> spec; parameters no operator reads are
+      replicated.
+    """
+    out: dict[str, Spec] = {}
+    for op, config in zip(graph.operators, strategy.configs):
+        for operand in op.inputs:
+            if operand.kind == "param" and operand.source not in out:
+                out[operand.source] = _with_zero(config.operand_axes(operand.dims),
+                                                 operand.shape, strategy.zero_axes, mesh)
+    for leaf in graph.params:
+        out.setdefault(leaf.path, _with_zero(((),) * len(leaf.shape), leaf.shape,
+                                             strategy.zero_axes, mesh))
+    return out
+
+
+def batch_specs(graph: OpGraph, strategy: Strategy) -> dict[str, Spec]:
+    """How each batch leaf is fed: as its first consumer needs it (replicated if unread)."""
+    out: dict[str, Spec] = {}
+    for op, config in zip(graph.operators, strategy.configs):
+        for operand in op.inputs:
+            if operand.kind == "batch" and operand.source not in out:
+                out[operand.source] = config.operand_axes(operand.dims)
+    for leaf in graph.batch:
+        out.setdefault(leaf.path, ((),) * len(leaf.shape))
+    return out
+
+
+def _with_zero(spec: Spec, shape: Sequence[int], zero_axes: Sequence[str], mesh: MeshShape) -> Spec:
+    axes = [list(a) for a in spec]
+    used = {a for dim in spec for a in dim}
+    for axis in zero_axes:
+        if axis in used:
+            continue
+        order = sorted(range(len(shape)), key=lambda d: -shape[d] // max(1, mesh.degree(axes[d])))
+        for d in order:
+            if shape[d] % (mesh.degree(axes[d]) * mesh.size(axis)) == 0:
+                axes[d].append(axis)
+                used.add(axis)
+                break
+    return tuple(tuple(a) for a in axes)
+
+
+def to_partition_spec(spec: Spec) -> PartitionSpec:
+    """A per-dim axes spec as a `PartitionSpec`."""
+    return _spec(spec)

@@ -1,0 +1,45 @@
+"""soapjax: find a fast way to shard a JAX/Flax training step over a device mesh, and apply it.
+
+The pipeline, one module per stage (see DESIGN.md): `graph` (jaxpr -> operator graph),
+`topology` (cluster files -> mesh axes, links, collective costs), `space` (the SOAP configs of an
+operator), `cost` (measured and analytic operator times), `simulate` (task graph, full and delta
+simulation), `search` (MCMC), `apply` (shardings and constraints under `jax.jit`).
+"""
+
+from soapjax.errors import (
+    PlanError as PlanError,
+    SoapjaxError as SoapjaxError,
+    TopologyError as TopologyError,
+    TraceError as TraceError,
+    UnknownModelError as UnknownModelError,
+)
+from soapjax.graph import OpGraph as OpGraph, Operator as Operator, trace as trace
+from soapjax.space import (
+    Config as Config,
+    MeshShape as MeshShape,
+    Strategy as Strategy,
+    configs as configs,
+    data_parallel as data_parallel,
+)
+from soapjax.topology import Topology as Topology, load_topology as load_topology, make_mesh as make_mesh
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Config",
+    "MeshShape",
+    "OpGraph",
+    "Operator",
+    "PlanError",
+    "SoapjaxError",
+    "Strategy",
+    "Topology",
+    "TopologyError",
+    "TraceError",
+    "UnknownModelError",
+    "configs",
+    "data_parallel",
+    "load_topology",
+    "make_mesh",
+    "trace",
+]

@@ -1,0 +1,219 @@
+"""Plans: a strategy with its provenance, saved as versioned JSON.
+
+A `Plan` records which model and topology it was made for (names and fingerprints), one config
+per operator (by operator name, as per-dim mesh axes and the output `PartitionSpec`), the
+resulting parameter shardings, what the simulator predicted (step time, breakdown, memory per
+device), where the costs came from (measured or analytic), and how it was searched (settings,
+seed, baselines). `Plan.strategy(graph)` turns it back into a `Strategy` for that graph, and
+refuses a plan made for another model or topology with a message saying which and how.
+
+Example file (abridged)::
+
+    {"format": "soapjax-plan", "version": 1,
+     "model": {"name": "gpt2", "config": "default", "fingerprint": "3f9c...", "num_operators": 161},
+     "topology": {"name": "dgx-h100x8", "fingerprint": "a1b2...", "axes": {"gpu": 8}},
+     "operators": {"layers_0/mlp/fc1": {"axes": [["gpu"], [], [], []], "spec": "P('gpu', None, None)"}},
+     "zero_axes": [], "params": {"['params']['wte']['embedding']": [[], []]},
+     "predicted": {"step_time_s": 0.0123, ...}, "cost_source": "analytic",
+     "search": {"seed": 0, "budget_s": 30, ...}, "baselines": {"data-parallel": 0.0171}}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from soapjax.errors import PlanError
+from soapjax.graph import OpGraph
+from soapjax.space import Config, MeshShape, Strategy, param_specs
+
+FORMAT = "soapjax-plan"
+VERSION = 1
+
+
+def _freeze(x: Any) -> Any:
+    """JSON-like data as hashable tuples (dicts become sorted item tuples)."""
+    if isinstance(x, Mapping):
+        return tuple((k, _freeze(v)) for k, v in sorted(x.items()))
+    if isinstance(x, (list, tuple)):
+        return tuple(_freeze(v) for v in x)
+    return x
+
+
+def _thaw(x: Any) -> Any:
+    if isinstance(x, tuple) and all(isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str)
+                                    for i in x) and x:
+        return {k: _thaw(v) for k, v in x}
+    if isinstance(x, tuple):
+        return [_thaw(v) for v in x]
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A strategy for one model on one topology, with its provenance.
+
+    Attributes:
+      model: the model's name; `model_config`: its config name ('' when not from the zoo).
+      graph_fingerprint: `OpGraph.fingerprint()` of the traced model.
+      num_operators: how many operators the graph had.
+      topology: the topology's name; `topology_fingerprint`: `Topology.fingerprint()`.
+      mesh: the mesh axes the configs use.
+      configs: (operator name, config) in graph order.
+      zero_axes: ZeRO-3 axes (see `Strategy`).
+      params: (parameter path, per-dim axes) in graph order.
+      predicted: the simulator's figures (step_time_s, compute_s, exposed_comm_s, bytes_moved,
+        peak_memory_bytes, fits_in_memory, ...), frozen.
+      cost_source: "measured" or "analytic".
+      search: search settings and statistics (seed, budget, proposals, ...), frozen.
+      baselines: (baseline name, predicted step time) pairs.
+    """
+
+    model: str
+    model_config: str
+    graph_fingerprint: str
+    num_operators: int
+    topology: str
+    topology_fingerprint: str
+    mesh: MeshShape
+    configs: tuple[tuple[str, Config], ...]
+    zero_axes: tuple[str, ...] = ()
+    params: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = ()
+    predicted: tuple = ()
+    cost_source: str = "analytic"
+    search: tuple = ()
+    baselines: tuple[tuple[str, float], ...] = ()
+
+    @classmethod
+    def make(cls, graph: OpGraph, topology, strategy: Strategy, *, model_config: str = "",
+             predicted: Mapping[str, Any] | None = None, cost_source: str = "analytic",
+             search: Mapping[str, Any] | None = None,
+             baselines: Mapping[str, float] | None = None) -> Plan:
+        """A plan for `strategy` on `graph` and `topology` (a `Topology`)."""
+        mesh = MeshShape.of(topology)
+        if len(strategy.configs) != len(graph.operators):
+            raise PlanError(f"the strategy has {len(strategy.configs)} configs but graph "
+                            f"{graph.name!r} has {len(graph.operators)} operators")
+        specs = param_specs(graph, strategy, mesh)
+        return cls(
+            model=graph.name, model_config=model_config, graph_fingerprint=graph.fingerprint(),
+            num_operators=len(graph.operators), topology=topology.name,
+            topology_fingerprint=topology.fingerprint(), mesh=mesh,
+            configs=tuple((op.name, c) for op, c in zip(graph.operators, strategy.configs)),
+            zero_axes=tuple(strategy.zero_axes),
+            params=tuple((leaf.path, specs[leaf.path]) for leaf in graph.params),
+            predicted=_freeze(dict(predicted or {})), cost_source=cost_source,
+            search=_freeze(dict(search or {})),
+            baselines=tuple((k, float(v)) for k, v in (baselines or {}).items()))
+
+    @property
+    def step_time_s(self) -> float | None:
+        return dict(self.predicted).get("step_time_s")
+
+    def check(self, graph: OpGraph, topology=None) -> None:
+        """Raises PlanError unless this plan was made for `graph` (and `topology`)."""
+        if graph.fingerprint() != self.graph_fingerprint:
+            names = [op.name for op in graph.operators]
+            mine = [n for n, _ in self.configs]
+            missing = [n for n in mine if n not in set(names)]
+            extra = [n for n in names if n not in set(mine)]
+            detail = ""
+            if missing or extra:
+                detail = (f"; operators in the plan but not the function: {missing[:3]}"
+                          f"; in the function but not the plan: {extra[:3]}")
+            raise PlanError(
+                f"this plan was made for model {self.model!r} ({self.num_operators} operators, "
+                f"fingerprint {self.graph_fingerprint}), but the function traces to "
+                f"{graph.name!r} ({len(graph.operators)} operators, fingerprint "
+                f"{graph.fingerprint()}){detail}; make a new plan with `soapjax plan`")
+        if topology is not None and topology.fingerprint() != self.topology_fingerprint:
+            raise PlanError(
+                f"this plan was made for topology {self.topology!r} (fingerprint "
+                f"{self.topology_fingerprint}, mesh {dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))}), "
+                f"not {topology.name!r} (fingerprint {topology.fingerprint()}, mesh "
+                f"{dict(zip(topology.axis_names, topology.axis_sizes))})")
+
+    def strategy(self, graph: OpGraph, topology=None) -> Strategy:
+        """The plan's strategy for `graph`, after checking the plan was made for it."""
+        self.check(graph, topology)
+        return Strategy(tuple(c for _, c in self.configs), self.zero_axes)
+
+    # --- JSON ------------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "model": {"name": self.model, "config": self.model_config,
+                      "fingerprint": self.graph_fingerprint, "num_operators": self.num_operators},
+            "topology": {"name": self.topology, "fingerprint": self.topology_fingerprint,
+                         "axes": dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))},
+            "operators": {name: {"axes": [list(a) for a in c.axes]} for name, c in self.configs},
+            "zero_axes": list(self.zero_axes),
+            "params": {path: [list(a) for a in spec] for path, spec in self.params},
+            "predicted": _thaw(self.predicted) if self.predicted else {},
+            "cost_source": self.cost_source,
+            "search": _thaw(self.search) if self.search else {},
+            "baselines": dict(self.baselines),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], *, where: str = "plan") -> Plan:
+        """Reads `to_json` output; raises PlanError naming what is missing or malformed."""
+        if not isinstance(data, Mapping) or data.get("format") != FORMAT:
+            raise PlanError(f"{where}: not a soapjax plan (expected \"format\": \"{FORMAT}\")")
+        if data.get("version") != VERSION:
+            raise PlanError(f"{where}: plan format version {data.get('version')!r} is not "
+                            f"supported; this soapjax reads version {VERSION}")
+        try:
+            m, t = data["model"], data["topology"]
+            mesh = MeshShape(tuple(t["axes"]), tuple(int(v) for v in t["axes"].values()))
+            configs = tuple((name, Config(tuple(tuple(a) for a in op["axes"])))
+                            for name, op in data["operators"].items())
+            for name, c in configs:
+                bad = c.used_axes - set(mesh.axis_names)
+                if bad:
+                    raise PlanError(f"{where}: operator {name!r} uses mesh axes {sorted(bad)} "
+                                    f"not in the plan's mesh {list(mesh.axis_names)}")
+            return cls(
+                model=m["name"], model_config=m.get("config", ""),
+                graph_fingerprint=m["fingerprint"], num_operators=int(m["num_operators"]),
+                topology=t["name"], topology_fingerprint=t["fingerprint"], mesh=mesh,
+                configs=configs, zero_axes=tuple(data.get("zero_axes", ())),
+                params=tuple((p, tuple(tuple(a) for a in s))
+                             for p, s in data.get("params", {}).items()),
+                predicted=_freeze(data.get("predicted", {})),
+                cost_source=data.get("cost_source", "analytic"),
+                search=_freeze(data.get("search", {})),
+                baselines=tuple((k, float(v)) for k, v in data.get("baselines", {}).items()))
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            if isinstance(e, PlanError):
+                raise
+            raise PlanError(f"{where}: malformed plan: {type(e).__name__}: {e}") from e
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Writes the plan atomically (a temp file, then a rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Plan:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise PlanError(f"no plan file at {path}") from None
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{path}: not valid JSON ({e})") from e
+        return cls.from_json(data, where=str(path))

@@ -1,0 +1,272 @@
+"""soapjax.graph: operators from jaxprs, dim roles, and the per-device shard programs."""
+
+import functools
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import models
+from soapjax import cli
+from soapjax._local import operator_fn
+from soapjax.errors import TraceError
+from soapjax.graph import trace
+
+
+@functools.cache
+def zoo_graph(name: str, api: str = "linen"):
+    w = models.get(name, "tiny", api=api)
+    return w, trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=name)
+
+
+def roles(op) -> str:
+    return "".join(op.roles)
+
+
+# --- the paper's Table 1 on the zoo ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "model, op_name, want_roles, want_reduction_roles",
+    [
+        ("mlp", "fc1", "SP", "P"),  # matmul: (S, P); its contracting dim is R
+        ("gpt2", "layers_0/mlp/fc2", "SAP", "P"),  # Megatron's row-parallel split is an R split
+        ("gpt2", "layers_0/attn/query", "SAPP", "P"),  # heads and head_dim follow the kernel
+        ("lenet", "conv1", "SAAP", ""),  # 2D conv: (S; height, width A; channel P); 1 in-channel
+        ("alexnet", "conv2", "SAAP", "P"),  # input channels: R
+        ("lenet", "reduce_window_max", "SAAA", ""),  # pooling: (S; A; channel as A)
+        ("rnntc", "lstm_0", "S-P", "P"),  # LSTM: (S, P); the scan's time axis is not divisible
+        ("gpt2", "layers_0/ln_1", "SAP", ""),  # layer norm reads scale/bias along features
+    ],
+)
+def test_table1_roles(model, op_name, want_roles, want_reduction_roles):
+    _, g = zoo_graph(model)
+    op = g.operator(op_name)
+    assert roles(op) == want_roles
+    assert "".join(r.role for r in op.reduction_dims) == want_reduction_roles
+
+
+def test_conv1d_roles():
+    class Conv1D(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Conv(16, kernel_size=(3,), name="conv")(x).mean()
+
+    m = Conv1D()
+    x = jnp.ones((4, 32, 8))
+    g = trace(lambda p, b: m.apply(p, b), m.init(jax.random.key(0), x), x)
+    op = g.operator("conv")
+    assert (op.shape, roles(op)) == ((4, 32, 16), "SAP")
+    assert [(r.size, r.role) for r in op.reduction_dims] == [(8, "P")]  # input channels
+
+
+def test_loss_reduces_over_the_batch():
+    _, g = zoo_graph("mlp")
+    loss = g.operators[-1]
+    assert loss.name == "mlp" and loss.shape == ()
+    assert "S" in [r.role for r in loss.reduction_dims]  # the mean over the batch is an R split
+
+
+def test_operand_dims_follow_the_config():
+    _, g = zoo_graph("mlp")
+    fc1 = g.operator("fc1")
+    kernel = next(o for o in fc1.inputs if o.source.endswith("['fc1']['kernel']"))
+    x = next(o for o in fc1.inputs if o.kind == "batch")
+    # iteration dims: 0 batch, 1 out features, 2 in features (reduction)
+    assert kernel.dims == (2, 1)
+    assert x.dims == (0, 2)
+
+
+# --- every zoo model -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", models.names())
+def test_zoo_traces_and_evaluates(name):
+    w, g = zoo_graph(name)
+    assert not g.unsupported
+    # operators reflect layers, not equations
+    assert 3 <= len(g.operators) <= g.num_equations / 4
+    names = [op.name for op in g.operators]
+    assert len(set(names)) == len(names)
+    params = w.init_params(jax.random.key(0))
+    batch = w.make_batch(jax.random.key(1))
+    leaves = jax.tree.leaves((params, batch))
+    with jax.disable_jit():  # op by op: the same numbers, without compiling each model twice
+        got = g.evaluate(*leaves)
+        want = w.loss_fn(params, batch)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    # every activation edge goes forward
+    for i, j, operand in g.edges():
+        assert i < j, (g.operators[i].name, g.operators[j].name)
+    # every parameter is read by some operator
+    read = {p for op in g.operators for p in op.params}
+    assert read == {leaf.path for leaf in g.params}
+
+
+def test_nnx_twin_gives_the_same_graph():
+    _, lg = zoo_graph("mlp", "linen")
+    _, ng = zoo_graph("mlp", "nnx")
+
+    def signature(g):
+        return [(op.name, op.anchor, op.shape, op.roles, op.reduction_dims) for op in g.operators]
+
+    assert signature(lg)[:-1] == signature(ng)[:-1]  # all but the loss, named after the function
+    assert [op.shape for op in lg.operators] == [op.shape for op in ng.operators]
+
+
+# --- shard programs -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt2", "rnntc", "lenet"])
+def test_shard_programs_have_shard_shapes(name):
+    _, g = zoo_graph(name)
+    for op in g.operators:
+        degrees = tuple(2 if (r in "SP" and s % 2 == 0) else 1
+                        for r, s in zip(op.iteration_roles, op.iteration_sizes))
+        fn, avals = operator_fn(g, op.name, degrees)
+        out = jax.eval_shape(fn, *avals)[0]
+        want = tuple(s // degrees[d] if d is not None else s
+                     for s, d in zip(op.outputs[0].shape, op.outputs[0].dims))
+        assert out.shape == want, op.name
+        for operand, aval in zip(op.inputs, avals):
+            for size, shard, d in zip(operand.shape, aval.shape, operand.dims):
+                if d is not None:  # (an LSTM's H x 4H kernel splits both dims in the program)
+                    assert shard == size // degrees[d]
+
+
+def test_shard_program_computes_a_slice():
+    """Split over the output features, fc1's shard program computes those columns exactly."""
+    w, g = zoo_graph("mlp")
+    op = g.operator("fc1")
+    params = w.init_params(jax.random.key(0))
+    batch = w.make_batch(jax.random.key(1))
+    full_fn, _ = operator_fn(g, "fc1")
+    shard_fn, avals = operator_fn(g, "fc1", (1, 2, 1))
+    env = dict(zip([leaf.value for leaf in g.params + g.batch], jax.tree.leaves((params, batch))))
+    operands = [env[o.value] for o in op.inputs]
+    full = full_fn(*operands)[0]
+    sliced = [x[..., : a.shape[-1]] if o.dims[-1] == 1 else x
+              for x, a, o in zip(operands, avals, op.inputs)]
+    np.testing.assert_allclose(shard_fn(*sliced)[0], full[:, : op.shape[1] // 2], rtol=1e-6)
+
+
+# --- nested primitives and unknown ones ----------------------------------------------------------
+
+
+def test_nested_primitives_trace_and_evaluate():
+    @jax.custom_vjp
+    def f_vjp(x):
+        return jnp.sin(x)
+
+    f_vjp.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (g * c,))
+
+    @jax.custom_jvp
+    def f_jvp(x):
+        return jnp.tanh(x)
+
+    f_jvp.defjvp(lambda p, t: (jnp.tanh(p[0]), t[0] * (1 - jnp.tanh(p[0]) ** 2)))
+
+    def loss(w, x):
+        h = jax.jit(lambda a: a @ w)(x)
+        h = f_jvp(f_vjp(h))
+        h = jax.checkpoint(lambda z: jnp.sin(z) @ w.T)(h)
+        c, _ = jax.lax.scan(lambda carry, row: (carry + row, None), jnp.zeros(h.shape[1:]), h)
+        k = jax.lax.while_loop(lambda s: s[0] < 3, lambda s: (s[0] + 1, s[1] * 1.1), (0, c))[1]
+        return jax.lax.cond(k.sum() > 0, lambda q: q.sum(), lambda q: -q.sum(), k)
+
+    w = jax.random.normal(jax.random.key(0), (8, 16))
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    g = trace(loss, w, x)
+    anchors = {op.anchor for op in g.operators}
+    assert {"dot_general", "scan", "while", "cond"} <= anchors
+    got = jax.jit(lambda *f: g.evaluate(*f))(w, x)
+    np.testing.assert_allclose(got, loss(w, x), rtol=1e-6)
+
+
+def test_unknown_primitive_is_kept_replicate_only():
+    def loss(w, x):
+        vals, _ = jax.lax.top_k(x @ w, 3)
+        return vals.sum()
+
+    g = trace(loss, jnp.ones((8, 16)), jnp.ones((4, 8)))
+    assert g.unsupported == ("top_k",)
+    op = next(op for op in g.operators if op.anchor == "top_k")
+    assert op.replicate_only and op.divisible_dims == ()
+    assert "replicate-only" in g.table() and "top_k" in g.table()
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+def _loss(params, batch):
+    return (batch["x"] @ params["w"]).sum()
+
+
+PARAMS = {"w": jnp.ones((3, 2))}
+BATCH = {"x": jnp.ones((4, 3))}
+
+
+def test_no_batch_argument():
+    with pytest.raises(TraceError, match="needs a batch argument"):
+        trace(_loss, PARAMS, BATCH, batch_argnums=())
+
+
+def test_wrong_number_of_arguments():
+    with pytest.raises(TraceError, match=r"3 example argument\(s\) do not fit _loss\(params, batch\)"):
+        trace(_loss, PARAMS, BATCH, BATCH)
+
+
+def test_mismatched_shapes():
+    with pytest.raises(TraceError, match=r"tracing _loss with the example arguments .* failed: TypeError"):
+        trace(_loss, {"w": jnp.ones((5, 2))}, BATCH)
+
+
+def test_batch_sizes_disagree():
+    with pytest.raises(TraceError, match=r"batch leaf \['y'\] has batch size 5 .* but \['x'\] has 4"):
+        trace(lambda p, b: _loss(p, b) + b["y"].sum(), PARAMS, {"x": jnp.ones((4, 3)), "y": jnp.ones(5)})
+
+
+def test_scalar_batch_leaf():
+    with pytest.raises(TraceError, match=r"batch leaf \['n'\] .* is a scalar"):
+        trace(_loss, PARAMS, {"x": jnp.ones((4, 3)), "n": jnp.float32(1)})
+
+
+def test_argnum_out_of_range():
+    with pytest.raises(TraceError, match=r"batch_argnums=\(2,\) refers to argument 2, but 2 example"):
+        trace(_loss, PARAMS, BATCH, batch_argnums=2)
+
+
+def test_non_scalar_loss():
+    with pytest.raises(TraceError, match=r"must return a scalar loss, but returned \(float32\[4,2\]\)"):
+        trace(lambda p, b: b["x"] @ p["w"], PARAMS, BATCH)
+
+
+def test_unknown_model_on_the_command_line(capsys):
+    assert cli.main(["graph", "--model", "gtp2"]) == 2
+    assert "unknown model 'gtp2'" in capsys.readouterr().err
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+
+def test_graph_json(capsys):
+    assert cli.main(["graph", "--model", "mlp", "--config", "tiny", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"] == "mlp" and data["num_equations"] > len(data["operators"])
+    fc1 = data["operators"][0]
+    assert {"name", "anchor", "shape", "roles", "reduction_dims", "flops", "param_bytes",
+            "params"} <= set(fc1)
+    assert fc1["name"] == "fc1" and fc1["roles"] == "SP"
+    assert fc1["flops"] == 2 * 8 * 16 * 32 + 8 * 32 * 2  # matmul + bias add + relu, tiny config
+    assert {"src", "dst", "shape", "dtype"} <= set(data["tensors"][0])
+    assert data["tensors"][0]["src"] == "fc1" and data["tensors"][0]["dst"] == "fc2"
+
+
+def test_graph_table(capsys):
+    assert cli.main(["graph", "--model", "gpt2", "--config", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "layers_0/attn/query" in out and "[8S,8A,2P,16P]" in out
