@@ -1,0 +1,335 @@
+"""The execution optimizer: Metropolis-Hastings over strategies, scored by the simulator.
+
+As the FlexFlow paper (section 6): a proposal gives one operator, chosen uniformly at random,
+a config chosen uniformly at random from its SOAP space; delta simulation scores it; it is
+accepted with probability ``min(1, exp(beta * (cost(S) - cost(S*))))`` against the *current*
+strategy S. Every baseline (data parallel, Megatron, FSDP, the paper's experts) and some random
+strategies are initial candidates; each gets an equal share of the budget and stops early when
+its best has not improved for half of its share. The best strategy that fits in device memory
+over all chains is returned, so it is never worse than the best baseline.
+
+**beta.** Costs are step times, whose scale varies by orders of magnitude between models and
+clusters, so beta is set relative to the chain's starting cost c0: ``beta = ln 2 / (t * c0)``
+with temperature ``t = 0.02``: a proposal 2% slower than the current strategy is accepted half
+the time, one 10% slower about 3% of the time.
+
+**Memory.** A strategy that does not fit costs its step time times ``2 + 10 * overflow`` (its
+excess as a fraction of device memory), so chains can walk through it but prefer fitting
+strategies; only fitting strategies are ever recorded as the best.
+
+**Reproducibility.** With `SearchSettings.max_proposals` set, chains stop on proposal counts
+only (and on no improvement for half of them), so a seed gives the same plan on any machine;
+with a time budget alone the number of proposals depends on the machine's speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from soapjax.baselines import baselines as make_baselines
+from soapjax.graph import OpGraph
+from soapjax.simulate import Simulation
+from soapjax.space import Config, MeshShape, SpaceLimits, Strategy, configs
+
+Progress = Callable[[str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSettings:
+    """How to search.
+
+    Attributes:
+      budget_s: wall-clock budget for all chains together.
+      max_proposals: proposals per chain; when set, the budget is ignored (reproducible).
+      seed: the random seed.
+      num_random: random strategies added to the initial candidates.
+      temperature: the relative slowdown accepted with probability 1/2 (see module doc).
+      limits: restrictions of the SOAP space (e.g. no R splits, as in FlexFlow).
+    """
+
+    budget_s: float = 30.0
+    max_proposals: int | None = None
+    seed: int = 0
+    num_random: int = 1
+    temperature: float = 0.02
+    limits: SpaceLimits = SpaceLimits()
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["limits"] = dataclasses.asdict(self.limits)
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+    """The outcome of a search.
+
+    Attributes:
+      strategy: the best strategy found that fits in memory.
+      step_time_s: its simulated step time.
+      start: the initial candidate whose chain found it.
+      baselines: (name, simulated step time, fits in memory) of every baseline.
+      proposals: proposals simulated, all chains.
+      accepted: proposals accepted.
+      search_time_s: wall-clock time of the search.
+      history: (seconds since the start, best step time so far) at each improvement.
+    """
+
+    strategy: Strategy
+    step_time_s: float
+    start: str
+    baselines: tuple[tuple[str, float, bool], ...]
+    proposals: int
+    accepted: int
+    search_time_s: float
+    history: tuple[tuple[float, float], ...]
+
+    def baseline_times(self) -> dict[str, float]:
+        return {name: t for name, t, _ in self.baselines}
+
+
+def _cost(sim: Simulation) -> float:
+    t = sim.step_time()
+    cap = sim.topology.device.memory_bytes
+    over = sim.peak_memory_bytes() / cap - 1.0
+    return t if over <= 0 else t * (2.0 + 10.0 * over)
+
+
+def random_strategy(graph: OpGraph, mesh: MeshShape, rng: np.random.Generator,
+                    limits: SpaceLimits = SpaceLimits()) -> Strategy:
+    """A config for every operator drawn uniformly from its SOAP space."""
+    return Strategy(tuple(_pick(configs(op, mesh, limits), rng) for op in graph.operators))
+
+
+def _pick(choices, rng):
+    return choices[int(rng.integers(len(choices)))]
+
+
+class _Searcher:
+    """One search: the simulation, the SOAP spaces, the chains."""
+
+    def __init__(self, sim: Simulation, settings: SearchSettings, progress: Progress | None):
+        self.sim = sim
+        self.settings = settings
+        self.progress = progress
+        self.rng = np.random.default_rng(settings.seed)
+        mesh = MeshShape.of(sim.topology)
+        self.spaces = [configs(op, mesh, settings.limits) for op in sim.graph.operators]
+        self.movable = [i for i, s in enumerate(self.spaces) if len(s) > 1]
+        self.proposals = self.accepted = 0
+        self.best: tuple[float, Strategy, str] | None = None
+        self.t0 = time.perf_counter()
+        self.history: list[tuple[float, float]] = []
+        self._last_print = 0.0
+        self._t_best = 0.0  # when the current chain last improved, seconds after its start
+
+    def record(self, name: str) -> None:
+        if not self.sim.fits_in_memory():
+            return
+        t = self.sim.step_time()
+        if self.best is None or t < self.best[0]:
+            self.best = (t, self.sim.strategy, name)
+            self.history.append((time.perf_counter() - self.t0, t))
+
+    def chain(self, name: str, start: Strategy, deadline: float) -> None:
+        """Metropolis-Hastings from `start` until the deadline or proposal budget."""
+        sim, rng, s = self.sim, self.rng, self.settings
+        sim.reset(start)
+        self.record(name)
+        if not self.movable:
+            return
+        current = _cost(sim)
+        beta = math.log(2.0) / (s.temperature * current)
+        self._t_best = 0.0
+        best_here, since_best, n = current, 0, 0
+        t_start = time.perf_counter()
+        while True:
+            if s.max_proposals is not None:
+                if n >= s.max_proposals or since_best >= max(1, s.max_proposals // 2):
+                    break
+            else:
+                now = time.perf_counter()
+                if now >= deadline or (now - t_start) - self._t_best >= (deadline - t_start) / 2:
+                    break
+            i = self.movable[int(rng.integers(len(self.movable)))]
+            config = _pick(self.spaces[i], rng)
+            n += 1
+            self.proposals += 1
+            sim.propose(i, config)
+            new = _cost(sim)
+            if new <= current or rng.random() < math.exp(beta * (current - new)):
+                sim.accept()
+                self.accepted += 1
+                current = new
+                if new < best_here:
+                    best_here, since_best = new, 0
+                    self._t_best = time.perf_counter() - t_start
+                    self.record(name)
+                else:
+                    since_best += 1
+            else:
+                sim.reject()
+                since_best += 1
+            self._report(name)
+
+    def _report(self, name: str, force: bool = False) -> None:
+        if self.progress is None:
+            return
+        now = time.perf_counter()
+        if not force and now - self._last_print < 0.5:
+            return
+        self._last_print = now
+        elapsed = now - self.t0
+        best = f"{self.best[0] * 1e3:.3f} ms" if self.best else "none fits yet"
+        self.progress(f"search: {elapsed:5.1f}s  chain {name:<14}  best {best}  "
+                      f"{self.proposals} proposals ({self.proposals / max(elapsed, 1e-9):,.0f}/s)")
+
+
+def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
+           settings: SearchSettings = SearchSettings(), family: str | None = None,
+           opt_state_factor: float = 2.0, progress: Progress | None = None) -> SearchResult:
+    """Searches for the fastest strategy of `graph` on `topology` that fits in memory.
+
+    Args:
+      graph: the operator graph (`soapjax.trace`).
+      topology: the cluster (`soapjax.load_topology`).
+      cost_model: operator times (default: `soapjax.cost.cost_model(graph, topology)`).
+      resharder: resharding collectives (default: `soapjax.reshard.Resharder`, ideal model).
+      settings: budget, seed, space limits.
+      family: "cnn", "rnn", ... to choose the paper's expert strategy (None: both).
+      opt_state_factor: optimizer state bytes per parameter byte (2 for Adam).
+      progress: called with a one-line status about twice a second.
+
+    Returns:
+      The best strategy found, with the baselines' times.
+
+    Raises:
+      ValueError: no strategy at all fits in memory (not even the baselines or what the
+        search visited); the message gives the smallest peak found.
+    """
+    sim = make_simulation(graph, topology, cost_model=cost_model, resharder=resharder,
+                          opt_state_factor=opt_state_factor)
+    searcher = _Searcher(sim, settings, progress)
+    starts = dict(make_baselines(graph, topology, family))
+    mesh = MeshShape.of(topology)
+    for k in range(settings.num_random):
+        starts[f"random-{k}"] = random_strategy(graph, mesh, searcher.rng, settings.limits)
+    scored = []
+    for name, strategy in starts.items():
+        sim.reset(strategy)
+        scored.append((name, sim.step_time(), sim.fits_in_memory()))
+        searcher.record(name)
+    share = settings.budget_s / len(starts)
+    for k, name in enumerate(starts):
+        searcher.chain(name, starts[name], searcher.t0 + share * (k + 1))
+    searcher._report("done", force=True)
+    if searcher.best is None:
+        raise ValueError(f"no strategy found for {graph.name!r} on {topology.name!r} fits in "
+                         f"{topology.device.memory_bytes / 2**30:.1f} GiB per device")
+    t, strategy, name = searcher.best
+    return SearchResult(strategy=strategy, step_time_s=t, start=name,
+                        baselines=tuple((n, st, f) for n, st, f in scored if not n.startswith("random")),
+                        proposals=searcher.proposals, accepted=searcher.accepted,
+                        search_time_s=time.perf_counter() - searcher.t0,
+                        history=tuple(searcher.history))
+
+
+def make_simulation(graph: OpGraph, topology, *, cost_model=None, resharder=None,
+                    strategy: Strategy | None = None, opt_state_factor: float = 2.0) -> Simulation:
+    """A `Simulation` with the default cost model and resharder where none are given."""
+    from soapjax.cost import cost_model as make_cost_model
+    from soapjax.reshard import Resharder
+    from soapjax.space import data_parallel
+
+    mesh = MeshShape.of(topology)
+    cost_model = cost_model if cost_model is not None else make_cost_model(graph, topology)
+    resharder = resharder if resharder is not None else Resharder(mesh, mode="ideal")
+    strategy = strategy if strategy is not None else data_parallel(graph, mesh)
+    return Simulation(graph, topology, cost_model, resharder, strategy,
+                      opt_state_factor=opt_state_factor)
+
+
+# --- optimality checks (paper section 8.4) ----------------------------------------------------
+
+
+def exhaustive(sim: Simulation, limits: SpaceLimits = SpaceLimits(), *,
+               max_leaves: int = 2_000_000) -> tuple[Strategy, float]:
+    """The global optimum by branch and bound over every strategy.
+
+    Operators are assigned in order, each trying its configs from the least compute up. The
+    bound is valid because all compute tasks share one stream: a strategy's step time is at
+    least the forward and backward compute of every operator, so a partial assignment whose
+    compute plus the least compute of the unassigned operators reaches the best step time found
+    cannot lead to a better one. Leaves are scored by delta simulation from the previous leaf.
+
+    Raises:
+      ValueError: the space has more than `max_leaves` strategies.
+    """
+    mesh = MeshShape.of(sim.topology)
+    spaces = [configs(op, mesh, limits) for op in sim.graph.operators]
+    size = math.prod(len(s) for s in spaces)
+    if size > max_leaves:
+        raise ValueError(f"the space has {size:,} strategies, over max_leaves={max_leaves:,}; "
+                         "exhaustive search is for small models and meshes")
+    cm = sim.cost_model
+    compute = [[(lambda t: t.forward_s + t.backward_s)(cm.op_time(i, c)) for c in s]
+               for i, s in enumerate(spaces)]
+    order = [sorted(range(len(s)), key=lambda k, i=i: compute[i][k]) for i, s in enumerate(spaces)]
+    floor = [min(c) for c in compute]
+    rest = [sum(floor[i:]) for i in range(len(spaces) + 1)]
+    best: list = [math.inf, None]
+
+    def visit(i: int, spent: float) -> None:
+        if spent + rest[i] >= best[0]:
+            return
+        if i == len(spaces):
+            if sim.fits_in_memory() and sim.step_time() < best[0]:
+                best[0], best[1] = sim.step_time(), sim.strategy
+            return
+        before = sim.strategy[i]
+        for k in order[i]:
+            if spent + compute[i][k] + rest[i + 1] >= best[0]:
+                break  # configs are sorted by compute: the rest bound no better
+            sim.propose(i, spaces[i][k])
+            sim.accept()
+            visit(i + 1, spent + compute[i][k])
+        sim.propose(i, before)
+        sim.accept()
+
+    visit(0, 0.0)
+    if best[1] is None:
+        raise ValueError("no strategy fits in memory")
+    return best[1], best[0]
+
+
+def improving_change(sim: Simulation, limits: SpaceLimits = SpaceLimits(), *,
+                     rtol: float = 1e-9) -> tuple[int, Config, float] | None:
+    """A single-operator change that makes the current strategy faster (and fits), or None.
+
+    None means the strategy is a local optimum of the SOAP space (paper section 8.4).
+    """
+    mesh = MeshShape.of(sim.topology)
+    base = sim.step_time()
+    for i, op in enumerate(sim.graph.operators):
+        current = sim.strategy[i]
+        for c in configs(op, mesh, limits):
+            if c == current:
+                continue
+            t = sim.propose(i, c)
+            fits = sim.fits_in_memory()
+            sim.reject()
+            if fits and t < base * (1 - rtol):
+                return i, c, t
+    return None
+
+
+def print_progress(line: str) -> None:
+    """A progress callback that rewrites one line on stderr."""
+    sys.stderr.write("\r" + line[:120].ljust(120))
+    sys.stderr.flush()

@@ -1,0 +1,269 @@
+"""soapjax.hlo: collectives read from compiled HLO text."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from soapjax import hlo
+from soapjax.space import MeshShape
+
+MESH_4x2 = MeshShape(("data", "model"), (4, 2))
+MESH_2x4 = MeshShape(("data", "model"), (2, 4))
+
+
+def _one(text: str, mesh=MESH_4x2, **kw) -> hlo.HloCollective:
+    (c,) = hlo.collectives(text, mesh, **kw)
+    return c
+
+
+# --- the three replica_groups formats ------------------------------------------------------------
+
+GROUPS = [
+    pytest.param(
+        "{{0,1},{2,3},{4,5},{6,7}}", ((0, 1), (2, 3), (4, 5), (6, 7)), ("model",), id="list"
+    ),
+    pytest.param("[4,2]<=[8]", ((0, 1), (2, 3), (4, 5), (6, 7)), ("model",), id="iota"),
+    pytest.param(
+        "[2,4]<=[4,2]T(1,0)", ((0, 2, 4, 6), (1, 3, 5, 7)), ("data",), id="iota-transposed"
+    ),
+    pytest.param(
+        "mesh['axis_0'=4,'axis_1'=1,'axis_2'=2] {'axis_0'}",
+        ((0, 2, 4, 6), (1, 3, 5, 7)),
+        ("data",),
+        id="mesh",
+    ),
+    pytest.param(
+        "mesh['axis_0'=4,'axis_1'=2] {'axis_0','axis_1'}",
+        ((0, 1, 2, 3, 4, 5, 6, 7),),
+        ("data", "model"),
+        id="mesh-two-axes",
+    ),
+    pytest.param(
+        "mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_1'}",
+        ((0, 2, 4, 6), (1, 3, 5, 7)),
+        ("data",),
+        id="mesh-device-ids",
+    ),
+    # 'axis_0':(2)2 is the minor factor 2 of axis_0 = [2 (pre), 2]: half of data.
+    pytest.param(
+        "mesh['axis_0'=4,'axis_1'=2] {'axis_0':(2)2}",
+        ((0, 2), (1, 3), (4, 6), (5, 7)),
+        ("data",),
+        id="mesh-sub-axis",
+    ),
+    pytest.param(
+        "mesh['axis_0'=4,'axis_1'=2] {'axis_0':(1)2}",
+        ((0, 4), (1, 5), (2, 6), (3, 7)),
+        ("data",),
+        id="mesh-major-sub-axis",
+    ),
+]
+
+
+@pytest.mark.parametrize("text, groups, axes", GROUPS)
+def test_replica_group_formats(text, groups, axes):
+    line = (
+        f"  %ar = f32[16,32]{{1,0}} all-reduce(%p), channel_id=1, replica_groups={text}, "
+        "use_global_device_ids=true, to_apply=%add"
+    )
+    c = _one(line)
+    assert c.kind == "all-reduce"
+    assert c.replica_groups == groups
+    assert c.axes == axes
+    assert c.nbytes == 16 * 32 * 4
+    assert c.shapes == ("f32[16,32]",)
+    assert hlo.parse_replica_groups(text) == groups
+
+
+def test_mesh_form_with_permuted_devices_and_sub_axis():
+    # Printed by XLA for P('data','model') -> P('model','data') on mesh (data=2, model=4):
+    # the groups are pairs of neighbours along model, half of that axis.
+    text = "mesh['axis_0'=4,'axis_1'=2], device_ids=([2,2,2]T(0,2,1)) {'axis_0':(2)2}"
+    assert hlo.parse_replica_groups(text) == ((0, 1), (2, 3), (4, 5), (6, 7))
+    line = (
+        f"%a2a = (f32[1,16,256]{{2,1,0}}, f32[1,16,256]{{2,1,0}}) all-to-all(%x, %y), "
+        f"channel_id=1, replica_groups={text}"
+    )
+    c = _one(line, MESH_2x4)
+    assert (c.axes, c.group_size, c.nbytes) == (("model",), 2, 2 * 16 * 256 * 4)
+
+
+def test_empty_replica_groups_mean_every_device():
+    text = (
+        "HloModule jit_f, num_partitions=8\n\nENTRY %main {\n"
+        "  ROOT %ar = f32[4]{0} all-reduce(%p), replica_groups={}, to_apply=%add\n}\n"
+    )
+    c = _one(text)
+    assert c.replica_groups == (tuple(range(8)),)
+    assert c.axes == ("data", "model")
+
+
+def test_unknown_replica_group_format_is_an_error():
+    with pytest.raises(ValueError, match=r"replica_groups in an unknown format: 'devices=\[8\]"):
+        hlo.parse_replica_groups("devices=[8]0,1")
+
+
+def test_explicit_device_ids():
+    # HLO that numbers the devices of the (data=4, model=2) mesh column-major.
+    ids = np.arange(8).reshape(2, 4).T
+    c = _one("%ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1,2,3},{4,5,6,7}}", device_ids=ids)
+    assert c.axes == ("data",)
+
+
+# --- shapes, bytes and async pairs ---------------------------------------------------------------
+
+
+def test_tuple_all_to_all_with_index_comments():
+    parts = ", ".join(("/*index=5*/" if i == 5 else "") + "f32[8,1,128]{2,1,0}" for i in range(8))
+    line = (
+        f"%all-to-all.1 = ({parts}) all-to-all(%a, %b, %c, %d, %e, /*index=5*/%f, %g, %h), "
+        "channel_id=1, replica_groups=[1,8]<=[8]"
+    )
+    c = _one(line)
+    assert c.shapes == ("f32[8,1,128]",) * 8
+    assert c.nbytes == 8 * 8 * 128 * 4
+    assert c.axes == ("data", "model")
+
+
+ASYNC = """
+ENTRY %main {
+  %p = f32[16,32]{1,0} parameter(0)
+  %ags = (f32[16,32]{1,0}, f32[64,32]{1,0}) all-gather-start(%p), channel_id=1, replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}
+  %agd = f32[64,32]{1,0} all-gather-done(%ags)
+  %ars = bf16[64,32]{1,0} all-reduce-start(%agd), channel_id=2, replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add
+  %ard = bf16[64,32]{1,0} all-reduce-done(%ars)
+  %cps = (bf16[64,32]{1,0}, bf16[64,32]{1,0}, u32[], u32[]) collective-permute-start(%ard), channel_id=3, source_target_pairs={{0,2},{2,0},{1,3},{3,1}}
+  ROOT %cpd = bf16[64,32]{1,0} collective-permute-done(%cps)
+}
+"""
+
+
+def test_async_pairs_count_once_with_their_outputs():
+    cs = hlo.collectives(ASYNC, MESH_4x2)
+    assert [(c.kind, c.nbytes, c.axes) for c in cs] == [
+        ("all-gather", 64 * 32 * 4, ("data",)),  # the output of the (input, output) tuple
+        ("all-reduce", 64 * 32 * 2, ("model",)),
+        ("collective-permute", 64 * 32 * 2, ("data",)),
+    ]
+    assert cs[2].source_target_pairs == ((0, 2), (2, 0), (1, 3), (3, 1))
+    assert hlo.summarize(cs) == {
+        "all-gather": (1, 8192),
+        "all-reduce": (1, 4096),
+        "collective-permute": (1, 4096),
+    }
+
+
+GPU_ASYNC = """
+%wrapped_reduce_scatter (p: f32[16,4]) -> f32[4,4] {
+  %p = f32[16,4]{1,0} parameter(0)
+  ROOT %rs = f32[4,4]{1,0} reduce-scatter(%p), replica_groups={{0,2,4,6},{1,3,5,7}}, dimensions={0}
+}
+
+ENTRY %main (x: f32[16,4]) -> f32[8,4] {
+  %x = f32[16,4]{1,0} parameter(0)
+  %async-start = ((f32[16,4]{1,0}), f32[4,4]{1,0}, s32[]) async-start(%x), calls=%wrapped_reduce_scatter
+  %async-done = f32[4,4]{1,0} async-done(%async-start)
+  %a2a-start = ((f32[4,4]{1,0}), f32[4,4]{1,0}) all-to-all-start(%async-done), replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}
+  ROOT %a2a-done = f32[4,4]{1,0} all-to-all-done(%a2a-start)
+}
+"""
+
+
+def test_gpu_async_wrappers_count_once():
+    cs = hlo.collectives(GPU_ASYNC, MESH_4x2)
+    assert [(c.kind, c.nbytes, c.axes) for c in cs] == [
+        ("reduce-scatter", 16 * 4 * 4, ("data",)),  # the wrapped instruction, its input
+        ("all-to-all", 4 * 4 * 4, ("model",)),  # the output half of the -start tuple
+    ]
+
+
+def test_reduce_scatter_counts_its_input():
+    c = _one(
+        "%rs = f32[4,32]{1,0} reduce-scatter(%x), channel_id=1, "
+        "replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}, to_apply=%add"
+    )
+    assert c.nbytes == 4 * 32 * 4 * 4
+    assert c.axes == ("data",)
+
+
+def test_without_a_mesh_axes_are_none():
+    (c,) = hlo.collectives("%ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1}}")
+    assert c.axes is None and c.replica_groups == ((0, 1),)
+
+
+SLICED = """
+%fused_slice (param_0: f32[32,1024], param_1: s32[]) -> f32[32,256] {
+  %param_0 = f32[32,1024]{1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  ROOT %ds = f32[32,256]{1,0} dynamic-slice(%param_0, %c, %param_1), dynamic_slice_sizes={32,256}
+}
+
+ENTRY %main (p: f32[32,1024]) -> f32[32,256] {
+  %p = f32[32,1024]{1,0} parameter(0)
+  %pid = u32[] partition-id()
+  %all-reduce = f32[32,1024]{1,0} all-reduce(%p), replica_groups=[2,4]<=[8], to_apply=%add
+  ROOT %f = f32[32,256]{1,0} fusion(%all-reduce, %pid), kind=kLoop, calls=%fused_slice
+}
+"""
+
+
+def test_all_reduce_then_slice_reads_as_reduce_scatter_on_request():
+    raw = _one(SLICED, MESH_2x4)
+    assert (raw.kind, raw.nbytes, raw.axes) == ("all-reduce", 32 * 1024 * 4, ("model",))
+    fused = _one(SLICED, MESH_2x4, reduce_scatter_from_slices=True)
+    assert (fused.kind, fused.nbytes, fused.axes) == ("reduce-scatter", 32 * 1024 * 4, ("model",))
+    assert fused.shapes == ("f32[32,256]",)  # what a reduce-scatter instruction would return
+    # A slice that is not 1/group_size of the result stays an all-reduce.
+    other = SLICED.replace("f32[32,256]", "f32[16,256]")
+    assert _one(other, MESH_2x4, reduce_scatter_from_slices=True).kind == "all-reduce"
+
+
+# --- real compiled HLO ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    devices = np.array(jax.devices()[:8]).reshape(2, 4)
+    return Mesh(devices, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+def _compiled(mesh, src, dst, shape=(64, 1024)):
+    f = jax.jit(
+        lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, dst)),
+        in_shardings=NamedSharding(mesh, src),
+    )
+    return f.lower(jax.ShapeDtypeStruct(shape, jnp.float32)).compile().as_text()
+
+
+def test_compiled_all_to_all(mesh):
+    cs = hlo.collectives(_compiled(mesh, P("model", None), P(None, "model")), mesh)
+    assert [(c.kind, c.nbytes, c.axes, c.group_size) for c in cs] == [
+        ("all-to-all", 64 * 1024 * 4 // 4, ("model",), 4)
+    ]
+    assert cs[0].shapes == ("f32[16,1,256]",) * 4
+
+
+def test_compiled_permute_and_partial_all_gather(mesh):
+    cs = hlo.collectives(_compiled(mesh, P("model", None), P("data", None)), mesh)
+    assert hlo.summarize(cs) == {"collective-permute": (1, 65536), "all-gather": (1, 131072)}
+    assert [(c.kind, c.axes, c.group_size) for c in cs] == [
+        ("collective-permute", ("data", "model"), 2),
+        ("all-gather", ("model",), 2),
+    ]
+
+
+def test_compiled_with_a_permuted_device_order_reads_the_same(mesh):
+    # Ids in compiled HLO are positions in the mesh, whatever devices sit there.
+    shuffled = Mesh(
+        mesh.devices.flat[[3, 1, 0, 2, 7, 5, 6, 4]].reshape(2, 4),
+        mesh.axis_names,
+        axis_types=(AxisType.Auto,) * 2,
+    )
+    cs = hlo.collectives(_compiled(shuffled, P(None, "model"), P()), shuffled)
+    assert [(c.kind, c.nbytes, c.axes) for c in cs] == [("all-gather", 262144, ("model",))]
