@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 plan: $(STAMP)
-	$(BIN)/soapjax graph --model gpt2
+	$(BIN)/soapjax plan
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -197,7 +197,263 @@ def _cmd_mesh_show(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- calibrate, profile -------------------------------------------------------------------------
+
+
+def _add_calibrate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="compare a measured training step with the sum of its measured operator times",
+        description="On the local backend, time a zoo model's whole unsharded training step "
+        "(one jitted program, many repetitions) and the sum of its operators' measured forward "
+        "and backward times and its optimizer updates (the cost model's parts); print both "
+        "and the error. Operator times come from (and fill) the cost cache.",
+    )
+    p.add_argument("--model", default="mlp", help="registry name, or 'all' for the whole zoo")
+    p.add_argument("--config", default="tiny", help="model config (default: %(default)s)")
+    p.add_argument("--cache-dir", default=None, help="cost cache (default: $SOAPJAX_CACHE_DIR "
+                   "or ~/.cache/soapjax/costs)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_cmd_calibrate)
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    import models
+    from soapjax import cost
+
+    names = models.names() if args.model == "all" else (args.model,)
+    rows = []
+    if not args.json:
+        print(f"{'model':<14}{'config':<9}{'ops':>5}{'step ms':>10}{'sum ms':>10}{'fwd':>9}"
+              f"{'bwd':>9}{'update':>9}{'error':>8}")
+    for name in names:
+        c = cost.calibrate(models.get(name, args.config), cache_dir=args.cache_dir)
+        rows.append({**c._asdict(), "sources": dict(c.sources), "predicted_s": c.predicted_s,
+                     "error": c.error})
+        if not args.json:
+            print(f"{c.model:<14}{c.config:<9}{c.num_operators:>5}{c.step_s * 1e3:>10.3f}"
+                  f"{c.predicted_s * 1e3:>10.3f}{c.forward_s * 1e3:>9.3f}{c.backward_s * 1e3:>9.3f}"
+                  f"{c.update_s * 1e3:>9.3f}{c.error:>+8.0%}", flush=True)
+    if args.json:
+        _print_json(rows)
+    return 0
+
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "profile",
+        help="measure every operator shard shape the search can visit (fills the cost cache)",
+        description="Price every config of every operator of a model on a topology's mesh: "
+        "measure each distinct shard program (by signature) on the local backend when it "
+        "matches the topology, or use the analytic roofline when it does not.",
+    )
+    p.add_argument("--model", default="gpt2", help="registry name (see `soapjax models`)")
+    p.add_argument("--config", default="default", help="model config, e.g. default or tiny")
+    p.add_argument("--mesh", default="cpu8", help="a shipped topology or a .toml path")
+    p.add_argument("--mode", default="auto", choices=("auto", "measured", "analytic"),
+                   help="how to price operators (default: measured if the devices are here)")
+    p.add_argument("--cache-dir", default=None, help="cost cache (default: $SOAPJAX_CACHE_DIR "
+                   "or ~/.cache/soapjax/costs)")
+    p.set_defaults(func=_cmd_profile)
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    import models
+    from soapjax import cost, graph, topology
+
+    w = models.get(args.model, args.config)
+    g = graph.trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    topo = topology.load_topology(args.mesh)
+    costs = cost.cost_model(g, topo, mode=args.mode, cache_dir=args.cache_dir,
+                            optimizer=w.optimizer)
+
+    def progress(p: cost.ProfileProgress) -> None:
+        sys.stderr.write(f"\r{p.done}/{p.total} shard programs, {p.distinct} distinct, "
+                         f"{p.measured} measured, {p.elapsed_s:.1f}s")
+        sys.stderr.flush()
+
+    r = costs.profile(progress=progress)
+    sys.stderr.write("\n")
+    print(f"{w.name} ({args.config}) on {topo.name}: {costs.source} costs; {r.pairs} "
+          f"(operator, config) pairs, {r.shard_programs} shard programs, {r.distinct} distinct "
+          f"signatures; {r.measured} measured now, {r.fallbacks} fallbacks; {r.seconds:.1f}s")
+    return 0
+
+
+# --- simulate -----------------------------------------------------------------------------------
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="predict a strategy's training step time, communication and memory per device",
+        description="Simulate one training step of a zoo model under a strategy on a topology "
+        "(FlexFlow's execution simulator on one SPMD program): forward, backward, gradient "
+        "synchronisation and optimizer-update tasks on the compute stream, collectives on the "
+        "topology's links. Prints the step time, its breakdown, bytes moved per link class and "
+        "peak memory per device; --trace writes the timeline for Perfetto / chrome://tracing.",
+    )
+    p.add_argument("--model", default="gpt2", help="registry name (see `soapjax models`)")
+    p.add_argument("--config", default="default", help="model config, e.g. default or tiny")
+    p.add_argument("--mesh", default="cpu8", help="a shipped topology or a .toml path")
+    p.add_argument("--strategy", default="data-parallel",
+                   help='"data-parallel" or a JSON plan: {"configs": {operator: [[axes of dim '
+                   '0], ...]}, "zero_axes": [...]} (default: %(default)s)')
+    p.add_argument("--costs", default="auto", choices=("auto", "measured", "analytic"),
+                   help="operator times: measured on this backend or the analytic roofline "
+                   "(default: measured if the topology's devices are here)")
+    p.add_argument("--reshard", default="xla", choices=("xla", "ideal"),
+                   help="which collectives a resharding costs: compiled by XLA (cached) or the "
+                   "ideal model (default: %(default)s)")
+    p.add_argument("--trace", metavar="OUT.json", help="write the timeline as Chrome trace JSON")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=_cmd_simulate)
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    import models
+    from soapjax import cost, graph, reshard, simulate, space, topology
+
+    w = models.get(args.model, args.config)
+    g = graph.trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    topo = topology.load_topology(args.mesh)
+    mesh = space.MeshShape.of(topo)
+    strategy = simulate.parse_strategy(g, mesh, args.strategy)
+    costs = cost.cost_model(g, topo, mode=args.costs, optimizer=w.optimizer)
+    factor = simulate.opt_state_factor(w.optimizer, w.abstract_params())
+    with reshard.Resharder(mesh, mode=args.reshard) as resharder:
+        r = simulate.Simulation(g, topo, costs, resharder, strategy,
+                                opt_state_factor=factor).result()
+    if args.trace:
+        with open(args.trace, "w") as f:
+            json.dump(r.to_chrome_trace(), f)
+    if args.json:
+        _print_json(r.to_json())
+        return 0
+    def size(n: float) -> str:
+        unit = next((u for u, v in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if n >= v), "B")
+        return f"{n / {'GB': 1e9, 'MB': 1e6, 'kB': 1e3, 'B': 1}[unit]:.4g} {unit}"
+
+    m = r.memory
+    links = ", ".join(f"{k} {size(v)}" for k, v in r.bytes_by_link_class.items()) or "none"
+    print(f"{w.name} ({args.config}) on {topo.name} ({r.num_devices} devices), {args.strategy}:")
+    print(f"  step time  {r.step_time_s * 1e3:.4g} ms = compute {r.compute_s * 1e3:.4g} ms + "
+          f"exposed communication {r.exposed_comm_s * 1e3:.4g} ms ({r.cost_source} costs)")
+    print(f"  sent       {size(r.bytes_moved)} per device ({links})")
+    print(f"  memory     {size(m.total)} per device of {size(r.memory_capacity_bytes)}: "
+          f"{'fits' if r.fits_in_memory else 'DOES NOT FIT'} (params {size(m.params)}, grads "
+          f"{size(m.grads)}, optimizer {size(m.opt_state)}, activations {size(m.activations)}, "
+          f"communication buffers {size(m.comm_buffers)})")
+    if args.trace:
+        print(f"  trace      {args.trace} ({len(r.tasks)} tasks; open in https://ui.perfetto.dev)")
+    return 0
+
+
 # --- entry point --------------------------------------------------------------------------------
+
+
+# --- plan ---------------------------------------------------------------------------------------
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="search for a fast sharding of a model on a cluster and write a plan file",
+        description="Trace a zoo model, search its SOAP space on a cluster topology with MCMC "
+        "(scored by the execution simulator), print the plan against every baseline (data "
+        "parallel, Megatron, FSDP, the paper's experts) and write it as JSON. With no "
+        "arguments: GPT-2 small on one DGX H100 (analytic costs, since no H100 is attached).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  soapjax plan\n  soapjax plan --model nmt --mesh k80x64 --budget 60"
+        "\n  soapjax plan --model mlp --config tiny --mesh cpu8 --costs measured --out mlp.json",
+    )
+    p.add_argument("--model", default="gpt2", help="registry name (default: %(default)s)")
+    p.add_argument("--config", default="default", help="model config (default: %(default)s)")
+    p.add_argument("--mesh", default="dgx-h100x8", help="topology name or TOML path "
+                   "(default: %(default)s; see `soapjax meshes`)")
+    p.add_argument("--budget", type=float, default=20.0, help="search time in seconds "
+                   "(default: %(default)s)")
+    p.add_argument("--proposals", type=int, default=None, help="proposals per chain instead "
+                   "of a time budget: the same plan on any machine")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    p.add_argument("--costs", default="auto", choices=("auto", "measured", "analytic"),
+                   help="operator times: measured on the local backend, or the roofline of the "
+                   "topology's device (auto: measured when the topology's devices are attached)")
+    p.add_argument("--reshard", default="ideal", choices=("ideal", "xla"),
+                   help="resharding collectives: an ideal model, or what XLA compiles "
+                   "(slower the first time; cached)")
+    p.add_argument("--no-reduction", action="store_true",
+                   help="never split reduction dims (FlexFlow's own space)")
+    p.add_argument("--out", default=None, help="plan file to write "
+                   "(default: plans/MODEL-CONFIG-MESH.json)")
+    p.add_argument("--trace", default=None, help="write the plan's simulated timeline as "
+                   "Chrome trace JSON (open in Perfetto or chrome://tracing)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the report")
+    p.set_defaults(func=_cmd_plan)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import time
+
+    import models
+    from soapjax import graph as graph_mod
+    from soapjax.cost import cost_model
+    from soapjax.plan import Plan
+    from soapjax.report import plan_report
+    from soapjax.reshard import Resharder
+    from soapjax.search import SearchSettings, make_simulation, print_progress, search
+    from soapjax.simulate import opt_state_factor
+    from soapjax.space import MeshShape, SpaceLimits
+    from soapjax.topology import load_topology
+
+    w = models.get(args.model, args.config)
+    topo = load_topology(args.mesh)
+    t0 = time.perf_counter()
+    g = graph_mod.trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    cm = cost_model(g, topo, mode=args.costs, optimizer=w.optimizer)
+    resharder = Resharder(MeshShape.of(topo), mode=args.reshard)
+    factor = opt_state_factor(w.optimizer, w.abstract_params())
+    settings = SearchSettings(budget_s=args.budget, max_proposals=args.proposals, seed=args.seed,
+                              limits=SpaceLimits(allow_reduction=not args.no_reduction))
+    progress = None if args.json else print_progress
+    result = search(g, topo, cost_model=cm, resharder=resharder, settings=settings,
+                    family=w.family, opt_state_factor=factor, progress=progress)
+    if progress:
+        sys.stderr.write("\n")
+    sim = make_simulation(g, topo, cost_model=cm, resharder=resharder, strategy=result.strategy,
+                          opt_state_factor=factor).result()
+    search_info = settings.to_json() | {
+        "proposals": result.proposals, "accepted": result.accepted,
+        "search_time_s": result.search_time_s, "best_from": result.start}
+    plan = Plan.make(g, topo, result.strategy, model_config=args.config,
+                     predicted=sim.to_json(), cost_source=cm.source, search=search_info,
+                     baselines=result.baseline_times())
+    out = plan.save(args.out or f"plans/{args.model}-{args.config}-{topo.name}.json")
+    if args.trace:
+        with open(args.trace, "w") as f:
+            json.dump(sim.to_chrome_trace(), f)
+    if args.json:
+        _print_json({"step_time_s": sim.step_time_s, "baselines": result.baseline_times(),
+                     "search_time_s": result.search_time_s, "proposals": result.proposals,
+                     "fits_in_memory": sim.fits_in_memory, "plan_file": str(out),
+                     "cost_source": cm.source, "bytes_moved": sim.bytes_moved,
+                     "peak_memory_bytes": list(sim.peak_memory_bytes)})
+        return 0
+    costs = {"analytic": "analytic (roofline of the topology's device specs; its devices "
+                         "are not attached)", "measured": "measured on the local backend"}
+    header = [
+        f"soapjax plan: {w.name} ({args.config}, batch {w.batch_size}) on {topo.name} "
+        f"({topo.num_devices} x {topo.device.kind}, mesh "
+        + ", ".join(f"{a}={n}" for a, n in zip(topo.axis_names, topo.axis_sizes)) + ")",
+        f"costs: {costs.get(cm.source, cm.source)}; resharding: {args.reshard}",
+        f"{len(g.operators)} operators; searched {result.search_time_s:.1f} s, "
+        f"{result.proposals:,} proposals ({result.proposals / max(result.search_time_s, 1e-9):,.0f}/s), "
+        f"seed {args.seed}; best found from the '{result.start}' start "
+        f"(total {time.perf_counter() - t0:.1f} s)",
+    ]
+    print(plan_report(g, topo, result.strategy, sim, baselines=result.baselines, header=header))
+    print(f"plan written to {out}" + (f"; timeline to {args.trace}" if args.trace else ""))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -210,7 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for add in (_add_models, _add_graph, _add_meshes, _add_mesh):
+    for add in (_add_models, _add_graph, _add_meshes, _add_mesh, _add_calibrate, _add_profile,
+                _add_plan,
+                _add_simulate):
         add(sub)
     return parser
 

@@ -8,7 +8,9 @@ from collections.abc import Mapping, Sequence
 from soapjax.graph import OpGraph
 from soapjax.space import Strategy
 
-_INDEX = re.compile(r"(?<=_)(\d+)(?=/|$)")
+# The block index of a repeated module: the first path component ending in _N with more after
+# it (`layers_3/mlp/fc1`, `layer2_0/conv1`), not a leaf's own number (`ln_1`).
+_INDEX = re.compile(r"^([^/]*?_)(\d+)(?=/)")
 
 
 def _gib(n: float) -> str:
@@ -31,7 +33,7 @@ def grouped_configs(graph: OpGraph, strategy: Strategy) -> list[tuple[str, int, 
     rows: dict[tuple[str, str], list[str]] = {}
     order: list[tuple[str, str]] = []
     for op, config in zip(graph.operators, strategy.configs):
-        key = (_INDEX.sub("*", op.name), config.describe(op))
+        key = (_INDEX.sub(r"\1*", op.name), config.describe(op))
         if key not in rows:
             rows[key] = []
             order.append(key)
@@ -42,9 +44,9 @@ def grouped_configs(graph: OpGraph, strategy: Strategy) -> list[tuple[str, int, 
         if len(names) == 1:
             out.append((names[0], 1, key[1]))
             continue
-        indices = [int(m.group(1)) for n in names if (m := _INDEX.search(n))]
+        indices = [int(m.group(2)) for n in names if (m := _INDEX.search(n))]
         span = f"{{{min(indices)}..{max(indices)}}}" if indices else "*"
-        out.append((_INDEX.sub(span, names[0], count=1), len(names), key[1]))
+        out.append((_INDEX.sub(lambda m: m.group(1) + span, names[0], count=1), len(names), key[1]))
     return out
 
 

@@ -81,8 +81,8 @@ def test_device_figures_of_the_paper_and_dgx_clusters():
         ("p100x16", "node", 12.5 * GB / 4, "infiniband", 12.5 * GB, 4, 4 * US),
         ("k80x64", "gpu", 15.75 * GB, "pcie", 15.75 * GB, 1, 2 * US),
         ("k80x64", "node", 7 * GB / 4, "infiniband", 7 * GB, 4, 5 * US),
-        ("dgx-h100x8", "gpu", 450 * GB, "nvlink", 450 * GB, 1, 1 * US),
-        ("dgx-h100x32", "gpu", 450 * GB, "nvlink", 450 * GB, 1, 1 * US),
+        ("dgx-h100x8", "model", 450 * GB, "nvlink", 450 * GB, 1, 1 * US),
+        ("dgx-h100x32", "model", 450 * GB, "nvlink", 450 * GB, 1, 1 * US),
         ("dgx-h100x32", "node", 50 * GB, "infiniband", 50 * GB, 1, 4 * US),
         ("h100x64", "node", 50 * GB, "infiniband", 50 * GB, 1, 4 * US),
         ("cpu8", "model", 5 * GB, "shared_memory", 5 * GB, 1, 10 * US),
@@ -127,14 +127,14 @@ def test_ring_collectives_match_closed_forms_inside_a_dgx():
     t = load_topology("dgx-h100x8")
     n, b, a = 8, 450 * GB, 1 * US
     ar = ring_ar(S, n, b, a)
-    assert t.collective_time("all_reduce", S, ("gpu",), "ring") == pytest.approx(ar)
-    assert t.collective_time("all-reduce", S, ("gpu",)) == pytest.approx(ar)
-    assert t.collective_time("all_gather", S, ("gpu",)) == pytest.approx(ring_ag(S, n, b, a))
-    assert t.collective_time("reduce_scatter", S, ("gpu",)) == pytest.approx(ring_ag(S, n, b, a))
+    assert t.collective_time("all_reduce", S, ("data", "model"), "ring") == pytest.approx(ar)
+    assert t.collective_time("all-reduce", S, ("data", "model")) == pytest.approx(ar)
+    assert t.collective_time("all_gather", S, ("data", "model")) == pytest.approx(ring_ag(S, n, b, a))
+    assert t.collective_time("reduce_scatter", S, ("data", "model")) == pytest.approx(ring_ag(S, n, b, a))
     # every GPU sends s/8 to each of 7 peers through its one NVSwitch port
-    assert t.collective_time("all_to_all", S, ("gpu",)) == pytest.approx(ring_ag(S, n, b, a))
-    assert t.collective_time("collective_permute", S, ("gpu",)) == pytest.approx(S / b + a)
-    assert t.collective_time("point_to_point", S, ("gpu",)) == pytest.approx(S / b + a)
+    assert t.collective_time("all_to_all", S, ("data", "model")) == pytest.approx(ring_ag(S, n, b, a))
+    assert t.collective_time("collective_permute", S, ("data", "model")) == pytest.approx(S / b + a)
+    assert t.collective_time("point_to_point", S, ("data", "model")) == pytest.approx(S / b + a)
 
 
 def test_ring_collectives_across_shared_nics():
@@ -155,7 +155,7 @@ def test_all_to_all_over_direct_links_uses_all_of_them():
 
 def test_hierarchical_collectives_match_closed_forms():
     t = load_topology("dgx-h100x32")
-    axes = ("node", "gpu")
+    axes = ("node", "data", "model")
     m, bl, al = 8, 450 * GB, 1 * US  # in a node: NVSwitch
     k, bx, ax = 4, 50 * GB, 4 * US  # across nodes: one cross ring per GPU, each on its own NIC
     hier_ar = ring_ag(S, m, bl, al) + ring_ar(S / m, k, bx, ax) + ring_ag(S, m, bl, al)
@@ -228,7 +228,7 @@ def test_channels_of_an_in_node_axis_and_a_cross_node_axis():
 
 def test_channels_overlap_exactly_when_fabrics_are_shared():
     t = load_topology("dgx-h100x32")
-    assert not set(t.channels_used(("gpu",))) & set(t.channels_used(("node",)))
+    assert not set(t.channels_used(("data", "model"))) & set(t.channels_used(("node",)))
     k80 = load_topology("k80x64")
     # the K80's cross-node traffic climbs the same PCIe tree as its in-node traffic
     in_node, cross = (set(k80.channels_used((axis,))) for axis in ("gpu", "node"))
@@ -483,7 +483,7 @@ def test_cli_mesh_show_text_and_meshes_table(capsys):
     assert re.search(r"node\s+16\s+1\.75\s+14\s+5us\s+infiniband .*shared by 4", text)
     assert cli.main(["meshes"]) == 0
     table = capsys.readouterr().out
-    assert re.search(r"dgx-h100x32\s+gpu\s+32\s+node=4, gpu=8\s+H100 SXM5 80GB", table)
+    assert re.search(r"dgx-h100x32\s+gpu\s+32\s+node=4, data=2, model=4\s+H100 SXM5 80GB", table)
     assert all(name in table for name in SHIPPED)
 
 

@@ -1,0 +1,117 @@
+"""soapjax.search: MCMC against the exhaustive optimum, baselines, memory, reproducibility."""
+
+import functools
+import json
+import pathlib
+
+import pytest
+
+import models
+from soapjax import cli
+from soapjax.baselines import baselines, intra_node_axes
+from soapjax.cost import cost_model
+from soapjax.graph import trace
+from soapjax.search import (SearchSettings, exhaustive, improving_change, make_simulation,
+                            search)
+from soapjax.space import MeshShape
+from soapjax.topology import load_topology
+
+
+@functools.cache
+def setup(name: str, mesh: str):
+    w = models.get(name, "tiny")
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=name)
+    topo = load_topology(mesh)
+    return w, g, topo, cost_model(g, topo, mode="analytic")
+
+
+def test_mcmc_finds_the_exhaustive_optimum_on_4_devices():
+    w, g, topo, cm = setup("mlp", "cpu4")
+    sim = make_simulation(g, topo, cost_model=cm)
+    best, best_time = exhaustive(sim)
+    found = search(g, topo, cost_model=cm, family=w.family,
+                   settings=SearchSettings(max_proposals=2000, seed=0))
+    assert found.step_time_s == pytest.approx(best_time, rel=1e-12)
+    sim.reset(found.strategy)
+    assert improving_change(sim) is None  # and it is a local optimum
+
+
+@pytest.mark.parametrize("name, mesh", [("gpt2", "p100x16"), ("rnntc", "k80x64"),
+                                        ("lenet", "cpu8")])
+def test_never_worse_than_a_baseline_and_fits(name, mesh):
+    w, g, topo, cm = setup(name, mesh)
+    found = search(g, topo, cost_model=cm, family=w.family,
+                   settings=SearchSettings(max_proposals=300, seed=1))
+    fitting = [t for _, t, fits in found.baselines if fits]
+    assert found.step_time_s <= min(fitting)
+    sim = make_simulation(g, topo, cost_model=cm, strategy=found.strategy)
+    assert sim.fits_in_memory() and sim.step_time() == found.step_time_s
+
+
+def test_same_seed_same_plan():
+    w, g, topo, cm = setup("gpt2", "p100x16")
+    runs = [search(g, topo, cost_model=cm, family=w.family,
+                   settings=SearchSettings(max_proposals=200, seed=7)) for _ in range(2)]
+    assert runs[0].strategy == runs[1].strategy
+    assert runs[0].proposals == runs[1].proposals
+
+
+def test_search_respects_device_memory(tmp_path):
+    """On devices too small for replicated weights, data parallel is refused."""
+    w, g, cpu8, cm8 = setup("mlp", "cpu8")
+    dp_peak = make_simulation(g, cpu8, cost_model=cm8).peak_memory_bytes()
+    src = pathlib.Path(cpu8.source_file).read_text()
+    small = tmp_path / "tiny-mem.toml"
+    small.write_text(src.replace('memory_bytes = "2 GB"', f"memory_bytes = {int(0.7 * dp_peak)}")
+                     .replace('name = "cpu8"', 'name = "tiny-mem"'))
+    topo = load_topology(str(small))
+    cm = cost_model(g, topo, mode="analytic")
+    found = search(g, topo, cost_model=cm, settings=SearchSettings(max_proposals=500, seed=0))
+    dp = dict((n, fits) for n, _, fits in found.baselines)
+    assert dp["data-parallel"] is False
+    sim = make_simulation(g, topo, cost_model=cm, strategy=found.strategy)
+    assert sim.fits_in_memory()
+
+
+def test_megatron_alternates_column_and_row_parallel():
+    w, g, topo, cm = setup("gpt2", "p100x16")
+    assert intra_node_axes(topo) == ("gpu",)
+    meg = baselines(g, topo, "transformer")["megatron"]
+    fc1, fc2 = g.index("layers_0/mlp/fc1"), g.index("layers_0/mlp/fc2")
+    assert meg[fc1].describe(g.operators[fc1]) == "[S:node, A:-, P:gpu | R:-]"
+    assert meg[fc2].describe(g.operators[fc2]) == "[S:node, A:-, P:- | R:gpu]"
+
+
+def test_plan_command_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--model", "mlp", "--config", "tiny", "--mesh", "cpu4", "--costs",
+            "analytic", "--proposals", "300", "--out", str(out), "--json",
+            "--trace", str(tmp_path / "t.json")]
+    assert cli.main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {"step_time_s", "baselines", "search_time_s", "proposals", "fits_in_memory",
+            "plan_file"} <= set(data)
+    assert data["step_time_s"] <= min(data["baselines"].values())
+    plan = json.loads(out.read_text())
+    assert plan["predicted"]["step_time_s"] == data["step_time_s"]
+    assert plan["search"]["max_proposals"] == 300 and plan["cost_source"] == "analytic"
+    assert "traceEvents" in json.loads((tmp_path / "t.json").read_text())
+
+
+def test_plan_command_report(tmp_path, capsys):
+    argv = ["plan", "--model", "gpt2", "--config", "tiny", "--mesh", "p100x16", "--proposals",
+            "100", "--out", str(tmp_path / "p.json")]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "predicted step time" in out and "data-parallel" in out and "megatron" in out
+    assert "memory per device" in out and "costs: analytic" in out
+
+
+def test_exhaustive_refuses_big_spaces():
+    w, g, topo, cm = setup("gpt2", "p100x16")
+    with pytest.raises(ValueError, match="exhaustive search is for small models"):
+        exhaustive(make_simulation(g, topo, cost_model=cm))
+
+
+def test_mesh_shape_of_topology():
+    assert MeshShape.of(load_topology("cpu4")) == MeshShape(("data", "model"), (2, 2))
