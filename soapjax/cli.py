@@ -136,12 +136,12 @@ def _cmd_meshes(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(rows)
         return 0
-    print(f"{'name':<14}{'platform':<10}{'devices':>8}  {'axes':<22}device")
-    for r in rows:
-        axes = ", ".join(f"{a}={n}" for a, n in r["axes"].items())
-        print(
-            f"{r['name']:<14}{r['platform']:<10}{r['num_devices']:>8}  {axes:<22}{r['device_kind']}"
-        )
+    texts = [", ".join(f"{a}={n}" for a, n in r["axes"].items()) for r in rows]
+    width = max(len(t) for t in texts + ["axes"]) + 2
+    print(f"{'name':<14}{'platform':<10}{'devices':>8}  {'axes':<{width}}device")
+    for r, axes in zip(rows, texts):
+        print(f"{r['name']:<14}{r['platform']:<10}{r['num_devices']:>8}  {axes:<{width}}"
+              f"{r['device_kind']}")
     return 0
 
 
