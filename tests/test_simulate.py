@@ -1,0 +1,466 @@
+"""soapjax.simulate: the task graph, exact delta simulation, memory, trace export and CLI."""
+
+import dataclasses
+import functools
+import json
+import math
+import random
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import models
+from soapjax import cli
+from soapjax.cost import OpTime, cost_model
+from soapjax.errors import PlanError
+from soapjax.graph import trace
+from soapjax.reshard import Resharder
+from soapjax.simulate import Simulation, opt_state_factor, parse_strategy, simulate
+from soapjax.space import Config, MeshShape, Strategy, configs, data_parallel
+from soapjax.topology import load_topology
+
+PAIR = """
+name = "pair"
+platform = "gpu"
+[device]
+kind = "test device"
+memory_bytes = "1 GB"
+memory_bandwidth = "100 GB/s"
+peak_flops = { float32 = "1 TFLOP/s", float16 = "1 TFLOP/s", bfloat16 = "1 TFLOP/s" }
+[nodes]
+count = 1
+devices_per_node = 2
+[mesh]
+axes = { data = 2 }
+[[links]]
+class = "nvlink"
+bandwidth = "1 GB/s"
+latency = "1 us"
+connect = [["device:0", "device:1"]]
+"""
+B, A = 1e9, 1e-6  # the pair's link: bytes/s, seconds
+
+
+class FixedCosts:
+    """A cost model with given times, whatever the config."""
+
+    source = "fixed"
+
+    def __init__(self, forward, backward, update):
+        self.forward, self.backward, self.update = forward, backward, update
+
+    def op_time(self, i, config):
+        return OpTime(self.forward[i], self.backward[i], "fixed")
+
+    def update_time(self, nbytes):
+        return self.update
+
+
+def ideal(topology):
+    return Resharder(MeshShape.of(topology), mode="ideal")
+
+
+def traced(module, x, loss=lambda y: jnp.mean(y ** 2), name="model"):
+    params = jax.eval_shape(module.init, jax.random.key(0), x)
+    return trace(lambda p, b: loss(module.apply(p, b["x"])), params, {"x": x}, name=name)
+
+
+@functools.cache
+def chain_graph():
+    class Chain(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8, use_bias=False, name="fc")(x)
+
+    return traced(Chain(), jax.ShapeDtypeStruct((4, 16), jnp.float32), name="chain")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    path = tmp_path_factory.mktemp("meshes") / "pair.toml"
+    path.write_text(PAIR)
+    return load_topology(path)
+
+
+def spans(result):
+    return [(t.name, t.start_s, t.end_s) for t in result.tasks]
+
+
+# --- hand-checked timelines -------------------------------------------------------------------
+
+
+def test_two_operator_chain_data_parallel(pair):
+    g = chain_graph()
+    assert [op.name for op in g.operators] == ["fc", "chain"]
+    costs = FixedCosts(forward=[1e-3, 2e-3], backward=[2e-3, 4e-3], update=5e-4)
+    r = simulate(g, pair, data_parallel(g, MeshShape.of(pair)), cost_model=costs,
+                 resharder=ideal(pair))
+    loss_sum = 4 / B + 2 * A  # all-reduce of the loss's f32 partial sums: 2(n-1)/n s/b + 2(n-1)a
+    grad = 16 * 8 * 4 / B + 2 * A  # all-reduce of the kernel's gradient
+    want = [
+        ("forward fc", 0.0, 1e-3),
+        ("forward chain", 1e-3, 3e-3),
+        ("all_reduce chain (partial sums) over data", 3e-3, 3e-3 + loss_sum),
+        ("backward chain", 3e-3, 7e-3),
+        ("backward fc", 7e-3, 9e-3),
+        ("all_reduce grad ['params']['fc']['kernel'] over data", 9e-3, 9e-3 + grad),
+        ("update ['params']['fc']['kernel']", 9e-3 + grad, 9.5e-3 + grad),
+    ]
+    assert [t[0] for t in spans(r)] == [w[0] for w in want]
+    assert spans(r) == [(n, pytest.approx(s, abs=1e-15), pytest.approx(e, abs=1e-15))
+                        for n, s, e in want]
+    assert r.step_time_s == pytest.approx(9.5e-3 + grad, abs=1e-15)
+    assert r.compute_s == pytest.approx(9.5e-3)
+    assert r.exposed_comm_s == pytest.approx(grad)
+    assert r.bytes_moved == 4 + 512  # 2(n-1)/n = 1 at n = 2
+    assert [t.resources for t in r.tasks][2] == ("node:0/nvlink",)
+
+
+def test_two_operator_chain_row_parallel_waits_for_partial_sums(pair):
+    """fc splits its reduction dim (Megatron's row-parallel layer): the loss waits for the sum."""
+    g = chain_graph()
+    costs = FixedCosts(forward=[1e-3, 2e-3], backward=[2e-3, 4e-3], update=5e-4)
+    strategy = Strategy((Config(((), (), ("data",))), Config(((), ()))))
+    r = simulate(g, pair, strategy, cost_model=costs, resharder=ideal(pair))
+    t1 = 1e-3 + 4 * 8 * 4 / B + 2 * A  # fc's output f32[4, 8] all-reduced over data
+    assert spans(r) == [
+        ("forward fc", 0.0, 1e-3),
+        ("all_reduce fc (partial sums) over data", 1e-3, pytest.approx(t1, abs=1e-15)),
+        ("forward chain", pytest.approx(t1, abs=1e-15), pytest.approx(t1 + 2e-3, abs=1e-15)),
+        ("backward chain", pytest.approx(t1 + 2e-3), pytest.approx(t1 + 6e-3)),
+        ("backward fc", pytest.approx(t1 + 6e-3), pytest.approx(t1 + 8e-3)),
+        ("update ['params']['fc']['kernel']", pytest.approx(t1 + 8e-3), pytest.approx(t1 + 8.5e-3)),
+    ]
+    # The kernel is stored split like fc reads it: half of 512 bytes, no gradient sync.
+    assert r.memory.params == 256
+
+
+# --- communication of the classic strategies ---------------------------------------------------
+
+
+@functools.cache
+def zoo(name, config="tiny"):
+    w = models.get(name, config)
+    return w, trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=name)
+
+
+def test_data_parallel_moves_one_all_reduce_per_parameter():
+    topo = load_topology("cpu8")
+    mesh = MeshShape.of(topo)
+    _, g = zoo("mlp")
+    r = simulate(g, topo, data_parallel(g, mesh), cost_model=cost_model(g, topo, mode="analytic"),
+                 resharder=ideal(topo))
+    n = mesh.num_devices
+    assert g.batch_size % n == 0
+    syncs = {t.name: t for t in r.tasks if t.kind == "grad_sync"}
+    params = {leaf.path: leaf for leaf in g.params}
+    assert len(syncs) == len(params)
+    for path, leaf in params.items():
+        t = syncs[f"all_reduce grad {path} over data+model"]
+        nbytes = jnp.dtype(leaf.dtype).itemsize * math.prod(leaf.shape)
+        assert t.nbytes == nbytes
+        assert t.end_s - t.start_s == pytest.approx(
+            topo.collective_time("all_reduce", nbytes, ("data", "model")), rel=1e-12)
+    assert not [t for t in r.tasks if t.kind in ("reshard", "reshard_backward", "param_gather")]
+    partial = [t for t in r.tasks if t.kind == "partial_sum"]
+    assert [t.nbytes for t in partial] == [4]  # only the loss, a float32 scalar
+    total = sum(t.nbytes for t in syncs.values()) + 4
+    assert r.bytes_moved == pytest.approx(2 * (n - 1) / n * total)
+    assert r.bytes_by_link_class == {"shared_memory": pytest.approx(r.bytes_moved)}
+
+
+def test_zero_gathers_parameters_and_reduce_scatters_gradients():
+    topo = load_topology("cpu8")
+    mesh = MeshShape.of(topo)
+    _, g = zoo("mlp")
+    costs, rs = cost_model(g, topo, mode="analytic"), ideal(topo)
+    dp = data_parallel(g, mesh)
+    plain = simulate(g, topo, dp, cost_model=costs, resharder=rs)
+    zero = simulate(g, topo, dataclasses.replace(dp, zero_axes=("data", "model")),
+                    cost_model=costs, resharder=rs)
+    comm = [t.name for t in zero.tasks if t.kind in ("param_gather", "grad_sync")]
+    for leaf in g.params:  # split 8 ways where the first dim allows it, else over data alone
+        axes = "data+model" if leaf.shape[0] % 8 == 0 else "data"
+        assert f"all_gather {leaf.path} over {axes}" in comm
+        assert f"reduce_scatter grad {leaf.path} over {axes}" in comm
+    # The head's bias (10 floats) is split over data only: its gradient is all-reduced over model.
+    assert [n for n in comm if n.startswith("all_reduce")] == [
+        "all_reduce grad ['params']['head']['bias'] over model"]
+    assert zero.memory.params < plain.memory.params / 4
+    assert zero.memory.opt_state == 2 * zero.memory.params
+
+
+def test_megatron_mlp_all_reduces_activations_once_each_way():
+    """Column- then row-parallel: an all-reduce after the second (forward) and of the cotangent
+    of the first's replicated input (backward), and nothing between them."""
+    topo = load_topology("cpu8")
+    _, g = zoo("mlp")
+    assert [op.name for op in g.operators] == ["fc1", "fc2", "head", "mlp"]  # "mlp": the loss
+    s = Strategy((Config((("data",), (), ())),  # batch over data only
+                  Config((("data",), ("model",), ())),  # column-parallel: output features
+                  Config((("data",), (), ("model",))),  # row-parallel: input features (R)
+                  Config(((), ("data",)))))  # the loss: (classes, batch), both reduced
+    r = simulate(g, topo, s, cost_model=cost_model(g, topo, mode="analytic"),
+                 resharder=ideal(topo))
+    acts = [(t.kind, t.name) for t in r.tasks if t.kind in ("reshard", "reshard_backward",
+                                                              "partial_sum")]
+    assert acts == [("partial_sum", "all_reduce head (partial sums) over model"),
+                    ("partial_sum", "all_reduce mlp (partial sums) over data"),
+                    ("reshard_backward", "all_reduce d(fc1 -> fc2) over model")]
+    by_name = {t.name: t for t in r.tasks}
+    # The backward all-reduce is issued after fc2's backward and holds up fc1's.
+    assert (by_name["backward fc2"].end_s <= by_name["all_reduce d(fc1 -> fc2) over model"].start_s
+            and by_name["all_reduce d(fc1 -> fc2) over model"].end_s
+            <= by_name["backward fc1"].start_s)
+
+
+def test_memory_that_does_not_fit_is_reported():
+    topo = load_topology("cpu8")
+    small = dataclasses.replace(topo, device=dataclasses.replace(topo.device, memory_bytes=1000))
+    _, g = zoo("mlp")
+    r = simulate(g, small, data_parallel(g, MeshShape.of(small)),
+                 cost_model=cost_model(g, small, mode="analytic"), resharder=ideal(small))
+    assert not r.fits_in_memory
+    assert r.peak_memory_bytes == (r.memory.total,) * 8
+    assert r.memory.total > 1000 and r.memory_capacity_bytes == 1000
+
+
+def test_opt_state_factor_of_adam():
+    w, _ = zoo("mlp")
+    f = opt_state_factor(optax.adam(1e-3), w.abstract_params())
+    assert 2.0 <= f < 2.01  # mu and nu, plus a step counter
+
+
+# --- exact equality of delta and full simulation on random graphs and strategies ---------------
+
+
+class MLP(nn.Module):
+    widths: tuple
+
+    @nn.compact
+    def __call__(self, x):
+        for i, w in enumerate(self.widths):
+            x = nn.Dense(w, name=f"fc{i}")(x)
+            x = nn.relu(x) if i < len(self.widths) - 1 else x
+        return x
+
+
+class LSTM(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(8, name="head")(nn.RNN(nn.OptimizedLSTMCell(16), name="lstm")(x))
+
+
+class Attention(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm(name="ln")(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=2, name="attn")(h, h)
+        return nn.Dense(16, name="out")(nn.gelu(nn.Dense(32, name="up")(x)))
+
+
+class Tied(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(32, 16, name="embed")
+        return embed.attend(nn.Dense(16, name="mix")(embed(tokens)))
+
+
+def random_graph(kind, rng):
+    f32 = jnp.float32
+    if kind == "mlp":
+        widths = tuple(rng.choice([8, 16, 32]) for _ in range(rng.randint(1, 4)))
+        return traced(MLP(widths), jax.ShapeDtypeStruct((16, rng.choice([8, 16])), f32))
+    if kind == "lstm":
+        return traced(LSTM(), jax.ShapeDtypeStruct((8, 4, 8), f32))
+    if kind == "attention":
+        return traced(Attention(), jax.ShapeDtypeStruct((8, 8, 16), f32))
+    if kind == "tied":
+        def loss(logits):
+            return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+        return traced(Tied(), jax.ShapeDtypeStruct((8, 4), jnp.int32), loss=loss)
+    return zoo(kind)[1]
+
+
+def remesh(name, **axes):
+    topo = load_topology(name)
+    return dataclasses.replace(topo, axis_names=tuple(axes), axis_sizes=tuple(axes.values()),
+                               device_order=tuple(range(topo.num_devices)))
+
+
+TOPOLOGIES = {
+    "cpu8": lambda: load_topology("cpu8"),
+    "p100x16": lambda: load_topology("p100x16"),
+    "k80x64": lambda: load_topology("k80x64"),
+    "cpu8(x=8)": lambda: remesh("cpu8", x=8),
+    "h100x8(a=2,b=2,c=2)": lambda: remesh("dgx-h100x8", a=2, b=2, c=2),
+}
+CASES = [("mlp", "cpu8", 0), ("mlp", "p100x16", 1), ("mlp", "h100x8(a=2,b=2,c=2)", 2),
+         ("mlp", "cpu8(x=8)", 3), ("lstm", "cpu8", 4), ("lstm", "k80x64", 5),
+         ("attention", "cpu8", 6), ("attention", "k80x64", 7), ("tied", "cpu8(x=8)", 8),
+         ("tied", "p100x16", 9), ("gpt2", "cpu8", 10), ("nmt", "h100x8(a=2,b=2,c=2)", 11)]
+PROPOSALS = 60
+
+
+def same(sim, strategy, graph, topo, costs, rs):
+    """Delta state == a fresh full simulation, task by task, bit for bit."""
+    full = Simulation(graph, topo, costs, rs, strategy)
+    assert sim.timeline() == full.timeline()
+    a, b = sim.result(), full.result()
+    assert (a.step_time_s, a.compute_s, a.bytes_moved, a.memory, a.bytes_by_link_class) == (
+        b.step_time_s, b.compute_s, b.bytes_moved, b.memory, b.bytes_by_link_class)
+
+
+@pytest.mark.parametrize("kind, topo_name, seed", CASES, ids=[f"{k}-{t}" for k, t, _ in CASES])
+def test_delta_equals_full_simulation(kind, topo_name, seed):
+    """Random strategies and single-operator changes, accepted or rejected at random: after
+    every proposal and after some rejections, every task's start and end are exactly (==) those
+    of a full simulation of the same strategy."""
+    rng = random.Random(seed)
+    g = random_graph(kind, rng)
+    topo = TOPOLOGIES[topo_name]()
+    mesh = MeshShape.of(topo)
+    costs, rs = cost_model(g, topo, mode="analytic"), ideal(topo)
+    choices = [configs(op, mesh) for op in g.operators]
+    zero = tuple(a for a in mesh.axis_names if rng.random() < 0.3)
+    current = Strategy(tuple(rng.choice(c) for c in choices), zero)
+    sim = Simulation(g, topo, costs, rs, current)
+    same(sim, current, g, topo, costs, rs)
+    for step in range(PROPOSALS):
+        i = rng.randrange(len(choices))
+        config = rng.choice(choices[i])
+        candidate = current.replace(i, config)
+        t = sim.propose(i, config)
+        same(sim, candidate, g, topo, costs, rs)
+        assert t == sim.step_time()
+        if rng.random() < 0.5:
+            sim.accept()
+            current = candidate
+        else:
+            sim.reject()
+            if step % 4 == 0:
+                same(sim, current, g, topo, costs, rs)
+    assert sim.strategy == current
+
+
+def test_delta_equals_full_with_xla_reshardings(tmp_path):
+    """The same property with the collectives XLA compiles (permutes, partial groups, ...)."""
+    topo = load_topology("cpu8")
+    mesh = MeshShape.of(topo)
+    _, g = zoo("mlp")
+    rng = random.Random(3)
+    choices = [configs(op, mesh) for op in g.operators]
+    current = Strategy(tuple(rng.choice(c) for c in choices), ("data",))
+    changes = [(i, rng.choice(choices[i])) for i in
+               (rng.randrange(len(choices)) for _ in range(20))]
+    costs = cost_model(g, topo, mode="analytic")
+    with Resharder(mesh, mode="xla", cache_dir=tmp_path) as rs:
+        sim = Simulation(g, topo, costs, rs, current)
+        sim.prefetch(changes)
+        kinds = set()
+        for i, config in changes:
+            candidate = current.replace(i, config)
+            sim.propose(i, config)
+            same(sim, candidate, g, topo, costs, rs)
+            kinds |= {t.name.split()[0] for t in sim.result().tasks if t.nbytes}
+            if rng.random() < 0.5:
+                sim.accept()
+                current = candidate
+            else:
+                sim.reject()
+        assert not rs.fallbacks()
+    assert {"all_reduce", "all_gather", "reduce_scatter"} <= kinds
+
+
+def test_pending_proposal_rules():
+    topo = load_topology("cpu8")
+    _, g = zoo("mlp")
+    sim = Simulation(g, topo, cost_model(g, topo, mode="analytic"), ideal(topo),
+                     data_parallel(g, MeshShape.of(topo)))
+    with pytest.raises(RuntimeError, match="no pending proposal"):
+        sim.accept()
+    before = sim.timeline()
+    sim.propose(0, Config.replicated(g.operators[0]))
+    with pytest.raises(RuntimeError, match="accept\\(\\) or reject\\(\\)"):
+        sim.propose(1, Config.replicated(g.operators[1]))
+    sim.reject()
+    assert sim.timeline() == before
+    assert sim.prefetch([(0, Config.replicated(g.operators[0]))]) == 0  # ideal: nothing to compile
+    assert sim.timeline() == before
+    with pytest.raises(PlanError, match="operator 'fc1': config .* has 1 dims, expected 3"):
+        sim.propose(g.index("fc1"), Config((("data",),)))
+
+
+# --- trace export, plans, command line ---------------------------------------------------------
+
+
+def test_chrome_trace_is_valid_json_with_named_tracks():
+    topo = load_topology("p100x16")
+    _, g = zoo("mlp")
+    r = simulate(g, topo, data_parallel(g, MeshShape.of(topo)),
+                 cost_model=cost_model(g, topo, mode="analytic"), resharder=ideal(topo))
+    trace_json = json.loads(json.dumps(r.to_chrome_trace()))
+    events = trace_json["traceEvents"]
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert [threads[(1, d)] for d in range(16)] == [f"device:{d} compute" for d in range(16)]
+    links = {name for (pid, _), name in threads.items() if pid == 2}
+    assert links == set(r.channels) and "node:3/infiniband" in links
+    spans_ = [e for e in events if e["ph"] == "X"]
+    compute = [t for t in r.tasks if t.resources == ("compute",)]
+    comm = [t for t in r.tasks if t.resources != ("compute",)]
+    assert len(spans_) == 16 * len(compute) + sum(len(t.resources) for t in comm)
+    for e in spans_:
+        assert e["dur"] >= 0 and e["ts"] >= 0 and (e["pid"], e["tid"]) in threads
+    last = max(e["ts"] + e["dur"] for e in spans_)
+    assert last == pytest.approx(r.step_time_s * 1e6)
+    capped = r.to_chrome_trace(max_device_tracks=2)
+    assert "16 devices run identical timelines" in capped["otherData"]["note"]
+
+
+def test_parse_strategy_errors_name_the_operator(tmp_path):
+    _, g = zoo("mlp")
+    mesh = MeshShape(("data", "model"), (2, 4))
+    s = parse_strategy(g, mesh, {"configs": {"fc1": [["data"], ["model"], []]},
+                                 "zero_axes": ["data"]})
+    assert s.configs[g.index("fc1")] == Config((("data",), ("model",), ()))
+    assert s.zero_axes == ("data",)
+    assert parse_strategy(g, mesh, "data-parallel") == data_parallel(g, mesh)
+    with pytest.raises(PlanError, match="operator 'fc3', which graph 'mlp' does not have; did "
+                                        "you mean .*'fc1'"):
+        parse_strategy(g, mesh, {"configs": {"fc3": [[], [], []]}})
+    with pytest.raises(PlanError, match="operator 'fc1': config .* has 2 dims, expected 3"):
+        parse_strategy(g, mesh, {"configs": {"fc1": [["data"], []]}})
+    with pytest.raises(PlanError, match="operator 'fc1': dim 1 uses unknown mesh axes "
+                                        r"\['gpu'\]; the mesh has \['data', 'model'\]"):
+        parse_strategy(g, mesh, {"configs": {"fc1": [[], ["gpu"], []]}})
+    with pytest.raises(PlanError, match="zero_axes"):
+        parse_strategy(g, mesh, {"zero_axes": ["gpu"]})
+    path = tmp_path / "plan.json"
+    path.write_text("{not json")
+    with pytest.raises(PlanError, match="is not valid JSON"):
+        parse_strategy(g, mesh, str(path))
+
+
+def test_cli_simulate_json_and_trace(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"configs": {"fc1": [["data"], ["model"], []]}}))
+    out = tmp_path / "trace.json"
+    argv = ["simulate", "--model", "mlp", "--config", "tiny", "--mesh", "cpu8", "--costs",
+            "analytic", "--reshard", "ideal", "--json"]
+    assert cli.main(argv + ["--strategy", str(plan), "--trace", str(out)]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["step_time_s"] > r["compute_s"] > 0
+    assert r["exposed_comm_s"] == pytest.approx(r["step_time_s"] - r["compute_s"])
+    assert r["bytes_moved"] > 0 and r["fits_in_memory"] is True
+    assert len(r["peak_memory_bytes"]) == 8 and len(set(r["peak_memory_bytes"])) == 1
+    assert json.loads(out.read_text())["traceEvents"]
+    assert cli.main(argv[:-1] + ["--strategy", "data-parallel"]) == 0
+    assert "step time" in capsys.readouterr().out
+    plan.write_text(json.dumps({"configs": {"fc9": [[]]}}))
+    assert cli.main(argv + ["--strategy", str(plan)]) == 2
+    assert "plan names operator 'fc9'" in capsys.readouterr().err
