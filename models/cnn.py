@@ -11,14 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.workload import Batch, Workload, linen_workload, nnx_workload, sgd_momentum
+from models.workload import (
+    Batch,
+    ModelConfigError,
+    Workload,
+    linen_workload,
+    nnx_workload,
+    sgd_momentum,
+)
 
 
 def image_batch(
@@ -37,7 +44,9 @@ def image_batch(
     return make_batch
 
 
-def _max_pool(x: jax.Array, window: int, stride: int, padding: str = "VALID") -> jax.Array:
+def _max_pool(
+    x: jax.Array, window: int, stride: int, padding: str | Sequence[tuple[int, int]] = "VALID"
+) -> jax.Array:
     return nn.max_pool(x, (window, window), strides=(stride, stride), padding=padding)
 
 
@@ -56,6 +65,10 @@ class AlexNetConfig:
     learning_rate: float = 0.01
     weight_decay: float = 5e-4
 
+    def __post_init__(self) -> None:
+        if self.image_size < 63:  # conv1 and three stride-2 pools must leave at least 1x1
+            raise ModelConfigError(f"AlexNet needs image_size >= 63, got {self.image_size}")
+
 
 class AlexNet(nn.Module):
     """AlexNet without local response normalisation or dropout; 61.1M parameters at 224x224."""
@@ -65,7 +78,8 @@ class AlexNet(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         f1, f2, f3, f4, f5 = self.config.conv_features
-        x = nn.relu(nn.Conv(f1, (11, 11), strides=(4, 4), padding=((2, 2), (2, 2)), name="conv1")(x))
+        x = nn.Conv(f1, (11, 11), strides=(4, 4), padding=((2, 2), (2, 2)), name="conv1")(x)
+        x = nn.relu(x)
         x = _max_pool(x, 3, 2)
         x = nn.relu(nn.Conv(f2, (5, 5), padding=((2, 2), (2, 2)), name="conv2")(x))
         x = _max_pool(x, 3, 2)
@@ -82,7 +96,11 @@ class AlexNet(nn.Module):
 ALEXNET_CONFIGS = {
     "default": AlexNetConfig(),
     "tiny": AlexNetConfig(
-        batch_size=8, image_size=64, num_classes=10, conv_features=(8, 16, 16, 16, 16), fc_features=32
+        batch_size=8,
+        image_size=64,
+        num_classes=10,
+        conv_features=(8, 16, 16, 16, 16),
+        fc_features=32,
     ),
 }
 
@@ -93,7 +111,9 @@ def build_alexnet(name: str, config: str, cfg: AlexNetConfig, api: str) -> Workl
         name=name,
         config=config,
         family="cnn",
-        description=f"AlexNet, {cfg.image_size}x{cfg.image_size}x3 images, {cfg.num_classes} classes",
+        description=(
+            f"AlexNet, {cfg.image_size}x{cfg.image_size}x3 images, {cfg.num_classes} classes"
+        ),
         module=AlexNet(cfg),
         make_batch=image_batch(cfg.batch_size, cfg.image_size, 3, cfg.num_classes),
         inputs=("image",),
@@ -126,6 +146,10 @@ class InceptionV3Config:
     learning_rate: float = 0.045
     weight_decay: float = 1e-4
 
+    def __post_init__(self) -> None:
+        if self.image_size < 75:  # five stride-2 VALID stages must leave at least 1x1
+            raise ModelConfigError(f"Inception-v3 needs image_size >= 75, got {self.image_size}")
+
 
 class ConvBN(nn.Module):
     """Convolution without bias, BatchNorm on batch statistics, ReLU (torchvision's BasicConv2d)."""
@@ -138,7 +162,12 @@ class ConvBN(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         x = nn.Conv(
-            self.features, self.kernel, self.strides, padding=self.padding, use_bias=False, name="conv"
+            self.features,
+            self.kernel,
+            self.strides,
+            padding=self.padding,
+            use_bias=False,
+            name="conv",
         )(x)
         x = nn.BatchNorm(use_running_average=False, momentum=0.9, epsilon=1e-3, name="bn")(x)
         return nn.relu(x)
@@ -463,10 +492,16 @@ class NnxLeNet(nnx.Module):
         self.fc2 = nnx.Linear(config.fc_features, config.num_classes, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = _max_pool(nnx.relu(self.conv1(x)), 2, 2)
-        x = _max_pool(nnx.relu(self.conv2(x)), 2, 2)
+        # Named scopes give the traced operators linen's module names (nnx opens none itself).
+        with jax.named_scope("conv1"):
+            x = _max_pool(nnx.relu(self.conv1(x)), 2, 2)
+        with jax.named_scope("conv2"):
+            x = _max_pool(nnx.relu(self.conv2(x)), 2, 2)
         x = x.reshape((x.shape[0], -1))
-        return self.fc2(nnx.relu(self.fc1(x)))
+        with jax.named_scope("fc1"):
+            x = nnx.relu(self.fc1(x))
+        with jax.named_scope("fc2"):
+            return self.fc2(x)
 
 
 LENET_CONFIGS = {

@@ -87,7 +87,9 @@ class GPT2(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.config
         wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=_init, name="wte")
-        wpe = nn.Embed(cfg.context, cfg.d_model, embedding_init=nn.initializers.normal(0.01), name="wpe")
+        wpe = nn.Embed(
+            cfg.context, cfg.d_model, embedding_init=nn.initializers.normal(0.01), name="wpe"
+        )
         x = wte(tokens) + wpe(jnp.arange(tokens.shape[-1]))
         mask = nn.make_causal_mask(tokens)
         for i in range(cfg.num_layers):
@@ -118,7 +120,9 @@ def build_gpt2(name: str, config: str, cfg: GPT2Config, api: str) -> Workload:
 
     optimizer = optax.chain(
         optax.clip_by_global_norm(cfg.max_grad_norm),
-        optax.adamw(cfg.learning_rate, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=_decay_mask),
+        optax.adamw(
+            cfg.learning_rate, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=_decay_mask
+        ),
     )
     return linen_workload(
         name=name,

@@ -2,7 +2,8 @@
 
 The two twins name their layers alike (``fc1`` .. ``fcN``, ``head``), so linen's
 ``params["params"]["fc1"]["kernel"]`` and the nnx state's ``params["fc1"]["kernel"]`` are the
-same module path, ``fc1``. Their initial values may differ; their shapes do not.
+same module path, ``fc1``. Their initial values may differ; their shapes do not. The nnx twin
+also opens a `jax.named_scope` per layer, so its traced operators carry the same names.
 """
 
 from __future__ import annotations
@@ -58,9 +59,13 @@ class NnxMLP(nnx.Module):
         self.head = nnx.Linear(widths[-1], config.num_classes, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        # nnx, unlike linen, opens no `jax.named_scope` per module; these give the traced
+        # operators linen's names (``fc1``, ...; linen adds its root, ``MLP/fc1``).
         for i in range(self.num_hidden):
-            x = nnx.relu(getattr(self, f"fc{i + 1}")(x))
-        return self.head(x)
+            with jax.named_scope(f"fc{i + 1}"):
+                x = nnx.relu(getattr(self, f"fc{i + 1}")(x))
+        with jax.named_scope("head"):
+            return self.head(x)
 
 
 MLP_CONFIGS = {

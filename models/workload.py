@@ -146,7 +146,9 @@ def summarize(w: Workload) -> ModelSummary:
         family=w.family,
         param_count=sum(math.prod(x.shape) for x in leaves),
         param_bytes=sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves),
-        flops_per_step=step_flops(w.train_step(), params, w.abstract_opt_state(), w.abstract_batch()),
+        flops_per_step=step_flops(
+            w.train_step(), params, jax.eval_shape(w.optimizer.init, params), w.abstract_batch()
+        ),
         batch_size=w.batch_size,
         description=w.description,
     )
@@ -307,8 +309,8 @@ def linen_workload(
         description=description,
         batch_size=_batch_size(make_batch),
         loss_fn=loss_fn,
-        init_params=init_params,
-        make_batch=make_batch,
+        init_params=jax.jit(init_params),
+        make_batch=jax.jit(make_batch),
         optimizer=optimizer,
     )
 
@@ -325,10 +327,27 @@ def nnx_workload(
     label: str,
     optimizer: optax.GradientTransformation,
 ) -> Workload:
-    """A `Workload` for an nnx module; params are the `nnx.State` of its `nnx.Param`s.
+    """A `Workload` for an nnx module trained with softmax cross entropy.
 
-    The loss is pure: ``nnx.merge(graphdef, params)`` rebuilds the module inside it, with the
-    graphdef taken once from an abstract model (`nnx.eval_shape`), so nothing is allocated here.
+    Its params are the `nnx.State` of the module's `nnx.Param`s, as
+    ``graphdef, params = nnx.split(model, nnx.Param)`` gives them; their paths are the
+    attribute paths (``params["fc1"]["kernel"]``). The loss is pure:
+    ``nnx.merge(graphdef, params)`` rebuilds the module inside it, with the graphdef taken once
+    from an abstract model (`nnx.eval_shape`), so nothing is allocated here.
+
+    Args:
+      name: registry name.
+      config: config name.
+      family: model family.
+      description: one line.
+      make_model: builds the module from its `nnx.Rngs`; it must hold no state but `nnx.Param`s.
+      make_batch: ``make_batch(rng) -> batch``.
+      inputs: the batch keys passed to the module, in order.
+      label: the batch key of the integer labels.
+      optimizer: the optax optimizer.
+
+    Returns:
+      The workload.
     """
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: make_model(nnx.Rngs(0))), nnx.Param)
 
@@ -347,8 +366,8 @@ def nnx_workload(
         description=description,
         batch_size=_batch_size(make_batch),
         loss_fn=loss_fn,
-        init_params=init_params,
-        make_batch=make_batch,
+        init_params=jax.jit(init_params),
+        make_batch=jax.jit(make_batch),
         optimizer=optimizer,
     )
 
