@@ -456,6 +456,41 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- check --------------------------------------------------------------------------------------
+
+
+def _add_check(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "check",
+        help="apply a plan on the attached devices; compare with the unsharded step and the "
+        "simulator",
+        description="Apply a plan on the attached devices (its topology must match them, e.g. "
+        "cpu8 with XLA_FLAGS=--xla_force_host_platform_device_count=8), check that one sharded "
+        "training step computes the same loss, parameters and optimizer state as the unsharded "
+        "step, and compare the collectives XLA compiled (kind, count, bytes) and the measured "
+        "step time with what the simulator predicted.",
+    )
+    p.add_argument("--plan", required=True, help="a plan file from `soapjax plan`")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs (default: %(default)s)")
+    p.add_argument("--costs", default="auto", choices=("auto", "measured", "analytic"))
+    p.add_argument("--reshard", default="xla", choices=("ideal", "xla"))
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.set_defaults(func=_cmd_check)
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from soapjax.check import check
+    from soapjax.plan import Plan
+
+    result = check(Plan.load(args.plan), repeats=args.repeats, costs=args.costs,
+                   reshard=args.reshard)
+    if args.json:
+        _print_json(result.to_json())
+    else:
+        print(result.table())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = argparse.ArgumentParser(
@@ -467,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in (_add_models, _add_graph, _add_meshes, _add_mesh, _add_calibrate, _add_profile,
-                _add_plan,
+                _add_plan, _add_check,
                 _add_simulate):
         add(sub)
     return parser

@@ -1,0 +1,173 @@
+"""`soapjax check`: a plan applied on the attached devices, against the unsharded step and the
+simulator.
+
+Three questions, each with numbers:
+
+1. **Same numbers?** The planned, sharded step and the unsharded step (one device) start from
+   the same parameters, optimizer state and batch; the largest absolute difference over the
+   loss, the updated parameters and the optimizer state is reported.
+2. **Same collectives?** The collectives XLA put in the compiled sharded step (kind, count,
+   bytes per device, parsed by `soapjax.hlo`) against the communication tasks the simulator
+   predicted for the plan (same kinds, same byte convention).
+3. **Same time?** The measured step time (median of repeated runs) against the simulated one.
+   On virtual CPU devices all devices share the host's cores, so the measured time is not a
+   per-device time and this comparison only means something on real accelerators.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from soapjax.errors import PlanError
+from soapjax.plan import Plan
+
+_COMPUTE = ("forward", "backward", "update")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckResult:
+    """What `check` found.
+
+    Attributes:
+      max_abs_diff: largest |sharded - unsharded| over loss, parameters and optimizer state.
+      loss, reference_loss: the two losses.
+      hlo_collectives: kind -> (count, bytes per device) in the compiled sharded step.
+      predicted_collectives: kind -> (count, bytes per device) the simulator predicted.
+      measured_step_s, predicted_step_s: the step times.
+      partitioner: the SPMD partitioner the step was compiled with.
+      devices: how many devices, and their kind.
+    """
+
+    max_abs_diff: float
+    loss: float
+    reference_loss: float
+    hlo_collectives: tuple[tuple[str, int, float], ...]
+    predicted_collectives: tuple[tuple[str, int, float], ...]
+    measured_step_s: float
+    predicted_step_s: float
+    partitioner: str
+    devices: str
+
+    @property
+    def hlo_collective_bytes(self) -> float:
+        return sum(b for _, _, b in self.hlo_collectives)
+
+    @property
+    def predicted_collective_bytes(self) -> float:
+        return sum(b for _, _, b in self.predicted_collectives)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "max_abs_diff": self.max_abs_diff, "loss": self.loss,
+            "reference_loss": self.reference_loss,
+            "hlo_collective_bytes": self.hlo_collective_bytes,
+            "predicted_collective_bytes": self.predicted_collective_bytes,
+            "hlo_collectives": {k: {"count": n, "bytes": b} for k, n, b in self.hlo_collectives},
+            "predicted_collectives": {k: {"count": n, "bytes": b}
+                                      for k, n, b in self.predicted_collectives},
+            "measured_step_s": self.measured_step_s, "predicted_step_s": self.predicted_step_s,
+            "partitioner": self.partitioner, "devices": self.devices,
+        }
+
+    def table(self) -> str:
+        lines = [f"devices: {self.devices}; SPMD partitioner: {self.partitioner}",
+                 f"loss {self.loss:.6f} (unsharded {self.reference_loss:.6f}); largest difference "
+                 f"over loss, parameters and optimizer state: {self.max_abs_diff:.3g}", "",
+                 f"{'collective':<20}{'XLA count':>10}{'XLA bytes':>14}"
+                 f"{'predicted':>11}{'pred. bytes':>14}"]
+        hlo = {k: (n, b) for k, n, b in self.hlo_collectives}
+        pred = {k: (n, b) for k, n, b in self.predicted_collectives}
+        for k in sorted(set(hlo) | set(pred)):
+            hn, hb = hlo.get(k, (0, 0.0))
+            pn, pb = pred.get(k, (0, 0.0))
+            lines.append(f"{k:<20}{hn:>10}{hb:>14,.0f}{pn:>11}{pb:>14,.0f}")
+        lines.append(f"{'total':<20}{'':>10}{self.hlo_collective_bytes:>14,.0f}{'':>11}"
+                     f"{self.predicted_collective_bytes:>14,.0f}")
+        ratio = (self.predicted_collective_bytes / self.hlo_collective_bytes
+                 if self.hlo_collective_bytes else float("nan"))
+        lines += ["", f"predicted / XLA collective bytes: {ratio:.3f}",
+                  f"step time: measured {self.measured_step_s * 1e3:.3f} ms, predicted "
+                  f"{self.predicted_step_s * 1e3:.3f} ms"]
+        return "\n".join(lines)
+
+
+def _norm(kind: str) -> str:
+    return kind.replace("-", "_")
+
+
+def _tally(items) -> tuple[tuple[str, int, float], ...]:
+    out: dict[str, list] = {}
+    for kind, nbytes in items:
+        entry = out.setdefault(_norm(kind), [0, 0.0])
+        entry[0] += 1
+        entry[1] += float(nbytes)
+    return tuple((k, n, b) for k, (n, b) in sorted(out.items()))
+
+
+def check(plan: Plan, *, repeats: int = 5, seed: int = 0, costs: str = "auto",
+          reshard: str = "xla") -> CheckResult:
+    """Applies `plan` on the attached devices and compares it (see the module doc).
+
+    Raises:
+      PlanError: the plan is not for a zoo model, was made for another model, or its topology
+        cannot be built from the attached devices.
+    """
+    import models
+    from soapjax import apply, hlo
+    from soapjax.cost import cost_model
+    from soapjax.graph import trace
+    from soapjax.reshard import Resharder
+    from soapjax.search import make_simulation
+    from soapjax.simulate import opt_state_factor
+    from soapjax.space import MeshShape
+    from soapjax.topology import load_topology, make_mesh
+
+    if plan.model not in models.names():
+        raise PlanError(f"plan is for model {plan.model!r}, which is not in the zoo; `soapjax "
+                        f"check` rebuilds the model by name (zoo models: {', '.join(models.names())})")
+    w = models.get(plan.model, plan.model_config or "default")
+    graph = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    topo = load_topology(plan.topology)
+    strategy = plan.strategy(graph, topo)
+    mesh = make_mesh(topo)
+
+    params = w.init_params(jax.random.key(seed))
+    batch = w.make_batch(jax.random.key(seed + 1))
+    opt_state = w.optimizer.init(params)
+    ref = jax.jit(w.train_step())(params, opt_state, batch)
+
+    step, sh = apply.sharded_train_step(graph, strategy, mesh, w.optimizer, params=params,
+                                        batch=batch, mesh_shape=plan.mesh, donate=False)
+    args = (apply.device_put_global(params, sh.params),
+            apply.device_put_global(opt_state, sh.opt_state),
+            apply.device_put_global(batch, sh.batch))
+    compiled = step.lower(*args).compile()
+    out = step(*args)
+    diff = max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+               for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)) if np.size(a))
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(step(*args))
+        times.append(time.perf_counter() - t0)
+
+    found = hlo.collectives(compiled.as_text(), MeshShape.of(topo),
+                            reduce_scatter_from_slices=True)
+    cm = cost_model(graph, topo, mode=costs, optimizer=w.optimizer)
+    sim = make_simulation(graph, topo, cost_model=cm, strategy=strategy,
+                          resharder=Resharder(MeshShape.of(topo), mode=reshard),
+                          opt_state_factor=opt_state_factor(w.optimizer, params)).result()
+    predicted = [(t.name.split(" ", 1)[0], t.nbytes) for t in sim.tasks if t.kind not in _COMPUTE]
+    kinds = {d.device_kind for d in mesh.devices.flat}
+    return CheckResult(
+        max_abs_diff=diff, loss=float(out[2]), reference_loss=float(ref[2]),
+        hlo_collectives=_tally((c.kind, c.nbytes) for c in found),
+        predicted_collectives=_tally(predicted), measured_step_s=statistics.median(times),
+        predicted_step_s=sim.step_time_s, partitioner=getattr(step, "partitioner", "shardy"),
+        devices=f"{mesh.devices.size} x {', '.join(sorted(kinds))}")
