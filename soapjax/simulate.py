@@ -75,7 +75,7 @@ import numpy as np
 from soapjax._taskgraph import EDGE, LEAF, Comm, Layout, Pricing, TaskGraph
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
-from soapjax.space import Config, MeshShape, Strategy, data_parallel
+from soapjax.space import Config, MeshShape, Strategy, data_parallel, storage_spec
 
 # Task kinds (`TaskRecord.kind`).
 FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
@@ -574,20 +574,11 @@ class Simulation:
         return fwd, bwd
 
     def _storage(self, leaf: int) -> tuple[tuple[str, ...], ...]:
-        """A leaf's layout: its first reader's, then split over the ZeRO axes where divisible."""
+        """A leaf's layout: `space.storage_spec` of its first reader's operand spec."""
         st = self._layout
         j, o = st.readers[leaf][0]
-        spec = [list(d) for d in self._views[j].operand_specs[o]]
-        if st.leaf_is_param[leaf]:
-            shape = st.leaf_shape[leaf]
-            for a in self._zero:
-                if any(a in d for d in spec):
-                    continue
-                for d, size in enumerate(shape):
-                    if size % (self.mesh.degree(spec[d]) * self.mesh.size(a)) == 0:
-                        spec[d].append(a)
-                        break
-        return tuple(tuple(d) for d in spec)
+        zero = self._zero if st.leaf_is_param[leaf] else ()
+        return storage_spec(self._views[j].operand_specs[o], st.leaf_shape[leaf], zero, self.mesh)
 
     def _build_leaf(self, leaf: int) -> tuple[list[int], list[int], tuple[int, int]]:
         """A parameter's or batch leaf's tasks: gathers, gradient syncs, update; and its bytes."""

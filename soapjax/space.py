@@ -263,12 +263,36 @@ def param_specs(graph: OpGraph, strategy: Strategy, mesh: MeshShape) -> dict[str
     for op, config in zip(graph.operators, strategy.configs):
         for operand in op.inputs:
             if operand.kind == "param" and operand.source not in out:
-                out[operand.source] = _with_zero(config.operand_axes(operand.dims),
-                                                 operand.shape, strategy.zero_axes, mesh)
+                out[operand.source] = storage_spec(config.operand_axes(operand.dims),
+                                                   operand.shape, strategy.zero_axes, mesh)
     for leaf in graph.params:
-        out.setdefault(leaf.path, _with_zero(((),) * len(leaf.shape), leaf.shape,
-                                             strategy.zero_axes, mesh))
+        out.setdefault(leaf.path, storage_spec(((),) * len(leaf.shape), leaf.shape,
+                                               strategy.zero_axes, mesh))
     return out
+
+
+def fit_spec(spec: Spec, shape: Sequence[int], mesh: MeshShape) -> Spec:
+    """`spec` with axes used twice dropped, and on each dim the longest prefix that divides it.
+
+    An operand dim can follow an iteration dim of another extent (a sliced or padded dim), and
+    stored arrays need even shards.
+    """
+    used: set[str] = set()
+    out = []
+    for axes, size in zip(spec, shape):
+        kept: list[str] = []
+        for a in axes:
+            if a not in used and size % (mesh.degree(kept) * mesh.size(a)) == 0:
+                kept.append(a)
+                used.add(a)
+        out.append(tuple(kept))
+    return tuple(out)
+
+
+def storage_spec(operand_axes: Spec, shape: Sequence[int], zero_axes: Sequence[str],
+                 mesh: MeshShape) -> Spec:
+    """How a parameter read with `operand_axes` is stored (see `param_specs`)."""
+    return _with_zero(fit_spec(operand_axes, shape, mesh), shape, zero_axes, mesh)
 
 
 def batch_specs(graph: OpGraph, strategy: Strategy) -> dict[str, Spec]:
