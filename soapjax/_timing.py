@@ -1,0 +1,575 @@
+"""Timing compiled programs on the local backend, with the dispatch overhead amortised.
+
+A kernel of a few microseconds cannot be timed with one Python call per run: a jitted call costs
+~10-20 us on XLA:CPU and ~150 us on an H100 before the kernel starts. So the program runs `n`
+times inside ONE compiled program, a `lax.fori_loop` with a *runtime* trip count (one compile
+serves every `n`), and the time of one repetition is
+
+    (T(n) - T(0)) / n
+
+with ``T(k)`` the wall time of one call running `k` repetitions: dispatch, argument handling and
+the loop's start-up cancel out.
+
+XLA must not be allowed to run the body once and reuse it. The loop carries the program's
+arguments and its outputs; every iteration runs the program, then "kicks" each argument,
+rewriting its first element with ``where(s > 3e38, bumped, first)``, where ``s`` is a scalar
+read from this iteration's outputs, so the next iteration's inputs depend on this one. The
+condition is never true for finite data, so the values never change, but XLA cannot know
+that: no argument is loop-invariant, so while-loop-invariant code motion cannot hoist the
+body, CSE cannot merge iterations, and constant folding sees no constants (the arguments are
+parameters of the program, never closed-over values). A kick is a one-element
+dynamic-update-slice, in place on a loop-carried buffer: O(1) work. Kicking *after* the
+program has read the arguments matters: kicked first, XLA fuses the kick into the program's
+own fusions, which then copy every argument each iteration (30x slower for an elementwise
+operator on CPU). The carry is donated, so no call copies its arguments either. The outputs
+are loop-carried and returned, so none of them is dead code. `loop_hlo` gives the compiled
+text for checking all this (`ops_outside_loops` counts what was hoisted).
+
+Also here: the loops of an optimizer update and of a whole training step, and `DiskCache`,
+the on-disk store of measurements that `soapjax.cost` reads and writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import re
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+log = logging.getLogger("soapjax.cost")
+
+# Larger than any value a timing program computes from finite random data, smaller than inf.
+_NEVER = 3e38
+
+
+class Timing(NamedTuple):
+    """The time of one repetition of a program.
+
+    Attributes:
+      seconds: per repetition: the minimum over trials, dispatch overhead removed.
+      spread: (max - min) / min of the per-repetition times over the trials.
+      reps: repetitions per trial (inside one call).
+      trials: how many trials were taken.
+      overhead_s: T(0), what one call costs beyond its repetitions (dispatch).
+    """
+
+    seconds: float
+    spread: float
+    reps: int
+    trials: int
+    overhead_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class TimingOptions:
+    """How long and how often to time.
+
+    Attributes:
+      target_trial_s: aim for trials of about this long (the repetition count adapts).
+      trials: trials per measurement; the minimum is kept. While their spread exceeds 25%
+        (other processes competing for the cores), up to three times as many are taken.
+      max_reps: at most this many repetitions per trial.
+      long_s: a program whose single call takes longer is timed with two single calls only.
+    """
+
+    target_trial_s: float = 0.025
+    trials: int = 5
+    max_reps: int = 100_000
+    long_s: float = 0.5
+
+    def __post_init__(self):
+        if self.target_trial_s <= 0 or self.trials < 1 or self.max_reps < 1 or self.long_s <= 0:
+            raise ValueError(f"timing options must be positive, got {self}")
+
+
+# --- the loop harness ----------------------------------------------------------------------------
+
+
+def kick(x: jax.Array, s: jax.Array) -> jax.Array:
+    """`x` with its first element rewritten to a value that depends on the scalar `s`.
+
+    At run time the value is unchanged (``s`` is never above 3e38), but XLA cannot know that.
+    """
+    if x.size == 0:
+        return x
+    idx = (0,) * x.ndim
+    first = x[idx] if x.ndim else x
+    if x.dtype == jnp.bool_:
+        bumped = jnp.logical_not(first)
+    else:
+        bumped = first + jnp.ones((), x.dtype)
+    new = jnp.where(s > _NEVER, bumped, first)
+    if x.ndim == 0:
+        return new
+    return lax.dynamic_update_slice(x, new.reshape((1,) * x.ndim), idx)
+
+
+def probe(values: Sequence[jax.Array]) -> jax.Array:
+    """A float32 scalar that depends on every value (the sum of their first elements)."""
+    s = jnp.zeros((), jnp.float32)
+    for v in values:
+        if v.size:
+            first = v[(0,) * v.ndim] if v.ndim else v
+            if jnp.iscomplexobj(first):
+                first = jnp.real(first)
+            s = s + first.astype(jnp.float32)
+    return s
+
+
+def chained(fn: Callable[..., Sequence[jax.Array]]) -> Callable[[tuple], tuple]:
+    """The loop body for timing ``fn(*args) -> outputs``: carry ``(args, outputs)``."""
+
+    def step(carry: tuple) -> tuple:
+        args, _ = carry
+        outs = list(fn(*args))
+        # Kick after `fn` has read the arguments, so the next iteration depends on this one.
+        # (Kicking first would let XLA fuse the kick into `fn`'s own fusions, which then copy
+        # every argument and lose vectorisation: 30x slower for an elementwise op.)
+        s = probe(outs)
+        return [kick(a, s) for a in args], outs
+
+    return step
+
+
+def _looped(step: Callable[[Any], Any]) -> Callable[[Any, jax.Array], Any]:
+    def run(carry, n):
+        return lax.fori_loop(0, n, lambda i, c: step(c), carry)
+
+    return run
+
+
+def compile_loop(step: Callable[[Any], Any], carry: Any) -> Any:
+    """AOT-compiles ``run(carry, n) -> carry``: `step` applied `n` times (`n` a runtime int32).
+
+    The carry is donated, so the loop updates it in place: a call costs dispatch plus its
+    repetitions, with no copy of the arguments (which for an elementwise operator would be as
+    large as a repetition).
+    """
+    n = jax.ShapeDtypeStruct((), jnp.int32)
+    return jax.jit(_looped(step), donate_argnums=0).lower(carry, n).compile()
+
+
+def loop_hlo(step: Callable[[Any], Any], carry: Any) -> str:
+    """The optimised HLO text of the timing loop (to check that nothing was hoisted)."""
+    return compile_loop(step, carry).as_text()
+
+
+# --- timing ------------------------------------------------------------------------------------
+
+
+def time_loop(step: Callable[[Any], Any], carry: Any, options: TimingOptions = TimingOptions()
+              ) -> Timing:
+    """Times one application of `step` (``carry -> carry``), amortising dispatch.
+
+    The repetition count adapts so a trial lasts about `options.target_trial_s`: a
+    few-microsecond kernel runs thousands of times per call, a 100 ms one once or twice.
+
+    Args:
+      step: the loop body; everything it computes must feed the next carry.
+      carry: the initial carry (device arrays); it is donated (consumed).
+      options: trial length and count.
+
+    Returns:
+      The per-repetition time, its spread over trials and the repetition count used.
+    """
+    compiled = compile_loop(step, carry)
+    counts: dict[int, jax.Array] = {}
+    state = [carry]
+    del carry
+
+    def call(n: int) -> float:
+        if n not in counts:
+            counts[n] = jnp.asarray(n, jnp.int32)
+        t = time.perf_counter()
+        state[0] = compiled(state[0], counts[n])
+        jax.block_until_ready(state[0])
+        return time.perf_counter() - t
+
+    first = call(1)  # warm-up: first touch of buffers, thread pool start-up
+    # T(0) is dispatch alone; its minimum keeps improving as every trial samples it again.
+    t0 = min(call(0) for _ in range(3))
+    if first - t0 > options.long_s:
+        ts = [first, call(1)]
+        return Timing(max(min(ts) - t0, 0.0), _spread(ts), 1, len(ts), t0)
+    n = 1
+    for _ in range(8):  # grow n geometrically until a call lasts about the target
+        work = call(n) - t0
+        if work >= 0.5 * options.target_trial_s or n >= options.max_reps:
+            break
+        grow = options.target_trial_s / max(work, 1e-7)
+        n = min(options.max_reps, math.ceil(n * min(max(grow, 2.0), 100.0)))
+    tns = []
+    while len(tns) < options.trials or (
+            _spread([t - t0 for t in tns]) > 0.25 and len(tns) < 3 * options.trials):
+        # Other processes on the same cores only ever add time: while the trials disagree,
+        # more of them give the minimum more chances to be an undisturbed one.
+        t0 = min(t0, call(0))
+        tns.append(call(n))
+    per = [max(t - t0, 0.0) / n for t in tns]
+    return Timing(min(per), _spread(per), n, len(per), t0)
+
+
+def _spread(ts: Sequence[float]) -> float:
+    lo = min(ts)
+    return (max(ts) - lo) / lo if lo > 0 else 0.0
+
+
+# --- programs: forward, backward ---------------------------------------------------------------
+
+
+def random_args(avals: Sequence[jax.ShapeDtypeStruct], seed: int = 0) -> list[jax.Array]:
+    """Arguments of the given shapes: floats uniform in [-1, 1), ints in {0, 1}, random bools.
+
+    Integers stay small so that they are valid indices (token ids, labels) of any gather.
+    Made with numpy and put on the default device: no compilation per shape.
+    """
+    rng = np.random.default_rng(seed)
+    out = []
+    for a in avals:
+        dt, shape = jnp.dtype(a.dtype), tuple(a.shape)
+        if jnp.issubdtype(dt, jnp.inexact):
+            x = rng.random(shape, dtype=np.float32) * 2 - 1
+            if jnp.issubdtype(dt, jnp.complexfloating):
+                x = x + 1j * x
+        elif dt == jnp.bool_:
+            x = rng.integers(0, 2, shape).astype(bool)
+        else:
+            x = rng.integers(0, 2, shape)
+        out.append(jax.device_put(np.asarray(x).astype(dt)))
+    return out
+
+
+def is_float(dtype: Any) -> bool:
+    return jnp.issubdtype(jnp.dtype(dtype), jnp.inexact)
+
+
+def time_forward(fn: Callable[..., Sequence[jax.Array]], args: Sequence[jax.Array],
+                 options: TimingOptions = TimingOptions()) -> Timing:
+    """Times ``fn(*args)`` (returning a list of arrays)."""
+    outs = [jnp.zeros(o.shape, o.dtype) for o in jax.eval_shape(lambda *a: list(fn(*a)), *args)]
+    return time_loop(chained(fn), ([jnp.array(a, copy=True) for a in args], outs), options)
+
+
+def backward_loop(fn: Callable[..., Sequence[jax.Array]], args: Sequence[jax.Array],
+                  diff: Sequence[bool]) -> tuple[Callable, tuple] | None:
+    """The timing loop of the backward pass of `fn` alone, from saved residuals.
+
+    ``jax.vjp`` runs once (compiled) to produce the residuals; each loop iteration then maps
+    ``(residuals, cotangents)`` to the gradients of the float arguments marked in `diff`:
+    exactly the work the backward pass of a training step does for this operator. Only float
+    outputs carry cotangents.
+
+    Returns:
+      ``(step, carry)`` for `time_loop`, or None when nothing is differentiated (no float
+      argument marked, or no float output).
+    """
+    idx = [i for i, d in enumerate(diff) if d and is_float(args[i].dtype)]
+    out_avals = jax.eval_shape(lambda *a: list(fn(*a)), *args)
+    float_out = [k for k, o in enumerate(out_avals) if is_float(o.dtype)]
+    if not idx or not float_out:
+        return None
+
+    def forward(*all_args):
+        def g(*d):
+            merged = list(all_args)
+            for i, v in zip(idx, d):
+                merged[i] = v
+            outs = list(fn(*merged))
+            return [outs[k] for k in float_out]
+
+        return jax.vjp(g, *[all_args[i] for i in idx])[1]
+
+    residuals, tree = jax.tree.flatten(jax.jit(forward)(*args))
+    # Residuals may be the arguments themselves; the loop donates its carry, so copy.
+    residuals = [jnp.array(r, copy=True) for r in residuals]
+
+    def step(carry):
+        residuals, cts, _ = carry
+        grads = list(jax.tree.unflatten(tree, residuals)(cts))
+        s = probe(grads)
+        return [kick(r, s) for r in residuals], [kick(c, s) for c in cts], grads
+
+    cts = random_args([out_avals[k] for k in float_out], seed=1)
+    grads = [jnp.zeros(args[i].shape, args[i].dtype) for i in idx]
+    return step, (residuals, cts, grads)
+
+
+def time_backward(fn: Callable[..., Sequence[jax.Array]], args: Sequence[jax.Array],
+                  diff: Sequence[bool], options: TimingOptions = TimingOptions()
+                  ) -> Timing | None:
+    """Times the backward pass of ``fn`` w.r.t. the float arguments marked in `diff`."""
+    loop = backward_loop(fn, args, diff)
+    if loop is None:
+        return None
+    return time_loop(*loop, options)
+
+
+# --- optimizer updates and whole steps ---------------------------------------------------------
+
+
+def update_loop(optimizer: Any, n: int) -> tuple[Callable, Any, Callable[[], tuple]]:
+    """The timing loop of one optimizer update of an `n`-element float32 parameter.
+
+    Args:
+      optimizer: an optax ``GradientTransformation``, or None for Adam's arithmetic.
+      n: parameter elements.
+
+    Returns:
+      ``(step, avals, make_carry)``: the loop body for `time_loop`, the carry's abstract
+      values (to sign the program without allocating it) and a function that allocates the
+      carry. The carry is ``(params, state, grads)``; the gradients are kicked from the
+      parameters so that work on them alone (a gradient norm for clipping) is not hoisted.
+    """
+    p_aval = jax.ShapeDtypeStruct((n,), jnp.float32)
+    if optimizer is None:
+        def init(p):
+            return jnp.zeros_like(p), jnp.zeros_like(p)
+
+        def apply(g, state, p):
+            m = 0.9 * state[0] + 0.1 * g
+            v = 0.999 * state[1] + 0.001 * g * g
+            return p - 1e-3 * m / (jnp.sqrt(v) + 1e-8), (m, v)
+    else:
+        import optax
+
+        init = optimizer.init
+
+        def apply(g, state, p):
+            updates, state = optimizer.update(g, state, p)
+            return optax.apply_updates(p, updates), state
+
+    def step(carry):
+        p, state, g = carry
+        p, state = apply(g, state, p)
+        return p, state, kick(g, probe([p]))
+
+    def make_carry():
+        p, g = random_args([p_aval] * 2, seed=2)
+        return p, init(p), g * 1e-3
+
+    return step, (p_aval, jax.eval_shape(init, p_aval), p_aval), make_carry
+
+
+def time_train_step(workload: Any, options: TimingOptions = TimingOptions()) -> Timing:
+    """Times a workload's whole jitted training step (``workload.train_step()``) on one device.
+
+    The loop carries parameters, optimizer state, the loss and the batch; the batch is an
+    argument (never a constant folded into the program) and is kicked from the loss.
+    """
+    params = workload.init_params(jax.random.key(0))
+    opt_state = workload.optimizer.init(params)
+    batch = workload.make_batch(jax.random.key(1))
+    train = workload.train_step()
+
+    def step(carry):
+        params, opt_state, _, batch = carry
+        params, opt_state, loss = train(params, opt_state, batch)
+        return params, opt_state, loss, jax.tree.map(lambda x: kick(x, loss), batch)
+
+    loss0 = jnp.zeros((), jnp.float32)
+    return time_loop(step, (params, opt_state, loss0, batch), options)
+
+
+def hlo_computations(hlo: str) -> dict[str, str]:
+    """Splits HLO text into ``{computation name: body text}``."""
+    comps: dict[str, str] = {}
+    name, lines = None, []
+    for line in hlo.splitlines():
+        head = line.strip()
+        if head.endswith("{") and "(" in head and not head.startswith("ROOT"):
+            words = head.removeprefix("ENTRY ").split()
+            name, lines = words[0].lstrip("%"), []
+        elif head == "}" and name is not None:
+            comps[name] = "\n".join(lines)
+            name = None
+        elif name is not None:
+            lines.append(head)
+    return comps
+
+
+def ops_outside_loops(hlo: str, opcode: str) -> int:
+    """How many `opcode` instructions run outside any while loop of an HLO module.
+
+    Follows calls (fusions, `to_apply`, nested computations) from the entry computation but
+    not into while bodies or conditions: anything counted there was hoisted out of the loop.
+    """
+    comps = hlo_computations(hlo)
+    entry = next((ln.split()[1].lstrip("%") for ln in hlo.splitlines()
+                  if ln.startswith("ENTRY ")), None)
+    if entry is None:
+        return 0
+    seen, todo, count = set(), [entry], 0
+    while todo:
+        c = todo.pop()
+        if c in seen or c not in comps:
+            continue
+        seen.add(c)
+        for line in comps[c].splitlines():
+            rhs = line.split("=", 1)[1] if "=" in line else line
+            if f" {opcode}(" in rhs:
+                count += 1
+            if " while(" in rhs:
+                continue
+            for part in rhs.split("%")[1:]:
+                callee = part.split(",")[0].split(")")[0].split("}")[0].strip()
+                if callee in comps and ("calls=%" + callee in rhs or "to_apply=%" + callee in rhs
+                                        or "branch_computations" in rhs):
+                    todo.append(callee)
+    return count
+
+
+# --- the on-disk store -------------------------------------------------------------------------
+
+_SCHEMA = 1
+_CACHE_ENV = "SOAPJAX_CACHE_DIR"
+
+
+def default_cache_dir() -> Path:
+    """Where measurements are cached.
+
+    ``$SOAPJAX_CACHE_DIR``, else ``$XDG_CACHE_HOME/soapjax/costs``, else
+    ``~/.cache/soapjax/costs``.
+    """
+    if os.environ.get(_CACHE_ENV):
+        return Path(os.environ[_CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "soapjax" / "costs"
+
+
+def local_platform() -> str:
+    """The local backend's platform in topology terms: ``cpu``, ``gpu`` or ``tpu``."""
+    p = jax.devices()[0].platform.lower()
+    return "gpu" if p in ("cuda", "rocm", "gpu") else p
+
+
+def backend_identity() -> dict[str, Any]:
+    """What a measurement depends on besides the program: backend, device kind, versions, host."""
+    import jaxlib
+
+    dev = jax.devices()[0]
+    ident = {"schema": _SCHEMA, "backend": local_platform(), "device_kind": dev.device_kind,
+             "jax": jax.__version__, "jaxlib": jaxlib.__version__}
+    if ident["backend"] == "cpu":
+        ident["host"] = f"{_cpu_model()} x{os.cpu_count()}"
+    return ident
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def signature(kind: str, program_text: str, extra: str = "") -> str:
+    """The cache key of a program: sha256 of its kind, schema and text.
+
+    Object addresses (``<function f at 0x7f...>`` in a custom_jvp's parameters) are dropped:
+    they differ between processes, the program does not.
+    """
+    program_text = re.sub(r" at 0x[0-9a-fA-F]+", "", program_text)
+    text = f"soapjax-cost/{_SCHEMA}/{kind}/{extra}\n{program_text}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class DiskCache:
+    """One JSON file per measurement, under a folder per backend identity.
+
+    Writes go to a temporary file in the same folder, then `os.replace` it into place, which
+    is atomic: concurrent writers (threads or processes) of the same entry leave one whole
+    entry, never a mix. An unreadable, corrupt or mismatching file is a miss (and is
+    overwritten by the next measurement).
+
+    Attributes:
+      identity: `backend_identity()`, stored in and checked against every entry.
+      folder: where the entries live (None: a cache that stores nothing).
+    """
+
+    def __init__(self, root: str | os.PathLike | None, identity: dict[str, Any]):
+        self.identity = identity
+        if root is None:
+            self.folder = None
+            return
+        tag = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
+        slug = "".join(c if c.isalnum() else "-" for c in identity["device_kind"]).strip("-")
+        self.folder = Path(root) / f"{identity['backend']}-{slug[:40]}-jax{identity['jax']}-{tag}"
+
+    def path(self, sig: str) -> Path | None:
+        return None if self.folder is None else self.folder / sig[:2] / f"{sig}.json"
+
+    def load(self, sig: str) -> dict[str, Any] | None:
+        """The entry for `sig`, or None (missing, unreadable, corrupt or stale)."""
+        path = self.path(sig)
+        if path is None:
+            return None
+        try:
+            entry = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            log.warning("cost cache entry %s is unreadable (%s); measuring again", path, e)
+            return None
+        if not _valid_entry(entry, sig, self.identity):
+            log.warning("cost cache entry %s is corrupt or stale; measuring again", path)
+            return None
+        return entry
+
+    def store(self, sig: str, entry: dict[str, Any]) -> None:
+        """Writes `entry` for `sig` atomically; a failure to write is logged, not raised."""
+        path = self.path(sig)
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{sig[:8]}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(entry, f, indent=1, sort_keys=True)
+                os.replace(tmp, path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError as e:  # a read-only or full disk costs re-measuring, not the run
+            log.warning("cannot write cost cache entry %s: %s", path, e)
+
+    def entry(self, sig: str, what: str, example: str, forward: Timing,
+              backward: Timing | None, **extra: Any) -> dict[str, Any]:
+        """A new entry (not yet stored)."""
+        return {"signature": sig, "identity": self.identity, "what": what, "example": example,
+                "forward": forward._asdict(),
+                "backward": None if backward is None else backward._asdict(),
+                "created": time.time(), **extra}
+
+
+def _valid_entry(entry: Any, sig: str, identity: dict[str, Any]) -> bool:
+    if not isinstance(entry, dict) or entry.get("signature") != sig:
+        return False
+    if entry.get("identity") != identity:
+        return False
+    for part in ("forward", "backward"):
+        t = entry.get(part)
+        if t is None and part == "backward":
+            continue
+        if not isinstance(t, dict):
+            return False
+        s = t.get("seconds")
+        if not isinstance(s, (int, float)) or not math.isfinite(s) or s < 0:
+            return False
+    return True

@@ -1,0 +1,596 @@
+"""Operator times: measured with XLA on the local backend, or a roofline from the device specs.
+
+The simulator needs, for every operator and config, the time of the operator's forward and
+backward task on one device (the paper's assumption A1: predictable, independent of the
+values). A config fixes a degree per iteration dim, hence the shard shapes each device
+computes on; `soapjax._local.operator_fn` gives that per-device program, which is what runs
+here:
+
+* **measured** (the local backend is the topology's: e.g. topology ``cpu8`` on this CPU): the
+  shard program is compiled for ONE device and timed, the forward and the backward (the VJP
+  w.r.t. its float activation and parameter operands, from saved residuals) separately, with
+  many repetitions inside one compiled loop so the dispatch overhead cancels (see
+  `soapjax._timing`). With ``--xla_force_host_platform_device_count=8`` the 8 virtual CPU
+  devices share the host's cores, so the one-device time is what a real machine with one such
+  device per slot would take, not what a sharded run on the virtual devices shows.
+* **analytic** (the target devices are not attached: planning for 64 K80s from a laptop):
+  ``max(flops / peak_flops(dtype), bytes / memory_bandwidth) + kernel overhead`` per shard;
+  the backward as twice the forward's FLOPs, bytes and kernels (a matmul's backward is two
+  matmuls of the forward's size: one for the input's gradient, one for the weight's).
+* **scaled**: a shard program that cannot be built or compiled for a split config falls back
+  to the measured unsplit time divided by the number of shards.
+
+Every `OpTime` says which of the three it is, and measured times are cached on disk, keyed by
+backend, device kind, jax/jaxlib versions and the shard program's signature (the pretty-printed
+jaxpr, which names variables canonically), so operators with the same shard program share one
+measurement: GPT-2's 12 blocks cost one block's measurements.
+
+Example::
+
+    g = trace(loss_fn, params, batch)
+    costs = cost_model(g, load_topology("cpu8"))         # measured on this CPU
+    costs.op_time(3, Config((("data",), (), ())))
+    # OpTime(forward_s=0.00042, backward_s=0.00088, source='measured')   (for example)
+    cost_model(g, load_topology("dgx-h100x8")).source   # 'analytic' on a machine without H100s
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from soapjax import _timing
+from soapjax._timing import DiskCache, TimingOptions, default_cache_dir
+from soapjax.errors import SoapjaxError, TopologyError
+from soapjax.graph import Operator, OpGraph
+from soapjax.space import Config, MeshShape, SpaceLimits, configs
+from soapjax.topology import DeviceSpec, Topology, list_topologies, load_topology
+
+__all__ = ["ANALYTIC_KERNEL_OVERHEAD_S", "Calibration", "CostError", "CostModel", "CostStats",
+           "OpTime", "ProfileProgress", "ProfileReport", "TimingOptions", "analytic_op_time",
+           "calibrate", "cost_model", "default_cache_dir", "local_backend_matches",
+           "local_topology", "roofline_time"]
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["auto", "measured", "analytic"]
+
+# A fixed cost per kernel in the analytic model: a launch on a GPU costs 2-5 us before any work;
+# a kernel that moves 4 bytes is not free. One forward is counted as one kernel, a backward as
+# two (input gradient, weight gradient).
+ANALYTIC_KERNEL_OVERHEAD_S = 5e-6
+# Adam reads parameters, gradients and two moments and writes parameters and both moments:
+# 7 passes over the parameter bytes (when the optimizer is not known).
+_DEFAULT_UPDATE_PASSES = 7.0
+# Optimizer updates are measured at sizes 2**k bytes and interpolated in between.
+_MIN_UPDATE_BUCKET = 2**12
+
+
+class CostError(SoapjaxError, ValueError):
+    """A cost model that cannot be built as asked (e.g. measured mode without the devices)."""
+
+
+class OpTime(NamedTuple):
+    """The time of one operator's forward and backward task on one device.
+
+    Attributes:
+      forward_s: seconds of the forward pass of one shard.
+      backward_s: seconds of its backward pass (gradients of activations and parameters).
+      source: ``"measured"`` (timed on the local backend), ``"analytic"`` (roofline from the
+        topology's device specs) or ``"scaled"`` (the unsplit measurement divided by the
+        number of shards, where the shard program could not be timed).
+    """
+
+    forward_s: float
+    backward_s: float
+    source: str
+
+
+class CostStats(NamedTuple):
+    """What a `CostModel` has done so far.
+
+    Attributes:
+      measured: shard programs timed in this process (each a forward and a backward).
+      disk_hits: shard programs read from the on-disk cache instead.
+      shared: (operator, degrees) pairs that reused another operator's measurement of the same
+        signature in this process.
+      fallbacks: pairs that fell back to ``scaled`` or ``analytic``.
+      updates_measured: optimizer-update sizes timed.
+    """
+
+    measured: int
+    disk_hits: int
+    shared: int
+    fallbacks: int
+    updates_measured: int
+
+
+class ProfileProgress(NamedTuple):
+    """Progress of `CostModel.profile`, passed to its `progress` callback."""
+
+    done: int
+    total: int
+    distinct: int
+    measured: int
+    elapsed_s: float
+
+
+class ProfileReport(NamedTuple):
+    """What filling the cache for every config of every operator took.
+
+    Attributes:
+      pairs: (operator, config) pairs in the search space.
+      shard_programs: distinct (operator, degrees) pairs among them.
+      distinct: distinct shard-program signatures (what had to be measured at most).
+      measured: signatures measured in this run (the rest came from the cache).
+      fallbacks: pairs priced ``scaled`` or ``analytic`` instead.
+      seconds: wall time of the whole run.
+    """
+
+    pairs: int
+    shard_programs: int
+    distinct: int
+    measured: int
+    fallbacks: int
+    seconds: float
+
+
+# --- the analytic model --------------------------------------------------------------------------
+
+
+def roofline_time(flops: float, nbytes: float, dtype: Any, device: DeviceSpec, *,
+                  kernels: int = 1) -> float:
+    """``max(flops / peak_flops(dtype), nbytes / memory_bandwidth) + kernels * overhead``.
+
+    Args:
+      flops: floating point operations.
+      nbytes: bytes read and written.
+      dtype: the dtype the arithmetic runs in (its peak FLOP/s is used; a dtype the device
+        file gives no figure for, such as an integer type, uses the float32 figure).
+      device: the device's specs.
+      kernels: how many kernels, each costing `ANALYTIC_KERNEL_OVERHEAD_S`.
+    """
+    try:
+        peak = device.peak_flops_for(dtype)
+    except TopologyError:
+        peak = device.peak_flops_for("float32")
+    overhead = kernels * ANALYTIC_KERNEL_OVERHEAD_S
+    return max(flops / peak, nbytes / device.memory_bandwidth) + overhead
+
+
+def _shard_bytes(op: Operator, degrees: tuple[int, ...]) -> float:
+    """Bytes of one shard's operands and outputs (each dim divided by its iteration degree)."""
+
+    def size(t) -> float:
+        div = math.prod(degrees[d] for d in t.dims if d is not None)
+        return t.nbytes / div
+
+    return sum(size(o) for o in op.inputs) + sum(size(t) for t in op.outputs)
+
+
+def _compute_dtype(op: Operator) -> str:
+    """The widest float dtype among the operands (what XLA computes in), else the output's."""
+    floats = [np.dtype(o.dtype) for o in op.inputs if _timing.is_float(o.dtype)]
+    if floats:
+        return max(floats, key=lambda d: d.itemsize).name
+    return op.dtype
+
+
+def analytic_op_time(op: Operator, degrees: tuple[int, ...], device: DeviceSpec) -> OpTime:
+    """The roofline time of one shard of `op` (see the module docstring)."""
+    shards = math.prod(degrees)
+    flops, nbytes, dtype = op.flops / shards, _shard_bytes(op, degrees), _compute_dtype(op)
+    fwd = roofline_time(flops, nbytes, dtype, device)
+    bwd = roofline_time(2 * flops, 2 * nbytes, dtype, device, kernels=2)
+    return OpTime(fwd, bwd, "analytic")
+
+
+# --- platform matching ---------------------------------------------------------------------------
+
+
+# Words in device names that say how a chip is packaged, not which chip it is.
+_FORM_FACTORS = ("SXM", "HBM", "PCIE", "GDDR", "NVL")
+
+
+def _kinds_match(topology_kind: str, local_kind: str) -> bool:
+    """Whether a topology's device kind names the local device (model numbers must agree).
+
+    ``"H100 SXM5 80GB"`` matches jax's ``"NVIDIA H100 80GB HBM3"`` (both say H100);
+    ``"Tesla P100-SXM2-16GB"`` does not match ``"Tesla V100-SXM2-16GB"``.
+    """
+
+    def models(kind: str) -> set[str]:
+        words = "".join(c if c.isalnum() else " " for c in kind.upper()).split()
+        return {w for w in words if any(c.isdigit() for c in w) and any(c.isalpha() for c in w)
+                and not w.endswith("GB") and not w.startswith(_FORM_FACTORS)}
+
+    a, b = models(topology_kind), models(local_kind)
+    return bool(a & b) if a and b else topology_kind.strip().lower() == local_kind.strip().lower()
+
+
+def local_backend_matches(topology: Topology) -> tuple[bool, str]:
+    """Whether the local devices are the topology's, and why not."""
+    local, dev = _timing.local_platform(), jax.devices()[0]
+    if local != topology.platform:
+        return False, (f"topology {topology.name!r} has {topology.platform} devices but the local "
+                       f"backend is {local}")
+    if local != "cpu" and not _kinds_match(topology.device.kind, dev.device_kind):
+        return False, (f"topology {topology.name!r} has {topology.device.kind!r} devices but the "
+                       f"local device is {dev.device_kind!r}")
+    return True, ""
+
+
+# --- the cost model ------------------------------------------------------------------------------
+
+
+class CostModel:
+    """Operator and optimizer-update times for one graph on one topology.
+
+    Built by `cost_model`. `op_time` is memoised per (operator, config): after the first call
+    it is one dictionary lookup, so the search can call it millions of times.
+
+    Attributes:
+      graph: the operator graph.
+      topology: the target cluster.
+      mesh: the mesh whose axes configs name (the topology's, unless given).
+      source: ``"measured"`` or ``"analytic"``: how times are obtained.
+    """
+
+    def __init__(self, graph: OpGraph, topology: Topology, *, source: str, mesh: MeshShape,
+                 cache: DiskCache, options: TimingOptions, optimizer: Any = None):
+        self.graph = graph
+        self.topology = topology
+        self.mesh = mesh
+        self.source = source
+        self._cache = cache
+        self._options = options
+        self._optimizer = optimizer
+        self._memo: list[dict[tuple[tuple[str, ...], ...], OpTime]] = [
+            {} for _ in graph.operators]
+        self._by_degrees: dict[tuple[int, tuple[int, ...]], OpTime] = {}
+        self._by_sig: dict[str, OpTime] = {}
+        self._sig_of: dict[tuple[int, tuple[int, ...]], str | None] = {}
+        self._updates: dict[int, float] = {}  # measured, per power-of-two size
+        self._update_memo: dict[float, float] = {}
+        self._counts = dict(measured=0, disk_hits=0, shared=0, fallbacks=0, updates_measured=0)
+        self._passes = _update_passes(optimizer)
+
+    def __repr__(self) -> str:
+        return (f"CostModel({self.graph.name!r} on {self.topology.name!r}, source={self.source!r}, "
+                f"{len(self._by_degrees)} shard programs priced)")
+
+    @property
+    def stats(self) -> CostStats:
+        return CostStats(**self._counts)
+
+    # --- operators -------------------------------------------------------------------------------
+
+    def op_time(self, op_index: int, config: Config) -> OpTime:
+        """The forward and backward time of one device's shard of operator `op_index`.
+
+        Args:
+          op_index: the operator's position in `graph.operators`.
+          config: its config; only the degrees it gives each iteration dim matter.
+
+        Returns:
+          The times, and where they came from.
+        """
+        memo = self._memo[op_index]  # per operator, keyed by the axes: no Config.__hash__ call
+        hit = memo.get(config.axes)
+        if hit is None:
+            hit = memo[config.axes] = self.shard_time(op_index, config.degrees(self.mesh))
+        return hit
+
+    def shard_time(self, op_index: int, degrees: tuple[int, ...]) -> OpTime:
+        """`op_time` by degrees per iteration dim instead of a config."""
+        key = (op_index, tuple(degrees))
+        hit = self._by_degrees.get(key)
+        if hit is None:
+            hit = self._by_degrees[key] = self._price(*key)
+        return hit
+
+    def signature(self, op_index: int, degrees: tuple[int, ...]) -> str | None:
+        """The cache key of a shard program (None when it cannot be built)."""
+        key = (op_index, tuple(degrees))
+        if key not in self._sig_of:
+            try:
+                fn, avals = self._program(op_index, key[1])
+                self._sig_of[key] = _timing.signature("operator", str(jax.make_jaxpr(fn)(*avals)),
+                                               _diff_mask(self.graph.operators[op_index]))
+            except Exception as e:  # noqa: BLE001  an exotic equation: priced by a fallback
+                log.info("no shard program for %s at degrees %s: %s: %s",
+                         self.graph.operators[op_index].name, degrees, type(e).__name__, e)
+                self._sig_of[key] = None
+        return self._sig_of[key]
+
+    def _program(self, op_index: int, degrees: tuple[int, ...]):
+        from soapjax._local import operator_fn
+
+        return operator_fn(self.graph, self.graph.operators[op_index].name, degrees)
+
+    def _price(self, op_index: int, degrees: tuple[int, ...]) -> OpTime:
+        op = self.graph.operators[op_index]
+        if self.source == "analytic":
+            return analytic_op_time(op, degrees, self.topology.device)
+        sig = self.signature(op_index, degrees)
+        if sig is not None:
+            t = self._measured(op_index, degrees, sig)
+            if t is not None:
+                return t
+        self._counts["fallbacks"] += 1
+        shards = math.prod(degrees)
+        if shards > 1:
+            base = self.shard_time(op_index, (1,) * len(degrees))
+            if base.source != "analytic":
+                return OpTime(base.forward_s / shards, base.backward_s / shards, "scaled")
+        return analytic_op_time(op, degrees, self.topology.device)
+
+    def _measured(self, op_index: int, degrees: tuple[int, ...], sig: str) -> OpTime | None:
+        if sig in self._by_sig:
+            self._counts["shared"] += 1
+            return self._by_sig[sig]
+        entry = self._cache.load(sig)
+        if entry is not None:
+            self._counts["disk_hits"] += 1
+        else:
+            entry = self._measure_op(op_index, degrees, sig)
+            if entry is None:
+                return None
+        back = entry["backward"]
+        t = OpTime(entry["forward"]["seconds"], back["seconds"] if back else 0.0, "measured")
+        self._by_sig[sig] = t
+        return t
+
+    def _measure_op(self, op_index: int, degrees: tuple[int, ...], sig: str) -> dict | None:
+        op = self.graph.operators[op_index]
+        try:
+            fn, avals = self._program(op_index, degrees)
+            args = _timing.random_args(avals)
+            fwd = _timing.time_forward(fn, args, self._options)
+            diff = [o.kind in ("activation", "param") for o in op.inputs]
+            bwd = _timing.time_backward(fn, args, diff, self._options)
+        except Exception as e:  # noqa: BLE001  compile or run failure: priced by a fallback
+            log.warning("timing %s at degrees %s failed (%s: %s); falling back", op.name, degrees,
+                        type(e).__name__, e)
+            return None
+        self._counts["measured"] += 1
+        entry = self._cache.entry(sig, "operator", f"{self.graph.name}/{op.name} {list(degrees)}",
+                                  fwd, bwd, shapes=[list(a.shape) for a in avals])
+        self._cache.store(sig, entry)
+        return entry
+
+    # --- optimizer updates -----------------------------------------------------------------------
+
+    def update_time(self, param_shard_bytes: float) -> float:
+        """Seconds of the optimizer update of a parameter shard of this many bytes.
+
+        Analytic: ``passes * bytes / memory_bandwidth`` plus one kernel overhead, where
+        `passes` counts reads and writes of parameters, gradients and optimizer state (7 for
+        Adam: read p, g, m, v, write p, m, v). Measured: the optimizer's update of a float32
+        vector, timed at power-of-two byte sizes and interpolated linearly in between.
+        """
+        hit = self._update_memo.get(param_shard_bytes)
+        if hit is None:
+            hit = self._update_memo[param_shard_bytes] = self._update(param_shard_bytes)
+        return hit
+
+    def _update(self, param_shard_bytes: float) -> float:
+        if param_shard_bytes <= 0:
+            return 0.0
+        if self.source == "analytic":
+            return (self._passes * param_shard_bytes / self.topology.device.memory_bandwidth
+                    + ANALYTIC_KERNEL_OVERHEAD_S)
+        lo = max(_MIN_UPDATE_BUCKET, 2 ** int(math.floor(math.log2(max(param_shard_bytes, 1)))))
+        if param_shard_bytes <= lo:  # a power of two, or below the smallest bucket
+            return self._update_at(lo)
+        hi = 2 * lo
+        t_lo, t_hi = self._update_at(lo), self._update_at(hi)
+        return t_lo + (t_hi - t_lo) * (param_shard_bytes - lo) / (hi - lo)
+
+    def _update_at(self, nbytes: int) -> float:
+        if nbytes in self._updates:
+            return self._updates[nbytes]
+        n = max(1, nbytes // 4)
+        step, avals, make_carry = _timing.update_loop(self._optimizer, n)
+        sig = _timing.signature("update", str(jax.make_jaxpr(step)(avals)))
+        entry = self._cache.load(sig)
+        if entry is None:
+            t = _timing.time_loop(step, make_carry(), self._options)
+            self._counts["updates_measured"] += 1
+            entry = self._cache.entry(sig, "update", f"{nbytes} bytes", t, None)
+            self._cache.store(sig, entry)
+        self._updates[nbytes] = entry["forward"]["seconds"]
+        return self._updates[nbytes]
+
+    # --- filling the cache -----------------------------------------------------------------------
+
+    def profile(self, *, limits: SpaceLimits = SpaceLimits(),
+                progress: Callable[[ProfileProgress], None] | None = None) -> ProfileReport:
+        """Prices every config of every operator on `mesh` (measuring what the cache lacks).
+
+        Args:
+          limits: the search space to cover.
+          progress: called after each shard program with a `ProfileProgress`.
+
+        Returns:
+          How many (operator, config) pairs, distinct shard programs and signatures there
+          were, how many were measured now, and how long it took.
+        """
+        t0 = time.perf_counter()
+        measured0, fallbacks0 = self._counts["measured"], self._counts["fallbacks"]
+        pairs = 0
+        tasks: dict[tuple[int, tuple[int, ...]], None] = {}
+        for i, op in enumerate(self.graph.operators):
+            for c in configs(op, self.mesh, limits):
+                pairs += 1
+                tasks.setdefault((i, c.degrees(self.mesh)), None)
+        sigs: set[str] = set()
+        for done, (i, degrees) in enumerate(tasks, 1):
+            self.shard_time(i, degrees)
+            if self.source != "analytic":
+                sigs.add(self.signature(i, degrees) or f"unbuildable/{i}/{degrees}")
+            if progress is not None:
+                progress(ProfileProgress(done, len(tasks), len(sigs) or done,
+                                         self._counts["measured"] - measured0,
+                                         time.perf_counter() - t0))
+        return ProfileReport(pairs, len(tasks), len(sigs) if sigs else len(tasks),
+                             self._counts["measured"] - measured0,
+                             self._counts["fallbacks"] - fallbacks0, time.perf_counter() - t0)
+
+
+def _diff_mask(op: Operator) -> str:
+    return "".join("d" if o.kind in ("activation", "param") else "-" for o in op.inputs)
+
+
+def _update_passes(optimizer: Any) -> float:
+    """Passes over the parameter bytes one update makes: 3 (read p, g; write p) + 2 per state."""
+    if optimizer is None:
+        return _DEFAULT_UPDATE_PASSES
+    try:
+        p = jax.ShapeDtypeStruct((1024,), jnp.float32)
+        state = jax.eval_shape(optimizer.init, p)
+        size = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(state) if hasattr(x, "shape"))
+        return 3.0 + 2.0 * size / (1024 * 4)
+    except Exception:  # noqa: BLE001  an optimizer that needs more than one array
+        return _DEFAULT_UPDATE_PASSES
+
+
+def cost_model(graph: OpGraph, topology: Topology, *, mode: Mode = "auto",
+               cache_dir: str | os.PathLike | None = None, mesh: MeshShape | None = None,
+               optimizer: Any = None, options: TimingOptions | None = None,
+               progress: Callable[[ProfileProgress], None] | None = None) -> CostModel:
+    """The cost model of `graph` on `topology`.
+
+    Args:
+      graph: the traced operator graph.
+      topology: the target cluster.
+      mode: ``"measured"`` times shard programs on the local backend (which must be the
+        topology's platform and, for accelerators, its device kind); ``"analytic"`` uses the
+        roofline of the topology's device specs; ``"auto"`` measures when it can.
+      cache_dir: where measurements are cached (default: `default_cache_dir()`).
+      mesh: the mesh configs refer to (default: the topology's axes); give one to plan for a
+        different shape of the same devices.
+      optimizer: the optax optimizer of the training step, for `update_time` (default: Adam's
+        arithmetic).
+      options: timing trial length and count.
+      progress: when given, every shard program of the search space is priced now (see
+        `CostModel.profile`), reporting progress to this callback.
+
+    Returns:
+      The cost model.
+
+    Raises:
+      CostError: an unknown mode, or ``mode="measured"`` where the topology's devices are not
+        the local ones.
+    """
+    if mode not in ("auto", "measured", "analytic"):
+        raise CostError(f"mode must be 'auto', 'measured' or 'analytic', got {mode!r}")
+    ok, why = local_backend_matches(topology)
+    if mode == "measured" and not ok:
+        raise CostError(f"cannot measure operator times: {why}; use mode='analytic' (roofline "
+                        f"from the topology's device specs) or run on the target devices")
+    source = "measured" if mode == "measured" or (mode == "auto" and ok) else "analytic"
+    cache = DiskCache(None, {})
+    if source == "measured":
+        root = cache_dir if cache_dir is not None else default_cache_dir()
+        cache = DiskCache(root, _timing.backend_identity())
+    model = CostModel(graph, topology, source=source, mesh=mesh or MeshShape.of(topology),
+                      cache=cache, options=options or TimingOptions(), optimizer=optimizer)
+    if progress is not None:
+        model.profile(progress=progress)
+    return model
+
+
+# --- calibration ---------------------------------------------------------------------------------
+
+
+class Calibration(NamedTuple):
+    """A measured unsharded training step against the sum of its parts.
+
+    Attributes:
+      model: workload name; config: its config name.
+      num_operators: operators in its graph.
+      step_s: the measured step (jit of the whole train step, repeated in one program).
+      step_spread: that measurement's spread over trials.
+      forward_s, backward_s, update_s: sums of the operators' measured forward and backward
+        times and of the optimizer updates of every parameter.
+      sources: how many operators were priced by each source.
+    """
+
+    model: str
+    config: str
+    num_operators: int
+    step_s: float
+    step_spread: float
+    forward_s: float
+    backward_s: float
+    update_s: float
+    sources: Mapping[str, int]
+
+    @property
+    def predicted_s(self) -> float:
+        return self.forward_s + self.backward_s + self.update_s
+
+    @property
+    def error(self) -> float:
+        """(predicted - measured) / measured."""
+        return self.predicted_s / self.step_s - 1.0
+
+
+def local_topology() -> Topology:
+    """A shipped topology whose devices are the local ones (``cpu8`` on a CPU).
+
+    Raises:
+      CostError: none of the shipped topologies has the local device kind.
+    """
+    for name in (["cpu8"] if _timing.local_platform() == "cpu" else []) + list(list_topologies()):
+        t = load_topology(name)
+        if local_backend_matches(t)[0]:
+            return t
+    dev = jax.devices()[0]
+    raise CostError(f"no shipped topology has the local device ({dev.platform}, "
+                    f"{dev.device_kind!r}); add one to meshes/ with that device kind")
+
+
+def calibrate(workload: Any, *, topology: Topology | None = None,
+              cache_dir: str | os.PathLike | None = None,
+              options: TimingOptions | None = None) -> Calibration:
+    """Measures `workload`'s unsharded step and the sum of its operators' measured times.
+
+    Args:
+      workload: a `models.Workload` (loss, parameters, batch, optimizer, train step).
+      topology: a topology of the local devices (default: `local_topology()`).
+      cache_dir: the measurement cache (default: `default_cache_dir()`).
+      options: timing options.
+
+    Returns:
+      Both times and the parts of the sum.
+    """
+    from soapjax.graph import trace
+
+    topology = topology or local_topology()
+    options = options or TimingOptions()
+    g = trace(workload.loss_fn, workload.abstract_params(), workload.abstract_batch(),
+              name=workload.name)
+    costs = cost_model(g, topology, mode="measured", cache_dir=cache_dir,
+                       optimizer=workload.optimizer, options=options)
+    fwd = bwd = 0.0
+    sources: dict[str, int] = {}
+    for i, op in enumerate(g.operators):
+        t = costs.shard_time(i, (1,) * len(op.iteration_sizes))
+        fwd, bwd = fwd + t.forward_s, bwd + t.backward_s
+        sources[t.source] = sources.get(t.source, 0) + 1
+    upd = sum(costs.update_time(math.prod(p.shape) * np.dtype(p.dtype).itemsize)
+              for p in g.params)
+    step = _timing.time_train_step(workload, options)
+    return Calibration(workload.name, workload.config, len(g.operators), step.seconds,
+                       step.spread, fwd, bwd, upd, sources)

@@ -1,0 +1,321 @@
+"""soapjax.cost: measured and analytic operator times, the on-disk cache, the timing loop."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+from soapjax import _timing, cli, cost
+from soapjax.cost import ANALYTIC_KERNEL_OVERHEAD_S, CostError, OpTime, TimingOptions, cost_model
+from soapjax.graph import trace
+from soapjax.space import Config, MeshShape, configs
+from soapjax.topology import load_topology
+
+# Short trials: the assertions below hold with wide margins, and the file must stay quick.
+FAST = TimingOptions(target_trial_s=0.004, trials=3)
+
+
+class Dense4(nn.Module):
+    """Four Dense layers: `b` and `c` have the same shard program (`a` reads the batch, `d`
+    has the loss's square folded in)."""
+
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        for name in ("a", "b", "c", "d"):
+            x = nn.Dense(self.width, name=name)(x)
+        return x
+
+
+@functools.cache
+def dense_graph(batch: int, width: int):
+    m = Dense4(width)
+    x = jax.ShapeDtypeStruct((batch, width), jnp.float32)
+    params = jax.eval_shape(m.init, jax.random.key(0), x)
+
+    def loss(p, b):
+        return jnp.mean(m.apply(p, b["x"]) ** 2)
+
+    return trace(loss, params, {"x": x}, name=f"dense{batch}x{width}")
+
+
+@functools.cache
+def cpu8():
+    return load_topology("cpu8")
+
+
+def measured(graph, tmp_path, **kw):
+    return cost_model(graph, cpu8(), mode="measured", cache_dir=tmp_path, options=FAST, **kw)
+
+
+def replicated(graph, name):
+    i = graph.index(name)
+    return i, Config.replicated(graph.operators[i])
+
+
+# --- the cache -----------------------------------------------------------------------------------
+
+
+def test_identical_layers_share_one_measurement_and_the_disk_cache_is_reused(tmp_path):
+    g = dense_graph(32, 64)
+    (ib, cb), (ic, cc) = replicated(g, "b"), replicated(g, "c")
+    costs = measured(g, tmp_path)
+    assert costs.source == "measured"
+    tb = costs.op_time(ib, cb)
+    tc = costs.op_time(ic, cc)
+    assert tb == tc and tb.source == "measured" and tb.forward_s > 0 and tb.backward_s > 0
+    assert costs.stats.measured == 1 and costs.stats.shared == 1
+    assert costs.signature(ib, (1, 1, 1)) == costs.signature(ic, (1, 1, 1))
+    # `a` reads the batch (no gradient w.r.t. it): a different program.
+    assert costs.signature(g.index("a"), (1, 1, 1)) != costs.signature(ib, (1, 1, 1))
+
+    again = measured(g, tmp_path)
+    assert again.op_time(ic, cc) == tb
+    assert again.stats.measured == 0 and again.stats.disk_hits == 1
+
+
+def test_a_corrupt_cache_entry_is_measured_again(tmp_path):
+    g = dense_graph(32, 64)
+    i, c = replicated(g, "b")
+    measured(g, tmp_path).op_time(i, c)
+    files = list(tmp_path.rglob("*.json"))
+    assert len(files) == 1
+    for garbage in ("{not json", json.dumps({"signature": "x", "forward": "fast"})):
+        files[0].write_text(garbage)
+        costs = measured(g, tmp_path)
+        t = costs.op_time(i, c)
+        assert t.source == "measured" and t.forward_s > 0
+        assert costs.stats.measured == 1 and costs.stats.disk_hits == 0
+        assert json.loads(files[0].read_text())["forward"]["seconds"] == t.forward_s
+
+
+def _entry(cache, sig: str, writer: int) -> dict:
+    return {"signature": sig, "identity": cache.identity, "what": "operator",
+            "forward": {"seconds": 1e-6 * writer, "spread": 0.0}, "backward": None,
+            "padding": "x" * 20000}  # big enough that a torn write would show
+
+
+def test_concurrent_threads_writing_the_cache_leave_whole_entries(tmp_path):
+    cache = _timing.DiskCache(tmp_path, _timing.backend_identity())
+    sigs = [f"{k:064x}" for k in range(8)]
+
+    def write(writer: int) -> None:
+        for _ in range(10):
+            for sig in sigs:
+                cache.store(sig, _entry(cache, sig, writer))
+
+    threads = [threading.Thread(target=write, args=(w,)) for w in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for sig in sigs:
+        entry = cache.load(sig)
+        assert entry is not None and entry["forward"]["seconds"] in {1e-6 * w for w in range(1, 5)}
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+@pytest.mark.slow  # two fresh interpreters importing jax
+def test_concurrent_processes_writing_the_cache_leave_whole_entries(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from soapjax import _timing
+        from test_cost import _entry
+        cache = _timing.DiskCache(sys.argv[1], _timing.backend_identity())
+        for _ in range(20):
+            for k in range(8):
+                sig = f"{{k:064x}}"
+                cache.store(sig, _entry(cache, sig, int(sys.argv[2])))
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path), str(w)])
+             for w in (1, 2)]
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    cache = _timing.DiskCache(tmp_path, _timing.backend_identity())
+    for k in range(8):
+        entry = cache.load(f"{k:064x}")
+        assert entry is not None and entry["forward"]["seconds"] in (1e-6, 2e-6)
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_cache_dir_comes_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("SOAPJAX_CACHE_DIR", str(tmp_path / "costs"))
+    assert cost.default_cache_dir() == tmp_path / "costs"
+    monkeypatch.delenv("SOAPJAX_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cost.default_cache_dir() == tmp_path / "soapjax" / "costs"
+
+
+# --- the analytic fallback -----------------------------------------------------------------------
+
+
+def test_analytic_costs_for_gpus_not_attached_equal_the_roofline():
+    g = dense_graph(32, 64)
+    h100 = load_topology("dgx-h100x8")
+    costs = cost_model(g, h100)
+    assert costs.source == "analytic"
+    i = g.index("b")
+    split = Config((h100.axis_names, (), ()))  # batch 32 over all 8 GPUs: 4 rows each
+    t = costs.op_time(i, split)
+    assert t.source == "analytic"
+    peak, bw = 67e12, 3.35e12  # H100 SXM fp32 FLOP/s and HBM3 bytes/s, from the topology file
+    flops = (2 * 4 * 64 * 64 + 4 * 64) / 1  # one shard: [4,64] @ [64,64] + bias
+    nbytes = 4 * (4 * 64 + 64 * 64 + 64 + 4 * 64)  # x shard, kernel, bias, output shard
+    assert g.operators[i].flops / 8 == pytest.approx(flops)
+    fwd = max(flops / peak, nbytes / bw) + ANALYTIC_KERNEL_OVERHEAD_S
+    bwd = max(2 * flops / peak, 2 * nbytes / bw) + 2 * ANALYTIC_KERNEL_OVERHEAD_S
+    assert t == OpTime(pytest.approx(fwd, rel=1e-12), pytest.approx(bwd, rel=1e-12), "analytic")
+    assert costs.update_time(1e6) == pytest.approx(7 * 1e6 / bw + ANALYTIC_KERNEL_OVERHEAD_S)
+
+
+def test_measuring_without_the_devices_is_an_error():
+    with pytest.raises(CostError, match=r"'dgx-h100x8' has gpu devices but the local backend is "
+                                        r"cpu.*mode='analytic'"):
+        cost_model(dense_graph(32, 64), load_topology("dgx-h100x8"), mode="measured")
+    with pytest.raises(CostError, match="mode must be"):
+        cost_model(dense_graph(32, 64), cpu8(), mode="guess")
+
+
+def test_kinds_match_on_model_numbers():
+    assert cost._kinds_match("H100 SXM5 80GB", "NVIDIA H100 80GB HBM3")
+    assert not cost._kinds_match("Tesla P100-SXM2-16GB", "NVIDIA H100 80GB HBM3")
+    assert not cost._kinds_match("Tesla P100-SXM2-16GB", "Tesla V100-SXM2-16GB")
+    assert cost._kinds_match("Tesla K80 (one GK210)", "Tesla K80")
+
+
+def test_an_unbuildable_shard_program_is_scaled_from_the_unsplit_one(tmp_path, monkeypatch):
+    g = dense_graph(32, 64)
+    i = g.index("b")
+    costs = measured(g, tmp_path)
+    real = costs._program
+
+    def only_unsplit(op_index, degrees):
+        if math.prod(degrees) > 1:
+            raise NotImplementedError("exotic equation")
+        return real(op_index, degrees)
+
+    monkeypatch.setattr(costs, "_program", only_unsplit)
+    base = costs.shard_time(i, (1, 1, 1))
+    t = costs.op_time(i, Config((("data",), ("model",), ())))
+    assert t == OpTime(base.forward_s / 8, base.backward_s / 8, "scaled")
+    assert costs.stats.fallbacks == 1
+
+
+# --- measurements ------------------------------------------------------------------------------
+
+
+def test_measured_matmul_time_grows_with_its_flops(tmp_path):
+    times = []
+    for n in (64, 128, 256, 512):
+        g = dense_graph(n, n)
+        t = measured(g, tmp_path).op_time(*replicated(g, "b"))
+        times.append(t)
+    # FLOPs grow 8x per step; only noise far beyond the 1.5x allowance could invert them.
+    for small, big in zip(times, times[1:]):
+        assert big.forward_s > small.forward_s and big.backward_s > small.backward_s, times
+    # The biggest matmul's backward (two matmuls of the forward's size) is about 2x its forward.
+    assert 1.2 < times[-1].backward_s / times[-1].forward_s < 3.5, times[-1]
+
+
+def test_a_split_batch_makes_the_shard_faster(tmp_path):
+    g = dense_graph(512, 1024)  # b: [512, 1024] @ [1024, 1024], 1 GFLOP
+    i, rep = replicated(g, "b")
+    costs = measured(g, tmp_path)
+    whole = costs.op_time(i, rep)
+    half = costs.op_time(i, Config((("data",), (), ())))  # data = 2
+    assert half.source == "measured"
+    assert half.forward_s < 0.8 * whole.forward_s, (half, whole)
+
+
+def test_op_time_hits_are_fast(tmp_path):
+    g = dense_graph(32, 64)
+    costs = cost_model(g, load_topology("dgx-h100x8"))
+    keys = [(i, c) for i, op in enumerate(g.operators) for c in configs(op, costs.mesh)]
+    for k in keys:
+        costs.op_time(*k)
+    n = 200_000
+    t0 = time.perf_counter()
+    for j in range(n):
+        costs.op_time(*keys[j % len(keys)])
+    per_call = (time.perf_counter() - t0) / n
+    assert per_call < 1e-5, f"{per_call * 1e6:.2f} us per cached op_time"
+
+
+def test_update_time_grows_with_the_shard(tmp_path):
+    costs = measured(dense_graph(32, 64), tmp_path)
+    small, big = costs.update_time(2**12), costs.update_time(2**22)
+    assert 0 < small < big
+    assert costs.update_time(3 * 2**20) == pytest.approx(
+        (costs.update_time(2**21) + costs.update_time(2**22)) / 2)
+    assert costs.update_time(0) == 0.0
+
+
+# --- the timing loop -----------------------------------------------------------------------------
+
+
+def test_the_timing_loop_keeps_the_work_inside_the_loop():
+    def matmul(a, b):
+        return [jnp.tanh(a @ b)]
+
+    args = _timing.random_args([jax.ShapeDtypeStruct((64, 64), jnp.float32)] * 2)
+    fwd = _timing.loop_hlo(_timing.chained(matmul), (args, [args[0]]))
+    assert _timing.ops_outside_loops(fwd, "dot") == 0 and " dot(" in fwd
+    step, carry = _timing.backward_loop(matmul, args, [True, True])
+    bwd = _timing.loop_hlo(step, carry)
+    assert _timing.ops_outside_loops(bwd, "dot") == 0 and bwd.count(" dot(") == 2
+
+    def naive(c):  # without the kicks XLA hoists the matmul: the check can see it
+        a, b, _ = c
+        return a, b, a @ b
+
+    hoisted = _timing.loop_hlo(naive, (*args, args[0]))
+    assert _timing.ops_outside_loops(hoisted, "dot") == 1
+
+
+# --- calibration and the command line ------------------------------------------------------------
+
+
+def test_profile_command_in_analytic_mode(capsys):
+    assert cli.main(["profile", "--model", "mlp", "--config", "tiny", "--mesh", "dgx-h100x8"]) == 0
+    out = capsys.readouterr()
+    assert "analytic costs" in out.out and "(operator, config) pairs" in out.out
+    assert "shard programs" in out.err
+
+
+@pytest.mark.slow
+def test_calibrate_mlp_step_matches_the_sum_of_its_parts(tmp_path, capsys):
+    assert cli.main(["calibrate", "--model", "mlp", "--config", "tiny", "--cache-dir",
+                     str(tmp_path), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["sources"] == {"measured": row["num_operators"]}
+    assert row["step_s"] > 0 and row["predicted_s"] > 0
+    # Tiny programs on a shared 2-core CPU: within a factor of two is what can be asserted.
+    assert abs(row["error"]) < 1.0, row
+
+
+@pytest.mark.slow
+def test_profile_measures_each_signature_once(tmp_path):
+    import models
+
+    w = models.get("mlp", "tiny")
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="mlp")
+    costs = measured(g, tmp_path, mesh=MeshShape(("data",), (2,)))
+    seen = []
+    r = costs.profile(progress=seen.append)
+    assert r.measured == r.distinct <= r.shard_programs <= r.pairs
+    assert seen[-1].done == seen[-1].total == r.shard_programs
+    again = measured(g, tmp_path, mesh=MeshShape(("data",), (2,))).profile()
+    assert again.measured == 0 and again.distinct == r.distinct

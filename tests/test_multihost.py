@@ -1,0 +1,109 @@
+"""Multi-host: two processes of four CPU devices each run one planned step over a global mesh.
+
+`scripts/launch_local.py` starts two processes on 127.0.0.1 (jax.distributed, gloo); each runs
+`scripts/train_example.py` with the Megatron-like strategy on the ``cpu8`` mesh (data=2 x
+model=4), whose ``data`` axis spans the two processes, so the gradients of every weight are
+all-reduced across processes. Both must print the losses and parameter checksum of the
+unsharded step run here in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+STEPS = 3
+
+
+def _port_error() -> str | None:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen(1)
+    except OSError as e:
+        return str(e)
+    return None
+
+
+def _unsharded(model: str, steps: int, seed: int = 0) -> tuple[list[float], list[float]]:
+    """Losses and checksum (sum, sum of squares per leaf) of the example's run, unsharded."""
+    w = models.get(model, "tiny")
+    params = w.init_params(jax.random.key(seed))
+    opt_state = w.optimizer.init(params)
+    step = jax.jit(w.train_step())
+    losses = []
+    for i in range(steps):
+        batch = w.make_batch(jax.random.key(seed + 1 + i))
+        params, opt_state, loss = step(params, opt_state, batch)
+        losses.append(float(loss))
+    checksum = [float(f(x)) for x in jax.tree.leaves(params)
+                for f in (jnp.sum, lambda y: jnp.sum(y * y))]
+    return losses, checksum
+
+
+def _records(stdout: str) -> dict[int, dict]:
+    out = {}
+    for line in stdout.splitlines():
+        m = re.match(r"\[p(\d+)\] (\{.*\})$", line)
+        if m:
+            out[int(m.group(1))] = json.loads(m.group(2))
+    return out
+
+
+@pytest.mark.slow
+def test_two_processes_compute_the_single_process_step():
+    reason = _port_error()
+    if reason is not None:
+        pytest.skip(f"cannot bind a TCP port on 127.0.0.1 for the coordinator: {reason}")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the launcher sets them
+    cmd = [sys.executable, "scripts/launch_local.py", "--processes", "2",
+           "--devices-per-process", "4", "--timeout", "400", "--",
+           "scripts/train_example.py", "--model", "mlp", "--strategy", "megatron",
+           "--steps", str(STEPS), "--json", "--collectives"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=450,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    records = _records(proc.stdout)
+    assert sorted(records) == [0, 1], proc.stdout[-4000:]
+
+    losses, checksum = _unsharded("mlp", STEPS)
+    for pid, r in records.items():
+        assert (r["processes"], r["devices"]) == (2, 8)
+        # the mesh's data axis is the process: rows of the mesh belong to different processes
+        assert r["mesh_processes"] == [[0, 0, 0, 0], [1, 1, 1, 1]]
+        # gradients all-reduced over data (across processes), fc2's partial sums over model
+        assert r["collectives"]["all-reduce"] >= 2, r["collectives"]
+        np.testing.assert_allclose(r["losses"], losses, rtol=1e-5, err_msg=f"process {pid}")
+        np.testing.assert_allclose(r["checksum"], checksum, rtol=1e-4, atol=1e-5,
+                                   err_msg=f"process {pid}")
+    assert records[0]["losses"] == records[1]["losses"]  # one replicated value, bit for bit
+    assert re.search(r"^\[p1\] step +3 +loss", proc.stdout, re.MULTILINE)
+
+
+def test_launcher_reports_a_failing_process():
+    reason = _port_error()
+    if reason is not None:
+        pytest.skip(f"cannot bind a TCP port on 127.0.0.1: {reason}")
+    code = ("import os, sys; pid = int(os.environ['SOAPJAX_PROCESS_ID']); "
+            "print('hello from', pid, os.environ['XLA_FLAGS']); sys.exit(3 if pid == 1 else 0)")
+    proc = subprocess.run([sys.executable, "scripts/launch_local.py", "--processes", "2",
+                           "--devices-per-process", "3", "--", sys.executable, "-c", code],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 3
+    assert re.search(r"^\[p0\] hello from 0 .*--xla_force_host_platform_device_count=3$",
+                     proc.stdout, re.MULTILINE)
+    assert "[p1] hello from 1" in proc.stdout
+    assert "process 1 exited with status 3" in proc.stderr
