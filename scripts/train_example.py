@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 
@@ -53,10 +52,18 @@ def megatron(graph, mesh_shape, axis: str = "model"):
     return baselines.megatron(graph, mesh_shape, intra=(axis,))
 
 
-def count_collectives(hlo_text: str) -> dict[str, int]:
-    """How many of each collective a compiled HLO module runs (async pairs counted once)."""
-    kinds = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-    return {k: len(re.findall(rf"\s{k}(?:-start)?\(", hlo_text)) for k in kinds}
+def describe_collectives(hlo_text: str, mesh) -> list[dict]:
+    """Each collective of a compiled step: kind, shapes, mesh axes, and whether it crosses
+    processes (some group has devices of two processes), read with `soapjax.hlo`."""
+    from soapjax import hlo
+
+    process = [d.process_index for d in mesh.devices.flat]  # HLO device id = mesh position
+    out = []
+    for c in hlo.collectives(hlo_text, mesh):
+        groups = c.replica_groups or tuple(map(tuple, c.source_target_pairs))
+        out.append({"kind": c.kind, "shapes": list(c.shapes), "axes": list(c.axes or ()),
+                    "cross_process": any(len({process[i] for i in g}) > 1 for g in groups)})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,10 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     record = {"model": args.model, "strategy": args.strategy}
     if args.collectives:
         hlo = run.step.lower(params, opt_state, run.shard_batch(batches[0])).compile().as_text()
-        record["collectives"] = count_collectives(hlo)
+        record["collectives"] = describe_collectives(hlo, run.mesh)
         record["mesh_processes"] = [[d.process_index for d in row] for row in run.mesh.devices]
-        print(f"collectives in the compiled step: {record['collectives']}; mesh rows by "
-              f"process: {record['mesh_processes']}", flush=True)
+        print(f"mesh rows by process: {record['mesh_processes']}", flush=True)
+        for c in record["collectives"]:
+            print(f"  {c['kind']} {' '.join(c['shapes'])} over {c['axes']}"
+                  + (" (across processes)" if c["cross_process"] else ""), flush=True)
     losses = []
     for i, batch in enumerate(batches):
         start = time.perf_counter()

@@ -9,7 +9,8 @@ the jitted step with the shardings that follow from the configs:
 
 * a parameter takes the operand spec of the first operator that reads it
   (``config.operand_spec(operand.dims)``), then is split further over `Strategy.zero_axes`
-  (ZeRO-3) on its largest dim that stays divisible;
+  (ZeRO-3), each on its largest dim that stays divisible (`soapjax.space.param_specs`, the
+  same specs the simulator prices);
 * optimizer state leaves that mirror a parameter take that parameter's sharding (found with
   `optax.tree_map_params`); everything else (step counts, scalars) is replicated;
 * a batch leaf takes the operand spec of its first consumer.
@@ -30,9 +31,11 @@ Usage::
                                           (shardings.params, shardings.opt_state))
     params, opt_state, loss = step(params, opt_state, device_put_global(batch, shardings.batch))
 
-Every function takes a `Strategy`, or a plan: any object with a ``strategy`` attribute (and
-optionally a ``mesh_shape``, the mesh it was planned for, which is then checked). Everything is
-validated before anything is compiled; mistakes raise `PlanError`.
+Every function takes a `Strategy` or a plan (`soapjax.plan.Plan`: its ``strategy(graph)``
+checks the plan was made for the graph, and its ``mesh`` is checked against the mesh).
+Everything is validated before anything is compiled; mistakes raise `PlanError`. Strategies
+that split convolutions spatially are refused too: XLA computes them wrongly (see
+`constrained_loss`).
 """
 
 from __future__ import annotations
@@ -95,8 +98,9 @@ def check_strategy(graph: OpGraph, strategy: Any, mesh: Mesh, *,
 
     Args:
       graph: the traced operator graph.
-      strategy: a `Strategy`, or a plan (an object with ``.strategy``; its ``.mesh_shape``, if
-        any, is the mesh it was planned for).
+      strategy: a `Strategy`, or a plan: an object whose ``strategy`` is a `Strategy` or a
+        method ``strategy(graph)`` (`soapjax.plan.Plan`), and whose ``mesh`` or ``mesh_shape``,
+        if a `MeshShape`, is the mesh it was planned for.
       mesh: the `jax.sharding.Mesh` to apply it on; its axes must be `AxisType.Auto`.
       mesh_shape: the mesh the strategy was planned for, when known (a plan carries it).
 
@@ -104,9 +108,10 @@ def check_strategy(graph: OpGraph, strategy: Any, mesh: Mesh, *,
       The strategy.
 
     Raises:
-      PlanError: the mesh differs from the planned one (axis names, sizes, device count), has
-        Explicit axes, or the strategy's configs do not match the graph's operators (count,
-        rank, unknown mesh axes, degrees that do not divide a dim).
+      PlanError: the plan was made for another graph; the mesh differs from the planned one
+        (axis names, sizes, device count) or has Explicit axes; or the strategy's configs do
+        not match the graph's operators (count, rank, unknown mesh axes, degrees that do not
+        divide a dim).
     """
     strategy, planned = _unwrap(strategy, graph)
     actual = _check_mesh(mesh, mesh_shape or planned)
@@ -292,8 +297,8 @@ def param_shardings(graph: OpGraph, strategy: Any, mesh: Mesh, *, params: Any = 
     The specs are `soapjax.space.param_specs`, as the simulator prices them: the operand spec of
     the first operator that reads the parameter, then split over each of `strategy.zero_axes`
     it does not use yet, on its largest dim that stays divisible. Parameters no operator reads
-    are replicated (and ZeRO-split). Axes whose degree does not divide a dim are dropped (jit's
-    in and out shardings need even shards).
+    are replicated (and ZeRO-split). Axes whose degree does not divide a dim are dropped
+    (`space.fit_spec`: jit's in and out shardings need even shards).
 
     Args:
       graph: the traced graph.
@@ -310,7 +315,7 @@ def param_shardings(graph: OpGraph, strategy: Any, mesh: Mesh, *, params: Any = 
     strategy = check_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)
     shape = MeshShape.of(mesh)
     specs = space.param_specs(graph, strategy, shape)  # what the simulator prices
-    shardings = [NamedSharding(mesh, _spec(_fit(specs[leaf.path], leaf.shape, shape)))
+    shardings = [NamedSharding(mesh, _spec(space.fit_spec(specs[leaf.path], leaf.shape, shape)))
                  for leaf in graph.params]
     return _unflatten(graph.params, shardings, params, "params")
 
@@ -330,7 +335,7 @@ def batch_shardings(graph: OpGraph, strategy: Any, mesh: Mesh, *, batch: Any = N
     strategy = check_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)
     shape = MeshShape.of(mesh)
     specs = space.batch_specs(graph, strategy)
-    shardings = [NamedSharding(mesh, _spec(_fit(specs[leaf.path], leaf.shape, shape)))
+    shardings = [NamedSharding(mesh, _spec(space.fit_spec(specs[leaf.path], leaf.shape, shape)))
                  for leaf in graph.batch]
     return _unflatten(graph.batch, shardings, batch, "batch")
 
@@ -573,24 +578,6 @@ def _check_leaves(expected: Sequence[LeafInfo], leaves: Sequence[Any], what: str
         if tuple(np.shape(leaf)) != info.shape:
             raise PlanError(f"{what} leaf {info.path} has shape {tuple(np.shape(leaf))}, but the "
                             f"graph was traced with {info.shape}")
-
-
-def _fit(axes: list[list[str]], shape: tuple[int, ...], mesh: MeshShape) -> list[list[str]]:
-    """Drops axes used twice, and on each dim keeps the longest prefix whose degree divides it.
-
-    An operand dim can follow an iteration dim of another extent (a padded or sliced dim), and
-    jit's in/out shardings need even shards.
-    """
-    used: set[str] = set()
-    out = []
-    for dim_axes, size in zip(axes, shape):
-        kept: list[str] = []
-        for a in dim_axes:
-            if a not in used and size % (mesh.degree(kept) * mesh.size(a)) == 0:
-                kept.append(a)
-                used.add(a)
-        out.append(kept)
-    return out
 
 
 def _spec(axes: Sequence[Sequence[str]]) -> PartitionSpec:

@@ -166,12 +166,17 @@ class SpaceLimits:
       allow_reduction: split reduction dims (R; FlexFlow cannot).
       allow_attribute: split attribute dims (A: sequence, height, width).
       allow_parameter: split parameter dims (P).
+      allow_spatial: split the height and width of image-like operators (convolutions,
+        pooling, norms over NHWC images). Off by default: XLA in jax 0.10.2 miscompiles
+        convolutions split that way (`soapjax.apply` refuses such plans; see
+        `tests/test_apply.py::test_xla_still_miscompiles_spatially_split_convolutions`).
       max_axes_per_dim: how many mesh axes may split one dim.
     """
 
     allow_reduction: bool = True
     allow_attribute: bool = True
     allow_parameter: bool = True
+    allow_spatial: bool = False
     max_axes_per_dim: int = 2
 
 
@@ -181,7 +186,9 @@ def configs(op: Operator, mesh: MeshShape, limits: SpaceLimits = SpaceLimits()) 
     Degrees always divide the dim. Axes on one dim appear in mesh order (the order changes
     only which device holds which shard, not any cost). The replicated config comes first.
     """
-    dims = [d for d in op.divisible_dims if _allowed(op.iteration_roles[d], limits)]
+    spatial = not limits.allow_spatial and _image_like(op)
+    dims = [d for d in op.divisible_dims if _allowed(op.iteration_roles[d], limits)
+            and not (spatial and op.iteration_roles[d] == "A")]
     sizes = op.iteration_sizes
     out = []
     # Each axis goes to one of the allowed dims or to none (replicate over it).
@@ -196,6 +203,13 @@ def configs(op: Operator, mesh: MeshShape, limits: SpaceLimits = SpaceLimits()) 
             continue
         out.append(Config(tuple(tuple(per_dim.get(d, ())) for d in range(len(sizes)))))
     return tuple(out)
+
+
+def _image_like(op: Operator) -> bool:
+    """A convolution, a pooling, or a norm over NHWC images (their height/width are A dims)."""
+    if op.anchor.startswith(("conv", "reduce_window", "select_and")):
+        return True
+    return len(op.shape) == 4 and op.roles[1:3] == ("A", "A") and op.anchor != "dot_general"
 
 
 def _allowed(role: str, limits: SpaceLimits) -> bool:

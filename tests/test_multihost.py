@@ -84,8 +84,11 @@ def test_two_processes_compute_the_single_process_step():
         assert (r["processes"], r["devices"]) == (2, 8)
         # the mesh's data axis is the process: rows of the mesh belong to different processes
         assert r["mesh_processes"] == [[0, 0, 0, 0], [1, 1, 1, 1]]
-        # gradients all-reduced over data (across processes), fc2's partial sums over model
-        assert r["collectives"]["all-reduce"] >= 2, r["collectives"]
+        # gradients all-reduced over data, across the processes; fc2's row-parallel partial
+        # sums over model, inside each process
+        reduces = [(c["axes"], c["cross_process"]) for c in r["collectives"]
+                   if c["kind"] == "all-reduce"]
+        assert (["data"], True) in reduces and (["model"], False) in reduces, r["collectives"]
         np.testing.assert_allclose(r["losses"], losses, rtol=1e-5, err_msg=f"process {pid}")
         np.testing.assert_allclose(r["checksum"], checksum, rtol=1e-4, atol=1e-5,
                                    err_msg=f"process {pid}")
