@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: plan test install clean
+.PHONY: plan test test-all install clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
@@ -20,7 +20,12 @@ install: $(STAMP)
 plan: $(STAMP)
 	$(BIN)/soapjax plan
 
+# The suite without the `heavy` zoo checks (big models' train steps and default-size summaries;
+# every tiny model's train step still runs in tests/test_apply.py). make test-all runs those too.
 test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not heavy" tests
+
+test-all: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 clean:

@@ -13,7 +13,11 @@ from soapjax.errors import (
     TraceError as TraceError,
     UnknownModelError as UnknownModelError,
 )
+from soapjax.apply import sharded_train_step as sharded_train_step
 from soapjax.graph import OpGraph as OpGraph, Operator as Operator, trace as trace
+from soapjax.plan import Plan as Plan
+from soapjax.search import SearchSettings as SearchSettings, search as search
+from soapjax.simulate import simulate as simulate
 from soapjax.space import (
     Config as Config,
     MeshShape as MeshShape,
@@ -30,7 +34,9 @@ __all__ = [
     "MeshShape",
     "OpGraph",
     "Operator",
+    "Plan",
     "PlanError",
+    "SearchSettings",
     "SoapjaxError",
     "Strategy",
     "Topology",
@@ -41,5 +47,8 @@ __all__ = [
     "data_parallel",
     "load_topology",
     "make_mesh",
+    "search",
+    "sharded_train_step",
+    "simulate",
     "trace",
 ]

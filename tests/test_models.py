@@ -28,7 +28,7 @@ SLOW_DEFAULT = {"inception_v3", "resnet101", "rnntc", "rnnlm", "nmt", "gpt2"}
 def _variants(*, slow: set[str] = frozenset()) -> list:
     """(name, api) for every model and api, with readable ids; `slow` ones marked slow."""
     return [
-        pytest.param(name, api, id=f"{name}-{api}", marks=[pytest.mark.slow] * (name in slow))
+        pytest.param(name, api, id=f"{name}-{api}", marks=[pytest.mark.heavy] * (name in slow))
         for name in NAMES
         for api in models.apis(name)
     ]
@@ -219,7 +219,7 @@ EXPECTED_FLOPS = {
 
 @pytest.mark.parametrize(
     "name",
-    [pytest.param(n, id=n, marks=[pytest.mark.slow] * (n in SLOW_DEFAULT)) for n in NAMES],
+    [pytest.param(n, id=n, marks=[pytest.mark.heavy] * (n in SLOW_DEFAULT)) for n in NAMES],
 )
 def test_default_summary(name):
     w = models.get(name)
