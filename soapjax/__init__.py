@@ -4,6 +4,9 @@ The pipeline, one module per stage (see DESIGN.md): `graph` (jaxpr -> operator g
 `topology` (cluster files -> mesh axes, links, collective costs), `space` (the SOAP configs of an
 operator), `cost` (measured and analytic operator times), `simulate` (task graph, full and delta
 simulation), `search` (MCMC), `apply` (shardings and constraints under `jax.jit`).
+
+The stage modules keep their names (`soapjax.search.search`, `soapjax.simulate.simulate`): a
+function re-exported here under its module's name would hide the module.
 """
 
 from soapjax.errors import (
@@ -16,8 +19,7 @@ from soapjax.errors import (
 from soapjax.apply import sharded_train_step as sharded_train_step
 from soapjax.graph import OpGraph as OpGraph, Operator as Operator, trace as trace
 from soapjax.plan import Plan as Plan
-from soapjax.search import SearchSettings as SearchSettings, search as search
-from soapjax.simulate import simulate as simulate
+from soapjax.search import SearchSettings as SearchSettings
 from soapjax.space import (
     Config as Config,
     MeshShape as MeshShape,
@@ -47,8 +49,6 @@ __all__ = [
     "data_parallel",
     "load_topology",
     "make_mesh",
-    "search",
     "sharded_train_step",
-    "simulate",
     "trace",
 ]
