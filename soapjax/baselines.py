@@ -3,10 +3,10 @@
 Each is a `Strategy` scored by the same simulator, so comparisons are like for like:
 
 * ``data-parallel``: every operator split over its sample dim by every mesh axis.
-* ``megatron``: Megatron-LM tensor parallelism inside a node (matmuls alternate column- and
-  row-parallel: a layer whose input arrives split along its contracting dim splits that dim,
-  others split their output features; everything else follows its input) with data
-  parallelism across nodes.
+* ``megatron``: Megatron-LM tensor parallelism over the innermost in-node mesh axis (matmuls
+  alternate column- and row-parallel: a layer whose input arrives split along its contracting
+  dim splits that dim, others split their output features; everything else follows its input)
+  with data parallelism over every other axis.
 * ``fsdp``: data parallel compute with parameters, gradients and optimizer state sharded over
   every axis (ZeRO-3).
 * ``expert``: the FlexFlow paper's expert strategies: for CNNs, data parallel convolutions and
@@ -142,7 +142,7 @@ def baselines(graph: OpGraph, topology, family: str | None = None) -> dict[str, 
     mesh = MeshShape.of(topology)
     intra = intra_node_axes(topology) or tuple(mesh.axis_names[-1:])
     out = {"data-parallel": data_parallel(graph, mesh),
-           "megatron": megatron(graph, mesh, intra),
+           "megatron": megatron(graph, mesh, intra[-1:]),  # TP on the innermost node axis
            "fsdp": fsdp(graph, mesh)}
     families = {"cnn": ["cnn"], "rnn": ["rnn"]}.get(family or "", ["cnn", "rnn"])
     for f in families:
