@@ -315,7 +315,8 @@ def param_shardings(graph: OpGraph, strategy: Any, mesh: Mesh, *, params: Any = 
     strategy = check_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)
     shape = MeshShape.of(mesh)
     specs = space.param_specs(graph, strategy, shape)  # what the simulator prices
-    shardings = [NamedSharding(mesh, _spec(space.fit_spec(specs[leaf.path], leaf.shape, shape)))
+    shardings = [NamedSharding(mesh, space.to_partition_spec(
+                     space.fit_spec(specs[leaf.path], leaf.shape, shape)))
                  for leaf in graph.params]
     return _unflatten(graph.params, shardings, params, "params")
 
@@ -335,7 +336,8 @@ def batch_shardings(graph: OpGraph, strategy: Any, mesh: Mesh, *, batch: Any = N
     strategy = check_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)
     shape = MeshShape.of(mesh)
     specs = space.batch_specs(graph, strategy)
-    shardings = [NamedSharding(mesh, _spec(space.fit_spec(specs[leaf.path], leaf.shape, shape)))
+    shardings = [NamedSharding(mesh, space.to_partition_spec(
+                     space.fit_spec(specs[leaf.path], leaf.shape, shape)))
                  for leaf in graph.batch]
     return _unflatten(graph.batch, shardings, batch, "batch")
 
@@ -578,10 +580,6 @@ def _check_leaves(expected: Sequence[LeafInfo], leaves: Sequence[Any], what: str
         if tuple(np.shape(leaf)) != info.shape:
             raise PlanError(f"{what} leaf {info.path} has shape {tuple(np.shape(leaf))}, but the "
                             f"graph was traced with {info.shape}")
-
-
-def _spec(axes: Sequence[Sequence[str]]) -> PartitionSpec:
-    return PartitionSpec(*[(a[0] if len(a) == 1 else tuple(a)) if a else None for a in axes])
 
 
 def _spec_axes(spec: PartitionSpec) -> list[tuple[str, ...]]:
