@@ -20,6 +20,13 @@ strategies; only fitting strategies are ever recorded as the best.
 **Reproducibility.** With `SearchSettings.max_proposals` set, chains stop on proposal counts
 only (and on no improvement for half of them), so a seed gives the same plan on any machine;
 with a time budget alone the number of proposals depends on the machine's speed.
+
+**Full or delta simulation.** Proposals are scored by delta simulation (the paper's Algorithm
+2: `Simulation.propose`, then `accept` or `reject`). ``SearchSettings(simulation="full")``
+scores every proposal by simulating the candidate strategy from scratch instead (Algorithm 1,
+`Simulation.reset`), as the paper's baseline in Table 4 and Figure 12 does. Both give exactly
+the same step times, so with the same seed and `max_proposals` both walk the same chain and
+return the same strategy; only the search time differs.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from typing import Literal
 
 import numpy as np
 
@@ -51,6 +59,8 @@ class SearchSettings:
       num_random: random strategies added to the initial candidates.
       temperature: the relative slowdown accepted with probability 1/2 (see module doc).
       limits: restrictions of the SOAP space (e.g. no R splits, as in FlexFlow).
+      simulation: ``"delta"`` (default) or ``"full"``: how each proposal is simulated (see
+        the module doc; the same chain either way, only slower in full).
     """
 
     budget_s: float = 30.0
@@ -59,6 +69,12 @@ class SearchSettings:
     num_random: int = 1
     temperature: float = 0.02
     limits: SpaceLimits = SpaceLimits()
+    simulation: Literal["delta", "full"] = "delta"
+
+    def __post_init__(self) -> None:
+        if self.simulation not in ("delta", "full"):
+            raise ValueError(f"SearchSettings.simulation must be 'delta' or 'full', got "
+                             f"{self.simulation!r}")
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -145,6 +161,7 @@ class _Searcher:
         if not self.movable:
             return
         current = _cost(sim)
+        strategy = sim.strategy  # the current strategy, for full simulation
         beta = math.log(2.0) / (s.temperature * current)
         self._t_best = 0.0
         best_here, since_best, n = current, 0, 0
@@ -161,10 +178,17 @@ class _Searcher:
             config = _pick(self.spaces[i], rng)
             n += 1
             self.proposals += 1
-            sim.propose(i, config)
+            if s.simulation == "full":
+                candidate = strategy.replace(i, config)
+                sim.reset(candidate)
+            else:
+                sim.propose(i, config)
             new = _cost(sim)
             if new <= current or rng.random() < math.exp(beta * (current - new)):
-                sim.accept()
+                if s.simulation == "full":
+                    strategy = candidate
+                else:
+                    sim.accept()
                 self.accepted += 1
                 current = new
                 if new < best_here:
@@ -174,7 +198,8 @@ class _Searcher:
                 else:
                     since_best += 1
             else:
-                sim.reject()
+                if s.simulation == "delta":
+                    sim.reject()  # (full: the next proposal resets the simulation anyway)
                 since_best += 1
             self._report(name)
 

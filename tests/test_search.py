@@ -115,3 +115,24 @@ def test_exhaustive_refuses_big_spaces():
 
 def test_mesh_shape_of_topology():
     assert MeshShape.of(load_topology("cpu4")) == MeshShape(("data", "model"), (2, 2))
+
+
+@pytest.mark.parametrize("name, mesh", [("nmt", "p100x16"), ("lenet", "cpu8")])
+def test_full_and_delta_simulation_walk_the_same_chain(name, mesh):
+    """Scoring proposals by full simulation (Algorithm 1) instead of delta simulation
+    (Algorithm 2) changes only the search time: same seed, same proposals, same plan."""
+    w, g, topo, cm = setup(name, mesh)
+    runs = {mode: search(g, topo, cost_model=cm, family=w.family,
+                         settings=SearchSettings(max_proposals=150, seed=3, simulation=mode))
+            for mode in ("delta", "full")}
+    delta, full = runs["delta"], runs["full"]
+    assert full.strategy == delta.strategy
+    assert full.step_time_s == delta.step_time_s
+    assert (full.proposals, full.accepted) == (delta.proposals, delta.accepted)
+    assert [t for _, t in full.history] == [t for _, t in delta.history]
+    assert delta.accepted < delta.proposals  # the chain rejected some proposals too
+
+
+def test_search_settings_refuse_an_unknown_simulation():
+    with pytest.raises(ValueError, match="simulation must be 'delta' or 'full', got 'fast'"):
+        SearchSettings(simulation="fast")
