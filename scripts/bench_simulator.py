@@ -15,9 +15,9 @@ disturb less than wall time, the best of `--repeats` runs. Costs are analytic (t
 the topology's devices) and reshardings use the ideal model (`Resharder(mode="ideal")`: XLA's
 answers change which collectives are priced, not the simulator's speed once they are cached).
 Devices: the paper's K80 cluster (`meshes/k80x64.toml`) cut to 1, 2, 4, 8 and 16 nodes of 4
-GPUs, mesh ``node x gpu``. Under symmetric SPMD the task graph does not grow with the device
-count (one compute stream; channels that collectives use alike are one resource), unlike the
-paper's per-device tasks. Every row also checks that the walk's final delta state equals a
+GPUs by `soapjax.topology.scaled_topology`, mesh ``node x gpu``. Under symmetric SPMD the task
+graph does not grow with the device count (one compute stream; channels that collectives use
+alike are one resource), unlike the paper's per-device tasks. Every row also checks that the walk's final delta state equals a
 full simulation of its strategy, task by task.
 
 Usage::
@@ -32,32 +32,14 @@ import argparse
 import json
 import math
 import random
-import re
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import models
 from soapjax import cost, graph, space
 from soapjax.reshard import Resharder
 from soapjax.simulate import Simulation
-from soapjax.topology import load_topology
-
-_K80 = Path(__file__).resolve().parent.parent / "meshes" / "k80x64.toml"
-
-
-def k80_cluster(num_devices: int, folder: Path):
-    """The paper's K80 cluster with `num_devices` / 4 nodes (mesh node x gpu)."""
-    nodes = num_devices // 4
-    text = _K80.read_text()
-    text = re.sub(r'(?m)^name = .*$', f'name = "k80x{num_devices}"', text)
-    text = re.sub(r"(?m)^count = 16$", f"count = {nodes}", text)
-    text = text.replace("axes = { node = 16, gpu = 4 }", f"axes = {{ node = {nodes}, gpu = 4 }}")
-    path = folder / f"k80x{num_devices}.toml"
-    path.write_text(text)
-    return load_topology(path)
-
+from soapjax.topology import load_topology, scaled_topology
 
 def bench(g, topo, *, proposals: int, full_every: int, seed: int, repeats: int) -> dict:
     mesh = space.MeshShape.of(topo)
@@ -116,19 +98,19 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"{'model':<14}{'ops':>5}{'devices':>8}{'tasks':>7}{'full/s':>10}{'delta/s':>10}"
           f"{'speedup':>9}{'delta/min':>11}", file=sys.stderr if args.json else sys.stdout)
-    with tempfile.TemporaryDirectory() as tmp:
-        topologies = {n: k80_cluster(n, Path(tmp)) for n in args.devices}
-        for name in args.models:
-            w = models.get(name)
-            g = graph.trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
-            for n in args.devices:
-                r = bench(g, topologies[n], proposals=args.proposals,
-                          full_every=args.full_every, seed=args.seed, repeats=args.repeats)
-                rows.append({"model": name, "operators": len(g.operators), "devices": n, **r})
-                print(f"{name:<14}{len(g.operators):>5}{n:>8}{r['tasks']:>7}"
-                      f"{r['full_per_s']:>10.1f}{r['delta_per_s']:>10.1f}{r['speedup']:>8.1f}x"
-                      f"{r['delta_per_s'] * 60:>11.0f}", flush=True,
-                      file=sys.stderr if args.json else sys.stdout)
+    k80 = load_topology("k80x64")
+    topologies = {n: scaled_topology(k80, n) for n in args.devices}
+    for name in args.models:
+        w = models.get(name)
+        g = graph.trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+        for n in args.devices:
+            r = bench(g, topologies[n], proposals=args.proposals,
+                      full_every=args.full_every, seed=args.seed, repeats=args.repeats)
+            rows.append({"model": name, "operators": len(g.operators), "devices": n, **r})
+            print(f"{name:<14}{len(g.operators):>5}{n:>8}{r['tasks']:>7}"
+                  f"{r['full_per_s']:>10.1f}{r['delta_per_s']:>10.1f}{r['speedup']:>8.1f}x"
+                  f"{r['delta_per_s'] * 60:>11.0f}", flush=True,
+                  file=sys.stderr if args.json else sys.stdout)
     if args.json:
         json.dump(rows, sys.stdout, indent=2)
         print()

@@ -751,6 +751,87 @@ def load_topology(name_or_path: str | Path) -> Topology:
         raise TopologyError(f"{path}: {e}") from None
 
 
+def scaled_topology(topology: Topology | str | Path, num_devices: int) -> Topology:
+    """The same cluster cut to its first `num_devices` devices: whole nodes, or part of one.
+
+    Links to the devices (and nodes) left out are dropped, and switches left without links. The
+    mesh keeps its axes from the innermost outwards: each keeps its size while the devices
+    allow, the next is cut to what is left, and the outer ones (now of size 1) are dropped.
+    This needs the topology's mesh positions to be its device ids in order (no
+    ``device_order``), so that the first devices are a corner of the mesh.
+
+    Example: ``k80x64`` (16 nodes of 4 GPUs, mesh ``node=16, gpu=4``) cut to 8 devices is 2 of
+    its nodes with mesh ``node=2, gpu=4``; cut to 2, one node with two of its GPUs (the two on
+    one PCIe switch), mesh ``gpu=2``; ``dgx-h100x8`` (``data=2, model=4``) cut to 4 is
+    ``model=4``.
+
+    Args:
+      topology: a `Topology`, or a shipped name or TOML path for `load_topology`.
+      num_devices: how many devices to keep: a multiple of the devices per node up to the
+        node count, or a divisor of the devices per node.
+
+    Returns:
+      The cut topology, named ``"<name>-<num_devices>"`` (the topology itself when nothing is
+      cut).
+
+    Raises:
+      TopologyError: `num_devices` is neither whole nodes nor a divisor of a node, or the mesh
+        cannot be cut to it.
+    """
+    topo = topology if isinstance(topology, Topology) else load_topology(topology)
+    n, per_node = num_devices, topo.devices_per_node
+    if n == topo.num_devices:
+        return topo
+    whole = n % per_node == 0 and 0 < n // per_node <= topo.num_nodes
+    if not (whole or (0 < n < per_node and per_node % n == 0)):
+        raise TopologyError(
+            f"topology {topo.name!r} ({topo.num_nodes} nodes of {per_node} devices) cannot be "
+            f"cut to {num_devices} devices; expected a multiple of {per_node} up to "
+            f"{topo.num_devices}, or a divisor of {per_node}"
+        )
+    if topo.device_order != tuple(range(topo.num_devices)):
+        raise TopologyError(
+            f"topology {topo.name!r} sets [mesh].device_order; scaled_topology needs mesh "
+            f"position i to be device i"
+        )
+    sizes, left = [], n
+    for size in reversed(topo.axis_sizes):
+        keep = size if left % size == 0 else left if size % left == 0 else 0
+        if not keep:
+            shown = ", ".join(f"{a}={s}" for a, s in zip(topo.axis_names, topo.axis_sizes))
+            raise TopologyError(f"topology {topo.name!r}: mesh ({shown}) cannot be cut to "
+                                f"{num_devices} devices from the innermost axis outwards")
+        sizes.append(keep)
+        left //= keep
+    kept_axes = [(a, s) for a, s in zip(topo.axis_names, reversed(sizes)) if s > 1]
+    axes = kept_axes or [(topo.axis_names[-1], 1)]
+    nodes = max(1, n // per_node)
+
+    def kept(v: str) -> bool:
+        if v.startswith("device:"):
+            return int(v[7:]) < n
+        if v.startswith("node:"):
+            return int(v[5:].split("/")[0]) < nodes
+        return True
+
+    links = tuple(link for link in topo.links if kept(link.a) and kept(link.b))
+    linked = {v for link in links for v in (link.a, link.b)}
+    return Topology(
+        name=f"{topo.name}-{n}",
+        platform=topo.platform,
+        device=topo.device,
+        num_devices=n,
+        axis_names=tuple(a for a, _ in axes),
+        axis_sizes=tuple(s for _, s in axes),
+        device_order=tuple(range(n)),
+        num_nodes=nodes,
+        devices_per_node=min(n, per_node),
+        switches=tuple(s for s in topo.switches if s in linked),
+        links=links,
+        description=f"the first {n} devices of {topo.name}: {topo.description}",
+    )
+
+
 _TOP_KEYS = {
     "name": False,
     "platform": True,

@@ -22,6 +22,7 @@ from soapjax.topology import (
     list_topologies,
     load_topology,
     make_mesh,
+    scaled_topology,
 )
 
 SHIPPED = ("cpu8", "dgx-h100x32", "dgx-h100x8", "h100x64", "k80x64", "p100x16")
@@ -497,3 +498,47 @@ def test_topology_is_frozen():
     assert isinstance(t, Topology)
     with pytest.raises(AttributeError):
         t.name = "other"  # type: ignore[misc]
+
+
+# --- scaled topologies -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, n, axes, nodes, per_node", [
+    ("k80x64", 8, {"node": 2, "gpu": 4}, 2, 4),
+    ("k80x64", 2, {"gpu": 2}, 1, 2),
+    ("k80x64", 1, {"gpu": 1}, 1, 1),
+    ("p100x16", 4, {"gpu": 4}, 1, 4),
+    ("dgx-h100x8", 4, {"model": 4}, 1, 4),
+    ("h100x64", 16, {"node": 2, "data": 2, "model": 4}, 2, 8),
+], ids=lambda x: str(x) if not isinstance(x, dict) else "-".join(map(str, x.values())))
+def test_scaled_topology_keeps_the_first_devices(name, n, axes, nodes, per_node):
+    t = scaled_topology(name, n)
+    assert (t.name, t.num_devices, t.mesh_shape) == (f"{name}-{n}", n, axes)
+    assert (t.num_nodes, t.devices_per_node) == (nodes, per_node)
+    ends = {v for link in t.links for v in (link.a, link.b) if v.startswith("device:")}
+    assert ends == {f"device:{d}" for d in range(n)}  # links to the devices cut are gone
+    assert not any(s.startswith(f"node:{nodes}/") for s in t.switches)
+
+
+def test_scaled_topology_prices_collectives_like_the_cluster_it_cuts():
+    k80 = load_topology("k80x64")
+    two_nodes = scaled_topology(k80, 8)
+    # Across nodes: one 56 Gb/s NIC per node, shared by its four GPUs' rings.
+    assert two_nodes.axis_bandwidth(("node",)) == pytest.approx(k80.axis_bandwidth(("node",)))
+    assert two_nodes.axis_bandwidth(("gpu",)) == pytest.approx(k80.axis_bandwidth(("gpu",)))
+    ring = two_nodes.collective_time("all_reduce", 1e8, ("node",))
+    assert ring == pytest.approx(2 * (1e8 / 2) / (56e9 / 8 / 4) + 2 * 3 * US, rel=0.05)
+    # Two GPUs of one K80 board talk through their own PCIe switch at 15.75 GB/s.
+    assert scaled_topology(k80, 2).axis_bandwidth(("gpu",)) == pytest.approx(15.75 * GB)
+    assert scaled_topology(k80, 64) is k80
+
+
+@pytest.mark.parametrize("name, n, message", [
+    ("p100x16", 6, "cannot be cut to 6 devices; expected a multiple of 4 up to 16, or a "
+                   "divisor of 4"),
+    ("p100x16", 32, "cannot be cut to 32 devices"),
+    ("cpu4", 3, "cannot be cut to 3 devices"),
+])
+def test_scaled_topology_refuses_partial_nodes(name, n, message):
+    with pytest.raises(TopologyError, match=re.escape(message)):
+        scaled_topology(name, n)
