@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import types
@@ -19,7 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from models import cnn, gpt2, mlp, rnn
-from models.workload import Workload
+from models.workload import ModelConfigError, Workload
 from soapjax.errors import UnknownModelError
 
 
@@ -67,7 +68,8 @@ def apis(name: str) -> tuple[str, ...]:
     return _entry(name).apis
 
 
-def get(name: str, config: str = "default", *, api: str = "linen") -> Workload:
+def get(name: str, config: str = "default", *, api: str = "linen",
+        batch_size: int | None = None) -> Workload:
     """Builds the workload of model `name` in config `config`.
 
     Building allocates nothing: parameters and batches exist only once `init_params` and
@@ -78,12 +80,16 @@ def get(name: str, config: str = "default", *, api: str = "linen") -> Workload:
       name: a registered name, see `names()`.
       config: one of `configs(name)`.
       api: ``"linen"``, or ``"nnx"`` where `apis(name)` has it.
+      batch_size: samples per step instead of the config's (e.g. the config's batch per
+        device times the device count, to scale the workload with the cluster as the FlexFlow
+        paper's throughput figures do).
 
     Returns:
       The workload.
 
     Raises:
       UnknownModelError: unknown name, config or api; the message lists the valid choices.
+      ModelConfigError: `batch_size` is not a positive integer.
     """
     entry = _entry(name)
     if config not in entry.configs:
@@ -95,13 +101,19 @@ def get(name: str, config: str = "default", *, api: str = "linen") -> Workload:
             f"model {name!r} is not available in api {api!r}; expected one of: "
             f"{', '.join(entry.apis)}"
         )
-    return _build(name, config, api)
+    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+        raise ModelConfigError(f"model {name!r}: batch_size must be a positive integer, got "
+                               f"{batch_size!r}")
+    return _build(name, config, api, batch_size)
 
 
 @functools.cache
-def _build(name: str, config: str, api: str) -> Workload:
+def _build(name: str, config: str, api: str, batch_size: int | None) -> Workload:
     entry = _REGISTRY[name]
-    return entry.build(name, config, entry.configs[config], api)
+    cfg = entry.configs[config]
+    if batch_size is not None:
+        cfg = dataclasses.replace(cfg, batch_size=batch_size)
+    return entry.build(name, config, cfg, api)
 
 
 def _entry(name: str) -> _Entry:

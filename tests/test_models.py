@@ -9,6 +9,7 @@ import pytest
 
 import models
 from models.gpt2 import GPT2Config
+from models.workload import ModelConfigError
 from soapjax.errors import SoapjaxError, UnknownModelError
 
 NAMES = ("alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt", "lenet", "mlp", "gpt2")
@@ -93,6 +94,20 @@ def test_unknown_names_raise(call, message):
     with pytest.raises(UnknownModelError, match=message) as info:
         call()
     assert isinstance(info.value, SoapjaxError)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_batch_size_overrides_the_config(name):
+    w = models.get(name, "tiny", batch_size=24)
+    assert w.batch_size == 24 and w.config == "tiny"
+    assert all(x.shape[0] == 24 for x in jax.tree.leaves(w.abstract_batch()))
+    assert models.get(name, "tiny", batch_size=24) is w
+    assert models.get(name, "tiny").batch_size == 8  # the config itself is unchanged
+
+
+def test_batch_size_must_be_positive():
+    with pytest.raises(ModelConfigError, match="mlp.*batch_size must be a positive integer, got 0"):
+        models.get("mlp", batch_size=0)
 
 
 def test_inconsistent_config_raises():
