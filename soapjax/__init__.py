@@ -3,13 +3,15 @@
 The pipeline, one module per stage (see DESIGN.md): `graph` (jaxpr -> operator graph),
 `topology` (cluster files -> mesh axes, links, collective costs), `space` (the SOAP configs of an
 operator), `cost` (measured and analytic operator times), `simulate` (task graph, full and delta
-simulation), `search` (MCMC), `apply` (shardings and constraints under `jax.jit`).
+simulation), `search` (MCMC), `apply` (shardings and constraints under `jax.jit`). `plot` draws
+plans, timelines and comparisons with matplotlib (optional: ``pip install 'soapjax[plot]'``).
 
 The stage modules keep their names (`soapjax.search.search`, `soapjax.simulate.simulate`): a
 function re-exported here under its module's name would hide the module.
 """
 
 from soapjax.errors import (
+    MissingDependencyError as MissingDependencyError,
     PlanError as PlanError,
     SoapjaxError as SoapjaxError,
     TopologyError as TopologyError,
@@ -34,6 +36,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Config",
     "MeshShape",
+    "MissingDependencyError",
     "OpGraph",
     "Operator",
     "Plan",

@@ -280,6 +280,26 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- pictures (simulate --plot, plan --plot) ----------------------------------------------------
+
+_PLOT_HELP = ("write pictures: OUT.png (each operator's split over the devices, as in the "
+              "paper's Figures 13/14), OUT-timeline.png (the simulated timeline per device and "
+              "link)")
+
+
+def _require_plot() -> None:
+    """Fails before any work when matplotlib is missing; files need no display (Agg)."""
+    from soapjax.plot import require_matplotlib
+
+    require_matplotlib(backend="Agg")
+
+
+def _save_plot(path, graph, strategy, topology, sim, comparison=None) -> list:
+    from soapjax.plot import save_pictures
+
+    return save_pictures(path, graph, strategy, topology, sim, comparison)
+
+
 # --- simulate -----------------------------------------------------------------------------------
 
 
@@ -306,6 +326,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
                    help="which collectives a resharding costs: compiled by XLA (cached) or the "
                    "ideal model (default: %(default)s)")
     p.add_argument("--trace", metavar="OUT.json", help="write the timeline as Chrome trace JSON")
+    p.add_argument("--plot", metavar="OUT.png", help=_PLOT_HELP + " (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=_cmd_simulate)
 
@@ -314,6 +335,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     import models
     from soapjax import cost, graph, reshard, simulate, space, topology
 
+    if args.plot:
+        _require_plot()
     w = models.get(args.model, args.config)
     g = graph.trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
     topo = topology.load_topology(args.mesh)
@@ -327,6 +350,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.trace:
         with open(args.trace, "w") as f:
             json.dump(r.to_chrome_trace(), f)
+    pictures = _save_plot(args.plot, g, strategy, topo, r) if args.plot else []
     if args.json:
         _print_json(r.to_json())
         return 0
@@ -346,6 +370,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
           f"communication buffers {size(m.comm_buffers)})")
     if args.trace:
         print(f"  trace      {args.trace} ({len(r.tasks)} tasks; open in https://ui.perfetto.dev)")
+    if pictures:
+        print(f"  pictures   {', '.join(map(str, pictures))}")
     return 0
 
 
@@ -388,6 +414,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    "(default: plans/MODEL-CONFIG-MESH.json)")
     p.add_argument("--trace", default=None, help="write the plan's simulated timeline as "
                    "Chrome trace JSON (open in Perfetto or chrome://tracing)")
+    p.add_argument("--plot", metavar="OUT.png", help=_PLOT_HELP + ", and OUT-baselines.png "
+                   "(step time and bytes against the baselines); needs matplotlib")
     p.add_argument("--json", action="store_true", help="print JSON instead of the report")
     p.set_defaults(func=_cmd_plan)
 
@@ -406,6 +434,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from soapjax.space import MeshShape, SpaceLimits
     from soapjax.topology import load_topology
 
+    if args.plot:
+        _require_plot()
     w = models.get(args.model, args.config)
     topo = load_topology(args.mesh)
     t0 = time.perf_counter()
@@ -432,6 +462,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.trace:
         with open(args.trace, "w") as f:
             json.dump(sim.to_chrome_trace(), f)
+    pictures = []
+    if args.plot:
+        from soapjax.baselines import baselines
+        from soapjax.simulate import compare
+
+        others = compare(g, topo, baselines(g, topo, w.family), cost_model=cm,
+                         resharder=resharder, opt_state_factor=factor)
+        pictures = _save_plot(args.plot, g, result.strategy, topo, sim,
+                              {"soapjax plan": sim} | others)
     if args.json:
         _print_json({"step_time_s": sim.step_time_s, "baselines": result.baseline_times(),
                      "search_time_s": result.search_time_s, "proposals": result.proposals,
@@ -453,6 +492,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     ]
     print(plan_report(g, topo, result.strategy, sim, baselines=result.baselines, header=header))
     print(f"plan written to {out}" + (f"; timeline to {args.trace}" if args.trace else ""))
+    if pictures:
+        print(f"pictures: {', '.join(map(str, pictures))}")
     return 0
 
 

@@ -24,3 +24,7 @@ class TopologyError(SoapjaxError, ValueError):
 
 class PlanError(SoapjaxError, ValueError):
     """A plan does not match the model, the topology or the attached devices."""
+
+
+class MissingDependencyError(SoapjaxError, ImportError):
+    """An optional dependency (matplotlib for pictures) is not installed; the message says how."""

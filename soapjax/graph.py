@@ -301,6 +301,11 @@ class OpGraph:
                          + ", ".join(self.unsupported))
         return "\n".join(lines)
 
+    def _repr_html_(self) -> str:
+        from soapjax.report import graph_html
+
+        return graph_html(self)
+
     def evaluate(self, *flat_inputs, on_output: Callable[[Operator, int, Any], Any] | None = None):
         """Runs the traced function on flat leaves, equation by equation (traceable under jit).
 

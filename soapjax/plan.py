@@ -7,12 +7,18 @@ device), where the costs came from (measured or analytic), and how it was search
 seed, baselines). `Plan.strategy(graph)` turns it back into a `Strategy` for that graph, and
 refuses a plan made for another model or topology with a message saying which and how.
 
+Each operator's entry also records its dims' roles (``"SAP|P"``: sample, attribute and parameter
+output dims, then a reduction dim against a parameter; see `soapjax.graph`) and its output
+`PartitionSpec`, so a plan file can be read, tabulated (`Plan._repr_html_` in a notebook) and
+drawn (`soapjax.plot.plan_figure(plan)`) without tracing the model again.
+
 Example file (abridged)::
 
     {"format": "soapjax-plan", "version": 1,
      "model": {"name": "gpt2", "config": "default", "fingerprint": "3f9c...", "num_operators": 161},
      "topology": {"name": "dgx-h100x8", "fingerprint": "a1b2...", "axes": {"gpu": 8}},
-     "operators": {"layers_0/mlp/fc1": {"axes": [["gpu"], [], [], []], "spec": "P('gpu', None, None)"}},
+     "operators": {"layers_0/mlp/fc1": {"axes": [["gpu"], [], [], []], "roles": "SAP|P",
+                                        "spec": "P('gpu', None, None)"}},
      "zero_axes": [], "params": {"['params']['wte']['embedding']": [[], []]},
      "predicted": {"step_time_s": 0.0123, ...}, "cost_source": "analytic",
      "search": {"seed": 0, "budget_s": 30, ...}, "baselines": {"data-parallel": 0.0171}}
@@ -28,12 +34,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from jax.sharding import PartitionSpec
+
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
-from soapjax.space import Config, MeshShape, Strategy, param_specs
+from soapjax.space import Config, MeshShape, Strategy, param_specs, to_partition_spec
 
 FORMAT = "soapjax-plan"
 VERSION = 1
+
+
+def spec_text(spec: PartitionSpec) -> str:
+    """A `PartitionSpec` as short text: ``P('data', None)``."""
+    return "P(" + ", ".join(repr(p) for p in spec) + ")"
 
 
 def _freeze(x: Any) -> Any:
@@ -72,6 +85,8 @@ class Plan:
       cost_source: "measured" or "analytic".
       search: search settings and statistics (seed, budget, proposals, ...), frozen.
       baselines: (baseline name, predicted step time) pairs.
+      roles: per operator (in `configs` order), its output dims' roles, ``|``, its reduction
+        dims' roles, e.g. ``"SP|P"`` for a Dense layer; () for files written without them.
     """
 
     model: str
@@ -88,6 +103,16 @@ class Plan:
     cost_source: str = "analytic"
     search: tuple = ()
     baselines: tuple[tuple[str, float], ...] = ()
+    roles: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.roles and len(self.roles) != len(self.configs):
+            raise PlanError(f"{len(self.roles)} role strings for {len(self.configs)} operators")
+        for (name, config), roles in zip(self.configs, self.roles):
+            if len(roles.replace("|", "")) != len(config.axes) or roles.count("|") != 1:
+                raise PlanError(f"operator {name!r}: roles {roles!r} do not match its config "
+                                f"{[list(a) for a in config.axes]} (expected one role per dim, "
+                                "output dims then '|' then reduction dims)")
 
     @classmethod
     def make(cls, graph: OpGraph, topology, strategy: Strategy, *, model_config: str = "",
@@ -109,11 +134,36 @@ class Plan:
             params=tuple((leaf.path, specs[leaf.path]) for leaf in graph.params),
             predicted=_freeze(dict(predicted or {})), cost_source=cost_source,
             search=_freeze(dict(search or {})),
-            baselines=tuple((k, float(v)) for k, v in (baselines or {}).items()))
+            baselines=tuple((k, float(v)) for k, v in (baselines or {}).items()),
+            roles=tuple("".join(op.roles) + "|" + "".join(r.role for r in op.reduction_dims)
+                        for op in graph.operators))
 
     @property
     def step_time_s(self) -> float | None:
         return dict(self.predicted).get("step_time_s")
+
+    def dim_roles(self, k: int) -> tuple[str, str]:
+        """Operator `k`'s output dims' roles and its reduction dims' roles, e.g. ("SP", "P")."""
+        if not self.roles:
+            raise PlanError(f"plan for {self.model!r} records no dim roles (written by an older "
+                            "soapjax); make it again, or pass the traced graph alongside it")
+        out, red = self.roles[k].split("|")
+        return out, red
+
+    def output_specs(self) -> dict[str, PartitionSpec]:
+        """Operator name -> the `PartitionSpec` of its (primary) output."""
+        return {name: to_partition_spec(c.axes[:len(self.dim_roles(k)[0])])
+                for k, (name, c) in enumerate(self.configs)}
+
+    def describe(self, k: int) -> str:
+        """Operator `k`'s config as text, e.g. ``[S:data, P:model | R:-]`` (`Config.describe`)."""
+        out, red = self.dim_roles(k)
+        return self.configs[k][1].describe_roles(tuple(out) + ("R",) * len(red), len(out))
+
+    def _repr_html_(self) -> str:
+        from soapjax.report import plan_html
+
+        return plan_html(self)
 
     def check(self, graph: OpGraph, topology=None) -> None:
         """Raises PlanError unless this plan was made for `graph` (and `topology`)."""
@@ -153,7 +203,7 @@ class Plan:
                       "fingerprint": self.graph_fingerprint, "num_operators": self.num_operators},
             "topology": {"name": self.topology, "fingerprint": self.topology_fingerprint,
                          "axes": dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))},
-            "operators": {name: {"axes": [list(a) for a in c.axes]} for name, c in self.configs},
+            "operators": self._operators_json(),
             "zero_axes": list(self.zero_axes),
             "params": {path: [list(a) for a in spec] for path, spec in self.params},
             "predicted": _thaw(self.predicted) if self.predicted else {},
@@ -161,6 +211,13 @@ class Plan:
             "search": _thaw(self.search) if self.search else {},
             "baselines": dict(self.baselines),
         }
+
+    def _operators_json(self) -> dict[str, Any]:
+        out = {name: {"axes": [list(a) for a in c.axes]} for name, c in self.configs}
+        if self.roles:
+            for (name, spec), roles in zip(self.output_specs().items(), self.roles):
+                out[name] |= {"roles": roles, "spec": spec_text(spec)}
+        return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], *, where: str = "plan") -> Plan:
@@ -175,6 +232,8 @@ class Plan:
             mesh = MeshShape(tuple(t["axes"]), tuple(int(v) for v in t["axes"].values()))
             configs = tuple((name, Config(tuple(tuple(a) for a in op["axes"])))
                             for name, op in data["operators"].items())
+            roles = tuple(op.get("roles") for op in data["operators"].values())
+            roles = () if None in roles else roles
             for name, c in configs:
                 bad = c.used_axes - set(mesh.axis_names)
                 if bad:
@@ -190,7 +249,8 @@ class Plan:
                 predicted=_freeze(data.get("predicted", {})),
                 cost_source=data.get("cost_source", "analytic"),
                 search=_freeze(data.get("search", {})),
-                baselines=tuple((k, float(v)) for k, v in data.get("baselines", {}).items()))
+                baselines=tuple((k, float(v)) for k, v in data.get("baselines", {}).items()),
+                roles=roles)
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             if isinstance(e, PlanError):
                 raise

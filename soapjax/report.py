@@ -1,12 +1,15 @@
-"""Readable text for plans: per-layer configs grouped by module, baselines, bytes, memory."""
+"""Readable text and notebook HTML for plans, graphs and simulated steps, grouped by module."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from html import escape
 
+from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
-from soapjax.space import Strategy
+from soapjax.plan import spec_text
+from soapjax.space import Strategy, to_partition_spec
 
 # The block index of a repeated module: the first path component ending in _N with more after
 # it (`layers_3/mlp/fc1`, `layer2_0/conv1`), not a leaf's own number (`ln_1`).
@@ -24,30 +27,36 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def group_repeats(items: Sequence[tuple[str, Hashable]]) -> list[tuple[str, list[int]]]:
+    """(name pattern, indices) of (name, key) items; a repeated block with one key is one row.
+
+    ``layers_0/mlp/fc1`` ... ``layers_11/mlp/fc1`` with equal keys read as
+    ``layers_{0..11}/mlp/fc1`` with indices of all twelve; rows keep first-appearance order.
+    """
+    rows: dict[tuple[str, Hashable], list[int]] = {}
+    for i, (name, key) in enumerate(items):
+        rows.setdefault((_INDEX.sub(r"\1*", name), key), []).append(i)
+    out = []
+    for indices in rows.values():
+        names = [items[i][0] for i in indices]
+        if len(names) == 1:
+            out.append((names[0], indices))
+            continue
+        blocks = [int(m.group(2)) for n in names if (m := _INDEX.search(n))]
+        span = f"{{{min(blocks)}..{max(blocks)}}}" if blocks else "*"
+        out.append((_INDEX.sub(lambda m: m.group(1) + span, names[0], count=1), indices))
+    return out
+
+
 def grouped_configs(graph: OpGraph, strategy: Strategy) -> list[tuple[str, int, str]]:
     """(operator name pattern, count, config) rows; a repeated block is one row.
 
     ``layers_0/mlp/fc1`` ... ``layers_11/mlp/fc1`` with the same config read as
     ``layers_{0..11}/mlp/fc1`` with a count of 12.
     """
-    rows: dict[tuple[str, str], list[str]] = {}
-    order: list[tuple[str, str]] = []
-    for op, config in zip(graph.operators, strategy.configs):
-        key = (_INDEX.sub(r"\1*", op.name), config.describe(op))
-        if key not in rows:
-            rows[key] = []
-            order.append(key)
-        rows[key].append(op.name)
-    out = []
-    for key in order:
-        names = rows[key]
-        if len(names) == 1:
-            out.append((names[0], 1, key[1]))
-            continue
-        indices = [int(m.group(2)) for n in names if (m := _INDEX.search(n))]
-        span = f"{{{min(indices)}..{max(indices)}}}" if indices else "*"
-        out.append((_INDEX.sub(lambda m: m.group(1) + span, names[0], count=1), len(names), key[1]))
-    return out
+    descs = [c.describe(op) for op, c in zip(graph.operators, strategy.configs)]
+    items = [(op.name, d) for op, d in zip(graph.operators, descs)]
+    return [(name, len(ix), descs[ix[0]]) for name, ix in group_repeats(items)]
 
 
 def plan_report(graph: OpGraph, topology, strategy: Strategy, sim, *,
@@ -88,3 +97,142 @@ def plan_report(graph: OpGraph, topology, strategy: Strategy, sim, *,
 
 def _items(x: Mapping | Sequence) -> list:
     return list(x.items()) if isinstance(x, Mapping) else list(x)
+
+
+# --- HTML for notebooks (`_repr_html_` of Plan, OpGraph and SimResult) -----------------------
+
+def _esc(text: str) -> str:
+    return escape(str(text), quote=False)  # text, not attribute values: quotes stay readable
+
+
+_TABLE = '<table class="soapjax" style="border-collapse:collapse;font-size:90%">'
+_LEFT = ' style="text-align:left"'
+
+
+def _block(name: str) -> tuple[str, str]:
+    """A name's top module (``layers_{0..11}``) and the rest (``mlp/fc1``); '' at top level."""
+    block, _, rest = name.partition("/")
+    return (block, rest) if rest else ("", name)
+
+
+def grouped_table_html(columns: Sequence[str], rows: Sequence[tuple[str, int, Sequence[str]]],
+                       *, code: Sequence[int] = ()) -> str:
+    """An HTML table of (name pattern, count, cells) rows under one header row per top module.
+
+    Rows keep their order within a module; modules come in order of first appearance. Every
+    text is escaped. `code` lists the cell columns to set in monospace (PartitionSpecs).
+    """
+    groups: dict[str, list[tuple[str, int, Sequence[str]]]] = {}
+    for name, count, cells in rows:
+        block, leaf = _block(name)
+        groups.setdefault(block, []).append((leaf, count, cells))
+    out = [_TABLE, "<thead><tr>"]
+    out += [f"<th{_LEFT}>{_esc(c)}</th>" for c in ("operator", "\u00d7", *columns)]
+    out.append("</tr></thead><tbody>")
+    width = len(columns) + 2
+    for block, members in groups.items():
+        if block:
+            out.append(f'<tr><th colspan="{width}"{_LEFT}>{_esc(block)}/</th></tr>')
+        indent = ' style="text-align:left;padding-left:1.5em"' if block else _LEFT
+        for leaf, count, cells in members:
+            tds = [f"<code>{_esc(c)}</code>" if k in code else _esc(c)
+                   for k, c in enumerate(cells)]
+            out.append(f"<tr><td{indent}>{_esc(leaf)}</td><td>{count if count > 1 else ''}"
+                       "</td>" + "".join(f"<td{_LEFT}>{t}</td>" for t in tds) + "</tr>")
+    out.append("</tbody></table>")
+    return "".join(out)
+
+
+def _configs_table(names: Sequence[str], specs: Sequence[str], descs: Sequence[str]) -> str:
+    items = [(n, (s, d)) for n, s, d in zip(names, specs, descs)]
+    rows = [(name, len(ix), items[ix[0]][1]) for name, ix in group_repeats(items)]
+    return grouped_table_html(("output PartitionSpec", "config (role:mesh axes | R splits)"),
+                              rows, code=(0,))
+
+
+def strategy_html(graph: OpGraph, strategy: Strategy) -> str:
+    """Each operator's output PartitionSpec and config, grouped by module, as an HTML table."""
+    if len(strategy.configs) != len(graph.operators):
+        raise PlanError(f"the strategy has {len(strategy.configs)} configs but graph "
+                        f"{graph.name!r} has {len(graph.operators)} operators")
+    ops = graph.operators
+    return _configs_table([op.name for op in ops],
+                          [spec_text(c.output_spec(op)) for op, c in zip(ops, strategy.configs)],
+                          [c.describe(op) for op, c in zip(ops, strategy.configs)])
+
+
+def plan_html(plan) -> str:
+    """A `Plan` as HTML: provenance, predictions against baselines, operators by module."""
+    mesh = " \u00d7 ".join(f"{a}={n}" for a, n in zip(plan.mesh.axis_names, plan.mesh.axis_sizes))
+    config = f" ({plan.model_config})" if plan.model_config else ""
+    lines = [f"<b>soapjax plan</b>: {_esc(plan.model + config)} on {_esc(plan.topology)} "
+             f"(mesh {_esc(mesh)}), {plan.num_operators} operators"]
+    pred = dict(plan.predicted)
+    t = plan.step_time_s
+    if t:
+        extra = f", sends {_bytes(pred['bytes_moved'])} per device" if "bytes_moved" in pred else ""
+        lines.append(f"predicted step time {t * 1e3:.4g} ms ({_esc(plan.cost_source)} "
+                     f"costs){extra}")
+        if pred.get("peak_memory_bytes") and pred.get("memory_capacity_bytes"):
+            lines.append(f"memory per device {_bytes(max(pred['peak_memory_bytes']))} of "
+                         f"{_bytes(pred['memory_capacity_bytes'])}")
+        if plan.baselines:
+            lines.append("baselines: " + ", ".join(
+                f"{_esc(n)} {bt * 1e3:.4g} ms ({bt / t:.2f}\u00d7)"
+                for n, bt in sorted(plan.baselines, key=lambda b: b[1])))
+    if plan.zero_axes:
+        lines.append("parameters, gradients and optimizer state sharded over "
+                     f"{_esc(', '.join(plan.zero_axes))} (ZeRO-3)")
+    names = [n for n, _ in plan.configs]
+    if plan.roles:
+        specs = [spec_text(s) for s in plan.output_specs().values()]
+        table = _configs_table(names, specs, [plan.describe(k) for k in range(len(names))])
+    else:  # an older file: no roles, so no split between output and reduction dims
+        items = [(n, ("[" + ", ".join("+".join(a) or "-" for a in c.axes) + "]",))
+                 for n, c in plan.configs]
+        rows = [(name, len(ix), items[ix[0]][1]) for name, ix in group_repeats(items)]
+        table = grouped_table_html(("mesh axes per dim",), rows, code=(0,))
+    params = "".join(f"<tr><td{_LEFT}>{_esc(path)}</td><td{_LEFT}><code>"
+                     f"{_esc(spec_text(to_partition_spec(spec)))}</code></td></tr>"
+                     for path, spec in plan.params)
+    details = (f"<details><summary>parameters: {len(plan.params)} leaves</summary>{_TABLE}"
+               f"<tbody>{params}</tbody></table></details>") if plan.params else ""
+    return "<div>" + "<br>".join(lines) + table + details + "</div>"
+
+
+def graph_html(graph: OpGraph) -> str:
+    """An `OpGraph` as HTML: its operators by module (repeated blocks collapsed)."""
+    def cells(op) -> tuple[str, ...]:
+        shape = "[" + ",".join(f"{s}{r}" for s, r in zip(op.shape, op.roles)) + "]"
+        red = ",".join(f"{r.size}{r.role}" for r in op.reduction_dims) or "-"
+        return (op.anchor + (" (replicate only)" if op.replicate_only else ""), shape, red,
+                f"{op.flops / 1e9:.3g}", f"{op.param_bytes / 2**20:.3g}")
+
+    items = [(op.name, cells(op)) for op in graph.operators]
+    rows = [(name, len(ix), items[ix[0]][1]) for name, ix in group_repeats(items)]
+    total = sum(op.flops for op in graph.operators)
+    head = (f"<b>{_esc(graph.name)}</b>: {len(graph.operators)} operators from "
+            f"{graph.num_equations} equations; forward {total / 1e9:.3g} GFLOP; batch "
+            f"{graph.batch_size}")
+    if graph.unsupported:
+        head += "<br>replicate-only: " + _esc(", ".join(graph.unsupported))
+    table = grouped_table_html(("anchor", "output (roles)", "R dims", "GFLOP", "param MiB"),
+                               rows, code=(1,))
+    return f"<div>{head}{table}</div>"
+
+
+def sim_html(sim) -> str:
+    """A `SimResult` as a small HTML table."""
+    m = sim.memory
+    links = ", ".join(f"{_esc(k)} {_bytes(v)}" for k, v in _items(sim.bytes_by_link_class))
+    rows = [
+        ("step time", f"{sim.step_time_s * 1e3:.4g} ms ({_esc(sim.cost_source)} costs)"),
+        ("compute", f"{sim.compute_s * 1e3:.4g} ms"),
+        ("exposed communication", f"{sim.exposed_comm_s * 1e3:.4g} ms"),
+        ("sent per device", _bytes(sim.bytes_moved) + (f" ({links})" if links else "")),
+        ("memory per device", f"{_bytes(m.total)} of {_bytes(sim.memory_capacity_bytes)}"
+                              f"{'' if sim.fits_in_memory else ': DOES NOT FIT'}"),
+        ("devices, tasks", f"{sim.num_devices}, {len(sim.tasks)}"),
+    ]
+    body = "".join(f"<tr><th{_LEFT}>{k}</th><td{_LEFT}>{v}</td></tr>" for k, v in rows)
+    return f"{_TABLE}<tbody>{body}</tbody></table>"

@@ -67,7 +67,7 @@ import dataclasses
 import difflib
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -169,6 +169,11 @@ class SimResult:
         if tasks:
             out["tasks"] = [t._asdict() | {"resources": list(t.resources)} for t in self.tasks]
         return out
+
+    def _repr_html_(self) -> str:
+        from soapjax.report import sim_html
+
+        return sim_html(self)
 
     def to_chrome_trace(self, *, max_device_tracks: int = 64) -> dict[str, Any]:
         """The timeline in Chrome trace format (Perfetto, chrome://tracing).
@@ -736,6 +741,32 @@ def simulate(graph: OpGraph, topology: Any, strategy: Strategy, *, cost_model: A
         resharder = Resharder(MeshShape.of(topology))
     return Simulation(graph, topology, cost_model, resharder, strategy,
                       opt_state_factor=opt_state_factor).result()
+
+
+def compare(graph: OpGraph, topology: Any, strategies: Mapping[str, Strategy], *,
+            cost_model: Any = None, resharder: Any = None,
+            opt_state_factor: float = 2.0) -> dict[str, SimResult]:
+    """Simulates several strategies with the same costs, like for like (`simulate` each).
+
+    Example::
+
+        results = compare(graph, topology, {"plan": plan.strategy(graph),
+                                            **baselines.baselines(graph, topology)})
+        soapjax.plot.comparison_figure(results)
+
+    Returns:
+      Strategy name -> its `SimResult`, in the order given.
+    """
+    if cost_model is None:
+        from soapjax.cost import cost_model as make_cost_model
+
+        cost_model = make_cost_model(graph, topology)
+    if resharder is None:
+        from soapjax.reshard import Resharder
+
+        resharder = Resharder(MeshShape.of(topology))
+    return {name: simulate(graph, topology, s, cost_model=cost_model, resharder=resharder,
+                           opt_state_factor=opt_state_factor) for name, s in strategies.items()}
 
 
 def opt_state_factor(optimizer: Any, params: Any) -> float:

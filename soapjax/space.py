@@ -123,9 +123,12 @@ class Config:
 
     def describe(self, op: Operator) -> str:
         """Compact text, e.g. ``[S:data, P:model | R:-]``."""
-        roles = op.iteration_roles
+        return self.describe_roles(op.iteration_roles, len(op.shape))
+
+    def describe_roles(self, roles: Sequence[str], num_outputs: int) -> str:
+        """`describe` from the iteration dims' roles, the first `num_outputs` being output dims."""
         parts = [f"{r}:{'+'.join(a) or '-'}" for r, a in zip(roles, self.axes)]
-        n = len(op.shape)
+        n = num_outputs
         return "[" + ", ".join(parts[:n]) + (" | " + ", ".join(parts[n:]) if parts[n:] else "") + "]"
 
 

@@ -1,0 +1,494 @@
+"""Pictures of plans, for notebooks and `soapjax plan --plot` (matplotlib, optional).
+
+* `plan_figure`: the FlexFlow paper's Figures 13 and 14. Each operator is a box with its split
+  over the devices drawn inside: rows split the sample (S) and attribute (A) dims, columns the
+  parameter (P) dims (reduction dims go with the role of the dim they reduce: a matmul's
+  contracting dim against a weight is a column split), and each device has a colour. A cell
+  several devices hold (the operator is replicated over the mesh axes its config leaves
+  unused) is striped with their colours; a hatched cell holds partial sums (a reduction dim is
+  split, R). `partitions` gives the same grids as data.
+* `timeline_figure`: the simulated step as a Gantt chart: one row per device (the compute
+  stream; identical on every device under SPMD) and one per link (collectives).
+* `comparison_figure`: predicted step time and bytes sent per device, against the baselines.
+
+Each function returns a `matplotlib.figure.Figure` that pyplot does not hold on to: a notebook
+shows it inline (as the value of a cell), ``fig.savefig("plan.png")`` writes it. matplotlib is
+not a dependency of the core; without it these functions raise `MissingDependencyError` saying
+``pip install 'soapjax[plot]'``.
+
+Example, Megatron on ``cpu8`` (``data=2 x model=4``): ``fc1`` column parallel
+(``[S:data, P:model | R:-]``) is 2 rows x 4 columns, cell (r, c) held by device ``4r + c``;
+``fc2`` row parallel (``[S:data, P:- | R:model]``) is the same grid, hatched. Under data
+parallelism every operator is 8 rows x 1 column, row r held by device r.
+
+The artists carry gids, so a drawing can be checked: in `plan_figure` the axes of a box have the
+box's label as gid (the operator's name, or ``layers_{0..11}/mlp/fc1`` for a repeated block) and
+data coordinates with one unit per cell (x: column, y: row, row 0 on top); each device's stripe
+is a `Rectangle` with gid ``"{label}/device {d}"``, each cell's outline (hatched for partial
+sums) one with gid ``"{label}/cell {row},{col}"``. In `timeline_figure` each bar collection has
+gid ``"{track}/{kind}"`` (``"device 0/forward"``, ``"{channel}/grad_sync"``); in
+`comparison_figure` each bar has gid ``"step time/{name}"`` or ``"bytes sent/{name}"``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from soapjax.errors import MissingDependencyError, PlanError
+from soapjax.graph import OpGraph
+from soapjax.plan import Plan
+from soapjax.report import group_repeats
+from soapjax.space import Config, MeshShape, Strategy
+
+__all__ = ["Cell", "Partition", "comparison_figure", "partitions", "plan_figure",
+           "require_matplotlib", "save_pictures", "timeline_figure"]
+
+INSTALL_HINT = "pip install 'soapjax[plot]'"
+
+# One colour per task kind of `soapjax.simulate` (its FORWARD, BACKWARD, ... constants).
+KIND_COLORS = {
+    "forward": "#4c72b0", "backward": "#dd8452", "update": "#55a868", "reshard": "#c44e52",
+    "reshard_backward": "#8172b3", "partial_sum": "#937860", "param_gather": "#da8bc3",
+    "grad_sync": "#8c8c8c",
+}
+
+
+def require_matplotlib(backend: str | None = None):
+    """`matplotlib.pyplot`, or MissingDependencyError saying how to install it.
+
+    Args:
+      backend: a backend to select first, e.g. ``"Agg"`` to write files without a display.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        raise MissingDependencyError(
+            "pictures of plans need matplotlib, which is not installed in this environment; "
+            f"install it with: {INSTALL_HINT}") from None
+    if backend is not None:
+        matplotlib.use(backend)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _figure(width: float, height: float):
+    plt = require_matplotlib()
+    fig = plt.figure(figsize=(width, height), layout="constrained")
+    plt.close(fig)  # returned, not held by pyplot: a notebook shows it once, as a cell's value
+    return fig
+
+
+# --- partitions -------------------------------------------------------------------------------
+
+
+class Cell(NamedTuple):
+    """One shard of an operator: its row and column in the grid, and the devices holding it."""
+
+    row: int
+    col: int
+    devices: tuple[int, ...]
+
+
+class Partition(NamedTuple):
+    """How one operator (or a repeated block of operators with one config) is split.
+
+    Attributes:
+      label: the operator's name, or a pattern (``layers_{0..11}/mlp/fc1``) for a block.
+      operators: the operators it stands for.
+      config: the config as text (`Config.describe`), e.g. ``[S:data, P:model | R:-]``.
+      rows, cols: the grid: the degree of the S and A splits, of the P splits.
+      row_axes, col_axes: the mesh axes of the rows and of the columns, major first.
+      reduction_axes: the mesh axes splitting reduction dims (cells hold partial sums).
+      cells: every cell, row-major; each device is in exactly one.
+    """
+
+    label: str
+    operators: tuple[str, ...]
+    config: str
+    rows: int
+    cols: int
+    row_axes: tuple[str, ...]
+    col_axes: tuple[str, ...]
+    reduction_axes: tuple[str, ...]
+    cells: tuple[Cell, ...]
+
+
+class _Op(NamedTuple):
+    name: str
+    out_roles: str
+    red_roles: str
+    config: Config
+
+
+def partitions(graph_or_plan: OpGraph | Plan, strategy: Strategy | Plan | None = None,
+               mesh: Any = None, *, collapse_repeats: bool = True) -> list[Partition]:
+    """Each operator's split over the devices, as `plan_figure` draws it.
+
+    Args:
+      graph_or_plan: a traced `OpGraph` (then give `strategy`), or a `Plan` alone (its file
+        records every operator's dim roles).
+      strategy: with a graph: a `Strategy` or a `Plan` made for that graph.
+      mesh: the mesh the strategy is for: a `Topology` (devices are numbered as in its
+        ``device_order``), a `jax.sharding.Mesh` (device ids) or a `MeshShape` (mesh positions,
+        row-major). A plan brings its own mesh shape.
+      collapse_repeats: one partition for a repeated block (``layers_0..11``) with one config.
+
+    Returns:
+      One `Partition` per operator (or block), in graph order.
+
+    Raises:
+      PlanError: the strategy does not fit the graph or the mesh, or the plan was made for
+        another graph.
+    """
+    return _partitions(graph_or_plan, strategy, mesh, collapse_repeats)[0]
+
+
+def _partitions(first, strategy, mesh, collapse: bool) -> tuple[list[Partition], MeshShape]:
+    ops, shape, ids = _resolve(first, strategy, mesh)
+    if collapse:
+        groups = group_repeats([(op.name, (op.out_roles, op.red_roles, op.config)) for op in ops])
+    else:
+        groups = [(op.name, [i]) for i, op in enumerate(ops)]
+    return [_partition(label, [ops[i] for i in ix], shape, ids) for label, ix in groups], shape
+
+
+def _resolve(first, strategy, mesh) -> tuple[list[_Op], MeshShape, list[int]]:
+    if isinstance(first, Plan):
+        if strategy is not None:
+            raise PlanError("pass a Plan alone, or an OpGraph with a Strategy or Plan; got a "
+                            f"Plan and a {type(strategy).__name__}")
+        shape = _mesh_shape(mesh, first.mesh)
+        ops = [_Op(name, *first.dim_roles(k), c) for k, (name, c) in enumerate(first.configs)]
+        return ops, shape, _device_ids(mesh, shape)
+    if not isinstance(first, OpGraph):
+        raise PlanError(f"expected an OpGraph (with a strategy) or a Plan, got "
+                        f"{type(first).__name__}")
+    graph = first
+    planned = None
+    if isinstance(strategy, Plan):
+        planned = strategy.mesh
+        strategy = strategy.strategy(graph)
+    if not isinstance(strategy, Strategy):
+        raise PlanError(f"a graph needs a Strategy or a Plan to draw, got "
+                        f"{type(strategy).__name__}")
+    if mesh is None and planned is None:
+        raise PlanError("give the mesh the strategy is for (a Topology, a jax Mesh or a "
+                        "MeshShape), e.g. plan_figure(graph, strategy, load_topology('cpu8'))")
+    shape = _mesh_shape(mesh, planned)
+    if len(strategy.configs) != len(graph.operators):
+        raise PlanError(f"the strategy has {len(strategy.configs)} configs but graph "
+                        f"{graph.name!r} has {len(graph.operators)} operators")
+    from soapjax.simulate import check_config
+
+    for i, config in enumerate(strategy.configs):
+        check_config(graph, i, config, shape)
+    ops = [_Op(op.name, "".join(op.roles), "".join(r.role for r in op.reduction_dims), c)
+           for op, c in zip(graph.operators, strategy.configs)]
+    return ops, shape, _device_ids(mesh, shape)
+
+
+def _mesh_shape(mesh, planned: MeshShape | None) -> MeshShape:
+    shape = MeshShape.of(mesh) if mesh is not None else planned
+    if planned is not None and shape != planned:
+        raise PlanError(f"the plan is for mesh {dict(zip(planned.axis_names, planned.axis_sizes))}"
+                        f", not {dict(zip(shape.axis_names, shape.axis_sizes))}")
+    return shape
+
+
+def _device_ids(mesh, shape: MeshShape) -> list[int]:
+    """Device id at each mesh position (row-major)."""
+    if hasattr(mesh, "device_order"):  # a Topology
+        return list(mesh.device_order)
+    devices = getattr(mesh, "devices", None)
+    if devices is not None and hasattr(devices, "flat"):  # a jax Mesh
+        return [int(d.id) for d in devices.flat]
+    return list(range(shape.num_devices))
+
+
+def _partition(label: str, ops: Sequence[_Op], mesh: MeshShape, ids: Sequence[int]) -> Partition:
+    op = ops[0]
+    roles = op.out_roles + op.red_roles
+    row_axes: list[str] = []
+    col_axes: list[str] = []
+    for role, axes in zip(roles, op.config.axes):
+        (row_axes if role in ("S", "A") else col_axes).extend(axes)
+    n = len(op.out_roles)
+    reduction = tuple(a for axes in op.config.axes[n:] for a in axes)
+    held: dict[tuple[int, int], list[int]] = {}
+    for position, coords in enumerate(itertools.product(*map(range, mesh.axis_sizes))):
+        at = dict(zip(mesh.axis_names, coords))
+        key = (_mixed_radix(at, row_axes, mesh), _mixed_radix(at, col_axes, mesh))
+        held.setdefault(key, []).append(ids[position])
+    rows, cols = mesh.degree(row_axes), mesh.degree(col_axes)
+    cells = tuple(Cell(r, c, tuple(held[r, c])) for r in range(rows) for c in range(cols))
+    describe = op.config.describe_roles(tuple(op.out_roles) + ("R",) * len(op.red_roles), n)
+    return Partition(label, tuple(o.name for o in ops), describe, rows, cols, tuple(row_axes),
+                     tuple(col_axes), reduction, cells)
+
+
+def _mixed_radix(at: Mapping[str, int], axes: Sequence[str], mesh: MeshShape) -> int:
+    """The shard index along `axes` (major first), as a PartitionSpec entry ('a', 'b') splits."""
+    v = 0
+    for a in axes:
+        v = v * mesh.size(a) + at[a]
+    return v
+
+
+# --- plan_figure ------------------------------------------------------------------------------
+
+
+def plan_figure(graph_or_plan: OpGraph | Plan, strategy: Strategy | Plan | None = None,
+                mesh: Any = None, *, collapse_repeats: bool = True, ncols: int | None = None,
+                device_labels: bool | None = None, title: str | None = None):
+    """Each operator as a box with its split over the devices drawn (paper Figures 13, 14).
+
+    Args:
+      graph_or_plan, strategy, mesh, collapse_repeats: as for `partitions`.
+      ncols: boxes per row (default: up to 6).
+      device_labels: write each device's number in its stripe (default: when they fit).
+      title: the figure's title (default: the model, the mesh and how to read the picture).
+
+    Returns:
+      A `matplotlib.figure.Figure`.
+
+    Raises:
+      MissingDependencyError: matplotlib is not installed.
+      PlanError: as `partitions`.
+    """
+    require_matplotlib()
+    parts, shape = _partitions(graph_or_plan, strategy, mesh, collapse_repeats)
+    ids = sorted(d for cell in parts[0].cells for d in cell.devices) if parts else []
+    colors = _device_colors(ids)
+    ncols = max(1, min(ncols or 6, len(parts) or 1))
+    nrows = max(1, math.ceil(len(parts) / ncols))
+    fig = _figure(2.4 * ncols, 2.5 * nrows + 1.2)
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    for ax, part in zip(axes.flat, parts):
+        _draw_partition(ax, part, colors, device_labels)
+    for ax in list(axes.flat)[len(parts):]:
+        ax.set_visible(False)
+    _device_legend(fig, axes, colors, hatched=any(p.reduction_axes for p in parts))
+    model = graph_or_plan.name if isinstance(graph_or_plan, OpGraph) else graph_or_plan.model
+    mesh_text = " \u00d7 ".join(f"{a}={n}" for a, n in zip(shape.axis_names, shape.axis_sizes))
+    fig.suptitle(title or f"{model} on mesh {mesh_text}\nrows split the sample and attribute "
+                 "dims (S, A), columns the parameter dims (P), a colour per device;\nstriped "
+                 "cells are replicated over the devices shown, hatched ones hold partial sums "
+                 "(R split)", fontsize=9)
+    return fig
+
+
+def _device_colors(ids: Sequence[int]) -> dict[int, tuple]:
+    import matplotlib
+
+    n = len(ids)
+    if n <= 20:
+        cmap = matplotlib.colormaps["tab10" if n <= 10 else "tab20"]
+        return {d: cmap(k) for k, d in enumerate(ids)}
+    cmap = matplotlib.colormaps["turbo"]
+    return {d: cmap((k + 0.5) / n) for k, d in enumerate(ids)}
+
+
+def _draw_partition(ax, part: Partition, colors: Mapping[int, tuple],
+                    labels: bool | None) -> None:
+    from matplotlib.patches import Rectangle
+
+    stripes = max(len(c.devices) for c in part.cells)
+    if labels is None:
+        labels = part.rows <= 16 and part.cols * stripes <= 8
+    ax.set_gid(part.label)
+    ax.set_xlim(0, part.cols)
+    ax.set_ylim(part.rows, 0)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    hatch = "///" if part.reduction_axes else None
+    for cell in part.cells:
+        k = len(cell.devices)
+        for s, d in enumerate(cell.devices):
+            ax.add_patch(Rectangle((cell.col + s / k, cell.row), 1 / k, 1, facecolor=colors[d],
+                                   edgecolor="none", gid=f"{part.label}/device {d}"))
+            if labels:
+                ax.text(cell.col + (s + 0.5) / k, cell.row + 0.5, str(d), ha="center",
+                        va="center", fontsize=7, color="white", fontweight="bold")
+        ax.add_patch(Rectangle((cell.col, cell.row), 1, 1, fill=False, edgecolor="black",
+                               linewidth=0.8, hatch=hatch,
+                               gid=f"{part.label}/cell {cell.row},{cell.col}"))
+    count = len(part.operators)
+    ax.set_title(part.label + (f" \u00d7{count}" if count > 1 else ""), fontsize=8)
+    replicated = f"; replicated {stripes}\u00d7" if stripes > 1 else ""
+    ax.set_xlabel(f"{part.config}\ncolumns: {'+'.join(part.col_axes) or '-'}{replicated}",
+                  fontsize=7)
+    ax.set_ylabel(f"rows: {'+'.join(part.row_axes) or '-'}", fontsize=7)
+
+
+def _device_legend(fig, axes, colors: Mapping[int, tuple], hatched: bool) -> None:
+    from matplotlib.patches import Patch
+
+    extra = [Patch(facecolor="white", edgecolor="black", hatch="///",
+                   label="partial sums (R split)")] if hatched else []
+    if len(colors) <= 20:
+        handles = [Patch(facecolor=c, label=f"device {d}") for d, c in colors.items()]
+        fig.legend(handles=handles + extra, loc="outside lower center", fontsize=7,
+                   ncols=min(len(handles) + len(extra), 10))
+        return
+    import matplotlib
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+
+    mappable = ScalarMappable(Normalize(0, len(colors) - 1), matplotlib.colormaps["turbo"])
+    fig.colorbar(mappable, ax=axes, location="bottom", shrink=0.5, label="device")
+    if extra:
+        fig.legend(handles=extra, loc="outside lower right", fontsize=7)
+
+
+# --- timeline_figure --------------------------------------------------------------------------
+
+
+def timeline_figure(result, *, max_devices: int = 8, title: str | None = None):
+    """The simulated step as a Gantt chart: a row per device and per link.
+
+    Args:
+      result: a `soapjax.simulate.SimResult`.
+      max_devices: device rows to draw (every device runs the same compute timeline under SPMD).
+      title: the figure's title (default: step time and its breakdown).
+
+    Returns:
+      A `matplotlib.figure.Figure`; times in ms, or in us for steps under a millisecond.
+    """
+    if not hasattr(result, "tasks") or not hasattr(result, "channels"):
+        raise PlanError(f"expected a SimResult (soapjax.simulate.simulate), got "
+                        f"{type(result).__name__}")
+    shown = min(result.num_devices, max_devices)
+    tracks = [f"device {d}" for d in range(shown)] + list(result.channels)
+    scale, unit = (1e3, "ms") if result.step_time_s >= 1e-3 else (1e6, "\u00b5s")
+    bars: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for t in result.tasks:
+        span = (t.start_s * scale, (t.end_s - t.start_s) * scale)
+        where = ([f"device {d}" for d in range(shown)] if t.resources == ("compute",)
+                 else t.resources)
+        for track in where:
+            bars.setdefault((track, t.kind), []).append(span)
+    fig = _figure(11, 1.4 + 0.3 * len(tracks))
+    ax = fig.subplots()
+    row = {track: i for i, track in enumerate(tracks)}
+    labelled: set[str] = set()
+    for (track, kind), spans in bars.items():
+        coll = ax.broken_barh(spans, (row[track] - 0.4, 0.8),
+                              facecolors=KIND_COLORS.get(kind, "#bbbbbb"), edgecolor="white",
+                              linewidth=0.3, label=kind if kind not in labelled else None)
+        coll.set_gid(f"{track}/{kind}")
+        labelled.add(kind)
+    ax.axvline(result.step_time_s * scale, color="black", linestyle="--", linewidth=0.8)
+    ax.set_yticks(range(len(tracks)), tracks, fontsize=7)
+    ax.set_ylim(len(tracks) - 0.5, -0.5)
+    ax.set_xlim(0, result.step_time_s * scale * 1.02 or 1)
+    ax.set_xlabel(f"time ({unit})")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    note = (f"; {shown} of {result.num_devices} devices shown (SPMD: identical)"
+            if shown < result.num_devices else "")
+    fig.suptitle(title or (
+        f"simulated step {result.step_time_s * scale:.4g} {unit}: compute "
+        f"{result.compute_s * scale:.4g} {unit}, exposed communication "
+        f"{result.exposed_comm_s * scale:.4g} {unit} ({result.cost_source} costs){note}"),
+        fontsize=10)
+    return fig
+
+
+# --- comparison_figure ------------------------------------------------------------------------
+
+
+def comparison_figure(results: Mapping[str, Any], *, highlight: str | None = None,
+                      title: str | None = None):
+    """Bars of predicted step time and bytes sent per device, one per strategy.
+
+    Args:
+      results: strategy name -> a `SimResult` (`soapjax.simulate.compare`), or a mapping with
+        ``step_time_s`` and optionally ``bytes_moved`` and ``fits_in_memory`` (a plan's
+        ``dict(plan.predicted)``).
+      highlight: the strategy drawn in the accent colour, the others' times relative to it
+        (default: the first).
+      title: the figure's title.
+
+    Returns:
+      A `matplotlib.figure.Figure`; strategies that do not fit in memory are hatched.
+    """
+    if not results:
+        raise PlanError("comparison_figure needs at least one result")
+    names = list(results)
+    highlight = highlight if highlight is not None else names[0]
+    if highlight not in results:
+        raise PlanError(f"highlight {highlight!r} is not among the results {names}")
+    times = [_metric(results[n], "step_time_s", n) for n in names]
+    sent = [_metric(results[n], "bytes_moved", n, math.nan) for n in names]
+    fits = [_metric(results[n], "fits_in_memory", n, True) for n in names]
+    t0 = times[names.index(highlight)]
+    scale, unit = (1e3, "ms") if max(times) >= 1e-3 else (1e6, "\u00b5s")
+    fig = _figure(11, 1.2 + 0.4 * len(names))
+    ax_t, ax_b = fig.subplots(1, 2, sharey=True)
+    colors = ["#c44e52" if n == highlight else "#4c72b0" for n in names]
+    y = range(len(names))
+    bt = ax_t.barh(y, [t * scale for t in times], color=colors)
+    known = [b for b in sent if not math.isnan(b)]
+    bscale, bunit = next(((v, u) for v, u in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"))
+                          if known and max(known) >= v), (1, "B"))
+    bb = ax_b.barh(y, [0 if math.isnan(b) else b / bscale for b in sent], color=colors)
+    for name, fit, bar_t, bar_b in zip(names, fits, bt, bb):
+        bar_t.set_gid(f"step time/{name}")
+        bar_b.set_gid(f"bytes sent/{name}")
+        if not fit:
+            bar_t.set_hatch("xx")
+            bar_b.set_hatch("xx")
+    ax_t.bar_label(bt, [f"{t * scale:.3g} {unit} ({t / t0:.2f}\u00d7)"
+                        + ("" if f else ", does not fit") for t, f in zip(times, fits)],
+                   fontsize=7, padding=2)
+    ax_b.bar_label(bb, ["n/a" if math.isnan(b) else f"{b / bscale:.3g} {bunit}" for b in sent],
+                   fontsize=7, padding=2)
+    ax_t.set_yticks(list(y), names)
+    ax_t.invert_yaxis()
+    ax_t.set_xlabel(f"predicted step time ({unit})")
+    ax_b.set_xlabel(f"bytes sent per device per step ({bunit})")
+    for ax in (ax_t, ax_b):
+        ax.margins(x=0.35)
+    fig.suptitle(title or f"{highlight} against the other strategies (same simulator, same "
+                 "costs)", fontsize=10)
+    return fig
+
+
+_MISSING = object()
+
+
+def _metric(r: Any, key: str, name: str, default: Any = _MISSING) -> Any:
+    value = r.get(key, default) if isinstance(r, Mapping) else getattr(r, key, default)
+    if value is _MISSING:
+        raise PlanError(f"result {name!r} has no {key!r}: expected a SimResult or a mapping "
+                        "with step_time_s (and optionally bytes_moved, fits_in_memory)")
+    return value
+
+
+# --- files ------------------------------------------------------------------------------------
+
+
+def save_pictures(path: str | os.PathLike, graph: OpGraph, strategy: Strategy, mesh: Any,
+                  result, comparison: Mapping[str, Any] | None = None, *,
+                  dpi: int = 120) -> list[Path]:
+    """Writes `plan_figure` to `path`, `timeline_figure` beside it (``NAME-timeline.png``) and,
+    given results to compare, `comparison_figure` (``NAME-baselines.png``).
+
+    Returns:
+      The paths written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out = [path, path.with_name(f"{path.stem}-timeline{path.suffix or '.png'}")]
+    figures = [plan_figure(graph, strategy, mesh), timeline_figure(result)]
+    if comparison:
+        out.append(path.with_name(f"{path.stem}-baselines{path.suffix or '.png'}"))
+        figures.append(comparison_figure(comparison))
+    for p, fig in zip(out, figures):
+        fig.savefig(p, dpi=dpi)
+    return out

@@ -1,0 +1,269 @@
+"""soapjax.plot and the notebook HTML: the drawn partitions, bars and tables are the plan's.
+
+The figures are checked through their artists (each carries a gid, see `soapjax.plot`): which
+device's colour fills which cell of which operator's box, where every bar of the timeline lies,
+how long every comparison bar is.
+"""
+
+import dataclasses
+import json
+import sys
+
+import matplotlib
+import pytest
+
+matplotlib.use("Agg")
+
+import models  # noqa: E402
+from soapjax import baselines, cli, plot, simulate, space  # noqa: E402
+from soapjax.cost import cost_model  # noqa: E402
+from soapjax.errors import MissingDependencyError, PlanError  # noqa: E402
+from soapjax.graph import trace  # noqa: E402
+from soapjax.plan import Plan  # noqa: E402
+from soapjax.reshard import Resharder  # noqa: E402
+from soapjax.topology import load_topology  # noqa: E402
+
+TOPOLOGY = load_topology("cpu8")  # data=2 x model=4
+MESH = space.MeshShape.of(TOPOLOGY)
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    w = models.get("mlp", "tiny")
+    return trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="mlp")
+
+
+@pytest.fixture(scope="module")
+def megatron(mlp):
+    """fc1 column parallel, fc2 row parallel over model; batch over data (test_check's plan)."""
+    by_name = {"fc1": (("data",), ("model",), ()), "fc2": (("data",), (), ("model",)),
+               "head": (("data",), (), ()), "mlp": ((), ("data",))}
+    return space.Strategy(tuple(space.Config(by_name[op.name]) for op in mlp.operators))
+
+
+@pytest.fixture(scope="module")
+def results(mlp, megatron):
+    costs = cost_model(mlp, TOPOLOGY, mode="analytic")
+    return simulate.compare(mlp, TOPOLOGY, {"megatron": megatron,
+                                            "data-parallel": space.data_parallel(mlp, MESH)},
+                            cost_model=costs, resharder=Resharder(MESH, mode="ideal"))
+
+
+def drawn_cells(fig, label):
+    """{(row, col): devices, in stripe order} read off the figure's rectangles for one box."""
+    (ax,) = [ax for ax in fig.axes if ax.get_gid() == label]
+    cells: dict[tuple[int, int], list[tuple[float, int]]] = {}
+    for patch in ax.patches:
+        gid = patch.get_gid() or ""
+        if gid.startswith(f"{label}/device "):
+            x, y = patch.get_x(), patch.get_y()
+            device = int(gid.rsplit(" ", 1)[1])
+            cells.setdefault((int(y), int(x)), []).append((x, device))
+            assert patch.get_height() == 1 and int(x) == int(x + patch.get_width() - 1e-9)
+    grid = {k: [d for _, d in sorted(v)] for k, v in cells.items()}
+    rows, cols = ax.get_ylim()[0], ax.get_xlim()[1]
+    return grid, (int(rows), int(cols))
+
+
+def outlines(fig, label):
+    (ax,) = [ax for ax in fig.axes if ax.get_gid() == label]
+    return {p.get_gid(): p for p in ax.patches if (p.get_gid() or "").startswith(f"{label}/cell")}
+
+
+def test_data_parallel_boxes_are_eight_rows_one_per_device(mlp):
+    fig = plot.plan_figure(mlp, space.data_parallel(mlp, MESH), TOPOLOGY)
+    colour = {}
+    for op in mlp.operators:
+        grid, shape = drawn_cells(fig, op.name)
+        assert shape == (8, 1)
+        assert grid == {(r, 0): [r] for r in range(8)}  # row r: device r (data major, model minor)
+        (ax,) = [ax for ax in fig.axes if ax.get_gid() == op.name]
+        for patch in ax.patches:
+            gid = patch.get_gid() or ""
+            if "/device " in gid:
+                colour.setdefault(gid.rsplit(" ", 1)[1], set()).add(patch.get_facecolor())
+    # one colour per device, the same in every box, and eight different ones
+    assert all(len(c) == 1 for c in colour.values())
+    assert len({c.pop() for c in colour.values()}) == 8
+
+
+def test_megatron_boxes(mlp, megatron):
+    fig = plot.plan_figure(mlp, megatron, TOPOLOGY)
+    by_rows = {(r, c): [4 * r + c] for r in range(2) for c in range(4)}
+    grid, shape = drawn_cells(fig, "fc1")  # column parallel: batch over data, features over model
+    assert (shape, grid) == ((2, 4), by_rows)
+    grid, shape = drawn_cells(fig, "fc2")  # row parallel: the contracting dim over model
+    assert (shape, grid) == ((2, 4), by_rows)
+    grid, shape = drawn_cells(fig, "head")  # replicated over model: 4 stripes per cell
+    assert (shape, grid) == ((2, 1), {(0, 0): [0, 1, 2, 3], (1, 0): [4, 5, 6, 7]})
+    # partial sums (R split) are hatched, complete outputs are not
+    assert all(p.get_hatch() for p in outlines(fig, "fc2").values())
+    fc1 = outlines(fig, "fc1")
+    assert len(fc1) == 8 and not any(p.get_hatch() for p in fc1.values())
+    labels = {ax.get_gid(): ax.get_xlabel() for ax in fig.axes if ax.get_gid()}
+    assert labels["fc2"].startswith("[S:data, P:- | R:model]")
+    assert "replicated 4\u00d7" in labels["head"]
+
+
+def test_partitions_follow_the_topologys_device_order(mlp, megatron):
+    reordered = dataclasses.replace(TOPOLOGY, device_order=tuple(reversed(range(8))))
+    fc1 = plot.partitions(mlp, megatron, reordered)[0]
+    assert fc1.cells[0] == plot.Cell(0, 0, (7,)) and fc1.cells[-1] == plot.Cell(1, 3, (0,))
+
+
+def test_a_plan_draws_alone(mlp, megatron, tmp_path):
+    plan = Plan.load(Plan.make(mlp, TOPOLOGY, megatron).save(tmp_path / "p.json"))
+    assert plot.partitions(plan) == plot.partitions(mlp, megatron, TOPOLOGY)
+    assert plot.partitions(mlp, plan) == plot.partitions(mlp, megatron, MESH)
+    grid, shape = drawn_cells(plot.plan_figure(plan), "fc1")
+    assert shape == (2, 4) and grid[1, 2] == [6]
+
+
+def test_repeated_blocks_collapse():
+    w = models.get("gpt2", "tiny")
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt2")
+    parts = plot.partitions(g, baselines.megatron(g, MESH, ("model",)), MESH)
+    fc1 = next(p for p in parts if p.label == "layers_{0..1}/mlp/fc1")
+    assert fc1.operators == ("layers_0/mlp/fc1", "layers_1/mlp/fc1")
+    assert (fc1.rows, fc1.cols, fc1.row_axes, fc1.col_axes) == (2, 4, ("data",), ("model",))
+    assert len(plot.partitions(g, space.data_parallel(g, MESH), MESH,
+                               collapse_repeats=False)) == len(g.operators)
+
+
+def test_bad_input(mlp, megatron):
+    with pytest.raises(PlanError, match="the strategy has 3 configs but graph 'mlp' has 4"):
+        plot.plan_figure(mlp, space.Strategy(megatron.configs[:3]), TOPOLOGY)
+    with pytest.raises(PlanError, match="give the mesh the strategy is for"):
+        plot.plan_figure(mlp, megatron)
+    bad = megatron.replace(0, space.Config((("data",), ("gpu",), ())))
+    with pytest.raises(PlanError, match=r"operator 'fc1': dim 1 uses unknown mesh axes \['gpu'\]"):
+        plot.partitions(mlp, bad, TOPOLOGY)
+    w = models.get("lenet", "tiny")
+    other = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="lenet")
+    with pytest.raises(PlanError, match="made for model 'mlp'"):
+        plot.plan_figure(other, Plan.make(mlp, TOPOLOGY, megatron))
+    with pytest.raises(PlanError, match="expected an OpGraph"):
+        plot.plan_figure(megatron)
+
+
+def test_old_plan_files_without_roles(mlp, megatron, tmp_path):
+    data = Plan.make(mlp, TOPOLOGY, megatron).to_json()
+    for op in data["operators"].values():
+        del op["roles"], op["spec"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    old = Plan.load(tmp_path / "old.json")
+    assert old.roles == ()
+    with pytest.raises(PlanError, match="records no dim roles"):
+        plot.plan_figure(old)
+    assert plot.partitions(mlp, old) == plot.partitions(mlp, megatron, TOPOLOGY)
+    assert "<code>[data, model, -]</code>" in old._repr_html_()
+
+
+def test_timeline_bars_are_the_tasks(results):
+    r = results["megatron"]
+    fig = plot.timeline_figure(r)
+    (ax,) = fig.axes
+    assert ax.get_xlabel() == "time (\u00b5s)"
+    tracks = [t.get_text() for t in ax.get_yticklabels()]
+    assert tracks == [f"device {d}" for d in range(8)] + list(r.channels)
+    drawn = {}
+    for coll in ax.collections:
+        spans = []
+        for path in coll.get_paths():
+            xs = path.vertices[:, 0]
+            spans.append((round(xs.min(), 6), round(xs.max(), 6)))
+        drawn[coll.get_gid()] = sorted(spans)
+    expected = {}
+    for t in r.tasks:
+        where = [f"device {d}" for d in range(8)] if t.resources == ("compute",) else t.resources
+        for track in where:
+            expected.setdefault(f"{track}/{t.kind}", []).append(
+                (round(t.start_s * 1e6, 6), round(t.end_s * 1e6, 6)))
+    assert drawn == {k: sorted(v) for k, v in expected.items()}
+    kinds = {t.kind for t in r.tasks}
+    assert {"forward", "backward", "update", "partial_sum"} <= kinds
+    assert {t.get_text() for t in ax.get_legend().get_texts()} == kinds
+
+
+def test_comparison_bars(results):
+    fig = plot.comparison_figure(results)
+    bars = {p.get_gid(): p for ax in fig.axes for p in ax.patches if p.get_gid()}
+    for name, r in results.items():
+        assert bars[f"step time/{name}"].get_width() == pytest.approx(r.step_time_s * 1e3)
+        sent = bars[f"bytes sent/{name}"].get_width()
+        assert sent == pytest.approx(r.bytes_moved / 1e3)  # kB at this size
+    highlighted = bars["step time/megatron"].get_facecolor()
+    assert highlighted != bars["step time/data-parallel"].get_facecolor()
+    fig = plot.comparison_figure({"a": {"step_time_s": 2e-3, "bytes_moved": 3e6},
+                                  "b": {"step_time_s": 1e-3, "fits_in_memory": False}},
+                                 highlight="b")
+    bars = {p.get_gid(): p for ax in fig.axes for p in ax.patches if p.get_gid()}
+    assert bars["step time/a"].get_width() == pytest.approx(2.0)  # ms
+    assert bars["bytes sent/a"].get_width() == pytest.approx(3.0)  # MB
+    assert bars["step time/b"].get_hatch() and not bars["step time/a"].get_hatch()
+    with pytest.raises(PlanError, match="highlight 'c' is not among the results"):
+        plot.comparison_figure({"a": {"step_time_s": 1.0}}, highlight="c")
+    with pytest.raises(PlanError, match="result 'a' has no 'step_time_s'"):
+        plot.comparison_figure({"a": {"bytes_moved": 1.0}})
+
+
+def test_without_matplotlib(monkeypatch, mlp, megatron, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    with pytest.raises(MissingDependencyError, match=r"pip install 'soapjax\[plot\]'"):
+        plot.plan_figure(mlp, megatron, TOPOLOGY)
+    assert issubclass(MissingDependencyError, ImportError)
+    # the command line says so before tracing or searching anything
+    argv = ["plan", "--model", "mlp", "--config", "tiny", "--mesh", "cpu8", "--plot",
+            str(tmp_path / "p.png"), "--out", str(tmp_path / "p.json")]
+    assert cli.main(argv) == 2
+    assert "pip install 'soapjax[plot]'" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_plan_command_writes_pictures(tmp_path, capsys):
+    argv = ["plan", "--model", "mlp", "--config", "tiny", "--mesh", "cpu8", "--costs",
+            "analytic", "--proposals", "20", "--out", str(tmp_path / "p.json"), "--plot",
+            str(tmp_path / "pics" / "mlp.png")]
+    assert cli.main(argv) == 0
+    names = sorted(p.name for p in (tmp_path / "pics").iterdir())
+    assert names == ["mlp-baselines.png", "mlp-timeline.png", "mlp.png"]
+    for name in names:
+        assert (tmp_path / "pics" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "pictures: " in capsys.readouterr().out
+
+
+# --- HTML ---------------------------------------------------------------------------------------
+
+
+def test_plan_html_lists_partition_specs(mlp, megatron, results):
+    plan = Plan.make(mlp, TOPOLOGY, megatron, model_config="tiny",
+                     predicted=results["megatron"].to_json(),
+                     baselines={"data-parallel": results["data-parallel"].step_time_s})
+    html = plan._repr_html_()
+    assert "<code>P('data', 'model')</code>" in html  # fc1's output
+    assert "[S:data, P:- | R:model]" in html  # fc2's config
+    assert "<code>P('model', None)</code>" in html  # fc2's kernel, stored row parallel
+    assert "data-parallel" in html and "mlp (tiny) on cpu8" in html
+    assert plan.output_specs()["fc1"] == space.Config((("data",), ("model",), ())).output_spec(
+        mlp.operator("fc1"))
+
+
+def test_html_groups_by_module_and_escapes():
+    w = models.get("gpt2", "tiny")
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt2")
+    plan = Plan.make(g, load_topology("cpu8"), baselines.megatron(g, MESH, ("model",)))
+    html = plan._repr_html_()
+    assert html.count("<th ") == 4 + 1  # the column heads, one module head
+    rows = html.split("<tr>")
+    heads = [r for r in rows if r.startswith('<th colspan')]
+    assert [h.split(">")[1].split("<")[0] for h in heads] == ["layers_{0..1}/"]
+    assert "<td style=\"text-align:left;padding-left:1.5em\">mlp/fc1</td><td>2</td>" in html
+    graph_html = dataclasses.replace(g, name="<gpt2 & co>")._repr_html_()
+    assert "&lt;gpt2 &amp; co&gt;" in graph_html and "<gpt2" not in graph_html
+    assert "attn/query" in graph_html
+
+
+def test_sim_result_html(results):
+    html = results["megatron"]._repr_html_()
+    r = results["megatron"]
+    assert f"{r.step_time_s * 1e3:.4g} ms" in html and "8, " in html
