@@ -7,8 +7,9 @@ Three questions, each with numbers:
    the same parameters, optimizer state and batch; the largest absolute difference over the
    loss, the updated parameters and the optimizer state is reported.
 2. **Same collectives?** The collectives XLA put in the compiled sharded step (kind, count,
-   bytes per device, parsed by `soapjax.hlo`) against the communication tasks the simulator
-   predicted for the plan (same kinds, same byte convention).
+   bytes per device, parsed by `soapjax.hlo`; one inside a loop counts once per iteration)
+   against the communication tasks the simulator predicted for the plan (same kinds, same
+   byte convention).
 3. **Same time?** The measured step time (median of repeated runs) against the simulated one.
    On virtual CPU devices all devices share the host's cores, so the measured time is not a
    per-device time and this comparison only means something on real accelerators.
@@ -102,11 +103,12 @@ def _norm(kind: str) -> str:
 
 
 def _tally(items) -> tuple[tuple[str, int, float], ...]:
+    """Per kind, (count, bytes) of ``(kind, nbytes, times)`` items."""
     out: dict[str, list] = {}
-    for kind, nbytes in items:
+    for kind, nbytes, times in items:
         entry = out.setdefault(_norm(kind), [0, 0.0])
-        entry[0] += 1
-        entry[1] += float(nbytes)
+        entry[0] += times
+        entry[1] += float(nbytes) * times
     return tuple((k, n, b) for k, (n, b) in sorted(out.items()))
 
 
@@ -163,11 +165,12 @@ def check(plan: Plan, *, repeats: int = 5, seed: int = 0, costs: str = "auto",
     sim = make_simulation(graph, topo, cost_model=cm, strategy=strategy,
                           resharder=Resharder(MeshShape.of(topo), mode=reshard),
                           opt_state_factor=opt_state_factor(w.optimizer, params)).result()
-    predicted = [(t.name.split(" ", 1)[0], t.nbytes) for t in sim.tasks if t.kind not in _COMPUTE]
+    predicted = [(t.name.split(" ", 1)[0], t.nbytes, 1) for t in sim.tasks
+                 if t.kind not in _COMPUTE]
     kinds = {d.device_kind for d in mesh.devices.flat}
     return CheckResult(
         max_abs_diff=diff, loss=float(out[2]), reference_loss=float(ref[2]),
-        hlo_collectives=_tally((c.kind, c.nbytes) for c in found),
+        hlo_collectives=_tally((c.kind, c.nbytes, c.executions) for c in found),
         predicted_collectives=_tally(predicted), measured_step_s=statistics.median(times),
         predicted_step_s=sim.step_time_s, partitioner=getattr(step, "partitioner", "shardy"),
         devices=f"{mesh.devices.size} x {', '.join(sorted(kinds))}")

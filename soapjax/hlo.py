@@ -110,6 +110,9 @@ class HloCollective(NamedTuple):
       source_target_pairs: collective-permute's (source, target) pairs, else empty.
       name: the instruction's name, e.g. ``"all-to-all.1"``.
       op_name: the ``metadata`` op_name (jax's name stack), or "".
+      executions: how many times one run of the program executes it: the product of the
+        ``known_trip_count`` of every while loop around it (1 outside loops; a loop without a
+        known trip count counts once, a conditional's branches once each).
     """
 
     kind: str
@@ -120,6 +123,7 @@ class HloCollective(NamedTuple):
     source_target_pairs: tuple[tuple[int, int], ...] = ()
     name: str = ""
     op_name: str = ""
+    executions: int = 1
 
     @property
     def group_size(self) -> int:
@@ -156,8 +160,9 @@ def collectives(
     """
     module = _parse_module(_strip_comments(hlo_text))
     coords = _coordinates(mesh, device_ids) if mesh is not None else None
+    runs = _executions(module)
     out = []
-    for comp in module.computations.values():
+    for comp_name, comp in module.computations.items():
         for inst in comp:
             base, suffix = _split_kind(inst.opcode)
             if base is None or suffix == "-done":
@@ -173,20 +178,26 @@ def collectives(
             )
             if slice_ is not None:  # its input is the all-reduce's buffer; its output the slice
                 base, leaves = "reduce-scatter", _leaves(_parse_type(slice_.type))
-            out.append(_collective(base, inst, leaves, nbytes, module.num_devices, coords))
+            c = _collective(base, inst, leaves, nbytes, module.num_devices, coords)
+            out.append(c._replace(executions=runs.get(comp_name, 1)))
     return out
 
 
-def summarize(colls: Iterable[HloCollective | Any]) -> dict[str, tuple[int, float]]:
+def summarize(colls: Iterable[HloCollective | Any], *,
+              executed: bool = False) -> dict[str, tuple[int, float]]:
     """Per kind, ``(count, total bytes per device)``; works on `reshard.Collective` too.
+
+    With ``executed=True`` a collective inside loops counts once per execution (its
+    ``executions``): what one run of the program sends, rather than what its text holds.
 
     >>> summarize(collectives(hlo_text))
     {'collective-permute': (1, 65536), 'all-gather': (1, 131072)}
     """
     out: dict[str, tuple[int, float]] = {}
     for c in colls:
+        k = getattr(c, "executions", 1) if executed else 1
         n, b = out.get(c.kind, (0, 0))
-        out[c.kind] = (n + 1, b + c.nbytes)
+        out[c.kind] = (n + k, b + k * c.nbytes)
     return out
 
 
@@ -259,6 +270,47 @@ def _parse_module(text: str) -> _Module:
         if h:
             current = comps.setdefault(h.group(1), [])
     return _Module(comps, num_devices)
+
+
+_CALLED = re.compile(
+    r"\b(body|condition|calls|to_apply|branch_computations|true_computation|false_computation)="
+    r"(\{[^}]*\}|%?[\w.\-]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+
+
+def _executions(module: _Module) -> dict[str, int]:
+    """Per computation, how many times one run of the entry computation executes it.
+
+    A while loop's body and condition run ``known_trip_count`` times per execution of the
+    loop (once when XLA did not record a count); other called computations (calls, fusions,
+    conditional branches, reducers) once per execution of their caller. Computations reached
+    along several paths add up.
+    """
+    calls: dict[str, list[tuple[str, int]]] = {}
+    for caller, insts in module.computations.items():
+        for inst in insts:
+            trip = 1
+            if inst.opcode == "while":
+                m = _TRIP_COUNT.search(inst.attrs)
+                trip = int(m.group(1)) if m else 1
+            for attr, value in _CALLED.findall(inst.attrs):
+                for callee in re.findall(r"%?([\w.\-]+)", value):
+                    n = trip if attr in ("body", "condition") else 1
+                    calls.setdefault(caller, []).append((callee, n))
+    called = {c for edges in calls.values() for c, _ in edges}
+    runs: dict[str, int] = {}
+
+    def visit(comp: str, times: int, depth: int) -> None:
+        if depth > len(module.computations):  # a cycle: HLO has none, but never loop forever
+            return
+        runs[comp] = runs.get(comp, 0) + times
+        for callee, n in calls.get(comp, ()):
+            visit(callee, times * n, depth + 1)
+
+    for root in module.computations:
+        if root not in called:
+            visit(root, 1, 0)
+    return runs
 
 
 def _parse_inst(name: str, rest: str) -> _Inst | None:

@@ -42,9 +42,10 @@ The task graph of one training iteration, operators in program order (`soapjax._
 
 Parameters (and batch inputs) are stored in the layout of the first operator that reads them,
 split further over `Strategy.zero_axes` where divisible; other readers reshard them before their
-forward task, and gradient contributions are summed (a tied embedding: those in the first
-reader's layout locally, the others after their own synchronisation). An operator replicated
-over a mesh axis costs compute on every device of it: its shard is bigger.
+forward task. Each reader's gradient contribution is synchronised on its own and the results
+summed, as XLA does (a tied embedding's gradient is all-reduced twice under data parallelism).
+An operator replicated over a mesh axis costs compute on every device of it: its shard is
+bigger.
 
 **Memory** per device (the same on every device): parameters, gradients and optimizer state
 (``opt_state_factor`` x parameter bytes: 2 for Adam; see `opt_state_factor`) at their shard
@@ -602,25 +603,18 @@ class Simulation:
             gtail.append(g[-1] if g else -1)
         if not st.leaf_is_param[leaf]:
             return tasks, gtail, (0, act)
-        # Gradient contributions in the first reader's layout are summed locally, then synced
-        # once after the last backward (the first reader's); others are synced on their own.
-        first = (self._views[readers[0][0]].operand_specs[readers[0][1]],
-                 self._views[readers[0][0]].partials[readers[0][1]])
+        # Each reader's gradient contribution is synchronised on its own, right after that
+        # reader's backward, and the synced contributions are summed: XLA's partitioner puts
+        # the all-reduce (or reduce-scatter) at the operation that makes the partial sum, before
+        # the add, so a tied embedding's gradient is all-reduced twice (seen in compiled HLO).
         ready: list[int] = []
-        group: list[int] = []
         for j, o in reversed(readers):
             v = self._views[j]
-            if (v.operand_specs[o], v.partials[o]) == first:
-                group.append(self._bwd[j])
-                if (j, o) != readers[0]:
-                    continue
-                head = group
-            else:
-                head = [self._bwd[j]]
             chain = pricing.chain(shape, dtype, v.operand_specs[o], store, v.partials[o])
-            sync = self._chain_tasks(chain, st.bwd_key(j, 1 + o), head, GRAD_SYNC, leaf)
+            sync = self._chain_tasks(chain, st.bwd_key(j, 1 + o), [self._bwd[j]], GRAD_SYNC,
+                                     leaf)
             tasks += sync
-            ready += sync[-1:] if sync else head
+            ready += sync[-1:] if sync else [self._bwd[j]]
         stored = shard_bytes(shape, store, dtype, self.mesh)
         upd = self._tg.new(st.key(st.update_seg[leaf], 0), self.cost_model.update_time(stored),
                            (0,), ready, (UPDATE, leaf))

@@ -267,3 +267,51 @@ def test_compiled_with_a_permuted_device_order_reads_the_same(mesh):
     )
     cs = hlo.collectives(_compiled(shuffled, P(None, "model"), P()), shuffled)
     assert [(c.kind, c.nbytes, c.axes) for c in cs] == [("all-gather", 262144, ("model",))]
+
+
+def test_collectives_inside_loops_count_once_per_iteration(mesh):
+    # h @ W with W's rows split over model: a partial sum all-reduced (here reduce-scattered)
+    # in every one of the scan's 8 steps; the final sum's all-reduces run once.
+    def f(h0, w, xs):
+        def body(h, x):
+            h = jnp.tanh(h @ w + x)
+            return h, h
+        return jax.lax.scan(body, h0, xs)[1].sum()
+
+    shardings = (NamedSharding(mesh, P("data", "model")), NamedSharding(mesh, P("model", None)),
+                 NamedSharding(mesh, P(None, "data", "model")))
+    args = (jax.ShapeDtypeStruct((4, 32), jnp.float32), jax.ShapeDtypeStruct((32, 32), jnp.float32),
+            jax.ShapeDtypeStruct((8, 4, 32), jnp.float32))
+    text = jax.jit(f, in_shardings=shardings).lower(*args).compile().as_text()
+    cs = hlo.collectives(text, mesh, reduce_scatter_from_slices=True)
+    in_loop = [c for c in cs if "while/body" in c.op_name]
+    assert in_loop and all(c.executions == 8 for c in in_loop)
+    assert all(c.executions == 1 for c in cs if "while/body" not in c.op_name)
+    text_bytes = sum(c.nbytes for c in cs)
+    run_bytes = sum(c.nbytes * c.executions for c in cs)
+    assert hlo.summarize(cs, executed=True) != hlo.summarize(cs)
+    assert sum(b for _, b in hlo.summarize(cs, executed=True).values()) == run_bytes > text_bytes
+
+
+def test_executions_multiply_through_nested_loops():
+    text = """HloModule m, num_partitions=2
+
+%inner_body (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %ar = f32[4]{0} all-reduce(%p), replica_groups={{0,1}}, to_apply=%add
+}
+
+%outer_body (q: f32[4]) -> f32[4] {
+  %q = f32[4]{0} parameter(0)
+  ROOT %w = f32[4]{0} while(%q), condition=%cond, body=%inner_body, backend_config={"known_trip_count":{"n":"3"}}
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %ag = f32[4]{0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add
+  ROOT %w2 = f32[4]{0} while(%ag), condition=%cond, body=%outer_body, backend_config={"known_trip_count":{"n":"5"}}
+}
+"""
+    cs = hlo.collectives(text)
+    assert sorted((c.name, c.executions) for c in cs) == [("ag", 1), ("ar", 15)]
+    assert hlo.summarize(cs, executed=True) == {"all-reduce": (16, 16 * 16)}
