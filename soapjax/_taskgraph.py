@@ -531,6 +531,12 @@ class Layout:
         params.sort(key=lambda leaf: (-self.readers[leaf][0][0], self.readers[leaf][0][1]))
         self.update_seg = {leaf: 2 * n + r for r, leaf in enumerate(params)}
         self.edge_name = [f"{ops[p].name} -> {ops[j].name}" for p, _, j, _ in self.edges]
+        # Edges that carry the same producer output, in edge order (a value read by several
+        # operators): the forward resharding to one layout is done once for all of them.
+        by_output: dict[tuple[int, int], list[int]] = {}
+        for e, (p, k, _, _) in enumerate(self.edges):
+            by_output.setdefault((p, k), []).append(e)
+        self.siblings: list[list[int]] = [by_output[(p, k)] for p, k, _, _ in self.edges]
 
     def key(self, seg: int, slot: int, pos: int = 0) -> int:
         return (seg * self.slots + slot) * CHAIN + pos

@@ -32,7 +32,7 @@ import dataclasses
 import inspect
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import jax
@@ -321,7 +321,8 @@ class OpGraph:
 
         return graph_html(self)
 
-    def evaluate(self, *flat_inputs, on_output: Callable[[Operator, int, Any], Any] | None = None):
+    def evaluate(self, *flat_inputs, on_output: Callable[[Operator, int, Any], Any] | None = None,
+                 replace: Mapping[str, Callable[..., Sequence[Any]]] | None = None):
         """Runs the traced function on flat leaves, equation by equation (traceable under jit).
 
         Args:
@@ -329,9 +330,16 @@ class OpGraph:
           on_output: called as ``on_output(op, k, value)`` for every operator output
             `op.outputs[k]` when it is computed; what it returns replaces the value (apply
             inserts `with_sharding_constraint` here).
+          replace: operator name -> a function that computes that operator instead of its
+            equations: called with the operand values in `Operator.inputs` order, it returns
+            the values of `Operator.outputs`. Only operators whose equations are contiguous in
+            the program can be replaced (`replaceable`).
 
         Returns:
           The function's result (a scalar loss).
+
+        Raises:
+          ValueError: `replace` names an operator that is unknown or not `replaceable`.
         """
         hook = None
         if on_output is not None:
@@ -340,7 +348,35 @@ class OpGraph:
             def hook(vid, val):
                 return on_output(*where[vid], val) if vid in where else val
 
-        return self.program.run(flat_inputs, hook)[0]
+        swaps = {}
+        for name, fn in (replace or {}).items():
+            if not self.replaceable(name):
+                raise ValueError(f"operator {name!r} cannot be replaced: its equations are "
+                                 f"interleaved with other operators'")
+            op, units = self.operator(name), self.program.local[name].units
+            swaps[max(units)] = (frozenset(units), fn, [o.value for o in op.inputs],
+                                 [t.value for t in op.outputs])
+        return self.program.run(flat_inputs, hook, swaps=swaps)[0]
+
+    def replaceable(self, name: str) -> bool:
+        """Whether operator `name` can be computed all at once where its last equation is.
+
+        True when no other operator's equation lies between its first and last, and the
+        operator-less equations there (parameter preprocessing) read none of its values.
+        """
+        prog = self.program
+        units = set(prog.local[self.operator(name).name].units)
+        if not units:
+            return False
+        others = set().union(*(prog.local[op.name].units for op in self.operators
+                               if op.name != name))
+        made = {v for u in units for v in prog.units[u].outs if v is not None}
+        for i in range(min(units), max(units)):
+            if i in units:
+                continue
+            if i in others or made & set(prog.units[i].ins):
+                return False
+        return True
 
 
 # --- the flattened program --------------------------------------------------------------------
@@ -431,12 +467,25 @@ class _Program:
             outs = [None if isinstance(v, jcore.DropVar) else self._bind(env, v) for v in eqn.outvars]
             self.units.append(_Unit(eqn, ins, outs, stack))
 
-    def run(self, flat_inputs, hook=None, units: Sequence[int] | None = None, env=None):
-        """Evaluates the units (all, or the given indices) and returns the outputs' values."""
+    def run(self, flat_inputs, hook=None, units: Sequence[int] | None = None, env=None,
+            swaps: Mapping[int, tuple] | None = None):
+        """Evaluates the units (all, or the given indices) and returns the outputs' values.
+
+        `swaps` maps an operator's last unit index to ``(its unit indices, fn, input ids,
+        output ids)``: those units are skipped, and at the last one ``fn(*inputs)`` gives the
+        outputs instead.
+        """
         env = dict(self.consts) if env is None else env
         env.update(self.literals)
         env.update(zip(self.inputs, flat_inputs))
+        skip = frozenset().union(*(s[0] for s in swaps.values())) if swaps else frozenset()
         for i in (range(len(self.units)) if units is None else units):
+            if i in skip:
+                if i in swaps:
+                    _, fn, ins, outs = swaps[i]
+                    for vid, val in zip(outs, fn(*(env[v] for v in ins))):
+                        env[vid] = hook(vid, val) if hook is not None else val
+                continue
             u = self.units[i]
             params = u.eqn.primitive.get_bind_params(u.eqn.params)
             subfuns, params = params if isinstance(params, tuple) else ((), params)

@@ -22,7 +22,8 @@ The task graph of one training iteration, operators in program order (`soapjax._
 
 * forward, per operator: the resharding of parameters stored in another layout (a ZeRO-3
   all-gather), of each input from its producer's output spec to the spec the config needs (the
-  collectives `Resharder.reshard` says XLA emits), the forward task (`CostModel.op_time`), and,
+  collectives `Resharder.reshard` says XLA emits; operators that read one value in the same
+  layout share one resharding, as XLA computes it once), the forward task (`CostModel.op_time`), and,
   when the config splits a reduction dim, the all-reduce of the partial sums of its (primary)
   output;
 * backward, in reverse order: the backward task, after the backward of every consumer of its
@@ -406,9 +407,11 @@ class Simulation:
         self._act += view.act_bytes - old.act_bytes
         # The units whose collectives change (the rest keep their tasks).
         red = (view.out_specs[0:1], view.red_axes) != (old.out_specs[0:1], old.red_axes)
-        edges = [e for e in st.in_edges[i] + st.out_edges[i]
-                 if self._edge_sig(e, i, view) != self._edge_sig(e, i, old)
-                 or (red and st.edges[e][0] == i and st.edges[e][1] == 0)]
+        changed = [e for e in st.in_edges[i] + st.out_edges[i]
+                   if self._edge_sig(e, i, view) != self._edge_sig(e, i, old)
+                   or (red and st.edges[e][0] == i and st.edges[e][1] == 0)]
+        # ... and the edges that share a value with them (which one reshards it may change)
+        edges = sorted({s for e in changed for s in st.siblings[e]})
         leaves = [leaf for leaf in st.op_leaves[i]
                   if any((view.operand_specs[o], view.partials[o])
                          != (old.operand_specs[o], old.partials[o])
@@ -566,6 +569,17 @@ class Simulation:
         key = self._layout.fwd_key(j, self._layout.slots - 1)
         return self._chain_tasks(chain, key, [self._fwd[j]], PARTIAL_SUM, j)
 
+    def _owner(self, e: int) -> int:
+        """The first edge carrying edge `e`'s value to the same layout: its forward resharding
+        serves both (XLA computes the collective once; the backward ones stay separate)."""
+        st, views = self._layout, self._views
+        _, _, j, o = st.edges[e]
+        dst = views[j].operand_specs[o]
+        for s in st.siblings[e]:
+            if s == e or views[st.edges[s][2]].operand_specs[st.edges[s][3]] == dst:
+                return s
+        return e
+
     def _build_edge(self, e: int) -> tuple[list[int], list[int]]:
         st = self._layout
         p, k, j, o = st.edges[e]
@@ -573,8 +587,8 @@ class Simulation:
         src, dst = self._views[p].out_specs[k], self._views[j].operand_specs[o]
         red = self._red[p] if k == 0 else []
         head = [red[-1] if red else self._fwd[p]]
-        fwd = self._chain_tasks(self._pricing.chain(x.shape, x.dtype, src, dst),
-                                st.fwd_key(j, o), head, RESHARD, e)
+        fwd = [] if self._owner(e) != e else self._chain_tasks(
+            self._pricing.chain(x.shape, x.dtype, src, dst), st.fwd_key(j, o), head, RESHARD, e)
         back = self._pricing.chain(x.shape, x.dtype, dst, src, self._views[j].partials[o])
         bwd = self._chain_tasks(back, st.bwd_key(j, 1 + o), [self._bwd[j]], RESHARD_BWD, e)
         return fwd, bwd
@@ -628,7 +642,7 @@ class Simulation:
         st, out = self._layout, []
         for code, ref, r in st.operands[j]:
             if code == EDGE:
-                chain = self._efwd[ref]
+                chain = self._efwd[self._owner(ref)]
                 if chain:
                     out.append(chain[-1])
                 else:

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import models
 from models import mlp as mlp_module
-from soapjax import baselines, space, training
+from soapjax import baselines, hlo, space, training
 from soapjax.apply import (
     TrainShardings,
     batch_shardings,
@@ -287,6 +287,25 @@ def test_megatron_all_reduces_partial_sums_over_model(mesh):
     out, _ = run_sharded(c, mt, mesh)
     kernel = out[0]["params"]["fc1"]["kernel"]
     assert {s.data.shape for s in kernel.addressable_shards} == {(16, 8)}
+
+
+def test_data_parallel_lstms_synchronise_gradients_once_not_per_step(mesh):
+    # A scan over a split batch, evaluated as traced, makes XLA all-reduce the LSTM weights'
+    # gradients inside the backward loop at every step. apply computes each LSTM as one group
+    # of samples per device group (vmap over a group dim), so the only collective left is the
+    # one all-reduce of every gradient, after the loop: the bytes of all parameters.
+    c = case("rnnlm")
+    assert [op.name for op in c.graph.operators if op.is_loop] == ["lstm_0", "lstm_1"]
+    step, shardings = sharded_train_step(c.graph, make_strategy("data_parallel", c.graph), mesh,
+                                         c.workload.optimizer, params=c.params, batch=c.batch,
+                                         mesh_shape=MESH_SHAPE, compiler_options=FAST_COMPILE)
+    text = step.lower(c.params, c.opt_state, c.batch).compile().as_text()
+    colls = hlo.collectives(text, MESH_SHAPE)
+    assert colls and all(x.executions == 1 for x in colls)
+    param_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(c.params))
+    kinds = hlo.summarize(colls, executed=True)
+    assert set(kinds) == {"all-reduce"}
+    assert param_bytes <= kinds["all-reduce"][1] <= param_bytes + 16  # + the loss's scalars
 
 
 # --- the shardings ------------------------------------------------------------------------------

@@ -217,6 +217,29 @@ def test_megatron_mlp_all_reduces_activations_once_each_way():
             <= by_name["backward fc1"].start_s)
 
 
+def test_readers_of_one_value_in_one_layout_share_its_resharding():
+    # GPT-2's ln_1 output split over the batch feeds query, key and value, which all want it
+    # replicated: XLA all-gathers it once (compiled HLO: one f32[8,8,32] all-gather per layer),
+    # and so does the simulator. Their cotangents still go back one by one.
+    w = models.get("gpt2", "tiny")
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt2")
+    topo = load_topology("cpu8")
+    mesh = MeshShape.of(topo)
+    dp = data_parallel(g, mesh)
+    pos = {op.name: i for i, op in enumerate(g.operators)}
+    configs_ = list(dp.configs)
+    for name in ("query", "key", "value"):
+        configs_[pos[f"layers_0/attn/{name}"]] = Config(((), (), (), ("model",), ()))
+    cm = cost_model(g, topo, mode="analytic")
+    res = simulate(g, topo, Strategy(tuple(configs_)), cost_model=cm,
+                   resharder=Resharder(mesh, mode="ideal"))
+    fwd = [t.name for t in res.tasks if t.kind == "reshard" and "layers_0/ln_1 ->" in t.name]
+    bwd = [t.name for t in res.tasks
+           if t.kind == "reshard_backward" and "layers_0/ln_1 ->" in t.name]
+    assert fwd == ["all_gather layers_0/ln_1 -> layers_0/attn/query over data+model"]
+    assert len(bwd) == 3
+
+
 def test_memory_that_does_not_fit_is_reported():
     topo = load_topology("cpu8")
     small = dataclasses.replace(topo, device=dataclasses.replace(topo.device, memory_bytes=1000))
