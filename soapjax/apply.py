@@ -238,7 +238,8 @@ def strategy_from_names(graph: OpGraph, configs: Mapping[str, Config], *,
 
 def constrained_loss(graph: OpGraph, strategy: Any, mesh: Mesh, *,
                      mesh_shape: MeshShape | None = None,
-                     allow_spatial_convolutions: bool = False) -> Callable[[Any, Any], jax.Array]:
+                     allow_spatial_convolutions: bool = False,
+                     constrain_operands: bool = True) -> Callable[[Any, Any], jax.Array]:
     """The traced loss with the strategy's sharding constraint on every operator output.
 
     Call the result inside your own jitted step (``jax.value_and_grad`` of it gives gradients
@@ -258,6 +259,12 @@ def constrained_loss(graph: OpGraph, strategy: Any, mesh: Mesh, *,
       mesh_shape: the mesh the strategy was planned for, when known.
       allow_spatial_convolutions: apply a strategy that splits convolutions spatially anyway
         (to check whether a newer XLA computes it correctly).
+      constrain_operands: constrain every operator's operands to the specs its config gives
+        them too (the layouts the simulator reshards them to). Without these XLA chooses how
+        to move an operator's operands itself: for a convolution that splits its input
+        channels it often gathers the kernel instead of reducing partial sums, and the
+        collectives then differ from what was planned (AlexNet tiny's searched plan: 89 KB
+        where the plan says 50 KB).
 
     Returns:
       ``loss(params, batch) -> scalar``; params and batch must have the traced leaves.
@@ -278,11 +285,17 @@ def constrained_loss(graph: OpGraph, strategy: Any, mesh: Mesh, *,
     def constrain(op, k, value):
         return jax.lax.with_sharding_constraint(value, out_shardings[op.name][k])
 
+    from soapjax._local import operator_fn
+
     grouped = {}
     for op, cfg in zip(graph.operators, strategy.configs):
-        fn = _grouped_loop(graph, op, cfg, mesh)
-        if fn is not None:
-            grouped[op.name] = fn
+        if not graph.replaceable(op.name):
+            continue
+        fn = _grouped_loop(graph, op, cfg, mesh) or operator_fn(graph, op.name)[0]
+        if constrain_operands:
+            fn = _with_operand_constraints(
+                fn, [NamedSharding(mesh, cfg.operand_spec(o.dims)) for o in op.inputs])
+        grouped[op.name] = fn
 
     def loss(params: Any, batch: Any) -> jax.Array:
         flat_params, flat_batch = jax.tree.leaves(params), jax.tree.leaves(batch)
@@ -291,6 +304,12 @@ def constrained_loss(graph: OpGraph, strategy: Any, mesh: Mesh, *,
         return graph.evaluate(*flat_params, *flat_batch, on_output=constrain, replace=grouped)
 
     return loss
+
+
+def _with_operand_constraints(fn: Callable, shardings: Sequence[NamedSharding]) -> Callable:
+    def run(*operands):
+        return fn(*(jax.lax.with_sharding_constraint(x, s) for x, s in zip(operands, shardings)))
+    return run
 
 
 def _grouped_loop(graph: OpGraph, op: Any, cfg: Config, mesh: Mesh) -> Callable | None:

@@ -256,14 +256,42 @@ def test_nnx_twin_matches_unsharded(kind, mesh):
 
 
 @pytest.mark.parametrize("name,kind", [("mlp", "megatron"), ("gpt2", "random0")])
-def test_every_operator_output_is_constrained(name, kind, mesh):
+def test_every_operator_output_and_operand_is_constrained(name, kind, mesh):
     c = case(name, x64=False)
-    loss = jax.jit(constrained_loss(c.graph, make_strategy(kind, c.graph), mesh))
-    text = loss.lower(c.params, c.batch).as_text()
+    strategy = make_strategy(kind, c.graph)
     outputs = sum(len(op.outputs) for op in c.graph.operators)
-    assert text.count("sdy.sharding_constraint") == outputs
+    operands = sum(len(op.inputs) for op in c.graph.operators if c.graph.replaceable(op.name))
+    assert operands >= len(c.graph.operators) - 2  # all but a few, interleaved, operators
+    for constrain_operands, expected in ((True, outputs + operands), (False, outputs)):
+        loss = jax.jit(constrained_loss(c.graph, strategy, mesh,
+                                        constrain_operands=constrain_operands))
+        text = loss.lower(c.params, c.batch).as_text()
+        assert text.count("sdy.sharding_constraint") == expected
     plain = jax.jit(c.workload.loss_fn).lower(c.params, c.batch).as_text()
     assert plain.count("sdy.sharding_constraint") == 0
+
+
+def test_operand_constraints_make_xla_reduce_partial_sums_as_planned(mesh):
+    # AlexNet's conv3 splits its input channels (R) over data: the plan reduces partial sums of
+    # its output (an all-reduce of f32[8,3,3,16], 4608 B). Left to itself XLA instead gathers
+    # the kernel (f32[3,3,16,16], 9216 B) in the forward and the backward pass.
+    c = case("alexnet", x64=False)
+    configs = list(make_strategy("data_parallel", c.graph).configs)
+    pos = {op.name: i for i, op in enumerate(c.graph.operators)}
+    configs[pos["conv3"]] = Config(((), (), (), (), ("data",)))
+    strategy = Strategy(tuple(configs))
+    colls = {}
+    ins = (param_shardings(c.graph, strategy, mesh, params=c.params),
+           batch_shardings(c.graph, strategy, mesh, batch=c.batch))
+    for constrain in (True, False):
+        loss = constrained_loss(c.graph, strategy, mesh, constrain_operands=constrain)
+        text = jax.jit(jax.grad(loss), in_shardings=ins, compiler_options=FAST_COMPILE).lower(
+            c.params, c.batch).compile().as_text()
+        colls[constrain] = [(x.kind, x.shapes) for x in hlo.collectives(text, MESH_SHAPE)
+                            if "conv_general_dilated" in x.op_name]
+    assert ("all-gather", ("f32[3,3,16,16]",)) in colls[False]
+    assert ("all-gather", ("f32[3,3,16,16]",)) not in colls[True]
+    assert ("all-reduce", ("f32[8,3,3,16]",)) in colls[True]
 
 
 def _activation_all_reduces(hlo: str) -> list[str]:

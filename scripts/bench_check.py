@@ -1,0 +1,82 @@
+"""The zoo table of `soapjax check`: XLA's collective bytes against the simulator's, per plan.
+
+For every zoo model (tiny configs) on the 8 virtual CPU devices of ``cpu8`` (data=2 x model=4),
+applies data parallelism, each baseline (Megatron, FSDP, the paper's expert CNN and RNN
+strategies) and the searched plan (analytic costs, 300 proposals per chain, seed 0), and runs
+`soapjax.check.check` on each: the largest difference from the unsharded step, the bytes per
+device of the collectives in the compiled step (a collective inside a loop counted once per
+iteration) and the bytes of the simulator's communication tasks (reshardings priced by XLA,
+``reshard="xla"``). Prints a markdown table with the ratio predicted / XLA; the goal (issue 7)
+is within 10%.
+
+    python scripts/bench_check.py                    # the whole zoo (~20 min on 2 cores)
+    python scripts/bench_check.py --models mlp gpt2 --plans data-parallel searched
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+
+import models  # noqa: E402
+from soapjax import baselines  # noqa: E402
+from soapjax.check import check  # noqa: E402
+from soapjax.cost import cost_model  # noqa: E402
+from soapjax.graph import trace  # noqa: E402
+from soapjax.plan import Plan  # noqa: E402
+from soapjax.search import SearchSettings, search  # noqa: E402
+from soapjax.topology import load_topology  # noqa: E402
+
+PLANS = ("data-parallel", "megatron", "fsdp", "expert-cnn", "expert-rnn", "searched")
+
+
+def strategies(graph, topo, wanted):
+    out = {k: v for k, v in baselines.baselines(graph, topo).items() if k in wanted}
+    if "searched" in wanted:
+        result = search(graph, topo, cost_model=cost_model(graph, topo, mode="analytic"),
+                        settings=SearchSettings(max_proposals=300, seed=0))
+        out["searched"] = result.strategy
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="*", default=list(models.names()))
+    ap.add_argument("--plans", nargs="*", default=list(PLANS), choices=PLANS)
+    ap.add_argument("--mesh", default="cpu8")
+    args = ap.parse_args(argv)
+    topo = load_topology(args.mesh)
+    rows = []
+    t0 = time.perf_counter()
+    for name in args.models:
+        w = models.get(name, "tiny")
+        graph = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=name)
+        for kind, strategy in strategies(graph, topo, args.plans).items():
+            plan = Plan.make(graph, topo, strategy, model_config="tiny")
+            r = check(plan, repeats=1, costs="analytic", reshard="xla")
+            xla, pred = r.hlo_collective_bytes, r.predicted_collective_bytes
+            ratio = 1.0 if xla == pred else pred / max(xla, 1.0)  # 0/0: both move nothing
+            rows.append((name, kind, r.max_abs_diff, r.hlo_collective_bytes,
+                         r.predicted_collective_bytes, ratio))
+            print(f"[{time.perf_counter() - t0:6.0f}s] {name:<13}{kind:<14} diff "
+                  f"{r.max_abs_diff:8.2g}  XLA {r.hlo_collective_bytes:>11,.0f} B  predicted "
+                  f"{r.predicted_collective_bytes:>11,.0f} B  ratio {ratio:.3f}",
+                  file=sys.stderr, flush=True)
+    print("| model | plan | max abs diff | XLA bytes | predicted bytes | predicted / XLA |")
+    print("|---|---|---:|---:|---:|---:|")
+    for name, kind, diff, xla, pred, ratio in rows:
+        flag = "" if abs(ratio - 1) <= 0.10 else " **"
+        print(f"| {name} | {kind} | {diff:.2g} | {xla:,.0f} | {pred:,.0f} | {ratio:.3f}{flag} |")
+    inside = sum(abs(r[5] - 1) <= 0.10 for r in rows)
+    print(f"\n{inside} of {len(rows)} plans within 10%; total {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
