@@ -16,10 +16,11 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "evaluate.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("evaluate", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    if "evaluate" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("evaluate", SCRIPT)
+        mod = sys.modules["evaluate"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)  # its dataclasses need it in sys.modules
+    return sys.modules["evaluate"]
 
 
 @pytest.fixture(scope="module")
