@@ -41,11 +41,8 @@ from typing import Any, NamedTuple
 
 from soapjax.graph import OpGraph
 from soapjax.space import MeshShape
+from soapjax.topology import SENT_FRACTION
 
-# Bytes each device sends in a collective of n devices, as a fraction of its `nbytes`.
-_SENT = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-         "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-         "collective_permute": lambda n: 1.0, "point_to_point": lambda n: 1.0}
 # Latency steps of the ring algorithm of each collective over n devices.
 _STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
           "reduce_scatter": lambda n: n - 1, "all_to_all": lambda n: n - 1,
@@ -422,7 +419,7 @@ class Pricing:
         if 1 < group_size < n:
             n = group_size
             ring = self.topology.ring_stats(ordered)
-            dur = _SENT[kind](n) * nbytes / ring.bandwidth + _STEPS[kind](n) * ring.latency
+            dur = SENT_FRACTION[kind](n) * nbytes / ring.bandwidth + _STEPS[kind](n) * ring.latency
         elif n > 1 and nbytes > 0:
             dur = self.topology.collective_time(kind, nbytes, ordered)
         if n > 1 and nbytes > 0:
@@ -431,7 +428,7 @@ class Pricing:
             link_class = (self.topology.links[ring.link].link_class if ring.link is not None
                           else self.resource_channels[res[0]][0].split("/")[-1])
             out = Comm(kind, round(nbytes), ordered, dur, res, link_class,
-                       _SENT[kind](n) * nbytes)
+                       SENT_FRACTION[kind](n) * nbytes)
         self._comms[key] = out
         return out
 

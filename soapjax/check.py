@@ -40,6 +40,10 @@ class CheckResult:
       loss, reference_loss: the two losses.
       hlo_collectives: kind -> (count, bytes per device) in the compiled sharded step.
       predicted_collectives: kind -> (count, bytes per device) the simulator predicted.
+      hlo_sent_bytes, predicted_sent_bytes: the bytes each device sends over the step (ring
+        algorithms). Collective bytes count each collective's buffer, so an all-reduce that XLA
+        splits into a reduce-scatter and an all-gather (with an elementwise op between) counts
+        twice there but sends the same; bytes sent compare what the links carry.
       measured_step_s, predicted_step_s: the step times.
       partitioner: the SPMD partitioner the step was compiled with.
       devices: how many devices, and their kind.
@@ -54,6 +58,8 @@ class CheckResult:
     predicted_step_s: float
     partitioner: str
     devices: str
+    hlo_sent_bytes: float = 0.0
+    predicted_sent_bytes: float = 0.0
 
     @property
     def hlo_collective_bytes(self) -> float:
@@ -72,6 +78,8 @@ class CheckResult:
             "hlo_collectives": {k: {"count": n, "bytes": b} for k, n, b in self.hlo_collectives},
             "predicted_collectives": {k: {"count": n, "bytes": b}
                                       for k, n, b in self.predicted_collectives},
+            "hlo_sent_bytes": self.hlo_sent_bytes,
+            "predicted_sent_bytes": self.predicted_sent_bytes,
             "measured_step_s": self.measured_step_s, "predicted_step_s": self.predicted_step_s,
             "partitioner": self.partitioner, "devices": self.devices,
         }
@@ -92,7 +100,11 @@ class CheckResult:
                      f"{self.predicted_collective_bytes:>14,.0f}")
         ratio = (self.predicted_collective_bytes / self.hlo_collective_bytes
                  if self.hlo_collective_bytes else float("nan"))
+        sent = (self.predicted_sent_bytes / self.hlo_sent_bytes if self.hlo_sent_bytes
+                else float("nan"))
         lines += ["", f"predicted / XLA collective bytes: {ratio:.3f}",
+                  f"bytes sent per device: XLA {self.hlo_sent_bytes:,.0f}, predicted "
+                  f"{self.predicted_sent_bytes:,.0f} (ratio {sent:.3f})",
                   f"step time: measured {self.measured_step_s * 1e3:.3f} ms, predicted "
                   f"{self.predicted_step_s * 1e3:.3f} ms"]
         return "\n".join(lines)
@@ -173,4 +185,6 @@ def check(plan: Plan, *, repeats: int = 5, seed: int = 0, costs: str = "auto",
         hlo_collectives=_tally((c.kind, c.nbytes, c.executions) for c in found),
         predicted_collectives=_tally(predicted), measured_step_s=statistics.median(times),
         predicted_step_s=sim.step_time_s, partitioner=getattr(step, "partitioner", "shardy"),
-        devices=f"{mesh.devices.size} x {', '.join(sorted(kinds))}")
+        devices=f"{mesh.devices.size} x {', '.join(sorted(kinds))}",
+        hlo_sent_bytes=sum(c.sent * c.executions for c in found),
+        predicted_sent_bytes=sum(t.sent for t in sim.tasks if t.kind not in _COMPUTE))

@@ -126,6 +126,13 @@ class HloCollective(NamedTuple):
     executions: int = 1
 
     @property
+    def sent(self) -> float:
+        """Bytes each device sends in one execution (ring algorithm; `topology.bytes_sent`)."""
+        from soapjax.topology import bytes_sent
+
+        return bytes_sent(self.kind, self.nbytes, self.group_size)
+
+    @property
     def group_size(self) -> int:
         """Devices per group (2 for a collective-permute: a source and its target)."""
         if self.source_target_pairs:

@@ -98,6 +98,7 @@ class TaskRecord(NamedTuple):
       start_s, end_s: seconds from the start of the step.
       nbytes: a collective's per-device buffer (`Topology.collective_time`'s ``nbytes``); 0 for
         compute.
+      sent: the bytes each device sends in it (`topology.bytes_sent`); 0 for compute.
     """
 
     name: str
@@ -106,6 +107,7 @@ class TaskRecord(NamedTuple):
     start_s: float
     end_s: float
     nbytes: int
+    sent: float = 0.0
 
 
 class MemoryBreakdown(NamedTuple):
@@ -515,7 +517,7 @@ class Simulation:
             by_class[ref.link_class] = by_class.get(ref.link_class, 0.0) + ref.sent
             chans = tuple(c for r in tg.res[t] for c in pricing.resource_channels[r])
             records.append(TaskRecord(self._task_name(t), kind, chans, tg.start[t], tg.end[t],
-                                      ref.nbytes))
+                                      ref.nbytes, ref.sent))
         step = tg.step_time()
         mem = self._memory()
         cap = self.topology.device.memory_bytes

@@ -137,6 +137,18 @@ _UNITS: dict[str, dict[str, float]] = {
 _QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z/]+)\s*$")
 
 
+# Bytes each device sends in a ring collective of n devices, as a fraction of its `nbytes`
+# (the `Topology.collective_time` convention).
+SENT_FRACTION = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+                 "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+                 "collective_permute": lambda n: 1.0, "point_to_point": lambda n: 1.0}
+
+
+def bytes_sent(kind: str, nbytes: float, group_size: int) -> float:
+    """Bytes each device sends in one collective (``"all_reduce"`` or ``"all-reduce"``, ...)."""
+    return SENT_FRACTION[kind.replace("-", "_")](group_size) * nbytes
+
+
 def _quantity(value: object, unit: str, where: str, *, allow_zero: bool = False) -> float:
     """A number in SI base units, or a string such as "100 Gb/s", as a float of `unit`."""
     units = _UNITS[unit]

@@ -40,6 +40,10 @@ def test_check_json(megatron_plan, capsys):
     assert set(data["hlo_collectives"]) == {"all_reduce"}
     assert data["predicted_collective_bytes"] == pytest.approx(data["hlo_collective_bytes"],
                                                                rel=0.10)
+    # all-reduces over 2 (gradients) and over 4 (partial sums) devices: a ring all-reduce sends
+    # 2(n-1)/n of its buffer, so fewer bytes than the buffers add up to
+    assert 0 < data["hlo_sent_bytes"] < 2 * data["hlo_collective_bytes"]
+    assert data["predicted_sent_bytes"] == pytest.approx(data["hlo_sent_bytes"], rel=0.10)
 
 
 def test_check_refuses_a_plan_for_other_devices(tmp_path):
