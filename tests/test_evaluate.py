@@ -85,3 +85,17 @@ def test_tiny_run_numbers_hang_together(tiny_run):
     figures = {p.name for p in (out / "results").glob("*.png")}
     pytest.importorskip("matplotlib")
     assert {"fig8b_nmt_bytes.png", "fig11_accuracy.png", "fig12_search_curve.png"} <= figures
+
+
+@pytest.mark.slow
+def test_render_rewrites_the_doc_from_a_run(tiny_run, tmp_path):
+    out, _ = tiny_run
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--render",
+                           str(out / "results" / "results.json"), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc, again = (out / "results.md").read_text(), (tmp_path / "results.md").read_text()
+    assert "| rendered |" in again and "| rendered |" not in doc
+    tables = [[line for line in d.splitlines() if line.startswith("| ") and "rendered" not in line]
+              for d in (doc, again)]
+    assert tables[0] == tables[1]  # the same numbers, nothing rerun
