@@ -18,9 +18,10 @@ figures as ``docs/results/*.png``:
 
 Usage::
 
-    python scripts/evaluate.py                        # everything, ~35 min on 2 cores
+    python scripts/evaluate.py                        # everything, ~30 min on 2 cores
     python scripts/evaluate.py --tiny --out /tmp/ev   # tiny configs, seconds (the test's mode)
     python scripts/evaluate.py --sections comm search --out /tmp/ev
+    python scripts/evaluate.py --render docs/results/results.json   # re-render, run nothing
 
 A progress line on stderr says where the run is. Sections not run are left out of the doc.
 """
