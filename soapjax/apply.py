@@ -2,8 +2,10 @@
 
 The traced forward pass is re-evaluated equation by equation inside `jax.jit`
 (`OpGraph.evaluate`), and every operator output gets
-``jax.lax.with_sharding_constraint(value, NamedSharding(mesh, config.output_spec(op, k)))``.
-No model code changes; autodiff carries the constraints to the backward pass, and XLA's SPMD
+``jax.lax.with_sharding_constraint(value, NamedSharding(mesh, config.output_spec(op, k)))``;
+an operator whose equations run together (`OpGraph.replaceable`: most of them) is computed by
+its own program (`soapjax._local.operator_fn`) with its operands constrained to the specs its
+config gives them too. No model code changes; autodiff carries the constraints to the backward pass, and XLA's SPMD
 partitioner inserts the collectives. Parameters, optimizer state and the batch enter and leave
 the jitted step with the shardings that follow from the configs:
 
@@ -53,6 +55,7 @@ from jax._src import config as _jax_config  # the scoped partitioner switch has 
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from soapjax import space
+from soapjax._local import operator_fn
 from soapjax.errors import PlanError
 from soapjax.graph import LeafInfo, OpGraph
 from soapjax.space import Config, MeshShape, Strategy
@@ -259,8 +262,9 @@ def constrained_loss(graph: OpGraph, strategy: Any, mesh: Mesh, *,
       mesh_shape: the mesh the strategy was planned for, when known.
       allow_spatial_convolutions: apply a strategy that splits convolutions spatially anyway
         (to check whether a newer XLA computes it correctly).
-      constrain_operands: constrain every operator's operands to the specs its config gives
-        them too (the layouts the simulator reshards them to). Without these XLA chooses how
+      constrain_operands: constrain the operands of every operator that can be computed at
+        once (`OpGraph.replaceable`) to the specs its config gives them too (the layouts the
+        simulator reshards them to). Without these XLA chooses how
         to move an operator's operands itself: for a convolution that splits its input
         channels it often gathers the kernel instead of reducing partial sums, and the
         collectives then differ from what was planned (AlexNet tiny's searched plan: 89 KB
@@ -284,8 +288,6 @@ def constrained_loss(graph: OpGraph, strategy: Any, mesh: Mesh, *,
 
     def constrain(op, k, value):
         return jax.lax.with_sharding_constraint(value, out_shardings[op.name][k])
-
-    from soapjax._local import operator_fn
 
     grouped = {}
     for op, cfg in zip(graph.operators, strategy.configs):
@@ -326,8 +328,6 @@ def _grouped_loop(graph: OpGraph, op: Any, cfg: Config, mesh: Mesh) -> Callable 
     not split, no parameters read, an output without the batch dim, equations interleaved with
     other operators', or constants that carry the batch.
     """
-    from soapjax._local import operator_fn
-
     d = space.sample_dim(op)
     if not op.is_loop or d is None or d >= len(cfg.axes) or not cfg.axes[d]:
         return None
