@@ -5,23 +5,41 @@ equations on smaller operands. Shapes are baked into a jaxpr (`broadcast_in_dim`
 `reshape`'s `new_sizes`, `iota`, gather slice sizes), so the equations are re-bound with those
 parameters rewritten from the operator's own dim labels: every value's shard shape is its
 global shape with each dim that follows a split iteration dim divided by that dim's degree.
-Nested bodies (scan, while, cond, remat2, custom_jvp_call) are re-expressed with `jax.lax`
-control flow around the same rewriting interpreter. This is what XLA's SPMD partitioner runs
-per device, without the collectives; the cost stage times it.
+Nested bodies (scan, while, cond, remat2) are re-expressed with `jax.lax` control flow around
+the same rewriting interpreter. This is what XLA's SPMD partitioner runs per device, without
+the collectives; the cost stage times it, and apply computes replaceable operators with it.
+
+Custom derivative rules (`custom_jvp_call`, `custom_vjp_call`) are never silently dropped. An
+equation whose operands keep their traced shapes is bound as traced, rules and all (this is how
+apply evaluates an operator whole, so a straight-through estimator keeps its identity gradient).
+The rules were traced at the global shapes, so at shard shapes they cannot be re-bound: there
+``rules="exact"`` (the default) raises `CustomRuleError`, and ``rules="primal"`` (the cost
+stage: a kernel's time does not depend on which derivative rule differentiates it) runs the
+primal body instead.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import jax
 from jax.extend import core as jcore
 
+from soapjax.errors import SoapjaxError
 from soapjax.graph import OpGraph, _Local
 
+Rules = Literal["exact", "primal"]
+CUSTOM_RULE_PRIMITIVES = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
+                          "custom_lin", "custom_transpose_call")
 
-def operator_fn(graph: OpGraph, name: str, degrees: Sequence[int] | None = None
-                ) -> tuple[Callable, list[jax.ShapeDtypeStruct]]:
+
+class CustomRuleError(SoapjaxError, ValueError):
+    """A custom derivative rule would have to be re-traced at a shard shape."""
+
+
+def operator_fn(graph: OpGraph, name: str, degrees: Sequence[int] | None = None, *,
+                rules: Rules = "exact") -> tuple[Callable, list[jax.ShapeDtypeStruct]]:
     """The per-device forward program of operator `name` split by `degrees`.
 
     Args:
@@ -29,6 +47,8 @@ def operator_fn(graph: OpGraph, name: str, degrees: Sequence[int] | None = None
       name: the operator's name.
       degrees: one degree per iteration dim (`Operator.iteration_sizes`); None for unsplit.
         Each must divide its dim.
+      rules: what to do with a custom derivative rule whose operands are split: ``"exact"``
+        raises `CustomRuleError`; ``"primal"`` differentiates its primal body (for timing).
 
     Returns:
       ``(fn, in_avals)``: ``fn(*operands)`` returns the operator's outputs (a list, in
@@ -37,6 +57,8 @@ def operator_fn(graph: OpGraph, name: str, degrees: Sequence[int] | None = None
 
     Raises:
       ValueError: a degree that does not divide its dim.
+      CustomRuleError: with ``rules="exact"``, when called, a custom derivative rule whose
+        operands are split.
     """
     op = graph.operator(name)
     loc = graph.program.local[name]
@@ -51,7 +73,7 @@ def operator_fn(graph: OpGraph, name: str, degrees: Sequence[int] | None = None
         return loc.shard_shape(loc.lab[vid], prog.shapes[vid], degrees)
 
     in_avals = [jax.ShapeDtypeStruct(shard(v), prog.dtypes[v]) for v in loc.inputs]
-    interp = _Interp(loc, degrees)
+    interp = _Interp(loc, degrees, rules, name)
 
     def fn(*operands):
         env = {}
@@ -83,9 +105,12 @@ def _crop(x, shape):
 class _Interp:
     """Binds equations at shard shapes, following the operator's labels into nested bodies."""
 
-    def __init__(self, loc: _Local, degrees: Sequence[int]):
+    def __init__(self, loc: _Local, degrees: Sequence[int], rules: Rules = "exact",
+                 name: str = ""):
         self.loc = loc
         self.degrees = degrees
+        self.rules = rules
+        self.name = name
 
     def var_shape(self, v) -> tuple[int, ...] | None:
         labels = self.loc.env.get(v)
@@ -113,9 +138,20 @@ class _Interp:
     def bind(self, eqn, args: list, out_shapes: list) -> list:
         name = eqn.primitive.name
         p = eqn.params
-        if name in ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
-                    "custom_vjp_call", "custom_vjp_call_jaxpr"):
-            sub = p.get("jaxpr", p.get("call_jaxpr", p.get("fun_jaxpr")))
+        if name in CUSTOM_RULE_PRIMITIVES:
+            if _traced_shapes(eqn, args):
+                return _bind_as_traced(eqn, args)
+            if self.rules == "exact":
+                raise CustomRuleError(
+                    f"operator {self.name!r}: its {name} (a custom derivative rule) would run "
+                    f"on operands of shapes {[tuple(getattr(a, 'shape', ())) for a in args]}, "
+                    f"but its rule was traced for {[tuple(v.aval.shape) for v in eqn.invars]}; "
+                    "soapjax cannot re-trace a rule at another shape, so this operator must be "
+                    "computed whole")
+            sub = p.get("call_jaxpr", p.get("fun_jaxpr"))
+            return self.run(*_open(sub), args)
+        if name in ("jit", "pjit", "closed_call", "core_call"):
+            sub = p.get("jaxpr", p.get("call_jaxpr"))
             return self.run(*_open(sub), args)
         if name in ("remat2", "checkpoint"):
             body = p["jaxpr"]
@@ -153,6 +189,34 @@ class _Interp:
         c, ys = jax.lax.scan(step, tuple(carry), tuple(xs), length=p["length"],
                              reverse=p["reverse"], unroll=p["unroll"])
         return [*c, *ys]
+
+
+def _traced_shapes(eqn, args: Sequence) -> bool:
+    """Whether every operand has the shape the equation was traced with."""
+    return all(tuple(getattr(a, "shape", ())) == tuple(getattr(v.aval, "shape", ()))
+               for a, v in zip(args, eqn.invars))
+
+
+def _bind_as_traced(eqn, args: Sequence) -> list:
+    """Binds the equation with its traced parameters (custom rules intact)."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = params if isinstance(params, tuple) else ((), params)
+    with eqn.ctx.manager:
+        ans = eqn.primitive.bind(*subfuns, *args, **params)
+    return list(ans) if eqn.primitive.multiple_results else [ans]
+
+
+def has_custom_rules(graph: OpGraph, name: str) -> bool:
+    """Whether operator `name` holds a custom derivative rule (at any depth)."""
+    prog = graph.program
+    return any(_holds_custom_rule(prog.units[i].eqn) for i in prog.local[name].units)
+
+
+def _holds_custom_rule(eqn) -> bool:
+    if eqn.primitive.name in CUSTOM_RULE_PRIMITIVES:
+        return True
+    return any(_holds_custom_rule(e) for sub in jcore.jaxprs_in_params(eqn.params)
+               for e in sub.eqns)
 
 
 def _open(sub) -> tuple[jcore.Jaxpr, Sequence]:

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from soapjax import _timing
+from soapjax._local import operator_fn
 from soapjax._timing import DiskCache, TimingOptions, default_cache_dir
 from soapjax.errors import SoapjaxError, TopologyError
 from soapjax.graph import Operator, OpGraph
@@ -312,9 +313,8 @@ class CostModel:
         return self._sig_of[key]
 
     def _program(self, op_index: int, degrees: tuple[int, ...]):
-        from soapjax._local import operator_fn
-
-        return operator_fn(self.graph, self.graph.operators[op_index].name, degrees)
+        return operator_fn(self.graph, self.graph.operators[op_index].name, degrees,
+                           rules="primal")
 
     def _price(self, op_index: int, degrees: tuple[int, ...]) -> OpTime:
         op = self.graph.operators[op_index]
