@@ -72,7 +72,7 @@ def operator_fn(graph: OpGraph, name: str, degrees: Sequence[int] | None = None,
     def shard(vid: int) -> tuple[int, ...]:
         return loc.shard_shape(loc.lab[vid], prog.shapes[vid], degrees)
 
-    in_avals = [jax.ShapeDtypeStruct(shard(v), prog.dtypes[v]) for v in loc.inputs]
+    in_avals = [jax.ShapeDtypeStruct(shard(v), prog.jax_dtypes[v]) for v in loc.inputs]
     interp = _Interp(loc, degrees, rules, name)
 
     def fn(*operands):

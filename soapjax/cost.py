@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from soapjax import _timing
+from soapjax._dtypes import itemsize
 from soapjax._local import operator_fn
 from soapjax._timing import DiskCache, TimingOptions, default_cache_dir
 from soapjax.errors import SoapjaxError, TopologyError
@@ -457,7 +458,7 @@ def _update_passes(optimizer: Any) -> float:
     try:
         p = jax.ShapeDtypeStruct((1024,), jnp.float32)
         state = jax.eval_shape(optimizer.init, p)
-        size = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
+        size = sum(math.prod(x.shape) * itemsize(x.dtype)
                    for x in jax.tree.leaves(state) if hasattr(x, "shape"))
         return 3.0 + 2.0 * size / (1024 * 4)
     except Exception:  # noqa: BLE001  an optimizer that needs more than one array
@@ -589,7 +590,7 @@ def calibrate(workload: Any, *, topology: Topology | None = None,
         t = costs.shard_time(i, (1,) * len(op.iteration_sizes))
         fwd, bwd = fwd + t.forward_s, bwd + t.backward_s
         sources[t.source] = sources.get(t.source, 0) + 1
-    upd = sum(costs.update_time(math.prod(p.shape) * np.dtype(p.dtype).itemsize)
+    upd = sum(costs.update_time(math.prod(p.shape) * itemsize(p.dtype))
               for p in g.params)
     step = _timing.time_train_step(workload, options)
     return Calibration(workload.name, workload.config, len(g.operators), step.seconds,

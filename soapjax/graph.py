@@ -41,6 +41,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from soapjax import _dims
+from soapjax._dtypes import itemsize
 from soapjax.errors import TraceError
 
 Role = Literal["S", "A", "P", "-"]
@@ -116,7 +117,7 @@ class Operand:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * itemsize(self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +138,7 @@ class OutputTensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * itemsize(self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,6 +421,7 @@ class _Program:
         self.local: dict[str, _Local] = {}
         self.shapes: list[tuple[int, ...]] = []
         self.dtypes: list[str] = []
+        self.jax_dtypes: list[Any] = []
         self.literals: dict[int, Any] = {}
         self.units: list[_Unit] = []
         self.consts: dict[int, Any] = {}
@@ -433,7 +435,9 @@ class _Program:
 
     def _new(self, v) -> int:
         self.shapes.append(_dims.shape_of(v))
-        self.dtypes.append(str(getattr(v.aval, "dtype", "float32")))
+        dtype = getattr(v.aval, "dtype", np.dtype("float32"))
+        self.dtypes.append(str(dtype))
+        self.jax_dtypes.append(dtype)  # PRNG key dtypes have no numpy name to rebuild them from
         return len(self.shapes) - 1
 
     def _bind(self, env, v) -> int:

@@ -10,16 +10,16 @@ summed on the way. The answer is a tuple of `Collective` (kind, bytes per device
 Two sources of truth, as DESIGN.md explains ("Which collectives a resharding costs is XLA's
 decision, not ours"):
 
-* ``mode="ideal"``: an analytic model, instant. Per dim, the longest common prefix of source
-  and destination axes stays; of the rest, an axis split in the source but not the destination
-  is all-gathered, one that moves to another dim goes through one all-to-all, one that only the
-  destination splits is a free local slice, one that changes place within a dim is a
-  collective-permute; partial axes are reduce-scattered where the destination splits a dim by
-  them and all-reduced otherwise. Slices come first where they can, gathers last, so every
-  collective moves the smallest buffer it can.
-* ``mode="xla"`` (the default): compile the transition on virtual CPU devices of the same mesh
-  shape and read the collectives from the compiled HLO (`soapjax.hlo`). On mesh
-  ``(data=2, model=4)`` and f32[64,1024] (256 KiB; jax 0.10.2), XLA and the ideal model say:
+* ``mode="ideal"`` (the default, `DEFAULT_MODE`): an analytic model, instant. Per dim, the
+  longest common prefix of source and destination axes stays; of the rest, an axis split in the
+  source but not the destination is all-gathered, one that moves to another dim goes through
+  one all-to-all, one that only the destination splits is a free local slice, one that changes
+  place within a dim is a collective-permute; partial axes are reduce-scattered where the
+  destination splits a dim by them and all-reduced otherwise. Slices come first where they
+  can, gathers last, so every collective moves the smallest buffer it can.
+* ``mode="xla"``: compile the transition on virtual CPU devices of the same mesh shape and
+  read the collectives from the compiled HLO (`soapjax.hlo`). On mesh ``(data=2, model=4)`` and
+  f32[64,1024] (256 KiB; jax 0.10.2), XLA and the ideal model say:
 
   - ``P('model', None) -> P(None, 'model')``: both one all_to_all of 64 KiB over model.
   - ``P('data', None) -> P(None, 'model')``: XLA all-gathers the WHOLE tensor (256 KiB over
@@ -94,6 +94,7 @@ from typing import Any, Literal, NamedTuple, Self
 
 import numpy as np
 
+from soapjax._dtypes import itemsize
 from soapjax.errors import SoapjaxError
 from soapjax.space import MeshShape
 
@@ -106,6 +107,13 @@ KINDS: tuple[str, ...] = (
 )
 Mode = Literal["xla", "ideal"]
 Source = Literal["xla", "ideal", "fallback"]
+
+# The one resharding default of soapjax: `Resharder`, `reshard`, `soapjax.search.find_plan`,
+# `soapjax.simulate.simulate` and `compare`, `soapjax check`, `soapjax simulate`, `soapjax plan`
+# and the training helper all use it. Why the ideal model and not XLA's choices: the search
+# scores thousands of proposals per second with it, and a few per second compiling (numbers in
+# `soapjax.search.find_plan`); ``mode="xla"`` is there when XLA's exact choices matter.
+DEFAULT_MODE: Mode = "ideal"
 Spec = Sequence[Sequence[str] | str | None]
 
 _CACHE_VERSION = 1  # bump when the compiled construction or the stored format changes
@@ -192,7 +200,7 @@ def reshard(
     mesh: Any,
     *,
     partial: Sequence[str] = (),
-    mode: Mode = "xla",
+    mode: Mode = DEFAULT_MODE,
     cache_dir: str | os.PathLike | None = None,
 ) -> tuple[Collective, ...]:
     """The collectives that move a tensor from sharding `src` to `dst` on `mesh`.
@@ -200,10 +208,10 @@ def reshard(
     One-off use; a caller that asks often holds a `Resharder` (memoised, one subprocess).
 
     >>> mesh = MeshShape(("data", "model"), (2, 4))
-    >>> reshard((64, 1024), "float32", (("model",), ()), ((), ("model",)), mesh)
+    >>> reshard((64, 1024), "float32", (("model",), ()), ((), ("model",)), mesh, mode="xla")
     (Collective(kind='all_to_all', nbytes=65536.0, axes=('model',), group_size=0),)
     >>> reshard((64, 1024), "float32", (("data",), ()), (("data",), ()), mesh,
-    ...         partial=("model",), mode="ideal")
+    ...         partial=("model",))
     (Collective(kind='all_reduce', nbytes=131072.0, axes=('model',), group_size=0),)
 
     Args:
@@ -215,7 +223,7 @@ def reshard(
       mesh: a `MeshShape`, `Topology` or `jax.sharding.Mesh`.
       partial: mesh axes over which the source holds partial sums; none of them may split a
         source dim.
-      mode: ``"xla"`` or ``"ideal"`` (module doc).
+      mode: ``"ideal"`` (default) or ``"xla"`` (module doc).
       cache_dir: the soapjax cache root (default ``$SOAPJAX_CACHE_DIR``, else
         ``~/.cache/soapjax``); entries live in its ``reshard/`` folder.
 
@@ -243,7 +251,7 @@ def ideal_collectives(
 class Resharder:
     """Answers `reshard` for one mesh, memoised; what the simulator holds.
 
-    >>> r = Resharder(MeshShape(("data", "model"), (2, 4)))
+    >>> r = Resharder(MeshShape(("data", "model"), (2, 4)), mode="xla")
     >>> r.prefetch([((64, 1024), "float32", P("data", None), P(None, "model"))])
     1
     >>> r.reshard((64, 1024), "float32", P("data", None), P(None, "model"))
@@ -254,7 +262,7 @@ class Resharder:
 
     Args:
       mesh: a `MeshShape`, `Topology` or `jax.sharding.Mesh`.
-      mode: ``"xla"`` (compile; default) or ``"ideal"`` (analytic model).
+      mode: ``"ideal"`` (analytic model; the default, `DEFAULT_MODE`) or ``"xla"`` (compile).
       cache_dir: the soapjax cache root (see `reshard`).
       emulate_reduce_scatter: read the CPU's "all-reduce, then dynamic-slice" as the
         reduce-scatter XLA's GPU pipeline makes of it (module doc).
@@ -266,7 +274,7 @@ class Resharder:
     def __init__(
         self,
         mesh: Any,
-        mode: Mode = "xla",
+        mode: Mode = DEFAULT_MODE,
         cache_dir: str | os.PathLike | None = None,
         *,
         emulate_reduce_scatter: bool = True,
@@ -547,7 +555,7 @@ def _check_axis(axis: Any, mesh: MeshShape, where: str) -> None:
 
 def _compile_dtype(dtype: str) -> str:
     """The unsigned integer of the same width (module doc: the CPU promotes bf16)."""
-    size = np.dtype(dtype).itemsize
+    size = itemsize(dtype)
     return f"uint{8 * size}" if size in (1, 2, 4, 8) else dtype
 
 
@@ -561,10 +569,10 @@ def _ideal(k: _Key, mesh: MeshShape) -> tuple[Collective, ...]:
     src_dim = {a: d for d in range(rank) for a in src_rest[d]}
     dst_dim = {a: d for d in range(rank) for a in k.dst[d][len(keep[d]) :]}
     deg = [mesh.degree(k.src[d]) for d in range(rank)]
-    itemsize = np.dtype(k.dtype).itemsize
+    nbytes = itemsize(k.dtype)
 
     def buffer() -> float:
-        return float(itemsize * math.prod(-(-n // g) for n, g in zip(k.shape, deg)))
+        return float(nbytes * math.prod(-(-n // g) for n, g in zip(k.shape, deg)))
 
     def ordered(axes: Iterable[str]) -> tuple[str, ...]:
         axes = set(axes)

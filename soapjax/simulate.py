@@ -74,6 +74,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from soapjax._dtypes import itemsize
 from soapjax._taskgraph import EDGE, LEAF, Comm, Layout, Pricing, TaskGraph
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
@@ -174,11 +175,6 @@ class SimResult:
             out["tasks"] = [t._asdict() | {"resources": list(t.resources)} for t in self.tasks]
         return out
 
-    def _repr_html_(self) -> str:
-        from soapjax.report import sim_html
-
-        return sim_html(self)
-
     def to_chrome_trace(self, *, max_device_tracks: int = 64) -> dict[str, Any]:
         """The timeline in Chrome trace format (Perfetto, chrome://tracing).
 
@@ -234,7 +230,7 @@ class _View(NamedTuple):
 def shard_bytes(shape: Sequence[int], spec: Sequence[Sequence[str]], dtype: str,
                 mesh: MeshShape) -> int:
     """Bytes of one device's shard of a tensor laid out as `spec` (per-dim mesh axes)."""
-    n = np.dtype(dtype).itemsize
+    n = itemsize(dtype)
     for size, axes in zip(shape, spec):
         d = mesh.degree(axes)
         n *= size // d if size % d == 0 else size
@@ -735,20 +731,15 @@ def simulate(graph: OpGraph, topology: Any, strategy: Strategy, *, cost_model: A
       topology: the cluster (`soapjax.topology.load_topology`).
       strategy: a config per operator.
       cost_model: defaults to ``soapjax.cost.cost_model(graph, topology)``.
-      resharder: defaults to ``soapjax.reshard.Resharder`` on the topology's mesh.
+      resharder: defaults to a `soapjax.reshard.Resharder` on the topology's mesh in the
+        default mode (`soapjax.reshard.DEFAULT_MODE`, as `soapjax.search.find_plan`).
       opt_state_factor: optimizer state bytes per parameter byte (2 for Adam; `opt_state_factor`).
 
     Returns:
       The step time, its breakdown, memory per device and the timeline.
     """
-    if cost_model is None:
-        from soapjax.cost import cost_model as make_cost_model
-
-        cost_model = make_cost_model(graph, topology)
-    if resharder is None:
-        from soapjax.reshard import Resharder
-
-        resharder = Resharder(MeshShape.of(topology))
+    cost_model = cost_model if cost_model is not None else make_cost_model(graph, topology)
+    resharder = resharder if resharder is not None else Resharder(MeshShape.of(topology))
     return Simulation(graph, topology, cost_model, resharder, strategy,
                       opt_state_factor=opt_state_factor).result()
 
@@ -767,14 +758,8 @@ def compare(graph: OpGraph, topology: Any, strategies: Mapping[str, Strategy], *
     Returns:
       Strategy name -> its `SimResult`, in the order given.
     """
-    if cost_model is None:
-        from soapjax.cost import cost_model as make_cost_model
-
-        cost_model = make_cost_model(graph, topology)
-    if resharder is None:
-        from soapjax.reshard import Resharder
-
-        resharder = Resharder(MeshShape.of(topology))
+    cost_model = cost_model if cost_model is not None else make_cost_model(graph, topology)
+    resharder = resharder if resharder is not None else Resharder(MeshShape.of(topology))
     return {name: simulate(graph, topology, s, cost_model=cost_model, resharder=resharder,
                            opt_state_factor=opt_state_factor) for name, s in strategies.items()}
 
@@ -787,61 +772,93 @@ def opt_state_factor(optimizer: Any, params: Any) -> float:
     import jax
 
     def nbytes(tree: Any) -> int:
-        return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
+        return sum(math.prod(x.shape) * itemsize(x.dtype)
                    for x in jax.tree.leaves(tree) if hasattr(x, "shape"))
 
     state = jax.eval_shape(optimizer.init, params)
     return nbytes(state) / max(nbytes(params), 1)
 
 
-def parse_strategy(graph: OpGraph, mesh: MeshShape, spec: str | dict[str, Any]) -> Strategy:
-    """A strategy from ``"data-parallel"``, a minimal JSON plan, or the path of one.
+def parse_strategy(graph: OpGraph, topology: Any, spec: str | Mapping[str, Any], *,
+                   family: str | None = None) -> Strategy:
+    """A strategy from a baseline's name, a plan file, or a hand-written override of data
+    parallelism (what ``soapjax simulate --strategy`` takes).
 
-    The JSON form (until `soapjax.plan` defines plan files) names configs by operator, one list
-    of mesh axes per iteration dim (output dims, then reduction dims); operators it does not
-    name keep their data-parallel config::
+    * A baseline's name, one of `soapjax.baselines.NAMES` (``"data-parallel"``,
+      ``"megatron"``, ``"fsdp"``, ``"expert-cnn"``, ``"expert-rnn"``).
+    * The path of a plan file (`soapjax.plan.Plan.save`, ``soapjax plan --out``): its strategy,
+      after checking that it was made for this graph and topology.
+    * A JSON object (or the path of a file holding one) that names configs by operator, one
+      list of mesh axes per iteration dim (output dims, then reduction dims); operators it
+      does not name keep their data-parallel config::
 
         {"configs": {"layers_0/mlp/fc1": [["data"], ["model"], []]}, "zero_axes": ["data"]}
 
+    Anything else is refused: a JSON file that is neither a plan nor such an object is never
+    read as data parallelism.
+
     Raises:
-      PlanError: an unreadable file; an unknown operator, a config with the wrong number of
-        dims, an unknown axis or a split that does not divide.
+      PlanError: an unknown name; an unreadable file; a plan for another model or topology; an
+        unknown operator, a config with the wrong number of dims, an unknown axis or a split
+        that does not divide.
     """
-    base = data_parallel(graph, mesh)
+    mesh = MeshShape.of(topology)
     if isinstance(spec, str):
-        if spec == "data-parallel":
-            return base
-        try:
-            with open(spec) as f:
-                spec = json.load(f)
-        except OSError as e:
-            raise PlanError(f"strategy {spec!r}: expected 'data-parallel' or a JSON plan file "
-                            f"({e.strerror})") from None
-        except ValueError as e:
-            raise PlanError(f"plan {spec!r} is not valid JSON: {e}") from None
-    if not isinstance(spec, dict) or not isinstance(spec.get("configs", {}), dict):
-        raise PlanError('a plan must be a JSON object {"configs": {operator: [[axes], ...]}, '
-                        '"zero_axes": [...]}')
-    configs = list(base.configs)
+        if spec in baselines.NAMES:
+            return baselines.baselines(graph, topology, family)[spec]
+        spec = _read_strategy_file(spec)
+        if spec.get("format") == plan_mod.FORMAT:
+            return plan_mod.Plan.from_json(spec).strategy(graph, topology)
+    if not isinstance(spec, Mapping) or "configs" not in spec \
+            or not set(spec) <= {"configs", "zero_axes"} or not isinstance(spec["configs"], Mapping):
+        found = sorted(spec) if isinstance(spec, Mapping) else type(spec).__name__
+        raise PlanError(f'expected a soapjax plan file ("format": "{plan_mod.FORMAT}", written by '
+                        '`soapjax plan`) or a JSON object {"configs": {operator: [[axes], ...]}, '
+                        f'"zero_axes": [...]}}; found {found}')
+    configs = list(data_parallel(graph, mesh).configs)
     names = {op.name: i for i, op in enumerate(graph.operators)}
-    for name, axes in spec.get("configs", {}).items():
+    for name, axes in spec["configs"].items():
         if name not in names:
-            near = difflib.get_close_matches(name, list(names), n=3)
-            hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
-            raise PlanError(f"plan names operator {name!r}, which graph {graph.name!r} does not "
-                            f"have{hint}")
-        if not isinstance(axes, list) or not all(
-                isinstance(d, list) and all(isinstance(a, str) for a in d) for d in axes):
-            raise PlanError(f"operator {name!r}: expected one list of mesh axis names per "
-                            f"iteration dim, found {axes!r}")
-        try:
-            config = Config(tuple(tuple(d) for d in axes))
-        except ValueError as e:
-            raise PlanError(f"operator {name!r}: {e}") from None
-        check_config(graph, names[name], config, mesh)
-        configs[names[name]] = config
+            _unknown(graph, name)
+        configs[names[name]] = _parse_config(graph, names[name], name, axes, mesh)
     zero = spec.get("zero_axes", [])
     if not isinstance(zero, list) or any(a not in mesh.axis_names for a in zero):
         raise PlanError(f"zero_axes {zero!r}: expected a list of mesh axes among "
                         f"{list(mesh.axis_names)}")
     return Strategy(tuple(configs), tuple(zero))
+
+
+def _read_strategy_file(path: str) -> dict[str, Any]:
+    """The JSON object in file `path`; PlanError naming the baselines when there is no file."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        near = difflib.get_close_matches(path, baselines.NAMES, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise PlanError(f"strategy {path!r}: expected a baseline ({', '.join(baselines.NAMES)}) "
+                        f"or a JSON plan file ({e.strerror}){hint}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise PlanError(f"plan {path!r} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise PlanError(f"plan {path!r}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def _unknown(graph: OpGraph, name: str) -> None:
+    near = difflib.get_close_matches(str(name), [op.name for op in graph.operators], n=3)
+    hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
+    raise PlanError(f"plan names operator {name!r}, which graph {graph.name!r} does not have{hint}")
+
+
+def _parse_config(graph: OpGraph, i: int, name: str, axes: Any, mesh: MeshShape) -> Config:
+    if not isinstance(axes, list) or not all(
+            isinstance(d, list) and all(isinstance(a, str) for a in d) for d in axes):
+        raise PlanError(f"operator {name!r}: expected one list of mesh axis names per "
+                        f"iteration dim, found {axes!r}")
+    try:
+        config = Config(tuple(tuple(d) for d in axes))
+    except ValueError as e:
+        raise PlanError(f"operator {name!r}: {e}") from None
+    check_config(graph, i, config, mesh)
+    return config

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
@@ -202,7 +203,11 @@ def _pure_loss(loss_fn, params, name):
     graphdef, trained, rest = nnx.split(model, nnx.Param, ...)
 
     def loss(p, batch):
-        return loss_fn(nnx.merge(graphdef, p, rest), batch)
+        # A fresh copy of the other state (batch statistics, RNG streams) on every call: merged
+        # as it is, its Variables belong to the caller's trace level, and a model that applies
+        # nnx.scan or nnx.vmap inside (scan over layers) fails to trace with "Cannot extract
+        # graph node from different trace level".
+        return loss_fn(nnx.merge(graphdef, p, jax.tree.map(jnp.asarray, rest)), batch)
 
     return loss, trained, name or type(model).__name__
 
