@@ -19,9 +19,9 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from models import cnn, gpt2, mlp, rnn
+from models import cnn, gpt2, mlp, rnn, user
 from models.workload import ModelConfigError, Workload
-from soapjax.errors import UnknownModelError
+from soapjax.errors import UnknownModelError, WorkloadError
 
 
 class _Entry(NamedTuple):
@@ -105,6 +105,35 @@ def get(name: str, config: str = "default", *, api: str = "linen",
         raise ModelConfigError(f"model {name!r}: batch_size must be a positive integer, got "
                                f"{batch_size!r}")
     return _build(name, config, api, batch_size)
+
+
+def load(model: str, config: str = "default", *, api: str | None = None) -> Workload:
+    """What the command line's ``--model`` names: a zoo model, or user code (`models.user`).
+
+    Example: ``load("gpt2", "tiny")`` is ``get("gpt2", "tiny")``; ``load("my_model.py:make")``
+    runs ``make()`` from ``my_model.py``.
+
+    Args:
+      model: a registered name, ``path/file.py:FUNCTION`` or ``package.module:FUNCTION``.
+      config: the zoo config; user code has none (leave it ``"default"``).
+      api: the zoo model's Flax API (default linen); user code says its own.
+
+    Raises:
+      UnknownModelError: an unknown zoo name, config or api.
+      WorkloadError: user code that cannot be loaded, or a config or api given for it.
+    """
+    if user.is_user_code(model):
+        if config != "default" or api is not None:
+            raise WorkloadError(f"--model {model!r} is user code: --config and --api are for zoo "
+                                f"models (got config {config!r}, api {api!r}); its function "
+                                "builds the model it wants")
+        return user.load(model)
+    if model not in _REGISTRY:
+        try:
+            _entry(model)
+        except UnknownModelError as e:
+            raise UnknownModelError(f"{e}; or user code: {user.FORM}") from None
+    return get(model, config, api=api or "linen")
 
 
 @functools.cache

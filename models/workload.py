@@ -42,6 +42,7 @@ class Workload:
       config: config name, e.g. ``"default"`` or ``"tiny"``.
       api: ``"linen"`` or ``"nnx"``.
       family: ``"cnn"``, ``"rnn"``, ``"transformer"`` or ``"mlp"``; the expert strategies use it.
+        None for user code (`models.load`): both experts are tried.
       description: one line.
       batch_size: samples per step; dim 0 of every leaf of a batch.
       loss_fn: ``loss_fn(params, batch) -> scalar``; pure, differentiable in ``params``.
@@ -61,7 +62,7 @@ class Workload:
     name: str
     config: str
     api: Api
-    family: Family
+    family: Family | None
     description: str
     batch_size: int
     loss_fn: Callable[[Any, Batch], jax.Array]

@@ -6,6 +6,9 @@ operator), `cost` (measured and analytic operator times), `simulate` (task graph
 simulation), `search` (MCMC), `apply` (shardings and constraints under `jax.jit`). `plot` draws
 plans, timelines and comparisons with matplotlib (optional: ``pip install 'soapjax[plot]'``).
 
+`find_plan` is the one way to plan (graph + topology + settings -> `Plan`); the command line,
+the training helper and the scripts call it, so its defaults are soapjax's.
+
 The stage modules keep their names (`soapjax.search.search`, `soapjax.simulate.simulate`): a
 function re-exported here under its module's name would hide the module.
 """
@@ -17,11 +20,12 @@ from soapjax.errors import (
     TopologyError as TopologyError,
     TraceError as TraceError,
     UnknownModelError as UnknownModelError,
+    WorkloadError as WorkloadError,
 )
 from soapjax.apply import sharded_train_step as sharded_train_step
 from soapjax.graph import OpGraph as OpGraph, Operator as Operator, trace as trace
 from soapjax.plan import Plan as Plan
-from soapjax.search import SearchSettings as SearchSettings
+from soapjax.search import SearchSettings as SearchSettings, find_plan as find_plan
 from soapjax.space import (
     Config as Config,
     MeshShape as MeshShape,
@@ -30,6 +34,9 @@ from soapjax.space import (
     data_parallel as data_parallel,
 )
 from soapjax.topology import Topology as Topology, load_topology as load_topology, make_mesh as make_mesh
+
+# Gives Plan, OpGraph and SimResult their notebook HTML (report registers it on the classes).
+from soapjax import report as _report  # noqa: E402, F401
 
 __version__ = "0.1.0"
 
@@ -48,8 +55,10 @@ __all__ = [
     "TopologyError",
     "TraceError",
     "UnknownModelError",
+    "WorkloadError",
     "configs",
     "data_parallel",
+    "find_plan",
     "load_topology",
     "make_mesh",
     "sharded_train_step",

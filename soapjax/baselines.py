@@ -23,6 +23,9 @@ from soapjax.space import Config, MeshShape, Strategy, data_parallel, dividing_a
 
 _DENSE = ("dot_general", "conv_general_dilated", "scan")
 
+# Every baseline's name, as `baselines` returns them (with no family: both experts).
+NAMES: tuple[str, ...] = ("data-parallel", "megatron", "fsdp", "expert-cnn", "expert-rnn")
+
 
 def intra_node_axes(topology) -> tuple[str, ...]:
     """Mesh axes whose device groups stay inside one node (they see NVLink, not the network)."""

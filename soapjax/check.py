@@ -25,8 +25,16 @@ from typing import Any
 import jax
 import numpy as np
 
+import models
+from soapjax import apply, hlo
+from soapjax.cost import cost_model
 from soapjax.errors import PlanError
+from soapjax.graph import trace
 from soapjax.plan import Plan
+from soapjax.reshard import DEFAULT_MODE, Resharder
+from soapjax.simulate import opt_state_factor, simulate
+from soapjax.space import MeshShape
+from soapjax.topology import load_topology, make_mesh
 
 _COMPUTE = ("forward", "backward", "update")
 
@@ -125,27 +133,26 @@ def _tally(items) -> tuple[tuple[str, int, float], ...]:
 
 
 def check(plan: Plan, *, repeats: int = 5, seed: int = 0, costs: str = "auto",
-          reshard: str = "xla") -> CheckResult:
+          reshard: str = DEFAULT_MODE) -> CheckResult:
     """Applies `plan` on the attached devices and compares it (see the module doc).
 
-    Raises:
-      PlanError: the plan is not for a zoo model, was made for another model, or its topology
-        cannot be built from the attached devices.
-    """
-    import models
-    from soapjax import apply, hlo
-    from soapjax.cost import cost_model
-    from soapjax.graph import trace
-    from soapjax.reshard import Resharder
-    from soapjax.search import make_simulation
-    from soapjax.simulate import opt_state_factor
-    from soapjax.space import MeshShape
-    from soapjax.topology import load_topology, make_mesh
+    The model is rebuilt from the plan: a zoo model by name and config, user code from the
+    ``--model`` text the plan records (`Plan.workload`; relative paths from the current
+    directory). The prediction uses the same defaults as `soapjax.search.find_plan`, so it
+    is the plan's own predicted step unless `costs` or `reshard` say otherwise.
 
-    if plan.model not in models.names():
+    Raises:
+      PlanError: the plan is not for a zoo model and records no user code, was made for
+        another model, or its topology cannot be built from the attached devices.
+      WorkloadError: the user code the plan records cannot be loaded.
+    """
+    if not plan.workload and plan.model not in models.names():
+        zoo = ", ".join(models.names())
         raise PlanError(f"plan is for model {plan.model!r}, which is not in the zoo; `soapjax "
-                        f"check` rebuilds the model by name (zoo models: {', '.join(models.names())})")
-    w = models.get(plan.model, plan.model_config or "default")
+                        f"check` rebuilds the model by name (zoo models: {zoo}) or from the "
+                        "--model text a plan of user code records (`soapjax plan --model "
+                        "path/file.py:FUNCTION`)")
+    w = models.load(plan.workload or plan.model, plan.model_config or "default")
     graph = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
     topo = load_topology(plan.topology)
     strategy = plan.strategy(graph, topo)
@@ -174,9 +181,9 @@ def check(plan: Plan, *, repeats: int = 5, seed: int = 0, costs: str = "auto",
     found = hlo.collectives(compiled.as_text(), MeshShape.of(topo),
                             reduce_scatter_from_slices=True)
     cm = cost_model(graph, topo, mode=costs, optimizer=w.optimizer)
-    sim = make_simulation(graph, topo, cost_model=cm, strategy=strategy,
-                          resharder=Resharder(MeshShape.of(topo), mode=reshard),
-                          opt_state_factor=opt_state_factor(w.optimizer, params)).result()
+    with Resharder(MeshShape.of(topo), mode=reshard) as resharder:
+        sim = simulate(graph, topo, strategy, cost_model=cm, resharder=resharder,
+                       opt_state_factor=opt_state_factor(w.optimizer, params))
     predicted = [(t.name.split(" ", 1)[0], t.nbytes, 1) for t in sim.tasks
                  if t.kind not in _COMPUTE]
     kinds = {d.device_kind for d in mesh.devices.flat}

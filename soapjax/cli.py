@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 
@@ -25,6 +26,53 @@ typical use:
 def _print_json(obj: object) -> None:
     json.dump(obj, sys.stdout, indent=2)
     sys.stdout.write("\n")
+
+
+# --- arguments shared by several commands -------------------------------------------------------
+
+_MODEL_HELP = ("a zoo model (see `soapjax models`), or your own code: path/to/file.py:FUNCTION "
+               "or package.module:FUNCTION, a function returning (loss_fn, params or nnx.Module, "
+               "batch[, optimizer]) (default: %(default)s)")
+
+
+def _number(kind: type, low: float, what: str):
+    """An argparse type: a finite `kind` >= `low`; anything else is a usage error (exit 2)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(value) or value < low:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
+
+
+_SECONDS = _number(float, 0.0, "a number of seconds >= 0")
+_COUNT = _number(int, 1, "an integer >= 1")
+_SEED = _number(int, 0, "an integer >= 0")
+
+
+def _load_model(model: str, config: str, api: str | None = None):
+    """The workload `--model` names: a zoo model or user code (`models.load`)."""
+    import models
+
+    return models.load(model, config, api=api)
+
+
+def _trace(w):
+    from soapjax.graph import trace
+
+    return trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+
+
+def _workload_text(model: str) -> str:
+    """What a plan records to rebuild user code ('' for the zoo, which goes by name)."""
+    from models.user import is_user_code
+
+    return model if is_user_code(model) else ""
 
 
 # --- models -------------------------------------------------------------------------------------
@@ -79,24 +127,21 @@ def _add_graph(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "graph",
         help="print a model's operator graph (operators, dim roles, FLOPs, tensors)",
-        description="Trace a zoo model's loss to a jaxpr and print its operator graph: one row "
+        description="Trace a model's loss to a jaxpr and print its operator graph: one row "
         "per operator with its anchor primitive, output shape with dim roles (S sample, A "
         "attribute, P parameter, - not divisible), splittable reduction dims (R), forward "
         "FLOPs and parameter bytes.",
     )
-    p.add_argument("--model", default="gpt2", help="registry name (see `soapjax models`)")
-    p.add_argument("--config", default="default", help="model config, e.g. default or tiny")
-    p.add_argument("--api", default="linen", choices=("linen", "nnx"), help="Flax API of the model")
+    p.add_argument("--model", default="gpt2", help=_MODEL_HELP)
+    p.add_argument("--config", default="default", help="zoo model config, e.g. default or tiny")
+    p.add_argument("--api", default=None, choices=("linen", "nnx"),
+                   help="Flax API of a zoo model (default: linen)")
     p.add_argument("--json", action="store_true", help="print the graph as JSON")
     p.set_defaults(func=_cmd_graph)
 
 
 def _cmd_graph(args: argparse.Namespace) -> int:
-    import models
-    from soapjax import graph
-
-    w = models.get(args.model, args.config, api=args.api)
-    g = graph.trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    g = _trace(_load_model(args.model, args.config, args.api))
     if args.json:
         _print_json(g.to_json())
     else:
@@ -258,11 +303,10 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    import models
-    from soapjax import cost, graph, topology
+    from soapjax import cost, topology
 
-    w = models.get(args.model, args.config)
-    g = graph.trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    w = _load_model(args.model, args.config)
+    g = _trace(w)
     topo = topology.load_topology(args.mesh)
     costs = cost.cost_model(g, topo, mode=args.mode, cache_dir=args.cache_dir,
                             optimizer=w.optimizer)
@@ -304,49 +348,76 @@ def _save_plot(path, graph, strategy, topology, sim, comparison=None) -> list:
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    from soapjax.baselines import NAMES
+    from soapjax.reshard import DEFAULT_MODE
+
     p = sub.add_parser(
         "simulate",
         help="predict a strategy's training step time, communication and memory per device",
-        description="Simulate one training step of a zoo model under a strategy on a topology "
+        description="Simulate one training step of a model under a strategy on a topology "
         "(FlexFlow's execution simulator on one SPMD program): forward, backward, gradient "
         "synchronisation and optimizer-update tasks on the compute stream, collectives on the "
         "topology's links. Prints the step time, its breakdown, bytes moved per link class and "
         "peak memory per device; --trace writes the timeline for Perfetto / chrome://tracing.",
     )
-    p.add_argument("--model", default="gpt2", help="registry name (see `soapjax models`)")
-    p.add_argument("--config", default="default", help="model config, e.g. default or tiny")
-    p.add_argument("--mesh", default="cpu8", help="a shipped topology or a .toml path")
+    p.add_argument("--model", default=None, help=_MODEL_HELP.replace(
+        "%(default)s", "the plan's model when --strategy is a plan file, else gpt2"))
+    p.add_argument("--config", default=None, help="zoo model config, e.g. default or tiny "
+                   "(default: the plan's, else default)")
+    p.add_argument("--mesh", default=None, help="a shipped topology or a .toml path (default: "
+                   "the plan's topology when --strategy is a plan file, else cpu8)")
     p.add_argument("--strategy", default="data-parallel",
-                   help='"data-parallel" or a JSON plan: {"configs": {operator: [[axes of dim '
-                   '0], ...]}, "zero_axes": [...]} (default: %(default)s)')
+                   help=f"a baseline ({', '.join(NAMES)}), a plan file from `soapjax plan`, or "
+                   'a JSON file {"configs": {operator: [[axes of dim 0], ...]}, "zero_axes": '
+                   "[...]} overriding data parallelism operator by operator "
+                   "(default: %(default)s)")
     p.add_argument("--costs", default="auto", choices=("auto", "measured", "analytic"),
                    help="operator times: measured on this backend or the analytic roofline "
                    "(default: measured if the topology's devices are here)")
-    p.add_argument("--reshard", default="xla", choices=("xla", "ideal"),
-                   help="which collectives a resharding costs: compiled by XLA (cached) or the "
-                   "ideal model (default: %(default)s)")
+    p.add_argument("--reshard", default=DEFAULT_MODE, choices=("ideal", "xla"),
+                   help="which collectives a resharding costs: the ideal model, or what XLA "
+                   "compiles (cached) (default: %(default)s, as `soapjax plan`)")
     p.add_argument("--trace", metavar="OUT.json", help="write the timeline as Chrome trace JSON")
     p.add_argument("--plot", metavar="OUT.png", help=_PLOT_HELP + " (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=_cmd_simulate)
 
 
+def _simulate_inputs(args: argparse.Namespace):
+    """The workload and topology to simulate: as given, else the plan file's, else the
+    defaults (gpt2, cpu8)."""
+    from soapjax.plan import FORMAT, Plan
+    from soapjax.topology import load_topology
+
+    model, config, mesh = args.model, args.config, args.mesh
+    if (model is None or mesh is None) and args.strategy.endswith(".json"):
+        try:
+            with open(args.strategy) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            data = None  # parse_strategy says what is wrong with the file
+        if isinstance(data, dict) and data.get("format") == FORMAT:
+            plan = Plan.from_json(data, where=args.strategy)
+            if model is None:
+                model, config = plan.workload or plan.model, config or plan.model_config or None
+            mesh = mesh or plan.topology
+    return (_load_model(model or "gpt2", config or "default"),
+            load_topology(mesh or "cpu8"))
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    import models
-    from soapjax import cost, graph, reshard, simulate, space, topology
+    from soapjax import cost, reshard, simulate, space
 
     if args.plot:
         _require_plot()
-    w = models.get(args.model, args.config)
-    g = graph.trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
-    topo = topology.load_topology(args.mesh)
-    mesh = space.MeshShape.of(topo)
-    strategy = simulate.parse_strategy(g, mesh, args.strategy)
+    w, topo = _simulate_inputs(args)
+    g = _trace(w)
+    strategy = simulate.parse_strategy(g, topo, args.strategy, family=w.family)
     costs = cost.cost_model(g, topo, mode=args.costs, optimizer=w.optimizer)
     factor = simulate.opt_state_factor(w.optimizer, w.abstract_params())
-    with reshard.Resharder(mesh, mode=args.reshard) as resharder:
-        r = simulate.Simulation(g, topo, costs, resharder, strategy,
-                                opt_state_factor=factor).result()
+    with reshard.Resharder(space.MeshShape.of(topo), mode=args.reshard) as resharder:
+        r = simulate.simulate(g, topo, strategy, cost_model=costs, resharder=resharder,
+                              opt_state_factor=factor)
     if args.trace:
         with open(args.trace, "w") as f:
             json.dump(r.to_chrome_trace(), f)
@@ -360,7 +431,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     m = r.memory
     links = ", ".join(f"{k} {size(v)}" for k, v in r.bytes_by_link_class.items()) or "none"
-    print(f"{w.name} ({args.config}) on {topo.name} ({r.num_devices} devices), {args.strategy}:")
+    config = f" ({w.config})" if w.config else ""
+    print(f"{w.name}{config} on {topo.name} ({r.num_devices} devices), {args.strategy}:")
     print(f"  step time  {r.step_time_s * 1e3:.4g} ms = compute {r.compute_s * 1e3:.4g} ms + "
           f"exposed communication {r.exposed_comm_s * 1e3:.4g} ms ({r.cost_source} costs)")
     print(f"  sent       {size(r.bytes_moved)} per device ({links})")
@@ -382,32 +454,39 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from soapjax.reshard import DEFAULT_MODE
+    from soapjax.search import SearchSettings
+
     p = sub.add_parser(
         "plan",
         help="search for a fast sharding of a model on a cluster and write a plan file",
-        description="Trace a zoo model, search its SOAP space on a cluster topology with MCMC "
-        "(scored by the execution simulator), print the plan against every baseline (data "
-        "parallel, Megatron, FSDP, the paper's experts) and write it as JSON. With no "
-        "arguments: GPT-2 small on one DGX H100 (analytic costs, since no H100 is attached).",
+        description="Trace a model (from the zoo, or your own code), search its SOAP space on "
+        "a cluster topology with MCMC (scored by the execution simulator), print the plan "
+        "against every baseline (data parallel, Megatron, FSDP, the paper's experts) and write "
+        "it as JSON. With no arguments: GPT-2 small on one DGX H100 (analytic costs, since no "
+        "H100 is attached).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  soapjax plan\n  soapjax plan --model nmt --mesh k80x64 --budget 60"
-        "\n  soapjax plan --model mlp --config tiny --mesh cpu8 --costs measured --out mlp.json",
+        "\n  soapjax plan --model mlp --config tiny --mesh cpu8 --costs measured --out mlp.json"
+        "\n  soapjax plan --model my_model.py:make_workload --mesh cpu8",
     )
-    p.add_argument("--model", default="gpt2", help="registry name (default: %(default)s)")
-    p.add_argument("--config", default="default", help="model config (default: %(default)s)")
+    p.add_argument("--model", default="gpt2", help=_MODEL_HELP)
+    p.add_argument("--config", default="default", help="zoo model config (default: "
+                   "%(default)s)")
     p.add_argument("--mesh", default="dgx-h100x8", help="topology name or TOML path "
                    "(default: %(default)s; see `soapjax meshes`)")
-    p.add_argument("--budget", type=float, default=20.0, help="search time in seconds "
-                   "(default: %(default)s)")
-    p.add_argument("--proposals", type=int, default=None, help="proposals per chain instead "
+    p.add_argument("--budget", type=_SECONDS, default=SearchSettings.budget_s,
+                   help="search time in seconds (default: %(default)s)")
+    p.add_argument("--proposals", type=_COUNT, default=None, help="proposals per chain instead "
                    "of a time budget: the same plan on any machine")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    p.add_argument("--seed", type=_SEED, default=SearchSettings.seed,
+                   help="random seed (default: %(default)s)")
     p.add_argument("--costs", default="auto", choices=("auto", "measured", "analytic"),
                    help="operator times: measured on the local backend, or the roofline of the "
                    "topology's device (auto: measured when the topology's devices are attached)")
-    p.add_argument("--reshard", default="ideal", choices=("ideal", "xla"),
+    p.add_argument("--reshard", default=DEFAULT_MODE, choices=("ideal", "xla"),
                    help="resharding collectives: an ideal model, or what XLA compiles "
-                   "(slower the first time; cached)")
+                   "(slower the first time; cached) (default: %(default)s)")
     p.add_argument("--no-reduction", action="store_true",
                    help="never split reduction dims (FlexFlow's own space)")
     p.add_argument("--out", default=None, help="plan file to write "
@@ -423,84 +502,87 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import time
 
-    import models
-    from soapjax import graph as graph_mod
     from soapjax.cost import cost_model
-    from soapjax.plan import Plan
     from soapjax.report import plan_report
     from soapjax.reshard import Resharder
-    from soapjax.search import SearchSettings, make_simulation, print_progress, search
-    from soapjax.simulate import opt_state_factor
+    from soapjax.search import SearchSettings, find_plan, print_progress
+    from soapjax.simulate import simulate
     from soapjax.space import MeshShape, SpaceLimits
     from soapjax.topology import load_topology
 
     if args.plot:
         _require_plot()
-    w = models.get(args.model, args.config)
+    w = _load_model(args.model, args.config)
     topo = load_topology(args.mesh)
     t0 = time.perf_counter()
-    g = graph_mod.trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
-    cm = cost_model(g, topo, mode=args.costs, optimizer=w.optimizer)
-    resharder = Resharder(MeshShape.of(topo), mode=args.reshard)
-    factor = opt_state_factor(w.optimizer, w.abstract_params())
+    g = _trace(w)
     settings = SearchSettings(budget_s=args.budget, max_proposals=args.proposals, seed=args.seed,
                               limits=SpaceLimits(allow_reduction=not args.no_reduction))
     progress = None if args.json else print_progress
-    result = search(g, topo, cost_model=cm, resharder=resharder, settings=settings,
-                    family=w.family, opt_state_factor=factor, progress=progress)
-    if progress:
-        sys.stderr.write("\n")
-    sim = make_simulation(g, topo, cost_model=cm, resharder=resharder, strategy=result.strategy,
-                          opt_state_factor=factor).result()
-    search_info = settings.to_json() | {
-        "proposals": result.proposals, "accepted": result.accepted,
-        "search_time_s": result.search_time_s, "best_from": result.start}
-    plan = Plan.make(g, topo, result.strategy, model_config=args.config,
-                     predicted=sim.to_json(), cost_source=cm.source, search=search_info,
-                     baselines=result.baseline_times())
-    out = plan.save(args.out or f"plans/{args.model}-{args.config}-{topo.name}.json")
+    cm = cost_model(g, topo, mode=args.costs, optimizer=w.optimizer)
+    with Resharder(MeshShape.of(topo), mode=args.reshard) as resharder:  # shared with the report
+        plan = find_plan(g, topo, settings=settings, costs=cm, reshard=resharder,
+                         optimizer=w.optimizer, family=w.family, model_config=w.config,
+                         workload=_workload_text(args.model), progress=progress)
+        if progress:
+            sys.stderr.write("\n")
+        info = dict(plan.search)
+        strategy = plan.strategy(g, topo)
+        sim = simulate(g, topo, strategy, cost_model=cm, resharder=resharder,
+                       opt_state_factor=info["opt_state_factor"])
+        others = _baseline_results(g, topo, w, cm, resharder, info) if args.plot else {}
+    name = f"{args.model}-{args.config}" if w.config else w.name
+    out = plan.save(args.out or f"plans/{name}-{topo.name}.json")
     if args.trace:
         with open(args.trace, "w") as f:
             json.dump(sim.to_chrome_trace(), f)
     pictures = []
     if args.plot:
-        from soapjax.baselines import baselines
-        from soapjax.simulate import compare
-
-        others = compare(g, topo, baselines(g, topo, w.family), cost_model=cm,
-                         resharder=resharder, opt_state_factor=factor)
-        pictures = _save_plot(args.plot, g, result.strategy, topo, sim,
-                              {"soapjax plan": sim} | others)
+        pictures = _save_plot(args.plot, g, strategy, topo, sim, {"soapjax plan": sim} | others)
     if args.json:
-        _print_json({"step_time_s": sim.step_time_s, "baselines": result.baseline_times(),
-                     "search_time_s": result.search_time_s, "proposals": result.proposals,
+        _print_json({"step_time_s": sim.step_time_s, "baselines": dict(plan.baselines),
+                     "search_time_s": info["search_time_s"], "proposals": info["proposals"],
                      "fits_in_memory": sim.fits_in_memory, "plan_file": str(out),
                      "cost_source": cm.source, "bytes_moved": sim.bytes_moved,
                      "peak_memory_bytes": list(sim.peak_memory_bytes)})
         return 0
     costs = {"analytic": "analytic (roofline of the topology's device specs; its devices "
                          "are not attached)", "measured": "measured on the local backend"}
+    config = f"{w.config}, " if w.config else ""
+    searched, proposals = info["search_time_s"], info["proposals"]
     header = [
-        f"soapjax plan: {w.name} ({args.config}, batch {w.batch_size}) on {topo.name} "
+        f"soapjax plan: {w.name} ({config}batch {w.batch_size}) on {topo.name} "
         f"({topo.num_devices} x {topo.device.kind}, mesh "
         + ", ".join(f"{a}={n}" for a, n in zip(topo.axis_names, topo.axis_sizes)) + ")",
         f"costs: {costs.get(cm.source, cm.source)}; resharding: {args.reshard}",
-        f"{len(g.operators)} operators; searched {result.search_time_s:.1f} s, "
-        f"{result.proposals:,} proposals ({result.proposals / max(result.search_time_s, 1e-9):,.0f}/s), "
-        f"seed {args.seed}; best found from the '{result.start}' start "
+        f"{len(g.operators)} operators; searched {searched:.1f} s, "
+        f"{proposals:,} proposals ({proposals / max(searched, 1e-9):,.0f}/s), "
+        f"seed {args.seed}; best found from the '{info['best_from']}' start "
         f"(total {time.perf_counter() - t0:.1f} s)",
     ]
-    print(plan_report(g, topo, result.strategy, sim, baselines=result.baselines, header=header))
+    fits = dict(info["baselines_fit"])
+    baselines = [(n, t, fits.get(n, True)) for n, t in plan.baselines]
+    print(plan_report(g, topo, strategy, sim, baselines=baselines, header=header))
     print(f"plan written to {out}" + (f"; timeline to {args.trace}" if args.trace else ""))
     if pictures:
         print(f"pictures: {', '.join(map(str, pictures))}")
     return 0
 
 
+def _baseline_results(g, topo, w, cm, resharder, info) -> dict:
+    from soapjax.baselines import baselines
+    from soapjax.simulate import compare
+
+    return compare(g, topo, baselines(g, topo, w.family), cost_model=cm, resharder=resharder,
+                   opt_state_factor=info["opt_state_factor"])
+
+
 # --- check --------------------------------------------------------------------------------------
 
 
 def _add_check(sub: argparse._SubParsersAction) -> None:
+    from soapjax.reshard import DEFAULT_MODE
+
     p = sub.add_parser(
         "check",
         help="apply a plan on the attached devices; compare with the unsharded step and the "
@@ -509,12 +591,15 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
         "cpu8 with XLA_FLAGS=--xla_force_host_platform_device_count=8), check that one sharded "
         "training step computes the same loss, parameters and optimizer state as the unsharded "
         "step, and compare the collectives XLA compiled (kind, count, bytes) and the measured "
-        "step time with what the simulator predicted.",
+        "step time with what the simulator predicted. The model is rebuilt from the plan: a "
+        "zoo model by name, user code from the --model text the plan records.",
     )
     p.add_argument("--plan", required=True, help="a plan file from `soapjax plan`")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs (default: %(default)s)")
+    p.add_argument("--repeats", type=_COUNT, default=5, help="timed runs (default: %(default)s)")
     p.add_argument("--costs", default="auto", choices=("auto", "measured", "analytic"))
-    p.add_argument("--reshard", default="xla", choices=("ideal", "xla"))
+    p.add_argument("--reshard", default=DEFAULT_MODE, choices=("ideal", "xla"),
+                   help="resharding collectives the prediction prices (default: %(default)s, as "
+                   "`soapjax plan`)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.set_defaults(func=_cmd_check)
 
@@ -550,9 +635,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the command line; returns the exit status."""
+    """Runs the command line; returns the exit status (2 for a usage error or bad input)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse printed the usage error (or --help)
+        return e.code if isinstance(e.code, int) else 2
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -28,3 +28,12 @@ class PlanError(SoapjaxError, ValueError):
 
 class MissingDependencyError(SoapjaxError, ImportError):
     """An optional dependency (matplotlib for pictures) is not installed; the message says how."""
+
+
+class WorkloadError(SoapjaxError, ValueError):
+    """User code given as a model (``--model path/file.py:make_workload``) cannot be loaded, or
+    its function returns something else than ``(loss_fn, params or nnx.Module, batch)``."""
+
+
+class SettingsError(SoapjaxError, ValueError):
+    """A setting out of its range: a negative search budget, an unknown simulation mode."""

@@ -10,12 +10,15 @@ refuses a plan made for another model or topology with a message saying which an
 Each operator's entry also records its dims' roles (``"SAP|P"``: sample, attribute and parameter
 output dims, then a reduction dim against a parameter; see `soapjax.graph`) and its output
 `PartitionSpec`, so a plan file can be read, tabulated (`Plan._repr_html_` in a notebook) and
-drawn (`soapjax.plot.plan_figure(plan)`) without tracing the model again.
+drawn (`soapjax.plot.plan_figure(plan)`) without tracing the model again. A plan of user code
+(``soapjax plan --model path/file.py:make_workload``) records that text as the model's
+``workload``, so `soapjax check` can load the model again.
 
 Example file (abridged)::
 
     {"format": "soapjax-plan", "version": 1,
-     "model": {"name": "gpt2", "config": "default", "fingerprint": "3f9c...", "num_operators": 161},
+     "model": {"name": "gpt2", "config": "default", "fingerprint": "3f9c...", "num_operators": 161,
+               "workload": ""},
      "topology": {"name": "dgx-h100x8", "fingerprint": "a1b2...", "axes": {"gpu": 8}},
      "operators": {"layers_0/mlp/fc1": {"axes": [["gpu"], [], [], []], "roles": "SAP|P",
                                         "spec": "P('gpu', None, None)"}},
@@ -87,6 +90,8 @@ class Plan:
       baselines: (baseline name, predicted step time) pairs.
       roles: per operator (in `configs` order), its output dims' roles, ``|``, its reduction
         dims' roles, e.g. ``"SP|P"`` for a Dense layer; () for files written without them.
+      workload: for user code, the ``--model`` text that rebuilds the model
+        (``path/file.py:make_workload`` or ``package.module:make_workload``); '' for the zoo.
     """
 
     model: str
@@ -104,6 +109,7 @@ class Plan:
     search: tuple = ()
     baselines: tuple[tuple[str, float], ...] = ()
     roles: tuple[str, ...] = ()
+    workload: str = ""
 
     def __post_init__(self):
         if self.roles and len(self.roles) != len(self.configs):
@@ -116,7 +122,8 @@ class Plan:
 
     @classmethod
     def make(cls, graph: OpGraph, topology, strategy: Strategy, *, model_config: str = "",
-             predicted: Mapping[str, Any] | None = None, cost_source: str = "analytic",
+             workload: str = "", predicted: Mapping[str, Any] | None = None,
+             cost_source: str = "analytic",
              search: Mapping[str, Any] | None = None,
              baselines: Mapping[str, float] | None = None) -> Plan:
         """A plan for `strategy` on `graph` and `topology` (a `Topology`)."""
@@ -136,7 +143,8 @@ class Plan:
             search=_freeze(dict(search or {})),
             baselines=tuple((k, float(v)) for k, v in (baselines or {}).items()),
             roles=tuple("".join(op.roles) + "|" + "".join(r.role for r in op.reduction_dims)
-                        for op in graph.operators))
+                        for op in graph.operators),
+            workload=workload)
 
     @property
     def step_time_s(self) -> float | None:
@@ -159,11 +167,6 @@ class Plan:
         """Operator `k`'s config as text, e.g. ``[S:data, P:model | R:-]`` (`Config.describe`)."""
         out, red = self.dim_roles(k)
         return self.configs[k][1].describe_roles(tuple(out) + ("R",) * len(red), len(out))
-
-    def _repr_html_(self) -> str:
-        from soapjax.report import plan_html
-
-        return plan_html(self)
 
     def check(self, graph: OpGraph, topology=None) -> None:
         """Raises PlanError unless this plan was made for `graph` (and `topology`)."""
@@ -200,7 +203,8 @@ class Plan:
             "format": FORMAT,
             "version": VERSION,
             "model": {"name": self.model, "config": self.model_config,
-                      "fingerprint": self.graph_fingerprint, "num_operators": self.num_operators},
+                      "fingerprint": self.graph_fingerprint, "num_operators": self.num_operators,
+                      "workload": self.workload},
             "topology": {"name": self.topology, "fingerprint": self.topology_fingerprint,
                          "axes": dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))},
             "operators": self._operators_json(),
@@ -250,7 +254,7 @@ class Plan:
                 cost_source=data.get("cost_source", "analytic"),
                 search=_freeze(data.get("search", {})),
                 baselines=tuple((k, float(v)) for k, v in data.get("baselines", {}).items()),
-                roles=roles)
+                roles=roles, workload=m.get("workload", ""))
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             if isinstance(e, PlanError):
                 raise

@@ -1,4 +1,9 @@
-"""Readable text and notebook HTML for plans, graphs and simulated steps, grouped by module."""
+"""Readable text and notebook HTML for plans, graphs and simulated steps, grouped by module.
+
+This module gives `Plan`, `OpGraph` and `SimResult` their notebook HTML (`_repr_html_`) when it
+is imported, which ``import soapjax`` does. The classes' own modules stay below this one in the
+import order (graph -> plan -> report), so none of them imports report.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,8 @@ from html import escape
 
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
-from soapjax.plan import spec_text
+from soapjax.plan import Plan, spec_text
+from soapjax.simulate import SimResult
 from soapjax.space import Strategy, to_partition_spec
 
 # The block index of a repeated module: the first path component ending in _N with more after
@@ -236,3 +242,11 @@ def sim_html(sim) -> str:
     ]
     body = "".join(f"<tr><th{_LEFT}>{k}</th><td{_LEFT}>{v}</td></tr>" for k, v in rows)
     return f"{_TABLE}<tbody>{body}</tbody></table>"
+
+
+# --- notebook display: registered on the classes here, so graph, plan and simulate need no
+# import of this module (graph -> report -> plan -> graph was the package's one cycle) ---------
+
+OpGraph._repr_html_ = graph_html
+Plan._repr_html_ = plan_html
+SimResult._repr_html_ = sim_html

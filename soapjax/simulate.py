@@ -74,10 +74,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from soapjax import baselines
+from soapjax import plan as plan_mod
 from soapjax._dtypes import itemsize
 from soapjax._taskgraph import EDGE, LEAF, Comm, Layout, Pricing, TaskGraph
+from soapjax.cost import cost_model as make_cost_model
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
+from soapjax.reshard import Resharder
 from soapjax.space import Config, MeshShape, Strategy, data_parallel, storage_spec
 
 # Task kinds (`TaskRecord.kind`).
@@ -810,7 +814,8 @@ def parse_strategy(graph: OpGraph, topology: Any, spec: str | Mapping[str, Any],
         if spec.get("format") == plan_mod.FORMAT:
             return plan_mod.Plan.from_json(spec).strategy(graph, topology)
     if not isinstance(spec, Mapping) or "configs" not in spec \
-            or not set(spec) <= {"configs", "zero_axes"} or not isinstance(spec["configs"], Mapping):
+            or not set(spec) <= {"configs", "zero_axes"} \
+            or not isinstance(spec["configs"], Mapping):
         found = sorted(spec) if isinstance(spec, Mapping) else type(spec).__name__
         raise PlanError(f'expected a soapjax plan file ("format": "{plan_mod.FORMAT}", written by '
                         '`soapjax plan`) or a JSON object {"configs": {operator: [[axes], ...]}, '

@@ -88,7 +88,7 @@ def cache_root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prefetched(cache_root):
-    r = Resharder(MESH, cache_dir=cache_root)
+    r = Resharder(MESH, "xla", cache_dir=cache_root)
     t = time.perf_counter()
     compiled = r.prefetch([(SHAPE, "float32", *p.values[:3]) for p in CASES])
     yield r, compiled, r.stats, time.perf_counter() - t
@@ -149,7 +149,7 @@ def test_bfloat16_bytes_are_bfloat16(resharder):
 
 
 def test_second_resharder_reads_the_disk_cache(resharder, cache_root):
-    with Resharder(MESH, cache_dir=cache_root) as again:
+    with Resharder(MESH, "xla", cache_dir=cache_root) as again:
         for p in CASES:
             src, dst, partial, xla, _ = p.values
             assert again.lookup(SHAPE, "float32", src, dst, partial=partial).collectives == xla
@@ -158,7 +158,7 @@ def test_second_resharder_reads_the_disk_cache(resharder, cache_root):
 
 
 def test_same_mesh_shape_other_names_shares_the_cache(resharder, cache_root):
-    with Resharder(MeshShape(("dp", "tp"), (2, 4)), cache_dir=cache_root) as other:
+    with Resharder(MeshShape(("dp", "tp"), (2, 4)), "xla", cache_dir=cache_root) as other:
         got = other.reshard(SHAPE, "float32", P("tp", None), P(None, "tp"))
         assert got == (Collective("all_to_all", 64 * KiB, ("tp",)),)
         assert other.stats["requests"] == 0
@@ -176,12 +176,12 @@ def test_corrupt_cache_entries_are_recompiled(resharder, cache_root, tmp_path):
             entry["collectives"] = [["all_reduce", 1.0, [7], 0]]  # no such mesh axis
             f.write_text(json.dumps(entry))
     transitions = [(SHAPE, "float32", *p.values[:3]) for p in CASES[:2]]
-    with Resharder(MESH, cache_dir=tmp_path) as r:
+    with Resharder(MESH, "xla", cache_dir=tmp_path) as r:
         assert r.prefetch(transitions) == 2
         assert r.stats["requests"] == 1 and r.stats["disk_hits"] == 0
         for t, p in zip(transitions, CASES):
             assert r.reshard(*t[:4], partial=t[4]) == p.values[3]
-    with Resharder(MESH, cache_dir=tmp_path) as r:  # rewritten whole
+    with Resharder(MESH, "xla", cache_dir=tmp_path) as r:  # rewritten whole
         assert r.prefetch(transitions) == 0 and r.stats["disk_hits"] == 2
 
 
@@ -190,7 +190,7 @@ def test_sixteen_devices_from_an_eight_device_process(tmp_path):
     mesh = MeshShape(("x", "y"), (4, 4))
     a2a = ((256, 1024), "float32", P("x", None), P(None, "x"))
     rs_ = ((256, 1024), "float32", P("x", None), P("x", "y"), ("y",))
-    with Resharder(mesh, cache_dir=tmp_path) as r:
+    with Resharder(mesh, "xla", cache_dir=tmp_path) as r:
         assert r.prefetch([a2a, rs_]) == 2
         assert r.reshard(*a2a) == (Collective("all_to_all", 256 * KiB, ("x",)),)
         assert r.reshard(*rs_[:4], partial=rs_[4]) == (
@@ -214,7 +214,7 @@ def test_failed_compilation_falls_back_to_ideal(resharder):
 
 
 def test_timeout_falls_back_to_ideal(tmp_path):
-    with Resharder(MESH, cache_dir=tmp_path, timeout_s=0.0, per_transition_s=0.0) as r:
+    with Resharder(MESH, "xla", cache_dir=tmp_path, timeout_s=0.0, per_transition_s=0.0) as r:
         got = r.lookup(SHAPE, "float32", P("data", None), P(None, "model"))
     assert got.source == "fallback" and got.note.startswith("timeout")
     assert got.collectives == (Collective("all_gather", 64 * KiB, ("data",)),)
@@ -223,7 +223,7 @@ def test_timeout_falls_back_to_ideal(tmp_path):
 
 def test_subprocess_that_cannot_start_falls_back_once(tmp_path, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_no_such_flag_anywhere=1")  # XLA aborts at start
-    with Resharder(MESH, cache_dir=tmp_path) as r:
+    with Resharder(MESH, "xla", cache_dir=tmp_path) as r:
         first = r.lookup(SHAPE, "float32", P("data", None), P(None, "model"))
         assert first.source == "fallback" and "--xla_no_such_flag_anywhere" in first.note
         later = r.lookup(SHAPE, "float32", P("model", None), P(None, "model"))

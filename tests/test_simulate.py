@@ -447,26 +447,51 @@ def test_chrome_trace_is_valid_json_with_named_tracks():
 
 def test_parse_strategy_errors_name_the_operator(tmp_path):
     _, g = zoo("mlp")
-    mesh = MeshShape(("data", "model"), (2, 4))
-    s = parse_strategy(g, mesh, {"configs": {"fc1": [["data"], ["model"], []]},
+    topo = load_topology("cpu8")
+    mesh = MeshShape.of(topo)
+    s = parse_strategy(g, topo, {"configs": {"fc1": [["data"], ["model"], []]},
                                  "zero_axes": ["data"]})
     assert s.configs[g.index("fc1")] == Config((("data",), ("model",), ()))
     assert s.zero_axes == ("data",)
-    assert parse_strategy(g, mesh, "data-parallel") == data_parallel(g, mesh)
+    assert parse_strategy(g, topo, "data-parallel") == data_parallel(g, mesh)
     with pytest.raises(PlanError, match="operator 'fc3', which graph 'mlp' does not have; did "
                                         "you mean .*'fc1'"):
-        parse_strategy(g, mesh, {"configs": {"fc3": [[], [], []]}})
+        parse_strategy(g, topo, {"configs": {"fc3": [[], [], []]}})
     with pytest.raises(PlanError, match="operator 'fc1': config .* has 2 dims, expected 3"):
-        parse_strategy(g, mesh, {"configs": {"fc1": [["data"], []]}})
+        parse_strategy(g, topo, {"configs": {"fc1": [["data"], []]}})
     with pytest.raises(PlanError, match="operator 'fc1': dim 1 uses unknown mesh axes "
                                         r"\['gpu'\]; the mesh has \['data', 'model'\]"):
-        parse_strategy(g, mesh, {"configs": {"fc1": [[], ["gpu"], []]}})
+        parse_strategy(g, topo, {"configs": {"fc1": [[], ["gpu"], []]}})
     with pytest.raises(PlanError, match="zero_axes"):
-        parse_strategy(g, mesh, {"zero_axes": ["gpu"]})
+        parse_strategy(g, topo, {"configs": {}, "zero_axes": ["gpu"]})
     path = tmp_path / "plan.json"
     path.write_text("{not json")
     with pytest.raises(PlanError, match="is not valid JSON"):
-        parse_strategy(g, mesh, str(path))
+        parse_strategy(g, topo, str(path))
+
+
+@pytest.mark.parametrize("spec", [{}, {"zero_axes": ["data"]}, {"configs": [], "x": 1},
+                                  {"operators": {"fc1": {"axes": [[], [], []]}}}],
+                         ids=["empty", "no-configs", "extra-key", "plan-without-format"])
+def test_parse_strategy_refuses_json_that_is_no_strategy(spec):
+    _, g = zoo("mlp")
+    with pytest.raises(PlanError, match='expected a soapjax plan file \\("format": '
+                                        '"soapjax-plan"'):
+        parse_strategy(g, load_topology("cpu8"), spec)
+
+
+def test_parse_strategy_takes_every_baseline_name():
+    from soapjax.baselines import NAMES, baselines
+
+    _, g = zoo("mlp")
+    topo = load_topology("cpu8")
+    every = baselines(g, topo)
+    assert set(NAMES) == set(every)
+    for name in NAMES:
+        assert parse_strategy(g, topo, name) == every[name]
+    with pytest.raises(PlanError, match="expected a baseline \\(data-parallel, megatron, fsdp, "
+                                        "expert-cnn, expert-rnn\\).*did you mean 'megatron'"):
+        parse_strategy(g, topo, "megatorn")
 
 
 def test_cli_simulate_json_and_trace(tmp_path, capsys):

@@ -1,0 +1,201 @@
+"""Workloads from user code: ``--model path/file.py:make_workload`` or ``package.module:fn``.
+
+The function takes no arguments and returns ``(loss_fn, params, batch)`` or ``(loss_fn, params,
+batch, optimizer)``:
+
+* ``loss_fn(params, batch) -> scalar``, or for an nnx model ``loss_fn(model, batch)``;
+* ``params``: the parameters (arrays or `jax.ShapeDtypeStruct`s), or an `nnx.Module`, whose
+  `nnx.Param` state is trained (as `soapjax.training.shard_training` does);
+* ``batch``: one example batch (arrays or `jax.ShapeDtypeStruct`s; dim 0 is the batch);
+* ``optimizer``: an optax transformation (default ``optax.adam(1e-3)``).
+
+A ten-line example, ``my_model.py``::
+
+    import flax.linen as nn, jax, jax.numpy as jnp, optax
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(10)(nn.relu(nn.Dense(256)(x)))
+
+    def make_workload():
+        model, x = MLP(), jax.ShapeDtypeStruct((64, 784), jnp.float32)
+        batch = {"x": x, "y": jax.ShapeDtypeStruct((64,), jnp.int32)}
+        params = jax.eval_shape(model.init, jax.random.key(0), x)
+        def loss_fn(params, batch):
+            logits = model.apply(params, batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        return loss_fn, params, batch
+
+The workload is named after the file or module (``my_model``), which is the traced graph's
+name and so part of its fingerprint. Where ``params`` or ``batch`` are `ShapeDtypeStruct`s,
+`Workload.init_params` and `Workload.make_batch` draw them (normal floats, zero integers), for
+`soapjax check`. Like uvicorn, the current directory is searched for ``package.module``; a file
+is run with its own folder on ``sys.path`` while it is imported.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from models.workload import Workload
+from soapjax.errors import WorkloadError
+from soapjax.training import _pure_loss
+
+FORM = ("FILE.py:FUNCTION or package.module:FUNCTION, a function returning "
+         "(loss_fn, params or nnx.Module, batch[, optimizer])")
+
+
+def is_user_code(model: str) -> bool:
+    """Whether a ``--model`` value names user code rather than a zoo model."""
+    return ":" in model or model.endswith(".py") or "/" in model or os.sep in model
+
+
+def load(spec: str) -> Workload:
+    """The workload returned by the function `spec` names (see the module doc).
+
+    Raises:
+      WorkloadError: no ``:FUNCTION``; a missing file; a module that cannot be imported; no
+        such function; a function that raises or returns something else than the module doc
+        says. The message names the `spec` and what was found.
+    """
+    where, sep, fn_name = spec.rpartition(":")
+    if not sep or not where or not fn_name:
+        raise WorkloadError(f"--model {spec!r}: expected {FORM}")
+    module = _import_file(spec, where) if where.endswith(".py") or "/" in where \
+        else _import_module(spec, where)
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                 and getattr(v, "__module__", None) == module.__name__]
+        near = difflib.get_close_matches(fn_name, names, n=3)
+        hint = (f"; did you mean {', '.join(map(repr, near))}?" if near
+                else f"; its functions: {', '.join(names[:8])}" if names else "")
+        what = "no function" if fn is None else f"{type(fn).__name__} (not a function)"
+        raise WorkloadError(f"--model {spec!r}: {where} has {what} {fn_name!r}{hint}")
+    try:
+        out = fn()
+    except Exception as e:  # noqa: BLE001  the user's code failed: say where and why
+        raise WorkloadError(f"--model {spec!r}: {fn_name}() raised {_described(e)}") from e
+    name = Path(where).stem if where.endswith(".py") else where.rpartition(".")[2]
+    return _workload(spec, fn_name, out, name)
+
+
+def _import_file(spec: str, path: str) -> Any:
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise WorkloadError(f"--model {spec!r}: no file {str(file)!r} (relative paths start at "
+                            f"the current directory, {os.getcwd()})")
+    file = file.resolve()
+    tag = hashlib.sha256(str(file).encode()).hexdigest()[:8]
+    module_name = f"_soapjax_user_{file.stem}_{tag}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    module_spec = importlib.util.spec_from_file_location(module_name, file)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # dataclasses and pickle look modules up by name
+    sys.path.insert(0, str(file.parent))
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001  the user's file failed to run
+        del sys.modules[module_name]
+        raise WorkloadError(f"--model {spec!r}: running {file} raised {_described(e)}") from e
+    finally:
+        sys.path.remove(str(file.parent))
+    return module
+
+
+def _import_module(spec: str, name: str) -> Any:
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name and name.startswith(e.name):
+            raise WorkloadError(f"--model {spec!r}: cannot import module {name!r}: no module "
+                                f"named {e.name!r} on sys.path (the current directory and "
+                                "PYTHONPATH are searched); for a file, give its path, "
+                                "path/to/file.py:FUNCTION") from None
+        raise WorkloadError(f"--model {spec!r}: importing {name} raised {_described(e)}") from e
+    except Exception as e:  # noqa: BLE001  the user's module failed to import
+        raise WorkloadError(f"--model {spec!r}: importing {name} raised {_described(e)}") from e
+
+
+def _described(e: BaseException) -> str:
+    """``ValueError: message (at file.py:12)``: the exception and where the user's code was."""
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(e).__name__}: {e}{where}"
+
+
+def _workload(spec: str, fn_name: str, out: Any, name: str) -> Workload:
+    if not isinstance(out, tuple) or len(out) not in (3, 4):
+        found = f"a tuple of {len(out)}" if isinstance(out, tuple) else type(out).__name__
+        raise WorkloadError(f"--model {spec!r}: {fn_name}() must return (loss_fn, params or "
+                            f"nnx.Module, batch[, optimizer]); it returned {found}")
+    loss_fn, params, batch = out[:3]
+    optimizer = out[3] if len(out) == 4 else optax.adam(1e-3)
+    if not callable(loss_fn):
+        raise WorkloadError(f"--model {spec!r}: {fn_name}() returned {type(loss_fn).__name__} "
+                            "as loss_fn; expected a function loss_fn(params, batch) -> scalar")
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise WorkloadError(f"--model {spec!r}: {fn_name}() returned {type(optimizer).__name__} "
+                            "as the optimizer; expected an optax GradientTransformation")
+    api = "nnx" if isinstance(params, nnx.Module) else "linen"
+    loss_fn, params, name = _pure_loss(loss_fn, params, name)
+    _check_leaves(spec, fn_name, "params", params)
+    _check_leaves(spec, fn_name, "batch", batch)
+    sizes = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
+    if len(sizes) != 1 or None in sizes:
+        raise WorkloadError(f"--model {spec!r}: every batch leaf needs the same dim 0 (the "
+                            f"batch); found sizes {sorted(sizes, key=str)}")
+    return Workload(name=name, config="", api=api, family=None, description=spec,
+                    batch_size=sizes.pop(), loss_fn=loss_fn, init_params=_filler(params, 0.02),
+                    make_batch=_filler(batch, 1.0), optimizer=optimizer)
+
+
+def _check_leaves(spec: str, fn_name: str, what: str, tree: Any) -> None:
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    if not leaves:
+        raise WorkloadError(f"--model {spec!r}: {fn_name}() returned {what} with no arrays")
+    for path, x in leaves:
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise WorkloadError(f"--model {spec!r}: {what} leaf {jax.tree_util.keystr(path)} "
+                                f"is {type(x).__name__}; expected an array or a "
+                                "jax.ShapeDtypeStruct")
+
+
+def _filler(tree: Any, scale: float) -> Callable[[jax.Array], Any]:
+    """``fn(rng)``: the tree itself where it holds arrays, else drawn values of its shapes."""
+    if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree)):
+        return lambda rng: tree
+
+    def draw(rng: jax.Array) -> Any:
+        leaves, treedef = jax.tree.flatten(tree)
+        keys = jax.random.split(rng, len(leaves))
+        return jax.tree.unflatten(treedef, [_draw(k, x, scale) for k, x in zip(keys, leaves)])
+
+    return draw
+
+
+def _draw(key: jax.Array, x: Any, scale: float) -> jax.Array:
+    if not isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return (scale * jax.random.normal(key, x.shape)).astype(x.dtype)
+    return jnp.zeros(x.shape, x.dtype)
