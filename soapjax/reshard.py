@@ -66,8 +66,8 @@ compile, not a jax import. Results are cached on disk, one JSON file per transit
 ``$SOAPJAX_CACHE_DIR/reshard/`` (default ``~/.cache/soapjax/reshard/``), keyed by the jax and
 jaxlib versions and the exact (shape, dtype width, source, destination, partial, mesh shape),
 with mesh axes by position, so meshes of the same shape share entries; writes are atomic, and an
-unreadable entry is recompiled. A failed or timed-out compilation falls back to the ideal model
-(``source="fallback"``), is not cached on disk, and never raises.
+unreadable entry is recompiled (with a logged warning). A failed or timed-out compilation falls
+back to the ideal model (``source="fallback"``), is not cached on disk, and never raises.
 
 The simulator holds one `Resharder` per mesh: ``Resharder(mesh).reshard(...)`` is memoised in
 memory (a repeated call is a dict lookup, ~1 us), and ``.prefetch(transitions)`` compiles every
@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -94,9 +95,12 @@ from typing import Any, Literal, NamedTuple, Self
 
 import numpy as np
 
+from soapjax._cache import cache_root
 from soapjax._dtypes import itemsize
 from soapjax.errors import SoapjaxError
 from soapjax.space import MeshShape
+
+log = logging.getLogger(__name__)
 
 KINDS: tuple[str, ...] = (
     "all_reduce",
@@ -285,7 +289,7 @@ class Resharder:
             raise ReshardError(f"Resharder mode {mode!r}: expected 'xla' or 'ideal'")
         self.mesh = MeshShape.of(mesh)
         self.mode = mode
-        self.cache_dir = _cache_root(cache_dir) / "reshard"
+        self.cache_dir = cache_root(cache_dir) / "reshard"
         self.emulate_reduce_scatter = emulate_reduce_scatter
         self.timeout_s = timeout_s
         self.per_transition_s = per_transition_s
@@ -469,13 +473,19 @@ class Resharder:
 
     def _read_cache(self, k: _Key) -> tuple[Collective, ...] | None:
         key = self._cache_key(k)
+        path = self._cache_path(key)
         try:
-            entry = json.loads(self._cache_path(key).read_text())
+            entry = json.loads(path.read_text())
             if entry["key"] != key:
                 return None
             return self._decode(_checked_records(entry["collectives"], len(self.mesh.axis_names)))
-        except (OSError, ValueError, KeyError, TypeError):
-            return None  # missing or unreadable: compile again, and overwrite it
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+            # unreadable or corrupt: compile again, and overwrite it
+            log.warning("reshard cache entry %s is unreadable (%s: %s); compiling again", path,
+                        type(e).__name__, e)
+            return None
 
     def _write_cache(self, k: _Key, records: list) -> None:
         key = self._cache_key(k)
@@ -617,14 +627,6 @@ def _common_prefix(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
 # --- the disk cache location and versions --------------------------------------------------------
 
 
-def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir)
-    if env := os.environ.get("SOAPJAX_CACHE_DIR"):
-        return Path(env)
-    return Path.home() / ".cache" / "soapjax"
-
-
 def _versions() -> dict[str, str]:
     out = {}
     for package in ("jax", "jaxlib"):
@@ -639,7 +641,8 @@ def _checked_records(records: Any, num_axes: int) -> list:
     """Cache or worker records ``[kind, nbytes, [axis index...], group_size]``, validated."""
     out = []
     for kind, nbytes, axes, gs in records:
-        if kind not in KINDS or not all(isinstance(a, int) and 0 <= a < num_axes for a in axes):
+        if kind not in KINDS or not all(isinstance(a, int) and 0 <= a < num_axes for a in axes) \
+                or not math.isfinite(float(nbytes)) or float(nbytes) < 0 or int(gs) < 0:
             raise ValueError(f"bad collective record {[kind, nbytes, axes, gs]}")
         out.append([kind, float(nbytes), list(axes), int(gs)])
     return out

@@ -17,30 +17,56 @@ nnx (``loss_fn(model, batch)``; the step trains the model's `nnx.Param` state)::
         params, opt_state, loss = run.step(params, opt_state, run.shard_batch(batch))
     nnx.update(model, params)
 
-The strategy defaults to data parallelism. The planning hook is the `strategy` argument: a
-`Strategy`, a plan, a name in `PLANNERS`, or any ``planner(graph, mesh_shape) -> Strategy``;
-once `soapjax.search` lands, a ``"plan"`` entry in `PLANNERS` will search (or load a cached
-plan for the same graph fingerprint and topology) and become the default.
+**Planning.** The strategy defaults to ``"plan"``: `soapjax.search.find_plan` searches the
+topology (``search=SearchSettings(...)``, default 20 s; ``costs="auto"`` measures operators
+where the topology's devices are attached) and prints one line of progress. The plan is cached
+on disk (``$SOAPJAX_CACHE_DIR/plans``, default ``~/.cache/soapjax/plans``, beside the reshard
+cache), keyed by the graph's fingerprint (`OpGraph.fingerprint`), the topology's, the soapjax
+version, the search settings, where costs come from and the optimizer's state size; the next
+run with the same key reads it instead ("reusing cached plan ... from <path>"). GPT-2 tiny on
+``cpu8`` with analytic costs and 300 proposals per chain: 2.4 s to plan, 4 ms to reuse (the
+trace and step compilation, the same either way, not counted). Other strategies: a
+`Strategy`, a `Plan`, a baseline by name (`PLANNERS`: ``"data-parallel"``, ``"megatron"``,
+``"fsdp"``, ``"expert-cnn"``, ``"expert-rnn"``), or a ``planner(graph, mesh_shape) ->
+Strategy``.
+
+**A raw `jax.sharding.Mesh`** carries no topology, and planning needs one (links, device
+memory, peak FLOP/s). The named planners then use the local devices' shipped topology
+(`soapjax.cost.local_topology`: ``cpu8`` on a CPU) cut to the mesh's device count and given the
+mesh's axes: right for virtual CPU devices and one node of identical accelerators, a guess for
+anything with a network between nodes; pass ``mesh=`` a topology name, file or `Topology` to
+plan a real cluster. Where no shipped topology has the local device kind, the error says so.
 
 Multi-host: every process runs the same script. `initialize_distributed` connects them, the
 mesh spans every process's devices, and `shard_training` builds global arrays from the values
-each process holds (`jax.make_array_from_callback`).
+each process holds (`jax.make_array_from_callback`). With ``strategy="plan"`` process 0 plans
+(or reads its cache) and sends the plan to the others, since a timed search (or measured costs)
+can end differently on each process and every process must apply the same strategy.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import hashlib
+import json
 import os
+import sys
+import tempfile
+import types
 from collections.abc import Callable, Mapping
-from typing import Any
+from importlib import metadata
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from soapjax import space
+from soapjax._cache import cache_root
 from soapjax.apply import (
     PartitionedStep,
     TrainShardings,
@@ -48,26 +74,57 @@ from soapjax.apply import (
     device_put_global,
     sharded_train_step,
 )
-from soapjax.errors import PlanError
+from soapjax.baselines import NAMES as BASELINE_NAMES, baselines
+from soapjax.cost import local_backend_matches, local_topology
+from soapjax.errors import PlanError, SoapjaxError
 from soapjax.graph import OpGraph, trace
+from soapjax.plan import Plan
+from soapjax.reshard import DEFAULT_MODE
+from soapjax.search import SearchSettings, find_plan, print_progress
+from soapjax.simulate import opt_state_factor
 from soapjax.space import MeshShape, Strategy
-from soapjax.topology import Topology, load_topology, make_mesh
+from soapjax.topology import Topology, load_topology, make_mesh, scaled_topology
 
-__all__ = ["PLANNERS", "ShardedTraining", "initialize_distributed", "shard_training"]
+__all__ = ["PLANNERS", "PlanOptions", "ShardedTraining", "initialize_distributed",
+           "shard_training"]
 
 # Environment variables `scripts/launch_local.py` sets for each process.
 ENV_COORDINATOR = "SOAPJAX_COORDINATOR"
 ENV_NUM_PROCESSES = "SOAPJAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "SOAPJAX_PROCESS_ID"
 
+# A planner of your own: ``planner(graph, mesh_shape) -> Strategy`` (`shard_training`).
 Planner = Callable[[OpGraph, MeshShape], Strategy]
 
-# Named planners for `shard_training(strategy=...)`. The search stage adds "plan" here.
-PLANNERS: Mapping[str, Planner] = {
-    "data_parallel": space.data_parallel,
-}
+
+class PlanOptions(NamedTuple):
+    """What `shard_training` gives a named planner besides the graph and topology.
+
+    Attributes:
+      search: the search settings (None: `SearchSettings()`).
+      costs: ``"auto"``, ``"measured"`` or ``"analytic"`` (`soapjax.cost.cost_model`).
+      optimizer: the training step's optax optimizer.
+    """
+
+    search: SearchSettings | None
+    costs: str
+    optimizer: Any
 
 
+class NamedPlanner(Protocol):
+    """An entry of `PLANNERS`: a strategy, or a plan, for a graph on a topology."""
+
+    def __call__(self, graph: OpGraph, topology: Topology,
+                 options: PlanOptions) -> Strategy | Plan: ...
+
+
+def _baseline(name: str) -> NamedPlanner:
+    def planner(graph: OpGraph, topology: Topology, options: PlanOptions) -> Strategy:
+        return baselines(graph, topology)[name]
+
+    planner.__name__ = planner.__qualname__ = name.replace("-", "_")
+    planner.__doc__ = f"The {name!r} baseline (`soapjax.baselines`)."
+    return planner
 def initialize_distributed(*, auto: bool = False, timeout_s: int = 300) -> bool:
     """Connects this process to the others with `jax.distributed.initialize`, if there are any.
 
@@ -114,6 +171,8 @@ class ShardedTraining:
       graph: the traced operator graph.
       strategy: the applied strategy.
       mesh: the device mesh.
+      plan: the plan applied, searched or read from the cache (None for a strategy given
+        otherwise): its predicted step time, baselines and search statistics.
     """
 
     step: PartitionedStep
@@ -123,6 +182,7 @@ class ShardedTraining:
     graph: OpGraph
     strategy: Strategy
     mesh: Mesh
+    plan: Plan | None = None
 
     def shard_batch(self, batch: Any) -> Any:
         """Puts a batch on the batch shardings.
@@ -145,7 +205,8 @@ class ShardedTraining:
 def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch: Any,
                    optimizer: optax.GradientTransformation, *,
                    mesh: Mesh | Topology | str = "cpu8",
-                   strategy: Strategy | Planner | str | Any = "data_parallel",
+                   strategy: Strategy | Plan | Planner | str = "plan",
+                   search: SearchSettings | None = None, costs: str = "auto",
                    opt_state: Any = None, name: str | None = None, donate: bool = True,
                    compiler_options: Mapping[str, Any] | None = None) -> ShardedTraining:
     """Traces the loss, applies a strategy, and places the training state on the mesh.
@@ -161,8 +222,12 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
       optimizer: the optax transformation.
       mesh: a `jax.sharding.Mesh` (Auto axes), a `Topology`, or a topology name or path; a
         topology's mesh is built over ``jax.devices()`` (every process's devices).
-      strategy: a `Strategy`, a plan, a name in `PLANNERS` (default ``"data_parallel"``), or a
-        planner ``(graph, mesh_shape) -> Strategy``.
+      strategy: ``"plan"`` (default: search, or reuse the cached plan; module doc), another
+        name in `PLANNERS` (a baseline), a `Strategy`, a `Plan`, or a planner
+        ``(graph, mesh_shape) -> Strategy``.
+      search: the search settings of ``"plan"`` (default `SearchSettings()`: 20 s).
+      costs: how ``"plan"`` prices operators: ``"auto"`` (measured where the topology's
+        devices are attached, else the analytic roofline), ``"measured"`` or ``"analytic"``.
       opt_state: an existing optimizer state to place; default ``optimizer.init(params)``,
         computed directly on its shardings.
       name: the graph's name (default: the loss's, or the nnx model's class name).
@@ -173,13 +238,17 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
       The `ShardedTraining`.
 
     Raises:
-      PlanError: the strategy does not fit the traced graph or the mesh, or is an unknown name.
+      PlanError: the strategy does not fit the traced graph or the mesh, or is an unknown name;
+        no topology for a raw mesh.
       TopologyError: the topology needs devices that are not attached.
     """
     loss_fn, params, name = _pure_loss(loss_fn, params, name)
-    mesh, mesh_shape = _resolve_mesh(mesh)
+    mesh, topology = _resolve_mesh(mesh)
+    mesh_shape = MeshShape.of(topology) if topology is not None else None
     graph = trace(loss_fn, params, batch, name=name)
-    strategy = _resolve_strategy(strategy, graph, mesh_shape or MeshShape.of(mesh))
+    options = PlanOptions(search, costs, optimizer)
+    strategy = _resolve_strategy(strategy, graph, mesh, topology, options)
+    plan = strategy if isinstance(strategy, Plan) else None
     strategy = check_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)  # a plan's, too
     step, shardings = sharded_train_step(graph, strategy, mesh, optimizer, params=params,
                                          batch=batch, mesh_shape=mesh_shape, donate=donate,
@@ -191,7 +260,7 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
             opt = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(placed)
         else:
             opt = device_put_global(opt_state, shardings.opt_state)
-    return ShardedTraining(step, placed, opt, shardings, graph, strategy, mesh)
+    return ShardedTraining(step, placed, opt, shardings, graph, strategy, mesh, plan)
 
 
 def _pure_loss(loss_fn, params, name):
@@ -212,22 +281,158 @@ def _pure_loss(loss_fn, params, name):
     return loss, trained, name or type(model).__name__
 
 
-def _resolve_mesh(mesh) -> tuple[Mesh, MeshShape | None]:
+def _resolve_mesh(mesh) -> tuple[Mesh, Topology | None]:
     if isinstance(mesh, Mesh):
         return mesh, None
     topology = mesh if isinstance(mesh, Topology) else load_topology(mesh)
-    return make_mesh(topology), MeshShape.of(topology)
+    return make_mesh(topology), topology
 
 
-def _resolve_strategy(strategy, graph: OpGraph, mesh_shape: MeshShape):
+def _resolve_strategy(strategy, graph: OpGraph, mesh: Mesh, topology: Topology | None,
+                      options: PlanOptions):
     if isinstance(strategy, str):
         if strategy not in PLANNERS:
-            raise PlanError(f"unknown strategy {strategy!r}; expected one of {sorted(PLANNERS)}, "
-                            "a Strategy, a plan, or a planner (graph, mesh_shape) -> Strategy")
-        strategy = PLANNERS[strategy]
-    if callable(strategy) and not isinstance(strategy, Strategy):
-        return strategy(graph, mesh_shape)
+            near = difflib.get_close_matches(strategy, list(PLANNERS), n=1)
+            raise PlanError(f"unknown strategy {strategy!r}; expected one of "
+                            f"{', '.join(PLANNERS)}, a Strategy, a Plan, or a planner "
+                            "(graph, mesh_shape) -> Strategy"
+                            + (f"; did you mean {near[0]!r}?" if near else ""))
+        return PLANNERS[strategy](graph, topology or mesh_topology(mesh), options)
+    if callable(strategy) and not isinstance(strategy, (Strategy, Plan)):
+        return strategy(graph, MeshShape.of(topology) if topology is not None
+                        else MeshShape.of(mesh))
     return strategy
+
+
+def mesh_topology(mesh: Mesh) -> Topology:
+    """The topology a named planner assumes for a raw `jax.sharding.Mesh` (module doc).
+
+    The local devices' shipped topology (`soapjax.cost.local_topology`), cut to the mesh's
+    device count (`soapjax.topology.scaled_topology`), with the mesh's axis names and sizes;
+    e.g. a ``Mesh(devices.reshape(4, 2), ("data", "model"))`` of 8 CPU devices plans on
+    ``cpu8`` as ``data=4, model=2``, named ``cpu8-as-data4-model2``.
+
+    Raises:
+      PlanError: no shipped topology has the local device kind, or it cannot be cut to the
+        mesh's device count; the message says to pass a topology instead.
+    """
+    names, sizes = tuple(mesh.axis_names), tuple(mesh.devices.shape)
+    try:
+        local = local_topology()
+        base = scaled_topology(local, mesh.devices.size)
+    except SoapjaxError as e:
+        raise PlanError(f"a jax.sharding.Mesh {dict(zip(names, sizes))} carries no topology and "
+                        f"none can be assumed ({e}); pass mesh= a topology name, a .toml path or "
+                        "a soapjax.Topology (see `soapjax meshes`) to plan") from None
+    return dataclasses.replace(
+        base, name=f"{local.name}-as-" + "-".join(f"{a}{n}" for a, n in zip(names, sizes)),
+        axis_names=names, axis_sizes=sizes, device_order=tuple(range(base.num_devices)),
+        description=f"{base.description} (mesh axes of a jax.sharding.Mesh)")
+
+
+# --- "plan": find_plan, cached on disk ---------------------------------------------------------
+
+
+def _plan(graph: OpGraph, topology: Topology, options: PlanOptions) -> Plan:
+    """Searches `graph` on `topology`, or reads the plan an earlier run cached (module doc)."""
+    settings = options.search if options.search is not None else SearchSettings()
+    if jax.process_index() != 0:
+        return _shared(None)
+    key = _cache_key(graph, topology, settings, options)
+    path = _cache_path(graph, topology, key)
+    plan = _read_cached(path, key)
+    if plan is not None:
+        _say(f"soapjax: reusing cached plan for {graph.name} on {topology.name} (predicted "
+             f"{plan.step_time_s * 1e3:.4g} ms per step) from {path}")
+        return _shared(plan)
+    _say(f"soapjax: planning {graph.name} ({len(graph.operators)} operators) on {topology.name} "
+         f"({topology.num_devices} devices): " + (f"{settings.max_proposals} proposals per chain"
+                                                  if settings.max_proposals else
+                                                  f"{settings.budget_s:g} s search"))
+    plan = find_plan(graph, topology, settings=settings, costs=options.costs,
+                     optimizer=options.optimizer, progress=print_progress)
+    sys.stderr.write("\n")
+    _write_cached(path, key, plan)
+    info, dp = dict(plan.search), dict(plan.baselines).get("data-parallel")
+    versus = f" (data parallel {dp * 1e3:.4g} ms)" if dp else ""
+    _say(f"soapjax: plan for {graph.name} on {topology.name}: predicted "
+         f"{plan.step_time_s * 1e3:.4g} ms per step{versus}, {info['proposals']:,} proposals in "
+         f"{info['search_time_s']:.1f} s; cached in {path}")
+    return _shared(plan)
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _cache_key(graph: OpGraph, topology: Topology, settings: SearchSettings,
+               options: PlanOptions) -> dict[str, Any]:
+    measured = options.costs == "measured" or (options.costs == "auto"
+                                               and local_backend_matches(topology)[0])
+    factor = 2.0 if options.optimizer is None else opt_state_factor(
+        options.optimizer, [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in graph.params])
+    return {"graph": graph.fingerprint(), "topology": topology.fingerprint(),
+            "soapjax": _version(), "search": settings.to_json(),
+            "costs": "measured" if measured else "analytic", "reshard": DEFAULT_MODE,
+            "opt_state_factor": round(factor, 9)}
+
+
+def _version() -> str:
+    try:
+        return metadata.version("soapjax")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _cache_path(graph: OpGraph, topology: Topology, key: dict[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    slug = "".join(c if c.isalnum() or c in "-_." else "-" for c in
+                   f"{graph.name}-{topology.name}")[:80]
+    return cache_root() / "plans" / f"{slug}-{digest}.json"
+
+
+def _read_cached(path: Path, key: dict[str, Any]) -> Plan | None:
+    """The plan cached at `path` for `key`; None (with a warning if unreadable) otherwise."""
+    try:
+        entry = json.loads(path.read_text())
+        if entry["key"] != key:
+            return None
+        return Plan.from_json(entry["plan"], where=str(path))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:  # PlanError is a ValueError
+        _say(f"soapjax: warning: ignoring the unreadable cached plan {path} "
+             f"({type(e).__name__}: {e}); planning again")
+        return None
+
+
+def _write_cached(path: Path, key: dict[str, Any], plan: Plan) -> None:
+    """Writes atomically (a temp file, then a rename); a failure costs a search next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"key": key, "plan": plan.to_json()}, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as e:
+        _say(f"soapjax: warning: cannot cache the plan in {path} ({e})")
+
+
+def _shared(plan: Plan | None) -> Plan:
+    """Process 0's plan on every process (the plan itself in a one-process run)."""
+    if jax.process_count() == 1:
+        return plan
+    text = json.dumps(plan.to_json()).encode() if plan is not None else b""
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(text))))
+    data = np.frombuffer(text, np.uint8) if plan is not None else np.zeros(n, np.uint8)
+    data = np.asarray(multihost_utils.broadcast_one_to_all(data), np.uint8)
+    return Plan.from_json(json.loads(data.tobytes()), where="the plan process 0 sent")
+
+
+# Named planners for `shard_training(strategy=...)`: "plan" searches (or reuses its cache), the
+# others are the baselines every plan is compared with (`soapjax.baselines`).
+PLANNERS: Mapping[str, NamedPlanner] = types.MappingProxyType(
+    {"plan": _plan, **{name: _baseline(name) for name in BASELINE_NAMES}})
 
 
 def _is_abstract(tree: Any) -> bool:

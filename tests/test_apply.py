@@ -489,7 +489,7 @@ def test_training_helper_nnx_module_matches_unsharded():
 
     _, params = nnx.split(model, nnx.Param)
     run = training.shard_training(loss_fn, model, batch, w.optimizer, mesh="cpu8",
-                                  compiler_options=FAST_COMPILE)
+                                  strategy="data-parallel", compiler_options=FAST_COMPILE)
     params_out, _, losses = _steps(run.step, run.params, run.opt_state, [run.shard_batch(batch)])
     ref_step = jax.jit(w.train_step(), compiler_options=FAST_COMPILE)
     ref_p, _, ref_losses = _steps(ref_step, params, w.optimizer.init(params), [batch])
@@ -603,10 +603,10 @@ def test_refuses_explicit_mesh_axes_and_bad_configs(mesh, no_compiling):
 
 def test_refuses_unknown_strategy_names_and_mismatched_leaves(mesh):
     w = models.get("mlp", "tiny")
-    with pytest.raises(PlanError, match=r"unknown strategy 'fsdp'; expected one of "
-                                        r"\['data_parallel'\]"):
+    with pytest.raises(PlanError, match=r"unknown strategy 'zero3'; expected one of plan, "
+                                        r"data-parallel, megatron, fsdp, expert-cnn, expert-rnn"):
         training.shard_training(w.loss_fn, w.abstract_params(), w.abstract_batch(), w.optimizer,
-                                mesh=mesh, strategy="fsdp")
+                                mesh=mesh, strategy="zero3")
     c = case("mlp", x64=False)
     loss = constrained_loss(c.graph, space.data_parallel(c.graph, MESH_SHAPE), mesh)
     wrong = jax.tree.map(lambda x: x, c.params)

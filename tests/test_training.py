@@ -1,0 +1,131 @@
+"""training.shard_training plans by default: find_plan, a plan cache on disk, named baselines.
+
+Every test plans the tiny MLP from `jax.ShapeDtypeStruct`s (nothing allocated, nothing compiled)
+with analytic costs and a proposal budget, so the searches are reproducible and take ~0.1 s.
+"""
+
+import json
+
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import jax
+import models
+from soapjax import SearchSettings, find_plan, training
+from soapjax.baselines import baselines
+from soapjax.errors import PlanError
+from soapjax.graph import trace
+from soapjax.topology import load_topology
+
+SETTINGS = SearchSettings(max_proposals=100, seed=0)
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SOAPJAX_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return models.get("mlp", "tiny")
+
+
+def shard(w, **kwargs):
+    kwargs = {"mesh": "cpu8", "costs": "analytic", "search": SETTINGS} | kwargs
+    return training.shard_training(w.loss_fn, w.abstract_params(), w.abstract_batch(),
+                                   w.optimizer, name="mlp", **kwargs)
+
+
+def test_default_strategy_searches_with_find_plan(mlp, capsys, cache_dir):
+    run = shard(mlp)
+    err = capsys.readouterr().err
+    assert "soapjax: planning mlp (4 operators) on cpu8 (8 devices): 100 proposals per chain" in err
+    graph = trace(mlp.loss_fn, mlp.abstract_params(), mlp.abstract_batch(), name="mlp")
+    topo = load_topology("cpu8")
+    expected = find_plan(graph, topo, settings=SETTINGS, costs="analytic",
+                         optimizer=mlp.optimizer)
+    assert run.plan.step_time_s == expected.step_time_s
+    assert run.plan.configs == expected.configs
+    assert run.strategy == expected.strategy(graph, topo)
+    assert run.plan.step_time_s <= min(t for _, t in run.plan.baselines)
+    [path] = (cache_dir / "plans").glob("mlp-cpu8-*.json")
+    assert f"cached in {path}" in err
+    key = json.loads(path.read_text())["key"]
+    assert key["graph"] == graph.fingerprint() and key["topology"] == topo.fingerprint()
+    assert key["soapjax"] == "0.1.0" and key["costs"] == "analytic"
+    assert key["search"]["max_proposals"] == 100
+
+
+def test_second_call_reuses_the_cached_plan(mlp, capsys, cache_dir, monkeypatch):
+    first = shard(mlp)
+    capsys.readouterr()
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("searched although a cached plan exists")
+
+    monkeypatch.setattr(training, "find_plan", no_search)
+    again = shard(mlp)
+    [path] = (cache_dir / "plans").glob("mlp-cpu8-*.json")
+    err = capsys.readouterr().err
+    ms = f"{first.plan.step_time_s * 1e3:.4g}"
+    assert err == (f"soapjax: reusing cached plan for mlp on cpu8 (predicted {ms} ms per step) "
+                   f"from {path}\n")
+    assert again.plan == first.plan and again.strategy == first.strategy
+
+
+def test_cache_key_changes_with_topology_and_settings(mlp, capsys, cache_dir):
+    shard(mlp)
+    raw = Mesh(np.asarray(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    run = shard(mlp, mesh=raw)
+    assert "soapjax: planning mlp (4 operators) on cpu8-as-data4-model2" in capsys.readouterr().err
+    assert run.plan.topology == "cpu8-as-data4-model2"
+    assert dict(zip(run.plan.mesh.axis_names, run.plan.mesh.axis_sizes)) == {"data": 4,
+                                                                             "model": 2}
+    shard(mlp, search=SearchSettings(max_proposals=100, seed=1))
+    assert "soapjax: planning mlp" in capsys.readouterr().err
+    files = sorted(p.name for p in (cache_dir / "plans").glob("*.json"))
+    assert len(files) == 3 and sum(f.startswith("mlp-cpu8-as-data4-model2-") for f in files) == 1
+
+
+def test_a_corrupt_cache_file_is_replanned_with_a_warning(mlp, capsys, cache_dir):
+    first = shard(mlp)
+    [path] = (cache_dir / "plans").glob("*.json")
+    path.write_text(path.read_text()[:200])
+    capsys.readouterr()
+    again = shard(mlp)
+    err = capsys.readouterr().err
+    assert f"soapjax: warning: ignoring the unreadable cached plan {path} (JSONDecodeError" in err
+    assert "soapjax: planning mlp" in err
+    assert (again.plan.configs, again.plan.step_time_s) == (first.plan.configs,
+                                                            first.plan.step_time_s)
+    assert json.loads(path.read_text())["plan"] == again.plan.to_json()  # rewritten whole
+
+
+@pytest.mark.parametrize("name", ["data-parallel", "megatron", "fsdp", "expert-cnn",
+                                  "expert-rnn"])
+def test_every_baseline_by_name(mlp, capsys, name):
+    run = shard(mlp, strategy=name)
+    graph = trace(mlp.loss_fn, mlp.abstract_params(), mlp.abstract_batch(), name="mlp")
+    assert run.strategy == baselines(graph, load_topology("cpu8"))[name]
+    assert run.plan is None and capsys.readouterr().err == ""
+    assert set(training.PLANNERS) == {"plan", "data-parallel", "megatron", "fsdp", "expert-cnn",
+                                      "expert-rnn"}
+
+
+def test_unknown_names_list_the_planners(mlp):
+    with pytest.raises(PlanError, match=r"unknown strategy 'data_parallel'; expected one of "
+                                        r"plan, data-parallel, megatron, fsdp, expert-cnn, "
+                                        r"expert-rnn, .*; did you mean 'data-parallel'\?"):
+        shard(mlp, strategy="data_parallel")
+
+
+def test_mesh_topology_of_a_raw_mesh():
+    raw = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("x", "y"))
+    topo = training.mesh_topology(raw)
+    assert (topo.name, topo.axis_names, topo.axis_sizes) == ("cpu8-as-x2-y2", ("x", "y"), (2, 2))
+    assert topo.num_devices == 4 and topo.device == load_topology("cpu8").device
+    with pytest.raises(PlanError, match=r"carries no topology and none can be assumed .*cannot "
+                                        r"be cut to 3 devices.*; pass mesh= a topology name"):
+        training.mesh_topology(Mesh(np.asarray(jax.devices()[:3]), ("x",)))
