@@ -27,21 +27,20 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import models  # noqa: E402
 from soapjax import baselines  # noqa: E402
 from soapjax.check import check  # noqa: E402
-from soapjax.cost import cost_model  # noqa: E402
 from soapjax.graph import trace  # noqa: E402
 from soapjax.plan import Plan  # noqa: E402
-from soapjax.search import SearchSettings, search  # noqa: E402
+from soapjax.search import SearchSettings, find_plan  # noqa: E402
 from soapjax.topology import load_topology  # noqa: E402
 
 PLANS = ("data-parallel", "megatron", "fsdp", "expert-cnn", "expert-rnn", "searched")
 
 
-def strategies(graph, topo, wanted):
+def strategies(graph, topo, w, wanted):
     out = {k: v for k, v in baselines.baselines(graph, topo).items() if k in wanted}
     if "searched" in wanted:
-        result = search(graph, topo, cost_model=cost_model(graph, topo, mode="analytic"),
-                        settings=SearchSettings(max_proposals=300, seed=0))
-        out["searched"] = result.strategy
+        plan = find_plan(graph, topo, costs="analytic", optimizer=w.optimizer,
+                         settings=SearchSettings(max_proposals=300, seed=0))
+        out["searched"] = plan.strategy(graph, topo)
     return out
 
 
@@ -57,7 +56,7 @@ def main(argv=None) -> int:
     for name in args.models:
         w = models.get(name, "tiny")
         graph = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=name)
-        for kind, strategy in strategies(graph, topo, args.plans).items():
+        for kind, strategy in strategies(graph, topo, w, args.plans).items():
             plan = Plan.make(graph, topo, strategy, model_config="tiny")
             r = check(plan, repeats=1, costs="analytic", reshard="xla")
             xla, pred = r.hlo_collective_bytes, r.predicted_collective_bytes

@@ -17,12 +17,9 @@ import sys
 import time
 
 import models
-from soapjax.cost import cost_model
 from soapjax.graph import trace
-from soapjax.reshard import Resharder
-from soapjax.search import SearchSettings, search
-from soapjax.simulate import opt_state_factor
-from soapjax.space import MeshShape
+from soapjax.reshard import DEFAULT_MODE
+from soapjax.search import SearchSettings, find_plan
 from soapjax.topology import load_topology
 
 MESHES = ("p100x16", "k80x64", "dgx-h100x8", "dgx-h100x32", "h100x64")
@@ -35,7 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="default")
     ap.add_argument("--budget", type=float, default=8.0, help="search seconds per case")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--reshard", default="ideal", choices=("ideal", "xla"))
+    ap.add_argument("--reshard", default=DEFAULT_MODE, choices=("ideal", "xla"))
     args = ap.parse_args(argv)
 
     print(f"# bench_search: {args.config} configs, analytic costs, resharding {args.reshard}, "
@@ -46,27 +43,26 @@ def main(argv=None) -> int:
     for name in args.models:
         w = models.get(name, args.config)
         g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=name)
-        factor = opt_state_factor(w.optimizer, w.abstract_params())
         for mesh in args.meshes:
             topo = load_topology(mesh)
             t0 = time.perf_counter()
-            cm = cost_model(g, topo, mode="analytic")
             try:
-                r = search(g, topo, cost_model=cm, family=w.family, opt_state_factor=factor,
-                           resharder=Resharder(MeshShape.of(topo), mode=args.reshard),
-                           settings=SearchSettings(budget_s=args.budget, seed=args.seed))
-            except ValueError as e:
+                plan = find_plan(g, topo, costs="analytic", reshard=args.reshard,
+                                 optimizer=w.optimizer, family=w.family,
+                                 settings=SearchSettings(budget_s=args.budget, seed=args.seed))
+            except ValueError as e:  # PlanError: nothing fits
                 print(f"| {name} | {mesh} | {topo.num_devices} | - | - | - | - | - | - | {e} |")
                 continue
-            base = {n: t for n, t, fits in r.baselines if fits}
-            dp = dict((n, t) for n, t, _ in r.baselines)["data-parallel"]
+            fits, t = dict(plan.search)["baselines_fit"], plan.step_time_s
+            base = {n: bt for n, bt in plan.baselines if dict(fits)[n]}
+            dp = dict(plan.baselines)["data-parallel"]
             best_name = min(base, key=base.get) if base else "-"
             best = base.get(best_name, float("nan"))
-            print(f"| {name} | {mesh} | {topo.num_devices} | {r.step_time_s * 1e3:.2f} | "
+            print(f"| {name} | {mesh} | {topo.num_devices} | {t * 1e3:.2f} | "
                   f"{dp * 1e3:.2f}{'' if 'data-parallel' in base else ' (OOM)'} | "
-                  f"{best_name} {best * 1e3:.2f} | {dp / r.step_time_s:.2f}x | "
-                  f"{best / r.step_time_s:.2f}x | {time.perf_counter() - t0:.1f} | "
-                  f"{r.proposals} |", flush=True)
+                  f"{best_name} {best * 1e3:.2f} | {dp / t:.2f}x | "
+                  f"{best / t:.2f}x | {time.perf_counter() - t0:.1f} | "
+                  f"{dict(plan.search)['proposals']} |", flush=True)
     return 0
 
 

@@ -59,8 +59,8 @@ from soapjax.check import check  # noqa: E402
 from soapjax.baselines import baselines  # noqa: E402
 from soapjax.graph import trace  # noqa: E402
 from soapjax.plan import Plan  # noqa: E402
-from soapjax.search import (SearchSettings, exhaustive, improving_change,  # noqa: E402
-                            make_simulation, random_strategy, search)
+from soapjax.search import (SearchSettings, exhaustive, find_plan,  # noqa: E402
+                            improving_change, make_simulation, random_strategy)
 from soapjax.simulate import opt_state_factor  # noqa: E402
 from soapjax.space import MeshShape, Strategy, configs, data_parallel  # noqa: E402
 from soapjax.topology import load_topology, scaled_topology  # noqa: E402
@@ -251,18 +251,19 @@ class Zoo:
             out["baselines"][bname] = _sim_summary(sim)
         c0 = time.process_time()
         try:
-            r = search(g, topo, cost_model=cm, family=w.family, opt_state_factor=factor,
-                       settings=settings)
-        except ValueError as e:  # nothing fits in memory
+            plan = find_plan(g, topo, costs=cm, optimizer=w.optimizer, family=w.family,
+                             settings=settings)
+        except ValueError as e:  # PlanError: nothing fits in memory
             out["error"] = str(e)
             self._searches[key] = out
             return out
-        sim.reset(r.strategy)
+        info, strategy = dict(plan.search), plan.strategy(g, topo)
+        sim.reset(strategy)
         out["soapjax"] = _sim_summary(sim)
-        out["search"] = {"proposals": r.proposals, "cpu_s": time.process_time() - c0,
-                         "wall_s": r.search_time_s, "start": r.start,
+        out["search"] = {"proposals": info["proposals"], "cpu_s": time.process_time() - c0,
+                         "wall_s": info["search_time_s"], "start": info["best_from"],
                          "max_proposals": settings.max_proposals, "seed": settings.seed}
-        out["_live"] = (g, topo, cm, factor, r.strategy)  # for the local-optimality check
+        out["_live"] = (g, topo, cm, factor, strategy)  # for the local-optimality check
         self._searches[key] = out
         return out
 
@@ -514,18 +515,18 @@ def doc_comm(res: dict) -> str:
 # --- 3. search cost (Table 4, Figure 12) ----------------------------------------------------
 
 
-def _timed_search(g, topo, cm, factor, family, settings, resharder) -> tuple[Any, float]:
+def _timed_search(g, topo, cm, w, settings, resharder) -> tuple[Plan, float]:
     c0 = time.process_time()
-    r = search(g, topo, cost_model=cm, family=family, opt_state_factor=factor,
-               resharder=resharder, settings=settings)
-    return r, time.process_time() - c0
+    plan = find_plan(g, topo, costs=cm, reshard=resharder, optimizer=w.optimizer,
+                     family=w.family, settings=settings)
+    return plan, time.process_time() - c0
 
 
 def _full_vs_delta(zoo: Zoo, name: str, spec: str, proposals: int) -> dict:
     topo = topology(spec)
-    w, g, factor = zoo.graph(name, topo.num_devices)
+    w, g, _ = zoo.graph(name, topo.num_devices)
     cm = cost.cost_model(g, topo, mode="analytic", optimizer=w.optimizer)
-    resharder = reshard.Resharder(MeshShape.of(topo), mode="ideal")
+    resharder = reshard.Resharder(MeshShape.of(topo))  # the default (ideal) model
     out: dict[str, Any] = {"model": name, "topology": topo.name, "devices": topo.num_devices,
                            "operators": len(g.operators), "max_proposals": proposals}
     runs = {}
@@ -533,15 +534,18 @@ def _full_vs_delta(zoo: Zoo, name: str, spec: str, proposals: int) -> dict:
         for sim_mode in ("warm-up", "full", "delta"):  # warm-up: fills the shared memos
             settings = SearchSettings(max_proposals=proposals, seed=0,
                                       simulation="delta" if sim_mode == "warm-up" else sim_mode)
-            runs[sim_mode] = _timed_search(g, topo, cm, factor, w.family, settings, resharder)
+            runs[sim_mode] = _timed_search(g, topo, cm, w, settings, resharder)
     except ValueError as e:
         out["error"] = str(e)
         return out
     for sim_mode in ("full", "delta"):
-        r, cpu = runs[sim_mode]
-        out[sim_mode] = {"cpu_s": cpu, "wall_s": r.search_time_s, "proposals": r.proposals,
-                         "step_time_s": r.step_time_s, "history": list(r.history)}
-    out["same_plan"] = runs["full"][0].strategy == runs["delta"][0].strategy
+        plan, cpu = runs[sim_mode]
+        info = dict(plan.search)
+        out[sim_mode] = {"cpu_s": cpu, "wall_s": info["search_time_s"],
+                         "proposals": info["proposals"], "step_time_s": plan.step_time_s,
+                         "history": [list(h) for h in info["history"]]}
+    full, delta = runs["full"][0], runs["delta"][0]
+    out["same_plan"] = (full.configs, full.zero_axes) == (delta.configs, delta.zero_axes)
     return out
 
 
@@ -669,13 +673,14 @@ def run_quality(zoo: Zoo) -> dict:
                                 f"with {10 * mode.proposals} proposals per chain")
         w = zoo.workload(name, topo.num_devices)
         c0 = time.process_time()
-        r = search(g, topo, cost_model=cm, family=w.family, opt_state_factor=factor,
-                   settings=SearchSettings(max_proposals=10 * mode.proposals, seed=0))
+        long = find_plan(g, topo, costs=cm, optimizer=w.optimizer, family=w.family,
+                         settings=SearchSettings(max_proposals=10 * mode.proposals, seed=0))
         budget.append({"model": name, "topology": topo.name, "devices": topo.num_devices,
                        "dp_s": entry["baselines"]["data-parallel"]["step_time_s"],
                        "short_s": entry["soapjax"]["step_time_s"],
                        "short_proposals": entry["search"]["proposals"],
-                       "long_s": r.step_time_s, "long_proposals": r.proposals,
+                       "long_s": long.step_time_s,
+                       "long_proposals": dict(long.search)["proposals"],
                        "long_cpu_s": time.process_time() - c0})
     return {"optimum": optimum, "local": local, "budget": budget, "proposals": mode.proposals,
             "cost_source": "analytic"}
@@ -704,15 +709,15 @@ def _global_optimum(name: str, config: str, spec: str, proposals: int) -> dict:
             best_t, best_zero = t, zero
     exhaustive_s = time.process_time() - c0
     c0 = time.process_time()
-    r = search(g, topo, cost_model=cm, family=w.family, opt_state_factor=factor,
-               settings=SearchSettings(max_proposals=proposals, seed=0))
+    found = find_plan(g, topo, costs=cm, optimizer=w.optimizer, family=w.family,
+                      settings=SearchSettings(max_proposals=proposals, seed=0))
     return {"model": name, "config": config, "topology": topo.name,
             "mesh": dict(zip(mesh.axis_names, mesh.axis_sizes)), "operators": len(g.operators),
             "strategies": per_zero * len(zeros), "optimum_s": best_t,
             "optimum_zero_axes": list(best_zero or ()), "exhaustive_cpu_s": exhaustive_s,
-            "found_s": r.step_time_s, "search_cpu_s": time.process_time() - c0,
-            "proposals": r.proposals, "max_proposals": proposals,
-            "found_optimum": r.step_time_s <= best_t * (1 + 1e-9)}
+            "found_s": found.step_time_s, "search_cpu_s": time.process_time() - c0,
+            "proposals": dict(found.search)["proposals"], "max_proposals": proposals,
+            "found_optimum": found.step_time_s <= best_t * (1 + 1e-9)}
 
 
 def doc_quality(res: dict) -> str:
@@ -849,7 +854,6 @@ def _eight_devices(zoo: Zoo, name: str, cache_dir: str, k: int) -> list[dict]:
     topo = load_topology("cpu8")
     w = models.get(name, "tiny")
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=name)
-    factor = opt_state_factor(w.optimizer, w.abstract_params())
     mesh = MeshShape.of(topo)
     base = baselines(g, topo, w.family)
     wanted = ["data-parallel", "megatron", "fsdp", _expert_name({"family": w.family})]
@@ -862,10 +866,9 @@ def _eight_devices(zoo: Zoo, name: str, cache_dir: str, k: int) -> list[dict]:
     # Analytic costs (the `cpu8` file's rough figures) choose the plan: measuring every shard
     # program a search visits costs minutes per model on a 2-core host. `check` then
     # predicts every plan's step with measured costs.
-    cm = cost.cost_model(g, topo, mode="analytic", optimizer=w.optimizer)
-    found = search(g, topo, cost_model=cm, family=w.family, opt_state_factor=factor,
-                   settings=SearchSettings(max_proposals=mode.accuracy_proposals, seed=0))
-    plans["soapjax"] = found.strategy
+    found = find_plan(g, topo, costs="analytic", optimizer=w.optimizer, family=w.family,
+                      settings=SearchSettings(max_proposals=mode.accuracy_proposals, seed=0))
+    plans["soapjax"] = found.strategy(g, topo)
     rows = []
     for j, (pname, strategy) in enumerate(plans.items()):
         zoo.progress("accuracy", f"8 devices {k + 1}/{len(mode.accuracy_multi_models)}: {name}: "

@@ -31,25 +31,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--api", default="linen", choices=("linen", "nnx"))
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--topology", default="cpu8", help="topology name or path (default: cpu8)")
-    p.add_argument("--strategy", default="data_parallel", choices=("data_parallel", "megatron"),
-                   help="megatron: tensor parallel over 'model', data parallel over 'data'")
+    p.add_argument("--strategy", default="data-parallel",
+                   choices=("plan", "data-parallel", "megatron", "fsdp", "expert-cnn",
+                            "expert-rnn"),
+                   help="a name in soapjax.training.PLANNERS: plan (search, or reuse the cached "
+                   "plan), or a baseline; megatron: tensor parallel over 'model', data parallel "
+                   "over 'data' (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="end with one JSON line of results")
     p.add_argument("--collectives", action="store_true",
                    help="count the collectives in the compiled step (compiles it once more)")
     return p.parse_args(argv)
-
-
-def megatron(graph, mesh_shape, axis: str = "model"):
-    """Megatron-style tensor parallelism over `axis`, data parallelism over the other axes.
-
-    `soapjax.baselines.megatron`: matmuls (and convolutions) that read weights alternate
-    column- and row-parallel (a layer whose input arrives split along its contracting dim
-    splits that dim; XLA all-reduces the partial sums).
-    """
-    from soapjax import baselines
-
-    return baselines.megatron(graph, mesh_shape, intra=(axis,))
 
 
 def describe_collectives(hlo_text: str, mesh) -> list[dict]:
@@ -87,9 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     w = models.get(args.model, args.config, api=args.api)
     params = w.init_params(jax.random.key(args.seed))
     batches = [w.make_batch(jax.random.key(args.seed + 1 + i)) for i in range(args.steps)]
-    strategy = megatron if args.strategy == "megatron" else "data_parallel"
     run = training.shard_training(w.loss_fn, params, batches[0], w.optimizer,
-                                  mesh=args.topology, strategy=strategy, name=args.model)
+                                  mesh=args.topology, strategy=args.strategy, name=args.model)
     print(f"{args.model} ({args.config}, {args.api}) on {dict(run.mesh.shape)}: "
           f"{len(run.graph.operators)} operators, strategy {args.strategy}, "
           f"{jax.process_count()} process(es), {jax.device_count()} devices"
