@@ -578,7 +578,9 @@ def _valid_entry(entry: Any, sig: str, identity: dict[str, Any]) -> bool:
     if entry.get("identity") != identity:
         return False
     for part in ("forward", "backward"):
-        t = entry.get(part)
+        if part not in entry:  # the cost model reads both (backward None: not timed)
+            return False
+        t = entry[part]
         if t is None and part == "backward":
             continue
         if not isinstance(t, dict):

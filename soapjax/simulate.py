@@ -810,9 +810,13 @@ def parse_strategy(graph: OpGraph, topology: Any, spec: str | Mapping[str, Any],
     if isinstance(spec, str):
         if spec in baselines.NAMES:
             return baselines.baselines(graph, topology, family)[spec]
-        spec = _read_strategy_file(spec)
+        path, spec = spec, _read_strategy_file(spec)
         if spec.get("format") == plan_mod.FORMAT:
-            return plan_mod.Plan.from_json(spec).strategy(graph, topology)
+            strategy = plan_mod.Plan.from_json(spec, where=path).strategy(graph, topology)
+            for i, config in enumerate(strategy.configs):  # an edited file may not fit
+                check_config(graph, i, config, mesh)
+            _check_zero_axes(list(strategy.zero_axes), mesh)
+            return strategy
     if not isinstance(spec, Mapping) or "configs" not in spec \
             or not set(spec) <= {"configs", "zero_axes"} \
             or not isinstance(spec["configs"], Mapping):
@@ -827,10 +831,14 @@ def parse_strategy(graph: OpGraph, topology: Any, spec: str | Mapping[str, Any],
             _unknown(graph, name)
         configs[names[name]] = _parse_config(graph, names[name], name, axes, mesh)
     zero = spec.get("zero_axes", [])
+    _check_zero_axes(zero, mesh)
+    return Strategy(tuple(configs), tuple(zero))
+
+
+def _check_zero_axes(zero: Any, mesh: MeshShape) -> None:
     if not isinstance(zero, list) or any(a not in mesh.axis_names for a in zero):
         raise PlanError(f"zero_axes {zero!r}: expected a list of mesh axes among "
                         f"{list(mesh.axis_names)}")
-    return Strategy(tuple(configs), tuple(zero))
 
 
 def _read_strategy_file(path: str) -> dict[str, Any]:
