@@ -649,6 +649,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SoapjaxError as e:
         print(f"soapjax {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a file the command was told to write (--out, --trace) or read
+        print(f"soapjax {args.command}: error: {e.strerror or e}"
+              + (f": {e.filename}" if e.filename else ""), file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

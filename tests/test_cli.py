@@ -192,3 +192,11 @@ def test_simulate_takes_every_baseline_by_name(capsys):
 def test_nonsense_numbers_are_usage_errors(argv, message, capsys):
     code, _, err = run(argv, capsys)
     assert code == 2 and message in err and err.startswith("usage: soapjax")
+
+
+def test_a_file_that_cannot_be_written_is_an_error_not_a_traceback(tmp_path, capsys):
+    trace_file = tmp_path / "no" / "such" / "dir" / "trace.json"
+    code, _, err = run(["simulate", "--model", "mlp", "--config", "tiny", "--costs", "analytic",
+                        "--trace", str(trace_file)], capsys)
+    assert code == 2
+    assert err == f"soapjax simulate: error: No such file or directory: {trace_file}\n"
