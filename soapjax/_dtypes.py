@@ -27,3 +27,8 @@ def itemsize(dtype: object) -> int:
     if is_key(name):
         return _KEY_BYTES.get(name[4:-1], 8)
     return jnp.dtype(name).itemsize
+
+
+def is_float(dtype: object) -> bool:
+    """Whether `dtype` is a floating (or complex) dtype; typed PRNG keys are not."""
+    return not is_key(str(dtype)) and jnp.issubdtype(jnp.dtype(dtype), jnp.inexact)

@@ -27,7 +27,7 @@ import jax
 from jax.extend import core as jcore
 
 from soapjax.errors import SoapjaxError
-from soapjax.graph import OpGraph, _Local
+from soapjax.graph import OpGraph, _Local, bind_as_traced
 
 Rules = Literal["exact", "primal"]
 CUSTOM_RULE_PRIMITIVES = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
@@ -140,7 +140,7 @@ class _Interp:
         p = eqn.params
         if name in CUSTOM_RULE_PRIMITIVES:
             if _traced_shapes(eqn, args):
-                return _bind_as_traced(eqn, args)
+                return bind_as_traced(eqn, args)
             if self.rules == "exact":
                 raise CustomRuleError(
                     f"operator {self.name!r}: its {name} (a custom derivative rule) would run "
@@ -195,15 +195,6 @@ def _traced_shapes(eqn, args: Sequence) -> bool:
     """Whether every operand has the shape the equation was traced with."""
     return all(tuple(getattr(a, "shape", ())) == tuple(getattr(v.aval, "shape", ()))
                for a, v in zip(args, eqn.invars))
-
-
-def _bind_as_traced(eqn, args: Sequence) -> list:
-    """Binds the equation with its traced parameters (custom rules intact)."""
-    params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns, params = params if isinstance(params, tuple) else ((), params)
-    with eqn.ctx.manager:
-        ans = eqn.primitive.bind(*subfuns, *args, **params)
-    return list(ans) if eqn.primitive.multiple_results else [ans]
 
 
 def has_custom_rules(graph: OpGraph, name: str) -> bool:

@@ -50,6 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from soapjax._dtypes import is_float, is_key
+
 log = logging.getLogger("soapjax.cost")
 
 # Larger than any value a timing program computes from finite random data, smaller than inf.
@@ -106,6 +108,9 @@ def kick(x: jax.Array, s: jax.Array) -> jax.Array:
     """
     if x.size == 0:
         return x
+    if is_key(x.dtype):  # a typed PRNG key: kick its raw words
+        return jax.random.wrap_key_data(kick(jax.random.key_data(x), s),
+                                        impl=jax.random.key_impl(x))
     idx = (0,) * x.ndim
     first = x[idx] if x.ndim else x
     if x.dtype == jnp.bool_:
@@ -123,6 +128,8 @@ def probe(values: Sequence[jax.Array]) -> jax.Array:
     s = jnp.zeros((), jnp.float32)
     for v in values:
         if v.size:
+            if is_key(v.dtype):
+                v = jax.random.key_data(v)
             first = v[(0,) * v.ndim] if v.ndim else v
             if jnp.iscomplexobj(first):
                 first = jnp.real(first)
@@ -254,6 +261,10 @@ def random_args(avals: Sequence[jax.ShapeDtypeStruct], seed: int = 0) -> list[ja
     rng = np.random.default_rng(seed)
     out = []
     for a in avals:
+        if is_key(a.dtype):  # a dropout stream's typed key: any valid keys will do
+            keys = jax.random.split(jax.random.key(seed), max(1, int(np.prod(a.shape))))
+            out.append(keys.reshape(tuple(a.shape)))
+            continue
         dt, shape = jnp.dtype(a.dtype), tuple(a.shape)
         if jnp.issubdtype(dt, jnp.inexact):
             x = rng.random(shape, dtype=np.float32) * 2 - 1
@@ -267,8 +278,6 @@ def random_args(avals: Sequence[jax.ShapeDtypeStruct], seed: int = 0) -> list[ja
     return out
 
 
-def is_float(dtype: Any) -> bool:
-    return jnp.issubdtype(jnp.dtype(dtype), jnp.inexact)
 
 
 def time_forward(fn: Callable[..., Sequence[jax.Array]], args: Sequence[jax.Array],

@@ -73,6 +73,7 @@ random_fold_in random_wrap random_unwrap threefry2x32 custom_jvp_call custom_vjp
 checkpoint pjit jit closed_call optimization_barrier
 """.split())
 _INLINED = ("jit", "pjit", "closed_call", "core_call")
+_REMAT = ("remat2", "checkpoint")
 # Name-stack entries that are module names (not `jit(...)` or an einsum's `...qhd,...khd->...`).
 _MODULE_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
 _PARAM_LEAF_NAMES = ("value",)  # nnx.Variable's attribute in state paths
@@ -105,6 +106,9 @@ class Operand:
       dims: for each of its dims, the operator's iteration dim it follows, or None when every
         device needs it whole along that dim.
       value: the value's id in the traced program (used to evaluate and constrain it).
+      layer: for one layer's slice of a stacked parameter (a scan over layers), its index
+        along the stacked leading dims; `source` then ends with it (``...['kernel'][3]``),
+        and `shape` is the slice's.
     """
 
     kind: OperandKind
@@ -114,6 +118,13 @@ class Operand:
     dtype: str
     dims: tuple[int | None, ...]
     value: int
+    layer: tuple[int, ...] = ()
+
+    @property
+    def leaf_path(self) -> str:
+        """The pytree path of the parameter or batch leaf (without the layer index)."""
+        suffix = "".join(f"[{i}]" for i in self.layer)
+        return self.source[: len(self.source) - len(suffix)] if suffix else self.source
 
     @property
     def nbytes(self) -> int:
@@ -362,13 +373,14 @@ class OpGraph:
     def replaceable(self, name: str) -> bool:
         """Whether operator `name` can be computed all at once where its last equation is.
 
-        True when no other operator's equation lies between its first and last, and the
-        operator-less equations there (parameter preprocessing) read none of its values.
+        True when no other operator's equation lies between its first and last, the
+        operator-less equations there (parameter preprocessing) read none of its values, and its
+        equations all lie in the same remat region.
         """
         prog = self.program
         units = set(prog.local[self.operator(name).name].units)
-        if not units:
-            return False
+        if not units or len({prog.units[u].region for u in units}) > 1:
+            return False  # straddles a remat region's edge: evaluated equation by equation
         others = set().union(*(prog.local[op.name].units for op in self.operators
                                if op.name != name))
         made = {v for u in units for v in prog.units[u].outs if v is not None}
@@ -385,12 +397,20 @@ class OpGraph:
 
 @dataclasses.dataclass
 class _Unit:
-    """One equation after inlining plain calls: its operands and results as value ids."""
+    """One equation after inlining plain calls: its operands and results as value ids.
+
+    Attributes:
+      region: the remat regions it lies in, outermost first (indices of `_Program.regions`).
+      iteration: the unrolled layer-scan iterations it belongs to, outermost first, as
+        ``(scan index, step)`` pairs (`_Program.scans`).
+    """
 
     eqn: jcore.JaxprEqn
     ins: list[int]
     outs: list[int | None]
     stack: str
+    region: tuple[int, ...] = ()
+    iteration: tuple[tuple[int, int], ...] = ()
 
 
 @dataclasses.dataclass
@@ -415,10 +435,30 @@ class _Local:
 
 
 class _Program:
-    """The traced function with `jit`s inlined, as equations over integer value ids."""
+    """The traced function with calls inlined, as equations over integer value ids.
 
-    def __init__(self, closed: jcore.ClosedJaxpr):
+    Three kinds of higher-order equations are opened up, so that the operators inside them are
+    planned one by one:
+
+    * plain calls (`jit`, `closed_call`): inlined;
+    * `remat2` (`jax.checkpoint`, `nn.remat`, `nnx.remat`): inlined as a *region*; `run`
+      evaluates a region's equations inside `jax.checkpoint` with the traced policy, so what is
+      saved and recomputed is what the user asked for;
+    * a *layer scan* (a `scan` that slices parameters: `nn.scan` over a block, `nnx.scan` over
+      `nnx.vmap`-created layers, `nn.remat_scan`): unrolled, each iteration's parameter slice
+      taken by `lax.index_in_dim` and the per-iteration outputs stacked, which computes what
+      the scan computes. Its operators are named like unrolled layers (``layers_0/fc1``).
+
+    Other loops (an LSTM's scan over time) stay one equation: one loop operator.
+    """
+
+    def __init__(self, closed: jcore.ClosedJaxpr, param_inputs: frozenset[int] = frozenset()):
         self.local: dict[str, _Local] = {}
+        self.regions: list[Mapping[str, Any]] = []  # the remat2 params of each region
+        self.scans: list[tuple[int, ...]] = []  # each unrolled scan's sliced inputs (value ids)
+        self.param_like: set[int] = set()  # parameter leaves and their layer slices
+        self.slice_units: set[int] = set()  # units that take a layer's slice (no operator)
+        self.slice_of: dict[int, tuple[int, tuple[int, ...]]] = {}  # slice -> (stacked, index)
         self.shapes: list[tuple[int, ...]] = []
         self.dtypes: list[str] = []
         self.jax_dtypes: list[Any] = []
@@ -430,7 +470,8 @@ class _Program:
             env[v] = self._new(v)
             self.consts[env[v]] = c
         self.inputs = [self._bind(env, v) for v in closed.jaxpr.invars]
-        self._flatten(closed.jaxpr, env, "")
+        self.param_like.update(self.inputs[i] for i in param_inputs)
+        self._flatten(closed.jaxpr, env, "", (), ())
         self.outputs = [self._read(env, v) for v in closed.jaxpr.outvars]
 
     def _new(self, v) -> int:
@@ -451,55 +492,168 @@ class _Program:
             return vid
         return env[v]
 
-    def _flatten(self, jaxpr: jcore.Jaxpr, env: dict, outer_stack: str) -> None:
+    def _flatten(self, jaxpr: jcore.Jaxpr, env: dict, outer_stack: str,
+                 region: tuple[int, ...], iteration: tuple[tuple[int, int], ...]) -> None:
         for eqn in jaxpr.eqns:
             stack = "/".join(s for s in (outer_stack, str(eqn.source_info.name_stack)) if s)
             ins = [self._read(env, v) for v in eqn.invars]
-            if eqn.primitive.name in _INLINED:
+            name = eqn.primitive.name
+            if name in _INLINED or name in _REMAT:
+                if name in _REMAT:
+                    self.regions.append(eqn.params)
+                    inner_region = region + (len(self.regions) - 1,)
+                else:
+                    inner_region = region
                 sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-                inner, consts = (sub.jaxpr, sub.consts) if isinstance(sub, jcore.ClosedJaxpr) else (sub, ())
-                ienv: dict = {}
-                for v, c in zip(inner.constvars, consts):
-                    self.consts[self._bind(ienv, v)] = c
-                for v, vid in zip(inner.invars, ins):
-                    ienv[v] = vid
-                self._flatten(inner, ienv, stack)
-                for v, iv in zip(eqn.outvars, inner.outvars):
-                    if not isinstance(v, jcore.DropVar):
-                        env[v] = self._read(ienv, iv)
-                continue
-            outs = [None if isinstance(v, jcore.DropVar) else self._bind(env, v) for v in eqn.outvars]
-            self.units.append(_Unit(eqn, ins, outs, stack))
+                outs = self._inline(sub, ins, stack, inner_region, iteration)
+                self._assign(env, eqn.outvars, outs)
+            elif name == "scan" and self._is_layer_scan(eqn, ins):
+                self._assign(env, eqn.outvars, self._unroll(eqn, ins, stack, region, iteration))
+            else:
+                outs = [None if isinstance(v, jcore.DropVar) else self._bind(env, v)
+                        for v in eqn.outvars]
+                self.units.append(_Unit(eqn, ins, outs, stack, region, iteration))
 
-    def run(self, flat_inputs, hook=None, units: Sequence[int] | None = None, env=None,
-            swaps: Mapping[int, tuple] | None = None):
-        """Evaluates the units (all, or the given indices) and returns the outputs' values.
+    def _inline(self, sub, ins: Sequence[int], stack: str, region, iteration) -> list[int]:
+        """Flattens a (closed) jaxpr applied to value ids `ins`; returns its outputs' ids."""
+        inner, consts = (sub.jaxpr, sub.consts) if isinstance(sub, jcore.ClosedJaxpr) else (sub, ())
+        ienv: dict = {}
+        for v, c in zip(inner.constvars, consts):
+            self.consts[self._bind(ienv, v)] = c
+        for v, vid in zip(inner.invars, ins):
+            ienv[v] = vid
+        self._flatten(inner, ienv, stack, region, iteration)
+        return [self._read(ienv, v) for v in inner.outvars]
+
+    def _assign(self, env: dict, outvars, vids: Sequence[int]) -> None:
+        for v, vid in zip(outvars, vids):
+            if not isinstance(v, jcore.DropVar):
+                env[v] = vid
+
+    def _is_layer_scan(self, eqn, ins: Sequence[int]) -> bool:
+        """A scan over stacked parameters (layers), not over time."""
+        first_x = eqn.params["num_consts"] + eqn.params["num_carry"]
+        return any(v in self.param_like for v in ins[first_x:])
+
+    def _unroll(self, eqn, ins: Sequence[int], stack: str, region, iteration) -> list[int]:
+        p = eqn.params
+        nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
+        consts, carry, xs = list(ins[:nc]), list(ins[nc:nc + nk]), list(ins[nc + nk:])
+        scan = len(self.scans)
+        self.scans.append(tuple(xs))
+        ys: dict[int, list[int]] = {}
+        for t in (reversed(range(length)) if p["reverse"] else range(length)):
+            it = iteration + ((scan, t),)
+            x_t = [self._index(x, t, stack, region, it) for x in xs]
+            outs = self._inline(p["jaxpr"], consts + carry + x_t, stack, region, it)
+            carry, ys[t] = outs[:nk], outs[nk:]
+        stacked = [self._stack([ys[t][k] for t in range(length)], stack, region, iteration)
+                   for k in range(len(eqn.outvars) - nk)]
+        return carry + stacked
+
+    def _index(self, vid: int, t: int, stack: str, region, iteration) -> int:
+        """Emits ``x[t]`` (static slices of the leading dims) and returns its value id.
+
+        A slice of a slice (`nn.remat_scan`'s nested scans) is taken from the stacked
+        parameter itself, ``x[t0][t1]`` as ``w[t0, t1]``, so every iteration's operators read
+        the parameter, not another iteration's slice of it.
+        """
+        root, index = self._slice_root(vid)
+        index = index + (t,)
+        aval = jax.ShapeDtypeStruct(self.shapes[root], self.jax_dtypes[root])
+
+        def take(a):
+            for k in index:
+                a = jax.lax.index_in_dim(a, k, 0, keepdims=False)
+            return a
+
+        first = len(self.units)
+        out = self._inline(jax.make_jaxpr(take)(aval), [root], stack, region, iteration)[0]
+        self.slice_units.update(range(first, len(self.units)))
+        if root in self.param_like:
+            self.param_like.add(out)
+            self.slice_of[out] = (root, index)
+        return out
+
+    def _slice_root(self, vid: int) -> tuple[int, tuple[int, ...]]:
+        return self.slice_of.get(vid, (vid, ()))
+
+    def _stack(self, vids: Sequence[int], stack: str, region, iteration) -> int:
+        """Emits ``jnp.stack(values)`` (a scan's stacked per-iteration outputs)."""
+        avals = [jax.ShapeDtypeStruct(self.shapes[v], self.jax_dtypes[v]) for v in vids]
+        closed = jax.make_jaxpr(lambda *a: jax.numpy.stack(a))(*avals)
+        return self._inline(closed, list(vids), stack, region, iteration)[0]
+
+    def run(self, flat_inputs, hook=None, swaps: Mapping[int, tuple] | None = None) -> list:
+        """Evaluates the program and returns the outputs' values.
 
         `swaps` maps an operator's last unit index to ``(its unit indices, fn, input ids,
         output ids)``: those units are skipped, and at the last one ``fn(*inputs)`` gives the
-        outputs instead.
+        outputs instead. Remat regions run inside `jax.checkpoint` with their traced policy.
         """
-        env = dict(self.consts) if env is None else env
+        env = dict(self.consts)
         env.update(self.literals)
         env.update(zip(self.inputs, flat_inputs))
-        skip = frozenset().union(*(s[0] for s in swaps.values())) if swaps else frozenset()
-        for i in (range(len(self.units)) if units is None else units):
-            if i in skip:
-                if i in swaps:
-                    _, fn, ins, outs = swaps[i]
-                    for vid, val in zip(outs, fn(*(env[v] for v in ins))):
-                        env[vid] = hook(vid, val) if hook is not None else val
+        swaps = dict(swaps or {})
+        skip = frozenset().union(*(sw[0] for sw in swaps.values())) if swaps else frozenset()
+        self._run_block(list(range(len(self.units))), 0, env, hook, swaps, skip)
+        return [env[v] for v in self.outputs]
+
+    def _run_block(self, idxs: list[int], depth: int, env: dict, hook, swaps, skip) -> None:
+        i = 0
+        while i < len(idxs):
+            region = self.units[idxs[i]].region
+            if len(region) > depth:  # a nested remat region: as far as it goes
+                j = i
+                while j < len(idxs) and self.units[idxs[j]].region[:depth + 1] == region[:depth + 1]:
+                    j += 1
+                self._run_region(idxs[i:j], depth, region[depth], env, hook, swaps, skip)
+                i = j
                 continue
-            u = self.units[i]
-            params = u.eqn.primitive.get_bind_params(u.eqn.params)
-            subfuns, params = params if isinstance(params, tuple) else ((), params)
-            with u.eqn.ctx.manager:
-                ans = u.eqn.primitive.bind(*subfuns, *(env[v] for v in u.ins), **params)
-            outs = ans if u.eqn.primitive.multiple_results else [ans]
-            for vid, val in zip(u.outs, outs):
-                if vid is not None:
+            self._run_unit(idxs[i], env, hook, swaps, skip)
+            i += 1
+
+    def _run_region(self, idxs: list[int], depth: int, r: int, env: dict, hook, swaps, skip):
+        block = set(idxs)
+        made = {v for i in idxs for v in self.units[i].outs if v is not None}
+        ins = sorted({v for i in idxs for v in self.units[i].ins
+                      if v not in made and v not in self.consts and v not in self.literals})
+        used_after = set(self.outputs).union(*(self.units[k].ins for k in range(len(self.units))
+                                               if k not in block))
+        outs = sorted(made & used_after)
+
+        def body(*vals):
+            local = dict(self.consts)
+            local.update(self.literals)
+            local.update(zip(ins, vals))
+            self._run_block(idxs, depth + 1, local, hook, swaps, skip)
+            return [local[v] for v in outs]
+
+        p = self.regions[r]
+        vals = jax.checkpoint(body, prevent_cse=p.get("prevent_cse", True),
+                              policy=p.get("policy"))(*(env[v] for v in ins))
+        env.update(zip(outs, vals))
+
+    def _run_unit(self, i: int, env: dict, hook, swaps, skip) -> None:
+        if i in skip:
+            if i in swaps:
+                _, fn, ins, outs = swaps[i]
+                for vid, val in zip(outs, fn(*(env[v] for v in ins))):
                     env[vid] = hook(vid, val) if hook is not None else val
-        return [env[v] for v in self.outputs] if units is None else env
+            return
+        u = self.units[i]
+        for vid, val in zip(u.outs, bind_as_traced(u.eqn, [env[v] for v in u.ins])):
+            if vid is not None:
+                env[vid] = hook(vid, val) if hook is not None else val
+
+
+def bind_as_traced(eqn: jcore.JaxprEqn, args: Sequence[Any]) -> list[Any]:
+    """Binds one equation with its traced parameters (custom derivative rules intact)."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = params if isinstance(params, tuple) else ((), params)
+    with eqn.ctx.manager:
+        ans = eqn.primitive.bind(*subfuns, *args, **params)
+    return list(ans) if eqn.primitive.multiple_results else [ans]
 
 
 # --- tracing ------------------------------------------------------------------------------------
@@ -537,12 +691,24 @@ def trace(fn: Callable, *example_args, params_argnums: int | Sequence[int] = 0,
     if len(out) != 1 or _dims.shape_of(out[0]) != ():
         got = ", ".join(str(v.aval) for v in out)
         raise TraceError(f"{fname} must return a scalar loss, but returned ({got})")
-    program = _Program(closed)
+    program = _Program(closed, _param_positions(example_args, pnums))
     params, batch = _leaves(example_args, program, pnums, bnums)
     ops, unsupported = _Builder(program, params, batch, name or fname).build()
     return OpGraph(name=name or fname, operators=tuple(ops), num_equations=_count_eqns(closed.jaxpr),
                    params=tuple(params), batch=tuple(batch), unsupported=tuple(unsupported),
                    program=program)
+
+
+def _param_positions(args, pnums) -> frozenset[int]:
+    """Indices, among the flattened arguments, of the parameter leaves."""
+    n, out, k = len(args), set(), 0
+    pset = {i % n for i in pnums}
+    for i, a in enumerate(args):
+        count = len(jax.tree.leaves(a))
+        if i in pset:
+            out.update(range(k, k + count))
+        k += count
+    return frozenset(out)
 
 
 def _argnums(x, what: str) -> tuple[int, ...]:
@@ -752,9 +918,35 @@ class _Builder:
             s = [c for c in (s[1:] if strip and s else s) if _MODULE_NAME.fullmatch(c)]
             mod = "/".join(s)
             if not mod:
-                mod = _common_prefix([module_of_param(self.param_of[v].path)
-                                      for v in self.p.units[i].ins if v in self.param_of])
-            self.module.append(mod)
+                mod = _common_prefix([module_of_param(self._param_leaf(v).path)
+                                      for v in self.p.units[i].ins if self._param_leaf(v)])
+            self.module.append(self._iteration_module(mod, self.p.units[i].iteration))
+
+    def _param_leaf(self, vid: int) -> LeafInfo | None:
+        """The parameter leaf a value is, or is a layer slice of."""
+        return self.param_of.get(self.p.slice_of.get(vid, (vid, ()))[0])
+
+    def _iteration_module(self, mod: str, iteration: tuple[tuple[int, int], ...]) -> str:
+        """The module path of a unit of unrolled layer-scan iterations: ``layers/fc1`` in
+        iteration 3 of the scan over ``layers`` is ``layers_3/fc1``, as unrolled layers are
+        named; a path outside the scanned module gets the index as a new leading component."""
+        for scan, t in iteration:
+            block = self._scan_block(scan)
+            for done_scan, done_t in iteration[:[s for s, _ in iteration].index(scan)]:
+                block = self._rename(block, self._scan_block(done_scan), done_t)
+            mod = self._rename(mod, block, t)
+        return mod
+
+    @staticmethod
+    def _rename(mod: str, block: str, t: int) -> str:
+        if block and (mod == block or mod.startswith(block + "/")):
+            return f"{block}_{t}{mod[len(block):]}"
+        return "/".join(x for x in (f"{block or 'layer'}_{t}", mod) if x)
+
+    def _scan_block(self, scan: int) -> str:
+        """The module a layer scan iterates over: the common prefix of its stacked leaves."""
+        return _common_prefix([module_of_param(leaf.path) for v in self.p.scans[scan]
+                               if (leaf := self._param_leaf(v)) is not None])
 
     def _kind(self, i: int) -> str:
         u, prims = self.p.units[i], self.info[i].primitives
@@ -773,7 +965,7 @@ class _Builder:
         """Whether unit `i`'s first operand is a parameter, possibly through cheap units."""
         vid = self.p.units[i].ins[0]
         for _ in range(depth):
-            if vid in self.param_of:
+            if self._param_leaf(vid) is not None:
                 return True
             prod = self._producer.get(vid)
             if prod is None or not self.p.units[prod].ins:
@@ -792,8 +984,8 @@ class _Builder:
         open_group: dict[str, int] = {}  # module path -> its latest operator
         live = self.live = self._live()
         for i, u in enumerate(units):
-            if i not in live:  # dead code (XLA drops it): no operator
-                continue
+            if i not in live or i in self.p.slice_units:  # dead code (XLA drops it), or a
+                continue  # layer's parameter slice, read as that layer's parameter
             kind = self._kind(i)
             ins = [value_group[v] for v in u.ins if v in value_group]
             latest = max(ins) if ins else None
@@ -827,7 +1019,7 @@ class _Builder:
             groups.append([])
             anchors.append(0)
         for i in reversed(range(len(units))):  # equations that only read inputs: join a consumer
-            if group_of[i] is not None or i not in live:
+            if group_of[i] is not None or i not in live or i in self.p.slice_units:
                 continue
             cons = [group_of[c] for v in units[i].outs if v is not None
                     for c in self.consumers.get(v, ()) if group_of[c] is not None]
@@ -915,8 +1107,8 @@ class _Builder:
         mods = []
         for g, a in zip(groups, anchors):
             mod = self.module[a] or _common_prefix(
-                [module_of_param(self.param_of[v].path) for i in g for v in self.p.units[i].ins
-                 if v in self.param_of])
+                [module_of_param(leaf.path) for i in g for v in self.p.units[i].ins
+                 if (leaf := self._param_leaf(v)) is not None])
             mods.append(mod)
         self.group_module = mods
         count: dict[str, int] = {}
@@ -1001,8 +1193,9 @@ class _Builder:
         operands = []
         for v in inputs:
             kind, source, index = self._source(v, g)
+            layer = self.p.slice_of[v][1] if kind == "param" and v in self.p.slice_of else ()
             operands.append(Operand(kind, source, index, self.p.shapes[v], self.p.dtypes[v],
-                                    dims_of(v), v))
+                                    dims_of(v), v, layer))
         # P is per operator (the paper's definition): splitting the dim splits a parameter
         # *this* operator reads. A pooling layer's channels are A, though a conv's are P.
         param_dims = {d for o in operands if o.kind == "param" for d in o.dims if d is not None}
@@ -1033,6 +1226,8 @@ class _Builder:
     def _source(self, v: int, g: int) -> tuple[OperandKind, str, int]:
         if v in self.param_of:
             return "param", self.param_of[v].path, 0
+        if (leaf := self._param_leaf(v)) is not None:  # a layer's slice of a stacked parameter
+            return "param", leaf.path + "".join(f"[{i}]" for i in self.p.slice_of[v][1]), 0
         if v in self.batch_of:
             return "batch", self.batch_of[v].path, 0
         if v in self.exported:

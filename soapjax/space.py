@@ -268,7 +268,8 @@ def param_specs(graph: OpGraph, strategy: Strategy, mesh: MeshShape) -> dict[str
     """How each parameter is stored: per dim, the mesh axes splitting it.
 
     A parameter is stored as the first operator that reads it needs it (its operand spec under
-    that operator's config), so the forward pass moves no parameters. Under ZeRO-3
+    that operator's config), so the forward pass moves no parameters. A stacked parameter of a
+    scan over layers is stored as its first layer's slice is read, with the layer dims unsplit. Under ZeRO-3
     (`strategy.zero_axes`), it is further split over those axes it is still replicated on, each
     on its largest dim that stays divisible; readers then all-gather it before use.
 
@@ -279,9 +280,11 @@ def param_specs(graph: OpGraph, strategy: Strategy, mesh: MeshShape) -> dict[str
     out: dict[str, Spec] = {}
     for op, config in zip(graph.operators, strategy.configs):
         for operand in op.inputs:
-            if operand.kind == "param" and operand.source not in out:
-                out[operand.source] = storage_spec(config.operand_axes(operand.dims),
-                                                   operand.shape, strategy.zero_axes, mesh)
+            if operand.kind == "param" and operand.leaf_path not in out:
+                # A stacked parameter (scan over layers) is stored as its first layer's slice
+                # is read, unsplit along the layer dims.
+                out[operand.leaf_path] = ((),) * len(operand.layer) + storage_spec(
+                    config.operand_axes(operand.dims), operand.shape, strategy.zero_axes, mesh)
     for leaf in graph.params:
         out.setdefault(leaf.path, storage_spec(((),) * len(leaf.shape), leaf.shape,
                                                strategy.zero_axes, mesh))

@@ -130,7 +130,7 @@ def test_shard_programs_have_shard_shapes(name):
     for op in g.operators:
         degrees = tuple(2 if (r in "SP" and s % 2 == 0) else 1
                         for r, s in zip(op.iteration_roles, op.iteration_sizes))
-        fn, avals = operator_fn(g, op.name, degrees)
+        fn, avals = operator_fn(g, op.name, degrees, rules="primal")
         out = jax.eval_shape(fn, *avals)[0]
         want = tuple(s // degrees[d] if d is not None else s
                      for s, d in zip(op.outputs[0].shape, op.outputs[0].dims))
@@ -148,7 +148,7 @@ def test_shard_program_computes_a_slice():
     params = w.init_params(jax.random.key(0))
     batch = w.make_batch(jax.random.key(1))
     full_fn, _ = operator_fn(g, "fc1")
-    shard_fn, avals = operator_fn(g, "fc1", (1, 2, 1))
+    shard_fn, avals = operator_fn(g, "fc1", (1, 2, 1), rules="primal")
     env = dict(zip([leaf.value for leaf in g.params + g.batch], jax.tree.leaves((params, batch))))
     operands = [env[o.value] for o in op.inputs]
     full = full_fn(*operands)[0]
