@@ -230,7 +230,7 @@ def _flops(name: str, params, in_shapes, out_shapes) -> float:
         return float(_numel(in_shapes[0]))
     if name in ("gather", "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims",
                 "convert_element_type", "iota", "slice", "dynamic_slice", "concatenate", "pad",
-                "copy", "copy_p", "stop_gradient", "split", "select_n", "rev"):
+                "copy", "copy_p", "stop_gradient", "split", "select_n", "rev", "stack"):
         return 0.0
     return float(sum(_numel(s) for s in out_shapes))
 
@@ -337,6 +337,17 @@ def _first_order(ls: LabelSet, name: str, p, ins, in_shapes, out_shapes, prims) 
         reduced = [src[d] for d in sorted(axes) if in_shapes[0][d] > 1]
         out = tuple(src[d] for d in range(len(src)) if d not in axes)
         return EqnInfo([out], reduced, flops, prims)
+    if name == "psum" and all(isinstance(a, int) for a in p["axes"]):
+        # What vmap leaves of a named-axis sum (`BatchNorm(axis_name='batch')` under the
+        # user's `jax.vmap(..., axis_name='batch')`): a sum over positional axes, per operand.
+        axes = set(p["axes"])
+        srcs = [x or ls.fresh_many(shape) for x, shape in zip(ins, in_shapes)]
+        for other in srcs[1:]:
+            for d in axes:
+                ls.union(srcs[0][d], other[d])
+        reduced = [srcs[0][d] for d in sorted(axes) if in_shapes[0][d] > 1]
+        outs = [tuple(x[d] for d in range(len(x)) if d not in axes) for x in srcs]
+        return EqnInfo(outs, reduced, flops, prims)
     if name.startswith("reduce_window") or name in ("select_and_gather_add",):
         src = ins[0] or ls.fresh_many(in_shapes[0])
         out = list(ls.fresh_many(out_shapes[0]))
@@ -365,6 +376,15 @@ def _first_order(ls: LabelSet, name: str, p, ins, in_shapes, out_shapes, prims) 
                 for d in range(len(out)):  # along the concat dim each input takes its share
                     ls.link(lb[d], out[d])
         return EqnInfo([tuple(out)], reduced, flops, prims)
+    if name == "stack":  # jnp.stack: a new dim at `axis`, the inputs' dims around it
+        axis = p["axis"]
+        srcs = [x or ls.fresh_many(shape) for x, shape in zip(ins, in_shapes)]
+        for other in srcs[1:]:
+            for a, b in zip(srcs[0], other):
+                ls.union(a, b)
+        new = ls.fresh_many((out_shapes[0][axis],))
+        return EqnInfo([tuple(srcs[0][:axis]) + new + tuple(srcs[0][axis:])], reduced, flops,
+                       prims)
     if name == "iota":
         return EqnInfo([ls.fresh_many(s, weak=True) for s in out_shapes], reduced, flops, prims)
     if name == "rng_bit_generator" or name.startswith("random_") or name == "threefry2x32":

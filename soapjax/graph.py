@@ -59,7 +59,7 @@ LOOP_ANCHORS = ("scan", "while")
 # an operator, one inside a softmax folds into the matmul before it. A gather that reads a
 # parameter (an embedding lookup) is a full anchor.
 _SOFT_ANCHORS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin",
-                 "reduce_and", "reduce_or", "gather")
+                 "reduce_and", "reduce_or", "gather", "psum")
 # Cheap primitives folded into their neighbours (XLA fuses them).
 _CHEAP = frozenset("""
 add sub mul div rem pow integer_pow max min neg sign floor ceil round is_finite exp exp2 log
@@ -67,7 +67,7 @@ log1p expm1 tanh logistic sin cos tan asin acos atan atan2 sinh cosh asinh acosh
 rsqrt cbrt abs erf erfc erf_inv lgamma digamma square eq ne lt le gt ge and or not xor select_n
 clamp convert_element_type bitcast_convert_type nextafter shift_left shift_right_logical
 shift_right_arithmetic population_count real imag conj complex stop_gradient copy copy_p
-broadcast_in_dim reshape squeeze expand_dims transpose rev slice dynamic_slice concatenate pad
+broadcast_in_dim reshape squeeze expand_dims transpose rev slice dynamic_slice concatenate stack pad
 iota split sharding_constraint mesh_cast reduce_precision random_seed random_bits random_split
 random_fold_in random_wrap random_unwrap threefry2x32 custom_jvp_call custom_vjp_call remat2
 checkpoint pjit jit closed_call optimization_barrier

@@ -72,7 +72,6 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-import numpy as np
 
 from soapjax import baselines
 from soapjax import plan as plan_mod
