@@ -3,6 +3,7 @@
 import functools
 import json
 import pathlib
+import re
 
 import pytest
 
@@ -11,8 +12,9 @@ from soapjax import cli
 from soapjax.baselines import baselines, intra_node_axes
 from soapjax.cost import cost_model
 from soapjax.graph import trace
-from soapjax.search import (SearchSettings, exhaustive, improving_change, make_simulation,
-                            search)
+from soapjax.errors import SettingsError
+from soapjax.search import (SearchSettings, exhaustive, find_plan, improving_change,
+                            make_simulation, search)
 from soapjax.space import MeshShape
 from soapjax.topology import load_topology
 
@@ -136,3 +138,34 @@ def test_full_and_delta_simulation_walk_the_same_chain(name, mesh):
 def test_search_settings_refuse_an_unknown_simulation():
     with pytest.raises(ValueError, match="simulation must be 'delta' or 'full', got 'fast'"):
         SearchSettings(simulation="fast")
+
+
+def test_find_plan_is_the_search_with_its_defaults():
+    w, g, topo, _ = setup("gpt2", "p100x16")
+    settings = SearchSettings(max_proposals=200, seed=3)
+    plan = find_plan(g, topo, settings=settings, costs="analytic", optimizer=w.optimizer,
+                     family=w.family, model_config="tiny")
+    found = search(g, topo, settings=settings, family=w.family,
+                   cost_model=cost_model(g, topo, mode="analytic", optimizer=w.optimizer),
+                   opt_state_factor=dict(plan.search)["opt_state_factor"])
+    assert plan.strategy(g, topo) == found.strategy
+    assert plan.step_time_s == found.step_time_s  # the final simulation is the search's own
+    assert dict(plan.baselines) == found.baseline_times()
+    info = dict(plan.search)
+    assert info["reshard"] == "ideal" and info["max_proposals"] == 200
+    assert info["proposals"] == found.proposals and info["best_from"] == found.start
+    assert dict(info["baselines_fit"]) == {n: f for n, _, f in found.baselines}
+    assert plan.cost_source == "analytic" and plan.model_config == "tiny"
+    assert SearchSettings().budget_s == 20.0
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("budget_s", -3, "budget_s must be a number of seconds >= 0, got -3"),
+    ("max_proposals", 0, "max_proposals must be None or an integer >= 1, got 0"),
+    ("seed", -1, "seed must be an integer >= 0, got -1"),
+    ("temperature", 0.0, "temperature must be a number > 0, got 0.0"),
+    ("num_random", 1.5, "num_random must be an integer >= 0, got 1.5"),
+])
+def test_search_settings_refuse_nonsense_numbers(field, value, message):
+    with pytest.raises(SettingsError, match=re.escape(f"SearchSettings.{message}")):
+        SearchSettings(**{field: value})
