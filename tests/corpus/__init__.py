@@ -1,0 +1,132 @@
+"""A corpus of Flax models written the way users write them, to test soapjax on.
+
+The zoo (``models/``) is written for soapjax; these are not. Each is a small, realistic model
+with the idioms users reach for and soapjax must get exactly right: batch statistics, custom
+derivatives (``jax.custom_vjp``, ``jax.custom_jvp``), scan over layers in linen and nnx with
+rematerialisation, grouped-query attention with RoPE and a sliding window, dropout driven by
+rng state, bfloat16 compute over float32 parameters, and a named batch axis bound by
+``jax.vmap``. Every one is tiny (a few thousand parameters, batch 8), so a test traces,
+compiles and differentiates it in about a second on a CPU.
+
+Each entry's ``make(dtype=..., **options)`` returns ``(loss_fn, params_or_module, batch)``:
+
+* linen: ``loss_fn(params, batch) -> scalar`` and the ``params`` pytree;
+* nnx: ``loss_fn(model, batch) -> scalar`` and the `nnx.Module`.
+
+The loss is a pure function of its arguments: mutable collections (batch statistics) are
+computed and discarded inside it, and dropout keys come from fixed rng state (a constant key
+in linen, the model's `nnx.Rngs` state in nnx), so calling it twice gives the same number.
+Dim 0 of every batch leaf is the batch (8); model dims divide by 4 (the ``model`` axis of
+``cpu8``). ``dtype`` is the parameters' and inputs' float type (float64 needs
+``jax.enable_x64``); mixed_precision computes in bfloat16 whatever it is.
+
+Usage::
+
+    import corpus
+    loss_fn, params, batch = corpus.get("resnet18", dtype=jnp.float32)
+    grads = jax.grad(loss_fn)(params, batch)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax.numpy as jnp
+
+from corpus import (
+    dropout_nnx,
+    gqa_decoder,
+    linen_scan_transformer,
+    mixed_precision,
+    named_axis_bn,
+    nnx_scan_transformer,
+    resnet,
+    safe_norm,
+    ste,
+)
+
+__all__ = ["CORPUS", "Entry", "get", "names"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One corpus model.
+
+    Attributes:
+      name: registry name.
+      api: ``"linen"`` (``loss_fn(params, batch)``) or ``"nnx"`` (``loss_fn(model, batch)``).
+      make: ``make(dtype=..., **options) -> (loss_fn, params_or_module, batch)``.
+      description: one line: the idioms it exercises.
+      has_conv: it convolves (plans must not split convolutions spatially: see
+        `soapjax.apply.constrained_loss`).
+      options: the keyword arguments `get` passes by default (the small, fast variant).
+    """
+
+    name: str
+    api: Literal["linen", "nnx"]
+    make: Callable[..., tuple[Callable, Any, Any]]
+    description: str
+    has_conv: bool = False
+    options: tuple[tuple[str, Any], ...] = ()
+
+
+CORPUS: dict[str, Entry] = {e.name: e for e in (
+    Entry("resnet18", "linen", resnet.make,
+          "ResNet-18, 32x32 inputs: BatchNorm with batch statistics (mutable, discarded), "
+          "zero-initialised last BN scale per block, projection shortcuts, 7x7/2 stem, max pool",
+          has_conv=True, options=(("width", 8),)),
+    Entry("ste", "linen", ste.make,
+          "MLP quantising activations with a straight-through estimator (jax.custom_vjp "
+          "around jnp.round, backward = identity)"),
+    Entry("safe_norm", "linen", safe_norm.make,
+          "cosine classifier over L2-normalised features; a jax.custom_jvp norm whose "
+          "derivative is 0 at the origin (padding rows are all zero)"),
+    Entry("nnx_scan_transformer", "nnx", nnx_scan_transformer.make,
+          "nnx transformer: layers made by nnx.vmap, applied by nnx.scan with nnx.remat, "
+          "BatchNorm and Dropout (nnx.Rngs) inside the block"),
+    Entry("linen_scan_transformer", "linen", linen_scan_transformer.make,
+          "linen transformer: nn.scan over an nn.remat block, params stacked on axis 0, "
+          "dropout from a fixed key"),
+    Entry("linen_remat_scan_transformer", "linen", linen_scan_transformer.make,
+          "the same transformer's blocks applied by nn.remat_scan (lengths (2, 2))",
+          options=(("use_remat_scan", True),)),
+    Entry("gqa_decoder", "linen", gqa_decoder.make,
+          "decoder: grouped-query attention (4 query, 2 kv heads), RoPE, sliding-window "
+          "causal mask, RMSNorm, SwiGLU, tied embeddings (embed.attend), unrolled layers"),
+    Entry("dropout_nnx", "nnx", dropout_nnx.make,
+          "nnx conv + MLP with nnx.Dropout keyed by the model's nnx.Rngs state"),
+    Entry("mixed_precision", "linen", mixed_precision.make,
+          "linen Dense/LayerNorm/attention block computing in bfloat16 over float32 (or "
+          "float64) parameters"),
+    Entry("named_axis_bn", "linen", named_axis_bn.make,
+          "BatchNorm(axis_name='batch') in a per-example loss bound by jax.vmap(..., "
+          "axis_name='batch'): a psum in the jaxpr"),
+)}
+
+
+def names() -> tuple[str, ...]:
+    """The corpus models' names, in registry order."""
+    return tuple(CORPUS)
+
+
+def get(name: str, *, dtype: Any = jnp.float32, **options: Any) -> tuple[Callable, Any, Any]:
+    """``(loss_fn, params_or_module, batch)`` of corpus model `name`.
+
+    Args:
+      name: a name in `CORPUS`.
+      dtype: the parameters' and float inputs' dtype (float64 needs ``jax.enable_x64``).
+      **options: the model's options, over the entry's defaults (e.g. ``width=64`` for the
+        full ResNet-18).
+
+    Raises:
+      KeyError: an unknown name (with the nearest names).
+    """
+    if name not in CORPUS:
+        near = difflib.get_close_matches(name, CORPUS, n=3)
+        hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
+        raise KeyError(f"no corpus model {name!r}; expected one of {names()}{hint}")
+    entry = CORPUS[name]
+    return entry.make(dtype=dtype, **{**dict(entry.options), **options})

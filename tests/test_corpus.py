@@ -1,0 +1,359 @@
+"""soapjax on Flax models written the way users write them (`tests/corpus`): exact gradients.
+
+Every corpus model is traced once (module cache) and its gradient, computed through soapjax,
+is compared with ``jax.grad`` of the user's own loss, in float64:
+
+    error = max over leaves |g_soapjax - g_ref|  /  max over leaves |g_ref|  <=  1e-12
+
+* on a one-device mesh (data=1 x model=1), and on ``cpu8`` (data=2 x model=4) under data
+  parallelism, Megatron-style tensor parallelism (over ``model``), FSDP (ZeRO-3 over both
+  axes) and a searched plan (analytic costs, 200 proposals, seed 0): ``jax.grad`` of
+  `soapjax.apply.constrained_loss`, jitted with the strategy's parameter and batch shardings;
+* end to end through `soapjax.training.shard_training` with ``optax.sgd(1.0)`` (gradient =
+  parameters before - after), in float64 (data parallel, its default) and in float32 (the
+  searched plan; loss and update within 1e-5, relative).
+
+Parameters are the models' own initial values plus N(0, 0.05) noise, so no gradient is zero by
+construction (ResNet's zero-initialised BatchNorm scales would zero every gradient of the
+residual branches' convolutions). nnx models are made pure as `shard_training` makes them:
+``nnx.split(model, nnx.Param, ...)`` outside, ``nnx.merge`` inside the loss; the reference is
+``nnx.grad`` of the user's loss on a clone of the model, checked equal to ``jax.grad`` of that
+pure loss. A float64 difference above 1e-12 is a wrong gradient, not rounding: sharded
+reduction orders move float64 results by ~1e-15.
+
+The whole file compiles ~90 small programs; run it alone with
+``.venv/bin/python -m pytest -q tests/test_corpus.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import corpus
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from corpus import ste as ste_model
+from flax import nnx
+from jax.sharding import Mesh
+
+from soapjax import baselines, space, training
+from soapjax.apply import (
+    batch_shardings,
+    constrained_loss,
+    device_put_global,
+    param_shardings,
+)
+from soapjax.cost import cost_model
+from soapjax.graph import OpGraph, trace
+from soapjax.search import SearchSettings, search
+from soapjax.space import MeshShape, SpaceLimits, Strategy
+from soapjax.topology import load_topology, make_mesh
+
+TOPOLOGY = load_topology("cpu8")
+MESH_SHAPE = MeshShape.of(TOPOLOGY)
+X64_TOL = 1e-12  # float64: global max |diff| / global max |reference|
+F32_TOL = 1e-5  # float32: loss and update, relative
+# mixed_precision computes in bfloat16 (8 significant bits, 1 ulp = 2**-8 = 3.9e-3 relative)
+# whatever its parameters' type: a different reduction order (sharding), or only other XLA
+# fusion choices, moves its gradient by a few ulps of its largest entry (the reference itself,
+# compiled with default instead of FAST_COMPILE options, moves by 9.4e-3; sharded: up to
+# 1.4e-2). 4e-2 (10 ulps) still fails a missing or doubled gradient reduction (>= 0.5).
+BF16_TOL = 4e-2
+TOLERANCE = {"mixed_precision": (BF16_TOL, BF16_TOL)}  # name -> (float64, float32)
+NOISE = 0.05
+FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0,
+                "xla_llvm_disable_expensive_passes": True}
+STRATEGIES = ("data_parallel", "megatron", "fsdp", "searched")
+
+
+# --- cases --------------------------------------------------------------------------------------
+
+
+class Case(NamedTuple):
+    """A corpus model ready to compare.
+
+    Attributes:
+      name: the corpus name.
+      entry: its `corpus.Entry`.
+      loss_fn: the user's loss (``(params, batch)`` or ``(model, batch)``).
+      user_arg: what the user passes to it and to `shard_training`: params, or the nnx model.
+      params: the trained parameters as a pytree (nnx: the `nnx.Param` state).
+      batch: the batch.
+      pure_loss: ``pure_loss(params, batch) -> scalar`` (nnx: merged inside).
+      graph: ``soapjax.graph.trace(pure_loss, params, batch)``.
+      ref_loss: the loss at (params, batch), by plain jax.
+      ref_grads: ``jax.grad`` of the plain loss, like `params`.
+      x64: float64 or float32.
+    """
+
+    name: str
+    entry: corpus.Entry
+    loss_fn: Callable
+    user_arg: Any
+    params: Any
+    batch: Any
+    pure_loss: Callable
+    graph: OpGraph
+    ref_loss: float
+    ref_grads: Any
+    x64: bool
+
+
+def jiggle(tree: Any, seed: int = 0) -> Any:
+    """Adds N(0, NOISE) to every float leaf (deterministic): parameters a few steps in."""
+    rng = np.random.default_rng(seed)
+
+    def add(x):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return x + jnp.asarray(NOISE * rng.standard_normal(x.shape), x.dtype)
+
+    return jax.tree.map(add, tree)
+
+
+@functools.cache
+def case(name: str, x64: bool = True) -> Case:
+    entry = corpus.CORPUS[name]
+    with jax.enable_x64(x64):
+        loss_fn, arg, batch = corpus.get(name, dtype=jnp.float64 if x64 else jnp.float32,
+                                         compiler_options=FAST_COMPILE)
+        if entry.api == "nnx":
+            nnx.update(arg, jiggle(nnx.state(arg, nnx.Param)))
+            graphdef, params, rest = nnx.split(arg, nnx.Param, ...)
+
+            def pure_loss(p, b):
+                # Fresh Variables for the rest of the state, made in the current trace: merging
+                # the split's own would hand nnx.scan variables of the outer trace, which it
+                # refuses to update ("Cannot extract graph node from different trace level").
+                return loss_fn(nnx.merge(graphdef, p, jax.tree.map(lambda x: x, rest)), b)
+
+            def user_value_and_grad(state, b):  # nnx.value_and_grad of the user's loss
+                return nnx.value_and_grad(loss_fn)(nnx.merge(graphdef, state), b)
+
+            ref_loss, ref_grads = jit(user_value_and_grad)(nnx.state(arg), batch)
+            pure_error = relative_error(jit(jax.grad(pure_loss))(params, batch), ref_grads)
+            assert pure_error <= X64_TOL, f"{name}: pure loss != user's loss ({pure_error:.3g})"
+        else:
+            params = arg = jiggle(arg)
+            pure_loss = loss_fn
+            ref_loss, ref_grads = jit(jax.value_and_grad(loss_fn))(params, batch)
+        graph = trace(pure_loss, params, batch, name=name)
+    return Case(name, entry, loss_fn, arg, params, batch, pure_loss, graph, float(ref_loss),
+                ref_grads, x64)
+
+
+def jit(fn: Callable, **kwargs) -> Callable:
+    return jax.jit(fn, compiler_options=FAST_COMPILE, **kwargs)
+
+
+def relative_error(got: Any, want: Any) -> float:
+    """Global max over leaves of |got - want|, over the global max |want| (NaN stays NaN)."""
+    got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got_leaves) == len(want_leaves), (len(got_leaves), len(want_leaves))
+    diff = scale = 0.0
+    for g, w in zip(got_leaves, want_leaves):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        assert g.shape == w.shape, (g.shape, w.shape)
+        if w.size:
+            d = float(np.max(np.abs(g - w)))
+            diff = d if np.isnan(d) else max(diff, d)
+            scale = max(scale, float(np.max(np.abs(w))))
+            if np.isnan(diff):
+                break
+    return diff / scale
+
+
+def worst_leaf(got: Any, want: Any) -> str:
+    """The path of the leaf with the largest difference, for failure messages."""
+    rows = []
+    for (kp, w), g in zip(jax.tree_util.tree_flatten_with_path(want)[0], jax.tree.leaves(got)):
+        d = np.abs(np.asarray(g, np.float64) - np.asarray(w, np.float64))
+        rows.append((np.nan_to_num(np.max(d), nan=np.inf) if d.size else 0.0,
+                     jax.tree_util.keystr(kp)))
+    value, path = max(rows)
+    return f"{path} (max abs diff {value:.3g})"
+
+
+# --- strategies ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Mesh:
+    return make_mesh(TOPOLOGY)
+
+
+@pytest.fixture(scope="module")
+def one_device_mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+
+
+@functools.cache
+def searched(name: str, x64: bool = True) -> Strategy:
+    """The MCMC search's plan on cpu8 (analytic costs, 200 proposals, seed 0); convolutions
+    are never split spatially (`constrained_loss` refuses that: XLA computes it wrongly)."""
+    c = case(name, x64)
+    limits = SpaceLimits(allow_attribute=not c.entry.has_conv)
+    cm = cost_model(c.graph, TOPOLOGY, mode="analytic")
+    return search(c.graph, TOPOLOGY, cost_model=cm,
+                  settings=SearchSettings(max_proposals=200, seed=0, limits=limits)).strategy
+
+
+def make_strategy(kind: str, graph: OpGraph, name: str, x64: bool = True) -> Strategy:
+    if kind == "data_parallel":
+        return space.data_parallel(graph, MESH_SHAPE)
+    if kind == "megatron":
+        return baselines.megatron(graph, MESH_SHAPE, ("model",))
+    if kind == "fsdp":
+        return baselines.fsdp(graph, MESH_SHAPE)
+    if kind == "searched":
+        return searched(name, x64)
+    raise ValueError(kind)
+
+
+def soapjax_grads(c: Case, strategy: Strategy, mesh: Mesh) -> Any:
+    """``jax.grad`` of the constrained loss, jitted with the strategy's input shardings."""
+    with jax.enable_x64(c.x64):
+        loss = constrained_loss(c.graph, strategy, mesh)
+        ps = param_shardings(c.graph, strategy, mesh, params=c.params)
+        bs = batch_shardings(c.graph, strategy, mesh, batch=c.batch)
+        grad = jit(jax.grad(loss), in_shardings=(ps, bs), out_shardings=ps)
+        return grad(*device_put_global((c.params, c.batch), (ps, bs)))
+
+
+def tolerance(c: Case) -> float:
+    return TOLERANCE.get(c.name, (X64_TOL, F32_TOL))[0 if c.x64 else 1]
+
+
+def check_grads(c: Case, got: Any, where: str) -> None:
+    err, tol = relative_error(got, c.ref_grads), tolerance(c)
+    print(f"{c.name} {where}: relative gradient error {err:.3g}")
+    assert err <= tol, (f"{c.name} {where}: relative gradient error {err:.3g} > {tol}; "
+                        f"worst leaf {worst_leaf(got, c.ref_grads)}")
+
+
+# --- float64 gradients --------------------------------------------------------------------------
+
+NAMES = corpus.names()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_one_device_gradient_is_exact(name, one_device_mesh):
+    c = case(name)
+    strategy = space.data_parallel(c.graph, MeshShape.of(one_device_mesh))
+    check_grads(c, soapjax_grads(c, strategy, one_device_mesh), "one device")
+
+
+CPU8_CASES = [(n, k) for n in NAMES for k in STRATEGIES]
+
+
+@pytest.mark.parametrize("name,kind", CPU8_CASES, ids=[f"{n}-{k}" for n, k in CPU8_CASES])
+def test_cpu8_gradient_is_exact(name, kind, mesh):
+    c = case(name)
+    strategy = make_strategy(kind, c.graph, name)
+    check_grads(c, soapjax_grads(c, strategy, mesh), f"cpu8 {kind}")
+
+
+def sgd_step(c: Case, strategy: Any, opt_lr: float = 1.0):
+    """One `shard_training` step with ``optax.sgd(opt_lr)``: (params before, after, loss)."""
+    with jax.enable_x64(c.x64):
+        arg = nnx.clone(c.user_arg) if c.entry.api == "nnx" else c.user_arg
+        run = training.shard_training(c.loss_fn, arg, c.batch, optax.sgd(opt_lr),
+                                      mesh=TOPOLOGY, strategy=strategy,
+                                      compiler_options=FAST_COMPILE)
+        after, _, loss = run.step(run.params, run.opt_state, run.shard_batch(c.batch))
+        return jax.tree.map(np.asarray, after), float(loss)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_shard_training_float64_gradient_is_exact(name):
+    c = case(name)
+    after, loss = sgd_step(c, "data_parallel")
+    grads = jax.tree.map(lambda p, q: np.asarray(p, np.float64) - q, c.params, after)
+    assert loss == pytest.approx(c.ref_loss, rel=tolerance(c), abs=0)
+    check_grads(c, grads, "shard_training data_parallel")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_shard_training_float32_step_matches(name):
+    c = case(name, x64=False)
+    strategy = searched(name, x64=False)
+    after, loss = sgd_step(c, strategy)
+    update = jax.tree.map(lambda p, q: np.asarray(p, np.float64) - q, c.params, after)
+    err = relative_error(update, c.ref_grads)
+    print(f"{name} float32 searched: loss {loss:.7g} vs {c.ref_loss:.7g}, update error {err:.3g}")
+    assert loss == pytest.approx(c.ref_loss, rel=tolerance(c), abs=0)
+    assert err <= tolerance(c), f"update error {err:.3g}; {worst_leaf(update, c.ref_grads)}"
+
+
+# --- the straight-through estimator, by hand ----------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["reference", "data_parallel", "megatron"])
+def test_ste_gradient_is_the_straight_through_gradient(kind, mesh):
+    c = case("ste")
+    hand = ste_model.hand_grads(c.params, c.batch)
+    got = c.ref_grads if kind == "reference" else soapjax_grads(
+        c, make_strategy(kind, c.graph, "ste"), mesh)
+    err = relative_error(got, hand)
+    assert err <= X64_TOL, f"{kind}: {err:.3g} from the hand gradient; {worst_leaf(got, hand)}"
+    # differentiating round itself would zero the gradient of everything below the quantiser
+    assert float(np.max(np.abs(np.asarray(got["fc1"]["kernel"])))) > 1e-3
+
+
+# --- the corpus is what it says -----------------------------------------------------------------
+
+
+def _primitives(jaxpr) -> set[str]:
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for sub in _subjaxprs(eqn.params):
+            names |= _primitives(sub)
+    return names
+
+
+def _subjaxprs(params: dict):
+    for v in params.values():
+        for x in v if isinstance(v, (tuple, list)) else (v,):
+            if hasattr(x, "jaxpr") and hasattr(x.jaxpr, "eqns"):
+                yield x.jaxpr
+            elif hasattr(x, "eqns"):
+                yield x
+
+
+IDIOMS = {
+    "resnet18": {"conv_general_dilated", "reduce_window_max"},
+    "ste": {"custom_vjp_call"},
+    "safe_norm": {"custom_jvp_call"},
+    "nnx_scan_transformer": {"scan", "remat2"},
+    "linen_scan_transformer": {"scan", "remat2"},
+    "linen_remat_scan_transformer": {"scan", "remat2"},
+    "gqa_decoder": {"dot_general"},
+    "dropout_nnx": {"random_bits"},
+    "mixed_precision": {"convert_element_type"},
+    "named_axis_bn": {"psum"},
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_corpus_model_uses_its_idiom(name):
+    c = case(name)
+    with jax.enable_x64(True):
+        closed = jax.make_jaxpr(c.pure_loss)(c.params, c.batch)
+    prims = _primitives(closed.jaxpr)
+    assert IDIOMS[name] <= prims, f"{name}: missing {IDIOMS[name] - prims}"
+    if name == "mixed_precision":
+        dots = [e for e in _eqns(closed.jaxpr) if e.primitive.name == "dot_general"]
+        assert dots and all(e.invars[0].aval.dtype == jnp.bfloat16 for e in dots)
+
+
+def _eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in _subjaxprs(eqn.params):
+            yield from _eqns(sub)
