@@ -29,7 +29,10 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import hashlib
 import inspect
+import json
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -171,6 +174,10 @@ class Operator:
       outputs: the values it exports; `outputs[0]` is the primary output.
       num_equations: how many (inlined) equations were grouped into it.
       replicate_only: built around a primitive soapjax does not understand: never split.
+      block_position: for an operator of one iteration of a scan over layers, its name with
+        the layer index replaced by ``*`` (``layers_*/fc1``): the operators of the same
+        position in every layer, which share one config (the paper's repeated blocks); ''
+        otherwise.
     """
 
     name: str
@@ -186,6 +193,7 @@ class Operator:
     outputs: tuple[OutputTensor, ...]
     num_equations: int
     replicate_only: bool = False
+    block_position: str = ""
 
     @property
     def iteration_sizes(self) -> tuple[int, ...]:
@@ -264,14 +272,22 @@ class OpGraph:
         for op in self.operators:
             if op.name == name:
                 return op
-        import difflib
-
         near = difflib.get_close_matches(name, [o.name for o in self.operators], n=3)
         hint = f"; did you mean {', '.join(repr(n) for n in near)}?" if near else ""
         raise KeyError(f"no operator {name!r} in graph {self.name!r}{hint}")
 
     def index(self, name: str) -> int:
         return self.operators.index(self.operator(name))
+
+    def repeated_blocks(self) -> list[list[int]]:
+        """Indices of operators at the same position of every layer of a scan over layers
+        (equal `Operator.block_position`, equal iteration dims), in groups of two or more."""
+        groups: dict[tuple, list[int]] = {}
+        for i, op in enumerate(self.operators):
+            if op.block_position:
+                key = (op.block_position, op.iteration_sizes, op.iteration_roles, op.anchor)
+                groups.setdefault(key, []).append(i)
+        return [g for g in groups.values() if len(g) > 1]
 
     @property
     def batch_size(self) -> int:
@@ -285,9 +301,6 @@ class OpGraph:
 
     def fingerprint(self) -> str:
         """A stable hash of names, shapes, roles and edges (for plan files)."""
-        import hashlib
-        import json
-
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
 
     def to_json(self) -> dict[str, Any]:
@@ -327,11 +340,6 @@ class OpGraph:
             lines.append("replicate-only (primitives soapjax does not understand): "
                          + ", ".join(self.unsupported))
         return "\n".join(lines)
-
-    def _repr_html_(self) -> str:
-        from soapjax.report import graph_html
-
-        return graph_html(self)
 
     def evaluate(self, *flat_inputs, on_output: Callable[[Operator, int, Any], Any] | None = None,
                  replace: Mapping[str, Callable[..., Sequence[Any]]] | None = None):
@@ -818,7 +826,6 @@ def module_of_param(path: str) -> str:
     ``"['layers_3']['attn']['query']['kernel'].value"`` (nnx) both give
     ``"layers_3/attn/query"``.
     """
-    import re
 
     parts = re.findall(r"\['([^']*)'\]|\[(\d+)\]|\.(\w+)", path)
     keys = [a or b or c for a, b, c in parts]
@@ -914,19 +921,23 @@ class _Builder:
         top_modules = {module_of_param(l.path).split("/")[0] for l in self.param_of.values()}
         strip = len(roots) == 1 and not (roots & top_modules)
         self.module = []
+        self.position: list[str] = []
         for i, s in enumerate(stacks):
             s = [c for c in (s[1:] if strip and s else s) if _MODULE_NAME.fullmatch(c)]
             mod = "/".join(s)
             if not mod:
                 mod = _common_prefix([module_of_param(self._param_leaf(v).path)
                                       for v in self.p.units[i].ins if self._param_leaf(v)])
-            self.module.append(self._iteration_module(mod, self.p.units[i].iteration))
+            it = self.p.units[i].iteration
+            self.module.append(self._iteration_module(mod, it))
+            self.position.append(self._iteration_module(mod, it, lambda _: "*") if it else "")
 
     def _param_leaf(self, vid: int) -> LeafInfo | None:
         """The parameter leaf a value is, or is a layer slice of."""
         return self.param_of.get(self.p.slice_of.get(vid, (vid, ()))[0])
 
-    def _iteration_module(self, mod: str, iteration: tuple[tuple[int, int], ...]) -> str:
+    def _iteration_module(self, mod: str, iteration: tuple[tuple[int, int], ...],
+                          index: Callable[[int], str] = str) -> str:
         """The module path of a unit of unrolled layer-scan iterations: ``layers/fc1`` in
         iteration 3 of the scan over ``layers`` is ``layers_3/fc1``, as unrolled layers are
         named; a path outside the scanned module gets the index as a new leading component."""
@@ -934,11 +945,11 @@ class _Builder:
             block = self._scan_block(scan)
             for done_scan, done_t in iteration[:[s for s, _ in iteration].index(scan)]:
                 block = self._rename(block, self._scan_block(done_scan), done_t)
-            mod = self._rename(mod, block, t)
+            mod = self._rename(mod, block, index(t))
         return mod
 
     @staticmethod
-    def _rename(mod: str, block: str, t: int) -> str:
+    def _rename(mod: str, block: str, t: int | str) -> str:
         if block and (mod == block or mod.startswith(block + "/")):
             return f"{block}_{t}{mod[len(block):]}"
         return "/".join(x for x in (f"{block or 'layer'}_{t}", mod) if x)
@@ -1209,11 +1220,15 @@ class _Builder:
         flops = sum(self.info[i].flops for i in group)
         nbytes = sum(o.nbytes for o in operands) + sum(t.nbytes for t in outputs)
         unknown = self._kind(anchor) == "unknown"
+        position = self.position[anchor]
+        if position:  # the same position in every layer: the operator's name, layer-free
+            position += name[len(self.group_module[g]):]
         return Operator(name=name, module=self.group_module[g], anchor=self._anchor_name(anchor),
                         shape=out_shape, dtype=self.p.dtypes[out_vid], roles=tuple(roles),
                         reduction_dims=tuple(red_dims), flops=float(flops),
                         bytes_accessed=float(nbytes), inputs=tuple(operands), outputs=outputs,
-                        num_equations=len(group), replicate_only=unknown)
+                        num_equations=len(group), replicate_only=unknown,
+                        block_position=position)
 
     def _reduction_role(self, ls, k, iter_of, inputs, lab) -> Role:
         for v in inputs:

@@ -147,12 +147,35 @@ def _cost(sim: Simulation) -> float:
 
 def random_strategy(graph: OpGraph, mesh: MeshShape, rng: np.random.Generator,
                     limits: SpaceLimits = SpaceLimits()) -> Strategy:
-    """A config for every operator drawn uniformly from its SOAP space."""
-    return Strategy(tuple(_pick(configs(op, mesh, limits), rng) for op in graph.operators))
+    """A config for every operator drawn uniformly from its SOAP space (one per repeated
+    block position: every layer of a scan over layers gets the same)."""
+    picked = [_pick(configs(op, mesh, limits), rng) for op in graph.operators]
+    for group in graph.repeated_blocks():
+        for j in group[1:]:
+            picked[j] = picked[group[0]]
+    return Strategy(tuple(picked))
 
 
 def _pick(choices, rng):
     return choices[int(rng.integers(len(choices)))]
+
+
+def _propose_all(sim: Simulation, members: list[int], config) -> list:
+    """Delta-simulates every member taking `config`; all but the last change are accepted,
+    the last stays pending. Returns the members' old configs (for `_undo_all`)."""
+    olds = [sim.strategy[j] for j in members]
+    for j in members[:-1]:
+        sim.propose(j, config)
+        sim.accept()
+    sim.propose(members[-1], config)
+    return olds
+
+
+def _undo_all(sim: Simulation, members: list[int], olds: list) -> None:
+    """After `reject` of the last member's change, puts the other members back."""
+    for j, old in zip(reversed(members[:-1]), reversed(olds[:-1])):
+        sim.propose(j, old)
+        sim.accept()
 
 
 class _Searcher:
@@ -165,7 +188,11 @@ class _Searcher:
         self.rng = np.random.default_rng(settings.seed)
         mesh = MeshShape.of(sim.topology)
         self.spaces = [configs(op, mesh, settings.limits) for op in sim.graph.operators]
-        self.movable = [i for i, s in enumerate(self.spaces) if len(s) > 1]
+        # Operators at the same position of every layer of a scan over layers move together:
+        # a 48-layer model costs the search what one layer costs.
+        self.tied = {i: g for g in sim.graph.repeated_blocks() for i in g}
+        self.movable = [i for i, s in enumerate(self.spaces)
+                        if len(s) > 1 and self.tied.get(i, [i])[0] == i]
         self.proposals = self.accepted = 0
         self.best: tuple[float, Strategy, str] | None = None
         self.t0 = time.perf_counter()
@@ -206,11 +233,14 @@ class _Searcher:
             config = _pick(self.spaces[i], rng)
             n += 1
             self.proposals += 1
+            members = self.tied.get(i, [i])
             if s.simulation == "full":
-                candidate = strategy.replace(i, config)
+                candidate = strategy
+                for j in members:
+                    candidate = candidate.replace(j, config)
                 sim.reset(candidate)
             else:
-                sim.propose(i, config)
+                olds = _propose_all(sim, members, config)
             new = _cost(sim)
             if new <= current or rng.random() < math.exp(beta * (current - new)):
                 if s.simulation == "full":
@@ -228,6 +258,7 @@ class _Searcher:
             else:
                 if s.simulation == "delta":
                     sim.reject()  # (full: the next proposal resets the simulation anyway)
+                    _undo_all(sim, members, olds)
                 since_best += 1
             self._report(name)
 

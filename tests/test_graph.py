@@ -273,3 +273,130 @@ def test_graph_table(capsys):
     assert cli.main(["graph", "--model", "gpt2", "--config", "tiny"]) == 0
     out = capsys.readouterr().out
     assert "layers_0/attn/query" in out and "[8S,8A,2P,16P]" in out
+
+
+# --- scans over layers and remat regions ------------------------------------------------------
+
+
+def _scanned_mlp(kind: str):
+    """A 3-layer residual MLP written as users write scan over layers (linen or nnx)."""
+    from flax import nnx
+
+    x, y = jnp.ones((8, 16)), jnp.arange(8) % 10
+    if kind == "nnx":
+        class Block(nnx.Module):
+            def __init__(self, rngs):
+                self.fc1 = nnx.Linear(16, 64, rngs=rngs)
+                self.fc2 = nnx.Linear(64, 16, rngs=rngs)
+
+            def __call__(self, h):
+                return h + self.fc2(jax.nn.gelu(self.fc1(h)))
+
+        class Net(nnx.Module):
+            def __init__(self, rngs):
+                self.layers = _make(rngs)
+                self.head = nnx.Linear(16, 10, rngs=rngs)
+
+            def __call__(self, h):
+                h = nnx.scan(nnx.remat(lambda h, b: (b(h), None)),
+                             in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(h, self.layers)[0]
+                return self.head(h)
+
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def _make(rngs):
+            return Block(rngs)
+
+        model = Net(nnx.Rngs(0))
+        graphdef, params = nnx.split(model, nnx.Param)
+
+        def loss_fn(p, batch):
+            logits = nnx.merge(graphdef, p)(batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        return loss_fn, params, {"x": x, "y": y}
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            return h + nn.Dense(16, name="fc2")(nn.gelu(nn.Dense(64, name="fc1")(h))), None
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, h):
+            scanned = nn.scan(nn.remat(Block), variable_axes={"params": 0},
+                              split_rngs={"params": True}, length=3)
+            return nn.Dense(10, name="head")(scanned(name="layers")(h, None)[0])
+
+    net = Net()
+    params = net.init(jax.random.key(0), x)
+
+    def loss_fn(p, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(net.apply(p, batch["x"]),
+                                                               batch["y"]).mean()
+    return loss_fn, params, {"x": x, "y": y}
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_a_scan_over_layers_is_planned_layer_by_layer(kind):
+    from soapjax import baselines, load_topology
+    from soapjax.space import MeshShape, param_specs
+
+    loss_fn, params, batch = _scanned_mlp(kind)
+    g = trace(loss_fn, params, batch)
+    names = [op.name for op in g.operators]
+    assert [n for n in names if n.endswith("fc1")] == ["layers_0/fc1", "layers_1/fc1",
+                                                       "layers_2/fc1"]
+    fc1 = g.operator("layers_1/fc1")
+    assert fc1.block_position == "layers_*/fc1" and fc1.roles == ("S", "P")
+    kernel = next(o for o in fc1.inputs if o.kind == "param" and len(o.shape) == 2)
+    assert kernel.layer == (1,) and kernel.shape == (16, 64)  # the layer's slice, not the stack
+    assert kernel.source == kernel.leaf_path + "[1]"
+    blocks = [[g.operators[i].name for i in b] for b in g.repeated_blocks()]
+    assert ["layers_0/fc1", "layers_1/fc1", "layers_2/fc1"] in blocks
+    # Megatron splits the stacked kernels like their per-layer slices, the layer dim whole.
+    topo = load_topology("cpu8")
+    mesh = MeshShape.of(topo)
+    specs = param_specs(g, baselines.baselines(g, topo)["megatron"], mesh)
+    fc1_kernel = next(p for p in specs if "fc1" in p and "kernel" in p)
+    assert specs[fc1_kernel] == ((), (), ("model",))
+    fc2_kernel = next(p for p in specs if "fc2" in p and "kernel" in p)
+    assert specs[fc2_kernel] == ((), ("model",), ())
+
+
+def test_remat_regions_are_evaluated_under_checkpoint():
+    loss_fn, params, batch = _scanned_mlp("linen")
+    g = trace(loss_fn, params, batch)
+    assert g.program.regions and all(r["policy"] is None for r in g.program.regions)
+
+    def evaluated(p, b):
+        return g.evaluate(*jax.tree.leaves(p), *jax.tree.leaves(b))
+
+    prims = {e.primitive.name for e in jax.make_jaxpr(evaluated)(params, batch).jaxpr.eqns}
+    assert "remat2" in prims and "scan" not in prims  # the layers unrolled, each remat kept
+    want = jax.grad(loss_fn)(params, batch)
+    got = jax.grad(evaluated)(params, batch)
+    err = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(got),
+                                                           jax.tree.leaves(want)))
+    assert err <= 1e-6 * max(float(jnp.abs(a).max()) for a in jax.tree.leaves(want))
+
+
+def test_named_axis_batch_norm_under_vmap_is_a_reduction():
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.BatchNorm(use_running_average=False, axis_name="batch")(nn.Dense(16)(x))
+            return nn.Dense(10)(x)
+
+    net, x = Net(), jnp.ones((8, 12))
+    variables = jax.vmap(lambda r: net.init(jax.random.key(0), r), axis_name="batch")(x)
+    variables = jax.tree.map(lambda a: a[0], variables)
+
+    def loss_fn(p, batch):
+        def one(r):
+            return net.apply({"params": p, "batch_stats": variables["batch_stats"]}, r,
+                             mutable=["batch_stats"])[0]
+        return jax.vmap(one, axis_name="batch")(batch).sum()
+
+    g = trace(loss_fn, variables["params"], x)
+    assert not g.unsupported and not any(op.replicate_only for op in g.operators)
+    assert "psum" in {u.eqn.primitive.name for u in g.program.units}

@@ -169,3 +169,25 @@ def test_find_plan_is_the_search_with_its_defaults():
 def test_search_settings_refuse_nonsense_numbers(field, value, message):
     with pytest.raises(SettingsError, match=re.escape(f"SearchSettings.{message}")):
         SearchSettings(**{field: value})
+
+
+def test_layers_of_a_scan_share_one_config_and_delta_equals_full():
+    """A scan over layers is searched as one block: every layer's operator at one position
+    moves together, and the tied moves keep delta simulation equal to full simulation."""
+    from test_graph import _scanned_mlp
+
+    loss_fn, params, batch = _scanned_mlp("nnx")
+    g = trace(loss_fn, params, batch)
+    topo = load_topology("cpu8")
+    cm = cost_model(g, topo, mode="analytic")
+    runs = {mode: search(g, topo, cost_model=cm, settings=SearchSettings(
+                max_proposals=150, seed=3, num_random=2, simulation=mode))
+            for mode in ("delta", "full")}
+    delta, full = runs["delta"], runs["full"]
+    assert full.strategy == delta.strategy and full.step_time_s == delta.step_time_s
+    assert [t for _, t in full.history] == [t for _, t in delta.history]
+    sim = make_simulation(g, topo, cost_model=cm, strategy=delta.strategy)
+    assert sim.step_time() == delta.step_time_s
+    assert len(g.repeated_blocks()) == 2  # fc1 and fc2 of every layer (the residual folds in)
+    for group in g.repeated_blocks():  # the starts give every layer alike; moves keep it so
+        assert len({delta.strategy[i] for i in group}) == 1, [g.operators[i].name for i in group]
