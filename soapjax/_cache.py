@@ -1,11 +1,13 @@
 """Where soapjax keeps its on-disk caches: one root, one folder per kind.
 
 ``$SOAPJAX_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/soapjax``, else ``~/.cache/soapjax``.
-Under it: ``reshard/`` (XLA's resharding collectives, `soapjax.reshard`) and ``plans/`` (the
-training helper's searched plans, `soapjax.training`); measured operator times have their own
-rule (`soapjax.cost.default_cache_dir`: ``costs/`` under the same root, or the variable's folder
-itself). Every cache treats an unreadable or corrupt entry as a miss, with a warning, and
-rewrites it.
+Under it, one folder per kind: ``costs/`` (measured operator times, `soapjax.cost`),
+``reshard/`` (XLA's resharding collectives, `soapjax.reshard`) and ``plans/`` (the training
+helper's searched plans, `soapjax.training`). Every cache treats an unreadable or corrupt entry
+as a miss, with a warning, and rewrites it.
+
+>>> cache_root("~/my-cache") == Path.home() / "my-cache"  # a folder given wins
+True
 """
 
 from __future__ import annotations

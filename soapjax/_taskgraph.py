@@ -39,14 +39,10 @@ from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
+from soapjax.collectives import bytes_sent, kind_name
 from soapjax.graph import OpGraph
 from soapjax.space import MeshShape
-from soapjax.topology import SENT_FRACTION
 
-# Latency steps of the ring algorithm of each collective over n devices.
-_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
-          "reduce_scatter": lambda n: n - 1, "all_to_all": lambda n: n - 1,
-          "collective_permute": lambda n: 1, "point_to_point": lambda n: 1}
 _NAN = float("nan")
 NONE = 0  # the id of the sentinel task that stands for "no task"
 CHAIN = 64  # the most collectives one resharding may take (keys leave room for this many)
@@ -170,13 +166,11 @@ class TaskGraph:
             s = 0.0
             for d in deps[t]:
                 e = end[d]
-                if e > s:
-                    s = e
+                s = max(s, e)
             rs = res[t]
             for r in rs:
                 e = last[r]
-                if e > s:
-                    s = e
+                s = max(s, e)
             e = s + dur[t]
             start[t] = s
             end[t] = e
@@ -283,11 +277,9 @@ class TaskGraph:
     def _update_reach(self, t: int) -> None:
         key, out = self.key, -1
         for m in self.succ[t]:
-            if key[m] > out:
-                out = key[m]
+            out = max(out, key[m])
         for m in self.rnext[t]:
-            if key[m] > out:
-                out = key[m]
+            out = max(out, key[m])
         self.reach[t] = out
 
     def sweep(self) -> None:
@@ -316,19 +308,16 @@ class TaskGraph:
             s = 0.0
             for d in deps[t]:
                 e = end[d]
-                if e > s:
-                    s = e
+                s = max(s, e)
             rs = res[t]
             for r in rs:
                 e = last[r]
-                if e > s:
-                    s = e
+                s = max(s, e)
             e = s + dur[t]
             start[t] = s
             if e != end[t]:
                 end[t] = e
-                if reach[t] > hi:
-                    hi = reach[t]
+                hi = max(hi, reach[t])
             for r in rs:
                 last[r] = e
 
@@ -405,30 +394,26 @@ class Pricing:
         """A collective priced, or None when it moves nothing (one device, no bytes).
 
         A collective whose groups span only part of `axes` (XLA gathering over two of an axis's
-        four devices: ``group_size``) is priced with the ring formulas of
-        `Topology.collective_time` for that many devices, at the bandwidth and latency of a ring
-        over the whole of `axes`.
+        four devices: ``group_size``) is priced by `Topology.collective_time` for that many
+        devices.
         """
         key = (kind, nbytes, tuple(axes), group_size)
         if key in self._comms:
             return self._comms[key]
-        kind = kind.replace("-", "_")
+        kind = kind_name(kind)
         ordered = tuple(a for a in self.mesh.axis_names if a in key[2])
         n = self.mesh.degree(ordered)
         out = None
         if 1 < group_size < n:
             n = group_size
-            ring = self.topology.ring_stats(ordered)
-            dur = SENT_FRACTION[kind](n) * nbytes / ring.bandwidth + _STEPS[kind](n) * ring.latency
-        elif n > 1 and nbytes > 0:
-            dur = self.topology.collective_time(kind, nbytes, ordered)
         if n > 1 and nbytes > 0:
+            dur = self.topology.collective_time(kind, nbytes, ordered, group_size=n)
             ring = self.topology.ring_stats(ordered)
             res = self.subset_res[ordered]
             link_class = (self.topology.links[ring.link].link_class if ring.link is not None
                           else self.resource_channels[res[0]][0].split("/")[-1])
             out = Comm(kind, round(nbytes), ordered, dur, res, link_class,
-                       SENT_FRACTION[kind](n) * nbytes)
+                       bytes_sent(kind, nbytes, n))
         self._comms[key] = out
         return out
 

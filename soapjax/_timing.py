@@ -23,7 +23,7 @@ program has read the arguments matters: kicked first, XLA fuses the kick into th
 own fusions, which then copy every argument each iteration (30x slower for an elementwise
 operator on CPU). The carry is donated, so no call copies its arguments either. The outputs
 are loop-carried and returned, so none of them is dead code. `loop_hlo` gives the compiled
-text for checking all this (`ops_outside_loops` counts what was hoisted).
+text for checking all this (`soapjax.hlo.ops_outside_loops` counts what was hoisted).
 
 Also here: the loops of an optimizer update and of a whole training step, and `DiskCache`,
 the on-disk store of measurements that `soapjax.cost` reads and writes.
@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from soapjax._cache import cache_root
 from soapjax._dtypes import is_float, is_key
 
 log = logging.getLogger("soapjax.cost")
@@ -407,70 +408,14 @@ def time_train_step(workload: Any, options: TimingOptions = TimingOptions()) -> 
     return time_loop(step, (params, opt_state, loss0, batch), options)
 
 
-def hlo_computations(hlo: str) -> dict[str, str]:
-    """Splits HLO text into ``{computation name: body text}``."""
-    comps: dict[str, str] = {}
-    name, lines = None, []
-    for line in hlo.splitlines():
-        head = line.strip()
-        if head.endswith("{") and "(" in head and not head.startswith("ROOT"):
-            words = head.removeprefix("ENTRY ").split()
-            name, lines = words[0].lstrip("%"), []
-        elif head == "}" and name is not None:
-            comps[name] = "\n".join(lines)
-            name = None
-        elif name is not None:
-            lines.append(head)
-    return comps
-
-
-def ops_outside_loops(hlo: str, opcode: str) -> int:
-    """How many `opcode` instructions run outside any while loop of an HLO module.
-
-    Follows calls (fusions, `to_apply`, nested computations) from the entry computation but
-    not into while bodies or conditions: anything counted there was hoisted out of the loop.
-    """
-    comps = hlo_computations(hlo)
-    entry = next((ln.split()[1].lstrip("%") for ln in hlo.splitlines()
-                  if ln.startswith("ENTRY ")), None)
-    if entry is None:
-        return 0
-    seen, todo, count = set(), [entry], 0
-    while todo:
-        c = todo.pop()
-        if c in seen or c not in comps:
-            continue
-        seen.add(c)
-        for line in comps[c].splitlines():
-            rhs = line.split("=", 1)[1] if "=" in line else line
-            if f" {opcode}(" in rhs:
-                count += 1
-            if " while(" in rhs:
-                continue
-            for part in rhs.split("%")[1:]:
-                callee = part.split(",")[0].split(")")[0].split("}")[0].strip()
-                if callee in comps and ("calls=%" + callee in rhs or "to_apply=%" + callee in rhs
-                                        or "branch_computations" in rhs):
-                    todo.append(callee)
-    return count
-
-
 # --- the on-disk store -------------------------------------------------------------------------
 
 _SCHEMA = 1
-_CACHE_ENV = "SOAPJAX_CACHE_DIR"
 
 
 def default_cache_dir() -> Path:
-    """Where measurements are cached.
-
-    ``$SOAPJAX_CACHE_DIR``, else ``$XDG_CACHE_HOME/soapjax/costs``, else
-    ``~/.cache/soapjax/costs``.
-    """
-    if os.environ.get(_CACHE_ENV):
-        return Path(os.environ[_CACHE_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "soapjax" / "costs"
+    """Where measurements are cached: ``costs/`` under the soapjax cache root (`_cache`)."""
+    return cache_root() / "costs"
 
 
 def local_platform() -> str:

@@ -407,6 +407,7 @@ def _simulate_inputs(args: argparse.Namespace):
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from soapjax import cost, reshard, simulate, space
+    from soapjax.report import format_bytes
 
     if args.plot:
         _require_plot()
@@ -425,21 +426,18 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(r.to_json())
         return 0
-    def size(n: float) -> str:
-        unit = next((u for u, v in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if n >= v), "B")
-        return f"{n / {'GB': 1e9, 'MB': 1e6, 'kB': 1e3, 'B': 1}[unit]:.4g} {unit}"
-
     m = r.memory
-    links = ", ".join(f"{k} {size(v)}" for k, v in r.bytes_by_link_class.items()) or "none"
+    links = ", ".join(f"{k} {format_bytes(v)}" for k, v in r.bytes_by_link_class.items()) or "none"
     config = f" ({w.config})" if w.config else ""
     print(f"{w.name}{config} on {topo.name} ({r.num_devices} devices), {args.strategy}:")
     print(f"  step time  {r.step_time_s * 1e3:.4g} ms = compute {r.compute_s * 1e3:.4g} ms + "
           f"exposed communication {r.exposed_comm_s * 1e3:.4g} ms ({r.cost_source} costs)")
-    print(f"  sent       {size(r.bytes_moved)} per device ({links})")
-    print(f"  memory     {size(m.total)} per device of {size(r.memory_capacity_bytes)}: "
-          f"{'fits' if r.fits_in_memory else 'DOES NOT FIT'} (params {size(m.params)}, grads "
-          f"{size(m.grads)}, optimizer {size(m.opt_state)}, activations {size(m.activations)}, "
-          f"communication buffers {size(m.comm_buffers)})")
+    print(f"  sent       {format_bytes(r.bytes_moved)} per device ({links})")
+    print(f"  memory     {format_bytes(m.total)} per device of "
+          f"{format_bytes(r.memory_capacity_bytes)}: "
+          f"{'fits' if r.fits_in_memory else 'DOES NOT FIT'} (params {format_bytes(m.params)}, "
+          f"grads {format_bytes(m.grads)}, optimizer {format_bytes(m.opt_state)}, activations "
+          f"{format_bytes(m.activations)}, communication buffers {format_bytes(m.comm_buffers)})")
     if args.trace:
         print(f"  trace      {args.trace} ({len(r.tasks)} tasks; open in https://ui.perfetto.dev)")
     if pictures:

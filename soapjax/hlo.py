@@ -53,6 +53,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from soapjax.collectives import bytes_sent
+
 KINDS: tuple[str, ...] = (
     "all-reduce",
     "all-gather",
@@ -127,9 +129,7 @@ class HloCollective(NamedTuple):
 
     @property
     def sent(self) -> float:
-        """Bytes each device sends in one execution (ring algorithm; `topology.bytes_sent`)."""
-        from soapjax.topology import bytes_sent
-
+        """Bytes each device sends in one execution (ring algorithm; `collectives.bytes_sent`)."""
         return bytes_sent(self.kind, self.nbytes, self.group_size)
 
     @property
@@ -318,6 +318,48 @@ def _executions(module: _Module) -> dict[str, int]:
         if root not in called:
             visit(root, 1, 0)
     return runs
+
+
+def ops_outside_loops(text: str, opcode: str) -> int:
+    """How many `opcode` instructions of an HLO module run outside every while loop.
+
+    Follows calls, fusions, reducers and branches from the entry computation, never into a
+    while loop's body or condition: what it counts was hoisted out of the loops (the timing
+    loop of `soapjax._timing` must keep its work inside).
+
+    >>> ops_outside_loops('''HloModule m
+    ... %body (p: f32[4]) -> f32[4] {
+    ...   %p = f32[4] parameter(0)
+    ...   ROOT %e = f32[4] exponential(%p)
+    ... }
+    ... ENTRY %main (x: f32[4]) -> f32[4] {
+    ...   %x = f32[4] parameter(0)
+    ...   %y = f32[4] exponential(%x)
+    ...   ROOT %w = f32[4] while(%y), condition=%cond, body=%body
+    ... }''', "exponential")
+    1
+    """
+    module = _parse_module(_strip_comments(text))
+    calls: dict[str, list[str]] = {}
+    called: set[str] = set()
+    for caller, insts in module.computations.items():
+        for inst in insts:
+            for _, value in _CALLED.findall(inst.attrs):
+                callees = re.findall(r"%?([\w.\-]+)", value)
+                called.update(callees)
+                if inst.opcode != "while":
+                    calls.setdefault(caller, []).extend(callees)
+    todo = [c for c in module.computations if c not in called]
+    seen: set[str] = set()
+    count = 0
+    while todo:
+        comp = todo.pop()
+        if comp in seen or comp not in module.computations:
+            continue
+        seen.add(comp)
+        count += sum(inst.opcode == opcode for inst in module.computations[comp])
+        todo += calls.get(comp, ())
+    return count
 
 
 def _parse_inst(name: str, rest: str) -> _Inst | None:

@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 from soapjax.errors import MissingDependencyError, PlanError
 from soapjax.graph import OpGraph
 from soapjax.plan import Plan
-from soapjax.report import group_repeats
+from soapjax.report import byte_unit, group_repeats
 from soapjax.space import Config, MeshShape, Strategy
 
 __all__ = ["Cell", "Partition", "comparison_figure", "partitions", "plan_figure",
@@ -434,8 +434,7 @@ def comparison_figure(results: Mapping[str, Any], *, highlight: str | None = Non
     y = range(len(names))
     bt = ax_t.barh(y, [t * scale for t in times], color=colors)
     known = [b for b in sent if not math.isnan(b)]
-    bscale, bunit = next(((v, u) for v, u in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"))
-                          if known and max(known) >= v), (1, "B"))
+    bunit, bscale = byte_unit(max(known, default=0.0))
     bb = ax_b.barh(y, [0 if math.isnan(b) else b / bscale for b in sent], color=colors)
     for name, fit, bar_t, bar_b in zip(names, fits, bt, bb):
         bar_t.set_gid(f"step time/{name}")

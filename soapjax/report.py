@@ -22,15 +22,24 @@ from soapjax.space import Strategy, to_partition_spec
 _INDEX = re.compile(r"^([^/]*?_)(\d+)(?=/)")
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+def byte_unit(n: float) -> tuple[str, float]:
+    """The decimal unit (and its size in bytes) that shows `n` bytes as 1 to 999 of it.
+
+    >>> byte_unit(3.2e8)
+    ('MB', 1000000.0)
+    """
+    return next(((u, v) for u, v in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if n >= v),
+                ("B", 1.0))
 
 
-def _bytes(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
+def format_bytes(n: float) -> str:
+    """Bytes in decimal units, four significant digits: how soapjax prints every size.
+
+    >>> format_bytes(1234567), format_bytes(12), format_bytes(2 * 2**30)
+    ('1.235 MB', '12 B', '2.147 GB')
+    """
+    unit, scale = byte_unit(n)
+    return f"{n / scale:.4g} {unit}"
 
 
 def group_repeats(items: Sequence[tuple[str, Hashable]]) -> list[tuple[str, list[int]]]:
@@ -88,16 +97,18 @@ def plan_report(graph: OpGraph, topology, strategy: Strategy, sim, *,
         note = "" if fits else "  (does not fit in memory)"
         lines.append(f"  {name:<16} {bt * 1e3:10.3f} ms  {bt / t:5.2f}x the plan's time{note}")
     lines.append("")
-    by_class = ", ".join(f"{k} {_bytes(v)}" for k, v in sorted(_items(sim.bytes_by_link_class)))
-    lines.append(f"bytes moved per device per step: {_bytes(sim.bytes_moved)}"
+    by_class = ", ".join(f"{k} {format_bytes(v)}"
+                         for k, v in sorted(_items(sim.bytes_by_link_class)))
+    lines.append(f"bytes moved per device per step: {format_bytes(sim.bytes_moved)}"
                  + (f" ({by_class})" if by_class else ""))
     lines.append(f"compute {sim.compute_s * 1e3:.3f} ms, exposed communication "
                  f"{sim.exposed_comm_s * 1e3:.3f} ms")
     m = sim.memory
-    lines.append(f"memory per device: {_gib(m.total)} of {_gib(sim.memory_capacity_bytes)} "
-                 f"(parameters {_gib(m.params)}, gradients {_gib(m.grads)}, optimizer "
-                 f"{_gib(m.opt_state)}, activations {_gib(m.activations)}, buffers "
-                 f"{_gib(m.comm_buffers)}); same on all {sim.num_devices} devices (SPMD)")
+    lines.append(f"memory per device: {format_bytes(m.total)} of "
+                 f"{format_bytes(sim.memory_capacity_bytes)} (parameters {format_bytes(m.params)}, "
+                 f"gradients {format_bytes(m.grads)}, optimizer {format_bytes(m.opt_state)}, "
+                 f"activations {format_bytes(m.activations)}, buffers "
+                 f"{format_bytes(m.comm_buffers)}); same on all {sim.num_devices} devices (SPMD)")
     return "\n".join(lines)
 
 
@@ -176,12 +187,12 @@ def plan_html(plan) -> str:
     pred = dict(plan.predicted)
     t = plan.step_time_s
     if t:
-        extra = f", sends {_bytes(pred['bytes_moved'])} per device" if "bytes_moved" in pred else ""
+        extra = f", sends {format_bytes(pred['bytes_moved'])} per device" if "bytes_moved" in pred else ""
         lines.append(f"predicted step time {t * 1e3:.4g} ms ({_esc(plan.cost_source)} "
                      f"costs){extra}")
         if pred.get("peak_memory_bytes") and pred.get("memory_capacity_bytes"):
-            lines.append(f"memory per device {_bytes(max(pred['peak_memory_bytes']))} of "
-                         f"{_bytes(pred['memory_capacity_bytes'])}")
+            lines.append(f"memory per device {format_bytes(max(pred['peak_memory_bytes']))} of "
+                         f"{format_bytes(pred['memory_capacity_bytes'])}")
         if plan.baselines:
             lines.append("baselines: " + ", ".join(
                 f"{_esc(n)} {bt * 1e3:.4g} ms ({bt / t:.2f}\u00d7)"
@@ -230,13 +241,13 @@ def graph_html(graph: OpGraph) -> str:
 def sim_html(sim) -> str:
     """A `SimResult` as a small HTML table."""
     m = sim.memory
-    links = ", ".join(f"{_esc(k)} {_bytes(v)}" for k, v in _items(sim.bytes_by_link_class))
+    links = ", ".join(f"{_esc(k)} {format_bytes(v)}" for k, v in _items(sim.bytes_by_link_class))
     rows = [
         ("step time", f"{sim.step_time_s * 1e3:.4g} ms ({_esc(sim.cost_source)} costs)"),
         ("compute", f"{sim.compute_s * 1e3:.4g} ms"),
         ("exposed communication", f"{sim.exposed_comm_s * 1e3:.4g} ms"),
-        ("sent per device", _bytes(sim.bytes_moved) + (f" ({links})" if links else "")),
-        ("memory per device", f"{_bytes(m.total)} of {_bytes(sim.memory_capacity_bytes)}"
+        ("sent per device", format_bytes(sim.bytes_moved) + (f" ({links})" if links else "")),
+        ("memory per device", f"{format_bytes(m.total)} of {format_bytes(sim.memory_capacity_bytes)}"
                               f"{'' if sim.fits_in_memory else ': DOES NOT FIT'}"),
         ("devices, tasks", f"{sim.num_devices}, {len(sim.tasks)}"),
     ]

@@ -102,7 +102,7 @@ class TaskRecord(NamedTuple):
       start_s, end_s: seconds from the start of the step.
       nbytes: a collective's per-device buffer (`Topology.collective_time`'s ``nbytes``); 0 for
         compute.
-      sent: the bytes each device sends in it (`topology.bytes_sent`); 0 for compute.
+      sent: the bytes each device sends in it (`collectives.bytes_sent`); 0 for compute.
     """
 
     name: str

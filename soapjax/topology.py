@@ -1,49 +1,9 @@
 """Topology: the devices, links and named mesh axes of a cluster, and what communication costs.
 
 A topology is one TOML file in ``meshes/`` (``load_topology("p100x16")``) or anywhere else
-(``load_topology("path/to/mine.toml")``). Numbers are SI base units (bytes, bytes/s, seconds,
-FLOP/s); a string with a unit is accepted too and is easier to check against a datasheet:
-``"100 Gb/s"`` (gigaBITS, = 12.5e9 bytes/s), ``"20 GB/s"``, ``"16 GB"``, ``"80 GiB"``, ``"1.5 us"``,
-``"10.6 TFLOP/s"``. Bandwidths are per direction (links are full duplex).
-
-Example (two nodes of two GPUs, NVLink inside a node, InfiniBand between nodes)::
-
-    name = "tiny"                      # optional; defaults to the file's stem
-    platform = "gpu"                   # "gpu" | "cpu" | "tpu"
-
-    [device]
-    kind = "Tesla P100-SXM2-16GB"
-    memory_bytes = "16 GB"
-    memory_bandwidth = "732 GB/s"
-    peak_flops = { float32 = "10.6 TFLOP/s", bfloat16 = "10.6 TFLOP/s", float16 = "21.2 TFLOP/s" }
-
-    [nodes]                            # devices are numbered node by node: device:0 .. device:3
-    count = 2
-    devices_per_node = 2
-    switches = { host = 1 }            # switches inside every node ("host"; a count of 2 gives
-                                       # "plx:0" and "plx:1")
-    [fabric]
-    switches = { ib = 1 }              # switches shared by the whole cluster
-
-    [mesh]
-    axes = { node = 2, gpu = 2 }       # in order; sizes multiply to the device count
-    # device_order = [0, 1, 2, 3]      # mesh position -> device id (default: 0, 1, 2, ...)
-
-    [[links]]                          # scope "node" (default): repeated in every node, and
-    class = "nvlink"                   # device:i is the i-th device of that node
-    bandwidth = "20 GB/s"
-    latency = "1 us"
-    connect = [["device:0", "device:1"]]
-
-    [[links]]
-    class = "infiniband"
-    bandwidth = "100 Gb/s"
-    latency = "1.5 us"
-    connect = [["host", "ib"]]         # "device:*" expands to every device of the node; two
-                                       # starred ends pair up by index ("device:*", "nic:*")
-
-With ``scope = "cluster"`` a link entry is not repeated: ``device:K`` is the global device K and
-``node:N/host`` names a switch inside node N, so any explicit link graph can be written.
+(``load_topology("path/to/mine.toml")``); the file format, with an example, is documented in
+`soapjax._topology_file`. ``load_topology("p100x16-4")`` is the first 4 devices of ``p100x16``
+(`scaled_topology`).
 
 Communication model. Devices and switches are the vertices of a graph whose edges are the links.
 A transfer from one device to another takes the widest path (largest bottleneck bandwidth, then
@@ -70,186 +30,45 @@ channels, not one task per group.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
-import heapq
 import json
 import math
-import re
 import tomllib
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
+import jax
 import numpy as np
+from jax.sharding import AxisType, Mesh
 
-from soapjax.errors import TopologyError
-
-Platform = Literal["gpu", "cpu", "tpu"]
-PLATFORMS: tuple[str, ...] = ("gpu", "cpu", "tpu")
-LINK_CLASSES: tuple[str, ...] = ("nvlink", "pcie", "infiniband", "ethernet", "shared_memory", "ici")
-REQUIRED_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
-KNOWN_DTYPES = (*REQUIRED_DTYPES, "float64", "int8", "float8_e4m3fn", "float8_e5m2")
-COLLECTIVES: tuple[str, ...] = (
-    "all_reduce",
-    "all_gather",
-    "reduce_scatter",
-    "all_to_all",
-    "collective_permute",
-    "point_to_point",
+from soapjax import _topology_file
+from soapjax._routing import Hop, Routes
+from soapjax._routing import RingStats as RingStats
+from soapjax._topology_file import (
+    KNOWN_DTYPES as KNOWN_DTYPES,
+    LINK_CLASSES as LINK_CLASSES,
+    PLATFORMS as PLATFORMS,
+    REQUIRED_DTYPES as REQUIRED_DTYPES,
+    DeviceSpec as DeviceSpec,
+    Link as Link,
+    Platform as Platform,
 )
-ALGORITHMS: tuple[str, ...] = ("auto", "ring", "hierarchical")
+from soapjax.collectives import (
+    ALGORITHMS as ALGORITHMS,
+    COLLECTIVES as COLLECTIVES,
+    bytes_sent as bytes_sent,
+    hierarchical_time,
+    kind_name,
+    ring_time,
+)
+from soapjax.errors import TopologyError
 
 _MESHES_DIRS = (
     Path(__file__).resolve().parent.parent / "meshes",  # a source checkout
     Path(__file__).resolve().parent / "meshes",  # an installed wheel (package data)
 )
-
-# --- units ---------------------------------------------------------------------------------------
-
-_UNITS: dict[str, dict[str, float]] = {
-    "bytes/s": {
-        "B/s": 1.0,
-        "KB/s": 1e3,
-        "MB/s": 1e6,
-        "GB/s": 1e9,
-        "TB/s": 1e12,
-        "Kb/s": 1e3 / 8,
-        "Mb/s": 1e6 / 8,
-        "Gb/s": 1e9 / 8,
-        "Tb/s": 1e12 / 8,
-    },
-    "bytes": {
-        "B": 1.0,
-        "KB": 1e3,
-        "MB": 1e6,
-        "GB": 1e9,
-        "TB": 1e12,
-        "KiB": 2.0**10,
-        "MiB": 2.0**20,
-        "GiB": 2.0**30,
-        "TiB": 2.0**40,
-    },
-    "seconds": {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9},
-    "FLOP/s": {"FLOP/s": 1.0, "GFLOP/s": 1e9, "TFLOP/s": 1e12, "PFLOP/s": 1e15},
-}
-_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z/]+)\s*$")
-
-
-# Bytes each device sends in a ring collective of n devices, as a fraction of its `nbytes`
-# (the `Topology.collective_time` convention).
-SENT_FRACTION = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-                 "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-                 "collective_permute": lambda n: 1.0, "point_to_point": lambda n: 1.0}
-
-
-def bytes_sent(kind: str, nbytes: float, group_size: int) -> float:
-    """Bytes each device sends in one collective (``"all_reduce"`` or ``"all-reduce"``, ...)."""
-    return SENT_FRACTION[kind.replace("-", "_")](group_size) * nbytes
-
-
-def _quantity(value: object, unit: str, where: str, *, allow_zero: bool = False) -> float:
-    """A number in SI base units, or a string such as "100 Gb/s", as a float of `unit`."""
-    units = _UNITS[unit]
-    example = {"bytes/s": '"20 GB/s"', "bytes": '"16 GB"', "seconds": '"1.5 us"'}.get(
-        unit, '"10.6 TFLOP/s"'
-    )
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        x = float(value)
-    elif isinstance(value, str) and (m := _QUANTITY.match(value)) and m.group(2) in units:
-        x = float(m.group(1)) * units[m.group(2)]
-    else:
-        raise TopologyError(
-            f"{where}: expected {unit} as a number or a string like {example} "
-            f"(units: {', '.join(units)}), found {value!r}"
-        )
-    if not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
-        raise TopologyError(f"{where}: expected a positive {unit}, found {value!r}")
-    return x
-
-
-# --- records -------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceSpec:
-    """One accelerator (all devices of a topology are alike).
-
-    Attributes:
-      kind: the device's model name, e.g. ``"H100 SXM5 80GB"``.
-      peak_flops: ``(dtype name, FLOP/s)`` pairs, sorted by name; dense peak, no sparsity.
-      memory_bandwidth: bytes/s of the device's own memory.
-      memory_bytes: size of the device's own memory.
-    """
-
-    kind: str
-    peak_flops: tuple[tuple[str, float], ...]
-    memory_bandwidth: float
-    memory_bytes: int
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "peak_flops", tuple(sorted(self.peak_flops)))
-        names = [n for n, _ in self.peak_flops]
-        missing = [d for d in REQUIRED_DTYPES if d not in names]
-        unknown = [d for d in names if d not in KNOWN_DTYPES]
-        if missing or unknown or len(set(names)) != len(names):
-            raise TopologyError(
-                f"[device].peak_flops: expected one entry for each of {', '.join(REQUIRED_DTYPES)} "
-                f"(optionally {', '.join(KNOWN_DTYPES[3:])}), found {', '.join(names) or 'none'}"
-            )
-        if not self.kind:
-            raise TopologyError("[device].kind: expected a non-empty device name")
-        if min(f for _, f in self.peak_flops) <= 0 or self.memory_bandwidth <= 0:
-            raise TopologyError("[device]: expected positive peak_flops and memory_bandwidth")
-        if self.memory_bytes <= 0:
-            raise TopologyError(f"[device].memory_bytes: expected > 0, found {self.memory_bytes}")
-
-    def peak_flops_for(self, dtype: Any) -> float:
-        """Peak FLOP/s for a dtype, given by name (``"bfloat16"``) or as a numpy/jax dtype.
-
-        Raises:
-          TopologyError: the topology file gives no figure for this dtype.
-        """
-        name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
-        for n, flops in self.peak_flops:
-            if n == name:
-                return flops
-        raise TopologyError(
-            f"device {self.kind!r} has no peak FLOP/s for dtype {name!r}; the topology gives "
-            f"{', '.join(n for n, _ in self.peak_flops)}"
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class Link:
-    """A full-duplex link between two vertices (``device:K``, ``node:N/<switch>``, or ``<switch>``).
-
-    Attributes:
-      a, b: the vertices it joins.
-      link_class: one of :data:`LINK_CLASSES`.
-      bandwidth: bytes/s in each direction.
-      latency: seconds per hop.
-      channel: the simulator resource it belongs to, ``node:N/<class>`` or ``cluster/<class>``.
-    """
-
-    a: str
-    b: str
-    link_class: str
-    bandwidth: float
-    latency: float
-    channel: str
-
-    def __post_init__(self) -> None:
-        if self.link_class not in LINK_CLASSES:
-            raise TopologyError(
-                f"link {self.a} -- {self.b}: class {self.link_class!r} is unknown; expected one "
-                f"of {', '.join(LINK_CLASSES)}"
-            )
-        if self.a == self.b:
-            raise TopologyError(f"link {self.a} -- {self.b}: a link must join two vertices")
-        if not self.bandwidth > 0 or not self.latency >= 0:
-            raise TopologyError(f"link {self.a} -- {self.b}: expected bandwidth > 0, latency >= 0")
 
 
 class Channel(NamedTuple):
@@ -258,30 +77,6 @@ class Channel(NamedTuple):
     id: str  # "node:3/infiniband", "cluster/infiniband"
     link_class: str
     node: int | None  # None for cluster-wide channels
-
-
-class RingStats(NamedTuple):
-    """What a ring over some devices sees, with every ring of the collective running at once.
-
-    Attributes:
-      size: devices per ring (n).
-      bandwidth: bytes/s each device gets (the contended bottleneck).
-      latency: seconds for the slowest hop's path.
-      link: index into ``Topology.links`` of the bottleneck link (None when size < 2).
-      sharing: ring flows crossing the bottleneck link in the same direction.
-      solo_bandwidth: bytes/s of the slowest hop with nothing else on the links.
-    """
-
-    size: int
-    bandwidth: float
-    latency: float
-    link: int | None
-    sharing: int
-    solo_bandwidth: float
-
-
-_Hop = tuple[int, int]  # (link index, 0 for a->b, 1 for b->a)
-_IDLE = RingStats(1, math.inf, 0.0, None, 0, math.inf)
 
 
 # --- the topology --------------------------------------------------------------------------------
@@ -364,7 +159,7 @@ class Topology:
                         f"links: link {i} ({link.a} -- {link.b}): {end!r} is no "
                         f"device or switch of this topology"
                     )
-        self._check_connected()
+        self._routes().check_connected()
 
     # --- structure -------------------------------------------------------------------------------
 
@@ -414,7 +209,7 @@ class Topology:
     def ring_stats(self, axes: Sequence[str]) -> RingStats:
         """The ring over ``axes``: bandwidth, latency, bottleneck link and its sharing."""
         axes = self._normalise_axes(axes)
-        return self._cached(("ring", axes), lambda: self._rings_stats(self.groups(axes)))
+        return self._cached(("ring", axes), lambda: self._routes().rings_stats(self.groups(axes)))
 
     def hierarchy_stats(self, axes: Sequence[str]) -> tuple[RingStats, RingStats] | None:
         """(in-node rings, cross-node rings) of the hierarchical algorithm over ``axes``.
@@ -426,43 +221,39 @@ class Topology:
         return self._cached(("hier", axes), lambda: self._hierarchy(self.groups(axes)))
 
     def collective_time(
-        self, kind: str, nbytes: float, axes: Sequence[str], algorithm: str = "auto"
+        self,
+        kind: str,
+        nbytes: float,
+        axes: Sequence[str],
+        algorithm: str = "auto",
+        *,
+        group_size: int | None = None,
     ) -> float:
         """Seconds a collective over mesh ``axes`` takes, with every group running at once.
 
-        With ``n`` devices per group, ``s = nbytes``, ring bandwidth ``b`` and latency ``a``
-        (:meth:`axis_bandwidth`, :meth:`axis_latency`):
-
-        ==================  ======================================  ===============================
-        kind                ring                                    ``nbytes`` is, per device
-        ==================  ======================================  ===============================
-        all_reduce          ``2(n-1)/n * s/b + 2(n-1) a``           the buffer being reduced
-        all_gather          ``(n-1)/n * s/b + (n-1) a``             the gathered OUTPUT
-        reduce_scatter      ``(n-1)/n * s/b + (n-1) a``             the INPUT
-        all_to_all          ``(n-1)/n * s/b_a2a + (n-1) a_a2a``     the buffer (s/n to each peer)
-        collective_permute  ``s/b + a``                             the buffer sent to one peer
-        point_to_point      ``s/b_solo + a``                        the buffer; one lone transfer
-        ==================  ======================================  ===============================
-
-        ``b_a2a = (n-1) / max over links (flows/bandwidth)`` with every device sending to every
-        other at once (on a switch it equals ``b``; it is larger where direct links add up), and
-        ``a_a2a`` the slowest pair's latency. ``b_solo`` is ``b`` with nothing else on the links.
-        Hierarchical, with ``m`` devices per node (``b_l``, ``a_l``) and ``k`` nodes (``b_x``,
-        ``a_x``), writing ``RS/AG(s, n, b, a) = (n-1)/n * s/b + (n-1) a``:
-        all_reduce = ``RS(s, m) + AR(s/m, k) + AG(s, m)``; all_gather = ``AG(s/m, k) + AG(s, m)``;
-        reduce_scatter = ``RS(s, m) + RS(s/m, k)``.
+        The ring formulas are the table of `soapjax.collectives` with ``n`` devices per group,
+        at ring bandwidth ``b`` and latency ``a`` (:meth:`axis_bandwidth`, :meth:`axis_latency`),
+        except that all_to_all runs at ``b_a2a = (n-1) / max over links (flows/bandwidth)`` with
+        every device sending to every other at once (on a switch it equals ``b``; it is larger
+        where direct links add up) and ``a_a2a``, the slowest pair's latency, and
+        point_to_point at ``b_solo``, ``b`` with nothing else on the links. Hierarchical: in-node
+        rings of ``m`` devices, then cross-node rings of ``k`` nodes
+        (`soapjax.collectives.hierarchical_time`).
 
         Args:
           kind: one of :data:`COLLECTIVES` (HLO spellings like ``"all-reduce"`` work too).
-          nbytes: bytes, per the table.
+          nbytes: bytes per device, in the table's convention.
           axes: mesh axis names; ``()`` costs nothing.
           algorithm: ``"ring"``, ``"hierarchical"`` (all_reduce, all_gather, reduce_scatter) or
             ``"auto"``, the cheaper of the two.
+          group_size: devices per group where a group spans only part of `axes` (XLA gathering
+            over two of an axis's four devices): the ring formulas for that many devices, at
+            the bandwidth and latency a ring over the whole of `axes` sees.
 
         Raises:
           TopologyError: unknown kind, algorithm or axis; hierarchical asked where it cannot run.
         """
-        kind = kind.replace("-", "_")
+        kind = kind_name(kind)
         if kind not in COLLECTIVES:
             raise TopologyError(
                 f"collective kind {kind!r}: expected one of {', '.join(COLLECTIVES)}"
@@ -474,7 +265,14 @@ class Topology:
         ring = self.ring_stats(axes)
         if ring.size == 1:
             return 0.0
-        flat = self._ring_time(kind, nbytes, axes, ring)
+        if group_size is not None and group_size != ring.size:
+            if not 1 <= group_size < ring.size or algorithm == "hierarchical":
+                raise TopologyError(
+                    f"group_size {group_size} over axes {tuple(axes)}: expected 1 .. "
+                    f"{ring.size} with the ring algorithm"
+                )
+            return self._ring_time(kind, nbytes, axes, ring, group_size)
+        flat = self._ring_time(kind, nbytes, axes, ring, ring.size)
         if algorithm == "ring" or kind not in ("all_reduce", "all_gather", "reduce_scatter"):
             if algorithm == "hierarchical":
                 raise TopologyError(
@@ -490,7 +288,8 @@ class Topology:
                     f"needs the same number of devices of a group in each node"
                 )
             return flat
-        tiered = _hierarchical_time(kind, nbytes, *hier)
+        local, cross = hier
+        tiered = hierarchical_time(kind, nbytes, local[:3], cross[:3])
         return tiered if algorithm == "hierarchical" else min(flat, tiered)
 
     def links_used(self, axes: Sequence[str]) -> tuple[int, ...]:
@@ -592,77 +391,9 @@ class Topology:
             )
         return tuple(a for a in self.axis_names if a in axes)  # mesh order: one cache entry
 
-    def _graph(self) -> tuple[dict[str, int], list[list[tuple[int, int, int]]]]:
-        def build() -> tuple[dict[str, int], list[list[tuple[int, int, int]]]]:
-            names = [f"device:{d}" for d in range(self.num_devices)] + list(self.switches)
-            index = {v: i for i, v in enumerate(names)}
-            adj: list[list[tuple[int, int, int]]] = [[] for _ in names]
-            for i, link in enumerate(self.links):
-                adj[index[link.a]].append((index[link.b], i, 0))
-                adj[index[link.b]].append((index[link.a], i, 1))
-            return index, adj
-
-        return self._cached(("graph",), build)
-
-    def _routes_from(self, src: int) -> dict[int, tuple[_Hop, ...]]:
-        """Widest-then-shortest paths from device ``src`` to every device it reaches."""
-
-        def build() -> dict[int, tuple[_Hop, ...]]:
-            _, adj = self._graph()
-            best = {src: (-math.inf, 0)}
-            back: dict[int, tuple[int, int, int]] = {}
-            heap = [(-math.inf, 0, src)]
-            while heap:
-                neg_bw, hops, v = heapq.heappop(heap)
-                if (neg_bw, hops) > best[v] or (v != src and v < self.num_devices):
-                    continue  # stale entry, or a device: devices do not forward
-                for w, link, direction in adj[v]:
-                    key = (max(neg_bw, -self.links[link].bandwidth), hops + 1)
-                    if w not in best or key < best[w]:
-                        best[w], back[w] = key, (v, link, direction)
-                        heapq.heappush(heap, (*key, w))
-            routes = {}
-            for dst in range(self.num_devices):
-                if dst in back:
-                    path, v = [], dst
-                    while v != src:
-                        v, link, direction = back[v]
-                        path.append((link, direction))
-                    routes[dst] = tuple(reversed(path))
-            return routes
-
-        return self._cached(("routes", src), build)
-
-    def _route(self, a: int, b: int) -> tuple[_Hop, ...]:
-        return self._routes_from(a)[b]
-
-    def _check_connected(self) -> None:
-        reached = self._routes_from(0)
-        for d in range(1, self.num_devices):
-            if d not in reached:
-                raise TopologyError(
-                    f"links: device:{d} cannot reach device:0; expected the links to join every "
-                    f"pair of devices"
-                )
-
-    def _rings_stats(self, rings: Iterable[Sequence[int]]) -> RingStats:
-        load: Counter[_Hop] = Counter()
-        size, latency, solo = 1, 0.0, math.inf
-        for ring in rings:
-            size = max(size, len(ring))
-            if len(ring) < 2:
-                continue
-            for a, b in zip(ring, (*ring[1:], ring[0])):
-                route = self._route(a, b)
-                load.update(route)
-                latency = max(latency, sum(self.links[i].latency for i, _ in route))
-                solo = min(solo, min(self.links[i].bandwidth for i, _ in route))
-        if not load:
-            return _IDLE
-        hop = min(load, key=lambda h: (self.links[h[0]].bandwidth / load[h], h))
-        return RingStats(
-            size, self.links[hop[0]].bandwidth / load[hop], latency, hop[0], load[hop], solo
-        )
+    def _routes(self) -> Routes:
+        return self._cached(("routes",), lambda: Routes(self.num_devices, self.switches,
+                                                         self.links))
 
     def _hierarchy(self, groups: Sequence[Sequence[int]]) -> tuple[RingStats, RingStats] | None:
         local, cross = [], []
@@ -675,53 +406,20 @@ class Topology:
                 return None
             local += parts
             cross += [tuple(p[r] for p in parts) for r in range(len(parts[0]))]
-        return self._rings_stats(local), self._rings_stats(cross)
+        return self._routes().rings_stats(local), self._routes().rings_stats(cross)
 
-    def _all_pairs(self, axes: Sequence[str]) -> tuple[Counter[_Hop], float]:
+    def _all_pairs(self, axes: Sequence[str]) -> tuple[Counter[Hop], float]:
         """Flows per link direction when every device of every group sends to every other."""
         axes = self._normalise_axes(axes)
+        return self._cached(("pairs", axes), lambda: self._routes().all_pairs(self.groups(axes)))
 
-        def build() -> tuple[Counter[_Hop], float]:
-            load: Counter[_Hop] = Counter()
-            latency = 0.0
-            for group in self.groups(axes):
-                for a in group:
-                    for b in group:
-                        if a != b:
-                            route = self._route(a, b)
-                            load.update(route)
-                            latency = max(latency, sum(self.links[i].latency for i, _ in route))
-            return load, latency
-
-        return self._cached(("pairs", axes), build)
-
-    def _ring_time(self, kind: str, s: float, axes: Sequence[str], r: RingStats) -> float:
-        n = r.size
-        if kind == "all_reduce":
-            return 2 * (n - 1) / n * s / r.bandwidth + 2 * (n - 1) * r.latency
-        if kind in ("all_gather", "reduce_scatter"):
-            return _gather_time(s, n, r.bandwidth, r.latency)
-        if kind == "collective_permute":
-            return s / r.bandwidth + r.latency
-        if kind == "point_to_point":
-            return s / r.solo_bandwidth + r.latency
-        load, latency = self._all_pairs(axes)  # all_to_all
-        b_a2a = (n - 1) / max(load[h] / self.links[h[0]].bandwidth for h in load)
-        return (n - 1) / n * s / b_a2a + (n - 1) * latency
-
-
-def _gather_time(s: float, n: int, bandwidth: float, latency: float) -> float:
-    """Ring all-gather (s = output) or reduce-scatter (s = input) over n devices."""
-    return 0.0 if n <= 1 else (n - 1) / n * s / bandwidth + (n - 1) * latency
-
-
-def _hierarchical_time(kind: str, s: float, local: RingStats, cross: RingStats) -> float:
-    m, k = local.size, cross.size
-    in_node = _gather_time(s, m, local.bandwidth, local.latency)
-    if kind == "all_reduce":
-        across = 2 * _gather_time(s / m, k, cross.bandwidth, cross.latency)
-        return 2 * in_node + across
-    return in_node + _gather_time(s / m, k, cross.bandwidth, cross.latency)
+    def _ring_time(self, kind: str, s: float, axes: Sequence[str], r: RingStats, n: int) -> float:
+        """The table's ring formula for `n` devices at what a ring over `axes` sees."""
+        if kind == "all_to_all":
+            load, latency = self._all_pairs(axes)
+            return ring_time(kind, s, n, self._routes().all_to_all_bandwidth(load, r.size), latency)
+        bandwidth = r.solo_bandwidth if kind == "point_to_point" else r.bandwidth
+        return ring_time(kind, s, n, bandwidth, r.latency)
 
 
 # --- loading -------------------------------------------------------------------------------------
@@ -758,7 +456,7 @@ def load_topology(name_or_path: str | Path) -> Topology:
     except tomllib.TOMLDecodeError as e:
         raise TopologyError(f"{path}: not valid TOML: {e}") from None
     try:
-        return _parse(data, default_name=path.stem, source=str(path))
+        return Topology(**_topology_file.parse(data, default_name=path.stem, source=str(path)))
     except TopologyError as e:
         raise TopologyError(f"{path}: {e}") from None
 
@@ -844,245 +542,10 @@ def scaled_topology(topology: Topology | str | Path, num_devices: int) -> Topolo
     )
 
 
-_TOP_KEYS = {
-    "name": False,
-    "platform": True,
-    "description": False,
-    "device": True,
-    "nodes": True,
-    "fabric": False,
-    "mesh": True,
-    "links": True,
-}
-_DEVICE_KEYS = {"kind": True, "peak_flops": True, "memory_bandwidth": True, "memory_bytes": True}
-_NODES_KEYS = {"count": True, "devices_per_node": True, "switches": False}
-_FABRIC_KEYS = {"switches": False}
-_MESH_KEYS = {"axes": True, "device_order": False}
-_LINK_KEYS = {"class": True, "bandwidth": True, "latency": True, "connect": True, "scope": False}
-_HELP = {  # what a required key holds, for "missing required key" errors
-    "platform": f"one of {', '.join(PLATFORMS)}",
-    "device": "a [device] table",
-    "nodes": "a [nodes] table",
-    "mesh": "a [mesh] table",
-    "links": "[[links]] tables",
-    "kind": 'the device name, e.g. "H100 SXM5 80GB"',
-    "peak_flops": 'a table of dtype = FLOP/s, e.g. { float32 = "67 TFLOP/s", ... }',
-    "memory_bandwidth": 'bytes/s, a number or a string like "3.35 TB/s"',
-    "memory_bytes": 'bytes, a number or a string like "80 GB"',
-    "count": "the number of nodes",
-    "devices_per_node": "the number of devices in each node",
-    "axes": "a table of axis = size, e.g. { node = 4, gpu = 4 }",
-    "bandwidth": 'bytes/s in each direction, a number or a string like "20 GB/s"',
-    "latency": 'seconds per hop, a number or a string like "1.5 us"',
-    "connect": 'a list of [end, end] pairs such as [["device:0", "device:1"]]',
-    "class": f"one of {', '.join(LINK_CLASSES)}",
-}
-
-
-def _table(data: object, where: str, keys: dict[str, bool]) -> dict[str, Any]:
-    """Checks a TOML table's keys: none unknown, every required one present."""
-    if not isinstance(data, dict):
-        raise TopologyError(f"{where}: expected a table, found {data!r}")
-    for key in data:
-        if key not in keys:
-            close = difflib.get_close_matches(key, list(keys), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise TopologyError(
-                f"{where}: unknown key {key!r}{hint}; expected one of: {', '.join(keys)}"
-            )
-    for key, required in keys.items():
-        if required and key not in data:
-            raise TopologyError(f"{where}: missing required key {key!r} ({_HELP[key]})")
-    return data
-
-
-def _int(value: object, where: str, minimum: int = 1) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise TopologyError(f"{where}: expected an integer >= {minimum}, found {value!r}")
-    return value
-
-
-def _switch_names(data: object, where: str) -> list[str]:
-    """``{plx = 2, host = 1}`` -> ``["plx:0", "plx:1", "host"]``."""
-    if not isinstance(data, dict):
-        raise TopologyError(f"{where}: expected a table of name = count, found {data!r}")
-    names = []
-    for name, count in data.items():
-        if not re.fullmatch(r"[A-Za-z_][\w-]*", name) or name in ("device", "node"):
-            raise TopologyError(
-                f"{where}: switch name {name!r}: expected an identifier other "
-                f"than 'device' and 'node'"
-            )
-        count = _int(count, f"{where}.{name}")
-        names += [name] if count == 1 else [f"{name}:{i}" for i in range(count)]
-    return names
-
-
-def _parse(data: dict[str, Any], *, default_name: str, source: str) -> Topology:
-    _table(data, "top level", _TOP_KEYS)
-    name = data.get("name", default_name)
-    if not isinstance(name, str) or not name:
-        raise TopologyError(f"name: expected a non-empty string, found {name!r}")
-    device = _parse_device(data["device"])
-    nodes = _table(data["nodes"], "[nodes]", _NODES_KEYS)
-    num_nodes = _int(nodes["count"], "[nodes].count")
-    per_node = _int(nodes["devices_per_node"], "[nodes].devices_per_node")
-    local_sw = _switch_names(nodes.get("switches", {}), "[nodes].switches")
-    fabric = _table(data.get("fabric", {}), "[fabric]", _FABRIC_KEYS)
-    global_sw = _switch_names(fabric.get("switches", {}), "[fabric].switches")
-    if clash := set(local_sw) & set(global_sw):
-        raise TopologyError(f"[fabric].switches: {sorted(clash)} already named in [nodes].switches")
-    mesh = _table(data["mesh"], "[mesh]", _MESH_KEYS)
-    axes = mesh["axes"]
-    if not isinstance(axes, dict) or not axes:
-        raise TopologyError(
-            f"[mesh].axes: expected a table like {{ node = 4, gpu = 4 }}, found {axes!r}"
-        )
-    sizes = tuple(_int(v, f"[mesh].axes.{k}") for k, v in axes.items())
-    order = mesh.get("device_order", list(range(num_nodes * per_node)))
-    if not isinstance(order, list) or not all(isinstance(i, int) for i in order):
-        raise TopologyError(f"[mesh].device_order: expected a list of device ids, found {order!r}")
-    links = data["links"]
-    if not isinstance(links, list) or not links:
-        raise TopologyError("links: expected at least one [[links]] table")
-    ends = _Ends(num_nodes, per_node, local_sw, global_sw)
-    parsed = [link for i, entry in enumerate(links) for link in _parse_link(entry, i, ends)]
-    seen: set[frozenset[str]] = set()
-    for link in parsed:
-        if (pair := frozenset((link.a, link.b))) in seen:
-            raise TopologyError(
-                f"links: {link.a} -- {link.b} is listed twice; give one link with the summed "
-                f"bandwidth"
-            )
-        seen.add(pair)
-    return Topology(
-        name=name,
-        platform=data["platform"],
-        device=device,
-        num_devices=num_nodes * per_node,
-        axis_names=tuple(axes),
-        axis_sizes=sizes,
-        device_order=tuple(order),
-        num_nodes=num_nodes,
-        devices_per_node=per_node,
-        switches=(*(f"node:{n}/{s}" for n in range(num_nodes) for s in local_sw), *global_sw),
-        links=tuple(parsed),
-        description=str(data.get("description", "")),
-        source_file=source,
-    )
-
-
-def _parse_device(table: object) -> DeviceSpec:
-    dev = _table(table, "[device]", _DEVICE_KEYS)
-    flops = dev["peak_flops"]
-    if not isinstance(flops, dict):
-        raise TopologyError(
-            f"[device].peak_flops: expected a table of dtype = FLOP/s, found {flops!r}"
-        )
-    return DeviceSpec(
-        kind=str(dev["kind"]),
-        peak_flops=tuple(
-            (k, _quantity(v, "FLOP/s", f"[device].peak_flops.{k}")) for k, v in flops.items()
-        ),
-        memory_bandwidth=_quantity(dev["memory_bandwidth"], "bytes/s", "[device].memory_bandwidth"),
-        memory_bytes=int(_quantity(dev["memory_bytes"], "bytes", "[device].memory_bytes")),
-    )
-
-
-class _Ends(NamedTuple):
-    num_nodes: int
-    per_node: int
-    local: list[str]
-    cluster: list[str]
-
-
-def _expand(end: object, scope: str, node: int, ends: _Ends, where: str) -> list[str]:
-    """One ``connect`` end -> the vertex names it stands for (several when starred)."""
-    if not isinstance(end, str):
-        raise TopologyError(f"{where}: expected a string such as 'device:0', found {end!r}")
-    n_dev = ends.per_node if scope == "node" else ends.num_nodes * ends.per_node
-    if m := re.fullmatch(r"device:(\d+|\*)", end):
-        ids = range(n_dev) if m.group(1) == "*" else [int(m.group(1))]
-        if ids and max(ids) >= n_dev:
-            span = "each node has" if scope == "node" else "the cluster has"
-            raise TopologyError(
-                f"{where}: {end!r} names a device that does not exist; expected "
-                f"device:0 .. device:{n_dev - 1} ({span} {n_dev} devices)"
-            )
-        base = node * ends.per_node if scope == "node" else 0
-        return [f"device:{base + i}" for i in ids]
-    prefix, names = "", ends.cluster
-    if scope == "node":
-        if end.split(":")[0] in {s.split(":")[0] for s in ends.local}:
-            prefix, names = f"node:{node}/", ends.local
-    elif m := re.fullmatch(r"node:(\d+)/(.+)", end):
-        if int(m.group(1)) >= ends.num_nodes:
-            raise TopologyError(f"{where}: {end!r}: expected a node 0 .. {ends.num_nodes - 1}")
-        prefix, names, end = f"node:{m.group(1)}/", ends.local, m.group(2)
-    if end.endswith(":*"):
-        stem = end[:-2]
-        found = [f"{prefix}{x}" for x in names if x.startswith(stem + ":")]
-    else:
-        found = [f"{prefix}{end}"] if end in names else []
-    if not found:
-        known = ", ".join(["device:N"] + ends.local + ends.cluster)
-        raise TopologyError(f"{where}: {end!r} is no device or switch; expected one of {known}")
-    return found
-
-
-def _parse_link(entry: object, i: int, ends: _Ends) -> list[Link]:
-    where = f"links[{i}]"
-    entry = _table(entry, where, _LINK_KEYS)
-    cls = entry["class"]
-    where = f"links[{i}] (class {cls!r})"
-    if cls not in LINK_CLASSES:
-        raise TopologyError(f"{where}.class: expected {_HELP['class']}, found {cls!r}")
-    bandwidth = _quantity(entry["bandwidth"], "bytes/s", f"{where}.bandwidth")
-    latency = _quantity(entry["latency"], "seconds", f"{where}.latency", allow_zero=True)
-    scope = entry.get("scope", "node")
-    if scope not in ("node", "cluster"):
-        raise TopologyError(f"{where}.scope: expected 'node' or 'cluster', found {scope!r}")
-    pairs = entry["connect"]
-    if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 for p in pairs):
-        raise TopologyError(f"{where}.connect: expected {_HELP['connect']}, found {pairs!r}")
-    out = []
-    for node in range(ends.num_nodes) if scope == "node" else [0]:
-        for a, b in pairs:
-            ea = _expand(a, scope, node, ends, f"{where}.connect")
-            eb = _expand(b, scope, node, ends, f"{where}.connect")
-            if len(ea) > 1 and len(eb) > 1:
-                if len(ea) != len(eb):
-                    raise TopologyError(
-                        f"{where}.connect: [{a!r}, {b!r}] pairs {len(ea)} ends with {len(eb)}; "
-                        f"expected equal counts"
-                    )
-                joined = list(zip(ea, eb))
-            else:
-                joined = [(x, y) for x in ea for y in eb]
-            for x, y in joined:
-                if x == y:
-                    raise TopologyError(f"{where}.connect: [{a!r}, {b!r}] joins {x} to itself")
-                channel = _channel(x, y, cls, ends.per_node)
-                out.append(Link(x, y, cls, bandwidth, latency, channel))
-    return out
-
-
-def _channel(a: str, b: str, link_class: str, per_node: int) -> str:
-    """``node:N/<class>`` when the link touches node N only (a NIC counts), else ``cluster/...``."""
-
-    def node(v: str) -> int | None:
-        if v.startswith("node:"):
-            return int(v[5:].split("/")[0])
-        return int(v[7:]) // per_node if v.startswith("device:") else None
-
-    owners = {n for n in (node(a), node(b)) if n is not None}
-    return f"node:{owners.pop()}/{link_class}" if len(owners) == 1 else f"cluster/{link_class}"
-
-
 # --- jax -----------------------------------------------------------------------------------------
 
 
-def make_mesh(topology: Topology, devices: Sequence[Any] | None = None) -> Any:
+def make_mesh(topology: Topology, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A ``jax.sharding.Mesh`` of the topology's axes over attached devices, with Auto axes.
 
     Topology device ``i`` is the ``i``-th device sorted by (process index, id), so with one
@@ -1095,9 +558,6 @@ def make_mesh(topology: Topology, devices: Sequence[Any] | None = None) -> Any:
     Raises:
       TopologyError: too few devices, or devices of another platform.
     """
-    import jax
-    from jax.sharding import AxisType, Mesh
-
     given = devices is not None
     devices = list(jax.devices() if devices is None else devices)
     platforms = sorted({_jax_platform(d) for d in devices})

@@ -154,6 +154,21 @@ def test_all_to_all_over_direct_links_uses_all_of_them():
     assert t.collective_time("all_to_all", S, ("gpu",)) == pytest.approx(S / 4 / (20 * GB) + 3 * US)
 
 
+def test_a_group_over_part_of_an_axis_uses_the_same_table():
+    # p100x16, gpu=4 over direct NVLinks: a 2-device group of the 4 is priced with n=2 at what
+    # the whole axis sees (the ring's 20 GB/s; the all-to-all's all-pairs 3 x 20 GB/s)
+    t = load_topology("p100x16")
+    b, a = t.axis_bandwidth(("gpu",)), t.axis_latency(("gpu",))
+    got = t.collective_time("all_gather", S, ("gpu",), group_size=2)
+    assert got == pytest.approx(ring_ag(S, 2, b, a), rel=1e-15)
+    got = t.collective_time("all_to_all", S, ("gpu",), group_size=2)
+    assert got == pytest.approx(S / 2 / (3 * 20 * GB) + US, rel=1e-15)
+    assert t.collective_time("all_gather", S, ("gpu",), group_size=4) == t.collective_time(
+        "all_gather", S, ("gpu",))
+    with pytest.raises(TopologyError, match=r"group_size 8 over axes \('gpu',\): expected 1 .. 4"):
+        t.collective_time("all_gather", S, ("gpu",), group_size=8)
+
+
 def test_hierarchical_collectives_match_closed_forms():
     t = load_topology("dgx-h100x32")
     axes = ("node", "data", "model")

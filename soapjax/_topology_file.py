@@ -1,0 +1,441 @@
+"""The topology file: a cluster as TOML, read into the fields of a `soapjax.topology.Topology`.
+
+A topology is one TOML file in ``meshes/`` (``load_topology("p100x16")``) or anywhere else
+(``load_topology("path/to/mine.toml")``). Numbers are SI base units (bytes, bytes/s, seconds,
+FLOP/s); a string with a unit is accepted too and is easier to check against a datasheet:
+``"100 Gb/s"`` (gigaBITS, = 12.5e9 bytes/s), ``"20 GB/s"``, ``"16 GB"``, ``"80 GiB"``, ``"1.5 us"``,
+``"10.6 TFLOP/s"``. Bandwidths are per direction (links are full duplex).
+
+Example (two nodes of two GPUs, NVLink inside a node, InfiniBand between nodes)::
+
+    name = "tiny"                      # optional; defaults to the file's stem
+    platform = "gpu"                   # "gpu" | "cpu" | "tpu"
+
+    [device]
+    kind = "Tesla P100-SXM2-16GB"
+    memory_bytes = "16 GB"
+    memory_bandwidth = "732 GB/s"
+    peak_flops = { float32 = "10.6 TFLOP/s", bfloat16 = "10.6 TFLOP/s", float16 = "21.2 TFLOP/s" }
+
+    [nodes]                            # devices are numbered node by node: device:0 .. device:3
+    count = 2
+    devices_per_node = 2
+    switches = { host = 1 }            # switches inside every node ("host"; a count of 2 gives
+                                       # "plx:0" and "plx:1")
+    [fabric]
+    switches = { ib = 1 }              # switches shared by the whole cluster
+
+    [mesh]
+    axes = { node = 2, gpu = 2 }       # in order; sizes multiply to the device count
+    # device_order = [0, 1, 2, 3]      # mesh position -> device id (default: 0, 1, 2, ...)
+
+    [[links]]                          # scope "node" (default): repeated in every node, and
+    class = "nvlink"                   # device:i is the i-th device of that node
+    bandwidth = "20 GB/s"
+    latency = "1 us"
+    connect = [["device:0", "device:1"]]
+
+    [[links]]
+    class = "infiniband"
+    bandwidth = "100 Gb/s"
+    latency = "1.5 us"
+    connect = [["host", "ib"]]         # "device:*" expands to every device of the node; two
+                                       # starred ends pair up by index ("device:*", "nic:*")
+
+With ``scope = "cluster"`` a link entry is not repeated: ``device:K`` is the global device K and
+``node:N/host`` names a switch inside node N, so any explicit link graph can be written.
+
+This module parses and validates one file (units, known keys, link ends, channels) and returns
+the fields; `soapjax.topology.load_topology` finds the file by name and builds the `Topology`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+
+from soapjax.errors import TopologyError
+
+Platform = Literal["gpu", "cpu", "tpu"]
+PLATFORMS: tuple[str, ...] = ("gpu", "cpu", "tpu")
+LINK_CLASSES: tuple[str, ...] = ("nvlink", "pcie", "infiniband", "ethernet", "shared_memory", "ici")
+REQUIRED_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+KNOWN_DTYPES = (*REQUIRED_DTYPES, "float64", "int8", "float8_e4m3fn", "float8_e5m2")
+
+# --- units ---------------------------------------------------------------------------------------
+
+_UNITS: dict[str, dict[str, float]] = {
+    "bytes/s": {
+        "B/s": 1.0,
+        "KB/s": 1e3,
+        "MB/s": 1e6,
+        "GB/s": 1e9,
+        "TB/s": 1e12,
+        "Kb/s": 1e3 / 8,
+        "Mb/s": 1e6 / 8,
+        "Gb/s": 1e9 / 8,
+        "Tb/s": 1e12 / 8,
+    },
+    "bytes": {
+        "B": 1.0,
+        "KB": 1e3,
+        "MB": 1e6,
+        "GB": 1e9,
+        "TB": 1e12,
+        "KiB": 2.0**10,
+        "MiB": 2.0**20,
+        "GiB": 2.0**30,
+        "TiB": 2.0**40,
+    },
+    "seconds": {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9},
+    "FLOP/s": {"FLOP/s": 1.0, "GFLOP/s": 1e9, "TFLOP/s": 1e12, "PFLOP/s": 1e15},
+}
+_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z/]+)\s*$")
+
+
+def _quantity(value: object, unit: str, where: str, *, allow_zero: bool = False) -> float:
+    """A number in SI base units, or a string such as "100 Gb/s", as a float of `unit`."""
+    units = _UNITS[unit]
+    example = {"bytes/s": '"20 GB/s"', "bytes": '"16 GB"', "seconds": '"1.5 us"'}.get(
+        unit, '"10.6 TFLOP/s"'
+    )
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        x = float(value)
+    elif isinstance(value, str) and (m := _QUANTITY.match(value)) and m.group(2) in units:
+        x = float(m.group(1)) * units[m.group(2)]
+    else:
+        raise TopologyError(
+            f"{where}: expected {unit} as a number or a string like {example} "
+            f"(units: {', '.join(units)}), found {value!r}"
+        )
+    if not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
+        raise TopologyError(f"{where}: expected a positive {unit}, found {value!r}")
+    return x
+
+
+
+# --- records -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (all devices of a topology are alike).
+
+    Attributes:
+      kind: the device's model name, e.g. ``"H100 SXM5 80GB"``.
+      peak_flops: ``(dtype name, FLOP/s)`` pairs, sorted by name; dense peak, no sparsity.
+      memory_bandwidth: bytes/s of the device's own memory.
+      memory_bytes: size of the device's own memory.
+    """
+
+    kind: str
+    peak_flops: tuple[tuple[str, float], ...]
+    memory_bandwidth: float
+    memory_bytes: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "peak_flops", tuple(sorted(self.peak_flops)))
+        names = [n for n, _ in self.peak_flops]
+        missing = [d for d in REQUIRED_DTYPES if d not in names]
+        unknown = [d for d in names if d not in KNOWN_DTYPES]
+        if missing or unknown or len(set(names)) != len(names):
+            raise TopologyError(
+                f"[device].peak_flops: expected one entry for each of {', '.join(REQUIRED_DTYPES)} "
+                f"(optionally {', '.join(KNOWN_DTYPES[3:])}), found {', '.join(names) or 'none'}"
+            )
+        if not self.kind:
+            raise TopologyError("[device].kind: expected a non-empty device name")
+        if min(f for _, f in self.peak_flops) <= 0 or self.memory_bandwidth <= 0:
+            raise TopologyError("[device]: expected positive peak_flops and memory_bandwidth")
+        if self.memory_bytes <= 0:
+            raise TopologyError(f"[device].memory_bytes: expected > 0, found {self.memory_bytes}")
+
+    def peak_flops_for(self, dtype: Any) -> float:
+        """Peak FLOP/s for a dtype, given by name (``"bfloat16"``) or as a numpy/jax dtype.
+
+        Raises:
+          TopologyError: the topology file gives no figure for this dtype.
+        """
+        name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+        for n, flops in self.peak_flops:
+            if n == name:
+                return flops
+        raise TopologyError(
+            f"device {self.kind!r} has no peak FLOP/s for dtype {name!r}; the topology gives "
+            f"{', '.join(n for n, _ in self.peak_flops)}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """A full-duplex link between two vertices (``device:K``, ``node:N/<switch>``, or ``<switch>``).
+
+    Attributes:
+      a, b: the vertices it joins.
+      link_class: one of :data:`LINK_CLASSES`.
+      bandwidth: bytes/s in each direction.
+      latency: seconds per hop.
+      channel: the simulator resource it belongs to, ``node:N/<class>`` or ``cluster/<class>``.
+    """
+
+    a: str
+    b: str
+    link_class: str
+    bandwidth: float
+    latency: float
+    channel: str
+
+    def __post_init__(self) -> None:
+        if self.link_class not in LINK_CLASSES:
+            raise TopologyError(
+                f"link {self.a} -- {self.b}: class {self.link_class!r} is unknown; expected one "
+                f"of {', '.join(LINK_CLASSES)}"
+            )
+        if self.a == self.b:
+            raise TopologyError(f"link {self.a} -- {self.b}: a link must join two vertices")
+        if not self.bandwidth > 0 or not self.latency >= 0:
+            raise TopologyError(f"link {self.a} -- {self.b}: expected bandwidth > 0, latency >= 0")
+
+
+# --- parsing --------------------------------------------------------------------------------------
+
+
+_TOP_KEYS = {
+    "name": False,
+    "platform": True,
+    "description": False,
+    "device": True,
+    "nodes": True,
+    "fabric": False,
+    "mesh": True,
+    "links": True,
+}
+_DEVICE_KEYS = {"kind": True, "peak_flops": True, "memory_bandwidth": True, "memory_bytes": True}
+_NODES_KEYS = {"count": True, "devices_per_node": True, "switches": False}
+_FABRIC_KEYS = {"switches": False}
+_MESH_KEYS = {"axes": True, "device_order": False}
+_LINK_KEYS = {"class": True, "bandwidth": True, "latency": True, "connect": True, "scope": False}
+_HELP = {  # what a required key holds, for "missing required key" errors
+    "platform": f"one of {', '.join(PLATFORMS)}",
+    "device": "a [device] table",
+    "nodes": "a [nodes] table",
+    "mesh": "a [mesh] table",
+    "links": "[[links]] tables",
+    "kind": 'the device name, e.g. "H100 SXM5 80GB"',
+    "peak_flops": 'a table of dtype = FLOP/s, e.g. { float32 = "67 TFLOP/s", ... }',
+    "memory_bandwidth": 'bytes/s, a number or a string like "3.35 TB/s"',
+    "memory_bytes": 'bytes, a number or a string like "80 GB"',
+    "count": "the number of nodes",
+    "devices_per_node": "the number of devices in each node",
+    "axes": "a table of axis = size, e.g. { node = 4, gpu = 4 }",
+    "bandwidth": 'bytes/s in each direction, a number or a string like "20 GB/s"',
+    "latency": 'seconds per hop, a number or a string like "1.5 us"',
+    "connect": 'a list of [end, end] pairs such as [["device:0", "device:1"]]',
+    "class": f"one of {', '.join(LINK_CLASSES)}",
+}
+
+
+def _table(data: object, where: str, keys: dict[str, bool]) -> dict[str, Any]:
+    """Checks a TOML table's keys: none unknown, every required one present."""
+    if not isinstance(data, dict):
+        raise TopologyError(f"{where}: expected a table, found {data!r}")
+    for key in data:
+        if key not in keys:
+            close = difflib.get_close_matches(key, list(keys), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TopologyError(
+                f"{where}: unknown key {key!r}{hint}; expected one of: {', '.join(keys)}"
+            )
+    for key, required in keys.items():
+        if required and key not in data:
+            raise TopologyError(f"{where}: missing required key {key!r} ({_HELP[key]})")
+    return data
+
+
+def _int(value: object, where: str, minimum: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise TopologyError(f"{where}: expected an integer >= {minimum}, found {value!r}")
+    return value
+
+
+def _switch_names(data: object, where: str) -> list[str]:
+    """``{plx = 2, host = 1}`` -> ``["plx:0", "plx:1", "host"]``."""
+    if not isinstance(data, dict):
+        raise TopologyError(f"{where}: expected a table of name = count, found {data!r}")
+    names = []
+    for name, count in data.items():
+        if not re.fullmatch(r"[A-Za-z_][\w-]*", name) or name in ("device", "node"):
+            raise TopologyError(
+                f"{where}: switch name {name!r}: expected an identifier other "
+                f"than 'device' and 'node'"
+            )
+        count = _int(count, f"{where}.{name}")
+        names += [name] if count == 1 else [f"{name}:{i}" for i in range(count)]
+    return names
+
+
+def parse(data: dict[str, Any], *, default_name: str, source: str) -> dict[str, Any]:
+    """The `Topology` fields a parsed TOML file declares (checked key by key)."""
+    _table(data, "top level", _TOP_KEYS)
+    name = data.get("name", default_name)
+    if not isinstance(name, str) or not name:
+        raise TopologyError(f"name: expected a non-empty string, found {name!r}")
+    device = _parse_device(data["device"])
+    nodes = _table(data["nodes"], "[nodes]", _NODES_KEYS)
+    num_nodes = _int(nodes["count"], "[nodes].count")
+    per_node = _int(nodes["devices_per_node"], "[nodes].devices_per_node")
+    local_sw = _switch_names(nodes.get("switches", {}), "[nodes].switches")
+    fabric = _table(data.get("fabric", {}), "[fabric]", _FABRIC_KEYS)
+    global_sw = _switch_names(fabric.get("switches", {}), "[fabric].switches")
+    if clash := set(local_sw) & set(global_sw):
+        raise TopologyError(f"[fabric].switches: {sorted(clash)} already named in [nodes].switches")
+    mesh = _table(data["mesh"], "[mesh]", _MESH_KEYS)
+    axes = mesh["axes"]
+    if not isinstance(axes, dict) or not axes:
+        raise TopologyError(
+            f"[mesh].axes: expected a table like {{ node = 4, gpu = 4 }}, found {axes!r}"
+        )
+    sizes = tuple(_int(v, f"[mesh].axes.{k}") for k, v in axes.items())
+    order = mesh.get("device_order", list(range(num_nodes * per_node)))
+    if not isinstance(order, list) or not all(isinstance(i, int) for i in order):
+        raise TopologyError(f"[mesh].device_order: expected a list of device ids, found {order!r}")
+    links = data["links"]
+    if not isinstance(links, list) or not links:
+        raise TopologyError("links: expected at least one [[links]] table")
+    ends = _Ends(num_nodes, per_node, local_sw, global_sw)
+    parsed = [link for i, entry in enumerate(links) for link in _parse_link(entry, i, ends)]
+    seen: set[frozenset[str]] = set()
+    for link in parsed:
+        if (pair := frozenset((link.a, link.b))) in seen:
+            raise TopologyError(
+                f"links: {link.a} -- {link.b} is listed twice; give one link with the summed "
+                f"bandwidth"
+            )
+        seen.add(pair)
+    return {
+        "name": name,
+        "platform": data["platform"],
+        "device": device,
+        "num_devices": num_nodes * per_node,
+        "axis_names": tuple(axes),
+        "axis_sizes": sizes,
+        "device_order": tuple(order),
+        "num_nodes": num_nodes,
+        "devices_per_node": per_node,
+        "switches": (*(f"node:{n}/{s}" for n in range(num_nodes) for s in local_sw), *global_sw),
+        "links": tuple(parsed),
+        "description": str(data.get("description", "")),
+        "source_file": source,
+    }
+
+
+def _parse_device(table: object) -> DeviceSpec:
+    dev = _table(table, "[device]", _DEVICE_KEYS)
+    flops = dev["peak_flops"]
+    if not isinstance(flops, dict):
+        raise TopologyError(
+            f"[device].peak_flops: expected a table of dtype = FLOP/s, found {flops!r}"
+        )
+    return DeviceSpec(
+        kind=str(dev["kind"]),
+        peak_flops=tuple(
+            (k, _quantity(v, "FLOP/s", f"[device].peak_flops.{k}")) for k, v in flops.items()
+        ),
+        memory_bandwidth=_quantity(dev["memory_bandwidth"], "bytes/s", "[device].memory_bandwidth"),
+        memory_bytes=int(_quantity(dev["memory_bytes"], "bytes", "[device].memory_bytes")),
+    )
+
+
+class _Ends(NamedTuple):
+    num_nodes: int
+    per_node: int
+    local: list[str]
+    cluster: list[str]
+
+
+def _expand(end: object, scope: str, node: int, ends: _Ends, where: str) -> list[str]:
+    """One ``connect`` end -> the vertex names it stands for (several when starred)."""
+    if not isinstance(end, str):
+        raise TopologyError(f"{where}: expected a string such as 'device:0', found {end!r}")
+    n_dev = ends.per_node if scope == "node" else ends.num_nodes * ends.per_node
+    if m := re.fullmatch(r"device:(\d+|\*)", end):
+        ids = range(n_dev) if m.group(1) == "*" else [int(m.group(1))]
+        if ids and max(ids) >= n_dev:
+            span = "each node has" if scope == "node" else "the cluster has"
+            raise TopologyError(
+                f"{where}: {end!r} names a device that does not exist; expected "
+                f"device:0 .. device:{n_dev - 1} ({span} {n_dev} devices)"
+            )
+        base = node * ends.per_node if scope == "node" else 0
+        return [f"device:{base + i}" for i in ids]
+    prefix, names = "", ends.cluster
+    if scope == "node":
+        if end.split(":")[0] in {s.split(":")[0] for s in ends.local}:
+            prefix, names = f"node:{node}/", ends.local
+    elif m := re.fullmatch(r"node:(\d+)/(.+)", end):
+        if int(m.group(1)) >= ends.num_nodes:
+            raise TopologyError(f"{where}: {end!r}: expected a node 0 .. {ends.num_nodes - 1}")
+        prefix, names, end = f"node:{m.group(1)}/", ends.local, m.group(2)
+    if end.endswith(":*"):
+        stem = end[:-2]
+        found = [f"{prefix}{x}" for x in names if x.startswith(stem + ":")]
+    else:
+        found = [f"{prefix}{end}"] if end in names else []
+    if not found:
+        known = ", ".join(["device:N"] + ends.local + ends.cluster)
+        raise TopologyError(f"{where}: {end!r} is no device or switch; expected one of {known}")
+    return found
+
+
+def _parse_link(entry: object, i: int, ends: _Ends) -> list[Link]:
+    where = f"links[{i}]"
+    entry = _table(entry, where, _LINK_KEYS)
+    cls = entry["class"]
+    where = f"links[{i}] (class {cls!r})"
+    if cls not in LINK_CLASSES:
+        raise TopologyError(f"{where}.class: expected {_HELP['class']}, found {cls!r}")
+    bandwidth = _quantity(entry["bandwidth"], "bytes/s", f"{where}.bandwidth")
+    latency = _quantity(entry["latency"], "seconds", f"{where}.latency", allow_zero=True)
+    scope = entry.get("scope", "node")
+    if scope not in ("node", "cluster"):
+        raise TopologyError(f"{where}.scope: expected 'node' or 'cluster', found {scope!r}")
+    pairs = entry["connect"]
+    if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 for p in pairs):
+        raise TopologyError(f"{where}.connect: expected {_HELP['connect']}, found {pairs!r}")
+    out = []
+    for node in range(ends.num_nodes) if scope == "node" else [0]:
+        for a, b in pairs:
+            ea = _expand(a, scope, node, ends, f"{where}.connect")
+            eb = _expand(b, scope, node, ends, f"{where}.connect")
+            if len(ea) > 1 and len(eb) > 1:
+                if len(ea) != len(eb):
+                    raise TopologyError(
+                        f"{where}.connect: [{a!r}, {b!r}] pairs {len(ea)} ends with {len(eb)}; "
+                        f"expected equal counts"
+                    )
+                joined = list(zip(ea, eb))
+            else:
+                joined = [(x, y) for x in ea for y in eb]
+            for x, y in joined:
+                if x == y:
+                    raise TopologyError(f"{where}.connect: [{a!r}, {b!r}] joins {x} to itself")
+                channel = _channel(x, y, cls, ends.per_node)
+                out.append(Link(x, y, cls, bandwidth, latency, channel))
+    return out
+
+
+def _channel(a: str, b: str, link_class: str, per_node: int) -> str:
+    """``node:N/<class>`` when the link touches node N only (a NIC counts), else ``cluster/...``."""
+
+    def node(v: str) -> int | None:
+        if v.startswith("node:"):
+            return int(v[5:].split("/")[0])
+        return int(v[7:]) // per_node if v.startswith("device:") else None
+
+    owners = {n for n in (node(a), node(b)) if n is not None}
+    return f"node:{owners.pop()}/{link_class}" if len(owners) == 1 else f"cluster/{link_class}"

@@ -1,0 +1,99 @@
+"""What a collective costs: one table of ring closed forms, for a group of any size.
+
+Every place that prices a collective (`soapjax.topology.Topology.collective_time`, the
+simulator's communication tasks, the bytes `soapjax check` reports) reads this table. A ring
+collective over ``n`` devices, each holding ``s = nbytes`` (the buffer convention below), sends
+``sent(n) * s`` bytes per device and pays ``steps(n)`` latencies, so on a ring of bandwidth
+``b`` and latency ``a`` it takes ``sent(n) * s / b + steps(n) * a``:
+
+==================  ============  ============  ====================================
+kind                sent(n)       steps(n)      ``nbytes`` is, per device
+==================  ============  ============  ====================================
+all_reduce          2(n-1)/n      2(n-1)        the buffer being reduced
+all_gather          (n-1)/n       n-1           the gathered OUTPUT
+reduce_scatter      (n-1)/n       n-1           the INPUT
+all_to_all          (n-1)/n       n-1           the buffer (s/n to each peer)
+collective_permute  1             1             the buffer sent to one peer
+point_to_point      1             1             the buffer; one lone transfer
+==================  ============  ============  ====================================
+
+Which ``b`` and ``a`` a kind sees on a topology (the contended ring, the all-to-all's
+all-pairs bandwidth, a lone transfer's) is the topology's business; the formulas are here.
+
+>>> ring_time("all_reduce", 1e6, 4, bandwidth=1e9, latency=1e-6)  # 1.5 ms + 6 us
+0.001506
+>>> bytes_sent("all-gather", 1024, 4)  # HLO spellings work too
+768.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+COLLECTIVES: tuple[str, ...] = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "collective_permute",
+    "point_to_point",
+)
+ALGORITHMS: tuple[str, ...] = ("auto", "ring", "hierarchical")
+
+
+class Formula(NamedTuple):
+    """One row of the table: per-device bytes sent (a fraction of nbytes) and latency steps."""
+
+    sent: Callable[[int], float]
+    steps: Callable[[int], int]
+
+
+FORMULAS: dict[str, Formula] = {
+    "all_reduce": Formula(lambda n: 2 * (n - 1) / n, lambda n: 2 * (n - 1)),
+    "all_gather": Formula(lambda n: (n - 1) / n, lambda n: n - 1),
+    "reduce_scatter": Formula(lambda n: (n - 1) / n, lambda n: n - 1),
+    "all_to_all": Formula(lambda n: (n - 1) / n, lambda n: n - 1),
+    "collective_permute": Formula(lambda n: 1.0, lambda n: 1),
+    "point_to_point": Formula(lambda n: 1.0, lambda n: 1),
+}
+assert tuple(FORMULAS) == COLLECTIVES
+
+
+def kind_name(kind: str) -> str:
+    """``"all-reduce"`` (HLO) or ``"all_reduce"`` -> ``"all_reduce"``."""
+    return kind.replace("-", "_")
+
+
+def bytes_sent(kind: str, nbytes: float, group_size: int) -> float:
+    """Bytes each device sends in one ring collective of `group_size` devices."""
+    return FORMULAS[kind_name(kind)].sent(group_size) * nbytes
+
+
+def ring_time(kind: str, nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Seconds of a ring collective over `n` devices (0 for one device)."""
+    if n <= 1:
+        return 0.0
+    formula = FORMULAS[kind_name(kind)]
+    return formula.sent(n) * nbytes / bandwidth + formula.steps(n) * latency
+
+
+def hierarchical_time(
+    kind: str,
+    nbytes: float,
+    local: tuple[int, float, float],
+    cross: tuple[int, float, float],
+) -> float:
+    """Rings inside each node, then across nodes, for all_reduce, all_gather, reduce_scatter.
+
+    `local` and `cross` are ``(devices per ring, bandwidth, latency)`` of the in-node rings
+    (``m`` devices) and the cross-node rings (``k`` nodes). With ``RS`` and ``AG`` the ring
+    times above: all_reduce = ``RS(s, m) + AR(s/m, k) + AG(s, m)`` (AR as RS + AG);
+    all_gather = ``AG(s/m, k) + AG(s, m)``; reduce_scatter = ``RS(s, m) + RS(s/m, k)``.
+    """
+    (m, b_l, a_l), (k, b_x, a_x) = local, cross
+    in_node = ring_time("all_gather", nbytes, m, b_l, a_l)
+    across = ring_time("all_gather", nbytes / m, k, b_x, a_x)
+    if kind_name(kind) == "all_reduce":
+        return 2 * in_node + 2 * across
+    return in_node + across
