@@ -41,7 +41,9 @@ from typing import Any, NamedTuple
 
 from soapjax.collectives import bytes_sent, kind_name
 from soapjax.graph import OpGraph
+from soapjax.reshard import ReshardModel
 from soapjax.space import MeshShape
+from soapjax.topology import Topology
 
 _NAN = float("nan")
 NONE = 0  # the id of the sentinel task that stands for "no task"
@@ -344,7 +346,7 @@ class Comm(NamedTuple):
 class Pricing:
     """Memoised reshardings, collective times and resources of one topology and resharder."""
 
-    def __init__(self, topology: Any, resharder: Any) -> None:
+    def __init__(self, topology: Topology, resharder: ReshardModel) -> None:
         self.topology = topology
         self.resharder = resharder
         self.mesh = MeshShape.of(topology)

@@ -236,7 +236,7 @@ def _mixed_radix(at: Mapping[str, int], axes: Sequence[str], mesh: MeshShape) ->
     """The shard index along `axes` (major first), as a PartitionSpec entry ('a', 'b') splits."""
     v = 0
     for a in axes:
-        v = v * mesh.size(a) + at[a]
+        v = v * mesh.axis_size(a) + at[a]
     return v
 
 

@@ -11,7 +11,6 @@ import re
 from collections.abc import Hashable, Mapping, Sequence
 from html import escape
 
-from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
 from soapjax.plan import Plan, spec_text
 from soapjax.simulate import SimResult
@@ -167,17 +166,6 @@ def _configs_table(names: Sequence[str], specs: Sequence[str], descs: Sequence[s
                               rows, code=(0,))
 
 
-def strategy_html(graph: OpGraph, strategy: Strategy) -> str:
-    """Each operator's output PartitionSpec and config, grouped by module, as an HTML table."""
-    if len(strategy.configs) != len(graph.operators):
-        raise PlanError(f"the strategy has {len(strategy.configs)} configs but graph "
-                        f"{graph.name!r} has {len(graph.operators)} operators")
-    ops = graph.operators
-    return _configs_table([op.name for op in ops],
-                          [spec_text(c.output_spec(op)) for op, c in zip(ops, strategy.configs)],
-                          [c.describe(op) for op, c in zip(ops, strategy.configs)])
-
-
 def plan_html(plan) -> str:
     """A `Plan` as HTML: provenance, predictions against baselines, operators by module."""
     mesh = " \u00d7 ".join(f"{a}={n}" for a, n in zip(plan.mesh.axis_names, plan.mesh.axis_sizes))
@@ -187,7 +175,8 @@ def plan_html(plan) -> str:
     pred = dict(plan.predicted)
     t = plan.step_time_s
     if t:
-        extra = f", sends {format_bytes(pred['bytes_moved'])} per device" if "bytes_moved" in pred else ""
+        extra = (f", sends {format_bytes(pred['bytes_moved'])} per device"
+                 if "bytes_moved" in pred else "")
         lines.append(f"predicted step time {t * 1e3:.4g} ms ({_esc(plan.cost_source)} "
                      f"costs){extra}")
         if pred.get("peak_memory_bytes") and pred.get("memory_capacity_bytes"):

@@ -32,7 +32,7 @@ decision, not ours"):
     ``P('data', 'model')``: both a 128 KiB reduce_scatter; to ``P(('data', 'model'), None)``
     from ``P()``: XLA all-reduces all 256 KiB and slices, ideal reduce-scatters 128 KiB.
 
-How a transition is compiled (in `_worker_main`, a subprocess):
+How a transition is compiled (in `soapjax._reshard_worker`, a subprocess):
 
 * ``jax.jit(lambda x: with_sharding_constraint(x, dst), in_shardings=src)`` on a
   `jax.sharding.Mesh` of `AxisType.Auto` axes, lowered on a `ShapeDtypeStruct` (no data).
@@ -81,34 +81,25 @@ import json
 import logging
 import math
 import os
-import re
-import selectors
-import subprocess
-import sys
 import tempfile
-import time
-import weakref
 from collections.abc import Iterable, Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, Self
+from typing import Any, Literal, NamedTuple, Protocol, Self
 
 import numpy as np
 
 from soapjax._cache import cache_root
 from soapjax._dtypes import itemsize
+from soapjax._reshard_ideal import KINDS as KINDS
+from soapjax._reshard_ideal import Collective as Collective
+from soapjax._reshard_ideal import ideal
+from soapjax._reshard_worker import CHUNK, Worker
 from soapjax.errors import SoapjaxError
-from soapjax.space import MeshShape
+from soapjax.space import MeshLike, MeshShape
 
 log = logging.getLogger(__name__)
 
-KINDS: tuple[str, ...] = (
-    "all_reduce",
-    "all_gather",
-    "reduce_scatter",
-    "all_to_all",
-    "collective_permute",
-)
 Mode = Literal["xla", "ideal"]
 Source = Literal["xla", "ideal", "fallback"]
 
@@ -121,40 +112,19 @@ DEFAULT_MODE: Mode = "ideal"
 Spec = Sequence[Sequence[str] | str | None]
 
 _CACHE_VERSION = 1  # bump when the compiled construction or the stored format changes
-_CHUNK = 32  # transitions per compiled program
-_MARK = "@soapjax "  # prefix of the worker's protocol lines on stdout
-_COMPILE_OPTIONS = {
-    # Backend code generation only; the SPMD partitioner runs before these matter.
-    "xla_backend_optimization_level": 0,
-    "xla_llvm_disable_expensive_passes": True,
-    "xla_cpu_use_fusion_emitters": False,
-    "xla_cpu_parallel_codegen_split_count": 1,
-    # The combiner would merge the all-reduces of different transitions of one program.
-    "xla_disable_hlo_passes": "all-reduce-combiner,cpu-all-reduce-combiner",
-}
+class ReshardModel(Protocol):
+    """What the simulator asks of a resharder: `Resharder` is one, a recording stub another.
+
+    A model may also offer ``prefetch(transitions) -> int`` (answer many at once).
+    """
+
+    def reshard(
+        self, shape: Sequence[int], dtype: Any, src: Spec, dst: Spec, *, partial: Sequence[str] = ()
+    ) -> Sequence[Collective]: ...
 
 
 class ReshardError(SoapjaxError, ValueError):
     """A sharding spec, partial-sum axes or shape that does not fit the tensor or the mesh."""
-
-
-class Collective(NamedTuple):
-    """One collective of a resharding.
-
-    Attributes:
-      kind: one of `KINDS`.
-      nbytes: bytes per device, in the `Topology.collective_time` convention: all_reduce and
-        all_to_all the buffer, all_gather the gathered output, reduce_scatter the input,
-        collective_permute the buffer sent.
-      axes: the mesh axes its groups span, in mesh order.
-      group_size: devices per group where a group spans only part of `axes` (XLA sometimes
-        gathers over two of the four devices of an axis); 0 where it spans all of them.
-    """
-
-    kind: str
-    nbytes: float
-    axes: tuple[str, ...]
-    group_size: int = 0
 
 
 class Resharding(NamedTuple):
@@ -201,7 +171,7 @@ def reshard(
     dtype: Any,
     src: Spec,
     dst: Spec,
-    mesh: Any,
+    mesh: MeshLike,
     *,
     partial: Sequence[str] = (),
     mode: Mode = DEFAULT_MODE,
@@ -212,7 +182,7 @@ def reshard(
     One-off use; a caller that asks often holds a `Resharder` (memoised, one subprocess).
 
     >>> mesh = MeshShape(("data", "model"), (2, 4))
-    >>> reshard((64, 1024), "float32", (("model",), ()), ((), ("model",)), mesh, mode="xla")
+    >>> reshard((64, 1024), "float32", (("model",), ()), ((), ("model",)), mesh)
     (Collective(kind='all_to_all', nbytes=65536.0, axes=('model',), group_size=0),)
     >>> reshard((64, 1024), "float32", (("data",), ()), (("data",), ()), mesh,
     ...         partial=("model",))
@@ -224,7 +194,7 @@ def reshard(
       src: the source sharding: per dim a tuple of mesh axes (or one name, or None), or a
         `PartitionSpec`; shorter than the rank means the remaining dims are not split.
       dst: the destination sharding, likewise.
-      mesh: a `MeshShape`, `Topology` or `jax.sharding.Mesh`.
+      mesh: a `MeshShape`, `Topology`, `jax.sharding.Mesh` or `AbstractMesh`.
       partial: mesh axes over which the source holds partial sums; none of them may split a
         source dim.
       mode: ``"ideal"`` (default) or ``"xla"`` (module doc).
@@ -243,29 +213,33 @@ def ideal_collectives(
     dtype: Any,
     src: Spec,
     dst: Spec,
-    mesh: Any,
+    mesh: MeshLike,
     *,
     partial: Sequence[str] = (),
 ) -> tuple[Collective, ...]:
     """The analytic model alone (``reshard(..., mode="ideal")`` without a Resharder)."""
     mesh = MeshShape.of(mesh)
-    return _ideal(_normalise(shape, dtype, src, dst, partial, mesh), mesh)
+    return ideal(_normalise(shape, dtype, src, dst, partial, mesh), mesh)
 
 
 class Resharder:
     """Answers `reshard` for one mesh, memoised; what the simulator holds.
 
-    >>> r = Resharder(MeshShape(("data", "model"), (2, 4)), mode="xla")
-    >>> r.prefetch([((64, 1024), "float32", P("data", None), P(None, "model"))])
-    1
+    >>> from jax.sharding import PartitionSpec as P
+    >>> r = Resharder(MeshShape(("data", "model"), (2, 4)))  # the ideal model
     >>> r.reshard((64, 1024), "float32", P("data", None), P(None, "model"))
-    (Collective(kind='all_gather', nbytes=262144.0, axes=('data',), group_size=0),)
+    (Collective(kind='all_gather', nbytes=65536.0, axes=('data',), group_size=0),)
+    >>> r.lookup((64, 1024), "float32", P("data", None), P(None, "model")).source
+    'ideal'
+
+    With ``mode="xla"`` the same transition is one all_gather of the whole 256 KiB tensor
+    (module doc), and ``r.prefetch([...])`` compiles a batch of transitions in one program.
 
     Not thread-safe. The compiling subprocess lives until `close` (or the end of a ``with``
     block, or garbage collection).
 
     Args:
-      mesh: a `MeshShape`, `Topology` or `jax.sharding.Mesh`.
+      mesh: a `MeshShape`, `Topology`, `jax.sharding.Mesh` or `AbstractMesh`.
       mode: ``"ideal"`` (analytic model; the default, `DEFAULT_MODE`) or ``"xla"`` (compile).
       cache_dir: the soapjax cache root (see `reshard`).
       emulate_reduce_scatter: read the CPU's "all-reduce, then dynamic-slice" as the
@@ -277,7 +251,7 @@ class Resharder:
 
     def __init__(
         self,
-        mesh: Any,
+        mesh: MeshLike,
         mode: Mode = DEFAULT_MODE,
         cache_dir: str | os.PathLike | None = None,
         *,
@@ -295,7 +269,7 @@ class Resharder:
         self.per_transition_s = per_transition_s
         self._memo: dict[Any, tuple[Collective, ...]] = {}
         self._info: dict[_Key, Resharding] = {}
-        self._worker: _Worker | None = None
+        self._worker: Worker | None = None
         self._broken = ""  # why the compiling subprocess cannot start, once it could not
         self._versions = _versions()
         self._stats = {
@@ -373,7 +347,7 @@ class Resharder:
     def _resolve(self, keys: list[_Key]) -> None:
         if self.mode == "ideal":
             for k in keys:
-                self._info[k] = Resharding(_ideal(k, self.mesh), "ideal")
+                self._info[k] = Resharding(ideal(k, self.mesh), "ideal")
             return
         pending = []
         for k in keys:
@@ -397,7 +371,7 @@ class Resharder:
             else:
                 self._stats["fallbacks"] += 1
                 note = failures.get(k, "no result from the compiling subprocess")
-                self._info[k] = Resharding(_ideal(k, self.mesh), "fallback", note)
+                self._info[k] = Resharding(ideal(k, self.mesh), "fallback", note)
 
     def _run_worker(self, keys: list[_Key]) -> tuple[dict[_Key, list], dict[_Key, str]]:
         """Compile `keys` in the subprocess; a crash costs the chunk it was in, then retries."""
@@ -408,7 +382,7 @@ class Resharder:
             if not todo or self._broken:
                 break
             if self._worker is None:
-                self._worker = _Worker(self.mesh.num_devices)
+                self._worker = Worker(self.mesh.num_devices)
                 self._stats["worker_starts"] += 1
             self._stats["requests"] += 1
             request = {
@@ -429,7 +403,7 @@ class Resharder:
             if not self._worker.ready:  # it died before jax was up: no use trying again
                 self._broken = f"the compiling subprocess cannot start: {error}"
             self.close()
-            for k in rest[: _CHUNK if error.startswith("crash") else len(rest)]:
+            for k in rest[: CHUNK if error.startswith("crash") else len(rest)]:
                 failures[k] = error
             todo = [k for k in rest if k not in failures]
         for k in todo:
@@ -525,7 +499,7 @@ def _normalise(
         _check_axis(a, mesh, "partial")
     if len(set(partial)) != len(partial):
         raise ReshardError(f"partial axes {tuple(partial)} name an axis twice")
-    p = tuple(a for a in mesh.axis_names if a in partial and mesh.size(a) > 1)
+    p = tuple(a for a in mesh.axis_names if a in partial and mesh.axis_size(a) > 1)
     for dim, axes in enumerate(s):
         if clash := set(axes) & set(p):
             raise ReshardError(
@@ -553,7 +527,7 @@ def _spec(spec: Any, rank: int, mesh: MeshShape, what: str) -> tuple[tuple[str, 
         raise ReshardError(
             f"{what} sharding {spec} uses a mesh axis twice; each axis splits at most one dim"
         )
-    return tuple(tuple(a for a in axes if mesh.size(a) > 1) for axes in out)
+    return tuple(tuple(a for a in axes if mesh.axis_size(a) > 1) for axes in out)
 
 
 def _check_axis(axis: Any, mesh: MeshShape, where: str) -> None:
@@ -567,61 +541,6 @@ def _compile_dtype(dtype: str) -> str:
     """The unsigned integer of the same width (module doc: the CPU promotes bf16)."""
     size = itemsize(dtype)
     return f"uint{8 * size}" if size in (1, 2, 4, 8) else dtype
-
-
-# --- the ideal model -----------------------------------------------------------------------------
-
-
-def _ideal(k: _Key, mesh: MeshShape) -> tuple[Collective, ...]:
-    rank = len(k.shape)
-    keep = [_common_prefix(k.src[d], k.dst[d]) for d in range(rank)]
-    src_rest = [k.src[d][len(keep[d]) :] for d in range(rank)]
-    src_dim = {a: d for d in range(rank) for a in src_rest[d]}
-    dst_dim = {a: d for d in range(rank) for a in k.dst[d][len(keep[d]) :]}
-    deg = [mesh.degree(k.src[d]) for d in range(rank)]
-    nbytes = itemsize(k.dtype)
-
-    def buffer() -> float:
-        return float(nbytes * math.prod(-(-n // g) for n, g in zip(k.shape, deg)))
-
-    def ordered(axes: Iterable[str]) -> tuple[str, ...]:
-        axes = set(axes)
-        return tuple(a for a in mesh.axis_names if a in axes)
-
-    out = []
-    sliced = [a for a in dst_dim if a not in src_dim and a not in k.partial]
-    early = [a for a in sliced if not src_rest[dst_dim[a]]]
-    for a in early:
-        deg[dst_dim[a]] *= mesh.size(a)
-    if scattered := ordered(a for a in k.partial if a in dst_dim):
-        out.append(Collective("reduce_scatter", buffer(), scattered))
-        for a in scattered:
-            deg[dst_dim[a]] *= mesh.size(a)
-    if reduced := ordered(a for a in k.partial if a not in dst_dim):
-        out.append(Collective("all_reduce", buffer(), reduced))
-    if reordered := ordered(a for a in src_dim if dst_dim.get(a) == src_dim[a]):
-        out.append(Collective("collective_permute", buffer(), reordered))
-    if moving := ordered(a for a in src_dim if dst_dim.get(a, src_dim[a]) != src_dim[a]):
-        out.append(Collective("all_to_all", buffer(), moving))
-        for a in moving:
-            deg[src_dim[a]] //= mesh.size(a)
-            deg[dst_dim[a]] *= mesh.size(a)
-    if gathered := ordered(a for a in src_dim if a not in dst_dim):
-        for a in gathered:
-            deg[src_dim[a]] //= mesh.size(a)
-        out.append(Collective("all_gather", buffer(), gathered))
-    for a in sliced:
-        if a not in early:
-            deg[dst_dim[a]] *= mesh.size(a)
-    assert deg == [mesh.degree(axes) for axes in k.dst], (k, deg)
-    return tuple(out)
-
-
-def _common_prefix(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return a[:n]
 
 
 # --- the disk cache location and versions --------------------------------------------------------
@@ -646,240 +565,3 @@ def _checked_records(records: Any, num_axes: int) -> list:
             raise ValueError(f"bad collective record {[kind, nbytes, axes, gs]}")
         out.append([kind, float(nbytes), list(axes), int(gs)])
     return out
-
-
-# --- the compiling subprocess: parent side -------------------------------------------------------
-
-
-class _Worker:
-    """A subprocess with N virtual CPU devices that compiles batches of transitions."""
-
-    def __init__(self, num_devices: int):
-        env = dict(os.environ)
-        flags = [
-            f
-            for f in env.get("XLA_FLAGS", "").split()
-            if not f.startswith("--xla_force_host_platform_device_count")
-        ]
-        flags.append(f"--xla_force_host_platform_device_count={num_devices}")
-        env["XLA_FLAGS"] = " ".join(flags)
-        env["JAX_PLATFORMS"] = "cpu"
-        env["TF_CPP_MIN_LOG_LEVEL"] = "2"  # XLA's warnings ("Involuntary full rematerialization")
-        root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed by the finalizer
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", "from soapjax.reshard import _worker_main; _worker_main()"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            env=env,
-        )
-        self._buf = b""
-        self.ready = False  # jax imported and the devices up
-        self._finalizer = weakref.finalize(self, _kill, self._proc, self._stderr)
-
-    def request(self, payload: dict, timeout: float) -> tuple[dict[int, dict], str | None]:
-        """Send one batch; the results that came back, and what went wrong (None if nothing)."""
-        got: dict[int, dict] = {}
-        deadline = time.monotonic() + timeout
-        try:
-            self._send((json.dumps(payload) + "\n").encode(), deadline)
-            while True:
-                msg = json.loads(self._readline(deadline))
-                if msg.get("ready"):
-                    self.ready = True
-                elif msg.get("done"):
-                    return got, None
-                else:
-                    got[int(msg["i"])] = msg
-        except TimeoutError:
-            return got, f"timeout: the batch took more than {timeout:.0f} s"
-        except (OSError, EOFError, ValueError) as e:
-            return got, (
-                f"crash of the compiling subprocess ({type(e).__name__}: {e}); "
-                f"its stderr ends: {self._stderr_tail()}"
-            )
-
-    def _send(self, data: bytes, deadline: float) -> None:
-        # Non-blocking, so that a subprocess that stops reading cannot hang us past the deadline.
-        fd = self._proc.stdin.fileno()
-        os.set_blocking(fd, False)
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_WRITE)
-            while data:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not sel.select(remaining):
-                    raise TimeoutError
-                try:
-                    data = data[os.write(fd, data) :]
-                except BlockingIOError:
-                    continue
-
-    def _readline(self, deadline: float) -> str:
-        fd = self._proc.stdout.fileno()
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            while True:
-                while b"\n" in self._buf:
-                    line, self._buf = self._buf.split(b"\n", 1)
-                    text = line.decode(errors="replace")
-                    if text.startswith(_MARK):
-                        return text[len(_MARK) :]
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not sel.select(remaining):
-                    raise TimeoutError
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:
-                    raise EOFError("the subprocess exited")
-                self._buf += chunk
-
-    def _stderr_tail(self) -> str:
-        try:
-            self._stderr.seek(0, os.SEEK_END)
-            size = self._stderr.tell()
-            self._stderr.seek(max(0, size - 800))
-            return self._stderr.read().decode(errors="replace").strip() or "(empty)"
-        except (OSError, ValueError):
-            return "(unreadable)"
-
-    def close(self) -> None:
-        self._finalizer()
-
-
-def _kill(proc: subprocess.Popen, stderr: Any) -> None:
-    # The worker holds nothing worth a graceful exit, and may be stuck in a compilation.
-    try:
-        proc.kill()
-        proc.wait()
-        for pipe in (proc.stdin, proc.stdout):
-            pipe.close()
-    except OSError:
-        pass
-    finally:
-        stderr.close()
-
-
-# --- the compiling subprocess: worker side -------------------------------------------------------
-
-
-def _worker_main() -> None:
-    """Read batches (JSON lines) from stdin; answer each transition, then ``{"done": true}``."""
-    import jax
-
-    jax.config.update("jax_enable_x64", True)  # uint64 stays uint64
-    jax.devices()
-    _emit({"ready": True})
-    options = dict(_COMPILE_OPTIONS)
-    for line in sys.stdin:
-        request = json.loads(line)
-        sizes = tuple(request["mesh"])
-        mesh = _jax_mesh(sizes)
-        items = request["items"]
-        for start in range(0, len(items), _CHUNK):
-            chunk = items[start : start + _CHUNK]
-            for i, result in _compile_chunk(mesh, chunk, request["rs"], options):
-                _emit({"i": start + i, **result})
-        _emit({"done": True})
-
-
-def _emit(msg: dict) -> None:
-    sys.stdout.write(_MARK + json.dumps(msg) + "\n")
-    sys.stdout.flush()
-
-
-def _jax_mesh(sizes: tuple[int, ...]) -> Any:
-    import jax
-    from jax.sharding import AxisType, Mesh
-
-    devices = np.array(jax.devices()[: math.prod(sizes)]).reshape(sizes)
-    names = tuple(f"ax{i}" for i in range(len(sizes)))
-    return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(sizes))
-
-
-def _compile_chunk(mesh: Any, items: list[dict], rs: bool, options: dict) -> list[tuple[int, dict]]:
-    """One program for the chunk; one per transition if that fails or cannot be attributed."""
-    if len(items) > 1:
-        try:
-            per_item = _collectives_by_item(mesh, items, rs, options)
-            if per_item is not None:
-                return [(i, {"collectives": c}) for i, c in enumerate(per_item)]
-        except Exception:  # noqa: BLE001, S110 - isolate the failing transition below
-            pass
-    out = []
-    for i, item in enumerate(items):
-        try:
-            per_item = _collectives_by_item(mesh, [item], rs, options)
-            out.append((i, {"collectives": per_item[0]}))
-        except Exception as e:  # noqa: BLE001 - reported, then the ideal model stands in
-            out.append((i, {"error": f"{type(e).__name__}: {str(e)[:500]}"}))
-    return out
-
-
-def _collectives_by_item(
-    mesh: Any, items: list[dict], rs: bool, options: dict
-) -> list[list] | None:
-    from soapjax import hlo
-
-    text = _compile_text(mesh, items, options)
-    names = mesh.axis_names
-    sizes = tuple(mesh.shape[n] for n in names)
-    per_item: list[list] = [[] for _ in items]
-    for c in hlo.collectives(text, mesh, reduce_scatter_from_slices=rs):
-        tag = re.search(r"soapjax_t(\d+)/", c.op_name)
-        combined = c.kind != "all-to-all" and len(c.shapes) > 1  # a combiner merged some
-        if len(items) > 1 and (tag is None or int(tag.group(1)) >= len(items) or combined):
-            return None  # cannot say whose it is: compile one by one
-        i = int(tag.group(1)) if len(items) > 1 else 0
-        if c.axes is None:
-            raise ValueError(f"{c.kind} {c.name} has devices outside the mesh")
-        axes = [names.index(a) for a in c.axes]
-        full = math.prod(sizes[a] for a in axes)
-        gs = c.group_size if c.kind != "collective-permute" and c.group_size < full else 0
-        per_item[i].append([c.kind.replace("-", "_"), c.nbytes, axes, gs])
-    return per_item
-
-
-def _compile_text(mesh: Any, items: list[dict], options: dict) -> str:
-    import jax
-    from jax import lax
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    names = mesh.axis_names
-
-    def entry(axes: list[int]) -> Any:
-        return tuple(names[a] for a in axes) or None
-
-    in_shardings, avals, plans = [], [], []
-    for item in items:
-        dtype = np.dtype(item["dtype"])
-        shape = tuple(item["shape"])
-        src = [entry(d) for d in item["src"]]
-        if item["partial"]:
-            # A leading dim of partial sums, one per device along the partial axes.
-            lead = math.prod(mesh.shape[names[a]] for a in item["partial"])
-            shape = (lead, *shape)
-            src = [entry(item["partial"]), *src]
-        in_shardings.append(NamedSharding(mesh, PartitionSpec(*src)))
-        avals.append(jax.ShapeDtypeStruct(shape, dtype))
-        dst = NamedSharding(mesh, PartitionSpec(*[entry(d) for d in item["dst"]]))
-        plans.append((bool(item["partial"]), dtype, dst))
-
-    def program(*xs: Any) -> list[Any]:
-        outs = []
-        for i, (x, (partial, dtype, dst)) in enumerate(zip(xs, plans)):
-            with jax.named_scope(f"soapjax_t{i}"):
-                if partial:
-                    x = lax.reduce(x, np.zeros((), dtype), lax.add, (0,))
-                outs.append(lax.with_sharding_constraint(x, dst))
-        return outs
-
-    lowered = jax.jit(program, in_shardings=in_shardings).lower(*avals)
-    while True:
-        try:
-            return lowered.compile(options or None).as_text()
-        except Exception as e:  # an option this jaxlib does not know: drop it, once
-            unknown = re.search(r"No such compile option: '([^']+)'", str(e))
-            if not unknown or unknown.group(1) not in options:
-                raise
-            del options[unknown.group(1)]

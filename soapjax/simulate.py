@@ -70,18 +70,22 @@ import difflib
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
+
+import jax
 
 
 from soapjax import baselines
 from soapjax import plan as plan_mod
 from soapjax._dtypes import itemsize
 from soapjax._taskgraph import EDGE, LEAF, Comm, Layout, Pricing, TaskGraph
+from soapjax.cost import OpTime
 from soapjax.cost import cost_model as make_cost_model
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
-from soapjax.reshard import Resharder
+from soapjax.reshard import Resharder, ReshardModel
 from soapjax.space import Config, MeshShape, Strategy, data_parallel, storage_spec
+from soapjax.topology import Topology
 
 # Task kinds (`TaskRecord.kind`).
 FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
@@ -265,6 +269,24 @@ def check_config(graph: OpGraph, i: int, config: Config, mesh: MeshShape) -> Non
 # --- the simulation ---------------------------------------------------------------------------
 
 
+class OpCosts(Protocol):
+    """What the simulator asks of a cost model (`soapjax.cost.CostModel` is one).
+
+    Attributes:
+      source: how the times were obtained (``"measured"``, ``"analytic"``), for the result.
+    """
+
+    source: str
+
+    def op_time(self, op_index: int, config: Config) -> OpTime:
+        """Forward and backward seconds of operator `op_index` under `config`."""
+        ...
+
+    def update_time(self, param_shard_bytes: float) -> float:
+        """Seconds of the optimizer update of a parameter shard of that many bytes."""
+        ...
+
+
 class Simulation:
     """A strategy's simulated step, kept up to date under single-operator changes.
 
@@ -281,7 +303,8 @@ class Simulation:
       opt_state_factor: optimizer state bytes per parameter byte (2 for Adam).
     """
 
-    def __init__(self, graph: OpGraph, topology: Any, cost_model: Any, resharder: Any,
+    def __init__(self, graph: OpGraph, topology: Topology, cost_model: OpCosts,
+                 resharder: ReshardModel,
                  strategy: Strategy, *, opt_state_factor: float = 2.0) -> None:
         self.graph = graph
         self.topology = topology
@@ -725,8 +748,9 @@ class _Undo:
 # --- entry points -----------------------------------------------------------------------------
 
 
-def simulate(graph: OpGraph, topology: Any, strategy: Strategy, *, cost_model: Any = None,
-             resharder: Any = None, opt_state_factor: float = 2.0) -> SimResult:
+def simulate(graph: OpGraph, topology: Topology, strategy: Strategy, *,
+             cost_model: OpCosts | None = None, resharder: ReshardModel | None = None,
+             opt_state_factor: float = 2.0) -> SimResult:
     """Full simulation of one training step of `strategy` (Algorithm 1).
 
     Args:
@@ -747,8 +771,8 @@ def simulate(graph: OpGraph, topology: Any, strategy: Strategy, *, cost_model: A
                       opt_state_factor=opt_state_factor).result()
 
 
-def compare(graph: OpGraph, topology: Any, strategies: Mapping[str, Strategy], *,
-            cost_model: Any = None, resharder: Any = None,
+def compare(graph: OpGraph, topology: Topology, strategies: Mapping[str, Strategy], *,
+            cost_model: OpCosts | None = None, resharder: ReshardModel | None = None,
             opt_state_factor: float = 2.0) -> dict[str, SimResult]:
     """Simulates several strategies with the same costs, like for like (`simulate` each).
 
@@ -772,8 +796,6 @@ def opt_state_factor(optimizer: Any, params: Any) -> float:
 
     Example: ``opt_state_factor(optax.adam(1e-3), params)`` is 2.0 (plus a step counter).
     """
-    import jax
-
     def nbytes(tree: Any) -> int:
         return sum(math.prod(x.shape) * itemsize(x.dtype)
                    for x in jax.tree.leaves(tree) if hasattr(x, "shape"))
@@ -782,7 +804,7 @@ def opt_state_factor(optimizer: Any, params: Any) -> float:
     return nbytes(state) / max(nbytes(params), 1)
 
 
-def parse_strategy(graph: OpGraph, topology: Any, spec: str | Mapping[str, Any], *,
+def parse_strategy(graph: OpGraph, topology: Topology, spec: str | Mapping[str, Any], *,
                    family: str | None = None) -> Strategy:
     """A strategy from a baseline's name, a plan file, or a hand-written override of data
     parallelism (what ``soapjax simulate --strategy`` takes).

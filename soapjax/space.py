@@ -5,12 +5,19 @@ reduction dims; see `soapjax.graph.Operator`), which mesh axes split it. A mesh 
 most once per operator; the degree of a dim is the product of its axes' sizes; axes the config
 does not use replicate the operator. The output dims' part is exactly a `PartitionSpec`:
 
-    >>> mesh = MeshShape(("data", "model"), (2, 4))
-    >>> op.shape, op.roles, op.reduction_dims     # a Dense layer: [batch, features] @ [in, out]
+    >>> import jax, jax.numpy as jnp
+    >>> from soapjax.graph import trace
+    >>> def loss(w, x):
+    ...     return jnp.mean(jax.nn.relu(x @ w["kernel"]) @ w["out"])
+    >>> f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    >>> graph = trace(loss, {"kernel": f32(512, 1024), "out": f32(1024, 1)}, f32(64, 512))
+    >>> op = graph.operators[0]                   # a Dense layer: [batch, in] @ [in, out]
+    >>> op.shape, op.roles, op.reduction_dims
     ((64, 1024), ('S', 'P'), (ReductionDim(size=512, role='P'),))
+    >>> mesh = MeshShape(("data", "model"), (2, 4))
     >>> c = Config((("data",), ("model",), ()))   # batch over data, features over model
     >>> c.output_spec(op)
-    PartitionSpec('data', 'model')
+    P('data', 'model')
     >>> c.shard_sizes(op, mesh)
     (32, 256, 512)
 
@@ -26,16 +33,30 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
-from jax.sharding import PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from soapjax.graph import Operator, OpGraph
+from soapjax.topology import Topology
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshShape:
-    """Named mesh axes and their sizes, e.g. ``MeshShape(("node", "gpu"), (4, 4))``."""
+    """Named mesh axes and their sizes: a hashable `jax.sharding.AbstractMesh` without devices.
+
+    The planner's stages key caches and plans by it, so it is frozen and compares by value; it
+    converts both ways with JAX's own device-free mesh (`abstract_mesh`, `of`) and says what
+    JAX says (`axis_names`, `axis_sizes`, `shape`, `size`).
+
+    >>> mesh = MeshShape(("node", "gpu"), (4, 4))
+    >>> mesh.size, mesh.axis_size("gpu"), mesh.degree(("node", "gpu"))
+    (16, 4, 16)
+    >>> mesh.abstract_mesh
+    AbstractMesh('node': 4, 'gpu': 4, axis_types=(Auto, Auto))
+    >>> MeshShape.of(mesh.abstract_mesh) == mesh
+    True
+    """
 
     axis_names: tuple[str, ...]
     axis_sizes: tuple[int, ...]
@@ -48,24 +69,40 @@ class MeshShape:
             raise ValueError(f"mesh axis names must be distinct, got {self.axis_names}")
 
     @classmethod
-    def of(cls, mesh_or_topology) -> MeshShape:
-        """From a `Topology`, a `jax.sharding.Mesh`, or a MeshShape."""
-        if isinstance(mesh_or_topology, MeshShape):
-            return mesh_or_topology
-        if hasattr(mesh_or_topology, "axis_sizes") and hasattr(mesh_or_topology, "axis_names"):
-            return cls(tuple(mesh_or_topology.axis_names), tuple(mesh_or_topology.axis_sizes))
-        shape = mesh_or_topology.shape  # jax Mesh: OrderedDict name -> size
-        return cls(tuple(shape.keys()), tuple(shape.values()))
+    def of(cls, mesh: MeshLike) -> MeshShape:
+        """The axes of a `jax.sharding.Mesh` or `AbstractMesh`, a `Topology`, or a MeshShape."""
+        if isinstance(mesh, MeshShape):
+            return mesh
+        return cls(tuple(mesh.axis_names), tuple(int(s) for s in mesh.axis_sizes))
 
-    def size(self, axis: str) -> int:
+    @property
+    def abstract_mesh(self) -> AbstractMesh:
+        """JAX's device-free mesh of these axes (Auto axis types)."""
+        return AbstractMesh(self.axis_sizes, self.axis_names)
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """``{axis name: size}`` in mesh order, like ``jax.sharding.Mesh.shape``."""
+        return dict(zip(self.axis_names, self.axis_sizes))
+
+    @property
+    def size(self) -> int:
+        """The number of devices, like ``jax.sharding.Mesh.size``."""
+        return math.prod(self.axis_sizes)
+
+    num_devices = size  # the older name, kept for callers
+
+    def axis_size(self, axis: str) -> int:
+        """The size of one mesh axis."""
         return self.axis_sizes[self.axis_names.index(axis)]
 
     def degree(self, axes: Sequence[str]) -> int:
-        return math.prod(self.size(a) for a in axes)
+        """How many shards splitting over `axes` makes: the product of their sizes."""
+        return math.prod(self.axis_size(a) for a in axes)
 
-    @property
-    def num_devices(self) -> int:
-        return math.prod(self.axis_sizes)
+
+# Anything with named mesh axes and their sizes: what a stage accepts where a mesh is meant.
+MeshLike = MeshShape | AbstractMesh | Mesh | Topology
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,13 +223,14 @@ class SpaceLimits:
 def configs(op: Operator, mesh: MeshShape, limits: SpaceLimits = SpaceLimits()) -> tuple[Config, ...]:
     """Every config of `op` on `mesh`: each axis splits at most one divisible dim, or none.
 
-    Degrees always divide the dim. Axes on one dim appear in mesh order (the order changes
+    Degrees always divide the dim (and every extent it takes inside the operator:
+    `Operator.split_sizes`). Axes on one dim appear in mesh order (the order changes
     only which device holds which shard, not any cost). The replicated config comes first.
     """
     spatial = not limits.allow_spatial and _image_like(op)
     dims = [d for d in op.divisible_dims if _allowed(op.iteration_roles[d], limits)
             and not (spatial and op.iteration_roles[d] == "A")]
-    sizes = op.iteration_sizes
+    sizes = op.split_sizes
     out = []
     # Each axis goes to one of the allowed dims or to none (replicate over it).
     for choice in itertools.product([None, *dims], repeat=len(mesh.axis_names)):
@@ -233,7 +271,7 @@ def _split_sample(op: Operator, mesh: MeshShape, axes: Sequence[str]) -> Config:
     axes_of: list[tuple[str, ...]] = [()] * len(op.iteration_sizes)
     d = sample_dim(op)
     if d is not None and not op.replicate_only:
-        axes_of[d] = dividing_axes(op.iteration_sizes[d], axes, mesh)
+        axes_of[d] = dividing_axes(op.split_sizes[d], axes, mesh)
     return Config(tuple(axes_of))
 
 
@@ -247,18 +285,9 @@ def dividing_axes(size: int, axes: Sequence[str], mesh: MeshShape) -> tuple[str,
     """The longest prefix of `axes` whose degree divides `size`."""
     out: list[str] = []
     for a in axes:
-        if size % (mesh.degree(out) * mesh.size(a)) == 0:
+        if size % (mesh.degree(out) * mesh.axis_size(a)) == 0:
             out.append(a)
     return tuple(out)
-
-
-def iter_neighbours(strategy: Strategy, graph: OpGraph, mesh: MeshShape,
-                    limits: SpaceLimits = SpaceLimits()) -> Iterator[tuple[int, Config]]:
-    """Every single-operator change of `strategy`: (operator index, its new config)."""
-    for i, op in enumerate(graph.operators):
-        for c in configs(op, mesh, limits):
-            if c != strategy[i]:
-                yield i, c
 
 
 Spec = tuple[tuple[str, ...], ...]
@@ -302,7 +331,7 @@ def fit_spec(spec: Spec, shape: Sequence[int], mesh: MeshShape) -> Spec:
     for axes, size in zip(spec, shape):
         kept: list[str] = []
         for a in axes:
-            if a not in used and size % (mesh.degree(kept) * mesh.size(a)) == 0:
+            if a not in used and size % (mesh.degree(kept) * mesh.axis_size(a)) == 0:
                 kept.append(a)
                 used.add(a)
         out.append(tuple(kept))
@@ -335,7 +364,7 @@ def _with_zero(spec: Spec, shape: Sequence[int], zero_axes: Sequence[str], mesh:
             continue
         order = sorted(range(len(shape)), key=lambda d: -shape[d] // max(1, mesh.degree(axes[d])))
         for d in order:
-            if shape[d] % (mesh.degree(axes[d]) * mesh.size(axis)) == 0:
+            if shape[d] % (mesh.degree(axes[d]) * mesh.axis_size(axis)) == 0:
                 axes[d].append(axis)
                 used.add(axis)
                 break
