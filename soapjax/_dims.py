@@ -405,6 +405,11 @@ def _gather(ls: LabelSet, p, ins, in_shapes, out_shapes) -> Labels:
     batch_out = [d for d in range(len(out)) if d not in offset_dims]
     for od, idx_d in zip(batch_out, range(len(indices) - 1)):
         ls.union(out[od], indices[idx_d])
+    # Batched gathers (take_along_axis, vmap of an index): the operand's batching dims are the
+    # indices' batching dims, split alike.
+    for od, idx_d in zip(getattr(dn, "operand_batching_dims", ()),
+                         getattr(dn, "start_indices_batching_dims", ())):
+        ls.union(operand[od], indices[idx_d])
     return tuple(out)
 
 

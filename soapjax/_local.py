@@ -74,6 +74,7 @@ def operator_fn(graph: OpGraph, name: str, degrees: Sequence[int] | None = None,
 
     in_avals = [jax.ShapeDtypeStruct(shard(v), prog.jax_dtypes[v]) for v in loc.inputs]
     interp = _Interp(loc, degrees, rules, name)
+    whole = _input_free(prog, loc)
 
     def fn(*operands):
         env = {}
@@ -81,16 +82,35 @@ def operator_fn(graph: OpGraph, name: str, degrees: Sequence[int] | None = None,
             if vid in prog.literals:
                 env[vid] = prog.literals[vid]
             elif vid in prog.consts:
-                env[vid] = _crop(prog.consts[vid], shard(vid))
+                env[vid] = prog.consts[vid]
         env.update(zip(loc.inputs, operands))
         for i in loc.units:
             u = prog.units[i]
-            shapes = [shard(v) if v is not None else None for v in u.outs]
-            outs = interp.bind(u.eqn, [_crop(env[v], shard(v)) for v in u.ins], shapes)
+            if all(v in whole for v in u.outs if v is not None):
+                # Built from iotas and constants alone (positions, a mask): computed whole on
+                # every device, as XLA does; each reader takes the part it needs.
+                shapes = [prog.shapes[v] if v is not None else None for v in u.outs]
+                args = [env[v] for v in u.ins]
+            else:
+                shapes = [shard(v) if v is not None else None for v in u.outs]
+                keep = u.eqn.primitive.name == "broadcast_in_dim"  # crops to its own target
+                args = [env[v] if keep and v in whole else _crop(env[v], shard(v))
+                        for v in u.ins]
+            outs = interp.bind(u.eqn, args, shapes)
             env.update((v, _crop(o, s)) for v, o, s in zip(u.outs, outs, shapes) if v is not None)
-        return [env[v] for v in loc.exports]
+        return [_crop(env[v], shard(v)) for v in loc.exports]
 
     return fn, in_avals
+
+
+def _input_free(prog, loc: _Local) -> set[int]:
+    """Values of the operator that depend on none of its operands (iotas, constants)."""
+    free = {v for v in loc.lab if v in prog.literals or v in prog.consts}
+    for i in loc.units:
+        u = prog.units[i]
+        if all(v in free for v in u.ins) and not u.eqn.effects:
+            free.update(v for v in u.outs if v is not None)
+    return free
 
 
 def _crop(x, shape):
@@ -219,6 +239,12 @@ def _rewrite(eqn, name: str, params: dict, args: list, out_shapes: list) -> None
     out = out_shapes[0] if out_shapes else None
     if name == "broadcast_in_dim":
         params["shape"] = out
+        # An operand built whole from iotas (an attention mask) broadcast into a split value:
+        # device 0's part of it.
+        want = tuple(out[b] for b in params["broadcast_dimensions"])
+        have = tuple(args[0].shape)
+        if any(h != 1 and h != w for h, w in zip(have, want)):
+            args[0] = _crop(args[0], tuple(h if h == 1 else min(h, w) for h, w in zip(have, want)))
     elif name == "reshape":
         params["new_sizes"] = out
         params["dimensions"] = None

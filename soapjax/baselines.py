@@ -43,7 +43,7 @@ def _assign(op: Operator, axes_of: list[list[str]], d: int | None, axes: Sequenc
     if d is None or op.replicate_only or d not in op.divisible_dims:
         return
     used = {a for dim in axes_of for a in dim}
-    size = op.iteration_sizes[d] // mesh.degree(axes_of[d])
+    size = op.split_sizes[d] // mesh.degree(axes_of[d])
     for a in dividing_axes(size, [a for a in axes if a not in used], mesh):
         axes_of[d].append(a)
 

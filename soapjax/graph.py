@@ -178,6 +178,10 @@ class Operator:
         the layer index replaced by ``*`` (``layers_*/fc1``): the operators of the same
         position in every layer, which share one config (the paper's repeated blocks); ''
         otherwise.
+      granularity: for each iteration dim, the greatest common divisor of the extents it
+        takes inside the operator (rotary embeddings slice a head dim of 8 into halves of 4:
+        4); a split must divide it, or the shards would need data from each other. () means
+        `iteration_sizes`.
     """
 
     name: str
@@ -194,6 +198,12 @@ class Operator:
     num_equations: int
     replicate_only: bool = False
     block_position: str = ""
+    granularity: tuple[int, ...] = ()
+
+    @property
+    def split_sizes(self) -> tuple[int, ...]:
+        """The sizes a split's degree must divide, per iteration dim (see `granularity`)."""
+        return self.granularity or self.iteration_sizes
 
     @property
     def iteration_sizes(self) -> tuple[int, ...]:
@@ -223,7 +233,7 @@ class Operator:
         """
         if self.replicate_only:
             return ()
-        return tuple(i for i, (r, s) in enumerate(zip(self.iteration_roles, self.iteration_sizes))
+        return tuple(i for i, (r, s) in enumerate(zip(self.iteration_roles, self.split_sizes))
                      if r != "-" and s > 1 and (r == "S" or not self.is_loop))
 
     @property
@@ -1220,6 +1230,7 @@ class _Builder:
         flops = sum(self.info[i].flops for i in group)
         nbytes = sum(o.nbytes for o in operands) + sum(t.nbytes for t in outputs)
         unknown = self._kind(anchor) == "unknown"
+        granularity = self._granularity(out_shape, red_dims, lab, ls, iter_of)
         position = self.position[anchor]
         if position:  # the same position in every layer: the operator's name, layer-free
             position += name[len(self.group_module[g]):]
@@ -1228,7 +1239,17 @@ class _Builder:
                         reduction_dims=tuple(red_dims), flops=float(flops),
                         bytes_accessed=float(nbytes), inputs=tuple(operands), outputs=outputs,
                         num_equations=len(group), replicate_only=unknown,
-                        block_position=position)
+                        block_position=position, granularity=granularity)
+
+    def _granularity(self, out_shape, red_dims, lab, ls, iter_of) -> tuple[int, ...]:
+        sizes = list(out_shape) + [r.size for r in red_dims]
+        grain = list(sizes)
+        for v, labels in lab.items():
+            for lbl, size in zip(labels, self.p.shapes[v]):
+                d = ls.lookup(lbl, iter_of)
+                if d is not None and size > 1:
+                    grain[d] = math.gcd(grain[d], size)
+        return () if grain == sizes else tuple(grain)
 
     def _reduction_role(self, ls, k, iter_of, inputs, lab) -> Role:
         for v in inputs:
