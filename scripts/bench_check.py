@@ -3,7 +3,7 @@
 For every zoo model (tiny configs) on the 8 virtual CPU devices of ``cpu8`` (data=2 x model=4),
 applies data parallelism, each baseline (Megatron, FSDP, the paper's expert CNN and RNN
 strategies) and the searched plan (analytic costs, 300 proposals per chain, seed 0), and runs
-`soapjax.check.check` on each: the largest difference from the unsharded step, the bytes per
+`soapjax.check.compare_on_devices` on each: the largest difference from the unsharded step, the bytes per
 device of the collectives in the compiled step (a collective inside a loop counted once per
 iteration) and the bytes of the simulator's communication tasks (reshardings priced by XLA,
 ``reshard="xla"``), and the bytes each device sends over the step both ways. Prints a markdown
@@ -24,9 +24,9 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
 
-import models  # noqa: E402
+import soapjax_zoo as zoo  # noqa: E402
 from soapjax import baselines  # noqa: E402
-from soapjax.check import check  # noqa: E402
+from soapjax.check import compare_on_devices  # noqa: E402
 from soapjax.graph import trace  # noqa: E402
 from soapjax.plan import Plan  # noqa: E402
 from soapjax.search import SearchSettings, find_plan  # noqa: E402
@@ -46,7 +46,7 @@ def strategies(graph, topo, w, wanted):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", nargs="*", default=list(models.names()))
+    ap.add_argument("--models", nargs="*", default=list(zoo.names()))
     ap.add_argument("--plans", nargs="*", default=list(PLANS), choices=PLANS)
     ap.add_argument("--mesh", default="cpu8")
     args = ap.parse_args(argv)
@@ -54,11 +54,11 @@ def main(argv=None) -> int:
     rows = []
     t0 = time.perf_counter()
     for name in args.models:
-        w = models.get(name, "tiny")
+        w = zoo.get(name, "tiny")
         graph = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=name)
         for kind, strategy in strategies(graph, topo, w, args.plans).items():
             plan = Plan.make(graph, topo, strategy, model_config="tiny")
-            r = check(plan, repeats=1, costs="analytic", reshard="xla")
+            r = compare_on_devices(plan, w, repeats=1, costs="analytic", reshard="xla")
             xla, pred = r.hlo_collective_bytes, r.predicted_collective_bytes
             ratio = 1.0 if xla == pred else pred / max(xla, 1.0)  # 0/0: both move nothing
             hs, ps = r.hlo_sent_bytes, r.predicted_sent_bytes

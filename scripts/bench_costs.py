@@ -32,7 +32,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-import models  # noqa: E402
+import soapjax_zoo as zoo  # noqa: E402
 from soapjax import cost  # noqa: E402
 
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", action="store_true", help="print a markdown table")
     args = p.parse_args(argv)
 
-    names = args.models or list(models.names())
+    names = args.models or list(zoo.names())
     dev = jax.devices()[0]
     print(f"# local backend: {dev.platform} ({dev.device_kind}), {os.cpu_count()} cores, "
           f"jax {jax.__version__}; load average at start {_load()}", flush=True)
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             t0 = time.perf_counter()
             try:
-                c = cost.calibrate(models.get(name, args.config), cache_dir=cache_dir)
+                c = cost.calibrate(zoo.get(name, args.config), cache_dir=cache_dir)
             except Exception as e:  # noqa: BLE001  one model failing must not hide the others
                 print(f"{name}: failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                 continue

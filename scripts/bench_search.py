@@ -16,7 +16,7 @@ import argparse
 import sys
 import time
 
-import models
+import soapjax_zoo as zoo
 from soapjax.graph import trace
 from soapjax.reshard import DEFAULT_MODE
 from soapjax.search import SearchSettings, find_plan
@@ -27,7 +27,7 @@ MESHES = ("p100x16", "k80x64", "dgx-h100x8", "dgx-h100x32", "h100x64")
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", nargs="*", default=list(models.names()))
+    ap.add_argument("--models", nargs="*", default=list(zoo.names()))
     ap.add_argument("--meshes", nargs="*", default=list(MESHES))
     ap.add_argument("--config", default="default")
     ap.add_argument("--budget", type=float, default=8.0, help="search seconds per case")
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
           "vs DP | vs best | search s | proposals |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
-        w = models.get(name, args.config)
+        w = zoo.get(name, args.config)
         g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=name)
         for mesh in args.meshes:
             topo = load_topology(mesh)

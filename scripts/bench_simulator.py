@@ -35,7 +35,7 @@ import random
 import sys
 import time
 
-import models
+import soapjax_zoo as zoo
 from soapjax import cost, graph, space
 from soapjax.reshard import Resharder
 from soapjax.simulate import Simulation
@@ -86,7 +86,7 @@ def bench(g, topo, *, proposals: int, full_every: int, seed: int, repeats: int) 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="*", default=list(models.names()))
+    p.add_argument("--models", nargs="*", default=list(zoo.names()))
     p.add_argument("--devices", nargs="*", type=int, default=[4, 8, 16, 32, 64])
     p.add_argument("--proposals", type=int, default=300, help="delta proposals per row")
     p.add_argument("--full-every", type=int, default=10,
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     k80 = load_topology("k80x64")
     topologies = {n: scaled_topology(k80, n) for n in args.devices}
     for name in args.models:
-        w = models.get(name)
+        w = zoo.get(name)
         g = graph.trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
         for n in args.devices:
             r = bench(g, topologies[n], proposals=args.proposals,

@@ -51,11 +51,11 @@ from typing import Any  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-import models  # noqa: E402
+import soapjax_zoo  # noqa: E402
 # Every soapjax module the run uses is imported now, not half an hour later: a run must use one
 # version of the code even when the checkout changes under it.
 from soapjax import apply, cost, hlo, reshard  # noqa: E402, F401
-from soapjax.check import check  # noqa: E402
+from soapjax.check import compare_on_devices  # noqa: E402
 from soapjax.baselines import baselines  # noqa: E402
 from soapjax.graph import trace  # noqa: E402
 from soapjax.plan import Plan  # noqa: E402
@@ -116,13 +116,13 @@ FULL = Mode(
     fig12_proposals=1500,
     optimum_cases=(("lenet", "default", "p100x16-4"), ("rnnlm", "default", "p100x16-4"),
                    ("rnnlm", "default", "cpu4"), ("mlp", "tiny", "cpu4")),
-    optimum_proposals=1000, local_devices=(2, 4, 8), local_models=tuple(models.names()),
+    optimum_proposals=1000, local_devices=(2, 4, 8), local_models=tuple(soapjax_zoo.names()),
     budget_cases=(("nmt", "k80x64-64"), ("rnntc", "p100x16-8"), ("inception_v3", "p100x16-4"),
                   ("gpt2", "h100x64-64")),
-    accuracy_models=tuple(models.names()),
+    accuracy_models=tuple(soapjax_zoo.names()),
     # Inception-v3 and ResNet-101 have ~200 operators: every plan needs ~200 shard programs
     # compiled and timed for its prediction, minutes per plan on a 2-core host.
-    accuracy_multi_models=tuple(m for m in models.names()
+    accuracy_multi_models=tuple(m for m in soapjax_zoo.names()
                                 if m not in ("inception_v3", "resnet101")),
     accuracy_baselines=("data-parallel", "megatron", "expert-cnn", "expert-rnn"),
     accuracy_plans=1, accuracy_proposals=100, repeats=5)
@@ -212,12 +212,12 @@ class Zoo:
         self._searches: dict = {}
 
     def per_device_batch(self, name: str, config: str | None = None) -> int:
-        return models.get(name, config or self.mode.config).batch_size
+        return soapjax_zoo.get(name, config or self.mode.config).batch_size
 
     def workload(self, name: str, devices: int = 1, config: str | None = None):
         """The workload with the config's batch per device times `devices` (weak scaling)."""
         config = config or self.mode.config
-        return models.get(name, config, batch_size=self.per_device_batch(name, config) * devices)
+        return soapjax_zoo.get(name, config, batch_size=self.per_device_batch(name, config) * devices)
 
     def graph(self, name: str, devices: int = 1, config: str | None = None):
         w = self.workload(name, devices, config)
@@ -688,7 +688,7 @@ def run_quality(zoo: Zoo) -> dict:
 
 def _global_optimum(name: str, config: str, spec: str, proposals: int) -> dict:
     topo = topology(spec)
-    w = models.get(name, config)
+    w = soapjax_zoo.get(name, config)
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=name)
     factor = opt_state_factor(w.optimizer, w.abstract_params())
     cm = cost.cost_model(g, topo, mode="analytic", optimizer=w.optimizer)
@@ -833,7 +833,7 @@ def run_accuracy(zoo: Zoo) -> dict:
 
 def _one_device(name: str, cache_dir: str) -> dict:
     """The measured unsharded step against the simulated one-device step (measured costs)."""
-    w = models.get(name, "tiny")
+    w = soapjax_zoo.get(name, "tiny")
     local = cost.local_topology()
     one = scaled_topology(local, 1)
     cal = cost.calibrate(w, topology=local, cache_dir=cache_dir)
@@ -852,7 +852,7 @@ def _eight_devices(zoo: Zoo, name: str, cache_dir: str, k: int) -> list[dict]:
     """Several plans of `name` applied on the 8 CPU devices, measured and simulated."""
     mode = zoo.mode
     topo = load_topology("cpu8")
-    w = models.get(name, "tiny")
+    w = soapjax_zoo.get(name, "tiny")
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=name)
     mesh = MeshShape.of(topo)
     base = baselines(g, topo, w.family)
@@ -875,8 +875,9 @@ def _eight_devices(zoo: Zoo, name: str, cache_dir: str, k: int) -> list[dict]:
                                  f"plan {j + 1}/{len(plans)} {pname}")
         row: dict[str, Any] = {"model": name, "plan": pname}
         try:
-            c = check(Plan.make(g, topo, strategy, model_config="tiny"), repeats=mode.repeats,
-                      costs="measured", reshard="xla")
+            c = compare_on_devices(Plan.make(g, topo, strategy, model_config="tiny"),
+                                   soapjax_zoo.get(name, "tiny"), repeats=mode.repeats,
+                                   costs="measured", reshard="xla")
         except Exception as e:  # noqa: BLE001  one plan failing must not hide the others
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             rows.append(row)

@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import jax.numpy as jnp
 
-    import models
+    import soapjax_zoo as zoo
 
-    w = models.get(args.model, args.config, api=args.api)
+    w = zoo.get(args.model, args.config, api=args.api)
     params = w.init_params(jax.random.key(args.seed))
     batches = [w.make_batch(jax.random.key(args.seed + 1 + i)) for i in range(args.steps)]
     run = training.shard_training(w.loss_fn, params, batches[0], w.optimizer,

@@ -20,15 +20,14 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 
-import models
 from soapjax import apply, hlo
 from soapjax.cost import cost_model
-from soapjax.errors import PlanError
 from soapjax.graph import trace
 from soapjax.plan import Plan
 from soapjax.reshard import DEFAULT_MODE, Resharder
@@ -41,7 +40,7 @@ _COMPUTE = ("forward", "backward", "update")
 
 @dataclasses.dataclass(frozen=True)
 class CheckResult:
-    """What `check` found.
+    """What `compare_on_devices` found.
 
     Attributes:
       max_abs_diff: largest |sharded - unsharded| over loss, parameters and optimizer state.
@@ -132,27 +131,34 @@ def _tally(items) -> tuple[tuple[str, int, float], ...]:
     return tuple((k, n, b) for k, (n, b) in sorted(out.items()))
 
 
-def check(plan: Plan, *, repeats: int = 5, seed: int = 0, costs: str = "auto",
-          reshard: str = DEFAULT_MODE) -> CheckResult:
-    """Applies `plan` on the attached devices and compares it (see the module doc).
+class TrainWorkload(Protocol):
+    """What `compare_on_devices` needs of a model: a `soapjax_zoo.Workload` is one."""
 
-    The model is rebuilt from the plan: a zoo model by name and config, user code from the
-    ``--model`` text the plan records (`Plan.workload`; relative paths from the current
-    directory). The prediction uses the same defaults as `soapjax.search.find_plan`, so it
-    is the plan's own predicted step unless `costs` or `reshard` say otherwise.
+    name: str
+    optimizer: Any
+
+    def loss_fn(self, params: Any, batch: Any) -> Any: ...
+    def abstract_params(self) -> Any: ...
+    def abstract_batch(self) -> Any: ...
+    def init_params(self, key: jax.Array) -> Any: ...
+    def make_batch(self, key: jax.Array) -> Any: ...
+    def train_step(self) -> Callable[..., Any]: ...
+
+
+def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5, seed: int = 0,
+                       costs: str = "auto", reshard: str = DEFAULT_MODE) -> CheckResult:
+    """Applies `plan` to `workload` on the attached devices and compares (see the module doc).
+
+    What `soapjax check` runs; the command line rebuilds the workload from the plan
+    (`soapjax_zoo.for_plan`: a zoo model by name and config, or the user code the plan
+    records). The prediction uses the same defaults as `soapjax.search.find_plan`, so it is the
+    plan's own predicted step unless `costs` or `reshard` say otherwise.
 
     Raises:
-      PlanError: the plan is not for a zoo model and records no user code, was made for
-        another model, or its topology cannot be built from the attached devices.
-      WorkloadError: the user code the plan records cannot be loaded.
+      PlanError: the plan was made for another model, or its topology cannot be built from the
+        attached devices.
     """
-    if not plan.workload and plan.model not in models.names():
-        zoo = ", ".join(models.names())
-        raise PlanError(f"plan is for model {plan.model!r}, which is not in the zoo; `soapjax "
-                        f"check` rebuilds the model by name (zoo models: {zoo}) or from the "
-                        "--model text a plan of user code records (`soapjax plan --model "
-                        "path/file.py:FUNCTION`)")
-    w = models.load(plan.workload or plan.model, plan.model_config or "default")
+    w = workload
     graph = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
     topo = load_topology(plan.topology)
     strategy = plan.strategy(graph, topo)

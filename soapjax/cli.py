@@ -56,10 +56,10 @@ _SEED = _number(int, 0, "an integer >= 0")
 
 
 def _load_model(model: str, config: str, api: str | None = None):
-    """The workload `--model` names: a zoo model or user code (`models.load`)."""
-    import models
+    """The workload `--model` names: a zoo model or user code (`soapjax_zoo.load`)."""
+    import soapjax_zoo as zoo
 
-    return models.load(model, config, api=api)
+    return zoo.load(model, config, api=api)
 
 
 def _trace(w):
@@ -70,7 +70,7 @@ def _trace(w):
 
 def _workload_text(model: str) -> str:
     """What a plan records to rebuild user code ('' for the zoo, which goes by name)."""
-    from models.user import is_user_code
+    from soapjax_zoo.user import is_user_code
 
     return model if is_user_code(model) else ""
 
@@ -85,22 +85,22 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
         description="List every registered model with its configs, parameter count and FLOPs "
         "per training step (forward, backward and optimizer update, as XLA counts them).",
     )
-    p.add_argument("--config", default="default", help="which config to summarise (default: %(default)s)")
+    _add_size(p, "default", "which model size to summarise (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_cmd_models)
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    import models
+    import soapjax_zoo as zoo
 
     rows = []
-    for name in models.names():
-        s = models.summarize(models.get(name, args.config))
+    for name in zoo.names():
+        s = zoo.summarize(zoo.get(name, args.size))
         rows.append(
             {
                 "name": name,
-                "config": args.config,
-                "configs": list(models.configs(name)),
+                "config": args.size,
+                "configs": list(zoo.configs(name)),
                 "family": s.family,
                 "batch_size": s.batch_size,
                 "param_count": s.param_count,
@@ -133,7 +133,7 @@ def _add_graph(sub: argparse._SubParsersAction) -> None:
         "FLOPs and parameter bytes.",
     )
     p.add_argument("--model", default="gpt2", help=_MODEL_HELP)
-    p.add_argument("--config", default="default", help="zoo model config, e.g. default or tiny")
+    _add_size(p, "default", "zoo model size, e.g. default or tiny")
     p.add_argument("--api", default=None, choices=("linen", "nnx"),
                    help="Flax API of a zoo model (default: linen)")
     p.add_argument("--json", action="store_true", help="print the graph as JSON")
@@ -141,7 +141,7 @@ def _add_graph(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_graph(args: argparse.Namespace) -> int:
-    g = _trace(_load_model(args.model, args.config, args.api))
+    g = _trace(_load_model(args.model, args.size, args.api))
     if args.json:
         _print_json(g.to_json())
     else:
@@ -255,7 +255,7 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
         "and the error. Operator times come from (and fill) the cost cache.",
     )
     p.add_argument("--model", default="mlp", help="registry name, or 'all' for the whole zoo")
-    p.add_argument("--config", default="tiny", help="model config (default: %(default)s)")
+    _add_size(p, "tiny", "zoo model size (default: %(default)s)")
     p.add_argument("--cache-dir", default=None, help="cost cache (default: $SOAPJAX_CACHE_DIR "
                    "or ~/.cache/soapjax/costs)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -263,16 +263,16 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    import models
+    import soapjax_zoo as zoo
     from soapjax import cost
 
-    names = models.names() if args.model == "all" else (args.model,)
+    names = zoo.names() if args.model == "all" else (args.model,)
     rows = []
     if not args.json:
         print(f"{'model':<14}{'config':<9}{'ops':>5}{'step ms':>10}{'sum ms':>10}{'fwd':>9}"
               f"{'bwd':>9}{'update':>9}{'error':>8}")
     for name in names:
-        c = cost.calibrate(models.get(name, args.config), cache_dir=args.cache_dir)
+        c = cost.calibrate(zoo.get(name, args.size), cache_dir=args.cache_dir)
         rows.append({**c._asdict(), "sources": dict(c.sources), "predicted_s": c.predicted_s,
                      "error": c.error})
         if not args.json:
@@ -293,7 +293,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
         "matches the topology, or use the analytic roofline when it does not.",
     )
     p.add_argument("--model", default="gpt2", help="registry name (see `soapjax models`)")
-    p.add_argument("--config", default="default", help="model config, e.g. default or tiny")
+    _add_size(p, "default", "zoo model size, e.g. default or tiny")
     p.add_argument("--mesh", default="cpu8", help="a shipped topology or a .toml path")
     p.add_argument("--mode", default="auto", choices=("auto", "measured", "analytic"),
                    help="how to price operators (default: measured if the devices are here)")
@@ -305,7 +305,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 def _cmd_profile(args: argparse.Namespace) -> int:
     from soapjax import cost, topology
 
-    w = _load_model(args.model, args.config)
+    w = _load_model(args.model, args.size)
     g = _trace(w)
     topo = topology.load_topology(args.mesh)
     costs = cost.cost_model(g, topo, mode=args.mode, cache_dir=args.cache_dir,
@@ -318,7 +318,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
     r = costs.profile(progress=progress)
     sys.stderr.write("\n")
-    print(f"{w.name} ({args.config}) on {topo.name}: {costs.source} costs; {r.pairs} "
+    print(f"{w.name} ({args.size}) on {topo.name}: {costs.source} costs; {r.pairs} "
           f"(operator, config) pairs, {r.shard_programs} shard programs, {r.distinct} distinct "
           f"signatures; {r.measured} measured now, {r.fallbacks} fallbacks; {r.seconds:.1f}s")
     return 0
@@ -362,7 +362,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default=None, help=_MODEL_HELP.replace(
         "%(default)s", "the plan's model when --strategy is a plan file, else gpt2"))
-    p.add_argument("--config", default=None, help="zoo model config, e.g. default or tiny "
+    _add_size(p, None, "zoo model size, e.g. default or tiny "
                    "(default: the plan's, else default)")
     p.add_argument("--mesh", default=None, help="a shipped topology or a .toml path (default: "
                    "the plan's topology when --strategy is a plan file, else cpu8)")
@@ -389,7 +389,7 @@ def _simulate_inputs(args: argparse.Namespace):
     from soapjax.plan import FORMAT, Plan
     from soapjax.topology import load_topology
 
-    model, config, mesh = args.model, args.config, args.mesh
+    model, config, mesh = args.model, args.size, args.mesh
     if (model is None or mesh is None) and args.strategy.endswith(".json"):
         try:
             with open(args.strategy) as f:
@@ -465,11 +465,11 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "H100 is attached).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  soapjax plan\n  soapjax plan --model nmt --mesh k80x64 --budget 60"
-        "\n  soapjax plan --model mlp --config tiny --mesh cpu8 --costs measured --out mlp.json"
+        "\n  soapjax plan --model mlp --size tiny --mesh cpu8 --costs measured --out mlp.json"
         "\n  soapjax plan --model my_model.py:make_workload --mesh cpu8",
     )
     p.add_argument("--model", default="gpt2", help=_MODEL_HELP)
-    p.add_argument("--config", default="default", help="zoo model config (default: "
+    _add_size(p, "default", "zoo model size (default: "
                    "%(default)s)")
     p.add_argument("--mesh", default="dgx-h100x8", help="topology name or TOML path "
                    "(default: %(default)s; see `soapjax meshes`)")
@@ -510,7 +510,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     if args.plot:
         _require_plot()
-    w = _load_model(args.model, args.config)
+    w = _load_model(args.model, args.size)
     topo = load_topology(args.mesh)
     t0 = time.perf_counter()
     g = _trace(w)
@@ -529,7 +529,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         sim = simulate(g, topo, strategy, cost_model=cm, resharder=resharder,
                        opt_state_factor=info["opt_state_factor"])
         others = _baseline_results(g, topo, w, cm, resharder, info) if args.plot else {}
-    name = f"{args.model}-{args.config}" if w.config else w.name
+    name = f"{args.model}-{args.size}" if w.config else w.name
     out = plan.save(args.out or f"plans/{name}-{topo.name}.json")
     if args.trace:
         with open(args.trace, "w") as f:
@@ -603,16 +603,24 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from soapjax.check import check
+    import soapjax_zoo as zoo
+    from soapjax.check import compare_on_devices
     from soapjax.plan import Plan
 
-    result = check(Plan.load(args.plan), repeats=args.repeats, costs=args.costs,
-                   reshard=args.reshard)
+    plan = Plan.load(args.plan)
+    result = compare_on_devices(plan, zoo.for_plan(plan), repeats=args.repeats,
+                                costs=args.costs, reshard=args.reshard)
     if args.json:
         _print_json(result.to_json())
     else:
         print(result.table())
     return 0
+
+
+def _add_size(p: argparse.ArgumentParser, default: str | None, help: str) -> None:
+    """--size (a zoo model's size: default, tiny, ...), with --config its deprecated old name."""
+    p.add_argument("--size", "--config", dest="size", default=default,
+                   help=help + "; --config is a deprecated alias of --size")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
 from soapjax.space import Config, MeshShape, Strategy, param_specs, to_partition_spec
+from soapjax.topology import Topology
 
 FORMAT = "soapjax-plan"
 VERSION = 1
@@ -168,7 +169,7 @@ class Plan:
         out, red = self.dim_roles(k)
         return self.configs[k][1].describe_roles(tuple(out) + ("R",) * len(red), len(out))
 
-    def check(self, graph: OpGraph, topology=None) -> None:
+    def validate_for(self, graph: OpGraph, topology: Topology | None = None) -> None:
         """Raises PlanError unless this plan was made for `graph` (and `topology`)."""
         if graph.fingerprint() != self.graph_fingerprint:
             names = [op.name for op in graph.operators]
@@ -191,9 +192,9 @@ class Plan:
                 f"not {topology.name!r} (fingerprint {topology.fingerprint()}, mesh "
                 f"{dict(zip(topology.axis_names, topology.axis_sizes))})")
 
-    def strategy(self, graph: OpGraph, topology=None) -> Strategy:
+    def strategy(self, graph: OpGraph, topology: Topology | None = None) -> Strategy:
         """The plan's strategy for `graph`, after checking the plan was made for it."""
-        self.check(graph, topology)
+        self.validate_for(graph, topology)
         return Strategy(tuple(c for _, c in self.configs), self.zero_axes)
 
     # --- JSON ------------------------------------------------------------------------------

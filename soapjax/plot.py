@@ -43,7 +43,7 @@ from soapjax.errors import MissingDependencyError, PlanError
 from soapjax.graph import OpGraph
 from soapjax.plan import Plan
 from soapjax.report import byte_unit, group_repeats
-from soapjax.space import Config, MeshShape, Strategy
+from soapjax.space import Config, MeshShape, Strategy, validate_config
 
 __all__ = ["Cell", "Partition", "comparison_figure", "partitions", "plan_figure",
            "require_matplotlib", "save_pictures", "timeline_figure"]
@@ -184,10 +184,9 @@ def _resolve(first, strategy, mesh) -> tuple[list[_Op], MeshShape, list[int]]:
     if len(strategy.configs) != len(graph.operators):
         raise PlanError(f"the strategy has {len(strategy.configs)} configs but graph "
                         f"{graph.name!r} has {len(graph.operators)} operators")
-    from soapjax.simulate import check_config
 
     for i, config in enumerate(strategy.configs):
-        check_config(graph, i, config, shape)
+        validate_config(graph, i, config, shape)
     ops = [_Op(op.name, "".join(op.roles), "".join(r.role for r in op.reduction_dims), c)
            for op, c in zip(graph.operators, strategy.configs)]
     return ops, shape, _device_ids(mesh, shape)

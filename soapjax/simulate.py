@@ -84,7 +84,14 @@ from soapjax.cost import cost_model as make_cost_model
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
 from soapjax.reshard import Resharder, ReshardModel
-from soapjax.space import Config, MeshShape, Strategy, data_parallel, storage_spec
+from soapjax.space import (
+    Config,
+    MeshShape,
+    Strategy,
+    data_parallel,
+    storage_spec,
+    validate_config,
+)
 from soapjax.topology import Topology
 
 # Task kinds (`TaskRecord.kind`).
@@ -244,26 +251,6 @@ def shard_bytes(shape: Sequence[int], spec: Sequence[Sequence[str]], dtype: str,
     for size in shape[len(spec):]:
         n *= size
     return n
-
-
-def check_config(graph: OpGraph, i: int, config: Config, mesh: MeshShape) -> None:
-    """Raises PlanError unless `config` fits operator `i` and the mesh (names the operator)."""
-    op = graph.operators[i]
-    sizes = op.iteration_sizes
-    if len(config.axes) != len(sizes):
-        raise PlanError(f"operator {op.name!r}: config {list(map(list, config.axes))} has "
-                        f"{len(config.axes)} dims, expected {len(sizes)} (its output dims "
-                        f"{list(op.shape)} then reduction dims "
-                        f"{[r.size for r in op.reduction_dims]})")
-    for d, axes in enumerate(config.axes):
-        unknown = [a for a in axes if a not in mesh.axis_names]
-        if unknown:
-            raise PlanError(f"operator {op.name!r}: dim {d} uses unknown mesh axes {unknown}; "
-                            f"the mesh has {list(mesh.axis_names)}")
-        if axes and (sizes[d] % mesh.degree(axes) or d not in op.divisible_dims):
-            raise PlanError(f"operator {op.name!r}: dim {d} of size {sizes[d]} (role "
-                            f"{op.iteration_roles[d]}) cannot be split {mesh.degree(axes)} ways "
-                            f"over {list(axes)}")
 
 
 # --- the simulation ---------------------------------------------------------------------------
@@ -561,7 +548,7 @@ class Simulation:
         key = (j, config)
         v = self._views_memo.get(key)
         if v is None:
-            check_config(self.graph, j, config, self.mesh)
+            validate_config(self.graph, j, config, self.mesh)
             op = self.graph.operators[j]
             t = self.cost_model.op_time(j, config)
             outs = tuple(config.operand_axes(x.dims) for x in op.outputs)
@@ -835,7 +822,7 @@ def parse_strategy(graph: OpGraph, topology: Topology, spec: str | Mapping[str, 
         if spec.get("format") == plan_mod.FORMAT:
             strategy = plan_mod.Plan.from_json(spec, where=path).strategy(graph, topology)
             for i, config in enumerate(strategy.configs):  # an edited file may not fit
-                check_config(graph, i, config, mesh)
+                validate_config(graph, i, config, mesh)
             _check_zero_axes(list(strategy.zero_axes), mesh)
             return strategy
     if not isinstance(spec, Mapping) or "configs" not in spec \
@@ -894,5 +881,5 @@ def _parse_config(graph: OpGraph, i: int, name: str, axes: Any, mesh: MeshShape)
         config = Config(tuple(tuple(d) for d in axes))
     except ValueError as e:
         raise PlanError(f"operator {name!r}: {e}") from None
-    check_config(graph, i, config, mesh)
+    validate_config(graph, i, config, mesh)
     return config

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
+from soapjax.errors import PlanError
 from soapjax.graph import Operator, OpGraph
 from soapjax.topology import Topology
 
@@ -244,6 +245,26 @@ def configs(op: Operator, mesh: MeshShape, limits: SpaceLimits = SpaceLimits()) 
             continue
         out.append(Config(tuple(tuple(per_dim.get(d, ())) for d in range(len(sizes)))))
     return tuple(out)
+
+
+def validate_config(graph: OpGraph, i: int, config: Config, mesh: MeshShape) -> None:
+    """Raises PlanError unless `config` fits operator `i` and the mesh (names the operator)."""
+    op = graph.operators[i]
+    sizes = op.iteration_sizes
+    if len(config.axes) != len(sizes):
+        raise PlanError(f"operator {op.name!r}: config {list(map(list, config.axes))} has "
+                        f"{len(config.axes)} dims, expected {len(sizes)} (its output dims "
+                        f"{list(op.shape)} then reduction dims "
+                        f"{[r.size for r in op.reduction_dims]})")
+    for d, axes in enumerate(config.axes):
+        unknown = [a for a in axes if a not in mesh.axis_names]
+        if unknown:
+            raise PlanError(f"operator {op.name!r}: dim {d} uses unknown mesh axes {unknown}; "
+                            f"the mesh has {list(mesh.axis_names)}")
+        if axes and (sizes[d] % mesh.degree(axes) or d not in op.divisible_dims):
+            raise PlanError(f"operator {op.name!r}: dim {d} of size {sizes[d]} (role "
+                            f"{op.iteration_roles[d]}) cannot be split {mesh.degree(axes)} ways "
+                            f"over {list(axes)}")
 
 
 def _image_like(op: Operator) -> bool:

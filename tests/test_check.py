@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-import models
+import soapjax_zoo as zoo
 from soapjax import cli, space
 from soapjax.errors import PlanError
 from soapjax.graph import trace
@@ -15,7 +15,7 @@ from soapjax.topology import load_topology
 @pytest.fixture(scope="module")
 def megatron_plan(tmp_path_factory):
     """fc1 column parallel, fc2 row parallel over `model`, batch over `data`."""
-    w = models.get("mlp", "tiny")
+    w = zoo.get("mlp", "tiny")
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="mlp")
     topo = load_topology("cpu8")
     by_name = {"fc1": (("data",), ("model",), ()), "fc2": (("data",), (), ("model",)),
@@ -47,7 +47,7 @@ def test_check_json(megatron_plan, capsys):
 
 
 def test_check_refuses_a_plan_for_other_devices(tmp_path):
-    w = models.get("mlp", "tiny")
+    w = zoo.get("mlp", "tiny")
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="mlp")
     topo = load_topology("dgx-h100x8")
     path = Plan.make(g, topo, space.data_parallel(g, space.MeshShape.of(topo)),
@@ -59,7 +59,5 @@ def test_check_refuses_unknown_models(megatron_plan, tmp_path):
     data = json.loads(megatron_plan.read_text())
     data["model"]["name"] = "mine"
     (tmp_path / "p.json").write_text(json.dumps(data))
-    from soapjax.check import check
-
     with pytest.raises(PlanError, match="model 'mine', which is not in the zoo"):
-        check(Plan.load(tmp_path / "p.json"))
+        zoo.for_plan(Plan.load(tmp_path / "p.json"))

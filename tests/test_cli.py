@@ -125,7 +125,7 @@ def test_user_code_that_cannot_be_found(user_file, tmp_path, capsys):
     assert code == 2 and f"running {broken} raised ZeroDivisionError: division by zero" in err
     code, _, err = run(["plan", "--model", f"{user_file}:make_workload", "--config", "tiny"],
                        capsys)
-    assert code == 2 and "is user code: --config and --api are for zoo models" in err
+    assert code == 2 and "is user code: --size and --api are for zoo models" in err
     code, _, err = run(["plan", "--model", "gtp2"], capsys)
     assert code == 2 and "unknown model 'gtp2'" in err and "or user code: FILE.py:FUNCTION" in err
 

@@ -308,9 +308,9 @@ def test_calibrate_mlp_step_matches_the_sum_of_its_parts(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_profile_measures_each_signature_once(tmp_path):
-    import models
+    import soapjax_zoo as zoo
 
-    w = models.get("mlp", "tiny")
+    w = zoo.get("mlp", "tiny")
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="mlp")
     costs = measured(g, tmp_path, mesh=MeshShape(("data",), (2,)))
     seen = []

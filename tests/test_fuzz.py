@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import models
+import soapjax_zoo as zoo
 from soapjax import _timing, cli, space, training
 from soapjax.errors import PlanError, TopologyError
 from soapjax.graph import trace
@@ -72,7 +72,7 @@ def mutated_json(data: dict, rng: random.Random, n: int):
 
 @pytest.fixture(scope="module")
 def mlp():
-    w = models.get("mlp", "tiny")
+    w = zoo.get("mlp", "tiny")
     return w, trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="mlp")
 
 

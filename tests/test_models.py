@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
-from models.gpt2 import GPT2Config
-from models.workload import ModelConfigError
+import soapjax_zoo as zoo
+from soapjax_zoo.gpt2 import GPT2Config
+from soapjax_zoo.workload import ModelConfigError
 from soapjax.errors import SoapjaxError, UnknownModelError
 
 NAMES = ("alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt", "lenet", "mlp", "gpt2")
@@ -31,7 +31,7 @@ def _variants(*, slow: set[str] = frozenset()) -> list:
     return [
         pytest.param(name, api, id=f"{name}-{api}", marks=[pytest.mark.heavy] * (name in slow))
         for name in NAMES
-        for api in models.apis(name)
+        for api in zoo.apis(name)
     ]
 
 
@@ -52,39 +52,39 @@ def _shapes_by_module_path(params) -> dict[str, tuple[int, ...]]:
 
 
 def test_names_in_registry_order():
-    assert models.names() == NAMES
+    assert zoo.names() == NAMES
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_model_has_default_and_tiny(name):
-    assert models.configs(name)[:2] == ("default", "tiny")
+    assert zoo.configs(name)[:2] == ("default", "tiny")
 
 
 def test_get_returns_the_same_workload():
-    assert models.get("mlp", "tiny") is models.get("mlp", "tiny")
+    assert zoo.get("mlp", "tiny") is zoo.get("mlp", "tiny")
 
 
 @pytest.mark.parametrize(
     ("call", "message"),
     [
         pytest.param(
-            lambda: models.get("gtp2"),
+            lambda: zoo.get("gtp2"),
             r"^unknown model 'gtp2'; expected one of: alexnet, inception_v3, resnet101, rnntc, "
             r"rnnlm, nmt, lenet, mlp, gpt2; did you mean 'gpt2'\?$",
             id="get-typo",
         ),
         pytest.param(
-            lambda: models.configs("vgg16"),
+            lambda: zoo.configs("vgg16"),
             r"^unknown model 'vgg16'; expected one of: alexnet, .*, gpt2$",
             id="configs-no-close-match",
         ),
         pytest.param(
-            lambda: models.get("gpt2", "huge"),
+            lambda: zoo.get("gpt2", "huge"),
             r"^model 'gpt2' has no config 'huge'; expected one of: default, tiny$",
             id="unknown-config",
         ),
         pytest.param(
-            lambda: models.get("gpt2", "tiny", api="nnx"),
+            lambda: zoo.get("gpt2", "tiny", api="nnx"),
             r"^model 'gpt2' is not available in api 'nnx'; expected one of: linen$",
             id="unknown-api",
         ),
@@ -98,16 +98,16 @@ def test_unknown_names_raise(call, message):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_batch_size_overrides_the_config(name):
-    w = models.get(name, "tiny", batch_size=24)
+    w = zoo.get(name, "tiny", batch_size=24)
     assert w.batch_size == 24 and w.config == "tiny"
     assert all(x.shape[0] == 24 for x in jax.tree.leaves(w.abstract_batch()))
-    assert models.get(name, "tiny", batch_size=24) is w
-    assert models.get(name, "tiny").batch_size == 8  # the config itself is unchanged
+    assert zoo.get(name, "tiny", batch_size=24) is w
+    assert zoo.get(name, "tiny").batch_size == 8  # the config itself is unchanged
 
 
 def test_batch_size_must_be_positive():
     with pytest.raises(ModelConfigError, match="mlp.*batch_size must be a positive integer, got 0"):
-        models.get("mlp", batch_size=0)
+        zoo.get("mlp", batch_size=0)
 
 
 def test_inconsistent_config_raises():
@@ -120,7 +120,7 @@ def test_inconsistent_config_raises():
 
 @pytest.mark.parametrize(("name", "api"), _variants())
 def test_tiny_batch_leaves_lead_with_the_batch(name, api):
-    w = models.get(name, "tiny", api=api)
+    w = zoo.get(name, "tiny", api=api)
     batch = w.abstract_batch()
     assert w.batch_size == 8
     assert {k: v.shape[0] for k, v in batch.items()} == {k: 8 for k in batch}
@@ -139,7 +139,7 @@ def test_tiny_batch_leaves_lead_with_the_batch(name, api):
     ],
 )
 def test_every_lstm_layer_is_one_named_scan(name, scans):
-    w = models.get(name, "tiny")
+    w = zoo.get(name, "tiny")
     jaxpr = jax.make_jaxpr(w.loss_fn)(w.abstract_params(), w.abstract_batch()).jaxpr
     found = [str(e.source_info.name_stack) for e in jaxpr.eqns if e.primitive.name == "scan"]
     assert [s.split("/", 1)[1] for s in found] == scans
@@ -148,7 +148,7 @@ def test_every_lstm_layer_is_one_named_scan(name, scans):
 
 @pytest.mark.parametrize(("name", "api"), _variants(slow=SLOW_TINY))
 def test_tiny_train_step_learns(name, api):
-    w = models.get(name, "tiny", api=api)
+    w = zoo.get(name, "tiny", api=api)
     rng = jax.random.key(0)
     params = _compile(w.init_params, rng)(rng)
     abstract = w.abstract_params()
@@ -174,8 +174,8 @@ def test_tiny_train_step_learns(name, api):
 @pytest.mark.parametrize("name", TWINS)
 @pytest.mark.parametrize("config", ["tiny", "default"])
 def test_nnx_twin_has_linen_parameter_paths_and_shapes(name, config):
-    linen = _shapes_by_module_path(models.get(name, config).abstract_params())
-    nnx = _shapes_by_module_path(models.get(name, config, api="nnx").abstract_params())
+    linen = _shapes_by_module_path(zoo.get(name, config).abstract_params())
+    nnx = _shapes_by_module_path(zoo.get(name, config, api="nnx").abstract_params())
     assert nnx == linen
     assert "fc1/kernel" in nnx
 
@@ -187,8 +187,8 @@ def test_nnx_twin_operators_have_linen_names(name):
         anchors = ("dot_general", "conv_general_dilated")
         return [str(e.source_info.name_stack) for e in jaxpr.eqns if e.primitive.name in anchors]
 
-    linen = operator_names(models.get(name, "tiny"))  # e.g. "MLP/fc1": linen adds its root
-    nnx = operator_names(models.get(name, "tiny", api="nnx"))
+    linen = operator_names(zoo.get(name, "tiny"))  # e.g. "MLP/fc1": linen adds its root
+    nnx = operator_names(zoo.get(name, "tiny", api="nnx"))
     assert nnx == [n.split("/", 1)[1] for n in linen]
     assert nnx[0] in ("fc1", "conv1")
 
@@ -237,9 +237,9 @@ EXPECTED_FLOPS = {
     [pytest.param(n, id=n, marks=[pytest.mark.heavy] * (n in SLOW_DEFAULT)) for n in NAMES],
 )
 def test_default_summary(name):
-    w = models.get(name)
+    w = zoo.get(name)
     live_bytes = sum(x.nbytes for x in jax.live_arrays())
-    s = models.summarize(w)
+    s = zoo.summarize(w)
     assert sum(x.nbytes for x in jax.live_arrays()) - live_bytes < 2**20  # nothing materialised
     assert (s.name, s.config, s.api, s.batch_size) == (name, "default", "linen", w.batch_size)
     assert s.param_count == EXPECTED_PARAMS[name]
@@ -259,11 +259,11 @@ def test_step_flops_counts_every_scan_step():
     )
     looped = jax.jit(step).lower(*args).cost_analysis()["flops"]
     assert looped < 2 * 2 * 8 * 64 * 64  # XLA's own count: the loop body once
-    assert models.step_flops(step, *args) == pytest.approx(10 * 2 * 8 * 64 * 64, rel=0.05)
+    assert zoo.step_flops(step, *args) == pytest.approx(10 * 2 * 8 * 64 * 64, rel=0.05)
 
 
 def test_default_batches_follow_the_paper():
-    shapes = {n: models.get(n).abstract_batch() for n in NAMES}
+    shapes = {n: zoo.get(n).abstract_batch() for n in NAMES}
     assert shapes["alexnet"]["image"].shape == (256, 224, 224, 3)
     assert shapes["inception_v3"]["image"].shape == (64, 299, 299, 3)
     assert shapes["resnet101"]["image"].shape == (64, 224, 224, 3)
@@ -280,7 +280,7 @@ def test_default_batches_follow_the_paper():
 
 
 def test_summary_of_nnx_twin_matches_linen():
-    linen = models.summarize(models.get("mlp", "tiny"))
-    nnx = models.summarize(models.get("mlp", "tiny", api="nnx"))
+    linen = zoo.summarize(zoo.get("mlp", "tiny"))
+    nnx = zoo.summarize(zoo.get("mlp", "tiny", api="nnx"))
     assert (nnx.api, nnx.param_count) == ("nnx", linen.param_count)
     assert nnx.flops_per_step == pytest.approx(linen.flops_per_step, rel=0.01)

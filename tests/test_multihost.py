@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
+import soapjax_zoo as zoo
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 3
@@ -40,7 +40,7 @@ def _port_error() -> str | None:
 
 def _unsharded(model: str, steps: int, seed: int = 0) -> tuple[list[float], list[float]]:
     """Losses and checksum (sum, sum of squares per leaf) of the example's run, unsharded."""
-    w = models.get(model, "tiny")
+    w = zoo.get(model, "tiny")
     params = w.init_params(jax.random.key(seed))
     opt_state = w.optimizer.init(params)
     step = jax.jit(w.train_step())

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-import models
+import soapjax_zoo as zoo
 from soapjax import space
 from soapjax.errors import PlanError
 from soapjax.graph import trace
@@ -14,7 +14,7 @@ from soapjax.topology import load_topology
 
 @pytest.fixture(scope="module")
 def graph():
-    w = models.get("mlp", "tiny")
+    w = zoo.get("mlp", "tiny")
     return trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="mlp")
 
 
@@ -70,7 +70,7 @@ def test_zero_axes_shard_replicated_params(graph, topo):
 def test_refuses_another_model(graph, topo):
     mesh = space.MeshShape.of(topo)
     plan = Plan.make(graph, topo, space.data_parallel(graph, mesh))
-    w = models.get("lenet", "tiny")
+    w = zoo.get("lenet", "tiny")
     other = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="lenet")
     with pytest.raises(PlanError, match=r"made for model 'mlp' \(4 operators.*traces to 'lenet'"):
         plan.strategy(other)

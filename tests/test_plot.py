@@ -14,7 +14,7 @@ import pytest
 
 matplotlib.use("Agg")
 
-import models  # noqa: E402
+import soapjax_zoo as zoo  # noqa: E402
 from soapjax import baselines, cli, plot, simulate, space  # noqa: E402
 from soapjax.cost import cost_model  # noqa: E402
 from soapjax.errors import MissingDependencyError, PlanError  # noqa: E402
@@ -29,7 +29,7 @@ MESH = space.MeshShape.of(TOPOLOGY)
 
 @pytest.fixture(scope="module")
 def mlp():
-    w = models.get("mlp", "tiny")
+    w = zoo.get("mlp", "tiny")
     return trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="mlp")
 
 
@@ -120,7 +120,7 @@ def test_a_plan_draws_alone(mlp, megatron, tmp_path):
 
 
 def test_repeated_blocks_collapse():
-    w = models.get("gpt2", "tiny")
+    w = zoo.get("gpt2", "tiny")
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt2")
     parts = plot.partitions(g, baselines.megatron(g, MESH, ("model",)), MESH)
     fc1 = next(p for p in parts if p.label == "layers_{0..1}/mlp/fc1")
@@ -138,7 +138,7 @@ def test_bad_input(mlp, megatron):
     bad = megatron.replace(0, space.Config((("data",), ("gpu",), ())))
     with pytest.raises(PlanError, match=r"operator 'fc1': dim 1 uses unknown mesh axes \['gpu'\]"):
         plot.partitions(mlp, bad, TOPOLOGY)
-    w = models.get("lenet", "tiny")
+    w = zoo.get("lenet", "tiny")
     other = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="lenet")
     with pytest.raises(PlanError, match="made for model 'mlp'"):
         plot.plan_figure(other, Plan.make(mlp, TOPOLOGY, megatron))
@@ -249,7 +249,7 @@ def test_plan_html_lists_partition_specs(mlp, megatron, results):
 
 
 def test_html_groups_by_module_and_escapes():
-    w = models.get("gpt2", "tiny")
+    w = zoo.get("gpt2", "tiny")
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt2")
     plan = Plan.make(g, load_topology("cpu8"), baselines.megatron(g, MESH, ("model",)))
     html = plan._repr_html_()

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-import models
+import soapjax_zoo as zoo
 from soapjax import cli
 from soapjax.baselines import baselines, intra_node_axes
 from soapjax.cost import cost_model
@@ -21,7 +21,7 @@ from soapjax.topology import load_topology
 
 @functools.cache
 def setup(name: str, mesh: str):
-    w = models.get(name, "tiny")
+    w = zoo.get(name, "tiny")
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=name)
     topo = load_topology(mesh)
     return w, g, topo, cost_model(g, topo, mode="analytic")

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-import models
+import soapjax_zoo
 from soapjax import cli
 from soapjax.cost import OpTime, cost_model
 from soapjax.errors import PlanError
@@ -143,7 +143,7 @@ def test_two_operator_chain_row_parallel_waits_for_partial_sums(pair):
 
 @functools.cache
 def zoo(name, config="tiny"):
-    w = models.get(name, config)
+    w = soapjax_zoo.get(name, config)
     return w, trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=name)
 
 
@@ -221,7 +221,7 @@ def test_readers_of_one_value_in_one_layout_share_its_resharding():
     # GPT-2's ln_1 output split over the batch feeds query, key and value, which all want it
     # replicated: XLA all-gathers it once (compiled HLO: one f32[8,8,32] all-gather per layer),
     # and so does the simulator. Their cotangents still go back one by one.
-    w = models.get("gpt2", "tiny")
+    w = soapjax_zoo.get("gpt2", "tiny")
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt2")
     topo = load_topology("cpu8")
     mesh = MeshShape.of(topo)

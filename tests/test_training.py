@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import Mesh
 
 import jax
-import models
+import soapjax_zoo as zoo
 from soapjax import SearchSettings, find_plan, training
 from soapjax.baselines import baselines
 from soapjax.errors import PlanError
@@ -29,7 +29,7 @@ def cache_dir(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def mlp():
-    return models.get("mlp", "tiny")
+    return zoo.get("mlp", "tiny")
 
 
 def shard(w, **kwargs):

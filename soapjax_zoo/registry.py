@@ -2,11 +2,11 @@
 
 Example::
 
-  >>> models.names()
+  >>> zoo.names()
   ('alexnet', 'inception_v3', 'resnet101', 'rnntc', 'rnnlm', 'nmt', 'lenet', 'mlp', 'gpt2')
-  >>> models.configs("gpt2")
+  >>> zoo.configs("gpt2")
   ('default', 'tiny')
-  >>> models.get("mlp", "tiny", api="nnx").api
+  >>> zoo.get("mlp", "tiny", api="nnx").api
   'nnx'
 """
 
@@ -19,9 +19,10 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from models import cnn, gpt2, mlp, rnn, user
-from models.workload import ModelConfigError, Workload
-from soapjax.errors import UnknownModelError, WorkloadError
+from soapjax_zoo import cnn, gpt2, mlp, rnn, user
+from soapjax_zoo.workload import ModelConfigError, Workload
+from soapjax.errors import PlanError, UnknownModelError, WorkloadError
+from soapjax.plan import Plan
 
 
 class _Entry(NamedTuple):
@@ -108,7 +109,7 @@ def get(name: str, config: str = "default", *, api: str = "linen",
 
 
 def load(model: str, config: str = "default", *, api: str | None = None) -> Workload:
-    """What the command line's ``--model`` names: a zoo model, or user code (`models.user`).
+    """What the command line's ``--model`` names: a zoo model, or user code (`soapjax_zoo.user`).
 
     Example: ``load("gpt2", "tiny")`` is ``get("gpt2", "tiny")``; ``load("my_model.py:make")``
     runs ``make()`` from ``my_model.py``.
@@ -124,7 +125,7 @@ def load(model: str, config: str = "default", *, api: str | None = None) -> Work
     """
     if user.is_user_code(model):
         if config != "default" or api is not None:
-            raise WorkloadError(f"--model {model!r} is user code: --config and --api are for zoo "
+            raise WorkloadError(f"--model {model!r} is user code: --size and --api are for zoo "
                                 f"models (got config {config!r}, api {api!r}); its function "
                                 "builds the model it wants")
         return user.load(model)
@@ -134,6 +135,24 @@ def load(model: str, config: str = "default", *, api: str | None = None) -> Work
         except UnknownModelError as e:
             raise UnknownModelError(f"{e}; or user code: {user.FORM}") from None
     return get(model, config, api=api or "linen")
+
+
+def for_plan(plan: Plan) -> Workload:
+    """The workload a plan was made for, as `soapjax check` rebuilds it.
+
+    The user code the plan records (`Plan.workload`, the ``--model`` text; relative paths from
+    the current directory), else the zoo model by the plan's model name and config.
+
+    Raises:
+      PlanError: the plan is for a model that is not in the zoo and records no user code.
+      WorkloadError: the user code the plan records cannot be loaded.
+    """
+    if not plan.workload and plan.model not in names():
+        raise PlanError(f"plan is for model {plan.model!r}, which is not in the zoo; `soapjax "
+                        f"check` rebuilds the model by name (zoo models: {', '.join(names())}) "
+                        "or from the --model text a plan of user code records (`soapjax plan "
+                        "--model path/file.py:FUNCTION`)")
+    return load(plan.workload or plan.model, plan.model_config or "default")
 
 
 @functools.cache

@@ -4,7 +4,7 @@ The full-size configs are those of the FlexFlow paper (section 8.1): ImageNet-si
 1000 classes, batch 256 for AlexNet and 64 for the others, SGD with momentum. Inception-v3 and
 ResNet-101 use BatchNorm in training mode: each layer normalises with the statistics of the
 current batch, and the running averages are computed inside the loss and dropped (see
-`models.workload.linen_workload`), so the parameters are the trained ones only.
+`soapjax_zoo.workload.linen_workload`), so the parameters are the trained ones only.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.workload import (
+from soapjax_zoo.workload import (
     Batch,
     ModelConfigError,
     Workload,

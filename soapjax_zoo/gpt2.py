@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from models.workload import Batch, ModelConfigError, Workload, linen_workload
+from soapjax_zoo.workload import Batch, ModelConfigError, Workload, linen_workload
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,7 +42,7 @@ class Workload:
       config: config name, e.g. ``"default"`` or ``"tiny"``.
       api: ``"linen"`` or ``"nnx"``.
       family: ``"cnn"``, ``"rnn"``, ``"transformer"`` or ``"mlp"``; the expert strategies use it.
-        None for user code (`models.load`): both experts are tried.
+        None for user code (`soapjax_zoo.load`): both experts are tried.
       description: one line.
       batch_size: samples per step; dim 0 of every leaf of a batch.
       loss_fn: ``loss_fn(params, batch) -> scalar``; pure, differentiable in ``params``.
@@ -52,7 +52,7 @@ class Workload:
 
     Example::
 
-      w = models.get("mlp", "tiny")
+      w = zoo.get("mlp", "tiny")
       params = w.init_params(jax.random.key(0))
       opt_state = w.optimizer.init(params)
       params, opt_state, loss = jax.jit(w.train_step())(

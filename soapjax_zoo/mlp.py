@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.workload import Batch, Workload, linen_workload, nnx_workload, sgd_momentum
+from soapjax_zoo.workload import Batch, Workload, linen_workload, nnx_workload, sgd_momentum
 
 
 @dataclasses.dataclass(frozen=True)

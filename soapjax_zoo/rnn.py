@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.workload import Batch, Workload, adam_clipped, linen_workload
+from soapjax_zoo.workload import Batch, Workload, adam_clipped, linen_workload
 
 Carry = tuple[jax.Array, jax.Array]
 

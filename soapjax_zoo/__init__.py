@@ -1,0 +1,40 @@
+"""soapjax's model zoo: the FlexFlow paper's benchmarks, plus LeNet, an MLP and GPT-2.
+
+Each model is a `Workload` (loss, optimizer, init and synthetic batches) under a registry name,
+with a full-size ``default`` config and a ``tiny`` one for tests::
+
+  w = zoo.get("gpt2", "tiny")
+  step = jax.jit(w.train_step())
+  zoo.summarize(zoo.get("gpt2"))  # traced from shapes only: nothing allocated
+
+`load` takes what the command line's ``--model`` takes: a zoo name, or user code
+(``path/file.py:make_workload``, see `soapjax_zoo.user`).
+"""
+
+from __future__ import annotations
+
+from soapjax_zoo.registry import apis as apis
+from soapjax_zoo.registry import configs as configs
+from soapjax_zoo.registry import for_plan as for_plan
+from soapjax_zoo.registry import get as get
+from soapjax_zoo.registry import load as load
+from soapjax_zoo.registry import names as names
+from soapjax_zoo.workload import ModelConfigError as ModelConfigError
+from soapjax_zoo.workload import ModelSummary as ModelSummary
+from soapjax_zoo.workload import Workload as Workload
+from soapjax_zoo.workload import step_flops as step_flops
+from soapjax_zoo.workload import summarize as summarize
+
+__all__ = [
+    "ModelConfigError",
+    "ModelSummary",
+    "Workload",
+    "apis",
+    "configs",
+    "for_plan",
+    "get",
+    "load",
+    "names",
+    "step_flops",
+    "summarize",
+]
