@@ -10,18 +10,25 @@ is compared with ``jax.grad`` of the user's own loss, in float64:
   axes) and a searched plan (analytic costs, 200 proposals, seed 0): ``jax.grad`` of
   `soapjax.apply.constrained_loss`, jitted with the strategy's parameter and batch shardings;
 * end to end through `soapjax.training.shard_training` with ``optax.sgd(1.0)`` (gradient =
-  parameters before - after), in float64 (data parallel, its default) and in float32 (the
-  searched plan; loss and update within 1e-5, relative).
+  parameters before - after), in float64 under data parallelism (its default), and in float32
+  (the float64 case rounded) under the searched plan: loss and update within 1e-5, relative,
+  of the unsharded float32 step.
 
 Parameters are the models' own initial values plus N(0, 0.05) noise, so no gradient is zero by
-construction (ResNet's zero-initialised BatchNorm scales would zero every gradient of the
-residual branches' convolutions). nnx models are made pure as `shard_training` makes them:
-``nnx.split(model, nnx.Param, ...)`` outside, ``nnx.merge`` inside the loss; the reference is
-``nnx.grad`` of the user's loss on a clone of the model, checked equal to ``jax.grad`` of that
-pure loss. A float64 difference above 1e-12 is a wrong gradient, not rounding: sharded
-reduction orders move float64 results by ~1e-15.
+construction, except ResNet-18's: its own initialisation (zero BatchNorm scales closing every
+residual block) puts exact zeros into its ReLUs, where soapjax must apply relu's own derivative
+rule; a perturbed ResNet-18 is compared too. nnx models are made pure as `shard_training`
+makes them: ``nnx.split(model, nnx.Param, ...)`` outside, ``nnx.merge`` inside the loss; the
+reference is ``nnx.value_and_grad`` of the user's loss on the merged model, checked equal to
+``jax.grad`` of that pure loss. A float64 difference above 1e-12 is a wrong gradient, not
+rounding: sharded reduction orders move float64 results by ~1e-15.
 
-The whole file compiles ~90 small programs; run it alone with
+Each model's cases, references and traced graphs are built once (`case`, cached) and shared by
+its tests; `test_every_shard_program_builds` also builds every per-device program the cost
+stage would time.
+
+mixed_precision computes in bfloat16, so it is held to bfloat16's precision instead (see
+`BF16_TOL`). The whole file compiles ~100 small programs; run it alone with
 ``.venv/bin/python -m pytest -q tests/test_corpus.py``.
 """
 
@@ -42,6 +49,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from soapjax import baselines, space, training
+from soapjax._local import operator_fn
 from soapjax.apply import (
     batch_shardings,
     constrained_loss,
@@ -66,6 +74,10 @@ F32_TOL = 1e-5  # float32: loss and update, relative
 BF16_TOL = 4e-2
 TOLERANCE = {"mixed_precision": (BF16_TOL, BF16_TOL)}  # name -> (float64, float32)
 NOISE = 0.05
+# ResNet-18 is compared at its own initialisation: its zero-initialised BatchNorm scales make
+# ReLU inputs exactly zero, where relu's custom_jvp rule (derivative 0) and the tie rule of the
+# max it is built on (1/2) disagree; perturbed, it is compared too (test_resnet18_perturbed).
+PERTURB = {"resnet18": 0.0}
 FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0,
                 "xla_llvm_disable_expensive_passes": True}
 STRATEGIES = ("data_parallel", "megatron", "fsdp", "searched")
@@ -85,7 +97,7 @@ class Case(NamedTuple):
       params: the trained parameters as a pytree (nnx: the `nnx.Param` state).
       batch: the batch.
       pure_loss: ``pure_loss(params, batch) -> scalar`` (nnx: merged inside).
-      graph: ``soapjax.graph.trace(pure_loss, params, batch)``.
+      graph: ``soapjax.graph.trace(pure_loss, params, batch)`` (float64 only).
       ref_loss: the loss at (params, batch), by plain jax.
       ref_grads: ``jax.grad`` of the plain loss, like `params`.
       x64: float64 or float32.
@@ -98,32 +110,69 @@ class Case(NamedTuple):
     params: Any
     batch: Any
     pure_loss: Callable
-    graph: OpGraph
+    graph: OpGraph | None
     ref_loss: float
     ref_grads: Any
     x64: bool
 
 
-def jiggle(tree: Any, seed: int = 0) -> Any:
-    """Adds N(0, NOISE) to every float leaf (deterministic): parameters a few steps in."""
+def jiggle(tree: Any, noise: float, seed: int = 0) -> Any:
+    """Adds N(0, noise) to every float leaf (deterministic): parameters a few steps in."""
     rng = np.random.default_rng(seed)
 
     def add(x):
-        if not jnp.issubdtype(x.dtype, jnp.floating):
+        if not noise or not jnp.issubdtype(x.dtype, jnp.floating):
             return x
-        return x + jnp.asarray(NOISE * rng.standard_normal(x.shape), x.dtype)
+        return x + jnp.asarray(noise * rng.standard_normal(x.shape), x.dtype)
 
     return jax.tree.map(add, tree)
 
 
 @functools.cache
-def case(name: str, x64: bool = True) -> Case:
+def _made(name: str) -> tuple[Callable, Any, Any]:
+    """The float64 model as its corpus entry makes it (made once)."""
+    with jax.enable_x64(True):
+        return corpus.get(name, dtype=jnp.float64, compiler_options=FAST_COMPILE)
+
+
+@functools.cache
+def case(name: str, x64: bool = True, noise: float | None = None) -> Case:
+    """The model in float64, or (``x64=False``) its float64 case rounded to float32; its
+    parameters perturbed by N(0, noise) (default: `NOISE`, or the entry's in `PERTURB`)."""
+    noise = PERTURB.get(name, NOISE) if noise is None else noise
+    if not x64:
+        return _rounded(case(name, True, noise))
+    loss_fn, arg, batch = _made(name)
+    with jax.enable_x64(True):
+        if corpus.CORPUS[name].api == "nnx":
+            arg = nnx.clone(arg)
+            nnx.update(arg, jiggle(nnx.state(arg, nnx.Param), noise))
+        else:
+            arg = jiggle(arg, noise)
+        return _prepare(name, loss_fn, arg, batch, x64=True)
+
+
+def _rounded(c: Case) -> Case:
+    """The case with its float parameters, state and batch rounded to float32 (the models'
+    ``param_dtype`` only chooses what ``init`` creates; computation follows the arrays)."""
+    def cast(tree):
+        return jax.tree.map(lambda x: x.astype(jnp.float32)
+                            if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+    arg = c.user_arg
+    if c.entry.api == "nnx":
+        arg = nnx.clone(arg)
+        nnx.update(arg, cast(nnx.state(arg)))
+    else:
+        arg = cast(arg)
+    return _prepare(c.name, c.loss_fn, arg, cast(c.batch), x64=False)
+
+
+def _prepare(name: str, loss_fn: Callable, arg: Any, batch: Any, *, x64: bool) -> Case:
+    """The pure loss, the reference loss and gradient, and the traced graph."""
     entry = corpus.CORPUS[name]
     with jax.enable_x64(x64):
-        loss_fn, arg, batch = corpus.get(name, dtype=jnp.float64 if x64 else jnp.float32,
-                                         compiler_options=FAST_COMPILE)
         if entry.api == "nnx":
-            nnx.update(arg, jiggle(nnx.state(arg, nnx.Param)))
             graphdef, params, rest = nnx.split(arg, nnx.Param, ...)
 
             def pure_loss(p, b):
@@ -136,13 +185,14 @@ def case(name: str, x64: bool = True) -> Case:
                 return nnx.value_and_grad(loss_fn)(nnx.merge(graphdef, state), b)
 
             ref_loss, ref_grads = jit(user_value_and_grad)(nnx.state(arg), batch)
-            pure_error = relative_error(jit(jax.grad(pure_loss))(params, batch), ref_grads)
-            assert pure_error <= X64_TOL, f"{name}: pure loss != user's loss ({pure_error:.3g})"
+            if x64:  # the pure loss is the user's loss
+                pure_error = relative_error(jit(jax.grad(pure_loss))(params, batch), ref_grads)
+                assert pure_error <= X64_TOL, f"{name}: pure != user's: {pure_error:.3g}"
         else:
-            params = arg = jiggle(arg)
-            pure_loss = loss_fn
+            params, pure_loss = arg, loss_fn
             ref_loss, ref_grads = jit(jax.value_and_grad(loss_fn))(params, batch)
-        graph = trace(pure_loss, params, batch, name=name)
+        # the float32 tests go through shard_training, which traces for itself
+        graph = trace(pure_loss, params, batch, name=name) if x64 else None
     return Case(name, entry, loss_fn, arg, params, batch, pure_loss, graph, float(ref_loss),
                 ref_grads, x64)
 
@@ -183,27 +233,24 @@ def worst_leaf(got: Any, want: Any) -> str:
 
 
 @pytest.fixture(scope="module")
-def mesh() -> Mesh:
-    return make_mesh(TOPOLOGY)
-
-
-@pytest.fixture(scope="module")
 def one_device_mesh() -> Mesh:
     return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
 
 
 @functools.cache
-def searched(name: str, x64: bool = True) -> Strategy:
-    """The MCMC search's plan on cpu8 (analytic costs, 200 proposals, seed 0); convolutions
-    are never split spatially (`constrained_loss` refuses that: XLA computes it wrongly)."""
-    c = case(name, x64)
+def searched(name: str) -> Strategy:
+    """The MCMC search's plan for the float64 graph on cpu8 (analytic costs, 200 proposals,
+    seed 0); convolutions are never split spatially (`constrained_loss` refuses that: XLA
+    computes it wrongly). The float32 graph has the same operators, so it takes the same plan."""
+    c = case(name)
     limits = SpaceLimits(allow_attribute=not c.entry.has_conv)
     cm = cost_model(c.graph, TOPOLOGY, mode="analytic")
     return search(c.graph, TOPOLOGY, cost_model=cm,
                   settings=SearchSettings(max_proposals=200, seed=0, limits=limits)).strategy
 
 
-def make_strategy(kind: str, graph: OpGraph, name: str, x64: bool = True) -> Strategy:
+def make_strategy(kind: str, name: str) -> Strategy:
+    graph = case(name).graph
     if kind == "data_parallel":
         return space.data_parallel(graph, MESH_SHAPE)
     if kind == "megatron":
@@ -211,8 +258,13 @@ def make_strategy(kind: str, graph: OpGraph, name: str, x64: bool = True) -> Str
     if kind == "fsdp":
         return baselines.fsdp(graph, MESH_SHAPE)
     if kind == "searched":
-        return searched(name, x64)
+        return searched(name)
     raise ValueError(kind)
+
+
+@functools.cache
+def cpu8_grads(name: str, kind: str) -> Any:
+    return soapjax_grads(case(name), make_strategy(kind, name), make_mesh(TOPOLOGY))
 
 
 def soapjax_grads(c: Case, strategy: Strategy, mesh: Mesh) -> Any:
@@ -225,12 +277,12 @@ def soapjax_grads(c: Case, strategy: Strategy, mesh: Mesh) -> Any:
         return grad(*device_put_global((c.params, c.batch), (ps, bs)))
 
 
-def tolerance(c: Case) -> float:
-    return TOLERANCE.get(c.name, (X64_TOL, F32_TOL))[0 if c.x64 else 1]
+def tolerance(name: str, x64: bool) -> float:
+    return TOLERANCE.get(name, (X64_TOL, F32_TOL))[0 if x64 else 1]
 
 
 def check_grads(c: Case, got: Any, where: str) -> None:
-    err, tol = relative_error(got, c.ref_grads), tolerance(c)
+    err, tol = relative_error(got, c.ref_grads), tolerance(c.name, c.x64)
     print(f"{c.name} {where}: relative gradient error {err:.3g}")
     assert err <= tol, (f"{c.name} {where}: relative gradient error {err:.3g} > {tol}; "
                         f"worst leaf {worst_leaf(got, c.ref_grads)}")
@@ -252,10 +304,8 @@ CPU8_CASES = [(n, k) for n in NAMES for k in STRATEGIES]
 
 
 @pytest.mark.parametrize("name,kind", CPU8_CASES, ids=[f"{n}-{k}" for n, k in CPU8_CASES])
-def test_cpu8_gradient_is_exact(name, kind, mesh):
-    c = case(name)
-    strategy = make_strategy(kind, c.graph, name)
-    check_grads(c, soapjax_grads(c, strategy, mesh), f"cpu8 {kind}")
+def test_cpu8_gradient_is_exact(name, kind):
+    check_grads(case(name), cpu8_grads(name, kind), f"cpu8 {kind}")
 
 
 def sgd_step(c: Case, strategy: Any, opt_lr: float = 1.0):
@@ -272,33 +322,69 @@ def sgd_step(c: Case, strategy: Any, opt_lr: float = 1.0):
 @pytest.mark.parametrize("name", NAMES)
 def test_shard_training_float64_gradient_is_exact(name):
     c = case(name)
-    after, loss = sgd_step(c, "data_parallel")
+    after, loss = sgd_step(c, space.data_parallel)
     grads = jax.tree.map(lambda p, q: np.asarray(p, np.float64) - q, c.params, after)
-    assert loss == pytest.approx(c.ref_loss, rel=tolerance(c), abs=0)
+    assert loss == pytest.approx(c.ref_loss, rel=tolerance(c.name, c.x64), abs=0)
     check_grads(c, grads, "shard_training data_parallel")
 
 
+# The float32 case reuses modules built with param_dtype=float64, which flax reads only to
+# check a parameter's shape against its initialiser (jax.eval_shape of it): harmless here.
+@pytest.mark.filterwarnings("ignore:Explicitly requested dtype float64:UserWarning")
 @pytest.mark.parametrize("name", NAMES)
 def test_shard_training_float32_step_matches(name):
     c = case(name, x64=False)
-    strategy = searched(name, x64=False)
-    after, loss = sgd_step(c, strategy)
+    after, loss = sgd_step(c, searched(name))
     update = jax.tree.map(lambda p, q: np.asarray(p, np.float64) - q, c.params, after)
     err = relative_error(update, c.ref_grads)
     print(f"{name} float32 searched: loss {loss:.7g} vs {c.ref_loss:.7g}, update error {err:.3g}")
-    assert loss == pytest.approx(c.ref_loss, rel=tolerance(c), abs=0)
-    assert err <= tolerance(c), f"update error {err:.3g}; {worst_leaf(update, c.ref_grads)}"
+    assert loss == pytest.approx(c.ref_loss, rel=tolerance(c.name, c.x64), abs=0)
+    assert err <= tolerance(c.name, c.x64), f"{err:.3g}; {worst_leaf(update, c.ref_grads)}"
+
+
+@pytest.mark.parametrize("kind", ["data_parallel", "searched"])
+def test_resnet18_perturbed_gradient_is_exact(kind):
+    c = case("resnet18", noise=NOISE)  # every gradient nonzero: the residual branches' too
+    assert all(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(c.ref_grads))
+    check_grads(c, soapjax_grads(c, make_strategy(kind, "resnet18"), make_mesh(TOPOLOGY)),
+                f"perturbed, cpu8 {kind}")
+
+
+# --- shard programs -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_shard_program_builds(name):
+    """Every operator's per-device program (what the cost stage times) builds at the shard
+    shapes of every config in the search space, and returns outputs of those shapes."""
+    c = case(name)
+    limits = SpaceLimits(allow_attribute=not c.entry.has_conv)
+    failures = []
+    with jax.enable_x64(True):
+        for op in c.graph.operators:
+            for degrees in sorted({cfg.degrees(MESH_SHAPE)
+                                   for cfg in space.configs(op, MESH_SHAPE, limits)}):
+                want = [tuple(size // (degrees[d] if d is not None else 1)
+                              for size, d in zip(t.shape, t.dims)) for t in op.outputs]
+                try:
+                    fn, avals = operator_fn(c.graph, op.name, degrees, rules="primal")
+                    got = [tuple(o.shape) for o in jax.eval_shape(fn, *avals)]
+                    assert got == want, f"output shapes {got}, expected {want}"
+                except Exception as e:  # noqa: BLE001  (collect them all)
+                    failures.append(f"{op.name} at degrees {degrees} (roles "
+                                    f"{''.join(op.iteration_roles)}): {type(e).__name__}: "
+                                    f"{str(e).splitlines()[0][:200]}")
+    assert not failures, f"{len(failures)} shard programs fail:\n" + "\n".join(failures)
 
 
 # --- the straight-through estimator, by hand ----------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", ["reference", "data_parallel", "megatron"])
-def test_ste_gradient_is_the_straight_through_gradient(kind, mesh):
+def test_ste_gradient_is_the_straight_through_gradient(kind):
     c = case("ste")
     hand = ste_model.hand_grads(c.params, c.batch)
-    got = c.ref_grads if kind == "reference" else soapjax_grads(
-        c, make_strategy(kind, c.graph, "ste"), mesh)
+    got = c.ref_grads if kind == "reference" else cpu8_grads("ste", kind)
     err = relative_error(got, hand)
     assert err <= X64_TOL, f"{kind}: {err:.3g} from the hand gradient; {worst_leaf(got, hand)}"
     # differentiating round itself would zero the gradient of everything below the quantiser

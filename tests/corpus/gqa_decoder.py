@@ -108,7 +108,8 @@ class GQADecoder(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         embed = nn.Embed(self.vocab, self.d_model, param_dtype=self.param_dtype, name="embed")
-        x = embed(tokens) * jnp.sqrt(self.d_model).astype(self.param_dtype)
+        x = embed(tokens)
+        x = x * jnp.sqrt(self.d_model).astype(x.dtype)
         for i in range(self.num_layers):
             x = DecoderLayer(self.num_heads, self.num_kv_heads, self.head_dim, self.mlp_hidden,
                              self.window, self.param_dtype, name=f"layer_{i}")(x)
