@@ -420,6 +420,7 @@ IDIOMS = {
     "linen_scan_transformer": {"scan", "remat2"},
     "linen_remat_scan_transformer": {"scan", "remat2"},
     "gqa_decoder": {"dot_general"},
+    "lstm_dropout": {"scan", "random_bits"},
     "dropout_nnx": {"random_bits"},
     "mixed_precision": {"convert_element_type"},
     "named_axis_bn": {"psum"},

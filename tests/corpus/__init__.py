@@ -1,14 +1,16 @@
 """A corpus of Flax models written the way users write them, to test soapjax on.
 
-The zoo (``models/``) is written for soapjax; these are not. Each is a small, realistic model
-with the idioms users reach for and soapjax must get exactly right: batch statistics, custom
-derivatives (``jax.custom_vjp``, ``jax.custom_jvp``), scan over layers in linen and nnx with
-rematerialisation, grouped-query attention with RoPE and a sliding window, dropout driven by
-rng state, bfloat16 compute over float32 parameters, and a named batch axis bound by
-``jax.vmap``. Every one is tiny (a few thousand parameters, batch 8), so a test traces,
-compiles and differentiates it in about a second on a CPU.
+The zoo (``soapjax_zoo``) is written for soapjax; these are not. Each is a small, realistic
+model with the idioms users reach for and soapjax must get exactly right: batch statistics,
+custom derivatives (``jax.custom_vjp``, ``jax.custom_jvp``), scan over layers in linen and nnx
+with rematerialisation, grouped-query attention with RoPE and a sliding window, dropout driven
+by rng state (in nnx modules, and inside a recurrent cell scanned over time), bfloat16 compute
+over float32 parameters, and a named batch axis bound by ``jax.vmap``. Every one is tiny (a
+few thousand parameters, batch 8), so a test traces, compiles and differentiates it in about a
+second on a CPU.
 
-Each entry's ``make(dtype=..., **options)`` returns ``(loss_fn, params_or_module, batch)``:
+Each entry's ``make(dtype=..., compiler_options=None, **options)`` returns
+``(loss_fn, params_or_module, batch)`` (``compiler_options``: XLA options for the jitted init):
 
 * linen: ``loss_fn(params, batch) -> scalar`` and the ``params`` pytree;
 * nnx: ``loss_fn(model, batch) -> scalar`` and the `nnx.Module`.
@@ -40,6 +42,7 @@ from corpus import (
     dropout_nnx,
     gqa_decoder,
     linen_scan_transformer,
+    lstm_dropout,
     mixed_precision,
     named_axis_bn,
     nnx_scan_transformer,
@@ -96,6 +99,9 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
     Entry("gqa_decoder", "linen", gqa_decoder.make,
           "decoder: grouped-query attention (4 query, 2 kv heads), RoPE, sliding-window "
           "causal mask, RMSNorm, SwiGLU, tied embeddings (embed.attend), unrolled layers"),
+    Entry("lstm_dropout", "linen", lstm_dropout.make,
+          "LSTM tagger: nn.scan over time of a cell that drops out its input at every step "
+          "(split_rngs={'dropout': True}), one set of weights"),
     Entry("dropout_nnx", "nnx", dropout_nnx.make,
           "nnx conv + MLP with nnx.Dropout keyed by the model's nnx.Rngs state"),
     Entry("mixed_precision", "linen", mixed_precision.make,
