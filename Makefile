@@ -22,11 +22,12 @@ plan: $(STAMP)
 
 # The suite without the `heavy` zoo checks (big models' train steps and default-size summaries;
 # every tiny model's train step still runs in tests/test_apply.py). make test-all runs those too.
+# Both run the docstring examples of soapjax/ as doctests (pyproject: --doctest-modules).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not heavy" tests
+	$(BIN)/python -m pytest -q -m "not heavy" tests soapjax
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q tests soapjax
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -10,6 +10,12 @@ SPMD partitioner has inserted the communication. Each collective is one instruct
 bytes per device (in the convention of `soapjax.topology.Topology.collective_time`), its
 device groups, and, given the mesh, the mesh axes the groups span:
 
+    >>> from soapjax.space import MeshShape
+    >>> hlo_text = '''HloModule m, num_partitions=8
+    ... ENTRY %main (p: f32[32,1024]) -> f32[64,1024] {
+    ...   %p = f32[32,1024]{1,0} parameter(0)
+    ...   %ag = f32[64,1024] all-gather(%p), replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}
+    ... }'''
     >>> cs = collectives(hlo_text, MeshShape(("data", "model"), (2, 4)))
     >>> cs[0].kind, cs[0].nbytes, cs[0].replica_groups, cs[0].axes
     ('all-gather', 262144, ((0, 4), (1, 5), (2, 6), (3, 7)), ('data',))
@@ -197,8 +203,10 @@ def summarize(colls: Iterable[HloCollective | Any], *,
     With ``executed=True`` a collective inside loops counts once per execution (its
     ``executions``): what one run of the program sends, rather than what its text holds.
 
-    >>> summarize(collectives(hlo_text))
-    {'collective-permute': (1, 65536), 'all-gather': (1, 131072)}
+    >>> from soapjax.reshard import Collective
+    >>> summarize([Collective("all_gather", 1024.0, ("data",)),
+    ...            Collective("all_gather", 512.0, ("model",))])
+    {'all_gather': (2, 1536.0)}
     """
     out: dict[str, tuple[int, float]] = {}
     for c in colls:

@@ -434,14 +434,23 @@ def list_topologies() -> tuple[str, ...]:
 def load_topology(name_or_path: str | Path) -> Topology:
     """Reads a topology by shipped name (``"p100x16"``) or from a TOML file path.
 
+    A shipped name with ``-N`` after it is that cluster cut to its first N devices
+    (`scaled_topology`): ``"p100x16-4"`` is one node of four P100s, mesh ``gpu=4``.
+
+    >>> load_topology("k80x64-8").mesh_shape
+    {'node': 2, 'gpu': 4}
+
     Raises:
-      TopologyError: no such topology, or the file is malformed (the message names the file,
-        the key and what was expected).
+      TopologyError: no such topology, a cut the cluster cannot make, or a malformed file (the
+        message names the file, the key and what was expected).
     """
     path = Path(name_or_path)
     if path.suffix != ".toml" and len(path.parts) == 1 and not path.is_file():
         candidates = [d / f"{name_or_path}.toml" for d in _MESHES_DIRS]
         found = [c for c in candidates if c.is_file()]
+        base, _, count = str(name_or_path).rpartition("-")
+        if not found and base in list_topologies() and count.isdigit():
+            return scaled_topology(base, int(count))
         if not found:
             raise TopologyError(
                 f"no topology named {str(name_or_path)!r}; expected one of "

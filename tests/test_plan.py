@@ -106,14 +106,3 @@ def test_missing_and_invalid_files(tmp_path):
     (tmp_path / "x.json").write_text("{")
     with pytest.raises(PlanError, match="not valid JSON"):
         Plan.load(tmp_path / "x.json")
-
-
-def test_report_gives_plans_graphs_and_sim_results_their_notebook_html():
-    """report registers the HTML itself (graph -> report -> plan -> graph was a cycle)."""
-    from soapjax import report
-    from soapjax.graph import OpGraph
-    from soapjax.simulate import SimResult
-
-    assert Plan._repr_html_ is report.plan_html
-    assert OpGraph._repr_html_ is report.graph_html
-    assert SimResult._repr_html_ is report.sim_html

@@ -15,7 +15,6 @@ from soapjax.graph import trace
 from soapjax.errors import SettingsError
 from soapjax.search import (SearchSettings, exhaustive, find_plan, improving_change,
                             make_simulation, search)
-from soapjax.space import MeshShape
 from soapjax.topology import load_topology
 
 
@@ -113,10 +112,6 @@ def test_exhaustive_refuses_big_spaces():
     w, g, topo, cm = setup("gpt2", "p100x16")
     with pytest.raises(ValueError, match="exhaustive search is for small models"):
         exhaustive(make_simulation(g, topo, cost_model=cm))
-
-
-def test_mesh_shape_of_topology():
-    assert MeshShape.of(load_topology("cpu4")) == MeshShape(("data", "model"), (2, 2))
 
 
 @pytest.mark.parametrize("name, mesh", [("nmt", "p100x16"), ("lenet", "cpu8")])

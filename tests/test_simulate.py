@@ -498,10 +498,19 @@ def test_cli_simulate_json_and_trace(tmp_path, capsys):
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"configs": {"fc1": [["data"], ["model"], []]}}))
     out = tmp_path / "trace.json"
-    argv = ["simulate", "--model", "mlp", "--config", "tiny", "--mesh", "cpu8", "--costs",
+    argv = ["simulate", "--model", "mlp", "--size", "tiny", "--mesh", "cpu8", "--costs",
             "analytic", "--reshard", "ideal", "--json"]
     assert cli.main(argv + ["--strategy", str(plan), "--trace", str(out)]) == 0
     r = json.loads(capsys.readouterr().out)
+    # exactly what the library says for the same inputs
+    w, g = zoo("mlp")
+    topo = load_topology("cpu8")
+    with Resharder(MeshShape.of(topo), mode="ideal") as resharder:
+        ref = simulate(g, topo, parse_strategy(g, topo, str(plan)), resharder=resharder,
+                       cost_model=cost_model(g, topo, mode="analytic", optimizer=w.optimizer),
+                       opt_state_factor=opt_state_factor(w.optimizer, w.abstract_params()))
+    assert (r["step_time_s"], r["compute_s"], r["bytes_moved"]) == (
+        ref.step_time_s, ref.compute_s, ref.bytes_moved)
     assert r["step_time_s"] > r["compute_s"] > 0
     assert r["exposed_comm_s"] == pytest.approx(r["step_time_s"] - r["compute_s"])
     assert r["bytes_moved"] > 0 and r["fits_in_memory"] is True

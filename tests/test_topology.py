@@ -557,3 +557,13 @@ def test_scaled_topology_prices_collectives_like_the_cluster_it_cuts():
 def test_scaled_topology_refuses_partial_nodes(name, n, message):
     with pytest.raises(TopologyError, match=re.escape(message)):
         scaled_topology(name, n)
+
+
+def test_a_shipped_name_with_a_count_is_the_cut_cluster():
+    cut = load_topology("p100x16-4")
+    assert cut == scaled_topology("p100x16", 4)
+    assert cut.name == "p100x16-4" and cut.mesh_shape == {"gpu": 4}
+    with pytest.raises(TopologyError, match="cannot be cut to 3 devices"):
+        load_topology("p100x16-3")
+    with pytest.raises(TopologyError, match="no topology named 'nosuch-4'"):
+        load_topology("nosuch-4")

@@ -1,0 +1,63 @@
+"""What soapjax shows: sizes, repeated blocks collapsed, the plan text, notebook HTML."""
+
+import pytest
+
+import soapjax_zoo
+from soapjax import report
+from soapjax.baselines import baselines
+from soapjax.graph import OpGraph, trace
+from soapjax.plan import Plan
+from soapjax.report import byte_unit, format_bytes, group_repeats, grouped_configs, plan_report
+from soapjax.simulate import SimResult, simulate
+from soapjax.topology import load_topology
+
+
+@pytest.mark.parametrize("n, text", [
+    (0, "0 B"), (999, "999 B"), (1000, "1 kB"), (1234567, "1.235 MB"), (2 * 2**30, "2.147 GB"),
+    (3.5e12, "3500 GB"),
+])
+def test_one_byte_formatter(n, text):
+    assert format_bytes(n) == text
+
+
+def test_byte_unit_is_what_plots_scale_by():
+    assert byte_unit(999) == ("B", 1.0) and byte_unit(3.2e8) == ("MB", 1e6)
+
+
+def test_repeated_blocks_collapse_into_one_row():
+    items = [(f"layers_{i}/mlp/fc1", "same") for i in range(12)] + [("ln_f", "x"),
+                                                                  ("layers_3/attn", "a")]
+    assert group_repeats(items) == [
+        ("layers_{0..11}/mlp/fc1", list(range(12))), ("ln_f", [12]), ("layers_3/attn", [13]),
+    ]
+    # a different key keeps its own row
+    items[5] = ("layers_5/mlp/fc1", "other")
+    rows = group_repeats(items)
+    assert ("layers_5/mlp/fc1", [5]) in rows and rows[0][1] == [0, 1, 2, 3, 4, *range(6, 12)]
+
+
+def test_the_plan_text_lists_configs_baselines_bytes_and_memory():
+    w = soapjax_zoo.get("gpt2", "tiny")
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt2")
+    topo = load_topology("cpu8")
+    base = baselines(g, topo, w.family)
+    sim = simulate(g, topo, base["megatron"])
+    dp = simulate(g, topo, base["data-parallel"])
+    text = plan_report(g, topo, base["megatron"], sim, header=["gpt2 on cpu8"],
+                       baselines=[("data-parallel", dp.step_time_s, dp.fits_in_memory)])
+    rows = grouped_configs(g, base["megatron"])
+    assert sum(count for _, count, _ in rows) == len(g.operators)
+    assert any(name.startswith("layers_{0..") and count > 1 for name, count, _ in rows)
+    lines = text.splitlines()
+    assert lines[0] == "gpt2 on cpu8"
+    ratio = dp.step_time_s / sim.step_time_s
+    assert f"  {'data-parallel':<16} {dp.step_time_s * 1e3:10.3f} ms  {ratio:5.2f}x" in text
+    assert f"bytes moved per device per step: {format_bytes(sim.bytes_moved)}" in text
+    assert f"memory per device: {format_bytes(sim.memory.total)} of " in text
+
+
+def test_report_gives_plans_graphs_and_sim_results_their_notebook_html():
+    """report registers the HTML itself (graph -> report -> plan -> graph was a cycle)."""
+    assert Plan._repr_html_ is report.plan_html
+    assert OpGraph._repr_html_ is report.graph_html
+    assert SimResult._repr_html_ is report.sim_html

@@ -1,0 +1,114 @@
+"""The SOAP space: what `configs` enumerates for each kind of operator, and MeshShape."""
+
+import functools
+
+import jax
+import pytest
+from jax.sharding import AbstractMesh
+
+import soapjax_zoo
+from soapjax.errors import PlanError
+from soapjax.graph import trace
+from soapjax.space import Config, MeshShape, SpaceLimits, configs, data_parallel, validate_config
+from soapjax.topology import load_topology
+
+MESH = MeshShape(("data", "model"), (2, 4))
+D, M, DM = ("data",), ("model",), ("data", "model")
+
+
+@functools.cache
+def graph(name):
+    w = soapjax_zoo.get(name, "tiny")
+    return trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=name)
+
+
+def op(name, op_name):
+    return next(o for o in graph(name).operators if o.name == op_name)
+
+
+def axes(op_, **kw):
+    return {c.axes for c in configs(op_, MESH, SpaceLimits(**kw))}
+
+
+def test_a_matmul_splits_batch_features_and_contraction():
+    fc1 = op("mlp", "fc1")  # [8, 32] outputs, contracting 16: S, P | R
+    assert (fc1.iteration_sizes, fc1.iteration_roles) == ((8, 32, 16), ("S", "P", "R"))
+    # each axis on any of the three dims, or on none: 4 x 4 configs, and every degree divides
+    every = set()
+    for data_dim in (None, 0, 1, 2):
+        for model_dim in (None, 0, 1, 2):
+            dims = [[], [], []]
+            for axis, d in (("data", data_dim), ("model", model_dim)):
+                if d is not None:
+                    dims[d].append(axis)
+            every.add(tuple(map(tuple, dims)))
+    assert axes(fc1) == every and len(every) == 16
+    assert configs(fc1, MESH)[0] == Config(((), (), ()))  # the replicated config first
+    # FlexFlow's space has no reduction splits: 9 configs
+    assert axes(fc1, allow_reduction=False) == {x for x in every if not x[2]}
+
+
+def test_a_convolution_keeps_height_and_width_whole_by_default():
+    conv = op("lenet", "conv1")  # [8, 24, 24, 4]: S, A, A, P
+    assert conv.iteration_roles == ("S", "A", "A", "P")
+    assert axes(conv) == {
+        ((), (), (), ()), (M, (), (), ()), ((), (), (), M), (D, (), (), ()), (DM, (), (), ()),
+        (D, (), (), M), ((), (), (), D), (M, (), (), D),
+    }  # 4 output channels: never over both axes (8 ways)
+    assert len(axes(conv, allow_spatial=True)) == 22
+
+
+def test_an_embedding_splits_batch_and_features_not_the_position():
+    embed = op("rnnlm", "embed")  # a gather: [8, 8, 32]: S, -, P
+    assert embed.iteration_roles == ("S", "-", "P")
+    assert axes(embed) == {
+        ((), (), ()), (M, (), ()), ((), (), M), (D, (), ()), (DM, (), ()), (D, (), M),
+        ((), (), D), (M, (), D), ((), (), DM),
+    }
+
+
+def test_a_loop_splits_only_its_batch():
+    lstm = op("rnnlm", "lstm_0")  # a scan: the carry makes every other dim whole
+    assert lstm.anchor == "scan" and lstm.divisible_dims == (0,)
+    assert axes(lstm) == {((), (), (), ()), (M, (), (), ()), (D, (), (), ()),
+                          (DM, (), (), ())}
+
+
+def test_data_parallel_splits_every_sample_dim_over_every_axis():
+    dp = data_parallel(graph("mlp"), MESH)
+    assert [c.axes for c in dp.configs] == [(DM, (), ())] * 3 + [((), DM)]
+
+
+def test_validate_config_names_the_operator():
+    g = graph("mlp")
+    validate_config(g, 0, Config((D, M, ())), MESH)
+    with pytest.raises(PlanError, match=r"operator 'fc1': config .* has 2 dims, expected 3"):
+        validate_config(g, 0, Config((D, M)), MESH)
+    with pytest.raises(PlanError, match=r"operator 'fc1': dim 1 uses unknown mesh axes \['x'\]"):
+        validate_config(g, 0, Config(((), ("x",), ())), MESH)
+
+
+# --- MeshShape ---------------------------------------------------------------------------------
+
+
+def test_mesh_shape_speaks_jax():
+    assert (MESH.size, MESH.num_devices, MESH.shape) == (8, 8, {"data": 2, "model": 4})
+    assert MESH.axis_size("model") == 4 and MESH.degree(DM) == 8 and MESH.degree(()) == 1
+    abstract = MESH.abstract_mesh
+    assert isinstance(abstract, AbstractMesh) and abstract.shape == MESH.shape
+    assert MeshShape.of(AbstractMesh((2, 4), ("data", "model"))) == MESH
+
+
+def test_mesh_shape_of_a_topology_and_a_jax_mesh():
+    assert MeshShape.of(load_topology("cpu4")) == MeshShape(("data", "model"), (2, 2))
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    assert MeshShape.of(mesh) == MESH and hash(MeshShape.of(mesh)) == hash(MESH)
+
+
+@pytest.mark.parametrize("names, sizes, message", [
+    (("a", "b"), (2,), r"2 axis names \('a', 'b'\) but 1 sizes"),
+    (("a", "a"), (2, 2), "mesh axis names must be distinct"),
+])
+def test_mesh_shape_refuses_nonsense(names, sizes, message):
+    with pytest.raises(ValueError, match=message):
+        MeshShape(names, sizes)
