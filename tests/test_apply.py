@@ -25,8 +25,8 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import models
-from models import mlp as mlp_module
+import soapjax_zoo as models
+from soapjax_zoo import mlp as mlp_module
 from soapjax import baselines, hlo, space, training
 from soapjax.apply import (
     TrainShardings,

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-import models
+import soapjax_zoo as models
 from soapjax import cli
 from soapjax._local import operator_fn
 from soapjax.errors import TraceError
@@ -96,7 +96,7 @@ def test_zoo_traces_and_evaluates(name):
     for i, j, operand in g.edges():
         assert i < j, (g.operators[i].name, g.operators[j].name)
     # every parameter is read by some operator
-    read = {p for op in g.operators for p in op.params}
+    read = {o.leaf_path for op in g.operators for o in op.inputs if o.kind == "param"}
     assert read == {leaf.path for leaf in g.params}
 
 
