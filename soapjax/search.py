@@ -66,8 +66,8 @@ class SearchSettings:
     """How to search.
 
     Attributes:
-      budget_s: wall-clock budget for all chains together (20 s: ``make plan`` of GPT-2 small
-        on a DGX H100 in about 25 s).
+      budget_s: wall-clock budget for all chains together, counted after the starts are scored
+        (20 s: ``make plan`` of GPT-2 small on a DGX H100 in about 25 s).
       max_proposals: proposals per chain; when set, the budget is ignored (reproducible).
       seed: the random seed.
       num_random: random strategies added to the initial candidates.
@@ -306,13 +306,19 @@ def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
     for k in range(settings.num_random):
         starts[f"random-{k}"] = random_strategy(graph, mesh, searcher.rng, settings.limits)
     scored = []
-    for name, strategy in starts.items():
+    for n, (name, strategy) in enumerate(starts.items()):
+        if progress is not None:
+            progress(f"search: scoring start {n + 1}/{len(starts)} ({name}); operator costs are "
+                     "measured on first use")
         sim.reset(strategy)
         scored.append((name, sim.step_time(), sim.fits_in_memory()))
         searcher.record(name)
+    # The budget is for the chains: scoring the starts (which may measure many operators' costs
+    # on first use) must not leave them no time.
     share = settings.budget_s / len(starts)
+    t_chains = time.perf_counter()
     for k, name in enumerate(starts):
-        searcher.chain(name, starts[name], searcher.t0 + share * (k + 1))
+        searcher.chain(name, starts[name], t_chains + share * (k + 1))
     searcher._report("done", force=True)
     if searcher.best is None:
         raise PlanError(f"no strategy found for {graph.name!r} on {topology.name!r} fits in "
