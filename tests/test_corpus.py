@@ -76,7 +76,7 @@ TOLERANCE = {"mixed_precision": (BF16_TOL, BF16_TOL)}  # name -> (float64, float
 NOISE = 0.05
 # ResNet-18 is compared at its own initialisation: its zero-initialised BatchNorm scales make
 # ReLU inputs exactly zero, where relu's custom_jvp rule (derivative 0) and the tie rule of the
-# max it is built on (1/2) disagree; perturbed, it is compared too (test_resnet18_perturbed).
+# max it is built on (1/2) disagree; perturbed, it is compared too (test_resnet18_perturbed_gradient_is_exact).
 PERTURB = {"resnet18": 0.0}
 FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0,
                 "xla_llvm_disable_expensive_passes": True}
@@ -309,7 +309,7 @@ def test_cpu8_gradient_is_exact(name, kind):
 
 
 def sgd_step(c: Case, strategy: Any, opt_lr: float = 1.0):
-    """One `shard_training` step with ``optax.sgd(opt_lr)``: (params before, after, loss)."""
+    """One `shard_training` step with ``optax.sgd(opt_lr)``: (parameters after it, loss)."""
     with jax.enable_x64(c.x64):
         arg = nnx.clone(c.user_arg) if c.entry.api == "nnx" else c.user_arg
         run = training.shard_training(c.loss_fn, arg, c.batch, optax.sgd(opt_lr),
