@@ -76,7 +76,8 @@ TOLERANCE = {"mixed_precision": (BF16_TOL, BF16_TOL)}  # name -> (float64, float
 NOISE = 0.05
 # ResNet-18 is compared at its own initialisation: its zero-initialised BatchNorm scales make
 # ReLU inputs exactly zero, where relu's custom_jvp rule (derivative 0) and the tie rule of the
-# max it is built on (1/2) disagree; perturbed, it is compared too (test_resnet18_perturbed_gradient_is_exact).
+# max it is built on (1/2) disagree; perturbed, it is compared too
+# (test_resnet18_perturbed_gradient_is_exact).
 PERTURB = {"resnet18": 0.0}
 FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0,
                 "xla_llvm_disable_expensive_passes": True}
