@@ -27,7 +27,8 @@ import jax
 from jax.extend import core as jcore
 
 from soapjax.errors import SoapjaxError
-from soapjax.graph import OpGraph, _Local, bind_as_traced
+from soapjax._program import _Local, bind_as_traced
+from soapjax.graph import OpGraph
 
 Rules = Literal["exact", "primal"]
 CUSTOM_RULE_PRIMITIVES = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",

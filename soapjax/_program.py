@@ -1,0 +1,284 @@
+"""The traced function as a flat program of equations over integer value ids.
+
+`trace` (in `soapjax.graph`) turns the jaxpr into a `_Program`: plain calls inlined, remat
+regions opened (and re-wrapped in `jax.checkpoint` when evaluated), scans over stacked
+parameters unrolled into layers. The graph stage groups its equations into operators;
+`OpGraph.evaluate` and `soapjax._local` run them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.extend  # noqa: F401  (jax.extend must be imported explicitly)
+import numpy as np
+from jax.extend import core as jcore
+
+from soapjax import _dims
+
+_INLINED = ("jit", "pjit", "closed_call", "core_call")
+_REMAT = ("remat2", "checkpoint")
+
+
+@dataclasses.dataclass
+class _Unit:
+    """One equation after inlining plain calls: its operands and results as value ids.
+
+    Attributes:
+      region: the remat regions it lies in, outermost first (indices of `_Program.regions`).
+      iteration: the unrolled layer-scan iterations it belongs to, outermost first, as
+        ``(scan index, step)`` pairs (`_Program.scans`).
+    """
+
+    eqn: jcore.JaxprEqn
+    ins: list[int]
+    outs: list[int | None]
+    stack: str
+    region: tuple[int, ...] = ()
+    iteration: tuple[tuple[int, int], ...] = ()
+
+
+@dataclasses.dataclass
+class _Local:
+    """One operator's own label analysis: enough to rebuild it at any shard shape."""
+
+    units: tuple[int, ...]
+    inputs: tuple[int, ...]  # value ids, in `Operator.inputs` order
+    exports: tuple[int, ...]  # value ids, in `Operator.outputs` order
+    labels: _dims.LabelSet
+    lab: dict[int, tuple[int, ...]]  # value id -> labels
+    env: dict  # inner jaxpr var -> labels (bodies of scan, remat2, custom_jvp_call, ...)
+    iter_of: dict[int, int]  # canonical label -> iteration dim
+
+    def shard_shape(self, labels: Sequence[int], shape: Sequence[int],
+                    degrees: Sequence[int]) -> tuple[int, ...]:
+        out = []
+        for lbl, size in zip(labels, shape):
+            d = self.labels.lookup(lbl, self.iter_of)
+            out.append(size // degrees[d] if d is not None and size % degrees[d] == 0 else size)
+        return tuple(out)
+
+
+class _Program:
+    """The traced function with calls inlined, as equations over integer value ids.
+
+    Three kinds of higher-order equations are opened up, so that the operators inside them are
+    planned one by one:
+
+    * plain calls (`jit`, `closed_call`): inlined;
+    * `remat2` (`jax.checkpoint`, `nn.remat`, `nnx.remat`): inlined as a *region*; `run`
+      evaluates a region's equations inside `jax.checkpoint` with the traced policy, so what is
+      saved and recomputed is what the user asked for;
+    * a *layer scan* (a `scan` that slices parameters: `nn.scan` over a block, `nnx.scan` over
+      `nnx.vmap`-created layers, `nn.remat_scan`): unrolled, each iteration's parameter slice
+      taken by `lax.index_in_dim` and the per-iteration outputs stacked, which computes what
+      the scan computes. Its operators are named like unrolled layers (``layers_0/fc1``).
+
+    Other loops (an LSTM's scan over time) stay one equation: one loop operator.
+    """
+
+    def __init__(self, closed: jcore.ClosedJaxpr, param_inputs: frozenset[int] = frozenset()):
+        self.local: dict[str, _Local] = {}
+        self.regions: list[Mapping[str, Any]] = []  # the remat2 params of each region
+        self.scans: list[tuple[int, ...]] = []  # each unrolled scan's sliced inputs (value ids)
+        self.param_like: set[int] = set()  # parameter leaves and their layer slices
+        self.slice_units: set[int] = set()  # units that take a layer's slice (no operator)
+        self.slice_of: dict[int, tuple[int, tuple[int, ...]]] = {}  # slice -> (stacked, index)
+        self.shapes: list[tuple[int, ...]] = []
+        self.dtypes: list[str] = []
+        self.jax_dtypes: list[Any] = []
+        self.literals: dict[int, Any] = {}
+        self.units: list[_Unit] = []
+        self.consts: dict[int, Any] = {}
+        env: dict[jcore.Var, int] = {}
+        for v, c in zip(closed.jaxpr.constvars, closed.consts):
+            env[v] = self._new(v)
+            self.consts[env[v]] = c
+        self.inputs = [self._bind(env, v) for v in closed.jaxpr.invars]
+        self.param_like.update(self.inputs[i] for i in param_inputs)
+        self._flatten(closed.jaxpr, env, "", (), ())
+        self.outputs = [self._read(env, v) for v in closed.jaxpr.outvars]
+
+    def _new(self, v) -> int:
+        self.shapes.append(_dims.shape_of(v))
+        dtype = getattr(v.aval, "dtype", np.dtype("float32"))
+        self.dtypes.append(str(dtype))
+        self.jax_dtypes.append(dtype)  # PRNG key dtypes have no numpy name to rebuild them from
+        return len(self.shapes) - 1
+
+    def _bind(self, env, v) -> int:
+        env[v] = self._new(v)
+        return env[v]
+
+    def _read(self, env, v) -> int:
+        if isinstance(v, jcore.Literal):
+            vid = self._new(v)
+            self.literals[vid] = v.val
+            return vid
+        return env[v]
+
+    def _flatten(self, jaxpr: jcore.Jaxpr, env: dict, outer_stack: str,
+                 region: tuple[int, ...], iteration: tuple[tuple[int, int], ...]) -> None:
+        for eqn in jaxpr.eqns:
+            stack = "/".join(s for s in (outer_stack, str(eqn.source_info.name_stack)) if s)
+            ins = [self._read(env, v) for v in eqn.invars]
+            name = eqn.primitive.name
+            if name in _INLINED or name in _REMAT:
+                if name in _REMAT:
+                    self.regions.append(eqn.params)
+                    inner_region = region + (len(self.regions) - 1,)
+                else:
+                    inner_region = region
+                sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+                outs = self._inline(sub, ins, stack, inner_region, iteration)
+                self._assign(env, eqn.outvars, outs)
+            elif name == "scan" and self._is_layer_scan(eqn, ins):
+                self._assign(env, eqn.outvars, self._unroll(eqn, ins, stack, region, iteration))
+            else:
+                outs = [None if isinstance(v, jcore.DropVar) else self._bind(env, v)
+                        for v in eqn.outvars]
+                self.units.append(_Unit(eqn, ins, outs, stack, region, iteration))
+
+    def _inline(self, sub, ins: Sequence[int], stack: str, region, iteration) -> list[int]:
+        """Flattens a (closed) jaxpr applied to value ids `ins`; returns its outputs' ids."""
+        inner, consts = (sub.jaxpr, sub.consts) if isinstance(sub, jcore.ClosedJaxpr) else (sub, ())
+        ienv: dict = {}
+        for v, c in zip(inner.constvars, consts):
+            self.consts[self._bind(ienv, v)] = c
+        for v, vid in zip(inner.invars, ins):
+            ienv[v] = vid
+        self._flatten(inner, ienv, stack, region, iteration)
+        return [self._read(ienv, v) for v in inner.outvars]
+
+    def _assign(self, env: dict, outvars, vids: Sequence[int]) -> None:
+        for v, vid in zip(outvars, vids):
+            if not isinstance(v, jcore.DropVar):
+                env[v] = vid
+
+    def _is_layer_scan(self, eqn, ins: Sequence[int]) -> bool:
+        """A scan over stacked parameters (layers), not over time."""
+        first_x = eqn.params["num_consts"] + eqn.params["num_carry"]
+        return any(v in self.param_like for v in ins[first_x:])
+
+    def _unroll(self, eqn, ins: Sequence[int], stack: str, region, iteration) -> list[int]:
+        p = eqn.params
+        nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
+        consts, carry, xs = list(ins[:nc]), list(ins[nc:nc + nk]), list(ins[nc + nk:])
+        scan = len(self.scans)
+        self.scans.append(tuple(xs))
+        ys: dict[int, list[int]] = {}
+        for t in (reversed(range(length)) if p["reverse"] else range(length)):
+            it = iteration + ((scan, t),)
+            x_t = [self._index(x, t, stack, region, it) for x in xs]
+            outs = self._inline(p["jaxpr"], consts + carry + x_t, stack, region, it)
+            carry, ys[t] = outs[:nk], outs[nk:]
+        stacked = [self._stack([ys[t][k] for t in range(length)], stack, region, iteration)
+                   for k in range(len(eqn.outvars) - nk)]
+        return carry + stacked
+
+    def _index(self, vid: int, t: int, stack: str, region, iteration) -> int:
+        """Emits ``x[t]`` (static slices of the leading dims) and returns its value id.
+
+        A slice of a slice (`nn.remat_scan`'s nested scans) is taken from the stacked
+        parameter itself, ``x[t0][t1]`` as ``w[t0, t1]``, so every iteration's operators read
+        the parameter, not another iteration's slice of it.
+        """
+        root, index = self._slice_root(vid)
+        index = index + (t,)
+        aval = jax.ShapeDtypeStruct(self.shapes[root], self.jax_dtypes[root])
+
+        def take(a):
+            for k in index:
+                a = jax.lax.index_in_dim(a, k, 0, keepdims=False)
+            return a
+
+        first = len(self.units)
+        out = self._inline(jax.make_jaxpr(take)(aval), [root], stack, region, iteration)[0]
+        self.slice_units.update(range(first, len(self.units)))
+        if root in self.param_like:
+            self.param_like.add(out)
+            self.slice_of[out] = (root, index)
+        return out
+
+    def _slice_root(self, vid: int) -> tuple[int, tuple[int, ...]]:
+        return self.slice_of.get(vid, (vid, ()))
+
+    def _stack(self, vids: Sequence[int], stack: str, region, iteration) -> int:
+        """Emits ``jnp.stack(values)`` (a scan's stacked per-iteration outputs)."""
+        avals = [jax.ShapeDtypeStruct(self.shapes[v], self.jax_dtypes[v]) for v in vids]
+        closed = jax.make_jaxpr(lambda *a: jax.numpy.stack(a))(*avals)
+        return self._inline(closed, list(vids), stack, region, iteration)[0]
+
+    def run(self, flat_inputs, hook=None, swaps: Mapping[int, tuple] | None = None) -> list:
+        """Evaluates the program and returns the outputs' values.
+
+        `swaps` maps an operator's last unit index to ``(its unit indices, fn, input ids,
+        output ids)``: those units are skipped, and at the last one ``fn(*inputs)`` gives the
+        outputs instead. Remat regions run inside `jax.checkpoint` with their traced policy.
+        """
+        env = dict(self.consts)
+        env.update(self.literals)
+        env.update(zip(self.inputs, flat_inputs))
+        swaps = dict(swaps or {})
+        skip = frozenset().union(*(sw[0] for sw in swaps.values())) if swaps else frozenset()
+        self._run_block(list(range(len(self.units))), 0, env, hook, swaps, skip)
+        return [env[v] for v in self.outputs]
+
+    def _run_block(self, idxs: list[int], depth: int, env: dict, hook, swaps, skip) -> None:
+        i = 0
+        while i < len(idxs):
+            region = self.units[idxs[i]].region
+            if len(region) > depth:  # a nested remat region: as far as it goes
+                j = i
+                while j < len(idxs) and self.units[idxs[j]].region[:depth + 1] == region[:depth + 1]:
+                    j += 1
+                self._run_region(idxs[i:j], depth, region[depth], env, hook, swaps, skip)
+                i = j
+                continue
+            self._run_unit(idxs[i], env, hook, swaps, skip)
+            i += 1
+
+    def _run_region(self, idxs: list[int], depth: int, r: int, env: dict, hook, swaps, skip):
+        block = set(idxs)
+        made = {v for i in idxs for v in self.units[i].outs if v is not None}
+        ins = sorted({v for i in idxs for v in self.units[i].ins
+                      if v not in made and v not in self.consts and v not in self.literals})
+        used_after = set(self.outputs).union(*(self.units[k].ins for k in range(len(self.units))
+                                               if k not in block))
+        outs = sorted(made & used_after)
+
+        def body(*vals):
+            local = dict(self.consts)
+            local.update(self.literals)
+            local.update(zip(ins, vals))
+            self._run_block(idxs, depth + 1, local, hook, swaps, skip)
+            return [local[v] for v in outs]
+
+        p = self.regions[r]
+        vals = jax.checkpoint(body, prevent_cse=p.get("prevent_cse", True),
+                              policy=p.get("policy"))(*(env[v] for v in ins))
+        env.update(zip(outs, vals))
+
+    def _run_unit(self, i: int, env: dict, hook, swaps, skip) -> None:
+        if i in skip:
+            if i in swaps:
+                _, fn, ins, outs = swaps[i]
+                for vid, val in zip(outs, fn(*(env[v] for v in ins))):
+                    env[vid] = hook(vid, val) if hook is not None else val
+            return
+        u = self.units[i]
+        for vid, val in zip(u.outs, bind_as_traced(u.eqn, [env[v] for v in u.ins])):
+            if vid is not None:
+                env[vid] = hook(vid, val) if hook is not None else val
+
+
+def bind_as_traced(eqn: jcore.JaxprEqn, args: Sequence[Any]) -> list[Any]:
+    """Binds one equation with its traced parameters (custom derivative rules intact)."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = params if isinstance(params, tuple) else ((), params)
+    with eqn.ctx.manager:
+        ans = eqn.primitive.bind(*subfuns, *args, **params)
+    return list(ans) if eqn.primitive.multiple_results else [ans]
