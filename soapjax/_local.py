@@ -220,14 +220,28 @@ def _traced_shapes(eqn, args: Sequence) -> bool:
 
 def has_custom_rules(graph: OpGraph, name: str) -> bool:
     """Whether operator `name` holds a custom derivative rule (at any depth)."""
+    return _holds(graph, name, lambda prim: prim in CUSTOM_RULE_PRIMITIVES)
+
+
+def draws_random_bits(graph: OpGraph, name: str) -> bool:
+    """Whether operator `name` draws random bits (dropout), at any depth: its values depend on
+    the shape it draws them at, so it must run at its traced shapes to compute the same."""
+    return _holds(graph, name, lambda prim: prim in RANDOM_PRIMITIVES)
+
+
+RANDOM_PRIMITIVES = frozenset({"random_bits", "random_split", "random_fold_in", "threefry2x32",
+                               "rng_bit_generator", "rng_uniform"})
+
+
+def _holds(graph: OpGraph, name: str, wanted: Callable[[str], bool]) -> bool:
     prog = graph.program
-    return any(_holds_custom_rule(prog.units[i].eqn) for i in prog.local[name].units)
+    return any(_holds_eqn(prog.units[i].eqn, wanted) for i in prog.local[name].units)
 
 
-def _holds_custom_rule(eqn) -> bool:
-    if eqn.primitive.name in CUSTOM_RULE_PRIMITIVES:
+def _holds_eqn(eqn, wanted: Callable[[str], bool]) -> bool:
+    if wanted(eqn.primitive.name):
         return True
-    return any(_holds_custom_rule(e) for sub in jcore.jaxprs_in_params(eqn.params)
+    return any(_holds_eqn(e, wanted) for sub in jcore.jaxprs_in_params(eqn.params)
                for e in sub.eqns)
 
 

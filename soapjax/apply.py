@@ -55,7 +55,7 @@ from jax._src import config as _jax_config  # the scoped partitioner switch has 
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from soapjax import space
-from soapjax._local import has_custom_rules, operator_fn
+from soapjax._local import draws_random_bits, has_custom_rules, operator_fn
 from soapjax.errors import PlanError
 from soapjax.graph import LeafInfo, OpGraph
 from soapjax.space import Config, MeshShape, Strategy
@@ -326,16 +326,17 @@ def _grouped_loop(graph: OpGraph, op: Any, cfg: Config, mesh: Mesh) -> Callable 
     groups once after the loop: one all-reduce, as the simulator prices it. The result is the
     same function (float32 rounding aside). None where this does not apply: not a loop, batch
     not split, no parameters read, an output without the batch dim, equations interleaved with
-    other operators', constants that carry the batch, or a custom derivative rule inside (it
-    was traced for the whole batch and cannot be re-bound per group).
+    other operators', constants that carry the batch, a custom derivative rule inside (it
+    was traced for the whole batch and cannot be re-bound per group), or random bits drawn
+    inside (dropout: drawn per group, the masks would differ from the traced program's).
     """
     d = space.sample_dim(op)
     if not op.is_loop or d is None or d >= len(cfg.axes) or not cfg.axes[d]:
         return None
     if not any(o.kind == "param" for o in op.inputs) or not graph.replaceable(op.name):
         return None
-    if has_custom_rules(graph, op.name):  # its rules were traced for the whole batch
-        return None
+    if has_custom_rules(graph, op.name) or draws_random_bits(graph, op.name):
+        return None  # rules traced for the whole batch; random bits drawn at the whole shape
     out_pos = [t.dims.index(d) if d in t.dims else None for t in op.outputs]
     if None in out_pos or any(o.kind == "const" and d in o.dims for o in op.inputs):
         return None

@@ -90,7 +90,7 @@ from typing import Any, Literal, NamedTuple, Protocol, Self
 import numpy as np
 
 from soapjax._cache import cache_root
-from soapjax._dtypes import itemsize
+from soapjax._dtypes import is_key, itemsize
 from soapjax._reshard_ideal import KINDS as KINDS
 from soapjax._reshard_ideal import Collective as Collective
 from soapjax._reshard_ideal import ideal
@@ -487,6 +487,10 @@ def _normalise(
         raise ReshardError(f"shape {shape!r}: expected a sequence of ints") from None
     if any(s < 0 for s in shape):
         raise ReshardError(f"shape {shape}: dims must be >= 0")
+    if is_key(str(dtype)):
+        # A typed PRNG key (dropout's per-step keys) moves as its raw words: priced, and
+        # compiled, as an unsigned integer array of the same bytes per element.
+        dtype = {4: "uint32", 8: "uint64"}.get(itemsize(dtype), "uint64")
     try:
         dtype_name = np.dtype(dtype).name
     except TypeError:

@@ -336,6 +336,36 @@ def test_data_parallel_lstms_synchronise_gradients_once_not_per_step(mesh):
     assert param_bytes <= kinds["all-reduce"][1] <= param_bytes + 16  # + the loss's scalars
 
 
+def test_a_batch_split_loop_that_draws_dropout_masks_stays_whole(mesh):
+    # Grouping a loop's samples (vmap over device groups) would draw its dropout bits per group,
+    # at another shape than traced: other masks, other gradients. Such a loop is computed whole.
+    def loss(params, batch):
+        keys = jax.random.split(jax.random.key(0), batch.shape[1])
+
+        def cell(h, inp):
+            x_t, key = inp
+            h = jnp.tanh(x_t @ params["w"] + h @ params["u"])
+            return h * jax.random.bernoulli(key, 0.5, h.shape), None
+
+        h, _ = jax.lax.scan(cell, jnp.zeros((batch.shape[0], 8)), (batch.transpose(1, 0, 2), keys))
+        return jnp.sum(h @ params["v"])
+
+    with jax.enable_x64(True):
+        params = {"w": jax.random.normal(jax.random.key(1), (4, 8), jnp.float64),
+                  "u": jax.random.normal(jax.random.key(2), (8, 8), jnp.float64) / 3,
+                  "v": jax.random.normal(jax.random.key(4), (8, 3), jnp.float64)}
+        batch = jax.random.normal(jax.random.key(3), (8, 5, 4), jnp.float64)
+        g = trace(loss, params, batch)
+        loop = next(op for op in g.operators if op.is_loop)
+        assert g.replaceable(loop.name) and loop.roles[0] == "S"  # otherwise it would group
+        strategy = space.data_parallel(g, MESH_SHAPE)
+        fn = constrained_loss(g, strategy, mesh)
+        got = jax.jit(jax.grad(fn))(params, batch)
+        want = jax.grad(loss)(params, batch)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-12, atol=1e-12)
+
+
 # --- the shardings ------------------------------------------------------------------------------
 
 
