@@ -74,7 +74,6 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 
-
 from soapjax import baselines
 from soapjax import plan as plan_mod
 from soapjax._dtypes import itemsize
@@ -232,13 +231,13 @@ class _View(NamedTuple):
     """One operator under one config: times, tensor specs, partial sums, activation bytes."""
 
     config: Config
-    fwd: float
-    bwd: float
+    forward_s: float
+    backward_s: float
     out_specs: tuple[tuple[tuple[str, ...], ...], ...]
     operand_specs: tuple[tuple[tuple[str, ...], ...], ...]
     partials: tuple[tuple[str, ...], ...]  # per operand: axes its cotangent is a partial sum on
-    red_axes: tuple[str, ...]
-    act_bytes: int
+    reduction_axes: tuple[str, ...]  # the axes splitting its reduction dims (partial sums)
+    activation_bytes: int  # its outputs' shards, kept for the backward pass
 
 
 def shard_bytes(shape: Sequence[int], spec: Sequence[Sequence[str]], dtype: str,
@@ -281,6 +280,12 @@ class Simulation:
     new step time; `accept` keeps it, `reject` rolls it back (cheaply: the old tasks are kept
     until then). The state always equals a full simulation of the current strategy.
 
+    The task graph is held as *units*, each rebuilt whole when a change touches it: per operator
+    its forward and backward tasks (retimed, never rebuilt) and the all-reduce of its partial
+    sums; per activation edge its forward resharding and its cotangent's way back
+    (`_EdgeTasks`); per parameter or batch input its gathers, gradient synchronisations and
+    update (`_LeafTasks`).
+
     Args:
       graph: the operator graph.
       topology: the cluster; its mesh axes are the mesh.
@@ -314,7 +319,7 @@ class Simulation:
 
     def step_time(self) -> float:
         """The simulated step time of the current strategy."""
-        return self._tg.step_time()
+        return self._task_graph.step_time()
 
     def peak_memory_bytes(self) -> int:
         """Peak bytes per device of the current strategy."""
@@ -328,8 +333,8 @@ class Simulation:
         if self._pending is not None:
             raise RuntimeError("accept() or reject() the pending proposal before reset()")
         self._build(strategy)
-        self._tg.full_pass()
-        return self._tg.step_time()
+        self._task_graph.full_pass()
+        return self._task_graph.step_time()
 
     def prefetch(self, changes: Iterable[tuple[int, Config]] = ()) -> int:
         """Has the resharder work out at once (`Resharder.prefetch`: one batch of compilations)
@@ -339,58 +344,6 @@ class Simulation:
           How many reshardings were compiled (0 for those already known).
         """
         return self._prefetch(self.strategy, changes)
-
-    def _prefetch(self, strategy: Strategy, changes: Iterable[tuple[int, Config]]) -> int:
-        prefetch = getattr(self._pricing.resharder, "prefetch", None)
-        if prefetch is None:
-            return 0
-        seen: list = []
-        shadow = copy.copy(self)  # `_build` gives it its own task graph and unit lists
-        shadow._pricing, shadow._pending = self._pricing.recording(seen), None
-        shadow.reset(strategy)
-        for i, config in changes:
-            shadow.propose(i, config)
-            shadow.reject()
-        return prefetch(seen)
-
-    def _build(self, strategy: Strategy) -> None:
-        """Builds the task graph of `strategy` (untimed)."""
-        st = self._layout
-        if len(strategy.configs) != st.n:
-            raise PlanError(f"strategy has {len(strategy.configs)} configs, graph "
-                            f"{self.graph.name!r} has {st.n} operators")
-        unknown = [a for a in strategy.zero_axes if a not in self.mesh.axis_names]
-        if unknown:
-            raise PlanError(f"zero_axes {unknown} are not mesh axes {list(self.mesh.axis_names)}")
-        self._zero = tuple(strategy.zero_axes)
-        self._views = [self._view(j, c) for j, c in enumerate(strategy.configs)]
-        self._tg = tg = TaskGraph(len(self._pricing.resource_channels))
-        self._buffers: dict[int, int] = {}
-        self._fwd = [tg.new(st.fwd_key(j, st.slots - 2), v.fwd, (0,), [], (FORWARD, j))
-                     for j, v in enumerate(self._views)]
-        self._bwd = [tg.new(st.bwd_key(j, 0), v.bwd, (0,), [], (BACKWARD, j))
-                     for j, v in enumerate(self._views)]
-        self._red = [self._build_red(j) for j in range(st.n)]
-        self._efwd, self._ebwd = [], []
-        for e in range(len(st.edges)):
-            f, b = self._build_edge(e)
-            self._efwd.append(f)
-            self._ebwd.append(b)
-        n_leaves = len(st.leaf_source)
-        self._leaf_tasks: list[list[int]] = [[]] * n_leaves
-        self._gtail: list[list[int]] = [[]] * n_leaves
-        self._leaf_mem: list[tuple[int, int]] = [(0, 0)] * n_leaves  # (stored, activations)
-        for leaf in range(n_leaves):
-            self._set_leaf(leaf, self._build_leaf(leaf))
-        for j in range(st.n):
-            tg.deps[self._fwd[j]] = self._fwd_deps(j)
-            tg.deps[self._bwd[j]] = self._bwd_deps(j)
-        self._act = sum(v.act_bytes for v in self._views)
-        self._stored = sum(m[0] for m in self._leaf_mem)
-        self._leaf_act = sum(m[1] for m in self._leaf_mem)
-        tg.build()
-        self._count_buffers([t for t in tg.order if tg.info[t][0] not in (FORWARD, BACKWARD)],
-                            +1)
 
     def propose(self, i: int, config: Config) -> float:
         """Delta-simulates operator `i` taking `config` (Algorithm 2); returns the step time.
@@ -410,124 +363,72 @@ class Simulation:
         view, old = self._view(i, config), self._views[i]
         undo = self._pending = _Undo(i, old)
         if view.config == old.config:
-            return self._tg.step_time()
-        st, tg = self._layout, self._tg
-        undo.start, undo.end = list(tg.start), list(tg.end)
-        undo.act, undo.stored, undo.leaf_act = self._act, self._stored, self._leaf_act
+            return self._task_graph.step_time()
+        task_graph = self._task_graph
+        undo.start, undo.end = list(task_graph.start), list(task_graph.end)
+        undo.activation_bytes = self._activation_bytes
+        undo.stored_bytes, undo.leaf_activation_bytes = self._stored_bytes, self._leaf_bytes
         self._views[i] = view
-        self._act += view.act_bytes - old.act_bytes
-        # The units whose collectives change (the rest keep their tasks).
-        red = (view.out_specs[0:1], view.red_axes) != (old.out_specs[0:1], old.red_axes)
-        changed = [e for e in st.in_edges[i] + st.out_edges[i]
-                   if self._edge_sig(e, i, view) != self._edge_sig(e, i, old)
-                   or (red and st.edges[e][0] == i and st.edges[e][1] == 0)]
-        # ... and the edges that share a value with them (which one reshards it may change)
-        edges = sorted({s for e in changed for s in st.siblings[e]})
-        leaves = [leaf for leaf in st.op_leaves[i]
-                  if any((view.operand_specs[o], view.partials[o])
-                         != (old.operand_specs[o], old.partials[o])
-                         for j, o in st.readers[leaf] if j == i)]
-        # Take their old tasks off the graph (kept for reject), then build the new ones.
-        undo.red = self._red[i] if red else None
-        undo.edges = [(e, self._efwd[e], self._ebwd[e]) for e in edges]
-        undo.leaves = [(leaf, self._leaf_tasks[leaf], self._gtail[leaf], self._leaf_mem[leaf])
-                       for leaf in leaves]
-        old_tasks = undo.old_tasks = list(self._red[i]) if red else []
-        old_tasks += [t for _, f, b in undo.edges for t in f + b]
-        old_tasks += [t for _, tasks, _, _ in undo.leaves for t in tasks]
-        for t in old_tasks:
-            tg.detach(t)
-        self._count_buffers(old_tasks, -1)
-        new = undo.new_tasks
-        if red:
-            self._red[i] = self._build_red(i)
-            new += self._red[i]
-        for e in edges:
-            f, b = self._efwd[e], self._ebwd[e] = self._build_edge(e)
-            new += f + b
-        for leaf in leaves:
-            self._stored -= self._leaf_mem[leaf][0]
-            self._leaf_act -= self._leaf_mem[leaf][1]
-            self._set_leaf(leaf, self._build_leaf(leaf))
-            self._stored += self._leaf_mem[leaf][0]
-            self._leaf_act += self._leaf_mem[leaf][1]
-            new += self._leaf_tasks[leaf]
-        for t in new:
-            tg.attach(t)
-        self._count_buffers(new, +1)
-        # Retime the operator and rewire the compute tasks that read the rebuilt units.
-        tg.set_dur(self._fwd[i], view.fwd)
-        tg.set_dur(self._bwd[i], view.bwd)
-        fwd_of = {i} | {st.edges[e][2] for e in edges}
-        fwd_of |= {j for leaf in leaves for j, _ in st.readers[leaf]}
-        bwd_of = {i} | {st.edges[e][0] for e in edges}
-        for j in fwd_of:
-            undo.deps.append((self._fwd[j], tg.set_deps(self._fwd[j], self._fwd_deps(j))))
-        for j in bwd_of:
-            undo.deps.append((self._bwd[j], tg.set_deps(self._bwd[j], self._bwd_deps(j))))
-        tg.sweep()
-        return tg.step_time()
-
-    def _edge_sig(self, e: int, i: int, view: _View) -> tuple:
-        """What edge `e`'s collectives depend on, with operator `i` under `view`."""
-        p, k, j, o = self._layout.edges[e]
-        src = (view if p == i else self._views[p]).out_specs[k]
-        cons = view if j == i else self._views[j]
-        return src, cons.operand_specs[o], cons.partials[o]
+        self._activation_bytes += view.activation_bytes - old.activation_bytes
+        partial_sum, edges, leaves = self._changed_units(i, view, old)
+        self._replace_units(undo, i if partial_sum else None, edges, leaves)
+        self._retime_and_rewire(undo, i, edges, leaves)
+        task_graph.sweep()
+        return task_graph.step_time()
 
     def accept(self) -> None:
         """Keeps the pending proposal."""
         undo = self._take_pending()
-        self._tg.release(undo.old_tasks)
+        self._task_graph.release(undo.old_tasks)
 
     def reject(self) -> None:
         """Rolls the pending proposal back: the old tasks return, with their old times."""
         undo = self._take_pending()
-        tg, i = self._tg, undo.i
+        task_graph, i = self._task_graph, undo.op
         if undo.view.config == self._views[i].config:
             return
         for t, deps in reversed(undo.deps):
-            tg.set_deps(t, deps)
+            task_graph.set_deps(t, deps)
         for t in reversed(undo.new_tasks):
-            tg.detach(t)
+            task_graph.detach(t)
         self._count_buffers(undo.new_tasks, -1)
-        tg.release(undo.new_tasks)
+        task_graph.release(undo.new_tasks)
         for t in undo.old_tasks:
-            tg.attach(t)
+            task_graph.attach(t)
         self._count_buffers(undo.old_tasks, +1)
-        tg.dur[self._fwd[i]] = undo.view.fwd
-        tg.dur[self._bwd[i]] = undo.view.bwd
+        task_graph.dur[self._forward_task[i]] = undo.view.forward_s
+        task_graph.dur[self._backward_task[i]] = undo.view.backward_s
         self._views[i] = undo.view
-        if undo.red is not None:
-            self._red[i] = undo.red
-        for e, f, b in undo.edges:
-            self._efwd[e], self._ebwd[e] = f, b
-        for leaf, tasks, gtail, mem in undo.leaves:
-            self._leaf_tasks[leaf], self._gtail[leaf], self._leaf_mem[leaf] = tasks, gtail, mem
-        self._act, self._stored, self._leaf_act = undo.act, undo.stored, undo.leaf_act
+        if undo.partial_sum_tasks is not None:
+            self._partial_sum_tasks[i] = undo.partial_sum_tasks
+        for e, unit in undo.edges:
+            self._edge_tasks[e] = unit
+        for leaf, unit in undo.leaves:
+            self._leaf_tasks[leaf] = unit
+        self._activation_bytes = undo.activation_bytes
+        self._stored_bytes, self._leaf_bytes = undo.stored_bytes, undo.leaf_activation_bytes
         n = len(undo.start)
-        tg.start[:n] = undo.start
-        tg.end[:n] = undo.end
-        tg.discard_marks()
+        task_graph.start[:n] = undo.start
+        task_graph.end[:n] = undo.end
+        task_graph.discard_marks()
 
     def result(self) -> SimResult:
         """A frozen summary of the current state (a pending proposal included)."""
-        tg, pricing = self._tg, self._pricing
+        task_graph, pricing = self._task_graph, self._pricing
         records, compute, sent = [], 0.0, 0.0
         by_class: dict[str, float] = {}
-        for t in tg.order:
-            kind, ref = tg.info[t][0], tg.info[t][1]
+        for t in task_graph.order:
+            kind, ref = task_graph.info[t][0], task_graph.info[t][1]
+            name, start, end = self._task_name(t), task_graph.start[t], task_graph.end[t]
             if kind in (FORWARD, BACKWARD, UPDATE):
-                compute += tg.dur[t]
-                records.append(TaskRecord(self._task_name(t), kind, ("compute",), tg.start[t],
-                                          tg.end[t], 0))
+                compute += task_graph.dur[t]
+                records.append(TaskRecord(name, kind, ("compute",), start, end, 0))
                 continue
             sent += ref.sent
             by_class[ref.link_class] = by_class.get(ref.link_class, 0.0) + ref.sent
-            chans = tuple(c for r in tg.res[t] for c in pricing.resource_channels[r])
-            records.append(TaskRecord(self._task_name(t), kind, chans, tg.start[t], tg.end[t],
-                                      ref.nbytes, ref.sent))
-        step = tg.step_time()
+            channels = tuple(c for r in task_graph.res[t] for c in pricing.resource_channels[r])
+            records.append(TaskRecord(name, kind, channels, start, end, ref.nbytes, ref.sent))
+        step = task_graph.step_time()
         mem = self._memory()
         cap = self.topology.device.memory_bytes
         return SimResult(
@@ -539,8 +440,143 @@ class Simulation:
 
     def timeline(self) -> list[tuple[str, float, float]]:
         """``(task name, start, end)`` of every task in issue order (for exact comparisons)."""
-        tg = self._tg
-        return [(self._task_name(t), tg.start[t], tg.end[t]) for t in tg.order]
+        task_graph = self._task_graph
+        return [(self._task_name(t), task_graph.start[t], task_graph.end[t])
+                for t in task_graph.order]
+
+    # --- full simulation ----------------------------------------------------------------------
+
+    def _prefetch(self, strategy: Strategy, changes: Iterable[tuple[int, Config]]) -> int:
+        prefetch = getattr(self._pricing.resharder, "prefetch", None)
+        if prefetch is None:
+            return 0
+        seen: list = []
+        shadow = copy.copy(self)  # `_build` gives it its own task graph and unit lists
+        shadow._pricing, shadow._pending = self._pricing.recording(seen), None
+        shadow.reset(strategy)
+        for i, config in changes:
+            shadow.propose(i, config)
+            shadow.reject()
+        return prefetch(seen)
+
+    def _validate(self, strategy: Strategy) -> None:
+        if len(strategy.configs) != self._layout.n:
+            raise PlanError(f"strategy has {len(strategy.configs)} configs, graph "
+                            f"{self.graph.name!r} has {self._layout.n} operators")
+        unknown = [a for a in strategy.zero_axes if a not in self.mesh.axis_names]
+        if unknown:
+            raise PlanError(f"zero_axes {unknown} are not mesh axes {list(self.mesh.axis_names)}")
+
+    def _build(self, strategy: Strategy) -> None:
+        """Builds the task graph of `strategy` (untimed)."""
+        self._validate(strategy)
+        layout = self._layout
+        self._zero = tuple(strategy.zero_axes)
+        self._views = [self._view(j, c) for j, c in enumerate(strategy.configs)]
+        self._task_graph = task_graph = TaskGraph(len(self._pricing.resource_channels))
+        self._buffer_counts: dict[int, int] = {}  # communication buffer bytes -> tasks
+        self._forward_task = [
+            task_graph.new(layout.fwd_key(j, layout.slots - 2), v.forward_s, (0,), [],
+                           (FORWARD, j)) for j, v in enumerate(self._views)]
+        self._backward_task = [
+            task_graph.new(layout.bwd_key(j, 0), v.backward_s, (0,), [], (BACKWARD, j))
+            for j, v in enumerate(self._views)]
+        self._partial_sum_tasks = [self._build_partial_sum(j) for j in range(layout.n)]
+        self._edge_tasks = [self._build_edge(e) for e in range(len(layout.edges))]
+        self._leaf_tasks = [self._build_leaf(leaf) for leaf in range(len(layout.leaf_source))]
+        for j in range(layout.n):
+            task_graph.deps[self._forward_task[j]] = self._forward_deps(j)
+            task_graph.deps[self._backward_task[j]] = self._backward_deps(j)
+        self._activation_bytes = sum(v.activation_bytes for v in self._views)
+        self._stored_bytes = sum(unit.stored_bytes for unit in self._leaf_tasks)
+        self._leaf_bytes = sum(unit.activation_bytes for unit in self._leaf_tasks)
+        task_graph.build()
+        self._count_buffers([t for t in task_graph.order
+                             if task_graph.info[t][0] not in (FORWARD, BACKWARD)], +1)
+
+    # --- delta simulation ---------------------------------------------------------------------
+
+    def _changed_units(self, i: int, view: _View,
+                       old: _View) -> tuple[bool, list[int], list[int]]:
+        """The units whose collectives change when operator `i` goes from `old` to `view`:
+        whether its partial-sum all-reduce does, the edges and the leaves (the rest keep their
+        tasks)."""
+        layout = self._layout
+        partial_sum = ((view.out_specs[0:1], view.reduction_axes)
+                       != (old.out_specs[0:1], old.reduction_axes))
+        changed = [e for e in layout.in_edges[i] + layout.out_edges[i]
+                   if self._edge_signature(e, i, view) != self._edge_signature(e, i, old)
+                   or (partial_sum and layout.edges[e][0] == i and layout.edges[e][1] == 0)]
+        # ... and the edges that share a value with them (which one reshards it may change)
+        edges = sorted({s for e in changed for s in layout.siblings[e]})
+        leaves = [leaf for leaf in layout.op_leaves[i]
+                  if any((view.operand_specs[o], view.partials[o])
+                         != (old.operand_specs[o], old.partials[o])
+                         for j, o in layout.readers[leaf] if j == i)]
+        return partial_sum, edges, leaves
+
+    def _edge_signature(self, e: int, i: int, view: _View) -> tuple:
+        """What edge `e`'s collectives depend on, with operator `i` under `view`."""
+        p, k, j, o = self._layout.edges[e]
+        src = (view if p == i else self._views[p]).out_specs[k]
+        consumer = view if j == i else self._views[j]
+        return src, consumer.operand_specs[o], consumer.partials[o]
+
+    def _replace_units(self, undo: _Undo, partial_sum_of: int | None, edges: list[int],
+                       leaves: list[int]) -> None:
+        """Takes the old tasks of the changed units off the graph (kept in `undo` for `reject`)
+        and builds new ones: operator `partial_sum_of`'s partial-sum all-reduce (none when it
+        is None), the `edges` and the `leaves`."""
+        task_graph = self._task_graph
+        if partial_sum_of is not None:
+            undo.partial_sum_tasks = self._partial_sum_tasks[partial_sum_of]
+        undo.edges = [(e, self._edge_tasks[e]) for e in edges]
+        undo.leaves = [(leaf, self._leaf_tasks[leaf]) for leaf in leaves]
+        old = undo.old_tasks = list(undo.partial_sum_tasks or ())
+        old += [t for _, unit in undo.edges for t in unit.forward + unit.backward]
+        old += [t for _, unit in undo.leaves for t in unit.tasks]
+        for t in old:
+            task_graph.detach(t)
+        self._count_buffers(old, -1)
+        new = undo.new_tasks
+        if partial_sum_of is not None:
+            self._partial_sum_tasks[partial_sum_of] = self._build_partial_sum(partial_sum_of)
+            new += self._partial_sum_tasks[partial_sum_of]
+        for e in edges:
+            unit = self._edge_tasks[e] = self._build_edge(e)
+            new += unit.forward + unit.backward
+        for leaf in leaves:
+            before, unit = self._leaf_tasks[leaf], self._build_leaf(leaf)
+            self._leaf_tasks[leaf] = unit
+            self._stored_bytes += unit.stored_bytes - before.stored_bytes
+            self._leaf_bytes += unit.activation_bytes - before.activation_bytes
+            new += unit.tasks
+        for t in new:
+            task_graph.attach(t)
+        self._count_buffers(new, +1)
+
+    def _retime_and_rewire(self, undo: _Undo, i: int, edges: list[int],
+                           leaves: list[int]) -> None:
+        """Gives operator `i`'s compute tasks their new durations and points the compute tasks
+        that wait on the rebuilt `edges` and `leaves` at their new tasks (old ones in `undo`)."""
+        layout, task_graph, view = self._layout, self._task_graph, self._views[i]
+        task_graph.set_dur(self._forward_task[i], view.forward_s)
+        task_graph.set_dur(self._backward_task[i], view.backward_s)
+        readers = {i} | {layout.edges[e][2] for e in edges}
+        readers |= {j for leaf in leaves for j, _ in layout.readers[leaf]}
+        producers = {i} | {layout.edges[e][0] for e in edges}
+        for j in readers:
+            t = self._forward_task[j]
+            undo.deps.append((t, task_graph.set_deps(t, self._forward_deps(j))))
+        for j in producers:
+            t = self._backward_task[j]
+            undo.deps.append((t, task_graph.set_deps(t, self._backward_deps(j))))
+
+    def _take_pending(self) -> _Undo:
+        if self._pending is None:
+            raise RuntimeError("no pending proposal: call propose() first")
+        undo, self._pending = self._pending, None
+        return undo
 
     # --- building units -----------------------------------------------------------------------
 
@@ -556,180 +592,216 @@ class Simulation:
             used = config.used_axes
             partials = tuple(tuple(a for a in self.mesh.axis_names if a in used
                                    and not any(a in d for d in spec)) for spec in specs)
-            act = sum(shard_bytes(x.shape, s, x.dtype, self.mesh)
-                      for x, s in zip(op.outputs, outs))
+            activation = sum(shard_bytes(x.shape, s, x.dtype, self.mesh)
+                             for x, s in zip(op.outputs, outs))
             v = self._views_memo[key] = _View(config, float(t.forward_s), float(t.backward_s),
                                               outs, specs, partials,
-                                              tuple(config.reduction_axes(op)), act)
+                                              tuple(config.reduction_axes(op)), activation)
         return v
 
     def _chain_tasks(self, chain: tuple[Comm, ...], key: int, head: list[int], kind: str,
                      subject: Any) -> list[int]:
-        tg, out = self._tg, []
+        """One task per collective of `chain`, each after the previous, the first after
+        `head`; keys from `key` on."""
+        task_graph, out = self._task_graph, []
         for pos, c in enumerate(chain):
-            out.append(tg.new(key + pos, c.dur, c.res, [out[-1]] if out else list(head),
-                              (kind, c, subject)))
+            out.append(task_graph.new(key + pos, c.dur, c.res, [out[-1]] if out else list(head),
+                                      (kind, c, subject)))
         return out
 
-    def _build_red(self, j: int) -> list[int]:
+    def _build_partial_sum(self, j: int) -> list[int]:
+        """The all-reduce of operator `j`'s partial sums (none unless it splits a reduction)."""
         v = self._views[j]
-        if not v.red_axes:
+        if not v.reduction_axes:
             return []
         x = self.graph.operators[j].outputs[0]
-        chain = self._pricing.chain(x.shape, x.dtype, v.out_specs[0], v.out_specs[0], v.red_axes)
+        chain = self._pricing.chain(x.shape, x.dtype, v.out_specs[0], v.out_specs[0],
+                                    v.reduction_axes)
         key = self._layout.fwd_key(j, self._layout.slots - 1)
-        return self._chain_tasks(chain, key, [self._fwd[j]], PARTIAL_SUM, j)
+        return self._chain_tasks(chain, key, [self._forward_task[j]], PARTIAL_SUM, j)
 
-    def _owner(self, e: int) -> int:
+    def _output_ready(self, p: int, k: int) -> int:
+        """The task after which operator `p`'s output `k` is complete: the all-reduce of its
+        partial sums (output 0 only), else its forward task."""
+        partial_sum = self._partial_sum_tasks[p] if k == 0 else []
+        return partial_sum[-1] if partial_sum else self._forward_task[p]
+
+    def _resharded_by(self, e: int) -> int:
         """The first edge carrying edge `e`'s value to the same layout: its forward resharding
         serves both (XLA computes the collective once; the backward ones stay separate)."""
-        st, views = self._layout, self._views
-        _, _, j, o = st.edges[e]
+        layout, views = self._layout, self._views
+        _, _, j, o = layout.edges[e]
         dst = views[j].operand_specs[o]
-        for s in st.siblings[e]:
-            if s == e or views[st.edges[s][2]].operand_specs[st.edges[s][3]] == dst:
+        for s in layout.siblings[e]:
+            if s == e or views[layout.edges[s][2]].operand_specs[layout.edges[s][3]] == dst:
                 return s
         return e
 
-    def _build_edge(self, e: int) -> tuple[list[int], list[int]]:
-        st = self._layout
-        p, k, j, o = st.edges[e]
+    def _build_edge(self, e: int) -> _EdgeTasks:
+        layout = self._layout
+        p, k, j, o = layout.edges[e]
         x = self.graph.operators[j].inputs[o]
         src, dst = self._views[p].out_specs[k], self._views[j].operand_specs[o]
-        red = self._red[p] if k == 0 else []
-        head = [red[-1] if red else self._fwd[p]]
-        fwd = [] if self._owner(e) != e else self._chain_tasks(
-            self._pricing.chain(x.shape, x.dtype, src, dst), st.fwd_key(j, o), head, RESHARD, e)
+        forward = [] if self._resharded_by(e) != e else self._chain_tasks(
+            self._pricing.chain(x.shape, x.dtype, src, dst), layout.fwd_key(j, o),
+            [self._output_ready(p, k)], RESHARD, e)
         back = self._pricing.chain(x.shape, x.dtype, dst, src, self._views[j].partials[o])
-        bwd = self._chain_tasks(back, st.bwd_key(j, 1 + o), [self._bwd[j]], RESHARD_BWD, e)
-        return fwd, bwd
+        backward = self._chain_tasks(back, layout.bwd_key(j, 1 + o), [self._backward_task[j]],
+                                     RESHARD_BWD, e)
+        return _EdgeTasks(forward, backward)
 
-    def _storage(self, leaf: int) -> tuple[tuple[str, ...], ...]:
+    def _stored_spec(self, leaf: int) -> tuple[tuple[str, ...], ...]:
         """A leaf's layout: `space.storage_spec` of its first reader's operand spec."""
-        st = self._layout
-        j, o = st.readers[leaf][0]
-        zero = self._zero if st.leaf_is_param[leaf] else ()
-        return storage_spec(self._views[j].operand_specs[o], st.leaf_shape[leaf], zero, self.mesh)
+        layout = self._layout
+        j, o = layout.readers[leaf][0]
+        zero = self._zero if layout.leaf_is_param[leaf] else ()
+        return storage_spec(self._views[j].operand_specs[o], layout.leaf_shape[leaf], zero,
+                            self.mesh)
 
-    def _build_leaf(self, leaf: int) -> tuple[list[int], list[int], tuple[int, int]]:
-        """A parameter's or batch leaf's tasks: gathers, gradient syncs, update; and its bytes."""
-        st, pricing = self._layout, self._pricing
-        shape, dtype, readers = st.leaf_shape[leaf], st.leaf_dtype[leaf], st.readers[leaf]
-        store = self._storage(leaf)
-        tasks, gtail = [], []
-        act = 0 if st.leaf_is_param[leaf] else shard_bytes(shape, store, dtype, self.mesh)
-        for j, o in readers:
+    def _build_leaf(self, leaf: int) -> _LeafTasks:
+        """A parameter's or batch input's tasks (gathers, gradient syncs, update) and bytes."""
+        layout = self._layout
+        shape, dtype = layout.leaf_shape[leaf], layout.leaf_dtype[leaf]
+        store = self._stored_spec(leaf)
+        stored = shard_bytes(shape, store, dtype, self.mesh)
+        gathers, gather_ends, gathered = self._build_gathers(leaf, store)
+        if not layout.leaf_is_param[leaf]:
+            return _LeafTasks(gathers, gather_ends, 0, stored + gathered)
+        syncs, ready = self._build_grad_syncs(leaf, store)
+        update = self._task_graph.new(layout.key(layout.update_seg[leaf], 0),
+                                      self.cost_model.update_time(stored), (0,), ready,
+                                      (UPDATE, leaf))
+        return _LeafTasks(gathers + syncs + [update], gather_ends, stored, gathered)
+
+    def _build_gathers(self, leaf: int, store: tuple) -> tuple[list[int], list[int], int]:
+        """Each reader's resharding of `leaf` from its stored layout `store` (under ZeRO-3 an
+        all-gather): the tasks, the last one per reader (-1 for none), and the bytes of the
+        copies in other layouts, kept for the backward pass."""
+        layout = self._layout
+        shape, dtype = layout.leaf_shape[leaf], layout.leaf_dtype[leaf]
+        tasks, ends, gathered = [], [], 0
+        for j, o in layout.readers[leaf]:
             spec = self._views[j].operand_specs[o]
             if spec != store:
-                act += shard_bytes(shape, spec, dtype, self.mesh)
-            g = self._chain_tasks(pricing.chain(shape, dtype, store, spec), st.fwd_key(j, o), [],
-                                  PARAM_GATHER, leaf)
-            tasks += g
-            gtail.append(g[-1] if g else -1)
-        if not st.leaf_is_param[leaf]:
-            return tasks, gtail, (0, act)
-        # Each reader's gradient contribution is synchronised on its own, right after that
-        # reader's backward, and the synced contributions are summed: XLA's partitioner puts
-        # the all-reduce (or reduce-scatter) at the operation that makes the partial sum, before
-        # the add, so a tied embedding's gradient is all-reduced twice (seen in compiled HLO).
-        ready: list[int] = []
-        for j, o in reversed(readers):
+                gathered += shard_bytes(shape, spec, dtype, self.mesh)
+            chain = self._chain_tasks(self._pricing.chain(shape, dtype, store, spec),
+                                      layout.fwd_key(j, o), [], PARAM_GATHER, leaf)
+            tasks += chain
+            ends.append(chain[-1] if chain else -1)
+        return tasks, ends, gathered
+
+    def _build_grad_syncs(self, leaf: int, store: tuple) -> tuple[list[int], list[int]]:
+        """The gradient synchronisation of each reader's contribution to parameter `leaf`,
+        back to its stored layout `store`: the tasks, and those its update waits for.
+
+        Each reader's contribution is synchronised on its own, right after that reader's
+        backward, and the synced contributions are summed: XLA's partitioner puts the
+        all-reduce (or reduce-scatter) at the operation that makes the partial sum, before the
+        add, so a tied embedding's gradient is all-reduced twice (seen in compiled HLO).
+        """
+        layout = self._layout
+        shape, dtype = layout.leaf_shape[leaf], layout.leaf_dtype[leaf]
+        tasks, ready = [], []
+        for j, o in reversed(layout.readers[leaf]):
             v = self._views[j]
-            chain = pricing.chain(shape, dtype, v.operand_specs[o], store, v.partials[o])
-            sync = self._chain_tasks(chain, st.bwd_key(j, 1 + o), [self._bwd[j]], GRAD_SYNC,
-                                     leaf)
+            chain = self._pricing.chain(shape, dtype, v.operand_specs[o], store, v.partials[o])
+            sync = self._chain_tasks(chain, layout.bwd_key(j, 1 + o), [self._backward_task[j]],
+                                     GRAD_SYNC, leaf)
             tasks += sync
-            ready += sync[-1:] if sync else [self._bwd[j]]
-        stored = shard_bytes(shape, store, dtype, self.mesh)
-        upd = self._tg.new(st.key(st.update_seg[leaf], 0), self.cost_model.update_time(stored),
-                           (0,), ready, (UPDATE, leaf))
-        tasks.append(upd)
-        return tasks, gtail, (stored, act)
+            ready += sync[-1:] if sync else [self._backward_task[j]]
+        return tasks, ready
 
-    def _set_leaf(self, leaf: int, built: tuple[list[int], list[int], tuple[int, int]]) -> None:
-        self._leaf_tasks[leaf], self._gtail[leaf], self._leaf_mem[leaf] = built
-
-    def _fwd_deps(self, j: int) -> list[int]:
-        st, out = self._layout, []
-        for code, ref, r in st.operands[j]:
+    def _forward_deps(self, j: int) -> list[int]:
+        """What operator `j`'s forward task waits for: its inputs' reshardings (or, with none,
+        their producers) and its parameters' gathers."""
+        layout, out = self._layout, []
+        for code, ref, reader in layout.operands[j]:
             if code == EDGE:
-                chain = self._efwd[self._owner(ref)]
-                if chain:
-                    out.append(chain[-1])
-                else:
-                    p, k = st.edges[ref][0], st.edges[ref][1]
-                    red = self._red[p] if k == 0 else []
-                    out.append(red[-1] if red else self._fwd[p])
+                chain = self._edge_tasks[self._resharded_by(ref)].forward
+                out.append(chain[-1] if chain else self._output_ready(*layout.edges[ref][:2]))
             elif code == LEAF:
-                t = self._gtail[ref][r]
+                t = self._leaf_tasks[ref].gather_ends[reader]
                 if t >= 0:
                     out.append(t)
         return out
 
-    def _bwd_deps(self, j: int) -> list[int]:
-        st, out = self._layout, []
-        for e in st.out_edges[j]:
-            chain = self._ebwd[e]
-            out.append(chain[-1] if chain else self._bwd[st.edges[e][2]])
+    def _backward_deps(self, j: int) -> list[int]:
+        """What operator `j`'s backward task waits for: its outputs' cotangents, back from each
+        consumer (after their resharding, where there is one)."""
+        layout, out = self._layout, []
+        for e in layout.out_edges[j]:
+            chain = self._edge_tasks[e].backward
+            out.append(chain[-1] if chain else self._backward_task[layout.edges[e][2]])
         return out
 
     # --- accounting ---------------------------------------------------------------------------
 
     def _count_buffers(self, tasks: list[int], sign: int) -> None:
-        info, buf = self._tg.info, self._buffers
+        info, counts = self._task_graph.info, self._buffer_counts
         for t in tasks:
             if info[t][0] != UPDATE:
                 n = info[t][1].nbytes
-                c = buf.get(n, 0) + sign
+                c = counts.get(n, 0) + sign
                 if c:
-                    buf[n] = c
+                    counts[n] = c
                 else:
-                    del buf[n]
+                    del counts[n]
 
     def _memory(self) -> MemoryBreakdown:
-        p = self._stored
+        p = self._stored_bytes
         return MemoryBreakdown(params=p, grads=p, opt_state=round(p * self.opt_state_factor),
-                               activations=self._act + self._leaf_act,
-                               comm_buffers=max(self._buffers, default=0))
+                               activations=self._activation_bytes + self._leaf_bytes,
+                               comm_buffers=max(self._buffer_counts, default=0))
 
     def _task_name(self, t: int) -> str:
-        kind, ref, *subject = self._tg.info[t]
-        ops, st = self.graph.operators, self._layout
+        kind, ref, *subject = self._task_graph.info[t]
+        ops, layout = self.graph.operators, self._layout
         if kind in (FORWARD, BACKWARD):
             return f"{kind} {ops[ref].name}"
         if kind == UPDATE:
-            return f"update {st.leaf_source[ref]}"
+            return f"update {layout.leaf_source[ref]}"
         x = subject[0]
-        what = (st.edge_name[x] if kind == RESHARD else f"d({st.edge_name[x]})"
+        what = (layout.edge_name[x] if kind == RESHARD else f"d({layout.edge_name[x]})"
                 if kind == RESHARD_BWD else f"{ops[x].name} (partial sums)"
-                if kind == PARTIAL_SUM else st.leaf_source[x]
-                if kind == PARAM_GATHER else f"grad {st.leaf_source[x]}")
+                if kind == PARTIAL_SUM else layout.leaf_source[x]
+                if kind == PARAM_GATHER else f"grad {layout.leaf_source[x]}")
         return f"{ref.kind} {what} over {'+'.join(ref.axes)}"
 
-    def _take_pending(self) -> _Undo:
-        if self._pending is None:
-            raise RuntimeError("no pending proposal: call propose() first")
-        undo, self._pending = self._pending, None
-        return undo
+
+class _EdgeTasks(NamedTuple):
+    """An activation edge's communication tasks."""
+
+    forward: list[int]  # its resharding (empty when a sibling edge's serves it: `_resharded_by`)
+    backward: list[int]  # its cotangent's way back
+
+
+class _LeafTasks(NamedTuple):
+    """A parameter's or batch input's tasks and bytes per device."""
+
+    tasks: list[int]  # gathers, gradient synchronisations, update
+    gather_ends: list[int]  # per reader: the last task of its gather, -1 for none
+    stored_bytes: int  # its stored shard (parameters; 0 for batch inputs)
+    activation_bytes: int  # the batch shard and copies in other layouts, kept for the backward
 
 
 class _Undo:
     """What `reject` needs to restore the state before a proposal."""
 
-    __slots__ = ("act", "deps", "edges", "end", "i", "leaf_act", "leaves", "new_tasks",
-                 "old_tasks", "red", "start", "stored", "view")
+    __slots__ = ("activation_bytes", "deps", "edges", "end", "leaf_activation_bytes", "leaves",
+                 "new_tasks", "old_tasks", "op", "partial_sum_tasks", "start", "stored_bytes",
+                 "view")
 
-    def __init__(self, i: int, view: _View) -> None:
-        self.i, self.view = i, view
+    def __init__(self, op: int, view: _View) -> None:
+        self.op, self.view = op, view  # the operator and its view before the proposal
         self.start: list[float] = []
         self.end: list[float] = []
-        self.act = self.stored = self.leaf_act = 0
-        self.red: list[int] | None = None
-        self.edges: list[tuple[int, list[int], list[int]]] = []
-        self.leaves: list[tuple] = []
+        self.activation_bytes = self.stored_bytes = self.leaf_activation_bytes = 0
+        self.partial_sum_tasks: list[int] | None = None
+        self.edges: list[tuple[int, _EdgeTasks]] = []
+        self.leaves: list[tuple[int, _LeafTasks]] = []
         self.old_tasks: list[int] = []
         self.new_tasks: list[int] = []
-        self.deps: list[tuple[int, list[int]]] = []
+        self.deps: list[tuple[int, list[int]]] = []  # (task, its dependencies before)
 
 
 # --- entry points -----------------------------------------------------------------------------
