@@ -1,4 +1,4 @@
-"""The execution simulator: a training step's task graph, its timeline, memory, and trace export.
+"""The execution simulator: a training step's task graph, its timeline and its memory.
 
 FlexFlow (section 5) predicts a strategy's step time by building a task graph (compute tasks on
 devices, communication tasks on links) and timing it; soapjax does the same for one SPMD program.
@@ -60,172 +60,52 @@ Example::
     t = sim.propose(3, config)          # delta-simulate one operator's new config
     sim.accept() if t < best else sim.reject()
     sim.result().to_chrome_trace()      # {"traceEvents": [...]} for Perfetto / chrome://tracing
+
+The module is the `Simulation` and its entry points; its parts live beside it: the task graph's
+engine in `soapjax._taskgraph`, the result records and trace export in `soapjax._simresult`,
+hand-written strategies (``--strategy``) in `soapjax._strategy_file` (all re-exported here).
+`Simulation` stays one class past ~600 lines because its units, their undo record and the
+delta rules that keep it equal to a full simulation are one invariant, read together.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import difflib
-import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import jax
 
-from soapjax import baselines
-from soapjax import plan as plan_mod
 from soapjax._dtypes import itemsize
+from soapjax._simresult import (
+    BACKWARD,
+    FORWARD,
+    GRAD_SYNC,
+    PARAM_GATHER,
+    PARTIAL_SUM,
+    RESHARD,
+    RESHARD_BWD,
+    UPDATE,
+    MemoryBreakdown,
+    SimResult,
+    TaskRecord,
+)
+from soapjax._strategy_file import parse_strategy
 from soapjax._taskgraph import EDGE, LEAF, Comm, Layout, Pricing, TaskGraph
 from soapjax.cost import OpTime
 from soapjax.cost import cost_model as make_cost_model
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
 from soapjax.reshard import Resharder, ReshardModel
-from soapjax.space import (
-    Config,
-    MeshShape,
-    Strategy,
-    data_parallel,
-    storage_spec,
-    validate_config,
-)
+from soapjax.space import Config, MeshShape, Strategy, storage_spec, validate_config
 from soapjax.topology import Topology
 
-# Task kinds (`TaskRecord.kind`).
-FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
-RESHARD, RESHARD_BWD, PARTIAL_SUM, PARAM_GATHER, GRAD_SYNC = (
-    "reshard", "reshard_backward", "partial_sum", "param_gather", "grad_sync")
-
-
-class TaskRecord(NamedTuple):
-    """One task of the simulated timeline.
-
-    Attributes:
-      name: e.g. ``"forward layers_0/mlp/fc1"``, ``"all_gather layers_0/ln_1 -> layers_0/attn/query
-        over model"`` (a resharding; ``d(...)`` for its backward) or ``"all_reduce grad
-        ['params']['fc1']['kernel'] over data"``.
-      kind: forward, backward, update, reshard, reshard_backward, partial_sum, param_gather or
-        grad_sync.
-      resources: ``("compute",)`` or the topology channel ids it occupies.
-      start_s, end_s: seconds from the start of the step.
-      nbytes: a collective's per-device buffer (`Topology.collective_time`'s ``nbytes``); 0 for
-        compute.
-      sent: the bytes each device sends in it (`collectives.bytes_sent`); 0 for compute.
-    """
-
-    name: str
-    kind: str
-    resources: tuple[str, ...]
-    start_s: float
-    end_s: float
-    nbytes: int
-    sent: float = 0.0
-
-
-class MemoryBreakdown(NamedTuple):
-    """Bytes per device at the peak (the same on every device under SPMD)."""
-
-    params: int
-    grads: int
-    opt_state: int
-    activations: int
-    comm_buffers: int
-
-    @property
-    def total(self) -> int:
-        return sum(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class SimResult:
-    """The simulated training step of one strategy.
-
-    Attributes:
-      step_time_s: predicted iteration time.
-      compute_s: busy time of the compute stream (forward, backward and update tasks).
-      exposed_comm_s: ``step_time_s - compute_s``: communication not hidden behind compute.
-      bytes_moved: bytes each device sends over the whole step.
-      bytes_by_link_class: the same, by the link class that limits each collective.
-      peak_memory_bytes: peak bytes per device, one entry per device; all equal under SPMD
-        symmetry (every device holds same-size shards).
-      memory: what the peak is made of.
-      memory_capacity_bytes: each device's memory (`Topology.device.memory_bytes`).
-      fits_in_memory: whether the peak fits in it.
-      cost_source: where compute times came from (``measured``, ``analytic``, ...).
-      num_devices: devices in the mesh.
-      tasks: every task, in issue order.
-      channels: the topology channels, in trace order.
-    """
-
-    step_time_s: float
-    compute_s: float
-    exposed_comm_s: float
-    bytes_moved: float
-    bytes_by_link_class: dict[str, float]
-    peak_memory_bytes: tuple[int, ...]
-    memory: MemoryBreakdown
-    memory_capacity_bytes: int
-    fits_in_memory: bool
-    cost_source: str
-    num_devices: int
-    tasks: tuple[TaskRecord, ...] = dataclasses.field(repr=False)
-    channels: tuple[str, ...] = dataclasses.field(repr=False, default=())
-
-    def to_json(self, *, tasks: bool = False) -> dict[str, Any]:
-        """The result as JSON-ready data; with ``tasks=True`` the whole timeline too."""
-        out = {
-            "step_time_s": self.step_time_s, "compute_s": self.compute_s,
-            "exposed_comm_s": self.exposed_comm_s, "bytes_moved": self.bytes_moved,
-            "bytes_by_link_class": dict(self.bytes_by_link_class),
-            "peak_memory_bytes": list(self.peak_memory_bytes),
-            "memory": self.memory._asdict(), "memory_capacity_bytes": self.memory_capacity_bytes,
-            "fits_in_memory": self.fits_in_memory, "cost_source": self.cost_source,
-            "num_devices": self.num_devices, "num_tasks": len(self.tasks),
-        }
-        if tasks:
-            out["tasks"] = [t._asdict() | {"resources": list(t.resources)} for t in self.tasks]
-        return out
-
-    def to_chrome_trace(self, *, max_device_tracks: int = 64) -> dict[str, Any]:
-        """The timeline in Chrome trace format (Perfetto, chrome://tracing).
-
-        Process 1 has one track per device with the compute tasks (identical on every device
-        under SPMD; at most `max_device_tracks` of them, the rest are the same); process 2 has
-        one track per topology channel with the collectives on it. Times are microseconds.
-        """
-        shown = min(self.num_devices, max_device_tracks)
-        ev: list[dict[str, Any]] = [
-            _meta("process_name", 1, None, f"devices (SPMD: all {self.num_devices} identical)"),
-            _meta("process_name", 2, None, "links (topology channels)"),
-        ]
-        for d in range(shown):
-            ev.append(_meta("thread_name", 1, d, f"device:{d} compute"))
-        tid = {c: i for i, c in enumerate(self.channels)}
-        for c, i in tid.items():
-            ev.append(_meta("thread_name", 2, i, c))
-        for t in self.tasks:
-            base = {"name": t.name, "cat": t.kind, "ph": "X", "ts": t.start_s * 1e6,
-                    "dur": (t.end_s - t.start_s) * 1e6}
-            if t.resources == ("compute",):
-                ev.extend(base | {"pid": 1, "tid": d} for d in range(shown))
-            else:
-                args = {"nbytes": t.nbytes}
-                ev.extend(base | {"pid": 2, "tid": tid[c], "args": args} for c in t.resources)
-        other = {"step_time_s": self.step_time_s, "device_tracks": shown}
-        if shown < self.num_devices:
-            other["note"] = (f"{self.num_devices} devices run identical timelines; "
-                             f"{shown} device tracks shown")
-        return {"traceEvents": ev, "displayTimeUnit": "ms", "otherData": other}
-
-
-def _meta(what: str, pid: int, tid: int | None, name: str) -> dict[str, Any]:
-    ev = {"name": what, "ph": "M", "pid": pid, "args": {"name": name}}
-    if tid is not None:
-        ev["tid"] = tid
-    return ev
-
+__all__ = [
+    "BACKWARD", "FORWARD", "GRAD_SYNC", "PARAM_GATHER", "PARTIAL_SUM", "RESHARD", "RESHARD_BWD",
+    "UPDATE", "MemoryBreakdown", "OpCosts", "SimResult", "Simulation", "TaskRecord", "compare",
+    "opt_state_factor", "parse_strategy", "shard_bytes", "simulate",
+]
 
 class _View(NamedTuple):
     """One operator under one config: times, tensor specs, partial sums, activation bytes."""
@@ -861,97 +741,3 @@ def opt_state_factor(optimizer: Any, params: Any) -> float:
 
     state = jax.eval_shape(optimizer.init, params)
     return nbytes(state) / max(nbytes(params), 1)
-
-
-def parse_strategy(graph: OpGraph, topology: Topology, spec: str | Mapping[str, Any], *,
-                   family: str | None = None) -> Strategy:
-    """A strategy from a baseline's name, a plan file, or a hand-written override of data
-    parallelism (what ``soapjax simulate --strategy`` takes).
-
-    * A baseline's name, one of `soapjax.baselines.NAMES` (``"data-parallel"``,
-      ``"megatron"``, ``"fsdp"``, ``"expert-cnn"``, ``"expert-rnn"``).
-    * The path of a plan file (`soapjax.plan.Plan.save`, ``soapjax plan --out``): its strategy,
-      after checking that it was made for this graph and topology.
-    * A JSON object (or the path of a file holding one) that names configs by operator, one
-      list of mesh axes per iteration dim (output dims, then reduction dims); operators it
-      does not name keep their data-parallel config::
-
-        {"configs": {"layers_0/mlp/fc1": [["data"], ["model"], []]}, "zero_axes": ["data"]}
-
-    Anything else is refused: a JSON file that is neither a plan nor such an object is never
-    read as data parallelism.
-
-    Raises:
-      PlanError: an unknown name; an unreadable file; a plan for another model or topology; an
-        unknown operator, a config with the wrong number of dims, an unknown axis or a split
-        that does not divide.
-    """
-    mesh = MeshShape.of(topology)
-    if isinstance(spec, str):
-        if spec in baselines.NAMES:
-            return baselines.baselines(graph, topology, family)[spec]
-        path, spec = spec, _read_strategy_file(spec)
-        if spec.get("format") == plan_mod.FORMAT:
-            strategy = plan_mod.Plan.from_json(spec, where=path).strategy(graph, topology)
-            for i, config in enumerate(strategy.configs):  # an edited file may not fit
-                validate_config(graph, i, config, mesh)
-            _check_zero_axes(list(strategy.zero_axes), mesh)
-            return strategy
-    if not isinstance(spec, Mapping) or "configs" not in spec \
-            or not set(spec) <= {"configs", "zero_axes"} \
-            or not isinstance(spec["configs"], Mapping):
-        found = sorted(spec) if isinstance(spec, Mapping) else type(spec).__name__
-        raise PlanError(f'expected a soapjax plan file ("format": "{plan_mod.FORMAT}", written by '
-                        '`soapjax plan`) or a JSON object {"configs": {operator: [[axes], ...]}, '
-                        f'"zero_axes": [...]}}; found {found}')
-    configs = list(data_parallel(graph, mesh).configs)
-    names = {op.name: i for i, op in enumerate(graph.operators)}
-    for name, axes in spec["configs"].items():
-        if name not in names:
-            _unknown(graph, name)
-        configs[names[name]] = _parse_config(graph, names[name], name, axes, mesh)
-    zero = spec.get("zero_axes", [])
-    _check_zero_axes(zero, mesh)
-    return Strategy(tuple(configs), tuple(zero))
-
-
-def _check_zero_axes(zero: Any, mesh: MeshShape) -> None:
-    if not isinstance(zero, list) or any(a not in mesh.axis_names for a in zero):
-        raise PlanError(f"zero_axes {zero!r}: expected a list of mesh axes among "
-                        f"{list(mesh.axis_names)}")
-
-
-def _read_strategy_file(path: str) -> dict[str, Any]:
-    """The JSON object in file `path`; PlanError naming the baselines when there is no file."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as e:
-        near = difflib.get_close_matches(path, baselines.NAMES, n=1)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
-        raise PlanError(f"strategy {path!r}: expected a baseline ({', '.join(baselines.NAMES)}) "
-                        f"or a JSON plan file ({e.strerror}){hint}") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise PlanError(f"plan {path!r} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise PlanError(f"plan {path!r}: expected a JSON object, found {type(data).__name__}")
-    return data
-
-
-def _unknown(graph: OpGraph, name: str) -> None:
-    near = difflib.get_close_matches(str(name), [op.name for op in graph.operators], n=3)
-    hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
-    raise PlanError(f"plan names operator {name!r}, which graph {graph.name!r} does not have{hint}")
-
-
-def _parse_config(graph: OpGraph, i: int, name: str, axes: Any, mesh: MeshShape) -> Config:
-    if not isinstance(axes, list) or not all(
-            isinstance(d, list) and all(isinstance(a, str) for a in d) for d in axes):
-        raise PlanError(f"operator {name!r}: expected one list of mesh axis names per "
-                        f"iteration dim, found {axes!r}")
-    try:
-        config = Config(tuple(tuple(d) for d in axes))
-    except ValueError as e:
-        raise PlanError(f"operator {name!r}: {e}") from None
-    validate_config(graph, i, config, mesh)
-    return config

@@ -22,9 +22,9 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("_dims", "_ir", "_program", "_grouping", "graph", "_local"),  # trace: jaxpr -> OpGraph
     ("_topology_file", "_routing", "topology"),  # meshes/*.toml -> Topology
     ("space",),  # OpGraph x mesh -> configs, strategies
-    ("baselines", "plan"),  # expert strategies; the Plan file
+    ("baselines", "plan", "_strategy_file"),  # expert strategies; the Plan file; --strategy
     ("_timing", "cost", "hlo", "_reshard_ideal", "_reshard_worker", "reshard"),  # prices
-    ("_taskgraph", "simulate"),  # strategy -> timeline
+    ("_taskgraph", "_simresult", "simulate"),  # strategy -> timeline
     ("search",),  # MCMC -> best plan
     ("apply",),  # plan -> sharded, jitted step
     ("training", "check"),  # the training helper; a plan against the devices
@@ -111,6 +111,7 @@ def test_every_module_has_a_test_file():
              "_program": "graph", "_grouping": "graph", "_local": "local",
              "_topology_file": "topology", "_routing": "topology", "collectives": "topology",
              "_timing": "cost", "_reshard_ideal": "reshard", "_reshard_worker": "reshard",
-             "_taskgraph": "simulate", "errors": "cli", "__init__": "notebook"}
+             "_taskgraph": "simulate", "_simresult": "simulate", "_strategy_file": "simulate",
+             "errors": "cli", "__init__": "notebook"}
     missing = [m for m in _modules() if owner.get(m, m) not in covered]
     assert not missing, f"no tests/test_<module>.py for {missing}"
