@@ -357,7 +357,9 @@ def test_resnet18_perturbed_gradient_is_exact(kind):
 @pytest.mark.parametrize("name", NAMES)
 def test_every_shard_program_builds(name):
     """Every operator's per-device program (what the cost stage times) builds at the shard
-    shapes of every config in the search space, and returns outputs of those shapes."""
+    shapes of every config in the search space, and returns outputs of those shapes. The
+    dgx-h100x8 topology has cpu8's mesh (data=2 x model=4), so this covers both."""
+    assert MeshShape.of(load_topology("dgx-h100x8")) == MESH_SHAPE
     c = case(name)
     limits = SpaceLimits(allow_attribute=not c.entry.has_conv)
     failures = []
