@@ -2,6 +2,11 @@
 
 Each subcommand has an `_add_<name>(subparsers)` that declares its arguments and a handler
 `_cmd_<name>(args) -> int`. Run `soapjax --help` or `soapjax COMMAND --help`.
+
+One module past ~600 lines, on purpose: it is one stage (argument parsing and printing), its
+commands share their argument types and helpers, and reading `soapjax --help` against one file
+is easier than against nine. Every command imports its library modules inside the handler, so
+``soapjax --help`` starts without importing jax.
 """
 
 from __future__ import annotations
@@ -48,6 +53,12 @@ def _number(kind: type, low: float, what: str):
         return value
 
     return parse
+
+
+def _add_size(p: argparse.ArgumentParser, default: str | None, help: str) -> None:
+    """--size (a zoo model's size: default, tiny, ...), with --config its deprecated old name."""
+    p.add_argument("--size", "--config", dest="size", default=default,
+                   help=help + "; --config is a deprecated alias of --size")
 
 
 _SECONDS = _number(float, 0.0, "a number of seconds >= 0")
@@ -445,9 +456,6 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-# --- entry point --------------------------------------------------------------------------------
-
-
 # --- plan ---------------------------------------------------------------------------------------
 
 
@@ -500,12 +508,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import time
 
-    from soapjax.cost import cost_model
     from soapjax.report import plan_report
-    from soapjax.reshard import Resharder
-    from soapjax.search import SearchSettings, find_plan, print_progress
-    from soapjax.simulate import simulate
-    from soapjax.space import MeshShape, SpaceLimits
     from soapjax.topology import load_topology
 
     if args.plot:
@@ -514,21 +517,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     topo = load_topology(args.mesh)
     t0 = time.perf_counter()
     g = _trace(w)
-    settings = SearchSettings(budget_s=args.budget, max_proposals=args.proposals, seed=args.seed,
-                              limits=SpaceLimits(allow_reduction=not args.no_reduction))
-    progress = None if args.json else print_progress
-    cm = cost_model(g, topo, mode=args.costs, optimizer=w.optimizer)
-    with Resharder(MeshShape.of(topo), mode=args.reshard) as resharder:  # shared with the report
-        plan = find_plan(g, topo, settings=settings, costs=cm, reshard=resharder,
-                         optimizer=w.optimizer, family=w.family, model_config=w.config,
-                         workload=_workload_text(args.model), progress=progress)
-        if progress:
-            sys.stderr.write("\n")
-        info = dict(plan.search)
-        strategy = plan.strategy(g, topo)
-        sim = simulate(g, topo, strategy, cost_model=cm, resharder=resharder,
-                       opt_state_factor=info["opt_state_factor"])
-        others = _baseline_results(g, topo, w, cm, resharder, info) if args.plot else {}
+    plan, sim, others, cost_source = _search_and_simulate(args, w, g, topo)
+    strategy, info = plan.strategy(g, topo), dict(plan.search)
     name = f"{args.model}-{args.size}" if w.config else w.name
     out = plan.save(args.out or f"plans/{name}-{topo.name}.json")
     if args.trace:
@@ -541,23 +531,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         _print_json({"step_time_s": sim.step_time_s, "baselines": dict(plan.baselines),
                      "search_time_s": info["search_time_s"], "proposals": info["proposals"],
                      "fits_in_memory": sim.fits_in_memory, "plan_file": str(out),
-                     "cost_source": cm.source, "bytes_moved": sim.bytes_moved,
+                     "cost_source": cost_source, "bytes_moved": sim.bytes_moved,
                      "peak_memory_bytes": list(sim.peak_memory_bytes)})
         return 0
-    costs = {"analytic": "analytic (roofline of the topology's device specs; its devices "
-                         "are not attached)", "measured": "measured on the local backend"}
-    config = f"{w.config}, " if w.config else ""
-    searched, proposals = info["search_time_s"], info["proposals"]
-    header = [
-        f"soapjax plan: {w.name} ({config}batch {w.batch_size}) on {topo.name} "
-        f"({topo.num_devices} x {topo.device.kind}, mesh "
-        + ", ".join(f"{a}={n}" for a, n in zip(topo.axis_names, topo.axis_sizes)) + ")",
-        f"costs: {costs.get(cm.source, cm.source)}; resharding: {args.reshard}",
-        f"{len(g.operators)} operators; searched {searched:.1f} s, "
-        f"{proposals:,} proposals ({proposals / max(searched, 1e-9):,.0f}/s), "
-        f"seed {args.seed}; best found from the '{info['best_from']}' start "
-        f"(total {time.perf_counter() - t0:.1f} s)",
-    ]
+    header = _plan_header(args, w, g, topo, info, cost_source, time.perf_counter() - t0)
     fits = dict(info["baselines_fit"])
     baselines = [(n, t, fits.get(n, True)) for n, t in plan.baselines]
     print(plan_report(g, topo, strategy, sim, baselines=baselines, header=header))
@@ -565,6 +542,52 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if pictures:
         print(f"pictures: {', '.join(map(str, pictures))}")
     return 0
+
+
+def _search_and_simulate(args: argparse.Namespace, w, g, topo):
+    """`find_plan` with the command's settings, and the plan simulated with the same costs and
+    resharder (the baselines too, for --plot): (plan, its `SimResult`, the baselines'
+    results, where the costs came from)."""
+    from soapjax.cost import cost_model
+    from soapjax.reshard import Resharder
+    from soapjax.search import SearchSettings, find_plan, print_progress
+    from soapjax.simulate import simulate
+    from soapjax.space import MeshShape, SpaceLimits
+
+    settings = SearchSettings(budget_s=args.budget, max_proposals=args.proposals, seed=args.seed,
+                              limits=SpaceLimits(allow_reduction=not args.no_reduction))
+    progress = None if args.json else print_progress
+    cm = cost_model(g, topo, mode=args.costs, optimizer=w.optimizer)
+    with Resharder(MeshShape.of(topo), mode=args.reshard) as resharder:  # shared with the report
+        plan = find_plan(g, topo, settings=settings, costs=cm, reshard=resharder,
+                         optimizer=w.optimizer, family=w.family, model_config=w.config,
+                         workload=_workload_text(args.model), progress=progress)
+        if progress:
+            sys.stderr.write("\n")
+        info = dict(plan.search)
+        sim = simulate(g, topo, plan.strategy(g, topo), cost_model=cm, resharder=resharder,
+                       opt_state_factor=info["opt_state_factor"])
+        others = _baseline_results(g, topo, w, cm, resharder, info) if args.plot else {}
+    return plan, sim, others, cm.source
+
+
+def _plan_header(args: argparse.Namespace, w, g, topo, info: dict, cost_source: str,
+                 total_s: float) -> list[str]:
+    """The report's opening lines: model, cluster, costs, and how the search went."""
+    costs = {"analytic": "analytic (roofline of the topology's device specs; its devices "
+                         "are not attached)", "measured": "measured on the local backend"}
+    config = f"{w.config}, " if w.config else ""
+    searched, proposals = info["search_time_s"], info["proposals"]
+    return [
+        f"soapjax plan: {w.name} ({config}batch {w.batch_size}) on {topo.name} "
+        f"({topo.num_devices} x {topo.device.kind}, mesh "
+        + ", ".join(f"{a}={n}" for a, n in zip(topo.axis_names, topo.axis_sizes)) + ")",
+        f"costs: {costs.get(cost_source, cost_source)}; resharding: {args.reshard}",
+        (f"{len(g.operators)} operators; searched {searched:.1f} s, "
+         f"{proposals:,} proposals ({proposals / max(searched, 1e-9):,.0f}/s), "
+         f"seed {args.seed}; best found from the '{info['best_from']}' start "
+         f"(total {total_s:.1f} s)"),
+    ]
 
 
 def _baseline_results(g, topo, w, cm, resharder, info) -> dict:
@@ -617,10 +640,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_size(p: argparse.ArgumentParser, default: str | None, help: str) -> None:
-    """--size (a zoo model's size: default, tiny, ...), with --config its deprecated old name."""
-    p.add_argument("--size", "--config", dest="size", default=default,
-                   help=help + "; --config is a deprecated alias of --size")
+# --- entry point --------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -634,8 +654,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in (_add_models, _add_graph, _add_meshes, _add_mesh, _add_calibrate, _add_profile,
-                _add_plan, _add_check,
-                _add_simulate):
+                _add_plan, _add_check, _add_simulate):
         add(sub)
     return parser
 
