@@ -72,9 +72,9 @@ from soapjax._cache import cache_root
 from soapjax.apply import (
     PartitionedStep,
     TrainShardings,
-    check_strategy,
     device_put_global,
     sharded_train_step,
+    validate_strategy,
 )
 from soapjax.baselines import NAMES as BASELINE_NAMES, baselines
 from soapjax.cost import local_backend_matches, local_topology
@@ -251,7 +251,7 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
     options = PlanOptions(search, costs, optimizer)
     strategy = _resolve_strategy(strategy, graph, mesh, topology, options)
     plan = strategy if isinstance(strategy, Plan) else None
-    strategy = check_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)  # a plan's, too
+    strategy = validate_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)  # a plan's, too
     step, shardings = sharded_train_step(graph, strategy, mesh, optimizer, params=params,
                                          batch=batch, mesh_shape=mesh_shape, donate=donate,
                                          compiler_options=compiler_options)

@@ -31,13 +31,13 @@ from soapjax import baselines, hlo, space, training
 from soapjax.apply import (
     TrainShardings,
     batch_shardings,
-    check_strategy,
     constrained_loss,
     device_put_global,
     opt_state_shardings,
     param_shardings,
     sharded_train_step,
     strategy_from_names,
+    validate_strategy,
 )
 from soapjax.cost import cost_model
 from soapjax.errors import PlanError
@@ -603,13 +603,13 @@ def test_refuses_degrees_that_do_not_fit_the_mesh(no_compiling):
     devices = np.array(jax.devices()[:6]).reshape(2, 3)
     with pytest.raises(PlanError, match=r"operator 'fc1': iteration dim 0 \(size 8\) is split over "
                                         r"\('data', 'model'\) of degree 6"):
-        check_strategy(c.graph, space.data_parallel(c.graph, MESH_SHAPE),
+        validate_strategy(c.graph, space.data_parallel(c.graph, MESH_SHAPE),
                        Mesh(devices, ("data", "model")))
     other = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
     with pytest.raises(PlanError, match=r"operator 'fc1': config \[S:data\+model, P:- \| R:-\] "
                                         r"uses mesh axis 'data', but the mesh has axes "
                                         r"\('x', 'y'\)"):
-        check_strategy(c.graph, space.data_parallel(c.graph, MESH_SHAPE), other)
+        validate_strategy(c.graph, space.data_parallel(c.graph, MESH_SHAPE), other)
 
 
 def test_refuses_explicit_mesh_axes_and_bad_configs(mesh, no_compiling):
@@ -617,18 +617,18 @@ def test_refuses_explicit_mesh_axes_and_bad_configs(mesh, no_compiling):
     explicit = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"),
                     axis_types=(AxisType.Explicit,) * 2)
     with pytest.raises(PlanError, match=r"mesh axes \['data', 'model'\] are not AxisType.Auto"):
-        check_strategy(c.graph, space.data_parallel(c.graph, MESH_SHAPE), explicit)
+        validate_strategy(c.graph, space.data_parallel(c.graph, MESH_SHAPE), explicit)
     bad = space.data_parallel(c.graph, MESH_SHAPE).replace(0, Config((("data",), ())))
     with pytest.raises(PlanError, match=r"operator 'fc1': the config has 2 dims .* but the "
                                         r"operator has 3 iteration dims \(8, 32, 16\) "
                                         r"\(roles SPR\)"):
-        check_strategy(c.graph, bad, mesh)
+        validate_strategy(c.graph, bad, mesh)
     with pytest.raises(PlanError, match=r"zero_axes \('pipe',\) name 'pipe'"):
-        check_strategy(c.graph, Strategy(space.data_parallel(c.graph, MESH_SHAPE).configs,
+        validate_strategy(c.graph, Strategy(space.data_parallel(c.graph, MESH_SHAPE).configs,
                                          ("pipe",)), mesh)
     with pytest.raises(PlanError, match=r"expected a soapjax Strategy or a plan carrying one, "
                                         r"got dict"):
-        check_strategy(c.graph, {}, mesh)
+        validate_strategy(c.graph, {}, mesh)
 
 
 def test_refuses_unknown_strategy_names_and_mismatched_leaves(mesh):

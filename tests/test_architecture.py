@@ -26,7 +26,7 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("_timing", "cost", "hlo", "_reshard_ideal", "_reshard_worker", "reshard"),  # prices
     ("_taskgraph", "_simresult", "simulate"),  # strategy -> timeline
     ("search",),  # MCMC -> best plan
-    ("apply",),  # plan -> sharded, jitted step
+    ("_validation", "_shardings", "apply"),  # plan -> sharded, jitted step
     ("training", "check"),  # the training helper; a plan against the devices
     ("report", "plot"),  # text, HTML and pictures
     ("cli", "__init__"),  # the command line; the public surface
@@ -112,6 +112,7 @@ def test_every_module_has_a_test_file():
              "_topology_file": "topology", "_routing": "topology", "collectives": "topology",
              "_timing": "cost", "_reshard_ideal": "reshard", "_reshard_worker": "reshard",
              "_taskgraph": "simulate", "_simresult": "simulate", "_strategy_file": "simulate",
+             "_validation": "apply", "_shardings": "apply",
              "errors": "cli", "__init__": "notebook"}
     missing = [m for m in _modules() if owner.get(m, m) not in covered]
     assert not missing, f"no tests/test_<module>.py for {missing}"

@@ -1,0 +1,204 @@
+"""The shardings of a sharded train step's inputs and outputs: parameters, optimizer state, batch.
+
+A parameter takes `soapjax.space.param_specs` (the specs the simulator prices: its first
+reader's operand spec, split further over `Strategy.zero_axes`), a batch leaf its first
+consumer's operand spec, an optimizer state leaf the sharding of the parameter it mirrors
+(`optax.tree_map_params`), everything else is replicated; axes whose degree does not divide a
+dim are dropped, since jit's in and out shardings need even shards. The pytrees come back in
+the structure of the given parameters and batch, or of their leaf paths when those are nested
+dict keys. `soapjax.apply` re-exports the public names.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from soapjax import space
+from soapjax._validation import validate_leaves, validate_strategy
+from soapjax.errors import PlanError
+from soapjax.graph import LeafInfo, OpGraph
+from soapjax.space import MeshShape
+
+
+class TrainShardings(NamedTuple):
+    """The shardings a sharded train step takes and returns.
+
+    Attributes:
+      params: a pytree like the parameters, of `NamedSharding`s.
+      opt_state: a pytree like the optimizer state, of `NamedSharding`s.
+      batch: a pytree like the batch, of `NamedSharding`s.
+      loss: the loss's sharding (replicated).
+    """
+
+    params: Any
+    opt_state: Any
+    batch: Any
+    loss: NamedSharding
+
+
+def param_shardings(graph: OpGraph, strategy: Any, mesh: Mesh, *, params: Any = None,
+                    mesh_shape: MeshShape | None = None) -> Any:
+    """The `NamedSharding` of every parameter, as a pytree like the parameters.
+
+    The specs are `soapjax.space.param_specs`, as the simulator prices them: the operand spec of
+    the first operator that reads the parameter, then split over each of `strategy.zero_axes`
+    it does not use yet, on its largest dim that stays divisible. Parameters no operator reads
+    are replicated (and ZeRO-split). Axes whose degree does not divide a dim are dropped
+    (`space.fit_spec`: jit's in and out shardings need even shards).
+
+    Args:
+      graph: the traced graph.
+      strategy: a `Strategy` or plan.
+      mesh: the mesh, with Auto axes.
+      params: the parameters or their `jax.ShapeDtypeStruct`s, for the pytree structure;
+        optional when the parameters are nested dicts with string keys (linen's layout).
+      mesh_shape: the mesh the strategy was planned for, when known.
+
+    Raises:
+      PlanError: see `validate_strategy`; parameters that differ from the traced ones, or none
+        given for a pytree that is not nested dicts.
+    """
+    strategy = validate_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)
+    shape = MeshShape.of(mesh)
+    specs = space.param_specs(graph, strategy, shape)  # what the simulator prices
+    shardings = [NamedSharding(mesh, space.to_partition_spec(
+                     space.fit_spec(specs[leaf.path], leaf.shape, shape)))
+                 for leaf in graph.params]
+    return _unflatten(graph.params, shardings, params, "params")
+
+
+def batch_shardings(graph: OpGraph, strategy: Any, mesh: Mesh, *, batch: Any = None,
+                    mesh_shape: MeshShape | None = None) -> Any:
+    """The `NamedSharding` of every batch leaf (the operand spec of its first consumer).
+
+    Args:
+      graph: the traced graph.
+      strategy: a `Strategy` or plan.
+      mesh: the mesh, with Auto axes.
+      batch: the batch or its `jax.ShapeDtypeStruct`s, for the pytree structure; optional for
+        nested dicts with string keys.
+      mesh_shape: the mesh the strategy was planned for, when known.
+    """
+    strategy = validate_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)
+    shape = MeshShape.of(mesh)
+    specs = space.batch_specs(graph, strategy)
+    shardings = [NamedSharding(mesh, space.to_partition_spec(
+                     space.fit_spec(specs[leaf.path], leaf.shape, shape)))
+                 for leaf in graph.batch]
+    return _unflatten(graph.batch, shardings, batch, "batch")
+
+
+def opt_state_shardings(optimizer: optax.GradientTransformation, params: Any,
+                        param_shardings: Any) -> Any:
+    """The `NamedSharding` of every optimizer state leaf, as a pytree like the state.
+
+    State that mirrors the parameters (Adam's moments, momentum) takes the parameters'
+    shardings; the rest (step counts, scalars) is replicated. The mapping is
+    `optax.tree_map_params`; for optimizers whose ``init`` cannot run on its placeholder (it
+    inspects shapes), each state leaf whose pytree path ends with a parameter's path and has
+    its shape takes that parameter's sharding. A leaf whose shape the sharding does not fit is
+    replicated.
+
+    Args:
+      optimizer: the optax transformation.
+      params: the parameters or their `jax.ShapeDtypeStruct`s.
+      param_shardings: from `param_shardings`.
+
+    Returns:
+      A pytree like ``optimizer.init(params)``.
+    """
+    mesh = jax.tree.leaves(param_shardings)[0].mesh
+    replicated = NamedSharding(mesh, PartitionSpec())
+    abstract_params = jax.tree.map(_abstract, params)
+    state = jax.eval_shape(optimizer.init, abstract_params)
+    try:
+        mapped = optax.tree_map_params(optimizer, lambda _, s: s, state, param_shardings,
+                                       transform_non_params=lambda _: replicated)
+        ok = jax.tree.structure(mapped) == jax.tree.structure(state)
+    except Exception:  # noqa: BLE001  (any init that inspects its params: match by path)
+        ok = False
+    if not ok:
+        mapped = _map_by_path(state, abstract_params, param_shardings, replicated)
+    return jax.tree.map(lambda leaf, s: s if _fits(s.spec, leaf.shape, MeshShape.of(mesh))
+                        else replicated, state, mapped)
+
+
+def train_shardings(graph: OpGraph, strategy: Any, mesh: Mesh,
+                    optimizer: optax.GradientTransformation, *, params: Any = None,
+                    batch: Any = None, mesh_shape: MeshShape | None = None) -> TrainShardings:
+    """The shardings of parameters, optimizer state, batch and loss (see the functions above)."""
+    strategy = validate_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)
+    ps = param_shardings(graph, strategy, mesh, params=params)
+    bs = batch_shardings(graph, strategy, mesh, batch=batch)
+    abstract = params if params is not None else jax.tree.unflatten(
+        jax.tree.structure(ps), [jax.ShapeDtypeStruct(l.shape, l.dtype) for l in graph.params])
+    os = opt_state_shardings(optimizer, abstract, ps)
+    return TrainShardings(ps, os, bs, NamedSharding(mesh, PartitionSpec()))
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+_DICT_PATH = re.compile(r"(?:\['[^'\\]*'\])+")
+
+
+def _spec_axes(spec: PartitionSpec) -> list[tuple[str, ...]]:
+    return [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+
+
+def _fits(spec: PartitionSpec, shape: tuple[int, ...], mesh: MeshShape) -> bool:
+    axes = _spec_axes(spec)
+    return len(axes) <= len(shape) and all(size % mesh.degree(a) == 0
+                                           for a, size in zip(axes, shape))
+
+
+def _abstract(x: Any) -> Any:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+
+def _unflatten(infos: Sequence[LeafInfo], values: list[Any], like: Any, what: str) -> Any:
+    """`values` in the pytree structure of `like`, or of the leaf paths when they are dict keys."""
+    if like is not None:
+        leaves, treedef = jax.tree.flatten(like)
+        validate_leaves(infos, leaves, what)
+        return jax.tree.unflatten(treedef, values)
+    tree: dict[str, Any] = {}
+    for info, value in zip(infos, values):
+        if not _DICT_PATH.fullmatch(info.path):
+            raise PlanError(f"cannot rebuild the {what} pytree from leaf path {info.path!r} "
+                            f"(not nested dicts); pass {what}= (the {what} or their "
+                            "jax.ShapeDtypeStructs)")
+        keys = re.findall(r"\['([^']*)'\]", info.path)
+        node = tree
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value
+    paths = [jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    if paths != [i.path for i in infos]:
+        raise PlanError(f"cannot rebuild the {what} pytree from its leaf paths; pass {what}=")
+    return tree
+
+
+def _map_by_path(state: Any, params: Any, shardings: Any, default: NamedSharding) -> Any:
+    """Each state leaf whose path ends with a parameter's path (same shape) -> its sharding."""
+    by_path = [(jax.tree_util.keystr(kp), leaf.shape, s) for (kp, leaf), s in
+               zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(shardings))]
+    by_path.sort(key=lambda t: -len(t[0]))  # longest (most specific) path first
+
+    def pick(kp, leaf):
+        path = jax.tree_util.keystr(kp)
+        for p, shape, s in by_path:
+            if path.endswith(p) and tuple(leaf.shape) == tuple(shape):
+                return s
+        return default
+
+    return jax.tree_util.tree_map_with_path(pick, state)

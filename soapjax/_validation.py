@@ -1,0 +1,214 @@
+"""Validation before apply: a strategy or plan against a traced graph and a `jax.sharding.Mesh`.
+
+Everything `soapjax.apply` builds goes through `validate_strategy` first, so a mistake raises a
+`PlanError` that names the operator, the mesh axis or the leaf, before anything is compiled: a
+plan for another graph, a mesh other than the planned one or with Explicit axes, configs that
+do not fit the operators, leaves other than the traced ones. Strategies that split a
+convolution spatially are refused here too (`refuse_spatial_convolutions`): XLA computes them
+wrongly (see `soapjax.apply.constrained_loss`). `soapjax.apply` re-exports the public names.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from soapjax.errors import PlanError
+from soapjax.graph import LeafInfo, OpGraph
+from soapjax.space import Config, MeshShape, Strategy
+
+
+def validate_strategy(graph: OpGraph, strategy: Any, mesh: Mesh, *,
+                   mesh_shape: MeshShape | None = None) -> Strategy:
+    """Checks that `strategy` fits `graph` and `mesh`; returns it as a `Strategy`.
+
+    Args:
+      graph: the traced operator graph.
+      strategy: a `Strategy`, or a plan: an object whose ``strategy`` is a `Strategy` or a
+        method ``strategy(graph)`` (`soapjax.plan.Plan`), and whose ``mesh`` or ``mesh_shape``,
+        if a `MeshShape`, is the mesh it was planned for.
+      mesh: the `jax.sharding.Mesh` to apply it on; its axes must be `AxisType.Auto`.
+      mesh_shape: the mesh the strategy was planned for, when known (a plan carries it).
+
+    Returns:
+      The strategy.
+
+    Raises:
+      PlanError: the plan was made for another graph; the mesh differs from the planned one
+        (axis names, sizes, device count) or has Explicit axes; or the strategy's configs do
+        not match the graph's operators (count, rank, unknown mesh axes, degrees that do not
+        divide a dim).
+    """
+    strategy, planned = _unwrap(strategy, graph)
+    actual = _validate_mesh(mesh, mesh_shape or planned)
+    _validate_configs(graph, strategy, actual)
+    return strategy
+
+
+def _validate_mesh(mesh: Mesh, planned: MeshShape | None) -> MeshShape:
+    if not isinstance(mesh, Mesh):
+        raise PlanError(f"expected a jax.sharding.Mesh, got {type(mesh).__name__}; build one "
+                        "with soapjax.topology.make_mesh(load_topology(...))")
+    actual = MeshShape.of(mesh)
+    if planned is not None and actual != planned:
+        raise PlanError(f"the strategy was planned for mesh {_fmt_mesh(planned)} "
+                        f"({planned.num_devices} devices), but the mesh is "
+                        f"{_fmt_mesh(actual)} ({actual.num_devices} devices); build the mesh "
+                        "from the topology the strategy was planned for")
+    explicit = [n for n, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Auto]
+    if explicit:
+        raise PlanError(f"mesh axes {explicit} are not AxisType.Auto, so sharding constraints "
+                        "would act as asserts; build the mesh with jax.sharding.Mesh(devices, "
+                        "names), soapjax.topology.make_mesh, or jax.make_mesh(..., "
+                        "axis_types=(AxisType.Auto,) * n)")
+    return actual
+
+
+def _validate_configs(graph: OpGraph, strategy: Strategy, mesh: MeshShape) -> None:
+    n_ops, n_cfg = len(graph.operators), len(strategy.configs)
+    if n_cfg != n_ops:
+        raise PlanError(f"the strategy has {n_cfg} configs, but graph {graph.name!r} has {n_ops} "
+                        "operators; a strategy needs one config per operator, in graph order "
+                        "(was it planned for another model or config?)")
+    names = set(mesh.axis_names)
+    for op, cfg in zip(graph.operators, strategy.configs):
+        sizes = op.iteration_sizes
+        if len(cfg.axes) != len(sizes):
+            raise PlanError(f"operator {op.name!r}: the config has {len(cfg.axes)} dims "
+                            f"{cfg.axes}, but the operator has {len(sizes)} iteration dims "
+                            f"{sizes} (roles {''.join(op.iteration_roles)})")
+        unknown = sorted(cfg.used_axes - names)
+        if unknown:
+            raise PlanError(f"operator {op.name!r}: config {cfg.describe(op)} uses mesh axis "
+                            f"{unknown[0]!r}, but the mesh has axes {mesh.axis_names}")
+        for d, (axes, size) in enumerate(zip(cfg.axes, sizes)):
+            degree = mesh.degree(axes)
+            if size % degree:
+                raise PlanError(f"operator {op.name!r}: iteration dim {d} (size {size}) is split "
+                                f"over {axes} of degree {degree}, which does not divide it, on "
+                                f"mesh {_fmt_mesh(mesh)}; was the strategy planned for "
+                                "another mesh?")
+    unknown = [a for a in strategy.zero_axes if a not in names]
+    if unknown:
+        raise PlanError(f"zero_axes {strategy.zero_axes} name {unknown[0]!r}, but the mesh has "
+                        f"axes {mesh.axis_names}")
+
+
+def refuse_spatial_convolutions(graph: OpGraph, strategy: Strategy) -> None:
+    found = spatial_convolution(graph, strategy)
+    if found is not None:
+        name, why = found
+        raise PlanError(
+            f"convolution operator {name!r}: {why}; XLA's SPMD partitioner (jax "
+            f"{jax.__version__}) computes spatially split convolutions wrongly, so soapjax "
+            "refuses them. Plan convolutions without attribute splits (SpaceLimits("
+            "allow_attribute=False)), or pass allow_spatial_convolutions=True to run it anyway")
+
+
+def spatial_convolution(graph: OpGraph, strategy: Strategy) -> tuple[str, str] | None:
+    """(name, why) of the first convolution that splits, or receives split, a spatial dim."""
+    position = {op.name: i for i, op in enumerate(graph.operators)}
+    for op, cfg in zip(graph.operators, strategy.configs):
+        if "conv" not in op.anchor:
+            continue
+        roles = op.iteration_roles
+        if any(cfg.axes[d] and roles[d] == "A" for d in range(len(op.shape))):
+            return op.name, f"its config {cfg.describe(op)} splits a spatial (A) dim"
+        for operand in op.inputs:
+            if operand.kind != "activation":
+                continue
+            i = position[operand.source]
+            produced = graph.operators[i].outputs[operand.index].dims
+            for j, (it, src) in enumerate(zip(operand.dims, produced)):
+                axes = strategy.configs[i].axes[src] if src is not None else ()
+                if axes and (it is None or roles[it] == "A"):
+                    return op.name, (f"its input from {operand.source!r} arrives split over "
+                                     f"{axes} along spatial dim {j}")
+    return None
+
+
+def strategy_from_names(graph: OpGraph, configs: Mapping[str, Config], *,
+                        zero_axes: Sequence[str] = (), default: Strategy | None = None
+                        ) -> Strategy:
+    """A `Strategy` from configs keyed by operator name (as plan files store them).
+
+    Args:
+      graph: the traced operator graph.
+      configs: operator name -> config.
+      zero_axes: see `Strategy.zero_axes`.
+      default: configs for operators `configs` leaves out; without it every operator must be
+        named.
+
+    Raises:
+      PlanError: a name that is not an operator of `graph` (with close matches), or operators
+        left out and no `default`.
+    """
+    known = [op.name for op in graph.operators]
+    for name in configs:
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=3)
+            hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
+            raise PlanError(f"the strategy names operator {name!r}, which graph {graph.name!r} "
+                            f"does not have ({len(known)} operators: {_abbrev(known)}){hint}")
+    missing = [n for n in known if n not in configs]
+    if missing and default is None:
+        raise PlanError(f"the strategy has no config for {len(missing)} operator(s) of graph "
+                        f"{graph.name!r}: {_abbrev(missing)}; give every operator a config, or "
+                        "pass default=")
+    cfgs = tuple(configs[n] if n in configs else default.configs[i] for i, n in enumerate(known))
+    return Strategy(cfgs, tuple(zero_axes))
+
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def _unwrap(obj: Any, graph: OpGraph) -> tuple[Strategy, MeshShape | None]:
+    """(strategy, the mesh it was planned for) of a Strategy or a plan (the Plan seam).
+
+    A plan is any object with a ``strategy``: a `Strategy`, or a method ``strategy(graph)``
+    that checks the plan was made for `graph` (`soapjax.plan.Plan`); its ``mesh`` or
+    ``mesh_shape``, when a `MeshShape`, is the mesh it was planned for.
+    """
+    if isinstance(obj, Strategy):
+        return obj, None
+    inner = getattr(obj, "strategy", None)
+    if callable(inner) and not isinstance(inner, Strategy):
+        inner = inner(graph)
+    if not isinstance(inner, Strategy):
+        raise PlanError(f"expected a soapjax Strategy or a plan carrying one, got "
+                        f"{type(obj).__name__}")
+    planned = [m for m in (getattr(obj, "mesh_shape", None), getattr(obj, "mesh", None))
+               if isinstance(m, MeshShape)]
+    return inner, planned[0] if planned else None
+
+
+def _fmt_mesh(m: MeshShape) -> str:
+    return "(" + ", ".join(f"{n}={s}" for n, s in zip(m.axis_names, m.axis_sizes)) + ")"
+
+
+def _abbrev(names: Sequence[str], n: int = 6) -> str:
+    shown = ", ".join(repr(x) for x in names[:n])
+    return shown + (f", ... ({len(names) - n} more)" if len(names) > n else "")
+
+
+def validate_program_inputs(graph: OpGraph) -> None:
+    want = [l.value for l in graph.params] + [l.value for l in graph.batch]
+    if list(graph.program.inputs) != want:
+        raise PlanError(f"graph {graph.name!r} was traced with arguments other than "
+                        "(params, batch); apply needs trace(loss_fn, params, batch)")
+
+
+def validate_leaves(expected: Sequence[LeafInfo], leaves: Sequence[Any], what: str) -> None:
+    if len(leaves) != len(expected):
+        raise PlanError(f"{what} has {len(leaves)} leaves, but the graph was traced with "
+                        f"{len(expected)}")
+    for info, leaf in zip(expected, leaves):
+        if tuple(np.shape(leaf)) != info.shape:
+            raise PlanError(f"{what} leaf {info.path} has shape {tuple(np.shape(leaf))}, but the "
+                            f"graph was traced with {info.shape}")
