@@ -47,7 +47,11 @@ What is read, and how:
   the four devices of ``model``): `HloCollective.group_size` then is smaller than the product
   of the axes' sizes.
 
-Collectives are counted statically, one per instruction: one inside a loop body counts once.
+Collectives are counted statically, one per instruction: one inside a loop body counts once
+(`HloCollective.executions` says how many times one run of the program runs it).
+
+The text itself (computations, types, the three group formats) is read by `soapjax._hlo_text`;
+this module makes collectives of it.
 """
 
 from __future__ import annotations
@@ -59,7 +63,25 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from soapjax._hlo_text import (
+    Inst,
+    Module,
+    balanced_end,
+    executions,
+    ints,
+    leaf_bytes,
+    ops_outside_loops,
+    parse_groups_at,
+    parse_module,
+    parse_replica_groups,
+    parse_type,
+    shape_str,
+    type_leaves,
+)
 from soapjax.collectives import bytes_sent
+
+__all__ = ["KINDS", "HloCollective", "collectives", "ops_outside_loops", "parse_replica_groups",
+           "summarize"]
 
 KINDS: tuple[str, ...] = (
     "all-reduce",
@@ -69,39 +91,6 @@ KINDS: tuple[str, ...] = (
     "collective-permute",
 )
 
-# Bytes per element of each HLO primitive type; sub-byte types count fractions of a byte.
-_DTYPE_BYTES: dict[str, float] = {
-    "pred": 1,
-    "s2": 0.25,
-    "u2": 0.25,
-    "s4": 0.5,
-    "u4": 0.5,
-    "s8": 1,
-    "u8": 1,
-    "s16": 2,
-    "u16": 2,
-    "s32": 4,
-    "u32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f16": 2,
-    "bf16": 2,
-    "f32": 4,
-    "f64": 8,
-    "c64": 8,
-    "c128": 16,
-    "f4e2m1fn": 0.5,
-    "f8e8m0fnu": 1,
-    "f8e4m3": 1,
-    "f8e4m3fn": 1,
-    "f8e4m3b11fnuz": 1,
-    "f8e4m3fnuz": 1,
-    "f8e5m2": 1,
-    "f8e5m2fnuz": 1,
-    "f8e3m4": 1,
-    "token": 0,
-    "opaque": 0,
-}
 
 
 class HloCollective(NamedTuple):
@@ -171,17 +160,17 @@ def collectives(
     Returns:
       One `HloCollective` per collective instruction (``-done`` halves skipped).
     """
-    module = _parse_module(_strip_comments(hlo_text))
+    module = parse_module(hlo_text)
     coords = _coordinates(mesh, device_ids) if mesh is not None else None
-    runs = _executions(module)
+    runs = executions(module)
     out = []
     for comp_name, comp in module.computations.items():
         for inst in comp:
             base, suffix = _split_kind(inst.opcode)
             if base is None or suffix == "-done":
                 continue
-            leaves = _leaves(_data_node(base, suffix, inst.type))
-            nbytes = sum(_leaf_bytes(leaf) for leaf in leaves)
+            leaves = type_leaves(_data_node(base, suffix, inst.type))
+            nbytes = sum(leaf_bytes(leaf) for leaf in leaves)
             if base == "reduce-scatter" and (groups := _groups(inst, module.num_devices)):
                 nbytes *= len(groups[0])  # the output is one member's part of the input
             slice_ = (
@@ -190,7 +179,7 @@ def collectives(
                 else None
             )
             if slice_ is not None:  # its input is the all-reduce's buffer; its output the slice
-                base, leaves = "reduce-scatter", _leaves(_parse_type(slice_.type))
+                base, leaves = "reduce-scatter", type_leaves(parse_type(slice_.type))
             c = _collective(base, inst, leaves, nbytes, module.num_devices, coords)
             out.append(c._replace(executions=runs.get(comp_name, 1)))
     return out
@@ -216,191 +205,6 @@ def summarize(colls: Iterable[HloCollective | Any], *,
     return out
 
 
-def parse_replica_groups(text: str, num_devices: int | None = None) -> tuple[tuple[int, ...], ...]:
-    """The groups of one ``replica_groups=`` value, in any of the three formats.
-
-    >>> parse_replica_groups("[2,4]<=[4,2]T(1,0)")
-    ((0, 2, 4, 6), (1, 3, 5, 7))
-    >>> parse_replica_groups("mesh['axis_0'=2,'axis_1'=4] {'axis_1'}")
-    ((0, 1, 2, 3), (4, 5, 6, 7))
-
-    Args:
-      text: the value, from its first character to the end of the format.
-      num_devices: what ``{}`` (every device in one group) stands for; required for it.
-
-    Raises:
-      ValueError: text in none of the formats.
-    """
-    groups, _ = _parse_groups_at(text.strip(), 0, num_devices)
-    return groups
-
-
-# --- the module: computations of instructions ----------------------------------------------------
-
-
-class _Inst(NamedTuple):
-    name: str
-    type: str
-    opcode: str
-    operands: tuple[str, ...]
-    attrs: str
-
-
-class _Module(NamedTuple):
-    computations: dict[str, list[_Inst]]
-    num_devices: int | None
-
-
-_HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INST = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_OPCODE = re.compile(r"\s*([\w\-]+)\(")
-_OPERAND = re.compile(r"%([\w.\-]+)")
-_NUM_PARTITIONS = re.compile(r"num_partitions=(\d+)")
-_NUM_REPLICAS = re.compile(r"replica_count=(\d+)")
-
-
-def _strip_comments(text: str) -> str:
-    return re.sub(r"/\*.*?\*/", "", text)
-
-
-def _parse_module(text: str) -> _Module:
-    comps: dict[str, list[_Inst]] = {}
-    current: list[_Inst] = comps.setdefault("", [])
-    num_devices = None
-    for line in text.splitlines():
-        if line.startswith("HloModule"):
-            parts = _NUM_PARTITIONS.search(line)
-            reps = _NUM_REPLICAS.search(line)
-            num_devices = (int(parts.group(1)) if parts else 1) * (
-                int(reps.group(1)) if reps else 1
-            )
-            continue
-        m = _INST.match(line)
-        if m and not line.rstrip().endswith("{"):
-            inst = _parse_inst(m.group(1), m.group(2))
-            if inst is not None:
-                current.append(inst)
-            continue
-        h = _HEADER.match(line)
-        if h:
-            current = comps.setdefault(h.group(1), [])
-    return _Module(comps, num_devices)
-
-
-_CALLED = re.compile(
-    r"\b(body|condition|calls|to_apply|branch_computations|true_computation|false_computation)="
-    r"(\{[^}]*\}|%?[\w.\-]+)")
-_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
-
-
-def _executions(module: _Module) -> dict[str, int]:
-    """Per computation, how many times one run of the entry computation executes it.
-
-    A while loop's body and condition run ``known_trip_count`` times per execution of the
-    loop (once when XLA did not record a count); other called computations (calls, fusions,
-    conditional branches, reducers) once per execution of their caller. Computations reached
-    along several paths add up.
-    """
-    calls: dict[str, list[tuple[str, int]]] = {}
-    for caller, insts in module.computations.items():
-        for inst in insts:
-            trip = 1
-            if inst.opcode == "while":
-                m = _TRIP_COUNT.search(inst.attrs)
-                trip = int(m.group(1)) if m else 1
-            for attr, value in _CALLED.findall(inst.attrs):
-                for callee in re.findall(r"%?([\w.\-]+)", value):
-                    n = trip if attr in ("body", "condition") else 1
-                    calls.setdefault(caller, []).append((callee, n))
-    called = {c for edges in calls.values() for c, _ in edges}
-    runs: dict[str, int] = {}
-
-    def visit(comp: str, times: int, depth: int) -> None:
-        if depth > len(module.computations):  # a cycle: HLO has none, but never loop forever
-            return
-        runs[comp] = runs.get(comp, 0) + times
-        for callee, n in calls.get(comp, ()):
-            visit(callee, times * n, depth + 1)
-
-    for root in module.computations:
-        if root not in called:
-            visit(root, 1, 0)
-    return runs
-
-
-def ops_outside_loops(text: str, opcode: str) -> int:
-    """How many `opcode` instructions of an HLO module run outside every while loop.
-
-    Follows calls, fusions, reducers and branches from the entry computation, never into a
-    while loop's body or condition: what it counts was hoisted out of the loops (the timing
-    loop of `soapjax._timing` must keep its work inside).
-
-    >>> ops_outside_loops('''HloModule m
-    ... %body (p: f32[4]) -> f32[4] {
-    ...   %p = f32[4] parameter(0)
-    ...   ROOT %e = f32[4] exponential(%p)
-    ... }
-    ... ENTRY %main (x: f32[4]) -> f32[4] {
-    ...   %x = f32[4] parameter(0)
-    ...   %y = f32[4] exponential(%x)
-    ...   ROOT %w = f32[4] while(%y), condition=%cond, body=%body
-    ... }''', "exponential")
-    1
-    """
-    module = _parse_module(_strip_comments(text))
-    calls: dict[str, list[str]] = {}
-    called: set[str] = set()
-    for caller, insts in module.computations.items():
-        for inst in insts:
-            for _, value in _CALLED.findall(inst.attrs):
-                callees = re.findall(r"%?([\w.\-]+)", value)
-                called.update(callees)
-                if inst.opcode != "while":
-                    calls.setdefault(caller, []).extend(callees)
-    todo = [c for c in module.computations if c not in called]
-    seen: set[str] = set()
-    count = 0
-    while todo:
-        comp = todo.pop()
-        if comp in seen or comp not in module.computations:
-            continue
-        seen.add(comp)
-        count += sum(inst.opcode == opcode for inst in module.computations[comp])
-        todo += calls.get(comp, ())
-    return count
-
-
-def _parse_inst(name: str, rest: str) -> _Inst | None:
-    rest = rest.strip()
-    type_end = _balanced_end(rest, 0) if rest.startswith("(") else rest.find(" ")
-    if type_end <= 0:
-        return None
-    m = _OPCODE.match(rest, type_end)
-    if not m:
-        return None
-    open_at = m.end() - 1
-    close_at = _balanced_end(rest, open_at)
-    operands = tuple(_OPERAND.findall(rest[open_at:close_at]))
-    return _Inst(name, rest[:type_end].strip(), m.group(1), operands, rest[close_at:])
-
-
-def _balanced_end(text: str, start: int) -> int:
-    """Index just past the bracket group that opens at `start`."""
-    pairs = {"(": ")", "{": "}", "[": "]"}
-    stack = []
-    for i in range(start, len(text)):
-        c = text[i]
-        if c in pairs:
-            stack.append(pairs[c])
-        elif stack and c == stack[-1]:
-            stack.pop()
-            if not stack:
-                return i + 1
-    raise ValueError(
-        f"unbalanced brackets in HLO text from column {start}: {text[start : start + 80]!r}"
-    )
-
-
 def _split_kind(opcode: str) -> tuple[str | None, str]:
     for suffix in ("-start", "-done", ""):
         if opcode.endswith(suffix):
@@ -410,175 +214,12 @@ def _split_kind(opcode: str) -> tuple[str | None, str]:
     return None, ""
 
 
-# --- shapes and bytes ----------------------------------------------------------------------------
-
-_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
-
-
-def _parse_type(text: str) -> Any:
-    """An HLO type as a nested list of ``(dtype, dims)`` leaves."""
-    node, _ = _parse_type_at(text.strip(), 0)
-    return node
-
-
-def _parse_type_at(text: str, i: int) -> tuple[Any, int]:
-    if text.startswith("(", i):
-        items = []
-        i += 1
-        while i < len(text) and text[i] != ")":
-            if text[i] in ", ":
-                i += 1
-                continue
-            item, i = _parse_type_at(text, i)
-            items.append(item)
-        return items, i + 1
-    m = _ARRAY.match(text, i)
-    if not m:
-        raise ValueError(f"expected an HLO type like f32[16,32]{{1,0}}, found {text[i : i + 40]!r}")
-    dims = tuple(int(d.replace("<=", "")) for d in m.group(2).split(",") if d.strip())
-    j = m.end()
-    if text.startswith("{", j):
-        j = _balanced_end(text, j)
-    return (m.group(1), dims), j
-
-
-def _leaves(node: Any) -> list[tuple[str, tuple[int, ...]]]:
-    if isinstance(node, tuple):
-        return [node]
-    return [leaf for item in node for leaf in _leaves(item)]
-
-
 def _data_node(base: str, suffix: str, type_text: str) -> Any:
     """The part of a collective's result type that holds its data outputs."""
-    node = _parse_type(type_text)
+    node = parse_type(type_text)
     if suffix == "-start" and base != "all-reduce" and isinstance(node, list) and len(node) >= 2:
         return node[1]  # (operands, outputs, context...)
     return node
-
-
-def _shape_str(leaf: tuple[str, tuple[int, ...]]) -> str:
-    return f"{leaf[0]}[{','.join(map(str, leaf[1]))}]"
-
-
-def _leaf_bytes(leaf: tuple[str, tuple[int, ...]]) -> float:
-    dtype, dims = leaf
-    return _DTYPE_BYTES.get(dtype, 0) * math.prod(dims)
-
-
-# --- device groups -------------------------------------------------------------------------------
-
-_INTS = re.compile(r"\d+")
-_IOTA = re.compile(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-_MESH = re.compile(r"mesh\[([^\]]*)\]")
-_MESH_AXIS = re.compile(r"'([^']*)'=(\d+)")
-_AXIS_REF = re.compile(r"'([^']*)'(?::\((\d+)\)(\d+))?")
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in _INTS.findall(text)]
-
-
-def _iota(reshape: Sequence[int], perm: Sequence[int] | None) -> np.ndarray:
-    arr = np.arange(math.prod(reshape)).reshape(reshape)
-    return arr.transpose(perm) if perm else arr
-
-
-def _parse_groups_at(
-    text: str, i: int, num_devices: int | None
-) -> tuple[tuple[tuple[int, ...], ...], int]:
-    if text.startswith("{", i):
-        end = _balanced_end(text, i)
-        inner = text[i + 1 : end - 1].strip()
-        if not inner:
-            if num_devices is None:
-                raise ValueError(
-                    "replica_groups={} means every device; the device count is "
-                    "unknown (no HloModule header with num_partitions)"
-                )
-            return (tuple(range(num_devices)),), end
-        groups = tuple(tuple(_ints(g)) for g in re.findall(r"\{([^{}]*)\}", inner))
-        return groups, end
-    m = _IOTA.match(text, i)
-    if m:
-        shape = _ints(m.group(1))
-        perm = _ints(m.group(3)) if m.group(3) else None
-        arr = _iota(_ints(m.group(2)), perm).reshape(shape)
-        return tuple(tuple(int(x) for x in row) for row in arr.reshape(shape[0], -1)), m.end()
-    m = _MESH.match(text, i)
-    if m:
-        return _mesh_groups(text, m)
-    raise ValueError(
-        f"replica_groups in an unknown format: {text[i : i + 80]!r}; expected "
-        "{{0,1},{2,3}}, [4,2]<=[8] or mesh['a'=4] {'a'}"
-    )
-
-
-def _mesh_groups(text: str, m: re.Match) -> tuple[tuple[tuple[int, ...], ...], int]:
-    axes = _MESH_AXIS.findall(m.group(1))
-    names = [a for a, _ in axes]
-    sizes = [int(s) for _, s in axes]
-    n = math.prod(sizes)
-    j = m.end()
-    devices = np.arange(n)
-    d = re.compile(r"\s*,\s*device_ids=\(").match(text, j)
-    if d:
-        end = _balanced_end(text, d.end() - 1)
-        spec = text[d.end() : end - 1].strip()
-        iota = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", spec)
-        if iota:
-            devices = _iota(_ints(iota.group(1)), _ints(iota.group(2)) if iota.group(2) else None)
-        else:
-            devices = np.array(_ints(spec))
-        j = end
-    devices = devices.reshape(sizes)
-    b = re.compile(r"\s*\{").match(text, j)
-    if not b:
-        raise ValueError(
-            f"mesh replica_groups without a {{axes}} list: {text[m.start() : j + 40]!r}"
-        )
-    end = _balanced_end(text, b.end() - 1)
-    refs = [
-        (names.index(a), int(pre) if pre else None, int(size) if size else None)
-        for a, pre, size in _AXIS_REF.findall(text[b.end() : end - 1])
-    ]
-    return _groups_over_axes(devices, sizes, refs), end
-
-
-def _groups_over_axes(
-    devices: np.ndarray, sizes: Sequence[int], refs: Sequence[tuple[int, int | None, int | None]]
-) -> tuple[tuple[int, ...], ...]:
-    """Groups of the devices that differ only along `refs` (axis index, pre_size, size)."""
-    # Split each referenced axis into factors so that every (sub-)axis is one array dim.
-    factors: list[list[int]] = [[s] for s in sizes]
-    by_axis: dict[int, list[tuple[int, int]]] = {}
-    for k, (axis, pre, _size) in enumerate(refs):
-        by_axis.setdefault(axis, []).append((k, pre))
-    order: dict[int, tuple[int, int]] = {}  # ref -> (axis, factor index)
-    for axis, items in by_axis.items():
-        full = sizes[axis]
-        if len(items) == 1 and items[0][1] is None:
-            order[items[0][0]] = (axis, 0)
-            continue
-        subs = sorted(((refs[k][1], refs[k][2], k) for k, _ in items))
-        dims, prefix = [], 1
-        for pre, size, k in subs:
-            if pre != prefix:
-                dims.append(pre // prefix)
-                prefix = pre
-            order[k] = (axis, len(dims))
-            dims.append(size)
-            prefix *= size
-        if prefix != full:
-            dims.append(full // prefix)
-        factors[axis] = dims
-    grouped_factor = [order[k] for k in range(len(refs))]
-    offsets = np.cumsum([0] + [len(f) for f in factors])
-    flat_dims = [d for f in factors for d in f]
-    grouped = [int(offsets[a]) + f for a, f in grouped_factor]
-    rest = [i for i in range(len(flat_dims)) if i not in grouped]
-    arr = devices.reshape(flat_dims).transpose(rest + grouped)
-    group_size = math.prod(flat_dims[i] for i in grouped)
-    return tuple(tuple(int(x) for x in row) for row in arr.reshape(-1, group_size))
 
 
 # --- mesh axes -----------------------------------------------------------------------------------
@@ -615,24 +256,24 @@ def _axes_spanned(groups: Iterable[Sequence[int]], coords) -> tuple[str, ...] | 
 # --- one collective ------------------------------------------------------------------------------
 
 
-def _groups(inst: _Inst, num_devices: int | None) -> tuple[tuple[int, ...], ...]:
+def _groups(inst: Inst, num_devices: int | None) -> tuple[tuple[int, ...], ...]:
     m = re.search(r"replica_groups=", inst.attrs)
     if m:
-        return _parse_groups_at(inst.attrs, m.end(), num_devices)[0]
+        return parse_groups_at(inst.attrs, m.end(), num_devices)[0]
     return (tuple(range(num_devices)),) if num_devices is not None else ()
 
 
 def _collective(
-    kind: str, inst: _Inst, leaves: list, nbytes: float, num_devices: int | None, coords
+    kind: str, inst: Inst, leaves: list, nbytes: float, num_devices: int | None, coords
 ) -> HloCollective:
     groups: tuple[tuple[int, ...], ...] = ()
     pairs: tuple[tuple[int, int], ...] = ()
     if kind == "collective-permute":
         m = re.search(r"source_target_pairs=", inst.attrs)
         if m:
-            end = _balanced_end(inst.attrs, m.end())
+            end = balanced_end(inst.attrs, m.end())
             pairs = tuple(
-                tuple(_ints(p)) for p in re.findall(r"\{(\d+,\d+)\}", inst.attrs[m.end() : end])
+                tuple(ints(p)) for p in re.findall(r"\{(\d+,\d+)\}", inst.attrs[m.end() : end])
             )
     else:
         groups = _groups(inst, num_devices)
@@ -643,7 +284,7 @@ def _collective(
     op_name = re.search(r'op_name="([^"]*)"', inst.attrs)
     return HloCollective(
         kind,
-        tuple(_shape_str(leaf) for leaf in leaves),
+        tuple(shape_str(leaf) for leaf in leaves),
         nbytes,
         groups,
         axes,
@@ -653,7 +294,7 @@ def _collective(
     )
 
 
-def _slicing_user(inst: _Inst, module: _Module) -> _Inst | None:
+def _slicing_user(inst: Inst, module: Module) -> Inst | None:
     """An all-reduce's only user, if it dynamic-slices 1/group_size of it (see `collectives`)."""
     users = [u for comp in module.computations.values() for u in comp if inst.name in u.operands]
     if len(users) != 1:
@@ -668,7 +309,7 @@ def _slicing_user(inst: _Inst, module: _Module) -> _Inst | None:
         return None
     groups = _groups(inst, module.num_devices)
     try:
-        ar, ds = _leaves(_parse_type(inst.type)), _leaves(_parse_type(user.type))
+        ar, ds = type_leaves(parse_type(inst.type)), type_leaves(parse_type(user.type))
     except ValueError:
         return None
     if len(ar) != 1 or len(ds) != 1 or not groups or len(groups[0]) < 2:

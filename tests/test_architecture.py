@@ -23,7 +23,8 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("_topology_file", "_routing", "topology"),  # meshes/*.toml -> Topology
     ("space",),  # OpGraph x mesh -> configs, strategies
     ("baselines", "plan", "_strategy_file"),  # expert strategies; the Plan file; --strategy
-    ("_timing", "cost", "hlo", "_reshard_ideal", "_reshard_worker", "reshard"),  # prices
+    ("_hlo_text", "_timing", "cost", "hlo", "_reshard_ideal", "_reshard_worker",
+     "reshard"),  # prices
     ("_taskgraph", "_simresult", "simulate"),  # strategy -> timeline
     ("search",),  # MCMC -> best plan
     ("_validation", "_shardings", "apply"),  # plan -> sharded, jitted step
@@ -112,7 +113,7 @@ def test_every_module_has_a_test_file():
              "_topology_file": "topology", "_routing": "topology", "collectives": "topology",
              "_timing": "cost", "_reshard_ideal": "reshard", "_reshard_worker": "reshard",
              "_taskgraph": "simulate", "_simresult": "simulate", "_strategy_file": "simulate",
-             "_validation": "apply", "_shardings": "apply",
+             "_validation": "apply", "_shardings": "apply", "_hlo_text": "hlo",
              "errors": "cli", "__init__": "notebook"}
     missing = [m for m in _modules() if owner.get(m, m) not in covered]
     assert not missing, f"no tests/test_<module>.py for {missing}"
