@@ -16,6 +16,7 @@ Example (two nodes of two GPUs, NVLink inside a node, InfiniBand between nodes):
     memory_bytes = "16 GB"
     memory_bandwidth = "732 GB/s"
     peak_flops = { float32 = "10.6 TFLOP/s", bfloat16 = "10.6 TFLOP/s", float16 = "21.2 TFLOP/s" }
+    # efficiency = { peak_flops = { float16 = 0.8 }, memory_bandwidth = 0.9 }   # optional
 
     [nodes]                            # devices are numbered node by node: device:0 .. device:3
     count = 2
@@ -41,6 +42,12 @@ Example (two nodes of two GPUs, NVLink inside a node, InfiniBand between nodes):
     latency = "1.5 us"
     connect = [["host", "ib"]]         # "device:*" expands to every device of the node; two
                                        # starred ends pair up by index ("device:*", "nic:*")
+
+The analytic cost model prices an operator at the datasheet peaks above, reached in full (a
+roofline). Where kernels are known to reach less, the optional ``[device.efficiency]`` table
+gives the measured fractions: ``peak_flops`` per dtype (what large matmuls reach of the peak,
+from a GEMM benchmark; dtypes not listed: 1) and ``memory_bandwidth`` (what a streaming kernel
+reaches, from a copy benchmark).
 
 With ``scope = "cluster"`` a link entry is not repeated: ``device:K`` is the global device K and
 ``node:N/host`` names a switch inside node N, so any explicit link graph can be written.
@@ -123,6 +130,38 @@ def _quantity(value: object, unit: str, where: str, *, allow_zero: bool = False)
 
 
 @dataclasses.dataclass(frozen=True)
+class Efficiency:
+    """Measured fractions of a device's datasheet peaks that its kernels reach.
+
+    The analytic cost model divides by them; the default, 1 everywhere, is the bare roofline.
+
+    Attributes:
+      peak_flops: ``(dtype name, fraction)`` pairs, sorted by name; dtypes not listed reach 1.
+      memory_bandwidth: the fraction of the memory bandwidth reached.
+    """
+
+    peak_flops: tuple[tuple[str, float], ...] = ()
+    memory_bandwidth: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "peak_flops", tuple(sorted(self.peak_flops)))
+        for where, x in [*((f"peak_flops.{n}", f) for n, f in self.peak_flops),
+                         ("memory_bandwidth", self.memory_bandwidth)]:
+            if not (isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x <= 1):
+                raise TopologyError(f"[device.efficiency].{where}: expected a fraction of the "
+                                    f"peak in (0, 1], found {x!r}")
+        unknown = [n for n, _ in self.peak_flops if n not in KNOWN_DTYPES]
+        if unknown:
+            raise TopologyError(f"[device.efficiency].peak_flops: unknown dtype {unknown[0]!r}; "
+                                f"expected some of {', '.join(KNOWN_DTYPES)}")
+
+    def flops_fraction(self, dtype: Any) -> float:
+        """The fraction of the peak FLOP/s of `dtype` (a name or a numpy/jax dtype) reached."""
+        name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+        return dict(self.peak_flops).get(name, 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
 class DeviceSpec:
     """One accelerator (all devices of a topology are alike).
 
@@ -131,12 +170,14 @@ class DeviceSpec:
       peak_flops: ``(dtype name, FLOP/s)`` pairs, sorted by name; dense peak, no sparsity.
       memory_bandwidth: bytes/s of the device's own memory.
       memory_bytes: size of the device's own memory.
+      efficiency: measured fractions of those peaks that kernels reach (default: all of them).
     """
 
     kind: str
     peak_flops: tuple[tuple[str, float], ...]
     memory_bandwidth: float
     memory_bytes: int
+    efficiency: Efficiency = Efficiency()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", tuple(sorted(self.peak_flops)))
@@ -215,7 +256,9 @@ _TOP_KEYS = {
     "mesh": True,
     "links": True,
 }
-_DEVICE_KEYS = {"kind": True, "peak_flops": True, "memory_bandwidth": True, "memory_bytes": True}
+_DEVICE_KEYS = {"kind": True, "peak_flops": True, "memory_bandwidth": True, "memory_bytes": True,
+                "efficiency": False}
+_EFFICIENCY_KEYS = {"peak_flops": False, "memory_bandwidth": False}
 _NODES_KEYS = {"count": True, "devices_per_node": True, "switches": False}
 _FABRIC_KEYS = {"switches": False}
 _MESH_KEYS = {"axes": True, "device_order": False}
@@ -348,7 +391,17 @@ def _parse_device(table: object) -> DeviceSpec:
         ),
         memory_bandwidth=_quantity(dev["memory_bandwidth"], "bytes/s", "[device].memory_bandwidth"),
         memory_bytes=int(_quantity(dev["memory_bytes"], "bytes", "[device].memory_bytes")),
+        efficiency=_parse_efficiency(dev.get("efficiency", {})),
     )
+
+
+def _parse_efficiency(table: object) -> Efficiency:
+    eff = _table(table, "[device.efficiency]", _EFFICIENCY_KEYS)
+    flops = eff.get("peak_flops", {})
+    if not isinstance(flops, dict):
+        raise TopologyError(f"[device.efficiency].peak_flops: expected a table of dtype = "
+                            f"fraction, found {flops!r}")
+    return Efficiency(tuple(flops.items()), eff.get("memory_bandwidth", 1.0))
 
 
 class _Ends(NamedTuple):

@@ -16,7 +16,13 @@ here:
 * **analytic** (the target devices are not attached: planning for 64 K80s from a laptop):
   ``max(flops / peak_flops(dtype), bytes / memory_bandwidth) + kernel overhead`` per shard;
   the backward as twice the forward's FLOPs, bytes and kernels (a matmul's backward is two
-  matmuls of the forward's size: one for the input's gradient, one for the weight's).
+  matmuls of the forward's size: one for the input's gradient, one for the weight's). The
+  dtype is the one the operator's matmul or convolution multiplies in (`compute_dtype`): a
+  ``nn.Dense(dtype=float16, param_dtype=float32)`` reads a float32 kernel but casts it first,
+  so it runs at the float16 peak (on an A100, 312 TFLOP/s, not 19.5). The peaks are the
+  datasheet's, reached in full unless the topology file says otherwise: its optional
+  ``[device.efficiency]`` gives measured fractions of the peak FLOP/s per dtype and of the
+  memory bandwidth (e.g. ``peak_flops = { bfloat16 = 0.7 }``, ``memory_bandwidth = 0.85``).
 * **scaled**: a shard program that cannot be built or compiled for a split config falls back
   to the measured unsplit time divided by the number of shards.
 
@@ -46,6 +52,7 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jcore
 
 from soapjax import _timing
 from soapjax._dtypes import itemsize
@@ -58,8 +65,8 @@ from soapjax.topology import DeviceSpec, Topology, list_topologies, load_topolog
 
 __all__ = ["ANALYTIC_KERNEL_OVERHEAD_S", "Calibration", "CostError", "CostModel", "CostStats",
            "OpTime", "ProfileProgress", "ProfileReport", "TimingOptions", "analytic_op_time",
-           "calibrate", "cost_model", "default_cache_dir", "local_backend_matches",
-           "local_topology", "roofline_time"]
+           "calibrate", "compute_dtype", "cost_model", "default_cache_dir",
+           "local_backend_matches", "local_topology", "roofline_time"]
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +159,9 @@ def roofline_time(flops: float, nbytes: float, dtype: Any, device: DeviceSpec, *
                   kernels: int = 1) -> float:
     """``max(flops / peak_flops(dtype), nbytes / memory_bandwidth) + kernels * overhead``.
 
+    The peaks are the device file's, each scaled by the measured fraction its optional
+    ``[device.efficiency]`` table gives (1, the bare roofline, without one).
+
     Args:
       flops: floating point operations.
       nbytes: bytes read and written.
@@ -163,9 +173,20 @@ def roofline_time(flops: float, nbytes: float, dtype: Any, device: DeviceSpec, *
     try:
         peak = device.peak_flops_for(dtype)
     except TopologyError:
-        peak = device.peak_flops_for("float32")
+        dtype = "float32"
+        peak = device.peak_flops_for(dtype)
+    flops_fraction, memory_fraction = _efficiency(device, dtype)
     overhead = kernels * ANALYTIC_KERNEL_OVERHEAD_S
-    return max(flops / peak, nbytes / device.memory_bandwidth) + overhead
+    return max(flops / (peak * flops_fraction),
+               nbytes / (device.memory_bandwidth * memory_fraction)) + overhead
+
+
+def _efficiency(device: DeviceSpec, dtype: Any) -> tuple[float, float]:
+    """(fraction of the peak FLOP/s of `dtype`, fraction of the memory bandwidth) reached."""
+    efficiency = getattr(device, "efficiency", None)  # a DeviceSpec-like object may lack one
+    if efficiency is None:
+        return 1.0, 1.0
+    return efficiency.flops_fraction(dtype), efficiency.memory_bandwidth
 
 
 def _shard_bytes(op: Operator, degrees: tuple[int, ...]) -> float:
@@ -178,18 +199,67 @@ def _shard_bytes(op: Operator, degrees: tuple[int, ...]) -> float:
     return sum(size(o) for o in op.inputs) + sum(size(t) for t in op.outputs)
 
 
-def _compute_dtype(op: Operator) -> str:
-    """The widest float dtype among the operands (what XLA computes in), else the output's."""
+# Primitives whose operands' dtype sets an operator's arithmetic rate.
+_RATE_ANCHORS = ("dot_general", "conv_general_dilated")
+
+
+def compute_dtype(graph: OpGraph, op: Operator | int) -> str:
+    """The dtype an operator's arithmetic runs in: that of its matmul or convolution.
+
+    The operands of the operator's first ``dot_general`` or ``conv_general_dilated`` (looked
+    for inside remat and custom_jvp bodies too), as that equation reads them: after the casts
+    folded into the operator. The widest float among them sets the rate; the accumulation type
+    (``preferred_element_type``) does not, since tensor cores multiply float16 at the float16
+    peak whatever they accumulate in. Operators without a matmul (norms, softmax, gathers;
+    memory-bound anyway) take the widest float among their operands, else their output's dtype.
+
+    Example: ``nn.Dense(256, dtype=jnp.float16, param_dtype=jnp.float32)`` reads a float32
+    kernel, but its ``dot_general`` multiplies two float16 operands::
+
+        compute_dtype(graph, graph.operator("dense"))   # 'float16'
+
+    Args:
+      graph: the traced graph the operator belongs to.
+      op: the operator, or its index in ``graph.operators``.
+    """
+    op = graph.operators[op] if isinstance(op, int) else op
+    local = graph.program.local.get(op.name)
+    eqns = [graph.program.units[u].eqn for u in local.units] if local is not None else []
+    anchor = _find_anchor(eqns)
+    if anchor is not None:
+        dtypes = [np.dtype(v.aval.dtype) for v in anchor.invars]
+        floats = [d for d in dtypes if _timing.is_float(d)]
+        return max(floats or dtypes, key=lambda d: d.itemsize).name
     floats = [np.dtype(o.dtype) for o in op.inputs if _timing.is_float(o.dtype)]
     if floats:
         return max(floats, key=lambda d: d.itemsize).name
     return op.dtype
 
 
-def analytic_op_time(op: Operator, degrees: tuple[int, ...], device: DeviceSpec) -> OpTime:
-    """The roofline time of one shard of `op` (see the module docstring)."""
+def _find_anchor(eqns) -> Any:
+    """The first matmul or convolution among `eqns`, depth first into nested jaxprs."""
+    for eqn in eqns:
+        if eqn.primitive.name in _RATE_ANCHORS:
+            return eqn
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            found = _find_anchor(sub.eqns)
+            if found is not None:
+                return found
+    return None
+
+
+def analytic_op_time(op: Operator, degrees: tuple[int, ...], device: DeviceSpec,
+                     dtype: str) -> OpTime:
+    """The roofline time of one shard of `op` (see the module docstring).
+
+    Args:
+      op: the operator.
+      degrees: the split degree of each of its iteration dims.
+      device: the device's specs.
+      dtype: what its arithmetic runs in: `compute_dtype` of the operator.
+    """
     shards = math.prod(degrees)
-    flops, nbytes, dtype = op.flops / shards, _shard_bytes(op, degrees), _compute_dtype(op)
+    flops, nbytes = op.flops / shards, _shard_bytes(op, degrees)
     fwd = roofline_time(flops, nbytes, dtype, device)
     bwd = roofline_time(2 * flops, 2 * nbytes, dtype, device, kernels=2)
     return OpTime(fwd, bwd, "analytic")
@@ -264,6 +334,7 @@ class CostModel:
         self._update_memo: dict[float, float] = {}
         self._counts = dict(measured=0, disk_hits=0, shared=0, fallbacks=0, updates_measured=0)
         self._passes = _update_passes(optimizer)
+        self._dtypes: dict[int, str] = {}
 
     def __repr__(self) -> str:
         return (f"CostModel({self.graph.name!r} on {self.topology.name!r}, source={self.source!r}, "
@@ -317,10 +388,15 @@ class CostModel:
         return operator_fn(self.graph, self.graph.operators[op_index].name, degrees,
                            rules="primal")
 
+    def _analytic(self, op_index: int, degrees: tuple[int, ...]) -> OpTime:
+        if op_index not in self._dtypes:
+            self._dtypes[op_index] = compute_dtype(self.graph, op_index)
+        return analytic_op_time(self.graph.operators[op_index], degrees, self.topology.device,
+                                self._dtypes[op_index])
+
     def _price(self, op_index: int, degrees: tuple[int, ...]) -> OpTime:
-        op = self.graph.operators[op_index]
         if self.source == "analytic":
-            return analytic_op_time(op, degrees, self.topology.device)
+            return self._analytic(op_index, degrees)
         sig = self.signature(op_index, degrees)
         if sig is not None:
             t = self._measured(op_index, degrees, sig)
@@ -332,7 +408,7 @@ class CostModel:
             base = self.shard_time(op_index, (1,) * len(degrees))
             if base.source != "analytic":
                 return OpTime(base.forward_s / shards, base.backward_s / shards, "scaled")
-        return analytic_op_time(op, degrees, self.topology.device)
+        return self._analytic(op_index, degrees)
 
     def _measured(self, op_index: int, degrees: tuple[int, ...], sig: str) -> OpTime | None:
         if sig in self._by_sig:
@@ -387,8 +463,8 @@ class CostModel:
         if param_shard_bytes <= 0:
             return 0.0
         if self.source == "analytic":
-            return (self._passes * param_shard_bytes / self.topology.device.memory_bandwidth
-                    + ANALYTIC_KERNEL_OVERHEAD_S)
+            return roofline_time(0.0, self._passes * param_shard_bytes, "float32",
+                                 self.topology.device)
         lo = max(_MIN_UPDATE_BUCKET, 2 ** int(math.floor(math.log2(max(param_shard_bytes, 1)))))
         if param_shard_bytes <= lo:  # a power of two, or below the smallest bucket
             return self._update_at(lo)

@@ -1,7 +1,9 @@
-"""soapjax's model zoo: the FlexFlow paper's benchmarks, plus LeNet, an MLP and GPT-2.
+"""soapjax's model zoo: the FlexFlow paper's benchmarks, plus LeNet, an MLP and GPT-2, and the
+large decoders: ``gpt`` (Megatron-LM's shapes, 1.3B to 1T) and ``llama`` (7B, 70B).
 
 Each model is a `Workload` (loss, optimizer, init and synthetic batches) under a registry name,
-with a full-size ``default`` config and a ``tiny`` one for tests::
+with a full-size ``default`` config and a ``tiny`` one for tests (the large models name their
+sizes too: ``zoo.get("gpt", "175b")``; ``default`` is the smallest)::
 
   w = zoo.get("gpt2", "tiny")
   step = jax.jit(w.train_step())

@@ -3,9 +3,14 @@
 Example::
 
   >>> zoo.names()
+  ('alexnet', 'inception_v3', 'resnet101', 'rnntc', 'rnnlm', 'nmt', 'lenet', 'mlp', 'gpt2',
+   'gpt', 'llama')
+  >>> zoo.names(large=False)  # without the billion-parameter ones
   ('alexnet', 'inception_v3', 'resnet101', 'rnntc', 'rnnlm', 'nmt', 'lenet', 'mlp', 'gpt2')
   >>> zoo.configs("gpt2")
   ('default', 'tiny')
+  >>> zoo.configs("llama")
+  ('default', 'tiny', '7b', '70b')
   >>> zoo.get("mlp", "tiny", api="nnx").api
   'nnx'
 """
@@ -19,7 +24,7 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from soapjax_zoo import cnn, gpt2, mlp, rnn, user
+from soapjax_zoo import cnn, gpt, gpt2, llama, mlp, rnn, user
 from soapjax_zoo.workload import ModelConfigError, Workload
 from soapjax.errors import PlanError, UnknownModelError, WorkloadError
 from soapjax.plan import Plan
@@ -29,6 +34,7 @@ class _Entry(NamedTuple):
     configs: Mapping[str, Any]
     build: Callable[[str, str, Any, str], Workload]
     apis: tuple[str, ...] = ("linen",)
+    large: bool = False  # billions of parameters: plan from shapes, never run on this host
 
 
 _REGISTRY: Mapping[str, _Entry] = types.MappingProxyType(
@@ -42,13 +48,20 @@ _REGISTRY: Mapping[str, _Entry] = types.MappingProxyType(
         "lenet": _Entry(cnn.LENET_CONFIGS, cnn.build_lenet, ("linen", "nnx")),
         "mlp": _Entry(mlp.MLP_CONFIGS, mlp.build_mlp, ("linen", "nnx")),
         "gpt2": _Entry(gpt2.GPT2_CONFIGS, gpt2.build_gpt2),
+        "gpt": _Entry(gpt.GPT_CONFIGS, gpt.build_gpt, large=True),
+        "llama": _Entry(llama.LLAMA_CONFIGS, llama.build_llama, large=True),
     }
 )
 
 
-def names() -> tuple[str, ...]:
-    """The registered model names, in registry order."""
-    return tuple(_REGISTRY)
+def names(*, large: bool = True) -> tuple[str, ...]:
+    """The registered model names, in registry order.
+
+    Args:
+      large: include the large models (``gpt``, ``llama``: billions of parameters at every
+        size but ``tiny``, for planning from shapes; too big to measure or run on one host).
+    """
+    return tuple(n for n, e in _REGISTRY.items() if large or not e.large)
 
 
 def configs(name: str) -> tuple[str, ...]:

@@ -257,6 +257,47 @@ def adam_clipped(learning_rate: float, max_norm: float) -> optax.GradientTransfo
     return optax.chain(optax.clip_by_global_norm(max_norm), optax.adam(learning_rate))
 
 
+def adamw_clipped(
+    learning_rate: float, weight_decay: float, max_norm: float
+) -> optax.GradientTransformation:
+    """AdamW (beta2 0.95) after clipping the global gradient norm, as Megatron-LM and LLaMA
+    train; weight decay on kernels and embeddings only (`decay_mask`)."""
+    return optax.chain(
+        optax.clip_by_global_norm(max_norm),
+        optax.adamw(learning_rate, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay_mask),
+    )
+
+
+def decay_mask(params: Any) -> Any:
+    """True on leaves named ``kernel`` or ``embedding``: by name, not rank, since a scan over
+    layers stacks biases and norm scales into matrices."""
+
+    def decays(path: tuple, _: Any) -> bool:
+        last = path[-1] if path else None
+        return getattr(last, "key", getattr(last, "name", None)) in ("kernel", "embedding")
+
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """``softmax(q k^T / sqrt(H), causal) v`` over ``[B, T, N, H]`` (k and v with as many heads
+    as q): both products in q's dtype, the softmax in float32 (or wider), as Megatron-LM's
+    kernels compute it."""
+    scores = jnp.einsum("BTNH,BSNH->BNTS", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    scores = scores.astype(jnp.promote_types(scores.dtype, jnp.float32))
+    length = q.shape[1]
+    causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]  # [T, S]
+    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("BNTS,BSNH->BTNH", probs, v)
+
+
+def next_token_batch(rng: jax.Array, batch_size: int, seq_len: int, vocab_size: int) -> Batch:
+    """Random token streams: ``inputs`` and the ``targets`` one position ahead, int32."""
+    stream = jax.random.randint(rng, (batch_size, seq_len + 1), 0, vocab_size, dtype=jnp.int32)
+    return {"inputs": stream[:, :-1], "targets": stream[:, 1:]}
+
+
 def linen_workload(
     *,
     name: str,

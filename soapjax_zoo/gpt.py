@@ -1,0 +1,191 @@
+"""GPT in Megatron-LM's shapes: the decoder family of the large-model papers, in linen.
+
+A pre-LayerNorm decoder (Radford et al. 2019, as Megatron-LM trains it: Shoeybi et al. 2019,
+Narayanan et al. 2021, Korthikanti et al. 2022): learned position embeddings (``wpe``),
+``layers`` of causal self-attention (``attn/query``, ``attn/key``, ``attn/value``, ``attn/out``;
+products in float16, softmax in float32) and a GELU MLP 4x wider (``mlp/fc1``, ``mlp/fc2``), a
+final LayerNorm and the output projection tied to the token embedding (``wte.attend``). Mixed
+precision as Megatron trains it: float32 master parameters, float16 (or bfloat16) arithmetic,
+logits cast back to float32 for the loss.
+
+The layers are one `nn.scan` over a block (parameters stacked on a leading layer dim):
+soapjax unrolls it into ``layers_0`` .. ``layers_{L-1}`` and ties the layers' configs as
+repeated blocks, so the search costs what one layer costs, and tracing is as fast for 128
+layers as for 2 (one block body in the jaxpr).
+
+Sizes: sequence 2048, vocabulary 51200 (GPT-2's 50257 padded to a multiple of 1024), hidden /
+heads / layers of GPT-3 (Brown et al. 2020, Table 2.1: 1.3B .. 175B) and of Megatron-LM's
+largest runs (22B: Korthikanti et al. 2022; 530B and 1T: Narayanan et al. 2021, Table 1).
+Parameters ``12 L h^2 + 13 L h + (V + s + 2) h``: 1.3b has 1,317,654,528, 175b 174,615,846,912,
+1t 1,008,038,758,400. Every size traces in 1-5 s (`tests/test_zoo_large.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from soapjax_zoo.workload import (
+    Batch,
+    ModelConfigError,
+    Workload,
+    adamw_clipped,
+    causal_attention,
+    linen_workload,
+    next_token_batch,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """GPT hyper-parameters; the default is GPT-3 XL (1.3B).
+
+    Attributes:
+      batch_size: sequences per step (Megatron's global batches are 512-3072: pass
+        ``batch_size=`` to `soapjax_zoo.get` to plan those).
+      seq_len: tokens per sequence, also the number of learned positions.
+      dtype: what the layers compute in (``"float16"`` as Megatron-LM, or ``"bfloat16"``); None
+        computes in the parameters' dtype (the tiny config: float64 tests compute in float64).
+      param_dtype: what parameters are stored in (float32 master weights).
+    """
+
+    batch_size: int = 8
+    seq_len: int = 2048
+    vocab_size: int = 51200
+    num_layers: int = 24
+    num_heads: int = 16
+    d_model: int = 2048
+    dtype: str | None = "float16"
+    param_dtype: str = "float32"
+    learning_rate: float = 2e-4
+    weight_decay: float = 0.1
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.num_heads:
+            raise ModelConfigError(
+                f"d_model {self.d_model} must be divisible by num_heads {self.num_heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+
+_init = nn.initializers.normal(stddev=0.02)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention: ``query``, ``key``, ``value`` kernels shaped
+    ``[d_model, heads, head_dim]`` (the head axis a parameter dim of its own), ``out``."""
+
+    config: GPTConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        dense = functools.partial(nn.DenseGeneral, kernel_init=_init, dtype=cfg.dtype,
+                                  param_dtype=cfg.param_dtype)
+        heads = (cfg.num_heads, cfg.head_dim)
+        q, k, v = (dense(heads, name=n)(x) for n in ("query", "key", "value"))
+        return dense(cfg.d_model, axis=(-2, -1), name="out")(causal_attention(q, k, v))
+
+
+class MLP(nn.Module):
+    """The position-wise feed-forward layer: ``fc1`` (4x wider), GELU, ``fc2``."""
+
+    config: GPTConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        kw = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype, "kernel_init": _init}
+        x = nn.gelu(nn.Dense(4 * cfg.d_model, name="fc1", **kw)(x))
+        return nn.Dense(cfg.d_model, name="fc2", **kw)(x)
+
+
+class Block(nn.Module):
+    """One pre-LayerNorm decoder layer; ``(x, None) -> (x, None)`` as `nn.scan` wants."""
+
+    config: GPTConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
+        cfg = self.config
+        kw = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype}
+        x = x + Attention(cfg, name="attn")(nn.LayerNorm(epsilon=1e-5, name="ln_1", **kw)(x))
+        h = nn.LayerNorm(epsilon=1e-5, name="ln_2", **kw)(x)
+        return x + MLP(cfg, name="mlp")(h), None
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, scanned ``layers``, final LayerNorm, tied head."""
+
+    config: GPTConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.config
+        kw = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype}
+        wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=_init, name="wte", **kw)
+        wpe = nn.Embed(cfg.seq_len, cfg.d_model, embedding_init=_init, name="wpe", **kw)
+        x = wte(tokens) + wpe(jnp.arange(tokens.shape[-1]))
+        layers = nn.scan(
+            Block, variable_axes={"params": 0}, split_rngs={"params": True},
+            length=cfg.num_layers,
+        )
+        x, _ = layers(cfg, name="layers")(x, None)
+        logits = wte.attend(nn.LayerNorm(epsilon=1e-5, name="ln_f", **kw)(x))
+        return logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+
+
+def _size(d_model: int, num_heads: int, num_layers: int) -> GPTConfig:
+    return GPTConfig(d_model=d_model, num_heads=num_heads, num_layers=num_layers)
+
+
+# name -> config; "default" is the smallest real size, "tiny" is for tests (float64 gradients
+# in seconds on CPU: it computes in its parameters' dtype; every dim a multiple of 4, the model
+# axis of the cpu8 mesh).
+GPT_SIZES = {
+    "1.3b": _size(2048, 16, 24),
+    "2.7b": _size(2560, 32, 32),
+    "6.7b": _size(4096, 32, 32),
+    "13b": _size(5120, 40, 40),
+    "22b": _size(6144, 64, 48),
+    "175b": _size(12288, 96, 96),
+    "530b": _size(20480, 128, 105),
+    "1t": _size(25600, 160, 128),
+}
+GPT_CONFIGS = {
+    "default": GPT_SIZES["1.3b"],
+    "tiny": GPTConfig(batch_size=8, seq_len=8, vocab_size=64, num_layers=2, num_heads=4,
+                      d_model=32, dtype=None),
+    **GPT_SIZES,
+}
+
+
+def build_gpt(name: str, config: str, cfg: GPTConfig, api: str) -> Workload:
+    """The GPT workload: next-token prediction, AdamW (beta2 0.95) after clipping."""
+
+    def make_batch(rng: jax.Array) -> Batch:
+        return next_token_batch(rng, cfg.batch_size, cfg.seq_len, cfg.vocab_size)
+
+    return linen_workload(
+        name=name,
+        config=config,
+        family="transformer",
+        description=(
+            f"GPT ({cfg.num_layers} layers, {cfg.num_heads} heads, d_model {cfg.d_model}), "
+            f"{cfg.seq_len} tokens, vocab {cfg.vocab_size}, {cfg.dtype or cfg.param_dtype} "
+            f"over {cfg.param_dtype}"
+        ),
+        module=GPT(cfg),
+        make_batch=make_batch,
+        inputs=("inputs",),
+        label="targets",
+        optimizer=adamw_clipped(cfg.learning_rate, cfg.weight_decay, cfg.max_grad_norm),
+    )
