@@ -129,3 +129,35 @@ def test_mesh_topology_of_a_raw_mesh():
     with pytest.raises(PlanError, match=r"carries no topology and none can be assumed .*cannot "
                                         r"be cut to 3 devices.*; pass mesh= a topology name"):
         training.mesh_topology(Mesh(np.asarray(jax.devices()[:3]), ("x",)))
+
+
+@pytest.mark.parametrize("name", ["linen_scan_transformer", "nnx_scan_transformer"])
+def test_scanned_layers_train_with_the_default_plan(name, capsys):
+    """A transformer written with scan over layers (linen nn.scan, nnx.scan over nnx.vmap)
+    trains through shard_training's default strategy; where Megatron beats data parallelism
+    the plan splits the scanned layers' kernels, every layer alike."""
+    import corpus
+    import jax.numpy as jnp
+    import optax
+
+    loss_fn, model, batch = corpus.get(name, dtype=jnp.float32)
+    run = training.shard_training(loss_fn, model, batch, optax.sgd(0.1), mesh="cpu8",
+                                  costs="analytic", search=SETTINGS)
+    assert "soapjax: plan for" in capsys.readouterr().err
+    base = dict(run.plan.baselines)
+    kernels = [(op, cfg) for op, cfg in zip(run.graph.operators, run.strategy.configs)
+               if op.block_position and any(o.kind == "param" and o.layer and len(o.shape) >= 2
+                                            for o in op.inputs)]
+    assert kernels, "the layers' matmuls read their layer's slice of the stacked kernels"
+    if base["megatron"] < base["data-parallel"]:
+        split = [op.name for op, cfg in kernels
+                 if any(cfg.axes[d] for d in range(len(cfg.axes)) if op.iteration_roles[d] in "PR")]
+        assert split, "Megatron is faster, yet no layer kernel is split"
+    for group in run.graph.repeated_blocks():
+        assert len({run.strategy.configs[i] for i in group}) == 1
+    params, opt_state = run.params, run.opt_state
+    losses = []
+    for _ in range(3):
+        params, opt_state, loss = run.step(params, opt_state, run.shard_batch(batch))
+        losses.append(float(loss))
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
