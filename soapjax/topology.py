@@ -52,6 +52,7 @@ from soapjax._topology_file import (
     PLATFORMS as PLATFORMS,
     REQUIRED_DTYPES as REQUIRED_DTYPES,
     DeviceSpec as DeviceSpec,
+    Efficiency as Efficiency,
     Link as Link,
     Platform as Platform,
 )
@@ -318,6 +319,8 @@ class Topology:
             if f.name not in skip and (v := getattr(self, f.name)) is not None
         }
         content["links"] = [dataclasses.astuple(link) for link in self.links]
+        if content["device"].get("efficiency") == dataclasses.asdict(Efficiency()):
+            del content["device"]["efficiency"]  # no measured efficiencies: the old fingerprint
         text = json.dumps(content, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
@@ -515,7 +518,7 @@ def scaled_topology(topology: Topology | str | Path, num_devices: int) -> Topolo
         )
     sizes, left = [], n
     for size in reversed(topo.axis_sizes):
-        keep = size if left % size == 0 else left if size % left == 0 else 0
+        keep = size if left % size == 0 else left if left < size else 0
         if not keep:
             shown = ", ".join(f"{a}={s}" for a, s in zip(topo.axis_names, topo.axis_sizes))
             raise TopologyError(f"topology {topo.name!r}: mesh ({shown}) cannot be cut to "
