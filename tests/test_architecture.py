@@ -3,7 +3,9 @@
 `STAGES` is the one written order of soapjax's modules, lowest first (docs/architecture.md
 walks it module by module). A module may import modules of its own stage or earlier ones,
 never a later one, not even inside a function; only the command line imports inside functions
-(to start fast) and only it may import the zoo (`soapjax_zoo`), which sits above the library.
+(to start fast). Two packages sit above the library and are never imported by it: the zoo
+(`soapjax_zoo`; only the command line may load models from it) and the evaluation
+(`soapjax_eval`; nothing in the library may).
 """
 
 from __future__ import annotations
@@ -76,8 +78,12 @@ def test_every_module_has_a_stage():
 def test_imports_flow_one_way(name):
     bad = []
     for module, line, local in _imports(name):
-        if module.split(".")[0] == "soapjax_zoo" and name != "cli":
+        top = module.split(".")[0]
+        if top == "soapjax_zoo" and name != "cli":
             bad.append(f"line {line}: imports the zoo ({module}); only the CLI may")
+        if top == "soapjax_eval":
+            bad.append(f"line {line}: imports the evaluation ({module}), which sits above the "
+                       "library")
         if not module.startswith("soapjax."):
             continue
         target = module.split(".")[1]
