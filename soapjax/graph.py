@@ -1,7 +1,9 @@
 """The operator graph: a traced forward pass grouped into operators with dim roles.
 
-`trace(loss_fn, params, batch)` traces the function to a jaxpr, inlines plain function calls
-(`jit`, `closed_call`), and groups the equations into *operators* around anchor primitives
+`trace(loss_fn, params, batch)` traces the function to a jaxpr, flattens it (`soapjax._program`:
+plain calls inlined, `jax.checkpoint` regions opened and kept as regions, a scan over stacked
+layer parameters unrolled into its layers, whose operators at one position form a *repeated
+block* that shares one config), and groups the equations into *operators* around anchor primitives
 (`dot_general`, `conv_general_dilated`, embedding `gather`, `reduce_window_*`, `scan`, ...),
 folding the cheap elementwise, broadcast and reshape equations next to an anchor into it, as
 XLA's fusion would. Each operator is named by its Flax module path (from the equations'
