@@ -12,7 +12,7 @@ dict keys. `soapjax.apply` re-exports the public names.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -66,12 +66,8 @@ def param_shardings(graph: OpGraph, strategy: Any, mesh: Mesh, *, params: Any = 
         given for a pytree that is not nested dicts.
     """
     strategy = validate_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)
-    shape = MeshShape.of(mesh)
-    specs = space.param_specs(graph, strategy, shape)  # what the simulator prices
-    shardings = [NamedSharding(mesh, space.to_partition_spec(
-                     space.fit_spec(specs[leaf.path], leaf.shape, shape)))
-                 for leaf in graph.params]
-    return _unflatten(graph.params, shardings, params, "params")
+    specs = space.param_specs(graph, strategy, MeshShape.of(mesh))  # what the simulator prices
+    return _unflatten(graph.params, _fitted(graph.params, specs, mesh), params, "params")
 
 
 def batch_shardings(graph: OpGraph, strategy: Any, mesh: Mesh, *, batch: Any = None,
@@ -87,12 +83,8 @@ def batch_shardings(graph: OpGraph, strategy: Any, mesh: Mesh, *, batch: Any = N
       mesh_shape: the mesh the strategy was planned for, when known.
     """
     strategy = validate_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)
-    shape = MeshShape.of(mesh)
     specs = space.batch_specs(graph, strategy)
-    shardings = [NamedSharding(mesh, space.to_partition_spec(
-                     space.fit_spec(specs[leaf.path], leaf.shape, shape)))
-                 for leaf in graph.batch]
-    return _unflatten(graph.batch, shardings, batch, "batch")
+    return _unflatten(graph.batch, _fitted(graph.batch, specs, mesh), batch, "batch")
 
 
 def opt_state_shardings(optimizer: optax.GradientTransformation, params: Any,
@@ -147,6 +139,15 @@ def train_shardings(graph: OpGraph, strategy: Any, mesh: Mesh,
 
 
 _DICT_PATH = re.compile(r"(?:\['[^'\\]*'\])+")
+
+
+def _fitted(leaves: Sequence[LeafInfo], specs: Mapping[str, space.Spec],
+            mesh: Mesh) -> list[NamedSharding]:
+    """Each leaf's sharding: its spec (by path) with the axes that do not divide its dims
+    dropped (`space.fit_spec`)."""
+    shape = MeshShape.of(mesh)
+    return [NamedSharding(mesh, space.to_partition_spec(
+                space.fit_spec(specs[leaf.path], leaf.shape, shape))) for leaf in leaves]
 
 
 def _spec_axes(spec: PartitionSpec) -> list[tuple[str, ...]]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from soapjax_eval.modes import PAPER_FIG8B_GB
-from soapjax_eval.tables import expert_name, throughput
+from soapjax_eval.tables import by_cluster, expert_name, throughput
 
 
 def plot_all(results: dict, folder: Path) -> list[str]:
@@ -37,10 +37,7 @@ def plot_all(results: dict, folder: Path) -> list[str]:
 
 def _throughput_figures(plt, res: dict):
     """Figure 7: predicted samples per second against GPUs, one figure per cluster."""
-    by_cluster: dict[str, list[dict]] = {}
-    for row in res["rows"]:
-        by_cluster.setdefault(row["cluster"], []).append(row)
-    for cluster, rows in by_cluster.items():
+    for cluster, rows in by_cluster(res["rows"]).items():
         names = list(dict.fromkeys(r["model"] for r in rows))
         cols = min(3, len(names))
         nrows = -(-len(names) // cols)

@@ -10,15 +10,20 @@ from typing import Any
 import numpy as np
 
 from soapjax_eval.modes import PAPER_FIG8B_GB, PAPER_TABLE4_SPEEDUP
-from soapjax_eval.tables import expert_name, fmt, gb, md_table, spearman, throughput
+from soapjax_eval.tables import (
+    by_cluster,
+    expert_name,
+    fmt,
+    gb,
+    md_table,
+    spearman,
+    throughput,
+)
 
 
 def doc_throughput(res: dict) -> str:
     out = []
-    by_cluster: dict[str, list[dict]] = {}
-    for row in res["rows"]:
-        by_cluster.setdefault(row["cluster"], []).append(row)
-    for cluster, rows in by_cluster.items():
+    for cluster, rows in by_cluster(res["rows"]).items():
         header = ["model", "GPUs", "batch", "data parallel", "expert", "Megatron", "FSDP",
                   "soapjax", "vs DP", "vs best baseline", "search CPU s"]
         body = []

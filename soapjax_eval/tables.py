@@ -55,3 +55,11 @@ def throughput(entry: dict | None, batch: int) -> float | None:
 
 def expert_name(row: dict) -> str | None:
     return {"cnn": "expert-cnn", "rnn": "expert-rnn"}.get(row["family"])
+
+
+def by_cluster(rows: list[dict]) -> dict[str, list[dict]]:
+    """Throughput rows grouped by cluster (``p100x16``, ``k80x64``, ``h100``), in row order."""
+    out: dict[str, list[dict]] = {}
+    for row in rows:
+        out.setdefault(row["cluster"], []).append(row)
+    return out
