@@ -22,7 +22,7 @@ Example file (abridged)::
      "topology": {"name": "dgx-h100x8", "fingerprint": "a1b2...", "axes": {"gpu": 8}},
      "operators": {"layers_0/mlp/fc1": {"axes": [["gpu"], [], [], []], "roles": "SAP|P",
                                         "spec": "P('gpu', None, None)"}},
-     "zero_axes": [], "params": {"['params']['wte']['embedding']": [[], []]},
+     "zero_axes": [], "microbatches": 1, "params": {"['params']['wte']['embedding']": [[], []]},
      "predicted": {"step_time_s": 0.0123, ...}, "cost_source": "analytic",
      "search": {"seed": 0, "budget_s": 30, ...}, "baselines": {"data-parallel": 0.0171}}
 """
@@ -93,6 +93,10 @@ class Plan:
         dims' roles, e.g. ``"SP|P"`` for a Dense layer; () for files written without them.
       workload: for user code, the ``--model`` text that rebuilds the model
         (``path/file.py:make_workload`` or ``package.module:make_workload``); '' for the zoo.
+      microbatches: gradient accumulation over that many microbatches (`Strategy`); files
+        written without it have 1.
+      recompute: per operator (in `configs` order), its recompute policy, or () for none
+        (`Strategy`; files written without it have none).
     """
 
     model: str
@@ -111,8 +115,13 @@ class Plan:
     baselines: tuple[tuple[str, float], ...] = ()
     roles: tuple[str, ...] = ()
     workload: str = ""
+    microbatches: int = 1
+    recompute: tuple[str, ...] = ()
 
     def __post_init__(self):
+        # The step-level choices are checked as a Strategy checks them.
+        Strategy(tuple(c for _, c in self.configs), self.zero_axes, self.microbatches,
+                 self.recompute)
         if self.roles and len(self.roles) != len(self.configs):
             raise PlanError(f"{len(self.roles)} role strings for {len(self.configs)} operators")
         for (name, config), roles in zip(self.configs, self.roles):
@@ -145,7 +154,8 @@ class Plan:
             baselines=tuple((k, float(v)) for k, v in (baselines or {}).items()),
             roles=tuple("".join(op.roles) + "|" + "".join(r.role for r in op.reduction_dims)
                         for op in graph.operators),
-            workload=workload)
+            workload=workload, microbatches=strategy.microbatches,
+            recompute=tuple(strategy.recompute))
 
     @property
     def step_time_s(self) -> float | None:
@@ -195,7 +205,8 @@ class Plan:
     def strategy(self, graph: OpGraph, topology: Topology | None = None) -> Strategy:
         """The plan's strategy for `graph`, after checking the plan was made for it."""
         self.validate_for(graph, topology)
-        return Strategy(tuple(c for _, c in self.configs), self.zero_axes)
+        return Strategy(tuple(c for _, c in self.configs), self.zero_axes, self.microbatches,
+                        self.recompute)
 
     # --- JSON ------------------------------------------------------------------------------
 
@@ -210,6 +221,7 @@ class Plan:
                          "axes": dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))},
             "operators": self._operators_json(),
             "zero_axes": list(self.zero_axes),
+            "microbatches": self.microbatches,
             "params": {path: [list(a) for a in spec] for path, spec in self.params},
             "predicted": _thaw(self.predicted) if self.predicted else {},
             "cost_source": self.cost_source,
@@ -222,6 +234,9 @@ class Plan:
         if self.roles:
             for (name, spec), roles in zip(self.output_specs().items(), self.roles):
                 out[name] |= {"roles": roles, "spec": spec_text(spec)}
+        for (name, _), policy in zip(self.configs, self.recompute):
+            if policy != "none":
+                out[name]["recompute"] = policy
         return out
 
     @classmethod
@@ -239,6 +254,8 @@ class Plan:
                             for name, op in data["operators"].items())
             roles = tuple(op.get("roles") for op in data["operators"].values())
             roles = () if None in roles else roles
+            recompute = tuple(op.get("recompute", "none") for op in data["operators"].values())
+            recompute = () if all(p == "none" for p in recompute) else recompute
             for name, c in configs:
                 bad = c.used_axes - set(mesh.axis_names)
                 if bad:
@@ -255,7 +272,8 @@ class Plan:
                 cost_source=data.get("cost_source", "analytic"),
                 search=_freeze(data.get("search", {})),
                 baselines=tuple((k, float(v)) for k, v in data.get("baselines", {}).items()),
-                roles=roles, workload=m.get("workload", ""))
+                roles=roles, workload=m.get("workload", ""),
+                microbatches=int(data.get("microbatches", 1)), recompute=recompute)
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             if isinstance(e, PlanError):
                 raise

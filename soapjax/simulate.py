@@ -97,8 +97,15 @@ from soapjax.cost import OpTime
 from soapjax.cost import cost_model as make_cost_model
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
+from soapjax.memory import (
+    Segments,
+    microbatch_degrees,
+    microbatch_error,
+    microbatch_shape,
+    recomputes,
+)
 from soapjax.reshard import Resharder, ReshardModel
-from soapjax.space import Config, MeshShape, Strategy, storage_spec, validate_config
+from soapjax.space import Config, MeshShape, Strategy, sample_dim, storage_spec, validate_config
 from soapjax.topology import Topology
 
 __all__ = [
@@ -117,7 +124,9 @@ class _View(NamedTuple):
     operand_specs: tuple[tuple[tuple[str, ...], ...], ...]
     partials: tuple[tuple[str, ...], ...]  # per operand: axes its cotangent is a partial sum on
     reduction_axes: tuple[str, ...]  # the axes splitting its reduction dims (partial sums)
-    activation_bytes: int  # its outputs' shards, kept for the backward pass
+    activation_bytes: int  # its outputs' shards (one microbatch's), kept for the backward pass
+    policy: str  # its recompute policy (`soapjax.memory`)
+    recomputes: bool  # whether it drops its outputs and runs its forward again
 
 
 def shard_bytes(shape: Sequence[int], spec: Sequence[Sequence[str]], dtype: str,
@@ -146,6 +155,10 @@ class OpCosts(Protocol):
 
     def op_time(self, op_index: int, config: Config) -> OpTime:
         """Forward and backward seconds of operator `op_index` under `config`."""
+        ...
+
+    def shard_time(self, op_index: int, degrees: tuple[int, ...]) -> OpTime:
+        """`op_time` by degrees per iteration dim (asked only for microbatches > 1)."""
         ...
 
     def update_time(self, param_shard_bytes: float) -> float:
@@ -185,7 +198,12 @@ class Simulation:
         self.opt_state_factor = float(opt_state_factor)
         self._layout = Layout(graph)
         self._pricing = Pricing(topology, resharder)
-        self._views_memo: dict[tuple[int, Config], _View] = {}
+        self._views_memo: dict[tuple[int, Config, str, int], _View] = {}
+        self._segments = Segments(graph)
+        self._sample = [sample_dim(op) for op in graph.operators]
+        self._micro = max(1, int(strategy.microbatches))
+        self._scaled: dict[tuple, tuple[Comm, ...]] = {}  # (chain, M) -> chain run M times
+        self._act: int | None = None  # activation bytes, computed when asked (`_memory`)
         self._pending: _Undo | None = None
         self._prefetch(strategy, ())  # compile the first strategy's reshardings in one batch
         self.reset(strategy)
@@ -195,7 +213,8 @@ class Simulation:
     @property
     def strategy(self) -> Strategy:
         """The current strategy (with a pending proposal applied)."""
-        return Strategy(tuple(v.config for v in self._views), self._zero)
+        return Strategy(tuple(v.config for v in self._views), self._zero, self._micro,
+                        tuple(v.policy for v in self._views))
 
     def step_time(self) -> float:
         """The simulated step time of the current strategy."""
@@ -225,8 +244,12 @@ class Simulation:
         """
         return self._prefetch(self.strategy, changes)
 
-    def propose(self, i: int, config: Config) -> float:
+    def propose(self, i: int, config: Config, recompute: str | None = None) -> float:
         """Delta-simulates operator `i` taking `config` (Algorithm 2); returns the step time.
+
+        With `recompute` (a policy, `soapjax.memory`) the operator takes that recompute policy
+        too (None: it keeps its own). A change of microbatches is a `reset` (every task
+        changes).
 
         Rebuilds the tasks whose collectives the change touches (operator `i`'s partial-sum
         all-reduce, the reshardings of its input and output edges, the gathers, gradient
@@ -240,16 +263,17 @@ class Simulation:
         """
         if self._pending is not None:
             raise RuntimeError("accept() or reject() the pending proposal before proposing again")
-        view, old = self._view(i, config), self._views[i]
+        old = self._views[i]
+        view = self._view(i, config, old.policy if recompute is None else recompute)
         undo = self._pending = _Undo(i, old)
-        if view.config == old.config:
+        if view is old:
             return self._task_graph.step_time()
         task_graph = self._task_graph
         undo.start, undo.end = list(task_graph.start), list(task_graph.end)
-        undo.activation_bytes = self._activation_bytes
+        undo.activation_bytes = self._act
         undo.stored_bytes, undo.leaf_activation_bytes = self._stored_bytes, self._leaf_bytes
         self._views[i] = view
-        self._activation_bytes += view.activation_bytes - old.activation_bytes
+        self._act = None
         partial_sum, edges, leaves = self._changed_units(i, view, old)
         self._replace_units(undo, i if partial_sum else None, edges, leaves)
         self._retime_and_rewire(undo, i, edges, leaves)
@@ -265,7 +289,7 @@ class Simulation:
         """Rolls the pending proposal back: the old tasks return, with their old times."""
         undo = self._take_pending()
         task_graph, i = self._task_graph, undo.op
-        if undo.view.config == self._views[i].config:
+        if undo.view is self._views[i]:
             return
         for t, deps in reversed(undo.deps):
             task_graph.set_deps(t, deps)
@@ -285,7 +309,7 @@ class Simulation:
             self._edge_tasks[e] = unit
         for leaf, unit in undo.leaves:
             self._leaf_tasks[leaf] = unit
-        self._activation_bytes = undo.activation_bytes
+        self._act = undo.activation_bytes
         self._stored_bytes, self._leaf_bytes = undo.stored_bytes, undo.leaf_activation_bytes
         n = len(undo.start)
         task_graph.start[:n] = undo.start
@@ -352,7 +376,9 @@ class Simulation:
         self._validate(strategy)
         layout = self._layout
         self._zero = tuple(strategy.zero_axes)
-        self._views = [self._view(j, c) for j, c in enumerate(strategy.configs)]
+        self._micro = strategy.microbatches
+        self._views = [self._view(j, c, strategy.recompute_of(j))
+                       for j, c in enumerate(strategy.configs)]
         self._task_graph = task_graph = TaskGraph(len(self._pricing.resource_channels))
         self._buffer_counts: dict[int, int] = {}  # communication buffer bytes -> tasks
         self._forward_task = [
@@ -367,7 +393,7 @@ class Simulation:
         for j in range(layout.n):
             task_graph.deps[self._forward_task[j]] = self._forward_deps(j)
             task_graph.deps[self._backward_task[j]] = self._backward_deps(j)
-        self._activation_bytes = sum(v.activation_bytes for v in self._views)
+        self._act = None
         self._stored_bytes = sum(unit.stored_bytes for unit in self._leaf_tasks)
         self._leaf_bytes = sum(unit.activation_bytes for unit in self._leaf_tasks)
         task_graph.build()
@@ -460,24 +486,57 @@ class Simulation:
 
     # --- building units -----------------------------------------------------------------------
 
-    def _view(self, j: int, config: Config) -> _View:
-        key = (j, config)
+    def _view(self, j: int, config: Config, policy: str = "none") -> _View:
+        m = self._micro
+        key = (j, config, policy, m)
         v = self._views_memo.get(key)
         if v is None:
             validate_config(self.graph, j, config, self.mesh)
             op = self.graph.operators[j]
-            t = self.cost_model.op_time(j, config)
+            why = microbatch_error(op, config, self.mesh, m)
+            if why:
+                raise PlanError(f"{why}; choose microbatches dividing every operator's "
+                                "per-device batch")
+            if m == 1:
+                t = self.cost_model.op_time(j, config)
+            else:  # one microbatch's shard, M times (`soapjax.memory`)
+                t = self.cost_model.shard_time(
+                    j, microbatch_degrees(op, config.degrees(self.mesh), m))
+            recompute = recomputes(op, policy)
+            forward, backward = m * float(t.forward_s), m * float(t.backward_s)
+            if recompute:
+                backward += forward
             outs = tuple(config.operand_axes(x.dims) for x in op.outputs)
             specs = tuple(config.operand_axes(x.dims) for x in op.inputs)
             used = config.used_axes
             partials = tuple(tuple(a for a in self.mesh.axis_names if a in used
                                    and not any(a in d for d in spec)) for spec in specs)
-            activation = sum(shard_bytes(x.shape, s, x.dtype, self.mesh)
-                             for x, s in zip(op.outputs, outs))
-            v = self._views_memo[key] = _View(config, float(t.forward_s), float(t.backward_s),
-                                              outs, specs, partials,
-                                              tuple(config.reduction_axes(op)), activation)
+            sample = self._sample[j]
+            activation = sum(shard_bytes(microbatch_shape(x.shape, x.dims, sample, m), s,
+                                         x.dtype, self.mesh) for x, s in zip(op.outputs, outs))
+            v = self._views_memo[key] = _View(config, forward, backward, outs, specs, partials,
+                                              tuple(config.reduction_axes(op)), activation,
+                                              policy, recompute)
         return v
+
+    def _per_microbatch(self, chain: tuple[Comm, ...]) -> tuple[Comm, ...]:
+        """`chain` run once per microbatch: M times its time and bytes sent."""
+        m = self._micro
+        if m == 1 or not chain:
+            return chain
+        key = (chain, m)
+        out = self._scaled.get(key)
+        if out is None:
+            out = self._scaled[key] = tuple(c._replace(dur=c.dur * m, sent=c.sent * m)
+                                            for c in chain)
+        return out
+
+    def _activation_chain(self, x: Any, sample: int | None, src: tuple, dst: tuple,
+                          partial: tuple[str, ...] = ()) -> tuple[Comm, ...]:
+        """The resharding of activation `x` (an operand or output, `dims` of an operator whose
+        sample dim is `sample`) for each microbatch, at microbatch size."""
+        shape = microbatch_shape(x.shape, x.dims, sample, self._micro)
+        return self._per_microbatch(self._pricing.chain(shape, x.dtype, src, dst, partial))
 
     def _chain_tasks(self, chain: tuple[Comm, ...], key: int, head: list[int], kind: str,
                      subject: Any) -> list[int]:
@@ -495,8 +554,8 @@ class Simulation:
         if not v.reduction_axes:
             return []
         x = self.graph.operators[j].outputs[0]
-        chain = self._pricing.chain(x.shape, x.dtype, v.out_specs[0], v.out_specs[0],
-                                    v.reduction_axes)
+        chain = self._activation_chain(x, self._sample[j], v.out_specs[0], v.out_specs[0],
+                                       v.reduction_axes)
         key = self._layout.fwd_key(j, self._layout.slots - 1)
         return self._chain_tasks(chain, key, [self._forward_task[j]], PARTIAL_SUM, j)
 
@@ -522,10 +581,11 @@ class Simulation:
         p, k, j, o = layout.edges[e]
         x = self.graph.operators[j].inputs[o]
         src, dst = self._views[p].out_specs[k], self._views[j].operand_specs[o]
+        sample = self._sample[j]
         forward = [] if self._resharded_by(e) != e else self._chain_tasks(
-            self._pricing.chain(x.shape, x.dtype, src, dst), layout.fwd_key(j, o),
+            self._activation_chain(x, sample, src, dst), layout.fwd_key(j, o),
             [self._output_ready(p, k)], RESHARD, e)
-        back = self._pricing.chain(x.shape, x.dtype, dst, src, self._views[j].partials[o])
+        back = self._activation_chain(x, sample, dst, src, self._views[j].partials[o])
         backward = self._chain_tasks(back, layout.bwd_key(j, 1 + o), [self._backward_task[j]],
                                      RESHARD_BWD, e)
         return _EdgeTasks(forward, backward)
@@ -564,8 +624,9 @@ class Simulation:
             spec = self._views[j].operand_specs[o]
             if spec != store:
                 gathered += shard_bytes(shape, spec, dtype, self.mesh)
-            chain = self._chain_tasks(self._pricing.chain(shape, dtype, store, spec),
-                                      layout.fwd_key(j, o), [], PARAM_GATHER, leaf)
+            chain = self._chain_tasks(self._per_microbatch(
+                self._pricing.chain(shape, dtype, store, spec)), layout.fwd_key(j, o), [],
+                PARAM_GATHER, leaf)
             tasks += chain
             ends.append(chain[-1] if chain else -1)
         return tasks, ends, gathered
@@ -629,8 +690,12 @@ class Simulation:
 
     def _memory(self) -> MemoryBreakdown:
         p = self._stored_bytes
+        if self._act is None:  # exact whatever the order of changes: a pure function of views
+            views = self._views
+            self._act = self._segments.activation_bytes([v.recomputes for v in views],
+                                                        [v.activation_bytes for v in views])
         return MemoryBreakdown(params=p, grads=p, opt_state=round(p * self.opt_state_factor),
-                               activations=self._activation_bytes + self._leaf_bytes,
+                               activations=self._act + self._leaf_bytes,
                                comm_buffers=max(self._buffer_counts, default=0))
 
     def _task_name(self, t: int) -> str:

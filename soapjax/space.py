@@ -170,6 +170,9 @@ class Config:
         return "[" + ", ".join(parts[:n]) + (" | " + ", ".join(parts[n:]) if parts[n:] else "") + "]"
 
 
+RECOMPUTE_POLICIES: tuple[str, ...] = ("none", "selective", "full")
+
+
 def _spec(axes: Sequence[tuple[str, ...]]) -> PartitionSpec:
     return PartitionSpec(*[(a[0] if len(a) == 1 else a) if a else None for a in axes])
 
@@ -183,10 +186,34 @@ class Strategy:
       zero_axes: ZeRO-3 / fully sharded data parallel: parameters, gradients and optimizer
         state are additionally split over these mesh axes where they are replicated; each
         operator all-gathers its parameters before use and gradients are reduce-scattered.
+      microbatches: M: the global batch runs as M microbatches, gradients summed over a
+        ``lax.scan`` and synchronised once (`soapjax.memory`).
+      recompute: per operator, in graph order, ``"none"``, ``"selective"`` or ``"full"``
+        (`soapjax.memory` says what each recomputes); () means none anywhere.
     """
 
     configs: tuple[Config, ...]
     zero_axes: tuple[str, ...] = ()
+    microbatches: int = 1
+    recompute: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        m = self.microbatches
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise PlanError(f"Strategy.microbatches must be an integer >= 1 (the global batch "
+                            f"as that many microbatches), got {m!r}")
+        if not isinstance(self.recompute, tuple):
+            object.__setattr__(self, "recompute", tuple(self.recompute))
+        bad = [(k, p) for k, p in enumerate(self.recompute) if p not in RECOMPUTE_POLICIES]
+        if bad:
+            raise PlanError(f"Strategy.recompute[{bad[0][0]}] is {bad[0][1]!r}; expected one of "
+                            f"{RECOMPUTE_POLICIES} per operator (or () for none anywhere)")
+        if self.recompute and len(self.recompute) != len(self.configs):
+            raise PlanError(f"Strategy.recompute has {len(self.recompute)} policies for "
+                            f"{len(self.configs)} operators; give one per operator, in graph "
+                            "order, or () for none")
+        if all(p == "none" for p in self.recompute):
+            object.__setattr__(self, "recompute", ())  # one spelling of "none anywhere"
 
     def __len__(self) -> int:
         return len(self.configs)
@@ -197,6 +224,20 @@ class Strategy:
     def replace(self, i: int, config: Config) -> Strategy:
         """This strategy with operator `i` given `config`."""
         return dataclasses.replace(self, configs=self.configs[:i] + (config,) + self.configs[i + 1:])
+
+    def recompute_of(self, i: int) -> str:
+        """Operator `i`'s recompute policy (``"none"`` when `recompute` is ())."""
+        return self.recompute[i] if self.recompute else "none"
+
+    def with_recompute(self, i: int, policy: str) -> Strategy:
+        """This strategy with operator `i` recomputing under `policy`."""
+        r = list(self.recompute or ("none",) * len(self.configs))
+        r[i] = policy
+        return dataclasses.replace(self, recompute=tuple(r))
+
+    def with_microbatches(self, microbatches: int) -> Strategy:
+        """This strategy as `microbatches` microbatches of gradient accumulation."""
+        return dataclasses.replace(self, microbatches=microbatches)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,3 +106,40 @@ def test_missing_and_invalid_files(tmp_path):
     (tmp_path / "x.json").write_text("{")
     with pytest.raises(PlanError, match="not valid JSON"):
         Plan.load(tmp_path / "x.json")
+
+
+def test_round_trip_with_microbatches_and_recompute(graph, topo, tmp_path):
+    mesh = space.MeshShape.of(topo)
+    n = len(graph.operators)
+    policies = tuple(("none", "selective", "full")[k % 3] for k in range(n))
+    strategy = space.data_parallel(graph, mesh).with_microbatches(2)
+    strategy = space.Strategy(strategy.configs, microbatches=2, recompute=policies)
+    plan = Plan.make(graph, topo, strategy)
+    path = plan.save(tmp_path / "plan.json")
+    data = json.loads(path.read_text())
+    assert data["microbatches"] == 2
+    assert [op.get("recompute", "none") for op in data["operators"].values()] == list(policies)
+    again = Plan.load(path)
+    assert again == plan and again.strategy(graph, topo) == strategy
+
+
+def test_old_plan_files_without_the_memory_fields_load(graph, topo, tmp_path):
+    mesh = space.MeshShape.of(topo)
+    data = Plan.make(graph, topo, space.data_parallel(graph, mesh)).to_json()
+    del data["microbatches"]
+    assert not any("recompute" in op for op in data["operators"].values())
+    plan = Plan.from_json(data)
+    strategy = plan.strategy(graph, topo)
+    assert (strategy.microbatches, strategy.recompute) == (1, ())
+    assert strategy == space.data_parallel(graph, mesh)
+
+
+def test_bad_memory_fields(graph, topo):
+    data = Plan.make(graph, topo, space.data_parallel(graph, space.MeshShape.of(topo))).to_json()
+    data["microbatches"] = 0
+    with pytest.raises(PlanError, match="microbatches must be an integer >= 1"):
+        Plan.from_json(data)
+    data["microbatches"] = 1
+    data["operators"][graph.operators[0].name]["recompute"] = "some"
+    with pytest.raises(PlanError, match=r"recompute\[0\] is 'some'"):
+        Plan.from_json(data)

@@ -521,3 +521,61 @@ def test_cli_simulate_json_and_trace(tmp_path, capsys):
     plan.write_text(json.dumps({"configs": {"fc9": [[]]}}))
     assert cli.main(argv + ["--strategy", str(plan)]) == 2
     assert "plan names operator 'fc9'" in capsys.readouterr().err
+
+
+MEMORY_CASES = [("mlp", "cpu8", 20), ("attention", "cpu8", 21), ("gpt2", "cpu8", 22),
+                ("tied", "p100x16", 23), ("lstm", "k80x64", 24)]
+
+
+@pytest.mark.parametrize("kind, topo_name, seed", MEMORY_CASES,
+                         ids=[f"{k}-{t}" for k, t, _ in MEMORY_CASES])
+def test_delta_equals_full_with_microbatches_and_recompute(kind, topo_name, seed):
+    """Random walks that also change recompute policies (delta) and microbatches (a reset, as
+    the search does it): after every move the state equals a full simulation, bit for bit."""
+    from soapjax.memory import microbatch_choices, microbatch_error
+
+    rng = random.Random(seed)
+    g = random_graph(kind, rng)
+    topo = TOPOLOGIES[topo_name]()
+    mesh = MeshShape.of(topo)
+    costs, rs = cost_model(g, topo, mode="analytic"), ideal(topo)
+    choices = [configs(op, mesh) for op in g.operators]
+    policies = ("none", "selective", "full")
+    current = Strategy(tuple(rng.choice(c) for c in choices),
+                       recompute=tuple(rng.choice(policies) for _ in g.operators))
+    sim = Simulation(g, topo, costs, rs, current)
+    same(sim, current, g, topo, costs, rs)
+    ms = microbatch_choices(g)
+    moved_m = 0
+    for step in range(PROPOSALS):
+        r = rng.random()
+        if r < 0.15:  # a change of microbatches: a full reset
+            m = rng.choice(ms)
+            candidate = current.with_microbatches(m)
+            if any(microbatch_error(op, c, mesh, m) for op, c in zip(g.operators, current)):
+                continue
+            sim.reset(candidate)
+            moved_m += m != current.microbatches
+            current = candidate
+            same(sim, current, g, topo, costs, rs)
+            continue
+        i = rng.randrange(len(choices))
+        fits = [c for c in choices[i]
+                if not microbatch_error(g.operators[i], c, mesh, current.microbatches)]
+        config = current[i] if r < 0.45 else rng.choice(fits)
+        policy = rng.choice(policies) if r < 0.7 else None
+        candidate = current.replace(i, config)
+        if policy is not None:
+            candidate = candidate.with_recompute(i, policy)
+        t = sim.propose(i, config, policy)
+        same(sim, candidate, g, topo, costs, rs)
+        assert t == sim.step_time()
+        if rng.random() < 0.5:
+            sim.accept()
+            current = candidate
+        else:
+            sim.reject()
+            if step % 4 == 0:
+                same(sim, current, g, topo, costs, rs)
+    assert sim.strategy == current
+    assert moved_m > 0 or len(ms) == 1
