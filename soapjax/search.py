@@ -53,6 +53,7 @@ from soapjax.baselines import baselines as make_baselines
 from soapjax.cost import CostModel, cost_model as make_cost_model
 from soapjax.errors import PlanError, SettingsError
 from soapjax.graph import OpGraph
+from soapjax.memory import microbatch_choices, microbatch_error
 from soapjax.plan import Plan
 from soapjax.reshard import DEFAULT_MODE, Resharder
 from soapjax.simulate import Simulation, opt_state_factor
@@ -160,22 +161,31 @@ def _pick(choices, rng):
     return choices[int(rng.integers(len(choices)))]
 
 
-def _propose_all(sim: Simulation, members: list[int], config) -> list:
-    """Delta-simulates every member taking `config`; all but the last change are accepted,
-    the last stays pending. Returns the members' old configs (for `_undo_all`)."""
-    olds = [sim.strategy[j] for j in members]
-    for j in members[:-1]:
-        sim.propose(j, config)
+def _propose_all(sim: Simulation, members: list[int], config, policy: str | None = None) -> list:
+    """Delta-simulates every member taking `config` (None: its own) and recompute `policy`
+    (None: its own); all but the last change are accepted, the last stays pending. Returns
+    the members' old (config, policy) pairs (for `_undo_all`)."""
+    olds = [sim.choice(j) for j in members]
+    for j, (c, _) in zip(members[:-1], olds):
+        sim.propose(j, c if config is None else config, policy)
         sim.accept()
-    sim.propose(members[-1], config)
+    sim.propose(members[-1], olds[-1][0] if config is None else config, policy)
     return olds
 
 
 def _undo_all(sim: Simulation, members: list[int], olds: list) -> None:
     """After `reject` of the last member's change, puts the other members back."""
-    for j, old in zip(reversed(members[:-1]), reversed(olds[:-1])):
-        sim.propose(j, old)
+    for j, (config, policy) in zip(reversed(members[:-1]), reversed(olds[:-1])):
+        sim.propose(j, config, policy)
         sim.accept()
+
+
+# How often a proposal changes a recompute policy (of one operator or one position of every
+# layer) or the number of microbatches instead of a config. A microbatch change re-simulates
+# the whole step (`Simulation.reset`), in delta and full simulation alike.
+RECOMPUTE_MOVES = 0.15
+MICROBATCH_MOVES = 0.03
+_POLICIES = ("none", "selective", "full")
 
 
 class _Searcher:
@@ -193,6 +203,9 @@ class _Searcher:
         self.tied = {i: g for g in sim.graph.repeated_blocks() for i in g}
         self.movable = [i for i, s in enumerate(self.spaces)
                         if len(s) > 1 and self.tied.get(i, [i])[0] == i]
+        self.recomputable = [i for i in range(len(self.spaces)) if self.tied.get(i, [i])[0] == i]
+        self.microbatches = microbatch_choices(sim.graph)
+        self.mesh = mesh
         self.proposals = self.accepted = 0
         self.best: tuple[float, Strategy, str] | None = None
         self.t0 = time.perf_counter()
@@ -213,7 +226,7 @@ class _Searcher:
         sim, rng, s = self.sim, self.rng, self.settings
         sim.reset(start)
         self.record(name)
-        if not self.movable:
+        if not self.movable and not self.recomputable:
             return
         current = _cost(sim)
         strategy = sim.strategy  # the current strategy, for full simulation
@@ -229,21 +242,30 @@ class _Searcher:
                 now = time.perf_counter()
                 if now >= deadline or (now - t_start) - self._t_best >= (deadline - t_start) / 2:
                     break
-            i = self.movable[int(rng.integers(len(self.movable)))]
-            config = _pick(self.spaces[i], rng)
             n += 1
             self.proposals += 1
-            members = self.tied.get(i, [i])
-            if s.simulation == "full":
+            move = self._draw(sim.microbatches if s.simulation == "delta"
+                              else strategy.microbatches,
+                              lambda: sim.strategy if s.simulation == "delta" else strategy)
+            if move is None:  # a config or microbatch count the current strategy cannot take
+                since_best += 1
+                continue
+            members, config, policy, m = move
+            if m is not None:
+                before = strategy if s.simulation == "full" else sim.strategy
+                candidate = before.with_microbatches(m)
+                sim.reset(candidate)
+            elif s.simulation == "full":
                 candidate = strategy
                 for j in members:
-                    candidate = candidate.replace(j, config)
+                    candidate = candidate.replace(j, config) if config is not None else candidate
+                    candidate = candidate.with_recompute(j, policy) if policy else candidate
                 sim.reset(candidate)
             else:
-                olds = _propose_all(sim, members, config)
+                olds = _propose_all(sim, members, config, policy)
             new = _cost(sim)
             if new <= current or rng.random() < math.exp(beta * (current - new)):
-                if s.simulation == "full":
+                if s.simulation == "full" or m is not None:
                     strategy = candidate
                 else:
                     sim.accept()
@@ -256,11 +278,37 @@ class _Searcher:
                 else:
                     since_best += 1
             else:
-                if s.simulation == "delta":
+                if m is not None and s.simulation == "delta":
+                    sim.reset(before)
+                elif s.simulation == "delta":
                     sim.reject()  # (full: the next proposal resets the simulation anyway)
                     _undo_all(sim, members, olds)
                 since_best += 1
             self._report(name)
+
+    def _draw(self, m: int, current: Callable[[], Strategy]) -> tuple | None:
+        """A random move from the current strategy (`current()`, with `m` microbatches):
+        (members, config or None, policy or None, microbatches or None), or None when the
+        drawn change does not divide the batch."""
+        rng = self.rng
+        r = rng.random()
+        if r < MICROBATCH_MOVES and len(self.microbatches) > 1:
+            new = self.microbatches[int(rng.integers(len(self.microbatches)))]
+            ops = self.sim.graph.operators
+            if new == m or any(microbatch_error(op, c, self.mesh, new)
+                               for op, c in zip(ops, current().configs)):
+                return None
+            return [], None, None, new
+        if r < MICROBATCH_MOVES + RECOMPUTE_MOVES:
+            i = self.recomputable[int(rng.integers(len(self.recomputable)))]
+            return self.tied.get(i, [i]), None, _POLICIES[int(rng.integers(3))], None
+        if not self.movable:
+            return None
+        i = self.movable[int(rng.integers(len(self.movable)))]
+        config = _pick(self.spaces[i], rng)
+        if m > 1 and microbatch_error(self.sim.graph.operators[i], config, self.mesh, m):
+            return None
+        return self.tied.get(i, [i]), config, None, None
 
     def _report(self, name: str, force: bool = False) -> None:
         if self.progress is None:

@@ -216,6 +216,16 @@ class Simulation:
         return Strategy(tuple(v.config for v in self._views), self._zero, self._micro,
                         tuple(v.policy for v in self._views))
 
+    @property
+    def microbatches(self) -> int:
+        """The current strategy's number of microbatches."""
+        return self._micro
+
+    def choice(self, j: int) -> tuple[Config, str]:
+        """Operator `j`'s config and recompute policy (cheaper than ``strategy[j]``)."""
+        v = self._views[j]
+        return v.config, v.policy
+
     def step_time(self) -> float:
         """The simulated step time of the current strategy."""
         return self._task_graph.step_time()
