@@ -395,8 +395,8 @@ class Topology:
         return tuple(a for a in self.axis_names if a in axes)  # mesh order: one cache entry
 
     def _routes(self) -> Routes:
-        return self._cached(("routes",), lambda: Routes(self.num_devices, self.switches,
-                                                         self.links))
+        return self._cached(("routes",), lambda: Routes(
+            self.num_devices, self.switches, self.links, self.devices_per_node))
 
     def _hierarchy(self, groups: Sequence[Sequence[int]]) -> tuple[RingStats, RingStats] | None:
         local, cross = [], []

@@ -567,3 +567,79 @@ def test_a_shipped_name_with_a_count_is_the_cut_cluster():
         load_topology("p100x16-3")
     with pytest.raises(TopologyError, match="no topology named 'nosuch-4'"):
         load_topology("nosuch-4")
+
+
+# --- routing at cluster scale --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["k80x64", "h100x64", "dgx-a100x3072-256"])
+def test_routes_from_two_nodes_are_the_whole_graphs_routes(name):
+    from itertools import combinations
+
+    from soapjax._routing import Routes
+
+    t = load_topology(name)
+    fast = t._routes()
+    whole = Routes(t.num_devices, t.switches, t.links)  # one search per source, no symmetry
+    assert fast._symmetry is not None and whole._symmetry is None
+    for a in range(0, t.num_devices, 7):
+        assert [fast.route(a, b) for b in range(t.num_devices) if b != a] == [
+            whole.route(a, b) for b in range(t.num_devices) if b != a]
+    for k in range(1, len(t.axis_names) + 1):
+        for axes in combinations(t.axis_names, k):
+            groups = t.groups(axes)
+            assert fast.all_pairs(groups) == whole.all_pairs(groups)  # flows counted, not routed
+            assert fast.rings_stats(groups) == whole.rings_stats(groups)
+
+
+def test_a_node_that_forwards_between_cluster_switches_takes_the_whole_graph(tmp_path):
+    # node:N/host joins two cluster switches: a route between two nodes may cross a third
+    path = tmp_path / "bridge.toml"
+    path.write_text(textwrap.dedent("""
+        name = "bridge"
+        platform = "gpu"
+        [device]
+        kind = "x"
+        memory_bytes = "16 GB"
+        memory_bandwidth = "900 GB/s"
+        [device.peak_flops]
+        float32 = "15 TFLOP/s"
+        bfloat16 = "120 TFLOP/s"
+        float16 = "120 TFLOP/s"
+        [nodes]
+        count = 4
+        devices_per_node = 2
+        switches = { host = 1 }
+        [fabric]
+        switches = { a = 1, b = 1 }
+        [mesh]
+        axes = { node = 4, gpu = 2 }
+        [[links]]
+        class = "pcie"
+        bandwidth = "16 GB/s"
+        latency = "1 us"
+        connect = [["device:*", "host"]]
+        [[links]]
+        class = "ethernet"
+        bandwidth = "10 GB/s"
+        latency = "5 us"
+        connect = [["host", "a"], ["host", "b"]]
+    """))
+    t = load_topology(path)
+    assert t._routes()._symmetry is None
+    assert t.axis_bandwidth(("node",)) > 0
+
+
+def test_the_3072_gpu_cluster_is_summarised_and_priced_in_seconds():
+    import time
+
+    start = time.perf_counter()
+    t = load_topology("dgx-a100x3072")
+    axes = {a["name"]: a for a in t.summary()["axes"]}
+    channels = t.channels_used(("node", "data", "model"))
+    elapsed = time.perf_counter() - start
+    assert axes["node"]["bandwidth_GBps"] == 25.0 and axes["node"]["size"] == 384
+    assert axes["model"]["bandwidth_GBps"] == 300.0
+    # every node's NVLink, PCIe and NIC channels: 384 x 3
+    assert len(channels) == 3 * 384
+    assert elapsed < 10  # 40-60 s and 4 GB when every pair was routed
