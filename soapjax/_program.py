@@ -212,24 +212,39 @@ class _Program:
         closed = jax.make_jaxpr(lambda *a: jax.numpy.stack(a))(*avals)
         return self._inline(closed, list(vids), stack, region, iteration)[0]
 
-    def run(self, flat_inputs, hook=None, swaps: Mapping[int, tuple] | None = None) -> list:
+    def run(self, flat_inputs, hook=None, swaps: Mapping[int, tuple] | None = None,
+            checkpoints: Mapping[int, int] | None = None) -> list:
         """Evaluates the program and returns the outputs' values.
 
         `swaps` maps an operator's last unit index to ``(its unit indices, fn, input ids,
         output ids)``: those units are skipped, and at the last one ``fn(*inputs)`` gives the
         outputs instead. Remat regions run inside `jax.checkpoint` with their traced policy.
+        `checkpoints` maps a first unit index to a last one: those units (outside any remat
+        region) run inside one `jax.checkpoint` saving nothing (recomputation, `soapjax.memory`).
         """
         env = dict(self.consts)
         env.update(self.literals)
         env.update(zip(self.inputs, flat_inputs))
         swaps = dict(swaps or {})
         skip = frozenset().union(*(sw[0] for sw in swaps.values())) if swaps else frozenset()
-        self._run_block(list(range(len(self.units))), 0, env, hook, swaps, skip)
+        self._run_block(list(range(len(self.units))), 0, env, hook, swaps, skip,
+                        dict(checkpoints or {}))
         return [env[v] for v in self.outputs]
 
-    def _run_block(self, idxs: list[int], depth: int, env: dict, hook, swaps, skip) -> None:
+    def _run_block(self, idxs: list[int], depth: int, env: dict, hook, swaps, skip,
+                   checkpoints: Mapping[int, int] | None = None) -> None:
         i = 0
         while i < len(idxs):
+            last = checkpoints.get(idxs[i]) if checkpoints else None
+            if last is not None:
+                j = i
+                while j < len(idxs) and idxs[j] <= last:
+                    j += 1
+                if all(not self.units[k].region for k in idxs[i:j]):
+                    self._run_checkpointed(idxs[i:j], depth, env, hook, swaps, skip,
+                                           {"policy": jax.checkpoint_policies.nothing_saveable})
+                    i = j
+                    continue
             region = self.units[idxs[i]].region
             if len(region) > depth:  # a nested remat region: as far as it goes
                 j = i
@@ -242,6 +257,11 @@ class _Program:
             i += 1
 
     def _run_region(self, idxs: list[int], depth: int, r: int, env: dict, hook, swaps, skip):
+        self._run_checkpointed(idxs, depth + 1, env, hook, swaps, skip, self.regions[r])
+
+    def _run_checkpointed(self, idxs: list[int], depth: int, env: dict, hook, swaps, skip,
+                          p: Mapping[str, Any]) -> None:
+        """Units `idxs` inside `jax.checkpoint` with remat params `p`, the body at `depth`."""
         block = set(idxs)
         made = {v for i in idxs for v in self.units[i].outs if v is not None}
         ins = sorted({v for i in idxs for v in self.units[i].ins
@@ -254,10 +274,9 @@ class _Program:
             local = dict(self.consts)
             local.update(self.literals)
             local.update(zip(ins, vals))
-            self._run_block(idxs, depth + 1, local, hook, swaps, skip)
+            self._run_block(idxs, depth, local, hook, swaps, skip)
             return [local[v] for v in outs]
 
-        p = self.regions[r]
         vals = jax.checkpoint(body, prevent_cse=p.get("prevent_cse", True),
                               policy=p.get("policy"))(*(env[v] for v in ins))
         env.update(zip(outs, vals))

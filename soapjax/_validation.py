@@ -20,6 +20,7 @@ from jax.sharding import AxisType, Mesh
 
 from soapjax.errors import PlanError
 from soapjax.graph import LeafInfo, OpGraph
+from soapjax.memory import check_microbatches
 from soapjax.space import Config, MeshShape, Strategy
 
 
@@ -42,11 +43,15 @@ def validate_strategy(graph: OpGraph, strategy: Any, mesh: Mesh, *,
       PlanError: the plan was made for another graph; the mesh differs from the planned one
         (axis names, sizes, device count) or has Explicit axes; or the strategy's configs do
         not match the graph's operators (count, rank, unknown mesh axes, degrees that do not
-        divide a dim).
+        divide a dim); microbatches that do not divide an operator's per-device batch.
     """
     strategy, planned = _unwrap(strategy, graph)
     actual = _validate_mesh(mesh, mesh_shape or planned)
     _validate_configs(graph, strategy, actual)
+    if strategy.recompute and len(strategy.recompute) != len(graph.operators):
+        raise PlanError(f"the strategy has {len(strategy.recompute)} recompute policies but "
+                        f"graph {graph.name!r} has {len(graph.operators)} operators")
+    check_microbatches(graph, strategy.configs, actual, strategy.microbatches)
     return strategy
 
 

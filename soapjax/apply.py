@@ -75,6 +75,7 @@ from soapjax._validation import (
 )
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
+from soapjax.memory import Segments, recomputes
 from soapjax.space import Config, MeshShape, Strategy
 
 __all__ = [
@@ -84,6 +85,7 @@ __all__ = [
     "batch_shardings",
     "constrained_loss",
     "device_put_global",
+    "recompute_segments",
     "opt_state_shardings",
     "param_shardings",
     "sharded_train_step",
@@ -147,14 +149,28 @@ def constrained_loss(graph: OpGraph, strategy: Any, mesh: Mesh, *,
         return jax.lax.with_sharding_constraint(value, out_shardings[op.name][k])
 
     grouped = _operator_programs(graph, strategy, mesh, constrain_operands)
+    checkpoints = recompute_segments(graph, strategy)
 
     def loss(params: Any, batch: Any) -> jax.Array:
         flat_params, flat_batch = jax.tree.leaves(params), jax.tree.leaves(batch)
         validate_leaves(graph.params, flat_params, "params")
         validate_leaves(graph.batch, flat_batch, "batch")
-        return graph.evaluate(*flat_params, *flat_batch, on_output=constrain, replace=grouped)
+        return graph.evaluate(*flat_params, *flat_batch, on_output=constrain, replace=grouped,
+                              checkpoints=checkpoints)
 
     return loss
+
+
+def recompute_segments(graph: OpGraph, strategy: Strategy) -> list[list[str]]:
+    """The operators that recompute, as `soapjax.memory` segments (names in graph order):
+    each runs inside one ``jax.checkpoint`` that saves nothing, so what crosses its border is
+    kept and what stays inside is recomputed, as the simulator prices it."""
+    flags = [recomputes(op, strategy.recompute_of(j)) for j, op in enumerate(graph.operators)]
+    out: dict[int, list[str]] = {}
+    for j, first in enumerate(Segments(graph).segments(flags)):
+        if first >= 0:
+            out.setdefault(first, []).append(graph.operators[j].name)
+    return list(out.values())
 
 
 def _operator_programs(graph: OpGraph, strategy: Strategy, mesh: Mesh,
@@ -274,13 +290,13 @@ def sharded_train_step(graph: OpGraph, strategy: Any, mesh: Mesh,
       PlanError: see `validate_strategy`; raised before anything is compiled.
     """
     strategy = validate_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)
-    loss_fn = constrained_loss(graph, strategy, mesh,
-                               allow_spatial_convolutions=allow_spatial_convolutions)
     chosen = _choose_partitioner(graph, strategy, partitioner)
     shardings = train_shardings(graph, strategy, mesh, optimizer, params=params, batch=batch)
+    value_and_grad = _value_and_grad(graph, strategy, mesh, shardings,
+                                     allow_spatial_convolutions)
 
     def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        loss, grads = value_and_grad(params, batch)
         grads = jax.lax.with_sharding_constraint(grads, shardings.params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
@@ -290,6 +306,50 @@ def sharded_train_step(graph: OpGraph, strategy: Any, mesh: Mesh,
                      donate_argnums=(0, 1) if donate else (),
                      compiler_options=dict(compiler_options) if compiler_options else None)
     return PartitionedStep(jitted, chosen), shardings
+
+
+def _value_and_grad(graph: OpGraph, strategy: Strategy, mesh: Mesh, shardings: TrainShardings,
+                    allow_spatial_convolutions: bool) -> Callable:
+    """``(params, batch) -> (loss, grads)`` of the constrained loss; with M microbatches
+    (`Strategy.microbatches`), the graph traced again at batch / M (same operator names, so
+    the same configs), ``value_and_grad`` of it over the M microbatches in a ``lax.scan``,
+    losses and gradients summed and divided by M: the mean over the whole batch, for a loss
+    that is a mean over its samples (as the zoo's are). Microbatch k holds samples k, k + M,
+    k + 2M, ...: each device splits its own shard, no data moves."""
+    m = strategy.microbatches
+    if m == 1:
+        return jax.value_and_grad(constrained_loss(
+            graph, strategy, mesh, allow_spatial_convolutions=allow_spatial_convolutions))
+    micro = graph.at_batch_size(graph.batch_size // m)
+    names = [op.name for op in graph.operators]
+    if [op.name for op in micro.operators] != names:
+        raise PlanError(f"graph {graph.name!r} traced at batch {micro.batch_size} has other "
+                        f"operators than at {graph.batch_size}; microbatches need the same "
+                        "operators at both sizes: plan with microbatches=1")
+    loss_fn = constrained_loss(micro, Strategy(strategy.configs, strategy.zero_axes, 1,
+                                               strategy.recompute), mesh,
+                               allow_spatial_convolutions=allow_spatial_convolutions)
+    grad_fn = jax.value_and_grad(loss_fn)
+
+    def split(x, sharding):
+        y = jax.numpy.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+        spec = PartitionSpec(None, *sharding.spec)
+        return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, spec))
+
+    def value_and_grad(params, batch):
+        micro_batches = jax.tree.map(split, batch, shardings.batch)
+
+        def body(carry, mb):
+            loss, grads = grad_fn(params, mb)
+            return jax.tree.map(jax.numpy.add, carry, (loss, grads)), None
+
+        first = jax.tree.map(lambda x: x[0], micro_batches)
+        zeros = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype),
+                             jax.eval_shape(grad_fn, params, first))
+        total, _ = jax.lax.scan(body, zeros, micro_batches)
+        return jax.tree.map(lambda x: x / m, total)
+
+    return value_and_grad
 
 
 Partitioner = Literal["auto", "shardy", "gspmd"]

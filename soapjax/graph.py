@@ -82,6 +82,23 @@ class OpGraph:
     batch: tuple[LeafInfo, ...]
     unsupported: tuple[str, ...]
     program: _Program = dataclasses.field(compare=False, hash=False, repr=False)
+    retrace: Callable[[int], OpGraph] | None = dataclasses.field(
+        default=None, compare=False, hash=False, repr=False)
+
+    def at_batch_size(self, size: int) -> OpGraph:
+        """The same function traced again with `size` samples per batch (microbatches: the
+        jaxpr has the batch size in its shapes). Operator names are the same.
+
+        Raises:
+          TraceError: the graph was not made by `trace`, or the batch does not divide.
+        """
+        if self.retrace is None:
+            raise TraceError(f"graph {self.name!r} keeps no traced function to trace again at "
+                             f"batch size {size}; make it with soapjax.trace")
+        if size < 1 or self.batch_size % size:
+            raise TraceError(f"batch size {size} does not divide graph {self.name!r}'s batch "
+                             f"of {self.batch_size}")
+        return self if size == self.batch_size else self.retrace(size)
 
     def operator(self, name: str) -> Operator:
         """The operator called `name`; raises KeyError naming close matches."""
@@ -158,7 +175,8 @@ class OpGraph:
         return "\n".join(lines)
 
     def evaluate(self, *flat_inputs, on_output: Callable[[Operator, int, Any], Any] | None = None,
-                 replace: Mapping[str, Callable[..., Sequence[Any]]] | None = None):
+                 replace: Mapping[str, Callable[..., Sequence[Any]]] | None = None,
+                 checkpoints: Sequence[Sequence[str]] = ()):
         """Runs the traced function on flat leaves, equation by equation (traceable under jit).
 
         Args:
@@ -170,6 +188,10 @@ class OpGraph:
             equations: called with the operand values in `Operator.inputs` order, it returns
             the values of `Operator.outputs`. Only operators whose equations are contiguous in
             the program can be replaced (`replaceable`).
+          checkpoints: groups of operator names, each evaluated inside one ``jax.checkpoint``
+            that saves nothing (recomputation, `soapjax.memory`): the equations from the
+            group's first to its last. A group overlapping an earlier one, or a remat region
+            of the model, is evaluated as traced.
 
         Returns:
           The function's result (a scalar loss).
@@ -192,7 +214,12 @@ class OpGraph:
             op, units = self.operator(name), self.program.local[name].units
             swaps[max(units)] = (frozenset(units), fn, [o.value for o in op.inputs],
                                  [t.value for t in op.outputs])
-        return self.program.run(flat_inputs, hook, swaps=swaps)[0]
+        spans, taken = {}, -1
+        for group in checkpoints:
+            units = [u for name in group for u in self.program.local[name].units]
+            if units and min(units) > taken:
+                spans[min(units)] = taken = max(units)
+        return self.program.run(flat_inputs, hook, swaps=swaps, checkpoints=spans)[0]
 
     def replaceable(self, name: str) -> bool:
         """Whether operator `name` can be computed all at once where its last equation is.
@@ -251,9 +278,18 @@ def trace(fn: Callable, *example_args, params_argnums: int | Sequence[int] = 0,
     program = _Program(closed, _param_positions(example_args, pnums))
     params, batch = _leaves(example_args, program, pnums, bnums)
     ops, unsupported = _Builder(program, params, batch, name or fname).build()
+
+    def retrace(size: int) -> OpGraph:
+        args = list(abstract)
+        for b in bnums:
+            args[b] = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype), args[b])
+        return trace(fn, *args, params_argnums=params_argnums, batch_argnums=batch_argnums,
+                     name=name or fname)
+
     return OpGraph(name=name or fname, operators=tuple(ops), num_equations=_count_eqns(closed.jaxpr),
                    params=tuple(params), batch=tuple(batch), unsupported=tuple(unsupported),
-                   program=program)
+                   program=program, retrace=retrace)
 
 
 def _param_positions(args, pnums) -> frozenset[int]:

@@ -50,7 +50,8 @@ import jax
 import numpy as np
 
 from soapjax.baselines import baselines as make_baselines
-from soapjax.cost import CostModel, cost_model as make_cost_model
+from soapjax.cost import CostModel
+from soapjax.cost import cost_model as make_cost_model
 from soapjax.errors import PlanError, SettingsError
 from soapjax.graph import OpGraph
 from soapjax.memory import microbatch_choices, microbatch_error
@@ -246,7 +247,7 @@ class _Searcher:
             self.proposals += 1
             move = self._draw(sim.microbatches if s.simulation == "delta"
                               else strategy.microbatches,
-                              lambda: sim.strategy if s.simulation == "delta" else strategy)
+                              lambda st=strategy: sim.strategy if s.simulation == "delta" else st)
             if move is None:  # a config or microbatch count the current strategy cannot take
                 since_best += 1
                 continue
