@@ -141,3 +141,47 @@ def test_microbatches_and_recompute_compute_the_unsharded_step(name):
     scale = max(float(np.max(np.abs(np.asarray(b)))) for b in jax.tree.leaves(want))
     assert diff / scale < 1e-12
     assert abs(float(loss) - float(want_loss)) / abs(float(want_loss)) < 1e-12
+
+
+def compiled_temp_and_simulated(strategies, name="gpt", batch_size=64):
+    from soapjax.cost import cost_model
+    from soapjax.simulate import simulate
+
+    w, params, batch, graph = float64_case(name, batch_size)
+    topo = load_topology("cpu8")
+    mesh, costs = make_mesh(topo), cost_model(graph, topo, mode="analytic")
+    base = megatron(graph, MeshShape.of(topo), ("model",))
+    out = []
+    for make in strategies:
+        st = make(graph, base)
+        _, _, step, placed = run_step(graph, st, params, batch, mesh)
+        with jax.enable_x64(True):
+            temp = step.lower(*placed).compile().memory_analysis().temp_size_in_bytes
+        out.append((temp, simulate(graph, topo, st, cost_model=costs).memory.activations))
+    return out
+
+
+def test_microbatches_cut_compiled_memory_as_simulated():
+    """Tiny GPT, batch 64, Megatron on cpu8: the compiled step's temporary bytes (XLA's
+    `memory_analysis`, which holds the activations kept for the backward pass and little
+    else on this model) with 4 microbatches over those without, against the simulator's
+    activation bytes, same ratio: measured 438,152 / 2,041,328 = 0.215 compiled, 301,064 /
+    1,185,800 = 0.254 simulated; within 20% of each other."""
+    (t1, a1), (t4, a4) = compiled_temp_and_simulated(
+        [lambda g, b: Strategy(b.configs), lambda g, b: Strategy(b.configs, microbatches=4)])
+    assert a4 < a1 and t4 < t1
+    assert abs((t4 / t1) / (a4 / a1) - 1) < 0.2
+
+
+@pytest.mark.xfail(strict=True, reason="on CPU the compiled step's temporaries do not fall "
+                   "with recomputation (2,041,328 bytes -> 2,041,456) while the simulator "
+                   "predicts activations 1,185,800 -> 776,200: to be investigated (XLA:CPU "
+                   "scheduling or CSE of the recomputed segment, or a peak elsewhere)")
+def test_recompute_cuts_compiled_memory_as_simulated():
+    """Full recomputation of every layer operator: compiled temporaries and simulated
+    activations fall by the same fraction (20%)."""
+    (t0, a0), (t1, a1) = compiled_temp_and_simulated(
+        [lambda g, b: Strategy(b.configs),
+         lambda g, b: Strategy(b.configs, recompute=layered_recompute(g, "full", "none"))])
+    assert a1 < a0
+    assert abs((t1 / t0) / (a1 / a0) - 1) < 0.2
