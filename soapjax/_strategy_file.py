@@ -47,7 +47,8 @@ def parse_strategy(graph: OpGraph, topology: Topology, spec: str | Mapping[str, 
     mesh = MeshShape.of(topology)
     if isinstance(spec, str):
         if spec in baselines.NAMES:
-            return baselines.baselines(graph, topology, family)[spec]
+            by_name = baselines.baselines(graph, topology, family)
+            return by_name[spec] if spec in by_name else baselines.baselines(graph, topology)[spec]
         path, spec = spec, _read_strategy_file(spec)
         if spec.get("format") == plan_mod.FORMAT:
             strategy = plan_mod.Plan.from_json(spec, where=path).strategy(graph, topology)

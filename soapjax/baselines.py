@@ -9,6 +9,10 @@ Each is a `Strategy` scored by the same simulator, so comparisons are like for l
   with data parallelism over every other axis.
 * ``fsdp``: data parallel compute with parameters, gradients and optimizer state sharded over
   every axis (ZeRO-3).
+* ``megatron-sp`` (`megatron_3d`): Megatron-LM's 3D recipe as far as it goes without pipeline
+  stages: tensor parallel over every in-node axis with sequence parallelism (norms, dropout
+  and residuals split along the sequence), selective recomputation, data parallel across nodes.
+* ``fsdp-recompute``: FSDP with every layer recomputed (`fsdp` with ``recompute="full"``).
 * ``expert``: the FlexFlow paper's expert strategies: for CNNs, data parallel convolutions and
   pooling with model-parallel dense layers (Krizhevsky's "one weird trick"); for RNNs, data
   parallel across nodes and model parallel within a node.
@@ -16,15 +20,29 @@ Each is a `Strategy` scored by the same simulator, so comparisons are like for l
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import math
 from collections.abc import Callable, Sequence
 
+from soapjax.errors import PlanError
 from soapjax.graph import Operator, OpGraph
-from soapjax.space import Config, MeshShape, Strategy, data_parallel, dividing_axes, sample_dim
+from soapjax.memory import check_microbatches
+from soapjax.space import (
+    RECOMPUTE_POLICIES,
+    Config,
+    MeshShape,
+    Strategy,
+    data_parallel,
+    dividing_axes,
+    sample_dim,
+)
 
 _DENSE = ("dot_general", "conv_general_dilated", "scan")
 
 # Every baseline's name, as `baselines` returns them (with no family: both experts).
-NAMES: tuple[str, ...] = ("data-parallel", "megatron", "fsdp", "expert-cnn", "expert-rnn")
+NAMES: tuple[str, ...] = ("data-parallel", "megatron", "fsdp", "megatron-sp", "fsdp-recompute",
+                          "expert-cnn", "expert-rnn")
 
 
 def intra_node_axes(topology) -> tuple[str, ...]:
@@ -84,6 +102,10 @@ def _layered(graph: OpGraph, mesh: MeshShape, outer: Sequence[str], inner: Seque
     return Strategy(tuple(configs))
 
 
+def _a_dims(op: Operator) -> list[int]:
+    return [d for d in op.divisible_dims if d < len(op.shape) and op.roles[d] == "A"]
+
+
 def _p_dims(op: Operator) -> list[int]:
     return [d for d in op.divisible_dims if d < len(op.shape) and op.roles[d] == "P"]
 
@@ -92,12 +114,22 @@ def _weights(op: Operator) -> bool:
     return op.anchor in _DENSE and any(o.kind == "param" and len(o.shape) >= 2 for o in op.inputs)
 
 
-def megatron(graph: OpGraph, mesh: MeshShape, intra: Sequence[str]) -> Strategy:
-    """Tensor parallel over the `intra` (in-node) axes, data parallel over the others."""
+def megatron(graph: OpGraph, mesh: MeshShape, intra: Sequence[str], *,
+             sequence_parallel: bool = False) -> Strategy:
+    """Tensor parallel over the `intra` (in-node) axes, data parallel over the others.
+
+    With `sequence_parallel`, the operators between a row-parallel layer and the next
+    column-parallel one (norms, dropout, residual adds: they arrive with no dim split over
+    `intra`) split their first attribute dim (the sequence) over `intra` instead of repeating
+    the same work on every device; the resharding into them is a reduce-scatter, out of them an
+    all-gather, where plain Megatron all-reduces.
+    """
     outer = [a for a in mesh.axis_names if a not in intra]
 
     def choose(op: Operator, incoming: dict[int, list[str]]) -> list[int]:
         if not _weights(op):
+            if sequence_parallel and not any(set(a) & set(intra) for a in incoming.values()):
+                return _a_dims(op)[:1]
             return []
         n = len(op.shape)
         split_in = [d for d, axes in incoming.items() if d >= n and set(axes) & set(intra)]
@@ -109,6 +141,93 @@ def megatron(graph: OpGraph, mesh: MeshShape, intra: Sequence[str]) -> Strategy:
 def fsdp(graph: OpGraph, mesh: MeshShape) -> Strategy:
     """Data parallel compute, parameters and optimizer state sharded over every axis."""
     return Strategy(data_parallel(graph, mesh).configs, zero_axes=tuple(mesh.axis_names))
+
+
+def with_recompute(graph: OpGraph, strategy: Strategy, recompute: str) -> Strategy:
+    """`strategy` with every operator of a repeated layer recomputing under policy `recompute`
+    (``"none"``, ``"selective"``, ``"full"``), as Megatron checkpoints its transformer layers;
+    the embedding, final norm and head keep their outputs."""
+    if recompute not in RECOMPUTE_POLICIES:
+        raise PlanError(f"recompute={recompute!r}: expected one of {RECOMPUTE_POLICIES}")
+    policies = tuple(recompute if op.block_position else "none" for op in graph.operators)
+    return dataclasses.replace(strategy, recompute=policies)
+
+
+def tensor_axes(topology, tp: int) -> tuple[str, ...]:
+    """The in-node mesh axes whose sizes multiply to `tp` (innermost first among equals).
+
+    >>> from soapjax.topology import load_topology
+    >>> tensor_axes(load_topology("dgx-a100x3072-64"), 4), tensor_axes(load_topology("h100x64"), 8)
+    (('model',), ('data', 'model'))
+
+    Raises:
+      PlanError: no such axes; the message lists the degrees the node allows.
+    """
+    intra = intra_node_axes(topology)
+    mesh = MeshShape.of(topology)
+    choices: dict[int, tuple[str, ...]] = {}
+    for k in range(len(intra) + 1):
+        for axes in itertools.combinations(reversed(intra), k):
+            choices.setdefault(mesh.degree(axes), tuple(a for a in intra if a in axes))
+    if tp not in choices:
+        raise PlanError(
+            f"tp={tp!r} on topology {topology.name!r}: tensor parallelism stays inside a node, "
+            f"over its in-node axes {intra}; expected one of {sorted(choices)}"
+        )
+    return choices[tp]
+
+
+def megatron_3d(graph: OpGraph, topology, *, tp: int, pp: int = 1, dp: int | None = None,
+                microbatch_size: int | None = None, interleave: int = 1,
+                recompute: str = "full", sequence_parallel: bool = False) -> Strategy:
+    """Megatron-LM's configuration space (Narayanan et al., SC 2021) as a strategy.
+
+    Tensor parallel over in-node axes of degree `tp` (column- and row-parallel layers
+    alternating, as `megatron`), data parallel over every other axis, the per-replica batch as
+    microbatches of `microbatch_size` samples (``M = batch / dp / microbatch_size``), every
+    transformer layer recomputed under `recompute`.
+
+    Args:
+      graph: the operator graph.
+      topology: the cluster.
+      tp: tensor-parallel degree: a product of in-node axis sizes (`tensor_axes`).
+      pp, interleave: pipeline stages and virtual stages per device; 1 until soapjax has
+        pipeline stages.
+      dp: data-parallel degree; defaults to (and must equal) devices / (tp * pp).
+      microbatch_size: samples per microbatch per replica; default the whole per-replica
+        batch (M = 1).
+      recompute: ``"none"``, ``"selective"`` or ``"full"``.
+      sequence_parallel: split norms and dropout along the sequence (`megatron`).
+
+    Raises:
+      PlanError: pp or interleave other than 1, a tp the node cannot hold, a dp that does not
+        fill the mesh, a microbatch size that does not divide the per-replica batch.
+    """
+    if pp != 1 or interleave != 1:
+        raise PlanError(
+            f"pp={pp}, interleave={interleave}: soapjax has no pipeline stages yet, so Megatron "
+            f"configurations need pp=1 and interleave=1 (tensor and data parallelism, "
+            f"microbatches and recomputation are in)"
+        )
+    axes = tensor_axes(topology, tp)
+    n = topology.num_devices
+    if dp is not None and dp * tp * pp != n:
+        raise PlanError(f"dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} devices; topology "
+                        f"{topology.name!r} has {n}: expected dp={n // (tp * pp)}")
+    dp = n // (tp * pp)
+    batch = graph.batch_size
+    if batch % dp:
+        raise PlanError(f"batch {batch} over dp={dp} replicas: expected a batch divisible by dp")
+    per_replica = batch // dp
+    size = per_replica if microbatch_size is None else microbatch_size
+    if not isinstance(size, int) or size < 1 or per_replica % size:
+        raise PlanError(f"microbatch_size={microbatch_size!r}: expected a divisor of the "
+                        f"per-replica batch {per_replica} (batch {batch} / dp={dp})")
+    mesh = MeshShape.of(topology)
+    strategy = megatron(graph, mesh, axes, sequence_parallel=sequence_parallel)
+    strategy = dataclasses.replace(strategy, microbatches=per_replica // size)
+    check_microbatches(graph, strategy.configs, mesh, strategy.microbatches)
+    return with_recompute(graph, strategy, recompute)
 
 
 def expert(graph: OpGraph, mesh: MeshShape, intra: Sequence[str], family: str) -> Strategy:
@@ -147,6 +266,10 @@ def baselines(graph: OpGraph, topology, family: str | None = None) -> dict[str, 
     out = {"data-parallel": data_parallel(graph, mesh),
            "megatron": megatron(graph, mesh, intra[-1:]),  # TP on the innermost node axis
            "fsdp": fsdp(graph, mesh)}
+    if family in (None, "transformer"):  # the large models' recipes, where memory binds
+        out["megatron-sp"] = with_recompute(
+            graph, megatron(graph, mesh, intra, sequence_parallel=True), "selective")
+        out["fsdp-recompute"] = with_recompute(graph, fsdp(graph, mesh), "full")
     families = {"cnn": ["cnn"], "rnn": ["rnn"]}.get(family or "", ["cnn", "rnn"])
     for f in families:
         out[f"expert-{f}"] = expert(graph, mesh, intra, f)

@@ -66,11 +66,22 @@ _COUNT = _number(int, 1, "an integer >= 1")
 _SEED = _number(int, 0, "an integer >= 0")
 
 
-def _load_model(model: str, config: str, api: str | None = None):
-    """The workload `--model` names: a zoo model or user code (`soapjax_zoo.load`)."""
+def _load_model(model: str, config: str, api: str | None = None,
+                batch_size: int | None = None):
+    """The workload `--model` names: a zoo model or user code (`soapjax_zoo.load`), with
+    `--batch-size` samples per step where given."""
     import soapjax_zoo as zoo
 
-    return zoo.load(model, config, api=api)
+    return zoo.load(model, config, api=api, batch_size=batch_size)
+
+
+_MESH_CUT = ("; NAME-N is its first N devices, whole nodes (dgx-a100x3072-512: 64 DGX A100s) "
+             "or part of one")
+
+
+def _add_batch_size(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-size", type=_COUNT, default=None, help="samples per step instead "
+                   "of the model size's (zoo models), e.g. Megatron's global batch of 512")
 
 
 def _trace(w):
@@ -376,7 +387,8 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     _add_size(p, None, "zoo model size, e.g. default or tiny "
                    "(default: the plan's, else default)")
     p.add_argument("--mesh", default=None, help="a shipped topology or a .toml path (default: "
-                   "the plan's topology when --strategy is a plan file, else cpu8)")
+                   "the plan's topology when --strategy is a plan file, else cpu8)" + _MESH_CUT)
+    _add_batch_size(p)
     p.add_argument("--strategy", default="data-parallel",
                    help=f"a baseline ({', '.join(NAMES)}), a plan file from `soapjax plan`, or "
                    'a JSON file {"configs": {operator: [[axes of dim 0], ...]}, "zero_axes": '
@@ -412,7 +424,7 @@ def _simulate_inputs(args: argparse.Namespace):
             if model is None:
                 model, config = plan.workload or plan.model, config or plan.model_config or None
             mesh = mesh or plan.topology
-    return (_load_model(model or "gpt2", config or "default"),
+    return (_load_model(model or "gpt2", config or "default", batch_size=args.batch_size),
             load_topology(mesh or "cpu8"))
 
 
@@ -474,13 +486,15 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  soapjax plan\n  soapjax plan --model nmt --mesh k80x64 --budget 60"
         "\n  soapjax plan --model mlp --size tiny --mesh cpu8 --costs measured --out mlp.json"
-        "\n  soapjax plan --model my_model.py:make_workload --mesh cpu8",
+        "\n  soapjax plan --model my_model.py:make_workload --mesh cpu8"
+        "\n  soapjax plan --model gpt --size 13b --mesh dgx-a100x3072-512 --batch-size 512",
     )
     p.add_argument("--model", default="gpt2", help=_MODEL_HELP)
     _add_size(p, "default", "zoo model size (default: "
                    "%(default)s)")
     p.add_argument("--mesh", default="dgx-h100x8", help="topology name or TOML path "
-                   "(default: %(default)s; see `soapjax meshes`)")
+                   "(default: %(default)s; see `soapjax meshes`)" + _MESH_CUT)
+    _add_batch_size(p)
     p.add_argument("--budget", type=_SECONDS, default=SearchSettings.budget_s,
                    help="search time in seconds (default: %(default)s)")
     p.add_argument("--proposals", type=_COUNT, default=None, help="proposals per chain instead "
@@ -513,13 +527,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     if args.plot:
         _require_plot()
-    w = _load_model(args.model, args.size)
+    w = _load_model(args.model, args.size, batch_size=args.batch_size)
     topo = load_topology(args.mesh)
     t0 = time.perf_counter()
     g = _trace(w)
     plan, sim, others, cost_source = _search_and_simulate(args, w, g, topo)
     strategy, info = plan.strategy(g, topo), dict(plan.search)
     name = f"{args.model}-{args.size}" if w.config else w.name
+    name += f"-b{args.batch_size}" if args.batch_size else ""
     out = plan.save(args.out or f"plans/{name}-{topo.name}.json")
     if args.trace:
         with open(args.trace, "w") as f:

@@ -121,7 +121,8 @@ def get(name: str, config: str = "default", *, api: str = "linen",
     return _build(name, config, api, batch_size)
 
 
-def load(model: str, config: str = "default", *, api: str | None = None) -> Workload:
+def load(model: str, config: str = "default", *, api: str | None = None,
+         batch_size: int | None = None) -> Workload:
     """What the command line's ``--model`` names: a zoo model, or user code (`soapjax_zoo.user`).
 
     Example: ``load("gpt2", "tiny")`` is ``get("gpt2", "tiny")``; ``load("my_model.py:make")``
@@ -131,12 +132,16 @@ def load(model: str, config: str = "default", *, api: str | None = None) -> Work
       model: a registered name, ``path/file.py:FUNCTION`` or ``package.module:FUNCTION``.
       config: the zoo config; user code has none (leave it ``"default"``).
       api: the zoo model's Flax API (default linen); user code says its own.
+      batch_size: samples per step instead of the config's (`get`); not for user code.
 
     Raises:
       UnknownModelError: an unknown zoo name, config or api.
       WorkloadError: user code that cannot be loaded, or a config or api given for it.
     """
     if user.is_user_code(model):
+        if batch_size is not None:
+            raise WorkloadError(f"--model {model!r} is user code: --batch-size is for zoo "
+                                "models; its function builds the batch it wants")
         if config != "default" or api is not None:
             raise WorkloadError(f"--model {model!r} is user code: --size and --api are for zoo "
                                 f"models (got config {config!r}, api {api!r}); its function "
@@ -147,7 +152,7 @@ def load(model: str, config: str = "default", *, api: str | None = None) -> Work
             _entry(model)
         except UnknownModelError as e:
             raise UnknownModelError(f"{e}; or user code: {user.FORM}") from None
-    return get(model, config, api=api or "linen")
+    return get(model, config, api=api or "linen", batch_size=batch_size)
 
 
 def for_plan(plan: Plan) -> Workload:

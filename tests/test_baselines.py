@@ -1,13 +1,16 @@
 """The hand-made strategies every plan is compared with, pinned on a DGX (data=2, model=4)."""
 
 import functools
+import re
 
 import pytest
 
 import soapjax_zoo
-from soapjax.baselines import NAMES, baselines, intra_node_axes
+from soapjax.baselines import NAMES, baselines, intra_node_axes, megatron_3d
+from soapjax.errors import PlanError
 from soapjax.graph import trace
 from soapjax.topology import load_topology
+from soapjax.space import MeshShape, data_parallel
 
 DGX = load_topology("dgx-h100x8")  # one node: both axes are in-node
 D, M, DM = ("data",), ("model",), ("data", "model")
@@ -34,6 +37,7 @@ def test_every_baseline_by_name():
     assert tuple(baselines(g, DGX)) == NAMES  # no family: both paper experts
     assert list(baselines(g, DGX, family="cnn")) == ["data-parallel", "megatron", "fsdp",
                                                        "expert-cnn"]
+    assert tuple(baselines(g, DGX, family="transformer")) == NAMES  # the experts: no family's
 
 
 def test_megatron_alternates_column_and_row_parallel_matmuls():
@@ -69,3 +73,73 @@ def test_every_baseline_has_a_config_per_operator(name):
     g, family = graph(name)
     for strategy in baselines(g, DGX, family).values():
         assert len(strategy.configs) == len(g.operators)
+
+
+# --- Megatron's configuration space ---------------------------------------------------------------
+
+A100 = load_topology("dgx-a100x3072-16")  # two DGX A100s: node=2 (InfiniBand), data=2, model=4
+N = ("node",)
+
+
+@functools.cache
+def gpt(batch_size=16):
+    w = soapjax_zoo.get("gpt", "tiny", batch_size=batch_size)
+    return trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt")
+
+
+def test_megatron_3d_alternates_column_and_row_inside_a_node_and_data_parallel_across():
+    g, _ = graph("mlp")
+    s = megatron_3d(g, A100, tp=4, recompute="none")  # batch 8: 4 replicas of 2
+    assert [c.axes for c in s.configs] == [
+        (N + D, M, ()),  # column parallel over the node's model axis
+        (N + D, (), M),  # row parallel
+        (N + D, (), ()),
+        ((), N + D),
+    ]
+    assert (s.microbatches, s.recompute, s.zero_axes) == (1, (), ())
+    wide = megatron_3d(g, A100, tp=8, recompute="none")  # the whole node: data and model
+    assert [c.axes for c in wide.configs][:2] == [(N, DM, ()), (N, (), DM)]
+
+
+def test_megatron_3d_sequence_parallel_splits_norms_along_the_sequence():
+    g = gpt()
+    s = megatron_3d(g, A100, tp=8, microbatch_size=2, recompute="selective",
+                    sequence_parallel=True)
+    by_name = {op.name: c.axes for op, c in zip(g.operators, s.configs)}
+    for name in ("wte", "layers_0/ln_1", "layers_0/ln_2", "layers_1/ln_2", "ln_f"):
+        assert by_name[name] == (N, DM, ())  # [batch over node, sequence over the node's 8]
+    assert by_name["layers_0/mlp/fc1"] == (N, (), DM, ())  # column: the sequence gathered
+    assert by_name["layers_0/mlp/fc2"] == (N, (), (), DM)  # row: reduce-scattered after
+    plain = megatron_3d(g, A100, tp=8, recompute="selective")
+    assert dict(zip(by_name, [c.axes for c in plain.configs]))["layers_0/ln_1"] == (N, (), ())
+    # 16 sequences over dp=2: 8 per replica, microbatches of 2
+    assert s.microbatches == 4
+    policies = dict(zip(by_name, s.recompute))
+    assert policies["layers_0/ln_1"] == policies["layers_1/mlp/fc2"] == "selective"
+    assert policies["wte"] == policies["ln_f"] == policies["wte.attend"] == "none"
+    assert set(megatron_3d(g, A100, tp=1).recompute) == {"none", "full"}
+    assert megatron_3d(g, A100, tp=1).configs == data_parallel(g, MeshShape.of(A100)).configs
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tp=4, pp=2), "pp=2, interleave=1: soapjax has no pipeline stages yet"),
+    (dict(tp=4, interleave=2), "need pp=1 and interleave=1"),
+    (dict(tp=3), "tp=3 on topology 'dgx-a100x3072-16': tensor parallelism stays inside a "
+                 "node, over its in-node axes ('data', 'model'); expected one of [1, 2, 4, 8]"),
+    (dict(tp=16), "expected one of [1, 2, 4, 8]"),
+    (dict(tp=4, dp=2), "dp=2 x tp=4 x pp=1 = 8 devices; topology 'dgx-a100x3072-16' has 16: "
+                       "expected dp=4"),
+    (dict(tp=2, microbatch_size=3), "microbatch_size=3: expected a divisor of the per-replica "
+                                    "batch 2 (batch 16 / dp=8)"),
+    (dict(tp=4, recompute="some"), "recompute='some': expected one of"),
+])
+def test_megatron_3d_refuses_what_it_cannot_build(kwargs, message):
+    with pytest.raises(PlanError, match=re.escape(message)):
+        megatron_3d(gpt(), A100, **kwargs)
+
+
+def test_the_large_model_baselines_recompute():
+    out = baselines(gpt(), A100, "transformer")
+    assert out["fsdp-recompute"].configs == out["fsdp"].configs
+    assert set(out["fsdp-recompute"].recompute) == {"none", "full"}
+    assert set(out["megatron-sp"].recompute) == {"none", "selective"}

@@ -171,10 +171,25 @@ def test_simulate_takes_every_baseline_by_name(capsys):
     assert len(set(times.values())) > 1  # not data parallelism under other names
     code, _, err = run(base + ["--strategy", "zero3"], capsys)
     assert code == 2
-    assert "expected a baseline (data-parallel, megatron, fsdp, expert-cnn, expert-rnn)" in err
+    names = "data-parallel, megatron, fsdp, megatron-sp, fsdp-recompute, expert-cnn, expert-rnn"
+    assert f"expected a baseline ({names})" in err
     assert cli.main(["simulate", "--help"]) == 0
-    assert "data-parallel, megatron, fsdp, expert-cnn, expert-rnn" in " ".join(
-        capsys.readouterr().out.split())
+    assert names.replace(" ", "") in "".join(capsys.readouterr().out.split())  # wrapped
+
+
+def test_batch_size_and_a_cut_cluster_reach_the_simulation(capsys):
+    base = ["simulate", "--model", "gpt", "--size", "tiny", "--costs", "analytic", "--json",
+            "--mesh", "dgx-a100x3072-64", "--strategy", "megatron-sp"]
+    code, small, _ = run(base, capsys)  # batch 8 over 8 nodes
+    code2, big, _ = run(base + ["--batch-size", "512"], capsys)
+    assert code == code2 == 0
+    small, big = json.loads(small), json.loads(big)
+    assert big["step_time_s"] > small["step_time_s"]
+    assert big["memory"]["activations"] > 50 * small["memory"]["activations"]  # 64 x the batch
+    code, _, err = run(base + ["--batch-size", "0"], capsys)
+    assert code == 2 and "argument --batch-size: expected an integer >= 1" in err
+    assert cli.main(["plan", "--help"]) == 0
+    assert "NAME-NisitsfirstNdevices" in "".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize("argv, message", [
