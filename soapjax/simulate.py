@@ -63,9 +63,10 @@ Example::
 
 The module is the `Simulation` and its entry points; its parts live beside it: the task graph's
 engine in `soapjax._taskgraph`, the result records and trace export in `soapjax._simresult`,
-hand-written strategies (``--strategy``) in `soapjax._strategy_file` (all re-exported here).
-`Simulation` stays one class past ~600 lines because its units, their undo record and the
-delta rules that keep it equal to a full simulation are one invariant, read together.
+hand-written strategies (``--strategy``) in `soapjax._strategy_file` (the last two re-exported
+here). The module stays one past ~600 lines because `Simulation` is one class: its units, their
+undo record and the delta rules that keep it equal to a full simulation are one invariant, read
+together.
 """
 
 from __future__ import annotations
