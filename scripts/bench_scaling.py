@@ -1,0 +1,241 @@
+"""GPT and LLaMA at cluster scale: searched plans against Megatron's grid, written to
+docs/scaling.md.
+
+For each GPT size (Megatron's shapes, 1.3B .. 1T) on 8 .. 3072 A100s of `dgx-a100x3072`, and
+LLaMA 7B / 70B on `h100x64`, with analytic (roofline) costs:
+
+* the searched plan (`soapjax.find_plan`, fixed proposals per chain, seed 0) in words: its
+  tensor-parallel axes, data-parallel axes, microbatches M, recomputation, FSDP axes;
+* its predicted step time, model TFLOP/s per GPU (6 x params x tokens + attention 12 x layers
+  x batch x seq^2 x d_model, no recomputation) and hardware TFLOP/s (with the recomputed
+  forwards), and its memory per device;
+* the best Megatron configuration of a small grid (`baselines.megatron_3d`: TP in {1, 2, 4, 8},
+  microbatch sizes {1, 2, 4, per-replica batch}, recompute none / selective / full, sequence
+  parallel) that fits, and its time;
+* the search time.
+
+Rows where no plan without pipeline stages fits in memory say so. The default run takes about
+15 minutes on 2 cores; ``--quick`` a subset in about 2.
+
+    .venv/bin/python scripts/bench_scaling.py [--quick] [--proposals N] [--out docs/scaling.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+
+import soapjax_zoo  # noqa: E402
+from soapjax.baselines import megatron_3d  # noqa: E402
+from soapjax.cost import cost_model  # noqa: E402
+from soapjax.errors import SoapjaxError  # noqa: E402
+from soapjax.graph import trace  # noqa: E402
+from soapjax.reshard import Resharder  # noqa: E402
+from soapjax.search import SearchSettings, find_plan  # noqa: E402
+from soapjax.simulate import Simulation, opt_state_factor  # noqa: E402
+from soapjax.space import MeshShape  # noqa: E402
+from soapjax.topology import load_topology, scaled_topology  # noqa: E402
+from soapjax_zoo.gpt import GPT_SIZES  # noqa: E402
+from soapjax_zoo.llama import LLAMA_SIZES  # noqa: E402
+
+A100 = "dgx-a100x3072"
+GPUS = (8, 64, 280, 512, 1024, 3072)
+# Global batches (sequences of 2048 tokens), after Megatron-LM (Narayanan et al., SC 2021,
+# Table 1: 512 up to 18B, growing to 3072 for 1T), rounded to what 8 .. 3072 GPUs divide.
+GPT_BATCH = {"1.3b": 512, "2.7b": 512, "6.7b": 512, "13b": 512, "22b": 1024, "175b": 1536,
+             "530b": 3072, "1t": 3072}
+LLAMA_BATCH = {"7b": 512, "70b": 512}
+QUICK = [("gpt", "1.3b", A100, 8), ("gpt", "1.3b", A100, 512), ("gpt", "13b", A100, 64),
+         ("gpt", "175b", A100, 1024), ("llama", "7b", "h100x64", 64)]
+
+
+def cases(quick: bool) -> list[tuple[str, str, str, int]]:
+    if quick:
+        return QUICK
+    out = [("gpt", s, A100, n) for s in GPT_SIZES for n in GPUS]
+    return out + [("llama", s, "h100x64", 64) for s in LLAMA_SIZES]
+
+
+def model_flops(model: str, size: str, batch: int, params: int) -> tuple[float, float]:
+    """(FLOPs of a step without recomputation, FLOPs of one forward of the layers)."""
+    cfg = (GPT_SIZES if model == "gpt" else LLAMA_SIZES)[size]
+    tokens = batch * cfg.seq_len
+    attention = 12 * cfg.num_layers * batch * cfg.seq_len ** 2 * cfg.d_model
+    step = 6 * params * tokens + attention
+    return step, step / 3
+
+
+def describe(graph, strategy, mesh: MeshShape) -> str:
+    """TP / DP / M / recompute / FSDP of a strategy, in words (from its matmuls)."""
+    tp, dp = set(), set()
+    for op, c in zip(graph.operators, strategy.configs):
+        if op.anchor != "dot_general" or not op.block_position:
+            continue
+        for d, axes in enumerate(c.axes):
+            (dp if op.roles[d:d + 1] == ("S",) else tp).update(axes)
+    degree = lambda axes: mesh.degree(tuple(a for a in mesh.axis_names if a in axes))  # noqa
+    rec = sorted({p for p in strategy.recompute if p != "none"}) or ["none"]
+    words = [f"TP{degree(tp)}", f"DP{degree(dp)}", f"M={strategy.microbatches}",
+             "recompute " + "+".join(rec)]
+    if strategy.zero_axes:
+        words.append(f"FSDP{mesh.degree(strategy.zero_axes)}")
+    return " ".join(words)
+
+
+def recompute_share(graph, strategy) -> float:
+    """Share of the layers' forward FLOPs that run again (operators under "full")."""
+    layer = [op for op in graph.operators if op.block_position]
+    if not strategy.recompute or not layer:
+        return 0.0
+    policy = dict(zip([op.name for op in graph.operators], strategy.recompute))
+    return sum(policy[op.name] == "full" for op in layer) / len(layer)
+
+
+def megatron_grid(graph, topo, costs, resharder, factor):
+    """(description, step seconds, memory bytes) of the fastest fitting Megatron config."""
+    best = None
+    for tp in (1, 2, 4, 8):
+        dp = topo.num_devices // tp
+        if graph.batch_size % dp:
+            continue
+        per = graph.batch_size // dp
+        for mb in sorted({1, 2, 4, per} & set(range(1, per + 1))):
+            for rec in ("none", "selective", "full"):
+                try:
+                    s = megatron_3d(graph, topo, tp=tp, microbatch_size=mb, recompute=rec,
+                                    sequence_parallel=tp > 1)
+                except SoapjaxError:
+                    continue
+                r = Simulation(graph, topo, costs, resharder, s,
+                               opt_state_factor=factor).result()
+                if r.fits_in_memory and (best is None or r.step_time_s < best[1]):
+                    best = (f"TP{tp} DP{dp} M={s.microbatches} {rec}", r.step_time_s,
+                            max(r.peak_memory_bytes), s)
+    return best
+
+
+def run_case(model, size, mesh, n, proposals) -> dict:
+    batch = (GPT_BATCH if model == "gpt" else LLAMA_BATCH)[size]
+    topo = scaled_topology(load_topology(mesh), n)
+    row = {"model": f"{model} {size}", "gpus": n, "mesh": topo.name, "batch": batch}
+    w = soapjax_zoo.get(model, size, batch_size=batch)
+    t0 = time.perf_counter()
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    row["trace_s"] = time.perf_counter() - t0
+    params = sum(math.prod(x.shape) for x in jax.tree.leaves(w.abstract_params()))
+    flops, layer_forward = model_flops(model, size, batch, params)
+    row["params"] = params
+    costs = cost_model(g, topo, mode="analytic", optimizer=w.optimizer)
+    factor = opt_state_factor(w.optimizer, w.abstract_params())
+    mesh_shape = MeshShape.of(topo)
+    with Resharder(mesh_shape, mode="ideal") as resharder:
+        t0 = time.perf_counter()
+        best = megatron_grid(g, topo, costs, resharder, factor)
+        row["grid_s"] = time.perf_counter() - t0
+        if best:
+            row["megatron"] = {"config": best[0], "step_s": best[1], "memory": best[2]}
+        t0 = time.perf_counter()
+        try:
+            plan = find_plan(g, topo, settings=SearchSettings(max_proposals=proposals, seed=0),
+                             costs=costs, reshard=resharder, optimizer=w.optimizer,
+                             family=w.family, model_config=size)
+        except SoapjaxError as e:  # nothing fits without pipeline stages
+            row["search_s"] = time.perf_counter() - t0
+            row["needs_pipeline"] = str(e).splitlines()[0][:200]
+            return row
+        row["search_s"] = time.perf_counter() - t0
+        s = plan.strategy(g, topo)
+        r = Simulation(g, topo, costs, resharder, s, opt_state_factor=factor).result()
+    hw = flops + layer_forward * recompute_share(g, s)
+    row["plan"] = {"words": describe(g, s, mesh_shape), "step_s": r.step_time_s,
+                   "memory": max(r.peak_memory_bytes), "fits": r.fits_in_memory,
+                   "model_tflops": flops / r.step_time_s / n / 1e12,
+                   "hw_tflops": hw / r.step_time_s / n / 1e12}
+    if best:
+        row["megatron"]["model_tflops"] = flops / best[1] / n / 1e12
+    return row
+
+
+def render(rows: list[dict], args) -> str:
+    lines = [
+        "# Scaling: GPT and LLaMA on thousands of GPUs",
+        "",
+        "Generated by `scripts/bench_scaling.py" + (" --quick" if args.quick else "") +
+        f"` (proposals per chain: {args.proposals}; analytic roofline costs, no efficiency "
+        "factors: every kernel at 100 % of the A100's 312 TFLOP/s, so times are lower bounds "
+        "and TFLOP/s upper bounds; ideal resharding model). Clusters: `dgx-a100x3072` cut to "
+        "N GPUs (`scaled_topology`; 280 = 35 DGX nodes), LLaMA on `h100x64`.",
+        "",
+        "Global batch (sequences): " + ", ".join(f"{k} {v}" for k, v in GPT_BATCH.items()) +
+        " (GPT, after Megatron-LM's Table 1); LLaMA 512. Model TFLOP/s per GPU: (6 x params x "
+        "tokens + 12 x layers x batch x seq^2 x d_model) / step / GPUs, without recomputation; "
+        "hardware TFLOP/s adds the forwards that full recomputation runs again.",
+        "",
+        "Plans have no pipeline stages (soapjax has none yet: `megatron_3d` refuses pp > 1); a "
+        "row where neither the search nor Megatron's grid fits in 80 GB says *needs pipeline "
+        "stages*. Megatron grid: TP in {1,2,4,8} inside a node (sequence parallel), DP across, "
+        "microbatch size in {1,2,4,per-replica batch}, recompute none/selective/full.",
+        "",
+        "| model | GPUs | searched plan | step (s) | model TFLOP/s/GPU | hw TFLOP/s/GPU | "
+        "memory/GPU (GB) | best Megatron | Megatron step (s) | search (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        m = r.get("megatron")
+        mega = (m["config"], f"{m['step_s']:.3f}") if m else ("none fits", "-")
+        if "plan" not in r:
+            lines.append(f"| {r['model']} | {r['gpus']} | needs pipeline stages | - | - | - | "
+                         f"- | {mega[0]} | {mega[1]} | {r['search_s']:.0f} |")
+            continue
+        p = r["plan"]
+        fit = "" if p["fits"] else " (does not fit: needs pipeline stages)"
+        lines.append(
+            f"| {r['model']} | {r['gpus']} | {p['words']}{fit} | {p['step_s']:.3f} | "
+            f"{p['model_tflops']:.0f} | {p['hw_tflops']:.0f} | {p['memory'] / 1e9:.1f} | "
+            f"{mega[0]} | {mega[1]} | {r['search_s']:.0f} |")
+    if args.missing:
+        lines += ["", "Not run (time): " + ", ".join(args.missing) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a subset (about 2 minutes)")
+    p.add_argument("--proposals", type=int, default=200, help="proposals per search chain")
+    p.add_argument("--out", default=str(ROOT / "docs" / "scaling.md"))
+    p.add_argument("--json", default=None, help="also write the rows as JSON")
+    p.add_argument("--limit-s", type=float, default=900.0,
+                   help="stop starting new rows after this many seconds")
+    args = p.parse_args()
+    rows, start, args.missing = [], time.perf_counter(), []
+    for model, size, mesh, n in cases(args.quick):
+        if time.perf_counter() - start > args.limit_s:
+            args.missing.append(f"{model} {size} on {n}")
+            continue
+        t0 = time.perf_counter()
+        try:
+            row = run_case(model, size, mesh, n, args.proposals)
+        except SoapjaxError as e:
+            row = {"model": f"{model} {size}", "gpus": n, "search_s": 0.0,
+                   "needs_pipeline": str(e)[:200]}
+        rows.append(row)
+        print(f"{model} {size} x{n}: {time.perf_counter() - t0:.1f} s "
+              f"{json.dumps(row.get('plan', row.get('needs_pipeline')), default=str)}",
+              flush=True)
+        Path(args.out).write_text(render(rows, args))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
