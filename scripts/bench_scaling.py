@@ -32,20 +32,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import jax  # noqa: E402
+import jax
 
-import soapjax_zoo  # noqa: E402
-from soapjax.baselines import megatron_3d  # noqa: E402
-from soapjax.cost import cost_model  # noqa: E402
-from soapjax.errors import SoapjaxError  # noqa: E402
-from soapjax.graph import trace  # noqa: E402
-from soapjax.reshard import Resharder  # noqa: E402
-from soapjax.search import SearchSettings, find_plan  # noqa: E402
-from soapjax.simulate import Simulation, opt_state_factor  # noqa: E402
-from soapjax.space import MeshShape  # noqa: E402
-from soapjax.topology import load_topology, scaled_topology  # noqa: E402
-from soapjax_zoo.gpt import GPT_SIZES  # noqa: E402
-from soapjax_zoo.llama import LLAMA_SIZES  # noqa: E402
+import soapjax_zoo
+from soapjax.baselines import megatron_3d
+from soapjax.cost import cost_model
+from soapjax.errors import SoapjaxError
+from soapjax.graph import trace
+from soapjax.reshard import Resharder
+from soapjax.search import SearchSettings, find_plan
+from soapjax.simulate import Simulation, opt_state_factor
+from soapjax.space import MeshShape
+from soapjax.topology import load_topology, scaled_topology
+from soapjax_zoo.gpt import GPT_SIZES
+from soapjax_zoo.llama import LLAMA_SIZES
 
 A100 = "dgx-a100x3072"
 GPUS = (8, 64, 280, 512, 1024, 3072)
@@ -82,7 +82,7 @@ def describe(graph, strategy, mesh: MeshShape) -> str:
             continue
         for d, axes in enumerate(c.axes):
             (dp if op.roles[d:d + 1] == ("S",) else tp).update(axes)
-    degree = lambda axes: mesh.degree(tuple(a for a in mesh.axis_names if a in axes))  # noqa
+    degree = lambda axes: mesh.degree(tuple(a for a in mesh.axis_names if a in axes))
     rec = sorted({p for p in strategy.recompute if p != "none"}) or ["none"]
     words = [f"TP{degree(tp)}", f"DP{degree(dp)}", f"M={strategy.microbatches}",
              "recompute " + "+".join(rec)]
@@ -180,13 +180,13 @@ def render(rows: list[dict], args) -> str:
         "tokens + 12 x layers x batch x seq^2 x d_model) / step / GPUs, without recomputation; "
         "hardware TFLOP/s adds the forwards that full recomputation runs again.",
         "",
-        "Plans have no pipeline stages (soapjax has none yet: `megatron_3d` refuses pp > 1); a "
-        "row where neither the search nor Megatron's grid fits in 80 GB says *needs pipeline "
-        "stages*. Megatron grid: TP in {1,2,4,8} inside a node (sequence parallel), DP across, "
-        "microbatch size in {1,2,4,per-replica batch}, recompute none/selective/full.",
+        ("Plans have no pipeline stages (soapjax has none yet: `megatron_3d` refuses pp > 1); a "
+         "row where neither the search nor Megatron's grid fits in 80 GB says *needs pipeline "
+         "stages*. Megatron grid: TP in {1,2,4,8} inside a node (sequence parallel), DP across, "
+         "microbatch size in {1,2,4,per-replica batch}, recompute none/selective/full."),
         "",
-        "| model | GPUs | searched plan | step (s) | model TFLOP/s/GPU | hw TFLOP/s/GPU | "
-        "memory/GPU (GB) | best Megatron | Megatron step (s) | search (s) |",
+        ("| model | GPUs | searched plan | step (s) | model TFLOP/s/GPU | hw TFLOP/s/GPU | "
+         "memory/GPU (GB) | best Megatron | Megatron step (s) | search (s) |"),
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
