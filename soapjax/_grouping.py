@@ -248,7 +248,8 @@ class _Builder:
                 anchors.append(i)
                 open_group[mod] = g
                 if kind == "unknown":
-                    for prim in sorted(self.info[i].primitives - _CHEAP - set(_ANCHORS) - set(_SOFT_ANCHORS)):
+                    known = _CHEAP | set(_ANCHORS) | set(_SOFT_ANCHORS)
+                    for prim in sorted(self.info[i].primitives - known):
                         if prim not in unsupported:
                             unsupported.append(prim)
             if g is not None:
@@ -363,7 +364,8 @@ class _Builder:
             if not m and gi in out_groups:  # the loss itself, outside any module
                 base = self.fname
             else:
-                base = m if (m and count[m] == 1) else "/".join(x for x in (m, self._anchor_name(a)) if x)
+                base = (m if (m and count[m] == 1)
+                        else "/".join(x for x in (m, self._anchor_name(a)) if x))
             name, k = base, 1
             while name in used:
                 name, k = f"{base}_{k}", k + 1
@@ -379,23 +381,67 @@ class _Builder:
         return self.p.units[i].eqn.primitive.name
 
     def _operator(self, name: str, group: list[int], anchor: int, g: int) -> Operator:
+        inputs, exports = self._boundary(group, anchor)
+        ls, lab, env, reduced = self._local_labels(group, inputs)
+        out_vid = exports[0]
+        out_shape = self.p.shapes[out_vid]
+        iter_of: dict[int, int] = {}  # label class -> iteration dim
+        roles = self._output_roles(out_vid, ls, lab, iter_of)
+        red_dims = self._reduction_dims(reduced, len(out_shape), ls, lab, iter_of, inputs)
+
+        def dims_of(v):  # a dim split twice in one tensor (an LSTM's H x 4H kernel): once
+            out: list[int | None] = []
+            for x in lab[v]:
+                d = ls.lookup(x, iter_of)
+                out.append(None if d in out else d)
+            return tuple(out)
+
+        operands = [self._operand(v, g, dims_of(v)) for v in inputs]
+        # P is per operator (the paper's definition): splitting the dim splits a parameter
+        # *this* operator reads. A pooling layer's channels are A, though a conv's are P.
+        param_dims = {d for o in operands if o.kind == "param" for d in o.dims if d is not None}
+        roles = [_per_operator_role(r, d in param_dims) for d, r in enumerate(roles)]
+        red_dims = [dataclasses.replace(r, role=_per_operator_role(r.role,
+                                                                   len(roles) + k in param_dims))
+                    for k, r in enumerate(red_dims)]
+        outputs = tuple(OutputTensor(self.p.shapes[v], self.p.dtypes[v], dims_of(v), v)
+                        for v in exports)
+        self.p.local[name] = _Local(tuple(group), tuple(inputs), tuple(exports), ls, lab, env,
+                                    iter_of)
+        position = self.position[anchor]
+        if position:  # the same position in every layer: the operator's name, layer-free
+            position += name[len(self.group_module[g]):]
+        return Operator(
+            name=name, module=self.group_module[g], anchor=self._anchor_name(anchor),
+            shape=out_shape, dtype=self.p.dtypes[out_vid], roles=tuple(roles),
+            reduction_dims=tuple(red_dims), flops=float(sum(self.info[i].flops for i in group)),
+            bytes_accessed=float(sum(o.nbytes for o in operands) + sum(t.nbytes for t in outputs)),
+            inputs=tuple(operands), outputs=outputs, num_equations=len(group),
+            replicate_only=self._kind(anchor) == "unknown", block_position=position,
+            granularity=self._granularity(out_shape, red_dims, lab, ls, iter_of))
+
+    def _boundary(self, group: list[int], anchor: int) -> tuple[list[int], list[int]]:
+        """The values a group reads from outside, and those it exports (primary first)."""
         units = self.p.units
         produced = {v for i in group for v in units[i].outs if v is not None}
-        inside = set(group)
         inputs: list[int] = []
         for i in group:
             for v in units[i].ins:
                 if v not in produced and v not in inputs and v not in self.p.literals:
                     inputs.append(v)
+        inside = set(group)
         exports = self._exports(inside)
         if not exports:
             exports = [v for v in units[anchor].outs if v is not None][:1]
         primary = self._primary(exports, inside, anchor)
         exports.remove(primary)
         exports.insert(0, primary)
+        return inputs, exports
 
-        # Local labels: fresh at the operator's inputs, so two operands that the whole program
-        # would call alike (a query's and a key's sequence dim) stay apart.
+    def _local_labels(self, group: list[int], inputs: list[int]):
+        """The group's own label analysis, fresh at its inputs, so two operands that the whole
+        program would call alike (a query's and a key's sequence dim) stay apart."""
+        units = self.p.units
         ls = _dims.LabelSet()
         lab = {v: ls.fresh_many(self.p.shapes[v]) for v in inputs}
         lab.update({v: ls.fresh_many(self.p.shapes[v]) for i in group for v in units[i].ins
@@ -408,59 +454,35 @@ class _Builder:
             for v, lb in zip(units[i].outs, info.outs):
                 if v is not None:
                     lab[v] = lb
-        out_vid = exports[0]
-        out_shape = self.p.shapes[out_vid]
-        iter_of: dict[int, int] = {}  # label class -> iteration dim
+        return ls, lab, env, reduced
+
+    def _output_roles(self, out_vid: int, ls, lab, iter_of: dict[int, int]) -> list[Role]:
+        """The primary output's dims become iteration dims 0..n-1 (a repeated one: '-')."""
         roles: list[Role] = []
         for d, lbl in enumerate(lab[out_vid]):
             dup = ls.find(lbl) in iter_of
             roles.append("-" if dup else self.role(out_vid, d))
             if not dup:
                 iter_of[ls.find(lbl)] = d
+        return roles
+
+    def _reduction_dims(self, reduced, first: int, ls, lab, iter_of: dict[int, int],
+                        inputs: list[int]) -> list[ReductionDim]:
+        """The splittable reduced labels become iteration dims after the output's."""
         red_dims: list[ReductionDim] = []
         for lbl in reduced:
             if ls.lookup(lbl, iter_of) is not None or ls.size[lbl] <= 1 or "seq" in ls.marks(lbl):
                 continue
-            k = len(out_shape) + len(red_dims)
+            k = first + len(red_dims)
             iter_of[ls.find(lbl)] = k
-            red_dims.append(ReductionDim(ls.size[lbl], self._reduction_role(ls, k, iter_of, inputs, lab)))
+            red_dims.append(ReductionDim(ls.size[lbl],
+                                         self._reduction_role(ls, k, iter_of, inputs, lab)))
+        return red_dims
 
-        def dims_of(v):  # a dim split twice in one tensor (an LSTM's H x 4H kernel): once
-            out: list[int | None] = []
-            for x in lab[v]:
-                d = ls.lookup(x, iter_of)
-                out.append(None if d in out else d)
-            return tuple(out)
-
-        operands = []
-        for v in inputs:
-            kind, source, index = self._source(v, g)
-            layer = self.p.slice_of[v][1] if kind == "param" and v in self.p.slice_of else ()
-            operands.append(Operand(kind, source, index, self.p.shapes[v], self.p.dtypes[v],
-                                    dims_of(v), v, layer))
-        # P is per operator (the paper's definition): splitting the dim splits a parameter
-        # *this* operator reads. A pooling layer's channels are A, though a conv's are P.
-        param_dims = {d for o in operands if o.kind == "param" for d in o.dims if d is not None}
-        roles = [_per_operator_role(r, d in param_dims) for d, r in enumerate(roles)]
-        red_dims = [dataclasses.replace(r, role=_per_operator_role(r.role, len(roles) + k in param_dims))
-                    for k, r in enumerate(red_dims)]
-        outputs = tuple(OutputTensor(self.p.shapes[v], self.p.dtypes[v], dims_of(v), v)
-                        for v in exports)
-        self.p.local[name] = _Local(tuple(group), tuple(inputs), tuple(exports), ls, lab, env,
-                                    iter_of)
-        flops = sum(self.info[i].flops for i in group)
-        nbytes = sum(o.nbytes for o in operands) + sum(t.nbytes for t in outputs)
-        unknown = self._kind(anchor) == "unknown"
-        granularity = self._granularity(out_shape, red_dims, lab, ls, iter_of)
-        position = self.position[anchor]
-        if position:  # the same position in every layer: the operator's name, layer-free
-            position += name[len(self.group_module[g]):]
-        return Operator(name=name, module=self.group_module[g], anchor=self._anchor_name(anchor),
-                        shape=out_shape, dtype=self.p.dtypes[out_vid], roles=tuple(roles),
-                        reduction_dims=tuple(red_dims), flops=float(flops),
-                        bytes_accessed=float(nbytes), inputs=tuple(operands), outputs=outputs,
-                        num_equations=len(group), replicate_only=unknown,
-                        block_position=position, granularity=granularity)
+    def _operand(self, v: int, g: int, dims: tuple[int | None, ...]) -> Operand:
+        kind, source, index = self._source(v, g)
+        layer = self.p.slice_of[v][1] if kind == "param" and v in self.p.slice_of else ()
+        return Operand(kind, source, index, self.p.shapes[v], self.p.dtypes[v], dims, v, layer)
 
     def _granularity(self, out_shape, red_dims, lab, ls, iter_of) -> tuple[int, ...]:
         sizes = list(out_shape) + [r.size for r in red_dims]
