@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 import jax
 
 import soapjax_zoo
-from soapjax.baselines import megatron_3d
+from soapjax import baselines
 from soapjax.cost import cost_model
 from soapjax.errors import SoapjaxError
 from soapjax.graph import trace
@@ -101,25 +101,15 @@ def recompute_share(graph, strategy) -> float:
 
 
 def megatron_grid(graph, topo, costs, resharder, factor):
-    """(description, step seconds, memory bytes) of the fastest fitting Megatron config."""
+    """(description, step seconds, memory bytes, strategy) of the fastest fitting point of
+    `baselines.megatron_grid` (the grid the search also scores)."""
     best = None
-    for tp in (1, 2, 4, 8):
-        dp = topo.num_devices // tp
-        if graph.batch_size % dp:
-            continue
-        per = graph.batch_size // dp
-        for mb in sorted({1, 2, 4, per} & set(range(1, per + 1))):
-            for rec in ("none", "selective", "full"):
-                try:
-                    s = megatron_3d(graph, topo, tp=tp, microbatch_size=mb, recompute=rec,
-                                    sequence_parallel=tp > 1)
-                except SoapjaxError:
-                    continue
-                r = Simulation(graph, topo, costs, resharder, s,
-                               opt_state_factor=factor).result()
-                if r.fits_in_memory and (best is None or r.step_time_s < best[1]):
-                    best = (f"TP{tp} DP{dp} M={s.microbatches} {rec}", r.step_time_s,
-                            max(r.peak_memory_bytes), s)
+    for name, s in baselines.megatron_grid(graph, topo).items():
+        r = Simulation(graph, topo, costs, resharder, s, opt_state_factor=factor).result()
+        if r.fits_in_memory and (best is None or r.step_time_s < best[1]):
+            tp, _, rec = name.removeprefix("megatron-tp").split("-")
+            best = (f"TP{tp} DP{topo.num_devices // int(tp)} M={s.microbatches} {rec}",
+                    r.step_time_s, max(r.peak_memory_bytes), s)
     return best
 
 

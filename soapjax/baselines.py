@@ -229,6 +229,32 @@ def megatron_3d(graph: OpGraph, topology, *, tp: int, pp: int = 1, dp: int | Non
     return with_recompute(graph, strategy, recompute)
 
 
+def megatron_grid(graph: OpGraph, topology) -> dict[str, Strategy]:
+    """Megatron's small configuration grid (`megatron_3d`), by name: TP in {1, 2, 4, 8} (as the
+    node allows, sequence parallel when TP > 1), DP over the rest, microbatches of 1, 2, 4 or
+    all of the per-replica samples, and recomputation none, selective or full, e.g.
+    ``"megatron-tp8-mb1-full"``. Combinations the mesh or batch cannot take are left out.
+
+    The search scores all of them and starts a chain from the fastest that fits, so a searched
+    plan is never slower than the grid's best under the same simulator.
+    """
+    out = {}
+    for tp in (1, 2, 4, 8):
+        dp = topology.num_devices // tp
+        if topology.num_devices % tp or graph.batch_size % dp:
+            continue
+        per = graph.batch_size // dp
+        for mb in sorted({1, 2, 4, per} & set(range(1, per + 1))):
+            for rec in ("none", "selective", "full"):
+                try:
+                    out[f"megatron-tp{tp}-mb{mb}-{rec}"] = megatron_3d(
+                        graph, topology, tp=tp, microbatch_size=mb, recompute=rec,
+                        sequence_parallel=tp > 1)
+                except PlanError:
+                    continue
+    return out
+
+
 def expert(graph: OpGraph, mesh: MeshShape, intra: Sequence[str], family: str) -> Strategy:
     """The FlexFlow paper's expert strategy for a CNN or an RNN (`family`)."""
     if family == "cnn":  # data parallel convolutions, model parallel dense layers

@@ -49,7 +49,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from soapjax.baselines import baselines as make_baselines
+from soapjax.baselines import baselines as make_baselines, megatron_grid
 from soapjax.cost import CostModel
 from soapjax.cost import cost_model as make_cost_model
 from soapjax.errors import PlanError, SettingsError
@@ -355,6 +355,10 @@ def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
     for k in range(settings.num_random):
         starts[f"random-{k}"] = random_strategy(graph, mesh, searcher.rng, settings.limits)
     scored = []
+    if family in (None, "transformer") and graph.repeated_blocks():
+        grid = _best_of_grid(sim, searcher, graph, topology, progress)
+        if grid is not None:
+            starts[grid[0]] = grid[1]
     for n, (name, strategy) in enumerate(starts.items()):
         if progress is not None:
             progress(f"search: scoring start {n + 1}/{len(starts)} ({name}); operator costs are "
@@ -379,6 +383,23 @@ def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
                         proposals=searcher.proposals, accepted=searcher.accepted,
                         search_time_s=time.perf_counter() - searcher.t0,
                         history=tuple(searcher.history))
+
+
+def _best_of_grid(sim: Simulation, searcher: _Searcher, graph: OpGraph, topology,
+                  progress: Progress | None) -> tuple[str, Strategy] | None:
+    """Scores Megatron's grid (`baselines.megatron_grid`); returns the fastest that fits (or
+    the fastest), which becomes a chain's start. Every point is recorded as seen."""
+    grid = megatron_grid(graph, topology)
+    if progress is not None and grid:
+        progress(f"search: scoring Megatron's grid ({len(grid)} configurations)")
+    best = None
+    for name, strategy in grid.items():
+        sim.reset(strategy)
+        searcher.record(name)
+        key = (not sim.fits_in_memory(), sim.step_time())
+        if best is None or key < best[0]:
+            best = (key, name, strategy)
+    return None if best is None else (best[1], best[2])
 
 
 def make_simulation(graph: OpGraph, topology, *, cost_model=None, resharder=None,

@@ -634,7 +634,8 @@ def test_refuses_explicit_mesh_axes_and_bad_configs(mesh, no_compiling):
 def test_refuses_unknown_strategy_names_and_mismatched_leaves(mesh):
     w = models.get("mlp", "tiny")
     with pytest.raises(PlanError, match=r"unknown strategy 'zero3'; expected one of plan, "
-                                        r"data-parallel, megatron, fsdp, expert-cnn, expert-rnn"):
+                                        r"data-parallel, megatron, fsdp, megatron-sp, "
+                                        r"fsdp-recompute, expert-cnn, expert-rnn"):
         training.shard_training(w.loss_fn, w.abstract_params(), w.abstract_batch(), w.optimizer,
                                 mesh=mesh, strategy="zero3")
     c = case("mlp", x64=False)

@@ -186,3 +186,25 @@ def test_layers_of_a_scan_share_one_config_and_delta_equals_full():
     assert len(g.repeated_blocks()) == 2  # fc1 and fc2 of every layer (the residual folds in)
     for group in g.repeated_blocks():  # the starts give every layer alike; moves keep it so
         assert len({delta.strategy[i] for i in group}) == 1, [g.operators[i].name for i in group]
+
+
+def test_never_slower_than_megatrons_grid():
+    """A transformer's search scores Megatron's grid (TP x microbatches x recomputation) and
+    starts a chain from its best point: the plan is never slower than the grid's best."""
+    from soapjax.baselines import megatron_grid
+
+    w = zoo.get("gpt", "tiny", batch_size=16)
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt")
+    topo = load_topology("cpu8")
+    cm = cost_model(g, topo, mode="analytic")
+    found = search(g, topo, cost_model=cm, family="transformer",
+                   settings=SearchSettings(max_proposals=30, seed=0))
+    grid = megatron_grid(g, topo)
+    assert len(grid) >= 12 and any(s.microbatches > 1 for s in grid.values())
+    sim = make_simulation(g, topo, cost_model=cm)
+    times = []
+    for strategy in grid.values():
+        sim.reset(strategy)
+        if sim.fits_in_memory():
+            times.append(sim.step_time())
+    assert times and found.step_time_s <= min(times)

@@ -490,7 +490,8 @@ def test_parse_strategy_takes_every_baseline_name():
     for name in NAMES:
         assert parse_strategy(g, topo, name) == every[name]
     with pytest.raises(PlanError, match="expected a baseline \\(data-parallel, megatron, fsdp, "
-                                        "expert-cnn, expert-rnn\\).*did you mean 'megatron'"):
+                                        "megatron-sp, fsdp-recompute, expert-cnn, "
+                                        "expert-rnn\\).*did you mean 'megatron'"):
         parse_strategy(g, topo, "megatorn")
 
 
