@@ -47,6 +47,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
+from soapjax._local import draws_random_bits
 from soapjax.errors import PlanError
 from soapjax.graph import Operator, OpGraph
 from soapjax.space import RECOMPUTE_POLICIES as POLICIES
@@ -174,9 +175,24 @@ def microbatch_error(op: Operator, config: Config, mesh: MeshShape, microbatches
     return ""
 
 
+def random_operator(graph: OpGraph) -> str | None:
+    """The first operator that draws random bits (dropout), if any.
+
+    Microbatches would evaluate it on each microbatch with the traced key, drawing other masks
+    than the whole batch does: the step would no longer compute what the unsharded step
+    computes. Such graphs keep M = 1.
+    """
+    return next((op.name for op in graph.operators if draws_random_bits(graph, op.name)), None)
+
+
 def check_microbatches(graph: OpGraph, configs: Sequence[Config], mesh: MeshShape,
                        microbatches: int) -> None:
-    """PlanError naming the first operator whose per-device batch M does not divide."""
+    """PlanError naming the first operator whose per-device batch M does not divide, or that
+    draws random bits (see `random_operator`)."""
+    if microbatches > 1 and (name := random_operator(graph)) is not None:
+        raise PlanError(f"operator {name!r} draws random bits (dropout): {microbatches} "
+                        "microbatches would draw other masks than the whole batch, and the step "
+                        "would not compute the unsharded step; use microbatches=1")
     for op, c in zip(graph.operators, configs):
         why = microbatch_error(op, c, mesh, microbatches)
         if why:
@@ -185,6 +201,9 @@ def check_microbatches(graph: OpGraph, configs: Sequence[Config], mesh: MeshShap
 
 
 def microbatch_choices(graph: OpGraph, limit: int = 64) -> tuple[int, ...]:
-    """The microbatch counts worth trying: the divisors of the batch size up to `limit`."""
+    """The microbatch counts worth trying: the divisors of the batch size up to `limit` (only
+    1 for a graph that draws random bits: `random_operator`)."""
+    if random_operator(graph) is not None:
+        return (1,)
     b = graph.batch_size
     return tuple(m for m in range(1, min(b, limit) + 1) if b % m == 0)

@@ -189,3 +189,22 @@ def test_recompute_cuts_compiled_memory_as_simulated():
          lambda g, b: Strategy(b.configs, recompute=layered_recompute(g, "full", "none"))])
     assert a1 < a0
     assert abs((t1 / t0) / (a1 / a0) - 1) < 0.2
+
+
+def test_a_graph_that_draws_dropout_masks_keeps_one_microbatch():
+    """Microbatches would draw other dropout masks than the whole batch: refused, and the
+    search never proposes them."""
+    import corpus
+    from soapjax.apply import validate_strategy
+    from soapjax.memory import microbatch_choices, random_operator
+    from soapjax.training import _pure_loss
+
+    loss_fn, model, batch = corpus.get("dropout_nnx", dtype=jnp.float32)
+    loss, params, _ = _pure_loss(loss_fn, model, "dropout_nnx")
+    graph = trace(loss, params, batch)
+    assert random_operator(graph) is not None and microbatch_choices(graph) == (1,)
+    mesh = MeshShape.of(load_topology("cpu8"))
+    dp = data_parallel(graph, mesh)
+    with pytest.raises(PlanError, match=r"draws random bits \(dropout\): 2 microbatches"):
+        validate_strategy(graph, Strategy(dp.configs, microbatches=2),
+                          make_mesh(load_topology("cpu8")))
