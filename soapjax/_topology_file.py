@@ -49,6 +49,22 @@ gives the measured fractions: ``peak_flops`` per dtype (what large matmuls reach
 from a GEMM benchmark; dtypes not listed: 1) and ``memory_bandwidth`` (what a streaming kernel
 reaches, from a copy benchmark).
 
+Measured collectives (written by ``soapjax calibrate --links``, `soapjax.links`) replace the
+link model for the collectives and mesh axes they name: time = ``latency + nbytes / bandwidth``
+of the segment whose ``from`` is the largest not above ``nbytes`` (the buffer convention of
+`soapjax.collectives`). ``[compute]`` says how many devices compute at once where they share
+cores (virtual CPU devices): the simulator stretches every compute task by
+``devices / concurrent_devices``, and adds ``kernel_overhead`` per task::
+
+    [compute]
+    concurrent_devices = 2.0
+    kernel_overhead = "20 us"
+
+    [[collectives]]
+    kind = "all_reduce"
+    axes = ["model"]
+    segments = [{ from = "0 B", latency = "30 us", bandwidth = "1.5 GB/s" }]
+
 With ``scope = "cluster"`` a link entry is not repeated: ``device:K`` is the global device K and
 ``node:N/host`` names a switch inside node N, so any explicit link graph can be written.
 
@@ -66,6 +82,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
+from soapjax.collectives import COLLECTIVES
 from soapjax.errors import TopologyError
 
 Platform = Literal["gpu", "cpu", "tpu"]
@@ -243,6 +260,65 @@ class Link:
             raise TopologyError(f"link {self.a} -- {self.b}: expected bandwidth > 0, latency >= 0")
 
 
+@dataclasses.dataclass(frozen=True)
+class CollectiveModel:
+    """A measured collective over some mesh axes: piecewise ``latency + nbytes / bandwidth``.
+
+    Attributes:
+      kind: a `soapjax.collectives.COLLECTIVES` name (``"all_reduce"``, ...).
+      axes: the mesh axes it runs over, in mesh order.
+      segments: ``(from_bytes, latency_s, bandwidth)`` sorted by ``from_bytes``, the first at 0.
+    """
+
+    kind: str
+    axes: tuple[str, ...]
+    segments: tuple[tuple[float, float, float], ...]
+
+    def __post_init__(self) -> None:
+        where = f"[[collectives]] {self.kind} over {list(self.axes)}"
+        if self.kind not in COLLECTIVES:
+            raise TopologyError(f"{where}: kind: expected one of {', '.join(COLLECTIVES)}")
+        if not self.segments or self.segments[0][0] != 0:
+            raise TopologyError(f"{where}: expected segments, the first from 0 bytes")
+        if any(b[0] <= a[0] for a, b in zip(self.segments, self.segments[1:])):
+            raise TopologyError(f"{where}: segments' `from` must increase")
+        if any(not (lat >= 0 and bw > 0) for _, lat, bw in self.segments):
+            raise TopologyError(f"{where}: expected latency >= 0 and bandwidth > 0")
+
+    def time(self, nbytes: float) -> float:
+        """Seconds for a buffer of `nbytes` (0 bytes costs nothing)."""
+        if nbytes <= 0:
+            return 0.0
+        seg = next(s for s in reversed(self.segments) if s[0] <= nbytes)
+        return seg[1] + nbytes / seg[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeSharing:
+    """How the devices' compute shares the host (virtual CPU devices).
+
+    Attributes:
+      concurrent_devices: how many devices' kernels run at full speed at once; a compute task
+        measured alone takes ``num_devices / concurrent_devices`` times as long in a step
+        (never less than alone).
+      kernel_overhead: seconds added to every compute task (dispatch of its kernels).
+    """
+
+    concurrent_devices: float
+    kernel_overhead: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.concurrent_devices > 0 or not self.kernel_overhead >= 0:
+            raise TopologyError(
+                f"[compute]: expected concurrent_devices > 0 and kernel_overhead >= 0, found "
+                f"{self.concurrent_devices} and {self.kernel_overhead}"
+            )
+
+    def stretch(self, num_devices: int) -> float:
+        """The factor a lone device's compute time is multiplied by when all of them run."""
+        return max(1.0, num_devices / self.concurrent_devices)
+
+
 # --- parsing --------------------------------------------------------------------------------------
 
 
@@ -255,7 +331,12 @@ _TOP_KEYS = {
     "fabric": False,
     "mesh": True,
     "links": True,
+    "compute": False,
+    "collectives": False,
 }
+_COMPUTE_KEYS = {"concurrent_devices": True, "kernel_overhead": False}
+_COLLECTIVE_KEYS = {"kind": True, "axes": True, "segments": True}
+_SEGMENT_KEYS = {"from": True, "latency": True, "bandwidth": True}
 _DEVICE_KEYS = {"kind": True, "peak_flops": True, "memory_bandwidth": True, "memory_bytes": True,
                 "efficiency": False}
 _EFFICIENCY_KEYS = {"peak_flops": False, "memory_bandwidth": False}
@@ -280,6 +361,9 @@ _HELP = {  # what a required key holds, for "missing required key" errors
     "latency": 'seconds per hop, a number or a string like "1.5 us"',
     "connect": 'a list of [end, end] pairs such as [["device:0", "device:1"]]',
     "class": f"one of {', '.join(LINK_CLASSES)}",
+    "concurrent_devices": "how many devices compute at once, e.g. 2.0",
+    "segments": '[{ from = "0 B", latency = "30 us", bandwidth = "1.5 GB/s" }, ...]',
+    "from": 'the smallest buffer the segment prices, e.g. "1 MB"',
 }
 
 
@@ -374,7 +458,51 @@ def parse(data: dict[str, Any], *, default_name: str, source: str) -> dict[str, 
         "links": tuple(parsed),
         "description": str(data.get("description", "")),
         "source_file": source,
+        "compute": _parse_compute(data["compute"]) if "compute" in data else None,
+        "collective_models": _parse_collectives(data.get("collectives", []), tuple(axes)),
     }
+
+
+def _parse_compute(table: object) -> ComputeSharing:
+    c = _table(table, "[compute]", _COMPUTE_KEYS)
+    n = c["concurrent_devices"]
+    if not isinstance(n, (int, float)) or isinstance(n, bool):
+        raise TopologyError(f"[compute].concurrent_devices: expected a number, found {n!r}")
+    overhead = c.get("kernel_overhead", 0.0)
+    return ComputeSharing(float(n), _quantity(overhead, "seconds", "[compute].kernel_overhead",
+                                              allow_zero=True))
+
+
+def _parse_collectives(entries: object, axis_names: tuple[str, ...]
+                       ) -> tuple[CollectiveModel, ...]:
+    if not isinstance(entries, list):
+        raise TopologyError("collectives: expected [[collectives]] tables")
+    out, seen = [], set()
+    for i, entry in enumerate(entries):
+        where = f"[[collectives]] {i}"
+        e = _table(entry, where, _COLLECTIVE_KEYS)
+        axes = e["axes"]
+        if (not isinstance(axes, list) or not axes or len(set(axes)) != len(axes)
+                or any(a not in axis_names for a in axes)):
+            raise TopologyError(f"{where}.axes: expected distinct mesh axes among "
+                                f"{list(axis_names)}, found {axes!r}")
+        segments = e["segments"]
+        if not isinstance(segments, list) or not segments:
+            raise TopologyError(f"{where}.segments: expected a list, e.g. {_HELP['segments']}")
+        segs = []
+        for j, seg in enumerate(segments):
+            sw = f"{where}.segments[{j}]"
+            t = _table(seg, sw, _SEGMENT_KEYS)
+            segs.append((_quantity(t["from"], "bytes", f"{sw}.from", allow_zero=True),
+                         _quantity(t["latency"], "seconds", f"{sw}.latency", allow_zero=True),
+                         _quantity(t["bandwidth"], "bytes/s", f"{sw}.bandwidth")))
+        model = CollectiveModel(str(e["kind"]), tuple(a for a in axis_names if a in axes),
+                                tuple(segs))
+        if (model.kind, model.axes) in seen:
+            raise TopologyError(f"{where}: {model.kind} over {axes} is given twice")
+        seen.add((model.kind, model.axes))
+        out.append(model)
+    return tuple(out)
 
 
 def _parse_device(table: object) -> DeviceSpec:

@@ -12,6 +12,7 @@ is easier than against nine. Every command imports its library modules inside th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -281,12 +282,56 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-dir", default=None, help="cost cache (default: $SOAPJAX_CACHE_DIR "
                    "or ~/.cache/soapjax/costs)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--links", action="store_true",
+                   help="instead: time every collective XLA emits over each mesh axis of --mesh "
+                   "on the attached devices (256 B .. 64 MB) and how many devices compute at once, "
+                   "fit latency + bytes/bandwidth per axis and collective, and print the "
+                   "[compute] and [[collectives]] tables (--write: into the topology file)")
+    p.add_argument("--mesh", default="cpu8", help="with --links: a shipped topology or a .toml "
+                   "path (default: %(default)s)")
+    p.add_argument("--write", action="store_true", help="with --links: rewrite the topology "
+                   "file's measured tables")
     p.set_defaults(func=_cmd_calibrate)
+
+
+def _cmd_calibrate_links(args: argparse.Namespace) -> int:
+    import jax
+
+    from soapjax import links, topology
+
+    topo = topology.load_topology(args.mesh)
+    log = (lambda s: None) if args.json else (lambda s: print(s, flush=True))
+    fits, compute, seconds = links.calibrate_links(topo, log=log)
+    dev = jax.devices()[0]
+    command = f"soapjax calibrate --links --mesh {args.mesh} --write"
+    if topo.platform == "cpu":
+        command = (f"XLA_FLAGS=--xla_force_host_platform_device_count={topo.num_devices} "
+                   + command)
+    notes = [(f"on {len(jax.devices())} x {dev.device_kind} ({dev.platform}), jax "
+              f"{jax.__version__}, {seconds:.0f} s")]
+    if args.json:
+        _print_json({"seconds": seconds, "compute": dataclasses.asdict(compute) if compute else None,
+                     "collectives": [{"kind": f.model.kind, "axes": f.model.axes,
+                                      "segments": f.model.segments, "residuals": f.residuals,
+                                      "held_out": f.held_out} for f in fits]})
+    else:
+        print(links.format_measured(fits, compute, command=command, notes=notes))
+        held = [abs(e) for f in fits for _, e in f.held_out]
+        print(f"held-back sizes: |error| max {max(held):.0%}, mean {sum(held) / len(held):.0%}; "
+              f"{seconds:.0f} s")
+    if args.write:
+        if topo.source_file is None:
+            raise SystemExit(f"{args.mesh}: no topology file to write (a cut topology?)")
+        links.write_calibrated(topo.source_file, fits, compute, command=command, notes=notes)
+    return 0
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     import soapjax_zoo as zoo
     from soapjax import cost
+
+    if args.links:
+        return _cmd_calibrate_links(args)
 
     names = zoo.names() if args.model == "all" else (args.model,)
     rows = []

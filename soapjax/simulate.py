@@ -197,6 +197,9 @@ class Simulation:
         self.cost_model = cost_model
         self.mesh = MeshShape.of(topology)
         self.opt_state_factor = float(opt_state_factor)
+        sharing = topology.compute  # devices sharing the host's cores (`[compute]`)
+        self._stretch = sharing.stretch(topology.num_devices) if sharing else 1.0
+        self._kernel_overhead = sharing.kernel_overhead if sharing else 0.0
         self._layout = Layout(graph)
         self._pricing = Pricing(topology, resharder)
         self._views_memo: dict[tuple[int, Config, str, int], _View] = {}
@@ -497,6 +500,13 @@ class Simulation:
 
     # --- building units -----------------------------------------------------------------------
 
+    def _compute_time(self, seconds: float) -> float:
+        """A compute task's time in the step: its time alone, stretched where the devices
+        share the host's cores, plus the per-task dispatch (`Topology.compute`)."""
+        if seconds <= 0:
+            return 0.0
+        return seconds * self._stretch + self._kernel_overhead
+
     def _view(self, j: int, config: Config, policy: str = "none") -> _View:
         m = self._micro
         key = (j, config, policy, m)
@@ -514,7 +524,8 @@ class Simulation:
                 t = self.cost_model.shard_time(
                     j, microbatch_degrees(op, config.degrees(self.mesh), m))
             recompute = recomputes(op, policy)
-            forward, backward = m * float(t.forward_s), m * float(t.backward_s)
+            forward = m * self._compute_time(float(t.forward_s))
+            backward = m * self._compute_time(float(t.backward_s))
             if recompute:
                 backward += forward
             outs = tuple(config.operand_axes(x.dims) for x in op.outputs)
@@ -620,7 +631,8 @@ class Simulation:
             return _LeafTasks(gathers, gather_ends, 0, stored + gathered)
         syncs, ready = self._build_grad_syncs(leaf, store)
         update = self._task_graph.new(layout.key(layout.update_seg[leaf], 0),
-                                      self.cost_model.update_time(stored), (0,), ready,
+                                      self._compute_time(self.cost_model.update_time(stored)),
+                                      (0,), ready,
                                       (UPDATE, leaf))
         return _LeafTasks(gathers + syncs + [update], gather_ends, stored, gathered)
 

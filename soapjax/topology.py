@@ -48,18 +48,44 @@ from soapjax._routing import Hop, Routes
 from soapjax._routing import RingStats as RingStats
 from soapjax._topology_file import (
     KNOWN_DTYPES as KNOWN_DTYPES,
+)
+from soapjax._topology_file import (
     LINK_CLASSES as LINK_CLASSES,
+)
+from soapjax._topology_file import (
     PLATFORMS as PLATFORMS,
+)
+from soapjax._topology_file import (
     REQUIRED_DTYPES as REQUIRED_DTYPES,
+)
+from soapjax._topology_file import (
+    CollectiveModel as CollectiveModel,
+)
+from soapjax._topology_file import (
+    ComputeSharing as ComputeSharing,
+)
+from soapjax._topology_file import (
     DeviceSpec as DeviceSpec,
+)
+from soapjax._topology_file import (
     Efficiency as Efficiency,
+)
+from soapjax._topology_file import (
     Link as Link,
+)
+from soapjax._topology_file import (
     Platform as Platform,
 )
 from soapjax.collectives import (
     ALGORITHMS as ALGORITHMS,
+)
+from soapjax.collectives import (
     COLLECTIVES as COLLECTIVES,
+)
+from soapjax.collectives import (
     bytes_sent as bytes_sent,
+)
+from soapjax.collectives import (
     hierarchical_time,
     kind_name,
     ring_time,
@@ -101,6 +127,9 @@ class Topology:
       switches: the switch vertices (``node:N/<name>`` or cluster-wide ``<name>``).
       links: every link.
       description: free text from the file.
+      compute: how the devices share the host's cores (``[compute]``; None: they do not).
+      collective_models: measured collectives (``[[collectives]]``, `soapjax.links`), which
+        price the collectives and axes they name instead of the link model.
       source_file: where it was read from (not part of equality or the fingerprint).
     """
 
@@ -117,6 +146,8 @@ class Topology:
     links: tuple[Link, ...]
     description: str = ""
     source_file: str | None = dataclasses.field(default=None, compare=False)
+    compute: ComputeSharing | None = None
+    collective_models: tuple[CollectiveModel, ...] = ()
     _memo: dict = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False, hash=False
     )
@@ -266,6 +297,10 @@ class Topology:
         ring = self.ring_stats(axes)
         if ring.size == 1:
             return 0.0
+        if algorithm != "hierarchical" and (
+            measured := self._measured(kind, axes, ring.size if group_size is None else group_size)
+        ):
+            return measured.time(nbytes)
         if group_size is not None and group_size != ring.size:
             if not 1 <= group_size < ring.size or algorithm == "hierarchical":
                 raise TopologyError(
@@ -293,6 +328,19 @@ class Topology:
         tiered = hierarchical_time(kind, nbytes, local[:3], cross[:3])
         return tiered if algorithm == "hierarchical" else min(flat, tiered)
 
+    def _measured(self, kind: str, axes: Sequence[str], group_size: int) -> CollectiveModel | None:
+        """The measured model of `kind` over `axes` (over an axis of `group_size` devices
+        where a group spans part of `axes`); point_to_point reads collective_permute's."""
+        if not self.collective_models:
+            return None
+        kind = "collective_permute" if kind == "point_to_point" else kind
+        axes = self._normalise_axes(axes)
+        by_key = {(m.kind, m.axes): m for m in self.collective_models}
+        if group_size == math.prod(self.mesh_shape[a] for a in axes):
+            return by_key.get((kind, axes))
+        return next((m for (k, a), m in by_key.items() if k == kind and len(a) == 1
+                     and self.mesh_shape[a[0]] == group_size), None)
+
     def links_used(self, axes: Sequence[str]) -> tuple[int, ...]:
         """Indices into :attr:`links` of every link a collective over ``axes`` may cross."""
         return tuple(sorted({link for link, _ in self._all_pairs(axes)[0]}))
@@ -316,8 +364,10 @@ class Topology:
         content = {
             f.name: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
             for f in dataclasses.fields(self)
-            if f.name not in skip and (v := getattr(self, f.name)) is not None
+            if f.name not in skip and (v := getattr(self, f.name)) is not None and v != ()
         }
+        if self.collective_models:
+            content["collective_models"] = [dataclasses.astuple(m) for m in self.collective_models]
         content["links"] = [dataclasses.astuple(link) for link in self.links]
         if content["device"].get("efficiency") == dataclasses.asdict(Efficiency()):
             del content["device"]["efficiency"]  # no measured efficiencies: the old fingerprint
@@ -551,6 +601,7 @@ def scaled_topology(topology: Topology | str | Path, num_devices: int) -> Topolo
         switches=tuple(s for s in topo.switches if s in linked),
         links=links,
         description=f"the first {n} devices of {topo.name}: {topo.description}",
+        compute=topo.compute,  # measured collectives priced groups of the whole mesh: dropped
     )
 
 

@@ -25,7 +25,7 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("_topology_file", "_routing", "topology"),  # meshes/*.toml -> Topology
     ("space", "memory"),  # OpGraph x mesh -> configs, strategies; recompute, microbatches
     ("baselines", "plan", "_strategy_file"),  # expert strategies; the Plan file; --strategy
-    ("_hlo_text", "_timing", "cost", "hlo", "_reshard_ideal", "_reshard_worker",
+    ("_hlo_text", "_timing", "links", "cost", "hlo", "_reshard_ideal", "_reshard_worker",
      "reshard"),  # prices
     ("_taskgraph", "_simresult", "simulate"),  # strategy -> timeline
     ("search",),  # MCMC -> best plan

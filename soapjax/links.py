@@ -1,0 +1,340 @@
+"""Measured collectives and shared compute: what the attached devices really cost.
+
+A topology file's links are datasheet figures, and for 8 virtual XLA:CPU devices in one process
+there is no datasheet: a "link" is a memcpy plus a rendezvous of 8 threads, and the 8 devices
+share the host's cores. Priced by the hand-written ``cpu8`` file (5 GB/s, 5 us links, each device
+computing alone), measured steps were 4-62x the simulated ones and the simulator did not order
+plans (docs/results.md, before this module). So this module measures what the simulator prices,
+on whatever is attached (`soapjax calibrate --links`):
+
+* **Collectives.** Each kind XLA emits (all-reduce, all-gather, reduce-scatter, all-to-all,
+  collective-permute) over each mesh axis (and over the whole mesh), at buffer sizes from
+  256 bytes to 64 MB, timed as `soapjax._timing` times operators: many repetitions inside one
+  compiled program, inside one `shard_map`, so dispatch is amortised and nothing but the
+  collective crosses devices. Each (kind, axes) is fitted with ``latency + nbytes / bandwidth``
+  (least squares on relative error), split into two segments where one line does not fit
+  within 10% (XLA:CPU changes algorithm with size). Sizes between the fitted ones are held
+  back and predicted, to check the fit. On a GPU node the same code measures NCCL.
+* **Shared compute.** The same chain of matmuls timed on one device alone and on every device
+  at once: ``concurrent_devices = n * t_alone / t_all`` is how many devices compute at full
+  speed together (on 8 virtual devices of a 2-core host, about 2); the simulator stretches
+  every compute task by ``n / concurrent_devices``.
+
+The results go into the topology file (`write_topology`) as ``[compute]`` and
+``[[collectives]]`` tables, with the fit's residuals in comments; `soapjax.topology` reads them.
+The fitting and writing are pure functions (`fit_collective`, `format_measured`), tested on
+synthetic data.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from soapjax._timing import TimingOptions, kick, time_loop
+from soapjax.collectives import COLLECTIVES
+from soapjax.errors import TopologyError
+from soapjax.topology import CollectiveModel, ComputeSharing, Topology, make_mesh
+
+MEASURED_KINDS: tuple[str, ...] = tuple(k for k in COLLECTIVES if k != "point_to_point")
+# Fitted sizes (powers of 4) and held-back sizes between them (bytes of the buffer).
+# 256 B .. 64 MiB, denser from 256 KiB to 16 MiB, where XLA:CPU changes algorithm.
+FIT_SIZES: tuple[int, ...] = tuple(2**k for k in (8, 10, 12, 14, 16, 18, 19, 20, 21, 22, 23, 24,
+                                                  26))
+HELD_SIZES: tuple[int, ...] = (3 * 2**10, 48 * 2**10, 768 * 2**10, 12 * 2**20)
+MARKER = "# --- measured by `soapjax calibrate --links`"
+_TIMING = TimingOptions(target_trial_s=0.01, trials=3)
+
+
+class Sample(NamedTuple):
+    """One timed collective: buffer bytes (the `soapjax.collectives` convention), seconds."""
+
+    nbytes: float
+    seconds: float
+
+
+class Fit(NamedTuple):
+    """A fitted collective: the model, and its relative errors on fitted and held-back sizes."""
+
+    model: CollectiveModel
+    residuals: tuple[float, ...]  # (predicted - measured) / measured, fitted sizes
+    held_out: tuple[tuple[float, float], ...]  # (nbytes, relative error), held-back sizes
+
+
+# --- fitting (pure) ------------------------------------------------------------------------------
+
+
+def _line(samples: Sequence[Sample]) -> tuple[float, float]:
+    """(latency, bandwidth) minimising the relative error of ``latency + s / bandwidth``.
+
+    Weighted least squares (weights 1/t) over sizes spanning six orders of magnitude; the
+    latency is kept >= 0 and the bandwidth finite and positive.
+    """
+    s = np.array([x.nbytes for x in samples], float)
+    t = np.array([x.seconds for x in samples], float)
+    a = np.stack([np.ones_like(s), s], axis=1) / t[:, None]
+    (lat, inv_bw), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
+    if inv_bw <= 0:  # flat: latency only
+        lat, inv_bw = float(np.exp(np.mean(np.log(t)))), 1e-15
+    elif lat < 0:  # through the origin
+        inv_bw = float(np.sum(s / t) / np.sum((s / t) ** 2))
+        lat = 0.0
+    return float(lat), 1.0 / float(inv_bw)
+
+
+def _errors(model: CollectiveModel, samples: Sequence[Sample]) -> tuple[float, ...]:
+    return tuple(model.time(x.nbytes) / x.seconds - 1.0 for x in samples)
+
+
+def _sse(segments, xs: Sequence[Sample]) -> float:
+    m = CollectiveModel("all_reduce", ("x",), tuple(segments))
+    return float(sum(e * e for e in _errors(m, xs)))
+
+
+def _segments(xs: Sequence[Sample], start: float, depth: int, min_points: int, gain: float
+              ) -> list[tuple[float, float, float]]:
+    """One line from `start` bytes, or the best split of `xs` into two (recursively, `depth`
+    more times) where that cuts the squared relative error by the factor `gain`."""
+    one = [(start, *_line(xs))]
+    one_sse = _sse([(0.0, *one[0][1:])], xs)
+    if depth == 0 or len(xs) < 2 * min_points or one_sse <= len(xs) * 0.01**2:
+        return one  # within 1% (rms) already: nothing to split
+    best, best_sse = one, one_sse / gain
+    for recurse in (False, True):  # fewer segments first: two lines, then split further
+        for cut in range(min_points, len(xs) - min_points + 1):
+            lo, hi = xs[:cut], xs[cut:]
+            at = math.sqrt(lo[-1].nbytes * hi[0].nbytes)
+            if recurse:
+                cand = (_segments(lo, start, depth - 1, min_points, gain)
+                        + _segments(hi, at, depth - 1, min_points, gain))
+            else:
+                cand = [(start, *_line(lo)), (at, *_line(hi))]
+            if (err := _sse([(0.0, *cand[0][1:]), *cand[1:]], xs)) < best_sse:
+                best, best_sse = cand, err
+        if best_sse <= len(xs) * 0.01**2:
+            break
+    return best
+
+
+def fit_collective(kind: str, axes: Sequence[str], samples: Sequence[Sample], *,
+                   max_segments: int = 3, min_points: int = 3, gain: float = 2.0
+                   ) -> CollectiveModel:
+    """A piecewise ``latency + nbytes / bandwidth`` model of measured `samples`.
+
+    Least squares on relative error; a segment is split in two (each of at least `min_points`
+    samples, up to `max_segments` in all) where that divides the squared error by `gain`
+    (XLA:CPU changes algorithm, and caches run out, as buffers grow).
+
+    >>> xs = [Sample(s, 1e-5 + s / 1e9) for s in (1e2, 1e4, 1e6, 1e8)]
+    >>> m = fit_collective("all_reduce", ("model",), xs)
+    >>> round(m.segments[0][1] * 1e6, 3), round(m.segments[0][2] / 1e9, 3)
+    (10.0, 1.0)
+    """
+    xs = sorted(samples)
+    if len(xs) < 2:
+        raise TopologyError(f"fitting {kind} over {list(axes)}: expected 2 or more sizes, "
+                            f"found {len(xs)}")
+    depth = max(0, math.ceil(math.log2(max_segments)))
+    segs = _segments(xs, 0.0, depth, min_points, gain)[:max_segments]
+    return CollectiveModel(kind, tuple(axes), tuple(segs))
+
+
+def fit_samples(kind: str, axes: Sequence[str], fitted: Sequence[Sample],
+                held: Sequence[Sample] = ()) -> Fit:
+    """`fit_collective` on `fitted`, with its errors on `fitted` and on the `held` samples."""
+    m = fit_collective(kind, axes, fitted)
+    return Fit(m, _errors(m, sorted(fitted)),
+               tuple((x.nbytes, e) for x, e in zip(held, _errors(m, held))))
+
+
+# --- writing (pure) -------------------------------------------------------------------------------
+
+
+def _si(x: float, units: Sequence[tuple[str, float]]) -> str:
+    for name, scale in units:
+        if abs(x) >= scale or scale == units[-1][1]:
+            return f'"{x / scale:.4g} {name}"'
+    raise AssertionError
+
+
+def _bytes(x: float) -> str:
+    return _si(x, [("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1.0)])
+
+
+def _seconds(x: float) -> str:
+    return _si(x, [("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9)])
+
+
+def _rate(x: float) -> str:
+    return _si(x, [("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("KB/s", 1e3), ("B/s", 1.0)])
+
+
+def _pct(e: float) -> str:
+    return f"{100 * e:+.0f}%"
+
+
+def format_measured(fits: Sequence[Fit], compute: ComputeSharing | None, *, command: str,
+                    notes: Sequence[str] = ()) -> str:
+    """The ``[compute]`` and ``[[collectives]]`` tables of a topology file, with comments.
+
+    The text starts with `MARKER`; `write_topology` replaces everything from it on.
+    """
+    lines = [MARKER, f"# Regenerate: {command}", *(f"# {n}" for n in notes), ""]
+    if compute is not None:
+        lines += ["[compute]",
+                  f"concurrent_devices = {compute.concurrent_devices:.3g}",
+                  f"kernel_overhead = {_seconds(compute.kernel_overhead)}", ""]
+    for f in fits:
+        res = [abs(e) for e in f.residuals]
+        lines.append(f"# fit: {len(res)} sizes, |error| max {100 * max(res):.0f}% mean "
+                     f"{100 * float(np.mean(res)):.0f}%" + (
+                         "; held back: " + ", ".join(
+                             f"{_bytes(s)[1:-1]} {_pct(e)}" for s, e in f.held_out)
+                         if f.held_out else ""))
+        segs = ", ".join(f"{{ from = {_bytes(a)}, latency = {_seconds(lat)}, "
+                         f"bandwidth = {_rate(bw)} }}" for a, lat, bw in f.model.segments)
+        lines += ["[[collectives]]", f'kind = "{f.model.kind}"',
+                  "axes = [" + ", ".join(f'"{a}"' for a in f.model.axes) + "]",
+                  f"segments = [{segs}]", ""]
+    return "\n".join(lines)
+
+
+def write_topology(base_text: str, measured: str) -> str:
+    """`base_text` (a topology file) with its measured part, if any, replaced by `measured`."""
+    head = base_text.split(MARKER, 1)[0].rstrip("\n")
+    return f"{head}\n\n{measured.rstrip()}\n"
+
+
+# --- measuring (needs the devices) ---------------------------------------------------------------
+
+
+def _collective(kind: str, axes: tuple[str, ...], n: int) -> Callable[[jax.Array], jax.Array]:
+    """The per-device collective on a 1-D local buffer, as `shard_map` body code."""
+    name = axes if len(axes) > 1 else axes[0]
+    if kind == "all_reduce":
+        return lambda x: lax.psum(x, name)
+    if kind == "all_gather":
+        return lambda x: lax.all_gather(x, name, tiled=True)
+    if kind == "reduce_scatter":
+        return lambda x: lax.psum_scatter(x, name, tiled=True)
+    if kind == "all_to_all":
+        return lambda x: lax.all_to_all(x, name, 0, 0, tiled=True)
+    if kind == "collective_permute":
+        perm = [(i, (i + 1) % n) for i in range(n)]
+        return lambda x: lax.ppermute(x, name, perm)
+    raise TopologyError(f"collective {kind!r}: expected one of {', '.join(MEASURED_KINDS)}")
+
+
+def _input_elements(kind: str, nbytes: int, n: int) -> int:
+    """float32 elements of each device's input for a buffer of `nbytes` (table convention)."""
+    elems = max(n, nbytes // 4)
+    elems -= elems % n
+    return elems // n if kind == "all_gather" else elems
+
+
+def time_collective(mesh: jax.sharding.Mesh, kind: str, axes: tuple[str, ...], nbytes: int,
+                    options: TimingOptions = _TIMING) -> float:
+    """Seconds of one `kind` collective over mesh `axes` with every group at once."""
+    n = math.prod(mesh.shape[a] for a in axes)
+    local = _input_elements(kind, nbytes, n)
+    all_axes = tuple(mesh.axis_names)
+    coll = _collective(kind, axes, n)
+
+    def body(x, out):
+        out = coll(x)
+        return kick(x, out[0]), out
+
+    spec = P(all_axes)
+    step_fn = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec),
+                            check_vma=False)
+    out_local = local * n if kind == "all_gather" else local // n if kind == "reduce_scatter" \
+        else local
+    sharding = NamedSharding(mesh, spec)
+    x = jax.device_put(np.ones(local * mesh.size, np.float32), sharding)
+    out = jax.device_put(np.zeros(out_local * mesh.size, np.float32), sharding)
+    return time_loop(lambda c: step_fn(*c), (x, out), options).seconds
+
+
+def _matmul_chain(x: jax.Array) -> jax.Array:
+    for _ in range(4):
+        x = jnp.tanh(x @ x) * 0.5
+    return x
+
+
+def measure_sharing(mesh: jax.sharding.Mesh, sizes: Sequence[int] = (128, 256, 384),
+                    options: TimingOptions = _TIMING) -> tuple[float, list[tuple[int, float]]]:
+    """How many devices compute at full speed at once: the median over matrix sizes of
+    ``n * t_alone / t_all``; also each size's figure."""
+    devices = mesh.devices.flatten()
+    all_axes = tuple(mesh.axis_names)
+    n = len(devices)
+    each = []
+    for k in sizes:
+        a = np.random.default_rng(0).uniform(-1, 1, (k, k)).astype(np.float32) / k
+        alone = time_loop(lambda c: (kick(c[0], c[1][0, 0]), _matmul_chain(c[0])),
+                          (jax.device_put(a, devices[0]), jax.device_put(a, devices[0])), options)
+
+        def body(x, out):
+            out = _matmul_chain(x)
+            return kick(x, out[0, 0]), out
+
+        spec = P(all_axes)
+        step_fn = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec),
+                                check_vma=False)
+        big = jax.device_put(np.concatenate([a] * n), NamedSharding(mesh, spec))
+        together = time_loop(lambda c, f=step_fn: f(*c), (big, jnp.copy(big)), options)
+        each.append((k, n * alone.seconds / together.seconds))
+    return float(np.median([c for _, c in each])), each
+
+
+def axis_sets(topology: Topology) -> list[tuple[str, ...]]:
+    """Each mesh axis of more than one device, and the whole mesh where it has 2+ such axes."""
+    single = [(a,) for a, s in zip(topology.axis_names, topology.axis_sizes) if s > 1]
+    return single + ([tuple(a for (a,) in single)] if len(single) > 1 else [])
+
+
+def calibrate_links(topology: Topology, *, kinds: Sequence[str] = MEASURED_KINDS,
+                    sizes: Sequence[int] = FIT_SIZES, held: Sequence[int] = HELD_SIZES,
+                    sharing: bool = True, log: Callable[[str], None] = lambda s: None
+                    ) -> tuple[list[Fit], ComputeSharing | None, float]:
+    """Times and fits every collective of `kinds` over each of `axis_sets(topology)` on the
+    attached devices (a mesh of the topology, `make_mesh`), and the shared compute.
+
+    Returns:
+      The fits, the compute sharing (None unless `sharing`), and the seconds it took.
+    """
+    start = time.perf_counter()
+    mesh = make_mesh(topology)
+    fits = []
+    for axes in axis_sets(topology):
+        for kind in kinds:
+            fitted = [Sample(s, time_collective(mesh, kind, axes, s)) for s in sizes]
+            back = [Sample(s, time_collective(mesh, kind, axes, s)) for s in held]
+            fits.append(fit_samples(kind, axes, fitted, back))
+            log(f"{kind} over {','.join(axes)}: " + ", ".join(
+                f"{_bytes(a)[1:-1]} {lat * 1e6:.1f} us + {_rate(bw)[1:-1]}"
+                for a, lat, bw in fits[-1].model.segments))
+    compute = None
+    if sharing and topology.num_devices > 1:
+        concurrent, each = measure_sharing(mesh)
+        compute = ComputeSharing(min(concurrent, float(topology.num_devices)))
+        log("concurrent devices: " + ", ".join(f"{k}x{k} matmuls {c:.2f}" for k, c in each))
+    return fits, compute, time.perf_counter() - start
+
+
+def write_calibrated(path: str | Path, fits: Sequence[Fit], compute: ComputeSharing | None, *,
+                     command: str, notes: Sequence[str] = ()) -> None:
+    """Rewrites the topology file at `path` with its measured tables replaced."""
+    p = Path(path)
+    p.write_text(write_topology(p.read_text(), format_measured(fits, compute, command=command,
+                                                                notes=notes)))

@@ -1,0 +1,139 @@
+"""Tests of soapjax.links: fitting measured collectives, writing and reading them back, and the
+simulator pricing with them (synthetic data: no timing assertions)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from soapjax import links
+from soapjax.baselines import data_parallel
+from soapjax.errors import TopologyError
+from soapjax.links import Sample, fit_collective, fit_samples
+from soapjax.simulate import simulate
+from soapjax.space import MeshShape
+from soapjax.topology import CollectiveModel, ComputeSharing, load_topology
+from tests.test_simulate import PAIR, FixedCosts, chain_graph, ideal
+
+QUAD = PAIR.replace("devices_per_node = 2", "devices_per_node = 4").replace(
+    "axes = { data = 2 }", "axes = { data = 2, model = 2 }").replace(
+    "devices_per_node = 4", "devices_per_node = 4\nswitches = { host = 1 }").replace(
+    '"nvlink"', '"shared_memory"').replace('[["device:0", "device:1"]]', '[["device:*", "host"]]')
+
+
+def line(lat, bw):
+    return lambda s: lat + s / bw
+
+
+def samples(f, sizes=links.FIT_SIZES):
+    return [Sample(s, f(s)) for s in sizes]
+
+
+def test_one_line_is_recovered_exactly():
+    m = fit_collective("all_gather", ("data",), samples(line(40e-6, 3e9)))
+    assert len(m.segments) == 1
+    (start, lat, bw), = m.segments
+    assert (start, lat, bw) == (0.0, pytest.approx(40e-6, rel=1e-9), pytest.approx(3e9, rel=1e-9))
+
+
+def test_a_change_of_algorithm_becomes_a_second_segment():
+    small, large = line(50e-6, 5e9), line(0.0, 2e9)
+    f = lambda s: small(s) if s < 2**21 else large(s)
+    fit = fit_samples("all_reduce", ("model",), samples(f), samples(f, (2**12, 2**24)))
+    assert [round(s[1] * 1e6, 6) for s in fit.model.segments] == [50.0, 0.0]
+    assert [round(s[2] / 1e9, 6) for s in fit.model.segments] == [5.0, 2.0]
+    assert 2**20 < fit.model.segments[1][0] < 2**21
+    assert max(abs(e) for e in fit.residuals) < 1e-9
+    assert [(s, round(e, 9)) for s, e in fit.held_out] == [(2**12, 0.0), (2**24, 0.0)]
+
+
+def test_noise_alone_does_not_split():
+    f = line(40e-6, 3e9)
+    noisy = [Sample(x.nbytes, x.seconds * (1.03 if i % 2 else 0.97))
+             for i, x in enumerate(samples(f))]
+    assert len(fit_collective("all_to_all", ("data",), noisy).segments) == 1
+
+
+def test_latency_and_bandwidth_stay_physical():
+    flat = fit_collective("all_reduce", ("data",), samples(lambda s: 1e-4, (256, 4096, 65536)))
+    assert flat.segments[0][1] == pytest.approx(1e-4) and flat.segments[0][2] >= 1e14
+    proportional = fit_collective("all_reduce", ("data",),
+                                  [Sample(1e3, 1e-6), Sample(1e6, 1.2e-3), Sample(1e7, 1e-2)])
+    assert proportional.segments[0][1] >= 0
+
+
+def test_written_tables_load_back_and_price_collectives(tmp_path):
+    f = lambda s: 50e-6 + s / 4e9 if s < 2**21 else s / 2e9
+    fits = [fit_samples(k, axes, samples(f), samples(f, (2**12,)))
+            for axes in (("data",), ("model",), ("data", "model"))
+            for k in links.MEASURED_KINDS]
+    text = links.write_topology(QUAD, links.format_measured(
+        fits, ComputeSharing(2.0, 1e-5), command="soapjax calibrate --links --write"))
+    assert "# fit: 13 sizes, |error| max 0% mean 0%; held back: 4.096 KB +0%" in text
+    path = tmp_path / "quad.toml"
+    path.write_text(text)
+    topo = load_topology(path)
+    assert topo.compute.concurrent_devices == 2.0
+    assert topo.compute.kernel_overhead == pytest.approx(1e-5)
+    assert len(topo.collective_models) == 15
+    for nbytes in (256, 1e5, 2**22):
+        for axes in (("data",), ("model",), ("model", "data")):
+            assert topo.collective_time("all_reduce", nbytes, axes) == pytest.approx(
+                f(nbytes), rel=1e-3)
+    # a group over part of data+model is priced by the one-axis model of its size
+    assert topo.collective_time("all_gather", 1e5, ("data", "model"), group_size=2) == \
+        pytest.approx(f(1e5), rel=1e-3)
+    assert topo.collective_time("point_to_point", 1e5, ("data",)) == pytest.approx(f(1e5), rel=1e-3)
+    # rewriting replaces the measured part, and the fingerprint follows the models
+    again = links.write_topology(text, links.format_measured(fits[:1], None, command="x"))
+    assert again.count("[[collectives]]") == 1 and "[compute]" not in again
+    assert topo.fingerprint() != dataclasses.replace(topo, collective_models=()).fingerprint()
+
+
+def test_a_topology_without_measurements_keeps_its_fingerprint(tmp_path):
+    path = tmp_path / "quad.toml"
+    path.write_text(QUAD)
+    topo = load_topology(path)
+    assert topo.compute is None and topo.collective_models == ()
+    assert topo.fingerprint() == dataclasses.replace(topo, description=topo.description
+                                                     ).fingerprint()
+
+
+@pytest.mark.parametrize("bad, match", [
+    (('[[collectives]]\nkind = "all_reduce"\naxes = ["nope"]\n'
+     'segments = [{ from = "0 B", latency = "1 us", bandwidth = "1 GB/s" }]'), "distinct mesh axes"),
+    (('[[collectives]]\nkind = "broadcast"\naxes = ["data"]\n'
+     'segments = [{ from = "0 B", latency = "1 us", bandwidth = "1 GB/s" }]'), "kind: expected"),
+    (('[[collectives]]\nkind = "all_reduce"\naxes = ["data"]\n'
+     'segments = [{ from = "1 KB", latency = "1 us", bandwidth = "1 GB/s" }]'), "first from 0"),
+    ("[compute]\nconcurrent_devices = 0", "concurrent_devices > 0"),
+], ids=["unknown-axis", "unknown-kind", "first-segment", "no-devices"])
+def test_malformed_measurements_are_rejected(tmp_path, bad, match):
+    path = tmp_path / "bad.toml"
+    path.write_text(QUAD + "\n" + bad + "\n")
+    with pytest.raises(TopologyError, match=match):
+        load_topology(path)
+
+
+def test_shared_compute_stretches_every_compute_task(tmp_path):
+    path = tmp_path / "pair.toml"
+    path.write_text(PAIR + "\n[compute]\nconcurrent_devices = 0.5\nkernel_overhead = \"1 us\"\n")
+    shared = load_topology(path)
+    assert shared.compute.stretch(shared.num_devices) == 4.0
+    g = chain_graph()
+    costs = FixedCosts(forward=[1e-3, 2e-3], backward=[2e-3, 4e-3], update=5e-4)
+    r = simulate(g, shared, data_parallel(g, MeshShape.of(shared)), cost_model=costs,
+                 resharder=ideal(shared))
+    durations = {t.name: t.end_s - t.start_s for t in r.tasks if t.kind in
+                 ("forward", "backward", "update")}
+    assert durations == pytest.approx({
+        "forward fc": 4e-3 + 1e-6, "forward chain": 8e-3 + 1e-6, "backward chain": 16e-3 + 1e-6,
+        "backward fc": 8e-3 + 1e-6, "update ['params']['fc']['kernel']": 2e-3 + 1e-6})
+
+
+def test_collective_model_time():
+    m = CollectiveModel("all_reduce", ("data",), ((0.0, 1e-5, 1e9), (1e6, 0.0, 5e8)))
+    assert m.time(0) == 0.0
+    assert m.time(1e3) == pytest.approx(1e-5 + 1e-6)
+    assert m.time(2e6) == pytest.approx(4e-3)
