@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from soapjax import apply, hlo
-from soapjax.cost import cost_model
+from soapjax.cost import cost_model, step_flops
 from soapjax.graph import trace
 from soapjax.plan import Plan
 from soapjax.reshard import DEFAULT_MODE, Resharder
@@ -54,6 +54,10 @@ class CheckResult:
       measured_step_s, predicted_step_s: the step times.
       partitioner: the SPMD partitioner the step was compiled with.
       devices: how many devices, and their kind.
+      hlo_flops: FLOPs per device of the compiled sharded step (XLA's ``cost_analysis``).
+      predicted_flops: the simulator's compute FLOPs per device (`soapjax.cost.step_flops`);
+        XLA counting more means work the simulator does not see (replicated compute, the
+        optimizer's and the loss's elementwise arithmetic).
     """
 
     max_abs_diff: float
@@ -67,6 +71,15 @@ class CheckResult:
     devices: str
     hlo_sent_bytes: float = 0.0
     predicted_sent_bytes: float = 0.0
+    hlo_flops: float = 0.0
+    predicted_flops: float = 0.0
+
+    @property
+    def flops_ratio(self) -> float:
+        """XLA's FLOPs per device over the simulator's (1 where both are 0)."""
+        if not self.predicted_flops:
+            return 1.0 if not self.hlo_flops else float("inf")
+        return self.hlo_flops / self.predicted_flops
 
     @property
     def hlo_collective_bytes(self) -> float:
@@ -200,4 +213,15 @@ def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5,
         predicted_step_s=sim.step_time_s, partitioner=getattr(step, "partitioner", "shardy"),
         devices=f"{mesh.devices.size} x {', '.join(sorted(kinds))}",
         hlo_sent_bytes=sum(c.sent * c.executions for c in found),
-        predicted_sent_bytes=sum(t.sent for t in sim.tasks if t.kind not in _COMPUTE))
+        predicted_sent_bytes=sum(t.sent for t in sim.tasks if t.kind not in _COMPUTE),
+        hlo_flops=_compiled_flops(compiled),
+        predicted_flops=step_flops(graph, strategy.configs, MeshShape.of(topo),
+                                   strategy.recompute))
+
+
+def _compiled_flops(compiled: Any) -> float:
+    """FLOPs per device of a compiled SPMD program (0 where XLA does not say)."""
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0] if analysis else {}
+    return float((analysis or {}).get("flops", 0.0))

@@ -46,7 +46,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -263,6 +263,18 @@ def analytic_op_time(op: Operator, degrees: tuple[int, ...], device: DeviceSpec,
     fwd = roofline_time(flops, nbytes, dtype, device)
     bwd = roofline_time(2 * flops, 2 * nbytes, dtype, device, kernels=2)
     return OpTime(fwd, bwd, "analytic")
+
+
+def step_flops(graph: OpGraph, configs: Sequence[Config], mesh: MeshShape,
+               recompute: Sequence[str] = ()) -> float:
+    """FLOPs one device computes in a step, as the simulator prices them: each operator's
+    forward FLOPs over its shards, times 3 (the backward is twice the forward; 4 where the
+    operator is recomputed). What `soapjax check` holds against XLA's ``cost_analysis``."""
+    total = 0.0
+    for i, (op, config) in enumerate(zip(graph.operators, configs)):
+        again = i < len(recompute) and recompute[i] != "none"
+        total += op.flops / math.prod(config.degrees(mesh)) * (4.0 if again else 3.0)
+    return total
 
 
 # --- platform matching ---------------------------------------------------------------------------
