@@ -58,7 +58,15 @@ from soapjax.memory import microbatch_choices, microbatch_error
 from soapjax.plan import Plan
 from soapjax.reshard import DEFAULT_MODE, Resharder
 from soapjax.simulate import Simulation, opt_state_factor
-from soapjax.space import Config, MeshShape, SpaceLimits, Strategy, configs, data_parallel
+from soapjax.space import (
+    Config,
+    MeshShape,
+    SpaceLimits,
+    Strategy,
+    configs,
+    data_parallel,
+    within_limits,
+)
 
 Progress = Callable[[str], None]
 
@@ -356,9 +364,12 @@ def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
         starts[f"random-{k}"] = random_strategy(graph, mesh, searcher.rng, settings.limits)
     scored = []
     if family in (None, "transformer") and graph.repeated_blocks():
-        grid = _best_of_grid(sim, searcher, graph, topology, progress)
+        grid = _best_of_grid(sim, searcher, graph, topology, progress, settings.limits)
         if grid is not None:
             starts[grid[0]] = grid[1]
+    # Baselines outside the space the caller asked for (sequence parallelism splits a CNN's
+    # norms spatially, where convolutions are kept whole) are not starts.
+    starts = {name: s for name, s in starts.items() if _within(graph, s, settings.limits)}
     for n, (name, strategy) in enumerate(starts.items()):
         if progress is not None:
             progress(f"search: scoring start {n + 1}/{len(starts)} ({name}); operator costs are "
@@ -385,11 +396,16 @@ def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
                         history=tuple(searcher.history))
 
 
+def _within(graph: OpGraph, strategy: Strategy, limits: SpaceLimits) -> bool:
+    return all(within_limits(op, c, limits) for op, c in zip(graph.operators, strategy.configs))
+
+
 def _best_of_grid(sim: Simulation, searcher: _Searcher, graph: OpGraph, topology,
-                  progress: Progress | None) -> tuple[str, Strategy] | None:
+                  progress: Progress | None, limits: SpaceLimits) -> tuple[str, Strategy] | None:
     """Scores Megatron's grid (`baselines.megatron_grid`); returns the fastest that fits (or
     the fastest), which becomes a chain's start. Every point is recorded as seen."""
-    grid = megatron_grid(graph, topology)
+    grid = {name: s for name, s in megatron_grid(graph, topology).items()
+            if _within(graph, s, limits)}
     if progress is not None and grid:
         progress(f"search: scoring Megatron's grid ({len(grid)} configurations)")
     best = None

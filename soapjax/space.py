@@ -262,6 +262,15 @@ class SpaceLimits:
     max_axes_per_dim: int = 2
 
 
+def within_limits(op: Operator, config: Config, limits: SpaceLimits) -> bool:
+    """Whether `config` splits only dims of roles `limits` allows (spatial dims of image-like
+    operators included), however many axes it puts on a dim."""
+    spatial = not limits.allow_spatial and _image_like(op)
+    roles = op.iteration_roles
+    return all(not axes or (_allowed(roles[d], limits) and not (spatial and roles[d] == "A"))
+               for d, axes in enumerate(config.axes))
+
+
 def configs(op: Operator, mesh: MeshShape, limits: SpaceLimits = SpaceLimits()) -> tuple[Config, ...]:
     """Every config of `op` on `mesh`: each axis splits at most one divisible dim, or none.
 
