@@ -18,6 +18,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from soapjax import _dims
+from soapjax._dtypes import is_key
 
 _INLINED = ("jit", "pjit", "closed_call", "core_call")
 _REMAT = ("remat2", "checkpoint")
@@ -213,7 +214,7 @@ class _Program:
         return self._inline(closed, list(vids), stack, region, iteration)[0]
 
     def run(self, flat_inputs, hook=None, swaps: Mapping[int, tuple] | None = None,
-            checkpoints: Mapping[int, int] | None = None) -> list:
+            checkpoints: Mapping[int, int] | None = None, keys=None) -> list:
         """Evaluates the program and returns the outputs' values.
 
         `swaps` maps an operator's last unit index to ``(its unit indices, fn, input ids,
@@ -221,8 +222,14 @@ class _Program:
         outputs instead. Remat regions run inside `jax.checkpoint` with their traced policy.
         `checkpoints` maps a first unit index to a last one: those units (outside any remat
         region) run inside one `jax.checkpoint` saving nothing (recomputation, `soapjax.memory`).
+        `keys`, when given, maps every PRNG key the program makes from constants (a typed-key
+        constant, the result of `random_seed` or `random_wrap`) to the key to use instead
+        (apply folds the step number in, so dropout draws fresh masks every step).
         """
         env = dict(self.consts)
+        if keys is not None:
+            env.update((v, keys(c)) for v, c in self.consts.items() if is_key(str(c.dtype)))
+            hook = _key_hook(self, hook, keys)
         env.update(self.literals)
         env.update(zip(self.inputs, flat_inputs))
         swaps = dict(swaps or {})
@@ -292,6 +299,21 @@ class _Program:
         for vid, val in zip(u.outs, bind_as_traced(u.eqn, [env[v] for v in u.ins])):
             if vid is not None:
                 env[vid] = hook(vid, val) if hook is not None else val
+
+
+KEY_MAKERS = ("random_seed", "random_wrap")
+
+
+def _key_hook(program: _Program, hook, keys):
+    """`hook`, with `keys` applied first to the outputs of the units that make keys."""
+    made = {v for u in program.units if u.eqn.primitive.name in KEY_MAKERS
+            for v in u.outs if v is not None}
+
+    def both(vid, val):
+        val = keys(val) if vid in made else val
+        return hook(vid, val) if hook is not None else val
+
+    return both
 
 
 def bind_as_traced(eqn: jcore.JaxprEqn, args: Sequence[Any]) -> list[Any]:

@@ -47,10 +47,12 @@ constrained loss and the jitted step.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax._src import config as _jax_config  # the scoped partitioner switch has no public home
@@ -130,7 +132,10 @@ def constrained_loss(graph: OpGraph, strategy: Any, mesh: Mesh, *,
         where the plan says 50 KB).
 
     Returns:
-      ``loss(params, batch) -> scalar``; params and batch must have the traced leaves.
+      ``loss(params, batch, step=None) -> scalar``; params and batch must have the traced
+      leaves. With ``step`` (an int32 scalar, the training step's number), every PRNG key the
+      program makes from constants (dropout's) is folded with it (`step_keys`): step 0 computes
+      exactly the traced function, later steps draw fresh masks.
 
     Raises:
       PlanError: see `validate_strategy`; a convolution split spatially; and, when called, leaves
@@ -151,14 +156,27 @@ def constrained_loss(graph: OpGraph, strategy: Any, mesh: Mesh, *,
     grouped = _operator_programs(graph, strategy, mesh, constrain_operands)
     checkpoints = recompute_segments(graph, strategy)
 
-    def loss(params: Any, batch: Any) -> jax.Array:
+    def loss(params: Any, batch: Any, step: Any = None) -> jax.Array:
         flat_params, flat_batch = jax.tree.leaves(params), jax.tree.leaves(batch)
         validate_leaves(graph.params, flat_params, "params")
         validate_leaves(graph.batch, flat_batch, "batch")
-        return graph.evaluate(*flat_params, *flat_batch, on_output=constrain, replace=grouped,
-                              checkpoints=checkpoints)
+        keys = None if step is None else functools.partial(step_keys, step=step)
+        return graph.evaluate(*flat_params, *flat_batch, on_output=constrain,
+                              replace=grouped if keys is None else keyless,
+                              checkpoints=checkpoints, keys=keys)
 
+    # Operators that make keys from constants run equation by equation when keys advance.
+    keyless = {name: fn for name, fn in grouped.items() if not graph.makes_keys(name)}
     return loss
+
+
+def step_keys(key: jax.Array, *, step: jax.Array) -> jax.Array:
+    """`key` (any shape of typed keys) for training step `step`: itself at step 0, else each
+    key folded with the step number, so every step draws fresh, independent random bits."""
+    flat = key.reshape(-1)
+    folded = jax.vmap(lambda k: jax.random.fold_in(k, step))(flat)
+    data = jnp.where(step == 0, jax.random.key_data(flat), jax.random.key_data(folded))
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(key)).reshape(key.shape)
 
 
 def recompute_segments(graph: OpGraph, strategy: Strategy) -> list[list[str]]:
@@ -260,11 +278,14 @@ def sharded_train_step(graph: OpGraph, strategy: Any, mesh: Mesh,
                        donate: bool = True, compiler_options: Mapping[str, Any] | None = None,
                        allow_spatial_convolutions: bool = False,
                        partitioner: Partitioner = "auto") -> tuple[PartitionedStep, TrainShardings]:
-    """A jitted ``step(params, opt_state, batch) -> (params, opt_state, loss)`` for the strategy.
+    """A jitted ``step(params, opt_state, batch[, step]) -> (params, opt_state, loss)``.
 
     The step is ``jax.value_and_grad`` of `constrained_loss`, gradients constrained to the
     parameters' shardings (with ZeRO axes this is a reduce-scatter), ``optimizer.update`` and
-    ``optax.apply_updates``, jitted with `TrainShardings` as in/out shardings.
+    ``optax.apply_updates``, jitted with `TrainShardings` as in/out shardings. ``step``, the
+    training step's number (an int32 scalar; default 0), advances the PRNG keys the loss makes
+    from constants (`step_keys`): pass a new number every step for fresh dropout masks
+    (`training.ShardedTraining.step` counts for you); step 0 computes the traced function.
 
     Args:
       graph: the traced graph of ``loss_fn(params, batch)``.
@@ -295,13 +316,15 @@ def sharded_train_step(graph: OpGraph, strategy: Any, mesh: Mesh,
     value_and_grad = _value_and_grad(graph, strategy, mesh, shardings,
                                      allow_spatial_convolutions)
 
-    def step(params, opt_state, batch):
-        loss, grads = value_and_grad(params, batch)
+    def step(params, opt_state, batch, count):
+        loss, grads = value_and_grad(params, batch, count)
         grads = jax.lax.with_sharding_constraint(grads, shardings.params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    jitted = jax.jit(step, in_shardings=(shardings.params, shardings.opt_state, shardings.batch),
+    replicated = NamedSharding(mesh, PartitionSpec())
+    jitted = jax.jit(step, in_shardings=(shardings.params, shardings.opt_state, shardings.batch,
+                                         replicated),
                      out_shardings=(shardings.params, shardings.opt_state, shardings.loss),
                      donate_argnums=(0, 1) if donate else (),
                      compiler_options=dict(compiler_options) if compiler_options else None)
@@ -310,12 +333,14 @@ def sharded_train_step(graph: OpGraph, strategy: Any, mesh: Mesh,
 
 def _value_and_grad(graph: OpGraph, strategy: Strategy, mesh: Mesh, shardings: TrainShardings,
                     allow_spatial_convolutions: bool) -> Callable:
-    """``(params, batch) -> (loss, grads)`` of the constrained loss; with M microbatches
+    """``(params, batch, step) -> (loss, grads)`` of the constrained loss (its PRNG keys
+    advanced by the step number: `step_keys`); with M microbatches
     (`Strategy.microbatches`), the graph traced again at batch / M (same operator names, so
     the same configs), ``value_and_grad`` of it over the M microbatches in a ``lax.scan``,
     losses and gradients summed and divided by M: the mean over the whole batch, for a loss
     that is a mean over its samples (as the zoo's are). Microbatch k holds samples k, k + M,
-    k + 2M, ...: each device splits its own shard, no data moves."""
+    k + 2M, ...: each device splits its own shard, no data moves (a graph that draws random
+    bits keeps M = 1, `soapjax.memory.random_operator`, so no keys to advance there)."""
     m = strategy.microbatches
     if m == 1:
         return jax.value_and_grad(constrained_loss(
@@ -336,7 +361,8 @@ def _value_and_grad(graph: OpGraph, strategy: Strategy, mesh: Mesh, shardings: T
         spec = PartitionSpec(None, *sharding.spec)
         return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, spec))
 
-    def value_and_grad(params, batch):
+    def value_and_grad(params, batch, step=None):
+        del step  # no random bits: see above
         micro_batches = jax.tree.map(split, batch, shardings.batch)
 
         def body(carry, mb):
@@ -369,15 +395,20 @@ class PartitionedStep:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with _use_shardy(self.partitioner == "shardy"):
-            return self.jitted(*args, **kwargs)
+            return self.jitted(*_with_step(args), **kwargs)
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """`jax.jit(...).lower`; the result's ``compile()`` uses the same partitioner."""
         with _use_shardy(self.partitioner == "shardy"):
-            return _Lowered(self.jitted.lower(*args, **kwargs), self.partitioner)
+            return _Lowered(self.jitted.lower(*_with_step(args), **kwargs), self.partitioner)
 
     def __repr__(self) -> str:
         return f"PartitionedStep({self.jitted!r}, partitioner={self.partitioner!r})"
+
+
+def _with_step(args: tuple) -> tuple:
+    """``(params, opt_state, batch)`` -> with step number 0 (the traced keys, unchanged)."""
+    return (*args, np.int32(0)) if len(args) == 3 else args
 
 
 class _Lowered:

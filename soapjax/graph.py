@@ -44,6 +44,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from soapjax import _dims
+from soapjax._dtypes import is_key
 from soapjax._grouping import _Builder, module_of_param
 from soapjax._ir import (
     LOOP_ANCHORS as LOOP_ANCHORS,
@@ -55,7 +56,12 @@ from soapjax._ir import (
     ReductionDim as ReductionDim,
     Role as Role,
 )
-from soapjax._program import _Local as _Local, _Program, bind_as_traced as bind_as_traced
+from soapjax._program import (
+    KEY_MAKERS,
+    _Local as _Local,
+    _Program,
+    bind_as_traced as bind_as_traced,
+)
 from soapjax.errors import TraceError
 
 __all__ = ["LeafInfo", "OpGraph", "Operand", "Operator", "OutputTensor", "ReductionDim",
@@ -176,7 +182,8 @@ class OpGraph:
 
     def evaluate(self, *flat_inputs, on_output: Callable[[Operator, int, Any], Any] | None = None,
                  replace: Mapping[str, Callable[..., Sequence[Any]]] | None = None,
-                 checkpoints: Sequence[Sequence[str]] = ()):
+                 checkpoints: Sequence[Sequence[str]] = (),
+                 keys: Callable[[Any], Any] | None = None):
         """Runs the traced function on flat leaves, equation by equation (traceable under jit).
 
         Args:
@@ -192,6 +199,8 @@ class OpGraph:
             that saves nothing (recomputation, `soapjax.memory`): the equations from the
             group's first to its last. A group overlapping an earlier one, or a remat region
             of the model, is evaluated as traced.
+          keys: applied to every PRNG key the program makes from constants (`makes_keys`);
+            operators that make keys must then not be replaced.
 
         Returns:
           The function's result (a scalar loss).
@@ -219,7 +228,16 @@ class OpGraph:
             units = [u for name in group for u in self.program.local[name].units]
             if units and min(units) > taken:
                 spans[min(units)] = taken = max(units)
-        return self.program.run(flat_inputs, hook, swaps=swaps, checkpoints=spans)[0]
+        return self.program.run(flat_inputs, hook, swaps=swaps, checkpoints=spans, keys=keys)[0]
+
+    def makes_keys(self, name: str) -> bool:
+        """Whether operator `name` makes PRNG keys from constants (reads a typed-key constant,
+        or holds `random_seed`/`random_wrap`): dropout's key, before it is split and drawn."""
+        prog = self.program
+        units = prog.local[self.operator(name).name].units
+        return any(prog.units[u].eqn.primitive.name in KEY_MAKERS
+                   or any(v in prog.consts and is_key(prog.dtypes[v]) for v in prog.units[u].ins)
+                   for u in units)
 
     def replaceable(self, name: str) -> bool:
         """Whether operator `name` can be computed all at once where its last equation is.

@@ -87,7 +87,7 @@ from soapjax.simulate import opt_state_factor
 from soapjax.space import MeshShape, Strategy
 from soapjax.topology import Topology, load_topology, make_mesh, scaled_topology
 
-__all__ = ["PLANNERS", "PlanOptions", "ShardedTraining", "initialize_distributed",
+__all__ = ["PLANNERS", "CountingStep", "PlanOptions", "ShardedTraining", "initialize_distributed",
            "shard_training"]
 
 # Environment variables `scripts/launch_local.py` sets for each process.
@@ -160,13 +160,39 @@ def initialize_distributed(*, auto: bool = False, timeout_s: int = 300) -> bool:
     return False
 
 
+class CountingStep:
+    """A `PartitionedStep` that passes its own call count as the step number."""
+
+    def __init__(self, step: PartitionedStep):
+        self.partitioned = step
+        self.count = 0
+
+    def __call__(self, params: Any, opt_state: Any, batch: Any) -> Any:
+        out = self.partitioned(params, opt_state, batch, np.int32(self.count))
+        self.count += 1
+        return out
+
+    def lower(self, params: Any, opt_state: Any, batch: Any) -> Any:
+        return self.partitioned.lower(params, opt_state, batch, np.int32(self.count))
+
+    @property
+    def partitioner(self) -> str:
+        return self.partitioned.partitioner
+
+    def __repr__(self) -> str:
+        return f"CountingStep({self.partitioned!r}, count={self.count})"
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardedTraining:
     """What `shard_training` returns: the sharded step and the placed training state.
 
     Attributes:
       step: jitted ``step(params, opt_state, batch) -> (params, opt_state, loss)``; it donates
-        params and opt_state, so keep only what it returns.
+        params and opt_state, so keep only what it returns. It counts its calls and passes the
+        count as the step number (`apply.sharded_train_step`): the first call computes exactly
+        your loss's gradient, later ones draw fresh dropout masks from the keys your loss holds
+        (an nnx model's `Rngs`, a linen dropout key). Every process counts alike.
       params: the parameters on their shardings (for nnx: the `nnx.Param` state).
       opt_state: the optimizer state on its shardings.
       shardings: every sharding of the step.
@@ -177,7 +203,7 @@ class ShardedTraining:
         otherwise): its predicted step time, baselines and search statistics.
     """
 
-    step: PartitionedStep
+    step: CountingStep
     params: Any
     opt_state: Any
     shardings: TrainShardings
@@ -262,7 +288,8 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
             opt = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(placed)
         else:
             opt = device_put_global(opt_state, shardings.opt_state)
-    return ShardedTraining(step, placed, opt, shardings, graph, strategy, mesh, plan)
+    return ShardedTraining(CountingStep(step), placed, opt, shardings, graph, strategy, mesh,
+                           plan)
 
 
 def _pure_loss(loss_fn, params, name):

@@ -110,14 +110,15 @@ def test_every_baseline_by_name(mlp, capsys, name):
     graph = trace(mlp.loss_fn, mlp.abstract_params(), mlp.abstract_batch(), name="mlp")
     assert run.strategy == baselines(graph, load_topology("cpu8"))[name]
     assert run.plan is None and capsys.readouterr().err == ""
-    assert set(training.PLANNERS) == {"plan", "data-parallel", "megatron", "fsdp", "expert-cnn",
-                                      "expert-rnn"}
+    assert set(training.PLANNERS) == {"plan", "data-parallel", "megatron", "fsdp", "megatron-sp",
+                                      "fsdp-recompute", "expert-cnn", "expert-rnn"}
 
 
 def test_unknown_names_list_the_planners(mlp):
     with pytest.raises(PlanError, match=r"unknown strategy 'data_parallel'; expected one of "
-                                        r"plan, data-parallel, megatron, fsdp, expert-cnn, "
-                                        r"expert-rnn, .*; did you mean 'data-parallel'\?"):
+                                        r"plan, data-parallel, megatron, fsdp, megatron-sp, "
+                                        r"fsdp-recompute, expert-cnn, expert-rnn, .*; did you "
+                                        r"mean 'data-parallel'\?"):
         shard(mlp, strategy="data_parallel")
 
 
@@ -161,3 +162,26 @@ def test_scanned_layers_train_with_the_default_plan(name, capsys):
         params, opt_state, loss = run.step(params, opt_state, run.shard_batch(batch))
         losses.append(float(loss))
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("name, random", [("dropout_nnx", True), ("ste", False)])
+def test_each_step_draws_fresh_dropout_masks(name, random):
+    """The step counts its calls and folds the count into the keys the loss holds: step 0 is
+    the traced function (its loss equals the plain loss), later steps draw other masks (the
+    same parameters and batch give another loss), and a loss without randomness is unmoved."""
+    import corpus
+    import jax.numpy as jnp
+    import optax
+
+    loss_fn, model, batch = corpus.get(name, dtype=jnp.float32)
+    run = training.shard_training(loss_fn, model, batch, optax.sgd(0.0), mesh="cpu8",
+                                  strategy="data-parallel", donate=False)
+    placed = run.shard_batch(batch)
+    losses = [float(run.step(run.params, run.opt_state, placed)[2]) for _ in range(3)]
+    from soapjax.training import _pure_loss
+    pure, params, _ = _pure_loss(loss_fn, model, name)
+    assert losses[0] == pytest.approx(float(jax.jit(pure)(params, batch)), rel=1e-6)
+    if random:
+        assert len(set(losses)) == 3, losses
+    else:
+        assert losses[0] == losses[1] == losses[2]
