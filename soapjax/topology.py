@@ -25,6 +25,10 @@ concurrent collectives over the same fabric queue behind each other, while an in
 collective and an inter-node one overlap. :meth:`Topology.collective_time` already prices the
 sharing *within* one collective (all its groups at once), so a collective is one task on its
 channels, not one task per group.
+
+One module past ~600 lines, on purpose: `Topology` is one record whose collective costs, ring
+statistics, channel lists, cuts (`scaled_topology`) and summary all read the same routes; the
+file format and the routing engine already live apart (`_topology_file`, `_routing`).
 """
 
 from __future__ import annotations
