@@ -156,6 +156,9 @@ def constrained_loss(graph: OpGraph, strategy: Any, mesh: Mesh, *,
     grouped = _operator_programs(graph, strategy, mesh, constrain_operands)
     checkpoints = recompute_segments(graph, strategy)
 
+    # Operators that make keys from constants run equation by equation when keys advance.
+    keyless = {name: fn for name, fn in grouped.items() if not graph.makes_keys(name)}
+
     def loss(params: Any, batch: Any, step: Any = None) -> jax.Array:
         flat_params, flat_batch = jax.tree.leaves(params), jax.tree.leaves(batch)
         validate_leaves(graph.params, flat_params, "params")
@@ -165,8 +168,6 @@ def constrained_loss(graph: OpGraph, strategy: Any, mesh: Mesh, *,
                               replace=grouped if keys is None else keyless,
                               checkpoints=checkpoints, keys=keys)
 
-    # Operators that make keys from constants run equation by equation when keys advance.
-    keyless = {name: fn for name, fn in grouped.items() if not graph.makes_keys(name)}
     return loss
 
 
