@@ -30,13 +30,10 @@ import jax
 import jax.numpy as jnp
 
 from soapjax_zoo.workload import (
-    Batch,
     ModelConfigError,
     Workload,
-    adamw_clipped,
     causal_attention,
-    linen_workload,
-    next_token_batch,
+    decoder_workload,
 )
 
 
@@ -170,22 +167,9 @@ GPT_CONFIGS = {
 
 def build_gpt(name: str, config: str, cfg: GPTConfig, api: str) -> Workload:
     """The GPT workload: next-token prediction, AdamW (beta2 0.95) after clipping."""
-
-    def make_batch(rng: jax.Array) -> Batch:
-        return next_token_batch(rng, cfg.batch_size, cfg.seq_len, cfg.vocab_size)
-
-    return linen_workload(
-        name=name,
-        config=config,
-        family="transformer",
-        description=(
-            f"GPT ({cfg.num_layers} layers, {cfg.num_heads} heads, d_model {cfg.d_model}), "
-            f"{cfg.seq_len} tokens, vocab {cfg.vocab_size}, {cfg.dtype or cfg.param_dtype} "
-            f"over {cfg.param_dtype}"
-        ),
-        module=GPT(cfg),
-        make_batch=make_batch,
-        inputs=("inputs",),
-        label="targets",
-        optimizer=adamw_clipped(cfg.learning_rate, cfg.weight_decay, cfg.max_grad_norm),
+    return decoder_workload(
+        name, config, cfg, GPT(cfg),
+        f"GPT ({cfg.num_layers} layers, {cfg.num_heads} heads, d_model {cfg.d_model}), "
+        f"{cfg.seq_len} tokens, vocab {cfg.vocab_size}, {cfg.dtype or cfg.param_dtype} "
+        f"over {cfg.param_dtype}",
     )

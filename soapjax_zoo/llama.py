@@ -27,13 +27,10 @@ import jax
 import jax.numpy as jnp
 
 from soapjax_zoo.workload import (
-    Batch,
     ModelConfigError,
     Workload,
-    adamw_clipped,
     causal_attention,
-    linen_workload,
-    next_token_batch,
+    decoder_workload,
 )
 
 
@@ -181,22 +178,9 @@ LLAMA_CONFIGS = {
 
 def build_llama(name: str, config: str, cfg: LlamaConfig, api: str) -> Workload:
     """The LLaMA workload: next-token prediction, AdamW (beta2 0.95) after clipping."""
-
-    def make_batch(rng: jax.Array) -> Batch:
-        return next_token_batch(rng, cfg.batch_size, cfg.seq_len, cfg.vocab_size)
-
-    return linen_workload(
-        name=name,
-        config=config,
-        family="transformer",
-        description=(
-            f"LLaMA ({cfg.num_layers} layers, {cfg.num_heads} heads / {cfg.num_kv_heads} kv, "
-            f"d_model {cfg.d_model}, MLP {cfg.mlp_hidden}), {cfg.seq_len} tokens, vocab "
-            f"{cfg.vocab_size}, {cfg.dtype or cfg.param_dtype} over {cfg.param_dtype}"
-        ),
-        module=Llama(cfg),
-        make_batch=make_batch,
-        inputs=("inputs",),
-        label="targets",
-        optimizer=adamw_clipped(cfg.learning_rate, cfg.weight_decay, cfg.max_grad_norm),
+    return decoder_workload(
+        name, config, cfg, Llama(cfg),
+        f"LLaMA ({cfg.num_layers} layers, {cfg.num_heads} heads / {cfg.num_kv_heads} kv, "
+        f"d_model {cfg.d_model}, MLP {cfg.mlp_hidden}), {cfg.seq_len} tokens, vocab "
+        f"{cfg.vocab_size}, {cfg.dtype or cfg.param_dtype} over {cfg.param_dtype}",
     )

@@ -298,6 +298,21 @@ def next_token_batch(rng: jax.Array, batch_size: int, seq_len: int, vocab_size: 
     return {"inputs": stream[:, :-1], "targets": stream[:, 1:]}
 
 
+def decoder_workload(name: str, config: str, cfg: Any, module: Any,
+                     description: str) -> Workload:
+    """A decoder language model's workload (GPT, LLaMA): next-token prediction on random
+    streams, AdamW (beta2 0.95) after clipping; `cfg` holds batch_size, seq_len, vocab_size,
+    learning_rate, weight_decay and max_grad_norm."""
+
+    def make_batch(rng: jax.Array) -> Batch:
+        return next_token_batch(rng, cfg.batch_size, cfg.seq_len, cfg.vocab_size)
+
+    return linen_workload(
+        name=name, config=config, family="transformer", description=description,
+        module=module, make_batch=make_batch, inputs=("inputs",), label="targets",
+        optimizer=adamw_clipped(cfg.learning_rate, cfg.weight_decay, cfg.max_grad_norm))
+
+
 def linen_workload(
     *,
     name: str,
