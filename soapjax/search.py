@@ -170,23 +170,11 @@ def _pick(choices, rng):
     return choices[int(rng.integers(len(choices)))]
 
 
-def _propose_all(sim: Simulation, members: list[int], config, policy: str | None = None) -> list:
+def _propose_all(sim: Simulation, members: list[int], config, policy: str | None = None) -> None:
     """Delta-simulates every member taking `config` (None: its own) and recompute `policy`
-    (None: its own); all but the last change are accepted, the last stays pending. Returns
-    the members' old (config, policy) pairs (for `_undo_all`)."""
-    olds = [sim.choice(j) for j in members]
-    for j, (c, _) in zip(members[:-1], olds):
-        sim.propose(j, c if config is None else config, policy)
-        sim.accept()
-    sim.propose(members[-1], olds[-1][0] if config is None else config, policy)
-    return olds
-
-
-def _undo_all(sim: Simulation, members: list[int], olds: list) -> None:
-    """After `reject` of the last member's change, puts the other members back."""
-    for j, (config, policy) in zip(reversed(members[:-1]), reversed(olds[:-1])):
-        sim.propose(j, config, policy)
-        sim.accept()
+    (None: its own), as one pending proposal (`Simulation.propose_many`: one retiming pass)."""
+    sim.propose_many([(j, sim.choice(j)[0] if config is None else config, policy)
+                      for j in members])
 
 
 # How often a proposal changes a recompute policy (of one operator or one position of every
@@ -271,7 +259,7 @@ class _Searcher:
                     candidate = candidate.with_recompute(j, policy) if policy else candidate
                 sim.reset(candidate)
             else:
-                olds = _propose_all(sim, members, config, policy)
+                _propose_all(sim, members, config, policy)
             new = _cost(sim)
             if new <= current or rng.random() < math.exp(beta * (current - new)):
                 if s.simulation == "full" or m is not None:
@@ -291,7 +279,6 @@ class _Searcher:
                     sim.reset(before)
                 elif s.simulation == "delta":
                     sim.reject()  # (full: the next proposal resets the simulation anyway)
-                    _undo_all(sim, members, olds)
                 since_best += 1
             self._report(name)
 

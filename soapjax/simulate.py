@@ -208,7 +208,7 @@ class Simulation:
         self._micro = max(1, int(strategy.microbatches))
         self._scaled: dict[tuple, tuple[Comm, ...]] = {}  # (chain, M) -> chain run M times
         self._act: int | None = None  # activation bytes, computed when asked (`_memory`)
-        self._pending: _Undo | None = None
+        self._pending: _Batch | None = None
         self._prefetch(strategy, ())  # compile the first strategy's reshardings in one batch
         self.reset(strategy)
 
@@ -275,59 +275,76 @@ class Simulation:
           PlanError: `config` does not fit operator `i` or the mesh.
           RuntimeError: a proposal is already pending.
         """
+        return self.propose_many([(i, config, recompute)])
+
+    def propose_many(self, changes: Sequence[tuple[int, Config, str | None]]) -> float:
+        """Delta-simulates several operators' changes as one proposal: ``(operator, config,
+        recompute policy or None)`` each, applied in order, then one retiming pass from the
+        first changed task (a repeated block's position moves in every layer at once: one
+        pass instead of one per layer). `accept` keeps them all, `reject` rolls them all back.
+        The timeline is the one the changes made one by one give (delta == full)."""
         if self._pending is not None:
             raise RuntimeError("accept() or reject() the pending proposal before proposing again")
-        old = self._views[i]
-        view = self._view(i, config, old.policy if recompute is None else recompute)
-        undo = self._pending = _Undo(i, old)
-        if view is old:
-            return self._task_graph.step_time()
         task_graph = self._task_graph
-        undo.start, undo.end = list(task_graph.start), list(task_graph.end)
-        undo.activation_bytes = self._act
-        undo.stored_bytes, undo.leaf_activation_bytes = self._stored_bytes, self._leaf_bytes
-        self._views[i] = view
-        self._act = None
-        partial_sum, edges, leaves = self._changed_units(i, view, old)
-        self._replace_units(undo, i if partial_sum else None, edges, leaves)
-        self._retime_and_rewire(undo, i, edges, leaves)
+        batch = self._pending = _Batch()
+        for i, config, recompute in changes:
+            old = self._views[i]
+            try:
+                view = self._view(i, config, old.policy if recompute is None else recompute)
+            except Exception:
+                self.reject()  # the changes before it
+                raise
+            if view is old:
+                continue
+            if not batch.undos:
+                batch.start, batch.end = list(task_graph.start), list(task_graph.end)
+            undo = _Undo(i, old)
+            batch.undos.append(undo)
+            undo.activation_bytes = self._act
+            undo.stored_bytes, undo.leaf_activation_bytes = self._stored_bytes, self._leaf_bytes
+            self._views[i] = view
+            self._act = None
+            partial_sum, edges, leaves = self._changed_units(i, view, old)
+            self._replace_units(undo, i if partial_sum else None, edges, leaves)
+            self._retime_and_rewire(undo, i, edges, leaves)
         task_graph.sweep()
         return task_graph.step_time()
 
     def accept(self) -> None:
         """Keeps the pending proposal."""
-        undo = self._take_pending()
-        self._task_graph.release(undo.old_tasks)
+        for undo in self._take_pending().undos:
+            self._task_graph.release(undo.old_tasks)
 
     def reject(self) -> None:
         """Rolls the pending proposal back: the old tasks return, with their old times."""
-        undo = self._take_pending()
-        task_graph, i = self._task_graph, undo.op
-        if undo.view is self._views[i]:
-            return
-        for t, deps in reversed(undo.deps):
-            task_graph.set_deps(t, deps)
-        for t in reversed(undo.new_tasks):
-            task_graph.detach(t)
-        self._count_buffers(undo.new_tasks, -1)
-        task_graph.release(undo.new_tasks)
-        for t in undo.old_tasks:
-            task_graph.attach(t)
-        self._count_buffers(undo.old_tasks, +1)
-        task_graph.dur[self._forward_task[i]] = undo.view.forward_s
-        task_graph.dur[self._backward_task[i]] = undo.view.backward_s
-        self._views[i] = undo.view
-        if undo.partial_sum_tasks is not None:
-            self._partial_sum_tasks[i] = undo.partial_sum_tasks
-        for e, unit in undo.edges:
-            self._edge_tasks[e] = unit
-        for leaf, unit in undo.leaves:
-            self._leaf_tasks[leaf] = unit
-        self._act = undo.activation_bytes
-        self._stored_bytes, self._leaf_bytes = undo.stored_bytes, undo.leaf_activation_bytes
-        n = len(undo.start)
-        task_graph.start[:n] = undo.start
-        task_graph.end[:n] = undo.end
+        batch = self._take_pending()
+        task_graph = self._task_graph
+        for undo in reversed(batch.undos):
+            i = undo.op
+            for t, deps in reversed(undo.deps):
+                task_graph.set_deps(t, deps)
+            for t in reversed(undo.new_tasks):
+                task_graph.detach(t)
+            self._count_buffers(undo.new_tasks, -1)
+            task_graph.release(undo.new_tasks)
+            for t in undo.old_tasks:
+                task_graph.attach(t)
+            self._count_buffers(undo.old_tasks, +1)
+            task_graph.dur[self._forward_task[i]] = undo.view.forward_s
+            task_graph.dur[self._backward_task[i]] = undo.view.backward_s
+            self._views[i] = undo.view
+            if undo.partial_sum_tasks is not None:
+                self._partial_sum_tasks[i] = undo.partial_sum_tasks
+            for e, unit in undo.edges:
+                self._edge_tasks[e] = unit
+            for leaf, unit in undo.leaves:
+                self._leaf_tasks[leaf] = unit
+            self._act = undo.activation_bytes
+            self._stored_bytes, self._leaf_bytes = undo.stored_bytes, undo.leaf_activation_bytes
+        if batch.undos:
+            n = len(batch.start)
+            task_graph.start[:n] = batch.start
+            task_graph.end[:n] = batch.end
         task_graph.discard_marks()
 
     def result(self) -> SimResult:
@@ -492,7 +509,7 @@ class Simulation:
             t = self._backward_task[j]
             undo.deps.append((t, task_graph.set_deps(t, self._backward_deps(j))))
 
-    def _take_pending(self) -> _Undo:
+    def _take_pending(self) -> _Batch:
         if self._pending is None:
             raise RuntimeError("no pending proposal: call propose() first")
         undo, self._pending = self._pending, None
@@ -752,17 +769,25 @@ class _LeafTasks(NamedTuple):
     activation_bytes: int  # the batch shard and copies in other layouts, kept for the backward
 
 
-class _Undo:
-    """What `reject` needs to restore the state before a proposal."""
+class _Batch:
+    """A pending proposal: one `_Undo` per changed operator, and the timeline before it."""
 
-    __slots__ = ("activation_bytes", "deps", "edges", "end", "leaf_activation_bytes", "leaves",
-                 "new_tasks", "old_tasks", "op", "partial_sum_tasks", "start", "stored_bytes",
-                 "view")
+    __slots__ = ("end", "start", "undos")
+
+    def __init__(self) -> None:
+        self.undos: list[_Undo] = []
+        self.start: list[float] = []
+        self.end: list[float] = []
+
+
+class _Undo:
+    """What `reject` needs to restore the state before one operator's change."""
+
+    __slots__ = ("activation_bytes", "deps", "edges", "leaf_activation_bytes", "leaves",
+                 "new_tasks", "old_tasks", "op", "partial_sum_tasks", "stored_bytes", "view")
 
     def __init__(self, op: int, view: _View) -> None:
         self.op, self.view = op, view  # the operator and its view before the proposal
-        self.start: list[float] = []
-        self.end: list[float] = []
         self.activation_bytes = self.stored_bytes = self.leaf_activation_bytes = 0
         self.partial_sum_tasks: list[int] | None = None
         self.edges: list[tuple[int, _EdgeTasks]] = []

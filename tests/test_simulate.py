@@ -580,3 +580,40 @@ def test_delta_equals_full_with_microbatches_and_recompute(kind, topo_name, seed
                 same(sim, current, g, topo, costs, rs)
     assert sim.strategy == current
     assert moved_m > 0 or len(ms) == 1
+
+
+@pytest.mark.parametrize("kind, topo_name, seed", MEMORY_CASES[:3],
+                         ids=[f"{k}-{t}" for k, t, _ in MEMORY_CASES[:3]])
+def test_delta_equals_full_when_several_operators_move_at_once(kind, topo_name, seed):
+    """`propose_many` (the search's move of a repeated block's position in every layer): 1 to
+    4 operators change config and recompute policy in one proposal, retimed in one pass; the
+    state equals a full simulation after it, and after `reject` equals the one before, bit for
+    bit."""
+    rng = random.Random(seed)
+    g = random_graph(kind, rng)
+    topo = TOPOLOGIES[topo_name]()
+    mesh = MeshShape.of(topo)
+    costs, rs = cost_model(g, topo, mode="analytic"), ideal(topo)
+    choices = [configs(op, mesh) for op in g.operators]
+    policies = ("none", "selective", "full")
+    current = Strategy(tuple(rng.choice(c) for c in choices))
+    sim = Simulation(g, topo, costs, rs, current)
+    rejected = 0
+    for _ in range(PROPOSALS // 2):
+        ops = rng.sample(range(len(choices)), min(len(choices), rng.randint(1, 4)))
+        changes = [(i, rng.choice(choices[i]), rng.choice(policies + (None,))) for i in ops]
+        candidate = current
+        for i, config, policy in changes:
+            candidate = candidate.replace(i, config)
+            candidate = candidate.with_recompute(i, policy) if policy else candidate
+        t = sim.propose_many(changes)
+        same(sim, candidate, g, topo, costs, rs)
+        assert t == sim.step_time()
+        if rng.random() < 0.5:
+            sim.accept()
+            current = candidate
+        else:
+            sim.reject()
+            rejected += 1
+            same(sim, current, g, topo, costs, rs)
+    assert rejected
