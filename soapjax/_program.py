@@ -94,8 +94,8 @@ def recompute_in_backward(checkpointed: Callable) -> Callable:
 
 def _after(saved, cotangent):
     """`saved` (its float arrays) made to depend on `cotangent` by a data edge no compiler folds:
-    ``where(c == c, x, nan)`` with ``c`` one element of the cotangent is ``x`` exactly unless the
-    cotangent is already NaN. XLA:CPU removes optimization barriers *before* it schedules (XLA's
+    ``where(isnan(c), nan, x)`` with ``c`` one element of the cotangent is ``x`` exactly unless
+    the cotangent is already NaN. XLA:CPU removes optimization barriers *before* it schedules (XLA's
     `OptimizationBarrierExpander` sits in the CPU pipeline before layout assignment; on GPU it
     runs after scheduling), so there only a real data edge keeps the recomputation in the
     backward pass."""
@@ -104,12 +104,12 @@ def _after(saved, cotangent):
     if not leaves:
         return saved
     c = jax.numpy.ravel(leaves[0])[0]
-    ok = c == c
+    nan = jax.numpy.isnan(c)
 
     def tie(x):
         if not jax.numpy.issubdtype(getattr(x, "dtype", None) or int, jax.numpy.floating):
             return x
-        return jax.numpy.where(ok, x, jax.numpy.asarray(jax.numpy.nan, x.dtype))
+        return jax.numpy.where(nan, jax.numpy.asarray(jax.numpy.nan, x.dtype), x)
 
     return jax.tree.map(tie, saved)
 
