@@ -10,6 +10,9 @@
 * `timeline_figure`: the simulated step as a Gantt chart: one row per device (the compute
   stream; identical on every device under SPMD) and one per link (collectives).
 * `comparison_figure`: predicted step time and bytes sent per device, against the baselines.
+* `pipeline_figure`: a timed pipeline schedule (`soapjax.pipeline.time_schedule`): a row per
+  device stage (stage 0 on top), a box per forward and per backward labelled with its
+  microbatch; the bubble is the empty space.
 
 Each function returns a `matplotlib.figure.Figure` that pyplot does not hold on to: a notebook
 shows it inline (as the value of a cell), ``fig.savefig("plan.png")`` writes it. matplotlib is
@@ -27,7 +30,9 @@ data coordinates with one unit per cell (x: column, y: row, row 0 on top); each 
 is a `Rectangle` with gid ``"{label}/device {d}"``, each cell's outline (hatched for partial
 sums) one with gid ``"{label}/cell {row},{col}"``. In `timeline_figure` each bar collection has
 gid ``"{track}/{kind}"`` (``"device 0/forward"``, ``"{channel}/grad_sync"``); in
-`comparison_figure` each bar has gid ``"step time/{name}"`` or ``"bytes sent/{name}"``.
+`comparison_figure` each bar has gid ``"step time/{name}"`` or ``"bytes sent/{name}"``; in
+`pipeline_figure` each box is a `Rectangle` with gid ``"stage {s}/{F|B} {microbatch}/chunk {c}"``
+and its label, if drawn, a text with that gid plus ``"/label"``.
 """
 
 from __future__ import annotations
@@ -41,12 +46,13 @@ from typing import Any, NamedTuple
 
 from soapjax.errors import MissingDependencyError, PlanError
 from soapjax.graph import OpGraph
+from soapjax.pipeline import PipelineTimeline
 from soapjax.plan import Plan
 from soapjax.report import byte_unit, group_repeats
 from soapjax.space import Config, MeshShape, Strategy, validate_config
 
-__all__ = ["Cell", "Partition", "comparison_figure", "partitions", "plan_figure",
-           "require_matplotlib", "save_pictures", "timeline_figure"]
+__all__ = ["Cell", "Partition", "comparison_figure", "partitions", "pipeline_figure",
+           "plan_figure", "require_matplotlib", "save_pictures", "timeline_figure"]
 
 INSTALL_HINT = "pip install 'soapjax[plot]'"
 
@@ -75,6 +81,13 @@ def require_matplotlib(backend: str | None = None):
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _time_unit(seconds: float) -> tuple[float, str]:
+    """(scale, unit) to write times up to `seconds` in: s, ms or us."""
+    if seconds >= 1.0:
+        return 1.0, "s"
+    return (1e3, "ms") if seconds >= 1e-3 else (1e6, "\u00b5s")
 
 
 def _figure(width: float, height: float):
@@ -364,7 +377,7 @@ def timeline_figure(result, *, max_devices: int = 8, title: str | None = None):
                         f"{type(result).__name__}")
     shown = min(result.num_devices, max_devices)
     tracks = [f"device {d}" for d in range(shown)] + list(result.channels)
-    scale, unit = (1e3, "ms") if result.step_time_s >= 1e-3 else (1e6, "\u00b5s")
+    scale, unit = _time_unit(result.step_time_s)
     bars: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for t in result.tasks:
         span = (t.start_s * scale, (t.end_s - t.start_s) * scale)
@@ -398,6 +411,69 @@ def timeline_figure(result, *, max_devices: int = 8, title: str | None = None):
     return fig
 
 
+# --- pipeline_figure --------------------------------------------------------------------------
+
+
+def pipeline_figure(timeline: PipelineTimeline, *, title: str | None = None):
+    """A timed pipeline schedule: a row per device stage, a box per forward and backward.
+
+    Stage 0 is on top and time runs to the right; forwards are blue, backwards orange, each box
+    labelled with its microbatch where it is wide enough. With virtual stages (interleaving) a
+    stage's later chunks are drawn lighter. What is left empty is the bubble; sends between
+    stages are not drawn, their latency shows as the gaps it causes.
+
+    Args:
+      timeline: a `soapjax.pipeline.PipelineTimeline` (`time_schedule`).
+      title: the figure's title (default: the pipeline, its step time and bubble).
+
+    Returns:
+      A `matplotlib.figure.Figure`, one `Rectangle` per action (so meant for pipelines of up to
+      a few thousand actions).
+    """
+    if not isinstance(timeline, PipelineTimeline):
+        raise PlanError(f"expected a PipelineTimeline (soapjax.pipeline.time_schedule), got "
+                        f"{type(timeline).__name__}")
+    require_matplotlib()
+    from matplotlib.patches import Patch, Rectangle
+
+    S, v = timeline.stages, timeline.virtual
+    scale, unit = _time_unit(timeline.step_s)
+    fig = _figure(11, 1.3 + 0.35 * S)
+    ax = fig.subplots()
+    points_per_unit = 9.0 * 72 / (timeline.step_s * scale or 1.0)  # about 9 in of axes
+    for task in timeline.tasks:
+        kind, m, c = task.action
+        x, width = task.start_s * scale, (task.end_s - task.start_s) * scale
+        gid = f"stage {task.stage}/{kind} {m}/chunk {c}"
+        light = 0.5 * (c // S) / (v - 1) if v > 1 else 0.0
+        color = _lighter(KIND_COLORS["forward" if kind == "F" else "backward"], light)
+        ax.add_patch(Rectangle((x, task.stage - 0.4), width, 0.8, facecolor=color,
+                               edgecolor="white", linewidth=0.5, gid=gid))
+        if width * points_per_unit >= 5 * len(str(m)) + 3:
+            ax.text(x + width / 2, task.stage, str(m), ha="center", va="center", fontsize=6,
+                    color="white" if light < 0.3 else "black", gid=f"{gid}/label")
+    ax.set_xlim(0, timeline.step_s * scale or 1.0)
+    ax.set_ylim(S - 0.5, -0.5)
+    ax.set_yticks(range(S), [f"stage {s}" for s in range(S)], fontsize=7)
+    ax.set_xlabel(f"time ({unit})")
+    ax.legend(handles=[Patch(facecolor=KIND_COLORS["forward"], label="forward"),
+                       Patch(facecolor=KIND_COLORS["backward"], label="backward")],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    virtual = f" \u00d7 {v} virtual" if v > 1 else ""
+    fig.suptitle(title or (
+        f"{timeline.schedule}: {S} stages{virtual}, {timeline.microbatches} microbatches; step "
+        f"{timeline.step_s * scale:.4g} {unit}, bubble {timeline.bubble_fraction:.1%}"),
+        fontsize=10)
+    return fig
+
+
+def _lighter(color: str, amount: float) -> tuple[float, float, float]:
+    """`color` blended towards white by `amount` (0: unchanged, 1: white)."""
+    from matplotlib.colors import to_rgb
+
+    return tuple(x + (1.0 - x) * amount for x in to_rgb(color))
+
+
 # --- comparison_figure ------------------------------------------------------------------------
 
 
@@ -426,7 +502,7 @@ def comparison_figure(results: Mapping[str, Any], *, highlight: str | None = Non
     sent = [_metric(results[n], "bytes_moved", n, math.nan) for n in names]
     fits = [_metric(results[n], "fits_in_memory", n, True) for n in names]
     t0 = times[names.index(highlight)]
-    scale, unit = (1e3, "ms") if max(times) >= 1e-3 else (1e6, "\u00b5s")
+    scale, unit = _time_unit(max(times))
     fig = _figure(11, 1.2 + 0.4 * len(names))
     ax_t, ax_b = fig.subplots(1, 2, sharey=True)
     colors = ["#c44e52" if n == highlight else "#4c72b0" for n in names]

@@ -1,13 +1,25 @@
-"""The pipeline dimension's rules (soapjax.pipeline): schedules as per-stage action orders."""
+"""The pipeline dimension's rules (soapjax.pipeline): schedules as per-stage action orders, and
+their timing (`time_schedule`) against closed forms, hand-derived timelines and a naive
+fixed-point simulation."""
 
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 
 from soapjax.errors import PlanError
-from soapjax.pipeline import Action, check_pipeline, chunks_of, device_orders
+from soapjax.pipeline import (
+    Action,
+    ChunkTimes,
+    TimedAction,
+    TimedSend,
+    check_pipeline,
+    chunks_of,
+    device_orders,
+    time_schedule,
+)
 
 CASES = [("gpipe", 4, 6, 1), ("1f1b", 4, 6, 1), ("1f1b", 4, 2, 1), ("1f1b", 1, 3, 1),
          ("interleaved", 4, 8, 2), ("interleaved", 2, 2, 3), ("interleaved", 3, 6, 4)]
@@ -83,3 +95,181 @@ def test_bad_pipelines_are_refused_with_what_was_expected():
         check_pipeline("1f1b", 2, 4, 2)
     with pytest.raises(PlanError, match="needs 2 or more virtual stages"):
         check_pipeline("interleaved", 2, 4, 1)
+
+
+# --- time_schedule ----------------------------------------------------------------------------
+
+
+def naive_times(orders, S, v, times):
+    """The timing rules solved by brute force: start from all-zero times and re-evaluate every
+    action and every link (served in order of readiness, ties by microbatch) until nothing
+    changes. Returns {action: (start, end)}."""
+    C, ends = S * v, {}
+    while True:
+        arrive = {}
+        links: dict[tuple[str, int], list] = {}
+        for a in (a for order in orders for a in order):
+            kind, m, c = a
+            ready = ends.get(a, 0.0)
+            if kind == "F" and c < C - 1:
+                links.setdefault(("F", c % S), []).append((ready, m, c, ("F", m, c + 1)))
+            if kind == "B" and c > 0:
+                links.setdefault(("B", c % S), []).append((ready, m, c - 1, ("B", m, c - 1)))
+        for queue in links.values():
+            free = 0.0
+            for ready, _, boundary, into in sorted(queue):
+                free = max(ready, free) + (times.send_s[boundary] if S > 1 else 0.0)
+                arrive[into] = free
+        new = {}
+        for order in orders:
+            t = 0.0
+            for a in order:
+                t = max(t, arrive.get(tuple(a), 0.0))
+                duration = (times.forward_s if a.kind == "F" else times.backward_s)[a.chunk]
+                new[a] = (t, t + duration)
+                t += duration
+        if {a: e for a, (_, e) in new.items()} == ends:
+            return new
+        ends = {a: e for a, (_, e) in new.items()}
+
+
+@pytest.mark.parametrize("schedule, S, M, v", CASES, ids=[f"{c[0]}-S{c[1]}-M{c[2]}-v{c[3]}"
+                                                          for c in CASES])
+def test_time_schedule_equals_a_naive_fixed_point_on_random_times(schedule, S, M, v):
+    rng = random.Random(f"{schedule}{S}{M}{v}")
+    C = S * v
+    times = ChunkTimes(tuple(rng.randint(1, 8) / 4 for _ in range(C)),
+                       tuple(rng.randint(1, 8) / 4 for _ in range(C)),
+                       tuple(rng.randint(0, 8) / 4 for _ in range(C - 1)))
+    t = time_schedule(schedule, S, M, v, times)
+    want = naive_times(device_orders(schedule, S, M, v), S, v, times)
+    assert {task.action: (task.start_s, task.end_s) for task in t.tasks} == want
+    assert [task.stage for task in t.tasks] == [s for s in range(S) for _ in range(2 * M * v)]
+    assert t.step_s == max(end for _, end in want.values())
+    assert t.stage_end_s == tuple(max(want[a][1] for a in o) for o in t.orders)
+    assert t.busy_s == tuple(M * sum(times.forward_s[c] + times.backward_s[c]
+                                     for c in chunks_of(s, S, v)) for s in range(S))
+    assert len(t.sends) == (2 * M * (C - 1) if S > 1 else 0)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("S, M", [(1, 3), (2, 1), (4, 3), (4, 8), (8, 16)])
+def test_plain_pipelines_take_M_plus_S_minus_1_slots(schedule, S, M):
+    f, b = 1.0, 2.0
+    t = time_schedule(schedule, S, M, 1, ChunkTimes.uniform(S, f, b))
+    assert t.step_s == (M + S - 1) * (f + b)
+    assert t.busy_s == (M * (f + b),) * S
+    assert t.bubble_fraction == 1 - M / (M + S - 1)
+    assert t.stage_end_s[0] == t.step_s  # stage 0 runs the last backward
+    if schedule == "1f1b":
+        assert t.in_flight == tuple(min(S - s, M) for s in range(S))
+    else:
+        assert t.in_flight == (M,) * S
+
+
+@pytest.mark.parametrize("S, v, M", [(2, 2, 2), (2, 2, 6), (4, 2, 8), (4, 4, 4), (4, 4, 12),
+                                     (8, 2, 16), (1, 4, 3)])
+@pytest.mark.parametrize("f, b", [(1.0, 1.0), (1.0, 2.0), (2.0, 1.0)])
+def test_interleaving_divides_the_bubble_by_v(S, v, M, f, b):
+    """Narayanan et al. 2021, section 2.2: with v chunks per device each of f/v and b/v, the
+    bubble is (S - 1)(f + b) / v, so the step is (M + (S - 1) / v)(f + b), and it is exact here
+    (M a multiple of S; v a power of two keeps the sums exact in binary)."""
+    t = time_schedule("interleaved", S, M, v, ChunkTimes.uniform(S * v, f / v, b / v))
+    assert t.step_s == (M + (S - 1) / v) * (f + b)
+    plain = time_schedule("1f1b", S, M, 1, ChunkTimes.uniform(S, f, b))
+    assert plain.step_s - M * (f + b) == v * (t.step_s - M * (f + b))
+    # Megatron's warm-up holds (S - s - 1) * 2 + (v - 1) * S forwards, then one more
+    warmup = [M * v if M == S else (S - s - 1) * 2 + (v - 1) * S for s in range(S)]
+    assert t.in_flight == tuple(min(w + 1, M * v) for w in warmup)
+
+
+def test_sends_add_their_latency_on_the_critical_path():
+    t = time_schedule("1f1b", 2, 1, 1, ChunkTimes.uniform(2, 1.0, 1.0, 0.5))
+    assert t.step_s == 1 + 0.5 + 1 + 1 + 0.5 + 1
+    assert t.tasks == (TimedAction(0, Action("F", 0, 0), 0.0, 1.0),
+                       TimedAction(0, Action("B", 0, 0), 4.0, 5.0),
+                       TimedAction(1, Action("F", 0, 1), 1.5, 2.5),
+                       TimedAction(1, Action("B", 0, 1), 2.5, 3.5))
+    assert t.sends == (TimedSend(0, 1, 0, 0, "F", 1.0, 1.5),  # ordered as their producers
+                       TimedSend(1, 0, 0, 0, "B", 3.5, 4.0))
+    assert t.stage_end_s == (5.0, 3.5)
+
+
+@pytest.mark.parametrize("M", [1, 4, 8])
+def test_gpipe_hides_sends_once_full_and_1f1b_does_not(M):
+    """GPipe pays each of the 2 (S - 1) boundary crossings once, on the first forward and the
+    last backward; in 1F1B a stage waits on the gradient of a microbatch it has just sent on."""
+    S, f, b, send = 4, 1.0, 2.0, 0.25
+    gpipe = time_schedule("gpipe", S, M, 1, ChunkTimes.uniform(S, f, b, send))
+    assert gpipe.step_s == (M + S - 1) * (f + b) + 2 * (S - 1) * send
+    one_f_one_b = time_schedule("1f1b", S, M, 1, ChunkTimes.uniform(S, f, b, send))
+    assert one_f_one_b.step_s == {1: 13.5, 4: 23.5, 8: 37.0}[M]
+    naive = naive_times(one_f_one_b.orders, S, 1, ChunkTimes.uniform(S, f, b, send))
+    assert max(end for _, end in naive.values()) == one_f_one_b.step_s
+
+
+def test_a_slow_link_sends_one_microbatch_at_a_time():
+    """GPipe, 2 stages, 4 microbatches of f = b = 1 s, sends of 2 s: the activations leave
+    stage 0 at 1, 2, 3, 4 s but the link delivers them at 3, 5, 7, 9 s; stage 1 ends its
+    backwards at 14 s, the gradients arrive at 13, 15, 17, 19 s, and stage 0 ends at 20 s."""
+    t = time_schedule("gpipe", 2, 4, 1, ChunkTimes.uniform(2, 1.0, 1.0, 2.0))
+    assert t.step_s == 20.0
+    spans = {(s.kind, s.microbatch): (s.start_s, s.end_s) for s in t.sends}
+    assert spans == {("F", 0): (1, 3), ("F", 1): (3, 5), ("F", 2): (5, 7), ("F", 3): (7, 9),
+                     ("B", 0): (11, 13), ("B", 1): (13, 15), ("B", 2): (15, 17),
+                     ("B", 3): (17, 19)}
+    assert all((s.sender, s.receiver) == ((0, 1) if s.kind == "F" else (1, 0)) for s in t.sends)
+    assert [task.start_s for task in t.tasks if task.stage == 1] == [3, 5, 7, 9, 10, 11, 12, 13]
+    assert t.stage_end_s == (20.0, 14.0)
+
+
+def test_interleaved_sends_wrap_from_the_last_stage_to_stage_0():
+    t = time_schedule("interleaved", 2, 2, 2, ChunkTimes.uniform(4, 1.0, 1.0, 0.25))
+    wrap = {(s.kind, s.microbatch, s.boundary): (s.sender, s.receiver) for s in t.sends
+            if s.boundary == 1}
+    assert wrap == {("F", 0, 1): (1, 0), ("F", 1, 1): (1, 0), ("B", 0, 1): (0, 1),
+                    ("B", 1, 1): (0, 1)}
+    f02 = next(task for task in t.tasks if task.action == Action("F", 0, 2))
+    f01 = next(task for task in t.tasks if task.action == Action("F", 0, 1))
+    assert f02.stage == 0 and f02.start_s >= f01.end_s + 0.25
+
+
+def test_the_slowest_stage_sets_the_steady_state_period():
+    """Stage 2 of 4 is the slow one (f + b = 8 s against 3 s): once the pipeline is full, each
+    further microbatch adds 8 s under both schedules, and GPipe takes the flow-shop time
+    sum(f + b) + (M - 1) * 8."""
+    f, b = (1.0, 1.0, 3.0, 1.0), (2.0, 2.0, 5.0, 2.0)
+    times = ChunkTimes(f, b, (0.0,) * 3)
+    for schedule in ("gpipe", "1f1b"):
+        steps = [time_schedule(schedule, 4, M, 1, times).step_s for M in range(1, 10)]
+        assert [y - x for x, y in itertools.pairwise(steps[1:])] == [8.0] * 7
+        if schedule == "gpipe":
+            assert steps == [17.0 + 8.0 * (M - 1) for M in range(1, 10)]
+    # When the slowest forward and the slowest backward are on different stages, GPipe's period
+    # is max f + max b (two flow shops, 2 + 4 s), 1F1B's the slowest stage's f + b (1 + 4 s).
+    times = ChunkTimes((1.0, 2.0, 1.0, 1.0), (1.0, 1.0, 1.0, 4.0), (0.0,) * 3)
+    gpipe = [time_schedule("gpipe", 4, M, 1, times).step_s for M in (8, 9)]
+    one_f_one_b = [time_schedule("1f1b", 4, M, 1, times).step_s for M in (8, 9)]
+    assert (gpipe[1] - gpipe[0], one_f_one_b[1] - one_f_one_b[0]) == (6.0, 5.0)
+
+
+def test_bad_chunk_times_say_what_was_expected():
+    with pytest.raises(PlanError, match="has 2 forward times but 3 backward times"):
+        ChunkTimes((1, 1), (1, 1, 1), (0,))
+    with pytest.raises(PlanError, match="of 3 chunks needs 2 send times .* got 3"):
+        ChunkTimes((1, 1, 1), (1, 1, 1), (0, 0, 0))
+    with pytest.raises(PlanError, match=r"ChunkTimes.backward_s\[1\] is -1.0; times must be "
+                       "finite and >= 0"):
+        ChunkTimes((1, 1), (1, -1), (0,))
+    with pytest.raises(PlanError, match=r"send_s\[0\] is nan"):
+        ChunkTimes((1, 1), (1, 1), (float("nan"),))
+    with pytest.raises(PlanError, match="must be a sequence of times in seconds, got 'ab'"):
+        ChunkTimes("ab", (1, 1), (0,))
+    with pytest.raises(PlanError, match="got none"):
+        ChunkTimes((), (), ())
+    with pytest.raises(PlanError, match="4 stages x 2 virtual stages make 8 chunks, but the "
+                       "ChunkTimes has times for 4"):
+        time_schedule("interleaved", 4, 8, 2, ChunkTimes.uniform(4, 1.0, 1.0))
+    with pytest.raises(PlanError, match="needs 2 or more virtual stages"):
+        time_schedule("interleaved", 4, 8, 1, ChunkTimes.uniform(4, 1.0, 1.0))
+    assert ChunkTimes([1, 2], [3, 4], [0]).forward_s == (1.0, 2.0)  # lists become float tuples

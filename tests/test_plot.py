@@ -15,7 +15,7 @@ import pytest
 matplotlib.use("Agg")
 
 import soapjax_zoo as zoo  # noqa: E402
-from soapjax import baselines, cli, plot, simulate, space  # noqa: E402
+from soapjax import baselines, cli, pipeline, plot, simulate, space  # noqa: E402
 from soapjax.cost import cost_model  # noqa: E402
 from soapjax.errors import MissingDependencyError, PlanError  # noqa: E402
 from soapjax.graph import trace  # noqa: E402
@@ -205,6 +205,55 @@ def test_comparison_bars(results):
         plot.comparison_figure({"a": {"step_time_s": 1.0}}, highlight="c")
     with pytest.raises(PlanError, match="result 'a' has no 'step_time_s'"):
         plot.comparison_figure({"a": {"bytes_moved": 1.0}})
+
+
+def test_pipeline_boxes_are_the_timed_actions():
+    times = pipeline.ChunkTimes.uniform(2, 1e-3, 2e-3, 0.5e-3)
+    t = pipeline.time_schedule("1f1b", 2, 3, 1, times)
+    fig = plot.pipeline_figure(t)
+    (ax,) = fig.axes
+    boxes = {p.get_gid(): p for p in ax.patches if p.get_gid()}
+    assert set(boxes) == {f"stage {s}/{k} {m}/chunk {s}" for s in range(2) for k in "FB"
+                          for m in range(3)}
+    for task in t.tasks:
+        kind, m, c = task.action
+        box = boxes[f"stage {task.stage}/{kind} {m}/chunk {c}"]
+        assert (box.get_x(), box.get_width(), box.get_y(), box.get_height()) == pytest.approx(
+            (task.start_s * 1e3, (task.end_s - task.start_s) * 1e3, task.stage - 0.4, 0.8))
+    assert ax.get_xlabel() == "time (ms)" and ax.get_xlim() == pytest.approx((0, t.step_s * 1e3))
+    assert ax.get_ylim() == (1.5, -0.5)  # stage 0 on top
+    assert [label.get_text() for label in ax.get_yticklabels()] == ["stage 0", "stage 1"]
+    colours = {k: {p.get_facecolor() for g, p in boxes.items() if f"/{k} " in g} for k in "FB"}
+    assert len(colours["F"]) == len(colours["B"]) == 1 and colours["F"] != colours["B"]
+    # the bubble is what is left: each stage's boxes cover its busy time
+    for s in range(2):
+        covered = sum(p.get_width() for g, p in boxes.items() if g.startswith(f"stage {s}/"))
+        assert covered == pytest.approx(t.busy_s[s] * 1e3)
+    # every box here is wide enough for its microbatch number, written in its middle
+    labels = {x.get_gid(): x for x in ax.texts}
+    assert set(labels) == {f"{g}/label" for g in boxes}
+    for g, box in boxes.items():
+        assert labels[f"{g}/label"].get_text() == g.split("/")[1].split()[1]
+        assert labels[f"{g}/label"].get_position() == pytest.approx(
+            (box.get_x() + box.get_width() / 2, box.get_y() + 0.4))
+    # F0 F1 | B0 at 5 ms (gradient back at 4.5 + 0.5) ... stage 0's B2 ends at 14 ms; 9 of 14 busy
+    assert fig._suptitle.get_text() == "1f1b: 2 stages, 3 microbatches; step 14 ms, bubble 35.7%"
+    with pytest.raises(PlanError, match="expected a PipelineTimeline"):
+        plot.pipeline_figure(r"not a timeline")
+
+
+def test_pipeline_figure_shades_virtual_chunks_and_skips_narrow_labels():
+    times = pipeline.ChunkTimes((1.0,) * 4, (1e-4,) * 4, (0.0,) * 3)
+    t = pipeline.time_schedule("interleaved", 2, 2, 2, times)
+    (ax,) = plot.pipeline_figure(t).axes
+    boxes = {p.get_gid(): p for p in ax.patches if p.get_gid()}
+    assert len(boxes) == len(t.tasks) == 16
+    assert ax.get_xlabel() == "time (s)"
+    later = boxes["stage 0/F 0/chunk 2"].get_facecolor()
+    first = boxes["stage 0/F 0/chunk 0"].get_facecolor()
+    assert all(x >= y for x, y in zip(later[:3], first[:3])) and later != first  # lighter
+    # forwards of 1 s are labelled, backwards of 0.1 ms are too narrow
+    assert {x.get_gid() for x in ax.texts} == {f"{g}/label" for g in boxes if "/F " in g}
 
 
 def test_without_matplotlib(monkeypatch, mlp, megatron, tmp_path, capsys):
