@@ -24,7 +24,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 
-from soapjax.errors import PlanError
+from soapjax.errors import PlanError, TopologyError
 from soapjax.graph import Operator, OpGraph
 from soapjax.memory import check_microbatches
 from soapjax.space import (
@@ -36,6 +36,7 @@ from soapjax.space import (
     dividing_axes,
     sample_dim,
 )
+from soapjax.topology import stage_topology
 
 _DENSE = ("dot_general", "conv_general_dilated", "scan")
 
@@ -190,8 +191,10 @@ def megatron_3d(graph: OpGraph, topology, *, tp: int, pp: int = 1, dp: int | Non
       graph: the operator graph.
       topology: the cluster.
       tp: tensor-parallel degree: a product of in-node axis sizes (`tensor_axes`).
-      pp, interleave: pipeline stages and virtual stages per device; 1 until soapjax has
-        pipeline stages.
+      pp: pipeline stages (`soapjax.pipeline`): the outermost mesh axis cut pp ways
+        (`soapjax.topology.stage_topology`); the configs are then over one stage's devices.
+      interleave: virtual stages per device (Megatron's interleaved 1F1B schedule when > 1;
+        plain 1F1B otherwise).
       dp: data-parallel degree; defaults to (and must equal) devices / (tp * pp).
       microbatch_size: samples per microbatch per replica; default the whole per-replica
         batch (M = 1).
@@ -199,16 +202,19 @@ def megatron_3d(graph: OpGraph, topology, *, tp: int, pp: int = 1, dp: int | Non
       sequence_parallel: split norms and dropout along the sequence (`megatron`).
 
     Raises:
-      PlanError: pp or interleave other than 1, a tp the node cannot hold, a dp that does not
-        fill the mesh, a microbatch size that does not divide the per-replica batch.
+      PlanError: a pp that does not divide the outermost mesh axis, an interleave without
+        stages (or one the microbatches do not allow: M must be a multiple of pp), a tp the
+        node cannot hold, a dp that does not fill the mesh, a microbatch size that does not
+        divide the per-replica batch.
     """
-    if pp != 1 or interleave != 1:
-        raise PlanError(
-            f"pp={pp}, interleave={interleave}: soapjax has no pipeline stages yet, so Megatron "
-            f"configurations need pp=1 and interleave=1 (tensor and data parallelism, "
-            f"microbatches and recomputation are in)"
-        )
-    axes = tensor_axes(topology, tp)
+    if not isinstance(interleave, int) or interleave < 1 or (interleave > 1 and pp < 2):
+        raise PlanError(f"interleave={interleave!r}: expected 1, or 2 or more virtual stages "
+                        f"per device with pp >= 2 (got pp={pp})")
+    try:
+        stage = stage_topology(topology, pp)
+    except TopologyError as e:
+        raise PlanError(f"pp={pp}: {e}") from None
+    axes = tensor_axes(stage, tp)
     n = topology.num_devices
     if dp is not None and dp * tp * pp != n:
         raise PlanError(f"dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} devices; topology "
@@ -222,36 +228,46 @@ def megatron_3d(graph: OpGraph, topology, *, tp: int, pp: int = 1, dp: int | Non
     if not isinstance(size, int) or size < 1 or per_replica % size:
         raise PlanError(f"microbatch_size={microbatch_size!r}: expected a divisor of the "
                         f"per-replica batch {per_replica} (batch {batch} / dp={dp})")
-    mesh = MeshShape.of(topology)
+    mesh = MeshShape.of(stage)
     strategy = megatron(graph, mesh, axes, sequence_parallel=sequence_parallel)
     strategy = dataclasses.replace(strategy, microbatches=per_replica // size)
     check_microbatches(graph, strategy.configs, mesh, strategy.microbatches)
+    if pp > 1:
+        strategy = strategy.with_pipeline(pp, interleave,
+                                          "interleaved" if interleave > 1 else "1f1b")
     return with_recompute(graph, strategy, recompute)
 
 
-def megatron_grid(graph: OpGraph, topology) -> dict[str, Strategy]:
+def megatron_grid(graph: OpGraph, topology, *, pp: Sequence[int] = (1,),
+                  interleave: Sequence[int] = (1,),
+                  tp: Sequence[int] = (1, 2, 4, 8)) -> dict[str, Strategy]:
     """Megatron's small configuration grid (`megatron_3d`), by name: TP in {1, 2, 4, 8} (as the
-    node allows, sequence parallel when TP > 1), DP over the rest, microbatches of 1, 2, 4 or
+    node allows, or those of `tp`; sequence parallel when TP > 1), DP over the rest,
+    microbatches of 1, 2, 4 or
     all of the per-replica samples, and recomputation none, selective or full, e.g.
-    ``"megatron-tp8-mb1-full"``. Combinations the mesh or batch cannot take are left out.
+    ``"megatron-tp8-mb1-full"``; with pipeline stages (each of `pp` and, for pp > 1, each of
+    `interleave` virtual stages), e.g. ``"megatron-tp8-pp4-v2-mb1-full"``. Combinations the
+    mesh or batch cannot take are left out.
 
     The search scores all of them and starts a chain from the fastest that fits, so a searched
     plan is never slower than the grid's best under the same simulator.
     """
     out = {}
-    for tp in (1, 2, 4, 8):
-        dp = topology.num_devices // tp
-        if topology.num_devices % tp or graph.batch_size % dp:
+    for stages, tp in itertools.product(pp, tp):
+        n = topology.num_devices
+        if n % (tp * stages) or graph.batch_size % (n // (tp * stages)):
             continue
-        per = graph.batch_size // dp
-        for mb in sorted({1, 2, 4, per} & set(range(1, per + 1))):
-            for rec in ("none", "selective", "full"):
-                try:
-                    out[f"megatron-tp{tp}-mb{mb}-{rec}"] = megatron_3d(
-                        graph, topology, tp=tp, microbatch_size=mb, recompute=rec,
-                        sequence_parallel=tp > 1)
-                except PlanError:
-                    continue
+        per = graph.batch_size // (n // (tp * stages))
+        for v in (interleave if stages > 1 else (1,)):
+            for mb in sorted({1, 2, 4, per} & set(range(1, per + 1))):
+                for rec in ("none", "selective", "full"):
+                    pipe = f"-pp{stages}" + (f"-v{v}" if v > 1 else "") if stages > 1 else ""
+                    try:
+                        out[f"megatron-tp{tp}{pipe}-mb{mb}-{rec}"] = megatron_3d(
+                            graph, topology, tp=tp, pp=stages, microbatch_size=mb,
+                            interleave=v, recompute=rec, sequence_parallel=tp > 1)
+                    except PlanError:
+                        continue
     return out
 
 

@@ -53,6 +53,12 @@ def spec_text(spec: PartitionSpec) -> str:
     return "P(" + ", ".join(repr(p) for p in spec) + ")"
 
 
+def _pipeline(data: dict) -> tuple[int, int, str]:
+    """The ``"pipeline"`` entry of a plan file as `Plan.pipeline`."""
+    return (int(data.get("stages", 1)), int(data.get("virtual_stages", 1)),
+            str(data.get("schedule", "1f1b")))
+
+
 def _freeze(x: Any) -> Any:
     """JSON-like data as hashable tuples (dicts become sorted item tuples)."""
     if isinstance(x, Mapping):
@@ -97,6 +103,8 @@ class Plan:
         written without it have 1.
       recompute: per operator (in `configs` order), its recompute policy, or () for none
         (`Strategy`; files written without it have none).
+      pipeline: (stages, virtual stages per stage, schedule) (`Strategy`, `soapjax.pipeline`);
+        files written without it have no pipeline, ``(1, 1, "1f1b")``.
     """
 
     model: str
@@ -117,11 +125,12 @@ class Plan:
     workload: str = ""
     microbatches: int = 1
     recompute: tuple[str, ...] = ()
+    pipeline: tuple[int, int, str] = (1, 1, "1f1b")
 
     def __post_init__(self):
         # The step-level choices are checked as a Strategy checks them.
         Strategy(tuple(c for _, c in self.configs), self.zero_axes, self.microbatches,
-                 self.recompute)
+                 self.recompute, *self.pipeline)
         if self.roles and len(self.roles) != len(self.configs):
             raise PlanError(f"{len(self.roles)} role strings for {len(self.configs)} operators")
         for (name, config), roles in zip(self.configs, self.roles):
@@ -155,7 +164,8 @@ class Plan:
             roles=tuple("".join(op.roles) + "|" + "".join(r.role for r in op.reduction_dims)
                         for op in graph.operators),
             workload=workload, microbatches=strategy.microbatches,
-            recompute=tuple(strategy.recompute))
+            recompute=tuple(strategy.recompute),
+            pipeline=(strategy.stages, strategy.virtual_stages, strategy.schedule))
 
     @property
     def step_time_s(self) -> float | None:
@@ -206,7 +216,7 @@ class Plan:
         """The plan's strategy for `graph`, after checking the plan was made for it."""
         self.validate_for(graph, topology)
         return Strategy(tuple(c for _, c in self.configs), self.zero_axes, self.microbatches,
-                        self.recompute)
+                        self.recompute, *self.pipeline)
 
     # --- JSON ------------------------------------------------------------------------------
 
@@ -222,6 +232,8 @@ class Plan:
             "operators": self._operators_json(),
             "zero_axes": list(self.zero_axes),
             "microbatches": self.microbatches,
+            "pipeline": {"stages": self.pipeline[0], "virtual_stages": self.pipeline[1],
+                         "schedule": self.pipeline[2]},
             "params": {path: [list(a) for a in spec] for path, spec in self.params},
             "predicted": _thaw(self.predicted) if self.predicted else {},
             "cost_source": self.cost_source,
@@ -273,7 +285,8 @@ class Plan:
                 search=_freeze(data.get("search", {})),
                 baselines=tuple((k, float(v)) for k, v in data.get("baselines", {}).items()),
                 roles=roles, workload=m.get("workload", ""),
-                microbatches=int(data.get("microbatches", 1)), recompute=recompute)
+                microbatches=int(data.get("microbatches", 1)), recompute=recompute,
+                pipeline=_pipeline(data.get("pipeline", {})))
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             if isinstance(e, PlanError):
                 raise

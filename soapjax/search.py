@@ -55,9 +55,11 @@ from soapjax.cost import cost_model as make_cost_model
 from soapjax.errors import PlanError, SettingsError
 from soapjax.graph import OpGraph
 from soapjax.memory import microbatch_choices, microbatch_error
+from soapjax.pipesim import PipelinedSimulation, layer_chunks
 from soapjax.plan import Plan
 from soapjax.reshard import DEFAULT_MODE, Resharder
 from soapjax.simulate import Simulation, opt_state_factor
+from soapjax.topology import stage_topology
 from soapjax.space import (
     Config,
     MeshShape,
@@ -85,6 +87,10 @@ class SearchSettings:
       limits: restrictions of the SOAP space (e.g. no R splits, as in FlexFlow).
       simulation: ``"delta"`` (default) or ``"full"``: how each proposal is simulated (see
         the module doc; the same chain either way, only slower in full).
+      pipelines: also search plans with pipeline stages (`soapjax.pipeline`) for graphs with
+        repeated layers (off by default: `soapjax.apply` does not run pipelined plans yet): for each stage count S that divides the layers and the outermost
+        mesh axis, Megatron's grid at pp=S (TP 4 or 8, interleave 1 or 2) is scored with
+        `soapjax.pipesim.PipelinedSimulation` and a chain starts from its best point.
     """
 
     budget_s: float = 20.0
@@ -94,6 +100,7 @@ class SearchSettings:
     temperature: float = 0.02
     limits: SpaceLimits = SpaceLimits()
     simulation: Literal["delta", "full"] = "delta"
+    pipelines: bool = False
 
     def __post_init__(self) -> None:
         if self.simulation not in ("delta", "full"):
@@ -370,6 +377,12 @@ def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
     t_chains = time.perf_counter()
     for k, name in enumerate(starts):
         searcher.chain(name, starts[name], t_chains + share * (k + 1))
+    if settings.pipelines and graph.repeated_blocks() and graph.batch_size > 1:
+        for result in _pipelined_chains(graph, topology, cost_model or sim.cost_model,
+                                        settings, opt_state_factor, progress, searcher):
+            if result is not None and (searcher.best is None or result[0] < searcher.best[0]):
+                searcher.best = result
+                searcher.history.append((time.perf_counter() - searcher.t0, result[0]))
     searcher._report("done", force=True)
     if searcher.best is None:
         raise PlanError(f"no strategy found for {graph.name!r} on {topology.name!r} fits in "
@@ -381,6 +394,62 @@ def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
                         proposals=searcher.proposals, accepted=searcher.accepted,
                         search_time_s=time.perf_counter() - searcher.t0,
                         history=tuple(searcher.history))
+
+
+# Megatron's grid at each pipeline depth, as the search scores it (TP 1 and 2 are left out: with
+# stages, Megatron-LM keeps TP at the node's 8, or 4).
+PIPELINE_GRID = {"tp": (4, 8), "interleave": (1, 2)}
+
+
+def stage_choices(graph: OpGraph, topology) -> tuple[int, ...]:
+    """Pipeline stage counts S > 1 worth trying: dividing the outermost mesh axis (whole
+    groups of nodes per stage) and the number of repeated layers."""
+    layers = max((len(g) for g in graph.repeated_blocks()), default=0)
+    outer = topology.axis_sizes[0] if len(topology.axis_sizes) > 1 else 1
+    return tuple(S for S in range(2, outer + 1) if outer % S == 0 and layers % S == 0)
+
+
+def _pipelined_chains(graph: OpGraph, topology, cost_model, settings: SearchSettings,
+                      opt_state_factor: float, progress: Progress | None, flat: _Searcher):
+    """For each stage count (`stage_choices`) and 1 or 2 virtual stages: Megatron's grid at
+    that pipeline scored, a chain from its best point; yields each chain's best (time,
+    strategy, start name) or None. Proposals and acceptances add to `flat`'s counts."""
+    for S in stage_choices(graph, topology):
+        grid = megatron_grid(graph, topology, pp=(S,), interleave=PIPELINE_GRID["interleave"],
+                             tp=PIPELINE_GRID["tp"])
+        grid = {n: st for n, st in grid.items() if _within(graph, st, settings.limits)}
+        by_pipe: dict[tuple, dict[str, Strategy]] = {}
+        for name, st in grid.items():
+            by_pipe.setdefault((st.virtual_stages, st.schedule), {})[name] = st
+        for (v, schedule), points in by_pipe.items():
+            try:
+                layer_chunks(graph, S * v)
+            except PlanError:
+                continue
+            first = next(iter(points.values()))
+            stage = stage_topology(topology, S)
+            with Resharder(MeshShape.of(stage), mode=DEFAULT_MODE) as resharder:
+                sim = PipelinedSimulation(graph, topology, cost_model, resharder, first,
+                                          opt_state_factor=opt_state_factor)
+                searcher = _Searcher(sim, settings, progress)
+                searcher.t0 = flat.t0
+                searcher.microbatches = tuple(
+                    m for m in searcher.microbatches if schedule != "interleaved" or m % S == 0)
+                if progress is not None:
+                    progress(f"search: scoring Megatron's grid at {S} pipeline stages, "
+                             f"{v} virtual ({len(points)} configurations)")
+                best = None
+                for name, st in points.items():
+                    sim.reset(st)
+                    searcher.record(name)
+                    key = (not sim.fits_in_memory(), sim.step_time())
+                    if best is None or key < best[0]:
+                        best = (key, name, st)
+                deadline = time.perf_counter() + settings.budget_s / 4
+                searcher.chain(best[1], best[2], deadline)
+                flat.proposals += searcher.proposals
+                flat.accepted += searcher.accepted
+                yield searcher.best
 
 
 def _within(graph: OpGraph, strategy: Strategy, limits: SpaceLimits) -> bool:
@@ -472,8 +541,14 @@ def find_plan(graph: OpGraph, topology, *, settings: SearchSettings | None = Non
     try:
         result = search(graph, topology, cost_model=cm, resharder=resharder, settings=settings,
                         family=family, opt_state_factor=factor, progress=progress)
-        sim = make_simulation(graph, topology, cost_model=cm, resharder=resharder,
-                              strategy=result.strategy, opt_state_factor=factor).result()
+        if result.strategy.pipelined:
+            stage = stage_topology(topology, result.strategy.stages)
+            with Resharder(MeshShape.of(stage), mode=resharder.mode) as inner:
+                sim = PipelinedSimulation(graph, topology, cm, inner, result.strategy,
+                                          opt_state_factor=factor).result()
+        else:
+            sim = make_simulation(graph, topology, cost_model=cm, resharder=resharder,
+                                  strategy=result.strategy, opt_state_factor=factor).result()
     finally:
         if isinstance(reshard, str):
             resharder.close()

@@ -225,6 +225,24 @@ class Simulation:
         """The current strategy's number of microbatches."""
         return self._micro
 
+    def compute_ends(self) -> tuple[list[float], list[float]]:
+        """When each operator's forward and backward compute tasks end (graph order): the
+        pipeline simulation (`soapjax.pipesim`) cuts the step into model chunks with them."""
+        end = self._task_graph.end
+        return ([end[t] for t in self._forward_task], [end[t] for t in self._backward_task])
+
+    def activation_bytes_by_operator(self) -> list[int]:
+        """Each operator's kept output bytes per device, one microbatch (before recompute)."""
+        return [v.activation_bytes for v in self._views]
+
+    def output_specs(self, i: int) -> tuple[tuple[tuple[str, ...], ...], ...]:
+        """Operator `i`'s outputs' layouts (per-dim mesh axes) under its current config."""
+        return self._views[i].out_specs
+
+    def memory_breakdown(self) -> MemoryBreakdown:
+        """What the current strategy's peak memory per device is made of."""
+        return self._memory()
+
     def choice(self, j: int) -> tuple[Config, str]:
         """Operator `j`'s config and recompute policy (cheaper than ``strategy[j]``)."""
         v = self._views[j]
@@ -404,6 +422,10 @@ class Simulation:
 
     def _build(self, strategy: Strategy) -> None:
         """Builds the task graph of `strategy` (untimed)."""
+        if strategy.pipelined:
+            raise PlanError(f"a strategy with {strategy.stages} pipeline stages is simulated by "
+                            "soapjax.pipesim.PipelinedSimulation (or simulate_pipelined), "
+                            "which runs this Simulation on one stage's devices")
         self._validate(strategy)
         layout = self._layout
         self._zero = tuple(strategy.zero_axes)

@@ -39,6 +39,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from soapjax.errors import PlanError
 from soapjax.graph import Operator, OpGraph
+from soapjax.pipeline import check_pipeline
 from soapjax.topology import Topology
 
 
@@ -190,12 +191,21 @@ class Strategy:
         ``lax.scan`` and synchronised once (`soapjax.memory`).
       recompute: per operator, in graph order, ``"none"``, ``"selective"`` or ``"full"``
         (`soapjax.memory` says what each recomputes); () means none anywhere.
+      stages: S pipeline stages (`soapjax.pipeline`): the layers cut into S consecutive parts
+        on S groups of devices (the outermost mesh axis, ``node``, split S ways; the configs
+        are over one stage's devices); 1 means no pipeline.
+      virtual_stages: v model chunks per stage (the interleaved schedule); 1 otherwise.
+      schedule: the pipeline schedule, one of `soapjax.pipeline.SCHEDULES` (used when
+        ``stages > 1``).
     """
 
     configs: tuple[Config, ...]
     zero_axes: tuple[str, ...] = ()
     microbatches: int = 1
     recompute: tuple[str, ...] = ()
+    stages: int = 1
+    virtual_stages: int = 1
+    schedule: str = "1f1b"
 
     def __post_init__(self):
         m = self.microbatches
@@ -214,6 +224,13 @@ class Strategy:
                             "order, or () for none")
         if all(p == "none" for p in self.recompute):
             object.__setattr__(self, "recompute", ())  # one spelling of "none anywhere"
+        if self.stages != 1 or self.virtual_stages != 1 or self.schedule != "1f1b":
+            check_pipeline(self.schedule, self.stages, m, self.virtual_stages)
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the strategy has pipeline stages."""
+        return self.stages > 1 or self.virtual_stages > 1
 
     def __len__(self) -> int:
         return len(self.configs)
@@ -234,6 +251,13 @@ class Strategy:
         r = list(self.recompute or ("none",) * len(self.configs))
         r[i] = policy
         return dataclasses.replace(self, recompute=tuple(r))
+
+    def with_pipeline(self, stages: int, virtual_stages: int = 1,
+                      schedule: str = "1f1b") -> Strategy:
+        """This strategy with `stages` pipeline stages of `virtual_stages` chunks each, run in
+        `schedule` (`soapjax.pipeline`)."""
+        return dataclasses.replace(self, stages=stages, virtual_stages=virtual_stages,
+                                   schedule=schedule)
 
     def with_microbatches(self, microbatches: int) -> Strategy:
         """This strategy as `microbatches` microbatches of gradient accumulation."""

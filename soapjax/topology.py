@@ -662,3 +662,20 @@ def make_mesh(topology: Topology, devices: Sequence[jax.Device] | None = None) -
 def _jax_platform(device: Any) -> str:
     platform = str(device.platform).lower()
     return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def stage_topology(topology: Topology, stages: int) -> Topology:
+    """The devices of one of `stages` pipeline stages (`soapjax.pipeline`): the outermost mesh
+    axis cut `stages` ways (`scaled_topology` to ``N / stages`` devices): stages are groups of
+    whole nodes, and the links between stages are the links between nodes.
+
+    Raises:
+      TopologyError: the outermost axis does not divide into `stages` parts.
+    """
+    axis, size = topology.axis_names[0], topology.axis_sizes[0]
+    if stages < 1 or size % stages:
+        raise TopologyError(f"{stages} pipeline stages split the outermost mesh axis {axis!r} "
+                            f"(size {size}) of {topology.name!r}; choose a divisor of {size}")
+    if stages == 1:
+        return topology
+    return scaled_topology(topology, topology.num_devices // stages)

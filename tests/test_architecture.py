@@ -28,7 +28,7 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("baselines", "plan", "_strategy_file"),  # expert strategies; the Plan file; --strategy
     ("_hlo_text", "_timing", "links", "cost", "hlo", "_reshard_ideal", "_reshard_worker",
      "reshard"),  # prices
-    ("_taskgraph", "_simresult", "simulate"),  # strategy -> timeline
+    ("_taskgraph", "_simresult", "simulate", "pipesim"),  # strategy -> timeline
     ("search",),  # MCMC -> best plan
     ("_validation", "_shardings", "apply"),  # plan -> sharded, jitted step
     ("training", "check"),  # the training helper; a plan against the devices

@@ -6,7 +6,7 @@ import re
 import pytest
 
 import soapjax_zoo
-from soapjax.baselines import NAMES, baselines, intra_node_axes, megatron_3d
+from soapjax.baselines import NAMES, baselines, intra_node_axes, megatron_3d, megatron_grid
 from soapjax.errors import PlanError
 from soapjax.graph import trace
 from soapjax.topology import load_topology
@@ -121,9 +121,27 @@ def test_megatron_3d_sequence_parallel_splits_norms_along_the_sequence():
     assert megatron_3d(g, A100, tp=1).configs == data_parallel(g, MeshShape.of(A100)).configs
 
 
+def test_megatron_3d_with_pipeline_stages_plans_one_stage_of_nodes():
+    """pp=2 on two DGX nodes: each stage is one node (mesh data=2 x model=4), TP8 inside it,
+    dp = 16 / (8 x 2) = 1, the 16 sequences as microbatches of 4 (M = 4), 1F1B; with
+    interleave=2 the interleaved schedule."""
+    g = gpt()
+    s = megatron_3d(g, A100, tp=8, pp=2, microbatch_size=4)
+    assert (s.stages, s.virtual_stages, s.schedule, s.microbatches) == (2, 1, "1f1b", 4)
+    assert s.configs == megatron_3d(g, load_topology("dgx-a100x3072-8"), tp=8,
+                                    microbatch_size=4).configs
+    v = megatron_3d(g, A100, tp=8, pp=2, interleave=2, microbatch_size=4, sequence_parallel=True)
+    assert (v.stages, v.virtual_stages, v.schedule) == (2, 2, "interleaved")
+    grid = megatron_grid(g, A100, pp=(1, 2), interleave=(1, 2))
+    assert grid["megatron-tp8-pp2-v2-mb4-full"] == v
+    assert "megatron-tp8-mb2-full" in grid and "megatron-tp8-pp2-mb1-none" in grid
+
+
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(tp=4, pp=2), "pp=2, interleave=1: soapjax has no pipeline stages yet"),
-    (dict(tp=4, interleave=2), "need pp=1 and interleave=1"),
+    (dict(tp=4, pp=3), "pp=3: 3 pipeline stages split the outermost mesh axis 'node' (size 2) "
+                       "of 'dgx-a100x3072-16'; choose a divisor of 2"),
+    (dict(tp=4, interleave=2), "interleave=2: expected 1, or 2 or more virtual stages per "
+                               "device with pp >= 2 (got pp=1)"),
     (dict(tp=3), "tp=3 on topology 'dgx-a100x3072-16': tensor parallelism stays inside a "
                  "node, over its in-node axes ('data', 'model'); expected one of [1, 2, 4, 8]"),
     (dict(tp=16), "expected one of [1, 2, 4, 8]"),

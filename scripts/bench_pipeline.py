@@ -1,0 +1,183 @@
+"""GPT at the sizes that need pipeline stages: searched plans against Megatron's 3D grid,
+written to docs/pipelines.md (issue "Large models II").
+
+For each case (GPT 175B on 64 A100s at batch 64, 530B on 280 at batch 280, 1T on 512 at batch
+512, after Megatron-LM's Table 1 cluster sizes, one sequence per GPU), on `dgx-a100x3072` cut
+to N GPUs, analytic roofline costs (100 % of peak: times are lower bounds):
+
+* the searched plan (`soapjax.find_plan` with ``SearchSettings(pipelines=True)``, fixed
+  proposals per chain, seed 0): TP / PP / virtual stages / DP / M / recompute, step time,
+  model TFLOP/s per GPU, memory of the fullest stage, the pipeline bubble;
+* the best point of Megatron's 3D grid that fits (`baselines.megatron_grid` with PP in
+  `search.stage_choices`, interleave 1 or 2, TP 4 or 8 (`search.PIPELINE_GRID`), microbatches
+  of 1, 2, 4 or the whole per-replica batch, recompute none / selective / full), simulated by
+  the same `PipelinedSimulation`: the search scores the same grid and starts from its best, so
+  it is never slower;
+* the search time.
+
+Usage: ``python scripts/bench_pipeline.py [--proposals 30] [--out docs/pipelines.md]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import jax  # noqa: E402
+
+import soapjax_zoo  # noqa: E402
+from bench_scaling import model_flops  # noqa: E402
+from soapjax.baselines import megatron_grid  # noqa: E402
+from soapjax.cost import cost_model  # noqa: E402
+from soapjax.errors import PlanError  # noqa: E402
+from soapjax.graph import trace  # noqa: E402
+from soapjax.pipesim import PipelinedSimulation, layer_chunks  # noqa: E402
+from soapjax.reshard import Resharder  # noqa: E402
+from soapjax.search import PIPELINE_GRID, SearchSettings, find_plan, stage_choices  # noqa: E402
+from soapjax.simulate import opt_state_factor  # noqa: E402
+from soapjax.space import MeshShape  # noqa: E402
+from soapjax.topology import load_topology, scaled_topology, stage_topology  # noqa: E402
+
+CASES = [("175b", 64, 64), ("530b", 280, 280), ("1t", 512, 512)]
+
+
+def describe(graph, strategy, mesh: MeshShape, n: int) -> str:
+    """TP / PP / v / DP / M / recompute of a strategy, in words."""
+    tp = set()
+    for op, c in zip(graph.operators, strategy.configs):
+        if op.anchor == "dot_general" and op.block_position:
+            for d, axes in enumerate(c.axes):
+                if op.roles[d:d + 1] != ("S",):
+                    tp.update(axes)
+    t = mesh.degree(tuple(a for a in mesh.axis_names if a in tp))
+    pp, v = strategy.stages, strategy.virtual_stages
+    rec = sorted({p for p in strategy.recompute if p != "none"}) or ["none"]
+    words = [f"TP{t}", f"PP{pp}"] + ([f"v{v}"] if v > 1 else []) + [
+        f"DP{n // (t * pp)}", f"M={strategy.microbatches}", strategy.schedule if pp > 1 else "",
+        "recompute " + "+".join(rec)]
+    if strategy.zero_axes:
+        words.append(f"FSDP{mesh.degree(strategy.zero_axes)}")
+    return " ".join(w for w in words if w)
+
+
+def grid_best(graph, topo, costs, factor):
+    """(strategy, result) of the fastest fitting point of Megatron's 3D grid."""
+    best = None
+    grid = megatron_grid(graph, topo, pp=stage_choices(graph, topo),
+                         interleave=PIPELINE_GRID["interleave"], tp=PIPELINE_GRID["tp"])
+    for name, s in grid.items():
+        try:
+            layer_chunks(graph, s.stages * s.virtual_stages)
+        except PlanError:
+            continue
+        with Resharder(MeshShape.of(stage_topology(topo, s.stages)), mode="ideal") as rs:
+            r = PipelinedSimulation(graph, topo, costs, rs, s, opt_state_factor=factor).result()
+        if r.fits_in_memory and (best is None or r.step_time_s < best[1].step_time_s):
+            best = (s, r, name)
+    return best, len(grid)
+
+
+def run_case(size: str, n: int, batch: int, proposals: int) -> dict:
+    topo = scaled_topology(load_topology("dgx-a100x3072"), n)
+    w = soapjax_zoo.get("gpt", size, batch_size=batch)
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    params = sum(math.prod(x.shape) for x in jax.tree.leaves(w.abstract_params()))
+    flops, _ = model_flops("gpt", size, batch, params)
+    costs = cost_model(g, topo, mode="analytic", optimizer=w.optimizer)
+    factor = opt_state_factor(w.optimizer, w.abstract_params())
+    row = {"model": f"gpt {size}", "gpus": n, "batch": batch, "params": params}
+    t0 = time.perf_counter()
+    best, points = grid_best(g, topo, costs, factor)
+    row["grid_s"], row["grid_points"] = time.perf_counter() - t0, points
+    mesh = MeshShape.of(topo)
+    if best:
+        row["megatron"] = {"config": describe(g, best[0], mesh, n), "name": best[2],
+                           "step_s": best[1].step_time_s,
+                           "model_tflops": flops / best[1].step_time_s / n / 1e12}
+    t0 = time.perf_counter()
+    try:
+        plan = find_plan(g, topo, settings=SearchSettings(max_proposals=proposals, seed=0,
+                                                          pipelines=True),
+                         costs=costs, optimizer=w.optimizer, family=w.family, model_config=size)
+    except PlanError as e:
+        row["search_s"], row["error"] = time.perf_counter() - t0, str(e)[:200]
+        return row
+    row["search_s"] = time.perf_counter() - t0
+    s = plan.strategy(g, topo)
+    p = dict(plan.predicted)
+    row["plan"] = {"words": describe(g, s, mesh, n), "step_s": plan.step_time_s,
+                   "memory": max(p["peak_memory_bytes"]), "fits": p["fits_in_memory"],
+                   "bubble": p.get("pipeline", {}).get("bubble_fraction", 0.0),
+                   "model_tflops": flops / plan.step_time_s / n / 1e12,
+                   "from": dict(plan.search)["best_from"]}
+    return row
+
+
+def render(rows: list[dict], proposals: int) -> str:
+    lines = [
+        "# Pipelines: GPT 175B, 530B and 1T on A100 clusters",
+        "",
+        f"Generated by `scripts/bench_pipeline.py --proposals {proposals}` (analytic roofline "
+        "costs at 100 % of the A100's peak: times are lower bounds, TFLOP/s upper bounds; "
+        "ideal resharding model). One 2048-token sequence per GPU. The pipelined step is "
+        "simulated by `soapjax.pipesim`: one stage's SPMD timeline cut into chunks, timed by "
+        "the schedule (`soapjax.pipeline.time_schedule`), with the stage-to-stage sends and "
+        "each stage's gradient synchronisation.",
+        "",
+        "Megatron 3D grid: PP over the stage counts that divide the layers and the node count, "
+        "interleave 1 or 2, TP 4 or 8 inside a node (sequence parallel), DP over the rest, "
+        "microbatches of 1, 2, 4 or all per-replica samples, recompute none / selective / full. "
+        "The search scores the same grid and chains from its best point, so it is never "
+        "slower; where it is equal, its chains found nothing faster within the proposals.",
+        "",
+        "| model | GPUs | batch | searched plan | step (s) | model TFLOP/s/GPU | bubble | "
+        "memory/GPU (GB) | best Megatron 3D | Megatron step (s) | grid points | search (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        m = r.get("megatron")
+        mega = (m["config"], f"{m['step_s']:.3f}") if m else ("none fits", "-")
+        if "plan" not in r:
+            lines.append(f"| {r['model']} | {r['gpus']} | {r['batch']} | no plan fits: "
+                         f"{r.get('error', '')} | - | - | - | - | {mega[0]} | {mega[1]} | "
+                         f"{r['grid_points']} | {r['search_s']:.0f} |")
+            continue
+        p = r["plan"]
+        lines.append(
+            f"| {r['model']} | {r['gpus']} | {r['batch']} | {p['words']} | {p['step_s']:.3f} | "
+            f"{p['model_tflops']:.0f} | {p['bubble']:.3f} | {p['memory'] / 1e9:.1f} | "
+            f"{mega[0]} | {mega[1]} | {r['grid_points']} | {r['search_s']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--proposals", type=int, default=30, help="proposals per search chain")
+    p.add_argument("--out", default=str(ROOT / "docs" / "pipelines.md"))
+    p.add_argument("--json", default=None, help="also write the rows as JSON")
+    p.add_argument("--only", default=None, help="one size (175b, 530b or 1t)")
+    args = p.parse_args()
+    rows = []
+    for size, n, batch in CASES:
+        if args.only and size != args.only:
+            continue
+        t0 = time.perf_counter()
+        rows.append(run_case(size, n, batch, args.proposals))
+        print(f"gpt {size} x{n}: {time.perf_counter() - t0:.0f} s "
+              f"{json.dumps(rows[-1].get('plan'), default=str)}", flush=True)
+        Path(args.out).write_text(render(rows, args.proposals))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

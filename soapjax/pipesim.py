@@ -1,0 +1,311 @@
+"""Simulating a pipelined strategy: one stage's SPMD step, cut into chunks, timed by a schedule.
+
+A strategy with S pipeline stages (`Strategy.stages`, `soapjax.pipeline`) splits the outermost
+mesh axis of the topology (``node``) S ways: each stage is the same group of devices (a
+`scaled_topology` of ``N / S`` devices), and every operator keeps its S/A/P/R config over that
+group's axes. The pipelined step is priced in three parts:
+
+1. **One stage's work.** A `Simulation` of the whole graph on one stage's devices, with the
+   strategy's configs, ZeRO axes, recompute policies and M microbatches, gives every
+   operator's forward and backward end on the compute stream. The layers (the graph's
+   repeated blocks) are cut into ``S x v`` equal chunks of consecutive layers; the operators
+   before the first layer (embedding) go with chunk 0, those after the last (final norm, head,
+   loss) with the last chunk. A chunk's forward (backward) time for one microbatch is the span
+   its operators take on that timeline, divided by M; the span includes the communication the
+   one-stage simulation could not hide (tensor-parallel all-reduces, reshardings).
+2. **The schedule.** `soapjax.pipeline.time_schedule` runs the schedule's per-stage orders
+   with those chunk times and the stage-to-stage sends: one microbatch's boundary activations
+   (the per-device shards of every value a later chunk reads from an earlier one), priced as a
+   point-to-point transfer over the outermost mesh axis of the full topology (the link between
+   two nodes), the same size back for the gradient.
+3. **The tail.** After its last backward, a stage synchronises its parameters' gradients and
+   updates them: the one-stage simulation's tail (its step end after the last backward), scaled
+   by the stage's share of the parameter bytes. The step ends when the slowest stage's does.
+
+**Memory** per stage: the one-stage simulation's parameters, gradients, optimizer state and
+communication buffers scaled by the stage's share of the parameter bytes, plus the activations
+of one microbatch's chunk (their share of the one-stage activations) times the schedule's peak
+in-flight (microbatch, chunk) pairs on that stage. The plan fits when the fullest stage fits.
+
+What is left out: layers of different cost in one chunk are averaged only through their spans
+(uneven stages are real spans, not a model); the embedding on the first stage and the head on
+the last make those stages slower, as they are, but the stage boundaries are fixed at equal
+layer counts (no searched boundaries yet); compute and sends overlap as the schedule allows,
+with the sends on their own links (no contention with the gradient synchronisation).
+
+Delta simulation: configs and recompute policies change through the one-stage `Simulation`'s
+delta simulation (exact, `soapjax.simulate`); the chunk times, schedule and memory are then
+recomputed from its timeline, a pure function of it, so delta == full holds here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from soapjax.errors import PlanError
+from soapjax.graph import OpGraph
+from soapjax.pipeline import ChunkTimes, PipelineTimeline, time_schedule
+from soapjax.simulate import MemoryBreakdown, Simulation, shard_bytes
+from soapjax.space import Config, MeshShape, Strategy
+from soapjax.topology import Topology, stage_topology
+
+__all__ = ["PipelineResult", "PipelinedSimulation", "layer_chunks"]
+
+
+def layer_chunks(graph: OpGraph, chunks: int) -> list[int]:
+    """Each operator's model chunk (graph order), for the layers cut into `chunks` equal runs
+    of consecutive layers; operators before the first layer are in chunk 0, after the last in
+    the last chunk, between two layers in the chunk of the layer before.
+
+    Raises:
+      PlanError: the graph has no repeated layers, or their number does not divide.
+    """
+    layer_of: dict[int, int] = {}
+    num_layers = 0
+    for group in graph.repeated_blocks():
+        num_layers = max(num_layers, len(group))
+        for k, i in enumerate(group):
+            layer_of[i] = k
+    if not layer_of:
+        raise PlanError(f"graph {graph.name!r} has no repeated layers (a scan over layers or "
+                        "identical unrolled layers) to cut into pipeline stages")
+    if num_layers % chunks:
+        raise PlanError(f"{num_layers} layers do not cut into {chunks} equal pipeline chunks "
+                        "(stages x virtual stages must divide the layer count)")
+    per = num_layers // chunks
+    first, last = min(layer_of), max(layer_of)
+    out, current = [], 0
+    for i in range(len(graph.operators)):
+        if i in layer_of:
+            current = layer_of[i] // per
+        elif i < first:
+            current = 0
+        elif i > last:
+            current = chunks - 1
+        out.append(current)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineResult:
+    """The simulated pipelined step.
+
+    Attributes:
+      step_time_s: predicted iteration time (the slowest stage's end, tail included).
+      timeline: the schedule's timeline (`soapjax.pipeline.PipelineTimeline`).
+      chunk_times: per-microbatch chunk and send times the schedule ran with.
+      stage_memory: per stage, what its peak per device is made of.
+      memory_capacity_bytes: each device's memory.
+      fits_in_memory: whether the fullest stage fits.
+      tail_s: per stage, its gradient synchronisation and update after its last backward.
+    """
+
+    step_time_s: float
+    timeline: PipelineTimeline
+    chunk_times: ChunkTimes
+    stage_memory: tuple[MemoryBreakdown, ...]
+    memory_capacity_bytes: int
+    fits_in_memory: bool
+    tail_s: tuple[float, ...]
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return max(m.total for m in self.stage_memory)
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.timeline.bubble_fraction
+
+    def to_json(self) -> dict:
+        """JSON-ready summary (the plan file's ``predicted``): the keys a `SimResult` has that
+        apply here, and the pipeline's own."""
+        fullest = max(self.stage_memory, key=lambda m: m.total)
+        return {
+            "step_time_s": self.step_time_s, "fits_in_memory": self.fits_in_memory,
+            "peak_memory_bytes": [m.total for m in self.stage_memory],
+            "memory": fullest._asdict(), "memory_capacity_bytes": self.memory_capacity_bytes,
+            "pipeline": {"bubble_fraction": self.bubble_fraction,
+                         "in_flight": list(self.timeline.in_flight),
+                         "stage_end_s": list(self.timeline.stage_end_s),
+                         "tail_s": list(self.tail_s),
+                         "chunk_forward_s": list(self.chunk_times.forward_s),
+                         "chunk_backward_s": list(self.chunk_times.backward_s),
+                         "send_s": list(self.chunk_times.send_s)},
+        }
+
+
+class PipelinedSimulation:
+    """A pipelined strategy's step, kept up to date under config and recompute changes.
+
+    The interface the search uses of a `Simulation` (`propose`, `propose_many`, `accept`,
+    `reject`, `reset`, `step_time`, `fits_in_memory`, `choice`, `strategy`), with `topology`
+    the devices of ONE stage (the configs' mesh) and `full_topology` the whole cluster.
+    """
+
+    def __init__(self, graph: OpGraph, topology: Topology, cost_model, resharder,
+                 strategy: Strategy, *, opt_state_factor: float = 2.0):
+        if not strategy.pipelined:
+            raise PlanError("PipelinedSimulation needs a strategy with pipeline stages; "
+                            "use soapjax.simulate.Simulation for one without")
+        self.graph, self.full_topology = graph, topology
+        self.topology = stage_topology(topology, strategy.stages)
+        self._pipeline = (strategy.stages, strategy.virtual_stages, strategy.schedule)
+        self._chunk = layer_chunks(graph, strategy.stages * strategy.virtual_stages)
+        self._inner = Simulation(graph, self.topology, cost_model, resharder, _flat(strategy),
+                                 opt_state_factor=opt_state_factor)
+        self._param_share = self._param_shares()
+        self._result: PipelineResult | None = None
+        self._saved: PipelineResult | None = None
+
+    # --- the Simulation interface the search uses ----------------------------------------------
+
+    @property
+    def strategy(self) -> Strategy:
+        return self._inner.strategy.with_pipeline(*self._pipeline)
+
+    @property
+    def microbatches(self) -> int:
+        return self._inner.microbatches
+
+    @property
+    def mesh(self) -> MeshShape:
+        return self._inner.mesh
+
+    def choice(self, j: int) -> tuple[Config, str]:
+        return self._inner.choice(j)
+
+    def reset(self, strategy: Strategy) -> float:
+        if (strategy.stages, strategy.virtual_stages, strategy.schedule) != self._pipeline:
+            raise PlanError("PipelinedSimulation.reset keeps the pipeline's stages, virtual "
+                            "stages and schedule; make a new PipelinedSimulation to change them")
+        self._inner.reset(_flat(strategy))
+        self._result = None
+        return self.step_time()
+
+    def propose(self, i: int, config: Config, recompute: str | None = None) -> float:
+        return self.propose_many([(i, config, recompute)])
+
+    def propose_many(self, changes: Sequence[tuple[int, Config, str | None]]) -> float:
+        self._saved = self._result
+        self._inner.propose_many(changes)
+        self._result = None
+        return self.step_time()
+
+    def accept(self) -> None:
+        self._inner.accept()
+        self._saved = None
+
+    def reject(self) -> None:
+        self._inner.reject()
+        self._result, self._saved = self._saved, None
+
+    def step_time(self) -> float:
+        return self.result().step_time_s
+
+    def peak_memory_bytes(self) -> int:
+        return self.result().peak_memory_bytes
+
+    def fits_in_memory(self) -> bool:
+        return self.result().fits_in_memory
+
+    # --- the pipelined step ---------------------------------------------------------------------
+
+    def result(self) -> PipelineResult:
+        """The pipelined step of the current strategy (computed once per state)."""
+        if self._result is None:
+            self._result = self._compute()
+        return self._result
+
+    def _compute(self) -> PipelineResult:
+        S, v, schedule = self._pipeline
+        inner, M = self._inner, self._inner.microbatches
+        chunks = S * v
+        fwd_end, bwd_end = inner.compute_ends()
+        f_last = [0.0] * chunks
+        b_last = [0.0] * chunks
+        for i, c in enumerate(self._chunk):
+            f_last[c] = max(f_last[c], fwd_end[i])
+            b_last[c] = max(b_last[c], bwd_end[i])
+        forward_done = max(fwd_end)
+        forward = [(f_last[c] - (f_last[c - 1] if c else 0.0)) / M for c in range(chunks)]
+        backward = [(b_last[c] - (b_last[c + 1] if c + 1 < chunks else forward_done)) / M
+                    for c in range(chunks)]
+        times = ChunkTimes(tuple(max(0.0, t) for t in forward),
+                           tuple(max(0.0, t) for t in backward), self._send_times())
+        timeline = time_schedule(schedule, S, M, v, times)
+        tail = max(0.0, inner.step_time() - max(bwd_end))
+        tails = tuple(tail * share for share in self._param_share)
+        step = max(end + t for end, t in zip(timeline.stage_end_s, tails))
+        memory = self._stage_memory(timeline)
+        cap = self.topology.device.memory_bytes
+        return PipelineResult(step, timeline, times, memory, cap,
+                              max(m.total for m in memory) <= cap, tails)
+
+    def _stage_of_chunk(self, c: int) -> int:
+        return c % self._pipeline[0]
+
+    def _param_shares(self) -> tuple[float, ...]:
+        """Each stage's share of the parameter bytes (each layer slice counted once)."""
+        S = self._pipeline[0]
+        seen: dict[tuple[str, tuple[int, ...]], int] = {}
+        stage_of: dict[tuple[str, tuple[int, ...]], int] = {}
+        for op, c in zip(self.graph.operators, self._chunk):
+            for x in op.inputs:
+                if x.kind == "param":
+                    key = (x.leaf_path, x.layer)
+                    if key not in seen:
+                        seen[key], stage_of[key] = x.nbytes, self._stage_of_chunk(c)
+        total = sum(seen.values()) or 1
+        shares = [0.0] * S
+        for key, n in seen.items():
+            shares[stage_of[key]] += n / total
+        return tuple(shares)
+
+    def _send_times(self) -> tuple[float, ...]:
+        """Per chunk boundary, one microbatch's boundary activations over the stage link."""
+        chunks = len(set(self._chunk))
+        ops, inner = self.graph.operators, self._inner
+        mesh, M = self._inner.mesh, self._inner.microbatches
+        crossing: list[dict[tuple[str, int], int]] = [dict() for _ in range(chunks - 1)]
+        index = {op.name: i for i, op in enumerate(ops)}
+        for j, op in enumerate(ops):
+            for x in op.inputs:
+                if x.kind != "activation":
+                    continue
+                p = index[x.source]
+                lo, hi = self._chunk[p], self._chunk[j]
+                if lo == hi:
+                    continue
+                out = ops[p].outputs[x.index]
+                spec = inner.output_specs(p)[x.index]
+                nbytes = shard_bytes(out.shape, spec, out.dtype, mesh) // M
+                for b in range(lo, hi):
+                    crossing[b][(x.source, x.index)] = nbytes
+        axis = (self.full_topology.axis_names[0],)
+        return tuple(self.full_topology.collective_time("point_to_point", sum(c.values()), axis)
+                     for c in crossing)
+
+    def _stage_memory(self, timeline: PipelineTimeline) -> tuple[MemoryBreakdown, ...]:
+        m = self._inner.memory_breakdown()
+        S, v, _ = self._pipeline
+        act = self._inner.activation_bytes_by_operator()
+        total_act = sum(act) or 1
+        chunk_act = [0] * (S * v)
+        for i, c in enumerate(self._chunk):
+            chunk_act[c] += act[i]
+        out = []
+        for s in range(S):
+            share = self._param_share[s]
+            per_pair = max(chunk_act[c] for c in range(s, S * v, S)) / total_act
+            out.append(MemoryBreakdown(
+                params=int(m.params * share), grads=int(m.grads * share),
+                opt_state=int(m.opt_state * share),
+                activations=int(m.activations * per_pair * timeline.in_flight[s]),
+                comm_buffers=m.comm_buffers))
+        return tuple(out)
+
+
+def _flat(strategy: Strategy) -> Strategy:
+    """The strategy without its pipeline: what one stage runs."""
+    return dataclasses.replace(strategy, stages=1, virtual_stages=1, schedule="1f1b")

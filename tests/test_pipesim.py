@@ -1,0 +1,121 @@
+"""Simulating pipelined strategies (soapjax.pipesim): chunks from one stage's timeline, the
+schedule, memory per stage, delta == full, and the search and plan files with stages."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+
+import soapjax_zoo
+from soapjax.baselines import megatron_3d
+from soapjax.cost import cost_model
+from soapjax.errors import PlanError
+from soapjax.graph import trace
+from soapjax.pipesim import PipelinedSimulation, layer_chunks
+from soapjax.plan import Plan
+from soapjax.reshard import Resharder
+from soapjax.search import SearchSettings, find_plan, stage_choices
+from soapjax.simulate import Simulation
+from soapjax.space import MeshShape, configs
+from soapjax.topology import load_topology, stage_topology
+
+A100 = load_topology("dgx-a100x3072-32")  # 4 DGX nodes: mesh node=4 x data=2 x model=4
+
+
+@functools.cache
+def gpt(layers: int = 4):
+    from soapjax_zoo.gpt import GPTConfig, build_gpt
+    cfg = GPTConfig(batch_size=16, seq_len=64, vocab_size=256, num_layers=layers, num_heads=4,
+                    d_model=64, dtype="bfloat16")
+    w = build_gpt("gpt", "test", cfg, "linen")
+    return trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt")
+
+
+def pipelined(strategy, graph=None):
+    graph = graph or gpt()
+    stage = stage_topology(A100, strategy.stages)
+    rs = Resharder(MeshShape.of(stage), mode="ideal")
+    return PipelinedSimulation(graph, A100, cost_model(graph, A100, mode="analytic"), rs,
+                               strategy)
+
+
+def test_layers_cut_into_chunks_with_embedding_first_and_head_last():
+    g = gpt()
+    chunk = layer_chunks(g, 2)
+    names = [op.name for op in g.operators]
+    assert chunk[names.index("wte")] == 0 and chunk[-1] == 1
+    assert {chunk[i] for i, n in enumerate(names) if n.startswith("layers_1/")} == {0}
+    assert {chunk[i] for i, n in enumerate(names) if n.startswith("layers_2/")} == {1}
+    with pytest.raises(PlanError, match="4 layers do not cut into 3 equal pipeline chunks"):
+        layer_chunks(g, 3)
+    assert stage_choices(g, A100) == (2, 4)
+
+
+def test_chunk_times_partition_one_stages_step():
+    """The chunks' forward and backward spans (per microbatch, times M) add up to the
+    one-stage simulation's compute span: the cut loses and invents nothing."""
+    s = megatron_3d(gpt(), A100, tp=4, pp=2, microbatch_size=2, recompute="none")
+    sim = pipelined(s)
+    r = sim.result()
+    inner = sim._inner
+    fwd, bwd = inner.compute_ends()
+    M = s.microbatches
+    assert sum(r.chunk_times.forward_s) * M == pytest.approx(max(fwd), rel=1e-12)
+    assert (sum(r.chunk_times.forward_s) + sum(r.chunk_times.backward_s)) * M == \
+        pytest.approx(max(bwd), rel=1e-12)
+    # two stages: every chunk boundary sends one microbatch's residual stream, bf16, TP4 over
+    # the stage's model axis does not split it (sequence-parallel regions aside)
+    assert len(r.chunk_times.send_s) == 1 and r.chunk_times.send_s[0] > 0
+    assert r.step_time_s >= max(r.timeline.stage_end_s)
+    assert len(r.stage_memory) == 2 and r.timeline.in_flight == (2, 1)
+
+
+def test_more_stages_hold_fewer_parameters_per_device():
+    flat = Simulation(gpt(), A100, cost_model(gpt(), A100, mode="analytic"),
+                      Resharder(MeshShape.of(A100), mode="ideal"),
+                      megatron_3d(gpt(), A100, tp=4, microbatch_size=2, recompute="none"))
+    two = pipelined(megatron_3d(gpt(), A100, tp=4, pp=2, microbatch_size=2, recompute="none"))
+    four = pipelined(megatron_3d(gpt(), A100, tp=4, pp=4, microbatch_size=2, recompute="none"))
+    p = [flat.memory_breakdown().params] + [max(m.params for m in x.result().stage_memory)
+                                            for x in (two, four)]
+    assert p[0] > p[1] > p[2]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_delta_equals_full_for_pipelined_strategies(schedule):
+    """Random config and recompute moves through the pipelined simulation (delta, with
+    rejections): after each, the step time and per-stage memory equal a fresh simulation's."""
+    v = 2 if schedule == "interleaved" else 1
+    start = megatron_3d(gpt(), A100, tp=4, pp=2, interleave=v, microbatch_size=2,
+                        recompute="selective")
+    sim = pipelined(start)
+    rng = random.Random(0)
+    mesh = sim.mesh
+    spaces = [configs(op, mesh) for op in gpt().operators]
+    for step in range(12):
+        i = rng.randrange(len(spaces))
+        sim.propose(i, rng.choice(spaces[i]), rng.choice(("none", "selective", "full", None)))
+        if step % 3 == 2:
+            sim.reject()
+        else:
+            sim.accept()
+        fresh = pipelined(sim.strategy).result()
+        got = sim.result()
+        assert got.step_time_s == fresh.step_time_s
+        assert got.stage_memory == fresh.stage_memory
+
+
+def test_search_finds_stages_and_the_plan_file_keeps_them(tmp_path):
+    """GPT with 4 layers on 4 DGX nodes, batch 16: the search scores Megatron's grid at 2 and 4
+    stages too; whatever it picks, the plan file round-trips the pipeline and the step time."""
+    g = gpt()
+    plan = find_plan(g, A100, settings=SearchSettings(max_proposals=10, seed=0, pipelines=True),
+                     costs="analytic")
+    again = Plan.from_json(plan.to_json())
+    assert again.pipeline == plan.pipeline and again.step_time_s == plan.step_time_s
+    s = megatron_3d(g, A100, tp=4, pp=2, microbatch_size=2)
+    made = Plan.make(g, A100, s, predicted={"step_time_s": 1.0})
+    assert Plan.from_json(made.to_json()).strategy(g, A100) == s
+    assert made.to_json()["pipeline"] == {"stages": 2, "virtual_stages": 1, "schedule": "1f1b"}
