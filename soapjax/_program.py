@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend  # noqa: F401  (jax.extend must be imported explicitly)
@@ -61,6 +61,29 @@ class _Local:
             d = self.labels.lookup(lbl, self.iter_of)
             out.append(size // degrees[d] if d is not None and size % degrees[d] == 0 else size)
         return tuple(out)
+
+
+class LayerScan(NamedTuple):
+    """One unrolled layer scan, as value ids (`_Program.layer_scans`; the same index as in
+    `_Program.scans`): what every layer reads and what flows from layer to layer, so a layer
+    can be evaluated as a function of its own (`soapjax._pipelined` does).
+
+    Attributes:
+      consts: the ids every layer reads unchanged (the scan's consts).
+      carries: ``length + 1`` tuples: the carry the step at that position reads (in execution
+        order: ``t = 0, 1, ...``, or ``length - 1, ...`` for a reverse scan), then the final carry.
+      slices: per step, in execution order, its slices ``x[t]`` of the scanned inputs.
+      ys: per step, in execution order, its per-iteration outputs (stacked after the loop).
+      steps: the iteration index ``t`` of each step, in execution order.
+      outer: the iterations of the scans around this one (``()`` at top level).
+    """
+
+    consts: tuple[int, ...]
+    carries: tuple[tuple[int, ...], ...]
+    slices: tuple[tuple[int, ...], ...]
+    ys: tuple[tuple[int, ...], ...]
+    steps: tuple[int, ...]
+    outer: tuple[tuple[int, int], ...]
 
 
 def recompute_in_backward(checkpointed: Callable) -> Callable:
@@ -136,6 +159,7 @@ class _Program:
         self.local: dict[str, _Local] = {}
         self.regions: list[Mapping[str, Any]] = []  # the remat2 params of each region
         self.scans: list[tuple[int, ...]] = []  # each unrolled scan's sliced inputs (value ids)
+        self.layer_scans: list[LayerScan] = []  # the same scans' steps, as `LayerScan`s
         self.param_like: set[int] = set()  # parameter leaves and their layer slices
         self.slice_units: set[int] = set()  # units that take a layer's slice (no operator)
         self.slice_of: dict[int, tuple[int, tuple[int, ...]]] = {}  # slice -> (stacked, index)
@@ -222,11 +246,17 @@ class _Program:
         scan = len(self.scans)
         self.scans.append(tuple(xs))
         ys: dict[int, list[int]] = {}
-        for t in (reversed(range(length)) if p["reverse"] else range(length)):
+        steps = tuple(reversed(range(length))) if p["reverse"] else tuple(range(length))
+        carries, slices = [tuple(carry)], []
+        for t in steps:
             it = iteration + ((scan, t),)
             x_t = [self._index(x, t, stack, region, it) for x in xs]
             outs = self._inline(p["jaxpr"], consts + carry + x_t, stack, region, it)
             carry, ys[t] = outs[:nk], outs[nk:]
+            carries.append(tuple(carry))
+            slices.append(tuple(x_t))
+        self.layer_scans.append(LayerScan(tuple(consts), tuple(carries), tuple(slices),
+                                          tuple(tuple(ys[t]) for t in steps), steps, iteration))
         stacked = [self._stack([ys[t][k] for t in range(length)], stack, region, iteration)
                    for k in range(len(eqn.outvars) - nk)]
         return carry + stacked
@@ -288,6 +318,13 @@ class _Program:
         self._run_block(list(range(len(self.units))), 0, env, hook, swaps, skip,
                         dict(checkpoints or {}))
         return [env[v] for v in self.outputs]
+
+    def run_units(self, idxs: Sequence[int], env: dict) -> None:
+        """Evaluates units `idxs` (in program order) into `env` (value id -> value), which must
+        hold their inputs (`consts` and `literals` included); remat regions run inside
+        `jax.checkpoint` as in `run`. A part of the program as a function of its own: the
+        prologue, one layer, the epilogue (`soapjax._pipelined`)."""
+        self._run_block(list(idxs), 0, env, None, {}, frozenset())
 
     def _run_block(self, idxs: list[int], depth: int, env: dict, hook, swaps, skip,
                    checkpoints: Mapping[int, int] | None = None) -> None:

@@ -30,7 +30,7 @@ STAGES: tuple[tuple[str, ...], ...] = (
      "reshard"),  # prices
     ("_taskgraph", "_simresult", "simulate", "pipesim"),  # strategy -> timeline
     ("search",),  # MCMC -> best plan
-    ("_validation", "_shardings", "apply"),  # plan -> sharded, jitted step
+    ("_validation", "_shardings", "_pipelined", "apply"),  # plan -> sharded, jitted step
     ("training", "check"),  # the training helper; a plan against the devices
     ("report", "plot"),  # text, HTML and pictures
     ("cli", "__init__"),  # the command line; the public surface

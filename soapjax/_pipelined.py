@@ -1,0 +1,866 @@
+"""Pipeline parallelism as one SPMD program: the traced step cut at its layer scan, its chunks
+run on the ``stage`` mesh axis in a schedule's order, activations passed by `jax.lax.ppermute`.
+
+The traced loss (`soapjax.graph.trace`) of a model whose layers are one scan over stacked
+parameters (``nn.scan``: the zoo's GPT and LLaMA) is cut in three (`soapjax._program.LayerScan`
+records what each unrolled layer reads): the *prologue* (the equations before the layers: the
+embeddings), one *layer* (layer 0's equations as a function of its parameter slices, the carry
+and the values every layer reads), and the *epilogue* (final norm, head, loss). The L layers
+are cut into ``C = S * v`` chunks of ``L / C`` layers; device stage ``s`` holds chunks
+`soapjax.pipeline.chunks_of` ``(s, S, v)``, and every stacked parameter ``[L, ...]`` is stored in
+the *pipelined layout* ``[v, S, L / C, ...]`` (chunk ``c = j S + s`` at ``[j, s]``), sharded
+over ``stage`` on its second dim (`to_pipelined`, `param_shardings`), so a stage holds its own
+layers only.
+
+The step is one program (as MaxText's and praxis's pipelines are): nothing new to launch, so it
+runs unchanged over processes under `jax.distributed`. In it:
+
+* the prologue runs SPMD on all devices, before the pipeline, for all M microbatches at once
+  (``jax.vmap`` over them); what it hands the layers and the epilogue is passed to every stage;
+  its backward runs after the pipeline, from the cotangents the stages return;
+* the layers run inside `jax.shard_map`, manual over ``stage`` only (``axis_names={stage}``):
+  the other mesh axes stay automatic, so data and model sharding still apply inside a stage;
+* the epilogue runs on the last stage, as part of the last chunk: its forward adds the
+  microbatch's loss, its backward seeds the chunk's backward with ``1 / M``.
+
+The schedule is a static *tick table* (`ticks`): every stage runs the actions of
+`soapjax.pipeline.device_orders` in their order, each at the first tick at which what it needs
+has arrived (a forward: the previous chunk's forward, one tick earlier or more; a backward: the
+next chunk's backward). The ticks run as one ``lax.fori_loop``; at each tick
+
+1. every stage runs its own action: one ``lax.switch`` on ``kind[tick, stage]`` over the kinds
+   of action the schedule has (idle; forward or backward; of the first, a middle or the last
+   chunk), with the microbatch, the local chunk and the buffer slots read from
+   ``[tick, stage]`` tables;
+2. per direction, one ``lax.switch`` on the tick (every device takes the same branch, so the
+   collective in it is well formed) picks the ``ppermute`` over exactly the stage pairs that
+   send at that tick: the activations the forwards made go to the next chunk's stage, the
+   gradients the backwards made to the previous chunk's stage, and ticks without a send send
+   nothing.
+
+So the program holds one collective-permute per direction and set of sending stages, and one
+run sends what the schedule needs and nothing more: per microbatch and chunk boundary one
+activation forward and one gradient back, ``M (C - 1)`` of each (measured on the tiny GPT,
+stage 2 x data 2 x model 2, M = 4, Megatron's model split: 1F1B holds 1 + 1 collective-permutes
+of 4096 bytes per device and sends 4 + 4 times; interleaved with v = 2 and 4 layers 3 + 3 (one
+stage sending, the other, or both) and sends 12 + 12 stage-to-stage). A loop rather than
+unrolled ticks because the program then does not grow with M: unrolled, the interleaved tiny
+GPT compiled in 14-18 s, as a loop in 5-7 s (XLA:CPU, backend optimisation 0, 2 busy cores).
+
+Received values wait in slot buffers until their action runs; the slots are allocated from the
+tick table, so a stage keeps as many activations as its schedule has in flight (1F1B: at most S;
+GPipe: M). Without recomputation a forward keeps its chunk's residuals (what ``jax.vjp`` saves,
+but for the parameters and the values the stage already holds) in a slot until the backward;
+with ``recompute=True`` it keeps only the chunk's input, and the backward recomputes the chunk's
+forward from it. Gradients are summed over microbatches and the loss is the mean of the
+microbatch losses: the unsharded step's, for a loss that is a mean over its samples (as the
+zoo's are). Microbatch ``k`` holds samples ``k, k + M, ...`` (as `soapjax.apply` splits them).
+
+Usage::
+
+    graph = soapjax.graph.trace(w.loss_fn, params, batch)
+    mesh = jax.make_mesh((2, 2, 2), ("stage", "data", "model"),
+                         axis_types=(AxisType.Auto,) * 3)
+    step = jax.jit(pipelined_value_and_grad(graph, mesh, stages=2, microbatches=4))
+    specs = jax.tree.map(lambda _: PartitionSpec(), params)  # or a plan's
+    placed = jax.device_put(to_pipelined(graph, params, stages=2),
+                            param_shardings(graph, mesh, specs, stages=2))
+    loss, grads = step(placed, batch)                # grads in the pipelined layout
+    grads = from_pipelined(graph, grads, stages=2)   # the model's layout again
+
+Refused with a `PlanError`: a loss that draws random bits (dropout: microbatches would draw
+other masks than the whole batch, as in `soapjax.memory.random_operator`), several layer scans
+or nested ones, scans that slice anything but parameters, stack per-layer outputs or run in
+reverse, and a stacked parameter read outside the layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from soapjax._program import LayerScan, _Program
+from soapjax.errors import PlanError
+from soapjax.graph import OpGraph
+from soapjax.memory import random_operator
+from soapjax.pipeline import Action, check_pipeline, device_orders
+
+__all__ = ["from_pipelined", "param_shardings", "pipelined_value_and_grad", "ticks",
+           "to_pipelined"]
+
+
+# --------------------------------------------------------------------------------------------
+# The program cut at its layer scan
+
+
+class _Cut(NamedTuple):
+    """A traced program as prologue, one layer and epilogue, and what flows between them.
+
+    Attributes:
+      program: the program.
+      scan: its layer scan.
+      prologue, layer, epilogue: unit indices (``layer``: layer 0's, slices excluded).
+      params, batch: the program ids of the parameter and batch leaves, in flattening order.
+      stacked: positions in ``params`` of the scanned parameters, in the scan's order.
+      shared: ids the layers or epilogue read that do not depend on the batch.
+      per_mb: ids they read that do (one per microbatch); the layers' first carry first.
+      layer_reads, epilogue_reads: the ids of ``shared + per_mb`` each part reads.
+    """
+
+    program: _Program
+    scan: LayerScan
+    prologue: tuple[int, ...]
+    layer: tuple[int, ...]
+    epilogue: tuple[int, ...]
+    params: tuple[int, ...]
+    batch: tuple[int, ...]
+    stacked: tuple[int, ...]
+    shared: tuple[int, ...]
+    per_mb: tuple[int, ...]
+    layer_reads: tuple[int, ...]
+    epilogue_reads: tuple[int, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.scan.steps)
+
+
+def _layer_scan(graph: OpGraph) -> tuple[LayerScan, tuple[int, ...]]:
+    """The graph's one layer scan and the positions of its stacked parameters in
+    ``graph.params``; PlanError where there is none, or it cannot be pipelined."""
+    prog = graph.program
+    if not prog.layer_scans:
+        raise PlanError(f"pipelining needs the model's layers as one scan over stacked "
+                        f"parameters (nn.scan, nnx.scan), but graph {graph.name!r} has no "
+                        f"layer scan; trace a model whose layers are scanned")
+    if len(prog.layer_scans) > 1:
+        raise PlanError(f"pipelining needs one layer scan, but graph {graph.name!r} has "
+                        f"{len(prog.layer_scans)} (several scans or nested ones)")
+    scan = prog.layer_scans[0]
+    if scan.steps != tuple(range(len(scan.steps))):
+        raise PlanError(f"graph {graph.name!r}: its layer scan runs in reverse; pipelining "
+                        "needs the layers in order")
+    if any(scan.ys):
+        raise PlanError(f"graph {graph.name!r}: its layer scan stacks per-layer outputs; "
+                        "pipelining needs layers that pass only their carry on")
+    position = {info.value: k for k, info in enumerate(graph.params)}
+    stacked = []
+    for sid in scan.slices[0]:
+        root = prog.slice_of.get(sid, (None,))[0]
+        if root not in position:
+            raise PlanError(f"graph {graph.name!r}: its layer scan slices a value that is "
+                            "not a parameter; pipelining needs a scan over parameters only")
+        stacked.append(position[root])
+    return scan, tuple(stacked)
+
+
+def _cut(graph: OpGraph) -> _Cut:
+    """The graph's program cut at its layer scan (module doc)."""
+    prog = graph.program
+    scan, stacked = _layer_scan(graph)
+    params = tuple(info.value for info in graph.params)
+    batch = tuple(info.value for info in graph.batch)
+    if list(prog.inputs) != list(params + batch) or len(prog.outputs) != 1:
+        raise PlanError(f"graph {graph.name!r}: pipelining needs a loss traced as "
+                        "loss_fn(params, batch) -> scalar")
+    in_layers = [i for i, u in enumerate(prog.units) if u.iteration]
+    first, last = in_layers[0], in_layers[-1]
+    assert in_layers == list(range(first, last + 1)), "a scan's units are contiguous"
+    layers = _layer_units(prog, range(first, last + 1), len(scan.steps))
+    epilogue = tuple(range(last + 1, len(prog.units)))
+    made = _made(prog, range(first))
+    epi_reads = (_read(prog, epilogue) | {prog.outputs[0]}) - _made(prog, epilogue)
+    strays = (epi_reads & _made(prog, range(first, last + 1))) - set(scan.carries[-1])
+    if strays:
+        raise PlanError(f"graph {graph.name!r}: what follows the layers reads values made "
+                        "inside them other than their final carry; pipelining needs it to "
+                        "read the carry only")
+    roots = {params[k] for k in stacked}
+    if roots & (_read(prog, range(first)) | epi_reads):
+        raise PlanError(f"graph {graph.name!r}: a stacked layer parameter is read outside the "
+                        "layers; pipelining needs it read by the layers only")
+    fixed = set(prog.consts) | set(prog.literals)
+    epi_reads -= set(scan.carries[-1]) | fixed
+    carry = tuple(dict.fromkeys(scan.carries[0]))
+    if not all(jnp.issubdtype(prog.jax_dtypes[v], jnp.inexact) for v in carry):
+        raise PlanError(f"graph {graph.name!r}: the layers' carry holds non-float values; "
+                        "pipelining sends the carry and its gradient between stages")
+    needed = (set(scan.consts) - fixed) | epi_reads
+    on_batch = _on_batch(prog, range(first), set(batch))
+    per_mb = carry + tuple(sorted(v for v in needed - set(carry) if v in on_batch))
+    shared = tuple(sorted(needed - set(per_mb)))
+    assert needed - set(per_mb + shared) == set() and (made | set(prog.inputs) | fixed) >= needed
+    return _Cut(prog, scan, tuple(range(first)), layers, epilogue, params, batch, stacked,
+                shared, per_mb, tuple(sorted(set(scan.consts) - fixed)), tuple(sorted(epi_reads)))
+
+
+def _layer_units(prog: _Program, idxs: range, length: int) -> tuple[int, ...]:
+    """Layer 0's units (its slices excluded), after checking every layer runs the same
+    equations (a scan's body, inlined once per layer)."""
+    per_layer: list[list[int]] = [[] for _ in range(length)]
+    for i in idxs:
+        u = prog.units[i]
+        if len(u.iteration) != 1:
+            raise PlanError("pipelining needs one flat layer scan, but the layers hold a nested "
+                            "scan over parameters (nn.remat_scan)")
+        if i not in prog.slice_units:
+            per_layer[u.iteration[0][1]].append(i)
+    body = [prog.units[i].eqn for i in per_layer[0]]
+    for t, units in enumerate(per_layer):
+        assert [prog.units[i].eqn for i in units] == body, f"layer {t} is not layer 0's body"
+    return tuple(per_layer[0])
+
+
+def _made(prog: _Program, idxs) -> set[int]:
+    return {v for i in idxs for v in prog.units[i].outs if v is not None}
+
+
+def _read(prog: _Program, idxs) -> set[int]:
+    return {v for i in idxs for v in prog.units[i].ins}
+
+
+def _on_batch(prog: _Program, idxs, batch: set[int]) -> set[int]:
+    """The ids computed by units `idxs` from the batch (and the batch leaves)."""
+    out = set(batch)
+    for i in idxs:
+        u = prog.units[i]
+        if any(v in out for v in u.ins):
+            out.update(v for v in u.outs if v is not None)
+    return out
+
+
+def _env(prog: _Program, values: dict[int, Any]) -> dict[int, Any]:
+    env = dict(prog.consts)
+    env.update(prog.literals)
+    env.update(values)
+    return env
+
+
+def _prologue_fn(cut: _Cut) -> Callable:
+    """``(other params, batch) -> (shared values, per-microbatch values)``, the batch one
+    microbatch's (the function is vmapped over microbatches)."""
+    other = [v for k, v in enumerate(cut.params) if k not in cut.stacked]
+
+    def prologue(params: Sequence[Any], batch: Sequence[Any]) -> tuple[list, list]:
+        env = _env(cut.program, dict(zip(other, params)))
+        env.update(zip(cut.batch, batch))
+        cut.program.run_units(cut.prologue, env)
+        return [env[v] for v in cut.shared], [env[v] for v in cut.per_mb]
+
+    return prologue
+
+
+def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int]) -> Callable:
+    """``(chunk params, values, x) -> y`` (the chunk's output carry) or, for the last chunk,
+    ``-> loss`` (the epilogue after it); `values` are those of the ids `reads`, the chunk
+    params ``[L / C, ...]`` per stacked parameter, in the scan's order."""
+    prog, scan = cut.program, cut.scan
+
+    def layer(values: dict, carry: tuple, slices: list) -> tuple[tuple, None]:
+        env = _env(prog, values)
+        env.update(zip(scan.slices[0], slices))
+        env.update(zip(scan.carries[0], carry))
+        prog.run_units(cut.layer, env)
+        return tuple(env[v] for v in scan.carries[1]), None
+
+    def chunk(params: list, vals: Sequence[Any], x: tuple) -> Any:
+        values = dict(zip(reads, vals))
+        y, _ = jax.lax.scan(lambda c, p: layer(values, c, p), x, params)
+        if not last:
+            return y
+        env = _env(prog, values)
+        env.update(zip(scan.carries[-1], y))
+        prog.run_units(cut.epilogue, env)
+        return env[prog.outputs[0]]
+
+    return chunk
+
+
+# --------------------------------------------------------------------------------------------
+# The schedule as a tick table, and its buffer slots
+
+
+def ticks(schedule: str, stages: int, microbatches: int,
+          virtual: int = 1) -> tuple[tuple[Action | None, ...], ...]:
+    """The schedule as ticks: per tick, the action each device stage runs (None: idle).
+
+    Every stage runs its `device_orders` in order, each action at the first tick at which its
+    input has arrived: a forward one tick or more after the previous chunk's forward, a
+    backward after the next chunk's backward (and its own forward).
+
+    >>> for row in ticks("1f1b", stages=2, microbatches=3):
+    ...     print(" ".join(f"{a.kind}{a.microbatch}" if a else "--" for a in row))
+    F0 --
+    F1 F0
+    -- B0
+    B0 F1
+    F2 B1
+    B1 F2
+    -- B2
+    B2 --
+    """
+    orders = device_orders(schedule, stages, microbatches, virtual)
+    chunks = stages * virtual
+    done: dict[Action, int] = {}
+    pos = [0] * stages
+    rows: list[tuple[Action | None, ...]] = []
+
+    def ready(a: Action, t: int) -> bool:
+        if a.kind == "F":
+            return a.chunk == 0 or done.get(Action("F", a.microbatch, a.chunk - 1), t) < t
+        return (a.chunk == chunks - 1
+                or done.get(Action("B", a.microbatch, a.chunk + 1), t) < t)
+
+    while any(p < len(o) for p, o in zip(pos, orders)):
+        t = len(rows)
+        row = tuple(o[p] if p < len(o) and ready(o[p], t) else None for p, o in zip(pos, orders))
+        assert any(row), f"{schedule}: no stage can move at tick {t}"
+        for s, a in enumerate(row):
+            if a is not None:
+                done[a] = t
+                pos[s] += 1
+        rows.append(row)
+    return tuple(rows)
+
+
+class _Slots(NamedTuple):
+    """Buffer slots from the tick table, per tick and stage (arrays ``[ticks, stages]``).
+
+    A stage keeps a received activation (``x``) from the tick it arrives until its forward
+    (until its backward, with recomputation), a received gradient (``g``) until its backward,
+    and a forward's residuals (``r``, per kind: middle or last chunk) until its backward. Index
+    ``n`` of a receive buffer of ``n`` slots is scratch: stages that receive nothing at a tick
+    write there.
+    """
+
+    x_read: np.ndarray
+    x_recv: np.ndarray
+    g_read: np.ndarray
+    g_recv: np.ndarray
+    r_slot: np.ndarray
+    counts: dict[str, int]
+
+
+def _slots(rows: Sequence[Sequence[Action | None]], stages: int, chunks: int,
+           recompute: bool) -> _Slots:
+    done = {a: t for t, row in enumerate(rows) for a in row if a is not None}
+    shape = (len(rows), stages)
+    x_read, x_recv, g_read, g_recv, r_slot = (np.zeros(shape, np.int32) for _ in range(5))
+    spans: dict[tuple[str, int], list[tuple[int, int, Action]]] = {}
+    for a, t in done.items():
+        s, m, c = a.chunk % stages, a.microbatch, a.chunk
+        if a.kind == "F" and c > 0:
+            end = done[Action("B", m, c)] if recompute else t
+            spans.setdefault(("x", s), []).append((done[Action("F", m, c - 1)], end, a))
+        if a.kind == "B" and c < chunks - 1:
+            spans.setdefault(("g", s), []).append((done[Action("B", m, c + 1)], t, a))
+        if a.kind == "F" and not recompute:
+            kind = "rl" if c == chunks - 1 else "r"
+            spans.setdefault((kind, s), []).append((t, done[Action("B", m, c)], a))
+    counts = {k: 0 for k in ("x", "g", "r", "rl")}
+    slot_of: dict[tuple[str, Action], int] = {}
+    for (kind, s), span in spans.items():
+        free: list[int] = []  # per slot, the tick from which it is free
+        for start, end, a in sorted(span):
+            k = next((k for k, f in enumerate(free) if f <= start), len(free))
+            free[k:k + 1] = [end]
+            slot_of[kind, a] = k
+        counts[kind] = max(counts[kind], len(free))
+    x_recv[:], g_recv[:] = counts["x"], counts["g"]  # scratch
+    for a, t in done.items():
+        s, m, c = a.chunk % stages, a.microbatch, a.chunk
+        if a.kind == "F" and c > 0:
+            x_read[t, s] = slot_of["x", a]
+            x_recv[done[Action("F", m, c - 1)], s] = slot_of["x", a]
+        if a.kind == "B" and c > 0 and recompute:
+            x_read[t, s] = slot_of["x", Action("F", m, c)]
+        if a.kind == "B" and c < chunks - 1:
+            g_read[t, s] = slot_of["g", a]
+            g_recv[done[Action("B", m, c + 1)], s] = slot_of["g", a]
+        if not recompute:
+            kind = "rl" if c == chunks - 1 else "r"
+            r_slot[t, s] = slot_of[kind, Action("F", m, c)]
+    return _Slots(x_read, x_recv, g_read, g_recv, r_slot, counts)
+
+
+class _Tables(NamedTuple):
+    """The tick table as the arrays the tick loop reads (``T`` ticks, ``S`` stages).
+
+    Attributes:
+      keys: the kinds of action (`_key`) the schedule runs, in branch order.
+      kind: ``[T, S]``: which of `keys` each stage runs at each tick.
+      ints: ``[T, S, 5]``: its microbatch, local chunk, x slot, residual slot, g slot.
+      x_recv, g_recv: ``[T, S]``: the slot a received activation (gradient) goes to.
+      sends: per direction (activations, gradients), the distinct sets of ``(source,
+        target)`` stage pairs that send at one tick, and ``[T]``: which set sends at each tick
+        (0: none; k: ``sets[k - 1]``).
+    """
+
+    keys: tuple[tuple, ...]
+    kind: np.ndarray
+    ints: np.ndarray
+    x_recv: np.ndarray
+    g_recv: np.ndarray
+    sends: tuple[tuple[tuple[tuple[tuple[int, int], ...], ...], np.ndarray], ...]
+
+
+def _tables(rows: Sequence[Sequence[Action | None]], stages: int, chunks: int,
+            slots: _Slots) -> _Tables:
+    keys = tuple(sorted({_key(a, chunks) for row in rows for a in row}))
+    kind = np.array([[keys.index(_key(a, chunks)) for a in row] for row in rows], np.int32)
+    ints = np.zeros((len(rows), stages, 5), np.int32)
+    for t, row in enumerate(rows):
+        for s, a in enumerate(row):
+            if a is not None:
+                ints[t, s] = (a.microbatch, a.chunk // stages, slots.x_read[t, s],
+                              slots.r_slot[t, s], slots.g_read[t, s])
+    sends = []
+    for kind_, step, keep in (("F", 1, lambda c: c < chunks - 1), ("B", -1, lambda c: c > 0)):
+        per_tick = [tuple((s, (s + step) % stages) for s, a in enumerate(row)
+                          if a is not None and a.kind == kind_ and keep(a.chunk))
+                    for row in rows]
+        sets = tuple(sorted({p for p in per_tick if p}))
+        sends.append((sets, np.array([sets.index(p) + 1 if p else 0 for p in per_tick],
+                                     np.int32)))
+    return _Tables(keys, kind, ints, slots.x_recv, slots.g_recv, tuple(sends))
+
+
+# --------------------------------------------------------------------------------------------
+# Layouts and shardings
+
+
+def _check_chunks(graph: OpGraph, num_layers: int, stages: int, virtual: int) -> int:
+    chunks = stages * virtual
+    if num_layers % chunks:
+        raise PlanError(f"graph {graph.name!r}: pipelining cuts its {num_layers} layers into "
+                        f"stages x virtual = {stages} x {virtual} = {chunks} chunks of equal "
+                        f"size, but {num_layers} is not divisible by {chunks}; choose stages "
+                        f"and virtual stages whose product divides {num_layers}")
+    return num_layers // chunks
+
+
+def to_pipelined(graph: OpGraph, params: Any, *, stages: int, virtual: int = 1) -> Any:
+    """`params` (the model's pytree) with every stacked layer parameter ``[L, ...]`` reshaped
+    to ``[v, S, L / (S v), ...]``: chunk ``c = j S + s`` at ``[j, s]``, so sharding the second dim
+    over ``stage`` gives stage ``s`` its chunks `soapjax.pipeline.chunks_of` ``(s, S, v)``.
+    Others are unchanged. A reshape (jit-able); `from_pipelined` undoes it."""
+    scan, stacked = _layer_scan(graph)
+    per = _check_chunks(graph, len(scan.steps), stages, virtual)
+    leaves, tree = jax.tree.flatten(params)
+    for k in stacked:
+        leaves[k] = jnp.reshape(leaves[k], (virtual, stages, per, *leaves[k].shape[1:]))
+    return jax.tree.unflatten(tree, leaves)
+
+
+def from_pipelined(graph: OpGraph, params: Any, *, stages: int, virtual: int = 1) -> Any:
+    """The model's layout of parameters (or gradients) in the pipelined layout."""
+    scan, stacked = _layer_scan(graph)
+    leaves, tree = jax.tree.flatten(params)
+    for k in stacked:
+        leaves[k] = jnp.reshape(leaves[k], (len(scan.steps), *leaves[k].shape[3:]))
+    return jax.tree.unflatten(tree, leaves)
+
+
+def param_shardings(graph: OpGraph, mesh: Mesh, specs: Any, *, stages: int, virtual: int = 1,
+                    stage_axis: str = "stage") -> Any:
+    """The `NamedSharding`s of the parameters in the pipelined layout (`to_pipelined`).
+
+    Args:
+      graph: the traced loss.
+      mesh: the mesh, with a `stage_axis` of size `stages`.
+      specs: the parameters' `PartitionSpec`s (or `NamedSharding`s) in the model's layout, a
+        pytree like the parameters (``jax.tree.map(lambda _: P(), params)``: replicated; or a
+        plan's, `soapjax.apply.train_shardings`). A stacked parameter's must leave its layer
+        dim unsplit; ``stage`` takes the stage dim of the pipelined layout and the other dims
+        keep their axes. Other parameters keep theirs (replicated over ``stage``).
+      stages, virtual: as in `pipelined_value_and_grad`.
+      stage_axis: the mesh axis of the stages.
+
+    Example: a stacked kernel ``[4, 32, 128]`` with spec ``P(None, None, 'model')``, 2 stages,
+    2 virtual: pipelined ``[2, 2, 1, 32, 128]`` with ``P(None, 'stage', None, None, 'model')``.
+    """
+    _check_mesh(mesh, stages, stage_axis)
+    scan, stacked = _layer_scan(graph)
+    _check_chunks(graph, len(scan.steps), stages, virtual)
+    is_leaf = lambda x: isinstance(x, (PartitionSpec, NamedSharding))
+    flat, tree = jax.tree.flatten(specs, is_leaf=is_leaf)
+    if len(flat) != len(graph.params):
+        raise PlanError(f"param_shardings: specs has {len(flat)} leaves, graph {graph.name!r} "
+                        f"has {len(graph.params)} parameters")
+    out = []
+    for k, spec in enumerate(flat):
+        spec = spec.spec if isinstance(spec, NamedSharding) else spec
+        if k in stacked:
+            if len(spec) and spec[0] is not None:
+                raise PlanError(f"parameter {graph.params[k].path} of graph {graph.name!r}: "
+                                f"its spec {spec} splits the layer dim, which pipelining "
+                                f"splits over {stage_axis!r}; leave dim 0 unsplit")
+            spec = PartitionSpec(None, stage_axis, None, *spec[1:])
+        out.append(NamedSharding(mesh, spec))
+    return jax.tree.unflatten(tree, out)
+
+
+def _check_mesh(mesh: Mesh, stages: int, stage_axis: str) -> None:
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    if sizes.get(stage_axis) != stages:
+        raise PlanError(f"pipelining over {stages} stages needs a mesh axis {stage_axis!r} of "
+                        f"size {stages}, but the mesh has axes {sizes}")
+
+
+# --------------------------------------------------------------------------------------------
+# The pipelined step
+
+
+def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microbatches: int,
+                             virtual: int = 1, schedule: str = "1f1b", recompute: bool = False,
+                             stage_axis: str = "stage") -> Callable[[Any, Any], tuple[Any, Any]]:
+    """``(params, batch) -> (loss, grads)``: what ``jax.value_and_grad(loss_fn)`` computes, as
+    a pipeline over the mesh's `stage_axis` (module doc). Jit it.
+
+    Args:
+      graph: the traced loss (``trace(loss_fn, params, batch)``), its layers one scan.
+      mesh: the mesh; its `stage_axis` has `stages` devices, other axes are left automatic.
+      stages: S, the pipeline's stages.
+      microbatches: M; the batch size must be a multiple of it.
+      virtual: v, chunks per stage (the interleaved schedule: 2 or more).
+      schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (`soapjax.pipeline`).
+      recompute: each chunk's backward recomputes its forward from the chunk's input.
+      stage_axis: the mesh axis of the stages.
+
+    Returns:
+      The function. It takes the parameters in the pipelined layout (`to_pipelined`; place
+      them with `param_shardings`) and the batch, and returns the loss and the gradients in the
+      pipelined layout.
+
+    Raises:
+      PlanError: the graph has no layer scan (or one that cannot be pipelined, module doc),
+        draws random bits, its layers do not divide into ``S v`` chunks, the batch into M
+        microbatches, or the schedule's numbers do not make a pipeline.
+    """
+    check_pipeline(schedule, stages, microbatches, virtual)
+    _check_mesh(mesh, stages, stage_axis)
+    scan, _ = _layer_scan(graph)
+    _check_chunks(graph, len(scan.steps), stages, virtual)
+    if graph.batch_size % microbatches:
+        raise PlanError(f"graph {graph.name!r}: its batch of {graph.batch_size} does not "
+                        f"divide into {microbatches} microbatches")
+    if (random := random_operator(graph)) is not None:
+        raise PlanError(f"graph {graph.name!r}: operator {random!r} draws random bits "
+                        f"(dropout); pipelined microbatches would draw other masks than the "
+                        f"whole batch does; pipeline a model without dropout")
+    cut = _cut(graph.at_batch_size(graph.batch_size // microbatches))
+    rows = ticks(schedule, stages, microbatches, virtual)
+    pipe = _Pipeline(cut, mesh, stage_axis, stages, virtual, microbatches, rows, recompute)
+    return pipe.value_and_grad
+
+
+def _split(x: Any, m: int) -> Any:
+    """``[B, ...] -> [M, B / M, ...]``, microbatch k holding samples k, k + M, ..."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+
+
+def _at(x: Any, i: Any) -> Any:
+    return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+
+
+def _put(x: Any, i: Any, value: Any) -> Any:
+    return jax.lax.dynamic_update_index_in_dim(x, value.astype(x.dtype), i, 0)
+
+
+def _add(x: Any, i: Any, value: Any) -> Any:
+    return _put(x, i, _at(x, i) + value)
+
+
+class _Kind(NamedTuple):
+    """A chunk function, ``(chunk params, floats, others, x) -> y`` (middle chunks) or
+    ``-> loss`` (the last, with the epilogue), and the ids of the values it reads: floats
+    (differentiated) and others."""
+
+    fn: Callable
+    floats: tuple[int, ...]
+    others: tuple[int, ...]
+
+
+class _Residuals(NamedTuple):
+    """How a forward's ``jax.vjp`` closure is kept: its pytree structure, for each leaf the
+    index of the input it is (kept where the stage holds it anyway) or None (stored), and the
+    stored leaves' shapes."""
+
+    tree: Any
+    spec: tuple[int | None, ...]
+    stored: tuple[jax.ShapeDtypeStruct, ...]
+
+
+class _Pipeline:
+    """The pieces of one pipelined step (`pipelined_value_and_grad`)."""
+
+    def __init__(self, cut: _Cut, mesh: Mesh, axis: str, stages: int, virtual: int,
+                 microbatches: int, rows: Sequence[Sequence[Action | None]], recompute: bool):
+        self.cut, self.mesh, self.axis = cut, mesh, axis
+        self.S, self.M, self.C = stages, microbatches, stages * virtual
+        self.rows, self.recompute = rows, recompute
+        self.slots = _slots(rows, stages, self.C, recompute)
+        self.tables = _tables(rows, stages, self.C, self.slots)
+        prog = cut.program
+        self.is_float = {v: bool(jnp.issubdtype(prog.jax_dtypes[v], jnp.inexact))
+                         for v in cut.shared + cut.per_mb}
+        self.where = {v: ("shared", k) for k, v in enumerate(cut.shared)}
+        self.where.update({v: ("mb", k) for k, v in enumerate(cut.per_mb)})
+        self.carry = tuple(cut.per_mb.index(v) for v in cut.scan.carries[0])
+        self.loss_dtype = prog.jax_dtypes[prog.outputs[0]]
+        self.kinds = {last: self._kind(last) for last in (False, True)}
+
+    def _kind(self, last: bool) -> _Kind:
+        reads = set(self.cut.layer_reads) | (set(self.cut.epilogue_reads) if last else set())
+        floats = tuple(v for v in self.cut.shared + self.cut.per_mb
+                       if v in reads and self.is_float[v])
+        others = tuple(v for v in self.cut.shared + self.cut.per_mb
+                       if v in reads and not self.is_float[v])
+        fn = _chunk_fn(self.cut, last, floats + others)
+        return _Kind(lambda p, f, o, x: fn(p, list(f) + list(o), x), floats, others)
+
+    # ---- outside the pipeline: prologue, split and gather
+
+    def value_and_grad(self, params: Any, batch: Any) -> tuple[Any, Any]:
+        cut = self.cut
+        leaves, tree = jax.tree.flatten(params)
+        stacked = [leaves[k] for k in cut.stacked]
+        other = [x for k, x in enumerate(leaves) if k not in cut.stacked]
+        micro = [_split(x, self.M) for x in jax.tree.leaves(batch)]
+        prologue = _prologue_fn(cut)
+        fl = [self.is_float[v] for v in cut.shared], [self.is_float[v] for v in cut.per_mb]
+
+        def split(vals: list, floats: list) -> tuple[list, list]:
+            return ([x for x, f in zip(vals, floats) if f],
+                    [x for x, f in zip(vals, floats) if not f])
+
+        def pro(other_params: list) -> tuple:
+            shared, mb = jax.vmap(prologue, in_axes=(None, 0), out_axes=(None, 0))(
+                other_params, micro)
+            (sf, sn), (mf, mn) = split(shared, fl[0]), split(mb, fl[1])
+            return (sf, mf), (sn, mn)
+
+        (sf, mf), pro_vjp, (sn, mn) = jax.vjp(pro, other, has_aux=True)
+        loss, grads, d_sf, d_mf = self._map()(stacked, sf, sn, mf, mn)
+        (d_other,) = pro_vjp(([x.sum(0) for x in d_sf], [x.sum(0) for x in d_mf]))
+        by_position, rest = dict(zip(cut.stacked, grads)), iter(d_other)
+        out = [by_position[k] if k in by_position else next(rest) for k in range(len(leaves))]
+        return loss.sum(), jax.tree.unflatten(tree, out)
+
+    def _map(self) -> Callable:
+        ax = self.axis
+        return jax.shard_map(
+            self._body, mesh=self.mesh, axis_names={ax},
+            in_specs=(PartitionSpec(None, ax), PartitionSpec(), PartitionSpec(),
+                      PartitionSpec(), PartitionSpec()),
+            out_specs=(PartitionSpec(ax), PartitionSpec(None, ax), PartitionSpec(ax),
+                       PartitionSpec(ax)),
+            # The program's equations are bound as traced, literals and all, which the
+            # varying-axes check refuses ("div requires varying manual axes to match").
+            check_vma=False)
+
+    # ---- inside: one stage's program
+
+    def _body(self, stacked, sf, sn, mf, mn):
+        # What one stage holds, kept on self while the body is traced (the branches read it).
+        self.stacked = [x[:, 0] for x in stacked]  # [v, L / C, ...]: this stage's
+        self.values = {"shared": _merge(sf, sn, self._floats("shared")),
+                       "mb": _merge(mf, mn, self._floats("mb"))}
+        self.stage = jax.lax.axis_index(self.axis)
+        self.residuals = ({} if self.recompute else
+                          {last: self._probe(k) for last, k in self.kinds.items()})
+        state = self._initial_state(sf, mf)
+        state = jax.lax.fori_loop(0, len(self.rows), self._tick, state)
+        return (state["loss"][None], [g[:, None] for g in state["grads"]],
+                [x[None] for x in state["d_shared"]], [x[None] for x in state["d_mb"]])
+
+    def _floats(self, where: str) -> list[bool]:
+        ids = self.cut.shared if where == "shared" else self.cut.per_mb
+        return [self.is_float[v] for v in ids]
+
+    def _inputs(self, kind: _Kind, m: Any, j: Any) -> tuple[list, list, list]:
+        """The chunk params of local chunk j, the float and other values for microbatch m."""
+        def value(v):
+            where, k = self.where[v]
+            x = self.values[where][k]
+            return x if where == "shared" else _at(x, m)
+
+        return ([_at(p, j) for p in self.stacked], [value(v) for v in kind.floats],
+                [value(v) for v in kind.others])
+
+    def _carry_shapes(self) -> list[jax.ShapeDtypeStruct]:
+        prog = self.cut.program
+        return [jax.ShapeDtypeStruct(prog.shapes[v], prog.jax_dtypes[v])
+                for v in self.cut.scan.carries[0]]
+
+    def _zeros(self, shapes: Sequence[Any], lead: tuple[int, ...] = ()) -> list:
+        return [jnp.zeros(lead + tuple(s.shape), s.dtype) for s in shapes]
+
+    def _probe(self, kind: _Kind) -> _Residuals:
+        """The residuals of a forward of `kind` (traced once, abstractly)."""
+        p, f, o = self._inputs(kind, 0, 0)
+        x = tuple(self._zeros(self._carry_shapes()))
+        found = {}
+
+        def probe(p, f, o, x):
+            found["tree"], found["spec"], stored = self._vjp(kind, p, f, o, x)[1:]
+            return stored
+
+        shapes = jax.eval_shape(probe, p, f, o, x)
+        return _Residuals(found["tree"], found["spec"], tuple(shapes))
+
+    def _vjp(self, kind: _Kind, p, f, o, x) -> tuple[Any, Any, tuple, list]:
+        """The forward's output, the vjp closure's tree, its spec and the leaves to store."""
+        out, vjp = jax.vjp(lambda p, f, x: kind.fn(p, f, o, x), p, f, x)
+        leaves, tree = jax.tree.flatten(vjp)
+        held = list(p) + list(f) + list(o)
+        spec = tuple(next((k for k, h in enumerate(held) if h is leaf), None) for leaf in leaves)
+        return out, tree, spec, [leaf for leaf, k in zip(leaves, spec) if k is None]
+
+    def _initial_state(self, sf, mf) -> dict[str, Any]:
+        carry = self._carry_shapes()
+        c = self.slots.counts
+        state = {
+            "x": self._zeros(carry, (c["x"] + 1,)),
+            "g": self._zeros(carry, (c["g"] + 1,)),
+            "r": {last: self._zeros(r.stored, (max(c["rl" if last else "r"], 1),))
+                  for last, r in self.residuals.items()},
+            "grads": self._zeros(self.stacked),
+            "d_shared": self._zeros(sf),
+            "d_mb": self._zeros(mf),
+            "loss": jnp.zeros((), self.loss_dtype),
+        }
+        return state
+
+    def _tick(self, t: Any, state: dict) -> dict:
+        """One tick: every stage's action (a switch on the stage's kind), then the transfers:
+        per direction, the ppermute over the pairs that send at this tick (a switch on the
+        tick: every device takes the same branch, so the collective is well formed)."""
+        tb = self.tables
+        stage = self.stage
+        branches = [self._branch(k) for k in tb.keys]
+        idx = jnp.asarray(tb.ints)[t, stage]
+        if len(branches) == 1:
+            state, fwd, bwd = branches[0](state, idx)
+        else:
+            which = jnp.asarray(tb.kind)[t, stage]
+            state, fwd, bwd = jax.lax.switch(which, branches, state, idx)
+        for (sets, at), buf, recv, value, name in zip(
+                tb.sends, ("x", "g"), (tb.x_recv, tb.g_recv), (fwd, bwd),
+                ("pipeline_activations", "pipeline_gradients")):
+            if not sets:
+                continue
+            moves = [self._none_like] + [self._permute(pairs, name) for pairs in sets]
+            got = jax.lax.switch(jnp.asarray(at)[t], moves, value)
+            slot = jnp.asarray(recv)[t, stage]
+            state = {**state, buf: [_put(b, slot, x) for b, x in zip(state[buf], got)]}
+        return state
+
+    def _permute(self, pairs: tuple[tuple[int, int], ...], name: str) -> Callable:
+        def move(value: tuple) -> tuple:
+            with jax.named_scope(name):
+                return jax.lax.ppermute(value, self.axis, list(pairs))
+
+        return move
+
+    def _none_like(self, value: tuple) -> tuple:
+        return self._none()
+
+    def _branch(self, key: tuple) -> Callable:
+        if key[0] == "idle":
+            return self._idle
+        kind, first, last = key
+        step = self._forward if kind == "F" else self._backward
+        return lambda state, idx: step(state, idx, first, last)
+
+    def _none(self) -> tuple:
+        return tuple(self._zeros(self._carry_shapes()))
+
+    def _idle(self, state: dict, idx: Any) -> tuple[dict, tuple, tuple]:
+        return state, self._none(), self._none()
+
+    def _x(self, state: dict, idx: Any, first: bool) -> tuple:
+        if first:
+            return tuple(_at(self.values["mb"][k], idx[0]) for k in self.carry)
+        return tuple(_at(b, idx[2]) for b in state["x"])
+
+    def _forward(self, state: dict, idx: Any, first: bool, last: bool):
+        kind = self.kinds[last]
+        p, f, o = self._inputs(kind, idx[0], idx[1])
+        x = self._x(state, idx, first)
+        if self.recompute:
+            out = kind.fn(p, f, o, x)
+        else:
+            out, _, spec, stored = self._vjp(kind, p, f, o, x)
+            assert spec == self.residuals[last].spec, "the forward saves what the probe saw"
+            state = {**state, "r": {**state["r"], last: [
+                _put(b, idx[3], v) for b, v in zip(state["r"][last], stored)]}}
+        if last:
+            loss = state["loss"] + out.astype(self.loss_dtype) / self.M
+            return {**state, "loss": loss}, self._none(), self._none()
+        return state, tuple(out), self._none()
+
+    def _backward(self, state: dict, idx: Any, first: bool, last: bool):
+        kind = self.kinds[last]
+        m, j = idx[0], idx[1]
+        vjp = self._pullback(state, idx, first, last)
+        if last:
+            ct = jnp.full((), 1 / self.M, self.loss_dtype)  # the loss is the microbatches' mean
+        else:
+            ct = tuple(_at(b, idx[4]) for b in state["g"])
+        dp, df, dx = vjp(ct)
+        state = {**state, "grads": [_add(g, j, d) for g, d in zip(state["grads"], dp)]}
+        state = self._accumulate(state, m, zip(kind.floats, df))
+        if first:  # the gradient of the layers' input goes back to the prologue
+            state = self._accumulate(state, m, zip(self.cut.scan.carries[0], dx))
+            return state, self._none(), self._none()
+        return state, self._none(), tuple(dx)
+
+    def _pullback(self, state: dict, idx: Any, first: bool, last: bool) -> Callable:
+        """The chunk's vjp closure: recomputed from its input, or rebuilt from the residuals
+        its forward kept (and the inputs the stage holds anyway)."""
+        kind = self.kinds[last]
+        p, f, o = self._inputs(kind, idx[0], idx[1])
+        if self.recompute:
+            x = self._x(state, idx, first)
+            return jax.vjp(lambda p, f, x: kind.fn(p, f, o, x), p, f, x)[1]
+        res = self.residuals[last]
+        held = list(p) + list(f) + list(o)
+        stored = iter(_at(b, idx[3]) for b in state["r"][last])
+        return jax.tree.unflatten(res.tree, [held[k] if k is not None else next(stored)
+                                             for k in res.spec])
+
+    def _accumulate(self, state: dict, m: Any, cotangents) -> dict:
+        """Adds the cotangents of values the prologue made: to the shared ones', or to
+        microbatch m's."""
+        d_shared, d_mb = list(state["d_shared"]), list(state["d_mb"])
+        shared = {v: k for k, v in enumerate(self._float_ids("shared"))}
+        per_mb = {v: k for k, v in enumerate(self._float_ids("mb"))}
+        for v, d in cotangents:
+            if v in shared:
+                d_shared[shared[v]] = d_shared[shared[v]] + d
+            else:
+                d_mb[per_mb[v]] = _add(d_mb[per_mb[v]], m, d)
+        return {**state, "d_shared": d_shared, "d_mb": d_mb}
+
+    def _float_ids(self, where: str) -> list[int]:
+        ids = self.cut.shared if where == "shared" else self.cut.per_mb
+        return [v for v in ids if self.is_float[v]]
+
+
+def _merge(floats: Sequence[Any], others: Sequence[Any], is_float: Sequence[bool]) -> list:
+    """Floats and others back in one list, in the order `is_float` says."""
+    f, o = iter(floats), iter(others)
+    return [next(f) if b else next(o) for b in is_float]
+
+
+def _key(a: Action | None, chunks: int) -> tuple:
+    """The kind of branch an action runs: idle, or (F or B, first chunk, last chunk)."""
+    if a is None:
+        return ("idle",)
+    return (a.kind, a.chunk == 0, a.chunk == chunks - 1)

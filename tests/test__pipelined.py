@@ -1,0 +1,195 @@
+"""The pipelined step (soapjax._pipelined): the unsharded step's numbers, the schedule's transfers.
+
+Every case runs on cpu8 as stage 2 x data 2 x model 2 with M = 4 microbatches of the batch of
+16, in float64, the layers' parameters split over ``model`` as Megatron-LM splits them (heads
+and the MLP's hidden dim), the batch over ``data``. Compiled programs are shared between the
+tests (`compiled`), so each is compiled once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+import soapjax_zoo
+from soapjax._pipelined import (
+    from_pipelined,
+    param_shardings,
+    pipelined_value_and_grad,
+    ticks,
+    to_pipelined,
+)
+from soapjax.errors import PlanError
+from soapjax.graph import trace
+from soapjax.hlo import collectives
+from soapjax.pipeline import device_orders
+from soapjax_zoo.gpt import GPT_CONFIGS, build_gpt
+from soapjax_zoo.llama import LLAMA_CONFIGS, build_llama
+
+FAST = {"xla_backend_optimization_level": 0}
+STAGES, MICROBATCHES, BATCH = 2, 4, 16
+BUILDERS = {"gpt": (GPT_CONFIGS, build_gpt), "llama": (LLAMA_CONFIGS, build_llama)}
+# Megatron's split of a layer over "model", by module: the dim of its stacked kernel and of its
+# bias that "model" splits (column-parallel q/k/v and fc1/gate/up split heads or the hidden
+# dim; row-parallel out/fc2/down split their input, and their bias not at all).
+MODEL_SPLIT = {**dict.fromkeys(("query", "key", "value", "q", "k", "v"), (2, 1)),
+               **dict.fromkeys(("fc1", "gate", "up"), (2, 1)),
+               **dict.fromkeys(("out", "o", "fc2", "down"), (1, None))}
+
+
+def mesh():
+    return jax.make_mesh((STAGES, 2, 2), ("stage", "data", "model"),
+                         axis_types=(AxisType.Auto,) * 3)
+
+
+@functools.cache
+def model_case(name: str, layers: int):
+    """The tiny model with `layers` layers in float64: workload, params, batch, graph, and the
+    unsharded ``jax.value_and_grad`` of its loss."""
+    configs, build = BUILDERS[name]
+    cfg = dataclasses.replace(configs["tiny"], num_layers=layers, batch_size=BATCH)
+    w = build(name, "tiny", cfg, "linen")
+    rng = np.random.default_rng(0)
+    with jax.enable_x64(True):
+        params = jax.tree.map(lambda s: jnp.asarray(0.1 * rng.standard_normal(s.shape),
+                                                    jnp.float64), w.abstract_params())
+        batch = jax.tree.map(lambda s: jnp.asarray(rng.integers(0, cfg.vocab_size, s.shape),
+                                                   s.dtype), w.abstract_batch())
+        graph = trace(w.loss_fn, params, batch, name=name)
+        want = jax.jit(jax.value_and_grad(w.loss_fn), compiler_options=FAST)(params, batch)
+    return params, batch, graph, want
+
+
+def megatron_specs(params):
+    def spec(path, x):
+        module, leaf = (getattr(k, "key", None) for k in path[-2:])
+        kernel_dim, bias_dim = MODEL_SPLIT.get(module, (None, None))
+        dim = kernel_dim if leaf == "kernel" else bias_dim
+        if dim is None or getattr(path[1], "key", None) != "layers":
+            return PartitionSpec()
+        return PartitionSpec(*(["model" if d == dim else None for d in range(x.ndim)]))
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+@functools.cache
+def compiled(name: str, schedule: str, virtual: int, recompute: bool):
+    """The compiled pipelined step of the tiny model (2 layers per virtual stage), its loss and
+    gradients (in the model's layout)."""
+    params, batch, graph, _ = model_case(name, STAGES * virtual)
+    m = mesh()
+    with jax.enable_x64(True):
+        step = pipelined_value_and_grad(graph, m, stages=STAGES, microbatches=MICROBATCHES,
+                                        virtual=virtual, schedule=schedule, recompute=recompute)
+        shardings = param_shardings(graph, m, megatron_specs(params), stages=STAGES,
+                                    virtual=virtual)
+        placed = jax.device_put(to_pipelined(graph, params, stages=STAGES, virtual=virtual),
+                                shardings)
+        batch = jax.device_put(batch, NamedSharding(m, PartitionSpec("data")))
+        exe = jax.jit(step).lower(placed, batch).compile(compiler_options=FAST)
+        loss, grads = exe(placed, batch)
+        grads = from_pipelined(graph, grads, stages=STAGES, virtual=virtual)
+    return loss, grads, exe
+
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recomputed"])
+@pytest.mark.parametrize("schedule,virtual", SCHEDULES, ids=[s for s, _ in SCHEDULES])
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_the_pipelined_step_computes_the_unsharded_step(name, schedule, virtual, recompute):
+    """Loss and every gradient equal ``jax.value_and_grad(loss_fn)`` on one device to 1e-12
+    (global max |diff| / global max |ref|): 2 layers on 2 stages (gpipe, 1f1b), 4 layers in
+    4 chunks (interleaved, 2 virtual stages), with the residuals saved or recomputed."""
+    _, _, _, (want_loss, want) = model_case(name, STAGES * virtual)
+    loss, grads, _ = compiled(name, schedule, virtual, recompute)
+    assert jax.tree.structure(grads) == jax.tree.structure(want)
+    diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+               for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want)))
+    scale = max(float(np.max(np.abs(np.asarray(b)))) for b in jax.tree.leaves(want))
+    assert diff / scale < 1e-12
+    assert abs(float(loss) - float(want_loss)) / abs(float(want_loss)) < 1e-12
+
+
+def sending_sets(rows, kind: str, step: int, keep) -> list[tuple[tuple[int, int], ...]]:
+    """Per tick of the tick table, the (source, target) stages that send a `kind` result."""
+    return [tuple((s, (s + step) % STAGES) for s, a in enumerate(row)
+                  if a is not None and a.kind == kind and keep(a.chunk)) for row in rows]
+
+
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved", 2)],
+                         ids=["1f1b", "interleaved"])
+def test_the_stages_send_what_the_schedule_needs(schedule, virtual):
+    """The compiled program's collective-permutes are the pipeline's transfers and no others.
+
+    Per microbatch and chunk boundary one activation goes forward (chunk c's forward to chunk
+    c + 1's stage) and one gradient back: M (C - 1) of each, C = S v chunks: 4 + 4 for 1F1B
+    (C = 2), 12 + 12 interleaved (C = 4). The tick loop holds one collective-permute per
+    direction and *set* of stages that send at one tick, inside a switch on the tick, over
+    exactly those stages (each stage pair is data x model = 4 device pairs): 1F1B has one set
+    per direction (stage 0 -> 1 forward, 1 -> 0 back); interleaved three ({0 -> 1}, {1 -> 0}
+    and both at once, where two stages send at one tick). Each moves one microbatch's
+    activation: 4 samples / data 2 x 8 tokens x d_model 32 x 8 bytes = 4096 bytes per device
+    (the activation between layers is replicated over "model", Megatron's split).
+    """
+    text = compiled("gpt", schedule, virtual, False)[2].as_text()
+    chunks = STAGES * virtual
+    rows = ticks(schedule, STAGES, MICROBATCHES, virtual)
+    m = mesh()
+    permutes = [c for c in collectives(text, m) if c.kind == "collective-permute"]
+    seen = {"pipeline_activations": [], "pipeline_gradients": []}
+    for c in permutes:
+        scope = next(s for s in seen if s in c.op_name)  # no other collective-permutes
+        assert c.nbytes == 4096 and c.axes == ("stage",)
+        stage_of = {d: d // 4 for d in range(8)}  # device id -> stage (row-major mesh)
+        pairs = {(stage_of[a], stage_of[b]) for a, b in c.source_target_pairs}
+        assert len(c.source_target_pairs) == 4 * len(pairs)
+        seen[scope].append(tuple(sorted(pairs)))
+    for scope, kind, step, keep in (("pipeline_activations", "F", 1, lambda c: c < chunks - 1),
+                                    ("pipeline_gradients", "B", -1, lambda c: c > 0)):
+        per_tick = sending_sets(rows, kind, step, keep)
+        assert sorted(seen[scope]) == sorted({tuple(sorted(p)) for p in per_tick if p})
+        assert sum(len(p) for p in per_tick) == MICROBATCHES * (chunks - 1)
+    assert len(permutes) == {"1f1b": 2, "interleaved": 6}[schedule]
+
+
+def test_1f1b_keeps_fewer_activations_than_gpipe():
+    """Same numbers, less memory: the compiled step's temporaries (XLA's memory analysis) with
+    1F1B, which keeps at most S microbatches' residuals per stage, below GPipe's, which keeps
+    all M (recomputing, the chunk inputs only: fewer still)."""
+    def temp(schedule, recompute=False):
+        exe = compiled("gpt", schedule, 1, recompute)[2]
+        return exe.memory_analysis().temp_size_in_bytes
+
+    assert temp("1f1b") < temp("gpipe")
+    assert temp("1f1b", True) < temp("1f1b")
+
+
+def test_ticks_follow_the_schedule_orders():
+    """Every stage runs `device_orders` in order, each action once."""
+    for schedule, virtual, m in (("gpipe", 1, 4), ("1f1b", 1, 4), ("interleaved", 2, 4)):
+        rows = ticks(schedule, STAGES, m, virtual)
+        for s, order in enumerate(device_orders(schedule, STAGES, m, virtual)):
+            assert tuple(row[s] for row in rows if row[s] is not None) == order
+
+
+def test_a_model_without_a_layer_scan_is_refused():
+    w = soapjax_zoo.get("mlp", "tiny")
+    params = w.abstract_params()
+    graph = trace(w.loss_fn, params, w.abstract_batch(), name="mlp")
+    with pytest.raises(PlanError, match="no layer scan"):
+        pipelined_value_and_grad(graph, mesh(), stages=STAGES, microbatches=2)
+
+
+def test_layers_that_do_not_divide_into_the_chunks_are_refused():
+    _, _, graph, _ = model_case("gpt", 2)
+    with pytest.raises(PlanError, match=r"2 layers into stages x virtual = 2 x 2 = 4 chunks"):
+        pipelined_value_and_grad(graph, mesh(), stages=STAGES, microbatches=MICROBATCHES,
+                                 virtual=2, schedule="interleaved")
