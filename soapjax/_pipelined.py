@@ -125,10 +125,6 @@ class _Cut(NamedTuple):
     layer_reads: tuple[int, ...]
     epilogue_reads: tuple[int, ...]
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.scan.steps)
-
 
 def _layer_scan(graph: OpGraph) -> tuple[LayerScan, tuple[int, ...]]:
     """The graph's one layer scan and the positions of its stacked parameters in
