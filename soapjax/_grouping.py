@@ -114,7 +114,7 @@ class _Builder:
             op = self._operator(names[g], groups[g], anchors[g], g)
             self.exported.update({t.value: (op.name, k) for k, t in enumerate(op.outputs)})
             ops.append(op)
-        return ops, unsupported
+        return mark_unrolled_layers(ops), unsupported
 
     # The whole program once: roles of every dim, per-unit FLOPs and reductions.
     def _global_labels(self) -> None:
@@ -512,3 +512,57 @@ class _Builder:
         if v in self.exported:
             return "activation", *self.exported[v]
         return "const", f"const_{v}", 0
+
+
+_INDEXED = re.compile(r"^(.*?)(\d+)$")
+
+
+def mark_unrolled_layers(ops: list[Operator]) -> list[Operator]:
+    """Gives the operators of identical unrolled layers a `block_position`, as a scan over
+    layers gets one: a Python loop ``for i in range(n): x = Block(name=f"layers_{i}")(x)``
+    (linen's auto names ``Block_0, Block_1``, nnx's ``layers/0, layers/1``) makes operators
+    ``layers_3/mlp/fc1`` whose position is ``layers_*/mlp/fc1``.
+
+    A family of layers is a name segment ``<stem><index>`` at one depth under one prefix; it
+    counts as repeated when it has two or more indices and every operator name under it occurs
+    at every index with the same anchor, iteration sizes and roles, and operand shapes (the
+    layers are the same computation). The outermost such segment wins (``layers_2/Dense_0``
+    is a layer of ``layers_*``, not a family of its own). Operators that already have a
+    position (a scan) keep it.
+    """
+    def signature(op: Operator) -> tuple:
+        return (op.anchor, op.iteration_sizes, op.iteration_roles,
+                tuple((x.kind, x.shape, x.dtype) for x in op.inputs))
+
+    position = [op.block_position for op in ops]
+    depth = 0
+    while True:
+        families: dict[tuple, dict[tuple, dict[int, int]]] = {}
+        deeper = False
+        for i, op in enumerate(ops):
+            parts = op.name.split("/")
+            if position[i] or len(parts) <= depth:
+                continue
+            deeper = True
+            m = _INDEXED.match(parts[depth])
+            if m is None:
+                continue
+            family = (tuple(parts[:depth]), m.group(1))
+            rest = tuple(parts[depth + 1:])
+            families.setdefault(family, {}).setdefault(rest, {})[int(m.group(2))] = i
+        if not deeper:
+            break
+        for (prefix, stem), members in families.items():
+            indices = {k for by_index in members.values() for k in by_index}
+            if len(indices) < 2 or any(set(by_index) != indices for by_index in members.values()):
+                continue
+            if any(len({signature(ops[i]) for i in by_index.values()}) != 1
+                   for by_index in members.values()):
+                continue
+            for rest, by_index in members.items():
+                name = "/".join((*prefix, stem + "*", *rest))
+                for i in by_index.values():
+                    position[i] = name
+        depth += 1
+    return [op if op.block_position == p else dataclasses.replace(op, block_position=p)
+            for op, p in zip(ops, position)]

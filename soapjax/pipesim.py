@@ -62,11 +62,12 @@ def layer_chunks(graph: OpGraph, chunks: int) -> list[int]:
       PlanError: the graph has no repeated layers, or their number does not divide.
     """
     layer_of: dict[int, int] = {}
-    num_layers = 0
-    for group in graph.repeated_blocks():
-        num_layers = max(num_layers, len(group))
-        for k, i in enumerate(group):
-            layer_of[i] = k
+    groups = graph.repeated_blocks()
+    num_layers = max((len(g) for g in groups), default=0)
+    for group in groups:  # the longest family of layers (a model may repeat smaller blocks too)
+        if len(group) == num_layers:
+            for k, i in enumerate(group):
+                layer_of[i] = k
     if not layer_of:
         raise PlanError(f"graph {graph.name!r} has no repeated layers (a scan over layers or "
                         "identical unrolled layers) to cut into pipeline stages")

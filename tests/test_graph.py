@@ -400,3 +400,38 @@ def test_named_axis_batch_norm_under_vmap_is_a_reduction():
     g = trace(loss_fn, variables["params"], x)
     assert not g.unsupported and not any(op.replicate_only for op in g.operators)
     assert "psum" in {u.eqn.primitive.name for u in g.program.units}
+
+
+def test_identical_unrolled_layers_are_repeated_blocks():
+    """A Python loop of identical blocks (named, or linen's auto names) gets block positions as
+    a scan over layers does; a first and last Dense of other shapes do not; blocks that differ
+    (another width) are no family."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        width: int = 64
+
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(self.width, name="fc1")(nn.LayerNorm()(x))
+            return x + nn.Dense(x.shape[-1], name="fc2")(jax.nn.gelu(h))
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(32)(x)
+            for i in range(4):
+                x = Block(name=f"layers_{i}")(x)
+            for _ in range(2):
+                x = Block()(x)
+            x = Block(width=48, name="odd_0")(x)
+            x = Block(width=64, name="odd_1")(x)
+            return nn.Dense(10)(x)
+
+    m, x = Net(), jnp.ones((8, 16))
+    p = m.init(jax.random.key(0), x)
+    g = trace(lambda p, x: jnp.mean(m.apply(p, x) ** 2), p, x)
+    pos = {op.name: op.block_position for op in g.operators}
+    assert pos["layers_2/fc1"] == "layers_*/fc1" and pos["Block_1/fc2"] == "Block_*/fc2"
+    assert pos["Dense_0"] == pos["Dense_1"] == pos["odd_0/fc1"] == ""
+    assert sorted(len(b) for b in g.repeated_blocks()) == [2, 2, 2, 4, 4, 4]
