@@ -468,6 +468,8 @@ def _simulate_inputs(args: argparse.Namespace):
             plan = Plan.from_json(data, where=args.strategy)
             if model is None:
                 model, config = plan.workload or plan.model, config or plan.model_config or None
+                if args.batch_size is None and plan.batch_size:
+                    args.batch_size = plan.batch_size  # the batch the plan was made for
             mesh = mesh or plan.topology
     return (_load_model(model or "gpt2", config or "default", batch_size=args.batch_size),
             load_topology(mesh or "cpu8"))

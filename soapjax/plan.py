@@ -105,6 +105,9 @@ class Plan:
         (`Strategy`; files written without it have none).
       pipeline: (stages, virtual stages per stage, schedule) (`Strategy`, `soapjax.pipeline`);
         files written without it have no pipeline, ``(1, 1, "1f1b")``.
+      batch_size: the global batch the plan was made for (samples per step), so a command
+        given only the plan file traces the model at that batch; 0 in files written without
+        it.
     """
 
     model: str
@@ -126,6 +129,7 @@ class Plan:
     microbatches: int = 1
     recompute: tuple[str, ...] = ()
     pipeline: tuple[int, int, str] = (1, 1, "1f1b")
+    batch_size: int = 0
 
     def __post_init__(self):
         # The step-level choices are checked as a Strategy checks them.
@@ -165,7 +169,8 @@ class Plan:
                         for op in graph.operators),
             workload=workload, microbatches=strategy.microbatches,
             recompute=tuple(strategy.recompute),
-            pipeline=(strategy.stages, strategy.virtual_stages, strategy.schedule))
+            pipeline=(strategy.stages, strategy.virtual_stages, strategy.schedule),
+            batch_size=graph.batch_size if graph.batch else 0)
 
     @property
     def step_time_s(self) -> float | None:
@@ -226,7 +231,7 @@ class Plan:
             "version": VERSION,
             "model": {"name": self.model, "config": self.model_config,
                       "fingerprint": self.graph_fingerprint, "num_operators": self.num_operators,
-                      "workload": self.workload},
+                      "workload": self.workload, "batch_size": self.batch_size},
             "topology": {"name": self.topology, "fingerprint": self.topology_fingerprint,
                          "axes": dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))},
             "operators": self._operators_json(),
@@ -286,7 +291,8 @@ class Plan:
                 baselines=tuple((k, float(v)) for k, v in data.get("baselines", {}).items()),
                 roles=roles, workload=m.get("workload", ""),
                 microbatches=int(data.get("microbatches", 1)), recompute=recompute,
-                pipeline=_pipeline(data.get("pipeline", {})))
+                pipeline=_pipeline(data.get("pipeline", {})),
+                batch_size=int(m.get("batch_size", 0)))
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             if isinstance(e, PlanError):
                 raise

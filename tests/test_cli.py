@@ -133,6 +133,20 @@ def test_user_code_that_cannot_be_found(user_file, tmp_path, capsys):
 # --- a plan file simulates as the plan it holds -----------------------------------------------
 
 
+def test_a_plan_made_at_another_batch_size_simulates_from_the_file_alone(tmp_path, capsys):
+    """`plan --batch-size 32` records the batch in the file; `simulate --strategy FILE` traces
+    the model at it (the graph fingerprint would not match the default batch otherwise)."""
+    out = tmp_path / "mlp32.json"
+    code, stdout, _ = run(PLAN + ["--model", "mlp", "--config", "tiny", "--batch-size", "32",
+                                  "--out", str(out), "--json"], capsys)
+    assert code == 0
+    assert json.loads(out.read_text())["model"]["batch_size"] == 32
+    code, simulated, _ = run(["simulate", "--strategy", str(out), "--costs", "analytic",
+                              "--json"], capsys)
+    assert code == 0
+    assert json.loads(simulated)["step_time_s"] == json.loads(stdout)["step_time_s"]
+
+
 def test_plan_then_simulate_gives_the_plans_predicted_time(tmp_path, capsys):
     out = tmp_path / "mlp.json"
     code, stdout, _ = run(PLAN + ["--model", "mlp", "--config", "tiny", "--out", str(out),
