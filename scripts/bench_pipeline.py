@@ -115,7 +115,7 @@ def run_case(size: str, n: int, batch: int, proposals: int) -> dict:
     p = dict(plan.predicted)
     row["plan"] = {"words": describe(g, s, mesh, n), "step_s": plan.step_time_s,
                    "memory": max(p["peak_memory_bytes"]), "fits": p["fits_in_memory"],
-                   "bubble": p.get("pipeline", {}).get("bubble_fraction", 0.0),
+                   "bubble": dict(p.get("pipeline", ())).get("bubble_fraction", 0.0),
                    "model_tflops": flops / plan.step_time_s / n / 1e12,
                    "from": dict(plan.search)["best_from"]}
     return row
