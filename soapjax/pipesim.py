@@ -263,8 +263,19 @@ class PipelinedSimulation:
             shares[stage_of[key]] += n / total
         return tuple(shares)
 
+    def send_bytes(self) -> tuple[int, ...]:
+        """Per chunk boundary, the bytes each device sends for one microbatch: the shards of
+        every value a later chunk reads from an earlier one (the gradient goes back with the
+        same size). A step sends ``M`` times each, forward and back."""
+        return self._send_bytes()
+
     def _send_times(self) -> tuple[float, ...]:
-        """Per chunk boundary, one microbatch's boundary activations over the stage link."""
+        axis = (self.full_topology.axis_names[0],)
+        return tuple(self.full_topology.collective_time("point_to_point", b, axis)
+                     for b in self._send_bytes())
+
+    def _send_bytes(self) -> tuple[int, ...]:
+        """Per chunk boundary, one microbatch's boundary activations per device."""
         chunks = len(set(self._chunk))
         ops, inner = self.graph.operators, self._inner
         mesh, M = self._inner.mesh, self._inner.microbatches
@@ -283,9 +294,7 @@ class PipelinedSimulation:
                 nbytes = shard_bytes(out.shape, spec, out.dtype, mesh) // M
                 for b in range(lo, hi):
                     crossing[b][(x.source, x.index)] = nbytes
-        axis = (self.full_topology.axis_names[0],)
-        return tuple(self.full_topology.collective_time("point_to_point", sum(c.values()), axis)
-                     for c in crossing)
+        return tuple(sum(c.values()) for c in crossing)
 
     def _stage_memory(self, timeline: PipelineTimeline) -> tuple[MemoryBreakdown, ...]:
         m = self._inner.memory_breakdown()
