@@ -486,9 +486,13 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     strategy = simulate.parse_strategy(g, topo, args.strategy, family=w.family)
     costs = cost.cost_model(g, topo, mode=args.costs, optimizer=w.optimizer)
     factor = simulate.opt_state_factor(w.optimizer, w.abstract_params())
-    with reshard.Resharder(space.MeshShape.of(topo), mode=args.reshard) as resharder:
-        r = simulate.simulate(g, topo, strategy, cost_model=costs, resharder=resharder,
-                              opt_state_factor=factor)
+    notes: list[str] = []
+    if strategy.pipelined:
+        r, notes = _simulate_pipelined(g, topo, strategy, costs, args.reshard, factor)
+    else:
+        with reshard.Resharder(space.MeshShape.of(topo), mode=args.reshard) as resharder:
+            r = simulate.simulate(g, topo, strategy, cost_model=costs, resharder=resharder,
+                                  opt_state_factor=factor)
     if args.trace:
         with open(args.trace, "w") as f:
             json.dump(r.to_chrome_trace(), f)
@@ -503,6 +507,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     print(f"  step time  {r.step_time_s * 1e3:.4g} ms = compute {r.compute_s * 1e3:.4g} ms + "
           f"exposed communication {r.exposed_comm_s * 1e3:.4g} ms ({r.cost_source} costs)")
     print(f"  sent       {format_bytes(r.bytes_moved)} per device ({links})")
+    for line in notes:
+        print("  " + line)
     print(f"  memory     {format_bytes(m.total)} per device of "
           f"{format_bytes(r.memory_capacity_bytes)}: "
           f"{'fits' if r.fits_in_memory else 'DOES NOT FIT'} (params {format_bytes(m.params)}, "
@@ -556,6 +562,11 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    "(slower the first time; cached) (default: %(default)s)")
     p.add_argument("--no-reduction", action="store_true",
                    help="never split reduction dims (FlexFlow's own space)")
+    p.add_argument("--pipelines", action="store_true",
+                   help="also search pipeline stages (the outermost mesh axis cut into stages; "
+                   "GPipe, 1F1B, interleaved 1F1B): for models of many layers on many nodes. "
+                   "The plan is simulated; `soapjax.apply` runs it on one mesh with a stage "
+                   "axis")
     p.add_argument("--out", default=None, help="plan file to write "
                    "(default: plans/MODEL-CONFIG-MESH.json)")
     p.add_argument("--trace", default=None, help="write the plan's simulated timeline as "
@@ -570,7 +581,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     import time
 
     from soapjax.report import plan_report
-    from soapjax.topology import load_topology
+    from soapjax.topology import load_topology, stage_topology
 
     if args.plot:
         _require_plot()
@@ -578,7 +589,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     topo = load_topology(args.mesh)
     t0 = time.perf_counter()
     g = _trace(w)
-    plan, sim, others, cost_source = _search_and_simulate(args, w, g, topo)
+    plan, sim, others, cost_source, notes = _search_and_simulate(args, w, g, topo)
     strategy, info = plan.strategy(g, topo), dict(plan.search)
     name = f"{args.model}-{args.size}" if w.config else w.name
     name += f"-b{args.batch_size}" if args.batch_size else ""
@@ -588,7 +599,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             json.dump(sim.to_chrome_trace(), f)
     pictures = []
     if args.plot:
-        pictures = _save_plot(args.plot, g, strategy, topo, sim, {"soapjax plan": sim} | others)
+        drawn = stage_topology(topo, strategy.stages)  # a pipelined plan: one stage's devices
+        pictures = _save_plot(args.plot, g, strategy, drawn, sim, {"soapjax plan": sim} | others)
     if args.json:
         _print_json({"step_time_s": sim.step_time_s, "baselines": dict(plan.baselines),
                      "search_time_s": info["search_time_s"], "proposals": info["proposals"],
@@ -597,6 +609,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                      "peak_memory_bytes": list(sim.peak_memory_bytes)})
         return 0
     header = _plan_header(args, w, g, topo, info, cost_source, time.perf_counter() - t0)
+    header += notes
     fits = dict(info["baselines_fit"])
     baselines = [(n, t, fits.get(n, True)) for n, t in plan.baselines]
     print(plan_report(g, topo, strategy, sim, baselines=baselines, header=header))
@@ -609,7 +622,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _search_and_simulate(args: argparse.Namespace, w, g, topo):
     """`find_plan` with the command's settings, and the plan simulated with the same costs and
     resharder (the baselines too, for --plot): (plan, its `SimResult`, the baselines'
-    results, where the costs came from)."""
+    results, where the costs came from, extra report lines (a pipelined plan's))."""
     from soapjax.cost import cost_model
     from soapjax.reshard import Resharder
     from soapjax.search import SearchSettings, find_plan, print_progress
@@ -617,7 +630,8 @@ def _search_and_simulate(args: argparse.Namespace, w, g, topo):
     from soapjax.space import MeshShape, SpaceLimits
 
     settings = SearchSettings(budget_s=args.budget, max_proposals=args.proposals, seed=args.seed,
-                              limits=SpaceLimits(allow_reduction=not args.no_reduction))
+                              limits=SpaceLimits(allow_reduction=not args.no_reduction),
+                              pipelines=args.pipelines)
     progress = None if args.json else print_progress
     cm = cost_model(g, topo, mode=args.costs, optimizer=w.optimizer)
     with Resharder(MeshShape.of(topo), mode=args.reshard) as resharder:  # shared with the report
@@ -627,10 +641,32 @@ def _search_and_simulate(args: argparse.Namespace, w, g, topo):
         if progress:
             sys.stderr.write("\n")
         info = dict(plan.search)
-        sim = simulate(g, topo, plan.strategy(g, topo), cost_model=cm, resharder=resharder,
-                       opt_state_factor=info["opt_state_factor"])
+        strategy = plan.strategy(g, topo)
+        notes: list[str] = []
+        if strategy.pipelined:
+            sim, notes = _simulate_pipelined(g, topo, strategy, cm, args.reshard,
+                                             info["opt_state_factor"])
+        else:
+            sim = simulate(g, topo, strategy, cost_model=cm, resharder=resharder,
+                           opt_state_factor=info["opt_state_factor"])
         others = _baseline_results(g, topo, w, cm, resharder, info) if args.plot else {}
-    return plan, sim, others, cm.source
+    return plan, sim, others, cm.source, notes
+
+
+def _simulate_pipelined(g, topo, strategy, costs, reshard: str, factor: float):
+    """A pipelined strategy's step as a `SimResult` (`soapjax.pipesim.as_step_result`) and
+    the report's pipeline line."""
+    from soapjax.pipesim import as_step_result, simulate_pipelined
+    from soapjax.report import format_bytes
+
+    p, stage = simulate_pipelined(g, topo, strategy, cost_model=costs,
+                                  resharder_mode=reshard, opt_state_factor=factor)
+    mem = ", ".join(format_bytes(m.total) for m in p.stage_memory)
+    line = (f"pipeline: {strategy.stages} stages x {strategy.virtual_stages} virtual, "
+            f"{strategy.schedule}, {strategy.microbatches} microbatches; bubble "
+            f"{p.bubble_fraction:.1%}; memory per device by stage: {mem}; configs are over "
+            "one stage's devices")
+    return as_step_result(p, stage, topo.num_devices), [line]
 
 
 def _plan_header(args: argparse.Namespace, w, g, topo, info: dict, cost_source: str,

@@ -46,11 +46,13 @@ from collections.abc import Sequence
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
 from soapjax.pipeline import ChunkTimes, PipelineTimeline, time_schedule
-from soapjax.simulate import MemoryBreakdown, Simulation, shard_bytes
+from soapjax.reshard import Resharder
+from soapjax.simulate import MemoryBreakdown, SimResult, Simulation, shard_bytes
 from soapjax.space import Config, MeshShape, Strategy
 from soapjax.topology import Topology, stage_topology
 
-__all__ = ["PipelineResult", "PipelinedSimulation", "layer_chunks"]
+__all__ = ["PipelineResult", "PipelinedSimulation", "as_step_result", "layer_chunks",
+           "simulate_pipelined"]
 
 
 def layer_chunks(graph: OpGraph, chunks: int) -> list[int]:
@@ -210,6 +212,11 @@ class PipelinedSimulation:
     def fits_in_memory(self) -> bool:
         return self.result().fits_in_memory
 
+    def stage_result(self) -> SimResult:
+        """One stage's simulated work for the whole batch (its M microbatches one after the
+        other, no pipeline): the timeline the chunks are cut from."""
+        return self._inner.result()
+
     # --- the pipelined step ---------------------------------------------------------------------
 
     def result(self) -> PipelineResult:
@@ -314,6 +321,30 @@ class PipelinedSimulation:
                 activations=int(m.activations * per_pair * timeline.in_flight[s]),
                 comm_buffers=m.comm_buffers))
         return tuple(out)
+
+
+def simulate_pipelined(graph: OpGraph, topology: Topology, strategy: Strategy, *,
+                       cost_model, resharder_mode: str = "ideal",
+                       opt_state_factor: float = 2.0) -> tuple[PipelineResult, SimResult]:
+    """Full simulation of a pipelined strategy: (the pipelined step, one stage's `SimResult`).
+    The resharder is made for one stage's mesh (`stage_topology`) and closed after."""
+    stage = stage_topology(topology, strategy.stages)
+    with Resharder(MeshShape.of(stage), mode=resharder_mode) as resharder:
+        sim = PipelinedSimulation(graph, topology, cost_model, resharder, strategy,
+                                  opt_state_factor=opt_state_factor)
+        return sim.result(), sim.stage_result()
+
+
+def as_step_result(pipelined: PipelineResult, stage: SimResult,
+                   num_devices: int) -> SimResult:
+    """The pipelined step as a `SimResult` for reports: step time, fits and memory of the
+    pipeline (its fullest stage), the compute, bytes and tasks of one stage's work."""
+    fullest = max(pipelined.stage_memory, key=lambda m: m.total)
+    return dataclasses.replace(
+        stage, step_time_s=pipelined.step_time_s,
+        exposed_comm_s=max(0.0, pipelined.step_time_s - stage.compute_s),
+        peak_memory_bytes=(fullest.total,) * num_devices, memory=fullest,
+        fits_in_memory=pipelined.fits_in_memory, num_devices=num_devices)
 
 
 def _flat(strategy: Strategy) -> Strategy:

@@ -147,6 +147,26 @@ def test_a_plan_made_at_another_batch_size_simulates_from_the_file_alone(tmp_pat
     assert json.loads(simulated)["step_time_s"] == json.loads(stdout)["step_time_s"]
 
 
+def test_plan_with_pipelines_writes_stages_and_simulates_them_from_the_file(tmp_path, capsys):
+    """`plan --pipelines` on 4 DGX nodes: the tiny GPT's plan (whatever it picks) records its
+    pipeline; `simulate --strategy FILE` predicts the same step time, and a pipelined plan
+    says so in both reports."""
+    out = tmp_path / "gpt.json"
+    argv = ["plan", "--model", "gpt", "--size", "tiny", "--batch-size", "16", "--mesh",
+            "dgx-a100x3072-32", "--costs", "analytic", "--proposals", "10", "--pipelines",
+            "--out", str(out)]
+    code, report, _ = run(argv, capsys)
+    assert code == 0
+    saved = json.loads(out.read_text())
+    stages = saved["pipeline"]["stages"]
+    assert ("pipeline: " in report) == (stages > 1)
+    code, stdout, _ = run(argv + ["--json"], capsys)
+    planned = json.loads(stdout)
+    code, simulated, _ = run(["simulate", "--strategy", str(out), "--costs", "analytic",
+                              "--json"], capsys)
+    assert code == 0 and json.loads(simulated)["step_time_s"] == planned["step_time_s"]
+
+
 def test_plan_then_simulate_gives_the_plans_predicted_time(tmp_path, capsys):
     out = tmp_path / "mlp.json"
     code, stdout, _ = run(PLAN + ["--model", "mlp", "--config", "tiny", "--out", str(out),
