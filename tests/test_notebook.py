@@ -73,6 +73,7 @@ def test_notebook_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     shown = json.loads(proc.stdout.strip().splitlines()[-1])
     kinds = [s.split(":", 1)[1] for s in shown]
-    # the graph and the plan show as HTML tables; three kinds of pictures render
+    # the graph and the plan show as HTML tables; four kinds of pictures render (plans,
+    # timeline, comparison, a pipeline's schedule)
     assert kinds.count("html:OpGraph") == 1 and kinds.count("html:Plan") == 1
-    assert kinds.count("png") == 4
+    assert kinds.count("png") == 5
