@@ -210,9 +210,22 @@ def main() -> int:
     p.add_argument("--json", default=None, help="also write the rows as JSON")
     p.add_argument("--limit-s", type=float, default=900.0,
                    help="stop starting new rows after this many seconds")
+    p.add_argument("--only", default=None, help="comma-separated rows to run, e.g. 'gpt 1t,"
+                   "llama 7b' (every GPU count) or 'gpt 22b x64'")
+    p.add_argument("--resume", default=None, metavar="ROWS.json",
+                   help="rows of an earlier run (its --json file): kept, and not run again")
     args = p.parse_args()
     rows, start, args.missing = [], time.perf_counter(), []
+    done = set()
+    if args.resume:
+        rows = json.loads(Path(args.resume).read_text())
+        done = {(r["model"], r["gpus"]) for r in rows}
+    wanted = [w.strip() for w in args.only.split(",")] if args.only else None
     for model, size, mesh, n in cases(args.quick):
+        if (f"{model} {size}", n) in done:
+            continue
+        if wanted and f"{model} {size}" not in wanted and f"{model} {size} x{n}" not in wanted:
+            continue
         if time.perf_counter() - start > args.limit_s:
             args.missing.append(f"{model} {size} on {n}")
             continue
@@ -229,6 +242,8 @@ def main() -> int:
         Path(args.out).write_text(render(rows, args))
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+    order = {(f"{m} {z}", n): k for k, (m, z, _, n) in enumerate(cases(False))}
+    rows.sort(key=lambda r: order.get((r["model"], r["gpus"]), len(order)))
     Path(args.out).write_text(render(rows, args))  # with the rows the time limit left out
     return 0
 
