@@ -401,8 +401,8 @@ class Simulation:
 
     def _prefetch(self, strategy: Strategy, changes: Iterable[tuple[int, Config]]) -> int:
         prefetch = getattr(self._pricing.resharder, "prefetch", None)
-        if prefetch is None:
-            return 0
+        if prefetch is None or getattr(self._pricing.resharder, "mode", None) == "ideal":
+            return 0  # nothing to compile: the ideal model prices transitions by formula
         seen: list = []
         shadow = copy.copy(self)  # `_build` gives it its own task graph and unit lists
         shadow._pricing, shadow._pending = self._pricing.recording(seen), None
