@@ -203,6 +203,7 @@ class Simulation:
         self._layout = Layout(graph)
         self._pricing = Pricing(topology, resharder)
         self._views_memo: dict[tuple[int, Config, str, int], _View] = {}
+        self._canon = _canonical_operators(graph)  # a layer's operator -> layer 0's twin
         self._segments = Segments(graph)
         self._sample = [sample_dim(op) for op in graph.operators]
         self._micro = max(1, int(strategy.microbatches))
@@ -548,7 +549,7 @@ class Simulation:
 
     def _view(self, j: int, config: Config, policy: str = "none") -> _View:
         m = self._micro
-        key = (j, config, policy, m)
+        key = (self._canon[j], config, policy, m)
         v = self._views_memo.get(key)
         if v is None:
             validate_config(self.graph, j, config, self.mesh)
@@ -789,6 +790,25 @@ class _LeafTasks(NamedTuple):
     gather_ends: list[int]  # per reader: the last task of its gather, -1 for none
     stored_bytes: int  # its stored shard (parameters; 0 for batch inputs)
     activation_bytes: int  # the batch shard and copies in other layouts, kept for the backward
+
+
+def _canonical_operators(graph: OpGraph) -> list[int]:
+    """Per operator, the first operator of its repeated block (`OpGraph.repeated_blocks`) that
+    is the same computation (anchor, iteration dims, operand and output shapes, dtypes and
+    dims), else itself: their views under one config are equal, so they are worked out once
+    (a 96-layer model prices one layer's operators, not 96)."""
+    def signature(op) -> tuple:
+        return (op.anchor, op.iteration_sizes, op.iteration_roles, op.flops,
+                tuple((x.kind, x.shape, x.dtype, x.dims) for x in op.inputs),
+                tuple((x.shape, x.dtype, x.dims) for x in op.outputs))
+
+    canon = list(range(len(graph.operators)))
+    for group in graph.repeated_blocks():
+        first = signature(graph.operators[group[0]])
+        for j in group[1:]:
+            if signature(graph.operators[j]) == first:
+                canon[j] = group[0]
+    return canon
 
 
 class _Batch:
