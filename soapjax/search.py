@@ -28,6 +28,22 @@ scores every proposal by simulating the candidate strategy from scratch instead 
 the same step times, so with the same seed and `max_proposals` both walk the same chain and
 return the same strategy; only the search time differs.
 
+**Repeated blocks and memory dimensions.** Operators at the same position of every layer
+(`OpGraph.repeated_blocks`: a scan over layers, or identical unrolled layers) move together:
+one proposal changes that position in every layer (`Simulation.propose_many`, one retiming
+pass), so a 96-layer model costs the search what one layer costs. Some proposals change a
+recompute policy (of one operator or one layer position) or the number of microbatches
+instead of a config. Megatron's grid (`baselines.megatron_grid`) is scored and its best point
+is a chain's start, so a plan is never slower than the grid.
+
+**Pipeline stages.** With ``SearchSettings(pipelines=True)`` (`soapjax plan --pipelines`),
+for each stage count S that divides the layers and the outermost mesh axis
+(`stage_choices`) and 1 or 2 virtual stages, Megatron's grid at that pipeline is scored with
+`soapjax.pipesim.PipelinedSimulation` and a chain (configs, recompute, microbatches, over one
+stage's devices) starts from its best point; the best plan over all chains, pipelined or
+not, is returned. S and v are chosen among chains, not by moves within one; stage boundaries
+are equal layer counts.
+
 **One entry point.** `find_plan` is how soapjax plans: graph + topology + settings -> `Plan`.
 The command line (`soapjax plan`), the training helper (`shard_training(strategy="plan")`),
 `soapjax check`, the notebook and the scripts all call it, so the defaults live in one place:
