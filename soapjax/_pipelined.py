@@ -68,6 +68,19 @@ Usage::
     loss, grads = step(placed, batch)                # grads in the pipelined layout
     grads = from_pipelined(graph, grads, stages=2)   # the model's layout again
 
+XLA (jax 0.10.2) aborts the process (``Check failed: partition_group_list...`` in
+``spmd_partitioner_util.cc``, either partitioner) when it partitions a gather whose operand is
+split along a dim the gather indexes inside a `jax.shard_map` manual over some of the axes:
+LLaMA's untied head split over the vocabulary, as Megatron splits it, then the loss's
+``take_along_axis`` of the log-probabilities. So inside a stage a gather's operand is first made
+whole along the dims it indexes (`_run_in_stage`): on the last stage, one all-gather over
+``model`` of a microbatch's log-probabilities where an all-reduce of the picked ones would do
+(`tests/test__pipelined.py` keeps a canary of the abort).
+
+`soapjax.apply` runs a pipelined `Strategy` with `train_value_and_grad`: the parameters in the
+model's layout on `pipelined_mesh` (the user's mesh, its outermost axis cut into ``stage``),
+reshaped to the pipelined layout inside the step and the gradients back.
+
 Refused with a `PlanError`: a loss that draws random bits (dropout: microbatches would draw
 other masks than the whole batch, as in `soapjax.memory.random_operator`), several layer scans
 or nested ones, scans that slice anything but parameters, stack per-layer outputs or run in
@@ -82,16 +95,21 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from soapjax._program import LayerScan, _Program
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
 from soapjax.memory import random_operator
 from soapjax.pipeline import Action, check_pipeline, device_orders
+from soapjax.space import MeshShape, Strategy
 
-__all__ = ["from_pipelined", "param_shardings", "pipelined_value_and_grad", "ticks",
-           "to_pipelined"]
+__all__ = ["STAGE_AXIS", "check_pipelinable", "from_pipelined", "layer_recompute",
+           "param_shardings", "pipelined_mesh", "pipelined_value_and_grad", "stacked_params",
+           "stage_mesh_shape", "ticks", "to_pipelined", "train_value_and_grad"]
+
+# The mesh axis of the pipeline stages in the mesh `soapjax.apply` runs a pipelined strategy on.
+STAGE_AXIS = "stage"
 
 
 # --------------------------------------------------------------------------------------------
@@ -251,27 +269,56 @@ def _prologue_fn(cut: _Cut) -> Callable:
     return prologue
 
 
-def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int]) -> Callable:
+def _run_in_stage(prog: _Program, idxs: Sequence[int], env: dict) -> None:
+    """``prog.run_units(idxs, env)`` inside the stage's shard_map, with the operand of every
+    gather first made whole along the dims it indexes (module doc: XLA aborts otherwise)."""
+    start = 0
+    for k, i in enumerate(idxs):
+        eqn = prog.units[i].eqn
+        if eqn.primitive.name == "gather":
+            prog.run_units(idxs[start:k], env)
+            v = prog.units[i].ins[0]
+            env[v] = _whole_along(env[v], eqn.params["dimension_numbers"].start_index_map)
+            start = k
+    prog.run_units(idxs[start:], env)
+
+
+def _whole_along(x: Any, dims: Sequence[int]) -> Any:
+    """`x` constrained to be unsplit along `dims` (its other dims as XLA chooses)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    spec = PartitionSpec(*(None if d in dims else PartitionSpec.UNCONSTRAINED
+                           for d in range(np.ndim(x))))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = False) -> Callable:
     """``(chunk params, values, x) -> y`` (the chunk's output carry) or, for the last chunk,
     ``-> loss`` (the epilogue after it); `values` are those of the ids `reads`, the chunk
-    params ``[L / C, ...]`` per stacked parameter, in the scan's order."""
+    params ``[L / C, ...]`` per stacked parameter, in the scan's order. With `selective`, each
+    layer runs in a ``jax.checkpoint`` that saves only matmul and convolution outputs
+    (``dots_saveable``: `soapjax.memory`'s selective recomputation)."""
     prog, scan = cut.program, cut.scan
 
-    def layer(values: dict, carry: tuple, slices: list) -> tuple[tuple, None]:
-        env = _env(prog, values)
+    def layer(vals: Sequence[Any], carry: tuple, slices: list) -> tuple:
+        env = _env(prog, dict(zip(reads, vals)))
         env.update(zip(scan.slices[0], slices))
         env.update(zip(scan.carries[0], carry))
-        prog.run_units(cut.layer, env)
-        return tuple(env[v] for v in scan.carries[1]), None
+        _run_in_stage(prog, cut.layer, env)
+        return tuple(env[v] for v in scan.carries[1])
+
+    if selective:
+        layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_saveable)
 
     def chunk(params: list, vals: Sequence[Any], x: tuple) -> Any:
         values = dict(zip(reads, vals))
-        y, _ = jax.lax.scan(lambda c, p: layer(values, c, p), x, params)
+        y, _ = jax.lax.scan(lambda c, p: (layer(list(vals), c, p), None), x, params)
         if not last:
             return y
         env = _env(prog, values)
         env.update(zip(scan.carries[-1], y))
-        prog.run_units(cut.epilogue, env)
+        _run_in_stage(prog, cut.epilogue, env)
         return env[prog.outputs[0]]
 
     return chunk
@@ -472,8 +519,9 @@ def param_shardings(graph: OpGraph, mesh: Mesh, specs: Any, *, stages: int, virt
       specs: the parameters' `PartitionSpec`s (or `NamedSharding`s) in the model's layout, a
         pytree like the parameters (``jax.tree.map(lambda _: P(), params)``: replicated; or a
         plan's, `soapjax.apply.train_shardings`). A stacked parameter's must leave its layer
-        dim unsplit; ``stage`` takes the stage dim of the pipelined layout and the other dims
-        keep their axes. Other parameters keep theirs (replicated over ``stage``).
+        dim unsplit, or split it over `stage_axis` alone (as `soapjax.apply` stores it in the
+        model's layout); ``stage`` takes the stage dim of the pipelined layout and the other
+        dims keep their axes. Other parameters keep theirs (replicated over ``stage``).
       stages, virtual: as in `pipelined_value_and_grad`.
       stage_axis: the mesh axis of the stages.
 
@@ -492,7 +540,7 @@ def param_shardings(graph: OpGraph, mesh: Mesh, specs: Any, *, stages: int, virt
     for k, spec in enumerate(flat):
         spec = spec.spec if isinstance(spec, NamedSharding) else spec
         if k in stacked:
-            if len(spec) and spec[0] is not None:
+            if len(spec) and spec[0] not in (None, stage_axis):
                 raise PlanError(f"parameter {graph.params[k].path} of graph {graph.name!r}: "
                                 f"its spec {spec} splits the layer dim, which pipelining "
                                 f"splits over {stage_axis!r}; leave dim 0 unsplit")
@@ -509,12 +557,115 @@ def _check_mesh(mesh: Mesh, stages: int, stage_axis: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# A pipelined strategy in the model's layout: its mesh, stacked parameters, step (soapjax.apply)
+
+
+def stage_mesh_shape(mesh: MeshShape, stages: int) -> MeshShape:
+    """One pipeline stage's mesh: the outermost axis cut `stages` ways, dropped where that
+    leaves 1 (unless it is the only axis), as `soapjax.topology.stage_topology` cuts a
+    topology. A pipelined strategy's configs are over it.
+
+    >>> stage_mesh_shape(MeshShape(("node", "data", "model"), (4, 2, 2)), 2).shape
+    {'node': 2, 'data': 2, 'model': 2}
+    >>> stage_mesh_shape(MeshShape(("node", "data", "model"), (2, 2, 2)), 2).shape
+    {'data': 2, 'model': 2}
+
+    Raises:
+      PlanError: the outermost axis does not divide into `stages`.
+    """
+    name, size = mesh.axis_names[0], mesh.axis_sizes[0]
+    if stages < 1 or size % stages:
+        raise PlanError(f"{stages} pipeline stages cut the outermost mesh axis {name!r} (size "
+                        f"{size}) of mesh {mesh.shape}; expected a stage count dividing {size}")
+    axes = list(zip(mesh.axis_names, mesh.axis_sizes))[1:]
+    if size // stages > 1 or not axes:
+        axes.insert(0, (name, size // stages))
+    return MeshShape(tuple(a for a, _ in axes), tuple(n for _, n in axes))
+
+
+def pipelined_mesh(mesh: Mesh, stages: int, stage_axis: str = STAGE_AXIS) -> Mesh:
+    """The mesh a pipelined strategy runs on: `mesh`'s devices with the outermost axis (size
+    n) split into (`stage_axis` S, that axis n / S), the latter dropped where n / S is 1
+    (`stage_mesh_shape`), every axis Auto. Stage s holds outer positions ``s n / S`` to
+    ``(s + 1) n / S - 1``: whole nodes, and with one process per node whole processes.
+
+    Example: ``node=2, data=2, model=2`` over 2 stages is ``stage=2, data=2, model=2``.
+
+    Raises:
+      PlanError: the mesh already has an axis `stage_axis`, or its outermost axis does not
+        divide into `stages`.
+    """
+    if stage_axis in mesh.axis_names:
+        raise PlanError(f"a pipelined strategy adds the mesh axis {stage_axis!r}, but mesh "
+                        f"{dict(mesh.shape)} has one already; pass the topology's mesh "
+                        "(soapjax.topology.make_mesh), whose outermost axis the stages cut")
+    shape = stage_mesh_shape(MeshShape.of(mesh), stages)
+    devices = np.asarray(mesh.devices).reshape((stages, *shape.axis_sizes))
+    names = (stage_axis, *shape.axis_names)
+    return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def stacked_params(graph: OpGraph) -> tuple[int, ...]:
+    """Positions in ``graph.params`` of the layer scan's stacked parameters ``[L, ...]``.
+
+    Raises:
+      PlanError: the graph has no layer scan, or one that cannot be pipelined.
+    """
+    return _layer_scan(graph)[1]
+
+
+def layer_recompute(graph: OpGraph, strategy: Strategy) -> str:
+    """The recompute policy the pipelined layers run under: ``"full"`` if a layer operator's
+    policy (`Strategy.recompute`, operators with a `block_position`) is ``"full"``, else
+    ``"selective"`` if one is, else ``"none"``. One policy for every layer, since a chunk is
+    recomputed or kept as a whole; operators outside the layers (embedding, head, loss) run as
+    under ``"none"``, but for the head in the last chunk, which follows the layers' policy."""
+    found = {strategy.recompute_of(j) for j, op in enumerate(graph.operators)
+             if op.block_position}
+    return next((p for p in ("full", "selective") if p in found), "none")
+
+
+def train_value_and_grad(graph: OpGraph, strategy: Strategy, mesh: Mesh, shardings: Any,
+                         stage_axis: str = STAGE_AXIS) -> Callable[[Any, Any], tuple[Any, Any]]:
+    """``(params, batch) -> (loss, grads)`` of a pipelined strategy, parameters and gradients
+    in the model's layout (stacked ``[L, ...]``), for use inside ``jax.jit``: the parameters
+    reshaped to the pipelined layout (`to_pipelined`, constrained to their shardings there:
+    `param_shardings` of `shardings`),
+    `pipelined_value_and_grad` with the strategy's stages, microbatches, schedule and
+    `layer_recompute`, the gradients reshaped back (`from_pipelined`).
+
+    Args:
+      graph: the traced loss.
+      strategy: a pipelined `Strategy`, already validated.
+      mesh: the pipelined mesh (`pipelined_mesh`).
+      shardings: the parameters' shardings on `mesh`, model layout
+        (`soapjax.apply.param_shardings`: stacked ones split over `stage_axis` on dim 0).
+    """
+    S, v = strategy.stages, strategy.virtual_stages
+    run = pipelined_value_and_grad(graph, mesh, stages=S, microbatches=strategy.microbatches,
+                                   virtual=v, schedule=strategy.schedule,
+                                   recompute=layer_recompute(graph, strategy),
+                                   stage_axis=stage_axis)
+    placed = jax.tree.leaves(param_shardings(graph, mesh, shardings, stages=S, virtual=v,
+                                             stage_axis=stage_axis))
+
+    def value_and_grad(params: Any, batch: Any) -> tuple[Any, Any]:
+        leaves, tree = jax.tree.flatten(to_pipelined(graph, params, stages=S, virtual=v))
+        leaves = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(leaves, placed)]
+        loss, grads = run(jax.tree.unflatten(tree, leaves), batch)
+        return loss, from_pipelined(graph, grads, stages=S, virtual=v)
+
+    return value_and_grad
+
+
+# --------------------------------------------------------------------------------------------
 # The pipelined step
 
 
 def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microbatches: int,
-                             virtual: int = 1, schedule: str = "1f1b", recompute: bool = False,
-                             stage_axis: str = "stage") -> Callable[[Any, Any], tuple[Any, Any]]:
+                             virtual: int = 1, schedule: str = "1f1b",
+                             recompute: bool | str = False, stage_axis: str = "stage"
+                             ) -> Callable[[Any, Any], tuple[Any, Any]]:
     """``(params, batch) -> (loss, grads)``: what ``jax.value_and_grad(loss_fn)`` computes, as
     a pipeline over the mesh's `stage_axis` (module doc). Jit it.
 
@@ -525,7 +676,11 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
       microbatches: M; the batch size must be a multiple of it.
       virtual: v, chunks per stage (the interleaved schedule: 2 or more).
       schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (`soapjax.pipeline`).
-      recompute: each chunk's backward recomputes its forward from the chunk's input.
+      recompute: ``"full"`` (or True): each chunk's backward recomputes its forward from
+        the chunk's input; ``"selective"``: a forward keeps its layers' matmul and convolution
+        outputs only and the backward recomputes the rest (``jax.checkpoint`` with
+        ``dots_saveable`` around each layer); ``"none"`` (or False): a forward keeps every
+        residual.
       stage_axis: the mesh axis of the stages.
 
     Returns:
@@ -538,21 +693,34 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
         draws random bits, its layers do not divide into ``S v`` chunks, the batch into M
         microbatches, or the schedule's numbers do not make a pipeline.
     """
-    check_pipeline(schedule, stages, microbatches, virtual)
+    policy = {False: "none", True: "full"}.get(recompute, recompute)
+    if policy not in ("none", "selective", "full"):
+        raise PlanError(f"recompute={recompute!r}: expected 'none', 'selective' or 'full' "
+                        "(or a bool)")
     _check_mesh(mesh, stages, stage_axis)
+    check_pipelinable(graph, stages=stages, microbatches=microbatches, virtual=virtual,
+                      schedule=schedule)
+    cut = _cut(graph.at_batch_size(graph.batch_size // microbatches))
+    rows = ticks(schedule, stages, microbatches, virtual)
+    pipe = _Pipeline(cut, mesh, stage_axis, stages, virtual, microbatches, rows, policy)
+    return pipe.value_and_grad
+
+
+def check_pipelinable(graph: OpGraph, *, stages: int, microbatches: int, virtual: int = 1,
+                      schedule: str = "1f1b") -> None:
+    """PlanError unless `pipelined_value_and_grad` can run `graph` with these numbers: one
+    layer scan (module doc), its layers dividing into ``S v`` chunks, the batch into M
+    microbatches, no random bits drawn, and a schedule the numbers make a pipeline of."""
+    check_pipeline(schedule, stages, microbatches, virtual)
+    if (random := random_operator(graph)) is not None:
+        raise PlanError(f"graph {graph.name!r}: operator {random!r} draws random bits "
+                        f"(dropout); pipelined microbatches would draw other masks than the "
+                        f"whole batch does; pipeline a model without dropout")
     scan, _ = _layer_scan(graph)
     _check_chunks(graph, len(scan.steps), stages, virtual)
     if graph.batch_size % microbatches:
         raise PlanError(f"graph {graph.name!r}: its batch of {graph.batch_size} does not "
                         f"divide into {microbatches} microbatches")
-    if (random := random_operator(graph)) is not None:
-        raise PlanError(f"graph {graph.name!r}: operator {random!r} draws random bits "
-                        f"(dropout); pipelined microbatches would draw other masks than the "
-                        f"whole batch does; pipeline a model without dropout")
-    cut = _cut(graph.at_batch_size(graph.batch_size // microbatches))
-    rows = ticks(schedule, stages, microbatches, virtual)
-    pipe = _Pipeline(cut, mesh, stage_axis, stages, virtual, microbatches, rows, recompute)
-    return pipe.value_and_grad
 
 
 def _split(x: Any, m: int) -> Any:
@@ -596,11 +764,12 @@ class _Pipeline:
     """The pieces of one pipelined step (`pipelined_value_and_grad`)."""
 
     def __init__(self, cut: _Cut, mesh: Mesh, axis: str, stages: int, virtual: int,
-                 microbatches: int, rows: Sequence[Sequence[Action | None]], recompute: bool):
+                 microbatches: int, rows: Sequence[Sequence[Action | None]], recompute: str):
         self.cut, self.mesh, self.axis = cut, mesh, axis
         self.S, self.M, self.C = stages, microbatches, stages * virtual
-        self.rows, self.recompute = rows, recompute
-        self.slots = _slots(rows, stages, self.C, recompute)
+        self.rows, self.recompute = rows, recompute == "full"
+        self.selective = recompute == "selective"
+        self.slots = _slots(rows, stages, self.C, self.recompute)
         self.tables = _tables(rows, stages, self.C, self.slots)
         prog = cut.program
         self.is_float = {v: bool(jnp.issubdtype(prog.jax_dtypes[v], jnp.inexact))
@@ -617,7 +786,7 @@ class _Pipeline:
                        if v in reads and self.is_float[v])
         others = tuple(v for v in self.cut.shared + self.cut.per_mb
                        if v in reads and not self.is_float[v])
-        fn = _chunk_fn(self.cut, last, floats + others)
+        fn = _chunk_fn(self.cut, last, floats + others, self.selective)
         return _Kind(lambda p, f, o, x: fn(p, list(f) + list(o), x), floats, others)
 
     # ---- outside the pipeline: prologue, split and gather

@@ -7,6 +7,15 @@ consumer's operand spec, an optimizer state leaf the sharding of the parameter i
 dim are dropped, since jit's in and out shardings need even shards. The pytrees come back in
 the structure of the given parameters and batch, or of their leaf paths when those are nested
 dict keys. `soapjax.apply` re-exports the public names.
+
+A pipelined strategy (`Strategy.pipelined`) runs on the mesh `soapjax._pipelined.pipelined_mesh`
+makes of the given one (the outermost axis cut into ``stage`` and what is left of it): its
+shardings are over that mesh, in the model's layout, the specs those of one stage's mesh, and
+every stacked layer parameter ``[L, ...]`` is split over ``stage`` on its layer dim, so stage
+``s`` holds layers ``s L / S`` to ``(s + 1) L / S - 1`` (with virtual stages its chunks are
+others: the step moves them, see `soapjax.apply.sharded_train_step`). Example, the tiny GPT's
+stacked ``fc1`` kernel ``[2, 32, 128]`` under Megatron with tp=2, pp=2 on ``node=2, data=2,
+model=2``: ``P('stage', None, 'model')`` on ``stage=2, data=2, model=2``.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from soapjax import space
+from soapjax._pipelined import STAGE_AXIS, pipelined_mesh, stacked_params, stage_mesh_shape
 from soapjax._validation import validate_leaves, validate_strategy
 from soapjax.errors import PlanError
 from soapjax.graph import LeafInfo, OpGraph
@@ -66,8 +76,16 @@ def param_shardings(graph: OpGraph, strategy: Any, mesh: Mesh, *, params: Any = 
         given for a pytree that is not nested dicts.
     """
     strategy = validate_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)
-    specs = space.param_specs(graph, strategy, MeshShape.of(mesh))  # what the simulator prices
-    return _unflatten(graph.params, _fitted(graph.params, specs, mesh), params, "params")
+    if not strategy.pipelined:
+        specs = space.param_specs(graph, strategy, MeshShape.of(mesh))  # the simulator's
+        return _unflatten(graph.params, _fitted(graph.params, specs, mesh), params, "params")
+    run_on = pipelined_mesh(mesh, strategy.stages)
+    specs = space.param_specs(graph, strategy, stage_mesh_shape(MeshShape.of(mesh),
+                                                                strategy.stages))
+    out = _fitted(graph.params, specs, run_on)
+    for k in stacked_params(graph):  # the layer dim, unsplit in one stage's specs
+        out[k] = NamedSharding(run_on, PartitionSpec(STAGE_AXIS, *out[k].spec[1:]))
+    return _unflatten(graph.params, out, params, "params")
 
 
 def batch_shardings(graph: OpGraph, strategy: Any, mesh: Mesh, *, batch: Any = None,
@@ -84,7 +102,8 @@ def batch_shardings(graph: OpGraph, strategy: Any, mesh: Mesh, *, batch: Any = N
     """
     strategy = validate_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)
     specs = space.batch_specs(graph, strategy)
-    return _unflatten(graph.batch, _fitted(graph.batch, specs, mesh), batch, "batch")
+    return _unflatten(graph.batch, _fitted(graph.batch, specs, _run_on(strategy, mesh)), batch,
+                      "batch")
 
 
 def opt_state_shardings(optimizer: optax.GradientTransformation, params: Any,
@@ -132,10 +151,15 @@ def train_shardings(graph: OpGraph, strategy: Any, mesh: Mesh,
     abstract = params if params is not None else jax.tree.unflatten(
         jax.tree.structure(ps), [jax.ShapeDtypeStruct(l.shape, l.dtype) for l in graph.params])
     os = opt_state_shardings(optimizer, abstract, ps)
-    return TrainShardings(ps, os, bs, NamedSharding(mesh, PartitionSpec()))
+    return TrainShardings(ps, os, bs, NamedSharding(_run_on(strategy, mesh), PartitionSpec()))
 
 
 # --- helpers ------------------------------------------------------------------------------------
+
+
+def _run_on(strategy: space.Strategy, mesh: Mesh) -> Mesh:
+    """The mesh the strategy runs on: `mesh`, or for a pipelined one its pipelined mesh."""
+    return pipelined_mesh(mesh, strategy.stages) if strategy.pipelined else mesh
 
 
 _DICT_PATH = re.compile(r"(?:\['[^'\\]*'\])+")

@@ -3,7 +3,8 @@
 Everything `soapjax.apply` builds goes through `validate_strategy` first, so a mistake raises a
 `PlanError` that names the operator, the mesh axis or the leaf, before anything is compiled: a
 plan for another graph, a mesh other than the planned one or with Explicit axes, configs that
-do not fit the operators, leaves other than the traced ones. Strategies that split a
+do not fit the operators (a pipelined strategy's: one stage's mesh), leaves other than the
+traced ones, a pipelined strategy for a graph that cannot be pipelined. Strategies that split a
 convolution spatially are refused here too (`refuse_spatial_convolutions`): XLA computes them
 wrongly (see `soapjax.apply.constrained_loss`). `soapjax.apply` re-exports the public names.
 """
@@ -18,6 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from soapjax._pipelined import STAGE_AXIS, check_pipelinable, stage_mesh_shape
 from soapjax.errors import PlanError
 from soapjax.graph import LeafInfo, OpGraph
 from soapjax.memory import check_microbatches
@@ -39,15 +41,24 @@ def validate_strategy(graph: OpGraph, strategy: Any, mesh: Mesh, *,
     Returns:
       The strategy.
 
+    A pipelined strategy (`Strategy.pipelined`) is planned for the whole mesh, its configs
+    for one stage's (`soapjax._pipelined.stage_mesh_shape`: the outermost axis cut
+    ``strategy.stages`` ways), and the graph must be one `soapjax._pipelined` can run.
+
     Raises:
       PlanError: the plan was made for another graph; the mesh differs from the planned one
         (axis names, sizes, device count) or has Explicit axes; or the strategy's configs do
         not match the graph's operators (count, rank, unknown mesh axes, degrees that do not
-        divide a dim); microbatches that do not divide an operator's per-device batch.
+        divide a dim); microbatches that do not divide an operator's per-device batch; for a
+        pipelined strategy, stages that do not divide the outermost axis or a graph that
+        cannot be pipelined (`soapjax._pipelined.check_pipelinable`).
     """
     strategy, planned = _unwrap(strategy, graph)
     actual = _validate_mesh(mesh, mesh_shape or planned)
-    _validate_configs(graph, strategy, actual)
+    if strategy.pipelined:
+        actual = _validate_pipeline(graph, strategy, actual)
+    else:
+        _validate_configs(graph, strategy, actual)
     if strategy.recompute and len(strategy.recompute) != len(graph.operators):
         raise PlanError(f"the strategy has {len(strategy.recompute)} recompute policies but "
                         f"graph {graph.name!r} has {len(graph.operators)} operators")
@@ -72,6 +83,27 @@ def _validate_mesh(mesh: Mesh, planned: MeshShape | None) -> MeshShape:
                         "names), soapjax.topology.make_mesh, or jax.make_mesh(..., "
                         "axis_types=(AxisType.Auto,) * n)")
     return actual
+
+
+def _validate_pipeline(graph: OpGraph, strategy: Strategy, mesh: MeshShape) -> MeshShape:
+    """One stage's mesh, after checking the pipeline fits the mesh and the graph, and the
+    configs one stage's mesh."""
+    where = (f"{strategy.stages} pipeline stages (schedule {strategy.schedule!r}, "
+             f"{strategy.virtual_stages} virtual)")
+    if STAGE_AXIS in mesh.axis_names:
+        raise PlanError(f"{where} add the mesh axis {STAGE_AXIS!r}, but mesh {_fmt_mesh(mesh)} "
+                        "has one already; pass the topology's mesh (make_mesh(topology)), "
+                        "whose outermost axis the stages cut")
+    stage = stage_mesh_shape(mesh, strategy.stages)
+    check_pipelinable(graph, stages=strategy.stages, microbatches=strategy.microbatches,
+                      virtual=strategy.virtual_stages, schedule=strategy.schedule)
+    try:
+        _validate_configs(graph, strategy, stage)
+    except PlanError as e:
+        raise PlanError(f"{e} (with {where}, the configs are over one stage's mesh "
+                        f"{_fmt_mesh(stage)}: mesh {_fmt_mesh(mesh)} with its outermost axis "
+                        f"cut {strategy.stages} ways)") from None
+    return stage
 
 
 def _validate_configs(graph: OpGraph, strategy: Strategy, mesh: MeshShape) -> None:

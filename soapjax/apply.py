@@ -33,6 +33,13 @@ Usage::
                                           (shardings.params, shardings.opt_state))
     params, opt_state, loss = step(params, opt_state, device_put_global(batch, shardings.batch))
 
+**Pipelined strategies** (`Strategy.pipelined`: S stages, v virtual stages, a schedule) run
+through `sharded_train_step` as one SPMD program (`soapjax._pipelined`) on the user's mesh
+reshaped: its outermost axis of size n becomes ``stage`` (S) x that axis (n / S, dropped at 1),
+e.g. ``node=2, data=2, model=2`` -> ``stage=2, data=2, model=2``. The configs are over one
+stage's mesh, the parameters keep the model's layout with each stacked layer parameter split
+over ``stage`` on its layer dim (`train_shardings`), and the step keeps its interface.
+
 Every function takes a `Strategy` or a plan (`soapjax.plan.Plan`: its ``strategy(graph)``
 checks the plan was made for the graph, and its ``mesh`` is checked against the mesh).
 Everything is validated before anything is compiled (`validate_strategy`); mistakes raise
@@ -60,6 +67,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from soapjax import space
 from soapjax._local import draws_random_bits, has_custom_rules, operator_fn
+from soapjax._pipelined import train_value_and_grad
 from soapjax._shardings import (
     TrainShardings,
     batch_shardings,
@@ -142,6 +150,10 @@ def constrained_loss(graph: OpGraph, strategy: Any, mesh: Mesh, *,
         that differ from the traced ones.
     """
     strategy = validate_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)
+    if strategy.pipelined:
+        raise PlanError(f"the strategy has {strategy.stages} pipeline stages, and "
+                        "constrained_loss is one SPMD loss without stages; run a pipelined "
+                        "strategy with sharded_train_step (or training.shard_training)")
     if not allow_spatial_convolutions:
         refuse_spatial_convolutions(graph, strategy)
     validate_program_inputs(graph)
@@ -288,6 +300,18 @@ def sharded_train_step(graph: OpGraph, strategy: Any, mesh: Mesh,
     from constants (`step_keys`): pass a new number every step for fresh dropout masks
     (`training.ShardedTraining.step` counts for you); step 0 computes the traced function.
 
+    A pipelined strategy (`Strategy.pipelined`) runs on `mesh` with its outermost axis cut
+    into a ``stage`` axis (`soapjax._pipelined.pipelined_mesh`; the shardings are on that
+    mesh). Inside the step the parameters are reshaped to the pipelined layout
+    (`soapjax._pipelined.to_pipelined`), ``pipelined_value_and_grad`` runs the strategy's
+    schedule over M = ``strategy.microbatches`` microbatches, and the gradients are reshaped
+    back, so the optimizer updates the model's layout. The layers recompute as
+    `soapjax._pipelined.layer_recompute` says: in full from each chunk's input if a layer
+    operator's policy is ``"full"``, keeping matmul outputs only if one is ``"selective"``.
+    With 1F1B the model layout's stage split is each stage's chunk, so nothing moves but the
+    pipeline's sends; with v > 1 virtual stages a stage's chunks are not one run of layers,
+    and the parameters and gradients move between stages (all-to-alls) at the reshapes.
+
     Args:
       graph: the traced graph of ``loss_fn(params, batch)``.
       strategy: a `Strategy` or plan.
@@ -309,13 +333,25 @@ def sharded_train_step(graph: OpGraph, strategy: Any, mesh: Mesh,
       on their shardings first (`device_put_global`).
 
     Raises:
-      PlanError: see `validate_strategy`; raised before anything is compiled.
+      PlanError: see `validate_strategy`; raised before anything is compiled. A pipelined
+        strategy also for a graph `soapjax._pipelined` cannot run: one that draws random bits
+        (dropout), has no layer scan (or several), or whose layers do not divide into S x v
+        chunks.
     """
     strategy = validate_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)
     chosen = _choose_partitioner(graph, strategy, partitioner)
     shardings = train_shardings(graph, strategy, mesh, optimizer, params=params, batch=batch)
-    value_and_grad = _value_and_grad(graph, strategy, mesh, shardings,
-                                     allow_spatial_convolutions)
+    if strategy.pipelined:
+        validate_program_inputs(graph)
+        pipelined = train_value_and_grad(graph, strategy, shardings.loss.mesh,
+                                         shardings.params)
+
+        def value_and_grad(params, batch, count):
+            del count  # a pipelined graph draws no random bits (validate_strategy)
+            return pipelined(params, batch)
+    else:
+        value_and_grad = _value_and_grad(graph, strategy, mesh, shardings,
+                                         allow_spatial_convolutions)
 
     def step(params, opt_state, batch, count):
         loss, grads = value_and_grad(params, batch, count)
@@ -323,9 +359,8 @@ def sharded_train_step(graph: OpGraph, strategy: Any, mesh: Mesh,
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    replicated = NamedSharding(mesh, PartitionSpec())
     jitted = jax.jit(step, in_shardings=(shardings.params, shardings.opt_state, shardings.batch,
-                                         replicated),
+                                         shardings.loss),
                      out_shardings=(shardings.params, shardings.opt_state, shardings.loss),
                      donate_argnums=(0, 1) if donate else (),
                      compiler_options=dict(compiler_options) if compiler_options else None)

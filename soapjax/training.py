@@ -30,7 +30,9 @@ keeps), 4 ms to reuse the plan; with analytic costs and 300 proposals per chain 
 3.5 ms (tracing and compiling the step, the same either way, not counted). Other strategies: a
 `Strategy`, a `Plan`, a baseline by name (`PLANNERS`: ``"data-parallel"``, ``"megatron"``,
 ``"fsdp"``, ``"expert-cnn"``, ``"expert-rnn"``), or a ``planner(graph, mesh_shape) ->
-Strategy``.
+Strategy``. A pipelined strategy or plan (`soapjax.baselines.megatron_3d` with ``pp``) runs
+too, on the topology's mesh with its outermost axis cut into stages (`soapjax.apply`); the
+parameters stay in the model's layout.
 
 **A raw `jax.sharding.Mesh`** carries no topology, and planning needs one (links, device
 memory, peak FLOP/s). The named planners then use the local devices' shipped topology

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -193,3 +196,38 @@ def test_layers_that_do_not_divide_into_the_chunks_are_refused():
     with pytest.raises(PlanError, match=r"2 layers into stages x virtual = 2 x 2 = 4 chunks"):
         pipelined_value_and_grad(graph, mesh(), stages=STAGES, microbatches=MICROBATCHES,
                                  virtual=2, schedule="interleaved")
+
+
+CANARY = """
+import jax, jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+mesh = jax.make_mesh((2, 2, 2), ("stage", "data", "model"), axis_types=(AxisType.Auto,) * 3)
+
+def loss(w, x, y):
+    logp = jax.nn.log_softmax(x @ w)
+    return -jnp.take_along_axis(logp, y[..., None], -1).mean()
+
+def body(w, x, y):
+    value, grad = jax.value_and_grad(loss)(w, x, y)
+    return value[None], grad[None]
+
+f = jax.shard_map(body, mesh=mesh, axis_names={"stage"}, in_specs=(P(), P(), P()),
+                  out_specs=(P("stage"), P("stage")), check_vma=False)
+w = jax.device_put(jnp.ones((32, 64)), NamedSharding(mesh, P(None, "model")))
+x = jax.device_put(jnp.ones((4, 8, 32)), NamedSharding(mesh, P("data")))
+y = jax.device_put(jnp.zeros((4, 8), jnp.int32), NamedSharding(mesh, P("data")))
+print(jax.jit(f)(w, x, y)[0])
+"""
+
+
+def test_xla_still_aborts_on_a_gather_split_along_its_index_inside_shard_map():
+    """The canary for `_run_in_stage`: a vocabulary-split head and ``take_along_axis`` of the
+    log-probabilities inside a shard_map manual over ``stage`` abort XLA (jax 0.10.2), so the
+    chunks make a gather's operand whole along the dims it indexes first. The day this test
+    fails, XLA partitions it and the all-gather can go."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.run([sys.executable, "-c", CANARY], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode != 0 and "Check failed: partition_group_list" in proc.stderr, (
+        proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
