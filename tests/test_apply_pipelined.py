@@ -189,6 +189,7 @@ def test_stage_to_stage_bytes_are_what_the_simulator_prices(virtual):
     replicated over ``model``), 1F1B 4 + 4 sends = 32,768 bytes, interleaved 12 + 12 =
     98,304; simulated the same (send_bytes 4096 per boundary). Interleaved parameters also
     move, as all-to-alls, not permutes: the model layout's stage split is not the chunks'.
+    Inside a stage, Megatron's split holds: over ``model`` only all-reduces of activations.
     """
     _, _, exe, shardings = compiled("gpt", virtual)
     mesh = shardings.loss.mesh
@@ -197,6 +198,8 @@ def test_stage_to_stage_bytes_are_what_the_simulator_prices(virtual):
     per_stage = mesh.devices.size // STAGES  # HLO ids are positions in mesh.devices.flat
     nbytes = {}
     for c in collectives(exe.as_text(), mesh):
+        if c.axes == ("model",):
+            assert c.kind == "all-reduce" and c.nbytes in (4096, 3 * 4096), c
         if c.kind != "collective-permute":
             continue
         scope = next(s for s in ("pipeline_activations", "pipeline_gradients") if s in c.op_name)
