@@ -135,7 +135,8 @@ def run_case(model, size, mesh, n, proposals) -> dict:
             row["megatron"] = {"config": best[0], "step_s": best[1], "memory": best[2]}
         t0 = time.perf_counter()
         try:
-            plan = find_plan(g, topo, settings=SearchSettings(max_proposals=proposals, seed=0),
+            plan = find_plan(g, topo, settings=SearchSettings(max_proposals=proposals, seed=0,
+                                                           pipelines=False),
                              costs=costs, reshard=resharder, optimizer=w.optimizer,
                              family=w.family, model_config=size)
         except SoapjaxError as e:  # nothing fits without pipeline stages

@@ -468,8 +468,8 @@ def _simulate_inputs(args: argparse.Namespace):
             plan = Plan.from_json(data, where=args.strategy)
             if model is None:
                 model, config = plan.workload or plan.model, config or plan.model_config or None
-                if args.batch_size is None and plan.batch_size:
-                    args.batch_size = plan.batch_size  # the batch the plan was made for
+                if args.batch_size is None and plan.batch_size and not plan.workload:
+                    args.batch_size = plan.batch_size  # the zoo model at the plan's batch
             mesh = mesh or plan.topology
     return (_load_model(model or "gpt2", config or "default", batch_size=args.batch_size),
             load_topology(mesh or "cpu8"))
@@ -562,11 +562,11 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    "(slower the first time; cached) (default: %(default)s)")
     p.add_argument("--no-reduction", action="store_true",
                    help="never split reduction dims (FlexFlow's own space)")
-    p.add_argument("--pipelines", action="store_true",
-                   help="also search pipeline stages (the outermost mesh axis cut into stages; "
-                   "GPipe, 1F1B, interleaved 1F1B): for models of many layers on many nodes. "
-                   "The plan is simulated; `soapjax.apply` runs it on one mesh with a stage "
-                   "axis")
+    p.add_argument("--pipelines", action=argparse.BooleanOptionalAction, default=None,
+                   help="search pipeline stages too (the outermost mesh axis cut into stages; "
+                   "GPipe, 1F1B, interleaved 1F1B), for models of many layers on many nodes; "
+                   "--no-pipelines never; default: only when no plan without stages fits. "
+                   "`soapjax.apply` runs pipelined plans on one mesh with a stage axis")
     p.add_argument("--out", default=None, help="plan file to write "
                    "(default: plans/MODEL-CONFIG-MESH.json)")
     p.add_argument("--trace", default=None, help="write the plan's simulated timeline as "

@@ -36,8 +36,8 @@ recompute policy (of one operator or one layer position) or the number of microb
 instead of a config. Megatron's grid (`baselines.megatron_grid`) is scored and its best point
 is a chain's start, so a plan is never slower than the grid.
 
-**Pipeline stages.** With ``SearchSettings(pipelines=True)`` (`soapjax plan --pipelines`),
-for each stage count S that divides the layers and the outermost mesh axis
+**Pipeline stages.** With ``SearchSettings(pipelines=True)`` (`soapjax plan --pipelines`), or
+by default when no plan without stages fits in memory, for each stage count S that divides the layers and the outermost mesh axis
 (`stage_choices`) and 1 or 2 virtual stages, Megatron's grid at that pipeline is scored with
 `soapjax.pipesim.PipelinedSimulation` and a chain (configs, recompute, microbatches, over one
 stage's devices) starts from its best point; the best plan over all chains, pipelined or
@@ -103,10 +103,13 @@ class SearchSettings:
       limits: restrictions of the SOAP space (e.g. no R splits, as in FlexFlow).
       simulation: ``"delta"`` (default) or ``"full"``: how each proposal is simulated (see
         the module doc; the same chain either way, only slower in full).
-      pipelines: also search plans with pipeline stages (`soapjax.pipeline`) for graphs with
-        repeated layers (off by default: `soapjax.apply` does not run pipelined plans yet): for each stage count S that divides the layers and the outermost
+      pipelines: search plans with pipeline stages too (`soapjax.pipeline`), for graphs with
+        repeated layers: for each stage count S that divides the layers and the outermost
         mesh axis, Megatron's grid at pp=S (TP 4 or 8, interleave 1 or 2) is scored with
-        `soapjax.pipesim.PipelinedSimulation` and a chain starts from its best point.
+        `soapjax.pipesim.PipelinedSimulation` and a chain starts from its best point. True:
+        always; False: never; None (default): only when no plan without stages fits in
+        memory (a model too large for its cluster gets a pipelined plan instead of an error,
+        and every other search is unchanged).
     """
 
     budget_s: float = 20.0
@@ -116,9 +119,12 @@ class SearchSettings:
     temperature: float = 0.02
     limits: SpaceLimits = SpaceLimits()
     simulation: Literal["delta", "full"] = "delta"
-    pipelines: bool = False
+    pipelines: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.pipelines not in (None, True, False):
+            raise SettingsError(f"SearchSettings.pipelines must be True, False or None (only "
+                                f"when nothing fits without stages), got {self.pipelines!r}")
         if self.simulation not in ("delta", "full"):
             raise SettingsError(f"SearchSettings.simulation must be 'delta' or 'full', got "
                                 f"{self.simulation!r}")
@@ -393,7 +399,8 @@ def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
     t_chains = time.perf_counter()
     for k, name in enumerate(starts):
         searcher.chain(name, starts[name], t_chains + share * (k + 1))
-    if settings.pipelines and graph.repeated_blocks() and graph.batch_size > 1:
+    wanted = settings.pipelines if settings.pipelines is not None else searcher.best is None
+    if wanted and graph.repeated_blocks() and graph.batch_size > 1:
         for result in _pipelined_chains(graph, topology, cost_model or sim.cost_model,
                                         settings, opt_state_factor, progress, searcher):
             if result is not None and (searcher.best is None or result[0] < searcher.best[0]):
@@ -401,9 +408,12 @@ def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
                 searcher.history.append((time.perf_counter() - searcher.t0, result[0]))
     searcher._report("done", force=True)
     if searcher.best is None:
+        hint = ("" if wanted or not graph.repeated_blocks() else
+                " or allow pipeline stages (SearchSettings(pipelines=None or True), "
+                "`soapjax plan --pipelines`)")
         raise PlanError(f"no strategy found for {graph.name!r} on {topology.name!r} fits in "
                         f"{topology.device.memory_bytes / 2**30:.1f} GiB per device; plan for "
-                        "a topology with more devices or more memory per device")
+                        f"a topology with more devices or more memory per device{hint}")
     t, strategy, name = searcher.best
     return SearchResult(strategy=strategy, step_time_s=t, start=name,
                         baselines=tuple((n, st, f) for n, st, f in scored if not n.startswith("random")),

@@ -119,3 +119,19 @@ def test_search_finds_stages_and_the_plan_file_keeps_them(tmp_path):
     made = Plan.make(g, A100, s, predicted={"step_time_s": 1.0})
     assert Plan.from_json(made.to_json()).strategy(g, A100) == s
     assert made.to_json()["pipeline"] == {"stages": 2, "virtual_stages": 1, "schedule": "1f1b"}
+
+
+def test_the_search_turns_to_stages_when_nothing_else_fits():
+    """Devices of 1 MB: no plan without stages fits the 4-layer GPT (the flat search says so and
+    points at pipelines); by default the search then tries stages and returns one that fits."""
+    import dataclasses
+
+    small = dataclasses.replace(A100, device=dataclasses.replace(A100.device,
+                                                                 memory_bytes=1_000_000))
+    settings = SearchSettings(max_proposals=10, seed=0)
+    with pytest.raises(PlanError, match="or allow pipeline stages"):
+        find_plan(gpt(), small, settings=dataclasses.replace(settings, pipelines=False),
+                  costs="analytic")
+    plan = find_plan(gpt(), small, settings=settings, costs="analytic")
+    assert plan.pipeline[0] > 1
+    assert max(dict(plan.predicted)["peak_memory_bytes"]) <= 1_000_000
