@@ -30,6 +30,10 @@ def validate_strategy(graph: OpGraph, strategy: Any, mesh: Mesh, *,
                    mesh_shape: MeshShape | None = None) -> Strategy:
     """Checks that `strategy` fits `graph` and `mesh`; returns it as a `Strategy`.
 
+    A pipelined strategy (`Strategy.pipelined`) is planned for the whole mesh, its configs
+    for one stage's (`soapjax._pipelined.stage_mesh_shape`: the outermost axis cut
+    ``strategy.stages`` ways), and the graph must be one `soapjax._pipelined` can run.
+
     Args:
       graph: the traced operator graph.
       strategy: a `Strategy`, or a plan: an object whose ``strategy`` is a `Strategy` or a
@@ -40,10 +44,6 @@ def validate_strategy(graph: OpGraph, strategy: Any, mesh: Mesh, *,
 
     Returns:
       The strategy.
-
-    A pipelined strategy (`Strategy.pipelined`) is planned for the whole mesh, its configs
-    for one stage's (`soapjax._pipelined.stage_mesh_shape`: the outermost axis cut
-    ``strategy.stages`` ways), and the graph must be one `soapjax._pipelined` can run.
 
     Raises:
       PlanError: the plan was made for another graph; the mesh differs from the planned one
@@ -86,7 +86,7 @@ def _validate_mesh(mesh: Mesh, planned: MeshShape | None) -> MeshShape:
 
 
 def _validate_pipeline(graph: OpGraph, strategy: Strategy, mesh: MeshShape) -> MeshShape:
-    """One stage's mesh, after checking the pipeline fits the mesh and the graph, and the
+    """One stage's mesh, after checking that the pipeline fits the mesh and the graph, and the
     configs one stage's mesh."""
     where = (f"{strategy.stages} pipeline stages (schedule {strategy.schedule!r}, "
              f"{strategy.virtual_stages} virtual)")
