@@ -9,10 +9,12 @@ group's axes. The pipelined step is priced in three parts:
    strategy's configs, ZeRO axes, recompute policies and M microbatches, gives every
    operator's forward and backward end on the compute stream. The layers (the graph's
    repeated blocks) are cut into ``S x v`` equal chunks of consecutive layers; the operators
-   before the first layer (embedding) go with chunk 0, those after the last (final norm, head,
-   loss) with the last chunk. A chunk's forward (backward) time for one microbatch is the span
-   its operators take on that timeline, divided by M; the span includes the communication the
-   one-stage simulation could not hide (tensor-parallel all-reduces, reshardings).
+   after the last layer (final norm, head, loss) go with the last chunk. A chunk's forward
+   (backward) time for one microbatch is the span its operators take on that timeline,
+   divided by M; the span includes the communication the one-stage simulation could not hide
+   (tensor-parallel all-reduces, reshardings). The operators before the first layer (the
+   embedding) run as `soapjax.apply` runs them: SPMD on every device, before the pipeline (their
+   backward after it), at 1/S of their one-stage span.
 2. **The schedule.** `soapjax.pipeline.time_schedule` runs the schedule's per-stage orders
    with those chunk times and the stage-to-stage sends: one microbatch's boundary activations
    (the per-device shards of every value a later chunk reads from an earlier one), priced as a
@@ -23,14 +25,15 @@ group's axes. The pipelined step is priced in three parts:
    by the stage's share of the parameter bytes. The step ends when the slowest stage's does.
 
 **Memory** per stage: the one-stage simulation's parameters, gradients, optimizer state and
-communication buffers scaled by the stage's share of the parameter bytes, plus the activations
+communication buffers scaled by the stage's share of the parameter bytes (its layers, plus the
+parameters read outside the layers, which every stage holds as apply stores them), plus the
+activations
 of one microbatch's chunk (their share of the one-stage activations) times the schedule's peak
 in-flight (microbatch, chunk) pairs on that stage. The plan fits when the fullest stage fits.
 
-What is left out: layers of different cost in one chunk are averaged only through their spans
-(uneven stages are real spans, not a model); the embedding on the first stage and the head on
-the last make those stages slower, as they are, but the stage boundaries are fixed at equal
-layer counts (no searched boundaries yet); compute and sends overlap as the schedule allows,
+What is left out: the head on the last stage makes that stage slower, as it is, but the stage
+boundaries are fixed at equal layer counts (no searched boundaries yet), and the embedding's
+placement is apply's (SPMD), not a choice; compute and sends overlap as the schedule allows,
 with the sends on their own links (no contention with the gradient synchronisation).
 
 Delta simulation: configs and recompute policies change through the one-stage `Simulation`'s
@@ -53,6 +56,17 @@ from soapjax.topology import Topology, stage_topology
 
 __all__ = ["PipelineResult", "PipelinedSimulation", "as_step_result", "layer_chunks",
            "simulate_pipelined"]
+
+
+def _layer_span(graph: OpGraph) -> tuple[int, int]:
+    """The first and last operator index of the longest family of repeated layers."""
+    groups = graph.repeated_blocks()
+    longest = max((len(g) for g in groups), default=0)
+    members = [i for g in groups if len(g) == longest for i in g]
+    if not members:
+        raise PlanError(f"graph {graph.name!r} has no repeated layers (a scan over layers or "
+                        "identical unrolled layers) to cut into pipeline stages")
+    return min(members), max(members)
 
 
 def layer_chunks(graph: OpGraph, chunks: int) -> list[int]:
@@ -102,6 +116,8 @@ class PipelineResult:
       memory_capacity_bytes: each device's memory.
       fits_in_memory: whether the fullest stage fits.
       tail_s: per stage, its gradient synchronisation and update after its last backward.
+      prologue_s: the part before the first layer (embedding) run SPMD on every device:
+        (forward before the pipeline, backward after it).
     """
 
     step_time_s: float
@@ -111,6 +127,7 @@ class PipelineResult:
     memory_capacity_bytes: int
     fits_in_memory: bool
     tail_s: tuple[float, ...]
+    prologue_s: tuple[float, float] = (0.0, 0.0)
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -132,6 +149,7 @@ class PipelineResult:
                          "in_flight": list(self.timeline.in_flight),
                          "stage_end_s": list(self.timeline.stage_end_s),
                          "tail_s": list(self.tail_s),
+                         "prologue_s": list(self.prologue_s),
                          "chunk_forward_s": list(self.chunk_times.forward_s),
                          "chunk_backward_s": list(self.chunk_times.backward_s),
                          "send_s": list(self.chunk_times.send_s)},
@@ -155,6 +173,10 @@ class PipelinedSimulation:
         self.topology = stage_topology(topology, strategy.stages)
         self._pipeline = (strategy.stages, strategy.virtual_stages, strategy.schedule)
         self._chunk = layer_chunks(graph, strategy.stages * strategy.virtual_stages)
+        first, last = _layer_span(graph)
+        # before the first layer (embedding): SPMD on every device, as apply runs it
+        self._prologue = [i < first for i in range(len(graph.operators))]
+        self._outside = [i < first or i > last for i in range(len(graph.operators))]
         self._inner = Simulation(graph, self.topology, cost_model, resharder, _flat(strategy),
                                  opt_state_factor=opt_state_factor)
         self._param_share = self._param_shares()
@@ -230,44 +252,60 @@ class PipelinedSimulation:
         inner, M = self._inner, self._inner.microbatches
         chunks = S * v
         fwd_end, bwd_end = inner.compute_ends()
+        pro_f = pro_b_end = 0.0  # the prologue's forward end and backward end, if any
         f_last = [0.0] * chunks
         b_last = [0.0] * chunks
         for i, c in enumerate(self._chunk):
+            if self._prologue[i]:
+                pro_f, pro_b_end = max(pro_f, fwd_end[i]), max(pro_b_end, bwd_end[i])
+                continue
             f_last[c] = max(f_last[c], fwd_end[i])
             b_last[c] = max(b_last[c], bwd_end[i])
         forward_done = max(fwd_end)
-        forward = [(f_last[c] - (f_last[c - 1] if c else 0.0)) / M for c in range(chunks)]
+        forward = [(f_last[c] - (f_last[c - 1] if c else pro_f)) / M for c in range(chunks)]
         backward = [(b_last[c] - (b_last[c + 1] if c + 1 < chunks else forward_done)) / M
                     for c in range(chunks)]
         times = ChunkTimes(tuple(max(0.0, t) for t in forward),
                            tuple(max(0.0, t) for t in backward), self._send_times())
         timeline = time_schedule(schedule, S, M, v, times)
+        # The prologue runs SPMD on all S stages' devices: before the pipeline, its backward
+        # after it, each at 1/S of one stage's time for the whole batch.
+        before = pro_f / S
+        after = max(0.0, pro_b_end - b_last[0]) / S if pro_b_end else 0.0
         tail = max(0.0, inner.step_time() - max(bwd_end))
         tails = tuple(tail * share for share in self._param_share)
-        step = max(end + t for end, t in zip(timeline.stage_end_s, tails))
+        step = before + max(timeline.step_s + after,
+                            max(end + t for end, t in zip(timeline.stage_end_s, tails)))
         memory = self._stage_memory(timeline)
         cap = self.topology.device.memory_bytes
         return PipelineResult(step, timeline, times, memory, cap,
-                              max(m.total for m in memory) <= cap, tails)
+                              max(m.total for m in memory) <= cap, tails, (before, after))
 
     def _stage_of_chunk(self, c: int) -> int:
         return c % self._pipeline[0]
 
     def _param_shares(self) -> tuple[float, ...]:
-        """Each stage's share of the parameter bytes (each layer slice counted once)."""
+        """Each stage's share of the parameter bytes: its layers' slices, plus every parameter
+        read outside the layers (embedding, head), which every stage holds as apply stores
+        them (the stage axis does not split them). Shares add up to more than 1."""
         S = self._pipeline[0]
         seen: dict[tuple[str, tuple[int, ...]], int] = {}
-        stage_of: dict[tuple[str, tuple[int, ...]], int] = {}
-        for op, c in zip(self.graph.operators, self._chunk):
+        stage_of: dict[tuple[str, tuple[int, ...]], int | None] = {}
+        for i, (op, c) in enumerate(zip(self.graph.operators, self._chunk)):
             for x in op.inputs:
                 if x.kind == "param":
                     key = (x.leaf_path, x.layer)
+                    everywhere = self._outside[i] and not x.layer
                     if key not in seen:
-                        seen[key], stage_of[key] = x.nbytes, self._stage_of_chunk(c)
+                        seen[key] = x.nbytes
+                        stage_of[key] = None if everywhere else self._stage_of_chunk(c)
+                    elif everywhere:
+                        stage_of[key] = None
         total = sum(seen.values()) or 1
         shares = [0.0] * S
         for key, n in seen.items():
-            shares[stage_of[key]] += n / total
+            for s in range(S) if stage_of[key] is None else (stage_of[key],):
+                shares[s] += n / total
         return tuple(shares)
 
     def send_bytes(self) -> tuple[int, ...]:

@@ -54,17 +54,20 @@ def test_layers_cut_into_chunks_with_embedding_first_and_head_last():
 
 
 def test_chunk_times_partition_one_stages_step():
-    """The chunks' forward and backward spans (per microbatch, times M) add up to the
-    one-stage simulation's compute span: the cut loses and invents nothing."""
+    """The chunks' forward and backward spans (per microbatch, times M) and the prologue's
+    (SPMD over the S stages' devices, so 1/S of its one-stage span) add up to the one-stage
+    simulation's compute span: the cut loses and invents nothing."""
     s = megatron_3d(gpt(), A100, tp=4, pp=2, microbatch_size=2, recompute="none")
     sim = pipelined(s)
     r = sim.result()
-    inner = sim._inner
-    fwd, bwd = inner.compute_ends()
-    M = s.microbatches
-    assert sum(r.chunk_times.forward_s) * M == pytest.approx(max(fwd), rel=1e-12)
-    assert (sum(r.chunk_times.forward_s) + sum(r.chunk_times.backward_s)) * M == \
-        pytest.approx(max(bwd), rel=1e-12)
+    fwd, bwd = sim._inner.compute_ends()
+    M, S = s.microbatches, s.stages
+    before, after = r.prologue_s
+    assert before > 0 and after > 0
+    assert sum(r.chunk_times.forward_s) * M + before * S == pytest.approx(max(fwd), rel=1e-12)
+    assert (sum(r.chunk_times.forward_s) + sum(r.chunk_times.backward_s)) * M \
+        + (before + after) * S == pytest.approx(max(bwd), rel=1e-12)
+    assert r.step_time_s >= before + r.timeline.step_s + after
     # two stages: every chunk boundary sends one microbatch's residual stream, bf16, TP4 over
     # the stage's model axis does not split it (sequence-parallel regions aside)
     assert len(r.chunk_times.send_s) == 1 and r.chunk_times.send_s[0] > 0
