@@ -2,8 +2,9 @@
 
 Every case runs on cpu8 as stage 2 x data 2 x model 2 with M = 4 microbatches of the batch of
 16, in float64, the layers' parameters split over ``model`` as Megatron-LM splits them (heads
-and the MLP's hidden dim), the batch over ``data``. Compiled programs are shared between the
-tests (`compiled`), so each is compiled once.
+and the MLP's hidden dim), the batch over ``data`` (the data axes, but where a case says
+otherwise). Compiled programs are shared between the tests (`compiled`), so each is compiled
+once.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import subprocess
 import sys
 
@@ -81,15 +83,22 @@ def megatron_specs(params):
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
-@functools.cache
-def compiled(name: str, schedule: str, virtual: int, recompute: bool):
+def compiled(name: str, schedule: str, virtual: int, recompute: bool,
+             data_axes: tuple[str, ...] = ("data",)):
     """The compiled pipelined step of the tiny model (2 layers per virtual stage), its loss and
     gradients (in the model's layout)."""
+    return _compiled(name, schedule, virtual, recompute, data_axes)
+
+
+@functools.cache  # every argument passed, so each case has one key
+def _compiled(name: str, schedule: str, virtual: int, recompute: bool,
+              data_axes: tuple[str, ...]):
     params, batch, graph, _ = model_case(name, STAGES * virtual)
     m = mesh()
     with jax.enable_x64(True):
         step = pipelined_value_and_grad(graph, m, stages=STAGES, microbatches=MICROBATCHES,
-                                        virtual=virtual, schedule=schedule, recompute=recompute)
+                                        virtual=virtual, schedule=schedule, recompute=recompute,
+                                        data_axes=data_axes)
         shardings = param_shardings(graph, m, megatron_specs(params), stages=STAGES,
                                     virtual=virtual)
         placed = jax.device_put(to_pipelined(graph, params, stages=STAGES, virtual=virtual),
@@ -101,24 +110,78 @@ def compiled(name: str, schedule: str, virtual: int, recompute: bool):
     return loss, grads, exe
 
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
-
-
-@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recomputed"])
-@pytest.mark.parametrize("schedule,virtual", SCHEDULES, ids=[s for s, _ in SCHEDULES])
-@pytest.mark.parametrize("name", ["gpt", "llama"])
-def test_the_pipelined_step_computes_the_unsharded_step(name, schedule, virtual, recompute):
+def assert_unsharded(name: str, virtual: int, loss, grads) -> None:
     """Loss and every gradient equal ``jax.value_and_grad(loss_fn)`` on one device to 1e-12
-    (global max |diff| / global max |ref|): 2 layers on 2 stages (gpipe, 1f1b), 4 layers in
-    4 chunks (interleaved, 2 virtual stages), with the residuals saved or recomputed."""
+    (global max |diff| / global max |ref|)."""
     _, _, _, (want_loss, want) = model_case(name, STAGES * virtual)
-    loss, grads, _ = compiled(name, schedule, virtual, recompute)
     assert jax.tree.structure(grads) == jax.tree.structure(want)
     diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want)))
     scale = max(float(np.max(np.abs(np.asarray(b)))) for b in jax.tree.leaves(want))
     assert diff / scale < 1e-12
     assert abs(float(loss) - float(want_loss)) / abs(float(want_loss)) < 1e-12
+
+
+# name, schedule, virtual, recompute, data axes
+CASES = [("gpt", "gpipe", 1, False, ("data",)), ("gpt", "1f1b", 1, False, ("data",)),
+         ("gpt", "1f1b", 1, True, ("data",)), ("gpt", "interleaved", 2, False, ("data",)),
+         ("gpt", "1f1b", 1, True, ()), ("llama", "1f1b", 1, False, ("data",))]
+IDS = ["gpt-gpipe-saved", "gpt-1f1b-saved", "gpt-1f1b-recomputed", "gpt-interleaved-saved",
+       "gpt-1f1b-recomputed-whole-microbatches", "llama-1f1b-saved"]
+
+
+@pytest.mark.parametrize("name,schedule,virtual,recompute,data_axes", CASES, ids=IDS)
+def test_the_pipelined_step_computes_the_unsharded_step(name, schedule, virtual, recompute,
+                                                        data_axes):
+    """The unsharded step's loss and gradients (`assert_unsharded`): 2 layers on 2 stages
+    (gpipe, 1f1b), 4 layers in 4 chunks (interleaved, 2 virtual stages), with the residuals
+    saved or recomputed.
+
+    Not the whole product: each case covers what the others do not. GPipe (a stage keeps all
+    M microbatches in flight), 1F1B and interleaved (middle chunks, whose forward and backward
+    neither start from the prologue nor end in the epilogue) with saved residuals, where each
+    kind of chunk keeps its own (`_Residuals`); recomputation, which keeps each chunk's input
+    instead, with 1F1B; LLaMA (RMSNorm, rotary embeddings, an untied head split over the
+    vocabulary, whose gather `_run_in_stage` makes whole first) with its residuals saved,
+    where the head's are among them; and the stages over whole microbatches (no data axes,
+    XLA reducing the gradients in the loop), once. Four of them are compiled for the other
+    tests anyway. tests/test_apply_pipelined.py recomputes both models under 1F1B and
+    interleaved (and GPT tiny 1F1B without and with selective recomputation), so recomputed
+    interleaved chunks and recomputed LLaMA are checked there.
+    """
+    loss, grads, _ = compiled(name, schedule, virtual, recompute, data_axes)
+    assert_unsharded(name, virtual, loss, grads)
+
+
+def over_data(exe) -> list:
+    """The compiled step's collectives over the ``data`` axis (with others or alone)."""
+    return [c for c in collectives(exe.as_text(), mesh()) if "data" in (c.axes or ())]
+
+
+def test_the_data_parallel_gradients_are_reduced_once_per_step():
+    """With the data axes, each data group's backwards add its own share of the gradients,
+    and the step all-reduces them over ``data`` once, after the tick loop: one all-reduce of
+    86,920 bytes per device, run once (GPT tiny, 1F1B). That is one stage's layer gradients,
+    51,584 bytes (one layer under Megatron's split: 6,448 float64 per device), the final
+    norm's, the tied embedding's twice (read by the head in the last chunk and by the
+    prologue, each reduced before they are added) and the position embedding's, 4,416 float64
+    = 35,328 bytes, and the loss, 8 (XLA combines them into one).
+
+    Without data axes the stages run whole microbatches and XLA all-reduces each backward's
+    gradients over ``data`` inside the loop, M = 4 times a step: 68,480 bytes per backward on
+    stage 0 and 51,584 on stage 1 (each in its branch of the tick's switch), and 8 per
+    last-chunk forward (the loss), besides the 18,432 of the embeddings' gradients after the
+    loop (`HloCollective.executions` counts a collective in the loop once per tick; its
+    branch runs on M of them). The numbers are the same (`CASES`).
+    """
+    once = over_data(compiled("gpt", "1f1b", 1, False)[2])
+    assert [(c.kind, c.executions) for c in once] == [("all-reduce", 1)] * len(once)
+    assert sum(c.nbytes for c in once) == 86_920
+    in_loop = over_data(compiled("gpt", "1f1b", 1, True, ())[2])
+    ticks_1f1b = len(ticks("1f1b", STAGES, MICROBATCHES))
+    assert sorted((c.kind, c.nbytes, c.executions) for c in in_loop) == [
+        ("all-reduce", 8, ticks_1f1b), ("all-reduce", 18_432, 1),
+        ("all-reduce", 51_584, ticks_1f1b), ("all-reduce", 68_480, ticks_1f1b)]
 
 
 def sending_sets(rows, kind: str, step: int, keep) -> list[tuple[tuple[int, int], ...]]:
@@ -196,6 +259,17 @@ def test_layers_that_do_not_divide_into_the_chunks_are_refused():
     with pytest.raises(PlanError, match=r"2 layers into stages x virtual = 2 x 2 = 4 chunks"):
         pipelined_value_and_grad(graph, mesh(), stages=STAGES, microbatches=MICROBATCHES,
                                  virtual=2, schedule="interleaved")
+
+
+@pytest.mark.parametrize("data_axes", [("batch",), ("stage",), ("data", "data")],
+                         ids=["not-on-the-mesh", "the-stage-axis", "twice"])
+def test_data_axes_that_are_not_other_mesh_axes_are_refused(data_axes):
+    _, _, graph, _ = model_case("gpt", 2)
+    with pytest.raises(PlanError, match=rf"data_axes={re.escape(str(data_axes))}: expected "
+                                        r"distinct axes of the mesh \{'stage': 2, 'data': 2, "
+                                        r"'model': 2\} other than the stage axis 'stage'"):
+        pipelined_value_and_grad(graph, mesh(), stages=STAGES, microbatches=MICROBATCHES,
+                                 data_axes=data_axes)
 
 
 CANARY = """
