@@ -15,15 +15,19 @@ Nested jaxprs (`jit`, `custom_jvp_call`, `custom_vjp_call`, `remat2`, `scan`, `w
 since no SPMD program can split it.
 
 The same pass counts forward FLOPs per equation (a multiply-add is 2 FLOPs; elementwise and
-reduction work 1 per element; a scan body counts `length` times).
+reduction work 1 per element; a scan body counts `length` times): `Operator.flops`, what the
+analytic costs price. `xla_flops` counts any jaxpr as XLA's cost analysis counts the HLO it
+lowers to (transcendentals apart, casts and selects counted, folded constants free): what
+`soapjax check` holds against the compiled step.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import numpy as np
 from jax.extend import core as jcore
 
 Labels = tuple[int, ...]
@@ -462,3 +466,188 @@ def _higher_order(ls, eqn, ins, in_shapes, out_shapes, env) -> EqnInfo:
 def _unify_each(ls: LabelSet, a: Sequence[Labels], b: Sequence[Labels]) -> None:
     for x, y in zip(a, b):
         _unify_all(ls, x, y)
+
+
+# --- FLOPs as XLA counts them --------------------------------------------------------------------
+#
+# `_flops` above prices an operator's time (a transcendental is one FLOP, a cast none). What
+# `soapjax check` holds against the compiled step must be counted as XLA's `HloCostAnalysis`
+# counts the HLO each primitive lowers to: a multiply-add is 2 FLOPs (a contraction over one
+# element is a multiply to XLA: 1); every other elementwise op, compare, select and dtype
+# conversion 1 per element; exp, log, tanh, sqrt, rsqrt, pow, sin, cos, ... are
+# *transcendentals*, a separate count (a sigmoid is 1 / (1 + exp(-x)): 3 FLOPs and one); a
+# reduction (inputs - outputs) times its reducer; a pooling window (size - 1) per output, its
+# gradient as XLA:CPU expands it; layout, indexing and gathers nothing; a convolution only its
+# in-bounds taps. What the lowering folds (constants, `x * 1`) is free. Unlike XLA, a scan
+# counts its body `length` times (XLA's cost analysis counts a while loop's body once, whatever
+# its trip count); a `while` whose trip count the jaxpr does not fix counts once, as XLA's does.
+# Checked against ``compiled.cost_analysis()`` primitive by primitive in tests/test_cost.py.
+
+
+class Flops(NamedTuple):
+    """FLOPs and transcendentals, as XLA's ``cost_analysis()`` reports them; `matmul` is the
+    part of `flops` in matmuls and convolutions."""
+
+    flops: float = 0.0
+    transcendentals: float = 0.0
+    matmul: float = 0.0
+
+    def plus(self, other: Flops, times: float = 1.0) -> Flops:
+        return Flops(*(a + times * b for a, b in zip(self, other)))
+
+
+_XLA_FREE = frozenset({
+    "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "iota", "slice",
+    "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "copy", "copy_p",
+    "stop_gradient", "split", "rev", "gather", "sharding_constraint", "optimization_barrier",
+    "device_put", "stack", "mesh_cast", "reshard", "pvary", "bitcast_convert_type"})
+_XLA_TRANSCENDENTAL = frozenset({
+    "exp", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "sqrt", "rsqrt",
+    "cbrt", "pow", "atan2", "erf", "acosh"})
+
+
+def xla_flops(jaxpr: jcore.Jaxpr) -> Flops:
+    """The FLOPs of `jaxpr` as XLA counts the HLO it lowers to (see above), scans unrolled.
+
+    What the lowering folds away costs nothing: equations on constants only (a literal, or a
+    broadcast of one), a multiply by one, an add or subtract of zero, a divide by one.
+
+    >>> import jax, jax.numpy as jnp
+    >>> f = lambda x, w: jnp.tanh(x @ w) * 1.0 + 1.0
+    >>> x, w = jnp.ones((8, 16)), jnp.ones((16, 4))
+    >>> xla_flops(jax.make_jaxpr(f)(x, w).jaxpr)   # 2*8*4*16 + 8*4 adds; 8*4 tanh
+    Flops(flops=1056.0, transcendentals=32.0, matmul=1024.0)
+    """
+    splat: dict[Any, Any] = {}  # vars known to hold one value everywhere: that value
+
+    def value(v) -> Any:
+        if isinstance(v, jcore.Literal):
+            return np.asarray(v.val) if np.ndim(v.val) == 0 else None
+        return splat.get(v)
+
+    total = Flops()
+    for eqn in jaxpr.eqns:
+        vals = [value(v) for v in eqn.invars]
+        if eqn.invars and all(x is not None for x in vals):  # folded by the lowering
+            folded = _fold(eqn.primitive.name, eqn.params, vals)
+            if folded is not None and len(eqn.outvars) == 1:
+                splat[eqn.outvars[0]] = folded
+                continue
+        if _is_identity(eqn.primitive.name, vals):
+            continue
+        total = total.plus(_xla_eqn(eqn))
+    return total
+
+
+_FOLD = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
+         "max": np.maximum, "min": np.minimum, "neg": np.negative, "square": np.square,
+         "sqrt": np.sqrt, "exp": np.exp, "log": np.log, "abs": np.abs}
+
+
+def _fold(name: str, params, vals: list) -> Any:
+    """The value of an equation on constants, where it is one value everywhere."""
+    if name in ("broadcast_in_dim", "convert_element_type", "reshape", "squeeze",
+                "expand_dims", "copy", "copy_p"):
+        return vals[0]
+    if name == "integer_pow":
+        return vals[0] ** params["y"]
+    fn = _FOLD.get(name)
+    if fn is None:
+        return None
+    with np.errstate(all="ignore"):
+        return fn(*vals)
+
+
+def _is_identity(name: str, vals: list) -> bool:
+    """``x * 1``, ``1 * x``, ``x + 0``, ``0 + x``, ``x - 0``, ``x / 1``: no HLO left."""
+    def eq(x, c):
+        return x is not None and np.ndim(x) == 0 and x == c
+    if len(vals) != 2:
+        return False
+    if name in ("mul",):
+        return eq(vals[0], 1) or eq(vals[1], 1)
+    if name in ("add", "add_any"):
+        return eq(vals[0], 0) or eq(vals[1], 0)
+    if name in ("sub", "div"):
+        return eq(vals[1], 0 if name == "sub" else 1)
+    return False
+
+
+def _xla_eqn(eqn) -> Flops:
+    name, p = eqn.primitive.name, eqn.params
+    if name == "scan":
+        return Flops().plus(xla_flops(p["jaxpr"].jaxpr), float(p["length"]))
+    if name == "while":
+        return xla_flops(p["body_jaxpr"].jaxpr).plus(xla_flops(p["cond_jaxpr"].jaxpr))
+    if name == "cond":
+        return max((xla_flops(b.jaxpr) for b in p["branches"]), key=lambda f: f.flops)
+    subs = list(jcore.jaxprs_in_params(p))
+    if subs:  # calls, custom derivative rules, remat: the primal body
+        return xla_flops(subs[0])
+    if name in _XLA_FREE:
+        return Flops()
+    in_shapes = [shape_of(v) for v in eqn.invars]
+    out_shapes = [shape_of(v) for v in eqn.outvars]
+    out = float(_numel(out_shapes[0])) if out_shapes else 0.0
+    if name == "logistic":  # XLA expands it: 1 / (1 + exp(-x))
+        return Flops(3.0 * out, out)
+    if name in _XLA_TRANSCENDENTAL:
+        return Flops(0.0, out)
+    if name == "dot_general":
+        (lc, _), _ = p["dimension_numbers"]
+        if math.prod(in_shapes[0][d] for d in lc) == 1:  # XLA rewrites it as a multiply
+            return Flops(out, 0.0, out)
+        f = _flops(name, p, in_shapes, out_shapes)
+        return Flops(f, 0.0, f)
+    if name == "conv_general_dilated":
+        f = _conv_flops(p, in_shapes, out_shapes)
+        return Flops(f, 0.0, f)
+    if name.startswith(("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+                        "reduce_or", "reduce_xor", "argmax", "argmin")):
+        per = 6.0 if name.startswith("arg") else 1.0  # a variadic reducer: compares, selects
+        return Flops(per * (_numel(in_shapes[0]) - out))
+    if name.startswith("reduce_window"):
+        return Flops((math.prod(p["window_dimensions"]) - 1) * out)
+    if name == "select_and_scatter_add":
+        # XLA:CPU expands it (SelectAndScatterExpander): a reduce-window carrying the value and
+        # one index per dim, rank + 7 FLOPs a step, then a scatter-add; measured at ranks 3-5.
+        steps = math.prod(p["window_dimensions"]) - 1
+        return Flops(_numel(in_shapes[0]) * (steps * (len(in_shapes[0]) + 7) + 1.0))
+    if name.startswith("scatter"):  # the updates, combined one by one (a plain scatter: none)
+        return Flops(0.0 if name == "scatter" else float(_numel(in_shapes[2])))
+    if name == "integer_pow":  # square-and-multiply, then a divide for a negative power
+        y = abs(p["y"])
+        return Flops(out * (max(y.bit_length() - 1 + y.bit_count() - 1, 0) + (p["y"] < 0)))
+    if name == "convert_element_type":
+        same = eqn.invars[0].aval.dtype == p["new_dtype"]
+        return Flops(0.0 if same else out)
+    if name == "select_n":
+        return Flops(out * (len(eqn.invars) - 2))
+    if name in ("random_bits", "random_seed", "random_split", "random_fold_in", "random_wrap",
+                "random_unwrap", "threefry2x32"):
+        return Flops()  # key plumbing (an LSTM's carry initializer): a few integer ops
+    return Flops(float(sum(_numel(s) for s in out_shapes)))
+
+
+def _conv_flops(p, in_shapes, out_shapes) -> float:
+    """2 x the multiply-adds of a convolution that land inside the (dilated) input."""
+    dn = p["dimension_numbers"]
+    lhs, rhs, out = in_shapes[0], in_shapes[1], out_shapes[0]
+    valid = 1
+    for k, (ld, rd, od) in enumerate(zip(dn.lhs_spec[2:], dn.rhs_spec[2:], dn.out_spec[2:])):
+        n_in, n_k, n_out = lhs[ld], rhs[rd], out[od]
+        stride = p["window_strides"][k]
+        lo, _ = p["padding"][k]
+        base = p["lhs_dilation"][k] if p.get("lhs_dilation") else 1
+        dil = p["rhs_dilation"][k] if p.get("rhs_dilation") else 1
+        valid *= sum(1 for t in range(n_k) for o in range(n_out)
+                     if _tap_in_bounds(o * stride - lo + t * dil, base, n_in))
+    in_features = lhs[dn.lhs_spec[1]] // p["feature_group_count"]
+    batch = lhs[dn.lhs_spec[0]] // p["batch_group_count"]
+    return 2.0 * in_features * out[dn.out_spec[1]] * batch * valid
+
+
+def _tap_in_bounds(index: int, base_dilation: int, size: int) -> bool:
+    if index % base_dilation:
+        return False
+    return 0 <= index // base_dilation < size

@@ -1,15 +1,22 @@
 """soapjax check: a plan applied on cpu8 against the unsharded step and the simulator."""
 
+import functools
 import json
 
+import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 import soapjax_zoo as zoo
-from soapjax import cli, space
+from soapjax import baselines, cli, space
+from soapjax.check import compiled_flops, hlo_flops
+from soapjax.cost import FlopCounter
 from soapjax.errors import PlanError
 from soapjax.graph import trace
 from soapjax.plan import Plan
-from soapjax.topology import load_topology
+from soapjax.space import MeshShape
+from soapjax.topology import load_topology, make_mesh
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +68,60 @@ def test_check_refuses_unknown_models(megatron_plan, tmp_path):
     (tmp_path / "p.json").write_text(json.dumps(data))
     with pytest.raises(PlanError, match="model 'mine', which is not in the zoo"):
         zoo.for_plan(Plan.load(tmp_path / "p.json"))
+
+
+# --- FLOPs per device: the compiled step against the simulator -----------------------------------
+
+
+@functools.cache
+def _flop_setup(name: str):
+    w = zoo.get(name, "tiny")
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=name)
+    topo = load_topology("cpu8")
+    counter = FlopCounter(g, optimizer=w.optimizer, params=w.abstract_params())
+    return w, g, topo, counter
+
+
+# XLA's count over the prediction (docs/checks.md, scripts/bench_flops.py). GPT-2's fusions
+# recompute elementwise work (GELU's and layer norms' backward in each consumer's fusion),
+# which the simulator does not model: without it, the counts agree within 1%.
+FLOP_PLANS = {
+    ("mlp", "data-parallel"): 1.007, ("mlp", "megatron"): 1.026,
+    ("rnnlm", "data-parallel"): 1.039, ("rnnlm", "megatron"): 1.021,
+    ("gpt2", "data-parallel"): 1.057, ("gpt2", "megatron"): 1.088,
+}
+
+
+@pytest.mark.parametrize("case", FLOP_PLANS, ids=[f"{m}-{p}" for m, p in FLOP_PLANS])
+def test_compiled_flops_per_device_match_the_prediction(case):
+    w, g, topo, counter = _flop_setup(case[0])
+    strategy = baselines.baselines(g, topo)[case[1]]
+    mesh = MeshShape.of(topo)
+    xla = compiled_flops(g, strategy, make_mesh(topo), w, mesh_shape=mesh,
+                         compiler_options={"xla_backend_optimization_level": 0})
+    predicted = counter.step(strategy, mesh).total
+    assert xla.compute / predicted == pytest.approx(FLOP_PLANS[case], abs=0.002)
+    assert (xla.compute - xla.duplicated) / predicted == pytest.approx(1.0, abs=0.05)
+    if case[0] != "gpt2":
+        assert xla.compute / predicted == pytest.approx(1.0, abs=0.05)
+    if case[0] == "rnnlm":  # XLA counts each LSTM's time loop once: a fraction of the work
+        assert xla.flops < 0.6 * xla.compute and xla.loop_extra > 0
+
+
+def test_hlo_flops_counts_every_trip_of_a_loop_and_leaves_all_reduces_out():
+    def f(x, w):
+        return jax.lax.scan(lambda c, _: (jnp.tanh(c @ w) + 1.0, None), x, None, length=10)[0]
+
+    avals = (jax.ShapeDtypeStruct((8, 16), jnp.float32),
+             jax.ShapeDtypeStruct((16, 16), jnp.float32))
+    counted = hlo_flops(jax.jit(f).lower(*avals).compile().as_text())
+    body = 2 * 8 * 16 * 16 + 8 * 16 + 2  # matmul, add, the loop counter's add and compare
+    assert (counted.flops, counted.transcendentals) == (body, 8 * 16)  # cost_analysis()'s
+    assert counted.loop_extra == 9 * body and counted.compute == 10 * body
+    mesh = make_mesh(load_topology("cpu8"))
+    summed = jax.jit(lambda x: x.sum(0), in_shardings=NamedSharding(mesh, PartitionSpec(
+        ("data", "model"))), out_shardings=NamedSharding(mesh, PartitionSpec()))
+    reduced = hlo_flops(summed.lower(jax.ShapeDtypeStruct((64, 32), jnp.float32)).compile()
+                        .as_text())
+    assert reduced.all_reduce == 32  # XLA's 1 FLOP per element: communication here
+    assert reduced.compute == 8 * 32 - 32  # each device sums its 8 rows
