@@ -14,8 +14,10 @@ LLaMA 7B / 70B on `h100x64`, with analytic (roofline) costs:
   parallel) that fits, and its time;
 * the search time.
 
-Rows where no plan without pipeline stages fits in memory say so. The default run takes about
-15 minutes on 2 cores; ``--quick`` a subset in about 2.
+Rows where no plan without pipeline stages fits in memory say so; for GPT those rows are also
+searched with stages beside Megatron's 3D grid (bench_pipeline.run_case), in a second table. The whole table takes about an hour on 2
+cores (``--limit-s``, ``--only`` and ``--resume`` split it over several runs); ``--quick`` a
+subset in about 2 minutes.
 
     .venv/bin/python scripts/bench_scaling.py [--quick] [--proposals N] [--out docs/scaling.md]
 """
@@ -31,6 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import jax
 
@@ -113,6 +116,11 @@ def megatron_grid(graph, topo, costs, resharder, factor):
     return best
 
 
+def needs_stages(row: dict) -> bool:
+    """Whether neither the search nor Megatron's grid fits without pipeline stages."""
+    return "plan" not in row or not row["plan"]["fits"]
+
+
 def run_case(model, size, mesh, n, proposals) -> dict:
     batch = (GPT_BATCH if model == "gpt" else LLAMA_BATCH)[size]
     topo = scaled_topology(load_topology(mesh), n)
@@ -171,9 +179,12 @@ def render(rows: list[dict], args) -> str:
         "tokens + 12 x layers x batch x seq^2 x d_model) / step / GPUs, without recomputation; "
         "hardware TFLOP/s adds the forwards that full recomputation runs again.",
         "",
-        ("Plans have no pipeline stages (soapjax has none yet: `megatron_3d` refuses pp > 1); a "
-         "row where neither the search nor Megatron's grid fits in 80 GB says *needs pipeline "
-         "stages*. Megatron grid: TP in {1,2,4,8} inside a node (sequence parallel), DP across, "
+        ("Plans here have no pipeline stages (the search runs with `pipelines=False`, Megatron's "
+         "grid with pp = 1): the table shows how far a plan without stages goes. A row where "
+         "neither fits in 80 GB says *needs pipeline stages*; `soapjax plan` then searches "
+         "pipelined plans, and the section after the table gives them (more in "
+         "[pipelines.md](pipelines.md)). "
+         "Megatron grid: TP in {1,2,4,8} inside a node (sequence parallel), DP across, "
          "microbatch size in {1,2,4,per-replica batch}, recompute none/selective/full."),
         "",
         ("Where the global batch is no multiple of the GPU count (512 sequences on 280 or 3072 "
@@ -198,6 +209,37 @@ def render(rows: list[dict], args) -> str:
             f"| {r['model']} | {r['gpus']} | {p['words']}{fit} | {p['step_s']:.3f} | "
             f"{p['model_tflops']:.0f} | {p['hw_tflops']:.0f} | {p['memory'] / 1e9:.1f} | "
             f"{mega[0]} | {mega[1]} | {r['search_s']:.0f} |")
+    staged = [r for r in rows if "pipelined" in r]
+    if staged:
+        lines += [
+            "", "## Rows that need pipeline stages", "",
+            f"Searched with pipeline stages (`SearchSettings(pipelines=True)`, "
+            f"{args.pipeline_proposals} proposals per chain) beside the fastest fitting point "
+            "of Megatron's 3D grid (PP over the stage counts that divide the layers and the "
+            "nodes, interleave 1 or 2, TP 4 or 8, microbatch sizes and recompute as above), "
+            "both simulated by `soapjax.pipesim`, as in [pipelines.md](pipelines.md). "
+            "Memory is the fullest stage's.",
+            "",
+            "| model | GPUs | batch | searched plan | step (s) | model TFLOP/s/GPU | bubble | "
+            "memory/GPU (GB) | best Megatron 3D | Megatron step (s) | search (s) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in staged:
+            q = r["pipelined"]
+            m = q.get("megatron")
+            mega = (m["config"], f"{m['step_s']:.3f}") if m else ("none fits", "-")
+            if "plan" not in q:
+                why = q.get("error", "").splitlines()[0] if q.get("error") else ""
+                lines.append(f"| {r['model']} | {r['gpus']} | {q['batch']} | no plan fits "
+                             f"({why}) | - | - | - | - | {mega[0]} | {mega[1]} | "
+                             f"{q['search_s']:.0f} |")
+                continue
+            p = q["plan"]
+            fit = "" if p["fits"] else " (does not fit)"
+            lines.append(
+                f"| {r['model']} | {r['gpus']} | {q['batch']} | {p['words']}{fit} | "
+                f"{p['step_s']:.3f} | {p['model_tflops']:.0f} | {p['bubble']:.3f} | "
+                f"{p['memory'] / 1e9:.1f} | {mega[0]} | {mega[1]} | {q['search_s']:.0f} |")
     if args.missing:
         lines += ["", "Not run (time): " + ", ".join(args.missing) + "."]
     return "\n".join(lines) + "\n"
@@ -209,37 +251,49 @@ def main() -> int:
     p.add_argument("--proposals", type=int, default=200, help="proposals per search chain")
     p.add_argument("--out", default=str(ROOT / "docs" / "scaling.md"))
     p.add_argument("--json", default=None, help="also write the rows as JSON")
-    p.add_argument("--limit-s", type=float, default=900.0,
-                   help="stop starting new rows after this many seconds")
+    p.add_argument("--limit-s", type=float, default=float("inf"),
+                   help="stop starting new rows after this many seconds (default: no limit)")
     p.add_argument("--only", default=None, help="comma-separated rows to run, e.g. 'gpt 1t,"
                    "llama 7b' (every GPU count) or 'gpt 22b x64'")
+    p.add_argument("--pipeline-proposals", type=int, default=20, metavar="N",
+                   help="for GPT rows that need pipeline stages, also search pipelined plans "
+                   "(N proposals per chain) and Megatron's 3D grid, as bench_pipeline.py does; "
+                   "0 leaves them out")
     p.add_argument("--resume", default=None, metavar="ROWS.json",
                    help="rows of an earlier run (its --json file): kept, and not run again")
     args = p.parse_args()
     rows, start, args.missing = [], time.perf_counter(), []
-    done = set()
+    done = {}
     if args.resume:
         rows = json.loads(Path(args.resume).read_text())
-        done = {(r["model"], r["gpus"]) for r in rows}
+        done = {(r["model"], r["gpus"]): r for r in rows}
     wanted = [w.strip() for w in args.only.split(",")] if args.only else None
     for model, size, mesh, n in cases(args.quick):
-        if (f"{model} {size}", n) in done:
-            continue
         if wanted and f"{model} {size}" not in wanted and f"{model} {size} x{n}" not in wanted:
+            continue
+        row = done.get((f"{model} {size}", n))
+        if row is not None and not (args.pipeline_proposals and needs_stages(row)
+                                    and "pipelined" not in row):
             continue
         if time.perf_counter() - start > args.limit_s:
             args.missing.append(f"{model} {size} on {n}")
             continue
         t0 = time.perf_counter()
-        try:
-            row = run_case(model, size, mesh, n, args.proposals)
-        except SoapjaxError as e:
-            row = {"model": f"{model} {size}", "gpus": n, "search_s": 0.0,
-                   "needs_pipeline": str(e)[:200]}
-        rows.append(row)
+        if row is None:
+            try:
+                row = run_case(model, size, mesh, n, args.proposals)
+            except SoapjaxError as e:
+                row = {"model": f"{model} {size}", "gpus": n, "search_s": 0.0,
+                       "needs_pipeline": str(e)[:200]}
+            rows.append(row)
+        if args.pipeline_proposals and needs_stages(row) and model == "gpt":
+            from bench_pipeline import run_case as pipelined_case  # it imports this module
+            row["pipelined"] = pipelined_case(size, n, row.get("batch", GPT_BATCH[size]),
+                                              args.pipeline_proposals)
         print(f"{model} {size} x{n}: {time.perf_counter() - t0:.1f} s "
-              f"{json.dumps(row.get('plan', row.get('needs_pipeline')), default=str)}",
-              flush=True)
+              f"{json.dumps(row.get('plan', row.get('needs_pipeline')), default=str)}"
+              + (f" pipelined: {json.dumps(row['pipelined'].get('plan'), default=str)}"
+                 if "pipelined" in row else ""), flush=True)
         Path(args.out).write_text(render(rows, args))
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
