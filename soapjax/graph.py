@@ -35,7 +35,7 @@ import difflib
 import hashlib
 import inspect
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -68,6 +68,9 @@ __all__ = ["LeafInfo", "OpGraph", "Operand", "Operator", "OutputTensor", "Reduct
            "module_of_param", "trace"]
 
 
+_MISSING = object()
+
+
 @dataclasses.dataclass(frozen=True)
 class OpGraph:
     """The operators of a traced function, in topological order.
@@ -90,6 +93,17 @@ class OpGraph:
     program: _Program = dataclasses.field(compare=False, hash=False, repr=False)
     retrace: Callable[[int], OpGraph] | None = dataclasses.field(
         default=None, compare=False, hash=False, repr=False)
+    # what later stages work out once per graph (`memo`); not copied by dataclasses.replace
+    _memo: dict = dataclasses.field(default_factory=dict, init=False, compare=False,
+                                    hash=False, repr=False)
+
+    def memo(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        """``compute()``, worked out once per graph and `key` (config-independent structure
+        that several simulations of one graph share). The result must not be mutated."""
+        out = self._memo.get(key, _MISSING)
+        if out is _MISSING:
+            out = self._memo[key] = compute()
+        return out
 
     def at_batch_size(self, size: int) -> OpGraph:
         """The same function traced again with `size` samples per batch (microbatches: the
@@ -121,12 +135,14 @@ class OpGraph:
     def repeated_blocks(self) -> list[list[int]]:
         """Indices of operators at the same position of every layer of a scan over layers
         (equal `Operator.block_position`, equal iteration dims), in groups of two or more."""
-        groups: dict[tuple, list[int]] = {}
-        for i, op in enumerate(self.operators):
-            if op.block_position:
-                key = (op.block_position, op.iteration_sizes, op.iteration_roles, op.anchor)
-                groups.setdefault(key, []).append(i)
-        return [g for g in groups.values() if len(g) > 1]
+        def compute() -> tuple[tuple[int, ...], ...]:
+            groups: dict[tuple, list[int]] = {}
+            for i, op in enumerate(self.operators):
+                if op.block_position:
+                    key = (op.block_position, op.iteration_sizes, op.iteration_roles, op.anchor)
+                    groups.setdefault(key, []).append(i)
+            return tuple(tuple(g) for g in groups.values() if len(g) > 1)
+        return [list(g) for g in self.memo("repeated_blocks", compute)]
 
     @property
     def batch_size(self) -> int:

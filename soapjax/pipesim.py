@@ -172,14 +172,16 @@ class PipelinedSimulation:
         self.graph, self.full_topology = graph, topology
         self.topology = stage_topology(topology, strategy.stages)
         self._pipeline = (strategy.stages, strategy.virtual_stages, strategy.schedule)
-        self._chunk = layer_chunks(graph, strategy.stages * strategy.virtual_stages)
-        first, last = _layer_span(graph)
+        chunks = strategy.stages * strategy.virtual_stages
+        self._chunk = graph.memo(("layer_chunks", chunks), lambda: layer_chunks(graph, chunks))
+        first, last = graph.memo("layer_span", lambda: _layer_span(graph))
         # before the first layer (embedding): SPMD on every device, as apply runs it
         self._prologue = [i < first for i in range(len(graph.operators))]
         self._outside = [i < first or i > last for i in range(len(graph.operators))]
         self._inner = Simulation(graph, self.topology, cost_model, resharder, _flat(strategy),
                                  opt_state_factor=opt_state_factor)
-        self._param_share = self._param_shares()
+        self._param_share = graph.memo(("param_shares", strategy.stages, chunks),
+                                       self._param_shares)
         self._result: PipelineResult | None = None
         self._saved: PipelineResult | None = None
 

@@ -200,14 +200,16 @@ class Simulation:
         sharing = topology.compute  # devices sharing the host's cores (`[compute]`)
         self._stretch = sharing.stretch(topology.num_devices) if sharing else 1.0
         self._kernel_overhead = sharing.kernel_overhead if sharing else 0.0
-        self._layout = Layout(graph)
+        self._layout = graph.memo("layout", lambda: Layout(graph))
         self._pricing = Pricing(topology, resharder)
         self._views_memo: dict[tuple[int, Config, str, int], _View] = {}
-        self._canon = _canonical_operators(graph)  # a layer's operator -> layer 0's twin
-        self._segments = Segments(graph)
-        self._sample = [sample_dim(op) for op in graph.operators]
+        # a layer's operator -> layer 0's twin
+        self._canon = graph.memo("canonical", lambda: _canonical_operators(graph))
+        self._segments = graph.memo("segments", lambda: Segments(graph))
+        self._sample = graph.memo("sample_dims", lambda: [sample_dim(op) for op in graph.operators])
         self._micro = max(1, int(strategy.microbatches))
         self._scaled: dict[tuple, tuple[Comm, ...]] = {}  # (chain, M) -> chain run M times
+        self._memo: dict[tuple, Any] = {}  # stored layouts, shard bytes, activation chains
         self._act: int | None = None  # activation bytes, computed when asked (`_memory`)
         self._pending: _Batch | None = None
         self._prefetch(strategy, ())  # compile the first strategy's reshardings in one batch
@@ -407,6 +409,7 @@ class Simulation:
         seen: list = []
         shadow = copy.copy(self)  # `_build` gives it its own task graph and unit lists
         shadow._pricing, shadow._pending = self._pricing.recording(seen), None
+        shadow._memo = {}  # its chains are the recorder's empty ones
         shadow.reset(strategy)
         for i, config in changes:
             shadow.propose(i, config)
@@ -597,8 +600,13 @@ class Simulation:
                           partial: tuple[str, ...] = ()) -> tuple[Comm, ...]:
         """The resharding of activation `x` (an operand or output, `dims` of an operator whose
         sample dim is `sample`) for each microbatch, at microbatch size."""
-        shape = microbatch_shape(x.shape, x.dims, sample, self._micro)
-        return self._per_microbatch(self._pricing.chain(shape, x.dtype, src, dst, partial))
+        key = ("activation", x.shape, x.dims, x.dtype, sample, src, dst, partial, self._micro)
+        out = self._memo.get(key)
+        if out is None:
+            shape = microbatch_shape(x.shape, x.dims, sample, self._micro)
+            out = self._memo[key] = self._per_microbatch(
+                self._pricing.chain(shape, x.dtype, src, dst, partial))
+        return out
 
     def _chain_tasks(self, chain: tuple[Comm, ...], key: int, head: list[int], kind: str,
                      subject: Any) -> list[int]:
@@ -657,15 +665,25 @@ class Simulation:
         layout = self._layout
         j, o = layout.readers[leaf][0]
         zero = self._zero if layout.leaf_is_param[leaf] else ()
-        return storage_spec(self._views[j].operand_specs[o], layout.leaf_shape[leaf], zero,
-                            self.mesh)
+        key = ("stored", self._views[j].operand_specs[o], layout.leaf_shape[leaf], zero)
+        out = self._memo.get(key)
+        if out is None:
+            out = self._memo[key] = storage_spec(key[1], key[2], zero, self.mesh)
+        return out
+
+    def _shard_bytes(self, shape: tuple[int, ...], spec: tuple, dtype: str) -> int:
+        key = ("bytes", shape, spec, dtype)
+        out = self._memo.get(key)
+        if out is None:
+            out = self._memo[key] = shard_bytes(shape, spec, dtype, self.mesh)
+        return out
 
     def _build_leaf(self, leaf: int) -> _LeafTasks:
         """A parameter's or batch input's tasks (gathers, gradient syncs, update) and bytes."""
         layout = self._layout
         shape, dtype = layout.leaf_shape[leaf], layout.leaf_dtype[leaf]
         store = self._stored_spec(leaf)
-        stored = shard_bytes(shape, store, dtype, self.mesh)
+        stored = self._shard_bytes(shape, store, dtype)
         gathers, gather_ends, gathered = self._build_gathers(leaf, store)
         if not layout.leaf_is_param[leaf]:
             return _LeafTasks(gathers, gather_ends, 0, stored + gathered)
@@ -686,7 +704,7 @@ class Simulation:
         for j, o in layout.readers[leaf]:
             spec = self._views[j].operand_specs[o]
             if spec != store:
-                gathered += shard_bytes(shape, spec, dtype, self.mesh)
+                gathered += self._shard_bytes(shape, spec, dtype)
             chain = self._chain_tasks(self._per_microbatch(
                 self._pricing.chain(shape, dtype, store, spec)), layout.fwd_key(j, o), [],
                 PARAM_GATHER, leaf)

@@ -678,4 +678,6 @@ def stage_topology(topology: Topology, stages: int) -> Topology:
                             f"(size {size}) of {topology.name!r}; choose a divisor of {size}")
     if stages == 1:
         return topology
-    return scaled_topology(topology, topology.num_devices // stages)
+    # kept on the topology: the stage topology's routes and channels are worked out once
+    return topology._cached(("stage_topology", stages),
+                            lambda: scaled_topology(topology, topology.num_devices // stages))

@@ -435,3 +435,19 @@ def test_identical_unrolled_layers_are_repeated_blocks():
     assert pos["layers_2/fc1"] == "layers_*/fc1" and pos["Block_1/fc2"] == "Block_*/fc2"
     assert pos["Dense_0"] == pos["Dense_1"] == pos["odd_0/fc1"] == ""
     assert sorted(len(b) for b in g.repeated_blocks()) == [2, 2, 2, 4, 4, 4]
+
+
+def test_memo_is_per_graph_and_not_copied():
+    """`OpGraph.memo` works a value out once per graph; `dataclasses.replace` (another graph)
+    starts empty; `repeated_blocks` hands out copies of its memoised groups."""
+    import dataclasses
+
+    _, g = zoo_graph("gpt")
+    calls = []
+    assert g.memo(("test", 1), lambda: calls.append(1) or 7) == 7
+    assert g.memo(("test", 1), lambda: calls.append(1) or 8) == 7 and calls == [1]
+    other = dataclasses.replace(g, name="other")
+    assert other.memo(("test", 1), lambda: 9) == 9
+    blocks = g.repeated_blocks()
+    blocks[0].append(-1)
+    assert -1 not in g.repeated_blocks()[0]
