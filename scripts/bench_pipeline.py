@@ -15,7 +15,9 @@ to N GPUs, analytic roofline costs (100 % of peak: times are lower bounds):
   it is never slower;
 * the search time.
 
-Usage: ``python scripts/bench_pipeline.py [--proposals 30] [--out docs/pipelines.md]``.
+Usage: ``python scripts/bench_pipeline.py [--proposals 30] [--out docs/pipelines.md]``;
+``--speed --proposals 20`` times the search for GPT 175B on 1024 A100s and a full simulation
+of its plan instead (issue "Large models II"'s speed goals).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import jax  # noqa: E402
 
 import soapjax_zoo  # noqa: E402
-from bench_scaling import model_flops  # noqa: E402
+from bench_scaling import matmul_degrees, model_flops  # noqa: E402
 from soapjax.baselines import megatron_grid  # noqa: E402
 from soapjax.cost import cost_model  # noqa: E402
 from soapjax.errors import PlanError  # noqa: E402
@@ -51,17 +53,11 @@ CASES = [("175b", 64, 64), ("530b", 280, 280), ("1t", 512, 512)]
 
 def describe(graph, strategy, mesh: MeshShape, n: int) -> str:
     """TP / PP / v / DP / M / recompute of a strategy, in words."""
-    tp = set()
-    for op, c in zip(graph.operators, strategy.configs):
-        if op.anchor == "dot_general" and op.block_position:
-            for d, axes in enumerate(c.axes):
-                if op.roles[d:d + 1] != ("S",):
-                    tp.update(axes)
-    t = mesh.degree(tuple(a for a in mesh.axis_names if a in tp))
+    t, _, note = matmul_degrees(graph, strategy, mesh)
     pp, v = strategy.stages, strategy.virtual_stages
     rec = sorted({p for p in strategy.recompute if p != "none"}) or ["none"]
     words = [f"TP{t}", f"PP{pp}"] + ([f"v{v}"] if v > 1 else []) + [
-        f"DP{n // (t * pp)}", f"M={strategy.microbatches}", strategy.schedule if pp > 1 else "",
+        f"DP{n // (t * pp)}", note, f"M={strategy.microbatches}", strategy.schedule if pp > 1 else "",
         "recompute " + "+".join(rec)]
     if strategy.zero_axes:
         words.append(f"FSDP{mesh.degree(strategy.zero_axes)}")
@@ -121,6 +117,40 @@ def run_case(size: str, n: int, batch: int, proposals: int) -> dict:
     return row
 
 
+def speed(proposals: int, repeats: int) -> dict:
+    """Issue "Large models II"'s speed goals: the search for GPT 175B on 1024 A100s (batch
+    1536) and a full simulation of its plan, in this process's CPU time (one core: the search
+    and the simulator run on one thread; CPU time is what other jobs on a busy machine disturb
+    least). A full simulation builds its `PipelinedSimulation` from scratch (task graph,
+    timing, schedule, memory), the way the search scores a new start; the graph's
+    config-independent structure (`OpGraph.memo`) and the pricing caches are warm, as in a
+    search. Reported: the median and best of `repeats`."""
+    n, batch = 1024, 1536
+    topo = scaled_topology(load_topology("dgx-a100x3072"), n)
+    w = soapjax_zoo.get("gpt", "175b", batch_size=batch)
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    costs = cost_model(g, topo, mode="analytic", optimizer=w.optimizer)
+    factor = opt_state_factor(w.optimizer, w.abstract_params())
+    t0 = time.process_time()
+    plan = find_plan(g, topo, settings=SearchSettings(max_proposals=proposals, seed=0,
+                                                      pipelines=True),
+                     costs=costs, optimizer=w.optimizer, family=w.family, model_config="175b")
+    search_s = time.process_time() - t0
+    s = plan.strategy(g, topo)
+    times = []
+    with Resharder(MeshShape.of(stage_topology(topo, s.stages)), mode="ideal") as rs:
+        for _ in range(repeats + 1):  # the first warms the pricing caches
+            t0 = time.process_time()
+            r = PipelinedSimulation(g, topo, costs, rs, s, opt_state_factor=factor).result()
+            times.append(time.process_time() - t0)
+    times = sorted(times[1:])
+    return {"case": f"gpt 175b x{n} batch {batch}", "operators": len(g.operators),
+            "proposals_per_chain": proposals, "search_cpu_s": search_s,
+            "plan": describe(g, s, MeshShape.of(topo), n), "step_s": r.step_time_s,
+            "full_simulation_ms_median": 1e3 * times[len(times) // 2],
+            "full_simulation_ms_best": 1e3 * times[0]}
+
+
 def render(rows: list[dict], proposals: int) -> str:
     lines = [
         "# Pipelines: GPT 175B, 530B and 1T on A100 clusters",
@@ -164,7 +194,14 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "docs" / "pipelines.md"))
     p.add_argument("--json", default=None, help="also write the rows as JSON")
     p.add_argument("--only", default=None, help="one size (175b, 530b or 1t)")
+    p.add_argument("--speed", action="store_true",
+                   help="instead of the table: search time for GPT 175B on 1024 A100s and the "
+                   "time of a full simulation of its plan (JSON on stdout)")
+    p.add_argument("--repeats", type=int, default=20, help="full simulations timed (--speed)")
     args = p.parse_args()
+    if args.speed:
+        print(json.dumps(speed(args.proposals, args.repeats), indent=1), flush=True)
+        return 0
     rows = []
     for size, n, batch in CASES:
         if args.only and size != args.only:

@@ -77,21 +77,35 @@ def model_flops(model: str, size: str, batch: int, params: int) -> tuple[float, 
     return step, step / 3
 
 
-def describe(graph, strategy, mesh: MeshShape) -> str:
-    """TP / DP / M / recompute / FSDP of a strategy, in words (from its matmuls)."""
-    tp, dp = set(), set()
+def matmul_degrees(graph, strategy, mesh: MeshShape) -> tuple[int, int, str]:
+    """(TP, DP, note) of a strategy, read from the layers' matmuls: each matmul's TP degree
+    is the product of the axes splitting its non-sample dims, its DP degree that of the axes
+    splitting its sample dims. The pair most matmuls share is reported; where some differ, the
+    note says how many follow it (a searched plan need not give every matmul the same
+    split)."""
+    pairs: dict[tuple[int, int], int] = {}
     for op, c in zip(graph.operators, strategy.configs):
         if op.anchor != "dot_general" or not op.block_position:
             continue
-        for d, axes in enumerate(c.axes):
-            (dp if op.roles[d:d + 1] == ("S",) else tp).update(axes)
-    degree = lambda axes: mesh.degree(tuple(a for a in mesh.axis_names if a in axes))
+        tp = math.prod(mesh.degree(a) for d, a in enumerate(c.axes) if op.roles[d:d + 1] != ("S",))
+        dp = math.prod(mesh.degree(a) for d, a in enumerate(c.axes) if op.roles[d:d + 1] == ("S",))
+        pairs[tp, dp] = pairs.get((tp, dp), 0) + 1
+    if not pairs:
+        return 1, 1, ""
+    (tp, dp), k = max(pairs.items(), key=lambda kv: (kv[1], -kv[0][0]))
+    total = sum(pairs.values())
+    return tp, dp, "" if k == total else f"({k}/{total} matmuls)"
+
+
+def describe(graph, strategy, mesh: MeshShape) -> str:
+    """TP / DP / M / recompute / FSDP of a strategy, in words (from its matmuls)."""
+    tp, dp, note = matmul_degrees(graph, strategy, mesh)
     rec = sorted({p for p in strategy.recompute if p != "none"}) or ["none"]
-    words = [f"TP{degree(tp)}", f"DP{degree(dp)}", f"M={strategy.microbatches}",
+    words = [f"TP{tp}", f"DP{dp}", note, f"M={strategy.microbatches}",
              "recompute " + "+".join(rec)]
     if strategy.zero_axes:
         words.append(f"FSDP{mesh.degree(strategy.zero_axes)}")
-    return " ".join(words)
+    return " ".join(w for w in words if w)
 
 
 def recompute_share(graph, strategy) -> float:
@@ -114,6 +128,15 @@ def megatron_grid(graph, topo, costs, resharder, factor):
             best = (f"TP{tp} DP{topo.num_devices // int(tp)} M={s.microbatches} {rec}",
                     r.step_time_s, max(r.peak_memory_bytes), s)
     return best
+
+
+def state_bytes(size: str) -> float:
+    """GPT `size`'s parameters, gradients and optimizer state in bytes (f32, Adam's two
+    moments): a bound no plan gets under, whatever it shards."""
+    w = soapjax_zoo.get("gpt", size, batch_size=1)
+    params = w.abstract_params()
+    nbytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
+    return nbytes * (2 + opt_state_factor(w.optimizer, params))
 
 
 def needs_stages(row: dict) -> bool:
@@ -288,8 +311,16 @@ def main() -> int:
             rows.append(row)
         if args.pipeline_proposals and needs_stages(row) and model == "gpt":
             from bench_pipeline import run_case as pipelined_case  # it imports this module
-            row["pipelined"] = pipelined_case(size, n, row.get("batch", GPT_BATCH[size]),
-                                              args.pipeline_proposals)
+            state = state_bytes(size)
+            device = load_topology(A100).device.memory_bytes
+            if state / n > device:  # no plan of any kind fits: do not search
+                row["pipelined"] = {
+                    "batch": row.get("batch", GPT_BATCH[size]), "search_s": 0.0,
+                    "error": f"parameters, gradients and Adam state alone are "
+                             f"{state / n / 1e9:.0f} GB per GPU"}
+            else:
+                row["pipelined"] = pipelined_case(size, n, row.get("batch", GPT_BATCH[size]),
+                                                  args.pipeline_proposals)
         print(f"{model} {size} x{n}: {time.perf_counter() - t0:.1f} s "
               f"{json.dumps(row.get('plan', row.get('needs_pipeline')), default=str)}"
               + (f" pipelined: {json.dumps(row['pipelined'].get('plan'), default=str)}"
