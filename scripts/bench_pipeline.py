@@ -185,6 +185,14 @@ def render(rows: list[dict], proposals: int) -> str:
             f"| {r['model']} | {r['gpus']} | {r['batch']} | {p['words']} | {p['step_s']:.3f} | "
             f"{p['model_tflops']:.0f} | {p['bubble']:.3f} | {p['memory'] / 1e9:.1f} | "
             f"{mega[0]} | {mega[1]} | {r['grid_points']} | {r['search_s']:.0f} |")
+    lines += [
+        "",
+        "Search times are wall clock on the machine that made the table (the 2-core development "
+        "machine, usually shared with another job). What the pipelined simulation leaves out "
+        "is in `soapjax/pipesim.py`'s module docstring: stage boundaries at equal layer counts "
+        "(not searched: apply's stacked stage weights need equal splits), the embedding SPMD "
+        "over every device as apply runs it (not a choice), sends on their own links.",
+    ]
     return "\n".join(lines) + "\n"
 
 
