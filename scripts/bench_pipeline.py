@@ -52,12 +52,15 @@ CASES = [("175b", 64, 64), ("530b", 280, 280), ("1t", 512, 512)]
 
 
 def describe(graph, strategy, mesh: MeshShape, n: int) -> str:
-    """TP / PP / v / DP / M / recompute of a strategy, in words."""
-    t, _, note = matmul_degrees(graph, strategy, mesh)
+    """TP / PP / v / DP / M / recompute of a strategy, in words. Without stages, DP is read from
+    the matmuls' sample splits (a batch that does not divide the GPUs leaves some replicated)."""
+    t, dp, note = matmul_degrees(graph, strategy, mesh)
     pp, v = strategy.stages, strategy.virtual_stages
     rec = sorted({p for p in strategy.recompute if p != "none"}) or ["none"]
+    if pp > 1:  # the stages' data axes split the batch
+        dp = n // (t * pp)
     words = [f"TP{t}", f"PP{pp}"] + ([f"v{v}"] if v > 1 else []) + [
-        f"DP{n // (t * pp)}", note, f"M={strategy.microbatches}", strategy.schedule if pp > 1 else "",
+        f"DP{dp}", note, f"M={strategy.microbatches}", strategy.schedule if pp > 1 else "",
         "recompute " + "+".join(rec)]
     if strategy.zero_axes:
         words.append(f"FSDP{mesh.degree(strategy.zero_axes)}")
