@@ -54,11 +54,15 @@ link model for the collectives and mesh axes they name: time = ``latency + nbyte
 of the segment whose ``from`` is the largest not above ``nbytes`` (the buffer convention of
 `soapjax.collectives`). ``[compute]`` says how many devices compute at once where they share
 cores (virtual CPU devices): the simulator stretches every compute task by
-``devices / concurrent_devices``, and adds ``kernel_overhead`` per task::
+``devices / concurrent_devices``, adds ``kernel_overhead`` per task, and adds to every step what
+calling it costs: ``step_overhead`` per call plus ``output_overhead`` per array the step returns
+(parameters, optimizer state, loss: their buffers are made and handed back on every device)::
 
     [compute]
     concurrent_devices = 2.0
     kernel_overhead = "20 us"
+    step_overhead = "100 us"
+    output_overhead = "8 us"
 
     [[collectives]]
     kind = "all_reduce"
@@ -305,21 +309,33 @@ class ComputeSharing:
         measured alone takes ``num_devices / concurrent_devices`` times as long in a step
         (never less than alone).
       kernel_overhead: seconds added to every compute task (dispatch of its kernels).
+      step_overhead: seconds one call of a jitted step costs beyond its kernels and
+        collectives (dispatch, argument handling).
+      output_overhead: seconds per array a step returns, beyond the kernel that computes it
+        (a buffer made on every device and handed back).
     """
 
     concurrent_devices: float
     kernel_overhead: float = 0.0
+    step_overhead: float = 0.0
+    output_overhead: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.concurrent_devices > 0 or not self.kernel_overhead >= 0:
+        if not self.concurrent_devices > 0 or not min(
+                self.kernel_overhead, self.step_overhead, self.output_overhead) >= 0:
             raise TopologyError(
-                f"[compute]: expected concurrent_devices > 0 and kernel_overhead >= 0, found "
-                f"{self.concurrent_devices} and {self.kernel_overhead}"
+                f"[compute]: expected concurrent_devices > 0 and kernel_overhead, "
+                f"step_overhead, output_overhead >= 0, found {self.concurrent_devices}, "
+                f"{self.kernel_overhead}, {self.step_overhead} and {self.output_overhead}"
             )
 
     def stretch(self, num_devices: int) -> float:
         """The factor a lone device's compute time is multiplied by when all of them run."""
         return max(1.0, num_devices / self.concurrent_devices)
+
+    def call_time(self, outputs: int) -> float:
+        """Seconds a step call costs beyond its tasks, for a step returning `outputs` arrays."""
+        return self.step_overhead + self.output_overhead * max(0, outputs)
 
 
 # --- parsing --------------------------------------------------------------------------------------
@@ -337,7 +353,8 @@ _TOP_KEYS = {
     "compute": False,
     "collectives": False,
 }
-_COMPUTE_KEYS = {"concurrent_devices": True, "kernel_overhead": False}
+_COMPUTE_KEYS = {"concurrent_devices": True, "kernel_overhead": False,
+                 "step_overhead": False, "output_overhead": False}
 _COLLECTIVE_KEYS = {"kind": True, "axes": True, "segments": True}
 _SEGMENT_KEYS = {"from": True, "latency": True, "bandwidth": True}
 _DEVICE_KEYS = {"kind": True, "peak_flops": True, "memory_bandwidth": True, "memory_bytes": True,
@@ -471,9 +488,9 @@ def _parse_compute(table: object) -> ComputeSharing:
     n = c["concurrent_devices"]
     if not isinstance(n, (int, float)) or isinstance(n, bool):
         raise TopologyError(f"[compute].concurrent_devices: expected a number, found {n!r}")
-    overhead = c.get("kernel_overhead", 0.0)
-    return ComputeSharing(float(n), _quantity(overhead, "seconds", "[compute].kernel_overhead",
-                                              allow_zero=True))
+    seconds = {k: _quantity(c.get(k, 0.0), "seconds", f"[compute].{k}", allow_zero=True)
+               for k in ("kernel_overhead", "step_overhead", "output_overhead")}
+    return ComputeSharing(float(n), **seconds)
 
 
 def _parse_collectives(entries: object, axis_names: tuple[str, ...]

@@ -19,6 +19,9 @@ on whatever is attached (`soapjax calibrate --links`):
   at once: ``concurrent_devices = n * t_alone / t_all`` is how many devices compute at full
   speed together (on 8 virtual devices of a 2-core host, about 2); the simulator stretches
   every compute task by ``n / concurrent_devices``.
+* **Calling a step.** A jitted program returning n arrays, called one call at a time, less its
+  kernels timed in a loop: ``step_overhead + n * output_overhead`` (`measure_call_overhead`),
+  which the simulator adds to every step (a step returns its parameters and optimizer state).
 
 The results go into the topology file (`write_topology`) as ``[compute]`` and
 ``[[collectives]]`` tables, with the fit's residuals in comments; `soapjax.topology` reads them.
@@ -193,7 +196,9 @@ def format_measured(fits: Sequence[Fit], compute: ComputeSharing | None, *, comm
     if compute is not None:
         lines += ["[compute]",
                   f"concurrent_devices = {compute.concurrent_devices:.3g}",
-                  f"kernel_overhead = {_seconds(compute.kernel_overhead)}", ""]
+                  f"kernel_overhead = {_seconds(compute.kernel_overhead)}",
+                  f"step_overhead = {_seconds(compute.step_overhead)}",
+                  f"output_overhead = {_seconds(compute.output_overhead)}", ""]
     for f in fits:
         res = [abs(e) for e in f.residuals]
         lines.append(f"# fit: {len(res)} sizes, |error| max {100 * max(res):.0f}% mean "
@@ -297,6 +302,40 @@ def measure_sharing(mesh: jax.sharding.Mesh, sizes: Sequence[int] = (128, 256, 3
     return float(np.median([c for _, c in each])), each
 
 
+def measure_call_overhead(mesh: jax.sharding.Mesh,
+                          counts: Sequence[int] = (1, 4, 16, 64, 128), calls: int = 31,
+                          options: TimingOptions = _TIMING
+                          ) -> tuple[float, float, list[tuple[int, float]]]:
+    """What one call of a jitted step costs beyond its kernels: ``(per call, per output array,
+    [(outputs, seconds beyond the kernels)])``.
+
+    A program returning `n` arrays (each split over the whole mesh, 64 float32 per device,
+    ``x + 1`` each) is called `calls` times (median, warm, one call at a time, as a training
+    loop calls its step); the same program's kernels, timed inside one compiled loop, are taken
+    off. A line ``per call + n x per output`` is fitted through the `counts`.
+    """
+    spec = P(tuple(mesh.axis_names))
+    sharding = NamedSharding(mesh, spec)
+    points = []
+    for n in counts:
+        xs = [jax.device_put(np.full(64 * mesh.size, float(i), np.float32), sharding)
+              for i in range(n)]
+        step = jax.jit(lambda *a: [x + 1.0 for x in a], out_shardings=[sharding] * n)
+        jax.block_until_ready(step(*xs))
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            jax.block_until_ready(step(*xs))
+            times.append(time.perf_counter() - t0)
+        kernels = time_loop(lambda c: tuple(x + 1.0 for x in c),
+                            tuple(jnp.copy(x) for x in xs), options).seconds
+        points.append((n, max(0.0, float(np.median(times)) - kernels)))
+    ns = np.array([n for n, _ in points], float)
+    ts = np.array([t for _, t in points])
+    slope, intercept = np.polyfit(ns, ts, 1) if len(points) > 1 else (0.0, ts[0])
+    return max(0.0, float(intercept)), max(0.0, float(slope)), points
+
+
 def axis_sets(topology: Topology) -> list[tuple[str, ...]]:
     """Each mesh axis of more than one device, and the whole mesh where it has 2+ such axes."""
     single = [(a,) for a, s in zip(topology.axis_names, topology.axis_sizes) if s > 1]
@@ -327,8 +366,12 @@ def calibrate_links(topology: Topology, *, kinds: Sequence[str] = MEASURED_KINDS
     compute = None
     if sharing and topology.num_devices > 1:
         concurrent, each = measure_sharing(mesh)
-        compute = ComputeSharing(min(concurrent, float(topology.num_devices)))
         log("concurrent devices: " + ", ".join(f"{k}x{k} matmuls {c:.2f}" for k, c in each))
+        per_call, per_output, points = measure_call_overhead(mesh)
+        log(f"step call: {per_call * 1e6:.0f} us + {per_output * 1e6:.1f} us per output ("
+            + ", ".join(f"{n} outputs {t * 1e6:.0f} us" for n, t in points) + ")")
+        compute = ComputeSharing(min(concurrent, float(topology.num_devices)),
+                                 step_overhead=per_call, output_overhead=per_output)
     return fits, compute, time.perf_counter() - start
 
 

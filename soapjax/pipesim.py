@@ -274,10 +274,11 @@ class PipelinedSimulation:
         # after it, each at 1/S of one stage's time for the whole batch.
         before = pro_f / S
         after = max(0.0, pro_b_end - b_last[0]) / S if pro_b_end else 0.0
-        tail = max(0.0, inner.step_time() - max(bwd_end))
+        tail = max(0.0, inner.timeline_end() - max(bwd_end))
         tails = tuple(tail * share for share in self._param_share)
         step = before + max(timeline.step_s + after,
                             max(end + t for end, t in zip(timeline.stage_end_s, tails)))
+        step += inner.call_overhead  # one SPMD call, as unpipelined
         memory = self._stage_memory(timeline)
         cap = self.topology.device.memory_bytes
         return PipelineResult(step, timeline, times, memory, cap,

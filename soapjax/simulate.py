@@ -200,6 +200,10 @@ class Simulation:
         sharing = topology.compute  # devices sharing the host's cores (`[compute]`)
         self._stretch = sharing.stretch(topology.num_devices) if sharing else 1.0
         self._kernel_overhead = sharing.kernel_overhead if sharing else 0.0
+        # Calling the step: it returns the parameters, the optimizer state (about
+        # opt_state_factor arrays per parameter: Adam's two moments) and the loss.
+        outputs = round(len(graph.params) * (1 + self.opt_state_factor)) + 1
+        self._call = sharing.call_time(outputs) if sharing else 0.0
         self._layout = graph.memo("layout", lambda: Layout(graph))
         self._pricing = Pricing(topology, resharder)
         self._views_memo: dict[tuple[int, Config, str, int], _View] = {}
@@ -252,8 +256,20 @@ class Simulation:
         return v.config, v.policy
 
     def step_time(self) -> float:
-        """The simulated step time of the current strategy."""
+        """The simulated step time of the current strategy: the timeline's end, plus what
+        calling the step costs where the topology measured it (`call_overhead`)."""
+        return self._task_graph.step_time() + self._call
+
+    def timeline_end(self) -> float:
+        """When the current strategy's last task ends (the step time less `call_overhead`)."""
         return self._task_graph.step_time()
+
+    @property
+    def call_overhead(self) -> float:
+        """Seconds one call of the step costs beyond its tasks (`ComputeSharing.call_time`
+        for the parameters, optimizer state and loss it returns; 0 unless the topology's
+        ``[compute]`` table measured it)."""
+        return self._call
 
     def peak_memory_bytes(self) -> int:
         """Peak bytes per device of the current strategy."""
@@ -268,7 +284,7 @@ class Simulation:
             raise RuntimeError("accept() or reject() the pending proposal before reset()")
         self._build(strategy)
         self._task_graph.full_pass()
-        return self._task_graph.step_time()
+        return self.step_time()
 
     def prefetch(self, changes: Iterable[tuple[int, Config]] = ()) -> int:
         """Has the resharder work out at once (`Resharder.prefetch`: one batch of compilations)
@@ -329,7 +345,7 @@ class Simulation:
             self._replace_units(undo, i if partial_sum else None, edges, leaves)
             self._retime_and_rewire(undo, i, edges, leaves)
         task_graph.sweep()
-        return task_graph.step_time()
+        return self.step_time()
 
     def accept(self) -> None:
         """Keeps the pending proposal."""
@@ -384,7 +400,8 @@ class Simulation:
             by_class[ref.link_class] = by_class.get(ref.link_class, 0.0) + ref.sent
             channels = tuple(c for r in task_graph.res[t] for c in pricing.resource_channels[r])
             records.append(TaskRecord(name, kind, channels, start, end, ref.nbytes, ref.sent))
-        step = task_graph.step_time()
+        step = self.step_time()
+        compute += self._call  # host work, not communication
         mem = self._memory()
         cap = self.topology.device.memory_bytes
         return SimResult(

@@ -11,8 +11,8 @@ from soapjax import links
 from soapjax.baselines import data_parallel
 from soapjax.errors import TopologyError
 from soapjax.links import Sample, fit_collective, fit_samples
-from soapjax.simulate import simulate
-from soapjax.space import MeshShape
+from soapjax.simulate import Simulation, simulate
+from soapjax.space import MeshShape, configs
 from soapjax.topology import CollectiveModel, ComputeSharing, load_topology
 from tests.test_simulate import PAIR, FixedCosts, chain_graph, ideal
 
@@ -69,13 +69,16 @@ def test_written_tables_load_back_and_price_collectives(tmp_path):
             for axes in (("data",), ("model",), ("data", "model"))
             for k in links.MEASURED_KINDS]
     text = links.write_topology(QUAD, links.format_measured(
-        fits, ComputeSharing(2.0, 1e-5), command="soapjax calibrate --links --write"))
+        fits, ComputeSharing(2.0, 1e-5, step_overhead=1.2e-4, output_overhead=8e-6),
+        command="soapjax calibrate --links --write"))
     assert "# fit: 13 sizes, |error| max 0% mean 0%; held back: 4.096 KB +0%" in text
     path = tmp_path / "quad.toml"
     path.write_text(text)
     topo = load_topology(path)
     assert topo.compute.concurrent_devices == 2.0
     assert topo.compute.kernel_overhead == pytest.approx(1e-5)
+    assert topo.compute.step_overhead == pytest.approx(1.2e-4)
+    assert topo.compute.output_overhead == pytest.approx(8e-6)
     assert len(topo.collective_models) == 15
     for nbytes in (256, 1e5, 2**22):
         for axes in (("data",), ("model",), ("model", "data")):
@@ -108,7 +111,10 @@ def test_a_topology_without_measurements_keeps_its_fingerprint(tmp_path):
     (('[[collectives]]\nkind = "all_reduce"\naxes = ["data"]\n'
      'segments = [{ from = "1 KB", latency = "1 us", bandwidth = "1 GB/s" }]'), "first from 0"),
     ("[compute]\nconcurrent_devices = 0", "concurrent_devices > 0"),
-], ids=["unknown-axis", "unknown-kind", "first-segment", "no-devices"])
+    ('[compute]\nconcurrent_devices = 1\noutput_overhead = -1', "output_overhead: expected"),
+    ('[compute]\nconcurrent_devices = 1\nstep_overhead = "2 parsecs"', "step_overhead"),
+], ids=["unknown-axis", "unknown-kind", "first-segment", "no-devices", "negative-output",
+        "unit"])
 def test_malformed_measurements_are_rejected(tmp_path, bad, match):
     path = tmp_path / "bad.toml"
     path.write_text(QUAD + "\n" + bad + "\n")
@@ -130,6 +136,35 @@ def test_shared_compute_stretches_every_compute_task(tmp_path):
     assert durations == pytest.approx({
         "forward fc": 4e-3 + 1e-6, "forward chain": 8e-3 + 1e-6, "backward chain": 16e-3 + 1e-6,
         "backward fc": 8e-3 + 1e-6, "update ['params']['fc']['kernel']": 2e-3 + 1e-6})
+
+
+def test_calling_the_step_is_added_once_to_full_and_delta_simulation(tmp_path):
+    """`[compute]` step_overhead + output_overhead x (parameters x (1 + optimizer state
+    factor) + the loss) is added to the step, not to any task; the search's delta simulation
+    sees the same step as the full one."""
+    plain, called = tmp_path / "plain.toml", tmp_path / "called.toml"
+    plain.write_text(PAIR + "\n[compute]\nconcurrent_devices = 2\n")
+    called.write_text(PAIR + '\n[compute]\nconcurrent_devices = 2\nstep_overhead = "100 us"\n'
+                      'output_overhead = "10 us"\n')
+    g = chain_graph()
+    costs = FixedCosts(forward=[1e-3, 2e-3], backward=[2e-3, 4e-3], update=5e-4)
+    topo, base = load_topology(called), load_topology(plain)
+    strategy = data_parallel(g, MeshShape.of(topo))
+    outputs = len(g.params) * 3 + 1  # Adam: two moments per parameter
+    a = simulate(g, base, strategy, cost_model=costs, resharder=ideal(base))
+    b = simulate(g, topo, strategy, cost_model=costs, resharder=ideal(topo))
+    assert b.step_time_s == pytest.approx(a.step_time_s + 1e-4 + 1e-5 * outputs, rel=1e-12)
+    assert [t[1:] for t in b.tasks] == [t[1:] for t in a.tasks]  # no task moves
+    assert b.compute_s - a.compute_s == pytest.approx(1e-4 + 1e-5 * outputs)
+    sim = Simulation(g, topo, costs, ideal(topo), strategy)
+    assert sim.call_overhead == pytest.approx(1e-4 + 1e-5 * outputs)
+    assert sim.step_time() == sim.timeline_end() + sim.call_overhead == b.step_time_s
+    i, config = 0, strategy.configs[0]
+    other = next(c for c in configs(g.operators[i], MeshShape.of(topo)) if c != config)
+    delta = sim.propose(i, other)
+    sim.accept()
+    full = Simulation(g, topo, costs, ideal(topo), sim.strategy)
+    assert delta == full.step_time() == full.timeline_end() + full.call_overhead
 
 
 def test_collective_model_time():
