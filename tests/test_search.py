@@ -31,7 +31,7 @@ def test_mcmc_finds_the_exhaustive_optimum_on_4_devices():
     sim = make_simulation(g, topo, cost_model=cm)
     best, best_time = exhaustive(sim)
     found = search(g, topo, cost_model=cm, family=w.family,
-                   settings=SearchSettings(max_proposals=2000, seed=0))
+                   settings=SearchSettings(max_proposals=8000, seed=0))
     assert found.step_time_s == pytest.approx(best_time, rel=1e-12)
     sim.reset(found.strategy)
     assert improving_change(sim) is None  # and it is a local optimum
