@@ -94,6 +94,27 @@ def test_written_tables_load_back_and_price_collectives(tmp_path):
     assert topo.fingerprint() != dataclasses.replace(topo, collective_models=()).fingerprint()
 
 
+def test_on_cpu_a_reduce_scatter_is_priced_as_the_all_reduce_xla_runs(tmp_path):
+    """XLA:CPU leaves the partitioner's reduce-scatters as all-reduces; on a GPU topology the
+    measured reduce_scatter model prices them."""
+    fits = [fit_samples(k, axes, samples(line(10e-6 * (1 + i), 1e9)))
+            for axes in (("data",), ("model",), ("data", "model"))
+            for i, k in enumerate(links.MEASURED_KINDS)]
+    text = links.write_topology(QUAD, links.format_measured(fits, None, command="x"))
+    gpu, cpu = tmp_path / "gpu.toml", tmp_path / "cpu.toml"
+    gpu.write_text(text)
+    cpu.write_text(text.replace('platform = "gpu"', 'platform = "cpu"'))
+    on_gpu, on_cpu = load_topology(gpu), load_topology(cpu)
+    assert on_cpu.platform == "cpu"
+    for axes in (("data",), ("data", "model")):
+        assert on_cpu.collective_time("reduce_scatter", 1e5, axes) == \
+            on_cpu.collective_time("all_reduce", 1e5, axes)
+        assert on_gpu.collective_time("reduce_scatter", 1e5, axes) == pytest.approx(
+            30e-6 + 1e5 / 1e9)  # its own model (the third kind: latency 30 us)
+        assert on_gpu.collective_time("all_gather", 1e5, axes) == \
+            on_cpu.collective_time("all_gather", 1e5, axes)
+
+
 def test_a_topology_without_measurements_keeps_its_fingerprint(tmp_path):
     path = tmp_path / "quad.toml"
     path.write_text(QUAD)
