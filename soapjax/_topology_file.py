@@ -502,7 +502,8 @@ def _parse_collectives(entries: object, axis_names: tuple[str, ...]
         where = f"[[collectives]] {i}"
         e = _table(entry, where, _COLLECTIVE_KEYS)
         axes = e["axes"]
-        if (not isinstance(axes, list) or not axes or len(set(axes)) != len(axes)
+        if (not isinstance(axes, list) or not axes
+                or not all(isinstance(a, str) for a in axes) or len(set(axes)) != len(axes)
                 or any(a not in axis_names for a in axes)):
             raise TopologyError(f"{where}.axes: expected distinct mesh axes among "
                                 f"{list(axis_names)}, found {axes!r}")

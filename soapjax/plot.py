@@ -370,7 +370,9 @@ def timeline_figure(result, *, max_devices: int = 8, title: str | None = None):
       title: the figure's title (default: step time and its breakdown).
 
     Returns:
-      A `matplotlib.figure.Figure`; times in ms, or in us for steps under a millisecond.
+      A `matplotlib.figure.Figure`; times in ms, or in us for steps under a millisecond. The
+      dashed line is the step time, which includes what calling the step costs where the
+      topology measured it (`Simulation.call_overhead`): a gap after the last task.
     """
     if not hasattr(result, "tasks") or not hasattr(result, "channels"):
         raise PlanError(f"expected a SimResult (soapjax.simulate.simulate), got "

@@ -131,11 +131,13 @@ def test_a_topology_without_measurements_keeps_its_fingerprint(tmp_path):
      'segments = [{ from = "0 B", latency = "1 us", bandwidth = "1 GB/s" }]'), "kind: expected"),
     (('[[collectives]]\nkind = "all_reduce"\naxes = ["data"]\n'
      'segments = [{ from = "1 KB", latency = "1 us", bandwidth = "1 GB/s" }]'), "first from 0"),
+    (('[[collectives]]\nkind = "all_reduce"\naxes = [["data"]]\n'
+     'segments = [{ from = "0 B", latency = "1 us", bandwidth = "1 GB/s" }]'), "distinct mesh axes"),
     ("[compute]\nconcurrent_devices = 0", "concurrent_devices > 0"),
     ('[compute]\nconcurrent_devices = 1\noutput_overhead = -1', "output_overhead: expected"),
     ('[compute]\nconcurrent_devices = 1\nstep_overhead = "2 parsecs"', "step_overhead"),
-], ids=["unknown-axis", "unknown-kind", "first-segment", "no-devices", "negative-output",
-        "unit"])
+], ids=["unknown-axis", "unknown-kind", "first-segment", "nested-axes", "no-devices",
+        "negative-output", "unit"])
 def test_malformed_measurements_are_rejected(tmp_path, bad, match):
     path = tmp_path / "bad.toml"
     path.write_text(QUAD + "\n" + bad + "\n")
