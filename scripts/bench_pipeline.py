@@ -84,15 +84,18 @@ def grid_best(graph, topo, costs, factor):
     return best, len(grid)
 
 
-def run_case(size: str, n: int, batch: int, proposals: int) -> dict:
-    topo = scaled_topology(load_topology("dgx-a100x3072"), n)
-    w = soapjax_zoo.get("gpt", size, batch_size=batch)
+def run_case(size: str, n: int, batch: int, proposals: int, model: str = "gpt",
+             mesh: str = "dgx-a100x3072") -> dict:
+    """A zoo decoder (`model` "gpt" or "llama", at `size`) on the first `n` devices of `mesh`:
+    the best point of Megatron's 3D grid and the plan the search finds with stages."""
+    topo = scaled_topology(load_topology(mesh), n)
+    w = soapjax_zoo.get(model, size, batch_size=batch)
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
     params = sum(math.prod(x.shape) for x in jax.tree.leaves(w.abstract_params()))
-    flops, _ = model_flops("gpt", size, batch, params)
+    flops, _ = model_flops(model, size, batch, params)
     costs = cost_model(g, topo, mode="analytic", optimizer=w.optimizer)
     factor = opt_state_factor(w.optimizer, w.abstract_params())
-    row = {"model": f"gpt {size}", "gpus": n, "batch": batch, "params": params}
+    row = {"model": f"{model} {size}", "gpus": n, "batch": batch, "params": params}
     t0 = time.perf_counter()
     best, points = grid_best(g, topo, costs, factor)
     row["grid_s"], row["grid_points"] = time.perf_counter() - t0, points

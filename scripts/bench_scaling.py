@@ -14,10 +14,10 @@ LLaMA 7B / 70B on `h100x64`, with analytic (roofline) costs:
   parallel) that fits, and its time;
 * the search time.
 
-Rows where no plan without pipeline stages fits in memory say so; for GPT those rows are also
-searched with stages beside Megatron's 3D grid (bench_pipeline.run_case), in a second table. The whole table takes about an hour on 2
-cores (``--limit-s``, ``--only`` and ``--resume`` split it over several runs); ``--quick`` a
-subset in about 2 minutes.
+Rows where no plan without pipeline stages fits in memory say so; those rows are also searched
+with stages beside Megatron's 3D grid (bench_pipeline.run_case), in a second table. The whole
+table takes a few hours on 2 cores (``--limit-s``, ``--only`` and ``--resume`` split it over
+several runs); ``--quick`` a subset in about 2 minutes.
 
     .venv/bin/python scripts/bench_scaling.py [--quick] [--proposals N] [--out docs/scaling.md]
 """
@@ -130,10 +130,10 @@ def megatron_grid(graph, topo, costs, resharder, factor):
     return best
 
 
-def state_bytes(size: str) -> float:
-    """GPT `size`'s parameters, gradients and optimizer state in bytes (f32, Adam's two
+def state_bytes(model: str, size: str) -> float:
+    """The zoo decoder's parameters, gradients and optimizer state in bytes (f32, Adam's two
     moments): a bound no plan gets under, whatever it shards."""
-    w = soapjax_zoo.get("gpt", size, batch_size=1)
+    w = soapjax_zoo.get(model, size, batch_size=1)
     params = w.abstract_params()
     nbytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
     return nbytes * (2 + opt_state_factor(w.optimizer, params))
@@ -253,6 +253,8 @@ def render(rows: list[dict], args) -> str:
             mega = (m["config"], f"{m['step_s']:.3f}") if m else ("none fits", "-")
             if "plan" not in q:
                 why = q.get("error", "").splitlines()[0] if q.get("error") else ""
+                if why.startswith("no strategy"):
+                    why += stage_counts_note(r)
                 lines.append(f"| {r['model']} | {r['gpus']} | {q['batch']} | no plan fits "
                              f"({why}) | - | - | - | - | {mega[0]} | {mega[1]} | "
                              f"{q['search_s']:.0f} |")
@@ -263,9 +265,34 @@ def render(rows: list[dict], args) -> str:
                 f"| {r['model']} | {r['gpus']} | {q['batch']} | {p['words']}{fit} | "
                 f"{p['step_s']:.3f} | {p['model_tflops']:.0f} | {p['bubble']:.3f} | "
                 f"{p['memory'] / 1e9:.1f} | {mega[0]} | {mega[1]} | {q['search_s']:.0f} |")
+        missed = [r for r in staged if "plan" in r["pipelined"]
+                  and " PP1 " in r["pipelined"]["plan"]["words"]]
+        if missed:
+            lines += ["", "A *PP1* plan above has no stages: the pipelined search also runs the "
+                      "chains without them, and there one found a plan that fits, which the "
+                      f"search of the first table ({args.proposals} proposals per chain, "
+                      "`pipelines=False`) missed: " + ", ".join(
+                          f"{r['model']} on {r['gpus']}" for r in missed) + ". A search-quality "
+                      "miss of the flat chains on batches that do not divide the GPUs, not a "
+                      "simulator difference: the flat `Simulation` of that plan gives the same "
+                      "step."]
     if args.missing:
         lines += ["", "Not run (time): " + ", ".join(args.missing) + "."]
     return "\n".join(lines) + "\n"
+
+
+def stage_counts_note(row: dict) -> str:
+    """Why a GPT row's pipelined search had little to try: the stage counts (> 1) that divide
+    both its nodes (8 GPUs each) and its layers (`soapjax.search.stage_choices`)."""
+    model, size = row["model"].split()
+    if row["gpus"] % 8:
+        return ""
+    nodes = row["gpus"] // 8
+    layers = (GPT_SIZES if model == "gpt" else LLAMA_SIZES)[size].num_layers
+    counts = [S for S in range(2, nodes + 1) if nodes % S == 0 and layers % S == 0]
+    if not counts:
+        return f"; no stage count divides both its {nodes} nodes and {layers} layers"
+    return f"; stage counts tried: {', '.join(map(str, counts))}"
 
 
 def main() -> int:
@@ -279,7 +306,7 @@ def main() -> int:
     p.add_argument("--only", default=None, help="comma-separated rows to run, e.g. 'gpt 1t,"
                    "llama 7b' (every GPU count) or 'gpt 22b x64'")
     p.add_argument("--pipeline-proposals", type=int, default=20, metavar="N",
-                   help="for GPT rows that need pipeline stages, also search pipelined plans "
+                   help="for rows that need pipeline stages, also search pipelined plans "
                    "(N proposals per chain) and Megatron's 3D grid, as bench_pipeline.py does; "
                    "0 leaves them out")
     p.add_argument("--resume", default=None, metavar="ROWS.json",
@@ -309,18 +336,19 @@ def main() -> int:
                 row = {"model": f"{model} {size}", "gpus": n, "search_s": 0.0,
                        "needs_pipeline": str(e)[:200]}
             rows.append(row)
-        if args.pipeline_proposals and needs_stages(row) and model == "gpt":
+        if args.pipeline_proposals and needs_stages(row):
             from bench_pipeline import run_case as pipelined_case  # it imports this module
-            state = state_bytes(size)
-            device = load_topology(A100).device.memory_bytes
+            state = state_bytes(model, size)
+            device = load_topology(mesh).device.memory_bytes
+            batch = row.get("batch", (GPT_BATCH if model == "gpt" else LLAMA_BATCH)[size])
             if state / n > device:  # no plan of any kind fits: do not search
                 row["pipelined"] = {
-                    "batch": row.get("batch", GPT_BATCH[size]), "search_s": 0.0,
+                    "batch": batch, "search_s": 0.0,
                     "error": f"parameters, gradients and Adam state alone are "
                              f"{state / n / 1e9:.0f} GB per GPU"}
             else:
-                row["pipelined"] = pipelined_case(size, n, row.get("batch", GPT_BATCH[size]),
-                                                  args.pipeline_proposals)
+                row["pipelined"] = pipelined_case(size, n, batch, args.pipeline_proposals,
+                                                  model=model, mesh=mesh)
         print(f"{model} {size} x{n}: {time.perf_counter() - t0:.1f} s "
               f"{json.dumps(row.get('plan', row.get('needs_pipeline')), default=str)}"
               + (f" pipelined: {json.dumps(row['pipelined'].get('plan'), default=str)}"
