@@ -3,14 +3,16 @@
 For tiny zoo models on ``cpu8`` (8 virtual CPU devices, data=2 x model=4), applies data
 parallelism, Megatron, FSDP, the paper's expert strategy, a searched plan (analytic costs on the
 calibrated ``cpu8``) and two random strategies per model, and runs
-`soapjax.check.compare_on_devices` on each: the measured step (median of warm repeated steps)
-against the simulated one (measured operator costs, XLA's resharding collectives, and the
+`soapjax.check.compare_on_devices` on each (the numbers against the unsharded step, the
+prediction, XLA's FLOPs). The measured step is the median of one-call timings taken in rounds
+that call every plan of a model once (a drift of the machine shifts all plans alike), against
+the simulated one (measured operator costs, XLA's resharding collectives, and the
 topology's measured collectives and shared compute, `soapjax calibrate --links`). The same plans
 are simulated on the hand-written topology the calibrated one replaced (``--before``, the
 ``cpu8.toml`` of git revision ``7929f7d``), so one run gives the before/after table. Also XLA's
 FLOPs per device (``cost_analysis``) against the simulator's.
 
-    python scripts/bench_accuracy.py                       # 4 models x 7 plans (~10 min, 2 cores)
+    python scripts/bench_accuracy.py                       # 4 models x 7 plans (~2-4 min, 2 cores)
     python scripts/bench_accuracy.py --models mlp --json
 """
 
@@ -30,9 +32,11 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import soapjax_zoo as zoo  # noqa: E402
+from soapjax import apply  # noqa: E402
 from soapjax.baselines import baselines  # noqa: E402
 from soapjax.check import compare_on_devices  # noqa: E402
 from soapjax.cost import cost_model  # noqa: E402
@@ -42,7 +46,7 @@ from soapjax.reshard import Resharder  # noqa: E402
 from soapjax.search import SearchSettings, find_plan, random_strategy  # noqa: E402
 from soapjax.simulate import opt_state_factor, simulate  # noqa: E402
 from soapjax.space import MeshShape  # noqa: E402
-from soapjax.topology import load_topology  # noqa: E402
+from soapjax.topology import load_topology, make_mesh  # noqa: E402
 from soapjax_eval.tables import expert_name, spearman  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,24 +83,56 @@ def simulated(g, topo, strategy, w) -> float:
                         ).step_time_s
 
 
+def compiled_step(g, topo, strategy, w):
+    """The plan's sharded training step and its arguments on the attached devices, as
+    `compare_on_devices` builds them (donating nothing, so it can be called again)."""
+    mesh = make_mesh(topo)
+    params = w.init_params(jax.random.key(0))
+    batch = w.make_batch(jax.random.key(1))
+    opt_state = w.optimizer.init(params)
+    step, sh = apply.sharded_train_step(g, strategy, mesh, w.optimizer, params=params,
+                                        batch=batch, donate=False)
+    args = (apply.device_put_global(params, sh.params),
+            apply.device_put_global(opt_state, sh.opt_state),
+            apply.device_put_global(batch, sh.batch))
+    jax.block_until_ready(step(*args))  # compiled and warm
+    return step, args
+
+
+def interleaved_medians(steps: dict, rounds: int) -> dict:
+    """Median seconds of one call of each step, timed in `rounds` rounds that call every step
+    once: a slow drift of the machine (another tenant, the clock) shifts every plan of a
+    model alike instead of reordering them, as timing one plan after another would."""
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, (step, args) in steps.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(step(*args))
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def run(models, repeats: int, randoms: int, log) -> dict:
     topo, before = load_topology("cpu8"), before_topology(BEFORE_REV)
     rows = []
     for name in models:
         w = zoo.get(name, "tiny")
         g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=name)
+        checked, steps = {}, {}
         for pname, strategy in plans_of(g, topo, w, randoms).items():
-            t = time.perf_counter()
-            try:
-                c = compare_on_devices(Plan.make(g, topo, strategy, model_config="tiny"),
-                                       zoo.get(name, "tiny"), repeats=repeats, costs="measured",
-                                       reshard="xla")
+            try:  # the prediction, XLA's FLOPs and a correctness check; the timing is below
+                checked[pname] = (strategy, compare_on_devices(
+                    Plan.make(g, topo, strategy, model_config="tiny"), zoo.get(name, "tiny"),
+                    repeats=1, costs="measured", reshard="xla"))
+                steps[pname] = compiled_step(g, topo, strategy, w)
             except Exception as e:  # noqa: BLE001  one plan failing must not hide the others
                 log(f"{name} {pname}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
-                continue
+                checked.pop(pname, None)
+        measured = interleaved_medians(steps, repeats)
+        for pname, (strategy, c) in checked.items():
             row = {"model": name, "strategy": pname, "simulated_s": c.predicted_step_s,
-                   "measured_s": c.measured_step_s,
-                   "error": c.predicted_step_s / c.measured_step_s - 1.0,
+                   "measured_s": measured[pname],
+                   "error": c.predicted_step_s / measured[pname] - 1.0,
                    "before_simulated_s": simulated(g, before, strategy, w),
                    "hlo_flops": c.hlo_flops, "predicted_flops": c.predicted_flops,
                    "flops_ratio": c.flops_ratio}
@@ -105,7 +141,8 @@ def run(models, repeats: int, randoms: int, log) -> dict:
             log(f"{name:<8}{pname:<15}measured {row['measured_s'] * 1e3:8.2f} ms  simulated "
                 f"{row['simulated_s'] * 1e3:8.2f} ({row['error']:+.0%})  before "
                 f"{row['before_simulated_s'] * 1e3:7.2f} ({row['before_error']:+.0%})  FLOPs "
-                f"XLA/sim {row['flops_ratio']:.2f}  [{time.perf_counter() - t:.0f} s]")
+                f"XLA/sim {row['flops_ratio']:.2f}")
+        steps.clear()
     return {"plans": rows, "summary": summarise(rows)}
 
 
@@ -144,7 +181,9 @@ def markdown(result) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="*", default=list(MODELS))
-    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--repeats", type=int, default=15,
+                    help="rounds of timing: each calls every plan of a model once; the median "
+                    "per plan is its measured step (default: %(default)s)")
     ap.add_argument("--randoms", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
