@@ -64,7 +64,8 @@ class SimResult:
 
     Attributes:
       step_time_s: predicted iteration time.
-      compute_s: busy time of the compute stream (forward, backward and update tasks).
+      compute_s: busy time of the compute stream (forward, backward and update tasks), plus
+        what calling the step costs where the topology measured it (`[compute]`).
       exposed_comm_s: ``step_time_s - compute_s``: communication not hidden behind compute.
       bytes_moved: bytes each device sends over the whole step.
       bytes_by_link_class: the same, by the link class that limits each collective.
