@@ -112,8 +112,8 @@ def interleaved_medians(steps: dict, rounds: int) -> dict:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def run(models, repeats: int, randoms: int, log) -> dict:
-    topo, before = load_topology("cpu8"), before_topology(BEFORE_REV)
+def run(models, repeats: int, randoms: int, log, before_rev: str = BEFORE_REV) -> dict:
+    topo, before = load_topology("cpu8"), before_topology(before_rev)
     rows = []
     for name in models:
         w = zoo.get(name, "tiny")
@@ -143,7 +143,7 @@ def run(models, repeats: int, randoms: int, log) -> dict:
                 f"{row['before_simulated_s'] * 1e3:7.2f} ({row['before_error']:+.0%})  FLOPs "
                 f"XLA/sim {row['flops_ratio']:.2f}")
         steps.clear()
-    return {"plans": rows, "summary": summarise(rows)}
+    return {"plans": rows, "summary": summarise(rows), "before_rev": before_rev}
 
 
 def summarise(rows) -> dict:
@@ -186,10 +186,14 @@ def main(argv=None) -> int:
                     "per plan is its measured step (default: %(default)s)")
     ap.add_argument("--randoms", type=int, default=2)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--before", default=BEFORE_REV, metavar="REV",
+                    help="the git revision whose meshes/cpu8.toml gives the 'before' column "
+                    "(default %(default)s: the hand-written file; an earlier calibrated one "
+                    "compares two calibrations on the same measured steps)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     log = (lambda s: print(s, file=sys.stderr, flush=True))
-    result = run(args.models, args.repeats, args.randoms, log)
+    result = run(args.models, args.repeats, args.randoms, log, before_rev=args.before)
     result["seconds"] = time.perf_counter() - t0
     print(json.dumps(result, indent=1) if args.json else markdown(result))
     return 0

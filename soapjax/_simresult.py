@@ -15,8 +15,8 @@ from typing import Any, NamedTuple
 
 # Task kinds (`TaskRecord.kind`).
 FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
-RESHARD, RESHARD_BWD, PARTIAL_SUM, PARAM_GATHER, GRAD_SYNC = (
-    "reshard", "reshard_backward", "partial_sum", "param_gather", "grad_sync")
+RESHARD, RESHARD_BWD, PARTIAL_SUM, PARAM_GATHER, GRAD_SYNC, UPDATE_REDUCE = (
+    "reshard", "reshard_backward", "partial_sum", "param_gather", "grad_sync", "update_reduce")
 
 
 class TaskRecord(NamedTuple):
@@ -24,10 +24,11 @@ class TaskRecord(NamedTuple):
 
     Attributes:
       name: e.g. ``"forward layers_0/mlp/fc1"``, ``"all_gather layers_0/ln_1 -> layers_0/attn/query
-        over model"`` (a resharding; ``d(...)`` for its backward) or ``"all_reduce grad
-        ['params']['fc1']['kernel'] over data"``.
-      kind: forward, backward, update, reshard, reshard_backward, partial_sum, param_gather or
-        grad_sync.
+        over model"`` (a resharding; ``d(...)`` for its backward), ``"all_reduce grad
+        ['params']['fc1']['kernel'] over data"`` or ``"all_reduce norm ['params']['fc1']['kernel']
+        over model"`` (the optimizer's reduction of a split parameter: `OpCosts`).
+      kind: forward, backward, update, reshard, reshard_backward, partial_sum, param_gather,
+        grad_sync or update_reduce.
       resources: ``("compute",)`` or the topology channel ids it occupies.
       start_s, end_s: seconds from the start of the step.
       nbytes: a collective's per-device buffer (`Topology.collective_time`'s ``nbytes``); 0 for

@@ -39,6 +39,7 @@ import math
 import os
 import platform
 import re
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -63,7 +64,8 @@ class Timing(NamedTuple):
     """The time of one repetition of a program.
 
     Attributes:
-      seconds: per repetition: the minimum over trials, dispatch overhead removed.
+      seconds: per repetition: the minimum (or median: `TimingOptions.statistic`) over
+        trials, dispatch overhead removed.
       spread: (max - min) / min of the per-repetition times over the trials.
       reps: repetitions per trial (inside one call).
       trials: how many trials were taken.
@@ -83,20 +85,29 @@ class TimingOptions:
 
     Attributes:
       target_trial_s: aim for trials of about this long (the repetition count adapts).
-      trials: trials per measurement; the minimum is kept. While their spread exceeds 25%
-        (other processes competing for the cores), up to three times as many are taken.
+      trials: trials per measurement. While their spread exceeds 25% (other processes
+        competing for the cores), up to three times as many are taken.
       max_reps: at most this many repetitions per trial.
       long_s: a program whose single call takes longer is timed with two single calls only.
+      statistic: which trial is kept: ``"min"`` (the default), the least disturbed one, for a
+        kernel that runs alone; ``"median"``, the typical one, for work whose time depends on
+        how the OS schedules many device threads on few cores (collectives of virtual CPU
+        devices: a rendezvous of 8 threads on 2 cores is fast in some trials and 1.5-2x slower
+        in others, and a training step meets the typical case, not the best).
     """
 
     target_trial_s: float = 0.025
     trials: int = 5
     max_reps: int = 100_000
     long_s: float = 0.5
+    statistic: str = "min"
 
     def __post_init__(self):
         if self.target_trial_s <= 0 or self.trials < 1 or self.max_reps < 1 or self.long_s <= 0:
             raise ValueError(f"timing options must be positive, got {self}")
+        if self.statistic not in ("min", "median"):
+            raise ValueError(f"timing statistic: expected 'min' or 'median', got "
+                             f"{self.statistic!r}")
 
 
 # --- the loop harness ----------------------------------------------------------------------------
@@ -212,7 +223,8 @@ def time_loop(step: Callable[[Any], Any], carry: Any, options: TimingOptions = T
     t0 = min(call(0) for _ in range(3))
     if first - t0 > options.long_s:
         ts = [first, call(1)]
-        return Timing(_positive([t - t0 for t in ts], ts), _spread(ts), 1, len(ts), t0)
+        return Timing(_positive([t - t0 for t in ts], ts, options.statistic), _spread(ts), 1,
+                      len(ts), t0)
     n = 1
     for _ in range(10):  # grow n geometrically until a call lasts about the target
         # The least of two calls: one disturbed call must not stop the growth early.
@@ -233,16 +245,17 @@ def time_loop(step: Callable[[Any], Any], carry: Any, options: TimingOptions = T
         if min(per) > 0 or n >= options.max_reps:
             break
         n = min(options.max_reps, 4 * n)  # the work drowned in the noise of T(0): more of it
-    return Timing(_positive(per, [t / n for t in tns]), _spread([max(p, 0.0) for p in per]), n,
-                  len(per), t0)
+    return Timing(_positive(per, [t / n for t in tns], options.statistic),
+                  _spread([max(p, 0.0) for p in per]), n, len(per), t0)
 
 
-def _positive(per: list[float], raw: list[float]) -> float:
-    """The least per-repetition time above zero. A trial can come in under the dispatch floor
-    T(0) when the machine is noisy; a measured operator never takes no time, so if every trial
-    does, the time with dispatch included (an upper bound) is what was measured."""
+def _positive(per: list[float], raw: list[float], statistic: str = "min") -> float:
+    """The least (or median) per-repetition time above zero. A trial can come in under the
+    dispatch floor T(0) when the machine is noisy; a measured operator never takes no time, so
+    if every trial does, the time with dispatch included (an upper bound) is what was measured."""
     above = [p for p in per if p > 0]
-    return min(above) if above else min(raw)
+    pick = min if statistic == "min" else statistics.median
+    return pick(above) if above else pick(raw)
 
 
 def _spread(ts: Sequence[float]) -> float:

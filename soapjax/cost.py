@@ -552,6 +552,8 @@ class CostModel:
       topology: the target cluster.
       mesh: the mesh whose axes configs name (the topology's, unless given).
       source: ``"measured"`` or ``"analytic"``: how times are obtained.
+      update_reductions: values the optimizer's update reduces each parameter to
+        (`update_reductions`: 1 under a global-norm clip, 0 for plain Adam).
     """
 
     def __init__(self, graph: OpGraph, topology: Topology, *, source: str, mesh: MeshShape,
@@ -572,6 +574,7 @@ class CostModel:
         self._update_memo: dict[float, float] = {}
         self._counts = dict(measured=0, disk_hits=0, shared=0, fallbacks=0, updates_measured=0)
         self._passes = _update_passes(optimizer)
+        self.update_reductions = update_reductions(optimizer)
         self._dtypes: dict[int, str] = {}
 
     def __repr__(self) -> str:
@@ -763,6 +766,49 @@ class CostModel:
 
 def _diff_mask(op: Operator) -> str:
     return "".join("d" if o.kind in ("activation", "param") else "-" for o in op.inputs)
+
+
+_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+                         "reduce_or", "argmax", "argmin", "dot_general"})
+
+
+def update_reductions(optimizer: Any) -> int:
+    """How many scalars the optimizer's update reduces each parameter (or its gradient) to.
+
+    ``optax.clip_by_global_norm`` sums every gradient's squares into one norm: 1 per parameter;
+    LAMB's trust ratios take two norms; Adam and SGD take none. Where a parameter is stored
+    split over mesh axes, each such scalar is a partial result that XLA all-reduces over those
+    axes before any update can use it (one scalar all-reduce per split parameter, combined into
+    one all-reduce of many operands, which XLA:CPU runs as one rendezvous per operand), and the
+    simulator prices it. Counted on the update's jaxpr for one float32 vector (as
+    `_update_passes`): reductions of the vector to a scalar, nested jaxprs included. An
+    optimizer that cannot update a lone vector counts 0.
+
+    >>> import optax
+    >>> update_reductions(optax.adam(1e-3)), update_reductions(
+    ...     optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)))
+    (0, 1)
+    """
+    if optimizer is None:
+        return 0
+    p = jax.ShapeDtypeStruct((1024,), jnp.float32)
+    try:
+        state = jax.eval_shape(optimizer.init, p)
+        closed = jax.make_jaxpr(optimizer.update)(p, state, p)
+    except Exception:  # noqa: BLE001  an optimizer that needs more than one array
+        return 0
+
+    def count(jaxpr) -> int:
+        n = 0
+        for eqn in jaxpr.eqns:
+            if (eqn.primitive.name in _REDUCTIONS
+                    and any(getattr(v.aval, "shape", None) == p.shape for v in eqn.invars)
+                    and all(getattr(v.aval, "shape", None) == () for v in eqn.outvars)):
+                n += 1
+            n += sum(count(sub) for sub in jcore.jaxprs_in_params(eqn.params))
+        return n
+
+    return count(closed.jaxpr)
 
 
 def _update_passes(optimizer: Any) -> float:

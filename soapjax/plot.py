@@ -60,7 +60,7 @@ INSTALL_HINT = "pip install 'soapjax[plot]'"
 KIND_COLORS = {
     "forward": "#4c72b0", "backward": "#dd8452", "update": "#55a868", "reshard": "#c44e52",
     "reshard_backward": "#8172b3", "partial_sum": "#937860", "param_gather": "#da8bc3",
-    "grad_sync": "#8c8c8c",
+    "grad_sync": "#8c8c8c", "update_reduce": "#ccb974",
 }
 
 

@@ -39,7 +39,11 @@ The task graph of one training iteration, operators in program order (`soapjax._
   right after the backward task that completes the gradient, so it overlaps with the rest of
   the backward pass as XLA schedules it;
 * the optimizer update of every parameter shard (`CostModel.update_time`) after its gradient,
-  in the order gradients complete.
+  in the order gradients complete; where the optimizer reduces each parameter to scalars (a
+  global gradient-norm clip: `OpCosts.update_reductions`) and the parameter is stored split,
+  after the all-reduce of those scalars over the axes that split it (XLA's partitioner makes
+  each a partial sum; tiny, but on XLA:CPU a rendezvous per parameter: 20 of them cost GPT-2
+  tiny's Megatron step 1.9 ms of 13).
 
 Parameters (and batch inputs) are stored in the layout of the first operator that reads them,
 split further over `Strategy.zero_axes` where divisible; other readers reshard them before their
@@ -88,6 +92,7 @@ from soapjax._simresult import (
     RESHARD,
     RESHARD_BWD,
     UPDATE,
+    UPDATE_REDUCE,
     MemoryBreakdown,
     SimResult,
     TaskRecord,
@@ -111,7 +116,7 @@ from soapjax.topology import Topology
 
 __all__ = [
     "BACKWARD", "FORWARD", "GRAD_SYNC", "PARAM_GATHER", "PARTIAL_SUM", "RESHARD", "RESHARD_BWD",
-    "UPDATE", "MemoryBreakdown", "OpCosts", "SimResult", "Simulation", "TaskRecord", "compare",
+    "UPDATE", "UPDATE_REDUCE", "MemoryBreakdown", "OpCosts", "SimResult", "Simulation", "TaskRecord", "compare",
     "opt_state_factor", "parse_strategy", "shard_bytes", "simulate",
 ]
 
@@ -150,6 +155,9 @@ class OpCosts(Protocol):
 
     Attributes:
       source: how the times were obtained (``"measured"``, ``"analytic"``), for the result.
+      update_reductions: scalars the optimizer's update reduces each parameter to (a global
+        gradient norm: 1; `soapjax.cost.update_reductions`); a parameter stored split over mesh
+        axes all-reduces them over those axes before its update. Optional (0 when absent).
     """
 
     source: str
@@ -197,6 +205,7 @@ class Simulation:
         self.cost_model = cost_model
         self.mesh = MeshShape.of(topology)
         self.opt_state_factor = float(opt_state_factor)
+        self._reductions = int(getattr(cost_model, "update_reductions", 0))
         sharing = topology.compute  # devices sharing the host's cores (`[compute]`)
         self._stretch = sharing.stretch(topology.num_devices) if sharing else 1.0
         self._kernel_overhead = sharing.kernel_overhead if sharing else 0.0
@@ -705,11 +714,33 @@ class Simulation:
         if not layout.leaf_is_param[leaf]:
             return _LeafTasks(gathers, gather_ends, 0, stored + gathered)
         syncs, ready = self._build_grad_syncs(leaf, store)
-        update = self._task_graph.new(layout.key(layout.update_seg[leaf], 0),
+        seg = layout.update_seg[leaf]
+        reduce = self._build_update_reduce(leaf, store, seg, ready)
+        update = self._task_graph.new(layout.key(seg, 0, 1),
                                       self._compute_time(self.cost_model.update_time(stored)),
-                                      (0,), ready,
+                                      (0,), reduce or ready,
                                       (UPDATE, leaf))
-        return _LeafTasks(gathers + syncs + [update], gather_ends, stored, gathered)
+        return _LeafTasks(gathers + syncs + reduce + [update], gather_ends, stored, gathered)
+
+    def _build_update_reduce(self, leaf: int, store: tuple, seg: int, ready: list[int]
+                             ) -> list[int]:
+        """The all-reduce of the scalars the optimizer reduces parameter `leaf` to (its share of
+        a global gradient norm), over the mesh axes its stored layout `store` splits it over;
+        none when the optimizer reduces nothing or the parameter is whole on every device.
+        Once per step, after the gradient's synchronisation: the update waits for it.
+
+        (Under a global norm every update waits for every parameter's reduction; each waits
+        for its own here, which keeps a parameter's tasks one unit for the delta simulation.
+        On a device that runs its collectives and kernels one after the other, as XLA:CPU
+        does, that is the same time.)
+        """
+        axes = tuple(a for dim in store for a in dim)
+        if not self._reductions or not axes:
+            return []
+        comm = self._pricing.comm("all_reduce", 4 * self._reductions, axes)
+        if comm is None:
+            return []
+        return self._chain_tasks((comm,), self._layout.key(seg, 0, 0), ready, UPDATE_REDUCE, leaf)
 
     def _build_gathers(self, leaf: int, store: tuple) -> tuple[list[int], list[int], int]:
         """Each reader's resharding of `leaf` from its stored layout `store` (under ZeRO-3 an
@@ -807,7 +838,8 @@ class Simulation:
         what = (layout.edge_name[x] if kind == RESHARD else f"d({layout.edge_name[x]})"
                 if kind == RESHARD_BWD else f"{ops[x].name} (partial sums)"
                 if kind == PARTIAL_SUM else layout.leaf_source[x]
-                if kind == PARAM_GATHER else f"grad {layout.leaf_source[x]}")
+                if kind == PARAM_GATHER else f"norm {layout.leaf_source[x]}"
+                if kind == UPDATE_REDUCE else f"grad {layout.leaf_source[x]}")
         return f"{ref.kind} {what} over {'+'.join(ref.axes)}"
 
 

@@ -295,6 +295,20 @@ def test_the_timing_loop_keeps_the_work_inside_the_loop():
     assert hlo.ops_outside_loops(hoisted, "dot") == 1
 
 
+def test_timing_keeps_the_least_or_the_typical_trial():
+    """A kernel alone keeps its least disturbed trial; a rendezvous of device threads sharing
+    cores keeps the typical one (the median), which is what a training step meets."""
+    per, raw = [3e-6, -1e-7, 1e-6, 2e-6, 9e-6], [4e-6, 1e-6, 2e-6, 3e-6, 1e-5]
+    assert _timing._positive(per, raw) == 1e-6
+    assert _timing._positive(per, raw, "median") == pytest.approx(2.5e-6)  # of the 4 above 0
+    assert _timing._positive([-1e-7, -2e-7], [2e-6, 1e-6], "median") == pytest.approx(1.5e-6)
+    with pytest.raises(ValueError, match="'min' or 'median'"):
+        TimingOptions(statistic="mean")
+    t = _timing.time_loop(lambda c: (c[0] + 1.0,), (jnp.zeros(4),),
+                          TimingOptions(target_trial_s=0.002, trials=5, statistic="median"))
+    assert t.seconds > 0 and t.trials >= 5
+
+
 # --- calibration and the command line ------------------------------------------------------------
 
 

@@ -193,6 +193,38 @@ def test_zero_gathers_parameters_and_reduce_scatters_gradients():
     assert zero.memory.opt_state == 2 * zero.memory.params
 
 
+CLIPPED = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+
+
+def test_a_global_norm_clip_all_reduces_one_scalar_per_split_parameter():
+    """clip_by_global_norm sums every gradient's squares: a parameter stored split has a partial
+    sum per device, all-reduced over the axes that split it before its update; a replicated one
+    has none (its sum is whole on every device)."""
+    topo = load_topology("cpu8")
+    mesh = MeshShape.of(topo)
+    _, g = zoo("mlp")
+    costs, rs = cost_model(g, topo, mode="analytic", optimizer=CLIPPED), ideal(topo)
+    assert costs.update_reductions == 1
+    dp = data_parallel(g, mesh)
+    assert not [t for t in simulate(g, topo, dp, cost_model=costs, resharder=rs).tasks
+                if t.kind == "update_reduce"]
+    zero = simulate(g, topo, dataclasses.replace(dp, zero_axes=("data", "model")),
+                    cost_model=costs, resharder=rs)
+    norms = {t.name: t for t in zero.tasks if t.kind == "update_reduce"}
+    assert len(norms) == len(g.params)
+    for leaf in g.params:
+        axes = "data+model" if leaf.shape[0] % 8 == 0 else "data"
+        t = norms[f"all_reduce norm {leaf.path} over {axes}"]
+        assert t.nbytes == 4
+        assert t.end_s - t.start_s == pytest.approx(
+            topo.collective_time("all_reduce", 4, tuple(axes.split("+"))), rel=1e-12)
+        update = next(u for u in zero.tasks if u.name == f"update {leaf.path}")
+        assert update.start_s >= t.end_s
+    plain = simulate(g, topo, dataclasses.replace(dp, zero_axes=("data", "model")),
+                     cost_model=cost_model(g, topo, mode="analytic"), resharder=rs)
+    assert not [t for t in plain.tasks if t.kind == "update_reduce"]  # Adam alone: no norm
+
+
 def test_megatron_mlp_all_reduces_activations_once_each_way():
     """Column- then row-parallel: an all-reduce after the second (forward) and of the cotangent
     of the first's replicated input (backward), and nothing between them."""
@@ -347,7 +379,9 @@ def test_delta_equals_full_simulation(kind, topo_name, seed):
     g = random_graph(kind, rng)
     topo = TOPOLOGIES[topo_name]()
     mesh = MeshShape.of(topo)
-    costs, rs = cost_model(g, topo, mode="analytic"), ideal(topo)
+    # Odd seeds clip the global norm: split parameters all-reduce their scalars too.
+    costs = cost_model(g, topo, mode="analytic", optimizer=CLIPPED if seed % 2 else None)
+    rs = ideal(topo)
     choices = [configs(op, mesh) for op in g.operators]
     zero = tuple(a for a in mesh.axis_names if rng.random() < 0.3)
     current = Strategy(tuple(rng.choice(c) for c in choices), zero)
@@ -539,7 +573,8 @@ def test_delta_equals_full_with_microbatches_and_recompute(kind, topo_name, seed
     g = random_graph(kind, rng)
     topo = TOPOLOGIES[topo_name]()
     mesh = MeshShape.of(topo)
-    costs, rs = cost_model(g, topo, mode="analytic"), ideal(topo)
+    costs = cost_model(g, topo, mode="analytic", optimizer=CLIPPED if seed % 2 else None)
+    rs = ideal(topo)
     choices = [configs(op, mesh) for op in g.operators]
     policies = ("none", "selective", "full")
     current = Strategy(tuple(rng.choice(c) for c in choices),
