@@ -352,6 +352,10 @@ class Pricing:
         self.mesh = MeshShape.of(topology)
         self._chains: dict[tuple, tuple[Comm, ...]] = {}
         self._comms: dict[tuple, Comm | None] = {}
+        # Where the cores that compute also move the bytes (`ComputeSharing.serial_comm`),
+        # a collective holds the compute stream (resource 0) as well as its channels.
+        sharing = topology.compute
+        self._serial = (0,) if sharing is not None and sharing.serial_comm else ()
         self._resources()
 
     def _resources(self) -> None:
@@ -414,7 +418,7 @@ class Pricing:
             res = self.subset_res[ordered]
             link_class = (self.topology.links[ring.link].link_class if ring.link is not None
                           else self.resource_channels[res[0]][0].split("/")[-1])
-            out = Comm(kind, round(nbytes), ordered, dur, res, link_class,
+            out = Comm(kind, round(nbytes), ordered, dur, self._serial + res, link_class,
                        bytes_sent(kind, nbytes, n))
         self._comms[key] = out
         return out

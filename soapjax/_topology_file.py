@@ -56,13 +56,17 @@ of the segment whose ``from`` is the largest not above ``nbytes`` (the buffer co
 cores (virtual CPU devices): the simulator stretches every compute task by
 ``devices / concurrent_devices``, adds ``kernel_overhead`` per task, and adds to every step what
 calling it costs: ``step_overhead`` per call plus ``output_overhead`` per array the step returns
-(parameters, optimizer state, loss: their buffers are made and handed back on every device)::
+(parameters, optimizer state, loss: their buffers are made and handed back on every device).
+``comm_overlap`` (0 to 1, default 1) is how much of a collective independent compute hides;
+below 0.5 each device's collectives take its compute stream's time too (XLA:CPU's devices copy
+and reduce on the cores that compute)::
 
     [compute]
     concurrent_devices = 2.0
     kernel_overhead = "20 us"
     step_overhead = "100 us"
     output_overhead = "8 us"
+    comm_overlap = 0.0
 
     [[collectives]]
     kind = "all_reduce"
@@ -313,12 +317,17 @@ class ComputeSharing:
         collectives (dispatch, argument handling).
       output_overhead: seconds per array a step returns, beyond the kernel that computes it
         (a buffer made on every device and handed back).
+      comm_overlap: how much of a collective's time independent compute hides, from 0 to 1
+        (measured: 1 where links and kernels run on their own engines, as NCCL beside CUDA
+        kernels; 0 where the same cores copy and compute, as XLA:CPU's devices). Below 0.5
+        the simulator runs each device's collectives on its compute stream (`serial_comm`).
     """
 
     concurrent_devices: float
     kernel_overhead: float = 0.0
     step_overhead: float = 0.0
     output_overhead: float = 0.0
+    comm_overlap: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.concurrent_devices > 0 or not min(
@@ -328,6 +337,14 @@ class ComputeSharing:
                 f"step_overhead, output_overhead >= 0, found {self.concurrent_devices}, "
                 f"{self.kernel_overhead}, {self.step_overhead} and {self.output_overhead}"
             )
+        if not 0.0 <= self.comm_overlap <= 1.0:
+            raise TopologyError(f"[compute].comm_overlap: expected a number from 0 to 1, found "
+                                f"{self.comm_overlap}")
+
+    @property
+    def serial_comm(self) -> bool:
+        """Whether collectives take the compute stream's time (`comm_overlap` below 0.5)."""
+        return self.comm_overlap < 0.5
 
     def stretch(self, num_devices: int) -> float:
         """The factor a lone device's compute time is multiplied by when all of them run."""
@@ -354,7 +371,7 @@ _TOP_KEYS = {
     "collectives": False,
 }
 _COMPUTE_KEYS = {"concurrent_devices": True, "kernel_overhead": False,
-                 "step_overhead": False, "output_overhead": False}
+                 "step_overhead": False, "output_overhead": False, "comm_overlap": False}
 _COLLECTIVE_KEYS = {"kind": True, "axes": True, "segments": True}
 _SEGMENT_KEYS = {"from": True, "latency": True, "bandwidth": True}
 _DEVICE_KEYS = {"kind": True, "peak_flops": True, "memory_bandwidth": True, "memory_bytes": True,
@@ -490,7 +507,11 @@ def _parse_compute(table: object) -> ComputeSharing:
         raise TopologyError(f"[compute].concurrent_devices: expected a number, found {n!r}")
     seconds = {k: _quantity(c.get(k, 0.0), "seconds", f"[compute].{k}", allow_zero=True)
                for k in ("kernel_overhead", "step_overhead", "output_overhead")}
-    return ComputeSharing(float(n), **seconds)
+    overlap = c.get("comm_overlap", 1.0)
+    if not isinstance(overlap, (int, float)) or isinstance(overlap, bool):
+        raise TopologyError(f"[compute].comm_overlap: expected a number from 0 to 1, found "
+                            f"{overlap!r}")
+    return ComputeSharing(float(n), **seconds, comm_overlap=float(overlap))
 
 
 def _parse_collectives(entries: object, axis_names: tuple[str, ...]

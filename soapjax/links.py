@@ -21,6 +21,11 @@ on whatever is attached (`soapjax calibrate --links`):
   at once: ``concurrent_devices = n * t_alone / t_all`` is how many devices compute at full
   speed together (on 8 virtual devices of a 2-core host, about 2); the simulator stretches
   every compute task by ``n / concurrent_devices``.
+* **Compute beside collectives.** Independent chains of matmuls and all-reduces, timed apart
+  and together in one program (`measure_overlap`): how much of a collective's time compute
+  hides. On XLA:CPU none (the cores that compute also copy and reduce; together they take
+  longer than the sum), so the simulator puts each collective on the compute stream too; on a
+  GPU, NCCL's kernels run beside the compute kernels.
 * **Calling a step.** A jitted program returning n arrays, called one call at a time, less its
   kernels timed in a loop: ``step_overhead + n * output_overhead`` (`measure_call_overhead`),
   which the simulator adds to every step (a step returns its parameters and optimizer state).
@@ -203,7 +208,8 @@ def format_measured(fits: Sequence[Fit], compute: ComputeSharing | None, *, comm
                   f"concurrent_devices = {compute.concurrent_devices:.3g}",
                   f"kernel_overhead = {_seconds(compute.kernel_overhead)}",
                   f"step_overhead = {_seconds(compute.step_overhead)}",
-                  f"output_overhead = {_seconds(compute.output_overhead)}", ""]
+                  f"output_overhead = {_seconds(compute.output_overhead)}",
+                  f"comm_overlap = {compute.comm_overlap:.2f}", ""]
     for f in fits:
         res = [abs(e) for e in f.residuals]
         lines.append(f"# fit: {len(res)} sizes, |error| max {100 * max(res):.0f}% mean "
@@ -341,6 +347,50 @@ def measure_call_overhead(mesh: jax.sharding.Mesh,
     return max(0.0, float(intercept)), max(0.0, float(slope)), points
 
 
+def measure_overlap(mesh: jax.sharding.Mesh, *, size: int = 128, nbytes: int = 64 * 2**10,
+                    repeats: int = 16, calls: int = 21) -> tuple[float, tuple[float, ...]]:
+    """How much of a collective's time independent compute hides, from 0 to 1.
+
+    Three programs on every device, called one call at a time (median of `calls`): `repeats`
+    matmul-tanh steps of a ``size x size`` matrix; `repeats` all-reduces of `nbytes` over the
+    whole mesh; both, the two chains independent, so a device that can run them at once
+    does. ``(compute + collectives - both) / min(compute, collectives)``, each less the same
+    program with neither, clipped to [0, 1]; also ``(compute, collectives, both)`` seconds.
+    """
+    spec = P(tuple(mesh.axis_names))
+    sharding = NamedSharding(mesh, spec)
+    axes = tuple(mesh.axis_names)
+
+    def program(compute: bool, collective: bool):
+        def body(x, v):
+            for _ in range(repeats):
+                x = jnp.tanh(x @ x) * 0.5 if compute else x
+                v = lax.psum(v, axes) * (1.0 / mesh.size) if collective else v
+            return x, v
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec),
+                                     out_specs=(spec, spec), check_vma=False))
+
+    a = np.random.default_rng(0).uniform(-1, 1, (size * mesh.size, size)) / size
+    x = jax.device_put(a.astype(np.float32), sharding)
+    v = jax.device_put(np.ones(max(1, nbytes // 4) * mesh.size, np.float32), sharding)
+
+    def median_call(f) -> float:
+        jax.block_until_ready(f(x, v))
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(x, v))
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
+
+    base = median_call(program(False, False))
+    comp, coll, both = (max(1e-9, median_call(program(c, k)) - base)
+                        for c, k in ((True, False), (False, True), (True, True)))
+    hidden = (comp + coll - both) / min(comp, coll)
+    return min(1.0, max(0.0, hidden)), (comp, coll, both)
+
+
 def axis_sets(topology: Topology) -> list[tuple[str, ...]]:
     """Each mesh axis of more than one device, and the whole mesh where it has 2+ such axes."""
     single = [(a,) for a, s in zip(topology.axis_names, topology.axis_sizes) if s > 1]
@@ -375,8 +425,12 @@ def calibrate_links(topology: Topology, *, kinds: Sequence[str] = MEASURED_KINDS
         per_call, per_output, points = measure_call_overhead(mesh)
         log(f"step call: {per_call * 1e6:.0f} us + {per_output * 1e6:.1f} us per output ("
             + ", ".join(f"{n} outputs {t * 1e6:.0f} us" for n, t in points) + ")")
+        overlap, (comp, coll, both) = measure_overlap(mesh)
+        log(f"compute beside collectives: {comp * 1e3:.2f} ms + {coll * 1e3:.2f} ms apart, "
+            f"{both * 1e3:.2f} ms together: overlap {overlap:.2f}")
         compute = ComputeSharing(min(concurrent, float(topology.num_devices)),
-                                 step_overhead=per_call, output_overhead=per_output)
+                                 step_overhead=per_call, output_overhead=per_output,
+                                 comm_overlap=overlap)
     return fits, compute, time.perf_counter() - start
 
 

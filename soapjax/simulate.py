@@ -407,7 +407,8 @@ class Simulation:
                 continue
             sent += ref.sent
             by_class[ref.link_class] = by_class.get(ref.link_class, 0.0) + ref.sent
-            channels = tuple(c for r in task_graph.res[t] for c in pricing.resource_channels[r])
+            channels = tuple(c for r in task_graph.res[t] if r  # 0: compute (`serial_comm`)
+                             for c in pricing.resource_channels[r])
             records.append(TaskRecord(name, kind, channels, start, end, ref.nbytes, ref.sent))
         step = self.step_time()
         compute += self._call  # host work, not communication

@@ -69,7 +69,8 @@ def test_written_tables_load_back_and_price_collectives(tmp_path):
             for axes in (("data",), ("model",), ("data", "model"))
             for k in links.MEASURED_KINDS]
     text = links.write_topology(QUAD, links.format_measured(
-        fits, ComputeSharing(2.0, 1e-5, step_overhead=1.2e-4, output_overhead=8e-6),
+        fits, ComputeSharing(2.0, 1e-5, step_overhead=1.2e-4, output_overhead=8e-6,
+                             comm_overlap=0.0),
         command="soapjax calibrate --links --write"))
     assert "# fit: 13 sizes, |error| max 0% mean 0%; held back: 4.096 KB +0%" in text
     path = tmp_path / "quad.toml"
@@ -79,6 +80,7 @@ def test_written_tables_load_back_and_price_collectives(tmp_path):
     assert topo.compute.kernel_overhead == pytest.approx(1e-5)
     assert topo.compute.step_overhead == pytest.approx(1.2e-4)
     assert topo.compute.output_overhead == pytest.approx(8e-6)
+    assert topo.compute.comm_overlap == 0.0 and topo.compute.serial_comm
     assert len(topo.collective_models) == 15
     for nbytes in (256, 1e5, 2**22):
         for axes in (("data",), ("model",), ("model", "data")):
@@ -136,8 +138,10 @@ def test_a_topology_without_measurements_keeps_its_fingerprint(tmp_path):
     ("[compute]\nconcurrent_devices = 0", "concurrent_devices > 0"),
     ('[compute]\nconcurrent_devices = 1\noutput_overhead = -1', "output_overhead: expected"),
     ('[compute]\nconcurrent_devices = 1\nstep_overhead = "2 parsecs"', "step_overhead"),
+    ("[compute]\nconcurrent_devices = 1\ncomm_overlap = 1.5", "comm_overlap: expected a number"),
+    ('[compute]\nconcurrent_devices = 1\ncomm_overlap = "none"', "comm_overlap: expected"),
 ], ids=["unknown-axis", "unknown-kind", "first-segment", "nested-axes", "no-devices",
-        "negative-output", "unit"])
+        "negative-output", "unit", "overlap-range", "overlap-type"])
 def test_malformed_measurements_are_rejected(tmp_path, bad, match):
     path = tmp_path / "bad.toml"
     path.write_text(QUAD + "\n" + bad + "\n")
@@ -195,3 +199,16 @@ def test_collective_model_time():
     assert m.time(0) == 0.0
     assert m.time(1e3) == pytest.approx(1e-5 + 1e-6)
     assert m.time(2e6) == pytest.approx(4e-3)
+
+
+def test_xla_cpu_devices_hide_no_collective_behind_compute():
+    """Measured on the 8 virtual CPU devices: independent matmuls and all-reduces take at least
+    as long together as apart (the cores that compute also copy and reduce), so calibrate
+    writes comm_overlap below 0.5 and the simulator serialises them."""
+    from soapjax.topology import make_mesh
+
+    overlap, (compute, collectives, both) = links.measure_overlap(
+        make_mesh(load_topology("cpu8")), repeats=8, calls=9)
+    assert compute > 0 and collectives > 0
+    assert 0.0 <= overlap < 0.5
+    assert both > max(compute, collectives)

@@ -225,6 +225,34 @@ def test_a_global_norm_clip_all_reduces_one_scalar_per_split_parameter():
     assert not [t for t in plain.tasks if t.kind == "update_reduce"]  # Adam alone: no norm
 
 
+def test_collectives_take_the_compute_stream_where_the_cores_move_the_bytes():
+    """cpu8 measures comm_overlap 0 (XLA:CPU's devices copy and reduce on the cores that
+    compute): no collective runs beside a kernel, and the step is the sum of its tasks. Where
+    collectives overlap (a GPU's NCCL kernels), data parallelism hides gradient all-reduces
+    behind the backward pass."""
+    topo = load_topology("cpu8")
+    assert topo.compute.comm_overlap == 0 and topo.compute.serial_comm
+    _, g = zoo("mlp")
+    strategy = data_parallel(g, MeshShape.of(topo))
+    results = {}
+    for overlap in (0.0, 1.0):
+        t = dataclasses.replace(topo, compute=dataclasses.replace(topo.compute,
+                                                                  comm_overlap=overlap))
+        results[overlap] = simulate(g, t, strategy, cost_model=cost_model(g, t, mode="analytic"),
+                                    resharder=ideal(t))
+    serial, overlapped = results[0.0], results[1.0]
+    comm = [x for x in serial.tasks if x.resources != ("compute",)]
+    kernels = [x for x in serial.tasks if x.resources == ("compute",)]
+    assert comm and all("compute" not in x.resources for x in comm)
+    assert not [(c, k) for c in comm for k in kernels
+                if c.start_s < k.end_s - 1e-15 and k.start_s < c.end_s - 1e-15]
+    busy = sum(x.end_s - x.start_s for x in serial.tasks)
+    assert serial.step_time_s == pytest.approx(busy + serial.compute_s - sum(
+        x.end_s - x.start_s for x in kernels), rel=1e-12)  # tasks end to end, plus the call
+    assert overlapped.step_time_s < serial.step_time_s
+    assert [x.name for x in overlapped.tasks] == [x.name for x in serial.tasks]
+
+
 def test_megatron_mlp_all_reduces_activations_once_each_way():
     """Column- then row-parallel: an all-reduce after the second (forward) and of the cotangent
     of the first's replicated input (backward), and nothing between them."""
