@@ -12,8 +12,14 @@ program, dispatch amortised; the minimum over trials):
   ``soapjax calibrate --links`` times, K = 1) against one all-reduce of a K-operand tuple (what
   XLA makes of a step's gradient all-reduces: its all-reduce combiner).
 * **repeat**: the same chain timed several times, to show the spread between runs.
+* **links**: `soapjax calibrate --links`'s measurements taken twice over cpu8 (every kind,
+  axis set and size, fitted and held back): how far one sweep's times are from the other's at
+  the same sizes, against how far the fit of one sweep is from its held-back sizes and from
+  the other sweep's. If a size measured twice disagrees as much as the fit does with it, the
+  fit is as good as the measurement allows.
 
-    python scripts/bench_cpu_sharing.py             # ~2 minutes on 2 cores; run it quiet
+    python scripts/bench_cpu_sharing.py             # ~5 minutes on 2 cores; run it quiet
+    python scripts/bench_cpu_sharing.py --only links
 
 Figures of 2026-11-25 are in docs/accuracy.md.
 """
@@ -135,14 +141,48 @@ def repeat(mesh: Mesh, times: int = 5) -> None:
           + f"   max/min {max(runs) / min(runs):.2f}")
 
 
+def link_sweeps(mesh: Mesh, sweeps: int = 2) -> None:
+    from soapjax import links
+    from soapjax.topology import load_topology
+    from soapjax.topology import make_mesh as topology_mesh
+
+    topo = load_topology("cpu8")
+    mesh = topology_mesh(topo)
+    keys = [(axes, kind) for axes in links.axis_sets(topo) for kind in links.MEASURED_KINDS]
+    runs = []
+    for s in range(sweeps):
+        runs.append({k: ([links.Sample(n, links.time_collective(mesh, k[1], k[0], n))
+                          for n in links.FIT_SIZES],
+                         [links.Sample(n, links.time_collective(mesh, k[1], k[0], n))
+                          for n in links.HELD_SIZES]) for k in keys})
+        print(f"links: sweep {s + 1} of {sweeps} measured", file=sys.stderr, flush=True)
+    first, second = runs[0], runs[-1]
+
+    def line(label, errors):
+        e = np.abs(np.array(errors))
+        print(f"  {label:<44} max {e.max():5.0%}  mean {e.mean():4.0%}  "
+              f"within 20% {np.mean(e <= 0.2):4.0%}  ({len(e)} sizes)")
+
+    print(f"\ncalibrate --links on cpu8, {len(keys)} collectives, {sweeps} sweeps:")
+    line("held-back sizes, sweep 2 / sweep 1 - 1",
+         [b.seconds / a.seconds - 1 for k in keys for a, b in zip(first[k][1], second[k][1])])
+    line("fitted sizes, sweep 2 / sweep 1 - 1",
+         [b.seconds / a.seconds - 1 for k in keys for a, b in zip(first[k][0], second[k][0])])
+    line("fit of sweep 1 on its held-back sizes",
+         [e for k in keys for _, e in links.fit_samples(k[1], k[0], *first[k]).held_out])
+    line("fit of sweep 1 on sweep 2's held-back sizes",
+         [e for k in keys for _, e in links.fit_samples(
+             k[1], k[0], first[k][0], second[k][1]).held_out])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", choices=("kernels", "collectives", "repeat"),
-                    help="run one probe (default: all three)")
+    ap.add_argument("--only", choices=("kernels", "collectives", "repeat", "links"),
+                    help="run one probe (default: all four)")
     args = ap.parse_args(argv)
     mesh = _mesh()
     for name, probe in (("kernels", kernels), ("collectives", collectives),
-                        ("repeat", repeat)):
+                        ("repeat", repeat), ("links", link_sweeps)):
         if args.only in (None, name):
             probe(mesh)
     return 0
