@@ -223,6 +223,18 @@ def test_a_global_norm_clip_all_reduces_one_scalar_per_split_parameter():
     plain = simulate(g, topo, dataclasses.replace(dp, zero_axes=("data", "model")),
                      cost_model=cost_model(g, topo, mode="analytic"), resharder=rs)
     assert not [t for t in plain.tasks if t.kind == "update_reduce"]  # Adam alone: no norm
+    # On a GPU, XLA combines the scalars into one all-reduce that NCCL runs as one: each
+    # parameter's is priced at its share (XLA:CPU, above, runs a rendezvous per operand).
+    gpu = remesh("dgx-h100x8", data=2, model=4)
+    fsdp = Strategy(data_parallel(g, MeshShape.of(gpu)).configs, ("data", "model"))
+    shares = [t for t in simulate(g, gpu, fsdp, cost_model=cost_model(
+        g, gpu, mode="analytic", optimizer=CLIPPED), resharder=ideal(gpu)).tasks
+        if t.kind == "update_reduce"]
+    assert len(shares) == len(g.params)
+    for t in shares:
+        axes = tuple(t.name.split(" over ")[-1].split("+"))
+        assert t.end_s - t.start_s == pytest.approx(
+            gpu.collective_time("all_reduce", 4, axes) / len(g.params), rel=1e-12)
 
 
 def test_collectives_take_the_compute_stream_where_the_cores_move_the_bytes():
