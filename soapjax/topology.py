@@ -359,7 +359,8 @@ class Topology:
 
     def channels_used(self, axes: Sequence[str]) -> tuple[Channel, ...]:
         """The channels (simulator resources) a collective over ``axes`` occupies, sorted by id."""
-        return tuple(sorted({self.channel(self.links[i].channel) for i in self.links_used(axes)}))
+        return self._cached(("channels", tuple(axes)), lambda: tuple(sorted(
+            {self.channel(self.links[i].channel) for i in self.links_used(axes)})))
 
     @staticmethod
     def channel(channel_id: str) -> Channel:
