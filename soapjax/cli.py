@@ -284,8 +284,10 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--links", action="store_true",
                    help="instead: time every collective XLA emits over each mesh axis of --mesh "
-                   "on the attached devices (256 B .. 64 MB), how many devices compute at once "
-                   "and what calling a step costs (per call and per returned array), fit "
+                   "on the attached devices (256 B .. 64 MB; the median of short trials), how many "
+                   "devices compute at once, whether collectives run beside compute "
+                   "(comm_overlap; none on XLA:CPU) and what calling a step costs (per call and "
+                   "per returned array), fit "
                    "latency + bytes/bandwidth per axis and collective, and print the "
                    "[compute] and [[collectives]] tables (--write: into the topology file)")
     p.add_argument("--mesh", default="cpu8", help="with --links: a shipped topology or a .toml "
