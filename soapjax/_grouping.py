@@ -525,14 +525,17 @@ def mark_unrolled_layers(ops: list[Operator]) -> list[Operator]:
 
     A family of layers is a name segment ``<stem><index>`` at one depth under one prefix; it
     counts as repeated when it has two or more indices and every operator name under it occurs
-    at every index with the same anchor, iteration sizes and roles, and operand shapes (the
-    layers are the same computation). The outermost such segment wins (``layers_2/Dense_0``
-    is a layer of ``layers_*``, not a family of its own). Operators that already have a
-    position (a scan) keep it.
+    at every index with the same anchor, iteration sizes and roles, and parameter and batch
+    operands (the layers are the same computation). Activation operands may differ: a value
+    built from iotas where the first layer reads it is computed inside that layer's operator
+    and read by the later layers' (GPT-2's causal mask: layer 0's attention scores have two
+    activation operands, the others three). The outermost such segment wins
+    (``layers_2/Dense_0`` is a layer of ``layers_*``, not a family of its own). Operators that
+    already have a position (a scan) keep it.
     """
     def signature(op: Operator) -> tuple:
         return (op.anchor, op.iteration_sizes, op.iteration_roles,
-                tuple((x.kind, x.shape, x.dtype) for x in op.inputs))
+                tuple((x.kind, x.shape, x.dtype) for x in op.inputs if x.kind != "activation"))
 
     position = [op.block_position for op in ops]
     depth = 0

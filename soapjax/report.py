@@ -91,10 +91,12 @@ def plan_report(graph: OpGraph, topology, strategy: Strategy, sim, *,
     lines.append("")
     lines.append("predicted step time")
     t = sim.step_time_s
-    lines.append(f"  {'soapjax plan':<16} {t * 1e3:10.3f} ms")
+    width = max([16] + [len(name) for name, _, _ in baselines])
+    lines.append(f"  {'soapjax plan':<{width}} {t * 1e3:10.3f} ms")
     for name, bt, fits in sorted(baselines, key=lambda b: b[1]):
         note = "" if fits else "  (does not fit in memory)"
-        lines.append(f"  {name:<16} {bt * 1e3:10.3f} ms  {bt / t:5.2f}x the plan's time{note}")
+        lines.append(f"  {name:<{width}} {bt * 1e3:10.3f} ms  {bt / t:5.2f}x the plan's time"
+                     f"{note}")
     lines.append("")
     by_class = ", ".join(f"{k} {format_bytes(v)}"
                          for k, v in sorted(_items(sim.bytes_by_link_class)))
