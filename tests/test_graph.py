@@ -451,3 +451,18 @@ def test_memo_is_per_graph_and_not_copied():
     blocks = g.repeated_blocks()
     blocks[0].append(-1)
     assert -1 not in g.repeated_blocks()[0]
+
+
+def test_layers_that_read_a_value_the_first_layer_builds_are_still_one_family():
+    """GPT-2 builds its causal mask from iotas: it is computed inside layer 0's attention-score
+    operator and read by layer 1's as an extra operand. The layers are still the same
+    computation: every layer operator gets a block position, and each position is a block."""
+    w = models.get("gpt2", "tiny")
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt2")
+    ops = {op.name: op for op in g.operators}
+    first, second = ops["layers_0/attn/dot_general"], ops["layers_1/attn/dot_general"]
+    assert len(first.inputs) + 1 == len(second.inputs)  # the mask
+    assert first.block_position == second.block_position == "layers_*/attn/dot_general"
+    layered = [op for op in g.operators if op.name.startswith("layers_")]
+    assert layered and all(op.block_position for op in layered)
+    assert len(g.repeated_blocks()) == len(layered) // 2
