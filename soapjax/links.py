@@ -13,9 +13,9 @@ on whatever is attached (`soapjax calibrate --links`):
   compiled program, inside one `shard_map`, so dispatch is amortised and nothing but the
   collective crosses devices. The median of 9 short trials is kept, not the least (a
   rendezvous of 8 device threads on 2 cores is fast in some trials and 1.5-2x slower in
-  others, and a training step meets the typical case). Each (kind, axes) is fitted with ``latency + nbytes / bandwidth``
-  (least squares on relative error), split into two segments where one line does not fit
-  within 10% (XLA:CPU changes algorithm with size). Sizes between the fitted ones are held
+  others, and a training step meets the typical case). Each (kind, axes) is fitted with
+  ``latency + nbytes / bandwidth`` (least squares on relative error), split into two segments
+  where one line does not fit within 10% (XLA:CPU changes algorithm with size). Sizes between the fitted ones are held
   back and predicted, to check the fit. On a GPU node the same code measures NCCL.
 * **Shared compute.** The same chain of matmuls timed on one device alone and on every device
   at once: ``concurrent_devices = n * t_alone / t_all`` is how many devices compute at full

@@ -117,8 +117,8 @@ from soapjax.topology import Topology
 
 __all__ = [
     "BACKWARD", "FORWARD", "GRAD_SYNC", "PARAM_GATHER", "PARTIAL_SUM", "RESHARD", "RESHARD_BWD",
-    "UPDATE", "UPDATE_REDUCE", "MemoryBreakdown", "OpCosts", "SimResult", "Simulation", "TaskRecord", "compare",
-    "opt_state_factor", "parse_strategy", "shard_bytes", "simulate",
+    "UPDATE", "UPDATE_REDUCE", "MemoryBreakdown", "OpCosts", "SimResult", "Simulation",
+    "TaskRecord", "compare", "opt_state_factor", "parse_strategy", "shard_bytes", "simulate",
 ]
 
 class _View(NamedTuple):
