@@ -141,13 +141,14 @@ def repeat(mesh: Mesh, times: int = 5) -> None:
           + f"   max/min {max(runs) / min(runs):.2f}")
 
 
-def link_sweeps(mesh: Mesh, sweeps: int = 2) -> None:
+def link_sweeps(_: Mesh, sweeps: int = 2) -> None:
+    """On cpu8's mesh as `make_mesh` builds it, the one calibrate measures on (not the probes'
+    mesh)."""
     from soapjax import links
-    from soapjax.topology import load_topology
-    from soapjax.topology import make_mesh as topology_mesh
+    from soapjax.topology import load_topology, make_mesh
 
     topo = load_topology("cpu8")
-    mesh = topology_mesh(topo)
+    mesh = make_mesh(topo)
     keys = [(axes, kind) for axes in links.axis_sets(topo) for kind in links.MEASURED_KINDS]
     runs = []
     for s in range(sweeps):

@@ -15,8 +15,9 @@ on whatever is attached (`soapjax calibrate --links`):
   rendezvous of 8 device threads on 2 cores is fast in some trials and 1.5-2x slower in
   others, and a training step meets the typical case). Each (kind, axes) is fitted with
   ``latency + nbytes / bandwidth`` (least squares on relative error), split into two segments
-  where one line does not fit within 10% (XLA:CPU changes algorithm with size). Sizes between the fitted ones are held
-  back and predicted, to check the fit. On a GPU node the same code measures NCCL.
+  where one line does not fit within 10% (XLA:CPU changes algorithm with size). Sizes between
+  the fitted ones are held back and predicted, to check the fit. On a GPU node the same code
+  measures NCCL.
 * **Shared compute.** The same chain of matmuls timed on one device alone and on every device
   at once: ``concurrent_devices = n * t_alone / t_all`` is how many devices compute at full
   speed together (on 8 virtual devices of a 2-core host, about 2); the simulator stretches
@@ -313,6 +314,18 @@ def measure_sharing(mesh: jax.sharding.Mesh, sizes: Sequence[int] = (128, 256, 3
     return float(np.median([c for _, c in each])), each
 
 
+def _median_call(fn: Callable, args: Sequence, calls: int) -> float:
+    """Median seconds of one call of `fn(*args)` (warm, one call at a time, as a training loop
+    calls its step), over `calls` calls."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
 def measure_call_overhead(mesh: jax.sharding.Mesh,
                           counts: Sequence[int] = (1, 4, 16, 64, 128), calls: int = 31,
                           options: TimingOptions = _TIMING
@@ -332,15 +345,9 @@ def measure_call_overhead(mesh: jax.sharding.Mesh,
         xs = [jax.device_put(np.full(64 * mesh.size, float(i), np.float32), sharding)
               for i in range(n)]
         step = jax.jit(lambda *a: [x + 1.0 for x in a], out_shardings=[sharding] * n)
-        jax.block_until_ready(step(*xs))
-        times = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            jax.block_until_ready(step(*xs))
-            times.append(time.perf_counter() - t0)
         kernels = time_loop(lambda c: tuple(x + 1.0 for x in c),
                             tuple(jnp.copy(x) for x in xs), options).seconds
-        points.append((n, max(0.0, float(np.median(times)) - kernels)))
+        points.append((n, max(0.0, _median_call(step, xs, calls) - kernels)))
     ns = np.array([n for n, _ in points], float)
     ts = np.array([t for _, t in points])
     slope, intercept = np.polyfit(ns, ts, 1) if len(points) > 1 else (0.0, ts[0])
@@ -375,17 +382,8 @@ def measure_overlap(mesh: jax.sharding.Mesh, *, size: int = 128, nbytes: int = 6
     x = jax.device_put(a.astype(np.float32), sharding)
     v = jax.device_put(np.ones(max(1, nbytes // 4) * mesh.size, np.float32), sharding)
 
-    def median_call(f) -> float:
-        jax.block_until_ready(f(x, v))
-        times = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(x, v))
-            times.append(time.perf_counter() - t0)
-        return float(np.median(times))
-
-    base = median_call(program(False, False))
-    comp, coll, both = (max(1e-9, median_call(program(c, k)) - base)
+    base = _median_call(program(False, False), (x, v), calls)
+    comp, coll, both = (max(1e-9, _median_call(program(c, k), (x, v), calls) - base)
                         for c, k in ((True, False), (False, True), (True, True)))
     hidden = (comp + coll - both) / min(comp, coll)
     return min(1.0, max(0.0, hidden)), (comp, coll, both)
