@@ -4,8 +4,10 @@ For tiny zoo models on ``cpu8`` (8 virtual CPU devices, data=2 x model=4), appli
 parallelism, Megatron, FSDP, the paper's expert strategy, a searched plan (analytic costs on the
 calibrated ``cpu8``) and two random strategies per model, and runs
 `soapjax.check.compare_on_devices` on each (the numbers against the unsharded step, the
-prediction, XLA's FLOPs). The measured step is the median of one-call timings taken in rounds
-that call every plan of a model once (a drift of the machine shifts all plans alike), against
+prediction, XLA's FLOPs; also the kernels its compiled program launches and the arrays it
+returns, which `soapjax calibrate --links` prices per call). The measured step is the median
+of one-call timings taken in rounds that call every plan of a model once (a drift of the
+machine shifts all plans alike), against
 the simulated one (measured operator costs, XLA's resharding collectives, and the
 topology's measured collectives and shared compute, `soapjax calibrate --links`). The same plans
 are simulated on the hand-written topology the calibrated one replaced (``--before``, the
@@ -37,6 +39,8 @@ import numpy as np  # noqa: E402
 
 import soapjax_zoo as zoo  # noqa: E402
 from soapjax import apply  # noqa: E402
+from soapjax._hlo_text import launched_kernels  # noqa: E402
+from soapjax._timing import quiet_gc  # noqa: E402
 from soapjax.baselines import baselines  # noqa: E402
 from soapjax.check import compare_on_devices  # noqa: E402
 from soapjax.cost import cost_model  # noqa: E402
@@ -104,11 +108,12 @@ def interleaved_medians(steps: dict, rounds: int) -> dict:
     once: a slow drift of the machine (another tenant, the clock) shifts every plan of a
     model alike instead of reordering them, as timing one plan after another would."""
     times = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, (step, args) in steps.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(step(*args))
-            times[name].append(time.perf_counter() - t0)
+    with quiet_gc():  # this process holds ~200,000 Python objects: see `quiet_gc`
+        for _ in range(rounds):
+            for name, (step, args) in steps.items():
+                t0 = time.perf_counter()
+                jax.block_until_ready(step(*args))
+                times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -118,13 +123,16 @@ def run(models, repeats: int, randoms: int, log, before_rev: str = BEFORE_REV) -
     for name in models:
         w = zoo.get(name, "tiny")
         g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=name)
-        checked, steps = {}, {}
+        checked, steps, shape = {}, {}, {}
         for pname, strategy in plans_of(g, topo, w, randoms).items():
             try:  # the prediction, XLA's FLOPs and a correctness check; the timing is below
                 checked[pname] = (strategy, compare_on_devices(
                     Plan.make(g, topo, strategy, model_config="tiny"), zoo.get(name, "tiny"),
                     repeats=1, costs="measured", reshard="xla"))
                 steps[pname] = compiled_step(g, topo, strategy, w)
+                step, args = steps[pname]
+                shape[pname] = (launched_kernels(step.lower(*args).compile().as_text()),
+                                len(jax.tree.leaves(jax.eval_shape(step, *args))))
             except Exception as e:  # noqa: BLE001  one plan failing must not hide the others
                 log(f"{name} {pname}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
                 checked.pop(pname, None)
@@ -135,7 +143,8 @@ def run(models, repeats: int, randoms: int, log, before_rev: str = BEFORE_REV) -
                    "error": c.predicted_step_s / measured[pname] - 1.0,
                    "before_simulated_s": simulated(g, before, strategy, w),
                    "hlo_flops": c.hlo_flops, "predicted_flops": c.predicted_flops,
-                   "flops_ratio": c.flops_ratio}
+                   "flops_ratio": c.flops_ratio,
+                   "kernels": shape[pname][0], "arrays_returned": shape[pname][1]}
             row["before_error"] = row["before_simulated_s"] / row["measured_s"] - 1.0
             rows.append(row)
             log(f"{name:<8}{pname:<15}measured {row['measured_s'] * 1e3:8.2f} ms  simulated "
@@ -168,13 +177,14 @@ def markdown(result) -> str:
         b, a = s["before"], s["after"]
         lines.append(f"| {m} | {a['plans']} | {b['spearman']:.2f} | {a['spearman']:.2f} | "
                      f"{b['mean_abs_error']:.0%} | {a['mean_abs_error']:.0%} |")
-    lines += ["", "| model | plan | measured ms | simulated ms | error | before ms | before error "
-              "| FLOPs XLA / sim |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", ("| model | plan | measured ms | simulated ms | error | before ms | before error "
+                   "| FLOPs XLA / sim | kernels / arrays |"),
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["plans"]:
         lines.append(f"| {r['model']} | {r['strategy']} | {r['measured_s'] * 1e3:.2f} | "
                      f"{r['simulated_s'] * 1e3:.2f} | {r['error']:+.0%} | "
                      f"{r['before_simulated_s'] * 1e3:.2f} | {r['before_error']:+.0%} | "
-                     f"{r['flops_ratio']:.2f} |")
+                     f"{r['flops_ratio']:.2f} | {r['kernels']} / {r['arrays_returned']} |")
     return "\n".join(lines)
 
 

@@ -150,6 +150,64 @@ def executions(module: Module) -> dict[str, int]:
     return runs
 
 
+_NOT_KERNELS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
+                          "after-all"})
+
+
+def launched_kernels(text: str) -> int:
+    """How many kernels (XLA:CPU thunks, GPU kernel launches) one run of a compiled module
+    launches: each instruction of the entry computation but parameters, constants, tuples,
+    bitcasts and tokens counts once (a fusion is one kernel); a while loop counts its body and condition
+    `known_trip_count` times (once without one), a call its callee, a conditional its
+    costliest branch.
+
+    >>> launched_kernels('''HloModule m
+    ... %b (p: f32[4]) -> f32[4] {
+    ...   %p = f32[4] parameter(0)
+    ...   %e = f32[4] exponential(%p)
+    ...   ROOT %f = f32[4] negate(%e)
+    ... }
+    ... %c (p: f32[4]) -> pred[] {
+    ...   %p = f32[4] parameter(0)
+    ...   ROOT %t = pred[] constant(true)
+    ... }
+    ... ENTRY %main (x: f32[4]) -> f32[4] {
+    ...   %x = f32[4] parameter(0)
+    ...   %y = f32[4] exponential(%x)
+    ... %w = f32[4] while(%y), condition=%c, body=%b, backend_config={"known_trip_count":{"n":"3"}}
+    ... }''')
+    7
+    """
+    module = parse_module(text)
+    entry = re.search(r"^\s*ENTRY\s+%?([\w.\-]+)", _strip_comments(text), re.MULTILINE)
+    memo: dict[str, int] = {}
+
+    def count(comp: str, depth: int) -> int:
+        if comp in memo or depth > len(module.computations):
+            return memo.get(comp, 0)
+        total = 0
+        for inst in module.computations.get(comp, ()):
+            if inst.opcode in _NOT_KERNELS:
+                continue
+            called = {a: re.findall(r"%?([\w.\-]+)", v) for a, v in _CALLED.findall(inst.attrs)}
+            if inst.opcode == "while":
+                m = _TRIP_COUNT.search(inst.attrs)
+                trip = int(m.group(1)) if m else 1
+                total += trip * sum(count(c, depth + 1)
+                                    for a in ("body", "condition") for c in called.get(a, ()))
+            elif inst.opcode == "call":
+                total += sum(count(c, depth + 1) for c in called.get("to_apply", ()))
+            elif inst.opcode == "conditional":
+                branches = [count(c, depth + 1) for a, cs in called.items() for c in cs]
+                total += 1 + max(branches, default=0)
+            else:
+                total += 1
+        memo[comp] = total
+        return total
+
+    return count(entry.group(1), 0) if entry else 0
+
+
 def ops_outside_loops(text: str, opcode: str) -> int:
     """How many `opcode` instructions of an HLO module run outside every while loop.
 

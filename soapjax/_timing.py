@@ -31,7 +31,9 @@ the on-disk store of measurements that `soapjax.cost` reads and writes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import logging
@@ -42,7 +44,7 @@ import re
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -190,6 +192,23 @@ def loop_hlo(step: Callable[[Any], Any], carry: Any) -> str:
 # --- timing ------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def quiet_gc() -> Iterator[None]:
+    """Python's garbage collector collected before and held off while timing, as `timeit`
+    does: each call of a jitted step makes Python objects (an array per output), and in a
+    process that holds many (traced graphs, compiled plans: 200,000 in bench_accuracy) the
+    collections they trigger cost milliseconds. Measured: RNNLM tiny's steps on cpu8 took
+    7.0-11.0 ms with it on in such a process, 5.2-7.8 ms with it held off."""
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def time_loop(step: Callable[[Any], Any], carry: Any, options: TimingOptions = TimingOptions()
               ) -> Timing:
     """Times one application of `step` (``carry -> carry``), amortising dispatch.
@@ -209,6 +228,12 @@ def time_loop(step: Callable[[Any], Any], carry: Any, options: TimingOptions = T
     counts: dict[int, jax.Array] = {}
     state = [carry]
     del carry
+    with quiet_gc():
+        return _time_compiled(compiled, state, counts, options)
+
+
+def _time_compiled(compiled: Any, state: list, counts: dict[int, jax.Array],
+                   options: TimingOptions) -> Timing:
 
     def call(n: int) -> float:
         if n not in counts:

@@ -56,7 +56,9 @@ of the segment whose ``from`` is the largest not above ``nbytes`` (the buffer co
 cores (virtual CPU devices): the simulator stretches every compute task by
 ``devices / concurrent_devices``, adds ``kernel_overhead`` per task, and adds to every step what
 calling it costs: ``step_overhead`` per call plus ``output_overhead`` per array the step returns
-(parameters, optimizer state, loss: their buffers are made and handed back on every device).
+(parameters, optimizer state, loss: their buffers are handed over and back on every device, and
+the kernels that update them cost more in a call's top-level program than in the loop where
+operators are timed).
 ``comm_overlap`` (0 to 1, default 1) is how much of a collective independent compute hides;
 below 0.5 each device's collectives take its compute stream's time too (XLA:CPU's devices copy
 and reduce on the cores that compute)::
@@ -315,8 +317,9 @@ class ComputeSharing:
       kernel_overhead: seconds added to every compute task (dispatch of its kernels).
       step_overhead: seconds one call of a jitted step costs beyond its kernels and
         collectives (dispatch, argument handling).
-      output_overhead: seconds per array a step returns, beyond the kernel that computes it
-        (a buffer made on every device and handed back).
+      output_overhead: seconds per array a step returns, beyond what its kernels cost in a
+        loop (a buffer handed over and back on every device, and the dispatch of the few
+        kernels a step runs per array: `soapjax.links.measure_call_overhead`).
       comm_overlap: how much of a collective's time independent compute hides, from 0 to 1
         (measured: 1 where links and kernels run on their own engines, as NCCL beside CUDA
         kernels; 0 where the same cores copy and compute, as XLA:CPU's devices). Below 0.5

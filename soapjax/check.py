@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from soapjax import _hlo_text, apply, hlo
+from soapjax._timing import quiet_gc
 from soapjax.cost import cost_model, step_flops
 from soapjax.graph import trace
 from soapjax.plan import Plan
@@ -210,10 +211,11 @@ def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5,
     diff = max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
                for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)) if np.size(a))
     times = []
-    for _ in range(max(1, repeats)):
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(*args))
-        times.append(time.perf_counter() - t0)
+    with quiet_gc():
+        for _ in range(max(1, repeats)):
+            t0 = time.perf_counter()
+            jax.block_until_ready(step(*args))
+            times.append(time.perf_counter() - t0)
 
     found = hlo.collectives(compiled.as_text(), MeshShape.of(topo),
                             reduce_scatter_from_slices=True)

@@ -287,7 +287,7 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
                    "on the attached devices (256 B .. 64 MB; the median of short trials), how many "
                    "devices compute at once, whether collectives run beside compute "
                    "(comm_overlap; none on XLA:CPU) and what calling a step costs (per call and "
-                   "per returned array), fit "
+                   "per returned array, on a step-shaped program), fit "
                    "latency + bytes/bandwidth per axis and collective, and print the "
                    "[compute] and [[collectives]] tables (--write: into the topology file)")
     p.add_argument("--mesh", default="cpu8", help="with --links: a shipped topology or a .toml "

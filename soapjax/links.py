@@ -27,9 +27,12 @@ on whatever is attached (`soapjax calibrate --links`):
   hides. On XLA:CPU none (the cores that compute also copy and reduce; together they take
   longer than the sum), so the simulator puts each collective on the compute stream too; on a
   GPU, NCCL's kernels run beside the compute kernels.
-* **Calling a step.** A jitted program returning n arrays, called one call at a time, less its
-  kernels timed in a loop: ``step_overhead + n * output_overhead`` (`measure_call_overhead`),
-  which the simulator adds to every step (a step returns its parameters and optimizer state).
+* **Calling a step.** A step-shaped program taking and returning n arrays (a few kernels per
+  array, its devices synchronised by a chain of all-reduces), called one call at a time, less
+  the same program timed in a loop: ``step_overhead + n * output_overhead``
+  (`measure_call_overhead`), which the simulator adds to every step (a step returns its
+  parameters and optimizer state). On XLA:CPU a kernel costs 3-4x more in a call's top-level
+  program than in a loop body, where the operator timer measures it; this prices that too.
 
 The results go into the topology file (`write_topology`) as ``[compute]`` and
 ``[[collectives]]`` tables, with the fit's residuals in comments; `soapjax.topology` reads them.
@@ -52,7 +55,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from soapjax._timing import TimingOptions, kick, time_loop
+from soapjax._timing import TimingOptions, kick, quiet_gc, time_loop
 from soapjax.collectives import COLLECTIVES
 from soapjax.errors import TopologyError
 from soapjax.topology import CollectiveModel, ComputeSharing, Topology, make_mesh
@@ -289,14 +292,17 @@ def _matmul_chain(x: jax.Array) -> jax.Array:
 
 
 def measure_sharing(mesh: jax.sharding.Mesh, sizes: Sequence[int] = (128, 256, 384),
-                    options: TimingOptions = _TIMING) -> tuple[float, list[tuple[int, float]]]:
-    """How many devices compute at full speed at once: the median over matrix sizes of
-    ``n * t_alone / t_all``; also each size's figure."""
+                    options: TimingOptions = _TIMING, sweeps: int = 3
+                    ) -> tuple[float, list[tuple[int, float]]]:
+    """How many devices compute at full speed at once: the median of ``n * t_alone / t_all``
+    over matrix sizes and `sweeps` sweeps of them (one sweep alone moved cpu8's figure from
+    1.25 to 1.75 once in five: a size's figure jumped from 1.1 to 1.75); also each figure,
+    as ``(size, figure)`` in measuring order."""
     devices = mesh.devices.flatten()
     all_axes = tuple(mesh.axis_names)
     n = len(devices)
     each = []
-    for k in sizes:
+    for k in [k for _ in range(sweeps) for k in sizes]:
         a = np.random.default_rng(0).uniform(-1, 1, (k, k)).astype(np.float32) / k
         alone = time_loop(lambda c: (kick(c[0], c[1][0, 0]), _matmul_chain(c[0])),
                           (jax.device_put(a, devices[0]), jax.device_put(a, devices[0])), options)
@@ -319,38 +325,83 @@ def _median_call(fn: Callable, args: Sequence, calls: int) -> float:
     calls its step), over `calls` calls."""
     jax.block_until_ready(fn(*args))
     times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
+    with quiet_gc():
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - t0)
     return float(np.median(times))
 
 
-def measure_call_overhead(mesh: jax.sharding.Mesh,
-                          counts: Sequence[int] = (1, 4, 16, 64, 128), calls: int = 31,
-                          options: TimingOptions = _TIMING
-                          ) -> tuple[float, float, list[tuple[int, float]]]:
-    """What one call of a jitted step costs beyond its kernels: ``(per call, per output array,
-    [(outputs, seconds beyond the kernels)])``.
+def call_probe(mesh: jax.sharding.Mesh, n: int, *, sync: int = 8, rounds: int = 2
+               ) -> tuple[Callable, list[jax.Array]]:
+    """The step-shaped program `measure_call_overhead` calls, and its `n` arguments.
 
-    A program returning `n` arrays (each split over the whole mesh, 64 float32 per device,
-    ``x + 1`` each) is called `calls` times (median, warm, one call at a time, as a training
-    loop calls its step); the same program's kernels, timed inside one compiled loop, are taken
-    off. A line ``per call + n x per output`` is fitted through the `counts`.
+    It takes and returns `n` arrays of 64 float32 per device, split over the whole mesh. The
+    first goes through `sync` all-reduces over the whole mesh (they synchronise the devices as
+    a step's collectives do); each other goes through `rounds` of an 8x8 matmul and a tanh and
+    a final ``+ 1`` (with 2 rounds, 4 kernels per array, as the zoo's steps launch 3-4.5 per
+    array they return: `soapjax._hlo_text.launched_kernels`).
     """
     spec = P(tuple(mesh.axis_names))
     sharding = NamedSharding(mesh, spec)
-    points = []
-    for n in counts:
-        xs = [jax.device_put(np.full(64 * mesh.size, float(i), np.float32), sharding)
-              for i in range(n)]
-        step = jax.jit(lambda *a: [x + 1.0 for x in a], out_shardings=[sharding] * n)
-        kernels = time_loop(lambda c: tuple(x + 1.0 for x in c),
-                            tuple(jnp.copy(x) for x in xs), options).seconds
-        points.append((n, max(0.0, _median_call(step, xs, calls) - kernels)))
+    axes = tuple(mesh.axis_names)
+    xs = [jax.device_put(np.full(64 * mesh.size, 0.01 * i, np.float32), sharding)
+          for i in range(n)]
+
+    def body(*a):
+        v = a[0]
+        for _ in range(sync):
+            v = lax.psum(v, axes) * (1.0 / mesh.size)
+        out = [v]
+        for x in a[1:]:
+            for _ in range(rounds):
+                m = x.reshape(8, 8)
+                x = jnp.tanh(m @ m).reshape(64)
+            out.append(x + 1.0)
+        return out
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * n, out_specs=[spec] * n,
+                                 check_vma=False)), xs
+
+
+def measure_call_overhead(mesh: jax.sharding.Mesh,
+                          counts: Sequence[int] = (1, 4, 16, 64, 128), calls: int = 31, *,
+                          sync: int = 8, rounds: int = 2, sweeps: int = 3,
+                          options: TimingOptions = _TIMING
+                          ) -> tuple[float, float, list[tuple[int, float]]]:
+    """What one call of a jitted step costs beyond what its kernels and collectives cost in a
+    loop: ``(per call, per array, [(arrays, seconds)])``.
+
+    The step-shaped `call_probe` of each of `counts` arrays is called `calls` times (median,
+    warm, one call at a time, as a training loop calls its step), and the same program timed
+    inside one compiled loop is taken off; each count keeps its median over `sweeps` whole
+    sweeps (one sweep's 64-array point once came out at 0 on cpu8). A line ``per call + n x
+    per array`` is fitted through them (least squares on relative error); the simulator counts
+    a step's arrays by its outputs (parameters and optimizer state, which it also takes).
+
+    On XLA:CPU a call costs more than its program in a loop: it hands each device its
+    arguments in turn, and the top-level program dispatches its independent kernels to a thread
+    pool that 8 devices share on 2 cores, which costs a kernel more than inside a loop body,
+    where the operator timer measures it. On cpu8: ~11 us per array with one kernel each and no
+    collective (the probe before), 11-22 us with the probe's four and its all-reduces; GPT-2
+    tiny's real steps cost 10-50 us per array more called than looped.
+    """
+    programs = [(n, *call_probe(mesh, n, sync=sync, rounds=rounds)) for n in counts]
+    gaps: dict[int, list[float]] = {n: [] for n in counts}
+    for _ in range(sweeps):  # whole sweeps, so that a slow spell of the host hits every count
+        for n, step, xs in programs:
+            work = time_loop(lambda c, f=step: tuple(f(*c)), tuple(jnp.copy(x) for x in xs),
+                             options).seconds
+            gaps[n].append(_median_call(step, xs, calls) - work)
+    points = [(n, max(0.0, float(np.median(g)))) for n, g in gaps.items()]
     ns = np.array([n for n, _ in points], float)
     ts = np.array([t for _, t in points])
-    slope, intercept = np.polyfit(ns, ts, 1) if len(points) > 1 else (0.0, ts[0])
+    # Least squares on relative error (floored at 100 us, less than any call costs here): the
+    # few-array points set the per-call term, which a plain fit leaves to the noise of the
+    # 128-array point.
+    slope, intercept = (np.polyfit(ns, ts, 1, w=1.0 / np.maximum(ts, 1e-4))
+                        if len(points) > 1 else (0.0, ts[0]))
     return max(0.0, float(intercept)), max(0.0, float(slope)), points
 
 

@@ -425,3 +425,21 @@ def test_flop_counter_on_one_sample_per_device():
     assert counter.step(fsdp(g, mesh), mesh).update == 2 * params / 8  # on the shards
     step = counter.step(dp, mesh)
     assert step.total == step.forward + step.backward + step.update == 2160 + 2577 + 2176
+
+
+def test_timers_hold_the_garbage_collector_off_and_give_it_back():
+    """`quiet_gc` (every timer: a collection triggered by a step's output arrays costs
+    milliseconds in a process that holds many objects) restores the collector as it found it."""
+    import gc
+
+    assert gc.isenabled()
+    with _timing.quiet_gc():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _timing.quiet_gc():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -212,3 +212,39 @@ def test_xla_cpu_devices_hide_no_collective_behind_compute():
     assert compute > 0 and collectives > 0
     assert 0.0 <= overlap < 0.5
     assert both > max(compute, collectives)
+
+
+def test_the_call_probe_is_shaped_like_a_step():
+    """What `calibrate --links` prices per returned array is measured on a program with a
+    step's density of kernels (the zoo's tiny steps launch 3-4.5 per array they return) whose
+    devices a chain of all-reduces synchronises: checked on its compiled HLO."""
+    from soapjax import _hlo_text
+    from soapjax.topology import make_mesh
+
+    mesh = make_mesh(load_topology("cpu8"))
+    step, xs = links.call_probe(mesh, 16, sync=8, rounds=2)
+    text = step.lower(*xs).compile().as_text()
+    assert 3.0 <= _hlo_text.launched_kernels(text) / 16 <= 5.0
+    opcodes = [i.opcode for insts in _hlo_text.parse_module(text).computations.values()
+               for i in insts]
+    assert sum(o in ("all-reduce", "all-reduce-start") for o in opcodes) == 8
+    assert [x.shape for x in step(*xs)] == [(512,)] * 16
+
+
+def test_a_loop_body_launches_its_kernels_once_per_trip():
+    """`launched_kernels` on XLA's compiled text: a `fori_loop` of 3 or 6 trips launches its
+    body's kernels 3 or 6 times."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from soapjax import _hlo_text
+
+    def launched(trips):
+        fn = jax.jit(lambda x: lax.fori_loop(0, trips, lambda i, y: jnp.tanh(y @ y) * 0.5, x))
+        return _hlo_text.launched_kernels(fn.lower(jnp.ones((8, 8))).compile().as_text())
+
+    three, six = launched(3), launched(6)
+    per_trip, rest = divmod(six - three, 3)
+    assert rest == 0 and per_trip >= 1  # the body's kernels (and the condition's), per trip
+    assert three - 3 * per_trip >= 0  # what runs outside the loop
