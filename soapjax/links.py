@@ -14,8 +14,9 @@ on whatever is attached (`soapjax calibrate --links`):
   collective crosses devices. The median of 9 short trials is kept, not the least (a
   rendezvous of 8 device threads on 2 cores is fast in some trials and 1.5-2x slower in
   others, and a training step meets the typical case). Each (kind, axes) is fitted with
-  ``latency + nbytes / bandwidth`` (least squares on relative error), split into two segments
-  where one line does not fit within 10% (XLA:CPU changes algorithm with size). Sizes between
+  ``latency + nbytes / bandwidth`` (least squares on relative error), split into up to four
+  segments where that halves the error (XLA:CPU changes algorithm, and caches run out, as
+  buffers grow). Sizes between
   the fitted ones are held back and predicted, to check the fit. On a GPU node the same code
   measures NCCL.
 * **Shared compute.** The same chain of matmuls timed on one device alone and on every device
@@ -118,33 +119,38 @@ def _sse(segments, xs: Sequence[Sample]) -> float:
     return float(sum(e * e for e in _errors(m, xs)))
 
 
-def _segments(xs: Sequence[Sample], start: float, depth: int, min_points: int, gain: float
+def _segments(xs: Sequence[Sample], start: float, limit: int, min_points: int, gain: float
               ) -> list[tuple[float, float, float]]:
-    """One line from `start` bytes, or the best split of `xs` into two (recursively, `depth`
-    more times) where that cuts the squared relative error by the factor `gain`."""
+    """One line from `start` bytes, or the best split of `xs` into at most `limit` lines
+    (each of at least `min_points` samples) where that cuts the squared relative error by the
+    factor `gain`."""
     one = [(start, *_line(xs))]
     one_sse = _sse([(0.0, *one[0][1:])], xs)
-    if depth == 0 or len(xs) < 2 * min_points or one_sse <= len(xs) * 0.01**2:
+    if limit <= 1 or len(xs) < 2 * min_points or one_sse <= len(xs) * 0.01**2:
         return one  # within 1% (rms) already: nothing to split
     best, best_sse = one, one_sse / gain
     for recurse in (False, True):  # fewer segments first: two lines, then split further
+        if recurse and limit < 3:
+            break
         for cut in range(min_points, len(xs) - min_points + 1):
             lo, hi = xs[:cut], xs[cut:]
             at = math.sqrt(lo[-1].nbytes * hi[0].nbytes)
-            if recurse:
-                cand = (_segments(lo, start, depth - 1, min_points, gain)
-                        + _segments(hi, at, depth - 1, min_points, gain))
+            if recurse:  # every way to share the limit between the two sides
+                cands = [_segments(lo, start, k, min_points, gain)
+                         + _segments(hi, at, limit - k, min_points, gain)
+                         for k in range(1, limit)]
             else:
-                cand = [(start, *_line(lo)), (at, *_line(hi))]
-            if (err := _sse([(0.0, *cand[0][1:]), *cand[1:]], xs)) < best_sse:
-                best, best_sse = cand, err
+                cands = [[(start, *_line(lo)), (at, *_line(hi))]]
+            for cand in cands:
+                if (err := _sse([(0.0, *cand[0][1:]), *cand[1:]], xs)) < best_sse:
+                    best, best_sse = cand, err
         if best_sse <= len(xs) * 0.01**2:
             break
     return best
 
 
 def fit_collective(kind: str, axes: Sequence[str], samples: Sequence[Sample], *,
-                   max_segments: int = 3, min_points: int = 3, gain: float = 2.0
+                   max_segments: int = 4, min_points: int = 3, gain: float = 2.0
                    ) -> CollectiveModel:
     """A piecewise ``latency + nbytes / bandwidth`` model of measured `samples`.
 
@@ -161,8 +167,7 @@ def fit_collective(kind: str, axes: Sequence[str], samples: Sequence[Sample], *,
     if len(xs) < 2:
         raise TopologyError(f"fitting {kind} over {list(axes)}: expected 2 or more sizes, "
                             f"found {len(xs)}")
-    depth = max(0, math.ceil(math.log2(max_segments)))
-    segs = _segments(xs, 0.0, depth, min_points, gain)[:max_segments]
+    segs = _segments(xs, 0.0, max_segments, min_points, gain)
     return CollectiveModel(kind, tuple(axes), tuple(segs))
 
 
@@ -333,20 +338,22 @@ def _median_call(fn: Callable, args: Sequence, calls: int) -> float:
     return float(np.median(times))
 
 
-def call_probe(mesh: jax.sharding.Mesh, n: int, *, sync: int = 8, rounds: int = 2
-               ) -> tuple[Callable, list[jax.Array]]:
+def call_probe(mesh: jax.sharding.Mesh, n: int, *, sync: int = 8, rounds: int = 2,
+               side: int = 32) -> tuple[Callable, list[jax.Array]]:
     """The step-shaped program `measure_call_overhead` calls, and its `n` arguments.
 
-    It takes and returns `n` arrays of 64 float32 per device, split over the whole mesh. The
-    first goes through `sync` all-reduces over the whole mesh (they synchronise the devices as
-    a step's collectives do); each other goes through `rounds` of an 8x8 matmul and a tanh and
-    a final ``+ 1`` (with 2 rounds, 4 kernels per array, as the zoo's steps launch 3-4.5 per
-    array they return: `soapjax._hlo_text.launched_kernels`).
+    It takes and returns `n` arrays of ``side * side`` float32 per device (4 KB: a small
+    model's parameter), split over the whole mesh. The first goes through `sync` all-reduces
+    over the whole mesh (they synchronise the devices as a step's collectives do); each other
+    goes through `rounds` of a ``side x side`` matmul and a tanh and a final ``+ 1`` (with 2
+    rounds, 4 kernels per array, as the zoo's steps launch 3-4.5 per array they return:
+    `soapjax._hlo_text.launched_kernels`).
     """
     spec = P(tuple(mesh.axis_names))
     sharding = NamedSharding(mesh, spec)
     axes = tuple(mesh.axis_names)
-    xs = [jax.device_put(np.full(64 * mesh.size, 0.01 * i, np.float32), sharding)
+    per = side * side
+    xs = [jax.device_put(np.full(per * mesh.size, 0.01 * i, np.float32), sharding)
           for i in range(n)]
 
     def body(*a):
@@ -356,8 +363,8 @@ def call_probe(mesh: jax.sharding.Mesh, n: int, *, sync: int = 8, rounds: int = 
         out = [v]
         for x in a[1:]:
             for _ in range(rounds):
-                m = x.reshape(8, 8)
-                x = jnp.tanh(m @ m).reshape(64)
+                m = x.reshape(side, side)
+                x = jnp.tanh(m @ m * (1.0 / side)).reshape(per)
             out.append(x + 1.0)
         return out
 
@@ -367,7 +374,7 @@ def call_probe(mesh: jax.sharding.Mesh, n: int, *, sync: int = 8, rounds: int = 
 
 def measure_call_overhead(mesh: jax.sharding.Mesh,
                           counts: Sequence[int] = (1, 4, 16, 64, 128), calls: int = 31, *,
-                          sync: int = 8, rounds: int = 2, sweeps: int = 3,
+                          sync: int = 8, rounds: int = 2, side: int = 32, sweeps: int = 3,
                           options: TimingOptions = _TIMING
                           ) -> tuple[float, float, list[tuple[int, float]]]:
     """What one call of a jitted step costs beyond what its kernels and collectives cost in a
@@ -377,17 +384,18 @@ def measure_call_overhead(mesh: jax.sharding.Mesh,
     warm, one call at a time, as a training loop calls its step), and the same program timed
     inside one compiled loop is taken off; each count keeps its median over `sweeps` whole
     sweeps (one sweep's 64-array point once came out at 0 on cpu8). A line ``per call + n x
-    per array`` is fitted through them (least squares on relative error); the simulator counts
+    per array`` is fitted through them (least squares); the simulator counts
     a step's arrays by its outputs (parameters and optimizer state, which it also takes).
 
     On XLA:CPU a call costs more than its program in a loop: it hands each device its
     arguments in turn, and the top-level program dispatches its independent kernels to a thread
     pool that 8 devices share on 2 cores, which costs a kernel more than inside a loop body,
-    where the operator timer measures it. On cpu8: ~11 us per array with one kernel each and no
-    collective (the probe before), 11-22 us with the probe's four and its all-reduces; GPT-2
-    tiny's real steps cost 10-50 us per array more called than looped.
+    where the operator timer measures it. On cpu8, 110 arrays: 1.5 ms with one kernel per array
+    of 256 bytes and no collective (the probe before); with four kernels, the all-reduces and
+    arrays of 256 bytes 1.4 ms, of 4 KB 3.5 ms, of 16 KB 2.3-3.6 ms; GPT-2 tiny's real steps
+    (110 arrays of 0.1-16 KB) cost 1.2-5.5 ms more called than looped.
     """
-    programs = [(n, *call_probe(mesh, n, sync=sync, rounds=rounds)) for n in counts]
+    programs = [(n, *call_probe(mesh, n, sync=sync, rounds=rounds, side=side)) for n in counts]
     gaps: dict[int, list[float]] = {n: [] for n in counts}
     for _ in range(sweeps):  # whole sweeps, so that a slow spell of the host hits every count
         for n, step, xs in programs:
@@ -397,11 +405,9 @@ def measure_call_overhead(mesh: jax.sharding.Mesh,
     points = [(n, max(0.0, float(np.median(g)))) for n, g in gaps.items()]
     ns = np.array([n for n, _ in points], float)
     ts = np.array([t for _, t in points])
-    # Least squares on relative error (floored at 100 us, less than any call costs here): the
-    # few-array points set the per-call term, which a plain fit leaves to the noise of the
-    # 128-array point.
-    slope, intercept = (np.polyfit(ns, ts, 1, w=1.0 / np.maximum(ts, 1e-4))
-                        if len(points) > 1 else (0.0, ts[0]))
+    # Plain least squares: the many-array points, where a step's cost lies, set the slope (a
+    # fit on relative error followed a few-array point that came out at 0).
+    slope, intercept = np.polyfit(ns, ts, 1) if len(points) > 1 else (0.0, ts[0])
     return max(0.0, float(intercept)), max(0.0, float(slope)), points
 
 
