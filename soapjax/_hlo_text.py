@@ -157,9 +157,9 @@ _NOT_KERNELS = frozenset({"parameter", "constant", "get-tuple-element", "tuple",
 def launched_kernels(text: str) -> int:
     """How many kernels (XLA:CPU thunks, GPU kernel launches) one run of a compiled module
     launches: each instruction of the entry computation but parameters, constants, tuples,
-    bitcasts and tokens counts once (a fusion is one kernel); a while loop counts its body and condition
-    `known_trip_count` times (once without one), a call its callee, a conditional its
-    costliest branch.
+    bitcasts and tokens counts once (a fusion is one kernel); a while loop counts its body and
+    condition `known_trip_count` times (once without one), a call its callee, a conditional
+    its costliest branch.
 
     >>> launched_kernels('''HloModule m
     ... %b (p: f32[4]) -> f32[4] {

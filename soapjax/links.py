@@ -16,9 +16,8 @@ on whatever is attached (`soapjax calibrate --links`):
   others, and a training step meets the typical case). Each (kind, axes) is fitted with
   ``latency + nbytes / bandwidth`` (least squares on relative error), split into up to four
   segments where that halves the error (XLA:CPU changes algorithm, and caches run out, as
-  buffers grow). Sizes between
-  the fitted ones are held back and predicted, to check the fit. On a GPU node the same code
-  measures NCCL.
+  buffers grow). Sizes between the fitted ones are held back and predicted, to check the fit.
+  On a GPU node the same code measures NCCL.
 * **Shared compute.** The same chain of matmuls timed on one device alone and on every device
   at once: ``concurrent_devices = n * t_alone / t_all`` is how many devices compute at full
   speed together (on 8 virtual devices of a 2-core host, about 2); the simulator stretches
@@ -32,8 +31,9 @@ on whatever is attached (`soapjax calibrate --links`):
   array, its devices synchronised by a chain of all-reduces), called one call at a time, less
   the same program timed in a loop: ``step_overhead + n * output_overhead``
   (`measure_call_overhead`), which the simulator adds to every step (a step returns its
-  parameters and optimizer state). On XLA:CPU a kernel costs 3-4x more in a call's top-level
-  program than in a loop body, where the operator timer measures it; this prices that too.
+  parameters and optimizer state). On XLA:CPU the kernels of a call's top-level program cost
+  more than the same kernels in a loop body, where the operator timer measures them; this
+  prices that too.
 
 The results go into the topology file (`write_topology`) as ``[compute]`` and
 ``[[collectives]]`` tables, with the fit's residuals in comments; `soapjax.topology` reads them.
@@ -384,8 +384,8 @@ def measure_call_overhead(mesh: jax.sharding.Mesh,
     warm, one call at a time, as a training loop calls its step), and the same program timed
     inside one compiled loop is taken off; each count keeps its median over `sweeps` whole
     sweeps (one sweep's 64-array point once came out at 0 on cpu8). A line ``per call + n x
-    per array`` is fitted through them (least squares); the simulator counts
-    a step's arrays by its outputs (parameters and optimizer state, which it also takes).
+    per array`` is fitted through them (least squares); the simulator counts a step's arrays
+    by its outputs (parameters and optimizer state, which it also takes).
 
     On XLA:CPU a call costs more than its program in a loop: it hands each device its
     arguments in turn, and the top-level program dispatches its independent kernels to a thread
