@@ -53,7 +53,7 @@ def test_the_largest_sizes_keep_a_segment_of_their_own():
     """Four regimes (latency, cache, memory, and a slower one past ~6 MB: XLA:CPU's collectives
     on cpu8 have such a cliff) are fitted exactly with four segments; held to three, the fit
     still prices the largest sizes with a line fitted to them. It once kept the first three of
-    four segments, pricing 12-64 MB with the 0.4-6 MB line: 12 MB held back came out -55 to
+    four segments, pricing 12-64 MB with the 0.4-6 MB line: 12 MB held back came out -54 to
     -60% on cpu4."""
     regimes = [(8 * 2**10, line(30e-6, 1e9)), (400 * 2**10, line(20e-6, 7e9)),
                (6 * 2**20, line(0.0, 4e9)), (math.inf, line(0.0, 1.5e9))]
