@@ -224,7 +224,13 @@ def time_loop(step: Callable[[Any], Any], carry: Any, options: TimingOptions = T
     Returns:
       The per-repetition time, its spread over trials and the repetition count used.
     """
-    compiled = compile_loop(step, carry)
+    return time_compiled(compile_loop(step, carry), carry, options)
+
+
+def time_compiled(compiled: Any, carry: Any, options: TimingOptions = TimingOptions()
+                  ) -> Timing:
+    """`time_loop` of a loop `compile_loop` already compiled, on a fresh `carry` (donated):
+    one compiled loop can be timed again later, without recompiling."""
     counts: dict[int, jax.Array] = {}
     state = [carry]
     del carry

@@ -13,7 +13,8 @@ on whatever is attached (`soapjax calibrate --links`):
   compiled program, inside one `shard_map`, so dispatch is amortised and nothing but the
   collective crosses devices. The median of 9 short trials is kept, not the least (a
   rendezvous of 8 device threads on 2 cores is fast in some trials and 1.5-2x slower in
-  others, and a training step meets the typical case). Each (kind, axes) is fitted with
+  others, and a training step meets the typical case), taken 3 at a time in 3 passes over
+  every collective and size (a slow spell of the host holds one pass, not a whole size). Each (kind, axes) is fitted with
   ``latency + nbytes / bandwidth`` (least squares on relative error), split into up to four
   segments where that halves the error (XLA:CPU changes algorithm, and caches run out, as
   buffers grow). Sizes between the fitted ones are held back and predicted, to check the fit.
@@ -43,11 +44,12 @@ synthetic data.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +58,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from soapjax._timing import TimingOptions, kick, quiet_gc, time_loop
+from soapjax._timing import TimingOptions, compile_loop, kick, quiet_gc, time_compiled, time_loop
 from soapjax.collectives import COLLECTIVES
 from soapjax.errors import TopologyError
 from soapjax.topology import CollectiveModel, ComputeSharing, Topology, make_mesh
@@ -267,9 +269,10 @@ def _input_elements(kind: str, nbytes: int, n: int) -> int:
     return elems // n if kind == "all_gather" else elems
 
 
-def time_collective(mesh: jax.sharding.Mesh, kind: str, axes: tuple[str, ...], nbytes: int,
-                    options: TimingOptions = _TIMING) -> float:
-    """Seconds of one `kind` collective over mesh `axes` with every group at once."""
+def collective_loop(mesh: jax.sharding.Mesh, kind: str, axes: tuple[str, ...], nbytes: int
+                    ) -> tuple[Any, Callable[[], tuple[jax.Array, jax.Array]]]:
+    """The compiled timing loop of one `kind` collective over mesh `axes` with every group at
+    once, and a function making a fresh carry for it (`_timing.time_compiled`)."""
     n = math.prod(mesh.shape[a] for a in axes)
     local = _input_elements(kind, nbytes, n)
     all_axes = tuple(mesh.axis_names)
@@ -285,9 +288,19 @@ def time_collective(mesh: jax.sharding.Mesh, kind: str, axes: tuple[str, ...], n
     out_local = local * n if kind == "all_gather" else local // n if kind == "reduce_scatter" \
         else local
     sharding = NamedSharding(mesh, spec)
-    x = jax.device_put(np.ones(local * mesh.size, np.float32), sharding)
-    out = jax.device_put(np.zeros(out_local * mesh.size, np.float32), sharding)
-    return time_loop(lambda c: step_fn(*c), (x, out), options).seconds
+
+    def carry() -> tuple[jax.Array, jax.Array]:
+        return (jax.device_put(np.ones(local * mesh.size, np.float32), sharding),
+                jax.device_put(np.zeros(out_local * mesh.size, np.float32), sharding))
+
+    return compile_loop(lambda c: step_fn(*c), carry()), carry
+
+
+def time_collective(mesh: jax.sharding.Mesh, kind: str, axes: tuple[str, ...], nbytes: int,
+                    options: TimingOptions = _TIMING) -> float:
+    """Seconds of one `kind` collective over mesh `axes` with every group at once."""
+    compiled, carry = collective_loop(mesh, kind, axes, nbytes)
+    return time_compiled(compiled, carry(), options).seconds
 
 
 def _matmul_chain(x: jax.Array) -> jax.Array:
@@ -454,21 +467,39 @@ def axis_sets(topology: Topology) -> list[tuple[str, ...]]:
 
 def calibrate_links(topology: Topology, *, kinds: Sequence[str] = MEASURED_KINDS,
                     sizes: Sequence[int] = FIT_SIZES, held: Sequence[int] = HELD_SIZES,
-                    sharing: bool = True, log: Callable[[str], None] = lambda s: None
+                    sharing: bool = True, passes: int = 3,
+                    log: Callable[[str], None] = lambda s: None
                     ) -> tuple[list[Fit], ComputeSharing | None, float]:
     """Times and fits every collective of `kinds` over each of `axis_sets(topology)` on the
     attached devices (a mesh of the topology, `make_mesh`), and the shared compute.
+
+    Every (collective, axes, size) is timed in each of `passes` passes over all of them, 9 /
+    `passes` trials a pass, and keeps the median: a slow spell of the host (on the 2-core
+    machine, 1-10 s in which everything is 1.3-1.4x slower) then holds one pass of a size, not
+    the whole of it (4 of cpu8's collectives, 16 held-back sizes: worst error 24-32% with 3
+    passes, 38-83% with one). Each loop is compiled once.
 
     Returns:
       The fits, the compute sharing (None unless `sharing`), and the seconds it took.
     """
     start = time.perf_counter()
     mesh = make_mesh(topology)
+    jobs = [(axes, kind, s) for axes in axis_sets(topology) for kind in kinds
+            for s in (*sizes, *held)]
+    loops = {job: collective_loop(mesh, job[1], job[0], job[2]) for job in jobs}
+    per_pass = dataclasses.replace(_TIMING, trials=max(1, math.ceil(_TIMING.trials / passes)))
+    times: dict[tuple, list[float]] = {job: [] for job in jobs}
+    for p in range(passes):
+        for job in jobs:
+            compiled, carry = loops[job]
+            times[job].append(time_compiled(compiled, carry(), per_pass).seconds)
+        log(f"collectives: pass {p + 1} of {passes} ({len(jobs)} timings), "
+            f"{time.perf_counter() - start:.0f} s")
     fits = []
     for axes in axis_sets(topology):
         for kind in kinds:
-            fitted = [Sample(s, time_collective(mesh, kind, axes, s)) for s in sizes]
-            back = [Sample(s, time_collective(mesh, kind, axes, s)) for s in held]
+            fitted, back = ([Sample(s, float(np.median(times[(axes, kind, s)]))) for s in group]
+                            for group in (sizes, held))
             fits.append(fit_samples(kind, axes, fitted, back))
             log(f"{kind} over {','.join(axes)}: " + ", ".join(
                 f"{_bytes(a)[1:-1]} {lat * 1e6:.1f} us + {_rate(bw)[1:-1]}"

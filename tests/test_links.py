@@ -267,3 +267,19 @@ def test_a_loop_body_launches_its_kernels_once_per_trip():
     per_trip, rest = divmod(six - three, 3)
     assert rest == 0 and per_trip >= 1  # the body's kernels (and the condition's), per trip
     assert three - 3 * per_trip >= 0  # what runs outside the loop
+
+
+def test_calibrate_times_every_collective_in_passes_and_fits_them():
+    """`calibrate_links` on the 8 CPU devices, cut down to one collective and four sizes: each
+    (axes, size) is timed once per pass, and every axis set gets a fit with its held-back
+    size predicted."""
+    lines = []
+    fits, compute, seconds = links.calibrate_links(
+        load_topology("cpu8"), kinds=("all_reduce",), sizes=(2**10, 2**14, 2**18),
+        held=(2**12,), sharing=False, passes=2, log=lines.append)
+    assert compute is None and seconds > 0
+    assert [f.model.axes for f in fits] == [("data",), ("model",), ("data", "model")]
+    assert all(len(f.residuals) == 3 and len(f.held_out) == 1 for f in fits)
+    assert all(f.model.time(2**14) > 0 for f in fits)
+    assert [ln.split(" (")[0] for ln in lines if ln.startswith("collectives:")] == [
+        "collectives: pass 1 of 2", "collectives: pass 2 of 2"]
