@@ -195,6 +195,21 @@ def random_strategy(graph: OpGraph, mesh: MeshShape, rng: np.random.Generator,
     return Strategy(tuple(picked))
 
 
+def _tie_blocks(graph: OpGraph, strategy: Strategy) -> Strategy:
+    """`strategy` with every layer of a repeated block given its first layer's config and
+    recomputation. Chains move a block's layers together (`_Searcher.tied`), so a start that
+    splits them differently (an expert strategy that reads one layer's operators by their
+    position) would stay untied wherever no proposal lands: a plan that a scan over layers,
+    whose stacked weights take one sharding, cannot apply."""
+    configs, recompute = list(strategy.configs), list(strategy.recompute)
+    for group in graph.repeated_blocks():
+        for j in group[1:]:
+            configs[j] = configs[group[0]]
+            if recompute:
+                recompute[j] = recompute[group[0]]
+    return dataclasses.replace(strategy, configs=tuple(configs), recompute=tuple(recompute))
+
+
 def _pick(choices, rng):
     return choices[int(rng.integers(len(choices)))]
 
@@ -385,7 +400,8 @@ def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
             starts[grid[0]] = grid[1]
     # Baselines outside the space the caller asked for (sequence parallelism splits a CNN's
     # norms spatially, where convolutions are kept whole) are not starts.
-    starts = {name: s for name, s in starts.items() if _within(graph, s, settings.limits)}
+    starts = {name: _tie_blocks(graph, s) for name, s in starts.items()
+              if _within(graph, s, settings.limits)}
     for n, (name, strategy) in enumerate(starts.items()):
         if progress is not None:
             progress(f"search: scoring start {n + 1}/{len(starts)} ({name}); operator costs are "
