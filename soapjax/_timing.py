@@ -193,20 +193,35 @@ def loop_hlo(step: Callable[[Any], Any], carry: Any) -> str:
 
 
 @contextlib.contextmanager
-def quiet_gc() -> Iterator[None]:
-    """Python's garbage collector collected before and held off while timing, as `timeit`
-    does: each call of a jitted step makes Python objects (an array per output), and in a
-    process that holds many (traced graphs, compiled plans: 200,000 in bench_accuracy) the
-    collections they trigger cost milliseconds. Measured: RNNLM tiny's steps on cpu8 took
-    7.0-11.0 ms with it on in such a process, 5.2-7.8 ms with it held off."""
+def quiet_gc(collect: bool = True) -> Iterator[None]:
+    """Python's garbage collector collected before (unless not `collect`) and held off while
+    timing, as `timeit` does: each call of a jitted step makes Python objects (an array per
+    output), and in a process that holds many (traced graphs, compiled plans: 200,000 in
+    bench_accuracy) the collections they trigger cost milliseconds. Measured: RNNLM tiny's
+    steps on cpu8 took 7.0-11.0 ms with it on in such a process, 5.2-7.8 ms with it held off.
+    Restores the collector as it found it."""
     was = gc.isenabled()
-    gc.collect()
+    if collect:
+        gc.collect()
     gc.disable()
     try:
         yield
     finally:
         if was:
             gc.enable()
+
+
+def median_call(fn: Callable, args: Sequence, calls: int) -> float:
+    """Median seconds of one call of ``fn(*args)`` (warm, one call at a time, as a training
+    loop calls its step), over `calls` calls, with the collector held off (`quiet_gc`)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    with quiet_gc():
+        for _ in range(max(1, calls)):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - t0)
+    return float(statistics.median(times))
 
 
 def time_loop(step: Callable[[Any], Any], carry: Any, options: TimingOptions = TimingOptions()

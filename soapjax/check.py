@@ -24,8 +24,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
@@ -33,7 +31,7 @@ import jax
 import numpy as np
 
 from soapjax import _hlo_text, apply, hlo
-from soapjax._timing import quiet_gc
+from soapjax._timing import median_call
 from soapjax.cost import cost_model, step_flops
 from soapjax.graph import trace
 from soapjax.plan import Plan
@@ -210,12 +208,6 @@ def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5,
     out = step(*args)
     diff = max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
                for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)) if np.size(a))
-    times = []
-    with quiet_gc():
-        for _ in range(max(1, repeats)):
-            t0 = time.perf_counter()
-            jax.block_until_ready(step(*args))
-            times.append(time.perf_counter() - t0)
 
     found = hlo.collectives(compiled.as_text(), MeshShape.of(topo),
                             reduce_scatter_from_slices=True)
@@ -231,7 +223,7 @@ def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5,
     return CheckResult(
         max_abs_diff=diff, loss=float(out[2]), reference_loss=float(ref[2]),
         hlo_collectives=_tally((c.kind, c.nbytes, c.executions) for c in found),
-        predicted_collectives=_tally(predicted), measured_step_s=statistics.median(times),
+        predicted_collectives=_tally(predicted), measured_step_s=median_call(step, args, repeats),
         predicted_step_s=sim.step_time_s, partitioner=getattr(step, "partitioner", "shardy"),
         devices=f"{mesh.devices.size} x {', '.join(sorted(kinds))}",
         hlo_sent_bytes=sum(c.sent * c.executions for c in found),

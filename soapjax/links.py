@@ -58,7 +58,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from soapjax._timing import TimingOptions, compile_loop, kick, quiet_gc, time_compiled, time_loop
+from soapjax._timing import TimingOptions, compile_loop, kick, median_call, time_compiled, time_loop
 from soapjax.collectives import COLLECTIVES
 from soapjax.errors import TopologyError
 from soapjax.topology import CollectiveModel, ComputeSharing, Topology, make_mesh
@@ -338,19 +338,6 @@ def measure_sharing(mesh: jax.sharding.Mesh, sizes: Sequence[int] = (128, 256, 3
     return float(np.median([c for _, c in each])), each
 
 
-def _median_call(fn: Callable, args: Sequence, calls: int) -> float:
-    """Median seconds of one call of `fn(*args)` (warm, one call at a time, as a training loop
-    calls its step), over `calls` calls."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    with quiet_gc():
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
 def call_probe(mesh: jax.sharding.Mesh, n: int, *, sync: int = 8, rounds: int = 2,
                side: int = 32) -> tuple[Callable, list[jax.Array]]:
     """The step-shaped program `measure_call_overhead` calls, and its `n` arguments.
@@ -414,7 +401,7 @@ def measure_call_overhead(mesh: jax.sharding.Mesh,
         for n, step, xs in programs:
             work = time_loop(lambda c, f=step: tuple(f(*c)), tuple(jnp.copy(x) for x in xs),
                              options).seconds
-            gaps[n].append(_median_call(step, xs, calls) - work)
+            gaps[n].append(median_call(step, xs, calls) - work)
     points = [(n, max(0.0, float(np.median(g)))) for n, g in gaps.items()]
     ns = np.array([n for n, _ in points], float)
     ts = np.array([t for _, t in points])
@@ -452,8 +439,8 @@ def measure_overlap(mesh: jax.sharding.Mesh, *, size: int = 128, nbytes: int = 6
     x = jax.device_put(a.astype(np.float32), sharding)
     v = jax.device_put(np.ones(max(1, nbytes // 4) * mesh.size, np.float32), sharding)
 
-    base = _median_call(program(False, False), (x, v), calls)
-    comp, coll, both = (max(1e-9, _median_call(program(c, k), (x, v), calls) - base)
+    base = median_call(program(False, False), (x, v), calls)
+    comp, coll, both = (max(1e-9, median_call(program(c, k), (x, v), calls) - base)
                         for c, k in ((True, False), (False, True), (True, True)))
     hidden = (comp + coll - both) / min(comp, coll)
     return min(1.0, max(0.0, hidden)), (comp, coll, both)

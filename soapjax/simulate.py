@@ -76,7 +76,6 @@ together.
 from __future__ import annotations
 
 import copy
-import gc
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -100,6 +99,7 @@ from soapjax._simresult import (
 )
 from soapjax._strategy_file import parse_strategy
 from soapjax._taskgraph import EDGE, LEAF, Comm, Layout, Pricing, TaskGraph
+from soapjax._timing import quiet_gc
 from soapjax.cost import OpTime
 from soapjax.cost import cost_model as make_cost_model
 from soapjax.errors import PlanError
@@ -296,14 +296,9 @@ class Simulation:
         # Python's collector, run by that count, scans the whole heap, traced graph included:
         # for GPT 175B that made a full simulation 4x slower (190 ms, 45 ms without). It
         # stays off for the build; reference counting frees all of it the same.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
+        with quiet_gc(collect=False):
             self._build(strategy)
             self._task_graph.full_pass()
-        finally:
-            if collecting:
-                gc.enable()
         return self.step_time()
 
     def prefetch(self, changes: Iterable[tuple[int, Config]] = ()) -> int:
