@@ -188,11 +188,8 @@ def random_strategy(graph: OpGraph, mesh: MeshShape, rng: np.random.Generator,
                     limits: SpaceLimits = SpaceLimits()) -> Strategy:
     """A config for every operator drawn uniformly from its SOAP space (one per repeated
     block position: every layer of a scan over layers gets the same)."""
-    picked = [_pick(configs(op, mesh, limits), rng) for op in graph.operators]
-    for group in graph.repeated_blocks():
-        for j in group[1:]:
-            picked[j] = picked[group[0]]
-    return Strategy(tuple(picked))
+    return _tie_blocks(graph, Strategy(tuple(_pick(configs(op, mesh, limits), rng)
+                                             for op in graph.operators)))
 
 
 def _tie_blocks(graph: OpGraph, strategy: Strategy) -> Strategy:
