@@ -50,9 +50,12 @@ from a GEMM benchmark; dtypes not listed: 1) and ``memory_bandwidth`` (what a st
 reaches, from a copy benchmark).
 
 Measured collectives (written by ``soapjax calibrate --links``, `soapjax.links`) replace the
-link model for the collectives and mesh axes they name: time = ``latency + nbytes / bandwidth``
-of the segment whose ``from`` is the largest not above ``nbytes`` (the buffer convention of
-`soapjax.collectives`). ``[compute]`` says how many devices compute at once where they share
+link model for the collectives and mesh axes they name, for a buffer of ``nbytes`` (the
+convention of `soapjax.collectives`): either ``points``, measured times joined by straight lines
+(past the last point, the last line; below the first, the first line, or the first time where
+that line would fall below zero), which is what calibrate writes, or hand-written ``segments``:
+``latency + nbytes / bandwidth`` of the segment whose ``from`` is the largest not above
+``nbytes``. ``[compute]`` says how many devices compute at once where they share
 cores (virtual CPU devices): the simulator stretches every compute task by
 ``devices / concurrent_devices``, adds ``kernel_overhead`` per task, and adds to every step what
 calling it costs: ``step_overhead`` per call plus ``output_overhead`` per array the step returns
@@ -75,6 +78,11 @@ and reduce on the cores that compute)::
     axes = ["model"]
     segments = [{ from = "0 B", latency = "30 us", bandwidth = "1.5 GB/s" }]
 
+    [[collectives]]
+    kind = "all_gather"
+    axes = ["model"]
+    points = [{ size = "1 KB", time = "31 us" }, { size = "1 MB", time = "700 us" }]
+
 With ``scope = "cluster"`` a link entry is not repeated: ``device:K`` is the global device K and
 ``node:N/host`` names a switch inside node N, so any explicit link graph can be written.
 
@@ -91,6 +99,7 @@ import dataclasses
 import difflib
 import math
 import re
+from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -281,11 +290,17 @@ class CollectiveModel:
       kind: a `soapjax.collectives.COLLECTIVES` name (``"all_reduce"``, ...).
       axes: the mesh axes it runs over, in mesh order.
       segments: ``(from_bytes, latency_s, bandwidth)`` sorted by ``from_bytes``, the first at 0.
+        A segment's time at its ``from`` is >= 0 and its bandwidth > 0 (``inf``: flat), so a
+        segment between two measured points may have a negative latency (time growing faster
+        than the size, past a cache).
+      points: ``(nbytes, seconds)`` the segments join, where the model was made `through`
+        measured points (what a topology file writes then); empty for hand-written segments.
     """
 
     kind: str
     axes: tuple[str, ...]
     segments: tuple[tuple[float, float, float], ...]
+    points: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         where = f"[[collectives]] {self.kind} over {list(self.axes)}"
@@ -295,8 +310,44 @@ class CollectiveModel:
             raise TopologyError(f"{where}: expected segments, the first from 0 bytes")
         if any(b[0] <= a[0] for a, b in zip(self.segments, self.segments[1:])):
             raise TopologyError(f"{where}: segments' `from` must increase")
-        if any(not (lat >= 0 and bw > 0) for _, lat, bw in self.segments):
-            raise TopologyError(f"{where}: expected latency >= 0 and bandwidth > 0")
+        if any(not (bw > 0 and lat + start / bw >= 0) for start, lat, bw in self.segments):
+            raise TopologyError(f"{where}: expected bandwidth > 0 and a time >= 0 where each "
+                                f"segment starts (latency >= 0 for the first)")
+
+    @classmethod
+    def through(cls, kind: str, axes: Sequence[str], points: Sequence[tuple[float, float]]
+                ) -> CollectiveModel:
+        """The model joining measured ``(nbytes, seconds)`` points with straight lines.
+
+        Between two points, the line through them; past the last one, the last line; below
+        the first, the first line down to 0 bytes, or the first point's time where that line
+        would cross zero. Collinear neighbours share one segment, so points on one line make
+        one segment.
+
+        >>> m = CollectiveModel.through("all_reduce", ("data",), [(1e3, 2e-5), (1e6, 1e-3)])
+        >>> m.segments[0][0], round(m.time(5e5) * 1e6, 1), round(m.time(2e6) * 1e6, 1)
+        (0.0, 509.5, 1981.0)
+        """
+        pts = tuple(sorted((float(s), float(t)) for s, t in points))
+        where = f"[[collectives]] {kind} over {list(axes)}.points"
+        if len(pts) < 2 or any(b[0] <= a[0] for a, b in zip(pts, pts[1:])):
+            raise TopologyError(f"{where}: expected 2 or more distinct sizes, found "
+                                f"{[s for s, _ in pts]}")
+        if any(not (t > 0 and math.isfinite(t)) for _, t in pts) or pts[0][0] <= 0:
+            raise TopologyError(f"{where}: expected positive sizes and times, found {pts}")
+        if any(b[1] < a[1] for a, b in zip(pts, pts[1:])):
+            raise TopologyError(f"{where}: expected times that do not fall as sizes grow, "
+                                f"found {pts}")
+        lines = []
+        for (s0, t0), (s1, t1) in zip(pts, pts[1:]):
+            slope = (t1 - t0) / (s1 - s0)
+            lines.append((s0, t0 - s0 * slope, 1.0 / slope if slope > 0 else math.inf))
+        segs = [(0.0, pts[0][1], math.inf)] if lines[0][1] < 0 else []
+        for start, lat, bw in lines:
+            if segs and _same_line(segs[-1], (start, lat, bw)):
+                continue
+            segs.append((0.0 if not segs else start, lat, bw))
+        return cls(kind, tuple(axes), tuple(segs), pts)
 
     def time(self, nbytes: float) -> float:
         """Seconds for a buffer of `nbytes` (0 bytes costs nothing)."""
@@ -304,6 +355,13 @@ class CollectiveModel:
             return 0.0
         seg = next(s for s in reversed(self.segments) if s[0] <= nbytes)
         return seg[1] + nbytes / seg[2]
+
+
+def _same_line(a: tuple[float, float, float], b: tuple[float, float, float]) -> bool:
+    """Whether two segments' lines agree (to 1e-9): then the second adds nothing."""
+    inv_a, inv_b = 1.0 / a[2], 1.0 / b[2]
+    return (math.isclose(a[1], b[1], rel_tol=1e-9, abs_tol=1e-15)
+            and math.isclose(inv_a, inv_b, rel_tol=1e-9, abs_tol=1e-21))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,8 +433,9 @@ _TOP_KEYS = {
 }
 _COMPUTE_KEYS = {"concurrent_devices": True, "kernel_overhead": False,
                  "step_overhead": False, "output_overhead": False, "comm_overlap": False}
-_COLLECTIVE_KEYS = {"kind": True, "axes": True, "segments": True}
+_COLLECTIVE_KEYS = {"kind": True, "axes": True, "segments": False, "points": False}
 _SEGMENT_KEYS = {"from": True, "latency": True, "bandwidth": True}
+_POINT_KEYS = {"size": True, "time": True}
 _DEVICE_KEYS = {"kind": True, "peak_flops": True, "memory_bandwidth": True, "memory_bytes": True,
                 "efficiency": False}
 _EFFICIENCY_KEYS = {"peak_flops": False, "memory_bandwidth": False}
@@ -403,6 +462,9 @@ _HELP = {  # what a required key holds, for "missing required key" errors
     "class": f"one of {', '.join(LINK_CLASSES)}",
     "concurrent_devices": "how many devices compute at once, e.g. 2.0",
     "segments": '[{ from = "0 B", latency = "30 us", bandwidth = "1.5 GB/s" }, ...]',
+    "points": '[{ size = "1 KB", time = "31 us" }, { size = "1 MB", time = "700 us" }, ...]',
+    "size": 'bytes of the buffer, a number or a string like "64 KB"',
+    "time": 'seconds, a number or a string like "31 us"',
     "from": 'the smallest buffer the segment prices, e.g. "1 MB"',
 }
 
@@ -531,18 +593,32 @@ def _parse_collectives(entries: object, axis_names: tuple[str, ...]
                 or any(a not in axis_names for a in axes)):
             raise TopologyError(f"{where}.axes: expected distinct mesh axes among "
                                 f"{list(axis_names)}, found {axes!r}")
-        segments = e["segments"]
-        if not isinstance(segments, list) or not segments:
-            raise TopologyError(f"{where}.segments: expected a list, e.g. {_HELP['segments']}")
-        segs = []
-        for j, seg in enumerate(segments):
-            sw = f"{where}.segments[{j}]"
-            t = _table(seg, sw, _SEGMENT_KEYS)
-            segs.append((_quantity(t["from"], "bytes", f"{sw}.from", allow_zero=True),
-                         _quantity(t["latency"], "seconds", f"{sw}.latency", allow_zero=True),
-                         _quantity(t["bandwidth"], "bytes/s", f"{sw}.bandwidth")))
-        model = CollectiveModel(str(e["kind"]), tuple(a for a in axis_names if a in axes),
-                                tuple(segs))
+        kind, mesh_axes = str(e["kind"]), tuple(a for a in axis_names if a in axes)
+        if ("segments" in e) == ("points" in e):
+            raise TopologyError(f"{where}: expected one of segments ({_HELP['segments']}) or "
+                                f"points ({_HELP['points']})")
+        key = "segments" if "segments" in e else "points"
+        listed = e[key]
+        if not isinstance(listed, list) or not listed:
+            raise TopologyError(f"{where}.{key}: expected a list, e.g. {_HELP[key]}")
+        if key == "points":
+            pts = []
+            for j, point in enumerate(listed):
+                pw = f"{where}.points[{j}]"
+                t = _table(point, pw, _POINT_KEYS)
+                pts.append((_quantity(t["size"], "bytes", f"{pw}.size"),
+                            _quantity(t["time"], "seconds", f"{pw}.time")))
+            model = CollectiveModel.through(kind, mesh_axes, pts)
+        else:
+            segs = []
+            for j, seg in enumerate(listed):
+                sw = f"{where}.segments[{j}]"
+                t = _table(seg, sw, _SEGMENT_KEYS)
+                segs.append((_quantity(t["from"], "bytes", f"{sw}.from", allow_zero=True),
+                             _quantity(t["latency"], "seconds", f"{sw}.latency",
+                                       allow_zero=True),
+                             _quantity(t["bandwidth"], "bytes/s", f"{sw}.bandwidth")))
+            model = CollectiveModel(kind, mesh_axes, tuple(segs))
         if (model.kind, model.axes) in seen:
             raise TopologyError(f"{where}: {model.kind} over {axes} is given twice")
         seen.add((model.kind, model.axes))

@@ -287,9 +287,11 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
                    "on the attached devices (256 B .. 64 MB; the median of short trials), how many "
                    "devices compute at once, whether collectives run beside compute "
                    "(comm_overlap; none on XLA:CPU) and what calling a step costs (per call and "
-                   "per returned array, on a step-shaped program), fit "
-                   "latency + bytes/bandwidth per axis and collective, and print the "
-                   "[compute] and [[collectives]] tables (--write: into the topology file)")
+                   "per returned array, on a step-shaped program); per axis and collective, "
+                   "join the measured times with straight lines (piecewise latency + "
+                   "bytes/bandwidth), check them on sizes held back between the measured ones, "
+                   "and print the [compute] and [[collectives]] tables (--write: into the "
+                   "topology file)")
     p.add_argument("--mesh", default="cpu8", help="with --links: a shipped topology or a .toml "
                    "path (default: %(default)s)")
     p.add_argument("--write", action="store_true", help="with --links: rewrite the topology "
@@ -315,7 +317,7 @@ def _cmd_calibrate_links(args: argparse.Namespace) -> int:
     if args.json:
         _print_json({"seconds": seconds, "compute": dataclasses.asdict(compute) if compute else None,
                      "collectives": [{"kind": f.model.kind, "axes": f.model.axes,
-                                      "segments": f.model.segments, "residuals": f.residuals,
+                                      "points": f.model.points, "residuals": f.residuals,
                                       "held_out": f.held_out} for f in fits]})
     else:
         print(links.format_measured(fits, compute, command=command, notes=notes))

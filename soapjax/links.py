@@ -14,11 +14,13 @@ on whatever is attached (`soapjax calibrate --links`):
   collective crosses devices. The median of 9 short trials is kept, not the least (a
   rendezvous of 8 device threads on 2 cores is fast in some trials and 1.5-2x slower in
   others, and a training step meets the typical case), taken 3 at a time in 3 passes over
-  every collective and size (a slow spell of the host holds one pass, not a whole size). Each (kind, axes) is fitted with
-  ``latency + nbytes / bandwidth`` (least squares on relative error), split into up to four
-  segments where that halves the error (XLA:CPU changes algorithm, and caches run out, as
-  buffers grow). Sizes between the fitted ones are held back and predicted, to check the fit.
-  On a GPU node the same code measures NCCL.
+  every collective and size (a slow spell of the host holds one pass, not a whole size).
+  Each (kind, axes) is modelled by its measured times, made non-decreasing in size, joined
+  by straight lines: a piecewise
+  ``latency + nbytes / bandwidth`` with a piece between each two measured sizes (XLA:CPU
+  changes algorithm, and caches run out, at sizes that differ per collective and axis, which
+  few least-squares segments did not follow). Sizes between the measured ones are held back
+  and predicted, to check the model. On a GPU node the same code measures NCCL.
 * **Shared compute.** The same chain of matmuls timed on one device alone and on every device
   at once: ``concurrent_devices = n * t_alone / t_all`` is how many devices compute at full
   speed together (on 8 virtual devices of a 2-core host, about 2); the simulator stretches
@@ -94,83 +96,54 @@ class Fit(NamedTuple):
 # --- fitting (pure) ------------------------------------------------------------------------------
 
 
-def _line(samples: Sequence[Sample]) -> tuple[float, float]:
-    """(latency, bandwidth) minimising the relative error of ``latency + s / bandwidth``.
+def monotone(samples: Sequence[Sample]) -> list[Sample]:
+    """`samples` sorted by size, their times made non-decreasing: where a larger buffer
+    measured faster than a smaller one, both get the geometric mean of the run that breaks the
+    order (pool-adjacent-violators on log seconds, the least-squares such fit).
 
-    Weighted least squares (weights 1/t) over sizes spanning six orders of magnitude; the
-    latency is kept >= 0 and the bandwidth finite and positive.
+    A larger buffer of the same collective does not take less time; where it measured so, that
+    is the host's noise (on 2 cores, +-20% between trials a second apart), mostly among the
+    latency-bound sizes, and pooling the run averages it out.
+
+    >>> [round(x.seconds, 6) for x in monotone([Sample(1, 4e-6), Sample(2, 1e-6), Sample(4, 5e-6)])]
+    [2e-06, 2e-06, 5e-06]
     """
-    s = np.array([x.nbytes for x in samples], float)
-    t = np.array([x.seconds for x in samples], float)
-    a = np.stack([np.ones_like(s), s], axis=1) / t[:, None]
-    (lat, inv_bw), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
-    if inv_bw <= 0:  # flat: latency only
-        lat, inv_bw = float(np.exp(np.mean(np.log(t)))), 1e-15
-    elif lat < 0:  # through the origin
-        inv_bw = float(np.sum(s / t) / np.sum((s / t) ** 2))
-        lat = 0.0
-    return float(lat), 1.0 / float(inv_bw)
+    xs = sorted(samples)
+    blocks: list[list[float]] = []  # [mean log seconds, count]
+    for x in xs:
+        blocks.append([math.log(x.seconds), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (v2, n2), (v1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(v1 * n1 + v2 * n2) / (n1 + n2), n1 + n2])
+    pooled = [None if n == 1 else math.exp(v) for v, n in blocks for _ in range(int(n))]
+    return [x if t is None else Sample(x.nbytes, t) for x, t in zip(xs, pooled)]
 
 
 def _errors(model: CollectiveModel, samples: Sequence[Sample]) -> tuple[float, ...]:
     return tuple(model.time(x.nbytes) / x.seconds - 1.0 for x in samples)
 
 
-def _sse(segments, xs: Sequence[Sample]) -> float:
-    m = CollectiveModel("all_reduce", ("x",), tuple(segments))
-    return float(sum(e * e for e in _errors(m, xs)))
+def fit_collective(kind: str, axes: Sequence[str], samples: Sequence[Sample]) -> CollectiveModel:
+    """The measured `samples`, made `monotone`, joined by straight lines
+    (`CollectiveModel.through`): a piecewise ``latency + nbytes / bandwidth`` with a piece
+    between each two measured sizes.
 
-
-def _segments(xs: Sequence[Sample], start: float, limit: int, min_points: int, gain: float
-              ) -> list[tuple[float, float, float]]:
-    """One line from `start` bytes, or the best split of `xs` into at most `limit` lines
-    (each of at least `min_points` samples) where that cuts the squared relative error by the
-    factor `gain`."""
-    one = [(start, *_line(xs))]
-    one_sse = _sse([(0.0, *one[0][1:])], xs)
-    if limit <= 1 or len(xs) < 2 * min_points or one_sse <= len(xs) * 0.01**2:
-        return one  # within 1% (rms) already: nothing to split
-    best, best_sse = one, one_sse / gain
-    for recurse in (False, True):  # fewer segments first: two lines, then split further
-        if recurse and limit < 3:
-            break
-        for cut in range(min_points, len(xs) - min_points + 1):
-            lo, hi = xs[:cut], xs[cut:]
-            at = math.sqrt(lo[-1].nbytes * hi[0].nbytes)
-            if recurse:  # every way to share the limit between the two sides
-                cands = [_segments(lo, start, k, min_points, gain)
-                         + _segments(hi, at, limit - k, min_points, gain)
-                         for k in range(1, limit)]
-            else:
-                cands = [[(start, *_line(lo)), (at, *_line(hi))]]
-            for cand in cands:
-                if (err := _sse([(0.0, *cand[0][1:]), *cand[1:]], xs)) < best_sse:
-                    best, best_sse = cand, err
-        if best_sse <= len(xs) * 0.01**2:
-            break
-    return best
-
-
-def fit_collective(kind: str, axes: Sequence[str], samples: Sequence[Sample], *,
-                   max_segments: int = 4, min_points: int = 3, gain: float = 2.0
-                   ) -> CollectiveModel:
-    """A piecewise ``latency + nbytes / bandwidth`` model of measured `samples`.
-
-    Least squares on relative error; a segment is split in two (each of at least `min_points`
-    samples, up to `max_segments` in all) where that divides the squared error by `gain`
-    (XLA:CPU changes algorithm, and caches run out, as buffers grow).
+    XLA:CPU's collectives change speed several times between 256 KB and 16 MB (algorithms
+    change, caches run out) and where each change falls differs per collective and axis, so
+    no few-segment line fits them: fitted with up to four least-squares segments, the sizes
+    held back between the measured ones came out up to 62% off at 768 KB, 30-40% on a typical
+    calibration; joined through the measured sizes, up to 26-30% (and a line's samples stay
+    one segment).
 
     >>> xs = [Sample(s, 1e-5 + s / 1e9) for s in (1e2, 1e4, 1e6, 1e8)]
     >>> m = fit_collective("all_reduce", ("model",), xs)
-    >>> round(m.segments[0][1] * 1e6, 3), round(m.segments[0][2] / 1e9, 3)
-    (10.0, 1.0)
+    >>> len(m.segments), round(m.segments[0][1] * 1e6, 3), round(m.segments[0][2] / 1e9, 3)
+    (1, 10.0, 1.0)
     """
-    xs = sorted(samples)
-    if len(xs) < 2:
+    if len(samples) < 2:
         raise TopologyError(f"fitting {kind} over {list(axes)}: expected 2 or more sizes, "
-                            f"found {len(xs)}")
-    segs = _segments(xs, 0.0, max_segments, min_points, gain)
-    return CollectiveModel(kind, tuple(axes), tuple(segs))
+                            f"found {len(samples)}")
+    return CollectiveModel.through(kind, axes, [tuple(x) for x in monotone(samples)])
 
 
 def fit_samples(kind: str, axes: Sequence[str], fitted: Sequence[Sample],
@@ -193,6 +166,14 @@ def _si(x: float, units: Sequence[tuple[str, float]]) -> str:
 
 def _bytes(x: float) -> str:
     return _si(x, [("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1.0)])
+
+
+def _size(n: float) -> str:
+    """Bytes exactly, in KiB or MiB where they divide it (`_bytes` rounds to 4 digits)."""
+    for name, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale and float(n) % scale == 0:
+            return f'"{int(n) // scale} {name}"'
+    return f'"{n:g} B"'
 
 
 def _seconds(x: float) -> str:
@@ -228,11 +209,15 @@ def format_measured(fits: Sequence[Fit], compute: ComputeSharing | None, *, comm
                          "; held back: " + ", ".join(
                              f"{_bytes(s)[1:-1]} {_pct(e)}" for s, e in f.held_out)
                          if f.held_out else ""))
-        segs = ", ".join(f"{{ from = {_bytes(a)}, latency = {_seconds(lat)}, "
-                         f"bandwidth = {_rate(bw)} }}" for a, lat, bw in f.model.segments)
         lines += ["[[collectives]]", f'kind = "{f.model.kind}"',
-                  "axes = [" + ", ".join(f'"{a}"' for a in f.model.axes) + "]",
-                  f"segments = [{segs}]", ""]
+                  "axes = [" + ", ".join(f'"{a}"' for a in f.model.axes) + "]"]
+        if f.model.points:  # a model through measured points: the points, one per line
+            lines += ["points = ["] + [f"  {{ size = {_size(n)}, time = {_seconds(t)} }},"
+                                       for n, t in f.model.points] + ["]", ""]
+        else:
+            segs = ", ".join(f"{{ from = {_bytes(a)}, latency = {_seconds(lat)}, "
+                             f"bandwidth = {_rate(bw)} }}" for a, lat, bw in f.model.segments)
+            lines += [f"segments = [{segs}]", ""]
     return "\n".join(lines)
 
 
@@ -464,33 +449,38 @@ def calibrate_links(topology: Topology, *, kinds: Sequence[str] = MEASURED_KINDS
     `passes` trials a pass, and keeps the median: a slow spell of the host (on the 2-core
     machine, 1-10 s in which everything is 1.3-1.4x slower) then holds one pass of a size, not
     the whole of it (4 of cpu8's collectives, 16 held-back sizes: worst error 24-32% with 3
-    passes, 38-83% with one). Each loop is compiled once.
+    passes, 38-83% with one). A pass times each collective's sizes in order (up, then down in
+    the next pass), held-back sizes among the fitted ones. Each loop is compiled once.
 
     Returns:
       The fits, the compute sharing (None unless `sharing`), and the seconds it took.
     """
     start = time.perf_counter()
     mesh = make_mesh(topology)
-    jobs = [(axes, kind, s) for axes in axis_sets(topology) for kind in kinds
-            for s in (*sizes, *held)]
+    order = sorted({*sizes, *held})
+    groups = [(axes, kind) for axes in axis_sets(topology) for kind in kinds]
+    jobs = [(axes, kind, s) for axes, kind in groups for s in order]
     loops = {job: collective_loop(mesh, job[1], job[0], job[2]) for job in jobs}
     per_pass = dataclasses.replace(_TIMING, trials=max(1, math.ceil(_TIMING.trials / passes)))
     times: dict[tuple, list[float]] = {job: [] for job in jobs}
     for p in range(passes):
-        for job in jobs:
-            compiled, carry = loops[job]
-            times[job].append(time_compiled(compiled, carry(), per_pass).seconds)
+        # Sizes in order, up then down: a held-back size is timed between its neighbours, in
+        # the same spell of the host, and each size sits early in one pass and late in another.
+        for axes, kind in groups:
+            for s in (order if p % 2 == 0 else order[::-1]):
+                compiled, carry = loops[(axes, kind, s)]
+                times[(axes, kind, s)].append(time_compiled(compiled, carry(), per_pass).seconds)
         log(f"collectives: pass {p + 1} of {passes} ({len(jobs)} timings), "
             f"{time.perf_counter() - start:.0f} s")
     fits = []
-    for axes in axis_sets(topology):
-        for kind in kinds:
-            fitted, back = ([Sample(s, float(np.median(times[(axes, kind, s)]))) for s in group]
-                            for group in (sizes, held))
-            fits.append(fit_samples(kind, axes, fitted, back))
-            log(f"{kind} over {','.join(axes)}: " + ", ".join(
-                f"{_bytes(a)[1:-1]} {lat * 1e6:.1f} us + {_rate(bw)[1:-1]}"
-                for a, lat, bw in fits[-1].model.segments))
+    for axes, kind in groups:
+        fitted, back = ([Sample(s, float(np.median(times[(axes, kind, s)]))) for s in group]
+                        for group in (sizes, held))
+        fits.append(fit_samples(kind, axes, fitted, back))
+        log(f"{kind} over {','.join(axes)}: " + ", ".join(
+            f"{_bytes(n)[1:-1]} {_seconds(t)[1:-1]}" for n, t in fits[-1].model.points[::3])
+            + "; held back: " + ", ".join(f"{_bytes(n)[1:-1]} {_pct(e)}"
+                                          for n, e in fits[-1].held_out))
     compute = None
     if sharing and topology.num_devices > 1:
         concurrent, each = measure_sharing(mesh)
