@@ -97,6 +97,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
 import math
 import re
 from collections.abc import Sequence
@@ -330,16 +331,16 @@ class CollectiveModel:
         """
         pts = tuple(sorted((float(s), float(t)) for s, t in points))
         where = f"[[collectives]] {kind} over {list(axes)}.points"
-        if len(pts) < 2 or any(b[0] <= a[0] for a, b in zip(pts, pts[1:])):
+        if len(pts) < 2 or any(b[0] <= a[0] for a, b in itertools.pairwise(pts)):
             raise TopologyError(f"{where}: expected 2 or more distinct sizes, found "
                                 f"{[s for s, _ in pts]}")
         if any(not (t > 0 and math.isfinite(t)) for _, t in pts) or pts[0][0] <= 0:
             raise TopologyError(f"{where}: expected positive sizes and times, found {pts}")
-        if any(b[1] < a[1] for a, b in zip(pts, pts[1:])):
+        if any(b[1] < a[1] for a, b in itertools.pairwise(pts)):
             raise TopologyError(f"{where}: expected times that do not fall as sizes grow, "
                                 f"found {pts}")
         lines = []
-        for (s0, t0), (s1, t1) in zip(pts, pts[1:]):
+        for (s0, t0), (s1, t1) in itertools.pairwise(pts):
             slope = (t1 - t0) / (s1 - s0)
             lines.append((s0, t0 - s0 * slope, 1.0 / slope if slope > 0 else math.inf))
         segs = [(0.0, pts[0][1], math.inf)] if lines[0][1] < 0 else []

@@ -4,6 +4,7 @@ simulator pricing with them (synthetic data: no timing assertions)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -80,7 +81,7 @@ def test_a_larger_buffer_measured_faster_is_pooled_with_the_smaller():
     noisy = [Sample(x.nbytes, x.seconds * w) for x, w in zip(samples(f), wobble)]
     m = fit_collective("all_to_all", ("data",), noisy)
     grid = [2**k for k in range(6, 28)]
-    assert all(m.time(a) <= m.time(b) for a, b in zip(grid, grid[1:]))
+    assert all(m.time(a) <= m.time(b) for a, b in itertools.pairwise(grid))
     # 1 KB measured 48 us, 4 KB 37 us: both become their geometric mean; the rest stay
     pooled = math.sqrt(noisy[1].seconds * noisy[2].seconds)
     assert [t for _, t in m.points] == pytest.approx(
