@@ -316,3 +316,27 @@ def test_calibrate_times_every_collective_in_passes_and_fits_them():
     assert all(f.model.time(2**14) > 0 for f in fits)
     assert [ln.split(" (")[0] for ln in lines if ln.startswith("collectives:")] == [
         "collectives: pass 1 of 2", "collectives: pass 2 of 2"]
+
+
+def test_profile_plan_times_each_collective_inside_the_step():
+    """`scripts/profile_plan.py` on the tiny MLP's Megatron plan (8 CPU devices, in a fresh
+    process): XLA's profiler gives every collective of the compiled step a time inside the
+    step, printed beside its calibrated price and the simulator's totals."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "profile_plan.py"
+    proc = subprocess.run([sys.executable, str(script), "--model", "mlp", "--plans", "megatron",
+                           "--steps", "2"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "== mlp megatron: simulated step" in out
+    (hlo_count, sim_tasks), = re.findall(r"collectives: (\d+) in the HLO, [\d.]+ ms per device "
+                                         r"per step inside it; the simulator: (\d+) tasks", out)
+    rows = re.findall(r"^\s+(\d+)us\s+(\d+)us\s+[\d.]+\s+(all-\S+) \((\d+) operands?", out, re.M)
+    assert len(rows) == int(hlo_count) >= 2 and int(sim_tasks) >= int(hlo_count)
+    assert all(int(t) > 0 and int(p) > 0 for t, p, _, _ in rows)
+    # XLA combines Megatron's gradient all-reduces over `data` into one tuple all-reduce
+    assert max(int(k) for *_, k in rows) > 1
