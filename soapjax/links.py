@@ -130,10 +130,11 @@ def fit_collective(kind: str, axes: Sequence[str], samples: Sequence[Sample]) ->
 
     XLA:CPU's collectives change speed several times between 256 KB and 16 MB (algorithms
     change, caches run out) and where each change falls differs per collective and axis, so
-    no few-segment line fits them: fitted with up to four least-squares segments, the sizes
-    held back between the measured ones came out up to 62% off at 768 KB, 30-40% on a typical
-    calibration; joined through the measured sizes, up to 26-30% (and a line's samples stay
-    one segment).
+    no few-segment line fits them. Refitted on the raw timings of four cpu8 calibrations, the
+    sizes held back between the measured ones came out 9-11% off on average and 40-89% at
+    worst with up to four least-squares segments (768 KB +35% to +63%: just past a cut),
+    7-8% and 30-69% joined through the measured sizes (docs/accuracy.md). A line's samples
+    stay one segment.
 
     >>> xs = [Sample(s, 1e-5 + s / 1e9) for s in (1e2, 1e4, 1e6, 1e8)]
     >>> m = fit_collective("all_reduce", ("model",), xs)
