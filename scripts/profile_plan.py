@@ -10,7 +10,7 @@ totals beside the simulator's (collective tasks, compute tasks). This is how iss
 gap was measured (docs/accuracy.md): inside the step, a collective costs 2-4x what the same
 collective costs back to back in calibrate's loop (the searched plan's, over all 8 devices,
 3-4x), and a tuple all-reduce of K operands (XLA combines gradients into one) about K times
-one buffer's price: one rendezvous per operand.
+one buffer's price.
 
     python scripts/profile_plan.py --model gpt2 --plans megatron searched    # ~1 min
     python scripts/profile_plan.py --model rnnlm --top 10
