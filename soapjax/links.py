@@ -480,8 +480,9 @@ def calibrate_links(topology: Topology, *, kinds: Sequence[str] = MEASURED_KINDS
         fits.append(fit_samples(kind, axes, fitted, back))
         log(f"{kind} over {','.join(axes)}: " + ", ".join(
             f"{_bytes(n)[1:-1]} {_seconds(t)[1:-1]}" for n, t in fits[-1].model.points[::3])
-            + "; held back: " + ", ".join(f"{_bytes(n)[1:-1]} {_pct(e)}"
-                                          for n, e in fits[-1].held_out))
+            + ("; held back: " + ", ".join(f"{_bytes(n)[1:-1]} {_pct(e)}"
+                                           for n, e in fits[-1].held_out)
+               if fits[-1].held_out else ""))
     compute = None
     if sharing and topology.num_devices > 1:
         concurrent, each = measure_sharing(mesh)
