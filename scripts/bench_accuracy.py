@@ -79,12 +79,16 @@ def plans_of(g, topo, w, randoms: int):
     return out
 
 
-def simulated(g, topo, strategy, w) -> float:
+def simulation(g, topo, strategy, w):
+    """The simulated step (measured operator costs, XLA's resharding), with its tasks."""
     cm = cost_model(g, topo, mode="measured", optimizer=w.optimizer)
     with Resharder(MeshShape.of(topo), mode="xla") as rs:
         return simulate(g, topo, strategy, cost_model=cm, resharder=rs,
-                        opt_state_factor=opt_state_factor(w.optimizer, w.abstract_params())
-                        ).step_time_s
+                        opt_state_factor=opt_state_factor(w.optimizer, w.abstract_params()))
+
+
+def simulated(g, topo, strategy, w) -> float:
+    return simulation(g, topo, strategy, w).step_time_s
 
 
 def compiled_step(g, topo, strategy, w):

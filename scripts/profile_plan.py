@@ -12,11 +12,13 @@ collective costs back to back in calibrate's loop (the searched plan's, over all
 3-4x), and a tuple all-reduce of K operands (XLA combines gradients into one) about K times
 one buffer's price.
 
-    python scripts/profile_plan.py --model gpt2 --plans megatron searched    # ~1 min
+    python scripts/profile_plan.py --model gpt2 --plans megatron searched    # ~15 s
     python scripts/profile_plan.py --model rnnlm --top 10
 
-The profiler adds its own cost (steps run 1.1-1.3x slower under it); compare collectives with
-each other and with the prices, not the totals with `bench_accuracy`'s measured steps.
+The profiler adds its own cost, up to 2x (GPT-2's Megatron plan: 9.6 ms of collectives per
+device per step under it, 5.0 ms for the whole step timed in a loop without it); compare
+collectives with each other and with the prices, not the totals with `bench_accuracy`'s
+measured steps.
 """
 
 from __future__ import annotations
@@ -35,14 +37,11 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax
-from bench_accuracy import compiled_step, plans_of
+from bench_accuracy import compiled_step, plans_of, simulation
 
 import soapjax_zoo as zoo
 from soapjax import hlo
-from soapjax.cost import cost_model
 from soapjax.graph import trace
-from soapjax.reshard import Resharder
-from soapjax.simulate import opt_state_factor, simulate
 from soapjax.space import MeshShape
 from soapjax.topology import load_topology
 
@@ -80,11 +79,8 @@ def profile(model: str, plan_names, steps: int, top: int) -> None:
     unknown = [p for p in plan_names if p not in plans]
     if unknown:
         raise SystemExit(f"unknown plan(s) {unknown}: expected some of {sorted(plans)}")
-    cm = cost_model(g, topo, mode="measured", optimizer=w.optimizer)
     for name in plan_names:
-        with Resharder(MeshShape.of(topo), mode="xla") as rs:
-            sim = simulate(g, topo, plans[name], cost_model=cm, resharder=rs,
-                           opt_state_factor=opt_state_factor(w.optimizer, w.abstract_params()))
+        sim = simulation(g, topo, plans[name], w)
         sim_comp = sum(t.end_s - t.start_s for t in sim.tasks if t.kind in COMPUTE_TASKS)
         sim_coll = [t for t in sim.tasks if t.kind not in COMPUTE_TASKS]
         step, args = compiled_step(g, topo, plans[name], w)
