@@ -1,0 +1,142 @@
+"""Reductions inside an operator that a split turns into collectives of their own.
+
+A config splits an operator's iteration dims over mesh axes. Splitting a reduction (``R``) dim
+leaves partial sums that one all-reduce of the output completes after the operator
+(`Config.reduction_axes`; the simulator's partial-sum task). Some reductions cannot wait for
+the output:
+
+* a reduction over a dim the output keeps: a layer norm's mean and mean square over the
+  hidden dim, a softmax's max and sum over the keys. Split that dim and every device needs the
+  whole statistic before it can normalise its part, so XLA all-reduces the statistic inside
+  the operator (f32[B, T] for a layer norm over [B, T, D]). The backward pass reduces over the
+  dim again, where the statistic was broadcast back along it: one more all-reduce per
+  differentiable statistic (the sum, not the max);
+* a reduction over an ``R`` dim whose result is used non-linearly before the output: the max
+  and the sum of a cross-entropy's log-sum-exp over a vocabulary split across devices. A sum
+  that reaches the output through linear steps only (the cross-entropy's final mean) stays a
+  partial sum.
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> from soapjax.graph import trace
+    >>> class Block(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, x):
+    ...         return nn.Dense(64, name="fc")(nn.LayerNorm(name="ln")(x))
+    >>> x = jnp.ones((8, 16, 64))
+    >>> params = Block().init(jax.random.key(0), x)
+    >>> graph = trace(lambda p, x: jnp.mean(Block().apply(p, x) ** 2), params, x)
+    >>> ln = graph.index("ln")                      # iteration dims [B, T, D]: D is dim 2
+    >>> [(r.primitive, r.reduced, r.shape, r.backward) for r in inner_reductions(graph, ln)]
+    [('reduce_sum', (2,), (8, 16), True), ('reduce_sum', (2,), (8, 16), True)]
+    >>> inner_reductions(graph, graph.index("fc"))  # a matmul's sum: the output's partial sum
+    ()
+
+`inner_reductions` finds them in the operator's own equations (`soapjax._program`): what each
+reduces (iteration dims), the statistic's shape and dtype and which iteration dim indexes each
+of its dims. The simulator prices one all-reduce of the statistics over the axes that split
+the reduced dims (`soapjax.simulate`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from soapjax.graph import OpGraph
+
+# Primitives that reduce axes of their first operand (`axes`), and dot_general's contraction.
+_REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
+                     "argmin", "reduce_and", "reduce_or", "reduce_xor"})
+_DIFFERENTIABLE = frozenset({"reduce_sum", "reduce_prod", "dot_general"})
+# Linear in any one operand: a partial sum through them is still a partial sum of the result.
+_LINEAR = frozenset({"add", "add_any", "sub", "neg", "reduce_sum", "convert_element_type",
+                     "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose",
+                     "copy", "copy_p", "stop_gradient", "slice", "concatenate", "pad",
+                     "select_n", "dot_general", "mul", "div", "reduce_precision"})
+
+
+class InnerReduction(NamedTuple):
+    """One statistic an operator reduces inside itself (see the module docstring).
+
+    Attributes:
+      primitive: the reducing primitive (``reduce_sum``, ``reduce_max``, ``dot_general``, ...).
+      reduced: the iteration dims it reduces over; splitting any all-reduces the statistic.
+      shape, dtype: the statistic's global shape and dtype.
+      dims: per dim of the statistic, the iteration dim it follows (None: none).
+      backward: whether the backward pass all-reduces it again (a differentiable statistic
+        over a dim the output keeps).
+    """
+
+    primitive: str
+    reduced: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    dims: tuple[int | None, ...]
+    backward: bool
+
+
+def inner_reductions(graph: OpGraph, j: int) -> tuple[InnerReduction, ...]:
+    """The reductions inside operator `j` that a split of their dims makes collective."""
+    return graph.memo(("inner_reductions", j), lambda: _find(graph, j))
+
+
+def _find(graph: OpGraph, j: int) -> tuple[InnerReduction, ...]:
+    op = graph.operators[j]
+    prog = graph.program
+    loc = prog.local.get(op.name)
+    if loc is None:
+        return ()
+    n_out = len(op.shape)
+    units = [prog.units[i] for i in loc.units]
+    exports = set(loc.exports)
+
+    def dims_of(vid: int) -> tuple[int | None, ...]:
+        return tuple(loc.labels.lookup(lb, loc.iter_of) for lb in loc.lab.get(vid, ()))
+
+    out = []
+    for k, u in enumerate(units):
+        name = u.eqn.primitive.name
+        if name not in _REDUCE and name != "dot_general":
+            continue
+        result = u.outs[0]
+        if result is None or result in exports or result not in loc.lab or not u.ins:
+            continue
+        if name == "dot_general":
+            (axes, _), _ = u.eqn.params["dimension_numbers"]
+        else:
+            axes = u.eqn.params.get("axes", ())
+        src = dims_of(u.ins[0])
+        reduced = tuple(sorted({src[a] for a in axes if a < len(src) and src[a] is not None}))
+        if not reduced:
+            continue
+        kept = any(d < n_out for d in reduced)  # over a dim the output keeps
+        if not kept and (name == "dot_general" or _linear_to_output(units[k + 1:], result,
+                                                                    exports)):
+            continue  # a partial sum the output's all-reduce completes
+        used = [w for w in units[k + 1:] if result in w.ins]
+        differentiable = name in _DIFFERENTIABLE and any(
+            w.eqn.primitive.name != "stop_gradient" for w in used)
+        out.append(InnerReduction(name, reduced, tuple(prog.shapes[result]),
+                                  prog.dtypes[result], dims_of(result),
+                                  kept and differentiable))
+    return tuple(out)
+
+
+def _linear_to_output(later, value: int, exports: set[int]) -> bool:
+    """Whether every use of `value` in the equations `later` (in order) is linear in it, up to
+    the operator's outputs: a sum of partial results is then the partial result of the sum."""
+    depends = {value}
+    for u in later:
+        hit = [i for i, v in enumerate(u.ins) if v in depends]
+        if not hit:
+            continue
+        name = u.eqn.primitive.name
+        if name not in _LINEAR:
+            return False
+        if name in ("mul", "dot_general") and len(hit) > 1:
+            return False  # a product of two partial sums
+        if name == "select_n" and 0 in hit:
+            return False  # the partial sum decides which branch
+        if name == "div" and hit != [0]:
+            return False  # divided by a partial sum
+        depends.update(v for v in u.outs if v is not None)
+    return True
