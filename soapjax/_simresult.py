@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
 RESHARD, RESHARD_BWD, PARTIAL_SUM, PARAM_GATHER, GRAD_SYNC, UPDATE_REDUCE = (
     "reshard", "reshard_backward", "partial_sum", "param_gather", "grad_sync", "update_reduce")
+INNER_REDUCE, INNER_REDUCE_BWD = "inner_reduce", "inner_reduce_backward"
 
 
 class TaskRecord(NamedTuple):
@@ -27,8 +28,10 @@ class TaskRecord(NamedTuple):
         over model"`` (a resharding; ``d(...)`` for its backward), ``"all_reduce grad
         ['params']['fc1']['kernel'] over data"`` or ``"all_reduce norm ['params']['fc1']['kernel']
         over model"`` (the optimizer's reduction of a split parameter: `OpCosts`).
-      kind: forward, backward, update, reshard, reshard_backward, partial_sum, param_gather,
-        grad_sync or update_reduce.
+      kind: forward, backward, update, reshard, reshard_backward, partial_sum, inner_reduce
+        (the all-reduce of statistics an operator reduces over a split dim, ``"all_reduce
+        layers_0/ln_1 (statistics) over model"``: `soapjax._inner`), inner_reduce_backward
+        (``d(... statistics)``), param_gather, grad_sync or update_reduce.
       resources: ``("compute",)`` or the topology channel ids it occupies.
       start_s, end_s: seconds from the start of the step.
       nbytes: a collective's per-device buffer (`Topology.collective_time`'s ``nbytes``); 0 for

@@ -59,7 +59,8 @@ INSTALL_HINT = "pip install 'soapjax[plot]'"
 # One colour per task kind of `soapjax.simulate` (its FORWARD, BACKWARD, ... constants).
 KIND_COLORS = {
     "forward": "#4c72b0", "backward": "#dd8452", "update": "#55a868", "reshard": "#c44e52",
-    "reshard_backward": "#8172b3", "partial_sum": "#937860", "param_gather": "#da8bc3",
+    "reshard_backward": "#8172b3", "partial_sum": "#937860", "inner_reduce": "#a6761d",
+    "inner_reduce_backward": "#e6ab02", "param_gather": "#da8bc3",
     "grad_sync": "#8c8c8c", "update_reduce": "#ccb974",
 }
 

@@ -23,11 +23,15 @@ The task graph of one training iteration, operators in program order (`soapjax._
 * forward, per operator: the resharding of parameters stored in another layout (a ZeRO-3
   all-gather), of each input from its producer's output spec to the spec the config needs (the
   collectives `Resharder.reshard` says XLA emits; operators that read one value in the same
-  layout share one resharding, as XLA computes it once), the forward task (`CostModel.op_time`), and,
-  when the config splits a reduction dim, the all-reduce of the partial sums of its (primary)
-  output;
+  layout share one resharding, as XLA computes it once), the forward task (`CostModel.op_time`),
+  where the config splits a dim the operator reduces a statistic over (a layer norm's hidden
+  dim, a softmax's keys, a cross-entropy's vocabulary: `soapjax._inner`) the all-reduce of
+  those statistics, and, when the config splits a reduction dim, the all-reduce of the partial
+  sums of its (primary) output;
 * backward, in reverse order: the backward task, after the backward of every consumer of its
-  outputs and their cotangents' communication; per input, the cotangent's way back: it is laid
+  outputs and their cotangents' communication, then the all-reduce of its statistics'
+  backward (a layer norm's two sums over the split hidden dim); per input, the cotangent's way
+  back: it is laid
   out as the operator's operand and is a partial sum over the mesh axes the config uses that do
   not split that operand (a column-parallel matmul's replicated input), so it goes back by
   ``reshard(operand spec -> producer spec, partial=those axes)``. That is the transpose of the
@@ -83,10 +87,13 @@ from typing import Any, NamedTuple, Protocol
 import jax
 
 from soapjax._dtypes import itemsize
+from soapjax._inner import inner_reductions
 from soapjax._simresult import (
     BACKWARD,
     FORWARD,
     GRAD_SYNC,
+    INNER_REDUCE,
+    INNER_REDUCE_BWD,
     PARAM_GATHER,
     PARTIAL_SUM,
     RESHARD,
@@ -116,7 +123,8 @@ from soapjax.space import Config, MeshShape, Strategy, sample_dim, storage_spec,
 from soapjax.topology import Topology
 
 __all__ = [
-    "BACKWARD", "FORWARD", "GRAD_SYNC", "PARAM_GATHER", "PARTIAL_SUM", "RESHARD", "RESHARD_BWD",
+    "BACKWARD", "FORWARD", "GRAD_SYNC", "INNER_REDUCE", "INNER_REDUCE_BWD",
+    "PARAM_GATHER", "PARTIAL_SUM", "RESHARD", "RESHARD_BWD",
     "UPDATE", "UPDATE_REDUCE", "MemoryBreakdown", "OpCosts", "SimResult", "Simulation",
     "TaskRecord", "compare", "opt_state_factor", "parse_strategy", "shard_bytes", "simulate",
 ]
@@ -131,6 +139,8 @@ class _View(NamedTuple):
     operand_specs: tuple[tuple[tuple[str, ...], ...], ...]
     partials: tuple[tuple[str, ...], ...]  # per operand: axes its cotangent is a partial sum on
     reduction_axes: tuple[str, ...]  # the axes splitting its reduction dims (partial sums)
+    inner_forward: tuple[Comm, ...]  # all-reduces of statistics it reduces over split dims
+    inner_backward: tuple[Comm, ...]  # ... and their backward (`soapjax._inner`)
     activation_bytes: int  # its outputs' shards (one microbatch's), kept for the backward pass
     policy: str  # its recompute policy (`soapjax.memory`)
     recomputes: bool  # whether it drops its outputs and runs its forward again
@@ -184,8 +194,10 @@ class Simulation:
     until then). The state always equals a full simulation of the current strategy.
 
     The task graph is held as *units*, each rebuilt whole when a change touches it: per operator
-    its forward and backward tasks (retimed, never rebuilt) and the all-reduce of its partial
-    sums; per activation edge its forward resharding and its cotangent's way back
+    its forward and backward tasks (retimed, never rebuilt) and its own collectives (`_OpComm`:
+    the all-reduces of its statistics, forward and backward, and of its partial sums; when they
+    change, the edges in and out of it are rebuilt too, as they start after them); per
+    activation edge its forward resharding and its cotangent's way back
     (`_EdgeTasks`); per parameter or batch input its gathers, gradient synchronisations and
     update (`_LeafTasks`).
 
@@ -317,8 +329,8 @@ class Simulation:
         too (None: it keeps its own). A change of microbatches is a `reset` (every task
         changes).
 
-        Rebuilds the tasks whose collectives the change touches (operator `i`'s partial-sum
-        all-reduce, the reshardings of its input and output edges, the gathers, gradient
+        Rebuilds the tasks whose collectives the change touches (operator `i`'s own all-reduces
+        of statistics and partial sums, the reshardings of its input and output edges, the gathers, gradient
         synchronisations and updates of the parameters it reads), retimes its forward and
         backward tasks, and retimes the timeline from the first changed task on, as far as the
         change reaches. The change stays pending until `accept` or `reject`.
@@ -356,8 +368,8 @@ class Simulation:
             undo.stored_bytes, undo.leaf_activation_bytes = self._stored_bytes, self._leaf_bytes
             self._views[i] = view
             self._act = None
-            partial_sum, edges, leaves = self._changed_units(i, view, old)
-            self._replace_units(undo, i if partial_sum else None, edges, leaves)
+            op_comm, edges, leaves = self._changed_units(i, view, old)
+            self._replace_units(undo, i if op_comm else None, edges, leaves)
             self._retime_and_rewire(undo, i, edges, leaves)
         task_graph.sweep()
         return self.step_time()
@@ -385,8 +397,8 @@ class Simulation:
             task_graph.dur[self._forward_task[i]] = undo.view.forward_s
             task_graph.dur[self._backward_task[i]] = undo.view.backward_s
             self._views[i] = undo.view
-            if undo.partial_sum_tasks is not None:
-                self._partial_sum_tasks[i] = undo.partial_sum_tasks
+            if undo.op_comm is not None:
+                self._op_comm[i] = undo.op_comm
             for e, unit in undo.edges:
                 self._edge_tasks[e] = unit
             for leaf, unit in undo.leaves:
@@ -477,7 +489,7 @@ class Simulation:
         self._backward_task = [
             task_graph.new(layout.bwd_key(j, 0), v.backward_s, (0,), [], (BACKWARD, j))
             for j, v in enumerate(self._views)]
-        self._partial_sum_tasks = [self._build_partial_sum(j) for j in range(layout.n)]
+        self._op_comm = [self._build_op_comm(j) for j in range(layout.n)]
         self._edge_tasks = [self._build_edge(e) for e in range(len(layout.edges))]
         self._leaf_tasks = [self._build_leaf(leaf) for leaf in range(len(layout.leaf_source))]
         for j in range(layout.n):
@@ -495,21 +507,24 @@ class Simulation:
     def _changed_units(self, i: int, view: _View,
                        old: _View) -> tuple[bool, list[int], list[int]]:
         """The units whose collectives change when operator `i` goes from `old` to `view`:
-        whether its partial-sum all-reduce does, the edges and the leaves (the rest keep their
-        tasks)."""
+        whether its own collectives do (`_build_op_comm`), the edges and the leaves (the rest
+        keep their tasks)."""
         layout = self._layout
-        partial_sum = ((view.out_specs[0:1], view.reduction_axes)
-                       != (old.out_specs[0:1], old.reduction_axes))
+        op_comm = ((view.out_specs[0:1], view.reduction_axes, view.inner_forward,
+                    view.inner_backward)
+                   != (old.out_specs[0:1], old.reduction_axes, old.inner_forward,
+                       old.inner_backward))
+        # an edge starts after its producer's collectives and its way back after its consumer's
         changed = [e for e in layout.in_edges[i] + layout.out_edges[i]
                    if self._edge_signature(e, i, view) != self._edge_signature(e, i, old)
-                   or (partial_sum and layout.edges[e][0] == i and layout.edges[e][1] == 0)]
+                   or (op_comm and i in (layout.edges[e][0], layout.edges[e][2]))]
         # ... and the edges that share a value with them (which one reshards it may change)
         edges = sorted({s for e in changed for s in layout.siblings[e]})
         leaves = [leaf for leaf in layout.op_leaves[i]
                   if any((view.operand_specs[o], view.partials[o])
                          != (old.operand_specs[o], old.partials[o])
                          for j, o in layout.readers[leaf] if j == i)]
-        return partial_sum, edges, leaves
+        return op_comm, edges, leaves
 
     def _edge_signature(self, e: int, i: int, view: _View) -> tuple:
         """What edge `e`'s collectives depend on, with operator `i` under `view`."""
@@ -518,26 +533,27 @@ class Simulation:
         consumer = view if j == i else self._views[j]
         return src, consumer.operand_specs[o], consumer.partials[o]
 
-    def _replace_units(self, undo: _Undo, partial_sum_of: int | None, edges: list[int],
+    def _replace_units(self, undo: _Undo, op_comm_of: int | None, edges: list[int],
                        leaves: list[int]) -> None:
         """Takes the old tasks of the changed units off the graph (kept in `undo` for `reject`)
-        and builds new ones: operator `partial_sum_of`'s partial-sum all-reduce (none when it
-        is None), the `edges` and the `leaves`."""
+        and builds new ones: operator `op_comm_of`'s own collectives (none when it is None),
+        the `edges` and the `leaves`."""
         task_graph = self._task_graph
-        if partial_sum_of is not None:
-            undo.partial_sum_tasks = self._partial_sum_tasks[partial_sum_of]
+        if op_comm_of is not None:
+            undo.op_comm = self._op_comm[op_comm_of]
         undo.edges = [(e, self._edge_tasks[e]) for e in edges]
         undo.leaves = [(leaf, self._leaf_tasks[leaf]) for leaf in leaves]
-        old = undo.old_tasks = list(undo.partial_sum_tasks or ())
+        old = undo.old_tasks = (undo.op_comm.forward + undo.op_comm.backward
+                                if undo.op_comm is not None else [])
         old += [t for _, unit in undo.edges for t in unit.forward + unit.backward]
         old += [t for _, unit in undo.leaves for t in unit.tasks]
         for t in old:
             task_graph.detach(t)
         self._count_buffers(old, -1)
         new = undo.new_tasks
-        if partial_sum_of is not None:
-            self._partial_sum_tasks[partial_sum_of] = self._build_partial_sum(partial_sum_of)
-            new += self._partial_sum_tasks[partial_sum_of]
+        if op_comm_of is not None:
+            unit = self._op_comm[op_comm_of] = self._build_op_comm(op_comm_of)
+            new += unit.forward + unit.backward
         for e in edges:
             unit = self._edge_tasks[e] = self._build_edge(e)
             new += unit.forward + unit.backward
@@ -612,10 +628,41 @@ class Simulation:
             sample = self._sample[j]
             activation = sum(shard_bytes(microbatch_shape(x.shape, x.dims, sample, m), s,
                                          x.dtype, self.mesh) for x, s in zip(op.outputs, outs))
+            inner_forward, inner_backward = self._inner_chains(j, config)
+            if recompute:  # the forward it runs again all-reduces its statistics again
+                inner_backward = inner_forward + inner_backward
             v = self._views_memo[key] = _View(config, forward, backward, outs, specs, partials,
-                                              tuple(config.reduction_axes(op)), activation,
-                                              policy, recompute)
+                                              tuple(config.reduction_axes(op)), inner_forward,
+                                              inner_backward, activation, policy, recompute)
         return v
+
+    def _inner_chains(self, j: int, config: Config) -> tuple[tuple[Comm, ...], tuple[Comm, ...]]:
+        """The all-reduces of the statistics operator `j` reduces over dims `config` splits
+        (`soapjax._inner`), forward and backward: per set of mesh axes one collective of all
+        of them (XLA combines them), priced as one all-reduce per statistic, each microbatch."""
+        groups: dict[tuple[str, ...], list[tuple[Comm, bool]]] = {}
+        for r in inner_reductions(self.graph, j):
+            axes = tuple(a for a in self.mesh.axis_names
+                         if any(a in config.axes[d] for d in r.reduced))
+            if not axes:
+                continue
+            spec = tuple(config.axes[d] if d is not None else () for d in r.dims)
+            shape = microbatch_shape(r.shape, r.dims, self._sample[j], self._micro)
+            c = self._pricing.comm("all_reduce", shard_bytes(shape, spec, r.dtype, self.mesh),
+                                   axes)
+            if c is not None:
+                groups.setdefault(axes, []).append((c, r.backward))
+
+        def combined(comms: list[Comm]) -> tuple[Comm, ...]:
+            if not comms:
+                return ()
+            return (comms[0]._replace(nbytes=sum(c.nbytes for c in comms),
+                                      dur=sum(c.dur for c in comms),
+                                      sent=sum(c.sent for c in comms)),)
+
+        forward = tuple(c for cs in groups.values() for c in combined([c for c, _ in cs]))
+        backward = tuple(c for cs in groups.values() for c in combined([c for c, b in cs if b]))
+        return self._per_microbatch(forward), self._per_microbatch(backward)
 
     def _per_microbatch(self, chain: tuple[Comm, ...]) -> tuple[Comm, ...]:
         """`chain` run once per microbatch: M times its time and bytes sent."""
@@ -651,22 +698,37 @@ class Simulation:
                                       (kind, c, subject)))
         return out
 
-    def _build_partial_sum(self, j: int) -> list[int]:
-        """The all-reduce of operator `j`'s partial sums (none unless it splits a reduction)."""
-        v = self._views[j]
-        if not v.reduction_axes:
-            return []
-        x = self.graph.operators[j].outputs[0]
-        chain = self._activation_chain(x, self._sample[j], v.out_specs[0], v.out_specs[0],
-                                       v.reduction_axes)
-        key = self._layout.fwd_key(j, self._layout.slots - 1)
-        return self._chain_tasks(chain, key, [self._forward_task[j]], PARTIAL_SUM, j)
+    def _build_op_comm(self, j: int) -> _OpComm:
+        """Operator `j`'s own collectives: after its forward task the all-reduces of the
+        statistics it reduces over split dims (`_inner_chains`), then of its partial sums (none
+        unless it splits a reduction); after its backward task the statistics' backward."""
+        v, layout = self._views[j], self._layout
+        key = layout.fwd_key(j, layout.slots - 1)
+        forward = self._chain_tasks(v.inner_forward, key, [self._forward_task[j]],
+                                    INNER_REDUCE, j)
+        if v.reduction_axes:
+            x = self.graph.operators[j].outputs[0]
+            chain = self._activation_chain(x, self._sample[j], v.out_specs[0], v.out_specs[0],
+                                           v.reduction_axes)
+            forward += self._chain_tasks(chain, key + len(forward),
+                                         forward[-1:] or [self._forward_task[j]], PARTIAL_SUM, j)
+        # slot 0 holds the backward task at position 0; the statistics follow it
+        backward = self._chain_tasks(v.inner_backward, layout.bwd_key(j, 0, 1),
+                                     [self._backward_task[j]], INNER_REDUCE_BWD, j)
+        return _OpComm(forward, len(v.inner_forward), backward)
 
     def _output_ready(self, p: int, k: int) -> int:
         """The task after which operator `p`'s output `k` is complete: the all-reduce of its
-        partial sums (output 0 only), else its forward task."""
-        partial_sum = self._partial_sum_tasks[p] if k == 0 else []
-        return partial_sum[-1] if partial_sum else self._forward_task[p]
+        partial sums (output 0 only), else of its statistics, else its forward task."""
+        comm = self._op_comm[p]
+        tasks = comm.forward if k == 0 else comm.forward[:comm.inner]
+        return tasks[-1] if tasks else self._forward_task[p]
+
+    def _backward_done(self, j: int) -> int:
+        """The task after which operator `j`'s operands' cotangents are complete: the
+        all-reduce of its statistics' backward, else its backward task."""
+        backward = self._op_comm[j].backward
+        return backward[-1] if backward else self._backward_task[j]
 
     def _resharded_by(self, e: int) -> int:
         """The first edge carrying edge `e`'s value to the same layout: its forward resharding
@@ -689,7 +751,7 @@ class Simulation:
             self._activation_chain(x, sample, src, dst), layout.fwd_key(j, o),
             [self._output_ready(p, k)], RESHARD, e)
         back = self._activation_chain(x, sample, dst, src, self._views[j].partials[o])
-        backward = self._chain_tasks(back, layout.bwd_key(j, 1 + o), [self._backward_task[j]],
+        backward = self._chain_tasks(back, layout.bwd_key(j, 1 + o), [self._backward_done(j)],
                                      RESHARD_BWD, e)
         return _EdgeTasks(forward, backward)
 
@@ -820,7 +882,7 @@ class Simulation:
         layout, out = self._layout, []
         for e in layout.out_edges[j]:
             chain = self._edge_tasks[e].backward
-            out.append(chain[-1] if chain else self._backward_task[layout.edges[e][2]])
+            out.append(chain[-1] if chain else self._backward_done(layout.edges[e][2]))
         return out
 
     # --- accounting ---------------------------------------------------------------------------
@@ -856,10 +918,20 @@ class Simulation:
         x = subject[0]
         what = (layout.edge_name[x] if kind == RESHARD else f"d({layout.edge_name[x]})"
                 if kind == RESHARD_BWD else f"{ops[x].name} (partial sums)"
-                if kind == PARTIAL_SUM else layout.leaf_source[x]
+                if kind == PARTIAL_SUM else f"{ops[x].name} (statistics)"
+                if kind == INNER_REDUCE else f"d({ops[x].name} statistics)"
+                if kind == INNER_REDUCE_BWD else layout.leaf_source[x]
                 if kind == PARAM_GATHER else f"norm {layout.leaf_source[x]}"
                 if kind == UPDATE_REDUCE else f"grad {layout.leaf_source[x]}")
         return f"{ref.kind} {what} over {'+'.join(ref.axes)}"
+
+
+class _OpComm(NamedTuple):
+    """An operator's own collectives (`Simulation._build_op_comm`)."""
+
+    forward: list[int]  # its statistics' all-reduces, then its partial sums'
+    inner: int  # how many of `forward` are statistics
+    backward: list[int]  # its statistics' all-reduces in the backward pass
 
 
 class _EdgeTasks(NamedTuple):
@@ -912,12 +984,12 @@ class _Undo:
     """What `reject` needs to restore the state before one operator's change."""
 
     __slots__ = ("activation_bytes", "deps", "edges", "leaf_activation_bytes", "leaves",
-                 "new_tasks", "old_tasks", "op", "partial_sum_tasks", "stored_bytes", "view")
+                 "new_tasks", "old_tasks", "op", "op_comm", "stored_bytes", "view")
 
     def __init__(self, op: int, view: _View) -> None:
         self.op, self.view = op, view  # the operator and its view before the proposal
         self.activation_bytes = self.stored_bytes = self.leaf_activation_bytes = 0
-        self.partial_sum_tasks: list[int] | None = None
+        self.op_comm: _OpComm | None = None
         self.edges: list[tuple[int, _EdgeTasks]] = []
         self.leaves: list[tuple[int, _LeafTasks]] = []
         self.old_tasks: list[int] = []

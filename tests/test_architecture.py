@@ -21,7 +21,7 @@ PACKAGE = ROOT / "soapjax"
 
 STAGES: tuple[tuple[str, ...], ...] = (
     ("errors", "_cache", "_dtypes", "collectives"),  # no soapjax imports: shared leaves
-    ("_dims", "_ir", "_program", "_grouping", "graph", "_local"),  # trace: jaxpr -> OpGraph
+    ("_dims", "_ir", "_program", "_grouping", "graph", "_local", "_inner"),  # jaxpr -> OpGraph
     ("_topology_file", "_routing", "topology"),  # meshes/*.toml -> Topology
     ("space", "memory", "pipeline"),  # OpGraph x mesh -> configs, strategies; recompute,
     # microbatches, pipeline stages and their schedules

@@ -304,18 +304,21 @@ def test_a_loop_body_launches_its_kernels_once_per_trip():
 
 def test_calibrate_times_every_collective_in_passes_and_fits_them():
     """`calibrate_links` on the 8 CPU devices, cut down to one collective and four sizes: each
-    (axes, size) is timed once per pass, and every axis set gets a fit with its held-back
-    size predicted."""
+    (axes, size) is timed once per pass, once more in a pass of the short ones (all of them
+    here: under a millisecond), and every axis set gets a fit with its held-back size
+    predicted."""
     lines = []
     fits, compute, seconds = links.calibrate_links(
         load_topology("cpu8"), kinds=("all_reduce",), sizes=(2**10, 2**14, 2**18),
-        held=(2**12,), sharing=False, passes=2, log=lines.append)
+        held=(2**12,), sharing=False, passes=2, short_passes=1, log=lines.append)
     assert compute is None and seconds > 0
     assert [f.model.axes for f in fits] == [("data",), ("model",), ("data", "model")]
     assert all(len(f.residuals) == 3 and len(f.held_out) == 1 for f in fits)
     assert all(f.model.time(2**14) > 0 for f in fits)
     assert [ln.split(" (")[0] for ln in lines if ln.startswith("collectives:")] == [
         "collectives: pass 1 of 2", "collectives: pass 2 of 2"]
+    assert [ln.split(", ")[0] for ln in lines if ln.startswith("collectives under")] == [
+        "collectives under 1 ms: pass 1 of 1 (12 timings)"]
 
 
 def test_profile_plan_times_each_collective_inside_the_step():
