@@ -295,7 +295,8 @@ class _Program:
         return self._inline(closed, list(vids), stack, region, iteration)[0]
 
     def run(self, flat_inputs, hook=None, swaps: Mapping[int, tuple] | None = None,
-            checkpoints: Mapping[int, int] | None = None, keys=None) -> list:
+            checkpoints: Mapping[int, int] | None = None, keys=None,
+            reads: Mapping[int, Sequence[tuple]] | None = None) -> list:
         """Evaluates the program and returns the outputs' values.
 
         `swaps` maps an operator's last unit index to ``(its unit indices, fn, input ids,
@@ -306,6 +307,9 @@ class _Program:
         `keys`, when given, maps every PRNG key the program makes from constants (a typed-key
         constant, the result of `random_seed` or `random_wrap`) to the key to use instead
         (apply folds the step number in, so dropout draws fresh masks every step).
+        `reads` maps a unit index to ``(position, key, fn)`` triples: the unit reads
+        ``fn(value)`` at that operand position instead of the value, computed once per value and
+        `key` (where that value is in scope) for every unit given the same key.
         """
         env = dict(self.consts)
         if keys is not None:
@@ -316,7 +320,7 @@ class _Program:
         swaps = dict(swaps or {})
         skip = frozenset().union(*(sw[0] for sw in swaps.values())) if swaps else frozenset()
         self._run_block(list(range(len(self.units))), 0, env, hook, swaps, skip,
-                        dict(checkpoints or {}))
+                        dict(checkpoints or {}), reads)
         return [env[v] for v in self.outputs]
 
     def run_units(self, idxs: Sequence[int], env: dict) -> None:
@@ -327,7 +331,7 @@ class _Program:
         self._run_block(list(idxs), 0, env, None, {}, frozenset())
 
     def _run_block(self, idxs: list[int], depth: int, env: dict, hook, swaps, skip,
-                   checkpoints: Mapping[int, int] | None = None) -> None:
+                   checkpoints: Mapping[int, int] | None = None, reads=None) -> None:
         i = 0
         while i < len(idxs):
             last = checkpoints.get(idxs[i]) if checkpoints else None
@@ -338,7 +342,7 @@ class _Program:
                 if all(not self.units[k].region for k in idxs[i:j]):
                     self._run_checkpointed(idxs[i:j], depth, env, hook, swaps, skip,
                                            {"policy": jax.checkpoint_policies.nothing_saveable},
-                                           in_backward=True)
+                                           in_backward=True, reads=reads)
                     i = j
                     continue
             region = self.units[idxs[i]].region
@@ -346,17 +350,20 @@ class _Program:
                 j = i
                 while j < len(idxs) and self.units[idxs[j]].region[:depth + 1] == region[:depth + 1]:
                     j += 1
-                self._run_region(idxs[i:j], depth, region[depth], env, hook, swaps, skip)
+                self._run_region(idxs[i:j], depth, region[depth], env, hook, swaps, skip,
+                                 reads)
                 i = j
                 continue
-            self._run_unit(idxs[i], env, hook, swaps, skip)
+            self._run_unit(idxs[i], env, hook, swaps, skip, reads)
             i += 1
 
-    def _run_region(self, idxs: list[int], depth: int, r: int, env: dict, hook, swaps, skip):
-        self._run_checkpointed(idxs, depth + 1, env, hook, swaps, skip, self.regions[r])
+    def _run_region(self, idxs: list[int], depth: int, r: int, env: dict, hook, swaps, skip,
+                    reads=None):
+        self._run_checkpointed(idxs, depth + 1, env, hook, swaps, skip, self.regions[r],
+                               reads=reads)
 
     def _run_checkpointed(self, idxs: list[int], depth: int, env: dict, hook, swaps, skip,
-                          p: Mapping[str, Any], in_backward: bool = False) -> None:
+                          p: Mapping[str, Any], in_backward: bool = False, reads=None) -> None:
         """Units `idxs` inside `jax.checkpoint` with remat params `p`, the body at `depth`;
         `in_backward`: the recomputation waits for the cotangent (`recompute_in_backward`)."""
         block = set(idxs)
@@ -371,14 +378,14 @@ class _Program:
             local = dict(self.consts)
             local.update(self.literals)
             local.update(zip(ins, vals))
-            self._run_block(idxs, depth, local, hook, swaps, skip)
+            self._run_block(idxs, depth, local, hook, swaps, skip, reads=reads)
             return [local[v] for v in outs]
 
         fn = jax.checkpoint(body, prevent_cse=p.get("prevent_cse", True), policy=p.get("policy"))
         vals = (recompute_in_backward(fn) if in_backward else fn)(*(env[v] for v in ins))
         env.update(zip(outs, vals))
 
-    def _run_unit(self, i: int, env: dict, hook, swaps, skip) -> None:
+    def _run_unit(self, i: int, env: dict, hook, swaps, skip, reads=None) -> None:
         if i in skip:
             if i in swaps:
                 _, fn, ins, outs = swaps[i]
@@ -386,7 +393,13 @@ class _Program:
                     env[vid] = hook(vid, val) if hook is not None else val
             return
         u = self.units[i]
-        for vid, val in zip(u.outs, bind_as_traced(u.eqn, [env[v] for v in u.ins])):
+        args = [env[v] for v in u.ins]
+        for pos, key, fn in (reads.get(i, ()) if reads else ()):
+            slot = ("read", u.ins[pos], key)  # not a value id: ids are ints
+            if slot not in env:
+                env[slot] = fn(args[pos])
+            args[pos] = env[slot]
+        for vid, val in zip(u.outs, bind_as_traced(u.eqn, args)):
             if vid is not None:
                 env[vid] = hook(vid, val) if hook is not None else val
 

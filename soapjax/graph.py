@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import inspect
 import json
@@ -199,7 +200,8 @@ class OpGraph:
     def evaluate(self, *flat_inputs, on_output: Callable[[Operator, int, Any], Any] | None = None,
                  replace: Mapping[str, Callable[..., Sequence[Any]]] | None = None,
                  checkpoints: Sequence[Sequence[str]] = (),
-                 keys: Callable[[Any], Any] | None = None):
+                 keys: Callable[[Any], Any] | None = None,
+                 on_input: Callable[[Operator, int, Any], Any] | None = None):
         """Runs the traced function on flat leaves, equation by equation (traceable under jit).
 
         Args:
@@ -217,6 +219,10 @@ class OpGraph:
             of the model, is evaluated as traced.
           keys: applied to every PRNG key the program makes from constants (`makes_keys`);
             operators that make keys must then not be replaced.
+          on_input: called as ``on_input(op, o, value)`` for operand `op.inputs[o]` (an
+            activation, parameter or batch leaf) of every operator not in `replace`; its
+            equations read what it returns instead of the value (apply constrains an
+            operator's operands to its config here, as `replace`'s functions do themselves).
 
         Returns:
           The function's result (a scalar loss).
@@ -231,7 +237,7 @@ class OpGraph:
             def hook(vid, val):
                 return on_output(*where[vid], val) if vid in where else val
 
-        swaps = {}
+        swaps, swaps_of = {}, set(replace or {})
         for name, fn in (replace or {}).items():
             if not self.replaceable(name):
                 raise ValueError(f"operator {name!r} cannot be replaced: its equations are "
@@ -244,7 +250,21 @@ class OpGraph:
             units = [u for name in group for u in self.program.local[name].units]
             if units and min(units) > taken:
                 spans[min(units)] = taken = max(units)
-        return self.program.run(flat_inputs, hook, swaps=swaps, checkpoints=spans, keys=keys)[0]
+        reads: dict[int, list[tuple]] = {}
+        for op in self.operators if on_input is not None else ():
+            if op.name in swaps_of:
+                continue
+            units = self.program.local[op.name].units
+            for o, x in enumerate(op.inputs):
+                if x.kind == "const":
+                    continue
+                fn = functools.partial(on_input, op, o)
+                for i in units:
+                    for pos, v in enumerate(self.program.units[i].ins):
+                        if v == x.value:
+                            reads.setdefault(i, []).append((pos, (op.name, o), fn))
+        return self.program.run(flat_inputs, hook, swaps=swaps, checkpoints=spans, keys=keys,
+                                reads=reads)[0]
 
     def makes_keys(self, name: str) -> bool:
         """Whether operator `name` makes PRNG keys from constants (reads a typed-key constant,
