@@ -6,8 +6,9 @@ The traced forward pass is re-evaluated equation by equation inside `jax.jit`
 an operator whose equations run together (`OpGraph.replaceable`: most of them) is computed by
 its own program (`soapjax._local.operator_fn`) with its operands constrained to the specs its
 config gives them too, and the operands of the others (a loss interleaved with its labels'
-preprocessing) are constrained where their equations read them. No model code changes; autodiff carries the constraints to the backward pass, and XLA's SPMD
-partitioner inserts the collectives. Parameters, optimizer state and the batch enter and leave
+preprocessing) are constrained where their equations read them. No model code changes;
+autodiff carries the constraints to the backward pass, and XLA's SPMD partitioner inserts the
+collectives. Parameters, optimizer state and the batch enter and leave
 the jitted step with the shardings that follow from the configs:
 
 * a parameter takes the operand spec of the first operator that reads it

@@ -254,15 +254,16 @@ class OpGraph:
         for op in self.operators if on_input is not None else ():
             if op.name in swaps_of:
                 continue
-            units = self.program.local[op.name].units
+            operands: dict[int, list[int]] = {}
             for o, x in enumerate(op.inputs):
-                if x.kind == "const":
-                    continue
-                fn = functools.partial(on_input, op, o)
-                for i in units:
-                    for pos, v in enumerate(self.program.units[i].ins):
-                        if v == x.value:
-                            reads.setdefault(i, []).append((pos, (op.name, o), fn))
+                if x.kind != "const":
+                    operands.setdefault(x.value, []).append(o)
+            fns = {o: functools.partial(on_input, op, o) for os in operands.values() for o in os}
+            for i in self.program.local[op.name].units:
+                for pos, v in enumerate(self.program.units[i].ins):
+                    for o in operands.get(v, ()):  # one value read as two operands: the first
+                        reads.setdefault(i, []).append((pos, (op.name, o), fns[o]))
+                        break
         return self.program.run(flat_inputs, hook, swaps=swaps, checkpoints=spans, keys=keys,
                                 reads=reads)[0]
 

@@ -330,10 +330,10 @@ class Simulation:
         changes).
 
         Rebuilds the tasks whose collectives the change touches (operator `i`'s own all-reduces
-        of statistics and partial sums, the reshardings of its input and output edges, the gathers, gradient
-        synchronisations and updates of the parameters it reads), retimes its forward and
-        backward tasks, and retimes the timeline from the first changed task on, as far as the
-        change reaches. The change stays pending until `accept` or `reject`.
+        of statistics and partial sums, the reshardings of its input and output edges, the
+        gathers, gradient synchronisations and updates of the parameters it reads), retimes its
+        forward and backward tasks, and retimes the timeline from the first changed task on, as
+        far as the change reaches. The change stays pending until `accept` or `reject`.
 
         Raises:
           PlanError: `config` does not fit operator `i` or the mesh.
