@@ -34,7 +34,8 @@ the output:
 `inner_reductions` finds them in the operator's own equations (`soapjax._program`): what each
 reduces (iteration dims), the statistic's shape and dtype and which iteration dim indexes each
 of its dims. The simulator prices one all-reduce of the statistics over the axes that split
-the reduced dims (`soapjax.simulate`).
+the reduced dims (`soapjax.simulate`). Only the operator's own equations are read, not the
+bodies of its loops (an LSTM's scan): a reduction inside a loop is not found.
 """
 
 from __future__ import annotations
@@ -109,8 +110,7 @@ def _find(graph: OpGraph, j: int) -> tuple[InnerReduction, ...]:
         if not reduced:
             continue
         kept = any(d < n_out for d in reduced)  # over a dim the output keeps
-        if not kept and (name == "dot_general" or _linear_to_output(units[k + 1:], result,
-                                                                    exports)):
+        if not kept and (name == "dot_general" or _linear_to_output(units[k + 1:], result)):
             continue  # a partial sum the output's all-reduce completes
         used = [w for w in units[k + 1:] if result in w.ins]
         differentiable = name in _DIFFERENTIABLE and any(
@@ -121,7 +121,7 @@ def _find(graph: OpGraph, j: int) -> tuple[InnerReduction, ...]:
     return tuple(out)
 
 
-def _linear_to_output(later, value: int, exports: set[int]) -> bool:
+def _linear_to_output(later, value: int) -> bool:
     """Whether every use of `value` in the equations `later` (in order) is linear in it, up to
     the operator's outputs: a sum of partial results is then the partial result of the sum."""
     depends = {value}
