@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -241,8 +240,9 @@ def _operator_programs(graph: OpGraph, strategy: Strategy, mesh: Mesh,
 def _operand_sharding(mesh: Mesh, cfg: Config, operand: Any) -> NamedSharding | None:
     """The sharding `cfg` gives `operand`, or None where a dim does not divide by its axes
     (a dim that follows an iteration dim at another extent: XLA would pad it)."""
+    shape = MeshShape.of(mesh)
     axes = cfg.operand_axes(operand.dims)
-    if any(size % math.prod(mesh.shape[a] for a in ax) for size, ax in zip(operand.shape, axes)):
+    if any(size % shape.degree(ax) for size, ax in zip(operand.shape, axes)):
         return None
     return NamedSharding(mesh, cfg.operand_spec(operand.dims))
 

@@ -254,16 +254,16 @@ class OpGraph:
         for op in self.operators if on_input is not None else ():
             if op.name in swaps_of:
                 continue
-            operands: dict[int, list[int]] = {}
+            first: dict[int, int] = {}  # value id -> its first operand (one value, two operands)
             for o, x in enumerate(op.inputs):
                 if x.kind != "const":
-                    operands.setdefault(x.value, []).append(o)
-            fns = {o: functools.partial(on_input, op, o) for os in operands.values() for o in os}
+                    first.setdefault(x.value, o)
             for i in self.program.local[op.name].units:
                 for pos, v in enumerate(self.program.units[i].ins):
-                    for o in operands.get(v, ()):  # one value read as two operands: the first
-                        reads.setdefault(i, []).append((pos, (op.name, o), fns[o]))
-                        break
+                    if v in first:
+                        o = first[v]
+                        reads.setdefault(i, []).append(
+                            (pos, (op.name, o), functools.partial(on_input, op, o)))
         return self.program.run(flat_inputs, hook, swaps=swaps, checkpoints=spans, keys=keys,
                                 reads=reads)[0]
 

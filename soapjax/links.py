@@ -470,25 +470,23 @@ def calibrate_links(topology: Topology, *, kinds: Sequence[str] = MEASURED_KINDS
     loops = {job: collective_loop(mesh, job[1], job[0], job[2]) for job in jobs}
     per_pass = dataclasses.replace(_TIMING, trials=max(1, math.ceil(_TIMING.trials / passes)))
     times: dict[tuple, list[float]] = {job: [] for job in jobs}
-    for p in range(passes):
+    wanted = set(jobs)  # every job in the first `passes` passes, then the short ones
+    for p in range(passes + short_passes):
+        if p == passes:
+            wanted = {job for job in jobs if np.median(times[job]) < SHORT_S}
         # Sizes in order, up then down: a held-back size is timed between its neighbours, in
         # the same spell of the host, and each size sits early in one pass and late in another.
         for axes, kind in groups:
             for s in (order if p % 2 == 0 else order[::-1]):
-                compiled, carry = loops[(axes, kind, s)]
-                times[(axes, kind, s)].append(time_compiled(compiled, carry(), per_pass).seconds)
-        log(f"collectives: pass {p + 1} of {passes} ({len(jobs)} timings), "
-            f"{time.perf_counter() - start:.0f} s")
-    short = {job for job in jobs if np.median(times[job]) < SHORT_S}
-    for p in range(short_passes):
-        for axes, kind in groups:
-            for s in (order[::-1] if (passes + p) % 2 else order):
-                if (axes, kind, s) in short:
+                if (axes, kind, s) in wanted:
                     compiled, carry = loops[(axes, kind, s)]
                     times[(axes, kind, s)].append(
                         time_compiled(compiled, carry(), per_pass).seconds)
-        log(f"collectives under {_seconds(SHORT_S)[1:-1]}: pass {p + 1} of {short_passes} "
-            f"({len(short)} timings), {time.perf_counter() - start:.0f} s")
+        what, n, of = (("collectives", p + 1, passes) if p < passes else
+                       (f"collectives under {_seconds(SHORT_S)[1:-1]}", p + 1 - passes,
+                        short_passes))
+        log(f"{what}: pass {n} of {of} ({len(wanted)} timings), "
+            f"{time.perf_counter() - start:.0f} s")
     fits = []
     for axes, kind in groups:
         fitted, back = ([Sample(s, float(np.median(times[(axes, kind, s)]))) for s in group]
