@@ -199,9 +199,12 @@ def quiet_gc(collect: bool = True) -> Iterator[None]:
     output), and in a process that holds many (traced graphs, compiled plans: 200,000 in
     bench_accuracy) the collections they trigger cost milliseconds. Measured: RNNLM tiny's
     steps on cpu8 took 7.0-11.0 ms with it on in such a process, 5.2-7.8 ms with it held off.
-    Restores the collector as it found it."""
+    Restores the collector as it found it. Inside another `quiet_gc` (the collector already held
+    off) it does not collect again: a full collection costs 50-100 ms in a process holding a few
+    hundred compiled programs, more than the short timings it would precede (`soapjax calibrate
+    --links` holds the collector off for each pass over its collectives)."""
     was = gc.isenabled()
-    if collect:
+    if collect and was:
         gc.collect()
     gc.disable()
     try:
@@ -272,7 +275,10 @@ def _time_compiled(compiled: Any, state: list, counts: dict[int, jax.Array],
         return Timing(_positive([t - t0 for t in ts], ts, options.statistic), _spread(ts), 1,
                       len(ts), t0)
     n = 1
-    for _ in range(10):  # grow n geometrically until a call lasts about the target
+    # A first call of 4 targets or more needs no more repetitions (warm-up does not make a call
+    # 4x longer), and growing n would cost two more such calls (a 64 MB collective: 0.1-0.8 s).
+    growing = 10 if first - t0 < 4 * options.target_trial_s else 0
+    for _ in range(growing):  # grow n geometrically until a call lasts about the target
         # The least of two calls: one disturbed call must not stop the growth early.
         work = min(call(n), call(n)) - t0
         if work >= 0.5 * options.target_trial_s or n >= options.max_reps:

@@ -11,11 +11,12 @@ on whatever is attached (`soapjax calibrate --links`):
   collective-permute) over each mesh axis (and over the whole mesh), at buffer sizes from
   256 bytes to 64 MB, timed as `soapjax._timing` times operators: many repetitions inside one
   compiled program, inside one `shard_map`, so dispatch is amortised and nothing but the
-  collective crosses devices. The median of 9 short trials is kept, not the least (a
-  rendezvous of 8 device threads on 2 cores is fast in some trials and 1.5-2x slower in
-  others, and a training step meets the typical case), taken 3 at a time in 3 passes over
-  every collective and size (a slow spell of the host holds one pass, not a whole size), and
-  in 4 more passes over those under a millisecond (the noisiest, and the cheapest to time).
+  collective crosses devices. Short trials are taken 3 at a time in passes over every
+  collective and size (a slow spell of the host holds one pass, not a whole size): 3 passes
+  over all of them, 4 more over all but the longest (64 MB, most of a pass's time). Each pass
+  keeps the median of its trials, not the least (a rendezvous of 8 device threads on 2 cores
+  is fast in some trials and 1.5-2x slower in others, and a training step meets the typical
+  case), and a size keeps the geometric mean of its passes (`across_passes`).
   Each (kind, axes) is modelled by its measured times, made non-decreasing in size, joined
   by straight lines: a piecewise
   ``latency + nbytes / bandwidth`` with a piece between each two measured sizes (XLA:CPU
@@ -61,23 +62,34 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from soapjax._timing import TimingOptions, compile_loop, kick, median_call, time_compiled, time_loop
+from soapjax._timing import (
+    TimingOptions,
+    compile_loop,
+    kick,
+    median_call,
+    quiet_gc,
+    time_compiled,
+    time_loop,
+)
 from soapjax.collectives import COLLECTIVES
 from soapjax.errors import TopologyError
 from soapjax.topology import CollectiveModel, ComputeSharing, Topology, make_mesh
 
 MEASURED_KINDS: tuple[str, ...] = tuple(k for k in COLLECTIVES if k != "point_to_point")
-# Fitted sizes (powers of 4) and held-back sizes between them (bytes of the buffer).
-# 256 B .. 64 MiB, denser from 256 KiB to 16 MiB, where XLA:CPU changes algorithm.
-FIT_SIZES: tuple[int, ...] = tuple(2**k for k in (8, 10, 12, 14, 16, 18, 19, 20, 21, 22, 23, 24,
-                                                  26))
-HELD_SIZES: tuple[int, ...] = (3 * 2**10, 48 * 2**10, 768 * 2**10, 12 * 2**20)
+# Fitted sizes and held-back sizes between them (bytes of the buffer): 256 B .. 256 KiB in powers
+# of 4, then steps of 1.5x and 1.33x to 16 MiB, where XLA:CPU changes algorithm and its caches
+# and memory run out (on cpu8: all-to-all over `model` 0.5 ms at 512 KiB, 1.9 ms at 1 MiB; over
+# the whole mesh 16 ms at 8 MiB, 54 ms at 16 MiB, 1.1 s at 64 MiB), and 64 MiB.
+FIT_SIZES: tuple[int, ...] = tuple(sorted({*(2**k for k in (8, 10, 12, 14, 16, 18, 19, 20, 21, 22,
+                                                            23, 24, 26)),
+                                           *(3 * 2**k for k in range(17, 23))}))
+HELD_SIZES: tuple[int, ...] = (3 * 2**10, 48 * 2**10, 640 * 2**10, 10 * 2**20)
 MARKER = "# --- measured by `soapjax calibrate --links`"
 # The median of many short trials: the time of a rendezvous of 8 threads on 2 cores depends on
 # how the OS schedules them, moving between a fast and a 1.5-2x slower mode from one trial to
 # the next; a step meets the typical case (`TimingOptions.statistic`).
 _TIMING = TimingOptions(target_trial_s=0.004, trials=9, statistic="median")
-SHORT_S = 1e-3  # collectives shorter than this are timed in `short_passes` more passes
+SHORT_S = 0.05  # collectives shorter than this are timed in `short_passes` more passes
 
 
 class Sample(NamedTuple):
@@ -96,6 +108,25 @@ class Fit(NamedTuple):
 
 
 # --- fitting (pure) ------------------------------------------------------------------------------
+
+
+def across_passes(seconds: Sequence[float]) -> float:
+    """One collective's time from its passes' times: their geometric mean.
+
+    Not their median: a pass lands in the rendezvous' fast or slow mode (`_TIMING`), and with
+    few passes the median jumps between the modes with the proportion of passes in each, while
+    a step of many collectives pays a mix of both. Recombined from the passes of four cpu8
+    calibrations, the held-back sizes came out 7.2-8.2% off on average and 30-69% at worst
+    with the median of 3 passes, 5.4-7.4% and 20-41% with the geometric mean (small sizes
+    timed in 9 passes: 5.3% and 17% with the median, 2.7% and 7% with the geometric mean;
+    the arithmetic mean about as well as the geometric one: docs/accuracy.md).
+
+    >>> round(across_passes([1e-5, 4e-5]) * 1e6, 3)
+    20.0
+    """
+    if not seconds or min(seconds) <= 0:
+        raise TopologyError(f"expected positive collective times, found {list(seconds)}")
+    return float(np.exp(np.mean(np.log(seconds))))
 
 
 def monotone(samples: Sequence[Sample]) -> list[Sample]:
@@ -449,15 +480,16 @@ def calibrate_links(topology: Topology, *, kinds: Sequence[str] = MEASURED_KINDS
     attached devices (a mesh of the topology, `make_mesh`), and the shared compute.
 
     Every (collective, axes, size) is timed in each of `passes` passes over all of them, 9 /
-    `passes` trials a pass, and keeps the median: a slow spell of the host (on the 2-core
-    machine, 1-10 s in which everything is 1.3-1.4x slower) then holds one pass of a size, not
-    the whole of it (4 of cpu8's collectives, 16 held-back sizes: worst error 24-32% with 3
-    passes, 38-83% with one). A pass times each collective's sizes in order (up, then down in
-    the next pass), held-back sizes among the fitted ones. Each loop is compiled once. Then
-    `short_passes` more passes time the short collectives (under `SHORT_S` so far), whose
-    rendezvous the OS's scheduling moves most and which cost least to time again: on cpu8
-    their held-back sizes (3 and 48 KB) came out 9% off on average and 46% at worst with 3
-    passes, 6% and 17% with 7.
+    `passes` trials a pass (their median), and keeps the passes' `across_passes`: a slow spell
+    of the host (on the 2-core machine, 1-10 s in which everything is 1.3-1.4x slower) then
+    holds one pass of a size, not the whole of it (4 of cpu8's collectives, 16 held-back
+    sizes: worst error 24-32% with 3 passes, 38-83% with one). A pass times each collective's
+    sizes in order (up, then down in the next pass), held-back sizes among the fitted ones,
+    with the garbage collector held off. Each loop is compiled once. Then `short_passes` more
+    passes time the collectives under `SHORT_S` so far (all but the 64 MB ones, which take
+    most of a pass's time): on cpu8 the small held-back sizes (3 and 48 KB) came out 9% off on
+    average and 46% at worst with 3 passes, 6% and 17% with 7 (their median), and all 60
+    held-back sizes 4% and 18% with the geometric mean of 7 (docs/accuracy.md).
 
     Returns:
       The fits, the compute sharing (None unless `sharing`), and the seconds it took.
@@ -473,15 +505,17 @@ def calibrate_links(topology: Topology, *, kinds: Sequence[str] = MEASURED_KINDS
     wanted = set(jobs)  # every job in the first `passes` passes, then the short ones
     for p in range(passes + short_passes):
         if p == passes:
-            wanted = {job for job in jobs if np.median(times[job]) < SHORT_S}
+            wanted = {job for job in jobs if across_passes(times[job]) < SHORT_S}
         # Sizes in order, up then down: a held-back size is timed between its neighbours, in
         # the same spell of the host, and each size sits early in one pass and late in another.
-        for axes, kind in groups:
-            for s in (order if p % 2 == 0 else order[::-1]):
-                if (axes, kind, s) in wanted:
-                    compiled, carry = loops[(axes, kind, s)]
-                    times[(axes, kind, s)].append(
-                        time_compiled(compiled, carry(), per_pass).seconds)
+        # The collector is held off for the whole pass (one collection, not one per timing).
+        with quiet_gc():
+            for axes, kind in groups:
+                for s in (order if p % 2 == 0 else order[::-1]):
+                    if (axes, kind, s) in wanted:
+                        compiled, carry = loops[(axes, kind, s)]
+                        times[(axes, kind, s)].append(
+                            time_compiled(compiled, carry(), per_pass).seconds)
         what, n, of = (("collectives", p + 1, passes) if p < passes else
                        (f"collectives under {_seconds(SHORT_S)[1:-1]}", p + 1 - passes,
                         short_passes))
@@ -489,7 +523,7 @@ def calibrate_links(topology: Topology, *, kinds: Sequence[str] = MEASURED_KINDS
             f"{time.perf_counter() - start:.0f} s")
     fits = []
     for axes, kind in groups:
-        fitted, back = ([Sample(s, float(np.median(times[(axes, kind, s)]))) for s in group]
+        fitted, back = ([Sample(s, across_passes(times[(axes, kind, s)])) for s in group]
                         for group in (sizes, held))
         fits.append(fit_samples(kind, axes, fitted, back))
         log(f"{kind} over {','.join(axes)}: " + ", ".join(

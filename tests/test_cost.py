@@ -432,15 +432,21 @@ def test_flop_counter_on_one_sample_per_device():
     assert step.total == step.forward + step.backward + step.update == 2160 + 2577 + 2176
 
 
-def test_timers_hold_the_garbage_collector_off_and_give_it_back():
+def test_timers_hold_the_garbage_collector_off_and_give_it_back(monkeypatch):
     """`quiet_gc` (every timer: a collection triggered by a step's output arrays costs
-    milliseconds in a process that holds many objects) restores the collector as it found it."""
+    milliseconds in a process that holds many objects) restores the collector as it found it,
+    and collects once, not again inside an outer `quiet_gc`."""
     import gc
 
+    collections = []
+    monkeypatch.setattr(gc, "collect", lambda *a: collections.append(a) or 0)
     assert gc.isenabled()
     with _timing.quiet_gc():
         assert not gc.isenabled()
-    assert gc.isenabled()
+        with _timing.quiet_gc():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled() and len(collections) == 1
     gc.disable()
     try:
         with _timing.quiet_gc():

@@ -40,19 +40,19 @@ def test_one_line_is_recovered_exactly():
 
 
 def test_a_change_of_algorithm_is_joined_between_the_sizes_on_either_side():
-    """Two regimes (a change of algorithm between 1 and 2 MB): each keeps its own line, and the
+    """Two regimes (a change of algorithm between 1.5 and 2 MiB): each keeps its own line, and the
     sizes between the last measured size of one and the first of the other follow the line
     joining them (nothing says where between them the change falls)."""
     small, large = line(50e-6, 5e9), line(0.0, 2e9)
     f = lambda s: small(s) if s < 2**21 else large(s)
     fit = fit_samples("all_reduce", ("model",), samples(f), samples(f, (2**12, 2**24)))
     starts = [s[0] for s in fit.model.segments]
-    assert starts == [0.0, 2**20, 2**21]
+    assert starts == [0.0, 1.5 * 2**20, 2**21]
     assert [round(s[1] * 1e6, 6) for s in fit.model.segments[::2]] == [50.0, 0.0]
     assert [round(s[2] / 1e9, 6) for s in fit.model.segments[::2]] == [5.0, 2.0]
     assert max(abs(e) for e in fit.residuals) < 1e-9
     assert [(s, round(e, 9)) for s, e in fit.held_out] == [(2**12, 0.0), (2**24, 0.0)]
-    between = 1.5 * 2**20
+    between = 1.75 * 2**20
     assert small(between) < fit.model.time(between) < large(between)
 
 
@@ -113,7 +113,7 @@ def test_written_tables_load_back_and_price_collectives(tmp_path):
         fits, ComputeSharing(2.0, 1e-5, step_overhead=1.2e-4, output_overhead=8e-6,
                              comm_overlap=0.0),
         command="soapjax calibrate --links --write"))
-    assert "# fit: 13 sizes, |error| max 0% mean 0%; held back: 4.096 KB +0%" in text
+    assert f"# fit: {len(links.FIT_SIZES)} sizes, |error| max 0% mean 0%; held back: 4.096 KB +0%" in text
     assert '  { size = "256 KiB", time = "115.5 us" },' in text  # 50 us + 256 KiB / 4 GB/s
     path = tmp_path / "quad.toml"
     path.write_text(text)
@@ -305,8 +305,8 @@ def test_a_loop_body_launches_its_kernels_once_per_trip():
 def test_calibrate_times_every_collective_in_passes_and_fits_them(monkeypatch):
     """`calibrate_links` on the 8 CPU devices, cut down to one collective and three sizes, with
     1 ms trials (the passes are what is tested here, not the figures): each (axes, size) is
-    timed once per pass, once more in a pass of the short ones (all of them here: under a
-    millisecond), and every axis set gets a fit with its held-back size predicted."""
+    timed once per pass, once more in a pass of those under `links.SHORT_S` (all of them
+    here), and every axis set gets a fit with its held-back size predicted."""
     monkeypatch.setattr(links, "_TIMING", dataclasses.replace(links._TIMING,
                                                               target_trial_s=0.001))
     lines = []
@@ -320,7 +320,7 @@ def test_calibrate_times_every_collective_in_passes_and_fits_them(monkeypatch):
     assert [ln.split(" (")[0] for ln in lines if ln.startswith("collectives:")] == [
         "collectives: pass 1 of 2", "collectives: pass 2 of 2"]
     assert [ln.split(", ")[0] for ln in lines if ln.startswith("collectives under")] == [
-        "collectives under 1 ms: pass 1 of 1 (9 timings)"]
+        "collectives under 50 ms: pass 1 of 1 (9 timings)"]
 
 
 def test_profile_plan_times_each_collective_inside_the_step():
