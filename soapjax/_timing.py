@@ -194,18 +194,22 @@ def loop_hlo(step: Callable[[Any], Any], carry: Any) -> str:
 
 @contextlib.contextmanager
 def quiet_gc(collect: bool = True) -> Iterator[None]:
-    """Python's garbage collector collected before (unless not `collect`) and held off while
-    timing, as `timeit` does: each call of a jitted step makes Python objects (an array per
-    output), and in a process that holds many (traced graphs, compiled plans: 200,000 in
-    bench_accuracy) the collections they trigger cost milliseconds. Measured: RNNLM tiny's
-    steps on cpu8 took 7.0-11.0 ms with it on in such a process, 5.2-7.8 ms with it held off.
-    Restores the collector as it found it. Inside another `quiet_gc` (the collector already held
-    off) it does not collect again: a full collection costs 50-100 ms in a process holding a few
-    hundred compiled programs, more than the short timings it would precede (`soapjax calibrate
-    --links` holds the collector off for each pass over its collectives)."""
+    """Python's garbage collector held off while timing, as `timeit` does, its young
+    generations collected first (unless not `collect`): each call of a jitted step makes Python
+    objects (an array per output), and in a process that holds many (traced graphs, compiled
+    plans: 200,000 in bench_accuracy) the collections they trigger cost milliseconds. Measured:
+    RNNLM tiny's steps on cpu8 took 7.0-11.0 ms with it on in such a process, 5.2-7.8 ms with it
+    held off. Restores the collector as it found it.
+
+    Only the young generations (0 and 1), where the garbage of the programs just compiled and
+    run sits: a full collection walks every object of the process, 56 ms in calibrate's (more
+    than a short collective's whole timing) and more in a test session's, and the collector is
+    off while timing either way. Inside another `quiet_gc` (the collector already held off) it
+    does not collect at all (`soapjax calibrate --links` holds it off for each pass over its
+    collectives)."""
     was = gc.isenabled()
     if collect and was:
-        gc.collect()
+        gc.collect(1)
     gc.disable()
     try:
         yield
