@@ -10,6 +10,7 @@ import math
 import pytest
 
 from soapjax import links
+from soapjax._timing import Timing
 from soapjax.baselines import data_parallel
 from soapjax.errors import TopologyError
 from soapjax.links import Sample, fit_collective, fit_samples
@@ -113,7 +114,8 @@ def test_written_tables_load_back_and_price_collectives(tmp_path):
         fits, ComputeSharing(2.0, 1e-5, step_overhead=1.2e-4, output_overhead=8e-6,
                              comm_overlap=0.0),
         command="soapjax calibrate --links --write"))
-    assert f"# fit: {len(links.FIT_SIZES)} sizes, |error| max 0% mean 0%; held back: 4.096 KB +0%" in text
+    sizes = len(links.FIT_SIZES)
+    assert f"# fit: {sizes} sizes, |error| max 0% mean 0%; held back: 4.096 KB +0%" in text
     assert '  { size = "256 KiB", time = "115.5 us" },' in text  # 50 us + 256 KiB / 4 GB/s
     path = tmp_path / "quad.toml"
     path.write_text(text)
@@ -321,6 +323,37 @@ def test_calibrate_times_every_collective_in_passes_and_fits_them(monkeypatch):
         "collectives: pass 1 of 2", "collectives: pass 2 of 2"]
     assert [ln.split(", ")[0] for ln in lines if ln.startswith("collectives under")] == [
         "collectives under 50 ms: pass 1 of 1 (9 timings)"]
+
+
+def test_a_size_keeps_the_geometric_mean_of_its_passes(monkeypatch):
+    """`calibrate_links` combines a size's passes with `links.across_passes`: with each timing
+    scripted (no collective compiled or run), a size timed 10 us in one pass and 40 us in the
+    other is fitted at 20 us, where the median of two would be 25 us; the short passes time
+    only the sizes under `links.SHORT_S`."""
+    timed = []
+
+    def fake_time(compiled, carry, options):
+        timed.append(compiled)
+        _, size = compiled
+        base = 1e-5 if size == 2**10 else 1.0  # 1 s: over SHORT_S, no short passes
+        return Timing(base * (1 if len(timed) % 2 else 4), 0.0, 1, 3, 0.0)
+
+    monkeypatch.setattr(links, "collective_loop",
+                        lambda mesh, kind, axes, size: ((kind, size), lambda: None))
+    monkeypatch.setattr(links, "time_compiled", fake_time)
+    fits, _, _ = links.calibrate_links(load_topology("cpu8"), kinds=("all_reduce",),
+                                       sizes=(2**10, 2**20), held=(), sharing=False, passes=2,
+                                       short_passes=1)
+    # 3 axis sets x 2 sizes x 2 passes, then the 1 KiB sizes once more
+    assert len(timed) == 3 * 2 * 2 + 3
+    # calls alternate 1x and 4x; each pass goes over the axis sets, sizes up then down
+    a, b = (1e-5 * 4e-5 * 1e-5) ** (1 / 3), (1e-5 * 4e-5 * 4e-5) ** (1 / 3)
+    assert [f.model.points[0][1] for f in fits] == pytest.approx([a, b, a])
+    assert links.across_passes([1e-5, 4e-5]) == pytest.approx(2e-5)
+    with pytest.raises(TopologyError, match="expected positive collective times"):
+        links.across_passes([1e-5, 0.0])
+    with pytest.raises(TopologyError, match="expected positive collective times"):
+        links.across_passes([])
 
 
 def test_profile_plan_times_each_collective_inside_the_step():
