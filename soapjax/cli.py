@@ -284,9 +284,9 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--links", action="store_true",
                    help="instead: time every collective XLA emits over each mesh axis of --mesh "
-                   "on the attached devices (256 B .. 64 MB, 21 sizes; short trials in 3 passes, 7 "
-                   "for those under 50 ms; about 4 minutes on cpu8), how many "
-                   "devices compute at once, whether collectives run beside compute "
+                   "on the attached devices (256 B .. 64 MB, 19 sizes and 4 held back; short "
+                   "trials in 3 passes, 7 for those under 50 ms; about 4 minutes on cpu8), how "
+                   "many devices compute at once, whether collectives run beside compute "
                    "(comm_overlap; none on XLA:CPU) and what calling a step costs (per call and "
                    "per returned array, on a step-shaped program); per axis and collective, "
                    "join the measured times with straight lines (piecewise latency + "
