@@ -237,7 +237,7 @@ class OpGraph:
             def hook(vid, val):
                 return on_output(*where[vid], val) if vid in where else val
 
-        swaps, swaps_of = {}, set(replace or {})
+        swaps = {}
         for name, fn in (replace or {}).items():
             if not self.replaceable(name):
                 raise ValueError(f"operator {name!r} cannot be replaced: its equations are "
@@ -252,7 +252,7 @@ class OpGraph:
                 spans[min(units)] = taken = max(units)
         reads: dict[int, list[tuple]] = {}
         for op in self.operators if on_input is not None else ():
-            if op.name in swaps_of:
+            if replace and op.name in replace:
                 continue
             first: dict[int, int] = {}  # value id -> its first operand (one value, two operands)
             for o, x in enumerate(op.inputs):
