@@ -382,7 +382,7 @@ class _Builder:
 
     def _operator(self, name: str, group: list[int], anchor: int, g: int) -> Operator:
         inputs, exports = self._boundary(group, anchor)
-        ls, lab, env, reduced = self._local_labels(group, inputs)
+        ls, lab, env, reduced, summed = self._local_labels(group, inputs)
         out_vid = exports[0]
         out_shape = self.p.shapes[out_vid]
         iter_of: dict[int, int] = {}  # label class -> iteration dim
@@ -396,7 +396,13 @@ class _Builder:
                 out.append(None if d in out else d)
             return tuple(out)
 
-        operands = [self._operand(v, g, dims_of(v)) for v in inputs]
+        red_iter = range(len(out_shape), len(out_shape) + len(red_dims))
+
+        def outside(v):  # the reduction dims input `v` does not flow into
+            into = {ls.lookup(x, iter_of) for x in summed[v]}
+            return tuple(k for k in red_iter if k not in into)
+
+        operands = [self._operand(v, g, dims_of(v), outside(v)) for v in inputs]
         # P is per operator (the paper's definition): splitting the dim splits a parameter
         # *this* operator reads. A pooling layer's channels are A, though a conv's are P.
         param_dims = {d for o in operands if o.kind == "param" for d in o.dims if d is not None}
@@ -448,13 +454,21 @@ class _Builder:
                     if v in self.p.literals})
         reduced: list[int] = []
         env: dict = {}
+        # Which of the group's inputs each value is computed from, and which reduced labels
+        # each input flows into (a bias added after the matmul flows into none).
+        source: dict[int, frozenset[int]] = {v: frozenset((v,)) for v in inputs}
+        summed: dict[int, set[int]] = {v: set() for v in inputs}
         for i in group:
             info = _dims.eqn_labels(ls, units[i].eqn, [lab.get(v) for v in units[i].ins], env)
             reduced += info.reduced
+            src = frozenset().union(*(source.get(v, ()) for v in units[i].ins))
+            for x in src:
+                summed[x].update(info.reduced)
             for v, lb in zip(units[i].outs, info.outs):
                 if v is not None:
                     lab[v] = lb
-        return ls, lab, env, reduced
+                    source[v] = src
+        return ls, lab, env, reduced, summed
 
     def _output_roles(self, out_vid: int, ls, lab, iter_of: dict[int, int]) -> list[Role]:
         """The primary output's dims become iteration dims 0..n-1 (a repeated one: '-')."""
@@ -479,10 +493,12 @@ class _Builder:
                                          self._reduction_role(ls, k, iter_of, inputs, lab)))
         return red_dims
 
-    def _operand(self, v: int, g: int, dims: tuple[int | None, ...]) -> Operand:
+    def _operand(self, v: int, g: int, dims: tuple[int | None, ...],
+                 outside: tuple[int, ...] = ()) -> Operand:
         kind, source, index = self._source(v, g)
         layer = self.p.slice_of[v][1] if kind == "param" and v in self.p.slice_of else ()
-        return Operand(kind, source, index, self.p.shapes[v], self.p.dtypes[v], dims, v, layer)
+        return Operand(kind, source, index, self.p.shapes[v], self.p.dtypes[v], dims, v, layer,
+                       outside)
 
     def _granularity(self, out_shape, red_dims, lab, ls, iter_of) -> tuple[int, ...]:
         sizes = list(out_shape) + [r.size for r in red_dims]

@@ -48,6 +48,10 @@ class Operand:
       layer: for one layer's slice of a stacked parameter (a scan over layers), its index
         along the stacked leading dims; `source` then ends with it (``...['kernel'][3]``),
         and `shape` is the slice's.
+      outside: the operator's reduction dims (iteration dims) its value does not flow into,
+        as a bias added after the matmul: where a config splits only such dims, the operand's
+        cotangent is whole, not a partial sum (XLA all-reduces the matmul's partial sums
+        before the add).
     """
 
     kind: OperandKind
@@ -58,6 +62,7 @@ class Operand:
     dims: tuple[int | None, ...]
     value: int
     layer: tuple[int, ...] = ()
+    outside: tuple[int, ...] = ()
 
     @property
     def leaf_path(self) -> str:

@@ -33,7 +33,9 @@ The task graph of one training iteration, operators in program order (`soapjax._
   backward (a layer norm's two sums over the split hidden dim); per input, the cotangent's way
   back: it is laid
   out as the operator's operand and is a partial sum over the mesh axes the config uses that do
-  not split that operand (a column-parallel matmul's replicated input), so it goes back by
+  not split that operand (a column-parallel matmul's replicated input), except those splitting
+  only reduction dims its value does not flow into (a bias added after a row-parallel matmul:
+  `Config.cotangent_partials`, `Operand.outside`), so it goes back by
   ``reshard(operand spec -> producer spec, partial=those axes)``. That is the transpose of the
   forward resharding (all-gather -> reduce-scatter, all-to-all -> all-to-all, ...) wherever the
   cotangent is a partial sum over the gathered axes, and a free slice where it is replicated
@@ -622,9 +624,8 @@ class Simulation:
                 backward += forward
             outs = tuple(config.operand_axes(x.dims) for x in op.outputs)
             specs = tuple(config.operand_axes(x.dims) for x in op.inputs)
-            used = config.used_axes
-            partials = tuple(tuple(a for a in self.mesh.axis_names if a in used
-                                   and not any(a in d for d in spec)) for spec in specs)
+            partials = tuple(config.cotangent_partials(x, self.mesh.axis_names)
+                             for x in op.inputs)
             sample = self._sample[j]
             activation = sum(shard_bytes(microbatch_shape(x.shape, x.dims, sample, m), s,
                                          x.dtype, self.mesh) for x, s in zip(op.outputs, outs))

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from soapjax.errors import PlanError
-from soapjax.graph import Operator, OpGraph
+from soapjax.graph import Operand, Operator, OpGraph
 from soapjax.pipeline import check_pipeline
 from soapjax.topology import Topology
 
@@ -156,6 +156,18 @@ class Config:
     def reduction_axes(self, op: Operator) -> tuple[str, ...]:
         """Mesh axes over which the output holds partial sums before the all-reduce."""
         return tuple(a for dim in self.axes[len(op.shape):] for a in dim)
+
+    def cotangent_partials(self, operand: Operand, axis_names: Sequence[str]
+                           ) -> tuple[str, ...]:
+        """Mesh axes (in `axis_names` order) over which `operand`'s cotangent is a partial sum
+        under this config: those splitting an iteration dim the operand does not have and
+        its value flows into (every output dim; a reduction dim unless `Operand.outside`, as
+        a bias added after a row-parallel matmul, whose gradient XLA sums over the batch
+        axes only)."""
+        own = {a for d in operand.dims if d is not None for a in self.axes[d]}
+        skip = {a for d in operand.outside for a in self.axes[d]}
+        used = self.used_axes
+        return tuple(a for a in axis_names if a in used and a not in own and a not in skip)
 
     def _dim_axes(self, dims: Sequence[int | None]) -> tuple[tuple[str, ...], ...]:
         return tuple(self.axes[d] if d is not None else () for d in dims)

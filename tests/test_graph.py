@@ -81,6 +81,24 @@ def test_operand_dims_follow_the_config():
     assert x.dims == (0, 2)
 
 
+def test_an_operand_added_after_the_reduction_is_outside_it():
+    """`Operand.outside`: a bias added after the matmul does not flow into its reduction over
+    the input features; a per-sample scale applied before it does, though it has no input
+    feature dim."""
+    def loss(params, batch):
+        x = batch["x"] * batch["scale"][:, None]
+        return jnp.tanh(x @ params["w"] + params["b"]).sum()
+
+    params = {"w": jnp.ones((16, 8)), "b": jnp.zeros(8)}
+    batch = {"x": jnp.ones((4, 16)), "scale": jnp.ones(4)}
+    g = trace(loss, params, batch, name="scaled")
+    [op] = g.operators  # a scalar: every iteration dim is reduced
+    assert op.iteration_sizes == (16, 4, 8)  # input features, batch, output features
+    assert {o.source: (o.dims, o.outside) for o in op.inputs} == {
+        "['x']": ((1, 0), ()), "['scale']": ((1,), ()),
+        "['w']": ((0, 2), ()), "['b']": ((2,), (0,))}
+
+
 # --- every zoo model -------------------------------------------------------------------------
 
 

@@ -13,14 +13,15 @@ import optax
 import pytest
 
 import soapjax_zoo
-from soapjax import cli
+from soapjax import apply, cli, hlo
+from soapjax._hlo_text import leaf_bytes, parse_type, type_leaves
 from soapjax.cost import OpTime, cost_model
 from soapjax.errors import PlanError
 from soapjax.graph import trace
 from soapjax.reshard import Resharder
 from soapjax.simulate import Simulation, opt_state_factor, parse_strategy, simulate
 from soapjax.space import Config, MeshShape, Strategy, configs, data_parallel
-from soapjax.topology import load_topology
+from soapjax.topology import load_topology, make_mesh
 
 PAIR = """
 name = "pair"
@@ -287,6 +288,42 @@ def test_megatron_mlp_all_reduces_activations_once_each_way():
     assert (by_name["backward fc2"].end_s <= by_name["all_reduce d(fc1 -> fc2) over model"].start_s
             and by_name["all_reduce d(fc1 -> fc2) over model"].end_s
             <= by_name["backward fc1"].start_s)
+
+
+def test_a_bias_after_a_row_parallel_matmul_is_summed_over_the_batch_axes_only():
+    """The head's bias is added after its matmul's partial sums are all-reduced: its gradient
+    is partial over `data` (the batch), not over `model` (the reduction), as its kernel's is.
+    The simulated all-reduces are exactly those of XLA's compiled step (a tuple all-reduce
+    counted per operand); they used to price the bias's over data+model."""
+    topo = load_topology("cpu8")
+    w, g = zoo("mlp")
+    head = g.operator("head")  # iteration dims: batch, classes | input features (R)
+    assert {o.source: o.outside for o in head.inputs} == {
+        "fc2": (), "['params']['head']['kernel']": (), "['params']['head']['bias']": (2,)}
+    s = Strategy((Config((("data",), (), ())),  # as Megatron's MLP above
+                  Config((("data",), ("model",), ())),
+                  Config((("data",), (), ("model",))),
+                  Config(((), ("data",)))))
+    r = simulate(g, topo, s, cost_model=cost_model(g, topo, mode="analytic"),
+                 resharder=ideal(topo))
+    syncs = dict(t.name.split(" over ") for t in r.tasks if t.kind == "grad_sync")
+    assert syncs["all_reduce grad ['params']['head']['bias']"] == "data"
+    assert syncs["all_reduce grad ['params']['head']['kernel']"] == "data"
+    simulated = sorted((tuple(t.name.split(" over ")[1].split("+")), t.nbytes)
+                       for t in r.tasks if t.name.startswith("all_reduce"))
+
+    params, batch = w.init_params(jax.random.key(0)), w.make_batch(jax.random.key(1))
+    mesh = make_mesh(topo)
+    step, sh = apply.sharded_train_step(g, s, mesh, w.optimizer, params=params, batch=batch)
+    args = (apply.device_put_global(params, sh.params),
+            apply.device_put_global(w.optimizer.init(params), sh.opt_state),
+            apply.device_put_global(batch, sh.batch))
+    compiled = []
+    for c in hlo.collectives(step.lower(*args).compile().as_text(), mesh):
+        assert c.kind == "all-reduce"
+        compiled += [(c.axes, sum(leaf_bytes(x) for x in type_leaves(parse_type(shape))))
+                     for shape in c.shapes]
+    assert sorted(compiled) == simulated
 
 
 def test_readers_of_one_value_in_one_layout_share_its_resharding():
