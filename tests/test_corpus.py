@@ -427,6 +427,11 @@ IDIOMS = {
     "dropout_nnx": {"random_bits"},
     "mixed_precision": {"convert_element_type"},
     "named_axis_bn": {"psum"},
+    "bert_encoder": {"select_n", "erfc", "tanh"},
+    "t5_encdec": {"log", "scatter", "rsqrt"},
+    "numbered_layers": {"dot_general"},
+    "llama_gqa": {"gather", "logistic", "rsqrt"},
+    "vit": {"conv_general_dilated", "concatenate", "erfc"},
 }
 
 
@@ -440,6 +445,15 @@ def test_corpus_model_uses_its_idiom(name):
     if name == "mixed_precision":
         dots = [e for e in _eqns(closed.jaxpr) if e.primitive.name == "dot_general"]
         assert dots and all(e.invars[0].aval.dtype == jnp.bfloat16 for e in dots)
+
+
+def test_numbered_layers_keep_their_numeric_names():
+    """Layers named "0".."3" (PyTorch's ModuleList naming) name their operators by the full
+    path, the number kept: ``0/ln``, not ``ln`` or ``ln_1``."""
+    names = [op.name for op in case("numbered_layers").graph.operators]
+    for layer in corpus.numbered_layers.LAYER_NAMES:
+        assert f"{layer}/ln" in names and f"{layer}/fc" in names, names
+    assert not [n for n in names if n.startswith(("ln", "fc"))], names
 
 
 def _eqns(jaxpr):

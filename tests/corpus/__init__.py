@@ -5,7 +5,10 @@ model with the idioms users reach for and soapjax must get exactly right: batch 
 custom derivatives (``jax.custom_vjp``, ``jax.custom_jvp``), scan over layers in linen and nnx
 with rematerialisation, grouped-query attention with RoPE and a sliding window, dropout driven
 by rng state (in nnx modules, and inside a recurrent cell scanned over time), bfloat16 compute
-over float32 parameters, and a named batch axis bound by ``jax.vmap``. Every one is tiny (a
+over float32 parameters, and a named batch axis bound by ``jax.vmap``; and, written the way
+HuggingFace's Flax models are, a BERT encoder, a T5 encoder-decoder, a Llama decoder and a ViT
+(padding masks as additive biases, relative position buckets, cross-attention, heads by
+``reshape`` after a Dense, a patch convolution, layers named by number). Every one is tiny (a
 few thousand parameters, batch 8), so a test traces, compiles and differentiates it in about a
 second on a CPU.
 
@@ -39,16 +42,21 @@ from typing import Any, Literal
 import jax.numpy as jnp
 
 from corpus import (
+    bert_encoder,
     dropout_nnx,
     gqa_decoder,
     linen_scan_transformer,
+    llama_gqa,
     lstm_dropout,
     mixed_precision,
     named_axis_bn,
     nnx_scan_transformer,
+    numbered_layers,
     resnet,
     safe_norm,
     ste,
+    t5_encdec,
+    vit,
 )
 
 __all__ = ["CORPUS", "Entry", "get", "names"]
@@ -110,6 +118,22 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
     Entry("named_axis_bn", "linen", named_axis_bn.make,
           "BatchNorm(axis_name='batch') in a per-example loss bound by jax.vmap(..., "
           "axis_name='batch'): a psum in the jaxpr"),
+    Entry("bert_encoder", "linen", bert_encoder.make,
+          "HF-Flax-style BERT classifier: word + learned position + token-type embeddings, "
+          "additive padding mask by lax.select of jnp.full, post-LN, layers named '0', '1'"),
+    Entry("t5_encdec", "linen", t5_encdec.make,
+          "HF-Flax-style T5: shared embedding, relative position buckets (log/where/minimum) "
+          "shared across layers, cross-attention, RMS LayerNorm, labels shifted right"),
+    Entry("numbered_layers", "linen", numbered_layers.make,
+          "a LayerNorm + Dense block applied under the names '0'..'3' (ModuleList naming), "
+          "MSE loss"),
+    Entry("llama_gqa", "linen", llama_gqa.make,
+          "HF-Flax-style Llama: 8 query over 4 kv heads by reshape after Dense, rotate-half "
+          "RoPE from a gathered sin/cos table, jnp.tril causal mask, RMSNorm, SwiGLU"),
+    Entry("vit", "linen", vit.make,
+          "HF-Flax-style ViT: nn.Conv patch embedding (kernel = stride), class token by "
+          "broadcast_to + concatenate, learned positions, pre-LN layers '0', '1'",
+          has_conv=True),
 )}
 
 
