@@ -52,7 +52,13 @@ class LabelSet:
         self.size: list[int] = []
         self._marks: dict[int, set[str]] = {}
         self.derived_from: dict[int, int] = {}
+        # A dim a reshape splits into several, `(B, T, H*D) -> (B, T, H, D)`: the split dims,
+        # major first. Splitting H by h and D by d splits H*D by h*d (`LabelSet.parts_of`).
+        self.parts: dict[int, tuple[int, ...]] = {}
+        # The reverse: dims a reshape merges into one, `(B, T, H, D) -> (B, T, H*D)`.
+        self.merged: dict[int, tuple[int, ...]] = {}
         self._root_marks: dict[int, set[str]] | None = None
+        self._root_derived: dict[int, int] | None = None
         self.weak: set[int] = set()
 
     def fresh(self, size: int, *, weak: bool = False) -> int:
@@ -90,6 +96,7 @@ class LabelSet:
         if ra != rb:
             self._parent[max(ra, rb)] = min(ra, rb)
             self._root_marks = None
+            self._root_derived = None
 
     def link(self, a: int, out: int) -> None:
         """Relates operand dim `a` to result dim `out`: one label, or, for a weak `a`, `a`
@@ -103,6 +110,43 @@ class LabelSet:
         """Records that `new` (a merged or strided dim) is split whenever `src` is."""
         if new != src and self.size[new] > 1 and self.size[src] > 1:
             self.derived_from.setdefault(new, src)
+            self._root_derived = None
+
+    def source(self, a: int) -> int | None:
+        """The label `a`'s class derives from, if any (recorded on any member of the class:
+        a later union may make another label the class's root)."""
+        if a in self.derived_from:
+            return self.derived_from[a]
+        if self._root_derived is None:
+            self._root_derived = {}
+            for new, src in self.derived_from.items():
+                self._root_derived.setdefault(self.find(new), src)
+        return self._root_derived.get(self.find(a))
+
+    def split_into(self, whole: int, parts: Sequence[int]) -> None:
+        """Records that a reshape splits dim `whole` into dims `parts` (major first)."""
+        parts = tuple(p for p in parts if self.size[p] > 1)
+        if len(parts) > 1 or (parts and parts[0] != whole):
+            self.parts.setdefault(whole, parts)
+
+    def merge_into(self, whole: int, parts: Sequence[int]) -> None:
+        """Records that a reshape merges dims `parts` (major first) into dim `whole`."""
+        parts = tuple(p for p in parts if self.size[p] > 1)
+        if len(parts) > 1:
+            self.merged.setdefault(whole, parts)
+
+    def merged_into(self, a: int) -> list[tuple[int, tuple[int, ...]]]:
+        """The ``(whole, parts)`` merges whose parts include `a`'s class."""
+        r = self.find(a)
+        return [(w, ps) for w, ps in self.merged.items() if any(self.find(p) == r for p in ps)]
+
+    def parts_of(self, a: int) -> tuple[int, ...]:
+        """The dims a reshape split `a` into, looked up on `a` and on its class's root."""
+        got = self.parts.get(a)
+        if got is None:
+            r = self.find(a)
+            got = next((p for lbl, p in self.parts.items() if self.find(lbl) == r), ())
+        return got
 
     def mark(self, a: int, what: str) -> None:
         self._marks.setdefault(a, set()).add(what)
@@ -118,8 +162,9 @@ class LabelSet:
             for lbl, ms in self._marks.items():
                 self._root_marks.setdefault(self.find(lbl), set()).update(ms)
         out = set(self._root_marks.get(self.find(a), ()))
-        if not out - {"seq"} and a in self.derived_from:
-            out |= self.marks(self.derived_from[a]) - {"seq"}
+        if not out - {"seq"} and (src := self.source(a)) is not None \
+                and self.find(src) != self.find(a):
+            out |= self.marks(src) - {"seq"}
         return out
 
     def chain(self, a: int) -> list[int]:
@@ -130,7 +175,7 @@ class LabelSet:
             if r in out:
                 return out
             out.append(r)
-            nxt = self.derived_from.get(a, self.derived_from.get(r))
+            nxt = self.source(a)
             if nxt is None:
                 return out
             a = nxt
@@ -198,6 +243,10 @@ def _reshape_map(ls: LabelSet, src: Labels, src_shape, dst_shape) -> Labels:
                 if dst_shape[k] > 1:
                     ls.derive(out[k], src[major])
                     break
+            if i - i0 == 1:  # one dim split into several (heads after a fused projection)
+                ls.split_into(src[i0], out[j0:j])
+            elif j - j0 == 1:  # several merged into one (heads back into the hidden dim)
+                ls.merge_into(out[j0], src[i0:i])
     return tuple(out)
 
 

@@ -49,7 +49,8 @@ random_fold_in random_wrap random_unwrap threefry2x32 custom_jvp_call custom_vjp
 checkpoint pjit jit closed_call optimization_barrier
 """.split())
 # Name-stack entries that are module names (not `jit(...)` or an einsum's `...qhd,...khd->...`).
-_MODULE_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
+# A name may be a number: libraries name the layers they hold in a Python list "0", "1", ...
+_MODULE_NAME = re.compile(r"[\w][\w.\-]*")
 _PARAM_LEAF_NAMES = ("value",)  # nnx.Variable's attribute in state paths
 
 
@@ -393,6 +394,10 @@ class _Builder:
             out: list[int | None] = []
             for x in lab[v]:
                 d = ls.lookup(x, iter_of)
+                if d is None and (parts := ls.parts_of(x)):
+                    # a fused projection's output dim that a reshape splits into heads and head
+                    # dims: it follows its major part (a head's block of it is contiguous)
+                    d = ls.lookup(parts[0], iter_of)
                 out.append(None if d in out else d)
             return tuple(out)
 

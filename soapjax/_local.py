@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 import jax
+import numpy as np
 from jax.extend import core as jcore
 
 from soapjax.errors import SoapjaxError
@@ -112,6 +113,13 @@ def _input_free(prog, loc: _Local) -> set[int]:
         if all(v in free for v in u.ins) and not u.eqn.effects:
             free.update(v for v in u.outs if v is not None)
     return free
+
+
+def _shape_of(x) -> tuple[int, ...]:
+    """The shape of an operand, also of a jaxpr literal: jax 0.10 binds a scalar constant
+    (``jnp.full(shape, 0.0)``'s fill value) as a `TypedFloat` or `TypedInt`, a Python number
+    subclass with no ``.shape``."""
+    return tuple(np.shape(x))
 
 
 def _crop(x, shape):
@@ -257,7 +265,7 @@ def _rewrite(eqn, name: str, params: dict, args: list, out_shapes: list) -> None
         # An operand built whole from iotas (an attention mask) broadcast into a split value:
         # device 0's part of it.
         want = tuple(out[b] for b in params["broadcast_dimensions"])
-        have = tuple(args[0].shape)
+        have = _shape_of(args[0])
         if any(h != 1 and h != w for h, w in zip(have, want)):
             args[0] = _crop(args[0], tuple(h if h == 1 else min(h, w) for h, w in zip(have, want)))
     elif name == "reshape":
@@ -268,15 +276,15 @@ def _rewrite(eqn, name: str, params: dict, args: list, out_shapes: list) -> None
     elif name in ("gather", "dynamic_slice"):
         full = params["slice_sizes"]
         operand = args[0]
-        params["slice_sizes"] = tuple(min(s, operand.shape[d]) for d, s in enumerate(full))
+        params["slice_sizes"] = tuple(min(s, _shape_of(operand)[d]) for d, s in enumerate(full))
     elif name == "slice" and params.get("strides") is None:
         # A slice of a split dim takes the same fraction of the shard (an LSTM's gates).
-        have, full = args[0].shape, eqn.invars[0].aval.shape
+        have, full = _shape_of(args[0]), eqn.invars[0].aval.shape
         starts = tuple(s * h // f for s, h, f in zip(params["start_indices"], have, full))
         params["start_indices"] = starts
         params["limit_indices"] = tuple(s + o for s, o in zip(starts, out))
     elif name == "split":
         total = sum(params["sizes"])
-        have = args[0].shape[params["axis"]]
+        have = _shape_of(args[0])[params["axis"]]
         if have != total and all(s * have % total == 0 for s in params["sizes"]):
             params["sizes"] = tuple(s * have // total for s in params["sizes"])

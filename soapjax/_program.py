@@ -9,6 +9,7 @@ parameters unrolled into layers. The graph stage groups its equations into opera
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -58,9 +59,40 @@ class _Local:
                     degrees: Sequence[int]) -> tuple[int, ...]:
         out = []
         for lbl, size in zip(labels, shape):
-            d = self.labels.lookup(lbl, self.iter_of)
-            out.append(size // degrees[d] if d is not None and size % degrees[d] == 0 else size)
+            out.append(size // self._degree(lbl, size, degrees))
         return tuple(out)
+
+    def _degree(self, lbl: int, size: int, degrees: Sequence[int]) -> int:
+        """How many ways dim `lbl` (of extent `size`) is split: its iteration dim's degree, or,
+        for a dim a reshape splits into iteration dims (a fused q projection reshaped to heads
+        and head dims), the product of theirs."""
+        degree = self._split(lbl, degrees)
+        return degree if size % degree == 0 else 1
+
+    def _split(self, lbl: int, degrees: Sequence[int], depth: int = 0) -> int:
+        d = self.labels.lookup(lbl, self.iter_of)
+        if d is not None:
+            return degrees[d]
+        parts = self.labels.parts_of(lbl)
+        if parts and depth < 4:  # a key projection split into kv heads that `repeat` merges
+            return math.prod(self._split(p, degrees, depth + 1) for p in parts)
+        return self._merged_share(lbl, degrees)
+
+    def _merged_share(self, lbl: int, degrees: Sequence[int]) -> int:
+        """A dim merged by a reshape into an iteration dim (heads into the hidden dim after
+        attention): its share of that dim's degree, the major parts split first."""
+        ls = self.labels
+        for whole, parts in ls.merged_into(lbl):
+            d = ls.lookup(whole, self.iter_of)
+            if d is None:
+                continue
+            left = degrees[d]
+            for p in parts:
+                share = math.gcd(left, ls.size[p])
+                if ls.find(p) == ls.find(lbl):
+                    return share
+                left //= share
+        return 1
 
 
 class LayerScan(NamedTuple):

@@ -17,8 +17,9 @@ from soapjax.simulate import SimResult
 from soapjax.space import Strategy, to_partition_spec
 
 # The block index of a repeated module: the first path component ending in _N with more after
-# it (`layers_3/mlp/fc1`, `layer2_0/conv1`), not a leaf's own number (`ln_1`).
-_INDEX = re.compile(r"^([^/]*?_)(\d+)(?=/)")
+# it (`layers_3/mlp/fc1`, `layer2_0/conv1`), or a bare number (`3/mlp/fc1`: list-held layers),
+# not a leaf's own number (`ln_1`).
+_INDEX = re.compile(r"^([^/]*?_|)(\d+)(?=/)")
 
 
 def byte_unit(n: float) -> tuple[str, float]:

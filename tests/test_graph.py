@@ -484,3 +484,43 @@ def test_layers_that_read_a_value_the_first_layer_builds_are_still_one_family():
     layered = [op for op in g.operators if op.name.startswith("layers_")]
     assert layered and all(op.block_position for op in layered)
     assert len(g.repeated_blocks()) == len(layered) // 2
+
+
+class _NumberedBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(16, name="fc")(nn.LayerNorm(name="ln")(x))
+
+
+class _Numbered(nn.Module):
+    names: tuple
+    embed: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        if self.embed:
+            x = nn.Dense(16, name="embed")(x)
+        for n in self.names:
+            x = _NumberedBlock(name=n)(x)
+        return x
+
+
+@pytest.mark.parametrize("names", [("0", "1"), ("layers_0", "layers_1")], ids=["0-1", "layers_0-1"])
+def test_numeric_module_names_are_kept(names):
+    """Libraries name list-held layers "0", "1": a name keeps every path component (they were
+    dropped: `ln/reduce_sum, fc/dot_general, ln/reduce_sum_1, ...`)."""
+    m, x = _Numbered(names), jnp.ones((8, 16))
+    p = m.init(jax.random.key(0), x)
+    g = trace(lambda p, b: jnp.mean(m.apply(p, b["x"]) ** 2), p, {"x": x})
+    a, b = names
+    assert [op.name for op in g.operators][:4] == [f"{a}/ln", f"{a}/fc", f"{b}/ln", f"{b}/fc"]
+
+
+def test_layers_named_by_number_are_one_family():
+    """Identical list-held layers "0".."3" are repeated blocks, as ``layers_0..3`` are."""
+    m, x = _Numbered(("0", "1", "2", "3"), embed=True), jnp.ones((8, 16))
+    p = m.init(jax.random.key(0), x)
+    g = trace(lambda p, b: jnp.mean(m.apply(p, b["x"]) ** 2), p, {"x": x})
+    pos = {op.name: op.block_position for op in g.operators}
+    assert pos["2/fc"] == "*/fc" and pos["3/ln"] == "*/ln"
+    assert sorted(len(b) for b in g.repeated_blocks()) == [4, 4]
