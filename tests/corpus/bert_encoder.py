@@ -221,14 +221,14 @@ def make(*, dtype=jnp.float32, batch_size: int = 8, seq_len: int = 8, seed: int 
     cfg = BertConfig(param_dtype=dtype, **config)
     model = BertForSequenceClassification(cfg)
     k_init, k_ids, k_len, k_seg, k_y = jax.random.split(jax.random.key(seed), 5)
-    input_ids = jax.random.randint(k_ids, (batch_size, seq_len), 1, cfg.vocab_size)
-    lengths = jax.random.randint(k_len, (batch_size, 1), 3, seq_len + 1)
+    input_ids = jax.random.randint(k_ids, (batch_size, seq_len), 1, cfg.vocab_size, jnp.int32)
+    lengths = jax.random.randint(k_len, (batch_size, 1), 3, seq_len + 1, jnp.int32)
     positions = jnp.arange(seq_len)[None, :]
     attention_mask = (positions < lengths).astype(jnp.int32)
     input_ids = input_ids * attention_mask  # pad id 0
-    split = jax.random.randint(k_seg, (batch_size, 1), 1, 3)
+    split = jax.random.randint(k_seg, (batch_size, 1), 1, 3, jnp.int32)
     token_type_ids = ((positions >= split) & (attention_mask > 0)).astype(jnp.int32)
-    labels = jax.random.randint(k_y, (batch_size,), 0, cfg.num_labels)
+    labels = jax.random.randint(k_y, (batch_size,), 0, cfg.num_labels, jnp.int32)
     batch = {"input_ids": input_ids, "attention_mask": attention_mask,
              "token_type_ids": token_type_ids, "labels": labels}
     params = init_linen(model.init, k_init, input_ids, attention_mask, token_type_ids,

@@ -187,7 +187,7 @@ def make(*, dtype=jnp.float32, batch_size: int = 8, seq_len: int = 8, seed: int 
     cfg = LlamaConfig(param_dtype=dtype, **config)
     model = LlamaForCausalLM(cfg)
     k_init, k_tok = jax.random.split(jax.random.key(seed))
-    tokens = jax.random.randint(k_tok, (batch_size, seq_len + 1), 0, cfg.vocab_size)
+    tokens = jax.random.randint(k_tok, (batch_size, seq_len + 1), 0, cfg.vocab_size, jnp.int32)
     params = init_linen(model.init, k_init, tokens[:, :-1],
                         compiler_options=compiler_options)["params"]
 

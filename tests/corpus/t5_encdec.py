@@ -327,11 +327,11 @@ def make(*, dtype=jnp.float32, batch_size: int = 8, source_len: int = 8, target_
     cfg = T5Config(param_dtype=dtype, **config)
     model = T5ForConditionalGeneration(cfg)
     k_init, k_src, k_len, k_tgt = jax.random.split(jax.random.key(seed), 4)
-    input_ids = jax.random.randint(k_src, (batch_size, source_len), 1, cfg.vocab_size)
-    lengths = jax.random.randint(k_len, (batch_size, 1), 3, source_len + 1)
+    input_ids = jax.random.randint(k_src, (batch_size, source_len), 1, cfg.vocab_size, jnp.int32)
+    lengths = jax.random.randint(k_len, (batch_size, 1), 3, source_len + 1, jnp.int32)
     attention_mask = (jnp.arange(source_len)[None, :] < lengths).astype(jnp.int32)
     input_ids = input_ids * attention_mask
-    labels = jax.random.randint(k_tgt, (batch_size, target_len), 1, cfg.vocab_size)
+    labels = jax.random.randint(k_tgt, (batch_size, target_len), 1, cfg.vocab_size, jnp.int32)
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
     def forward(params, batch):

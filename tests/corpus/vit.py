@@ -177,7 +177,7 @@ def make(*, dtype=jnp.float32, batch_size: int = 8, seed: int = 0, compiler_opti
     k_init, k_x, k_y = jax.random.split(jax.random.key(seed), 3)
     pixel_values = jax.random.normal(
         k_x, (batch_size, cfg.image_size, cfg.image_size, cfg.num_channels), dtype)
-    labels = jax.random.randint(k_y, (batch_size,), 0, cfg.num_labels)
+    labels = jax.random.randint(k_y, (batch_size,), 0, cfg.num_labels, jnp.int32)
     params = init_linen(model.init, k_init, pixel_values,
                         compiler_options=compiler_options)["params"]
 
