@@ -26,8 +26,8 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("space", "memory", "pipeline"),  # OpGraph x mesh -> configs, strategies; recompute,
     # microbatches, pipeline stages and their schedules
     ("baselines", "plan", "_strategy_file"),  # expert strategies; the Plan file; --strategy
-    ("_hlo_text", "_timing", "links", "cost", "hlo", "_reshard_ideal", "_reshard_worker",
-     "reshard"),  # prices
+    ("_hlo_text", "_timing", "links", "devicefit", "cost", "hlo", "_reshard_ideal",
+     "_reshard_worker", "reshard"),  # prices
     ("_taskgraph", "_simresult", "simulate", "pipesim"),  # strategy -> timeline
     ("search",),  # MCMC -> best plan
     ("_validation", "_shardings", "_pipelined", "apply"),  # plan -> sharded, jitted step

@@ -1,0 +1,646 @@
+"""The GPU kit (issue 31, item 6): the attached device's kernels measured, its efficiency table
+fitted, and one-device training steps of zoo models timed against the simulator.
+
+    cd repo && PYTHONPATH=. python3 scripts/gpu_kit.py --out $OUT/kit   # ~5-7 min on an H100
+    python scripts/gpu_kit.py --quick --out /tmp/kit                     # tiny, on CPU (the test)
+
+In order:
+
+1. A header: jax version, backend, device kind and count; what one jitted call of almost
+   nothing costs (dispatch and launch), and one iteration of the timing loop.
+2. Kernels on the default device (`soapjax.devicefit`, each timed in one compiled loop):
+   GEMMs in bfloat16 and float32 (float16 and float32 at ``highest`` precision for a few)
+   over square and Transformer-like shapes, streaming ``x * a + b`` from 64 MiB to 1 GiB,
+   a softmax and a layer norm, and causal attention (``jax.nn.dot_product_attention``, XLA's
+   and cuDNN's) forward and forward+backward: achieved TFLOP/s or GB/s and the fraction of the
+   datasheet figure (the topology of the device kind: ``meshes/dgx-h100x8.toml`` cut to one
+   device for an H100; an H200 gets that file's device with the H200's memory).
+3. The fitted ``[device.efficiency]`` table (`soapjax.devicefit.fit_efficiency`), as TOML.
+4. One-device training steps (forward, backward, the zoo's AdamW update; jitted, parameters
+   donated, the median of up to 10 calls after two warm-up calls) of GPT-2 small (float32),
+   a 0.9B LLaMA (bfloat16) and GPT 1.3B (float16), against the simulator's unsharded step on
+   the one-device topology with analytic costs: at the datasheet peaks, and with the fitted
+   table. Also the model's FLOPs per second and its utilisation of the bfloat16 peak (MFU;
+   FLOPs: three times the operators' forward FLOPs, as the analytic model counts them).
+5. ``OUT/results.json`` (everything), ``OUT/efficiency.toml`` and ``OUT/accuracy-section.md``
+   (a section for docs/accuracy.md); ``--write-docs`` appends that section to the doc.
+
+Every measurement runs in a subprocess with a deadline (``--budget-s``, default 420 s: no new
+kernel or model starts past it, and a subprocess that outlives it by 45 s is killed), so a
+kernel or compile that hangs costs its own result, not the kit's; the first process only
+traces and simulates, on the CPU, and never holds the GPU's memory. A kernel or model that
+fails is reported and the kit goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+import traceback
+from pathlib import Path
+from typing import Any, NamedTuple
+
+ROOT = Path(__file__).resolve().parent.parent
+CHILD_ENV = dict(os.environ)  # as given: the measuring subprocesses see the accelerator
+WORKER = "--worker" in sys.argv
+if WORKER:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+else:
+    os.environ["JAX_PLATFORMS"] = "cpu"  # this process only traces and simulates
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+
+import soapjax_zoo as zoo  # noqa: E402
+from soapjax import devicefit  # noqa: E402
+from soapjax._timing import TimingOptions, quiet_gc  # noqa: E402
+from soapjax._topology_file import Efficiency  # noqa: E402
+from soapjax.cost import cost_model, local_topology  # noqa: E402
+from soapjax.graph import trace  # noqa: E402
+from soapjax.simulate import opt_state_factor, simulate  # noqa: E402
+from soapjax.space import MeshShape, Strategy, configs  # noqa: E402
+from soapjax.topology import Topology, scaled_topology  # noqa: E402
+from soapjax_zoo import gpt, gpt2, llama  # noqa: E402
+
+GRACE_S = 45.0  # past the budget, a subprocess still running is killed
+STEP_CALLS = 10
+
+
+def say(msg: str) -> None:
+    print(f"[gpu_kit {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --- what is measured ---------------------------------------------------------------------------
+
+SQUARE = (1024, 2048, 4096, 8192, 16384)
+TRANSFORMER = (
+    (8192, 2304, 768), (8192, 3072, 768), (8192, 768, 3072),  # GPT-2 small, 8 x 1024 tokens
+    (4096, 6144, 2048), (4096, 8192, 2048), (4096, 2048, 8192),  # GPT 1.3B, 2 x 2048 tokens
+    (16384, 4096, 4096), (512, 16384, 4096), (8192, 32000, 2048),  # many tokens; few; a vocab
+)
+ATTENTION = ((8, 1024, 12, 64), (4, 2048, 16, 128), (2, 4096, 32, 128))
+
+
+def kernel_plan(quick: bool, gpu: bool) -> list[devicefit.Kernel]:
+    """The kernels to time, most wanted first (the budget may cut the tail)."""
+    d = devicefit
+    if quick:
+        return [d.gemm(64, 64, 64, "bfloat16"), d.gemm(128, 256, 128, "bfloat16"),
+                d.gemm(128, 128, 128, "float32"), d.streaming(2**18, "float32"),
+                d.streaming(2**20, "float32"), d.softmax(128, 256, "float32"),
+                d.attention(2, 32, 2, 16, "float32", implementation="xla", backward=True)]
+    shapes = [(s, s, s) for s in SQUARE] + list(TRANSFORMER)
+    f32_first = [(4096, 4096, 4096), (8192, 8192, 8192), *TRANSFORMER[:3]]
+    impls = ("xla", "cudnn") if gpu else ("xla",)
+    return [
+        *(d.gemm(*s, "bfloat16") for s in shapes),
+        *(d.streaming(nbytes // size, dtype) for dtype, size in (("float32", 4), ("bfloat16", 2))
+          for nbytes in (2**26, 2**28, 2**30)),
+        d.softmax(32768, 4096, "bfloat16"), d.layer_norm(32768, 4096, "bfloat16"),
+        *(d.gemm(*s, "float32") for s in f32_first),
+        *(d.attention(*a, "bfloat16", implementation=i, backward=b)
+          for a in ATTENTION for i in impls for b in (False, True)),
+        *(d.gemm(*s, "float32") for s in shapes if s not in f32_first),
+        *(d.gemm(*s, "float16") for s in [(4096,) * 3, (8192,) * 3, *TRANSFORMER[3:5]]),
+        *(d.gemm(s, s, s, "float32", precision="highest") for s in (4096, 8192)),
+    ]
+
+
+class ModelSpec(NamedTuple):
+    """A zoo model at a size for one device: a registry config, or one derived from `base`."""
+
+    name: str
+    config: str
+    batch_size: int | None = None
+    base: str | None = None
+    overrides: tuple[tuple[str, Any], ...] = ()
+
+
+_BUILDERS = {"gpt2": (gpt2.GPT2_CONFIGS, gpt2.build_gpt2), "gpt": (gpt.GPT_CONFIGS, gpt.build_gpt),
+             "llama": (llama.LLAMA_CONFIGS, llama.build_llama)}
+KIT_MODELS = {
+    "gpt2": ModelSpec("gpt2", "default", 8),  # GPT-2 small, float32, 8 x 1024 tokens
+    # 0.9B parameters: LLaMA 2's layer at half width, 16 layers, grouped-query attention.
+    "llama-1b": ModelSpec("llama", "1b", 4, "7b", (
+        ("d_model", 2048), ("num_heads", 16), ("num_kv_heads", 8), ("num_layers", 16),
+        ("mlp_hidden", 5632), ("seq_len", 1024))),
+    "gpt-1.3b": ModelSpec("gpt", "1.3b", 2),  # float16 over float32, 2 x 2048 tokens
+    "gpt2-tiny": ModelSpec("gpt2", "tiny"),
+    "llama-tiny": ModelSpec("llama", "tiny"),
+    "gpt-tiny": ModelSpec("gpt", "tiny"),
+}
+DEFAULT_MODELS = ("gpt2", "llama-1b", "gpt-1.3b")
+QUICK_MODELS = ("gpt2-tiny", "llama-tiny")
+
+
+def model_spec(text: str) -> ModelSpec:
+    """A `KIT_MODELS` key, or ``name:config[:batch]`` of the zoo."""
+    if text in KIT_MODELS:
+        return KIT_MODELS[text]
+    name, config, *batch = text.split(":")
+    return ModelSpec(name, config, int(batch[0]) if batch else None)
+
+
+def workload(spec: ModelSpec):
+    if spec.base is None:
+        return zoo.get(spec.name, spec.config, batch_size=spec.batch_size)
+    table, build = _BUILDERS[spec.name]
+    cfg = dataclasses.replace(table[spec.base], **dict(spec.overrides))
+    if spec.batch_size is not None:
+        cfg = dataclasses.replace(cfg, batch_size=spec.batch_size)
+    return build(spec.name, spec.config, cfg, "linen")
+
+
+# --- the measuring subprocesses ------------------------------------------------------------------
+
+
+class Parts:
+    """A JSON-lines file a subprocess appends to, so what it measured outlives it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def emit(self, record: str, /, **data: Any) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"type": record, **data}) + "\n")
+
+    def read(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        out = []
+        for line in self.path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # a line cut short by a kill
+                pass
+        return out
+
+
+def device_header() -> dict:
+    import jaxlib
+
+    dev = jax.devices()[0]
+    stats = getattr(dev, "memory_stats", lambda: None)() or {}
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "backend": jax.default_backend(),
+            "platform": dev.platform, "device_kind": dev.device_kind,
+            "device_count": jax.device_count(), "memory_limit_bytes": stats.get("bytes_limit"),
+            "python": platform.python_version(), "host": platform.node()}
+
+
+def kernels_worker(args: argparse.Namespace, parts: Parts) -> None:
+    header = device_header()
+    parts.emit("header", **header)
+    say(f"device: {header['device_kind']} x{header['device_count']} ({header['backend']}), "
+        f"jax {header['jax']}")
+    options = (TimingOptions(target_trial_s=0.002, trials=3) if args.quick
+               else TimingOptions(target_trial_s=0.02, trials=5))
+    launch, floor = devicefit.launch_overhead(), devicefit.loop_floor(options)
+    parts.emit("overhead", launch_s=launch, loop_floor_s=floor)
+    say(f"one jitted call: {launch * 1e6:.1f} us; one timing-loop iteration: {floor * 1e6:.2f} us")
+    plan = kernel_plan(args.quick, header["platform"] != "cpu")
+    for i, kernel in enumerate(plan):
+        if time.time() > args.deadline:
+            parts.emit("skipped", names=[k.name for k in plan[i:]], why="budget")
+            say(f"budget spent: {len(plan) - i} kernels left out")
+            break
+        try:
+            t = devicefit.measure(kernel, options)
+        except Exception as e:  # one kernel's failure (a missing cuDNN, memory) is a result
+            parts.emit("error", name=kernel.name, error=_error(e))
+            say(f"kernel {i + 1}/{len(plan)} {kernel.name}: FAILED {_error(e)}")
+            continue
+        parts.emit("kernel", **t._asdict())
+        rate = (f"{t.flop_rate / 1e12:.1f} TFLOP/s" if t.kind in ("gemm", "attention")
+                else f"{t.byte_rate / 1e9:.0f} GB/s")
+        say(f"kernel {i + 1}/{len(plan)} {kernel.name}: {t.seconds * 1e3:.3f} ms, {rate}")
+
+
+def step_worker(args: argparse.Namespace, parts: Parts) -> None:
+    spec = ModelSpec(*json.loads(args.model))
+    spec = spec._replace(overrides=tuple(tuple(o) for o in spec.overrides))
+    w = workload(spec)
+    params = jax.jit(w.init_params)(jax.random.key(0))
+    opt_state = jax.jit(w.optimizer.init)(params)
+    batch = w.make_batch(jax.random.key(1))
+    t0 = time.perf_counter()
+    compiled = jax.jit(w.train_step(), donate_argnums=(0, 1)).lower(
+        params, opt_state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    say(f"{spec.name} {spec.config}: compiled in {compile_s:.1f} s")
+    for _ in range(2):  # warm-up
+        params, opt_state, loss = compiled(params, opt_state, batch)
+    jax.block_until_ready((params, opt_state, loss))
+    times: list[float] = []
+    with quiet_gc():
+        while len(times) < args.steps and (len(times) < 3 or time.time() < args.deadline):
+            t0 = time.perf_counter()
+            params, opt_state, loss = compiled(params, opt_state, batch)
+            jax.block_until_ready((params, opt_state, loss))
+            times.append(time.perf_counter() - t0)
+    stats = getattr(jax.devices()[0], "memory_stats", lambda: None)() or {}
+    parts.emit("step", median_s=statistics.median(times), min_s=min(times), max_s=max(times),
+               calls=len(times), compile_s=compile_s, loss=float(loss),
+               xla_flops=_xla_flops(compiled), peak_bytes=stats.get("peak_bytes_in_use"))
+    say(f"{spec.name} {spec.config}: median {statistics.median(times) * 1e3:.2f} ms over "
+        f"{len(times)} calls")
+
+
+def _xla_flops(compiled: Any) -> float | None:
+    try:
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        return float(cost["flops"])
+    except Exception:  # cost analysis is optional on some backends
+        return None
+
+
+def _error(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip()
+    return text if len(text) < 600 else text[:600] + " ..."
+
+
+def run_worker(what: list[str], parts: Parts, *, deadline: float, hard_end: float,
+               quick: bool) -> str | None:
+    """Runs ``gpu_kit.py --worker ...`` until it ends or `hard_end`; None, or why it failed."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", *what,
+           "--deadline", repr(deadline), "--parts", str(parts.path)]
+    if quick:
+        cmd.append("--quick")
+    env = dict(CHILD_ENV, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), CHILD_ENV.get("PYTHONPATH"))
+                                          if p))
+    timeout = max(5.0, hard_end - time.time())
+    try:
+        rc = subprocess.run(cmd, env=env, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        return f"killed after {timeout:.0f} s (the budget's end)"
+    return None if rc == 0 else f"exit status {rc}"
+
+
+# --- the simulator's side ------------------------------------------------------------------------
+
+
+def device_topology(kind: str, platform_name: str) -> tuple[Topology, str]:
+    """A one-device topology of the measured device kind, and where its figures come from."""
+    if platform_name == "cpu":
+        return scaled_topology(local_topology(), 1), ("the CPU's rough figures of "
+                                                      "meshes/cpu8.toml, one device")
+    h100 = scaled_topology("dgx-h100x8", 1)
+    if "h200" in kind.lower():
+        device = dataclasses.replace(h100.device, kind="H200 SXM 141GB",
+                                     memory_bytes=141 * 10**9, memory_bandwidth=4.8e12)
+        return (dataclasses.replace(h100, name="h200-1", device=device),
+                "no shipped H200 topology: the H100 SXM device of meshes/dgx-h100x8.toml with "
+                "the H200 datasheet's memory (141 GB at 4.8 TB/s); the same compute peaks")
+    if "h100" in kind.lower() and "pcie" not in kind.lower():
+        return h100, "meshes/dgx-h100x8.toml (H100 SXM5) cut to one device"
+    return h100, (f"no shipped topology for {kind!r}: the H100 SXM5 figures of "
+                  "meshes/dgx-h100x8.toml, so fractions are of an H100's peaks")
+
+
+class Predicted(NamedTuple):
+    operators: int
+    model_flops: float
+    datasheet_s: float
+    fitted_s: float | None
+    peak_bytes: int
+    fits: bool
+
+
+def predict(spec: ModelSpec, topo: Topology, fitted: Efficiency | None) -> Predicted:
+    """The simulated unsharded step at the datasheet peaks and with the fitted table."""
+    w = workload(spec)
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    mesh = MeshShape.of(topo)
+    strategy = Strategy(tuple(configs(op, mesh)[0] for op in g.operators))  # replicated
+    factor = opt_state_factor(w.optimizer, w.abstract_params())
+    times, peak, fits = {}, 0, True
+    for key, eff in (("datasheet", Efficiency()), ("fitted", fitted)):
+        if eff is None:
+            continue
+        t = devicefit.with_efficiency(topo, eff)
+        r = simulate(g, t, strategy, cost_model=cost_model(g, t, mode="analytic",
+                                                           optimizer=w.optimizer),
+                     opt_state_factor=factor)
+        times[key], peak, fits = r.step_time_s, max(r.peak_memory_bytes), r.fits_in_memory
+    return Predicted(len(g.operators), 3 * sum(op.flops for op in g.operators),
+                     times["datasheet"], times.get("fitted"), peak, fits)
+
+
+def _run_step(spec: ModelSpec, out: Path, *, deadline: float, hard_end: float,
+              args: argparse.Namespace) -> tuple[list[dict], str]:
+    """The step subprocess's measurements, and why it failed (``""`` if it did not)."""
+    parts = Parts(out / f"step-{spec.name}-{spec.config}.jsonl")
+    parts.path.unlink(missing_ok=True)
+    failed = run_worker(["step", "--model", json.dumps(spec), "--steps", str(args.steps)], parts,
+                        deadline=deadline, hard_end=hard_end, quick=args.quick)
+    records = parts.read()
+    why = [r["error"] for r in records if r["type"] == "error"] + ([failed] if failed else [])
+    return [r for r in records if r["type"] == "step"], "; ".join(why)
+
+
+def step_row(spec: ModelSpec, topo: Topology, fitted: Efficiency | None, out: Path, *,
+             deadline: float, hard_end: float, args: argparse.Namespace) -> dict:
+    """One model: predicted (shrinking the batch until it fits), measured, compared."""
+    pred = predict(spec, topo, fitted)
+    while not pred.fits and workload(spec).batch_size > 1:
+        spec = spec._replace(batch_size=workload(spec).batch_size // 2)
+        say(f"{spec.name} {spec.config}: predicted not to fit; batch {spec.batch_size}")
+        pred = predict(spec, topo, fitted)
+    w = workload(spec)
+    row: dict[str, Any] = {"model": spec.name, "config": spec.config,
+                           "batch_size": w.batch_size, "description": w.description,
+                           "operators": pred.operators, "model_flops": pred.model_flops,
+                           "predicted_datasheet_s": pred.datasheet_s,
+                           "predicted_fitted_s": pred.fitted_s,
+                           "predicted_peak_bytes": pred.peak_bytes}
+    say(f"{spec.name} {spec.config} (batch {w.batch_size}): predicted "
+        f"{pred.datasheet_s * 1e3:.2f} ms at the datasheet peaks"
+        + (f", {pred.fitted_s * 1e3:.2f} ms with the fitted table" if pred.fitted_s else ""))
+    measured, failed = _run_step(spec, out, deadline=deadline, hard_end=hard_end, args=args)
+    if not measured and "memory" in failed.lower() and w.batch_size > 1 and (
+            deadline - time.time() > 30):
+        spec = spec._replace(batch_size=w.batch_size // 2)
+        say(f"{spec.name} {spec.config}: out of memory; again at batch {spec.batch_size}")
+        return step_row(spec, topo, fitted, out, deadline=deadline, hard_end=hard_end, args=args)
+    if not measured:
+        row["error"] = failed
+        return row
+    m = measured[-1]
+    peak = topo.device.peak_flops_for("bfloat16")
+    row.update({k: v for k, v in m.items() if k != "type"})
+    row["measured_s"] = m["median_s"]
+    row["error_datasheet"] = pred.datasheet_s / m["median_s"] - 1
+    if pred.fitted_s is not None:
+        row["error_fitted"] = pred.fitted_s / m["median_s"] - 1
+    row["model_flop_rate"] = pred.model_flops / m["median_s"]
+    row["mfu_bfloat16"] = row["model_flop_rate"] / peak
+    return row
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:+.0f}%"
+
+
+def render(results: dict) -> str:
+    """The markdown section for docs/accuracy.md."""
+    h, meta = results.get("device") or {}, results["meta"]
+    peaks = results["topology"]
+    lines = [f"## GPU kit: {h.get('device_kind', 'no device')}, {meta['date']}", "",
+             f"Made by `{meta['command']}` in {meta['elapsed_s']:.0f} s (budget "
+             f"{meta['budget_s']:.0f} s) at {meta.get('git', '?')}: jax {h.get('jax', '?')} "
+             f"({h.get('backend', '?')}), {h.get('device_count', '?')} device(s). Datasheet "
+             f"figures: {peaks['source']} ({peaks['bfloat16_tflops']:.4g} TFLOP/s bfloat16, "
+             f"{peaks['float32_tflops']:.4g} float32, {peaks['memory_GBps']:.4g} GB/s)."]
+    if results.get("overhead"):
+        o = results["overhead"]
+        lines += ["", f"One jitted call of a one-element add, waited for: {_ms(o['launch_s'])}; "
+                  f"one iteration of the timing loop (`soapjax._timing`): "
+                  f"{_ms(o['loop_floor_s'])}. Kernels are timed inside that loop, dispatch "
+                  "amortised; those under 10 iterations' worth are left out of the fit."]
+    lines += _kernel_tables(results["kernels"])
+    if results.get("efficiency"):
+        e = results["efficiency"]
+        lines += ["", f"The fitted table ({e['rule']}):", "", "```toml", e["toml"].rstrip(), "```"]
+    lines += _step_table(results["steps"])
+    notes = list(results["notes"]) + [f"{e['name']}: {e['error']}" for e in results["errors"]]
+    if results["skipped"]:
+        notes.append(f"left out for the budget: {', '.join(results['skipped'])}")
+    if notes:
+        lines += ["", *(f"- {n}" for n in notes)]
+    return "\n".join(lines) + "\n"
+
+
+def _kernel_tables(kernels: list[dict]) -> list[str]:
+    def tflops(t: dict) -> str:
+        return f"{t['flops'] / t['seconds'] / 1e12:.4g}"
+
+    lines = []
+    gemms = [t for t in kernels if t["kind"] == "gemm"]
+    if gemms:
+        lines += ["", "| GEMM (m x n x k) | dtype | time | TFLOP/s | of peak |",
+                  "|---|---|---:|---:|---:|"]
+        lines += [f"| {'x'.join(map(str, t['shape']))} | {t['dtype']} {t['variant']} | "
+                  f"{_ms(t['seconds'])} | {tflops(t)} | {t['fraction']:.2f} |" for t in gemms]
+    mem = [t for t in kernels if t["kind"] in ("stream", "reduce")]
+    if mem:
+        lines += ["", "| memory-bound kernel | time | GB/s | of bandwidth |",
+                  "|---|---:|---:|---:|"]
+        lines += [f"| {t['name']} | {_ms(t['seconds'])} | "
+                  f"{t['nbytes'] / t['seconds'] / 1e9:.0f} | {t['fraction']:.2f} |" for t in mem]
+    att = [t for t in kernels if t["kind"] == "attention"]
+    if att:
+        lines += ["", "| attention (causal; FLOPs: the causal half, a backward twice its forward) "
+                  "| time | TFLOP/s | of peak |", "|---|---:|---:|---:|"]
+        lines += [f"| {t['name']} | {_ms(t['seconds'])} | {tflops(t)} | {t['fraction']:.2f} |"
+                  for t in att]
+    return lines
+
+
+def _step_table(steps: list[dict]) -> list[str]:
+    if not steps:
+        return []
+    lines = ["", "One-device training steps (the median of the calls after two warm-up calls) "
+             "against the simulator's unsharded step, analytic costs:", "",
+             "| model | batch | measured | predicted (datasheet) | error | predicted (fitted) "
+             "| error | model TFLOP/s | MFU (bf16) | compile |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in steps:
+        head = f"| {s['model']} {s['config']} | {s.get('batch_size', '-')} |"
+        if "measured_s" not in s:
+            lines.append(f"{head} failed: {s.get('error', '?')[:120]} | "
+                         f"{_ms(s.get('predicted_datasheet_s'))} | - | "
+                         f"{_ms(s.get('predicted_fitted_s'))} | - | - | - | - |")
+            continue
+        lines.append(f"{head} {_ms(s['measured_s'])} | {_ms(s['predicted_datasheet_s'])} | "
+                     f"{_pct(s['error_datasheet'])} | {_ms(s.get('predicted_fitted_s'))} | "
+                     f"{_pct(s.get('error_fitted'))} | {s['model_flop_rate'] / 1e12:.3g} | "
+                     f"{s['mfu_bfloat16'] * 100:.0f}% | {s['compile_s']:.0f} s |")
+    return lines
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+
+def _git() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                              capture_output=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def measure_kernels(results: dict, out: Path, args: argparse.Namespace, start: float) -> None:
+    parts = Parts(out / "kernels.jsonl")
+    parts.path.unlink(missing_ok=True)
+    deadline = start + args.kernel_share * args.budget_s
+    say(f"kernels (until +{deadline - start:.0f} s)")
+    failed = run_worker(["kernels"], parts, deadline=deadline, quick=args.quick,
+                        hard_end=min(deadline + GRACE_S, start + args.budget_s + GRACE_S))
+    for r in parts.read():
+        kind = r.pop("type")
+        if kind == "header":
+            results["device"] = r
+        elif kind == "overhead":
+            results["overhead"] = r
+        elif kind == "kernel":
+            results["kernels"].append(r)
+        elif kind == "error":
+            results["errors"].append(r)
+        elif kind == "skipped":
+            results["skipped"] += r["names"]
+    if failed:
+        results["errors"].append({"name": "kernels", "error": failed})
+
+
+def fit(results: dict, topo: Topology, args: argparse.Namespace) -> Efficiency | None:
+    timings = [devicefit.KernelTiming(**{**t, "shape": tuple(t["shape"])})
+               for t in results["kernels"]]
+    device = topo.device
+    for t, row in zip(timings, results["kernels"]):
+        if t.kind in ("gemm", "attention"):
+            row["fraction"] = t.flop_rate / device.peak_flops_for(t.dtype)
+        else:
+            row["fraction"] = t.byte_rate / device.memory_bandwidth
+    if not any(t.kind in ("gemm", "stream") for t in timings):
+        results["notes"].append("no GEMM or streaming kernel was measured: no table fitted")
+        return None
+    floor = (results.get("overhead") or {}).get("loop_floor_s", 0.0)
+    f = devicefit.fit_efficiency(timings, device, floor_s=floor)
+    h = results.get("device") or {}
+    rule = ("per dtype, the median fraction of the datasheet peak over the larger half (by "
+            "FLOPs) of the default-precision GEMMs; the memory bandwidth, the median over the "
+            "larger half (by bytes) of the x*a+b kernels")
+    comment = "\n".join([f"measured by scripts/gpu_kit.py on {h.get('device_kind', '?')}, jax "
+                         f"{h.get('jax', '?')}, {results['meta']['date']}",
+                         *textwrap.wrap(rule, 94)])
+    text = devicefit.format_efficiency(f, comment=comment)
+    results["efficiency"] = {"peak_flops": dict(f.efficiency.peak_flops),
+                             "memory_bandwidth": f.efficiency.memory_bandwidth,
+                             "raw": {"peak_flops": f.flops, "memory_bandwidth": f.memory},
+                             "notes": list(f.notes), "rule": rule, "toml": text}
+    (Path(args.out) / "efficiency.toml").write_text(text)
+    say("fitted:\n" + text)
+    return f.efficiency
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="gpu_kit_out", help="output folder (default gpu_kit_out/)")
+    p.add_argument("--quick", action="store_true", help="tiny shapes and tiny models (CPU test)")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="no kernel or model starts past this many seconds (default 420)")
+    p.add_argument("--kernel-share", type=float, default=0.45,
+                   help="the budget's share for kernels (default 0.45)")
+    p.add_argument("--models", nargs="*", default=None,
+                   help=f"{', '.join(KIT_MODELS)} or zoo name:config[:batch] "
+                        f"(default {' '.join(DEFAULT_MODELS)}; --quick: {' '.join(QUICK_MODELS)})")
+    p.add_argument("--steps", type=int, default=None, help="timed calls per model (default 10)")
+    p.add_argument("--write-docs", action="store_true", help="append the section to "
+                   "docs/accuracy.md")
+    p.add_argument("--worker", choices=("kernels", "step"), help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--parts", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.steps = args.steps or (3 if args.quick else STEP_CALLS)
+    if args.worker:
+        parts = Parts(Path(args.parts))
+        try:
+            (kernels_worker if args.worker == "kernels" else step_worker)(args, parts)
+        except Exception as e:  # said in the parts file, for the report
+            parts.emit("error", name=args.worker, error=_error(e))
+            raise
+        return {}
+    return run(args)
+
+
+def measure_steps(results: dict, topo: Topology, fitted: Efficiency | None, out: Path,
+                  args: argparse.Namespace, start: float) -> None:
+    """Each model's step, measured and predicted, sharing what is left of the budget."""
+    names = args.models if args.models is not None else (
+        QUICK_MODELS if args.quick else DEFAULT_MODELS)
+    hard_end = start + args.budget_s + GRACE_S
+    for i, name in enumerate(names):
+        now = time.time()
+        share = (start + args.budget_s - now) / (len(names) - i)
+        if share < (5 if args.quick else 30):
+            results["skipped"].append(f"model {name}")
+            say(f"budget spent: model {name} left out")
+            continue
+        say(f"model {i + 1}/{len(names)}: {name} (until +{now + share - start:.0f} s)")
+        try:
+            row = step_row(model_spec(name), topo, fitted, out, deadline=now + share,
+                           hard_end=hard_end, args=args)
+        except Exception as e:
+            traceback.print_exc()
+            row = {"model": name, "config": "", "error": _error(e)}
+        results["steps"].append(row)
+        say(f"{name}: " + (f"measured {_ms(row['measured_s'])}, error "
+                           f"{_pct(row['error_datasheet'])} (datasheet), "
+                           f"{_pct(row.get('error_fitted'))} (fitted)"
+                           if "measured_s" in row else f"FAILED {row.get('error')}"))
+
+
+def run(args: argparse.Namespace) -> dict:
+    start = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python3 scripts/gpu_kit.py " + " ".join(sys.argv[1:])
+    results: dict[str, Any] = {
+        "meta": {"date": datetime.date.today().isoformat(), "command": command.strip(),
+                 "budget_s": args.budget_s, "quick": args.quick, "git": _git(),
+                 "planner_jax": jax.__version__},
+        "device": None, "overhead": None, "topology": None, "kernels": [], "errors": [],
+        "skipped": [], "efficiency": None, "steps": [], "notes": []}
+    say(f"planning with jax {jax.__version__} on {jax.default_backend()}; budget "
+        f"{args.budget_s:.0f} s; out {out}")
+    measure_kernels(results, out, args, start)
+    h = results["device"] or {}
+    if not h:
+        results["notes"].append("the kernel subprocess wrote no header: the device is unknown; "
+                                "the H100 SXM5 figures stand in")
+    topo, source = device_topology(h.get("device_kind", ""), h.get("platform", "gpu"))
+    dev = topo.device
+    results["topology"] = {"name": topo.name, "device": dev.kind, "source": source,
+                           "bfloat16_tflops": dev.peak_flops_for("bfloat16") / 1e12,
+                           "float32_tflops": dev.peak_flops_for("float32") / 1e12,
+                           "memory_GBps": dev.memory_bandwidth / 1e9}
+    fitted = None
+    try:
+        fitted = fit(results, topo, args)
+    except Exception as e:
+        results["errors"].append({"name": "fit", "error": _error(e)})
+        traceback.print_exc()
+    measure_steps(results, topo, fitted, out, args, start)
+    results["meta"]["elapsed_s"] = time.time() - start
+    section = render(results)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (out / "accuracy-section.md").write_text(section)
+    if args.write_docs:
+        with (ROOT / "docs" / "accuracy.md").open("a") as f:
+            f.write("\n" + section)
+    say(f"done in {time.time() - start:.0f} s: {out / 'results.json'}, "
+        f"{out / 'accuracy-section.md'}")
+    print(section, flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()

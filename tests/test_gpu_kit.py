@@ -1,0 +1,116 @@
+"""scripts/gpu_kit.py, the GPU kit: run with --quick on the CPU, its numbers checked for sense.
+
+On a GPU (``-m gpu``) the same quick run checks that the device is the GPU and that its bfloat16
+GEMMs reach a plausible share of the datasheet peak.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from soapjax._topology_file import Efficiency
+from soapjax.topology import load_topology
+
+ROOT = Path(__file__).resolve().parent.parent
+KIT = ROOT / "scripts" / "gpu_kit.py"
+SECTIONS = ("meta", "device", "overhead", "topology", "kernels", "errors", "skipped",
+            "efficiency", "steps", "notes")
+
+
+def run_kit(out: Path, env: dict[str, str]) -> dict:
+    cmd = [sys.executable, str(KIT), "--quick", "--models", "gpt2-tiny", "--budget-s", "120",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("kit")
+    return run_kit(out, dict(os.environ, JAX_PLATFORMS="cpu")), out
+
+
+def test_every_section_is_there_and_nothing_failed(kit):
+    results, out = kit
+    assert all(k in results for k in SECTIONS), sorted(results)
+    assert results["errors"] == [] and results["skipped"] == []
+    assert results["device"]["platform"] == "cpu" and results["device"]["device_count"] >= 1
+    assert results["device"]["jax"] == results["meta"]["planner_jax"]
+    assert 0 < results["overhead"]["launch_s"] < 0.1
+    assert 0 < results["overhead"]["loop_floor_s"] < 0.01
+
+
+def test_kernels_are_timed_with_positive_rates(kit):
+    kernels = kit[0]["kernels"]
+    assert {k["kind"] for k in kernels} == {"gemm", "stream", "reduce", "attention"}
+    for k in kernels:
+        assert k["seconds"] > 0 and k["fraction"] > 0, k
+        assert k["flops"] > 0 and k["nbytes"] > 0, k
+    gemm = next(k for k in kernels if k["kind"] == "gemm")
+    m, n, kk = gemm["shape"]
+    assert gemm["flops"] == 2 * m * n * kk
+
+
+def test_the_fitted_table_loads_as_a_topology_files_device_efficiency(kit, tmp_path):
+    results, out = kit
+    eff = results["efficiency"]
+    text = (out / "efficiency.toml").read_text()
+    assert text == eff["toml"] and "[device.efficiency]" in text
+    table = tomllib.loads(text)["device"]["efficiency"]
+    assert set(table["peak_flops"]) == {"bfloat16", "float32"}
+    assert table["peak_flops"] == eff["peak_flops"]
+    assert all(0 < f <= 1 for f in [*table["peak_flops"].values(), table["memory_bandwidth"]])
+    # Pasted into a topology file, the project's parser reads the same table.
+    base = (ROOT / "meshes" / "dgx-h100x8.toml").read_text()
+    (tmp_path / "fitted.toml").write_text(base + "\n" + text)
+    device = load_topology(tmp_path / "fitted.toml").device
+    assert device.efficiency == Efficiency(tuple(eff["peak_flops"].items()),
+                                           eff["memory_bandwidth"])
+
+
+def test_the_step_is_measured_and_predicted(kit):
+    (step,) = kit[0]["steps"]
+    assert (step["model"], step["config"], step["batch_size"]) == ("gpt2", "tiny", 8)
+    assert step["calls"] == 3 and 0 < step["min_s"] <= step["measured_s"] <= step["max_s"]
+    assert step["predicted_datasheet_s"] > 0 and step["predicted_fitted_s"] > 0
+    assert step["error_datasheet"] == pytest.approx(
+        step["predicted_datasheet_s"] / step["measured_s"] - 1)
+    assert step["model_flops"] > 0 and step["mfu_bfloat16"] > 0
+    assert math.isfinite(step["loss"]) and step["compile_s"] > 0
+
+
+def test_the_markdown_section_has_every_table(kit):
+    text = (kit[1] / "accuracy-section.md").read_text()
+    assert text.startswith("## GPU kit: cpu, ")
+    for heading in ("| GEMM (m x n x k) |", "| memory-bound kernel |", "| attention (causal",
+                    "[device.efficiency]", "| gpt2 tiny | 8 |"):
+        assert heading in text, heading
+
+
+def _has_gpu() -> bool:
+    if shutil.which("nvidia-smi") is None:
+        return False
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    return probe.stdout.strip() == "gpu"
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_kit_measures_the_gpu(tmp_path):
+    if not _has_gpu():
+        pytest.skip("no GPU")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    results = run_kit(tmp_path, env)
+    assert results["device"]["platform"] == "gpu" and results["errors"] == []
+    assert 0 < results["efficiency"]["peak_flops"]["bfloat16"] <= 1
