@@ -84,7 +84,7 @@ def _read_strategy_file(path: str) -> dict[str, Any]:
     """The JSON object in file `path`; PlanError naming the baselines when there is no file."""
     try:
         with open(path) as f:
-            data = json.load(f)
+            data = json.load(f, object_pairs_hook=plan_mod.unique_keys)
     except OSError as e:
         near = difflib.get_close_matches(path, baselines.NAMES, n=1)
         hint = f"; did you mean {near[0]!r}?" if near else ""

@@ -7,6 +7,11 @@ device), where the costs came from (measured or analytic), and how it was search
 seed, baselines). `Plan.strategy(graph)` turns it back into a `Strategy` for that graph, and
 refuses a plan made for another model or topology with a message saying which and how.
 
+Configs bind to operators by name, never by position: a file's entries may come in any order,
+and a renamed, extra or missing operator (with the nearest names), ``"topology": {"axes"}``
+other than the topology's mesh, or a ``spec`` other than the one its ``axes`` give is a
+`PlanError` (an edited file must not apply one operator's config to another).
+
 Each operator's entry also records its dims' roles (``"SAP|P"``: sample, attribute and parameter
 output dims, then a reduction dim against a parameter; see `soapjax.graph`) and its output
 `PartitionSpec`, so a plan file can be read, tabulated (`Plan._repr_html_` in a notebook) and
@@ -30,6 +35,7 @@ Example file (abridged)::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import tempfile
@@ -51,6 +57,16 @@ VERSION = 1
 def spec_text(spec: PartitionSpec) -> str:
     """A `PartitionSpec` as short text: ``P('data', None)``."""
     return "P(" + ", ".join(repr(p) for p in spec) + ")"
+
+
+def _axes_text(mesh: MeshShape) -> str:
+    """``{data: 2, model: 4}``: a mesh's axes as a plan file writes them, for messages."""
+    return "{" + ", ".join(f"{a}: {n}" for a, n in zip(mesh.axis_names, mesh.axis_sizes)) + "}"
+
+
+def _names_text(names: list[str], n: int = 6) -> str:
+    shown = ", ".join(map(repr, names[:n]))
+    return shown + (f", ... ({len(names) - n} more)" if len(names) > n else "")
 
 
 def _pipeline(data: dict) -> tuple[int, int, str]:
@@ -195,7 +211,13 @@ class Plan:
         return self.configs[k][1].describe_roles(tuple(out) + ("R",) * len(red), len(out))
 
     def validate_for(self, graph: OpGraph, topology: Topology | None = None) -> None:
-        """Raises PlanError unless this plan was made for `graph` (and `topology`)."""
+        """Raises PlanError unless this plan was made for `graph` (and `topology`).
+
+        The configs bind to operators by name: every operator of `graph` needs one, and every
+        name in the plan must be an operator of `graph` (an edited file that renames, adds or
+        drops one is refused, whatever the order of its entries). With `topology`, the plan's
+        mesh axes (``"topology": {"axes": ...}`` in the file) must be the topology's.
+        """
         if graph.fingerprint() != self.graph_fingerprint:
             names = [op.name for op in graph.operators]
             mine = [n for n, _ in self.configs]
@@ -210,18 +232,52 @@ class Plan:
                 f"fingerprint {self.graph_fingerprint}), but the function traces to "
                 f"{graph.name!r} ({len(graph.operators)} operators, fingerprint "
                 f"{graph.fingerprint()}){detail}; make a new plan with `soapjax plan`")
-        if topology is not None and topology.fingerprint() != self.topology_fingerprint:
+        self._check_names(graph)
+        if topology is None:
+            return
+        if topology.fingerprint() != self.topology_fingerprint:
             raise PlanError(
                 f"this plan was made for topology {self.topology!r} (fingerprint "
-                f"{self.topology_fingerprint}, mesh {dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))}), "
-                f"not {topology.name!r} (fingerprint {topology.fingerprint()}, mesh "
-                f"{dict(zip(topology.axis_names, topology.axis_sizes))})")
+                f"{self.topology_fingerprint}, mesh {_axes_text(self.mesh)}), not "
+                f"{topology.name!r} (fingerprint {topology.fingerprint()}, mesh "
+                f"{_axes_text(MeshShape.of(topology))})")
+        if MeshShape.of(topology) != self.mesh:
+            raise PlanError(
+                f"the plan's mesh axes {_axes_text(self.mesh)} differ from those of its "
+                f"topology {topology.name!r}, {_axes_text(MeshShape.of(topology))} (was "
+                "\"topology\": {\"axes\": ...} edited?); a plan's configs are for the mesh it "
+                "was searched on: restore the axes, or make a new plan with `soapjax plan "
+                "--mesh` on a topology file with the axes you want")
+
+    def _check_names(self, graph: OpGraph) -> None:
+        """PlanError unless the plan's operator names are exactly `graph`'s (any order)."""
+        known = [op.name for op in graph.operators]
+        mine = [n for n, _ in self.configs]
+        for name in mine:
+            if name not in known:
+                near = difflib.get_close_matches(name, [n for n in known if n not in mine], n=3)
+                hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
+                raise PlanError(f"the plan has a config for operator {name!r}, which model "
+                                f"{graph.name!r} does not have{hint} (expected one config per "
+                                f"operator, by name: {_names_text(known)})")
+        missing = [n for n in known if n not in mine]
+        if missing:
+            raise PlanError(f"the plan has no config for {len(missing)} operator(s) of model "
+                            f"{graph.name!r}: {_names_text(missing)}; expected one config per "
+                            "operator, by name: restore the entries, or make a new plan")
 
     def strategy(self, graph: OpGraph, topology: Topology | None = None) -> Strategy:
-        """The plan's strategy for `graph`, after checking the plan was made for it."""
+        """The plan's strategy for `graph`, after checking the plan was made for it.
+
+        Each config goes to the operator of its name, whatever the order of the file.
+        """
         self.validate_for(graph, topology)
-        return Strategy(tuple(c for _, c in self.configs), self.zero_axes, self.microbatches,
-                        self.recompute, *self.pipeline)
+        at = {name: k for k, (name, _) in enumerate(self.configs)}
+        order = [at[op.name] for op in graph.operators]
+        return Strategy(tuple(self.configs[k][1] for k in order), self.zero_axes,
+                        self.microbatches,
+                        tuple(self.recompute[k] for k in order) if self.recompute else (),
+                        *self.pipeline)
 
     # --- JSON ------------------------------------------------------------------------------
 
@@ -278,6 +334,8 @@ class Plan:
                 if bad:
                     raise PlanError(f"{where}: operator {name!r} uses mesh axes {sorted(bad)} "
                                     f"not in the plan's mesh {list(mesh.axis_names)}")
+            if roles:
+                _check_specs(data["operators"], configs, roles, where)
             return cls(
                 model=m["name"], model_config=m.get("config", ""),
                 graph_fingerprint=m["fingerprint"], num_operators=int(m["num_operators"]),
@@ -299,23 +357,104 @@ class Plan:
             raise PlanError(f"{where}: malformed plan: {type(e).__name__}: {e}") from e
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Writes the plan atomically (a temp file, then a rename)."""
+        """Writes the plan atomically (a temp file, then a rename).
+
+        Raises:
+          PlanError: `path` is a directory, or cannot be written (the message names `path`,
+            never the temp file).
+        """
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.to_json(), f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
+        check_plan_path(path)
+        tmp = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_json(), f, indent=1)
+                f.write("\n")
+            os.replace(tmp, path)
+        except OSError as e:
+            raise PlanError(f"cannot write the plan to {path}: {e.strerror or e}; expected a "
+                            "file path in a directory you can write to") from None
+        finally:  # an error or Ctrl-C leaves no temp file behind
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
         return path
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
+        """Reads a plan file (`save`).
+
+        Raises:
+          PlanError: no such file, a directory, an unreadable or non-JSON file, a key twice in
+            one object, or a malformed plan (`from_json`).
+        """
         path = Path(path)
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
         except FileNotFoundError:
-            raise PlanError(f"no plan file at {path}") from None
+            raise PlanError(f"no plan file at {path}; expected the JSON file `soapjax plan` "
+                            "wrote (--out)") from None
+        except IsADirectoryError:
+            raise PlanError(f"{path} is a directory; expected a plan file (the JSON file "
+                            "`soapjax plan` wrote), e.g. plans/NAME.json") from None
+        except OSError as e:
+            raise PlanError(f"cannot read plan file {path}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise PlanError(f"{path}: not a plan file (byte {e.start} is not UTF-8 text); "
+                            "expected the JSON file `soapjax plan` wrote") from None
         except json.JSONDecodeError as e:
             raise PlanError(f"{path}: not valid JSON ({e})") from e
+        except PlanError as e:
+            raise PlanError(f"{path}: {e}") from None
         return cls.from_json(data, where=str(path))
+
+
+def check_plan_path(path: str | os.PathLike) -> None:
+    """PlanError unless a plan can be written to `path` as far as can be told without writing:
+    not a directory, and its nearest existing folder a writable directory (what `Plan.save`
+    checks first, and the command line before it searches)."""
+    path = Path(path)
+    if path.is_dir():
+        raise PlanError(f"cannot write the plan to {path}: it is a directory; expected a "
+                        f"file path, e.g. {path / 'plan.json'}")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        what = "not a directory" if not folder.is_dir() else "not writable"
+        raise PlanError(f"cannot write the plan to {path}: {folder} is {what}; expected a "
+                        "file path in a directory you can write to")
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A ``json.load`` ``object_pairs_hook``: the object as a dict; PlanError for a key given
+    twice (JSON would keep the last silently, and a plan's operator twice is a mistake)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise PlanError(f"key {twice!r} appears twice in one JSON object; expected each "
+                        "operator (and every key) once: delete one of them")
+    return out
+
+
+def _spec_key(text: str) -> str:
+    """A spec's text without the spelling that does not matter: spaces, quote marks."""
+    return "".join(text.split()).replace('"', "'")
+
+
+def _check_specs(operators: Mapping[str, Any], configs, roles, where: str) -> None:
+    """PlanError for an operator whose ``spec`` is not the `PartitionSpec` its ``axes`` give
+    (the spec is written for people to read; the axes are what a plan applies)."""
+    for (name, config), role in zip(configs, roles):
+        written = operators[name].get("spec")
+        if written is None:
+            continue
+        n_out = len(str(role).split("|")[0])
+        implied = spec_text(to_partition_spec(config.axes[:n_out]))
+        if not isinstance(written, str) or _spec_key(written) != _spec_key(implied):
+            raise PlanError(f"{where}: operator {name!r} has spec {written!r}, but its axes "
+                            f"{[list(a) for a in config.axes]} give {implied!r}; the axes are "
+                            "what the plan applies and the spec is derived from them: edit "
+                            f"\"axes\" (and the spec to match), or delete \"spec\"")

@@ -1,6 +1,7 @@
 """Fuzzing what soapjax reads from disk: plan files, topology files, cache entries.
 
-Deterministic (seeded) truncations, mistyped values and dropped keys of real files. A plan or
+Deterministic (seeded) truncations, mistyped values and dropped keys of real files, and plan
+files with operators renamed, reordered, added or dropped (configs bind by name). A plan or
 topology file either still reads, or fails with the SoapjaxError of its kind (on the command
 line: exit status 2 and a message); never another exception. A corrupt cache entry is a miss,
 with a warning, and never an exception. Runs in a few seconds.
@@ -208,3 +209,59 @@ def test_plan_cache_entries(mlp, tmp_path, capsys):
             pass  # a changed key is a miss, not a corrupt file
         elif got is None:
             assert "soapjax: warning: ignoring the unreadable cached plan" in err, (what, err)
+
+
+def edited_operators(data: dict, rng: random.Random, n: int):
+    """(kind, plan JSON) with the operators renamed, reordered, added or dropped at random."""
+    for k in range(n):
+        kind = ("reorder", "rename", "extra", "missing")[k % 4]
+        edited = copy.deepcopy(data)
+        items = list(edited["operators"].items())
+        i = rng.randrange(len(items))
+        name, entry = items[i]
+        if kind == "reorder":
+            rng.shuffle(items)
+        elif kind == "rename":
+            j = rng.randrange(len(name))
+            items[i] = (name[:j] + rng.choice("xyz_/0") + name[j + 1:], entry)
+        elif kind == "extra":
+            items.insert(rng.randrange(len(items) + 1), (name + rng.choice(["_2", "x", "/b"]),
+                                                         copy.deepcopy(entry)))
+        else:
+            del items[i]
+        edited["operators"] = dict(items)
+        yield kind, edited
+
+
+def test_plan_files_bind_configs_by_operator_name(mlp, tmp_path, capsys):
+    """Configs go to operators by name: any order reads as the same strategy; a renamed, extra
+    or missing operator is a PlanError (exit status 2 on the command line), never a config
+    applied to another operator."""
+    _, graph = mlp
+    topo = load_topology("cpu8")
+    mesh = space.MeshShape.of(topo)
+    configs = list(space.data_parallel(graph, mesh).configs)
+    configs[0] = space.Config((("data",), ("model",), ()))  # fc1 unlike the others
+    strategy = space.Strategy(tuple(configs), recompute=("selective", "none", "none", "full"))
+    data = Plan.make(graph, topo, strategy, model_config="tiny").to_json()
+    rng = random.Random(5)
+    path = tmp_path / "plan.json"
+    seen = {"reorder": 0, "rename": 0, "extra": 0, "missing": 0}
+    for k, (kind, edited) in enumerate(edited_operators(data, rng, 80)):
+        path.write_text(json.dumps(edited))
+        renamed_to_itself = kind == "rename" and set(edited["operators"]) == set(
+            data["operators"])
+        if kind == "reorder" or renamed_to_itself:
+            assert parse_strategy(graph, topo, str(path)) == strategy, kind
+        else:
+            with pytest.raises(PlanError, match="the plan has (a config for operator|no config for)"):
+                parse_strategy(graph, topo, str(path))
+            seen[kind] += 1
+        if k % 10 == 0:
+            code = cli.main(["simulate", "--model", "mlp", "--size", "tiny", "--costs",
+                             "analytic", "--json", "--strategy", str(path)])
+            err = capsys.readouterr().err
+            assert code == (0 if kind == "reorder" or renamed_to_itself else 2), (kind, err)
+            assert code == 0 or (err.startswith("soapjax simulate: error: ")
+                                 and err.count("\n") == 1), err
+    assert min(seen[k] for k in ("rename", "extra", "missing")) >= 15, seen

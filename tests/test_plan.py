@@ -143,3 +143,80 @@ def test_bad_memory_fields(graph, topo):
     data["operators"][graph.operators[0].name]["recompute"] = "some"
     with pytest.raises(PlanError, match=r"recompute\[0\] is 'some'"):
         Plan.from_json(data)
+
+
+# --- configs bind to operators by name ----------------------------------------------------------
+
+
+def _megatron_plan(graph, topo) -> Plan:
+    mesh = space.MeshShape.of(topo)
+    n = len(graph.operators)
+    strategy = megatron_like(graph, mesh)
+    policies = tuple(("selective", "none")[k % 2] for k in range(n))
+    return Plan.make(graph, topo, space.Strategy(strategy.configs, recompute=policies))
+
+
+def test_configs_bind_by_name_not_position(graph, topo):
+    plan = _megatron_plan(graph, topo)
+    data = plan.to_json()
+    data["operators"] = dict(reversed(data["operators"].items()))  # an edited file's order
+    again = Plan.from_json(data)
+    assert [n for n, _ in again.configs] == [op.name for op in reversed(graph.operators)]
+    assert again.strategy(graph, topo) == plan.strategy(graph, topo)
+    assert again.strategy(graph, topo).recompute == plan.recompute
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["operators"].update(fc1x=d["operators"].pop("fc1")),
+     r"config for operator 'fc1x', which model 'mlp' does not have; did you mean 'fc1'\?"),
+    (lambda d: d["operators"].update(extra=dict(d["operators"]["fc2"])),
+     (r"config for operator 'extra', which model 'mlp' does not have \(expected one config per "
+      r"operator, by name: 'fc1', 'fc2', 'head', 'mlp'\)")),
+    (lambda d: d["operators"].pop("head"),
+     r"no config for 1 operator\(s\) of model 'mlp': 'head'; expected one config per operator"),
+    (lambda d: d["topology"].update(axes={"data": 4, "model": 2}),
+     (r"mesh axes \{data: 4, model: 2\} differ from those of its topology 'cpu8', "
+      r"\{data: 2, model: 4\}.*make a new plan")),
+], ids=["renamed", "extra", "missing", "mesh-axes"])
+def test_edited_operators_and_mesh_are_refused(graph, topo, edit, message):
+    data = _megatron_plan(graph, topo).to_json()
+    edit(data)
+    with pytest.raises(PlanError, match=message):
+        Plan.from_json(data).strategy(graph, topo)
+
+
+def test_a_spec_that_disagrees_with_the_axes_is_refused(graph, topo):
+    data = _megatron_plan(graph, topo).to_json()
+    assert data["operators"]["fc1"]["spec"] == "P('data', 'model')"
+    data["operators"]["fc1"]["spec"] = 'P( "data" , "model")'  # spelling does not matter
+    Plan.from_json(data)
+    data["operators"]["fc1"]["spec"] = "P('model', None)"
+    with pytest.raises(PlanError, match=r"plan: operator 'fc1' has spec \"P\('model', None\)\", "
+                       r"but its axes \[\['data'\], \['model'\], \[\]\] give \"P\('data', "
+                       r"'model'\)\".*edit \"axes\""):
+        Plan.from_json(data)
+
+
+def test_an_operator_twice_in_the_file_is_refused(graph, topo, tmp_path):
+    text = json.dumps(_megatron_plan(graph, topo).to_json())
+    entry = json.dumps({"axes": [[], [], []]})
+    path = tmp_path / "twice.json"
+    path.write_text(text.replace('"operators": {', f'"operators": {{"fc2": {entry}, ', 1))
+    with pytest.raises(PlanError, match=f"{path}: key 'fc2' appears twice in one JSON object"):
+        Plan.load(path)
+
+
+def test_load_and_save_name_the_path_not_a_temp_file(graph, topo, tmp_path):
+    plan = _megatron_plan(graph, topo)
+    with pytest.raises(PlanError, match=f"{tmp_path} is a directory; expected a plan file"):
+        Plan.load(tmp_path)
+    with pytest.raises(PlanError, match=f"cannot write the plan to {tmp_path}: it is a "
+                       "directory; expected a file path"):
+        plan.save(tmp_path)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(PlanError, match=f"cannot write the plan to {tmp_path}/file/p.json: "):
+        plan.save(tmp_path / "file" / "p.json")
+    (tmp_path / "latin1.json").write_bytes(b'{"format": "\xff"}')
+    with pytest.raises(PlanError, match=r"latin1.json: not a plan file \(byte 12 is not UTF-8"):
+        Plan.load(tmp_path / "latin1.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "latin1.json"]
