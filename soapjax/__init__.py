@@ -14,6 +14,7 @@ function re-exported here under its module's name would hide the module.
 """
 
 from soapjax.errors import (
+    ArgumentError as ArgumentError,
     MissingDependencyError as MissingDependencyError,
     PlanError as PlanError,
     SoapjaxError as SoapjaxError,
@@ -41,6 +42,7 @@ from soapjax import report as _report  # noqa: E402, F401
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentError",
     "Config",
     "MeshShape",
     "MissingDependencyError",

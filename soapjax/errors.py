@@ -37,3 +37,9 @@ class WorkloadError(SoapjaxError, ValueError):
 
 class SettingsError(SoapjaxError, ValueError):
     """A setting out of its range: a negative search budget, an unknown simulation mode."""
+
+
+class ArgumentError(SoapjaxError, TypeError):
+    """A public function got an argument of the wrong kind: a topology's name where a
+    `Topology` is expected, a dict where `SearchSettings` are, ``"adam"`` where an optax
+    optimizer is; the message names the argument and how to make the right one."""

@@ -70,6 +70,7 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
+from soapjax._arguments import check_optimizer, check_settings
 from soapjax._cache import cache_root
 from soapjax.apply import (
     PartitionedStep,
@@ -163,14 +164,25 @@ def initialize_distributed(*, auto: bool = False, timeout_s: int = 300) -> bool:
 
 
 class CountingStep:
-    """A `PartitionedStep` that passes its own call count as the step number."""
+    """A `PartitionedStep` that passes its own call count as the step number.
 
-    def __init__(self, step: PartitionedStep):
+    Given the traced `graph`, a call whose batch is not the traced one (a key missing or
+    extra, another leaf's shape) raises PlanError naming the leaf, instead of jit's pytree
+    error; checked only when the call fails, so a step costs nothing more.
+    """
+
+    def __init__(self, step: PartitionedStep, graph: OpGraph | None = None):
         self.partitioned = step
+        self.graph = graph
         self.count = 0
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> Any:
-        out = self.partitioned(params, opt_state, batch, np.int32(self.count))
+        try:
+            out = self.partitioned(params, opt_state, batch, np.int32(self.count))
+        except (ValueError, TypeError):
+            if self.graph is not None:
+                check_batch(self.graph, batch, "run.step")
+            raise
         self.count += 1
         return out
 
@@ -221,6 +233,7 @@ class ShardedTraining:
         run, this process's rows of it (dim 0 of size global / `jax.process_count()`, in
         process order), as a per-host data loader yields them.
         """
+        check_batch(self.graph, batch, "shard_batch")
         leaves, treedef = jax.tree.flatten(batch)
         shardings = jax.tree.leaves(self.shardings.batch)
         out = []
@@ -272,6 +285,8 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
         no topology for a raw mesh.
       TopologyError: the topology needs devices that are not attached.
     """
+    check_optimizer(optimizer, "shard_training")
+    check_settings(search, SearchSettings, "shard_training", name="search")
     loss_fn, params, name = _pure_loss(loss_fn, params, name)
     mesh, topology = _resolve_mesh(mesh)
     mesh_shape = MeshShape.of(topology) if topology is not None else None
@@ -290,8 +305,30 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
             opt = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(placed)
         else:
             opt = device_put_global(opt_state, shardings.opt_state)
-    return ShardedTraining(CountingStep(step), placed, opt, shardings, graph, strategy, mesh,
-                           plan)
+    return ShardedTraining(CountingStep(step, graph), placed, opt, shardings, graph, strategy,
+                           mesh, plan)
+
+
+def check_batch(graph: OpGraph, batch: Any, where: str) -> None:
+    """PlanError unless `batch` has the leaves (pytree paths) the graph was traced with, each
+    of its shape but for dim 0 (a process's rows of it); the message names the first leaf
+    missing, extra or of another shape."""
+    flat = jax.tree_util.tree_flatten_with_path(batch)[0]
+    found = {jax.tree_util.keystr(path): np.shape(x) for path, x in flat}
+    traced = {leaf.path: leaf.shape for leaf in graph.batch}
+    missing = [p for p in traced if p not in found]
+    extra = [p for p in found if p not in traced]
+    if missing or extra:
+        what = (f"has no leaf {', '.join(missing)}" if missing else
+                f"has leaf {', '.join(extra)}, which the step was not traced with")
+        raise PlanError(f"{where}: the batch {what} (traced with {', '.join(traced)}; found "
+                        f"{', '.join(found) or 'none'}); expected a batch of the example "
+                        "batch's structure")
+    for path, shape in traced.items():
+        if found[path][1:] != shape[1:] or len(found[path]) != len(shape):
+            raise PlanError(f"{where}: batch leaf {path} has shape {found[path]}, but the step "
+                            f"was traced with {shape}; expected that shape (dim 0 may be one "
+                            "process's rows)")
 
 
 def _pure_loss(loss_fn, params, name):

@@ -23,8 +23,8 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("errors", "_cache", "_dtypes", "collectives"),  # no soapjax imports: shared leaves
     ("_dims", "_ir", "_program", "_grouping", "graph", "_local", "_inner"),  # jaxpr -> OpGraph
     ("_topology_file", "_routing", "topology"),  # meshes/*.toml -> Topology
-    ("space", "memory", "pipeline"),  # OpGraph x mesh -> configs, strategies; recompute,
-    # microbatches, pipeline stages and their schedules
+    ("space", "memory", "pipeline", "_arguments"),  # OpGraph x mesh -> configs, strategies;
+    # recompute, microbatches, pipeline stages and their schedules; the planners' argument checks
     ("baselines", "plan", "_strategy_file"),  # expert strategies; the Plan file; --strategy
     ("_hlo_text", "_timing", "links", "devicefit", "cost", "hlo", "_reshard_ideal",
      "_reshard_worker", "reshard"),  # prices

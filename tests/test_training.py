@@ -6,15 +6,15 @@ with analytic costs and a proposal budget, so the searches are reproducible and 
 
 import json
 
+import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-import jax
 import soapjax_zoo as zoo
 from soapjax import SearchSettings, find_plan, training
 from soapjax.baselines import baselines
-from soapjax.errors import PlanError
+from soapjax.errors import ArgumentError, PlanError
 from soapjax.graph import trace
 from soapjax.topology import load_topology
 
@@ -185,3 +185,42 @@ def test_each_step_draws_fresh_dropout_masks(name, random):
         assert len(set(losses)) == 3, losses
     else:
         assert losses[0] == losses[1] == losses[2]
+
+
+# --- arguments and batches of the wrong kind: one line that says what to pass -------------------
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"optimizer": "adam"}, (r"shard_training: expected optimizer to be an optax "
+                             r"GradientTransformation \(with init and update\), found str "
+                             r"'adam'; pass e\.g\. optax\.adam\(learning_rate\)")),
+    ({"search": {"budget_s": 1}}, (r"shard_training: expected search to be a SearchSettings "
+                                   r"or None, found dict \{'budget_s': 1\}; pass "
+                                   r"search=SearchSettings\(budget_s=1\)")),
+], ids=["optimizer-name", "settings-dict"])
+def test_arguments_of_the_wrong_kind(mlp, kwargs, message):
+    optimizer = kwargs.pop("optimizer", mlp.optimizer)
+    with pytest.raises(ArgumentError, match=message):
+        training.shard_training(mlp.loss_fn, mlp.abstract_params(), mlp.abstract_batch(),
+                                optimizer, mesh="cpu8", costs="analytic", **kwargs)
+
+
+def test_a_batch_missing_a_key_names_it(mlp):
+    params = mlp.init_params(jax.random.key(0))
+    batch = mlp.make_batch(jax.random.key(1))
+    run = training.shard_training(mlp.loss_fn, params, batch, mlp.optimizer, mesh="cpu8",
+                                  strategy="data-parallel")
+    short = {k: v for k, v in batch.items() if k != "inputs"}
+    message = (r"the batch has no leaf \['inputs'\] \(traced with \['inputs'\], \['label'\]; "
+               r"found \['label'\]\); expected a batch of the example batch's structure")
+    with pytest.raises(PlanError, match="run.step: " + message):
+        run.step(run.params, run.opt_state, short)
+    with pytest.raises(PlanError, match="shard_batch: " + message):
+        run.shard_batch(short)
+    wide = dict(batch, inputs=np.zeros((8, 17), np.float32))
+    with pytest.raises(PlanError, match=r"batch leaf \['inputs'\] has shape \(8, 17\), but the "
+                       r"step was traced with \(8, 16\)"):
+        run.shard_batch(wide)
+    assert run.step.count == 0
+    _, _, loss = run.step(run.params, run.opt_state, run.shard_batch(batch))
+    assert np.isfinite(loss) and run.step.count == 1
