@@ -27,10 +27,14 @@ import time
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="mlp", help="a zoo model (default: %(default)s)")
-    p.add_argument("--config", default="tiny", help="model config (default: %(default)s)")
+    p.add_argument("--size", "--config", dest="size", default="tiny",
+                   help="zoo model size, as `soapjax --size` (default: %(default)s); --config is "
+                   "a deprecated alias")
     p.add_argument("--api", default="linen", choices=("linen", "nnx"))
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--topology", default="cpu8", help="topology name or path (default: cpu8)")
+    p.add_argument("--mesh", "--topology", dest="mesh", default="cpu8",
+                   help="topology name or .toml path, as `soapjax --mesh` (default: %(default)s); "
+                   "--topology is a deprecated alias")
     p.add_argument("--strategy", default="data-parallel",
                    choices=("plan", "data-parallel", "megatron", "fsdp", "expert-cnn",
                             "expert-rnn"),
@@ -60,7 +64,7 @@ def describe_collectives(hlo_text: str, mesh) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    if args.topology.startswith("cpu"):  # virtual CPU devices; set before jax is imported
+    if args.mesh.startswith("cpu"):  # virtual CPU devices; set before jax is imported
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
             os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -76,12 +80,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import soapjax_zoo as zoo
 
-    w = zoo.get(args.model, args.config, api=args.api)
+    w = zoo.get(args.model, args.size, api=args.api)
     params = w.init_params(jax.random.key(args.seed))
     batches = [w.make_batch(jax.random.key(args.seed + 1 + i)) for i in range(args.steps)]
     run = training.shard_training(w.loss_fn, params, batches[0], w.optimizer,
-                                  mesh=args.topology, strategy=args.strategy, name=args.model)
-    print(f"{args.model} ({args.config}, {args.api}) on {dict(run.mesh.shape)}: "
+                                  mesh=args.mesh, strategy=args.strategy, name=args.model)
+    print(f"{args.model} ({args.size}, {args.api}) on {dict(run.mesh.shape)}: "
           f"{len(run.graph.operators)} operators, strategy {args.strategy}, "
           f"{jax.process_count()} process(es), {jax.device_count()} devices"
           + (" (jax.distributed)" if distributed else ""), flush=True)

@@ -12,11 +12,13 @@ is easier than against nine. Every command imports its library modules inside th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from soapjax.errors import SoapjaxError
 
@@ -117,7 +119,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
     import soapjax_zoo as zoo
 
     rows = []
-    for name in zoo.names():
+    for name in zoo.names_with(args.size):  # a size only some models have lists those
         s = zoo.summarize(zoo.get(name, args.size))
         rows.append(
             {
@@ -300,6 +302,45 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_calibrate)
 
 
+@contextlib.contextmanager
+def _ctrl_c_ends_at_once(command: str) -> Iterator[None]:
+    """Ctrl-C ends the process at once (one line, status 130), even inside a compiled call.
+
+    Python turns Ctrl-C into KeyboardInterrupt only when the main thread next runs Python code,
+    and a jitted call blocks in XLA until it returns: measured, a 15 s loop went on for 14.5 s
+    after Ctrl-C, and calibrate --links times collectives in calls that can last that long. A
+    thread wakes on the signal (`signal.set_wakeup_fd`) and exits; only for work that leaves
+    nothing half-written (calibrate --links writes its file after this scope).
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield  # a caller's own handler, or Ctrl-C ignored (a background job): leave them be
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    previous = signal.set_wakeup_fd(write)
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if signal.SIGINT in os.read(read, 64) and not done.is_set():
+                os.write(2, f"\nsoapjax {command}: interrupted\n".encode())
+                os._exit(INTERRUPTED)
+        os.close(read)
+
+    threading.Thread(target=watch, name="soapjax-ctrl-c", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+        signal.set_wakeup_fd(previous)
+        os.write(write, b"\0")  # wakes the thread, which sees `done` and ends
+        os.close(write)
+
+
 def _cmd_calibrate_links(args: argparse.Namespace) -> int:
     import jax
 
@@ -307,7 +348,8 @@ def _cmd_calibrate_links(args: argparse.Namespace) -> int:
 
     topo = topology.load_topology(args.mesh)
     log = (lambda s: None) if args.json else (lambda s: print(s, flush=True))
-    fits, compute, seconds = links.calibrate_links(topo, log=log)
+    with _ctrl_c_ends_at_once("calibrate"):
+        fits, compute, seconds = links.calibrate_links(topo, log=log)
     dev = jax.devices()[0]
     command = f"soapjax calibrate --links --mesh {args.mesh} --write"
     if topo.platform == "cpu":  # as many virtual devices as this process had (the tests: 8)
@@ -323,7 +365,8 @@ def _cmd_calibrate_links(args: argparse.Namespace) -> int:
     else:
         print(links.format_measured(fits, compute, command=command, notes=notes))
         held = [abs(e) for f in fits for _, e in f.held_out]
-        print(f"held-back sizes: |error| max {max(held):.0%}, mean {sum(held) / len(held):.0%}; "
+        print(f"held-back sizes: |error| max {max(held):.0%}, mean {sum(held) / len(held):.0%} "
+              "(the fit's time against the measured one, relative to the measured); "
               f"{seconds:.0f} s")
     if args.write:
         if topo.source_file is None:
@@ -354,6 +397,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
                   f"{c.update_s * 1e3:>9.3f}{c.error:>+8.0%}", flush=True)
     if args.json:
         _print_json(rows)
+    else:
+        print("error = (sum - step) / step: how far the sum of the operators' measured times "
+              "(fwd + bwd + update) is from the measured whole step; +100% is a sum twice the "
+              "step, -50% half of it")
     return 0
 
 
@@ -404,11 +451,13 @@ _PLOT_HELP = ("write pictures: OUT.png (each operator's split over the devices, 
               "link)")
 
 
-def _require_plot() -> None:
-    """Fails before any work when matplotlib is missing; files need no display (Agg)."""
-    from soapjax.plot import require_matplotlib
+def _require_plot(path: str) -> None:
+    """Fails before any work when matplotlib is missing or cannot write `path`'s format; files
+    need no display (Agg)."""
+    from soapjax.plot import check_picture_path, require_matplotlib
 
     require_matplotlib(backend="Agg")
+    check_picture_path(path)
 
 
 def _save_plot(path, graph, strategy, topology, sim, comparison=None) -> list:
@@ -486,7 +535,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from soapjax.report import format_bytes
 
     if args.plot:
-        _require_plot()
+        _require_plot(args.plot)
     w, topo = _simulate_inputs(args)
     g = _trace(w)
     strategy = simulate.parse_strategy(g, topo, args.strategy, family=w.family)
@@ -586,20 +635,23 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import time
 
+    from soapjax.plan import check_plan_path
     from soapjax.report import plan_report
     from soapjax.topology import load_topology, stage_topology
 
     if args.plot:
-        _require_plot()
+        _require_plot(args.plot)
     w = _load_model(args.model, args.size, batch_size=args.batch_size)
     topo = load_topology(args.mesh)
+    name = f"{args.model}-{args.size}" if w.config else w.name
+    name += f"-b{args.batch_size}" if args.batch_size else ""
+    out = args.out or f"plans/{name}-{topo.name}.json"
+    check_plan_path(out)  # before the search, not after it
     t0 = time.perf_counter()
     g = _trace(w)
     plan, sim, others, cost_source, notes = _search_and_simulate(args, w, g, topo)
     strategy, info = plan.strategy(g, topo), dict(plan.search)
-    name = f"{args.model}-{args.size}" if w.config else w.name
-    name += f"-b{args.batch_size}" if args.batch_size else ""
-    out = plan.save(args.out or f"plans/{name}-{topo.name}.json")
+    out = plan.save(out)
     if args.trace:
         with open(args.trace, "w") as f:
             json.dump(sim.to_chrome_trace(), f)
@@ -706,6 +758,7 @@ def _baseline_results(g, topo, w, cm, resharder, info) -> dict:
 
 
 def _add_check(sub: argparse._SubParsersAction) -> None:
+    from soapjax.check import BYTES_TOLERANCE, NUMBERS_TOLERANCE
     from soapjax.reshard import DEFAULT_MODE
 
     p = sub.add_parser(
@@ -717,7 +770,10 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
         "training step computes the same loss, parameters and optimizer state as the unsharded "
         "step, and compare the collectives XLA compiled (kind, count, bytes) and the measured "
         "step time with what the simulator predicted. The model is rebuilt from the plan: a "
-        "zoo model by name, user code from the --model text the plan records.",
+        "zoo model by name, user code from the --model text the plan records. Ends with a "
+        "verdict: PASS (exit 0) when the sharded step computes the unsharded one within "
+        "--tolerance and the predicted collective bytes are XLA's within --bytes-tolerance, "
+        "else FAIL (exit 1).",
     )
     p.add_argument("--plan", required=True, help="a plan file from `soapjax plan`")
     p.add_argument("--repeats", type=_COUNT, default=5, help="timed runs (default: %(default)s)")
@@ -725,6 +781,12 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reshard", default=DEFAULT_MODE, choices=("ideal", "xla"),
                    help="resharding collectives the prediction prices (default: %(default)s, as "
                    "`soapjax plan`)")
+    p.add_argument("--tolerance", type=_number(float, 0.0, "a number >= 0"),
+                   default=NUMBERS_TOLERANCE, help="the largest difference from the unsharded "
+                   "step (loss, parameters, optimizer state) that passes (default: %(default)s)")
+    p.add_argument("--bytes-tolerance", type=_number(float, 0.0, "a number >= 0"),
+                   default=BYTES_TOLERANCE, help="how far predicted collective bytes may be "
+                   "from XLA's, relative, and pass (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.set_defaults(func=_cmd_check)
 
@@ -737,11 +799,14 @@ def _cmd_check(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     result = compare_on_devices(plan, zoo.for_plan(plan), repeats=args.repeats,
                                 costs=args.costs, reshard=args.reshard)
+    bars = {"tolerance": args.tolerance, "bytes_tolerance": args.bytes_tolerance}
+    passed, lines = result.verdict(**bars)
     if args.json:
-        _print_json(result.to_json())
+        _print_json(result.to_json() | {"verdict": "PASS" if passed else "FAIL",
+                                        "bars": lines})
     else:
-        print(result.table())
-    return 0
+        print(result.table(**bars))
+    return 0 if passed else CHECK_FAILED
 
 
 # --- entry point --------------------------------------------------------------------------------
@@ -763,8 +828,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# `soapjax check`'s exit status when the plan misses a bar (2 is for bad input).
+CHECK_FAILED = 1
+# The exit status after Ctrl-C: 128 + SIGINT, as a shell reports a command SIGINT ended.
+INTERRUPTED = 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the command line; returns the exit status (2 for a usage error or bad input)."""
+    """Runs the command line; returns the exit status: 0, 2 for a usage error or bad input (one
+    line on stderr), 130 (`INTERRUPTED`) after Ctrl-C."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -780,8 +852,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except OSError as e:  # a file the command was told to write (--out, --trace) or read
         print(f"soapjax {args.command}: error: {e.strerror or e}"
-              + (f": {e.filename}" if e.filename else ""), file=sys.stderr)
+              + (f": {e.filename}" if e.filename else "")
+              + "; expected a path the command can read or write: check it and its "
+              "directory's permissions", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        written = "; no plan written" if args.command == "plan" else ""
+        print(f"\nsoapjax {args.command}: interrupted{written}", file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

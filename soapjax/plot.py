@@ -5,8 +5,9 @@
   parameter (P) dims (reduction dims go with the role of the dim they reduce: a matmul's
   contracting dim against a weight is a column split), and each device has a colour. A cell
   several devices hold (the operator is replicated over the mesh axes its config leaves
-  unused) is striped with their colours; a hatched cell holds partial sums (a reduction dim is
-  split, R). `partitions` gives the same grids as data.
+  unused) is striped diagonally with their colours, where a split is drawn as separate
+  outlined cells; a hatched cell holds partial sums (a reduction dim is split, R).
+  `partitions` gives the same grids as data.
 * `timeline_figure`: the simulated step as a Gantt chart: one row per device (the compute
   stream; identical on every device under SPMD) and one per link (collectives).
 * `comparison_figure`: predicted step time and bytes sent per device, against the baselines.
@@ -26,9 +27,10 @@ parallelism every operator is 8 rows x 1 column, row r held by device r.
 
 The artists carry gids, so a drawing can be checked: in `plan_figure` the axes of a box have the
 box's label as gid (the operator's name, or ``layers_{0..11}/mlp/fc1`` for a repeated block) and
-data coordinates with one unit per cell (x: column, y: row, row 0 on top); each device's stripe
-is a `Rectangle` with gid ``"{label}/device {d}"``, each cell's outline (hatched for partial
-sums) one with gid ``"{label}/cell {row},{col}"``. In `timeline_figure` each bar collection has
+data coordinates with one unit per cell (x: column, y: row, row 0 on top); a cell one device
+holds is a `Rectangle` with gid ``"{label}/device {d}"``; in a cell several devices hold
+(replicated) each device's diagonal stripes are one `PathPatch` with that gid; each cell's
+outline (hatched for partial sums) is a `Rectangle` with gid ``"{label}/cell {row},{col}"``. In `timeline_figure` each bar collection has
 gid ``"{track}/{kind}"`` (``"device 0/forward"``, ``"{channel}/grad_sync"``); in
 `comparison_figure` each bar has gid ``"step time/{name}"`` or ``"bytes sent/{name}"``; in
 `pipeline_figure` each box is a `Rectangle` with gid ``"stage {s}/{F|B} {microbatch}/chunk {c}"``
@@ -44,15 +46,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from soapjax.errors import MissingDependencyError, PlanError
+from soapjax.errors import MissingDependencyError, PlanError, SettingsError
 from soapjax.graph import OpGraph
 from soapjax.pipeline import PipelineTimeline
 from soapjax.plan import Plan
 from soapjax.report import byte_unit, group_repeats
 from soapjax.space import Config, MeshShape, Strategy, validate_config
 
-__all__ = ["Cell", "Partition", "comparison_figure", "partitions", "pipeline_figure",
-           "plan_figure", "require_matplotlib", "save_pictures", "timeline_figure"]
+__all__ = ["Cell", "Partition", "check_picture_path", "comparison_figure", "partitions",
+           "pipeline_figure", "plan_figure", "require_matplotlib", "save_pictures",
+           "timeline_figure"]
 
 INSTALL_HINT = "pip install 'soapjax[plot]'"
 
@@ -322,12 +325,14 @@ def _draw_partition(ax, part: Partition, colors: Mapping[int, tuple],
     hatch = "///" if part.reduction_axes else None
     for cell in part.cells:
         k = len(cell.devices)
-        for s, d in enumerate(cell.devices):
-            ax.add_patch(Rectangle((cell.col + s / k, cell.row), 1 / k, 1, facecolor=colors[d],
-                                   edgecolor="none", gid=f"{part.label}/device {d}"))
-            if labels:
-                ax.text(cell.col + (s + 0.5) / k, cell.row + 0.5, str(d), ha="center",
-                        va="center", fontsize=7, color="white", fontweight="bold")
+        if k == 1:
+            ax.add_patch(Rectangle((cell.col, cell.row), 1, 1, facecolor=colors[cell.devices[0]],
+                                   edgecolor="none", gid=f"{part.label}/device {cell.devices[0]}"))
+        else:
+            _draw_stripes(ax, part.label, cell, colors)
+        for s, d in enumerate(cell.devices if labels else ()):
+            ax.text(cell.col + (s + 0.5) / k, cell.row + 0.5, str(d), ha="center",
+                    va="center", fontsize=7, color="white", fontweight="bold")
         ax.add_patch(Rectangle((cell.col, cell.row), 1, 1, fill=False, edgecolor="black",
                                linewidth=0.8, hatch=hatch,
                                gid=f"{part.label}/cell {cell.row},{cell.col}"))
@@ -337,6 +342,40 @@ def _draw_partition(ax, part: Partition, colors: Mapping[int, tuple],
     ax.set_xlabel(f"{part.config}\ncolumns: {'+'.join(part.col_axes) or '-'}{replicated}",
                   fontsize=7)
     ax.set_ylabel(f"rows: {'+'.join(part.row_axes) or '-'}", fontsize=7)
+
+
+def _draw_stripes(ax, label: str, cell: Cell, colors: Mapping[int, tuple]) -> None:
+    """A cell several devices hold, as diagonal stripes of their colours (at least 6 stripes,
+    each device's colour repeated), so it cannot be read as columns of a split."""
+    from matplotlib.patches import PathPatch
+    from matplotlib.path import Path as MplPath
+
+    k = len(cell.devices)
+    bands = k * max(1, math.ceil(6 / k))
+    width = 2.0 / bands  # u = x + y runs from 0 to 2 across the cell
+    for s, d in enumerate(cell.devices):
+        polygons = [_band(j * width, (j + 1) * width) for j in range(s, bands, k)]
+        path = MplPath.make_compound_path(*(
+            MplPath([(cell.col + x, cell.row + y) for x, y in poly] + [(0, 0)],
+                    [MplPath.MOVETO] + [MplPath.LINETO] * (len(poly) - 1) + [MplPath.CLOSEPOLY])
+            for poly in polygons))
+        ax.add_patch(PathPatch(path, facecolor=colors[d], edgecolor="none",
+                               gid=f"{label}/device {d}"))
+
+
+def _band(lo: float, hi: float) -> list[tuple[float, float]]:
+    """The part of the unit square where ``lo <= x + y <= hi``, as a convex polygon."""
+    corners = [(0.0, 0.0), (1.0, 0.0), (1.0, 1.0), (0.0, 1.0)]
+    poly = [p for p in corners if lo <= p[0] + p[1] <= hi]
+    for (x0, y0), (x1, y1) in zip(corners, corners[1:] + corners[:1]):
+        for u in (lo, hi):  # where the square's edge crosses x + y = u
+            u0, u1 = x0 + y0, x1 + y1
+            if u0 != u1 and min(u0, u1) < u < max(u0, u1):
+                t = (u - u0) / (u1 - u0)
+                poly.append((x0 + t * (x1 - x0), y0 + t * (y1 - y0)))
+    cx = sum(x for x, _ in poly) / len(poly)
+    cy = sum(y for _, y in poly) / len(poly)
+    return sorted(poly, key=lambda p: math.atan2(p[1] - cy, p[0] - cx))
 
 
 def _device_legend(fig, axes, colors: Mapping[int, tuple], hatched: bool) -> None:
@@ -373,7 +412,8 @@ def timeline_figure(result, *, max_devices: int = 8, title: str | None = None):
     Returns:
       A `matplotlib.figure.Figure`; times in ms, or in us for steps under a millisecond. The
       dashed line is the step time, which includes what calling the step costs where the
-      topology measured it (`Simulation.call_overhead`): a gap after the last task.
+      topology measured it (`Simulation.call_overhead`): the dotted span after the last task
+      (gid ``"call overhead"``), which the title counts apart from the tasks' compute.
     """
     if not hasattr(result, "tasks") or not hasattr(result, "channels"):
         raise PlanError(f"expected a SimResult (soapjax.simulate.simulate), got "
@@ -398,6 +438,13 @@ def timeline_figure(result, *, max_devices: int = 8, title: str | None = None):
                               linewidth=0.3, label=kind if kind not in labelled else None)
         coll.set_gid(f"{track}/{kind}")
         labelled.add(kind)
+    end = max((t.end_s for t in result.tasks), default=0.0)
+    overhead = max(result.step_time_s - end, 0.0)  # calling the step (`call_overhead`)
+    if overhead > 0:
+        span = ax.axvspan(end * scale, result.step_time_s * scale, facecolor="#eeeeee",
+                          edgecolor="#999999", hatch="..", linewidth=0.0,
+                          label="call overhead (per step, not a task)")
+        span.set_gid("call overhead")
     ax.axvline(result.step_time_s * scale, color="black", linestyle="--", linewidth=0.8)
     ax.set_yticks(range(len(tracks)), tracks, fontsize=7)
     ax.set_ylim(len(tracks) - 0.5, -0.5)
@@ -406,11 +453,13 @@ def timeline_figure(result, *, max_devices: int = 8, title: str | None = None):
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     note = (f"; {shown} of {result.num_devices} devices shown (SPMD: identical)"
             if shown < result.num_devices else "")
+    tasks = result.compute_s - overhead
+    compute = (f"compute {tasks * scale:.4g} {unit} + call overhead {overhead * scale:.4g} "
+               f"{unit}" if overhead > 0 else f"compute {result.compute_s * scale:.4g} {unit}")
     fig.suptitle(title or (
-        f"simulated step {result.step_time_s * scale:.4g} {unit}: compute "
-        f"{result.compute_s * scale:.4g} {unit}, exposed communication "
-        f"{result.exposed_comm_s * scale:.4g} {unit} ({result.cost_source} costs){note}"),
-        fontsize=10)
+        f"simulated step {result.step_time_s * scale:.4g} {unit}: {compute}, exposed "
+        f"communication {result.exposed_comm_s * scale:.4g} {unit} ({result.cost_source} "
+        f"costs){note}"), fontsize=10)
     return fig
 
 
@@ -558,8 +607,12 @@ def save_pictures(path: str | os.PathLike, graph: OpGraph, strategy: Strategy, m
 
     Returns:
       The paths written.
+
+    Raises:
+      SettingsError: `path` ends in a format matplotlib cannot write (`check_picture_path`).
     """
     path = Path(path)
+    check_picture_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     out = [path, path.with_name(f"{path.stem}-timeline{path.suffix or '.png'}")]
     figures = [plan_figure(graph, strategy, mesh), timeline_figure(result)]
@@ -569,3 +622,19 @@ def save_pictures(path: str | os.PathLike, graph: OpGraph, strategy: Strategy, m
     for p, fig in zip(out, figures):
         fig.savefig(p, dpi=dpi)
     return out
+
+
+def check_picture_path(path: str | os.PathLike) -> None:
+    """SettingsError unless matplotlib can write a picture named `path` (its suffix: ``.png``,
+    ``.svg``, ``.pdf``, ...; none means PNG), so a command can refuse ``--plot out.txt``
+    before it works."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    require_matplotlib()
+    suffix = Path(path).suffix.lower().lstrip(".")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise SettingsError(f"cannot write a picture to {os.fspath(path)!r}: matplotlib writes "
+                            f"no '.{suffix}' files; expected a name ending in one of "
+                            f"{', '.join('.' + f for f in sorted(formats))} (e.g. "
+                            f"{Path(path).with_suffix('.png')})")

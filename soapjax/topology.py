@@ -528,6 +528,14 @@ def load_topology(name_or_path: str | Path) -> Topology:
             data = tomllib.load(f)
     except FileNotFoundError:
         raise TopologyError(f"{path}: no such topology file") from None
+    except IsADirectoryError:
+        raise TopologyError(f"{path}: a directory; expected a topology .toml file, e.g. "
+                            f"{path / 'cluster.toml'}") from None
+    except OSError as e:
+        raise TopologyError(f"{path}: cannot read it ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:  # tomllib decodes the bytes as UTF-8 first
+        raise TopologyError(f"{path}: byte {e.start} is not UTF-8 text; expected a UTF-8 TOML "
+                            "file (save it as UTF-8, or remove the byte)") from None
     except tomllib.TOMLDecodeError as e:
         raise TopologyError(f"{path}: not valid TOML: {e}") from None
     try:

@@ -21,6 +21,7 @@ from soapjax_zoo.registry import for_plan as for_plan
 from soapjax_zoo.registry import get as get
 from soapjax_zoo.registry import load as load
 from soapjax_zoo.registry import names as names
+from soapjax_zoo.registry import names_with as names_with
 from soapjax_zoo.workload import ModelConfigError as ModelConfigError
 from soapjax_zoo.workload import ModelSummary as ModelSummary
 from soapjax_zoo.workload import Workload as Workload
@@ -37,6 +38,7 @@ __all__ = [
     "get",
     "load",
     "names",
+    "names_with",
     "step_flops",
     "summarize",
 ]

@@ -73,6 +73,23 @@ def configs(name: str) -> tuple[str, ...]:
     return tuple(_entry(name).configs)
 
 
+def names_with(config: str) -> tuple[str, ...]:
+    """The models that have a config (size) named `config`, in registry order:
+    ``names_with("13b") == ("gpt",)``.
+
+    Raises:
+      UnknownModelError: no model has it; the message lists every size, with the nearest.
+    """
+    found = tuple(n for n, e in _REGISTRY.items() if config in e.configs)
+    if found:
+        return found
+    sizes = list(dict.fromkeys(c for e in _REGISTRY.values() for c in e.configs))
+    close = difflib.get_close_matches(str(config), sizes, n=1)
+    raise UnknownModelError(f"no model of the zoo has size {config!r}; expected one of: "
+                            f"{', '.join(sizes)} (`soapjax models` lists each model's)"
+                            + (f"; did you mean {close[0]!r}?" if close else ""))
+
+
 def apis(name: str) -> tuple[str, ...]:
     """The Flax APIs model `name` is written in: ``("linen",)`` or ``("linen", "nnx")``.
 

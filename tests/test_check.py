@@ -125,3 +125,19 @@ def test_hlo_flops_counts_every_trip_of_a_loop_and_leaves_all_reduces_out():
                         .as_text())
     assert reduced.all_reduce == 32  # XLA's 1 FLOP per element: communication here
     assert reduced.compute == 8 * 32 - 32  # each device sums its 8 rows
+
+
+def test_check_prints_a_verdict_and_exits_1_on_a_missed_bar(megatron_plan, capsys):
+    argv = ["check", "--plan", str(megatron_plan), "--costs", "analytic", "--reshard", "ideal",
+            "--repeats", "1"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("verdict: PASS")
+    assert "PASS numbers: largest difference from the unsharded step" in out
+    assert "PASS collectives: predicted / XLA bytes 1.000 (bar 1 \u00b1 0.1)" in out
+    # a bar no float32 step meets: FAIL, exit status 1 (2 is for bad input)
+    assert cli.main(argv + ["--tolerance", "0", "--bytes-tolerance", "0", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["verdict"] == "FAIL"
+    assert data["bars"][1].startswith("PASS collectives")  # exactly XLA's bytes here
+    assert data["bars"][0].startswith("FAIL numbers" if data["max_abs_diff"] > 0 else "PASS")

@@ -248,4 +248,130 @@ def test_a_file_that_cannot_be_written_is_an_error_not_a_traceback(tmp_path, cap
     code, _, err = run(["simulate", "--model", "mlp", "--config", "tiny", "--costs", "analytic",
                         "--trace", str(trace_file)], capsys)
     assert code == 2
-    assert err == f"soapjax simulate: error: No such file or directory: {trace_file}\n"
+    assert err == (f"soapjax simulate: error: No such file or directory: {trace_file}; "
+                   "expected a path the command can read or write: check it and its "
+                   "directory's permissions\n")
+
+
+# --- mistakes that used to end in a traceback: one line, exit status 2 --------------------------
+
+MLP = ["--model", "mlp", "--size", "tiny"]
+
+
+def test_a_topology_file_that_is_not_utf8(tmp_path, capsys):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(b'name = "caf\xe9"\n')  # byte 11
+    code, _, err = run(["simulate", *MLP, "--mesh", str(path)], capsys)
+    assert code == 2
+    assert err == (f"soapjax simulate: error: {path}: byte 11 is not UTF-8 text; expected a "
+                   "UTF-8 TOML file (save it as UTF-8, or remove the byte)\n")
+
+
+def test_a_picture_format_matplotlib_cannot_write_is_refused_before_any_work(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code, _, err = run([*PLAN, *MLP, "--out", str(out), "--plot", str(tmp_path / "p.txt")],
+                       capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"soapjax plan: error: cannot write a picture to "
+                          f"'{tmp_path / 'p.txt'}': matplotlib writes no '.txt' files; expected "
+                          "a name ending in one of ")
+    assert f"(e.g. {tmp_path / 'p.png'})" in err and not out.exists()
+
+
+def test_out_at_a_directory_or_an_unwritable_place_names_it(tmp_path, capsys):
+    code, _, err = run([*PLAN, *MLP, "--out", str(tmp_path)], capsys)
+    assert code == 2
+    assert err == (f"soapjax plan: error: cannot write the plan to {tmp_path}: it is a "
+                   f"directory; expected a file path, e.g. {tmp_path / 'plan.json'}\n")
+    (tmp_path / "file").write_text("")
+    code, _, err = run([*PLAN, *MLP, "--out", str(tmp_path / "file" / "p.json")], capsys)
+    assert code == 2 and ".tmp" not in err
+    assert err.startswith(f"soapjax plan: error: cannot write the plan to "
+                          f"{tmp_path / 'file' / 'p.json'}: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+    code, _, err = run(["check", "--plan", str(tmp_path)], capsys)
+    assert code == 2 and err == (f"soapjax check: error: {tmp_path} is a directory; expected a "
+                                 "plan file (the JSON file `soapjax plan` wrote), e.g. "
+                                 "plans/NAME.json\n")
+
+
+def test_ctrl_c_is_one_line_and_status_130(tmp_path, capsys, monkeypatch):
+    from soapjax import search
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(search, "find_plan", interrupted)
+    out = tmp_path / "plan.json"
+    code, stdout, err = run([*PLAN, *MLP, "--out", str(out)], capsys)
+    assert (code, stdout, err) == (130, "", "\nsoapjax plan: interrupted; no plan written\n")
+    assert cli.INTERRUPTED == 130 and not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_models_with_a_size_no_model_has(capsys):
+    code, _, err = run(["models", "--size", "nosuch"], capsys)
+    assert code == 2 and "alexnet" not in err
+    assert err.startswith("soapjax models: error: no model of the zoo has size 'nosuch'; "
+                          "expected one of: default, tiny, 1.3b, ")
+    code, _, err = run(["models", "--size", "13B"], capsys)
+    assert code == 2 and err.endswith("; did you mean '13b'?\n")
+    code, out, _ = run(["models", "--size", "13b", "--json"], capsys)
+    assert code == 0 and [r["name"] for r in json.loads(out)] == ["gpt"]
+
+
+def test_calibrate_says_what_its_error_column_is(capsys, tmp_path):
+    code, out, _ = run(["calibrate", "--model", "mlp", "--cache-dir", str(tmp_path)], capsys)
+    assert code == 0
+    assert out.splitlines()[-1].startswith("error = (sum - step) / step: how far the sum of "
+                                           "the operators' measured times")
+
+
+def test_train_example_takes_the_command_lines_size_and_mesh():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "train_example.py"
+    spec = importlib.util.spec_from_file_location("train_example", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = script._parse(["--size", "tiny", "--mesh", "cpu4"])
+    assert (args.size, args.mesh) == ("tiny", "cpu4")
+    old = script._parse(["--config", "default", "--topology", "cpu8"])  # the old names
+    assert (old.size, old.mesh) == ("default", "cpu8")
+
+
+LONG_CALL = textwrap.dedent('''\
+    import signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    import jax, jax.numpy as jnp
+    from soapjax import cli
+    f = jax.jit(lambda x, n: jax.lax.fori_loop(0, n, lambda i, x: jnp.sin(x) + 1.0, x))
+    x = jnp.ones((1000,))
+    f(x, 10).block_until_ready()
+    with cli._ctrl_c_ends_at_once("calibrate"):
+        print("started", flush=True)
+        f(x, 10**8).block_until_ready()  # minutes in XLA, deaf to KeyboardInterrupt
+    ''')
+
+
+def test_ctrl_c_ends_calibrate_links_inside_a_compiled_call(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "long.py").write_text(LONG_CALL)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    p = subprocess.Popen([sys.executable, str(tmp_path / "long.py")], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert p.stdout.readline() == "started\n"
+        time.sleep(0.3)
+        t0 = time.perf_counter()
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=30)
+        assert time.perf_counter() - t0 < 5
+    finally:
+        p.kill()
+    assert (p.returncode, err) == (130, "\nsoapjax calibrate: interrupted\n")

@@ -10,6 +10,7 @@ import json
 import sys
 
 import matplotlib
+import numpy as np
 import pytest
 
 matplotlib.use("Agg")
@@ -22,6 +23,7 @@ from soapjax.graph import trace  # noqa: E402
 from soapjax.plan import Plan  # noqa: E402
 from soapjax.reshard import Resharder  # noqa: E402
 from soapjax.topology import load_topology  # noqa: E402
+from matplotlib.patches import PathPatch, Rectangle  # noqa: E402
 
 TOPOLOGY = load_topology("cpu8")  # data=2 x model=4
 MESH = space.MeshShape.of(TOPOLOGY)
@@ -49,18 +51,37 @@ def results(mlp, megatron):
                             cost_model=costs, resharder=Resharder(MESH, mode="ideal"))
 
 
+def _area(polygon) -> float:
+    xs, ys = polygon[:, 0], polygon[:, 1]
+    return abs(float((xs * np.roll(ys, -1) - np.roll(xs, -1) * ys).sum())) / 2
+
+
 def drawn_cells(fig, label):
-    """{(row, col): devices, in stripe order} read off the figure's rectangles for one box."""
+    """{(row, col): devices, in stripe order} read off the figure's patches for one box: a
+    cell's one device fills it (a Rectangle); several share it in diagonal stripes (one PathPatch
+    each, inside the cell, each covering its share of the cell's area)."""
     (ax,) = [ax for ax in fig.axes if ax.get_gid() == label]
     cells: dict[tuple[int, int], list[tuple[float, int]]] = {}
     for patch in ax.patches:
         gid = patch.get_gid() or ""
-        if gid.startswith(f"{label}/device "):
+        if not gid.startswith(f"{label}/device "):
+            continue
+        device = int(gid.rsplit(" ", 1)[1])
+        if isinstance(patch, Rectangle):
             x, y = patch.get_x(), patch.get_y()
-            device = int(gid.rsplit(" ", 1)[1])
-            cells.setdefault((int(y), int(x)), []).append((x, device))
-            assert patch.get_height() == 1 and int(x) == int(x + patch.get_width() - 1e-9)
-    grid = {k: [d for _, d in sorted(v)] for k, v in cells.items()}
+            assert (patch.get_width(), patch.get_height()) == (1, 1)
+            cells.setdefault((int(y), int(x)), []).append((0.0, device))
+            continue
+        polygons = patch.get_path().to_polygons()
+        points = np.concatenate(polygons)
+        (x0, y0), (x1, y1) = points.min(0), points.max(0)
+        assert int(x0) == int(x1 - 1e-9) and int(y0) == int(y1 - 1e-9)  # inside one cell
+        first = min(polygons, key=lambda p: p.sum(1).min())  # the stripe nearest the corner
+        cells.setdefault((int(y0), int(x0)), []).append(
+            (first.sum(1).min(), device, sum(_area(p) for p in polygons)))
+    for spans in cells.values():
+        assert all(s[2] == pytest.approx(1 / len(spans)) for s in spans if len(s) == 3)
+    grid = {k: [s[1] for s in sorted(v)] for k, v in cells.items()}
     rows, cols = ax.get_ylim()[0], ax.get_xlim()[1]
     return grid, (int(rows), int(cols))
 
@@ -96,6 +117,13 @@ def test_megatron_boxes(mlp, megatron):
     assert (shape, grid) == ((2, 4), by_rows)
     grid, shape = drawn_cells(fig, "head")  # replicated over model: 4 stripes per cell
     assert (shape, grid) == ((2, 1), {(0, 0): [0, 1, 2, 3], (1, 0): [4, 5, 6, 7]})
+    # striped diagonally, each device's colour twice: not to be read as 4 columns of a split
+    (head,) = [ax for ax in fig.axes if ax.get_gid() == "head"]
+    stripes = [p for p in head.patches if "/device " in (p.get_gid() or "")]
+    assert len(stripes) == 8 and all(isinstance(p, PathPatch) for p in stripes)
+    assert all(len(p.get_path().to_polygons()) == 2 for p in stripes)
+    (fc1,) = [ax for ax in fig.axes if ax.get_gid() == "fc1"]
+    assert all(isinstance(p, Rectangle) for p in fc1.patches)  # one device per cell: filled
     # partial sums (R split) are hatched, complete outputs are not
     assert all(p.get_hatch() for p in outlines(fig, "fc2").values())
     fc1 = outlines(fig, "fc1")
@@ -184,7 +212,21 @@ def test_timeline_bars_are_the_tasks(results):
     assert drawn == {k: sorted(v) for k, v in expected.items()}
     kinds = {t.kind for t in r.tasks}
     assert {"forward", "backward", "update", "partial_sum"} <= kinds
-    assert {t.get_text() for t in ax.get_legend().get_texts()} == kinds
+    # the call overhead (cpu8 measures it) is a labelled span after the last task, and the
+    # title counts it apart from the tasks' compute
+    end = max(t.end_s for t in r.tasks)
+    overhead = r.step_time_s - end
+    assert overhead > 0
+    labels = {t.get_text() for t in ax.get_legend().get_texts()}
+    assert labels == kinds | {"call overhead (per step, not a task)"}
+    (span,) = [p for p in ax.patches if p.get_gid() == "call overhead"]
+    xs = span.get_path().transformed(span.get_patch_transform()).vertices[:, 0] \
+        if isinstance(span, Rectangle) else span.get_xy()[:, 0]
+    assert (xs.min(), xs.max()) == pytest.approx((end * scale, r.step_time_s * scale))
+    tasks = sum(t.end_s - t.start_s for t in r.tasks if t.resources == ("compute",))
+    assert r.compute_s - overhead == pytest.approx(tasks)
+    assert (f"compute {tasks * scale:.4g} {unit} + call overhead {overhead * scale:.4g} {unit}"
+            in fig._suptitle.get_text())
 
 
 def test_comparison_bars(results):
