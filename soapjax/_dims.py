@@ -197,6 +197,15 @@ class EqnInfo(NamedTuple):
     primitives: set[str]  # primitives it contains, itself included
 
 
+def scan_counts(params) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a scan equation: jax 0.10 names them in its params; jax
+    0.11 describes its operands by a flat tree ``ft_in`` of (consts, carry, xs) instead."""
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
 def shape_of(v) -> tuple[int, ...]:
     return tuple(int(d) for d in getattr(v.aval, "shape", ()))
 
@@ -478,7 +487,7 @@ def _higher_order(ls, eqn, ins, in_shapes, out_shapes, env) -> EqnInfo:
         return EqnInfo(outs, reduced, flops, prims | {name})
     if name == "scan":
         jaxpr, _ = _sub(p, "jaxpr")
-        nc, nk, length = p["num_consts"], p["num_carry"], int(p["length"])
+        (nc, nk), length = scan_counts(p), int(p["length"])
         seq = ls.fresh(length)
         ls.mark(seq, "seq")
         xs = ins[nc + nk:]

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from soapjax._dims import scan_counts
 from soapjax.errors import SoapjaxError
 from soapjax._program import _Local, bind_as_traced
 from soapjax.graph import OpGraph
@@ -208,7 +209,7 @@ class _Interp:
 
     def _scan(self, p, args):
         body = p["jaxpr"]
-        nc, nk = p["num_consts"], p["num_carry"]
+        nc, nk = scan_counts(p)
         consts, carry, xs = args[:nc], args[nc:nc + nk], args[nc + nk:]
 
         def step(c, x):

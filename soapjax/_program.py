@@ -268,12 +268,12 @@ class _Program:
 
     def _is_layer_scan(self, eqn, ins: Sequence[int]) -> bool:
         """A scan over stacked parameters (layers), not over time."""
-        first_x = eqn.params["num_consts"] + eqn.params["num_carry"]
+        first_x = sum(_dims.scan_counts(eqn.params))
         return any(v in self.param_like for v in ins[first_x:])
 
     def _unroll(self, eqn, ins: Sequence[int], stack: str, region, iteration) -> list[int]:
         p = eqn.params
-        nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
+        (nc, nk), length = _dims.scan_counts(p), p["length"]
         consts, carry, xs = list(ins[:nc]), list(ins[nc:nc + nk]), list(ins[nc + nk:])
         scan = len(self.scans)
         self.scans.append(tuple(xs))

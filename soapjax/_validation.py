@@ -23,7 +23,7 @@ from soapjax._pipelined import STAGE_AXIS, check_pipelinable, stage_mesh_shape
 from soapjax.errors import PlanError
 from soapjax.graph import LeafInfo, OpGraph
 from soapjax.memory import check_microbatches
-from soapjax.space import Config, MeshShape, Strategy
+from soapjax.space import Config, MeshShape, Strategy, spatial_convolution
 
 
 def validate_strategy(graph: OpGraph, strategy: Any, mesh: Mesh, *,
@@ -145,28 +145,6 @@ def refuse_spatial_convolutions(graph: OpGraph, strategy: Strategy) -> None:
             f"{jax.__version__}) computes spatially split convolutions wrongly, so soapjax "
             "refuses them. Plan convolutions without attribute splits (SpaceLimits("
             "allow_attribute=False)), or pass allow_spatial_convolutions=True to run it anyway")
-
-
-def spatial_convolution(graph: OpGraph, strategy: Strategy) -> tuple[str, str] | None:
-    """(name, why) of the first convolution that splits, or receives split, a spatial dim."""
-    position = {op.name: i for i, op in enumerate(graph.operators)}
-    for op, cfg in zip(graph.operators, strategy.configs):
-        if "conv" not in op.anchor:
-            continue
-        roles = op.iteration_roles
-        if any(cfg.axes[d] and roles[d] == "A" for d in range(len(op.shape))):
-            return op.name, f"its config {cfg.describe(op)} splits a spatial (A) dim"
-        for operand in op.inputs:
-            if operand.kind != "activation":
-                continue
-            i = position[operand.source]
-            produced = graph.operators[i].outputs[operand.index].dims
-            for j, (it, src) in enumerate(zip(operand.dims, produced)):
-                axes = strategy.configs[i].axes[src] if src is not None else ()
-                if axes and (it is None or roles[it] == "A"):
-                    return op.name, (f"its input from {operand.source!r} arrives split over "
-                                     f"{axes} along spatial dim {j}")
-    return None
 
 
 def strategy_from_names(graph: OpGraph, configs: Mapping[str, Config], *,

@@ -106,8 +106,11 @@ class OpTime(NamedTuple):
       forward_s: seconds of the forward pass of one shard.
       backward_s: seconds of its backward pass (gradients of activations and parameters).
       source: ``"measured"`` (timed on the local backend), ``"analytic"`` (roofline from the
-        topology's device specs) or ``"scaled"`` (the unsplit measurement divided by the
-        number of shards, where the shard program could not be timed).
+        topology's device specs), ``"scaled"`` (the unsplit measurement divided by the
+        number of shards, where the shard program could not be timed) or ``"estimated"`` (the
+        roofline times the ratio measured/roofline of the operator's measured shard programs:
+        a shard program left unmeasured when the planning budget ran out,
+        `CostModel.measure_until`).
     """
 
     forward_s: float
@@ -123,8 +126,11 @@ class CostStats(NamedTuple):
       disk_hits: shard programs read from the on-disk cache instead.
       shared: (operator, degrees) pairs that reused another operator's measurement of the same
         signature in this process.
-      fallbacks: pairs that fell back to ``scaled`` or ``analytic``.
+      fallbacks: pairs that fell back to ``scaled`` or ``analytic`` (no shard program could
+        be built or timed).
       updates_measured: optimizer-update sizes timed.
+      estimated: pairs left unmeasured when the measuring deadline passed, priced
+        ``estimated`` (`CostModel.measure_until`).
     """
 
     measured: int
@@ -132,6 +138,7 @@ class CostStats(NamedTuple):
     shared: int
     fallbacks: int
     updates_measured: int
+    estimated: int = 0
 
 
 class ProfileProgress(NamedTuple):
@@ -477,6 +484,17 @@ def step_flops(graph: OpGraph, strategy: Any, mesh: MeshShape, *, optimizer: Any
     return FlopCounter(graph, optimizer=optimizer, params=params).step(strategy, mesh)
 
 
+_DEFERRED = OpTime(math.nan, math.nan, "deferred")  # `CostModel._measured`: past the deadline
+
+
+def _first_line(e: BaseException, limit: int = 160) -> str:
+    """An exception's first line, cut to `limit` characters: a lowering error carries ~2 KB
+    of MLIR locations that would drown the progress output."""
+    lines = str(e).strip().splitlines()
+    line = lines[0] if lines else ""
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
 def _minus(a: Flops, b: Flops) -> Flops:
     return Flops(*(max(x - y, 0.0) for x, y in zip(a, b)))
 
@@ -572,7 +590,11 @@ class CostModel:
         self._sig_of: dict[tuple[int, tuple[int, ...]], str | None] = {}
         self._updates: dict[int, float] = {}  # measured, per power-of-two size
         self._update_memo: dict[float, float] = {}
-        self._counts = dict(measured=0, disk_hits=0, shared=0, fallbacks=0, updates_measured=0)
+        self._counts = dict(measured=0, disk_hits=0, shared=0, fallbacks=0, updates_measured=0,
+                            estimated=0)
+        self._deadline: float | None = None
+        self._progress: Callable[[str], None] | None = None
+        self._ratios: dict[int, list[float]] = {}  # operator -> measured / analytic, per pair
         self._passes = _update_passes(optimizer)
         self.update_reductions = update_reductions(optimizer)
         self._dtypes: dict[int, str] = {}
@@ -584,6 +606,22 @@ class CostModel:
     @property
     def stats(self) -> CostStats:
         return CostStats(**self._counts)
+
+    def measure_until(self, deadline: float | None,
+                      progress: Callable[[str], None] | None = None) -> None:
+        """Measures shard programs only until `deadline` (a `time.perf_counter()` reading;
+        None: always, the default).
+
+        A shard program neither in memory nor in the on-disk cache when the deadline has
+        passed is not timed: it is priced ``"estimated"``, the roofline scaled by the median
+        ratio measured/roofline of the same operator's measured shard programs (of every
+        operator's, for one with none; the plain roofline before anything is measured).
+        This is how `soapjax.search.find_plan` keeps its budget with measured costs: one
+        shard program takes 0.3-2 s to compile and time on a CPU, and a search visits
+        hundreds. `progress` is told of each measurement as it starts (a search would
+        otherwise stand still on a line for minutes).
+        """
+        self._deadline, self._progress = deadline, progress
 
     # --- operators -------------------------------------------------------------------------------
 
@@ -620,8 +658,9 @@ class CostModel:
                 self._sig_of[key] = _timing.signature("operator", str(jax.make_jaxpr(fn)(*avals)),
                                                _diff_mask(self.graph.operators[op_index]))
             except Exception as e:  # noqa: BLE001  an exotic equation: priced by a fallback
-                log.info("no shard program for %s at degrees %s: %s: %s",
-                         self.graph.operators[op_index].name, degrees, type(e).__name__, e)
+                log.warning("no shard program for %s at degrees %s (%s: %s); priced by a "
+                            "fallback", self.graph.operators[op_index].name, list(degrees),
+                            type(e).__name__, _first_line(e))
                 self._sig_of[key] = None
         return self._sig_of[key]
 
@@ -641,6 +680,9 @@ class CostModel:
         sig = self.signature(op_index, degrees)
         if sig is not None:
             t = self._measured(op_index, degrees, sig)
+            if t is _DEFERRED:
+                self._counts["estimated"] += 1
+                return self._estimated(op_index, degrees)
             if t is not None:
                 return t
         self._counts["fallbacks"] += 1
@@ -659,13 +701,33 @@ class CostModel:
         if entry is not None:
             self._counts["disk_hits"] += 1
         else:
+            if self._deadline is not None:
+                left = self._deadline - time.perf_counter()
+                if left <= 0:
+                    return _DEFERRED
+                if self._progress is not None:
+                    self._progress(f"measuring shard program {self._counts['measured'] + 1}: "
+                                   f"{self.graph.operators[op_index].name} at degrees "
+                                   f"{list(degrees)} ({left:.0f} s left to measure)")
             entry = self._measure_op(op_index, degrees, sig)
             if entry is None:
                 return None
         back = entry["backward"]
         t = OpTime(entry["forward"]["seconds"], back["seconds"] if back else 0.0, "measured")
         self._by_sig[sig] = t
+        roof = self._analytic(op_index, degrees)
+        if roof.forward_s + roof.backward_s > 0:
+            self._ratios.setdefault(op_index, []).append(
+                (t.forward_s + t.backward_s) / (roof.forward_s + roof.backward_s))
         return t
+
+    def _estimated(self, op_index: int, degrees: tuple[int, ...]) -> OpTime:
+        """The roofline scaled by the operator's median measured/roofline ratio (every
+        operator's where it has none), for a shard program left unmeasured (`measure_until`)."""
+        ratios = self._ratios.get(op_index) or [r for rs in self._ratios.values() for r in rs]
+        scale = float(np.median(ratios)) if ratios else 1.0
+        roof = self._analytic(op_index, degrees)
+        return OpTime(roof.forward_s * scale, roof.backward_s * scale, "estimated")
 
     def _measure_op(self, op_index: int, degrees: tuple[int, ...], sig: str) -> dict | None:
         op = self.graph.operators[op_index]
@@ -676,8 +738,8 @@ class CostModel:
             diff = [o.kind in ("activation", "param") for o in op.inputs]
             bwd = _timing.time_backward(fn, args, diff, self._options)
         except Exception as e:  # noqa: BLE001  compile or run failure: priced by a fallback
-            log.warning("timing %s at degrees %s failed (%s: %s); falling back", op.name, degrees,
-                        type(e).__name__, e)
+            log.warning("timing %s at degrees %s failed (%s: %s); priced by a fallback",
+                        op.name, list(degrees), type(e).__name__, _first_line(e))
             return None
         self._counts["measured"] += 1
         entry = self._cache.entry(sig, "operator", f"{self.graph.name}/{op.name} {list(degrees)}",

@@ -65,6 +65,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
+from soapjax._arguments import check_graph, check_settings, check_topology
 from soapjax.baselines import baselines as make_baselines, megatron_grid
 from soapjax.cost import CostModel
 from soapjax.cost import cost_model as make_cost_model
@@ -83,6 +84,7 @@ from soapjax.space import (
     Strategy,
     configs,
     data_parallel,
+    spatial_convolution,
     within_limits,
 )
 
@@ -250,10 +252,14 @@ class _Searcher:
         self.history: list[tuple[float, float]] = []
         self._last_print = 0.0
         self._t_best = 0.0  # when the current chain last improved, seconds after its start
+        self.check_convolutions = not settings.limits.allow_spatial and any(
+            "conv" in op.anchor for op in sim.graph.operators)
 
     def record(self, name: str) -> None:
         if not self.sim.fits_in_memory():
             return
+        if self.check_convolutions and spatial_convolution(self.sim.graph, self.sim.strategy):
+            return  # apply refuses it (XLA computes it wrongly): never a plan
         t = self.sim.step_time()
         if self.best is None or t < self.best[0]:
             self.best = (t, self.sim.strategy, name)
@@ -360,6 +366,30 @@ class _Searcher:
                       f"{self.proposals} proposals ({self.proposals / max(elapsed, 1e-9):,.0f}/s)")
 
 
+# Shares of a time budget (`SearchSettings.budget_s`, counted from the search's start):
+# measuring new shard programs stops at MEASURE_SHARE of it (later ones are estimated), scoring
+# Megatron's grid at GRID_SHARE (the points left are skipped), and the chains end FINAL_SHARE
+# before its end, left for simulating the plan found and writing it.
+MEASURE_SHARE = 0.8
+GRID_SHARE = 0.3
+FINAL_SHARE = 0.05
+
+
+class _Budget:
+    """Points in time of a search's budget; all None when it counts proposals instead."""
+
+    def __init__(self, t0: float, settings: SearchSettings):
+        self.t0 = t0
+        self.budget_s = None if settings.max_proposals is not None else settings.budget_s
+
+    def at(self, fraction: float) -> float | None:
+        return None if self.budget_s is None else self.t0 + fraction * self.budget_s
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.perf_counter() >= deadline
+
+
 def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
            settings: SearchSettings = SearchSettings(), family: str | None = None,
            opt_state_factor: float = 2.0, progress: Progress | None = None) -> SearchResult:
@@ -386,13 +416,28 @@ def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
     sim = make_simulation(graph, topology, cost_model=cost_model, resharder=resharder,
                           opt_state_factor=opt_state_factor)
     searcher = _Searcher(sim, settings, progress)
+    budget = _Budget(searcher.t0, settings)
+    if sim.cost_model.source == "measured":
+        sim.cost_model.measure_until(budget.at(MEASURE_SHARE), progress)
+    try:
+        return _search(graph, topology, sim, searcher, budget, settings, family,
+                       opt_state_factor, progress, cost_model)
+    finally:
+        if sim.cost_model.source == "measured":
+            sim.cost_model.measure_until(None)
+
+
+def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budget: _Budget,
+            settings: SearchSettings, family: str | None, opt_state_factor: float,
+            progress: Progress | None, cost_model) -> SearchResult:
     starts = dict(make_baselines(graph, topology, family))
     mesh = MeshShape.of(topology)
     for k in range(settings.num_random):
         starts[f"random-{k}"] = random_strategy(graph, mesh, searcher.rng, settings.limits)
     scored = []
     if family in (None, "transformer") and graph.repeated_blocks():
-        grid = _best_of_grid(sim, searcher, graph, topology, progress, settings.limits)
+        grid = _best_of_grid(sim, searcher, graph, topology, progress, settings.limits,
+                             budget.at(GRID_SHARE))
         if grid is not None:
             starts[grid[0]] = grid[1]
     # Baselines outside the space the caller asked for (sequence parallelism splits a CNN's
@@ -401,21 +446,28 @@ def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
               if _within(graph, s, settings.limits)}
     for n, (name, strategy) in enumerate(starts.items()):
         if progress is not None:
-            progress(f"search: scoring start {n + 1}/{len(starts)} ({name}); operator costs are "
-                     "measured on first use")
+            how = ("operator costs measured on first use" if sim.cost_model.source == "measured"
+                   else "analytic operator costs")
+            progress(f"search: scoring start {n + 1}/{len(starts)} ({name}); {how}")
         sim.reset(strategy)
         scored.append((name, sim.step_time(), sim.fits_in_memory()))
         searcher.record(name)
-    # The budget is for the chains: scoring the starts (which may measure many operators' costs
-    # on first use) must not leave them no time.
-    share = settings.budget_s / len(starts)
+    wanted = settings.pipelines if settings.pipelines is not None else searcher.best is None
+    pipelined = wanted and graph.repeated_blocks() and graph.batch_size > 1
+    # With a time budget, the chains share what the starts left, half of it for the pipelined
+    # chains when there are some; with a proposal count, each chain runs its proposals.
     t_chains = time.perf_counter()
+    end = budget.at(1.0 - FINAL_SHARE)
+    if end is None:  # proposal counts: the chains' deadlines are never consulted
+        share = settings.budget_s / len(starts)
+    else:
+        flat_end = t_chains + (end - t_chains) / 2 if pipelined else end
+        share = max(flat_end - t_chains, 0.0) / len(starts)
     for k, name in enumerate(starts):
         searcher.chain(name, starts[name], t_chains + share * (k + 1))
-    wanted = settings.pipelines if settings.pipelines is not None else searcher.best is None
-    if wanted and graph.repeated_blocks() and graph.batch_size > 1:
+    if pipelined:
         for result in _pipelined_chains(graph, topology, cost_model or sim.cost_model,
-                                        settings, opt_state_factor, progress, searcher):
+                                        settings, opt_state_factor, progress, searcher, end):
             if result is not None and (searcher.best is None or result[0] < searcher.best[0]):
                 searcher.best = result
                 searcher.history.append((time.perf_counter() - searcher.t0, result[0]))
@@ -449,10 +501,14 @@ def stage_choices(graph: OpGraph, topology) -> tuple[int, ...]:
 
 
 def _pipelined_chains(graph: OpGraph, topology, cost_model, settings: SearchSettings,
-                      opt_state_factor: float, progress: Progress | None, flat: _Searcher):
+                      opt_state_factor: float, progress: Progress | None, flat: _Searcher,
+                      end: float | None = None):
     """For each stage count (`stage_choices`) and 1 or 2 virtual stages: Megatron's grid at
     that pipeline scored, a chain from its best point; yields each chain's best (time,
-    strategy, start name) or None. Proposals and acceptances add to `flat`'s counts."""
+    strategy, start name) or None. Proposals and acceptances add to `flat`'s counts. With a
+    deadline `end`, the pipelines share the time left before it equally (grid scoring
+    included: a pipeline's grid stops where its share does, after one point at least)."""
+    pipes = []
     for S in stage_choices(graph, topology):
         grid = megatron_grid(graph, topology, pp=(S,), interleave=PIPELINE_GRID["interleave"],
                              tp=PIPELINE_GRID["tp"])
@@ -465,30 +521,38 @@ def _pipelined_chains(graph: OpGraph, topology, cost_model, settings: SearchSett
                 layer_chunks(graph, S * v)
             except PlanError:
                 continue
-            first = next(iter(points.values()))
-            stage = stage_topology(topology, S)
-            with Resharder(MeshShape.of(stage), mode=DEFAULT_MODE) as resharder:
-                sim = PipelinedSimulation(graph, topology, cost_model, resharder, first,
-                                          opt_state_factor=opt_state_factor)
-                searcher = _Searcher(sim, settings, progress)
-                searcher.t0 = flat.t0
-                searcher.microbatches = tuple(
-                    m for m in searcher.microbatches if schedule != "interleaved" or m % S == 0)
-                if progress is not None:
-                    progress(f"search: scoring Megatron's grid at {S} pipeline stages, "
-                             f"{v} virtual ({len(points)} configurations)")
-                best = None
-                for name, st in points.items():
-                    sim.reset(st)
-                    searcher.record(name)
-                    key = (not sim.fits_in_memory(), sim.step_time())
-                    if best is None or key < best[0]:
-                        best = (key, name, st)
-                deadline = time.perf_counter() + settings.budget_s / 4
-                searcher.chain(best[1], best[2], deadline)
-                flat.proposals += searcher.proposals
-                flat.accepted += searcher.accepted
-                yield searcher.best
+            pipes.append((S, v, schedule, points))
+    for k, (S, v, schedule, points) in enumerate(pipes):
+        now = time.perf_counter()
+        deadline = None if end is None else now + max(end - now, 0.0) / (len(pipes) - k)
+        first = next(iter(points.values()))
+        stage = stage_topology(topology, S)
+        with Resharder(MeshShape.of(stage), mode=DEFAULT_MODE) as resharder:
+            sim = PipelinedSimulation(graph, topology, cost_model, resharder, first,
+                                      opt_state_factor=opt_state_factor)
+            searcher = _Searcher(sim, settings, progress)
+            searcher.t0 = flat.t0
+            searcher.microbatches = tuple(
+                m for m in searcher.microbatches if schedule != "interleaved" or m % S == 0)
+            if progress is not None:
+                progress(f"search: scoring Megatron's grid at {S} pipeline stages, "
+                         f"{v} virtual ({len(points)} configurations; pipeline {k + 1} of "
+                         f"{len(pipes)})")
+            best = None
+            for name, st in points.items():
+                if best is not None and deadline is not None \
+                        and time.perf_counter() >= now + (deadline - now) / 2:
+                    break  # half of this pipeline's share for its grid, half for its chain
+                sim.reset(st)
+                searcher.record(name)
+                key = (not sim.fits_in_memory(), sim.step_time())
+                if best is None or key < best[0]:
+                    best = (key, name, st)
+            searcher.chain(best[1], best[2], deadline if deadline is not None
+                           else time.perf_counter() + settings.budget_s / 4)
+            flat.proposals += searcher.proposals
+            flat.accepted += searcher.accepted
+            yield searcher.best
 
 
 def _within(graph: OpGraph, strategy: Strategy, limits: SpaceLimits) -> bool:
@@ -496,15 +560,22 @@ def _within(graph: OpGraph, strategy: Strategy, limits: SpaceLimits) -> bool:
 
 
 def _best_of_grid(sim: Simulation, searcher: _Searcher, graph: OpGraph, topology,
-                  progress: Progress | None, limits: SpaceLimits) -> tuple[str, Strategy] | None:
+                  progress: Progress | None, limits: SpaceLimits,
+                  deadline: float | None = None) -> tuple[str, Strategy] | None:
     """Scores Megatron's grid (`baselines.megatron_grid`); returns the fastest that fits (or
-    the fastest), which becomes a chain's start. Every point is recorded as seen."""
+    the fastest), which becomes a chain's start. Every point is recorded as seen. Points
+    after `deadline` are skipped (one is always scored)."""
     grid = {name: s for name, s in megatron_grid(graph, topology).items()
             if _within(graph, s, limits)}
-    if progress is not None and grid:
-        progress(f"search: scoring Megatron's grid ({len(grid)} configurations)")
     best = None
-    for name, strategy in grid.items():
+    for n, (name, strategy) in enumerate(grid.items()):
+        if best is not None and _past(deadline):
+            if progress is not None:
+                progress(f"search: {len(grid) - n} of Megatron's {len(grid)} grid points left "
+                         "unscored (time budget)")
+            break
+        if progress is not None:
+            progress(f"search: scoring Megatron's grid, {n + 1} of {len(grid)}")
         sim.reset(strategy)
         searcher.record(name)
         key = (not sim.fits_in_memory(), sim.step_time())
@@ -571,6 +642,9 @@ def find_plan(graph: OpGraph, topology, *, settings: SearchSettings | None = Non
       PlanError: no strategy fits in device memory.
       CostError: ``costs="measured"`` where the topology's devices are not attached.
     """
+    check_graph(graph, "find_plan")
+    check_topology(topology, "find_plan")
+    check_settings(settings, SearchSettings, "find_plan")
     settings = settings if settings is not None else SearchSettings()
     cm = make_cost_model(graph, topology, mode=costs, optimizer=optimizer) \
         if isinstance(costs, str) else costs
@@ -596,7 +670,8 @@ def find_plan(graph: OpGraph, topology, *, settings: SearchSettings | None = Non
         "search_time_s": result.search_time_s, "best_from": result.start,
         "reshard": resharder.mode, "opt_state_factor": factor,
         "baselines_fit": {name: fits for name, _, fits in result.baselines},
-        "history": [list(h) for h in result.history]}
+        "history": [list(h) for h in result.history],
+        "cost_stats": cm.stats._asdict()}
     return Plan.make(graph, topology, result.strategy, model_config=model_config,
                      workload=workload, predicted=sim.to_json(), cost_source=cm.source,
                      search=info, baselines=result.baseline_times())

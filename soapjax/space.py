@@ -353,6 +353,33 @@ def validate_config(graph: OpGraph, i: int, config: Config, mesh: MeshShape) -> 
                             f"over {list(axes)}")
 
 
+def spatial_convolution(graph: OpGraph, strategy: Strategy) -> tuple[str, str] | None:
+    """(name, why) of the first convolution that splits, or receives split, a spatial dim.
+
+    `soapjax.apply` refuses such strategies (XLA computes them wrongly) and the search never
+    returns one: an operator of another kind may split a dim that flows into a convolution's
+    height or width, which no per-operator space can see.
+    """
+    position = {op.name: i for i, op in enumerate(graph.operators)}
+    for op, cfg in zip(graph.operators, strategy.configs):
+        if "conv" not in op.anchor:
+            continue
+        roles = op.iteration_roles
+        if any(cfg.axes[d] and roles[d] == "A" for d in range(len(op.shape))):
+            return op.name, f"its config {cfg.describe(op)} splits a spatial (A) dim"
+        for operand in op.inputs:
+            if operand.kind != "activation":
+                continue
+            i = position[operand.source]
+            produced = graph.operators[i].outputs[operand.index].dims
+            for j, (it, src) in enumerate(zip(operand.dims, produced)):
+                axes = strategy.configs[i].axes[src] if src is not None else ()
+                if axes and (it is None or roles[it] == "A"):
+                    return op.name, (f"its input from {operand.source!r} arrives split over "
+                                     f"{axes} along spatial dim {j}")
+    return None
+
+
 def _image_like(op: Operator) -> bool:
     """A convolution, a pooling, or a norm over NHWC images (their height/width are A dims)."""
     if op.anchor.startswith(("conv", "reduce_window", "select_and")):

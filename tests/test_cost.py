@@ -454,3 +454,24 @@ def test_timers_hold_the_garbage_collector_off_and_give_it_back(monkeypatch):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_past_the_measuring_deadline_shard_programs_are_estimated(tmp_path):
+    """`measure_until`: what is not measured by then is the roofline scaled by the operator's
+    measured/roofline ratio, and counted; what was measured (or is on disk) stays measured."""
+    g = dense_graph(32, 64)
+    i = g.index("b")
+    costs = measured(g, tmp_path)
+    whole = costs.shard_time(i, (1, 1, 1))
+    assert whole.source == "measured"
+    costs.measure_until(time.perf_counter() - 1.0)
+    split = costs.shard_time(i, (2, 4, 1))
+    roof = costs._analytic(i, (1, 1, 1))
+    ratio = (whole.forward_s + whole.backward_s) / (roof.forward_s + roof.backward_s)
+    roof_split = costs._analytic(i, (2, 4, 1))
+    assert split.source == "estimated"
+    assert split.forward_s == pytest.approx(roof_split.forward_s * ratio, rel=1e-12)
+    assert costs.stats.estimated == 1 and costs.stats.measured == 1
+    assert costs.shard_time(i, (1, 1, 1)) == whole  # memoised, never re-estimated
+    costs.measure_until(None)
+    assert costs.shard_time(i, (4, 1, 1)).source == "measured"
