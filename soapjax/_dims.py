@@ -431,6 +431,8 @@ def _first_order(ls: LabelSet, name: str, p, ins, in_shapes, out_shapes, prims) 
         return EqnInfo([tuple(src[d] for d in p["permutation"])], reduced, flops, prims)
     if name == "gather":
         return EqnInfo([_gather(ls, p, ins, in_shapes, out_shapes)], reduced, flops, prims)
+    if name.startswith("scatter") and len(ins) == 3:
+        return EqnInfo([_scatter(ls, p, ins, in_shapes)], reduced, flops, prims)
     if name == "concatenate":
         out = list(ls.fresh_many(out_shapes[0]))
         for lb in ins:
@@ -473,6 +475,27 @@ def _gather(ls: LabelSet, p, ins, in_shapes, out_shapes) -> Labels:
                          getattr(dn, "start_indices_batching_dims", ())):
         ls.union(operand[od], indices[idx_d])
     return tuple(out)
+
+
+def _scatter(ls: LabelSet, p, ins, in_shapes) -> Labels:
+    """A scatter's result is its operand, dim for dim; the updates' window dims are the
+    operand's dims (those it does not insert), its other dims the indices' leading dims.
+    (``x.at[:, 0].set(0)`` on a split batch: the updates, a broadcast constant, are split with
+    the batch, where they kept its whole extent.)"""
+    dn = p["dimension_numbers"]
+    operand, indices, updates = (x or ls.fresh_many(s) for x, s in zip(ins, in_shapes))
+    skip = set(dn.inserted_window_dims) | set(getattr(dn, "operand_batching_dims", ()))
+    operand_dims = [d for d in range(len(operand)) if d not in skip]
+    window = tuple(dn.update_window_dims)
+    for ud, od in zip(window, operand_dims):
+        ls.link(updates[ud], operand[od])
+    scatter_dims = [d for d in range(len(updates)) if d not in window]
+    for ud, idx_d in zip(scatter_dims, range(max(len(indices) - 1, 0))):
+        ls.link(updates[ud], indices[idx_d])
+    for od, idx_d in zip(getattr(dn, "operand_batching_dims", ()),
+                         getattr(dn, "scatter_indices_batching_dims", ())):
+        ls.union(operand[od], indices[idx_d])
+    return tuple(operand)
 
 
 def _higher_order(ls, eqn, ins, in_shapes, out_shapes, env) -> EqnInfo:

@@ -738,12 +738,25 @@ def _plan_header(args: argparse.Namespace, w, g, topo, info: dict, cost_source: 
         f"soapjax plan: {w.name} ({config}batch {w.batch_size}) on {topo.name} "
         f"({topo.num_devices} x {topo.device.kind}, mesh "
         + ", ".join(f"{a}={n}" for a, n in zip(topo.axis_names, topo.axis_sizes)) + ")",
-        f"costs: {costs.get(cost_source, cost_source)}; resharding: {args.reshard}",
+        f"costs: {costs.get(cost_source, cost_source)}{_cost_counts(info)}; resharding: "
+        f"{args.reshard}",
         (f"{len(g.operators)} operators; searched {searched:.1f} s, "
          f"{proposals:,} proposals ({proposals / max(searched, 1e-9):,.0f}/s), "
          f"seed {args.seed}; best found from the '{info['best_from']}' start "
          f"(total {total_s:.1f} s)"),
     ]
+
+
+def _cost_counts(info: dict) -> str:
+    """How the measured shard programs were priced: ``" (12 measured now, 30 from the
+    cache, 5 estimated after the measuring budget, 0 by fallback)"``."""
+    stats = dict(info.get("cost_stats") or ())  # a plan's search info is frozen: pairs
+    if not stats or not any(stats.get(k) for k in ("measured", "disk_hits", "estimated",
+                                                    "fallbacks")):
+        return ""
+    return (f" ({stats['measured']} shard programs measured now, {stats['disk_hits']} from "
+            f"the cache, {stats.get('estimated', 0)} estimated after the measuring budget, "
+            f"{stats['fallbacks']} priced by fallback)")
 
 
 def _baseline_results(g, topo, w, cm, resharder, info) -> dict:

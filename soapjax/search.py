@@ -4,8 +4,12 @@ As the FlexFlow paper (section 6): a proposal gives one operator, chosen uniform
 a config chosen uniformly at random from its SOAP space; delta simulation scores it; it is
 accepted with probability ``min(1, exp(beta * (cost(S) - cost(S*))))`` against the *current*
 strategy S. Every baseline (data parallel, Megatron, FSDP, the paper's experts) and some random
-strategies are initial candidates; each gets an equal share of the budget and stops early when
-its best has not improved for half of its share. The best strategy that fits in device memory
+strategies are initial candidates; each gets an equal share of what the budget leaves after
+the starts are scored, and stops early when its best has not improved for half of its share.
+The budget bounds the whole search (`SearchSettings.budget_s`): measuring new shard programs
+stops at 80% of it (`soapjax.cost.CostModel.measure_until`: later ones are estimated from the
+roofline and the operator's measured ones), scoring Megatron's grid at 30%, the chains 5%
+before its end. The best strategy that fits in device memory
 over all chains is returned, so it is never worse than the best baseline.
 
 **beta.** Costs are step times, whose scale varies by orders of magnitude between models and
@@ -96,8 +100,10 @@ class SearchSettings:
     """How to search.
 
     Attributes:
-      budget_s: wall-clock budget for all chains together, counted after the starts are scored
-        (20 s: ``make plan`` of GPT-2 small on a DGX H100 in about 25 s).
+      budget_s: wall-clock budget of the whole search, from its start: scoring the starts,
+        measuring shard programs (until 80% of it; estimated after: see
+        `soapjax.cost.CostModel.measure_until`), Megatron's grids and every chain (20 s:
+        ``make plan`` of GPT-2 small on a DGX H100 searches 18 s).
       max_proposals: proposals per chain; when set, the budget is ignored (reproducible).
       seed: the random seed.
       num_random: random strategies added to the initial candidates.

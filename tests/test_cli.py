@@ -81,6 +81,19 @@ def test_plan_user_code_as_package_module(user_file, tmp_path, capsys, monkeypat
     assert json.loads(out.read_text())["model"]["workload"] == "user_code.my_model:make_workload"
 
 
+def test_the_plan_header_says_how_shard_programs_were_priced():
+    """Measured costs: how many shard programs were measured, read from the cache, estimated
+    after the measuring budget or priced by a fallback (analytic costs: nothing to say)."""
+    stats = {"measured": 4, "disk_hits": 20, "shared": 3, "fallbacks": 1,
+             "updates_measured": 2, "estimated": 7}
+    frozen = tuple(sorted(stats.items()))  # as a loaded plan holds it
+    assert cli._cost_counts({"cost_stats": frozen}) == (
+        " (4 shard programs measured now, 20 from the cache, 7 estimated after the measuring "
+        "budget, 1 priced by fallback)")
+    assert cli._cost_counts({"cost_stats": dict.fromkeys(stats, 0)}) == ""
+    assert cli._cost_counts({}) == ""
+
+
 BAD_RETURNS = {  # the function's body, and a regex of the message
     "not-a-tuple": ("return {'loss': 1}", re.escape("must return (loss_fn, params or "
                                                     "nnx.Module, batch[, optimizer]); it "
