@@ -219,6 +219,17 @@ class PipelinedSimulation:
         self._result = None
         return self.step_time()
 
+    def propose_strategy(self, strategy: Strategy) -> float:
+        """`Simulation.propose_strategy` within this pipeline (its stages, virtual stages and
+        schedule stay)."""
+        if (strategy.stages, strategy.virtual_stages, strategy.schedule) != self._pipeline:
+            raise PlanError("PipelinedSimulation.propose_strategy keeps the pipeline's stages, "
+                            "virtual stages and schedule")
+        self._saved = self._result
+        self._inner.propose_strategy(_flat(strategy))
+        self._result = None
+        return self.step_time()
+
     def accept(self) -> None:
         self._inner.accept()
         self._saved = None

@@ -219,6 +219,14 @@ def _pick(choices, rng):
     return choices[int(rng.integers(len(choices)))]
 
 
+def _changed(strategy: Strategy, members: list[int], config, policy: str | None) -> Strategy:
+    """`strategy` with operators `members` given `config` (if any) and `policy` (if any)."""
+    for j in members:
+        strategy = strategy.replace(j, config) if config is not None else strategy
+        strategy = strategy.with_recompute(j, policy) if policy else strategy
+    return strategy
+
+
 def _propose_all(sim: Simulation, members: list[int], config, policy: str | None = None) -> None:
     """Delta-simulates every member taking `config` (None: its own) and recompute `policy`
     (None: its own), as one pending proposal (`Simulation.propose_many`: one retiming pass)."""
@@ -272,14 +280,17 @@ class _Searcher:
             self.history.append((time.perf_counter() - self.t0, t))
 
     def chain(self, name: str, start: Strategy, deadline: float) -> None:
-        """Metropolis-Hastings from `start` until the deadline or proposal budget."""
+        """Metropolis-Hastings from `start` until the deadline or proposal budget.
+
+        A proposal is delta-simulated (`Simulation.propose_many`) or, with
+        ``SearchSettings(simulation="full")`` and for any change of the microbatch count,
+        fully simulated (`Simulation.propose_strategy`); `accept` or `reject` ends it."""
         sim, rng, s = self.sim, self.rng, self.settings
         sim.reset(start)
         self.record(name)
         if not self.movable and not self.recomputable:
             return
         current = _cost(sim)
-        strategy = sim.strategy  # the current strategy, for full simulation
         beta = math.log(2.0) / (s.temperature * current)
         self._t_best = 0.0
         best_here, since_best, n = current, 0, 0
@@ -294,31 +305,20 @@ class _Searcher:
                     break
             n += 1
             self.proposals += 1
-            move = self._draw(sim.microbatches if s.simulation == "delta"
-                              else strategy.microbatches,
-                              lambda st=strategy: sim.strategy if s.simulation == "delta" else st)
+            move = self._draw(sim.microbatches, lambda: sim.strategy)
             if move is None:  # a config or microbatch count the current strategy cannot take
                 since_best += 1
                 continue
             members, config, policy, m = move
             if m is not None:
-                before = strategy if s.simulation == "full" else sim.strategy
-                candidate = before.with_microbatches(m)
-                sim.reset(candidate)
+                sim.propose_strategy(sim.strategy.with_microbatches(m))
             elif s.simulation == "full":
-                candidate = strategy
-                for j in members:
-                    candidate = candidate.replace(j, config) if config is not None else candidate
-                    candidate = candidate.with_recompute(j, policy) if policy else candidate
-                sim.reset(candidate)
+                sim.propose_strategy(_changed(sim.strategy, members, config, policy))
             else:
                 _propose_all(sim, members, config, policy)
             new = _cost(sim)
             if new <= current or rng.random() < math.exp(beta * (current - new)):
-                if s.simulation == "full" or m is not None:
-                    strategy = candidate
-                else:
-                    sim.accept()
+                sim.accept()
                 self.accepted += 1
                 current = new
                 if new < best_here:
@@ -328,10 +328,7 @@ class _Searcher:
                 else:
                     since_best += 1
             else:
-                if m is not None and s.simulation == "delta":
-                    sim.reset(before)
-                elif s.simulation == "delta":
-                    sim.reject()  # (full: the next proposal resets the simulation anyway)
+                sim.reject()
                 since_best += 1
             self._report(name)
 

@@ -82,8 +82,9 @@ together.
 from __future__ import annotations
 
 import copy
+import functools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -188,12 +189,29 @@ class OpCosts(Protocol):
         ...
 
 
+def _settled(method: Callable) -> Callable:
+    """Rebuilds a rejected full proposal's previous strategy first (`Simulation.reject`
+    leaves it stale: a search in full simulation proposes the next strategy whole, which
+    needs no rebuild)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self._stale is not None:
+            before, self._stale = self._stale, None
+            self.reset(before)
+        return method(self, *args, **kwargs)
+
+    return run
+
+
 class Simulation:
     """A strategy's simulated step, kept up to date under single-operator changes.
 
     The search owns one: `propose` delta-simulates a new config for one operator and returns the
     new step time; `accept` keeps it, `reject` rolls it back (cheaply: the old tasks are kept
     until then). The state always equals a full simulation of the current strategy.
+    `propose_strategy` is the same proposal by full simulation (Algorithm 1) of a whole
+    strategy: delta and full simulation are this object's two ways to propose, and `accept`
+    and `reject` end either.
 
     The task graph is held as *units*, each rebuilt whole when a change touches it: per operator
     its forward and backward tasks (retimed, never rebuilt) and its own collectives (`_OpComm`:
@@ -240,6 +258,8 @@ class Simulation:
         self._memo: dict[tuple, Any] = {}  # stored layouts, shard bytes, activation chains
         self._act: int | None = None  # activation bytes, computed when asked (`_memory`)
         self._pending: _Batch | None = None
+        self._before: Strategy | None = None  # a full proposal's previous strategy
+        self._stale: Strategy | None = None  # a rejected full proposal's, not yet rebuilt
         self._prefetch(strategy, ())  # compile the first strategy's reshardings in one batch
         self.reset(strategy)
 
@@ -248,42 +268,51 @@ class Simulation:
     @property
     def strategy(self) -> Strategy:
         """The current strategy (with a pending proposal applied)."""
+        if self._stale is not None:
+            return self._stale
         return Strategy(tuple(v.config for v in self._views), self._zero, self._micro,
                         tuple(v.policy for v in self._views))
 
     @property
     def microbatches(self) -> int:
         """The current strategy's number of microbatches."""
-        return self._micro
+        return self._stale.microbatches if self._stale is not None else self._micro
 
+    @_settled
     def compute_ends(self) -> tuple[list[float], list[float]]:
         """When each operator's forward and backward compute tasks end (graph order): the
         pipeline simulation (`soapjax.pipesim`) cuts the step into model chunks with them."""
         end = self._task_graph.end
         return ([end[t] for t in self._forward_task], [end[t] for t in self._backward_task])
 
+    @_settled
     def activation_bytes_by_operator(self) -> list[int]:
         """Each operator's kept output bytes per device, one microbatch (before recompute)."""
         return [v.activation_bytes for v in self._views]
 
+    @_settled
     def output_specs(self, i: int) -> tuple[tuple[tuple[str, ...], ...], ...]:
         """Operator `i`'s outputs' layouts (per-dim mesh axes) under its current config."""
         return self._views[i].out_specs
 
+    @_settled
     def memory_breakdown(self) -> MemoryBreakdown:
         """What the current strategy's peak memory per device is made of."""
         return self._memory()
 
+    @_settled
     def choice(self, j: int) -> tuple[Config, str]:
         """Operator `j`'s config and recompute policy (cheaper than ``strategy[j]``)."""
         v = self._views[j]
         return v.config, v.policy
 
+    @_settled
     def step_time(self) -> float:
         """The simulated step time of the current strategy: the timeline's end, plus what
         calling the step costs where the topology measured it (`call_overhead`)."""
         return self._task_graph.step_time() + self._call
 
+    @_settled
     def timeline_end(self) -> float:
         """When the current strategy's last task ends (the step time less `call_overhead`)."""
         return self._task_graph.step_time()
@@ -295,17 +324,20 @@ class Simulation:
         ``[compute]`` table measured it)."""
         return self._call
 
+    @_settled
     def peak_memory_bytes(self) -> int:
         """Peak bytes per device of the current strategy."""
         return self._memory().total
 
+    @_settled
     def fits_in_memory(self) -> bool:
         return self.peak_memory_bytes() <= self.topology.device.memory_bytes
 
     def reset(self, strategy: Strategy) -> float:
         """Full simulation (Algorithm 1): rebuilds the task graph and timeline from scratch."""
-        if self._pending is not None:
+        if self._pending is not None or self._before is not None:
             raise RuntimeError("accept() or reject() the pending proposal before reset()")
+        self._stale = None
         # The build allocates tens of thousands of small objects, none of them in a cycle.
         # Python's collector, run by that count, scans the whole heap, traced graph included:
         # for GPT 175B that made a full simulation 4x slower (190 ms, 45 ms without). It
@@ -315,6 +347,7 @@ class Simulation:
             self._task_graph.full_pass()
         return self.step_time()
 
+    @_settled
     def prefetch(self, changes: Iterable[tuple[int, Config]] = ()) -> int:
         """Has the resharder work out at once (`Resharder.prefetch`: one batch of compilations)
         every resharding that the current strategy and the given single-operator changes need.
@@ -324,6 +357,7 @@ class Simulation:
         """
         return self._prefetch(self.strategy, changes)
 
+    @_settled
     def propose(self, i: int, config: Config, recompute: str | None = None) -> float:
         """Delta-simulates operator `i` taking `config` (Algorithm 2); returns the step time.
 
@@ -343,6 +377,7 @@ class Simulation:
         """
         return self.propose_many([(i, config, recompute)])
 
+    @_settled
     def propose_many(self, changes: Sequence[tuple[int, Config, str | None]]) -> float:
         """Delta-simulates several operators' changes as one proposal: ``(operator, config,
         recompute policy or None)`` each, applied in order, then one retiming pass from the
@@ -376,13 +411,33 @@ class Simulation:
         task_graph.sweep()
         return self.step_time()
 
+    def propose_strategy(self, strategy: Strategy) -> float:
+        """Full simulation (Algorithm 1) of `strategy` as a proposal; returns the step time.
+
+        The counterpart of `propose_many` by full simulation: `accept` keeps it, `reject`
+        returns to the strategy before (rebuilt when next needed, so a search that proposes
+        whole strategies one after another rebuilds each once).
+        """
+        if self._pending is not None or self._before is not None:
+            raise RuntimeError("accept() or reject() the pending proposal first")
+        before = self.strategy
+        self.reset(strategy)
+        self._before = before
+        return self.step_time()
+
     def accept(self) -> None:
         """Keeps the pending proposal."""
+        if self._before is not None:
+            self._before = None
+            return
         for undo in self._take_pending().undos:
             self._task_graph.release(undo.old_tasks)
 
     def reject(self) -> None:
         """Rolls the pending proposal back: the old tasks return, with their old times."""
+        if self._before is not None:
+            self._stale, self._before = self._before, None
+            return
         batch = self._take_pending()
         task_graph = self._task_graph
         for undo in reversed(batch.undos):
@@ -413,6 +468,7 @@ class Simulation:
             task_graph.end[:n] = batch.end
         task_graph.discard_marks()
 
+    @_settled
     def result(self) -> SimResult:
         """A frozen summary of the current state (a pending proposal included)."""
         task_graph, pricing = self._task_graph, self._pricing
@@ -441,6 +497,7 @@ class Simulation:
             cost_source=str(getattr(self.cost_model, "source", "unknown")),
             num_devices=self.mesh.num_devices, tasks=tuple(records), channels=pricing.channels)
 
+    @_settled
     def timeline(self) -> list[tuple[str, float, float]]:
         """``(task name, start, end)`` of every task in issue order (for exact comparisons)."""
         task_graph = self._task_graph

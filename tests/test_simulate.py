@@ -729,3 +729,37 @@ def test_delta_equals_full_when_several_operators_move_at_once(kind, topo_name, 
             rejected += 1
             same(sim, current, g, topo, costs, rs)
     assert rejected
+
+
+@pytest.mark.parametrize("kind, topo_name, seed", CASES[:2], ids=[f"{k}-{t}" for k, t, _ in CASES[:2]])
+def test_full_proposals_are_accepted_and_rejected_like_delta_ones(kind, topo_name, seed):
+    """`propose_strategy` (full simulation) mixed with `propose` (delta): after each accept or
+    reject the state equals a full simulation of the strategy kept; a rejected full proposal's
+    strategy is rebuilt only when asked for, and a delta proposal after it starts from it."""
+    rng = random.Random(seed)
+    g = random_graph(kind, rng)
+    topo = TOPOLOGIES[topo_name]()
+    mesh = MeshShape.of(topo)
+    costs, rs = cost_model(g, topo, mode="analytic"), ideal(topo)
+    choices = [configs(op, mesh) for op in g.operators]
+    current = Strategy(tuple(rng.choice(c) for c in choices))
+    sim = Simulation(g, topo, costs, rs, current)
+    for step in range(12):
+        i = rng.randrange(len(choices))
+        config = rng.choice(choices[i])
+        candidate = current.replace(i, config)
+        if step % 2:
+            t = sim.propose_strategy(candidate)
+        else:
+            t = sim.propose(i, config)
+        assert t == Simulation(g, topo, costs, rs, candidate).step_time()
+        if rng.random() < 0.5:
+            sim.accept()
+            current = candidate
+        else:
+            sim.reject()
+            assert sim.strategy == current  # known without a rebuild
+        same(sim, current, g, topo, costs, rs)
+    with pytest.raises(RuntimeError, match="accept"):
+        sim.propose_strategy(current)
+        sim.reset(current)
