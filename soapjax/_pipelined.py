@@ -54,7 +54,7 @@ Received values wait in slot buffers until their action runs; the slots are allo
 tick table, so a stage keeps as many activations as its schedule has in flight (1F1B: at most S;
 GPipe: M). Without recomputation a forward keeps its chunk's residuals (what ``jax.vjp`` saves,
 but for the parameters and the values the stage already holds) in a slot until the backward;
-with ``recompute=True`` it keeps only the chunk's input, and the backward recomputes the chunk's
+with ``recompute="full"`` it keeps only the chunk's input, and the backward recomputes the chunk's
 forward from it. Gradients are summed over microbatches and the loss is the mean of the
 microbatch losses: the unsharded step's, for a loss that is a mean over its samples (as the
 zoo's are). Microbatch ``k`` holds samples ``k, k + M, ...`` (as `soapjax.apply` splits them).
@@ -119,7 +119,7 @@ from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
 from soapjax.memory import random_operator
 from soapjax.pipeline import Action, check_pipeline, device_orders
-from soapjax.space import MeshShape, Strategy, batch_specs
+from soapjax.space import RECOMPUTE_POLICIES, MeshShape, RecomputePolicy, Strategy, batch_specs
 
 __all__ = ["STAGE_AXIS", "batch_axes", "check_pipelinable", "from_pipelined", "layer_recompute",
            "param_shardings", "pipelined_mesh", "pipelined_value_and_grad", "stacked_params",
@@ -695,7 +695,7 @@ def stacked_params(graph: OpGraph) -> tuple[int, ...]:
     return _layer_scan(graph)[1]
 
 
-def layer_recompute(graph: OpGraph, strategy: Strategy) -> str:
+def layer_recompute(graph: OpGraph, strategy: Strategy) -> RecomputePolicy:
     """The recompute policy the pipelined layers run under: ``"full"`` if a layer operator's
     policy (`Strategy.recompute`, operators with a `block_position`) is ``"full"``, else
     ``"selective"`` if one is, else ``"none"``. One policy for every layer, since a chunk is
@@ -703,7 +703,7 @@ def layer_recompute(graph: OpGraph, strategy: Strategy) -> str:
     under ``"none"``, but for the head in the last chunk, which follows the layers' policy."""
     found = {strategy.recompute_of(j) for j, op in enumerate(graph.operators)
              if op.block_position}
-    return next((p for p in ("full", "selective") if p in found), "none")
+    return next((p for p in reversed(RECOMPUTE_POLICIES) if p in found), "none")
 
 
 def batch_axes(graph: OpGraph, strategy: Strategy) -> tuple[str, ...]:
@@ -756,7 +756,7 @@ def train_value_and_grad(graph: OpGraph, strategy: Strategy, mesh: Mesh, shardin
 
 def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microbatches: int,
                              virtual: int = 1, schedule: str = "1f1b",
-                             recompute: bool | str = False, stage_axis: str = "stage",
+                             recompute: RecomputePolicy = "none", stage_axis: str = "stage",
                              data_axes: Sequence[str] = ()
                              ) -> Callable[[Any, Any], tuple[Any, Any]]:
     """``(params, batch) -> (loss, grads)``: what ``jax.value_and_grad(loss_fn)`` computes, as
@@ -769,10 +769,10 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
       microbatches: M; the batch size must be a multiple of it.
       virtual: v, chunks per stage (the interleaved schedule: 2 or more).
       schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (`soapjax.pipeline`).
-      recompute: ``"full"`` (or True): each chunk's backward recomputes its forward from
+      recompute: ``"full"``: each chunk's backward recomputes its forward from
         the chunk's input; ``"selective"``: a forward keeps its layers' matmul and convolution
         outputs only and the backward recomputes the rest (``jax.checkpoint`` with
-        ``dots_saveable`` around each layer); ``"none"`` (or False): a forward keeps every
+        ``dots_saveable`` around each layer); ``"none"`` (default): a forward keeps every
         residual.
       stage_axis: the mesh axis of the stages.
       data_axes: the mesh axes the batch is split over (``("data",)``). Inside a stage each
@@ -792,10 +792,8 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
         microbatches, the schedule's numbers do not make a pipeline, or `data_axes` are not
         axes of the mesh besides `stage_axis`.
     """
-    policy = {False: "none", True: "full"}.get(recompute, recompute)
-    if policy not in ("none", "selective", "full"):
-        raise PlanError(f"recompute={recompute!r}: expected 'none', 'selective' or 'full' "
-                        "(or a bool)")
+    if recompute not in RECOMPUTE_POLICIES:
+        raise PlanError(f"recompute={recompute!r}: expected one of {RECOMPUTE_POLICIES}")
     _check_mesh(mesh, stages, stage_axis)
     check_pipelinable(graph, stages=stages, microbatches=microbatches, virtual=virtual,
                       schedule=schedule)
@@ -803,7 +801,7 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
     cut, groups = _data_groups(graph, outer, mesh, microbatches, data_axes, stage_axis)
     rows = ticks(schedule, stages, microbatches, virtual)
     pipe = _Pipeline(outer, cut, groups, mesh, stage_axis, stages, virtual, microbatches, rows,
-                     policy)
+                     recompute)
     return pipe.value_and_grad
 
 
@@ -868,7 +866,7 @@ class _Pipeline:
 
     def __init__(self, outer: _Cut, cut: _Cut, groups: _Groups, mesh: Mesh, axis: str,
                  stages: int, virtual: int, microbatches: int,
-                 rows: Sequence[Sequence[Action | None]], recompute: str):
+                 rows: Sequence[Sequence[Action | None]], recompute: RecomputePolicy):
         self.outer, self.cut, self.groups = outer, cut, groups
         self.mesh, self.axis = mesh, axis
         self.S, self.M, self.C = stages, microbatches, stages * virtual

@@ -31,6 +31,7 @@ from soapjax.space import (
     RECOMPUTE_POLICIES,
     Config,
     MeshShape,
+    RecomputePolicy,
     Strategy,
     data_parallel,
     dividing_axes,
@@ -143,7 +144,7 @@ def fsdp(graph: OpGraph, mesh: MeshShape) -> Strategy:
     return Strategy(data_parallel(graph, mesh).configs, zero_axes=tuple(mesh.axis_names))
 
 
-def with_recompute(graph: OpGraph, strategy: Strategy, recompute: str) -> Strategy:
+def with_recompute(graph: OpGraph, strategy: Strategy, recompute: RecomputePolicy) -> Strategy:
     """`strategy` with every operator of a repeated layer recomputing under policy `recompute`
     (``"none"``, ``"selective"``, ``"full"``), as Megatron checkpoints its transformer layers;
     the embedding, final norm and head keep their outputs."""
@@ -179,7 +180,7 @@ def tensor_axes(topology, tp: int) -> tuple[str, ...]:
 
 def megatron_3d(graph: OpGraph, topology, *, tp: int, pp: int = 1, dp: int | None = None,
                 microbatch_size: int | None = None, interleave: int = 1,
-                recompute: str = "full", sequence_parallel: bool = False) -> Strategy:
+                recompute: RecomputePolicy = "full", sequence_parallel: bool = False) -> Strategy:
     """Megatron-LM's configuration space (Narayanan et al., SC 2021) as a strategy.
 
     Tensor parallel over in-node axes of degree `tp` (column- and row-parallel layers
@@ -260,7 +261,7 @@ def megatron_grid(graph: OpGraph, topology, *, pp: Sequence[int] = (1,),
         per = graph.batch_size // (n // (tp * stages))
         for v in (interleave if stages > 1 else (1,)):
             for mb in sorted({1, 2, 4, per} & set(range(1, per + 1))):
-                for rec in ("none", "selective", "full"):
+                for rec in RECOMPUTE_POLICIES:
                     pipe = f"-pp{stages}" + (f"-v{v}" if v > 1 else "") if stages > 1 else ""
                     try:
                         out[f"megatron-tp{tp}{pipe}-mb{mb}-{rec}"] = megatron_3d(

@@ -45,22 +45,19 @@ every operator's sample dim (`microbatch_error`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
 from soapjax._local import draws_random_bits
 from soapjax.errors import PlanError
 from soapjax.graph import Operator, OpGraph
-from soapjax.space import RECOMPUTE_POLICIES as POLICIES
-from soapjax.space import Config, MeshShape, sample_dim
+from soapjax.space import RECOMPUTE_POLICIES, Config, MeshShape, RecomputePolicy, sample_dim
 
-Recompute = Literal["none", "selective", "full"]
 _KEPT_ANCHORS = ("dot_general", "conv_general_dilated")
 
 
 # --- recomputation ------------------------------------------------------------------------------
 
 
-def recomputes(op: Operator, policy: str) -> bool:
+def recomputes(op: Operator, policy: RecomputePolicy) -> bool:
     """Whether `op` under `policy` drops its outputs and runs its forward again (module doc).
 
     >>> from types import SimpleNamespace as Op
@@ -73,7 +70,8 @@ def recomputes(op: Operator, policy: str) -> bool:
         return True
     if policy == "selective":
         return not op.anchor.startswith(_KEPT_ANCHORS)
-    raise PlanError(f"operator {op.name!r}: recompute policy {policy!r} is not one of {POLICIES}")
+    raise PlanError(f"operator {op.name!r}: recompute policy {policy!r} is not one of "
+                    f"{RECOMPUTE_POLICIES}")
 
 
 def layer_of(op: Operator) -> str:

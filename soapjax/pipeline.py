@@ -17,8 +17,10 @@ microbatches:
   per chunk; the bubble shrinks by v at the price of v times more stage-to-stage transfers.
   It needs M to be a multiple of S.
 
-`device_orders` gives those orders as data; simulation (`soapjax.simulate`) times them and apply
-(`soapjax.apply`) runs them, so both follow one definition.
+`SCHEDULES` holds each schedule's rules (`Schedule`: virtual stages or not, whether M must be a
+multiple of S) and its order; `device_orders` gives those orders as data, simulation
+(`soapjax.simulate`) times them and apply (`soapjax.apply`) runs them, so both follow one
+definition, and the search asks `pipeline_error` which microbatch counts a schedule takes.
 
 `time_schedule` times the orders for given per-chunk forward, backward and send times
 (`ChunkTimes`): an event simulation in which each stage runs its actions one at a time, each
@@ -52,11 +54,10 @@ import array
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 from soapjax.errors import PlanError
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 class Action(NamedTuple):
@@ -68,6 +69,48 @@ class Action(NamedTuple):
     chunk: int
 
 
+class Schedule(NamedTuple):
+    """One pipeline schedule: its rules and its per-stage order (a row of `SCHEDULES`).
+
+    Attributes:
+      order: ``(s, S, M, v) -> actions``: the actions of device stage ``s`` of a pipeline of S
+        stages, M microbatches and v virtual stages per device, in the order it runs them.
+      virtual: whether it runs 2 or more virtual stages per device (else exactly 1).
+      whole_rounds: whether M must be a multiple of S (microbatches go round in groups of S).
+    """
+
+    order: Callable[[int, int, int, int], tuple[Action, ...]]
+    virtual: bool = False
+    whole_rounds: bool = False
+
+
+def pipeline_error(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> str | None:
+    """What is wrong with a pipeline's numbers (`check_pipeline`'s message), or None.
+
+    >>> pipeline_error("1f1b", stages=4, microbatches=6) is None
+    True
+    >>> pipeline_error("1f1b", stages=4, microbatches=6, virtual=2)
+    "2 virtual stages per device need the 'interleaved' schedule, not '1f1b'"
+    """
+    if schedule not in SCHEDULES:
+        return f"pipeline schedule {schedule!r} is not one of {', '.join(SCHEDULES)}"
+    for name, value in (("stages", stages), ("microbatches", microbatches),
+                        ("virtual stages", virtual)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            return f"pipeline {name} must be an integer >= 1, got {value!r}"
+    rules = SCHEDULES[schedule]
+    if rules.virtual and virtual < 2:
+        return (f"the {schedule} schedule needs 2 or more virtual stages per device, got "
+                f"{virtual}")
+    if rules.whole_rounds and microbatches % stages:
+        return (f"the {schedule} schedule needs the microbatches ({microbatches}) to be a "
+                f"multiple of the stages ({stages})")
+    if not rules.virtual and virtual != 1:
+        names = " or ".join(repr(n) for n, r in SCHEDULES.items() if r.virtual)
+        return f"{virtual} virtual stages per device need the {names} schedule, not {schedule!r}"
+    return None
+
+
 def check_pipeline(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> None:
     """Raises `PlanError` saying what is wrong with a pipeline's numbers, if anything is.
 
@@ -77,22 +120,9 @@ def check_pipeline(schedule: str, stages: int, microbatches: int, virtual: int =
     soapjax.errors.PlanError: the interleaved schedule needs the microbatches (6) to be a \
 multiple of the stages (4)
     """
-    if schedule not in SCHEDULES:
-        raise PlanError(f"pipeline schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
-    for name, value in (("stages", stages), ("microbatches", microbatches),
-                        ("virtual stages", virtual)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise PlanError(f"pipeline {name} must be an integer >= 1, got {value!r}")
-    if schedule == "interleaved":
-        if virtual < 2:
-            raise PlanError(f"the interleaved schedule needs 2 or more virtual stages per "
-                            f"device, got {virtual}")
-        if microbatches % stages:
-            raise PlanError(f"the interleaved schedule needs the microbatches ({microbatches}) "
-                            f"to be a multiple of the stages ({stages})")
-    elif virtual != 1:
-        raise PlanError(f"{virtual} virtual stages per device need the 'interleaved' schedule, "
-                        f"not {schedule!r}")
+    error = pipeline_error(schedule, stages, microbatches, virtual)
+    if error is not None:
+        raise PlanError(error)
 
 
 def chunks_of(stage: int, stages: int, virtual: int = 1) -> tuple[int, ...]:
@@ -114,18 +144,29 @@ def device_orders(schedule: str, stages: int, microbatches: int,
       PlanError: the numbers do not make a pipeline of that schedule (`check_pipeline`).
     """
     check_pipeline(schedule, stages, microbatches, virtual)
-    return tuple(_order(schedule, s, stages, microbatches, virtual) for s in range(stages))
+    order = SCHEDULES[schedule].order
+    return tuple(order(s, stages, microbatches, virtual) for s in range(stages))
 
 
-def _order(schedule: str, s: int, S: int, M: int, v: int) -> tuple[Action, ...]:
-    if schedule == "gpipe":
-        return (tuple(Action("F", m, s) for m in range(M))
-                + tuple(Action("B", m, s) for m in range(M)))
+def _gpipe(s: int, S: int, M: int, v: int) -> tuple[Action, ...]:
+    return (tuple(Action("F", m, s) for m in range(M))
+            + tuple(Action("B", m, s) for m in range(M)))
+
+
+def _1f1b(s: int, S: int, M: int, v: int) -> tuple[Action, ...]:
+    return _warm_up_then_alternate(s, S, M, v, warmup=min(S - s - 1, M))
+
+
+def _interleaved(s: int, S: int, M: int, v: int) -> tuple[Action, ...]:
+    # Megatron-LM's interleaved schedule (schedules.py, forward_backward_pipelining_...)
     total = M * v
-    if schedule == "1f1b":
-        warmup = min(S - s - 1, M)
-    else:  # Megatron-LM's interleaved schedule (schedules.py, forward_backward_pipelining_...)
-        warmup = total if M == S else min((S - s - 1) * 2 + (v - 1) * S, total)
+    warmup = total if M == S else min((S - s - 1) * 2 + (v - 1) * S, total)
+    return _warm_up_then_alternate(s, S, M, v, warmup)
+
+
+def _warm_up_then_alternate(s: int, S: int, M: int, v: int, warmup: int) -> tuple[Action, ...]:
+    """`warmup` forwards, then one forward and one backward in turn, then the backwards left."""
+    total = M * v
     fwd = [_virtual(k, s, S, v, forward=True) for k in range(total)]
     bwd = [_virtual(k, s, S, v, forward=False) for k in range(total)]
     order = fwd[:warmup]
@@ -133,6 +174,15 @@ def _order(schedule: str, s: int, S: int, M: int, v: int) -> tuple[Action, ...]:
         order += [fwd[warmup + k], bwd[k]]
     order += bwd[total - warmup:]
     return tuple(order)
+
+
+# Every schedule by name (module doc). Adding one is an order function and a row here; the
+# checks, the simulator, the search and apply read its rules from the row.
+SCHEDULES: dict[str, Schedule] = {
+    "gpipe": Schedule(_gpipe),
+    "1f1b": Schedule(_1f1b),
+    "interleaved": Schedule(_interleaved, virtual=True, whole_rounds=True),
+}
 
 
 def _virtual(k: int, s: int, S: int, v: int, forward: bool) -> Action:

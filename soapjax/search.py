@@ -76,12 +76,14 @@ from soapjax.cost import cost_model as make_cost_model
 from soapjax.errors import PlanError, SettingsError
 from soapjax.graph import OpGraph
 from soapjax.memory import microbatch_choices, microbatch_error
+from soapjax.pipeline import pipeline_error
 from soapjax.pipesim import PipelinedSimulation, layer_chunks
 from soapjax.plan import Plan
 from soapjax.reshard import DEFAULT_MODE, Resharder
 from soapjax.simulate import Simulation, opt_state_factor
 from soapjax.topology import stage_topology
 from soapjax.space import (
+    RECOMPUTE_POLICIES,
     Config,
     MeshShape,
     SpaceLimits,
@@ -239,7 +241,6 @@ def _propose_all(sim: Simulation, members: list[int], config, policy: str | None
 # the whole step (`Simulation.reset`), in delta and full simulation alike.
 RECOMPUTE_MOVES = 0.15
 MICROBATCH_MOVES = 0.03
-_POLICIES = ("none", "selective", "full")
 
 
 class _Searcher:
@@ -347,7 +348,7 @@ class _Searcher:
             return [], None, None, new
         if r < MICROBATCH_MOVES + RECOMPUTE_MOVES:
             i = self.recomputable[int(rng.integers(len(self.recomputable)))]
-            return self.tied.get(i, [i]), None, _POLICIES[int(rng.integers(3))], None
+            return self.tied.get(i, [i]), None, _pick(RECOMPUTE_POLICIES, rng), None
         if not self.movable:
             return None
         i = self.movable[int(rng.integers(len(self.movable)))]
@@ -536,7 +537,7 @@ def _pipelined_chains(graph: OpGraph, topology, cost_model, settings: SearchSett
             searcher = _Searcher(sim, settings, progress)
             searcher.t0 = flat.t0
             searcher.microbatches = tuple(
-                m for m in searcher.microbatches if schedule != "interleaved" or m % S == 0)
+                m for m in searcher.microbatches if pipeline_error(schedule, S, m, v) is None)
             if progress is not None:
                 progress(f"search: scoring Megatron's grid at {S} pipeline stages, "
                          f"{v} virtual ({len(points)} configurations; pipeline {k + 1} of "

@@ -34,6 +34,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
@@ -183,7 +184,11 @@ class Config:
         return "[" + ", ".join(parts[:n]) + (" | " + ", ".join(parts[n:]) if parts[n:] else "") + "]"
 
 
-RECOMPUTE_POLICIES: tuple[str, ...] = ("none", "selective", "full")
+# What an operator recomputes in the backward pass, lightest first (`soapjax.memory` says what
+# each drops and runs again). The one spelling: memory, search, the baselines and the pipelined
+# step all read these.
+RecomputePolicy = Literal["none", "selective", "full"]
+RECOMPUTE_POLICIES: tuple[RecomputePolicy, ...] = get_args(RecomputePolicy)
 
 
 def _spec(axes: Sequence[tuple[str, ...]]) -> PartitionSpec:
@@ -214,7 +219,7 @@ class Strategy:
     configs: tuple[Config, ...]
     zero_axes: tuple[str, ...] = ()
     microbatches: int = 1
-    recompute: tuple[str, ...] = ()
+    recompute: tuple[RecomputePolicy, ...] = ()
     stages: int = 1
     virtual_stages: int = 1
     schedule: str = "1f1b"
@@ -254,11 +259,11 @@ class Strategy:
         """This strategy with operator `i` given `config`."""
         return dataclasses.replace(self, configs=self.configs[:i] + (config,) + self.configs[i + 1:])
 
-    def recompute_of(self, i: int) -> str:
+    def recompute_of(self, i: int) -> RecomputePolicy:
         """Operator `i`'s recompute policy (``"none"`` when `recompute` is ())."""
         return self.recompute[i] if self.recompute else "none"
 
-    def with_recompute(self, i: int, policy: str) -> Strategy:
+    def with_recompute(self, i: int, policy: RecomputePolicy) -> Strategy:
         """This strategy with operator `i` recomputing under `policy`."""
         r = list(self.recompute or ("none",) * len(self.configs))
         r[i] = policy

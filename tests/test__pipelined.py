@@ -33,7 +33,8 @@ from soapjax._pipelined import (
 from soapjax.errors import PlanError
 from soapjax.graph import trace
 from soapjax.hlo import collectives
-from soapjax.pipeline import device_orders
+from soapjax.pipeline import SCHEDULES, device_orders
+from soapjax.space import RecomputePolicy
 from soapjax_zoo.gpt import GPT_CONFIGS, build_gpt
 from soapjax_zoo.llama import LLAMA_CONFIGS, build_llama
 
@@ -83,7 +84,7 @@ def megatron_specs(params):
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
-def compiled(name: str, schedule: str, virtual: int, recompute: bool,
+def compiled(name: str, schedule: str, virtual: int, recompute: RecomputePolicy,
              data_axes: tuple[str, ...] = ("data",)):
     """The compiled pipelined step of the tiny model (2 layers per virtual stage), its loss and
     gradients (in the model's layout)."""
@@ -91,7 +92,7 @@ def compiled(name: str, schedule: str, virtual: int, recompute: bool,
 
 
 @functools.cache  # every argument passed, so each case has one key
-def _compiled(name: str, schedule: str, virtual: int, recompute: bool,
+def _compiled(name: str, schedule: str, virtual: int, recompute: RecomputePolicy,
               data_axes: tuple[str, ...]):
     params, batch, graph, _ = model_case(name, STAGES * virtual)
     m = mesh()
@@ -123,11 +124,15 @@ def assert_unsharded(name: str, virtual: int, loss, grads) -> None:
 
 
 # name, schedule, virtual, recompute, data axes
-CASES = [("gpt", "gpipe", 1, False, ("data",)), ("gpt", "1f1b", 1, False, ("data",)),
-         ("gpt", "1f1b", 1, True, ("data",)), ("gpt", "interleaved", 2, False, ("data",)),
-         ("gpt", "1f1b", 1, True, ()), ("llama", "1f1b", 1, False, ("data",))]
+CASES = [("gpt", "gpipe", 1, "none", ("data",)), ("gpt", "1f1b", 1, "none", ("data",)),
+         ("gpt", "1f1b", 1, "full", ("data",)), ("gpt", "interleaved", 2, "none", ("data",)),
+         ("gpt", "1f1b", 1, "full", ()), ("llama", "1f1b", 1, "none", ("data",))]
 IDS = ["gpt-gpipe-saved", "gpt-1f1b-saved", "gpt-1f1b-recomputed", "gpt-interleaved-saved",
        "gpt-1f1b-recomputed-whole-microbatches", "llama-1f1b-saved"]
+
+
+def test_every_schedule_of_the_table_runs_here():
+    assert {case[1] for case in CASES} == set(SCHEDULES)
 
 
 @pytest.mark.parametrize("name,schedule,virtual,recompute,data_axes", CASES, ids=IDS)
@@ -174,10 +179,10 @@ def test_the_data_parallel_gradients_are_reduced_once_per_step():
     loop (`HloCollective.executions` counts a collective in the loop once per tick; its
     branch runs on M of them). The numbers are the same (`CASES`).
     """
-    once = over_data(compiled("gpt", "1f1b", 1, False)[2])
+    once = over_data(compiled("gpt", "1f1b", 1, "none")[2])
     assert [(c.kind, c.executions) for c in once] == [("all-reduce", 1)] * len(once)
     assert sum(c.nbytes for c in once) == 86_920
-    in_loop = over_data(compiled("gpt", "1f1b", 1, True, ())[2])
+    in_loop = over_data(compiled("gpt", "1f1b", 1, "full", ())[2])
     ticks_1f1b = len(ticks("1f1b", STAGES, MICROBATCHES))
     assert sorted((c.kind, c.nbytes, c.executions) for c in in_loop) == [
         ("all-reduce", 8, ticks_1f1b), ("all-reduce", 18_432, 1),
@@ -205,7 +210,7 @@ def test_the_stages_send_what_the_schedule_needs(schedule, virtual):
     activation: 4 samples / data 2 x 8 tokens x d_model 32 x 8 bytes = 4096 bytes per device
     (the activation between layers is replicated over "model", Megatron's split).
     """
-    text = compiled("gpt", schedule, virtual, False)[2].as_text()
+    text = compiled("gpt", schedule, virtual, "none")[2].as_text()
     chunks = STAGES * virtual
     rows = ticks(schedule, STAGES, MICROBATCHES, virtual)
     m = mesh()
@@ -230,12 +235,12 @@ def test_1f1b_keeps_fewer_activations_than_gpipe():
     """Same numbers, less memory: the compiled step's temporaries (XLA's memory analysis) with
     1F1B, which keeps at most S microbatches' residuals per stage, below GPipe's, which keeps
     all M (recomputing, the chunk inputs only: fewer still)."""
-    def temp(schedule, recompute=False):
+    def temp(schedule, recompute="none"):
         exe = compiled("gpt", schedule, 1, recompute)[2]
         return exe.memory_analysis().temp_size_in_bytes
 
     assert temp("1f1b") < temp("gpipe")
-    assert temp("1f1b", True) < temp("1f1b")
+    assert temp("1f1b", "full") < temp("1f1b")
 
 
 def test_ticks_follow_the_schedule_orders():
@@ -259,6 +264,15 @@ def test_layers_that_do_not_divide_into_the_chunks_are_refused():
     with pytest.raises(PlanError, match=r"2 layers into stages x virtual = 2 x 2 = 4 chunks"):
         pipelined_value_and_grad(graph, mesh(), stages=STAGES, microbatches=MICROBATCHES,
                                  virtual=2, schedule="interleaved")
+
+
+@pytest.mark.parametrize("recompute", [True, "selected"], ids=["a-bool", "a-misspelling"])
+def test_recompute_is_one_of_the_strategy_policies(recompute):
+    _, _, graph, _ = model_case("gpt", 2)
+    with pytest.raises(PlanError, match=r"recompute=.*: expected one of "
+                                        r"\('none', 'selective', 'full'\)"):
+        pipelined_value_and_grad(graph, mesh(), stages=STAGES, microbatches=MICROBATCHES,
+                                 recompute=recompute)
 
 
 @pytest.mark.parametrize("data_axes", [("batch",), ("stage",), ("data", "data")],

@@ -11,6 +11,7 @@ import pytest
 
 from soapjax.errors import PlanError
 from soapjax.pipeline import (
+    SCHEDULES,
     Action,
     ChunkTimes,
     TimedAction,
@@ -18,6 +19,7 @@ from soapjax.pipeline import (
     check_pipeline,
     chunks_of,
     device_orders,
+    pipeline_error,
     time_schedule,
 )
 
@@ -95,6 +97,17 @@ def test_bad_pipelines_are_refused_with_what_was_expected():
         check_pipeline("1f1b", 2, 4, 2)
     with pytest.raises(PlanError, match="needs 2 or more virtual stages"):
         check_pipeline("interleaved", 2, 4, 1)
+
+
+def test_every_schedule_of_the_table_is_tested_and_follows_its_rules():
+    """`SCHEDULES` is the one list of schedules: each has cases here (orders and timing) and in
+    tests/test__pipelined.py (run), and `pipeline_error` reads its row's rules."""
+    assert {case[0] for case in CASES} == set(SCHEDULES)
+    for name, rules in SCHEDULES.items():
+        v = 2 if rules.virtual else 1
+        assert pipeline_error(name, stages=4, microbatches=8, virtual=v) is None
+        assert (pipeline_error(name, 4, 6, v) is None) is not rules.whole_rounds
+        assert pipeline_error(name, 4, 8, 1 if rules.virtual else 2) is not None
 
 
 # --- time_schedule ----------------------------------------------------------------------------
