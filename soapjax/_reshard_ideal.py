@@ -16,15 +16,10 @@ from collections.abc import Iterable
 from typing import NamedTuple, Protocol
 
 from soapjax._dtypes import itemsize
+from soapjax.collectives import XLA_COLLECTIVES
 from soapjax.space import MeshShape
 
-KINDS: tuple[str, ...] = (
-    "all_reduce",
-    "all_gather",
-    "reduce_scatter",
-    "all_to_all",
-    "collective_permute",
-)
+KINDS: tuple[str, ...] = XLA_COLLECTIVES  # a resharding is made of what XLA emits
 
 
 class Collective(NamedTuple):

@@ -24,45 +24,54 @@ all-pairs bandwidth, a lone transfer's) is the topology's business; the formulas
 0.001506
 >>> bytes_sent("all-gather", 1024, 4)  # HLO spellings work too
 768.0
+
+Each row also holds the kind's HLO opcode (``"all-gather"``; none for point_to_point, which
+XLA emits as send and recv): `soapjax.hlo` reads compiled programs' collectives by those
+opcodes, `soapjax.links` measures every kind XLA emits (`XLA_COLLECTIVES`) and the ideal
+resharding model (`soapjax.reshard`) speaks in them. Adding a kind is a row here and, if XLA
+emits it, its measuring program in `soapjax.links`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Literal, NamedTuple, get_args
 
-COLLECTIVES: tuple[str, ...] = (
-    "all_reduce",
-    "all_gather",
-    "reduce_scatter",
-    "all_to_all",
-    "collective_permute",
-    "point_to_point",
-)
+CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                         "collective_permute", "point_to_point"]
+COLLECTIVES: tuple[CollectiveKind, ...] = get_args(CollectiveKind)
 ALGORITHMS: tuple[str, ...] = ("auto", "ring", "hierarchical")
 
 
 class Formula(NamedTuple):
-    """One row of the table: per-device bytes sent (a fraction of nbytes) and latency steps."""
+    """One row of the table: per-device bytes sent (a fraction of nbytes), latency steps, the
+    HLO opcode of the kind (None where XLA has no instruction of its own for it), and whether
+    `hierarchical_time` prices it (rings inside nodes, then across)."""
 
     sent: Callable[[int], float]
     steps: Callable[[int], int]
+    hlo: str | None
+    hierarchical: bool = False
 
 
-FORMULAS: dict[str, Formula] = {
-    "all_reduce": Formula(lambda n: 2 * (n - 1) / n, lambda n: 2 * (n - 1)),
-    "all_gather": Formula(lambda n: (n - 1) / n, lambda n: n - 1),
-    "reduce_scatter": Formula(lambda n: (n - 1) / n, lambda n: n - 1),
-    "all_to_all": Formula(lambda n: (n - 1) / n, lambda n: n - 1),
-    "collective_permute": Formula(lambda n: 1.0, lambda n: 1),
-    "point_to_point": Formula(lambda n: 1.0, lambda n: 1),
+FORMULAS: dict[CollectiveKind, Formula] = {
+    "all_reduce": Formula(lambda n: 2 * (n - 1) / n, lambda n: 2 * (n - 1), "all-reduce", True),
+    "all_gather": Formula(lambda n: (n - 1) / n, lambda n: n - 1, "all-gather", True),
+    "reduce_scatter": Formula(lambda n: (n - 1) / n, lambda n: n - 1, "reduce-scatter", True),
+    "all_to_all": Formula(lambda n: (n - 1) / n, lambda n: n - 1, "all-to-all"),
+    "collective_permute": Formula(lambda n: 1.0, lambda n: 1, "collective-permute"),
+    "point_to_point": Formula(lambda n: 1.0, lambda n: 1, None),
 }
 assert tuple(FORMULAS) == COLLECTIVES
+
+# The kinds XLA emits as collective instructions, and their HLO opcodes.
+XLA_COLLECTIVES: tuple[CollectiveKind, ...] = tuple(k for k, f in FORMULAS.items() if f.hlo)
+HLO_OPCODES: dict[str, CollectiveKind] = {f.hlo: k for k, f in FORMULAS.items() if f.hlo}
 
 
 def kind_name(kind: str) -> str:
     """``"all-reduce"`` (HLO) or ``"all_reduce"`` -> ``"all_reduce"``."""
-    return kind.replace("-", "_")
+    return HLO_OPCODES.get(kind, kind.replace("-", "_"))
 
 
 def bytes_sent(kind: str, nbytes: float, group_size: int) -> float:

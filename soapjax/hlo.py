@@ -78,19 +78,13 @@ from soapjax._hlo_text import (
     shape_str,
     type_leaves,
 )
-from soapjax.collectives import bytes_sent
+from soapjax.collectives import HLO_OPCODES, bytes_sent
 
 __all__ = ["KINDS", "HloCollective", "collectives", "ops_outside_loops", "parse_replica_groups",
            "summarize"]
 
-KINDS: tuple[str, ...] = (
-    "all-reduce",
-    "all-gather",
-    "reduce-scatter",
-    "all-to-all",
-    "collective-permute",
-)
-
+# The collectives' HLO opcodes (`soapjax.collectives`' table), async -start/-done halves aside.
+KINDS: tuple[str, ...] = tuple(HLO_OPCODES)
 
 
 class HloCollective(NamedTuple):

@@ -71,11 +71,11 @@ from soapjax._timing import (
     time_compiled,
     time_loop,
 )
-from soapjax.collectives import COLLECTIVES
+from soapjax.collectives import XLA_COLLECTIVES
 from soapjax.errors import TopologyError
 from soapjax.topology import CollectiveModel, ComputeSharing, Topology, make_mesh
 
-MEASURED_KINDS: tuple[str, ...] = tuple(k for k in COLLECTIVES if k != "point_to_point")
+MEASURED_KINDS: tuple[str, ...] = XLA_COLLECTIVES  # point_to_point is no XLA instruction
 # Fitted sizes and held-back sizes between them (bytes of the buffer): 256 B .. 256 KiB in powers
 # of 4, then steps of 1.5x and 1.33x to 16 MiB, where XLA:CPU changes algorithm and its caches
 # and memory run out (on cpu8: all-to-all over `model` 0.5 ms at 512 KiB, 1.9 ms at 1 MiB; over
@@ -264,21 +264,24 @@ def write_topology(base_text: str, measured: str) -> str:
 # --- measuring (needs the devices) ---------------------------------------------------------------
 
 
+# How each measured kind runs: ``(axis name or names, devices per group) -> per-device code on
+# a 1-D local buffer`` (`shard_map` body code). One entry per kind XLA emits.
+_PROGRAMS: dict[str, Callable[[Any, int], Callable[[jax.Array], jax.Array]]] = {
+    "all_reduce": lambda name, n: lambda x: lax.psum(x, name),
+    "all_gather": lambda name, n: lambda x: lax.all_gather(x, name, tiled=True),
+    "reduce_scatter": lambda name, n: lambda x: lax.psum_scatter(x, name, tiled=True),
+    "all_to_all": lambda name, n: lambda x: lax.all_to_all(x, name, 0, 0, tiled=True),
+    "collective_permute": lambda name, n: lambda x: lax.ppermute(
+        x, name, [(i, (i + 1) % n) for i in range(n)]),
+}
+assert tuple(_PROGRAMS) == MEASURED_KINDS, "a collective kind without a measuring program"
+
+
 def _collective(kind: str, axes: tuple[str, ...], n: int) -> Callable[[jax.Array], jax.Array]:
     """The per-device collective on a 1-D local buffer, as `shard_map` body code."""
-    name = axes if len(axes) > 1 else axes[0]
-    if kind == "all_reduce":
-        return lambda x: lax.psum(x, name)
-    if kind == "all_gather":
-        return lambda x: lax.all_gather(x, name, tiled=True)
-    if kind == "reduce_scatter":
-        return lambda x: lax.psum_scatter(x, name, tiled=True)
-    if kind == "all_to_all":
-        return lambda x: lax.all_to_all(x, name, 0, 0, tiled=True)
-    if kind == "collective_permute":
-        perm = [(i, (i + 1) % n) for i in range(n)]
-        return lambda x: lax.ppermute(x, name, perm)
-    raise TopologyError(f"collective {kind!r}: expected one of {', '.join(MEASURED_KINDS)}")
+    if kind not in _PROGRAMS:
+        raise TopologyError(f"collective {kind!r}: expected one of {', '.join(MEASURED_KINDS)}")
+    return _PROGRAMS[kind](axes if len(axes) > 1 else axes[0], n)
 
 
 def _input_elements(kind: str, nbytes: int, n: int) -> int:

@@ -90,6 +90,7 @@ from soapjax.collectives import (
     bytes_sent as bytes_sent,
 )
 from soapjax.collectives import (
+    FORMULAS,
     hierarchical_time,
     kind_name,
     ring_time,
@@ -313,7 +314,7 @@ class Topology:
                 )
             return self._ring_time(kind, nbytes, axes, ring, group_size)
         flat = self._ring_time(kind, nbytes, axes, ring, ring.size)
-        if algorithm == "ring" or kind not in ("all_reduce", "all_gather", "reduce_scatter"):
+        if algorithm == "ring" or not FORMULAS[kind].hierarchical:
             if algorithm == "hierarchical":
                 raise TopologyError(
                     f"algorithm 'hierarchical' is defined for all_reduce, all_gather and "

@@ -643,3 +643,20 @@ def test_the_3072_gpu_cluster_is_summarised_and_priced_in_seconds():
     # every node's NVLink, PCIe and NIC channels: 384 x 3
     assert len(channels) == 3 * 384
     assert elapsed < 10  # 40-60 s and 4 GB when every pair was routed
+
+
+def test_the_collectives_table_is_the_one_list_of_kinds():
+    """Every list of collective kinds reads `soapjax.collectives.FORMULAS`: HLO's opcodes
+    (`hlo.KINDS`), the ideal resharding's kinds and the kinds `calibrate --links` measures,
+    each with its measuring program."""
+    from soapjax import collectives, hlo, links, reshard
+
+    assert collectives.COLLECTIVES == tuple(collectives.FORMULAS)
+    assert hlo.KINDS == ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                         "collective-permute")
+    xla = tuple(k for k in collectives.COLLECTIVES if k != "point_to_point")
+    assert collectives.XLA_COLLECTIVES == reshard.KINDS == links.MEASURED_KINDS == xla
+    assert tuple(links._PROGRAMS) == xla
+    assert [collectives.kind_name(k) for k in hlo.KINDS] == list(xla)
+    assert [collectives.kind_name(k) for k in collectives.COLLECTIVES] == list(
+        collectives.COLLECTIVES)
