@@ -31,10 +31,19 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from soapjax import space
 from soapjax._pipelined import STAGE_AXIS, pipelined_mesh, stacked_params, stage_mesh_shape
-from soapjax._validation import validate_leaves, validate_strategy
+from soapjax._validation import Checked, check_strategy, validate_leaves
 from soapjax.errors import PlanError
 from soapjax.graph import LeafInfo, OpGraph
 from soapjax.space import MeshShape
+
+
+def checked(graph: OpGraph, strategy: Any, mesh: Mesh,
+            mesh_shape: MeshShape | None = None) -> Checked:
+    """`strategy` checked for `graph` on `mesh`: as it comes when the apply stage checked it
+    already (`soapjax._validation.check_strategy` is called where a strategy enters)."""
+    if isinstance(strategy, Checked) and strategy.holds(graph, mesh):
+        return strategy
+    return check_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)
 
 
 class TrainShardings(NamedTuple):
@@ -75,7 +84,7 @@ def param_shardings(graph: OpGraph, strategy: Any, mesh: Mesh, *, params: Any = 
       PlanError: see `validate_strategy`; parameters that differ from the traced ones, or none
         given for a pytree that is not nested dicts.
     """
-    strategy = validate_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)
+    strategy = checked(graph, strategy, mesh, mesh_shape).strategy
     if not strategy.pipelined:
         specs = space.param_specs(graph, strategy, MeshShape.of(mesh))  # the simulator's
         return _unflatten(graph.params, _fitted(graph.params, specs, mesh), params, "params")
@@ -100,7 +109,7 @@ def batch_shardings(graph: OpGraph, strategy: Any, mesh: Mesh, *, batch: Any = N
         nested dicts with string keys.
       mesh_shape: the mesh the strategy was planned for, when known.
     """
-    strategy = validate_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)
+    strategy = checked(graph, strategy, mesh, mesh_shape).strategy
     specs = space.batch_specs(graph, strategy)
     return _unflatten(graph.batch, _fitted(graph.batch, specs, _run_on(strategy, mesh)), batch,
                       "batch")
@@ -145,9 +154,10 @@ def train_shardings(graph: OpGraph, strategy: Any, mesh: Mesh,
                     optimizer: optax.GradientTransformation, *, params: Any = None,
                     batch: Any = None, mesh_shape: MeshShape | None = None) -> TrainShardings:
     """The shardings of parameters, optimizer state, batch and loss (see the functions above)."""
-    strategy = validate_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)
-    ps = param_shardings(graph, strategy, mesh, params=params)
-    bs = batch_shardings(graph, strategy, mesh, batch=batch)
+    check = checked(graph, strategy, mesh, mesh_shape)
+    strategy = check.strategy
+    ps = param_shardings(graph, check, mesh, params=params)
+    bs = batch_shardings(graph, check, mesh, batch=batch)
     abstract = params if params is not None else jax.tree.unflatten(
         jax.tree.structure(ps), [jax.ShapeDtypeStruct(l.shape, l.dtype) for l in graph.params])
     os = opt_state_shardings(optimizer, abstract, ps)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -24,6 +24,40 @@ from soapjax.errors import PlanError
 from soapjax.graph import LeafInfo, OpGraph
 from soapjax.memory import check_microbatches
 from soapjax.space import Config, MeshShape, Strategy, spatial_convolution
+
+
+class Checked(NamedTuple):
+    """A strategy checked against a graph and a mesh where it entered the apply stage
+    (`check_strategy`): what the apply functions hand each other, so a strategy is checked
+    once however many of them build on it.
+
+    Attributes:
+      strategy: the strategy.
+      graph: the graph it was checked against.
+      mesh: the `jax.sharding.Mesh` it was checked against.
+      spatial: ``(operator, why)`` of a convolution it splits or feeds spatially (XLA
+        computes those wrongly: `refuse_spatial_convolutions`), or None.
+    """
+
+    strategy: Strategy
+    graph: OpGraph
+    mesh: Mesh
+    spatial: tuple[str, str] | None
+
+    def holds(self, graph: OpGraph, mesh: Mesh) -> bool:
+        """Whether this check was made for `graph` on `mesh`."""
+        return self.graph is graph and self.mesh is mesh
+
+
+def check_strategy(graph: OpGraph, strategy: Any, mesh: Mesh, *,
+                   mesh_shape: MeshShape | None = None) -> Checked:
+    """`validate_strategy`, once: a `Checked` for `graph` and `mesh` comes back as it is."""
+    if isinstance(strategy, Checked) and strategy.holds(graph, mesh):
+        return strategy
+    if isinstance(strategy, Checked):
+        strategy = strategy.strategy
+    checked = validate_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)
+    return Checked(checked, graph, mesh, spatial_convolution(graph, checked))
 
 
 def validate_strategy(graph: OpGraph, strategy: Any, mesh: Mesh, *,
@@ -136,8 +170,9 @@ def _validate_configs(graph: OpGraph, strategy: Strategy, mesh: MeshShape) -> No
                         f"axes {mesh.axis_names}")
 
 
-def refuse_spatial_convolutions(graph: OpGraph, strategy: Strategy) -> None:
-    found = spatial_convolution(graph, strategy)
+def refuse_spatial_convolutions(checked: Checked) -> None:
+    """PlanError if the checked strategy splits or feeds a convolution spatially."""
+    found = checked.spatial
     if found is not None:
         name, why = found
         raise PlanError(

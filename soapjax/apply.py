@@ -73,13 +73,14 @@ from soapjax._pipelined import train_value_and_grad
 from soapjax._shardings import (
     TrainShardings,
     batch_shardings,
+    checked,
     opt_state_shardings,
     param_shardings,
     train_shardings,
 )
 from soapjax._validation import (
+    Checked,
     refuse_spatial_convolutions,
-    spatial_convolution,
     strategy_from_names,
     validate_leaves,
     validate_program_inputs,
@@ -91,6 +92,7 @@ from soapjax.memory import Segments, recomputes
 from soapjax.space import Config, MeshShape, Strategy
 
 __all__ = [
+    "Checked",
     "PartitionedStep",
     "Partitioner",
     "TrainShardings",
@@ -154,13 +156,14 @@ def constrained_loss(graph: OpGraph, strategy: Any, mesh: Mesh, *,
       PlanError: see `validate_strategy`; a convolution split spatially; and, when called, leaves
         that differ from the traced ones.
     """
-    strategy = validate_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)
+    check = checked(graph, strategy, mesh, mesh_shape)
+    strategy = check.strategy
     if strategy.pipelined:
         raise PlanError(f"the strategy has {strategy.stages} pipeline stages, and "
                         "constrained_loss is one SPMD loss without stages; run a pipelined "
                         "strategy with sharded_train_step (or training.shard_training)")
     if not allow_spatial_convolutions:
-        refuse_spatial_convolutions(graph, strategy)
+        refuse_spatial_convolutions(check)
     validate_program_inputs(graph)
     out_shardings = {
         op.name: [NamedSharding(mesh, cfg.output_spec(op, k)) for k in range(len(op.outputs))]
@@ -363,9 +366,10 @@ def sharded_train_step(graph: OpGraph, strategy: Any, mesh: Mesh,
         (dropout), has no layer scan (or several), or whose layers do not divide into S x v
         chunks.
     """
-    strategy = validate_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)
-    chosen = _choose_partitioner(graph, strategy, partitioner)
-    shardings = train_shardings(graph, strategy, mesh, optimizer, params=params, batch=batch)
+    check = checked(graph, strategy, mesh, mesh_shape)
+    strategy = check.strategy
+    chosen = _choose_partitioner(check, partitioner)
+    shardings = train_shardings(graph, check, mesh, optimizer, params=params, batch=batch)
     if strategy.pipelined:
         validate_program_inputs(graph)
         pipelined = train_value_and_grad(graph, strategy, shardings.loss.mesh,
@@ -375,7 +379,7 @@ def sharded_train_step(graph: OpGraph, strategy: Any, mesh: Mesh,
             del count  # a pipelined graph draws no random bits (validate_strategy)
             return pipelined(params, batch)
     else:
-        value_and_grad = _value_and_grad(graph, strategy, mesh, shardings,
+        value_and_grad = _value_and_grad(graph, check, mesh, shardings,
                                          allow_spatial_convolutions)
 
     def step(params, opt_state, batch, count):
@@ -392,7 +396,7 @@ def sharded_train_step(graph: OpGraph, strategy: Any, mesh: Mesh,
     return PartitionedStep(jitted, chosen), shardings
 
 
-def _value_and_grad(graph: OpGraph, strategy: Strategy, mesh: Mesh, shardings: TrainShardings,
+def _value_and_grad(graph: OpGraph, check: Checked, mesh: Mesh, shardings: TrainShardings,
                     allow_spatial_convolutions: bool) -> Callable:
     """``(params, batch, step) -> (loss, grads)`` of the constrained loss (its PRNG keys
     advanced by the step number: `step_keys`); with M microbatches
@@ -402,10 +406,10 @@ def _value_and_grad(graph: OpGraph, strategy: Strategy, mesh: Mesh, shardings: T
     that is a mean over its samples (as the zoo's are). Microbatch k holds samples k, k + M,
     k + 2M, ...: each device splits its own shard, no data moves (a graph that draws random
     bits keeps M = 1, `soapjax.memory.random_operator`, so no keys to advance there)."""
-    m = strategy.microbatches
+    strategy, m = check.strategy, check.strategy.microbatches
     if m == 1:
         return jax.value_and_grad(constrained_loss(
-            graph, strategy, mesh, allow_spatial_convolutions=allow_spatial_convolutions))
+            graph, check, mesh, allow_spatial_convolutions=allow_spatial_convolutions))
     micro = graph.at_batch_size(graph.batch_size // m)
     names = [op.name for op in graph.operators]
     if [op.name for op in micro.operators] != names:
@@ -484,14 +488,13 @@ class _Lowered:
         return getattr(self._lowered, name)
 
 
-def _choose_partitioner(graph: OpGraph, strategy: Strategy, partitioner: str
-                        ) -> Literal["shardy", "gspmd"]:
+def _choose_partitioner(check: Checked, partitioner: str) -> Literal["shardy", "gspmd"]:
     if partitioner in ("shardy", "gspmd"):
         return partitioner
     if partitioner != "auto":
         raise PlanError(f"unknown partitioner {partitioner!r}; expected 'auto', 'shardy' or "
                         "'gspmd'")
-    return "gspmd" if spatial_convolution(graph, strategy) is not None else "shardy"
+    return "gspmd" if check.spatial is not None else "shardy"
 
 
 def _use_shardy(enabled: bool) -> Any:
