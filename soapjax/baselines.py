@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from soapjax.errors import PlanError, TopologyError
 from soapjax.graph import Operator, OpGraph
@@ -40,10 +41,6 @@ from soapjax.space import (
 from soapjax.topology import stage_topology
 
 _DENSE = ("dot_general", "conv_general_dilated", "scan")
-
-# Every baseline's name, as `baselines` returns them (with no family: both experts).
-NAMES: tuple[str, ...] = ("data-parallel", "megatron", "fsdp", "megatron-sp", "fsdp-recompute",
-                          "expert-cnn", "expert-rnn")
 
 
 def intra_node_axes(topology) -> tuple[str, ...]:
@@ -294,25 +291,51 @@ def expert(graph: OpGraph, mesh: MeshShape, intra: Sequence[str], family: str) -
     return _layered(graph, mesh, outer, intra, choose_rnn)
 
 
+class Baseline(NamedTuple):
+    """One row of `BASELINES`.
+
+    Attributes:
+      build: ``(graph, mesh, intra) -> Strategy``, `intra` the mesh axes inside a node
+        (`intra_node_axes`, else the innermost axis).
+      for_family: whether it is for a model of that family (the zoo's `Workload.family`); a
+        call without a family (``baselines(graph, topology)``) gets every baseline.
+    """
+
+    build: Callable[[OpGraph, MeshShape, tuple[str, ...]], Strategy]
+    for_family: Callable[[str], bool] = lambda family: True
+
+
+# Every baseline by name, in the order `baselines` returns them; adding one is a row here.
+BASELINES: dict[str, Baseline] = {
+    "data-parallel": Baseline(lambda g, mesh, intra: data_parallel(g, mesh)),
+    # TP on the innermost node axis
+    "megatron": Baseline(lambda g, mesh, intra: megatron(g, mesh, intra[-1:])),
+    "fsdp": Baseline(lambda g, mesh, intra: fsdp(g, mesh)),
+    # the large models' recipes, where memory binds
+    "megatron-sp": Baseline(lambda g, mesh, intra: with_recompute(
+        g, megatron(g, mesh, intra, sequence_parallel=True), "selective"),
+        lambda family: family == "transformer"),
+    "fsdp-recompute": Baseline(lambda g, mesh, intra: with_recompute(g, fsdp(g, mesh), "full"),
+                               lambda family: family == "transformer"),
+    # the paper's experts: each for its own family, and both for the others
+    "expert-cnn": Baseline(lambda g, mesh, intra: expert(g, mesh, intra, "cnn"),
+                           lambda family: family != "rnn"),
+    "expert-rnn": Baseline(lambda g, mesh, intra: expert(g, mesh, intra, "rnn"),
+                           lambda family: family != "cnn"),
+}
+NAMES: tuple[str, ...] = tuple(BASELINES)
+
+
 def baselines(graph: OpGraph, topology, family: str | None = None) -> dict[str, Strategy]:
-    """Every baseline for `graph` on `topology`, by name.
+    """Every baseline for `graph` on `topology` (`BASELINES`), by name.
 
     Args:
       graph: the operator graph.
       topology: a `Topology` (its node structure decides which axes are intra-node).
-      family: "cnn", "rnn", "transformer" or "mlp" (the zoo's `Workload.family`); None gives
-        both paper experts.
+      family: "cnn", "rnn", "transformer" or "mlp" (the zoo's `Workload.family`): the
+        baselines for that family; None gives every one (both paper experts).
     """
     mesh = MeshShape.of(topology)
     intra = intra_node_axes(topology) or tuple(mesh.axis_names[-1:])
-    out = {"data-parallel": data_parallel(graph, mesh),
-           "megatron": megatron(graph, mesh, intra[-1:]),  # TP on the innermost node axis
-           "fsdp": fsdp(graph, mesh)}
-    if family in (None, "transformer"):  # the large models' recipes, where memory binds
-        out["megatron-sp"] = with_recompute(
-            graph, megatron(graph, mesh, intra, sequence_parallel=True), "selective")
-        out["fsdp-recompute"] = with_recompute(graph, fsdp(graph, mesh), "full")
-    families = {"cnn": ["cnn"], "rnn": ["rnn"]}.get(family or "", ["cnn", "rnn"])
-    for f in families:
-        out[f"expert-{f}"] = expert(graph, mesh, intra, f)
-    return out
+    return {name: b.build(graph, mesh, intra) for name, b in BASELINES.items()
+            if family is None or b.for_family(family)}

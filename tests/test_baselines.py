@@ -6,7 +6,14 @@ import re
 import pytest
 
 import soapjax_zoo
-from soapjax.baselines import NAMES, baselines, intra_node_axes, megatron_3d, megatron_grid
+from soapjax.baselines import (
+    BASELINES,
+    NAMES,
+    baselines,
+    intra_node_axes,
+    megatron_3d,
+    megatron_grid,
+)
 from soapjax.errors import PlanError
 from soapjax.graph import trace
 from soapjax.topology import load_topology
@@ -38,6 +45,16 @@ def test_every_baseline_by_name():
     assert list(baselines(g, DGX, family="cnn")) == ["data-parallel", "megatron", "fsdp",
                                                        "expert-cnn"]
     assert tuple(baselines(g, DGX, family="transformer")) == NAMES  # the experts: no family's
+
+
+def test_the_table_is_the_one_list_of_baselines():
+    """`BASELINES` is the one list: `NAMES` (the command line's --strategy and
+    `parse_strategy` read it) is its keys, and `baselines` returns its rows for the family."""
+    assert NAMES == tuple(BASELINES)
+    g, _ = graph("mlp")
+    for family in (None, "cnn", "rnn", "transformer", "mlp"):
+        want = [n for n, b in BASELINES.items() if family is None or b.for_family(family)]
+        assert list(baselines(g, DGX, family)) == want
 
 
 def test_megatron_alternates_column_and_row_parallel_matmuls():
