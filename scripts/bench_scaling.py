@@ -38,6 +38,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import jax
 
 import soapjax_zoo
+from _decoder_metrics import matmul_degrees, model_flops
+from bench_pipeline import run_case as pipelined_run_case
 from soapjax import baselines
 from soapjax.cost import cost_model
 from soapjax.errors import SoapjaxError
@@ -66,35 +68,6 @@ def cases(quick: bool) -> list[tuple[str, str, str, int]]:
         return QUICK
     out = [("gpt", s, A100, n) for s in GPT_SIZES for n in GPUS]
     return out + [("llama", s, "h100x64", 64) for s in LLAMA_SIZES]
-
-
-def model_flops(model: str, size: str, batch: int, params: int) -> tuple[float, float]:
-    """(FLOPs of a step without recomputation, FLOPs of one forward of the layers)."""
-    cfg = (GPT_SIZES if model == "gpt" else LLAMA_SIZES)[size]
-    tokens = batch * cfg.seq_len
-    attention = 12 * cfg.num_layers * batch * cfg.seq_len ** 2 * cfg.d_model
-    step = 6 * params * tokens + attention
-    return step, step / 3
-
-
-def matmul_degrees(graph, strategy, mesh: MeshShape) -> tuple[int, int, str]:
-    """(TP, DP, note) of a strategy, read from the layers' matmuls: each matmul's TP degree
-    is the product of the axes splitting its non-sample dims, its DP degree that of the axes
-    splitting its sample dims. The pair most matmuls share is reported; where some differ, the
-    note says how many follow it (a searched plan need not give every matmul the same
-    split)."""
-    pairs: dict[tuple[int, int], int] = {}
-    for op, c in zip(graph.operators, strategy.configs):
-        if op.anchor != "dot_general" or not op.block_position:
-            continue
-        tp = math.prod(mesh.degree(a) for d, a in enumerate(c.axes) if op.roles[d:d + 1] != ("S",))
-        dp = math.prod(mesh.degree(a) for d, a in enumerate(c.axes) if op.roles[d:d + 1] == ("S",))
-        pairs[tp, dp] = pairs.get((tp, dp), 0) + 1
-    if not pairs:
-        return 1, 1, ""
-    (tp, dp), k = max(pairs.items(), key=lambda kv: (kv[1], -kv[0][0]))
-    total = sum(pairs.values())
-    return tp, dp, "" if k == total else f"({k}/{total} matmuls)"
 
 
 def describe(graph, strategy, mesh: MeshShape) -> str:
@@ -337,7 +310,6 @@ def main() -> int:
                        "needs_pipeline": str(e)[:200]}
             rows.append(row)
         if args.pipeline_proposals and needs_stages(row):
-            from bench_pipeline import run_case as pipelined_case  # it imports this module
             state = state_bytes(model, size)
             device = load_topology(mesh).device.memory_bytes
             batch = row.get("batch", (GPT_BATCH if model == "gpt" else LLAMA_BATCH)[size])
@@ -347,8 +319,8 @@ def main() -> int:
                     "error": f"parameters, gradients and Adam state alone are "
                              f"{state / n / 1e9:.0f} GB per GPU"}
             else:
-                row["pipelined"] = pipelined_case(size, n, batch, args.pipeline_proposals,
-                                                  model=model, mesh=mesh)
+                row["pipelined"] = pipelined_run_case(size, n, batch, args.pipeline_proposals,
+                                                      model=model, mesh=mesh)
         print(f"{model} {size} x{n}: {time.perf_counter() - t0:.1f} s "
               f"{json.dumps(row.get('plan', row.get('needs_pipeline')), default=str)}"
               + (f" pipelined: {json.dumps(row['pipelined'].get('plan'), default=str)}"
