@@ -17,7 +17,14 @@ from soapjax import baselines
 from soapjax import plan as plan_mod
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
-from soapjax.space import Config, MeshShape, Strategy, data_parallel, validate_config
+from soapjax.space import (
+    Config,
+    MeshShape,
+    Strategy,
+    data_parallel,
+    strategy_from_names,
+    validate_config,
+)
 from soapjax.topology import Topology
 
 
@@ -63,15 +70,16 @@ def parse_strategy(graph: OpGraph, topology: Topology, spec: str | Mapping[str, 
         raise PlanError(f'expected a soapjax plan file ("format": "{plan_mod.FORMAT}", written by '
                         '`soapjax plan`) or a JSON object {"configs": {operator: [[axes], ...]}, '
                         f'"zero_axes": [...]}}; found {found}')
-    configs = list(data_parallel(graph, mesh).configs)
     names = {op.name: i for i, op in enumerate(graph.operators)}
+    configs = {}
     for name, axes in spec["configs"].items():
         if name not in names:
             _unknown(graph, name)
-        configs[names[name]] = _parse_config(graph, names[name], name, axes, mesh)
+        configs[name] = _parse_config(graph, names[name], name, axes, mesh)
     zero = spec.get("zero_axes", [])
     _check_zero_axes(zero, mesh)
-    return Strategy(tuple(configs), tuple(zero))
+    return strategy_from_names(graph, configs, zero_axes=zero,
+                               default=data_parallel(graph, mesh))
 
 
 def _check_zero_axes(zero: Any, mesh: MeshShape) -> None:

@@ -11,7 +11,6 @@ wrongly (see `soapjax.apply.constrained_loss`). `soapjax.apply` re-exports the p
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -182,39 +181,6 @@ def refuse_spatial_convolutions(checked: Checked) -> None:
             "allow_attribute=False)), or pass allow_spatial_convolutions=True to run it anyway")
 
 
-def strategy_from_names(graph: OpGraph, configs: Mapping[str, Config], *,
-                        zero_axes: Sequence[str] = (), default: Strategy | None = None
-                        ) -> Strategy:
-    """A `Strategy` from configs keyed by operator name (as plan files store them).
-
-    Args:
-      graph: the traced operator graph.
-      configs: operator name -> config.
-      zero_axes: see `Strategy.zero_axes`.
-      default: configs for operators `configs` leaves out; without it every operator must be
-        named.
-
-    Raises:
-      PlanError: a name that is not an operator of `graph` (with close matches), or operators
-        left out and no `default`.
-    """
-    known = [op.name for op in graph.operators]
-    for name in configs:
-        if name not in known:
-            near = difflib.get_close_matches(name, known, n=3)
-            hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
-            raise PlanError(f"the strategy names operator {name!r}, which graph {graph.name!r} "
-                            f"does not have ({len(known)} operators: {_abbrev(known)}){hint}")
-    missing = [n for n in known if n not in configs]
-    if missing and default is None:
-        raise PlanError(f"the strategy has no config for {len(missing)} operator(s) of graph "
-                        f"{graph.name!r}: {_abbrev(missing)}; give every operator a config, or "
-                        "pass default=")
-    cfgs = tuple(configs[n] if n in configs else default.configs[i] for i, n in enumerate(known))
-    return Strategy(cfgs, tuple(zero_axes))
-
-
-
 # --- helpers ------------------------------------------------------------------------------------
 
 
@@ -240,11 +206,6 @@ def _unwrap(obj: Any, graph: OpGraph) -> tuple[Strategy, MeshShape | None]:
 
 def _fmt_mesh(m: MeshShape) -> str:
     return "(" + ", ".join(f"{n}={s}" for n, s in zip(m.axis_names, m.axis_sizes)) + ")"
-
-
-def _abbrev(names: Sequence[str], n: int = 6) -> str:
-    shown = ", ".join(repr(x) for x in names[:n])
-    return shown + (f", ... ({len(names) - n} more)" if len(names) > n else "")
 
 
 def validate_program_inputs(graph: OpGraph) -> None:

@@ -81,7 +81,6 @@ from soapjax._shardings import (
 from soapjax._validation import (
     Checked,
     refuse_spatial_convolutions,
-    strategy_from_names,
     validate_leaves,
     validate_program_inputs,
     validate_strategy,
@@ -89,7 +88,7 @@ from soapjax._validation import (
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
 from soapjax.memory import Segments, recomputes
-from soapjax.space import Config, MeshShape, Strategy
+from soapjax.space import Config, MeshShape, Strategy, strategy_from_names
 
 __all__ = [
     "Checked",

@@ -47,7 +47,14 @@ from jax.sharding import PartitionSpec
 
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
-from soapjax.space import Config, MeshShape, Strategy, param_specs, to_partition_spec
+from soapjax.space import (
+    Config,
+    MeshShape,
+    Strategy,
+    param_specs,
+    strategy_from_names,
+    to_partition_spec,
+)
 from soapjax.topology import Topology
 
 FORMAT = "soapjax-plan"
@@ -272,12 +279,11 @@ class Plan:
         Each config goes to the operator of its name, whatever the order of the file.
         """
         self.validate_for(graph, topology)
-        at = {name: k for k, (name, _) in enumerate(self.configs)}
-        order = [at[op.name] for op in graph.operators]
-        return Strategy(tuple(self.configs[k][1] for k in order), self.zero_axes,
-                        self.microbatches,
-                        tuple(self.recompute[k] for k in order) if self.recompute else (),
-                        *self.pipeline)
+        names = [name for name, _ in self.configs]
+        return strategy_from_names(
+            graph, dict(self.configs), zero_axes=self.zero_axes, microbatches=self.microbatches,
+            recompute=dict(zip(names, self.recompute)) if self.recompute else None,
+            pipeline=self.pipeline)
 
     # --- JSON ------------------------------------------------------------------------------
 

@@ -31,9 +31,10 @@ mesh axes over which parameters are stored sharded beyond what the configs need 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal, get_args
 
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
@@ -395,6 +396,55 @@ def _image_like(op: Operator) -> bool:
 def _allowed(role: str, limits: SpaceLimits) -> bool:
     return {"R": limits.allow_reduction, "A": limits.allow_attribute,
             "P": limits.allow_parameter}.get(role, True)
+
+
+def strategy_from_names(graph: OpGraph, configs: Mapping[str, Config], *,
+                        zero_axes: Sequence[str] = (), default: Strategy | None = None,
+                        microbatches: int = 1, recompute: Mapping[str, str] | None = None,
+                        pipeline: tuple[int, int, str] | None = None) -> Strategy:
+    """A `Strategy` from configs keyed by operator name (as plan files and hand-written
+    strategies name them): the one place names become a strategy (`soapjax.plan.Plan.strategy`,
+    `soapjax.simulate.parse_strategy` and the apply stage call it).
+
+    Args:
+      graph: the traced operator graph.
+      configs: operator name -> config, in any order.
+      zero_axes: see `Strategy.zero_axes`.
+      default: configs (and recompute policies) for operators `configs` leaves out; without it
+        every operator must be named.
+      microbatches: see `Strategy.microbatches`.
+      recompute: operator name -> recompute policy (operators left out: ``"none"``, or the
+        default's).
+      pipeline: ``(stages, virtual_stages, schedule)``, or None for no pipeline.
+
+    Raises:
+      PlanError: a name that is not an operator of `graph` (with close matches), or operators
+        left out and no `default`.
+    """
+    known = [op.name for op in graph.operators]
+    for name in list(configs) + list(recompute or ()):
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=3)
+            hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
+            raise PlanError(f"the strategy names operator {name!r}, which graph {graph.name!r} "
+                            f"does not have ({len(known)} operators: {_abbrev(known)}){hint}")
+    missing = [n for n in known if n not in configs]
+    if missing and default is None:
+        raise PlanError(f"the strategy has no config for {len(missing)} operator(s) of graph "
+                        f"{graph.name!r}: {_abbrev(missing)}; give every operator a config, or "
+                        "pass default=")
+    cfgs = tuple(configs[n] if n in configs else default.configs[i] for i, n in enumerate(known))
+    policies: tuple[str, ...] = ()
+    if recompute or (default is not None and default.recompute):
+        base = default.recompute if default is not None and default.recompute else None
+        policies = tuple((recompute or {}).get(n, base[i] if base else "none")
+                         for i, n in enumerate(known))
+    return Strategy(cfgs, tuple(zero_axes), microbatches, policies, *(pipeline or ()))
+
+
+def _abbrev(names: Sequence[str], n: int = 6) -> str:
+    shown = ", ".join(repr(x) for x in names[:n])
+    return shown + (f", ... ({len(names) - n} more)" if len(names) > n else "")
 
 
 def data_parallel(graph: OpGraph, mesh: MeshShape) -> Strategy:
