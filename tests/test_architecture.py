@@ -124,3 +124,32 @@ def test_every_module_has_a_test_file():
              "errors": "cli", "__init__": "notebook"}
     missing = [m for m in _modules() if owner.get(m, m) not in covered]
     assert not missing, f"no tests/test_<module>.py for {missing}"
+
+
+# The fixed choices, each spelled in one table (docs/architecture.md, "Adding a schedule, a
+# collective kind, a baseline"): its names, and the modules that may list two or more of them.
+FIXED_CHOICES = {
+    "recompute policies": ({"none", "selective", "full"}, {"space"}),
+    "pipeline schedules": ({"gpipe", "1f1b", "interleaved"}, {"pipeline"}),
+    "collective kinds": ({"all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                          "collective_permute", "point_to_point"},
+                         {"collectives", "links"}),  # links: a measuring program per kind
+    "baselines": ({"data-parallel", "megatron", "fsdp", "megatron-sp", "fsdp-recompute",
+                   "expert-cnn", "expert-rnn"}, {"baselines"}),
+}
+
+
+@pytest.mark.parametrize("choice", FIXED_CHOICES)
+def test_fixed_choices_have_one_table(choice):
+    """No module but the owner lists the names of a fixed choice (a tuple, list, set or dict of
+    two or more of them): the others read the owner's table."""
+    names, owners = FIXED_CHOICES[choice]
+    bad = []
+    for module in _modules():
+        for node in ast.walk(ast.parse((PACKAGE / f"{module}.py").read_text())):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)):
+                items = node.keys if isinstance(node, ast.Dict) else node.elts
+                found = {e.value for e in items if isinstance(e, ast.Constant)} & names
+                if len(found) >= 2 and module not in owners:
+                    bad.append(f"soapjax/{module}.py:{node.lineno} lists {sorted(found)}")
+    assert not bad, f"{choice} spelled outside {sorted(owners)}:\n  " + "\n  ".join(bad)
