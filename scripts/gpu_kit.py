@@ -64,7 +64,8 @@ import soapjax_zoo as zoo  # noqa: E402
 from soapjax import devicefit  # noqa: E402
 from soapjax._timing import TimingOptions, quiet_gc  # noqa: E402
 from soapjax._topology_file import Efficiency  # noqa: E402
-from soapjax.cost import cost_model, local_topology  # noqa: E402
+from soapjax.cost import cost_model  # noqa: E402
+from soapjax.devices import local_topology  # noqa: E402
 from soapjax.graph import trace  # noqa: E402
 from soapjax.simulate import opt_state_factor, simulate  # noqa: E402
 from soapjax.space import MeshShape, Strategy, configs  # noqa: E402

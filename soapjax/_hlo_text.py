@@ -1,13 +1,15 @@
 """HLO text as data: computations of instructions, how often each runs, types, device groups.
 
-What `soapjax.hlo` reads collectives from, and `soapjax._timing` counts hoisted work with
-(`ops_outside_loops`): `parse_module` splits ``compiled.as_text()`` into computations of
-instructions (name, result type, opcode, operands, the attributes after them); `executions`
-says how many times one run of the entry computation runs each computation (a while body
-``known_trip_count`` times); `parse_type` reads a result type as nested ``(dtype, dims)``
-leaves and `leaf_bytes` prices one (sub-byte types as fractions); `parse_replica_groups` reads
-``replica_groups=`` in its three formats (explicit list, iota, mesh). `soapjax.hlo`'s
-docstring describes the formats; it re-exports `ops_outside_loops` and `parse_replica_groups`.
+What `soapjax.hlo` reads collectives from, `soapjax._hlo_flops` counts FLOPs with, and
+`soapjax._timing` counts hoisted work with (`ops_outside_loops`): `parse_module` splits
+``compiled.as_text()`` into computations of instructions (name, result type, opcode, operands,
+the attributes after them); `callees`, `trip_count`, `op_name` and `attribute` read an
+instruction's attributes; `executions` says how many times one run of the entry computation
+runs each computation (a while body ``known_trip_count`` times); `parse_type` reads a result
+type as nested ``(dtype, dims)`` leaves and `leaf_bytes` prices one (sub-byte types as
+fractions); `parse_replica_groups` reads ``replica_groups=`` in its three formats (explicit
+list, iota, mesh). `soapjax.hlo`'s docstring describes the formats; it re-exports
+`ops_outside_loops` and `parse_replica_groups`.
 """
 
 from __future__ import annotations
@@ -109,10 +111,64 @@ def parse_module(text: str) -> Module:
     return Module(comps, num_devices)
 
 
+# --- attributes: called computations, loop trips, op names, windows ----------------------------
+
 _CALLED = re.compile(
-    r"\b(body|condition|calls|to_apply|branch_computations|true_computation|false_computation)="
-    r"(\{[^}]*\}|%?[\w.\-]+)")
+    r"\b(body|condition|calls|to_apply|branch_computations|true_computation|false_computation"
+    r"|select|scatter)=(\{[^}]*\}|%?[\w.\-]+)")
+_NAME = re.compile(r"%?([\w.\-]+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_METADATA = re.compile(r",?\s*metadata=\{[^}]*\}")
+_PARAMETER = re.compile(r"%([\w.\-]+) = \S+ parameter\((\d+)\)")
+
+
+def callees(inst: Inst) -> dict[str, list[str]]:
+    """The computations an instruction calls, by attribute: a while loop's ``body`` and
+    ``condition``, a fusion's or call's ``calls``/``to_apply``, a reducer's ``to_apply``, a
+    conditional's ``branch_computations`` (or ``true_computation``/``false_computation``), a
+    select-and-scatter's ``select`` and ``scatter``.
+
+    >>> inst = Inst("w", "f32[4]", "while", ("y",), ", condition=%c, body=%b")
+    >>> callees(inst)
+    {'condition': ['c'], 'body': ['b']}
+    """
+    return {attr: _NAME.findall(value) for attr, value in _CALLED.findall(inst.attrs)}
+
+
+def trip_count(inst: Inst) -> int:
+    """How many times a while loop runs its body: XLA's ``known_trip_count``, 1 without one."""
+    m = _TRIP_COUNT.search(inst.attrs)
+    return int(m.group(1)) if m else 1
+
+
+def op_name(inst: Inst) -> str:
+    """The JAX op name XLA kept in the instruction's metadata ('' without one)."""
+    m = _OP_NAME.search(inst.attrs)
+    return m.group(1) if m else ""
+
+
+def without_metadata(attrs: str) -> str:
+    """An instruction's attributes without its ``metadata={...}`` (op name, source line)."""
+    return _METADATA.sub("", attrs)
+
+
+def attribute(inst: Inst, key: str) -> str | None:
+    """The value of attribute `key` (``dim_labels=b01f_01io->b01f``, the inside of a braced one:
+    ``window={size=2x2}`` is ``size=2x2``), None where the instruction has none."""
+    m = re.search(rf"\b{re.escape(key)}=(?:\{{([^}}]*)\}}|([^,\s]+))", inst.attrs)
+    if not m:
+        return None
+    return m.group(1) if m.group(1) is not None else m.group(2)
+
+
+def parameter_numbers(text: str) -> dict[str, int]:
+    """Per ``parameter(k)`` instruction of an HLO module's text, its number `k` (the position
+    of the caller's operand it stands for)."""
+    return {m.group(1): int(m.group(2)) for m in _PARAMETER.finditer(text)}
+
+
+# --- how often each computation runs -------------------------------------------------------------
 
 
 def executions(module: Module) -> dict[str, int]:
@@ -126,12 +182,9 @@ def executions(module: Module) -> dict[str, int]:
     calls: dict[str, list[tuple[str, int]]] = {}
     for caller, insts in module.computations.items():
         for inst in insts:
-            trip = 1
-            if inst.opcode == "while":
-                m = _TRIP_COUNT.search(inst.attrs)
-                trip = int(m.group(1)) if m else 1
-            for attr, value in _CALLED.findall(inst.attrs):
-                for callee in re.findall(r"%?([\w.\-]+)", value):
+            trip = trip_count(inst) if inst.opcode == "while" else 1
+            for attr, names in callees(inst).items():
+                for callee in names:
                     n = trip if attr in ("body", "condition") else 1
                     calls.setdefault(caller, []).append((callee, n))
     called = {c for edges in calls.values() for c, _ in edges}
@@ -189,12 +242,10 @@ def launched_kernels(text: str) -> int:
         for inst in module.computations.get(comp, ()):
             if inst.opcode in _NOT_KERNELS:
                 continue
-            called = {a: re.findall(r"%?([\w.\-]+)", v) for a, v in _CALLED.findall(inst.attrs)}
+            called = callees(inst)
             if inst.opcode == "while":
-                m = _TRIP_COUNT.search(inst.attrs)
-                trip = int(m.group(1)) if m else 1
-                total += trip * sum(count(c, depth + 1)
-                                    for a in ("body", "condition") for c in called.get(a, ()))
+                total += trip_count(inst) * sum(
+                    count(c, depth + 1) for a in ("body", "condition") for c in called.get(a, ()))
             elif inst.opcode == "call":
                 total += sum(count(c, depth + 1) for c in called.get("to_apply", ()))
             elif inst.opcode == "conditional":
@@ -232,11 +283,10 @@ def ops_outside_loops(text: str, opcode: str) -> int:
     called: set[str] = set()
     for caller, insts in module.computations.items():
         for inst in insts:
-            for _, value in _CALLED.findall(inst.attrs):
-                callees = re.findall(r"%?([\w.\-]+)", value)
-                called.update(callees)
+            for names in callees(inst).values():
+                called.update(names)
                 if inst.opcode != "while":
-                    calls.setdefault(caller, []).extend(callees)
+                    calls.setdefault(caller, []).extend(names)
     todo = [c for c in module.computations if c not in called]
     seen: set[str] = set()
     count = 0

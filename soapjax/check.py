@@ -13,9 +13,9 @@ Four questions, each with numbers:
 3. **Same time?** The measured step time (median of repeated runs) against the simulated one.
    On virtual CPU devices all devices share the host's cores, so the measured time is not a
    per-device time and this comparison only means something on real accelerators.
-4. **Same work?** The FLOPs one device computes in the compiled step (`hlo_flops`: XLA's cost
-   analysis with every loop trip counted) against `soapjax.cost.FlopCounter`'s count of the
-   plan; docs/checks.md has the table and what is left between them (fusions recomputing
+4. **Same work?** The FLOPs one device computes in the compiled step (`soapjax.hlo.hlo_flops`:
+   XLA's cost analysis with every loop trip counted) against `soapjax.flops.FlopCounter`'s count
+   of the plan; docs/checks.md has the table and what is left between them (fusions recomputing
    elementwise work, reported apart).
 """
 
@@ -23,17 +23,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 
-from soapjax import _hlo_text, apply, hlo
+from soapjax import apply, hlo
 from soapjax._timing import median_call
-from soapjax.cost import cost_model, step_flops
+from soapjax.cost import cost_model
+from soapjax.flops import step_flops
 from soapjax.graph import trace
+from soapjax.hlo import HloFlops, hlo_flops
 from soapjax.plan import Plan
 from soapjax.reshard import DEFAULT_MODE, Resharder
 from soapjax.simulate import opt_state_factor, simulate
@@ -69,7 +70,7 @@ class CheckResult:
       hlo_flops: FLOPs per device of the compiled sharded step: XLA's ``cost_analysis``
         with every while-loop trip counted (XLA counts a loop body once) and its one FLOP
         per all-reduced element left out (communication); see `hlo_flops`.
-      predicted_flops: the same counted from the plan (`soapjax.cost.step_flops`: forward,
+      predicted_flops: the same counted from the plan (`soapjax.flops.step_flops`: forward,
         backward, recomputation and the optimizer's update of the stored shards).
       reported_flops: ``cost_analysis()["flops"]`` as XLA reports it.
       duplicated_flops: the part of `hlo_flops` XLA's fusions recompute (`HloFlops`), which
@@ -272,79 +273,6 @@ def _reported_flops(compiled: Any) -> float:
 
 
 # --- the compiled step's FLOPs -------------------------------------------------------------------
-#
-# XLA's `HloCostAnalysis` (what ``compiled.cost_analysis()["flops"]`` sums) counts a while loop's
-# body once, whatever its trip count, and one FLOP per element of every all-reduce (it assumes
-# two replicas). The simulator counts a loop once per step and prices an all-reduce as
-# communication. So the check recounts the compiled HLO by XLA's own rules (a multiply-add 2, an
-# elementwise op, compare, select or convert 1 per element, transcendentals apart, a reduction
-# (inputs - outputs) times its reducer, a pooling window (size - 1) per output, a convolution
-# its in-bounds taps, fusions and calls their bodies, layout and data movement nothing), with
-# each while body times its ``known_trip_count`` and the all-reduces apart. Counted with loops
-# once, this reproduces ``cost_analysis()`` on every zoo model and plan, to XLA's float32
-# rounding (`compiled_flops` checks it).
-
-_TRANSCENDENTAL_OPS = frozenset({
-    "acosh", "erf", "exponential", "log", "logistic", "power", "sqrt", "cbrt", "rsqrt", "tanh",
-    "sine", "cosine", "exponential-minus-one", "log-plus-one", "atan2", "tan"})
-_FREE_OPS = frozenset({
-    "parameter", "constant", "iota", "get-tuple-element", "tuple", "bitcast", "broadcast",
-    "reshape", "transpose", "copy", "slice", "dynamic-slice", "dynamic-update-slice",
-    "concatenate", "pad", "reverse", "gather", "all-gather", "all-gather-start",
-    "all-gather-done", "reduce-scatter", "all-to-all", "collective-permute",
-    "collective-permute-start", "collective-permute-done", "partition-id", "replica-id",
-    "after-all", "add-dependency", "opt-barrier", "copy-start", "copy-done", "send",
-    "send-done", "recv", "recv-done", "domain", "rng-get-and-update-state",
-    "get-dimension-size", "set-dimension-size", "all-reduce-done", "async-update",
-    "async-done", "dynamic-reshape", "batch-norm-training", "batch-norm-inference",
-    "batch-norm-grad", "topk", "bitcast-convert"})
-_REDUCING_OPS = frozenset({"reduce", "reduce-window", "scatter", "map", "select-and-scatter",
-                           "sort"})
-_CALLS = re.compile(r"\b(calls|to_apply|body|condition|branch_computations|select|scatter)="
-                    r"(\{[^}]*\}|%?[\w.\-]+)")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-_METADATA = re.compile(r",?\s*metadata=\{[^}]*\}")
-_FUSED = re.compile(r"calls=%?([\w.\-]+)")
-_PARAMETER = re.compile(r"%([\w.\-]+) = \S+ parameter\((\d+)\)")
-_WINDOW = re.compile(r"window=\{([^}]*)\}")
-
-
-class HloFlops(NamedTuple):
-    """FLOPs per device of a compiled SPMD step, by XLA's rules over its HLO text.
-
-    Attributes:
-      flops, transcendentals: what ``cost_analysis()`` reports (loop bodies once).
-      loop_extra: the FLOPs each while body adds run ``known_trip_count`` times, not once.
-      all_reduce: XLA's one FLOP per element of each all-reduce, each loop trip counted.
-      sliced_away: FLOPs XLA counts inside fusions for elements no output of the fusion
-        needs (a fused multiply of 128 x 32 whose output slices 32 x 32: the kernel computes
-        the 1,024 products it returns, XLA counts 4,096), each loop trip counted.
-      parts: ``(phase, kind, flops)``, every trip counted: phase ``forward``, ``backward``
-        (JAX's ``jvp`` and ``transpose(jvp)`` in the op names), ``update`` (other names: the
-        optimizer) or ``unnamed`` (instructions XLA made without an op name, such as a
-        contraction of one element rewritten as a multiply); kind ``matmul`` (dot,
-        convolution), ``elementwise``, ``reduce``, ``all-reduce`` or ``loop`` (inside a while
-        body).
-    """
-
-    flops: float
-    transcendentals: float
-    loop_extra: float
-    all_reduce: float
-    sliced_away: float
-    duplicated: float
-    parts: tuple[tuple[str, str, float], ...]
-
-    @property
-    def compute(self) -> float:
-        """The step's arithmetic: every loop trip counted, all-reduces left to communication,
-        fused work on elements nothing reads left out."""
-        return self.flops + self.loop_extra - self.all_reduce - self.sliced_away
-
-
-def hlo_flops(text: str) -> HloFlops:
-    """Counts the FLOPs of compiled HLO text (``compiled.as_text()``) as described above."""
-    return _HloCounter(text).count()
 
 
 def compiled_flops(graph: Any, strategy: Any, mesh: Any, workload: TrainWorkload, *,
@@ -355,7 +283,7 @@ def compiled_flops(graph: Any, strategy: Any, mesh: Any, workload: TrainWorkload
 
     Raises:
       AssertionError: the count with loop bodies once is not ``cost_analysis()``'s, to XLA's
-        float32 rounding (an HLO instruction this module prices otherwise than XLA).
+        float32 rounding (an HLO instruction `soapjax.hlo.hlo_flops` prices otherwise than XLA).
     """
     params, batch = workload.abstract_params(), workload.abstract_batch()
     step, sh = apply.sharded_train_step(graph, strategy, mesh, workload.optimizer,
@@ -373,263 +301,3 @@ def compiled_flops(graph: Any, strategy: Any, mesh: Any, workload: TrainWorkload
     # XLA sums in float32: equal to about 1e-7 of the total
     assert abs(counted.flops - reported) <= 1e-5 * max(reported, 1.0), (counted.flops, reported)
     return counted
-
-
-class _HloCounter:
-    def __init__(self, text: str):
-        self.module = _hlo_text.parse_module(text)
-        self.types = {c: {i.name: i.type for i in insts}
-                      for c, insts in self.module.computations.items()}
-        self.parameter_number = {m.group(1): int(m.group(2)) for m in _PARAMETER.finditer(text)}
-        self.memo: dict[tuple[str, bool], dict[tuple[str, str], list[float]]] = {}
-        self.runs = _hlo_text.executions(self.module)
-        self.needed = {c: _needed_fraction(self.module.computations.get(c, []))
-                       for insts in self.module.computations.values() for i in insts
-                       if i.opcode == "fusion" for c in _FUSED.findall(i.attrs)}
-
-    def count(self) -> HloFlops:
-        called = {c for insts in self.module.computations.values() for i in insts
-                  for _, v in _CALLS.findall(i.attrs) for c in re.findall(r"%?([\w.\-]+)", v)}
-        roots = [c for c in self.module.computations if c and c not in called]
-        once, every = {}, {}
-        for r in roots:
-            _merge(once, self.computation(r, False))
-            _merge(every, self.computation(r, True))
-        flops = sum(f for f, _ in once.values())
-        unrolled = sum(f for f, _ in every.values())
-        reduced = sum((f for (_, kind), (f, _) in every.items() if kind == "all-reduce"), 0.0)
-        parts = tuple((phase, kind, f) for (phase, kind), (f, _) in sorted(every.items()))
-        return HloFlops(flops, sum(t for _, t in once.values()), unrolled - flops, reduced,
-                        self.sliced_away(), self.duplicated(), parts)
-
-    def _flops(self, comp: str, inst) -> float:
-        return sum(f for f, _ in self.instruction(comp, inst, False).values())
-
-    def sliced_away(self) -> float:
-        """FLOPs counted inside fusions for elements no fusion output needs, every run."""
-        total = 0.0
-        for comp, needed in self.needed.items():
-            for inst in self.module.computations.get(comp, []):
-                unread = 1.0 - needed.get(inst.name, 1.0)
-                if unread > 0:
-                    total += self._flops(comp, inst) * unread * self.runs.get(comp, 1)
-        return total
-
-    def duplicated(self) -> float:
-        """FLOPs of fused instructions that compute what an earlier fusion of the same
-        computation computed (the same operation on the same values), every run."""
-        total = 0.0
-        for comp, insts in self.module.computations.items():
-            first: dict[Any, str] = {}
-            for fusion in insts:
-                for fused in _FUSED.findall(fusion.attrs) if fusion.opcode == "fusion" else ():
-                    for inst, key in self._signatures(fusion, fused):
-                        if first.setdefault(key, fusion.name) != fusion.name:
-                            total += self._flops(fused, inst) * self.runs.get(comp, 1)
-        return total
-
-    def _signatures(self, fusion, fused: str):
-        """``(instruction, signature)`` of the arithmetic a fusion computes on all of its
-        elements: its parameters named by the caller's operands, constants by value."""
-        sig: dict[str, Any] = {}
-        needed = self.needed.get(fused, {})
-        for inst in self.module.computations.get(fused, []):
-            if inst.opcode == "parameter":
-                k = self.parameter_number.get(inst.name, -1)
-                sig[inst.name] = ("arg", fusion.operands[k] if 0 <= k < len(fusion.operands)
-                                  else inst.name)
-                continue
-            sig[inst.name] = (inst.opcode, inst.type.split("{")[0], _METADATA.sub("", inst.attrs),
-                              tuple(sig.get(o, o) for o in inst.operands))
-            if inst.opcode not in _FREE_OPS and needed.get(inst.name, 1.0) == 1.0:
-                yield inst, sig[inst.name]
-
-    def computation(self, name: str, trips: bool) -> dict[tuple[str, str], list[float]]:
-        """(phase, kind) -> [flops, transcendentals] of one computation."""
-        key = (name, trips)
-        if key not in self.memo:
-            out: dict[tuple[str, str], list[float]] = {}
-            for inst in self.module.computations.get(name, ()):
-                _merge(out, self.instruction(name, inst, trips))
-            self.memo[key] = out
-        return self.memo[key]
-
-    def instruction(self, comp: str, inst, trips: bool) -> dict:
-        op = inst.opcode
-        if op in _FREE_OPS:
-            return {}
-        callees = {k: re.findall(r"%?([\w.\-]+)", v) for k, v in _CALLS.findall(inst.attrs)}
-        if op in ("fusion", "call", "async-start"):
-            out: dict = {}
-            for c in callees.get("calls", []) + callees.get("to_apply", []):
-                _merge(out, self.computation(c, trips))
-            return out
-        if op == "while":
-            m = _hlo_text._TRIP_COUNT.search(inst.attrs)
-            n = int(m.group(1)) if m and trips else 1
-            out = {}
-            for c in callees.get("body", []) + callees.get("condition", []):
-                for (phase, _), (f, t) in self.computation(c, trips).items():
-                    _merge(out, {(phase, "loop"): [f * n, t * n]})
-            return out
-        if op == "conditional":
-            branches = [self.computation(c, trips) for c in callees.get("branch_computations", [])]
-            return max(branches, key=lambda b: sum(f for f, _ in b.values()), default={})
-        m = _OP_NAME.search(inst.attrs)
-        name = m.group(1) if m else ""
-        phase = ("backward" if "transpose(" in name else "forward" if "jvp(" in name
-                 else "update" if name else "unnamed")
-        flops, trans, kind = self.arithmetic(comp, inst, callees)
-        return {(phase, kind): [flops, trans]}
-
-    def arithmetic(self, comp: str, inst, callees) -> tuple[float, float, str]:
-        op, types = inst.opcode, self.types[comp]
-        out = _elements(inst.type)
-        if op in _TRANSCENDENTAL_OPS:
-            return 0.0, out, "elementwise"
-        if op in ("rng", "rng-bit-generator"):
-            return 0.0, out, "elementwise"
-        if op in ("all-reduce", "all-reduce-start"):
-            return out, 0.0, "all-reduce"
-        if op == "custom-call":
-            return -1.0, 0.0, "elementwise"  # XLA's "unknown"
-        if op == "dot":
-            lhs = _dims(types[inst.operands[0]])
-            m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.attrs)
-            k = math.prod(lhs[int(x)] for x in m.group(1).split(",") if x) if m else 1
-            return 2.0 * _first_elements(inst.type) * k, 0.0, "matmul"
-        if op == "convolution":
-            return _conv_flops(inst, types), 0.0, "matmul"
-        if op in _REDUCING_OPS:
-            return self.reducing(comp, inst, callees)
-        return out, 0.0, "elementwise"
-
-    def reducing(self, comp: str, inst, callees) -> tuple[float, float, str]:
-        op, types = inst.opcode, self.types[comp]
-        first = _first_elements(types[inst.operands[0]])
-        if op == "sort":
-            return (first * math.ceil(math.log2(first)) if first > 1 else 0.0), 0.0, "reduce"
-        if op == "select-and-scatter":
-            sel = self._applied(callees["select"][0])
-            sca = self._applied(callees["scatter"][0])
-            source = _first_elements(types[inst.operands[1]])
-            steps = math.prod(_window(inst.attrs)["size"]) - 1
-            return (sel[0] * source * steps + sca[0] * source,
-                    sel[1] * source * steps + sca[1] * source, "reduce")
-        f, t = self._applied(callees["to_apply"][0])
-        if op == "reduce":
-            n = first - _first_elements(inst.type)
-        elif op == "reduce-window":
-            n = _reduce_window_count(inst)
-        elif op == "scatter":
-            n = _first_elements(types[inst.operands[(len(inst.operands) - 1) // 2 + 1]])
-        else:  # map
-            n = _elements(inst.type)
-        return f * n, t * n, "reduce"
-
-    def _applied(self, name: str) -> tuple[float, float]:
-        parts = self.computation(name, False).values()
-        return sum(f for f, _ in parts), sum(t for _, t in parts)
-
-
-_SLICING_OPS = frozenset({"slice", "dynamic-slice", "gather"})
-
-
-def _needed_fraction(insts) -> dict[str, float]:
-    """For each instruction of a fused computation, the fraction of its elements the
-    fusion's outputs depend on: a slice needs its elements of its operand, other users the
-    same fraction of it as is needed of them; the root (and a root tuple's operands) all."""
-    users: dict[str, list] = {}
-    for inst in insts:
-        for operand in inst.operands:
-            users.setdefault(operand, []).append(inst)
-    size = {i.name: (None if i.type.startswith("(") else _elements(i.type)) for i in insts}
-    fraction: dict[str, float] = {}
-    for k, inst in enumerate(reversed(insts)):
-        n = size[inst.name]
-        if k == 0 or not n or not users.get(inst.name):
-            fraction[inst.name] = 1.0
-            continue
-        need = 0.0
-        for user in users[inst.name]:
-            m = size[user.name]
-            if not m or user.opcode == "tuple":
-                need = n
-                break
-            need += fraction[user.name] * (m if user.opcode in _SLICING_OPS else n)
-        fraction[inst.name] = min(need, n) / n
-    return fraction
-
-
-def _merge(into: dict, other: dict) -> None:
-    for key, (f, t) in other.items():
-        acc = into.setdefault(key, [0.0, 0.0])
-        acc[0] += f
-        acc[1] += t
-
-
-def _elements(type_text: str) -> float:
-    leaves = _hlo_text.type_leaves(_hlo_text.parse_type(type_text))
-    return float(sum(math.prod(d) for _, d in leaves))
-
-
-def _first_elements(type_text: str) -> float:
-    return float(math.prod(_dims(type_text)))
-
-
-def _dims(type_text: str) -> tuple[int, ...]:
-    return _hlo_text.type_leaves(_hlo_text.parse_type(type_text))[0][1]
-
-
-def _window(attrs: str) -> dict[str, list]:
-    m = _WINDOW.search(attrs)
-    out: dict[str, list] = {"size": [1]}
-    for part in (m.group(1).split() if m else ()):
-        key, value = part.split("=")
-        out[key] = ([tuple(int(x) for x in p.split("_")) for p in value.split("x")]
-                    if key == "pad" else [int(x) for x in value.split("x")])
-    return out
-
-
-def _reduce_window_count(inst) -> float:
-    """Reductions of a reduce-window: (window - 1) per output, or, for a window that spans a
-    padded dim whole (a cumulative sum), what XLA counts for it."""
-    w = _window(inst.attrs)
-    size = w["size"]
-    pad = w.get("pad", [(0, 0)] * len(size))
-    dims, out = _dims(inst.type), _first_elements(inst.type)
-    reduced = [d for d, s in enumerate(size) if s != 1]
-    padded = [d for d, p in enumerate(pad) if p != (0, 0)]
-    if len(reduced) == 1 and len(padded) == 1:
-        d = reduced[0]
-        lo, hi = pad[d]
-        if lo and lo == hi and size[d] == 2 * lo + 1 and lo == dims[d] - 1:
-            return out // dims[d] + dims[d] - 1
-    return (math.prod(size) - 1) * out
-
-
-def _conv_flops(inst, types) -> float:
-    """2 x the multiply-adds of a convolution whose taps land inside the (dilated) input."""
-    lhs, rhs = _dims(types[inst.operands[0]]), _dims(types[inst.operands[1]])
-    out = _dims(inst.type)
-    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", inst.attrs)
-    li, ki, oi = labels.groups()
-    groups = re.search(r"feature_group_count=(\d+)", inst.attrs)
-    batch_groups = re.search(r"batch_group_count=(\d+)", inst.attrs)
-    w = _window(inst.attrs)
-    n = len(li) - 2
-    valid = 1
-    for s in range(n):
-        d = str(s)
-        n_in, n_k, n_out = lhs[li.index(d)], rhs[ki.index(d)], out[oi.index(d)]
-        stride = w.get("stride", [1] * n)[s]
-        lo = w.get("pad", [(0, 0)] * n)[s][0]
-        base = w.get("lhs_dilate", [1] * n)[s]
-        dil = w.get("rhs_dilate", [1] * n)[s]
-        valid *= sum(1 for t in range(n_k) for o in range(n_out)
-                     if (o * stride - lo + t * dil) % base == 0
-                     and 0 <= (o * stride - lo + t * dil) // base < n_in)
-    fg = int(groups.group(1)) if groups else 1
-    bg = int(batch_groups.group(1)) if batch_groups else 1
-    return (2.0 * (lhs[li.index("f")] // fg) * out[oi.index("f")] * (lhs[li.index("b")] // bg)
-            * valid)

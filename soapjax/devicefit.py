@@ -1,6 +1,6 @@
 """Kernel efficiency of the attached device, and the ``[device.efficiency]`` table fitted from it.
 
-The analytic cost model (`soapjax.cost.roofline_time`) prices an operator at the topology's
+The analytic cost model (`soapjax.roofline.roofline_time`) prices an operator at the topology's
 datasheet peaks, times the fractions its optional ``[device.efficiency]`` table gives. A
 datasheet peak is what no kernel reaches: an 8192x8192x8192 bfloat16 matmul ran at 769-798
 TFLOP/s on this workplace's H100 SXM (about 0.8 of the datasheet's 989), and a device-to-device

@@ -43,3 +43,7 @@ class ArgumentError(SoapjaxError, TypeError):
     """A public function got an argument of the wrong kind: a topology's name where a
     `Topology` is expected, a dict where `SearchSettings` are, ``"adam"`` where an optax
     optimizer is; the message names the argument and how to make the right one."""
+
+
+class CostError(SoapjaxError, ValueError):
+    """A cost model that cannot be built as asked (e.g. measured mode without the devices)."""

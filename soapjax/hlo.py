@@ -51,7 +51,8 @@ Collectives are counted statically, one per instruction: one inside a loop body 
 (`HloCollective.executions` says how many times one run of the program runs it).
 
 The text itself (computations, types, the three group formats) is read by `soapjax._hlo_text`;
-this module makes collectives of it.
+this module makes collectives of it. The program's FLOPs, every loop trip counted, are
+`hlo_flops` (`soapjax._hlo_flops`, re-exported here).
 """
 
 from __future__ import annotations
@@ -63,13 +64,17 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from soapjax._hlo_flops import HloFlops as HloFlops
+from soapjax._hlo_flops import hlo_flops as hlo_flops
 from soapjax._hlo_text import (
     Inst,
     Module,
     balanced_end,
+    callees,
     executions,
     ints,
     leaf_bytes,
+    op_name,
     ops_outside_loops,
     parse_groups_at,
     parse_module,
@@ -80,8 +85,8 @@ from soapjax._hlo_text import (
 )
 from soapjax.collectives import HLO_OPCODES, bytes_sent
 
-__all__ = ["KINDS", "HloCollective", "collectives", "ops_outside_loops", "parse_replica_groups",
-           "summarize"]
+__all__ = ["KINDS", "HloCollective", "HloFlops", "collectives", "hlo_flops", "ops_outside_loops",
+           "parse_replica_groups", "summarize"]
 
 # The collectives' HLO opcodes (`soapjax.collectives`' table), async -start/-done halves aside.
 KINDS: tuple[str, ...] = tuple(HLO_OPCODES)
@@ -275,7 +280,6 @@ def _collective(
     if coords is not None:
         span = [p for p in pairs if p[0] != p[1]] if kind == "collective-permute" else groups
         axes = _axes_spanned(span, coords)
-    op_name = re.search(r'op_name="([^"]*)"', inst.attrs)
     return HloCollective(
         kind,
         tuple(shape_str(leaf) for leaf in leaves),
@@ -284,7 +288,7 @@ def _collective(
         axes,
         pairs,
         inst.name,
-        op_name.group(1) if op_name else "",
+        op_name(inst),
     )
 
 
@@ -295,8 +299,8 @@ def _slicing_user(inst: Inst, module: Module) -> Inst | None:
         return None
     user = users[0]
     if user.opcode == "fusion":
-        called = re.search(r"calls=%?([\w.\-]+)", user.attrs)
-        body = module.computations.get(called.group(1), []) if called else []
+        called = callees(user).get("calls", [])
+        body = module.computations.get(called[0], []) if called else []
         if not any(i.opcode == "dynamic-slice" for i in body):
             return None
     elif user.opcode != "dynamic-slice":

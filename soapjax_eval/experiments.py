@@ -26,7 +26,7 @@ import soapjax_zoo
 
 # Every soapjax module the run uses is imported now, not half an hour later: a run must use one
 # version of the code even when the checkout changes under it.
-from soapjax import apply, cost, hlo, reshard  # noqa: F401
+from soapjax import apply, cost, devices, hlo, reshard  # noqa: F401
 from soapjax._cache import ENV as CACHE_ENV
 from soapjax._cache import cache_root
 from soapjax.baselines import baselines
@@ -362,7 +362,7 @@ def _fresh_operator_costs() -> Iterator[str]:
 def _one_device(name: str, cache_dir: str) -> dict:
     """The measured unsharded step against the simulated one-device step (measured costs)."""
     w = soapjax_zoo.get(name, "tiny")
-    local = cost.local_topology()
+    local = devices.local_topology()
     one = scaled_topology(local, 1)
     cal = cost.calibrate(w, topology=local, cache_dir=cache_dir)
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=name)

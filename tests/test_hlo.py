@@ -1,4 +1,4 @@
-"""soapjax.hlo: collectives read from compiled HLO text."""
+"""soapjax.hlo: collectives and FLOPs read from compiled HLO text."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from soapjax import hlo
 from soapjax.space import MeshShape
+from soapjax.topology import load_topology, make_mesh
 
 MESH_4x2 = MeshShape(("data", "model"), (4, 2))
 MESH_2x4 = MeshShape(("data", "model"), (2, 4))
@@ -315,3 +316,25 @@ ENTRY %main (x: f32[4]) -> f32[4] {
     cs = hlo.collectives(text)
     assert sorted((c.name, c.executions) for c in cs) == [("ag", 1), ("ar", 15)]
     assert hlo.summarize(cs, executed=True) == {"all-reduce": (16, 16 * 16)}
+
+
+# --- FLOPs (`soapjax._hlo_flops`) ---------------------------------------------------------------
+
+
+def test_hlo_flops_counts_every_trip_of_a_loop_and_leaves_all_reduces_out():
+    def f(x, w):
+        return jax.lax.scan(lambda c, _: (jnp.tanh(c @ w) + 1.0, None), x, None, length=10)[0]
+
+    avals = (jax.ShapeDtypeStruct((8, 16), jnp.float32),
+             jax.ShapeDtypeStruct((16, 16), jnp.float32))
+    counted = hlo.hlo_flops(jax.jit(f).lower(*avals).compile().as_text())
+    body = 2 * 8 * 16 * 16 + 8 * 16 + 2  # matmul, add, the loop counter's add and compare
+    assert (counted.flops, counted.transcendentals) == (body, 8 * 16)  # cost_analysis()'s
+    assert counted.loop_extra == 9 * body and counted.compute == 10 * body
+    mesh = make_mesh(load_topology("cpu8"))
+    summed = jax.jit(lambda x: x.sum(0), in_shardings=NamedSharding(mesh, P(
+        ("data", "model"))), out_shardings=NamedSharding(mesh, P()))
+    reduced = hlo.hlo_flops(
+        summed.lower(jax.ShapeDtypeStruct((64, 32), jnp.float32)).compile().as_text())
+    assert reduced.all_reduce == 32  # XLA's 1 FLOP per element: communication here
+    assert reduced.compute == 8 * 32 - 32  # each device sums its 8 rows

@@ -8,7 +8,7 @@ import pytest
 
 from soapjax import space
 from soapjax._local import CustomRuleError, has_custom_rules, operator_fn
-from soapjax.cost import step_flops
+from soapjax.flops import step_flops
 from soapjax.graph import trace
 from soapjax.space import MeshShape, data_parallel
 from soapjax.topology import load_topology

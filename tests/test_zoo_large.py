@@ -25,8 +25,8 @@ from jax.sharding import Mesh
 import soapjax_zoo as zoo
 from soapjax import baselines
 from soapjax.apply import batch_shardings, constrained_loss, device_put_global, param_shardings
-from soapjax.cost import compute_dtype
 from soapjax.graph import OpGraph, trace
+from soapjax.roofline import compute_dtype
 from soapjax.space import MeshShape, data_parallel
 from soapjax.topology import load_topology, make_mesh
 from soapjax_zoo import gpt, llama

@@ -1,4 +1,4 @@
-"""The analytic cost model's dtype and efficiencies (`soapjax.cost.compute_dtype`,
+"""soapjax.roofline: the analytic cost model's dtype and efficiencies (`compute_dtype`,
 ``[device.efficiency]``).
 
 A mixed-precision layer (``nn.Dense(dtype=float16, param_dtype=float32)``) casts its float32
@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from soapjax.cost import ANALYTIC_KERNEL_OVERHEAD_S, compute_dtype, cost_model, roofline_time
+from soapjax.cost import cost_model
 from soapjax.errors import TopologyError
 from soapjax.graph import trace
+from soapjax.roofline import ANALYTIC_KERNEL_OVERHEAD_S, compute_dtype, roofline_time
 from soapjax.topology import load_topology, scaled_topology
 
 MESHES = Path(__file__).resolve().parent.parent / "meshes"
