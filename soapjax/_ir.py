@@ -32,8 +32,19 @@ class ReductionDim:
     role: Role
 
 
+class _Tensor:
+    """What `Operand` and `OutputTensor` share: their bytes, from the global shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
-class Operand:
+class Operand(_Tensor):
     """One input of an operator.
 
     Attributes:
@@ -70,13 +81,9 @@ class Operand:
         suffix = "".join(f"[{i}]" for i in self.layer)
         return self.source[: len(self.source) - len(suffix)] if suffix else self.source
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * itemsize(self.dtype)
-
 
 @dataclasses.dataclass(frozen=True)
-class OutputTensor:
+class OutputTensor(_Tensor):
     """A value an operator hands to other operators (or returns from the function).
 
     Attributes:
@@ -90,10 +97,6 @@ class OutputTensor:
     dtype: str
     dims: tuple[int | None, ...]
     value: int
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * itemsize(self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

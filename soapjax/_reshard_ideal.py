@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 from soapjax._dtypes import itemsize
 from soapjax.collectives import XLA_COLLECTIVES
@@ -41,8 +41,9 @@ class Collective(NamedTuple):
     group_size: int = 0
 
 
-class Transition(Protocol):
-    """A normalised transition (`soapjax.reshard` builds them): specs per dim, in mesh order."""
+class NormalTransition(NamedTuple):
+    """A normalised transition (`soapjax.reshard` builds them and keys its caches by them):
+    specs per dim, size-1 axes dropped, partial axes in mesh order."""
 
     shape: tuple[int, ...]
     dtype: str
@@ -51,7 +52,7 @@ class Transition(Protocol):
     partial: tuple[str, ...]
 
 
-def ideal(k: Transition, mesh: MeshShape) -> tuple[Collective, ...]:
+def ideal(k: NormalTransition, mesh: MeshShape) -> tuple[Collective, ...]:
     """The collectives of transition `k` on `mesh`, in the order they run (module doc)."""
     rank = len(k.shape)
     keep = [_common_prefix(k.src[d], k.dst[d]) for d in range(rank)]

@@ -27,6 +27,9 @@ text for checking all this (`soapjax.hlo.ops_outside_loops` counts what was hois
 
 Also here: the loops of an optimizer update and of a whole training step, and `DiskCache`,
 the on-disk store of measurements that `soapjax.cost` reads and writes.
+
+One module past ~600 lines, on purpose: the loop, the programs timed in it and the store of
+their timings share one schema (`signature`'s `_SCHEMA`, the stored `Timing` fields).
 """
 
 from __future__ import annotations

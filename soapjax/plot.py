@@ -35,6 +35,10 @@ gid ``"{track}/{kind}"`` (``"device 0/forward"``, ``"{channel}/grad_sync"``); in
 `comparison_figure` each bar has gid ``"step time/{name}"`` or ``"bytes sent/{name}"``; in
 `pipeline_figure` each box is a `Rectangle` with gid ``"stage {s}/{F|B} {microbatch}/chunk {c}"``
 and its label, if drawn, a text with that gid plus ``"/label"``.
+
+One module past ~600 lines, on purpose: it is the one module that imports matplotlib (an
+optional dependency, `MissingDependencyError` without it), and its figures share the colours,
+the gid conventions above and the layout helpers.
 """
 
 from __future__ import annotations

@@ -93,6 +93,7 @@ from soapjax._cache import cache_root
 from soapjax._dtypes import is_key, itemsize
 from soapjax._reshard_ideal import KINDS as KINDS
 from soapjax._reshard_ideal import Collective as Collective
+from soapjax._reshard_ideal import NormalTransition as _Key
 from soapjax._reshard_ideal import ideal
 from soapjax._reshard_worker import CHUNK, Worker
 from soapjax.errors import SoapjaxError
@@ -151,16 +152,6 @@ class Transition(NamedTuple):
     src: Any
     dst: Any
     partial: Sequence[str] = ()
-
-
-class _Key(NamedTuple):
-    """A transition, normalised: specs per dim, size-1 axes dropped, partial in mesh order."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    src: tuple[tuple[str, ...], ...]
-    dst: tuple[tuple[str, ...], ...]
-    partial: tuple[str, ...]
 
 
 # --- public functions ----------------------------------------------------------------------------
