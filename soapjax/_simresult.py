@@ -82,6 +82,8 @@ class SimResult:
       num_devices: devices in the mesh.
       tasks: every task, in issue order.
       channels: the topology channels, in trace order.
+      pipeline: for a pipelined strategy, its `soapjax.pipesim.PipelineResult` (the rest is
+        then one stage's work, with the pipeline's step time and fullest stage's memory).
     """
 
     step_time_s: float
@@ -97,9 +99,13 @@ class SimResult:
     num_devices: int
     tasks: tuple[TaskRecord, ...] = dataclasses.field(repr=False)
     channels: tuple[str, ...] = dataclasses.field(repr=False, default=())
+    pipeline: Any = dataclasses.field(repr=False, default=None)
 
     def to_json(self, *, tasks: bool = False) -> dict[str, Any]:
-        """The result as JSON-ready data; with ``tasks=True`` the whole timeline too."""
+        """The result as JSON-ready data; with ``tasks=True`` the whole timeline too. A
+        pipelined step's is its pipeline's (`soapjax.pipesim.PipelineResult.to_json`)."""
+        if self.pipeline is not None:
+            return self.pipeline.to_json()
         out = {
             "step_time_s": self.step_time_s, "compute_s": self.compute_s,
             "exposed_comm_s": self.exposed_comm_s, "bytes_moved": self.bytes_moved,

@@ -531,7 +531,7 @@ def _simulate_inputs(args: argparse.Namespace):
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from soapjax import cost, reshard, simulate, space
+    from soapjax import cost, simulate
     from soapjax.report import format_bytes
 
     if args.plot:
@@ -541,13 +541,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     strategy = simulate.parse_strategy(g, topo, args.strategy, family=w.family)
     costs = cost.cost_model(g, topo, mode=args.costs, optimizer=w.optimizer)
     factor = simulate.opt_state_factor(w.optimizer, w.abstract_params())
-    notes: list[str] = []
-    if strategy.pipelined:
-        r, notes = _simulate_pipelined(g, topo, strategy, costs, args.reshard, factor)
-    else:
-        with reshard.Resharder(space.MeshShape.of(topo), mode=args.reshard) as resharder:
-            r = simulate.simulate(g, topo, strategy, cost_model=costs, resharder=resharder,
-                                  opt_state_factor=factor)
+    r = simulate.simulate(g, topo, strategy, cost_model=costs, resharder=args.reshard,
+                          opt_state_factor=factor)
+    notes = _pipeline_notes(strategy, r)
     if args.trace:
         with open(args.trace, "w") as f:
             json.dump(r.to_chrome_trace(), f)
@@ -678,13 +674,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _search_and_simulate(args: argparse.Namespace, w, g, topo):
-    """`find_plan` with the command's settings, and the plan simulated with the same costs and
-    resharder (the baselines too, for --plot): (plan, its `SimResult`, the baselines'
-    results, where the costs came from, extra report lines (a pipelined plan's))."""
+    """`find_plan` with the command's settings: (the plan, its `SimResult` as `find_plan`
+    simulated it, the baselines' results (for --plot, with the same costs), where the costs
+    came from, extra report lines (a pipelined plan's))."""
     from soapjax.cost import cost_model
     from soapjax.reshard import Resharder
     from soapjax.search import SearchSettings, find_plan, print_progress
-    from soapjax.simulate import simulate
     from soapjax.space import MeshShape, SpaceLimits
 
     settings = SearchSettings(budget_s=args.budget, max_proposals=args.proposals, seed=args.seed,
@@ -699,32 +694,23 @@ def _search_and_simulate(args: argparse.Namespace, w, g, topo):
         if progress:
             sys.stderr.write("\n")
         info = dict(plan.search)
-        strategy = plan.strategy(g, topo)
-        notes: list[str] = []
-        if strategy.pipelined:
-            sim, notes = _simulate_pipelined(g, topo, strategy, cm, args.reshard,
-                                             info["opt_state_factor"])
-        else:
-            sim = simulate(g, topo, strategy, cost_model=cm, resharder=resharder,
-                           opt_state_factor=info["opt_state_factor"])
         others = _baseline_results(g, topo, w, cm, resharder, info) if args.plot else {}
-    return plan, sim, others, cm.source, notes
+    return plan, plan.simulated, others, cm.source, _pipeline_notes(plan.strategy(g, topo),
+                                                                   plan.simulated)
 
 
-def _simulate_pipelined(g, topo, strategy, costs, reshard: str, factor: float):
-    """A pipelined strategy's step as a `SimResult` (`soapjax.pipesim.as_step_result`) and
-    the report's pipeline line."""
-    from soapjax.pipesim import as_step_result, simulate_pipelined
+def _pipeline_notes(strategy, result) -> list[str]:
+    """A pipelined step's report line: stages, schedule, bubble and memory by stage."""
     from soapjax.report import format_bytes
 
-    p, stage = simulate_pipelined(g, topo, strategy, cost_model=costs,
-                                  resharder_mode=reshard, opt_state_factor=factor)
+    p = result.pipeline
+    if p is None:
+        return []
     mem = ", ".join(format_bytes(m.total) for m in p.stage_memory)
-    line = (f"pipeline: {strategy.stages} stages x {strategy.virtual_stages} virtual, "
+    return [f"pipeline: {strategy.stages} stages x {strategy.virtual_stages} virtual, "
             f"{strategy.schedule}, {strategy.microbatches} microbatches; bubble "
             f"{p.bubble_fraction:.1%}; memory per device by stage: {mem}; configs are over "
-            "one stage's devices")
-    return as_step_result(p, stage, topo.num_devices), [line]
+            "one stage's devices"]
 
 
 def _plan_header(args: argparse.Namespace, w, g, topo, info: dict, cost_source: str,

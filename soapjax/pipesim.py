@@ -49,13 +49,12 @@ from collections.abc import Sequence
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
 from soapjax.pipeline import ChunkTimes, PipelineTimeline, time_schedule
-from soapjax.reshard import Resharder
-from soapjax.simulate import MemoryBreakdown, SimResult, Simulation, shard_bytes
+from soapjax._flatsim import Simulation, shard_bytes
+from soapjax._simresult import MemoryBreakdown, SimResult
 from soapjax.space import Config, MeshShape, Strategy
 from soapjax.topology import Topology, stage_topology
 
-__all__ = ["PipelineResult", "PipelinedSimulation", "as_step_result", "layer_chunks",
-           "simulate_pipelined"]
+__all__ = ["PipelineResult", "PipelinedSimulation", "as_step_result", "layer_chunks"]
 
 
 def _layer_span(graph: OpGraph) -> tuple[int, int]:
@@ -375,18 +374,6 @@ class PipelinedSimulation:
         return tuple(out)
 
 
-def simulate_pipelined(graph: OpGraph, topology: Topology, strategy: Strategy, *,
-                       cost_model, resharder_mode: str = "ideal",
-                       opt_state_factor: float = 2.0) -> tuple[PipelineResult, SimResult]:
-    """Full simulation of a pipelined strategy: (the pipelined step, one stage's `SimResult`).
-    The resharder is made for one stage's mesh (`stage_topology`) and closed after."""
-    stage = stage_topology(topology, strategy.stages)
-    with Resharder(MeshShape.of(stage), mode=resharder_mode) as resharder:
-        sim = PipelinedSimulation(graph, topology, cost_model, resharder, strategy,
-                                  opt_state_factor=opt_state_factor)
-        return sim.result(), sim.stage_result()
-
-
 def as_step_result(pipelined: PipelineResult, stage: SimResult,
                    num_devices: int) -> SimResult:
     """The pipelined step as a `SimResult` for reports: step time, fits and memory of the
@@ -396,7 +383,7 @@ def as_step_result(pipelined: PipelineResult, stage: SimResult,
         stage, step_time_s=pipelined.step_time_s,
         exposed_comm_s=max(0.0, pipelined.step_time_s - stage.compute_s),
         peak_memory_bytes=(fullest.total,) * num_devices, memory=fullest,
-        fits_in_memory=pipelined.fits_in_memory, num_devices=num_devices)
+        fits_in_memory=pipelined.fits_in_memory, num_devices=num_devices, pipeline=pipelined)
 
 
 def _flat(strategy: Strategy) -> Strategy:

@@ -131,6 +131,9 @@ class Plan:
       batch_size: the global batch the plan was made for (samples per step), so a command
         given only the plan file traces the model at that batch; 0 in files written without
         it.
+      simulated: the `soapjax.simulate.SimResult` `soapjax.search.find_plan` simulated the
+        plan's strategy to (timeline included), so a report needs no second simulation; not
+        saved (None for a loaded plan) and not part of the plan's identity.
     """
 
     model: str
@@ -153,6 +156,7 @@ class Plan:
     recompute: tuple[str, ...] = ()
     pipeline: tuple[int, int, str] = (1, 1, "1f1b")
     batch_size: int = 0
+    simulated: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         # The step-level choices are checked as a Strategy checks them.
@@ -171,7 +175,7 @@ class Plan:
              workload: str = "", predicted: Mapping[str, Any] | None = None,
              cost_source: str = "analytic",
              search: Mapping[str, Any] | None = None,
-             baselines: Mapping[str, float] | None = None) -> Plan:
+             baselines: Mapping[str, float] | None = None, simulated: Any = None) -> Plan:
         """A plan for `strategy` on `graph` and `topology` (a `Topology`)."""
         mesh = MeshShape.of(topology)
         if len(strategy.configs) != len(graph.operators):
@@ -193,7 +197,7 @@ class Plan:
             workload=workload, microbatches=strategy.microbatches,
             recompute=tuple(strategy.recompute),
             pipeline=(strategy.stages, strategy.virtual_stages, strategy.schedule),
-            batch_size=graph.batch_size if graph.batch else 0)
+            batch_size=graph.batch_size if graph.batch else 0, simulated=simulated)
 
     @property
     def step_time_s(self) -> float | None:

@@ -77,11 +77,16 @@ from soapjax.errors import PlanError, SettingsError
 from soapjax.graph import OpGraph
 from soapjax.memory import microbatch_choices, microbatch_error
 from soapjax.pipeline import pipeline_error
-from soapjax.pipesim import PipelinedSimulation, layer_chunks
+from soapjax.pipesim import layer_chunks
 from soapjax.plan import Plan
 from soapjax.reshard import DEFAULT_MODE, Resharder
-from soapjax.simulate import Simulation, opt_state_factor
-from soapjax.topology import stage_topology
+from soapjax.simulate import (
+    Simulation,
+    default_pricing,
+    open_simulation,
+    opt_state_factor,
+    simulate,
+)
 from soapjax.space import (
     RECOMPUTE_POLICIES,
     Config,
@@ -530,10 +535,8 @@ def _pipelined_chains(graph: OpGraph, topology, cost_model, settings: SearchSett
         now = time.perf_counter()
         deadline = None if end is None else now + max(end - now, 0.0) / (len(pipes) - k)
         first = next(iter(points.values()))
-        stage = stage_topology(topology, S)
-        with Resharder(MeshShape.of(stage), mode=DEFAULT_MODE) as resharder:
-            sim = PipelinedSimulation(graph, topology, cost_model, resharder, first,
-                                      opt_state_factor=opt_state_factor)
+        with open_simulation(graph, topology, first, cost_model=cost_model,
+                             resharder=DEFAULT_MODE, opt_state_factor=opt_state_factor) as sim:
             searcher = _Searcher(sim, settings, progress)
             searcher.t0 = flat.t0
             searcher.microbatches = tuple(
@@ -590,11 +593,12 @@ def _best_of_grid(sim: Simulation, searcher: _Searcher, graph: OpGraph, topology
 
 def make_simulation(graph: OpGraph, topology, *, cost_model=None, resharder=None,
                     strategy: Strategy | None = None, opt_state_factor: float = 2.0) -> Simulation:
-    """A `Simulation` with the default cost model and resharder where none are given."""
-    mesh = MeshShape.of(topology)
-    cost_model = cost_model if cost_model is not None else make_cost_model(graph, topology)
-    resharder = resharder if resharder is not None else Resharder(mesh, mode=DEFAULT_MODE)
-    strategy = strategy if strategy is not None else data_parallel(graph, mesh)
+    """A `Simulation` of a strategy without pipeline stages (default: data parallelism),
+    priced as `soapjax.simulate.default_pricing` says where no cost model or resharder is
+    given (`soapjax.simulate.open_simulation` takes any strategy)."""
+    cost_model, resharder = default_pricing(graph, topology, cost_model=cost_model,
+                                            resharder=resharder)
+    strategy = strategy if strategy is not None else data_parallel(graph, MeshShape.of(topology))
     return Simulation(graph, topology, cost_model, resharder, strategy,
                       opt_state_factor=opt_state_factor)
 
@@ -658,14 +662,8 @@ def find_plan(graph: OpGraph, topology, *, settings: SearchSettings | None = Non
     try:
         result = search(graph, topology, cost_model=cm, resharder=resharder, settings=settings,
                         family=family, opt_state_factor=factor, progress=progress)
-        if result.strategy.pipelined:
-            stage = stage_topology(topology, result.strategy.stages)
-            with Resharder(MeshShape.of(stage), mode=resharder.mode) as inner:
-                sim = PipelinedSimulation(graph, topology, cm, inner, result.strategy,
-                                          opt_state_factor=factor).result()
-        else:
-            sim = make_simulation(graph, topology, cost_model=cm, resharder=resharder,
-                                  strategy=result.strategy, opt_state_factor=factor).result()
+        sim = simulate(graph, topology, result.strategy, cost_model=cm, resharder=resharder,
+                       opt_state_factor=factor)
     finally:
         if isinstance(reshard, str):
             resharder.close()
@@ -678,7 +676,7 @@ def find_plan(graph: OpGraph, topology, *, settings: SearchSettings | None = Non
         "cost_stats": cm.stats._asdict()}
     return Plan.make(graph, topology, result.strategy, model_config=model_config,
                      workload=workload, predicted=sim.to_json(), cost_source=cm.source,
-                     search=info, baselines=result.baseline_times())
+                     search=info, baselines=result.baseline_times(), simulated=sim)
 
 
 def _abstract_params(graph: OpGraph) -> list[jax.ShapeDtypeStruct]:

@@ -28,7 +28,7 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("baselines", "plan", "_strategy_file"),  # expert strategies; the Plan file; --strategy
     ("_hlo_text", "_timing", "devices", "links", "devicefit", "roofline", "updates", "flops",
      "cost", "_hlo_flops", "hlo", "_reshard_ideal", "_reshard_worker", "reshard"),  # prices
-    ("_taskgraph", "_simresult", "simulate", "pipesim"),  # strategy -> timeline
+    ("_taskgraph", "_simresult", "_flatsim", "pipesim", "simulate"),  # strategy -> timeline
     ("search",),  # MCMC -> best plan
     ("_validation", "_shardings", "_pipelined", "apply"),  # plan -> sharded, jitted step
     ("training", "check"),  # the training helper; a plan against the devices
@@ -118,6 +118,7 @@ def test_every_module_has_a_test_file():
              "_topology_file": "topology", "_routing": "topology", "collectives": "topology",
              "_timing": "cost", "_reshard_ideal": "reshard", "_reshard_worker": "reshard",
              "_taskgraph": "simulate", "_simresult": "simulate", "_strategy_file": "simulate",
+                 "_flatsim": "simulate",
              "_validation": "apply", "_shardings": "apply", "_hlo_text": "hlo", "_hlo_flops": "hlo",
              "errors": "cli", "__init__": "notebook"}
     missing = [m for m in _modules() if owner.get(m, m) not in covered]
@@ -151,3 +152,22 @@ def test_fixed_choices_have_one_table(choice):
                 if len(found) >= 2 and module not in owners:
                     bad.append(f"soapjax/{module}.py:{node.lineno} lists {sorted(found)}")
     assert not bad, f"{choice} spelled outside {sorted(owners)}:\n  " + "\n  ".join(bad)
+
+
+# The modules that may ask whether a strategy is pipelined: the simulator's and apply's.
+PIPELINE_AWARE = {"_flatsim", "pipesim", "simulate",  # the simulator
+                  "_validation", "_shardings", "_pipelined", "apply"}  # apply
+
+
+def test_only_the_simulator_and_apply_branch_on_pipeline_stages():
+    """'Is it pipelined?' is decided inside the simulator (`soapjax.simulate.simulate`,
+    `open_simulation`) and inside apply (`soapjax.apply.sharded_train_step`); the search, the
+    command line, the training helper and the checks call those and never ask."""
+    asking = {}
+    for name in _modules():
+        tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+        lines = [n.lineno for n in ast.walk(tree)
+                 if isinstance(n, ast.Attribute) and n.attr == "pipelined"]
+        if lines and name not in PIPELINE_AWARE:
+            asking[name] = lines
+    assert not asking, f"modules outside the simulator and apply read .pipelined: {asking}"

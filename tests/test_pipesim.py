@@ -138,3 +138,24 @@ def test_the_search_turns_to_stages_when_nothing_else_fits():
     plan = find_plan(gpt(), small, settings=settings, costs="analytic")
     assert plan.pipeline[0] > 1
     assert max(dict(plan.predicted)["peak_memory_bytes"]) <= 1_000_000
+
+
+def test_one_entry_point_simulates_a_pipelined_strategy_as_a_step():
+    """`soapjax.simulate.simulate` takes any strategy: a pipelined one's `SimResult` has the
+    pipeline's step time, fit and fullest stage's memory, and the `PipelineResult` itself;
+    `open_simulation` gives the pipelined simulation the search walks."""
+    from soapjax.simulate import open_simulation, simulate
+
+    g = gpt()
+    s = megatron_3d(g, A100, tp=4, pp=2, microbatch_size=2, recompute="none")
+    want = pipelined(s).result()
+    costs = cost_model(g, A100, mode="analytic")
+    got = simulate(g, A100, s, cost_model=costs)
+    assert got.pipeline == want and got.step_time_s == want.step_time_s
+    assert got.fits_in_memory == want.fits_in_memory
+    assert got.peak_memory_bytes == (want.peak_memory_bytes,) * A100.num_devices
+    assert got.to_json() == want.to_json()  # what a plan file records
+    with open_simulation(g, A100, s, cost_model=costs) as sim:
+        assert isinstance(sim, PipelinedSimulation) and sim.step_time() == want.step_time_s
+    flat = megatron_3d(g, A100, tp=4, pp=1, microbatch_size=2, recompute="none")
+    assert simulate(g, A100, flat, cost_model=costs).pipeline is None

@@ -1,0 +1,1049 @@
+"""The flat step's simulator: a training step's task graph, its timeline and its memory.
+
+`soapjax.simulate` is the simulator's entry point for any strategy; this module is the engine
+of a step without pipeline stages (`Simulation`), which `soapjax.pipesim` runs for one stage of
+a pipelined one.
+
+FlexFlow (section 5) predicts a strategy's step time by building a task graph (compute tasks on
+devices, communication tasks on links) and timing it; soapjax does the same for one SPMD program.
+
+**Symmetric SPMD.** Under one SPMD program every device runs the same sequence of per-device
+programs on equal-size shards, so one compute timeline stands for every device exactly. (The
+paper needed per-device tasks only to place operators on subsets of devices, its O dimension,
+which one SPMD program does not have.) The resources are one compute stream and one FIFO
+resource per topology channel (`Topology.channels_used`); a collective is ONE task on all its
+channels, since `Topology.collective_time` already prices the sharing inside it. Channels that
+every collective uses alike (the InfiniBand NICs of the 16 nodes of ``k80x64``) see the same
+tasks in the same order, so they are simulated once and drawn once per channel in the trace.
+
+**Program order.** Tasks are issued in the compiled program's fixed order and each resource runs
+its tasks in that order (A3); a task starts at the latest end among its dependencies and the
+previous task on each of its resources (A4). The timeline is thus a pure function of the task
+graph, and the delta simulation (Algorithm 2), which recomputes only the tasks whose inputs
+changed, gives exactly, bit for bit, the timeline of the full simulation (Algorithm 1).
+
+The task graph of one training iteration, operators in program order (`soapjax._taskgraph`):
+
+* forward, per operator: the resharding of parameters stored in another layout (a ZeRO-3
+  all-gather), of each input from its producer's output spec to the spec the config needs (the
+  collectives `Resharder.reshard` says XLA emits; operators that read one value in the same
+  layout share one resharding, as XLA computes it once), the forward task (`CostModel.op_time`),
+  where the config splits a dim the operator reduces a statistic over (a layer norm's hidden
+  dim, a softmax's keys, a cross-entropy's vocabulary: `soapjax._inner`) the all-reduce of
+  those statistics, and, when the config splits a reduction dim, the all-reduce of the partial
+  sums of its (primary) output;
+* backward, in reverse order: the backward task, after the backward of every consumer of its
+  outputs and their cotangents' communication, then the all-reduce of its statistics'
+  backward (a layer norm's two sums over the split hidden dim); per input, the cotangent's way
+  back: it is laid
+  out as the operator's operand and is a partial sum over the mesh axes the config uses that do
+  not split that operand (a column-parallel matmul's replicated input), except those splitting
+  only reduction dims its value does not flow into (a bias added after a row-parallel matmul:
+  `Config.cotangent_partials`, `Operand.outside`), so it goes back by
+  ``reshard(operand spec -> producer spec, partial=those axes)``. That is the transpose of the
+  forward resharding (all-gather -> reduce-scatter, all-to-all -> all-to-all, ...) wherever the
+  cotangent is a partial sum over the gathered axes, and a free slice where it is replicated
+  over them, as XLA's partitioner does; the forward all-reduce of partial sums has none.
+  Parameters go back the same way to their stored layout: the gradient synchronisation
+  (all-reduce over the batch axes under data parallelism, reduce-scatter under ZeRO), issued
+  right after the backward task that completes the gradient, so it overlaps with the rest of
+  the backward pass as XLA schedules it;
+* the optimizer update of every parameter shard (`CostModel.update_time`) after its gradient,
+  in the order gradients complete; where the optimizer reduces each parameter to scalars (a
+  global gradient-norm clip: `OpCosts.update_reductions`) and the parameter is stored split,
+  after the all-reduce of those scalars over the axes that split it (XLA's partitioner makes
+  each a partial sum; tiny, but on XLA:CPU a rendezvous per parameter: 20 of them cost GPT-2
+  tiny's Megatron step 1.9 ms of 13).
+
+Parameters (and batch inputs) are stored in the layout of the first operator that reads them,
+split further over `Strategy.zero_axes` where divisible; other readers reshard them before their
+forward task. Each reader's gradient contribution is synchronised on its own and the results
+summed, as XLA does (a tied embedding's gradient is all-reduced twice under data parallelism).
+An operator replicated over a mesh axis costs compute on every device of it: its shard is
+bigger.
+
+**Memory** per device (the same on every device): parameters, gradients and optimizer state
+(``opt_state_factor`` x parameter bytes: 2 for Adam; see `opt_state_factor`) at their shard
+sizes; every forward output's shard, kept for the backward pass (the peak is where the forward
+ends and the backward begins, when all of them are alive), with the batch and the parameters
+gathered for another layout; and the largest communication buffer.
+
+Example::
+
+    sim = Simulation(graph, topology, cost_model, resharder, data_parallel(graph, mesh))
+    t = sim.propose(3, config)          # delta-simulate one operator's new config
+    sim.accept() if t < best else sim.reject()
+    sim.result().to_chrome_trace()      # {"traceEvents": [...]} for Perfetto / chrome://tracing
+
+The module is the `Simulation`; its parts live beside it: the task graph's engine in
+`soapjax._taskgraph`, the result records and trace export in `soapjax._simresult`. The module
+stays one past ~600 lines because `Simulation` is one class: its units, their
+undo record and the delta rules that keep it equal to a full simulation are one invariant, read
+together.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple, Protocol
+
+
+from soapjax._dtypes import itemsize
+from soapjax._inner import inner_reductions
+from soapjax._simresult import (
+    BACKWARD,
+    FORWARD,
+    GRAD_SYNC,
+    INNER_REDUCE,
+    INNER_REDUCE_BWD,
+    PARAM_GATHER,
+    PARTIAL_SUM,
+    RESHARD,
+    RESHARD_BWD,
+    UPDATE,
+    UPDATE_REDUCE,
+    MemoryBreakdown,
+    SimResult,
+    TaskRecord,
+)
+from soapjax._taskgraph import EDGE, LEAF, Comm, Layout, Pricing, TaskGraph
+from soapjax._timing import quiet_gc
+from soapjax.cost import OpTime
+from soapjax.errors import PlanError
+from soapjax.graph import OpGraph
+from soapjax.memory import (
+    Segments,
+    microbatch_degrees,
+    microbatch_error,
+    microbatch_shape,
+    recomputes,
+)
+from soapjax.reshard import ReshardModel
+from soapjax.space import Config, MeshShape, Strategy, sample_dim, storage_spec, validate_config
+from soapjax.topology import Topology
+
+__all__ = ["OpCosts", "Simulation", "shard_bytes"]
+
+class _View(NamedTuple):
+    """One operator under one config: times, tensor specs, partial sums, activation bytes."""
+
+    config: Config
+    forward_s: float
+    backward_s: float
+    out_specs: tuple[tuple[tuple[str, ...], ...], ...]
+    operand_specs: tuple[tuple[tuple[str, ...], ...], ...]
+    partials: tuple[tuple[str, ...], ...]  # per operand: axes its cotangent is a partial sum on
+    reduction_axes: tuple[str, ...]  # the axes splitting its reduction dims (partial sums)
+    inner_forward: tuple[Comm, ...]  # all-reduces of statistics it reduces over split dims
+    inner_backward: tuple[Comm, ...]  # ... and their backward (`soapjax._inner`)
+    activation_bytes: int  # its outputs' shards (one microbatch's), kept for the backward pass
+    policy: str  # its recompute policy (`soapjax.memory`)
+    recomputes: bool  # whether it drops its outputs and runs its forward again
+
+
+def shard_bytes(shape: Sequence[int], spec: Sequence[Sequence[str]], dtype: str,
+                mesh: MeshShape) -> int:
+    """Bytes of one device's shard of a tensor laid out as `spec` (per-dim mesh axes)."""
+    n = itemsize(dtype)
+    for size, axes in zip(shape, spec):
+        d = mesh.degree(axes)
+        n *= size // d if size % d == 0 else size
+    for size in shape[len(spec):]:
+        n *= size
+    return n
+
+
+# --- the simulation ---------------------------------------------------------------------------
+
+
+class OpCosts(Protocol):
+    """What the simulator asks of a cost model (`soapjax.cost.CostModel` is one).
+
+    Attributes:
+      source: how the times were obtained (``"measured"``, ``"analytic"``), for the result.
+      update_reductions: scalars the optimizer's update reduces each parameter to (a global
+        gradient norm: 1; `soapjax.cost.update_reductions`); a parameter stored split over mesh
+        axes all-reduces them over those axes before its update. Optional (0 when absent).
+    """
+
+    source: str
+
+    def op_time(self, op_index: int, config: Config) -> OpTime:
+        """Forward and backward seconds of operator `op_index` under `config`."""
+        ...
+
+    def shard_time(self, op_index: int, degrees: tuple[int, ...]) -> OpTime:
+        """`op_time` by degrees per iteration dim (asked only for microbatches > 1)."""
+        ...
+
+    def update_time(self, param_shard_bytes: float) -> float:
+        """Seconds of the optimizer update of a parameter shard of that many bytes."""
+        ...
+
+
+def _settled(method: Callable) -> Callable:
+    """Rebuilds a rejected full proposal's previous strategy first (`Simulation.reject`
+    leaves it stale: a search in full simulation proposes the next strategy whole, which
+    needs no rebuild)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self._stale is not None:
+            before, self._stale = self._stale, None
+            self.reset(before)
+        return method(self, *args, **kwargs)
+
+    return run
+
+
+class Simulation:
+    """A strategy's simulated step, kept up to date under single-operator changes.
+
+    The search owns one: `propose` delta-simulates a new config for one operator and returns the
+    new step time; `accept` keeps it, `reject` rolls it back (cheaply: the old tasks are kept
+    until then). The state always equals a full simulation of the current strategy.
+    `propose_strategy` is the same proposal by full simulation (Algorithm 1) of a whole
+    strategy: delta and full simulation are this object's two ways to propose, and `accept`
+    and `reject` end either.
+
+    The task graph is held as *units*, each rebuilt whole when a change touches it: per operator
+    its forward and backward tasks (retimed, never rebuilt) and its own collectives (`_OpComm`:
+    the all-reduces of its statistics, forward and backward, and of its partial sums; when they
+    change, the edges in and out of it are rebuilt too, as they start after them); per
+    activation edge its forward resharding and its cotangent's way back
+    (`_EdgeTasks`); per parameter or batch input its gathers, gradient synchronisations and
+    update (`_LeafTasks`).
+
+    Args:
+      graph: the operator graph.
+      topology: the cluster; its mesh axes are the mesh.
+      cost_model: gives `op_time(i, config)` and `update_time(bytes)` (see `soapjax.cost`).
+      resharder: gives the collectives of a resharding (see `soapjax.reshard`).
+      strategy: the initial strategy.
+      opt_state_factor: optimizer state bytes per parameter byte (2 for Adam).
+    """
+
+    def __init__(self, graph: OpGraph, topology: Topology, cost_model: OpCosts,
+                 resharder: ReshardModel,
+                 strategy: Strategy, *, opt_state_factor: float = 2.0) -> None:
+        self.graph = graph
+        self.topology = topology
+        self.cost_model = cost_model
+        self.mesh = MeshShape.of(topology)
+        self.opt_state_factor = float(opt_state_factor)
+        self._reductions = int(getattr(cost_model, "update_reductions", 0))
+        sharing = topology.compute  # devices sharing the host's cores (`[compute]`)
+        self._stretch = sharing.stretch(topology.num_devices) if sharing else 1.0
+        self._kernel_overhead = sharing.kernel_overhead if sharing else 0.0
+        # Calling the step: it returns the parameters, the optimizer state (about
+        # opt_state_factor arrays per parameter: Adam's two moments) and the loss.
+        outputs = round(len(graph.params) * (1 + self.opt_state_factor)) + 1
+        self._call = sharing.call_time(outputs) if sharing else 0.0
+        self._layout = graph.memo("layout", lambda: Layout(graph))
+        self._pricing = Pricing(topology, resharder)
+        self._views_memo: dict[tuple[int, Config, str, int], _View] = {}
+        # a layer's operator -> layer 0's twin
+        self._canon = graph.memo("canonical", lambda: _canonical_operators(graph))
+        self._segments = graph.memo("segments", lambda: Segments(graph))
+        self._sample = graph.memo("sample_dims", lambda: [sample_dim(op) for op in graph.operators])
+        self._micro = max(1, int(strategy.microbatches))
+        self._scaled: dict[tuple, tuple[Comm, ...]] = {}  # (chain, M) -> chain run M times
+        self._memo: dict[tuple, Any] = {}  # stored layouts, shard bytes, activation chains
+        self._act: int | None = None  # activation bytes, computed when asked (`_memory`)
+        self._pending: _Batch | None = None
+        self._before: Strategy | None = None  # a full proposal's previous strategy
+        self._stale: Strategy | None = None  # a rejected full proposal's, not yet rebuilt
+        self._prefetch(strategy, ())  # compile the first strategy's reshardings in one batch
+        self.reset(strategy)
+
+    # --- public -------------------------------------------------------------------------------
+
+    @property
+    def strategy(self) -> Strategy:
+        """The current strategy (with a pending proposal applied)."""
+        if self._stale is not None:
+            return self._stale
+        return Strategy(tuple(v.config for v in self._views), self._zero, self._micro,
+                        tuple(v.policy for v in self._views))
+
+    @property
+    def microbatches(self) -> int:
+        """The current strategy's number of microbatches."""
+        return self._stale.microbatches if self._stale is not None else self._micro
+
+    @_settled
+    def compute_ends(self) -> tuple[list[float], list[float]]:
+        """When each operator's forward and backward compute tasks end (graph order): the
+        pipeline simulation (`soapjax.pipesim`) cuts the step into model chunks with them."""
+        end = self._task_graph.end
+        return ([end[t] for t in self._forward_task], [end[t] for t in self._backward_task])
+
+    @_settled
+    def activation_bytes_by_operator(self) -> list[int]:
+        """Each operator's kept output bytes per device, one microbatch (before recompute)."""
+        return [v.activation_bytes for v in self._views]
+
+    @_settled
+    def output_specs(self, i: int) -> tuple[tuple[tuple[str, ...], ...], ...]:
+        """Operator `i`'s outputs' layouts (per-dim mesh axes) under its current config."""
+        return self._views[i].out_specs
+
+    @_settled
+    def memory_breakdown(self) -> MemoryBreakdown:
+        """What the current strategy's peak memory per device is made of."""
+        return self._memory()
+
+    @_settled
+    def choice(self, j: int) -> tuple[Config, str]:
+        """Operator `j`'s config and recompute policy (cheaper than ``strategy[j]``)."""
+        v = self._views[j]
+        return v.config, v.policy
+
+    @_settled
+    def step_time(self) -> float:
+        """The simulated step time of the current strategy: the timeline's end, plus what
+        calling the step costs where the topology measured it (`call_overhead`)."""
+        return self._task_graph.step_time() + self._call
+
+    @_settled
+    def timeline_end(self) -> float:
+        """When the current strategy's last task ends (the step time less `call_overhead`)."""
+        return self._task_graph.step_time()
+
+    @property
+    def call_overhead(self) -> float:
+        """Seconds one call of the step costs beyond its tasks (`ComputeSharing.call_time`
+        for the parameters, optimizer state and loss it returns; 0 unless the topology's
+        ``[compute]`` table measured it)."""
+        return self._call
+
+    @_settled
+    def peak_memory_bytes(self) -> int:
+        """Peak bytes per device of the current strategy."""
+        return self._memory().total
+
+    @_settled
+    def fits_in_memory(self) -> bool:
+        return self.peak_memory_bytes() <= self.topology.device.memory_bytes
+
+    def reset(self, strategy: Strategy) -> float:
+        """Full simulation (Algorithm 1): rebuilds the task graph and timeline from scratch."""
+        if self._pending is not None or self._before is not None:
+            raise RuntimeError("accept() or reject() the pending proposal before reset()")
+        self._stale = None
+        # The build allocates tens of thousands of small objects, none of them in a cycle.
+        # Python's collector, run by that count, scans the whole heap, traced graph included:
+        # for GPT 175B that made a full simulation 4x slower (190 ms, 45 ms without). It
+        # stays off for the build; reference counting frees all of it the same.
+        with quiet_gc(collect=False):
+            self._build(strategy)
+            self._task_graph.full_pass()
+        return self.step_time()
+
+    @_settled
+    def prefetch(self, changes: Iterable[tuple[int, Config]] = ()) -> int:
+        """Has the resharder work out at once (`Resharder.prefetch`: one batch of compilations)
+        every resharding that the current strategy and the given single-operator changes need.
+
+        Returns:
+          How many reshardings were compiled (0 for those already known).
+        """
+        return self._prefetch(self.strategy, changes)
+
+    @_settled
+    def propose(self, i: int, config: Config, recompute: str | None = None) -> float:
+        """Delta-simulates operator `i` taking `config` (Algorithm 2); returns the step time.
+
+        With `recompute` (a policy, `soapjax.memory`) the operator takes that recompute policy
+        too (None: it keeps its own). A change of microbatches is a `reset` (every task
+        changes).
+
+        Rebuilds the tasks whose collectives the change touches (operator `i`'s own all-reduces
+        of statistics and partial sums, the reshardings of its input and output edges, the
+        gathers, gradient synchronisations and updates of the parameters it reads), retimes its
+        forward and backward tasks, and retimes the timeline from the first changed task on, as
+        far as the change reaches. The change stays pending until `accept` or `reject`.
+
+        Raises:
+          PlanError: `config` does not fit operator `i` or the mesh.
+          RuntimeError: a proposal is already pending.
+        """
+        return self.propose_many([(i, config, recompute)])
+
+    @_settled
+    def propose_many(self, changes: Sequence[tuple[int, Config, str | None]]) -> float:
+        """Delta-simulates several operators' changes as one proposal: ``(operator, config,
+        recompute policy or None)`` each, applied in order, then one retiming pass from the
+        first changed task (a repeated block's position moves in every layer at once: one
+        pass instead of one per layer). `accept` keeps them all, `reject` rolls them all back.
+        The timeline is the one the changes made one by one give (delta == full)."""
+        if self._pending is not None:
+            raise RuntimeError("accept() or reject() the pending proposal before proposing again")
+        task_graph = self._task_graph
+        batch = self._pending = _Batch()
+        for i, config, recompute in changes:
+            old = self._views[i]
+            try:
+                view = self._view(i, config, old.policy if recompute is None else recompute)
+            except Exception:
+                self.reject()  # the changes before it
+                raise
+            if view is old:
+                continue
+            if not batch.undos:
+                batch.start, batch.end = list(task_graph.start), list(task_graph.end)
+            undo = _Undo(i, old)
+            batch.undos.append(undo)
+            undo.activation_bytes = self._act
+            undo.stored_bytes, undo.leaf_activation_bytes = self._stored_bytes, self._leaf_bytes
+            self._views[i] = view
+            self._act = None
+            op_comm, edges, leaves = self._changed_units(i, view, old)
+            self._replace_units(undo, i if op_comm else None, edges, leaves)
+            self._retime_and_rewire(undo, i, edges, leaves)
+        task_graph.sweep()
+        return self.step_time()
+
+    def propose_strategy(self, strategy: Strategy) -> float:
+        """Full simulation (Algorithm 1) of `strategy` as a proposal; returns the step time.
+
+        The counterpart of `propose_many` by full simulation: `accept` keeps it, `reject`
+        returns to the strategy before (rebuilt when next needed, so a search that proposes
+        whole strategies one after another rebuilds each once).
+        """
+        if self._pending is not None or self._before is not None:
+            raise RuntimeError("accept() or reject() the pending proposal first")
+        before = self.strategy
+        self.reset(strategy)
+        self._before = before
+        return self.step_time()
+
+    def accept(self) -> None:
+        """Keeps the pending proposal."""
+        if self._before is not None:
+            self._before = None
+            return
+        for undo in self._take_pending().undos:
+            self._task_graph.release(undo.old_tasks)
+
+    def reject(self) -> None:
+        """Rolls the pending proposal back: the old tasks return, with their old times."""
+        if self._before is not None:
+            self._stale, self._before = self._before, None
+            return
+        batch = self._take_pending()
+        task_graph = self._task_graph
+        for undo in reversed(batch.undos):
+            i = undo.op
+            for t, deps in reversed(undo.deps):
+                task_graph.set_deps(t, deps)
+            for t in reversed(undo.new_tasks):
+                task_graph.detach(t)
+            self._count_buffers(undo.new_tasks, -1)
+            task_graph.release(undo.new_tasks)
+            for t in undo.old_tasks:
+                task_graph.attach(t)
+            self._count_buffers(undo.old_tasks, +1)
+            task_graph.dur[self._forward_task[i]] = undo.view.forward_s
+            task_graph.dur[self._backward_task[i]] = undo.view.backward_s
+            self._views[i] = undo.view
+            if undo.op_comm is not None:
+                self._op_comm[i] = undo.op_comm
+            for e, unit in undo.edges:
+                self._edge_tasks[e] = unit
+            for leaf, unit in undo.leaves:
+                self._leaf_tasks[leaf] = unit
+            self._act = undo.activation_bytes
+            self._stored_bytes, self._leaf_bytes = undo.stored_bytes, undo.leaf_activation_bytes
+        if batch.undos:
+            n = len(batch.start)
+            task_graph.start[:n] = batch.start
+            task_graph.end[:n] = batch.end
+        task_graph.discard_marks()
+
+    @_settled
+    def result(self) -> SimResult:
+        """A frozen summary of the current state (a pending proposal included)."""
+        task_graph, pricing = self._task_graph, self._pricing
+        records, compute, sent = [], 0.0, 0.0
+        by_class: dict[str, float] = {}
+        for t in task_graph.order:
+            kind, ref = task_graph.info[t][0], task_graph.info[t][1]
+            name, start, end = self._task_name(t), task_graph.start[t], task_graph.end[t]
+            if kind in (FORWARD, BACKWARD, UPDATE):
+                compute += task_graph.dur[t]
+                records.append(TaskRecord(name, kind, ("compute",), start, end, 0))
+                continue
+            sent += ref.sent
+            by_class[ref.link_class] = by_class.get(ref.link_class, 0.0) + ref.sent
+            channels = tuple(c for r in task_graph.res[t] if r  # 0: compute (`serial_comm`)
+                             for c in pricing.resource_channels[r])
+            records.append(TaskRecord(name, kind, channels, start, end, ref.nbytes, ref.sent))
+        step = self.step_time()
+        compute += self._call  # host work, not communication
+        mem = self._memory()
+        cap = self.topology.device.memory_bytes
+        return SimResult(
+            step_time_s=step, compute_s=compute, exposed_comm_s=step - compute, bytes_moved=sent,
+            bytes_by_link_class=by_class, peak_memory_bytes=(mem.total,) * self.mesh.num_devices,
+            memory=mem, memory_capacity_bytes=cap, fits_in_memory=mem.total <= cap,
+            cost_source=str(getattr(self.cost_model, "source", "unknown")),
+            num_devices=self.mesh.num_devices, tasks=tuple(records), channels=pricing.channels)
+
+    @_settled
+    def timeline(self) -> list[tuple[str, float, float]]:
+        """``(task name, start, end)`` of every task in issue order (for exact comparisons)."""
+        task_graph = self._task_graph
+        return [(self._task_name(t), task_graph.start[t], task_graph.end[t])
+                for t in task_graph.order]
+
+    # --- full simulation ----------------------------------------------------------------------
+
+    def _prefetch(self, strategy: Strategy, changes: Iterable[tuple[int, Config]]) -> int:
+        prefetch = getattr(self._pricing.resharder, "prefetch", None)
+        if prefetch is None or getattr(self._pricing.resharder, "mode", None) == "ideal":
+            return 0  # nothing to compile: the ideal model prices transitions by formula
+        seen: list = []
+        shadow = copy.copy(self)  # `_build` gives it its own task graph and unit lists
+        shadow._pricing, shadow._pending = self._pricing.recording(seen), None
+        shadow._memo = {}  # its chains are the recorder's empty ones
+        shadow.reset(strategy)
+        for i, config in changes:
+            shadow.propose(i, config)
+            shadow.reject()
+        return prefetch(seen)
+
+    def _validate(self, strategy: Strategy) -> None:
+        if len(strategy.configs) != self._layout.n:
+            raise PlanError(f"strategy has {len(strategy.configs)} configs, graph "
+                            f"{self.graph.name!r} has {self._layout.n} operators")
+        unknown = [a for a in strategy.zero_axes if a not in self.mesh.axis_names]
+        if unknown:
+            raise PlanError(f"zero_axes {unknown} are not mesh axes {list(self.mesh.axis_names)}")
+
+    def _build(self, strategy: Strategy) -> None:
+        """Builds the task graph of `strategy` (untimed)."""
+        if strategy.pipelined:
+            raise PlanError(f"a strategy with {strategy.stages} pipeline stages is simulated by "
+                            "soapjax.simulate.simulate (or open_simulation), which runs this "
+                            "Simulation on one stage's devices")
+        self._validate(strategy)
+        layout = self._layout
+        self._zero = tuple(strategy.zero_axes)
+        self._micro = strategy.microbatches
+        self._views = [self._view(j, c, strategy.recompute_of(j))
+                       for j, c in enumerate(strategy.configs)]
+        self._task_graph = task_graph = TaskGraph(len(self._pricing.resource_channels))
+        self._buffer_counts: dict[int, int] = {}  # communication buffer bytes -> tasks
+        self._forward_task = [
+            task_graph.new(layout.fwd_key(j, layout.slots - 2), v.forward_s, (0,), [],
+                           (FORWARD, j)) for j, v in enumerate(self._views)]
+        self._backward_task = [
+            task_graph.new(layout.bwd_key(j, 0), v.backward_s, (0,), [], (BACKWARD, j))
+            for j, v in enumerate(self._views)]
+        self._op_comm = [self._build_op_comm(j) for j in range(layout.n)]
+        self._edge_tasks = [self._build_edge(e) for e in range(len(layout.edges))]
+        self._leaf_tasks = [self._build_leaf(leaf) for leaf in range(len(layout.leaf_source))]
+        for j in range(layout.n):
+            task_graph.deps[self._forward_task[j]] = self._forward_deps(j)
+            task_graph.deps[self._backward_task[j]] = self._backward_deps(j)
+        self._act = None
+        self._stored_bytes = sum(unit.stored_bytes for unit in self._leaf_tasks)
+        self._leaf_bytes = sum(unit.activation_bytes for unit in self._leaf_tasks)
+        task_graph.build()
+        self._count_buffers([t for t in task_graph.order
+                             if task_graph.info[t][0] not in (FORWARD, BACKWARD)], +1)
+
+    # --- delta simulation ---------------------------------------------------------------------
+
+    def _changed_units(self, i: int, view: _View,
+                       old: _View) -> tuple[bool, list[int], list[int]]:
+        """The units whose collectives change when operator `i` goes from `old` to `view`:
+        whether its own collectives do (`_build_op_comm`), the edges and the leaves (the rest
+        keep their tasks)."""
+        layout = self._layout
+        op_comm = ((view.out_specs[0:1], view.reduction_axes, view.inner_forward,
+                    view.inner_backward)
+                   != (old.out_specs[0:1], old.reduction_axes, old.inner_forward,
+                       old.inner_backward))
+        # an edge starts after its producer's collectives and its way back after its consumer's
+        changed = [e for e in layout.in_edges[i] + layout.out_edges[i]
+                   if self._edge_signature(e, i, view) != self._edge_signature(e, i, old)
+                   or (op_comm and i in (layout.edges[e][0], layout.edges[e][2]))]
+        # ... and the edges that share a value with them (which one reshards it may change)
+        edges = sorted({s for e in changed for s in layout.siblings[e]})
+        leaves = [leaf for leaf in layout.op_leaves[i]
+                  if any((view.operand_specs[o], view.partials[o])
+                         != (old.operand_specs[o], old.partials[o])
+                         for j, o in layout.readers[leaf] if j == i)]
+        return op_comm, edges, leaves
+
+    def _edge_signature(self, e: int, i: int, view: _View) -> tuple:
+        """What edge `e`'s collectives depend on, with operator `i` under `view`."""
+        p, k, j, o = self._layout.edges[e]
+        src = (view if p == i else self._views[p]).out_specs[k]
+        consumer = view if j == i else self._views[j]
+        return src, consumer.operand_specs[o], consumer.partials[o]
+
+    def _replace_units(self, undo: _Undo, op_comm_of: int | None, edges: list[int],
+                       leaves: list[int]) -> None:
+        """Takes the old tasks of the changed units off the graph (kept in `undo` for `reject`)
+        and builds new ones: operator `op_comm_of`'s own collectives (none when it is None),
+        the `edges` and the `leaves`."""
+        task_graph = self._task_graph
+        if op_comm_of is not None:
+            undo.op_comm = self._op_comm[op_comm_of]
+        undo.edges = [(e, self._edge_tasks[e]) for e in edges]
+        undo.leaves = [(leaf, self._leaf_tasks[leaf]) for leaf in leaves]
+        old = undo.old_tasks = (undo.op_comm.forward + undo.op_comm.backward
+                                if undo.op_comm is not None else [])
+        old += [t for _, unit in undo.edges for t in unit.forward + unit.backward]
+        old += [t for _, unit in undo.leaves for t in unit.tasks]
+        for t in old:
+            task_graph.detach(t)
+        self._count_buffers(old, -1)
+        new = undo.new_tasks
+        if op_comm_of is not None:
+            unit = self._op_comm[op_comm_of] = self._build_op_comm(op_comm_of)
+            new += unit.forward + unit.backward
+        for e in edges:
+            unit = self._edge_tasks[e] = self._build_edge(e)
+            new += unit.forward + unit.backward
+        for leaf in leaves:
+            before, unit = self._leaf_tasks[leaf], self._build_leaf(leaf)
+            self._leaf_tasks[leaf] = unit
+            self._stored_bytes += unit.stored_bytes - before.stored_bytes
+            self._leaf_bytes += unit.activation_bytes - before.activation_bytes
+            new += unit.tasks
+        for t in new:
+            task_graph.attach(t)
+        self._count_buffers(new, +1)
+
+    def _retime_and_rewire(self, undo: _Undo, i: int, edges: list[int],
+                           leaves: list[int]) -> None:
+        """Gives operator `i`'s compute tasks their new durations and points the compute tasks
+        that wait on the rebuilt `edges` and `leaves` at their new tasks (old ones in `undo`)."""
+        layout, task_graph, view = self._layout, self._task_graph, self._views[i]
+        task_graph.set_dur(self._forward_task[i], view.forward_s)
+        task_graph.set_dur(self._backward_task[i], view.backward_s)
+        readers = {i} | {layout.edges[e][2] for e in edges}
+        readers |= {j for leaf in leaves for j, _ in layout.readers[leaf]}
+        producers = {i} | {layout.edges[e][0] for e in edges}
+        for j in readers:
+            t = self._forward_task[j]
+            undo.deps.append((t, task_graph.set_deps(t, self._forward_deps(j))))
+        for j in producers:
+            t = self._backward_task[j]
+            undo.deps.append((t, task_graph.set_deps(t, self._backward_deps(j))))
+
+    def _take_pending(self) -> _Batch:
+        if self._pending is None:
+            raise RuntimeError("no pending proposal: call propose() first")
+        undo, self._pending = self._pending, None
+        return undo
+
+    # --- building units -----------------------------------------------------------------------
+
+    def _compute_time(self, seconds: float) -> float:
+        """A compute task's time in the step: its time alone, stretched where the devices
+        share the host's cores, plus the per-task dispatch (`Topology.compute`)."""
+        if seconds <= 0:
+            return 0.0
+        return seconds * self._stretch + self._kernel_overhead
+
+    def _view(self, j: int, config: Config, policy: str = "none") -> _View:
+        m = self._micro
+        key = (self._canon[j], config, policy, m)
+        v = self._views_memo.get(key)
+        if v is None:
+            validate_config(self.graph, j, config, self.mesh)
+            op = self.graph.operators[j]
+            why = microbatch_error(op, config, self.mesh, m)
+            if why:
+                raise PlanError(f"{why}; choose microbatches dividing every operator's "
+                                "per-device batch")
+            if m == 1:
+                t = self.cost_model.op_time(j, config)
+            else:  # one microbatch's shard, M times (`soapjax.memory`)
+                t = self.cost_model.shard_time(
+                    j, microbatch_degrees(op, config.degrees(self.mesh), m))
+            recompute = recomputes(op, policy)
+            forward = m * self._compute_time(float(t.forward_s))
+            backward = m * self._compute_time(float(t.backward_s))
+            if recompute:
+                backward += forward
+            outs = tuple(config.operand_axes(x.dims) for x in op.outputs)
+            specs = tuple(config.operand_axes(x.dims) for x in op.inputs)
+            partials = tuple(config.cotangent_partials(x, self.mesh.axis_names)
+                             for x in op.inputs)
+            sample = self._sample[j]
+            activation = sum(shard_bytes(microbatch_shape(x.shape, x.dims, sample, m), s,
+                                         x.dtype, self.mesh) for x, s in zip(op.outputs, outs))
+            inner_forward, inner_backward = self._inner_chains(j, config)
+            if recompute:  # the forward it runs again all-reduces its statistics again
+                inner_backward = inner_forward + inner_backward
+            v = self._views_memo[key] = _View(config, forward, backward, outs, specs, partials,
+                                              tuple(config.reduction_axes(op)), inner_forward,
+                                              inner_backward, activation, policy, recompute)
+        return v
+
+    def _inner_chains(self, j: int, config: Config) -> tuple[tuple[Comm, ...], tuple[Comm, ...]]:
+        """The all-reduces of the statistics operator `j` reduces over dims `config` splits
+        (`soapjax._inner`), forward and backward: per set of mesh axes one collective of all
+        of them (XLA combines them), priced as one all-reduce per statistic, each microbatch."""
+        groups: dict[tuple[str, ...], list[tuple[Comm, bool]]] = {}
+        for r in inner_reductions(self.graph, j):
+            axes = tuple(a for a in self.mesh.axis_names
+                         if any(a in config.axes[d] for d in r.reduced))
+            if not axes:
+                continue
+            spec = tuple(config.axes[d] if d is not None else () for d in r.dims)
+            shape = microbatch_shape(r.shape, r.dims, self._sample[j], self._micro)
+            c = self._pricing.comm("all_reduce", shard_bytes(shape, spec, r.dtype, self.mesh),
+                                   axes)
+            if c is not None:
+                groups.setdefault(axes, []).append((c, r.backward))
+
+        def combined(comms: list[Comm]) -> tuple[Comm, ...]:
+            if not comms:
+                return ()
+            return (comms[0]._replace(nbytes=sum(c.nbytes for c in comms),
+                                      dur=sum(c.dur for c in comms),
+                                      sent=sum(c.sent for c in comms)),)
+
+        forward = tuple(c for cs in groups.values() for c in combined([c for c, _ in cs]))
+        backward = tuple(c for cs in groups.values() for c in combined([c for c, b in cs if b]))
+        return self._per_microbatch(forward), self._per_microbatch(backward)
+
+    def _per_microbatch(self, chain: tuple[Comm, ...]) -> tuple[Comm, ...]:
+        """`chain` run once per microbatch: M times its time and bytes sent."""
+        m = self._micro
+        if m == 1 or not chain:
+            return chain
+        key = (chain, m)
+        out = self._scaled.get(key)
+        if out is None:
+            out = self._scaled[key] = tuple(c._replace(dur=c.dur * m, sent=c.sent * m)
+                                            for c in chain)
+        return out
+
+    def _activation_chain(self, x: Any, sample: int | None, src: tuple, dst: tuple,
+                          partial: tuple[str, ...] = ()) -> tuple[Comm, ...]:
+        """The resharding of activation `x` (an operand or output, `dims` of an operator whose
+        sample dim is `sample`) for each microbatch, at microbatch size."""
+        key = ("activation", x.shape, x.dims, x.dtype, sample, src, dst, partial, self._micro)
+        out = self._memo.get(key)
+        if out is None:
+            shape = microbatch_shape(x.shape, x.dims, sample, self._micro)
+            out = self._memo[key] = self._per_microbatch(
+                self._pricing.chain(shape, x.dtype, src, dst, partial))
+        return out
+
+    def _chain_tasks(self, chain: tuple[Comm, ...], key: int, head: list[int], kind: str,
+                     subject: Any) -> list[int]:
+        """One task per collective of `chain`, each after the previous, the first after
+        `head`; keys from `key` on."""
+        task_graph, out = self._task_graph, []
+        for pos, c in enumerate(chain):
+            out.append(task_graph.new(key + pos, c.dur, c.res, [out[-1]] if out else list(head),
+                                      (kind, c, subject)))
+        return out
+
+    def _build_op_comm(self, j: int) -> _OpComm:
+        """Operator `j`'s own collectives: after its forward task the all-reduces of the
+        statistics it reduces over split dims (`_inner_chains`), then of its partial sums (none
+        unless it splits a reduction); after its backward task the statistics' backward."""
+        v, layout = self._views[j], self._layout
+        key = layout.fwd_key(j, layout.slots - 1)
+        forward = self._chain_tasks(v.inner_forward, key, [self._forward_task[j]],
+                                    INNER_REDUCE, j)
+        if v.reduction_axes:
+            x = self.graph.operators[j].outputs[0]
+            chain = self._activation_chain(x, self._sample[j], v.out_specs[0], v.out_specs[0],
+                                           v.reduction_axes)
+            forward += self._chain_tasks(chain, key + len(forward),
+                                         forward[-1:] or [self._forward_task[j]], PARTIAL_SUM, j)
+        # slot 0 holds the backward task at position 0; the statistics follow it
+        backward = self._chain_tasks(v.inner_backward, layout.bwd_key(j, 0, 1),
+                                     [self._backward_task[j]], INNER_REDUCE_BWD, j)
+        return _OpComm(forward, len(v.inner_forward), backward)
+
+    def _output_ready(self, p: int, k: int) -> int:
+        """The task after which operator `p`'s output `k` is complete: the all-reduce of its
+        partial sums (output 0 only), else of its statistics, else its forward task."""
+        comm = self._op_comm[p]
+        tasks = comm.forward if k == 0 else comm.forward[:comm.inner]
+        return tasks[-1] if tasks else self._forward_task[p]
+
+    def _backward_done(self, j: int) -> int:
+        """The task after which operator `j`'s operands' cotangents are complete: the
+        all-reduce of its statistics' backward, else its backward task."""
+        backward = self._op_comm[j].backward
+        return backward[-1] if backward else self._backward_task[j]
+
+    def _resharded_by(self, e: int) -> int:
+        """The first edge carrying edge `e`'s value to the same layout: its forward resharding
+        serves both (XLA computes the collective once; the backward ones stay separate)."""
+        layout, views = self._layout, self._views
+        _, _, j, o = layout.edges[e]
+        dst = views[j].operand_specs[o]
+        for s in layout.siblings[e]:
+            if s == e or views[layout.edges[s][2]].operand_specs[layout.edges[s][3]] == dst:
+                return s
+        return e
+
+    def _build_edge(self, e: int) -> _EdgeTasks:
+        layout = self._layout
+        p, k, j, o = layout.edges[e]
+        x = self.graph.operators[j].inputs[o]
+        src, dst = self._views[p].out_specs[k], self._views[j].operand_specs[o]
+        sample = self._sample[j]
+        forward = [] if self._resharded_by(e) != e else self._chain_tasks(
+            self._activation_chain(x, sample, src, dst), layout.fwd_key(j, o),
+            [self._output_ready(p, k)], RESHARD, e)
+        back = self._activation_chain(x, sample, dst, src, self._views[j].partials[o])
+        backward = self._chain_tasks(back, layout.bwd_key(j, 1 + o), [self._backward_done(j)],
+                                     RESHARD_BWD, e)
+        return _EdgeTasks(forward, backward)
+
+    def _stored_spec(self, leaf: int) -> tuple[tuple[str, ...], ...]:
+        """A leaf's layout: `space.storage_spec` of its first reader's operand spec."""
+        layout = self._layout
+        j, o = layout.readers[leaf][0]
+        zero = self._zero if layout.leaf_is_param[leaf] else ()
+        key = ("stored", self._views[j].operand_specs[o], layout.leaf_shape[leaf], zero)
+        out = self._memo.get(key)
+        if out is None:
+            out = self._memo[key] = storage_spec(key[1], key[2], zero, self.mesh)
+        return out
+
+    def _shard_bytes(self, shape: tuple[int, ...], spec: tuple, dtype: str) -> int:
+        key = ("bytes", shape, spec, dtype)
+        out = self._memo.get(key)
+        if out is None:
+            out = self._memo[key] = shard_bytes(shape, spec, dtype, self.mesh)
+        return out
+
+    def _build_leaf(self, leaf: int) -> _LeafTasks:
+        """A parameter's or batch input's tasks (gathers, gradient syncs, update) and bytes."""
+        layout = self._layout
+        shape, dtype = layout.leaf_shape[leaf], layout.leaf_dtype[leaf]
+        store = self._stored_spec(leaf)
+        stored = self._shard_bytes(shape, store, dtype)
+        gathers, gather_ends, gathered = self._build_gathers(leaf, store)
+        if not layout.leaf_is_param[leaf]:
+            return _LeafTasks(gathers, gather_ends, 0, stored + gathered)
+        syncs, ready = self._build_grad_syncs(leaf, store)
+        seg = layout.update_seg[leaf]
+        reduce = self._build_update_reduce(leaf, store, seg, ready)
+        update = self._task_graph.new(layout.key(seg, 0, 1),
+                                      self._compute_time(self.cost_model.update_time(stored)),
+                                      (0,), reduce or ready,
+                                      (UPDATE, leaf))
+        return _LeafTasks(gathers + syncs + reduce + [update], gather_ends, stored, gathered)
+
+    def _build_update_reduce(self, leaf: int, store: tuple, seg: int, ready: list[int]
+                             ) -> list[int]:
+        """The all-reduce of the scalars the optimizer reduces parameter `leaf` to (its share of
+        a global gradient norm), over the mesh axes its stored layout `store` splits it over;
+        none when the optimizer reduces nothing or the parameter is whole on every device.
+        Once per step, after the gradient's synchronisation: the update waits for it.
+
+        XLA's all-reduce combiner makes the scalars of every parameter one all-reduce. A GPU
+        runs that as one collective: each parameter's is priced at its share, the time of one
+        scalar all-reduce over the parameter count (about one all-reduce's latency in all
+        when every parameter is split). XLA:CPU runs a combined all-reduce as one rendezvous
+        per operand: each is priced whole there (GPT-2 tiny's 20 under Megatron: 1.9 ms).
+
+        (Under a global norm every update waits for every parameter's reduction; each waits
+        for its own here, which keeps a parameter's tasks one unit for the delta simulation.
+        On a device that runs its collectives and kernels one after the other, as XLA:CPU
+        does, that is the same time.)
+        """
+        axes = tuple(a for dim in store for a in dim)
+        if not self._reductions or not axes:
+            return []
+        key = ("norm", axes)
+        comm = self._memo.get(key, False)
+        if comm is False:
+            comm = self._pricing.comm("all_reduce", 4 * self._reductions, axes)
+            if comm is not None and self.topology.platform != "cpu":
+                comm = comm._replace(dur=comm.dur / max(1, len(self.graph.params)))
+            self._memo[key] = comm
+        if comm is None:
+            return []
+        return self._chain_tasks((comm,), self._layout.key(seg, 0, 0), ready, UPDATE_REDUCE, leaf)
+
+    def _build_gathers(self, leaf: int, store: tuple) -> tuple[list[int], list[int], int]:
+        """Each reader's resharding of `leaf` from its stored layout `store` (under ZeRO-3 an
+        all-gather): the tasks, the last one per reader (-1 for none), and the bytes of the
+        copies in other layouts, kept for the backward pass."""
+        layout = self._layout
+        shape, dtype = layout.leaf_shape[leaf], layout.leaf_dtype[leaf]
+        tasks, ends, gathered = [], [], 0
+        for j, o in layout.readers[leaf]:
+            spec = self._views[j].operand_specs[o]
+            if spec != store:
+                gathered += self._shard_bytes(shape, spec, dtype)
+            chain = self._chain_tasks(self._per_microbatch(
+                self._pricing.chain(shape, dtype, store, spec)), layout.fwd_key(j, o), [],
+                PARAM_GATHER, leaf)
+            tasks += chain
+            ends.append(chain[-1] if chain else -1)
+        return tasks, ends, gathered
+
+    def _build_grad_syncs(self, leaf: int, store: tuple) -> tuple[list[int], list[int]]:
+        """The gradient synchronisation of each reader's contribution to parameter `leaf`,
+        back to its stored layout `store`: the tasks, and those its update waits for.
+
+        Each reader's contribution is synchronised on its own, right after that reader's
+        backward, and the synced contributions are summed: XLA's partitioner puts the
+        all-reduce (or reduce-scatter) at the operation that makes the partial sum, before the
+        add, so a tied embedding's gradient is all-reduced twice (seen in compiled HLO).
+        """
+        layout = self._layout
+        shape, dtype = layout.leaf_shape[leaf], layout.leaf_dtype[leaf]
+        tasks, ready = [], []
+        for j, o in reversed(layout.readers[leaf]):
+            v = self._views[j]
+            chain = self._pricing.chain(shape, dtype, v.operand_specs[o], store, v.partials[o])
+            sync = self._chain_tasks(chain, layout.bwd_key(j, 1 + o), [self._backward_task[j]],
+                                     GRAD_SYNC, leaf)
+            tasks += sync
+            ready += sync[-1:] if sync else [self._backward_task[j]]
+        return tasks, ready
+
+    def _forward_deps(self, j: int) -> list[int]:
+        """What operator `j`'s forward task waits for: its inputs' reshardings (or, with none,
+        their producers) and its parameters' gathers."""
+        layout, out = self._layout, []
+        for code, ref, reader in layout.operands[j]:
+            if code == EDGE:
+                chain = self._edge_tasks[self._resharded_by(ref)].forward
+                out.append(chain[-1] if chain else self._output_ready(*layout.edges[ref][:2]))
+            elif code == LEAF:
+                t = self._leaf_tasks[ref].gather_ends[reader]
+                if t >= 0:
+                    out.append(t)
+        return out
+
+    def _backward_deps(self, j: int) -> list[int]:
+        """What operator `j`'s backward task waits for: its outputs' cotangents, back from each
+        consumer (after their resharding, where there is one)."""
+        layout, out = self._layout, []
+        for e in layout.out_edges[j]:
+            chain = self._edge_tasks[e].backward
+            out.append(chain[-1] if chain else self._backward_done(layout.edges[e][2]))
+        return out
+
+    # --- accounting ---------------------------------------------------------------------------
+
+    def _count_buffers(self, tasks: list[int], sign: int) -> None:
+        info, counts = self._task_graph.info, self._buffer_counts
+        for t in tasks:
+            if info[t][0] != UPDATE:
+                n = info[t][1].nbytes
+                c = counts.get(n, 0) + sign
+                if c:
+                    counts[n] = c
+                else:
+                    del counts[n]
+
+    def _memory(self) -> MemoryBreakdown:
+        p = self._stored_bytes
+        if self._act is None:  # exact whatever the order of changes: a pure function of views
+            views = self._views
+            self._act = self._segments.activation_bytes([v.recomputes for v in views],
+                                                        [v.activation_bytes for v in views])
+        return MemoryBreakdown(params=p, grads=p, opt_state=round(p * self.opt_state_factor),
+                               activations=self._act + self._leaf_bytes,
+                               comm_buffers=max(self._buffer_counts, default=0))
+
+    def _task_name(self, t: int) -> str:
+        kind, ref, *subject = self._task_graph.info[t]
+        ops, layout = self.graph.operators, self._layout
+        if kind in (FORWARD, BACKWARD):
+            return f"{kind} {ops[ref].name}"
+        if kind == UPDATE:
+            return f"update {layout.leaf_source[ref]}"
+        x = subject[0]
+        what = (layout.edge_name[x] if kind == RESHARD else f"d({layout.edge_name[x]})"
+                if kind == RESHARD_BWD else f"{ops[x].name} (partial sums)"
+                if kind == PARTIAL_SUM else f"{ops[x].name} (statistics)"
+                if kind == INNER_REDUCE else f"d({ops[x].name} statistics)"
+                if kind == INNER_REDUCE_BWD else layout.leaf_source[x]
+                if kind == PARAM_GATHER else f"norm {layout.leaf_source[x]}"
+                if kind == UPDATE_REDUCE else f"grad {layout.leaf_source[x]}")
+        return f"{ref.kind} {what} over {'+'.join(ref.axes)}"
+
+
+class _OpComm(NamedTuple):
+    """An operator's own collectives (`Simulation._build_op_comm`)."""
+
+    forward: list[int]  # its statistics' all-reduces, then its partial sums'
+    inner: int  # how many of `forward` are statistics
+    backward: list[int]  # its statistics' all-reduces in the backward pass
+
+
+class _EdgeTasks(NamedTuple):
+    """An activation edge's communication tasks."""
+
+    forward: list[int]  # its resharding (empty when a sibling edge's serves it: `_resharded_by`)
+    backward: list[int]  # its cotangent's way back
+
+
+class _LeafTasks(NamedTuple):
+    """A parameter's or batch input's tasks and bytes per device."""
+
+    tasks: list[int]  # gathers, gradient synchronisations, update
+    gather_ends: list[int]  # per reader: the last task of its gather, -1 for none
+    stored_bytes: int  # its stored shard (parameters; 0 for batch inputs)
+    activation_bytes: int  # the batch shard and copies in other layouts, kept for the backward
+
+
+def _canonical_operators(graph: OpGraph) -> list[int]:
+    """Per operator, the first operator of its repeated block (`OpGraph.repeated_blocks`) that
+    is the same computation (anchor, iteration dims, operand and output shapes, dtypes and
+    dims), else itself: their views under one config are equal, so they are worked out once
+    (a 96-layer model prices one layer's operators, not 96)."""
+    def signature(op) -> tuple:
+        return (op.anchor, op.iteration_sizes, op.iteration_roles, op.flops,
+                tuple((x.kind, x.shape, x.dtype, x.dims) for x in op.inputs),
+                tuple((x.shape, x.dtype, x.dims) for x in op.outputs))
+
+    canon = list(range(len(graph.operators)))
+    for group in graph.repeated_blocks():
+        first = signature(graph.operators[group[0]])
+        for j in group[1:]:
+            if signature(graph.operators[j]) == first:
+                canon[j] = group[0]
+    return canon
+
+
+class _Batch:
+    """A pending proposal: one `_Undo` per changed operator, and the timeline before it."""
+
+    __slots__ = ("end", "start", "undos")
+
+    def __init__(self) -> None:
+        self.undos: list[_Undo] = []
+        self.start: list[float] = []
+        self.end: list[float] = []
+
+
+class _Undo:
+    """What `reject` needs to restore the state before one operator's change."""
+
+    __slots__ = ("activation_bytes", "deps", "edges", "leaf_activation_bytes", "leaves",
+                 "new_tasks", "old_tasks", "op", "op_comm", "stored_bytes", "view")
+
+    def __init__(self, op: int, view: _View) -> None:
+        self.op, self.view = op, view  # the operator and its view before the proposal
+        self.activation_bytes = self.stored_bytes = self.leaf_activation_bytes = 0
+        self.op_comm: _OpComm | None = None
+        self.edges: list[tuple[int, _EdgeTasks]] = []
+        self.leaves: list[tuple[int, _LeafTasks]] = []
+        self.old_tasks: list[int] = []
+        self.new_tasks: list[int] = []
+        self.deps: list[tuple[int, list[int]]] = []  # (task, its dependencies before)
