@@ -26,23 +26,26 @@ import math
 from typing import Any, NamedTuple
 
 from soapjax import _hlo_text
+from soapjax.collectives import HLO_OPCODES
 
 __all__ = ["HloFlops", "hlo_flops"]
 
 _TRANSCENDENTAL_OPS = frozenset({
     "acosh", "erf", "exponential", "log", "logistic", "power", "sqrt", "cbrt", "rsqrt", "tanh",
     "sine", "cosine", "exponential-minus-one", "log-plus-one", "atan2", "tan"})
+# Collectives (`soapjax.collectives`' opcodes, with their async halves) count no FLOPs, but for
+# the all-reduce XLA counts one per element (`_HloCounter.arithmetic`).
+_COLLECTIVE_OPS = frozenset(f"{op}{half}" for op in HLO_OPCODES for half in ("", "-start", "-done"))
 _FREE_OPS = frozenset({
     "parameter", "constant", "iota", "get-tuple-element", "tuple", "bitcast", "broadcast",
     "reshape", "transpose", "copy", "slice", "dynamic-slice", "dynamic-update-slice",
-    "concatenate", "pad", "reverse", "gather", "all-gather", "all-gather-start",
-    "all-gather-done", "reduce-scatter", "all-to-all", "collective-permute",
-    "collective-permute-start", "collective-permute-done", "partition-id", "replica-id",
+    "concatenate", "pad", "reverse", "gather", "partition-id", "replica-id",
     "after-all", "add-dependency", "opt-barrier", "copy-start", "copy-done", "send",
     "send-done", "recv", "recv-done", "domain", "rng-get-and-update-state",
-    "get-dimension-size", "set-dimension-size", "all-reduce-done", "async-update",
+    "get-dimension-size", "set-dimension-size", "async-update",
     "async-done", "dynamic-reshape", "batch-norm-training", "batch-norm-inference",
-    "batch-norm-grad", "topk", "bitcast-convert"})
+    "batch-norm-grad", "topk", "bitcast-convert"}) | (_COLLECTIVE_OPS - {"all-reduce",
+                                                                         "all-reduce-start"})
 _REDUCING_OPS = frozenset({"reduce", "reduce-window", "scatter", "map", "select-and-scatter",
                            "sort"})
 

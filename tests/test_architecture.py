@@ -133,6 +133,8 @@ FIXED_CHOICES = {
     "collective kinds": ({"all_reduce", "all_gather", "reduce_scatter", "all_to_all",
                           "collective_permute", "point_to_point"},
                          {"collectives", "links"}),  # links: a measuring program per kind
+    "collective opcodes": ({"all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                            "collective-permute"}, {"collectives"}),
     "baselines": ({"data-parallel", "megatron", "fsdp", "megatron-sp", "fsdp-recompute",
                    "expert-cnn", "expert-rnn"}, {"baselines"}),
 }
