@@ -39,12 +39,11 @@ import numpy as np  # noqa: E402
 
 import soapjax_zoo as zoo  # noqa: E402
 from soapjax import apply  # noqa: E402
-from soapjax._hlo_text import launched_kernels  # noqa: E402
-from soapjax._timing import quiet_gc  # noqa: E402
 from soapjax.baselines import baselines  # noqa: E402
 from soapjax.check import compare_on_devices  # noqa: E402
-from soapjax.cost import cost_model  # noqa: E402
+from soapjax.cost import cost_model, quiet_gc  # noqa: E402
 from soapjax.graph import trace  # noqa: E402
+from soapjax.hlo import launched_kernels  # noqa: E402
 from soapjax.plan import Plan  # noqa: E402
 from soapjax.reshard import Resharder  # noqa: E402
 from soapjax.search import SearchSettings, find_plan, random_strategy  # noqa: E402

@@ -1,8 +1,8 @@
 """Why cpu8 steps take twice what the simulator says: kernels and collectives of 8 virtual
 devices sharing a 2-core host, timed in the settings a training step puts them in.
 
-Three probes, each with `soapjax._timing`'s loop harness (many repetitions in one compiled
-program, dispatch amortised; the minimum over trials):
+Three probes, each with soapjax's loop harness (`soapjax.cost.time_loop`: many repetitions in
+one compiled program, dispatch amortised; the minimum over trials):
 
 * **kernels**: an elementwise kernel (``tanh``, 1 or 4 of them fused) and a matmul, timed on
   one device alone, on all 8 at once, and on all 8 with a 1 KB all-reduce after each kernel
@@ -41,7 +41,7 @@ from jax import lax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from soapjax._timing import TimingOptions, kick, time_loop  # noqa: E402
+from soapjax.cost import TimingOptions, kick, time_loop  # noqa: E402
 
 OPTIONS = TimingOptions(target_trial_s=0.02, trials=3)
 AXES = ("data", "model")

@@ -62,14 +62,12 @@ import jax  # noqa: E402
 
 import soapjax_zoo as zoo  # noqa: E402
 from soapjax import devicefit  # noqa: E402
-from soapjax._timing import TimingOptions, quiet_gc  # noqa: E402
-from soapjax._topology_file import Efficiency  # noqa: E402
-from soapjax.cost import cost_model  # noqa: E402
+from soapjax.cost import TimingOptions, cost_model, quiet_gc  # noqa: E402
 from soapjax.devices import local_topology  # noqa: E402
 from soapjax.graph import trace  # noqa: E402
 from soapjax.simulate import opt_state_factor, simulate  # noqa: E402
 from soapjax.space import MeshShape, Strategy, configs  # noqa: E402
-from soapjax.topology import Topology, scaled_topology  # noqa: E402
+from soapjax.topology import Efficiency, Topology, scaled_topology  # noqa: E402
 from soapjax_zoo import gpt, gpt2, llama  # noqa: E402
 
 GRACE_S = 45.0  # past the budget, a subprocess still running is killed

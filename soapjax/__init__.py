@@ -26,6 +26,7 @@ from soapjax.errors import (
 from soapjax.apply import sharded_train_step as sharded_train_step
 from soapjax.graph import OpGraph as OpGraph, Operator as Operator, trace as trace
 from soapjax.plan import Plan as Plan
+from soapjax.report import register_html_reprs as _register_html_reprs
 from soapjax.search import SearchSettings as SearchSettings, find_plan as find_plan
 from soapjax.space import (
     Config as Config,
@@ -36,8 +37,7 @@ from soapjax.space import (
 )
 from soapjax.topology import Topology as Topology, load_topology as load_topology, make_mesh as make_mesh
 
-# Gives Plan, OpGraph and SimResult their notebook HTML (report registers it on the classes).
-from soapjax import report as _report  # noqa: E402, F401
+_register_html_reprs()  # Plan, OpGraph and SimResult's notebook HTML
 
 __version__ = "0.1.0"
 

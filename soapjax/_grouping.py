@@ -23,7 +23,7 @@ from soapjax._ir import (
     ReductionDim,
     Role,
 )
-from soapjax._program import _Local, _Program
+from soapjax._program import OperatorLabels, Program
 
 # Primitives an operator is built around, strongest first (an equation that contains one of
 # them, e.g. a remat2 or custom_jvp_call around a matmul, is anchored on it).
@@ -92,7 +92,7 @@ def _common_prefix(paths: Sequence[str]) -> str:
 class _Builder:
     """Groups the program's units into operators and works out their dims."""
 
-    def __init__(self, program: _Program, params: list[LeafInfo], batch: list[LeafInfo],
+    def __init__(self, program: Program, params: list[LeafInfo], batch: list[LeafInfo],
                  fname: str):
         self.p = program
         self.fname = fname
@@ -417,8 +417,8 @@ class _Builder:
                     for k, r in enumerate(red_dims)]
         outputs = tuple(OutputTensor(self.p.shapes[v], self.p.dtypes[v], dims_of(v), v)
                         for v in exports)
-        self.p.local[name] = _Local(tuple(group), tuple(inputs), tuple(exports), ls, lab, env,
-                                    iter_of)
+        self.p.local[name] = OperatorLabels(tuple(group), tuple(inputs), tuple(exports), ls, lab,
+                                            env, iter_of)
         position = self.position[anchor]
         if position:  # the same position in every layer: the operator's name, layer-free
             position += name[len(self.group_module[g]):]

@@ -29,7 +29,7 @@ from jax.extend import core as jcore
 
 from soapjax._dims import scan_counts
 from soapjax.errors import SoapjaxError
-from soapjax._program import _Local, bind_as_traced
+from soapjax._program import OperatorLabels, bind_as_traced
 from soapjax.graph import OpGraph
 
 Rules = Literal["exact", "primal"]
@@ -106,7 +106,7 @@ def operator_fn(graph: OpGraph, name: str, degrees: Sequence[int] | None = None,
     return fn, in_avals
 
 
-def _input_free(prog, loc: _Local) -> set[int]:
+def _input_free(prog, loc: OperatorLabels) -> set[int]:
     """Values of the operator that depend on none of its operands (iotas, constants)."""
     free = {v for v in loc.lab if v in prog.literals or v in prog.consts}
     for i in loc.units:
@@ -135,7 +135,7 @@ def _crop(x, shape):
 class _Interp:
     """Binds equations at shard shapes, following the operator's labels into nested bodies."""
 
-    def __init__(self, loc: _Local, degrees: Sequence[int], rules: Rules = "exact",
+    def __init__(self, loc: OperatorLabels, degrees: Sequence[int], rules: Rules = "exact",
                  name: str = ""):
         self.loc = loc
         self.degrees = degrees

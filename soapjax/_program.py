@@ -1,6 +1,6 @@
 """The traced function as a flat program of equations over integer value ids.
 
-`trace` (in `soapjax.graph`) turns the jaxpr into a `_Program`: plain calls inlined, remat
+`trace` (in `soapjax.graph`) turns the jaxpr into a `Program`: plain calls inlined, remat
 regions opened (and re-wrapped in `jax.checkpoint` when evaluated), scans over stacked
 parameters unrolled into layers. The graph stage groups its equations into operators;
 `OpGraph.evaluate` and `soapjax._local` run them.
@@ -26,13 +26,13 @@ _REMAT = ("remat2", "checkpoint")
 
 
 @dataclasses.dataclass
-class _Unit:
+class Unit:
     """One equation after inlining plain calls: its operands and results as value ids.
 
     Attributes:
-      region: the remat regions it lies in, outermost first (indices of `_Program.regions`).
+      region: the remat regions it lies in, outermost first (indices of `Program.regions`).
       iteration: the unrolled layer-scan iterations it belongs to, outermost first, as
-        ``(scan index, step)`` pairs (`_Program.scans`).
+        ``(scan index, step)`` pairs (`Program.scans`).
     """
 
     eqn: jcore.JaxprEqn
@@ -44,7 +44,7 @@ class _Unit:
 
 
 @dataclasses.dataclass
-class _Local:
+class OperatorLabels:
     """One operator's own label analysis: enough to rebuild it at any shard shape."""
 
     units: tuple[int, ...]
@@ -96,8 +96,8 @@ class _Local:
 
 
 class LayerScan(NamedTuple):
-    """One unrolled layer scan, as value ids (`_Program.layer_scans`; the same index as in
-    `_Program.scans`): what every layer reads and what flows from layer to layer, so a layer
+    """One unrolled layer scan, as value ids (`Program.layer_scans`; the same index as in
+    `Program.scans`): what every layer reads and what flows from layer to layer, so a layer
     can be evaluated as a function of its own (`soapjax._pipelined` does).
 
     Attributes:
@@ -169,8 +169,9 @@ def _after(saved, cotangent):
     return jax.tree.map(tie, saved)
 
 
-class _Program:
-    """The traced function with calls inlined, as equations over integer value ids.
+class Program:
+    """The traced function with calls inlined, as equations over integer value ids: the program
+    representation of an `OpGraph` (`OpGraph.program`), which its operators' equations index.
 
     Three kinds of higher-order equations are opened up, so that the operators inside them are
     planned one by one:
@@ -188,7 +189,7 @@ class _Program:
     """
 
     def __init__(self, closed: jcore.ClosedJaxpr, param_inputs: frozenset[int] = frozenset()):
-        self.local: dict[str, _Local] = {}
+        self.local: dict[str, OperatorLabels] = {}
         self.regions: list[Mapping[str, Any]] = []  # the remat2 params of each region
         self.scans: list[tuple[int, ...]] = []  # each unrolled scan's sliced inputs (value ids)
         self.layer_scans: list[LayerScan] = []  # the same scans' steps, as `LayerScan`s
@@ -199,7 +200,7 @@ class _Program:
         self.dtypes: list[str] = []
         self.jax_dtypes: list[Any] = []
         self.literals: dict[int, Any] = {}
-        self.units: list[_Unit] = []
+        self.units: list[Unit] = []
         self.consts: dict[int, Any] = {}
         env: dict[jcore.Var, int] = {}
         for v, c in zip(closed.jaxpr.constvars, closed.consts):
@@ -248,7 +249,7 @@ class _Program:
             else:
                 outs = [None if isinstance(v, jcore.DropVar) else self._bind(env, v)
                         for v in eqn.outvars]
-                self.units.append(_Unit(eqn, ins, outs, stack, region, iteration))
+                self.units.append(Unit(eqn, ins, outs, stack, region, iteration))
 
     def _inline(self, sub, ins: Sequence[int], stack: str, region, iteration) -> list[int]:
         """Flattens a (closed) jaxpr applied to value ids `ins`; returns its outputs' ids."""
@@ -439,7 +440,7 @@ class _Program:
 KEY_MAKERS = ("random_seed", "random_wrap")
 
 
-def _key_hook(program: _Program, hook, keys):
+def _key_hook(program: Program, hook, keys):
     """`hook`, with `keys` applied first to the outputs of the units that make keys."""
     made = {v for u in program.units if u.eqn.primitive.name in KEY_MAKERS
             for v in u.outs if v is not None}
@@ -449,6 +450,10 @@ def _key_hook(program: _Program, hook, keys):
         return hook(vid, val) if hook is not None else val
 
     return both
+
+
+# The old private name, for `soapjax._pipelined` until it says `Program`.
+_Program = Program
 
 
 def bind_as_traced(eqn: jcore.JaxprEqn, args: Sequence[Any]) -> list[Any]:

@@ -40,6 +40,9 @@ from soapjax.space import (
 )
 from soapjax.topology import stage_topology
 
+__all__ = ["BASELINES", "NAMES", "Baseline", "baselines", "expert", "fsdp", "intra_node_axes",
+           "megatron", "megatron_3d", "megatron_grid", "tensor_axes", "with_recompute"]
+
 _DENSE = ("dot_general", "conv_general_dilated", "scan")
 
 

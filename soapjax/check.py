@@ -41,6 +41,9 @@ from soapjax.simulate import opt_state_factor, simulate
 from soapjax.space import MeshShape
 from soapjax.topology import load_topology, make_mesh
 
+__all__ = ["BYTES_TOLERANCE", "NUMBERS_TOLERANCE", "CheckResult", "TrainWorkload",
+           "compare_on_devices", "compiled_flops"]
+
 _COMPUTE = ("forward", "backward", "update")
 
 # The bars `CheckResult.verdict` holds a check to. Numbers: float32 sharded against unsharded

@@ -22,6 +22,8 @@ from collections.abc import Iterator, Sequence
 
 from soapjax.errors import SoapjaxError
 
+__all__ = ["CHECK_FAILED", "INTERRUPTED", "build_parser", "main"]
+
 _EPILOG = """\
 typical use:
   soapjax models                           the model zoo, with parameter counts and FLOPs

@@ -37,6 +37,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal, NamedTuple, get_args
 
+__all__ = ["ALGORITHMS", "COLLECTIVES", "FORMULAS", "HLO_OPCODES", "XLA_COLLECTIVES",
+           "CollectiveKind", "Formula", "bytes_sent", "hierarchical_time", "kind_name", "ring_time"]
+
 CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all",
                          "collective_permute", "point_to_point"]
 COLLECTIVES: tuple[CollectiveKind, ...] = get_args(CollectiveKind)

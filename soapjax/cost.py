@@ -39,7 +39,9 @@ Example::
 The names this module used to hold are re-exported from their modules: the roofline
 (`soapjax.roofline`), the step's FLOPs (`soapjax.flops`), the optimizer's update
 (`soapjax.updates`), the local devices (`soapjax.devices`) and `CostError`
-(`soapjax.errors`).
+(`soapjax.errors`). So are the timing loop every measurement here runs (`time_loop`, `kick`,
+`quiet_gc`, `TimingOptions`: `soapjax._timing`) and the cache root (`cache_root`, `CACHE_ENV`:
+`soapjax._cache`), for the scripts that time kernels or move the caches.
 """
 
 from __future__ import annotations
@@ -55,9 +57,15 @@ import jax
 import numpy as np
 
 from soapjax import _timing
+from soapjax._cache import ENV as CACHE_ENV
+from soapjax._cache import cache_root as cache_root
 from soapjax._dtypes import itemsize
 from soapjax._local import operator_fn
 from soapjax._timing import DiskCache, TimingOptions, default_cache_dir
+from soapjax._timing import Timing as Timing
+from soapjax._timing import kick as kick
+from soapjax._timing import quiet_gc as quiet_gc
+from soapjax._timing import time_loop as time_loop
 from soapjax.devices import local_backend_matches as local_backend_matches
 from soapjax.devices import local_topology as local_topology
 from soapjax.errors import CostError as CostError
@@ -75,11 +83,12 @@ from soapjax.topology import Topology
 from soapjax.updates import update_passes
 from soapjax.updates import update_reductions as update_reductions
 
-__all__ = ["ANALYTIC_KERNEL_OVERHEAD_S", "Calibration", "CostError", "CostModel", "CostStats",
-           "FlopCounter", "OpTime", "ProfileProgress", "ProfileReport", "StepFlops",
-           "TimingOptions", "analytic_op_time", "calibrate", "compute_dtype", "cost_model",
-           "default_cache_dir", "local_backend_matches", "local_topology", "roofline_time",
-           "step_flops", "update_reductions"]
+__all__ = ["ANALYTIC_KERNEL_OVERHEAD_S", "CACHE_ENV", "Calibration", "CostError", "CostModel",
+           "CostStats", "FlopCounter", "OpTime", "ProfileProgress", "ProfileReport", "StepFlops",
+           "Timing", "TimingOptions", "analytic_op_time", "cache_root", "calibrate",
+           "compute_dtype", "cost_model", "default_cache_dir", "kick", "local_backend_matches",
+           "local_topology", "quiet_gc", "roofline_time", "step_flops", "time_loop",
+           "update_reductions"]
 
 log = logging.getLogger(__name__)
 

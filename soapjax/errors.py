@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+__all__ = ["ArgumentError", "CostError", "MissingDependencyError", "PlanError", "SettingsError",
+           "SoapjaxError", "TopologyError", "TraceError", "UnknownModelError", "WorkloadError"]
+
 
 class SoapjaxError(Exception):
     """Base class of every error soapjax raises on purpose."""

@@ -31,14 +31,15 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from soapjax._dims import Flops, xla_flops
+from soapjax._dims import Flops as Flops
+from soapjax._dims import xla_flops
 from soapjax._dtypes import is_float
 from soapjax._local import CustomRuleError, operator_fn
 from soapjax.graph import OpGraph
 from soapjax.memory import recomputes
 from soapjax.space import MeshShape, param_specs
 
-__all__ = ["FlopCounter", "StepFlops", "step_flops"]
+__all__ = ["FlopCounter", "Flops", "OperatorFlops", "StepFlops", "step_flops"]
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +78,14 @@ class StepFlops(NamedTuple):
         return self.forward + self.backward + self.recompute + self.update
 
 
-class _OperatorFlops(NamedTuple):
+class OperatorFlops(NamedTuple):
+    """One operator's FLOPs in a training step (`FlopCounter.operator`), in three parts."""
+
     forward: Flops  # the primal equations
     residuals: Flops  # what the forward side of the VJP adds for the backward pass
     backward: Flops  # the cotangents
 
-    def split(self, shards: int, matmuls: _OperatorFlops | None) -> _OperatorFlops:
+    def split(self, shards: int, matmuls: OperatorFlops | None) -> OperatorFlops:
         """One device's part: everything over `shards`, but the matmuls as counted at the
         device's shard shapes (`matmuls`, where given)."""
         def part(whole: Flops, shard: Flops | None) -> Flops:
@@ -90,7 +93,7 @@ class _OperatorFlops(NamedTuple):
                 return Flops(*(x / shards for x in whole))
             return Flops((whole.flops - whole.matmul) / shards + shard.matmul,
                          whole.transcendentals / shards, shard.matmul)
-        return _OperatorFlops(*(part(w, m) for w, m in zip(self, matmuls or (None,) * 3)))
+        return OperatorFlops(*(part(w, m) for w, m in zip(self, matmuls or (None,) * 3)))
 
 
 class FlopCounter:
@@ -114,12 +117,12 @@ class FlopCounter:
         self.optimizer = optimizer
         self._treedef = jax.tree.structure(
             params if params is not None else {leaf.path: 0 for leaf in graph.params})
-        self._whole: dict[int, _OperatorFlops] = {}
-        self._shard: dict[tuple[int, tuple[int, ...]], _OperatorFlops] = {}
+        self._whole: dict[int, OperatorFlops] = {}
+        self._shard: dict[tuple[int, tuple[int, ...]], OperatorFlops] = {}
         self._updates: dict[tuple, float] = {}
         self._diff, self._wanted = _differentiated(graph)
 
-    def operator(self, i: int, degrees: tuple[int, ...] | None = None) -> _OperatorFlops:
+    def operator(self, i: int, degrees: tuple[int, ...] | None = None) -> OperatorFlops:
         """Operator `i`'s FLOPs on one device when split by `degrees` (None: unsplit).
 
         Counted at the device's shard shapes: a contraction split down to one element is a
@@ -139,7 +142,7 @@ class FlopCounter:
             self._shard[key] = self._count_shard(i, tuple(degrees))
         return self._shard[key]
 
-    def _count_shard(self, i: int, degrees: tuple[int, ...]) -> _OperatorFlops:
+    def _count_shard(self, i: int, degrees: tuple[int, ...]) -> OperatorFlops:
         name, shards = self.graph.operators[i].name, math.prod(degrees)
         try:
             return self._count(i, *operator_fn(self.graph, name, degrees))
@@ -207,12 +210,12 @@ class FlopCounter:
                     leaf_of[o.source] = o.leaf_path
         return sum((n - 1) * stored.get(leaf_of[s], 0.0) for s, n in readers.items() if n > 1)
 
-    def _count(self, i: int, fn: Callable, avals: Sequence[Any]) -> _OperatorFlops:
+    def _count(self, i: int, fn: Callable, avals: Sequence[Any]) -> OperatorFlops:
         forward = xla_flops(jax.make_jaxpr(fn)(*avals).jaxpr)
         idx = [k for k, d in enumerate(self._diff[i]) if d]
         outs = [k for k in range(len(self.graph.operators[i].outputs)) if (i, k) in self._wanted]
         if not idx or not outs:
-            return _OperatorFlops(forward, Flops(), Flops())
+            return OperatorFlops(forward, Flops(), Flops())
 
         def vjp(*args):
             def part(*d):
@@ -230,7 +233,7 @@ class FlopCounter:
         out_avals = jax.eval_shape(fn, *avals)
         fwd_side = xla_flops(jax.make_jaxpr(vjp)(*avals).jaxpr)
         total = xla_flops(jax.make_jaxpr(both)(list(avals), [out_avals[k] for k in outs]).jaxpr)
-        return _OperatorFlops(forward, _minus(fwd_side, forward), _minus(total, fwd_side))
+        return OperatorFlops(forward, _minus(fwd_side, forward), _minus(total, fwd_side))
 
 
 def step_flops(graph: OpGraph, strategy: Any, mesh: MeshShape, *, optimizer: Any = None,

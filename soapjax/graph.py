@@ -59,14 +59,13 @@ from soapjax._ir import (
 )
 from soapjax._program import (
     KEY_MAKERS,
-    _Local as _Local,
-    _Program,
+    Program as Program,
     bind_as_traced as bind_as_traced,
 )
 from soapjax.errors import TraceError
 
-__all__ = ["LeafInfo", "OpGraph", "Operand", "Operator", "OutputTensor", "ReductionDim",
-           "module_of_param", "trace"]
+__all__ = ["LeafInfo", "OpGraph", "Operand", "Operator", "OutputTensor", "Program",
+           "ReductionDim", "module_of_param", "trace"]
 
 
 _MISSING = object()
@@ -83,6 +82,10 @@ class OpGraph:
       params: the parameter leaves, in flattening order.
       batch: the batch leaves, in flattening order.
       unsupported: primitives soapjax did not understand (their operators are replicate-only).
+      program: the traced function as a flat `Program` of equations over value ids, which
+        the operators' equations and operands index (`evaluate` runs it).
+      retrace: traces the same function again at another batch size (`at_batch_size`; None:
+        not made by `trace`).
     """
 
     name: str
@@ -91,7 +94,7 @@ class OpGraph:
     params: tuple[LeafInfo, ...]
     batch: tuple[LeafInfo, ...]
     unsupported: tuple[str, ...]
-    program: _Program = dataclasses.field(compare=False, hash=False, repr=False)
+    program: Program = dataclasses.field(compare=False, hash=False, repr=False)
     retrace: Callable[[int], OpGraph] | None = dataclasses.field(
         default=None, compare=False, hash=False, repr=False)
     # what later stages work out once per graph (`memo`); not copied by dataclasses.replace
@@ -330,7 +333,7 @@ def trace(fn: Callable, *example_args, params_argnums: int | Sequence[int] = 0,
     if len(out) != 1 or _dims.shape_of(out[0]) != ():
         got = ", ".join(str(v.aval) for v in out)
         raise TraceError(f"{fname} must return a scalar loss, but returned ({got})")
-    program = _Program(closed, _param_positions(example_args, pnums))
+    program = Program(closed, _param_positions(example_args, pnums))
     params, batch = _leaves(example_args, program, pnums, bnums)
     ops, unsupported = _Builder(program, params, batch, name or fname).build()
 
@@ -430,7 +433,7 @@ def _describe_args(args) -> str:
     return "(" + ", ".join(one(a) for a in args) + ")"
 
 
-def _leaves(args, program: _Program, pnums, bnums) -> tuple[list[LeafInfo], list[LeafInfo]]:
+def _leaves(args, program: Program, pnums, bnums) -> tuple[list[LeafInfo], list[LeafInfo]]:
     n = len(args)
     pset, bset = {i % n for i in pnums}, {i % n for i in bnums}
     params, batch = [], []

@@ -52,7 +52,8 @@ Collectives are counted statically, one per instruction: one inside a loop body 
 
 The text itself (computations, types, the three group formats) is read by `soapjax._hlo_text`;
 this module makes collectives of it. The program's FLOPs, every loop trip counted, are
-`hlo_flops` (`soapjax._hlo_flops`, re-exported here).
+`hlo_flops` (`soapjax._hlo_flops`, re-exported here), and the kernels one run launches are
+`launched_kernels` (`soapjax._hlo_text`, re-exported here).
 """
 
 from __future__ import annotations
@@ -83,10 +84,11 @@ from soapjax._hlo_text import (
     shape_str,
     type_leaves,
 )
+from soapjax._hlo_text import launched_kernels as launched_kernels
 from soapjax.collectives import HLO_OPCODES, bytes_sent
 
-__all__ = ["KINDS", "HloCollective", "HloFlops", "collectives", "hlo_flops", "ops_outside_loops",
-           "parse_replica_groups", "summarize"]
+__all__ = ["KINDS", "HloCollective", "HloFlops", "collectives", "hlo_flops", "launched_kernels",
+           "ops_outside_loops", "parse_replica_groups", "summarize"]
 
 # The collectives' HLO opcodes (`soapjax.collectives`' table), async -start/-done halves aside.
 KINDS: tuple[str, ...] = tuple(HLO_OPCODES)

@@ -75,6 +75,12 @@ from soapjax.collectives import XLA_COLLECTIVES
 from soapjax.errors import TopologyError
 from soapjax.topology import CollectiveModel, ComputeSharing, Topology, make_mesh
 
+__all__ = ["FIT_SIZES", "HELD_SIZES", "MARKER", "MEASURED_KINDS", "SHORT_S", "Fit", "Sample",
+           "across_passes", "axis_sets", "calibrate_links", "call_probe", "collective_loop",
+           "fit_collective", "fit_samples", "format_measured", "measure_call_overhead",
+           "measure_overlap", "measure_sharing", "monotone", "time_collective", "write_calibrated",
+           "write_topology"]
+
 MEASURED_KINDS: tuple[str, ...] = XLA_COLLECTIVES  # point_to_point is no XLA instruction
 # Fitted sizes and held-back sizes between them (bytes of the buffer): 256 B .. 256 KiB in powers
 # of 4, then steps of 1.5x and 1.33x to 16 MiB, where XLA:CPU changes algorithm and its caches

@@ -51,6 +51,9 @@ from soapjax.errors import PlanError
 from soapjax.graph import Operator, OpGraph
 from soapjax.space import RECOMPUTE_POLICIES, Config, MeshShape, RecomputePolicy, sample_dim
 
+__all__ = ["Segments", "check_microbatches", "layer_of", "microbatch_choices", "microbatch_degrees",
+           "microbatch_error", "microbatch_shape", "random_operator", "recomputes"]
+
 _KEPT_ANCHORS = ("dot_general", "conv_general_dilated")
 
 

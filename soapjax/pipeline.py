@@ -59,6 +59,10 @@ from typing import NamedTuple
 
 from soapjax.errors import PlanError
 
+__all__ = ["SCHEDULES", "Action", "ChunkTimes", "PipelineTimeline", "Schedule", "TimedAction",
+           "TimedSend", "check_pipeline", "chunks_of", "device_orders", "pipeline_error",
+           "time_schedule"]
+
 
 class Action(NamedTuple):
     """One step of a device stage's order: the forward (``"F"``) or backward (``"B"``) of model

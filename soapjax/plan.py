@@ -57,6 +57,8 @@ from soapjax.space import (
 )
 from soapjax.topology import Topology
 
+__all__ = ["FORMAT", "VERSION", "Plan", "check_plan_path", "spec_text", "unique_keys"]
+
 FORMAT = "soapjax-plan"
 VERSION = 1
 

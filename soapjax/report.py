@@ -1,8 +1,9 @@
 """Readable text and notebook HTML for plans, graphs and simulated steps, grouped by module.
 
-This module gives `Plan`, `OpGraph` and `SimResult` their notebook HTML (`_repr_html_`) when it
-is imported, which ``import soapjax`` does. The classes' own modules stay below this one in the
-import order (graph -> plan -> report), so none of them imports report.
+`register_html_reprs` gives `Plan`, `OpGraph` and `SimResult` their notebook HTML
+(`_repr_html_`); ``import soapjax`` calls it. The classes' own modules stay below this one in the
+import order (graph -> plan -> report), so none of them imports report, and importing report
+changes no class.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from soapjax.graph import OpGraph
 from soapjax.plan import Plan, spec_text
 from soapjax.simulate import SimResult
 from soapjax.space import Strategy, to_partition_spec
+
+__all__ = ["byte_unit", "format_bytes", "graph_html", "group_repeats", "grouped_configs",
+           "grouped_table_html", "plan_html", "plan_report", "register_html_reprs", "sim_html"]
 
 # The block index of a repeated module: the first path component ending in _N with more after
 # it (`layers_3/mlp/fc1`, `layer2_0/conv1`), or a bare number (`3/mlp/fc1`: list-held layers),
@@ -247,9 +251,17 @@ def sim_html(sim) -> str:
     return f"{_TABLE}<tbody>{body}</tbody></table>"
 
 
-# --- notebook display: registered on the classes here, so graph, plan and simulate need no
-# import of this module (graph -> report -> plan -> graph was the package's one cycle) ---------
+# --- notebook display ------------------------------------------------------------------------
 
-OpGraph._repr_html_ = graph_html
-Plan._repr_html_ = plan_html
-SimResult._repr_html_ = sim_html
+
+def register_html_reprs() -> None:
+    """Gives `OpGraph`, `Plan` and `SimResult` their notebook HTML: `graph_html`, `plan_html`
+    and `sim_html` as their `_repr_html_`. ``import soapjax`` calls it; calling it again changes
+    nothing.
+
+    The HTML is registered from here, so graph, plan and simulate need no import of this module
+    (graph -> report -> plan -> graph was the package's one cycle).
+    """
+    OpGraph._repr_html_ = graph_html
+    Plan._repr_html_ = plan_html
+    SimResult._repr_html_ = sim_html

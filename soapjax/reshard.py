@@ -99,6 +99,9 @@ from soapjax._reshard_worker import CHUNK, Worker
 from soapjax.errors import SoapjaxError
 from soapjax.space import MeshLike, MeshShape
 
+__all__ = ["DEFAULT_MODE", "KINDS", "Collective", "Mode", "ReshardError", "ReshardModel",
+           "Resharder", "Resharding", "Source", "Spec", "Transition", "ideal_collectives", "reshard"]
+
 log = logging.getLogger(__name__)
 
 Mode = Literal["xla", "ideal"]

@@ -99,6 +99,10 @@ from soapjax.space import (
     within_limits,
 )
 
+__all__ = ["PIPELINE_GRID", "Progress", "SearchResult", "SearchSettings", "exhaustive", "find_plan",
+           "improving_change", "make_simulation", "print_progress", "random_strategy", "search",
+           "stage_choices"]
+
 Progress = Callable[[str], None]
 
 

@@ -44,6 +44,12 @@ from soapjax.graph import Operand, Operator, OpGraph
 from soapjax.pipeline import check_pipeline
 from soapjax.topology import Topology
 
+__all__ = ["RECOMPUTE_POLICIES", "Config", "MeshLike", "MeshShape", "RecomputePolicy",
+           "SpaceLimits", "Spec", "Strategy", "batch_specs", "configs", "data_parallel",
+           "dividing_axes", "fit_spec", "param_specs", "sample_dim", "spatial_convolution",
+           "storage_spec", "strategy_from_names", "to_partition_spec", "validate_config",
+           "within_limits"]
+
 
 @dataclasses.dataclass(frozen=True)
 class MeshShape:

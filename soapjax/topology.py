@@ -97,6 +97,11 @@ from soapjax.collectives import (
 )
 from soapjax.errors import TopologyError
 
+__all__ = ["ALGORITHMS", "COLLECTIVES", "KNOWN_DTYPES", "LINK_CLASSES", "PLATFORMS",
+           "REQUIRED_DTYPES", "Channel", "CollectiveModel", "ComputeSharing", "DeviceSpec",
+           "Efficiency", "Link", "Platform", "RingStats", "Topology", "bytes_sent",
+           "list_topologies", "load_topology", "make_mesh", "scaled_topology", "stage_topology"]
+
 _MESHES_DIRS = (
     Path(__file__).resolve().parent.parent / "meshes",  # a source checkout
     Path(__file__).resolve().parent / "meshes",  # an installed wheel (package data)

@@ -27,10 +27,9 @@ import soapjax_zoo
 # Every soapjax module the run uses is imported now, not half an hour later: a run must use one
 # version of the code even when the checkout changes under it.
 from soapjax import apply, cost, devices, hlo, reshard  # noqa: F401
-from soapjax._cache import ENV as CACHE_ENV
-from soapjax._cache import cache_root
 from soapjax.baselines import baselines
 from soapjax.check import compare_on_devices
+from soapjax.cost import CACHE_ENV, cache_root
 from soapjax.graph import trace
 from soapjax.plan import Plan
 from soapjax.search import (

@@ -11,6 +11,7 @@ never a later one, not even inside a function; only the command line imports ins
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 from pathlib import Path
 
@@ -114,7 +115,7 @@ def test_every_module_has_a_test_file():
     covered = {p.stem.removeprefix("test_") for p in (ROOT / "tests").glob("test_*.py")}
     # Private helpers are tested through their public module.
     owner = {"_cache": "cost", "_dtypes": "cost", "_dims": "graph", "_ir": "graph",
-             "_program": "graph", "_grouping": "graph", "_local": "local",
+             "_program": "graph", "_grouping": "graph",
              "_topology_file": "topology", "_routing": "topology", "collectives": "topology",
              "_timing": "cost", "_reshard_ideal": "reshard", "_reshard_worker": "reshard",
              "_taskgraph": "simulate", "_simresult": "simulate", "_strategy_file": "simulate",
@@ -123,6 +124,137 @@ def test_every_module_has_a_test_file():
              "errors": "cli", "__init__": "notebook"}
     missing = [m for m in _modules() if owner.get(m, m) not in covered]
     assert not missing, f"no tests/test_<module>.py for {missing}"
+
+
+def test_test_files_are_named_after_their_module():
+    """One rule: soapjax/<module>.py is tested in tests/test_<module>.py, a private module's
+    underscore kept (soapjax/_inner.py: tests/test__inner.py); a test file of no one module
+    (the zoo, the corpus, the notebook) has a name that is no module's."""
+    modules = set(_modules())
+    bad = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        name = path.stem.removeprefix("test_")
+        if name.startswith("_") and name not in modules:
+            bad.append(f"{path.name}: no soapjax/{name}.py")
+        elif f"_{name}" in modules:
+            bad.append(f"{path.name} tests soapjax/_{name}.py: name it test__{name}.py")
+    assert not bad, "\n  ".join(["test files off the naming rule:", *bad])
+
+
+def _public_modules() -> list[str]:
+    return [m for m in _modules() if not m.startswith("_") or m == "__init__"]
+
+
+@pytest.mark.parametrize("name", _public_modules())
+def test_public_modules_say_what_users_import(name):
+    """Every public module lists its public names in `__all__`, and each one exists."""
+    module = importlib.import_module("soapjax" if name == "__init__" else f"soapjax.{name}")
+    names = getattr(module, "__all__", None)
+    assert names is not None, f"soapjax/{name}.py has no __all__"
+    assert len(set(names)) == len(names), f"soapjax/{name}.py: __all__ repeats a name"
+    missing = [n for n in names if not hasattr(module, n)]
+    assert not missing, f"soapjax/{name}.py: __all__ names what it does not define: {missing}"
+    private = [n for n in names if n.startswith("_")]
+    assert not private, f"soapjax/{name}.py: __all__ lists private names: {private}"
+
+
+_PRIVATE_CLASS = re.compile(r"(?<![\w.])_[A-Z]\w*")
+
+
+def _private_types_in_public_signatures(name: str) -> list[str]:
+    """Where a public class's annotated field or a public function's or method's signature in
+    soapjax/<name>.py names a private class (``_Program``)."""
+    tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+    out = []
+
+    def check(node: ast.AST | None, where: str, line: int) -> None:
+        if node is not None and (found := _PRIVATE_CLASS.findall(ast.unparse(node))):
+            out.append(f"line {line}: {where} is typed with {sorted(set(found))}")
+
+    def visit(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                visit(node.body, f"{prefix}{node.name}.")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if node.name.startswith("_") and not node.name.startswith("__"):
+                    continue
+                a = node.args
+                for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]:
+                    if arg is not None:
+                        check(arg.annotation, f"{prefix}{node.name}({arg.arg})", node.lineno)
+                check(node.returns, f"{prefix}{node.name}() ->", node.lineno)
+            elif isinstance(node, ast.AnnAssign) and prefix:
+                check(node.annotation, f"{prefix}{ast.unparse(node.target)}", node.lineno)
+
+    visit(tree.body, "")
+    return out
+
+
+@pytest.mark.parametrize("name", _public_modules())
+def test_no_public_field_or_signature_is_typed_with_a_private_class(name):
+    """A user reads a public class's fields and a public function's signature: the types they
+    name are public too (`OpGraph.program` is a `Program`, not a `_Program`)."""
+    bad = _private_types_in_public_signatures(name)
+    assert not bad, f"soapjax/{name}.py:\n  " + "\n  ".join(bad)
+
+
+def test_no_module_patches_a_class_on_import():
+    """Importing a module changes no class (`report.register_html_reprs` is called, by
+    ``import soapjax``, to give classes their notebook HTML)."""
+    bad = []
+    for name in _modules():
+        for node in ast.parse((PACKAGE / f"{name}.py").read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+            bad += [f"soapjax/{name}.py:{node.lineno} sets {ast.unparse(t)}"
+                    for t in targets if isinstance(t, ast.Attribute)]
+    assert not bad, "\n  ".join(["assignments to attributes at import:", *bad])
+
+
+def _private_uses(path: Path) -> list[str]:
+    """Imports of private soapjax modules or names, and private attributes of imported soapjax
+    modules, in a script or an evaluation module."""
+    tree = ast.parse(path.read_text())
+    bound = set()  # local names bound to soapjax modules or their names
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "soapjax":
+                    if any(part.startswith("_") for part in a.name.split(".")):
+                        bad.append(f"line {node.lineno}: import {a.name}")
+                    bound.add(a.asname or "soapjax")
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            parts = node.module.split(".")
+            if parts[0] != "soapjax":
+                continue
+            if any(part.startswith("_") for part in parts):
+                bad.append(f"line {node.lineno}: from {node.module} import ...")
+            for a in node.names:
+                if a.name.startswith("_"):
+                    bad.append(f"line {node.lineno}: from {node.module} import {a.name}")
+                bound.add(a.asname or a.name)
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__")):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in bound:
+                bad.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return bad
+
+
+SCRIPTS = sorted([*ROOT.glob("scripts/*.py"), *ROOT.glob("soapjax_eval/*.py")])
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_scripts_and_the_evaluation_use_the_public_api(path):
+    """The scripts and `soapjax_eval` import what soapjax's public modules list, as a user
+    would; what they need is re-exported there (`soapjax.cost.time_loop`, `hlo.launched_kernels`,
+    `cost.cache_root`). `scripts/_decoder_metrics.py` is the scripts' own helper."""
+    bad = _private_uses(path)
+    assert not bad, f"{path.relative_to(ROOT)} uses soapjax's private names:\n  " + "\n  ".join(bad)
 
 
 # The fixed choices, each spelled in one table (docs/architecture.md, "Adding a schedule, a
