@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import tomllib
@@ -17,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from soapjax._topology_file import Efficiency
-from soapjax.topology import load_topology
+from soapjax.topology import Efficiency, load_topology
 
 ROOT = Path(__file__).resolve().parent.parent
 KIT = ROOT / "scripts" / "gpu_kit.py"
@@ -97,19 +95,8 @@ def test_the_markdown_section_has_every_table(kit):
         assert heading in text, heading
 
 
-def _has_gpu() -> bool:
-    if shutil.which("nvidia-smi") is None:
-        return False
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"],
-                           env=env, capture_output=True, text=True, timeout=120)
-    return probe.stdout.strip() == "gpu"
-
-
-@pytest.mark.gpu
+@pytest.mark.gpu  # skipped without a GPU (tests/conftest.py)
 def test_on_a_gpu_the_kit_measures_the_gpu(tmp_path):
-    if not _has_gpu():
-        pytest.skip("no GPU")
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     results = run_kit(tmp_path, env)
     assert results["device"]["platform"] == "gpu" and results["errors"] == []
