@@ -34,22 +34,7 @@ import jax
 
 from soapjax._dtypes import itemsize
 from soapjax._flatsim import OpCosts, Simulation, shard_bytes
-from soapjax._simresult import (
-    BACKWARD,
-    FORWARD,
-    GRAD_SYNC,
-    INNER_REDUCE,
-    INNER_REDUCE_BWD,
-    PARAM_GATHER,
-    PARTIAL_SUM,
-    RESHARD,
-    RESHARD_BWD,
-    UPDATE,
-    UPDATE_REDUCE,
-    MemoryBreakdown,
-    SimResult,
-    TaskRecord,
-)
+from soapjax._simresult import MemoryBreakdown, SimResult, TaskRecord
 from soapjax._strategy_file import parse_strategy
 from soapjax.cost import cost_model as make_cost_model
 from soapjax.graph import OpGraph
@@ -59,12 +44,9 @@ from soapjax.space import MeshShape, Strategy, data_parallel
 from soapjax.topology import Topology, stage_topology
 
 __all__ = [
-    "BACKWARD", "FORWARD", "GRAD_SYNC", "INNER_REDUCE", "INNER_REDUCE_BWD",
-    "PARAM_GATHER", "PARTIAL_SUM", "RESHARD", "RESHARD_BWD",
-    "UPDATE", "UPDATE_REDUCE", "MemoryBreakdown", "OpCosts", "PipelineResult",
-    "PipelinedSimulation", "SimResult", "Simulation", "TaskRecord", "compare",
-    "default_pricing", "open_simulation", "opt_state_factor", "parse_strategy", "shard_bytes",
-    "simulate",
+    "MemoryBreakdown", "OpCosts", "PipelineResult", "PipelinedSimulation", "SimResult",
+    "Simulation", "TaskRecord", "compare", "default_pricing", "open_simulation",
+    "opt_state_factor", "parse_strategy", "shard_bytes", "simulate",
 ]
 
 
