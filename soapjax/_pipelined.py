@@ -9,8 +9,8 @@ and the values every layer reads), and the *epilogue* (final norm, head, loss). 
 are cut into ``C = S * v`` chunks of ``L / C`` layers; device stage ``s`` holds chunks
 `soapjax.pipeline.chunks_of` ``(s, S, v)``, and every stacked parameter ``[L, ...]`` is stored in
 the *pipelined layout* ``[v, S, L / C, ...]`` (chunk ``c = j S + s`` at ``[j, s]``), sharded
-over ``stage`` on its second dim (`to_pipelined`, `param_shardings`), so a stage holds its own
-layers only.
+over ``stage`` on its second dim, so a stage holds its own layers only
+(`soapjax._pipeline_layout`: `to_pipelined`, `pipelined_layout_shardings`).
 
 The step is one program (as MaxText's and praxis's pipelines are): nothing new to launch, so it
 runs unchanged over processes under `jax.distributed`. In it:
@@ -80,7 +80,7 @@ Usage::
                                             data_axes=("data",)))
     specs = jax.tree.map(lambda _: PartitionSpec(), params)  # or a plan's
     placed = jax.device_put(to_pipelined(graph, params, stages=2),
-                            param_shardings(graph, mesh, specs, stages=2))
+                            pipelined_layout_shardings(graph, mesh, specs, stages=2))
     batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data")))
     loss, grads = step(placed, batch)                # grads in the pipelined layout
     grads = from_pipelined(graph, grads, stages=2)   # the model's layout again
@@ -94,9 +94,9 @@ whole along the dims it indexes (`_run_in_stage`): on the last stage, one all-ga
 ``model`` of a microbatch's log-probabilities where an all-reduce of the picked ones would do
 (`tests/test__pipelined.py` keeps a canary of the abort).
 
-`soapjax.apply` runs a pipelined `Strategy` with `train_value_and_grad`: the parameters in the
-model's layout on `pipelined_mesh` (the user's mesh, its outermost axis cut into ``stage``),
-reshaped to the pipelined layout inside the step and the gradients back.
+`soapjax.apply` runs a pipelined `Strategy` with `PipelinedStep`, its step program: the
+parameters in the model's layout on `pipelined_mesh` (the user's mesh, its outermost axis cut
+into ``stage``), reshaped to the pipelined layout inside the step and the gradients back.
 
 Refused with a `PlanError`: a loss that draws random bits (dropout: microbatches would draw
 other masks than the whole batch, as in `soapjax.memory.random_operator`), several layer scans
@@ -112,21 +112,30 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from soapjax._pipeline_layout import (
+    STAGE_AXIS,
+    batch_axes,
+    check_pipelinable,
+    check_stage_axis,
+    from_pipelined,
+    layer_recompute,
+    layer_scan,
+    pipelined_layout_shardings,
+    pipelined_mesh,
+    stacked_params,
+    stage_mesh_shape,
+    to_pipelined,
+)
 from soapjax._program import LayerScan, _Program
+from soapjax._validation import Checked, validate_program_inputs
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
-from soapjax.memory import random_operator
-from soapjax.pipeline import Action, check_pipeline, device_orders
-from soapjax.space import RECOMPUTE_POLICIES, MeshShape, RecomputePolicy, Strategy, batch_specs
+from soapjax.pipeline import Action, device_orders
+from soapjax.space import RECOMPUTE_POLICIES, MeshShape, RecomputePolicy
 
-__all__ = ["STAGE_AXIS", "batch_axes", "check_pipelinable", "from_pipelined", "layer_recompute",
-           "param_shardings", "pipelined_mesh", "pipelined_value_and_grad", "stacked_params",
-           "stage_mesh_shape", "ticks", "to_pipelined", "train_value_and_grad"]
-
-# The mesh axis of the pipeline stages in the mesh `soapjax.apply` runs a pipelined strategy on.
-STAGE_AXIS = "stage"
+__all__ = ["PipelinedStep", "pipelined_value_and_grad", "ticks"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,39 +170,10 @@ class _Cut(NamedTuple):
     epilogue_reads: tuple[int, ...]
 
 
-def _layer_scan(graph: OpGraph) -> tuple[LayerScan, tuple[int, ...]]:
-    """The graph's one layer scan and the positions of its stacked parameters in
-    ``graph.params``; PlanError where there is none, or it cannot be pipelined."""
-    prog = graph.program
-    if not prog.layer_scans:
-        raise PlanError(f"pipelining needs the model's layers as one scan over stacked "
-                        f"parameters (nn.scan, nnx.scan), but graph {graph.name!r} has no "
-                        f"layer scan; trace a model whose layers are scanned")
-    if len(prog.layer_scans) > 1:
-        raise PlanError(f"pipelining needs one layer scan, but graph {graph.name!r} has "
-                        f"{len(prog.layer_scans)} (several scans or nested ones)")
-    scan = prog.layer_scans[0]
-    if scan.steps != tuple(range(len(scan.steps))):
-        raise PlanError(f"graph {graph.name!r}: its layer scan runs in reverse; pipelining "
-                        "needs the layers in order")
-    if any(scan.ys):
-        raise PlanError(f"graph {graph.name!r}: its layer scan stacks per-layer outputs; "
-                        "pipelining needs layers that pass only their carry on")
-    position = {info.value: k for k, info in enumerate(graph.params)}
-    stacked = []
-    for sid in scan.slices[0]:
-        root = prog.slice_of.get(sid, (None,))[0]
-        if root not in position:
-            raise PlanError(f"graph {graph.name!r}: its layer scan slices a value that is "
-                            "not a parameter; pipelining needs a scan over parameters only")
-        stacked.append(position[root])
-    return scan, tuple(stacked)
-
-
 def _cut(graph: OpGraph) -> _Cut:
     """The graph's program cut at its layer scan (module doc)."""
     prog = graph.program
-    scan, stacked = _layer_scan(graph)
+    scan, stacked = layer_scan(graph)
     params = tuple(info.value for info in graph.params)
     batch = tuple(info.value for info in graph.batch)
     if list(prog.inputs) != list(params + batch) or len(prog.outputs) != 1:
@@ -555,199 +535,71 @@ def _tables(rows: Sequence[Sequence[Action | None]], stages: int, chunks: int,
 
 
 # --------------------------------------------------------------------------------------------
-# Layouts and shardings
+# A pipelined strategy's step program (soapjax.apply)
 
 
-def _check_chunks(graph: OpGraph, num_layers: int, stages: int, virtual: int) -> int:
-    chunks = stages * virtual
-    if num_layers % chunks:
-        raise PlanError(f"graph {graph.name!r}: pipelining cuts its {num_layers} layers into "
-                        f"stages x virtual = {stages} x {virtual} = {chunks} chunks of equal "
-                        f"size, but {num_layers} is not divisible by {chunks}; choose stages "
-                        f"and virtual stages whose product divides {num_layers}")
-    return num_layers // chunks
+class PipelinedStep:
+    """The `soapjax._shardings.StepProgram` of a pipelined strategy (`Strategy.pipelined`).
 
+    It runs on `pipelined_mesh` (the user's mesh, its outermost axis cut into ``stage``), its
+    configs are over one stage's mesh (`stage_mesh_shape`), its stacked layer parameters are
+    split over ``stage`` on their layer dim in the model's layout, and its loss and gradients
+    come from `pipelined_value_and_grad` with the strategy's stages, microbatches, schedule,
+    `layer_recompute` and the axes it splits the batch over as data axes (`batch_axes`).
 
-def to_pipelined(graph: OpGraph, params: Any, *, stages: int, virtual: int = 1) -> Any:
-    """`params` (the model's pytree) with every stacked layer parameter ``[L, ...]`` reshaped
-    to ``[v, S, L / (S v), ...]``: chunk ``c = j S + s`` at ``[j, s]``, so sharding the second dim
-    over ``stage`` gives stage ``s`` its chunks `soapjax.pipeline.chunks_of` ``(s, S, v)``.
-    Others are unchanged. A reshape (jit-able); `from_pipelined` undoes it."""
-    scan, stacked = _layer_scan(graph)
-    per = _check_chunks(graph, len(scan.steps), stages, virtual)
-    leaves, tree = jax.tree.flatten(params)
-    for k in stacked:
-        leaves[k] = jnp.reshape(leaves[k], (virtual, stages, per, *leaves[k].shape[1:]))
-    return jax.tree.unflatten(tree, leaves)
-
-
-def from_pipelined(graph: OpGraph, params: Any, *, stages: int, virtual: int = 1) -> Any:
-    """The model's layout of parameters (or gradients) in the pipelined layout."""
-    scan, stacked = _layer_scan(graph)
-    leaves, tree = jax.tree.flatten(params)
-    for k in stacked:
-        leaves[k] = jnp.reshape(leaves[k], (len(scan.steps), *leaves[k].shape[3:]))
-    return jax.tree.unflatten(tree, leaves)
-
-
-def param_shardings(graph: OpGraph, mesh: Mesh, specs: Any, *, stages: int, virtual: int = 1,
-                    stage_axis: str = "stage") -> Any:
-    """The `NamedSharding`s of the parameters in the pipelined layout (`to_pipelined`).
-
-    Args:
-      graph: the traced loss.
-      mesh: the mesh, with a `stage_axis` of size `stages`.
-      specs: the parameters' `PartitionSpec`s (or `NamedSharding`s) in the model's layout, a
-        pytree like the parameters (``jax.tree.map(lambda _: P(), params)``: replicated; or a
-        plan's, `soapjax.apply.train_shardings`). A stacked parameter's must leave its layer
-        dim unsplit, or split it over `stage_axis` alone (as `soapjax.apply` stores it in the
-        model's layout); ``stage`` takes the stage dim of the pipelined layout and the other
-        dims keep their axes. Other parameters keep theirs (replicated over ``stage``).
-      stages, virtual: as in `pipelined_value_and_grad`.
-      stage_axis: the mesh axis of the stages.
-
-    Example: a stacked kernel ``[4, 32, 128]`` with spec ``P(None, None, 'model')``, 2 stages,
-    2 virtual: pipelined ``[2, 2, 1, 32, 128]`` with ``P(None, 'stage', None, None, 'model')``.
+    Attributes:
+      check: the checked strategy.
+      mesh: the pipelined mesh the step runs on.
+      config_mesh: one stage's mesh, the configs'.
     """
-    _check_mesh(mesh, stages, stage_axis)
-    scan, stacked = _layer_scan(graph)
-    _check_chunks(graph, len(scan.steps), stages, virtual)
-    is_leaf = lambda x: isinstance(x, (PartitionSpec, NamedSharding))
-    flat, tree = jax.tree.flatten(specs, is_leaf=is_leaf)
-    if len(flat) != len(graph.params):
-        raise PlanError(f"param_shardings: specs has {len(flat)} leaves, graph {graph.name!r} "
-                        f"has {len(graph.params)} parameters")
-    out = []
-    for k, spec in enumerate(flat):
-        spec = spec.spec if isinstance(spec, NamedSharding) else spec
-        if k in stacked:
-            if len(spec) and spec[0] not in (None, stage_axis):
-                raise PlanError(f"parameter {graph.params[k].path} of graph {graph.name!r}: "
-                                f"its spec {spec} splits the layer dim, which pipelining "
-                                f"splits over {stage_axis!r}; leave dim 0 unsplit")
-            spec = PartitionSpec(None, stage_axis, None, *spec[1:])
-        out.append(NamedSharding(mesh, spec))
-    return jax.tree.unflatten(tree, out)
 
+    def __init__(self, check: Checked):
+        self.check = check
+        stages = check.strategy.stages
+        self.mesh = pipelined_mesh(check.mesh, stages, STAGE_AXIS)
+        self.config_mesh = stage_mesh_shape(MeshShape.of(check.mesh), stages)
 
-def _check_mesh(mesh: Mesh, stages: int, stage_axis: str) -> None:
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    if sizes.get(stage_axis) != stages:
-        raise PlanError(f"pipelining over {stages} stages needs a mesh axis {stage_axis!r} of "
-                        f"size {stages}, but the mesh has axes {sizes}")
+    def param_layout(self, shardings: list[NamedSharding]) -> list[NamedSharding]:
+        """The shardings of their specs, each stacked layer parameter's split over ``stage``
+        on its layer dim (unsplit in one stage's specs)."""
+        out = list(shardings)
+        for k in stacked_params(self.check.graph):
+            out[k] = NamedSharding(self.mesh, PartitionSpec(STAGE_AXIS, *out[k].spec[1:]))
+        return out
 
+    def value_and_grad(self, param_shardings: Any, batch_shardings: Any, *,
+                       allow_spatial_convolutions: bool = False
+                       ) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
+        """``(params, batch, step) -> (loss, grads)``, parameters and gradients in the model's
+        layout (stacked ``[L, ...]``): the parameters reshaped to the pipelined layout
+        (`to_pipelined`) and constrained to their shardings there
+        (`pipelined_layout_shardings` of `param_shardings`), `pipelined_value_and_grad`, the
+        gradients reshaped back (`from_pipelined`). ``step`` is unused: a pipelined graph
+        draws no random bits (`check_pipelinable`). The batch arrives on `batch_shardings`.
+        Its stages run without per-operator constraints, so spatially split convolutions are
+        not refused here (a graph with a layer scan of convolutions is not a zoo model)."""
+        del batch_shardings, allow_spatial_convolutions
+        graph, strategy = self.check.graph, self.check.strategy
+        validate_program_inputs(graph)
+        stages, virtual = strategy.stages, strategy.virtual_stages
+        run = pipelined_value_and_grad(
+            graph, self.mesh, stages=stages, microbatches=strategy.microbatches,
+            virtual=virtual, schedule=strategy.schedule,
+            recompute=layer_recompute(graph, strategy), stage_axis=STAGE_AXIS,
+            data_axes=batch_axes(graph, strategy))
+        placed = jax.tree.leaves(pipelined_layout_shardings(
+            graph, self.mesh, param_shardings, stages=stages, virtual=virtual,
+            stage_axis=STAGE_AXIS))
 
-# --------------------------------------------------------------------------------------------
-# A pipelined strategy in the model's layout: its mesh, stacked parameters, step (soapjax.apply)
+        def value_and_grad(params: Any, batch: Any, step: Any = None) -> tuple[Any, Any]:
+            del step  # no random bits: see above
+            leaves, tree = jax.tree.flatten(
+                to_pipelined(graph, params, stages=stages, virtual=virtual))
+            leaves = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(leaves, placed)]
+            loss, grads = run(jax.tree.unflatten(tree, leaves), batch)
+            return loss, from_pipelined(graph, grads, stages=stages, virtual=virtual)
 
-
-def stage_mesh_shape(mesh: MeshShape, stages: int) -> MeshShape:
-    """One pipeline stage's mesh: the outermost axis cut `stages` ways, dropped where that
-    leaves 1 (unless it is the only axis), as `soapjax.topology.stage_topology` cuts a
-    topology. A pipelined strategy's configs are over it.
-
-    >>> stage_mesh_shape(MeshShape(("node", "data", "model"), (4, 2, 2)), 2).shape
-    {'node': 2, 'data': 2, 'model': 2}
-    >>> stage_mesh_shape(MeshShape(("node", "data", "model"), (2, 2, 2)), 2).shape
-    {'data': 2, 'model': 2}
-
-    Raises:
-      PlanError: the outermost axis does not divide into `stages`.
-    """
-    name, size = mesh.axis_names[0], mesh.axis_sizes[0]
-    if stages < 1 or size % stages:
-        raise PlanError(f"{stages} pipeline stages cut the outermost mesh axis {name!r} (size "
-                        f"{size}) of mesh {mesh.shape}; expected a stage count dividing {size}")
-    axes = list(zip(mesh.axis_names, mesh.axis_sizes))[1:]
-    if size // stages > 1 or not axes:
-        axes.insert(0, (name, size // stages))
-    return MeshShape(tuple(a for a, _ in axes), tuple(n for _, n in axes))
-
-
-def pipelined_mesh(mesh: Mesh, stages: int, stage_axis: str = STAGE_AXIS) -> Mesh:
-    """The mesh a pipelined strategy runs on: `mesh`'s devices with the outermost axis (size
-    n) split into (`stage_axis` S, that axis n / S), the latter dropped where n / S is 1
-    (`stage_mesh_shape`), every axis Auto. Stage s holds outer positions ``s n / S`` to
-    ``(s + 1) n / S - 1``: whole nodes, and with one process per node whole processes.
-
-    Example: ``node=2, data=2, model=2`` over 2 stages is ``stage=2, data=2, model=2``.
-
-    Raises:
-      PlanError: the mesh already has an axis `stage_axis`, or its outermost axis does not
-        divide into `stages`.
-    """
-    if stage_axis in mesh.axis_names:
-        raise PlanError(f"a pipelined strategy adds the mesh axis {stage_axis!r}, but mesh "
-                        f"{dict(mesh.shape)} has one already; pass the topology's mesh "
-                        "(soapjax.topology.make_mesh), whose outermost axis the stages cut")
-    shape = stage_mesh_shape(MeshShape.of(mesh), stages)
-    devices = np.asarray(mesh.devices).reshape((stages, *shape.axis_sizes))
-    names = (stage_axis, *shape.axis_names)
-    return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
-
-
-def stacked_params(graph: OpGraph) -> tuple[int, ...]:
-    """Positions in ``graph.params`` of the layer scan's stacked parameters ``[L, ...]``.
-
-    Raises:
-      PlanError: the graph has no layer scan, or one that cannot be pipelined.
-    """
-    return _layer_scan(graph)[1]
-
-
-def layer_recompute(graph: OpGraph, strategy: Strategy) -> RecomputePolicy:
-    """The recompute policy the pipelined layers run under: ``"full"`` if a layer operator's
-    policy (`Strategy.recompute`, operators with a `block_position`) is ``"full"``, else
-    ``"selective"`` if one is, else ``"none"``. One policy for every layer, since a chunk is
-    recomputed or kept as a whole; operators outside the layers (embedding, head, loss) run as
-    under ``"none"``, but for the head in the last chunk, which follows the layers' policy."""
-    found = {strategy.recompute_of(j) for j, op in enumerate(graph.operators)
-             if op.block_position}
-    return next((p for p in reversed(RECOMPUTE_POLICIES) if p in found), "none")
-
-
-def batch_axes(graph: OpGraph, strategy: Strategy) -> tuple[str, ...]:
-    """The mesh axes `strategy` splits the batch's samples over: those of every batch leaf's
-    dim 0 (`soapjax.space.batch_specs`), in the order they first appear. Megatron's 3D
-    strategy on stage x data x model: ``("data",)``."""
-    axes: dict[str, None] = {}
-    for spec in batch_specs(graph, strategy).values():
-        axes.update(dict.fromkeys(spec[0] if spec else ()))
-    return tuple(axes)
-
-
-def train_value_and_grad(graph: OpGraph, strategy: Strategy, mesh: Mesh, shardings: Any,
-                         stage_axis: str = STAGE_AXIS) -> Callable[[Any, Any], tuple[Any, Any]]:
-    """``(params, batch) -> (loss, grads)`` of a pipelined strategy, parameters and gradients
-    in the model's layout (stacked ``[L, ...]``), for use inside ``jax.jit``: the parameters
-    reshaped to the pipelined layout (`to_pipelined`, constrained to their shardings there:
-    `param_shardings` of `shardings`),
-    `pipelined_value_and_grad` with the strategy's stages, microbatches, schedule,
-    `layer_recompute` and the axes it splits the batch over as data axes (`batch_axes`), the
-    gradients reshaped back (`from_pipelined`).
-
-    Args:
-      graph: the traced loss.
-      strategy: a pipelined `Strategy`, already validated.
-      mesh: the pipelined mesh (`pipelined_mesh`).
-      shardings: the parameters' shardings on `mesh`, model layout
-        (`soapjax.apply.param_shardings`: stacked ones split over `stage_axis` on dim 0).
-    """
-    S, v = strategy.stages, strategy.virtual_stages
-    run = pipelined_value_and_grad(graph, mesh, stages=S, microbatches=strategy.microbatches,
-                                   virtual=v, schedule=strategy.schedule,
-                                   recompute=layer_recompute(graph, strategy),
-                                   stage_axis=stage_axis, data_axes=batch_axes(graph, strategy))
-    placed = jax.tree.leaves(param_shardings(graph, mesh, shardings, stages=S, virtual=v,
-                                             stage_axis=stage_axis))
-
-    def value_and_grad(params: Any, batch: Any) -> tuple[Any, Any]:
-        leaves, tree = jax.tree.flatten(to_pipelined(graph, params, stages=S, virtual=v))
-        leaves = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(leaves, placed)]
-        loss, grads = run(jax.tree.unflatten(tree, leaves), batch)
-        return loss, from_pipelined(graph, grads, stages=S, virtual=v)
-
-    return value_and_grad
+        return value_and_grad
 
 
 # --------------------------------------------------------------------------------------------
@@ -783,8 +635,8 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
 
     Returns:
       The function. It takes the parameters in the pipelined layout (`to_pipelined`; place
-      them with `param_shardings`) and the batch, and returns the loss and the gradients in the
-      pipelined layout.
+      them with `pipelined_layout_shardings`) and the batch, and returns the loss and the
+      gradients in the pipelined layout.
 
     Raises:
       PlanError: the graph has no layer scan (or one that cannot be pipelined, module doc),
@@ -794,7 +646,7 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
     """
     if recompute not in RECOMPUTE_POLICIES:
         raise PlanError(f"recompute={recompute!r}: expected one of {RECOMPUTE_POLICIES}")
-    _check_mesh(mesh, stages, stage_axis)
+    check_stage_axis(mesh, stages, stage_axis)
     check_pipelinable(graph, stages=stages, microbatches=microbatches, virtual=virtual,
                       schedule=schedule)
     outer = _cut(graph.at_batch_size(graph.batch_size // microbatches))
@@ -803,23 +655,6 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
     pipe = _Pipeline(outer, cut, groups, mesh, stage_axis, stages, virtual, microbatches, rows,
                      recompute)
     return pipe.value_and_grad
-
-
-def check_pipelinable(graph: OpGraph, *, stages: int, microbatches: int, virtual: int = 1,
-                      schedule: str = "1f1b") -> None:
-    """PlanError unless `pipelined_value_and_grad` can run `graph` with these numbers: one
-    layer scan (module doc), its layers dividing into ``S v`` chunks, the batch into M
-    microbatches, no random bits drawn, and a schedule the numbers make a pipeline of."""
-    check_pipeline(schedule, stages, microbatches, virtual)
-    if (random := random_operator(graph)) is not None:
-        raise PlanError(f"graph {graph.name!r}: operator {random!r} draws random bits "
-                        f"(dropout); pipelined microbatches would draw other masks than the "
-                        f"whole batch does; pipeline a model without dropout")
-    scan, _ = _layer_scan(graph)
-    _check_chunks(graph, len(scan.steps), stages, virtual)
-    if graph.batch_size % microbatches:
-        raise PlanError(f"graph {graph.name!r}: its batch of {graph.batch_size} does not "
-                        f"divide into {microbatches} microbatches")
 
 
 def _split(x: Any, m: int) -> Any:

@@ -8,21 +8,25 @@ dim are dropped, since jit's in and out shardings need even shards. The pytrees 
 the structure of the given parameters and batch, or of their leaf paths when those are nested
 dict keys. `soapjax.apply` re-exports the public names.
 
-A pipelined strategy (`Strategy.pipelined`) runs on the mesh `soapjax._pipelined.pipelined_mesh`
-makes of the given one (the outermost axis cut into ``stage`` and what is left of it): its
-shardings are over that mesh, in the model's layout, the specs those of one stage's mesh, and
-every stacked layer parameter ``[L, ...]`` is split over ``stage`` on its layer dim, so stage
-``s`` holds layers ``s L / S`` to ``(s + 1) L / S - 1`` (with virtual stages its chunks are
-others: the step moves them, see `soapjax.apply.sharded_train_step`). Example, the tiny GPT's
-stacked ``fc1`` kernel ``[2, 32, 128]`` under Megatron with tp=2, pp=2 on ``node=2, data=2,
-model=2``: ``P('stage', None, 'model')`` on ``stage=2, data=2, model=2``.
+What differs between a strategy with pipeline stages and one without is its `StepProgram`,
+chosen here once per checked strategy (`step_program`): the mesh the step runs on, the mesh its
+configs are over, what its layout adds to the parameters' shardings, and how it computes loss
+and gradients. A pipelined strategy (`soapjax._pipelined.PipelinedStep`) runs on the mesh
+`soapjax._pipeline_layout.pipelined_mesh` makes of the given one (the outermost axis cut into
+``stage`` and what is left of it): its shardings are over that mesh, in the model's layout, the
+specs those of one stage's mesh, and every stacked layer parameter ``[L, ...]`` is split over
+``stage`` on its layer dim, so stage ``s`` holds layers ``s L / S`` to ``(s + 1) L / S - 1``
+(with virtual stages its chunks are others: the step moves them, see
+`soapjax.apply.sharded_train_step`). Example, the tiny GPT's stacked ``fc1`` kernel ``[2, 32,
+128]`` under Megatron with tp=2, pp=2 on ``node=2, data=2, model=2``: ``P('stage', None,
+'model')`` on ``stage=2, data=2, model=2``.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import numpy as np
@@ -30,7 +34,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from soapjax import space
-from soapjax._pipelined import STAGE_AXIS, pipelined_mesh, stacked_params, stage_mesh_shape
+from soapjax._flatstep import FlatStep
+from soapjax._pipelined import PipelinedStep
 from soapjax._validation import Checked, check_strategy, validate_leaves
 from soapjax.errors import PlanError
 from soapjax.graph import LeafInfo, OpGraph
@@ -44,6 +49,43 @@ def checked(graph: OpGraph, strategy: Any, mesh: Mesh,
     if isinstance(strategy, Checked) and strategy.holds(graph, mesh):
         return strategy
     return check_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)
+
+
+class StepProgram(Protocol):
+    """How the training step of a checked strategy runs: the one interface of the step without
+    pipeline stages (`soapjax._flatstep.FlatStep`) and the pipelined one
+    (`soapjax._pipelined.PipelinedStep`). `step_program` picks one; the shardings here and
+    `soapjax.apply.sharded_train_step` read what differs from it, so another kind of step (a
+    new dimension of parallelism) is another implementation, not another branch.
+
+    Attributes:
+      mesh: the mesh the step runs on; the shardings of its inputs and outputs are on it.
+      config_mesh: the mesh the strategy's configs are over, the parameters' and the batch's
+        specs with them (`soapjax.space.param_specs`, `soapjax.space.batch_specs`).
+    """
+
+    mesh: Mesh
+    config_mesh: MeshShape
+
+    def param_layout(self, shardings: list[NamedSharding]) -> list[NamedSharding]:
+        """The parameters' shardings (``graph.params`` order, on `mesh`) from those of their
+        specs: what the step's own layout adds (a pipeline: the stacked layer parameters split
+        over its stage axis on their layer dim)."""
+        ...
+
+    def value_and_grad(self, param_shardings: Any, batch_shardings: Any, *,
+                       allow_spatial_convolutions: bool = False
+                       ) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
+        """``(params, batch, step) -> (loss, grads)``, to call inside ``jax.jit``: parameters
+        and gradients in the model's layout, placed by `param_shardings` (pytrees like the
+        parameters and the batch); ``step``, the training step's number, advances the PRNG
+        keys drawn from constants (`soapjax._flatstep.step_keys`)."""
+        ...
+
+
+def step_program(check: Checked) -> StepProgram:
+    """The step program of a checked strategy: pipelined (`Strategy.pipelined`) or not."""
+    return PipelinedStep(check) if check.strategy.pipelined else FlatStep(check)
 
 
 class TrainShardings(NamedTuple):
@@ -84,17 +126,8 @@ def param_shardings(graph: OpGraph, strategy: Any, mesh: Mesh, *, params: Any = 
       PlanError: see `validate_strategy`; parameters that differ from the traced ones, or none
         given for a pytree that is not nested dicts.
     """
-    strategy = checked(graph, strategy, mesh, mesh_shape).strategy
-    if not strategy.pipelined:
-        specs = space.param_specs(graph, strategy, MeshShape.of(mesh))  # the simulator's
-        return _unflatten(graph.params, _fitted(graph.params, specs, mesh), params, "params")
-    run_on = pipelined_mesh(mesh, strategy.stages)
-    specs = space.param_specs(graph, strategy, stage_mesh_shape(MeshShape.of(mesh),
-                                                                strategy.stages))
-    out = _fitted(graph.params, specs, run_on)
-    for k in stacked_params(graph):  # the layer dim, unsplit in one stage's specs
-        out[k] = NamedSharding(run_on, PartitionSpec(STAGE_AXIS, *out[k].spec[1:]))
-    return _unflatten(graph.params, out, params, "params")
+    check = checked(graph, strategy, mesh, mesh_shape)
+    return _param_shardings(step_program(check), check, params)
 
 
 def batch_shardings(graph: OpGraph, strategy: Any, mesh: Mesh, *, batch: Any = None,
@@ -109,10 +142,8 @@ def batch_shardings(graph: OpGraph, strategy: Any, mesh: Mesh, *, batch: Any = N
         nested dicts with string keys.
       mesh_shape: the mesh the strategy was planned for, when known.
     """
-    strategy = checked(graph, strategy, mesh, mesh_shape).strategy
-    specs = space.batch_specs(graph, strategy)
-    return _unflatten(graph.batch, _fitted(graph.batch, specs, _run_on(strategy, mesh)), batch,
-                      "batch")
+    check = checked(graph, strategy, mesh, mesh_shape)
+    return _batch_shardings(step_program(check), check, batch)
 
 
 def opt_state_shardings(optimizer: optax.GradientTransformation, params: Any,
@@ -155,21 +186,30 @@ def train_shardings(graph: OpGraph, strategy: Any, mesh: Mesh,
                     batch: Any = None, mesh_shape: MeshShape | None = None) -> TrainShardings:
     """The shardings of parameters, optimizer state, batch and loss (see the functions above)."""
     check = checked(graph, strategy, mesh, mesh_shape)
-    strategy = check.strategy
-    ps = param_shardings(graph, check, mesh, params=params)
-    bs = batch_shardings(graph, check, mesh, batch=batch)
+    program = step_program(check)
+    ps = _param_shardings(program, check, params)
+    bs = _batch_shardings(program, check, batch)
     abstract = params if params is not None else jax.tree.unflatten(
-        jax.tree.structure(ps), [jax.ShapeDtypeStruct(l.shape, l.dtype) for l in graph.params])
+        jax.tree.structure(ps),
+        [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in graph.params])
     os = opt_state_shardings(optimizer, abstract, ps)
-    return TrainShardings(ps, os, bs, NamedSharding(_run_on(strategy, mesh), PartitionSpec()))
+    return TrainShardings(ps, os, bs, NamedSharding(program.mesh, PartitionSpec()))
 
 
 # --- helpers ------------------------------------------------------------------------------------
 
 
-def _run_on(strategy: space.Strategy, mesh: Mesh) -> Mesh:
-    """The mesh the strategy runs on: `mesh`, or for a pipelined one its pipelined mesh."""
-    return pipelined_mesh(mesh, strategy.stages) if strategy.pipelined else mesh
+def _param_shardings(program: StepProgram, check: Checked, params: Any) -> Any:
+    graph = check.graph
+    specs = space.param_specs(graph, check.strategy, program.config_mesh)  # the simulator's
+    out = program.param_layout(_fitted(graph.params, specs, program.mesh))
+    return _unflatten(graph.params, out, params, "params")
+
+
+def _batch_shardings(program: StepProgram, check: Checked, batch: Any) -> Any:
+    graph = check.graph
+    specs = space.batch_specs(graph, check.strategy)
+    return _unflatten(graph.batch, _fitted(graph.batch, specs, program.mesh), batch, "batch")
 
 
 _DICT_PATH = re.compile(r"(?:\['[^'\\]*'\])+")

@@ -11,18 +11,18 @@ wrongly (see `soapjax.apply.constrained_loss`). `soapjax.apply` re-exports the p
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from soapjax._pipelined import STAGE_AXIS, check_pipelinable, stage_mesh_shape
+from soapjax._pipeline_layout import STAGE_AXIS, check_pipelinable, stage_mesh_shape
 from soapjax.errors import PlanError
 from soapjax.graph import LeafInfo, OpGraph
 from soapjax.memory import check_microbatches
-from soapjax.space import Config, MeshShape, Strategy, spatial_convolution
+from soapjax.space import MeshShape, Strategy, spatial_convolution
 
 
 class Checked(NamedTuple):
@@ -64,7 +64,7 @@ def validate_strategy(graph: OpGraph, strategy: Any, mesh: Mesh, *,
     """Checks that `strategy` fits `graph` and `mesh`; returns it as a `Strategy`.
 
     A pipelined strategy (`Strategy.pipelined`) is planned for the whole mesh, its configs
-    for one stage's (`soapjax._pipelined.stage_mesh_shape`: the outermost axis cut
+    for one stage's (`soapjax._pipeline_layout.stage_mesh_shape`: the outermost axis cut
     ``strategy.stages`` ways), and the graph must be one `soapjax._pipelined` can run.
 
     Args:
@@ -84,7 +84,7 @@ def validate_strategy(graph: OpGraph, strategy: Any, mesh: Mesh, *,
         not match the graph's operators (count, rank, unknown mesh axes, degrees that do not
         divide a dim); microbatches that do not divide an operator's per-device batch; for a
         pipelined strategy, stages that do not divide the outermost axis or a graph that
-        cannot be pipelined (`soapjax._pipelined.check_pipelinable`).
+        cannot be pipelined (`soapjax._pipeline_layout.check_pipelinable`).
     """
     strategy, planned = _unwrap(strategy, graph)
     actual = _validate_mesh(mesh, mesh_shape or planned)
@@ -209,7 +209,7 @@ def _fmt_mesh(m: MeshShape) -> str:
 
 
 def validate_program_inputs(graph: OpGraph) -> None:
-    want = [l.value for l in graph.params] + [l.value for l in graph.batch]
+    want = [leaf.value for leaf in (*graph.params, *graph.batch)]
     if list(graph.program.inputs) != want:
         raise PlanError(f"graph {graph.name!r} was traced with arguments other than "
                         "(params, batch); apply needs trace(loss_fn, params, batch)")

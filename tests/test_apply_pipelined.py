@@ -24,7 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 import soapjax_zoo
 from soapjax import training
-from soapjax._pipelined import batch_axes, ticks
+from soapjax._pipeline_layout import batch_axes
+from soapjax._pipelined import ticks
 from soapjax.apply import constrained_loss, device_put_global, sharded_train_step
 from soapjax.baselines import megatron_3d
 from soapjax.cost import cost_model

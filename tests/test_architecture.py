@@ -31,7 +31,8 @@ STAGES: tuple[tuple[str, ...], ...] = (
      "cost", "_hlo_flops", "hlo", "_reshard_ideal", "_reshard_worker", "reshard"),  # prices
     ("_taskgraph", "_simresult", "_flatsim", "pipesim", "simulate"),  # strategy -> timeline
     ("search",),  # MCMC -> best plan
-    ("_validation", "_shardings", "_pipelined", "apply"),  # plan -> sharded, jitted step
+    ("_pipeline_layout", "_validation", "_flatstep", "_pipelined", "_shardings",
+     "apply"),  # plan -> sharded, jitted step
     ("training", "check"),  # the training helper; a plan against the devices
     ("report", "plot"),  # text, HTML and pictures
     ("cli", "__init__"),  # the command line; the public surface
@@ -120,7 +121,8 @@ def test_every_module_has_a_test_file():
              "_timing": "cost", "_reshard_ideal": "reshard", "_reshard_worker": "reshard",
              "_taskgraph": "simulate", "_simresult": "simulate", "_strategy_file": "simulate",
                  "_flatsim": "simulate",
-             "_validation": "apply", "_shardings": "apply", "_hlo_text": "hlo", "_hlo_flops": "hlo",
+             "_validation": "apply", "_shardings": "apply", "_flatstep": "apply",
+             "_hlo_text": "hlo", "_hlo_flops": "hlo",
              "errors": "cli", "__init__": "notebook"}
     missing = [m for m in _modules() if owner.get(m, m) not in covered]
     assert not missing, f"no tests/test_<module>.py for {missing}"
@@ -290,7 +292,8 @@ def test_fixed_choices_have_one_table(choice):
 
 # The modules that may ask whether a strategy is pipelined: the simulator's and apply's.
 PIPELINE_AWARE = {"_flatsim", "pipesim", "simulate",  # the simulator
-                  "_validation", "_shardings", "_pipelined", "apply"}  # apply
+                  "_pipeline_layout", "_validation", "_flatstep", "_pipelined", "_shardings",
+                  "apply"}  # apply
 
 
 def test_only_the_simulator_and_apply_branch_on_pipeline_stages():
