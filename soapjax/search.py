@@ -41,8 +41,8 @@ instead of a config. Megatron's grid (`baselines.megatron_grid`) is scored and i
 is a chain's start, so a plan is never slower than the grid.
 
 **Pipeline stages.** With ``SearchSettings(pipelines=True)`` (`soapjax plan --pipelines`), or
-by default when no plan without stages fits in memory, for each stage count S that divides the layers and the outermost mesh axis
-(`stage_choices`) and 1 or 2 virtual stages, Megatron's grid at that pipeline is scored with
+by default when no plan without stages fits in memory, for each stage count S that divides
+the layers and the outermost mesh axis (`stage_choices`) and 1 or 2 virtual stages, Megatron's grid at that pipeline is scored with
 `soapjax.pipesim.PipelinedSimulation` and a chain (configs, recompute, microbatches, over one
 stage's devices) starts from its best point; the best plan over all chains, pipelined or
 not, is returned. S and v are chosen among chains, not by moves within one; stage boundaries
@@ -54,28 +54,34 @@ The command line (`soapjax plan`), the training helper (`shard_training(strategy
 `SearchSettings()`, ``costs="auto"`` (measured where the topology's devices are attached,
 else the analytic roofline), and the ideal resharding model (`soapjax.reshard.DEFAULT_MODE`;
 `find_plan` says why).
+
+One chain, its moves and its acceptance rule, is `soapjax._chain` (with `SearchSettings`,
+re-exported here); this module runs the chains within the budget and plans.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import sys
 import time
-from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import jax
-import numpy as np
 
 from soapjax._arguments import check_graph, check_settings, check_topology
+from soapjax._chain import (
+    Progress,
+    SearchSettings,
+    _Searcher,
+    _tie_blocks,
+    random_strategy,
+)
 from soapjax.baselines import baselines as make_baselines, megatron_grid
 from soapjax.cost import CostModel
 from soapjax.cost import cost_model as make_cost_model
-from soapjax.errors import PlanError, SettingsError
+from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
-from soapjax.memory import microbatch_choices, microbatch_error
 from soapjax.pipeline import pipeline_error
 from soapjax.pipesim import layer_chunks
 from soapjax.plan import Plan
@@ -88,84 +94,18 @@ from soapjax.simulate import (
     simulate,
 )
 from soapjax.space import (
-    RECOMPUTE_POLICIES,
     Config,
     MeshShape,
     SpaceLimits,
     Strategy,
     configs,
     data_parallel,
-    spatial_convolution,
     within_limits,
 )
 
 __all__ = ["PIPELINE_GRID", "Progress", "SearchResult", "SearchSettings", "exhaustive", "find_plan",
            "improving_change", "make_simulation", "print_progress", "random_strategy", "search",
            "stage_choices"]
-
-Progress = Callable[[str], None]
-
-
-@dataclasses.dataclass(frozen=True)
-class SearchSettings:
-    """How to search.
-
-    Attributes:
-      budget_s: wall-clock budget of the whole search, from its start: scoring the starts,
-        measuring shard programs (until 80% of it; estimated after: see
-        `soapjax.cost.CostModel.measure_until`), Megatron's grids and every chain (20 s:
-        ``make plan`` of GPT-2 small on a DGX H100 searches 18 s).
-      max_proposals: proposals per chain; when set, the budget is ignored (reproducible).
-      seed: the random seed.
-      num_random: random strategies added to the initial candidates.
-      temperature: the relative slowdown accepted with probability 1/2 (see module doc).
-      limits: restrictions of the SOAP space (e.g. no R splits, as in FlexFlow).
-      simulation: ``"delta"`` (default) or ``"full"``: how each proposal is simulated (see
-        the module doc; the same chain either way, only slower in full).
-      pipelines: search plans with pipeline stages too (`soapjax.pipeline`), for graphs with
-        repeated layers: for each stage count S that divides the layers and the outermost
-        mesh axis, Megatron's grid at pp=S (TP 4 or 8, interleave 1 or 2) is scored with
-        `soapjax.pipesim.PipelinedSimulation` and a chain starts from its best point. True:
-        always; False: never; None (default): only when no plan without stages fits in
-        memory (a model too large for its cluster gets a pipelined plan instead of an error,
-        and every other search is unchanged).
-    """
-
-    budget_s: float = 20.0
-    max_proposals: int | None = None
-    seed: int = 0
-    num_random: int = 1
-    temperature: float = 0.02
-    limits: SpaceLimits = SpaceLimits()
-    simulation: Literal["delta", "full"] = "delta"
-    pipelines: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.pipelines not in (None, True, False):
-            raise SettingsError(f"SearchSettings.pipelines must be True, False or None (only "
-                                f"when nothing fits without stages), got {self.pipelines!r}")
-        if self.simulation not in ("delta", "full"):
-            raise SettingsError(f"SearchSettings.simulation must be 'delta' or 'full', got "
-                                f"{self.simulation!r}")
-        _check_number("budget_s", self.budget_s, 0.0, "a number of seconds >= 0")
-        if self.max_proposals is not None:
-            _check_number("max_proposals", self.max_proposals, 1, "None or an integer >= 1")
-        _check_number("seed", self.seed, 0, "an integer >= 0")
-        _check_number("num_random", self.num_random, 0, "an integer >= 0")
-        _check_number("temperature", self.temperature, math.ulp(0.0), "a number > 0")
-
-    def to_json(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["limits"] = dataclasses.asdict(self.limits)
-        return d
-
-
-def _check_number(name: str, value: object, low: float, expected: str) -> None:
-    """SettingsError unless `value` is a finite number >= `low` (an integer if `low` is)."""
-    kind = numbers.Integral if isinstance(low, int) else numbers.Real
-    if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) \
-            or value < low:
-        raise SettingsError(f"SearchSettings.{name} must be {expected}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,189 +134,6 @@ class SearchResult:
 
     def baseline_times(self) -> dict[str, float]:
         return {name: t for name, t, _ in self.baselines}
-
-
-def _cost(sim: Simulation) -> float:
-    t = sim.step_time()
-    cap = sim.topology.device.memory_bytes
-    over = sim.peak_memory_bytes() / cap - 1.0
-    return t if over <= 0 else t * (2.0 + 10.0 * over)
-
-
-def random_strategy(graph: OpGraph, mesh: MeshShape, rng: np.random.Generator,
-                    limits: SpaceLimits = SpaceLimits()) -> Strategy:
-    """A config for every operator drawn uniformly from its SOAP space (one per repeated
-    block position: every layer of a scan over layers gets the same)."""
-    return _tie_blocks(graph, Strategy(tuple(_pick(configs(op, mesh, limits), rng)
-                                             for op in graph.operators)))
-
-
-def _tie_blocks(graph: OpGraph, strategy: Strategy) -> Strategy:
-    """`strategy` with every layer of a repeated block given its first layer's config and
-    recomputation. Chains move a block's layers together (`_Searcher.tied`), so a start that
-    splits them differently (an expert strategy that reads one layer's operators by their
-    position) would stay untied wherever no proposal lands: a plan that a scan over layers,
-    whose stacked weights take one sharding, cannot apply."""
-    configs, recompute = list(strategy.configs), list(strategy.recompute)
-    for group in graph.repeated_blocks():
-        for j in group[1:]:
-            configs[j] = configs[group[0]]
-            if recompute:
-                recompute[j] = recompute[group[0]]
-    return dataclasses.replace(strategy, configs=tuple(configs), recompute=tuple(recompute))
-
-
-def _pick(choices, rng):
-    return choices[int(rng.integers(len(choices)))]
-
-
-def _changed(strategy: Strategy, members: list[int], config, policy: str | None) -> Strategy:
-    """`strategy` with operators `members` given `config` (if any) and `policy` (if any)."""
-    for j in members:
-        strategy = strategy.replace(j, config) if config is not None else strategy
-        strategy = strategy.with_recompute(j, policy) if policy else strategy
-    return strategy
-
-
-def _propose_all(sim: Simulation, members: list[int], config, policy: str | None = None) -> None:
-    """Delta-simulates every member taking `config` (None: its own) and recompute `policy`
-    (None: its own), as one pending proposal (`Simulation.propose_many`: one retiming pass)."""
-    sim.propose_many([(j, sim.choice(j)[0] if config is None else config, policy)
-                      for j in members])
-
-
-# How often a proposal changes a recompute policy (of one operator or one position of every
-# layer) or the number of microbatches instead of a config. A microbatch change re-simulates
-# the whole step (`Simulation.reset`), in delta and full simulation alike.
-RECOMPUTE_MOVES = 0.15
-MICROBATCH_MOVES = 0.03
-
-
-class _Searcher:
-    """One search: the simulation, the SOAP spaces, the chains."""
-
-    def __init__(self, sim: Simulation, settings: SearchSettings, progress: Progress | None):
-        self.sim = sim
-        self.settings = settings
-        self.progress = progress
-        self.rng = np.random.default_rng(settings.seed)
-        mesh = MeshShape.of(sim.topology)
-        self.spaces = [configs(op, mesh, settings.limits) for op in sim.graph.operators]
-        # Operators at the same position of every layer of a scan over layers move together:
-        # a 48-layer model costs the search what one layer costs.
-        self.tied = {i: g for g in sim.graph.repeated_blocks() for i in g}
-        self.movable = [i for i, s in enumerate(self.spaces)
-                        if len(s) > 1 and self.tied.get(i, [i])[0] == i]
-        self.recomputable = [i for i in range(len(self.spaces)) if self.tied.get(i, [i])[0] == i]
-        self.microbatches = microbatch_choices(sim.graph)
-        self.mesh = mesh
-        self.proposals = self.accepted = 0
-        self.best: tuple[float, Strategy, str] | None = None
-        self.t0 = time.perf_counter()
-        self.history: list[tuple[float, float]] = []
-        self._last_print = 0.0
-        self._t_best = 0.0  # when the current chain last improved, seconds after its start
-        self.check_convolutions = not settings.limits.allow_spatial and any(
-            "conv" in op.anchor for op in sim.graph.operators)
-
-    def record(self, name: str) -> None:
-        if not self.sim.fits_in_memory():
-            return
-        if self.check_convolutions and spatial_convolution(self.sim.graph, self.sim.strategy):
-            return  # apply refuses it (XLA computes it wrongly): never a plan
-        t = self.sim.step_time()
-        if self.best is None or t < self.best[0]:
-            self.best = (t, self.sim.strategy, name)
-            self.history.append((time.perf_counter() - self.t0, t))
-
-    def chain(self, name: str, start: Strategy, deadline: float) -> None:
-        """Metropolis-Hastings from `start` until the deadline or proposal budget.
-
-        A proposal is delta-simulated (`Simulation.propose_many`) or, with
-        ``SearchSettings(simulation="full")`` and for any change of the microbatch count,
-        fully simulated (`Simulation.propose_strategy`); `accept` or `reject` ends it."""
-        sim, rng, s = self.sim, self.rng, self.settings
-        sim.reset(start)
-        self.record(name)
-        if not self.movable and not self.recomputable:
-            return
-        current = _cost(sim)
-        beta = math.log(2.0) / (s.temperature * current)
-        self._t_best = 0.0
-        best_here, since_best, n = current, 0, 0
-        t_start = time.perf_counter()
-        while True:
-            if s.max_proposals is not None:
-                if n >= s.max_proposals or since_best >= max(1, s.max_proposals // 2):
-                    break
-            else:
-                now = time.perf_counter()
-                if now >= deadline or (now - t_start) - self._t_best >= (deadline - t_start) / 2:
-                    break
-            n += 1
-            self.proposals += 1
-            move = self._draw(sim.microbatches, lambda: sim.strategy)
-            if move is None:  # a config or microbatch count the current strategy cannot take
-                since_best += 1
-                continue
-            members, config, policy, m = move
-            if m is not None:
-                sim.propose_strategy(sim.strategy.with_microbatches(m))
-            elif s.simulation == "full":
-                sim.propose_strategy(_changed(sim.strategy, members, config, policy))
-            else:
-                _propose_all(sim, members, config, policy)
-            new = _cost(sim)
-            if new <= current or rng.random() < math.exp(beta * (current - new)):
-                sim.accept()
-                self.accepted += 1
-                current = new
-                if new < best_here:
-                    best_here, since_best = new, 0
-                    self._t_best = time.perf_counter() - t_start
-                    self.record(name)
-                else:
-                    since_best += 1
-            else:
-                sim.reject()
-                since_best += 1
-            self._report(name)
-
-    def _draw(self, m: int, current: Callable[[], Strategy]) -> tuple | None:
-        """A random move from the current strategy (`current()`, with `m` microbatches):
-        (members, config or None, policy or None, microbatches or None), or None when the
-        drawn change does not divide the batch."""
-        rng = self.rng
-        r = rng.random()
-        if r < MICROBATCH_MOVES and len(self.microbatches) > 1:
-            new = self.microbatches[int(rng.integers(len(self.microbatches)))]
-            ops = self.sim.graph.operators
-            if new == m or any(microbatch_error(op, c, self.mesh, new)
-                               for op, c in zip(ops, current().configs)):
-                return None
-            return [], None, None, new
-        if r < MICROBATCH_MOVES + RECOMPUTE_MOVES:
-            i = self.recomputable[int(rng.integers(len(self.recomputable)))]
-            return self.tied.get(i, [i]), None, _pick(RECOMPUTE_POLICIES, rng), None
-        if not self.movable:
-            return None
-        i = self.movable[int(rng.integers(len(self.movable)))]
-        config = _pick(self.spaces[i], rng)
-        if m > 1 and microbatch_error(self.sim.graph.operators[i], config, self.mesh, m):
-            return None
-        return self.tied.get(i, [i]), config, None, None
-
-    def _report(self, name: str, force: bool = False) -> None:
-        if self.progress is None:
-            return
-        now = time.perf_counter()
-        if not force and now - self._last_print < 0.5:
-            return
-        self._last_print = now
-        elapsed = now - self.t0
-        best = f"{self.best[0] * 1e3:.3f} ms" if self.best else "none fits yet"
-        self.progress(f"search: {elapsed:5.1f}s  chain {name:<14}  best {best}  "
-                      f"{self.proposals} proposals ({self.proposals / max(elapsed, 1e-9):,.0f}/s)")
 
 
 # Shares of a time budget (`SearchSettings.budget_s`, counted from the search's start):
@@ -494,7 +251,8 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
                         f"a topology with more devices or more memory per device{hint}")
     t, strategy, name = searcher.best
     return SearchResult(strategy=strategy, step_time_s=t, start=name,
-                        baselines=tuple((n, st, f) for n, st, f in scored if not n.startswith("random")),
+                        baselines=tuple((n, st, f) for n, st, f in scored
+                                        if not n.startswith("random")),
                         proposals=searcher.proposals, accepted=searcher.accepted,
                         search_time_s=time.perf_counter() - searcher.t0,
                         history=tuple(searcher.history))

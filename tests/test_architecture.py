@@ -30,7 +30,7 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("_hlo_text", "_timing", "devices", "links", "devicefit", "roofline", "updates", "flops",
      "cost", "_hlo_flops", "hlo", "_reshard_ideal", "_reshard_worker", "reshard"),  # prices
     ("_taskgraph", "_simresult", "_flatsim", "pipesim", "simulate"),  # strategy -> timeline
-    ("search",),  # MCMC -> best plan
+    ("_chain", "search"),  # MCMC -> best plan
     ("_pipeline_layout", "_validation", "_flatstep", "_pipelined", "_shardings",
      "apply"),  # plan -> sharded, jitted step
     ("training", "check"),  # the training helper; a plan against the devices
@@ -120,7 +120,7 @@ def test_every_module_has_a_test_file():
              "_topology_file": "topology", "_routing": "topology", "collectives": "topology",
              "_timing": "cost", "_reshard_ideal": "reshard", "_reshard_worker": "reshard",
              "_taskgraph": "simulate", "_simresult": "simulate", "_strategy_file": "simulate",
-                 "_flatsim": "simulate",
+                 "_flatsim": "simulate", "_chain": "search",
              "_validation": "apply", "_shardings": "apply", "_flatstep": "apply",
              "_hlo_text": "hlo", "_hlo_flops": "hlo",
              "errors": "cli", "__init__": "notebook"}
