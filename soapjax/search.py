@@ -42,8 +42,9 @@ is a chain's start, so a plan is never slower than the grid.
 
 **Pipeline stages.** With ``SearchSettings(pipelines=True)`` (`soapjax plan --pipelines`), or
 by default when no plan without stages fits in memory, for each stage count S that divides
-the layers and the outermost mesh axis (`stage_choices`) and 1 or 2 virtual stages, Megatron's grid at that pipeline is scored with
-`soapjax.pipesim.PipelinedSimulation` and a chain (configs, recompute, microbatches, over one
+the layers and the outermost mesh axis (`stage_choices`) and 1 or 2 virtual stages,
+Megatron's grid at that pipeline is scored (`soapjax.simulate.open_simulation`: a
+`soapjax.pipesim.PipelinedSimulation`) and a chain (configs, recompute, microbatches, over one
 stage's devices) starts from its best point; the best plan over all chains, pipelined or
 not, is returned. S and v are chosen among chains, not by moves within one; stage boundaries
 are equal layer counts.
