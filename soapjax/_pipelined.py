@@ -1,6 +1,12 @@
 """Pipeline parallelism as one SPMD program: the traced step cut at its layer scan, its chunks
 run on the ``stage`` mesh axis in a schedule's order, activations passed by `jax.lax.ppermute`.
 
+It stays one module past ~600 lines because its three parts (the program cut at its layer scan,
+the tick table with its buffer slots, the tick loop that runs them) are one program's pieces,
+used by nothing but each other: the loop reads the cut's values and the table's columns by
+position. What a pipeline decides before its step runs (the layer scan, the mesh, where the
+parameters live) is `soapjax._pipeline_layout`.
+
 The traced loss (`soapjax.graph.trace`) of a model whose layers are one scan over stacked
 parameters (``nn.scan``: the zoo's GPT and LLaMA) is cut in three (`soapjax._program.LayerScan`
 records what each unrolled layer reads): the *prologue* (the equations before the layers: the
@@ -291,19 +297,20 @@ def _batch_dims(outer: _Cut, cut: _Cut, count: int) -> tuple[int, ...] | None:
     """Per per-microbatch value, its sample dim: the one dim `count` times smaller in `cut`
     (traced at 1 / count of the samples) than in `outer`. None where a value has no such dim,
     or where the two cuts do not pair value for value (same dtypes, shared values' shapes)."""
-    po, pc = outer.program, cut.program
     if (len(outer.shared), len(outer.per_mb)) != (len(cut.shared), len(cut.per_mb)):
         return None
+    whole, share = outer.program.shapes, cut.program.shapes
+    dtypes_of_whole, dtypes_of_share = outer.program.jax_dtypes, cut.program.jax_dtypes
     pairs = list(zip(outer.shared + outer.per_mb, cut.shared + cut.per_mb))
-    if any(po.jax_dtypes[a] != pc.jax_dtypes[b] or len(po.shapes[a]) != len(pc.shapes[b])
+    if any(dtypes_of_whole[a] != dtypes_of_share[b] or len(whole[a]) != len(share[b])
            for a, b in pairs):
         return None
-    if any(tuple(po.shapes[a]) != tuple(pc.shapes[b]) for a, b in pairs[:len(outer.shared)]):
+    if any(tuple(whole[a]) != tuple(share[b]) for a, b in pairs[:len(outer.shared)]):
         return None
     dims = []
     for a, b in pairs[len(outer.shared):]:
-        differ = [d for d, (x, y) in enumerate(zip(po.shapes[a], pc.shapes[b])) if x != y]
-        if len(differ) != 1 or po.shapes[a][differ[0]] != count * pc.shapes[b][differ[0]]:
+        differ = [d for d, (x, y) in enumerate(zip(whole[a], share[b])) if x != y]
+        if len(differ) != 1 or whole[a][differ[0]] != count * share[b][differ[0]]:
             return None
         dims.append(differ[0])
     return tuple(dims)
@@ -435,18 +442,25 @@ def ticks(schedule: str, stages: int, microbatches: int,
 class _Slots(NamedTuple):
     """Buffer slots from the tick table, per tick and stage (arrays ``[ticks, stages]``).
 
-    A stage keeps a received activation (``x``) from the tick it arrives until its forward
-    (until its backward, with recomputation), a received gradient (``g``) until its backward,
-    and a forward's residuals (``r``, per kind: middle or last chunk) until its backward. Index
-    ``n`` of a receive buffer of ``n`` slots is scratch: stages that receive nothing at a tick
-    write there.
+    A stage keeps a received activation (its chunk's input) from the tick it arrives until its
+    forward (until its backward, with recomputation), a received cotangent (the gradient of its
+    chunk's output) until its backward, and a forward's residuals (per kind: middle or last
+    chunk) until its backward. Index ``n`` of a receive buffer of ``n`` slots is scratch:
+    stages that receive nothing at a tick write there.
+
+    Attributes:
+      activation_read, cotangent_read, residual: the slot the action at a tick reads (a
+        forward stores its residuals at `residual`, its backward reads them there).
+      activation_recv, cotangent_recv: the slot a value received at a tick goes to.
+      counts: slots per buffer: ``activations``, ``cotangents``, ``residuals`` (a middle
+        chunk's) and ``last_residuals`` (the last chunk's).
     """
 
-    x_read: np.ndarray
-    x_recv: np.ndarray
-    g_read: np.ndarray
-    g_recv: np.ndarray
-    r_slot: np.ndarray
+    activation_read: np.ndarray
+    activation_recv: np.ndarray
+    cotangent_read: np.ndarray
+    cotangent_recv: np.ndarray
+    residual: np.ndarray
     counts: dict[str, int]
 
 
@@ -454,42 +468,51 @@ def _slots(rows: Sequence[Sequence[Action | None]], stages: int, chunks: int,
            recompute: bool) -> _Slots:
     done = {a: t for t, row in enumerate(rows) for a in row if a is not None}
     shape = (len(rows), stages)
-    x_read, x_recv, g_read, g_recv, r_slot = (np.zeros(shape, np.int32) for _ in range(5))
+    activation_read, activation_recv, cotangent_read, cotangent_recv, residual = (
+        np.zeros(shape, np.int32) for _ in range(5))
+    # (buffer, stage) -> (the tick a value arrives, the tick it is read last, the action)
     spans: dict[tuple[str, int], list[tuple[int, int, Action]]] = {}
     for a, t in done.items():
-        s, m, c = a.chunk % stages, a.microbatch, a.chunk
-        if a.kind == "F" and c > 0:
-            end = done[Action("B", m, c)] if recompute else t
-            spans.setdefault(("x", s), []).append((done[Action("F", m, c - 1)], end, a))
-        if a.kind == "B" and c < chunks - 1:
-            spans.setdefault(("g", s), []).append((done[Action("B", m, c + 1)], t, a))
+        stage, mb, chunk = a.chunk % stages, a.microbatch, a.chunk
+        if a.kind == "F" and chunk > 0:
+            end = done[Action("B", mb, chunk)] if recompute else t
+            spans.setdefault(("activations", stage), []).append(
+                (done[Action("F", mb, chunk - 1)], end, a))
+        if a.kind == "B" and chunk < chunks - 1:
+            spans.setdefault(("cotangents", stage), []).append(
+                (done[Action("B", mb, chunk + 1)], t, a))
         if a.kind == "F" and not recompute:
-            kind = "rl" if c == chunks - 1 else "r"
-            spans.setdefault((kind, s), []).append((t, done[Action("B", m, c)], a))
-    counts = {k: 0 for k in ("x", "g", "r", "rl")}
+            buffer = "last_residuals" if chunk == chunks - 1 else "residuals"
+            spans.setdefault((buffer, stage), []).append((t, done[Action("B", mb, chunk)], a))
+    counts = {k: 0 for k in ("activations", "cotangents", "residuals", "last_residuals")}
     slot_of: dict[tuple[str, Action], int] = {}
-    for (kind, s), span in spans.items():
+    for (buffer, _), span in spans.items():
         free: list[int] = []  # per slot, the tick from which it is free
         for start, end, a in sorted(span):
             k = next((k for k, f in enumerate(free) if f <= start), len(free))
             free[k:k + 1] = [end]
-            slot_of[kind, a] = k
-        counts[kind] = max(counts[kind], len(free))
-    x_recv[:], g_recv[:] = counts["x"], counts["g"]  # scratch
+            slot_of[buffer, a] = k
+        counts[buffer] = max(counts[buffer], len(free))
+    activation_recv[:], cotangent_recv[:] = counts["activations"], counts["cotangents"]  # scratch
     for a, t in done.items():
-        s, m, c = a.chunk % stages, a.microbatch, a.chunk
-        if a.kind == "F" and c > 0:
-            x_read[t, s] = slot_of["x", a]
-            x_recv[done[Action("F", m, c - 1)], s] = slot_of["x", a]
-        if a.kind == "B" and c > 0 and recompute:
-            x_read[t, s] = slot_of["x", Action("F", m, c)]
-        if a.kind == "B" and c < chunks - 1:
-            g_read[t, s] = slot_of["g", a]
-            g_recv[done[Action("B", m, c + 1)], s] = slot_of["g", a]
+        stage, mb, chunk = a.chunk % stages, a.microbatch, a.chunk
+        if a.kind == "F" and chunk > 0:
+            activation_read[t, stage] = slot_of["activations", a]
+            activation_recv[done[Action("F", mb, chunk - 1)], stage] = slot_of["activations", a]
+        if a.kind == "B" and chunk > 0 and recompute:
+            activation_read[t, stage] = slot_of["activations", Action("F", mb, chunk)]
+        if a.kind == "B" and chunk < chunks - 1:
+            cotangent_read[t, stage] = slot_of["cotangents", a]
+            cotangent_recv[done[Action("B", mb, chunk + 1)], stage] = slot_of["cotangents", a]
         if not recompute:
-            kind = "rl" if c == chunks - 1 else "r"
-            r_slot[t, s] = slot_of[kind, Action("F", m, c)]
-    return _Slots(x_read, x_recv, g_read, g_recv, r_slot, counts)
+            buffer = "last_residuals" if chunk == chunks - 1 else "residuals"
+            residual[t, stage] = slot_of[buffer, Action("F", mb, chunk)]
+    return _Slots(activation_read, activation_recv, cotangent_read, cotangent_recv, residual,
+                  counts)
+
+
+# The columns of `_Tables.actions`: what the action a stage runs at a tick reads.
+_MICROBATCH, _LOCAL_CHUNK, _ACTIVATION_SLOT, _RESIDUAL_SLOT, _COTANGENT_SLOT = range(5)
 
 
 class _Tables(NamedTuple):
@@ -498,18 +521,20 @@ class _Tables(NamedTuple):
     Attributes:
       keys: the kinds of action (`_key`) the schedule runs, in branch order.
       kind: ``[T, S]``: which of `keys` each stage runs at each tick.
-      ints: ``[T, S, 5]``: its microbatch, local chunk, x slot, residual slot, g slot.
-      x_recv, g_recv: ``[T, S]``: the slot a received activation (gradient) goes to.
-      sends: per direction (activations, gradients), the distinct sets of ``(source,
+      actions: ``[T, S, 5]``: its microbatch, local chunk, activation slot, residual slot and
+        cotangent slot (the columns `_MICROBATCH` ... `_COTANGENT_SLOT`).
+      activation_recv, cotangent_recv: ``[T, S]``: the slot a received activation
+        (cotangent) goes to.
+      sends: per direction (activations, cotangents), the distinct sets of ``(source,
         target)`` stage pairs that send at one tick, and ``[T]``: which set sends at each tick
         (0: none; k: ``sets[k - 1]``).
     """
 
     keys: tuple[tuple, ...]
     kind: np.ndarray
-    ints: np.ndarray
-    x_recv: np.ndarray
-    g_recv: np.ndarray
+    actions: np.ndarray
+    activation_recv: np.ndarray
+    cotangent_recv: np.ndarray
     sends: tuple[tuple[tuple[tuple[tuple[int, int], ...], ...], np.ndarray], ...]
 
 
@@ -517,21 +542,25 @@ def _tables(rows: Sequence[Sequence[Action | None]], stages: int, chunks: int,
             slots: _Slots) -> _Tables:
     keys = tuple(sorted({_key(a, chunks) for row in rows for a in row}))
     kind = np.array([[keys.index(_key(a, chunks)) for a in row] for row in rows], np.int32)
-    ints = np.zeros((len(rows), stages, 5), np.int32)
+    actions = np.zeros((len(rows), stages, 5), np.int32)
     for t, row in enumerate(rows):
         for s, a in enumerate(row):
             if a is not None:
-                ints[t, s] = (a.microbatch, a.chunk // stages, slots.x_read[t, s],
-                              slots.r_slot[t, s], slots.g_read[t, s])
+                actions[t, s, _MICROBATCH] = a.microbatch
+                actions[t, s, _LOCAL_CHUNK] = a.chunk // stages
+                actions[t, s, _ACTIVATION_SLOT] = slots.activation_read[t, s]
+                actions[t, s, _RESIDUAL_SLOT] = slots.residual[t, s]
+                actions[t, s, _COTANGENT_SLOT] = slots.cotangent_read[t, s]
     sends = []
-    for kind_, step, keep in (("F", 1, lambda c: c < chunks - 1), ("B", -1, lambda c: c > 0)):
+    for direction, step, keep in (("F", 1, lambda c: c < chunks - 1), ("B", -1, lambda c: c > 0)):
         per_tick = [tuple((s, (s + step) % stages) for s, a in enumerate(row)
-                          if a is not None and a.kind == kind_ and keep(a.chunk))
+                          if a is not None and a.kind == direction and keep(a.chunk))
                     for row in rows]
         sets = tuple(sorted({p for p in per_tick if p}))
         sends.append((sets, np.array([sets.index(p) + 1 if p else 0 for p in per_tick],
                                      np.int32)))
-    return _Tables(keys, kind, ints, slots.x_recv, slots.g_recv, tuple(sends))
+    return _Tables(keys, kind, actions, slots.activation_recv, slots.cotangent_recv,
+                   tuple(sends))
 
 
 # --------------------------------------------------------------------------------------------
@@ -657,25 +686,29 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
     return pipe.value_and_grad
 
 
-def _split(x: Any, m: int) -> Any:
+def _split(x: Any, microbatches: int) -> Any:
     """``[B, ...] -> [M, B / M, ...]``, microbatch k holding samples k, k + M, ..."""
+    m = microbatches
     return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
 
 
-def _at(x: Any, i: Any) -> Any:
-    return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+def _row(buffer: Any, i: Any) -> Any:
+    """``buffer[i]``, `i` traced."""
+    return jax.lax.dynamic_index_in_dim(buffer, i, 0, keepdims=False)
 
 
-def _put(x: Any, i: Any, value: Any) -> Any:
-    return jax.lax.dynamic_update_index_in_dim(x, value.astype(x.dtype), i, 0)
+def _with_row(buffer: Any, i: Any, value: Any) -> Any:
+    """`buffer` with ``buffer[i] = value`` (in the buffer's dtype), `i` traced."""
+    return jax.lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), i, 0)
 
 
-def _add(x: Any, i: Any, value: Any) -> Any:
-    return _put(x, i, _at(x, i) + value)
+def _add_to_row(buffer: Any, i: Any, value: Any) -> Any:
+    """`buffer` with ``buffer[i] += value``, `i` traced."""
+    return _with_row(buffer, i, _row(buffer, i) + value)
 
 
-class _Kind(NamedTuple):
-    """A chunk function, ``(chunk params, floats, others, x) -> y`` (middle chunks) or
+class _ChunkFn(NamedTuple):
+    """A chunk function, ``(chunk params, floats, others, carry) -> carry`` (middle chunks) or
     ``-> loss`` (the last, with the epilogue), and the ids of the values it reads: floats
     (differentiated) and others."""
 
@@ -699,33 +732,34 @@ class _Pipeline:
     at a microbatch's size (the prologue's), `cut` at one data group's share of it (the
     stages')."""
 
-    def __init__(self, outer: _Cut, cut: _Cut, groups: _Groups, mesh: Mesh, axis: str,
+    def __init__(self, outer: _Cut, cut: _Cut, groups: _Groups, mesh: Mesh, stage_axis: str,
                  stages: int, virtual: int, microbatches: int,
                  rows: Sequence[Sequence[Action | None]], recompute: RecomputePolicy):
         self.outer, self.cut, self.groups = outer, cut, groups
-        self.mesh, self.axis = mesh, axis
-        self.S, self.M, self.C = stages, microbatches, stages * virtual
-        self.rows, self.recompute = rows, recompute == "full"
+        self.mesh, self.stage_axis = mesh, stage_axis
+        self.stages, self.microbatches, self.chunks = stages, microbatches, stages * virtual
+        self.rows = rows
+        self.full_recompute = recompute == "full"  # keep chunk inputs, not residuals
         self.selective = recompute == "selective"
-        self.slots = _slots(rows, stages, self.C, self.recompute)
-        self.tables = _tables(rows, stages, self.C, self.slots)
-        prog = cut.program
-        self.is_float = {v: bool(jnp.issubdtype(prog.jax_dtypes[v], jnp.inexact))
+        self.slots = _slots(rows, stages, self.chunks, self.full_recompute)
+        self.tables = _tables(rows, stages, self.chunks, self.slots)
+        program = cut.program
+        self.is_float = {v: bool(jnp.issubdtype(program.jax_dtypes[v], jnp.inexact))
                          for v in cut.shared + cut.per_mb}
         self.where = {v: ("shared", k) for k, v in enumerate(cut.shared)}
         self.where.update({v: ("mb", k) for k, v in enumerate(cut.per_mb)})
-        self.carry = tuple(cut.per_mb.index(v) for v in cut.scan.carries[0])
-        self.loss_dtype = prog.jax_dtypes[prog.outputs[0]]
-        self.kinds = {last: self._kind(last) for last in (False, True)}
+        self.carry_positions = tuple(cut.per_mb.index(v) for v in cut.scan.carries[0])
+        self.loss_dtype = program.jax_dtypes[program.outputs[0]]
+        self.chunk_fns = {last: self._make_chunk_fn(last) for last in (False, True)}
 
-    def _kind(self, last: bool) -> _Kind:
+    def _make_chunk_fn(self, last: bool) -> _ChunkFn:
+        """The function of a middle chunk, or with `last` of the last one."""
         reads = set(self.cut.layer_reads) | (set(self.cut.epilogue_reads) if last else set())
-        floats = tuple(v for v in self.cut.shared + self.cut.per_mb
-                       if v in reads and self.is_float[v])
-        others = tuple(v for v in self.cut.shared + self.cut.per_mb
-                       if v in reads and not self.is_float[v])
+        values = self.cut.shared + self.cut.per_mb
+        floats = tuple(v for v in values if v in reads and self.is_float[v])
+        others = tuple(v for v in values if v in reads and not self.is_float[v])
         fn = _chunk_fn(self.cut, last, floats + others, self.selective)
-        return _Kind(lambda p, f, o, x: fn(p, list(f) + list(o), x), floats, others)
+        return _ChunkFn(lambda p, f, o, carry: fn(p, [*f, *o], carry), floats, others)
 
     # ---- outside the pipeline: prologue, split and gather
 
@@ -734,35 +768,42 @@ class _Pipeline:
         leaves, tree = jax.tree.flatten(params)
         stacked = [leaves[k] for k in cut.stacked]
         other = [x for k, x in enumerate(leaves) if k not in cut.stacked]
-        micro = [_split(x, self.M) for x in jax.tree.leaves(batch)]
+        micro = [_split(x, self.microbatches) for x in jax.tree.leaves(batch)]
         prologue = _prologue_fn(self.outer)
-        fl = [self.is_float[v] for v in cut.shared], [self.is_float[v] for v in cut.per_mb]
 
-        def split(vals: list, floats: list) -> tuple[list, list]:
-            return ([x for x, f in zip(vals, floats) if f],
-                    [x for x, f in zip(vals, floats) if not f])
+        def by_kind(values: list, is_float: list[bool]) -> tuple[list, list]:
+            return ([x for x, f in zip(values, is_float) if f],
+                    [x for x, f in zip(values, is_float) if not f])
 
-        def pro(other_params: list) -> tuple:
-            shared, mb = jax.vmap(prologue, in_axes=(None, 0), out_axes=(None, 0))(
+        def run_prologue(other_params: list) -> tuple:
+            shared, per_mb = jax.vmap(prologue, in_axes=(None, 0), out_axes=(None, 0))(
                 other_params, micro)
-            (sf, sn), (mf, mn) = split(shared, fl[0]), split(mb, fl[1])
-            return (sf, mf), (sn, mn)
+            shared_floats, shared_others = by_kind(shared, self._floats("shared"))
+            mb_floats, mb_others = by_kind(per_mb, self._floats("mb"))
+            return (shared_floats, mb_floats), (shared_others, mb_others)
 
-        (sf, mf), pro_vjp, (sn, mn) = jax.vjp(pro, other, has_aux=True)
-        loss, grads, d_sf, d_mf = self._map()(stacked, sf, sn, mf, mn)
-        (d_other,) = pro_vjp(([x.sum(0) for x in d_sf], [x.sum(0) for x in d_mf]))
+        (shared_floats, mb_floats), prologue_vjp, (shared_others, mb_others) = jax.vjp(
+            run_prologue, other, has_aux=True)
+        loss, grads, d_shared, d_mb = self._shard_map()(
+            stacked, shared_floats, shared_others, mb_floats, mb_others)
+        (d_other,) = prologue_vjp(([x.sum(0) for x in d_shared], [x.sum(0) for x in d_mb]))
         by_position, rest = dict(zip(cut.stacked, grads)), iter(d_other)
         out = [by_position[k] if k in by_position else next(rest) for k in range(len(leaves))]
         return loss.sum(), jax.tree.unflatten(tree, out)
 
-    def _map(self) -> Callable:
-        ax = self.axis
-        mf, mn = self._mb_specs((None,))
-        d_mf, _ = self._mb_specs((ax, None))
+    def _shard_map(self) -> Callable:
+        """`_stage_program` manual over the stage axis and the data groups' axes: per stage,
+        its loss, its chunks' parameter gradients and the cotangents of what the prologue
+        handed it (shared, per microbatch)."""
+        axis = self.stage_axis
+        mb_floats, mb_others = self._mb_specs((None,))
+        d_mb, _ = self._mb_specs((axis, None))
         return jax.shard_map(
-            self._body, mesh=self.mesh, axis_names={ax, *self.groups.axes},
-            in_specs=(PartitionSpec(None, ax), PartitionSpec(), PartitionSpec(), mf, mn),
-            out_specs=(PartitionSpec(ax), PartitionSpec(None, ax), PartitionSpec(ax), d_mf),
+            self._stage_program, mesh=self.mesh, axis_names={axis, *self.groups.axes},
+            in_specs=(PartitionSpec(None, axis), PartitionSpec(), PartitionSpec(), mb_floats,
+                      mb_others),
+            out_specs=(PartitionSpec(axis), PartitionSpec(None, axis), PartitionSpec(axis),
+                       d_mb),
             # The program's equations are bound as traced, literals and all, which the
             # varying-axes check refuses ("div requires varying manual axes to match").
             check_vma=False)
@@ -772,25 +813,26 @@ class _Pipeline:
         dims): their samples split over the data axes, so each data group gets its own."""
         data = self.groups.axes or None
         shapes = [self.cut.program.shapes[v] for v in self.cut.per_mb]
-        specs = [PartitionSpec(*lead, *(data if k == d else None for k in range(len(shape))))
-                 for shape, d in zip(shapes, self.groups.batch_dims)]
+        specs = [PartitionSpec(*lead, *(data if k == dim else None for k in range(len(shape))))
+                 for shape, dim in zip(shapes, self.groups.batch_dims)]
         floats = self._floats("mb")
         return ([s for s, f in zip(specs, floats) if f],
                 [s for s, f in zip(specs, floats) if not f])
 
     # ---- inside: one stage's program
 
-    def _body(self, stacked, sf, sn, mf, mn):
-        # What one stage holds, kept on self while the body is traced (the branches read it).
+    def _stage_program(self, stacked: list, shared_floats: list, shared_others: list,
+                       mb_floats: list, mb_others: list) -> tuple:
+        # What one stage holds, kept on self while the program is traced (the branches read it).
         self.stacked = [x[:, 0] for x in stacked]  # [v, L / C, ...]: this stage's
-        self.values = {"shared": _merge(sf, sn, self._floats("shared")),
-                       "mb": _merge(mf, mn, self._floats("mb"))}
-        self.stage = jax.lax.axis_index(self.axis)
-        self.residuals = ({} if self.recompute else
-                          {last: self._probe(k) for last, k in self.kinds.items()})
-        state = self._initial_state(sf, mf)
+        self.values = {"shared": _merge(shared_floats, shared_others, self._floats("shared")),
+                       "mb": _merge(mb_floats, mb_others, self._floats("mb"))}
+        self.stage = jax.lax.axis_index(self.stage_axis)
+        self.residuals = ({} if self.full_recompute else
+                          {last: self._probe(chunk) for last, chunk in self.chunk_fns.items()})
+        state = self._initial_state(shared_floats, mb_floats)
         state = jax.lax.fori_loop(0, len(self.rows), self._tick, state)
-        loss, grads, d_shared = state["loss"], state["grads"], state["d_shared"]
+        loss, grads, d_shared = state["loss"], state["param_grads"], state["d_shared"]
         if self.groups.axes:  # each data group's share, summed once per step (module doc)
             loss, grads, d_shared = jax.lax.psum((loss, grads, d_shared), self.groups.axes)
         return (loss[None], [g[:, None] for g in grads], [x[None] for x in d_shared],
@@ -800,88 +842,96 @@ class _Pipeline:
         ids = self.cut.shared if where == "shared" else self.cut.per_mb
         return [self.is_float[v] for v in ids]
 
-    def _inputs(self, kind: _Kind, m: Any, j: Any) -> tuple[list, list, list]:
-        """The chunk params of local chunk j, the float and other values for microbatch m."""
+    def _inputs(self, chunk: _ChunkFn, microbatch: Any,
+                local_chunk: Any) -> tuple[list, list, list]:
+        """The parameters of the stage's `local_chunk`, and the float and other values
+        `chunk` reads for `microbatch`."""
         def value(v):
             where, k = self.where[v]
             x = self.values[where][k]
-            return x if where == "shared" else _at(x, m)
+            return x if where == "shared" else _row(x, microbatch)
 
-        return ([_at(p, j) for p in self.stacked], [value(v) for v in kind.floats],
-                [value(v) for v in kind.others])
+        return ([_row(p, local_chunk) for p in self.stacked], [value(v) for v in chunk.floats],
+                [value(v) for v in chunk.others])
 
     def _carry_shapes(self) -> list[jax.ShapeDtypeStruct]:
-        prog = self.cut.program
-        return [jax.ShapeDtypeStruct(prog.shapes[v], prog.jax_dtypes[v])
+        program = self.cut.program
+        return [jax.ShapeDtypeStruct(program.shapes[v], program.jax_dtypes[v])
                 for v in self.cut.scan.carries[0]]
 
     def _zeros(self, shapes: Sequence[Any], lead: tuple[int, ...] = ()) -> list:
         return [jnp.zeros(lead + tuple(s.shape), s.dtype) for s in shapes]
 
-    def _probe(self, kind: _Kind) -> _Residuals:
-        """The residuals of a forward of `kind` (traced once, abstractly)."""
-        p, f, o = self._inputs(kind, 0, 0)
-        x = tuple(self._zeros(self._carry_shapes()))
+    def _probe(self, chunk: _ChunkFn) -> _Residuals:
+        """The residuals of a forward of `chunk` (traced once, abstractly)."""
+        params, floats, others = self._inputs(chunk, 0, 0)
+        carry = tuple(self._zeros(self._carry_shapes()))
         found = {}
 
-        def probe(p, f, o, x):
-            found["tree"], found["spec"], stored = self._vjp(kind, p, f, o, x)[1:]
+        def probe(params, floats, others, carry):
+            found["tree"], found["spec"], stored = self._vjp(chunk, params, floats, others,
+                                                             carry)[1:]
             return stored
 
-        shapes = jax.eval_shape(probe, p, f, o, x)
+        shapes = jax.eval_shape(probe, params, floats, others, carry)
         return _Residuals(found["tree"], found["spec"], tuple(shapes))
 
-    def _vjp(self, kind: _Kind, p, f, o, x) -> tuple[Any, Any, tuple, list]:
+    def _vjp(self, chunk: _ChunkFn, params, floats, others, carry) -> tuple[Any, Any, tuple, list]:
         """The forward's output, the vjp closure's tree, its spec and the leaves to store."""
-        out, vjp = jax.vjp(lambda p, f, x: kind.fn(p, f, o, x), p, f, x)
+        out, vjp = jax.vjp(lambda p, f, x: chunk.fn(p, f, others, x), params, floats, carry)
         leaves, tree = jax.tree.flatten(vjp)
-        held = list(p) + list(f) + list(o)
+        held = [*params, *floats, *others]
         spec = tuple(next((k for k, h in enumerate(held) if h is leaf), None) for leaf in leaves)
         return out, tree, spec, [leaf for leaf, k in zip(leaves, spec) if k is None]
 
-    def _initial_state(self, sf, mf) -> dict[str, Any]:
+    def _initial_state(self, shared_floats: list, mb_floats: list) -> dict[str, Any]:
+        """The tick loop's state: the receive buffers (``activations``, ``cotangents``, a slot
+        more than `_Slots.counts` for scratch), the residual slots per kind of chunk, and the
+        sums: the parameters' gradients, the cotangents of what the prologue handed the stage,
+        the loss."""
         carry = self._carry_shapes()
-        c = self.slots.counts
-        state = {
-            "x": self._zeros(carry, (c["x"] + 1,)),
-            "g": self._zeros(carry, (c["g"] + 1,)),
-            "r": {last: self._zeros(r.stored, (max(c["rl" if last else "r"], 1),))
-                  for last, r in self.residuals.items()},
-            "grads": self._zeros(self.stacked),
-            "d_shared": self._zeros(sf),
-            "d_mb": self._zeros(mf),
+        counts = self.slots.counts
+        return {
+            "activations": self._zeros(carry, (counts["activations"] + 1,)),
+            "cotangents": self._zeros(carry, (counts["cotangents"] + 1,)),
+            "residuals": {
+                last: self._zeros(kept.stored,
+                                  (max(counts["last_residuals" if last else "residuals"], 1),))
+                for last, kept in self.residuals.items()},
+            "param_grads": self._zeros(self.stacked),
+            "d_shared": self._zeros(shared_floats),
+            "d_mb": self._zeros(mb_floats),
             "loss": jnp.zeros((), self.loss_dtype),
         }
-        return state
 
-    def _tick(self, t: Any, state: dict) -> dict:
+    def _tick(self, tick: Any, state: dict) -> dict:
         """One tick: every stage's action (a switch on the stage's kind), then the transfers:
         per direction, the ppermute over the pairs that send at this tick (a switch on the
         tick: every device takes the same branch, so the collective is well formed)."""
-        tb = self.tables
-        stage = self.stage
-        branches = [self._branch(k) for k in tb.keys]
-        idx = jnp.asarray(tb.ints)[t, stage]
+        tables = self.tables
+        branches = [self._branch(key) for key in tables.keys]
+        action = jnp.asarray(tables.actions)[tick, self.stage]
         if len(branches) == 1:
-            state, fwd, bwd = branches[0](state, idx)
+            state, sent_forward, sent_back = branches[0](state, action)
         else:
-            which = jnp.asarray(tb.kind)[t, stage]
-            state, fwd, bwd = jax.lax.switch(which, branches, state, idx)
-        for (sets, at), buf, recv, value, name in zip(
-                tb.sends, ("x", "g"), (tb.x_recv, tb.g_recv), (fwd, bwd),
+            which = jnp.asarray(tables.kind)[tick, self.stage]
+            state, sent_forward, sent_back = jax.lax.switch(which, branches, state, action)
+        for (sets, sending), buffer, recv, value, name in zip(
+                tables.sends, ("activations", "cotangents"),
+                (tables.activation_recv, tables.cotangent_recv), (sent_forward, sent_back),
                 ("pipeline_activations", "pipeline_gradients")):
             if not sets:
                 continue
             moves = [self._none_like] + [self._permute(pairs, name) for pairs in sets]
-            got = jax.lax.switch(jnp.asarray(at)[t], moves, value)
-            slot = jnp.asarray(recv)[t, stage]
-            state = {**state, buf: [_put(b, slot, x) for b, x in zip(state[buf], got)]}
+            got = jax.lax.switch(jnp.asarray(sending)[tick], moves, value)
+            slot = jnp.asarray(recv)[tick, self.stage]
+            state = {**state, buffer: [_with_row(b, slot, x) for b, x in zip(state[buffer], got)]}
         return state
 
     def _permute(self, pairs: tuple[tuple[int, int], ...], name: str) -> Callable:
         def move(value: tuple) -> tuple:
             with jax.named_scope(name):
-                return jax.lax.ppermute(value, self.axis, list(pairs))
+                return jax.lax.ppermute(value, self.stage_axis, list(pairs))
 
         return move
 
@@ -893,69 +943,76 @@ class _Pipeline:
             return self._idle
         kind, first, last = key
         step = self._forward if kind == "F" else self._backward
-        return lambda state, idx: step(state, idx, first, last)
+        return lambda state, action: step(state, action, first, last)
 
     def _none(self) -> tuple:
         return tuple(self._zeros(self._carry_shapes()))
 
-    def _idle(self, state: dict, idx: Any) -> tuple[dict, tuple, tuple]:
+    def _idle(self, state: dict, action: Any) -> tuple[dict, tuple, tuple]:
         return state, self._none(), self._none()
 
-    def _x(self, state: dict, idx: Any, first: bool) -> tuple:
+    def _chunk_input(self, state: dict, action: Any, first: bool) -> tuple:
+        """The carry the chunk of `action` starts from: the prologue's for the first chunk,
+        else the activation received into its slot."""
         if first:
-            return tuple(_at(self.values["mb"][k], idx[0]) for k in self.carry)
-        return tuple(_at(b, idx[2]) for b in state["x"])
+            return tuple(_row(self.values["mb"][k], action[_MICROBATCH])
+                         for k in self.carry_positions)
+        return tuple(_row(b, action[_ACTIVATION_SLOT]) for b in state["activations"])
 
-    def _forward(self, state: dict, idx: Any, first: bool, last: bool):
-        kind = self.kinds[last]
-        p, f, o = self._inputs(kind, idx[0], idx[1])
-        x = self._x(state, idx, first)
-        if self.recompute:
-            out = kind.fn(p, f, o, x)
+    def _forward(self, state: dict, action: Any, first: bool, last: bool):
+        chunk = self.chunk_fns[last]
+        params, floats, others = self._inputs(chunk, action[_MICROBATCH], action[_LOCAL_CHUNK])
+        carry = self._chunk_input(state, action, first)
+        if self.full_recompute:
+            out = chunk.fn(params, floats, others, carry)
         else:
-            out, _, spec, stored = self._vjp(kind, p, f, o, x)
+            out, _, spec, stored = self._vjp(chunk, params, floats, others, carry)
             assert spec == self.residuals[last].spec, "the forward saves what the probe saw"
-            state = {**state, "r": {**state["r"], last: [
-                _put(b, idx[3], v) for b, v in zip(state["r"][last], stored)]}}
+            slot = action[_RESIDUAL_SLOT]
+            state = {**state, "residuals": {**state["residuals"], last: [
+                _with_row(b, slot, v) for b, v in zip(state["residuals"][last], stored)]}}
         if last:
-            loss = state["loss"] + out.astype(self.loss_dtype) / (self.M * self.groups.count)
-            return {**state, "loss": loss}, self._none(), self._none()
+            share = self.microbatches * self.groups.count
+            return ({**state, "loss": state["loss"] + out.astype(self.loss_dtype) / share},
+                    self._none(), self._none())
         return state, tuple(out), self._none()
 
-    def _backward(self, state: dict, idx: Any, first: bool, last: bool):
-        kind = self.kinds[last]
-        m, j = idx[0], idx[1]
-        vjp = self._pullback(state, idx, first, last)
+    def _backward(self, state: dict, action: Any, first: bool, last: bool):
+        chunk = self.chunk_fns[last]
+        microbatch, local_chunk = action[_MICROBATCH], action[_LOCAL_CHUNK]
+        vjp = self._pullback(state, action, first, last)
         if last:
             # the loss is the mean over microbatches and data groups of theirs
-            ct = jnp.full((), 1 / (self.M * self.groups.count), self.loss_dtype)
+            cotangent = jnp.full((), 1 / (self.microbatches * self.groups.count),
+                                 self.loss_dtype)
         else:
-            ct = tuple(_at(b, idx[4]) for b in state["g"])
-        dp, df, dx = vjp(ct)
-        state = {**state, "grads": [_add(g, j, d) for g, d in zip(state["grads"], dp)]}
-        state = self._accumulate(state, m, zip(kind.floats, df))
+            cotangent = tuple(_row(b, action[_COTANGENT_SLOT]) for b in state["cotangents"])
+        d_params, d_floats, d_carry = vjp(cotangent)
+        state = {**state, "param_grads": [_add_to_row(g, local_chunk, d)
+                                          for g, d in zip(state["param_grads"], d_params)]}
+        state = self._accumulate(state, microbatch, zip(chunk.floats, d_floats))
         if first:  # the gradient of the layers' input goes back to the prologue
-            state = self._accumulate(state, m, zip(self.cut.scan.carries[0], dx))
+            state = self._accumulate(state, microbatch, zip(self.cut.scan.carries[0], d_carry))
             return state, self._none(), self._none()
-        return state, self._none(), tuple(dx)
+        return state, self._none(), tuple(d_carry)
 
-    def _pullback(self, state: dict, idx: Any, first: bool, last: bool) -> Callable:
+    def _pullback(self, state: dict, action: Any, first: bool, last: bool) -> Callable:
         """The chunk's vjp closure: recomputed from its input, or rebuilt from the residuals
         its forward kept (and the inputs the stage holds anyway)."""
-        kind = self.kinds[last]
-        p, f, o = self._inputs(kind, idx[0], idx[1])
-        if self.recompute:
-            x = self._x(state, idx, first)
-            return jax.vjp(lambda p, f, x: kind.fn(p, f, o, x), p, f, x)[1]
-        res = self.residuals[last]
-        held = list(p) + list(f) + list(o)
-        stored = iter(_at(b, idx[3]) for b in state["r"][last])
-        return jax.tree.unflatten(res.tree, [held[k] if k is not None else next(stored)
-                                             for k in res.spec])
+        chunk = self.chunk_fns[last]
+        params, floats, others = self._inputs(chunk, action[_MICROBATCH], action[_LOCAL_CHUNK])
+        if self.full_recompute:
+            carry = self._chunk_input(state, action, first)
+            return jax.vjp(lambda p, f, x: chunk.fn(p, f, others, x), params, floats, carry)[1]
+        kept = self.residuals[last]
+        held = [*params, *floats, *others]
+        stored = iter(_row(b, action[_RESIDUAL_SLOT]) for b in state["residuals"][last])
+        return jax.tree.unflatten(kept.tree, [held[k] if k is not None else next(stored)
+                                              for k in kept.spec])
 
-    def _accumulate(self, state: dict, m: Any, cotangents) -> dict:
+    def _accumulate(self, state: dict, microbatch: Any, cotangents) -> dict:
         """Adds the cotangents of values the prologue made: to the shared ones', or to
-        microbatch m's."""
+        `microbatch`'s."""
         d_shared, d_mb = list(state["d_shared"]), list(state["d_mb"])
         shared = {v: k for k, v in enumerate(self._float_ids("shared"))}
         per_mb = {v: k for k, v in enumerate(self._float_ids("mb"))}
@@ -963,7 +1020,7 @@ class _Pipeline:
             if v in shared:
                 d_shared[shared[v]] = d_shared[shared[v]] + d
             else:
-                d_mb[per_mb[v]] = _add(d_mb[per_mb[v]], m, d)
+                d_mb[per_mb[v]] = _add_to_row(d_mb[per_mb[v]], microbatch, d)
         return {**state, "d_shared": d_shared, "d_mb": d_mb}
 
     def _float_ids(self, where: str) -> list[int]:
