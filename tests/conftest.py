@@ -5,6 +5,7 @@ suites. Tests marked ``gpu`` are skipped where jax finds no GPU (asked in a subp
 this one runs on the CPU).
 """
 
+import dataclasses
 import functools
 import os
 import shutil
@@ -17,6 +18,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+
+# jax only now, once its flags are set.
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from soapjax.graph import trace
+from soapjax_zoo.gpt import GPT_CONFIGS, build_gpt
+from soapjax_zoo.llama import LLAMA_CONFIGS, build_llama
 
 
 @functools.cache
@@ -35,3 +45,30 @@ def pytest_collection_modifyitems(config, items):
     if gpu and not _has_gpu():
         for item in gpu:
             item.add_marker(pytest.mark.skip(reason="marked gpu: jax finds no GPU here"))
+
+
+_LAYERED = {"gpt": (GPT_CONFIGS, build_gpt), "llama": (LLAMA_CONFIGS, build_llama)}
+
+
+@functools.cache
+def float64_model(name: str, layers: int, batch_size: int, *, fast: bool = False):
+    """The pipelining tests' model (tests/test__pipelined.py, tests/test_apply_pipelined.py):
+    the tiny GPT or Llama (`name`) with `layers` layers and `batch_size` samples, in float64.
+
+    Returns its workload, parameters (0.1 x a seeded normal), batch (seeded tokens), graph, and
+    the unsharded ``jax.value_and_grad`` of its loss (compiled at XLA's optimization level 0
+    where `fast`), each made once per session.
+    """
+    configs, build = _LAYERED[name]
+    cfg = dataclasses.replace(configs["tiny"], num_layers=layers, batch_size=batch_size)
+    w = build(name, "tiny", cfg, "linen")
+    rng = np.random.default_rng(0)
+    options = {"xla_backend_optimization_level": 0} if fast else None
+    with jax.enable_x64(True):
+        params = jax.tree.map(lambda s: jnp.asarray(0.1 * rng.standard_normal(s.shape),
+                                                    jnp.float64), w.abstract_params())
+        batch = jax.tree.map(lambda s: jnp.asarray(rng.integers(0, cfg.vocab_size, s.shape),
+                                                   s.dtype), w.abstract_batch())
+        graph = trace(w.loss_fn, params, batch, name=name)
+        want = jax.jit(jax.value_and_grad(w.loss_fn), compiler_options=options)(params, batch)
+    return w, params, batch, graph, want

@@ -9,7 +9,6 @@ once.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import re
@@ -17,24 +16,20 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import float64_model
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from soapjax._pipeline_layout import from_pipelined, pipelined_layout_shardings, to_pipelined
 from soapjax._pipelined import pipelined_value_and_grad, ticks
 from soapjax.errors import PlanError
-from soapjax.graph import trace
 from soapjax.hlo import collectives
 from soapjax.pipeline import SCHEDULES, device_orders
 from soapjax.space import RecomputePolicy
-from soapjax_zoo.gpt import GPT_CONFIGS, build_gpt
-from soapjax_zoo.llama import LLAMA_CONFIGS, build_llama
 
 FAST = {"xla_backend_optimization_level": 0}
 STAGES, MICROBATCHES, BATCH = 2, 4, 16
-BUILDERS = {"gpt": (GPT_CONFIGS, build_gpt), "llama": (LLAMA_CONFIGS, build_llama)}
 # Megatron's split of a layer over "model", by module: the dim of its stacked kernel and of its
 # bias that "model" splits (column-parallel q/k/v and fc1/gate/up split heads or the hidden
 # dim; row-parallel out/fc2/down split their input, and their bias not at all).
@@ -48,22 +43,9 @@ def mesh():
                          axis_types=(AxisType.Auto,) * 3)
 
 
-@functools.cache
 def model_case(name: str, layers: int):
-    """The tiny model with `layers` layers in float64: workload, params, batch, graph, and the
-    unsharded ``jax.value_and_grad`` of its loss."""
-    configs, build = BUILDERS[name]
-    cfg = dataclasses.replace(configs["tiny"], num_layers=layers, batch_size=BATCH)
-    w = build(name, "tiny", cfg, "linen")
-    rng = np.random.default_rng(0)
-    with jax.enable_x64(True):
-        params = jax.tree.map(lambda s: jnp.asarray(0.1 * rng.standard_normal(s.shape),
-                                                    jnp.float64), w.abstract_params())
-        batch = jax.tree.map(lambda s: jnp.asarray(rng.integers(0, cfg.vocab_size, s.shape),
-                                                   s.dtype), w.abstract_batch())
-        graph = trace(w.loss_fn, params, batch, name=name)
-        want = jax.jit(jax.value_and_grad(w.loss_fn), compiler_options=FAST)(params, batch)
-    return params, batch, graph, want
+    """`float64_model` (tests/conftest.py) at this file's batch, compiled as here; no workload."""
+    return float64_model(name, layers, BATCH, fast=True)[1:]
 
 
 def megatron_specs(params):

@@ -10,7 +10,6 @@ between the tests (`compiled`), so each is compiled once.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import pathlib
 
@@ -19,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import float64_model
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -37,14 +37,11 @@ from soapjax.plan import Plan
 from soapjax.reshard import Resharder
 from soapjax.space import MeshShape
 from soapjax.topology import load_topology, make_mesh, stage_topology
-from soapjax_zoo.gpt import GPT_CONFIGS, build_gpt
-from soapjax_zoo.llama import LLAMA_CONFIGS, build_llama
 
 TOPOLOGY = load_topology(str(pathlib.Path(__file__).parent / "meshes" / "cpu8-nodes.toml"))
 STAGES, BATCH = 2, 16
 FAST = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0,
         "xla_llvm_disable_expensive_passes": True}
-BUILDERS = {"gpt": (GPT_CONFIGS, build_gpt), "llama": (LLAMA_CONFIGS, build_llama)}
 
 
 def keep_gradients() -> optax.GradientTransformation:
@@ -54,22 +51,9 @@ def keep_gradients() -> optax.GradientTransformation:
         lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), g))
 
 
-@functools.cache
 def model_case(name: str, layers: int):
-    """The tiny model with `layers` layers in float64: workload, params, batch, graph, and the
-    unsharded ``jax.value_and_grad`` of its loss."""
-    configs, build = BUILDERS[name]
-    cfg = dataclasses.replace(configs["tiny"], num_layers=layers, batch_size=BATCH)
-    w = build(name, "tiny", cfg, "linen")
-    rng = np.random.default_rng(0)
-    with jax.enable_x64(True):
-        params = jax.tree.map(lambda s: jnp.asarray(0.1 * rng.standard_normal(s.shape),
-                                                    jnp.float64), w.abstract_params())
-        batch = jax.tree.map(lambda s: jnp.asarray(rng.integers(0, cfg.vocab_size, s.shape),
-                                                   s.dtype), w.abstract_batch())
-        graph = trace(w.loss_fn, params, batch, name=name)
-        want = jax.jit(jax.value_and_grad(w.loss_fn))(params, batch)
-    return w, params, batch, graph, want
+    """`float64_model` (tests/conftest.py) at this file's batch."""
+    return float64_model(name, layers, BATCH)
 
 
 def strategy_of(name: str, virtual: int, recompute: str = "full"):
