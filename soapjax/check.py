@@ -263,8 +263,14 @@ def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5,
         hlo_flops=reported + counted.loop_extra - counted.all_reduce - counted.sliced_away,
         duplicated_flops=counted.duplicated,
         predicted_flops=step_flops(graph, strategy, MeshShape.of(topo), optimizer=w.optimizer,
-                                   params=params).total,
+                                   params=params, stored=_stored_shapes(graph, sh)).total,
         reported_flops=reported)
+
+
+def _stored_shapes(graph: Any, shardings: Any) -> list[tuple[int, ...]]:
+    """Each parameter leaf's shard shape as the applied step stores it (its sharding's)."""
+    return [tuple(s.shard_shape(leaf.shape))
+            for s, leaf in zip(jax.tree.leaves(shardings.params), graph.params)]
 
 
 def _reported_flops(compiled: Any) -> float:

@@ -154,8 +154,14 @@ class FlopCounter:
                      name, degrees, type(e).__name__, e)
             return self.operator(i).split(shards, None)
 
-    def step(self, strategy: Any, mesh: MeshShape) -> StepFlops:
-        """The FLOPs one device computes in a step of `strategy` (a `Strategy`) on `mesh`."""
+    def step(self, strategy: Any, mesh: MeshShape, *,
+             stored: Sequence[tuple[int, ...]] | None = None) -> StepFlops:
+        """The FLOPs one device computes in a step of `strategy` (a `Strategy`) on `mesh`.
+
+        `stored`: the shape of each parameter leaf's shard as the step stores it (what
+        `soapjax check` reads off the applied step's shardings); default: as
+        `soapjax.space.param_specs` says the simulator stores it.
+        """
         fwd = bwd = again = trans = 0.0
         for i, (op, config) in enumerate(zip(self.graph.operators, strategy.configs)):
             c = self.operator(i, config.degrees(mesh))
@@ -168,7 +174,8 @@ class FlopCounter:
                 fwd += fwd_side.flops
             bwd += c.backward.flops
             trans += fwd_side.transcendentals + c.backward.transcendentals
-        shards = self._stored_shapes(strategy, mesh)
+        shards = tuple(map(tuple, stored)) if stored is not None \
+            else self._stored_shapes(strategy, mesh)
         bwd += self._gradient_sums({leaf.path: math.prod(shape) for leaf, shape
                                     in zip(self.graph.params, shards) if is_float(leaf.dtype)})
         return StepFlops(fwd, bwd, again, self._update(shards), trans)
@@ -237,10 +244,13 @@ class FlopCounter:
 
 
 def step_flops(graph: OpGraph, strategy: Any, mesh: MeshShape, *, optimizer: Any = None,
-               params: Any = None) -> StepFlops:
-    """The FLOPs one device computes in a step of `strategy` (`FlopCounter.step`): what
-    `soapjax check` holds against the compiled step's."""
-    return FlopCounter(graph, optimizer=optimizer, params=params).step(strategy, mesh)
+               params: Any = None, stored: Sequence[tuple[int, ...]] | None = None
+               ) -> StepFlops:
+    """The FLOPs one device computes in a step of `strategy` (`FlopCounter.step`, with the
+    parameters' stored shard shapes if given): what `soapjax check` holds against the
+    compiled step's."""
+    return FlopCounter(graph, optimizer=optimizer, params=params).step(strategy, mesh,
+                                                                        stored=stored)
 
 
 

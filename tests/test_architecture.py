@@ -308,3 +308,16 @@ def test_only_the_simulator_and_apply_branch_on_pipeline_stages():
         if lines and name not in PIPELINE_AWARE:
             asking[name] = lines
     assert not asking, f"modules outside the simulator and apply read .pipelined: {asking}"
+
+
+@pytest.mark.heavy
+def test_a_plan_enters_no_module_more_than_three_times_through_check():
+    """Issue 30's measure of a plan bouncing between modules: `scripts/trace_plan.py` follows
+    ``soapjax check`` of GPT-2 tiny's plan and counts, per module, the calls into it from
+    another module that carry the plan (a `Plan`, `Strategy` or checked strategy)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "trace_plan.py"), "--max", "3"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
