@@ -134,7 +134,7 @@ from soapjax._pipeline_layout import (
     stage_mesh_shape,
     to_pipelined,
 )
-from soapjax._program import LayerScan, _Program
+from soapjax._program import LayerScan, Program
 from soapjax._validation import Checked, validate_program_inputs
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
@@ -162,7 +162,7 @@ class _Cut(NamedTuple):
       layer_reads, epilogue_reads: the ids of ``shared + per_mb`` each part reads.
     """
 
-    program: _Program
+    program: Program
     scan: LayerScan
     prologue: tuple[int, ...]
     layer: tuple[int, ...]
@@ -216,7 +216,7 @@ def _cut(graph: OpGraph) -> _Cut:
                 shared, per_mb, tuple(sorted(set(scan.consts) - fixed)), tuple(sorted(epi_reads)))
 
 
-def _layer_units(prog: _Program, idxs: range, length: int) -> tuple[int, ...]:
+def _layer_units(prog: Program, idxs: range, length: int) -> tuple[int, ...]:
     """Layer 0's units (its slices excluded), after checking every layer runs the same
     equations (a scan's body, inlined once per layer)."""
     per_layer: list[list[int]] = [[] for _ in range(length)]
@@ -233,15 +233,15 @@ def _layer_units(prog: _Program, idxs: range, length: int) -> tuple[int, ...]:
     return tuple(per_layer[0])
 
 
-def _made(prog: _Program, idxs) -> set[int]:
+def _made(prog: Program, idxs) -> set[int]:
     return {v for i in idxs for v in prog.units[i].outs if v is not None}
 
 
-def _read(prog: _Program, idxs) -> set[int]:
+def _read(prog: Program, idxs) -> set[int]:
     return {v for i in idxs for v in prog.units[i].ins}
 
 
-def _on_batch(prog: _Program, idxs, batch: set[int]) -> set[int]:
+def _on_batch(prog: Program, idxs, batch: set[int]) -> set[int]:
     """The ids computed by units `idxs` from the batch (and the batch leaves)."""
     out = set(batch)
     for i in idxs:
@@ -316,7 +316,7 @@ def _batch_dims(outer: _Cut, cut: _Cut, count: int) -> tuple[int, ...] | None:
     return tuple(dims)
 
 
-def _env(prog: _Program, values: dict[int, Any]) -> dict[int, Any]:
+def _env(prog: Program, values: dict[int, Any]) -> dict[int, Any]:
     env = dict(prog.consts)
     env.update(prog.literals)
     env.update(values)
@@ -337,7 +337,7 @@ def _prologue_fn(cut: _Cut) -> Callable:
     return prologue
 
 
-def _run_in_stage(prog: _Program, idxs: Sequence[int], env: dict) -> None:
+def _run_in_stage(prog: Program, idxs: Sequence[int], env: dict) -> None:
     """``prog.run_units(idxs, env)`` inside the stage's shard_map, with the operand of every
     gather first made whole along the dims it indexes (module doc: XLA aborts otherwise)."""
     start = 0

@@ -452,9 +452,6 @@ def _key_hook(program: Program, hook, keys):
     return both
 
 
-# The old private name, for `soapjax._pipelined` until it says `Program`.
-_Program = Program
-
 
 def bind_as_traced(eqn: jcore.JaxprEqn, args: Sequence[Any]) -> list[Any]:
     """Binds one equation with its traced parameters (custom derivative rules intact)."""
