@@ -96,8 +96,8 @@ class _Builder:
                  fname: str):
         self.p = program
         self.fname = fname
-        self.param_of = {l.value: l for l in params}
-        self.batch_of = {l.value: l for l in batch}
+        self.param_of = {leaf.value: leaf for leaf in params}
+        self.batch_of = {leaf.value: leaf for leaf in batch}
         self.consumers: dict[int, list[int]] = {}
         for i, u in enumerate(program.units):
             for v in u.ins:
@@ -150,7 +150,8 @@ class _Builder:
         """Module path of each unit: its name stack without the root module's class name."""
         stacks = [u.stack.split("/") if u.stack else [] for u in self.p.units]
         roots = {s[0] for s in stacks if s}
-        top_modules = {module_of_param(l.path).split("/")[0] for l in self.param_of.values()}
+        top_modules = {module_of_param(leaf.path).split("/")[0]
+                       for leaf in self.param_of.values()}
         strip = len(roots) == 1 and not (roots & top_modules)
         self.module = []
         self.position: list[str] = []

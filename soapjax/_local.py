@@ -28,8 +28,8 @@ import numpy as np
 from jax.extend import core as jcore
 
 from soapjax._dims import scan_counts
-from soapjax.errors import SoapjaxError
 from soapjax._program import OperatorLabels, bind_as_traced
+from soapjax.errors import SoapjaxError
 from soapjax.graph import OpGraph
 
 Rules = Literal["exact", "primal"]
@@ -157,7 +157,8 @@ class _Interp:
             env[v] = _crop(c, self.var_shape(v))
         env.update(zip(jaxpr.invars, args))
         for eqn in jaxpr.eqns:
-            shapes = [None if isinstance(v, jcore.DropVar) else self.var_shape(v) for v in eqn.outvars]
+            shapes = [None if isinstance(v, jcore.DropVar) else self.var_shape(v)
+                      for v in eqn.outvars]
             ins = [read(v) if isinstance(v, jcore.Literal) else _crop(read(v), self.var_shape(v))
                    for v in eqn.invars]
             outs = self.bind(eqn, ins, shapes)

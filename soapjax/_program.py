@@ -381,7 +381,8 @@ class Program:
             region = self.units[idxs[i]].region
             if len(region) > depth:  # a nested remat region: as far as it goes
                 j = i
-                while j < len(idxs) and self.units[idxs[j]].region[:depth + 1] == region[:depth + 1]:
+                inside = region[:depth + 1]
+                while j < len(idxs) and self.units[idxs[j]].region[:depth + 1] == inside:
                     j += 1
                 self._run_region(idxs[i:j], depth, region[depth], env, hook, swaps, skip,
                                  reads)

@@ -226,7 +226,8 @@ class _NodeSymmetry:
         shapes: list[list[tuple]] = [[] for _ in range(num_nodes)]
         cluster_links, exits = [], {}
         for i, link in enumerate(links):
-            (na, la), (nb, lb) = _node_of_vertex(link.a, per_node), _node_of_vertex(link.b, per_node)
+            na, la = _node_of_vertex(link.a, per_node)
+            nb, lb = _node_of_vertex(link.b, per_node)
             nodes = {n for n in (na, nb) if n is not None}
             if len(nodes) > 1:
                 return None  # a direct link between nodes

@@ -360,7 +360,8 @@ def _cmd_calibrate_links(args: argparse.Namespace) -> int:
     notes = [(f"on {len(jax.devices())} x {dev.device_kind} ({dev.platform}), jax "
               f"{jax.__version__}, {seconds:.0f} s")]
     if args.json:
-        _print_json({"seconds": seconds, "compute": dataclasses.asdict(compute) if compute else None,
+        _print_json({"seconds": seconds,
+                     "compute": dataclasses.asdict(compute) if compute else None,
                      "collectives": [{"kind": f.model.kind, "axes": f.model.axes,
                                       "points": f.model.points, "residuals": f.residuals,
                                       "held_out": f.held_out} for f in fits]})

@@ -321,7 +321,8 @@ def trace(fn: Callable, *example_args, params_argnums: int | Sequence[int] = 0,
         disagree on the batch size, or a function that does not return a scalar.
     """
     fname = getattr(fn, "__name__", type(fn).__name__)
-    pnums, bnums = _argnums(params_argnums, "params_argnums"), _argnums(batch_argnums, "batch_argnums")
+    pnums = _argnums(params_argnums, "params_argnums")
+    bnums = _argnums(batch_argnums, "batch_argnums")
     _check_args(fn, fname, example_args, pnums, bnums)
     abstract = jax.tree.map(_abstract, example_args)
     try:
@@ -345,7 +346,8 @@ def trace(fn: Callable, *example_args, params_argnums: int | Sequence[int] = 0,
         return trace(fn, *args, params_argnums=params_argnums, batch_argnums=batch_argnums,
                      name=name or fname)
 
-    return OpGraph(name=name or fname, operators=tuple(ops), num_equations=_count_eqns(closed.jaxpr),
+    return OpGraph(name=name or fname, operators=tuple(ops),
+                   num_equations=_count_eqns(closed.jaxpr),
                    params=tuple(params), batch=tuple(batch), unsupported=tuple(unsupported),
                    program=program, retrace=retrace)
 
@@ -385,7 +387,8 @@ def _check_args(fn, fname, args, pnums, bnums) -> None:
     try:
         inspect.signature(fn).bind(*args)
     except TypeError as e:
-        raise TraceError(f"the {n} example argument(s) do not fit {fname}{_signature(fn)}: {e}") from e
+        raise TraceError(f"the {n} example argument(s) do not fit "
+                         f"{fname}{_signature(fn)}: {e}") from e
     except ValueError:  # builtins without a signature: let tracing speak
         pass
     for i in bnums:
@@ -442,7 +445,8 @@ def _leaves(args, program: Program, pnums, bnums) -> tuple[list[LeafInfo], list[
         for kp, _ in jax.tree_util.tree_flatten_with_path(a)[0]:
             vid = program.inputs[k]
             k += 1
-            prefix = f"[{i}]" if (len(pset) > 1 and i in pset) or (len(bset) > 1 and i in bset) else ""
+            several = (len(pset) > 1 and i in pset) or (len(bset) > 1 and i in bset)
+            prefix = f"[{i}]" if several else ""
             info = LeafInfo(prefix + jax.tree_util.keystr(kp), program.shapes[vid],
                             program.dtypes[vid], vid)
             if i in pset:

@@ -30,11 +30,12 @@ box's label as gid (the operator's name, or ``layers_{0..11}/mlp/fc1`` for a rep
 data coordinates with one unit per cell (x: column, y: row, row 0 on top); a cell one device
 holds is a `Rectangle` with gid ``"{label}/device {d}"``; in a cell several devices hold
 (replicated) each device's diagonal stripes are one `PathPatch` with that gid; each cell's
-outline (hatched for partial sums) is a `Rectangle` with gid ``"{label}/cell {row},{col}"``. In `timeline_figure` each bar collection has
-gid ``"{track}/{kind}"`` (``"device 0/forward"``, ``"{channel}/grad_sync"``); in
-`comparison_figure` each bar has gid ``"step time/{name}"`` or ``"bytes sent/{name}"``; in
-`pipeline_figure` each box is a `Rectangle` with gid ``"stage {s}/{F|B} {microbatch}/chunk {c}"``
-and its label, if drawn, a text with that gid plus ``"/label"``.
+outline (hatched for partial sums) is a `Rectangle` with gid ``"{label}/cell {row},{col}"``.
+In `timeline_figure` each bar collection has gid ``"{track}/{kind}"`` (``"device 0/forward"``,
+``"{channel}/grad_sync"``); in `comparison_figure` each bar has gid ``"step time/{name}"`` or
+``"bytes sent/{name}"``; in `pipeline_figure` each box is a `Rectangle` with gid
+``"stage {s}/{F|B} {microbatch}/chunk {c}"`` and its label, if drawn, a text with that gid
+plus ``"/label"``.
 
 One module past ~600 lines, on purpose: it is the one module that imports matplotlib (an
 optional dependency, `MissingDependencyError` without it), and its figures share the colours,

@@ -243,8 +243,9 @@ def sim_html(sim) -> str:
         ("compute", f"{sim.compute_s * 1e3:.4g} ms"),
         ("exposed communication", f"{sim.exposed_comm_s * 1e3:.4g} ms"),
         ("sent per device", format_bytes(sim.bytes_moved) + (f" ({links})" if links else "")),
-        ("memory per device", f"{format_bytes(m.total)} of {format_bytes(sim.memory_capacity_bytes)}"
-                              f"{'' if sim.fits_in_memory else ': DOES NOT FIT'}"),
+        ("memory per device",
+         f"{format_bytes(m.total)} of {format_bytes(sim.memory_capacity_bytes)}"
+         f"{'' if sim.fits_in_memory else ': DOES NOT FIT'}"),
         ("devices, tasks", f"{sim.num_devices}, {len(sim.tasks)}"),
     ]
     body = "".join(f"<tr><th{_LEFT}>{k}</th><td{_LEFT}>{v}</td></tr>" for k, v in rows)

@@ -100,7 +100,8 @@ from soapjax.errors import SoapjaxError
 from soapjax.space import MeshLike, MeshShape
 
 __all__ = ["DEFAULT_MODE", "KINDS", "Collective", "Mode", "ReshardError", "ReshardModel",
-           "Resharder", "Resharding", "Source", "Spec", "Transition", "ideal_collectives", "reshard"]
+           "Resharder", "Resharding", "Source", "Spec", "Transition", "ideal_collectives",
+           "reshard"]
 
 log = logging.getLogger(__name__)
 
