@@ -1,14 +1,10 @@
 """Apply: a strategy becomes `NamedSharding`s and sharding constraints under `jax.jit`.
 
-The traced forward pass is re-evaluated equation by equation inside `jax.jit`
-(`OpGraph.evaluate`), and every operator output gets
-``jax.lax.with_sharding_constraint(value, NamedSharding(mesh, config.output_spec(op, k)))``;
-an operator whose equations run together (`OpGraph.replaceable`: most of them) is computed by
-its own program (`soapjax._local.operator_fn`) with its operands constrained to the specs its
-config gives them too, and the operands of the others (a loss interleaved with its labels'
-preprocessing) are constrained where their equations read them. No model code changes;
-autodiff carries the constraints to the backward pass, and XLA's SPMD partitioner inserts the
-collectives. Parameters, optimizer state and the batch enter and leave
+A step without pipeline stages is the traced loss re-evaluated inside `jax.jit` with a sharding
+constraint on every operator output and operand (`soapjax._flatstep`: no model code changes,
+autodiff carries the constraints to the backward pass, XLA's SPMD partitioner inserts the
+collectives); a step with stages runs the schedule in one `shard_map` (`soapjax._pipelined`).
+Parameters, optimizer state and the batch enter and leave
 the jitted step with the shardings that follow from the configs:
 
 * a parameter takes the operand spec of the first operator that reads it

@@ -91,10 +91,12 @@ import numpy as np
 
 from soapjax._cache import cache_root
 from soapjax._dtypes import is_key, itemsize
-from soapjax._reshard_ideal import KINDS as KINDS
-from soapjax._reshard_ideal import Collective as Collective
-from soapjax._reshard_ideal import NormalTransition as _Key
-from soapjax._reshard_ideal import ideal
+from soapjax._reshard_ideal import (
+    KINDS as KINDS,
+    Collective as Collective,
+    NormalTransition as _Key,
+    ideal,
+)
 from soapjax._reshard_worker import CHUNK, Worker
 from soapjax.errors import SoapjaxError
 from soapjax.space import MeshLike, MeshShape
@@ -203,15 +205,8 @@ def reshard(
         return resharder.reshard(shape, dtype, src, dst, partial=partial)
 
 
-def ideal_collectives(
-    shape: Sequence[int],
-    dtype: Any,
-    src: Spec,
-    dst: Spec,
-    mesh: MeshLike,
-    *,
-    partial: Sequence[str] = (),
-) -> tuple[Collective, ...]:
+def ideal_collectives(shape: Sequence[int], dtype: Any, src: Spec, dst: Spec, mesh: MeshLike, *,
+                      partial: Sequence[str] = ()) -> tuple[Collective, ...]:
     """The analytic model alone (``reshard(..., mode="ideal")`` without a Resharder)."""
     mesh = MeshShape.of(mesh)
     return ideal(_normalise(shape, dtype, src, dst, partial, mesh), mesh)
