@@ -66,7 +66,7 @@ QUICK = [("gpt", "1.3b", A100, 8), ("gpt", "1.3b", A100, 512), ("gpt", "13b", A1
 def cases(quick: bool) -> list[tuple[str, str, str, int]]:
     if quick:
         return QUICK
-    out = [("gpt", s, A100, n) for s in GPT_SIZES for n in GPUS]
+    out = [("gpt", s, A100, n) for s in GPT_BATCH for n in GPUS]  # not every zoo size
     return out + [("llama", s, "h100x64", 64) for s in LLAMA_SIZES]
 
 

@@ -14,10 +14,12 @@ repeated blocks, so the search costs what one layer costs, and tracing is as fas
 layers as for 2 (one block body in the jaxpr).
 
 Sizes: sequence 2048, vocabulary 51200 (GPT-2's 50257 padded to a multiple of 1024), hidden /
-heads / layers of GPT-3 (Brown et al. 2020, Table 2.1: 1.3B .. 175B) and of Megatron-LM's
-largest runs (22B: Korthikanti et al. 2022; 530B and 1T: Narayanan et al. 2021, Table 1).
-Parameters ``12 L h^2 + 13 L h + (V + s + 2) h``: 1.3b has 1,317,654,528, 175b 174,615,846,912,
-1t 1,008,038,758,400. Every size traces in 1-5 s (`tests/test_zoo_large.py`).
+heads / layers of GPT-3 (Brown et al. 2020, Table 2.1: 1.3B .. 175B) and of Megatron-LM's runs
+(22B: Korthikanti et al. 2022; every row of Narayanan et al. 2021, Table 1: 1.7B .. 1T, the
+weak-scaling runs `scripts/bench_gpu_sim.py` simulates). Parameters
+``12 L h^2 + 13 L h + (V + s + 2) h``: 1.3b has 1,317,654,528, 1.7b 1,652,230,656 (the
+table's 1.7B), 175b 174,615,846,912, 1t 1,008,038,758,400. Every size traces in 1-5 s
+(`tests/test_zoo_large.py`).
 """
 
 from __future__ import annotations
@@ -147,13 +149,24 @@ def _size(d_model: int, num_heads: int, num_layers: int) -> GPTConfig:
 # name -> config; "default" is the smallest real size, "tiny" is for tests (float64 gradients
 # in seconds on CPU: it computes in its parameters' dtype; every dim a multiple of 4, the model
 # axis of the cpu8 mesh).
+# GPT-3's sizes (Brown et al. 2020, Table 2.1), Korthikanti et al.'s 22B and every row of
+# Narayanan et al. 2021, Table 1 (1.7b .. 1t, named by the table's parameter counts; 530b and 1t
+# are its 529.6B and 1008B rows), in order of size.
 GPT_SIZES = {
     "1.3b": _size(2048, 16, 24),
+    "1.7b": _size(2304, 24, 24),
     "2.7b": _size(2560, 32, 32),
+    "3.6b": _size(3072, 32, 30),
     "6.7b": _size(4096, 32, 32),
+    "7.5b": _size(4096, 32, 36),
     "13b": _size(5120, 40, 40),
+    "18.4b": _size(6144, 48, 40),
     "22b": _size(6144, 64, 48),
+    "39.1b": _size(8192, 64, 48),
+    "76.1b": _size(10240, 80, 60),
+    "145.6b": _size(12288, 96, 80),
     "175b": _size(12288, 96, 96),
+    "310.1b": _size(16384, 128, 96),
     "530b": _size(20480, 128, 105),
     "1t": _size(25600, 160, 128),
 }

@@ -49,12 +49,15 @@ OUTER_OPS = {"gpt": (["wte", "wpe"], ["ln_f", "wte.attend", "gpt"]),
 # What each size's name promises. LLaMA 2 7B has 6,738,415,616 parameters: the LLaMA papers
 # (Touvron et al. 2023a, Table 2) count it as 6.7B and round the name up to 7B, 3.7% off.
 NOMINAL = {
-    ("gpt", "1.3b"): 1.3e9, ("gpt", "2.7b"): 2.7e9, ("gpt", "6.7b"): 6.7e9,
-    ("gpt", "13b"): 13e9, ("gpt", "22b"): 22e9, ("gpt", "175b"): 175e9,
-    ("gpt", "530b"): 530e9, ("gpt", "1t"): 1e12,
+    ("gpt", "1.3b"): 1.3e9, ("gpt", "1.7b"): 1.7e9, ("gpt", "2.7b"): 2.7e9,
+    ("gpt", "3.6b"): 3.6e9, ("gpt", "6.7b"): 6.7e9, ("gpt", "7.5b"): 7.5e9, ("gpt", "13b"): 13e9,
+    ("gpt", "18.4b"): 18.4e9, ("gpt", "22b"): 22e9, ("gpt", "39.1b"): 39.1e9,
+    ("gpt", "76.1b"): 76.1e9, ("gpt", "145.6b"): 145.6e9, ("gpt", "175b"): 175e9,
+    ("gpt", "310.1b"): 310.1e9, ("gpt", "530b"): 530e9, ("gpt", "1t"): 1e12,
     ("llama", "7b"): 6.7e9, ("llama", "70b"): 70e9,
 }
-HEAVY = {("gpt", "175b"), ("gpt", "530b"), ("gpt", "1t")}  # 3-5 s to trace each
+HEAVY = {("gpt", "145.6b"), ("gpt", "175b"), ("gpt", "310.1b"), ("gpt", "530b"),
+         ("gpt", "1t")}  # 3-5 s to trace each
 
 
 def gpt_params(c: gpt.GPTConfig) -> int:
@@ -87,8 +90,9 @@ def traced(name: str, size: str) -> tuple[Workload, OpGraph]:
 def test_large_models_are_registered_with_their_sizes():
     assert zoo.names()[-2:] == ("gpt", "llama")
     assert "gpt" not in zoo.names(large=False) and "gpt2" in zoo.names(large=False)
-    assert zoo.configs("gpt") == ("default", "tiny", "1.3b", "2.7b", "6.7b", "13b", "22b",
-                                  "175b", "530b", "1t")
+    assert zoo.configs("gpt") == ("default", "tiny", "1.3b", "1.7b", "2.7b", "3.6b", "6.7b",
+                                  "7.5b", "13b", "18.4b", "22b", "39.1b", "76.1b", "145.6b",
+                                  "175b", "310.1b", "530b", "1t")
     assert zoo.configs("llama") == ("default", "tiny", "7b", "70b")
     assert gpt.GPT_CONFIGS["default"] == gpt.GPT_CONFIGS["1.3b"]
     assert llama.LLAMA_CONFIGS["default"] == llama.LLAMA_CONFIGS["7b"]

@@ -1,0 +1,326 @@
+"""GPU simulator against Megatron-LM's published A100 iteration times (issue 31).
+
+Every row of Narayanan et al., SC'21, Table 1 (weak scaling, GPT 1.7B to 1T on 32 to 3072
+A100s; /work/shared/reference/published-gpu-measurements.md) is simulated in the configuration
+as published and its predicted iteration time set beside the published one:
+
+* published time: ``F / (GPUs x achieved FLOP/s per GPU)`` with the paper's count
+  ``F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h))`` (four passes over the layers: forward,
+  recomputed forward, backward's two; three over the head), B the global batch, s = 2048,
+  V = 51200. The traced graph's own count of the matmuls' FLOPs, four times the layers' and
+  three times the head's, is printed beside it as a check of the formula;
+* predicted time: the zoo's ``gpt`` at the row's size traced from shapes (nothing allocated),
+  `soapjax.baselines.megatron_3d` (TP, PP, microbatch size, virtual stages, recomputation,
+  sequence parallelism as below) on ``dgx-a100x3072`` cut to the row's GPUs
+  (`soapjax.topology.scaled_topology`), simulated by `soapjax.simulate.simulate` with analytic
+  costs and the ideal resharding model, as `scripts/bench_scaling.py` and
+  `scripts/bench_pipeline.py` do;
+* the error ``(predicted - published) / published`` and the FLOP utilisation each implies
+  (the paper's F over time x GPUs x 312 TFLOP/s, the table's "% of peak").
+
+The configuration as published. From the table: TP, PP, GPUs, global batch, the shapes. From
+Megatron-LM's own script for the table (NVIDIA/Megatron-LM, examples/sc21/run_table_1.sh):
+the microbatch size (16, 16, 16, 8, 4, 2, 2, 1, 1, 1) and the interleaved schedule's layers per
+virtual stage (76B: 5, 145B: 5, 310B: 3, 530B: 1, so 3, 2, 2 and 3 virtual stages per device;
+none for 1T, which runs plain 1F1B, although the paper's section 5.1 says the interleaved
+schedule was used throughout; none where PP = 1 or 2), ``--recompute-method uniform`` on every
+row (full activation recomputation of every layer, which is what the four-pass F counts), and
+PyTorch DDP for the rows without pipeline stages, Megatron's "local" DDP for the others.
+Assumed: no sequence parallelism (it came later, Korthikanti et al. 2022); the paper's
+scatter/gather of stage-to-stage sends (section 4.1) is not modelled (soapjax sends a stage's
+whole activation once over the inter-node links); gradient synchronisation, overlap and fp16
+as the simulator does them, whatever DDP flavour the row used; float32 master parameters and
+Adam state (the zoo's, which Megatron's fp16 training with fp32 master weights matches in
+bytes). The table's achieved TFLOP/s were copied into the reference note by hand and have not
+been checked against the paper here; the shapes, TP, PP, batches and node counts agree with
+run_table_1.sh.
+
+The simulator's device model is the topology file's as shipped: an analytic roofline with no
+``[device.efficiency]`` table, every kernel at 100 % of 312 TFLOP/s. `fit` and `predict` are
+the hooks of the fitting still to come: ``fit(rows) -> params`` and ``predict(row, params)``;
+`leave_one_out` fits on all rows but one and predicts that one. There is no fit yet (`no_fit`
+returns None and says so). A fit whose parameters are a ``[device.efficiency]`` table can
+return ``{"efficiency": soapjax.topology.Efficiency(...)}`` today (`row_topology` applies it);
+anything else (NCCL, launch overhead, wave quantisation) extends `row_topology` or the cost
+model.
+
+Usage::
+
+    .venv/bin/python scripts/bench_gpu_sim.py [--rows 1.7b,1t] [--leave-one-out] [--json F]
+
+All ten rows take about a minute on one core (tracing 1-5 s a row, simulation under 10 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import soapjax_zoo
+from soapjax import baselines
+from soapjax.cost import cost_model
+from soapjax.errors import SoapjaxError
+from soapjax.graph import OpGraph, trace
+from soapjax.simulate import opt_state_factor, simulate
+from soapjax.topology import Topology, load_topology, scaled_topology
+from soapjax_zoo.gpt import GPT_SIZES
+
+MESH = "dgx-a100x3072"
+A100_PEAK = 312e12  # dense fp16 tensor-core FLOP/s
+SEQ, VOCAB = 2048, 51200
+
+
+class Row(NamedTuple):
+    """One row of Narayanan et al. 2021, Table 1, with Megatron-LM's run settings for it.
+
+    Attributes:
+      size: the zoo's ``gpt`` size of the row's shape.
+      label: the table's parameter count.
+      heads, hidden, layers, tp, pp, gpus, batch: the table's columns (batch in sequences).
+      tflops: achieved TFLOP/s per GPU (the table's).
+      microbatch_size: sequences per microbatch (run_table_1.sh's ``MBS``).
+      interleave: virtual stages per device (layers per stage / run_table_1.sh's
+        ``--num-layers-per-virtual-pipeline-stage``; 1 without it).
+      ddp: run_table_1.sh's ``DDP``: ``torch`` (overlapped with the backward) or ``local``.
+    """
+
+    size: str
+    label: str
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    tflops: float
+    microbatch_size: int
+    interleave: int
+    ddp: str
+
+
+ROWS = (
+    Row("1.7b", "1.7B", 24, 2304, 24, 1, 1, 32, 512, 137, 16, 1, "torch"),
+    Row("3.6b", "3.6B", 32, 3072, 30, 2, 1, 64, 512, 138, 16, 1, "torch"),
+    Row("7.5b", "7.5B", 32, 4096, 36, 4, 1, 128, 512, 142, 16, 1, "torch"),
+    Row("18.4b", "18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135, 8, 1, "torch"),
+    Row("39.1b", "39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138, 4, 1, "local"),
+    Row("76.1b", "76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, 3, "local"),
+    Row("145.6b", "145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, 2, "local"),
+    Row("310.1b", "310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, 2, "local"),
+    Row("530b", "529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 3, "local"),
+    Row("1t", "1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, 1, "local"),
+)
+
+
+def paper_flops(row: Row) -> float:
+    """The paper's FLOPs per iteration, ``96 B s l h^2 (1 + s / (6 h) + V / (16 l h))``.
+
+    >>> f"{paper_flops(ROWS[-1]):.3e}"
+    '5.139e+19'
+    """
+    b, layers, h = row.batch, row.layers, row.hidden
+    return 96 * b * SEQ * layers * h * h * (1 + SEQ / (6 * h) + VOCAB / (16 * layers * h))
+
+
+def published_time(row: Row) -> float:
+    """The published iteration time in seconds: the paper's FLOPs over GPUs x achieved FLOP/s.
+
+    >>> round(published_time(ROWS[-1]), 1)
+    102.6
+    """
+    return paper_flops(row) / (row.gpus * row.tflops * 1e12)
+
+
+def graph_flops(graph: OpGraph) -> float:
+    """The graph's matmul FLOPs of one iteration counted as the paper counts them: the layers'
+    forward four times (forward, recomputed forward, two in the backward), the rest three."""
+    mm = [op for op in graph.operators if op.anchor == "dot_general"]
+    layers = sum(op.flops for op in mm if op.block_position)
+    return 4 * layers + 3 * sum(op.flops for op in mm if not op.block_position)
+
+
+class Prediction(NamedTuple):
+    """A row's published and predicted figures (`predicted_s` None where it could not be
+    built: `note` says why)."""
+
+    row: Row
+    published_s: float
+    predicted_s: float | None
+    fits: bool | None
+    memory_gb: float | None
+    flops_ratio: float | None
+    note: str
+    run_s: float
+
+    @property
+    def error(self) -> float | None:
+        """``(predicted - published) / published``."""
+        if self.predicted_s is None:
+            return None
+        return (self.predicted_s - self.published_s) / self.published_s
+
+
+def row_topology(row: Row, params: Mapping[str, Any] | None) -> Topology:
+    """``dgx-a100x3072`` cut to the row's GPUs, with fitted parameters applied (None: as
+    shipped). The one parameter applied today is ``"efficiency"``, a
+    `soapjax.topology.Efficiency` for the A100 (the topology file's ``[device.efficiency]``)."""
+    topo = scaled_topology(load_topology(MESH), row.gpus)
+    if not params:
+        return topo
+    unknown = set(params) - {"efficiency"}
+    if unknown:
+        raise ValueError(f"fitted parameters {sorted(unknown)} are not applied by row_topology;"
+                         " expected only 'efficiency' (extend row_topology for the others)")
+    return dataclasses.replace(topo, device=dataclasses.replace(
+        topo.device, efficiency=params["efficiency"]))
+
+
+def predict(row: Row, params: Mapping[str, Any] | None = None) -> Prediction:
+    """The row simulated in its published configuration; errors that stop it are in ``note``."""
+    t0 = time.perf_counter()
+    cfg = GPT_SIZES[row.size]
+    assert (cfg.num_heads, cfg.d_model, cfg.num_layers, cfg.seq_len, cfg.vocab_size) == (
+        row.heads, row.hidden, row.layers, SEQ, VOCAB), (row, cfg)
+    published = published_time(row)
+    w = soapjax_zoo.get("gpt", row.size, batch_size=row.batch)
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    ratio = graph_flops(g) / paper_flops(row)
+    try:
+        topo = row_topology(row, params)
+        strategy = baselines.megatron_3d(
+            g, topo, tp=row.tp, pp=row.pp, microbatch_size=row.microbatch_size,
+            interleave=row.interleave, recompute="full", sequence_parallel=False)
+        costs = cost_model(g, topo, mode="analytic", optimizer=w.optimizer)
+        r = simulate(g, topo, strategy, cost_model=costs, resharder="ideal",
+                     opt_state_factor=opt_state_factor(w.optimizer, w.abstract_params()))
+    except SoapjaxError as e:
+        return Prediction(row, published, None, None, None, ratio,
+                          f"not built: {str(e).splitlines()[0]}", time.perf_counter() - t0)
+    note = "" if r.fits_in_memory else "does not fit in 80 GB"
+    return Prediction(row, published, r.step_time_s, r.fits_in_memory,
+                      max(r.peak_memory_bytes) / 1e9, ratio, note, time.perf_counter() - t0)
+
+
+Params = Mapping[str, Any] | None
+Fit = Callable[[Sequence[Row]], Params]
+
+
+def no_fit(rows: Sequence[Row]) -> Params:
+    """No parameters to fit yet: the simulator's device model as shipped."""
+    return None
+
+
+FIT: Fit = no_fit  # the fit the script runs: plug the real one in here
+
+
+def leave_one_out(rows: Sequence[Row], fit: Fit = no_fit,
+                  predict: Callable[[Row, Params], Prediction] = predict) -> list[Prediction]:
+    """Each row predicted with the parameters `fit` finds on the other rows."""
+    return [predict(row, fit([r for r in rows if r is not row])) for row in rows]
+
+
+def summary(preds: Sequence[Prediction]) -> tuple[float, float] | None:
+    """(mean, max) absolute error over the rows that were built."""
+    errors = [abs(p.error) for p in preds if p.error is not None]
+    return (statistics.fmean(errors), max(errors)) if errors else None
+
+
+def config_words(row: Row) -> str:
+    pipe = f" PP{row.pp}" + (f" v{row.interleave}" if row.interleave > 1 else "")
+    sched = (" interleaved" if row.interleave > 1 else " 1F1B") if row.pp > 1 else ""
+    dp = row.gpus // (row.tp * row.pp)
+    return f"TP{row.tp}{pipe if row.pp > 1 else ''} DP{dp} mb{row.microbatch_size}{sched}"
+
+
+def render(preds: Sequence[Prediction], title: str) -> str:
+    lines = [
+        f"{title}",
+        "",
+        ("| row | GPUs | batch | config (full recompute, no SP) | published (s) | predicted (s) "
+         "| error | % of peak: published | predicted | memory/GPU (GB) | graph F / paper F "
+         "| note |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in preds:
+        r = p.row
+        pct = 100 * r.tflops * 1e12 / A100_PEAK
+        if p.predicted_s is None:
+            pred = err = mfu = mem = "-"
+        else:
+            pred, err = f"{p.predicted_s:.2f}", f"{100 * p.error:+.1f}%"
+            mfu = f"{100 * paper_flops(r) / (p.predicted_s * r.gpus * A100_PEAK):.0f}%"
+            mem = f"{p.memory_gb:.1f}"
+        lines.append(f"| {r.label} | {r.gpus} | {r.batch} | {config_words(r)} | "
+                     f"{p.published_s:.2f} | {pred} | {err} | {pct:.0f}% | {mfu} | {mem} | "
+                     f"{p.flops_ratio:.4f} | {p.note} |")
+    s = summary(preds)
+    built = sum(p.error is not None for p in preds)
+    lines += ["", f"mean |error| {100 * s[0]:.1f}%, max |error| {100 * s[1]:.1f}% over {built} "
+              "rows" if s else "no row was built"]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default=None,
+                   help="comma-separated zoo sizes to run, e.g. '1.7b,1t' (default: all ten: "
+                   + ", ".join(r.size for r in ROWS) + ")")
+    p.add_argument("--leave-one-out", action="store_true",
+                   help="also predict each row with parameters fitted on the others")
+    p.add_argument("--json", default=None, help="also write the rows as JSON")
+    args = p.parse_args()
+    rows = list(ROWS)
+    if args.rows:
+        wanted = [s.strip() for s in args.rows.split(",")]
+        unknown = [s for s in wanted if s not in {r.size for r in ROWS}]
+        if unknown:
+            p.error(f"unknown rows {unknown}; expected some of "
+                    + ", ".join(r.size for r in ROWS))
+        rows = [r for r in ROWS if r.size in wanted]
+    t0 = time.perf_counter()
+    setup = next(q for q in __doc__.split("\n\n") if q.startswith("The configuration as"))
+    print(setup.replace("\n", " "), "\n", flush=True)
+    params = FIT(ROWS)
+    preds = []
+    for row in rows:
+        preds.append(predict(row, params))
+        q = preds[-1]
+        print(f"{row.label}: published {q.published_s:.2f} s, predicted "
+              f"{q.predicted_s if q.predicted_s is None else round(q.predicted_s, 3)} s "
+              f"({q.run_s:.1f} s) {q.note}", file=sys.stderr, flush=True)
+    one = ROWS[-1]
+    print(render(preds, "Before fitting: the device model as shipped (analytic roofline, "
+                 "100 % of peak, ideal resharding)" if params is None else f"Fitted: {params}"))
+    print(f"\nFLOP formula check: {one.label}: F = {paper_flops(one):.3e} FLOPs, over "
+          f"{one.gpus} x {one.tflops:.0f} TFLOP/s = {published_time(one):.1f} s per iteration "
+          f"(the reference note's 5.14e19 and about 103 s); the column 'graph F / paper F' is "
+          "the traced graph's own matmul count (layers x4, head x3) over the formula's.")
+    if args.leave_one_out:
+        if FIT is no_fit:
+            print("\nleave-one-out: no parameters to fit yet (no_fit); each row's prediction "
+                  "is the one above, so the leave-one-out error equals the error above.")
+        else:  # each row predicted from the parameters fitted on the other nine
+            loo = [predict(row, FIT([r for r in ROWS if r is not row])) for row in rows]
+            print("\n" + render(loo, "Leave-one-out"))
+    print(f"\nrun time: {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            [{**p.row._asdict(), "published_s": p.published_s, "predicted_s": p.predicted_s,
+              "error": p.error, "fits": p.fits, "memory_gb": p.memory_gb,
+              "graph_flops_ratio": p.flops_ratio, "note": p.note} for p in preds], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
