@@ -22,13 +22,16 @@ The configuration as published. From the table: TP, PP, GPUs, global batch, the 
 Megatron-LM's own script for the table (NVIDIA/Megatron-LM, examples/sc21/run_table_1.sh):
 the microbatch size (16, 16, 16, 8, 4, 2, 2, 1, 1, 1) and the interleaved schedule's layers per
 virtual stage (76B: 5, 145B: 5, 310B: 3, 530B: 1, so 3, 2, 2 and 3 virtual stages per device;
-none for 1T, which runs plain 1F1B, although the paper's section 5.1 says the interleaved
-schedule was used throughout; none where PP = 1 or 2), ``--recompute-method uniform`` on every
-row (full activation recomputation of every layer, which is what the four-pass F counts), and
-PyTorch DDP for the rows without pipeline stages, Megatron's "local" DDP for the others.
+none for 1T, which the script runs with plain 1F1B, whatever the paper's text says of the
+interleaved schedule (not checked here); none where PP = 1 or 2), ``--recompute-method
+uniform`` on every row (full activation recomputation of every layer, which is what the
+four-pass F counts), and PyTorch DDP for the rows without pipeline stages, Megatron's "local"
+DDP for the others.
 Assumed: no sequence parallelism (it came later, Korthikanti et al. 2022); the paper's
-scatter/gather of stage-to-stage sends (section 4.1) is not modelled (soapjax sends a stage's
-whole activation once over the inter-node links); gradient synchronisation, overlap and fp16
+scatter/gather of stage-to-stage sends is not modelled (`soapjax.pipesim` sends each device's
+shard of the boundary activations, which without sequence parallelism is the whole activation
+on each of the TP devices, each over its own NIC: Megatron without scatter/gather); gradient
+synchronisation, overlap and fp16
 as the simulator does them, whatever DDP flavour the row used; float32 master parameters and
 Adam state (the zoo's, which Megatron's fp16 training with fp32 master weights matches in
 bytes). The table's achieved TFLOP/s were copied into the reference note by hand and have not
@@ -159,6 +162,7 @@ class Prediction(NamedTuple):
     predicted_s: float | None
     fits: bool | None
     memory_gb: float | None
+    bubble: float | None
     flops_ratio: float | None
     note: str
     run_s: float
@@ -205,11 +209,13 @@ def predict(row: Row, params: Mapping[str, Any] | None = None) -> Prediction:
         r = simulate(g, topo, strategy, cost_model=costs, resharder="ideal",
                      opt_state_factor=opt_state_factor(w.optimizer, w.abstract_params()))
     except SoapjaxError as e:
-        return Prediction(row, published, None, None, None, ratio,
+        return Prediction(row, published, None, None, None, None, ratio,
                           f"not built: {str(e).splitlines()[0]}", time.perf_counter() - t0)
     note = "" if r.fits_in_memory else "does not fit in 80 GB"
+    bubble = r.pipeline.bubble_fraction if r.pipeline is not None else None
     return Prediction(row, published, r.step_time_s, r.fits_in_memory,
-                      max(r.peak_memory_bytes) / 1e9, ratio, note, time.perf_counter() - t0)
+                      max(r.peak_memory_bytes) / 1e9, bubble, ratio, note,
+                      time.perf_counter() - t0)
 
 
 Params = Mapping[str, Any] | None
@@ -248,22 +254,23 @@ def render(preds: Sequence[Prediction], title: str) -> str:
         f"{title}",
         "",
         ("| row | GPUs | batch | config (full recompute, no SP) | published (s) | predicted (s) "
-         "| error | % of peak: published | predicted | memory/GPU (GB) | graph F / paper F "
-         "| note |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+         "| error | % of peak: published | predicted | bubble | memory/GPU (GB) "
+         "| graph F / paper F | note |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in preds:
         r = p.row
         pct = 100 * r.tflops * 1e12 / A100_PEAK
         if p.predicted_s is None:
-            pred = err = mfu = mem = "-"
+            pred = err = mfu = mem = bubble = "-"
         else:
             pred, err = f"{p.predicted_s:.2f}", f"{100 * p.error:+.1f}%"
             mfu = f"{100 * paper_flops(r) / (p.predicted_s * r.gpus * A100_PEAK):.0f}%"
             mem = f"{p.memory_gb:.1f}"
+            bubble = "-" if p.bubble is None else f"{100 * p.bubble:.1f}%"
         lines.append(f"| {r.label} | {r.gpus} | {r.batch} | {config_words(r)} | "
-                     f"{p.published_s:.2f} | {pred} | {err} | {pct:.0f}% | {mfu} | {mem} | "
-                     f"{p.flops_ratio:.4f} | {p.note} |")
+                     f"{p.published_s:.2f} | {pred} | {err} | {pct:.0f}% | {mfu} | {bubble} | "
+                     f"{mem} | {p.flops_ratio:.4f} | {p.note} |")
     s = summary(preds)
     built = sum(p.error is not None for p in preds)
     lines += ["", f"mean |error| {100 * s[0]:.1f}%, max |error| {100 * s[1]:.1f}% over {built} "
@@ -317,7 +324,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(
             [{**p.row._asdict(), "published_s": p.published_s, "predicted_s": p.predicted_s,
-              "error": p.error, "fits": p.fits, "memory_gb": p.memory_gb,
+              "error": p.error, "fits": p.fits, "memory_gb": p.memory_gb, "bubble": p.bubble,
               "graph_flops_ratio": p.flops_ratio, "note": p.note} for p in preds], indent=1))
     return 0
 
