@@ -6,11 +6,16 @@ functions of this module; `soapjax.apply` realises them with the same rules.
 **Recomputation** (`Strategy.recompute`: per operator ``"none"``, ``"selective"`` or
 ``"full"``). An operator that *recomputes* does not keep its outputs for the backward pass; its
 forward runs again just before its backward (the backward task costs forward + backward).
-``"full"`` recomputes the operator; ``"selective"`` is Megatron's selective recomputation:
-the operators built around a matmul or a convolution (``dot_general``, ``conv_general_dilated``:
-the expensive ones whose outputs are worth their bytes) keep their outputs as under ``"none"``,
-every other operator (norms, activations, softmax, masking: the cheap rest and the attention
-scores' elementwise parts) recomputes as under ``"full"``.
+``"full"`` recomputes the operator; ``"selective"`` is Megatron's selective recomputation
+(Korthikanti et al. 2022, section 4.2): it recomputes the *attention core*, the operators built
+around a matmul of two activations (`attention_core`: ``q k^T`` with the scaling, masking,
+softmax and dropout folded into it, and ``probs v``), whose s x s outputs are a layer's
+largest (Megatron counts ``5 a s^2 b`` bytes for them, dropout included, against ``34 s b h``
+for the rest) and cheapest to make again, and keeps every other operator's outputs as under
+``"none"`` (the matmuls that read weights, the norms, the activations). Found by structure, not
+by name: a matmul none of whose operands is a parameter; a model without one (an MLP, a CNN)
+recomputes nothing under ``"selective"``, and a softmax grouped into an operator of its own
+(not folded into the scores' matmul, as in the zoo's models) is kept.
 
 Recomputing operators are grouped into *segments*: maximal runs of consecutive recomputing
 operators (graph order) of one layer (a layer of a scan over layers, `Operator.block_position`;
@@ -23,11 +28,11 @@ kept, what stays inside is recomputed. Hence the memory rule (`activation_bytes`
 * while a segment's backward runs, its dropped outputs exist again: the peak adds the largest
   segment's dropped bytes.
 
-Example: a layer ``ln -> fc1 -> gelu -> fc2`` with ``"selective"`` everywhere recomputes
-``ln`` and ``gelu``, each its own segment; ``ln``'s output is read by ``fc1`` outside its
-segment, so it is kept: selective recomputation saves what a norm or an activation makes
-inside its operator (a softmax's exponentials), not what a matmul reads. With ``"full"`` the
-layer is one segment and only its last output is kept.
+Example: an attention layer ``ln -> q, k, v -> scores (q k^T, softmax) -> probs v -> out``
+with ``"selective"`` everywhere recomputes ``scores`` and ``probs v``, one segment: the
+probabilities (read only inside it) are dropped, the output of ``probs v`` (read by ``out``) is
+kept, and the peak adds one layer's probabilities, alive again while that layer's backward runs.
+With ``"full"`` the layer is one segment and only its last output is kept.
 
 **Microbatches** (`Strategy.microbatches`, M): the global batch runs as M microbatches, each
 through the forward and backward pass, gradients summed in a ``lax.scan``, synchronised and
@@ -51,28 +56,45 @@ from soapjax.errors import PlanError
 from soapjax.graph import Operator, OpGraph
 from soapjax.space import RECOMPUTE_POLICIES, Config, MeshShape, RecomputePolicy, sample_dim
 
-__all__ = ["Segments", "check_microbatches", "layer_of", "microbatch_choices", "microbatch_degrees",
-           "microbatch_error", "microbatch_shape", "random_operator", "recomputes"]
+__all__ = ["Segments", "attention_core", "check_microbatches", "layer_of", "microbatch_choices",
+           "microbatch_degrees", "microbatch_error", "microbatch_shape", "random_operator",
+           "recomputes"]
 
-_KEPT_ANCHORS = ("dot_general", "conv_general_dilated")
+_MATMUL_ANCHORS = ("dot_general",)
 
 
 # --- recomputation ------------------------------------------------------------------------------
 
 
+def attention_core(op: Operator) -> bool:
+    """Whether `op` is part of an attention core: a matmul of two activations (no operand a
+    parameter), as ``q k^T`` (with the softmax folded in) and ``probs v`` are.
+
+    >>> from types import SimpleNamespace as Op, SimpleNamespace as X
+    >>> attention_core(Op(anchor="dot_general", inputs=(X(kind="activation"),) * 2))
+    True
+    >>> attention_core(Op(anchor="dot_general", inputs=(X(kind="param"), X(kind="activation"))))
+    False
+    """
+    return op.anchor.startswith(_MATMUL_ANCHORS) and not any(x.kind == "param"
+                                                              for x in op.inputs)
+
+
 def recomputes(op: Operator, policy: RecomputePolicy) -> bool:
     """Whether `op` under `policy` drops its outputs and runs its forward again (module doc).
 
-    >>> from types import SimpleNamespace as Op
-    >>> recomputes(Op(anchor="dot_general"), "selective"), recomputes(Op(anchor="exp"), "selective")
-    (False, True)
+    >>> from types import SimpleNamespace as Op, SimpleNamespace as X
+    >>> fc1 = Op(anchor="dot_general", inputs=(X(kind="param"), X(kind="activation")))
+    >>> scores = Op(anchor="dot_general", inputs=(X(kind="activation"),) * 2)
+    >>> recomputes(fc1, "selective"), recomputes(scores, "selective"), recomputes(fc1, "full")
+    (False, True, True)
     """
     if policy == "none":
         return False
     if policy == "full":
         return True
     if policy == "selective":
-        return not op.anchor.startswith(_KEPT_ANCHORS)
+        return attention_core(op)
     raise PlanError(f"operator {op.name!r}: recompute policy {policy!r} is not one of "
                     f"{RECOMPUTE_POLICIES}")
 
