@@ -223,7 +223,10 @@ def main(argv=None) -> int:
                     "compares two calibrations on the same measured steps)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    log = (lambda s: print(s, file=sys.stderr, flush=True))
+
+    def log(s):
+        print(s, file=sys.stderr, flush=True)
+
     result = run(args.models, args.repeats, args.randoms, log, before_rev=args.before,
                  seconds=args.seconds)
     result["seconds"] = time.perf_counter() - t0

@@ -1,13 +1,13 @@
 """The zoo table of `soapjax check`: XLA's collective bytes against the simulator's, per plan.
 
 For every zoo model (tiny configs) on the 8 virtual CPU devices of ``cpu8`` (data=2 x model=4),
-applies data parallelism, each baseline (Megatron, FSDP, the paper's expert CNN and RNN
-strategies) and the searched plan (analytic costs, 300 proposals per chain, seed 0), and runs
-`soapjax.check.compare_on_devices` on each: the largest difference from the unsharded step, the bytes per
-device of the collectives in the compiled step (a collective inside a loop counted once per
-iteration) and the bytes of the simulator's communication tasks (reshardings priced by XLA,
-``reshard="xla"``), and the bytes each device sends over the step both ways. Prints a markdown
-table with the ratios predicted / XLA; the goal (issue 7) is within 10%.
+applies data parallelism, each baseline (Megatron, FSDP, the paper's expert CNN and RNN strategies)
+and the searched plan (analytic costs, 300 proposals per chain, seed 0), and runs
+`soapjax.check.compare_on_devices` on each: the largest difference from the unsharded step, the
+bytes per device of the collectives in the compiled step (a collective inside a loop counted once
+per iteration) and the bytes of the simulator's communication tasks (reshardings priced by XLA,
+``reshard="xla"``), and the bytes each device sends over the step both ways. Prints a markdown table
+with the ratios predicted / XLA; the goal (issue 7) is within 10%.
 
     python scripts/bench_check.py                    # the whole zoo (~20 min on 2 cores)
     python scripts/bench_check.py --models mlp gpt2 --plans data-parallel searched

@@ -34,9 +34,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import jax  # noqa: E402
+from _decoder_metrics import matmul_degrees, model_flops  # noqa: E402
 
 import soapjax_zoo  # noqa: E402
-from _decoder_metrics import matmul_degrees, model_flops  # noqa: E402
 from soapjax.baselines import megatron_grid  # noqa: E402
 from soapjax.cost import cost_model  # noqa: E402
 from soapjax.errors import PlanError  # noqa: E402

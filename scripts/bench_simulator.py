@@ -17,8 +17,8 @@ answers change which collectives are priced, not the simulator's speed once they
 Devices: the paper's K80 cluster (`meshes/k80x64.toml`) cut to 1, 2, 4, 8 and 16 nodes of 4
 GPUs by `soapjax.topology.scaled_topology`, mesh ``node x gpu``. Under symmetric SPMD the task
 graph does not grow with the device count (one compute stream; channels that collectives use
-alike are one resource), unlike the paper's per-device tasks. Every row also checks that the walk's final delta state equals a
-full simulation of its strategy, task by task.
+alike are one resource), unlike the paper's per-device tasks. Every row also checks that the
+walk's final delta state equals a full simulation of its strategy, task by task.
 
 Usage::
 
@@ -40,6 +40,7 @@ from soapjax import cost, graph, space
 from soapjax.reshard import Resharder
 from soapjax.simulate import Simulation
 from soapjax.topology import load_topology, scaled_topology
+
 
 def bench(g, topo, *, proposals: int, full_every: int, seed: int, repeats: int) -> dict:
     mesh = space.MeshShape.of(topo)

@@ -2,8 +2,8 @@
 
 Runs a command line (default: ``soapjax check`` of tiny GPT-2's plan on ``cpu8``) under
 `sys.setprofile` and counts, per module, the calls into it from another module that carry the
-plan in flight: an argument that is the `Plan`, a `Strategy` or a checked one (not ``self``: a method of
-the plan's own class is its behaviour, not a stage). A plan that
+plan in flight: an argument that is the `Plan`, a `Strategy` or a checked one (not ``self``: a
+method of the plan's own class is its behaviour, not a stage). A plan that
 bounces between modules (validated at six entry points, converted from names three times)
 enters some of them many times; one that flows through the stages enters each a few times.
 

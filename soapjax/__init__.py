@@ -13,6 +13,7 @@ The stage modules keep their names (`soapjax.search.search`, `soapjax.simulate.s
 function re-exported here under its module's name would hide the module.
 """
 
+from soapjax.apply import sharded_train_step as sharded_train_step
 from soapjax.errors import (
     ArgumentError as ArgumentError,
     MissingDependencyError as MissingDependencyError,
@@ -23,8 +24,7 @@ from soapjax.errors import (
     UnknownModelError as UnknownModelError,
     WorkloadError as WorkloadError,
 )
-from soapjax.apply import sharded_train_step as sharded_train_step
-from soapjax.graph import OpGraph as OpGraph, Operator as Operator, trace as trace
+from soapjax.graph import Operator as Operator, OpGraph as OpGraph, trace as trace
 from soapjax.plan import Plan as Plan
 from soapjax.report import register_html_reprs as _register_html_reprs
 from soapjax.search import SearchSettings as SearchSettings, find_plan as find_plan
@@ -35,7 +35,11 @@ from soapjax.space import (
     configs as configs,
     data_parallel as data_parallel,
 )
-from soapjax.topology import Topology as Topology, load_topology as load_topology, make_mesh as make_mesh
+from soapjax.topology import (
+    Topology as Topology,
+    load_topology as load_topology,
+    make_mesh as make_mesh,
+)
 
 _register_html_reprs()  # Plan, OpGraph and SimResult's notebook HTML
 

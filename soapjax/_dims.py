@@ -417,7 +417,6 @@ def _first_order(ls: LabelSet, name: str, p, ins, in_shapes, out_shapes, prims) 
     if name.startswith("reduce_window") or name in ("select_and_gather_add",):
         src = ins[0] or ls.fresh_many(in_shapes[0])
         out = list(ls.fresh_many(out_shapes[0]))
-        win, strides = p.get("window_dimensions"), p.get("window_strides")
         for d in range(len(out)):  # a pooled dim splits with its input (halo ignored)
             ls.union(out[d], src[d])
         return EqnInfo([tuple(out)], reduced, flops, prims)

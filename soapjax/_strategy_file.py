@@ -13,8 +13,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from soapjax import baselines
-from soapjax import plan as plan_mod
+from soapjax import baselines, plan as plan_mod
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
 from soapjax.space import (

@@ -57,31 +57,39 @@ import jax
 import numpy as np
 
 from soapjax import _timing
-from soapjax._cache import ENV as CACHE_ENV
-from soapjax._cache import cache_root as cache_root
+from soapjax._cache import ENV as CACHE_ENV, cache_root as cache_root
 from soapjax._dtypes import itemsize
 from soapjax._local import operator_fn
-from soapjax._timing import DiskCache, TimingOptions, default_cache_dir
-from soapjax._timing import Timing as Timing
-from soapjax._timing import kick as kick
-from soapjax._timing import quiet_gc as quiet_gc
-from soapjax._timing import time_loop as time_loop
-from soapjax.devices import local_backend_matches as local_backend_matches
-from soapjax.devices import local_topology as local_topology
+from soapjax._timing import (
+    DiskCache,
+    Timing as Timing,
+    TimingOptions,
+    default_cache_dir,
+    kick as kick,
+    quiet_gc as quiet_gc,
+    time_loop as time_loop,
+)
+from soapjax.devices import (
+    local_backend_matches as local_backend_matches,
+    local_topology as local_topology,
+)
 from soapjax.errors import CostError as CostError
-from soapjax.flops import FlopCounter as FlopCounter
-from soapjax.flops import StepFlops as StepFlops
-from soapjax.flops import step_flops as step_flops
+from soapjax.flops import (
+    FlopCounter as FlopCounter,
+    StepFlops as StepFlops,
+    step_flops as step_flops,
+)
 from soapjax.graph import Operator, OpGraph, trace
-from soapjax.roofline import ANALYTIC_KERNEL_OVERHEAD_S as ANALYTIC_KERNEL_OVERHEAD_S
-from soapjax.roofline import OpTime as OpTime
-from soapjax.roofline import analytic_op_time as analytic_op_time
-from soapjax.roofline import compute_dtype as compute_dtype
-from soapjax.roofline import roofline_time as roofline_time
+from soapjax.roofline import (
+    ANALYTIC_KERNEL_OVERHEAD_S as ANALYTIC_KERNEL_OVERHEAD_S,
+    OpTime as OpTime,
+    analytic_op_time as analytic_op_time,
+    compute_dtype as compute_dtype,
+    roofline_time as roofline_time,
+)
 from soapjax.space import Config, MeshShape, SpaceLimits, configs
 from soapjax.topology import Topology
-from soapjax.updates import update_passes
-from soapjax.updates import update_reductions as update_reductions
+from soapjax.updates import update_passes, update_reductions as update_reductions
 
 __all__ = ["ANALYTIC_KERNEL_OVERHEAD_S", "CACHE_ENV", "Calibration", "CostError", "CostModel",
            "CostStats", "FlopCounter", "OpTime", "ProfileProgress", "ProfileReport", "StepFlops",

@@ -31,8 +31,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from soapjax._dims import Flops as Flops
-from soapjax._dims import xla_flops
+from soapjax._dims import Flops as Flops, xla_flops
 from soapjax._dtypes import is_float
 from soapjax._local import CustomRuleError, operator_fn
 from soapjax.graph import OpGraph

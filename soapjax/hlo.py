@@ -65,8 +65,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from soapjax._hlo_flops import HloFlops as HloFlops
-from soapjax._hlo_flops import hlo_flops as hlo_flops
+from soapjax._hlo_flops import HloFlops as HloFlops, hlo_flops as hlo_flops
 from soapjax._hlo_text import (
     Inst,
     Module,
@@ -74,6 +73,7 @@ from soapjax._hlo_text import (
     callees,
     executions,
     ints,
+    launched_kernels as launched_kernels,
     leaf_bytes,
     op_name,
     ops_outside_loops,
@@ -84,7 +84,6 @@ from soapjax._hlo_text import (
     shape_str,
     type_leaves,
 )
-from soapjax._hlo_text import launched_kernels as launched_kernels
 from soapjax.collectives import HLO_OPCODES, bytes_sent
 
 __all__ = ["KINDS", "HloCollective", "HloFlops", "collectives", "hlo_flops", "launched_kernels",

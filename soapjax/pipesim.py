@@ -46,11 +46,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from soapjax._flatsim import Simulation, shard_bytes
+from soapjax._simresult import MemoryBreakdown, SimResult
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
 from soapjax.pipeline import ChunkTimes, PipelineTimeline, time_schedule
-from soapjax._flatsim import Simulation, shard_bytes
-from soapjax._simresult import MemoryBreakdown, SimResult
 from soapjax.space import Config, MeshShape, Strategy
 from soapjax.topology import Topology, stage_topology
 

@@ -79,8 +79,7 @@ from soapjax._chain import (
     random_strategy,
 )
 from soapjax.baselines import baselines as make_baselines, megatron_grid
-from soapjax.cost import CostModel
-from soapjax.cost import cost_model as make_cost_model
+from soapjax.cost import CostModel, cost_model as make_cost_model
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
 from soapjax.pipeline import pipeline_error

@@ -48,49 +48,24 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from soapjax import _topology_file
-from soapjax._routing import Hop, Routes
-from soapjax._routing import RingStats as RingStats
+from soapjax._routing import Hop, RingStats as RingStats, Routes
 from soapjax._topology_file import (
     KNOWN_DTYPES as KNOWN_DTYPES,
-)
-from soapjax._topology_file import (
     LINK_CLASSES as LINK_CLASSES,
-)
-from soapjax._topology_file import (
     PLATFORMS as PLATFORMS,
-)
-from soapjax._topology_file import (
     REQUIRED_DTYPES as REQUIRED_DTYPES,
-)
-from soapjax._topology_file import (
     CollectiveModel as CollectiveModel,
-)
-from soapjax._topology_file import (
     ComputeSharing as ComputeSharing,
-)
-from soapjax._topology_file import (
     DeviceSpec as DeviceSpec,
-)
-from soapjax._topology_file import (
     Efficiency as Efficiency,
-)
-from soapjax._topology_file import (
     Link as Link,
-)
-from soapjax._topology_file import (
     Platform as Platform,
 )
 from soapjax.collectives import (
     ALGORITHMS as ALGORITHMS,
-)
-from soapjax.collectives import (
     COLLECTIVES as COLLECTIVES,
-)
-from soapjax.collectives import (
-    bytes_sent as bytes_sent,
-)
-from soapjax.collectives import (
     FORMULAS,
+    bytes_sent as bytes_sent,
     hierarchical_time,
     kind_name,
     ring_time,

@@ -15,18 +15,22 @@ sizes too: ``zoo.get("gpt", "175b")``; ``default`` is the smallest)::
 
 from __future__ import annotations
 
-from soapjax_zoo.registry import apis as apis
-from soapjax_zoo.registry import configs as configs
-from soapjax_zoo.registry import for_plan as for_plan
-from soapjax_zoo.registry import get as get
-from soapjax_zoo.registry import load as load
-from soapjax_zoo.registry import names as names
-from soapjax_zoo.registry import names_with as names_with
-from soapjax_zoo.workload import ModelConfigError as ModelConfigError
-from soapjax_zoo.workload import ModelSummary as ModelSummary
-from soapjax_zoo.workload import Workload as Workload
-from soapjax_zoo.workload import step_flops as step_flops
-from soapjax_zoo.workload import summarize as summarize
+from soapjax_zoo.registry import (
+    apis as apis,
+    configs as configs,
+    for_plan as for_plan,
+    get as get,
+    load as load,
+    names as names,
+    names_with as names_with,
+)
+from soapjax_zoo.workload import (
+    ModelConfigError as ModelConfigError,
+    ModelSummary as ModelSummary,
+    Workload as Workload,
+    step_flops as step_flops,
+    summarize as summarize,
+)
 
 __all__ = [
     "ModelConfigError",

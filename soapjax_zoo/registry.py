@@ -24,10 +24,10 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from soapjax_zoo import cnn, gpt, gpt2, llama, mlp, rnn, user
-from soapjax_zoo.workload import ModelConfigError, Workload
 from soapjax.errors import PlanError, UnknownModelError, WorkloadError
 from soapjax.plan import Plan
+from soapjax_zoo import cnn, gpt, gpt2, llama, mlp, rnn, user
+from soapjax_zoo.workload import ModelConfigError, Workload
 
 
 class _Entry(NamedTuple):

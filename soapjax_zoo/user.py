@@ -53,9 +53,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from soapjax_zoo.workload import Workload
 from soapjax.errors import WorkloadError
 from soapjax.training import _pure_loss
+from soapjax_zoo.workload import Workload
 
 FORM = ("FILE.py:FUNCTION or package.module:FUNCTION, a function returning "
          "(loss_fn, params or nnx.Module, batch[, optimizer])")

@@ -45,7 +45,8 @@ def _graph_and_env(loss, params, batch):
 
 
 def _replace_all(g, **kw):
-    return {op.name: operator_fn(g, op.name, **kw)[0] for op in g.operators if g.replaceable(op.name)}
+    return {op.name: operator_fn(g, op.name, **kw)[0]
+            for op in g.operators if g.replaceable(op.name)}
 
 
 @pytest.mark.parametrize("loss", [ste_loss, relu_loss], ids=["custom_vjp-ste", "custom_jvp-relu"])

@@ -22,11 +22,9 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import soapjax_zoo as models
-from soapjax_zoo import mlp as mlp_module
 from soapjax import baselines, hlo, space, training
 from soapjax.apply import (
     TrainShardings,
@@ -48,6 +46,7 @@ from soapjax.search import SearchSettings, search
 from soapjax.simulate import simulate
 from soapjax.space import Config, MeshShape, SpaceLimits, Strategy
 from soapjax.topology import load_topology, make_mesh
+from soapjax_zoo import mlp as mlp_module
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOPOLOGY = load_topology("cpu8")
@@ -117,12 +116,12 @@ FLOAT32_ONLY = ("rnntc", "rnnlm", "nmt")
 def case(name: str, api: str = "linen", x64: bool | None = None) -> Case:
     """A model's synthetic arguments and graph, in float64 (or float32).
 
-    The equality tests run in float64. In float32, sharding's other reduction order shows: inception_v3's batch norms amplify it
-    to 5e-3 in a gradient, and adamw turns the rounding noise that is the gradient of gpt2's
-    attention key bias (softmax ignores a shift of every key) into learning-rate-sized updates
-    of arbitrary sign. In float64 every model and strategy agrees to 1e-12, while a wrong
-    sharding would be off by far more. (Synthetic arguments also skip compiling each model's
-    jitted init and make_batch.)
+    The equality tests run in float64. In float32, sharding's other reduction order shows:
+    inception_v3's batch norms amplify it to 5e-3 in a gradient, and adamw turns the rounding noise
+    that is the gradient of gpt2's attention key bias (softmax ignores a shift of every key) into
+    learning-rate-sized updates of arbitrary sign. In float64 every model and strategy agrees to
+    1e-12, while a wrong sharding would be off by far more. (Synthetic arguments also skip compiling
+    each model's jitted init and make_batch.)
     """
     w = models.get(name, "tiny", api=api)
     x64 = name not in FLOAT32_ONLY if x64 is None else x64
@@ -199,7 +198,8 @@ def run_sharded(c: Case, strategy: Strategy, mesh: Mesh):
 
 
 def assert_matches(out, reference, rtol: float = RTOL, atol: float = ATOL) -> float:
-    """Asserts every leaf agrees within `atol` + `rtol` x its largest entry; returns the max diff."""
+    """Asserts every leaf agrees within `atol` + `rtol` x its largest entry; returns the max
+    diff."""
     worst = 0.0
     for (kp, want), got in zip(jax.tree_util.tree_flatten_with_path(reference)[0],
                                jax.tree.leaves(out)):

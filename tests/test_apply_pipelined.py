@@ -19,8 +19,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import float64_model
-from jax.sharding import AxisType, Mesh
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 import soapjax_zoo
 from soapjax import training

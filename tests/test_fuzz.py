@@ -254,7 +254,8 @@ def test_plan_files_bind_configs_by_operator_name(mlp, tmp_path, capsys):
         if kind == "reorder" or renamed_to_itself:
             assert parse_strategy(graph, topo, str(path)) == strategy, kind
         else:
-            with pytest.raises(PlanError, match="the plan has (a config for operator|no config for)"):
+            with pytest.raises(PlanError,
+                               match="the plan has (a config for operator|no config for)"):
                 parse_strategy(graph, topo, str(path))
             seen[kind] += 1
         if k % 10 == 0:

@@ -237,18 +237,22 @@ def test_no_batch_argument():
 
 
 def test_wrong_number_of_arguments():
-    with pytest.raises(TraceError, match=r"3 example argument\(s\) do not fit _loss\(params, batch\)"):
+    with pytest.raises(TraceError,
+                       match=r"3 example argument\(s\) do not fit _loss\(params, batch\)"):
         trace(_loss, PARAMS, BATCH, BATCH)
 
 
 def test_mismatched_shapes():
-    with pytest.raises(TraceError, match=r"tracing _loss with the example arguments .* failed: TypeError"):
+    with pytest.raises(TraceError,
+                       match=r"tracing _loss with the example arguments .* failed: TypeError"):
         trace(_loss, {"w": jnp.ones((5, 2))}, BATCH)
 
 
 def test_batch_sizes_disagree():
-    with pytest.raises(TraceError, match=r"batch leaf \['y'\] has batch size 5 .* but \['x'\] has 4"):
-        trace(lambda p, b: _loss(p, b) + b["y"].sum(), PARAMS, {"x": jnp.ones((4, 3)), "y": jnp.ones(5)})
+    with pytest.raises(TraceError,
+                       match=r"batch leaf \['y'\] has batch size 5 .* but \['x'\] has 4"):
+        trace(lambda p, b: _loss(p, b) + b["y"].sum(), PARAMS,
+              {"x": jnp.ones((4, 3)), "y": jnp.ones(5)})
 
 
 def test_scalar_batch_leaf():
@@ -257,12 +261,14 @@ def test_scalar_batch_leaf():
 
 
 def test_argnum_out_of_range():
-    with pytest.raises(TraceError, match=r"batch_argnums=\(2,\) refers to argument 2, but 2 example"):
+    with pytest.raises(TraceError,
+                       match=r"batch_argnums=\(2,\) refers to argument 2, but 2 example"):
         trace(_loss, PARAMS, BATCH, batch_argnums=2)
 
 
 def test_non_scalar_loss():
-    with pytest.raises(TraceError, match=r"must return a scalar loss, but returned \(float32\[4,2\]\)"):
+    with pytest.raises(TraceError,
+                       match=r"must return a scalar loss, but returned \(float32\[4,2\]\)"):
         trace(lambda p, b: b["x"] @ p["w"], PARAMS, BATCH)
 
 

@@ -6,8 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from soapjax import hlo
 from soapjax.space import MeshShape
@@ -131,17 +130,21 @@ def test_tuple_all_to_all_with_index_comments():
     assert c.axes == ("data", "model")
 
 
-ASYNC = """
-ENTRY %main {
-  %p = f32[16,32]{1,0} parameter(0)
-  %ags = (f32[16,32]{1,0}, f32[64,32]{1,0}) all-gather-start(%p), channel_id=1, replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}
-  %agd = f32[64,32]{1,0} all-gather-done(%ags)
-  %ars = bf16[64,32]{1,0} all-reduce-start(%agd), channel_id=2, replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add
-  %ard = bf16[64,32]{1,0} all-reduce-done(%ars)
-  %cps = (bf16[64,32]{1,0}, bf16[64,32]{1,0}, u32[], u32[]) collective-permute-start(%ard), channel_id=3, source_target_pairs={{0,2},{2,0},{1,3},{3,1}}
-  ROOT %cpd = bf16[64,32]{1,0} collective-permute-done(%cps)
-}
-"""
+ASYNC = (
+    "\n"
+    "ENTRY %main {\n"
+    "  %p = f32[16,32]{1,0} parameter(0)\n"
+    "  %ags = (f32[16,32]{1,0}, f32[64,32]{1,0}) all-gather-start(%p), channel_id=1, "
+    "replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}\n"
+    "  %agd = f32[64,32]{1,0} all-gather-done(%ags)\n"
+    "  %ars = bf16[64,32]{1,0} all-reduce-start(%agd), channel_id=2, "
+    "replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add\n"
+    "  %ard = bf16[64,32]{1,0} all-reduce-done(%ars)\n"
+    "  %cps = (bf16[64,32]{1,0}, bf16[64,32]{1,0}, u32[], u32[]) collective-permute-start(%ard), "
+    "channel_id=3, source_target_pairs={{0,2},{2,0},{1,3},{3,1}}\n"
+    "  ROOT %cpd = bf16[64,32]{1,0} collective-permute-done(%cps)\n"
+    "}\n"
+)
 
 
 def test_async_pairs_count_once_with_their_outputs():
@@ -159,20 +162,24 @@ def test_async_pairs_count_once_with_their_outputs():
     }
 
 
-GPU_ASYNC = """
-%wrapped_reduce_scatter (p: f32[16,4]) -> f32[4,4] {
-  %p = f32[16,4]{1,0} parameter(0)
-  ROOT %rs = f32[4,4]{1,0} reduce-scatter(%p), replica_groups={{0,2,4,6},{1,3,5,7}}, dimensions={0}
-}
-
-ENTRY %main (x: f32[16,4]) -> f32[8,4] {
-  %x = f32[16,4]{1,0} parameter(0)
-  %async-start = ((f32[16,4]{1,0}), f32[4,4]{1,0}, s32[]) async-start(%x), calls=%wrapped_reduce_scatter
-  %async-done = f32[4,4]{1,0} async-done(%async-start)
-  %a2a-start = ((f32[4,4]{1,0}), f32[4,4]{1,0}) all-to-all-start(%async-done), replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}
-  ROOT %a2a-done = f32[4,4]{1,0} all-to-all-done(%a2a-start)
-}
-"""
+GPU_ASYNC = (
+    "\n"
+    "%wrapped_reduce_scatter (p: f32[16,4]) -> f32[4,4] {\n"
+    "  %p = f32[16,4]{1,0} parameter(0)\n"
+    "  ROOT %rs = f32[4,4]{1,0} reduce-scatter(%p), replica_groups={{0,2,4,6},{1,3,5,7}}, "
+    "dimensions={0}\n"
+    "}\n"
+    "\n"
+    "ENTRY %main (x: f32[16,4]) -> f32[8,4] {\n"
+    "  %x = f32[16,4]{1,0} parameter(0)\n"
+    "  %async-start = ((f32[16,4]{1,0}), f32[4,4]{1,0}, s32[]) async-start(%x), "
+    "calls=%wrapped_reduce_scatter\n"
+    "  %async-done = f32[4,4]{1,0} async-done(%async-start)\n"
+    "  %a2a-start = ((f32[4,4]{1,0}), f32[4,4]{1,0}) all-to-all-start(%async-done), "
+    "replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}\n"
+    "  ROOT %a2a-done = f32[4,4]{1,0} all-to-all-done(%a2a-start)\n"
+    "}\n"
+)
 
 
 def test_gpu_async_wrappers_count_once():
@@ -295,24 +302,27 @@ def test_collectives_inside_loops_count_once_per_iteration(mesh):
 
 
 def test_executions_multiply_through_nested_loops():
-    text = """HloModule m, num_partitions=2
-
-%inner_body (p: f32[4]) -> f32[4] {
-  %p = f32[4]{0} parameter(0)
-  ROOT %ar = f32[4]{0} all-reduce(%p), replica_groups={{0,1}}, to_apply=%add
-}
-
-%outer_body (q: f32[4]) -> f32[4] {
-  %q = f32[4]{0} parameter(0)
-  ROOT %w = f32[4]{0} while(%q), condition=%cond, body=%inner_body, backend_config={"known_trip_count":{"n":"3"}}
-}
-
-ENTRY %main (x: f32[4]) -> f32[4] {
-  %x = f32[4]{0} parameter(0)
-  %ag = f32[4]{0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add
-  ROOT %w2 = f32[4]{0} while(%ag), condition=%cond, body=%outer_body, backend_config={"known_trip_count":{"n":"5"}}
-}
-"""
+    text = (
+        "HloModule m, num_partitions=2\n"
+        "\n"
+        "%inner_body (p: f32[4]) -> f32[4] {\n"
+        "  %p = f32[4]{0} parameter(0)\n"
+        "  ROOT %ar = f32[4]{0} all-reduce(%p), replica_groups={{0,1}}, to_apply=%add\n"
+        "}\n"
+        "\n"
+        "%outer_body (q: f32[4]) -> f32[4] {\n"
+        "  %q = f32[4]{0} parameter(0)\n"
+        "  ROOT %w = f32[4]{0} while(%q), condition=%cond, body=%inner_body, "
+        'backend_config={"known_trip_count":{"n":"3"}}\n'
+        "}\n"
+        "\n"
+        "ENTRY %main (x: f32[4]) -> f32[4] {\n"
+        "  %x = f32[4]{0} parameter(0)\n"
+        "  %ag = f32[4]{0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add\n"
+        "  ROOT %w2 = f32[4]{0} while(%ag), condition=%cond, body=%outer_body, "
+        'backend_config={"known_trip_count":{"n":"5"}}\n'
+        "}\n"
+    )
     cs = hlo.collectives(text)
     assert sorted((c.name, c.executions) for c in cs) == [("ag", 1), ("ar", 15)]
     assert hlo.summarize(cs, executed=True) == {"all-reduce": (16, 16 * 16)}

@@ -45,7 +45,9 @@ def test_a_change_of_algorithm_is_joined_between_the_sizes_on_either_side():
     sizes between the last measured size of one and the first of the other follow the line
     joining them (nothing says where between them the change falls)."""
     small, large = line(50e-6, 5e9), line(0.0, 2e9)
-    f = lambda s: small(s) if s < 2**21 else large(s)
+    def f(s):
+        return small(s) if s < 2**21 else large(s)
+
     fit = fit_samples("all_reduce", ("model",), samples(f), samples(f, (2**12, 2**24)))
     starts = [s[0] for s in fit.model.segments]
     assert starts == [0.0, 1.5 * 2**20, 2**21]
@@ -65,7 +67,10 @@ def test_every_regime_between_measured_sizes_is_priced_by_its_own_line():
     came out -54 to -60% on cpu4.)"""
     regimes = [(8 * 2**10, line(30e-6, 1e9)), (400 * 2**10, line(40e-6, 7e9)),
                (6 * 2**20, line(0.0, 4e9)), (math.inf, line(0.0, 1.5e9))]
-    f = lambda s: next(g(s) for top, g in regimes if s < top)
+
+    def f(s):
+        return next(g(s) for top, g in regimes if s < top)
+
     fit = fit_samples("all_reduce", ("data",), samples(f), samples(f, links.HELD_SIZES))
     assert max(abs(e) for e in fit.residuals) < 1e-9
     assert max(abs(e) for _, e in fit.held_out) < 1e-9
@@ -106,7 +111,9 @@ def test_latency_and_bandwidth_stay_physical():
 
 
 def test_written_tables_load_back_and_price_collectives(tmp_path):
-    f = lambda s: 50e-6 + s / 4e9 if s < 2**21 else s / 2e9
+    def f(s):
+        return 50e-6 + s / 4e9 if s < 2**21 else s / 2e9
+
     fits = [fit_samples(k, axes, samples(f), samples(f, (2**12,)))
             for axes in (("data",), ("model",), ("data", "model"))
             for k in links.MEASURED_KINDS]
@@ -173,13 +180,15 @@ def test_a_topology_without_measurements_keeps_its_fingerprint(tmp_path):
 
 @pytest.mark.parametrize("bad, match", [
     (('[[collectives]]\nkind = "all_reduce"\naxes = ["nope"]\n'
-     'segments = [{ from = "0 B", latency = "1 us", bandwidth = "1 GB/s" }]'), "distinct mesh axes"),
+     'segments = [{ from = "0 B", latency = "1 us", bandwidth = "1 GB/s" }]'),
+     "distinct mesh axes"),
     (('[[collectives]]\nkind = "broadcast"\naxes = ["data"]\n'
      'segments = [{ from = "0 B", latency = "1 us", bandwidth = "1 GB/s" }]'), "kind: expected"),
     (('[[collectives]]\nkind = "all_reduce"\naxes = ["data"]\n'
      'segments = [{ from = "1 KB", latency = "1 us", bandwidth = "1 GB/s" }]'), "first from 0"),
     (('[[collectives]]\nkind = "all_reduce"\naxes = [["data"]]\n'
-     'segments = [{ from = "0 B", latency = "1 us", bandwidth = "1 GB/s" }]'), "distinct mesh axes"),
+     'segments = [{ from = "0 B", latency = "1 us", bandwidth = "1 GB/s" }]'),
+     "distinct mesh axes"),
     (('[[collectives]]\nkind = "all_reduce"\naxes = ["data"]\n'
      'points = [{ size = "1 KB", time = "9 us" }, { size = "1 MB", time = "8 us" }]'),
      "do not fall"),
@@ -374,7 +383,8 @@ def test_profile_plan_times_each_collective_inside_the_step():
     assert "== mlp megatron: simulated step" in out
     (hlo_count, sim_tasks), = re.findall(r"collectives: (\d+) in the HLO, [\d.]+ ms per device "
                                          r"per step inside it; the simulator: (\d+) tasks", out)
-    rows = re.findall(r"^\s+(\d+)us\s+(\d+)us\s+[\d.]+\s+(all-\S+) \((\d+) operands?", out, re.MULTILINE)
+    rows = re.findall(r"^\s+(\d+)us\s+(\d+)us\s+[\d.]+\s+(all-\S+) \((\d+) operands?", out,
+                      re.MULTILINE)
     assert len(rows) == int(hlo_count) >= 2 and int(sim_tasks) >= int(hlo_count)
     assert all(int(t) > 0 and int(p) > 0 for t, p, _, _ in rows)
     # XLA combines Megatron's gradient all-reduces over `data` into one tuple all-reduce

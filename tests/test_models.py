@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import soapjax_zoo as zoo
+from soapjax.errors import SoapjaxError, UnknownModelError
 from soapjax_zoo.gpt2 import GPT2Config
 from soapjax_zoo.workload import ModelConfigError
-from soapjax.errors import SoapjaxError, UnknownModelError
 
 NAMES = ("alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt", "lenet", "mlp", "gpt2")
 LARGE = ("gpt", "llama")  # billions of parameters: tests/test_zoo_large.py

@@ -8,7 +8,6 @@ import random
 
 import pytest
 
-import soapjax_zoo
 from soapjax.baselines import megatron_3d
 from soapjax.cost import cost_model
 from soapjax.errors import PlanError

@@ -11,10 +11,16 @@ import soapjax_zoo as zoo
 from soapjax import cli
 from soapjax.baselines import baselines, intra_node_axes
 from soapjax.cost import cost_model
-from soapjax.graph import trace
 from soapjax.errors import SettingsError
-from soapjax.search import (SearchSettings, exhaustive, find_plan, improving_change,
-                            make_simulation, search)
+from soapjax.graph import trace
+from soapjax.search import (
+    SearchSettings,
+    exhaustive,
+    find_plan,
+    improving_change,
+    make_simulation,
+    search,
+)
 from soapjax.topology import load_topology
 
 

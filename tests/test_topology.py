@@ -11,8 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from soapjax import cli
 from soapjax.errors import SoapjaxError, TopologyError
@@ -130,10 +129,13 @@ def test_ring_collectives_match_closed_forms_inside_a_dgx():
     ar = ring_ar(S, n, b, a)
     assert t.collective_time("all_reduce", S, ("data", "model"), "ring") == pytest.approx(ar)
     assert t.collective_time("all-reduce", S, ("data", "model")) == pytest.approx(ar)
-    assert t.collective_time("all_gather", S, ("data", "model")) == pytest.approx(ring_ag(S, n, b, a))
-    assert t.collective_time("reduce_scatter", S, ("data", "model")) == pytest.approx(ring_ag(S, n, b, a))
+    assert (t.collective_time("all_gather", S, ("data", "model"))
+            == pytest.approx(ring_ag(S, n, b, a)))
+    assert (t.collective_time("reduce_scatter", S, ("data", "model"))
+            == pytest.approx(ring_ag(S, n, b, a)))
     # every GPU sends s/8 to each of 7 peers through its one NVSwitch port
-    assert t.collective_time("all_to_all", S, ("data", "model")) == pytest.approx(ring_ag(S, n, b, a))
+    assert (t.collective_time("all_to_all", S, ("data", "model"))
+            == pytest.approx(ring_ag(S, n, b, a)))
     assert t.collective_time("collective_permute", S, ("data", "model")) == pytest.approx(S / b + a)
     assert t.collective_time("point_to_point", S, ("data", "model")) == pytest.approx(S / b + a)
 
