@@ -365,8 +365,10 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
     """``(chunk params, values, x) -> y`` (the chunk's output carry) or, for the last chunk,
     ``-> loss`` (the epilogue after it); `values` are those of the ids `reads`, the chunk
     params ``[L / C, ...]`` per stacked parameter, in the scan's order. With `selective`, each
-    layer runs in a ``jax.checkpoint`` that saves only matmul and convolution outputs
-    (``dots_saveable``: `soapjax.memory`'s selective recomputation)."""
+    layer runs in a ``jax.checkpoint`` that saves the outputs of matmuls without batch dims
+    (``dots_with_no_batch_dims_saveable``: the projections and MLP matmuls, which read a
+    parameter) and recomputes the rest, the attention core's batched score and value matmuls
+    included: `soapjax.memory`'s selective recomputation, Megatron's."""
     prog, scan = cut.program, cut.scan
 
     def layer(vals: Sequence[Any], carry: tuple, slices: list) -> tuple:
@@ -377,7 +379,8 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
         return tuple(env[v] for v in scan.carries[1])
 
     if selective:
-        layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_saveable)
+        layer = jax.checkpoint(
+            layer, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
 
     def chunk(params: list, vals: Sequence[Any], x: tuple) -> Any:
         values = dict(zip(reads, vals))
@@ -651,9 +654,10 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
       virtual: v, chunks per stage (the interleaved schedule: 2 or more).
       schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (`soapjax.pipeline`).
       recompute: ``"full"``: each chunk's backward recomputes its forward from
-        the chunk's input; ``"selective"``: a forward keeps its layers' matmul and convolution
-        outputs only and the backward recomputes the rest (``jax.checkpoint`` with
-        ``dots_saveable`` around each layer); ``"none"`` (default): a forward keeps every
+        the chunk's input; ``"selective"``: a forward keeps the outputs of its layers' matmuls
+        without batch dims (projections, MLP) and the backward recomputes the rest, the
+        attention core included (``jax.checkpoint`` with ``dots_with_no_batch_dims_saveable``
+        around each layer); ``"none"`` (default): a forward keeps every
         residual.
       stage_axis: the mesh axis of the stages.
       data_axes: the mesh axes the batch is split over (``("data",)``). Inside a stage each

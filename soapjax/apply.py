@@ -125,7 +125,8 @@ def sharded_train_step(graph: OpGraph, strategy: Any, mesh: Mesh,
     schedule over M = ``strategy.microbatches`` microbatches, and the gradients are reshaped
     back, so the optimizer updates the model's layout. The layers recompute as
     `soapjax._pipeline_layout.layer_recompute` says: in full from each chunk's input if a layer
-    operator's policy is ``"full"``, keeping matmul outputs only if one is ``"selective"``.
+    operator's policy is ``"full"``, keeping the projections' and MLP's matmul outputs and
+    recomputing the attention core if one is ``"selective"``.
     With 1F1B the model layout's stage split is each stage's chunk, so nothing moves but the
     pipeline's sends; with v > 1 virtual stages a stage's chunks are not one run of layers,
     and the parameters and gradients move between stages (all-to-alls) at the reshapes.
