@@ -20,13 +20,16 @@ install: $(STAMP)
 plan: $(STAMP)
 	$(BIN)/soapjax plan
 
-# The suite without the `heavy` zoo checks (big models' train steps and default-size summaries;
+# Lint first (ruff: pyflakes, pycodestyle, import order; pyproject's [tool.ruff]), then
+# the suite without the `heavy` zoo checks (big models' train steps and default-size summaries;
 # every tiny model's train step still runs in tests/test_apply.py). make test-all runs those too.
 # Both run the docstring examples of soapjax/ as doctests (pyproject: --doctest-modules).
 test: $(STAMP)
+	$(BIN)/ruff check soapjax soapjax_zoo soapjax_eval scripts tests
 	$(BIN)/python -m pytest -q -m "not heavy" tests soapjax
 
 test-all: $(STAMP)
+	$(BIN)/ruff check soapjax soapjax_zoo soapjax_eval scripts tests
 	$(BIN)/python -m pytest -q tests soapjax
 
 clean:

@@ -36,10 +36,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import jax
-
-import soapjax_zoo
 from _decoder_metrics import matmul_degrees, model_flops
 from bench_pipeline import run_case as pipelined_run_case
+
+import soapjax_zoo
 from soapjax import baselines
 from soapjax.cost import cost_model
 from soapjax.errors import SoapjaxError

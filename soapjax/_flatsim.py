@@ -89,7 +89,6 @@ import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
-
 from soapjax._dtypes import itemsize
 from soapjax._inner import inner_reductions
 from soapjax._simresult import (

@@ -188,7 +188,8 @@ class Config:
         """`describe` from the iteration dims' roles, the first `num_outputs` being output dims."""
         parts = [f"{r}:{'+'.join(a) or '-'}" for r, a in zip(roles, self.axes)]
         n = num_outputs
-        return "[" + ", ".join(parts[:n]) + (" | " + ", ".join(parts[n:]) if parts[n:] else "") + "]"
+        reduction = " | " + ", ".join(parts[n:]) if parts[n:] else ""
+        return "[" + ", ".join(parts[:n]) + reduction + "]"
 
 
 # What an operator recomputes in the backward pass, lightest first (`soapjax.memory` says what
@@ -264,7 +265,8 @@ class Strategy:
 
     def replace(self, i: int, config: Config) -> Strategy:
         """This strategy with operator `i` given `config`."""
-        return dataclasses.replace(self, configs=self.configs[:i] + (config,) + self.configs[i + 1:])
+        configs = self.configs[:i] + (config,) + self.configs[i + 1:]
+        return dataclasses.replace(self, configs=configs)
 
     def recompute_of(self, i: int) -> RecomputePolicy:
         """Operator `i`'s recompute policy (``"none"`` when `recompute` is ())."""
@@ -319,7 +321,8 @@ def within_limits(op: Operator, config: Config, limits: SpaceLimits) -> bool:
                for d, axes in enumerate(config.axes))
 
 
-def configs(op: Operator, mesh: MeshShape, limits: SpaceLimits = SpaceLimits()) -> tuple[Config, ...]:
+def configs(op: Operator, mesh: MeshShape,
+            limits: SpaceLimits = SpaceLimits()) -> tuple[Config, ...]:
     """Every config of `op` on `mesh`: each axis splits at most one divisible dim, or none.
 
     Degrees always divide the dim (and every extent it takes inside the operator:
@@ -493,9 +496,10 @@ def param_specs(graph: OpGraph, strategy: Strategy, mesh: MeshShape) -> dict[str
 
     A parameter is stored as the first operator that reads it needs it (its operand spec under
     that operator's config), so the forward pass moves no parameters. A stacked parameter of a
-    scan over layers is stored as its first layer's slice is read, with the layer dims unsplit. Under ZeRO-3
-    (`strategy.zero_axes`), it is further split over those axes it is still replicated on, each
-    on its largest dim that stays divisible; readers then all-gather it before use.
+    scan over layers is stored as its first layer's slice is read, with the layer dims unsplit.
+    Under ZeRO-3 (`strategy.zero_axes`), it is further split over those axes it is still
+    replicated on, each on its largest dim that stays divisible; readers then all-gather it
+    before use.
 
     Returns:
       Parameter pytree path (`LeafInfo.path`) -> spec; parameters no operator reads are

@@ -2,10 +2,11 @@
 
 Example::
 
-  >>> zoo.names()
+  >>> import soapjax_zoo as zoo
+  >>> zoo.names()  # doctest: +NORMALIZE_WHITESPACE
   ('alexnet', 'inception_v3', 'resnet101', 'rnntc', 'rnnlm', 'nmt', 'lenet', 'mlp', 'gpt2',
    'gpt', 'llama')
-  >>> zoo.names(large=False)  # without the billion-parameter ones
+  >>> zoo.names(large=False)  # doctest: +NORMALIZE_WHITESPACE
   ('alexnet', 'inception_v3', 'resnet101', 'rnntc', 'rnnlm', 'nmt', 'lenet', 'mlp', 'gpt2')
   >>> zoo.configs("gpt2")
   ('default', 'tiny')

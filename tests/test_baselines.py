@@ -16,8 +16,8 @@ from soapjax.baselines import (
 )
 from soapjax.errors import PlanError
 from soapjax.graph import trace
-from soapjax.topology import load_topology
 from soapjax.space import MeshShape, data_parallel
+from soapjax.topology import load_topology
 
 DGX = load_topology("dgx-h100x8")  # one node: both axes are in-node
 D, M, DM = ("data",), ("model",), ("data", "model")

@@ -34,7 +34,10 @@ def mlp_graph(batch=16):
         h = jax.nn.gelu(x @ w["fc1"])      # fc1 (dot), gelu
         h = jnp.tanh(h @ w["fc2"])         # fc2 (dot), tanh
         return jnp.mean(h ** 2)            # the loss
-    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+
+    def f32(*s):
+        return jax.ShapeDtypeStruct(s, jnp.float32)
+
     return trace(loss, {"fc1": f32(8, 32), "fc2": f32(32, 32)}, f32(batch, 8))
 
 
@@ -292,6 +295,7 @@ def test_a_graph_that_draws_dropout_masks_keeps_one_microbatch():
     """Microbatches would draw other dropout masks than the whole batch: refused, and the
     search never proposes them."""
     import corpus
+
     from soapjax.apply import validate_strategy
     from soapjax.memory import microbatch_choices, random_operator
     from soapjax.training import _pure_loss

@@ -731,7 +731,8 @@ def test_delta_equals_full_when_several_operators_move_at_once(kind, topo_name, 
     assert rejected
 
 
-@pytest.mark.parametrize("kind, topo_name, seed", CASES[:2], ids=[f"{k}-{t}" for k, t, _ in CASES[:2]])
+@pytest.mark.parametrize("kind, topo_name, seed", CASES[:2],
+                         ids=[f"{k}-{t}" for k, t, _ in CASES[:2]])
 def test_full_proposals_are_accepted_and_rejected_like_delta_ones(kind, topo_name, seed):
     """`propose_strategy` (full simulation) mixed with `propose` (delta): after each accept or
     reject the state equals a full simulation of the strategy kept; a rejected full proposal's
