@@ -183,18 +183,24 @@ def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
       PlanError: no strategy at all fits in memory (not even the baselines or what the
         search visited).
     """
-    sim = make_simulation(graph, topology, cost_model=cost_model, resharder=resharder,
-                          opt_state_factor=opt_state_factor)
-    searcher = _Searcher(sim, settings, progress)
-    budget = _Budget(searcher.t0, settings)
-    if sim.cost_model.source == "measured":
-        sim.cost_model.measure_until(budget.at(MEASURE_SHARE), progress)
+    # The budget starts now: building the first simulation prices (and may measure) every
+    # operator of data parallelism.
+    budget = _Budget(time.perf_counter(), settings)
+    costs, resharder = default_pricing(graph, topology, cost_model=cost_model,
+                                       resharder=resharder)
+    measured = getattr(costs, "source", "") == "measured"
+    if measured:
+        costs.measure_until(budget.at(MEASURE_SHARE), progress)
     try:
+        sim = make_simulation(graph, topology, cost_model=costs, resharder=resharder,
+                              opt_state_factor=opt_state_factor)
+        searcher = _Searcher(sim, settings, progress)
+        searcher.t0 = budget.t0
         return _search(graph, topology, sim, searcher, budget, settings, family,
                        opt_state_factor, progress, cost_model)
     finally:
-        if sim.cost_model.source == "measured":
-            sim.cost_model.measure_until(None)
+        if measured:
+            costs.measure_until(None)
 
 
 def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budget: _Budget,

@@ -4,6 +4,7 @@ import functools
 import json
 import pathlib
 import re
+import time
 
 import pytest
 
@@ -238,9 +239,11 @@ def test_find_plan_keeps_its_budget_with_measured_costs_on_a_cold_cache(tmp_path
     topo = load_topology("cpu8")
     cm = cost_model(g, topo, mode="measured", cache_dir=tmp_path)
     budget = 3.0
+    t0 = time.perf_counter()
     plan = find_plan(g, topo, costs=cm, settings=SearchSettings(budget_s=budget))
+    wall = time.perf_counter() - t0  # the first simulation's measurements included
     search = plan.to_json()["search"]
-    assert search["search_time_s"] <= budget * 1.1 + 5
+    assert search["search_time_s"] <= wall <= budget * 1.1 + 5
     stats = search["cost_stats"]
     assert stats["measured"] >= 1 and stats["estimated"] >= 1  # a cold cache outlasts 2.4 s
 
