@@ -137,7 +137,9 @@ class _View(NamedTuple):
     reduction_axes: tuple[str, ...]  # the axes splitting its reduction dims (partial sums)
     inner_forward: tuple[Comm, ...]  # all-reduces of statistics it reduces over split dims
     inner_backward: tuple[Comm, ...]  # ... and their backward (`soapjax._inner`)
-    activation_bytes: int  # its outputs' shards (one microbatch's), kept for the backward pass
+    output_bytes: tuple[int, ...]  # per output, its shard (one microbatch's)
+    operand_bytes: tuple[int, ...]  # per operand, its shard at its layout here (0: not activation)
+    internal_bytes: int  # the values inside it its backward reads (`memory.residuals`)
     policy: str  # its recompute policy (`soapjax.memory`)
     recomputes: bool  # whether it drops its outputs and runs its forward again
 
@@ -280,8 +282,12 @@ class Simulation:
 
     @_settled
     def activation_bytes_by_operator(self) -> list[int]:
-        """Each operator's kept output bytes per device, one microbatch (before recompute)."""
-        return [v.activation_bytes for v in self._views]
+        """The bytes each operator keeps for the backward pass per device, one microbatch,
+        before recompute (`soapjax.memory.Segments.kept_bytes` with no operator recomputing)."""
+        views = self._views
+        return self._segments.kept_bytes([False] * len(views), [v.output_bytes for v in views],
+                                         [v.operand_bytes for v in views],
+                                         [v.internal_bytes for v in views])[0]
 
     @_settled
     def output_specs(self, i: int) -> tuple[tuple[tuple[str, ...], ...], ...]:
@@ -677,14 +683,24 @@ class Simulation:
             partials = tuple(config.cotangent_partials(x, self.mesh.axis_names)
                              for x in op.inputs)
             sample = self._sample[j]
-            activation = sum(shard_bytes(microbatch_shape(x.shape, x.dims, sample, m), s,
-                                         x.dtype, self.mesh) for x, s in zip(op.outputs, outs))
+            def nbytes(shape, dims, dtype, spec):
+                return shard_bytes(microbatch_shape(shape, dims, sample, m), spec, dtype,
+                                   self.mesh)
+
+            output_bytes = tuple(nbytes(x.shape, x.dims, x.dtype, s)
+                                 for x, s in zip(op.outputs, outs))
+            operand_bytes = tuple(nbytes(x.shape, x.dims, x.dtype, s)
+                                  if x.kind == "activation" else 0
+                                  for x, s in zip(op.inputs, specs))
+            internal = sum(nbytes(shape, dims, dtype, config.operand_axes(dims))
+                           for shape, dtype, dims in self._segments.internal[j])
             inner_forward, inner_backward = self._inner_chains(j, config)
             if recompute:  # the forward it runs again all-reduces its statistics again
                 inner_backward = inner_forward + inner_backward
             v = self._views_memo[key] = _View(config, forward, backward, outs, specs, partials,
                                               tuple(config.reduction_axes(op)), inner_forward,
-                                              inner_backward, activation, policy, recompute)
+                                              inner_backward, output_bytes, operand_bytes,
+                                              internal, policy, recompute)
         return v
 
     def _inner_chains(self, j: int, config: Config) -> tuple[tuple[Comm, ...], tuple[Comm, ...]]:
@@ -953,8 +969,9 @@ class Simulation:
         p = self._stored_bytes
         if self._act is None:  # exact whatever the order of changes: a pure function of views
             views = self._views
-            self._act = self._segments.activation_bytes([v.recomputes for v in views],
-                                                        [v.activation_bytes for v in views])
+            self._act = self._segments.activation_bytes(
+                [v.recomputes for v in views], [v.output_bytes for v in views],
+                [v.operand_bytes for v in views], [v.internal_bytes for v in views])
         return MemoryBreakdown(params=p, grads=p, opt_state=round(p * self.opt_state_factor),
                                activations=self._act + self._leaf_bytes,
                                comm_buffers=max(self._buffer_counts, default=0))

@@ -23,8 +23,15 @@ operators outside any layer form runs of their own). `soapjax.apply` evaluates e
 inside one ``jax.checkpoint`` (``nothing_saveable``): what crosses the segment's border is
 kept, what stays inside is recomputed. Hence the memory rule (`activation_bytes`):
 
-* an operator's output is kept iff it does not recompute, or some operator outside its segment
-  reads it (the segment's output; the inputs of a segment are kept by their producers);
+* a value is kept iff a backward reads it (`residuals`: a matmul's operands, a nonlinear
+  function's input; not a residual add's) and the operator whose backward reads it does not
+  recompute, or an operator of another segment reads it (a segment's input, which its
+  checkpoint saves). It is counted once, at the smallest of the layouts it takes (its
+  producer's output, its keeping readers' operands): under sequence parallelism a norm's
+  output is kept split along the sequence and gathered again for the backward, and a
+  row-parallel projection's output split as the norm after it reads it (Korthikanti et al.
+  2022, section 4.2.2). Values computed inside an operator that a matmul of it reads (a
+  GeLU's output) are kept by it, at its layout;
 * while a segment's backward runs, its dropped outputs exist again: the peak adds the largest
   segment's dropped bytes.
 
@@ -50,15 +57,17 @@ every operator's sample dim (`microbatch_error`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from soapjax._local import draws_random_bits
 from soapjax.errors import PlanError
 from soapjax.graph import Operator, OpGraph
 from soapjax.space import RECOMPUTE_POLICIES, Config, MeshShape, RecomputePolicy, sample_dim
 
-__all__ = ["Segments", "attention_core", "check_microbatches", "layer_of", "microbatch_choices",
+__all__ = ["Residuals", "Segments", "attention_core", "check_microbatches", "layer_of",
+           "microbatch_choices",
            "microbatch_degrees", "microbatch_error", "microbatch_shape", "random_operator",
-           "recomputes"]
+           "recomputes", "residuals"]
 
 _MATMUL_ANCHORS = ("dot_general",)
 
@@ -112,8 +121,111 @@ def layer_of(op: Operator) -> str:
     return op.block_position
 
 
+class Residuals(NamedTuple):
+    """Which of one operator's values its backward reads (`residuals`).
+
+    Attributes:
+      inputs: per operand (`Operator.inputs` order), whether its backward reads it.
+      outputs: per output, whether its own backward reads it (a norm's residual sum, which
+        it exports and normalises).
+      internal: the values computed inside it that a matmul of it reads (a GeLU's output
+        inside the projection that multiplies it): shape, dtype and iteration dims each.
+    """
+
+    inputs: tuple[bool, ...]
+    outputs: tuple[bool, ...]
+    internal: tuple[tuple[tuple[int, ...], str, tuple[int | None, ...]], ...]
+
+
+# The same value in another dtype or shape: what reads the copy reads the value.
+_ALIASES = frozenset({"convert_element_type", "reshape", "broadcast_in_dim", "transpose",
+                      "squeeze", "expand_dims", "copy", "copy_p", "reduce_precision"})
+# Linear, and their derivative reads none of their operands (a sum's, a slice's).
+_NO_RESIDUAL = frozenset({"add", "add_any", "sub", "neg", "reduce_sum", "concatenate", "pad",
+                          "slice", "dynamic_slice", "select_n", "stop_gradient", "cumsum",
+                          "iota"}) | _ALIASES
+# Bilinear: an operand's derivative reads the other operand (x @ W reads W for x, x for W).
+_BILINEAR = frozenset({"mul", "dot_general", "conv_general_dilated"})
+_MATMULS = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def residuals(graph: OpGraph, j: int) -> Residuals:
+    """What operator `j`'s backward reads, from its own equations (the VJP of each).
+
+    A value is read when an equation's derivative reads it: any operand of a nonlinear
+    equation (``tanh``, ``exp``, a norm's ``rsqrt``), the other factor of a product or
+    matmul (where that factor depends on the operator's inputs), a divisor; never the operands
+    of linear equations whose derivative reads nothing (adds, subtractions, sums, slices,
+    conversions and reshapes, which pass the need on to their operand). An input or output
+    read is kept once, by its producer (`Segments.activation_bytes`). Of the values computed
+    inside, only a matmul's operands are counted: the elementwise chains around them (a
+    GeLU's, a softmax's) are fused, and their backward recomputes its intermediates from the
+    chain's input, which is kept (Korthikanti et al. 2022 count GeLU's input and output, and
+    the softmax's output).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from soapjax.graph import trace
+    >>> def loss(w, x):
+    ...     return jnp.mean(x + jax.nn.gelu(x @ w["fc1"]) @ w["fc2"])
+    >>> f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    >>> g = trace(loss, {"fc1": f32(8, 8), "fc2": f32(8, 8)}, f32(4, 8))
+    >>> loss_op = g.operators[1]  # GeLU, fc2, the residual add and the mean
+    >>> [x.kind for x in loss_op.inputs], residuals(g, 1).inputs  # x: only added
+    (['activation', 'param', 'batch'], (True, True, False))
+    """
+    return graph.memo(("residuals", j), lambda: _residuals(graph, j))
+
+
+def _residuals(graph: OpGraph, j: int) -> Residuals:
+    op = graph.operators[j]
+    loc = graph.program.local.get(op.name)
+    if loc is None:  # no equations of its own: everything it reads and makes is kept
+        return Residuals((True,) * len(op.inputs), (True,) * len(op.outputs), ())
+    prog = graph.program
+    units = [prog.units[i] for i in loc.units]
+    live = set(loc.inputs)  # values that depend on the operator's inputs (differentiable)
+    root: dict[int, int] = {}  # a value -> the value it is a copy of (`_ALIASES`)
+    for u in units:
+        if any(v in live for v in u.ins if v is not None):
+            live.update(v for v in u.outs if v is not None)
+        if u.eqn.primitive.name in _ALIASES and u.ins and u.ins[0] is not None:
+            for v in u.outs:
+                if v is not None:
+                    root[v] = root.get(u.ins[0], u.ins[0])
+    read: set[int] = set()
+    by_matmul: set[int] = set()
+    for u in units:
+        name = u.eqn.primitive.name
+        if name in _NO_RESIDUAL:
+            continue
+        for i, v in enumerate(u.ins):
+            if v is None or v not in live or not _floating(prog.dtypes[v]):
+                continue
+            others = [w for k, w in enumerate(u.ins) if k != i]
+            if name in _BILINEAR and not any(w in live for w in others if w is not None):
+                continue  # times a constant: its derivative reads the constant only
+            if name == "div" and i == 0 and not any(w in live for w in others[:1]):
+                continue
+            read.add(root.get(v, v))
+            if name in _MATMULS:
+                by_matmul.add(root.get(v, v))
+    outer = set(loc.inputs) | set(loc.exports)
+
+    def dims(v: int) -> tuple[int | None, ...]:
+        return tuple(loc.labels.lookup(lb, loc.iter_of) for lb in loc.lab.get(v, ()))
+
+    internal = tuple((tuple(prog.shapes[v]), prog.dtypes[v], dims(v))
+                     for v in sorted(by_matmul - outer) if len(dims(v)) == len(prog.shapes[v]))
+    return Residuals(tuple(v in read for v in loc.inputs), tuple(v in read for v in loc.exports),
+                     internal)
+
+
+def _floating(dtype: str) -> bool:
+    return "float" in dtype or dtype.startswith("bf")
+
+
 class Segments:
-    """What the memory rule needs of a graph, computed once: layers and readers.
+    """What the memory rule needs of a graph, computed once: layers, readers and residuals.
 
     Args:
       graph: the operator graph.
@@ -121,9 +233,19 @@ class Segments:
 
     def __init__(self, graph: OpGraph) -> None:
         self.layers = [layer_of(op) for op in graph.operators]
-        self.readers: list[list[int]] = [[] for _ in graph.operators]
-        for p, j, _ in graph.edges():
-            self.readers[p].append(j)
+        res = [residuals(graph, j) for j in range(len(graph.operators))]
+        # per activation value (producer, output): whether the producer reads it, and its
+        # readers (reader, operand, whether the reader's backward reads it)
+        self.values: list[tuple[int, int, bool, list[tuple[int, int, bool]]]] = [
+            (p, k, res[p].outputs[k], []) for p, op in enumerate(graph.operators)
+            for k in range(len(op.outputs))]
+        where = {(p, k): v for v, (p, k, _, _) in enumerate(self.values)}
+        pos = {op.name: i for i, op in enumerate(graph.operators)}
+        for j, op in enumerate(graph.operators):
+            for o, x in enumerate(op.inputs):
+                if x.kind == "activation":
+                    self.values[where[pos[x.source], x.index]][3].append((j, o, res[j].inputs[o]))
+        self.internal = [r.internal for r in res]
 
     def segments(self, flags: Sequence[bool]) -> list[int]:
         """Per operator, the index of its segment's first operator, or -1 when it keeps its
@@ -138,18 +260,41 @@ class Segments:
             out[j] = first
         return out
 
-    def activation_bytes(self, flags: Sequence[bool], nbytes: Sequence[int]) -> int:
-        """Activation bytes per device under the memory rule (module doc): the kept outputs,
-        plus the largest segment's dropped ones (alive again while its backward runs)."""
+    def kept_bytes(self, flags: Sequence[bool], outputs: Sequence[Sequence[int]],
+                   operands: Sequence[Sequence[int]], internal: Sequence[int]
+                   ) -> tuple[list[int], int]:
+        """Per operator, the bytes it keeps for the backward pass (module doc), and the largest
+        segment's dropped bytes (alive again while its backward runs).
+
+        Args:
+          flags: per operator, whether it recomputes.
+          outputs: per operator, each output's shard bytes at its layout.
+          operands: per operator, each operand's shard bytes at its layout.
+          internal: per operator, the bytes of its internal values its backward reads
+            (`Residuals.internal`) at its layout.
+        """
         seg = self.segments(flags)
-        kept, dropped = 0, {}
-        for j, n in enumerate(nbytes):
-            s = seg[j]
-            if s < 0 or any(seg[r] != s for r in self.readers[j]) or not self.readers[j]:
-                kept += n
+        kept, dropped = [0] * len(flags), {}
+        for p, k, own, readers in self.values:
+            sizes = [outputs[p][k]] if own and not flags[p] or not readers else []
+            sizes += [operands[r][o] for r, o, reads in readers
+                      if (reads and not flags[r]) or (flags[r] and seg[r] != seg[p])]
+            if sizes:  # kept at the smallest layout it takes (resharded again for the backward)
+                kept[p] += min([outputs[p][k], *sizes])
+            elif flags[p]:
+                dropped[seg[p]] = dropped.get(seg[p], 0) + outputs[p][k]
+        for j, n in enumerate(internal):
+            if not flags[j]:
+                kept[j] += n
             else:
-                dropped[s] = dropped.get(s, 0) + n
-        return kept + max(dropped.values(), default=0)
+                dropped[seg[j]] = dropped.get(seg[j], 0) + n
+        return kept, max(dropped.values(), default=0)
+
+    def activation_bytes(self, flags: Sequence[bool], outputs: Sequence[Sequence[int]],
+                         operands: Sequence[Sequence[int]], internal: Sequence[int]) -> int:
+        """Activation bytes per device under the memory rule (module doc, `kept_bytes`)."""
+        kept, peak = self.kept_bytes(flags, outputs, operands, internal)
+        return sum(kept) + peak
 
 
 # --- microbatches -------------------------------------------------------------------------------

@@ -72,19 +72,30 @@ def test_selective_recomputes_the_attention_core_of_every_gpt_layer():
 
 
 def test_activation_bytes_rule_by_hand():
-    """A chain a -> b -> c -> d -> e (a second reader of b: e): bytes 1, 10, 100, 1000, 10000."""
+    """A chain a -> b -> c -> d -> e (a second reader of b: e), one output each: bytes 1, 10,
+    100, 1000, 10000 at their producers' layouts, 5 at d's (a smaller layout of c there); every
+    backward reads its inputs but e's reads b only as a residual add."""
     seg = memory.Segments.__new__(memory.Segments)
     seg.layers = [""] * 5
-    seg.readers = [[1], [2, 4], [3], [4], []]
-    n = [1, 10, 100, 1000, 10000]
-    assert seg.activation_bytes([False] * 5, n) == 11111
-    # b, c, d recompute: one segment; b is read by e outside it (kept), c is not, d is (kept)
-    assert seg.segments([False, True, True, True, False]) == [-1, 1, 1, 1, -1]
-    assert seg.activation_bytes([False, True, True, True, False], n) == 1 + 10 + 1000 + 10000 + 100
-    # split by layers: c alone in its segment of layer "x"
+    seg.values = [(0, 0, False, [(1, 0, True)]), (1, 0, False, [(2, 0, True), (4, 1, False)]),
+                  (2, 0, False, [(3, 0, True)]), (3, 0, False, [(4, 0, True)]),
+                  (4, 0, True, [])]
+    seg.internal = [0, 0, 0, 0, 7]  # e keeps a value of its own
+    out = [[1], [10], [100], [1000], [10000]]
+    operands = [[0], [1], [10], [5], [1000, 10]]
+    none = [False] * 5
+    assert seg.activation_bytes(none, out, operands, seg.internal) == 1 + 10 + 5 + 1000 + 10007
+    # b, c, d recompute: one segment; b is read by e outside it, but as an add: dropped; c is
+    # read inside only; d is read by e, which needs it (kept); the peak adds b and c again
+    flags = [False, True, True, True, False]
+    assert seg.segments(flags) == [-1, 1, 1, 1, -1]
+    assert seg.activation_bytes(flags, out, operands, seg.internal) == 1 + 1000 + 10007 + 110
+    # split by layers: c alone in its segment of layer "x": its input b and output c are
+    # segment borders, kept
     seg.layers = ["", "", "x", "", ""]
-    assert seg.segments([False, True, True, True, False]) == [-1, 1, 2, 3, -1]
-    assert seg.activation_bytes([False, True, True, True, False], n) == 11111
+    assert seg.segments(flags) == [-1, 1, 2, 3, -1]
+    assert seg.activation_bytes(flags, out, operands, seg.internal) == 1 + 10 + 5 + 1000 + 10007
+    assert seg.kept_bytes(none, out, operands, seg.internal)[0] == [1, 10, 5, 1000, 10007]
 
 
 # --- a GPT layer's activations against Megatron's formulas -----------------------------------
@@ -100,16 +111,11 @@ def test_activation_bytes_rule_by_hand():
 MEGATRON = {(1, False, "none"): 48, (1, False, "selective"): 32, (1, False, "full"): 2,
             (8, False, "none"): 13, (8, False, "selective"): 11, (8, False, "full"): 2,
             (8, True, "none"): 6, (8, True, "selective"): 4, (8, True, "full"): 0.25}
-# What soapjax counts (operators' outputs at their configs' layouts). Per layer: the norms'
-# outputs (ln_1 1 value, ln_2 2: the residual sum and the norm), q, k, v, probs @ v, the two
-# projections' outputs, fc1's 4h and the s x s probabilities (2as/h). Against Megatron it
-# counts the attention projection's output, which only a residual add reads (+2), and misses
-# GeLU's output inside fc2 (-8 / t); under SP the row-parallel outputs (attention projection,
-# fc2) are counted whole at their producers' layout, not split along the sequence as their
-# readers take them (+2 (1 - 1/t) each).
-SOAPJAX = {(1, False, "none"): 42, (1, False, "selective"): 26, (1, False, "full"): 2,
-           (8, False, "none"): 14, (8, False, "selective"): 12, (8, False, "full"): 2,
-           (8, True, "none"): 8.75, (8, True, "selective"): 6.75, (8, True, "full"): 2}
+# soapjax counts what each operator's backward reads (`memory.residuals`), once, at the smallest
+# layout it takes: per layer the norms' inputs (the layer's input and the residual sum, which
+# ln_2 exports), the norms' outputs, q, k, v, the probabilities (2as/h), probs @ v, fc1's 4h and
+# GeLU's output inside fc2; not the attention projection's output (only a residual add reads
+# it); under SP the norms' values split along the sequence. Exactly the formulas above.
 CASES = [pytest.param(*k, id=f"tp{k[0]}{'-sp' if k[1] else ''}-{k[2]}") for k in MEGATRON]
 
 
@@ -128,31 +134,22 @@ def per_layer_sbh(tp: int, sp: bool, recompute: str) -> float:
 
 
 @pytest.mark.parametrize("tp,sp,recompute", CASES)
-def test_activation_bytes_per_gpt_layer(tp, sp, recompute):
-    """The simulator's bytes per layer, exactly as derived above (`SOAPJAX`)."""
-    assert per_layer_sbh(tp, sp, recompute) == SOAPJAX[tp, sp, recompute]
-
-
-@pytest.mark.parametrize("tp,sp,recompute", [
-    pytest.param(*c.values, id=c.id, marks=() if SOAPJAX[c.values] == MEGATRON[c.values] else
-                 pytest.mark.xfail(strict=True, reason="issue 31: GeLU's output, the residual "
-                                   "add's input, row-parallel outputs under SP (see SOAPJAX)"))
-    for c in CASES])
 def test_activation_bytes_per_gpt_layer_match_megatron(tp, sp, recompute):
-    """Issue 31's acceptance: within 5% of Megatron's formulas without dropout (`MEGATRON`).
-    Met for full recomputation without SP; the rest fail for the reasons `SOAPJAX` gives."""
+    """Issue 31's acceptance: Megatron's formulas without dropout (`MEGATRON`), met exactly
+    (within 5% is the acceptance)."""
     assert per_layer_sbh(tp, sp, recompute) == pytest.approx(MEGATRON[tp, sp, recompute],
-                                                             rel=0.05)
+                                                             rel=1e-12)
 
 
 @pytest.mark.parametrize("size,devices,batch,pp,microbatch,gb", [
-    pytest.param("22b", 8, 4, 1, 4, 67.0, id="22b-tp8"),
-    pytest.param("175b", 64, 64, 8, 1, 65.3, id="175b-tp8-pp8")])
+    pytest.param("22b", 8, 4, 1, 4, 60.3, id="22b-tp8"),
+    pytest.param("175b", 64, 64, 8, 1, 58.6, id="175b-tp8-pp8")])
 def test_megatron_selective_with_sequence_parallelism_fits(size, devices, batch, pp, microbatch,
                                                            gb):
     """Where Megatron ran it (Korthikanti et al. 2022, Table 3: TP 8, 80 GB A100s), selective
-    recomputation with SP fits: 22B peaks at 67.0 GB (79.6 GB with no recomputation, as with
-    selective recomputation before it recomputed the attention core), 175B at 65.3 GB (74.9)."""
+    recomputation with SP fits: 22B peaks at 60.3 GB (73.0 GB with no recomputation), 175B at
+    58.6 GB (68.2). Before the activations matched Megatron's formulas (issue 31: the
+    projections' outputs counted whole, GeLU's missed) they were 67.0 (79.6) and 65.3 (74.9)."""
     topo = scaled_topology(load_topology("dgx-a100x3072"), devices)
     w = soapjax_zoo.get("gpt", size, batch_size=batch)
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
