@@ -9,8 +9,10 @@ to N GPUs, analytic roofline costs (100 % of peak: times are lower bounds):
   proposals per chain, seed 0): TP / PP / virtual stages / DP / M / recompute, step time,
   model TFLOP/s per GPU, memory of the fullest stage, the pipeline bubble;
 * the best point of Megatron's 3D grid that fits (`baselines.megatron_grid` with PP in
-  `search.stage_choices`, interleave 1 or 2, TP 4 or 8 (`search.PIPELINE_GRID`), microbatches
-  of 1, 2, 4 or the whole per-replica batch, recompute none / selective / full), simulated by
+  `search.stage_choices`, every interleave the layers allow (`search.interleave_choices`), TP
+  4 or 8 (`search.PIPELINE_GRID`), microbatches of 1, 2, 4, 8 ... samples and the whole
+  per-replica batch (`baselines.microbatch_sizes`), recompute none / selective / full: the
+  points of `search.pipeline_grid`), simulated by
   the same `PipelinedSimulation`: the search scores the same grid and starts from its best, so
   it is never slower;
 * the search time.
@@ -37,13 +39,17 @@ import jax  # noqa: E402
 from _decoder_metrics import matmul_degrees, model_flops  # noqa: E402
 
 import soapjax_zoo  # noqa: E402
-from soapjax.baselines import megatron_grid  # noqa: E402
 from soapjax.cost import cost_model  # noqa: E402
 from soapjax.errors import PlanError  # noqa: E402
 from soapjax.graph import trace  # noqa: E402
-from soapjax.pipesim import PipelinedSimulation, layer_chunks  # noqa: E402
+from soapjax.pipesim import PipelinedSimulation  # noqa: E402
 from soapjax.reshard import Resharder  # noqa: E402
-from soapjax.search import PIPELINE_GRID, SearchSettings, find_plan, stage_choices  # noqa: E402
+from soapjax.search import (  # noqa: E402
+    SearchSettings,
+    find_plan,
+    pipeline_grid,
+    stage_choices,
+)
 from soapjax.simulate import opt_state_factor  # noqa: E402
 from soapjax.space import MeshShape  # noqa: E402
 from soapjax.topology import load_topology, scaled_topology, stage_topology  # noqa: E402
@@ -70,13 +76,9 @@ def describe(graph, strategy, mesh: MeshShape, n: int) -> str:
 def grid_best(graph, topo, costs, factor):
     """(strategy, result) of the fastest fitting point of Megatron's 3D grid."""
     best = None
-    grid = megatron_grid(graph, topo, pp=stage_choices(graph, topo),
-                         interleave=PIPELINE_GRID["interleave"], tp=PIPELINE_GRID["tp"])
+    grid = {name: s for S in stage_choices(graph, topo)
+            for points in pipeline_grid(graph, topo, S).values() for name, s in points.items()}
     for name, s in grid.items():
-        try:
-            layer_chunks(graph, s.stages * s.virtual_stages)
-        except PlanError:
-            continue
         with Resharder(MeshShape.of(stage_topology(topo, s.stages)), mode="ideal") as rs:
             r = PipelinedSimulation(graph, topo, costs, rs, s, opt_state_factor=factor).result()
         if r.fits_in_memory and (best is None or r.step_time_s < best[1].step_time_s):
@@ -169,8 +171,9 @@ def render(rows: list[dict], proposals: int) -> str:
         "each stage's gradient synchronisation.",
         "",
         "Megatron 3D grid: PP over the stage counts that divide the layers and the node count, "
-        "interleave 1 or 2, TP 4 or 8 inside a node (sequence parallel), DP over the rest, "
-        "microbatches of 1, 2, 4 or all per-replica samples, recompute none / selective / full. "
+        "every interleave whose chunks cut the layers equally, TP 4 or 8 inside a node "
+        "(sequence parallel), DP over the rest, microbatches of 1, 2, 4, 8 ... or all "
+        "per-replica samples, recompute none / selective / full. "
         "The search scores the same grid and chains from its best point, so it is never "
         "slower; where it is equal, its chains found nothing faster within the proposals.",
         "",

@@ -10,8 +10,8 @@ LLaMA 7B / 70B on `h100x64`, with analytic (roofline) costs:
   x batch x seq^2 x d_model, no recomputation) and hardware TFLOP/s (with the recomputed
   forwards), and its memory per device;
 * the best Megatron configuration of a small grid (`baselines.megatron_3d`: TP in {1, 2, 4, 8},
-  microbatch sizes {1, 2, 4, per-replica batch}, recompute none / selective / full, sequence
-  parallel) that fits, and its time;
+  microbatch sizes: the powers of two dividing the per-replica batch, and all of it; recompute
+  none / selective / full, sequence parallel) that fits, and its time;
 * the search time.
 
 Rows where no plan without pipeline stages fits in memory say so; those rows are also searched
@@ -212,7 +212,8 @@ def render(rows: list[dict], args) -> str:
             f"Searched with pipeline stages (`SearchSettings(pipelines=True)`, "
             f"{args.pipeline_proposals} proposals per chain) beside the fastest fitting point "
             "of Megatron's 3D grid (PP over the stage counts that divide the layers and the "
-            "nodes, interleave 1 or 2, TP 4 or 8, microbatch sizes and recompute as above), "
+            "nodes, every interleave the layers allow, TP 4 or 8, microbatch sizes and "
+            "recompute as above), "
             "both simulated by `soapjax.pipesim`, as in [pipelines.md](pipelines.md). "
             "Memory is the fullest stage's.",
             "",

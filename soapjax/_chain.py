@@ -59,8 +59,9 @@ class SearchSettings:
         the module doc; the same chain either way, only slower in full).
       pipelines: search plans with pipeline stages too (`soapjax.pipeline`), for graphs with
         repeated layers: for each stage count S that divides the layers and the outermost
-        mesh axis, Megatron's grid at pp=S (TP 4 or 8, interleave 1 or 2) is scored with
-        `soapjax.pipesim.PipelinedSimulation` and a chain starts from its best point. True:
+        mesh axis and each interleave the layers allow, Megatron's grid at pp=S (TP 4 or 8)
+        is scored with `soapjax.pipesim.PipelinedSimulation`, and chains start from the best
+        pipelines' best points (`soapjax.search`'s module doc). True:
         always; False: never; None (default): only when no plan without stages fits in
         memory (a model too large for its cluster gets a pipelined plan instead of an error,
         and every other search is unchanged).

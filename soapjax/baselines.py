@@ -41,7 +41,8 @@ from soapjax.space import (
 from soapjax.topology import stage_topology
 
 __all__ = ["BASELINES", "NAMES", "Baseline", "baselines", "expert", "fsdp", "intra_node_axes",
-           "megatron", "megatron_3d", "megatron_grid", "tensor_axes", "with_recompute"]
+           "megatron", "megatron_3d", "megatron_grid", "microbatch_sizes", "tensor_axes",
+           "with_recompute"]
 
 _DENSE = ("dot_general", "conv_general_dilated", "scan")
 
@@ -239,16 +240,28 @@ def megatron_3d(graph: OpGraph, topology, *, tp: int, pp: int = 1, dp: int | Non
     return with_recompute(graph, strategy, recompute)
 
 
+def microbatch_sizes(per_replica: int) -> tuple[int, ...]:
+    """The microbatch sizes a Megatron user tries: the powers of two that divide the
+    per-replica batch, and the whole of it.
+
+    >>> microbatch_sizes(280), microbatch_sizes(12)
+    ((1, 2, 4, 8, 280), (1, 2, 4, 12))
+    """
+    powers = (1 << k for k in range(per_replica.bit_length()))
+    return tuple(sorted({b for b in powers if per_replica % b == 0} | {per_replica}))
+
+
 def megatron_grid(graph: OpGraph, topology, *, pp: Sequence[int] = (1,),
                   interleave: Sequence[int] = (1,),
                   tp: Sequence[int] = (1, 2, 4, 8)) -> dict[str, Strategy]:
-    """Megatron's small configuration grid (`megatron_3d`), by name: TP in {1, 2, 4, 8} (as the
+    """Megatron's configuration grid (`megatron_3d`), by name: TP in {1, 2, 4, 8} (as the
     node allows, or those of `tp`; sequence parallel when TP > 1), DP over the rest,
-    microbatches of 1, 2, 4 or
-    all of the per-replica samples, and recomputation none, selective or full, e.g.
+    microbatches of every power of two samples dividing the per-replica batch, and all of it
+    (`microbatch_sizes`), and recomputation none, selective or full, e.g.
     ``"megatron-tp8-mb1-full"``; with pipeline stages (each of `pp` and, for pp > 1, each of
     `interleave` virtual stages), e.g. ``"megatron-tp8-pp4-v2-mb1-full"``. Combinations the
-    mesh or batch cannot take are left out.
+    mesh, batch or schedule cannot take (`soapjax.pipeline.pipeline_error`: the interleaved
+    schedule's M must be a multiple of pp) are left out.
 
     The search scores all of them and starts a chain from the fastest that fits, so a searched
     plan is never slower than the grid's best under the same simulator.
@@ -260,7 +273,7 @@ def megatron_grid(graph: OpGraph, topology, *, pp: Sequence[int] = (1,),
             continue
         per = graph.batch_size // (n // (tp * stages))
         for v in (interleave if stages > 1 else (1,)):
-            for mb in sorted({1, 2, 4, per} & set(range(1, per + 1))):
+            for mb in microbatch_sizes(per):
                 for rec in RECOMPUTE_POLICIES:
                     pipe = f"-pp{stages}" + (f"-v{v}" if v > 1 else "") if stages > 1 else ""
                     try:

@@ -42,12 +42,17 @@ is a chain's start, so a plan is never slower than the grid.
 
 **Pipeline stages.** With ``SearchSettings(pipelines=True)`` (`soapjax plan --pipelines`), or
 by default when no plan without stages fits in memory, for each stage count S that divides
-the layers and the outermost mesh axis (`stage_choices`) and 1 or 2 virtual stages,
-Megatron's grid at that pipeline is scored (`soapjax.simulate.open_simulation`: a
-`soapjax.pipesim.PipelinedSimulation`) and a chain (configs, recompute, microbatches, over one
-stage's devices) starts from its best point; the best plan over all chains, pipelined or
-not, is returned. S and v are chosen among chains, not by moves within one; stage boundaries
-are equal layer counts.
+the layers and the outermost mesh axis (`stage_choices`) and each virtual-stage count v whose
+S x v chunks cut the layers equally (`interleave_choices`), Megatron's grid at that pipeline
+(`pipeline_grid`: TP 4 or 8, microbatch sizes 1, 2, 4, 8 ... and the per-replica batch,
+recompute none / selective / full) is scored (`soapjax.simulate.open_simulation`: a
+`soapjax.pipesim.PipelinedSimulation`); the `CHAINED_PIPELINES` pipelines whose grids did best
+then each get a chain (configs, recompute, microbatches, over one stage's devices) from their
+best point (`_pipelined_chains` says why only those); the best plan over all grids and
+chains, pipelined or not, is returned. S and v are chosen among pipelines, not by moves
+within a chain; stage boundaries are equal layer counts, as apply's stacked stage weights
+need. The grid holds only what apply runs (the interleaved schedule's M a multiple of S:
+`soapjax.pipeline.pipeline_error`), and the chains' microbatch moves keep to the same rule.
 
 **One entry point.** `find_plan` is how soapjax plans: graph + topology + settings -> `Plan`.
 The command line (`soapjax plan`), the training helper (`shard_training(strategy="plan")`),
@@ -62,8 +67,10 @@ re-exported here); this module runs the chains within the budget and plans.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import re
 import sys
 import time
 from typing import Any
@@ -94,6 +101,7 @@ from soapjax.simulate import (
     simulate,
 )
 from soapjax.space import (
+    RECOMPUTE_POLICIES,
     Config,
     MeshShape,
     SpaceLimits,
@@ -104,8 +112,8 @@ from soapjax.space import (
 )
 
 __all__ = ["PIPELINE_GRID", "Progress", "SearchResult", "SearchSettings", "exhaustive", "find_plan",
-           "improving_change", "make_simulation", "print_progress", "random_strategy", "search",
-           "stage_choices"]
+           "improving_change", "interleave_choices", "make_simulation", "pipeline_grid",
+           "print_progress", "random_strategy", "search", "stage_choices"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,69 +273,150 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
 
 
 # Megatron's grid at each pipeline depth, as the search scores it (TP 1 and 2 are left out: with
-# stages, Megatron-LM keeps TP at the node's 8, or 4).
-PIPELINE_GRID = {"tp": (4, 8), "interleave": (1, 2)}
+# stages, Megatron-LM keeps TP at the node's 8, or 4); virtual stages are `interleave_choices`.
+PIPELINE_GRID = {"tp": (4, 8)}
+# How many pipelines (S, v, schedule), the fastest by their grid's best point, get a chain.
+CHAINED_PIPELINES = 3
 
 
 def stage_choices(graph: OpGraph, topology) -> tuple[int, ...]:
     """Pipeline stage counts S > 1 worth trying: dividing the outermost mesh axis (whole
     groups of nodes per stage) and the number of repeated layers."""
-    layers = max((len(g) for g in graph.repeated_blocks()), default=0)
+    layers = _num_layers(graph)
     outer = topology.axis_sizes[0] if len(topology.axis_sizes) > 1 else 1
     return tuple(S for S in range(2, outer + 1) if outer % S == 0 and layers % S == 0)
+
+
+def interleave_choices(graph: OpGraph, stages: int) -> tuple[int, ...]:
+    """Virtual stages per device v worth trying at `stages` S: every v whose S x v chunks cut
+    the layers equally (`soapjax.pipesim.layer_chunks`, and apply's stacked stage weights):
+    GPT 530B's 105 layers on 35 stages take v in (1, 3) (Megatron-LM ran v = 3), on 5 stages
+    v in (1, 3, 7, 21)."""
+    layers = _num_layers(graph)
+    if stages < 2 or layers % stages:
+        return (1,)
+    return tuple(v for v in range(1, layers // stages + 1) if layers % (stages * v) == 0)
+
+
+def _num_layers(graph: OpGraph) -> int:
+    return max((len(g) for g in graph.repeated_blocks()), default=0)
+
+
+def pipeline_grid(graph: OpGraph, topology, stages: int, limits: SpaceLimits = SpaceLimits()
+                  ) -> dict[tuple[int, str], dict[str, Strategy]]:
+    """Megatron's grid at `stages` pipeline stages, as the search scores it, by (virtual
+    stages, schedule): TP in `PIPELINE_GRID`, every `interleave_choices` v, the microbatch
+    sizes and recomputations of `baselines.megatron_grid`; points outside `limits`, or whose
+    layers do not cut into S x v chunks, left out; each pipeline's points in the order
+    `_likely_first` gives. Every point is one apply runs (`megatron_3d` builds only
+    strategies `soapjax.pipeline.pipeline_error` accepts)."""
+    grid = megatron_grid(graph, topology, pp=(stages,),
+                         interleave=interleave_choices(graph, stages), tp=PIPELINE_GRID["tp"])
+    by_pipe: dict[tuple[int, str], dict[str, Strategy]] = {}
+    for name, st in grid.items():
+        if _within(graph, st, limits):
+            by_pipe.setdefault((st.virtual_stages, st.schedule), {})[name] = st
+    for v, schedule in list(by_pipe):
+        try:
+            layer_chunks(graph, stages * v)
+        except PlanError:
+            del by_pipe[v, schedule]
+            continue
+        by_pipe[v, schedule] = dict(sorted(by_pipe[v, schedule].items(), key=_likely_first))
+    return by_pipe
+
+
+def _likely_first(point: tuple[str, Strategy]) -> tuple[int, int, int]:
+    """What Megatron-LM users run first: microbatches of 1, TP8, then recompute selective,
+    full, none (`RECOMPUTE_POLICIES` from its second). Under a tight budget a pipeline's grid
+    may be cut after a few points, and those must include the fast ones that fit."""
+    parts = dict(re.findall(r"-(tp|mb)(\d+)", point[0]))
+    policy = RECOMPUTE_POLICIES.index(point[0].rsplit("-", 1)[1])
+    return (int(parts["mb"]), -int(parts["tp"]), (policy - 1) % len(RECOMPUTE_POLICIES))
 
 
 def _pipelined_chains(graph: OpGraph, topology, cost_model, settings: SearchSettings,
                       opt_state_factor: float, progress: Progress | None, flat: _Searcher,
                       end: float | None = None):
-    """For each stage count (`stage_choices`) and 1 or 2 virtual stages: Megatron's grid at
-    that pipeline scored, a chain from its best point; yields each chain's best (time,
-    strategy, start name) or None. Proposals and acceptances add to `flat`'s counts. With a
-    deadline `end`, the pipelines share the time left before it equally (grid scoring
-    included: a pipeline's grid stops where its share does, after one point at least)."""
-    pipes = []
-    for S in stage_choices(graph, topology):
-        grid = megatron_grid(graph, topology, pp=(S,), interleave=PIPELINE_GRID["interleave"],
-                             tp=PIPELINE_GRID["tp"])
-        grid = {n: st for n, st in grid.items() if _within(graph, st, settings.limits)}
-        by_pipe: dict[tuple, dict[str, Strategy]] = {}
-        for name, st in grid.items():
-            by_pipe.setdefault((st.virtual_stages, st.schedule), {})[name] = st
-        for (v, schedule), points in by_pipe.items():
-            try:
-                layer_chunks(graph, S * v)
-            except PlanError:
-                continue
-            pipes.append((S, v, schedule, points))
+    """Every pipeline (S from `stage_choices`, v from `interleave_choices`) has Megatron's
+    grid at it scored (`pipeline_grid`); the `CHAINED_PIPELINES` whose grids did best each get
+    a chain from their best point. Yields each pipeline's best grid point, then each chain's
+    best, as (time, strategy, start name) or None. Proposals and acceptances add to `flat`'s
+    counts.
+
+    **Why grids for all, chains for a few.** Interleaving over every v the layers allow makes
+    many pipelines (GPT 530B on 280 A100s: S in {5, 7, 35}, 10 (S, v) pairs); an equal share
+    of the budget for each would leave every chain too short to matter. A grid point is one
+    simulation, and the grid's best already ranks the pipelines (Megatron's own choice, TP8
+    PP35 v3, is a grid point), so the chains go where the best grids are. With a deadline
+    `end`, the grids share the first half of the time left equally (a pipeline's grid stops
+    where its share does, after one point at least), the chains the second half."""
+    pipes = [(S, v, schedule, points) for S in stage_choices(graph, topology)
+             for (v, schedule), points in pipeline_grid(graph, topology, S,
+                                                        settings.limits).items()]
+    t_grid = time.perf_counter()
+    grid_end = None if end is None else t_grid + max(end - t_grid, 0.0) / 2
+    ranked = []
     for k, (S, v, schedule, points) in enumerate(pipes):
-        now = time.perf_counter()
-        deadline = None if end is None else now + max(end - now, 0.0) / (len(pipes) - k)
-        first = next(iter(points.values()))
-        with open_simulation(graph, topology, first, cost_model=cost_model,
-                             resharder=DEFAULT_MODE, opt_state_factor=opt_state_factor) as sim:
-            searcher = _Searcher(sim, settings, progress)
-            searcher.t0 = flat.t0
-            searcher.microbatches = tuple(
-                m for m in searcher.microbatches if pipeline_error(schedule, S, m, v) is None)
-            if progress is not None:
-                progress(f"search: scoring Megatron's grid at {S} pipeline stages, "
-                         f"{v} virtual ({len(points)} configurations; pipeline {k + 1} of "
-                         f"{len(pipes)})")
-            best = None
-            for name, st in points.items():
-                if best is not None and deadline is not None \
-                        and time.perf_counter() >= now + (deadline - now) / 2:
-                    break  # half of this pipeline's share for its grid, half for its chain
-                sim.reset(st)
-                searcher.record(name)
-                key = (not sim.fits_in_memory(), sim.step_time())
-                if best is None or key < best[0]:
-                    best = (key, name, st)
-            searcher.chain(best[1], best[2], deadline if deadline is not None
+        deadline = _share(grid_end, len(pipes) - k)
+        if progress is not None:
+            progress(f"search: scoring Megatron's grid at {S} pipeline stages, {v} virtual "
+                     f"({len(points)} configurations; pipeline {k + 1} of {len(pipes)})")
+        with _pipeline_searcher(graph, topology, cost_model, settings, opt_state_factor,
+                                progress, flat, S, v, schedule, next(iter(points.values()))) \
+                as searcher:
+            key, name, start = _score_points(searcher, points, deadline)
+            ranked.append((key, k, name, start))
+            yield searcher.best
+    for j, (_, k, name, start) in enumerate(sorted(ranked)[:CHAINED_PIPELINES]):
+        S, v, schedule, _ = pipes[k]
+        deadline = _share(end, min(len(ranked), CHAINED_PIPELINES) - j)
+        with _pipeline_searcher(graph, topology, cost_model, settings, opt_state_factor,
+                                progress, flat, S, v, schedule, start) as searcher:
+            searcher.chain(name, start, deadline if deadline is not None
                            else time.perf_counter() + settings.budget_s / 4)
             flat.proposals += searcher.proposals
             flat.accepted += searcher.accepted
             yield searcher.best
+
+
+def _score_points(searcher: _Searcher, points: dict[str, Strategy], deadline: float | None
+                  ) -> tuple[tuple[bool, float], str, Strategy]:
+    """Scores `points` in order until `deadline` (one at least), each recorded as seen;
+    returns the best's (does not fit, step time) key, name and strategy."""
+    best = None
+    for name, st in points.items():
+        if best is not None and _past(deadline):
+            break
+        searcher.sim.reset(st)
+        searcher.record(name)
+        key = (not searcher.sim.fits_in_memory(), searcher.sim.step_time())
+        if best is None or key < best[0]:
+            best = (key, name, st)
+    return best
+
+
+def _share(end: float | None, parts: int) -> float | None:
+    """The deadline of the first of `parts` equal shares of the time left before `end`."""
+    if end is None:
+        return None
+    now = time.perf_counter()
+    return now + max(end - now, 0.0) / parts
+
+
+@contextlib.contextmanager
+def _pipeline_searcher(graph: OpGraph, topology, cost_model, settings: SearchSettings,
+                       opt_state_factor: float, progress: Progress | None, flat: _Searcher,
+                       S: int, v: int, schedule: str, first: Strategy):
+    """A `_Searcher` over a `PipelinedSimulation` opened at `first`, its clock `flat`'s, its
+    microbatch moves those the schedule takes at S stages (`pipeline_error`)."""
+    with open_simulation(graph, topology, first, cost_model=cost_model,
+                         resharder=DEFAULT_MODE, opt_state_factor=opt_state_factor) as sim:
+        searcher = _Searcher(sim, settings, progress)
+        searcher.t0 = flat.t0
+        searcher.microbatches = tuple(
+            m for m in searcher.microbatches if pipeline_error(schedule, S, m, v) is None)
+        yield searcher
 
 
 def _within(graph: OpGraph, strategy: Strategy, limits: SpaceLimits) -> bool:

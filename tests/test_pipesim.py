@@ -12,10 +12,17 @@ from soapjax.baselines import megatron_3d
 from soapjax.cost import cost_model
 from soapjax.errors import PlanError
 from soapjax.graph import trace
+from soapjax.pipeline import pipeline_error
 from soapjax.pipesim import PipelinedSimulation, layer_chunks
 from soapjax.plan import Plan
 from soapjax.reshard import Resharder
-from soapjax.search import SearchSettings, find_plan, stage_choices
+from soapjax.search import (
+    SearchSettings,
+    find_plan,
+    interleave_choices,
+    pipeline_grid,
+    stage_choices,
+)
 from soapjax.simulate import Simulation
 from soapjax.space import MeshShape, configs
 from soapjax.topology import load_topology, stage_topology
@@ -158,3 +165,33 @@ def test_one_entry_point_simulates_a_pipelined_strategy_as_a_step():
         assert isinstance(sim, PipelinedSimulation) and sim.step_time() == want.step_time_s
     flat = megatron_3d(g, A100, tp=4, pp=1, microbatch_size=2, recompute="none")
     assert simulate(g, A100, flat, cost_model=costs).pipeline is None
+
+
+def test_the_pipelined_grid_offers_every_interleave_the_layers_allow():
+    """GPT 530B's depth (105 layers, a tiny width) on 280 A100s (35 nodes): stages 5, 7 or
+    35, and at 35 stages Megatron-LM's own 3 virtual stages, with microbatches of 1 (M = 280,
+    a multiple of 35 as the interleaved schedule needs); every point is one apply runs, and
+    the likeliest (microbatches of 1, TP8, selective recompute) is scored first."""
+    from soapjax_zoo.gpt import GPTConfig, build_gpt
+    cfg = GPTConfig(batch_size=280, seq_len=8, vocab_size=64, num_layers=105, num_heads=4,
+                    d_model=64, dtype="bfloat16")
+    w = build_gpt("gpt", "test", cfg, "linen")
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt")
+    topo = load_topology("dgx-a100x3072-280")
+    assert stage_choices(g, topo) == (5, 7, 35)
+    assert [interleave_choices(g, S) for S in (5, 7, 35)] == [(1, 3, 7, 21), (1, 3, 5, 15),
+                                                             (1, 3)]
+    grid = pipeline_grid(g, topo, 35)
+    assert set(grid) == {(1, "1f1b"), (3, "interleaved")}
+    v3 = grid[3, "interleaved"]
+    assert list(v3)[:3] == [f"megatron-tp8-pp35-v3-mb1-{r}" for r in ("selective", "full",
+                                                                    "none")]
+    assert v3["megatron-tp8-pp35-v3-mb1-full"] == megatron_3d(
+        g, topo, tp=8, pp=35, interleave=3, microbatch_size=1, sequence_parallel=True)
+    # TP8: DP1, 280 per replica: microbatches of 1, 2, 4, 8 (M = 280 .. 35); all of it (M = 1)
+    # only without interleaving
+    assert {n for n in v3 if n.startswith("megatron-tp8-") and n.endswith("-full")} == {
+        f"megatron-tp8-pp35-v3-mb{mb}-full" for mb in (1, 2, 4, 8)}
+    assert "megatron-tp8-pp35-mb280-full" in grid[1, "1f1b"]
+    assert all(pipeline_error(st.schedule, 35, st.microbatches, st.virtual_stages) is None
+               for points in grid.values() for st in points.values())
