@@ -166,9 +166,12 @@ class LabelSet:
             for lbl, ms in self._marks.items():
                 self._root_marks.setdefault(self.find(lbl), set()).update(ms)
         out = set(self._root_marks.get(self.find(a), ()))
-        if not out - {"seq"} and (src := self.source(a)) is not None \
-                and self.find(src) != self.find(a):
-            out |= self.marks(src) - {"seq"}
+        seen = {self.find(a)}
+        while not out - {"seq"} and (src := self.source(a)) is not None \
+                and self.find(src) not in seen:  # derivations can form a cycle of classes
+            seen.add(self.find(src))
+            out |= set(self._root_marks.get(self.find(src), ())) - {"seq"}
+            a = src
         return out
 
     def chain(self, a: int) -> list[int]:
@@ -452,6 +455,15 @@ def _first_order(ls: LabelSet, name: str, p, ins, in_shapes, out_shapes, prims) 
         new = ls.fresh_many((out_shapes[0][axis],))
         return EqnInfo([tuple(srcs[0][:axis]) + new + tuple(srcs[0][axis:])], reduced, flops,
                        prims)
+    if name == "top_k":  # the k largest along the last dim: the leading dims pass through,
+        # the k dim is new and never split (a shard's top k are not the top k of the row)
+        src = ins[0] or ls.fresh_many(in_shapes[0])
+        outs = []
+        for shape in out_shapes:
+            lab = (*src[:-1], ls.fresh(shape[-1]))
+            ls.mark(lab[-1], "seq")
+            outs.append(lab)
+        return EqnInfo(outs, reduced, flops, prims)
     if name == "iota":
         return EqnInfo([ls.fresh_many(s, weak=True) for s in out_shapes], reduced, flops, prims)
     if name == "rng_bit_generator" or name.startswith("random_") or name == "threefry2x32":

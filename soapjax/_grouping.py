@@ -30,7 +30,7 @@ from soapjax._program import OperatorLabels, Program
 _ANCHORS = ("scan", "while", "cond", "conv_general_dilated", "dot_general", "reduce_window_max",
             "reduce_window_sum", "reduce_window_min", "reduce_window", "select_and_gather_add",
             "sort", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "fft",
-            "scatter", "scatter-add", "scatter_add", "dynamic_update_slice")
+            "scatter", "scatter-add", "scatter_add", "dynamic_update_slice", "top_k")
 # Anchors only when they start a new module: a reduction opening a layer norm or a loss starts
 # an operator, one inside a softmax folds into the matmul before it. A gather that reads a
 # parameter (an embedding lookup) is a full anchor.

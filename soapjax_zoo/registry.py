@@ -5,7 +5,7 @@ Example::
   >>> import soapjax_zoo as zoo
   >>> zoo.names()  # doctest: +NORMALIZE_WHITESPACE
   ('alexnet', 'inception_v3', 'resnet101', 'rnntc', 'rnnlm', 'nmt', 'lenet', 'mlp', 'gpt2',
-   'gpt', 'llama')
+   'gpt', 'llama', 'moe')
   >>> zoo.names(large=False)  # doctest: +NORMALIZE_WHITESPACE
   ('alexnet', 'inception_v3', 'resnet101', 'rnntc', 'rnnlm', 'nmt', 'lenet', 'mlp', 'gpt2')
   >>> zoo.configs("gpt2")
@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 from soapjax.errors import PlanError, UnknownModelError, WorkloadError
 from soapjax.plan import Plan
-from soapjax_zoo import cnn, gpt, gpt2, llama, mlp, rnn, user
+from soapjax_zoo import cnn, gpt, gpt2, llama, mlp, moe, rnn, user
 from soapjax_zoo.workload import ModelConfigError, Workload
 
 
@@ -51,6 +51,7 @@ _REGISTRY: Mapping[str, _Entry] = types.MappingProxyType(
         "gpt2": _Entry(gpt2.GPT2_CONFIGS, gpt2.build_gpt2),
         "gpt": _Entry(gpt.GPT_CONFIGS, gpt.build_gpt, large=True),
         "llama": _Entry(llama.LLAMA_CONFIGS, llama.build_llama, large=True),
+        "moe": _Entry(moe.MOE_CONFIGS, moe.build_moe, large=True),
     }
 )
 
@@ -59,8 +60,8 @@ def names(*, large: bool = True) -> tuple[str, ...]:
     """The registered model names, in registry order.
 
     Args:
-      large: include the large models (``gpt``, ``llama``: billions of parameters at every
-        size but ``tiny``, for planning from shapes; too big to measure or run on one host).
+      large: include the large models (``gpt``, ``llama``, ``moe``: billions of parameters at
+        every size but ``tiny``, for planning from shapes; too big to measure or run on one host).
     """
     return tuple(n for n, e in _REGISTRY.items() if large or not e.large)
 

@@ -210,14 +210,29 @@ def test_nested_primitives_trace_and_evaluate():
 
 def test_unknown_primitive_is_kept_replicate_only():
     def loss(w, x):
-        vals, _ = jax.lax.top_k(x @ w, 3)
+        vals, _ = jax.lax.approx_max_k(x @ w, 3)
         return vals.sum()
 
     g = trace(loss, jnp.ones((8, 16)), jnp.ones((4, 8)))
-    assert g.unsupported == ("top_k",)
-    op = next(op for op in g.operators if op.anchor == "top_k")
+    assert g.unsupported == ("approx_top_k",)
+    op = next(op for op in g.operators if op.anchor == "approx_top_k")
     assert op.replicate_only and op.divisible_dims == ()
-    assert "replicate-only" in g.table() and "top_k" in g.table()
+    assert "replicate-only" in g.table() and "approx_top_k" in g.table()
+
+
+def test_top_k_splits_its_rows_never_its_k():
+    """A mixture-of-experts router's top_k (issue 32): its leading dims follow the operand's
+    (samples split), its k dim is new and never split (a shard's top k are not the row's)."""
+    def loss(w, x):
+        gates, chosen = jax.lax.top_k(jax.nn.softmax(x @ w, axis=-1), 2)
+        return jnp.mean(gates) + jnp.mean(chosen.astype(gates.dtype))
+
+    g = trace(loss, jnp.ones((8, 16)), jnp.ones((32, 8)))
+    assert g.unsupported == ()
+    op = next(op for op in g.operators if op.anchor == "top_k")
+    assert not op.replicate_only
+    splittable = [op.iteration_sizes[d] for d in op.divisible_dims]
+    assert 32 in splittable and 2 not in splittable  # the 32 rows split, the k = 2 never
 
 
 # --- bad input ----------------------------------------------------------------------------------

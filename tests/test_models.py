@@ -13,7 +13,7 @@ from soapjax_zoo.gpt2 import GPT2Config
 from soapjax_zoo.workload import ModelConfigError
 
 NAMES = ("alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt", "lenet", "mlp", "gpt2")
-LARGE = ("gpt", "llama")  # billions of parameters: tests/test_zoo_large.py
+LARGE = ("gpt", "llama", "moe")  # billions of parameters: tests/test_zoo_large.py
 TWINS = ("mlp", "lenet")  # models with an nnx version
 
 # On 2 CPU cores XLA's compile time, not run time, dominates these tests. Optimisation level 0
@@ -72,12 +72,12 @@ def test_get_returns_the_same_workload():
         pytest.param(
             lambda: zoo.get("gtp2"),
             r"^unknown model 'gtp2'; expected one of: alexnet, inception_v3, resnet101, rnntc, "
-            r"rnnlm, nmt, lenet, mlp, gpt2, gpt, llama; did you mean 'gpt2'\?$",
+            r"rnnlm, nmt, lenet, mlp, gpt2, gpt, llama, moe; did you mean 'gpt2'\?$",
             id="get-typo",
         ),
         pytest.param(
             lambda: zoo.configs("vgg16"),
-            r"^unknown model 'vgg16'; expected one of: alexnet, .*, gpt2, gpt, llama$",
+            r"^unknown model 'vgg16'; expected one of: alexnet, .*, gpt2, gpt, llama, moe$",
             id="configs-no-close-match",
         ),
         pytest.param(

@@ -88,7 +88,7 @@ def traced(name: str, size: str) -> tuple[Workload, OpGraph]:
 
 
 def test_large_models_are_registered_with_their_sizes():
-    assert zoo.names()[-2:] == ("gpt", "llama")
+    assert zoo.names()[-3:] == ("gpt", "llama", "moe")
     assert "gpt" not in zoo.names(large=False) and "gpt2" in zoo.names(large=False)
     assert zoo.configs("gpt") == ("default", "tiny", "1.3b", "1.7b", "2.7b", "3.6b", "6.7b",
                                   "7.5b", "13b", "18.4b", "22b", "39.1b", "76.1b", "145.6b",
