@@ -78,17 +78,22 @@ def open_simulation(graph: OpGraph, topology: Topology, strategy: Strategy | Non
     `fits_in_memory`, `result`).
     """
     strategy = strategy if strategy is not None else data_parallel(graph, MeshShape.of(topology))
+    owned = resharder is None or isinstance(resharder, str)  # made here: closed here
     costs, flat_resharder = default_pricing(graph, topology, cost_model=cost_model,
                                             resharder=resharder)
-    if not strategy.pipelined:
-        yield Simulation(graph, topology, costs, flat_resharder, strategy,
-                         opt_state_factor=opt_state_factor)
-        return
-    stage = stage_topology(topology, strategy.stages)
-    mode = getattr(flat_resharder, "mode", DEFAULT_MODE)
-    with Resharder(MeshShape.of(stage), mode=mode) as stage_resharder:
-        yield PipelinedSimulation(graph, topology, costs, stage_resharder, strategy,
-                                  opt_state_factor=opt_state_factor)
+    try:
+        if not strategy.pipelined:
+            yield Simulation(graph, topology, costs, flat_resharder, strategy,
+                             opt_state_factor=opt_state_factor)
+            return
+        stage = stage_topology(topology, strategy.stages)
+        mode = getattr(flat_resharder, "mode", DEFAULT_MODE)
+        with Resharder(MeshShape.of(stage), mode=mode) as stage_resharder:
+            yield PipelinedSimulation(graph, topology, costs, stage_resharder, strategy,
+                                      opt_state_factor=opt_state_factor)
+    finally:
+        if owned:
+            flat_resharder.close()
 
 
 def simulate(graph: OpGraph, topology: Topology, strategy: Strategy, *,
@@ -132,10 +137,16 @@ def compare(graph: OpGraph, topology: Topology, strategies: Mapping[str, Strateg
     Returns:
       Strategy name -> its `SimResult`, in the order given.
     """
+    owned = resharder is None or isinstance(resharder, str)
     cost_model, resharder = default_pricing(graph, topology, cost_model=cost_model,
                                             resharder=resharder)
-    return {name: simulate(graph, topology, s, cost_model=cost_model, resharder=resharder,
-                           opt_state_factor=opt_state_factor) for name, s in strategies.items()}
+    try:
+        return {name: simulate(graph, topology, s, cost_model=cost_model, resharder=resharder,
+                               opt_state_factor=opt_state_factor)
+                for name, s in strategies.items()}
+    finally:
+        if owned:
+            resharder.close()
 
 
 def opt_state_factor(optimizer: Any, params: Any) -> float:
