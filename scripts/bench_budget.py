@@ -28,24 +28,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# The README's own-model example, written where the command runs.
-README_MODEL = '''
-import flax.linen as nn, jax, jax.numpy as jnp, optax
 
-class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(10)(nn.relu(nn.Dense(256)(x)))
 
-def make_workload():
-    model, x = MLP(), jax.ShapeDtypeStruct((64, 784), jnp.float32)
-    batch = {"x": x, "y": jax.ShapeDtypeStruct((64,), jnp.int32)}
-    params = jax.eval_shape(model.init, jax.random.key(0), x)
-    def loss_fn(params, batch):
-        logits = model.apply(params, batch["x"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-    return loss_fn, params, batch
-'''
+def readme_model() -> str:
+    """The README's own-model example (the ``python`` block after "For example
+    `my_model.py`"), written where the command runs: the bench plans what the README shows."""
+    text = (ROOT / "README.md").read_text()
+    after = text[text.index("For example `my_model.py`"):]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]
+
+
 # name -> (plan arguments, costs, what it is)
 CASES = {
     "make-plan": (["--model", "gpt2", "--mesh", "dgx-h100x8"], "analytic",
@@ -92,7 +84,7 @@ def main(argv=None) -> int:
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        (workdir / "my_model.py").write_text(README_MODEL)
+        (workdir / "my_model.py").write_text(readme_model())
         for name in args.cases:
             budget = args.budget_175b if name == "gpt-175b" else args.budget
             r = run_case(name, budget, workdir)

@@ -34,6 +34,20 @@ from soapjax_zoo.workload import (
 )
 
 
+def check_heads(d_model: int, num_heads: int, num_kv_heads: int) -> None:
+    """ModelConfigError unless the heads split `d_model` into even head dims (rotary embeddings
+    rotate pairs) and the query heads group evenly over the key/value heads."""
+    if d_model % num_heads or (d_model // num_heads) % 2:
+        raise ModelConfigError(
+            f"d_model {d_model} must be divisible by num_heads {num_heads} into an even head "
+            f"dim (rotary embeddings rotate pairs)"
+        )
+    if num_heads % num_kv_heads:
+        raise ModelConfigError(
+            f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     """LLaMA hyper-parameters; the default is LLaMA 2 7B.
@@ -61,16 +75,7 @@ class LlamaConfig:
     max_grad_norm: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.d_model % self.num_heads or (self.d_model // self.num_heads) % 2:
-            raise ModelConfigError(
-                f"d_model {self.d_model} must be divisible by num_heads {self.num_heads} into "
-                f"an even head dim (rotary embeddings rotate pairs)"
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise ModelConfigError(
-                f"num_heads {self.num_heads} must be a multiple of num_kv_heads "
-                f"{self.num_kv_heads}"
-            )
+        check_heads(self.d_model, self.num_heads, self.num_kv_heads)
 
     @property
     def head_dim(self) -> int:
@@ -111,16 +116,19 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, of inner width `hidden` (default: the config's
+    ``mlp_hidden``; a mixture of experts' shared expert gives its own)."""
 
     config: LlamaConfig
+    hidden: int | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
+        hidden = self.hidden if self.hidden is not None else cfg.mlp_hidden
         dense = functools.partial(nn.Dense, use_bias=False, kernel_init=_init, dtype=cfg.dtype,
                                   param_dtype=cfg.param_dtype)
-        h = nn.silu(dense(cfg.mlp_hidden, name="gate")(x)) * dense(cfg.mlp_hidden, name="up")(x)
+        h = nn.silu(dense(hidden, name="gate")(x)) * dense(hidden, name="up")(x)
         return dense(cfg.d_model, name="down")(h)
 
 

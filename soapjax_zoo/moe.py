@@ -45,7 +45,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from soapjax_zoo.llama import Attention
+from soapjax_zoo.llama import MLP, Attention, check_heads
 from soapjax_zoo.workload import (
     Batch,
     ModelConfigError,
@@ -92,14 +92,7 @@ class MoEConfig:
     max_grad_norm: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.d_model % self.num_heads or (self.d_model // self.num_heads) % 2:
-            raise ModelConfigError(
-                f"d_model {self.d_model} must be divisible by num_heads {self.num_heads} into "
-                f"an even head dim (rotary embeddings rotate pairs)"
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise ModelConfigError(f"num_heads {self.num_heads} must be a multiple of "
-                                   f"num_kv_heads {self.num_kv_heads}")
+        check_heads(self.d_model, self.num_heads, self.num_kv_heads)
         if not 1 <= self.top_k <= self.num_experts:
             raise ModelConfigError(f"top_k {self.top_k} must be between 1 and num_experts "
                                    f"{self.num_experts}")
@@ -194,21 +187,6 @@ class Experts(nn.Module):
         return dense(cfg.d_model, name="down")(h)
 
 
-class SwiGLU(nn.Module):
-    """A dense SwiGLU of width `hidden` (the shared expert)."""
-
-    config: MoEConfig
-    hidden: int
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        cfg = self.config
-        dense = functools.partial(nn.Dense, use_bias=False, kernel_init=_init, dtype=cfg.dtype,
-                                  param_dtype=cfg.param_dtype)
-        h = nn.silu(dense(self.hidden, name="gate")(x)) * dense(self.hidden, name="up")(x)
-        return dense(cfg.d_model, name="down")(h)
-
-
 class MoE(nn.Module):
     """Router, dispatch, experts, combine (and the shared expert): ``x [B, T, d] -> (y, aux)``,
     aux the layer's load-balancing loss."""
@@ -230,7 +208,7 @@ class MoE(nn.Module):
         out = Experts(cfg, name="experts")(buffers)
         y = jnp.einsum("BTEC,EBCD->BTD", combine.astype(out.dtype), out)
         if cfg.shared_hidden:
-            y = y + SwiGLU(cfg, cfg.shared_hidden, name="shared")(x)
+            y = y + MLP(cfg, hidden=cfg.shared_hidden, name="shared")(x)
         return y, load_balancing_loss(probs, chosen)
 
 
