@@ -44,6 +44,10 @@ The task graph of one training iteration, operators in program order (`soapjax._
   forward resharding (all-gather -> reduce-scatter, all-to-all -> all-to-all, ...) wherever the
   cotangent is a partial sum over the gathered axes, and a free slice where it is replicated
   over them, as XLA's partitioner does; the forward all-reduce of partial sums has none.
+  Operators that read one value in the same layout and give back whole cotangents (no partial
+  axes) share one way back: XLA adds the cotangents in that layout and reshards the sum once
+  (a mixture of experts' gate and up read the dispatched tokens: one all-to-all back, after
+  both backward tasks), where partial sums are each reduced where they are made.
   Parameters go back the same way to their stored layout: the gradient synchronisation
   (all-reduce over the batch axes under data parallelism, reduce-scatter under ZeRO), issued
   right after the backward task that completes the gradient, so it overlaps with the rest of
@@ -797,16 +801,28 @@ class Simulation:
         backward = self._op_comm[j].backward
         return backward[-1] if backward else self._backward_task[j]
 
-    def _resharded_by(self, e: int) -> int:
-        """The first edge carrying edge `e`'s value to the same layout: its forward resharding
-        serves both (XLA computes the collective once; the backward ones stay separate)."""
+    def _same_layout(self, e: int, *, backward: bool = False) -> list[int]:
+        """The edges carrying edge `e`'s value to the same layout, in edge order (consumers in
+        program order): the first one's forward resharding serves them all (XLA computes the
+        collective once). Backward, the same where the cotangents come back whole (no partial
+        axes): XLA adds them in the consumers' layout and moves the sum once (a MoE's gate and
+        up read the dispatched tokens: one all-to-all back, not two). Partial sums are each
+        reduced where they are made, as the gradient syncs are: `e` alone."""
         layout, views = self._layout, self._views
         _, _, j, o = layout.edges[e]
         dst = views[j].operand_specs[o]
+        if backward and views[j].partials[o]:
+            return [e]
+        out = []
         for s in layout.siblings[e]:
-            if s == e or views[layout.edges[s][2]].operand_specs[layout.edges[s][3]] == dst:
-                return s
-        return e
+            v, os = views[layout.edges[s][2]], layout.edges[s][3]
+            if s == e or (v.operand_specs[os] == dst and not (backward and v.partials[os])):
+                out.append(s)
+        return out
+
+    def _resharded_by(self, e: int, *, backward: bool = False) -> int:
+        """The edge whose resharding serves edge `e` (`_same_layout`'s first)."""
+        return self._same_layout(e, backward=backward)[0]
 
     def _build_edge(self, e: int) -> _EdgeTasks:
         layout = self._layout
@@ -817,10 +833,37 @@ class Simulation:
         forward = [] if self._resharded_by(e) != e else self._chain_tasks(
             self._activation_chain(x, sample, src, dst), layout.fwd_key(j, o),
             [self._output_ready(p, k)], RESHARD, e)
-        back = self._activation_chain(x, sample, dst, src, self._views[j].partials[o])
-        backward = self._chain_tasks(back, layout.bwd_key(j, 1 + o), [self._backward_done(j)],
-                                     RESHARD_BWD, e)
+        partial = self._views[j].partials[o]
+        summed = self._summed_partials(e) if partial else [e]
+        if len(summed) > 1:  # reduced here, in this layout; the last one moves their sum
+            chain = self._activation_chain(x, sample, dst, dst, partial)
+            head = [self._backward_done(j)]
+            if e == summed[-1]:
+                chain += self._activation_chain(x, sample, dst, src)
+                head += [self._edge_tasks[s].backward[-1] if self._edge_tasks[s].backward
+                         else self._backward_done(layout.edges[s][2]) for s in summed[:-1]]
+            backward = self._chain_tasks(chain, layout.bwd_key(j, 1 + o), head, RESHARD_BWD, e)
+            return _EdgeTasks(forward, backward)
+        shared = self._same_layout(e, backward=True)
+        backward = [] if shared[0] != e else self._chain_tasks(
+            self._activation_chain(x, sample, dst, src, partial),
+            layout.bwd_key(j, 1 + o),
+            [self._backward_done(layout.edges[s][2]) for s in shared], RESHARD_BWD, e)
         return _EdgeTasks(forward, backward)
+
+    def _summed_partials(self, e: int) -> list[int]:
+        """The edges carrying edge `e`'s value to the same layout whose cotangents are partial
+        sums over the same axes, in edge order. Several: XLA sums their cotangents before
+        resharding the sum to the producer, so it all-reduces each one where it is made, in
+        the consumer's layout (a sequence-parallel layer's Q, K and V projections read one
+        normalised input: three all-reduces, then one move into the sequence split, not three
+        reduce-scatters); one alone is reduced straight into the producer's layout."""
+        layout, views = self._layout, self._views
+        _, _, j, o = layout.edges[e]
+        key = (views[j].operand_specs[o], views[j].partials[o])
+        return [s for s in layout.siblings[e]
+                if (views[layout.edges[s][2]].operand_specs[layout.edges[s][3]],
+                    views[layout.edges[s][2]].partials[layout.edges[s][3]]) == key]
 
     def _stored_spec(self, leaf: int) -> tuple[tuple[str, ...], ...]:
         """A leaf's layout: `space.storage_spec` of its first reader's operand spec."""
@@ -1006,7 +1049,7 @@ class _EdgeTasks(NamedTuple):
     """An activation edge's communication tasks."""
 
     forward: list[int]  # its resharding (empty when a sibling edge's serves it: `_resharded_by`)
-    backward: list[int]  # its cotangent's way back
+    backward: list[int]  # its cotangent's way back (empty when a sibling's serves it)
 
 
 class _LeafTasks(NamedTuple):
