@@ -835,21 +835,36 @@ class Simulation:
             [self._output_ready(p, k)], RESHARD, e)
         partial = self._views[j].partials[o]
         summed = self._summed_partials(e) if partial else [e]
-        if len(summed) > 1:  # reduced here, in this layout; the last one moves their sum
-            chain = self._activation_chain(x, sample, dst, dst, partial)
-            head = [self._backward_done(j)]
-            if e == summed[-1]:
-                chain += self._activation_chain(x, sample, dst, src)
-                head += [self._edge_tasks[s].backward[-1] if self._edge_tasks[s].backward
-                         else self._backward_done(layout.edges[s][2]) for s in summed[:-1]]
-            backward = self._chain_tasks(chain, layout.bwd_key(j, 1 + o), head, RESHARD_BWD, e)
-            return _EdgeTasks(forward, backward)
+        if len(summed) > 1:  # each reduced in this layout, then their sum moved once
+            return _EdgeTasks(forward, [] if e != summed[0] else self._summed_tasks(summed))
         shared = self._same_layout(e, backward=True)
         backward = [] if shared[0] != e else self._chain_tasks(
             self._activation_chain(x, sample, dst, src, partial),
             layout.bwd_key(j, 1 + o),
             [self._backward_done(layout.edges[s][2]) for s in shared], RESHARD_BWD, e)
         return _EdgeTasks(forward, backward)
+
+    def _summed_tasks(self, summed: list[int]) -> list[int]:
+        """The way back of partial cotangents `summed` (`_summed_partials`), all in the first
+        edge's unit: their all-reduces in backward order (the last consumer's first), each after
+        its consumer's backward and the one before, then the move of their sum to the
+        producer's layout; its last task is after all of them."""
+        layout, tasks = self._layout, []
+        for s in reversed(summed):
+            _, _, j, o = layout.edges[s]
+            x, dst = self.graph.operators[j].inputs[o], self._views[j].operand_specs[o]
+            chain = self._activation_chain(x, self._sample[j], dst, dst, self._views[j].partials[o])
+            tasks += self._chain_tasks(chain, layout.bwd_key(j, 1 + o),
+                                       [self._backward_done(j)] + tasks[-1:], RESHARD_BWD, s)
+        p, k, j, o = layout.edges[summed[0]]
+        x = self.graph.operators[j].inputs[o]
+        move = self._activation_chain(x, self._sample[j], self._views[j].operand_specs[o],
+                                      self._views[p].out_specs[k])
+        first = len(self._activation_chain(x, self._sample[j], self._views[j].operand_specs[o],
+                                           self._views[j].operand_specs[o],
+                                           self._views[j].partials[o]))
+        return tasks + self._chain_tasks(move, layout.bwd_key(j, 1 + o) + first, tasks[-1:],
+                                         RESHARD_BWD, summed[0])
 
     def _summed_partials(self, e: int) -> list[int]:
         """The edges carrying edge `e`'s value to the same layout whose cotangents are partial

@@ -294,23 +294,62 @@ def _collective(
 
 
 def _slicing_user(inst: Inst, module: Module) -> Inst | None:
-    """An all-reduce's only user, if it dynamic-slices 1/group_size of it (see `collectives`)."""
-    users = [u for comp in module.computations.values() for u in comp if inst.name in u.operands]
-    if len(users) != 1:
-        return None
-    user = users[0]
-    if user.opcode == "fusion":
-        called = callees(user).get("calls", [])
-        body = module.computations.get(called[0], []) if called else []
-        if not any(i.opcode == "dynamic-slice" for i in body):
-            return None
-    elif user.opcode != "dynamic-slice":
-        return None
+    """A dynamic-slice of 1/group_size of an all-reduce's result, if every use of the result is
+    one (see `collectives`), else None.
+
+    Uses are followed through layout-only instructions (copy, bitcast) and into the fusions
+    that read the result; any other use (an elementwise add before the slice, a return) means
+    XLA computes on the whole reduced buffer, and the all-reduce stays one. This is the
+    pattern the GPU pipeline's ``ReduceScatterCreator`` rewrites (all-reduce, then a
+    dynamic-slice), read after XLA:CPU's fusion pass has copied the slice into each of the
+    result's consumers.
+    """
     groups = _groups(inst, module.num_devices)
     try:
-        ar, ds = type_leaves(parse_type(inst.type)), type_leaves(parse_type(user.type))
+        ar = type_leaves(parse_type(inst.type))
     except ValueError:
         return None
-    if len(ar) != 1 or len(ds) != 1 or not groups or len(groups[0]) < 2:
+    if len(ar) != 1 or not groups or len(groups[0]) < 2:
         return None
-    return user if math.prod(ar[0][1]) == math.prod(ds[0][1]) * len(groups[0]) else None
+    slices: list[Inst] = []
+    comp = next(c for c in module.computations.values() if inst in c)
+    whole = math.prod(ar[0][1])
+    if not _only_sliced(inst.name, comp, whole // len(groups[0]), module, slices, 0):
+        return None
+    return slices[0] if slices and whole % len(groups[0]) == 0 else None
+
+
+_LAYOUT_ONLY = ("copy", "bitcast")
+
+
+def _only_sliced(name: str, comp: list[Inst], part: int, module: Module, slices: list[Inst],
+                 depth: int) -> bool:
+    """Whether every use of value `name` in `comp` is a dynamic-slice of `part` elements of it
+    (through layout-only instructions and fusion parameters); the slices go into `slices`."""
+    users = [u for u in comp if name in u.operands]
+    if not users or depth > 8:
+        return False
+    for u in users:
+        if u.opcode == "dynamic-slice" and u.operands[0] == name:
+            try:
+                leaves = type_leaves(parse_type(u.type))
+            except ValueError:
+                return False
+            if len(leaves) != 1 or math.prod(leaves[0][1]) != part:
+                return False
+            slices.append(u)
+        elif u.opcode in _LAYOUT_ONLY:
+            if not _only_sliced(u.name, comp, part, module, slices, depth + 1):
+                return False
+        elif u.opcode == "fusion":
+            called = callees(u).get("calls", [])
+            body = module.computations.get(called[0], []) if called else []
+            params = {int(m.group(1)): i.name for i in body if i.opcode == "parameter"
+                      and (m := re.match(r"param_(\d+)", i.name))}
+            for k, operand in enumerate(u.operands):
+                if operand == name and (k not in params or not _only_sliced(
+                        params[k], body, part, module, slices, depth + 1)):
+                    return False
+        else:
+            return False
+    return True
