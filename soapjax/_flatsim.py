@@ -49,9 +49,11 @@ The task graph of one training iteration, operators in program order (`soapjax._
   (a mixture of experts' gate and up read the dispatched tokens: one all-to-all back, after
   both backward tasks), where partial sums are each reduced where they are made.
   Parameters go back the same way to their stored layout: the gradient synchronisation
-  (all-reduce over the batch axes under data parallelism, reduce-scatter under ZeRO), issued
-  right after the backward task that completes the gradient, so it overlaps with the rest of
-  the backward pass as XLA schedules it;
+  (all-reduce over the batch axes under data parallelism, reduce-scatter under ZeRO; one
+  per split dim where axes split several, as the batch and the sequence under context
+  parallelism: `Simulation._partial_chain`), issued right after the backward task that
+  completes the gradient, so it overlaps with the rest of the backward pass as XLA
+  schedules it;
 * the optimizer update of every parameter shard (`CostModel.update_time`) after its gradient,
   in the order gradients complete; where the optimizer reduces each parameter to scalars (a
   global gradient-norm clip: `OpCosts.update_reductions`) and the parameter is stored split,
@@ -146,6 +148,8 @@ class _View(NamedTuple):
     internal_bytes: int  # the values inside it its backward reads (`memory.residuals`)
     policy: str  # its recompute policy (`soapjax.memory`)
     recomputes: bool  # whether it drops its outputs and runs its forward again
+    # per operand, `partials` grouped by the iteration dim they split (`_by_dim`)
+    partial_groups: tuple[tuple[tuple[str, ...], ...], ...] = ()
 
 
 def shard_bytes(shape: Sequence[int], spec: Sequence[Sequence[str]], dtype: str,
@@ -583,8 +587,8 @@ class Simulation:
         # ... and the edges that share a value with them (which one reshards it may change)
         edges = sorted({s for e in changed for s in layout.siblings[e]})
         leaves = [leaf for leaf in layout.op_leaves[i]
-                  if any((view.operand_specs[o], view.partials[o])
-                         != (old.operand_specs[o], old.partials[o])
+                  if any((view.operand_specs[o], view.partial_groups[o])
+                         != (old.operand_specs[o], old.partial_groups[o])
                          for j, o in layout.readers[leaf] if j == i)]
         return op_comm, edges, leaves
 
@@ -701,10 +705,11 @@ class Simulation:
             inner_forward, inner_backward = self._inner_chains(j, config)
             if recompute:  # the forward it runs again all-reduces its statistics again
                 inner_backward = inner_forward + inner_backward
-            v = self._views_memo[key] = _View(config, forward, backward, outs, specs, partials,
-                                              tuple(config.reduction_axes(op)), inner_forward,
-                                              inner_backward, output_bytes, operand_bytes,
-                                              internal, policy, recompute)
+            v = self._views_memo[key] = _View(
+                config, forward, backward, outs, specs, partials,
+                tuple(config.reduction_axes(op)), inner_forward, inner_backward, output_bytes,
+                operand_bytes, internal, policy, recompute,
+                tuple(_by_dim(config.axes, p) for p in partials))
         return v
 
     def _inner_chains(self, j: int, config: Config) -> tuple[tuple[Comm, ...], tuple[Comm, ...]]:
@@ -980,12 +985,29 @@ class Simulation:
         tasks, ready = [], []
         for j, o in reversed(layout.readers[leaf]):
             v = self._views[j]
-            chain = self._pricing.chain(shape, dtype, v.operand_specs[o], store, v.partials[o])
+            chain = self._partial_chain(shape, dtype, v.operand_specs[o], store,
+                                        v.partial_groups[o])
             sync = self._chain_tasks(chain, layout.bwd_key(j, 1 + o), [self._backward_task[j]],
                                      GRAD_SYNC, leaf)
             tasks += sync
             ready += sync[-1:] if sync else [self._backward_task[j]]
         return tasks, ready
+
+    def _partial_chain(self, shape: tuple[int, ...], dtype: str, src: tuple, dst: tuple,
+                       groups: tuple[tuple[str, ...], ...]) -> tuple[Comm, ...]:
+        """The resharding `src` -> `dst` of a sum partial over the axes of `groups` (one group
+        per iteration dim they split): one collective per dim, as XLA's partitioner reduces
+        the partial sums of each split contracting dim on its own. A weight's gradient under
+        context parallelism (the batch over ``data``, the sequence over ``model``) is two
+        all-reduces of the whole gradient, over ``model`` and over ``data``, not one over both
+        (jax 0.10: a dot or a sum over two dims split so, on cpu8). The groups `dst` does not
+        split are all-reduced in place first, the rest reduced into `dst` last."""
+        split = {a for axes in dst for a in axes}
+        early = [g for g in groups if not split & set(g)][: len(groups) - 1]
+        last = tuple(a for g in groups if g not in early for a in g)
+        chain = tuple(c for g in early for c in self._pricing.chain(shape, dtype, src, src, g))
+        return chain + self._pricing.chain(shape, dtype, src, dst,
+                                           tuple(a for a in self.mesh.axis_names if a in last))
 
     def _forward_deps(self, j: int) -> list[int]:
         """What operator `j`'s forward task waits for: its inputs' reshardings (or, with none,
@@ -1074,6 +1096,14 @@ class _LeafTasks(NamedTuple):
     gather_ends: list[int]  # per reader: the last task of its gather, -1 for none
     stored_bytes: int  # its stored shard (parameters; 0 for batch inputs)
     activation_bytes: int  # the batch shard and copies in other layouts, kept for the backward
+
+
+def _by_dim(dims: Sequence[tuple[str, ...]], axes: tuple[str, ...]
+            ) -> tuple[tuple[str, ...], ...]:
+    """`axes` (in mesh order) grouped by the dim of `dims` (a config's axes per iteration dim)
+    that each splits, in dim order: ``(("data",), (), ("model",))`` groups ``("data",
+    "model")`` as ``(("data",), ("model",))``."""
+    return tuple(g for d in dims if (g := tuple(a for a in axes if a in d)))
 
 
 def _canonical_operators(graph: OpGraph) -> list[int]:
