@@ -288,6 +288,12 @@ def _flops(name: str, params, in_shapes, out_shapes) -> float:
         (lc, _), _ = params["dimension_numbers"]
         k = math.prod(in_shapes[0][d] for d in lc) if lc else 1
         return 2.0 * _numel(out_shapes[0]) * k
+    if name == "ragged_dot_general":  # every lhs element meets its one group's rhs columns
+        rdn = params["ragged_dot_dimension_numbers"]
+        (_, rc), (_, rb) = rdn.dot_dimension_numbers
+        skip = set(rc) | set(rb) | set(rdn.rhs_group_dimensions)
+        n = math.prod(s for d, s in enumerate(in_shapes[1]) if d not in skip)
+        return 2.0 * _numel(in_shapes[0]) * n
     if name == "conv_general_dilated":
         dn = params["dimension_numbers"]
         rhs = in_shapes[1]
@@ -384,6 +390,19 @@ def _first_order(ls: LabelSet, name: str, p, ins, in_shapes, out_shapes, prims) 
         rfree = [d for d in range(len(rhs)) if d not in rc and d not in rb]
         out = tuple([lhs[d] for d in lb] + [lhs[d] for d in lfree] + [rhs[d] for d in rfree])
         return EqnInfo([out], reduced, flops, prims)
+    if name == "ragged_dot_general":
+        return _ragged_dot(ls, p, ins, in_shapes, out_shapes, flops, prims)
+    if name == "sort":  # along `dimension`: a shard's order is not the order of the whole
+        srcs = [x or ls.fresh_many(shape) for x, shape in zip(ins, in_shapes)]
+        axis = p["dimension"]
+        for other in srcs[1:]:
+            for d, (a, b) in enumerate(zip(srcs[0], other)):
+                if d != axis:
+                    ls.union(a, b)
+        new = ls.fresh(in_shapes[0][axis])
+        ls.mark(new, "seq")
+        out = (*srcs[0][:axis], new, *srcs[0][axis + 1:])
+        return EqnInfo([out] * len(out_shapes), reduced, flops, prims)
     if name == "conv_general_dilated":
         dn = p["dimension_numbers"]
         lhs = ins[0] or ls.fresh_many(in_shapes[0])
@@ -469,6 +488,49 @@ def _first_order(ls: LabelSet, name: str, p, ins, in_shapes, out_shapes, prims) 
     if name == "rng_bit_generator" or name.startswith("random_") or name == "threefry2x32":
         return EqnInfo([ls.fresh_many(s) for s in out_shapes], reduced, flops, prims)
     return EqnInfo(_elementwise(ls, ins, in_shapes, out_shapes), reduced, flops, prims)
+
+
+def _ragged_dot(ls: LabelSet, p, ins, in_shapes, out_shapes, flops, prims) -> EqnInfo:
+    """A grouped matmul (`jax.lax.ragged_dot_general`): a dot_general whose lhs ragged dim is
+    cut into consecutive groups by ``group_sizes``, group g multiplied by slice g of the rhs
+    group dim (the experts' stacked weights ``[E, d, f]`` over tokens sorted by expert).
+
+    Neither the ragged dim nor the group dim is ever split (both are marked like a scan's
+    iteration axis). A device holding a slice of the ragged rows would need the offsets of its
+    groups inside that slice, which the traced ``group_sizes`` (counted over all rows) do not
+    give; a device holding some groups of the rhs (expert parallelism) would need exactly its
+    groups' rows, a ragged all-to-all that depends on the router's counts, which no sharding
+    of the operands expresses (MaxText does it by hand inside ``shard_map``). So the group dim
+    is neither an output nor a reduced dim: the rhs is whole in the operator (its other dims,
+    the contracting dim and the free dims, split as a dot_general's). Modes: ragged
+    non-contracting (``[m, k] x [g, k, n] -> [m, n]``, the forward), ragged contracting
+    (``[m, k] x [m, n] -> [g, k, n]`` contracting the rows: the weight gradient, a new group
+    dim in front), ragged batch (as a dot_general).
+    """
+    rdn = p["ragged_dot_dimension_numbers"]
+    (lc, rc), (lb, rb) = rdn.dot_dimension_numbers
+    lhs = ins[0] or ls.fresh_many(in_shapes[0])
+    rhs = ins[1] or ls.fresh_many(in_shapes[1])
+    ragged = rdn.lhs_ragged_dimensions[0]
+    groups = tuple(rdn.rhs_group_dimensions)
+    reduced: list[int] = []
+    for a, b in zip(lc, rc):
+        ls.union(lhs[a], rhs[b])
+        if a != ragged:
+            reduced.append(lhs[a])
+    for a, b in zip(lb, rb):
+        ls.union(lhs[a], rhs[b])
+    ls.mark(lhs[ragged], "seq")
+    for g in groups:
+        ls.mark(rhs[g], "seq")
+    lfree = [d for d in range(len(lhs)) if d not in lc and d not in lb]
+    rfree = [d for d in range(len(rhs)) if d not in rc and d not in rb and d not in groups]
+    out = tuple([lhs[d] for d in lb] + [lhs[d] for d in lfree] + [rhs[d] for d in rfree])
+    if ragged in lc:  # ragged contracting: one result per group
+        new = ls.fresh(out_shapes[0][0])
+        ls.mark(new, "seq")
+        out = (new, *out)
+    return EqnInfo([out], reduced, flops, prims)
 
 
 def _gather(ls: LabelSet, p, ins, in_shapes, out_shapes) -> Labels:
@@ -695,6 +757,17 @@ def _xla_eqn(eqn) -> Flops:
             return Flops(out, 0.0, out)
         f = _flops(name, p, in_shapes, out_shapes)
         return Flops(f, 0.0, f)
+    if name == "ragged_dot_general":
+        # jax's lowering off TPU (jax 0.10.2): each of the g groups masks its rows out of the
+        # operands (two compares, an and, a select per element: the lhs, and in the ragged
+        # contracting mode the rhs too) and multiplies them densely; the group offsets are a
+        # cumsum, g (g - 1). Measured against XLA:CPU's cost analysis in tests/test_moe.py.
+        g = in_shapes[2][-1]
+        matmul = g * _flops(name, p, in_shapes, out_shapes)
+        masked = _numel(in_shapes[0])
+        if not p["ragged_dot_dimension_numbers"].rhs_group_dimensions:
+            masked += _numel(in_shapes[1])
+        return Flops(matmul + 4.0 * g * masked + g * (g - 1), 0.0, matmul)
     if name == "conv_general_dilated":
         f = _conv_flops(p, in_shapes, out_shapes)
         return Flops(f, 0.0, f)

@@ -27,8 +27,9 @@ from soapjax._program import OperatorLabels, Program
 
 # Primitives an operator is built around, strongest first (an equation that contains one of
 # them, e.g. a remat2 or custom_jvp_call around a matmul, is anchored on it).
-_ANCHORS = ("scan", "while", "cond", "conv_general_dilated", "dot_general", "reduce_window_max",
-            "reduce_window_sum", "reduce_window_min", "reduce_window", "select_and_gather_add",
+_ANCHORS = ("scan", "while", "cond", "conv_general_dilated", "dot_general", "ragged_dot_general",
+            "reduce_window_max", "reduce_window_sum", "reduce_window_min", "reduce_window",
+            "select_and_gather_add",
             "sort", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "fft",
             "scatter", "scatter-add", "scatter_add", "dynamic_update_slice", "top_k")
 # Anchors only when they start a new module: a reduction opening a layer norm or a loss starts

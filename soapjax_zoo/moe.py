@@ -18,6 +18,17 @@ over an expert dim ``E``:
   expert to its own buffer; the combine tensor (dispatch times gates) brings the results back;
 * optionally, a shared expert (a dense SwiGLU every token passes through, ``moe/shared``).
 
+With ``routing="dropless"`` the same layer is written the way MaxText's "megablox" path and
+MegaBlocks (Gale et al. 2023) write it, with no capacity and no dropped token: the ``B * T * k``
+choices are sorted by expert (``jnp.argsort``, stable), the tokens gathered into that order
+(``[B*T*k, d]``), each expert's share counted (``jnp.bincount``: the group sizes), and the
+stacked SwiGLU weights ``[E, d, ffn]`` applied group by group by a grouped matmul
+(``jax.lax.ragged_dot``); the results are gathered back into token order (the inverse
+permutation, ``argsort`` of the sort order), weighted by the gates and summed over the ``k``.
+The sort is over the whole batch, as the code says: under GSPMD each device sees the global
+order, so what soapjax plans for this form is the expert FFN's ffn dim (Megatron) and ZeRO
+sharding of the weights, never the ragged rows or the expert dim (soapjax._dims says why).
+
 Switch's load-balancing loss ``experts * sum_e(fraction of choices routed to e * mean router
 probability of e)`` (1 when the load is uniform), summed over layers and weighted by
 ``aux_loss_coef``, is added to the next-token cross entropy.
@@ -40,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Literal, get_args
 
 import flax.linen as nn
 import jax
@@ -55,6 +67,9 @@ from soapjax_zoo.workload import (
     next_token_batch,
 )
 
+Routing = Literal["capacity", "dropless"]
+ROUTINGS: tuple[Routing, ...] = get_args(Routing)
+
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
@@ -65,6 +80,10 @@ class MoEConfig:
       expert_hidden: each expert's SwiGLU width.
       capacity_factor: an expert's buffer holds ``capacity_factor * tokens * top_k /
         num_experts`` tokens of a sequence (rounded up); below 1, tokens are always dropped.
+        Unused by dropless routing.
+      routing: ``"capacity"`` (GShard's dispatch and combine einsums over ``[E, B, C, d]``
+        buffers) or ``"dropless"`` (tokens sorted by expert, a grouped matmul,
+        ``jax.lax.ragged_dot``; no token dropped).
       shared_hidden: the shared expert's SwiGLU width (0: none).
       aux_loss_coef: the load-balancing loss's weight in the training loss.
       dtype: what the layers compute in (None: the parameters' dtype, as the tiny config, so
@@ -90,9 +109,12 @@ class MoEConfig:
     learning_rate: float = 3e-4
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
+    routing: Routing = "capacity"
 
     def __post_init__(self) -> None:
         check_heads(self.d_model, self.num_heads, self.num_kv_heads)
+        if self.routing not in ROUTINGS:
+            raise ModelConfigError(f"routing {self.routing!r}: expected one of {ROUTINGS}")
         if not 1 <= self.top_k <= self.num_experts:
             raise ModelConfigError(f"top_k {self.top_k} must be between 1 and num_experts "
                                    f"{self.num_experts}")
@@ -147,6 +169,33 @@ def route(gates: jax.Array, chosen: jax.Array, experts: int,
     return dispatch, combine
 
 
+def sort_by_expert(chosen: jax.Array, experts: int) -> tuple[jax.Array, jax.Array]:
+    """The choices ``chosen [B, T, k]`` in expert order, for a grouped matmul.
+
+    Returns:
+      ``(order, group_sizes)``: ``order [B*T*k]`` the flat choices' indices sorted by expert
+      (stable: within an expert, in token order), so that ``order // k`` are the tokens the
+      sorted rows read; ``group_sizes [E]`` how many rows each expert takes (they sum to
+      ``B*T*k``: no choice is dropped).
+
+    Example: 3 tokens, top-1, 2 experts; tokens 0 and 2 pick expert 1::
+
+      chosen = [[[1], [0], [1]]]
+      order == [1, 0, 2], group_sizes == [1, 2]
+    """
+    flat = chosen.reshape(-1)
+    return jnp.argsort(flat, stable=True), jnp.bincount(flat, length=experts)
+
+
+def unsort(rows: jax.Array, order: jax.Array, gates: jax.Array) -> jax.Array:
+    """The experts' results ``rows [B*T*k, d]``, in the order `sort_by_expert` gave, back in
+    token order, weighted by ``gates [B, T, k]`` and summed over the k: ``[B, T, d]``."""
+    batch, length, top_k = gates.shape
+    rows = jnp.take(rows, jnp.argsort(order), axis=0)  # the inverse permutation
+    rows = rows.reshape(batch, length, top_k, rows.shape[-1])
+    return jnp.einsum("BTKD,BTK->BTD", rows, gates.astype(rows.dtype))
+
+
 def load_balancing_loss(probs: jax.Array, chosen: jax.Array) -> jax.Array:
     """Switch's auxiliary loss over ``probs [B, T, E]`` and the top-k ``chosen [B, T, k]``:
     ``E * sum_e f_e * P_e``, with ``f_e`` the fraction of the tokens' choices that pick e
@@ -171,6 +220,40 @@ class ExpertDense(nn.Module):
                             self.param_dtype)
         x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
         return jnp.einsum("EBCD,EDF->EBCF", x, kernel)
+
+
+class RaggedDense(nn.Module):
+    """``E`` stacked kernels ``[E, in, out]`` over rows sorted by expert ``[rows, in]``: the
+    first ``group_sizes[0]`` rows through kernel 0, the next ``group_sizes[1]`` through kernel
+    1, ... (``jax.lax.ragged_dot``)."""
+
+    experts: int
+    features: int
+    dtype: str | None
+    param_dtype: str
+
+    @nn.compact
+    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", _init, (self.experts, x.shape[-1], self.features),
+                            self.param_dtype)
+        x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
+        return jax.lax.ragged_dot(x, kernel, group_sizes)
+
+
+class RaggedExperts(nn.Module):
+    """The experts' SwiGLU over rows sorted by expert ``[rows, d]``: the same parameters as
+    `Experts` (``gate``, ``up``, ``down``), applied by grouped matmuls."""
+
+    config: MoEConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        cfg = self.config
+        dense = functools.partial(RaggedDense, cfg.num_experts, dtype=cfg.dtype,
+                                  param_dtype=cfg.param_dtype)
+        h = (nn.silu(dense(cfg.expert_hidden, name="gate")(x, group_sizes))
+             * dense(cfg.expert_hidden, name="up")(x, group_sizes))
+        return dense(cfg.d_model, name="down")(h, group_sizes)
 
 
 class Experts(nn.Module):
@@ -203,10 +286,16 @@ class MoE(nn.Module):
         gates, chosen = jax.lax.top_k(probs, cfg.top_k)  # [B, T, k]
         if cfg.top_k > 1:  # Mixtral's gates: the softmax over the chosen k
             gates = gates / gates.sum(axis=-1, keepdims=True)
-        dispatch, combine = route(gates, chosen, cfg.num_experts, cfg.capacity)
-        buffers = jnp.einsum("BTEC,BTD->EBCD", dispatch.astype(x.dtype), x)
-        out = Experts(cfg, name="experts")(buffers)
-        y = jnp.einsum("BTEC,EBCD->BTD", combine.astype(out.dtype), out)
+        if cfg.routing == "dropless":  # every choice computed, in expert order
+            order, group_sizes = sort_by_expert(chosen, cfg.num_experts)
+            rows = jnp.take(x.reshape(-1, x.shape[-1]), order // cfg.top_k, axis=0)
+            out = RaggedExperts(cfg, name="experts")(rows, group_sizes)  # [B*T*k, d]
+            y = unsort(out, order, gates)
+        else:
+            dispatch, combine = route(gates, chosen, cfg.num_experts, cfg.capacity)
+            buffers = jnp.einsum("BTEC,BTD->EBCD", dispatch.astype(x.dtype), x)
+            out = Experts(cfg, name="experts")(buffers)
+            y = jnp.einsum("BTEC,EBCD->BTD", combine.astype(out.dtype), out)
         if cfg.shared_hidden:
             y = y + MLP(cfg, hidden=cfg.shared_hidden, name="shared")(x)
         return y, load_balancing_loss(probs, chosen)
@@ -253,7 +342,8 @@ class MoEDecoder(nn.Module):
 # name -> config; "default" is Mixtral 8x7B, "tiny" is for tests (float64 gradients in seconds
 # on CPU: it computes in its parameters' dtype; every dim a multiple of 4, the model axis of the
 # cpu8 mesh; capacity factor 0.5, so that half the choices are dropped: C = 4 slots per expert
-# for 16 tokens x 2 choices over 4 experts).
+# for 16 tokens x 2 choices over 4 experts). The "-dropless" configs are the same models with
+# form (b)'s routing: sorted tokens and grouped matmuls, no token dropped.
 MOE_SIZES = {
     "mixtral-8x7b": MoEConfig(),
     "mixtral-8x22b": MoEConfig(vocab_size=32768, num_layers=56, num_heads=48, d_model=6144,
@@ -262,12 +352,16 @@ MOE_SIZES = {
                               d_model=2048, num_experts=128, top_k=8, expert_hidden=768,
                               shared_hidden=768, rope_base=1e6),
 }
+_TINY = MoEConfig(batch_size=8, seq_len=16, vocab_size=64, num_layers=2, num_heads=8,
+                  num_kv_heads=4, d_model=32, num_experts=4, top_k=2, expert_hidden=32,
+                  capacity_factor=0.5, shared_hidden=16, rope_base=10000.0, dtype=None)
 MOE_CONFIGS = {
     "default": MOE_SIZES["mixtral-8x7b"],
-    "tiny": MoEConfig(batch_size=8, seq_len=16, vocab_size=64, num_layers=2, num_heads=8,
-                      num_kv_heads=4, d_model=32, num_experts=4, top_k=2, expert_hidden=32,
-                      capacity_factor=0.5, shared_hidden=16, rope_base=10000.0, dtype=None),
+    "tiny": _TINY,
     **MOE_SIZES,
+    "tiny-dropless": dataclasses.replace(_TINY, routing="dropless"),
+    **{f"{name}-dropless": dataclasses.replace(cfg, routing="dropless")
+       for name, cfg in MOE_SIZES.items()},
 }
 
 
@@ -287,12 +381,14 @@ def build_moe(name: str, config: str, cfg: MoEConfig, api: str) -> Workload:
         return next_token_batch(rng, cfg.batch_size, cfg.seq_len, cfg.vocab_size)
 
     shared = f", shared expert {cfg.shared_hidden}" if cfg.shared_hidden else ""
+    routing = (f"capacity factor {cfg.capacity_factor}" if cfg.routing == "capacity"
+               else "dropless: sorted tokens, ragged_dot")
     return Workload(
         name=name, config=config, api="linen", family="transformer",
         description=(
             f"MoE decoder ({cfg.num_layers} layers, {cfg.num_heads} heads / {cfg.num_kv_heads} "
             f"kv, d_model {cfg.d_model}, {cfg.num_experts} experts top-{cfg.top_k} of FFN "
-            f"{cfg.expert_hidden}{shared}, capacity factor {cfg.capacity_factor}), "
+            f"{cfg.expert_hidden}{shared}, {routing}), "
             f"{cfg.seq_len} tokens, vocab {cfg.vocab_size}, "
             f"{cfg.dtype or cfg.param_dtype} over {cfg.param_dtype}"),
         batch_size=cfg.batch_size, loss_fn=loss_fn, init_params=jax.jit(init_params),

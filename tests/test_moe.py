@@ -7,7 +7,14 @@
   device, and on ``cpu8`` under data parallelism, Megatron, FSDP, a searched plan (analytic
   costs, 200 proposals, seed 0) and two expert-parallel strategies: the expert dim of the
   stacked expert weights and of the dispatched tokens split over ``model`` (4 experts, one
-  per device, the batch over ``data``) or over ``data`` (the batch over ``model``).
+  per device, the batch over ``data``) or over ``data`` (the batch over ``model``);
+* form (b), dropless (``tiny-dropless``: tokens sorted by expert, ``jax.lax.ragged_dot``): a
+  hand example of the sort and unsort; it computes the capacity form's loss where the capacity
+  drops nothing; its grouped matmuls never split the ragged rows or the experts' group dim
+  (no config can: see soapjax._dims._ragged_dot) but split ffn and d_model; float64 gradients
+  exact on one device and on ``cpu8`` under data parallelism, Megatron (the experts' ffn dim
+  over ``model``), FSDP and a searched plan;
+* every real size of both forms traces from shapes.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import pytest
 from jax.sharding import Mesh
 from test_corpus import FAST_COMPILE, X64_TOL, jiggle, relative_error, worst_leaf
 
-from soapjax import baselines, space
+from soapjax import _dims, baselines, space
 from soapjax.apply import batch_shardings, constrained_loss, device_put_global, param_shardings
 from soapjax.cost import cost_model
 from soapjax.graph import OpGraph, trace
@@ -34,13 +41,14 @@ from soapjax_zoo import moe
 TOPOLOGY = load_topology("cpu8")
 MESH_SHAPE = MeshShape.of(TOPOLOGY)
 TINY = moe.MOE_CONFIGS["tiny"]
+DROPLESS = "tiny-dropless"
 
 
 @functools.cache
-def float64_case():
-    """The tiny MoE in float64: graph, params (init + N(0, 0.05)), batch, reference grads."""
-    cfg = dataclasses.replace(TINY, param_dtype="float64")
-    w = moe.build_moe("moe", "tiny-x64", cfg, "linen")
+def float64_case(config: str = "tiny"):
+    """A tiny MoE in float64: graph, params (init + N(0, 0.05)), batch, reference grads."""
+    cfg = dataclasses.replace(moe.MOE_CONFIGS[config], param_dtype="float64")
+    w = moe.build_moe("moe", f"{config}-x64", cfg, "linen")
     with jax.enable_x64(True):
         params = jiggle(jax.jit(w.init_params, compiler_options=FAST_COMPILE)(jax.random.key(0)),
                         0.05)
@@ -107,11 +115,30 @@ def expert_parallel(graph: OpGraph, expert_axis: str, batch_axis: str) -> Strate
     return space.strategy_from_names(graph, configs)
 
 
+def ragged_megatron(graph: OpGraph) -> Strategy:
+    """Megatron over ``model`` with the dropless experts' SwiGLU split as Megatron splits an
+    MLP: ``gate`` and ``up`` column parallel (their ffn output dim), ``down`` row parallel
+    (its ffn contracting dim). (`baselines.megatron` leaves the grouped matmuls whole: it
+    splits the weights of dense anchors only.)"""
+    base = baselines.megatron(graph, MESH_SHAPE, ("model",))
+    configs = {}
+    for op, cfg in zip(graph.operators, base.configs):
+        if op.anchor == "ragged_dot_general":
+            ffn = 2 if op.name.endswith("/down") else 1  # [rows, out, in]: down's in is ffn
+            axes = [()] * len(op.iteration_sizes)
+            axes[ffn] = ("model",)
+            cfg = Config(tuple(axes))
+        configs[op.name] = cfg
+    return space.strategy_from_names(graph, configs)
+
+
 @functools.cache
-def strategy(kind: str) -> Strategy:
-    graph = float64_case()[0]
+def strategy(kind: str, config: str = "tiny") -> Strategy:
+    graph = float64_case(config)[0]
     if kind == "data_parallel":
         return space.data_parallel(graph, MESH_SHAPE)
+    if kind == "megatron" and config == DROPLESS:
+        return ragged_megatron(graph)
     if kind == "megatron":
         return baselines.megatron(graph, MESH_SHAPE, ("model",))
     if kind == "fsdp":
@@ -127,8 +154,8 @@ def strategy(kind: str) -> Strategy:
     raise ValueError(kind)
 
 
-def soapjax_grads(strategy: Strategy, mesh: Mesh):
-    graph, params, batch, _ = float64_case()
+def soapjax_grads(strategy: Strategy, mesh: Mesh, config: str = "tiny"):
+    graph, params, batch, _ = float64_case(config)
     with jax.enable_x64(True):
         ps = param_shardings(graph, strategy, mesh, params=params)
         bs = batch_shardings(graph, strategy, mesh, batch=batch)
@@ -137,10 +164,10 @@ def soapjax_grads(strategy: Strategy, mesh: Mesh):
         return grad(*device_put_global((params, batch), (ps, bs)))
 
 
-def check(got, where: str) -> None:
-    want = float64_case()[3]
+def check(got, where: str, config: str = "tiny") -> None:
+    want = float64_case(config)[3]
     err = relative_error(got, want)
-    print(f"moe tiny {where}: relative gradient error {err:.3g}")
+    print(f"moe {config} {where}: relative gradient error {err:.3g}")
     assert err <= X64_TOL, f"{where}: {err:.3g}; worst leaf {worst_leaf(got, want)}"
 
 
@@ -158,15 +185,108 @@ def test_cpu8_gradient_is_exact(kind):
     check(soapjax_grads(strategy(kind), make_mesh(TOPOLOGY)), f"cpu8 {kind}")
 
 
+# --- form (b): dropless, sorted tokens and grouped matmuls --------------------------------------
+
+
+def test_sort_by_expert_orders_choices_stably_and_counts_groups():
+    # 3 tokens, top-2 of 3 experts: the flat choices (token-major) are 2 0 | 0 1 | 2 0
+    chosen = jnp.array([[[2, 0], [0, 1], [2, 0]]])
+    order, group_sizes = moe.sort_by_expert(chosen, experts=3)
+    np.testing.assert_array_equal(order, [1, 2, 5, 3, 0, 4])  # expert 0's rows in token order
+    np.testing.assert_array_equal(order // 2, [0, 1, 2, 1, 0, 2])  # the tokens the rows read
+    np.testing.assert_array_equal(group_sizes, [3, 1, 2])
+    rows = jnp.arange(6.0)[order][:, None]  # row i holds choice i's flat index, sorted
+    gates = jnp.array([[[0.5, 0.25], [1.0, 2.0], [4.0, 8.0]]])
+    np.testing.assert_array_equal(moe.unsort(rows, order, gates)[0, :, 0],
+                                  [0 * 0.5 + 1 * 0.25, 2 * 1.0 + 3 * 2.0, 4 * 4.0 + 5 * 8.0])
+
+
+def test_dropless_is_the_capacity_form_that_drops_nothing():
+    # capacity factor E: C = T * k slots per expert, room for every choice; same parameters
+    cfg = dataclasses.replace(moe.MOE_CONFIGS[DROPLESS], param_dtype="float64")
+    roomy = dataclasses.replace(cfg, routing="capacity", capacity_factor=cfg.num_experts)
+    assert roomy.capacity == cfg.seq_len * cfg.top_k
+    _, params, batch, _ = float64_case(DROPLESS)
+    with jax.enable_x64(True):
+        losses = [float(moe.build_moe("moe", "x", c, "linen").loss_fn(params, batch))
+                  for c in (cfg, roomy)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-13)
+
+
+@pytest.mark.parametrize("mode", ["forward", "weight_gradient"])
+def test_grouped_matmul_flops_as_xla_counts_them(mode):
+    # ragged non-contracting [m, k] x [g, k, n] (the forward, the input gradient) and ragged
+    # contracting [m, k] x [m, n] -> [g, k, n] (the weight gradient), at uneven group sizes
+    m, k, n, g = 48, 16, 8, 3
+    x, w, e = jnp.ones((m, k)), jnp.ones((g, k, n)), jnp.ones((m, n))
+    sizes = jnp.array([10, 0, 38], jnp.int32)
+    if mode == "forward":
+        fn, args = jax.lax.ragged_dot, (x, w, sizes)
+    else:  # what jax's transpose rule binds for the kernel's gradient
+        contract_rows = jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=(0,),
+            rhs_group_dimensions=())
+        fn = functools.partial(jax.lax.ragged_dot_general,
+                               ragged_dot_dimension_numbers=contract_rows)
+        args = (x, e, sizes)
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    assert [q.primitive.name for q in jaxpr.eqns] == ["ragged_dot_general"]
+    assert jaxpr.eqns[0].outvars[0].aval.shape == ((m, n) if mode == "forward" else (g, k, n))
+    want = jax.jit(fn).lower(*args).compile().cost_analysis()["flops"]
+    got = _dims.xla_flops(jaxpr)
+    assert got.flops == want and got.matmul == 2 * g * m * k * n
+
+
+def test_dropless_rows_and_experts_are_never_split():
+    # the grouped matmuls' ragged rows (sorted over the whole batch) and the experts' group dim
+    # are no iteration dims a config can split (soapjax._dims._ragged_dot): expert parallelism
+    # of form (b) needs a ragged all-to-all no sharding expresses; the ffn and d_model dims
+    # split as a dense SwiGLU's
+    graph = float64_case(DROPLESS)[0]
+    cfg = moe.MOE_CONFIGS[DROPLESS]
+    rows = cfg.batch_size * cfg.seq_len * cfg.top_k
+    ragged = [op for op in graph.operators if op.anchor == "ragged_dot_general"]
+    assert len(ragged) == 3 * cfg.num_layers and not any(op.replicate_only for op in ragged)
+    for op in ragged:
+        assert op.iteration_sizes[0] == rows and op.iteration_roles == ("-", "P", "R")
+        kernel = next(o for o in op.inputs if o.kind == "param")
+        assert kernel.shape[0] == cfg.num_experts and kernel.dims[0] is None
+        matmul = 2 * rows * cfg.d_model * cfg.expert_hidden  # each row meets one expert
+        assert matmul <= op.flops <= 1.05 * matmul  # (down: silu(gate) * up folded in)
+        splits = {tuple(bool(a) for a in c.axes) for c in space.configs(op, MESH_SHAPE)}
+        assert {s[0] for s in splits} == {False} and {s[1:] for s in splits} >= {
+            (True, False), (False, True), (True, True)}
+    sorts = [op for op in graph.operators if op.anchor == "sort"]
+    assert sorts and all(op.iteration_roles[0] == "-" for op in sorts if len(op.shape) == 1)
+
+
+def test_dropless_one_device_gradient_is_exact():
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    graph = float64_case(DROPLESS)[0]
+    check(soapjax_grads(space.data_parallel(graph, MeshShape.of(mesh)), mesh, DROPLESS),
+          "one device", DROPLESS)
+
+
+DROPLESS_KINDS = ("data_parallel", "megatron", "fsdp", "searched")
+
+
+@pytest.mark.parametrize("kind", DROPLESS_KINDS)
+def test_dropless_cpu8_gradient_is_exact(kind):
+    check(soapjax_grads(strategy(kind, DROPLESS), make_mesh(TOPOLOGY), DROPLESS), f"cpu8 {kind}",
+          DROPLESS)
+
+
 # --- the real sizes, from shapes ----------------------------------------------------------------
 
 # parameters: Mixtral's released configs give 46.7B and 140.6B (141B in Mistral's naming);
 # the fine-grained size has Qwen3-30B-A3B's expert shapes plus a shared expert.
 SIZES = {"mixtral-8x7b": 46_702_792_704, "mixtral-8x22b": 140_630_071_296,
          "fine-grained": 30_355_949_568}
+SIZES |= {f"{size}-dropless": n for size, n in SIZES.items()}  # the same parameters
+LIGHT = ("mixtral-8x7b", "mixtral-8x7b-dropless")  # 1-2 s each; the others 3-6 s
 
 
-@pytest.mark.parametrize("size", [pytest.param(s, marks=[pytest.mark.heavy] * (s != "mixtral-8x7b"))
+@pytest.mark.parametrize("size", [pytest.param(s, marks=[pytest.mark.heavy] * (s not in LIGHT))
                                   for s in SIZES])
 def test_every_size_traces_from_shapes(size):
     live = sum(x.nbytes for x in jax.live_arrays())
@@ -177,6 +297,7 @@ def test_every_size_traces_from_shapes(size):
     assert sum(x.nbytes for x in jax.live_arrays()) - live < 2**20  # nothing materialised
     assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)) == SIZES[size]
     gate = g.operator("layers_0/moe/experts/gate")
+    assert gate.anchor == {"capacity": "dot_general", "dropless": "ragged_dot_general"}[cfg.routing]
     kernel = next(o for o in gate.inputs if o.kind == "param")
     assert kernel.shape == (cfg.num_experts, cfg.d_model, cfg.expert_hidden)
     assert gate.dtype == cfg.dtype == "bfloat16" and kernel.dtype == "float32"
