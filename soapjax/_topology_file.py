@@ -39,6 +39,8 @@ Example (two nodes of two GPUs, NVLink inside a node, InfiniBand between nodes):
     [[links]]
     class = "infiniband"
     bandwidth = "100 Gb/s"
+    # efficiency = 0.8                 # optional: the fraction of the line rate collectives
+                                       # reach (NCCL's protocol overhead); default 1
     latency = "1.5 us"
     connect = [["host", "ib"]]         # "device:*" expands to every device of the node; two
                                        # starred ends pair up by index ("device:*", "nic:*")
@@ -202,6 +204,52 @@ class Efficiency:
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """How a GPU runs an operator's kernels (`soapjax.kernels`): the ``[device.kernels]`` table.
+
+    With it, the analytic cost model prices each shard as the kernels XLA:GPU runs for it
+    (every matmul a GEMM of its own, the elementwise and reduction work between them fused
+    into memory-bound kernels) instead of one roofline per operator.
+
+    Attributes:
+      gemm_efficiency: the fraction of the dtype's peak FLOP/s that a large GEMM's tiles reach
+        (before tile and wave quantisation, which `soapjax.kernels` applies per shape).
+      memory_efficiency: the fraction of the memory bandwidth a fused elementwise or reduction
+        kernel reaches (and a GEMM whose operands outweigh its arithmetic).
+      launch: seconds each kernel costs beyond its work (launch and the gap between kernels).
+      sms: streaming multiprocessors: how many output tiles run at once (one wave).
+      tile: ``(rows, columns)`` of the output tile one SM computes at a time.
+      float32_matmul: FLOP/s of a float32 matmul at XLA's default precision (TF32 tensor
+        cores on Ampere and later); 0: the ``peak_flops`` float32 figure.
+      source: where the figures come from (free text, shown in reports).
+    """
+
+    gemm_efficiency: float
+    memory_efficiency: float
+    launch: float
+    sms: int
+    tile: tuple[int, int] = (128, 128)
+    float32_matmul: float = 0.0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tile", tuple(self.tile))
+        for where, x in (("gemm_efficiency", self.gemm_efficiency),
+                         ("memory_efficiency", self.memory_efficiency)):
+            if not (isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x <= 1):
+                raise TopologyError(f"[device.kernels].{where}: expected a fraction in (0, 1], "
+                                    f"found {x!r}")
+        if not (isinstance(self.sms, int) and self.sms >= 1):
+            raise TopologyError(f"[device.kernels].sms: expected a positive integer, found "
+                                f"{self.sms!r}")
+        if len(self.tile) != 2 or not all(isinstance(t, int) and t >= 1 for t in self.tile):
+            raise TopologyError(f"[device.kernels].tile: expected [rows, columns], two positive "
+                                f"integers, found {list(self.tile)!r}")
+        if self.launch < 0 or self.float32_matmul < 0:
+            raise TopologyError("[device.kernels]: expected launch >= 0 and float32_matmul >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
 class DeviceSpec:
     """One accelerator (all devices of a topology are alike).
 
@@ -211,6 +259,8 @@ class DeviceSpec:
       memory_bandwidth: bytes/s of the device's own memory.
       memory_bytes: size of the device's own memory.
       efficiency: measured fractions of those peaks that kernels reach (default: all of them).
+      kernels: the GPU kernel model's parameters (``[device.kernels]``), or None: one roofline
+        per operator.
     """
 
     kind: str
@@ -218,6 +268,7 @@ class DeviceSpec:
     memory_bandwidth: float
     memory_bytes: int
     efficiency: Efficiency = Efficiency()
+    kernels: KernelSpec | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", tuple(sorted(self.peak_flops)))
@@ -438,12 +489,15 @@ _COLLECTIVE_KEYS = {"kind": True, "axes": True, "segments": False, "points": Fal
 _SEGMENT_KEYS = {"from": True, "latency": True, "bandwidth": True}
 _POINT_KEYS = {"size": True, "time": True}
 _DEVICE_KEYS = {"kind": True, "peak_flops": True, "memory_bandwidth": True, "memory_bytes": True,
-                "efficiency": False}
+                "efficiency": False, "kernels": False}
+_KERNEL_KEYS = {"gemm_efficiency": True, "memory_efficiency": True, "launch": True, "sms": True,
+                "tile": False, "float32_matmul": False, "source": False}
 _EFFICIENCY_KEYS = {"peak_flops": False, "memory_bandwidth": False}
 _NODES_KEYS = {"count": True, "devices_per_node": True, "switches": False}
 _FABRIC_KEYS = {"switches": False}
 _MESH_KEYS = {"axes": True, "device_order": False}
-_LINK_KEYS = {"class": True, "bandwidth": True, "latency": True, "connect": True, "scope": False}
+_LINK_KEYS = {"class": True, "bandwidth": True, "latency": True, "connect": True, "scope": False,
+              "efficiency": False}
 _HELP = {  # what a required key holds, for "missing required key" errors
     "platform": f"one of {', '.join(PLATFORMS)}",
     "device": "a [device] table",
@@ -467,6 +521,10 @@ _HELP = {  # what a required key holds, for "missing required key" errors
     "size": 'bytes of the buffer, a number or a string like "64 KB"',
     "time": 'seconds, a number or a string like "31 us"',
     "from": 'the smallest buffer the segment prices, e.g. "1 MB"',
+    "gemm_efficiency": "the fraction of the peak a large GEMM reaches, e.g. 0.8",
+    "memory_efficiency": "the fraction of the memory bandwidth a streaming kernel reaches",
+    "launch": 'seconds per kernel, a number or a string like "3 us"',
+    "sms": "the GPU's streaming multiprocessors, e.g. 108 on an A100",
 }
 
 
@@ -642,7 +700,19 @@ def _parse_device(table: object) -> DeviceSpec:
         memory_bandwidth=_quantity(dev["memory_bandwidth"], "bytes/s", "[device].memory_bandwidth"),
         memory_bytes=int(_quantity(dev["memory_bytes"], "bytes", "[device].memory_bytes")),
         efficiency=_parse_efficiency(dev.get("efficiency", {})),
+        kernels=_parse_kernels(dev["kernels"]) if "kernels" in dev else None,
     )
+
+
+def _parse_kernels(table: object) -> KernelSpec:
+    k = _table(table, "[device.kernels]", _KERNEL_KEYS)
+    return KernelSpec(
+        gemm_efficiency=k["gemm_efficiency"], memory_efficiency=k["memory_efficiency"],
+        launch=_quantity(k["launch"], "seconds", "[device.kernels].launch", allow_zero=True),
+        sms=k["sms"], tile=tuple(k.get("tile", (128, 128))),
+        float32_matmul=(_quantity(k["float32_matmul"], "FLOP/s", "[device.kernels]."
+                                  "float32_matmul") if "float32_matmul" in k else 0.0),
+        source=str(k.get("source", "")))
 
 
 def _parse_efficiency(table: object) -> Efficiency:
@@ -703,6 +773,12 @@ def _parse_link(entry: object, i: int, ends: _Ends) -> list[Link]:
     if cls not in LINK_CLASSES:
         raise TopologyError(f"{where}.class: expected {_HELP['class']}, found {cls!r}")
     bandwidth = _quantity(entry["bandwidth"], "bytes/s", f"{where}.bandwidth")
+    efficiency = entry.get("efficiency", 1.0)
+    if not (isinstance(efficiency, (int, float)) and not isinstance(efficiency, bool)
+            and 0 < efficiency <= 1):
+        raise TopologyError(f"{where}.efficiency: expected the fraction of the line rate "
+                            f"collectives reach, in (0, 1], found {efficiency!r}")
+    bandwidth *= efficiency  # what the collectives see of the line rate
     latency = _quantity(entry["latency"], "seconds", f"{where}.latency", allow_zero=True)
     scope = entry.get("scope", "node")
     if scope not in ("node", "cluster"):

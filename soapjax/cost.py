@@ -80,6 +80,7 @@ from soapjax.flops import (
     step_flops as step_flops,
 )
 from soapjax.graph import Operator, OpGraph, trace
+from soapjax.kernels import FusedKernel, Kernels, fused_time, kernel_op_time, shard_kernels
 from soapjax.roofline import (
     ANALYTIC_KERNEL_OVERHEAD_S as ANALYTIC_KERNEL_OVERHEAD_S,
     OpTime as OpTime,
@@ -212,6 +213,7 @@ class CostModel:
         self._passes = update_passes(optimizer)
         self.update_reductions = update_reductions(optimizer)
         self._dtypes: dict[int, str] = {}
+        self._kernels: dict[Any, Kernels] = {}
 
     def __repr__(self) -> str:
         return (f"CostModel({self.graph.name!r} on {self.topology.name!r}, source={self.source!r}, "
@@ -285,8 +287,16 @@ class CostModel:
     def _analytic(self, op_index: int, degrees: tuple[int, ...]) -> OpTime:
         if op_index not in self._dtypes:
             self._dtypes[op_index] = compute_dtype(self.graph, op_index)
-        return analytic_op_time(self.graph.operators[op_index], degrees, self.topology.device,
-                                self._dtypes[op_index])
+        op, device = self.graph.operators[op_index], self.topology.device
+        if device.kernels is None:
+            return analytic_op_time(op, degrees, device, self._dtypes[op_index])
+        # the GPU kernel model: the shard's kernels, shared by the layers of a repeated block
+        key = ((op.block_position, op.iteration_sizes, op.iteration_roles, op.anchor)
+               if op.block_position else op_index, degrees)
+        kernels = self._kernels.get(key)
+        if kernels is None:
+            kernels = self._kernels[key] = shard_kernels(self.graph, op, degrees)
+        return kernel_op_time(kernels, op, degrees, device, self._dtypes[op_index])
 
     def _price(self, op_index: int, degrees: tuple[int, ...]) -> OpTime:
         if self.source == "analytic":
@@ -380,8 +390,11 @@ class CostModel:
         if param_shard_bytes <= 0:
             return 0.0
         if self.source == "analytic":
-            return roofline_time(0.0, self._passes * param_shard_bytes, "float32",
-                                 self.topology.device)
+            device = self.topology.device
+            if device.kernels is not None:  # one fused kernel at the achieved bandwidth
+                return fused_time(FusedKernel(self._passes * param_shard_bytes),
+                                  device.memory_bandwidth, device.kernels)
+            return roofline_time(0.0, self._passes * param_shard_bytes, "float32", device)
         lo = max(_MIN_UPDATE_BUCKET, 2 ** int(math.floor(math.log2(max(param_shard_bytes, 1)))))
         if param_shard_bytes <= lo:  # a power of two, or below the smallest bucket
             return self._update_at(lo)

@@ -184,7 +184,7 @@ class PipelinedSimulation:
         self._result: PipelineResult | None = None
         self._saved: PipelineResult | None = None
 
-    # --- the Simulation interface the search uses ----------------------------------------------
+# --- the Simulation interface the search uses ----------------------------------------------
 
     @property
     def strategy(self) -> Strategy:
@@ -323,21 +323,41 @@ class PipelinedSimulation:
 
     def send_bytes(self) -> tuple[int, ...]:
         """Per chunk boundary, the bytes each device sends for one microbatch: the shards of
-        every value a later chunk reads from an earlier one (the gradient goes back with the
-        same size). A step sends ``M`` times each, forward and back."""
-        return self._send_bytes()
+        every value a later chunk reads from an earlier one, each cut into the pieces the
+        scatter/gather rule sends (`_SendPlan`; the gradient goes back with the same size). A
+        step sends ``M`` times each, forward and back."""
+        return tuple(sum(piece for piece, _, _ in c) for c in self._crossings())
 
     def _send_times(self) -> tuple[float, ...]:
+        """Per chunk boundary: the point-to-point transfer of the pieces over the outermost
+        mesh axis of the full topology, then the receiver's all-gathers of the pieces over
+        the axes they were cut along (the stage's own links)."""
         axis = (self.full_topology.axis_names[0],)
-        return tuple(self.full_topology.collective_time("point_to_point", b, axis)
-                     for b in self._send_bytes())
+        times = []
+        for crossing in self._crossings():
+            t = self.full_topology.collective_time(
+                "point_to_point", sum(piece for piece, _, _ in crossing), axis)
+            for _, whole, axes in crossing:
+                if axes:
+                    t += self.topology.collective_time("all_gather", whole, axes)
+            times.append(t)
+        return tuple(times)
 
-    def _send_bytes(self) -> tuple[int, ...]:
-        """Per chunk boundary, one microbatch's boundary activations per device."""
+    def _crossings(self) -> list[list[tuple[int, int, tuple[str, ...]]]]:
+        """Per chunk boundary, per value crossing it: ``(bytes sent, shard bytes, axes it is
+        gathered over)``.
+
+        Megatron-LM's scatter/gather (Narayanan et al. 2021, section 4.1), as
+        `soapjax._pipelined` sends: a value replicated over some of the stage's mesh axes (the
+        residual stream under tensor parallelism) is cut along the last dim of its shard that
+        the product ``r`` of those axes' sizes divides; each replica sends its ``1/r`` piece
+        over its own link and the receiver all-gathers the pieces over those axes. A value
+        with no such dim is sent whole by every replica."""
         chunks = len(set(self._chunk))
         ops, inner = self.graph.operators, self._inner
         mesh, M = self._inner.mesh, self._inner.microbatches
-        crossing: list[dict[tuple[str, int], int]] = [dict() for _ in range(chunks - 1)]
+        crossing: list[dict[tuple[str, int], tuple[int, int, tuple[str, ...]]]] = [
+            dict() for _ in range(chunks - 1)]
         index = {op.name: i for i, op in enumerate(ops)}
         for j, op in enumerate(ops):
             for x in op.inputs:
@@ -350,9 +370,10 @@ class PipelinedSimulation:
                 out = ops[p].outputs[x.index]
                 spec = inner.output_specs(p)[x.index]
                 nbytes = shard_bytes(out.shape, spec, out.dtype, mesh) // M
+                sent = _scatter(out.shape, spec, mesh, nbytes)
                 for b in range(lo, hi):
-                    crossing[b][(x.source, x.index)] = nbytes
-        return tuple(sum(c.values()) for c in crossing)
+                    crossing[b][(x.source, x.index)] = sent
+        return [list(c.values()) for c in crossing]
 
     def _stage_memory(self, timeline: PipelineTimeline) -> tuple[MemoryBreakdown, ...]:
         m = self._inner.memory_breakdown()
@@ -389,3 +410,22 @@ def as_step_result(pipelined: PipelineResult, stage: SimResult,
 def _flat(strategy: Strategy) -> Strategy:
     """The strategy without its pipeline: what one stage runs."""
     return dataclasses.replace(strategy, stages=1, virtual_stages=1, schedule="1f1b")
+
+
+def _scatter(shape: Sequence[int], spec: Sequence[Sequence[str]], mesh: MeshShape,
+             nbytes: int) -> tuple[int, int, tuple[str, ...]]:
+    """``(bytes sent, shard bytes, gather axes)`` of one boundary value (`_crossings`): cut
+    ``r`` ways over the mesh axes it is not split over when a dim of its shard divides by
+    ``r`` (the microbatch's share of the batch dim aside: the rule's dim is in practice the
+    hidden one, the last)."""
+    used = {a for axes in spec for a in axes}
+    free = tuple(a for a in mesh.axis_names if a not in used)
+    r = mesh.degree(free)
+    if r == 1:
+        return nbytes, nbytes, ()
+    padded = [*spec, *[()] * (len(shape) - len(spec))]
+    local = [size // mesh.degree(axes) if size % mesh.degree(axes) == 0 else size
+             for size, axes in zip(shape, padded)]
+    if not any(d % r == 0 for d in local[1:]):  # dim 0: the batch, cut into microbatches
+        return nbytes, nbytes, ()
+    return nbytes // r, nbytes, free

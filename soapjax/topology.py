@@ -58,6 +58,7 @@ from soapjax._topology_file import (
     ComputeSharing as ComputeSharing,
     DeviceSpec as DeviceSpec,
     Efficiency as Efficiency,
+    KernelSpec as KernelSpec,
     Link as Link,
     Platform as Platform,
 )
@@ -74,7 +75,7 @@ from soapjax.errors import TopologyError
 
 __all__ = ["ALGORITHMS", "COLLECTIVES", "KNOWN_DTYPES", "LINK_CLASSES", "PLATFORMS",
            "REQUIRED_DTYPES", "Channel", "CollectiveModel", "ComputeSharing", "DeviceSpec",
-           "Efficiency", "Link", "Platform", "RingStats", "Topology", "bytes_sent",
+           "Efficiency", "KernelSpec", "Link", "Platform", "RingStats", "Topology", "bytes_sent",
            "list_topologies", "load_topology", "make_mesh", "scaled_topology", "stage_topology"]
 
 _MESHES_DIRS = (
@@ -365,6 +366,8 @@ class Topology:
         content["links"] = [dataclasses.astuple(link) for link in self.links]
         if content["device"].get("efficiency") == dataclasses.asdict(Efficiency()):
             del content["device"]["efficiency"]  # no measured efficiencies: the old fingerprint
+        if content["device"].get("kernels", 0) is None:
+            del content["device"]["kernels"]  # no kernel model: the old fingerprint
         text = json.dumps(content, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 

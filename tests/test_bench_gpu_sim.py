@@ -1,5 +1,6 @@
 """scripts/bench_gpu_sim.py, Megatron-LM's Table 1 against the simulator (issue 31): the
-published time of the smallest row by hand, its prediction, the hook a fit plugs into."""
+published time of the smallest row by hand, its prediction, the fit of the A100's kernel
+efficiencies (on one row: two parameters meet one time) and its leave-one-out."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from soapjax.topology import Efficiency
 from soapjax_zoo.gpt import GPT_SIZES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,8 +58,9 @@ def test_smallest_row_is_predicted_and_a_fitted_efficiency_slows_it():
     assert p.error == pytest.approx((p.predicted_s - p.published_s) / p.published_s)
     # the traced graph counts the matmul FLOPs the paper's formula does, within 0.3 %
     assert p.flops_ratio == pytest.approx(1.0, abs=3e-3)
-    # the hook a fit plugs into: half the fp16 peak makes the step slower
-    half = bench.predict(SMALLEST, {"efficiency": Efficiency((("float16", 0.5),))})
+    # what the fit varies: a GEMM efficiency below the file's makes the step slower
+    fitted = bench.row_topology(SMALLEST, None).device.kernels
+    half = bench.predict(SMALLEST, {"gemm_efficiency": fitted.gemm_efficiency / 2})
     assert p.predicted_s < half.predicted_s < 2 * p.predicted_s
     with pytest.raises(ValueError, match="not applied by row_topology"):
         bench.row_topology(SMALLEST, {"nccl_bus_bandwidth": 1.0})
@@ -71,3 +72,13 @@ def test_leave_one_out_without_a_fit_is_the_plain_prediction():
     loo = bench.leave_one_out(bench.ROWS[:3], fit=lambda rows: calls.append(len(rows)),
                               predict=lambda row, params: row.size)
     assert loo == ["1.7b", "3.6b", "7.5b"] and calls == [2, 2, 2]
+
+
+def test_the_fit_meets_a_rows_published_time_and_its_surrogate_is_close():
+    params = bench.kernel_fit([SMALLEST])
+    assert set(params) == set(bench.FITTED)
+    p = bench.predict(SMALLEST, params)
+    assert abs(p.error) < 0.02  # the real simulation at the fitted point, not the surrogate
+    a, b, c = bench.surrogate(SMALLEST)
+    g, m = params["gemm_efficiency"], params["memory_efficiency"]
+    assert a + b / g + c / m == pytest.approx(p.predicted_s, rel=0.02)

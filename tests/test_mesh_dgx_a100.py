@@ -44,8 +44,10 @@ def test_loads_quickly_with_the_datasheet_figures(cluster):
 def test_tensor_parallel_inside_a_node_data_parallel_across(cluster):
     topo = scaled_topology(cluster, 64)  # 8 nodes: the routes of 3072 devices take a minute
     assert intra_node_axes(topo) == ("data", "model")
-    assert topo.ring_stats(("data", "model")).bandwidth == 300e9  # NVLink 3 via NVSwitch
-    assert topo.ring_stats(("node",)).bandwidth == 25e9  # 200 Gb/s HDR InfiniBand per GPU
+    # NVLink 3 via NVSwitch, 300 GB/s, and 200 Gb/s HDR InfiniBand per GPU, 25 GB/s: each at
+    # the 0.8 of its line rate NCCL reaches (the links' efficiency)
+    assert topo.ring_stats(("data", "model")).bandwidth == pytest.approx(240e9)
+    assert topo.ring_stats(("node",)).bandwidth == pytest.approx(20e9)
 
 
 NODES = [1, 8, 35, 64, 128, 384]  # 35 nodes: Megatron's 280 GPUs

@@ -10,6 +10,9 @@ parallelism on 8 A100s: 7.2 s a step instead of 0.70 s).
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 from pathlib import Path
 
 import flax.linen as nn
@@ -30,7 +33,10 @@ A100_PEAK_32 = 19.5e12
 
 @pytest.fixture(scope="module")
 def a100():
-    return scaled_topology(load_topology("dgx-a100x3072"), 8)
+    """One DGX A100 priced by the roofline: its [device.kernels] table (the GPU kernel model,
+    tests/test_kernels.py) dropped."""
+    t = scaled_topology(load_topology("dgx-a100x3072"), 8)
+    return dataclasses.replace(t, device=dataclasses.replace(t.device, kernels=None))
 
 
 def dense_graph(dtype, param_dtype, *, tokens: int = 1024, features: int = 1024):
@@ -101,7 +107,11 @@ def test_operators_without_a_matmul_take_their_widest_float_operand():
 
 
 def with_efficiency(tmp_path, table: str):
-    text = (MESHES / "dgx-a100x3072.toml").read_text() + "\n[device.efficiency]\n" + table
+    """The A100 file with a [device.efficiency] table and without its [device.kernels] one (so
+    the roofline prices it)."""
+    text = (MESHES / "dgx-a100x3072.toml").read_text()
+    text = re.sub(r"\[device\.kernels\].*?\n\n", "", text, flags=re.S)
+    text += "\n[device.efficiency]\n" + table
     path = tmp_path / "a100-measured.toml"
     path.write_text(text)
     return scaled_topology(load_topology(path), 8)

@@ -640,8 +640,9 @@ def test_the_3072_gpu_cluster_is_summarised_and_priced_in_seconds():
     axes = {a["name"]: a for a in t.summary()["axes"]}
     channels = t.channels_used(("node", "data", "model"))
     elapsed = time.perf_counter() - start
-    assert axes["node"]["bandwidth_GBps"] == 25.0 and axes["node"]["size"] == 384
-    assert axes["model"]["bandwidth_GBps"] == 300.0
+    # 25 and 300 GB/s line rates at the 0.8 NCCL reaches (the links' efficiency)
+    assert axes["node"]["bandwidth_GBps"] == pytest.approx(20.0) and axes["node"]["size"] == 384
+    assert axes["model"]["bandwidth_GBps"] == pytest.approx(240.0)
     # every node's NVLink, PCIe and NIC channels: 384 x 3
     assert len(channels) == 3 * 384
     assert elapsed < 10  # 40-60 s and 4 GB when every pair was routed
