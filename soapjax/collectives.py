@@ -20,6 +20,17 @@ point_to_point      1             1             the buffer; one lone transfer
 Which ``b`` and ``a`` a kind sees on a topology (the contended ring, the all-to-all's
 all-pairs bandwidth, a lone transfer's) is the topology's business; the formulas are here.
 
+**The all-to-all is balanced.** Its row assumes every device sends ``s/n`` to each peer, so
+the slowest pair carries what the average does. That holds by construction for the
+all-to-alls soapjax plans: a resharding moves a dense tensor between two even shardings, and
+a mixture of experts' tokens reach their experts in GShard's capacity form
+(`soapjax_zoo.moe`), where every expert's buffer ``[E, B, C, d]`` has the capacity's fixed
+size ``C`` whatever the router chose (tokens past it are dropped, free slots are zeros), so
+each device sends the same bytes to each peer even when the router's load is uneven. The
+router's imbalance costs compute and dropped tokens there, not communication. A dropless MoE
+(tokens sorted to their experts, ``ragged_all_to_all``) would move uneven pieces, bounded by
+the busiest expert's load; this table does not price that.
+
 >>> ring_time("all_reduce", 1e6, 4, bandwidth=1e9, latency=1e-6)  # 1.5 ms + 6 us
 0.001506
 >>> bytes_sent("all-gather", 1024, 4)  # HLO spellings work too
