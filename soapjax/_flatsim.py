@@ -96,7 +96,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from soapjax._dtypes import itemsize
-from soapjax._inner import inner_reductions
+from soapjax._inner import inner_reductions, matmul_operands
 from soapjax._simresult import (
     BACKWARD,
     FORWARD,
@@ -150,6 +150,9 @@ class _View(NamedTuple):
     recomputes: bool  # whether it drops its outputs and runs its forward again
     # per operand, `partials` grouped by the iteration dim they split (`_by_dim`)
     partial_groups: tuple[tuple[tuple[str, ...], ...], ...] = ()
+    # per operand with a partial cotangent that the operator computes on before its matmul:
+    # the shard of what the matmul reads in its place, where XLA all-reduces it (else 0)
+    matmul_bytes: tuple[int, ...] = ()
 
 
 def shard_bytes(shape: Sequence[int], spec: Sequence[Sequence[str]], dtype: str,
@@ -597,7 +600,7 @@ class Simulation:
         p, k, j, o = self._layout.edges[e]
         src = (view if p == i else self._views[p]).out_specs[k]
         consumer = view if j == i else self._views[j]
-        return src, consumer.operand_specs[o], consumer.partials[o]
+        return src, consumer.operand_specs[o], consumer.partials[o], consumer.matmul_bytes[o]
 
     def _replace_units(self, undo: _Undo, op_comm_of: int | None, edges: list[int],
                        leaves: list[int]) -> None:
@@ -709,7 +712,10 @@ class Simulation:
                 config, forward, backward, outs, specs, partials,
                 tuple(config.reduction_axes(op)), inner_forward, inner_backward, output_bytes,
                 operand_bytes, internal, policy, recompute,
-                tuple(_by_dim(config.axes, p) for p in partials))
+                tuple(_by_dim(config.axes, p) for p in partials),
+                tuple(nbytes(m.shape, m.dims, m.dtype, config.operand_axes(m.dims))
+                      if m is not None and p else 0
+                      for m, p in zip(matmul_operands(self.graph, j), partials)))
         return v
 
     def _inner_chains(self, j: int, config: Config) -> tuple[tuple[Comm, ...], tuple[Comm, ...]]:
@@ -843,11 +849,30 @@ class Simulation:
         if len(summed) > 1:  # each reduced in this layout, then their sum moved once
             return _EdgeTasks(forward, [] if e != summed[0] else self._summed_tasks(summed))
         shared = self._same_layout(e, backward=True)
+        back = (self._reduced_in_place(j, o) + self._activation_chain(x, sample, dst, src)
+                if self._views[j].matmul_bytes[o] else
+                self._activation_chain(x, sample, dst, src, partial))
         backward = [] if shared[0] != e else self._chain_tasks(
-            self._activation_chain(x, sample, dst, src, partial),
-            layout.bwd_key(j, 1 + o),
+            back, layout.bwd_key(j, 1 + o),
             [self._backward_done(layout.edges[s][2]) for s in shared], RESHARD_BWD, e)
         return _EdgeTasks(forward, backward)
+
+    def _reduced_in_place(self, j: int, o: int) -> tuple[Comm, ...]:
+        """The all-reduce of operand `o`'s partial cotangent in operator `j`'s layout, where it
+        is made: at the operand's shard, or, where the operator computes on the operand before
+        its matmul (a rotary embedding, GQA's repeat), at the shard of what the matmul reads
+        (`soapjax._inner.matmul_operands`; XLA slices the operand's part only after that
+        computation's backward, so there is no reduce-scatter)."""
+        v = self._views[j]
+        x, dst, partial = self.graph.operators[j].inputs[o], v.operand_specs[o], v.partials[o]
+        if not v.matmul_bytes[o]:
+            return self._activation_chain(x, self._sample[j], dst, dst, partial)
+        key = ("matmul_reduce", v.matmul_bytes[o], partial, self._micro)
+        out = self._memo.get(key)
+        if out is None:
+            c = self._pricing.comm("all_reduce", v.matmul_bytes[o], partial)
+            out = self._memo[key] = self._per_microbatch((c,) if c is not None else ())
+        return out
 
     def _summed_tasks(self, summed: list[int]) -> list[int]:
         """The way back of partial cotangents `summed` (`_summed_partials`), all in the first
@@ -857,17 +882,14 @@ class Simulation:
         layout, tasks = self._layout, []
         for s in reversed(summed):
             _, _, j, o = layout.edges[s]
-            x, dst = self.graph.operators[j].inputs[o], self._views[j].operand_specs[o]
-            chain = self._activation_chain(x, self._sample[j], dst, dst, self._views[j].partials[o])
+            chain = self._reduced_in_place(j, o)
             tasks += self._chain_tasks(chain, layout.bwd_key(j, 1 + o),
                                        [self._backward_done(j)] + tasks[-1:], RESHARD_BWD, s)
         p, k, j, o = layout.edges[summed[0]]
         x = self.graph.operators[j].inputs[o]
         move = self._activation_chain(x, self._sample[j], self._views[j].operand_specs[o],
                                       self._views[p].out_specs[k])
-        first = len(self._activation_chain(x, self._sample[j], self._views[j].operand_specs[o],
-                                           self._views[j].operand_specs[o],
-                                           self._views[j].partials[o]))
+        first = len(self._reduced_in_place(j, o))
         return tasks + self._chain_tasks(move, layout.bwd_key(j, 1 + o) + first, tasks[-1:],
                                          RESHARD_BWD, summed[0])
 

@@ -36,6 +36,16 @@ reduces (iteration dims), the statistic's shape and dtype and which iteration di
 of its dims. The simulator prices one all-reduce of the statistics over the axes that split
 the reduced dims (`soapjax.simulate`). Only the operator's own equations are read, not the
 bodies of its loops (an LSTM's scan): a reduction inside a loop is not found.
+
+The backward pass has one more: an operand's cotangent that is a partial sum (a config splits
+a dim the operand lacks) is made by the transposed matmul, at the shape the matmul reads. When
+the operator computes on the operand first (attention's rotary embedding and GQA's repeat of
+the key and value heads, between the gathered keys and the scores' matmul), XLA all-reduces
+the cotangent there, whole, runs that computation's backward on the whole, and only then
+slices the operand's part: one all-reduce of the matmul's operand, not a reduce-scatter of
+the operator's (the tiny llama under context parallelism, jax 0.10). `matmul_operands` says,
+per operand, what the matmul reads in its place, where that is not the operand itself up to
+layout and dtype.
 """
 
 from __future__ import annotations
@@ -140,3 +150,66 @@ def _linear_to_output(later, value: int) -> bool:
             return False  # divided by a partial sum
         depends.update(v for v in u.outs if v is not None)
     return True
+
+
+# Change only the layout or the dtype: the partitioner slices a reduced cotangent through them.
+_LAYOUT = frozenset({"reshape", "squeeze", "expand_dims", "transpose", "copy", "copy_p",
+                     "convert_element_type", "reduce_precision"})
+
+
+class MatmulOperand(NamedTuple):
+    """The value a matmul reads in an operand's place, where the operator computes on the
+    operand first (see the module docstring).
+
+    Attributes:
+      shape, dtype: its global shape and dtype.
+      dims: per dim, the iteration dim it follows (None: none).
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    dims: tuple[int | None, ...]
+
+
+def matmul_operands(graph: OpGraph, j: int) -> tuple[MatmulOperand | None, ...]:
+    """Per input of operator `j`, what its first matmul (``dot_general``) reads in the input's
+    place when that is computed from the input by more than layout and dtype changes (a
+    rotary embedding, a repeat); None where the matmul reads the input itself, or none does.
+
+    >>> import jax.numpy as jnp
+    >>> from soapjax.graph import trace
+    >>> def f(p, x):  # x [4, 8]: sin, repeated to [4, 16], then a matmul; and x itself
+    ...     y = jnp.repeat(jnp.sin(x), 2, axis=1)
+    ...     return jnp.sum(y @ p["w"]) + jnp.sum(x @ p["v"])
+    >>> g = trace(f, {"w": jnp.ones((16, 3)), "v": jnp.ones((8, 2))}, jnp.ones((4, 8)))
+    >>> [[m.shape if m else None for m in matmul_operands(g, j)] for j in range(2)]
+    [[(4, 16), None], [None, None, None]]
+    """
+    return graph.memo(("matmul_operands", j), lambda: _matmul_operands(graph, j))
+
+
+def _matmul_operands(graph: OpGraph, j: int) -> tuple[MatmulOperand | None, ...]:
+    op = graph.operators[j]
+    prog = graph.program
+    loc = prog.local.get(op.name)
+    if loc is None:
+        return (None,) * len(op.inputs)
+    units = [prog.units[i] for i in loc.units]
+    out = []
+    for vid in loc.inputs:
+        found = None
+        reached = {vid: False}  # value -> computed from the input by more than layout?
+        for u in units:
+            hit = [v for v in u.ins if v in reached]
+            if not hit:
+                continue
+            if u.eqn.primitive.name == "dot_general":
+                if reached[hit[0]] and hit[0] in loc.lab:
+                    found = MatmulOperand(
+                        tuple(prog.shapes[hit[0]]), prog.dtypes[hit[0]],
+                        tuple(loc.labels.lookup(lb, loc.iter_of) for lb in loc.lab[hit[0]]))
+                break
+            moved = any(reached[v] for v in hit) or u.eqn.primitive.name not in _LAYOUT
+            reached.update((v, moved) for v in u.outs if v is not None)
+        out.append(found)
+    return tuple(out)
