@@ -10,9 +10,16 @@ model prices shards this way (`kernel_op_time`):
 
 * **Kernels.** The shard program's equations (`soapjax._local.operator_fn`, at shard shapes)
   are cut at every matmul and convolution: each is a GEMM kernel; the other equations join
-  into fused kernels, one per connected group (XLA's loop, input and softmax fusions). A
-  fused kernel reads what it takes from outside the group and writes what leaves it; a group
-  of only reshapes, transposes and broadcasts is folded into its neighbours' layouts (free).
+  into fused kernels, one per connected group (XLA's loop and input fusions), cut again after
+  every reduction, whose result must be in memory before its consumers run: a softmax is
+  three kernels (max; exp and sum; normalise), a layer norm two (the statistics; normalise).
+  A fused kernel reads what it takes from outside the group and writes what leaves it; a
+  later kernel recomputes an elementwise value from its sources rather than reading it
+  (XLA duplicates cheap producers into their consumers' fusions), so a softmax over float16
+  scores reads them three times and writes its probabilities once (with the score GEMM's
+  write and the next GEMM's read, the ~12 bytes per score element XLA:GPU's own attention
+  moved on an H100, docs/accuracy.md); a group of only reshapes, transposes and broadcasts
+  is folded into its neighbours' layouts (free).
   A gather reads only the rows it takes (an embedding lookup does not read its table). A
   group that reads only parameters (the cast of float32 master weights to float16) is left
   out: it runs once per step, not once per microbatch (XLA hoists it out of the microbatch
@@ -69,6 +76,9 @@ _GEMMS = ("dot_general", "conv_general_dilated")
 _LAYOUT = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose",
                      "iota", "stop_gradient", "copy"})
 _SLICES = frozenset({"gather", "dynamic_slice", "slice"})
+_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+                         "reduce_or", "argmax", "argmin", "reduce_precision_sum", "cumsum",
+                         "cummax", "cumlogsumexp", "reduce"})
 # Equations whose sub-programs are inlined (calls); any other equation with a sub-program
 # (scan, while, cond) makes the operator fall back to the roofline.
 _CALL_PARAMS = {"pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
@@ -204,12 +214,22 @@ def op_kernels(closed: jcore.ClosedJaxpr, params: Sequence[bool] = ()) -> Kernel
     for j, (_, _, outs) in enumerate(eqns):
         for o in outs:
             producer[o] = j
-    for j, (_, ins, _) in enumerate(eqns):
+    # A reduction's result is in memory before anything uses it: its consumers run one
+    # kernel later (a softmax is three kernels: max, exp-sum, normalise; a layer norm two).
+    level = [0] * len(eqns)
+    for j, (eqn, ins, _) in enumerate(eqns):
         if gemm[j]:
             continue
         for i in ins:
             p = producer.get(i) if i is not None else None
             if p is not None and not gemm[p]:
+                level[j] = max(level[j], level[p] + (eqns[p][0].primitive.name in _REDUCTIONS))
+    for j, (_, ins, _) in enumerate(eqns):
+        if gemm[j]:
+            continue
+        for i in ins:
+            p = producer.get(i) if i is not None else None
+            if p is not None and not gemm[p] and level[p] == level[j]:
                 parent[find(j)] = find(p)
     consumers: dict[int, set[int]] = {}
     for j, (_, ins, _) in enumerate(eqns):
@@ -224,16 +244,34 @@ def op_kernels(closed: jcore.ClosedJaxpr, params: Sequence[bool] = ()) -> Kernel
     for j in range(len(eqns)):
         if gemm[j]:
             kernels.append((j, _gemm(eqns[j][0])))
+    def recomputed(i: int) -> bool:  # an elementwise value of another fused kernel
+        p = producer.get(i)
+        return p is not None and not gemm[p] and eqns[p][0].primitive.name not in _REDUCTIONS
+
+    def sources(i: int, seen: set[int]) -> set[int]:
+        """What recomputing value `i` in a later kernel reads: back through elementwise
+        producers to operator inputs, GEMM results and reduction results."""
+        if not recomputed(i) or i in seen:
+            return {i}
+        seen.add(i)
+        return set().union(*(sources(x, seen) for x in eqns[producer[i]][1]
+                             if x is not None)) if eqns[producer[i]][1] else set()
+
     for root, members in groups.items():
         if all(eqns[j][0].primitive.name in _LAYOUT for j in members):
             continue
         inside = set(members)
-        read = {i for j in members for i in eqns[j][1] if i is not None
-                and (producer.get(i) not in inside)}
+        outside = {i for j in members for i in eqns[j][1] if i is not None
+                   and (producer.get(i) not in inside)}
+        read = set().union(*(sources(i, set()) for i in outside)) if outside else set()
         if read and read <= param_ids:
             continue  # a weight cast: once per step, hoisted out of any microbatch loop
+        # written: what a GEMM, the operator's outputs or a later kernel reads (a later fused
+        # kernel recomputes an elementwise value from its sources instead: XLA duplicates
+        # cheap producers into their consumers' fusions)
         written = {o for j in members for o in eqns[j][2]
-                   if o in outputs or consumers.get(o, set()) - inside}
+                   if o in outputs or any(gemm[c] or (c not in inside and not recomputed(o))
+                                          for c in consumers.get(o, ()))}
         nbytes = (sum(_read_bytes(i, eqns, consumers, size) for i in read)
                   + sum(size.get(o, 0.0) for o in written))
         if nbytes:
