@@ -51,10 +51,37 @@ So the program holds one collective-permute per direction and set of sending sta
 run sends what the schedule needs and nothing more: per microbatch and chunk boundary one
 activation forward and one gradient back, ``M (C - 1)`` of each (measured on the tiny GPT,
 stage 2 x data 2 x model 2, M = 4, Megatron's model split: 1F1B holds 1 + 1 collective-permutes
-of 4096 bytes per device and sends 4 + 4 times; interleaved with v = 2 and 4 layers 3 + 3 (one
-stage sending, the other, or both) and sends 12 + 12 stage-to-stage). A loop rather than
+of 2048 bytes per device (scatter/gather, below: half the 4096 of a microbatch's activation)
+and sends 4 + 4 times; interleaved with v = 2 and 4 layers 3 + 3 (one stage sending, the
+other, or both) and sends 12 + 12 stage-to-stage). A loop rather than
 unrolled ticks because the program then does not grow with M: unrolled, the interleaved tiny
 GPT compiled in 14-18 s, as a loop in 5-7 s (XLA:CPU, backend optimisation 0, 2 busy cores).
+
+The sends are Megatron-LM's *scatter/gather* (Narayanan et al. SC'21, section 4.1): a value
+replicated over the stage's automatic axes (the residual stream under tensor parallelism) would
+be sent whole by each of its ``r`` replicas, so each sends a ``1 / r`` piece over its own link
+and the receiver all-gathers the pieces over the ``r`` replicas. The rule, per value sent (as
+`soapjax.pipesim` prices it): ``R`` = the automatic mesh axes (all but the stage axis and the
+data axes) over which the value is not already split, ``r`` = the product of their sizes; if
+``r > 1`` and some dim of the value's per-device shape is divisible by ``r``, the *last* such
+dim is split over all of ``R``, in mesh order, for the transfer; otherwise the value goes
+whole. How a value is laid out over the automatic axes is XLA's and is not known inside the
+stage's shard_map, so every value sent is taken as replicated over all of them (what
+Megatron's split makes of the residual stream and its gradient), and held to it: constrained
+replicated, then to the split (a local slice), sent (the ppermute in a shard_map manual over
+``R`` too: in the stage's own, a ppermute gathers its operand over the automatic axes first)
+and constrained back to replicated (the all-gather). Without the first constraint XLA carries
+the split back into the layers (the tiny GPT's 1F1B step above then ran 16 all-gathers and 19
+all-reduces over ``model`` in the loop, 150,016 bytes, for the 8 all-reduces, 49,152 bytes,
+it runs either way). On the tiny GPT above (``R`` = model, ``r`` = 2): a microbatch's
+``[2, 8, 32]`` float64 activation goes as ``[2, 8, 16]``, 2048 bytes per device instead of
+4096, then one all-gather over ``model`` (4096 bytes out) per send; every other collective of
+the step is the same as without scatter/gather. Where the stages run whole
+microbatches while the batch is split over automatic data axes, a value's layout over those
+is XLA's own, so values go whole (where tried, constraining them deadlocked XLA:CPU: its
+resharding put collective-permutes in the stages' own branches, which only half the devices
+run); ``scatter_gather=False`` sends them
+whole too, as Megatron's ``--no-scatter-gather-tensors-in-pipeline`` does.
 
 Received values wait in slot buffers until their action runs; the slots are allocated from the
 tick table, so a stage keeps as many activations as its schedule has in flight (1F1B: at most S;
@@ -361,6 +388,47 @@ def _whole_along(x: Any, dims: Sequence[int]) -> Any:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def _split_axes(mesh: Mesh, stage_axis: str, data_axes: Sequence[str], groups: _Groups,
+                scatter_gather: bool) -> tuple[tuple[str, int], ...]:
+    """The axes (name, size) a value sent between stages is split over for the transfer (the
+    scatter/gather rule, module doc): the mesh's automatic axes in a stage, in mesh order, but
+    for `data_axes`. Empty without `scatter_gather`, or where the stages run whole microbatches
+    while the batch is split over an automatic data axis: how XLA lays a value out over it is
+    not known here."""
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    if not scatter_gather or (not groups.axes and any(sizes[a] > 1 for a in data_axes)):
+        return ()
+    return tuple((a, n) for a, n in sizes.items() if a != stage_axis and a not in data_axes)
+
+
+def _send_spec(shape: Sequence[int],
+               auto_axes: Sequence[tuple[str, int]]) -> PartitionSpec | None:
+    """How a value of (per-device) `shape`, replicated over the automatic mesh axes
+    `auto_axes` (name, size), is split for a stage-to-stage send (the scatter/gather rule,
+    module doc): its last dim that the product ``r`` of the axes' sizes divides, over all of
+    them in mesh order; None (sent whole) where ``r`` is 1 or no dim is divisible.
+
+    >>> _send_spec((2, 8, 32), [("data", 2), ("model", 2)])
+    P(None, None, ('data', 'model'))
+    >>> _send_spec((2, 8, 6), [("model", 4)])  # 6 is not a multiple of 4, 8 is
+    P(None, 'model', None)
+    >>> _send_spec((3, 5), [("model", 2)]) is None
+    True
+    """
+    r = int(np.prod([n for _, n in auto_axes], dtype=np.int64))
+    dims = [d for d, n in enumerate(shape) if n % r == 0]
+    if r == 1 or not dims:
+        return None
+    names = tuple(a for a, _ in auto_axes)
+    return PartitionSpec(*(names if d == dims[-1] else None for d in range(len(shape))))
+
+
+def _constrain(x: Any, spec: PartitionSpec) -> Any:
+    """`x` constrained to `spec` over the automatic axes of the mesh it is traced on."""
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(jax.sharding.get_abstract_mesh(), spec))
+
+
 def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = False) -> Callable:
     """``(chunk params, values, x) -> y`` (the chunk's output carry) or, for the last chunk,
     ``-> loss`` (the epilogue after it); `values` are those of the ids `reads`, the chunk
@@ -641,7 +709,7 @@ class PipelinedStep:
 def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microbatches: int,
                              virtual: int = 1, schedule: str = "1f1b",
                              recompute: RecomputePolicy = "none", stage_axis: str = "stage",
-                             data_axes: Sequence[str] = ()
+                             data_axes: Sequence[str] = (), scatter_gather: bool = True
                              ) -> Callable[[Any, Any], tuple[Any, Any]]:
     """``(params, batch) -> (loss, grads)``: what ``jax.value_and_grad(loss_fn)`` computes, as
     a pipeline over the mesh's `stage_axis` (module doc). Jit it.
@@ -664,7 +732,13 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
         of their device groups runs its own samples of every microbatch and keeps its own
         share of the gradients, summed over the groups once after the last backward (module
         doc). Empty: the stages run whole microbatches, and XLA reduces the layers'
-        gradients over the batch's axes in every backward.
+        gradients over the batch's axes in every backward. Name every axis the batch is
+        split over: the other automatic axes are taken as model axes the values sent between
+        stages are replicated over (`scatter_gather`).
+      scatter_gather: Megatron-LM's scatter/gather of the values sent between stages (its
+        ``--no-scatter-gather-tensors-in-pipeline`` turns it off): each replica over the
+        automatic axes sends its piece, the receiver all-gathers them (module doc). False:
+        each sends the whole value.
 
     Returns:
       The function. It takes the parameters in the pipelined layout (`to_pipelined`; place
@@ -686,7 +760,7 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
     cut, groups = _data_groups(graph, outer, mesh, microbatches, data_axes, stage_axis)
     rows = ticks(schedule, stages, microbatches, virtual)
     pipe = _Pipeline(outer, cut, groups, mesh, stage_axis, stages, virtual, microbatches, rows,
-                     recompute)
+                     recompute, data_axes, scatter_gather)
     return pipe.value_and_grad
 
 
@@ -738,9 +812,11 @@ class _Pipeline:
 
     def __init__(self, outer: _Cut, cut: _Cut, groups: _Groups, mesh: Mesh, stage_axis: str,
                  stages: int, virtual: int, microbatches: int,
-                 rows: Sequence[Sequence[Action | None]], recompute: RecomputePolicy):
+                 rows: Sequence[Sequence[Action | None]], recompute: RecomputePolicy,
+                 data_axes: Sequence[str] = (), scatter_gather: bool = True):
         self.outer, self.cut, self.groups = outer, cut, groups
         self.mesh, self.stage_axis = mesh, stage_axis
+        self.split_axes = _split_axes(mesh, stage_axis, data_axes, groups, scatter_gather)
         self.stages, self.microbatches, self.chunks = stages, microbatches, stages * virtual
         self.rows = rows
         self.full_recompute = recompute == "full"  # keep chunk inputs, not residuals
@@ -933,11 +1009,27 @@ class _Pipeline:
         return state
 
     def _permute(self, pairs: tuple[tuple[int, int], ...], name: str) -> Callable:
+        """The ppermute over `pairs`, each value sent in the pieces of the scatter/gather rule
+        (module doc, `_send_spec`) and made whole again on arrival."""
         def move(value: tuple) -> tuple:
             with jax.named_scope(name):
-                return jax.lax.ppermute(value, self.stage_axis, list(pairs))
+                specs = [_send_spec(np.shape(x), self.split_axes) for x in value]
+                return tuple(self._send(x, s, pairs) for x, s in zip(value, specs))
 
         return move
+
+    def _send(self, x: Any, spec: PartitionSpec | None,
+              pairs: tuple[tuple[int, int], ...]) -> Any:
+        """`x` sent over `pairs`: whole, or with `spec` (`_send_spec`) each replica's piece
+        over its own link, then all-gathered (module doc)."""
+        if spec is None:
+            return jax.lax.ppermute(x, self.stage_axis, list(pairs))
+        replicated = PartitionSpec()
+        piece = jax.shard_map(lambda y: jax.lax.ppermute(y, self.stage_axis, list(pairs)),
+                              mesh=jax.sharding.get_abstract_mesh(), in_specs=spec,
+                              out_specs=spec, axis_names={a for a, _ in self.split_axes},
+                              check_vma=False)(_constrain(_constrain(x, replicated), spec))
+        return _constrain(piece, replicated)
 
     def _none_like(self, value: tuple) -> tuple:
         return self._none()

@@ -22,7 +22,7 @@ from conftest import float64_model
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from soapjax._pipeline_layout import from_pipelined, pipelined_layout_shardings, to_pipelined
-from soapjax._pipelined import pipelined_value_and_grad, ticks
+from soapjax._pipelined import _Groups, _split_axes, pipelined_value_and_grad, ticks
 from soapjax.errors import PlanError
 from soapjax.hlo import collectives
 from soapjax.pipeline import SCHEDULES, device_orders
@@ -38,8 +38,9 @@ MODEL_SPLIT = {**dict.fromkeys(("query", "key", "value", "q", "k", "v"), (2, 1))
                **dict.fromkeys(("out", "o", "fc2", "down"), (1, None))}
 
 
-def mesh():
-    return jax.make_mesh((STAGES, 2, 2), ("stage", "data", "model"),
+def mesh(model: int = 2):
+    """stage 2 x data 2 x model 2, or with ``model=4`` stage 2 x data 1 x model 4."""
+    return jax.make_mesh((STAGES, 4 // model, model), ("stage", "data", "model"),
                          axis_types=(AxisType.Auto,) * 3)
 
 
@@ -61,21 +62,26 @@ def megatron_specs(params):
 
 
 def compiled(name: str, schedule: str, virtual: int, recompute: RecomputePolicy,
-             data_axes: tuple[str, ...] = ("data",)):
+             data_axes: tuple[str, ...] = ("data",), *, scatter_gather: bool | None = None,
+             model: int = 2):
     """The compiled pipelined step of the tiny model (2 layers per virtual stage), its loss and
-    gradients (in the model's layout)."""
-    return _compiled(name, schedule, virtual, recompute, data_axes)
+    gradients (in the model's layout). Scatter/gather is on but where `data_axes` is empty:
+    the batch is split over ``data`` all the same, which the step would take for a model axis
+    the activations are replicated over (`pipelined_value_and_grad`)."""
+    if scatter_gather is None:
+        scatter_gather = bool(data_axes)
+    return _compiled(name, schedule, virtual, recompute, data_axes, scatter_gather, model)
 
 
 @functools.cache  # every argument passed, so each case has one key
 def _compiled(name: str, schedule: str, virtual: int, recompute: RecomputePolicy,
-              data_axes: tuple[str, ...]):
+              data_axes: tuple[str, ...], scatter_gather: bool, model: int):
     params, batch, graph, _ = model_case(name, STAGES * virtual)
-    m = mesh()
+    m = mesh(model)
     with jax.enable_x64(True):
         step = pipelined_value_and_grad(graph, m, stages=STAGES, microbatches=MICROBATCHES,
                                         virtual=virtual, schedule=schedule, recompute=recompute,
-                                        data_axes=data_axes)
+                                        data_axes=data_axes, scatter_gather=scatter_gather)
         shardings = pipelined_layout_shardings(graph, m, megatron_specs(params), stages=STAGES,
                                                virtual=virtual)
         placed = jax.device_put(to_pipelined(graph, params, stages=STAGES, virtual=virtual),
@@ -182,9 +188,10 @@ def test_the_stages_send_what_the_schedule_needs(schedule, virtual):
     direction and *set* of stages that send at one tick, inside a switch on the tick, over
     exactly those stages (each stage pair is data x model = 4 device pairs): 1F1B has one set
     per direction (stage 0 -> 1 forward, 1 -> 0 back); interleaved three ({0 -> 1}, {1 -> 0}
-    and both at once, where two stages send at one tick). Each moves one microbatch's
-    activation: 4 samples / data 2 x 8 tokens x d_model 32 x 8 bytes = 4096 bytes per device
-    (the activation between layers is replicated over "model", Megatron's split).
+    and both at once, where two stages send at one tick). Each moves half a microbatch's
+    activation: 4 samples / data 2 x 8 tokens x d_model 32 x 8 bytes = 4096 bytes per device,
+    replicated over "model" (Megatron's split), so each of the 2 replicas sends its half
+    (scatter/gather, `test_scatter_gather_sends_one_piece_per_model_replica`).
     """
     text = compiled("gpt", schedule, virtual, "none")[2].as_text()
     chunks = STAGES * virtual
@@ -194,7 +201,7 @@ def test_the_stages_send_what_the_schedule_needs(schedule, virtual):
     seen = {"pipeline_activations": [], "pipeline_gradients": []}
     for c in permutes:
         scope = next(s for s in seen if s in c.op_name)  # no other collective-permutes
-        assert c.nbytes == 4096 and c.axes == ("stage",)
+        assert c.nbytes == 2048 and c.axes == ("stage",)
         stage_of = {d: d // 4 for d in range(8)}  # device id -> stage (row-major mesh)
         pairs = {(stage_of[a], stage_of[b]) for a, b in c.source_target_pairs}
         assert len(c.source_target_pairs) == 4 * len(pairs)
@@ -205,6 +212,57 @@ def test_the_stages_send_what_the_schedule_needs(schedule, virtual):
         assert sorted(seen[scope]) == sorted({tuple(sorted(p)) for p in per_tick if p})
         assert sum(len(p) for p in per_tick) == MICROBATCHES * (chunks - 1)
     assert len(permutes) == {"1f1b": 2, "interleaved": 6}[schedule]
+
+
+def pipeline_collectives(exe, m) -> list[tuple[str, str, tuple[str, ...], int]]:
+    """The compiled step's collectives of the stage-to-stage sends: (scope, kind, axes, bytes
+    per device)."""
+    scopes = ("pipeline_activations", "pipeline_gradients")
+    return sorted((next(s for s in scopes if s in c.op_name), c.kind, c.axes, c.nbytes)
+                  for c in collectives(exe.as_text(), m) if any(s in c.op_name for s in scopes))
+
+
+@pytest.mark.parametrize("model", [2, 4], ids=["model2-data2", "model4"])
+def test_scatter_gather_sends_one_piece_per_model_replica(model):
+    """Megatron-LM's scatter/gather (`soapjax._pipelined`): the activation a stage sends and
+    the gradient it sends back, replicated over the r = `model` replicas of Megatron's split,
+    go as r pieces, one per replica, each 1/r of the whole along d_model (the last dim r
+    divides), and the receiver all-gathers them over ``model``; the numbers stay the unsharded
+    step's. GPT tiny 1F1B: a microbatch's activation is [2, 8, 32] float64 per device with
+    data 2 (4096 bytes), [4, 8, 32] with data 1 (8192); with scatter_gather=False it goes
+    whole and nothing is gathered. Every other collective of the step is the same either way.
+    """
+    whole_bytes = {2: 4096, 4: 8192}[model]
+    m = mesh(model)
+    got, others = {}, {}
+    for on in (False, True):
+        loss, grads, exe = compiled("gpt", "1f1b", 1, "none", scatter_gather=on, model=model)
+        assert_unsharded("gpt", 1, loss, grads)
+        got[on] = pipeline_collectives(exe, m)
+        others[on] = sorted((c.kind, c.axes, c.nbytes, c.executions)
+                            for c in collectives(exe.as_text(), m) if "pipeline_" not in c.op_name)
+    assert others[True] == others[False]  # the layers' own layouts stay as they were
+    scopes = ("pipeline_activations", "pipeline_gradients")
+    assert got[False] == [(s, "collective-permute", ("stage",), whole_bytes) for s in scopes]
+    assert got[True] == sorted(
+        [(s, "collective-permute", ("stage",), whole_bytes // model) for s in scopes]
+        + [(s, "all-gather", ("model",), whole_bytes) for s in scopes])
+
+
+@pytest.mark.parametrize("model,data_axes,groups,on,want", [
+    (2, ("data",), ("data",), True, (("model", 2),)),
+    (4, ("data",), (), True, (("model", 4),)),
+    (2, (), (), True, (("data", 2), ("model", 2))),
+    (2, ("data",), (), True, ()),
+    (2, ("data",), ("data",), False, ()),
+], ids=["data-groups", "data-of-size-1", "no-data-axes", "whole-microbatches-over-data", "off"])
+def test_the_values_sent_are_split_over_the_model_axes(model, data_axes, groups, on, want):
+    """The axes the scatter/gather splits a sent value over: the stage's automatic axes but
+    the data axes; none where the stages run whole microbatches of a batch split over an
+    automatic data axis (its layout there is XLA's), or with scatter_gather=False."""
+    count = 2 if groups else 1
+    assert _split_axes(mesh(model), "stage", data_axes, _Groups(groups, count, (0,)),
+                       on) == want
 
 
 def test_1f1b_keeps_fewer_activations_than_gpipe():
