@@ -129,7 +129,7 @@ from soapjax.reshard import ReshardModel
 from soapjax.space import Config, MeshShape, Strategy, sample_dim, storage_spec, validate_config
 from soapjax.topology import Topology
 
-__all__ = ["OpCosts", "Simulation", "shard_bytes"]
+__all__ = ["OpCosts", "Simulation", "scatter_target", "scattered_operand_axes", "shard_bytes"]
 
 class _View(NamedTuple):
     """One operator under one config: times, tensor specs, partial sums, activation bytes."""
@@ -153,6 +153,64 @@ class _View(NamedTuple):
     # per operand with a partial cotangent that the operator computes on before its matmul:
     # the shard of what the matmul reads in its place, where XLA all-reduces it (else 0)
     matmul_bytes: tuple[int, ...] = ()
+
+
+def scatter_target(op: Any, config: Config, consumer_axes: Sequence[tuple],
+                   mesh: MeshShape) -> tuple | None:
+    """The layout a row-parallel operator's partial sums are reduce-scattered into, or None.
+
+    Where `config` splits reduction dims of `op` (its output is a partial sum over those
+    axes) and every consumer of its one output reads it in one layout that is the config's
+    output layout with some dims split further over some of those same axes (Megatron's
+    sequence parallelism: attn/out's and fc2's outputs go into norms split along the
+    sequence over the tensor-parallel axes), the partial sums are reduce-scattered straight
+    into that layout, and what the operator does after its matmul (the bias, a residual add)
+    runs on the slice. Apply constrains the matmul's result to it (`soapjax._flatstep`); the
+    simulator prices the reduce-scatter in place of the all-reduce.
+
+    Args:
+      op: the operator.
+      config: its config.
+      consumer_axes: the operand axes (`Config.operand_axes`) of each reader of its output,
+        under the readers' own configs.
+      mesh: the mesh.
+    """
+    red = config.reduction_axes(op)
+    if not red or len(op.outputs) != 1 or not consumer_axes:
+        return None
+    dst = tuple(tuple(a) for a in consumer_axes[0])
+    if any(tuple(tuple(a) for a in c) != dst for c in consumer_axes[1:]):
+        return None
+    x = op.outputs[0]
+    out = config.operand_axes(x.dims)
+    if len(dst) != len(out) or dst == out:
+        return None
+    for o, d, size in zip(out, dst, x.shape):
+        if d[:len(o)] != o or not set(d[len(o):]) <= set(red) or size % mesh.degree(d):
+            return None
+    return dst
+
+
+def scattered_operand_axes(op: Any, config: Config, o: int, target: tuple | None,
+                           mesh: MeshShape) -> tuple:
+    """Operand `o`'s layout where `op`'s partial sums are reduce-scattered into `target`
+    (`scatter_target`): an activation added after the matmul (its value flows into none of
+    the split reduction dims: `Operand.outside`, a residual) is read split as the output is,
+    so the add runs on the slice; any other operand (and every one where `target` is None)
+    keeps its config's layout."""
+    x = op.inputs[o]
+    axes = config.operand_axes(x.dims)
+    if target is None or x.kind != "activation":
+        return axes
+    split = {d for d in range(len(op.shape), len(config.axes)) if config.axes[d]}
+    if not split <= set(x.outside):
+        return axes
+    out = config.operand_axes(op.outputs[0].dims)
+    extra = {d: t[len(a):] for d, a, t in zip(op.outputs[0].dims, out, target) if d is not None}
+    new = tuple(a + extra.get(d, ()) if d is not None else a for a, d in zip(axes, x.dims))
+    if any(size % mesh.degree(a) for size, a in zip(x.shape, new)):
+        return axes
+    return new
 
 
 def shard_bytes(shape: Sequence[int], spec: Sequence[Sequence[str]], dtype: str,
@@ -415,8 +473,14 @@ class Simulation:
             undo.stored_bytes, undo.leaf_activation_bytes = self._stored_bytes, self._leaf_bytes
             self._views[i] = view
             self._act = None
+            scattered = self._rescatter(undo, i)
             op_comm, edges, leaves = self._changed_units(i, view, old)
-            self._replace_units(undo, i if op_comm else None, edges, leaves)
+            layout = self._layout
+            edges = sorted(set(edges) | {s for q in scattered
+                                         for e in layout.in_edges[q] + layout.out_edges[q]
+                                         for s in layout.siblings[e]})
+            rebuilt = sorted(set(scattered) | ({i} if op_comm else set()))
+            self._replace_units(undo, rebuilt, edges, leaves)
             self._retime_and_rewire(undo, i, edges, leaves)
         task_graph.sweep()
         return self.step_time()
@@ -464,8 +528,10 @@ class Simulation:
             task_graph.dur[self._forward_task[i]] = undo.view.forward_s
             task_graph.dur[self._backward_task[i]] = undo.view.backward_s
             self._views[i] = undo.view
-            if undo.op_comm is not None:
-                self._op_comm[i] = undo.op_comm
+            for q, unit in undo.op_comm:
+                self._op_comm[q] = unit
+            for q, target in undo.scatter:
+                self._scatter[q] = target
             for e, unit in undo.edges:
                 self._edge_tasks[e] = unit
             for leaf, unit in undo.leaves:
@@ -550,6 +616,7 @@ class Simulation:
         self._micro = strategy.microbatches
         self._views = [self._view(j, c, strategy.recompute_of(j))
                        for j, c in enumerate(strategy.configs)]
+        self._scatter = [self._scatter_of(j) for j in range(layout.n)]
         self._task_graph = task_graph = TaskGraph(len(self._pricing.resource_channels))
         self._buffer_counts: dict[int, int] = {}  # communication buffer bytes -> tasks
         self._forward_task = [
@@ -595,33 +662,66 @@ class Simulation:
                          for j, o in layout.readers[leaf] if j == i)]
         return op_comm, edges, leaves
 
+    def _rescatter(self, undo: _Undo, i: int) -> list[int]:
+        """Recomputes `scatter_target` of operator `i` and of its producers (the readers of
+        their outputs include `i`) after `i`'s view changed; returns those whose target or
+        operand layouts changed (their own collectives and edges are rebuilt), old values
+        kept in `undo`."""
+        layout, out = self._layout, []
+        for q in sorted({i} | {layout.edges[e][0] for e in layout.in_edges[i]}):
+            new = self._scatter_of(q)
+            if new != self._scatter[q]:
+                undo.scatter.append((q, self._scatter[q]))
+                self._scatter[q] = new
+                out.append(q)
+        return out
+
+    def _scatter_of(self, j: int) -> tuple[tuple | None, tuple]:
+        """Operator `j`'s `scatter_target` under the current views (None where its partial
+        sums are all-reduced) and its operands' layouts (`scattered_operand_axes`)."""
+        layout, views, v = self._layout, self._views, self._views[j]
+        if not v.reduction_axes:
+            return None, v.operand_specs
+        op = self.graph.operators[j]
+        readers = [views[layout.edges[e][2]].operand_specs[layout.edges[e][3]]
+                   for e in layout.out_edges[j]]
+        target = scatter_target(op, v.config, readers, self.mesh)
+        if target is None:
+            return None, v.operand_specs
+        return target, tuple(scattered_operand_axes(op, v.config, o, target, self.mesh)
+                             for o in range(len(op.inputs)))
+
+    def _dst(self, j: int, o: int) -> tuple:
+        """The layout operator `j` reads operand `o` in (`_scatter_of`)."""
+        return self._scatter[j][1][o]
+
     def _edge_signature(self, e: int, i: int, view: _View) -> tuple:
         """What edge `e`'s collectives depend on, with operator `i` under `view`."""
         p, k, j, o = self._layout.edges[e]
         src = (view if p == i else self._views[p]).out_specs[k]
         consumer = view if j == i else self._views[j]
         return src, consumer.operand_specs[o], consumer.partials[o], consumer.matmul_bytes[o]
+        # (a change of `scatter_target` is caught apart: `_rescatter`)
 
-    def _replace_units(self, undo: _Undo, op_comm_of: int | None, edges: list[int],
+    def _replace_units(self, undo: _Undo, op_comm_of: list[int], edges: list[int],
                        leaves: list[int]) -> None:
         """Takes the old tasks of the changed units off the graph (kept in `undo` for `reject`)
-        and builds new ones: operator `op_comm_of`'s own collectives (none when it is None),
+        and builds new ones: the own collectives of the operators `op_comm_of`,
         the `edges` and the `leaves`."""
         task_graph = self._task_graph
-        if op_comm_of is not None:
-            undo.op_comm = self._op_comm[op_comm_of]
+        undo.op_comm = [(q, self._op_comm[q]) for q in op_comm_of]
         undo.edges = [(e, self._edge_tasks[e]) for e in edges]
         undo.leaves = [(leaf, self._leaf_tasks[leaf]) for leaf in leaves]
-        old = undo.old_tasks = (undo.op_comm.forward + undo.op_comm.backward
-                                if undo.op_comm is not None else [])
+        old = undo.old_tasks = [t for _, unit in undo.op_comm
+                                for t in unit.forward + unit.backward]
         old += [t for _, unit in undo.edges for t in unit.forward + unit.backward]
         old += [t for _, unit in undo.leaves for t in unit.tasks]
         for t in old:
             task_graph.detach(t)
         self._count_buffers(old, -1)
         new = undo.new_tasks
-        if op_comm_of is not None:
-            unit = self._op_comm[op_comm_of] = self._build_op_comm(op_comm_of)
+        for q in op_comm_of:
+            unit = self._op_comm[q] = self._build_op_comm(q)
             new += unit.forward + unit.backward
         for e in edges:
             unit = self._edge_tasks[e] = self._build_edge(e)
@@ -790,7 +890,8 @@ class Simulation:
                                     INNER_REDUCE, j)
         if v.reduction_axes:
             x = self.graph.operators[j].outputs[0]
-            chain = self._activation_chain(x, self._sample[j], v.out_specs[0], v.out_specs[0],
+            target = self._scatter[j][0] or v.out_specs[0]  # reduce-scattered, else all-reduced
+            chain = self._activation_chain(x, self._sample[j], v.out_specs[0], target,
                                            v.reduction_axes)
             forward += self._chain_tasks(chain, key + len(forward),
                                          forward[-1:] or [self._forward_task[j]], PARTIAL_SUM, j)
@@ -821,13 +922,13 @@ class Simulation:
         reduced where they are made, as the gradient syncs are: `e` alone."""
         layout, views = self._layout, self._views
         _, _, j, o = layout.edges[e]
-        dst = views[j].operand_specs[o]
+        dst = self._dst(j, o)
         if backward and views[j].partials[o]:
             return [e]
         out = []
         for s in layout.siblings[e]:
-            v, os = views[layout.edges[s][2]], layout.edges[s][3]
-            if s == e or (v.operand_specs[os] == dst and not (backward and v.partials[os])):
+            js, os = layout.edges[s][2:]
+            if s == e or (self._dst(js, os) == dst and not (backward and views[js].partials[os])):
                 out.append(s)
         return out
 
@@ -839,13 +940,18 @@ class Simulation:
         layout = self._layout
         p, k, j, o = layout.edges[e]
         x = self.graph.operators[j].inputs[o]
-        src, dst = self._views[p].out_specs[k], self._views[j].operand_specs[o]
+        # a reduce-scattered output is made in its readers' layout; its cotangent goes back to
+        # the config's (the reduce-scatter's transpose: an all-gather)
+        src, dst = self._views[p].out_specs[k], self._dst(j, o)
         sample = self._sample[j]
         forward = [] if self._resharded_by(e) != e else self._chain_tasks(
-            self._activation_chain(x, sample, src, dst), layout.fwd_key(j, o),
-            [self._output_ready(p, k)], RESHARD, e)
+            self._activation_chain(x, sample, self._scatter[p][0] or src, dst),
+            layout.fwd_key(j, o), [self._output_ready(p, k)], RESHARD, e)
         partial = self._views[j].partials[o]
-        summed = self._summed_partials(e) if partial else [e]
+        # apply reduces a partial cotangent straight into its producer's layout where the two
+        # differ (`soapjax._flatstep`: Q, K and V's into the sequence split, a reduce-scatter
+        # each); only where they are the same are several summed after their all-reduces
+        summed = self._summed_partials(e) if partial and dst == src else [e]
         if len(summed) > 1:  # each reduced in this layout, then their sum moved once
             return _EdgeTasks(forward, [] if e != summed[0] else self._summed_tasks(summed))
         shared = self._same_layout(e, backward=True)
@@ -895,16 +1001,15 @@ class Simulation:
 
     def _summed_partials(self, e: int) -> list[int]:
         """The edges carrying edge `e`'s value to the same layout whose cotangents are partial
-        sums over the same axes, in edge order. Several: XLA sums their cotangents before
-        resharding the sum to the producer, so it all-reduces each one where it is made, in
-        the consumer's layout (a sequence-parallel layer's Q, K and V projections read one
-        normalised input: three all-reduces, then one move into the sequence split, not three
-        reduce-scatters); one alone is reduced straight into the producer's layout."""
+        sums over the same axes, in edge order, where that layout is the producer's (plain
+        Megatron's Q, K and V read the replicated norm): each is all-reduced where it is made,
+        their sum needs no move. Where the layouts differ, apply has each reduced straight
+        into the producer's layout (`_build_edge`)."""
         layout, views = self._layout, self._views
         _, _, j, o = layout.edges[e]
-        key = (views[j].operand_specs[o], views[j].partials[o])
+        key = (self._dst(j, o), views[j].partials[o])
         return [s for s in layout.siblings[e]
-                if (views[layout.edges[s][2]].operand_specs[layout.edges[s][3]],
+                if (self._dst(*layout.edges[s][2:]),
                     views[layout.edges[s][2]].partials[layout.edges[s][3]]) == key]
 
     def _stored_spec(self, leaf: int) -> tuple[tuple[str, ...], ...]:
@@ -1162,12 +1267,13 @@ class _Undo:
     """What `reject` needs to restore the state before one operator's change."""
 
     __slots__ = ("activation_bytes", "deps", "edges", "leaf_activation_bytes", "leaves",
-                 "new_tasks", "old_tasks", "op", "op_comm", "stored_bytes", "view")
+                 "new_tasks", "old_tasks", "op", "op_comm", "scatter", "stored_bytes", "view")
 
     def __init__(self, op: int, view: _View) -> None:
         self.op, self.view = op, view  # the operator and its view before the proposal
         self.activation_bytes = self.stored_bytes = self.leaf_activation_bytes = 0
-        self.op_comm: _OpComm | None = None
+        self.op_comm: list[tuple[int, _OpComm]] = []
+        self.scatter: list[tuple[int, tuple]] = []  # (operator, its `_scatter_of` before)
         self.edges: list[tuple[int, _EdgeTasks]] = []
         self.leaves: list[tuple[int, _LeafTasks]] = []
         self.old_tasks: list[int] = []

@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from soapjax import space
+from soapjax._flatsim import scatter_target, scattered_operand_axes
 from soapjax._local import draws_random_bits, has_custom_rules, operator_fn
 from soapjax._validation import (
     Checked,
@@ -94,24 +95,20 @@ def constrained_loss(graph: OpGraph, strategy: Any, mesh: Mesh, *,
     if not allow_spatial_convolutions:
         refuse_spatial_convolutions(check)
     validate_program_inputs(graph)
-    out_shardings = {
-        op.name: [NamedSharding(mesh, cfg.output_spec(op, k)) for k in range(len(op.outputs))]
-        for op, cfg in zip(graph.operators, strategy.configs)
-    }
+    layouts = _Layouts(graph, strategy, mesh)
+    out_shardings = {op.name: layouts.outputs(j) for j, op in enumerate(graph.operators)}
 
     def constrain(op, k, value):
         return jax.lax.with_sharding_constraint(value, out_shardings[op.name][k])
 
-    in_shardings = {
-        op.name: [_operand_sharding(mesh, cfg, o) for o in op.inputs]
-        for op, cfg in zip(graph.operators, strategy.configs)
-    } if constrain_operands else {}
+    in_shardings = {op.name: layouts.operands(j) for j, op in enumerate(graph.operators)
+                    } if constrain_operands else {}
 
     def constrain_input(op, o, value):
-        sharding = in_shardings[op.name][o]
-        return value if sharding is None else jax.lax.with_sharding_constraint(value, sharding)
+        sharding, back = in_shardings[op.name][o]
+        return value if sharding is None else _constrain_operand(value, sharding, back)
 
-    grouped = _operator_programs(graph, strategy, mesh, constrain_operands)
+    grouped = _operator_programs(graph, strategy, layouts, constrain_operands)
     checkpoints = recompute_segments(graph, strategy)
 
     # Operators that make keys from constants run equation by equation when keys advance.
@@ -151,37 +148,139 @@ def recompute_segments(graph: OpGraph, strategy: Strategy) -> list[list[str]]:
     return list(out.values())
 
 
-def _operator_programs(graph: OpGraph, strategy: Strategy, mesh: Mesh,
+def _operator_programs(graph: OpGraph, strategy: Strategy, layouts: _Layouts,
                        constrain_operands: bool) -> dict[str, Callable]:
     """Operator name -> the program that computes it at once, for every operator whose
     equations run together (`OpGraph.replaceable`): a loop split over its batch per group of
-    samples (`_grouped_loop`), any other its own program (`soapjax._local.operator_fn`); with
-    `constrain_operands`, its operands constrained to the specs its config gives them."""
-    programs = {}
-    for op, cfg in zip(graph.operators, strategy.configs):
+    samples (`_grouped_loop`), any other its own program (`soapjax._local.operator_fn`, its
+    row-parallel matmul's result constrained where its partial sums are reduce-scattered:
+    `_Layouts.anchor_hook`); with `constrain_operands`, its operands constrained to the specs
+    its config gives them (`_Layouts.operands`)."""
+    programs, mesh = {}, layouts.mesh
+    for j, (op, cfg) in enumerate(zip(graph.operators, strategy.configs)):
         if not graph.replaceable(op.name):
             continue
-        fn = _grouped_loop(graph, op, cfg, mesh) or operator_fn(graph, op.name)[0]
+        fn = (_grouped_loop(graph, op, cfg, mesh)
+              or operator_fn(graph, op.name, on_value=layouts.anchor_hook(j))[0])
         if constrain_operands:
             fn = _with_operand_constraints(
-                fn, [NamedSharding(mesh, cfg.operand_spec(o.dims)) for o in op.inputs])
+                fn, [(s or NamedSharding(mesh, cfg.operand_spec(o.dims)), back)
+                     for o, (s, back) in zip(op.inputs, layouts.operands(j))])
         programs[op.name] = fn
     return programs
 
 
-def _operand_sharding(mesh: Mesh, cfg: Config, operand: Any) -> NamedSharding | None:
-    """The sharding `cfg` gives `operand`, or None where a dim does not divide by its axes
-    (a dim that follows an iteration dim at another extent: XLA would pad it)."""
-    shape = MeshShape.of(mesh)
-    axes = cfg.operand_axes(operand.dims)
-    if any(size % shape.degree(ax) for size, ax in zip(operand.shape, axes)):
-        return None
-    return NamedSharding(mesh, cfg.operand_spec(operand.dims))
+class _Layouts:
+    """The shardings apply gives every operator's outputs and operands, and the value inside
+    an operator it constrains too.
+
+    Each output gets its config's spec, and each operand the spec its config gives it; but
+    where an operator's partial sums are reduce-scattered (`soapjax._flatsim.scatter_target`:
+    a row-parallel matmul whose readers take its output split further over the axes that
+    split its contraction, as Megatron's sequence parallelism has them), its output gets the
+    readers' layout, its matmul's result is constrained to that layout inside the operator
+    (before the bias and residual add: otherwise XLA all-reduces the whole buffer, adds, and
+    only then slices; jax 0.10.2, tiny GPT on cpu8), and an activation it adds after the
+    matmul (a residual) is read in it too (`soapjax._flatsim.scattered_operand_axes`).
+    These are the layouts the simulator prices.
+    """
+
+    def __init__(self, graph: OpGraph, strategy: Strategy, mesh: Mesh):
+        self.graph, self.strategy, self.mesh = graph, strategy, mesh
+        self.shape = MeshShape.of(mesh)
+        readers: dict[int, list[tuple[int, Any]]] = {}
+        for p, j, o in graph.edges():
+            readers.setdefault(p, []).append((j, o))
+        self.targets = []
+        for p, (op, cfg) in enumerate(zip(graph.operators, strategy.configs)):
+            specs = [strategy.configs[j].operand_axes(o.dims) for j, o in readers.get(p, [])]
+            self.targets.append(scatter_target(op, cfg, specs, self.shape))
+
+    def _sharding(self, axes: Sequence[Sequence[str]]) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec(*(tuple(a) if a else None for a in axes)))
+
+    def outputs(self, j: int) -> list[NamedSharding]:
+        op, cfg = self.graph.operators[j], self.strategy.configs[j]
+        if self.targets[j] is not None:
+            return [self._sharding(self.targets[j])]
+        return [NamedSharding(self.mesh, cfg.output_spec(op, k)) for k in range(len(op.outputs))]
+
+    def operands(self, j: int) -> list[tuple[NamedSharding | None, NamedSharding | None]]:
+        """Per operand of operator `j`, its sharding (None where a dim does not divide by its
+        axes: a dim that follows an iteration dim at another extent, which XLA would pad) and
+        the sharding its cotangent goes back in: the producer's where the cotangent is a
+        partial sum and the producer's layout differs (so XLA reduces it straight into that
+        layout: each of Q, K and V's into the sequence split, one reduce-scatter each, where the
+        constraint's own transpose makes it all-reduce each whole and slice their sum), else
+        None."""
+        op, cfg, out = self.graph.operators[j], self.strategy.configs[j], []
+        for o, x in enumerate(op.inputs):
+            axes = scattered_operand_axes(op, cfg, o, self.targets[j], self.shape)
+            if any(size % self.shape.degree(a) for size, a in zip(x.shape, axes)):
+                out.append((None, None))
+                continue
+            sharding, back = self._sharding(axes), None
+            if x.kind == "activation" and cfg.cotangent_partials(x, self.shape.axis_names):
+                p = self.graph.index(x.source)
+                src = self.outputs(p)[x.index]
+                if src.spec != sharding.spec:
+                    back = src
+            out.append((sharding, back))
+        return out
+
+    def anchor_hook(self, j: int) -> Callable | None:
+        """``on_value`` for `soapjax._local.operator_fn` of operator `j`: where its partial
+        sums are reduce-scattered, its matmul's result constrained to the target layout (the
+        one equation of its anchor primitive; None where there is no such one)."""
+        target = self.targets[j]
+        if target is None:
+            return None
+        op, cfg = self.graph.operators[j], self.strategy.configs[j]
+        prog = self.graph.program
+        loc = prog.local[op.name]
+        made = [v for i in loc.units if prog.units[i].eqn.primitive.name == op.anchor
+                for v in prog.units[i].outs if v is not None]
+        if len(made) != 1:
+            return None
+        vid = made[0]
+        by_dim = {d: t for d, t in zip(op.outputs[0].dims, target) if d is not None}
+        axes = []
+        for lbl, size in zip(loc.lab[vid], prog.shapes[vid]):
+            d = loc.labels.lookup(lbl, loc.iter_of)
+            a = by_dim.get(d, cfg.axes[d] if d is not None and d < len(op.shape) else ())
+            axes.append(a if size % self.shape.degree(a) == 0 else ())
+        sharding = self._sharding(axes)
+
+        def hook(v: int, value: Any) -> Any:
+            return jax.lax.with_sharding_constraint(value, sharding) if v == vid else value
+        return hook
 
 
-def _with_operand_constraints(fn: Callable, shardings: Sequence[NamedSharding]) -> Callable:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _constrain_operand(x: jax.Array, sharding: NamedSharding,
+                       back: NamedSharding | None) -> jax.Array:
+    """``with_sharding_constraint(x, sharding)``, whose cotangent is constrained to `back`
+    instead of `sharding` where `back` is given (`_Layouts.operands`)."""
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _constrain_operand_fwd(x, sharding, back):
+    return _constrain_operand(x, sharding, back), None
+
+
+def _constrain_operand_bwd(sharding, back, _, ct):
+    return (jax.lax.with_sharding_constraint(ct, back if back is not None else sharding),)
+
+
+_constrain_operand.defvjp(_constrain_operand_fwd, _constrain_operand_bwd)
+
+
+def _with_operand_constraints(fn: Callable,
+                              shardings: Sequence[tuple[NamedSharding, Any]]) -> Callable:
     def run(*operands):
-        return fn(*(jax.lax.with_sharding_constraint(x, s) for x, s in zip(operands, shardings)))
+        return fn(*(_constrain_operand(x, s, b) if b is not None
+                    else jax.lax.with_sharding_constraint(x, s)
+                    for x, (s, b) in zip(operands, shardings)))
     return run
 
 

@@ -42,7 +42,8 @@ class CustomRuleError(SoapjaxError, ValueError):
 
 
 def operator_fn(graph: OpGraph, name: str, degrees: Sequence[int] | None = None, *,
-                rules: Rules = "exact") -> tuple[Callable, list[jax.ShapeDtypeStruct]]:
+                rules: Rules = "exact", on_value: Callable | None = None
+                ) -> tuple[Callable, list[jax.ShapeDtypeStruct]]:
     """The per-device forward program of operator `name` split by `degrees`.
 
     Args:
@@ -52,6 +53,9 @@ def operator_fn(graph: OpGraph, name: str, degrees: Sequence[int] | None = None,
         Each must divide its dim.
       rules: what to do with a custom derivative rule whose operands are split: ``"exact"``
         raises `CustomRuleError`; ``"primal"`` differentiates its primal body (for timing).
+      on_value: ``on_value(value id, value) -> value``, called on every value the operator's
+        own equations make (not those inside nested bodies) as it is made: apply constrains
+        a row-parallel matmul's result there (`soapjax._flatstep`).
 
     Returns:
       ``(fn, in_avals)``: ``fn(*operands)`` returns the operator's outputs (a list, in
@@ -101,6 +105,8 @@ def operator_fn(graph: OpGraph, name: str, degrees: Sequence[int] | None = None,
                         for v in u.ins]
             outs = interp.bind(u.eqn, args, shapes)
             env.update((v, _crop(o, s)) for v, o, s in zip(u.outs, outs, shapes) if v is not None)
+            if on_value is not None:
+                env.update((v, on_value(v, env[v])) for v in u.outs if v is not None)
         return [_crop(env[v], shard(v)) for v in loc.exports]
 
     return fn, in_avals

@@ -180,6 +180,18 @@ def collectives(
             )
             if slice_ is not None:  # its input is the all-reduce's buffer; its output the slice
                 base, leaves = "reduce-scatter", type_leaves(parse_type(slice_.type))
+            sliced = (_sliced_elements(inst, module)
+                      if reduce_scatter_from_slices and base == "all-reduce" and not suffix
+                      and len(leaves) > 1 else {})
+            if sliced:  # a combined all-reduce: the buffers only sliced are reduce-scatters
+                rest = [x for i, x in enumerate(leaves) if i not in sliced]
+                parts = [type_leaves(parse_type(u.type))[0] for u in sliced.values()]
+                whole = sum(leaf_bytes(leaves[i]) for i in sliced)
+                c = _collective("reduce-scatter", inst, parts, whole, module.num_devices, coords)
+                out.append(c._replace(executions=runs.get(comp_name, 1)))
+                if not rest:
+                    continue
+                leaves, nbytes = rest, nbytes - whole
             c = _collective(base, inst, leaves, nbytes, module.num_devices, coords)
             out.append(c._replace(executions=runs.get(comp_name, 1)))
     return out
@@ -317,6 +329,36 @@ def _slicing_user(inst: Inst, module: Module) -> Inst | None:
     if not _only_sliced(inst.name, comp, whole // len(groups[0]), module, slices, 0):
         return None
     return slices[0] if slices and whole % len(groups[0]) == 0 else None
+
+
+def _sliced_elements(inst: Inst, module: Module) -> dict[int, Inst]:
+    """Of an all-reduce of several buffers (XLA's combiner merged them), the buffers whose
+    every use (through their ``get-tuple-element``) is a 1/group_size dynamic-slice, by index,
+    each with one of its slices (see `_slicing_user`)."""
+    groups = _groups(inst, module.num_devices)
+    try:
+        ar = type_leaves(parse_type(inst.type))
+    except ValueError:
+        return {}
+    if len(ar) < 2 or not groups or len(groups[0]) < 2:
+        return {}
+    comp = next(c for c in module.computations.values() if inst in c)
+    by_index: dict[int, list[Inst]] = {}
+    for u in comp:
+        if inst.name in u.operands:
+            m = re.search(r"index=(\d+)", u.attrs)
+            if u.opcode != "get-tuple-element" or m is None:
+                return {}
+            by_index.setdefault(int(m.group(1)), []).append(u)
+    out = {}
+    for i, gtes in by_index.items():
+        whole = math.prod(ar[i][1])
+        slices: list[Inst] = []
+        if whole % len(groups[0]) == 0 and all(
+                _only_sliced(g.name, comp, whole // len(groups[0]), module, slices, 0)
+                for g in gtes) and slices:
+            out[i] = slices[0]
+    return out
 
 
 _LAYOUT_ONLY = ("copy", "bitcast")

@@ -270,6 +270,10 @@ def test_every_operator_output_and_operand_is_constrained(name, kind, mesh):
     assert interleaved
     operands = sum(len(op.inputs) if c.graph.replaceable(op.name) else
                    len([o for o in op.inputs if o.kind != "const"]) for op in c.graph.operators)
+    # and a row-parallel matmul whose partial sums are reduce-scattered, its result inside
+    from soapjax._flatstep import _Layouts
+    layouts = _Layouts(c.graph, strategy, mesh)
+    outputs += sum(layouts.anchor_hook(j) is not None for j in range(len(c.graph.operators)))
     for constrain_operands, expected in ((True, outputs + operands), (False, outputs)):
         loss = jax.jit(constrained_loss(c.graph, strategy, mesh,
                                         constrain_operands=constrain_operands))

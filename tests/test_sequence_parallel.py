@@ -3,16 +3,20 @@ gradients of the unsharded step, and the tensor-parallel collectives of the comp
 (over the ``model`` axis) priced by the simulator, kind by kind.
 
 What XLA emits for one layer of the tiny GPT under ``megatron(..., sequence_parallel=True)``
-(norms and residual adds split along the sequence over ``model``):
+(norms and residual adds split along the sequence over ``model``), as Megatron has it:
 
-* forward: one all-gather of the split LayerNorm output that Q, K and V share, one of the
-  second LayerNorm's output before fc1 and one of the residual that fc2's operator adds; an
-  all-reduce of the row-parallel partial sums of attn/out and of fc2 (the operators add their
-  bias and fc2 the residual on the whole reduced buffer, then the next layer's norm slices it);
-* backward: a reduce-scatter of fc1's input cotangent (one consumer, reduced straight into the
-  sequence split), three all-reduces of the Q, K and V input cotangents (summed before the
-  split, so each is reduced where it is made; XLA combines the three into one instruction),
-  and one all-gather of each split cotangent that goes back to a whole producer.
+* forward: one all-gather of the split LayerNorm output that Q, K and V share and one of the
+  second LayerNorm's output before fc1; a reduce-scatter of the row-parallel partial sums of
+  attn/out and of fc2 into the sequence split (apply constrains each matmul's result there,
+  so the bias and fc2's residual are added on the slice: `soapjax._flatstep._Layouts`);
+* backward, mirrored: an all-gather of each of those two outputs' cotangents and a
+  reduce-scatter of fc1's input cotangent; of Q, K and V's input cotangents one
+  reduce-scatter each (each reduced straight into the sequence split and the three slices
+  summed; Megatron sums first and reduce-scatters once: under jax 0.10.2's Auto mesh axes a
+  partial sum cannot flow through an add, as ``unreduced`` layouts need Explicit axes).
+
+Before (ce113d5) the row-parallel outputs were all-reduced whole, the residual gathered for
+fc2, and Q, K and V's cotangents all-reduced whole and summed before the slice.
 """
 
 from __future__ import annotations
@@ -103,14 +107,19 @@ def test_sequence_parallel_collectives_are_priced_as_compiled(applied):
     graph, strategy, text, *_ = applied
     xla = _hlo_over_model(text)
     predicted, _ = _simulated_over_model(graph, strategy)
-    # per layer 3 gathers forward, 2 backward; the head's input gather and its cotangent's
-    # reduce-scatter (float64 activations of 8 x 8 x 32 per data replica: 8192 bytes each);
-    # and the tied embedding's gradient (64 x 32), gathered from its sequence-split reader
-    assert xla["all_gather"] == (2 * 5 + 1 + 1, 11 * 8192.0 + 64 * 32 * 8), (xla, predicted)
-    assert xla["reduce_scatter"] == (2 * 1 + 1, 3 * 8192.0), (xla, predicted)
-    # the row-parallel partial sums (attn/out, fc2) forward, Q/K/V's cotangents backward
-    assert xla["all_reduce_matmul"] == (2 * 2 + 2 * 3, 10 * 8192.0), (xla, predicted)
-    for kind in ("all_gather", "reduce_scatter", "all_reduce_matmul"):
+    # per layer 2 gathers forward (ln_1 shared by Q/K/V, ln_2 before fc1), 2 backward (the
+    # cotangents of attn/out and fc2), but the last layer's fc2 cotangent comes from ln_f: 2 * 4;
+    # the head's input gather (float64 activations of 8 x 8 x 32 per data replica: 8192
+    # bytes each); and the tied embedding's gradient (64 x 32), gathered from its
+    # sequence-split reader
+    assert xla["all_gather"] == (2 * 4 + 1 + 1, 9 * 8192.0 + 64 * 32 * 8), (xla, predicted)
+    # per layer 2 forward (attn/out, fc2), 4 backward (fc1's input, Q's, K's, V's); the head's
+    # input cotangent (bytes: the whole buffer each reduces)
+    assert xla["reduce_scatter"] == (2 * 6 + 1, 13 * 8192.0), (xla, predicted)
+    # no matmul's partial sums all-reduced whole any more
+    assert "all_reduce_matmul" not in xla, xla
+    assert "all_reduce_matmul" not in predicted, predicted
+    for kind in ("all_gather", "reduce_scatter"):
         (n, b), (pn, pb) = xla[kind], predicted[kind]
         assert pn == n, (kind, xla, predicted)
         assert pb == pytest.approx(b, rel=0.10), (kind, b, pb)
@@ -122,8 +131,13 @@ def test_one_gather_feeds_q_k_and_v(applied):
     for layer in ("layers_0", "layers_1"):
         into_qkv = [n for n in names if n.startswith(f"all_gather {layer}/ln_1 -> ")]
         assert into_qkv == [f"all_gather {layer}/ln_1 -> {layer}/attn/query over model"]
-        # the cotangents of Q, K and V are all-reduced each (XLA sums them whole), not
-        # reduce-scattered each
-        back = [n.split(" ", 1)[0] for n in names if n.startswith("all_reduce d(")
-                and f"{layer}/ln_1 -> " in n]
-        assert back == ["all_reduce"] * 3
+        # the row-parallel outputs are reduce-scattered into the norms' sequence split
+        for op in ("attn/out", "mlp/fc2"):
+            assert f"reduce_scatter {layer}/{op} (partial sums) over model" in names
+        # the cotangents of Q, K and V are reduce-scattered each into the sequence split
+        back = [n.split(" ", 1)[0] for n in names if n.startswith(("all_reduce d(",
+                "reduce_scatter d(")) and f"{layer}/ln_1 -> " in n]
+        assert back == ["reduce_scatter"] * 3
+        # fc2 adds the residual on its slice: nothing gathers it
+        assert not [n for n in names if n.startswith(f"all_gather {layer}/ln_2 -> ")
+                    and "fc2" in n]
