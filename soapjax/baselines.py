@@ -16,6 +16,13 @@ Each is a `Strategy` scored by the same simulator, so comparisons are like for l
 * ``expert``: the FlexFlow paper's expert strategies: for CNNs, data parallel convolutions and
   pooling with model-parallel dense layers (Krizhevsky's "one weird trick"); for RNNs, data
   parallel across nodes and model parallel within a node.
+* ``maxtext-moe`` (`maxtext_moe`): MaxText's rules for a mixture of experts: FSDP over every
+  axis, and the experts' expert dim over the in-node axes that divide it (expert parallelism
+  over the FSDP axes); on a model without experts it is `fsdp`.
+
+`megatron_3d` (and its grid, `megatron_grid`) is Megatron-LM's configuration space: TP, PP,
+DP, microbatches and recomputation, and for mixtures of experts and long sequences expert
+parallelism (``ep``: `expert_dim`) and context parallelism (``cp``: `sequence_dims`).
 """
 
 from __future__ import annotations
@@ -40,11 +47,12 @@ from soapjax.space import (
 )
 from soapjax.topology import stage_topology
 
-__all__ = ["BASELINES", "NAMES", "Baseline", "baselines", "expert", "fsdp", "intra_node_axes",
-           "megatron", "megatron_3d", "megatron_grid", "microbatch_sizes", "tensor_axes",
+__all__ = ["BASELINES", "NAMES", "Baseline", "baselines", "expert", "expert_dim",
+           "expert_parallel_axes", "fsdp", "intra_node_axes", "maxtext_moe", "megatron",
+           "megatron_3d", "megatron_grid", "microbatch_sizes", "sequence_dims", "tensor_axes",
            "with_recompute"]
 
-_DENSE = ("dot_general", "conv_general_dilated", "scan")
+_DENSE = ("dot_general", "ragged_dot_general", "conv_general_dilated", "scan")
 
 
 def intra_node_axes(topology) -> tuple[str, ...]:
@@ -85,13 +93,20 @@ def _incoming(graph: OpGraph, configs: list[Config], op: Operator) -> dict[int, 
 
 
 def _layered(graph: OpGraph, mesh: MeshShape, outer: Sequence[str], inner: Sequence[str],
-             choose: Callable[[Operator, dict[int, list[str]]], list[int]]) -> Strategy:
+             choose: Callable[[Operator, dict[int, list[str]]], list[int]], *,
+             experts: Sequence[str] = (), context: Sequence[str] = ()) -> Strategy:
     """Sample dims over `outer`; `inner` splits the first dim `choose` ranks that it divides,
-    or, when it ranks none that way, follows how the operator's input arrives."""
+    or, when it ranks none that way, follows how the operator's input arrives. An expert dim
+    (`expert_dim`) takes the `experts` axes first (they are among `outer`: an expert
+    operator's batch takes the rest), a sequence dim (`sequence_dims`) the `context` axes."""
+    sequence = sequence_dims(graph) if context else (None,) * len(graph.operators)
     configs: list[Config] = []
-    for op in graph.operators:
+    for op, seq in zip(graph.operators, sequence):
         axes_of: list[list[str]] = [[] for _ in op.iteration_sizes]
+        if experts:
+            _assign(op, axes_of, expert_dim(op), experts, mesh)
         _assign(op, axes_of, sample_dim(op), outer, mesh)
+        _assign(op, axes_of, seq, context, mesh)
         incoming = _incoming(graph, configs, op)
         for d in choose(op, incoming):
             _assign(op, axes_of, d, inner, mesh)
@@ -116,8 +131,140 @@ def _weights(op: Operator) -> bool:
     return op.anchor in _DENSE and any(o.kind == "param" and len(o.shape) >= 2 for o in op.inputs)
 
 
+def expert_dim(op: Operator) -> int | None:
+    """The iteration dim along which `op`'s weight stacks its experts, or None.
+
+    The rule: the leading dim of a weight of rank 3 or more that is also an output dim of the
+    operator and a dim of an activation input, i.e. a batch dim of the matmul, each expert's
+    slice of the input meeting its own slice of the weight. GShard's experts are such
+    matmuls: ``einsum("EBCD,EDF->EBCF", buffers, kernel)`` over the stacked kernels
+    ``[E, d, ffn]`` (`soapjax_zoo.moe`): iteration dims ``[E, B, C, F | D]``, expert dim 0.
+    A dense layer's weight shares no dim with both its input and its output (each of its
+    dims is contracted or produced), so no other matmul has one. Nor does the dropless
+    form's grouped matmul (``jax.lax.ragged_dot``): its experts' group dim is no iteration
+    dim (`soapjax._dims`: a shard of the rows sorted by expert lacks its group offsets).
+    """
+    if op.anchor not in _DENSE or op.replicate_only:
+        return None
+    carried = {d for o in op.inputs if o.kind == "activation" for d in o.dims if d is not None}
+    for w in op.inputs:
+        if w.kind == "param" and len(w.shape) >= 3:
+            d = w.dims[0]
+            if d is not None and d < len(op.shape) and d in carried and d in op.divisible_dims:
+                return d
+    return None
+
+
+def _experts(graph: OpGraph) -> dict[str, int]:
+    """Expert operator -> its experts (the extent a split of its expert dim must divide)."""
+    return {op.name: op.split_sizes[d] for op in graph.operators
+            if (d := expert_dim(op)) is not None}
+
+
+def _tokens(operand) -> bool:
+    return operand.kind == "batch" and len(operand.shape) == 2 and "int" in operand.dtype
+
+
+def sequence_dims(graph: OpGraph) -> tuple[int | None, ...]:
+    """Per operator, the iteration dim that follows the tokens' sequence, or None.
+
+    The sequence is dim 1 of the batch's integer ``[batch, sequence]`` leaves (tokens,
+    targets); it follows the operators' dims (`Operand.dims`, `OutputTensor.dims`) through
+    the graph. An operator that meets it in several dims takes the first: attention's scores
+    ``[B, H, Tq, Tk]`` meet the queries' and the keys' sequence, and the queries' comes first
+    (output dims before reduction dims, queries before keys), so context parallelism keeps
+    the queries local and the keys and values are gathered whole by the resharding into the
+    scores. Dims the sequence merges into (the dropless MoE's sorted rows ``[B*T*k, d]``) no
+    longer follow it, nor do the operators they feed (its experts).
+
+    E.g. the tiny llama: ``embed`` ``[B, T, d]`` -> 1, ``attn/q`` ``[B, T, H, hd | d]`` -> 1,
+    the scores ``attn/dot_general`` ``[B, H, Tq, Tk | hd]`` -> 2, their product with the values
+    ``attn/dot_general_1`` ``[B, Tq, H, hd | Tk]`` -> 1.
+    """
+    carries: dict[tuple[str, int], set[int]] = {}  # (producer, output) -> its sequence dims
+    out: list[int | None] = []
+    for op in graph.operators:
+        dims: set[int] = set()
+        for o in op.inputs:
+            if _tokens(o):
+                seq = {1}
+            elif o.kind == "activation":
+                seq = carries.get((o.source, o.index), set())
+            else:
+                continue
+            dims |= {o.dims[j] for j in seq if o.dims[j] is not None}
+        for k, t in enumerate(op.outputs):
+            carries[op.name, k] = {j for j, d in enumerate(t.dims) if d in dims}
+        out.append(min(dims) if dims else None)
+    return tuple(out)
+
+
+def _sequence_length(graph: OpGraph) -> int | None:
+    lengths = {o.shape[1] for op in graph.operators for o in op.inputs if _tokens(o)}
+    return min(lengths) if lengths else None
+
+
+def _degrees(axes: Sequence[str], mesh: MeshShape) -> dict[int, tuple[str, ...]]:
+    """Each degree some of `axes` make, by those axes in `axes`' order (the fewest axes, and
+    among those the innermost, where several make one degree)."""
+    out: dict[int, tuple[str, ...]] = {}
+    for k in range(len(axes) + 1):
+        for some in itertools.combinations(reversed(axes), k):
+            out.setdefault(mesh.degree(some), tuple(a for a in axes if a in some))
+    return out
+
+
+def expert_parallel_axes(graph: OpGraph, mesh: MeshShape, axes: Sequence[str]
+                         ) -> tuple[str, ...]:
+    """Those of `axes` whose degree is the largest that divides every expert operator's
+    experts (`expert_dim`), innermost first among equals; () for a graph without experts.
+
+    E.g. over axes ``('data', 'model')`` of sizes 2 and 4: ``('data', 'model')`` for 8
+    experts, ``('model',)`` for 4, ``('data',)`` for 2.
+    """
+    experts = set(_experts(graph).values())
+    if not experts:
+        return ()
+    choices = _degrees(axes, mesh)
+    return choices[max(d for d in choices if all(e % d == 0 for e in experts))]
+
+
+def _check_experts(graph: OpGraph, mesh: MeshShape, axes: Sequence[str], what: str) -> None:
+    """Raises a `PlanError` naming `what` (``"ep=2"``) unless every expert dim divides over
+    `axes` and the graph has one."""
+    if not axes:
+        return
+    experts = _experts(graph)
+    degree = mesh.degree(axes)
+    if not experts:
+        ragged = any(op.anchor == "ragged_dot_general" for op in graph.operators)
+        why = (": its grouped matmuls (jax.lax.ragged_dot) never split their experts"
+               if ragged else "")
+        raise PlanError(f"{what}: graph {graph.name!r} has no expert dim to split (a matmul "
+                        f"over stacked expert weights [experts, in, out]){why}; expected ep=1")
+    for name, e in experts.items():
+        if e % degree:
+            raise PlanError(f"{what}: {degree} expert shards of the {e} experts of {name!r}; "
+                            f"expected a divisor of {e}")
+
+
+def _check_context(graph: OpGraph, mesh: MeshShape, axes: Sequence[str], what: str) -> None:
+    """Raises a `PlanError` naming `what` (``"cp=2"``) unless the sequence divides over
+    `axes`."""
+    if not axes:
+        return
+    length, degree = _sequence_length(graph), mesh.degree(axes)
+    if length is None:
+        raise PlanError(f"{what}: graph {graph.name!r} has no token sequence (an integer "
+                        f"[batch, sequence] batch leaf) to split; expected cp=1")
+    if length % degree:
+        raise PlanError(f"{what}: {degree} context shards of a sequence of {length} tokens; "
+                        f"expected a divisor of {length}")
+
+
 def megatron(graph: OpGraph, mesh: MeshShape, intra: Sequence[str], *,
-             sequence_parallel: bool = False) -> Strategy:
+             sequence_parallel: bool = False, expert_axes: Sequence[str] = (),
+             context_axes: Sequence[str] = ()) -> Strategy:
     """Tensor parallel over the `intra` (in-node) axes, data parallel over the others.
 
     With `sequence_parallel`, the operators between a row-parallel layer and the next
@@ -125,8 +272,29 @@ def megatron(graph: OpGraph, mesh: MeshShape, intra: Sequence[str], *,
     `intra`) split their first attribute dim (the sequence) over `intra` instead of repeating
     the same work on every device; the resharding into them is a reduce-scatter, out of them an
     all-gather, where plain Megatron all-reduces.
+
+    Experts' matmuls (`expert_dim`) are tensor parallel as an MLP's, over their ffn dim
+    (Megatron-Core's expert tensor parallelism), never over their expert dim; with
+    `expert_axes` (data-parallel axes: Megatron carves expert parallelism out of data
+    parallelism) their expert dim is split over those, their batch over the other
+    data-parallel axes, and the tokens reach their experts by an all-to-all. With
+    `context_axes` (not among `intra`) every operator's sequence dim (`sequence_dims`) is
+    split over them (context parallelism: attention's queries stay local, its keys and
+    values are gathered whole), the batch over the remaining axes.
+
+    Raises:
+      PlanError: expert axes among `intra` or `context_axes`, or that do not divide every
+        expert operator's experts, or a graph without experts; context axes among `intra`, or
+        a sequence they do not divide.
     """
-    outer = [a for a in mesh.axis_names if a not in intra]
+    outer = [a for a in mesh.axis_names if a not in intra and a not in context_axes]
+    if set(expert_axes) - set(outer) or set(context_axes) & set(intra):
+        raise PlanError(f"expert_axes={tuple(expert_axes)}, context_axes={tuple(context_axes)} "
+                        f"with tensor-parallel axes {tuple(intra)}: expected expert axes among "
+                        f"the data-parallel axes {tuple(outer)}, context axes outside the "
+                        "tensor-parallel ones")
+    _check_experts(graph, mesh, expert_axes, f"expert_axes={tuple(expert_axes)}")
+    _check_context(graph, mesh, context_axes, f"context_axes={tuple(context_axes)}")
 
     def choose(op: Operator, incoming: dict[int, list[str]]) -> list[int]:
         if not _weights(op):
@@ -135,14 +303,52 @@ def megatron(graph: OpGraph, mesh: MeshShape, intra: Sequence[str], *,
             return []
         n = len(op.shape)
         split_in = [d for d, axes in incoming.items() if d >= n and set(axes) & set(intra)]
-        return split_in or _p_dims(op)  # row parallel if the input arrives split, else column
+        # row parallel if the input arrives split, else column (never over the experts)
+        return split_in or [d for d in _p_dims(op) if d != expert_dim(op)]
 
-    return _layered(graph, mesh, outer, intra, choose)
+    return _layered(graph, mesh, outer, intra, choose, experts=expert_axes,
+                    context=context_axes)
 
 
 def fsdp(graph: OpGraph, mesh: MeshShape) -> Strategy:
     """Data parallel compute, parameters and optimizer state sharded over every axis."""
     return Strategy(data_parallel(graph, mesh).configs, zero_axes=tuple(mesh.axis_names))
+
+
+def maxtext_moe(graph: OpGraph, mesh: MeshShape, expert_axes: Sequence[str] | None = None
+                ) -> Strategy:
+    """MaxText's sharding rules for a mixture of experts: FSDP (`fsdp`: every operator data
+    parallel over every axis, parameters and optimizer state sharded over them all), and in
+    the experts' matmuls (`expert_dim`) the expert dim over `expert_axes`, the batch over the
+    other axes: expert parallelism over FSDP axes, as MaxText maps its ``exp`` logical axis to
+    a mesh axis that also shards the batch. The expert weights are then stored split by
+    expert over `expert_axes`, and ZeRO-split over the rest. On a graph without experts it is
+    `fsdp`.
+
+    Example (tiny MoE, 4 experts, cpu8: data=2 x model=4, ``expert_axes=("model",)``):
+    ``moe/experts/gate`` ``[E, B, C, F | D]`` gets ``(("model",), ("data",), (), (), ())``,
+    every other operator its batch over ``("data", "model")``.
+
+    Args:
+      graph: the operator graph.
+      mesh: the mesh.
+      expert_axes: the axes of expert parallelism; None: `expert_parallel_axes` over all of
+        them.
+
+    Raises:
+      PlanError: `expert_axes` that do not divide every expert operator's experts.
+    """
+    names = tuple(mesh.axis_names)
+    if expert_axes is None:
+        expert_axes = expert_parallel_axes(graph, mesh, names)
+    if set(expert_axes) - set(names):
+        raise PlanError(f"expert_axes={tuple(expert_axes)}: expected axes of the mesh {names}")
+    if expert_axes and _experts(graph):
+        _check_experts(graph, mesh, expert_axes, f"expert_axes={tuple(expert_axes)}")
+    else:
+        expert_axes = ()
+    strategy = _layered(graph, mesh, names, (), lambda op, incoming: [], experts=expert_axes)
+    return dataclasses.replace(strategy, zero_axes=names)
 
 
 def with_recompute(graph: OpGraph, strategy: Strategy, recompute: RecomputePolicy) -> Strategy:
@@ -166,11 +372,7 @@ def tensor_axes(topology, tp: int) -> tuple[str, ...]:
       PlanError: no such axes; the message lists the degrees the node allows.
     """
     intra = intra_node_axes(topology)
-    mesh = MeshShape.of(topology)
-    choices: dict[int, tuple[str, ...]] = {}
-    for k in range(len(intra) + 1):
-        for axes in itertools.combinations(reversed(intra), k):
-            choices.setdefault(mesh.degree(axes), tuple(a for a in intra if a in axes))
+    choices = _degrees(intra, MeshShape.of(topology))
     if tp not in choices:
         raise PlanError(
             f"tp={tp!r} on topology {topology.name!r}: tensor parallelism stays inside a node, "
@@ -180,8 +382,9 @@ def tensor_axes(topology, tp: int) -> tuple[str, ...]:
 
 
 def megatron_3d(graph: OpGraph, topology, *, tp: int, pp: int = 1, dp: int | None = None,
-                microbatch_size: int | None = None, interleave: int = 1,
-                recompute: RecomputePolicy = "full", sequence_parallel: bool = False) -> Strategy:
+                ep: int = 1, cp: int = 1, microbatch_size: int | None = None,
+                interleave: int = 1, recompute: RecomputePolicy = "full",
+                sequence_parallel: bool = False) -> Strategy:
     """Megatron-LM's configuration space (Narayanan et al., SC 2021) as a strategy.
 
     Tensor parallel over in-node axes of degree `tp` (column- and row-parallel layers
@@ -189,25 +392,40 @@ def megatron_3d(graph: OpGraph, topology, *, tp: int, pp: int = 1, dp: int | Non
     microbatches of `microbatch_size` samples (``M = batch / dp / microbatch_size``), every
     transformer layer recomputed under `recompute`.
 
+    Megatron-Core orders its ranks tp, cp, ep, dp, pp (innermost first), and so do the axes
+    here: context parallelism takes the innermost axes outside TP of degree `cp`, expert
+    parallelism the innermost of the data-parallel axes left of degree `ep` (expert
+    parallelism is carved out of data parallelism: the attention's batch stays split over
+    them), data parallelism the rest. E.g. on two DGX A100s (node=2 x data=2 x model=4),
+    ``tp=4, cp=2, ep=2``: TP over model, CP over data, EP over node, dp=2 over node.
+
     Args:
       graph: the operator graph.
       topology: the cluster.
       tp: tensor-parallel degree: a product of in-node axis sizes (`tensor_axes`).
       pp: pipeline stages (`soapjax.pipeline`): the outermost mesh axis cut pp ways
         (`soapjax.topology.stage_topology`); the configs are then over one stage's devices.
-      interleave: virtual stages per device (Megatron's interleaved 1F1B schedule when > 1;
-        plain 1F1B otherwise).
-      dp: data-parallel degree; defaults to (and must equal) devices / (tp * pp).
+      dp: data-parallel degree; defaults to (and must equal) devices / (tp * pp * cp).
+      ep: expert-parallel degree: every expert matmul's expert dim (`expert_dim`: the
+        capacity-dispatch MoE's stacked expert weights ``[E, d, ffn]``) split over
+        data-parallel axes of that degree, which must divide every expert count; the tokens
+        move to their experts and back by all-to-all.
+      cp: context-parallel degree: every operator's sequence dim (`sequence_dims`) split over
+        axes of that degree, which must divide the sequence (queries local, keys and values
+        gathered whole by the resharding into attention's scores).
       microbatch_size: samples per microbatch per replica; default the whole per-replica
         batch (M = 1).
+      interleave: virtual stages per device (Megatron's interleaved 1F1B schedule when > 1;
+        plain 1F1B otherwise).
       recompute: ``"none"``, ``"selective"`` or ``"full"``.
       sequence_parallel: split norms and dropout along the sequence (`megatron`).
 
     Raises:
       PlanError: a pp that does not divide the outermost mesh axis, an interleave without
         stages (or one the microbatches do not allow: M must be a multiple of pp), a tp the
-        node cannot hold, a dp that does not fill the mesh, a microbatch size that does not
-        divide the per-replica batch.
+        node cannot hold, a cp or an ep no axes make (or an ep the experts, a cp the sequence
+        do not divide, or a graph without either), a dp that does not fill the mesh, a
+        microbatch size that does not divide the per-replica batch.
     """
     if not isinstance(interleave, int) or interleave < 1 or (interleave > 1 and pp < 2):
         raise PlanError(f"interleave={interleave!r}: expected 1, or 2 or more virtual stages "
@@ -216,12 +434,22 @@ def megatron_3d(graph: OpGraph, topology, *, tp: int, pp: int = 1, dp: int | Non
         stage = stage_topology(topology, pp)
     except TopologyError as e:
         raise PlanError(f"pp={pp}: {e}") from None
+    mesh = MeshShape.of(stage)
     axes = tensor_axes(stage, tp)
+    context = _axes_of_degree(mesh, [a for a in mesh.axis_names if a not in axes], cp,
+                              f"cp={cp!r}", "context parallelism takes the mesh axes tensor "
+                              "parallelism leaves")
+    outer = [a for a in mesh.axis_names if a not in axes and a not in context]
+    experts = _axes_of_degree(mesh, outer, ep, f"ep={ep!r}", "expert parallelism is carved "
+                              "out of the data-parallel axes")
+    _check_context(graph, mesh, context, f"cp={cp}")
     n = topology.num_devices
-    if dp is not None and dp * tp * pp != n:
-        raise PlanError(f"dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} devices; topology "
-                        f"{topology.name!r} has {n}: expected dp={n // (tp * pp)}")
-    dp = n // (tp * pp)
+    if dp is not None and dp * tp * pp * cp != n:
+        by = f"dp={dp} x tp={tp} x pp={pp}" + (f" x cp={cp}" if cp > 1 else "")
+        raise PlanError(f"{by} = {dp * tp * pp * cp} devices; topology {topology.name!r} has "
+                        f"{n}: expected dp={n // (tp * pp * cp)}")
+    _check_experts(graph, mesh, experts, f"ep={ep}")
+    dp = n // (tp * pp * cp)
     batch = graph.batch_size
     if batch % dp:
         raise PlanError(f"batch {batch} over dp={dp} replicas: expected a batch divisible by dp")
@@ -230,14 +458,28 @@ def megatron_3d(graph: OpGraph, topology, *, tp: int, pp: int = 1, dp: int | Non
     if not isinstance(size, int) or size < 1 or per_replica % size:
         raise PlanError(f"microbatch_size={microbatch_size!r}: expected a divisor of the "
                         f"per-replica batch {per_replica} (batch {batch} / dp={dp})")
-    mesh = MeshShape.of(stage)
-    strategy = megatron(graph, mesh, axes, sequence_parallel=sequence_parallel)
+    strategy = megatron(graph, mesh, axes, sequence_parallel=sequence_parallel,
+                        expert_axes=experts, context_axes=context)
     strategy = dataclasses.replace(strategy, microbatches=per_replica // size)
     check_microbatches(graph, strategy.configs, mesh, strategy.microbatches)
     if pp > 1:
         strategy = strategy.with_pipeline(pp, interleave,
                                           "interleaved" if interleave > 1 else "1f1b")
     return with_recompute(graph, strategy, recompute)
+
+
+def _axes_of_degree(mesh: MeshShape, axes: Sequence[str], degree: int, what: str,
+                    where: str) -> tuple[str, ...]:
+    """Those of `axes` (the innermost first among choices) whose sizes multiply to `degree`.
+
+    Raises:
+      PlanError: none do; the message says `what` was asked and `where` the axes come from.
+    """
+    choices = _degrees(axes, mesh)
+    if degree not in choices:
+        sizes = ", ".join(f"{a}={mesh.axis_size(a)}" for a in axes) or "none"
+        raise PlanError(f"{what}: {where}, here {sizes}; expected one of {sorted(choices)}")
+    return choices[degree]
 
 
 def microbatch_sizes(per_replica: int) -> tuple[int, ...]:
@@ -252,36 +494,38 @@ def microbatch_sizes(per_replica: int) -> tuple[int, ...]:
 
 
 def megatron_grid(graph: OpGraph, topology, *, pp: Sequence[int] = (1,),
-                  interleave: Sequence[int] = (1,),
-                  tp: Sequence[int] = (1, 2, 4, 8)) -> dict[str, Strategy]:
+                  interleave: Sequence[int] = (1,), tp: Sequence[int] = (1, 2, 4, 8),
+                  ep: Sequence[int] = (1,), cp: Sequence[int] = (1,)) -> dict[str, Strategy]:
     """Megatron's configuration grid (`megatron_3d`), by name: TP in {1, 2, 4, 8} (as the
     node allows, or those of `tp`; sequence parallel when TP > 1), DP over the rest,
     microbatches of every power of two samples dividing the per-replica batch, and all of it
     (`microbatch_sizes`), and recomputation none, selective or full, e.g.
     ``"megatron-tp8-mb1-full"``; with pipeline stages (each of `pp` and, for pp > 1, each of
-    `interleave` virtual stages), e.g. ``"megatron-tp8-pp4-v2-mb1-full"``. Combinations the
-    mesh, batch or schedule cannot take (`soapjax.pipeline.pipeline_error`: the interleaved
-    schedule's M must be a multiple of pp) are left out.
+    `interleave` virtual stages), e.g. ``"megatron-tp8-pp4-v2-mb1-full"``; with each of the
+    context- and expert-parallel degrees of `cp` and `ep` above 1, e.g.
+    ``"megatron-tp4-cp2-ep2-mb1-full"``. Combinations the mesh, batch, experts, sequence or
+    schedule cannot take (`soapjax.pipeline.pipeline_error`: the interleaved schedule's M
+    must be a multiple of pp) are left out.
 
     The search scores all of them and starts a chain from the fastest that fits, so a searched
     plan is never slower than the grid's best under the same simulator.
     """
     out = {}
-    for stages, tp in itertools.product(pp, tp):
-        n = topology.num_devices
-        if n % (tp * stages) or graph.batch_size % (n // (tp * stages)):
+    n = topology.num_devices
+    for stages, tp, c, e in itertools.product(pp, tp, cp, ep):
+        if n % (tp * stages * c) or graph.batch_size % (n // (tp * stages * c)):
             continue
-        per = graph.batch_size // (n // (tp * stages))
+        per = graph.batch_size // (n // (tp * stages * c))
+        name = f"megatron-tp{tp}" + (f"-cp{c}" if c > 1 else "") + (f"-ep{e}" if e > 1 else "")
         for v in (interleave if stages > 1 else (1,)):
-            for mb in microbatch_sizes(per):
-                for rec in RECOMPUTE_POLICIES:
-                    pipe = f"-pp{stages}" + (f"-v{v}" if v > 1 else "") if stages > 1 else ""
-                    try:
-                        out[f"megatron-tp{tp}{pipe}-mb{mb}-{rec}"] = megatron_3d(
-                            graph, topology, tp=tp, pp=stages, microbatch_size=mb,
-                            interleave=v, recompute=rec, sequence_parallel=tp > 1)
-                    except PlanError:
-                        continue
+            pipe = f"-pp{stages}" + (f"-v{v}" if v > 1 else "") if stages > 1 else ""
+            for mb, rec in itertools.product(microbatch_sizes(per), RECOMPUTE_POLICIES):
+                try:
+                    out[f"{name}{pipe}-mb{mb}-{rec}"] = megatron_3d(
+                        graph, topology, tp=tp, pp=stages, ep=e, cp=c, microbatch_size=mb,
+                        interleave=v, recompute=rec, sequence_parallel=tp > 1)
+                except PlanError:
+                    continue
     return out
 
 
@@ -338,6 +582,9 @@ BASELINES: dict[str, Baseline] = {
                            lambda family: family != "rnn"),
     "expert-rnn": Baseline(lambda g, mesh, intra: expert(g, mesh, intra, "rnn"),
                            lambda family: family != "cnn"),
+    # MaxText's mixture of experts: FSDP, the experts over the in-node axes that divide them
+    "maxtext-moe": Baseline(lambda g, mesh, intra: maxtext_moe(
+        g, mesh, expert_parallel_axes(g, mesh, intra)), lambda family: family == "transformer"),
 }
 NAMES: tuple[str, ...] = tuple(BASELINES)
 

@@ -1,23 +1,32 @@
 """The hand-made strategies every plan is compared with, pinned on a DGX (data=2, model=4)."""
 
+import dataclasses
 import functools
 import re
 
+import jax
 import pytest
+from test_corpus import FAST_COMPILE, X64_TOL, jiggle, relative_error, worst_leaf
 
 import soapjax_zoo
+from soapjax.apply import batch_shardings, constrained_loss, device_put_global, param_shardings
 from soapjax.baselines import (
     BASELINES,
     NAMES,
     baselines,
+    expert_dim,
+    expert_parallel_axes,
     intra_node_axes,
+    maxtext_moe,
     megatron_3d,
     megatron_grid,
+    sequence_dims,
 )
 from soapjax.errors import PlanError
 from soapjax.graph import trace
 from soapjax.space import MeshShape, data_parallel
-from soapjax.topology import load_topology
+from soapjax.topology import load_topology, make_mesh
+from soapjax_zoo import llama, moe
 
 DGX = load_topology("dgx-h100x8")  # one node: both axes are in-node
 D, M, DM = ("data",), ("model",), ("data", "model")
@@ -178,3 +187,185 @@ def test_the_large_model_baselines_recompute():
     assert out["fsdp-recompute"].configs == out["fsdp"].configs
     assert set(out["fsdp-recompute"].recompute) == {"none", "full"}
     assert set(out["megatron-sp"].recompute) == {"none", "selective"}
+
+
+# --- mixtures of experts and long sequences: expert and context parallelism ---------------------
+#
+# The tiny MoE (soapjax_zoo.moe: 4 experts, 16 tokens, capacity dispatch; "tiny-dropless": the
+# same model with sorted tokens and grouped matmuls) and the tiny llama (8 tokens) on cpu8
+# (data=2 x model=4, one node): the baselines' strategies, and their float64 gradients against
+# the unsharded step's (tests/test_moe.py's measure, 1e-12 relative).
+
+CPU8 = load_topology("cpu8")
+CPU8_MESH = MeshShape.of(CPU8)
+
+
+@functools.cache
+def float64_case(name: str, config: str = "tiny"):
+    """`name`'s `config` in float64: graph, params (init + N(0, 0.05)), batch, and the
+    unsharded ``jax.grad`` of the loss."""
+    if name == "moe":
+        cfg = dataclasses.replace(moe.MOE_CONFIGS[config], param_dtype="float64")
+        w = moe.build_moe("moe", f"{config}-x64", cfg, "linen")
+    else:
+        cfg = dataclasses.replace(llama.LLAMA_CONFIGS[config], param_dtype="float64")
+        w = llama.build_llama("llama", f"{config}-x64", cfg, "linen")
+    with jax.enable_x64(True):
+        params = jiggle(jax.jit(w.init_params, compiler_options=FAST_COMPILE)(jax.random.key(0)),
+                        0.05)
+        batch = jax.jit(w.make_batch, compiler_options=FAST_COMPILE)(jax.random.key(1))
+        grads = jax.jit(jax.grad(w.loss_fn), compiler_options=FAST_COMPILE)(params, batch)
+        graph = trace(w.loss_fn, params, batch, name=name)
+    return graph, params, batch, grads
+
+
+def gradient_error(strategy, name: str, config: str = "tiny") -> float:
+    """The relative error of `strategy`'s float64 gradients on cpu8, against the unsharded."""
+    graph, params, batch, want = float64_case(name, config)
+    mesh = make_mesh(CPU8)
+    with jax.enable_x64(True):
+        ps = param_shardings(graph, strategy, mesh, params=params)
+        bs = batch_shardings(graph, strategy, mesh, batch=batch)
+        grad = jax.jit(jax.grad(constrained_loss(graph, strategy, mesh)), in_shardings=(ps, bs),
+                       out_shardings=ps, compiler_options=FAST_COMPILE)
+        got = grad(*device_put_global((params, batch), (ps, bs)))
+    err = relative_error(got, want)
+    assert err <= X64_TOL, f"{name} {config}: {err:.3g}; worst leaf {worst_leaf(got, want)}"
+    return err
+
+
+def by_name(graph, strategy) -> dict[str, tuple[tuple[str, ...], ...]]:
+    return {op.name: c.axes for op, c in zip(graph.operators, strategy.configs)}
+
+
+def test_the_expert_dim_is_the_stacked_expert_weights_batch_dim():
+    # [E, B, C, F | D]: the kernel [E, d, ffn] and the buffers [E, B, C, d] share E with the
+    # output; no other matmul (attention, router, shared expert, head) has one, nor do the
+    # dropless form's grouped matmuls (their expert dim is no iteration dim)
+    g = float64_case("moe")[0]
+    got = {op.name: expert_dim(op) for op in g.operators if expert_dim(op) is not None}
+    assert got == {f"layers_{i}/moe/experts/{w}": 0 for i in (0, 1)
+                   for w in ("gate", "up", "down")}
+    dropless = float64_case("moe", "tiny-dropless")[0]
+    assert not any(expert_dim(op) is not None for op in dropless.operators)
+    assert expert_parallel_axes(g, CPU8_MESH, DM) == M  # 4 experts: model's 4, not data's 2
+    assert expert_parallel_axes(dropless, CPU8_MESH, DM) == ()
+
+
+def test_the_sequence_follows_the_tokens_and_attention_keeps_its_queries():
+    g = float64_case("llama")[0]
+    seq = dict(zip([op.name for op in g.operators], sequence_dims(g)))
+    assert seq["embed"] == seq["layers_0/attn/q"] == seq["layers_1/mlp/down"] == 1  # [B, T, ...]
+    assert seq["layers_0/attn/dot_general"] == 2  # the scores [B, H, Tq, Tk | hd]: the queries
+    assert seq["layers_0/attn/dot_general_1"] == 1  # [B, Tq, H, hd | Tk]
+    moe_graph = float64_case("moe")[0]
+    moe_seq = dict(zip([op.name for op in moe_graph.operators], sequence_dims(moe_graph)))
+    assert moe_seq["layers_0/moe/experts/gate"] is None  # the buffers [E, B, C, d]: no tokens
+    assert moe_seq["layers_0/moe/dot_general_3"] == 4  # dispatch [E, B, C, d | T]
+
+
+def test_megatron_3d_splits_experts_over_data_parallel_axes():
+    # tp=4: model; ep=2 carved out of the data-parallel axis (data): the experts' expert dim
+    # over data and their ffn tensor parallel over model (gate and up column, down row);
+    # the attention data parallel over data, tensor parallel over model
+    g = float64_case("moe")[0]
+    s = megatron_3d(g, CPU8, tp=4, ep=2, recompute="none")
+    got = by_name(g, s)
+    assert got["layers_0/moe/experts/gate"] == (D, (), (), M, ())  # [E, B, C, F | D]
+    assert got["layers_0/moe/experts/down"] == (D, (), (), (), M)  # [E, B, C, D | F]
+    assert got["layers_0/attn/q"] == (D, (), M, (), ())  # [B, T, H, hd | d]
+    assert got["layers_0/moe/dot_general_3"][1] == D  # dispatch: data parallel over data
+    assert gradient_error(s, "moe") <= X64_TOL
+
+
+def test_megatron_3d_orders_its_axes_tp_cp_ep_dp():
+    # two DGX A100s (node=2 x data=2 x model=4), tp=4, cp=2, ep=2: TP over model, CP over the
+    # innermost axis left (data), EP over the data-parallel axis left (node), dp=2 over node
+    g = float64_case("moe")[0]
+    got = by_name(g, megatron_3d(g, A100, tp=4, cp=2, ep=2, recompute="none"))
+    assert got["layers_0/attn/q"] == (N, D, M, (), ())  # [B, T, H, hd | d]
+    assert got["layers_0/moe/experts/gate"] == (N, (), (), M, ())  # [E, B, C, F | D]
+    assert got["layers_0/moe/router"] == (N, D, M, ())  # [B, T, E | d]: column parallel
+
+
+def test_maxtext_moe_is_fsdp_with_the_experts_over_an_fsdp_axis():
+    g = float64_case("moe")[0]
+    s = baselines(g, CPU8, "transformer")["maxtext-moe"]
+    assert s == maxtext_moe(g, CPU8_MESH, M) and s.zero_axes == DM
+    got = by_name(g, s)
+    assert got["layers_1/moe/experts/up"] == (M, D, (), (), ())  # experts over model, batch data
+    fsdp = baselines(g, CPU8, "transformer")["fsdp"]
+    for op, c, f in zip(g.operators, s.configs, fsdp.configs):
+        assert c == f or expert_dim(op) is not None, op.name
+    assert gradient_error(s, "moe") <= X64_TOL
+    dense, _ = graph("mlp")  # without experts it is FSDP
+    assert maxtext_moe(dense, MeshShape.of(DGX)) == baselines(dense, DGX)["fsdp"]
+    dropless = float64_case("moe", "tiny-dropless")[0]
+    assert maxtext_moe(dropless, CPU8_MESH) == baselines(dropless, CPU8)["fsdp"]
+
+
+@pytest.mark.parametrize("name, config, kwargs", [
+    # context parallel over data, expert parallel over model
+    ("moe", "tiny", dict(tp=1, cp=2, ep=4)),
+    # the grouped matmuls tensor parallel (ragged_dot_general is dense), context parallel
+    ("moe", "tiny-dropless", dict(tp=4, cp=2)),
+    # tensor and sequence parallel over data, context parallel over model
+    ("llama", "tiny", dict(tp=2, cp=4, sequence_parallel=True)),
+], ids=["moe-cp2-ep4", "dropless-tp4-cp2", "llama-tp2-cp4-sp"])
+def test_megatron_3d_context_parallel_is_exact(name, config, kwargs):
+    g = float64_case(name, config)[0]
+    s = megatron_3d(g, CPU8, recompute="none", **kwargs)
+    seq = sequence_dims(g)
+    cp_axes = {2: D, 4: M}[kwargs["cp"]]
+    split = [op.name for op, d, c in zip(g.operators, seq, s.configs)
+             if d is not None and c.axes[d][:len(cp_axes)] == cp_axes]
+    assert len(split) == sum(d is not None for d in seq)  # every sequence dim over cp's axes
+    assert gradient_error(s, name, config) <= X64_TOL
+
+
+@pytest.mark.parametrize("name, config, kwargs, message", [
+    ("moe", "tiny", dict(tp=1, ep=8), "ep=8: 8 expert shards of the 4 experts of "
+     "'layers_0/moe/experts/gate'; expected a divisor of 4"),
+    ("moe", "tiny", dict(tp=1, ep=3), "ep=3: expert parallelism is carved out of the "
+     "data-parallel axes, here data=2, model=4; expected one of [1, 2, 4, 8]"),
+    ("moe", "tiny", dict(tp=4, ep=4), "ep=4: expert parallelism is carved out of the "
+     "data-parallel axes, here data=2; expected one of [1, 2]"),
+    ("moe", "tiny-dropless", dict(tp=1, ep=2), "ep=2: graph 'moe' has no expert dim to split "
+     "(a matmul over stacked expert weights [experts, in, out]): its grouped matmuls "
+     "(jax.lax.ragged_dot) never split their experts; expected ep=1"),
+    ("llama", "tiny", dict(tp=1, ep=2), "ep=2: graph 'llama' has no expert dim to split (a "
+     "matmul over stacked expert weights [experts, in, out]); expected ep=1"),
+    ("llama", "tiny", dict(tp=1, cp=3), "cp=3: context parallelism takes the mesh axes tensor "
+     "parallelism leaves, here data=2, model=4; expected one of [1, 2, 4, 8]"),
+    ("llama", "tiny", dict(tp=1, cp=8, dp=2), "dp=2 x tp=1 x pp=1 x cp=8 = 16 devices; "
+     "topology 'cpu8' has 8: expected dp=1"),
+], ids=["ep-experts", "ep-axes", "ep-after-tp", "ep-dropless", "ep-dense", "cp-axes", "cp-dp"])
+def test_megatron_3d_refuses_experts_and_contexts_it_cannot_split(name, config, kwargs,
+                                                                  message):
+    g = float64_case(name, config)[0]
+    with pytest.raises(PlanError, match=re.escape(message)):
+        megatron_3d(g, CPU8, **kwargs)
+
+
+def test_megatron_3d_refuses_a_context_the_sequence_does_not_divide():
+    cfg = dataclasses.replace(llama.LLAMA_CONFIGS["tiny"], seq_len=12)
+    w = llama.build_llama("llama", "tiny-12", cfg, "linen")
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="llama")
+    with pytest.raises(PlanError, match=re.escape(
+            "cp=8: 8 context shards of a sequence of 12 tokens; expected a divisor of 12")):
+        megatron_3d(g, CPU8, tp=1, cp=8)
+    mlp, _ = graph("mlp")
+    with pytest.raises(PlanError, match=re.escape(
+            "cp=2: graph 'mlp' has no token sequence (an integer [batch, sequence] batch leaf) "
+            "to split; expected cp=1")):
+        megatron_3d(mlp, CPU8, tp=1, cp=2)
+
+
+def test_megatron_grid_names_its_expert_and_context_points():
+    g = float64_case("moe")[0]
+    grid = megatron_grid(g, CPU8, tp=(1, 4), ep=(1, 2, 4), cp=(1, 2))
+    assert grid["megatron-tp4-ep2-mb4-none"] == megatron_3d(g, CPU8, tp=4, ep=2,
+                                                            recompute="none",
+                                                            sequence_parallel=True)
+    assert "megatron-tp1-cp2-ep4-mb2-full" in grid and "megatron-tp4-cp2-mb8-full" in grid
+    assert not any("tp4-cp2-ep" in n or "tp4-ep4" in n for n in grid)  # no axes left for them

@@ -218,7 +218,8 @@ def test_simulate_takes_every_baseline_by_name(capsys):
     assert len(set(times.values())) > 1  # not data parallelism under other names
     code, _, err = run(base + ["--strategy", "zero3"], capsys)
     assert code == 2
-    names = "data-parallel, megatron, fsdp, megatron-sp, fsdp-recompute, expert-cnn, expert-rnn"
+    names = ("data-parallel, megatron, fsdp, megatron-sp, fsdp-recompute, expert-cnn, expert-rnn, "
+             "maxtext-moe")
     assert f"expected a baseline ({names})" in err
     assert cli.main(["simulate", "--help"]) == 0
     assert names.replace(" ", "") in "".join(capsys.readouterr().out.split())  # wrapped
