@@ -6,7 +6,11 @@ Narayanan et al. 2021, Korthikanti et al. 2022): learned position embeddings (``
 products in float16, softmax in float32) and a GELU MLP 4x wider (``mlp/fc1``, ``mlp/fc2``), a
 final LayerNorm and the output projection tied to the token embedding (``wte.attend``). Mixed
 precision as Megatron trains it: float32 master parameters, float16 (or bfloat16) arithmetic,
-logits cast back to float32 for the loss.
+logits cast back to float32 for the loss. Dropout as Megatron-LM's defaults (``dropout=0.1``)
+on the embeddings' sum, the attention probabilities and both residual branches; its masks are
+hashes of a per-sequence ``dropout_seed`` batch leaf and the position
+(`soapjax_zoo.workload.dropout`), the same under every sharding, microbatching and pipeline.
+"tiny" has none (the tests' pinned numbers); "tiny-dropout" is tiny at 0.1.
 
 The layers are one `nn.scan` over a block (parameters stacked on a leading layer dim):
 soapjax unrolls it into ``layers_0`` .. ``layers_{L-1}`` and ties the layers' configs as
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -36,6 +41,8 @@ from soapjax_zoo.workload import (
     Workload,
     causal_attention,
     decoder_workload,
+    dropout,
+    mix32,
 )
 
 
@@ -50,6 +57,10 @@ class GPTConfig:
       dtype: what the layers compute in (``"float16"`` as Megatron-LM, or ``"bfloat16"``); None
         computes in the parameters' dtype (the tiny config: float64 tests compute in float64).
       param_dtype: what parameters are stored in (float32 master weights).
+      dropout: Megatron-LM's ``--attention-dropout`` and ``--hidden-dropout`` (both 0.1 by
+        default there and here): the probability of zeroing an attention probability, and an
+        element of the attention's and the MLP's outputs before each residual add. Nonzero,
+        the batch carries a ``dropout_seed`` per sequence (`soapjax_zoo.workload.dropout`).
     """
 
     batch_size: int = 8
@@ -63,8 +74,11 @@ class GPTConfig:
     learning_rate: float = 2e-4
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
+    dropout: float = 0.1
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.dropout < 1.0:
+            raise ModelConfigError(f"dropout {self.dropout} must be in [0, 1)")
         if self.d_model % self.num_heads:
             raise ModelConfigError(
                 f"d_model {self.d_model} must be divisible by num_heads {self.num_heads}"
@@ -85,13 +99,15 @@ class Attention(nn.Module):
     config: GPTConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, seeds: jax.Array | None = None) -> jax.Array:
         cfg = self.config
         dense = functools.partial(nn.DenseGeneral, kernel_init=_init, dtype=cfg.dtype,
                                   param_dtype=cfg.param_dtype)
         heads = (cfg.num_heads, cfg.head_dim)
         q, k, v = (dense(heads, name=n)(x) for n in ("query", "key", "value"))
-        return dense(cfg.d_model, axis=(-2, -1), name="out")(causal_attention(q, k, v))
+        drop = None if seeds is None else functools.partial(dropout, seeds=seeds,
+                                                            rate=cfg.dropout)
+        return dense(cfg.d_model, axis=(-2, -1), name="out")(causal_attention(q, k, v, drop))
 
 
 class MLP(nn.Module):
@@ -108,17 +124,43 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-LayerNorm decoder layer; ``(x, None) -> (x, None)`` as `nn.scan` wants."""
+    """One pre-LayerNorm decoder layer; ``(x, None) -> (x, None)`` as `nn.scan` wants.
+
+    With dropout the carry is ``(x, seeds)``: the layer salts its ``[B]`` seeds once per site
+    (attention probabilities, attention output, MLP output) and hands the next layer seeds
+    hashed once more, so every layer and site draws its own masks. The seeds ride in the carry
+    as float32 holding 24-bit integers (exact; their gradient is zero): soapjax's pipelines
+    send the carry and its gradient from stage to stage, so it must be floating point
+    (`soapjax._pipelined`)."""
 
     config: GPTConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
+    def __call__(self, carry: Any, _: None) -> tuple[Any, None]:
         cfg = self.config
         kw = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype}
-        x = x + Attention(cfg, name="attn")(nn.LayerNorm(epsilon=1e-5, name="ln_1", **kw)(x))
+        x, carried = carry if cfg.dropout else (carry, None)
+        seeds = None if carried is None else carried.astype(jnp.uint32)
+
+        def drop(y: jax.Array, site: int) -> jax.Array:
+            return y if seeds is None else dropout(y, mix32(seeds, site), cfg.dropout)
+
+        h = nn.LayerNorm(epsilon=1e-5, name="ln_1", **kw)(x)
+        probs_seeds = None if seeds is None else mix32(seeds, _PROBS)
+        x = x + drop(Attention(cfg, name="attn")(h, probs_seeds), _ATTN_OUT)
         h = nn.LayerNorm(epsilon=1e-5, name="ln_2", **kw)(x)
-        return x + MLP(cfg, name="mlp")(h), None
+        x = x + drop(MLP(cfg, name="mlp")(h), _MLP_OUT)
+        return ((x, _carried(mix32(seeds, _NEXT_LAYER))) if cfg.dropout else x), None
+
+
+def _carried(seeds: jax.Array) -> jax.Array:
+    """uint32 seeds as the float32 the layers' carry holds: their top 24 bits, exact."""
+    return (seeds >> jnp.uint32(8)).astype(jnp.float32)
+
+
+# Salts of the dropout sites' streams (any distinct words).
+_PROBS, _ATTN_OUT, _MLP_OUT, _NEXT_LAYER, _EMBED, _LAYERS = (
+    0x5EED0001, 0x5EED0002, 0x5EED0003, 0x5EED0004, 0x5EED0005, 0x5EED0006)
 
 
 class GPT(nn.Module):
@@ -127,17 +169,25 @@ class GPT(nn.Module):
     config: GPTConfig
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, dropout_seed: jax.Array | None = None) -> jax.Array:
         cfg = self.config
         kw = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype}
         wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=_init, name="wte", **kw)
         wpe = nn.Embed(cfg.seq_len, cfg.d_model, embedding_init=_init, name="wpe", **kw)
         x = wte(tokens) + wpe(jnp.arange(tokens.shape[-1]))
+        if cfg.dropout:  # Megatron-LM drops the embeddings' sum too (its hidden dropout)
+            if dropout_seed is None:
+                raise ModelConfigError(f"GPT with dropout {cfg.dropout} needs a dropout_seed "
+                                       f"per sequence ([{tokens.shape[0]}] uint32); pass "
+                                       f"dropout=0.0 for none")
+            x = dropout(x, mix32(dropout_seed, _EMBED), cfg.dropout)
         layers = nn.scan(
             Block, variable_axes={"params": 0}, split_rngs={"params": True},
             length=cfg.num_layers,
         )
-        x, _ = layers(cfg, name="layers")(x, None)
+        carry = (x, _carried(mix32(dropout_seed, _LAYERS))) if cfg.dropout else x
+        carry, _ = layers(cfg, name="layers")(carry, None)
+        x = carry[0] if cfg.dropout else carry
         logits = wte.attend(nn.LayerNorm(epsilon=1e-5, name="ln_f", **kw)(x))
         return logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
 
@@ -170,10 +220,12 @@ GPT_SIZES = {
     "530b": _size(20480, 128, 105),
     "1t": _size(25600, 160, 128),
 }
+_TINY = GPTConfig(batch_size=8, seq_len=8, vocab_size=64, num_layers=2, num_heads=4,
+                  d_model=32, dtype=None, dropout=0.0)
 GPT_CONFIGS = {
     "default": GPT_SIZES["1.3b"],
-    "tiny": GPTConfig(batch_size=8, seq_len=8, vocab_size=64, num_layers=2, num_heads=4,
-                      d_model=32, dtype=None),
+    "tiny": _TINY,
+    "tiny-dropout": dataclasses.replace(_TINY, dropout=0.1),
     **GPT_SIZES,
 }
 

@@ -279,17 +279,64 @@ def decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                     dropout: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
     """``softmax(q k^T / sqrt(H), causal) v`` over ``[B, T, N, H]`` (k and v with as many heads
     as q): both products in q's dtype, the softmax in float32 (or wider), as Megatron-LM's
-    kernels compute it."""
+    kernels compute it; `dropout`, where given, applied to the ``[B, N, T, S]`` probabilities
+    (in v's dtype) before they weigh the values, as Megatron-LM's attention dropout."""
     scores = jnp.einsum("BTNH,BSNH->BNTS", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
     scores = scores.astype(jnp.promote_types(scores.dtype, jnp.float32))
     length = q.shape[1]
     causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]  # [T, S]
     scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if dropout is not None:
+        probs = dropout(probs)
     return jnp.einsum("BNTS,BSNH->BTNH", probs, v)
+
+
+def mix32(x: jax.Array, salt: int = 0) -> jax.Array:
+    """A bijective avalanche hash of uint32 words (``x ^ salt``, then Wellons' "lowbias32":
+    xorshift-multiply rounds in which every input bit flips each output bit with probability
+    about 1/2): stream and counter mixing for `dropout`, in elementwise integer ops only."""
+    x = x ^ jnp.uint32(salt)
+    x = x ^ (x >> jnp.uint32(16))
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> jnp.uint32(15))
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> jnp.uint32(16))
+
+
+def dropout(x: jax.Array, seeds: jax.Array, rate: float) -> jax.Array:
+    """Inverted dropout of ``x`` (``[B, ...]``), with one uint32 stream per sample.
+
+    Element ``i`` (its flat index within its sample) of sample ``b`` is zeroed where
+    ``mix32(mix32(i) ^ seeds[b]) < rate * 2**32``, the others scaled by ``1 / (1 - rate)``, as
+    Megatron-LM's (and PyTorch's) dropout. The mask is a pure elementwise function of the
+    sample's seed and the element's position: no `jax.random` primitive is drawn, so it is
+    the same mask whatever the sharding (every dim, batch included), however the batch is cut
+    into microbatches or pipeline stages, and whichever device computes it; soapjax sees
+    elementwise operators it can split freely.
+
+    Args:
+      x: the activations, samples on dim 0.
+      seeds: ``[B]`` uint32, one per sample (a stream already salted for this site: `mix32`).
+      rate: the probability of dropping an element, in [0, 1).
+
+    Returns:
+      ``x`` with dropped elements zeroed and the kept ones scaled, in x's dtype.
+    """
+    if rate == 0.0:
+        return x
+    index = jnp.zeros(x.shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(1, x.ndim)):  # the flat index within a sample (wraps past 2**32)
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * jnp.uint32(stride)
+        stride = stride * x.shape[d] % 2**32
+    words = mix32(mix32(index) ^ seeds.reshape((-1,) + (1,) * (x.ndim - 1)))
+    keep = words >= jnp.uint32(min(round(rate * 2**32), 2**32 - 1))
+    return jnp.where(keep, x * jnp.asarray(1 / (1 - rate), x.dtype), jnp.zeros((), x.dtype))
 
 
 def next_token_batch(rng: jax.Array, batch_size: int, seq_len: int, vocab_size: int) -> Batch:
@@ -302,15 +349,30 @@ def decoder_workload(name: str, config: str, cfg: Any, module: Any,
                      description: str) -> Workload:
     """A decoder language model's workload (GPT, LLaMA): next-token prediction on random
     streams, AdamW (beta2 0.95) after clipping; `cfg` holds batch_size, seq_len, vocab_size,
-    learning_rate, weight_decay and max_grad_norm."""
+    learning_rate, weight_decay and max_grad_norm. Where it also holds a nonzero ``dropout``
+    (GPT), each batch carries ``dropout_seed`` (`dropout_seeds`: one uint32 per sequence), the
+    module's second input: a new batch draws new masks, and the loss stays a pure function of
+    (params, batch)."""
+
+    rate = getattr(cfg, "dropout", 0.0)
 
     def make_batch(rng: jax.Array) -> Batch:
-        return next_token_batch(rng, cfg.batch_size, cfg.seq_len, cfg.vocab_size)
+        batch = next_token_batch(rng, cfg.batch_size, cfg.seq_len, cfg.vocab_size)
+        if rate:
+            batch["dropout_seed"] = dropout_seeds(rng, cfg.batch_size)
+        return batch
 
     return linen_workload(
         name=name, config=config, family="transformer", description=description,
-        module=module, make_batch=make_batch, inputs=("inputs",), label="targets",
+        module=module, make_batch=make_batch,
+        inputs=("inputs", "dropout_seed") if rate else ("inputs",), label="targets",
         optimizer=adamw_clipped(cfg.learning_rate, cfg.weight_decay, cfg.max_grad_norm))
+
+
+def dropout_seeds(rng: jax.Array, batch_size: int) -> jax.Array:
+    """``[batch_size]`` uint32 dropout seeds, one per sample, drawn with a key folded from
+    `rng` (the token streams' draws from `rng` itself are unchanged)."""
+    return jax.random.bits(jax.random.fold_in(rng, 1), (batch_size,), jnp.uint32)
 
 
 def linen_workload(

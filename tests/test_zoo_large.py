@@ -90,9 +90,9 @@ def traced(name: str, size: str) -> tuple[Workload, OpGraph]:
 def test_large_models_are_registered_with_their_sizes():
     assert zoo.names()[-3:] == ("gpt", "llama", "moe")
     assert "gpt" not in zoo.names(large=False) and "gpt2" in zoo.names(large=False)
-    assert zoo.configs("gpt") == ("default", "tiny", "1.3b", "1.7b", "2.7b", "3.6b", "6.7b",
-                                  "7.5b", "13b", "18.4b", "22b", "39.1b", "76.1b", "145.6b",
-                                  "175b", "310.1b", "530b", "1t")
+    assert zoo.configs("gpt") == ("default", "tiny", "tiny-dropout", "1.3b", "1.7b", "2.7b",
+                                  "3.6b", "6.7b", "7.5b", "13b", "18.4b", "22b", "39.1b",
+                                  "76.1b", "145.6b", "175b", "310.1b", "530b", "1t")
     assert zoo.configs("llama") == ("default", "tiny", "7b", "70b")
     assert gpt.GPT_CONFIGS["default"] == gpt.GPT_CONFIGS["1.3b"]
     assert llama.LLAMA_CONFIGS["default"] == llama.LLAMA_CONFIGS["7b"]
@@ -197,7 +197,8 @@ def test_every_size_traces_from_shapes(name, size):
     count = sum(math.prod(x.shape) for x in jax.tree.leaves(w.abstract_params()))
     assert count == CLOSED_FORM[name](cfg)
     assert count == pytest.approx(NOMINAL[name, size], rel=0.03)
-    assert g.batch[0].shape == (cfg.batch_size, cfg.seq_len)
+    tokens = next(leaf for leaf in g.batch if leaf.path == "['inputs']")
+    assert tokens.shape == (cfg.batch_size, cfg.seq_len)
     # mixed precision: every matmul multiplies in 16 bits, over float32 parameters; the logits
     # come back in float32 for the loss
     q = g.operator("layers_0/attn/" + ("query" if name == "gpt" else "q"))
