@@ -251,7 +251,9 @@ def op_kernels(closed: jcore.ClosedJaxpr, params: Sequence[bool] = ()) -> Kernel
     def sources(i: int, seen: set[int]) -> set[int]:
         """What recomputing value `i` in a later kernel reads: back through elementwise
         producers to operator inputs, GEMM results and reduction results."""
-        if not recomputed(i) or i in seen:
+        if i in seen:  # reached again through another path (x ^ (x >> 16)): counted once
+            return set()
+        if not recomputed(i):
             return {i}
         seen.add(i)
         return set().union(*(sources(x, seen) for x in eqns[producer[i]][1]
