@@ -56,8 +56,9 @@ def test_smallest_row_is_predicted_and_a_fitted_efficiency_slows_it():
     assert p.note == "" and p.fits
     assert math.isfinite(p.predicted_s) and p.predicted_s > 0
     assert p.error == pytest.approx((p.predicted_s - p.published_s) / p.published_s)
-    # the traced graph counts the matmul FLOPs the paper's formula does, within 0.3 %
-    assert p.flops_ratio == pytest.approx(1.0, abs=3e-3)
+    # the traced graph counts the matmul FLOPs the paper's formula does, within 1.5 % (the
+    # matmul operators' counts also hold their bias adds and the dropout masks' integer hash)
+    assert p.flops_ratio == pytest.approx(1.0, abs=0.015)
     # what the fit varies: a GEMM efficiency below the file's makes the step slower
     fitted = bench.row_topology(SMALLEST, None).device.kernels
     half = bench.predict(SMALLEST, {"gemm_efficiency": fitted.gemm_efficiency / 2})

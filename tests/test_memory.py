@@ -22,9 +22,10 @@ from soapjax_zoo.gpt import GPTConfig, build_gpt
 
 @functools.cache
 def gpt_graph(layers: int, batch: int = 8):
-    """The zoo's GPT at hidden 1024, 16 heads, sequence 512, bfloat16, traced abstractly."""
+    """The zoo's GPT at hidden 1024, 16 heads, sequence 512, bfloat16, without dropout (the
+    formulas below are Megatron's without their dropout terms), traced abstractly."""
     cfg = GPTConfig(batch_size=batch, seq_len=512, vocab_size=1024, num_layers=layers,
-                    num_heads=16, d_model=1024, dtype="bfloat16")
+                    num_heads=16, d_model=1024, dtype="bfloat16", dropout=0.0)
     w = build_gpt("gpt", "memory-test", cfg, "linen")
     return trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
 
@@ -104,7 +105,8 @@ def test_activation_bytes_rule_by_hand():
 # dropout masks, in units of s b h (s sequence, b microbatch, h hidden, a heads, t TP degree):
 #   none, TP only: 10 + 24/t + 5as/(ht);  none, TP + SP: (34 + 5as/h) / t
 #   selective, TP only: 10 + 24/t;        selective, TP + SP: 34 / t;   full: 2 (2/t with SP)
-# The zoo's GPT has no dropout: without its masks (attention and MLP: 1 + 1; replicated under
+# These are the zoo's GPT without dropout (dropout=0.0; its dropout recomputes the masks from
+# per-sequence seeds rather than keeping them): without the masks (attention and MLP: 1 + 1; replicated under
 # TP) and the dropout's output over the scores (3 a s / h of the 5), the formulas read
 #   none 8 + 24/t + 2as/(ht) (TP) and (32 + 2as/h)/t (SP); selective 8 + 24/t and 32/t.
 # At h 1024, a 16, s 512 (a s / h = 8) and t 8: MEGATRON below.

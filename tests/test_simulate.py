@@ -602,7 +602,7 @@ def test_parse_strategy_takes_every_baseline_name():
         assert parse_strategy(g, topo, name) == every[name]
     with pytest.raises(PlanError, match="expected a baseline \\(data-parallel, megatron, fsdp, "
                                         "megatron-sp, fsdp-recompute, expert-cnn, "
-                                        "expert-rnn\\).*did you mean 'megatron'"):
+                                        "expert-rnn, maxtext-moe\\).*did you mean 'megatron'"):
         parse_strategy(g, topo, "megatorn")
 
 

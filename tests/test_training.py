@@ -111,7 +111,8 @@ def test_every_baseline_by_name(mlp, capsys, name):
     assert run.strategy == baselines(graph, load_topology("cpu8"))[name]
     assert run.plan is None and capsys.readouterr().err == ""
     assert set(training.PLANNERS) == {"plan", "data-parallel", "megatron", "fsdp", "megatron-sp",
-                                      "fsdp-recompute", "expert-cnn", "expert-rnn"}
+                                      "fsdp-recompute", "expert-cnn", "expert-rnn",
+                                      "maxtext-moe"}
 
 
 def test_unknown_names_list_the_planners(mlp):
