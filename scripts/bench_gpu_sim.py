@@ -28,30 +28,35 @@ uniform`` on every row (full activation recomputation of every layer, which is w
 four-pass F counts), and PyTorch DDP for the rows without pipeline stages, Megatron's "local"
 DDP for the others.
 Assumed: no sequence parallelism (it came later, Korthikanti et al. 2022); the paper's
-scatter/gather of stage-to-stage sends is not modelled (`soapjax.pipesim` sends each device's
-shard of the boundary activations, which without sequence parallelism is the whole activation
-on each of the TP devices, each over its own NIC: Megatron without scatter/gather); gradient
-synchronisation, overlap and fp16
-as the simulator does them, whatever DDP flavour the row used; float32 master parameters and
+scatter/gather of stage-to-stage sends, as `soapjax.pipesim` prices them (each of the TP
+devices sends 1/TP of the boundary activations over its own NIC, the receiver all-gathers them
+over NVLink); gradient synchronisation, overlap and fp16 as the simulator does them, whatever
+DDP flavour the row used; Megatron's dropout (0.1 on the embeddings, the attention
+probabilities and both hidden outputs: the zoo's ``gpt`` default), its masks recomputed from
+per-sequence seeds in the backward where Megatron stores them; float32 master parameters and
 Adam state (the zoo's, which Megatron's fp16 training with fp32 master weights matches in
 bytes). The table's achieved TFLOP/s were copied into the reference note by hand and have not
 been checked against the paper here; the shapes, TP, PP, batches and node counts agree with
 run_table_1.sh.
 
-The simulator's device model is the topology file's as shipped: an analytic roofline with no
-``[device.efficiency]`` table, every kernel at 100 % of 312 TFLOP/s. `fit` and `predict` are
-the hooks of the fitting still to come: ``fit(rows) -> params`` and ``predict(row, params)``;
-`leave_one_out` fits on all rows but one and predicts that one. There is no fit yet (`no_fit`
-returns None and says so). A fit whose parameters are a ``[device.efficiency]`` table can
-return ``{"efficiency": soapjax.topology.Efficiency(...)}`` today (`row_topology` applies it);
-anything else (NCCL, launch overhead, wave quantisation) extends `row_topology` or the cost
-model.
+The device model is the GPU kernel model (`soapjax.kernels`) of the topology file's
+``[device.kernels]`` table: GEMMs with tile and wave quantisation over the A100's 108 SMs,
+fused memory-bound kernels cut at reductions, 3 us per kernel; collectives at NCCL's 0.8 of
+the links' line rates (the links' ``efficiency``, cited in the file). Two parameters are
+fitted, nothing else (`FITTED`): the fraction of the fp16 peak the GEMMs' tiles reach and the
+fraction of the memory bandwidth the fused kernels reach. `kernel_fit` finds them: each row is
+simulated at 3 x 3 design points and its time fitted as ``a + b / gemm + c / memory``
+(`surrogate`), the pair minimising the rows' mean absolute error is searched on a grid, and
+the figures printed are the real simulation's at that pair. ``--leave-one-out`` refits on
+nine rows and predicts the tenth, for each row. The first table is the file as shipped
+(whose two efficiencies are this fit's, written there by hand).
 
 Usage::
 
     .venv/bin/python scripts/bench_gpu_sim.py [--rows 1.7b,1t] [--leave-one-out] [--json F]
 
-All ten rows take about a minute on one core (tracing 1-5 s a row, simulation under 10 s).
+All ten rows with the fit and the leave-one-out take about 100 s on the 2-core development
+machine (tracing 1-5 s a row, once; 9 design points x 10 rows of simulation).
 """
 
 from __future__ import annotations
