@@ -63,6 +63,7 @@ from jax.extend import core as jcore
 
 from soapjax._dtypes import is_float
 from soapjax._local import operator_fn
+from soapjax.errors import TopologyError
 from soapjax.graph import Operator, OpGraph
 from soapjax.roofline import OpTime, analytic_op_time
 from soapjax.topology import DeviceSpec, KernelSpec
@@ -244,6 +245,7 @@ def op_kernels(closed: jcore.ClosedJaxpr, params: Sequence[bool] = ()) -> Kernel
     for j in range(len(eqns)):
         if gemm[j]:
             kernels.append((j, _gemm(eqns[j][0])))
+
     def recomputed(i: int) -> bool:  # an elementwise value of another fused kernel
         p = producer.get(i)
         return p is not None and not gemm[p] and eqns[p][0].primitive.name not in _REDUCTIONS
@@ -323,7 +325,7 @@ def _peak(device: DeviceSpec, spec: KernelSpec, dtype: str) -> float:
         return spec.float32_matmul
     try:
         return device.peak_flops_for(dtype)
-    except Exception:  # noqa: BLE001  an integer matmul: the float32 figure
+    except TopologyError:  # an integer matmul the file gives no figure for: the float32 one
         return device.peak_flops_for("float32")
 
 
