@@ -3,8 +3,10 @@
 A chain starts from a strategy and proposes random moves, each scored by the simulation it
 walks (delta simulation, `Simulation.propose_many`, or full, `Simulation.propose_strategy`):
 a new config for one operator (for every layer at once where the operator is at the same
-position of a repeated block), a recompute policy (`RECOMPUTE_MOVES` of the moves), or a
-number of microbatches (`MICROBATCH_MOVES`). A move is accepted with probability
+position of a repeated block), a recompute policy (`RECOMPUTE_MOVES` of the moves), a
+number of microbatches (`MICROBATCH_MOVES`), or Megatron's distributed optimizer on or off
+(`OPTIMIZER_MOVES`: the optimizer state sharded over every mesh axis its parameter is
+replicated on, `Strategy.optimizer_axes`). A move is accepted with probability
 ``min(1, exp(beta * (cost(S) - cost(S*))))`` against the current strategy; the best strategy
 that fits in memory and that apply can run is recorded (`_Searcher.record`). `SearchSettings`
 says how long and how: its proposal count or deadline, seed, temperature, space limits. The
@@ -35,7 +37,7 @@ from soapjax.space import (
     spatial_convolution,
 )
 
-__all__ = ["MICROBATCH_MOVES", "RECOMPUTE_MOVES", "Progress", "SearchSettings",
+__all__ = ["MICROBATCH_MOVES", "OPTIMIZER_MOVES", "RECOMPUTE_MOVES", "Progress", "SearchSettings",
            "random_strategy"]
 
 Progress = Callable[[str], None]
@@ -158,6 +160,8 @@ def _propose_all(sim: Simulation, members: list[int], config, policy: str | None
 # the whole step (`Simulation.reset`), in delta and full simulation alike.
 RECOMPUTE_MOVES = 0.15
 MICROBATCH_MOVES = 0.03
+# How often a proposal turns the distributed optimizer on or off (a full re-simulation too).
+OPTIMIZER_MOVES = 0.02
 
 
 class _Searcher:
@@ -228,7 +232,9 @@ class _Searcher:
                 since_best += 1
                 continue
             members, config, policy, m = move
-            if m is not None:
+            if isinstance(m, tuple):  # the distributed optimizer's axes
+                sim.propose_strategy(dataclasses.replace(sim.strategy, optimizer_axes=m))
+            elif m is not None:
                 sim.propose_strategy(sim.strategy.with_microbatches(m))
             elif s.simulation == "full":
                 sim.propose_strategy(_changed(sim.strategy, members, config, policy))
@@ -252,10 +258,13 @@ class _Searcher:
 
     def _draw(self, m: int, current: Callable[[], Strategy]) -> tuple | None:
         """A random move from the current strategy (`current()`, with `m` microbatches):
-        (members, config or None, policy or None, microbatches or None), or None when the
-        drawn change does not divide the batch."""
+        (members, config or None, policy or None, microbatches or the distributed optimizer's
+        new axes (a tuple) or None), or None when the drawn change does not divide the
+        batch."""
         rng = self.rng
         r = rng.random()
+        if r >= 1.0 - OPTIMIZER_MOVES:
+            return [], None, None, () if current().optimizer_axes else self.mesh.axis_names
         if r < MICROBATCH_MOVES and len(self.microbatches) > 1:
             new = self.microbatches[int(rng.integers(len(self.microbatches)))]
             ops = self.sim.graph.operators

@@ -60,6 +60,10 @@ The task graph of one training iteration, operators in program order (`soapjax._
   after the all-reduce of those scalars over the axes that split it (XLA's partitioner makes
   each a partial sum; tiny, but on XLA:CPU a rendezvous per parameter: 20 of them cost GPT-2
   tiny's Megatron step 1.9 ms of 13).
+  Under Megatron's distributed optimizer (`Strategy.optimizer_axes`) the gradient goes back
+  to the optimizer state's layout instead (`space.optimizer_specs`: the stored layout split
+  further over those axes, so the all-reduce over them becomes a reduce-scatter), the update
+  runs on that shard, and an all-gather back to the stored layout follows it.
 
 Parameters (and batch inputs) are stored in the layout of the first operator that reads them,
 split further over `Strategy.zero_axes` where divisible; other readers reshard them before their
@@ -70,9 +74,10 @@ bigger.
 
 **Memory** per device (the same on every device): parameters, gradients and optimizer state
 (``opt_state_factor`` x parameter bytes: 2 for Adam; see `opt_state_factor`) at their shard
-sizes; every forward output's shard, kept for the backward pass (the peak is where the forward
-ends and the backward begins, when all of them are alive), with the batch and the parameters
-gathered for another layout; and the largest communication buffer.
+sizes (the optimizer state at its own under the distributed optimizer); every forward output's
+shard, kept for the backward pass (the peak is where the forward ends and the backward begins,
+when all of them are alive), with the batch and the parameters gathered for another layout; and
+the largest communication buffer.
 
 Example::
 
@@ -335,7 +340,7 @@ class Simulation:
         if self._stale is not None:
             return self._stale
         return Strategy(tuple(v.config for v in self._views), self._zero, self._micro,
-                        tuple(v.policy for v in self._views))
+                        tuple(v.policy for v in self._views), optimizer_axes=self._optimizer)
 
     @property
     def microbatches(self) -> int:
@@ -600,9 +605,11 @@ class Simulation:
         if len(strategy.configs) != self._layout.n:
             raise PlanError(f"strategy has {len(strategy.configs)} configs, graph "
                             f"{self.graph.name!r} has {self._layout.n} operators")
-        unknown = [a for a in strategy.zero_axes if a not in self.mesh.axis_names]
-        if unknown:
-            raise PlanError(f"zero_axes {unknown} are not mesh axes {list(self.mesh.axis_names)}")
+        for field in ("zero_axes", "optimizer_axes"):
+            unknown = [a for a in getattr(strategy, field) if a not in self.mesh.axis_names]
+            if unknown:
+                raise PlanError(f"{field} {unknown} are not mesh axes "
+                                f"{list(self.mesh.axis_names)}")
 
     def _build(self, strategy: Strategy) -> None:
         """Builds the task graph of `strategy` (untimed)."""
@@ -613,6 +620,7 @@ class Simulation:
         self._validate(strategy)
         layout = self._layout
         self._zero = tuple(strategy.zero_axes)
+        self._optimizer = tuple(a for a in strategy.optimizer_axes if a not in self._zero)
         self._micro = strategy.microbatches
         self._views = [self._view(j, c, strategy.recompute_of(j))
                        for j, c in enumerate(strategy.configs)]
@@ -1039,14 +1047,31 @@ class Simulation:
         gathers, gather_ends, gathered = self._build_gathers(leaf, store)
         if not layout.leaf_is_param[leaf]:
             return _LeafTasks(gathers, gather_ends, 0, stored + gathered)
-        syncs, ready = self._build_grad_syncs(leaf, store)
+        opt = self._optimizer_spec(leaf, store)
+        owned = stored if opt == store else self._shard_bytes(shape, opt, dtype)
+        syncs, ready = self._build_grad_syncs(leaf, opt)
         seg = layout.update_seg[leaf]
-        reduce = self._build_update_reduce(leaf, store, seg, ready)
+        reduce = self._build_update_reduce(leaf, opt, seg, ready)
         update = self._task_graph.new(layout.key(seg, 0, 1),
-                                      self._compute_time(self.cost_model.update_time(stored)),
+                                      self._compute_time(self.cost_model.update_time(owned)),
                                       (0,), reduce or ready,
                                       (UPDATE, leaf))
-        return _LeafTasks(gathers + syncs + reduce + [update], gather_ends, stored, gathered)
+        # the distributed optimizer's all-gather of the updated shards
+        regather = self._chain_tasks(self._pricing.chain(shape, dtype, opt, store),
+                                     layout.key(seg, 1), [update], PARAM_GATHER, leaf)
+        return _LeafTasks(gathers + syncs + reduce + [update] + regather, gather_ends, stored,
+                          gathered, owned)
+
+    def _optimizer_spec(self, leaf: int, store: tuple) -> tuple[tuple[str, ...], ...]:
+        """Parameter `leaf`'s optimizer state layout: its stored layout `store` split further
+        over the distributed optimizer's axes (`space.optimizer_specs`)."""
+        if not self._optimizer:
+            return store
+        key = ("optimizer", store, self._layout.leaf_shape[leaf], self._optimizer)
+        out = self._memo.get(key)
+        if out is None:
+            out = self._memo[key] = storage_spec(store, key[2], self._optimizer, self.mesh)
+        return out
 
     def _build_update_reduce(self, leaf: int, store: tuple, seg: int, ready: list[int]
                              ) -> list[int]:
@@ -1179,7 +1204,9 @@ class Simulation:
             self._act = self._segments.activation_bytes(
                 [v.recomputes for v in views], [v.output_bytes for v in views],
                 [v.operand_bytes for v in views], [v.internal_bytes for v in views])
-        return MemoryBreakdown(params=p, grads=p, opt_state=round(p * self.opt_state_factor),
+        owned = (sum(unit.optimizer_bytes for unit in self._leaf_tasks) if self._optimizer
+                 else p)  # the distributed optimizer's shards (`Strategy.optimizer_axes`)
+        return MemoryBreakdown(params=p, grads=p, opt_state=round(owned * self.opt_state_factor),
                                activations=self._act + self._leaf_bytes,
                                comm_buffers=max(self._buffer_counts, default=0))
 
@@ -1223,6 +1250,7 @@ class _LeafTasks(NamedTuple):
     gather_ends: list[int]  # per reader: the last task of its gather, -1 for none
     stored_bytes: int  # its stored shard (parameters; 0 for batch inputs)
     activation_bytes: int  # the batch shard and copies in other layouts, kept for the backward
+    optimizer_bytes: int = 0  # the parameter's shard its optimizer state mirrors (parameters)
 
 
 def _by_dim(dims: Sequence[tuple[str, ...]], axes: tuple[str, ...]

@@ -3,8 +3,10 @@
 A parameter takes `soapjax.space.param_specs` (the specs the simulator prices: its first
 reader's operand spec, split further over `Strategy.zero_axes`), a batch leaf its first
 consumer's operand spec, an optimizer state leaf the sharding of the parameter it mirrors
-(`optax.tree_map_params`), everything else is replicated; axes whose degree does not divide a
-dim are dropped, since jit's in and out shardings need even shards. The pytrees come back in
+(`optax.tree_map_params`), split further over `Strategy.optimizer_axes` (Megatron's
+distributed optimizer: `soapjax.space.optimizer_specs`), everything else is replicated; axes
+whose degree does not divide a dim are dropped, since jit's in and out shardings need even
+shards. The pytrees come back in
 the structure of the given parameters and batch, or of their leaf paths when those are nested
 dict keys. `soapjax.apply` re-exports the public names.
 
@@ -96,12 +98,16 @@ class TrainShardings(NamedTuple):
       opt_state: a pytree like the optimizer state, of `NamedSharding`s.
       batch: a pytree like the batch, of `NamedSharding`s.
       loss: the loss's sharding (replicated).
+      grads: a pytree like the parameters: where the step puts the gradients before the
+        update, the layout of the optimizer state that mirrors them (the parameters' shardings
+        split over `Strategy.optimizer_axes`: a reduce-scatter over them, not an all-reduce).
     """
 
     params: Any
     opt_state: Any
     batch: Any
     loss: NamedSharding
+    grads: Any = None
 
 
 def param_shardings(graph: OpGraph, strategy: Any, mesh: Mesh, *, params: Any = None,
@@ -188,20 +194,23 @@ def train_shardings(graph: OpGraph, strategy: Any, mesh: Mesh,
     check = checked(graph, strategy, mesh, mesh_shape)
     program = step_program(check)
     ps = _param_shardings(program, check, params)
+    gs = _param_shardings(program, check, params, space.optimizer_specs) \
+        if check.strategy.optimizer_axes else ps
     bs = _batch_shardings(program, check, batch)
     abstract = params if params is not None else jax.tree.unflatten(
         jax.tree.structure(ps),
         [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in graph.params])
-    os = opt_state_shardings(optimizer, abstract, ps)
-    return TrainShardings(ps, os, bs, NamedSharding(program.mesh, PartitionSpec()))
+    os = opt_state_shardings(optimizer, abstract, gs)
+    return TrainShardings(ps, os, bs, NamedSharding(program.mesh, PartitionSpec()), gs)
 
 
 # --- helpers ------------------------------------------------------------------------------------
 
 
-def _param_shardings(program: StepProgram, check: Checked, params: Any) -> Any:
+def _param_shardings(program: StepProgram, check: Checked, params: Any,
+                     specs_of: Callable = space.param_specs) -> Any:
     graph = check.graph
-    specs = space.param_specs(graph, check.strategy, program.config_mesh)  # the simulator's
+    specs = specs_of(graph, check.strategy, program.config_mesh)  # the simulator's
     out = program.param_layout(_fitted(graph.params, specs, program.mesh))
     return _unflatten(graph.params, out, params, "params")
 

@@ -42,6 +42,9 @@ def parse_strategy(graph: OpGraph, topology: Topology, spec: str | Mapping[str, 
 
         {"configs": {"layers_0/mlp/fc1": [["data"], ["model"], []]}, "zero_axes": ["data"]}
 
+      ``"optimizer_axes"`` (Megatron's distributed optimizer, `Strategy.optimizer_axes`) is
+      optional as ``"zero_axes"`` is.
+
     Anything else is refused: a JSON file that is neither a plan nor such an object is never
     read as data parallelism.
 
@@ -61,14 +64,15 @@ def parse_strategy(graph: OpGraph, topology: Topology, spec: str | Mapping[str, 
             for i, config in enumerate(strategy.configs):  # an edited file may not fit
                 validate_config(graph, i, config, mesh)
             _check_zero_axes(list(strategy.zero_axes), mesh)
+            _check_zero_axes(list(strategy.optimizer_axes), mesh, "optimizer_axes")
             return strategy
     if not isinstance(spec, Mapping) or "configs" not in spec \
-            or not set(spec) <= {"configs", "zero_axes"} \
+            or not set(spec) <= {"configs", "zero_axes", "optimizer_axes"} \
             or not isinstance(spec["configs"], Mapping):
         found = sorted(spec) if isinstance(spec, Mapping) else type(spec).__name__
         raise PlanError(f'expected a soapjax plan file ("format": "{plan_mod.FORMAT}", written by '
                         '`soapjax plan`) or a JSON object {"configs": {operator: [[axes], ...]}, '
-                        f'"zero_axes": [...]}}; found {found}')
+                        f'"zero_axes": [...], "optimizer_axes": [...]}}; found {found}')
     names = {op.name: i for i, op in enumerate(graph.operators)}
     configs = {}
     for name, axes in spec["configs"].items():
@@ -77,13 +81,15 @@ def parse_strategy(graph: OpGraph, topology: Topology, spec: str | Mapping[str, 
         configs[name] = _parse_config(graph, names[name], name, axes, mesh)
     zero = spec.get("zero_axes", [])
     _check_zero_axes(zero, mesh)
-    return strategy_from_names(graph, configs, zero_axes=zero,
+    optimizer = spec.get("optimizer_axes", [])
+    _check_zero_axes(optimizer, mesh, "optimizer_axes")
+    return strategy_from_names(graph, configs, zero_axes=zero, optimizer_axes=optimizer,
                                default=data_parallel(graph, mesh))
 
 
-def _check_zero_axes(zero: Any, mesh: MeshShape) -> None:
+def _check_zero_axes(zero: Any, mesh: MeshShape, field: str = "zero_axes") -> None:
     if not isinstance(zero, list) or any(a not in mesh.axis_names for a in zero):
-        raise PlanError(f"zero_axes {zero!r}: expected a list of mesh axes among "
+        raise PlanError(f"{field} {zero!r}: expected a list of mesh axes among "
                         f"{list(mesh.axis_names)}")
 
 

@@ -163,10 +163,12 @@ def _validate_configs(graph: OpGraph, strategy: Strategy, mesh: MeshShape) -> No
                                 f"over {axes} of degree {degree}, which does not divide it, on "
                                 f"mesh {_fmt_mesh(mesh)}; was the strategy planned for "
                                 "another mesh?")
-    unknown = [a for a in strategy.zero_axes if a not in names]
-    if unknown:
-        raise PlanError(f"zero_axes {strategy.zero_axes} name {unknown[0]!r}, but the mesh has "
-                        f"axes {mesh.axis_names}")
+    for field in ("zero_axes", "optimizer_axes"):
+        axes = getattr(strategy, field, ())
+        unknown = [a for a in axes if a not in names]
+        if unknown:
+            raise PlanError(f"{field} {axes} name {unknown[0]!r}, but the mesh has "
+                            f"axes {mesh.axis_names}")
 
 
 def refuse_spatial_convolutions(checked: Checked) -> None:

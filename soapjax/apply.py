@@ -12,7 +12,9 @@ the jitted step with the shardings that follow from the configs:
   (ZeRO-3), each on its largest dim that stays divisible (`soapjax.space.param_specs`, the
   same specs the simulator prices);
 * optimizer state leaves that mirror a parameter take that parameter's sharding (found with
-  `optax.tree_map_params`); everything else (step counts, scalars) is replicated;
+  `optax.tree_map_params`), split further over `Strategy.optimizer_axes` (Megatron's
+  distributed optimizer, `soapjax.space.optimizer_specs`); everything else (step counts,
+  scalars) is replicated;
 * a batch leaf takes the operand spec of its first consumer.
 
 Example (a Dense layer ``fc1`` reads a kernel f32[16, 32]; mesh ``data=2, model=4``)::
@@ -112,7 +114,10 @@ def sharded_train_step(graph: OpGraph, strategy: Any, mesh: Mesh,
     The step is the loss and gradients of the strategy's step program
     (`soapjax._shardings.step_program`: ``jax.value_and_grad`` of `constrained_loss`, or the
     pipeline below), gradients constrained to the parameters' shardings (with ZeRO axes this
-    is a reduce-scatter), ``optimizer.update`` and ``optax.apply_updates``, jitted with
+    is a reduce-scatter), or under the distributed optimizer (`Strategy.optimizer_axes`) to
+    the optimizer state's (a reduce-scatter over those axes; each device updates its shard and
+    XLA all-gathers the updated parameters to their own sharding), ``optimizer.update`` and
+    ``optax.apply_updates``, jitted with
     `TrainShardings` as in/out shardings. ``step``, the training step's number (an int32
     scalar; default 0), advances the PRNG keys the loss makes from constants
     (`soapjax._flatstep.step_keys`): pass a new number every step for fresh dropout masks
@@ -165,7 +170,7 @@ def sharded_train_step(graph: OpGraph, strategy: Any, mesh: Mesh,
 
     def step(params, opt_state, batch, count):
         loss, grads = value_and_grad(params, batch, count)
-        grads = jax.lax.with_sharding_constraint(grads, shardings.params)
+        grads = jax.lax.with_sharding_constraint(grads, shardings.grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 

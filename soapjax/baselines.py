@@ -21,8 +21,9 @@ Each is a `Strategy` scored by the same simulator, so comparisons are like for l
   over the FSDP axes); on a model without experts it is `fsdp`.
 
 `megatron_3d` (and its grid, `megatron_grid`) is Megatron-LM's configuration space: TP, PP,
-DP, microbatches and recomputation, and for mixtures of experts and long sequences expert
-parallelism (``ep``: `expert_dim`) and context parallelism (``cp``: `sequence_dims`).
+DP, microbatches, recomputation and the distributed optimizer, and for mixtures of experts and
+long sequences expert parallelism (``ep``: `expert_dim`) and context parallelism (``cp``:
+`sequence_dims`).
 """
 
 from __future__ import annotations
@@ -384,7 +385,8 @@ def tensor_axes(topology, tp: int) -> tuple[str, ...]:
 def megatron_3d(graph: OpGraph, topology, *, tp: int, pp: int = 1, dp: int | None = None,
                 ep: int = 1, cp: int = 1, microbatch_size: int | None = None,
                 interleave: int = 1, recompute: RecomputePolicy = "full",
-                sequence_parallel: bool = False) -> Strategy:
+                sequence_parallel: bool = False, distributed_optimizer: bool = False
+                ) -> Strategy:
     """Megatron-LM's configuration space (Narayanan et al., SC 2021) as a strategy.
 
     Tensor parallel over in-node axes of degree `tp` (column- and row-parallel layers
@@ -419,6 +421,11 @@ def megatron_3d(graph: OpGraph, topology, *, tp: int, pp: int = 1, dp: int | Non
         plain 1F1B otherwise).
       recompute: ``"none"``, ``"selective"`` or ``"full"``.
       sequence_parallel: split norms and dropout along the sequence (`megatron`).
+      distributed_optimizer: Megatron's distributed optimizer (``--use-distributed-optimizer``,
+        ZeRO-1): the optimizer state sharded over the axes outside tensor parallelism (the
+        data-parallel group with the context- and expert-parallel ones, as Megatron-Core
+        shards it; `Strategy.optimizer_axes`): gradients reduce-scattered, each replica
+        updating its shard, the parameters all-gathered.
 
     Raises:
       PlanError: a pp that does not divide the outermost mesh axis, an interleave without
@@ -465,6 +472,9 @@ def megatron_3d(graph: OpGraph, topology, *, tp: int, pp: int = 1, dp: int | Non
     if pp > 1:
         strategy = strategy.with_pipeline(pp, interleave,
                                           "interleaved" if interleave > 1 else "1f1b")
+    if distributed_optimizer:
+        strategy = dataclasses.replace(strategy, optimizer_axes=tuple(
+            a for a in mesh.axis_names if a not in axes))
     return with_recompute(graph, strategy, recompute)
 
 
@@ -495,7 +505,9 @@ def microbatch_sizes(per_replica: int) -> tuple[int, ...]:
 
 def megatron_grid(graph: OpGraph, topology, *, pp: Sequence[int] = (1,),
                   interleave: Sequence[int] = (1,), tp: Sequence[int] = (1, 2, 4, 8),
-                  ep: Sequence[int] = (1,), cp: Sequence[int] = (1,)) -> dict[str, Strategy]:
+                  ep: Sequence[int] = (1,), cp: Sequence[int] = (1,),
+                  distributed_optimizer: Sequence[bool] = (False, True)
+                  ) -> dict[str, Strategy]:
     """Megatron's configuration grid (`megatron_3d`), by name: TP in {1, 2, 4, 8} (as the
     node allows, or those of `tp`; sequence parallel when TP > 1), DP over the rest,
     microbatches of every power of two samples dividing the per-replica batch, and all of it
@@ -503,9 +515,11 @@ def megatron_grid(graph: OpGraph, topology, *, pp: Sequence[int] = (1,),
     ``"megatron-tp8-mb1-full"``; with pipeline stages (each of `pp` and, for pp > 1, each of
     `interleave` virtual stages), e.g. ``"megatron-tp8-pp4-v2-mb1-full"``; with each of the
     context- and expert-parallel degrees of `cp` and `ep` above 1, e.g.
-    ``"megatron-tp4-cp2-ep2-mb1-full"``. Combinations the mesh, batch, experts, sequence or
-    schedule cannot take (`soapjax.pipeline.pipeline_error`: the interleaved schedule's M
-    must be a multiple of pp) are left out.
+    ``"megatron-tp4-cp2-ep2-mb1-full"``; with Megatron's distributed optimizer (each of
+    `distributed_optimizer`; only where there are data-parallel replicas to shard over),
+    ``-do`` before the microbatches, e.g. ``"megatron-tp8-pp4-do-mb1-full"``. Combinations the
+    mesh, batch, experts, sequence or schedule cannot take (`soapjax.pipeline.pipeline_error`: the
+    interleaved schedule's M must be a multiple of pp) are left out.
 
     The search scores all of them and starts a chain from the fastest that fits, so a searched
     plan is never slower than the grid's best under the same simulator.
@@ -519,11 +533,15 @@ def megatron_grid(graph: OpGraph, topology, *, pp: Sequence[int] = (1,),
         name = f"megatron-tp{tp}" + (f"-cp{c}" if c > 1 else "") + (f"-ep{e}" if e > 1 else "")
         for v in (interleave if stages > 1 else (1,)):
             pipe = f"-pp{stages}" + (f"-v{v}" if v > 1 else "") if stages > 1 else ""
-            for mb, rec in itertools.product(microbatch_sizes(per), RECOMPUTE_POLICIES):
+            for mb, rec, do in itertools.product(microbatch_sizes(per), RECOMPUTE_POLICIES,
+                                                 distributed_optimizer):
+                if do and n == tp * stages:  # no replicas: nothing to shard over
+                    continue
                 try:
-                    out[f"{name}{pipe}-mb{mb}-{rec}"] = megatron_3d(
+                    out[f"{name}{pipe}{'-do' if do else ''}-mb{mb}-{rec}"] = megatron_3d(
                         graph, topology, tp=tp, pp=stages, ep=e, cp=c, microbatch_size=mb,
-                        interleave=v, recompute=rec, sequence_parallel=tp > 1)
+                        interleave=v, recompute=rec, sequence_parallel=tp > 1,
+                        distributed_optimizer=do)
                 except PlanError:
                     continue
     return out

@@ -27,7 +27,8 @@ Example file (abridged)::
      "topology": {"name": "dgx-h100x8", "fingerprint": "a1b2...", "axes": {"gpu": 8}},
      "operators": {"layers_0/mlp/fc1": {"axes": [["gpu"], [], [], []], "roles": "SAP|P",
                                         "spec": "P('gpu', None, None)"}},
-     "zero_axes": [], "microbatches": 1, "params": {"['params']['wte']['embedding']": [[], []]},
+     "zero_axes": [], "optimizer_axes": [], "microbatches": 1,
+     "params": {"['params']['wte']['embedding']": [[], []]},
      "predicted": {"step_time_s": 0.0123, ...}, "cost_source": "analytic",
      "search": {"seed": 0, "budget_s": 30, ...}, "baselines": {"data-parallel": 0.0171}}
 """
@@ -133,6 +134,8 @@ class Plan:
       batch_size: the global batch the plan was made for (samples per step), so a command
         given only the plan file traces the model at that batch; 0 in files written without
         it.
+      optimizer_axes: Megatron's distributed optimizer's axes (see `Strategy`); files
+        written without it have none.
       simulated: the `soapjax.simulate.SimResult` `soapjax.search.find_plan` simulated the
         plan's strategy to (timeline included), so a report needs no second simulation; not
         saved (None for a loaded plan) and not part of the plan's identity.
@@ -158,12 +161,13 @@ class Plan:
     recompute: tuple[str, ...] = ()
     pipeline: tuple[int, int, str] = (1, 1, "1f1b")
     batch_size: int = 0
+    optimizer_axes: tuple[str, ...] = ()
     simulated: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         # The step-level choices are checked as a Strategy checks them.
         Strategy(tuple(c for _, c in self.configs), self.zero_axes, self.microbatches,
-                 self.recompute, *self.pipeline)
+                 self.recompute, *self.pipeline, optimizer_axes=self.optimizer_axes)
         if self.roles and len(self.roles) != len(self.configs):
             raise PlanError(f"{len(self.roles)} role strings for {len(self.configs)} operators")
         for (name, config), roles in zip(self.configs, self.roles):
@@ -199,7 +203,8 @@ class Plan:
             workload=workload, microbatches=strategy.microbatches,
             recompute=tuple(strategy.recompute),
             pipeline=(strategy.stages, strategy.virtual_stages, strategy.schedule),
-            batch_size=graph.batch_size if graph.batch else 0, simulated=simulated)
+            batch_size=graph.batch_size if graph.batch else 0,
+            optimizer_axes=tuple(strategy.optimizer_axes), simulated=simulated)
 
     @property
     def step_time_s(self) -> float | None:
@@ -289,7 +294,7 @@ class Plan:
         return strategy_from_names(
             graph, dict(self.configs), zero_axes=self.zero_axes, microbatches=self.microbatches,
             recompute=dict(zip(names, self.recompute)) if self.recompute else None,
-            pipeline=self.pipeline)
+            pipeline=self.pipeline, optimizer_axes=self.optimizer_axes)
 
     # --- JSON ------------------------------------------------------------------------------
 
@@ -304,6 +309,7 @@ class Plan:
                          "axes": dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))},
             "operators": self._operators_json(),
             "zero_axes": list(self.zero_axes),
+            "optimizer_axes": list(self.optimizer_axes),
             "microbatches": self.microbatches,
             "pipeline": {"stages": self.pipeline[0], "virtual_stages": self.pipeline[1],
                          "schedule": self.pipeline[2]},
@@ -362,7 +368,8 @@ class Plan:
                 roles=roles, workload=m.get("workload", ""),
                 microbatches=int(data.get("microbatches", 1)), recompute=recompute,
                 pipeline=_pipeline(data.get("pipeline", {})),
-                batch_size=int(m.get("batch_size", 0)))
+                batch_size=int(m.get("batch_size", 0)),
+                optimizer_axes=tuple(data.get("optimizer_axes", ())))
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             if isinstance(e, PlanError):
                 raise

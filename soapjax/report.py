@@ -93,6 +93,9 @@ def plan_report(graph: OpGraph, topology, strategy: Strategy, sim, *,
     if strategy.zero_axes:
         lines.append(f"  parameters, gradients and optimizer state sharded over "
                      f"{', '.join(strategy.zero_axes)} (ZeRO-3)")
+    if strategy.optimizer_axes:
+        lines.append(f"  optimizer state sharded over {', '.join(strategy.optimizer_axes)} "
+                     "(distributed optimizer)")
     lines.append("")
     lines.append("predicted step time")
     t = sim.step_time_s
@@ -196,6 +199,9 @@ def plan_html(plan) -> str:
     if plan.zero_axes:
         lines.append("parameters, gradients and optimizer state sharded over "
                      f"{_esc(', '.join(plan.zero_axes))} (ZeRO-3)")
+    if plan.optimizer_axes:
+        lines.append(f"optimizer state sharded over {_esc(', '.join(plan.optimizer_axes))} "
+                     "(distributed optimizer)")
     names = [n for n, _ in plan.configs]
     if plan.roles:
         specs = [spec_text(s) for s in plan.output_specs().values()]

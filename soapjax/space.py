@@ -222,6 +222,12 @@ class Strategy:
       virtual_stages: v model chunks per stage (the interleaved schedule); 1 otherwise.
       schedule: the pipeline schedule, one of `soapjax.pipeline.SCHEDULES` (used when
         ``stages > 1``).
+      optimizer_axes: Megatron's distributed optimizer (ZeRO-1): the optimizer state (and
+        the update's work) is additionally split over these mesh axes where the parameters
+        are replicated, while parameters and gradients keep their layout. The gradient
+        synchronisation becomes a reduce-scatter into the optimizer state's layout
+        (`optimizer_specs`), each device updates its shard, and the updated parameters are
+        all-gathered back: the bytes of the all-reduce, 1/degree of the optimizer state.
     """
 
     configs: tuple[Config, ...]
@@ -231,8 +237,16 @@ class Strategy:
     stages: int = 1
     virtual_stages: int = 1
     schedule: str = "1f1b"
+    optimizer_axes: tuple[str, ...] = ()
 
     def __post_init__(self):
+        for name in ("zero_axes", "optimizer_axes"):
+            axes = getattr(self, name)
+            if isinstance(axes, str) or not all(isinstance(a, str) for a in axes):
+                raise PlanError(f"Strategy.{name} must be a sequence of mesh axis names, got "
+                                f"{axes!r}")
+            if not isinstance(axes, tuple):
+                object.__setattr__(self, name, tuple(axes))
         m = self.microbatches
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise PlanError(f"Strategy.microbatches must be an integer >= 1 (the global batch "
@@ -410,7 +424,8 @@ def _allowed(role: str, limits: SpaceLimits) -> bool:
 def strategy_from_names(graph: OpGraph, configs: Mapping[str, Config], *,
                         zero_axes: Sequence[str] = (), default: Strategy | None = None,
                         microbatches: int = 1, recompute: Mapping[str, str] | None = None,
-                        pipeline: tuple[int, int, str] | None = None) -> Strategy:
+                        pipeline: tuple[int, int, str] | None = None,
+                        optimizer_axes: Sequence[str] = ()) -> Strategy:
     """A `Strategy` from configs keyed by operator name (as plan files and hand-written
     strategies name them): the one place names become a strategy (`soapjax.plan.Plan.strategy`,
     `soapjax.simulate.parse_strategy` and the apply stage call it).
@@ -425,6 +440,7 @@ def strategy_from_names(graph: OpGraph, configs: Mapping[str, Config], *,
       recompute: operator name -> recompute policy (operators left out: ``"none"``, or the
         default's).
       pipeline: ``(stages, virtual_stages, schedule)``, or None for no pipeline.
+      optimizer_axes: see `Strategy.optimizer_axes`.
 
     Raises:
       PlanError: a name that is not an operator of `graph` (with close matches), or operators
@@ -448,7 +464,8 @@ def strategy_from_names(graph: OpGraph, configs: Mapping[str, Config], *,
         base = default.recompute if default is not None and default.recompute else None
         policies = tuple((recompute or {}).get(n, base[i] if base else "none")
                          for i, n in enumerate(known))
-    return Strategy(cfgs, tuple(zero_axes), microbatches, policies, *(pipeline or ()))
+    return Strategy(cfgs, tuple(zero_axes), microbatches, policies, *(pipeline or (1, 1, "1f1b")),
+                    optimizer_axes=tuple(optimizer_axes))
 
 
 def _abbrev(names: Sequence[str], n: int = 6) -> str:
@@ -517,6 +534,22 @@ def param_specs(graph: OpGraph, strategy: Strategy, mesh: MeshShape) -> dict[str
         out.setdefault(leaf.path, storage_spec(((),) * len(leaf.shape), leaf.shape,
                                                strategy.zero_axes, mesh))
     return out
+
+
+def optimizer_specs(graph: OpGraph, strategy: Strategy, mesh: MeshShape) -> dict[str, Spec]:
+    """How each parameter's optimizer state is stored (Adam's moments; the gradient the update
+    reads is reduce-scattered to it): `param_specs` split further over
+    `strategy.optimizer_axes` as ZeRO splits over `zero_axes` (each axis the parameter is still
+    replicated on, on its largest dim that stays divisible). Without optimizer axes these are
+    the parameters' specs.
+
+    Example: ``fc1``'s kernel [16, 32] under Megatron (column parallel over ``model``) with
+    ``optimizer_axes=("data",)`` on ``data=2, model=4``: the parameter ``P(None, 'model')``,
+    its moments ``P('data', 'model')``.
+    """
+    zero = strategy.zero_axes + tuple(a for a in strategy.optimizer_axes
+                                      if a not in strategy.zero_axes)
+    return param_specs(graph, dataclasses.replace(strategy, zero_axes=zero), mesh)
 
 
 def fit_spec(spec: Spec, shape: Sequence[int], mesh: MeshShape) -> Spec:
