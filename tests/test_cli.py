@@ -326,7 +326,7 @@ def test_models_with_a_size_no_model_has(capsys):
     code, _, err = run(["models", "--size", "nosuch"], capsys)
     assert code == 2 and "alexnet" not in err
     assert err.startswith("soapjax models: error: no model of the zoo has size 'nosuch'; "
-                          "expected one of: default, tiny, 1.3b, ")
+                          "expected one of: default, tiny, tiny-dropout, 1.3b, ")
     code, _, err = run(["models", "--size", "13B"], capsys)
     assert code == 2 and err.endswith("; did you mean '13b'?\n")
     code, out, _ = run(["models", "--size", "13b", "--json"], capsys)
