@@ -1263,19 +1263,15 @@ def _by_dim(dims: Sequence[tuple[str, ...]], axes: tuple[str, ...]
 
 def _canonical_operators(graph: OpGraph) -> list[int]:
     """Per operator, the first operator of its repeated block (`OpGraph.repeated_blocks`) that
-    is the same computation (anchor, iteration dims, operand and output shapes, dtypes and
-    dims), else itself: their views under one config are equal, so they are worked out once
-    (a 96-layer model prices one layer's operators, not 96)."""
-    def signature(op) -> tuple:
-        return (op.anchor, op.iteration_sizes, op.iteration_roles, op.flops,
-                tuple((x.kind, x.shape, x.dtype, x.dims) for x in op.inputs),
-                tuple((x.shape, x.dtype, x.dims) for x in op.outputs))
-
+    is the same computation (`Operator.computation`, the key the cost model shares a layer's
+    price under), else itself: their views under one config are equal, so they are worked out
+    once (a 96-layer model prices one layer's operators, not 96). A looser key than the cost
+    model's would make a view depend on which twin was priced first, and delta != full."""
     canon = list(range(len(graph.operators)))
     for group in graph.repeated_blocks():
-        first = signature(graph.operators[group[0]])
+        first = graph.operators[group[0]].computation
         for j in group[1:]:
-            if signature(graph.operators[j]) == first:
+            if graph.operators[j].computation == first:
                 canon[j] = group[0]
     return canon
 

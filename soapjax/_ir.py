@@ -160,6 +160,20 @@ class Operator:
         return self.roles + ("R",) * len(self.reduction_dims)
 
     @property
+    def computation(self) -> tuple:
+        """What the operator computes, as far as its record tells, short of tracing it: its
+        anchor, iteration dims and split sizes, FLOPs, bytes, equation count and its operands'
+        and outputs' kinds, shapes, dtypes and dims. Two operators of a repeated block with
+        equal `computation` are priced and simulated as one (`soapjax.cost`'s kernels,
+        `soapjax._flatsim`'s views); the layers' `block_position` alone does not say that
+        (layer 0's first norm reads the embeddings, the next layers' add a residual and
+        a dropout to theirs)."""
+        return (self.anchor, self.iteration_sizes, self.iteration_roles, self.granularity,
+                self.replicate_only, self.flops, self.bytes_accessed, self.num_equations,
+                tuple((x.kind, x.shape, x.dtype, x.dims, x.outside) for x in self.inputs),
+                tuple((x.shape, x.dtype, x.dims) for x in self.outputs))
+
+    @property
     def is_loop(self) -> bool:
         """Built around a loop (``scan``, ``while``): an LSTM layer, say."""
         return self.anchor in LOOP_ANCHORS

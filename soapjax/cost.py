@@ -291,8 +291,10 @@ class CostModel:
         if device.kernels is None:
             return analytic_op_time(op, degrees, device, self._dtypes[op_index])
         # the GPU kernel model: the shard's kernels, shared by the layers of a repeated block
-        key = ((op.block_position, op.iteration_sizes, op.iteration_roles, op.anchor)
-               if op.block_position else op_index, degrees)
+        # that compute the same (`Operator.computation`), so a price never depends on which
+        # layer was priced first
+        key = ((op.block_position, op.computation) if op.block_position else op_index,
+               degrees)
         kernels = self._kernels.get(key)
         if kernels is None:
             kernels = self._kernels[key] = shard_kernels(self.graph, op, degrees)
