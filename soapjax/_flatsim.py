@@ -156,8 +156,10 @@ class _View(NamedTuple):
     # per operand, `partials` grouped by the iteration dim they split (`_by_dim`)
     partial_groups: tuple[tuple[tuple[str, ...], ...], ...] = ()
     # per operand with a partial cotangent that the operator computes on before its matmul:
-    # the shard of what the matmul reads in its place, where XLA all-reduces it (else 0)
+    # the shard of what the matmul reads in its place, where XLA reduces it (else 0) ...
     matmul_bytes: tuple[int, ...] = ()
+    # ... and that value's layout here (else None)
+    matmul_specs: tuple[tuple[tuple[str, ...], ...] | None, ...] = ()
 
 
 def scatter_target(op: Any, config: Config, consumer_axes: Sequence[tuple],
@@ -708,7 +710,8 @@ class Simulation:
         p, k, j, o = self._layout.edges[e]
         src = (view if p == i else self._views[p]).out_specs[k]
         consumer = view if j == i else self._views[j]
-        return src, consumer.operand_specs[o], consumer.partials[o], consumer.matmul_bytes[o]
+        return (src, consumer.operand_specs[o], consumer.partials[o],
+                consumer.matmul_specs[o])
         # (a change of `scatter_target` is caught apart: `_rescatter`)
 
     def _replace_units(self, undo: _Undo, op_comm_of: list[int], edges: list[int],
@@ -823,6 +826,8 @@ class Simulation:
                 tuple(_by_dim(config.axes, p) for p in partials),
                 tuple(nbytes(m.shape, m.dims, m.dtype, config.operand_axes(m.dims))
                       if m is not None and p else 0
+                      for m, p in zip(matmul_operands(self.graph, j), partials)),
+                tuple(config.operand_axes(m.dims) if m is not None and p else None
                       for m, p in zip(matmul_operands(self.graph, j), partials)))
         return v
 
@@ -963,9 +968,8 @@ class Simulation:
         if len(summed) > 1:  # each reduced in this layout, then their sum moved once
             return _EdgeTasks(forward, [] if e != summed[0] else self._summed_tasks(summed))
         shared = self._same_layout(e, backward=True)
-        back = (self._reduced_in_place(j, o) + self._activation_chain(x, sample, dst, src)
-                if self._views[j].matmul_bytes[o] else
-                self._activation_chain(x, sample, dst, src, partial))
+        back = (self._reduced(j, o, dst, src) if partial else
+                self._activation_chain(x, sample, dst, src))
         backward = [] if shared[0] != e else self._chain_tasks(
             back, layout.bwd_key(j, 1 + o),
             [self._backward_done(layout.edges[s][2]) for s in shared], RESHARD_BWD, e)
@@ -973,19 +977,54 @@ class Simulation:
 
     def _reduced_in_place(self, j: int, o: int) -> tuple[Comm, ...]:
         """The all-reduce of operand `o`'s partial cotangent in operator `j`'s layout, where it
-        is made: at the operand's shard, or, where the operator computes on the operand before
-        its matmul (a rotary embedding, GQA's repeat), at the shard of what the matmul reads
-        (`soapjax._inner.matmul_operands`; XLA slices the operand's part only after that
-        computation's backward, so there is no reduce-scatter)."""
-        v = self._views[j]
-        x, dst, partial = self.graph.operators[j].inputs[o], v.operand_specs[o], v.partials[o]
-        if not v.matmul_bytes[o]:
-            return self._activation_chain(x, self._sample[j], dst, dst, partial)
-        key = ("matmul_reduce", v.matmul_bytes[o], partial, self._micro)
+        is made (`_reduced` into that same layout)."""
+        here = self._views[j].operand_specs[o]
+        return self._reduced(j, o, here, here)
+
+    def _reduced(self, j: int, o: int, dst: tuple, to: tuple) -> tuple[Comm, ...]:
+        """The way back of operand `o`'s partial cotangent from operator `j`'s layout `dst`
+        into layout `to` (its producer's, or `dst` itself), as XLA compiles it for apply's
+        constraint of the cotangent to `to` (`soapjax._flatstep`).
+
+        Where the matmul reads the operand itself: ``reshard(dst -> to, partial)``, a
+        reduce-scatter over the partial axes `to` splits a dim by, an all-reduce over the rest.
+        Where the operator computes on the operand before its matmul (a rotary embedding,
+        GQA's repeat: `soapjax._inner.matmul_operands`), the partial sums are what the matmul's
+        transpose makes, and XLA reduces them there, before that computation's backward: at
+        the shard of what the matmul reads, reduce-scattered over the partial axes that `to`
+        splits a dim of the operand by which that value has too (divisibly; its backward then
+        runs on the slice), all-reduced over the rest (whole, then sliced); then the operand
+        moves from that layout to `to`, reducing the partial axes that split the matmul's
+        value but not the operand (a repeat's backward sums their slices into partial sums)."""
+        v, sample = self._views[j], self._sample[j]
+        x, partial = self.graph.operators[j].inputs[o], v.partials[o]
+        m_dst = v.matmul_specs[o]
+        if m_dst is None:
+            return self._activation_chain(x, sample, dst, to, partial)
+        m = matmul_operands(self.graph, j)[o]
+        key = ("reduced", m, m_dst, x.shape, x.dims, x.dtype, sample, dst, to, partial,
+               self._micro)
         out = self._memo.get(key)
-        if out is None:
-            c = self._pricing.comm("all_reduce", v.matmul_bytes[o], partial)
-            out = self._memo[key] = self._per_microbatch((c,) if c is not None else ())
+        if out is not None:
+            return out
+        shape = microbatch_shape(m.shape, m.dims, sample, self._micro)
+        # axes that split the matmul's operand (GQA's repeated heads, where the operand's own
+        # heads are whole) make their partial sums in the repeat's backward: reduced there
+        at_matmul = tuple(a for a in partial if not any(a in axes for axes in m_dst))
+        m_to, x_to = list(m_dst), list(dst)
+        for d, it in enumerate(x.dims):
+            axes = tuple(a for a in to[d] if a in at_matmul) if d < len(to) else ()
+            if not axes or it is None or it not in m.dims:
+                continue
+            k = m.dims.index(it)
+            if shape[k] % self.mesh.degree(m_to[k] + axes):
+                continue
+            m_to[k] += axes
+            x_to[d] += axes
+        reduce = self._per_microbatch(
+            self._pricing.chain(shape, m.dtype, m_dst, tuple(m_to), at_matmul))
+        rest = tuple(a for a in partial if a not in at_matmul)
+        out = self._memo[key] = reduce + self._activation_chain(x, sample, tuple(x_to), to, rest)
         return out
 
     def _summed_tasks(self, summed: list[int]) -> list[int]:

@@ -15,11 +15,12 @@ unsharded step, and the compiled step's collectives against the simulator's, kin
   16 times its tiny config's, every operator's sequence dim split over ``model`` and the
   batch over ``data``; attention's queries stay local and its keys and values are
   all-gathered (one all-gather each per layer). Their cotangents are partial sums over the
-  query shards, all-reduced where the scores' and the output's matmuls make them, at those
-  matmuls' operand (every query head after GQA's repeat: twice the keys' bytes), since the
-  rotary embedding's backward and the repeat's sum run on the whole before XLA slices
-  (`soapjax._inner.matmul_operands`); every weight's gradient, partial over the batch's axis
-  and the sequence's, is all-reduced over each on its own.
+  query shards, which apply constrains to the keys' and values' own layout (the sequence
+  split: `soapjax._flatstep`); XLA reduce-scatters them where the scores' and the output's
+  matmuls make them, at those matmuls' operand (every query head after GQA's repeat: twice
+  the keys' bytes), and runs the rotary embedding's backward and the repeat's sum on the
+  slice (`soapjax._inner.matmul_operands`); every weight's gradient, partial over the batch's
+  axis and the sequence's, is all-reduced over each on its own.
 
 The compiled program is ``jax.grad`` of the constrained loss in float64 (no optimizer: its
 global-norm reductions are left out of the simulated collectives too). Every collective of
@@ -232,12 +233,15 @@ def test_context_parallel_collectives_are_priced_as_compiled():
     # per layer the keys and the values gathered whole along the sequence, before the scores'
     # and the output's dots: [1 sequence, 128 tokens, 4 kv heads, 4] float64, 16 KiB each
     _assert_same(kind, "all_gather", 2 * 2, 2 * 2 * 128 * 4 * 4 * 8)
-    assert set(compiled(kind)) == set(simulated(kind)[0]) == {"all_gather", "all_reduce"}
-    # their cotangents, partial sums over the query shards: all-reduced where the dots make
-    # them, at the dots' operand (every query head after GQA's repeat, the whole sequence;
-    # 32 KiB), since the rotary embedding's backward and the repeat's sum run on the whole
-    # before the slice; no reduce-scatter
-    assert xla["dot"] == sim["reshard_backward"] == (2 * 2, 2 * 2 * 128 * 8 * 4 * 8)
+    assert set(compiled(kind)) == set(simulated(kind)[0]) == {"all_gather", "all_reduce",
+                                                                "reduce_scatter"}
+    # their cotangents, partial sums over the query shards: reduce-scattered into the keys'
+    # and values' sequence split where the dots make them, at the dots' operand (every query
+    # head after GQA's repeat, the whole sequence; 32 KiB in), the rotary embedding's
+    # backward and the repeat's sum run on the slice; no dot's all-reduce
+    _assert_same(kind, "reduce_scatter", 2 * 2, 2 * 2 * 128 * 8 * 4 * 8)
+    assert "dot" not in xla
+    assert sim["reshard_backward"] == (2 * 2, 2 * 2 * 128 * 8 * 4 * 8)
     # gradients: the batch over data and the sequence over model split two reduction dims of
     # every weight's gradient, which XLA all-reduces over each on its own (21 weights, twice)
     grads = sum(8 * np.prod(x.shape) for x in jax.tree.leaves(float64_case("llama")[1]))
@@ -259,3 +263,33 @@ def test_expert_parallel_other_collectives(kind):
     assert predicted["reduce_scatter"] == (1, 1024) and "reduce_scatter" not in xla
     names = simulated(kind)[1]
     assert "all_gather layers_0/moe/top_k -> layers_1/moe/dot_general_4 over data+model" in names
+
+
+def test_context_parallel_delta_equals_full():
+    """Random single-operator moves from the context-parallel llama (the keys' and values'
+    cotangents reduced at the matmuls' operand, `Simulation._reduced`), accepted or rejected:
+    after each, every task's start and end equal a fresh simulation's."""
+    import random
+
+    from soapjax.simulate import Simulation
+
+    graph = float64_case("llama")[0]
+    cm = cost_model(graph, TOPOLOGY, mode="analytic")
+    rng = random.Random(1)
+    choices = [space.configs(op, MESH) for op in graph.operators]
+    with Resharder(MESH, mode="ideal") as resharder:
+        current = context_parallel(graph, "model", SEQ_LEN)
+        sim = Simulation(graph, TOPOLOGY, cm, resharder, current)
+        for _ in range(60):
+            i = rng.randrange(len(choices))
+            config = rng.choice(choices[i])
+            candidate = current.replace(i, config)
+            sim.propose(i, config)
+            assert sim.timeline() == Simulation(graph, TOPOLOGY, cm, resharder,
+                                                candidate).timeline()
+            if rng.random() < 0.5:
+                sim.accept()
+                current = candidate
+            else:
+                sim.reject()
+        assert sim.timeline() == Simulation(graph, TOPOLOGY, cm, resharder, current).timeline()
