@@ -85,7 +85,12 @@ from soapjax._chain import (
     _tie_blocks,
     random_strategy,
 )
-from soapjax.baselines import baselines as make_baselines, megatron_grid
+from soapjax.baselines import (
+    baselines as make_baselines,
+    expert_dim,
+    megatron_grid,
+    sequence_dims,
+)
 from soapjax.cost import CostModel, cost_model as make_cost_model
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
@@ -111,9 +116,10 @@ from soapjax.space import (
     within_limits,
 )
 
-__all__ = ["PIPELINE_GRID", "Progress", "SearchResult", "SearchSettings", "exhaustive", "find_plan",
-           "improving_change", "interleave_choices", "make_simulation", "pipeline_grid",
-           "print_progress", "random_strategy", "search", "stage_choices"]
+__all__ = ["CONTEXT_PARALLEL_MIN_TOKENS", "PIPELINE_GRID", "Progress", "SearchResult",
+           "SearchSettings", "exhaustive", "find_plan", "grid_degrees", "improving_change",
+           "interleave_choices", "make_simulation", "pipeline_grid", "print_progress",
+           "random_strategy", "search", "stage_choices"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -433,6 +439,31 @@ def _pipeline_searcher(graph: OpGraph, topology, cost_model, settings: SearchSet
         yield searcher
 
 
+# Context parallelism is for long sequences: Megatron-Core's grid of the search tries cp > 1
+# only from this many tokens a sequence, so the 2K-4K-token decoders' grids stay as they were.
+CONTEXT_PARALLEL_MIN_TOKENS = 8192
+
+
+def grid_degrees(graph: OpGraph, topology) -> dict[str, tuple[int, ...]]:
+    """The expert- and context-parallel degrees of Megatron's grid as the search scores it,
+    as `baselines.megatron_grid`'s ``ep`` and ``cp``: every power of two up to the devices
+    that divides every expert operator's experts (`baselines.expert_dim`), where the graph has
+    experts; every power of two up to the devices that divides its sequence
+    (`baselines.sequence_dims`), where that has `CONTEXT_PARALLEL_MIN_TOKENS` tokens or more;
+    (1,) otherwise. Degrees no axes make are left out by `megatron_grid` itself.
+
+    E.g. Mixtral 8x7B (8 experts, 4096 tokens) on 64 GPUs: ``ep=(1, 2, 4, 8), cp=(1,)``."""
+    n = topology.num_devices
+    powers = [1 << k for k in range(n.bit_length()) if n % (1 << k) == 0]
+    experts = {op.split_sizes[d] for op in graph.operators if (d := expert_dim(op)) is not None}
+    ep = tuple(p for p in powers if all(e % p == 0 for e in experts)) if experts else (1,)
+    lengths = {op.iteration_sizes[d] for op, d in zip(graph.operators, sequence_dims(graph))
+               if d is not None}
+    cp = tuple(p for p in powers if all(t % p == 0 for t in lengths)) \
+        if lengths and min(lengths) >= CONTEXT_PARALLEL_MIN_TOKENS else (1,)
+    return {"ep": ep, "cp": cp}
+
+
 def _within(graph: OpGraph, strategy: Strategy, limits: SpaceLimits) -> bool:
     return all(within_limits(op, c, limits) for op, c in zip(graph.operators, strategy.configs))
 
@@ -440,11 +471,15 @@ def _within(graph: OpGraph, strategy: Strategy, limits: SpaceLimits) -> bool:
 def _best_of_grid(sim: Simulation, searcher: _Searcher, graph: OpGraph, topology,
                   progress: Progress | None, limits: SpaceLimits,
                   deadline: float | None = None) -> tuple[str, Strategy] | None:
-    """Scores Megatron's grid (`baselines.megatron_grid`); returns the fastest that fits (or
+    """Scores Megatron's grid (`baselines.megatron_grid`, with the expert- and
+    context-parallel degrees of `grid_degrees`); returns the fastest that fits (or
     the fastest), which becomes a chain's start. Every point is recorded as seen. Points
     after `deadline` are skipped (one is always scored)."""
-    grid = {name: s for name, s in megatron_grid(graph, topology).items()
-            if _within(graph, s, limits)}
+    # In the order Megatron-LM users try them (`_likely_first`): a deadline that cuts the
+    # grid (Mixtral 8x7B's 306 points with ep) cuts the unlikely points, not TP 4 and 8
+    grid = dict(sorted(((name, s) for name, s in megatron_grid(
+        graph, topology, **grid_degrees(graph, topology)).items()
+        if _within(graph, s, limits)), key=_likely_first))
     best = None
     for n, (name, strategy) in enumerate(grid.items()):
         if best is not None and _past(deadline):

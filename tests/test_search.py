@@ -271,3 +271,26 @@ def test_the_search_never_returns_a_spatially_split_convolution():
     sim.reset(space.data_parallel(g, mesh))
     searcher.record("data-parallel")
     assert searcher.best is not None
+
+
+def test_megatrons_grid_in_the_search_takes_expert_parallel_degrees():
+    """The search's Megatron grid gains the ep degrees every expert count takes (and cp only
+    from `CONTEXT_PARALLEL_MIN_TOKENS`): on the tiny MoE (4 experts, 16 tokens) on cpu8 the
+    searched plan is never slower than the grid's expert-parallel points that fit."""
+    from soapjax.baselines import megatron_grid
+    from soapjax.search import grid_degrees
+
+    w, g, topo, cm = setup("moe", "cpu8")
+    assert grid_degrees(g, topo) == {"ep": (1, 2, 4), "cp": (1,)}
+    assert grid_degrees(setup("gpt", "cpu8")[1], topo) == {"ep": (1,), "cp": (1,)}
+    found = search(g, topo, cost_model=cm, family="transformer",
+                   settings=SearchSettings(max_proposals=20, seed=0))
+    grid = {n: s for n, s in megatron_grid(g, topo, ep=(2, 4)).items() if "-ep" in n}
+    assert len(grid) >= 6
+    sim = make_simulation(g, topo, cost_model=cm)
+    times = []
+    for strategy in grid.values():
+        sim.reset(strategy)
+        if sim.fits_in_memory():
+            times.append(sim.step_time())
+    assert times and found.step_time_s <= min(times)

@@ -1,0 +1,54 @@
+"""scripts/bench_moe.py on the tiny MoE (4 experts, 16 tokens) on cpu8: the hand grid, the
+search, the table."""
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+import bench_moe  # noqa: E402
+
+GRID = {"tp": (1, 2), "ep": (1, 2), "pp": (1,), "mb": (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def row():
+    return bench_moe.run_case(bench_moe.Case("tiny", "cpu8", 8), budget=4.0, pipelines=False,
+                              grid=GRID)
+
+
+def test_grid_has_expert_parallel_points_with_all_to_alls(row):
+    names = {p["name"]: p for p in row["grid"]}
+    # 8 sequences: tp1 (8 replicas of one sequence, microbatch size 1) with ep 1 or 2; tp2 (4
+    # replicas of two, microbatch size 1 or 2) with ep 1 (TP takes data=2, leaving model=4: no
+    # ep 2); each under 3 recomputations;
+    # MaxText's rules with the experts over the in-node axes (ep4) and over the node axis
+    # (cpu8 has one node: ep1, FSDP alone), 3 recomputations each
+    assert sum(n.startswith("megatron") for n in names) == 12
+    assert sum(n.startswith("maxtext-moe") for n in names) == 6
+    a2a = {n: p["all_to_all"] for n, p in names.items() if n.startswith("megatron")}
+    # without expert parallelism or TP no all-to-all; experts over 2 devices add them (TP's
+    # sequence-parallel layouts move some by all-to-all too)
+    assert all(v == 0 for n, v in a2a.items() if "tp1 ep1 " in n)
+    assert all(v == 8192 for n, v in a2a.items() if "tp1 ep2 " in n)
+
+
+def test_searched_plan_fits_and_is_never_slower_than_megatrons_points(row):
+    s = row["searched"]
+    assert s["fits"] and s["step_s"] > 0
+    best = bench_moe.best_hand(row, "megatron")
+    assert best is not None and s["step_s"] <= best["step_s"] * (1 + 1e-12)
+    assert row["search_s"] < 15
+    assert set(s["words"]) >= {"moe/experts/gate", "attn/q", "microbatches", "recompute"}
+
+
+def test_render_says_the_ratio(row):
+    text = bench_moe.render([row], argparse.Namespace(budget=4.0, pipelines=False))
+    line = next(t for t in text.splitlines() if t.startswith("| tiny |"))
+    ratio = float(line.rsplit("|", 2)[1].strip().rstrip("x"))
+    best = min(bench_moe.best_hand(row, p)["step_s"] for p in ("megatron", "maxtext")
+               if bench_moe.best_hand(row, p))
+    assert ratio == pytest.approx(best / row["searched"]["step_s"], abs=0.005)
