@@ -8,7 +8,9 @@ costs (the topology's GPU kernel model, `[device.kernels]`) and the ideal reshar
 * the hand grid: `soapjax.baselines.megatron_3d` over TP in {1, 2, 4, 8} (sequence parallel
   when TP > 1), EP in {1, 2, 4, 8} (carved out of data parallelism, as Megatron-Core does), PP
   in {1, 2, 4} where the layers and the node axis divide (1F1B, no virtual stages), microbatch
-  sizes 1, 2 and 4 samples, recompute none / selective / full; and MaxText's rules
+  sizes 1, 2 and 4 samples, recompute none / selective / full, with and without Megatron's
+  distributed optimizer (the optimizer state sharded over the data-parallel axes); and
+  MaxText's rules
   (`baselines.maxtext_moe`: FSDP over every axis, the experts over the in-node axes, or over
   the node axis) with 1, 2 or 4 microbatches and the same recomputations. Each point is
   simulated by `soapjax.simulate.simulate`; the fastest that fits in 80 GB is the best hand
@@ -45,7 +47,6 @@ from typing import NamedTuple
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import soapjax._chain
 import soapjax_zoo
 from soapjax import baselines
 from soapjax.cost import cost_model
@@ -54,7 +55,7 @@ from soapjax.graph import OpGraph, trace
 from soapjax.memory import check_microbatches
 from soapjax.search import SearchSettings, find_plan
 from soapjax.simulate import SimResult, opt_state_factor, simulate
-from soapjax.space import RECOMPUTE_POLICIES, MeshShape, SpaceLimits, Strategy, configs
+from soapjax.space import RECOMPUTE_POLICIES, MeshShape, Strategy
 from soapjax.topology import load_topology, stage_topology
 
 
@@ -71,35 +72,6 @@ CASES = {
 }
 GRID = {"tp": (1, 2, 4, 8), "ep": (1, 2, 4, 8), "pp": (1, 2, 4), "mb": (1, 2, 4)}
 MAXTEXT_MICROBATCHES = (1, 2, 4)
-
-
-# The zoo MoE's last operator (``moe``: the cross entropy with every layer's load-balancing
-# terms grouped into it) has 196 divisible iteration dims at Mixtral's 32 layers, and
-# `soapjax.space.configs` enumerates (1 + dims) ** axes configs for it: 5.35 million on a
-# 3-axis mesh, 120 s of CPU before the first proposal (the search's budget is spent before its
-# chains start). Until the grouping or the space is fixed, `--cap-space` (on by default) lets
-# the search draw that operator's configs from its first `CAP_DIMS` divisible dims only
-# (the batch and sequence of the logits among them); every other operator keeps its space.
-CAP_DIMS = 6
-
-
-def capped_configs(op, mesh: MeshShape, limits: SpaceLimits = SpaceLimits()):
-    """`soapjax.space.configs`, over the first `CAP_DIMS` divisible dims of an operator that
-    has more than that many plus ten."""
-    if len(op.divisible_dims) <= CAP_DIMS + 10:
-        return configs(op, mesh, limits)
-    return configs(_FirstDims(op), mesh, limits)
-
-
-class _FirstDims:
-    """`op` with only its first `CAP_DIMS` divisible dims."""
-
-    def __init__(self, op):
-        self._op = op
-        self.divisible_dims = op.divisible_dims[:CAP_DIMS]
-
-    def __getattr__(self, name):
-        return getattr(self._op, name)
 
 
 class Point(NamedTuple):
@@ -124,16 +96,19 @@ def point(name: str, g: OpGraph, topo, strategy: Strategy, costs, factor: float)
 
 
 def megatron_points(g: OpGraph, topo, grid: dict = GRID) -> dict[str, Strategy]:
-    """The Megatron-LM configurations of `grid` that `megatron_3d` can build, by name."""
+    """The Megatron-LM configurations of `grid` that `megatron_3d` can build, by name (each
+    with and without the distributed optimizer, ``do``)."""
     out = {}
-    for tp, ep, pp, mb, rec in itertools.product(grid["tp"], grid["ep"], grid["pp"], grid["mb"],
-                                                 RECOMPUTE_POLICIES):
+    for tp, ep, pp, mb, rec, do in itertools.product(grid["tp"], grid["ep"], grid["pp"],
+                                                     grid["mb"], RECOMPUTE_POLICIES,
+                                                     (False, True)):
         try:
             s = baselines.megatron_3d(g, topo, tp=tp, pp=pp, ep=ep, cp=1, microbatch_size=mb,
-                                      recompute=rec, sequence_parallel=tp > 1)
+                                      recompute=rec, sequence_parallel=tp > 1,
+                                      distributed_optimizer=do)
         except PlanError:
             continue
-        out[f"megatron tp{tp} ep{ep} pp{pp} mb{mb} {rec}"] = s
+        out[f"megatron tp{tp} ep{ep} pp{pp} mb{mb} {rec}" + (" do" if do else "")] = s
     return out
 
 
@@ -187,7 +162,7 @@ def _dim_names(op) -> list[str]:
 
 
 def run_case(case: Case, budget: float, pipelines: bool | None, grid: dict = GRID,
-             progress=None, cap_space: bool = True) -> dict:
+             progress=None) -> dict:
     topo = load_topology(case.mesh)
     w = soapjax_zoo.get("moe", case.size, batch_size=case.batch)
     t0 = time.perf_counter()
@@ -202,7 +177,6 @@ def run_case(case: Case, budget: float, pipelines: bool | None, grid: dict = GRI
               (megatron_points(g, topo, grid) | maxtext_points(g, topo)).items()]
     row["grid_s"] = time.perf_counter() - t0
     row["grid"] = [p._asdict() for p in points]
-    soapjax._chain.configs = capped_configs if cap_space else configs
     t0 = time.perf_counter()
     try:
         plan = find_plan(g, topo, settings=SearchSettings(budget_s=budget, seed=0,
@@ -212,8 +186,6 @@ def run_case(case: Case, budget: float, pipelines: bool | None, grid: dict = GRI
     except PlanError as e:
         row["search_s"], row["error"] = time.perf_counter() - t0, str(e).splitlines()[0]
         return row
-    finally:
-        soapjax._chain.configs = configs
     row["search_s"] = time.perf_counter() - t0
     s = plan.strategy(g, topo)
     searched = point("searched", g, topo, s, costs, factor)
@@ -285,16 +257,13 @@ def main() -> int:
                    help=f"comma-separated, of {', '.join(CASES)}")
     p.add_argument("--budget", type=float, default=90.0, help="search budget in seconds")
     p.add_argument("--pipelines", action="store_true", help="search pipelined plans too")
-    p.add_argument("--no-cap-space", dest="cap_space", action="store_false",
-                   help="search the whole space of the loss operator (see CAP_DIMS)")
     p.add_argument("--out", default=None, help="write the tables here (e.g. docs/moe.md)")
     p.add_argument("--json", default=None, help="also write the rows as JSON")
     args = p.parse_args()
     rows = []
     for name in args.cases.split(","):
         t0 = time.perf_counter()
-        rows.append(run_case(CASES[name], args.budget, True if args.pipelines else False,
-                             cap_space=args.cap_space))
+        rows.append(run_case(CASES[name], args.budget, True if args.pipelines else False))
         r = rows[-1]
         print(f"{name}: {time.perf_counter() - t0:.0f} s; best hand "
               f"{best_hand(r)}; searched {r.get('searched', r.get('error'))}", flush=True)
