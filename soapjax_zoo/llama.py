@@ -15,6 +15,14 @@ Sizes (LLaMA 2, Touvron et al. 2023b, as its released configs give them): 7b is 
 32000, sequence 4096: 6,738,415,616 parameters (6.7B in the first LLaMA paper's Table 2; the
 name rounds up); 70b is hidden 8192, 64 heads, 8 key/value heads, 80 layers, MLP 28672:
 68,976,648,192.
+
+Long-context sizes (Llama 3, Grattafiori et al. 2024, as its released configs give them;
+RoPE base 500000, vocabulary 128256, grouped-query attention with 8 key/value heads):
+``8b-32k`` and ``8b-128k`` are hidden 4096, 32 heads, 32 layers, MLP 14336 (8,030,261,248
+parameters), at 32768 and 131072 tokens; ``70b-32k`` and ``70b-128k`` are hidden 8192, 64
+heads, 80 layers, MLP 28672 (70,553,706,496). Each step is 1M tokens (32 or 8 sequences), as
+long-context recipes keep the global batch in tokens while the sequence grows (NeMo's
+Llama 3 8B 16K/64K recipes: TP x CP x PP of 8 to 16 GPUs per sequence).
 """
 
 from __future__ import annotations
@@ -176,11 +184,20 @@ LLAMA_SIZES = {
     "70b": LlamaConfig(num_layers=80, num_heads=64, num_kv_heads=8, d_model=8192,
                        mlp_hidden=28672),
 }
+_LLAMA3_8B = LlamaConfig(vocab_size=128256, num_kv_heads=8, mlp_hidden=14336, rope_base=500000.0)
+_LLAMA3_70B = dataclasses.replace(_LLAMA3_8B, num_layers=80, num_heads=64, d_model=8192,
+                                  mlp_hidden=28672)
+# Llama 3 at long context: 1M tokens a step (32 sequences of 32K, 8 of 128K).
+LONG_CONTEXT_SIZES = {
+    f"{size}-{k}k": dataclasses.replace(base, seq_len=k * 1024, batch_size=2**20 // (k * 1024))
+    for size, base in (("8b", _LLAMA3_8B), ("70b", _LLAMA3_70B)) for k in (32, 128)
+}
 LLAMA_CONFIGS = {
     "default": LLAMA_SIZES["7b"],
     "tiny": LlamaConfig(batch_size=8, seq_len=8, vocab_size=64, num_layers=2, num_heads=8,
                         num_kv_heads=4, d_model=32, mlp_hidden=64, dtype=None),
     **LLAMA_SIZES,
+    **LONG_CONTEXT_SIZES,
 }
 
 

@@ -11,7 +11,7 @@ Example::
   >>> zoo.configs("gpt2")
   ('default', 'tiny')
   >>> zoo.configs("llama")
-  ('default', 'tiny', '7b', '70b')
+  ('default', 'tiny', '7b', '70b', '8b-32k', '8b-128k', '70b-32k', '70b-128k')
   >>> zoo.get("mlp", "tiny", api="nnx").api
   'nnx'
 """
