@@ -383,7 +383,7 @@ def _pipelined_chains(graph: OpGraph, topology, cost_model, settings: SearchSett
         with _pipeline_searcher(graph, topology, cost_model, settings, opt_state_factor,
                                 progress, flat, S, v, schedule, next(iter(points.values()))) \
                 as searcher:
-            key, name, start = _score_points(searcher, points, deadline)
+            key, name, start = _score_points(searcher, points, deadline, until_fit=not fits)
             ranked.append((key, k, name, start))
             yield searcher.best
     for j, (_, k, name, start) in enumerate(sorted(ranked)[:CHAINED_PIPELINES]):
@@ -400,13 +400,15 @@ def _pipelined_chains(graph: OpGraph, topology, cost_model, settings: SearchSett
             yield searcher.best
 
 
-def _score_points(searcher: _Searcher, points: dict[str, Strategy], deadline: float | None
-                  ) -> tuple[tuple[bool, float], str, Strategy]:
-    """Scores `points` in order until `deadline` (one at least), each recorded as seen;
-    returns the best's (does not fit, step time) key, name and strategy."""
+def _score_points(searcher: _Searcher, points: dict[str, Strategy], deadline: float | None,
+                  *, until_fit: bool = False) -> tuple[tuple[bool, float], str, Strategy]:
+    """Scores `points` in order until `deadline` (one at least; with `until_fit`, past it
+    until one fits: while no pipeline's grid has a plan that fits, a deadline must not hide
+    one, as it hid GPT 70B at 32K tokens' on 64 H100s), each recorded as seen; returns the
+    best's (does not fit, step time) key, name and strategy."""
     best = None
     for name, st in points.items():
-        if best is not None and _past(deadline):
+        if best is not None and _past(deadline) and not (until_fit and best[0][0]):
             break
         searcher.sim.reset(st)
         searcher.record(name)

@@ -196,3 +196,18 @@ def test_the_pipelined_grid_offers_every_interleave_the_layers_allow():
     assert "megatron-tp8-pp35-mb280-full" in grid[1, "1f1b"]
     assert all(pipeline_error(st.schedule, 35, st.microbatches, st.virtual_stages) is None
                for points in grid.values() for st in points.values())
+
+
+def test_a_spent_budget_does_not_hide_the_grid_point_that_fits():
+    """With a budget far too short to score the pipelines' grids, the search still scores
+    them past their deadlines until one point fits (then keeps the deadlines): a plan that
+    fits is never lost to the clock (GPT 70B at 32K tokens on 64 H100s raised "no strategy
+    fits" with fitting grid points left unscored)."""
+    import dataclasses
+
+    small = dataclasses.replace(A100, device=dataclasses.replace(A100.device,
+                                                                 memory_bytes=520_000))
+    plan = find_plan(gpt(), small, settings=SearchSettings(budget_s=0.05, seed=0),
+                     costs="analytic")
+    assert plan.pipeline[0] > 1
+    assert max(dict(plan.predicted)["peak_memory_bytes"]) <= 520_000
