@@ -57,7 +57,8 @@ def write_doc(path: Path, results: dict, meta: dict, figures: list[str], figdir:
     gpu_note = ("A GPU is attached: the one-device accuracy below ran on it."
                 if m["gpu"] else
                 "**No GPU was attached to this machine** (none was lent to the session that "
-                "ran it), so every GPU figure below is a prediction from analytic costs, and "
+                "ran it), so every GPU figure below is a prediction from analytic costs (a "
+                "roofline for the P100 and K80, the fitted GPU kernel model for the H100), and "
                 "simulator accuracy is measured on the CPU only.")
     head = [
         "# Results: the FlexFlow paper's experiments, reproduced with soapjax", "",
@@ -78,6 +79,7 @@ def write_doc(path: Path, results: dict, meta: dict, figures: list[str], figdir:
                          + ")"],
             ["load average", f"{meta['load_start']} at the start, {m['load']} at the end "
                              "(other jobs shared the machine; search times are CPU times)"],
+            *([["earlier run", _carried_note(meta["carried"])]] if meta.get("carried") else []),
             *([["rendered", f"this text and the figures were rewritten from that run's "
                             f"`results/results.json` by `{meta['rendered']}`; every number is "
                             "the run's"]] if meta.get("rendered") else []),
@@ -88,9 +90,14 @@ def write_doc(path: Path, results: dict, meta: dict, figures: list[str], figdir:
             continue
         title, doc, intro = SECTION_DOCS[sec]
         source = "measured" if sec == "accuracy" else "analytic"
+        run, rm = meta, m  # a section carried over from an earlier run names that run
+        if sec in meta.get("carried", {}):
+            run = meta["carried"][sec]
+            rm = run["machine"]
         body += [f"## {title}", "", intro, "",
-                 f"*Made by `{meta['command']}` on {meta['date']}, {m['cpu']} "
-                 f"({m['cores']} cores), jax {m['jax']}; cost source: {source}.*", "",
+                 f"*Made by `{run['command']}` on {run['date']}, {rm['cpu']} "
+                 f"({rm['cores']} cores), jax {rm['jax']}, soapjax commit {rm['commit']}; "
+                 f"cost source: {source}.*", "",
                  doc(results[sec]), ""]
         figs = [f for f in figures if f.startswith(_FIG_PREFIX[sec])]
         body += [f"![{f}]({figdir}/{f})" for f in figs]
@@ -99,6 +106,21 @@ def write_doc(path: Path, results: dict, meta: dict, figures: list[str], figdir:
     if not figures:
         body += ["*(No figures: matplotlib is not installed; `pip install -e .[eval]`.)*", ""]
     path.write_text("\n".join(head + body))
+
+
+def _carried_note(carried: dict) -> str:
+    """Which sections a results.json carries over from earlier runs (its ``meta.carried``: the
+    section's results copied from an earlier run's results.json, with that run's command, date
+    and machine), for the doc's header."""
+    runs: dict[tuple, list[str]] = {}
+    for sec, c in carried.items():
+        key = (c["date"], c["machine"]["commit"], c["command"])
+        runs.setdefault(key, []).append(f"{SECTIONS.index(sec) + 1} ({sec})")
+    return "; ".join(
+        f"section{'s' if len(secs) > 1 else ''} {' and '.join(secs)} carried over unchanged "
+        f"from the run of {date} at commit {commit} (`{command}`; its results copied into this "
+        "run's results.json)" for (date, commit, command), secs in runs.items()
+    ) + "; the run time above is this run's sections only"
 
 
 _FIG_PREFIX = {"throughput": "fig7", "comm": "fig8", "search": "fig12", "quality": "none",

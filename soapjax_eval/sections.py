@@ -146,9 +146,10 @@ def _throughput_gap(reproduced: list[str], multi: list[dict]) -> list[str]:
         "operator runs on every device; the paper's best RNN strategies (its Figure 14) put "
         "different layers on different GPUs. Stages on sub-meshes, which DESIGN.md plans after "
         "the SPMD path, would add that.",
-        "3. *Analytic costs.* A roofline gives a config the same time whichever dim is split; the "
-        "paper measured a 38% faster channel-split matmul in NMT (section 8.2.1) that only "
-        "measured GPU costs (`cost_model(mode=\"measured\")` on the target GPUs) can show.",
+        "3. *Analytic costs.* On the P100 and K80 clusters a roofline gives a config the same "
+        "time whichever dim is split; the paper measured a 38% faster channel-split matmul in "
+        "NMT (section 8.2.1) that only measured GPU costs (`cost_model(mode=\"measured\")` on "
+        "the target GPUs) or a kernel model fitted to those GPUs (as the H100's is) can show.",
         "4. *A coarser RNN graph.* An LSTM layer is one operator (one `lax.scan` over 40 steps) "
         "here, 40 operators in the paper, so per-step choices do not exist.",
     ]
@@ -542,9 +543,14 @@ SECTION_DOCS = {
         "7, whose dashed ideal lines scale linearly. P100 and K80 clusters are the paper's "
         "(`meshes/p100x16.toml`, `meshes/k80x64.toml`), cut to fewer GPUs by "
         "`soapjax.topology.scaled_topology` (2 GPUs: two of one node; 8: two nodes). Costs are "
-        "**analytic** (a roofline of each device's datasheet figures; no P100, K80 or H100 is "
-        "attached), communication uses the ideal resharding model. OOM marks a strategy that "
-        "does not fit in device memory (the search never returns one)."),
+        "**analytic** (no P100, K80 or H100 is attached): on the P100 and K80 clusters a "
+        "roofline of each device's datasheet figures (their topology files have no kernel "
+        "table, so those times are lower bounds at 100% of peak); on the H100s the GPU kernel "
+        "model of the topologies' `[device.kernels]` table (`soapjax.kernels`: GEMMs at a "
+        "fitted fraction of peak with tile and wave quantisation, memory-bound kernels at the "
+        "achieved HBM bandwidth, launch overhead; docs/accuracy.md) and NCCL at 0.8 of each "
+        "link's line rate. Communication uses the ideal resharding model. OOM marks a strategy "
+        "that does not fit in device memory (the search never returns one)."),
     "comm": (
         "2. Communication (paper Figure 8)", doc_comm,
         "Bytes transferred per iteration for NMT on 64 K80s (16 nodes), from the simulated "
