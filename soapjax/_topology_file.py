@@ -706,6 +706,14 @@ def _parse_device(table: object) -> DeviceSpec:
 
 def _parse_kernels(table: object) -> KernelSpec:
     k = _table(table, "[device.kernels]", _KERNEL_KEYS)
+    tile = k.get("tile", [128, 128])
+    if not isinstance(tile, list) or len(tile) != 2 or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in tile):
+        raise TopologyError(f"[device.kernels].tile: expected [rows, columns], two positive "
+                            f"integers, found {tile!r}")
+    sms = k["sms"]
+    if not isinstance(sms, int) or isinstance(sms, bool) or sms < 1:
+        raise TopologyError(f"[device.kernels].sms: expected a positive integer, found {sms!r}")
     return KernelSpec(
         gemm_efficiency=k["gemm_efficiency"], memory_efficiency=k["memory_efficiency"],
         launch=_quantity(k["launch"], "seconds", "[device.kernels].launch", allow_zero=True),
