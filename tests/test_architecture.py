@@ -28,7 +28,8 @@ STAGES: tuple[tuple[str, ...], ...] = (
     # recompute, microbatches, pipeline stages and their schedules; the planners' argument checks
     ("baselines", "plan", "_strategy_file"),  # expert strategies; the Plan file; --strategy
     ("_hlo_text", "_timing", "devices", "links", "devicefit", "roofline", "kernels", "updates",
-     "flops", "cost", "_hlo_flops", "hlo", "_reshard_ideal", "_reshard_worker", "reshard"),  # prices
+     "flops", "cost", "_hlo_flops", "hlo", "_reshard_ideal", "_reshard_worker",
+     "reshard"),  # prices
     ("_taskgraph", "_simresult", "_flatsim", "pipesim", "simulate"),  # strategy -> timeline
     ("_chain", "search"),  # MCMC -> best plan
     ("_pipeline_layout", "_validation", "_flatstep", "_pipelined", "_shardings",

@@ -106,8 +106,9 @@ def test_activation_bytes_rule_by_hand():
 #   none, TP only: 10 + 24/t + 5as/(ht);  none, TP + SP: (34 + 5as/h) / t
 #   selective, TP only: 10 + 24/t;        selective, TP + SP: 34 / t;   full: 2 (2/t with SP)
 # These are the zoo's GPT without dropout (dropout=0.0; its dropout recomputes the masks from
-# per-sequence seeds rather than keeping them): without the masks (attention and MLP: 1 + 1; replicated under
-# TP) and the dropout's output over the scores (3 a s / h of the 5), the formulas read
+# per-sequence seeds rather than keeping them): without the masks (attention and MLP: 1 + 1;
+# replicated under TP) and the dropout's output over the scores (3 a s / h of the 5), the
+# formulas read
 #   none 8 + 24/t + 2as/(ht) (TP) and (32 + 2as/h)/t (SP); selective 8 + 24/t and 32/t.
 # At h 1024, a 16, s 512 (a s / h = 8) and t 8: MEGATRON below.
 MEGATRON = {(1, False, "none"): 48, (1, False, "selective"): 32, (1, False, "full"): 2,

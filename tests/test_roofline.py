@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-
 from pathlib import Path
 
 import flax.linen as nn
