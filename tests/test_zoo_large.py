@@ -59,7 +59,10 @@ NOMINAL = {
     ("llama", "70b-128k"): 70e9,
 }
 HEAVY = {("gpt", "145.6b"), ("gpt", "175b"), ("gpt", "310.1b"), ("gpt", "530b"),
-         ("gpt", "1t")}  # 3-5 s to trace each
+         ("gpt", "1t"),  # 3-5 s to trace each
+         # 1.5-2 s each, and the shapes of sizes `make test` keeps (make test-all runs them)
+         ("gpt", "2.7b"), ("gpt", "3.6b"), ("gpt", "7.5b"), ("gpt", "18.4b"), ("gpt", "39.1b"),
+         ("gpt", "76.1b"), ("llama", "8b-128k"), ("llama", "70b-32k"), ("llama", "70b-128k")}
 
 
 def gpt_params(c: gpt.GPTConfig) -> int:
