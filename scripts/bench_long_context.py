@@ -51,13 +51,15 @@ import jax.numpy as jnp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from _searched_row import search_into
 
 import soapjax_zoo
 from soapjax import baselines
 from soapjax.cost import cost_model
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph, trace
-from soapjax.search import SearchSettings, find_plan
 from soapjax.simulate import SimResult, opt_state_factor, simulate
 from soapjax.space import RECOMPUTE_POLICIES, MeshShape, Strategy
 from soapjax.topology import load_topology, stage_topology
@@ -170,22 +172,9 @@ def run_case(key: str, case: Case, budget: float, pipelines: bool | None, grid: 
     row["grid"] = [point(name, g, topo, s, costs, factor)._asdict()
                    for name, s in megatron_points(g, topo, grid).items()]
     row["grid_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    try:
-        plan = find_plan(g, topo, settings=SearchSettings(budget_s=budget, seed=0,
-                                                          pipelines=pipelines),
-                         costs=costs, optimizer=w.optimizer, family=w.family,
-                         model_config=case.size, progress=progress)
-    except PlanError as e:
-        row["search_s"], row["error"] = time.perf_counter() - t0, str(e).splitlines()[0]
-        return row
-    row["search_s"] = time.perf_counter() - t0
-    s = plan.strategy(g, topo)
-    info = plan.to_json()["search"]
-    row["searched"] = point("searched", g, topo, s, costs, factor)._asdict() | {
-        "words": describe(g, s, topo), "best_from": info.get("best_from"),
-        "proposals": info.get("proposals")}
-    return row
+    return search_into(row, g, topo, w, case.size, costs, budget, pipelines,
+                       lambda s: point("searched", g, topo, s, costs, factor), describe,
+                       progress)
 
 
 def best_hand(row: dict) -> dict | None:

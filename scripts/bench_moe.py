@@ -46,6 +46,9 @@ from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from _searched_row import search_into
 
 import soapjax_zoo
 from soapjax import baselines
@@ -53,7 +56,6 @@ from soapjax.cost import cost_model
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph, trace
 from soapjax.memory import check_microbatches
-from soapjax.search import SearchSettings, find_plan
 from soapjax.simulate import SimResult, opt_state_factor, simulate
 from soapjax.space import RECOMPUTE_POLICIES, MeshShape, Strategy
 from soapjax.topology import load_topology, stage_topology
@@ -177,23 +179,9 @@ def run_case(case: Case, budget: float, pipelines: bool | None, grid: dict = GRI
               (megatron_points(g, topo, grid) | maxtext_points(g, topo)).items()]
     row["grid_s"] = time.perf_counter() - t0
     row["grid"] = [p._asdict() for p in points]
-    t0 = time.perf_counter()
-    try:
-        plan = find_plan(g, topo, settings=SearchSettings(budget_s=budget, seed=0,
-                                                          pipelines=pipelines),
-                         costs=costs, optimizer=w.optimizer, family=w.family,
-                         model_config=case.size, progress=progress)
-    except PlanError as e:
-        row["search_s"], row["error"] = time.perf_counter() - t0, str(e).splitlines()[0]
-        return row
-    row["search_s"] = time.perf_counter() - t0
-    s = plan.strategy(g, topo)
-    searched = point("searched", g, topo, s, costs, factor)
-    info = plan.to_json()["search"]
-    row["searched"] = searched._asdict() | {
-        "words": describe(g, s, topo), "best_from": info["best_from"],
-        "proposals": info["proposals"]}
-    return row
+    return search_into(row, g, topo, w, case.size, costs, budget, pipelines,
+                       lambda s: point("searched", g, topo, s, costs, factor), describe,
+                       progress)
 
 
 def best_hand(row: dict, prefix: str = "") -> dict | None:
