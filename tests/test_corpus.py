@@ -270,12 +270,18 @@ def cpu8_grads(name: str, kind: str) -> Any:
 
 def soapjax_grads(c: Case, strategy: Strategy, mesh: Mesh) -> Any:
     """``jax.grad`` of the constrained loss, jitted with the strategy's input shardings."""
-    with jax.enable_x64(c.x64):
-        loss = constrained_loss(c.graph, strategy, mesh)
-        ps = param_shardings(c.graph, strategy, mesh, params=c.params)
-        bs = batch_shardings(c.graph, strategy, mesh, batch=c.batch)
+    return sharded_grads(c.graph, strategy, mesh, c.params, c.batch, x64=c.x64)
+
+
+def sharded_grads(graph: Any, strategy: Strategy, mesh: Mesh, params: Any, batch: Any, *,
+                  x64: bool = True) -> Any:
+    """`soapjax_grads` of any traced graph, its parameters and batch."""
+    with jax.enable_x64(x64):
+        loss = constrained_loss(graph, strategy, mesh)
+        ps = param_shardings(graph, strategy, mesh, params=params)
+        bs = batch_shardings(graph, strategy, mesh, batch=batch)
         grad = jit(jax.grad(loss), in_shardings=(ps, bs), out_shardings=ps)
-        return grad(*device_put_global((c.params, c.batch), (ps, bs)))
+        return grad(*device_put_global((params, batch), (ps, bs)))
 
 
 def tolerance(name: str, x64: bool) -> float:

@@ -19,14 +19,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_corpus import FAST_COMPILE, X64_TOL, jiggle, relative_error, worst_leaf
+from test_corpus import (
+    FAST_COMPILE,
+    X64_TOL,
+    jiggle,
+    relative_error,
+    sharded_grads,
+    worst_leaf,
+)
 
 import soapjax_zoo
 from soapjax.apply import (
-    batch_shardings,
-    constrained_loss,
     device_put_global,
-    param_shardings,
     sharded_train_step,
 )
 from soapjax.baselines import fsdp, megatron, megatron_3d
@@ -110,12 +114,7 @@ def gradient_error(strategy: Strategy, rate: float = 0.1) -> float:
     """The relative error of `strategy`'s float64 gradients on cpu8 against the unsharded."""
     _, graph, params, batch, (_, want) = case(rate)
     mesh = make_mesh(CPU8)
-    with jax.enable_x64(True):
-        ps = param_shardings(graph, strategy, mesh, params=params)
-        bs = batch_shardings(graph, strategy, mesh, batch=batch)
-        grad = jax.jit(jax.grad(constrained_loss(graph, strategy, mesh)), in_shardings=(ps, bs),
-                       out_shardings=ps, compiler_options=FAST_COMPILE)
-        got = grad(*device_put_global((params, batch), (ps, bs)))
+    got = sharded_grads(graph, strategy, mesh, params, batch)
     err = relative_error(got, want)
     assert err <= X64_TOL, f"{err:.3g}; worst leaf {worst_leaf(got, want)}"
     return err
