@@ -1,8 +1,9 @@
 """Mixture-of-experts models on H100 clusters: the searched plan beside the hand configurations
 a person would try, written to docs/moe.md (issue 32, item 5).
 
-For each case (the zoo's ``moe``: Mixtral 8x7B on `h100x64`, Mixtral 8x22B on `dgx-h100x32`,
-the fine-grained MoE on `h100x64`; capacity-factor dispatch, GShard's einsums), with analytic
+For each case (the zoo's ``moe``: Mixtral 8x7B on `h100x64`, Mixtral 8x22B on `dgx-h100x32`
+and on 256 H100s (`dgx-h100x1024` cut to 32 nodes), the fine-grained MoE on `h100x64`;
+capacity-factor dispatch, GShard's einsums), with analytic
 costs (the topology's GPU kernel model, `[device.kernels]`) and the ideal resharding model:
 
 * the hand grid: `soapjax.baselines.megatron_3d` over TP in {1, 2, 4, 8} (sequence parallel
@@ -70,6 +71,7 @@ class Case(NamedTuple):
 CASES = {
     "mixtral-8x7b": Case("mixtral-8x7b", "h100x64", 256),
     "mixtral-8x22b": Case("mixtral-8x22b", "dgx-h100x32", 256),
+    "mixtral-8x22b-256": Case("mixtral-8x22b", "dgx-h100x1024-256", 256),
     "fine-grained": Case("fine-grained", "h100x64", 256),
 }
 GRID = {"tp": (1, 2, 4, 8), "ep": (1, 2, 4, 8), "pp": (1, 2, 4), "mb": (1, 2, 4)}

@@ -4,12 +4,15 @@ As the FlexFlow paper (section 6): a proposal gives one operator, chosen uniform
 a config chosen uniformly at random from its SOAP space; delta simulation scores it; it is
 accepted with probability ``min(1, exp(beta * (cost(S) - cost(S*))))`` against the *current*
 strategy S. Every baseline (data parallel, Megatron, FSDP, the paper's experts) and some random
-strategies are initial candidates; each gets an equal share of what the budget leaves after
-the starts are scored, and stops early when its best has not improved for half of its share.
-The budget bounds the whole search (`SearchSettings.budget_s`): measuring new shard programs
-stops at 80% of it (`soapjax.cost.CostModel.measure_until`: later ones are estimated from the
-roofline and the operator's measured ones), scoring Megatron's grid at 30%, the chains 5%
-before its end. The best strategy that fits in device memory
+strategies are initial candidates, and so are Megatron's grid's best point and, for a model
+with experts or a long sequence, the best grid point with expert or context parallelism (a
+chain from TP 8 seldom walks into them: `GRID_FAMILIES`); each gets an equal share of what
+the budget leaves after the starts are scored, and stops early when its best has not
+improved for half of its share. The budget bounds the whole search
+(`SearchSettings.budget_s`): measuring new shard programs stops at 80% of it
+(`soapjax.cost.CostModel.measure_until`: later ones are estimated from the roofline and the
+operator's measured ones), scoring Megatron's grid at 30%, the chains 5% before its end. The
+best strategy that fits in device memory
 over all chains is returned, so it is never worse than the best baseline.
 
 **beta.** Costs are step times, whose scale varies by orders of magnitude between models and
@@ -226,10 +229,8 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
         starts[f"random-{k}"] = random_strategy(graph, mesh, searcher.rng, settings.limits)
     scored = []
     if family in (None, "transformer") and graph.repeated_blocks():
-        grid = _best_of_grid(sim, searcher, graph, topology, progress, settings.limits,
-                             budget.at(GRID_SHARE))
-        if grid is not None:
-            starts[grid[0]] = grid[1]
+        starts.update(_grid_starts(sim, searcher, graph, topology, progress, settings.limits,
+                                   budget.at(GRID_SHARE)))
     # Baselines outside the space the caller asked for (sequence parallelism splits a CNN's
     # norms spatially, where convolutions are kept whole) are not starts.
     starts = {name: _tie_blocks(graph, s) for name, s in starts.items()
@@ -470,21 +471,29 @@ def _within(graph: OpGraph, strategy: Strategy, limits: SpaceLimits) -> bool:
     return all(within_limits(op, c, limits) for op, c in zip(graph.operators, strategy.configs))
 
 
-def _best_of_grid(sim: Simulation, searcher: _Searcher, graph: OpGraph, topology,
-                  progress: Progress | None, limits: SpaceLimits,
-                  deadline: float | None = None) -> tuple[str, Strategy] | None:
+# The kinds of parallelism whose best grid point gets a chain of its own beside the grid's best:
+# a chain from TP 8 rarely walks into expert or context parallelism (every expert operator and
+# the all-to-alls must move together), so the search starts in those basins too.
+GRID_FAMILIES = {"expert": "-ep", "context": "-cp"}
+
+
+def _grid_starts(sim: Simulation, searcher: _Searcher, graph: OpGraph, topology,
+                 progress: Progress | None, limits: SpaceLimits,
+                 deadline: float | None = None) -> dict[str, Strategy]:
     """Scores Megatron's grid (`baselines.megatron_grid`, with the expert- and
-    context-parallel degrees of `grid_degrees`); returns the fastest that fits (or
-    the fastest), which becomes a chain's start. Every point is recorded as seen. Points
-    after `deadline` are skipped (one is always scored)."""
+    context-parallel degrees of `grid_degrees`); returns the chains' starts from it: the
+    fastest point that fits (or the fastest), and for each family of `GRID_FAMILIES` the grid
+    has (points with ``ep`` or ``cp`` above 1), that family's fastest, where it is another
+    point. Every point is recorded as seen. Points after `deadline` are skipped (one is always
+    scored)."""
     # In the order Megatron-LM users try them (`_likely_first`): a deadline that cuts the
     # grid (Mixtral 8x7B's 306 points with ep) cuts the unlikely points, not TP 4 and 8
     grid = dict(sorted(((name, s) for name, s in megatron_grid(
         graph, topology, **grid_degrees(graph, topology)).items()
         if _within(graph, s, limits)), key=_likely_first))
-    best = None
+    best: dict[str, tuple[tuple[bool, float], str, Strategy]] = {}
     for n, (name, strategy) in enumerate(grid.items()):
-        if best is not None and _past(deadline):
+        if best and _past(deadline):
             if progress is not None:
                 progress(f"search: {len(grid) - n} of Megatron's {len(grid)} grid points left "
                          "unscored (time budget)")
@@ -494,9 +503,11 @@ def _best_of_grid(sim: Simulation, searcher: _Searcher, graph: OpGraph, topology
         sim.reset(strategy)
         searcher.record(name)
         key = (not sim.fits_in_memory(), sim.step_time())
-        if best is None or key < best[0]:
-            best = (key, name, strategy)
-    return None if best is None else (best[1], best[2])
+        families = ["grid"] + [f for f, tag in GRID_FAMILIES.items() if tag in name]
+        for family in families:
+            if family not in best or key < best[family][0]:
+                best[family] = (key, name, strategy)
+    return {name: strategy for _, name, strategy in best.values()}
 
 
 def make_simulation(graph: OpGraph, topology, *, cost_model=None, resharder=None,

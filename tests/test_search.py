@@ -294,3 +294,27 @@ def test_megatrons_grid_in_the_search_takes_expert_parallel_degrees():
         if sim.fits_in_memory():
             times.append(sim.step_time())
     assert times and found.step_time_s <= min(times)
+
+
+def test_the_grid_starts_a_chain_in_expert_parallelism():
+    """Beside the grid's best point, the best point with expert parallelism starts a chain of
+    its own (a chain from TP rarely moves every expert operator to an expert split): on the
+    tiny MoE on cpu8 the starts are the grid's fastest and the fastest ``-ep`` point, and
+    the latter is the fastest of the grid's expert-parallel points."""
+    from soapjax.search import _grid_starts, _Searcher, grid_degrees
+    from soapjax.space import SpaceLimits
+
+    w, g, topo, cm = setup("moe", "cpu8")
+    sim = make_simulation(g, topo, cost_model=cm)
+    searcher = _Searcher(sim, SearchSettings(max_proposals=10), None)
+    starts = _grid_starts(sim, searcher, g, topo, None, SpaceLimits())
+    expert = [n for n in starts if "-ep" in n]
+    assert len(expert) == 1 and not any("-cp" in n for n in starts), list(starts)
+    from soapjax.baselines import megatron_grid
+
+    def key(strategy):
+        sim.reset(strategy)
+        return (not sim.fits_in_memory(), sim.step_time())
+    grid = megatron_grid(g, topo, **grid_degrees(g, topo))
+    assert key(starts[expert[0]]) == min(key(s) for n, s in grid.items() if "-ep" in n)
+    assert min(key(s) for s in starts.values()) == min(key(s) for s in grid.values())
