@@ -312,13 +312,15 @@ def _num_layers(graph: OpGraph) -> int:
 def pipeline_grid(graph: OpGraph, topology, stages: int, limits: SpaceLimits = SpaceLimits()
                   ) -> dict[tuple[int, str], dict[str, Strategy]]:
     """Megatron's grid at `stages` pipeline stages, as the search scores it, by (virtual
-    stages, schedule): TP in `PIPELINE_GRID`, every `interleave_choices` v, the microbatch
-    sizes and recomputations of `baselines.megatron_grid`; points outside `limits`, or whose
+    stages, schedule): TP in `PIPELINE_GRID`, every `interleave_choices` v, the expert- and
+    context-parallel degrees of `grid_degrees`, the microbatch sizes and recomputations of
+    `baselines.megatron_grid`; points outside `limits`, or whose
     layers do not cut into S x v chunks, left out; each pipeline's points in the order
     `_likely_first` gives. Every point is one apply runs (`megatron_3d` builds only
     strategies `soapjax.pipeline.pipeline_error` accepts)."""
     grid = megatron_grid(graph, topology, pp=(stages,),
-                         interleave=interleave_choices(graph, stages), tp=PIPELINE_GRID["tp"])
+                         interleave=interleave_choices(graph, stages), tp=PIPELINE_GRID["tp"],
+                         **grid_degrees(graph, topology))
     by_pipe: dict[tuple[int, str], dict[str, Strategy]] = {}
     for name, st in grid.items():
         if _within(graph, st, limits):

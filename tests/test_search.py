@@ -318,3 +318,23 @@ def test_the_grid_starts_a_chain_in_expert_parallelism():
     grid = megatron_grid(g, topo, **grid_degrees(g, topo))
     assert key(starts[expert[0]]) == min(key(s) for n, s in grid.items() if "-ep" in n)
     assert min(key(s) for s in starts.values()) == min(key(s) for s in grid.values())
+
+
+def test_the_pipelined_grid_takes_context_parallel_degrees():
+    """At a long sequence the pipelined grids have Megatron's context-parallel points too (the
+    best hand plan for LLaMA 70B at 32K tokens on 64 H100s is TP8 CP4 PP2, docs/long-context.md):
+    the tiny llama at 8192 tokens on h100x64 at 2 stages, CP over the axes TP and PP leave."""
+    import dataclasses
+
+    from soapjax.search import pipeline_grid
+    from soapjax_zoo import llama
+
+    cfg = dataclasses.replace(llama.LLAMA_CONFIGS["tiny"], seq_len=8192, batch_size=4)
+    w = llama.build_llama("llama", "tiny-8k", cfg, "linen")
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="llama")
+    points = pipeline_grid(g, load_topology("h100x64"), 2)[1, "1f1b"]
+    names = {n for n in points if "-cp" in n}
+    assert {"megatron-tp8-cp4-pp2-mb1-full", "megatron-tp4-cp2-pp2-do-mb1-selective"} <= names
+    assert all(points[n].stages == 2 for n in names)
+    short = pipeline_grid(setup("llama", "cpu8")[1], load_topology("h100x64"), 2)
+    assert not any("-cp" in n for pts in short.values() for n in pts)
