@@ -32,7 +32,7 @@ STAGES: tuple[tuple[str, ...], ...] = (
      "reshard"),  # prices
     ("_taskgraph", "_simresult", "_flatsim", "pipesim", "simulate"),  # strategy -> timeline
     ("_chain", "search"),  # MCMC -> best plan
-    ("_pipeline_layout", "_validation", "_flatstep", "_pipelined", "_shardings",
+    ("attention", "_pipeline_layout", "_validation", "_flatstep", "_pipelined", "_shardings",
      "apply"),  # plan -> sharded, jitted step
     ("training", "check"),  # the training helper; a plan against the devices
     ("report", "plot"),  # text, HTML and pictures

@@ -1,0 +1,231 @@
+"""Ring attention: attention whose sequence is split over a mesh axis, the keys and values
+passed around the ring (issue 32, context parallelism's second form).
+
+Context parallelism splits a long sequence over a mesh axis of size ``cp``. Its all-gather form
+(Llama 3's; what `soapjax.baselines.megatron_3d` with ``cp`` plans and XLA compiles from a split
+query dim) keeps the queries local and gathers every key and value: each device holds the whole
+sequence's keys and values and its ``T/cp x T`` block of scores. Ring attention (Liu et al. 2023,
+"Ring Attention with Blockwise Transformers for Near-Infinite Context") keeps the keys and
+values local too: in ``cp`` steps each device attends its queries to one block of keys and
+values and hands that block to the next device (``jax.lax.ppermute``), combining the blocks'
+results with the online softmax of flash attention (a running maximum and sum per query, in
+float32 or wider). Each device then holds two key/value blocks (the one in use and the one
+arriving) and one ``T/cp x T/cp`` block of scores, and the sends overlap the blocks'
+computation.
+
+`ring_attention` is the per-device program, called inside `jax.shard_map` manual over the ring's
+axis. Which keys a query sees comes from position arrays that travel with the blocks, so any
+layout of the sequence over the ring works: contiguous blocks (device i holds tokens
+``[i T/cp, (i+1) T/cp)``), where causal attention leaves device i with i + 1/2 blocks to
+compute and skips the rest (the last device does about 2 cp times the first's work, and the
+ring waits for it), or the zigzag layout of `zigzag` (device i holds chunks i and 2 cp - 1 - i
+of 2 cp), where every device computes the same amount (Megatron-Core's and Llama 3's load
+balancing). Sub-blocks a causal mask hides whole are skipped (`_attend`).
+
+The backward pass is autodiff's: each step's block computation is a ``jax.checkpoint`` (the
+scores are recomputed, never kept), and the ppermutes transpose into ppermutes the other way
+around the ring, carrying the keys' and values' cotangents home. Per device and attention call
+the ring sends ``cp - 1`` key blocks and ``cp - 1`` value blocks forward, and as many cotangent
+blocks backward (`ring_sends`).
+
+Not yet in the search: the operator graph has no attention operator whose implementation a
+plan could choose (the zoo's attention is scores, softmax and ``probs v`` as plain equations,
+grouped into two operators), so plans use the all-gather form; this module is the ring form
+that such an operator will run.
+
+Example (8 devices, the sequence over all of them)::
+
+    mesh = jax.make_mesh((8,), ("seq",))
+    spec = jax.P(None, "seq")
+    ring = jax.shard_map(lambda q, k, v, p: ring_attention(q, k, v, p, p, axis_name="seq"),
+                         mesh=mesh, in_specs=(spec, spec, spec, jax.P("seq")), out_specs=spec)
+    out = ring(q, k, v, jnp.arange(q.shape[1]))   # == causal attention of q, k, v
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["RingSends", "reference_attention", "ring_attention", "ring_sends", "unzigzag",
+           "zigzag"]
+
+
+def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                        causal: bool = True) -> jax.Array:
+    """``softmax(q k^T / sqrt(H)) v`` over ``[B, T, N, H]`` queries and ``[B, S, N, H]`` keys and
+    values (``N`` heads each: repeat grouped key/value heads first), the softmax in float32 or
+    wider, causal as ``query position >= key position`` where `causal`: the function
+    `ring_attention` computes, written whole."""
+    scores = jnp.einsum("BTNH,BSNH->BNTS", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    scores = scores.astype(jnp.promote_types(scores.dtype, jnp.float32))
+    if causal:
+        mask = jnp.arange(q.shape[1])[:, None] >= jnp.arange(k.shape[1])[None, :]
+        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("BNTS,BSNH->BTNH", probs, v)
+
+
+class _Partial(NamedTuple):
+    """One query block's attention to the key blocks seen so far: the unnormalised output
+    (``[B, T, N, H]``, float32 or wider), and per query the scores' running maximum and the sum
+    of their exponentials (``[B, N, T]``)."""
+
+    out: jax.Array
+    top: jax.Array
+    total: jax.Array
+
+
+def _block(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
+           causal: bool) -> _Partial:
+    """The attention of one query block to one key/value block. A query none of whose keys it
+    may see gets maximum ``finfo.min`` and weights exp(0) = 1 on every key, which `_merge`
+    scales to nothing against any block it does see."""
+    wide = jnp.promote_types(q.dtype, jnp.float32)
+    scores = jnp.einsum("BTNH,BSNH->BNTS", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    scores = scores.astype(wide)
+    if causal:
+        mask = q_pos[:, None] >= k_pos[None, :]
+        scores = jnp.where(mask, scores, jnp.finfo(wide).min)
+    top = jnp.max(scores, axis=-1)
+    weights = jnp.exp(scores - top[..., None])
+    if causal:
+        weights = jnp.where(mask, weights, 0)
+    out = jnp.einsum("BNTS,BSNH->BTNH", weights.astype(v.dtype), v).astype(wide)
+    return _Partial(out, top, jnp.sum(weights, axis=-1))
+
+
+def _merge(a: _Partial, b: _Partial) -> _Partial:
+    """Two partials of the same queries over disjoint key blocks, as one (the online softmax)."""
+    top = jnp.maximum(a.top, b.top)
+    sa, sb = jnp.exp(a.top - top), jnp.exp(b.top - top)
+    return _Partial(a.out * _per_query(sa) + b.out * _per_query(sb), top,
+                    a.total * sa + b.total * sb)
+
+
+def _per_query(x: jax.Array) -> jax.Array:
+    """``[B, N, T]`` per-query values as ``[B, T, N, 1]``, to scale an output block."""
+    return jnp.moveaxis(x, 1, 2)[..., None]
+
+
+def _skipped(q: jax.Array, k: jax.Array, v: jax.Array) -> _Partial:
+    """The partial of a query block that sees none of a key block: contributes nothing. Its
+    arrays carry the inputs' varying manual axes, as the computed branch's do (``lax.cond``
+    inside `jax.shard_map` needs both branches' types alike)."""
+    wide = jnp.promote_types(q.dtype, jnp.float32)
+    b, t, n, _ = q.shape
+    tie = sum(x[:1, :1, :1, :1].sum() for x in (q, k, v)).astype(wide) * 0
+    zeros = jnp.zeros((b, n, t), wide) + tie
+    return _Partial(jnp.zeros((b, t, n, v.shape[-1]), wide) + tie,
+                    zeros + jnp.finfo(wide).min, zeros)
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
+            causal: bool, pieces: int) -> _Partial:
+    """One ring step: this device's queries against the key/value block it holds, cut into
+    ``pieces x pieces`` sub-blocks of which those a causal mask hides whole are skipped
+    (``lax.cond``: each device takes its own branch). With contiguous blocks that skips the
+    upper half of the diagonal block and every block from a later device; with `zigzag`'s
+    layout half of every other step."""
+    rows = []
+    for qc, qp in zip(jnp.split(q, pieces, axis=1), jnp.split(q_pos, pieces)):
+        acc = None
+        for kc, vc, kp in zip(jnp.split(k, pieces, axis=1), jnp.split(v, pieces, axis=1),
+                              jnp.split(k_pos, pieces)):
+            if causal:
+                part = jax.lax.cond(jnp.max(qp) >= jnp.min(kp),
+                                    lambda a, b, c, d, e: _block(a, b, c, d, e, True),
+                                    lambda a, b, c, d, e: _skipped(a, b, c),
+                                    qc, kc, vc, qp, kp)
+            else:
+                part = _block(qc, kc, vc, qp, kp, False)
+            acc = part if acc is None else _merge(acc, part)
+        rows.append(acc)
+    return _Partial(jnp.concatenate([r.out for r in rows], axis=1),
+                    jnp.concatenate([r.top for r in rows], axis=2),
+                    jnp.concatenate([r.total for r in rows], axis=2))
+
+
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
+                   k_positions: jax.Array, *, axis_name: str, causal: bool = True,
+                   pieces: int = 2) -> jax.Array:
+    """This device's block of ``softmax(q k^T / sqrt(H)) v``, the keys and values passed around
+    the ring of `axis_name` (call it inside `jax.shard_map` manual over that axis).
+
+    Args:
+      q: this device's queries, ``[B, T/cp, N, H]``.
+      k, v: this device's keys and values, ``[B, S/cp, N, H]`` (as many heads as q).
+      q_positions, k_positions: the sequence positions of this device's queries and keys
+        (``[T/cp]``, ``[S/cp]`` integers): the contiguous block's, or `zigzag`'s. Every query
+        must see at least one key of its own device's block (self-attention: the query's own
+        position).
+      axis_name: the mesh axis the sequence is split over (size cp).
+      causal: a query sees the keys at positions up to its own; else every key.
+      pieces: each step's blocks are cut into ``pieces x pieces`` sub-blocks, and a causal
+        mask's hidden ones skipped; it must divide both blocks' lengths.
+
+    Returns:
+      This device's output block, ``[B, T/cp, N, H]`` in v's dtype: exactly (up to rounding)
+      `reference_attention` of the whole sequence, at this device's query positions.
+    """
+    if q.shape[1] % pieces or k.shape[1] % pieces:
+        raise ValueError(f"ring_attention: pieces={pieces} must divide the query block "
+                         f"({q.shape[1]}) and the key block ({k.shape[1]}); choose a divisor")
+    cp = jax.lax.axis_size(axis_name)
+    ring = [(i, (i + 1) % cp) for i in range(cp)]
+    step = jax.checkpoint(_attend, static_argnums=(5, 6))
+    acc = step(q, k, v, q_positions, k_positions, causal, pieces)
+    for _ in range(cp - 1):
+        # the next block is on its way while this one is computed (XLA overlaps the
+        # collective-permute with the independent einsums)
+        k, v, k_positions = jax.lax.ppermute((k, v, k_positions), axis_name, ring)
+        acc = _merge(acc, step(q, k, v, q_positions, k_positions, causal, pieces))
+    return (acc.out / _per_query(acc.total)).astype(v.dtype)
+
+
+def zigzag(x: jax.Array, cp: int, axis: int = 1) -> jax.Array:
+    """`x` with its `axis` (the sequence, of 2 cp chunks) reordered so that contiguous blocks of
+    it over a ring of cp devices give device i chunks i and 2 cp - 1 - i: causal attention's
+    work is then equal on every device. `unzigzag` undoes it."""
+    n = x.shape[axis]
+    if n % (2 * cp):
+        raise ValueError(f"zigzag: a sequence of {n} does not cut into 2 x {cp} equal chunks; "
+                         f"use a length that 2 x cp = {2 * cp} divides")
+    order = [c for i in range(cp) for c in (i, 2 * cp - 1 - i)]
+    chunks = jnp.split(x, 2 * cp, axis=axis)
+    return jnp.concatenate([chunks[c] for c in order], axis=axis)
+
+
+def unzigzag(x: jax.Array, cp: int, axis: int = 1) -> jax.Array:
+    """The inverse of `zigzag`."""
+    order = [c for i in range(cp) for c in (i, 2 * cp - 1 - i)]
+    chunks = jnp.split(x, 2 * cp, axis=axis)
+    back = [0] * (2 * cp)
+    for j, c in enumerate(order):
+        back[c] = j
+    return jnp.concatenate([chunks[back[c]] for c in range(2 * cp)], axis=axis)
+
+
+class RingSends(NamedTuple):
+    """What one device sends in one ring attention call (`ring_sends`)."""
+
+    forward: int  # collective-permutes in the forward pass (keys, values and key positions)
+    forward_bytes: int
+    backward: int  # and in the backward pass (the keys' and values' cotangents)
+    backward_bytes: int
+
+
+def ring_sends(k_block: jax.ShapeDtypeStruct, cp: int, position_itemsize: int = 4) -> RingSends:
+    """The sends of `ring_attention` per device: forward, cp - 1 steps of the key block, the
+    value block (each of `k_block`'s shape and dtype) and the key positions; backward, the
+    transposed sends of the keys' and values' cotangents (the positions are integers: none).
+    """
+    import numpy as np
+
+    kv = int(np.prod(k_block.shape)) * jnp.dtype(k_block.dtype).itemsize
+    positions = k_block.shape[1] * position_itemsize
+    steps = cp - 1
+    return RingSends(forward=3 * steps, forward_bytes=steps * (2 * kv + positions),
+                     backward=2 * steps, backward_bytes=steps * 2 * kv)

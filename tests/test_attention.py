@@ -1,0 +1,123 @@
+"""Ring attention (`soapjax.attention`) on cpu8: the float64 output and gradients of whole
+causal attention, with the sequence over a ring of 8 or of 4 (the batch over the other axis),
+in contiguous blocks or zigzag; and the compiled step's collective-permutes, as `ring_sends`
+counts them."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from test_corpus import FAST_COMPILE, X64_TOL, relative_error
+
+from soapjax import hlo
+from soapjax.attention import reference_attention, ring_attention, ring_sends, unzigzag, zigzag
+from soapjax.space import MeshShape
+
+SHAPE = (2, 64, 4, 8)  # [B, T, N, H]
+
+
+def _mesh(ring: int):
+    axes = ("seq",) if ring == 8 else ("data", "seq")
+    sizes = (8,) if ring == 8 else (2, 4)
+    return jax.make_mesh(sizes, axes, axis_types=(AxisType.Auto,) * len(axes))
+
+
+@functools.cache
+def _inputs():
+    with jax.enable_x64(True):
+        keys = jax.random.split(jax.random.key(0), 3)
+        return tuple(jax.random.normal(k, SHAPE, jnp.float64) for k in keys)
+
+
+def _ring(ring: int, causal: bool):
+    """Ring attention of the whole arrays (already in the ring's layout, with their positions):
+    the sequence over ``seq``, the batch over ``data`` where the mesh has it."""
+    mesh = _mesh(ring)
+    batch = "data" if "data" in mesh.axis_names else None
+    spec = jax.P(batch, "seq")
+    return jax.shard_map(
+        lambda q, k, v, p: ring_attention(q, k, v, p, p, axis_name="seq", causal=causal),
+        mesh=mesh, in_specs=(spec, spec, spec, jax.P("seq")), out_specs=spec)
+
+
+def _loss(fn):
+    return lambda q, k, v, *pos: jnp.sum(fn(q, k, v, *pos) ** 2)
+
+
+@pytest.mark.parametrize("ring,layout,causal", [
+    (8, "contiguous", True), (8, "zigzag", True), (4, "contiguous", True), (4, "zigzag", True),
+    (8, "contiguous", False)])
+def test_ring_attention_is_attention(ring, layout, causal):
+    q, k, v = _inputs()
+    with jax.enable_x64(True):
+        pos = jnp.arange(SHAPE[1])
+        want = reference_attention(q, k, v, causal=causal)
+        want_grads = jax.grad(_loss(functools.partial(reference_attention, causal=causal)),
+                              (0, 1, 2))(q, k, v)
+        if layout == "zigzag":  # the data laid out once, as a data loader would
+            q, k, v = (zigzag(x, ring) for x in (q, k, v))
+            pos = zigzag(pos, ring, axis=0)
+        fn = _ring(ring, causal)
+        got = jax.jit(fn, compiler_options=FAST_COMPILE)(q, k, v, pos)
+        grads = jax.jit(jax.grad(_loss(fn), (0, 1, 2)), compiler_options=FAST_COMPILE)(
+            q, k, v, pos)
+        if layout == "zigzag":
+            got, grads = unzigzag(got, ring), [unzigzag(g, ring) for g in grads]
+    assert relative_error(got, want) <= X64_TOL
+    assert relative_error(list(grads), list(want_grads)) <= X64_TOL
+
+
+@pytest.mark.parametrize("ring", [8, 4])
+def test_the_compiled_ring_sends_what_ring_sends_counts(ring):
+    """Forward: cp - 1 steps of the keys, the values and the key positions, one
+    collective-permute each; backward: the keys' and values' cotangents, back around the ring.
+    Nothing else is communicated (the batch over ``data`` needs nothing)."""
+    q, k, v = _inputs()
+    with jax.enable_x64(True):
+        pos = jnp.arange(SHAPE[1], dtype=jnp.int32)
+        text = jax.jit(jax.grad(_loss(_ring(ring, True)), (0, 1, 2)),
+                       compiler_options=FAST_COMPILE).lower(q, k, v, pos).compile().as_text()
+    mesh = _mesh(ring)
+    found = hlo.collectives(text, MeshShape.of(mesh))
+    kinds = {c.kind for c in found}
+    assert kinds == {"collective-permute"}, kinds
+    sends = sum(len(c.shapes) * c.executions for c in found)
+    nbytes = sum(c.nbytes * c.executions for c in found)
+    block = jax.ShapeDtypeStruct((SHAPE[0] // (8 // ring), SHAPE[1] // ring, *SHAPE[2:]),
+                                 jnp.float64)
+    want = ring_sends(block, ring)
+    assert sends == want.forward + want.backward == 5 * (ring - 1)
+    assert nbytes == want.forward_bytes + want.backward_bytes
+
+
+def test_zigzag_gives_each_device_a_chunk_from_each_end():
+    x = jnp.arange(16)
+    assert zigzag(x, 4, axis=0).tolist() == [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7,
+                                             8, 9]
+    assert (unzigzag(zigzag(x, 4, axis=0), 4, axis=0) == x).all()
+    with pytest.raises(ValueError, match=r"zigzag: a sequence of 12 does not cut into 2 x 4 "
+                       r"equal chunks"):
+        zigzag(jnp.arange(12), 4, axis=0)
+
+
+def test_pieces_must_divide_the_blocks():
+    q = jnp.zeros((1, 6, 2, 4))
+    fn = jax.shard_map(lambda q, p: ring_attention(q, q, q, p, p, axis_name="seq", pieces=4),
+                       mesh=jax.make_mesh((2,), ("seq",), axis_types=(AxisType.Auto,),
+                                          devices=jax.devices()[:2]),
+                       in_specs=(jax.P(None, "seq"), jax.P("seq")), out_specs=jax.P(None, "seq"))
+    with pytest.raises(ValueError, match=r"pieces=4 must divide the query block \(3\)"):
+        fn(q, jnp.arange(6))
+
+
+def test_reference_attention_is_the_zoos():
+    from soapjax_zoo.workload import causal_attention
+    q, k, v = _inputs()
+    with jax.enable_x64(True):
+        np.testing.assert_allclose(reference_attention(q, k, v), causal_attention(q, k, v),
+                                   rtol=1e-14)
