@@ -80,13 +80,12 @@ def _assign(op: Operator, axes_of: list[list[str]], d: int | None, axes: Sequenc
 def _incoming(graph: OpGraph, configs: list[Config], op: Operator) -> dict[int, list[str]]:
     """Iteration dim -> axes, as the operator's main activation input arrives split."""
     out: dict[int, list[str]] = {}
-    pos = {o.name: i for i, o in enumerate(graph.operators)}
     acts = [o for o in op.inputs if o.kind == "activation"]
     if not acts:
         return out
     main = max(acts, key=lambda o: len(o.shape) and o.nbytes)
-    producer = graph.operators[pos[main.source]]
-    spec = configs[pos[main.source]].operand_axes(producer.outputs[main.index].dims)
+    p = graph.index(main.source)
+    spec = configs[p].operand_axes(graph.operators[p].outputs[main.index].dims)
     for axes, d in zip(spec, main.dims):
         if d is not None and axes:
             out.setdefault(d, []).extend(axes)
@@ -465,8 +464,12 @@ def megatron_3d(graph: OpGraph, topology, *, tp: int, pp: int = 1, dp: int | Non
     if not isinstance(size, int) or size < 1 or per_replica % size:
         raise PlanError(f"microbatch_size={microbatch_size!r}: expected a divisor of the "
                         f"per-replica batch {per_replica} (batch {batch} / dp={dp})")
-    strategy = megatron(graph, mesh, axes, sequence_parallel=sequence_parallel,
-                        expert_axes=experts, context_axes=context)
+    # the layout is the same for every microbatch size, recomputation and optimizer sharding
+    # (`megatron_grid` asks for each): worked out once per graph
+    strategy = graph.memo(("megatron", mesh, tuple(axes), bool(sequence_parallel),
+                           tuple(experts), tuple(context)),
+                          lambda: megatron(graph, mesh, axes, sequence_parallel=sequence_parallel,
+                                           expert_axes=experts, context_axes=context))
     strategy = dataclasses.replace(strategy, microbatches=per_replica // size)
     check_microbatches(graph, strategy.configs, mesh, strategy.microbatches)
     if pp > 1:

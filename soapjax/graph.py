@@ -126,15 +126,21 @@ class OpGraph:
 
     def operator(self, name: str) -> Operator:
         """The operator called `name`; raises KeyError naming close matches."""
-        for op in self.operators:
-            if op.name == name:
-                return op
+        j = self._positions().get(name)
+        if j is not None:
+            return self.operators[j]
         near = difflib.get_close_matches(name, [o.name for o in self.operators], n=3)
         hint = f"; did you mean {', '.join(repr(n) for n in near)}?" if near else ""
         raise KeyError(f"no operator {name!r} in graph {self.name!r}{hint}")
 
     def index(self, name: str) -> int:
-        return self.operators.index(self.operator(name))
+        """The position of the operator called `name`; raises KeyError as `operator`."""
+        j = self._positions().get(name)
+        return self.operators.index(self.operator(name)) if j is None else j
+
+    def _positions(self) -> dict[str, int]:
+        return self.memo("positions", lambda: {op.name: j for j, op in
+                                               reversed(list(enumerate(self.operators)))})
 
     def repeated_blocks(self) -> list[list[int]]:
         """Indices of operators at the same position of every layer of a scan over layers

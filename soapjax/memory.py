@@ -350,7 +350,8 @@ def random_operator(graph: OpGraph) -> str | None:
     than the whole batch does: the step would no longer compute what the unsharded step
     computes. Such graphs keep M = 1.
     """
-    return next((op.name for op in graph.operators if draws_random_bits(graph, op.name)), None)
+    return graph.memo("random_operator", lambda: next(
+        (op.name for op in graph.operators if draws_random_bits(graph, op.name)), None))
 
 
 def check_microbatches(graph: OpGraph, configs: Sequence[Config], mesh: MeshShape,
