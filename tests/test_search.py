@@ -338,3 +338,44 @@ def test_the_pipelined_grid_takes_context_parallel_degrees():
     assert all(points[n].stages == 2 for n in names)
     short = pipeline_grid(setup("llama", "cpu8")[1], load_topology("h100x64"), 2)
     assert not any("-cp" in n for pts in short.values() for n in pts)
+
+
+def test_a_pipelines_grid_is_scored_along_its_coordinates_first():
+    """`_score_points` walks Megatron's coordinates a line at a time from the first point
+    (recomputation, then microbatch size, ...), so a grid cut by its deadline has moved
+    towards its best; points that do not fit rank by the memory-penalised cost. A grid of
+    recomputation x microbatch sizes whose best (full, mb 8) the likely-first order reaches
+    last is reached after 3 + 3 points."""
+    from types import SimpleNamespace
+
+    from soapjax.search import _score_points
+
+    names = [f"megatron-tp8-pp4-mb{mb}-{rec}" for mb in (1, 2, 4, 8)
+             for rec in ("selective", "full", "none")]
+    # step times; selective and none do not fit (peak 1.5x the memory)
+    time = {n: 10.0 - (int(n.split("-mb")[1].split("-")[0]) if "full" in n else 0)
+            for n in names}
+    order = []
+
+    class FakeSim:
+        topology = SimpleNamespace(device=SimpleNamespace(memory_bytes=100))
+
+        def reset(self, name):
+            self.name = name
+
+        def fits_in_memory(self):
+            return "full" in self.name
+
+        def step_time(self):
+            return time[self.name]
+
+        def peak_memory_bytes(self):
+            return 100 if self.fits_in_memory() else 150
+
+    searcher = SimpleNamespace(sim=FakeSim(), record=order.append)
+    key, best, _, seen = _score_points(searcher, {n: n for n in names}, None)
+    assert best == "megatron-tp8-pp4-mb8-full" and key == (False, 2.0)
+    assert order[:6] == ["megatron-tp8-pp4-mb1-selective", "megatron-tp8-pp4-mb1-full",
+                         "megatron-tp8-pp4-mb1-none", "megatron-tp8-pp4-mb2-full",
+                         "megatron-tp8-pp4-mb4-full", "megatron-tp8-pp4-mb8-full"]
+    assert seen == set(names) and sorted(order) == sorted(names)
