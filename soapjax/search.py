@@ -47,9 +47,11 @@ is a chain's start, so a plan is never slower than the grid.
 by default when no plan without stages fits in memory, for each stage count S that divides
 the layers and the outermost mesh axis (`stage_choices`) and each virtual-stage count v whose
 S x v chunks cut the layers equally (`interleave_choices`), Megatron's grid at that pipeline
-(`pipeline_grid`: TP 4 or 8, microbatch sizes 1, 2, 4, 8 ... and the per-replica batch,
-recompute none / selective / full) is scored (`soapjax.simulate.open_simulation`: a
-`soapjax.pipesim.PipelinedSimulation`); the `CHAINED_PIPELINES` pipelines whose grids did best
+(`pipeline_grid`: TP 4 or 8, the expert- and context-parallel degrees of `grid_degrees`,
+microbatch sizes 1, 2, 4, 8 ... and the per-replica batch, recompute none / selective / full,
+with and without the distributed optimizer) is scored (`soapjax.simulate.open_simulation`: a
+`soapjax.pipesim.PipelinedSimulation`) along its coordinates first (`_score_points`), in two
+passes (`_pipelined_chains`); the `CHAINED_PIPELINES` pipelines whose grids did best
 then each get a chain (configs, recompute, microbatches, over one stage's devices) from their
 best point (`_pipelined_chains` says why only those); the best plan over all grids and
 chains, pipelined or not, is returned. S and v are chosen among pipelines, not by moves
