@@ -362,9 +362,9 @@ def _pipelined_chains(graph: OpGraph, topology, cost_model, settings: SearchSett
     simulation, and the grid's best already ranks the pipelines (Megatron's own choice, TP8
     PP35 v3, is a grid point), so the chains go where the best grids are. With a deadline
     `end`, the grids take the first half of the time left, the chains the second. The grids'
-    half is two passes: the first ranks the pipelines, each scoring its grid (in the order
-    `_likely_first` gives) for an equal share of the first quarter (a pipeline's grid stops
-    where its share does, after one point at least); the second scores the rest of the
+    half is two passes: the first ranks the pipelines, each scoring its grid (`_score_points`:
+    along its coordinates first) for an equal share of the first quarter (a pipeline's grid
+    stops where its share does, after one point at least); the second scores the rest of the
     `CHAINED_PIPELINES` best pipelines' grids in the second quarter (Mixtral 8x22B on 32
     H100s: the first pass stops TP8 PP4's 123 points at microbatches of 2, 63.3 s; the second
     reaches microbatches of 4, 55.9 s, the grid's best). Pipelines
@@ -438,17 +438,18 @@ def _score_points(searcher: _Searcher, points: dict[str, Strategy], deadline: fl
                   ) -> tuple[tuple[bool, float], str, Strategy, set[str]]:
     """Scores `points` until `deadline` (one at least; with `until_fit`, past it until one
     fits: while no pipeline's grid has a plan that fits, a deadline must not hide one, as it hid
-    GPT 70B at 32K tokens' on 64 H100s), each recorded as seen; returns the best's (does not
-    fit, step time) key, name and strategy, and the names scored.
+    GPT 70B at 32K tokens' on 64 H100s), each recorded as seen; returns the best's key (does
+    not fit, its cost: the step time, penalised as the chains penalise a point that does not
+    fit), name and strategy, and the names scored.
 
     The order is a descent over the grid's coordinates (`_coordinates`) before the rest in
     their order: from the first point, every point on the line through the best so far along
     one coordinate (recomputation, distributed optimizer, microbatch size, TP, EP, CP:
     `_DESCENT`), the best moving to the line's best, one coordinate after another, until a
     round moves it no more; then the others. A grid cut by its deadline has then walked
-    towards its best along each coordinate (Mixtral 8x22B on 256 H100s at 4 stages: 2 s of
-    `_likely_first`'s order reached 17.0 s; its best is 11.9 s, at the microbatch size that
-    order puts last)."""
+    towards its best along each coordinate (Mixtral 8x22B on 256 H100s at 4 stages, 162
+    points: in 1.2 s `_likely_first`'s order reached 17.0 s a step, 15.4 s in 2 s; the descent
+    reaches the grid's best, 11.9 s, in 1.2 s, at the microbatch size that order puts last)."""
     names = list(points)
     coords = {n: _coordinates(n) for n in names}
     scored: dict[str, tuple[bool, float]] = {}
