@@ -24,7 +24,7 @@ from soapjax.topology import (
     scaled_topology,
 )
 
-SHIPPED = ("cpu8", "dgx-h100x32", "dgx-h100x8", "h100x64", "k80x64", "p100x16")
+SHIPPED = ("cpu8", "dgx-h100x32", "dgx-h100x8", "dgx-h100x1024", "h100x64", "k80x64", "p100x16")
 GB = 1e9
 US = 1e-6
 
