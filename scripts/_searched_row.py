@@ -1,16 +1,56 @@
-"""The search half of the plan-against-hand-grid benches (scripts/bench_moe.py,
-scripts/bench_long_context.py): one `find_plan` at a budget, timed, and its plan recorded as
-the bench records a grid point."""
+"""What the plan-against-hand-grid benches (scripts/bench_moe.py, scripts/bench_long_context.py)
+share: Megatron-LM's hand grid (`megatron_points`), a strategy's pipeline-level words
+(`strategy_words`), and the search half (`search_into`): one `find_plan` at a budget, timed, and
+its plan recorded as the bench records a grid point."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
 
+from soapjax import baselines
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
 from soapjax.search import SearchSettings, find_plan
+from soapjax.space import RECOMPUTE_POLICIES, MeshShape, Strategy
+from soapjax.topology import stage_topology
+
+
+def megatron_points(g: OpGraph, topo, grid: dict, label: str) -> dict[str, Strategy]:
+    """The Megatron-LM configurations of `grid` (``tp``, ``pp``, ``mb`` and ``ep`` or ``cp``;
+    an absent degree is 1) that `baselines.megatron_3d` can build, each with and without the
+    distributed optimizer, by name: `label` formatted with ``tp, ep, cp, pp, mb, rec``, then
+    ``" do"`` with the distributed optimizer."""
+    out = {}
+    for tp, ep, cp, pp, mb, rec, do in itertools.product(
+            grid["tp"], grid.get("ep", (1,)), grid.get("cp", (1,)), grid["pp"], grid["mb"],
+            RECOMPUTE_POLICIES, (False, True)):
+        try:
+            s = baselines.megatron_3d(g, topo, tp=tp, pp=pp, ep=ep, cp=cp, microbatch_size=mb,
+                                      recompute=rec, sequence_parallel=tp > 1,
+                                      distributed_optimizer=do)
+        except PlanError:
+            continue
+        name = label.format(tp=tp, ep=ep, cp=cp, pp=pp, mb=mb, rec=rec)
+        out[name + (" do" if do else "")] = s
+    return out
+
+
+def strategy_words(strategy: Strategy, topo) -> dict[str, str]:
+    """A strategy's microbatches, recomputation, ZeRO and optimizer-state axes, pipeline
+    stages and (stage) mesh, in words."""
+    mesh = MeshShape.of(stage_topology(topo, strategy.stages) if strategy.stages > 1 else topo)
+    return {
+        "microbatches": str(strategy.microbatches),
+        "recompute": "+".join(sorted({p for p in strategy.recompute if p != "none"})) or "none",
+        "zero": "x".join(strategy.zero_axes) or "none",
+        "optimizer": "x".join(strategy.optimizer_axes) or "none",
+        "stages": f"{strategy.stages} ({strategy.schedule}, v{strategy.virtual_stages})"
+        if strategy.stages > 1 else "1",
+        "mesh": " x ".join(f"{a}={mesh.axis_size(a)}" for a in mesh.axis_names),
+    }
 
 
 def search_into(row: dict, g: OpGraph, topo, w: Any, model_config: str, costs, budget: float,

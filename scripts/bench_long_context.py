@@ -39,7 +39,6 @@ page from all of them.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import sys
@@ -53,15 +52,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from _searched_row import search_into
+import _searched_row
+from _searched_row import search_into, strategy_words
 
 import soapjax_zoo
-from soapjax import baselines
 from soapjax.cost import cost_model
-from soapjax.errors import PlanError
 from soapjax.graph import OpGraph, trace
 from soapjax.simulate import SimResult, opt_state_factor, simulate
-from soapjax.space import RECOMPUTE_POLICIES, MeshShape, Strategy
+from soapjax.space import MeshShape, Strategy
 from soapjax.topology import load_topology, stage_topology
 
 
@@ -120,23 +118,11 @@ def point(name: str, g: OpGraph, topo, strategy: Strategy, costs, factor: float)
 def megatron_points(g: OpGraph, topo, grid: dict = GRID) -> dict[str, Strategy]:
     """The Megatron-LM configurations of `grid` that `megatron_3d` can build, by name (each
     with and without the distributed optimizer, ``do``)."""
-    out = {}
-    for tp, cp, pp, mb, rec, do in itertools.product(grid["tp"], grid["cp"], grid["pp"],
-                                                     grid["mb"], RECOMPUTE_POLICIES,
-                                                     (False, True)):
-        try:
-            s = baselines.megatron_3d(g, topo, tp=tp, cp=cp, pp=pp, microbatch_size=mb,
-                                      recompute=rec, sequence_parallel=tp > 1,
-                                      distributed_optimizer=do)
-        except PlanError:
-            continue
-        out[f"tp{tp} cp{cp} pp{pp} mb{mb} {rec}" + (" do" if do else "")] = s
-    return out
+    return _searched_row.megatron_points(g, topo, grid, "tp{tp} cp{cp} pp{pp} mb{mb} {rec}")
 
 
 def describe(g: OpGraph, strategy: Strategy, topo) -> dict[str, str]:
     """Which mesh axes the first layer's attention and MLP dims take, in words."""
-    mesh = MeshShape.of(stage_topology(topo, strategy.stages) if strategy.stages > 1 else topo)
     words = {}
     for op, c in zip(g.operators, strategy.configs):
         part = op.name.split("layers_0/", 1)[1] if op.name.startswith("layers_0/") else ""
@@ -144,14 +130,7 @@ def describe(g: OpGraph, strategy: Strategy, topo) -> dict[str, str]:
             words[part] = ", ".join(f"d{k}({n}):{'x'.join(a)}" for k, (n, a) in
                                     enumerate(zip(op.iteration_sizes, c.axes)) if a) \
                 or "replicated"
-    words["microbatches"] = str(strategy.microbatches)
-    words["recompute"] = "+".join(sorted({p for p in strategy.recompute if p != "none"})) \
-        or "none"
-    words["zero"] = "x".join(strategy.zero_axes) or "none"
-    words["optimizer"] = "x".join(strategy.optimizer_axes) or "none"
-    words["stages"] = f"{strategy.stages} ({strategy.schedule}, v{strategy.virtual_stages})" \
-        if strategy.stages > 1 else "1"
-    words["mesh"] = " x ".join(f"{a}={mesh.axis_size(a)}" for a in mesh.axis_names)
+    words.update(strategy_words(strategy, topo))
     return words
 
 

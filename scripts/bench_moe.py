@@ -49,7 +49,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from _searched_row import search_into
+import _searched_row
+from _searched_row import search_into, strategy_words
 
 import soapjax_zoo
 from soapjax import baselines
@@ -59,7 +60,7 @@ from soapjax.graph import OpGraph, trace
 from soapjax.memory import check_microbatches
 from soapjax.simulate import SimResult, opt_state_factor, simulate
 from soapjax.space import RECOMPUTE_POLICIES, MeshShape, Strategy
-from soapjax.topology import load_topology, stage_topology
+from soapjax.topology import load_topology
 
 
 class Case(NamedTuple):
@@ -102,18 +103,8 @@ def point(name: str, g: OpGraph, topo, strategy: Strategy, costs, factor: float)
 def megatron_points(g: OpGraph, topo, grid: dict = GRID) -> dict[str, Strategy]:
     """The Megatron-LM configurations of `grid` that `megatron_3d` can build, by name (each
     with and without the distributed optimizer, ``do``)."""
-    out = {}
-    for tp, ep, pp, mb, rec, do in itertools.product(grid["tp"], grid["ep"], grid["pp"],
-                                                     grid["mb"], RECOMPUTE_POLICIES,
-                                                     (False, True)):
-        try:
-            s = baselines.megatron_3d(g, topo, tp=tp, pp=pp, ep=ep, cp=1, microbatch_size=mb,
-                                      recompute=rec, sequence_parallel=tp > 1,
-                                      distributed_optimizer=do)
-        except PlanError:
-            continue
-        out[f"megatron tp{tp} ep{ep} pp{pp} mb{mb} {rec}" + (" do" if do else "")] = s
-    return out
+    return _searched_row.megatron_points(g, topo, grid,
+                                         "megatron tp{tp} ep{ep} pp{pp} mb{mb} {rec}")
 
 
 def maxtext_points(g: OpGraph, topo, microbatches=MAXTEXT_MICROBATCHES) -> dict[str, Strategy]:
@@ -141,7 +132,6 @@ def maxtext_points(g: OpGraph, topo, microbatches=MAXTEXT_MICROBATCHES) -> dict[
 
 def describe(g: OpGraph, strategy: Strategy, topo) -> dict[str, str]:
     """Which mesh axes the first layer's experts, attention and router take, in words."""
-    mesh = MeshShape.of(stage_topology(topo, strategy.stages) if strategy.stages > 1 else topo)
     words = {}
     for op, c in zip(g.operators, strategy.configs):
         if "layers_0/" not in op.name:
@@ -151,13 +141,7 @@ def describe(g: OpGraph, strategy: Strategy, topo) -> dict[str, str]:
                     "moe/router", "moe/dot_general_3"):
             words[part] = ", ".join(
                 f"{d}:{'x'.join(a)}" for d, a in zip(_dim_names(op), c.axes) if a) or "replicated"
-    rec = sorted({p for p in strategy.recompute if p != "none"}) or ["none"]
-    words["microbatches"] = str(strategy.microbatches)
-    words["recompute"] = "+".join(rec)
-    words["zero"] = "x".join(strategy.zero_axes) or "none"
-    words["stages"] = f"{strategy.stages} ({strategy.schedule}, v{strategy.virtual_stages})" \
-        if strategy.stages > 1 else "1"
-    words["mesh"] = " x ".join(f"{a}={mesh.axis_size(a)}" for a in mesh.axis_names)
+    words.update(strategy_words(strategy, topo))
     return words
 
 

@@ -136,7 +136,9 @@ class OpGraph:
     def index(self, name: str) -> int:
         """The position of the operator called `name`; raises KeyError as `operator`."""
         j = self._positions().get(name)
-        return self.operators.index(self.operator(name)) if j is None else j
+        if j is None:
+            self.operator(name)  # raises the KeyError that names close matches
+        return j
 
     def _positions(self) -> dict[str, int]:
         return self.memo("positions", lambda: {op.name: j for j, op in
