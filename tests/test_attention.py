@@ -1,7 +1,7 @@
 """Ring attention (`soapjax.attention`) on cpu8: the float64 output and gradients of whole
-causal attention, with the sequence over a ring of 8 or of 4 (the batch over the other axis),
-in contiguous blocks or zigzag; and the compiled step's collective-permutes, as `ring_sends`
-counts them."""
+causal attention, with the sequence over a ring of 8 or of 4 (the batch over the other axis)
+or on one device, in contiguous blocks or zigzag; and the compiled step's collective-permutes,
+as `ring_sends` counts them."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ SHAPE = (2, 64, 4, 8)  # [B, T, N, H]
 
 
 def _mesh(ring: int):
+    """The sequence over a ring of 8 (every device), 4 (the batch over ``data``) or 1 (one
+    device: the blockwise computation alone, no sends)."""
+    if ring == 1:
+        return jax.make_mesh((1,), ("seq",), axis_types=(AxisType.Auto,),
+                             devices=jax.devices()[:1])
     axes = ("seq",) if ring == 8 else ("data", "seq")
     sizes = (8,) if ring == 8 else (2, 4)
     return jax.make_mesh(sizes, axes, axis_types=(AxisType.Auto,) * len(axes))
@@ -51,7 +56,7 @@ def _loss(fn):
 
 @pytest.mark.parametrize("ring,layout,causal", [
     (8, "contiguous", True), (8, "zigzag", True), (4, "contiguous", True), (4, "zigzag", True),
-    (8, "contiguous", False)])
+    (8, "contiguous", False), (1, "contiguous", True)])
 def test_ring_attention_is_attention(ring, layout, causal):
     q, k, v = _inputs()
     with jax.enable_x64(True):
