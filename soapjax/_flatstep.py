@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from soapjax import space
+from soapjax._context_parallel import ContextParallel, context_parallel
 from soapjax._flatsim import scatter_target, scattered_operand_axes
 from soapjax._local import draws_random_bits, has_custom_rules, operator_fn
 from soapjax._validation import (
@@ -101,14 +102,18 @@ def constrained_loss(graph: OpGraph, strategy: Any, mesh: Mesh, *,
     def constrain(op, k, value):
         return jax.lax.with_sharding_constraint(value, out_shardings[op.name][k])
 
-    in_shardings = {op.name: layouts.operands(j) for j, op in enumerate(graph.operators)
-                    } if constrain_operands else {}
+    cps = {j: cp for j, (op, cfg) in enumerate(zip(graph.operators, strategy.configs))
+           if (cp := context_parallel(graph, op, cfg, mesh)) is not None}
+    in_shardings = {op.name: ([(s, None) for s in cps[j].operands] if j in cps
+                              else layouts.operands(j))
+                    for j, op in enumerate(graph.operators)} if constrain_operands else {}
 
     def constrain_input(op, o, value):
         sharding, back = in_shardings[op.name][o]
         return value if sharding is None else _constrain_operand(value, sharding, back)
 
-    grouped = _operator_programs(graph, strategy, layouts, constrain_operands)
+    grouped = _operator_programs(graph, strategy, layouts, constrain_operands, cps)
+    calls = {cp.unit: cp.run_unit for cp in cps.values()}
     checkpoints = recompute_segments(graph, strategy)
 
     # Operators that make keys from constants run equation by equation when keys advance.
@@ -122,7 +127,8 @@ def constrained_loss(graph: OpGraph, strategy: Any, mesh: Mesh, *,
         return graph.evaluate(*flat_params, *flat_batch, on_output=constrain,
                               replace=grouped if keys is None else keyless,
                               checkpoints=checkpoints, keys=keys,
-                              on_input=constrain_input if constrain_operands else None)
+                              on_input=constrain_input if constrain_operands else None,
+                              calls=calls)
 
     return loss
 
@@ -149,16 +155,24 @@ def recompute_segments(graph: OpGraph, strategy: Strategy) -> list[list[str]]:
 
 
 def _operator_programs(graph: OpGraph, strategy: Strategy, layouts: _Layouts,
-                       constrain_operands: bool) -> dict[str, Callable]:
+                       constrain_operands: bool, cps: dict[int, ContextParallel]
+                       ) -> dict[str, Callable]:
     """Operator name -> the program that computes it at once, for every operator whose
     equations run together (`OpGraph.replaceable`): a loop split over its batch per group of
     samples (`_grouped_loop`), any other its own program (`soapjax._local.operator_fn`, its
     row-parallel matmul's result constrained where its partial sums are reduce-scattered:
     `_Layouts.anchor_hook`); with `constrain_operands`, its operands constrained to the specs
-    its config gives them (`_Layouts.operands`)."""
+    its config gives them (`_Layouts.operands`); a context-parallel attention operator (`cps`:
+    operator index -> `soapjax._context_parallel.ContextParallel`) its attention equation in
+    `jax.shard_map`."""
     programs, mesh = {}, layouts.mesh
     for j, (op, cfg) in enumerate(zip(graph.operators, strategy.configs)):
         if not graph.replaceable(op.name):
+            continue
+        if (cp := cps.get(j)) is not None:  # context parallelism: keys and values gathered
+            fn = operator_fn(graph, op.name, attention=cp.attention)[0]
+            programs[op.name] = (_with_operand_constraints(fn, [(s, None) for s in cp.operands])
+                                 if constrain_operands else fn)
             continue
         fn = (_grouped_loop(graph, op, cfg, mesh)
               or operator_fn(graph, op.name, on_value=layouts.anchor_hook(j))[0])

@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable, Sequence
 
 from soapjax import _dims
+from soapjax.attention import attention_call
 from soapjax._ir import (
     LeafInfo,
     Operand,
@@ -76,6 +77,15 @@ def _per_operator_role(global_role: Role, splits_param: bool) -> Role:
     if global_role in ("S", "-"):
         return global_role
     return "P" if splits_param else "A"
+
+
+def _attention_granularity(out_shape, red_dims, granularity) -> tuple[int, ...]:
+    """An attention operator (`soapjax.attention.flash_attention`, output ``[B, T, N, H]``)
+    splits its batch, its query sequence (context parallelism: the keys and values gathered
+    whole) and its heads; not the head dim, nor its reductions (the head dim of ``q k^T`` and
+    the keys' sequence, whose partial results a softmax joins, which no all-reduce does)."""
+    sizes = list(granularity or (tuple(out_shape) + tuple(r.size for r in red_dims)))
+    return tuple(s if d < 3 else 1 for d, s in enumerate(sizes))
 
 
 def _common_prefix(paths: Sequence[str]) -> str:
@@ -377,6 +387,8 @@ class _Builder:
         return names
 
     def _anchor_name(self, i: int) -> str:
+        if attention_call(self.p.units[i].eqn) is not None:
+            return "attention"
         prims = self.info[i].primitives
         for a in _ANCHORS:
             if a in prims:
@@ -424,14 +436,18 @@ class _Builder:
         position = self.position[anchor]
         if position:  # the same position in every layer: the operator's name, layer-free
             position += name[len(self.group_module[g]):]
+        anchor_name = self._anchor_name(anchor)
+        granularity = self._granularity(out_shape, red_dims, lab, ls, iter_of)
+        if anchor_name == "attention":
+            granularity = _attention_granularity(out_shape, red_dims, granularity)
         return Operator(
-            name=name, module=self.group_module[g], anchor=self._anchor_name(anchor),
+            name=name, module=self.group_module[g], anchor=anchor_name,
             shape=out_shape, dtype=self.p.dtypes[out_vid], roles=tuple(roles),
             reduction_dims=tuple(red_dims), flops=float(sum(self.info[i].flops for i in group)),
             bytes_accessed=float(sum(o.nbytes for o in operands) + sum(t.nbytes for t in outputs)),
             inputs=tuple(operands), outputs=outputs, num_equations=len(group),
             replicate_only=self._kind(anchor) == "unknown", block_position=position,
-            granularity=self._granularity(out_shape, red_dims, lab, ls, iter_of))
+            granularity=granularity)
 
     def _boundary(self, group: list[int], anchor: int) -> tuple[list[int], list[int]]:
         """The values a group reads from outside, and those it exports (primary first)."""

@@ -29,6 +29,7 @@ from jax.extend import core as jcore
 
 from soapjax._dims import scan_counts
 from soapjax._program import OperatorLabels, bind_as_traced
+from soapjax.attention import attention_call, bind_attention
 from soapjax.errors import SoapjaxError
 from soapjax.graph import OpGraph
 
@@ -42,7 +43,8 @@ class CustomRuleError(SoapjaxError, ValueError):
 
 
 def operator_fn(graph: OpGraph, name: str, degrees: Sequence[int] | None = None, *,
-                rules: Rules = "exact", on_value: Callable | None = None
+                rules: Rules = "exact", on_value: Callable | None = None,
+                attention: Callable | None = None
                 ) -> tuple[Callable, list[jax.ShapeDtypeStruct]]:
     """The per-device forward program of operator `name` split by `degrees`.
 
@@ -56,6 +58,11 @@ def operator_fn(graph: OpGraph, name: str, degrees: Sequence[int] | None = None,
       on_value: ``on_value(value id, value) -> value``, called on every value the operator's
         own equations make (not those inside nested bodies) as it is made: apply constrains
         a row-parallel matmul's result there (`soapjax._flatstep`).
+      attention: ``attention(call, q, k, v, q_pos, k_pos) -> out`` computes each
+        `soapjax.attention.flash_attention` equation (`soapjax.attention.AttentionCall`)
+        instead (context parallelism: the positions of this device's queries, the keys
+        gathered); by default it is bound again at the shard's shapes
+        (`soapjax.attention.bind_attention`: its rule is soapjax's, so it is re-traceable).
 
     Returns:
       ``(fn, in_avals)``: ``fn(*operands)`` returns the operator's outputs (a list, in
@@ -80,7 +87,7 @@ def operator_fn(graph: OpGraph, name: str, degrees: Sequence[int] | None = None,
         return loc.shard_shape(loc.lab[vid], prog.shapes[vid], degrees)
 
     in_avals = [jax.ShapeDtypeStruct(shard(v), prog.jax_dtypes[v]) for v in loc.inputs]
-    interp = _Interp(loc, degrees, rules, name)
+    interp = _Interp(loc, degrees, rules, name, attention)
     whole = _input_free(prog, loc)
 
     def fn(*operands):
@@ -142,11 +149,12 @@ class _Interp:
     """Binds equations at shard shapes, following the operator's labels into nested bodies."""
 
     def __init__(self, loc: OperatorLabels, degrees: Sequence[int], rules: Rules = "exact",
-                 name: str = ""):
+                 name: str = "", attention: Callable | None = None):
         self.loc = loc
         self.degrees = degrees
         self.rules = rules
         self.name = name
+        self.attention = attention
 
     def var_shape(self, v) -> tuple[int, ...] | None:
         labels = self.loc.env.get(v)
@@ -175,6 +183,13 @@ class _Interp:
     def bind(self, eqn, args: list, out_shapes: list) -> list:
         name = eqn.primitive.name
         p = eqn.params
+        call = attention_call(eqn)
+        if call is not None and not p.get("num_consts"):
+            if self.attention is not None:
+                return [self.attention(call, *args)]
+            if _traced_shapes(eqn, args):
+                return bind_as_traced(eqn, args)
+            return [bind_attention(call, *args)]
         if name in CUSTOM_RULE_PRIMITIVES:
             if _traced_shapes(eqn, args):
                 return bind_as_traced(eqn, args)

@@ -221,6 +221,8 @@ class KernelSpec:
       tile: ``(rows, columns)`` of the output tile one SM computes at a time.
       float32_matmul: FLOP/s of a float32 matmul at XLA's default precision (TF32 tensor
         cores on Ampere and later); 0: the ``peak_flops`` float32 figure.
+      attention_efficiency: the fraction of the peak a flash attention kernel's FLOPs reach
+        (`soapjax.kernels.FlashKernel`); 0: `gemm_efficiency`.
       source: where the figures come from (free text, shown in reports).
     """
 
@@ -230,10 +232,15 @@ class KernelSpec:
     sms: int
     tile: tuple[int, int] = (128, 128)
     float32_matmul: float = 0.0
+    attention_efficiency: float = 0.0
     source: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tile", tuple(self.tile))
+        x = self.attention_efficiency
+        if not (isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 1):
+            raise TopologyError(f"[device.kernels].attention_efficiency: expected a fraction in "
+                                f"[0, 1] (0: gemm_efficiency), found {x!r}")
         for where, x in (("gemm_efficiency", self.gemm_efficiency),
                          ("memory_efficiency", self.memory_efficiency)):
             if not (isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x <= 1):
@@ -491,7 +498,8 @@ _POINT_KEYS = {"size": True, "time": True}
 _DEVICE_KEYS = {"kind": True, "peak_flops": True, "memory_bandwidth": True, "memory_bytes": True,
                 "efficiency": False, "kernels": False}
 _KERNEL_KEYS = {"gemm_efficiency": True, "memory_efficiency": True, "launch": True, "sms": True,
-                "tile": False, "float32_matmul": False, "source": False}
+                "tile": False, "float32_matmul": False, "attention_efficiency": False,
+                "source": False}
 _EFFICIENCY_KEYS = {"peak_flops": False, "memory_bandwidth": False}
 _NODES_KEYS = {"count": True, "devices_per_node": True, "switches": False}
 _FABRIC_KEYS = {"switches": False}
@@ -720,6 +728,7 @@ def _parse_kernels(table: object) -> KernelSpec:
         sms=k["sms"], tile=tuple(k.get("tile", (128, 128))),
         float32_matmul=(_quantity(k["float32_matmul"], "FLOP/s", "[device.kernels]."
                                   "float32_matmul") if "float32_matmul" in k else 0.0),
+        attention_efficiency=k.get("attention_efficiency", 0.0),
         source=str(k.get("source", "")))
 
 

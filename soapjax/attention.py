@@ -49,7 +49,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["RingSends", "reference_attention", "ring_attention", "ring_sends", "unzigzag",
+__all__ = ["AttentionCall", "RingSends", "attention_call", "bind_attention", "flash_attention",
+           "reference_attention", "ring_attention", "ring_sends", "unzigzag",
            "zigzag"]
 
 
@@ -229,3 +230,203 @@ def ring_sends(k_block: jax.ShapeDtypeStruct, cp: int, position_itemsize: int = 
     steps = cp - 1
     return RingSends(forward=3 * steps, forward_bytes=steps * (2 * kv + positions),
                      backward=2 * steps, backward_bytes=steps * 2 * kv)
+
+
+# --- flash attention: one operator of the graph, its s x s scores never kept -------------------
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
+                    block: int = 512) -> jax.Array:
+    """``softmax(q k^T / sqrt(H)) v`` (`reference_attention`'s numbers, grouped-query heads
+    served by their key/value head) computed as flash attention does: over blocks of `block`
+    keys with an online softmax, saving for the backward pass only the inputs, the output and
+    one log-sum-exp per query, and recomputing each block's scores in the backward pass. No
+    ``T x S`` array is ever whole in memory.
+
+    The graph (`soapjax.graph.trace`) sees one *attention operator* (anchor ``attention``)
+    whose dims are the queries' ``[B, T, N, H]``: batch, sequence (split: context parallelism,
+    the keys and values gathered), heads (split: tensor parallelism); the keys' sequence and
+    the head dim are not split. The simulator prices it as one fused kernel
+    (`soapjax.kernels.FlashKernel`) and keeps only its inputs and output for the backward
+    pass; apply runs a sequence-split one in `jax.shard_map` with the keys and values
+    all-gathered (`soapjax._context_parallel`).
+
+    Args:
+      q: ``[B, T, N, H]`` queries.
+      k, v: ``[B, S, K, H]`` keys and values, ``K`` dividing ``N``: query head ``n`` attends
+        with key/value head ``n // (N / K)`` (grouped-query attention, no `jnp.repeat`).
+      causal: query position ``t`` sees keys ``s <= t``.
+      block: keys per block (the largest divisor of S not above it is used).
+
+    Forward-only evaluation (no gradient) computes the whole ``T x S`` scores (the primal
+    body is `reference_attention`'s equations, which the graph reads its dims from); a
+    training step (`jax.grad`, `jax.value_and_grad`) runs the blockwise forward and backward.
+    """
+    if q.ndim != 4 or k.shape != v.shape[:3] + k.shape[3:] or q.shape[2] % k.shape[2]:
+        raise ValueError(f"flash_attention: expected q [B, T, N, H] and k, v [B, S, K, H] with "
+                         f"K dividing N; found q {q.shape}, k {k.shape}, v {v.shape}")
+    q_pos = jnp.arange(q.shape[1])
+    k_pos = jnp.arange(k.shape[1])
+    return _attention_op(causal, _block_size(k.shape[1], block))(q, k, v, q_pos, k_pos)
+
+
+def _block_size(length: int, block: int) -> int:
+    b = max(1, min(block, length))
+    while length % b:
+        b -= 1
+    return b
+
+
+def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
+    """``[B, T, N, H]`` as ``[B, T, K, N / K, H]``: query heads by the key/value head they use."""
+    b, t, n, h = q.shape
+    return q.reshape(b, t, kv_heads, n // kv_heads, h)
+
+
+def _grouped_scores(qg: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
+                    causal: bool) -> tuple[jax.Array, jax.Array | None]:
+    """``q k^T / sqrt(H)`` (``[B, K, G, T, S]``, float32 or wider) and the causal mask."""
+    wide = jnp.promote_types(qg.dtype, jnp.float32)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k) / jnp.sqrt(qg.shape[-1]).astype(qg.dtype)
+    mask = q_pos[:, None] >= k_pos[None, :] if causal else None
+    return scores.astype(wide), mask
+
+
+def _per_grouped_query(x: jax.Array) -> jax.Array:
+    """``[B, K, G, T]`` per-query values as ``[B, T, K, G, 1]``, to scale an output block."""
+    return jnp.moveaxis(x, 3, 1)[..., None]
+
+
+_OPS: dict[tuple[bool, int], object] = {}
+_NAME = "soapjax_attention"
+
+
+def _attention_op(causal: bool, block: int):
+    """The custom-VJP attention for one (causal, block). Its primal body's name,
+    ``soapjax_attention_causal_512`` (or ``_full_``), is what the graph recognises and reads
+    the two back from (`attention_call`)."""
+    key = (causal, block)
+    if key in _OPS:
+        return _OPS[key]
+
+    def primal(q, k, v, q_pos, k_pos):
+        scores, mask = _grouped_scores(_grouped(q, k.shape[2]), k, q_pos, k_pos, causal)
+        if mask is not None:
+            scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+        return out.reshape(q.shape[:3] + v.shape[3:])
+
+    primal.__name__ = primal.__qualname__ = f"{_NAME}_{'causal' if causal else 'full'}_{block}"
+    op = jax.custom_vjp(primal)
+
+    def fwd(q, k, v, q_pos, k_pos):
+        out, lse = _flash_forward(q, k, v, q_pos, k_pos, causal, block)
+        return out, (q, k, v, q_pos, k_pos, out, lse)
+
+    def bwd(saved, g):
+        q, k, v, q_pos, k_pos, out, lse = saved
+        dq, dk, dv = _flash_backward(q, k, v, q_pos, k_pos, out, lse, g, causal, block)
+        return dq, dk, dv, None, None
+
+    op.defvjp(fwd, bwd)
+    _OPS[key] = op
+    return op
+
+
+def _kv_blocks(x: jax.Array, block: int) -> jax.Array:
+    """``[B, S, ...]`` as ``[S / block, B, block, ...]`` (a scan over key blocks)."""
+    b, s = x.shape[:2]
+    return jnp.moveaxis(x.reshape((b, s // block, block) + x.shape[2:]), 1, 0)
+
+
+def _kv_unblocks(x: jax.Array) -> jax.Array:
+    n, b, blk = x.shape[:3]
+    return jnp.moveaxis(x, 0, 1).reshape((b, n * blk) + x.shape[3:])
+
+
+def _flash_forward(q, k, v, q_pos, k_pos, causal, block):
+    """The blockwise forward: the output in v's dtype and the log-sum-exp per query
+    (``[B, K, G, T]``, float32 or wider)."""
+    wide = jnp.promote_types(q.dtype, jnp.float32)
+    qg = _grouped(q, k.shape[2])
+    b, t, kh, grp, _ = qg.shape
+    init = _Partial(jnp.zeros((b, t, kh, grp, v.shape[-1]), wide),
+                    jnp.full((b, kh, grp, t), -jnp.inf, wide), jnp.zeros((b, kh, grp, t), wide))
+
+    def step(acc, kvp):
+        kb, vb, pb = kvp
+        scores, mask = _grouped_scores(qg, kb, q_pos, pb, causal)
+        if mask is not None:
+            scores = jnp.where(mask, scores, -jnp.inf)
+        top = jnp.maximum(acc.top, jnp.max(scores, axis=-1))
+        safe = jnp.where(jnp.isfinite(top), top, 0)
+        weights = jnp.exp(scores - safe[..., None])
+        scale = jnp.exp(acc.top - safe)
+        out = acc.out * _per_grouped_query(scale) + jnp.einsum(
+            "BKGTS,BSKH->BTKGH", weights.astype(v.dtype), vb).astype(wide)
+        return _Partial(out, top, acc.total * scale + jnp.sum(weights, axis=-1)), None
+
+    acc, _ = jax.lax.scan(step, init, (_kv_blocks(k, block), _kv_blocks(v, block),
+                                       k_pos.reshape(-1, block)))
+    out = (acc.out / _per_grouped_query(acc.total)).astype(v.dtype)
+    return out.reshape(q.shape[:3] + v.shape[3:]), acc.top + jnp.log(acc.total)
+
+
+def _flash_backward(q, k, v, q_pos, k_pos, out, lse, g, causal, block):
+    """The blockwise backward (flash attention's): per key block the scores are recomputed,
+    the probabilities are ``exp(scores - lse)``; the queries' gradient accumulates, the keys'
+    and values' are made block by block (summed over the query heads each serves)."""
+    wide = jnp.promote_types(q.dtype, jnp.float32)
+    kh = k.shape[2]
+    qg, gg, og = _grouped(q, kh), _grouped(g.astype(v.dtype), kh), _grouped(out, kh)
+    scale = 1 / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    delta = jnp.moveaxis(jnp.sum(gg.astype(wide) * og.astype(wide), axis=-1), 1, 3)
+
+    def step(dq, kvp):
+        kb, vb, pb = kvp
+        scores, mask = _grouped_scores(qg, kb, q_pos, pb, causal)
+        probs = jnp.exp(scores - lse[..., None])
+        if mask is not None:
+            probs = jnp.where(mask, probs, 0)
+        dv = jnp.einsum("BKGTS,BTKGH->BSKH", probs.astype(v.dtype), gg)
+        dprobs = jnp.einsum("BTKGH,BSKH->BKGTS", gg, vb).astype(wide)
+        dscores = (probs * (dprobs - delta[..., None])).astype(q.dtype) * scale
+        dq = dq + jnp.einsum("BKGTS,BSKH->BTKGH", dscores, kb).astype(wide)
+        dk = jnp.einsum("BKGTS,BTKGH->BSKH", dscores, qg)
+        return dq, (dk, dv)
+
+    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(qg.shape, wide),
+                                (_kv_blocks(k, block), _kv_blocks(v, block),
+                                 k_pos.reshape(-1, block)))
+    return (dq.reshape(q.shape).astype(q.dtype), _kv_unblocks(dk).astype(k.dtype),
+            _kv_unblocks(dv).astype(v.dtype))
+
+
+class AttentionCall(NamedTuple):
+    """What a `flash_attention` equation computes (`attention_call`)."""
+
+    causal: bool
+    block: int
+
+
+def attention_call(eqn) -> AttentionCall | None:
+    """The `flash_attention` a jaxpr equation is (a ``custom_vjp_call`` whose primal body is
+    ``soapjax_attention_*``), or None for any other equation."""
+    if eqn.primitive.name not in ("custom_vjp_call", "custom_vjp_call_jaxpr"):
+        return None
+    body = eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+    info = getattr(getattr(body, "jaxpr", body), "debug_info", None)
+    name = (getattr(info, "func_src_info", None) or "").split(" ", 1)[0]
+    parts = name.rsplit("_", 2)
+    if len(parts) != 3 or parts[0] != _NAME or parts[1] not in ("causal", "full"):
+        return None
+    return AttentionCall(parts[1] == "causal", int(parts[2]))
+
+
+def bind_attention(call: AttentionCall, q: jax.Array, k: jax.Array, v: jax.Array,
+                   q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
+    """The attention equation `call` again, at these operands' shapes (a shard's): its rule is
+    soapjax's own, so unlike a user's custom rule it can be traced at any shape. The key
+    block is the largest divisor of the keys' length not above the traced one."""
+    return _attention_op(call.causal, _block_size(k.shape[1], call.block))(q, k, v, q_pos, k_pos)

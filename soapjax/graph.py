@@ -212,7 +212,8 @@ class OpGraph:
                  replace: Mapping[str, Callable[..., Sequence[Any]]] | None = None,
                  checkpoints: Sequence[Sequence[str]] = (),
                  keys: Callable[[Any], Any] | None = None,
-                 on_input: Callable[[Operator, int, Any], Any] | None = None):
+                 on_input: Callable[[Operator, int, Any], Any] | None = None,
+                 calls: Mapping[int, Callable[..., Sequence[Any]]] | None = None):
         """Runs the traced function on flat leaves, equation by equation (traceable under jit).
 
         Args:
@@ -234,6 +235,9 @@ class OpGraph:
             activation, parameter or batch leaf) of every operator not in `replace`; its
             equations read what it returns instead of the value (apply constrains an
             operator's operands to its config here, as `replace`'s functions do themselves).
+          calls: program unit index -> a function that computes that one equation instead
+            (its operands to its results), outside the operators in `replace` (apply runs a
+            context-parallel attention equation in `jax.shard_map` so).
 
         Returns:
           The function's result (a scalar loss).
@@ -256,6 +260,11 @@ class OpGraph:
             op, units = self.operator(name), self.program.local[name].units
             swaps[max(units)] = (frozenset(units), fn, [o.value for o in op.inputs],
                                  [t.value for t in op.outputs])
+        replaced = frozenset().union(*(sw[0] for sw in swaps.values()))
+        for i, fn in (calls or {}).items():
+            if i not in replaced:
+                u = self.program.units[i]
+                swaps[i] = (frozenset({i}), fn, list(u.ins), list(u.outs))
         spans, taken = {}, -1
         for group in checkpoints:
             units = [u for name in group for u in self.program.local[name].units]

@@ -38,6 +38,14 @@ model prices shards this way (`kernel_op_time`):
   priced the same way; a fused kernel's backward reads its saved inputs and the incoming
   gradient and writes the input gradients: twice its bytes, one kernel.
 
+* **Flash attention** (`soapjax.attention.flash_attention`: the attention equation of an
+  ``attention`` operator) is one kernel, `FlashKernel`: its two products' FLOPs (``4 B N T S H``,
+  of which a causal mask leaves the ``(n + 1) / 2n`` of ``n x n`` 128-key tiles that it does
+  not hide whole, work balanced over a context-parallel ring as Megatron-Core's and Llama 3's
+  layouts balance it) at ``attention_efficiency`` of the peak, or its inputs' and output's
+  bytes, whichever is slower; no ``T x S`` array reaches memory. Its backward recomputes the
+  scores and makes three more products: 2.5 times the FLOPs, twice the bytes.
+
 An operator whose shard program holds a loop (scan, while) or a branch keeps the roofline:
 the model does not look inside them.
 
@@ -63,12 +71,14 @@ from jax.extend import core as jcore
 
 from soapjax._dtypes import is_float
 from soapjax._local import operator_fn
+from soapjax.attention import attention_call
 from soapjax.errors import TopologyError
 from soapjax.graph import Operator, OpGraph
 from soapjax.roofline import OpTime, analytic_op_time
 from soapjax.topology import DeviceSpec, KernelSpec
 
-__all__ = ["FusedKernel", "Gemm", "Kernels", "fused_time", "gemm_time", "kernel_op_time",
+__all__ = ["FlashKernel", "FusedKernel", "Gemm", "Kernels", "flash_time", "fused_time",
+           "gemm_time", "kernel_op_time",
            "kernels_time", "op_kernels", "shard_kernels"]
 
 _GEMMS = ("dot_general", "conv_general_dilated")
@@ -114,10 +124,38 @@ class FusedKernel(NamedTuple):
     nbytes: float
 
 
+class FlashKernel(NamedTuple):
+    """One flash attention kernel: ``batch`` (sequences x query heads) attentions of `t`
+    queries to `s` keys, head dims `h` (scores) and `hv` (values), in `dtype`, reading and
+    writing `nbytes` (queries, keys, values, output), `causal` or not."""
+
+    batch: int
+    t: int
+    s: int
+    h: int
+    hv: int
+    dtype: str
+    nbytes: float
+    causal: bool
+
+    @property
+    def flops(self) -> float:
+        """The two products' FLOPs over the score tiles computed (module docstring)."""
+        full = 2.0 * self.batch * self.t * self.s * (self.h + self.hv)
+        if not self.causal:
+            return full
+        n = max(1, math.ceil(self.s / _FLASH_TILE))
+        return full * (n + 1) / (2 * n)
+
+
+_FLASH_TILE = 128  # keys per tile of a flash kernel (FlashAttention-2/3, cuDNN)
+_FLASH_BACKWARD_FLOPS = 2.5  # recomputed q k^T, then dV, dP, dQ, dK: 5 products against 2
+
+
 class Kernels(NamedTuple):
     """The kernels of one shard's forward, or None where the model does not apply (`why`)."""
 
-    forward: tuple[Gemm | FusedKernel, ...] | None
+    forward: tuple[Gemm | FusedKernel | FlashKernel, ...] | None
     why: str = ""
 
 
@@ -139,7 +177,7 @@ def _flat_eqns(jaxpr: jcore.Jaxpr, names: dict[Any, int],
 
     for eqn in jaxpr.eqns:
         key = _CALL_PARAMS.get(eqn.primitive.name)
-        sub = eqn.params.get(key) if key else None
+        sub = eqn.params.get(key) if key and attention_call(eqn) is None else None
         if sub is not None:
             inner = sub.jaxpr if hasattr(sub, "jaxpr") else sub
             inner_names = {iv: vid(ov) for iv, ov in zip(inner.invars, eqn.invars)}
@@ -177,6 +215,25 @@ def _gemm(eqn: Any) -> Gemm:
     return Gemm(1, out_size // max(features, 1), features, max(k, 1), dtype, nbytes)
 
 
+def _flash(eqn: Any) -> FlashKernel:
+    """The flash kernel of an attention equation: queries ``[B, T, N, H]``, keys and values
+    ``[B, S, K, H]``."""
+    q, k, v = (x.aval for x in eqn.invars[:3])
+    out = eqn.outvars[0].aval
+    b, t, n, h = q.shape
+    return FlashKernel(b * n, t, k.shape[1], h, v.shape[3], np.dtype(q.dtype).name,
+                       sum(_nbytes(a) for a in (q, k, v, out)), attention_call(eqn).causal)
+
+
+def flash_time(k: FlashKernel, peak: float, bandwidth: float, spec: KernelSpec, *,
+               backward: bool = False) -> float:
+    """Seconds of one flash attention kernel, or of its backward (module docstring)."""
+    flops = k.flops * (_FLASH_BACKWARD_FLOPS if backward else 1.0)
+    nbytes = k.nbytes * (2.0 if backward else 1.0)
+    compute = flops / (peak * (spec.attention_efficiency or spec.gemm_efficiency))
+    return max(compute, nbytes / (bandwidth * spec.memory_efficiency)) + spec.launch
+
+
 def op_kernels(closed: jcore.ClosedJaxpr, params: Sequence[bool] = ()) -> Kernels:
     """The forward kernels of one shard program (see the module docstring).
 
@@ -194,7 +251,8 @@ def op_kernels(closed: jcore.ClosedJaxpr, params: Sequence[bool] = ()) -> Kernel
     param_ids = {names[v] for v, p in zip(jaxpr.invars, params) if p}
     eqns = list(_flat_eqns(jaxpr, names, fresh))
     for eqn, _, _ in eqns:
-        if list(jcore.jaxprs_in_params(eqn.params)) and eqn.primitive.name not in _GEMMS:
+        if (list(jcore.jaxprs_in_params(eqn.params)) and eqn.primitive.name not in _GEMMS
+                and attention_call(eqn) is None):
             return Kernels(None, f"holds a {eqn.primitive.name}")
     outputs = {names[v] for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
     size: dict[int, float] = {}
@@ -211,7 +269,7 @@ def op_kernels(closed: jcore.ClosedJaxpr, params: Sequence[bool] = ()) -> Kernel
         return i
 
     producer: dict[int, int] = {}
-    gemm = [e.primitive.name in _GEMMS for e, _, _ in eqns]
+    gemm = [e.primitive.name in _GEMMS or attention_call(e) is not None for e, _, _ in eqns]
     for j, (_, _, outs) in enumerate(eqns):
         for o in outs:
             producer[o] = j
@@ -241,10 +299,11 @@ def op_kernels(closed: jcore.ClosedJaxpr, params: Sequence[bool] = ()) -> Kernel
     for j in range(len(eqns)):
         if not gemm[j]:
             groups.setdefault(find(j), []).append(j)
-    kernels: list[tuple[int, Gemm | FusedKernel]] = []
+    kernels: list[tuple[int, Gemm | FusedKernel | FlashKernel]] = []
     for j in range(len(eqns)):
         if gemm[j]:
-            kernels.append((j, _gemm(eqns[j][0])))
+            kernels.append((j, _flash(eqns[j][0]) if attention_call(eqns[j][0]) is not None
+                            else _gemm(eqns[j][0])))
 
     def recomputed(i: int) -> bool:  # an elementwise value of another fused kernel
         p = producer.get(i)
@@ -329,12 +388,14 @@ def _peak(device: DeviceSpec, spec: KernelSpec, dtype: str) -> float:
         return device.peak_flops_for("float32")
 
 
-def kernels_time(kernels: Iterable[Gemm | FusedKernel], device: DeviceSpec,
+def kernels_time(kernels: Iterable[Gemm | FusedKernel | FlashKernel], device: DeviceSpec,
                  spec: KernelSpec, *, backward: bool = False) -> float:
     """Seconds of a shard's forward kernels, or (`backward`) of the backward they imply."""
     bw, total = device.memory_bandwidth, 0.0
     for k in kernels:
-        if isinstance(k, Gemm):
+        if isinstance(k, FlashKernel):
+            total += flash_time(k, _peak(device, spec, k.dtype), bw, spec, backward=backward)
+        elif isinstance(k, Gemm):
             peak = _peak(device, spec, k.dtype)
             parts: Sequence[Gemm] = k.transposes() if backward else (k,)
             total += sum(gemm_time(g, peak, bw, spec) for g in parts)

@@ -34,12 +34,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from soapjax.attention import flash_attention
 from soapjax_zoo.workload import (
     ModelConfigError,
     Workload,
     causal_attention,
     decoder_workload,
 )
+
+
+ATTENTION_KINDS = ("xla", "flash")
 
 
 def check_heads(d_model: int, num_heads: int, num_kv_heads: int) -> None:
@@ -65,6 +69,10 @@ class LlamaConfig:
       mlp_hidden: the SwiGLU MLP's inner width.
       dtype: what the layers compute in (None: the parameters' dtype, as the tiny config, so
         that float64 tests compute in float64); param_dtype: what parameters are stored in.
+      attention: ``"xla"``, the scores, mask, softmax and ``probs v`` as plain equations (two
+        operators of the graph, the ``T x T`` probabilities kept or recomputed);
+        ``"flash"``, `soapjax.attention.flash_attention` (one attention operator, blocks of
+        `attention_block` keys, nothing ``T x T`` kept), as long-context training runs it.
     """
 
     batch_size: int = 8
@@ -81,9 +89,14 @@ class LlamaConfig:
     learning_rate: float = 3e-4
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
+    attention: str = "xla"
+    attention_block: int = 512
 
     def __post_init__(self) -> None:
         check_heads(self.d_model, self.num_heads, self.num_kv_heads)
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"LlamaConfig.attention is {self.attention!r}; expected one of "
+                             f"{ATTENTION_KINDS}")
 
     @property
     def head_dim(self) -> int:
@@ -118,9 +131,14 @@ class Attention(nn.Module):
         q = rope(proj((cfg.num_heads, cfg.head_dim), name="q")(x), cfg.rope_base)
         k = rope(proj((cfg.num_kv_heads, cfg.head_dim), name="k")(x), cfg.rope_base)
         v = proj((cfg.num_kv_heads, cfg.head_dim), name="v")(x)
-        group = cfg.num_heads // cfg.num_kv_heads
-        k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-        return proj(x.shape[-1], axis=(-2, -1), name="o")(causal_attention(q, k, v))
+        # (a mixture of experts' config, which shares this layer, keeps XLA's attention)
+        if getattr(cfg, "attention", "xla") == "flash":  # grouped-query heads, no repeat
+            out = flash_attention(q, k, v, block=cfg.attention_block)
+        else:
+            group = cfg.num_heads // cfg.num_kv_heads
+            k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+            out = causal_attention(q, k, v)
+        return proj(x.shape[-1], axis=(-2, -1), name="o")(out)
 
 
 class MLP(nn.Module):
@@ -187,15 +205,20 @@ LLAMA_SIZES = {
 _LLAMA3_8B = LlamaConfig(vocab_size=128256, num_kv_heads=8, mlp_hidden=14336, rope_base=500000.0)
 _LLAMA3_70B = dataclasses.replace(_LLAMA3_8B, num_layers=80, num_heads=64, d_model=8192,
                                   mlp_hidden=28672)
-# Llama 3 at long context: 1M tokens a step (32 sequences of 32K, 8 of 128K).
+# Llama 3 at long context: 1M tokens a step (32 sequences of 32K, 8 of 128K), flash attention.
 LONG_CONTEXT_SIZES = {
-    f"{size}-{k}k": dataclasses.replace(base, seq_len=k * 1024, batch_size=2**20 // (k * 1024))
+    f"{size}-{k}k": dataclasses.replace(base, seq_len=k * 1024, batch_size=2**20 // (k * 1024),
+                                        attention="flash")
     for size, base in (("8b", _LLAMA3_8B), ("70b", _LLAMA3_70B)) for k in (32, 128)
 }
 LLAMA_CONFIGS = {
     "default": LLAMA_SIZES["7b"],
     "tiny": LlamaConfig(batch_size=8, seq_len=8, vocab_size=64, num_layers=2, num_heads=8,
                         num_kv_heads=4, d_model=32, mlp_hidden=64, dtype=None),
+    # a long sequence for its size, flash attention over 4 key blocks (context parallel tests)
+    "tiny-flash": LlamaConfig(batch_size=2, seq_len=128, vocab_size=64, num_layers=2,
+                              num_heads=8, num_kv_heads=4, d_model=32, mlp_hidden=64,
+                              dtype=None, attention="flash", attention_block=32),
     **LLAMA_SIZES,
     **LONG_CONTEXT_SIZES,
 }

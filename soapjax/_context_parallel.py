@@ -1,0 +1,145 @@
+"""Apply for an attention operator whose query sequence is split: context parallelism, the
+keys and values all-gathered (Llama 3's form), as the simulator prices it.
+
+An attention operator (`soapjax.attention.flash_attention`, anchor ``attention``) whose config
+splits its query sequence over some mesh axes runs in `jax.shard_map`, manual over those axes
+only (the batch's and the heads' axes stay automatic: XLA's partitioner splits them as the
+config says). Inside, each device holds its block of queries and its block of the keys and
+values, as their producers made them (every operator's sequence split alike, Megatron's and
+Llama 3's layout); it gathers the keys and values whole (``all_gather``, tiled), and computes
+its queries' attention at their true positions (``axis_index x block + arange``: the causal
+mask needs them, and an ``iota`` at the shard's shape would start every block at 0). The
+gather's transpose is a reduce-scatter: the keys' and values' cotangents, partial sums over
+the query blocks, come back split along the sequence, one collective each, outside any loop.
+
+Left to XLA instead (the operator evaluated at its traced shapes under sharding constraints),
+the keys' and values' cotangents are all-reduced inside the backward loop over key blocks,
+once per block. Same numbers, more and smaller collectives than the simulator prices.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from soapjax.attention import AttentionCall, attention_call, bind_attention
+from soapjax.graph import Operator, OpGraph
+from soapjax.space import Config
+
+__all__ = ["ContextParallel", "QueryDims", "context_parallel", "query_dims"]
+
+
+class QueryDims(NamedTuple):
+    """Which iteration dims of an attention operator its attention equation's queries
+    ``[B, T, N, H]`` and keys ``[B, S, K, H]`` follow (`query_dims`)."""
+
+    batch: int | None
+    sequence: int
+    heads: int | None
+    keys: int  # the keys' sequence: a reduction dim
+    heads_size: int  # N
+    kv_heads: int  # K
+
+
+def query_dims(graph: OpGraph, op: Operator) -> QueryDims | None:
+    """`QueryDims` of attention operator `op`, read from the operands of its attention
+    equation; None if `op` is not an attention operator."""
+    if op.anchor != "attention":
+        return None
+    prog, loc = graph.program, graph.program.local[op.name]
+    for i in loc.units:
+        u = prog.units[i]
+        if attention_call(u.eqn) is None:
+            continue
+        q, k = ([loc.labels.lookup(x, loc.iter_of) for x in loc.lab[v]] for v in u.ins[:2])
+        if q[1] is None or k[1] is None:
+            return None
+        return QueryDims(q[0], q[1], q[2], k[1], prog.shapes[u.ins[0]][2],
+                         prog.shapes[u.ins[1]][2])
+    return None
+
+
+class ContextParallel(NamedTuple):
+    """How apply computes one sequence-split attention operator (`context_parallel`).
+
+    Attributes:
+      unit: the program unit of its attention equation.
+      call: that equation's attention (causal, key block).
+      attention: ``attention(call, q, k, v, q_pos, k_pos) -> out`` at the traced shapes: the
+        equation in `jax.shard_map`, the keys and values gathered inside (for
+        `soapjax._local.operator_fn`'s ``attention``).
+      operands: the sharding each of the operator's operands arrives in: its config's, with
+        the keys' and values' sequence split like the queries'.
+    """
+
+    unit: int
+    call: AttentionCall
+    attention: Callable
+    operands: tuple[NamedSharding, ...]
+
+    def run_unit(self, q, k, v, q_pos, k_pos) -> list:
+        """The attention equation's results (for `OpGraph.evaluate`'s ``units``)."""
+        return [self.attention(self.call, q, k, v, q_pos, k_pos)]
+
+
+def context_parallel(graph: OpGraph, op: Operator, cfg: Config, mesh: Mesh
+                     ) -> ContextParallel | None:
+    """How apply computes attention operator `op` under context parallelism (module doc); None
+    where `op` is no attention operator or its config keeps its queries whole.
+
+    The operator's own equations around its attention (a rotary embedding's) run at their
+    traced shapes under XLA's partitioner, where iotas know their offsets; only the attention
+    equation runs in `jax.shard_map`.
+    """
+    dims = query_dims(graph, op)
+    if dims is None or not cfg.axes[dims.sequence]:
+        return None
+    batch, seq, heads = (tuple(cfg.axes[d]) if d is not None else ()
+                         for d in (dims.batch, dims.sequence, dims.heads))
+    n_heads, kv_heads = dims.heads_size, dims.kv_heads
+    split = math.prod(mesh.shape[a] for a in heads)
+    local_heads = n_heads // split
+    if kv_heads % split == 0:
+        kv_split = heads  # each device's query heads use its own block of key/value heads
+    elif (n_heads // kv_heads) % local_heads == 0:
+        kv_split = ()  # they all use one key/value head: sliced inside
+    else:
+        return None
+    q_spec = PartitionSpec(batch or None, seq, heads or None, None)
+    kv_spec = PartitionSpec(batch or None, seq, kv_split or None, None)
+
+    def local(call: AttentionCall, q, k, v):
+        if heads and not kv_split:  # the one key/value head this device's query heads use
+            first = jax.lax.axis_index(heads) * local_heads // (n_heads // kv_heads)
+            k, v = (jax.lax.dynamic_slice_in_dim(x, first, 1, axis=2) for x in (k, v))
+        k = jax.lax.all_gather(k, seq, axis=1, tiled=True)
+        v = jax.lax.all_gather(v, seq, axis=1, tiled=True)
+        block = q.shape[1]
+        mine = jax.lax.axis_index(seq) * block + jnp.arange(block)
+        return bind_attention(call, q, k, v, mine, jnp.arange(k.shape[1]))
+
+    def gathered(call: AttentionCall, q, k, v, q_pos, k_pos):
+        return jax.shard_map(functools.partial(local, call), mesh=mesh,
+                             in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                             check_vma=False)(q, k, v)
+
+    prog = graph.program
+    unit = next(i for i in prog.local[op.name].units
+                if attention_call(prog.units[i].eqn) is not None)
+    shardings = tuple(NamedSharding(mesh, _with_sequence(cfg.operand_axes(o.dims), o.dims,
+                                                         dims.keys, seq)) for o in op.inputs)
+    return ContextParallel(unit, attention_call(prog.units[unit].eqn), gathered, shardings)
+
+
+def _with_sequence(axes: Sequence[tuple[str, ...]], dims: Sequence[int | None], k_dim: int,
+                   seq: tuple[str, ...]) -> PartitionSpec:
+    """An operand's config spec with its keys' sequence dim (`k_dim`) split over `seq`: it
+    arrives split, as its producer made it, and is gathered inside (`attention_program`)."""
+    return PartitionSpec(*((seq if d == k_dim else tuple(a)) or None
+                           for a, d in zip(axes, dims)))

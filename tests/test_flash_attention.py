@@ -1,0 +1,165 @@
+"""Flash attention as one operator of the graph (`soapjax.attention.flash_attention`, issue
+32): traced, priced and applied.
+
+* The tiny llama with ``attention="flash"`` (`soapjax_zoo.llama`, 128 tokens in blocks of 32
+  keys, grouped-query heads: 8 query heads on 4 key/value heads) has one attention operator
+  per layer, which splits its batch, its query sequence and its heads, nothing else.
+* Its float64 gradients on cpu8 equal the unsharded ``jax.grad`` (1e-12) data parallel, under
+  context parallelism (the sequence over ``model``: the attention equation in `jax.shard_map`,
+  `soapjax._context_parallel`), under context and tensor parallelism together, and under the
+  default searched plan.
+* The compiled context-parallel step gathers each layer's keys and values once and
+  reduce-scatters their cotangents once, and nothing else of attention's: the collectives the
+  simulator prices, kind by kind, counts and bytes.
+* The simulator keeps no ``T x S`` array for it and prices it as one flash kernel
+  (`soapjax.kernels.FlashKernel`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_corpus import FAST_COMPILE, X64_TOL, jiggle, relative_error, worst_leaf
+
+from soapjax import hlo, space
+from soapjax.apply import batch_shardings, constrained_loss, device_put_global, param_shardings
+from soapjax.attention import flash_attention, reference_attention
+from soapjax.cost import cost_model
+from soapjax.graph import OpGraph, trace
+from soapjax.reshard import Resharder
+from soapjax.simulate import simulate
+from soapjax.space import Config, MeshShape, Strategy
+from soapjax.topology import load_topology, make_mesh
+from soapjax_zoo import llama
+
+TOPOLOGY = load_topology("cpu8")
+MESH = MeshShape.of(TOPOLOGY)
+CONFIG = dataclasses.replace(llama.LLAMA_CONFIGS["tiny-flash"], param_dtype="float64")
+SEQ_LEN = CONFIG.seq_len
+_COLLECTIVE_TASKS = ("reshard", "reshard_backward", "partial_sum", "inner_reduce",
+                     "inner_reduce_backward", "grad_sync", "param_gather")
+
+
+@functools.cache
+def case():
+    """The tiny flash llama in float64: graph, params (init + N(0, 0.05)), batch, and the
+    unsharded ``jax.grad`` of the loss."""
+    w = llama.build_llama("llama", "tiny-flash-x64", CONFIG, "linen")
+    with jax.enable_x64(True):
+        params = jiggle(jax.jit(w.init_params, compiler_options=FAST_COMPILE)(jax.random.key(0)),
+                        0.05)
+        batch = jax.jit(w.make_batch, compiler_options=FAST_COMPILE)(jax.random.key(1))
+        grads = jax.jit(jax.grad(w.loss_fn), compiler_options=FAST_COMPILE)(params, batch)
+        graph = trace(w.loss_fn, params, batch, name="llama")
+    return graph, params, batch, grads
+
+
+def attention_ops(graph: OpGraph):
+    return [op for op in graph.operators if op.anchor == "attention"]
+
+
+def test_one_attention_operator_per_layer_splits_batch_sequence_and_heads():
+    graph = case()[0]
+    ops = attention_ops(graph)
+    assert [op.name for op in ops] == ["layers_0/attn", "layers_1/attn"]
+    op = ops[0]
+    assert op.shape == (2, SEQ_LEN, 8, 4) and op.roles[:2] == ("S", "A")
+    assert op.divisible_dims == (0, 1, 2)  # not the head dim, not the keys' sequence
+    # its operands: the queries and the grouped keys and values (4 heads: no repeat)
+    acts = [x for x in op.inputs if x.kind == "activation"]
+    assert [x.shape for x in acts] == [(2, SEQ_LEN, 8, 4), (2, SEQ_LEN, 4, 4), (2, SEQ_LEN, 4, 4)]
+    assert not any(o.anchor == "dot_general" and not o.params for o in graph.operators)
+
+
+def context_parallel(graph: OpGraph, axis: str, heads: str | None = None) -> Strategy:
+    """Every operator's first iteration dim of extent `SEQ_LEN` over `axis`, its sample dim over
+    the other axes (or, with `heads`, attention's heads and every projection's heads over
+    `heads`, tensor parallel)."""
+    rest = tuple(a for a in MESH.axis_names if a not in (axis, heads))
+    configs = {}
+    for op in graph.operators:
+        axes: list[tuple[str, ...]] = [()] * len(op.iteration_sizes)
+        if (d := space.sample_dim(op)) is not None and rest:
+            axes[d] = rest
+        if SEQ_LEN in op.iteration_sizes:
+            axes[op.iteration_sizes.index(SEQ_LEN)] = (axis,)
+        if heads and len(op.shape) == 4 and op.iteration_sizes[2] in (4, 8):
+            axes[2] = (heads,)
+        configs[op.name] = Config(tuple(axes))
+    return space.strategy_from_names(graph, configs)
+
+
+STRATEGIES = {
+    "dp": lambda g: space.data_parallel(g, MESH),
+    "cp_model": lambda g: context_parallel(g, "model"),
+    "cp_data_tp_model": lambda g: context_parallel(g, "data", heads="model"),
+}
+
+
+@functools.cache
+def applied(kind: str):
+    graph, params, batch, _ = case()
+    strategy, mesh = STRATEGIES[kind](graph), make_mesh(TOPOLOGY)
+    with jax.enable_x64(True):
+        ps = param_shardings(graph, strategy, mesh, params=params)
+        bs = batch_shardings(graph, strategy, mesh, batch=batch)
+        grad = jax.jit(jax.grad(constrained_loss(graph, strategy, mesh)), in_shardings=(ps, bs),
+                       out_shardings=ps, compiler_options=FAST_COMPILE)
+        args = device_put_global((params, batch), (ps, bs))
+        return grad(*args), grad.lower(*args).compile().as_text()
+
+
+@pytest.mark.parametrize("kind", STRATEGIES)
+def test_gradients_are_exact(kind):
+    want = case()[3]
+    got = applied(kind)[0]
+    err = relative_error(got, want)
+    assert err <= X64_TOL, f"{kind}: {err:.3g}; worst leaf {worst_leaf(got, want)}"
+
+
+def compiled(kind: str) -> dict[str, tuple[int, float]]:
+    out: dict[str, tuple[int, float]] = {}
+    for c in hlo.collectives(applied(kind)[1], MESH, reduce_scatter_from_slices=True):
+        k = c.kind.replace("-", "_")
+        n, b = out.get(k, (0, 0.0))
+        out[k] = (n + len(c.shapes) * c.executions, b + c.nbytes * c.executions)
+    return out
+
+
+@functools.cache
+def simulation(kind: str):
+    graph = case()[0]
+    cm = cost_model(graph, TOPOLOGY, mode="analytic")
+    with Resharder(MESH, mode="ideal") as resharder:
+        return simulate(graph, TOPOLOGY, STRATEGIES[kind](graph), cost_model=cm,
+                        resharder=resharder)
+
+
+def simulated(kind: str) -> dict[str, tuple[int, float]]:
+    out: dict[str, tuple[int, float]] = {}
+    for t in simulation(kind).tasks:
+        if t.kind in _COLLECTIVE_TASKS:
+            k = t.name.split(" ", 1)[0]
+            n, b = out.get(k, (0, 0.0))
+            out[k] = (n + 1, b + t.nbytes)
+    return out
+
+
+def test_context_parallel_collectives_are_priced_as_compiled():
+    xla, sim = compiled("cp_model"), simulated("cp_model")
+    # per layer the keys and the values gathered whole along the sequence inside attention's
+    # shard_map: [1 sequence, 128 tokens, 4 kv heads, 4] float64, 16 KiB each; their
+    # cotangents reduce-scattered back (transposed gathers), as many bytes
+    gathered = (2 * 2, 2 * 2 * 1 * SEQ_LEN * 4 * 4 * 8)
+    assert xla["all_gather"] == gathered, (xla, sim)
+    assert xla["reduce_scatter"] == gathered, (xla, sim)
+    for kind in ("all_gather", "reduce_scatter"):
+        n, b = sim[kind]
+        assert n == gathered[0], (kind, xla, sim)
+        assert b == pytest.approx(gathered[1], rel=0.10), (kind, xla, sim)
+    assert set(xla) == set(sim) == {"all_gather", "all_reduce", "reduce_scatter"}, (xla, sim)
