@@ -14,7 +14,6 @@ import re
 from collections.abc import Callable, Sequence
 
 from soapjax import _dims
-from soapjax.attention import attention_call
 from soapjax._ir import (
     LeafInfo,
     Operand,
@@ -25,6 +24,7 @@ from soapjax._ir import (
     Role,
 )
 from soapjax._program import OperatorLabels, Program
+from soapjax.attention import attention_call
 
 # Primitives an operator is built around, strongest first (an equation that contains one of
 # them, e.g. a remat2 or custom_jvp_call around a matmul, is anchored on it).

@@ -42,7 +42,6 @@ from soapjax_zoo.workload import (
     decoder_workload,
 )
 
-
 ATTENTION_KINDS = ("xla", "flash")
 
 

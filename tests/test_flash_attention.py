@@ -21,14 +21,11 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 from test_corpus import FAST_COMPILE, X64_TOL, jiggle, relative_error, worst_leaf
 
 from soapjax import hlo, space
 from soapjax.apply import batch_shardings, constrained_loss, device_put_global, param_shardings
-from soapjax.attention import flash_attention, reference_attention
 from soapjax.cost import cost_model
 from soapjax.graph import OpGraph, trace
 from soapjax.reshard import Resharder
