@@ -4,8 +4,8 @@ person would try, written to docs/long-context.md (issue 32, item 5).
 For each case (the zoo's ``llama`` at Llama 3's shapes: 8B at 128K tokens on `dgx-h100x8` and
 on `h100x64`, 70B at 32K on `h100x64`, and 8B at 32K on `dgx-h100x8`; 1M tokens a step: 8
 sequences of 128K or 32 of 32K), with analytic costs (the topology's GPU kernel model,
-`[device.kernels]`: XLA's attention, which writes the ``s x s`` scores and probabilities to
-memory) and the ideal resharding model:
+`[device.kernels]`; attention is `soapjax.attention.flash_attention`, one operator priced as a
+flash kernel that keeps nothing ``s x s``) and the ideal resharding model:
 
 * the hand grid: `soapjax.baselines.megatron_3d` over TP in {1, 2, 4, 8} (sequence parallel
   when TP > 1), CP in {1, 2, 4, 8} (queries local, keys and values all-gathered: where the
@@ -18,13 +18,13 @@ memory) and the ideal resharding model:
   pipelined plans included as the hand grid has them (``SearchSettings(pipelines=True)``;
   ``--no-pipelines``: without stages only);
 * the table: step time, memory per GPU, context-parallel traffic (the bytes each GPU sends in
-  the all-gathers of the keys and values into attention's two matmuls and in their cotangents'
-  reduce-scatters: the simulator's reshard tasks ``attn/k -> .../attn/dot_general`` and
-  ``attn/v -> .../attn/dot_general_1``, forward and backward), search time, best hand /
-  searched.
+  the all-gathers of the keys and values into attention and in their cotangents'
+  reduce-scatters: the simulator's reshard tasks ``attn/k -> .../attn`` and
+  ``attn/v -> .../attn``, forward and backward), search time, best hand / searched.
 
 Where nothing fits, the case reports the point of least memory and what its peak is made of
-(`SimResult.memory`), with the bytes of one layer's ``s x s`` probabilities on one GPU.
+(`SimResult.memory`), with the bytes of one layer's ``s x s`` probabilities on one GPU where
+the attention keeps them (XLA's attention, ``attention="xla"``; none with flash attention).
 
 Usage::
 
@@ -76,7 +76,7 @@ CASES = {
     "8b-32k-8": Case("8b-32k", "dgx-h100x8"),
 }
 GRID = {"tp": (1, 2, 4, 8), "cp": (1, 2, 4, 8), "pp": (1, 2, 4, 8), "mb": (1, 2)}
-SCORES = "layers_0/attn/dot_general"  # q k^T with the mask and softmax: [B, N, T, S]
+SCORES = "layers_0/attn/dot_general"  # XLA's attention: q k^T, mask and softmax, [B, N, T, S]
 
 
 class Point(NamedTuple):
@@ -92,18 +92,22 @@ class Point(NamedTuple):
 
 
 def kv_gather_bytes(r: SimResult) -> float:
-    """Bytes each device sends moving the keys and values into attention's two matmuls (and
-    their cotangents back) over the step: context parallelism's all-gathers."""
+    """Bytes each device sends moving the keys and values into attention (flash attention's
+    operator ``.../attn``, or XLA's two matmuls ``.../attn/dot_general*``), and their
+    cotangents back, over the step: context parallelism's all-gathers."""
     return sum(t.sent for t in r.tasks if t.kind in ("reshard", "reshard_backward")
                and ("/attn/k -> " in t.name or "/attn/v -> " in t.name)
-               and "/attn/dot_general" in t.name)
+               and ("/attn/dot_general" in t.name or t.name.rstrip(")").split(" -> ")[1]
+                    .split(" ")[0].endswith("/attn")))
 
 
 def scores_bytes(g: OpGraph, topo, strategy: Strategy) -> float:
     """Bytes of the first layer's attention probabilities ``[B, N, T, S]`` on one device: its
-    shard under the strategy's split, at microbatch size."""
+    shard under the strategy's split, at microbatch size (0: flash attention keeps none)."""
     mesh = MeshShape.of(stage_topology(topo, strategy.stages) if strategy.stages > 1 else topo)
-    j = next(i for i, op in enumerate(g.operators) if op.name == SCORES)
+    j = next((i for i, op in enumerate(g.operators) if op.name == SCORES), None)
+    if j is None:
+        return 0.0
     op, c = g.operators[j], strategy.configs[j]
     shard = [n / mesh.degree(a) for n, a in zip(op.shape, c.axes)]
     return math.prod(shard) / strategy.microbatches * jnp.dtype(op.dtype).itemsize
@@ -126,7 +130,8 @@ def describe(g: OpGraph, strategy: Strategy, topo) -> dict[str, str]:
     words = {}
     for op, c in zip(g.operators, strategy.configs):
         part = op.name.split("layers_0/", 1)[1] if op.name.startswith("layers_0/") else ""
-        if part in ("attn/q", "attn/k", "attn/dot_general", "attn/dot_general_1", "mlp/gate"):
+        if part in ("attn/q", "attn/k", "attn", "attn/dot_general", "attn/dot_general_1",
+                    "mlp/gate"):
             words[part] = ", ".join(f"d{k}({n}):{'x'.join(a)}" for k, (n, a) in
                                     enumerate(zip(op.iteration_sizes, c.axes)) if a) \
                 or "replicated"
@@ -173,10 +178,11 @@ def _gb(x: float) -> str:
 
 def _breakdown(p: dict) -> str:
     m = p["breakdown"]
+    scores = (f" (of which one layer's s x s probabilities: {_gb(p['scores'])})"
+              if p["scores"] else "")
     return (f"parameters {_gb(m['params'])}, gradients {_gb(m['grads'])}, optimizer state "
-            f"{_gb(m['opt_state'])}, activations {_gb(m['activations'])} (of which one "
-            f"layer's s x s probabilities: {_gb(p['scores'])}), communication buffers "
-            f"{_gb(m['comm_buffers'])} GB")
+            f"{_gb(m['opt_state'])}, activations {_gb(m['activations'])}{scores}, "
+            f"communication buffers {_gb(m['comm_buffers'])} GB")
 
 
 def render(rows: list[dict], args) -> str:
@@ -185,8 +191,9 @@ def render(rows: list[dict], args) -> str:
         "",
         f"Generated by `scripts/bench_long_context.py --budget {args.budget:g}"
         + ("" if args.pipelines else " --no-pipelines") + "` (analytic costs: the topology's GPU "
-        "kernel model, in which XLA's attention writes the s x s scores and probabilities to "
-        "memory; ideal resharding model; seed 0). Llama 3 shapes (`soapjax_zoo.llama`: "
+        "kernel model, attention one flash kernel (`soapjax.attention.flash_attention`: "
+        "nothing s x s in memory) at `attention_efficiency` 0.6 of peak; ideal resharding "
+        "model; seed 0). Llama 3 shapes (`soapjax_zoo.llama`: "
         "vocabulary 128256, 8 key/value heads, bf16 compute over float32 parameters, AdamW), "
         "1M tokens a step: 8 sequences of 128K or 32 of 32K. Hand grid: Megatron-LM "
         "(`baselines.megatron_3d`) over TP 1/2/4/8 (sequence parallel when > 1), CP 1/2/4/8, "
@@ -231,7 +238,7 @@ def render(rows: list[dict], args) -> str:
                       f"{w['recompute']}, ZeRO over {w['zero']}, optimizer state over "
                       f"{w['optimizer']}, stages {w['stages']}. Layer 0's operators, each "
                       "iteration dim that is split (dK(size): axes):", ""]
-            lines += [f"- `{k}`: {v}" for k, v in w.items() if "/" in k]
+            lines += [f"- `{k}`: {v}" for k, v in w.items() if k.startswith(("attn", "mlp"))]
         else:
             lines += [f"The search found no plan in {r['search_s']:.0f} s: {r.get('error')}"]
         fits = sorted((p for p in r["grid"] if p["fits"]), key=lambda p: p["step_s"])[:8]

@@ -422,7 +422,8 @@ def _image_like(op: Operator) -> bool:
     """A convolution, a pooling, or a norm over NHWC images (their height/width are A dims)."""
     if op.anchor.startswith(("conv", "reduce_window", "select_and")):
         return True
-    return len(op.shape) == 4 and op.roles[1:3] == ("A", "A") and op.anchor != "dot_general"
+    return (len(op.shape) == 4 and op.roles[1:3] == ("A", "A")
+            and op.anchor not in ("dot_general", "attention"))  # [B, T, N, H]: not an image
 
 
 def _allowed(role: str, limits: SpaceLimits) -> bool:
