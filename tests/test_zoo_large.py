@@ -42,6 +42,15 @@ LAYER_OPS = {
     "llama": ["attn_norm", "attn/q", "attn/k", "attn/v", "attn/dot_general",
               "attn/dot_general_1", "attn/o", "mlp_norm", "mlp/gate", "mlp/up", "mlp/down"],
 }
+# With flash attention (the long-context sizes, `LlamaConfig.attention`), one attention operator
+FLASH_LAYER_OPS = ["attn_norm", "attn/q", "attn/k", "attn/v", "attn", "attn/o", "mlp_norm",
+                   "mlp/gate", "mlp/up", "mlp/down"]
+
+
+def layer_ops(name: str, cfg) -> list[str]:
+    return FLASH_LAYER_OPS if getattr(cfg, "attention", "xla") == "flash" else LAYER_OPS[name]
+
+
 # Operators outside the layers, before and after them (the last one is the loss).
 OUTER_OPS = {"gpt": (["wte", "wpe"], ["ln_f", "wte.attend", "gpt"]),
              "llama": (["embed"], ["final_norm", "lm_head", "llama"])}
@@ -98,8 +107,8 @@ def test_large_models_are_registered_with_their_sizes():
     assert zoo.configs("gpt") == ("default", "tiny", "tiny-dropout", "1.3b", "1.7b", "2.7b",
                                   "3.6b", "6.7b", "7.5b", "13b", "18.4b", "22b", "39.1b",
                                   "76.1b", "145.6b", "175b", "310.1b", "530b", "1t")
-    assert zoo.configs("llama") == ("default", "tiny", "7b", "70b", "8b-32k", "8b-128k",
-                                    "70b-32k", "70b-128k")
+    assert zoo.configs("llama") == ("default", "tiny", "tiny-flash", "7b", "70b", "8b-32k",
+                                    "8b-128k", "70b-32k", "70b-128k")
     assert gpt.GPT_CONFIGS["default"] == gpt.GPT_CONFIGS["1.3b"]
     assert llama.LLAMA_CONFIGS["default"] == llama.LLAMA_CONFIGS["7b"]
 
@@ -213,7 +222,7 @@ def test_every_size_traces_from_shapes(name, size):
     w, g = traced(name, size)
     assert sum(x.nbytes for x in jax.live_arrays()) - live < 2**20  # nothing materialised
     cfg = BUILD[name][0][size]
-    per_layer = len(LAYER_OPS[name])
+    per_layer = len(layer_ops(name, cfg))
     assert len(g.operators) == sum(map(len, OUTER_OPS[name])) + per_layer * cfg.num_layers
     blocks = g.repeated_blocks()
     assert len(blocks) == per_layer and {len(b) for b in blocks} == {cfg.num_layers}
