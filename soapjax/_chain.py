@@ -4,9 +4,11 @@ A chain starts from a strategy and proposes random moves, each scored by the sim
 walks (delta simulation, `Simulation.propose_many`, or full, `Simulation.propose_strategy`):
 a new config for one operator (for every layer at once where the operator is at the same
 position of a repeated block), a recompute policy (`RECOMPUTE_MOVES` of the moves), a
-number of microbatches (`MICROBATCH_MOVES`), or Megatron's distributed optimizer on or off
+number of microbatches (`MICROBATCH_MOVES`), Megatron's distributed optimizer on or off
 (`OPTIMIZER_MOVES`: the optimizer state sharded over every mesh axis its parameter is
-replicated on, `Strategy.optimizer_axes`). A move is accepted with probability
+replicated on, `Strategy.optimizer_axes`), or, where the graph has attention operators and the
+strategy no pipeline stages, context parallelism's ring form on or off (`RING_MOVES`,
+`Strategy.ring_attention`). A move is accepted with probability
 ``min(1, exp(beta * (cost(S) - cost(S*))))`` against the current strategy; the best strategy
 that fits in memory and that apply can run is recorded (`_Searcher.record`). `SearchSettings`
 says how long and how: its proposal count or deadline, seed, temperature, space limits. The
@@ -24,7 +26,7 @@ from typing import Literal
 
 import numpy as np
 
-from soapjax.errors import SettingsError
+from soapjax.errors import PlanError, SettingsError
 from soapjax.graph import OpGraph
 from soapjax.memory import microbatch_choices, microbatch_error
 from soapjax.simulate import Simulation
@@ -37,8 +39,8 @@ from soapjax.space import (
     spatial_convolution,
 )
 
-__all__ = ["MICROBATCH_MOVES", "OPTIMIZER_MOVES", "RECOMPUTE_MOVES", "Progress", "SearchSettings",
-           "random_strategy"]
+__all__ = ["MICROBATCH_MOVES", "OPTIMIZER_MOVES", "RECOMPUTE_MOVES", "RING_MOVES", "Progress",
+           "SearchSettings", "random_strategy"]
 
 Progress = Callable[[str], None]
 
@@ -162,6 +164,8 @@ RECOMPUTE_MOVES = 0.15
 MICROBATCH_MOVES = 0.03
 # How often a proposal turns the distributed optimizer on or off (a full re-simulation too).
 OPTIMIZER_MOVES = 0.02
+# How often it turns ring attention on or off, where it can (a full re-simulation too).
+RING_MOVES = 0.02
 
 
 class _Searcher:
@@ -190,6 +194,7 @@ class _Searcher:
         self._t_best = 0.0  # when the current chain last improved, seconds after its start
         self.check_convolutions = not settings.limits.allow_spatial and any(
             "conv" in op.anchor for op in sim.graph.operators)
+        self.has_attention = any(op.anchor == "attention" for op in sim.graph.operators)
 
     def record(self, name: str) -> None:
         if not self.sim.fits_in_memory():
@@ -232,7 +237,9 @@ class _Searcher:
                 since_best += 1
                 continue
             members, config, policy, m = move
-            if isinstance(m, tuple):  # the distributed optimizer's axes
+            if isinstance(m, Strategy):  # ring attention toggled
+                sim.propose_strategy(m)
+            elif isinstance(m, tuple):  # the distributed optimizer's axes
                 sim.propose_strategy(dataclasses.replace(sim.strategy, optimizer_axes=m))
             elif m is not None:
                 sim.propose_strategy(sim.strategy.with_microbatches(m))
@@ -259,12 +266,21 @@ class _Searcher:
     def _draw(self, m: int, current: Callable[[], Strategy]) -> tuple | None:
         """A random move from the current strategy (`current()`, with `m` microbatches):
         (members, config or None, policy or None, microbatches or the distributed optimizer's
-        new axes (a tuple) or None), or None when the drawn change does not divide the
-        batch."""
+        new axes (a tuple) or the strategy with ring attention toggled or None), or None when
+        the drawn change does not divide the batch or cannot be made."""
         rng = self.rng
         r = rng.random()
         if r >= 1.0 - OPTIMIZER_MOVES:
             return [], None, None, () if current().optimizer_axes else self.mesh.axis_names
+        if r >= 1.0 - OPTIMIZER_MOVES - RING_MOVES:
+            if not self.has_attention:
+                return None
+            try:
+                toggled = dataclasses.replace(current(),
+                                              ring_attention=not current().ring_attention)
+            except PlanError:  # pipeline stages: the ring runs without them only
+                return None
+            return [], None, None, toggled
         if r < MICROBATCH_MOVES and len(self.microbatches) > 1:
             new = self.microbatches[int(rng.integers(len(self.microbatches)))]
             ops = self.sim.graph.operators

@@ -28,41 +28,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from soapjax.attention import AttentionCall, attention_call, bind_attention
+from soapjax._inner import query_dims
+from soapjax.attention import AttentionCall, attention_call, bind_attention, ring_attention
 from soapjax.graph import Operator, OpGraph
 from soapjax.space import Config
 
-__all__ = ["ContextParallel", "QueryDims", "context_parallel", "query_dims"]
-
-
-class QueryDims(NamedTuple):
-    """Which iteration dims of an attention operator its attention equation's queries
-    ``[B, T, N, H]`` and keys ``[B, S, K, H]`` follow (`query_dims`)."""
-
-    batch: int | None
-    sequence: int
-    heads: int | None
-    keys: int  # the keys' sequence: a reduction dim
-    heads_size: int  # N
-    kv_heads: int  # K
-
-
-def query_dims(graph: OpGraph, op: Operator) -> QueryDims | None:
-    """`QueryDims` of attention operator `op`, read from the operands of its attention
-    equation; None if `op` is not an attention operator."""
-    if op.anchor != "attention":
-        return None
-    prog, loc = graph.program, graph.program.local[op.name]
-    for i in loc.units:
-        u = prog.units[i]
-        if attention_call(u.eqn) is None:
-            continue
-        q, k = ([loc.labels.lookup(x, loc.iter_of) for x in loc.lab[v]] for v in u.ins[:2])
-        if q[1] is None or k[1] is None:
-            return None
-        return QueryDims(q[0], q[1], q[2], k[1], prog.shapes[u.ins[0]][2],
-                         prog.shapes[u.ins[1]][2])
-    return None
+__all__ = ["ContextParallel", "context_parallel"]
 
 
 class ContextParallel(NamedTuple):
@@ -88,16 +59,18 @@ class ContextParallel(NamedTuple):
         return [self.attention(self.call, q, k, v, q_pos, k_pos)]
 
 
-def context_parallel(graph: OpGraph, op: Operator, cfg: Config, mesh: Mesh
-                     ) -> ContextParallel | None:
+def context_parallel(graph: OpGraph, op: Operator, cfg: Config, mesh: Mesh, *,
+                     ring: bool = False) -> ContextParallel | None:
     """How apply computes attention operator `op` under context parallelism (module doc); None
     where `op` is no attention operator or its config keeps its queries whole.
 
     The operator's own equations around its attention (a rotary embedding's) run at their
     traced shapes under XLA's partitioner, where iotas know their offsets; only the attention
-    equation runs in `jax.shard_map`.
+    equation runs in `jax.shard_map`. With `ring` (`Strategy.ring_attention`) it runs
+    `soapjax.attention.ring_attention` there instead: nothing gathered, the key/value blocks
+    passed around the ring with their positions.
     """
-    dims = query_dims(graph, op)
+    dims = query_dims(graph, graph.index(op.name))
     if dims is None or not cfg.axes[dims.sequence]:
         return None
     batch, seq, heads = (tuple(cfg.axes[d]) if d is not None else ()
@@ -118,10 +91,16 @@ def context_parallel(graph: OpGraph, op: Operator, cfg: Config, mesh: Mesh
         if heads and not kv_split:  # the one key/value head this device's query heads use
             first = jax.lax.axis_index(heads) * local_heads // (n_heads // kv_heads)
             k, v = (jax.lax.dynamic_slice_in_dim(x, first, 1, axis=2) for x in (k, v))
+        index = jax.lax.axis_index(seq)
+        mine = index * q.shape[1] + jnp.arange(q.shape[1])
+        if ring:
+            theirs = index * k.shape[1] + jnp.arange(k.shape[1])
+            pieces = 2 if q.shape[1] % 2 == 0 and k.shape[1] % 2 == 0 else 1
+            axis = seq if len(seq) > 1 else seq[0]
+            return ring_attention(q, k, v, mine, theirs, axis_name=axis, causal=call.causal,
+                                  pieces=pieces)
         k = jax.lax.all_gather(k, seq, axis=1, tiled=True)
         v = jax.lax.all_gather(v, seq, axis=1, tiled=True)
-        block = q.shape[1]
-        mine = jax.lax.axis_index(seq) * block + jnp.arange(block)
         return bind_attention(call, q, k, v, mine, jnp.arange(k.shape[1]))
 
     def gathered(call: AttentionCall, q, k, v, q_pos, k_pos):

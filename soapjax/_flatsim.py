@@ -101,7 +101,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from soapjax._dtypes import itemsize
-from soapjax._inner import inner_reductions, matmul_operands
+from soapjax._inner import attention_call_of, inner_reductions, matmul_operands, query_dims
 from soapjax._simresult import (
     BACKWARD,
     FORWARD,
@@ -120,6 +120,7 @@ from soapjax._simresult import (
 )
 from soapjax._taskgraph import EDGE, LEAF, Comm, Layout, Pricing, TaskGraph
 from soapjax._timing import quiet_gc
+from soapjax.attention import ring_work
 from soapjax.cost import OpTime
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
@@ -135,6 +136,28 @@ from soapjax.space import Config, MeshShape, Strategy, sample_dim, storage_spec,
 from soapjax.topology import Topology
 
 __all__ = ["OpCosts", "Simulation", "scatter_target", "scattered_operand_axes", "shard_bytes"]
+
+class _Ring(NamedTuple):
+    """An attention operator run as ring attention (`Simulation._ring_of`)."""
+
+    keys: int  # the iteration dim of the keys' sequence
+    seq: tuple[str, ...]  # the axes of the ring
+    cp: int
+    work: float  # its compute against the gathered form's
+
+    def specs(self, op: Any, specs: tuple, partials: tuple) -> tuple[tuple, tuple]:
+        """The operands' layouts and cotangent partial axes under the ring: the keys' and
+        values' sequence split over the ring's axes (nothing gathered), their cotangents whole
+        (the ring carries them home)."""
+        new_specs, new_partials = [], []
+        for x, spec, partial in zip(op.inputs, specs, partials):
+            if self.keys in x.dims:
+                spec = tuple(self.seq if d == self.keys else a for d, a in zip(x.dims, spec))
+                partial = tuple(a for a in partial if a not in self.seq)
+            new_specs.append(spec)
+            new_partials.append(partial)
+        return tuple(new_specs), tuple(new_partials)
+
 
 class _View(NamedTuple):
     """One operator under one config: times, tensor specs, partial sums, activation bytes."""
@@ -342,7 +365,8 @@ class Simulation:
         if self._stale is not None:
             return self._stale
         return Strategy(tuple(v.config for v in self._views), self._zero, self._micro,
-                        tuple(v.policy for v in self._views), optimizer_axes=self._optimizer)
+                        tuple(v.policy for v in self._views), optimizer_axes=self._optimizer,
+                        ring_attention=self._ring)
 
     @property
     def microbatches(self) -> int:
@@ -624,6 +648,7 @@ class Simulation:
         self._zero = tuple(strategy.zero_axes)
         self._optimizer = tuple(a for a in strategy.optimizer_axes if a not in self._zero)
         self._micro = strategy.microbatches
+        self._ring = strategy.ring_attention
         self._views = [self._view(j, c, strategy.recompute_of(j))
                        for j, c in enumerate(strategy.configs)]
         self._scatter = [self._scatter_of(j) for j in range(layout.n)]
@@ -781,7 +806,7 @@ class Simulation:
 
     def _view(self, j: int, config: Config, policy: str = "none") -> _View:
         m = self._micro
-        key = (self._canon[j], config, policy, m)
+        key = (self._canon[j], config, policy, m, self._ring)
         v = self._views_memo.get(key)
         if v is None:
             validate_config(self.graph, j, config, self.mesh)
@@ -804,6 +829,10 @@ class Simulation:
             specs = tuple(config.operand_axes(x.dims) for x in op.inputs)
             partials = tuple(config.cotangent_partials(x, self.mesh.axis_names)
                              for x in op.inputs)
+            ring = self._ring_of(j, config)
+            if ring is not None:  # the keys and values stay split; the ring moves them
+                forward, backward = forward * ring.work, backward * ring.work
+                specs, partials = ring.specs(op, specs, partials)
             sample = self._sample[j]
             def nbytes(shape, dims, dtype, spec):
                 return shard_bytes(microbatch_shape(shape, dims, sample, m), spec, dtype,
@@ -817,6 +846,9 @@ class Simulation:
             internal = sum(nbytes(shape, dims, dtype, config.operand_axes(dims))
                            for shape, dtype, dims in self._segments.internal[j])
             inner_forward, inner_backward = self._inner_chains(j, config)
+            if ring is not None:
+                inner_forward += self._ring_chain(j, ring, specs, backward=False)
+                inner_backward += self._ring_chain(j, ring, specs, backward=True)
             if recompute:  # the forward it runs again all-reduces its statistics again
                 inner_backward = inner_forward + inner_backward
             v = self._views_memo[key] = _View(
@@ -830,6 +862,43 @@ class Simulation:
                 tuple(config.operand_axes(m.dims) if m is not None and p else None
                       for m, p in zip(matmul_operands(self.graph, j), partials)))
         return v
+
+    def _ring_of(self, j: int, config: Config) -> _Ring | None:
+        """How operator `j` runs as ring attention under `config` (`Strategy.ring_attention`),
+        or None: not a ring strategy, not an attention operator, its queries not split."""
+        if not self._ring:
+            return None
+        dims = query_dims(self.graph, j)
+        if dims is None or not config.axes[dims.sequence]:
+            return None
+        seq = tuple(config.axes[dims.sequence])
+        cp = self.mesh.degree(seq)
+        causal = attention_call_of(self.graph, j).causal
+        # the synchronous ring over contiguous blocks against a balanced causal split
+        work = ring_work(cp) / 0.5 if causal else 1.0
+        return _Ring(dims.keys, seq, cp, work)
+
+    def _ring_chain(self, j: int, ring: _Ring, specs: tuple, *, backward: bool
+                    ) -> tuple[Comm, ...]:
+        """The ring's sends, each microbatch (`soapjax.attention.ring_sends`): cp - 1 steps of
+        the key block, the value block and the key positions forward; of the keys' and
+        values' cotangents backward. Priced one after another, after the operator's own
+        task: what the ring overlaps with its blocks' computation is not credited."""
+        op = self.graph.operators[j]
+        kv = [(x, spec) for x, spec in zip(op.inputs, specs) if ring.keys in x.dims]
+        out: list[Comm] = []
+        for x, spec in kv:
+            shape = microbatch_shape(x.shape, x.dims, self._sample[j], self._micro)
+            nbytes = shard_bytes(shape, spec, x.dtype, self.mesh)
+            c = self._pricing.comm("collective_permute", nbytes, ring.seq)
+            if c is not None:
+                out += [c] * (ring.cp - 1)
+        if not backward and kv:
+            length = kv[0][0].shape[kv[0][0].dims.index(ring.keys)]
+            c = self._pricing.comm("collective_permute", 4 * length // ring.cp, ring.seq)
+            if c is not None:
+                out += [c] * (ring.cp - 1)
+        return self._per_microbatch(tuple(out))
 
     def _inner_chains(self, j: int, config: Config) -> tuple[tuple[Comm, ...], tuple[Comm, ...]]:
         """The all-reduces of the statistics operator `j` reduces over dims `config` splits
@@ -1257,10 +1326,11 @@ class Simulation:
         if kind == UPDATE:
             return f"update {layout.leaf_source[ref]}"
         x = subject[0]
+        inner = "ring" if ref.kind == "collective_permute" else "statistics"  # `_ring_chain`
         what = (layout.edge_name[x] if kind == RESHARD else f"d({layout.edge_name[x]})"
                 if kind == RESHARD_BWD else f"{ops[x].name} (partial sums)"
-                if kind == PARTIAL_SUM else f"{ops[x].name} (statistics)"
-                if kind == INNER_REDUCE else f"d({ops[x].name} statistics)"
+                if kind == PARTIAL_SUM else f"{ops[x].name} ({inner})"
+                if kind == INNER_REDUCE else f"d({ops[x].name} {inner})"
                 if kind == INNER_REDUCE_BWD else layout.leaf_source[x]
                 if kind == PARAM_GATHER else f"norm {layout.leaf_source[x]}"
                 if kind == UPDATE_REDUCE else f"grad {layout.leaf_source[x]}")

@@ -103,7 +103,8 @@ def constrained_loss(graph: OpGraph, strategy: Any, mesh: Mesh, *,
         return jax.lax.with_sharding_constraint(value, out_shardings[op.name][k])
 
     cps = {j: cp for j, (op, cfg) in enumerate(zip(graph.operators, strategy.configs))
-           if (cp := context_parallel(graph, op, cfg, mesh)) is not None}
+           if (cp := context_parallel(graph, op, cfg, mesh, ring=strategy.ring_attention))
+           is not None}
     in_shardings = {op.name: ([(s, None) for s in cps[j].operands] if j in cps
                               else layouts.operands(j))
                     for j, op in enumerate(graph.operators)} if constrain_operands else {}

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from soapjax.attention import attention_call
 from soapjax.graph import OpGraph
 
 # Primitives that reduce axes of their first operand (`axes`), and dot_general's contraction.
@@ -213,3 +214,48 @@ def _matmul_operands(graph: OpGraph, j: int) -> tuple[MatmulOperand | None, ...]
             reached.update((v, moved) for v in u.outs if v is not None)
         out.append(found)
     return tuple(out)
+
+
+class QueryDims(NamedTuple):
+    """Which iteration dims of an attention operator its attention equation's queries
+    ``[B, T, N, H]`` and keys ``[B, S, K, H]`` follow (`query_dims`)."""
+
+    batch: int | None
+    sequence: int
+    heads: int | None
+    keys: int  # the keys' sequence: a reduction dim
+    heads_size: int  # N
+    kv_heads: int  # K
+
+
+def query_dims(graph: OpGraph, j: int) -> QueryDims | None:
+    """`QueryDims` of operator `j` where it is an attention operator (anchor ``attention``,
+    `soapjax.attention.flash_attention`), read from the operands of its attention equation;
+    None for any other."""
+    return graph.memo(("query_dims", j), lambda: _query_dims(graph, j))
+
+
+def _query_dims(graph: OpGraph, j: int) -> QueryDims | None:
+    op = graph.operators[j]
+    if op.anchor != "attention":
+        return None
+    prog, loc = graph.program, graph.program.local[op.name]
+    for i in loc.units:
+        u = prog.units[i]
+        if attention_call(u.eqn) is None:
+            continue
+        q, k = ([loc.labels.lookup(x, loc.iter_of) for x in loc.lab[v]] for v in u.ins[:2])
+        if q[1] is None or k[1] is None:
+            return None
+        return QueryDims(q[0], q[1], q[2], k[1], prog.shapes[u.ins[0]][2],
+                         prog.shapes[u.ins[1]][2])
+    return None
+
+
+def attention_call_of(graph: OpGraph, j: int):
+    """The `soapjax.attention.AttentionCall` of attention operator `j` (None for another)."""
+    prog = graph.program
+    for i in prog.local[graph.operators[j].name].units:
+        if (call := attention_call(prog.units[i].eqn)) is not None:
+            return call
+    return None

@@ -136,6 +136,8 @@ class Plan:
         it.
       optimizer_axes: Megatron's distributed optimizer's axes (see `Strategy`); files
         written without it have none.
+      ring_attention: context parallelism's ring form (see `Strategy`); files written without
+        it have the gathered form.
       simulated: the `soapjax.simulate.SimResult` `soapjax.search.find_plan` simulated the
         plan's strategy to (timeline included), so a report needs no second simulation; not
         saved (None for a loaded plan) and not part of the plan's identity.
@@ -162,12 +164,14 @@ class Plan:
     pipeline: tuple[int, int, str] = (1, 1, "1f1b")
     batch_size: int = 0
     optimizer_axes: tuple[str, ...] = ()
+    ring_attention: bool = False
     simulated: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         # The step-level choices are checked as a Strategy checks them.
         Strategy(tuple(c for _, c in self.configs), self.zero_axes, self.microbatches,
-                 self.recompute, *self.pipeline, optimizer_axes=self.optimizer_axes)
+                 self.recompute, *self.pipeline, optimizer_axes=self.optimizer_axes,
+                 ring_attention=self.ring_attention)
         if self.roles and len(self.roles) != len(self.configs):
             raise PlanError(f"{len(self.roles)} role strings for {len(self.configs)} operators")
         for (name, config), roles in zip(self.configs, self.roles):
@@ -204,7 +208,8 @@ class Plan:
             recompute=tuple(strategy.recompute),
             pipeline=(strategy.stages, strategy.virtual_stages, strategy.schedule),
             batch_size=graph.batch_size if graph.batch else 0,
-            optimizer_axes=tuple(strategy.optimizer_axes), simulated=simulated)
+            optimizer_axes=tuple(strategy.optimizer_axes),
+            ring_attention=strategy.ring_attention, simulated=simulated)
 
     @property
     def step_time_s(self) -> float | None:
@@ -294,7 +299,8 @@ class Plan:
         return strategy_from_names(
             graph, dict(self.configs), zero_axes=self.zero_axes, microbatches=self.microbatches,
             recompute=dict(zip(names, self.recompute)) if self.recompute else None,
-            pipeline=self.pipeline, optimizer_axes=self.optimizer_axes)
+            pipeline=self.pipeline, optimizer_axes=self.optimizer_axes,
+            ring_attention=self.ring_attention)
 
     # --- JSON ------------------------------------------------------------------------------
 
@@ -310,6 +316,7 @@ class Plan:
             "operators": self._operators_json(),
             "zero_axes": list(self.zero_axes),
             "optimizer_axes": list(self.optimizer_axes),
+            "ring_attention": self.ring_attention,
             "microbatches": self.microbatches,
             "pipeline": {"stages": self.pipeline[0], "virtual_stages": self.pipeline[1],
                          "schedule": self.pipeline[2]},
@@ -369,7 +376,8 @@ class Plan:
                 microbatches=int(data.get("microbatches", 1)), recompute=recompute,
                 pipeline=_pipeline(data.get("pipeline", {})),
                 batch_size=int(m.get("batch_size", 0)),
-                optimizer_axes=tuple(data.get("optimizer_axes", ())))
+                optimizer_axes=tuple(data.get("optimizer_axes", ())),
+                ring_attention=data.get("ring_attention", False))
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             if isinstance(e, PlanError):
                 raise

@@ -96,6 +96,8 @@ def plan_report(graph: OpGraph, topology, strategy: Strategy, sim, *,
     if strategy.optimizer_axes:
         lines.append(f"  optimizer state sharded over {', '.join(strategy.optimizer_axes)} "
                      "(distributed optimizer)")
+    if strategy.ring_attention:
+        lines.append("  context-parallel attention as a ring (keys and values passed around)")
     lines.append("")
     lines.append("predicted step time")
     t = sim.step_time_s
@@ -202,6 +204,8 @@ def plan_html(plan) -> str:
     if plan.optimizer_axes:
         lines.append(f"optimizer state sharded over {_esc(', '.join(plan.optimizer_axes))} "
                      "(distributed optimizer)")
+    if plan.ring_attention:
+        lines.append("context-parallel attention as a ring (keys and values passed around)")
     names = [n for n, _ in plan.configs]
     if plan.roles:
         specs = [spec_text(s) for s in plan.output_specs().values()]

@@ -228,6 +228,10 @@ class Strategy:
         synchronisation becomes a reduce-scatter into the optimizer state's layout
         (`optimizer_specs`), each device updates its shard, and the updated parameters are
         all-gathered back: the bytes of the all-reduce, 1/degree of the optimizer state.
+      ring_attention: context parallelism's ring form: every attention operator
+        (`soapjax.attention.flash_attention`) whose query sequence is split passes its keys
+        and values around the ring of those axes (`soapjax.attention.ring_attention`)
+        instead of all-gathering them. Not with pipeline stages.
     """
 
     configs: tuple[Config, ...]
@@ -238,8 +242,16 @@ class Strategy:
     virtual_stages: int = 1
     schedule: str = "1f1b"
     optimizer_axes: tuple[str, ...] = ()
+    ring_attention: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.ring_attention, bool):
+            raise PlanError(f"Strategy.ring_attention must be True or False, got "
+                            f"{self.ring_attention!r}")
+        if self.ring_attention and (self.stages > 1 or self.virtual_stages > 1):
+            raise PlanError("Strategy.ring_attention is not supported with pipeline stages yet "
+                            "(the stages run attention in their own shard_map); use the "
+                            "gathered form (ring_attention=False) or no stages")
         for name in ("zero_axes", "optimizer_axes"):
             axes = getattr(self, name)
             if isinstance(axes, str) or not all(isinstance(a, str) for a in axes):
@@ -435,7 +447,8 @@ def strategy_from_names(graph: OpGraph, configs: Mapping[str, Config], *,
                         zero_axes: Sequence[str] = (), default: Strategy | None = None,
                         microbatches: int = 1, recompute: Mapping[str, str] | None = None,
                         pipeline: tuple[int, int, str] | None = None,
-                        optimizer_axes: Sequence[str] = ()) -> Strategy:
+                        optimizer_axes: Sequence[str] = (),
+                        ring_attention: bool = False) -> Strategy:
     """A `Strategy` from configs keyed by operator name (as plan files and hand-written
     strategies name them): the one place names become a strategy (`soapjax.plan.Plan.strategy`,
     `soapjax.simulate.parse_strategy` and the apply stage call it).
@@ -451,6 +464,7 @@ def strategy_from_names(graph: OpGraph, configs: Mapping[str, Config], *,
         default's).
       pipeline: ``(stages, virtual_stages, schedule)``, or None for no pipeline.
       optimizer_axes: see `Strategy.optimizer_axes`.
+      ring_attention: see `Strategy.ring_attention`.
 
     Raises:
       PlanError: a name that is not an operator of `graph` (with close matches), or operators
@@ -475,7 +489,7 @@ def strategy_from_names(graph: OpGraph, configs: Mapping[str, Config], *,
         policies = tuple((recompute or {}).get(n, base[i] if base else "none")
                          for i, n in enumerate(known))
     return Strategy(cfgs, tuple(zero_axes), microbatches, policies, *(pipeline or (1, 1, "1f1b")),
-                    optimizer_axes=tuple(optimizer_axes))
+                    optimizer_axes=tuple(optimizer_axes), ring_attention=ring_attention)
 
 
 def _abbrev(names: Sequence[str], n: int = 6) -> str:

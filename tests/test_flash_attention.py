@@ -26,9 +26,13 @@ from test_corpus import FAST_COMPILE, X64_TOL, jiggle, relative_error, worst_lea
 
 from soapjax import hlo, space
 from soapjax.apply import batch_shardings, constrained_loss, device_put_global, param_shardings
+from soapjax.attention import ring_work
 from soapjax.cost import cost_model
+from soapjax.errors import PlanError
 from soapjax.graph import OpGraph, trace
+from soapjax.plan import Plan
 from soapjax.reshard import Resharder
+from soapjax.search import SearchSettings, find_plan
 from soapjax.simulate import simulate
 from soapjax.space import Config, MeshShape, Strategy
 from soapjax.topology import load_topology, make_mesh
@@ -91,10 +95,16 @@ def context_parallel(graph: OpGraph, axis: str, heads: str | None = None) -> Str
     return space.strategy_from_names(graph, configs)
 
 
+def ring(strategy: Strategy) -> Strategy:
+    return dataclasses.replace(strategy, ring_attention=True)
+
+
 STRATEGIES = {
     "dp": lambda g: space.data_parallel(g, MESH),
     "cp_model": lambda g: context_parallel(g, "model"),
     "cp_data_tp_model": lambda g: context_parallel(g, "data", heads="model"),
+    "ring_model": lambda g: ring(context_parallel(g, "model")),
+    "ring_data_tp_model": lambda g: ring(context_parallel(g, "data", heads="model")),
 }
 
 
@@ -160,3 +170,72 @@ def test_context_parallel_collectives_are_priced_as_compiled():
         assert n == gathered[0], (kind, xla, sim)
         assert b == pytest.approx(gathered[1], rel=0.10), (kind, xla, sim)
     assert set(xla) == set(sim) == {"all_gather", "all_reduce", "reduce_scatter"}, (xla, sim)
+
+
+def test_ring_attention_sends_are_priced_as_compiled():
+    """The ring form (`Strategy.ring_attention`): nothing gathered, nothing reduce-scattered;
+    per layer, cp - 1 = 3 steps of the key and the value blocks forward and of their
+    cotangents backward ([1, 32, 4, 4] float64, 4 KiB each), and of the key positions
+    forward, which XLA sends once for both layers (the same values: common subexpressions),
+    where the simulator counts them per layer (128 bytes each)."""
+    xla, sim = compiled("ring_model"), simulated("ring_model")
+    assert set(xla) == set(sim) == {"collective_permute", "all_reduce"}, (xla, sim)
+    blocks = 2 * 4 * 3  # layers x (k, v forward; their cotangents backward) x steps
+    kv_bytes = 1 * (SEQ_LEN // 4) * 4 * 4 * 8
+    found = [c for c in hlo.collectives(applied("ring_model")[1], MESH)
+             if c.kind == "collective-permute"]
+    floats = [c for c in found if c.shapes[0].startswith("f64")]
+    assert sum(c.executions for c in floats) == blocks
+    assert {c.nbytes for c in floats} == {kv_bytes}
+    tasks = [t for t in simulation("ring_model").tasks if t.name.startswith("collective_permute")]
+    assert sum(t.nbytes == kv_bytes for t in tasks) == blocks
+    assert len(tasks) == blocks + 2 * 3  # and the positions, per layer
+    assert sim["collective_permute"][1] == pytest.approx(xla["collective_permute"][1], rel=0.10)
+    # the same weights' gradients as the gathered form
+    assert xla["all_reduce"] == compiled("cp_model")["all_reduce"]
+
+
+def test_the_ring_costs_more_compute_than_the_gathered_form():
+    """Over contiguous blocks the synchronous ring does the work of a whole block row
+    (`soapjax.attention.ring_work`), the gathered form a balanced causal half."""
+    graph = case()[0]
+    j = graph.index("layers_0/attn")
+    gathered, ringed = simulation("cp_model"), simulation("ring_model")
+
+    def forward(r):
+        return next(t.end_s - t.start_s for t in r.tasks if t.kind == "forward" and t.name.endswith(
+            "layers_0/attn"))
+
+    assert forward(ringed) == pytest.approx(forward(gathered) * ring_work(4) / 0.5, rel=1e-9)
+    assert graph.operators[j].anchor == "attention"
+
+
+def test_a_ring_strategy_goes_through_a_plan_file_and_refuses_stages():
+    graph = case()[0]
+    strategy = STRATEGIES["ring_model"](graph)
+    r = simulation("ring_model")
+    plan = Plan.make(graph, TOPOLOGY, strategy, predicted={"step_time_s": r.step_time_s})
+    again = Plan.from_json(plan.to_json())
+    assert again.ring_attention and again.strategy(graph, TOPOLOGY) == strategy
+    assert not Plan.make(graph, TOPOLOGY, STRATEGIES["cp_model"](graph)).to_json()[
+        "ring_attention"]
+    with pytest.raises(PlanError, match="ring_attention is not supported with pipeline stages"):
+        dataclasses.replace(strategy, stages=2, microbatches=2)
+    with pytest.raises(PlanError, match="must be True or False"):
+        dataclasses.replace(strategy, ring_attention="yes")
+
+
+def test_the_searched_plan_trains_exactly():
+    """The default search (analytic costs, a fixed number of proposals) on the tiny flash
+    llama: its plan's float64 gradients equal the unsharded ones."""
+    graph, params, batch, want = case()
+    plan = find_plan(graph, TOPOLOGY, settings=SearchSettings(max_proposals=150, seed=0),
+                     costs="analytic")
+    strategy, mesh = plan.strategy(graph, TOPOLOGY), make_mesh(TOPOLOGY)
+    with jax.enable_x64(True):
+        ps = param_shardings(graph, strategy, mesh, params=params)
+        bs = batch_shardings(graph, strategy, mesh, batch=batch)
+        grad = jax.jit(jax.grad(constrained_loss(graph, strategy, mesh)), in_shardings=(ps, bs),
+                       out_shardings=ps, compiler_options=FAST_COMPILE)
+        got = grad(*device_put_global((params, batch), (ps, bs)))
+    assert relative_error(got, want) <= X64_TOL
