@@ -1,20 +1,27 @@
-"""Apply for an attention operator whose query sequence is split: context parallelism, the
-keys and values all-gathered (Llama 3's form), as the simulator prices it.
+"""Apply for an attention operator whose query sequence is split: context parallelism, as
+the simulator prices it.
 
 An attention operator (`soapjax.attention.flash_attention`, anchor ``attention``) whose config
-splits its query sequence over some mesh axes runs in `jax.shard_map`, manual over those axes
-only (the batch's and the heads' axes stay automatic: XLA's partitioner splits them as the
-config says). Inside, each device holds its block of queries and its block of the keys and
-values, as their producers made them (every operator's sequence split alike, Megatron's and
-Llama 3's layout); it gathers the keys and values whole (``all_gather``, tiled), and computes
-its queries' attention at their true positions (``axis_index x block + arange``: the causal
-mask needs them, and an ``iota`` at the shard's shape would start every block at 0). The
-gather's transpose is a reduce-scatter: the keys' and values' cotangents, partial sums over
-the query blocks, come back split along the sequence, one collective each, outside any loop.
+splits its query sequence over some mesh axes runs its attention equation in `jax.shard_map`,
+manual over every mesh axis (the batch's, the sequence's and the heads' as the config splits
+them; a device whose query heads all use one key/value head slices it). The operator's other
+equations (a rotary embedding's) run at their traced shapes under XLA's partitioner, where
+iotas know their offsets. Inside, each device holds its block of queries and its block of the
+keys and values, as their producers made them (every operator's sequence split alike,
+Megatron's and Llama 3's layout), and computes its queries' attention at their true positions
+(``axis_index x block + arange``: the causal mask needs them, and an ``iota`` at the shard's
+shape would start every block at 0), in one of two forms:
+
+* **gathered** (Llama 3's; the default): the keys and values gathered whole (``all_gather``,
+  tiled). The gather's transpose is a reduce-scatter: their cotangents, partial sums over the
+  query blocks, come back split along the sequence, one collective each, outside any loop;
+* **ring** (`soapjax.space.Strategy.ring_attention`): `soapjax.attention.ring_attention`, the
+  blocks passed around the ring with their positions, nothing gathered.
 
 Left to XLA instead (the operator evaluated at its traced shapes under sharding constraints),
 the keys' and values' cotangents are all-reduced inside the backward loop over key blocks,
-once per block. Same numbers, more and smaller collectives than the simulator prices.
+once per block. Same numbers, more and smaller collectives than the simulator prices. That is
+what runs inside pipeline stages (`soapjax._pipelined`), which this module does not reach.
 """
 
 from __future__ import annotations

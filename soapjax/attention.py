@@ -1,37 +1,40 @@
-"""Ring attention: attention whose sequence is split over a mesh axis, the keys and values
-passed around the ring (issue 32, context parallelism's second form).
+"""Attention as models call it and plans run it: flash attention, one operator of the graph,
+and ring attention, context parallelism's second form (issue 32).
 
-Context parallelism splits a long sequence over a mesh axis of size ``cp``. Its all-gather form
-(Llama 3's; what `soapjax.baselines.megatron_3d` with ``cp`` plans and XLA compiles from a split
-query dim) keeps the queries local and gathers every key and value: each device holds the whole
-sequence's keys and values and its ``T/cp x T`` block of scores. Ring attention (Liu et al. 2023,
-"Ring Attention with Blockwise Transformers for Near-Infinite Context") keeps the keys and
+**Flash attention** (`flash_attention`): ``softmax(q k^T / sqrt(H)) v`` over blocks of keys with
+an online softmax, a custom VJP whose backward recomputes each block's scores, so no ``T x S``
+array is ever whole in memory; grouped-query heads are served without a repeat. Its equation
+(`attention_call` recognises it) becomes one *attention operator* of the graph, which splits
+its batch, its query sequence and its heads; the kernel model prices it as one flash kernel
+(`soapjax.kernels.FlashKernel`), and apply runs it under context parallelism in
+`jax.shard_map` (`soapjax._context_parallel`).
+
+**Context parallelism** splits a long sequence over a mesh axis of size ``cp``. Its all-gather
+form (Llama 3's; a plan's default) keeps the queries local and gathers every key and value:
+each device holds the whole sequence's keys and values and computes its ``T/cp x T`` block of
+scores. Ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers for
+Near-Infinite Context"; a plan with `soapjax.space.Strategy.ring_attention`) keeps the keys and
 values local too: in ``cp`` steps each device attends its queries to one block of keys and
 values and hands that block to the next device (``jax.lax.ppermute``), combining the blocks'
-results with the online softmax of flash attention (a running maximum and sum per query, in
-float32 or wider). Each device then holds two key/value blocks (the one in use and the one
-arriving) and one ``T/cp x T/cp`` block of scores, and the sends overlap the blocks'
-computation.
+results with the online softmax (a running maximum and sum per query, in float32 or wider).
+Each device then holds the key/value blocks it has received and one ``T/cp x T/cp`` block of
+scores, and the sends can overlap the blocks' computation.
 
 `ring_attention` is the per-device program, called inside `jax.shard_map` manual over the ring's
 axis. Which keys a query sees comes from position arrays that travel with the blocks, so any
 layout of the sequence over the ring works: contiguous blocks (device i holds tokens
 ``[i T/cp, (i+1) T/cp)``), where causal attention leaves device i with i + 1/2 blocks to
 compute and skips the rest (the last device does about 2 cp times the first's work, and the
-ring waits for it), or the zigzag layout of `zigzag` (device i holds chunks i and 2 cp - 1 - i
-of 2 cp), where every device computes the same amount (Megatron-Core's and Llama 3's load
-balancing). Sub-blocks a causal mask hides whole are skipped (`_attend`).
+ring waits for it: `ring_work`), or the zigzag layout of `zigzag` (device i holds chunks i and
+2 cp - 1 - i of 2 cp), where every device computes the same amount (Megatron-Core's and Llama
+3's load balancing). Sub-blocks a causal mask hides whole are skipped (`_attend`). Plans run
+the contiguous layout: zigzag would reorder every operator's sequence, not attention's alone.
 
-The backward pass is autodiff's: each step's block computation is a ``jax.checkpoint`` (the
-scores are recomputed, never kept), and the ppermutes transpose into ppermutes the other way
-around the ring, carrying the keys' and values' cotangents home. Per device and attention call
-the ring sends ``cp - 1`` key blocks and ``cp - 1`` value blocks forward, and as many cotangent
-blocks backward (`ring_sends`).
-
-Not yet in the search: the operator graph has no attention operator whose implementation a
-plan could choose (the zoo's attention is scores, softmax and ``probs v`` as plain equations,
-grouped into two operators), so plans use the all-gather form; this module is the ring form
-that such an operator will run.
+The ring's backward pass is autodiff's: each step's block computation is a ``jax.checkpoint``
+(the scores are recomputed, never kept), and the ppermutes transpose into ppermutes the other
+way around the ring, carrying the keys' and values' cotangents home. Per device and attention
+call the ring sends ``cp - 1`` key blocks, ``cp - 1`` value blocks and their positions forward,
+and ``cp - 1`` cotangent blocks of each backward (`ring_sends`).
 
 Example (8 devices, the sequence over all of them)::
 
