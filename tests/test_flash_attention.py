@@ -1,32 +1,41 @@
 """Flash attention as one operator of the graph (`soapjax.attention.flash_attention`, issue
-32): traced, priced and applied.
+32): traced, priced and applied, in both forms of context parallelism.
 
 * The tiny llama with ``attention="flash"`` (`soapjax_zoo.llama`, 128 tokens in blocks of 32
   keys, grouped-query heads: 8 query heads on 4 key/value heads) has one attention operator
   per layer, which splits its batch, its query sequence and its heads, nothing else.
 * Its float64 gradients on cpu8 equal the unsharded ``jax.grad`` (1e-12) data parallel, under
   context parallelism (the sequence over ``model``: the attention equation in `jax.shard_map`,
-  `soapjax._context_parallel`), under context and tensor parallelism together, and under the
-  default searched plan.
-* The compiled context-parallel step gathers each layer's keys and values once and
-  reduce-scatters their cotangents once, and nothing else of attention's: the collectives the
-  simulator prices, kind by kind, counts and bytes.
-* The simulator keeps no ``T x S`` array for it and prices it as one flash kernel
-  (`soapjax.kernels.FlashKernel`).
+  `soapjax._context_parallel`) gathered and as a ring (`Strategy.ring_attention`), each with
+  tensor parallelism too, under a searched plan, and pipelined (TP x CP x PP).
+* The compiled gathered step gathers each layer's keys and values once and reduce-scatters
+  their cotangents once; the ring step sends their blocks around; both as the simulator
+  prices them, kind by kind, counts and bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import pathlib
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 from test_corpus import FAST_COMPILE, X64_TOL, jiggle, relative_error, worst_leaf
 
 from soapjax import hlo, space
-from soapjax.apply import batch_shardings, constrained_loss, device_put_global, param_shardings
+from soapjax.apply import (
+    batch_shardings,
+    constrained_loss,
+    device_put_global,
+    param_shardings,
+    sharded_train_step,
+)
 from soapjax.attention import ring_work
+from soapjax.baselines import megatron_3d
 from soapjax.cost import cost_model
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph, trace
@@ -239,3 +248,32 @@ def test_the_searched_plan_trains_exactly():
                        out_shardings=ps, compiler_options=FAST_COMPILE)
         got = grad(*device_put_global((params, batch), (ps, bs)))
     assert relative_error(got, want) <= X64_TOL
+
+
+def test_a_pipelined_context_parallel_plan_trains_exactly():
+    """Inside pipeline stages (`soapjax._pipelined`) the attention equation runs at its traced
+    shapes under XLA's partitioner (not in `soapjax._context_parallel`'s shard_map): Megatron's
+    TP 2 x CP 2 x PP 2 on the 2-node cpu8 mesh, 2 sequences a microbatch, computes the
+    unsharded step in float64."""
+    topology = load_topology(str(pathlib.Path(__file__).parent / "meshes" / "cpu8-nodes.toml"))
+    cfg = dataclasses.replace(CONFIG, num_layers=2, batch_size=8)
+    w = llama.build_llama("llama", "tiny-flash-x64", cfg, "linen")
+    rng = np.random.default_rng(0)
+    with jax.enable_x64(True):
+        params = jax.tree.map(lambda s: jnp.asarray(0.1 * rng.standard_normal(s.shape),
+                                                    jnp.float64), w.abstract_params())
+        batch = jax.tree.map(lambda s: jnp.asarray(rng.integers(0, cfg.vocab_size, s.shape),
+                                                   s.dtype), w.abstract_batch())
+        graph = trace(w.loss_fn, params, batch, name="llama")
+        want = jax.jit(jax.grad(w.loss_fn), compiler_options=FAST_COMPILE)(params, batch)
+        strategy = megatron_3d(graph, topology, tp=2, pp=2, cp=2, microbatch_size=2)
+        assert strategy.pipelined
+        keep = optax.GradientTransformation(
+            lambda p: jax.tree.map(jnp.zeros_like, p),
+            lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), g))
+        step, sh = sharded_train_step(graph, strategy, make_mesh(topology), keep, params=params,
+                                      batch=batch, compiler_options=FAST_COMPILE)
+        placed = device_put_global((params, keep.init(params), batch),
+                                   (sh.params, sh.opt_state, sh.batch))
+        _, grads, _ = step(*placed, np.int32(0))
+    assert relative_error(grads, want) <= X64_TOL
