@@ -272,9 +272,7 @@ class _Searcher:
         r = rng.random()
         if r >= 1.0 - OPTIMIZER_MOVES:
             return [], None, None, () if current().optimizer_axes else self.mesh.axis_names
-        if r >= 1.0 - OPTIMIZER_MOVES - RING_MOVES:
-            if not self.has_attention:
-                return None
+        if self.has_attention and r >= 1.0 - OPTIMIZER_MOVES - RING_MOVES:
             try:
                 toggled = dataclasses.replace(current(),
                                               ring_attention=not current().ring_attention)

@@ -129,7 +129,9 @@ class Residuals(NamedTuple):
       outputs: per output, whether its own backward reads it (a norm's residual sum, which
         it exports and normalises).
       internal: the values computed inside it that a matmul of it reads (a GeLU's output
-        inside the projection that multiplies it): shape, dtype and iteration dims each.
+        inside the projection that multiplies it), and flash attention's log-sum-exp per
+        query (`soapjax.attention.flash_attention` saves it): shape, dtype and iteration
+        dims each.
     """
 
     inputs: tuple[bool, ...]
@@ -216,6 +218,10 @@ def _residuals(graph: OpGraph, j: int) -> Residuals:
 
     internal = tuple((tuple(prog.shapes[v]), prog.dtypes[v], dims(v))
                      for v in sorted(by_matmul - outer) if len(dims(v)) == len(prog.shapes[v]))
+    if op.anchor == "attention":  # flash attention keeps a log-sum-exp per query and head
+        b, t, n = op.shape[:3]
+        wide = "float64" if op.dtype == "float64" else "float32"
+        internal += (((b, n, t), wide, (0, 2, 1)),)
     return Residuals(tuple(v in read for v in loc.inputs), tuple(v in read for v in loc.exports),
                      internal)
 
