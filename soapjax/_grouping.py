@@ -88,6 +88,25 @@ def _attention_granularity(out_shape, red_dims, granularity) -> tuple[int, ...]:
     return tuple(s if d < 3 else 1 for d, s in enumerate(sizes))
 
 
+def _attention_heads(operands: list[Operand], out_shape, granularity: tuple[int, ...]
+                     ) -> tuple[list[Operand], tuple[int, ...]]:
+    """An attention operator's heads: its queries' (``[B, T, N, H]``, which its equation
+    regroups by key/value head) and its grouped keys' and values' (``[B, S, K, H]``) follow
+    iteration dim 2, the output's heads, though no label ties them to it: a split of the ``N``
+    query heads over d devices gives each the ``K / d`` key/value heads they use (query head n
+    uses key/value head ``n // (N / K)``), so d must divide K too."""
+    heads = out_shape[2]
+    grain = list(granularity)
+    out = []
+    for o in operands:
+        if (o.kind == "activation" and len(o.dims) == 4 and o.dims[2] is None
+                and o.dims[1] is not None and heads % o.shape[2] == 0):
+            o = dataclasses.replace(o, dims=(o.dims[0], o.dims[1], 2, o.dims[3]))
+            grain[2] = math.gcd(grain[2], o.shape[2])
+        out.append(o)
+    return out, tuple(grain)
+
+
 def _common_prefix(paths: Sequence[str]) -> str:
     split = [p.split("/") for p in paths if p]
     if not split:
@@ -440,6 +459,7 @@ class _Builder:
         granularity = self._granularity(out_shape, red_dims, lab, ls, iter_of)
         if anchor_name == "attention":
             granularity = _attention_granularity(out_shape, red_dims, granularity)
+            operands, granularity = _attention_heads(operands, out_shape, granularity)
         return Operator(
             name=name, module=self.group_module[g], anchor=anchor_name,
             shape=out_shape, dtype=self.p.dtypes[out_vid], roles=tuple(roles),

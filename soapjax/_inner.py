@@ -247,7 +247,9 @@ def _query_dims(graph: OpGraph, j: int) -> QueryDims | None:
         q, k = ([loc.labels.lookup(x, loc.iter_of) for x in loc.lab[v]] for v in u.ins[:2])
         if q[1] is None or k[1] is None:
             return None
-        return QueryDims(q[0], q[1], q[2], k[1], prog.shapes[u.ins[0]][2],
+        # the heads: the output's (its equation regroups the query heads by key/value head,
+        # which hides them from the labels; `_grouping._attention_heads`)
+        return QueryDims(q[0], q[1], 2, k[1], prog.shapes[u.ins[0]][2],
                          prog.shapes[u.ins[1]][2])
     return None
 

@@ -60,6 +60,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from soapjax._local import draws_random_bits
+from soapjax.attention import attention_call
 from soapjax.errors import PlanError
 from soapjax.graph import Operator, OpGraph
 from soapjax.space import RECOMPUTE_POLICIES, Config, MeshShape, RecomputePolicy, sample_dim
@@ -209,8 +210,8 @@ def _residuals(graph: OpGraph, j: int) -> Residuals:
             if name == "div" and i == 0 and not any(w in live for w in others[:1]):
                 continue
             read.add(root.get(v, v))
-            if name in _MATMULS:
-                by_matmul.add(root.get(v, v))
+            if name in _MATMULS or attention_call(u.eqn) is not None:  # flash attention saves
+                by_matmul.add(root.get(v, v))  # its operands (a rotary embedding's outputs)
     outer = set(loc.inputs) | set(loc.exports)
 
     def dims(v: int) -> tuple[int | None, ...]:
@@ -220,6 +221,10 @@ def _residuals(graph: OpGraph, j: int) -> Residuals:
                      for v in sorted(by_matmul - outer) if len(dims(v)) == len(prog.shapes[v]))
     if op.anchor == "attention":  # flash attention keeps a log-sum-exp per query and head
         b, t, n = op.shape[:3]
+        # its grouped operands' heads follow the query heads (`_grouping._attention_heads`)
+        internal = tuple((shape, dtype, dims[:2] + (2,) + dims[3:])
+                         if len(dims) == 4 and dims[2] is None and n % shape[2] == 0
+                         else (shape, dtype, dims) for shape, dtype, dims in internal)
         wide = "float64" if op.dtype == "float64" else "float32"
         internal += (((b, n, t), wide, (0, 2, 1)),)
     return Residuals(tuple(v in read for v in loc.inputs), tuple(v in read for v in loc.exports),

@@ -26,6 +26,7 @@ import optax
 import pytest
 from test_corpus import FAST_COMPILE, X64_TOL, jiggle, relative_error, worst_leaf
 
+import soapjax_zoo
 from soapjax import hlo, space
 from soapjax.apply import (
     batch_shardings,
@@ -39,6 +40,8 @@ from soapjax.baselines import megatron_3d
 from soapjax.cost import cost_model
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph, trace
+from soapjax.kernels import FlashKernel, flash_time, shard_kernels
+from soapjax.memory import attention_core, recomputes, residuals
 from soapjax.plan import Plan
 from soapjax.reshard import Resharder
 from soapjax.search import SearchSettings, find_plan
@@ -80,9 +83,12 @@ def test_one_attention_operator_per_layer_splits_batch_sequence_and_heads():
     op = ops[0]
     assert op.shape == (2, SEQ_LEN, 8, 4) and op.roles[:2] == ("S", "A")
     assert op.divisible_dims == (0, 1, 2)  # not the head dim, not the keys' sequence
-    # its operands: the queries and the grouped keys and values (4 heads: no repeat)
+    # its operands: the queries and the grouped keys and values (4 heads: no repeat), whose
+    # heads follow the query heads (so a split of the heads must divide 4)
     acts = [x for x in op.inputs if x.kind == "activation"]
     assert [x.shape for x in acts] == [(2, SEQ_LEN, 8, 4), (2, SEQ_LEN, 4, 4), (2, SEQ_LEN, 4, 4)]
+    assert [x.dims for x in acts] == [(0, 1, 2, 4), (0, 5, 2, 4), (0, 5, 2, 3)]
+    assert op.split_sizes[:3] == (2, SEQ_LEN, 4)
     assert not any(o.anchor == "dot_general" and not o.params for o in graph.operators)
 
 
@@ -277,3 +283,59 @@ def test_a_pipelined_context_parallel_plan_trains_exactly():
                                    (sh.params, sh.opt_state, sh.batch))
         _, grads, _ = step(*placed, np.int32(0))
     assert relative_error(grads, want) <= X64_TOL
+
+
+def test_flash_attention_keeps_its_inputs_and_a_log_sum_exp_only():
+    """Its backward reads what flash attention saves: the queries and keys after their rotary
+    embedding (made inside the operator: kept by it, their heads following the query heads),
+    the values (kept by their producer), and a log-sum-exp per query and head; nothing
+    ``T x S``. Megatron's selective recomputation has nothing left to drop in it: it is no
+    attention core."""
+    graph = case()[0]
+    j = graph.index("layers_0/attn")
+    r = residuals(graph, j)
+    assert r.inputs == (False, False, True)  # q and k before the rotary embedding; v
+    assert r.internal == (((2, SEQ_LEN, 8, 4), "float64", (0, 1, 2, 4)),
+                          ((2, SEQ_LEN, 4, 4), "float64", (0, 5, 2, 4)),
+                          ((2, 8, SEQ_LEN), "float64", (0, 2, 1)))
+    assert not attention_core(graph.operators[j])
+    assert not recomputes(graph.operators[j], "selective")
+
+
+def test_the_kernel_model_prices_one_flash_kernel():
+    """Llama 3 8B at 128K tokens on an H100: one layer's attention is one `FlashKernel` of
+    4 B N T S H FLOPs less the causal mask's hidden tiles, at `attention_efficiency` (0.6)."""
+    w = soapjax_zoo.get("llama", "8b-128k")
+    graph = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="llama")
+    op = graph.operator("layers_0/attn")
+    device = load_topology("dgx-h100x8").device
+    for degrees, t in (((1,) * 6, 131072), ((1, 8, 1, 1, 1, 1), 131072 // 8)):
+        kernels = shard_kernels(graph, op, degrees)
+        flash = [k for k in kernels.forward if isinstance(k, FlashKernel)]
+        assert len(flash) == 1 and flash[0].causal
+        k = flash[0]
+        assert (k.batch, k.t, k.s, k.h, k.hv) == (8 * 32, t, 131072, 128, 128)
+        n = 131072 // 128
+        assert k.flops == pytest.approx(4 * 8 * 32 * t * 131072 * 128 * (n + 1) / (2 * n))
+        assert flash_time(k, 989e12, device.memory_bandwidth, device.kernels) == pytest.approx(
+            k.flops / (989e12 * 0.6) + 3e-6)
+        assert flash_time(k, 989e12, device.memory_bandwidth, device.kernels,
+                          backward=True) == pytest.approx(2.5 * k.flops / (989e12 * 0.6) + 3e-6)
+
+
+@pytest.mark.parametrize("kind", ["cp_data_tp_model", "ring_data_tp_model"])
+def test_with_tensor_parallelism_every_collective_is_priced_as_compiled(kind):
+    """The sequence over ``data`` and the heads over ``model`` (the projections' and
+    attention's; the grouped key/value heads follow the query heads, one per device): every
+    collective kind as compiled, counts and bytes, but for the loss's partial sum (8 bytes,
+    which the gradient-only program drops) and the ring's key positions, which XLA sends once
+    for both layers (`test_ring_attention_sends_are_priced_as_compiled`)."""
+    xla, sim = compiled(kind), simulated(kind)
+    assert set(xla) == set(sim), (xla, sim)
+    for k in set(xla) - {"all_reduce", "collective_permute"}:
+        assert xla[k] == sim[k], (k, xla, sim)
+    n, b = sim["all_reduce"]
+    assert xla["all_reduce"] == (n - 1, b - 8)
+    if "collective_permute" in xla:
+        n, b = sim["collective_permute"]
+        assert xla["collective_permute"] == (n - 1, b)  # 2 layers' positions, sent once: 512 B
