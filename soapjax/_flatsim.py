@@ -118,7 +118,7 @@ from soapjax._simresult import (
     SimResult,
     TaskRecord,
 )
-from soapjax._taskgraph import EDGE, LEAF, Comm, Layout, Pricing, TaskGraph
+from soapjax._taskgraph import CHAIN, EDGE, LEAF, Comm, Layout, Pricing, TaskGraph
 from soapjax._timing import quiet_gc
 from soapjax.attention import ring_work
 from soapjax.cost import OpTime
@@ -880,24 +880,27 @@ class Simulation:
 
     def _ring_chain(self, j: int, ring: _Ring, specs: tuple, *, backward: bool
                     ) -> tuple[Comm, ...]:
-        """The ring's sends, each microbatch (`soapjax.attention.ring_sends`): cp - 1 steps of
-        the key block, the value block and the key positions forward; of the keys' and
-        values' cotangents backward. Priced one after another, after the operator's own
-        task: what the ring overlaps with its blocks' computation is not credited."""
+        """The ring's sends, each microbatch (`soapjax.attention.ring_sends`): forward, the key
+        block, the value block and the key positions, backward the keys' and values'
+        cotangents; one task per tensor for its cp - 1 steps (its time and bytes sent cp - 1
+        times one send's, its buffer one block). Priced one after another, after the
+        operator's own task: what the ring overlaps with its blocks' computation is not
+        credited."""
         op = self.graph.operators[j]
         kv = [(x, spec) for x, spec in zip(op.inputs, specs) if ring.keys in x.dims]
-        out: list[Comm] = []
+        sends = []
         for x, spec in kv:
             shape = microbatch_shape(x.shape, x.dims, self._sample[j], self._micro)
-            nbytes = shard_bytes(shape, spec, x.dtype, self.mesh)
-            c = self._pricing.comm("collective_permute", nbytes, ring.seq)
-            if c is not None:
-                out += [c] * (ring.cp - 1)
+            sends.append(shard_bytes(shape, spec, x.dtype, self.mesh))
         if not backward and kv:
             length = kv[0][0].shape[kv[0][0].dims.index(ring.keys)]
-            c = self._pricing.comm("collective_permute", 4 * length // ring.cp, ring.seq)
+            sends.append(4 * length // ring.cp)
+        out = []
+        for nbytes in sends:
+            c = self._pricing.comm("collective_permute", nbytes, ring.seq)
             if c is not None:
-                out += [c] * (ring.cp - 1)
+                steps = ring.cp - 1
+                out.append(c._replace(dur=c.dur * steps, sent=c.sent * steps))
         return self._per_microbatch(tuple(out))
 
     def _inner_chains(self, j: int, config: Config) -> tuple[tuple[Comm, ...], tuple[Comm, ...]]:
@@ -957,6 +960,9 @@ class Simulation:
         """One task per collective of `chain`, each after the previous, the first after
         `head`; keys from `key` on."""
         task_graph, out = self._task_graph, []
+        if len(chain) >= CHAIN:  # keys would run into the next slot's
+            raise RuntimeError(f"{len(chain)} collectives in one chain of {kind} tasks; the "
+                               f"task graph's keys leave room for {CHAIN - 1}")
         for pos, c in enumerate(chain):
             out.append(task_graph.new(key + pos, c.dur, c.res, [out[-1]] if out else list(head),
                                       (kind, c, subject)))

@@ -163,12 +163,16 @@ def simulation(kind: str):
 
 
 def simulated(kind: str) -> dict[str, tuple[int, float]]:
+    """Per collective kind, (collectives, bytes per device) of the simulator's tasks; a ring
+    task stands for its cp - 1 sends (`Simulation._ring_chain`): it counts that many, of its
+    bytes sent."""
     out: dict[str, tuple[int, float]] = {}
     for t in simulation(kind).tasks:
         if t.kind in _COLLECTIVE_TASKS:
             k = t.name.split(" ", 1)[0]
             n, b = out.get(k, (0, 0.0))
-            out[k] = (n + 1, b + t.nbytes)
+            steps = round(t.sent / t.nbytes) if k == "collective_permute" else 1
+            out[k] = (n + steps, b + (t.sent if k == "collective_permute" else t.nbytes))
     return out
 
 
@@ -203,8 +207,9 @@ def test_ring_attention_sends_are_priced_as_compiled():
     assert sum(c.executions for c in floats) == blocks
     assert {c.nbytes for c in floats} == {kv_bytes}
     tasks = [t for t in simulation("ring_model").tasks if t.name.startswith("collective_permute")]
-    assert sum(t.nbytes == kv_bytes for t in tasks) == blocks
-    assert len(tasks) == blocks + 2 * 3  # and the positions, per layer
+    kv = [t for t in tasks if t.nbytes == kv_bytes]  # one task per tensor: its 3 steps
+    assert len(kv) == blocks // 3 and {t.sent for t in kv} == {3 * kv_bytes}
+    assert len(tasks) == len(kv) + 2  # and the positions, per layer
     assert sim["collective_permute"][1] == pytest.approx(xla["collective_permute"][1], rel=0.10)
     # the same weights' gradients as the gathered form
     assert xla["all_reduce"] == compiled("cp_model")["all_reduce"]
@@ -339,3 +344,33 @@ def test_with_tensor_parallelism_every_collective_is_priced_as_compiled(kind):
     if "collective_permute" in xla:
         n, b = sim["collective_permute"]
         assert xla["collective_permute"] == (n - 1, b)  # 2 layers' positions, sent once: 512 B
+
+
+@pytest.mark.parametrize("kind", ["cp_model", "ring_model"])
+def test_delta_simulation_equals_full(kind):
+    """Random single-operator moves from the context-parallel flash llama, gathered and ring,
+    accepted or rejected: after each, every task's start and end equal a fresh simulation's."""
+    import random
+
+    from soapjax.simulate import Simulation
+
+    graph = case()[0]
+    cm = cost_model(graph, TOPOLOGY, mode="analytic")
+    rng = random.Random(1)
+    choices = [space.configs(op, MESH) for op in graph.operators]
+    with Resharder(MESH, mode="ideal") as resharder:
+        current = STRATEGIES[kind](graph)
+        sim = Simulation(graph, TOPOLOGY, cm, resharder, current)
+        for _ in range(80):
+            i = rng.randrange(len(choices))
+            config = rng.choice(choices[i])
+            candidate = current.replace(i, config)
+            sim.propose(i, config)
+            assert sim.timeline() == Simulation(graph, TOPOLOGY, cm, resharder,
+                                                candidate).timeline()
+            if rng.random() < 0.5:
+                sim.accept()
+                current = candidate
+            else:
+                sim.reject()
+        assert sim.timeline() == Simulation(graph, TOPOLOGY, cm, resharder, current).timeline()
