@@ -364,10 +364,11 @@ def _pipelined_chains(graph: OpGraph, topology, cost_model, settings: SearchSett
     `end`, the grids take the first half of the time left, the chains the second. The grids'
     half is two passes: the first ranks the pipelines, each scoring its grid (`_score_points`:
     along its coordinates first) for an equal share of the first quarter (a pipeline's grid
-    stops where its share does, after one point at least); the second scores the rest of the
-    `CHAINED_PIPELINES` best pipelines' grids in the second quarter (Mixtral 8x22B on 32
-    H100s: the first pass stops TP8 PP4's 123 points at microbatches of 2, 63.3 s; the second
-    reaches microbatches of 4, 55.9 s, the grid's best). Pipelines
+    stops where its share does, after one point at least); the second goes on with the grids
+    of the `CHAINED_PIPELINES` best pipelines of distinct stage counts, each from its first
+    pass's best, in the second quarter (Mixtral 8x22B on 32 H100s: the first pass stops TP8
+    PP4's 123 points at microbatches of 2, 63.3 s; the second reaches microbatches of 4,
+    55.9 s, the grid's best). Pipelines
     with the most stages come first (the least per device: a plan that fits comes early), and
     once one fits, the pipelines left when the grids' half is spent are not opened (opening one
     builds a simulation of the whole model: seconds for GPT 530B, whose 10 pipelines took the
@@ -403,12 +404,19 @@ def _pipelined_chains(graph: OpGraph, topology, cost_model, settings: SearchSett
             ranked.append((key, k, name, start))
             scored[k] = seen
             yield searcher.best
-    best_pipes = sorted(ranked)[:CHAINED_PIPELINES]
+    # the second pass: the best pipeline of each stage count, the best CHAINED_PIPELINES of
+    # those (a first pass cut short ranks a stage count's grid by the few points it reached:
+    # LLaMA 70B at 32K on 64 H100s, whose best is at 2 stages, had its 3 best at 8)
+    per_stages: dict[int, tuple] = {}
+    for r in sorted(ranked):
+        per_stages.setdefault(pipes[r[1]][0], r)
+    best_pipes = sorted(per_stages.values())[:CHAINED_PIPELINES]
     for j, (key, k, name, start) in enumerate(best_pipes):
         S, v, schedule, points = pipes[k]
         rest = {n: st for n, st in points.items() if n not in scored[k]}
         if not rest or _past(grid_end):
             continue
+        rest = {name: start, **rest}  # the descent goes on from the first pass's best
         if progress is not None:
             progress(f"search: the rest of Megatron's grid at {S} pipeline stages, {v} virtual "
                      f"({len(rest)} configurations)")
@@ -446,7 +454,10 @@ def _score_points(searcher: _Searcher, points: dict[str, Strategy], deadline: fl
     their order: from the first point, every point on the line through the best so far along
     one coordinate (recomputation, distributed optimizer, microbatch size, TP, EP, CP:
     `_DESCENT`), the best moving to the line's best, one coordinate after another, until a
-    round moves it no more; then the others. A grid cut by its deadline has then walked
+    round moves it no more; then every point that differs from the best in recomputation and
+    one other coordinate (LLaMA 70B at 32K on 64 H100s, 2 stages: TP 8 CP 4 without
+    recomputation, where CP 4 with full recomputation is slower than CP 2 with it and CP 2
+    does not fit without it), and the lines again if that moved it; then the others. A grid cut by its deadline has then walked
     towards its best along each coordinate (Mixtral 8x22B on 256 H100s at 4 stages, 162
     points: in 1.2 s `_likely_first`'s order reached 17.0 s a step, 15.4 s in 2 s; the descent
     reaches the grid's best, 11.9 s, in 1.2 s, at the microbatch size that order puts last)."""
@@ -473,15 +484,21 @@ def _score_points(searcher: _Searcher, points: dict[str, Strategy], deadline: fl
     moved = True
     while moved and not stop():
         moved = False
-        for axis in _DESCENT:
-            here = best
-            for name in names:
-                if name in scored or not _one_apart(coords[name], coords[here], axis):
-                    continue
-                if stop():
-                    break
-                score(name)
-            moved = moved or best != here
+        # one coordinate at a time; where that settles, recomputation with one other at once
+        # (a point that fits only with recomputation may be faster with more CP or TP and none)
+        lines = [(axis,) for axis in _DESCENT]
+        for pairs in (False, True):
+            for axes in ([(_DESCENT[0], a) for a in _DESCENT[1:]] if pairs else lines):
+                here = best
+                for name in names:
+                    if name in scored or not _apart(coords[name], coords[here], axes):
+                        continue
+                    if stop():
+                        break
+                    score(name)
+                moved = moved or best != here
+            if moved:
+                break
     for name in names:
         if stop():
             break
@@ -509,9 +526,9 @@ def _coordinates(name: str) -> dict[str, str]:
 _DESCENT = ("rec", "do", "mb", "tp", "ep", "cp")
 
 
-def _one_apart(a: dict[str, str], b: dict[str, str], axis: str) -> bool:
-    """Whether grid points `a` and `b` differ in coordinate `axis` only."""
-    return a[axis] != b[axis] and all(a[k] == b[k] for k in a if k != axis)
+def _apart(a: dict[str, str], b: dict[str, str], axes: tuple[str, ...]) -> bool:
+    """Whether grid points `a` and `b` differ in every coordinate of `axes` and in no other."""
+    return all(a[k] != b[k] for k in axes) and all(a[k] == b[k] for k in a if k not in axes)
 
 
 def _share(end: float | None, parts: int) -> float | None:
