@@ -137,6 +137,7 @@ from soapjax.topology import Topology
 
 __all__ = ["OpCosts", "Simulation", "scatter_target", "scattered_operand_axes", "shard_bytes"]
 
+
 class _Ring(NamedTuple):
     """An attention operator run as ring attention (`Simulation._ring_of`)."""
 

@@ -170,7 +170,7 @@ def _operator_programs(graph: OpGraph, strategy: Strategy, layouts: _Layouts,
     for j, (op, cfg) in enumerate(zip(graph.operators, strategy.configs)):
         if not graph.replaceable(op.name):
             continue
-        if (cp := cps.get(j)) is not None:  # context parallelism: keys and values gathered
+        if (cp := cps.get(j)) is not None:  # context parallelism: gathered or a ring
             fn = operator_fn(graph, op.name, attention=cp.attention)[0]
             programs[op.name] = (_with_operand_constraints(fn, [(s, None) for s in cp.operands])
                                  if constrain_operands else fn)
