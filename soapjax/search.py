@@ -455,9 +455,9 @@ def _score_points(searcher: _Searcher, points: dict[str, Strategy], deadline: fl
     one coordinate (recomputation, distributed optimizer, microbatch size, TP, EP, CP:
     `_DESCENT`), the best moving to the line's best, one coordinate after another, until a
     round moves it no more; then every point that differs from the best in recomputation and
-    one other coordinate (LLaMA 70B at 32K on 64 H100s, 2 stages: TP 8 CP 4 without
-    recomputation, where CP 4 with full recomputation is slower than CP 2 with it and CP 2
-    does not fit without it), and the lines again if that moved it; then the others. A grid cut by its deadline has then walked
+    one other coordinate at once (a point may fit without recomputation only at a higher CP or
+    TP degree, where with recomputation it is slower than the best so far), and the lines again
+    if that moved it; then the others. A grid cut by its deadline has then walked
     towards its best along each coordinate (Mixtral 8x22B on 256 H100s at 4 stages, 162
     points: in 1.2 s `_likely_first`'s order reached 17.0 s a step, 15.4 s in 2 s; the descent
     reaches the grid's best, 11.9 s, in 1.2 s, at the microbatch size that order puts last)."""
