@@ -379,3 +379,41 @@ def test_a_pipelines_grid_is_scored_along_its_coordinates_first():
                          "megatron-tp8-pp4-mb1-none", "megatron-tp8-pp4-mb2-full",
                          "megatron-tp8-pp4-mb4-full", "megatron-tp8-pp4-mb8-full"]
     assert seen == set(names) and sorted(order) == sorted(names)
+
+
+def test_the_descent_moves_recomputation_with_another_coordinate_at_once():
+    """Where single coordinates settle, `_score_points` tries recomputation with one other
+    coordinate at once, before the points off every such line: a grid where no recomputation
+    fits only at CP 4, and CP 4 with full recomputation is slower than CP 2 with it, is left
+    at CP 2 full by the lines and reaches CP 4 none by the pair, before TP 4 CP 4 full (which
+    a deadline would then cut)."""
+    from types import SimpleNamespace
+
+    from soapjax.search import _score_points
+
+    cp2, cp2_none, cp4, tp4_cp4, cp4_none = names = [
+        "megatron-tp8-cp2-pp2-mb1-full", "megatron-tp8-cp2-pp2-mb1-none",
+        "megatron-tp8-cp4-pp2-mb1-full", "megatron-tp4-cp4-pp2-mb1-full",
+        "megatron-tp8-cp4-pp2-mb1-none"]
+    time = {cp2: 10.0, cp2_none: 8.0, cp4: 11.0, tp4_cp4: 12.0, cp4_none: 7.0}
+    order = []
+
+    class FakeSim:
+        topology = SimpleNamespace(device=SimpleNamespace(memory_bytes=100))
+
+        def reset(self, name):
+            self.name = name
+
+        def fits_in_memory(self):
+            return self.name != cp2_none
+
+        def step_time(self):
+            return time[self.name]
+
+        def peak_memory_bytes(self):
+            return 100 if self.fits_in_memory() else 150
+
+    searcher = SimpleNamespace(sim=FakeSim(), record=order.append)
+    key, best, _, _ = _score_points(searcher, {n: n for n in names}, None)
+    assert best == cp4_none and key == (False, 7.0)
+    assert order == [cp2, cp2_none, cp4, cp4_none, tp4_cp4]
