@@ -96,10 +96,12 @@ def kernel_plan(quick: bool, gpu: bool) -> list[devicefit.Kernel]:
         return [d.gemm(64, 64, 64, "bfloat16"), d.gemm(128, 256, 128, "bfloat16"),
                 d.gemm(128, 128, 128, "float32"), d.streaming(2**18, "float32"),
                 d.streaming(2**20, "float32"), d.softmax(128, 256, "float32"),
-                d.attention(2, 32, 2, 16, "float32", implementation="xla", backward=True)]
+                d.attention(2, 32, 2, 16, "float32", implementation="xla", backward=True),
+                d.attention(2, 32, 2, 16, "float32", implementation="soapjax", backward=True)]
     shapes = [(s, s, s) for s in SQUARE] + list(TRANSFORMER)
     f32_first = [(4096, 4096, 4096), (8192, 8192, 8192), *TRANSFORMER[:3]]
-    impls = ("xla", "cudnn") if gpu else ("xla",)
+    # soapjax: the flash attention plans run (its rate: the topology's attention_efficiency)
+    impls = ("xla", "cudnn", "soapjax") if gpu else ("xla", "soapjax")
     return [
         *(d.gemm(*s, "bfloat16") for s in shapes),
         *(d.streaming(nbytes // size, dtype) for dtype, size in (("float32", 4), ("bfloat16", 2))

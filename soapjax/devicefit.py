@@ -56,6 +56,7 @@ import numpy as np
 from soapjax import _timing
 from soapjax._timing import TimingOptions
 from soapjax._topology_file import DeviceSpec, Efficiency
+from soapjax.attention import flash_attention
 from soapjax.topology import Topology
 
 __all__ = ["EfficiencyFit", "Kernel", "KernelTiming", "TimingOptions", "attention",
@@ -209,7 +210,9 @@ def attention(batch: int, seq: int, heads: int, head_dim: int, dtype: str, *,
 
     Args:
       implementation: ``"xla"`` (einsum, softmax, einsum), ``"cudnn"`` (a fused kernel, GPUs
-        only) or None (JAX's choice).
+        only), None (JAX's choice), or ``"soapjax"``: `soapjax.attention.flash_attention`, the
+        blockwise attention plans run (its rate is what a topology's
+        ``attention_efficiency`` should say of the kernels apply runs).
       backward: time the forward and the backward (gradients of q, k and v) together.
     """
     shape = (batch, seq, heads, head_dim)
@@ -217,6 +220,8 @@ def attention(batch: int, seq: int, heads: int, head_dim: int, dtype: str, *,
     io = 4.0 * math.prod(shape) * np.dtype(dtype).itemsize  # q, k, v, out
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        if implementation == "soapjax":
+            return flash_attention(q, k, v)
         return jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                             implementation=implementation)
 
