@@ -34,6 +34,8 @@ from typing import Any, NamedTuple
 import numpy as np
 from jax.extend import core as jcore
 
+from soapjax.attention import analysis_jaxpr, attention_call
+
 Labels = tuple[int, ...]
 
 # Primitives whose only effect on labels is to pass them through unchanged, dim for dim.
@@ -583,6 +585,8 @@ def _higher_order(ls, eqn, ins, in_shapes, out_shapes, env) -> EqnInfo:
                 "custom_vjp_call_jaxpr", "remat2", "checkpoint"):
         key = "jaxpr" if "jaxpr" in p else ("call_jaxpr" if "call_jaxpr" in p else "fun_jaxpr")
         jaxpr, _ = _sub(p, key)
+        if attention_call(eqn) is not None:  # flash attention: read as written whole
+            jaxpr = analysis_jaxpr(eqn).jaxpr
         outs, reduced, flops, prims = propagate(ls, jaxpr, ins, env)
         return EqnInfo(outs, reduced, flops, prims | {name})
     if name == "scan":
@@ -739,6 +743,8 @@ def _xla_eqn(eqn) -> Flops:
         return xla_flops(p["body_jaxpr"].jaxpr).plus(xla_flops(p["cond_jaxpr"].jaxpr))
     if name == "cond":
         return max((xla_flops(b.jaxpr) for b in p["branches"]), key=lambda f: f.flops)
+    if attention_call(eqn) is not None:  # flash attention: its FLOPs written whole
+        return xla_flops(analysis_jaxpr(eqn).jaxpr)
     subs = list(jcore.jaxprs_in_params(p))
     if subs:  # calls, custom derivative rules, remat: the primal body
         return xla_flops(subs[0])

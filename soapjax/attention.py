@@ -52,7 +52,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["AttentionCall", "RingSends", "attention_call", "bind_attention", "flash_attention",
+__all__ = ["AttentionCall", "RingSends", "analysis_jaxpr", "attention_call", "bind_attention",
+           "flash_attention",
            "reference_attention", "ring_attention", "ring_sends", "ring_work", "unzigzag",
            "zigzag"]
 
@@ -279,9 +280,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
       causal: query position ``t`` sees keys ``s <= t``.
       block: keys per block (the largest divisor of S not above it is used).
 
-    Forward-only evaluation (no gradient) computes the whole ``T x S`` scores (the primal
-    body is `reference_attention`'s equations, which the graph reads its dims from); a
-    training step (`jax.grad`, `jax.value_and_grad`) runs the blockwise forward and backward.
+    Forward-only evaluation (no gradient) runs the blockwise forward too; the graph reads the
+    operator's dims from the attention written whole (`analysis_jaxpr`).
     """
     if q.ndim != 4 or k.shape != v.shape[:3] + k.shape[3:] or q.shape[2] % k.shape[2]:
         raise ValueError(f"flash_attention: expected q [B, T, N, H] and k, v [B, S, K, H] with "
@@ -330,13 +330,8 @@ def _attention_op(causal: bool, block: int):
     if key in _OPS:
         return _OPS[key]
 
-    def primal(q, k, v, q_pos, k_pos):
-        scores, mask = _grouped_scores(_grouped(q, k.shape[2]), k, q_pos, k_pos, causal)
-        if mask is not None:
-            scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
-        return out.reshape(q.shape[:3] + v.shape[3:])
+    def primal(q, k, v, q_pos, k_pos):  # blockwise even without a gradient
+        return _flash_forward(q, k, v, q_pos, k_pos, causal, block)[0]
 
     primal.__name__ = primal.__qualname__ = f"{_NAME}_{'causal' if causal else 'full'}_{block}"
     op = jax.custom_vjp(primal)
@@ -353,6 +348,39 @@ def _attention_op(causal: bool, block: int):
     op.defvjp(fwd, bwd)
     _OPS[key] = op
     return op
+
+
+def _dense(q, k, v, q_pos, k_pos, causal: bool):
+    """The attention written whole (``T x S`` scores): what the graph reads an attention
+    equation's dims and FLOPs from (`analysis_jaxpr`)."""
+    scores, mask = _grouped_scores(_grouped(q, k.shape[2]), k, q_pos, k_pos, causal)
+    if mask is not None:
+        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    return out.reshape(q.shape[:3] + v.shape[3:])
+
+
+_ANALYSIS: dict[tuple, object] = {}
+
+
+def analysis_jaxpr(eqn):
+    """The jaxpr the graph analyses for a `flash_attention` equation (`attention_call`): the
+    same function written whole (`_dense`) at the equation's operand shapes, whose einsums tie
+    the queries', keys' and output's dims together; its primal body, the blockwise forward
+    (a scan over key blocks), would hide them."""
+    call = attention_call(eqn)
+    body = eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+    invars = getattr(body, "jaxpr", body).invars
+    if len(invars) != 5:  # not (q, k, v, q_pos, k_pos): a call jax folded to constants
+        return body
+    avals = tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in invars)
+    key = (call, avals)
+    if key not in _ANALYSIS:
+        args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in avals]
+        _ANALYSIS[key] = jax.make_jaxpr(
+            lambda *a: _dense(*a, causal=call.causal))(*args)
+    return _ANALYSIS[key]
 
 
 def _kv_blocks(x: jax.Array, block: int) -> jax.Array:

@@ -126,3 +126,29 @@ def test_reference_attention_is_the_zoos():
     with jax.enable_x64(True):
         np.testing.assert_allclose(reference_attention(q, k, v), causal_attention(q, k, v),
                                    rtol=1e-14)
+
+
+def test_flash_attention_never_holds_the_scores_whole():
+    """Forward-only evaluation runs blockwise too (no gradient: the custom VJP's primal body):
+    no value of its jaxpr, nested bodies included, is as large as one head's ``T x S``
+    scores; the graph reads the attention written whole (`analysis_jaxpr`), whose scores
+    are ``[B, K, G, T, S]``."""
+    from jax.extend import core as jcore
+
+    from soapjax.attention import analysis_jaxpr, flash_attention
+
+    t, block = 256, 32
+    q = jax.ShapeDtypeStruct((1, t, 4, 8), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, t, 2, 8), jnp.float32)
+    closed = jax.make_jaxpr(lambda q, k, v: flash_attention(q, k, v, block=block))(q, kv, kv)
+
+    def sizes(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield from (np.prod(v.aval.shape) for v in eqn.outvars)
+            for sub in jcore.jaxprs_in_params(eqn.params):
+                yield from sizes(sub)
+
+    assert max(sizes(closed.jaxpr)) < t * t
+    call = next(e for e in closed.jaxpr.eqns if e.primitive.name == "custom_vjp_call")
+    dense = analysis_jaxpr(call)
+    assert max(sizes(dense.jaxpr)) == 1 * 2 * 2 * t * t
