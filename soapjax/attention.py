@@ -269,9 +269,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     whose dims are the queries' ``[B, T, N, H]``: batch, sequence (split: context parallelism,
     the keys and values gathered), heads (split: tensor parallelism); the keys' sequence and
     the head dim are not split. The simulator prices it as one fused kernel
-    (`soapjax.kernels.FlashKernel`) and keeps only its inputs and output for the backward
-    pass; apply runs a sequence-split one in `jax.shard_map` with the keys and values
-    all-gathered (`soapjax._context_parallel`).
+    (`soapjax.kernels.FlashKernel`) and keeps its inputs, its output and the log-sum-exp for
+    the backward pass; apply runs a sequence-split one in `jax.shard_map`, the keys and
+    values all-gathered or passed around a ring (`soapjax._context_parallel`).
 
     Args:
       q: ``[B, T, N, H]`` queries.
