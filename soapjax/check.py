@@ -183,6 +183,14 @@ def _norm(kind: str) -> str:
     return kind.replace("-", "_")
 
 
+def _sends(task) -> int:
+    """How many collectives a simulated task stands for: a ring attention's sends of one
+    tensor are one task of cp - 1 sends (`soapjax._flatsim`), each of its buffer's bytes."""
+    if task.name.startswith("collective_permute") and task.nbytes:
+        return max(1, round(task.sent / task.nbytes))
+    return 1
+
+
 def _tally(items) -> tuple[tuple[str, int, float], ...]:
     """Per kind, (count, bytes) of ``(kind, nbytes, times)`` items."""
     out: dict[str, list] = {}
@@ -247,7 +255,7 @@ def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5,
     with Resharder(MeshShape.of(topo), mode=reshard) as resharder:
         sim = simulate(graph, topo, strategy, cost_model=cm, resharder=resharder,
                        opt_state_factor=opt_state_factor(w.optimizer, params))
-    predicted = [(t.name.split(" ", 1)[0], t.nbytes, 1) for t in sim.tasks
+    predicted = [(t.name.split(" ", 1)[0], t.nbytes, _sends(t)) for t in sim.tasks
                  if t.kind not in _COMPUTE]
     kinds = {d.device_kind for d in mesh.devices.flat}
     reported = _reported_flops(compiled)

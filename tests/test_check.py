@@ -119,3 +119,36 @@ def test_check_prints_a_verdict_and_exits_1_on_a_missed_bar(megatron_plan, capsy
     assert data["verdict"] == "FAIL"
     assert data["bars"][1].startswith("PASS collectives")  # exactly XLA's bytes here
     assert data["bars"][0].startswith("FAIL numbers" if data["max_abs_diff"] > 0 else "PASS")
+
+
+def test_check_passes_a_ring_attention_plan(tmp_path, capsys):
+    """`soapjax check` of the tiny flash llama under ring attention (the sequence over
+    `model`, `Strategy.ring_attention`): the numbers of the unsharded step, and the ring's
+    collective-permutes as predicted (a simulated ring task stands for its cp - 1 sends;
+    XLA sends the key positions once for both layers, the simulator per layer)."""
+    import dataclasses
+
+    w = zoo.get("llama", "tiny-flash")
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="llama")
+    mesh = MeshShape.of(load_topology("cpu8"))
+    configs = []
+    for op in g.operators:
+        axes = [()] * len(op.iteration_sizes)
+        if (d := space.sample_dim(op)) is not None:
+            axes[d] = ("data",)
+        if 128 in op.iteration_sizes:  # the sequence
+            axes[op.iteration_sizes.index(128)] = ("model",)
+        configs.append(space.Config(tuple(axes)))
+    strategy = dataclasses.replace(space.Strategy(tuple(configs)), ring_attention=True)
+    assert mesh.degree(("model",)) == 4
+    path = tmp_path / "ring.json"
+    Plan.make(g, load_topology("cpu8"), strategy, model_config="tiny-flash").save(path)
+    assert cli.main(["check", "--plan", str(path), "--costs", "analytic", "--reshard", "ideal",
+                     "--repeats", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["max_abs_diff"] < 1e-5
+    xla, predicted = data["hlo_collectives"], data["predicted_collectives"]
+    assert xla["collective_permute"]["count"] == 2 * 4 * 3 + 3  # k, v, dk, dv; positions once
+    assert predicted["collective_permute"]["count"] == 2 * 5 * 3
+    assert data["predicted_collective_bytes"] == pytest.approx(data["hlo_collective_bytes"],
+                                                               rel=0.10)
