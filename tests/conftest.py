@@ -72,3 +72,36 @@ def float64_model(name: str, layers: int, batch_size: int, *, fast: bool = False
         graph = trace(w.loss_fn, params, batch, name=name)
         want = jax.jit(jax.value_and_grad(w.loss_fn), compiler_options=options)(params, batch)
     return w, params, batch, graph, want
+
+
+def assert_delta_equals_full(graph, topology, strategy, moves: int, seed: int = 1) -> None:
+    """`moves` random single-operator moves from `strategy` (analytic costs, ideal resharding),
+    each accepted or rejected at random: after each, the delta simulation's timeline equals a
+    fresh full simulation's, task by task."""
+    import random
+
+    from soapjax import space
+    from soapjax.cost import cost_model
+    from soapjax.reshard import Resharder
+    from soapjax.simulate import Simulation
+
+    mesh = space.MeshShape.of(topology)
+    cm = cost_model(graph, topology, mode="analytic")
+    rng = random.Random(seed)
+    choices = [space.configs(op, mesh) for op in graph.operators]
+    with Resharder(mesh, mode="ideal") as resharder:
+        current = strategy
+        sim = Simulation(graph, topology, cm, resharder, current)
+        for _ in range(moves):
+            i = rng.randrange(len(choices))
+            config = rng.choice(choices[i])
+            candidate = current.replace(i, config)
+            sim.propose(i, config)
+            assert sim.timeline() == Simulation(graph, topology, cm, resharder,
+                                                candidate).timeline()
+            if rng.random() < 0.5:
+                sim.accept()
+                current = candidate
+            else:
+                sim.reject()
+        assert sim.timeline() == Simulation(graph, topology, cm, resharder, current).timeline()

@@ -38,6 +38,7 @@ import functools
 import jax
 import numpy as np
 import pytest
+from conftest import assert_delta_equals_full
 from test_corpus import FAST_COMPILE, X64_TOL, jiggle, relative_error, worst_leaf
 
 from soapjax import hlo, space
@@ -269,27 +270,5 @@ def test_context_parallel_delta_equals_full():
     """Random single-operator moves from the context-parallel llama (the keys' and values'
     cotangents reduced at the matmuls' operand, `Simulation._reduced`), accepted or rejected:
     after each, every task's start and end equal a fresh simulation's."""
-    import random
-
-    from soapjax.simulate import Simulation
-
     graph = float64_case("llama")[0]
-    cm = cost_model(graph, TOPOLOGY, mode="analytic")
-    rng = random.Random(1)
-    choices = [space.configs(op, MESH) for op in graph.operators]
-    with Resharder(MESH, mode="ideal") as resharder:
-        current = context_parallel(graph, "model", SEQ_LEN)
-        sim = Simulation(graph, TOPOLOGY, cm, resharder, current)
-        for _ in range(60):
-            i = rng.randrange(len(choices))
-            config = rng.choice(choices[i])
-            candidate = current.replace(i, config)
-            sim.propose(i, config)
-            assert sim.timeline() == Simulation(graph, TOPOLOGY, cm, resharder,
-                                                candidate).timeline()
-            if rng.random() < 0.5:
-                sim.accept()
-                current = candidate
-            else:
-                sim.reject()
-        assert sim.timeline() == Simulation(graph, TOPOLOGY, cm, resharder, current).timeline()
+    assert_delta_equals_full(graph, TOPOLOGY, context_parallel(graph, "model", SEQ_LEN), 60)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import assert_delta_equals_full
 from test_corpus import FAST_COMPILE, X64_TOL, jiggle, relative_error, worst_leaf
 
 import soapjax_zoo
@@ -350,27 +351,5 @@ def test_with_tensor_parallelism_every_collective_is_priced_as_compiled(kind):
 def test_delta_simulation_equals_full(kind):
     """Random single-operator moves from the context-parallel flash llama, gathered and ring,
     accepted or rejected: after each, every task's start and end equal a fresh simulation's."""
-    import random
-
-    from soapjax.simulate import Simulation
-
     graph = case()[0]
-    cm = cost_model(graph, TOPOLOGY, mode="analytic")
-    rng = random.Random(1)
-    choices = [space.configs(op, MESH) for op in graph.operators]
-    with Resharder(MESH, mode="ideal") as resharder:
-        current = STRATEGIES[kind](graph)
-        sim = Simulation(graph, TOPOLOGY, cm, resharder, current)
-        for _ in range(80):
-            i = rng.randrange(len(choices))
-            config = rng.choice(choices[i])
-            candidate = current.replace(i, config)
-            sim.propose(i, config)
-            assert sim.timeline() == Simulation(graph, TOPOLOGY, cm, resharder,
-                                                candidate).timeline()
-            if rng.random() < 0.5:
-                sim.accept()
-                current = candidate
-            else:
-                sim.reject()
-        assert sim.timeline() == Simulation(graph, TOPOLOGY, cm, resharder, current).timeline()
+    assert_delta_equals_full(graph, TOPOLOGY, STRATEGIES[kind](graph), 80)

@@ -340,22 +340,11 @@ def test_the_pipelined_grid_takes_context_parallel_degrees():
     assert not any("-cp" in n for pts in short.values() for n in pts)
 
 
-def test_a_pipelines_grid_is_scored_along_its_coordinates_first():
-    """`_score_points` walks Megatron's coordinates a line at a time from the first point
-    (recomputation, then microbatch size, ...), so a grid cut by its deadline has moved
-    towards its best; points that do not fit rank by the memory-penalised cost. A grid of
-    recomputation x microbatch sizes whose best (full, mb 8) the likely-first order reaches
-    last is reached after 3 + 3 points."""
+def _grid_searcher(time: dict[str, float], fits, order: list):
+    """A searcher whose simulation of a grid point (its name) is a table: `time` its step,
+    `fits(name)` whether it fits (else its peak is 1.5x the memory); `order` records the
+    points scored."""
     from types import SimpleNamespace
-
-    from soapjax.search import _score_points
-
-    names = [f"megatron-tp8-pp4-mb{mb}-{rec}" for mb in (1, 2, 4, 8)
-             for rec in ("selective", "full", "none")]
-    # step times; selective and none do not fit (peak 1.5x the memory)
-    time = {n: 10.0 - (int(n.split("-mb")[1].split("-")[0]) if "full" in n else 0)
-            for n in names}
-    order = []
 
     class FakeSim:
         topology = SimpleNamespace(device=SimpleNamespace(memory_bytes=100))
@@ -364,7 +353,7 @@ def test_a_pipelines_grid_is_scored_along_its_coordinates_first():
             self.name = name
 
         def fits_in_memory(self):
-            return "full" in self.name
+            return fits(self.name)
 
         def step_time(self):
             return time[self.name]
@@ -372,7 +361,24 @@ def test_a_pipelines_grid_is_scored_along_its_coordinates_first():
         def peak_memory_bytes(self):
             return 100 if self.fits_in_memory() else 150
 
-    searcher = SimpleNamespace(sim=FakeSim(), record=order.append)
+    return SimpleNamespace(sim=FakeSim(), record=order.append)
+
+
+def test_a_pipelines_grid_is_scored_along_its_coordinates_first():
+    """`_score_points` walks Megatron's coordinates a line at a time from the first point
+    (recomputation, then microbatch size, ...), so a grid cut by its deadline has moved
+    towards its best; points that do not fit rank by the memory-penalised cost. A grid of
+    recomputation x microbatch sizes whose best (full, mb 8) the likely-first order reaches
+    last is reached after 3 + 3 points."""
+    from soapjax.search import _score_points
+
+    names = [f"megatron-tp8-pp4-mb{mb}-{rec}" for mb in (1, 2, 4, 8)
+             for rec in ("selective", "full", "none")]
+    # step times; selective and none do not fit (peak 1.5x the memory)
+    time = {n: 10.0 - (int(n.split("-mb")[1].split("-")[0]) if "full" in n else 0)
+            for n in names}
+    order = []
+    searcher = _grid_searcher(time, lambda name: "full" in name, order)
     key, best, _, seen = _score_points(searcher, {n: n for n in names}, None)
     assert best == "megatron-tp8-pp4-mb8-full" and key == (False, 2.0)
     assert order[:6] == ["megatron-tp8-pp4-mb1-selective", "megatron-tp8-pp4-mb1-full",
@@ -387,8 +393,6 @@ def test_the_descent_moves_recomputation_with_another_coordinate_at_once():
     fits only at CP 4, and CP 4 with full recomputation is slower than CP 2 with it, is left
     at CP 2 full by the lines and reaches CP 4 none by the pair, before TP 4 CP 4 full (which
     a deadline would then cut)."""
-    from types import SimpleNamespace
-
     from soapjax.search import _score_points
 
     cp2, cp2_none, cp4, tp4_cp4, cp4_none = names = [
@@ -397,23 +401,7 @@ def test_the_descent_moves_recomputation_with_another_coordinate_at_once():
         "megatron-tp8-cp4-pp2-mb1-none"]
     time = {cp2: 10.0, cp2_none: 8.0, cp4: 11.0, tp4_cp4: 12.0, cp4_none: 7.0}
     order = []
-
-    class FakeSim:
-        topology = SimpleNamespace(device=SimpleNamespace(memory_bytes=100))
-
-        def reset(self, name):
-            self.name = name
-
-        def fits_in_memory(self):
-            return self.name != cp2_none
-
-        def step_time(self):
-            return time[self.name]
-
-        def peak_memory_bytes(self):
-            return 100 if self.fits_in_memory() else 150
-
-    searcher = SimpleNamespace(sim=FakeSim(), record=order.append)
+    searcher = _grid_searcher(time, lambda name: name != cp2_none, order)
     key, best, _, _ = _score_points(searcher, {n: n for n in names}, None)
     assert best == cp4_none and key == (False, 7.0)
     assert order == [cp2, cp2_none, cp4, cp4_none, tp4_cp4]
