@@ -117,6 +117,19 @@ class Case(NamedTuple):
     x64: bool
 
 
+def float64_workload(w: Any, name: str) -> tuple[OpGraph, Any, Any, Any]:
+    """A zoo workload built in float64: its graph, parameters (init + N(0, 0.05): `jiggle`),
+    a batch, and the unsharded ``jax.grad`` of its loss (the reference of the sharded
+    gradient tests)."""
+    with jax.enable_x64(True):
+        params = jiggle(jax.jit(w.init_params, compiler_options=FAST_COMPILE)(jax.random.key(0)),
+                        0.05)
+        batch = jax.jit(w.make_batch, compiler_options=FAST_COMPILE)(jax.random.key(1))
+        grads = jax.jit(jax.grad(w.loss_fn), compiler_options=FAST_COMPILE)(params, batch)
+        graph = trace(w.loss_fn, params, batch, name=name)
+    return graph, params, batch, grads
+
+
 def jiggle(tree: Any, noise: float, seed: int = 0) -> Any:
     """Adds N(0, noise) to every float leaf (deterministic): parameters a few steps in."""
     rng = np.random.default_rng(seed)

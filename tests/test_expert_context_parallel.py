@@ -39,12 +39,12 @@ import jax
 import numpy as np
 import pytest
 from conftest import assert_delta_equals_full
-from test_corpus import FAST_COMPILE, X64_TOL, jiggle, relative_error, worst_leaf
+from test_corpus import FAST_COMPILE, X64_TOL, float64_workload, relative_error, worst_leaf
 
 from soapjax import hlo, space
 from soapjax.apply import batch_shardings, constrained_loss, device_put_global, param_shardings
 from soapjax.cost import cost_model
-from soapjax.graph import OpGraph, trace
+from soapjax.graph import OpGraph
 from soapjax.reshard import Resharder
 from soapjax.simulate import simulate
 from soapjax.space import Config, MeshShape, Strategy
@@ -72,13 +72,7 @@ def float64_case(name: str):
         cfg = dataclasses.replace(llama.LLAMA_CONFIGS["tiny"], param_dtype="float64",
                                   seq_len=SEQ_LEN, batch_size=2)
         w = llama.build_llama("llama", "tiny-x64", cfg, "linen")
-    with jax.enable_x64(True):
-        params = jiggle(jax.jit(w.init_params, compiler_options=FAST_COMPILE)(jax.random.key(0)),
-                        0.05)
-        batch = jax.jit(w.make_batch, compiler_options=FAST_COMPILE)(jax.random.key(1))
-        grads = jax.jit(jax.grad(w.loss_fn), compiler_options=FAST_COMPILE)(params, batch)
-        graph = trace(w.loss_fn, params, batch, name=name)
-    return graph, params, batch, grads
+    return float64_workload(w, name)
 
 
 def gshard(graph: OpGraph, expert_axis: str) -> Strategy:

@@ -25,7 +25,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import assert_delta_equals_full
-from test_corpus import FAST_COMPILE, X64_TOL, jiggle, relative_error, worst_leaf
+from test_corpus import FAST_COMPILE, X64_TOL, float64_workload, relative_error, worst_leaf
 
 import soapjax_zoo
 from soapjax import hlo, space
@@ -64,13 +64,7 @@ def case():
     """The tiny flash llama in float64: graph, params (init + N(0, 0.05)), batch, and the
     unsharded ``jax.grad`` of the loss."""
     w = llama.build_llama("llama", "tiny-flash-x64", CONFIG, "linen")
-    with jax.enable_x64(True):
-        params = jiggle(jax.jit(w.init_params, compiler_options=FAST_COMPILE)(jax.random.key(0)),
-                        0.05)
-        batch = jax.jit(w.make_batch, compiler_options=FAST_COMPILE)(jax.random.key(1))
-        grads = jax.jit(jax.grad(w.loss_fn), compiler_options=FAST_COMPILE)(params, batch)
-        graph = trace(w.loss_fn, params, batch, name="llama")
-    return graph, params, batch, grads
+    return float64_workload(w, "llama")
 
 
 def attention_ops(graph: OpGraph):

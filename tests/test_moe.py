@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
-from test_corpus import FAST_COMPILE, X64_TOL, jiggle, relative_error, worst_leaf
+from test_corpus import FAST_COMPILE, X64_TOL, float64_workload, relative_error, worst_leaf
 
 from soapjax import _dims, baselines, space
 from soapjax.apply import batch_shardings, constrained_loss, device_put_global, param_shardings
@@ -49,13 +49,7 @@ def float64_case(config: str = "tiny"):
     """A tiny MoE in float64: graph, params (init + N(0, 0.05)), batch, reference grads."""
     cfg = dataclasses.replace(moe.MOE_CONFIGS[config], param_dtype="float64")
     w = moe.build_moe("moe", f"{config}-x64", cfg, "linen")
-    with jax.enable_x64(True):
-        params = jiggle(jax.jit(w.init_params, compiler_options=FAST_COMPILE)(jax.random.key(0)),
-                        0.05)
-        batch = jax.jit(w.make_batch, compiler_options=FAST_COMPILE)(jax.random.key(1))
-        grads = jax.jit(jax.grad(w.loss_fn), compiler_options=FAST_COMPILE)(params, batch)
-        graph = trace(w.loss_fn, params, batch, name="moe")
-    return graph, params, batch, grads
+    return float64_workload(w, "moe")
 
 
 # --- routing ------------------------------------------------------------------------------------
