@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from soapjax._inner import query_dims
-from soapjax.attention import AttentionCall, attention_call, bind_attention, ring_attention
+from soapjax._inner import attention_call_of, attention_unit, query_dims
+from soapjax.attention import AttentionCall, bind_attention, ring_attention
 from soapjax.graph import Operator, OpGraph
 from soapjax.space import Config
 
@@ -77,7 +77,8 @@ def context_parallel(graph: OpGraph, op: Operator, cfg: Config, mesh: Mesh, *,
     `soapjax.attention.ring_attention` there instead: nothing gathered, the key/value blocks
     passed around the ring with their positions.
     """
-    dims = query_dims(graph, graph.index(op.name))
+    j = graph.index(op.name)
+    dims = query_dims(graph, j)
     if dims is None or not cfg.axes[dims.sequence]:
         return None
     batch, seq, heads = (tuple(cfg.axes[d]) if d is not None else ()
@@ -115,12 +116,10 @@ def context_parallel(graph: OpGraph, op: Operator, cfg: Config, mesh: Mesh, *,
                              in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
                              check_vma=False)(q, k, v)
 
-    prog = graph.program
-    unit = next(i for i in prog.local[op.name].units
-                if attention_call(prog.units[i].eqn) is not None)
+    unit = attention_unit(graph, j)
     shardings = tuple(NamedSharding(mesh, _with_sequence(cfg.operand_axes(o.dims), o.dims,
                                                          dims.keys, seq)) for o in op.inputs)
-    return ContextParallel(unit, attention_call(prog.units[unit].eqn), gathered, shardings)
+    return ContextParallel(unit, attention_call_of(graph, j), gathered, shardings)
 
 
 def _with_sequence(axes: Sequence[tuple[str, ...]], dims: Sequence[int | None], k_dim: int,

@@ -88,20 +88,29 @@ def _attention_granularity(out_shape, red_dims, granularity) -> tuple[int, ...]:
     return tuple(s if d < 3 else 1 for d, s in enumerate(sizes))
 
 
+def attention_heads(dims: tuple[int | None, ...], shape: tuple[int, ...], heads: int
+                    ) -> tuple[int | None, ...]:
+    """The dims of a value an attention operator's equation reads, its heads following
+    iteration dim 2, the output's heads, though no label ties them to it: its queries'
+    (``[B, T, N, H]``, which the equation regroups by key/value head) and its grouped keys'
+    and values' (``[B, S, K, H]``). A split of the ``N`` query heads over d devices gives each
+    the ``K / d`` key/value heads they use (query head n uses key/value head
+    ``n // (N / K)``). Other values' dims are returned as they are."""
+    if len(dims) == 4 and dims[2] is None and dims[1] is not None and heads % shape[2] == 0:
+        return (dims[0], dims[1], 2, dims[3])
+    return dims
+
+
 def _attention_heads(operands: list[Operand], out_shape, granularity: tuple[int, ...]
                      ) -> tuple[list[Operand], tuple[int, ...]]:
-    """An attention operator's heads: its queries' (``[B, T, N, H]``, which its equation
-    regroups by key/value head) and its grouped keys' and values' (``[B, S, K, H]``) follow
-    iteration dim 2, the output's heads, though no label ties them to it: a split of the ``N``
-    query heads over d devices gives each the ``K / d`` key/value heads they use (query head n
-    uses key/value head ``n // (N / K)``), so d must divide K too."""
-    heads = out_shape[2]
+    """An attention operator's operands with their heads following its output's
+    (`attention_heads`); a split of the heads must then divide every operand's heads too."""
     grain = list(granularity)
     out = []
     for o in operands:
-        if (o.kind == "activation" and len(o.dims) == 4 and o.dims[2] is None
-                and o.dims[1] is not None and heads % o.shape[2] == 0):
-            o = dataclasses.replace(o, dims=(o.dims[0], o.dims[1], 2, o.dims[3]))
+        dims = attention_heads(o.dims, o.shape, out_shape[2])
+        if o.kind == "activation" and dims != o.dims:
+            o = dataclasses.replace(o, dims=dims)
             grain[2] = math.gcd(grain[2], o.shape[2])
         out.append(o)
     return out, tuple(grain)

@@ -236,28 +236,30 @@ def query_dims(graph: OpGraph, j: int) -> QueryDims | None:
 
 
 def _query_dims(graph: OpGraph, j: int) -> QueryDims | None:
-    op = graph.operators[j]
-    if op.anchor != "attention":
+    i = attention_unit(graph, j)
+    if i is None:
         return None
-    prog, loc = graph.program, graph.program.local[op.name]
-    for i in loc.units:
-        u = prog.units[i]
-        if attention_call(u.eqn) is None:
-            continue
-        q, k = ([loc.labels.lookup(x, loc.iter_of) for x in loc.lab[v]] for v in u.ins[:2])
-        if q[1] is None or k[1] is None:
-            return None
-        # the heads: the output's (its equation regroups the query heads by key/value head,
-        # which hides them from the labels; `_grouping._attention_heads`)
-        return QueryDims(q[0], q[1], 2, k[1], prog.shapes[u.ins[0]][2],
-                         prog.shapes[u.ins[1]][2])
-    return None
+    prog, loc = graph.program, graph.program.local[graph.operators[j].name]
+    u = prog.units[i]
+    q, k = ([loc.labels.lookup(x, loc.iter_of) for x in loc.lab[v]] for v in u.ins[:2])
+    if q[1] is None or k[1] is None:
+        return None
+    # the heads: the output's (its equation regroups the query heads by key/value head,
+    # which hides them from the labels; `_grouping.attention_heads`)
+    return QueryDims(q[0], q[1], 2, k[1], prog.shapes[u.ins[0]][2], prog.shapes[u.ins[1]][2])
+
+
+def attention_unit(graph: OpGraph, j: int) -> int | None:
+    """The program unit of attention operator `j`'s attention equation (None for another
+    operator)."""
+    if graph.operators[j].anchor != "attention":
+        return None
+    prog = graph.program
+    return next((i for i in prog.local[graph.operators[j].name].units
+                 if attention_call(prog.units[i].eqn) is not None), None)
 
 
 def attention_call_of(graph: OpGraph, j: int):
     """The `soapjax.attention.AttentionCall` of attention operator `j` (None for another)."""
-    prog = graph.program
-    for i in prog.local[graph.operators[j].name].units:
-        if (call := attention_call(prog.units[i].eqn)) is not None:
-            return call
-    return None
+    i = attention_unit(graph, j)
+    return None if i is None else attention_call(graph.program.units[i].eqn)

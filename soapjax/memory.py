@@ -59,6 +59,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from soapjax._grouping import attention_heads
 from soapjax._local import draws_random_bits
 from soapjax.attention import attention_call
 from soapjax.errors import PlanError
@@ -221,10 +222,8 @@ def _residuals(graph: OpGraph, j: int) -> Residuals:
                      for v in sorted(by_matmul - outer) if len(dims(v)) == len(prog.shapes[v]))
     if op.anchor == "attention":  # flash attention keeps a log-sum-exp per query and head
         b, t, n = op.shape[:3]
-        # its grouped operands' heads follow the query heads (`_grouping._attention_heads`)
-        internal = tuple((shape, dtype, dims[:2] + (2,) + dims[3:])
-                         if len(dims) == 4 and dims[2] is None and n % shape[2] == 0
-                         else (shape, dtype, dims) for shape, dtype, dims in internal)
+        internal = tuple((shape, dtype, attention_heads(dims, shape, n))
+                         for shape, dtype, dims in internal)
         wide = "float64" if op.dtype == "float64" else "float32"
         internal += (((b, n, t), wide, (0, 2, 1)),)
     return Residuals(tuple(v in read for v in loc.inputs), tuple(v in read for v in loc.exports),
