@@ -302,8 +302,8 @@ def op_kernels(closed: jcore.ClosedJaxpr, params: Sequence[bool] = ()) -> Kernel
     kernels: list[tuple[int, Gemm | FusedKernel | FlashKernel]] = []
     for j in range(len(eqns)):
         if gemm[j]:
-            kernels.append((j, _flash(eqns[j][0]) if attention_call(eqns[j][0]) is not None
-                            else _gemm(eqns[j][0])))
+            eqn = eqns[j][0]  # a matmul, else an attention equation
+            kernels.append((j, _gemm(eqn) if eqn.primitive.name in _GEMMS else _flash(eqn)))
 
     def recomputed(i: int) -> bool:  # an elementwise value of another fused kernel
         p = producer.get(i)
