@@ -38,6 +38,8 @@ _ANCHORS = ("scan", "while", "cond", "conv_general_dilated", "dot_general", "rag
 # parameter (an embedding lookup) is a full anchor.
 _SOFT_ANCHORS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin",
                  "reduce_and", "reduce_or", "gather", "psum")
+# What `_sink_side_branches` never moves to a later operator: anchors and reductions.
+_STAYS = frozenset(_ANCHORS) | {p for p in _SOFT_ANCHORS if p not in ("gather", "psum")}
 # Cheap primitives folded into their neighbours (XLA fuses them).
 _CHEAP = frozenset("""
 add sub mul div rem pow integer_pow max min neg sign floor ceil round is_finite exp exp2 log
@@ -264,13 +266,18 @@ class _Builder:
         anchors: list[int] = []
         unsupported: list[str] = []
         value_group: dict[int, int] = {}
+        # A value whose unit waits for its consumer: the latest operator it reads from, so
+        # that what reads it is never placed before that (a ResNet's global pool, reading the
+        # last block's ReLU, joined the stem's pooling operator).
+        after: dict[int, int] = {}
         open_group: dict[str, int] = {}  # module path -> its latest operator
         live = self.live = self._live()
         for i, u in enumerate(units):
             if i not in live or i in self.p.slice_units:  # dead code (XLA drops it), or a
                 continue  # layer's parameter slice, read as that layer's parameter
             kind = self._kind(i)
-            ins = [value_group[v] for v in u.ins if v in value_group]
+            ins = [value_group[v] if v in value_group else after[v] for v in u.ins
+                   if v in value_group or v in after]
             latest = max(ins) if ins else None
             mod = self.module[i]
             # A unit of the module whose operator is open (a layer norm's second reduction,
@@ -299,6 +306,8 @@ class _Builder:
                 for v in u.outs:
                     if v is not None:
                         value_group[v] = g
+            elif ins:
+                after.update({v: max(ins) for v in u.outs if v is not None})
         if not groups:  # a function of nothing but cheap equations: one operator
             groups.append([])
             anchors.append(0)
@@ -315,7 +324,78 @@ class _Builder:
         self._sink_side_branches(groups, group_of, anchors)
         for g in groups:
             g.sort()
+        groups, anchors = self._split_off_side_reductions(groups, anchors)
         return groups, anchors, unsupported
+
+    def _split_off_side_reductions(self, groups: list[list[int]], anchors: list[int]
+                                   ) -> tuple[list[list[int]], list[int]]:
+        """Makes each reduction that shares no value with the rest of its operator an operator
+        of its own, placed right after it.
+
+        An MoE layer's load-balancing loss reduces the router's probabilities and choices over
+        batch and tokens after the layer's combine einsum: in the combine's operator its batch
+        dim would be a dim of its own, one no split of the combine's batch reaches, so every
+        data-parallel plan would gather the router's outputs whole. Its own operator has one
+        batch dim, split like any other.
+        """
+        out_groups: list[list[int]] = []
+        out_anchors: list[int] = []
+        for members, anchor in zip(groups, anchors):
+            parts = self._connected(members)
+            side = [p for p in parts if anchor not in p
+                    and any(self.p.units[i].eqn.primitive.name in _STAYS for i in p)]
+            rest = sorted(set(members).difference(*side)) if side else members
+            out_groups.append(rest)
+            out_anchors.append(anchor)
+            for p in sorted(side, key=min):
+                for cone, reduction in self._reduction_cones(p):
+                    out_groups.append(cone)
+                    out_anchors.append(reduction)
+        return out_groups, out_anchors
+
+    def _reduction_cones(self, part: set[int]) -> list[tuple[list[int], int]]:
+        """`part` cut at its reductions: each with what it reads that no earlier one does, the
+        equations after the last joining it; ``(members, reduction)`` in program order.
+
+        A load-balancing loss reduces the router's choices and its probabilities over batch
+        and tokens apart, then multiplies the two means: one operator would give each batch
+        its own dim, and a plan splitting one would gather the other's tensor whole."""
+        units = self.p.units
+        reductions = sorted(i for i in part if units[i].eqn.primitive.name in _STAYS)
+        cones: list[tuple[list[int], int]] = []
+        taken: set[int] = set()
+        for r in reductions:
+            cone = (self._ancestors_of_unit(r, part) | {r}) - taken
+            taken |= cone
+            cones.append((sorted(cone), r))
+        rest = part - taken
+        last, r = cones[-1]
+        cones[-1] = (sorted(set(last) | rest), r)
+        return cones
+
+    def _ancestors_of_unit(self, i: int, members: set[int]) -> set[int]:
+        """Units of `members` that unit `i` depends on."""
+        return set().union(*(self._ancestors(v, members) for v in self.p.units[i].ins))
+
+    def _connected(self, members: list[int]) -> list[set[int]]:
+        """`members` in the parts that share values (one's output read by another)."""
+        parent = {i: i for i in members}
+
+        def root(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        for i in members:
+            for v in self.p.units[i].outs:
+                for c in self.consumers.get(v, ()) if v is not None else ():
+                    if c in parent:
+                        parent[root(c)] = root(i)
+        parts: dict[int, set[int]] = {}
+        for i in members:
+            parts.setdefault(root(i), set()).add(i)
+        return list(parts.values())
 
     def _feeds_only(self, i: int, mod: str) -> bool:
         """Whether unit `i`'s results are used only inside module `mod`."""
@@ -352,6 +432,11 @@ class _Builder:
 
         Flax's LayerNorm squares its input before its first reduction; that square reads the
         previous operator's output and feeds only the norm, so XLA fuses it into the norm.
+
+        A reduction stays where it is, and so does what it reads: a layer's auxiliary loss
+        (an MoE router's load-balancing mean over batch and tokens) feeds only the final loss,
+        but moved there, its batch dim would be the loss operator's own, one no split of the
+        loss's batch reaches, and every data-parallel plan would gather the logits whole.
         """
         units = self.p.units
         for h, members in enumerate(groups):
@@ -363,7 +448,7 @@ class _Builder:
             for i in sorted(members, reverse=True):
                 if i in main or any(v in self.is_output for v in units[i].outs if v is not None):
                     continue
-                if self.p.units[i].eqn.primitive.name in _ANCHORS or i == min(members):
+                if self.p.units[i].eqn.primitive.name in _STAYS or i == min(members):
                     continue
                 cons = {group_of[c] for v in units[i].outs if v is not None
                         for c in self.consumers.get(v, ()) if group_of[c] is not None}

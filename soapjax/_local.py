@@ -20,7 +20,7 @@ primal body instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import jax
@@ -44,7 +44,8 @@ class CustomRuleError(SoapjaxError, ValueError):
 
 def operator_fn(graph: OpGraph, name: str, degrees: Sequence[int] | None = None, *,
                 rules: Rules = "exact", on_value: Callable | None = None,
-                attention: Callable | None = None
+                attention: Callable | None = None,
+                calls: Mapping[int, Callable[..., Sequence]] | None = None
                 ) -> tuple[Callable, list[jax.ShapeDtypeStruct]]:
     """The per-device forward program of operator `name` split by `degrees`.
 
@@ -63,6 +64,9 @@ def operator_fn(graph: OpGraph, name: str, degrees: Sequence[int] | None = None,
         instead (context parallelism: the positions of this device's queries, the keys
         gathered); by default it is bound again at the shard's shapes
         (`soapjax.attention.bind_attention`: its rule is soapjax's, so it is re-traceable).
+      calls: program unit -> a function of that equation's operands that returns its results
+        (a list), computing one of the operator's own equations instead (apply's top k over
+        split rows: `soapjax._rowwise`).
 
     Returns:
       ``(fn, in_avals)``: ``fn(*operands)`` returns the operator's outputs (a list, in
@@ -110,7 +114,7 @@ def operator_fn(graph: OpGraph, name: str, degrees: Sequence[int] | None = None,
                 keep = u.eqn.primitive.name == "broadcast_in_dim"  # crops to its own target
                 args = [env[v] if keep and v in whole else _crop(env[v], shard(v))
                         for v in u.ins]
-            outs = interp.bind(u.eqn, args, shapes)
+            outs = calls[i](*args) if calls and i in calls else interp.bind(u.eqn, args, shapes)
             env.update((v, _crop(o, s)) for v, o, s in zip(u.outs, outs, shapes) if v is not None)
             if on_value is not None:
                 env.update((v, on_value(v, env[v])) for v in u.outs if v is not None)

@@ -545,3 +545,16 @@ def test_layers_named_by_number_are_one_family():
     pos = {op.name: op.block_position for op in g.operators}
     assert pos["2/fc"] == "*/fc" and pos["3/ln"] == "*/ln"
     assert sorted(len(b) for b in g.repeated_blocks()) == [4, 4]
+
+
+def test_a_pool_after_the_last_block_is_not_folded_into_the_stem():
+    # ResNet's global average pool reads the last block's ReLU, a unit that waits for its
+    # consumer to place it: the pool once joined the stem's max pool (the root module's open
+    # operator), placed before every block it reads. It is its own operator, before the head and the loss.
+    w, g = zoo_graph("resnet101")
+    names = [op.name for op in g.operators]
+    pool = names.index("reduce_sum")
+    assert names[pool + 1:] == ["fc", "resnet101"] and names[pool - 1].startswith("layer4_")
+    assert [o.kind for o in g.operators[pool].inputs] == ["activation"]
+    stem = g.operators[names.index("reduce_window_max")]
+    assert [o.source for o in stem.inputs] == ["bn1"]

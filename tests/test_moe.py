@@ -34,6 +34,7 @@ from soapjax.apply import batch_shardings, constrained_loss, device_put_global, 
 from soapjax.cost import cost_model
 from soapjax.graph import OpGraph, trace
 from soapjax.search import SearchSettings, search
+from soapjax.simulate import simulate
 from soapjax.space import Config, MeshShape, Strategy
 from soapjax.topology import load_topology, make_mesh
 from soapjax_zoo import moe
@@ -296,3 +297,33 @@ def test_every_size_traces_from_shapes(size):
     assert kernel.shape == (cfg.num_experts, cfg.d_model, cfg.expert_hidden)
     assert gate.dtype == cfg.dtype == "bfloat16" and kernel.dtype == "float32"
     assert {len(b) for b in g.repeated_blocks()} == {cfg.num_layers}
+
+
+def test_each_layers_load_balancing_loss_is_an_operator_of_its_own():
+    # the router's load-balancing means over batch and tokens stay in their layer, and share
+    # nothing with the combine einsum beside them: operators of their own, one per mean (each
+    # with one batch dim, which a data-parallel config splits), and their product; never
+    # folded into the final loss, whose batch dim is then the logits' and the targets' alone
+    graph = float64_case()[0]
+    aux = [op for op in graph.operators if "/moe/reduce_sum" in op.name]
+    experts = TINY.num_experts
+    assert [op.name for op in aux] == [f"layers_{i}/moe/reduce_sum{k}"
+                                       for i in range(TINY.num_layers) for k in ("", "_1", "_2")]
+    for fraction, mean, product in zip(aux[::3], aux[1::3], aux[2::3]):
+        layer = fraction.name.split("/")[0]
+        assert [(o.source, o.shape) for o in fraction.inputs] == [
+            (f"{layer}/moe/top_k", (TINY.batch_size, TINY.seq_len, TINY.top_k))]
+        assert [(o.source, o.shape) for o in mean.inputs] == [
+            (f"{layer}/moe/reduce_max", (TINY.batch_size, TINY.seq_len, experts))]
+        assert [o.shape for o in fraction.outputs] == [o.shape for o in mean.outputs] == [
+            (experts,)]
+        assert [o.source for o in product.inputs] == [fraction.name, mean.name]
+        assert [o.shape for o in product.outputs] == [()]
+    loss = graph.operators[-1]
+    big = {o.source: o for o in loss.inputs if o.shape}
+    assert set(big) == {"lm_head", "['targets']"}
+    assert big["lm_head"].dims[:2] == big["['targets']"].dims  # one batch, one sequence dim
+    # data parallelism moves no activation: nothing is gathered for the loss
+    result = simulate(graph, TOPOLOGY, space.data_parallel(graph, MESH_SHAPE),
+                      cost_model=cost_model(graph, TOPOLOGY, mode="analytic"))
+    assert not [t.name for t in result.tasks if t.kind == "reshard"]
