@@ -14,8 +14,11 @@ same (a row's top k is computed where the row is).
     >>> from soapjax.space import Config
     >>> graph = trace(lambda w, x: jax.lax.top_k(x @ w, 2)[0].sum(), jnp.ones((4, 8)),
     ...               jnp.ones((16, 4)))
-    >>> [(op.name, op.anchor) for op in graph.operators]
-    [('top_k', 'top_k')]
+    >>> loss = graph.index("<lambda>")  # the top k of the 16 rows and the sum: dims (16,)
+    >>> split_top_k_units(graph, loss, Config((("data",),)))  # program unit 1, rows split
+    {1: P('data', None)}
+    >>> split_top_k_units(graph, loss, Config(((),)))  # rows whole: XLA runs it as it is
+    {}
 """
 
 from __future__ import annotations

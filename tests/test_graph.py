@@ -550,7 +550,8 @@ def test_layers_named_by_number_are_one_family():
 def test_a_pool_after_the_last_block_is_not_folded_into_the_stem():
     # ResNet's global average pool reads the last block's ReLU, a unit that waits for its
     # consumer to place it: the pool once joined the stem's max pool (the root module's open
-    # operator), placed before every block it reads. It is its own operator, before the head and the loss.
+    # operator), placed before every block it reads. It is its own operator, before the head
+    # and the loss.
     w, g = zoo_graph("resnet101")
     names = [op.name for op in g.operators]
     pool = names.index("reduce_sum")
