@@ -122,7 +122,7 @@ def _skipped(q: jax.Array, k: jax.Array, v: jax.Array) -> _Partial:
     inside `jax.shard_map` needs both branches' types alike)."""
     wide = jnp.promote_types(q.dtype, jnp.float32)
     b, t, n, _ = q.shape
-    tie = sum(x[:1, :1, :1, :1].sum() for x in (q, k, v)).astype(wide) * 0
+    tie = _zero_of(q, k, v).astype(wide)
     zeros = jnp.zeros((b, n, t), wide) + tie
     return _Partial(jnp.zeros((b, t, n, v.shape[-1]), wide) + tie,
                     zeros + jnp.finfo(wide).min, zeros)
@@ -384,7 +384,7 @@ def analysis_jaxpr(eqn):
 
 
 def _kv_blocks(x: jax.Array, block: int) -> jax.Array:
-    """``[B, S, ...]`` as ``[S / block, B, block, ...]`` (a scan over key blocks)."""
+    """``[B, S, ...]`` as ``[S / block, B, block, ...]`` (a scan over blocks of the sequence)."""
     b, s = x.shape[:2]
     return jnp.moveaxis(x.reshape((b, s // block, block) + x.shape[2:]), 1, 0)
 
@@ -394,18 +394,48 @@ def _kv_unblocks(x: jax.Array) -> jax.Array:
     return jnp.moveaxis(x, 0, 1).reshape((b, n * blk) + x.shape[3:])
 
 
+def _per_query_blocks(x: jax.Array, block: int) -> jax.Array:
+    """``[B, K, G, T]`` per-query values as ``[T / block, B, K, G, block]``."""
+    b, kh, grp, t = x.shape
+    return jnp.moveaxis(x.reshape(b, kh, grp, t // block, block), 3, 0)
+
+
+def _per_query_unblocks(x: jax.Array) -> jax.Array:
+    n, b, kh, grp, blk = x.shape
+    return jnp.moveaxis(x, 0, 3).reshape(b, kh, grp, n * blk)
+
+
+def _visible(q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
+    """Whether any query of a block sees any key of a block under a causal mask: a tile it
+    hides whole is skipped, as a flash kernel skips it (``lax.cond``, one branch run)."""
+    return jnp.max(q_pos) >= jnp.min(k_pos)
+
+
+def _zero_of(*xs) -> jax.Array:
+    """A zero that depends on each of `xs` (a NaN or infinity among them included): a skipped
+    tile's branch returns arrays of the same varying manual axes as the computed branch's
+    inside `jax.shard_map`, and ``lax.cond`` needs both branches' types alike."""
+    return sum(jnp.where(False, x.reshape(-1)[:1], 0).sum() for x in xs)
+
+
+def _tied(x, *others):
+    """`x` made to depend on `others` (`_zero_of`)."""
+    tie = _zero_of(*others)
+    return jax.tree.map(lambda a: a + tie.astype(a.dtype), x)
+
+
 def _flash_forward(q, k, v, q_pos, k_pos, causal, block):
-    """The blockwise forward: the output in v's dtype and the log-sum-exp per query
-    (``[B, K, G, T]``, float32 or wider)."""
+    """The blockwise forward: per block of `block` queries, the key blocks in turn with an
+    online softmax, those a causal mask hides whole skipped (about half of ``T x S``); the
+    output in v's dtype and the log-sum-exp per query (``[B, K, G, T]``, float32 or wider)."""
     wide = jnp.promote_types(q.dtype, jnp.float32)
     qg = _grouped(q, k.shape[2])
     b, t, kh, grp, _ = qg.shape
-    init = _Partial(jnp.zeros((b, t, kh, grp, v.shape[-1]), wide),
-                    jnp.full((b, kh, grp, t), -jnp.inf, wide), jnp.zeros((b, kh, grp, t), wide))
+    bq = _block_size(t, block)
+    kvs = (_kv_blocks(k, block), _kv_blocks(v, block), k_pos.reshape(-1, block))
 
-    def step(acc, kvp):
-        kb, vb, pb = kvp
-        scores, mask = _grouped_scores(qg, kb, q_pos, pb, causal)
+    def tile(acc, qb, qp, kb, vb, pb):
+        scores, mask = _grouped_scores(qb, kb, qp, pb, causal)
         if mask is not None:
             scores = jnp.where(mask, scores, -jnp.inf)
         top = jnp.maximum(acc.top, jnp.max(scores, axis=-1))
@@ -414,41 +444,76 @@ def _flash_forward(q, k, v, q_pos, k_pos, causal, block):
         scale = jnp.exp(acc.top - safe)
         out = acc.out * _per_grouped_query(scale) + jnp.einsum(
             "BKGTS,BSKH->BTKGH", weights.astype(v.dtype), vb).astype(wide)
-        return _Partial(out, top, acc.total * scale + jnp.sum(weights, axis=-1)), None
+        return _Partial(out, top, acc.total * scale + jnp.sum(weights, axis=-1))
 
-    acc, _ = jax.lax.scan(step, init, (_kv_blocks(k, block), _kv_blocks(v, block),
-                                       k_pos.reshape(-1, block)))
-    out = (acc.out / _per_grouped_query(acc.total)).astype(v.dtype)
-    return out.reshape(q.shape[:3] + v.shape[3:]), acc.top + jnp.log(acc.total)
+    def row(_, qblock):
+        qb, qp = qblock
+        init = _Partial(jnp.zeros((b, bq, kh, grp, v.shape[-1]), wide),
+                        jnp.full((b, kh, grp, bq), -jnp.inf, wide),
+                        jnp.zeros((b, kh, grp, bq), wide))
+
+        def step(acc, kvp):
+            kb, vb, pb = kvp
+            if not causal:
+                return tile(acc, qb, qp, kb, vb, pb), None
+            return jax.lax.cond(_visible(qp, pb), tile,
+                                lambda a, *xs: _tied(a, *xs),
+                                acc, qb, qp, kb, vb, pb), None
+
+        acc, _ = jax.lax.scan(step, init, kvs)
+        return None, (acc.out / _per_grouped_query(acc.total), acc.top + jnp.log(acc.total))
+
+    _, (out, lse) = jax.lax.scan(row, None, (_kv_blocks(qg, bq), q_pos.reshape(-1, bq)))
+    out = _kv_unblocks(out).astype(v.dtype)
+    return out.reshape(q.shape[:3] + v.shape[3:]), _per_query_unblocks(lse)
 
 
 def _flash_backward(q, k, v, q_pos, k_pos, out, lse, g, causal, block):
-    """The blockwise backward (flash attention's): per key block the scores are recomputed,
-    the probabilities are ``exp(scores - lse)``; the queries' gradient accumulates, the keys'
-    and values' are made block by block (summed over the query heads each serves)."""
+    """The blockwise backward (flash attention's): per block of queries and per key block the
+    scores are recomputed (tiles a causal mask hides whole skipped), the probabilities are
+    ``exp(scores - lse)``; each query block's gradient is made over the key blocks, the keys'
+    and values' accumulate over the query blocks (summed over the query heads each serves)."""
     wide = jnp.promote_types(q.dtype, jnp.float32)
     kh = k.shape[2]
     qg, gg, og = _grouped(q, kh), _grouped(g.astype(v.dtype), kh), _grouped(out, kh)
+    bq = _block_size(q.shape[1], block)
     scale = 1 / jnp.sqrt(q.shape[-1]).astype(q.dtype)
     delta = jnp.moveaxis(jnp.sum(gg.astype(wide) * og.astype(wide), axis=-1), 1, 3)
+    kvs = (_kv_blocks(k, block), _kv_blocks(v, block), k_pos.reshape(-1, block))
 
-    def step(dq, kvp):
-        kb, vb, pb = kvp
-        scores, mask = _grouped_scores(qg, kb, q_pos, pb, causal)
-        probs = jnp.exp(scores - lse[..., None])
+    def tile(dq, dkb, dvb, qb, gb, lb, db, qp, kb, vb, pb):
+        scores, mask = _grouped_scores(qb, kb, qp, pb, causal)
+        probs = jnp.exp(scores - lb[..., None])
         if mask is not None:
             probs = jnp.where(mask, probs, 0)
-        dv = jnp.einsum("BKGTS,BTKGH->BSKH", probs.astype(v.dtype), gg)
-        dprobs = jnp.einsum("BTKGH,BSKH->BKGTS", gg, vb).astype(wide)
-        dscores = (probs * (dprobs - delta[..., None])).astype(q.dtype) * scale
+        dvb = dvb + jnp.einsum("BKGTS,BTKGH->BSKH", probs.astype(v.dtype), gb).astype(wide)
+        dprobs = jnp.einsum("BTKGH,BSKH->BKGTS", gb, vb).astype(wide)
+        dscores = (probs * (dprobs - db[..., None])).astype(q.dtype) * scale
         dq = dq + jnp.einsum("BKGTS,BSKH->BTKGH", dscores, kb).astype(wide)
-        dk = jnp.einsum("BKGTS,BTKGH->BSKH", dscores, qg)
-        return dq, (dk, dv)
+        dkb = dkb + jnp.einsum("BKGTS,BTKGH->BSKH", dscores, qb).astype(wide)
+        return dq, dkb, dvb
 
-    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(qg.shape, wide),
-                                (_kv_blocks(k, block), _kv_blocks(v, block),
-                                 k_pos.reshape(-1, block)))
-    return (dq.reshape(q.shape).astype(q.dtype), _kv_unblocks(dk).astype(k.dtype),
+    def row(dkv, qblock):
+        qb, gb, lb, db, qp = qblock
+
+        def step(dq, kvp):
+            kb, vb, pb, dkb, dvb = kvp
+            args = (dq, dkb, dvb, qb, gb, lb, db, qp, kb, vb, pb)
+            if not causal:
+                dq, dkb, dvb = tile(*args)
+            else:
+                dq, dkb, dvb = jax.lax.cond(_visible(qp, pb), tile,
+                                            lambda *a: _tied(a[:3], *a[3:]), *args)
+            return dq, (dkb, dvb)
+
+        dq, dkv = jax.lax.scan(step, jnp.zeros(qb.shape, wide), kvs + dkv)
+        return dkv, dq
+
+    (dk, dv), dq = jax.lax.scan(
+        row, (jnp.zeros(kvs[0].shape, wide), jnp.zeros(kvs[1].shape, wide)),
+        (_kv_blocks(qg, bq), _kv_blocks(gg, bq), _per_query_blocks(lse, bq),
+         _per_query_blocks(delta, bq), q_pos.reshape(-1, bq)))
+    return (_kv_unblocks(dq).reshape(q.shape).astype(q.dtype), _kv_unblocks(dk).astype(k.dtype),
             _kv_unblocks(dv).astype(v.dtype))
 
 

@@ -96,6 +96,7 @@ from soapjax.baselines import (
     expert_dim,
     megatron_grid,
     sequence_dims,
+    with_recompute,
 )
 from soapjax.cost import CostModel, cost_model as make_cost_model
 from soapjax.errors import PlanError
@@ -238,7 +239,7 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
     # norms spatially, where convolutions are kept whole) are not starts.
     starts = {name: _tie_blocks(graph, s) for name, s in starts.items()
               if _within(graph, s, settings.limits)}
-    for n, (name, strategy) in enumerate(starts.items()):
+    for n, (name, strategy) in enumerate(list(starts.items())):
         if progress is not None:
             how = ("operator costs measured on first use" if sim.cost_model.source == "measured"
                    else "analytic operator costs")
@@ -246,6 +247,8 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
         sim.reset(strategy)
         scored.append((name, sim.step_time(), sim.fits_in_memory()))
         searcher.record(name)
+        if not scored[-1][2] and graph.repeated_blocks():
+            starts[name] = _recomputing(sim, searcher, graph, name, strategy)
     wanted = settings.pipelines if settings.pipelines is not None else searcher.best is None
     pipelined = wanted and graph.repeated_blocks() and graph.batch_size > 1
     # With a time budget, the chains share what the starts left, half of it for the pipelined
@@ -285,6 +288,9 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
 # Megatron's grid at each pipeline depth, as the search scores it (TP 1 and 2 are left out: with
 # stages, Megatron-LM keeps TP at the node's 8, or 4); virtual stages are `interleave_choices`.
 PIPELINE_GRID = {"tp": (4, 8)}
+# ... and for a model with experts, where expert parallelism takes TP's place inside the node
+# (Megatron-LM's Mixtral 8x7B: TP 2, EP 8, PP 4): every TP.
+PIPELINE_GRID_EXPERTS = {"tp": (1, 2, 4, 8)}
 # How many pipelines (S, v, schedule), the fastest by their grid's best point, get a chain.
 CHAINED_PIPELINES = 3
 
@@ -315,15 +321,16 @@ def _num_layers(graph: OpGraph) -> int:
 def pipeline_grid(graph: OpGraph, topology, stages: int, limits: SpaceLimits = SpaceLimits()
                   ) -> dict[tuple[int, str], dict[str, Strategy]]:
     """Megatron's grid at `stages` pipeline stages, as the search scores it, by (virtual
-    stages, schedule): TP in `PIPELINE_GRID`, every `interleave_choices` v, the expert- and
-    context-parallel degrees of `grid_degrees`, the microbatch sizes and recomputations of
-    `baselines.megatron_grid`; points outside `limits`, or whose
-    layers do not cut into S x v chunks, left out; each pipeline's points in the order
+    stages, schedule): TP in `PIPELINE_GRID` (`PIPELINE_GRID_EXPERTS` with experts), every
+    `interleave_choices` v, the expert- and context-parallel degrees of `grid_degrees`, the
+    microbatch sizes and recomputations of `baselines.megatron_grid`; points outside `limits`,
+    or whose layers do not cut into S x v chunks, left out; each pipeline's points in the order
     `_likely_first` gives. Every point is one apply runs (`megatron_3d` builds only
     strategies `soapjax.pipeline.pipeline_error` accepts)."""
+    degrees = grid_degrees(graph, topology)
+    tp = (PIPELINE_GRID_EXPERTS if len(degrees["ep"]) > 1 else PIPELINE_GRID)["tp"]
     grid = megatron_grid(graph, topology, pp=(stages,),
-                         interleave=interleave_choices(graph, stages), tp=PIPELINE_GRID["tp"],
-                         **grid_degrees(graph, topology))
+                         interleave=interleave_choices(graph, stages), tp=tp, **degrees)
     by_pipe: dict[tuple[int, str], dict[str, Strategy]] = {}
     for name, st in grid.items():
         if _within(graph, st, limits):
@@ -338,13 +345,31 @@ def pipeline_grid(graph: OpGraph, topology, stages: int, limits: SpaceLimits = S
     return by_pipe
 
 
-def _likely_first(point: tuple[str, Strategy]) -> tuple[int, int, int]:
-    """What Megatron-LM users run first: microbatches of 1, TP8, then recompute selective,
-    full, none (`RECOMPUTE_POLICIES` from its second). Under a tight budget a pipeline's grid
-    may be cut after a few points, and those must include the fast ones that fit."""
-    parts = dict(re.findall(r"-(tp|mb)(\d+)", point[0]))
+def _recomputing(sim: Simulation, searcher: _Searcher, graph: OpGraph, name: str,
+                 strategy: Strategy) -> Strategy:
+    """A start that does not fit, recomputing its layers as a person would try next
+    (`baselines.with_recompute`: selective, then full), each variant scored and recorded; the
+    fastest that fits, or the start itself (MaxText's MoE rules fit the fine-grained MoE on 64
+    H100s only with full recomputation: without it, its chain spent its share walking there)."""
+    best = None
+    for policy in RECOMPUTE_POLICIES[1:]:
+        variant = _tie_blocks(graph, with_recompute(graph, strategy, policy))
+        sim.reset(variant)
+        searcher.record(f"{name}-{policy}")
+        if sim.fits_in_memory() and (best is None or sim.step_time() < best[0]):
+            best = (sim.step_time(), variant)
+    return strategy if best is None else best[1]
+
+
+def _likely_first(point: tuple[str, Strategy]) -> tuple[int, int, int, int]:
+    """What Megatron-LM users run first: microbatches of 1, the most model parallelism (TP8;
+    TP x EP 8 with experts, the most experts apart first), then recompute selective, full,
+    none (`RECOMPUTE_POLICIES` from its second). Under a tight budget a pipeline's grid may be
+    cut after a few points, and those must include the fast ones that fit."""
+    parts = {"ep": "1", **dict(re.findall(r"-(tp|mb|ep)(\d+)", point[0]))}
     policy = RECOMPUTE_POLICIES.index(point[0].rsplit("-", 1)[1])
-    return (int(parts["mb"]), -int(parts["tp"]), (policy - 1) % len(RECOMPUTE_POLICIES))
+    tp, ep = int(parts["tp"]), int(parts["ep"])
+    return (int(parts["mb"]), -tp * ep, -ep, (policy - 1) % len(RECOMPUTE_POLICIES))
 
 
 def _pipelined_chains(graph: OpGraph, topology, cost_model, settings: SearchSettings,

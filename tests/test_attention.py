@@ -152,3 +152,24 @@ def test_flash_attention_never_holds_the_scores_whole():
     call = next(e for e in closed.jaxpr.eqns if e.primitive.name == "custom_vjp_call")
     dense = analysis_jaxpr(call)
     assert max(sizes(dense.jaxpr)) == 1 * 2 * 2 * t * t
+
+
+def test_flash_attention_skips_the_tiles_a_causal_mask_hides():
+    """A tile of queries and keys that a causal mask hides whole is never computed, as a flash
+    kernel skips it (about half of ``T x S``: what `soapjax.kernels.FlashKernel` prices):
+    keys and values that are NaN in the last key block poison only the queries that see it,
+    their outputs and, backward, their gradients; computed and masked, ``0 x NaN`` would poison
+    every query."""
+    from soapjax.attention import flash_attention
+
+    t, block = 64, 16
+    q, k, v = (jax.random.normal(jax.random.key(i), (1, t, 4, 8)) for i in range(3))
+    k, v = (x[:, :, :2].at[:, t - block:].set(jnp.nan) for x in (k, v))  # GQA: 2 kv heads
+    seen = t - block  # the queries that never see the last key block
+    out, dq = jax.value_and_grad(
+        lambda q: flash_attention(q, k, v, block=block)[:, :seen].sum())(q)
+    assert np.isfinite(out) and np.isfinite(dq[:, :seen]).all()
+    full = flash_attention(q, k, v, block=block)
+    assert np.isfinite(full[:, :seen]).all() and np.isnan(full[:, seen:]).all()
+    # the same attention without its mask computes every tile
+    assert np.isnan(flash_attention(q, k, v, causal=False, block=block)).all()
