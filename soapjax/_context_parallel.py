@@ -14,7 +14,12 @@ shape would start every block at 0), in one of two forms:
 
 * **gathered** (Llama 3's; the default): the keys and values gathered whole (``all_gather``,
   tiled). The gather's transpose is a reduce-scatter: their cotangents, partial sums over the
-  query blocks, come back split along the sequence, one collective each, outside any loop;
+  query blocks, come back split along the sequence, one collective each, outside any loop.
+  Causal attention is balanced as Megatron-Core and Llama 3 balance it: each device computes
+  chunks i and 2 cp - 1 - i of the sequence's 2 cp (`soapjax.attention.zigzag_sends`: the
+  halves of the query blocks sent there, the outputs sent back, one collective-permute per
+  half each way), where with contiguous blocks the last device would compute 2 - 1/cp times
+  the mean, and the step would wait for it;
 * **ring** (`soapjax.space.Strategy.ring_attention`): `soapjax.attention.ring_attention`, the
   blocks passed around the ring with their positions, nothing gathered.
 
@@ -36,7 +41,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from soapjax._inner import attention_call_of, attention_unit, query_dims
-from soapjax.attention import AttentionCall, bind_attention, ring_attention
+from soapjax.attention import AttentionCall, bind_attention, ring_attention, zigzag_sends
 from soapjax.graph import Operator, OpGraph
 from soapjax.space import Config
 
@@ -109,7 +114,14 @@ def context_parallel(graph: OpGraph, op: Operator, cfg: Config, mesh: Mesh, *,
                                   pieces=pieces)
         k = jax.lax.all_gather(k, seq, axis=1, tiled=True)
         v = jax.lax.all_gather(v, seq, axis=1, tiled=True)
+        if call.causal and balanced(q.shape[1]):
+            return _zigzagged(call, q, k, v, seq, index, cp)
         return bind_attention(call, q, k, v, mine, jnp.arange(k.shape[1]))
+
+    cp = math.prod(mesh.shape[a] for a in seq)
+
+    def balanced(block: int) -> bool:
+        return cp > 1 and block % 2 == 0
 
     def gathered(call: AttentionCall, q, k, v, q_pos, k_pos):
         return jax.shard_map(functools.partial(local, call), mesh=mesh,
@@ -120,6 +132,35 @@ def context_parallel(graph: OpGraph, op: Operator, cfg: Config, mesh: Mesh, *,
     shardings = tuple(NamedSharding(mesh, _with_sequence(cfg.operand_axes(o.dims), o.dims,
                                                          dims.keys, seq)) for o in op.inputs)
     return ContextParallel(unit, attention_call_of(graph, j), gathered, shardings)
+
+
+def _zigzagged(call: AttentionCall, q, k, v, seq: tuple[str, ...], index, cp: int
+               ) -> jax.Array:
+    """This device's output block of causal attention computed in `zigzag`'s layout: the
+    halves of every device's query block sent to the devices that compute them
+    (`soapjax.attention.zigzag_sends`), attended to the gathered keys and values at their
+    positions, the outputs sent back. Each device then computes chunks i and 2 cp - 1 - i of
+    the 2 cp, the same work everywhere, where device cp - 1 of contiguous blocks would do
+    2 - 1/cp times the mean (Megatron-Core's and Llama 3's balancing; the simulator prices the
+    balanced work, and these sends)."""
+    axis = seq if len(seq) > 1 else seq[0]
+    sends = zigzag_sends(cp)
+    half = q.shape[1] // 2
+
+    def move(x, pairs, back=False):
+        if pairs is None:
+            return x
+        return jax.lax.ppermute(x, axis, [(b, a) for a, b in pairs] if back else list(pairs))
+
+    lo, hi = jnp.split(q, 2, axis=1)
+    q = jnp.concatenate([move(lo, sends.even), move(hi, sends.odd)], axis=1)
+    chunks = jnp.asarray(sends.chunks)[index]
+    positions = jnp.concatenate([chunks[0] * half + jnp.arange(half),
+                                 chunks[1] * half + jnp.arange(half)])
+    out = bind_attention(call, q, k, v, positions, jnp.arange(k.shape[1]))
+    lo, hi = jnp.split(out, 2, axis=1)
+    return jnp.concatenate([move(lo, sends.even, back=True), move(hi, sends.odd, back=True)],
+                           axis=1)
 
 
 def _with_sequence(axes: Sequence[tuple[str, ...]], dims: Sequence[int | None], k_dim: int,

@@ -101,7 +101,13 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from soapjax._dtypes import itemsize
-from soapjax._inner import attention_call_of, inner_reductions, matmul_operands, query_dims
+from soapjax._inner import (
+    attention_call_of,
+    attention_unit,
+    inner_reductions,
+    matmul_operands,
+    query_dims,
+)
 from soapjax._simresult import (
     BACKWARD,
     FORWARD,
@@ -120,7 +126,7 @@ from soapjax._simresult import (
 )
 from soapjax._taskgraph import CHAIN, EDGE, LEAF, Comm, Layout, Pricing, TaskGraph
 from soapjax._timing import quiet_gc
-from soapjax.attention import ring_work
+from soapjax.attention import ring_work, zigzag_sends
 from soapjax.cost import OpTime
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
@@ -850,6 +856,9 @@ class Simulation:
             if ring is not None:
                 inner_forward += self._ring_chain(j, ring, specs, backward=False)
                 inner_backward += self._ring_chain(j, ring, specs, backward=True)
+            else:
+                zigzag = self._zigzag_chain(j, config)
+                inner_forward, inner_backward = inner_forward + zigzag, inner_backward + zigzag
             if recompute:  # the forward it runs again all-reduces its statistics again
                 inner_backward = inner_forward + inner_backward
             v = self._views_memo[key] = _View(
@@ -902,6 +911,34 @@ class Simulation:
             if c is not None:
                 steps = ring.cp - 1
                 out.append(c._replace(dur=c.dur * steps, sent=c.sent * steps))
+        return self._per_microbatch(tuple(out))
+
+    def _zigzag_chain(self, j: int, config: Config) -> tuple[Comm, ...]:
+        """The sends that balance causal attention under the gathered form of context
+        parallelism (`soapjax._context_parallel`: `soapjax.attention.zigzag_sends`), each
+        microbatch: each half of the query block to the device that computes it, each half of
+        the output back; backward, the same of their cotangents. Its compute is priced
+        balanced (the kernel's causal tiles over the whole sequence, `soapjax.kernels`)."""
+        dims = query_dims(self.graph, j)
+        if dims is None or not config.axes[dims.sequence] or \
+                not attention_call_of(self.graph, j).causal:
+            return ()
+        seq = tuple(config.axes[dims.sequence])
+        sends = zigzag_sends(self.mesh.degree(seq))
+        prog = self.graph.program
+        unit = prog.units[attention_unit(self.graph, j)]
+        iteration = (dims.batch, dims.sequence, dims.heads, None)
+        spec = tuple(tuple(config.axes[d]) if d is not None else () for d in iteration)
+        out = []
+        for value in (unit.ins[0], unit.outs[0]):  # the queries, the output
+            shape = microbatch_shape(prog.shapes[value], iteration, self._sample[j], self._micro)
+            if shape[1] % (2 * self.mesh.degree(seq)):
+                return ()  # apply keeps the contiguous blocks (`_context_parallel`)
+            half = shard_bytes(shape, spec, prog.dtypes[value], self.mesh) / 2
+            for pairs in (sends.even, sends.odd):
+                c = self._pricing.comm("collective_permute", half, seq) if pairs else None
+                if c is not None:
+                    out.append(c)
         return self._per_microbatch(tuple(out))
 
     def _inner_chains(self, j: int, config: Config) -> tuple[tuple[Comm, ...], tuple[Comm, ...]]:

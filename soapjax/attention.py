@@ -27,8 +27,11 @@ layout of the sequence over the ring works: contiguous blocks (device i holds to
 compute and skips the rest (the last device does about 2 cp times the first's work, and the
 ring waits for it: `ring_work`), or the zigzag layout of `zigzag` (device i holds chunks i and
 2 cp - 1 - i of 2 cp), where every device computes the same amount (Megatron-Core's and Llama
-3's load balancing). Sub-blocks a causal mask hides whole are skipped (`_attend`). Plans run
-the contiguous layout: zigzag would reorder every operator's sequence, not attention's alone.
+3's load balancing). Sub-blocks a causal mask hides whole are skipped (`_attend`). Plans keep
+every operator's sequence in contiguous blocks; the gathered form balances causal attention
+inside the attention operator, each device computing zigzag's chunks (`zigzag_sends`: the
+halves of its query block sent there, the output sent back); the ring runs the contiguous
+blocks, unbalanced (`ring_work`).
 
 The ring's backward pass is autodiff's: each step's block computation is a ``jax.checkpoint``
 (the scores are recomputed, never kept), and the ppermutes transpose into ppermutes the other
@@ -55,7 +58,7 @@ import jax.numpy as jnp
 __all__ = ["AttentionCall", "RingSends", "analysis_jaxpr", "attention_call", "bind_attention",
            "flash_attention",
            "reference_attention", "ring_attention", "ring_sends", "ring_work", "unzigzag",
-           "zigzag"]
+           "zigzag", "zigzag_sends", "ZigzagSends"]
 
 
 def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
@@ -229,6 +232,34 @@ def unzigzag(x: jax.Array, cp: int, axis: int = 1) -> jax.Array:
     for j, c in enumerate(order):
         back[c] = j
     return jnp.concatenate([chunks[back[c]] for c in range(2 * cp)], axis=axis)
+
+
+class ZigzagSends(NamedTuple):
+    """How the gathered form's queries move to `zigzag`'s layout and their outputs back
+    (`zigzag_sends`): each device's block is two chunks of the 2 cp, its first half (an even
+    chunk) and its second (an odd one); ``even`` and ``odd`` are the `jax.lax.ppermute` pairs
+    (source device, destination device) that take each half to the device that computes it,
+    each None where it sends nothing (every half already there); ``chunks[d]`` the chunks
+    device d computes, in the order it receives them: (the even one, the odd one)."""
+
+    even: tuple[tuple[int, int], ...] | None
+    odd: tuple[tuple[int, int], ...] | None
+    chunks: tuple[tuple[int, int], ...]
+
+
+def zigzag_sends(cp: int) -> ZigzagSends:
+    """`ZigzagSends` over a ring of `cp` devices holding contiguous blocks.
+
+    >>> zigzag_sends(2)  # device 0 computes chunks 0 and 3, device 1 chunks 2 and 1
+    ZigzagSends(even=None, odd=((0, 1), (1, 0)), chunks=((0, 3), (2, 1)))
+    """
+    def owner(c: int) -> int:
+        return c if c < cp else 2 * cp - 1 - c
+
+    pairs = [tuple((d, owner(2 * d + h)) for d in range(cp)) for h in (0, 1)]
+    got = [{dst: 2 * src + h for src, dst in pairs[h]} for h in (0, 1)]
+    even, odd = (None if all(a == b for a, b in p) else p for p in pairs)
+    return ZigzagSends(even, odd, tuple((got[0][d], got[1][d]) for d in range(cp)))
 
 
 class RingSends(NamedTuple):

@@ -173,3 +173,31 @@ def test_flash_attention_skips_the_tiles_a_causal_mask_hides():
     assert np.isfinite(full[:, :seen]).all() and np.isnan(full[:, seen:]).all()
     # the same attention without its mask computes every tile
     assert np.isnan(flash_attention(q, k, v, causal=False, block=block)).all()
+
+
+def test_zigzag_sends_balance_the_gathered_forms_causal_tiles():
+    """Under the gathered form each device attends its queries to the whole sequence; causal
+    tiles it computes (tiles of 8, `flash_attention` skips the rest): with contiguous blocks
+    device i computes 2i + 1 of every 2 cp units of work, with `zigzag_sends`' chunks every
+    device the same; each device receives one even and one odd chunk, and every chunk goes
+    to exactly one device."""
+    from soapjax.attention import zigzag_sends
+
+    cp, t, tile = 4, 128, 8
+    half = t // cp // 2
+
+    def tiles(positions):
+        q = np.asarray(positions).reshape(-1, tile)
+        k = np.arange(t).reshape(-1, tile)
+        return sum(int(qb.max() >= kb.min()) for qb in q for kb in k)
+
+    sends = zigzag_sends(cp)
+    chunks = [c for pair in sends.chunks for c in pair]
+    assert sorted(chunks) == list(range(2 * cp))
+    assert all(a % 2 == 0 and b % 2 == 1 for a, b in sends.chunks)
+    balanced = {tiles(np.concatenate([np.arange(c * half, (c + 1) * half) for c in pair]))
+                for pair in sends.chunks}
+    contiguous = [tiles(np.arange(d * t // cp, (d + 1) * t // cp)) for d in range(cp)]
+    mean = sum(contiguous) / cp
+    assert balanced == {mean}
+    assert max(contiguous) / mean == pytest.approx(1.75, rel=0.05)  # 2 - 1/cp

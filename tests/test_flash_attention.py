@@ -9,8 +9,9 @@
   `soapjax._context_parallel`) gathered and as a ring (`Strategy.ring_attention`), each with
   tensor parallelism too, under a searched plan, and pipelined (TP x CP x PP).
 * The compiled gathered step gathers each layer's keys and values once and reduce-scatters
-  their cotangents once; the ring step sends their blocks around; both as the simulator
-  prices them, kind by kind, counts and bytes.
+  their cotangents once, and sends the halves of its query and output blocks to balance
+  causal attention; the ring step sends their blocks around; both as the simulator prices
+  them, kind by kind, counts and bytes.
 """
 
 from __future__ import annotations
@@ -183,7 +184,13 @@ def test_context_parallel_collectives_are_priced_as_compiled():
         n, b = sim[kind]
         assert n == gathered[0], (kind, xla, sim)
         assert b == pytest.approx(gathered[1], rel=0.10), (kind, xla, sim)
-    assert set(xla) == set(sim) == {"all_gather", "all_reduce", "reduce_scatter"}, (xla, sim)
+    # causal attention balanced (`soapjax.attention.zigzag_sends`): per layer each half of the
+    # query block to the device that computes it and each half of the output back, and their
+    # cotangents the other way ([1, 16 tokens, 8 heads, 4] float64, 4 KiB each)
+    balanced = (2 * 8, 2 * 8 * 1 * (SEQ_LEN // 4 // 2) * 8 * 4 * 8)
+    assert xla["collective_permute"] == sim["collective_permute"] == balanced, (xla, sim)
+    assert set(xla) == set(sim) == {"all_gather", "all_reduce", "reduce_scatter",
+                                    "collective_permute"}, (xla, sim)
 
 
 def test_ring_attention_sends_are_priced_as_compiled():
@@ -336,9 +343,11 @@ def test_with_tensor_parallelism_every_collective_is_priced_as_compiled(kind):
         assert xla[k] == sim[k], (k, xla, sim)
     n, b = sim["all_reduce"]
     assert xla["all_reduce"] == (n - 1, b - 8)
-    if "collective_permute" in xla:
-        n, b = sim["collective_permute"]
+    n, b = sim["collective_permute"]  # the gathered form's balancing sends, the ring's
+    if kind.startswith("ring"):
         assert xla["collective_permute"] == (n - 1, b)  # 2 layers' positions, sent once: 512 B
+    else:
+        assert xla["collective_permute"] == (n, b)
 
 
 @pytest.mark.parametrize("kind", ["cp_model", "ring_model"])
