@@ -405,3 +405,54 @@ def test_the_descent_moves_recomputation_with_another_coordinate_at_once():
     key, best, _, _ = _score_points(searcher, {n: n for n in names}, None)
     assert best == cp4_none and key == (False, 7.0)
     assert order == [cp2, cp2_none, cp4, cp4_none, tp4_cp4]
+
+
+def test_with_experts_the_pipelined_grids_take_every_tp():
+    """Expert parallelism takes TP's place inside the node (Megatron-LM's Mixtral: TP 2, EP 8;
+    the best hand points of docs/moe.md are TP 2, EP 4), so with experts the pipelined grids
+    take TP 1 and 2 too; a dense model's keep TP 4 and 8."""
+    from soapjax.search import pipeline_grid
+
+    def tps(name):  # 64 sequences: every TP leaves replicas a share of the batch
+        w = zoo.get(name, "tiny", batch_size=64)
+        g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=name)
+        points = pipeline_grid(g, load_topology("h100x64"), 2)
+        return {int(re.search(r"-tp(\d+)", n).group(1)) for pts in points.values() for n in pts}
+
+    assert tps("moe") == {1, 2, 4, 8}
+    assert tps("gpt") == {4, 8}
+
+
+def test_a_start_that_does_not_fit_is_tried_recomputing():
+    """A start whose activations do not fit is scored again recomputing its layers (selective,
+    then full), as a person would try next; the fastest variant that fits replaces it, and a
+    start that fits nowhere is kept as it is."""
+    import dataclasses
+
+    from soapjax.search import _recomputing, _Searcher
+    from soapjax.space import data_parallel
+
+    w, g, topo, cm = setup("gpt", "cpu8")
+    sim = make_simulation(g, topo, cost_model=cm)
+    start = data_parallel(g, sim.mesh)
+    peaks = {}
+    for policy in ("none", "full"):
+        sim.reset(dataclasses.replace(start, recompute=tuple(
+            policy if op.block_position else "none" for op in g.operators)))
+        peaks[policy] = sim.peak_memory_bytes()
+    assert peaks["full"] < peaks["none"]
+    small = dataclasses.replace(topo, device=dataclasses.replace(
+        topo.device, memory_bytes=(peaks["full"] + peaks["none"]) // 2))
+    sim = make_simulation(g, small, cost_model=cm)
+    searcher = _Searcher(sim, SearchSettings(max_proposals=10), None)
+    sim.reset(start)
+    assert not sim.fits_in_memory()
+    chosen = _recomputing(sim, searcher, g, "data-parallel", start)
+    assert set(chosen.recompute) - {"none"} and chosen.configs == start.configs
+    sim.reset(chosen)
+    assert sim.fits_in_memory()
+    assert searcher.best is not None and searcher.best[2].startswith("data-parallel-")
+    tiny = dataclasses.replace(topo, device=dataclasses.replace(topo.device, memory_bytes=1))
+    sim = make_simulation(g, tiny, cost_model=cm)
+    assert _recomputing(sim, _Searcher(sim, SearchSettings(max_proposals=10), None), g,
+                        "data-parallel", start) is start
