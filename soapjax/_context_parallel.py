@@ -26,7 +26,11 @@ shape would start every block at 0), in one of two forms:
 Left to XLA instead (the operator evaluated at its traced shapes under sharding constraints),
 the keys' and values' cotangents are all-reduced inside the backward loop over key blocks,
 once per block. Same numbers, more and smaller collectives than the simulator prices. That is
-what runs inside pipeline stages (`soapjax._pipelined`), which this module does not reach.
+what runs inside pipeline stages (`soapjax._pipelined`), which this module does not reach:
+there the attention's queries are one block and every tile is computed
+(`soapjax.attention.bind_attention`'s ``whole_queries``: blocks of queries, or a conditional
+per tile, would have XLA gather the queries whole), unbalanced, and the simulator prices a
+stage's split attention so (`soapjax._flatsim.Simulation`'s ``pipeline_stage``).
 """
 
 from __future__ import annotations

@@ -130,6 +130,7 @@ from soapjax.attention import ring_work, zigzag_sends
 from soapjax.cost import OpTime
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
+from soapjax.kernels import causal_tiles
 from soapjax.memory import (
     Segments,
     microbatch_degrees,
@@ -333,8 +334,13 @@ class Simulation:
 
     def __init__(self, graph: OpGraph, topology: Topology, cost_model: OpCosts,
                  resharder: ReshardModel,
-                 strategy: Strategy, *, opt_state_factor: float = 2.0) -> None:
+                 strategy: Strategy, *, opt_state_factor: float = 2.0,
+                 pipeline_stage: bool = False) -> None:
         self.graph = graph
+        # one pipeline stage (`soapjax.pipesim`): XLA's partitioner runs a sequence-split
+        # attention operator there, every tile computed, nothing sent to balance it
+        # (`soapjax._pipelined`'s whole_query_attention)
+        self._whole_queries = pipeline_stage
         self.topology = topology
         self.cost_model = cost_model
         self.mesh = MeshShape.of(topology)
@@ -840,6 +846,8 @@ class Simulation:
             if ring is not None:  # the keys and values stay split; the ring moves them
                 forward, backward = forward * ring.work, backward * ring.work
                 specs, partials = ring.specs(op, specs, partials)
+            whole = self._whole_tiles(j, config)
+            forward, backward = forward * whole, backward * whole
             sample = self._sample[j]
             def nbytes(shape, dims, dtype, spec):
                 return shard_bytes(microbatch_shape(shape, dims, sample, m), spec, dtype,
@@ -856,7 +864,7 @@ class Simulation:
             if ring is not None:
                 inner_forward += self._ring_chain(j, ring, specs, backward=False)
                 inner_backward += self._ring_chain(j, ring, specs, backward=True)
-            else:
+            elif not self._whole_queries:
                 zigzag = self._zigzag_chain(j, config)
                 inner_forward, inner_backward = inner_forward + zigzag, inner_backward + zigzag
             if recompute:  # the forward it runs again all-reduces its statistics again
@@ -912,6 +920,19 @@ class Simulation:
                 steps = ring.cp - 1
                 out.append(c._replace(dur=c.dur * steps, sent=c.sent * steps))
         return self._per_microbatch(tuple(out))
+
+    def _whole_tiles(self, j: int, config: Config) -> float:
+        """Operator `j`'s compute against its priced kernel where every tile of a causal
+        attention is computed (a pipeline stage's sequence-split attention): 1 /
+        `soapjax.kernels.causal_tiles` of its keys; else 1."""
+        if not self._whole_queries:
+            return 1.0
+        dims = query_dims(self.graph, j)
+        if dims is None or not config.axes[dims.sequence] or \
+                not attention_call_of(self.graph, j).causal:
+            return 1.0
+        unit = self.graph.program.units[attention_unit(self.graph, j)]
+        return 1.0 / causal_tiles(self.graph.program.shapes[unit.ins[1]][1])
 
     def _zigzag_chain(self, j: int, config: Config) -> tuple[Comm, ...]:
         """The sends that balance causal attention under the gathered form of context

@@ -50,7 +50,8 @@ layout and dtype.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from soapjax.attention import attention_call
 from soapjax.graph import OpGraph
@@ -247,6 +248,13 @@ def _query_dims(graph: OpGraph, j: int) -> QueryDims | None:
     # the heads: the output's (its equation regroups the query heads by key/value head,
     # which hides them from the labels; `_grouping.attention_heads`)
     return QueryDims(q[0], q[1], 2, k[1], prog.shapes[u.ins[0]][2], prog.shapes[u.ins[1]][2])
+
+
+def splits_queries(graph: OpGraph, configs: Sequence[Any]) -> bool:
+    """Whether `configs` (`soapjax.space.Config`s, one per operator) split some attention
+    operator's query sequence: context parallelism."""
+    return any((dims := query_dims(graph, j)) is not None and cfg.axes[dims.sequence]
+               for j, cfg in enumerate(configs))
 
 
 def attention_unit(graph: OpGraph, j: int) -> int | None:

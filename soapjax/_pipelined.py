@@ -147,6 +147,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from soapjax._inner import splits_queries
 from soapjax._pipeline_layout import (
     STAGE_AXIS,
     batch_axes,
@@ -163,6 +164,7 @@ from soapjax._pipeline_layout import (
 )
 from soapjax._program import LayerScan, Program
 from soapjax._validation import Checked, validate_program_inputs
+from soapjax.attention import AttentionCall, attention_call, bind_attention
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
 from soapjax.pipeline import Action, device_orders
@@ -364,18 +366,32 @@ def _prologue_fn(cut: _Cut) -> Callable:
     return prologue
 
 
-def _run_in_stage(prog: Program, idxs: Sequence[int], env: dict) -> None:
+def _run_in_stage(prog: Program, idxs: Sequence[int], env: dict,
+                  whole_queries: bool = False) -> None:
     """``prog.run_units(idxs, env)`` inside the stage's shard_map, with the operand of every
-    gather first made whole along the dims it indexes (module doc: XLA aborts otherwise)."""
+    gather first made whole along the dims it indexes (module doc: XLA aborts otherwise). With
+    `whole_queries` (the plan splits attention's query sequence), every flash attention
+    equation is bound with its queries as one block and every tile computed
+    (`soapjax.attention.bind_attention`'s ``whole_queries``): XLA's partitioner runs that
+    attention there, and blocks of queries, or a conditional per tile, would have it gather
+    the queries whole and compute them on every device."""
+    calls = {i: _whole_queries(call) for i in idxs
+             if whole_queries and len(prog.units[i].ins) == 5
+             and (call := attention_call(prog.units[i].eqn)) is not None}
     start = 0
     for k, i in enumerate(idxs):
         eqn = prog.units[i].eqn
         if eqn.primitive.name == "gather":
-            prog.run_units(idxs[start:k], env)
+            prog.run_units(idxs[start:k], env, calls)
             v = prog.units[i].ins[0]
             env[v] = _whole_along(env[v], eqn.params["dimension_numbers"].start_index_map)
             start = k
-    prog.run_units(idxs[start:], env)
+    prog.run_units(idxs[start:], env, calls)
+
+
+def _whole_queries(call: AttentionCall) -> Callable:
+    return lambda q, k, v, q_pos, k_pos: [bind_attention(call, q, k, v, q_pos, k_pos,
+                                                         whole_queries=True)]
 
 
 def _whole_along(x: Any, dims: Sequence[int]) -> Any:
@@ -429,21 +445,23 @@ def _constrain(x: Any, spec: PartitionSpec) -> Any:
         x, NamedSharding(jax.sharding.get_abstract_mesh(), spec))
 
 
-def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = False) -> Callable:
+def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = False,
+              whole_queries: bool = False) -> Callable:
     """``(chunk params, values, x) -> y`` (the chunk's output carry) or, for the last chunk,
     ``-> loss`` (the epilogue after it); `values` are those of the ids `reads`, the chunk
     params ``[L / C, ...]`` per stacked parameter, in the scan's order. With `selective`, each
     layer runs in a ``jax.checkpoint`` that saves the outputs of matmuls without batch dims
     (``dots_with_no_batch_dims_saveable``: the projections and MLP matmuls, which read a
     parameter) and recomputes the rest, the attention core's batched score and value matmuls
-    included: `soapjax.memory`'s selective recomputation, Megatron's."""
+    included: `soapjax.memory`'s selective recomputation, Megatron's. `whole_queries`: see
+    `_run_in_stage`."""
     prog, scan = cut.program, cut.scan
 
     def layer(vals: Sequence[Any], carry: tuple, slices: list) -> tuple:
         env = _env(prog, dict(zip(reads, vals)))
         env.update(zip(scan.slices[0], slices))
         env.update(zip(scan.carries[0], carry))
-        _run_in_stage(prog, cut.layer, env)
+        _run_in_stage(prog, cut.layer, env, whole_queries)
         return tuple(env[v] for v in scan.carries[1])
 
     if selective:
@@ -457,7 +475,7 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
             return y
         env = _env(prog, values)
         env.update(zip(scan.carries[-1], y))
-        _run_in_stage(prog, cut.epilogue, env)
+        _run_in_stage(prog, cut.epilogue, env, whole_queries)
         return env[prog.outputs[0]]
 
     return chunk
@@ -686,7 +704,8 @@ class PipelinedStep:
             graph, self.mesh, stages=stages, microbatches=strategy.microbatches,
             virtual=virtual, schedule=strategy.schedule,
             recompute=layer_recompute(graph, strategy), stage_axis=STAGE_AXIS,
-            data_axes=batch_axes(graph, strategy))
+            data_axes=batch_axes(graph, strategy),
+            whole_query_attention=splits_queries(graph, strategy.configs))
         placed = jax.tree.leaves(pipelined_layout_shardings(
             graph, self.mesh, param_shardings, stages=stages, virtual=virtual,
             stage_axis=STAGE_AXIS))
@@ -709,7 +728,8 @@ class PipelinedStep:
 def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microbatches: int,
                              virtual: int = 1, schedule: str = "1f1b",
                              recompute: RecomputePolicy = "none", stage_axis: str = "stage",
-                             data_axes: Sequence[str] = (), scatter_gather: bool = True
+                             data_axes: Sequence[str] = (), scatter_gather: bool = True,
+                             whole_query_attention: bool = False
                              ) -> Callable[[Any, Any], tuple[Any, Any]]:
     """``(params, batch) -> (loss, grads)``: what ``jax.value_and_grad(loss_fn)`` computes, as
     a pipeline over the mesh's `stage_axis` (module doc). Jit it.
@@ -739,6 +759,9 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
         ``--no-scatter-gather-tensors-in-pipeline`` turns it off): each replica over the
         automatic axes sends its piece, the receiver all-gathers them (module doc). False:
         each sends the whole value.
+      whole_query_attention: bind every flash attention equation with its queries as one
+        block, every tile computed (`_run_in_stage`): for a plan that splits attention's
+        query sequence, which XLA's partitioner runs inside the stages.
 
     Returns:
       The function. It takes the parameters in the pipelined layout (`to_pipelined`; place
@@ -760,7 +783,7 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
     cut, groups = _data_groups(graph, outer, mesh, microbatches, data_axes, stage_axis)
     rows = ticks(schedule, stages, microbatches, virtual)
     pipe = _Pipeline(outer, cut, groups, mesh, stage_axis, stages, virtual, microbatches, rows,
-                     recompute, data_axes, scatter_gather)
+                     recompute, data_axes, scatter_gather, whole_query_attention)
     return pipe.value_and_grad
 
 
@@ -813,7 +836,8 @@ class _Pipeline:
     def __init__(self, outer: _Cut, cut: _Cut, groups: _Groups, mesh: Mesh, stage_axis: str,
                  stages: int, virtual: int, microbatches: int,
                  rows: Sequence[Sequence[Action | None]], recompute: RecomputePolicy,
-                 data_axes: Sequence[str] = (), scatter_gather: bool = True):
+                 data_axes: Sequence[str] = (), scatter_gather: bool = True,
+                 whole_query_attention: bool = False):
         self.outer, self.cut, self.groups = outer, cut, groups
         self.mesh, self.stage_axis = mesh, stage_axis
         self.split_axes = _split_axes(mesh, stage_axis, data_axes, groups, scatter_gather)
@@ -821,6 +845,7 @@ class _Pipeline:
         self.rows = rows
         self.full_recompute = recompute == "full"  # keep chunk inputs, not residuals
         self.selective = recompute == "selective"
+        self.whole_queries = whole_query_attention
         self.slots = _slots(rows, stages, self.chunks, self.full_recompute)
         self.tables = _tables(rows, stages, self.chunks, self.slots)
         program = cut.program
@@ -838,7 +863,7 @@ class _Pipeline:
         values = self.cut.shared + self.cut.per_mb
         floats = tuple(v for v in values if v in reads and self.is_float[v])
         others = tuple(v for v in values if v in reads and not self.is_float[v])
-        fn = _chunk_fn(self.cut, last, floats + others, self.selective)
+        fn = _chunk_fn(self.cut, last, floats + others, self.selective, self.whole_queries)
         return _ChunkFn(lambda p, f, o, carry: fn(p, [*f, *o], carry), floats, others)
 
     # ---- outside the pipeline: prologue, split and gather

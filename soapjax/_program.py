@@ -356,12 +356,16 @@ class Program:
                         dict(checkpoints or {}), reads)
         return [env[v] for v in self.outputs]
 
-    def run_units(self, idxs: Sequence[int], env: dict) -> None:
+    def run_units(self, idxs: Sequence[int], env: dict,
+                  calls: Mapping[int, Callable[..., Sequence]] | None = None) -> None:
         """Evaluates units `idxs` (in program order) into `env` (value id -> value), which must
         hold their inputs (`consts` and `literals` included); remat regions run inside
         `jax.checkpoint` as in `run`. A part of the program as a function of its own: the
-        prologue, one layer, the epilogue (`soapjax._pipelined`)."""
-        self._run_block(list(idxs), 0, env, None, {}, frozenset())
+        prologue, one layer, the epilogue (`soapjax._pipelined`). `calls` maps a unit to a
+        function of its operands that computes its results instead."""
+        swaps = {i: (frozenset({i}), fn, list(self.units[i].ins), list(self.units[i].outs))
+                 for i, fn in (calls or {}).items()}
+        self._run_block(list(idxs), 0, env, None, swaps, frozenset(swaps))
 
     def _run_block(self, idxs: list[int], depth: int, env: dict, hook, swaps, skip,
                    checkpoints: Mapping[int, int] | None = None, reads=None) -> None:

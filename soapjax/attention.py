@@ -322,6 +322,12 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     return _attention_op(causal, _block_size(k.shape[1], block))(q, k, v, q_pos, k_pos)
 
 
+def _query_block(length: int, block: int, whole_queries: bool) -> int:
+    """Queries per block: `block`'s largest divisor of the queries' length, or all of them
+    (`bind_attention`'s ``whole_queries``)."""
+    return length if whole_queries else _block_size(length, block)
+
+
 def _block_size(length: int, block: int) -> int:
     b = max(1, min(block, length))
     while length % b:
@@ -353,27 +359,29 @@ _OPS: dict[tuple[bool, int], object] = {}
 _NAME = "soapjax_attention"
 
 
-def _attention_op(causal: bool, block: int):
+def _attention_op(causal: bool, block: int, whole_queries: bool = False):
     """The custom-VJP attention for one (causal, block). Its primal body's name,
     ``soapjax_attention_causal_512`` (or ``_full_``), is what the graph recognises and reads
-    the two back from (`attention_call`)."""
-    key = (causal, block)
+    the two back from (`attention_call`). With `whole_queries`, one block of all the
+    queries (`bind_attention`)."""
+    key = (causal, block, whole_queries)
     if key in _OPS:
         return _OPS[key]
 
     def primal(q, k, v, q_pos, k_pos):  # blockwise even without a gradient
-        return _flash_forward(q, k, v, q_pos, k_pos, causal, block)[0]
+        return _flash_forward(q, k, v, q_pos, k_pos, causal, block, whole_queries)[0]
 
     primal.__name__ = primal.__qualname__ = f"{_NAME}_{'causal' if causal else 'full'}_{block}"
     op = jax.custom_vjp(primal)
 
     def fwd(q, k, v, q_pos, k_pos):
-        out, lse = _flash_forward(q, k, v, q_pos, k_pos, causal, block)
+        out, lse = _flash_forward(q, k, v, q_pos, k_pos, causal, block, whole_queries)
         return out, (q, k, v, q_pos, k_pos, out, lse)
 
     def bwd(saved, g):
         q, k, v, q_pos, k_pos, out, lse = saved
-        dq, dk, dv = _flash_backward(q, k, v, q_pos, k_pos, out, lse, g, causal, block)
+        dq, dk, dv = _flash_backward(q, k, v, q_pos, k_pos, out, lse, g, causal, block,
+                                     whole_queries)
         return dq, dk, dv, None, None
 
     op.defvjp(fwd, bwd)
@@ -455,14 +463,14 @@ def _tied(x, *others):
     return jax.tree.map(lambda a: a + tie.astype(a.dtype), x)
 
 
-def _flash_forward(q, k, v, q_pos, k_pos, causal, block):
+def _flash_forward(q, k, v, q_pos, k_pos, causal, block, whole_queries=False):
     """The blockwise forward: per block of `block` queries, the key blocks in turn with an
     online softmax, those a causal mask hides whole skipped (about half of ``T x S``); the
     output in v's dtype and the log-sum-exp per query (``[B, K, G, T]``, float32 or wider)."""
     wide = jnp.promote_types(q.dtype, jnp.float32)
     qg = _grouped(q, k.shape[2])
     b, t, kh, grp, _ = qg.shape
-    bq = _block_size(t, block)
+    bq = _query_block(t, block, whole_queries)
     kvs = (_kv_blocks(k, block), _kv_blocks(v, block), k_pos.reshape(-1, block))
 
     def tile(acc, qb, qp, kb, vb, pb):
@@ -485,7 +493,7 @@ def _flash_forward(q, k, v, q_pos, k_pos, causal, block):
 
         def step(acc, kvp):
             kb, vb, pb = kvp
-            if not causal:
+            if not causal or whole_queries:
                 return tile(acc, qb, qp, kb, vb, pb), None
             return jax.lax.cond(_visible(qp, pb), tile,
                                 lambda a, *xs: _tied(a, *xs),
@@ -499,7 +507,7 @@ def _flash_forward(q, k, v, q_pos, k_pos, causal, block):
     return out.reshape(q.shape[:3] + v.shape[3:]), _per_query_unblocks(lse)
 
 
-def _flash_backward(q, k, v, q_pos, k_pos, out, lse, g, causal, block):
+def _flash_backward(q, k, v, q_pos, k_pos, out, lse, g, causal, block, whole_queries=False):
     """The blockwise backward (flash attention's): per block of queries and per key block the
     scores are recomputed (tiles a causal mask hides whole skipped), the probabilities are
     ``exp(scores - lse)``; each query block's gradient is made over the key blocks, the keys'
@@ -507,7 +515,7 @@ def _flash_backward(q, k, v, q_pos, k_pos, out, lse, g, causal, block):
     wide = jnp.promote_types(q.dtype, jnp.float32)
     kh = k.shape[2]
     qg, gg, og = _grouped(q, kh), _grouped(g.astype(v.dtype), kh), _grouped(out, kh)
-    bq = _block_size(q.shape[1], block)
+    bq = _query_block(q.shape[1], block, whole_queries)
     scale = 1 / jnp.sqrt(q.shape[-1]).astype(q.dtype)
     delta = jnp.moveaxis(jnp.sum(gg.astype(wide) * og.astype(wide), axis=-1), 1, 3)
     kvs = (_kv_blocks(k, block), _kv_blocks(v, block), k_pos.reshape(-1, block))
@@ -530,7 +538,7 @@ def _flash_backward(q, k, v, q_pos, k_pos, out, lse, g, causal, block):
         def step(dq, kvp):
             kb, vb, pb, dkb, dvb = kvp
             args = (dq, dkb, dvb, qb, gb, lb, db, qp, kb, vb, pb)
-            if not causal:
+            if not causal or whole_queries:
                 dq, dkb, dvb = tile(*args)
             else:
                 dq, dkb, dvb = jax.lax.cond(_visible(qp, pb), tile,
@@ -570,8 +578,16 @@ def attention_call(eqn) -> AttentionCall | None:
 
 
 def bind_attention(call: AttentionCall, q: jax.Array, k: jax.Array, v: jax.Array,
-                   q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
+                   q_pos: jax.Array, k_pos: jax.Array, *, whole_queries: bool = False
+                   ) -> jax.Array:
     """The attention equation `call` again, at these operands' shapes (a shard's): its rule is
     soapjax's own, so unlike a user's custom rule it can be traced at any shape. The key
-    block is the largest divisor of the keys' length not above the traced one."""
-    return _attention_op(call.causal, _block_size(k.shape[1], call.block))(q, k, v, q_pos, k_pos)
+    block is the largest divisor of the keys' length not above the traced one.
+
+    With `whole_queries`, all the queries are one block and every tile is computed (no
+    ``lax.cond``), so XLA's partitioner can split the queries' sequence: a loop over blocks of
+    queries it runs whole on every device, and a conditional's operands it gathers, the
+    queries all-gathered either way (a pipeline stage's context parallelism:
+    `soapjax._pipelined`)."""
+    op = _attention_op(call.causal, _block_size(k.shape[1], call.block), whole_queries)
+    return op(q, k, v, q_pos, k_pos)

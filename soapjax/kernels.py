@@ -77,7 +77,8 @@ from soapjax.graph import Operator, OpGraph
 from soapjax.roofline import OpTime, analytic_op_time
 from soapjax.topology import DeviceSpec, KernelSpec
 
-__all__ = ["FlashKernel", "FusedKernel", "Gemm", "Kernels", "flash_time", "fused_time",
+__all__ = ["FlashKernel", "FusedKernel", "Gemm", "Kernels", "causal_tiles", "flash_time",
+           "fused_time",
            "gemm_time", "kernel_op_time",
            "kernels_time", "op_kernels", "shard_kernels"]
 
@@ -142,13 +143,21 @@ class FlashKernel(NamedTuple):
     def flops(self) -> float:
         """The two products' FLOPs over the score tiles computed (module docstring)."""
         full = 2.0 * self.batch * self.t * self.s * (self.h + self.hv)
-        if not self.causal:
-            return full
-        n = max(1, math.ceil(self.s / _FLASH_TILE))
-        return full * (n + 1) / (2 * n)
+        return full * causal_tiles(self.s) if self.causal else full
 
 
 _FLASH_TILE = 128  # keys per tile of a flash kernel (FlashAttention-2/3, cuDNN)
+
+
+def causal_tiles(keys: int) -> float:
+    """The fraction of a causal attention's ``n x n`` 128-key tiles that a flash kernel
+    computes, those a causal mask does not hide whole: ``(n + 1) / 2n``.
+
+    >>> causal_tiles(1024)
+    0.5625
+    """
+    n = max(1, math.ceil(keys / _FLASH_TILE))
+    return (n + 1) / (2 * n)
 _FLASH_BACKWARD_FLOPS = 2.5  # recomputed q k^T, then dV, dP, dQ, dK: 5 products against 2
 
 

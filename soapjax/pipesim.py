@@ -178,7 +178,7 @@ class PipelinedSimulation:
         self._prologue = [i < first for i in range(len(graph.operators))]
         self._outside = [i < first or i > last for i in range(len(graph.operators))]
         self._inner = Simulation(graph, self.topology, cost_model, resharder, _flat(strategy),
-                                 opt_state_factor=opt_state_factor)
+                                 opt_state_factor=opt_state_factor, pipeline_stage=True)
         self._param_share = graph.memo(("param_shares", strategy.stages, chunks),
                                        self._param_shares)
         self._result: PipelineResult | None = None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -289,7 +290,39 @@ def test_a_pipelined_context_parallel_plan_trains_exactly():
         placed = device_put_global((params, keep.init(params), batch),
                                    (sh.params, sh.opt_state, sh.batch))
         _, grads, _ = step(*placed, np.int32(0))
+        text = step.lower(*placed, np.int32(0)).compile().as_text()
     assert relative_error(grads, want) <= X64_TOL
+    # its queries are one block there, every tile computed (`bind_attention`'s whole_queries):
+    # a loop over blocks of queries, or a conditional per tile, has XLA gather the grouped
+    # queries whole ([B, T, K, G, H]) and compute them on every device; the keys' and values'
+    # blocks are what it gathers, [S / block, B, block, K, H]
+    blocks = SEQ_LEN // CONFIG.attention_block
+    gathered = [tuple(int(n) for n in s.split(",")) for s in
+                re.findall(r"= f64\[([\d,]*)\][^ ]* all-gather(?:-start)?\(", text)]
+    ranked5 = [s for s in gathered if len(s) == 5]
+    assert ranked5 and all(s[0] == blocks for s in ranked5), gathered
+
+
+def test_inside_pipeline_stages_a_split_attention_is_priced_as_xla_runs_it():
+    """A pipeline stage's simulation (`Simulation(pipeline_stage=True)`, as `soapjax.pipesim`
+    builds it) prices a sequence-split attention as apply runs it there: every tile computed
+    (1 / `causal_tiles` the flat step's kernel time), and no balancing sends."""
+    from soapjax._flatsim import Simulation
+    from soapjax.kernels import causal_tiles
+
+    graph = case()[0]
+    cm = cost_model(graph, TOPOLOGY, mode="analytic")
+    strategy = STRATEGIES["cp_model"](graph)
+    times = {}
+    with Resharder(MESH, mode="ideal") as resharder:
+        for stage in (False, True):
+            sim = Simulation(graph, TOPOLOGY, cm, resharder, strategy, pipeline_stage=stage)
+            tasks = sim.result().tasks
+            times[stage] = next(t.end_s - t.start_s for t in tasks
+                                if t.kind == "forward" and t.name.endswith("layers_0/attn"))
+            permutes = [t for t in tasks if t.name.startswith("collective_permute")]
+            assert bool(permutes) is not stage
+    assert times[True] == pytest.approx(times[False] / causal_tiles(SEQ_LEN), rel=1e-9)
 
 
 def test_flash_attention_keeps_its_inputs_and_a_log_sum_exp_only():
