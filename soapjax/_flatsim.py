@@ -921,15 +921,20 @@ class Simulation:
                 out.append(c._replace(dur=c.dur * steps, sent=c.sent * steps))
         return self._per_microbatch(tuple(out))
 
+    def _split_causal_attention(self, j: int, config: Config):
+        """Operator `j`'s `soapjax._inner.QueryDims` where it is a causal attention whose
+        query sequence `config` splits; else None."""
+        dims = query_dims(self.graph, j)
+        if dims is None or not config.axes[dims.sequence] or \
+                not attention_call_of(self.graph, j).causal:
+            return None
+        return dims
+
     def _whole_tiles(self, j: int, config: Config) -> float:
         """Operator `j`'s compute against its priced kernel where every tile of a causal
         attention is computed (a pipeline stage's sequence-split attention): 1 /
         `soapjax.kernels.causal_tiles` of its keys; else 1."""
-        if not self._whole_queries:
-            return 1.0
-        dims = query_dims(self.graph, j)
-        if dims is None or not config.axes[dims.sequence] or \
-                not attention_call_of(self.graph, j).causal:
+        if not self._whole_queries or self._split_causal_attention(j, config) is None:
             return 1.0
         unit = self.graph.program.units[attention_unit(self.graph, j)]
         return 1.0 / causal_tiles(self.graph.program.shapes[unit.ins[1]][1])
@@ -940,9 +945,8 @@ class Simulation:
         microbatch: each half of the query block to the device that computes it, each half of
         the output back; backward, the same of their cotangents. Its compute is priced
         balanced (the kernel's causal tiles over the whole sequence, `soapjax.kernels`)."""
-        dims = query_dims(self.graph, j)
-        if dims is None or not config.axes[dims.sequence] or \
-                not attention_call_of(self.graph, j).causal:
+        dims = self._split_causal_attention(j, config)
+        if dims is None:
             return ()
         seq = tuple(config.axes[dims.sequence])
         sends = zigzag_sends(self.mesh.degree(seq))
