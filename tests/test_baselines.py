@@ -4,12 +4,10 @@ import dataclasses
 import functools
 import re
 
-import jax
 import pytest
 from test_corpus import (
-    FAST_COMPILE,
     X64_TOL,
-    jiggle,
+    float64_workload,
     relative_error,
     sharded_grads,
     worst_leaf,
@@ -216,13 +214,7 @@ def float64_case(name: str, config: str = "tiny"):
     else:
         cfg = dataclasses.replace(llama.LLAMA_CONFIGS[config], param_dtype="float64")
         w = llama.build_llama("llama", f"{config}-x64", cfg, "linen")
-    with jax.enable_x64(True):
-        params = jiggle(jax.jit(w.init_params, compiler_options=FAST_COMPILE)(jax.random.key(0)),
-                        0.05)
-        batch = jax.jit(w.make_batch, compiler_options=FAST_COMPILE)(jax.random.key(1))
-        grads = jax.jit(jax.grad(w.loss_fn), compiler_options=FAST_COMPILE)(params, batch)
-        graph = trace(w.loss_fn, params, batch, name=name)
-    return graph, params, batch, grads
+    return float64_workload(w, name)
 
 
 def gradient_error(strategy, name: str, config: str = "tiny") -> float:
