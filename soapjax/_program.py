@@ -363,9 +363,15 @@ class Program:
         `jax.checkpoint` as in `run`. A part of the program as a function of its own: the
         prologue, one layer, the epilogue (`soapjax._pipelined`). `calls` maps a unit to a
         function of its operands that computes its results instead."""
-        swaps = {i: (frozenset({i}), fn, list(self.units[i].ins), list(self.units[i].outs))
-                 for i, fn in (calls or {}).items()}
+        swaps = self.unit_swaps(calls or {})
         self._run_block(list(idxs), 0, env, None, swaps, frozenset(swaps))
+
+    def unit_swaps(self, calls: Mapping[int, Callable[..., Sequence]]
+                   ) -> dict[int, tuple[frozenset[int], Callable, list[int], list[int]]]:
+        """`calls` (unit -> a function of its operands returning its results) as `run`'s
+        ``swaps`` entries: each unit replaced alone."""
+        return {i: (frozenset({i}), fn, list(self.units[i].ins), list(self.units[i].outs))
+                for i, fn in calls.items()}
 
     def _run_block(self, idxs: list[int], depth: int, env: dict, hook, swaps, skip,
                    checkpoints: Mapping[int, int] | None = None, reads=None) -> None:

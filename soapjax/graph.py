@@ -261,10 +261,8 @@ class OpGraph:
             swaps[max(units)] = (frozenset(units), fn, [o.value for o in op.inputs],
                                  [t.value for t in op.outputs])
         replaced = frozenset().union(*(sw[0] for sw in swaps.values()))
-        for i, fn in (calls or {}).items():
-            if i not in replaced:
-                u = self.program.units[i]
-                swaps[i] = (frozenset({i}), fn, list(u.ins), list(u.outs))
+        swaps.update((i, sw) for i, sw in self.program.unit_swaps(calls or {}).items()
+                     if i not in replaced)
         spans, taken = {}, -1
         for group in checkpoints:
             units = [u for name in group for u in self.program.local[name].units]
