@@ -22,7 +22,13 @@ In order:
    the one-device topology with analytic costs: at the datasheet peaks, and with the fitted
    table. Also the model's FLOPs per second and its utilisation of the bfloat16 peak (MFU;
    FLOPs: three times the operators' forward FLOPs, as the analytic model counts them).
-5. ``OUT/results.json`` (everything), ``OUT/efficiency.toml`` and ``OUT/accuracy-section.md``
+5. Each model's operators timed one by one on the device (`soapjax.cost`'s measured costs, the
+   unsharded shard program of each, forward and backward; operators with the same program
+   share one measurement), and the simulator's step with those measured costs: the
+   simulator's structure on a GPU, apart from its kernel model. Each operator's measured time
+   stands beside the kernel model's (the topology file's ``[device.kernels]``), so the
+   operators the kernel model misprices are named.
+6. ``OUT/results.json`` (everything), ``OUT/efficiency.toml`` and ``OUT/accuracy-section.md``
    (a section for docs/accuracy.md); ``--write-docs`` appends that section to the doc.
 
 Every measurement runs in a subprocess with a deadline (``--budget-s``, default 420 s: no new
@@ -135,11 +141,15 @@ KIT_MODELS = {
         ("d_model", 2048), ("num_heads", 16), ("num_kv_heads", 8), ("num_layers", 16),
         ("mlp_hidden", 5632), ("seq_len", 1024))),
     "gpt-1.3b": ModelSpec("gpt", "1.3b", 2),  # float16 over float32, 2 x 2048 tokens
+    # the same LLaMA at 4K tokens with soapjax's flash attention, as long-context plans run it
+    "llama-1b-flash": ModelSpec("llama", "1b-flash", 1, "7b", (
+        ("d_model", 2048), ("num_heads", 16), ("num_kv_heads", 8), ("num_layers", 16),
+        ("mlp_hidden", 5632), ("seq_len", 4096), ("attention", "flash"))),
     "gpt2-tiny": ModelSpec("gpt2", "tiny"),
     "llama-tiny": ModelSpec("llama", "tiny"),
     "gpt-tiny": ModelSpec("gpt", "tiny"),
 }
-DEFAULT_MODELS = ("gpt2", "llama-1b", "gpt-1.3b")
+DEFAULT_MODELS = ("gpt2", "llama-1b", "gpt-1.3b", "llama-1b-flash")
 QUICK_MODELS = ("gpt2-tiny", "llama-tiny")
 
 
@@ -208,6 +218,8 @@ def kernels_worker(args: argparse.Namespace, parts: Parts) -> None:
     parts.emit("overhead", launch_s=launch, loop_floor_s=floor)
     say(f"one jitted call: {launch * 1e6:.1f} us; one timing-loop iteration: {floor * 1e6:.2f} us")
     plan = kernel_plan(args.quick, header["platform"] != "cpu")
+    if args.kernels:  # name filters: a kernel is kept when its name holds one of them
+        plan = [k for k in plan if any(f in k.name for f in args.kernels.split(","))]
     for i, kernel in enumerate(plan):
         if time.time() > args.deadline:
             parts.emit("skipped", names=[k.name for k in plan[i:]], why="budget")
@@ -253,6 +265,39 @@ def step_worker(args: argparse.Namespace, parts: Parts) -> None:
                xla_flops=_xla_flops(compiled), peak_bytes=stats.get("peak_bytes_in_use"))
     say(f"{spec.name} {spec.config}: median {statistics.median(times) * 1e3:.2f} ms over "
         f"{len(times)} calls")
+
+
+def ops_worker(args: argparse.Namespace, parts: Parts) -> None:
+    """Each operator's unsharded shard program timed on the device, and the simulated step
+    with those times (`soapjax.cost`'s measured costs)."""
+    spec = ModelSpec(*json.loads(args.model))
+    spec = spec._replace(overrides=tuple(tuple(o) for o in spec.overrides))
+    w = workload(spec)
+    header = device_header()
+    topo, _ = device_topology(header["device_kind"], header["platform"])
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    costs = cost_model(g, topo, mode="measured", optimizer=w.optimizer,
+                       cache_dir=Path(args.parts).parent / "cost-cache")
+    # past the deadline a program is priced from the ones measured ("estimated"), not timed
+    costs.measure_until(time.perf_counter() + args.deadline - time.time())
+    t0 = time.perf_counter()
+    for i, op in enumerate(g.operators):
+        t = costs.shard_time(i, (1,) * len(op.iteration_sizes))
+        parts.emit("op", index=i, name=op.name, forward_s=t.forward_s, backward_s=t.backward_s,
+                   source=t.source)
+    say(f"{spec.name} {spec.config}: {len(g.operators)} operators priced in "
+        f"{time.perf_counter() - t0:.0f} s ({costs.stats})")
+    factor = opt_state_factor(w.optimizer, w.abstract_params())
+    r = simulate(g, topo, replicated(g, topo), cost_model=costs, opt_state_factor=factor)
+    parts.emit("simulated", step_s=r.step_time_s, stats=costs.stats._asdict())
+    say(f"{spec.name} {spec.config}: simulated with measured operator times "
+        f"{r.step_time_s * 1e3:.2f} ms")
+
+
+def replicated(g, topo: Topology) -> Strategy:
+    """The unsharded strategy: every operator's first config (all its dims whole)."""
+    mesh = MeshShape.of(topo)
+    return Strategy(tuple(configs(op, mesh)[0] for op in g.operators))
 
 
 def _xla_flops(compiled: Any) -> float | None:
@@ -321,8 +366,7 @@ def predict(spec: ModelSpec, topo: Topology, fitted: Efficiency | None) -> Predi
     """The simulated unsharded step at the datasheet peaks and with the fitted table."""
     w = workload(spec)
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
-    mesh = MeshShape.of(topo)
-    strategy = Strategy(tuple(configs(op, mesh)[0] for op in g.operators))  # replicated
+    strategy = replicated(g, topo)
     factor = opt_state_factor(w.optimizer, w.abstract_params())
     times, peak, fits = {}, 0, True
     for key, eff in (("datasheet", Efficiency()), ("fitted", fitted)):
@@ -376,6 +420,8 @@ def step_row(spec: ModelSpec, topo: Topology, fitted: Efficiency | None, out: Pa
     if not measured:
         row["error"] = failed
         return row
+    if args.ops:
+        row.update(op_rows(spec, topo, out, deadline=deadline, hard_end=hard_end, args=args))
     m = measured[-1]
     peak = topo.device.peak_flops_for("bfloat16")
     row.update({k: v for k, v in m.items() if k != "type"})
@@ -383,9 +429,42 @@ def step_row(spec: ModelSpec, topo: Topology, fitted: Efficiency | None, out: Pa
     row["error_datasheet"] = pred.datasheet_s / m["median_s"] - 1
     if pred.fitted_s is not None:
         row["error_fitted"] = pred.fitted_s / m["median_s"] - 1
+    if row.get("simulated_measured_ops_s"):
+        row["error_measured_ops"] = row["simulated_measured_ops_s"] / m["median_s"] - 1
     row["model_flop_rate"] = pred.model_flops / m["median_s"]
     row["mfu_bfloat16"] = row["model_flop_rate"] / peak
     return row
+
+
+def op_rows(spec: ModelSpec, topo: Topology, out: Path, *, deadline: float, hard_end: float,
+            args: argparse.Namespace) -> dict:
+    """The model's operators timed on the device (`ops_worker`) beside the kernel model's
+    times, and the step simulated with the measured ones."""
+    parts = Parts(out / f"ops-{spec.name}-{spec.config}.jsonl")
+    parts.path.unlink(missing_ok=True)
+    say(f"{spec.name} {spec.config}: timing its operators (until +{deadline - time.time():.0f} s "
+        "from now)")
+    failed = run_worker(["ops", "--model", json.dumps(spec)], parts, deadline=deadline,
+                        hard_end=hard_end, quick=args.quick)
+    records = parts.read()
+    ops = [r for r in records if r["type"] == "op"]
+    sim = [r for r in records if r["type"] == "simulated"]
+    errors = [r["error"] for r in records if r["type"] == "error"] + ([failed] if failed else [])
+    w = workload(spec)
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    model = cost_model(g, topo, mode="analytic", optimizer=w.optimizer)
+    for r in ops:
+        t = model.shard_time(r["index"], (1,) * len(g.operators[r["index"]].iteration_sizes))
+        r.pop("type")
+        r.update(kernel_forward_s=t.forward_s, kernel_backward_s=t.backward_s,
+                 flops=g.operators[r["index"]].flops)
+    found: dict[str, Any] = {"ops": ops}
+    if sim:
+        found["simulated_measured_ops_s"] = sim[-1]["step_s"]
+        found["op_stats"] = sim[-1]["stats"]
+    if errors:
+        found["ops_error"] = "; ".join(errors)
+    return found
 
 
 # --- the report ----------------------------------------------------------------------------------
@@ -420,6 +499,7 @@ def render(results: dict) -> str:
         e = results["efficiency"]
         lines += ["", f"The fitted table ({e['rule']}):", "", "```toml", e["toml"].rstrip(), "```"]
     lines += _step_table(results["steps"])
+    lines += _ops_tables(results["steps"])
     notes = list(results["notes"]) + [f"{e['name']}: {e['error']}" for e in results["errors"]]
     if results["skipped"]:
         notes.append(f"left out for the budget: {', '.join(results['skipped'])}")
@@ -458,21 +538,71 @@ def _step_table(steps: list[dict]) -> list[str]:
     if not steps:
         return []
     lines = ["", "One-device training steps (the median of the calls after two warm-up calls) "
-             "against the simulator's unsharded step, analytic costs:", "",
-             "| model | batch | measured | predicted (datasheet) | error | predicted (fitted) "
-             "| error | model TFLOP/s | MFU (bf16) | compile |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "against the simulator's unsharded step: analytic costs from the topology file as "
+             "shipped (its `[device.kernels]` model where it has one, no efficiency table), "
+             "the same with the fitted efficiency table, and the device's own operator times "
+             "(each operator timed alone, then simulated):", "",
+             "| model | batch | measured | predicted (as shipped) | error | predicted (fitted) "
+             "| error | simulated, measured operators | error | model TFLOP/s | MFU (bf16) "
+             "| compile |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in steps:
         head = f"| {s['model']} {s['config']} | {s.get('batch_size', '-')} |"
         if "measured_s" not in s:
             lines.append(f"{head} failed: {s.get('error', '?')[:120]} | "
                          f"{_ms(s.get('predicted_datasheet_s'))} | - | "
-                         f"{_ms(s.get('predicted_fitted_s'))} | - | - | - | - |")
+                         f"{_ms(s.get('predicted_fitted_s'))} | - | - | - | - | - | - |")
             continue
         lines.append(f"{head} {_ms(s['measured_s'])} | {_ms(s['predicted_datasheet_s'])} | "
                      f"{_pct(s['error_datasheet'])} | {_ms(s.get('predicted_fitted_s'))} | "
-                     f"{_pct(s.get('error_fitted'))} | {s['model_flop_rate'] / 1e12:.3g} | "
+                     f"{_pct(s.get('error_fitted'))} | {_ms(s.get('simulated_measured_ops_s'))} "
+                     f"| {_pct(s.get('error_measured_ops'))} | "
+                     f"{s['model_flop_rate'] / 1e12:.3g} | "
                      f"{s['mfu_bfloat16'] * 100:.0f}% | {s['compile_s']:.0f} s |")
+    return lines
+
+
+def op_group(name: str) -> str:
+    """An operator's name with its layer numbers taken out: the layers' operators add up."""
+    return "/".join("*" if part.split("_")[-1].isdigit() and part.startswith(
+        ("layers_", "h_", "blocks_", "block_", "layer_")) or part.isdigit() else part
+        for part in name.split("/"))
+
+
+def _ops_tables(steps: list[dict], top: int = 12) -> list[str]:
+    lines = []
+    for s in steps:
+        ops = s.get("ops")
+        if not ops:
+            if s.get("ops_error"):
+                lines += ["", f"{s['model']} {s['config']}: operators not timed: "
+                          f"{s['ops_error'][:300]}"]
+            continue
+        groups: dict[str, list[float]] = {}
+        for r in ops:
+            g = groups.setdefault(op_group(r["name"]), [0, 0.0, 0.0, 0.0, 0.0, 0.0])
+            g[0] += 1
+            g[1] += r["forward_s"]
+            g[2] += r["backward_s"]
+            g[3] += r["kernel_forward_s"]
+            g[4] += r["kernel_backward_s"]
+            g[5] += r["flops"]
+        measured = sum(g[1] + g[2] for g in groups.values())
+        kernel = sum(g[3] + g[4] for g in groups.values())
+        sources = sorted({r["source"] for r in ops})
+        lines += ["", f"{s['model']} {s['config']} (batch {s.get('batch_size')}): its "
+                  f"{len(ops)} operators timed alone sum to {_ms(measured)} (forward and "
+                  f"backward; {', '.join(sources)}), the kernel model's to {_ms(kernel)}; the "
+                  f"{min(top, len(groups))} largest groups (layers added up):", "",
+                  "| operators | n | measured fwd | bwd | kernel model fwd | bwd | "
+                  "model / measured | TFLOP/s measured |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for name, g in sorted(groups.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))[:top]:
+            both = g[1] + g[2]
+            ratio = (g[3] + g[4]) / both if both > 0 else float("nan")
+            rate = 3 * g[5] / both / 1e12 if both > 0 else 0.0
+            lines.append(f"| `{name}` | {g[0]} | {_ms(g[1])} | {_ms(g[2])} | {_ms(g[3])} | "
+                         f"{_ms(g[4])} | {ratio:.2f} | {rate:.3g} |")
     return lines
 
 
@@ -492,7 +622,8 @@ def measure_kernels(results: dict, out: Path, args: argparse.Namespace, start: f
     parts.path.unlink(missing_ok=True)
     deadline = start + args.kernel_share * args.budget_s
     say(f"kernels (until +{deadline - start:.0f} s)")
-    failed = run_worker(["kernels"], parts, deadline=deadline, quick=args.quick,
+    what = ["kernels"] + (["--kernels", args.kernels] if args.kernels else [])
+    failed = run_worker(what, parts, deadline=deadline, quick=args.quick,
                         hard_end=min(deadline + GRACE_S, start + args.budget_s + GRACE_S))
     for r in parts.read():
         kind = r.pop("type")
@@ -553,9 +684,14 @@ def main(argv: list[str] | None = None) -> dict:
                    help=f"{', '.join(KIT_MODELS)} or zoo name:config[:batch] "
                         f"(default {' '.join(DEFAULT_MODELS)}; --quick: {' '.join(QUICK_MODELS)})")
     p.add_argument("--steps", type=int, default=None, help="timed calls per model (default 10)")
+    p.add_argument("--kernels", default="", metavar="NAMES",
+                   help="time only the kernels whose names hold one of these comma-separated "
+                        "parts (e.g. 'attention,gemm 8192'; default: every kernel)")
+    p.add_argument("--no-ops", dest="ops", action="store_false",
+                   help="do not time each model's operators one by one (item 5)")
     p.add_argument("--write-docs", action="store_true", help="append the section to "
                    "docs/accuracy.md")
-    p.add_argument("--worker", choices=("kernels", "step"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=("kernels", "step", "ops"), help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     p.add_argument("--parts", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -564,7 +700,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.worker:
         parts = Parts(Path(args.parts))
         try:
-            (kernels_worker if args.worker == "kernels" else step_worker)(args, parts)
+            {"kernels": kernels_worker, "step": step_worker, "ops": ops_worker}[args.worker](
+                args, parts)
         except Exception as e:  # said in the parts file, for the report
             parts.emit("error", name=args.worker, error=_error(e))
             raise

@@ -87,11 +87,43 @@ def test_the_step_is_measured_and_predicted(kit):
     assert math.isfinite(step["loss"]) and step["compile_s"] > 0
 
 
+def test_every_operator_is_timed_beside_the_kernel_model(kit):
+    (step,) = kit[0]["steps"]
+    ops = step["ops"]
+    assert [o["index"] for o in ops] == list(range(step["operators"]))
+    assert {o["source"] for o in ops} == {"measured"} and "ops_error" not in step
+    for o in ops:
+        assert o["forward_s"] > 0 and o["kernel_forward_s"] > 0, o
+        assert o["backward_s"] >= 0 and o["kernel_backward_s"] >= 0, o
+    # GPT-2's two blocks run the same programs: measured once, priced the same
+    by_name = {o["name"]: o for o in ops}
+    assert by_name["layers_0/mlp/fc1"]["forward_s"] == by_name["layers_1/mlp/fc1"]["forward_s"]
+    assert step["op_stats"]["shared"] > 0
+    # the step simulated with those times is at least their sum (plus the optimizer's updates)
+    total = sum(o["forward_s"] + o["backward_s"] for o in ops)
+    assert step["simulated_measured_ops_s"] >= total
+    assert step["error_measured_ops"] == pytest.approx(
+        step["simulated_measured_ops_s"] / step["measured_s"] - 1)
+
+
+def test_a_kernel_filter_keeps_the_named_kernels_only(tmp_path):
+    cmd = [sys.executable, str(KIT), "--quick", "--models", "--no-ops", "--kernels",
+           "attention,gemm 64x", "--budget-s", "60", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                          text=True, timeout=200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    names = [k["name"] for k in results["kernels"]]
+    assert names == ["gemm 64x64x64 bfloat16", "attention fwd+bwd xla 2x32x2x16 float32",
+                     "attention fwd+bwd soapjax 2x32x2x16 float32"], names
+    assert results["steps"] == [] and results["errors"] == []
+
+
 def test_the_markdown_section_has_every_table(kit):
     text = (kit[1] / "accuracy-section.md").read_text()
     assert text.startswith("## GPU kit: cpu, ")
     for heading in ("| GEMM (m x n x k) |", "| memory-bound kernel |", "| attention (causal",
-                    "[device.efficiency]", "| gpt2 tiny | 8 |"):
+                    "[device.efficiency]", "| gpt2 tiny | 8 |", "| `*/mlp/fc1` | 2 |"):
         assert heading in text, heading
 
 
