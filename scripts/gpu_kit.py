@@ -103,7 +103,8 @@ def kernel_plan(quick: bool, gpu: bool) -> list[devicefit.Kernel]:
                 d.gemm(128, 128, 128, "float32"), d.streaming(2**18, "float32"),
                 d.streaming(2**20, "float32"), d.softmax(128, 256, "float32"),
                 d.attention(2, 32, 2, 16, "float32", implementation="xla", backward=True),
-                d.attention(2, 32, 2, 16, "float32", implementation="soapjax", backward=True)]
+                d.attention(2, 32, 2, 16, "float32", implementation="soapjax", backward=True),
+                d.embedding_grad(512, 64, 256, "float32")]
     shapes = [(s, s, s) for s in SQUARE] + list(TRANSFORMER)
     f32_first = [(4096, 4096, 4096), (8192, 8192, 8192), *TRANSFORMER[:3]]
     # soapjax: the flash attention plans run (its rate: the topology's attention_efficiency)
@@ -119,6 +120,12 @@ def kernel_plan(quick: bool, gpu: bool) -> list[devicefit.Kernel]:
         *(d.gemm(*s, "float32") for s in shapes if s not in f32_first),
         *(d.gemm(*s, "float16") for s in [(4096,) * 3, (8192,) * 3, *TRANSFORMER[3:5]]),
         *(d.gemm(s, s, s, "float32", precision="highest") for s in (4096, 8192)),
+        # the flash attention's block size, and the backward of an embedding lookup (LLaMA's
+        # 32000 x 2048 table, 4 x 1024 tokens) as XLA runs it and two other ways
+        *(d.attention(*ATTENTION[-1], "bfloat16", implementation="soapjax", backward=True,
+                      block=b) for b in (1024, 2048, 4096)),
+        *(d.embedding_grad(32000, 2048, 4096, dtype, variant=v)
+          for dtype in ("float32", "bfloat16") for v in ("gather", "sorted", "onehot")),
     ]
 
 
@@ -519,7 +526,7 @@ def _kernel_tables(kernels: list[dict]) -> list[str]:
                   "|---|---|---:|---:|---:|"]
         lines += [f"| {'x'.join(map(str, t['shape']))} | {t['dtype']} {t['variant']} | "
                   f"{_ms(t['seconds'])} | {tflops(t)} | {t['fraction']:.2f} |" for t in gemms]
-    mem = [t for t in kernels if t["kind"] in ("stream", "reduce")]
+    mem = [t for t in kernels if t["kind"] in ("stream", "reduce", "scatter")]
     if mem:
         lines += ["", "| memory-bound kernel | time | GB/s | of bandwidth |",
                   "|---|---:|---:|---:|"]

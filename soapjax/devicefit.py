@@ -71,7 +71,7 @@ class Kernel(NamedTuple):
     """One kernel to time: a function of arrays that `make_args` allocates on the device.
 
     Attributes:
-      kind: ``"gemm"``, ``"stream"``, ``"reduce"`` or ``"attention"``.
+      kind: ``"gemm"``, ``"stream"``, ``"reduce"``, ``"attention"`` or ``"scatter"``.
       name: e.g. ``"gemm 8192x8192x8192 bfloat16"``.
       dtype: the dtype it computes in (a name).
       shape: the sizes that define it (``(m, n, k)``, ``(elements,)``, ``(b, t, n, h)``, ...).
@@ -205,7 +205,8 @@ def layer_norm(rows: int, cols: int, dtype: str) -> Kernel:
 
 
 def attention(batch: int, seq: int, heads: int, head_dim: int, dtype: str, *,
-              implementation: str | None = None, backward: bool = False) -> Kernel:
+              implementation: str | None = None, backward: bool = False,
+              block: int = 512) -> Kernel:
     """Causal ``jax.nn.dot_product_attention`` over ``[batch, seq, heads, head_dim]``.
 
     Args:
@@ -214,6 +215,7 @@ def attention(batch: int, seq: int, heads: int, head_dim: int, dtype: str, *,
         blockwise attention plans run (its rate is what a topology's
         ``attention_efficiency`` should say of the kernels apply runs).
       backward: time the forward and the backward (gradients of q, k and v) together.
+      block: ``"soapjax"`` only: keys (and queries) per block (named when not 512).
     """
     shape = (batch, seq, heads, head_dim)
     forward = 4.0 * batch * heads * seq * seq * head_dim / 2  # the causal half
@@ -221,7 +223,7 @@ def attention(batch: int, seq: int, heads: int, head_dim: int, dtype: str, *,
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         if implementation == "soapjax":
-            return flash_attention(q, k, v)
+            return flash_attention(q, k, v, block=block)
         return jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                             implementation=implementation)
 
@@ -233,11 +235,45 @@ def attention(batch: int, seq: int, heads: int, head_dim: int, dtype: str, *,
         return [out, *vjp(ct)]
 
     impl = implementation or "default"
+    if implementation == "soapjax" and block != 512:
+        impl = f"soapjax-b{block}"
     what = "fwd+bwd" if backward else "fwd"
     return Kernel("attention", f"attention {what} {impl} {'x'.join(map(str, shape))} {dtype}",
                   dtype, shape, forward * (3 if backward else 1), io * (2.5 if backward else 1),
                   fwd_bwd if backward else fwd,
                   lambda: _random([shape] * (4 if backward else 3), dtype), implementation or "")
+
+
+def embedding_grad(vocab: int, width: int, tokens: int, dtype: str, *,
+                   variant: str = "gather") -> Kernel:
+    """The gradient of an embedding lookup: ``g[ids]`` of a ``[tokens, width]`` cotangent added
+    into a zero ``[vocab, width]`` table (what the backward of ``table[ids]`` runs).
+
+    Args:
+      variant: ``"gather"``, `jax.vjp` of ``table[ids]`` (XLA's scatter-add, random ids);
+        ``"sorted"``, the same with the ids sorted and said to be (``indices_are_sorted``);
+        ``"onehot"``, ``one_hot(ids)^T @ g`` as a matmul.
+    """
+    size = np.dtype(dtype).itemsize
+    nbytes = float(vocab * width * size + tokens * width * size + tokens * 4)
+
+    def make_args() -> list[jax.Array]:
+        (g,) = _random([(tokens, width)], dtype)
+        ids = jax.random.randint(jax.random.key(1), (tokens,), 0, vocab)
+        return [g, jnp.sort(ids) if variant == "sorted" else ids]
+
+    def grad(g: jax.Array, ids: jax.Array) -> list[jax.Array]:
+        if variant == "onehot":
+            return [jnp.einsum("tv,tw->vw", jax.nn.one_hot(ids, vocab, dtype=g.dtype), g)]
+        table = jnp.zeros((vocab, width), g.dtype)
+        if variant == "sorted":
+            return [table.at[ids].add(g, indices_are_sorted=True)]
+        _, vjp = jax.vjp(lambda t: t[ids], table)
+        return list(vjp(g))
+
+    flops = 2.0 * vocab * width * tokens if variant == "onehot" else float(tokens * width)
+    return Kernel("scatter", f"embedding grad {variant} {vocab}x{width} {tokens} tokens {dtype}",
+                  dtype, (vocab, width, tokens), flops, nbytes, grad, make_args, variant)
 
 
 def _mb(nbytes: float) -> str:

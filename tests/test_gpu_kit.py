@@ -50,7 +50,7 @@ def test_every_section_is_there_and_nothing_failed(kit):
 
 def test_kernels_are_timed_with_positive_rates(kit):
     kernels = kit[0]["kernels"]
-    assert {k["kind"] for k in kernels} == {"gemm", "stream", "reduce", "attention"}
+    assert {k["kind"] for k in kernels} == {"gemm", "stream", "reduce", "attention", "scatter"}
     for k in kernels:
         assert k["seconds"] > 0 and k["fraction"] > 0, k
         assert k["flops"] > 0 and k["nbytes"] > 0, k
