@@ -499,8 +499,9 @@ def render(results: dict) -> str:
         o = results["overhead"]
         lines += ["", f"One jitted call of a one-element add, waited for: {_ms(o['launch_s'])}; "
                   f"one iteration of the timing loop (`soapjax._timing`): "
-                  f"{_ms(o['loop_floor_s'])}. Kernels are timed inside that loop, dispatch "
-                  "amortised; those under 10 iterations' worth are left out of the fit."]
+                  f"{_ms(o['loop_floor_s'])}. Kernels (and operators) are timed inside that "
+                  "loop, dispatch amortised and that iteration's cost taken off; kernels under "
+                  "10 iterations' worth are left out of the fit."]
     lines += _kernel_tables(results["kernels"])
     if results.get("efficiency"):
         e = results["efficiency"]
