@@ -506,6 +506,12 @@ def render(results: dict) -> str:
     if results.get("efficiency"):
         e = results["efficiency"]
         lines += ["", f"The fitted table ({e['rule']}):", "", "```toml", e["toml"].rstrip(), "```"]
+    if results.get("attention_efficiency") is not None:
+        lines += ["", "soapjax's own flash attention (`soapjax.attention.flash_attention`, what "
+                  "apply runs), forward and backward, reached "
+                  f"`attention_efficiency = {results['attention_efficiency']:.3f}` of the bf16 "
+                  "peak as the kernel model counts its FLOPs (`devicefit."
+                  "fit_attention_efficiency`): the figure for the topology's `[device.kernels]`."]
     lines += _step_table(results["steps"])
     lines += _ops_tables(results["steps"])
     notes = list(results["notes"]) + [f"{e['name']}: {e['error']}" for e in results["errors"]]
@@ -658,6 +664,10 @@ def fit(results: dict, topo: Topology, args: argparse.Namespace) -> Efficiency |
             row["fraction"] = t.flop_rate / device.peak_flops_for(t.dtype)
         else:
             row["fraction"] = t.byte_rate / device.memory_bandwidth
+    attention = devicefit.fit_attention_efficiency(timings, device)
+    if attention is not None:
+        results["attention_efficiency"] = attention
+        say(f"soapjax's flash attention: attention_efficiency = {attention:.3f}")
     if not any(t.kind in ("gemm", "stream") for t in timings):
         results["notes"].append("no GEMM or streaming kernel was measured: no table fitted")
         return None
@@ -754,7 +764,8 @@ def run(args: argparse.Namespace) -> dict:
                  "budget_s": args.budget_s, "quick": args.quick, "git": _git(),
                  "planner_jax": jax.__version__},
         "device": None, "overhead": None, "topology": None, "kernels": [], "errors": [],
-        "skipped": [], "efficiency": None, "steps": [], "notes": []}
+        "skipped": [], "efficiency": None, "attention_efficiency": None, "steps": [],
+        "notes": []}
     say(f"planning with jax {jax.__version__} on {jax.default_backend()}; budget "
         f"{args.budget_s:.0f} s; out {out}")
     measure_kernels(results, out, args, start)

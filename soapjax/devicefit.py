@@ -59,11 +59,13 @@ from soapjax import _timing
 from soapjax._timing import TimingOptions
 from soapjax._topology_file import DeviceSpec, Efficiency
 from soapjax.attention import flash_attention
+from soapjax.kernels import FlashKernel
 from soapjax.topology import Topology
 
 __all__ = ["EfficiencyFit", "Kernel", "KernelTiming", "TimingOptions", "attention",
-           "fit_efficiency", "format_efficiency", "gemm", "launch_overhead", "layer_norm",
-           "loop_floor", "measure", "softmax", "streaming", "with_efficiency"]
+           "embedding_grad", "fit_attention_efficiency", "fit_efficiency", "format_efficiency",
+           "gemm", "launch_overhead", "layer_norm", "loop_floor", "measure", "softmax",
+           "streaming", "with_efficiency"]
 
 # Kernels shorter than this many loop floors are too close to the harness's own cost to fit.
 FLOOR_MARGIN = 10.0
@@ -378,6 +380,27 @@ def fit_efficiency(timings: Iterable[KernelTiming], device: DeviceSpec, *,
     efficiency = Efficiency(tuple((d, _fraction(f)) for d, (f, _, _) in flops.items()),
                             _fraction(memory[0]) if memory else 1.0)
     return EfficiencyFit(efficiency, flops, memory, tuple(notes))
+
+
+def fit_attention_efficiency(timings: Iterable[KernelTiming], device: DeviceSpec
+                             ) -> float | None:
+    """The ``attention_efficiency`` of a topology's ``[device.kernels]`` that makes the kernel
+    model's flash attention (`soapjax.kernels.flash_time`: the computed causal tiles' FLOPs,
+    3.5 times the forward's with the backward) take what soapjax's own flash attention
+    (``"soapjax"``, the default block) measured forward and backward: the median over the
+    larger half (by FLOPs) of those kernels; None without one."""
+    found = []
+    for t in timings:
+        if t.kind != "attention" or t.variant != "soapjax" or not t.name.startswith(
+                "attention fwd+bwd soapjax "):
+            continue
+        b, seq, n, h = t.shape
+        k = FlashKernel(b * n, seq, seq, h, h, t.dtype, 0.0, True)
+        found.append((k.flops, 3.5 * k.flops / (device.peak_flops_for(t.dtype) * t.seconds)))
+    if not found:
+        return None
+    found.sort()
+    return float(np.median([e for _, e in found[len(found) // 2:]]))
 
 
 def _fraction(x: float) -> float:

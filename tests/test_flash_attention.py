@@ -344,7 +344,8 @@ def test_flash_attention_keeps_its_inputs_and_a_log_sum_exp_only():
 
 def test_the_kernel_model_prices_one_flash_kernel():
     """Llama 3 8B at 128K tokens on an H100: one layer's attention is one `FlashKernel` of
-    4 B N T S H FLOPs less the causal mask's hidden tiles, at `attention_efficiency` (0.6)."""
+    4 B N T S H FLOPs less the causal mask's hidden tiles, at `attention_efficiency` (0.042, what
+    soapjax's own flash attention reached on an H100)."""
     w = soapjax_zoo.get("llama", "8b-128k")
     graph = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="llama")
     op = graph.operator("layers_0/attn")
@@ -358,9 +359,9 @@ def test_the_kernel_model_prices_one_flash_kernel():
         n = 131072 // 128
         assert k.flops == pytest.approx(4 * 8 * 32 * t * 131072 * 128 * (n + 1) / (2 * n))
         assert flash_time(k, 989e12, device.memory_bandwidth, device.kernels) == pytest.approx(
-            k.flops / (989e12 * 0.6) + 3e-6)
+            k.flops / (989e12 * 0.042) + 3e-6)
         assert flash_time(k, 989e12, device.memory_bandwidth, device.kernels,
-                          backward=True) == pytest.approx(2.5 * k.flops / (989e12 * 0.6) + 3e-6)
+                          backward=True) == pytest.approx(2.5 * k.flops / (989e12 * 0.042) + 3e-6)
 
 
 @pytest.mark.parametrize("kind", ["cp_data_tp_model", "ring_data_tp_model"])

@@ -21,7 +21,7 @@ from soapjax.topology import Efficiency, load_topology
 ROOT = Path(__file__).resolve().parent.parent
 KIT = ROOT / "scripts" / "gpu_kit.py"
 SECTIONS = ("meta", "device", "overhead", "topology", "kernels", "errors", "skipped",
-            "efficiency", "steps", "notes")
+            "efficiency", "attention_efficiency", "steps", "notes")
 
 
 def run_kit(out: Path, env: dict[str, str]) -> dict:
@@ -74,6 +74,16 @@ def test_the_fitted_table_loads_as_a_topology_files_device_efficiency(kit, tmp_p
     device = load_topology(tmp_path / "fitted.toml").device
     assert device.efficiency == Efficiency(tuple(eff["peak_flops"].items()),
                                            eff["memory_bandwidth"])
+
+
+def test_the_flash_attention_efficiency_is_fitted_as_the_kernel_model_counts(kit):
+    results, _ = kit
+    (t,) = [k for k in results["kernels"] if k["name"].startswith("attention fwd+bwd soapjax")]
+    b, seq, n, h = t["shape"]
+    tiles = seq // 128 or 1
+    flops = 4 * b * n * seq * seq * h * (tiles + 1) / (2 * tiles)  # kernels.causal_tiles
+    peak = load_topology("cpu8").device.peak_flops_for(t["dtype"])
+    assert results["attention_efficiency"] == pytest.approx(3.5 * flops / (peak * t["seconds"]))
 
 
 def test_the_step_is_measured_and_predicted(kit):
