@@ -81,6 +81,27 @@ def test_chunk_times_partition_one_stages_step():
     assert len(r.stage_memory) == 2 and r.timeline.in_flight == (2, 1)
 
 
+def test_one_microbatch_is_priced_at_the_stages_degrees():
+    """A stage's configs name one stage's devices: with one microbatch (M = 1) each operator
+    was priced at the axes' sizes on the whole cluster (node 4 where a stage has 2), where an
+    operator splitting its batch over ``node`` then took half its time, or fell back to the
+    roofline where the cluster's degree did not divide it."""
+    g = gpt()
+    s = megatron_3d(g, A100, tp=4, pp=2, microbatch_size=4, recompute="none")
+    assert s.microbatches == 1
+    costs = cost_model(g, A100, mode="analytic")
+    sim = pipelined(s)
+    stage = MeshShape.of(stage_topology(A100, 2))
+    tasks = {t.name: t for t in sim._inner.result().tasks if t.kind == "forward"}
+    split = 0
+    for j, (op, c) in enumerate(zip(g.operators, s.configs)):
+        want = costs.shard_time(j, c.degrees(stage)).forward_s
+        got = tasks[f"forward {op.name}"]
+        assert got.end_s - got.start_s == pytest.approx(want, rel=1e-12), op.name
+        split += c.degrees(stage) != c.degrees(MeshShape.of(A100))
+    assert split > 0  # operators whose degrees differ between a stage and the cluster
+
+
 def test_more_stages_hold_fewer_parameters_per_device():
     flat = Simulation(gpt(), A100, cost_model(gpt(), A100, mode="analytic"),
                       Resharder(MeshShape.of(A100), mode="ideal"),
