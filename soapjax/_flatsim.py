@@ -828,12 +828,11 @@ class Simulation:
             if why:
                 raise PlanError(f"{why}; choose microbatches dividing every operator's "
                                 "per-device batch")
-            # one microbatch's shard, M times (`soapjax.memory`); the degrees are this
-            # simulation's mesh's: a pipeline stage's configs name one stage's devices, and
-            # the cost model may be the whole cluster's (its `op_time` would read the axes
-            # at the cluster's sizes)
-            t = self.cost_model.shard_time(
-                j, microbatch_degrees(op, config.degrees(self.mesh), m))
+            if m == 1:
+                t = self.cost_model.op_time(j, config)
+            else:  # one microbatch's shard, M times (`soapjax.memory`)
+                t = self.cost_model.shard_time(
+                    j, microbatch_degrees(op, config.degrees(self.mesh), m))
             recompute = recomputes(op, policy)
             forward = m * self._compute_time(float(t.forward_s))
             backward = m * self._compute_time(float(t.backward_s))

@@ -177,8 +177,10 @@ class PipelinedSimulation:
         # before the first layer (embedding): SPMD on every device, as apply runs it
         self._prologue = [i < first for i in range(len(graph.operators))]
         self._outside = [i < first or i > last for i in range(len(graph.operators))]
-        self._inner = Simulation(graph, self.topology, cost_model, resharder, _flat(strategy),
-                                 opt_state_factor=opt_state_factor, pipeline_stage=True)
+        self._inner = Simulation(graph, self.topology,
+                                 _StageCosts(cost_model, MeshShape.of(self.topology)), resharder,
+                                 _flat(strategy), opt_state_factor=opt_state_factor,
+                                 pipeline_stage=True)
         self._param_share = graph.memo(("param_shares", strategy.stages, chunks),
                                        self._param_shares)
         self._result: PipelineResult | None = None
@@ -405,6 +407,27 @@ def as_step_result(pipelined: PipelineResult, stage: SimResult,
         exposed_comm_s=max(0.0, pipelined.step_time_s - stage.compute_s),
         peak_memory_bytes=(fullest.total,) * num_devices, memory=fullest,
         fits_in_memory=pipelined.fits_in_memory, num_devices=num_devices, pipeline=pipelined)
+
+
+class _StageCosts:
+    """A cost model read over one stage's mesh: the configs of a pipeline stage name one
+    stage's devices, and `cost_model` may be the whole cluster's, whose ``op_time`` reads a
+    config's axes at the cluster's sizes (the node axis 4 where a stage has 2). Every time
+    comes from ``shard_time`` at the stage's degrees."""
+
+    def __init__(self, base, mesh: MeshShape):
+        self.base, self.mesh = base, mesh
+        self.source = base.source
+        self.update_reductions = getattr(base, "update_reductions", 0)
+
+    def op_time(self, op_index: int, config: Config):
+        return self.base.shard_time(op_index, config.degrees(self.mesh))
+
+    def shard_time(self, op_index: int, degrees: tuple[int, ...]):
+        return self.base.shard_time(op_index, degrees)
+
+    def update_time(self, param_shard_bytes: float) -> float:
+        return self.base.update_time(param_shard_bytes)
 
 
 def _flat(strategy: Strategy) -> Strategy:
