@@ -17,6 +17,11 @@ collective_permute  1             1             the buffer sent to one peer
 point_to_point      1             1             the buffer; one lone transfer
 ==================  ============  ============  ====================================
 
+An all_reduce over several nodes may also run as NCCL's tree (`tree_time`): a chain inside
+each node and a double binary tree across nodes, ``log2`` of the nodes' latencies where the
+ring pays one per step, at 0.9 of the bandwidth (NCCL's own tuning model). The topology's
+``auto`` takes the cheapest of ring, hierarchical rings and tree, as NCCL's tuner does.
+
 Which ``b`` and ``a`` a kind sees on a topology (the contended ring, the all-to-all's
 all-pairs bandwidth, a lone transfer's) is the topology's business; the formulas are here.
 
@@ -45,16 +50,22 @@ emits it, its measuring program in `soapjax.links`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Literal, NamedTuple, get_args
 
-__all__ = ["ALGORITHMS", "COLLECTIVES", "FORMULAS", "HLO_OPCODES", "XLA_COLLECTIVES",
-           "CollectiveKind", "Formula", "bytes_sent", "hierarchical_time", "kind_name", "ring_time"]
+__all__ = ["ALGORITHMS", "COLLECTIVES", "FORMULAS", "HLO_OPCODES", "TREE_BANDWIDTH",
+           "XLA_COLLECTIVES", "CollectiveKind", "Formula", "bytes_sent", "hierarchical_time",
+           "kind_name", "ring_time", "tree_time"]
 
 CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all",
                          "collective_permute", "point_to_point"]
 COLLECTIVES: tuple[CollectiveKind, ...] = get_args(CollectiveKind)
-ALGORITHMS: tuple[str, ...] = ("auto", "ring", "hierarchical")
+ALGORITHMS: tuple[str, ...] = ("auto", "ring", "hierarchical", "tree")
+# NCCL's tuning model (NVIDIA/nccl, src/graph/tuning.cc, ncclTopoTuneModel): a tree's bus
+# bandwidth is 0.9 of the ring's ("busBw = std::min(busBw*.9, maxTreeBw)"), its latency
+# ``2 ((ranks per node - 1) intraLat + log2(nodes) interLat)`` against the ring's one per step.
+TREE_BANDWIDTH = 0.9
 
 
 class Formula(NamedTuple):
@@ -99,6 +110,25 @@ def ring_time(kind: str, nbytes: float, n: int, bandwidth: float, latency: float
         return 0.0
     formula = FORMULAS[kind_name(kind)]
     return formula.sent(n) * nbytes / bandwidth + formula.steps(n) * latency
+
+
+def tree_time(kind: str, nbytes: float, local: tuple[int, float, float],
+              cross: tuple[int, float, float]) -> float:
+    """NCCL's tree all-reduce: a chain through each node's ``m`` devices, a double binary tree
+    across the ``k`` nodes, pipelined (NCCL's tuning model, `TREE_BANDWIDTH`).
+
+    Its bandwidth term is the hierarchical algorithm's at `TREE_BANDWIDTH` of the links; its
+    latency ``2 ((m - 1) a_local + ceil(log2 k) a_cross)``, where a ring pays one latency per
+    step: a tree wins on small buffers over many nodes and loses 10 % on large ones.
+
+    >>> round(tree_time("all_reduce", 0.0, (8, 1e11, 1e-6), (1024, 1e10, 5e-6)) * 1e6, 1)
+    114.0
+    """
+    if kind_name(kind) != "all_reduce":
+        raise ValueError(f"the tree algorithm is an all_reduce's, not {kind_name(kind)}'s")
+    (m, b_l, a_l), (k, b_x, a_x) = local, cross
+    moved = hierarchical_time(kind, nbytes, (m, b_l, 0.0), (k, b_x, 0.0)) / TREE_BANDWIDTH
+    return moved + 2 * ((m - 1) * a_l + math.ceil(math.log2(k)) * a_x) if k > 1 or m > 1 else 0.0
 
 
 def hierarchical_time(

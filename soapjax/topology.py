@@ -70,6 +70,7 @@ from soapjax.collectives import (
     hierarchical_time,
     kind_name,
     ring_time,
+    tree_time,
 )
 from soapjax.errors import TopologyError
 
@@ -262,8 +263,9 @@ class Topology:
           kind: one of :data:`COLLECTIVES` (HLO spellings like ``"all-reduce"`` work too).
           nbytes: bytes per device, in the table's convention.
           axes: mesh axis names; ``()`` costs nothing.
-          algorithm: ``"ring"``, ``"hierarchical"`` (all_reduce, all_gather, reduce_scatter) or
-            ``"auto"``, the cheaper of the two.
+          algorithm: ``"ring"``, ``"hierarchical"`` (all_reduce, all_gather, reduce_scatter),
+            ``"tree"`` (all_reduce: NCCL's tree, `soapjax.collectives.tree_time`) or
+            ``"auto"``, the cheapest of them.
           group_size: devices per group where a group spans only part of `axes` (XLA gathering
             over two of an axis's four devices): the ring formulas for that many devices, at
             the bandwidth and latency a ring over the whole of `axes` sees.
@@ -295,6 +297,9 @@ class Topology:
                 )
             return self._ring_time(kind, nbytes, axes, ring, group_size)
         flat = self._ring_time(kind, nbytes, axes, ring, ring.size)
+        if algorithm == "tree" and kind != "all_reduce":
+            raise TopologyError(f"algorithm 'tree' is defined for all_reduce, not {kind}; use "
+                                "'ring', 'hierarchical' or 'auto'")
         if algorithm == "ring" or not FORMULAS[kind].hierarchical:
             if algorithm == "hierarchical":
                 raise TopologyError(
@@ -304,15 +309,16 @@ class Topology:
             return flat
         hier = self.hierarchy_stats(axes)
         if hier is None:
-            if algorithm == "hierarchical":
+            if algorithm in ("hierarchical", "tree"):
                 raise TopologyError(
-                    f"axes {tuple(axes)} of topology {self.name!r}: the hierarchical algorithm "
+                    f"axes {tuple(axes)} of topology {self.name!r}: the {algorithm} algorithm "
                     f"needs the same number of devices of a group in each node"
                 )
             return flat
         local, cross = hier
         tiered = hierarchical_time(kind, nbytes, local[:3], cross[:3])
-        return tiered if algorithm == "hierarchical" else min(flat, tiered)
+        tree = tree_time(kind, nbytes, local[:3], cross[:3]) if kind == "all_reduce" else math.inf
+        return {"hierarchical": tiered, "tree": tree}.get(algorithm, min(flat, tiered, tree))
 
     def _measured(self, kind: str, axes: Sequence[str], group_size: int) -> CollectiveModel | None:
         """The measured model of `kind` over `axes` (over an axis of `group_size` devices

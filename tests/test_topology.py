@@ -202,13 +202,42 @@ def test_auto_takes_the_cheaper_algorithm_on_a_shared_nic():
         assert ring == pytest.approx(ring_ar(s, 16, 12.5 * GB, 4 * US))
         expected = ring_ag(s, 4, 20 * GB, 1 * US) * 2 + ring_ar(s / 4, 4, 12.5 * GB / 4, 4 * US)
         assert hier == pytest.approx(expected)
-        assert t.collective_time("all_reduce", s, axes) == pytest.approx(min(ring, hier))
+        tree = t.collective_time("all_reduce", s, axes, "tree")
+        assert t.collective_time("all_reduce", s, axes) == pytest.approx(min(ring, hier, tree))
     assert t.collective_time("all_reduce", 1e9, axes) < t.collective_time(
         "all_reduce", 1e9, axes, "hierarchical"
     )
     assert t.collective_time("all_reduce", 1e3, axes) < t.collective_time(
         "all_reduce", 1e3, axes, "ring"
     )
+
+
+def test_the_tree_all_reduce_is_nccls_and_wins_small_buffers_over_many_nodes():
+    """NCCL's tree (its tuning model): the hierarchical rings' bytes at 0.9 of the bandwidth,
+    2 ((m - 1) in-node + log2(k) cross-node) latencies where the rings pay one per step."""
+    t = load_topology("dgx-a100x3072")  # 384 DGX nodes
+    axes = ("node", "data", "model")
+    (m, bl, al), (k, bx, ax) = (x[:3] for x in t.hierarchy_stats(axes))
+    assert (m, k) == (8, 384)
+    for s in (1e3, 1e6, 1e9):
+        hier = t.collective_time("all_reduce", s, axes, "hierarchical")
+        ring = t.collective_time("all_reduce", s, axes, "ring")
+        tree = t.collective_time("all_reduce", s, axes, "tree")
+        moved = (ring_ag(s, m, bl, 0) * 2 + ring_ar(s / m, k, bx, 0)) / 0.9
+        assert tree == pytest.approx(moved + 2 * (7 * al + 9 * ax))
+        assert t.collective_time("all_reduce", s, axes) == pytest.approx(min(hier, ring, tree))
+    small, large = 1e3, 1e9
+    assert t.collective_time("all_reduce", small, axes) == t.collective_time(
+        "all_reduce", small, axes, "tree") < t.collective_time("all_reduce", small, axes,
+                                                               "hierarchical")
+    # over 4 nodes the rings' few latencies cost less than the tree's tenth of the bandwidth
+    four = load_topology("dgx-h100x32")
+    assert four.collective_time("all_reduce", large, axes) < four.collective_time(
+        "all_reduce", large, axes, "tree")
+    # inside one node the tree is a chain: never cheaper than the ring
+    one = load_topology("dgx-h100x8")
+    assert one.collective_time("all_reduce", small, ("data", "model")) < one.collective_time(
+        "all_reduce", small, ("data", "model"), "tree")
 
 
 def test_collectives_over_no_axes_cost_nothing():
@@ -223,7 +252,8 @@ def test_collectives_over_no_axes_cost_nothing():
         ("all_sum", ("gpu",), "auto", r"collective kind 'all_sum': expected one of all_reduce"),
         ("all_reduce", ("tensor",), "auto", r"axes \('tensor',\): expected distinct names among"),
         ("all_reduce", ("gpu", "gpu"), "auto", r"expected distinct names"),
-        ("all_reduce", ("gpu",), "tree", r"algorithm 'tree': expected one of auto, ring"),
+        ("all_reduce", ("gpu",), "mesh", r"algorithm 'mesh': expected one of auto, ring"),
+        ("all_gather", ("gpu",), "tree", r"'tree' is defined for all_reduce, not all_gather"),
         ("all_to_all", ("gpu",), "hierarchical", r"'hierarchical' is defined for all_reduce"),
     ],
 )
