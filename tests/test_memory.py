@@ -21,11 +21,11 @@ from soapjax_zoo.gpt import GPTConfig, build_gpt
 
 
 @functools.cache
-def gpt_graph(layers: int, batch: int = 8):
+def gpt_graph(layers: int, batch: int = 8, dropout: float = 0.0):
     """The zoo's GPT at hidden 1024, 16 heads, sequence 512, bfloat16, without dropout (the
     formulas below are Megatron's without their dropout terms), traced abstractly."""
     cfg = GPTConfig(batch_size=batch, seq_len=512, vocab_size=1024, num_layers=layers,
-                    num_heads=16, d_model=1024, dtype="bfloat16", dropout=0.0)
+                    num_heads=16, d_model=1024, dtype="bfloat16", dropout=dropout)
     w = build_gpt("gpt", "memory-test", cfg, "linen")
     return trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
 
@@ -122,14 +122,14 @@ MEGATRON = {(1, False, "none"): 48, (1, False, "selective"): 32, (1, False, "ful
 CASES = [pytest.param(*k, id=f"tp{k[0]}{'-sp' if k[1] else ''}-{k[2]}") for k in MEGATRON]
 
 
-def per_layer_sbh(tp: int, sp: bool, recompute: str) -> float:
+def per_layer_sbh(tp: int, sp: bool, recompute: str, dropout: float = 0.0) -> float:
     """Activation bytes per layer per device, in s b h units: the simulator's activations with 3
     layers less those with 2 (embeddings, logits and the recomputed segment's peak cancel),
     Megatron's layout (`megatron_3d`) on 8 A100s, 8 sequences (b = 8 / dp)."""
     topo = scaled_topology(load_topology("dgx-a100x3072"), 8)
     act = []
     for layers in (2, 3):
-        g = gpt_graph(layers)
+        g = gpt_graph(layers, dropout=dropout)
         s = megatron_3d(g, topo, tp=tp, recompute=recompute, sequence_parallel=sp)
         act.append(simulate(g, topo, s, cost_model=cost_model(g, topo, mode="analytic"))
                    .memory.activations)
@@ -142,6 +142,17 @@ def test_activation_bytes_per_gpt_layer_match_megatron(tp, sp, recompute):
     (within 5% is the acceptance)."""
     assert per_layer_sbh(tp, sp, recompute) == pytest.approx(MEGATRON[tp, sp, recompute],
                                                              rel=1e-12)
+
+
+@pytest.mark.parametrize("tp,sp,recompute", [(8, True, "full"), (8, True, "selective"),
+                                                (1, False, "full")])
+def test_dropout_keeps_no_masks(tp, sp, recompute):
+    """With Megatron's dropout (0.1) a layer keeps what it keeps without: its masks are a hash
+    of per-sequence seeds, recomputed in the backward; the seeds add a few bytes.
+    Full recomputation keeps the layer's input alone, 2 s b h (Megatron's 2, 2/t under SP)."""
+    with_dropout = per_layer_sbh(tp, sp, recompute, dropout=0.1)
+    assert with_dropout == pytest.approx(MEGATRON[tp, sp, recompute], abs=1e-4)
+    assert with_dropout > MEGATRON[tp, sp, recompute]  # the seeds
 
 
 @pytest.mark.parametrize("size,devices,batch,pp,microbatch,gb", [
