@@ -55,15 +55,18 @@ def strategy_words(strategy: Strategy, topo) -> dict[str, str]:
 
 def search_into(row: dict, g: OpGraph, topo, w: Any, model_config: str, costs, budget: float,
                 pipelines: bool | None, point: Callable[..., Any],
-                describe: Callable[..., dict], progress=None) -> dict:
-    """Searches `g` on `topo` (seed 0, `budget` seconds) and fills `row`: ``search_s`` and
-    either ``error`` (the PlanError's first line) or ``searched`` (``point("searched", ...)``
-    as a dict, with the plan's `describe` words, the grid point it started from and its
+                describe: Callable[..., dict], progress=None,
+                proposals: int | None = None) -> dict:
+    """Searches `g` on `topo` (seed 0, `budget` seconds, or `proposals` per chain whatever
+    the time: the same plan on a busy machine) and fills `row`: ``search_s`` and either
+    ``error`` (the PlanError's first line) or ``searched`` (``point("searched", ...)`` as a
+    dict, with the plan's `describe` words, the grid point it started from and its
     proposals). Returns `row`."""
     t0 = time.perf_counter()
     try:
         plan = find_plan(g, topo, settings=SearchSettings(budget_s=budget, seed=0,
-                                                          pipelines=pipelines),
+                                                          pipelines=pipelines,
+                                                          max_proposals=proposals),
                          costs=costs, optimizer=w.optimizer, family=w.family,
                          model_config=model_config, progress=progress)
     except PlanError as e:
