@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import platform
@@ -178,6 +179,14 @@ def workload(spec: ModelSpec):
     return build(spec.name, spec.config, cfg, "linen")
 
 
+@functools.cache
+def traced(spec: ModelSpec):
+    """The spec's workload and its graph, traced once per process (the step's prediction and
+    its operators' kernel-model times read the same graph)."""
+    w = workload(spec)
+    return w, trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+
+
 # --- the measuring subprocesses ------------------------------------------------------------------
 
 
@@ -221,7 +230,7 @@ def kernels_worker(args: argparse.Namespace, parts: Parts) -> None:
         f"jax {header['jax']}")
     options = (TimingOptions(target_trial_s=0.002, trials=3) if args.quick
                else TimingOptions(target_trial_s=0.02, trials=5))
-    launch, floor = devicefit.launch_overhead(), devicefit.loop_floor(options)
+    launch, floor = devicefit.launch_overhead(), devicefit.loop_floor()
     parts.emit("overhead", launch_s=launch, loop_floor_s=floor)
     say(f"one jitted call: {launch * 1e6:.1f} us; one timing-loop iteration: {floor * 1e6:.2f} us")
     plan = kernel_plan(args.quick, header["platform"] != "cpu")
@@ -244,9 +253,14 @@ def kernels_worker(args: argparse.Namespace, parts: Parts) -> None:
         say(f"kernel {i + 1}/{len(plan)} {kernel.name}: {t.seconds * 1e3:.3f} ms, {rate}")
 
 
-def step_worker(args: argparse.Namespace, parts: Parts) -> None:
+def _model_arg(args: argparse.Namespace) -> ModelSpec:
+    """The `ModelSpec` a worker was given as JSON (its overrides back to hashable tuples)."""
     spec = ModelSpec(*json.loads(args.model))
-    spec = spec._replace(overrides=tuple(tuple(o) for o in spec.overrides))
+    return spec._replace(overrides=tuple(tuple(o) for o in spec.overrides))
+
+
+def step_worker(args: argparse.Namespace, parts: Parts) -> None:
+    spec = _model_arg(args)
     w = workload(spec)
     params = jax.jit(w.init_params)(jax.random.key(0))
     opt_state = jax.jit(w.optimizer.init)(params)
@@ -277,12 +291,10 @@ def step_worker(args: argparse.Namespace, parts: Parts) -> None:
 def ops_worker(args: argparse.Namespace, parts: Parts) -> None:
     """Each operator's unsharded shard program timed on the device, and the simulated step
     with those times (`soapjax.cost`'s measured costs)."""
-    spec = ModelSpec(*json.loads(args.model))
-    spec = spec._replace(overrides=tuple(tuple(o) for o in spec.overrides))
-    w = workload(spec)
+    spec = _model_arg(args)
+    w, g = traced(spec)
     header = device_header()
     topo, _ = device_topology(header["device_kind"], header["platform"])
-    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
     costs = cost_model(g, topo, mode="measured", optimizer=w.optimizer,
                        cache_dir=Path(args.parts).parent / "cost-cache")
     # past the deadline a program is priced from the ones measured ("estimated"), not timed
@@ -371,8 +383,7 @@ class Predicted(NamedTuple):
 
 def predict(spec: ModelSpec, topo: Topology, fitted: Efficiency | None) -> Predicted:
     """The simulated unsharded step at the datasheet peaks and with the fitted table."""
-    w = workload(spec)
-    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    w, g = traced(spec)
     strategy = replicated(g, topo)
     factor = opt_state_factor(w.optimizer, w.abstract_params())
     times, peak, fits = {}, 0, True
@@ -457,8 +468,7 @@ def op_rows(spec: ModelSpec, topo: Topology, out: Path, *, deadline: float, hard
     ops = [r for r in records if r["type"] == "op"]
     sim = [r for r in records if r["type"] == "simulated"]
     errors = [r["error"] for r in records if r["type"] == "error"] + ([failed] if failed else [])
-    w = workload(spec)
-    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    w, g = traced(spec)
     model = cost_model(g, topo, mode="analytic", optimizer=w.optimizer)
     for r in ops:
         t = model.shard_time(r["index"], (1,) * len(g.operators[r["index"]].iteration_sizes))

@@ -351,18 +351,20 @@ def _spread(ts: Sequence[float]) -> float:
 
 
 def random_args(avals: Sequence[jax.ShapeDtypeStruct], seed: int = 0,
-                index_bound: int = 2) -> list[jax.Array]:
+                index_bound: int | None = None) -> list[jax.Array]:
     """Arguments of the given shapes: floats uniform in [-1, 1), ints uniform in
     ``[0, index_bound)``, random bools.
 
-    Integers stay below `index_bound` so that they are valid indices (token ids, labels) of any
-    gather; `index_arg_bound` gives the largest bound valid for an operator's arguments. Few
+    Integers stay below `index_bound` (default `index_arg_bound` of `avals`, the largest bound
+    valid for them) so that they are valid indices (token ids, labels) of any gather. Few
     distinct ids misprice a gather's backward: its scatter-add then sends every token to the
     same few rows, and a GPU's atomic adds serialise on them (an embedding's backward over
     4096 tokens into 2 rows took 14 ms on an H100; spread over 2048 rows, 0.2 ms).
     Made with numpy and put on the default device: no compilation per shape.
     """
     rng = np.random.default_rng(seed)
+    if index_bound is None:
+        index_bound = index_arg_bound(avals)
     out = []
     for a in avals:
         if is_key(a.dtype):  # a dropout stream's typed key: any valid keys will do

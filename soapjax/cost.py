@@ -359,7 +359,7 @@ class CostModel:
         op = self.graph.operators[op_index]
         try:
             fn, avals = self._program(op_index, degrees)
-            args = _timing.random_args(avals, index_bound=_timing.index_arg_bound(avals))
+            args = _timing.random_args(avals)
             fwd = _timing.time_forward(fn, args, self._options)
             diff = [o.kind in ("activation", "param") for o in op.inputs]
             bwd = _timing.time_backward(fn, args, diff, self._options)

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from soapjax import _timing
-from soapjax._timing import TimingOptions
+from soapjax._timing import TimingOptions, loop_floor
 from soapjax._topology_file import DeviceSpec, Efficiency
 from soapjax.attention import flash_attention
 from soapjax.kernels import FlashKernel
@@ -294,14 +294,6 @@ def measure(kernel: Kernel, options: TimingOptions = TimingOptions()) -> KernelT
     del args
     return KernelTiming(kernel.kind, kernel.name, kernel.dtype, kernel.shape, kernel.flops,
                         kernel.nbytes, t.seconds, t.spread, t.overhead_s, kernel.variant)
-
-
-def loop_floor(options: TimingOptions = TimingOptions()) -> float:
-    """Seconds of one iteration of the timing loop around a one-element add: what the harness
-    itself costs per repetition (`soapjax._timing.loop_floor`), taken off every timing.
-    `options` is not used (kept for callers)."""
-    del options
-    return _timing.loop_floor()
 
 
 def launch_overhead(calls: int = 200) -> float:

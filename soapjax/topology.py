@@ -290,7 +290,7 @@ class Topology:
         ):
             return measured.time(nbytes)
         if group_size is not None and group_size != ring.size:
-            if not 1 <= group_size < ring.size or algorithm == "hierarchical":
+            if not 1 <= group_size < ring.size or algorithm in ("hierarchical", "tree"):
                 raise TopologyError(
                     f"group_size {group_size} over axes {tuple(axes)}: expected 1 .. "
                     f"{ring.size} with the ring algorithm"

@@ -234,6 +234,8 @@ def test_the_tree_all_reduce_is_nccls_and_wins_small_buffers_over_many_nodes():
     four = load_topology("dgx-h100x32")
     assert four.collective_time("all_reduce", large, axes) < four.collective_time(
         "all_reduce", large, axes, "tree")
+    with pytest.raises(TopologyError, match=r"group_size 4 over axes .* with the ring"):
+        t.collective_time("all_reduce", small, axes, "tree", group_size=4)
     # inside one node the tree is a chain: never cheaper than the ring
     one = load_topology("dgx-h100x8")
     assert one.collective_time("all_reduce", small, ("data", "model")) < one.collective_time(
