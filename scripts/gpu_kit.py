@@ -44,6 +44,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import gzip
 import json
 import os
 import platform
@@ -68,10 +69,11 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 
 import soapjax_zoo as zoo  # noqa: E402
-from soapjax import devicefit  # noqa: E402
+from soapjax import devicefit, stepprofile  # noqa: E402
 from soapjax.cost import TimingOptions, cost_model, quiet_gc  # noqa: E402
 from soapjax.devices import local_topology  # noqa: E402
 from soapjax.graph import trace  # noqa: E402
+from soapjax.kernels import kernel_classes, shard_kernels  # noqa: E402
 from soapjax.simulate import opt_state_factor, simulate  # noqa: E402
 from soapjax.space import MeshShape, Strategy, configs  # noqa: E402
 from soapjax.topology import Efficiency, Topology, scaled_topology  # noqa: E402
@@ -79,6 +81,7 @@ from soapjax_zoo import gpt, gpt2, llama  # noqa: E402
 
 GRACE_S = 45.0  # past the budget, a subprocess still running is killed
 STEP_CALLS = 10
+PROFILE_CALLS = 3
 
 
 def say(msg: str) -> None:
@@ -286,6 +289,35 @@ def step_worker(args: argparse.Namespace, parts: Parts) -> None:
                xla_flops=_xla_flops(compiled), peak_bytes=stats.get("peak_bytes_in_use"))
     say(f"{spec.name} {spec.config}: median {statistics.median(times) * 1e3:.2f} ms over "
         f"{len(times)} calls")
+    if args.profile:
+        try:
+            profile_step(spec, compiled, (params, opt_state, batch), Path(args.parts).parent,
+                         parts)
+        except Exception as e:  # the step's time stands without its profile
+            traceback.print_exc()
+            parts.emit("profile_error", error=_error(e))
+
+
+def profile_step(spec: ModelSpec, compiled: Any, args: tuple, out: Path, parts: Parts) -> None:
+    """Three more calls under the profiler (`soapjax.stepprofile`): the step's kernels by class
+    and by source. The trace and the compiled module's text are kept beside the parts file,
+    so the classification can be redone without the device."""
+    import shutil
+
+    stem = f"{spec.name}-{spec.config}"
+    text = compiled.as_text()
+    with gzip.open(out / f"hlo-{stem}.txt.gz", "wt") as f:
+        f.write(text)
+    path, walls = stepprofile.profile_calls(
+        compiled, args, calls=PROFILE_CALLS, log_dir=out / f"profile-{stem}",
+        advance=lambda o, a: (o[0], o[1], a[2]))
+    shutil.copy(path, out / f"trace-{stem}.json.gz")
+    events = stepprofile.trace_kernels(path)
+    prof = stepprofile.summarize(events, stepprofile.classify(text), PROFILE_CALLS, walls)
+    parts.emit("profile", **prof.as_dict())
+    say(f"{stem}: profiled {PROFILE_CALLS} calls: {prof.kernels:.0f} kernels per call, busy "
+        f"{prof.busy_s * 1e3:.2f} ms of {prof.wall_s * 1e3:.2f} ms; "
+        + ", ".join(f"{k} {v[0] * 1e3:.2f} ms" for k, v in prof.classes.items()))
 
 
 def ops_worker(args: argparse.Namespace, parts: Parts) -> None:
@@ -404,11 +436,13 @@ def _run_step(spec: ModelSpec, out: Path, *, deadline: float, hard_end: float,
     """The step subprocess's measurements, and why it failed (``""`` if it did not)."""
     parts = Parts(out / f"step-{spec.name}-{spec.config}.jsonl")
     parts.path.unlink(missing_ok=True)
-    failed = run_worker(["step", "--model", json.dumps(spec), "--steps", str(args.steps)], parts,
+    what = ["step", "--model", json.dumps(spec), "--steps", str(args.steps)]
+    failed = run_worker(what + (["--profile"] if args.profile else []), parts,
                         deadline=deadline, hard_end=hard_end, quick=args.quick)
     records = parts.read()
     why = [r["error"] for r in records if r["type"] == "error"] + ([failed] if failed else [])
-    return [r for r in records if r["type"] == "step"], "; ".join(why)
+    return [r for r in records if r["type"] in ("step", "profile", "profile_error")], \
+        "; ".join(why)
 
 
 def step_row(spec: ModelSpec, topo: Topology, fitted: Efficiency | None, out: Path, *,
@@ -429,7 +463,8 @@ def step_row(spec: ModelSpec, topo: Topology, fitted: Efficiency | None, out: Pa
     say(f"{spec.name} {spec.config} (batch {w.batch_size}): predicted "
         f"{pred.datasheet_s * 1e3:.2f} ms at the datasheet peaks"
         + (f", {pred.fitted_s * 1e3:.2f} ms with the fitted table" if pred.fitted_s else ""))
-    measured, failed = _run_step(spec, out, deadline=deadline, hard_end=hard_end, args=args)
+    records, failed = _run_step(spec, out, deadline=deadline, hard_end=hard_end, args=args)
+    measured = [r for r in records if r["type"] == "step"]
     if not measured and "memory" in failed.lower() and w.batch_size > 1 and (
             deadline - time.time() > 30):
         spec = spec._replace(batch_size=w.batch_size // 2)
@@ -440,6 +475,13 @@ def step_row(spec: ModelSpec, topo: Topology, fitted: Efficiency | None, out: Pa
         return row
     if args.ops:
         row.update(op_rows(spec, topo, out, deadline=deadline, hard_end=hard_end, args=args))
+    profiles = [r for r in records if r["type"] == "profile"]
+    if profiles:
+        row["profile"] = {k: v for k, v in profiles[-1].items() if k != "type"}
+        row["profile"]["model"] = model_classes(spec, topo)
+    else:
+        row.update({"profile_error": r["error"] for r in records
+                    if r["type"] == "profile_error"})
     m = measured[-1]
     peak = topo.device.peak_flops_for("bfloat16")
     row.update({k: v for k, v in m.items() if k != "type"})
@@ -484,6 +526,31 @@ def op_rows(spec: ModelSpec, topo: Topology, out: Path, *, deadline: float, hard
     return found
 
 
+def model_classes(spec: ModelSpec, topo: Topology) -> dict[str, list[float]]:
+    """The kernel model's unsharded step as ``[seconds, kernels]`` per class, the classes of
+    `soapjax.stepprofile`: each operator's kernels forward and backward
+    (`soapjax.kernels.kernel_classes`), operators it does not apply to as ``roofline``, and
+    the rest of the simulated step (the optimizer's update) as ``update``."""
+    w, g = traced(spec)
+    model = cost_model(g, topo, mode="analytic", optimizer=w.optimizer)
+    out: dict[str, list[float]] = {}
+    ops_s = 0.0
+    for i, op in enumerate(g.operators):
+        degrees = (1,) * len(op.iteration_sizes)
+        t = model.shard_time(i, degrees)
+        ops_s += t.forward_s + t.backward_s
+        classes = kernel_classes(shard_kernels(g, op, degrees), topo.device)
+        for kind, (seconds, n) in (classes or {"roofline": (t.forward_s + t.backward_s, 0)}
+                                   ).items():
+            row = out.setdefault(kind, [0.0, 0])
+            row[0] += seconds
+            row[1] += n
+    factor = opt_state_factor(w.optimizer, w.abstract_params())
+    r = simulate(g, topo, replicated(g, topo), cost_model=model, opt_state_factor=factor)
+    out["update"] = [max(r.step_time_s - ops_s, 0.0), 0]
+    return out
+
+
 # --- the report ----------------------------------------------------------------------------------
 
 
@@ -524,6 +591,7 @@ def render(results: dict) -> str:
                   "fit_attention_efficiency`): the figure for the topology's `[device.kernels]`."]
     lines += _step_table(results["steps"])
     lines += _ops_tables(results["steps"])
+    lines += _profile_tables(results["steps"])
     notes = list(results["notes"]) + [f"{e['name']}: {e['error']}" for e in results["errors"]]
     if results["skipped"]:
         notes.append(f"left out for the budget: {', '.join(results['skipped'])}")
@@ -630,6 +698,47 @@ def _ops_tables(steps: list[dict], top: int = 12) -> list[str]:
     return lines
 
 
+def _profile_tables(steps: list[dict], top: int = 10) -> list[str]:
+    lines = []
+    for s in steps:
+        p = s.get("profile")
+        if not p:
+            if s.get("profile_error"):
+                lines += ["", f"{s['model']} {s['config']}: not profiled: "
+                          f"{s['profile_error'][:300]}"]
+            continue
+        model = p.get("model", {})
+        idle = p["wall_s"] - p["busy_s"]
+        lines += ["", f"{s['model']} {s['config']}, profiled (`soapjax.stepprofile`, "
+                  f"{p['calls']} calls): {p['kernels']:.0f} kernels per step; the device was "
+                  f"busy {_ms(p['busy_s'])} of the step's {_ms(p['wall_s'])} (idle "
+                  f"{_ms(idle)}, {idle / p['wall_s'] * 100:.0f}%); kernel time by class, "
+                  "beside the kernel model's (`model_classes`):", "",
+                  "| class | kernels | device time | share | kernel model | its kernels |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        kinds = list(p["classes"]) + [k for k in model if k not in p["classes"]]
+        for kind in kinds:
+            sec, n = p["classes"].get(kind, (0.0, 0))
+            msec, mn = model.get(kind, (None, None))
+            lines.append(f"| {kind} | {n:.0f} | {_ms(sec)} | "
+                         f"{sec / p['kernels_s'] * 100:.0f}% | {_ms(msec)} | "
+                         f"{'-' if mn is None else f'{mn:.0f}'} |")
+        groups: dict[str, list[float]] = {}
+        for src, (sec, n) in p["sources"].items():
+            g = groups.setdefault(op_group(src), [0.0, 0.0])
+            g[0] += sec
+            g[1] += n
+        lines += ["", f"Its {min(top, len(groups))} largest sources (the model path in each "
+                  "kernel's JAX op name, layers added up):", "",
+                  "| source | kernels | device time |", "|---|---:|---:|"]
+        lines += [f"| `{k}` | {v[1]:.0f} | {_ms(v[0])} |"
+                  for k, v in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]]
+        if p.get("unmatched"):
+            lines.append(f"\n{p['unmatched']:.0f} kernels per step ran for no instruction "
+                         "of the step's module.")
+    return lines
+
+
 # --- the run -------------------------------------------------------------------------------------
 
 
@@ -717,6 +826,10 @@ def main(argv: list[str] | None = None) -> dict:
                         "parts (e.g. 'attention,gemm 8192'; default: every kernel)")
     p.add_argument("--no-ops", dest="ops", action="store_false",
                    help="do not time each model's operators one by one (item 5)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile each model's step (jax.profiler, 3 more calls): its kernels "
+                        "by class and source beside the kernel model's; the traces and HLO "
+                        "are kept in OUT")
     p.add_argument("--write-docs", action="store_true", help="append the section to "
                    "docs/accuracy.md")
     p.add_argument("--worker", choices=("kernels", "step", "ops"), help=argparse.SUPPRESS)

@@ -78,7 +78,7 @@ from soapjax.roofline import OpTime, analytic_op_time
 from soapjax.topology import DeviceSpec, KernelSpec
 
 __all__ = ["FlashKernel", "FusedKernel", "Gemm", "Kernels", "causal_tiles", "flash_time",
-           "fused_time",
+           "fused_time", "kernel_classes",
            "gemm_time", "kernel_op_time",
            "kernels_time", "op_kernels", "shard_kernels"]
 
@@ -120,9 +120,11 @@ class Gemm(NamedTuple):
 
 
 class FusedKernel(NamedTuple):
-    """One fused elementwise/reduction kernel moving `nbytes`."""
+    """One fused elementwise/reduction kernel moving `nbytes`; `reduces` where it holds a
+    reduction (its result is what a later kernel reads)."""
 
     nbytes: float
+    reduces: bool = False
 
 
 class FlashKernel(NamedTuple):
@@ -347,7 +349,8 @@ def op_kernels(closed: jcore.ClosedJaxpr, params: Sequence[bool] = ()) -> Kernel
         nbytes = (sum(_read_bytes(i, eqns, consumers, size) for i in read)
                   + sum(size.get(o, 0.0) for o in written))
         if nbytes:
-            kernels.append((min(members), FusedKernel(nbytes)))
+            reduces = any(eqns[j][0].primitive.name in _REDUCTIONS for j in members)
+            kernels.append((min(members), FusedKernel(nbytes, reduces)))
     return Kernels(tuple(k for _, k in sorted(kernels, key=lambda x: x[0])))
 
 
@@ -409,8 +412,27 @@ def kernels_time(kernels: Iterable[Gemm | FusedKernel | FlashKernel], device: De
             parts: Sequence[Gemm] = k.transposes() if backward else (k,)
             total += sum(gemm_time(g, peak, bw, spec) for g in parts)
         else:
-            total += fused_time(FusedKernel(2 * k.nbytes) if backward else k, bw, spec)
+            total += fused_time(k._replace(nbytes=2 * k.nbytes) if backward else k, bw, spec)
     return total
+
+
+def kernel_classes(kernels: Kernels, device: DeviceSpec) -> dict[str, tuple[float, int]]:
+    """One shard's kernels, forward and backward, as ``(seconds, kernels)`` per class, in the
+    words of `soapjax.stepprofile` (``gemm``, ``attention``: a flash kernel, ``reduction``,
+    ``elementwise``), so a profile of the step compares class by class. Empty where the
+    model does not apply (`Kernels.forward` is None) or the device has no kernel table."""
+    spec, out = device.kernels, {}
+    if spec is None or kernels.forward is None:
+        return {}
+    for k in kernels.forward:
+        kind = ("attention" if isinstance(k, FlashKernel) else "gemm" if isinstance(k, Gemm)
+                else "reduction" if k.reduces else "elementwise")
+        seconds = (kernels_time([k], device, spec)
+                   + kernels_time([k], device, spec, backward=True))
+        count = 3 if isinstance(k, Gemm) else 2
+        s, n = out.get(kind, (0.0, 0))
+        out[kind] = (s + seconds, n + count)
+    return out
 
 
 def kernel_op_time(kernels: Kernels, op: Operator, degrees: tuple[int, ...],

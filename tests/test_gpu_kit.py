@@ -26,7 +26,7 @@ SECTIONS = ("meta", "device", "overhead", "topology", "kernels", "errors", "skip
 
 def run_kit(out: Path, env: dict[str, str]) -> dict:
     cmd = [sys.executable, str(KIT), "--quick", "--models", "gpt2-tiny", "--budget-s", "120",
-           "--out", str(out)]
+           "--profile", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((out / "results.json").read_text())
@@ -116,6 +116,21 @@ def test_every_operator_is_timed_beside_the_kernel_model(kit):
         step["simulated_measured_ops_s"] / step["measured_s"] - 1)
 
 
+def test_the_step_is_profiled_beside_the_kernel_model(kit):
+    results, out = kit
+    (step,) = results["steps"]
+    p = step["profile"]
+    assert p["calls"] == 3 and p["unmatched"] == 0 and "profile_error" not in step
+    assert 0 < p["busy_s"] <= p["kernels_s"] + 1e-12 and p["kernels"] > 100
+    assert p["classes"]["gemm"][1] >= 3 * (2 * 6 + 1)
+    assert sum(s for s, _ in p["classes"].values()) == pytest.approx(p["kernels_s"])
+    # the CPU's topology has no kernel table: the model's side is its roofline and update
+    assert set(p["model"]) == {"roofline", "update"} and p["model"]["roofline"][0] > 0
+    # what the profile was read from is kept, so it can be read again without the device
+    assert (out / "trace-gpt2-tiny.json.gz").stat().st_size > 0
+    assert (out / "hlo-gpt2-tiny.txt.gz").stat().st_size > 0
+
+
 def test_a_kernel_filter_keeps_the_named_kernels_only(tmp_path):
     cmd = [sys.executable, str(KIT), "--quick", "--models", "--no-ops", "--kernels",
            "attention,gemm 64x", "--budget-s", "60", "--out", str(tmp_path)]
@@ -133,7 +148,8 @@ def test_the_markdown_section_has_every_table(kit):
     text = (kit[1] / "accuracy-section.md").read_text()
     assert text.startswith("## GPU kit: cpu, ")
     for heading in ("| GEMM (m x n x k) |", "| memory-bound kernel |", "| attention (causal",
-                    "[device.efficiency]", "| gpt2 tiny | 8 |", "| `*/mlp/fc1` | 2 |"):
+                    "[device.efficiency]", "| gpt2 tiny | 8 |", "| `*/mlp/fc1` | 2 |",
+                    "gpt2 tiny, profiled", "| class | kernels | device time |"):
         assert heading in text, heading
 
 

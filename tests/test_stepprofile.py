@@ -1,0 +1,91 @@
+"""soapjax.stepprofile: a real step profiled on the CPU, its kernels classified from its HLO."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import soapjax_zoo as zoo
+from soapjax import stepprofile as sp
+
+
+@pytest.fixture(scope="module")
+def gpt2_step():
+    w = zoo.get("gpt2", "tiny")
+    params = jax.jit(w.init_params)(jax.random.key(0))
+    opt_state = jax.jit(w.optimizer.init)(params)
+    batch = w.make_batch(jax.random.key(1))
+    compiled = jax.jit(w.train_step(), donate_argnums=(0, 1)).lower(
+        params, opt_state, batch).compile()
+    params, opt_state, _ = jax.block_until_ready(compiled(params, opt_state, batch))
+    return compiled, (params, opt_state, batch)
+
+
+def test_a_profiled_step_accounts_for_every_kernel_of_its_module(gpt2_step, tmp_path):
+    compiled, args = gpt2_step
+    path, walls = sp.profile_calls(compiled, args, calls=2, log_dir=tmp_path,
+                                   advance=lambda out, a: (out[0], out[1], a[2]))
+    assert len(walls) == 2 and all(w > 0 for w in walls)
+    events = sp.trace_kernels(path)
+    classes = sp.classify(compiled.as_text())
+    prof = sp.summarize(events, classes, 2, walls)
+    # every event ran an instruction of the step's module, every instruction ran once a call
+    assert prof.unmatched == 0 and {e.hlo_op for e in events} <= set(classes)
+    assert prof.kernels == len(classes)
+    assert sum(n for _, n in prof.classes.values()) == pytest.approx(prof.kernels)
+    assert sum(s for s, _ in prof.classes.values()) == pytest.approx(prof.kernels_s)
+    assert 0 < prof.busy_s <= prof.kernels_s + 1e-12
+    assert {"gemm", "reduction", "elementwise"} <= set(prof.classes)
+    # GPT-2 tiny: 2 blocks of 4 projections and 2 MLP matmuls, their backwards, the head
+    assert prof.classes["gemm"][1] >= 3 * (2 * 6 + 1)
+    assert "layers_0/mlp/fc1" in prof.sources and "layers_0/mlp/fc1 (backward)" in prof.sources
+    assert "(update)" in prof.sources
+    json.dumps(prof.as_dict())
+
+
+def test_instructions_are_classified_by_what_their_fusion_holds():
+    def f(x, w):
+        y = jnp.tanh(x @ w)  # a GEMM, an elementwise fusion
+        return jax.nn.softmax(y, axis=-1).T.copy()  # reductions, a transpose
+
+    text = jax.jit(f).lower(jnp.ones((64, 32)), jnp.ones((32, 16))).compile().as_text()
+    kinds = sorted(c.kind for c in sp.classify(text).values())
+    assert "gemm" in kinds and "reduction" in kinds, kinds
+    assert set(kinds) <= set(sp.KERNEL_CLASSES)
+
+
+def test_a_gpu_trace_counts_its_streams_not_the_lines_derived_from_them(tmp_path):
+    # The Chrome trace format XLA's profiler writes for a GPU: a device process with a
+    # stream line and an "XLA Ops" line that repeats each kernel; host threads beside it.
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name",
+         "args": {"name": "Stream #7(Compute)"}},
+        {"ph": "M", "pid": 1, "tid": 9, "name": "thread_name", "args": {"name": "XLA Ops"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 1, "tid": 7, "ts": 0.0, "dur": 10.0, "name": "sm90_gemm",
+         "args": {"hlo_op": "d"}},
+        {"ph": "X", "pid": 1, "tid": 7, "ts": 15.0, "dur": 5.0, "name": "input_reduce_fusion",
+         "args": {"hlo_op": "s"}},
+        {"ph": "X", "pid": 1, "tid": 7, "ts": 25.0, "dur": 1.0, "name": "Memcpy DtoD"},
+        {"ph": "X", "pid": 1, "tid": 9, "ts": 0.0, "dur": 10.0, "name": "d",
+         "args": {"hlo_op": "d"}},
+        {"ph": "X", "pid": 2, "tid": 3, "ts": 0.0, "dur": 30.0, "name": "Thunk",
+         "args": {"hlo_op": "d"}},
+    ]
+    path = tmp_path / "gpu.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    got = sp.trace_kernels(path)
+    assert [e.name for e in got] == ["sm90_gemm", "input_reduce_fusion", "Memcpy DtoD"]
+    classes = {"d": sp.Instruction("gemm", "dot", "mlp"),
+               "s": sp.Instruction("reduction", "fusion", "mlp (backward)")}
+    prof = sp.summarize(got, classes, 1, [40e-6])
+    assert prof.classes == {"gemm": (pytest.approx(10e-6), 1),
+                            "reduction": (pytest.approx(5e-6), 1),
+                            "copy": (pytest.approx(1e-6), 1)}
+    assert prof.busy_s == pytest.approx(16e-6) and prof.unmatched == 0
