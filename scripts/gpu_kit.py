@@ -571,7 +571,9 @@ def render(results: dict) -> str:
              f"{meta['budget_s']:.0f} s) at {meta.get('git', '?')}: jax {h.get('jax', '?')} "
              f"({h.get('backend', '?')}), {h.get('device_count', '?')} device(s). Datasheet "
              f"figures: {peaks['source']} ({peaks['bfloat16_tflops']:.4g} TFLOP/s bfloat16, "
-             f"{peaks['float32_tflops']:.4g} float32, {peaks['memory_GBps']:.4g} GB/s)."]
+             f"{peaks['float32_tflops']:.4g} float32, {peaks['memory_GBps']:.4g} GB/s)."
+             + (f" Profiles read again and rendered by `{meta['rendered']}`."
+                if meta.get("rendered") else "")]
     if results.get("overhead"):
         o = results["overhead"]
         lines += ["", f"One jitted call of a one-element add, waited for: {_ms(o['launch_s'])}; "
@@ -830,6 +832,10 @@ def main(argv: list[str] | None = None) -> dict:
                    help="profile each model's step (jax.profiler, 3 more calls): its kernels "
                         "by class and source beside the kernel model's; the traces and HLO "
                         "are kept in OUT")
+    p.add_argument("--render-from", metavar="DIR",
+                   help="run nothing: read DIR/results.json of an earlier run, read its profiles "
+                        "again from the traces and HLO kept in DIR (the classification of "
+                        "this checkout), and write the section again")
     p.add_argument("--write-docs", action="store_true", help="append the section to "
                    "docs/accuracy.md")
     p.add_argument("--worker", choices=("kernels", "step", "ops"), help=argparse.SUPPRESS)
@@ -838,6 +844,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.steps = args.steps or (3 if args.quick else STEP_CALLS)
+    if args.render_from:
+        return render_again(Path(args.render_from), Path(args.out), write_docs=args.write_docs)
     if args.worker:
         parts = Parts(Path(args.parts))
         try:
@@ -875,6 +883,37 @@ def measure_steps(results: dict, topo: Topology, fitted: Efficiency | None, out:
                            f"{_pct(row['error_datasheet'])} (datasheet), "
                            f"{_pct(row.get('error_fitted'))} (fitted)"
                            if "measured_s" in row else f"FAILED {row.get('error')}"))
+
+
+def reprofile(folder: Path, row: dict) -> None:
+    """A step row's profile read again from the trace and HLO its run kept in `folder`."""
+    stem = f"{row['model']}-{row['config']}"
+    trace_file, hlo = folder / f"trace-{stem}.json.gz", folder / f"hlo-{stem}.txt.gz"
+    if not (trace_file.exists() and hlo.exists() and row.get("profile")):
+        return
+    with gzip.open(hlo, "rt") as f:
+        classes = stepprofile.classify(f.read())
+    old = row["profile"]
+    prof = stepprofile.summarize(stepprofile.trace_kernels(trace_file), classes, old["calls"],
+                                 [old["wall_s"]])
+    row["profile"] = {**prof.as_dict(), "model": old.get("model", {})}
+
+
+def render_again(folder: Path, out: Path, *, write_docs: bool) -> dict:
+    """`--render-from`: an earlier run's results, its profiles read again, rendered."""
+    results = json.loads((folder / "results.json").read_text())
+    for row in results["steps"]:
+        reprofile(folder, row)
+    results["meta"]["rendered"] = ("python3 scripts/gpu_kit.py " + " ".join(sys.argv[1:])).strip()
+    out.mkdir(parents=True, exist_ok=True)
+    section = render(results)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (out / "accuracy-section.md").write_text(section)
+    if write_docs:
+        with (ROOT / "docs" / "accuracy.md").open("a") as f:
+            f.write("\n" + section)
+    print(section, flush=True)
+    return results
 
 
 def run(args: argparse.Namespace) -> dict:

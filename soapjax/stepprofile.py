@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import statistics
 import tempfile
 import time
@@ -63,6 +64,10 @@ _LAYOUT = frozenset({"parameter", "constant", "copy", "transpose", "bitcast", "r
                      "dynamic-slice", "dynamic-update-slice", "iota", "reverse"})
 _NOT_KERNELS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                           "after-all", "while", "conditional", "call"})
+# Name-stack parts a loop, a branch or a checkpoint adds (not module paths).
+_CONTROL = frozenset({"while", "body", "cond", "eval_jaxpr", "scan", "checkpoint", "remat",
+                      "rematted_computation", "checkpoint_name"})
+_BRANCH = re.compile(r"branch_\d+_fun")
 # Instructions that only move memory when they run alone.
 _MEMORY = frozenset({"copy", "transpose", "copy-start", "copy-done", "gather", "dynamic-slice",
                      "dynamic-update-slice", "slice", "concatenate", "pad"})
@@ -191,13 +196,18 @@ def trace_kernels(path: str | Path) -> list[KernelEvent]:
 def source_of(name: str) -> str:
     """Where a JAX op name says an instruction came from: the model path (the name stack's
     parts that are not transformations), with ``(backward)`` under a transpose; outside the
-    model's modules, ``(outside the modules)`` inside the differentiated function (the
-    loss) and ``(update)`` outside it (the optimizer's update); ``''`` for no name.
+    model's modules, ``(loops)`` in a loop's own work (a scan slicing its inputs and stacking
+    its outputs), ``(outside the modules)`` inside the differentiated function (the loss)
+    and ``(update)`` outside it (the optimizer's update); ``''`` for no name.
 
     >>> source_of("jit(step)/jit(main)/transpose(jvp(LLaMA))/layers_0/attn/q/dot_general")
     'layers_0/attn/q (backward)'
     >>> source_of("jit(step)/jvp(GPT2)/wte/jit(_take)/jit(_where)/select_n")
     'wte'
+    >>> source_of("jit(step)/jvp(M)/while/body/eval_jaxpr/layers/attn/cond/branch_1_fun/exp")
+    'layers/attn'
+    >>> source_of("jit(step)/transpose(jvp(M))/while/body/dynamic_update_slice")
+    '(loops) (backward)'
     >>> source_of("jit(step)/jvp()/reduce_sum"), source_of("jit(step)/mul")
     ('(outside the modules)', '(update)')
     """
@@ -206,10 +216,13 @@ def source_of(name: str) -> str:
         return ""
     if "[" in parts[0]:  # an argument's path: the value as passed in
         return "(arguments)"
-    path = "/".join(p for p in parts[:-1] if "(" not in p)
+    path = "/".join(p for p in parts[:-1] if "(" not in p and p not in _CONTROL
+                    and not _BRANCH.fullmatch(p))
     backward = " (backward)" if "transpose(" in name else ""
     if path:
         return path + backward
+    if "while" in parts[:-1]:  # a loop's own work: slicing its inputs, stacking its outputs
+        return "(loops)" + backward
     if "jvp(" in name:
         return "(outside the modules)" + backward
     return "(update)"
@@ -294,26 +307,51 @@ def _union_us(events: Iterable[KernelEvent]) -> float:
     return total
 
 
+def _kernel_name(name: str) -> str:
+    return name.replace(".", "_").replace("-", "_")
+
+
+def _library_kernel(name: str) -> tuple[str, str]:
+    """The class and source of a kernel no instruction is named after: a library's GEMM
+    (cuBLAS's ``nvjet_*``, ``sm90_xmma_gemm_*``, CUTLASS), cuDNN's attention, the driver's
+    memory copies and sets (XLA's copies and slices inside a CUDA graph), a CUDA graph's
+    branch selection (a loop's or a conditional's control)."""
+    low = name.lower()
+    if "fmha" in low or "flash" in low or "cudnn" in low:
+        return "attention", "(library kernels)"
+    if any(w in low for w in ("gemm", "xmma", "nvjet", "cutlass", "cublas", "matmul")):
+        return "gemm", "(library GEMMs)"
+    if low.startswith(("memcpy", "memset")):
+        return "copy", "(memory copies)"
+    if "condition" in low:
+        return "other", "(loop control)"
+    return "other", "(unmatched)"
+
+
 def summarize(events: Sequence[KernelEvent], classes: dict[str, Instruction], calls: int,
               walls: Sequence[float], *, top: int = 15) -> StepProfile:
     """The events of `calls` profiled calls as one call's `StepProfile` (times divided by
-    `calls`; the wall time is the median of `walls`). An event whose ``hlo_op`` the module
-    does not name counts as class ``other`` and source ``(unmatched)``; the GPU's memory
-    copies and sets, which run for no instruction, count as ``copy``."""
+    `calls`; the wall time is the median of `walls`). An event is matched to its
+    instruction by its ``hlo_op``, else by its kernel's name; one that matches neither is
+    classed by its name (`_library_kernel`: cuBLAS's GEMMs, memory copies, ...) and counted
+    in ``unmatched`` only where that says nothing either."""
     per_class: dict[str, list[float]] = {}
     per_source: dict[str, list[float]] = {}
     per_op: dict[tuple[str, str], list[float]] = {}
+    # A GPU kernel is named after its fusion ("loop_add_fusion_3" for "loop_add_fusion.3"); in
+    # a CUDA graph (XLA's command buffers) the event's hlo_op is the command buffer's.
+    by_kernel = {_kernel_name(name): inst for name, inst in classes.items()}
     unmatched = 0
     for e in events:
-        inst = classes.get(e.hlo_op)
+        inst = classes.get(e.hlo_op) or by_kernel.get(_kernel_name(e.name))
         if inst is None:
-            memory = e.name.lower().startswith(("memcpy", "memset"))
-            kind, source = ("copy", "(memory copies)") if memory else ("other", "(unmatched)")
-            unmatched += not memory
+            kind, source = _library_kernel(e.name)
+            unmatched += source == "(unmatched)"
         else:
             kind, source = inst.kind, inst.source or "(no name)"
         for table, key in ((per_class, kind), (per_source, source),
-                           (per_op, (e.hlo_op or e.name, kind))):
+                           (per_op, (e.name if inst is None else e.hlo_op if e.hlo_op in classes
+                                     else e.name, kind))):
             row = table.setdefault(key, [0.0, 0.0])
             row[0] += e.duration_us * 1e-6 / calls
             row[1] += 1 / calls
