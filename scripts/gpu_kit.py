@@ -28,7 +28,12 @@ In order:
    simulator's structure on a GPU, apart from its kernel model. Each operator's measured time
    stands beside the kernel model's (the topology file's ``[device.kernels]``), so the
    operators the kernel model misprices are named.
-6. ``OUT/results.json`` (everything), ``OUT/efficiency.toml`` and ``OUT/accuracy-section.md``
+6. With ``--profile``: each step profiled (`soapjax.stepprofile`, three more calls): its
+   kernels by class (GEMM, reduction, elementwise, copy, ...) and by source in the model,
+   beside the kernel model's kernels of each class (`model_classes`), and the device's idle
+   time; the trace and the compiled HLO are kept in OUT, and ``--render-from OUT`` reads them
+   again and renders the section, running nothing.
+7. ``OUT/results.json`` (everything), ``OUT/efficiency.toml`` and ``OUT/accuracy-section.md``
    (a section for docs/accuracy.md); ``--write-docs`` appends that section to the doc.
 
 Every measurement runs in a subprocess with a deadline (``--budget-s``, default 420 s: no new

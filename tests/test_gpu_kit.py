@@ -131,6 +131,23 @@ def test_the_step_is_profiled_beside_the_kernel_model(kit):
     assert (out / "hlo-gpt2-tiny.txt.gz").stat().st_size > 0
 
 
+def test_an_earlier_runs_profiles_are_read_again_without_the_device(kit, tmp_path):
+    results, out = kit
+    cmd = [sys.executable, str(KIT), "--render-from", str(out), "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    again = json.loads((tmp_path / "results.json").read_text())
+    (before,), (after,) = results["steps"], again["steps"]
+    assert after["profile"]["kernels"] == before["profile"]["kernels"]
+    for kind, (seconds, n) in before["profile"]["classes"].items():
+        assert after["profile"]["classes"][kind] == pytest.approx([seconds, n]), kind
+    assert after["profile"]["model"] == before["profile"]["model"]
+    assert after["measured_s"] == before["measured_s"]
+    text = (tmp_path / "accuracy-section.md").read_text()
+    assert "Profiles read again and rendered by" in text and "gpt2 tiny, profiled" in text
+
+
 def test_a_kernel_filter_keeps_the_named_kernels_only(tmp_path):
     cmd = [sys.executable, str(KIT), "--quick", "--models", "--no-ops", "--kernels",
            "attention,gemm 64x", "--budget-s", "60", "--out", str(tmp_path)]

@@ -89,3 +89,22 @@ def test_a_gpu_trace_counts_its_streams_not_the_lines_derived_from_them(tmp_path
                             "reduction": (pytest.approx(5e-6), 1),
                             "copy": (pytest.approx(1e-6), 1)}
     assert prof.busy_s == pytest.approx(16e-6) and prof.unmatched == 0
+
+
+def test_kernels_of_a_cuda_graph_match_their_fusions_by_name():
+    # In a CUDA graph every kernel's hlo_op is its command buffer's; the kernel is named after
+    # its fusion, dots as underscores. cuBLAS's and the driver's kernels are classed by name.
+    def event(name, dur):
+        return sp.KernelEvent(name, "command_buffer_3", 0.0, dur, "Stream #14")
+
+    classes = {"loop_add_fusion.3": sp.Instruction("elementwise", "fusion", "mlp"),
+               "input_reduce_fusion": sp.Instruction("reduction", "fusion", "norm")}
+    events = [event("loop_add_fusion_3", 2.0), event("input_reduce_fusion", 3.0),
+              event("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 5.0),
+              event("memcpy128", 1.0), event("set_case_condition", 0.5), event("mystery", 0.25)]
+    prof = sp.summarize(events, classes, 1, [20e-6])
+    assert {k: n for k, (_, n) in prof.classes.items()} == {
+        "gemm": 1, "reduction": 1, "elementwise": 1, "copy": 1, "other": 2}
+    assert set(prof.sources) == {"mlp", "norm", "(library GEMMs)", "(memory copies)",
+                                 "(loop control)", "(unmatched)"}
+    assert prof.unmatched == 1  # only "mystery": the rest are known by name
