@@ -40,7 +40,7 @@ from soapjax.search import (
     make_simulation,
     random_strategy,
 )
-from soapjax.simulate import opt_state_factor
+from soapjax.simulate import open_simulation, opt_state_factor
 from soapjax.space import MeshShape, Strategy, configs, data_parallel
 from soapjax.topology import load_topology, scaled_topology
 from soapjax_eval.modes import Mode
@@ -124,8 +124,10 @@ class Workbench:
             self._searches[key] = out
             return out
         info, strategy = dict(plan.search), plan.strategy(g, topo)
-        sim.reset(strategy)
-        out["soapjax"] = _sim_summary(sim)
+        # a pipelined plan is priced by a PipelinedSimulation (one stage's mesh), not `sim`
+        with open_simulation(g, topo, strategy, cost_model=cm,
+                             opt_state_factor=factor) as searched:
+            out["soapjax"] = _sim_summary(searched)
         out["search"] = {"proposals": info["proposals"], "cpu_s": time.process_time() - c0,
                          "wall_s": info["search_time_s"], "start": info["best_from"],
                          "max_proposals": settings.max_proposals, "seed": settings.seed}
@@ -247,16 +249,18 @@ def _local_optimality(bench: Workbench, name: str, n: int, label: str) -> dict:
     if "error" in entry:
         return {"model": name, "devices": n, "error": entry["error"]}
     g, topo, cm, factor, strategy = entry["_live"]
-    sim = make_simulation(g, topo, cost_model=cm, strategy=strategy, opt_state_factor=factor)
-    mesh = MeshShape.of(topo)
-    c0 = time.process_time()
-    change = improving_change(sim)
-    return {"model": name, "devices": n, "operators": len(g.operators),
-            "neighbours": sum(len(configs(op, mesh)) - 1 for op in g.operators),
-            "step_time_s": sim.step_time(), "local_optimum": change is None,
-            "better_neighbour_s": None if change is None else change[2],
-            "operator": None if change is None else g.operators[change[0]].name,
-            "check_cpu_s": time.process_time() - c0}
+    # a pipelined plan's neighbours are its operators' configs over one stage's mesh
+    with open_simulation(g, topo, strategy, cost_model=cm, opt_state_factor=factor) as sim:
+        mesh = MeshShape.of(sim.topology)
+        c0 = time.process_time()
+        change = improving_change(sim)
+        return {"model": name, "devices": n, "operators": len(g.operators),
+                "neighbours": sum(len(configs(op, mesh)) - 1 for op in g.operators),
+                "stages": strategy.stages,
+                "step_time_s": sim.step_time(), "local_optimum": change is None,
+                "better_neighbour_s": None if change is None else change[2],
+                "operator": None if change is None else g.operators[change[0]].name,
+                "check_cpu_s": time.process_time() - c0}
 
 
 def _longer_search(bench: Workbench, name: str, spec: str, label: str) -> dict | None:

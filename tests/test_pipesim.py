@@ -19,11 +19,13 @@ from soapjax.reshard import Resharder
 from soapjax.search import (
     SearchSettings,
     find_plan,
+    improving_change,
     interleave_choices,
+    make_simulation,
     pipeline_grid,
     stage_choices,
 )
-from soapjax.simulate import Simulation
+from soapjax.simulate import Simulation, open_simulation
 from soapjax.space import MeshShape, configs
 from soapjax.topology import load_topology, stage_topology
 
@@ -232,3 +234,21 @@ def test_a_spent_budget_does_not_hide_the_grid_point_that_fits():
                      costs="analytic")
     assert plan.pipeline[0] > 1
     assert max(dict(plan.predicted)["peak_memory_bytes"]) <= 520_000
+
+
+def test_a_pipelined_plans_neighbours_are_walked_over_one_stages_mesh():
+    """What scripts/evaluate.py's quality section does with a searched plan that has stages:
+    a flat simulation refuses it (the section crashed on LLaMA's 2-stage plan on 16 P100s), the
+    pipelined one `open_simulation` opens walks its single-operator changes."""
+    g = gpt()
+    strategy = megatron_3d(g, A100, tp=4, pp=2, microbatch_size=2, recompute="none")
+    with pytest.raises(PlanError, match="2 pipeline stages"):
+        make_simulation(g, A100, strategy=strategy)
+    costs = cost_model(g, A100, mode="analytic")
+    with open_simulation(g, A100, strategy, cost_model=costs) as sim:
+        assert isinstance(sim, PipelinedSimulation) and sim.topology.num_devices == 16
+        before = sim.step_time()
+        change = improving_change(sim)
+        assert sim.strategy == strategy and sim.step_time() == before  # every proposal rejected
+        if change is not None:
+            assert change[2] < before
