@@ -161,6 +161,10 @@ KIT_MODELS = {
     "llama-1b-flash": ModelSpec("llama", "1b-flash", 1, "7b", (
         ("d_model", 2048), ("num_heads", 16), ("num_kv_heads", 8), ("num_layers", 16),
         ("mlp_hidden", 5632), ("seq_len", 4096), ("attention", "flash"))),
+    # and with cuDNN's fused attention kernel (`flash_attention(..., implementation="cudnn")`)
+    "llama-1b-cudnn": ModelSpec("llama", "1b-cudnn", 1, "7b", (
+        ("d_model", 2048), ("num_heads", 16), ("num_kv_heads", 8), ("num_layers", 16),
+        ("mlp_hidden", 5632), ("seq_len", 4096), ("attention", "cudnn"))),
     "gpt2-tiny": ModelSpec("gpt2", "tiny"),
     "llama-tiny": ModelSpec("llama", "tiny"),
     "gpt-tiny": ModelSpec("gpt", "tiny"),
@@ -596,6 +600,11 @@ def render(results: dict) -> str:
                   f"`attention_efficiency = {results['attention_efficiency']:.3f}` of the bf16 "
                   "peak as the kernel model counts its FLOPs (`devicefit."
                   "fit_attention_efficiency`): the figure for the topology's `[device.kernels]`."]
+    if results.get("cudnn_attention_efficiency") is not None:
+        lines += ["", "cuDNN's fused attention (`jax.nn.dot_product_attention`'s \"cudnn\", what "
+                  "`flash_attention(..., implementation=\"cudnn\")` runs where the sequence is "
+                  "whole), forward and backward, reached `cudnn_attention_efficiency = "
+                  f"{results['cudnn_attention_efficiency']:.3f}` the same way."]
     lines += _step_table(results["steps"])
     lines += _ops_tables(results["steps"])
     lines += _profile_tables(results["steps"])
@@ -794,6 +803,10 @@ def fit(results: dict, topo: Topology, args: argparse.Namespace) -> Efficiency |
     if attention is not None:
         results["attention_efficiency"] = attention
         say(f"soapjax's flash attention: attention_efficiency = {attention:.3f}")
+    cudnn = devicefit.fit_attention_efficiency(timings, device, variant="cudnn")
+    if cudnn is not None:
+        results["cudnn_attention_efficiency"] = cudnn
+        say(f"cuDNN's fused attention: cudnn_attention_efficiency = {cudnn:.3f}")
     if not any(t.kind in ("gemm", "stream") for t in timings):
         results["notes"].append("no GEMM or streaming kernel was measured: no table fitted")
         return None
@@ -931,7 +944,8 @@ def run(args: argparse.Namespace) -> dict:
                  "budget_s": args.budget_s, "quick": args.quick, "git": _git(),
                  "planner_jax": jax.__version__},
         "device": None, "overhead": None, "topology": None, "kernels": [], "errors": [],
-        "skipped": [], "efficiency": None, "attention_efficiency": None, "steps": [],
+        "skipped": [], "efficiency": None, "attention_efficiency": None,
+        "cudnn_attention_efficiency": None, "steps": [],
         "notes": []}
     say(f"planning with jax {jax.__version__} on {jax.default_backend()}; budget "
         f"{args.budget_s:.0f} s; out {out}")

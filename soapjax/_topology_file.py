@@ -223,6 +223,9 @@ class KernelSpec:
         cores on Ampere and later); 0: the ``peak_flops`` float32 figure.
       attention_efficiency: the fraction of the peak a flash attention kernel's FLOPs reach
         (`soapjax.kernels.FlashKernel`); 0: `gemm_efficiency`.
+      cudnn_attention_efficiency: the same for cuDNN's fused attention kernel, which
+        `soapjax.attention.flash_attention(..., implementation="cudnn")` runs where the
+        sequence is whole; 0: `attention_efficiency`.
       source: where the figures come from (free text, shown in reports).
     """
 
@@ -234,13 +237,17 @@ class KernelSpec:
     float32_matmul: float = 0.0
     attention_efficiency: float = 0.0
     source: str = ""
+    cudnn_attention_efficiency: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tile", tuple(self.tile))
-        x = self.attention_efficiency
-        if not (isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 1):
-            raise TopologyError(f"[device.kernels].attention_efficiency: expected a fraction in "
-                                f"[0, 1] (0: gemm_efficiency), found {x!r}")
+        for where, x, zero in (("attention_efficiency", self.attention_efficiency,
+                                "gemm_efficiency"),
+                               ("cudnn_attention_efficiency", self.cudnn_attention_efficiency,
+                                "attention_efficiency")):
+            if not (isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 1):
+                raise TopologyError(f"[device.kernels].{where}: expected a fraction in [0, 1] "
+                                    f"(0: {zero}), found {x!r}")
         for where, x in (("gemm_efficiency", self.gemm_efficiency),
                          ("memory_efficiency", self.memory_efficiency)):
             if not (isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x <= 1):
@@ -499,7 +506,7 @@ _DEVICE_KEYS = {"kind": True, "peak_flops": True, "memory_bandwidth": True, "mem
                 "efficiency": False, "kernels": False}
 _KERNEL_KEYS = {"gemm_efficiency": True, "memory_efficiency": True, "launch": True, "sms": True,
                 "tile": False, "float32_matmul": False, "attention_efficiency": False,
-                "source": False}
+                "cudnn_attention_efficiency": False, "source": False}
 _EFFICIENCY_KEYS = {"peak_flops": False, "memory_bandwidth": False}
 _NODES_KEYS = {"count": True, "devices_per_node": True, "switches": False}
 _FABRIC_KEYS = {"switches": False}
@@ -729,6 +736,7 @@ def _parse_kernels(table: object) -> KernelSpec:
         float32_matmul=(_quantity(k["float32_matmul"], "FLOP/s", "[device.kernels]."
                                   "float32_matmul") if "float32_matmul" in k else 0.0),
         attention_efficiency=k.get("attention_efficiency", 0.0),
+        cudnn_attention_efficiency=k.get("cudnn_attention_efficiency", 0.0),
         source=str(k.get("source", "")))
 
 

@@ -55,8 +55,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["AttentionCall", "RingSends", "analysis_jaxpr", "attention_call", "bind_attention",
-           "flash_attention",
+__all__ = ["AttentionCall", "IMPLEMENTATIONS", "RingSends", "analysis_jaxpr", "attention_call",
+           "bind_attention", "cudnn_eligible", "flash_attention",
            "reference_attention", "ring_attention", "ring_sends", "ring_work", "unzigzag",
            "zigzag", "zigzag_sends", "ZigzagSends"]
 
@@ -289,7 +289,7 @@ def ring_sends(k_block: jax.ShapeDtypeStruct, cp: int, position_itemsize: int = 
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
-                    block: int = 512) -> jax.Array:
+                    block: int = 512, implementation: str = "xla") -> jax.Array:
     """``softmax(q k^T / sqrt(H)) v`` (`reference_attention`'s numbers, grouped-query heads
     served by their key/value head) computed as flash attention does: over blocks of `block`
     keys with an online softmax, saving for the backward pass only the inputs, the output and
@@ -310,6 +310,17 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
         with key/value head ``n // (N / K)`` (grouped-query attention, no `jnp.repeat`).
       causal: query position ``t`` sees keys ``s <= t``.
       block: keys per block (the largest divisor of S not above it is used).
+      implementation: ``"xla"``, the blockwise attention above, compiled by XLA on any
+        backend; ``"cudnn"``, cuDNN's fused attention kernel
+        (``jax.nn.dot_product_attention(..., implementation="cudnn")``) where it runs: on a
+        GPU, for float16 or bfloat16, head dims at most 128 and a multiple of 8, as many keys
+        as queries (`cudnn_eligible`); the blockwise attention anywhere else (a CPU that
+        plans or tests, a float32 model), with the same numbers up to rounding. The graph
+        sees the same attention operator either way. A plan that splits the sequence
+        (context parallelism) runs the blockwise attention on each shard: cuDNN's kernel
+        takes no positions. The kernel model prices the cuDNN kernel at the topology's
+        ``cudnn_attention_efficiency``, where its sequence is whole (an H100 runs it about
+        10 times as fast as the blockwise one, docs/accuracy.md).
 
     Forward-only evaluation (no gradient) runs the blockwise forward too; the graph reads the
     operator's dims from the attention written whole (`analysis_jaxpr`).
@@ -317,9 +328,40 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     if q.ndim != 4 or k.shape != v.shape[:3] + k.shape[3:] or q.shape[2] % k.shape[2]:
         raise ValueError(f"flash_attention: expected q [B, T, N, H] and k, v [B, S, K, H] with "
                          f"K dividing N; found q {q.shape}, k {k.shape}, v {v.shape}")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"flash_attention: implementation is {implementation!r}; expected one "
+                         f"of {IMPLEMENTATIONS}")
     q_pos = jnp.arange(q.shape[1])
     k_pos = jnp.arange(k.shape[1])
-    return _attention_op(causal, _block_size(k.shape[1], block))(q, k, v, q_pos, k_pos)
+    op = _attention_op(causal, _block_size(k.shape[1], block),
+                       cudnn=implementation == "cudnn")
+    return op(q, k, v, q_pos, k_pos)
+
+
+IMPLEMENTATIONS = ("xla", "cudnn")
+
+
+def cudnn_eligible(q_shape: tuple[int, ...], k_shape: tuple[int, ...], dtype) -> bool:
+    """Whether cuDNN's fused attention runs an attention of ``[B, T, N, H]`` queries and
+    ``[B, S, K, H]`` keys in `dtype` (on a GPU): float16 or bfloat16, ``H <= 128`` and a
+    multiple of 8, ``T == S`` (so the causal mask is the plain lower triangle).
+
+    >>> cudnn_eligible((2, 4096, 32, 128), (2, 4096, 8, 128), "bfloat16")
+    True
+    >>> cudnn_eligible((2, 4096, 32, 128), (2, 4096, 8, 128), "float32")
+    False
+    """
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and q_shape[-1] <= 128 and q_shape[-1] % 8 == 0 and q_shape[1] == k_shape[1])
+
+
+def _cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+
+
+def _cudnn_here(q: jax.Array, k: jax.Array) -> bool:
+    """cuDNN's kernel runs this call: the default backend is a GPU and the shapes suit it."""
+    return jax.default_backend() == "gpu" and cudnn_eligible(q.shape, k.shape, q.dtype)
 
 
 def _query_block(length: int, block: int, whole_queries: bool) -> int:
@@ -355,30 +397,41 @@ def _per_grouped_query(x: jax.Array) -> jax.Array:
     return jnp.moveaxis(x, 3, 1)[..., None]
 
 
-_OPS: dict[tuple[bool, int], object] = {}
+_OPS: dict[tuple[bool, int, bool, bool], object] = {}
 _NAME = "soapjax_attention"
 
 
-def _attention_op(causal: bool, block: int, whole_queries: bool = False):
+def _attention_op(causal: bool, block: int, whole_queries: bool = False, *,
+                  cudnn: bool = False):
     """The custom-VJP attention for one (causal, block). Its primal body's name,
-    ``soapjax_attention_causal_512`` (or ``_full_``), is what the graph recognises and reads
-    the two back from (`attention_call`). With `whole_queries`, one block of all the
-    queries (`bind_attention`)."""
-    key = (causal, block, whole_queries)
+    ``soapjax_attention_causal_512`` (or ``_full_``; ``_cudnn`` after it for `cudnn`), is what
+    the graph recognises and reads them back from (`attention_call`). With `whole_queries`,
+    one block of all the queries (`bind_attention`). With `cudnn`, cuDNN's fused kernel
+    where `_cudnn_here` (its positions are then the plain ``arange`` `flash_attention`
+    makes), the blockwise attention elsewhere."""
+    key = (causal, block, whole_queries, cudnn)
     if key in _OPS:
         return _OPS[key]
 
     def primal(q, k, v, q_pos, k_pos):  # blockwise even without a gradient
+        if cudnn and _cudnn_here(q, k):
+            return _cudnn_attention(q, k, v, causal)
         return _flash_forward(q, k, v, q_pos, k_pos, causal, block, whole_queries)[0]
 
-    primal.__name__ = primal.__qualname__ = f"{_NAME}_{'causal' if causal else 'full'}_{block}"
+    primal.__name__ = primal.__qualname__ = (
+        f"{_NAME}_{'causal' if causal else 'full'}_{block}" + ("_cudnn" if cudnn else ""))
     op = jax.custom_vjp(primal)
 
     def fwd(q, k, v, q_pos, k_pos):
+        if cudnn and _cudnn_here(q, k):  # cuDNN's own backward, through its VJP
+            out, vjp = jax.vjp(lambda *a: _cudnn_attention(*a, causal), q, k, v)
+            return out, (vjp,)
         out, lse = _flash_forward(q, k, v, q_pos, k_pos, causal, block, whole_queries)
         return out, (q, k, v, q_pos, k_pos, out, lse)
 
     def bwd(saved, g):
+        if len(saved) == 1:
+            return (*saved[0](g), None, None)
         q, k, v, q_pos, k_pos, out, lse = saved
         dq, dk, dv = _flash_backward(q, k, v, q_pos, k_pos, out, lse, g, causal, block,
                                      whole_queries)
@@ -561,6 +614,7 @@ class AttentionCall(NamedTuple):
 
     causal: bool
     block: int
+    implementation: str = "xla"  # "cudnn": `flash_attention(..., implementation="cudnn")`
 
 
 def attention_call(eqn) -> AttentionCall | None:
@@ -571,10 +625,11 @@ def attention_call(eqn) -> AttentionCall | None:
     body = eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
     info = getattr(getattr(body, "jaxpr", body), "debug_info", None)
     name = (getattr(info, "func_src_info", None) or "").split(" ", 1)[0]
-    parts = name.rsplit("_", 2)
+    cudnn = name.endswith("_cudnn")
+    parts = name.removesuffix("_cudnn").rsplit("_", 2)
     if len(parts) != 3 or parts[0] != _NAME or parts[1] not in ("causal", "full"):
         return None
-    return AttentionCall(parts[1] == "causal", int(parts[2]))
+    return AttentionCall(parts[1] == "causal", int(parts[2]), "cudnn" if cudnn else "xla")
 
 
 def bind_attention(call: AttentionCall, q: jax.Array, k: jax.Array, v: jax.Array,
@@ -582,7 +637,9 @@ def bind_attention(call: AttentionCall, q: jax.Array, k: jax.Array, v: jax.Array
                    ) -> jax.Array:
     """The attention equation `call` again, at these operands' shapes (a shard's): its rule is
     soapjax's own, so unlike a user's custom rule it can be traced at any shape. The key
-    block is the largest divisor of the keys' length not above the traced one.
+    block is the largest divisor of the keys' length not above the traced one. It is always
+    the blockwise attention, which takes the positions it is given (a shard's, a ring
+    step's); cuDNN's kernel (``call.implementation``) would take only ``arange``'s.
 
     With `whole_queries`, all the queries are one block and every tile is computed (no
     ``lax.cond``), so XLA's partitioner can split the queries' sequence: a loop over blocks of

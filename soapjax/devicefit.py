@@ -374,17 +374,18 @@ def fit_efficiency(timings: Iterable[KernelTiming], device: DeviceSpec, *,
     return EfficiencyFit(efficiency, flops, memory, tuple(notes))
 
 
-def fit_attention_efficiency(timings: Iterable[KernelTiming], device: DeviceSpec
-                             ) -> float | None:
+def fit_attention_efficiency(timings: Iterable[KernelTiming], device: DeviceSpec, *,
+                             variant: str = "soapjax") -> float | None:
     """The ``attention_efficiency`` of a topology's ``[device.kernels]`` that makes the kernel
     model's flash attention (`soapjax.kernels.flash_time`: the computed causal tiles' FLOPs,
     3.5 times the forward's with the backward) take what soapjax's own flash attention
     (``"soapjax"``, the default block) measured forward and backward: the median over the
-    larger half (by FLOPs) of those kernels; None without one."""
+    larger half (by FLOPs) of those kernels; None without one. With ``variant="cudnn"``,
+    cuDNN's fused kernel instead: the ``cudnn_attention_efficiency``."""
     found = []
     for t in timings:
-        if t.kind != "attention" or t.variant != "soapjax" or not t.name.startswith(
-                "attention fwd+bwd soapjax "):
+        if t.kind != "attention" or t.variant != variant or not t.name.startswith(
+                f"attention fwd+bwd {variant} "):
             continue
         b, seq, n, h = t.shape
         k = FlashKernel(b * n, seq, seq, h, h, t.dtype, 0.0, True)

@@ -71,7 +71,7 @@ from jax.extend import core as jcore
 
 from soapjax._dtypes import is_float
 from soapjax._local import operator_fn
-from soapjax.attention import attention_call
+from soapjax.attention import attention_call, cudnn_eligible
 from soapjax.errors import TopologyError
 from soapjax.graph import Operator, OpGraph
 from soapjax.roofline import OpTime, analytic_op_time
@@ -140,6 +140,7 @@ class FlashKernel(NamedTuple):
     dtype: str
     nbytes: float
     causal: bool
+    implementation: str = "xla"  # "cudnn": cuDNN's fused kernel (its own efficiency)
 
     @property
     def flops(self) -> float:
@@ -241,7 +242,10 @@ def flash_time(k: FlashKernel, peak: float, bandwidth: float, spec: KernelSpec, 
     """Seconds of one flash attention kernel, or of its backward (module docstring)."""
     flops = k.flops * (_FLASH_BACKWARD_FLOPS if backward else 1.0)
     nbytes = k.nbytes * (2.0 if backward else 1.0)
-    compute = flops / (peak * (spec.attention_efficiency or spec.gemm_efficiency))
+    efficiency = spec.attention_efficiency or spec.gemm_efficiency
+    if k.implementation == "cudnn":
+        efficiency = spec.cudnn_attention_efficiency or efficiency
+    compute = flops / (peak * efficiency)
     return max(compute, nbytes / (bandwidth * spec.memory_efficiency)) + spec.launch
 
 
@@ -447,9 +451,25 @@ def kernel_op_time(kernels: Kernels, op: Operator, degrees: tuple[int, ...],
 
 
 def shard_kernels(graph: OpGraph, op: Operator, degrees: tuple[int, ...]) -> Kernels:
-    """`op_kernels` of operator `op`'s shard program at `degrees` (traced: milliseconds)."""
+    """`op_kernels` of operator `op`'s shard program at `degrees` (traced: milliseconds). An
+    attention operator written with ``implementation="cudnn"`` whose query sequence is whole
+    (``degrees[1] == 1``) runs cuDNN's kernel where it can (`soapjax.attention.cudnn_eligible`):
+    its flash kernel says so (the shard program, re-bound, is the blockwise one)."""
     try:
         fn, avals = operator_fn(graph, op.name, degrees, rules="primal")
-        return op_kernels(jax.make_jaxpr(fn)(*avals), [x.kind == "param" for x in op.inputs])
+        kernels = op_kernels(jax.make_jaxpr(fn)(*avals), [x.kind == "param" for x in op.inputs])
     except Exception as e:  # noqa: BLE001  an exotic equation: the roofline prices it
         return Kernels(None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+    if op.anchor == "attention" and kernels.forward and degrees[1] == 1 and (
+            _written_with_cudnn(graph, op)):
+        kernels = kernels._replace(forward=tuple(
+            k._replace(implementation="cudnn") if isinstance(k, FlashKernel) and cudnn_eligible(
+                (k.batch, k.t, 1, k.h), (k.batch, k.s, 1, k.h), k.dtype) else k
+            for k in kernels.forward))
+    return kernels
+
+
+def _written_with_cudnn(graph: OpGraph, op: Operator) -> bool:
+    prog = graph.program
+    calls = (attention_call(prog.units[i].eqn) for i in prog.local[op.name].units)
+    return any(c is not None and c.implementation == "cudnn" for c in calls)

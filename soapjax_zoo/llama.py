@@ -42,7 +42,7 @@ from soapjax_zoo.workload import (
     decoder_workload,
 )
 
-ATTENTION_KINDS = ("xla", "flash")
+ATTENTION_KINDS = ("xla", "flash", "cudnn")
 
 
 def check_heads(d_model: int, num_heads: int, num_kv_heads: int) -> None:
@@ -71,7 +71,9 @@ class LlamaConfig:
       attention: ``"xla"``, the scores, mask, softmax and ``probs v`` as plain equations (two
         operators of the graph, the ``T x T`` probabilities kept or recomputed);
         ``"flash"``, `soapjax.attention.flash_attention` (one attention operator, blocks of
-        `attention_block` keys, nothing ``T x T`` kept), as long-context training runs it.
+        `attention_block` keys, nothing ``T x T`` kept), as long-context training runs it;
+        ``"cudnn"``, the same operator run by cuDNN's fused kernel on a GPU where the
+        sequence is whole (``implementation="cudnn"``; the blockwise one elsewhere).
     """
 
     batch_size: int = 8
@@ -131,8 +133,10 @@ class Attention(nn.Module):
         k = rope(proj((cfg.num_kv_heads, cfg.head_dim), name="k")(x), cfg.rope_base)
         v = proj((cfg.num_kv_heads, cfg.head_dim), name="v")(x)
         # (a mixture of experts' config, which shares this layer, keeps XLA's attention)
-        if getattr(cfg, "attention", "xla") == "flash":  # grouped-query heads, no repeat
-            out = flash_attention(q, k, v, block=cfg.attention_block)
+        kind = getattr(cfg, "attention", "xla")
+        if kind in ("flash", "cudnn"):  # grouped-query heads, no repeat
+            out = flash_attention(q, k, v, block=cfg.attention_block,
+                                  implementation="cudnn" if kind == "cudnn" else "xla")
         else:
             group = cfg.num_heads // cfg.num_kv_heads
             k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
