@@ -31,6 +31,7 @@ from soapjax.baselines import baselines
 from soapjax.check import compare_on_devices
 from soapjax.cost import CACHE_ENV, cache_root
 from soapjax.graph import trace
+from soapjax.pipesim import PipelineResult
 from soapjax.plan import Plan
 from soapjax.search import (
     SearchSettings,
@@ -138,6 +139,10 @@ class Workbench:
 
 def _sim_summary(sim) -> dict:
     r = sim.result()
+    if isinstance(r, PipelineResult):  # a pipelined plan: no per-device byte count of its own
+        return {"step_time_s": r.step_time_s, "fits": r.fits_in_memory,
+                "bytes_per_device": None, "by_link_class": {}, "compute_s": None,
+                "peak_memory_bytes": r.peak_memory_bytes, "stages": len(r.stage_memory)}
     return {"step_time_s": r.step_time_s, "fits": r.fits_in_memory,
             "bytes_per_device": r.bytes_moved, "by_link_class": dict(r.bytes_by_link_class),
             "compute_s": r.compute_s, "peak_memory_bytes": r.peak_memory_bytes[0]}

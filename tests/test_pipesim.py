@@ -252,3 +252,7 @@ def test_a_pipelined_plans_neighbours_are_walked_over_one_stages_mesh():
         assert sim.strategy == strategy and sim.step_time() == before  # every proposal rejected
         if change is not None:
             assert change[2] < before
+        from soapjax_eval.experiments import _sim_summary
+        summary = _sim_summary(sim)
+        assert summary["stages"] == 2 and summary["step_time_s"] == before
+        assert summary["bytes_per_device"] is None and summary["peak_memory_bytes"] > 0
