@@ -44,7 +44,9 @@ model prices shards this way (`kernel_op_time`):
   not hide whole, work balanced over a context-parallel ring as Megatron-Core's and Llama 3's
   layouts balance it) at ``attention_efficiency`` of the peak, or its inputs' and output's
   bytes, whichever is slower; no ``T x S`` array reaches memory. Its backward recomputes the
-  scores and makes three more products: 2.5 times the FLOPs, twice the bytes.
+  scores and makes three more products: 2.5 times the FLOPs, twice the bytes. An attention
+  written with ``implementation="cudnn"`` whose shard keeps the whole sequence runs cuDNN's
+  fused kernel: the same kernel at ``cudnn_attention_efficiency`` (`shard_kernels`).
 
 An operator whose shard program holds a loop (scan, while) or a branch keeps the roofline:
 the model does not look inside them.
