@@ -60,12 +60,15 @@ def main(argv: list[str] | None = None) -> int:
             return jnp.vdot(flash_attention(q, k, v, implementation=impl).astype(jnp.float32), g)
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
+    print(f"compiling and comparing at {b} x {t} x {n} ({kv} kv) x {h}...", file=sys.stderr,
+          flush=True)
     cudnn, xla = step("cudnn"), step("xla")
     hlo = cudnn.lower(q, k, v).compile().as_text()
     (lc, gc), (lx, gx) = cudnn(q, k, v), xla(q, k, v)
     errors = [float(jnp.linalg.norm((a - c).astype(jnp.float32))
                     / jnp.linalg.norm(c.astype(jnp.float32))) for a, c in zip(gc, gx)]
     loss_error = abs(float(lc) - float(lx)) / abs(float(lx))
+    print("timing both...", file=sys.stderr, flush=True)
     found = {"backend": "gpu", "device": jax.devices()[0].device_kind, "jax": jax.__version__,
              "shape": [b, t, n, kv, h], "cudnn_in_hlo": "cudnn" in hlo.lower(),
              "loss_error": loss_error, "grad_errors": {"q": errors[0], "k": errors[1],

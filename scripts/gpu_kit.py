@@ -169,7 +169,7 @@ KIT_MODELS = {
     "llama-tiny": ModelSpec("llama", "tiny"),
     "gpt-tiny": ModelSpec("gpt", "tiny"),
 }
-DEFAULT_MODELS = ("gpt2", "llama-1b", "gpt-1.3b", "llama-1b-flash")
+DEFAULT_MODELS = ("gpt2", "llama-1b", "gpt-1.3b", "llama-1b-flash", "llama-1b-cudnn")
 QUICK_MODELS = ("gpt2-tiny", "llama-tiny")
 
 
