@@ -323,7 +323,7 @@ def profile_step(spec: ModelSpec, compiled: Any, args: tuple, out: Path, parts: 
     shutil.copy(path, out / f"trace-{stem}.json.gz")
     events = stepprofile.trace_kernels(path)
     prof = stepprofile.summarize(events, stepprofile.classify(text), PROFILE_CALLS, walls)
-    parts.emit("profile", **prof.as_dict())
+    parts.emit("profile", **prof.as_dict(), loop_copies=stepprofile.loop_copies(text))
     say(f"{stem}: profiled {PROFILE_CALLS} calls: {prof.kernels:.0f} kernels per call, busy "
         f"{prof.busy_s * 1e3:.2f} ms of {prof.wall_s * 1e3:.2f} ms; "
         + ", ".join(f"{k} {v[0] * 1e3:.2f} ms" for k, v in prof.classes.items()))
@@ -752,6 +752,15 @@ def _profile_tables(steps: list[dict], top: int = 10) -> list[str]:
         if p.get("unmatched"):
             lines.append(f"\n{p['unmatched']:.0f} kernels per step ran for no instruction "
                          "of the step's module.")
+        copies, nbytes = p.get("loop_copies") or (0, 0.0)
+        if copies:
+            memcpy = p["sources"].get("(memory copies)", (0.0, 0))[0]
+            lines.append(f"\nIts loops' slice copies (`stepprofile.loop_copies`: dynamic "
+                         f"slices and updates of stacked values that XLA runs as copies of "
+                         f"their own): {copies:.0f} a step, {nbytes / 1e9:.3g} GB read and "
+                         "written" + (f"; over the driver's memory copies' {_ms(memcpy)}, "
+                                      f"{nbytes / memcpy / 1e12:.2f} TB/s" if memcpy else "")
+                         + ".")
     return lines
 
 
@@ -910,11 +919,12 @@ def reprofile(folder: Path, row: dict) -> None:
     if not (trace_file.exists() and hlo.exists() and row.get("profile")):
         return
     with gzip.open(hlo, "rt") as f:
-        classes = stepprofile.classify(f.read())
+        text = f.read()
     old = row["profile"]
-    prof = stepprofile.summarize(stepprofile.trace_kernels(trace_file), classes, old["calls"],
-                                 [old["wall_s"]])
-    row["profile"] = {**prof.as_dict(), "model": old.get("model", {})}
+    prof = stepprofile.summarize(stepprofile.trace_kernels(trace_file),
+                                 stepprofile.classify(text), old["calls"], [old["wall_s"]])
+    row["profile"] = {**prof.as_dict(), "model": old.get("model", {}),
+                      "loop_copies": stepprofile.loop_copies(text)}
 
 
 def render_again(folder: Path, out: Path, *, write_docs: bool) -> dict:

@@ -49,10 +49,20 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from soapjax._hlo_text import Inst, attribute, callees, op_name, parse_module
+from soapjax._hlo_text import (
+    Inst,
+    attribute,
+    callees,
+    executions,
+    leaf_bytes,
+    op_name,
+    parse_module,
+    parse_type,
+    type_leaves,
+)
 
 __all__ = ["KERNEL_CLASSES", "KernelEvent", "Instruction", "StepProfile", "classify",
-           "profile_calls", "source_of", "summarize", "trace_kernels"]
+           "loop_copies", "profile_calls", "source_of", "summarize", "trace_kernels"]
 
 KERNEL_CLASSES = ("gemm", "attention", "reduction", "elementwise", "copy", "scatter",
                   "collective", "other")
@@ -253,7 +263,7 @@ def _kind(inst: Inst, comps: dict[str, list[Inst]]) -> str:
     ops = {op}
     if op == "custom-call":
         ops.add("custom-call:" + (attribute(inst, "custom_call_target") or "").strip('"'))
-    if op == "fusion":
+    if base == "fusion":  # an async fusion ("fusion-start": a slice on a copy engine) too
         ops = _fused_opcodes(next(iter(callees(inst).get("calls", [])), ""), comps, set())
     targets = " ".join(o for o in ops if o.startswith("custom-call:")).lower()
     if "fmha" in targets or "cudnn$flash" in targets or "attention" in targets:
@@ -267,9 +277,9 @@ def _kind(inst: Inst, comps: dict[str, list[Inst]]) -> str:
         return "scatter"
     if ops & {"reduce", "reduce-window"}:
         return "reduction"
-    if op in _MEMORY or (op == "fusion" and ops <= _LAYOUT):
+    if op in _MEMORY or (base == "fusion" and ops <= _LAYOUT):
         return "copy"
-    if op == "fusion" or op not in ("custom-call", "sort", "rng", "rng-bit-generator"):
+    if base == "fusion" or op not in ("custom-call", "sort", "rng", "rng-bit-generator"):
         return "elementwise"  # a loop fusion, or one elementwise instruction left unfused
     return "other"
 
@@ -280,8 +290,8 @@ def classify(hlo_text: str) -> dict[str, Instruction]:
     fusion, which run in their fusion's kernel), its `Instruction`."""
     module = parse_module(hlo_text)
     comps = module.computations
-    fused = {c for insts in comps.values() for inst in insts if inst.opcode == "fusion"
-             for c in callees(inst).get("calls", [])}
+    fused = {c for insts in comps.values() for inst in insts
+             if inst.opcode in ("fusion", "fusion-start") for c in callees(inst).get("calls", [])}
     # reducers and comparators (to_apply of reduce, scatter, sort) run inside their callers
     applied = {c for insts in comps.values() for inst in insts if inst.opcode != "call"
                for c in callees(inst).get("to_apply", [])}
@@ -290,10 +300,75 @@ def classify(hlo_text: str) -> dict[str, Instruction]:
         if comp in fused or comp in applied:
             continue
         for inst in insts:
-            if inst.opcode in _NOT_KERNELS:
-                continue
+            if inst.opcode in _NOT_KERNELS or inst.opcode.endswith("-done"):
+                continue  # an async op's "-done" waits for its "-start", the kernel
             out[inst.name] = Instruction(_kind(inst, comps), inst.opcode, source_of(op_name(inst)))
     return out
+
+
+def loop_copies(hlo_text: str) -> tuple[float, float]:
+    """What a step's loops copy (a scan over stacked layers slicing its weights and saved
+    activations out of their stacks, and writing results into them): per step, how many
+    slices and updates run as copies of their own, and the bytes they read and write. Counted:
+    in computations that run more than once a step, each ``dynamic-slice`` and
+    ``dynamic-update-slice`` instruction that is not inside a fusion (twice its slice's
+    bytes), and each async fusion (``fusion-start``, run on a copy engine) of only a dynamic
+    slice and layout ops (twice its result's bytes). A slice XLA fuses into its consumer
+    costs no copy and is not counted.
+
+    Returns:
+      ``(copies, bytes)`` per step.
+    """
+    module = parse_module(hlo_text)
+    comps, runs = module.computations, executions(module)
+    types = {inst.name: inst.type for insts in comps.values() for inst in insts}
+    inner = {c for insts in comps.values() for inst in insts
+             if inst.opcode in ("fusion", "fusion-start") or inst.opcode != "call"
+             for c in callees(inst).get("calls", []) + callees(inst).get("to_apply", [])}
+    copies = nbytes = 0.0
+    for comp, insts in comps.items():
+        n = runs.get(comp, 0)
+        if n <= 1 or comp in inner:  # once a step, or inside a fusion (no copy of its own)
+            continue
+        for inst in insts:
+            if inst.opcode == "dynamic-slice":
+                moved = _bytes(inst.type)
+            elif inst.opcode == "dynamic-update-slice" and len(inst.operands) > 1:
+                moved = _bytes(types.get(inst.operands[1], ""))
+            elif inst.opcode == "fusion-start":
+                moved = _async_copy_bytes(inst, comps)
+                if moved is None:
+                    continue
+            else:
+                continue
+            copies += n
+            nbytes += 2 * n * moved
+    return copies, nbytes
+
+
+def _async_copy_bytes(inst: Inst, comps: dict[str, list[Inst]]) -> float | None:
+    """The slice an async fusion of only a dynamic slice (or update) and layout ops copies:
+    its result (a slice), or its operands but the stack (an update); None for another.
+    Its type is ``((operands...), result, context)``."""
+    ops = _fused_opcodes(next(iter(callees(inst).get("calls", [])), ""), comps, set())
+    if not ops & {"dynamic-slice", "dynamic-update-slice"} or not ops <= (
+            _LAYOUT | {"dynamic-slice", "dynamic-update-slice"}):
+        return None
+    try:
+        operands, result = parse_type(inst.type)[:2]
+    except (ValueError, IndexError):
+        return None
+    if "dynamic-update-slice" in ops:
+        leaves = type_leaves(operands)
+        return sum(leaf_bytes(x) for x in leaves) - leaf_bytes(type_leaves(result)[0])
+    return sum(leaf_bytes(x) for x in type_leaves(result))
+
+
+def _bytes(type_text: str) -> float:
+    try:
+        return sum(leaf_bytes(leaf) for leaf in type_leaves(parse_type(type_text.strip())))
+    except (ValueError, IndexError):
+        return 0.0
 
 
 def _union_us(events: Iterable[KernelEvent]) -> float:

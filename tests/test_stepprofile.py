@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -108,3 +109,27 @@ def test_kernels_of_a_cuda_graph_match_their_fusions_by_name():
     assert set(prof.sources) == {"mlp", "norm", "(library GEMMs)", "(memory copies)",
                                  "(loop control)", "(unmatched)"}
     assert prof.unmatched == 1  # only "mystery": the rest are known by name
+
+
+GPU_RUN = Path(__file__).resolve().parent.parent / "docs" / "results" / "gpu-kit-h100-2026-11-27c"
+
+
+def test_an_h100_steps_module_and_trace_are_read_as_the_kit_read_them():
+    """The 0.9B LLaMA with cuDNN's attention, compiled and profiled on an H100 (the kit's
+    fourth run, kept in docs/results): its cuDNN calls are attention, its cuBLAS calls GEMMs,
+    every kernel of the trace is accounted for, and its layer scan's slice copies are
+    counted (async dynamic-slice fusions on the copy engine, unfused updates)."""
+    with gzip.open(GPU_RUN / "hlo-llama-1b-cudnn.txt.gz", "rt") as f:
+        text = f.read()
+    classes = sp.classify(text)
+    by_opcode = {}
+    for inst in classes.values():
+        by_opcode.setdefault(inst.opcode, set()).add(inst.kind)
+    assert by_opcode["custom-call"] >= {"attention", "gemm"}
+    assert "fusion-done" not in by_opcode  # the wait, not a kernel
+    events = sp.trace_kernels(GPU_RUN / "trace-llama-1b-cudnn.json.gz")
+    prof = sp.summarize(events, classes, 3, [0.0764])
+    assert prof.unmatched == 0 and round(prof.kernels) == 2076
+    assert prof.classes["attention"][0] == pytest.approx(9.68e-3, rel=0.01)
+    copies, nbytes = sp.loop_copies(text)
+    assert copies == 176 and nbytes == pytest.approx(5.79e9, rel=0.01)
