@@ -101,6 +101,7 @@ from soapjax.baselines import (
 from soapjax.cost import CostModel, cost_model as make_cost_model
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
+from soapjax.memory import microbatch_error
 from soapjax.pipeline import pipeline_error
 from soapjax.pipesim import layer_chunks
 from soapjax.plan import Plan
@@ -797,14 +798,17 @@ def improving_change(sim: Simulation, limits: SpaceLimits = SpaceLimits(), *,
                      rtol: float = 1e-9) -> tuple[int, Config, float] | None:
     """A single-operator change that makes the current strategy faster (and fits), or None.
 
-    None means the strategy is a local optimum of the SOAP space (paper section 8.4).
+    None means the strategy is a local optimum of the SOAP space (paper section 8.4). With
+    microbatches (a pipelined simulation's), a config whose per-device batch they do not
+    divide is not in the space (`soapjax.memory.microbatch_error`), as the search's moves keep.
     """
     mesh = MeshShape.of(sim.topology)
     base = sim.step_time()
+    m = getattr(sim, "microbatches", 1)
     for i, op in enumerate(sim.graph.operators):
         current = sim.strategy[i]
         for c in configs(op, mesh, limits):
-            if c == current:
+            if c == current or (m > 1 and microbatch_error(op, c, mesh, m)):
                 continue
             t = sim.propose(i, c)
             fits = sim.fits_in_memory()
