@@ -165,6 +165,11 @@ KIT_MODELS = {
     "llama-1b-cudnn": ModelSpec("llama", "1b-cudnn", 1, "7b", (
         ("d_model", 2048), ("num_heads", 16), ("num_kv_heads", 8), ("num_layers", 16),
         ("mlp_hidden", 5632), ("seq_len", 4096), ("attention", "cudnn"))),
+    # the same two in float32 (no cast: the elementwise fusions of another dtype)
+    "llama-1b-f32": ModelSpec("llama", "1b-f32", 4, "7b", (
+        ("d_model", 2048), ("num_heads", 16), ("num_kv_heads", 8), ("num_layers", 16),
+        ("mlp_hidden", 5632), ("seq_len", 1024), ("dtype", None))),
+    "gpt-1.3b-f32": ModelSpec("gpt", "1.3b-f32", 2, "1.3b", (("dtype", None),)),
     "gpt2-tiny": ModelSpec("gpt2", "tiny"),
     "llama-tiny": ModelSpec("llama", "tiny"),
     "gpt-tiny": ModelSpec("gpt", "tiny"),
