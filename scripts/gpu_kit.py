@@ -733,13 +733,25 @@ def _profile_tables(steps: list[dict], top: int = 10) -> list[str]:
         lines += ["", f"{s['model']} {s['config']}, profiled (`soapjax.stepprofile`, "
                   f"{p['calls']} calls): {p['kernels']:.0f} kernels per step; the device was "
                   f"busy {_ms(p['busy_s'])} of the step's {_ms(p['wall_s'])} (idle "
-                  f"{_ms(idle)}, {idle / p['wall_s'] * 100:.0f}%); kernel time by class, "
-                  "beside the kernel model's (`model_classes`):", "",
+                  f"{_ms(idle)}, {idle / p['wall_s'] * 100:.0f}%); kernel time by class (the "
+                  "optimizer's update in its own row), beside the kernel model's "
+                  "(`model_classes`):", "",
                   "| class | kernels | device time | share | kernel model | its kernels |",
                   "|---|---:|---:|---:|---:|---:|"]
-        kinds = list(p["classes"]) + [k for k in model if k not in p["classes"]]
+        # the optimizer's update kernels in their own row, as the model prices them apart
+        update = p.get("update_classes") or {}
+        measured = {k: (v[0] - update.get(k, (0.0, 0))[0], v[1] - update.get(k, (0.0, 0))[1])
+                    for k, v in p["classes"].items()}
+        if update:
+            measured["update"] = (sum(v[0] for v in update.values()),
+                                  sum(v[1] for v in update.values()))
+        kinds = list(measured) + [k for k in model if k not in measured]
         for kind in kinds:
-            sec, n = p["classes"].get(kind, (0.0, 0))
+            if kind == "update" and "update_classes" not in p:  # a run before the split
+                lines.append(f"| update | - | (in the classes above) | - | "
+                             f"{_ms(model[kind][0])} | - |")
+                continue
+            sec, n = measured.get(kind, (0.0, 0))
             msec, mn = model.get(kind, (None, None))
             lines.append(f"| {kind} | {n:.0f} | {_ms(sec)} | "
                          f"{sec / p['kernels_s'] * 100:.0f}% | {_ms(msec)} | "

@@ -122,11 +122,15 @@ class StepProfile(NamedTuple):
     sources: dict[str, tuple[float, float]]
     top: list[tuple[str, str, float, float]]  # (hlo_op, class, seconds, kernels) per call
     unmatched: float  # kernels per call whose instruction the module does not name
+    # the part of each class from the optimizer's update (source "(update)"), which a
+    # simulator prices apart from the operators
+    update_classes: dict[str, tuple[float, float]] = {}
 
     def as_dict(self) -> dict[str, Any]:
         return {**self._asdict(), "classes": {k: list(v) for k, v in self.classes.items()},
                 "sources": {k: list(v) for k, v in self.sources.items()},
-                "top": [list(t) for t in self.top]}
+                "top": [list(t) for t in self.top],
+                "update_classes": {k: list(v) for k, v in self.update_classes.items()}}
 
 
 def profile_calls(fn: Callable[..., Any], args: Sequence[Any], *, calls: int = 3,
@@ -413,6 +417,7 @@ def summarize(events: Sequence[KernelEvent], classes: dict[str, Instruction], ca
     per_class: dict[str, list[float]] = {}
     per_source: dict[str, list[float]] = {}
     per_op: dict[tuple[str, str], list[float]] = {}
+    per_update: dict[str, list[float]] = {}
     # A GPU kernel is named after its fusion ("loop_add_fusion_3" for "loop_add_fusion.3"); in
     # a CUDA graph (XLA's command buffers) the event's hlo_op is the command buffer's.
     by_kernel = {_kernel_name(name): inst for name, inst in classes.items()}
@@ -424,9 +429,12 @@ def summarize(events: Sequence[KernelEvent], classes: dict[str, Instruction], ca
             unmatched += source == "(unmatched)"
         else:
             kind, source = inst.kind, inst.source or "(no name)"
-        for table, key in ((per_class, kind), (per_source, source),
-                           (per_op, (e.name if inst is None else e.hlo_op if e.hlo_op in classes
-                                     else e.name, kind))):
+        tables = [(per_class, kind), (per_source, source),
+                  (per_op, (e.name if inst is None else e.hlo_op if e.hlo_op in classes
+                            else e.name, kind))]
+        if source == "(update)":
+            tables.append((per_update, kind))
+        for table, key in tables:
             row = table.setdefault(key, [0.0, 0.0])
             row[0] += e.duration_us * 1e-6 / calls
             row[1] += 1 / calls
@@ -439,4 +447,5 @@ def summarize(events: Sequence[KernelEvent], classes: dict[str, Instruction], ca
         classes={k: (v[0], v[1]) for k, v in sorted(per_class.items(), key=lambda kv: -kv[1][0])},
         sources={k: (v[0], v[1]) for k, v in sorted(per_source.items(),
                                                     key=lambda kv: -kv[1][0])},
-        top=[(op, kind, v[0], v[1]) for (op, kind), v in ranked], unmatched=unmatched / calls)
+        top=[(op, kind, v[0], v[1]) for (op, kind), v in ranked], unmatched=unmatched / calls,
+        update_classes={k: (v[0], v[1]) for k, v in per_update.items()})

@@ -45,6 +45,10 @@ def test_a_profiled_step_accounts_for_every_kernel_of_its_module(gpt2_step, tmp_
     assert prof.classes["gemm"][1] >= 3 * (2 * 6 + 1)
     assert "layers_0/mlp/fc1" in prof.sources and "layers_0/mlp/fc1 (backward)" in prof.sources
     assert "(update)" in prof.sources
+    # the optimizer's update kernels, class by class, add up to the "(update)" source
+    update = prof.update_classes
+    assert sum(n for _, n in update.values()) == pytest.approx(prof.sources["(update)"][1])
+    assert sum(t for t, _ in update.values()) == pytest.approx(prof.sources["(update)"][0])
     json.dumps(prof.as_dict())
 
 
