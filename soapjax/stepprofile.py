@@ -60,6 +60,7 @@ from soapjax._hlo_text import (
     parse_type,
     type_leaves,
 )
+from soapjax.collectives import HLO_OPCODES
 
 __all__ = ["KERNEL_CLASSES", "KernelEvent", "Instruction", "StepProfile", "classify",
            "loop_copies", "profile_calls", "source_of", "summarize", "trace_kernels"]
@@ -67,8 +68,8 @@ __all__ = ["KERNEL_CLASSES", "KernelEvent", "Instruction", "StepProfile", "class
 KERNEL_CLASSES = ("gemm", "attention", "reduction", "elementwise", "copy", "scatter",
                   "collective", "other")
 
-_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-                "collective-broadcast", "send", "recv")
+# XLA's collective opcodes (`soapjax.collectives.HLO_OPCODES`) and the point-to-point ones
+_COLLECTIVES = (*HLO_OPCODES, "collective-broadcast", "send", "recv")
 _LAYOUT = frozenset({"parameter", "constant", "copy", "transpose", "bitcast", "reshape",
                      "broadcast", "tuple", "get-tuple-element", "slice", "concatenate", "pad",
                      "dynamic-slice", "dynamic-update-slice", "iota", "reverse"})

@@ -27,7 +27,8 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("space", "memory", "pipeline", "_arguments"),  # OpGraph x mesh -> configs, strategies;
     # recompute, microbatches, pipeline stages and their schedules; the planners' argument checks
     ("baselines", "plan", "_strategy_file"),  # expert strategies; the Plan file; --strategy
-    ("_hlo_text", "_timing", "devices", "links", "devicefit", "roofline", "kernels", "updates",
+    ("_hlo_text", "_timing", "devices", "links", "devicefit", "stepprofile", "roofline",
+     "kernels", "updates",
      "flops", "cost", "_hlo_flops", "hlo", "_reshard_ideal", "_reshard_worker",
      "reshard"),  # prices
     ("_taskgraph", "_simresult", "_flatsim", "pipesim", "simulate"),  # strategy -> timeline
