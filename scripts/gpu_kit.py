@@ -682,15 +682,19 @@ def op_group(name: str) -> str:
         for part in name.split("/"))
 
 
-def _ops_tables(steps: list[dict], top: int = 12) -> list[str]:
-    lines = []
+def _steps_with(steps: list[dict], key: str, lines: list[str], failed: str):
+    """(step, its `key` record) for each step that has one; for a step whose ``key_error``
+    says why it has none, a line in `lines` (``failed``: what did not happen)."""
     for s in steps:
-        ops = s.get("ops")
-        if not ops:
-            if s.get("ops_error"):
-                lines += ["", f"{s['model']} {s['config']}: operators not timed: "
-                          f"{s['ops_error'][:300]}"]
-            continue
+        if s.get(key):
+            yield s, s[key]
+        elif s.get(f"{key}_error"):
+            lines += ["", f"{s['model']} {s['config']}: {failed}: {s[f'{key}_error'][:300]}"]
+
+
+def _ops_tables(steps: list[dict], top: int = 12) -> list[str]:
+    lines: list[str] = []
+    for s, ops in _steps_with(steps, "ops", lines, "operators not timed"):
         groups: dict[str, list[float]] = {}
         for r in ops:
             g = groups.setdefault(op_group(r["name"]), [0, 0.0, 0.0, 0.0, 0.0, 0.0])
@@ -720,14 +724,8 @@ def _ops_tables(steps: list[dict], top: int = 12) -> list[str]:
 
 
 def _profile_tables(steps: list[dict], top: int = 10) -> list[str]:
-    lines = []
-    for s in steps:
-        p = s.get("profile")
-        if not p:
-            if s.get("profile_error"):
-                lines += ["", f"{s['model']} {s['config']}: not profiled: "
-                          f"{s['profile_error'][:300]}"]
-            continue
+    lines: list[str] = []
+    for s, p in _steps_with(steps, "profile", lines, "not profiled"):
         model = p.get("model", {})
         idle = p["wall_s"] - p["busy_s"]
         lines += ["", f"{s['model']} {s['config']}, profiled (`soapjax.stepprofile`, "

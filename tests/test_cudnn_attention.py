@@ -23,19 +23,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import pytest
-from test_corpus import FAST_COMPILE, X64_TOL, float64_workload, relative_error, worst_leaf
-from test_flash_attention import MESH, STRATEGIES, TOPOLOGY, case
+from test_corpus import X64_TOL, float64_workload, relative_error, worst_leaf
+from test_flash_attention import applied, case
 
 import soapjax_zoo
-from soapjax.apply import batch_shardings, constrained_loss, device_put_global, param_shardings
 from soapjax.attention import AttentionCall, attention_call, flash_attention
 from soapjax.errors import TopologyError
 from soapjax.graph import trace
 from soapjax.kernels import FlashKernel, flash_time, shard_kernels
-from soapjax.topology import KernelSpec, load_topology, make_mesh
+from soapjax.topology import KernelSpec, load_topology
 from soapjax_zoo import llama
 
 CHECK = Path(__file__).resolve().parent.parent / "scripts" / "check_cudnn_attention.py"
@@ -68,17 +66,10 @@ def test_on_the_cpu_its_gradients_are_the_blockwise_attentions():
 
 @pytest.mark.parametrize("kind", ["dp", "cp_model", "ring_data_tp_model"])
 def test_applied_on_cpu8_its_gradients_are_exact(kind):
-    graph, params, batch, want = cudnn_case()
-    strategy, mesh = STRATEGIES[kind](graph), make_mesh(TOPOLOGY)
-    with jax.enable_x64(True):
-        ps = param_shardings(graph, strategy, mesh, params=params)
-        bs = batch_shardings(graph, strategy, mesh, batch=batch)
-        grad = jax.jit(jax.grad(constrained_loss(graph, strategy, mesh)), in_shardings=(ps, bs),
-                       out_shardings=ps, compiler_options=FAST_COMPILE)
-        got = grad(*device_put_global((params, batch), (ps, bs)))
+    want = cudnn_case()[3]
+    got = applied(kind, cudnn_case)[0]
     err = relative_error(got, want)
     assert err <= X64_TOL, f"{kind}: {err:.3g}; worst leaf {worst_leaf(got, want)}"
-    assert MESH.size == 8
 
 
 def test_a_whole_sequence_is_priced_as_cudnn_runs_it_a_split_one_as_blockwise():

@@ -121,8 +121,10 @@ STRATEGIES = {
 
 
 @functools.cache
-def applied(kind: str):
-    graph, params, batch, _ = case()
+def applied(kind: str, workload=None):
+    """The float64 gradient of strategy `kind` applied on cpu8 to `workload()` (default: the
+    tiny flash llama, `case`), and the compiled step's HLO."""
+    graph, params, batch, _ = (workload or case)()
     strategy, mesh = STRATEGIES[kind](graph), make_mesh(TOPOLOGY)
     with jax.enable_x64(True):
         ps = param_shardings(graph, strategy, mesh, params=params)
