@@ -612,7 +612,8 @@ def render(results: dict) -> str:
                   f"{results['cudnn_attention_efficiency']:.3f}` the same way."]
     lines += _step_table(results["steps"])
     lines += _ops_tables(results["steps"])
-    lines += _profile_tables(results["steps"])
+    lines += _profile_tables(results["steps"],
+                             memory_GBps=(results.get("topology") or {}).get("memory_GBps"))
     notes = list(results["notes"]) + [f"{e['name']}: {e['error']}" for e in results["errors"]]
     if results["skipped"]:
         notes.append(f"left out for the budget: {', '.join(results['skipped'])}")
@@ -723,9 +724,11 @@ def _ops_tables(steps: list[dict], top: int = 12) -> list[str]:
     return lines
 
 
-def _profile_tables(steps: list[dict], top: int = 10) -> list[str]:
+def _profile_tables(steps: list[dict], top: int = 10, memory_GBps: float | None = None
+                    ) -> list[str]:
     lines: list[str] = []
     for s, p in _steps_with(steps, "profile", lines, "not profiled"):
+        p = {**p, "memory_GBps": memory_GBps}
         model = p.get("model", {})
         idle = p["wall_s"] - p["busy_s"]
         lines += ["", f"{s['model']} {s['config']}, profiled (`soapjax.stepprofile`, "
@@ -767,6 +770,17 @@ def _profile_tables(steps: list[dict], top: int = 10) -> list[str]:
         if p.get("unmatched"):
             lines.append(f"\n{p['unmatched']:.0f} kernels per step ran for no instruction "
                          "of the step's module.")
+        large = p.get("memory_bound") or {}
+        if large:
+            bandwidth = (results_bandwidth := p.get("memory_GBps"))
+            parts = [f"{kind} {v[0] / 1e9:.3g} GB in {_ms(v[1])} ({v[2]:.0f} kernels): "
+                     f"{v[0] / v[1] / 1e12:.2f} TB/s"
+                     + (f", {v[0] / v[1] / (bandwidth * 1e9):.2f} of the bandwidth"
+                        if results_bandwidth else "")
+                     for kind, v in sorted(large.items()) if v[1] > 0]
+            lines.append(f"\nIts memory-bound kernels of {stepprofile.LARGE_BYTES // 2**20} MiB "
+                         "or more (bytes: each instruction's operands and result once; those "
+                         "that slice or update in place left out): " + "; ".join(parts) + ".")
         copies, nbytes = p.get("loop_copies") or (0, 0.0)
         if copies:
             memcpy = p["sources"].get("(memory copies)", (0.0, 0))[0]

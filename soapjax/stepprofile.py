@@ -67,6 +67,8 @@ __all__ = ["KERNEL_CLASSES", "KernelEvent", "Instruction", "StepProfile", "class
 
 KERNEL_CLASSES = ("gemm", "attention", "reduction", "elementwise", "copy", "scatter",
                   "collective", "other")
+_MEMORY_BOUND = ("elementwise", "reduction", "copy")
+LARGE_BYTES = 16 * 2**20  # a kernel moving this much or more runs long past its launch
 
 # XLA's collective opcodes (`soapjax.collectives.HLO_OPCODES`) and the point-to-point ones
 _COLLECTIVES = (*HLO_OPCODES, "collective-broadcast", "send", "recv")
@@ -103,6 +105,9 @@ class Instruction(NamedTuple):
     kind: str  # one of KERNEL_CLASSES
     opcode: str
     source: str  # the model path it came from (`source_of`), '' where XLA kept none
+    # its operands' and result's bytes, once each: what it must move (0 where it slices or
+    # updates in place, touching part of them)
+    nbytes: float = 0.0
 
 
 class StepProfile(NamedTuple):
@@ -126,12 +131,17 @@ class StepProfile(NamedTuple):
     # the part of each class from the optimizer's update (source "(update)"), which a
     # simulator prices apart from the operators
     update_classes: dict[str, tuple[float, float]] = {}
+    # per memory-bound class (elementwise, reduction, copy), over its kernels of at least
+    # `LARGE_BYTES`: (bytes their instructions move, seconds, kernels) per call; bytes over
+    # seconds is the bandwidth they reach
+    memory_bound: dict[str, tuple[float, float, float]] = {}
 
     def as_dict(self) -> dict[str, Any]:
         return {**self._asdict(), "classes": {k: list(v) for k, v in self.classes.items()},
                 "sources": {k: list(v) for k, v in self.sources.items()},
                 "top": [list(t) for t in self.top],
-                "update_classes": {k: list(v) for k, v in self.update_classes.items()}}
+                "update_classes": {k: list(v) for k, v in self.update_classes.items()},
+                "memory_bound": {k: list(v) for k, v in self.memory_bound.items()}}
 
 
 def profile_calls(fn: Callable[..., Any], args: Sequence[Any], *, calls: int = 3,
@@ -300,6 +310,7 @@ def classify(hlo_text: str) -> dict[str, Instruction]:
     # reducers and comparators (to_apply of reduce, scatter, sort) run inside their callers
     applied = {c for insts in comps.values() for inst in insts if inst.opcode != "call"
                for c in callees(inst).get("to_apply", [])}
+    types = {inst.name: inst.type for insts in comps.values() for inst in insts}
     out = {}
     for comp, insts in comps.items():
         if comp in fused or comp in applied:
@@ -307,7 +318,16 @@ def classify(hlo_text: str) -> dict[str, Instruction]:
         for inst in insts:
             if inst.opcode in _NOT_KERNELS or inst.opcode.endswith("-done"):
                 continue  # an async op's "-done" waits for its "-start", the kernel
-            out[inst.name] = Instruction(_kind(inst, comps), inst.opcode, source_of(op_name(inst)))
+            # what it must move, where that is its operands and result (a fusion that slices
+            # or updates in place touches part of them: not counted)
+            sliced = inst.opcode in ("dynamic-slice", "dynamic-update-slice", "gather",
+                                     "scatter") or (inst.opcode.startswith("fusion") and (
+                _fused_opcodes(next(iter(callees(inst).get("calls", [])), ""), comps, set())
+                & {"dynamic-slice", "dynamic-update-slice", "gather", "scatter", "slice"}))
+            moved = 0.0 if sliced else _bytes(inst.type) + sum(
+                _bytes(types.get(o, "")) for o in inst.operands)
+            out[inst.name] = Instruction(_kind(inst, comps), inst.opcode,
+                                         source_of(op_name(inst)), moved)
     return out
 
 
@@ -419,6 +439,7 @@ def summarize(events: Sequence[KernelEvent], classes: dict[str, Instruction], ca
     per_source: dict[str, list[float]] = {}
     per_op: dict[tuple[str, str], list[float]] = {}
     per_update: dict[str, list[float]] = {}
+    per_memory: dict[str, list[float]] = {}
     # A GPU kernel is named after its fusion ("loop_add_fusion_3" for "loop_add_fusion.3"); in
     # a CUDA graph (XLA's command buffers) the event's hlo_op is the command buffer's.
     by_kernel = {_kernel_name(name): inst for name, inst in classes.items()}
@@ -435,6 +456,11 @@ def summarize(events: Sequence[KernelEvent], classes: dict[str, Instruction], ca
                             else e.name, kind))]
         if source == "(update)":
             tables.append((per_update, kind))
+        if inst is not None and kind in _MEMORY_BOUND and inst.nbytes >= LARGE_BYTES:
+            row = per_memory.setdefault(kind, [0.0, 0.0, 0.0])
+            row[0] += inst.nbytes / calls
+            row[1] += e.duration_us * 1e-6 / calls
+            row[2] += 1 / calls
         for table, key in tables:
             row = table.setdefault(key, [0.0, 0.0])
             row[0] += e.duration_us * 1e-6 / calls
@@ -449,4 +475,5 @@ def summarize(events: Sequence[KernelEvent], classes: dict[str, Instruction], ca
         sources={k: (v[0], v[1]) for k, v in sorted(per_source.items(),
                                                     key=lambda kv: -kv[1][0])},
         top=[(op, kind, v[0], v[1]) for (op, kind), v in ranked], unmatched=unmatched / calls,
-        update_classes={k: (v[0], v[1]) for k, v in per_update.items()})
+        update_classes={k: (v[0], v[1]) for k, v in per_update.items()},
+        memory_bound={k: (v[0], v[1], v[2]) for k, v in per_memory.items()})
