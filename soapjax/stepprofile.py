@@ -18,7 +18,11 @@ ran, which HLO instruction it ran for, and what kind of work that instruction is
   ``other``; and where in the model it came from (the JAX op name XLA kept in its metadata).
 * `summarize` turns the events into a `StepProfile` per call: time the device was busy (the
   union of the kernels' intervals), wall time it was not, and time and kernel count per class
-  and per source.
+  and per source; the optimizer's update apart (``update_classes``); and the bandwidth the
+  large memory-bound kernels reach (``memory_bound``: each instruction's operands and result
+  counted once, what `classify` records as its ``nbytes``).
+* `loop_copies` reads the module alone: the slices and updates of stacked values (a scan over
+  layers) that XLA runs as copies of their own.
 
 Example (a trace needs a device; the classification does not):
 
