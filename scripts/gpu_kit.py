@@ -300,7 +300,8 @@ def step_worker(args: argparse.Namespace, parts: Parts) -> None:
     stats = getattr(jax.devices()[0], "memory_stats", lambda: None)() or {}
     parts.emit("step", median_s=statistics.median(times), min_s=min(times), max_s=max(times),
                calls=len(times), compile_s=compile_s, loss=float(loss),
-               xla_flops=_xla_flops(compiled), peak_bytes=stats.get("peak_bytes_in_use"))
+               xla_flops=_xla_flops(compiled), peak_bytes=stats.get("peak_bytes_in_use"),
+               **_buffer_assignment(compiled))
     say(f"{spec.name} {spec.config}: median {statistics.median(times) * 1e3:.2f} ms over "
         f"{len(times)} calls")
     if args.profile:
@@ -363,6 +364,25 @@ def replicated(g, topo: Topology) -> Strategy:
     """The unsharded strategy: every operator's first config (all its dims whole)."""
     mesh = MeshShape.of(topo)
     return Strategy(tuple(configs(op, mesh)[0] for op in g.operators))
+
+
+def _buffer_assignment(compiled: Any) -> dict[str, int]:
+    """XLA's own account of the compiled step's memory (`compiled.memory_analysis()`): its
+    arguments, outputs, aliased (donated) bytes, temporaries and, where the runtime gives it,
+    its peak. The allocator's ``peak_bytes_in_use`` also counts what compiling and
+    autotuning held."""
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001  a backend without it
+        return {}
+    if m is None:
+        return {}
+    keys = ("argument", "output", "alias", "temp")
+    out = {f"xla_{k}_bytes": int(getattr(m, f"{k}_size_in_bytes", 0) or 0) for k in keys}
+    peak = getattr(m, "peak_memory_in_bytes", 0)
+    if peak:
+        out["xla_peak_bytes"] = int(peak)
+    return out
 
 
 def _xla_flops(compiled: Any) -> float | None:
@@ -611,6 +631,7 @@ def render(results: dict) -> str:
                   "whole), forward and backward, reached `cudnn_attention_efficiency = "
                   f"{results['cudnn_attention_efficiency']:.3f}` the same way."]
     lines += _step_table(results["steps"])
+    lines += _memory_table(results["steps"])
     lines += _ops_tables(results["steps"])
     lines += _profile_tables(results["steps"],
                              memory_GBps=(results.get("topology") or {}).get("memory_GBps"))
@@ -673,6 +694,30 @@ def _step_table(steps: list[dict]) -> list[str]:
                      f"| {_pct(s.get('error_measured_ops'))} | "
                      f"{s['model_flop_rate'] / 1e12:.3g} | "
                      f"{s['mfu_bfloat16'] * 100:.0f}% | {s['compile_s']:.0f} s |")
+    return lines
+
+
+def _memory_table(steps: list[dict]) -> list[str]:
+    rows = [s for s in steps if s.get("xla_temp_bytes") is not None]
+    if not rows:
+        return []
+    lines = ["", "Memory per step against the simulator's peak per device "
+             "(`predicted_peak_bytes`): XLA's buffer assignment of the compiled step "
+             "(`compiled.memory_analysis()`: arguments + outputs - aliased + temporaries, "
+             "and its own peak where the runtime gives one) and the allocator's peak (which "
+             "also holds what compiling and autotuning took):", "",
+             "| model | batch | simulator | XLA: arguments | outputs | aliased | temporaries "
+             "| XLA peak | allocator peak |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def gb(x: float | None) -> str:
+        return "-" if x is None else f"{x / 1e9:.2f} GB" if x >= 1e8 else f"{x / 1e6:.3g} MB"
+
+    for s in rows:
+        lines.append(f"| {s['model']} {s['config']} | {s.get('batch_size', '-')} | "
+                     f"{gb(s.get('predicted_peak_bytes'))} | {gb(s['xla_argument_bytes'])} | "
+                     f"{gb(s['xla_output_bytes'])} | {gb(s['xla_alias_bytes'])} | "
+                     f"{gb(s['xla_temp_bytes'])} | {gb(s.get('xla_peak_bytes'))} | "
+                     f"{gb(s.get('peak_bytes'))} |")
     return lines
 
 

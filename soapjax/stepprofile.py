@@ -85,6 +85,9 @@ _NOT_KERNELS = frozenset({"parameter", "constant", "get-tuple-element", "tuple",
 _CONTROL = frozenset({"while", "body", "cond", "eval_jaxpr", "scan", "checkpoint", "remat",
                       "rematted_computation", "checkpoint_name"})
 _BRANCH = re.compile(r"branch_\d+_fun")
+# Scalar index arithmetic a slice's fusion may hold (a reversed scan's ``n - 1 - i``).
+_INDEX_MATH = frozenset({"add", "subtract", "multiply", "compare", "select", "clamp",
+                         "convert", "maximum", "minimum"})
 # Instructions that only move memory when they run alone.
 _MEMORY = frozenset({"copy", "transpose", "copy-start", "copy-done", "gather", "dynamic-slice",
                      "dynamic-update-slice", "slice", "concatenate", "pad"})
@@ -381,7 +384,7 @@ def _async_copy_bytes(inst: Inst, comps: dict[str, list[Inst]]) -> float | None:
     Its type is ``((operands...), result, context)``."""
     ops = _fused_opcodes(next(iter(callees(inst).get("calls", [])), ""), comps, set())
     if not ops & {"dynamic-slice", "dynamic-update-slice"} or not ops <= (
-            _LAYOUT | {"dynamic-slice", "dynamic-update-slice"}):
+            _LAYOUT | _INDEX_MATH | {"dynamic-slice", "dynamic-update-slice"}):
         return None
     try:
         operands, result = parse_type(inst.type)[:2]

@@ -95,6 +95,10 @@ def test_the_step_is_measured_and_predicted(kit):
         step["predicted_datasheet_s"] / step["measured_s"] - 1)
     assert step["model_flops"] > 0 and step["mfu_bfloat16"] > 0
     assert math.isfinite(step["loss"]) and step["compile_s"] > 0
+    # XLA's buffer assignment of the compiled step: the parameters and optimizer state are
+    # arguments, donated (aliased) into the outputs
+    assert step["xla_argument_bytes"] > 0 and step["xla_output_bytes"] > 0
+    assert 0 < step["xla_alias_bytes"] <= step["xla_argument_bytes"]
 
 
 def test_every_operator_is_timed_beside_the_kernel_model(kit):
@@ -166,7 +170,8 @@ def test_the_markdown_section_has_every_table(kit):
     assert text.startswith("## GPU kit: cpu, ")
     for heading in ("| GEMM (m x n x k) |", "| memory-bound kernel |", "| attention (causal",
                     "[device.efficiency]", "| gpt2 tiny | 8 |", "| `*/mlp/fc1` | 2 |",
-                    "gpt2 tiny, profiled", "| class | kernels | device time |"):
+                    "gpt2 tiny, profiled", "| class | kernels | device time |",
+                    "| model | batch | simulator | XLA: arguments |"):
         assert heading in text, heading
 
 
