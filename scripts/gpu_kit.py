@@ -21,7 +21,9 @@ In order:
    a 0.9B LLaMA (bfloat16) and GPT 1.3B (float16), against the simulator's unsharded step on
    the one-device topology with analytic costs: at the datasheet peaks, and with the fitted
    table. Also the model's FLOPs per second and its utilisation of the bfloat16 peak (MFU;
-   FLOPs: three times the operators' forward FLOPs, as the analytic model counts them).
+   FLOPs: three times the operators' forward FLOPs, as the analytic model counts them), and
+   XLA's buffer assignment of each compiled step (``compiled.memory_analysis()``) beside the
+   simulator's peak memory per device.
 5. Each model's operators timed one by one on the device (`soapjax.cost`'s measured costs, the
    unsharded shard program of each, forward and backward; operators with the same program
    share one measurement), and the simulator's step with those measured costs: the
