@@ -1,7 +1,7 @@
 """The GPU kit (issue 31, item 6): the attached device's kernels measured, its efficiency table
 fitted, and one-device training steps of zoo models timed against the simulator.
 
-    cd repo && PYTHONPATH=. python3 scripts/gpu_kit.py --out $OUT/kit   # ~5-7 min on an H100
+    cd repo && PYTHONPATH=. python3 scripts/gpu_kit.py --profile --out /tmp/kit  # ~6-8 min, H100
     python scripts/gpu_kit.py --quick --out /tmp/kit                     # tiny, on CPU (the test)
 
 In order:
