@@ -329,12 +329,19 @@ def profile_step(spec: ModelSpec, compiled: Any, args: tuple, out: Path, parts: 
         compiled, args, calls=PROFILE_CALLS, log_dir=out / f"profile-{stem}",
         advance=lambda o, a: (o[0], o[1], a[2]))
     shutil.copy(path, out / f"trace-{stem}.json.gz")
-    events = stepprofile.trace_kernels(path)
-    prof = stepprofile.summarize(events, stepprofile.classify(text), PROFILE_CALLS, walls)
-    parts.emit("profile", **prof.as_dict(), loop_copies=stepprofile.loop_copies(text))
-    say(f"{stem}: profiled {PROFILE_CALLS} calls: {prof.kernels:.0f} kernels per call, busy "
-        f"{prof.busy_s * 1e3:.2f} ms of {prof.wall_s * 1e3:.2f} ms; "
-        + ", ".join(f"{k} {v[0] * 1e3:.2f} ms" for k, v in prof.classes.items()))
+    prof = profile_record(path, text, PROFILE_CALLS, walls)
+    parts.emit("profile", **prof)
+    say(f"{stem}: profiled {PROFILE_CALLS} calls: {prof['kernels']:.0f} kernels per call, busy "
+        f"{prof['busy_s'] * 1e3:.2f} ms of {prof['wall_s'] * 1e3:.2f} ms; "
+        + ", ".join(f"{k} {v[0] * 1e3:.2f} ms" for k, v in prof["classes"].items()))
+
+
+def profile_record(trace_file: Path, hlo_text: str, calls: int, walls: list[float]) -> dict:
+    """A profiled step as the results keep it: `soapjax.stepprofile`'s summary of the trace,
+    classified from the compiled module's text, with the module's loop copies."""
+    prof = stepprofile.summarize(stepprofile.trace_kernels(trace_file),
+                                 stepprofile.classify(hlo_text), calls, walls)
+    return {**prof.as_dict(), "loop_copies": stepprofile.loop_copies(hlo_text)}
 
 
 def ops_worker(args: argparse.Namespace, parts: Parts) -> None:
@@ -997,10 +1004,8 @@ def reprofile(folder: Path, row: dict) -> None:
     with gzip.open(hlo, "rt") as f:
         text = f.read()
     old = row["profile"]
-    prof = stepprofile.summarize(stepprofile.trace_kernels(trace_file),
-                                 stepprofile.classify(text), old["calls"], [old["wall_s"]])
-    row["profile"] = {**prof.as_dict(), "model": old.get("model", {}),
-                      "loop_copies": stepprofile.loop_copies(text)}
+    row["profile"] = {**profile_record(trace_file, text, old["calls"], [old["wall_s"]]),
+                      "model": old.get("model", {})}
 
 
 def render_again(folder: Path, out: Path, *, write_docs: bool) -> dict:

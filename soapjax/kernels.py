@@ -72,6 +72,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from soapjax._dtypes import is_float
+from soapjax._inner import attention_call_of
 from soapjax._local import operator_fn
 from soapjax.attention import attention_call, cudnn_eligible
 from soapjax.errors import TopologyError
@@ -462,16 +463,12 @@ def shard_kernels(graph: OpGraph, op: Operator, degrees: tuple[int, ...]) -> Ker
         kernels = op_kernels(jax.make_jaxpr(fn)(*avals), [x.kind == "param" for x in op.inputs])
     except Exception as e:  # noqa: BLE001  an exotic equation: the roofline prices it
         return Kernels(None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
-    if op.anchor == "attention" and kernels.forward and degrees[1] == 1 and (
-            _written_with_cudnn(graph, op)):
+    call = attention_call_of(graph, graph.index(op.name)) if op.anchor == "attention" else None
+    if call is not None and call.implementation == "cudnn" and kernels.forward and (
+            degrees[1] == 1):
         kernels = kernels._replace(forward=tuple(
             k._replace(implementation="cudnn") if isinstance(k, FlashKernel) and cudnn_eligible(
                 (k.batch, k.t, 1, k.h), (k.batch, k.s, 1, k.h), k.dtype) else k
             for k in kernels.forward))
     return kernels
 
-
-def _written_with_cudnn(graph: OpGraph, op: Operator) -> bool:
-    prog = graph.program
-    calls = (attention_call(prog.units[i].eqn) for i in prog.local[op.name].units)
-    return any(c is not None and c.implementation == "cudnn" for c in calls)

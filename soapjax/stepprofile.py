@@ -275,18 +275,35 @@ def _fused_opcodes(comp: str, comps: dict[str, list[Inst]], seen: set[str]) -> s
     return ops
 
 
-def _kind(inst: Inst, comps: dict[str, list[Inst]]) -> str:
+def _opcodes(inst: Inst, comps: dict[str, list[Inst]]) -> set[str]:
+    """What an instruction's kernel runs: a fusion's (or an async fusion's) fused opcodes, a
+    custom call's target as ``custom-call:<target>``, or the opcode itself."""
+    if inst.opcode in ("fusion", "fusion-start"):
+        return _fused_opcodes(next(iter(callees(inst).get("calls", [])), ""), comps, set())
+    if inst.opcode == "custom-call":
+        return {"custom-call",
+                "custom-call:" + (attribute(inst, "custom_call_target") or "").strip('"')}
+    return {inst.opcode}
+
+
+def _nested(comps: dict[str, list[Inst]]) -> set[str]:
+    """Computations that run inside another instruction's kernel, not as kernels of their
+    own: fusion bodies (async ones too), and reducers and comparators (the ``to_apply`` of
+    a reduce, scatter or sort)."""
+    return {c for insts in comps.values() for inst in insts
+            for c in ((callees(inst).get("calls", [])
+                       if inst.opcode in ("fusion", "fusion-start") else [])
+                      + (callees(inst).get("to_apply", []) if inst.opcode != "call" else []))}
+
+
+def _kind(inst: Inst, ops: set[str]) -> str:
+    """The class of an instruction whose kernel runs `ops` (`_opcodes`)."""
     op = inst.opcode
     base = op.removesuffix("-start").removesuffix("-done")
     if base in _COLLECTIVES:
         return "collective"
     if op in ("dot", "convolution"):
         return "gemm"
-    ops = {op}
-    if op == "custom-call":
-        ops.add("custom-call:" + (attribute(inst, "custom_call_target") or "").strip('"'))
-    if base == "fusion":  # an async fusion ("fusion-start": a slice on a copy engine) too
-        ops = _fused_opcodes(next(iter(callees(inst).get("calls", [])), ""), comps, set())
     targets = " ".join(o for o in ops if o.startswith("custom-call:")).lower()
     if "fmha" in targets or "cudnn$flash" in targets or "attention" in targets:
         return "attention"
@@ -312,28 +329,23 @@ def classify(hlo_text: str) -> dict[str, Instruction]:
     fusion, which run in their fusion's kernel), its `Instruction`."""
     module = parse_module(hlo_text)
     comps = module.computations
-    fused = {c for insts in comps.values() for inst in insts
-             if inst.opcode in ("fusion", "fusion-start") for c in callees(inst).get("calls", [])}
-    # reducers and comparators (to_apply of reduce, scatter, sort) run inside their callers
-    applied = {c for insts in comps.values() for inst in insts if inst.opcode != "call"
-               for c in callees(inst).get("to_apply", [])}
+    nested = _nested(comps)
     types = {inst.name: inst.type for insts in comps.values() for inst in insts}
     out = {}
     for comp, insts in comps.items():
-        if comp in fused or comp in applied:
+        if comp in nested:
             continue
         for inst in insts:
             if inst.opcode in _NOT_KERNELS or inst.opcode.endswith("-done"):
                 continue  # an async op's "-done" waits for its "-start", the kernel
-            # what it must move, where that is its operands and result (a fusion that slices
-            # or updates in place touches part of them: not counted)
-            sliced = inst.opcode in ("dynamic-slice", "dynamic-update-slice", "gather",
-                                     "scatter") or (inst.opcode.startswith("fusion") and (
-                _fused_opcodes(next(iter(callees(inst).get("calls", [])), ""), comps, set())
-                & {"dynamic-slice", "dynamic-update-slice", "gather", "scatter", "slice"}))
+            ops = _opcodes(inst, comps)
+            # what it must move, where that is its operands and result (one that slices or
+            # updates in place touches part of them: not counted)
+            sliced = ops & {"dynamic-slice", "dynamic-update-slice", "gather", "scatter"} or (
+                inst.opcode.startswith("fusion") and "slice" in ops)
             moved = 0.0 if sliced else _bytes(inst.type) + sum(
                 _bytes(types.get(o, "")) for o in inst.operands)
-            out[inst.name] = Instruction(_kind(inst, comps), inst.opcode,
+            out[inst.name] = Instruction(_kind(inst, ops), inst.opcode,
                                          source_of(op_name(inst)), moved)
     return out
 
@@ -354,13 +366,11 @@ def loop_copies(hlo_text: str) -> tuple[float, float]:
     module = parse_module(hlo_text)
     comps, runs = module.computations, executions(module)
     types = {inst.name: inst.type for insts in comps.values() for inst in insts}
-    inner = {c for insts in comps.values() for inst in insts
-             if inst.opcode in ("fusion", "fusion-start") or inst.opcode != "call"
-             for c in callees(inst).get("calls", []) + callees(inst).get("to_apply", [])}
+    nested = _nested(comps)
     copies = nbytes = 0.0
     for comp, insts in comps.items():
         n = runs.get(comp, 0)
-        if n <= 1 or comp in inner:  # once a step, or inside a fusion (no copy of its own)
+        if n <= 1 or comp in nested:  # once a step, or inside a fusion (no copy of its own)
             continue
         for inst in insts:
             if inst.opcode == "dynamic-slice":
@@ -382,7 +392,7 @@ def _async_copy_bytes(inst: Inst, comps: dict[str, list[Inst]]) -> float | None:
     """The slice an async fusion of only a dynamic slice (or update) and layout ops copies:
     its result (a slice), or its operands but the stack (an update); None for another.
     Its type is ``((operands...), result, context)``."""
-    ops = _fused_opcodes(next(iter(callees(inst).get("calls", [])), ""), comps, set())
+    ops = _opcodes(inst, comps)
     if not ops & {"dynamic-slice", "dynamic-update-slice"} or not ops <= (
             _LAYOUT | _INDEX_MATH | {"dynamic-slice", "dynamic-update-slice"}):
         return None
@@ -459,8 +469,7 @@ def summarize(events: Sequence[KernelEvent], classes: dict[str, Instruction], ca
         else:
             kind, source = inst.kind, inst.source or "(no name)"
         tables = [(per_class, kind), (per_source, source),
-                  (per_op, (e.name if inst is None else e.hlo_op if e.hlo_op in classes
-                            else e.name, kind))]
+                  (per_op, (e.hlo_op if e.hlo_op in classes else e.name, kind))]
         if source == "(update)":
             tables.append((per_update, kind))
         if inst is not None and kind in _MEMORY_BOUND and inst.nbytes >= LARGE_BYTES:
