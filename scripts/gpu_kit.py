@@ -782,7 +782,6 @@ def _profile_tables(steps: list[dict], top: int = 10, memory_GBps: float | None 
                     ) -> list[str]:
     lines: list[str] = []
     for s, p in _steps_with(steps, "profile", lines, "not profiled"):
-        p = {**p, "memory_GBps": memory_GBps}
         model = p.get("model", {})
         idle = p["wall_s"] - p["busy_s"]
         lines += ["", f"{s['model']} {s['config']}, profiled (`soapjax.stepprofile`, "
@@ -826,11 +825,10 @@ def _profile_tables(steps: list[dict], top: int = 10, memory_GBps: float | None 
                          "of the step's module.")
         large = p.get("memory_bound") or {}
         if large:
-            bandwidth = (results_bandwidth := p.get("memory_GBps"))
             parts = [f"{kind} {v[0] / 1e9:.3g} GB in {_ms(v[1])} ({v[2]:.0f} kernels): "
                      f"{v[0] / v[1] / 1e12:.2f} TB/s"
-                     + (f", {v[0] / v[1] / (bandwidth * 1e9):.2f} of the bandwidth"
-                        if results_bandwidth else "")
+                     + (f", {v[0] / v[1] / (memory_GBps * 1e9):.2f} of the bandwidth"
+                        if memory_GBps else "")
                      for kind, v in sorted(large.items()) if v[1] > 0]
             lines.append(f"\nIts memory-bound kernels of {stepprofile.LARGE_BYTES // 2**20} MiB "
                          "or more (bytes: each instruction's operands and result once; those "
