@@ -27,6 +27,10 @@ interleaved schedule (not checked here); none where PP = 1 or 2), ``--recompute-
 uniform`` on every row (full activation recomputation of every layer, which is what the
 four-pass F counts), and PyTorch DDP for the rows without pipeline stages, Megatron's "local"
 DDP for the others.
+Megatron keeps each stage's layers as its chunks run them (``layer_layout="chunks"``), where
+`soapjax.apply` keeps them in the model's layout and moves them every step under the
+interleaved schedule (`soapjax.pipesim`, module doc, 4: that would add 0.3-0.6 s and 8-9 GB
+per GPU to the four interleaved rows).
 Assumed: no sequence parallelism (it came later, Korthikanti et al. 2022); the paper's
 scatter/gather of stage-to-stage sends, as `soapjax.pipesim` prices them (each of the TP
 devices sends 1/TP of the boundary activations over its own NIC, the receiver all-gathers them
@@ -233,7 +237,8 @@ def predict(row: Row, params: Mapping[str, Any] | None = None) -> Prediction:
             interleave=row.interleave, recompute="full", sequence_parallel=False)
         costs = cost_model(g, topo, mode="analytic", optimizer=w.optimizer)
         r = simulate(g, topo, strategy, cost_model=costs, resharder="ideal",
-                     opt_state_factor=opt_state_factor(w.optimizer, w.abstract_params()))
+                     opt_state_factor=opt_state_factor(w.optimizer, w.abstract_params()),
+                     layer_layout="chunks")
     except SoapjaxError as e:
         return Prediction(row, published, None, None, None, None, ratio,
                           f"not built: {str(e).splitlines()[0]}", time.perf_counter() - t0)

@@ -222,7 +222,10 @@ def render(rows: list[dict], proposals: int) -> str:
         "machine, usually shared with another job). What the pipelined simulation leaves out "
         "is in `soapjax/pipesim.py`'s module docstring: stage boundaries at equal layer counts "
         "(not searched: apply's stacked stage weights need equal splits), the embedding SPMD "
-        "over every device as apply runs it (not a choice), sends on their own links.",
+        "over every device as apply runs it (not a choice), sends on their own links. Under "
+        "the interleaved schedule each step moves the stacked layer parameters from the "
+        "model's layout apply keeps them in to the chunks' and their gradients back "
+        "(all-to-alls over the stages), and holds the chunks' copy: both priced.",
     ]
     return "\n".join(lines) + "\n"
 

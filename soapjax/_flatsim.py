@@ -408,6 +408,15 @@ class Simulation:
         return self._views[i].out_specs
 
     @_settled
+    def stored_param_bytes(self) -> dict[str, int]:
+        """Each parameter's stored shard per device, by its source (``Operand.source``: one
+        layer's slice of a stacked parameter is a parameter of its own)."""
+        layout = self._layout
+        return {source: unit.stored_bytes
+                for source, is_param, unit in zip(layout.leaf_source, layout.leaf_is_param,
+                                                  self._leaf_tasks) if is_param}
+
+    @_settled
     def memory_breakdown(self) -> MemoryBreakdown:
         """What the current strategy's peak memory per device is made of."""
         return self._memory()

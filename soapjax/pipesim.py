@@ -23,6 +23,16 @@ group's axes. The pipelined step is priced in three parts:
 3. **The tail.** After its last backward, a stage synchronises its parameters' gradients and
    updates them: the one-stage simulation's tail (its step end after the last backward), scaled
    by the stage's share of the parameter bytes. The step ends when the slowest stage's does.
+4. **The layer layout** (``layer_layout``). `soapjax.apply` stores the stacked layer
+   parameters in the model's layout, ``[L, ...]`` split over the stages on the layer dim
+   (``"model"``). With v > 1 virtual stages that is not the chunks' layout (stage ``s`` holds
+   layers ``s L / S ..``, but runs chunks ``s, s + S, ..``), so every step reshapes them: one
+   all-to-all over the stages per stacked parameter, of the stage's shard of it, before the
+   pipeline, and one of its gradient after it (measured in the compiled step:
+   tests/test_apply_pipelined.py). Both are priced (`layout_move_bytes`), serial with the
+   step, and the chunks' copy of the parameters is held through it (the stage's parameter
+   memory counts it). Megatron-LM stores them as its chunks run (``"chunks"``): nothing moves;
+   `scripts/bench_gpu_sim.py` prices its configurations so. With v = 1 the two layouts are one.
 
 **Memory** per stage: the one-stage simulation's parameters, gradients, optimizer state and
 communication buffers scaled by the stage's share of the parameter bytes (its layers, plus the
@@ -34,7 +44,8 @@ in-flight (microbatch, chunk) pairs on that stage. The plan fits when the fulles
 What is left out: the head on the last stage makes that stage slower, as it is, but the stage
 boundaries are fixed at equal layer counts (no searched boundaries yet), and the embedding's
 placement is apply's (SPMD), not a choice; compute and sends overlap as the schedule allows,
-with the sends on their own links (no contention with the gradient synchronisation).
+with the sends on their own links (no contention with the gradient synchronisation); the
+layer layout's all-to-alls overlap nothing (XLA may run them beside the prologue).
 
 Delta simulation: configs and recompute policies change through the one-stage `Simulation`'s
 delta simulation (exact, `soapjax.simulate`); the chunk times, schedule and memory are then
@@ -54,7 +65,12 @@ from soapjax.pipeline import ChunkTimes, PipelineTimeline, time_schedule
 from soapjax.space import Config, MeshShape, Strategy
 from soapjax.topology import Topology, stage_topology
 
-__all__ = ["PipelineResult", "PipelinedSimulation", "as_step_result", "layer_chunks"]
+__all__ = ["LAYER_LAYOUTS", "PipelineResult", "PipelinedSimulation", "as_step_result",
+           "layer_chunks"]
+
+# Where the stacked layer parameters live between steps (module doc, 4): the model's layout, as
+# soapjax.apply stores them, or the chunks', as Megatron-LM does.
+LAYER_LAYOUTS = ("model", "chunks")
 
 
 def _layer_span(graph: OpGraph) -> tuple[int, int]:
@@ -117,6 +133,9 @@ class PipelineResult:
       tail_s: per stage, its gradient synchronisation and update after its last backward.
       prologue_s: the part before the first layer (embedding) run SPMD on every device:
         (forward before the pipeline, backward after it).
+      layout_move_s: the stacked layer parameters moved from the model's layout to the
+        chunks' before the pipeline, and their gradients back after it (module doc, 4; 0
+        where the layouts agree).
     """
 
     step_time_s: float
@@ -127,6 +146,7 @@ class PipelineResult:
     fits_in_memory: bool
     tail_s: tuple[float, ...]
     prologue_s: tuple[float, float] = (0.0, 0.0)
+    layout_move_s: tuple[float, float] = (0.0, 0.0)
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -149,6 +169,7 @@ class PipelineResult:
                          "stage_end_s": list(self.timeline.stage_end_s),
                          "tail_s": list(self.tail_s),
                          "prologue_s": list(self.prologue_s),
+                         "layout_move_s": list(self.layout_move_s),
                          "chunk_forward_s": list(self.chunk_times.forward_s),
                          "chunk_backward_s": list(self.chunk_times.backward_s),
                          "send_s": list(self.chunk_times.send_s)},
@@ -164,10 +185,14 @@ class PipelinedSimulation:
     """
 
     def __init__(self, graph: OpGraph, topology: Topology, cost_model, resharder,
-                 strategy: Strategy, *, opt_state_factor: float = 2.0):
+                 strategy: Strategy, *, opt_state_factor: float = 2.0,
+                 layer_layout: str = "model"):
         if not strategy.pipelined:
             raise PlanError("PipelinedSimulation needs a strategy with pipeline stages; "
                             "use soapjax.simulate.Simulation for one without")
+        if layer_layout not in LAYER_LAYOUTS:
+            raise PlanError(f"layer_layout {layer_layout!r}: expected one of "
+                            f"{', '.join(LAYER_LAYOUTS)} (module doc)")
         self.graph, self.full_topology = graph, topology
         self.topology = stage_topology(topology, strategy.stages)
         self._pipeline = (strategy.stages, strategy.virtual_stages, strategy.schedule)
@@ -183,6 +208,9 @@ class PipelinedSimulation:
                                  pipeline_stage=True)
         self._param_share = graph.memo(("param_shares", strategy.stages, chunks),
                                        self._param_shares)
+        # the stacked parameters' layer slices, by stacked parameter, where a step moves them
+        self._stacked = (graph.memo("stacked_layer_params", self._stacked_layer_params)
+                         if layer_layout == "model" and strategy.virtual_stages > 1 else {})
         self._result: PipelineResult | None = None
         self._saved: PipelineResult | None = None
 
@@ -288,13 +316,15 @@ class PipelinedSimulation:
         after = max(0.0, pro_b_end - b_last[0]) / S if pro_b_end else 0.0
         tail = max(0.0, inner.timeline_end() - max(bwd_end))
         tails = tuple(tail * share for share in self._param_share)
-        step = before + max(timeline.step_s + after,
-                            max(end + t for end, t in zip(timeline.stage_end_s, tails)))
-        step += inner.call_overhead  # one SPMD call, as unpipelined
+        move = self._move_time()  # each way: parameters in, gradients out
+        step = before + move + max(timeline.step_s + after,
+                                   max(end + t for end, t in zip(timeline.stage_end_s, tails)))
+        step += move + inner.call_overhead  # one SPMD call, as unpipelined
         memory = self._stage_memory(timeline)
         cap = self.topology.device.memory_bytes
         return PipelineResult(step, timeline, times, memory, cap,
-                              max(m.total for m in memory) <= cap, tails, (before, after))
+                              max(m.total for m in memory) <= cap, tails, (before, after),
+                              (move, move))
 
     def _stage_of_chunk(self, c: int) -> int:
         return c % self._pipeline[0]
@@ -322,6 +352,37 @@ class PipelinedSimulation:
             for s in range(S) if stage_of[key] is None else (stage_of[key],):
                 shares[s] += n / total
         return tuple(shares)
+
+    def _stacked_layer_params(self) -> dict[str, tuple[str, ...]]:
+        """Per stacked parameter (its leaf path), the sources of its layer slices: the
+        parameters the layers read (module doc, 4)."""
+        out: dict[str, dict[str, None]] = {}
+        for i, op in enumerate(self.graph.operators):
+            if self._outside[i]:
+                continue
+            for x in op.inputs:
+                if x.kind == "param" and x.layer:
+                    out.setdefault(str(x.leaf_path), {})[x.source] = None
+        return {path: tuple(sources) for path, sources in out.items()}
+
+    def layout_move_bytes(self) -> tuple[int, ...]:
+        """Per stacked layer parameter, the bytes of one stage's shard of it that each device
+        puts into the step's all-to-all over the stages (the same again for its gradient):
+        its layers' stored shards, 1/S of them. Empty where nothing moves: one virtual stage,
+        or ``layer_layout="chunks"`` (module doc, 4)."""
+        if not self._stacked:
+            return ()
+        stored = self._inner.stored_param_bytes()
+        S = self._pipeline[0]
+        return tuple(sum(stored[src] for src in sources) // S
+                     for sources in self._stacked.values())
+
+    def _move_time(self) -> float:
+        """One way of the layer layout's all-to-alls (module doc, 4): one per stacked
+        parameter over the stage groups of the outermost mesh axis."""
+        axis, S = (self.full_topology.axis_names[0],), self._pipeline[0]
+        return sum(self.full_topology.collective_time("all_to_all", n, axis, group_size=S)
+                   for n in self.layout_move_bytes())
 
     def send_bytes(self) -> tuple[int, ...]:
         """Per chunk boundary, the bytes each device sends for one microbatch: the shards of
@@ -385,12 +446,13 @@ class PipelinedSimulation:
         chunk_act = [0] * (S * v)
         for i, c in enumerate(self._chunk):
             chunk_act[c] += act[i]
+        moved = sum(self.layout_move_bytes())  # the chunks' copy of the stage's layers
         out = []
         for s in range(S):
             share = self._param_share[s]
             per_pair = max(chunk_act[c] for c in range(s, S * v, S)) / total_act
             out.append(MemoryBreakdown(
-                params=int(m.params * share), grads=int(m.grads * share),
+                params=int(m.params * share) + moved, grads=int(m.grads * share),
                 opt_state=int(m.opt_state * share),
                 activations=int(m.activations * per_pair * timeline.in_flight[s]),
                 comm_buffers=m.comm_buffers))

@@ -58,6 +58,9 @@ chains, pipelined or not, is returned. S and v are chosen among pipelines, not b
 within a chain; stage boundaries are equal layer counts, as apply's stacked stage weights
 need. The grid holds only what apply runs (the interleaved schedule's M a multiple of S:
 `soapjax.pipeline.pipeline_error`), and the chains' microbatch moves keep to the same rule.
+Every pipeline is priced as apply runs it: with v > 1 each step also moves the stacked layer
+parameters between the model's layout and the chunks' (`soapjax.pipesim`, module doc, 4), so
+a smaller bubble is weighed against those all-to-alls and the copy they hold.
 
 **One entry point.** `find_plan` is how soapjax plans: graph + topology + settings -> `Plan`.
 The command line (`soapjax plan`), the training helper (`shard_training(strategy="plan")`),

@@ -66,7 +66,7 @@ def default_pricing(graph: OpGraph, topology: Topology, *, cost_model: OpCosts |
 def open_simulation(graph: OpGraph, topology: Topology, strategy: Strategy | None = None, *,
                     cost_model: OpCosts | None = None,
                     resharder: ReshardModel | str | None = None,
-                    opt_state_factor: float = 2.0
+                    opt_state_factor: float = 2.0, layer_layout: str = "model"
                     ) -> Iterator[Simulation | PipelinedSimulation]:
     """The stateful simulation of `strategy` (default: data parallelism) that a search walks.
 
@@ -75,7 +75,9 @@ def open_simulation(graph: OpGraph, topology: Topology, strategy: Strategy | Non
     over one stage's devices, with a resharder for that stage's mesh in `resharder`'s mode,
     made here and closed when the block ends. Both have the interface the search uses
     (`propose`, `propose_many`, `propose_strategy`, `accept`, `reject`, `reset`, `step_time`,
-    `fits_in_memory`, `result`).
+    `fits_in_memory`, `result`). `layer_layout`: where a pipelined strategy's stacked layer
+    parameters live between steps (`soapjax.pipesim.LAYER_LAYOUTS`): ``"model"`` as
+    `soapjax.apply` stores them, ``"chunks"`` as Megatron-LM does.
     """
     strategy = strategy if strategy is not None else data_parallel(graph, MeshShape.of(topology))
     owned = resharder is None or isinstance(resharder, str)  # made here: closed here
@@ -90,7 +92,8 @@ def open_simulation(graph: OpGraph, topology: Topology, strategy: Strategy | Non
         mode = getattr(flat_resharder, "mode", DEFAULT_MODE)
         with Resharder(MeshShape.of(stage), mode=mode) as stage_resharder:
             yield PipelinedSimulation(graph, topology, costs, stage_resharder, strategy,
-                                      opt_state_factor=opt_state_factor)
+                                      opt_state_factor=opt_state_factor,
+                                      layer_layout=layer_layout)
     finally:
         if owned:
             flat_resharder.close()
@@ -98,7 +101,7 @@ def open_simulation(graph: OpGraph, topology: Topology, strategy: Strategy | Non
 
 def simulate(graph: OpGraph, topology: Topology, strategy: Strategy, *,
              cost_model: OpCosts | None = None, resharder: ReshardModel | str | None = None,
-             opt_state_factor: float = 2.0) -> SimResult:
+             opt_state_factor: float = 2.0, layer_layout: str = "model") -> SimResult:
     """Full simulation of one training step of any strategy (Algorithm 1).
 
     Args:
@@ -110,6 +113,9 @@ def simulate(graph: OpGraph, topology: Topology, strategy: Strategy, *,
         `soapjax.reshard.DEFAULT_MODE`, as `soapjax.search.find_plan`); a pipelined strategy
         is priced by one of the same mode on one stage's mesh.
       opt_state_factor: optimizer state bytes per parameter byte (2 for Adam; `opt_state_factor`).
+      layer_layout: a pipelined strategy's stacked layer parameters between steps
+        (`soapjax.pipesim.LAYER_LAYOUTS`): ``"model"``, as `soapjax.apply` stores them, moved
+        to the chunks' layout every step where v > 1; ``"chunks"``, as Megatron-LM does.
 
     Returns:
       The step time, its breakdown, memory per device and the timeline; for a pipelined
@@ -117,7 +123,7 @@ def simulate(graph: OpGraph, topology: Topology, strategy: Strategy, *,
       and the pipeline itself in ``SimResult.pipeline`` (bubble, stage memory, chunk times).
     """
     with open_simulation(graph, topology, strategy, cost_model=cost_model, resharder=resharder,
-                         opt_state_factor=opt_state_factor) as sim:
+                         opt_state_factor=opt_state_factor, layer_layout=layer_layout) as sim:
         if isinstance(sim, PipelinedSimulation):
             return as_step_result(sim.result(), sim.stage_result(), topology.num_devices)
         return sim.result()

@@ -210,6 +210,27 @@ def test_stage_to_stage_bytes_are_what_the_simulator_prices(virtual):
 
 
 @pytest.mark.parametrize("virtual", [1, 2], ids=["1f1b", "interleaved"])
+def test_the_layer_layouts_all_to_alls_are_what_the_simulator_prices(virtual):
+    """Apply keeps the stacked layer parameters in the model's layout, split over ``stage`` on
+    the layer dim; the interleaved schedule runs chunks ``s, s + S`` on stage ``s``, so the step
+    moves them: one all-to-all over ``stage`` per stacked parameter of the stage's shard of it
+    before the pipeline, one of its gradient after (16 stacked parameters of the tiny GPT, 32
+    all-to-alls, 103,168 bytes per device each way). `PipelinedSimulation.layout_move_bytes`
+    prices exactly those, byte for byte. With one virtual stage the layouts agree: none."""
+    _, _, exe, shardings = compiled("gpt", virtual)
+    graph, strategy = model_case("gpt", STAGES * virtual)[3], strategy_of("gpt", virtual)
+    measured = sorted(c.nbytes for c in collectives(exe.as_text(), shardings.loss.mesh)
+                      if c.kind == "all-to-all")
+    assert all(c.axes == ("stage",) for c in collectives(exe.as_text(), shardings.loss.mesh)
+               if c.kind == "all-to-all")
+    sim = PipelinedSimulation(graph, TOPOLOGY, cost_model(graph, TOPOLOGY, mode="analytic"),
+                              Resharder(MeshShape.of(stage_topology(TOPOLOGY, STAGES)),
+                                        mode="ideal"), strategy)
+    assert measured == sorted(2 * sim.layout_move_bytes())
+    assert sum(measured) == {1: 0, 2: 2 * 103_168}[virtual]
+
+
+@pytest.mark.parametrize("virtual", [1, 2], ids=["1f1b", "interleaved"])
 def test_the_gradients_are_synchronised_over_data_once_per_step(virtual):
     """megatron_3d splits the batch over ``data`` (`batch_axes`), so each data group runs its
     samples of every microbatch and the gradients are all-reduced over ``data`` once, after
