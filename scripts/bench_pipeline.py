@@ -220,8 +220,8 @@ def render(rows: list[dict], proposals: int) -> str:
         "",
         "Search times are wall clock on the machine that made the table (the 2-core development "
         "machine, usually shared with another job). What the pipelined simulation leaves out "
-        "is in `soapjax/pipesim.py`'s module docstring: stage boundaries at equal layer counts "
-        "(not searched: apply's stacked stage weights need equal splits), the embedding SPMD "
+        "is in `soapjax/pipesim.py`'s module docstring: stage boundaries are searched at one "
+        "virtual stage only (`search.balance_stages`), the embedding SPMD "
         "over every device as apply runs it (not a choice), sends on their own links. Under "
         "the interleaved schedule each step moves the stacked layer parameters from the "
         "model's layout apply keeps them in to the chunks' and their gradients back "

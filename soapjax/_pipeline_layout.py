@@ -30,12 +30,13 @@ from soapjax._program import LayerScan
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
 from soapjax.memory import random_operator
-from soapjax.pipeline import check_pipeline
+from soapjax.pipeline import check_pipeline, check_stage_layers, stage_routes
 from soapjax.space import RECOMPUTE_POLICIES, MeshShape, RecomputePolicy, Strategy, batch_specs
 
 __all__ = ["STAGE_AXIS", "batch_axes", "check_chunks", "check_pipelinable", "check_stage_axis",
            "from_pipelined", "layer_recompute", "layer_scan", "pipelined_layout_shardings",
-           "pipelined_mesh", "stacked_params", "stage_mesh_shape", "to_pipelined"]
+           "pipelined_mesh", "stacked_params", "stage_mesh_shape", "stage_router",
+           "to_pipelined"]
 
 # The mesh axis of the pipeline stages in the mesh `soapjax.apply` runs a pipelined strategy on.
 STAGE_AXIS = "stage"
@@ -84,25 +85,34 @@ def stacked_params(graph: OpGraph) -> tuple[int, ...]:
 
 
 def check_pipelinable(graph: OpGraph, *, stages: int, microbatches: int, virtual: int = 1,
-                      schedule: str = "1f1b") -> None:
+                      schedule: str = "1f1b", stage_layers: tuple[int, ...] = ()) -> None:
     """PlanError unless `soapjax._pipelined.pipelined_value_and_grad` can run `graph` with these
-    numbers: one layer scan (module doc), its layers dividing into ``S v`` chunks, the batch
-    into M microbatches, no random bits drawn, and a schedule the numbers make a pipeline of."""
+    numbers: one layer scan (module doc), its layers dividing into ``S v`` chunks (or into
+    `stage_layers`), the batch into M microbatches, no random bits drawn, and a schedule the
+    numbers make a pipeline of."""
     check_pipeline(schedule, stages, microbatches, virtual)
     if (random := random_operator(graph)) is not None:
         raise PlanError(f"graph {graph.name!r}: operator {random!r} draws random bits "
                         f"(dropout); pipelined microbatches would draw other masks than the "
                         f"whole batch does; pipeline a model without dropout")
     scan, _ = layer_scan(graph)
-    check_chunks(graph, len(scan.steps), stages, virtual)
+    check_chunks(graph, len(scan.steps), stages, virtual, stage_layers)
     if graph.batch_size % microbatches:
         raise PlanError(f"graph {graph.name!r}: its batch of {graph.batch_size} does not "
                         f"divide into {microbatches} microbatches")
 
 
-def check_chunks(graph: OpGraph, num_layers: int, stages: int, virtual: int) -> int:
-    """``L / (S v)``, the layers of one chunk; PlanError where the `num_layers` L do not divide
-    into ``S v`` chunks."""
+def check_chunks(graph: OpGraph, num_layers: int, stages: int, virtual: int,
+                 stage_layers: tuple[int, ...] = ()) -> int:
+    """``L / (S v)``, the layers of one chunk (uneven `stage_layers`: the most a stage runs);
+    PlanError where the `num_layers` L do not divide into ``S v`` chunks (or `stage_layers`
+    do not cut them: `soapjax.pipeline.check_stage_layers`)."""
+    if stage_layers:
+        try:
+            check_stage_layers(stage_layers, stages, virtual, num_layers)
+        except PlanError as e:
+            raise PlanError(f"graph {graph.name!r}: {e}") from None
+        return max(stage_layers)
     chunks = stages * virtual
     if num_layers % chunks:
         raise PlanError(f"graph {graph.name!r}: pipelining cuts its {num_layers} layers into "
@@ -193,6 +203,54 @@ def from_pipelined(graph: OpGraph, params: Any, *, stages: int, virtual: int = 1
     for k in stacked:
         leaves[k] = jnp.reshape(leaves[k], (len(scan.steps), *leaves[k].shape[3:]))
     return jax.tree.unflatten(tree, leaves)
+
+
+def stage_router(graph: OpGraph, mesh: Mesh, stage_layers: tuple[int, ...],
+                 stage_axis: str = STAGE_AXIS) -> Any:
+    """Uneven stages' layout: ``params -> params`` with every stacked layer parameter ``[L,
+    ...]`` (kept ``L / S`` layers a stage, split over `stage_axis` on its layer dim) moved to
+    ``[1, S, max(stage_layers), ...]``, stage ``s`` holding the ``stage_layers[s]`` layers it
+    runs, padded with zeros (which its layer scan skips). Linear: `jax.linear_transpose` of it
+    takes the gradients back to the model's layout.
+
+    Per stacked parameter, inside a ``shard_map`` manual over `stage_axis` (the other axes keep
+    their split): for each shift of `soapjax.pipeline.stage_routes`, every stage takes the rows
+    the shift sends and, for a shift across stages, ``ppermute``s them (one point-to-point
+    send, what `soapjax.pipesim` prices), then puts them at their rows."""
+    scan, stacked = layer_scan(graph)
+    routes = stage_routes(len(scan.steps), stage_layers)
+    longest, stages = max(stage_layers), len(stage_layers)
+
+    spare = max(r.rows for r in routes)
+    # Each stage's rows, as inputs split over the stages (no axis_index: its PartitionId has no
+    # meaning to the partitioner once the step's transpose hoists the tables out); padding
+    # goes to rows of its own past `longest` (unique rows, so the scatter transposes).
+    tables = [(np.array(r.send, np.int32),
+               np.array([[p if p < longest else longest + i for i, p in enumerate(row)]
+                         for row in r.receive], np.int32)) for r in routes]
+
+    def local(x: Any, rows: list) -> Any:
+        out = jnp.zeros((longest + spare, *x.shape[1:]), x.dtype)
+        for route, (send, receive) in zip(routes, rows):
+            piece = jnp.take(x, send[0], axis=0)
+            if route.delta:
+                piece = jax.lax.ppermute(piece, stage_axis, [
+                    (s, s - route.delta) for s in range(stages) if 0 <= s - route.delta < stages])
+            out = out.at[receive[0]].set(piece, unique_indices=True)
+        return out[None, None, :longest]
+
+    along = PartitionSpec(stage_axis)
+    move = jax.shard_map(local, mesh=mesh, axis_names={stage_axis},
+                         in_specs=(along, [(along, along)] * len(tables)),
+                         out_specs=PartitionSpec(None, stage_axis), check_vma=False)
+
+    def route(params: Any) -> Any:
+        leaves, tree = jax.tree.flatten(params)
+        for k in stacked:
+            leaves[k] = move(leaves[k], tables)
+        return jax.tree.unflatten(tree, leaves)
+
+    return route
 
 
 def pipelined_layout_shardings(graph: OpGraph, mesh: Mesh, specs: Any, *, stages: int,

@@ -16,7 +16,10 @@ are cut into ``C = S * v`` chunks of ``L / C`` layers; device stage ``s`` holds 
 `soapjax.pipeline.chunks_of` ``(s, S, v)``, and every stacked parameter ``[L, ...]`` is stored in
 the *pipelined layout* ``[v, S, L / C, ...]`` (chunk ``c = j S + s`` at ``[j, s]``), sharded
 over ``stage`` on its second dim, so a stage holds its own layers only
-(`soapjax._pipeline_layout`: `to_pipelined`, `pipelined_layout_shardings`).
+(`soapjax._pipeline_layout`: `to_pipelined`, `pipelined_layout_shardings`). Uneven stages
+(one virtual stage, ``stage_layers`` per stage) store them ``[1, S, max(stage_layers), ...]``
+(`stage_router`: each stage's run, padded), and each stage's layer scan passes the carry
+through its padding (a ``lax.cond`` on the count of layers it runs).
 
 The step is one program (as MaxText's and praxis's pipelines are): nothing new to launch, so it
 runs unchanged over processes under `jax.distributed`. In it:
@@ -160,6 +163,7 @@ from soapjax._pipeline_layout import (
     pipelined_mesh,
     stacked_params,
     stage_mesh_shape,
+    stage_router,
     to_pipelined,
 )
 from soapjax._program import LayerScan, Program
@@ -446,7 +450,7 @@ def _constrain(x: Any, spec: PartitionSpec) -> Any:
 
 
 def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = False,
-              whole_queries: bool = False) -> Callable:
+              whole_queries: bool = False, counted: bool = False) -> Callable:
     """``(chunk params, values, x) -> y`` (the chunk's output carry) or, for the last chunk,
     ``-> loss`` (the epilogue after it); `values` are those of the ids `reads`, the chunk
     params ``[L / C, ...]`` per stacked parameter, in the scan's order. With `selective`, each
@@ -454,7 +458,10 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
     (``dots_with_no_batch_dims_saveable``: the projections and MLP matmuls, which read a
     parameter) and recomputes the rest, the attention core's batched score and value matmuls
     included: `soapjax.memory`'s selective recomputation, Megatron's. `whole_queries`: see
-    `_run_in_stage`."""
+    `_run_in_stage`. With `counted` (uneven stages), the function takes the number of layers
+    the chunk runs last (``(chunk params, values, x, count)``): its params hold a stage's
+    longest run, and layers from `count` on pass the carry through (a ``lax.cond``, so the
+    padding costs no compute)."""
     prog, scan = cut.program, cut.scan
 
     def layer(vals: Sequence[Any], carry: tuple, slices: list) -> tuple:
@@ -468,9 +475,17 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
         layer = jax.checkpoint(
             layer, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
 
-    def chunk(params: list, vals: Sequence[Any], x: tuple) -> Any:
+    def chunk(params: list, vals: Sequence[Any], x: tuple, count: Any = None) -> Any:
         values = dict(zip(reads, vals))
-        y, _ = jax.lax.scan(lambda c, p: (layer(list(vals), c, p), None), x, params)
+        if count is None:
+            y, _ = jax.lax.scan(lambda c, p: (layer(list(vals), c, p), None), x, params)
+        else:
+            def step(c: tuple, p_k: tuple) -> tuple:
+                p, k = p_k
+                return jax.lax.cond(k < count, lambda: layer(list(vals), c, p), lambda: c), None
+
+            depth = jax.tree.leaves(params)[0].shape[0]
+            y, _ = jax.lax.scan(step, x, (params, jnp.arange(depth)))
         if not last:
             return y
         env = _env(prog, values)
@@ -692,7 +707,8 @@ class PipelinedStep:
         layout (stacked ``[L, ...]``): the parameters reshaped to the pipelined layout
         (`to_pipelined`) and constrained to their shardings there
         (`pipelined_layout_shardings` of `param_shardings`), `pipelined_value_and_grad`, the
-        gradients reshaped back (`from_pipelined`). ``step`` is unused: a pipelined graph
+        gradients reshaped back (`from_pipelined`); uneven stages move them with
+        `stage_router` and its transpose instead. ``step`` is unused: a pipelined graph
         draws no random bits (`check_pipelinable`). The batch arrives on `batch_shardings`.
         Its stages run without per-operator constraints, so spatially split convolutions are
         not refused here (a graph with a layer scan of convolutions is not a zoo model)."""
@@ -705,17 +721,24 @@ class PipelinedStep:
             virtual=virtual, schedule=strategy.schedule,
             recompute=layer_recompute(graph, strategy), stage_axis=STAGE_AXIS,
             data_axes=batch_axes(graph, strategy),
-            whole_query_attention=splits_queries(graph, strategy.configs))
+            whole_query_attention=splits_queries(graph, strategy.configs),
+            stage_layers=strategy.stage_layers)
         placed = jax.tree.leaves(pipelined_layout_shardings(
             graph, self.mesh, param_shardings, stages=stages, virtual=virtual,
             stage_axis=STAGE_AXIS))
+        route = (stage_router(graph, self.mesh, strategy.stage_layers, STAGE_AXIS)
+                 if strategy.stage_layers else None)
 
         def value_and_grad(params: Any, batch: Any, step: Any = None) -> tuple[Any, Any]:
             del step  # no random bits: see above
-            leaves, tree = jax.tree.flatten(
-                to_pipelined(graph, params, stages=stages, virtual=virtual))
+            moved = (route(params) if route is not None else
+                     to_pipelined(graph, params, stages=stages, virtual=virtual))
+            leaves, tree = jax.tree.flatten(moved)
             leaves = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(leaves, placed)]
             loss, grads = run(jax.tree.unflatten(tree, leaves), batch)
+            if route is not None:  # the gradients back the way the parameters came
+                (grads,) = jax.linear_transpose(route, params)(grads)
+                return loss, grads
             return loss, from_pipelined(graph, grads, stages=stages, virtual=virtual)
 
         return value_and_grad
@@ -729,7 +752,8 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
                              virtual: int = 1, schedule: str = "1f1b",
                              recompute: RecomputePolicy = "none", stage_axis: str = "stage",
                              data_axes: Sequence[str] = (), scatter_gather: bool = True,
-                             whole_query_attention: bool = False
+                             whole_query_attention: bool = False,
+                             stage_layers: tuple[int, ...] = ()
                              ) -> Callable[[Any, Any], tuple[Any, Any]]:
     """``(params, batch) -> (loss, grads)``: what ``jax.value_and_grad(loss_fn)`` computes, as
     a pipeline over the mesh's `stage_axis` (module doc). Jit it.
@@ -762,6 +786,9 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
       whole_query_attention: bind every flash attention equation with its queries as one
         block, every tile computed (`_run_in_stage`): for a plan that splits attention's
         query sequence, which XLA's partitioner runs inside the stages.
+      stage_layers: uneven stages (one virtual stage): the layers each runs, first to last;
+        the parameters then come in `_pipeline_layout.stage_router`'s layout, each stage's
+        run padded to the longest, and so do the gradients.
 
     Returns:
       The function. It takes the parameters in the pipelined layout (`to_pipelined`; place
@@ -778,12 +805,13 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
         raise PlanError(f"recompute={recompute!r}: expected one of {RECOMPUTE_POLICIES}")
     check_stage_axis(mesh, stages, stage_axis)
     check_pipelinable(graph, stages=stages, microbatches=microbatches, virtual=virtual,
-                      schedule=schedule)
+                      schedule=schedule, stage_layers=stage_layers)
     outer = _cut(graph.at_batch_size(graph.batch_size // microbatches))
     cut, groups = _data_groups(graph, outer, mesh, microbatches, data_axes, stage_axis)
     rows = ticks(schedule, stages, microbatches, virtual)
     pipe = _Pipeline(outer, cut, groups, mesh, stage_axis, stages, virtual, microbatches, rows,
-                     recompute, data_axes, scatter_gather, whole_query_attention)
+                     recompute, data_axes, scatter_gather, whole_query_attention,
+                     tuple(stage_layers))
     return pipe.value_and_grad
 
 
@@ -837,8 +865,9 @@ class _Pipeline:
                  stages: int, virtual: int, microbatches: int,
                  rows: Sequence[Sequence[Action | None]], recompute: RecomputePolicy,
                  data_axes: Sequence[str] = (), scatter_gather: bool = True,
-                 whole_query_attention: bool = False):
+                 whole_query_attention: bool = False, stage_layers: tuple[int, ...] = ()):
         self.outer, self.cut, self.groups = outer, cut, groups
+        self.stage_layers = stage_layers  # uneven stages: the layers each runs
         self.mesh, self.stage_axis = mesh, stage_axis
         self.split_axes = _split_axes(mesh, stage_axis, data_axes, groups, scatter_gather)
         self.stages, self.microbatches, self.chunks = stages, microbatches, stages * virtual
@@ -863,7 +892,11 @@ class _Pipeline:
         values = self.cut.shared + self.cut.per_mb
         floats = tuple(v for v in values if v in reads and self.is_float[v])
         others = tuple(v for v in values if v in reads and not self.is_float[v])
-        fn = _chunk_fn(self.cut, last, floats + others, self.selective, self.whole_queries)
+        fn = _chunk_fn(self.cut, last, floats + others, self.selective, self.whole_queries,
+                       counted=bool(self.stage_layers))
+        if self.stage_layers:  # the count rides last among the others (`_inputs`)
+            return _ChunkFn(lambda p, f, o, carry: fn(p, [*f, *o[:-1]], carry, o[-1]),
+                            floats, others)
         return _ChunkFn(lambda p, f, o, carry: fn(p, [*f, *o], carry), floats, others)
 
     # ---- outside the pipeline: prologue, split and gather
@@ -956,8 +989,11 @@ class _Pipeline:
             x = self.values[where][k]
             return x if where == "shared" else _row(x, microbatch)
 
+        others = [value(v) for v in chunk.others]
+        if self.stage_layers:  # the layers this stage runs (one chunk a stage)
+            others.append(jnp.asarray(self.stage_layers, jnp.int32)[self.stage])
         return ([_row(p, local_chunk) for p in self.stacked], [value(v) for v in chunk.floats],
-                [value(v) for v in chunk.others])
+                others)
 
     def _carry_shapes(self) -> list[jax.ShapeDtypeStruct]:
         program = self.cut.program

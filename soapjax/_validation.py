@@ -129,7 +129,8 @@ def _validate_pipeline(graph: OpGraph, strategy: Strategy, mesh: MeshShape) -> M
                         "whose outermost axis the stages cut")
     stage = stage_mesh_shape(mesh, strategy.stages)
     check_pipelinable(graph, stages=strategy.stages, microbatches=strategy.microbatches,
-                      virtual=strategy.virtual_stages, schedule=strategy.schedule)
+                      virtual=strategy.virtual_stages, schedule=strategy.schedule,
+                      stage_layers=strategy.stage_layers)
     try:
         _validate_configs(graph, strategy, stage)
     except PlanError as e:

@@ -710,7 +710,9 @@ def _pipeline_notes(strategy, result) -> list[str]:
     if p is None:
         return []
     mem = ", ".join(format_bytes(m.total) for m in p.stage_memory)
-    return [f"pipeline: {strategy.stages} stages x {strategy.virtual_stages} virtual, "
+    uneven = (f" of {'/'.join(map(str, strategy.stage_layers))} layers"
+              if strategy.stage_layers else "")
+    return [f"pipeline: {strategy.stages} stages{uneven} x {strategy.virtual_stages} virtual, "
             f"{strategy.schedule}, {strategy.microbatches} microbatches; bubble "
             f"{p.bubble_fraction:.1%}; memory per device by stage: {mem}; configs are over "
             "one stage's devices"]

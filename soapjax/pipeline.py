@@ -60,8 +60,8 @@ from typing import NamedTuple
 from soapjax.errors import PlanError
 
 __all__ = ["SCHEDULES", "Action", "ChunkTimes", "PipelineTimeline", "Schedule", "TimedAction",
-           "TimedSend", "check_pipeline", "chunks_of", "device_orders", "pipeline_error",
-           "time_schedule"]
+           "StageRoute", "TimedSend", "check_pipeline", "check_stage_layers", "chunks_of",
+           "device_orders", "pipeline_error", "stage_routes", "time_schedule"]
 
 
 class Action(NamedTuple):
@@ -127,6 +127,99 @@ multiple of the stages (4)
     error = pipeline_error(schedule, stages, microbatches, virtual)
     if error is not None:
         raise PlanError(error)
+
+
+def check_stage_layers(stage_layers: tuple[int, ...], stages: int, virtual: int = 1,
+                       num_layers: int | None = None) -> None:
+    """PlanError unless `stage_layers` (layers per stage, first to last; () for equal
+    stages) can cut a pipeline of `stages` stages (of `num_layers` layers, where given).
+
+    Uneven stages are 1F1B's or GPipe's (one virtual stage), each stage at least one layer;
+    their layers are kept between steps in the model's layout, ``L / S`` per stage, so the
+    layers must divide by the stages (`stage_routes` moves the difference every step).
+
+    >>> check_stage_layers((3, 5), stages=2, num_layers=8)
+    >>> check_stage_layers((3, 4), stages=2, num_layers=8)
+    Traceback (most recent call last):
+    ...
+    soapjax.errors.PlanError: stage layers (3, 4) add up to 7, but the model has 8 layers
+    """
+    if not stage_layers:
+        return
+    if not isinstance(stage_layers, tuple) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in stage_layers):
+        raise PlanError(f"stage layers must be a tuple of integers >= 1 (layers per stage, "
+                        f"first to last), got {stage_layers!r}")
+    if virtual != 1:
+        raise PlanError(f"stage layers {stage_layers}: uneven stages are for one virtual stage "
+                        f"per device (1F1B, GPipe), not {virtual}")
+    if len(stage_layers) != stages:
+        raise PlanError(f"stage layers {stage_layers} name {len(stage_layers)} stages, the "
+                        f"pipeline has {stages}")
+    if num_layers is not None:
+        if sum(stage_layers) != num_layers:
+            raise PlanError(f"stage layers {stage_layers} add up to {sum(stage_layers)}, but the "
+                            f"model has {num_layers} layers")
+        if num_layers % stages:
+            raise PlanError(f"stage layers {stage_layers}: the model's {num_layers} layers are "
+                            f"kept {num_layers} / {stages} per stage between steps, which "
+                            "needs the stages to divide them")
+
+
+class StageRoute(NamedTuple):
+    """One shift of `stage_routes`: every stage ``s`` sends rows ``send[s]`` of its stored
+    layers to stage ``s - delta``, which puts them at rows ``receive[s - delta]`` of its
+    padded run of layers (``max(stage_layers)`` rows; the position ``max(stage_layers)``
+    itself means "nowhere", for padding)."""
+
+    delta: int
+    send: tuple[tuple[int, ...], ...]
+    receive: tuple[tuple[int, ...], ...]
+
+    @property
+    def rows(self) -> int:
+        """Layers each stage sends (padded to the most any sends)."""
+        return len(self.send[0])
+
+
+def stage_routes(num_layers: int, stage_layers: tuple[int, ...]) -> tuple[StageRoute, ...]:
+    """How uneven stages get their layers from the model's layout, where stage ``s`` keeps
+    layers ``s L / S .. (s + 1) L / S`` and runs ``stage_layers[s]`` of them from
+    ``sum(stage_layers[:s])``: one `StageRoute` per shift ``delta`` (the stage a layer is kept
+    on, less the stage that runs it), the shift 0 (what a stage keeps and runs) included.
+    Only ``delta != 0`` crosses stages: a point-to-point send of ``rows`` layers each way (the
+    gradients go back the same way).
+
+    Stage 0 keeps layers 0-3 and runs 0-2; stage 1 keeps 4-7 and runs 3-7, layer 3 sent by
+    stage 0 (its row 3) to stage 1's position 0:
+
+    >>> for r in stage_routes(8, (3, 5)):
+    ...     print(r.delta, r.send, r.receive)
+    0 ((0, 1, 2, 0), (0, 1, 2, 3)) ((0, 1, 2, 5), (1, 2, 3, 4))
+    -1 ((3,), (0,)) ((5,), (0,))
+    """
+    check_stage_layers(stage_layers, len(stage_layers), num_layers=num_layers)
+    S, longest = len(stage_layers), max(stage_layers)
+    per = num_layers // S
+    need: dict[int, dict[int, list[tuple[int, int]]]] = {}  # delta -> runner -> (row, position)
+    start = 0
+    for runner, count in enumerate(stage_layers):
+        for k in range(count):
+            layer = start + k
+            need.setdefault(layer // per - runner, {}).setdefault(runner, []).append(
+                (layer % per, k))
+        start += count
+    routes = []
+    for delta in sorted(need, key=lambda d: (d != 0, abs(d), d)):
+        rows = max(len(v) for v in need[delta].values())
+        send = [[0] * rows for _ in range(S)]
+        receive = [[longest] * rows for _ in range(S)]
+        for runner, pairs in need[delta].items():
+            for i, (row, position) in enumerate(pairs):
+                send[runner + delta][i] = row
+                receive[runner][i] = position
+        routes.append(StageRoute(delta, tuple(map(tuple, send)), tuple(map(tuple, receive))))
+    return tuple(routes)
 
 
 def chunks_of(stage: int, stages: int, virtual: int = 1) -> tuple[int, ...]:

@@ -8,7 +8,8 @@ group's axes. The pipelined step is priced in three parts:
 1. **One stage's work.** A `Simulation` of the whole graph on one stage's devices, with the
    strategy's configs, ZeRO axes, recompute policies and M microbatches, gives every
    operator's forward and backward end on the compute stream. The layers (the graph's
-   repeated blocks) are cut into ``S x v`` equal chunks of consecutive layers; the operators
+   repeated blocks) are cut into ``S x v`` equal chunks of consecutive layers (or, uneven,
+   into `Strategy.stage_layers` per stage: `layer_chunks`); the operators
    after the last layer (final norm, head, loss) go with the last chunk. A chunk's forward
    (backward) time for one microbatch is the span its operators take on that timeline,
    divided by M; the span includes the communication the one-stage simulation could not hide
@@ -31,8 +32,13 @@ group's axes. The pipelined step is priced in three parts:
    pipeline, and one of its gradient after it (measured in the compiled step:
    tests/test_apply_pipelined.py). Both are priced (`layout_move_bytes`), serial with the
    step, and the chunks' copy of the parameters is held through it (the stage's parameter
-   memory counts it). Megatron-LM stores them as its chunks run (``"chunks"``): nothing moves;
-   `scripts/bench_gpu_sim.py` prices its configurations so. With v = 1 the two layouts are one.
+   memory counts it). Uneven stages (`Strategy.stage_layers`) keep ``L / S`` layers a
+   stage too and run their own: each step sends every stacked parameter's layers that a
+   stage runs but another keeps (`soapjax.pipeline.stage_routes`: one point-to-point send per
+   stacked parameter and shift, the gradients back the same way), and each stage holds the
+   longest stage's run, padded, and adds its gradients up in it. Megatron-LM stores them as
+   its chunks run (``"chunks"``): nothing moves; `scripts/bench_gpu_sim.py` prices its
+   configurations so. With v = 1 and equal stages the two layouts are one.
 
 **Memory** per stage: the one-stage simulation's parameters, gradients, optimizer state and
 communication buffers scaled by the stage's share of the parameter bytes (its layers, plus the
@@ -41,11 +47,12 @@ activations
 of one microbatch's chunk (their share of the one-stage activations) times the schedule's peak
 in-flight (microbatch, chunk) pairs on that stage. The plan fits when the fullest stage fits.
 
-What is left out: the head on the last stage makes that stage slower, as it is, but the stage
-boundaries are fixed at equal layer counts (no searched boundaries yet), and the embedding's
-placement is apply's (SPMD), not a choice; compute and sends overlap as the schedule allows,
-with the sends on their own links (no contention with the gradient synchronisation); the
-layer layout's all-to-alls overlap nothing (XLA may run them beside the prologue).
+What is left out: the head on the last stage makes that stage slower, as it is (the search
+may then cut the stages unevenly: `soapjax.search.balance_stages`, one virtual stage only),
+and the embedding's placement is apply's (SPMD), not a choice; compute and sends overlap as
+the schedule allows, with the sends on their own links (no contention with the gradient
+synchronisation); the layer layout's collectives overlap nothing (XLA may run them beside
+the prologue).
 
 Delta simulation: configs and recompute policies change through the one-stage `Simulation`'s
 delta simulation (exact, `soapjax.simulate`); the chunk times, schedule and memory are then
@@ -61,7 +68,13 @@ from soapjax._flatsim import Simulation, shard_bytes
 from soapjax._simresult import MemoryBreakdown, SimResult
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
-from soapjax.pipeline import ChunkTimes, PipelineTimeline, time_schedule
+from soapjax.pipeline import (
+    ChunkTimes,
+    PipelineTimeline,
+    check_stage_layers,
+    stage_routes,
+    time_schedule,
+)
 from soapjax.space import Config, MeshShape, Strategy
 from soapjax.topology import Topology, stage_topology
 
@@ -84,13 +97,15 @@ def _layer_span(graph: OpGraph) -> tuple[int, int]:
     return min(members), max(members)
 
 
-def layer_chunks(graph: OpGraph, chunks: int) -> list[int]:
-    """Each operator's model chunk (graph order), for the layers cut into `chunks` equal runs
-    of consecutive layers; operators before the first layer are in chunk 0, after the last in
-    the last chunk, between two layers in the chunk of the layer before.
+def layer_chunks(graph: OpGraph, chunks: int, sizes: Sequence[int] = ()) -> list[int]:
+    """Each operator's model chunk (graph order), for the layers cut into `chunks` runs of
+    consecutive layers, equal ones or of `sizes` layers each (uneven stages:
+    `Strategy.stage_layers`); operators before the first layer are in chunk 0, after the last
+    in the last chunk, between two layers in the chunk of the layer before.
 
     Raises:
-      PlanError: the graph has no repeated layers, or their number does not divide.
+      PlanError: the graph has no repeated layers, or their number does not divide (or does
+        not add up to `sizes`).
     """
     layer_of: dict[int, int] = {}
     groups = graph.repeated_blocks()
@@ -102,15 +117,20 @@ def layer_chunks(graph: OpGraph, chunks: int) -> list[int]:
     if not layer_of:
         raise PlanError(f"graph {graph.name!r} has no repeated layers (a scan over layers or "
                         "identical unrolled layers) to cut into pipeline stages")
-    if num_layers % chunks:
+    if sizes:
+        if len(sizes) != chunks or sum(sizes) != num_layers:
+            raise PlanError(f"stage layers {tuple(sizes)} do not cut {num_layers} layers into "
+                            f"{chunks} pipeline chunks")
+    elif num_layers % chunks:
         raise PlanError(f"{num_layers} layers do not cut into {chunks} equal pipeline chunks "
                         "(stages x virtual stages must divide the layer count)")
-    per = num_layers // chunks
+    sizes = tuple(sizes) or (num_layers // chunks,) * chunks
+    chunk_of_layer = [c for c, n in enumerate(sizes) for _ in range(n)]
     first, last = min(layer_of), max(layer_of)
     out, current = [], 0
     for i in range(len(graph.operators)):
         if i in layer_of:
-            current = layer_of[i] // per
+            current = chunk_of_layer[layer_of[i]]
         elif i < first:
             current = 0
         elif i > last:
@@ -195,9 +215,6 @@ class PipelinedSimulation:
                             f"{', '.join(LAYER_LAYOUTS)} (module doc)")
         self.graph, self.full_topology = graph, topology
         self.topology = stage_topology(topology, strategy.stages)
-        self._pipeline = (strategy.stages, strategy.virtual_stages, strategy.schedule)
-        chunks = strategy.stages * strategy.virtual_stages
-        self._chunk = graph.memo(("layer_chunks", chunks), lambda: layer_chunks(graph, chunks))
         first, last = graph.memo("layer_span", lambda: _layer_span(graph))
         # before the first layer (embedding): SPMD on every device, as apply runs it
         self._prologue = [i < first for i in range(len(graph.operators))]
@@ -206,13 +223,53 @@ class PipelinedSimulation:
                                  _StageCosts(cost_model, MeshShape.of(self.topology)), resharder,
                                  _flat(strategy), opt_state_factor=opt_state_factor,
                                  pipeline_stage=True)
-        self._param_share = graph.memo(("param_shares", strategy.stages, chunks),
-                                       self._param_shares)
-        # the stacked parameters' layer slices, by stacked parameter, where a step moves them
-        self._stacked = (graph.memo("stacked_layer_params", self._stacked_layer_params)
-                         if layer_layout == "model" and strategy.virtual_stages > 1 else {})
+        self._layer_layout = layer_layout
+        self._cut(strategy.pipeline)
         self._result: PipelineResult | None = None
         self._saved: PipelineResult | None = None
+
+    def _cut(self, pipeline: tuple[int, int, str, tuple[int, ...]]) -> None:
+        """What the pipeline's numbers decide, its stage layers included: each operator's
+        chunk, the stages' parameter shares, what the layer layout moves."""
+        graph = self.graph
+        self._pipeline = pipeline
+        stages, virtual, _, sizes = pipeline
+        chunks = stages * virtual
+        self._chunk = graph.memo(("layer_chunks", chunks, sizes),
+                                 lambda: layer_chunks(graph, chunks, sizes))
+        # parameters are kept L / S layers a stage in apply's model layout, uneven stages too
+        self._param_share = graph.memo(
+            ("param_shares", stages, chunks, sizes if self._layer_layout == "chunks" else ()),
+            self._param_shares)
+        # the stacked parameters' layer slices, by stacked parameter, where a step moves them
+        moves = virtual > 1 or bool(sizes)
+        self._stacked = (graph.memo("stacked_layer_params", self._stacked_layer_params)
+                         if self._layer_layout == "model" and moves else {})
+        self._routes = stage_routes(sum(sizes), sizes) if sizes else ()
+
+    def stage_layers_result(self, stage_layers: tuple[int, ...]) -> PipelineResult:
+        """The step of the current configs with the layers cut into `stage_layers` per stage
+        (() for equal stages), the simulation left as it was: one stage's simulation is the
+        same whatever the boundaries, so this is the schedule's work only (what the search's
+        balancing of the stages walks over: `soapjax.search`)."""
+        stages, virtual, schedule, _ = self._pipeline
+        check_stage_layers(tuple(stage_layers), stages, virtual)
+        kept = (self._pipeline, self._chunk, self._param_share, self._stacked, self._routes,
+                self._result)
+        try:
+            self._cut((stages, virtual, schedule, tuple(stage_layers)))
+            return self._compute()
+        finally:
+            (self._pipeline, self._chunk, self._param_share, self._stacked, self._routes,
+             self._result) = kept
+
+    def set_stage_layers(self, stage_layers: tuple[int, ...]) -> float:
+        """Cuts the layers into `stage_layers` per stage from now on; the step time."""
+        stages, virtual, schedule, _ = self._pipeline
+        check_stage_layers(tuple(stage_layers), stages, virtual)
+        self._cut((stages, virtual, schedule, tuple(stage_layers)))
+        self._result = self._saved = None
+        return self.step_time()
 
 # --- the Simulation interface the search uses ----------------------------------------------
 
@@ -232,9 +289,10 @@ class PipelinedSimulation:
         return self._inner.choice(j)
 
     def reset(self, strategy: Strategy) -> float:
-        if (strategy.stages, strategy.virtual_stages, strategy.schedule) != self._pipeline:
+        if strategy.pipeline != self._pipeline:
             raise PlanError("PipelinedSimulation.reset keeps the pipeline's stages, virtual "
-                            "stages and schedule; make a new PipelinedSimulation to change them")
+                            "stages, schedule and stage layers; make a new PipelinedSimulation "
+                            "to change them")
         self._inner.reset(_flat(strategy))
         self._result = None
         return self.step_time()
@@ -251,9 +309,9 @@ class PipelinedSimulation:
     def propose_strategy(self, strategy: Strategy) -> float:
         """`Simulation.propose_strategy` within this pipeline (its stages, virtual stages and
         schedule stay)."""
-        if (strategy.stages, strategy.virtual_stages, strategy.schedule) != self._pipeline:
+        if strategy.pipeline != self._pipeline:
             raise PlanError("PipelinedSimulation.propose_strategy keeps the pipeline's stages, "
-                            "virtual stages and schedule")
+                            "virtual stages, schedule and stage layers")
         self._saved = self._result
         self._inner.propose_strategy(_flat(strategy))
         self._result = None
@@ -290,7 +348,7 @@ class PipelinedSimulation:
         return self._result
 
     def _compute(self) -> PipelineResult:
-        S, v, schedule = self._pipeline
+        S, v, schedule, _ = self._pipeline
         inner, M = self._inner, self._inner.microbatches
         chunks = S * v
         fwd_end, bwd_end = inner.compute_ends()
@@ -330,13 +388,17 @@ class PipelinedSimulation:
         return c % self._pipeline[0]
 
     def _param_shares(self) -> tuple[float, ...]:
-        """Each stage's share of the parameter bytes: its layers' slices, plus every parameter
-        read outside the layers (embedding, head), which every stage holds as apply stores
-        them (the stage axis does not split them). Shares add up to more than 1."""
-        S = self._pipeline[0]
+        """Each stage's share of the parameter bytes: its layers' slices (``L / S`` layers,
+        as apply keeps them between steps, uneven stages too; ``layer_layout="chunks"``:
+        the layers it runs), plus every parameter read
+        outside the layers (embedding, head), which every stage holds as apply stores them
+        (the stage axis does not split them). Shares add up to more than 1."""
+        S, v = self._pipeline[:2]
+        kept = (layer_chunks(self.graph, S * v)
+                if self._pipeline[3] and self._layer_layout == "model" else self._chunk)
         seen: dict[tuple[str, tuple[int, ...]], int] = {}
         stage_of: dict[tuple[str, tuple[int, ...]], int | None] = {}
-        for i, (op, c) in enumerate(zip(self.graph.operators, self._chunk)):
+        for i, (op, c) in enumerate(zip(self.graph.operators, kept)):
             for x in op.inputs:
                 if x.kind == "param":
                     key = (x.leaf_path, x.layer)
@@ -366,21 +428,45 @@ class PipelinedSimulation:
         return {path: tuple(sources) for path, sources in out.items()}
 
     def layout_move_bytes(self) -> tuple[int, ...]:
-        """Per stacked layer parameter, the bytes of one stage's shard of it that each device
-        puts into the step's all-to-all over the stages (the same again for its gradient):
-        its layers' stored shards, 1/S of them. Empty where nothing moves: one virtual stage,
-        or ``layer_layout="chunks"`` (module doc, 4)."""
+        """The bytes each device puts into one of the collectives that move the stacked layer
+        parameters from the model's layout to the chunks' (the same again for the gradients
+        back; module doc, 4), one per collective, empty where nothing moves (one virtual
+        stage of equal stages, or ``layer_layout="chunks"``). Interleaved: per stacked
+        parameter, one all-to-all of the stage's shard of it (its layers' stored shards, 1/S
+        of them). Uneven stages: per stacked parameter and shift of `stage_routes`, one
+        point-to-point send of that many layers' shards."""
         if not self._stacked:
             return ()
+        if self._routes:
+            return tuple(n * r.rows for n in self._layer_bytes()
+                         for r in self._routes if r.delta)
         stored = self._inner.stored_param_bytes()
         S = self._pipeline[0]
         return tuple(sum(stored[src] for src in sources) // S
                      for sources in self._stacked.values())
 
+    def _layer_bytes(self) -> tuple[int, ...]:
+        """Per stacked parameter, one layer's stored shard per device."""
+        stored = self._inner.stored_param_bytes()
+        return tuple(sum(stored[src] for src in sources) // len(sources)
+                     for sources in self._stacked.values())
+
+    def _chunk_copy_bytes(self) -> int:
+        """The chunks' copy of a stage's stacked parameters, held through the step where
+        they move (the stage's own shard; uneven stages: the longest stage's layers)."""
+        if not self._stacked:
+            return 0
+        if self._routes:
+            return max(self._pipeline[3]) * sum(self._layer_bytes())
+        return sum(self.layout_move_bytes())
+
     def _move_time(self) -> float:
-        """One way of the layer layout's all-to-alls (module doc, 4): one per stacked
-        parameter over the stage groups of the outermost mesh axis."""
+        """One way of the layer layout's collectives (module doc, 4) over the stage groups of
+        the outermost mesh axis: all-to-alls (interleaved) or point-to-point sends (uneven)."""
         axis, S = (self.full_topology.axis_names[0],), self._pipeline[0]
+        if self._routes:
+            return sum(self.full_topology.collective_time("point_to_point", n, axis)
+                       for n in self.layout_move_bytes())
         return sum(self.full_topology.collective_time("all_to_all", n, axis, group_size=S)
                    for n in self.layout_move_bytes())
 
@@ -440,19 +526,22 @@ class PipelinedSimulation:
 
     def _stage_memory(self, timeline: PipelineTimeline) -> tuple[MemoryBreakdown, ...]:
         m = self._inner.memory_breakdown()
-        S, v, _ = self._pipeline
+        S, v = self._pipeline[:2]
         act = self._inner.activation_bytes_by_operator()
         total_act = sum(act) or 1
         chunk_act = [0] * (S * v)
         for i, c in enumerate(self._chunk):
             chunk_act[c] += act[i]
-        moved = sum(self.layout_move_bytes())  # the chunks' copy of the stage's layers
+        moved = self._chunk_copy_bytes()  # the chunks' copy of the stage's layers
+        # uneven stages add up their gradients in the copy's padded layout
+        padding = moved - sum(self._layer_bytes()) * (sum(self._pipeline[3]) // S) \
+            if self._routes else 0
         out = []
         for s in range(S):
             share = self._param_share[s]
             per_pair = max(chunk_act[c] for c in range(s, S * v, S)) / total_act
             out.append(MemoryBreakdown(
-                params=int(m.params * share) + moved, grads=int(m.grads * share),
+                params=int(m.params * share) + moved, grads=int(m.grads * share) + padding,
                 opt_state=int(m.opt_state * share),
                 activations=int(m.activations * per_pair * timeline.in_flight[s]),
                 comm_buffers=m.comm_buffers))
@@ -494,7 +583,8 @@ class _StageCosts:
 
 def _flat(strategy: Strategy) -> Strategy:
     """The strategy without its pipeline: what one stage runs."""
-    return dataclasses.replace(strategy, stages=1, virtual_stages=1, schedule="1f1b")
+    return dataclasses.replace(strategy, stages=1, virtual_stages=1, schedule="1f1b",
+                               stage_layers=())
 
 
 def _scatter(shape: Sequence[int], spec: Sequence[Sequence[str]], mesh: MeshShape,

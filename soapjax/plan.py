@@ -85,6 +85,15 @@ def _pipeline(data: dict) -> tuple[int, int, str]:
             str(data.get("schedule", "1f1b")))
 
 
+def _stage_layers(data: dict) -> tuple[int, ...]:
+    """The ``"pipeline"`` entry's ``"stage_layers"`` as `Plan.stage_layers`."""
+    layers = data.get("stage_layers", [])
+    if not isinstance(layers, list) or not all(isinstance(n, int) for n in layers):
+        raise PlanError(f"pipeline.stage_layers: expected a list of layer counts per stage, "
+                        f"found {layers!r}")
+    return tuple(layers)
+
+
 def _freeze(x: Any) -> Any:
     """JSON-like data as hashable tuples (dicts become sorted item tuples)."""
     if isinstance(x, Mapping):
@@ -138,6 +147,8 @@ class Plan:
         written without it have none.
       ring_attention: context parallelism's ring form (see `Strategy`); files written without
         it have the gathered form.
+      stage_layers: layers per pipeline stage where the stages are uneven (see `Strategy`);
+        () for equal stages, and in files written without it.
       simulated: the `soapjax.simulate.SimResult` `soapjax.search.find_plan` simulated the
         plan's strategy to (timeline included), so a report needs no second simulation; not
         saved (None for a loaded plan) and not part of the plan's identity.
@@ -165,13 +176,14 @@ class Plan:
     batch_size: int = 0
     optimizer_axes: tuple[str, ...] = ()
     ring_attention: bool = False
+    stage_layers: tuple[int, ...] = ()
     simulated: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         # The step-level choices are checked as a Strategy checks them.
         Strategy(tuple(c for _, c in self.configs), self.zero_axes, self.microbatches,
                  self.recompute, *self.pipeline, optimizer_axes=self.optimizer_axes,
-                 ring_attention=self.ring_attention)
+                 ring_attention=self.ring_attention, stage_layers=self.stage_layers)
         if self.roles and len(self.roles) != len(self.configs):
             raise PlanError(f"{len(self.roles)} role strings for {len(self.configs)} operators")
         for (name, config), roles in zip(self.configs, self.roles):
@@ -209,7 +221,8 @@ class Plan:
             pipeline=(strategy.stages, strategy.virtual_stages, strategy.schedule),
             batch_size=graph.batch_size if graph.batch else 0,
             optimizer_axes=tuple(strategy.optimizer_axes),
-            ring_attention=strategy.ring_attention, simulated=simulated)
+            ring_attention=strategy.ring_attention, stage_layers=strategy.stage_layers,
+            simulated=simulated)
 
     @property
     def step_time_s(self) -> float | None:
@@ -300,7 +313,7 @@ class Plan:
             graph, dict(self.configs), zero_axes=self.zero_axes, microbatches=self.microbatches,
             recompute=dict(zip(names, self.recompute)) if self.recompute else None,
             pipeline=self.pipeline, optimizer_axes=self.optimizer_axes,
-            ring_attention=self.ring_attention)
+            ring_attention=self.ring_attention, stage_layers=self.stage_layers)
 
     # --- JSON ------------------------------------------------------------------------------
 
@@ -319,7 +332,9 @@ class Plan:
             "ring_attention": self.ring_attention,
             "microbatches": self.microbatches,
             "pipeline": {"stages": self.pipeline[0], "virtual_stages": self.pipeline[1],
-                         "schedule": self.pipeline[2]},
+                         "schedule": self.pipeline[2],
+                         **({"stage_layers": list(self.stage_layers)}
+                            if self.stage_layers else {})},
             "params": {path: [list(a) for a in spec] for path, spec in self.params},
             "predicted": _thaw(self.predicted) if self.predicted else {},
             "cost_source": self.cost_source,
@@ -375,6 +390,7 @@ class Plan:
                 roles=roles, workload=m.get("workload", ""),
                 microbatches=int(data.get("microbatches", 1)), recompute=recompute,
                 pipeline=_pipeline(data.get("pipeline", {})),
+                stage_layers=_stage_layers(data.get("pipeline", {})),
                 batch_size=int(m.get("batch_size", 0)),
                 optimizer_axes=tuple(data.get("optimizer_axes", ())),
                 ring_attention=data.get("ring_attention", False))

@@ -55,9 +55,12 @@ passes (`_pipelined_chains`); the `CHAINED_PIPELINES` pipelines whose grids did 
 then each get a chain (configs, recompute, microbatches, over one stage's devices) from their
 best point (`_pipelined_chains` says why only those); the best plan over all grids and
 chains, pipelined or not, is returned. S and v are chosen among pipelines, not by moves
-within a chain; stage boundaries are equal layer counts, as apply's stacked stage weights
-need. The grid holds only what apply runs (the interleaved schedule's M a multiple of S:
-`soapjax.pipeline.pipeline_error`), and the chains' microbatch moves keep to the same rule.
+within a chain. A chain's best at one virtual stage then has its stage boundaries walked
+over (`balance_stages`: a stage of fewer layers where the head weighs, each step sending the
+layers a stage runs but another keeps, priced), a walk on the schedule alone, the stage's
+simulation unchanged. The grid holds only what apply runs (the interleaved schedule's M a
+multiple of S: `soapjax.pipeline.pipeline_error`), and the chains' microbatch moves keep to
+the same rule.
 Every pipeline is priced as apply runs it: with v > 1 each step also moves the stacked layer
 parameters between the model's layout and the chunks' (`soapjax.pipesim`, module doc, 4), so
 a smaller bubble is weighed against those all-to-alls and the copy they hold.
@@ -106,7 +109,7 @@ from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
 from soapjax.memory import microbatch_error
 from soapjax.pipeline import pipeline_error
-from soapjax.pipesim import layer_chunks
+from soapjax.pipesim import PipelinedSimulation, layer_chunks
 from soapjax.plan import Plan
 from soapjax.reshard import DEFAULT_MODE, Resharder
 from soapjax.simulate import (
@@ -128,9 +131,9 @@ from soapjax.space import (
 )
 
 __all__ = ["CONTEXT_PARALLEL_MIN_TOKENS", "PIPELINE_GRID", "Progress", "SearchResult",
-           "SearchSettings", "exhaustive", "find_plan", "grid_degrees", "improving_change",
-           "interleave_choices", "make_simulation", "pipeline_grid", "print_progress",
-           "random_strategy", "search", "stage_choices"]
+           "SearchSettings", "balance_stages", "exhaustive", "find_plan", "grid_degrees",
+           "improving_change", "interleave_choices", "make_simulation", "pipeline_grid",
+           "print_progress", "random_strategy", "search", "stage_choices"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -463,11 +466,66 @@ def _pipelined_chains(graph: OpGraph, topology, cost_model, settings: SearchSett
         deadline = _share(end, min(len(ranked), CHAINED_PIPELINES) - j)
         with _pipeline_searcher(graph, topology, cost_model, settings, opt_state_factor,
                                 progress, flat, S, v, schedule, start) as searcher:
+            # the chain walks the configs at the stage boundaries its start is best at
+            _, start, _ = balance_stages(searcher.sim, (searcher.sim.step_time(), start, name),
+                                         deadline)
+            searcher.record(name)
             searcher.chain(name, start, deadline if deadline is not None
                            else time.perf_counter() + settings.budget_s / 4)
             flat.proposals += searcher.proposals
             flat.accepted += searcher.accepted
             yield searcher.best
+
+
+def balance_stages(sim: PipelinedSimulation, best: tuple[float, Strategy, str],
+                   end: float | None = None, *, rounds: int = 64
+                   ) -> tuple[float, Strategy, str]:
+    """`best` (a chain's best: time, strategy, start name) with its stage boundaries moved
+    where that makes the step faster: uneven stages (`Strategy.stage_layers`), the last one
+    lighter where the head weighs, as Megatron-LM's ``--decoder-last-pipeline-num-layers``.
+
+    A descent on one stage's simulation (`PipelinedSimulation.stage_layers_result`: the
+    boundaries change only the schedule's work, not the stage's simulation): from equal
+    stages, each round tries every boundary moved by one layer either way and keeps the
+    fastest that fits, until none is faster (or `rounds`, or `end`). Only where apply runs
+    it: one virtual stage, the layers dividing by the stages (`check_stage_layers`). The
+    search balances each chain's start (`_pipelined_chains`), where `sim` is at it already;
+    `sim` ends at the result."""
+    t, strategy, name = best
+    S, v, _, layers = strategy.pipeline
+    num_layers = _num_layers(sim.graph)
+    if v != 1 or S < 2 or layers or num_layers % S or num_layers < 2 * S or _past(end):
+        return best
+    if sim.strategy != strategy:
+        sim.propose_strategy(strategy)
+        sim.accept()
+    sizes = [num_layers // S] * S
+    for _ in range(rounds):
+        if _past(end):
+            break
+        tried = []
+        for b in range(S - 1):
+            for d in (1, -1):
+                cut = list(sizes)
+                cut[b] += d
+                cut[b + 1] -= d
+                if min(cut) < 1:
+                    continue
+                r = sim.stage_layers_result(tuple(cut))
+                if r.fits_in_memory:
+                    tried.append((r.step_time_s, cut))
+        if not tried or min(tried)[0] >= t:
+            break
+        t, sizes = min(tried)
+    if sizes == [num_layers // S] * S:
+        return best
+    sim.set_stage_layers(tuple(sizes))
+    return sim.step_time(), sim.strategy, name
+
+
+def _num_layers(graph: OpGraph) -> int:
+    """The layers a pipeline cuts (the longest family of repeated blocks)."""
+    return max((len(g) for g in graph.repeated_blocks()), default=0)
 
 
 def _score_points(searcher: _Searcher, points: dict[str, Strategy], deadline: float | None,

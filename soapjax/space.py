@@ -41,7 +41,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from soapjax.errors import PlanError
 from soapjax.graph import Operand, Operator, OpGraph
-from soapjax.pipeline import check_pipeline
+from soapjax.pipeline import check_pipeline, check_stage_layers
 from soapjax.topology import Topology
 
 __all__ = ["RECOMPUTE_POLICIES", "Config", "MeshLike", "MeshShape", "RecomputePolicy",
@@ -232,6 +232,9 @@ class Strategy:
         (`soapjax.attention.flash_attention`) whose query sequence is split passes its keys
         and values around the ring of those axes (`soapjax.attention.ring_attention`)
         instead of all-gathering them. Not with pipeline stages.
+      stage_layers: layers per pipeline stage, first to last, where the stages are uneven
+        (`soapjax.pipeline.check_stage_layers`: one virtual stage; the last stage lighter
+        where the head weighs); () for ``L / S`` each.
     """
 
     configs: tuple[Config, ...]
@@ -243,6 +246,7 @@ class Strategy:
     schedule: str = "1f1b"
     optimizer_axes: tuple[str, ...] = ()
     ring_attention: bool = False
+    stage_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.ring_attention, bool):
@@ -277,6 +281,11 @@ class Strategy:
             object.__setattr__(self, "recompute", ())  # one spelling of "none anywhere"
         if self.stages != 1 or self.virtual_stages != 1 or self.schedule != "1f1b":
             check_pipeline(self.schedule, self.stages, m, self.virtual_stages)
+        if not isinstance(self.stage_layers, tuple):
+            object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
+        if len(set(self.stage_layers)) == 1:
+            object.__setattr__(self, "stage_layers", ())  # one spelling of "equal stages"
+        check_stage_layers(self.stage_layers, self.stages, self.virtual_stages)
 
     @property
     def pipelined(self) -> bool:
@@ -305,11 +314,17 @@ class Strategy:
         return dataclasses.replace(self, recompute=tuple(r))
 
     def with_pipeline(self, stages: int, virtual_stages: int = 1,
-                      schedule: str = "1f1b") -> Strategy:
+                      schedule: str = "1f1b", stage_layers: tuple[int, ...] = ()) -> Strategy:
         """This strategy with `stages` pipeline stages of `virtual_stages` chunks each, run in
-        `schedule` (`soapjax.pipeline`)."""
+        `schedule` (`soapjax.pipeline`), `stage_layers` layers each where uneven."""
         return dataclasses.replace(self, stages=stages, virtual_stages=virtual_stages,
-                                   schedule=schedule)
+                                   schedule=schedule, stage_layers=tuple(stage_layers))
+
+    @property
+    def pipeline(self) -> tuple[int, int, str, tuple[int, ...]]:
+        """``(stages, virtual_stages, schedule, stage_layers)``: what a pipeline's simulation
+        and apply's step are built for."""
+        return (self.stages, self.virtual_stages, self.schedule, self.stage_layers)
 
     def with_microbatches(self, microbatches: int) -> Strategy:
         """This strategy as `microbatches` microbatches of gradient accumulation."""
@@ -448,7 +463,8 @@ def strategy_from_names(graph: OpGraph, configs: Mapping[str, Config], *,
                         microbatches: int = 1, recompute: Mapping[str, str] | None = None,
                         pipeline: tuple[int, int, str] | None = None,
                         optimizer_axes: Sequence[str] = (),
-                        ring_attention: bool = False) -> Strategy:
+                        ring_attention: bool = False,
+                        stage_layers: Sequence[int] = ()) -> Strategy:
     """A `Strategy` from configs keyed by operator name (as plan files and hand-written
     strategies name them): the one place names become a strategy (`soapjax.plan.Plan.strategy`,
     `soapjax.simulate.parse_strategy` and the apply stage call it).
@@ -465,6 +481,7 @@ def strategy_from_names(graph: OpGraph, configs: Mapping[str, Config], *,
       pipeline: ``(stages, virtual_stages, schedule)``, or None for no pipeline.
       optimizer_axes: see `Strategy.optimizer_axes`.
       ring_attention: see `Strategy.ring_attention`.
+      stage_layers: see `Strategy.stage_layers`.
 
     Raises:
       PlanError: a name that is not an operator of `graph` (with close matches), or operators
@@ -489,7 +506,8 @@ def strategy_from_names(graph: OpGraph, configs: Mapping[str, Config], *,
         policies = tuple((recompute or {}).get(n, base[i] if base else "none")
                          for i, n in enumerate(known))
     return Strategy(cfgs, tuple(zero_axes), microbatches, policies, *(pipeline or (1, 1, "1f1b")),
-                    optimizer_axes=tuple(optimizer_axes), ring_attention=ring_attention)
+                    optimizer_axes=tuple(optimizer_axes), ring_attention=ring_attention,
+                    stage_layers=tuple(stage_layers))
 
 
 def _abbrev(names: Sequence[str], n: int = 6) -> str:

@@ -248,6 +248,65 @@ def test_the_gradients_are_synchronised_over_data_once_per_step(virtual):
     assert sum(c.nbytes for c in over_data) == {1: 86_920, 2: 138_504}[virtual]
 
 
+# --- uneven stages ------------------------------------------------------------------------------
+
+
+@functools.cache
+def compiled_uneven(name: str, stage_layers: tuple[int, ...], recompute: str):
+    """The compiled step of the tiny model's 4 layers cut into `stage_layers` under
+    megatron_3d(tp=2, pp=2): loss, gradients, executable, shardings, strategy."""
+    _, params, batch, graph, _ = model_case(name, sum(stage_layers))
+    strategy = megatron_3d(graph, TOPOLOGY, tp=2, pp=STAGES, microbatch_size=2,
+                           recompute=recompute).with_pipeline(STAGES, 1, "1f1b", stage_layers)
+    opt = keep_gradients()
+    with jax.enable_x64(True):
+        step, shardings = sharded_train_step(graph, strategy, make_mesh(TOPOLOGY), opt,
+                                             params=params, batch=batch, compiler_options=FAST)
+        placed = device_put_global((params, opt.init(params), batch),
+                                   (shardings.params, shardings.opt_state, shardings.batch))
+        exe = step.lower(*placed).compile()
+        _, grads, loss = exe(*placed, np.int32(0))
+    return loss, grads, exe, shardings, strategy
+
+
+UNEVEN = [("gpt", (1, 3), "full"), ("llama", (3, 1), "selective"), ("gpt", (3, 1), "none")]
+
+
+@pytest.mark.parametrize("name,stage_layers,recompute", UNEVEN,
+                         ids=["gpt-1-3-full", "llama-3-1-selective", "gpt-3-1-none"])
+def test_uneven_stages_compute_the_unsharded_step(name, stage_layers, recompute):
+    """Stages of 1 and 3 layers (and 3 and 1): each stage runs its own layers, its scan over
+    the longest stage's padded run skipping the padding (`_pipelined._chunk_fn`), the layers
+    moved there from the model's layout and the gradients back (`stage_router`). Loss and
+    every gradient equal ``jax.value_and_grad(loss_fn)`` on one device to 1e-12, float64."""
+    want_loss, want = model_case(name, sum(stage_layers))[4]
+    loss, grads, _, _, strategy = compiled_uneven(name, stage_layers, recompute)
+    assert strategy.stage_layers == stage_layers
+    assert relative_error(grads, want) < 1e-12
+    assert abs(float(loss) - float(want_loss)) / abs(float(want_loss)) < 1e-12
+
+
+def test_uneven_stages_send_the_layers_the_simulator_prices():
+    """Stage 0 keeps layers 0-1 and runs layer 0; stage 1 keeps 2-3 and runs 1-3: each
+    stacked parameter's layer 1 goes from stage 0 to stage 1 (one collective-permute over
+    ``stage`` each, 16 of them, 51,584 bytes per device: one layer under Megatron's split)
+    and its gradient back (16 more),
+    what `PipelinedSimulation.layout_move_bytes` prices, byte for byte; no all-to-all."""
+    _, _, exe, shardings, strategy = compiled_uneven("gpt", (1, 3), "full")
+    graph = model_case("gpt", 4)[3]
+    moves = [c for c in collectives(exe.as_text(), shardings.loss.mesh)
+             if c.kind in ("collective-permute", "all-to-all") and "pipeline_" not in c.op_name]
+    assert {(c.kind, c.axes, c.executions) for c in moves} == {
+        ("collective-permute", ("stage",), 1)}
+    forward = sorted(c.nbytes for c in moves if "transpose" not in c.op_name)
+    back = sorted(c.nbytes for c in moves if "transpose" in c.op_name)
+    sim = PipelinedSimulation(graph, TOPOLOGY, cost_model(graph, TOPOLOGY, mode="analytic"),
+                              Resharder(MeshShape.of(stage_topology(TOPOLOGY, STAGES)),
+                                        mode="ideal"), strategy)
+    assert forward == back == sorted(sim.layout_move_bytes())
+    assert sum(forward) == 51_584
+
+
 # --- what cannot run: refused before anything compiles ------------------------------------------
 
 
@@ -270,6 +329,20 @@ def test_a_model_that_draws_dropout_masks_is_refused():
     graph = trace(loss_fn, params, batch, name="scan_transformer")
     refused(graph, megatron_3d(graph, TOPOLOGY, tp=2, pp=2),
             r"draws random bits \(dropout\); pipelined microbatches would draw other masks")
+
+
+def test_uneven_stages_apply_cannot_run_are_refused():
+    """Uneven stages keep L / S layers a stage between steps: 4 layers on 2 stages cut 1 / 3
+    run; the same model's 3 layers cut 1 / 2 do not (the stages do not divide them)."""
+    graph = model_case("gpt", 3)[3]
+    strategy = megatron_3d(graph, TOPOLOGY, tp=2, pp=STAGES, microbatch_size=2,
+                           recompute="full").with_pipeline(STAGES, 1, "1f1b", (1, 2))
+    refused(graph, strategy, "3 layers are kept 3 / 2 per stage between steps, which needs "
+            "the stages to divide them")
+    graph = model_case("gpt", 4)[3]
+    strategy = megatron_3d(graph, TOPOLOGY, tp=2, pp=STAGES, microbatch_size=2,
+                           recompute="full").with_pipeline(STAGES, 1, "1f1b", (1, 2))
+    refused(graph, strategy, r"stage layers \(1, 2\) add up to 3, but the model has 4 layers")
 
 
 def test_layers_that_do_not_divide_into_the_chunks_are_refused():

@@ -18,6 +18,7 @@ from soapjax.plan import Plan
 from soapjax.reshard import Resharder
 from soapjax.search import (
     SearchSettings,
+    balance_stages,
     find_plan,
     improving_change,
     interleave_choices,
@@ -142,13 +143,88 @@ def test_the_interleaved_schedule_moves_the_layers_apply_keeps_in_the_models_lay
         pipelined(s, gpt(8), "stage")
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+@functools.cache
+def heavy_head():
+    """8 layers under a 32K-token vocabulary: the head on the last stage weighs as much as
+    several of its layers."""
+    from soapjax_zoo.gpt import GPTConfig, build_gpt
+    cfg = GPTConfig(batch_size=16, seq_len=64, vocab_size=32768, num_layers=8, num_heads=4,
+                    d_model=64, dtype="bfloat16")
+    w = build_gpt("gpt", "test", cfg, "linen")
+    return trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt")
+
+
+def test_uneven_stages_cut_the_layers_and_move_what_apply_moves():
+    g = gpt(8)
+    chunk = layer_chunks(g, 2, (3, 5))
+    names = [op.name for op in g.operators]
+    assert {chunk[i] for i, n in enumerate(names) if n.startswith("layers_2/")} == {0}
+    assert {chunk[i] for i, n in enumerate(names) if n.startswith("layers_3/")} == {1}
+    with pytest.raises(PlanError, match=r"stage layers \(3, 4\) do not cut 8 layers"):
+        layer_chunks(g, 2, (3, 4))
+    s = megatron_3d(g, A100, tp=4, pp=2, microbatch_size=2, recompute="none")
+    even, uneven = pipelined(s, g), pipelined(s.with_pipeline(2, 1, "1f1b", (3, 5)), g)
+    # stage 1 runs layer 3, kept on stage 0: one layer of every stacked parameter each way
+    layer = {}
+    for op in g.operators:
+        for x in op.inputs:
+            if x.kind == "param" and x.layer == (3,):
+                layer[str(x.leaf_path)] = x
+    moved = uneven.layout_move_bytes()
+    assert even.layout_move_bytes() == () and len(moved) == len(layer) == 16
+    assert sum(moved) <= sum(x.nbytes for x in layer.values())
+    r = uneven.result()
+    one_way = sum(A100.collective_time("point_to_point", n, ("node",)) for n in moved)
+    assert r.layout_move_s == (one_way, one_way)
+    # both stages keep 4 layers and hold a copy of the 5 the longer one runs, padded
+    assert r.stage_memory[0].params == r.stage_memory[1].params > even.result().stage_memory[
+        0].params
+    # the boundaries change the schedule's work only: the same as a fresh simulation
+    assert even.stage_layers_result((3, 5)).step_time_s == r.step_time_s
+    assert even.strategy.stage_layers == () and even.result() == pipelined(s, g).result()
+
+
+def test_the_search_lightens_the_stage_that_carries_a_heavy_head():
+    """GPT with a 32K vocabulary on 4 stages: the descent over the boundaries moves layers
+    off the last stage (the head's) and gets a faster step that fits; a light head (the
+    256-token vocabulary) keeps equal stages."""
+    g = heavy_head()
+    s = megatron_3d(g, A100, tp=4, pp=4, microbatch_size=1, recompute="none")
+    sim = pipelined(s, g)
+    t0 = sim.step_time()
+    t, strategy, name = balance_stages(sim, (t0, sim.strategy, "megatron"))
+    assert name == "megatron" and t < 0.95 * t0
+    assert sum(strategy.stage_layers) == 8 and strategy.stage_layers[-1] < 2
+    assert t == pipelined(strategy, g).step_time() and sim.fits_in_memory()
+    light = pipelined(megatron_3d(gpt(8), A100, tp=4, pp=4, microbatch_size=1,
+                                  recompute="none"), gpt(8))
+    best = (light.step_time(), light.strategy, "megatron")
+    assert balance_stages(light, best) == best
+
+
+def test_a_plan_file_keeps_the_stage_layers(tmp_path):
+    g = gpt(8)
+    s = megatron_3d(g, A100, tp=4, pp=2, microbatch_size=2,
+                    recompute="none").with_pipeline(2, 1, "1f1b", (3, 5))
+    plan = Plan.make(g, A100, s)
+    plan.save(tmp_path / "p.json")
+    again = Plan.load(tmp_path / "p.json")
+    assert again.stage_layers == (3, 5) and again.strategy(g, A100) == s
+    assert Plan.make(g, A100, s.with_pipeline(2)).to_json()["pipeline"] == {
+        "stages": 2, "virtual_stages": 1, "schedule": "1f1b"}
+    with pytest.raises(PlanError, match="uneven stages are for one virtual stage"):
+        s.with_pipeline(2, 2, "interleaved", (3, 5))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "uneven"])
 def test_delta_equals_full_for_pipelined_strategies(schedule):
     """Random config and recompute moves through the pipelined simulation (delta, with
     rejections): after each, the step time and per-stage memory equal a fresh simulation's."""
     v = 2 if schedule == "interleaved" else 1
     start = megatron_3d(gpt(), A100, tp=4, pp=2, interleave=v, microbatch_size=2,
                         recompute="selective")
+    if schedule == "uneven":
+        start = start.with_pipeline(2, 1, "1f1b", (3, 1))
     sim = pipelined(start)
     rng = random.Random(0)
     mesh = sim.mesh
