@@ -10,6 +10,7 @@ unsharded step run here in one process. The pipelined case runs a 2-stage plan o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -24,6 +25,7 @@ import numpy as np
 import pytest
 
 import soapjax_zoo as zoo
+from soapjax_zoo import gpt
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 3
@@ -55,10 +57,20 @@ def _unsharded(model: str, steps: int, seed: int = 0) -> tuple[list[float], list
     return losses, checksum
 
 
-def _numpy_case(model: str, steps: int) -> tuple[list[float], list[float]]:
+def _tiny(model: str, layers: int | None = None):
+    """The zoo's tiny `model`, with `layers` layers where given (as `PIPELINED_WORKER` builds
+    it)."""
+    if layers is None:
+        return zoo.get(model, "tiny")
+    return gpt.build_gpt("gpt", "tiny", dataclasses.replace(gpt.GPT_CONFIGS["tiny"],
+                                                            num_layers=layers), "linen")
+
+
+def _numpy_case(model: str, steps: int,
+                layers: int | None = None) -> tuple[list[float], list[float]]:
     """Losses and checksum of `steps` unsharded steps from numpy-drawn parameters and batches
     (as `PIPELINED_WORKER` draws them: no jitted init to compile)."""
-    w = zoo.get(model, "tiny")
+    w = _tiny(model, layers)
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda s: (0.1 * rng.standard_normal(s.shape)).astype(s.dtype),
                           w.abstract_params())
@@ -121,19 +133,22 @@ def test_two_processes_compute_the_single_process_step():
 # `node` axis (the processes) the two stages cut. Prints the losses, the parameters' checksum,
 # which process each stage's devices belong to and the compiled step's collective-permutes.
 PIPELINED_WORKER = """
-import json, sys
+import dataclasses, json, sys
 sys.path.insert(0, sys.argv[1])
 from soapjax import training
 training.initialize_distributed()
 import jax, jax.numpy as jnp, numpy as np
 import soapjax_zoo as zoo
 from soapjax import hlo
+from soapjax_zoo import gpt
 from soapjax.baselines import megatron_3d
 from soapjax.graph import trace
 from soapjax.topology import load_topology
 
 topology = load_topology(sys.argv[2])
-w = zoo.get("gpt", "tiny")
+layers, stage_layers = int(sys.argv[4]), tuple(int(n) for n in sys.argv[5].split(",") if n)
+w = gpt.build_gpt("gpt", "tiny", dataclasses.replace(gpt.GPT_CONFIGS["tiny"], num_layers=layers),
+                  "linen")
 rng = np.random.default_rng(0)  # as _numpy_case: no jitted init to compile
 params = jax.tree.map(lambda s: (0.1 * rng.standard_normal(s.shape)).astype(s.dtype),
                       w.abstract_params())
@@ -141,6 +156,7 @@ batches = [jax.tree.map(lambda s: rng.integers(0, 64, s.shape).astype(s.dtype), 
                         w.abstract_batch()) for _ in range(int(sys.argv[3]))]
 graph = trace(w.loss_fn, params, batches[0], name="gpt")
 strategy = megatron_3d(graph, topology, tp=2, pp=2, microbatch_size=1)
+strategy = strategy.with_pipeline(2, 1, "1f1b", stage_layers)
 run = training.shard_training(w.loss_fn, params, batches[0], w.optimizer, mesh=topology,
                               strategy=strategy, name="gpt",
                               compiler_options={"xla_backend_optimization_level": 0,
@@ -161,6 +177,7 @@ checksum = jax.jit(lambda p: jnp.stack([f(x) for x in jax.tree.leaves(p)
                    out_shardings=run.shardings.loss)(params)
 print(json.dumps({"losses": losses, "checksum": [float(x) for x in jax.device_get(checksum)],
                   "stages": strategy.stages, "microbatches": strategy.microbatches,
+                  "stage_layers": list(strategy.stage_layers),
                   "mesh": dict(mesh.shape), "permutes": permutes,
                   "stage_processes": [sorted({d.process_index for d in row.flat})
                                       for row in mesh.devices]}), flush=True)
@@ -169,12 +186,15 @@ jax.distributed.shutdown()
 
 
 @pytest.mark.slow
-def test_two_processes_run_a_pipelined_plan_one_stage_each(tmp_path):
+@pytest.mark.parametrize("layers,stage_layers", [(2, ""), (4, "1,3")], ids=["equal", "uneven"])
+def test_two_processes_run_a_pipelined_plan_one_stage_each(tmp_path, layers, stage_layers):
     """A pipelined plan over two processes: GPT tiny, megatron_3d(tp=2, pp=2) on cpu8-nodes
     (node=2 x data=2 x model=2, a node per process), so stage 0 is process 0's four devices,
     stage 1 process 1's, and the pipeline's activations and gradients cross processes by
     collective-permute (gloo). Both processes must compute the unsharded step's losses and
-    parameters (adamw, 2 steps)."""
+    parameters (adamw, 2 steps). Uneven: 4 layers cut 1 / 3, so layer 1, kept by process 0,
+    goes to process 1 every step and its gradient back (`stage_router`), by collective-permutes
+    across the processes too."""
     reason = _port_error()
     if reason is not None:
         pytest.skip(f"cannot bind a TCP port on 127.0.0.1 for the coordinator: {reason}")
@@ -184,20 +204,24 @@ def test_two_processes_run_a_pipelined_plan_one_stage_each(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     cmd = [sys.executable, "scripts/launch_local.py", "--processes", "2",
            "--devices-per-process", "4", "--timeout", "400", "--", str(worker), str(ROOT),
-           str(ROOT / "tests" / "meshes" / "cpu8-nodes.toml"), str(steps)]
+           str(ROOT / "tests" / "meshes" / "cpu8-nodes.toml"), str(steps), str(layers),
+           stage_layers]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=450,
                           check=False)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     records = _records(proc.stdout)
     assert sorted(records) == [0, 1], proc.stdout[-4000:]
 
-    losses, checksum = _numpy_case("gpt", steps)
+    losses, checksum = _numpy_case("gpt", steps, layers)
     for pid, r in records.items():
         assert (r["stages"], r["microbatches"]) == (2, 4)
         assert r["mesh"] == {"stage": 2, "data": 2, "model": 2}
         assert r["stage_processes"] == [[0], [1]]
-        # 1F1B over 2 stages: activations 0 -> 1, gradients 1 -> 0, across the processes
-        assert sorted(r["permutes"]) == [[[0, 1]], [[1, 0]]], r["permutes"]
+        assert r["stage_layers"] == [int(n) for n in stage_layers.split(",") if n]
+        # 1F1B over 2 stages: activations 0 -> 1, gradients 1 -> 0, across the processes; the
+        # uneven cut's layers 0 -> 1 and their gradients 1 -> 0 (16 stacked parameters each)
+        want = [[[0, 1]], [[1, 0]]] if not stage_layers else [[[0, 1]]] * 17 + [[[1, 0]]] * 17
+        assert sorted(r["permutes"]) == want, r["permutes"]
         np.testing.assert_allclose(r["losses"], losses, rtol=1e-5, err_msg=f"process {pid}")
         np.testing.assert_allclose(r["checksum"], checksum, rtol=1e-4, atol=1e-5,
                                    err_msg=f"process {pid}")
