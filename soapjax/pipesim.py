@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from soapjax._flatsim import Simulation, shard_bytes
 from soapjax._simresult import MemoryBreakdown, SimResult
@@ -254,14 +255,13 @@ class PipelinedSimulation:
         balancing of the stages walks over: `soapjax.search`)."""
         stages, virtual, schedule, _ = self._pipeline
         check_stage_layers(tuple(stage_layers), stages, virtual)
-        kept = (self._pipeline, self._chunk, self._param_share, self._stacked, self._routes,
-                self._result)
+        pipeline, result = self._pipeline, self._result
         try:
             self._cut((stages, virtual, schedule, tuple(stage_layers)))
             return self._compute()
         finally:
-            (self._pipeline, self._chunk, self._param_share, self._stacked, self._routes,
-             self._result) = kept
+            self._cut(pipeline)  # all of it derived from the pipeline's numbers (memoised)
+            self._result = result
 
     def set_stage_layers(self, stage_layers: tuple[int, ...]) -> float:
         """Cuts the layers into `stage_layers` per stage from now on; the step time."""
@@ -374,11 +374,12 @@ class PipelinedSimulation:
         after = max(0.0, pro_b_end - b_last[0]) / S if pro_b_end else 0.0
         tail = max(0.0, inner.timeline_end() - max(bwd_end))
         tails = tuple(tail * share for share in self._param_share)
-        move = self._move_time()  # each way: parameters in, gradients out
+        moves = self._layout_moves()
+        move = self._move_time(moves.sends)  # each way: parameters in, gradients out
         step = before + move + max(timeline.step_s + after,
                                    max(end + t for end, t in zip(timeline.stage_end_s, tails)))
         step += move + inner.call_overhead  # one SPMD call, as unpipelined
-        memory = self._stage_memory(timeline)
+        memory = self._stage_memory(timeline, moves)
         cap = self.topology.device.memory_bytes
         return PipelineResult(step, timeline, times, memory, cap,
                               max(m.total for m in memory) <= cap, tails, (before, after),
@@ -432,43 +433,39 @@ class PipelinedSimulation:
         parameters from the model's layout to the chunks' (the same again for the gradients
         back; module doc, 4), one per collective, empty where nothing moves (one virtual
         stage of equal stages, or ``layer_layout="chunks"``). Interleaved: per stacked
-        parameter, one all-to-all of the stage's shard of it (its layers' stored shards, 1/S
-        of them). Uneven stages: per stacked parameter and shift of `stage_routes`, one
+        parameter, one all-to-all of the stage's shard of it (its ``L / S`` layers' stored
+        shards). Uneven stages: per stacked parameter and shift of `stage_routes`, one
         point-to-point send of that many layers' shards."""
+        return self._layout_moves().sends
+
+    def _layout_moves(self) -> _LayoutMoves:
+        """What the layer layout moves and holds (module doc, 4), from one read of the
+        stage's stored parameter shards."""
         if not self._stacked:
-            return ()
-        if self._routes:
-            return tuple(n * r.rows for n in self._layer_bytes()
-                         for r in self._routes if r.delta)
+            return _LayoutMoves((), 0, 0)
         stored = self._inner.stored_param_bytes()
-        S = self._pipeline[0]
-        return tuple(sum(stored[src] for src in sources) // S
-                     for sources in self._stacked.values())
-
-    def _layer_bytes(self) -> tuple[int, ...]:
-        """Per stacked parameter, one layer's stored shard per device."""
-        stored = self._inner.stored_param_bytes()
-        return tuple(sum(stored[src] for src in sources) // len(sources)
-                     for sources in self._stacked.values())
-
-    def _chunk_copy_bytes(self) -> int:
-        """The chunks' copy of a stage's stacked parameters, held through the step where
-        they move (the stage's own shard; uneven stages: the longest stage's layers)."""
-        if not self._stacked:
-            return 0
+        per_layer = [sum(stored[src] for src in sources) // len(sources)
+                     for sources in self._stacked.values()]
+        S, _, _, sizes = self._pipeline
+        kept = len(next(iter(self._stacked.values()))) // S  # a stage keeps L / S layers
         if self._routes:
-            return max(self._pipeline[3]) * sum(self._layer_bytes())
-        return sum(self.layout_move_bytes())
+            copy = max(sizes) * sum(per_layer)  # the longest stage's run, padded
+            return _LayoutMoves(tuple(n * r.rows for n in per_layer
+                                      for r in self._routes if r.delta),
+                                copy, copy - kept * sum(per_layer))
+        sends = tuple(n * kept for n in per_layer)
+        return _LayoutMoves(sends, sum(sends), 0)
 
-    def _move_time(self) -> float:
-        """One way of the layer layout's collectives (module doc, 4) over the stage groups of
-        the outermost mesh axis: all-to-alls (interleaved) or point-to-point sends (uneven)."""
+    def _move_time(self, sends: Sequence[int]) -> float:
+        """One way of the layer layout's collectives `sends` (module doc, 4) over the stage
+        groups of the outermost mesh axis: all-to-alls (interleaved) or point-to-point sends
+        (uneven)."""
         axis, S = (self.full_topology.axis_names[0],), self._pipeline[0]
         if self._routes:
             return sum(self.full_topology.collective_time("point_to_point", n, axis)
-                       for n in self.layout_move_bytes())
+                       for n in sends)
         return sum(self.full_topology.collective_time("all_to_all", n, axis, group_size=S)
-                   for n in self.layout_move_bytes())
+                   for n in sends)
 
     def send_bytes(self) -> tuple[int, ...]:
         """Per chunk boundary, the bytes each device sends for one microbatch: the shards of
@@ -524,7 +521,8 @@ class PipelinedSimulation:
                     crossing[b][(x.source, x.index)] = sent
         return [list(c.values()) for c in crossing]
 
-    def _stage_memory(self, timeline: PipelineTimeline) -> tuple[MemoryBreakdown, ...]:
+    def _stage_memory(self, timeline: PipelineTimeline,
+                      moves: _LayoutMoves) -> tuple[MemoryBreakdown, ...]:
         m = self._inner.memory_breakdown()
         S, v = self._pipeline[:2]
         act = self._inner.activation_bytes_by_operator()
@@ -532,16 +530,13 @@ class PipelinedSimulation:
         chunk_act = [0] * (S * v)
         for i, c in enumerate(self._chunk):
             chunk_act[c] += act[i]
-        moved = self._chunk_copy_bytes()  # the chunks' copy of the stage's layers
-        # uneven stages add up their gradients in the copy's padded layout
-        padding = moved - sum(self._layer_bytes()) * (sum(self._pipeline[3]) // S) \
-            if self._routes else 0
         out = []
         for s in range(S):
             share = self._param_share[s]
             per_pair = max(chunk_act[c] for c in range(s, S * v, S)) / total_act
             out.append(MemoryBreakdown(
-                params=int(m.params * share) + moved, grads=int(m.grads * share) + padding,
+                params=int(m.params * share) + moves.copy,
+                grads=int(m.grads * share) + moves.padding,
                 opt_state=int(m.opt_state * share),
                 activations=int(m.activations * per_pair * timeline.in_flight[s]),
                 comm_buffers=m.comm_buffers))
@@ -558,6 +553,17 @@ def as_step_result(pipelined: PipelineResult, stage: SimResult,
         exposed_comm_s=max(0.0, pipelined.step_time_s - stage.compute_s),
         peak_memory_bytes=(fullest.total,) * num_devices, memory=fullest,
         fits_in_memory=pipelined.fits_in_memory, num_devices=num_devices, pipeline=pipelined)
+
+
+class _LayoutMoves(NamedTuple):
+    """What the layer layout moves each step and holds (`PipelinedSimulation._layout_moves`):
+    the bytes each device puts into each collective (one way), the chunks' copy of a stage's
+    stacked parameters held through the step, and what uneven stages' gradients add in it
+    over the stage's own layers (they are added up in the padded run)."""
+
+    sends: tuple[int, ...]
+    copy: int
+    padding: int
 
 
 class _StageCosts:

@@ -322,6 +322,7 @@ def interleave_choices(graph: OpGraph, stages: int) -> tuple[int, ...]:
 
 
 def _num_layers(graph: OpGraph) -> int:
+    """The layers a pipeline cuts (the longest family of repeated blocks)."""
     return max((len(g) for g in graph.repeated_blocks()), default=0)
 
 
@@ -469,7 +470,6 @@ def _pipelined_chains(graph: OpGraph, topology, cost_model, settings: SearchSett
             # the chain walks the configs at the stage boundaries its start is best at
             _, start, _ = balance_stages(searcher.sim, (searcher.sim.step_time(), start, name),
                                          deadline)
-            searcher.record(name)
             searcher.chain(name, start, deadline if deadline is not None
                            else time.perf_counter() + settings.budget_s / 4)
             flat.proposals += searcher.proposals
@@ -499,7 +499,8 @@ def balance_stages(sim: PipelinedSimulation, best: tuple[float, Strategy, str],
     if sim.strategy != strategy:
         sim.propose_strategy(strategy)
         sim.accept()
-    sizes = [num_layers // S] * S
+    even = [num_layers // S] * S
+    sizes = even
     for _ in range(rounds):
         if _past(end):
             break
@@ -517,15 +518,10 @@ def balance_stages(sim: PipelinedSimulation, best: tuple[float, Strategy, str],
         if not tried or min(tried)[0] >= t:
             break
         t, sizes = min(tried)
-    if sizes == [num_layers // S] * S:
+    if sizes == even:
         return best
     sim.set_stage_layers(tuple(sizes))
     return sim.step_time(), sim.strategy, name
-
-
-def _num_layers(graph: OpGraph) -> int:
-    """The layers a pipeline cuts (the longest family of repeated blocks)."""
-    return max((len(g) for g in graph.repeated_blocks()), default=0)
 
 
 def _score_points(searcher: _Searcher, points: dict[str, Strategy], deadline: float | None,
