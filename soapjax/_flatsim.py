@@ -520,6 +520,7 @@ class Simulation:
                 continue
             if not batch.undos:
                 batch.start, batch.end = list(task_graph.start), list(task_graph.end)
+                batch.busy = list(task_graph.busy)
             undo = _Undo(i, old)
             batch.undos.append(undo)
             undo.activation_bytes = self._act
@@ -595,6 +596,7 @@ class Simulation:
             n = len(batch.start)
             task_graph.start[:n] = batch.start
             task_graph.end[:n] = batch.end
+            task_graph.busy[:n] = batch.busy
         task_graph.discard_marks()
 
     @_settled
@@ -607,7 +609,8 @@ class Simulation:
             kind, ref = task_graph.info[t][0], task_graph.info[t][1]
             name, start, end = self._task_name(t), task_graph.start[t], task_graph.end[t]
             if kind in (FORWARD, BACKWARD, UPDATE):
-                compute += task_graph.dur[t]
+                # its duration, slowed where it ran beside a collective (contention)
+                compute += end - start if task_graph.contention else task_graph.dur[t]
                 records.append(TaskRecord(name, kind, ("compute",), start, end, 0))
                 continue
             sent += ref.sent
@@ -674,7 +677,10 @@ class Simulation:
         self._views = [self._view(j, c, strategy.recompute_of(j))
                        for j, c in enumerate(strategy.configs)]
         self._scatter = [self._scatter_of(j) for j in range(layout.n)]
-        self._task_graph = task_graph = TaskGraph(len(self._pricing.resource_channels))
+        kernels = self.topology.device.kernels
+        self._task_graph = task_graph = TaskGraph(
+            len(self._pricing.resource_channels),
+            contention=kernels.overlap_slowdown if kernels is not None else 0.0)
         self._buffer_counts: dict[int, int] = {}  # communication buffer bytes -> tasks
         self._forward_task = [
             task_graph.new(layout.fwd_key(j, layout.slots - 2), v.forward_s, (0,), [],
@@ -1466,12 +1472,13 @@ def _canonical_operators(graph: OpGraph) -> list[int]:
 class _Batch:
     """A pending proposal: one `_Undo` per changed operator, and the timeline before it."""
 
-    __slots__ = ("end", "start", "undos")
+    __slots__ = ("busy", "end", "start", "undos")
 
     def __init__(self) -> None:
         self.undos: list[_Undo] = []
         self.start: list[float] = []
         self.end: list[float] = []
+        self.busy: list[float] = []
 
 
 class _Undo:

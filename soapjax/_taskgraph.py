@@ -18,13 +18,27 @@ on each of its resources (A4):
     start[t] = max({0} | {end[d] for d in deps[t]} | {end[prev on r] for r in res[t]})
     end[t]   = start[t] + dur[t]
 
+**Contention** (`TaskGraph(contention=sigma)`, a GPU's ``[device.kernels].overlap_slowdown``):
+NCCL's kernels hold some of the SMs while a collective runs, so compute beside it runs slower.
+A compute task (resource 0 only) that starts while a collective issued before it still runs
+(``B``, the latest end among communication tasks of smaller key, is after its start) computes at
+``1 / (1 + sigma)`` of its rate until ``B``:
+
+    end[t] = start[t] + dur[t] + min(dur[t] * sigma, (B - start[t]) * sigma / (1 + sigma))
+
+Collectives issued after a compute task that still overlap it (a ZeRO-3 gather prefetched
+beside the operator before its reader) do not slow it: the pass knows only what was issued
+before. With ``sigma = 0`` (every CPU file) the formula is the one above.
+
 Every dependency has a smaller key than its dependent, so the timeline is one pass in key order
 (`full_pass`, the paper's Algorithm 1 with the issue order fixed). After a local change the
 delta pass (`sweep`, Algorithm 2) retimes only from the first changed task onward, and only as
 far as a change can reach: the changed tasks' keys bound a range, and a task whose end moved
 extends it to its successors and to the next task on each of its resources; where the range
-ends, nothing changes any more. Both passes evaluate the same expression on the same operands,
-so they agree exactly (bit for bit), not just to rounding.
+ends, nothing changes any more. Under contention a compute task also reads ``B``: past the range
+the pass goes on to the next compute task after each collective it retimed, and stops where that
+task's ``B`` is the one it had (kept per task in ``busy``). Both passes evaluate the same
+expression on the same operands, so they agree exactly (bit for bit), not just to rounding.
 
 The hot loops need mutable flat arrays (STYLE.md's one exception); the mutability stays inside
 this module and `Simulation`. Ids of removed tasks are recycled through a free list, so a long
@@ -69,10 +83,15 @@ class TaskGraph:
       rtasks, rkeys: the same per resource.
       lo, hi: the smallest and largest key of a task whose inputs changed since the last pass
         (None when nothing did).
+      contention: sigma, how much slower compute runs beside a running collective (module doc).
     """
 
-    def __init__(self, num_resources: int) -> None:
+    def __init__(self, num_resources: int, contention: float = 0.0) -> None:
+        if not contention >= 0.0:
+            raise ValueError(f"contention: expected a slowdown >= 0, found {contention!r}")
         self.num_resources = num_resources
+        self.contention = float(contention)
+        self.busy: list[float] = []  # per compute task: the B its last timing read (contention)
         self.dur: list[float] = []
         self.start: list[float] = []
         self.end: list[float] = []
@@ -116,6 +135,7 @@ class TaskGraph:
             self.rnext[t] = [NONE] * len(res)
             self.reach[t] = -1
             self.info[t] = info
+            self.busy[t] = _NAN
             return t
         t = len(self.dur)
         self.dur.append(dur)
@@ -129,6 +149,7 @@ class TaskGraph:
         self.rnext.append([NONE] * len(res))
         self.reach.append(-1)
         self.info.append(info)
+        self.busy.append(_NAN)
         return t
 
     def release(self, tasks: Iterable[int]) -> None:
@@ -164,12 +185,22 @@ class TaskGraph:
         """Times every attached task from scratch, in key order (each resource FIFO)."""
         last = [0.0] * self.num_resources
         start, end, dur, deps, res = self.start, self.end, self.dur, self.deps, self.res
+        sigma, busy, b = self.contention, self.busy, 0.0
         for t in self.order:
             s = _ready(t, deps, res, end, last)
-            e = s + dur[t]
+            rs = res[t]
+            if not sigma:
+                e = s + dur[t]
+            elif rs == _COMPUTE:
+                busy[t] = b
+                e = _contended(s, dur[t], b, sigma)
+            else:
+                e = s + dur[t]
+                if e > b and any(rs):
+                    b = e
             start[t] = s
             end[t] = e
-            for r in res[t]:
+            for r in rs:
                 last[r] = e
         self.lo = self.hi = None
 
@@ -297,12 +328,27 @@ class TaskGraph:
             j = bisect_left(keys, lo)
             if j:
                 last[r] = end[self.rtasks[r][j - 1]]
+        sigma, busy = self.contention, self.busy
+        # B: ends on a FIFO resource never decrease, so the latest end among the collectives
+        # before `lo` is the largest of their resources' last ends (as the full pass has it)
+        b = max(last[1:], default=0.0)
+        dirty = bool(sigma)  # whether B may differ from the one the last pass had here
         for t in self.order[bisect_left(self.okeys, lo):]:
-            if key[t] > hi:
+            if key[t] > hi and not dirty:
                 break
             s = _ready(t, deps, res, end, last)
             rs = res[t]
-            e = s + dur[t]
+            if not sigma:
+                e = s + dur[t]
+            elif rs == _COMPUTE:
+                dirty = busy[t] != b
+                busy[t] = b
+                e = _contended(s, dur[t], b, sigma)
+            else:
+                e = s + dur[t]
+                if e > b and any(rs):
+                    b = e
+                dirty = True
             start[t] = s
             if e != end[t]:
                 end[t] = e
@@ -521,6 +567,17 @@ class Layout:
 
     def bwd_key(self, j: int, slot: int, pos: int = 0) -> int:
         return self.key(2 * self.n - 1 - j, slot, pos)
+
+
+_COMPUTE = (0,)  # the resources of a compute task
+
+
+def _contended(s: float, dur: float, busy: float, sigma: float) -> float:
+    """The end of a compute task that starts at `s` with a collective running until `busy`:
+    at ``1 / (1 + sigma)`` of its rate until then (module doc, contention)."""
+    if busy <= s:
+        return s + dur
+    return s + dur + min(dur * sigma, (busy - s) * sigma / (1.0 + sigma))
 
 
 def _ready(t: int, deps: list, res: list, end: list, last: list) -> float:

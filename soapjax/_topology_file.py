@@ -227,6 +227,9 @@ class KernelSpec:
         `soapjax.attention.flash_attention(..., implementation="cudnn")` runs where the
         sequence is whole; 0: `attention_efficiency`.
       source: where the figures come from (free text, shown in reports).
+      overlap_slowdown: how much longer compute takes while a collective runs beside it
+        (NCCL's kernels hold SMs): 0.2 runs it at 1 / 1.2 of its rate then
+        (`soapjax._taskgraph`, contention); 0: no contention.
     """
 
     gemm_efficiency: float
@@ -238,9 +241,15 @@ class KernelSpec:
     attention_efficiency: float = 0.0
     source: str = ""
     cudnn_attention_efficiency: float = 0.0
+    overlap_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tile", tuple(self.tile))
+        x = self.overlap_slowdown
+        if not (isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 4):
+            raise TopologyError(f"[device.kernels].overlap_slowdown: expected a number from 0 "
+                                f"to 4 (0.2: compute beside a collective takes 1.2 times as "
+                                f"long; 0: no contention), found {x!r}")
         for where, x, zero in (("attention_efficiency", self.attention_efficiency,
                                 "gemm_efficiency"),
                                ("cudnn_attention_efficiency", self.cudnn_attention_efficiency,
@@ -506,7 +515,8 @@ _DEVICE_KEYS = {"kind": True, "peak_flops": True, "memory_bandwidth": True, "mem
                 "efficiency": False, "kernels": False}
 _KERNEL_KEYS = {"gemm_efficiency": True, "memory_efficiency": True, "launch": True, "sms": True,
                 "tile": False, "float32_matmul": False, "attention_efficiency": False,
-                "cudnn_attention_efficiency": False, "source": False}
+                "cudnn_attention_efficiency": False, "source": False,
+                "overlap_slowdown": False}
 _EFFICIENCY_KEYS = {"peak_flops": False, "memory_bandwidth": False}
 _NODES_KEYS = {"count": True, "devices_per_node": True, "switches": False}
 _FABRIC_KEYS = {"switches": False}
@@ -737,6 +747,7 @@ def _parse_kernels(table: object) -> KernelSpec:
                                   "float32_matmul") if "float32_matmul" in k else 0.0),
         attention_efficiency=k.get("attention_efficiency", 0.0),
         cudnn_attention_efficiency=k.get("cudnn_attention_efficiency", 0.0),
+        overlap_slowdown=k.get("overlap_slowdown", 0.0),
         source=str(k.get("source", "")))
 
 

@@ -418,6 +418,12 @@ def random_graph(kind, rng):
     return zoo(kind)[1]
 
 
+def contended(topo, slowdown):
+    """`topo` with its GPU's compute slowed by `slowdown` beside a running collective."""
+    kernels = dataclasses.replace(topo.device.kernels, overlap_slowdown=slowdown)
+    return dataclasses.replace(topo, device=dataclasses.replace(topo.device, kernels=kernels))
+
+
 def remesh(name, **axes):
     topo = load_topology(name)
     return dataclasses.replace(topo, axis_names=tuple(axes), axis_sizes=tuple(axes.values()),
@@ -430,11 +436,14 @@ TOPOLOGIES = {
     "k80x64": lambda: load_topology("k80x64"),
     "cpu8(x=8)": lambda: remesh("cpu8", x=8),
     "h100x8(a=2,b=2,c=2)": lambda: remesh("dgx-h100x8", a=2, b=2, c=2),
+    # compute beside a collective at half its rate: contention moves many tasks
+    "h100x8(slowdown=1)": lambda: contended(remesh("dgx-h100x8", a=2, b=4), 1.0),
 }
 CASES = [("mlp", "cpu8", 0), ("mlp", "p100x16", 1), ("mlp", "h100x8(a=2,b=2,c=2)", 2),
          ("mlp", "cpu8(x=8)", 3), ("lstm", "cpu8", 4), ("lstm", "k80x64", 5),
          ("attention", "cpu8", 6), ("attention", "k80x64", 7), ("tied", "cpu8(x=8)", 8),
-         ("tied", "p100x16", 9), ("gpt2", "cpu8", 10), ("nmt", "h100x8(a=2,b=2,c=2)", 11)]
+         ("tied", "p100x16", 9), ("gpt2", "cpu8", 10), ("nmt", "h100x8(a=2,b=2,c=2)", 11),
+         ("gpt2", "h100x8(slowdown=1)", 12), ("attention", "h100x8(slowdown=1)", 13)]
 PROPOSALS = 60
 
 
@@ -636,7 +645,8 @@ def test_cli_simulate_json_and_trace(tmp_path, capsys):
 
 
 MEMORY_CASES = [("mlp", "cpu8", 20), ("attention", "cpu8", 21), ("gpt2", "cpu8", 22),
-                ("tied", "p100x16", 23), ("lstm", "k80x64", 24)]
+                ("tied", "p100x16", 23), ("lstm", "k80x64", 24),
+                ("gpt2", "h100x8(slowdown=1)", 26)]
 
 
 @pytest.mark.parametrize("kind, topo_name, seed", MEMORY_CASES,
@@ -694,8 +704,8 @@ def test_delta_equals_full_with_microbatches_and_recompute(kind, topo_name, seed
     assert moved_m > 0 or len(ms) == 1
 
 
-@pytest.mark.parametrize("kind, topo_name, seed", MEMORY_CASES[:3],
-                         ids=[f"{k}-{t}" for k, t, _ in MEMORY_CASES[:3]])
+@pytest.mark.parametrize("kind, topo_name, seed", MEMORY_CASES[:3] + MEMORY_CASES[-1:],
+                         ids=[f"{k}-{t}" for k, t, _ in MEMORY_CASES[:3] + MEMORY_CASES[-1:]])
 def test_delta_equals_full_when_several_operators_move_at_once(kind, topo_name, seed):
     """`propose_many` (the search's move of a repeated block's position in every layer): 1 to
     4 operators change config and recompute policy in one proposal, retimed in one pass; the
