@@ -87,12 +87,14 @@ def cost_words(mesh: str = "dgx-a100x3072") -> str:
     if k is None:
         return (f"analytic roofline costs at 100 % of `{mesh}`'s datasheet peaks (no kernel "
                 "table: times are lower bounds, TFLOP/s upper bounds); ideal resharding model")
+    contention = (f", compute beside a running collective at 1 / {1 + k.overlap_slowdown:g} of "
+                  "its rate" if k.overlap_slowdown else "")
     return (f"analytic costs from `meshes/{mesh}.toml`'s GPU kernel model (`soapjax.kernels`: "
             f"each matmul a GEMM of {k.tile[0]} x {k.tile[1]} tiles in waves of {k.sms} SMs at "
             f"{k.gemm_efficiency:g} of peak, the rest fused into memory-bound kernels at "
-            f"{k.memory_efficiency:g} of the HBM bandwidth, {k.launch * 1e6:g} us a kernel; "
-            f"{k.source}; docs/accuracy.md), collectives at the links' NCCL bandwidth (0.8 "
-            "of line rate); ideal resharding model")
+            f"{k.memory_efficiency:g} of the HBM bandwidth, {k.launch * 1e6:g} us a kernel"
+            f"{contention}; {k.source}; docs/accuracy.md), collectives at the links' NCCL "
+            "bandwidth (0.8 of line rate); ideal resharding model")
 
 
 def grid_best(graph, topo, costs, factor):
