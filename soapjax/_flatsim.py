@@ -603,14 +603,18 @@ class Simulation:
     def result(self) -> SimResult:
         """A frozen summary of the current state (a pending proposal included)."""
         task_graph, pricing = self._task_graph, self._pricing
-        records, compute, sent = [], 0.0, 0.0
+        records, compute, sent, slowed = [], 0.0, 0.0, 0.0
         by_class: dict[str, float] = {}
         for t in task_graph.order:
             kind, ref = task_graph.info[t][0], task_graph.info[t][1]
             name, start, end = self._task_name(t), task_graph.start[t], task_graph.end[t]
             if kind in (FORWARD, BACKWARD, UPDATE):
                 # its duration, slowed where it ran beside a collective (contention)
-                compute += end - start if task_graph.contention else task_graph.dur[t]
+                if task_graph.contention:
+                    compute += end - start
+                    slowed += end - start - task_graph.dur[t]
+                else:
+                    compute += task_graph.dur[t]
                 records.append(TaskRecord(name, kind, ("compute",), start, end, 0))
                 continue
             sent += ref.sent
@@ -627,7 +631,8 @@ class Simulation:
             bytes_by_link_class=by_class, peak_memory_bytes=(mem.total,) * self.mesh.num_devices,
             memory=mem, memory_capacity_bytes=cap, fits_in_memory=mem.total <= cap,
             cost_source=str(getattr(self.cost_model, "source", "unknown")),
-            num_devices=self.mesh.num_devices, tasks=tuple(records), channels=pricing.channels)
+            num_devices=self.mesh.num_devices, tasks=tuple(records), channels=pricing.channels,
+            contention_s=slowed)
 
     @_settled
     def timeline(self) -> list[tuple[str, float, float]]:

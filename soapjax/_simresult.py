@@ -69,7 +69,8 @@ class SimResult:
     Attributes:
       step_time_s: predicted iteration time.
       compute_s: busy time of the compute stream (forward, backward and update tasks), plus
-        what calling the step costs where the topology measured it (`[compute]`).
+        what calling the step costs where the topology measured it (`[compute]`), with the
+        time compute lost beside running collectives (`contention_s`) included.
       exposed_comm_s: ``step_time_s - compute_s``: communication not hidden behind compute.
       bytes_moved: bytes each device sends over the whole step.
       bytes_by_link_class: the same, by the link class that limits each collective.
@@ -84,6 +85,8 @@ class SimResult:
       channels: the topology channels, in trace order.
       pipeline: for a pipelined strategy, its `soapjax.pipesim.PipelineResult` (the rest is
         then one stage's work, with the pipeline's step time and fullest stage's memory).
+      contention_s: seconds compute ran longer beside running collectives (a GPU's
+        ``[device.kernels].overlap_slowdown``, `soapjax._taskgraph`); 0 without it.
     """
 
     step_time_s: float
@@ -100,6 +103,7 @@ class SimResult:
     tasks: tuple[TaskRecord, ...] = dataclasses.field(repr=False)
     channels: tuple[str, ...] = dataclasses.field(repr=False, default=())
     pipeline: Any = dataclasses.field(repr=False, default=None)
+    contention_s: float = 0.0
 
     def to_json(self, *, tasks: bool = False) -> dict[str, Any]:
         """The result as JSON-ready data; with ``tasks=True`` the whole timeline too. A
@@ -108,7 +112,8 @@ class SimResult:
             return self.pipeline.to_json()
         out = {
             "step_time_s": self.step_time_s, "compute_s": self.compute_s,
-            "exposed_comm_s": self.exposed_comm_s, "bytes_moved": self.bytes_moved,
+            "exposed_comm_s": self.exposed_comm_s, "contention_s": self.contention_s,
+            "bytes_moved": self.bytes_moved,
             "bytes_by_link_class": dict(self.bytes_by_link_class),
             "peak_memory_bytes": list(self.peak_memory_bytes),
             "memory": self.memory._asdict(), "memory_capacity_bytes": self.memory_capacity_bytes,

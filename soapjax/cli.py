@@ -560,6 +560,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     print(f"{w.name}{config} on {topo.name} ({r.num_devices} devices), {args.strategy}:")
     print(f"  step time  {r.step_time_s * 1e3:.4g} ms = compute {r.compute_s * 1e3:.4g} ms + "
           f"exposed communication {r.exposed_comm_s * 1e3:.4g} ms ({r.cost_source} costs)")
+    if r.contention_s > 0:
+        print(f"  contention {r.contention_s * 1e3:.4g} ms of the compute: kernels slowed beside "
+              f"running collectives ([device.kernels].overlap_slowdown)")
     print(f"  sent       {format_bytes(r.bytes_moved)} per device ({links})")
     for line in notes:
         print("  " + line)

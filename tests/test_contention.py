@@ -25,6 +25,7 @@ import pytest
 
 import soapjax_zoo
 from soapjax._taskgraph import NONE, TaskGraph
+from soapjax import cli
 from soapjax.cost import cost_model
 from soapjax.errors import TopologyError
 from soapjax.graph import trace
@@ -119,6 +120,8 @@ def test_contention_slows_the_backward_beside_the_gradient_all_reduces():
         assert a.end_s - a.start_s <= (b.end_s - b.start_s) * (1 + sigma) * (1 + 1e-12)
     extra = on.compute_s - off_r.compute_s
     assert extra > 0
+    assert on.contention_s == pytest.approx(extra, rel=1e-9) and off_r.contention_s == 0.0
+    assert on.to_json()["contention_s"] == on.contention_s
     assert off_r.step_time_s < on.step_time_s <= off_r.step_time_s + sigma * off_r.compute_s
     # the gradient all-reduces are what ran beside them: the same bytes either way
     assert on.bytes_moved == off_r.bytes_moved
@@ -139,3 +142,14 @@ def test_overlap_slowdown_is_read_from_the_file_and_checked(tmp_path):
         load_topology(str(f))
     with pytest.raises(ValueError, match="contention: expected a slowdown >= 0"):
         TaskGraph(1, contention=-1.0)
+
+
+def test_simulate_says_how_much_compute_contention_cost(capsys):
+    argv = ["simulate", "--model", "gpt2", "--config", "tiny", "--mesh", "dgx-h100x8",
+            "--costs", "analytic", "--strategy", "data-parallel"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.strip().startswith("contention"))
+    assert "ms of the compute" in line and "overlap_slowdown" in line
+    assert cli.main(argv[:6] + ["cpu8"] + argv[7:]) == 0  # no kernel table: no such line
+    assert "contention" not in capsys.readouterr().out
