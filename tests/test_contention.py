@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 import soapjax_zoo
-from soapjax._taskgraph import NONE, TaskGraph
 from soapjax import cli
+from soapjax._taskgraph import NONE, TaskGraph
 from soapjax.cost import cost_model
 from soapjax.errors import TopologyError
 from soapjax.graph import trace
