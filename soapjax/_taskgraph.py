@@ -189,15 +189,10 @@ class TaskGraph:
         for t in self.order:
             s = _ready(t, deps, res, end, last)
             rs = res[t]
-            if not sigma:
-                e = s + dur[t]
-            elif rs == _COMPUTE:
-                busy[t] = b
-                e = _contended(s, dur[t], b, sigma)
+            if sigma:
+                e, b, _ = _timed(t, s, rs, dur, busy, b, sigma)
             else:
                 e = s + dur[t]
-                if e > b and any(rs):
-                    b = e
             start[t] = s
             end[t] = e
             for r in rs:
@@ -338,17 +333,10 @@ class TaskGraph:
                 break
             s = _ready(t, deps, res, end, last)
             rs = res[t]
-            if not sigma:
-                e = s + dur[t]
-            elif rs == _COMPUTE:
-                dirty = busy[t] != b
-                busy[t] = b
-                e = _contended(s, dur[t], b, sigma)
+            if sigma:
+                e, b, dirty = _timed(t, s, rs, dur, busy, b, sigma)
             else:
                 e = s + dur[t]
-                if e > b and any(rs):
-                    b = e
-                dirty = True
             start[t] = s
             if e != end[t]:
                 end[t] = e
@@ -570,6 +558,19 @@ class Layout:
 
 
 _COMPUTE = (0,)  # the resources of a compute task
+
+
+def _timed(t: int, s: float, rs: tuple, dur: list, busy: list, b: float, sigma: float
+           ) -> tuple[float, float, bool]:
+    """Task `t`'s end under contention (module doc), starting at `s` with ``B = b`` so far:
+    ``(end, B after it, whether B may differ from the last pass's from here)``. A compute
+    task reads B (and records it in `busy`); a collective may push it on."""
+    if rs == _COMPUTE:
+        moved = busy[t] != b
+        busy[t] = b
+        return _contended(s, dur[t], b, sigma), b, moved
+    e = s + dur[t]
+    return e, (e if e > b and any(rs) else b), True
 
 
 def _contended(s: float, dur: float, busy: float, sigma: float) -> float:
