@@ -609,12 +609,11 @@ class Simulation:
             kind, ref = task_graph.info[t][0], task_graph.info[t][1]
             name, start, end = self._task_name(t), task_graph.start[t], task_graph.end[t]
             if kind in (FORWARD, BACKWARD, UPDATE):
-                # its duration, slowed where it ran beside a collective (contention)
-                if task_graph.contention:
-                    compute += end - start
-                    slowed += end - start - task_graph.dur[t]
-                else:
-                    compute += task_graph.dur[t]
+                # its duration, slowed where it ran beside a collective (contention); without
+                # contention the duration itself (end - start may differ from it by rounding)
+                ran = end - start if task_graph.contention else task_graph.dur[t]
+                compute += ran
+                slowed += ran - task_graph.dur[t]
                 records.append(TaskRecord(name, kind, ("compute",), start, end, 0))
                 continue
             sent += ref.sent

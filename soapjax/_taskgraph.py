@@ -326,7 +326,7 @@ class TaskGraph:
         sigma, busy = self.contention, self.busy
         # B: ends on a FIFO resource never decrease, so the latest end among the collectives
         # before `lo` is the largest of their resources' last ends (as the full pass has it)
-        b = max(last[1:], default=0.0)
+        b = max(last[1:], default=0.0) if sigma else 0.0
         dirty = bool(sigma)  # whether B may differ from the one the last pass had here
         for t in self.order[bisect_left(self.okeys, lo):]:
             if key[t] > hi and not dirty:
