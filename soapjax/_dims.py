@@ -66,6 +66,8 @@ class LabelSet:
         self._root_marks: dict[int, set[str]] | None = None
         self._root_derived: dict[int, int] | None = None
         self.weak: set[int] = set()
+        # label -> a size every split of its class must divide (`LabelSet.grain`)
+        self.grains: dict[int, int] = {}
 
     def fresh(self, size: int, *, weak: bool = False) -> int:
         """A new label; a *weak* one (an iota's) never joins another.
@@ -128,6 +130,11 @@ class LabelSet:
             for new, src in self.derived_from.items():
                 self._root_derived.setdefault(self.find(new), src)
         return self._root_derived.get(self.find(a))
+
+    def grain(self, a: int, size: int) -> None:
+        """Records that a split of `a`'s class must divide `size` (a grouped convolution's
+        channels split into whole groups; 1: never split)."""
+        self.grains[a] = math.gcd(self.grains.get(a, size), size)
 
     def split_into(self, whole: int, parts: Sequence[int]) -> None:
         """Records that a reshape splits dim `whole` into dims `parts` (major first)."""
@@ -410,13 +417,24 @@ def _first_order(ls: LabelSet, name: str, p, ins, in_shapes, out_shapes, prims) 
         lhs = ins[0] or ls.fresh_many(in_shapes[0])
         rhs = ins[1] or ls.fresh_many(in_shapes[1])
         out = list(ls.fresh_many(out_shapes[0]))
-        ls.union(out[dn.out_spec[0]], lhs[dn.lhs_spec[0]])
+        if p["batch_group_count"] == 1:
+            ls.union(out[dn.out_spec[0]], lhs[dn.lhs_spec[0]])
         ls.union(out[dn.out_spec[1]], rhs[dn.rhs_spec[0]])
-        if p["feature_group_count"] == 1 and p["batch_group_count"] == 1:
+        groups, batch_groups = p["feature_group_count"], p["batch_group_count"]
+        if groups == 1 and batch_groups == 1:
             ls.union(lhs[dn.lhs_spec[1]], rhs[dn.rhs_spec[1]])
             reduced.append(lhs[dn.lhs_spec[1]])
-        elif p["feature_group_count"] == in_shapes[0][dn.lhs_spec[1]]:  # depthwise
-            ls.derive(out[dn.out_spec[1]], lhs[dn.lhs_spec[1]])
+        elif batch_groups == 1:
+            # Grouped and depthwise: output channel group g reads input channel group g only,
+            # so the input channels split with the output's, and only into whole groups (a
+            # device's output channels must find their groups' input channels on it).
+            ls.union(out[dn.out_spec[1]], lhs[dn.lhs_spec[1]])
+            ls.grain(out[dn.out_spec[1]], groups)
+        else:
+            # batch_group_count: output feature group g is computed from the lhs batch rows
+            # of group g, so neither the output batch nor its features split (a grain of 1).
+            ls.grain(out[dn.out_spec[0]], 1)
+            ls.grain(out[dn.out_spec[1]], 1)
         for ls_d, os_d in zip(dn.lhs_spec[2:], dn.out_spec[2:]):  # halo ignored
             ls.union(out[os_d], lhs[ls_d])
         return EqnInfo([tuple(out)], reduced, flops, prims)

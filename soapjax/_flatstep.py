@@ -28,7 +28,7 @@ from soapjax import space
 from soapjax._context_parallel import ContextParallel, context_parallel
 from soapjax._flatsim import scatter_target, scattered_operand_axes
 from soapjax._local import draws_random_bits, has_custom_rules, operator_fn
-from soapjax._rowwise import rowwise_calls
+from soapjax._manual import manual_calls
 from soapjax._validation import (
     Checked,
     check_strategy,
@@ -114,9 +114,9 @@ def constrained_loss(graph: OpGraph, strategy: Any, mesh: Mesh, *,
         sharding, back = in_shardings[op.name][o]
         return value if sharding is None else _constrain_operand(value, sharding, back)
 
-    rowwise = rowwise_calls(graph, strategy.configs, mesh)
-    grouped = _operator_programs(graph, strategy, layouts, constrain_operands, cps, rowwise)
-    calls = {cp.unit: cp.run_unit for cp in cps.values()} | rowwise
+    manual = manual_calls(graph, strategy.configs, mesh)
+    grouped = _operator_programs(graph, strategy, layouts, constrain_operands, cps, manual)
+    calls = {cp.unit: cp.run_unit for cp in cps.values()} | manual
     checkpoints = recompute_segments(graph, strategy)
 
     # Operators that make keys from constants run equation by equation when keys advance.
@@ -159,7 +159,7 @@ def recompute_segments(graph: OpGraph, strategy: Strategy) -> list[list[str]]:
 
 def _operator_programs(graph: OpGraph, strategy: Strategy, layouts: _Layouts,
                        constrain_operands: bool, cps: dict[int, ContextParallel],
-                       rowwise: dict[int, Callable]) -> dict[str, Callable]:
+                       manual: dict[int, Callable]) -> dict[str, Callable]:
     """Operator name -> the program that computes it at once, for every operator whose
     equations run together (`OpGraph.replaceable`): a loop split over its batch per group of
     samples (`_grouped_loop`), any other its own program (`soapjax._local.operator_fn`, its
@@ -167,20 +167,20 @@ def _operator_programs(graph: OpGraph, strategy: Strategy, layouts: _Layouts,
     `_Layouts.anchor_hook`); with `constrain_operands`, its operands constrained to the specs
     its config gives them (`_Layouts.operands`); a context-parallel attention operator (`cps`:
     operator index -> `soapjax._context_parallel.ContextParallel`) its attention equation in
-    `jax.shard_map`; a top k over split rows (`rowwise`: program unit -> its computation,
-    `soapjax._rowwise`) in `jax.shard_map` too."""
+    `jax.shard_map`; a top k over split rows and a grouped convolution (`manual`: program
+    unit -> its computation, `soapjax._manual`) in `jax.shard_map` too."""
     programs, mesh = {}, layouts.mesh
     for j, (op, cfg) in enumerate(zip(graph.operators, strategy.configs)):
         if not graph.replaceable(op.name):
             continue
         if (cp := cps.get(j)) is not None:  # context parallelism: gathered or a ring
-            fn = operator_fn(graph, op.name, attention=cp.attention, calls=rowwise)[0]
+            fn = operator_fn(graph, op.name, attention=cp.attention, calls=manual)[0]
             programs[op.name] = (_with_operand_constraints(fn, [(s, None) for s in cp.operands])
                                  if constrain_operands else fn)
             continue
         fn = (_grouped_loop(graph, op, cfg, mesh)
               or operator_fn(graph, op.name, on_value=layouts.anchor_hook(j),
-                             calls=rowwise)[0])
+                             calls=manual)[0])
         if constrain_operands:
             fn = _with_operand_constraints(
                 fn, [(s or NamedSharding(mesh, cfg.operand_spec(o.dims)), back)

@@ -271,7 +271,7 @@ class _Builder:
         # last block's ReLU, joined the stem's pooling operator).
         after: dict[int, int] = {}
         open_group: dict[str, int] = {}  # module path -> its latest operator
-        live = self.live = self._live()
+        live = self._live()
         for i, u in enumerate(units):
             if i not in live or i in self.p.slice_units:  # dead code (XLA drops it), or a
                 continue  # layer's parameter slice, read as that layer's parameter
@@ -421,10 +421,12 @@ class _Builder:
         return max(exports, key=key)
 
     def _exports(self, members: set[int]) -> list[int]:
+        """The values of `members` read outside them: by the function's result, and by any
+        other equation, dead or alive. A dead equation (a cache the loss never reads) is in no
+        operator but still evaluated, so what it reads must be written back."""
         units = self.p.units
         return [v for i in sorted(members) for v in units[i].outs if v is not None and (
-            v in self.is_output or any(c not in members and c in self.live
-                                       for c in self.consumers.get(v, ())))]
+            v in self.is_output or any(c not in members for c in self.consumers.get(v, ())))]
 
     def _sink_side_branches(self, groups: list[list[int]], group_of: list[int],
                             anchors: list[int]) -> None:
@@ -645,6 +647,10 @@ class _Builder:
                 d = ls.lookup(lbl, iter_of)
                 if d is not None and size > 1:
                     grain[d] = math.gcd(grain[d], size)
+        for lbl, size in ls.grains.items():  # a grouped convolution's whole groups
+            d = ls.lookup(lbl, iter_of)
+            if d is not None:
+                grain[d] = math.gcd(grain[d], size)
         return () if grain == sizes else tuple(grain)
 
     def _reduction_role(self, ls, k, iter_of, inputs, lab) -> Role:

@@ -66,7 +66,7 @@ def operator_fn(graph: OpGraph, name: str, degrees: Sequence[int] | None = None,
         (`soapjax.attention.bind_attention`: its rule is soapjax's, so it is re-traceable).
       calls: program unit -> a function of that equation's operands that returns its results
         (a list), computing one of the operator's own equations instead (apply's top k over
-        split rows: `soapjax._rowwise`).
+        split rows: `soapjax._manual`).
 
     Returns:
       ``(fn, in_avals)``: ``fn(*operands)`` returns the operator's outputs (a list, in
@@ -310,6 +310,12 @@ def _rewrite(eqn, name: str, params: dict, args: list, out_shapes: list) -> None
         starts = tuple(s * h // f for s, h, f in zip(params["start_indices"], have, full))
         params["start_indices"] = starts
         params["limit_indices"] = tuple(s + o for s, o in zip(starts, out))
+    elif name == "conv_general_dilated" and params["feature_group_count"] > 1:
+        # A grouped (depthwise) convolution split over channels holds whole groups
+        # (`soapjax._dims`): as many fewer groups as it has fewer input channels.
+        channel = params["dimension_numbers"].lhs_spec[1]
+        have, full = _shape_of(args[0])[channel], eqn.invars[0].aval.shape[channel]
+        params["feature_group_count"] = params["feature_group_count"] * have // full
     elif name == "split":
         total = sum(params["sizes"])
         have = _shape_of(args[0])[params["axis"]]

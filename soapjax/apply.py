@@ -94,6 +94,7 @@ __all__ = [
     "param_shardings",
     "recompute_segments",
     "sharded_train_step",
+    "sharded_value_and_grad",
     "strategy_from_names",
     "train_shardings",
     "validate_strategy",
@@ -154,7 +155,8 @@ def sharded_train_step(graph: OpGraph, strategy: Any, mesh: Mesh,
     Returns:
       ``(step, shardings)``. The step is a `PartitionedStep`: called, lowered and compiled
       under its partitioner; ``step.lower(...)`` works as for `jax.jit`. Put the step's inputs
-      on their shardings first (`device_put_global`).
+      on their shardings first (`device_put_global`). ``step.value_and_grad`` is the step's
+      loss and gradients alone (`sharded_value_and_grad`), compiled only when called.
 
     Raises:
       PlanError: see `validate_strategy`; raised before anything is compiled. A pipelined
@@ -165,21 +167,65 @@ def sharded_train_step(graph: OpGraph, strategy: Any, mesh: Mesh,
     check = checked(graph, strategy, mesh, mesh_shape)
     chosen = _choose_partitioner(check, partitioner)
     shardings = train_shardings(graph, check, mesh, optimizer, params=params, batch=batch)
-    value_and_grad = step_program(check).value_and_grad(
-        shardings.params, shardings.batch, allow_spatial_convolutions=allow_spatial_convolutions)
+    value_and_grad = _value_and_grad(check, shardings, allow_spatial_convolutions)
 
     def step(params, opt_state, batch, count):
         loss, grads = value_and_grad(params, batch, count)
-        grads = jax.lax.with_sharding_constraint(grads, shardings.grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
+    options = dict(compiler_options) if compiler_options else None
     jitted = jax.jit(step, in_shardings=(shardings.params, shardings.opt_state, shardings.batch,
                                          shardings.loss),
                      out_shardings=(shardings.params, shardings.opt_state, shardings.loss),
-                     donate_argnums=(0, 1) if donate else (),
-                     compiler_options=dict(compiler_options) if compiler_options else None)
-    return PartitionedStep(jitted, chosen), shardings
+                     donate_argnums=(0, 1) if donate else (), compiler_options=options)
+    partitioned = PartitionedStep(jitted, chosen)
+    partitioned.value_and_grad = _jitted_value_and_grad(value_and_grad, shardings, chosen,
+                                                        options)
+    return partitioned, shardings
+
+
+def sharded_value_and_grad(graph: OpGraph, strategy: Any, mesh: Mesh, *, params: Any = None,
+                           batch: Any = None, mesh_shape: MeshShape | None = None,
+                           compiler_options: Mapping[str, Any] | None = None,
+                           allow_spatial_convolutions: bool = False,
+                           partitioner: Partitioner = "auto"
+                           ) -> tuple[PartitionedStep, TrainShardings]:
+    """A jitted ``value_and_grad(params, batch[, step]) -> (loss, grads)``: the loss and the
+    gradients `sharded_train_step` computes and hands its optimizer, on their shardings (the
+    gradients as the step constrains them), so they can be held against ``jax.grad`` of the
+    unsharded loss (`soapjax.exactness`). Arguments as for `sharded_train_step`; the returned
+    shardings' ``opt_state`` is for no optimizer (an empty state).
+    """
+    check = checked(graph, strategy, mesh, mesh_shape)
+    chosen = _choose_partitioner(check, partitioner)
+    shardings = train_shardings(graph, check, mesh, optax.identity(), params=params, batch=batch)
+    value_and_grad = _value_and_grad(check, shardings, allow_spatial_convolutions)
+    return _jitted_value_and_grad(value_and_grad, shardings, chosen,
+                                  dict(compiler_options) if compiler_options else None), shardings
+
+
+def _jitted_value_and_grad(value_and_grad: Callable, shardings: TrainShardings,
+                           partitioner: Literal["shardy", "gspmd"],
+                           options: dict[str, Any] | None) -> PartitionedStep:
+    jitted = jax.jit(value_and_grad,
+                     in_shardings=(shardings.params, shardings.batch, shardings.loss),
+                     out_shardings=(shardings.loss, shardings.grads), compiler_options=options)
+    return PartitionedStep(jitted, partitioner, arity=3)
+
+
+def _value_and_grad(check: Checked, shardings: TrainShardings, allow_spatial: bool
+                    ) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
+    """The step program's ``(params, batch, step) -> (loss, grads)``, the gradients
+    constrained where the step's optimizer reads them (`TrainShardings.grads`)."""
+    value_and_grad = step_program(check).value_and_grad(
+        shardings.params, shardings.batch, allow_spatial_convolutions=allow_spatial)
+
+    def constrained(params, batch, count):
+        loss, grads = value_and_grad(params, batch, count)
+        return loss, jax.lax.with_sharding_constraint(grads, shardings.grads)
+
+    return constrained
 
 
 Partitioner = Literal["auto", "shardy", "gspmd"]
@@ -191,28 +237,35 @@ class PartitionedStep:
     Attributes:
       partitioner: ``"shardy"`` or ``"gspmd"``.
       jitted: the `jax.jit` function.
+      value_and_grad: a training step's loss and gradients alone, ``(params, batch[, step])
+        -> (loss, grads)`` (`sharded_train_step`); None otherwise.
     """
 
-    def __init__(self, jitted: Callable, partitioner: Literal["shardy", "gspmd"]):
+    def __init__(self, jitted: Callable, partitioner: Literal["shardy", "gspmd"],
+                 arity: int = 4):
         self.jitted = jitted
         self.partitioner = partitioner
+        self._arity = arity
+        self.value_and_grad: PartitionedStep | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with _use_shardy(self.partitioner == "shardy"):
-            return self.jitted(*_with_step(args), **kwargs)
+            return self.jitted(*_with_step(args, self._arity), **kwargs)
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """`jax.jit(...).lower`; the result's ``compile()`` uses the same partitioner."""
         with _use_shardy(self.partitioner == "shardy"):
-            return _Lowered(self.jitted.lower(*_with_step(args), **kwargs), self.partitioner)
+            return _Lowered(self.jitted.lower(*_with_step(args, self._arity), **kwargs),
+                            self.partitioner)
 
     def __repr__(self) -> str:
         return f"PartitionedStep({self.jitted!r}, partitioner={self.partitioner!r})"
 
 
-def _with_step(args: tuple) -> tuple:
-    """``(params, opt_state, batch)`` -> with step number 0 (the traced keys, unchanged)."""
-    return (*args, np.int32(0)) if len(args) == 3 else args
+def _with_step(args: tuple, arity: int) -> tuple:
+    """``(params, opt_state, batch)`` (or ``(params, batch)``) -> with step number 0 (the
+    traced keys, unchanged)."""
+    return (*args, np.int32(0)) if len(args) == arity - 1 else args
 
 
 class _Lowered:

@@ -773,14 +773,17 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
         help="apply a plan on the attached devices; compare with the unsharded step and the "
         "simulator",
         description="Apply a plan on the attached devices (its topology must match them, e.g. "
-        "cpu8 with XLA_FLAGS=--xla_force_host_platform_device_count=8), check that one sharded "
-        "training step computes the same loss, parameters and optimizer state as the unsharded "
-        "step, and compare the collectives XLA compiled (kind, count, bytes) and the measured "
-        "step time with what the simulator predicted. The model is rebuilt from the plan: a "
-        "zoo model by name, user code from the --model text the plan records. Ends with a "
-        "verdict: PASS (exit 0) when the sharded step computes the unsharded one within "
-        "--tolerance and the predicted collective bytes are XLA's within --bytes-tolerance, "
-        "else FAIL (exit 1).",
+        "cpu8 with XLA_FLAGS=--xla_force_host_platform_device_count=8), check that the sharded "
+        "step computes the same loss and gradients as the unsharded one (each gradient leaf "
+        "against its own scale, so a gradient scaled by a constant fails even where one Adam "
+        "step would hide it; the worst leaf and the operator that reads it are named), and the "
+        "same parameters and optimizer state after one step, and compare the collectives XLA "
+        "compiled (kind, count, bytes) and the measured step time with what the simulator "
+        "predicted. The model is rebuilt from the plan: a zoo model by name, user code from "
+        "the --model text the plan records. Ends with a verdict: PASS (exit 0) when every "
+        "gradient leaf is within --gradient-tolerance, the step within --tolerance and the "
+        "predicted collective bytes XLA's within --bytes-tolerance, else FAIL (exit 1), each "
+        "bar's line saying by how much.",
     )
     p.add_argument("--plan", required=True, help="a plan file from `soapjax plan`")
     p.add_argument("--repeats", type=_COUNT, default=5, help="timed runs (default: %(default)s)")
@@ -791,6 +794,10 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tolerance", type=_number(float, 0.0, "a number >= 0"),
                    default=NUMBERS_TOLERANCE, help="the largest difference from the unsharded "
                    "step (loss, parameters, optimizer state) that passes (default: %(default)s)")
+    p.add_argument("--gradient-tolerance", type=_number(float, 0.0, "a number >= 0"),
+                   default=None, help="the largest error of a gradient leaf, relative to that "
+                   "leaf's own scale, that passes (default: by the narrowest float type the "
+                   "model computes in: 1e-9 float64, 1e-3 float32, 4e-2 bfloat16)")
     p.add_argument("--bytes-tolerance", type=_number(float, 0.0, "a number >= 0"),
                    default=BYTES_TOLERANCE, help="how far predicted collective bytes may be "
                    "from XLA's, relative, and pass (default: %(default)s)")
@@ -806,7 +813,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     result = compare_on_devices(plan, zoo.for_plan(plan), repeats=args.repeats,
                                 costs=args.costs, reshard=args.reshard)
-    bars = {"tolerance": args.tolerance, "bytes_tolerance": args.bytes_tolerance}
+    bars = {"tolerance": args.tolerance, "bytes_tolerance": args.bytes_tolerance,
+            "gradient_tolerance": args.gradient_tolerance}
     passed, lines = result.verdict(**bars)
     if args.json:
         _print_json(result.to_json() | {"verdict": "PASS" if passed else "FAIL",

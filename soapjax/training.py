@@ -81,7 +81,14 @@ from soapjax.apply import (
 )
 from soapjax.baselines import NAMES as BASELINE_NAMES, baselines
 from soapjax.cost import local_backend_matches, local_topology
-from soapjax.errors import PlanError, SoapjaxError
+from soapjax.errors import ArgumentError, PlanError, SoapjaxError
+from soapjax.exactness import (
+    NUMBERS_TOLERANCE,
+    GradientComparison,
+    VerificationError,
+    first_step,
+    step_difference,
+)
 from soapjax.graph import OpGraph, trace
 from soapjax.plan import Plan
 from soapjax.reshard import DEFAULT_MODE
@@ -90,8 +97,8 @@ from soapjax.simulate import opt_state_factor
 from soapjax.space import MeshShape, Strategy
 from soapjax.topology import Topology, load_topology, make_mesh, scaled_topology
 
-__all__ = ["PLANNERS", "CountingStep", "PlanOptions", "ShardedTraining", "initialize_distributed",
-           "shard_training"]
+__all__ = ["PLANNERS", "CountingStep", "PlanOptions", "ShardedTraining", "VerificationError",
+           "initialize_distributed", "shard_training", "verify_first_step"]
 
 # Environment variables `scripts/launch_local.py` sets for each process.
 ENV_COORDINATOR = "SOAPJAX_COORDINATOR"
@@ -251,7 +258,8 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
                    strategy: Strategy | Plan | Planner | str = "plan",
                    search: SearchSettings | None = None, costs: str = "auto",
                    opt_state: Any = None, name: str | None = None, donate: bool = True,
-                   compiler_options: Mapping[str, Any] | None = None) -> ShardedTraining:
+                   compiler_options: Mapping[str, Any] | None = None,
+                   verify: bool = False) -> ShardedTraining:
     """Traces the loss, applies a strategy, and places the training state on the mesh.
 
     Args:
@@ -276,6 +284,13 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
       name: the graph's name (default: the loss's, or the nnx model's class name).
       donate: donate params and optimizer state to the step.
       compiler_options: XLA options for the step's `jax.jit`.
+      verify: run the first step both sharded and unsharded before returning, on ``batch``
+        (`verify_first_step`): the loss and every gradient leaf against ``jax.grad`` of your
+        loss on one device, each leaf relative to its own scale, then the updated parameters
+        and optimizer state; a difference beyond the float type's rounding raises
+        `VerificationError` naming the leaf and the operator that reads it. Its cost: two
+        more compiles (the sharded gradients, the unsharded step) and three step-sized runs;
+        docs/apply.md has the figures.
 
     Returns:
       The `ShardedTraining`.
@@ -284,6 +299,7 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
       PlanError: the strategy does not fit the traced graph or the mesh, or is an unknown name;
         no topology for a raw mesh.
       TopologyError: the topology needs devices that are not attached.
+      VerificationError: with ``verify=True``, the sharded step computes other numbers.
     """
     check_optimizer(optimizer, "shard_training")
     check_settings(search, SearchSettings, "shard_training", name="search")
@@ -305,8 +321,69 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
             opt = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(placed)
         else:
             opt = device_put_global(opt_state, shardings.opt_state)
-    return ShardedTraining(CountingStep(step, graph), placed, opt, shardings, graph, strategy,
-                           mesh, plan)
+    run = ShardedTraining(CountingStep(step, graph), placed, opt, shardings, graph, strategy,
+                          mesh, plan)
+    if verify:
+        if _is_abstract(params) or _is_abstract(batch):
+            raise ArgumentError("shard_training(verify=True) runs the first step, so it needs "
+                                "values; got jax.ShapeDtypeStructs for the parameters or the "
+                                "batch")
+        verify_first_step(run, loss_fn, params, batch, optimizer, opt_state=opt_state,
+                          compiler_options=compiler_options)
+    return run
+
+
+def verify_first_step(run: ShardedTraining, loss_fn: Callable[[Any, Any], Any], params: Any,
+                      batch: Any, optimizer: optax.GradientTransformation, *,
+                      opt_state: Any = None, compiler_options: Mapping[str, Any] | None = None,
+                      tolerance: float | None = None) -> GradientComparison:
+    """The first step of `run`, sharded and unsharded, on `batch`; raises unless they agree.
+
+    First the loss and every gradient leaf (`soapjax.exactness.first_step`: the sharded
+    gradients against ``jax.grad`` of `loss_fn` on one device, each leaf relative to its own
+    scale, within `tolerance`, default the rounding of the float type the model computes in);
+    then the step itself (``run.step`` on copies of its state, so `run` is untouched, against
+    the unsharded step): the updated parameters and optimizer state within
+    `soapjax.exactness.NUMBERS_TOLERANCE`, absolute, as `soapjax check` holds them.
+
+    Raises:
+      VerificationError: naming the worst gradient leaf and the operator that reads it, or
+        the step's largest difference.
+    """
+    comparison = first_step(run.graph, run.strategy, run.mesh, loss_fn, params, batch,
+                            tolerance=tolerance,
+                            compiler_options=dict(compiler_options) if compiler_options
+                            else None,
+                            sharded=(run.step.partitioned.value_and_grad, run.shardings))
+    if not comparison.passed:
+        raise VerificationError(
+            f"shard_training(verify=True): the sharded step computes other gradients than "
+            f"your loss's on one device: {comparison.describe()}. The strategy is wrong for "
+            "this model; please report it (with the plan) and train with another strategy "
+            "(e.g. strategy='data-parallel') meanwhile")
+    state = optimizer.init(params) if opt_state is None else opt_state
+    options = dict(compiler_options) if compiler_options else None
+
+    def unsharded(p, o, b):
+        loss, grads = jax.value_and_grad(loss_fn)(p, b)
+        updates, o = optimizer.update(grads, o, p)
+        return optax.apply_updates(p, updates), o, loss
+
+    device = jax.local_devices()[0]
+    want = jax.jit(unsharded, compiler_options=options)(
+        *jax.device_put((params, state, batch), device))
+    sh = run.shardings
+    got = run.step.partitioned(device_put_global(params, sh.params),
+                               device_put_global(state, sh.opt_state),
+                               device_put_global(batch, sh.batch), np.int32(0))
+    diff = step_difference(got, want)
+    if not diff <= NUMBERS_TOLERANCE:
+        raise VerificationError(
+            f"shard_training(verify=True): the loss and gradients agree ({comparison.describe()}"
+            f"), but after one step of the optimizer the parameters or optimizer state differ "
+            f"from the unsharded step's by {diff:.3g} (bar {NUMBERS_TOLERANCE:g}, absolute): "
+            "the optimizer state's sharding computes another update; please report it")
+    return comparison
 
 
 def check_batch(graph: OpGraph, batch: Any, where: str) -> None:

@@ -33,9 +33,10 @@ STAGES: tuple[tuple[str, ...], ...] = (
      "reshard"),  # prices
     ("_taskgraph", "_simresult", "_flatsim", "pipesim", "simulate"),  # strategy -> timeline
     ("_chain", "search"),  # MCMC -> best plan
-    ("_pipeline_layout", "_validation", "_context_parallel", "_rowwise", "_flatstep",
+    ("_pipeline_layout", "_validation", "_context_parallel", "_manual", "_flatstep",
      "_pipelined", "_shardings", "apply"),  # plan -> sharded, jitted step
-    ("training", "check"),  # the training helper; a plan against the devices
+    ("exactness", "training", "check"),  # gradients against the unsharded step; the training
+    # helper; a plan against the devices
     ("report", "plot"),  # text, HTML and pictures
     ("cli", "__init__"),  # the command line; the public surface
 )
@@ -124,7 +125,7 @@ def test_every_module_has_a_test_file():
              "_taskgraph": "simulate", "_simresult": "simulate", "_strategy_file": "simulate",
                  "_flatsim": "simulate", "_chain": "search",
              "_validation": "apply", "_shardings": "apply", "_flatstep": "apply",
-             "_context_parallel": "flash_attention", "_rowwise": "expert_context_parallel",
+             "_context_parallel": "flash_attention", "_manual": "expert_context_parallel",
              "_hlo_text": "hlo", "_hlo_flops": "hlo",
              "errors": "cli", "__init__": "notebook"}
     missing = [m for m in _modules() if owner.get(m, m) not in covered]

@@ -111,14 +111,19 @@ def test_check_prints_a_verdict_and_exits_1_on_a_missed_bar(megatron_plan, capsy
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert out.rstrip().endswith("verdict: PASS")
-    assert "PASS numbers: largest difference from the unsharded step" in out
-    assert "PASS collectives: predicted / XLA bytes 1.000 (bar 1 \u00b1 0.1)" in out
-    # a bar no float32 step meets: FAIL, exit status 1 (2 is for bad input)
-    assert cli.main(argv + ["--tolerance", "0", "--bytes-tolerance", "0", "--json"]) == 1
+    assert "PASS gradients: loss" in out and "(bar 0.001, relative per leaf)" in out
+    assert "PASS step: largest difference from the unsharded step" in out
+    assert "PASS collectives: predicted / XLA bytes 1.000 (bar 1 \u00b1 0.1; off by 0.0%)" in out
+    # bars no float32 step meets: FAIL, exit status 1 (2 is for bad input), each line saying
+    # which bar and by how much
+    assert cli.main(argv + ["--tolerance", "0", "--bytes-tolerance", "0",
+                            "--gradient-tolerance", "0", "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["verdict"] == "FAIL"
-    assert data["bars"][1].startswith("PASS collectives")  # exactly XLA's bytes here
-    assert data["bars"][0].startswith("FAIL numbers" if data["max_abs_diff"] > 0 else "PASS")
+    assert data["bars"][0].startswith("FAIL gradients") and "(bar 0," in data["bars"][0]
+    assert data["bars"][1].startswith("FAIL step" if data["max_abs_diff"] > 0 else "PASS step")
+    assert data["bars"][2].startswith("PASS collectives")  # exactly XLA's bytes here
+    assert data["gradients"]["worst"]["operator"] in {"fc1", "fc2", "head"}
 
 
 def test_check_passes_a_ring_attention_plan(tmp_path, capsys):

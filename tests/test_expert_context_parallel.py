@@ -248,7 +248,7 @@ def test_context_parallel_collectives_are_priced_as_compiled():
 @pytest.mark.parametrize("kind", ["ep_model", "ep_data"])
 def test_expert_parallel_other_collectives(kind):
     """The rest of the MoE's collectives: nothing gathered (the router's top k runs on the
-    rows each device holds: `soapjax._rowwise`); every gradient's and partial cotangent's
+    rows each device holds: `soapjax._manual`); every gradient's and partial cotangent's
     all-reduce the same, count and bytes; the load-balancing loss's means (module doc) the
     only difference, a few bytes each."""
     xla, predicted = compiled(kind), simulated(kind)[0]

@@ -43,20 +43,27 @@ import jax.numpy as jnp
 
 from corpus import (
     bert_encoder,
+    convnext,
     dropout_nnx,
+    gemma3,
     gqa_decoder,
+    kv_cache_decoder,
     linen_scan_transformer,
     llama_gqa,
     lstm_dropout,
+    mamba,
     mixed_precision,
+    mobilenet,
     named_axis_bn,
     nnx_scan_transformer,
     numbered_layers,
+    qwen3,
     resnet,
     safe_norm,
     ste,
     t5_encdec,
     vit,
+    whisper,
 )
 
 __all__ = ["CORPUS", "Entry", "get", "names"]
@@ -134,6 +141,32 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
           "HF-Flax-style ViT: nn.Conv patch embedding (kernel = stride), class token by "
           "broadcast_to + concatenate, learned positions, pre-LN layers '0', '1'",
           has_conv=True),
+    Entry("convnext", "nnx", convnext.make,
+          "nnx ConvNeXt: patchify stem, 7x7 depthwise convolutions (feature_group_count = "
+          "channels), LayerNorm, inverted-bottleneck MLP, layer scale, a strided downsampling "
+          "convolution, layers in an nnx.List", has_conv=True),
+    Entry("mobilenet", "linen", mobilenet.make,
+          "MobileNetV2-style inverted residuals: 1x1 expansions, 3x3 depthwise convolutions "
+          "(one strided, one with a channel multiplier of 2), BatchNorm, ReLU6, a 4-group "
+          "convolution", has_conv=True),
+    Entry("mamba", "linen", mamba.make,
+          "Mamba-style selective-scan LM: in_proj split, causal depthwise conv1d by jnp.pad "
+          "with a dead conv state sliced from the padded input, softplus step sizes, a "
+          "lax.scan over time, gated by silu(z)", has_conv=True),
+    Entry("gemma3", "linen", gemma3.make,
+          "Gemma-3-style decoder: sliding-window and global layers, GQA with q/k RMSNorms, "
+          "RoPE bases per layer kind, pre and post norms, GeGLU, tied soft-capped logits"),
+    Entry("qwen3", "nnx", qwen3.make,
+          "Qwen-3-style nnx decoder: per-head q/k RMSNorms before RoPE, GQA by jnp.repeat, "
+          "jnp.tril causal mask, SwiGLU, layers in an nnx.List ('0', '1'), untied head"),
+    Entry("whisper", "linen", whisper.make,
+          "Whisper-style encoder-decoder: a 1-D convolutional front end (stride 2), "
+          "sinusoidal positions, bidirectional encoder, causal decoder with cross-attention, "
+          "tied logits", has_conv=True),
+    Entry("kv_cache_decoder", "nnx", kv_cache_decoder.make,
+          "nnx decoder writing its keys and values into nnx.Cache variables by "
+          "dynamic_update_slice (dead in training), causal mask by jnp.full/where, tied "
+          "embeddings"),
 )}
 
 

@@ -1,0 +1,274 @@
+"""The sharded step's loss and gradients held against the unsharded ones, leaf by leaf.
+
+A wrong sharding shows in the gradients before it shows anywhere else. The loss can match to
+the last bit while one parameter's gradient is off by a constant (a reduction done twice: a
+depthwise convolution's kernel gradient 4x on a 4-way channel split), and one step of Adam
+hides that, since its first update is ``lr * g / |g|`` whatever the scale of ``g``. So the
+gradients are compared themselves, each parameter leaf against its own scale:
+
+    error(leaf) = max |g_sharded - g_ref|  /  max(max |g_ref|, floor)
+
+``floor`` keeps a leaf whose true gradient is zero (a bias a normalisation removes) from
+dividing rounding noise by nothing: it is the largest gradient of all leaves times
+``min(1, 30 * eps / tolerance)``, where the noise of a sum of a few hundred terms of the
+largest gradient's size lies. A gradient scaled by a constant c has error ``|c - 1|``; a
+reduction missing over a 2-way split about 0.5; rounding of a different reduction order
+about ``eps`` times a small factor. The bar (`rounding_tolerance`) is set by the narrowest
+float type the traced step computes in: 1e-9 in float64, 1e-3 in float32, 4e-2 in bfloat16
+(10 of its ulps), 1e-2 in float16.
+
+`compare_gradients` compares two ``(loss, grads)`` and names the worst leaf with the operator
+that reads it; `first_step` runs the sharded step's loss and gradients
+(`soapjax.apply.sharded_value_and_grad`) and the unsharded ones of the user's own loss on one
+device, and compares them. `soapjax check` and ``shard_training(..., verify=True)`` call it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+
+from soapjax import apply
+from soapjax.errors import SoapjaxError
+from soapjax.graph import OpGraph
+from soapjax.space import MeshShape
+
+__all__ = ["NUMBERS_TOLERANCE", "TOLERANCE", "GradientComparison", "LeafError",
+           "VerificationError", "compare_gradients", "first_step", "reading_operators",
+           "rounding_tolerance", "step_difference"]
+
+# The bar per float type: what a different reduction order moves a gradient by, with margin;
+# a wrong sharding moves it by the size of the gradient itself (module doc).
+TOLERANCE = {"float64": 1e-9, "float32": 1e-3, "float16": 1e-2, "bfloat16": 4e-2}
+# The step's bar, absolute, over the updated parameters and optimizer state: float32 sharded
+# against unsharded steps of the tiny zoo differ by 1e-7 to 2.2e-4 (inception_v3's deep
+# convolutions; the table of docs/checks.md); a wrong sharding differs by the size of the
+# values themselves. One step of Adam moves a parameter by about its learning rate whatever the
+# gradient's scale, which is why the gradients are compared first.
+NUMBERS_TOLERANCE = 1e-3
+_NOISE_TERMS = 30.0  # rounding of a sum of ~1000 terms grows like sqrt(n) x eps
+
+
+class VerificationError(SoapjaxError, ValueError):
+    """The sharded step computes other gradients than the unsharded one (`first_step`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafError:
+    """How far one gradient leaf is from the reference.
+
+    Attributes:
+      path: the leaf's pytree path (`jax.tree_util.keystr`).
+      operator: the first operator that reads the parameter ('' if none does).
+      error: ``max |got - want|`` over the leaf, divided by `scale`.
+      scale: the leaf's own ``max |want|``, or the floor where that is smaller (module doc).
+    """
+
+    path: str
+    operator: str
+    error: float
+    scale: float
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientComparison:
+    """`compare_gradients`'s result.
+
+    Attributes:
+      loss, reference_loss: the two losses.
+      loss_error: ``|loss - reference| / max(|reference|, tiny)``.
+      leaves: one `LeafError` per parameter leaf, in ``jax.tree.leaves`` order.
+      tolerance: the bar each error is held to.
+    """
+
+    loss: float
+    reference_loss: float
+    loss_error: float
+    leaves: tuple[LeafError, ...]
+    tolerance: float
+
+    @property
+    def worst(self) -> LeafError | None:
+        """The leaf with the largest error (None without leaves)."""
+        return max(self.leaves, key=lambda e: e.error, default=None)
+
+    @property
+    def max_error(self) -> float:
+        """The largest of the loss's and every leaf's error."""
+        worst = self.worst
+        return max(self.loss_error, worst.error if worst else 0.0)
+
+    @property
+    def passed(self) -> bool:
+        """Loss and every leaf within `tolerance` (a NaN fails, a NaN reference too)."""
+        return bool(self.max_error <= self.tolerance) and not math.isnan(self.reference_loss)
+
+    def describe(self) -> str:
+        """One line: PASS or FAIL, the loss's error and the worst leaf with its operator."""
+        if math.isnan(self.reference_loss):
+            return ("FAIL gradients: the unsharded loss itself is NaN, so there is nothing to "
+                    "compare against; check the model and its inputs (parameters, batch) first")
+        worst = self.worst
+        leaf = (f"; worst gradient leaf {worst.path} (read by operator {worst.operator!r}) "
+                f"{worst.error:.3g} of its scale {worst.scale:.3g}" if worst else "")
+        return (f"{'PASS' if self.passed else 'FAIL'} gradients: loss {self.loss:.8g} against "
+                f"{self.reference_loss:.8g} (relative {self.loss_error:.3g}){leaf} (bar "
+                f"{self.tolerance:g}, relative per leaf)")
+
+    def to_json(self) -> dict[str, Any]:
+        worst = self.worst
+        return {"loss": self.loss, "reference_loss": self.reference_loss,
+                "loss_error": self.loss_error, "tolerance": self.tolerance,
+                "passed": self.passed, "max_error": self.max_error,
+                "worst": dataclasses.asdict(worst) if worst else None,
+                "leaves": [dataclasses.asdict(e) for e in self.leaves]}
+
+
+def rounding_tolerance(graph: OpGraph) -> float:
+    """The bar for `graph`'s gradients: `TOLERANCE` of the narrowest float type any value of
+    its program has (a bfloat16 matmul over float32 parameters: bfloat16's)."""
+    found = [TOLERANCE[d] for d in set(graph.program.dtypes) if d in TOLERANCE]
+    return max(found, default=TOLERANCE["float32"])
+
+
+def compare_gradients(loss: Any, grads: Any, reference_loss: Any, reference_grads: Any, *,
+                      tolerance: float, operators: Sequence[str] | None = None
+                      ) -> GradientComparison:
+    """Each gradient leaf's error relative to its own scale (module doc), and the loss's.
+
+    Args:
+      loss, grads: the sharded step's loss and gradients (host or device arrays; a global
+        array spanning processes is gathered).
+      reference_loss, reference_grads: the unsharded ones, of the same pytree structure.
+      tolerance: the bar (`rounding_tolerance`).
+      operators: per leaf (``jax.tree.leaves`` order), the operator that reads it.
+
+    Raises:
+      ValueError: the two gradient pytrees differ in structure or in a leaf's shape.
+    """
+    got_leaves, got_tree = jax.tree_util.tree_flatten_with_path(grads)
+    want_leaves, want_tree = jax.tree_util.tree_flatten_with_path(reference_grads)
+    if got_tree != want_tree:
+        raise ValueError(f"the sharded gradients' pytree {got_tree} is not the reference's "
+                         f"{want_tree}")
+    got = [_host(x) for _, x in got_leaves]
+    want = [_host(x) for _, x in want_leaves]
+    for (path, _), g, w in zip(want_leaves, got, want):
+        if g.shape != w.shape:
+            raise ValueError(f"gradient {jax.tree_util.keystr(path)} has shape {g.shape}, the "
+                             f"reference's {w.shape}")
+    scales = [float(np.nanmax(np.abs(w), initial=0.0)) for w in want]
+    eps = max((float(np.finfo(w.dtype).eps) for w in want if np.issubdtype(w.dtype, np.inexact)),
+              default=float(np.finfo(np.float32).eps))
+    floor = max(scales, default=0.0) * min(1.0, _NOISE_TERMS * eps / tolerance)
+    leaves = []
+    for k, ((path, _), g, w, scale) in enumerate(zip(want_leaves, got, want, scales)):
+        diff = _max_diff(g, w)
+        denom = max(scale, floor) or 1.0
+        leaves.append(LeafError(jax.tree_util.keystr(path),
+                                operators[k] if operators is not None else "", diff / denom,
+                                denom))
+    loss_v, ref_v = float(_host(loss)), float(_host(reference_loss))
+    loss_error = abs(loss_v - ref_v) / max(abs(ref_v), np.finfo(np.float64).tiny)
+    if math.isnan(loss_v) != math.isnan(ref_v):
+        loss_error = math.inf
+    return GradientComparison(loss_v, ref_v, loss_error, tuple(leaves), tolerance)
+
+
+def first_step(graph: OpGraph, strategy: Any, mesh: Mesh, loss_fn: Callable[[Any, Any], Any],
+               params: Any, batch: Any, *, mesh_shape: MeshShape | None = None,
+               tolerance: float | None = None,
+               compiler_options: dict[str, Any] | None = None,
+               sharded: tuple[apply.PartitionedStep, apply.TrainShardings] | None = None
+               ) -> GradientComparison:
+    """The strategy's sharded loss and gradients against the unsharded ones, on one batch.
+
+    The sharded side is `soapjax.apply.sharded_value_and_grad` of the traced graph on `mesh`;
+    the reference is ``jax.value_and_grad(loss_fn)`` of the user's own function on one device
+    (the first local one), jitted: both the cost of one more compile each, and the memory of
+    the whole unsharded step on that device.
+
+    Args:
+      graph: the traced graph of ``loss_fn(params, batch)``.
+      strategy: a `Strategy` or plan.
+      mesh: the mesh the strategy runs on.
+      loss_fn: ``loss_fn(params, batch) -> scalar``, the function `graph` traced.
+      params, batch: host values (or global arrays) of the parameters and the batch.
+      mesh_shape: the mesh the strategy was planned for, when known.
+      tolerance: the bar (default: `rounding_tolerance` of the graph).
+      compiler_options: XLA options for both compiles.
+      sharded: the sharded ``(value_and_grad, shardings)`` when built already (a training
+        step's ``step.value_and_grad`` and its shardings, `soapjax.apply.sharded_train_step`).
+    """
+    fn, sh = sharded or apply.sharded_value_and_grad(graph, strategy, mesh, params=params,
+                                                     batch=batch, mesh_shape=mesh_shape,
+                                                     compiler_options=compiler_options)
+    loss, grads = fn(apply.device_put_global(params, sh.params),
+                     apply.device_put_global(batch, sh.batch))
+    device = jax.local_devices()[0]
+    host_params = jax.tree.map(_host, params)
+    host_batch = jax.tree.map(_host, batch)
+    options = dict(compiler_options) if compiler_options else None
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_fn), compiler_options=options)(
+        jax.device_put(host_params, device), jax.device_put(host_batch, device))
+    return compare_gradients(loss, grads, ref_loss, ref_grads,
+                             tolerance=rounding_tolerance(graph) if tolerance is None
+                             else tolerance, operators=reading_operators(graph))
+
+
+def step_difference(out: Any, reference: Any) -> float:
+    """The largest ``|a - b|`` over the leaves of two step results (parameters, optimizer
+    state, loss); infinite where one has a NaN the other has not."""
+    return max((_max_diff(_host(a).astype(np.float64), _host(b).astype(np.float64))
+                for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(reference))
+                if np.size(a)), default=0.0)
+
+
+def reading_operators(graph: OpGraph) -> list[str]:
+    """Per parameter leaf (``graph.params`` order), the first operator that reads it ('')."""
+    paths = {leaf.path for leaf in graph.params}
+    first: dict[str, str] = {}
+    for op in graph.operators:
+        for x in op.inputs:
+            if x.kind == "param":
+                first.setdefault(_leaf_path(x.source, paths), op.name)
+    return [first.get(leaf.path, "") for leaf in graph.params]
+
+
+def _leaf_path(source: str, paths: set[str]) -> str:
+    """An operand's source -> its parameter leaf's path: a layer's slice of a stacked
+    parameter (``path[3]``) is that parameter's."""
+    while source not in paths and source.endswith("]") \
+            and source[source.rfind("[") + 1:-1].isdigit():
+        source = source[:source.rfind("[")]
+    return source
+
+
+def _max_diff(got: np.ndarray, want: np.ndarray) -> float:
+    """``max |got - want|``; infinite where one has a NaN the other has not."""
+    if not want.size:
+        return 0.0
+    nan = np.isnan(want) if np.issubdtype(want.dtype, np.inexact) else np.zeros(want.shape, bool)
+    if np.any(np.isnan(got) != nan) if np.issubdtype(got.dtype, np.inexact) else np.any(nan):
+        return math.inf
+    return float(np.max(np.abs(np.where(nan, 0, got - want))))
+
+
+def _host(x: Any) -> np.ndarray:
+    """A host copy of `x`; a global array spanning processes is gathered first (a replicated
+    one read from this process's copy)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        x = (x.addressable_data(0) if x.sharding.is_fully_replicated
+             else multihost_utils.process_allgather(x, tiled=True))
+    arr = np.asarray(x)
+    if arr.dtype == jnp.bfloat16 or arr.dtype == np.float16:
+        arr = arr.astype(np.float32)
+    return arr

@@ -1,0 +1,346 @@
+"""soapjax.exactness: gradients leaf by leaf; the defects it exists to catch, each kept as a test.
+
+* `compare_gradients` on hand-made trees: a leaf scaled by a constant c has error |c - 1|, a
+  leaf whose true gradient is zero is held to the floor, NaNs fail, a NaN reference says so.
+* **Grouped and depthwise convolutions** (float64, `cpu8`): XLA's SPMD partitioner computes a
+  grouped convolution's kernel gradient multiplied by the size of the mesh axes its input is
+  replicated over while its batch is split (4x for ``P('data')`` on ``data=2, model=4``; the
+  canary below holds XLA to it). soapjax splits the input's channels with the output's, in
+  whole groups, and runs every grouped convolution its config splits in `jax.shard_map`
+  (`soapjax._manual`), so every split (channels over one axis or both, with and without the
+  batch split, the batch alone, 1-D and 2-D, a channel multiplier, a 4-group convolution)
+  gives ``jax.grad``'s gradients.
+* **A dead value inside an operator** (a Mamba-style conv state sliced from the padded input
+  after the convolution, never read by the loss) no longer crashes the step: it is written
+  back like any value read outside its operator.
+* `soapjax check` and ``shard_training(verify=True)`` fail a plan whose step scales one
+  gradient leaf by a constant under Adam (a test-only hook breaks the step on purpose), which
+  the step comparison alone passes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import soapjax_zoo as zoo
+from soapjax import apply, exactness, space, training
+from soapjax.baselines import baselines
+from soapjax.check import compare_on_devices
+from soapjax.exactness import (
+    TOLERANCE,
+    VerificationError,
+    compare_gradients,
+    first_step,
+    rounding_tolerance,
+)
+from soapjax.graph import trace
+from soapjax.plan import Plan
+from soapjax.space import Config, MeshShape
+from soapjax.topology import load_topology, make_mesh
+
+TOPOLOGY = load_topology("cpu8")
+MESH_SHAPE = MeshShape.of(TOPOLOGY)  # data=2, model=4
+X64 = TOLERANCE["float64"]
+FAST = {"xla_backend_optimization_level": 0}
+
+
+# --- compare_gradients --------------------------------------------------------------------------
+
+
+def test_a_scaled_leaf_has_error_c_minus_one_and_is_named():
+    want = {"a": np.array([1.0, -2.0]), "b": np.array([[0.5, 0.25]])}
+    got = {"a": want["a"], "b": 4.0 * want["b"]}
+    c = compare_gradients(1.0, got, 1.0, want, tolerance=1e-9, operators=["fc1", "fc2"])
+    assert c.leaves[0].error == 0.0
+    assert c.leaves[1].error == pytest.approx(3.0)
+    assert c.worst.path == "['b']" and c.worst.operator == "fc2"
+    assert not c.passed
+    assert "FAIL gradients" in c.describe() and "['b']" in c.describe() and "'fc2'" in c.describe()
+
+
+def test_a_leaf_whose_gradient_is_zero_is_held_to_the_floor():
+    # float64 rounding noise on an exactly-zero gradient: relative to itself it would be 1;
+    # against the floor (the largest gradient x 30 eps / tolerance) it passes
+    want = {"w": np.array([3.0, -1.0]), "bias": np.zeros(2)}
+    got = {"w": want["w"] * (1 + 1e-15), "bias": np.array([2e-16, -1e-16])}
+    c = compare_gradients(0.5, got, 0.5, want, tolerance=1e-9)
+    assert c.passed, c.describe()
+    floor = 3.0 * 30 * np.finfo(np.float64).eps / 1e-9
+    assert c.leaves[0].scale == pytest.approx(floor) and c.leaves[1].scale == 3.0
+    # a real gradient where the reference has none still fails
+    bad = compare_gradients(0.5, {"w": want["w"], "bias": np.array([0.1, 0.0])}, 0.5, want,
+                            tolerance=1e-9)
+    assert not bad.passed and bad.worst.path == "['bias']"
+
+
+def test_nans_fail_and_a_nan_reference_says_so():
+    want = {"w": np.array([1.0, 2.0])}
+    c = compare_gradients(1.0, {"w": np.array([1.0, np.nan])}, 1.0, want, tolerance=1e-3)
+    assert c.leaves[0].error == math.inf and not c.passed
+    ref_nan = compare_gradients(np.nan, want, np.nan, want, tolerance=1e-3)
+    assert not ref_nan.passed
+    assert "the unsharded loss itself is NaN" in ref_nan.describe()
+
+
+def test_trees_of_another_structure_are_refused():
+    with pytest.raises(ValueError, match="pytree"):
+        compare_gradients(0.0, {"a": np.zeros(1)}, 0.0, {"b": np.zeros(1)}, tolerance=1e-3)
+
+
+def test_the_bar_follows_the_narrowest_float_type():
+    def loss(p, b):
+        return jnp.sum((b["x"].astype(jnp.bfloat16) @ p["w"].astype(jnp.bfloat16)) ** 2
+                       ).astype(jnp.float32)
+
+    params = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
+    batch = {"x": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
+    assert rounding_tolerance(trace(loss, params, batch)) == TOLERANCE["bfloat16"]
+    f32 = trace(lambda p, b: jnp.sum((b["x"] @ p["w"]) ** 2), params, batch)
+    assert rounding_tolerance(f32) == TOLERANCE["float32"]
+
+
+# --- grouped and depthwise convolutions, channels split -----------------------------------------
+
+
+def _conv_model(kind: str):
+    """(loss, params, batch) in float64: a convolution of `kind` then a LayerNorm and an MLP,
+    the ConvNeXt block's shape (the channels' gradient flows on through the norm)."""
+    c = 8
+    convs = {
+        "depthwise2d": dict(in_features=c, out_features=c, kernel_size=(7, 7), padding=3,
+                            feature_group_count=c),
+        "multiplier2d": dict(in_features=c, out_features=2 * c, kernel_size=(3, 3), padding=1,
+                             feature_group_count=c),
+        "grouped2d": dict(in_features=c, out_features=c, kernel_size=(3, 3), padding=1,
+                          feature_group_count=4),
+        "depthwise1d": dict(in_features=c, out_features=c, kernel_size=(4,), padding="CAUSAL",
+                            feature_group_count=c),
+    }
+    spec = convs[kind]
+    rank = len(spec["kernel_size"])
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.conv = nnx.Conv(**spec, param_dtype=jnp.float64, rngs=rngs)
+            out = spec["out_features"]
+            self.norm = nnx.LayerNorm(out, param_dtype=jnp.float64, rngs=rngs)
+            self.fc = nnx.Linear(out, c, param_dtype=jnp.float64, rngs=rngs)
+
+        def __call__(self, x):
+            return self.fc(nnx.gelu(self.norm(self.conv(x))))
+
+    with jax.enable_x64(True):
+        model = Block(nnx.Rngs(0))
+        graphdef, params = nnx.split(model, nnx.Param)
+        params = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(jax.random.key(1), p.shape,
+                                                                     p.dtype), params)
+        x = jax.random.normal(jax.random.key(2), (8,) + (8,) * rank + (c,), jnp.float64)
+    batch = {"x": x, "y": jnp.sin(x[..., :c])}
+
+    def loss(params, batch):
+        return jnp.mean((nnx.merge(graphdef, params)(batch["x"]) - batch["y"]) ** 2)
+
+    return loss, params, batch
+
+
+# (batch axes, channel axes) of the convolution's config: channels over one axis or both, with
+# and without the batch split over the other
+SPLITS = [((), ("model",)), (("data",), ("model",)), ((), ("data",)), (("model",), ("data",)),
+          ((), ("data", "model")), (("data",), ())]
+
+
+@pytest.mark.parametrize("kind", ["depthwise2d", "multiplier2d", "grouped2d", "depthwise1d"])
+def test_grouped_convolutions_split_over_channels_give_exact_gradients(kind):
+    loss, params, batch = _conv_model(kind)
+    mesh = make_mesh(TOPOLOGY)
+    with jax.enable_x64(True):
+        graph = trace(loss, params, batch)
+        (j, op), = [(j, op) for j, op in enumerate(graph.operators)
+                    if op.anchor == "conv_general_dilated"]
+        groups = {"depthwise2d": 8, "multiplier2d": 8, "grouped2d": 4, "depthwise1d": 8}[kind]
+        channel = len(op.shape) - 1
+        # the input's channels split with the output's, in whole groups
+        assert op.inputs[0].dims[channel] == channel
+        assert op.split_sizes[channel] == groups
+        offered = {cfg.axes[channel] for cfg in space.configs(op, MESH_SHAPE)
+                   if not any(cfg.axes[1:channel])}
+        tried = 0
+        for batch_axes, channel_axes in SPLITS:
+            degree = MESH_SHAPE.degree(channel_axes)
+            if groups % degree:
+                assert channel_axes not in offered  # a split cutting a group is never offered
+                continue
+            axes = [()] * len(op.iteration_sizes)
+            axes[0], axes[channel] = batch_axes, channel_axes
+            strategy = space.data_parallel(graph, MESH_SHAPE).replace(j, Config(tuple(axes)))
+            c = first_step(graph, strategy, mesh, loss, params, batch, compiler_options=FAST)
+            assert c.max_error <= X64, (batch_axes, channel_axes, c.describe())
+            tried += 1
+        assert tried >= 4
+
+
+def test_xla_still_gets_the_depthwise_kernel_gradient_wrong_with_the_batch_split():
+    """The canary: XLA's SPMD partitioner (jax 0.10.2) computes a depthwise convolution's kernel
+    gradient `model`-fold when its input's batch is split over `data` and replicated over
+    `model` (split over both, or over `data` and the channels over `model`, it is right). The
+    day this fails, XLA fixed it, and soapjax's `jax.shard_map` for grouped convolutions
+    (`soapjax._manual`) can go."""
+    mesh = make_mesh(TOPOLOGY)
+    with jax.enable_x64(True):
+        x = jax.random.normal(jax.random.key(0), (8, 8, 8, 8), jnp.float64)
+        k = jax.random.normal(jax.random.key(1), (7, 7, 1, 8), jnp.float64)
+
+        def f(k, x, input_spec):
+            if input_spec is not None:
+                x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, input_spec))
+            y = jax.lax.conv_general_dilated(x, k, (1, 1), [(3, 3), (3, 3)],
+                                             dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                             feature_group_count=8)
+            return jnp.sum(jnp.sin(y))
+
+        grad = jax.jit(jax.grad(f), static_argnums=2)
+        want = grad(k, x, None)
+        replicated = grad(k, x, P("data"))  # batch over data, replicated over model
+        split = grad(k, x, P("data", None, None, "model"))
+        ratio = float(jnp.sum(replicated * want) / jnp.sum(want * want))
+    assert ratio == pytest.approx(4.0, rel=1e-9)  # the bug: MESH 'model' = 4
+    np.testing.assert_allclose(split, want, rtol=1e-10, atol=1e-12)
+
+
+def test_batch_group_count_is_never_split():
+    def loss(p, b):
+        y = jax.lax.conv_general_dilated(b["x"], p["k"], (1,), "VALID",
+                                         dimension_numbers=("NWC", "WIO", "NWC"),
+                                         batch_group_count=4)
+        return jnp.sum(y ** 2)
+
+    graph = trace(loss, {"k": jax.ShapeDtypeStruct((3, 4, 8), jnp.float32)},
+                  {"x": jax.ShapeDtypeStruct((8, 10, 4), jnp.float32)})
+    op = graph.operators[0]
+    assert op.anchor == "conv_general_dilated"
+    assert op.split_sizes[0] == 1 and op.split_sizes[-1] == 1  # batch and features: never
+    assert all(cfg.axes[0] == () and cfg.axes[-1] == ()
+               for cfg in space.configs(op, MESH_SHAPE))
+
+
+# --- a dead value inside an operator ------------------------------------------------------------
+
+
+class _CausalConv(nnx.Module):
+    """Pads for a causal depthwise conv1d, convolves, then slices the padded input's last
+    steps as a conv state (dead: the loss never reads it)."""
+
+    def __init__(self, channels: int, k: int, rngs: nnx.Rngs):
+        self.k = k
+        self.kernel = nnx.Param(0.3 * jax.random.normal(rngs.params(), (k, 1, channels),
+                                                        jnp.float64))
+
+    def __call__(self, x):
+        x_padded = jnp.pad(x, ((0, 0), (self.k - 1, 0), (0, 0)))
+        y = jax.lax.conv_general_dilated(x_padded, self.kernel[...], (1,), "VALID",
+                                         dimension_numbers=("NWC", "WIO", "NWC"),
+                                         feature_group_count=x.shape[-1])
+        conv_state = x_padded[:, -self.k:, :]
+        return y, conv_state
+
+
+class _Mixer(nnx.Module):
+    def __init__(self, d: int, rngs: nnx.Rngs):
+        self.conv1d = _CausalConv(d, 4, rngs)
+        self.norm = nnx.RMSNorm(d, param_dtype=jnp.float64, rngs=rngs)
+        self.out = nnx.Linear(d, d, param_dtype=jnp.float64, rngs=rngs)
+
+    def __call__(self, x):
+        y, _conv_state = self.conv1d(x)
+        return x + self.out(y) * self.norm(x)
+
+
+@pytest.mark.parametrize("strategy", ["data-parallel", "fsdp", "channels"])
+def test_a_dead_value_inside_an_operator_is_written_back(strategy):
+    with jax.enable_x64(True):
+        model = _Mixer(16, nnx.Rngs(0))
+        x = jax.random.normal(jax.random.key(2), (8, 16, 16), jnp.float64)
+        batch = {"x": x, "y": jnp.cos(x)}
+
+        def loss_fn(model, batch):
+            return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+        chosen = strategy
+        if strategy == "channels":
+            def chosen(graph, mesh_shape):
+                s = space.data_parallel(graph, mesh_shape)
+                j = next(j for j, op in enumerate(graph.operators)
+                         if op.anchor == "conv_general_dilated")
+                return s.replace(j, Config((("data",), (), ("model",))))
+
+        run = training.shard_training(loss_fn, model, batch, optax.sgd(1.0), mesh="cpu8",
+                                      strategy=chosen, verify=True, compiler_options=FAST)
+        conv = next(op for op in run.graph.operators if op.anchor == "conv_general_dilated")
+        assert len(conv.outputs) == 2  # the padded input, read by the dead slice, written back
+        _, _, loss = run.step(run.params, run.opt_state, run.shard_batch(batch))
+        assert float(loss) == pytest.approx(float(loss_fn(model, batch)), rel=1e-12)
+
+
+# --- check and verify catch a scaled gradient under Adam ----------------------------------------
+
+
+def _scale_one_leaf(monkeypatch, path: str, factor: float = 4.0) -> None:
+    """A test-only hook: the applied step's gradient leaf at `path` times `factor` (what the
+    depthwise convolution's wrong partitioning did), everything else untouched."""
+    original = apply._value_and_grad
+
+    def broken(check, shardings, allow_spatial):
+        fn = original(check, shardings, allow_spatial)
+
+        def scaled(params, batch, count):
+            loss, grads = fn(params, batch, count)
+            return loss, jax.tree_util.tree_map_with_path(
+                lambda kp, g: g * factor if jax.tree_util.keystr(kp) == path else g, grads)
+
+        return scaled
+
+    monkeypatch.setattr(apply, "_value_and_grad", broken)
+
+
+def test_check_fails_a_plan_that_scales_one_gradient_under_adam(monkeypatch, tmp_path):
+    w = zoo.get("mlp", "tiny")
+    graph = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    plan = Plan.make(graph, TOPOLOGY, baselines(graph, TOPOLOGY)["data-parallel"],
+                     model_config="tiny")
+    leaf = exactness.reading_operators(graph)
+    path = graph.params[0].path
+    _scale_one_leaf(monkeypatch, path)
+    result = compare_on_devices(plan, w, repeats=1, costs="analytic")
+    passed, lines = result.verdict()
+    assert not passed
+    assert lines[0].startswith("FAIL gradients") and path in lines[0] and leaf[0] in lines[0]
+    assert result.gradients.worst.error == pytest.approx(3.0, rel=1e-5)
+    # Adam's first update is the same for the gradient and 4x it: only the gradients show it
+    g = jnp.linspace(-1.0, 1.0, 8)
+    adam = optax.adam(1e-3)
+    first = [adam.update(x, adam.init(g), g)[0] for x in (g, 4 * g)]
+    np.testing.assert_allclose(first[0], first[1], rtol=1e-6)
+    assert json.loads(json.dumps(result.to_json()))["gradients"]["passed"] is False
+
+
+def test_verify_refuses_a_step_that_scales_one_gradient(monkeypatch):
+    loss, params, batch = _conv_model("depthwise2d")
+    with jax.enable_x64(True):
+        ok = training.shard_training(loss, params, batch, optax.adam(1e-3), mesh="cpu8",
+                                     strategy="data-parallel", verify=True,
+                                     compiler_options=FAST)
+        assert ok.step.count == 0  # verifying ran copies; the run's own step is untouched
+        _scale_one_leaf(monkeypatch, "['conv']['kernel'].value")
+        with pytest.raises(VerificationError, match=r"\['conv'\]\['kernel'\].*operator 'conv'"):
+            training.shard_training(loss, params, batch, optax.adam(1e-3), mesh="cpu8",
+                                    strategy="data-parallel", verify=True,
+                                    compiler_options=FAST)
