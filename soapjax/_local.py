@@ -124,8 +124,10 @@ def operator_fn(graph: OpGraph, name: str, degrees: Sequence[int] | None = None,
 
 
 def _input_free(prog, loc: OperatorLabels) -> set[int]:
-    """Values of the operator that depend on none of its operands (iotas, constants)."""
-    free = {v for v in loc.lab if v in prog.literals or v in prog.consts}
+    """Values of the operator that depend on none of its operands (iotas, constants). A
+    constant that is an operand (read by several operators) arrives at its shard shape."""
+    inputs = set(loc.inputs)
+    free = {v for v in loc.lab if (v in prog.literals or v in prog.consts) and v not in inputs}
     for i in loc.units:
         u = prog.units[i]
         if all(v in free for v in u.ins) and not u.eqn.effects:

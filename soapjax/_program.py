@@ -210,6 +210,42 @@ class Program:
         self.param_like.update(self.inputs[i] for i in param_inputs)
         self._flatten(closed.jaxpr, env, "", (), ())
         self.outputs = [self._read(env, v) for v in closed.jaxpr.outvars]
+        self._drop_dead()
+
+    def _drop_dead(self) -> None:
+        """Removes the equations the result does not depend on, as XLA does: a cache the loss
+        never reads, a log-sum-exp's sign. Kept, they would be evaluated, and one reading a
+        value inside an operator that apply computes at once would find no value there.
+
+        An equation of an unrolled layer stays while the same equation of another layer is
+        live (a carry only the last layer's result reads), so that every layer keeps one body.
+        """
+        units = self.units
+        sibling: dict[int, tuple] = {}  # unit -> its position in every layer's body
+        ordinal: dict[tuple, int] = {}
+        for i, u in enumerate(units):
+            if u.iteration:
+                k = ordinal[u.iteration] = ordinal.get(u.iteration, -1) + 1
+                sibling[i] = (tuple(scan for scan, _ in u.iteration), k)
+        live = [False] * len(units)
+        while True:
+            needed = set(self.outputs)
+            for i in reversed(range(len(units))):
+                u = units[i]
+                if live[i] or u.eqn.effects or any(v in needed for v in u.outs if v is not None):
+                    live[i] = True
+                    needed.update(u.ins)
+            kept = {sibling[i] for i in sibling if live[i]}
+            more = [i for i in sibling if not live[i] and sibling[i] in kept]
+            if not more:
+                break
+            for i in more:
+                live[i] = True
+        if all(live):
+            return
+        index = {i: k for k, i in enumerate(i for i in range(len(units)) if live[i])}
+        self.units = [u for u, keep in zip(units, live) if keep]
+        self.slice_units = {index[i] for i in self.slice_units if i in index}
 
     def _new(self, v) -> int:
         self.shapes.append(_dims.shape_of(v))

@@ -81,6 +81,11 @@ class Entry:
       has_conv: it convolves (plans must not split convolutions spatially: see
         `soapjax.apply.constrained_loss`).
       options: the keyword arguments `get` passes by default (the small, fast variant).
+      gradients_in: where ``make test`` holds its float64 gradients to ``jax.grad``:
+        ``"corpus"`` (tests/test_corpus.py: one device, and cpu8 under data parallel,
+        Megatron, FSDP, a searched plan and `shard_training`) or ``"fuzz"``
+        (tests/test_fuzz_exactness.py: one device, and seeded random strategies on cpu8 and
+        cpu8-nodes). Every model is in the randomized suite's long run either way.
     """
 
     name: str
@@ -89,6 +94,7 @@ class Entry:
     description: str
     has_conv: bool = False
     options: tuple[tuple[str, Any], ...] = ()
+    gradients_in: Literal["corpus", "fuzz"] = "corpus"
 
 
 CORPUS: dict[str, Entry] = {e.name: e for e in (
@@ -144,29 +150,31 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
     Entry("convnext", "nnx", convnext.make,
           "nnx ConvNeXt: patchify stem, 7x7 depthwise convolutions (feature_group_count = "
           "channels), LayerNorm, inverted-bottleneck MLP, layer scale, a strided downsampling "
-          "convolution, layers in an nnx.List", has_conv=True),
+          "convolution, layers in an nnx.List", has_conv=True, gradients_in="fuzz"),
     Entry("mobilenet", "linen", mobilenet.make,
           "MobileNetV2-style inverted residuals: 1x1 expansions, 3x3 depthwise convolutions "
           "(one strided, one with a channel multiplier of 2), BatchNorm, ReLU6, a 4-group "
-          "convolution", has_conv=True),
+          "convolution", has_conv=True, gradients_in="fuzz"),
     Entry("mamba", "linen", mamba.make,
           "Mamba-style selective-scan LM: in_proj split, causal depthwise conv1d by jnp.pad "
           "with a dead conv state sliced from the padded input, softplus step sizes, a "
-          "lax.scan over time, gated by silu(z)", has_conv=True),
+          "lax.scan over time, gated by silu(z)", has_conv=True, gradients_in="fuzz"),
     Entry("gemma3", "linen", gemma3.make,
           "Gemma-3-style decoder: sliding-window and global layers, GQA with q/k RMSNorms, "
-          "RoPE bases per layer kind, pre and post norms, GeGLU, tied soft-capped logits"),
+          "RoPE bases per layer kind, pre and post norms, GeGLU, tied soft-capped logits",
+          gradients_in="fuzz"),
     Entry("qwen3", "nnx", qwen3.make,
           "Qwen-3-style nnx decoder: per-head q/k RMSNorms before RoPE, GQA by jnp.repeat, "
-          "jnp.tril causal mask, SwiGLU, layers in an nnx.List ('0', '1'), untied head"),
+          "jnp.tril causal mask, SwiGLU, layers in an nnx.List ('0', '1'), untied head",
+          gradients_in="fuzz"),
     Entry("whisper", "linen", whisper.make,
           "Whisper-style encoder-decoder: a 1-D convolutional front end (stride 2), "
           "sinusoidal positions, bidirectional encoder, causal decoder with cross-attention, "
-          "tied logits", has_conv=True),
+          "tied logits", has_conv=True, gradients_in="fuzz"),
     Entry("kv_cache_decoder", "nnx", kv_cache_decoder.make,
           "nnx decoder writing its keys and values into nnx.Cache variables by "
           "dynamic_update_slice (dead in training), causal mask by jnp.full/where, tied "
-          "embeddings"),
+          "embeddings", gradients_in="fuzz"),
 )}
 
 

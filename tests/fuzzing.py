@@ -1,0 +1,243 @@
+"""The randomized exactness suite: seeded random strategies, each held to ``jax.grad`` in float64.
+
+A *subject* is a model built in float64 (parameters perturbed by N(0, 0.05), so no gradient is
+zero by construction) with its traced graph and the unsharded loss and gradients of the user's
+own loss, computed once: every corpus model (`tests/corpus`, the styles users write) and the
+zoo's tiny models that carry what the corpus has not (a layer scan to pipeline, experts,
+soapjax's flash attention for ring attention).
+
+`draw` makes a random strategy of a subject on a topology: a config for every operator drawn
+from its SOAP space with up to two mesh axes on a dim (`soapjax.search.random_strategy`, the
+layers of a scan tied), and at random recomputation (per operator, or per position of every
+layer), microbatches, ZeRO-3 axes, the distributed optimizer, ring attention where the model
+has flash attention, and pipeline stages (every schedule and interleave the model's layer
+scan allows) where it has a layer scan. `check` applies it (`soapjax.apply.sharded_value_and_grad`
+on the topology's mesh of virtual CPU devices) and compares loss and every gradient leaf with
+the reference, each leaf relative to its own scale (`soapjax.exactness`): at most 1e-9. A
+strategy apply refuses (a `PlanError`: a config its validation does not allow) is counted as
+refused, not as a failure; `shrink` cuts a failing strategy down to the fewest changes from data
+parallelism that still fail.
+
+`tests/test_fuzz_exactness.py` runs a fixed few per subject in ``make test``;
+`scripts/fuzz_exactness.py` runs thousands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import corpus
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import soapjax_zoo as zoo
+from soapjax import apply, space
+from soapjax.errors import PlanError
+from soapjax.exactness import GradientComparison, compare_gradients, reading_operators
+from soapjax.graph import OpGraph, trace
+from soapjax.pipeline import SCHEDULES, check_pipeline
+from soapjax.search import interleave_choices, random_strategy, stage_choices
+from soapjax.space import RECOMPUTE_POLICIES, MeshShape, SpaceLimits, Strategy
+from soapjax.topology import Topology, make_mesh
+
+NOISE = 0.05
+TOLERANCE = 1e-9  # float64, per leaf (soapjax.exactness)
+FAST = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False,
+        "xla_llvm_disable_expensive_passes": True}
+LIMITS = SpaceLimits(max_axes_per_dim=2)
+# The zoo's tiny models the corpus lacks the idioms of: a layer scan (pipelines), experts,
+# soapjax's own flash attention (ring attention). (Its LSTMs start their carries in float32,
+# so they do not trace in float64; the corpus's lstm_dropout stands for them.)
+ZOO = (("gpt", "tiny"), ("llama", "tiny"), ("llama", "tiny-flash"), ("moe", "tiny"),
+       ("lenet", "tiny"))
+# mixed_precision computes in bfloat16 whatever its parameters are: not a float64 subject
+SKIP = {"mixed_precision"}
+
+
+class Subject(NamedTuple):
+    """A model ready to fuzz.
+
+    Attributes:
+      name: ``corpus:<name>`` or ``zoo:<name>:<config>``.
+      graph: its traced graph (float64).
+      params, batch: the values (float64 parameters).
+      loss: the pure ``loss(params, batch)`` the graph traced.
+      reference: ``(loss, grads)`` of the user's loss, unsharded, on one device.
+      operators: per parameter leaf, the operator reading it.
+    """
+
+    name: str
+    graph: OpGraph
+    params: Any
+    batch: Any
+    loss: Callable[[Any, Any], Any]
+    reference: tuple[Any, Any]
+    operators: list[str]
+
+
+def names() -> list[str]:
+    """Every subject's name: the corpus first, then the zoo's."""
+    return ([f"corpus:{n}" for n in corpus.names() if n not in SKIP]
+            + [f"zoo:{m}:{c}" for m, c in ZOO])
+
+
+@functools.cache
+def subject(name: str) -> Subject:
+    """The subject `name` (built once per process)."""
+    kind, rest = name.split(":", 1)
+    with jax.enable_x64(True):
+        if kind == "corpus":
+            loss_fn, arg, batch = corpus.get(rest, dtype=jnp.float64, compiler_options=FAST)
+            if corpus.CORPUS[rest].api == "nnx":
+                graphdef, params, other = nnx.split(arg, nnx.Param, ...)
+
+                def loss(p, b, loss_fn=loss_fn, graphdef=graphdef, other=other):
+                    return loss_fn(nnx.merge(graphdef, p, jax.tree.map(jnp.asarray, other)), b)
+            else:
+                loss, params = loss_fn, arg
+        else:
+            model, config = rest.split(":")
+            w = zoo.get(model, config)
+            params = jax.jit(w.init_params, compiler_options=FAST)(jax.random.key(0))
+            params = jax.tree.map(lambda x: x.astype(jnp.float64)
+                                  if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+            batch = jax.jit(w.make_batch, compiler_options=FAST)(jax.random.key(1))
+            loss = w.loss_fn
+        params = _jiggle(params)
+        graph = trace(loss, params, batch, name=name.replace(":", "-"))
+        reference = jax.jit(jax.value_and_grad(loss), compiler_options=FAST)(params, batch)
+    return Subject(name, graph, params, batch, loss, reference, reading_operators(graph))
+
+
+def _jiggle(tree: Any, seed: int = 0) -> Any:
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda x: x + jnp.asarray(NOISE * rng.standard_normal(x.shape), x.dtype)
+                        if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def draw(s: Subject, topology: Topology, rng: np.random.Generator) -> Strategy:
+    """A random strategy of `s` on `topology` (module doc)."""
+    graph, mesh = s.graph, MeshShape.of(topology)
+    strategy = random_strategy(graph, mesh, rng, LIMITS)
+    axes = list(mesh.axis_names)
+    if rng.random() < 0.3:  # recomputation: per operator, tied over every layer's position
+        policies = [RECOMPUTE_POLICIES[int(k)] for k in
+                    rng.integers(len(RECOMPUTE_POLICIES), size=len(graph.operators))]
+        for group in graph.repeated_blocks():
+            for j in group[1:]:
+                policies[j] = policies[group[0]]
+        strategy = dataclasses.replace(strategy, recompute=tuple(policies))
+    if rng.random() < 0.25:
+        ms = [m for m in (2, 4) if graph.batch_size % m == 0]
+        if ms:
+            strategy = strategy.with_microbatches(int(rng.choice(ms)))
+    if rng.random() < 0.25:
+        strategy = dataclasses.replace(strategy, zero_axes=_subset(axes, rng))
+    elif rng.random() < 0.2:
+        strategy = dataclasses.replace(strategy, optimizer_axes=_subset(axes, rng))
+    if any(op.anchor == "attention" for op in graph.operators) and rng.random() < 0.3:
+        strategy = dataclasses.replace(strategy, ring_attention=True)
+    stages = stage_choices(graph, topology)
+    if stages and not strategy.ring_attention and rng.random() < 0.4:
+        strategy = _pipelined(graph, strategy, stages, rng)
+    return strategy
+
+
+def _subset(axes: list[str], rng: np.random.Generator) -> tuple[str, ...]:
+    picked = tuple(a for a in axes if rng.random() < 0.5)
+    return picked or (axes[int(rng.integers(len(axes)))],)
+
+
+def _pipelined(graph: OpGraph, strategy: Strategy, stages: tuple[int, ...],
+               rng: np.random.Generator) -> Strategy:
+    """`strategy` with a random pipeline its numbers allow (else unchanged)."""
+    S = int(rng.choice(stages))
+    options = []
+    for v in interleave_choices(graph, S):
+        for schedule in SCHEDULES:
+            for m in (1, 2, 4, 8):
+                if graph.batch_size % m:
+                    continue
+                try:
+                    check_pipeline(schedule, S, m, v)
+                except PlanError:
+                    continue
+                options.append((v, schedule, m))
+    if not options:
+        return strategy
+    v, schedule, m = options[int(rng.integers(len(options)))]
+    return strategy.with_microbatches(m).with_pipeline(S, v, schedule)
+
+
+class Outcome(NamedTuple):
+    """What `check` found: a comparison, or the reason apply refused the strategy."""
+
+    comparison: GradientComparison | None
+    refused: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.comparison is not None and not self.comparison.passed
+
+
+def check(s: Subject, strategy: Strategy, topology: Topology) -> Outcome:
+    """Applies `strategy` and compares its loss and gradients with the reference."""
+    mesh = make_mesh(topology)
+    with jax.enable_x64(True):
+        try:
+            fn, sh = apply.sharded_value_and_grad(s.graph, strategy, mesh, params=s.params,
+                                                  batch=s.batch, compiler_options=FAST)
+        except PlanError as e:
+            return Outcome(None, str(e))
+        loss, grads = fn(apply.device_put_global(s.params, sh.params),
+                         apply.device_put_global(s.batch, sh.batch))
+        return Outcome(compare_gradients(loss, grads, *s.reference, tolerance=TOLERANCE,
+                                         operators=s.operators))
+
+
+def describe(strategy: Strategy, graph: OpGraph) -> str:
+    """The strategy's step-level choices and the operators it splits, in one line."""
+    parts = []
+    if strategy.pipelined:
+        parts.append(f"S={strategy.stages} v={strategy.virtual_stages} {strategy.schedule}")
+    if strategy.microbatches > 1:
+        parts.append(f"M={strategy.microbatches}")
+    if strategy.zero_axes:
+        parts.append(f"zero={','.join(strategy.zero_axes)}")
+    if strategy.optimizer_axes:
+        parts.append(f"zero1={','.join(strategy.optimizer_axes)}")
+    if strategy.ring_attention:
+        parts.append("ring")
+    recomputed = sum(p != "none" for p in strategy.recompute)
+    if recomputed:
+        parts.append(f"recompute x{recomputed}")
+    split = sum(bool(c.used_axes) for c in strategy.configs)
+    parts.append(f"{split}/{len(strategy.configs)} operators split")
+    return ", ".join(parts)
+
+
+def shrink(s: Subject, strategy: Strategy, topology: Topology) -> Strategy:
+    """The failing `strategy` with as many of its choices undone (each operator's config
+    replicated, each step-level choice dropped) as keep it failing: a small reproducer."""
+    def fails(candidate: Strategy) -> bool:
+        return check(s, candidate, topology).failed
+
+    for field, plain in (("stages", None), ("ring_attention", False), ("zero_axes", ()),
+                         ("optimizer_axes", ()), ("recompute", ()), ("microbatches", 1)):
+        if field == "stages":
+            candidate = strategy.with_pipeline(1, 1, "1f1b")
+        else:
+            candidate = dataclasses.replace(strategy, **{field: plain})
+        if candidate != strategy and fails(candidate):
+            strategy = candidate
+    for j, op in enumerate(s.graph.operators):
+        if strategy.configs[j].used_axes:
+            candidate = strategy.replace(j, space.Config.replicated(op))
+            if fails(candidate):
+                strategy = candidate
+    return strategy
