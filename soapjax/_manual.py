@@ -10,16 +10,21 @@ over 8 devices, are all-gathered before the top k). The simulator prices the row
 operand's rows split as the operator's config splits them, its last dim whole; nothing is
 gathered, the results are the same (a row's top k is computed where the row is).
 
-**A grouped (or depthwise) convolution.** XLA's SPMD partitioner (jax 0.10.2, Shardy and
-GSPMD alike) computes the kernel gradient of a convolution with ``feature_group_count > 1``
-wrongly when its input's batch is split over some mesh axes and replicated over others: the
-gradient comes out multiplied by the replicated axes' size (``P('data')`` on a ``data=2,
-model=4`` mesh: 4x; ``P('model')``: 2x), silently, while the loss is exact
-(`tests/test_exactness.py` keeps the canary). Run in `jax.shard_map` the same shards give the
-exact gradient. So every grouped convolution whose config splits anything runs there: its
-input, kernel and output split as the config splits their dims (the channels in whole groups,
-`soapjax._dims`), each device convolving its channels' groups (``feature_group_count`` divided
-by the channels' split).
+**A convolution.** XLA's SPMD partitioner (jax 0.10.2, Shardy and GSPMD alike) computes the
+kernel gradient of a convolution wrongly under some shardings, silently, while the loss is exact
+(`tests/test_exactness.py` keeps both as tests): a grouped or depthwise one
+(``feature_group_count > 1``) whose input's batch is split over some mesh axes and replicated
+over others gets its kernel gradient multiplied by the replicated axes' size (``P('data')`` on
+a ``data=2, model=4`` mesh: 4x; ``P('model')``: 2x); and in a ResNet-18 whose later layers
+were split batch over one axis and channels over the others, an earlier, unsplit convolution's
+kernel gradient came out 2.6x its own scale off (found by the randomized suite,
+`scripts/fuzz_exactness.py`). Run in `jax.shard_map` the same shards give the exact gradient.
+So apply runs every convolution there: its input, kernel and output split as the operator's
+config splits their dims (a grouped one's channels in whole groups, `soapjax._dims`; each
+device convolving its channels' groups, ``feature_group_count`` divided by the channels'
+split), its input channels' partial sums reduced by a ``psum`` over the axes that split them.
+A convolution split spatially (plans refuse those unless told otherwise) is left to XLA, which
+exchanges the halo.
 
     >>> import jax, jax.numpy as jnp
     >>> from soapjax.graph import trace
@@ -43,7 +48,7 @@ from jax.sharding import Mesh, PartitionSpec
 from soapjax.graph import OpGraph
 from soapjax.space import Config
 
-__all__ = ["grouped_conv_units", "manual_calls", "split_top_k_units"]
+__all__ = ["conv_units", "manual_calls", "split_top_k_units"]
 
 
 def split_top_k_units(graph: OpGraph, j: int, cfg: Config) -> dict[int, PartitionSpec]:
@@ -65,29 +70,32 @@ def split_top_k_units(graph: OpGraph, j: int, cfg: Config) -> dict[int, Partitio
     return out
 
 
-def grouped_conv_units(graph: OpGraph, j: int, cfg: Config
-                       ) -> dict[int, tuple[PartitionSpec, PartitionSpec, PartitionSpec]]:
-    """Operator `j`'s grouped convolutions (``feature_group_count > 1``) when `cfg` splits
-    anything: program unit -> the specs of its input, kernel and output (module doc)."""
-    if not cfg.used_axes:
-        return {}
+def conv_units(graph: OpGraph, j: int, cfg: Config
+               ) -> dict[int, tuple[PartitionSpec, PartitionSpec, PartitionSpec, tuple[str, ...]]]:
+    """Operator `j`'s convolutions under `cfg`: program unit -> the specs of its input, kernel
+    and output, and the mesh axes its partial sums are reduced over (its input channels'
+    split). A convolution `cfg` splits spatially (a halo to exchange) is left to XLA; one built
+    from constants alone is computed whole, as XLA does (module doc)."""
     prog = graph.program
     loc = prog.local[graph.operators[j].name]
-    out: dict[int, tuple[PartitionSpec, PartitionSpec, PartitionSpec]] = {}
+    out: dict[int, tuple[PartitionSpec, PartitionSpec, PartitionSpec, tuple[str, ...]]] = {}
     for i in loc.units:
         u = prog.units[i]
-        if u.eqn.primitive.name != "conv_general_dilated" \
-                or u.eqn.params["feature_group_count"] == 1:
+        if u.eqn.primitive.name != "conv_general_dilated":
             continue
         if any(v not in loc.lab for v in (*u.ins[:2], u.outs[0])):
-            continue  # built from constants alone: computed whole, as XLA does
+            continue
 
-        def spec(v: int) -> PartitionSpec:
-            dims = [loc.labels.lookup(x, loc.iter_of) for x in loc.lab[v]]
-            return PartitionSpec(*(_axes(cfg.axes[d]) if d is not None else None
-                                   for d in dims))
+        def axes_of(v: int) -> list[tuple[str, ...]]:
+            return [tuple(cfg.axes[d]) if (d := loc.labels.lookup(x, loc.iter_of)) is not None
+                    else () for x in loc.lab[v]]
 
-        out[i] = (spec(u.ins[0]), spec(u.ins[1]), spec(u.outs[0]))
+        lhs, rhs, res = axes_of(u.ins[0]), axes_of(u.ins[1]), axes_of(u.outs[0])
+        dn = u.eqn.params["dimension_numbers"]
+        if any(lhs[d] for d in dn.lhs_spec[2:]) or any(res[d] for d in dn.out_spec[2:]):
+            continue  # split spatially: XLA exchanges the halo
+        reduced = tuple(a for a in lhs[dn.lhs_spec[1]] if a not in res[dn.out_spec[1]])
+        out[i] = (_spec(lhs), _spec(rhs), _spec(res), reduced)
     return out
 
 
@@ -95,23 +103,22 @@ def manual_calls(graph: OpGraph, configs: Sequence[Config], mesh: Mesh
                  ) -> dict[int, Callable[..., list]]:
     """Program unit -> its computation, for `OpGraph.evaluate`'s and
     `soapjax._local.operator_fn`'s ``calls``: each ``top_k`` equation whose rows its
-    operator's config splits, and each grouped convolution its config splits, run in
-    `jax.shard_map` (module doc)."""
+    operator's config splits, and each convolution, run in `jax.shard_map` (module doc)."""
     calls: dict[int, Callable[..., list]] = {}
     for j, cfg in enumerate(configs):
         for i, spec in split_top_k_units(graph, j, cfg).items():
             calls[i] = _local(graph.program.units[i].eqn, spec, mesh)
-        for i, specs in grouped_conv_units(graph, j, cfg).items():
-            calls[i] = _grouped_conv(graph.program.units[i].eqn, *specs, mesh)
+        for i, specs in conv_units(graph, j, cfg).items():
+            calls[i] = _conv(graph.program.units[i].eqn, *specs, mesh)
     return calls
 
 
-def _axes(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
-    return (axes[0] if len(axes) == 1 else axes) if axes else None
+def _spec(axes: Sequence[tuple[str, ...]]) -> PartitionSpec:
+    return PartitionSpec(*((a[0] if len(a) == 1 else a) if a else None for a in axes))
 
 
-def _grouped_conv(eqn, lhs: PartitionSpec, rhs: PartitionSpec, out: PartitionSpec,
-                  mesh: Mesh) -> Callable[..., list]:
+def _conv(eqn, lhs: PartitionSpec, rhs: PartitionSpec, out: PartitionSpec,
+          reduced: tuple[str, ...], mesh: Mesh) -> Callable[..., list]:
     channel = eqn.params["dimension_numbers"].lhs_spec[1]
     full = eqn.invars[0].aval.shape[channel]
 
@@ -120,13 +127,14 @@ def _grouped_conv(eqn, lhs: PartitionSpec, rhs: PartitionSpec, out: PartitionSpe
     def local(x, w):
         # `jax.lax.conv_general_dilated`, not the primitive's bind: it casts a kernel replicated
         # over the batch's axes to varying, whose transpose sums its cotangent over them
-        return jax.lax.conv_general_dilated(
+        y = jax.lax.conv_general_dilated(
             x, w, p["window_strides"], p["padding"], p["lhs_dilation"], p["rhs_dilation"],
             p["dimension_numbers"],
             # whole groups per device (`soapjax._dims`)
-            feature_group_count=p["feature_group_count"] * x.shape[channel] // full,
+            feature_group_count=max(1, p["feature_group_count"] * x.shape[channel] // full),
             batch_group_count=p["batch_group_count"], precision=p["precision"],
             preferred_element_type=p["preferred_element_type"])
+        return jax.lax.psum(y, reduced) if reduced else y  # the input channels' partial sums
 
     def run(x: jax.Array, w: jax.Array) -> list:
         return [jax.shard_map(local, mesh=mesh, in_specs=(lhs, rhs), out_specs=out)(x, w)]

@@ -42,8 +42,8 @@ from soapjax.graph import OpGraph
 from soapjax.space import MeshShape
 
 __all__ = ["NUMBERS_TOLERANCE", "TOLERANCE", "GradientComparison", "LeafError",
-           "VerificationError", "compare_gradients", "first_step", "reading_operators",
-           "rounding_tolerance", "step_difference"]
+           "VerificationError", "compare_gradients", "first_step", "narrowest_float",
+           "reading_operators", "rounding_tolerance", "step_difference"]
 
 # The bar per float type: what a different reduction order moves a gradient by, with margin;
 # a wrong sharding moves it by the size of the gradient itself (module doc).
@@ -132,16 +132,21 @@ class GradientComparison:
                 "leaves": [dataclasses.asdict(e) for e in self.leaves]}
 
 
+def narrowest_float(graph: OpGraph) -> str:
+    """The narrowest float type any value of `graph`'s program has (a bfloat16 matmul over
+    float32 parameters: ``"bfloat16"``): what its rounding is."""
+    found = [d for d in set(graph.program.dtypes) if d in TOLERANCE]
+    return max(found, key=lambda d: TOLERANCE[d], default="float32")
+
+
 def rounding_tolerance(graph: OpGraph) -> float:
-    """The bar for `graph`'s gradients: `TOLERANCE` of the narrowest float type any value of
-    its program has (a bfloat16 matmul over float32 parameters: bfloat16's)."""
-    found = [TOLERANCE[d] for d in set(graph.program.dtypes) if d in TOLERANCE]
-    return max(found, default=TOLERANCE["float32"])
+    """The bar for `graph`'s gradients: `TOLERANCE` of its `narrowest_float`."""
+    return TOLERANCE[narrowest_float(graph)]
 
 
 def compare_gradients(loss: Any, grads: Any, reference_loss: Any, reference_grads: Any, *,
-                      tolerance: float, operators: Sequence[str] | None = None
-                      ) -> GradientComparison:
+                      tolerance: float, operators: Sequence[str] | None = None,
+                      computed_in: str | None = None) -> GradientComparison:
     """Each gradient leaf's error relative to its own scale (module doc), and the loss's.
 
     Args:
@@ -150,6 +155,8 @@ def compare_gradients(loss: Any, grads: Any, reference_loss: Any, reference_grad
       reference_loss, reference_grads: the unsharded ones, of the same pytree structure.
       tolerance: the bar (`rounding_tolerance`).
       operators: per leaf (``jax.tree.leaves`` order), the operator that reads it.
+      computed_in: the float type the gradients were computed in, whose rounding sets the
+        floor (`narrowest_float`; default: the coarsest of the two trees' leaf types).
 
     Raises:
       ValueError: the two gradient pytrees differ in structure or in a leaf's shape.
@@ -166,8 +173,13 @@ def compare_gradients(loss: Any, grads: Any, reference_loss: Any, reference_grad
             raise ValueError(f"gradient {jax.tree_util.keystr(path)} has shape {g.shape}, the "
                              f"reference's {w.shape}")
     scales = [float(np.nanmax(np.abs(w), initial=0.0)) for w in want]
-    eps = max((float(np.finfo(w.dtype).eps) for w in want if np.issubdtype(w.dtype, np.inexact)),
-              default=float(np.finfo(np.float32).eps))
+    if computed_in is not None:
+        eps = float(jnp.finfo(computed_in).eps)
+    else:
+        dtypes = {jnp.dtype(x.dtype) for _, x in (*got_leaves, *want_leaves)
+                  if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)}
+        eps = max((float(jnp.finfo(d).eps) for d in dtypes),
+                  default=float(jnp.finfo(jnp.float32).eps))
     floor = max(scales, default=0.0) * min(1.0, _NOISE_TERMS * eps / tolerance)
     leaves = []
     for k, ((path, _), g, w, scale) in enumerate(zip(want_leaves, got, want, scales)):
@@ -221,7 +233,8 @@ def first_step(graph: OpGraph, strategy: Any, mesh: Mesh, loss_fn: Callable[[Any
         jax.device_put(host_params, device), jax.device_put(host_batch, device))
     return compare_gradients(loss, grads, ref_loss, ref_grads,
                              tolerance=rounding_tolerance(graph) if tolerance is None
-                             else tolerance, operators=reading_operators(graph))
+                             else tolerance, operators=reading_operators(graph),
+                             computed_in=narrowest_float(graph))
 
 
 def step_difference(out: Any, reference: Any) -> float:

@@ -220,18 +220,20 @@ def jit(fn: Callable, **kwargs) -> Callable:
     return jax.jit(fn, compiler_options=FAST_COMPILE, **kwargs)
 
 
-def relative_error(got: Any, want: Any, tolerance: float = X64_TOL) -> float:
+def relative_error(got: Any, want: Any, tolerance: float = X64_TOL,
+                   computed_in: str | None = None) -> float:
     """The largest over the leaves of max |got - want| over that leaf's own max |want|, each
     leaf against its own scale (a leaf whose true gradient is zero against the floor:
-    `soapjax.exactness.compare_gradients`, whose floor depends on `tolerance`); NaN stays NaN.
+    `soapjax.exactness.compare_gradients`, whose floor depends on `tolerance` and the float
+    type the gradients were `computed_in`, default the leaves' own); NaN stays NaN.
     One global scale would hide a small leaf's wrong gradient under a large leaf's."""
     got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
     assert len(got_leaves) == len(want_leaves), (len(got_leaves), len(want_leaves))
     for g, w in zip(got_leaves, want_leaves):
         assert np.shape(g) == np.shape(w), (np.shape(g), np.shape(w))
-    err = compare_gradients(0.0, [np.asarray(g, np.float64) for g in got_leaves], 0.0,
-                            [np.asarray(w, np.float64) for w in want_leaves],
-                            tolerance=tolerance).max_error
+    err = compare_gradients(0.0, [np.asarray(g) for g in got_leaves], 0.0,
+                            [np.asarray(w) for w in want_leaves], tolerance=tolerance,
+                            computed_in=computed_in).max_error
     return float("nan") if math.isinf(err) else err
 
 
@@ -304,9 +306,14 @@ def tolerance(name: str, x64: bool) -> float:
     return TOLERANCE.get(name, (X64_TOL, F32_TOL))[0 if x64 else 1]
 
 
+def computed_in(c: Case) -> str:
+    """The float type the case's gradients are computed in (its rounding)."""
+    return "bfloat16" if c.name in TOLERANCE else "float64" if c.x64 else "float32"
+
+
 def check_grads(c: Case, got: Any, where: str) -> None:
     tol = tolerance(c.name, c.x64)
-    err = relative_error(got, c.ref_grads, tol)
+    err = relative_error(got, c.ref_grads, tol, computed_in=computed_in(c))
     print(f"{c.name} {where}: relative gradient error {err:.3g}")
     assert err <= tol, (f"{c.name} {where}: relative gradient error {err:.3g} > {tol}; "
                         f"worst leaf {worst_leaf(got, c.ref_grads)}")
@@ -363,7 +370,8 @@ def test_shard_training_float32_step_matches(name):
     c = case(name, x64=False)
     after, loss = sgd_step(c, searched(name))
     update = jax.tree.map(lambda p, q: np.asarray(p, np.float64) - q, c.params, after)
-    err = relative_error(update, c.ref_grads, tolerance(c.name, c.x64))
+    err = relative_error(update, c.ref_grads, tolerance(c.name, c.x64),
+                         computed_in=computed_in(c))
     print(f"{name} float32 searched: loss {loss:.7g} vs {c.ref_loss:.7g}, update error {err:.3g}")
     assert loss == pytest.approx(c.ref_loss, rel=tolerance(c.name, c.x64), abs=0)
     assert err <= tolerance(c.name, c.x64), f"{err:.3g}; {worst_leaf(update, c.ref_grads)}"

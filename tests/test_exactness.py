@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -382,3 +383,24 @@ def test_a_layer_equation_dead_in_all_but_the_last_layer_stays_in_every_layer():
         c = first_step(graph, space.data_parallel(graph, MESH_SHAPE), make_mesh(TOPOLOGY), loss,
                        params, {"x": x}, compiler_options=FAST)
     assert c.max_error <= X64, c.describe()
+
+
+def test_resnet18_split_across_two_later_operators_keeps_an_earlier_kernel_gradient():
+    """The randomized suite's first find, shrunk (`scripts/fuzz_exactness.py`, seed 27 on
+    cpu8-nodes): ResNet-18 with one BatchNorm's batch over `model` and channels over `node` and
+    `data`, and the next stage's projection convolution's batch over `data`, output channels
+    over `model` and input channels over `node`, everything else replicated. Left to XLA's
+    partitioner, stage2_block1/Conv_1's kernel gradient was 2.57 of its scale off; every
+    convolution now runs in `jax.shard_map` (`soapjax._manual`)."""
+    import fuzzing
+
+    topology = load_topology(str(Path(__file__).resolve().parent / "meshes" / "cpu8-nodes.toml"))
+    s = fuzzing.subject("corpus:resnet18")
+    strategy = space.Strategy(tuple(Config.replicated(op) for op in s.graph.operators))
+    for name, axes in {"stage2_block2/BatchNorm_1": (("model",), (), (), ("node", "data")),
+                       "stage3_block1/proj_conv": (("data",), (), (), ("model",), ("node",))
+                       }.items():
+        strategy = strategy.replace(s.graph.index(name), Config(axes))
+    out = fuzzing.check(s, strategy, topology)
+    assert out.comparison is not None, out.refused
+    assert out.comparison.max_error <= X64, out.comparison.describe()

@@ -1,0 +1,127 @@
+"""The randomized exactness suite's long run: thousands of seeded random strategies, each
+applied on 8 virtual CPU devices and held to ``jax.grad`` of the user's loss in float64.
+
+    python scripts/fuzz_exactness.py --strategies 2000 --out fuzz.json   # about an hour
+    python scripts/fuzz_exactness.py --only corpus:convnext --strategies 50
+
+Subjects and strategies are `tests/fuzzing.py`'s (every corpus model and the zoo's tiny models
+with a layer scan, experts and flash attention; configs from the SOAP space with up to two
+mesh axes on a dim, recomputation, microbatches, ZeRO-3 and distributed-optimizer axes, ring
+attention, pipeline stages with every schedule and interleave the model allows), drawn round
+robin over the subjects and over two topologies: ``cpu8`` (data=2 x model=4) and
+``cpu8-nodes`` (node=2 x data=2 x model=2, where stages cut the node axis). Each is compared
+leaf by leaf (`soapjax.exactness`): the loss and every gradient leaf within 1e-9 of its own
+scale. A strategy apply refuses (a `PlanError`) is counted apart, not as a failure. A failure
+is shrunk (`fuzzing.shrink`) to the fewest choices that still fail and printed with its seed;
+keep it as a test. Progress goes to stderr; the JSON at ``--out`` has every count, per subject.
+Exit status 1 when anything failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import fuzzing  # noqa: E402
+import numpy as np  # noqa: E402
+
+from soapjax.topology import load_topology  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--strategies", type=int, default=2000, help="strategies compared in all "
+                   "(refused ones not counted; default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="the first strategy's seed")
+    p.add_argument("--only", nargs="*", default=None, metavar="SUBJECT",
+                   help=f"subjects to fuzz (default: all {len(fuzzing.names())}; e.g. "
+                   "corpus:convnext zoo:gpt:tiny)")
+    p.add_argument("--out", default=None, help="write the counts as JSON here")
+    p.add_argument("--no-shrink", dest="shrink", action="store_false",
+                   help="report failures as drawn, without shrinking them")
+    args = p.parse_args(argv)
+    names = args.only or fuzzing.names()
+    unknown = [n for n in names if n not in fuzzing.names()]
+    if unknown:
+        p.error(f"unknown subjects {unknown}; expected some of {fuzzing.names()}")
+    topologies = [load_topology("cpu8"), load_topology(str(ROOT / "tests" / "meshes"
+                                                           / "cpu8-nodes.toml"))]
+    counts = {n: {"compared": 0, "refused": 0, "failed": 0, "worst": 0.0, "pipelined": 0,
+                  "seconds": 0.0} for n in names}
+    failures: list[dict] = []
+    refusals: dict[str, int] = {}
+    start, compared, draws = time.time(), 0, 0
+    while compared < args.strategies:
+        name = names[draws % len(names)]
+        topology = topologies[(draws // len(names)) % len(topologies)]
+        seed = args.seed + draws
+        draws += 1
+        t0 = time.time()
+        s = fuzzing.subject(name)
+        strategy = fuzzing.draw(s, topology, np.random.default_rng(seed))
+        out = fuzzing.check(s, strategy, topology)
+        c = counts[name]
+        c["seconds"] += time.time() - t0
+        if out.comparison is None:
+            c["refused"] += 1
+            reason = out.refused.split(";")[0][:120]
+            refusals[reason] = refusals.get(reason, 0) + 1
+            continue
+        compared += 1
+        c["compared"] += 1
+        c["pipelined"] += int(strategy.pipelined)
+        c["worst"] = max(c["worst"], out.comparison.max_error)
+        if out.failed:
+            c["failed"] += 1
+            small = fuzzing.shrink(s, strategy, topology) if args.shrink else strategy
+            failures.append({"subject": name, "topology": topology.name, "seed": seed,
+                             "strategy": fuzzing.describe(strategy, s.graph),
+                             "shrunk": fuzzing.describe(small, s.graph),
+                             "split": {op.name: [list(a) for a in cfg.axes]
+                                       for op, cfg in zip(s.graph.operators, small.configs)
+                                       if cfg.used_axes},
+                             "comparison": out.comparison.describe()})
+            print(f"\nFAIL {name} on {topology.name} seed {seed}: {failures[-1]['shrunk']}; "
+                  f"{out.comparison.describe()}", file=sys.stderr)
+        if compared % 10 == 0 or compared == args.strategies:
+            sys.stderr.write(f"\r{compared}/{args.strategies} strategies compared "
+                             f"({sum(x['refused'] for x in counts.values())} refused, "
+                             f"{len(failures)} failed) in {time.time() - start:.0f} s")
+            sys.stderr.flush()
+    sys.stderr.write("\n")
+    total = {"strategies": compared, "draws": draws,
+             "refused": sum(c["refused"] for c in counts.values()),
+             "failed": len(failures), "subjects": len(names),
+             "pipelined": sum(c["pipelined"] for c in counts.values()),
+             "worst": max(c["worst"] for c in counts.values()),
+             "seconds": round(time.time() - start, 1)}
+    print(f"{'subject':<40}{'compared':>9}{'refused':>9}{'failed':>8}{'worst error':>13}")
+    for n, c in counts.items():
+        print(f"{n:<40}{c['compared']:>9}{c['refused']:>9}{c['failed']:>8}{c['worst']:>13.2e}")
+    print(f"{compared} strategies over {len(names)} subjects ({total['pipelined']} pipelined, "
+          f"{total['refused']} more refused by apply) in {total['seconds']:.0f} s: "
+          f"{len(failures)} failed; worst error {total['worst']:.2e} (bar {fuzzing.TOLERANCE:g})")
+    for reason, n in sorted(refusals.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"refused {n:>5} x  {reason}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"total": total, "subjects": counts,
+                                              "failures": failures, "refusals": refusals},
+                                             indent=1))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
