@@ -13,6 +13,20 @@ The stage modules keep their names (`soapjax.search.search`, `soapjax.simulate.s
 function re-exported here under its module's name would hide the module.
 """
 
+import os as _os
+import signal as _signal
+import sys as _sys
+
+if _os.path.basename(_sys.argv[0] if _sys.argv else "") == "soapjax" \
+        and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+    # The command line, starting: Ctrl-C while jax and the stages import ends it in one line
+    # (`soapjax.cli.main` takes Ctrl-C over once it runs).
+    def _interrupted_while_starting(signum, frame):
+        _os.write(2, b"\nsoapjax: interrupted while starting\n")
+        _os._exit(130)
+
+    _signal.signal(_signal.SIGINT, _interrupted_while_starting)
+
 from soapjax.apply import sharded_train_step as sharded_train_step
 from soapjax.errors import (
     ArgumentError as ArgumentError,

@@ -59,3 +59,16 @@ def check_optimizer(optimizer: Any, where: str) -> None:
         optimizer.isidentifier() else "optax.adam(learning_rate)"
     raise ArgumentError(f"{where}: expected optimizer to be an optax GradientTransformation "
                         f"(with init and update), found {_found(optimizer)}; pass e.g. {hint}")
+
+
+def check_costs(costs: Any, where: str) -> None:
+    """ArgumentError unless `costs` is one of the cost sources' names or a cost model."""
+    if not isinstance(costs, str) or costs in COST_SOURCES:
+        return
+    raise ArgumentError(f"{where}: expected costs to be one of {', '.join(map(repr, COST_SOURCES))}"
+                        f" or a soapjax.cost.CostModel, found {_found(costs)}")
+
+
+# The names `costs=` takes: measured where the topology's devices are attached, else analytic;
+# measured; analytic (the roofline of the topology's device).
+COST_SOURCES = ("auto", "measured", "analytic")

@@ -39,10 +39,15 @@ from soapjax.space import (
     spatial_convolution,
 )
 
-__all__ = ["MICROBATCH_MOVES", "OPTIMIZER_MOVES", "RECOMPUTE_MOVES", "RING_MOVES", "Progress",
-           "SearchSettings", "random_strategy"]
+__all__ = ["MAX_BUDGET_S", "MAX_PROPOSALS", "MICROBATCH_MOVES", "OPTIMIZER_MOVES",
+           "RECOMPUTE_MOVES", "RING_MOVES", "Progress", "SearchSettings", "random_strategy"]
 
 Progress = Callable[[str], None]
+
+# A budget or a proposal count past these never ends on any machine (a week; ten million
+# proposals per chain, hours at the fastest rates the search reaches): refused, not waited on.
+MAX_BUDGET_S = 7 * 24 * 3600
+MAX_PROPOSALS = 10**7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +92,11 @@ class SearchSettings:
         if self.simulation not in ("delta", "full"):
             raise SettingsError(f"SearchSettings.simulation must be 'delta' or 'full', got "
                                 f"{self.simulation!r}")
-        _check_number("budget_s", self.budget_s, 0.0, "a number of seconds >= 0")
+        _check_number("budget_s", self.budget_s, 0.0,
+                      f"a number of seconds from 0 to {MAX_BUDGET_S} (a week)", MAX_BUDGET_S)
         if self.max_proposals is not None:
-            _check_number("max_proposals", self.max_proposals, 1, "None or an integer >= 1")
+            _check_number("max_proposals", self.max_proposals, 1,
+                          f"None or an integer from 1 to {MAX_PROPOSALS:,}", MAX_PROPOSALS)
         _check_number("seed", self.seed, 0, "an integer >= 0")
         _check_number("num_random", self.num_random, 0, "an integer >= 0")
         _check_number("temperature", self.temperature, math.ulp(0.0), "a number > 0")
@@ -100,11 +107,13 @@ class SearchSettings:
         return d
 
 
-def _check_number(name: str, value: object, low: float, expected: str) -> None:
-    """SettingsError unless `value` is a finite number >= `low` (an integer if `low` is)."""
+def _check_number(name: str, value: object, low: float, expected: str,
+                  high: float = math.inf) -> None:
+    """SettingsError unless `value` is a finite number from `low` to `high` (an integer if
+    `low` is)."""
     kind = numbers.Integral if isinstance(low, int) else numbers.Real
     if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) \
-            or value < low:
+            or not low <= value <= high:
         raise SettingsError(f"SearchSettings.{name} must be {expected}, got {value!r}")
 
 

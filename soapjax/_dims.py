@@ -578,7 +578,11 @@ def _scatter(ls: LabelSet, p, ins, in_shapes) -> Labels:
     """A scatter's result is its operand, dim for dim; the updates' window dims are the
     operand's dims (those it does not insert), its other dims the indices' leading dims.
     (``x.at[:, 0].set(0)`` on a split batch: the updates, a broadcast constant, are split with
-    the batch, where they kept its whole extent.)"""
+    the batch, where they kept its whole extent.) The operand dims its indices point into are
+    never split (a grain of 1): XLA's partitioners (jax 0.10.2, both) write a shifted window
+    wrongly across a split there (``x.at[:, 1:].set(y[:, :-1])`` with the sequence split in
+    two: the second half's first column lost; T5's labels shifted right, found by
+    `scripts/fuzz_exactness.py`)."""
     dn = p["dimension_numbers"]
     operand, indices, updates = (x or ls.fresh_many(s) for x, s in zip(ins, in_shapes))
     skip = set(dn.inserted_window_dims) | set(getattr(dn, "operand_batching_dims", ()))
@@ -592,6 +596,8 @@ def _scatter(ls: LabelSet, p, ins, in_shapes) -> Labels:
     for od, idx_d in zip(getattr(dn, "operand_batching_dims", ()),
                          getattr(dn, "scatter_indices_batching_dims", ())):
         ls.union(operand[od], indices[idx_d])
+    for od in dn.scatter_dims_to_operand_dims:  # where the indices point: never split
+        ls.grain(operand[od], 1)
     return tuple(operand)
 
 

@@ -239,10 +239,12 @@ class _Layouts:
                 out.append((None, None))
                 continue
             sharding, back = self._sharding(axes), None
-            if x.kind == "activation" and cfg.cotangent_partials(x, self.shape.axis_names):
+            partials = cfg.cotangent_partials(x, self.shape.axis_names)
+            if x.kind == "activation" and partials:
                 p = self.graph.index(x.source)
                 src = self.outputs(p)[x.index]
-                if src.spec != sharding.spec:
+                if src.spec != sharding.spec and _reduce_scatters(sharding.spec, src.spec,
+                                                                  partials, len(x.shape)):
                     back = src
             out.append((sharding, back))
         return out
@@ -273,6 +275,23 @@ class _Layouts:
         def hook(v: int, value: Any) -> Any:
             return jax.lax.with_sharding_constraint(value, sharding) if v == vid else value
         return hook
+
+
+def _reduce_scatters(spec: PartitionSpec, producer: PartitionSpec, partials: Sequence[str],
+                     ndim: int) -> bool:
+    """Whether a cotangent laid out as `spec`, a partial sum over `partials`, reaches the
+    producer's layout by reducing those axes into its dims alone: every dim keeps its axes and
+    gains only partial ones (Megatron's sequence parallelism: the sequence dim gains ``model``).
+    Only then is the cotangent constrained to the producer's layout (`_Layouts.operands`): one
+    that also moves an axis between dims (heads over ``data`` -> the sequence over ``data``,
+    heads over ``model``) made XLA's partitioners (Shardy and GSPMD, jax 0.10.2) compute a
+    wrong gradient upstream (nnx_scan_transformer, found by `scripts/fuzz_exactness.py`)."""
+    def dims(p: PartitionSpec) -> list[tuple[str, ...]]:
+        out = [(a,) if isinstance(a, str) else tuple(a or ()) for a in p]
+        return out + [()] * (ndim - len(out))
+
+    return all(b[:len(f)] == f and set(b[len(f):]) <= set(partials)
+               for f, b in zip(dims(spec), dims(producer)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))

@@ -145,6 +145,10 @@ class _Builder:
                 self.consumers.setdefault(v, []).append(i)
         self.is_output = set(program.outputs)
 
+    def sample_coupling(self) -> str:
+        """Where the traced step's samples interact, or '' (see `_Coupling`)."""
+        return _Coupling(self).find()
+
     def build(self) -> tuple[list[Operator], list[str]]:
         self._global_labels()
         self._stacks()
@@ -728,3 +732,86 @@ def mark_unrolled_layers(ops: list[Operator]) -> list[Operator]:
         depth += 1
     return [op if op.block_position == p else dataclasses.replace(op, block_position=p)
             for op, p in zip(ops, position)]
+
+
+# How a value depends on the batch, for `_Coupling`.
+_CONST, _SAMPLE, _LINEAR = 0, 1, 2
+# Reductions linear in what they reduce: a sum over samples is the sum of the microbatches'.
+_LINEAR_REDUCTIONS = frozenset({"reduce_sum", "psum", "dot_general"})
+# What keeps a value that is linear in the batch linear (with constants, or another such).
+_LINEAR_OPS = frozenset({"add", "add_any", "sub", "neg", "convert_element_type", "reshape",
+                         "broadcast_in_dim", "squeeze", "expand_dims", "copy", "copy_p",
+                         "stop_gradient", "transpose", "mul", "div", "pjit", "jit"})
+
+
+class _Coupling:
+    """Whether the samples of a batch interact in the traced step: what microbatches need.
+
+    Gradient accumulation over M microbatches computes the step's loss as the mean of the
+    microbatches' losses, which is the whole batch's loss exactly when that loss is a sum over
+    the samples, times a constant, of what each sample computes on its own. Every value is
+    classed, in program order: *constant* (no batch in it), *per sample* (has the sample dim,
+    or is computed from per-sample values and constants), *linear in the batch* (a sum over the
+    sample dim, and sums, differences and constant multiples of such). The samples *interact*
+    where a value linear in the batch meets a per-sample one (a batch norm's mean subtracted
+    from each sample, a mixture of experts' capacity from a count of the batch's tokens), where
+    two such values multiply or divide (a mean over the batch's unmasked tokens: a sum over a
+    sum; a load-balancing loss: a mean times a mean), where a nonlinear function takes one (a
+    square), where the sample dim is reduced other than by a sum (a max over the batch, a
+    cumulative sum over its tokens), or where a loop takes the batch in and gives no sample dim
+    out. `find` names the first such equation and its operator.
+    """
+
+    def __init__(self, builder: _Builder):
+        self.b = builder
+
+    def _per_sample(self, vid: int) -> bool:
+        return any(self.b.role(vid, d) == "S" for d in range(len(self.b.p.shapes[vid])))
+
+    def find(self) -> str:
+        b, p = self.b, self.b.p
+        state = {v: _SAMPLE for v in b.batch_of}
+        for i, u in enumerate(p.units):
+            ins = [state.get(v, _CONST) for v in u.ins]
+            name = u.eqn.primitive.name
+            outs = [v for v in u.outs if v is not None]
+            if not any(ins):
+                continue  # constants only
+            why = ""
+            if _LINEAR in ins:
+                if _SAMPLE in ins:
+                    why = "a statistic of the whole batch meets each sample"
+                elif name not in _LINEAR_OPS:
+                    why = f"{name} of a statistic of the whole batch"
+                elif name in ("mul", "dot_general") and ins.count(_LINEAR) > 1:
+                    why = "a product of two statistics of the whole batch"
+                elif name == "div" and ins[1:] and ins[1] == _LINEAR:
+                    why = "a division by a statistic of the whole batch"
+                new = _LINEAR
+            elif all(self._per_sample(v) for v in outs):
+                new = _SAMPLE
+            elif name in _LINEAR_REDUCTIONS and self._sums_samples(u):
+                new = _LINEAR
+            else:
+                why = (f"{name} over the sample dim" if name.startswith(("reduce_", "cum",
+                                                                        "arg", "sort", "top_k"))
+                       else f"{name} takes the batch in and gives no sample dim out")
+            if why:
+                return f"{why} ({name} in operator {self._operator_of(i)!r})"
+            state.update((v, new) for v in outs)
+        return ""
+
+    def _sums_samples(self, u) -> bool:
+        """Whether `u` (a linear reduction) sums over a sample dim of a per-sample operand."""
+        name, params = u.eqn.primitive.name, u.eqn.params
+        if name == "dot_general":
+            (lc, rc), _ = params["dimension_numbers"]
+            return any(self.b.role(u.ins[0], d) == "S" for d in lc) or \
+                any(self.b.role(u.ins[1], d) == "S" for d in rc)
+        axes = params.get("axes", ())
+        return any(isinstance(d, int) and self.b.role(v, d) == "S"
+                   for v in u.ins[:1] for d in axes) or name == "psum"
+
+    def _operator_of(self, i: int) -> str:
+        local = self.b.p.local
+        return next((name for name, loc in local.items() if i in loc.units), "")

@@ -29,7 +29,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from soapjax._program import LayerScan
 from soapjax.errors import PlanError
 from soapjax.graph import OpGraph
-from soapjax.memory import random_operator
+from soapjax.memory import coupled_samples, random_operator
 from soapjax.pipeline import check_pipeline, check_stage_layers, stage_routes
 from soapjax.space import RECOMPUTE_POLICIES, MeshShape, RecomputePolicy, Strategy, batch_specs
 
@@ -91,6 +91,11 @@ def check_pipelinable(graph: OpGraph, *, stages: int, microbatches: int, virtual
     `stage_layers`), the batch into M microbatches, no random bits drawn, and a schedule the
     numbers make a pipeline of."""
     check_pipeline(schedule, stages, microbatches, virtual)
+    if microbatches > 1 and (why := coupled_samples(graph)):
+        raise PlanError(f"graph {graph.name!r}: its samples interact ({why}); a pipeline's "
+                        f"{microbatches} microbatches would compute that per microbatch; "
+                        "pipeline it with one microbatch, or trace with "
+                        "microbatch_statistics=True")
     if (random := random_operator(graph)) is not None:
         raise PlanError(f"graph {graph.name!r}: operator {random!r} draws random bits "
                         f"(dropout); pipelined microbatches would draw other masks than the "

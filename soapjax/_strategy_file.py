@@ -56,6 +56,10 @@ def parse_strategy(graph: OpGraph, topology: Topology, spec: str | Mapping[str, 
     mesh = MeshShape.of(topology)
     if isinstance(spec, str):
         if spec in baselines.NAMES:
+            note = baselines.batch_split_note(graph, mesh)
+            if spec == "data-parallel" and note:
+                raise PlanError(f"--strategy data-parallel: {note}; give such a batch "
+                                "(--batch-size), or another strategy")
             by_name = baselines.baselines(graph, topology, family)
             return by_name[spec] if spec in by_name else baselines.baselines(graph, topology)[spec]
         path, spec = spec, _read_strategy_file(spec)

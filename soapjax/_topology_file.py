@@ -144,6 +144,9 @@ _UNITS: dict[str, dict[str, float]] = {
     "seconds": {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9},
     "FLOP/s": {"FLOP/s": 1.0, "GFLOP/s": 1e9, "TFLOP/s": 1e12, "PFLOP/s": 1e15},
 }
+# Past these a figure is a typo (a device's memory of 1e308 GB): a exabyte of memory, an exabyte
+# per second, a zettaFLOP/s, a day's latency.
+_LARGEST = {"bytes": 1e18, "bytes/s": 1e18, "FLOP/s": 1e21, "seconds": 86400.0}
 _QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z/]+)\s*$")
 
 
@@ -155,6 +158,10 @@ def _quantity(value: object, unit: str, where: str, *, allow_zero: bool = False)
     )
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         x = float(value)
+    elif isinstance(value, str) and value.strip().startswith("-") \
+            and (m := _QUANTITY.match(value.strip()[1:])) and m.group(2) in units:
+        raise TopologyError(f"{where}: {value!r} is negative; expected a positive {unit}, e.g. "
+                            f"{example}")
     elif isinstance(value, str) and (m := _QUANTITY.match(value)) and m.group(2) in units:
         x = float(m.group(1)) * units[m.group(2)]
     else:
@@ -162,8 +169,15 @@ def _quantity(value: object, unit: str, where: str, *, allow_zero: bool = False)
             f"{where}: expected {unit} as a number or a string like {example} "
             f"(units: {', '.join(units)}), found {value!r}"
         )
-    if not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
-        raise TopologyError(f"{where}: expected a positive {unit}, found {value!r}")
+    if not math.isfinite(x) or x > _LARGEST.get(unit, math.inf):
+        raise TopologyError(f"{where}: {value!r} is too large for any device or link; expected "
+                            f"a finite {unit} up to {_LARGEST.get(unit, math.inf):g}, e.g. "
+                            f"{example}")
+    if x < 0:
+        raise TopologyError(f"{where}: {value!r} is negative; expected a positive {unit}, e.g. "
+                            f"{example}")
+    if x == 0 and not allow_zero:
+        raise TopologyError(f"{where}: expected a positive {unit}, found {value!r} (zero)")
     return x
 
 

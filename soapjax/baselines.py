@@ -48,12 +48,26 @@ from soapjax.space import (
 )
 from soapjax.topology import stage_topology
 
-__all__ = ["BASELINES", "NAMES", "Baseline", "baselines", "expert", "expert_dim",
-           "expert_parallel_axes", "fsdp", "intra_node_axes", "maxtext_moe", "megatron",
-           "megatron_3d", "megatron_grid", "microbatch_sizes", "sequence_dims", "tensor_axes",
-           "with_recompute"]
+__all__ = ["BASELINES", "NAMES", "Baseline", "baselines", "batch_split_note", "expert",
+           "expert_dim", "expert_parallel_axes", "fsdp", "intra_node_axes", "maxtext_moe",
+           "megatron", "megatron_3d", "megatron_grid", "microbatch_sizes", "sequence_dims",
+           "tensor_axes", "with_recompute"]
 
 _DENSE = ("dot_general", "ragged_dot_general", "conv_general_dilated", "scan")
+
+
+def batch_split_note(graph: OpGraph, mesh: MeshShape) -> str | None:
+    """Why data parallelism cannot use the mesh for `graph`'s batch, or None: a batch that no
+    mesh axis divides leaves the ``"data-parallel"`` baseline replicated, every device
+    computing the whole step (it is still scored, as what such a batch gives)."""
+    n = graph.batch_size
+    if not graph.batch or mesh.size == 1 or dividing_axes(n, mesh.axis_names, mesh):
+        return None
+    sizes = sorted({s for s in mesh.axis_sizes if s > 1})
+    return (f"the batch of {n} samples divides over no mesh axis "
+            f"({', '.join(f'{a}={s}' for a, s in zip(mesh.axis_names, mesh.axis_sizes))}), so "
+            f"data parallelism splits nothing: every device computes the whole batch; a batch "
+            f"that {' or '.join(map(str, sizes))} divides splits it")
 
 
 def intra_node_axes(topology) -> tuple[str, ...]:

@@ -30,11 +30,18 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
+import optax
 
 from soapjax import apply, hlo
 from soapjax._timing import median_call
 from soapjax.cost import cost_model
-from soapjax.exactness import NUMBERS_TOLERANCE, GradientComparison, first_step, step_difference
+from soapjax.exactness import (
+    NUMBERS_TOLERANCE,
+    GradientComparison,
+    first_step,
+    reference_value_and_grad,
+    step_difference,
+)
 from soapjax.flops import step_flops
 from soapjax.graph import trace
 from soapjax.hlo import HloFlops, hlo_flops
@@ -42,7 +49,7 @@ from soapjax.plan import Plan
 from soapjax.reshard import DEFAULT_MODE, Resharder
 from soapjax.simulate import opt_state_factor, simulate
 from soapjax.space import MeshShape
-from soapjax.topology import load_topology, make_mesh
+from soapjax.topology import Topology, make_mesh
 
 __all__ = ["BYTES_TOLERANCE", "NUMBERS_TOLERANCE", "CheckResult", "TrainWorkload",
            "compare_on_devices", "compiled_flops"]
@@ -151,13 +158,15 @@ class CheckResult:
                 g = dataclasses.replace(g, tolerance=gradient_tolerance)
             lines.append(g.describe())
             passed = g.passed
-        numbers = self.max_abs_diff <= tolerance
+        numbers = self.max_abs_diff <= tolerance and not math.isnan(self.reference_loss)
         xla, pred = self.hlo_collective_bytes, self.predicted_collective_bytes
         ratio = pred / xla if xla else (1.0 if not pred else math.inf)
         collectives = abs(ratio - 1.0) <= bytes_tolerance
         lines += [
-            (f"{'PASS' if numbers else 'FAIL'} step: largest difference from the unsharded "
-             f"step {self.max_abs_diff:.3g} (bar {tolerance:g}, absolute)"),
+            ("FAIL step: the unsharded step's own loss is NaN, so there is nothing to compare "
+             "against; check the model and its inputs first" if math.isnan(self.reference_loss)
+             else f"{'PASS' if numbers else 'FAIL'} step: largest difference from the "
+             f"unsharded step {self.max_abs_diff:.3g} (bar {tolerance:g}, absolute)"),
             (f"{'PASS' if collectives else 'FAIL'} collectives: predicted / XLA bytes "
              f"{ratio:.3f} (bar 1 \u00b1 {bytes_tolerance:g}; off by "
              f"{abs(ratio - 1.0):.1%})"),
@@ -235,7 +244,8 @@ class TrainWorkload(Protocol):
 
 
 def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5, seed: int = 0,
-                       costs: str = "auto", reshard: str = DEFAULT_MODE) -> CheckResult:
+                       costs: str = "auto", reshard: str = DEFAULT_MODE,
+                       topology: Topology | None = None) -> CheckResult:
     """Applies `plan` to `workload` on the attached devices and compares (see the module doc).
 
     What `soapjax check` runs; the command line rebuilds the workload from the plan
@@ -243,20 +253,30 @@ def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5,
     records). The prediction uses the same defaults as `soapjax.search.find_plan`, so it is the
     plan's own predicted step unless `costs` or `reshard` say otherwise.
 
+    `topology` is the plan's own (`Plan.topology_used`: its file, else the shipped one of its
+    name) unless given.
+
     Raises:
-      PlanError: the plan was made for another model, or its topology cannot be built from the
-        attached devices.
+      PlanError: the plan was made for another model or topology, or its topology cannot be
+        found or built from the attached devices.
     """
     w = workload
     graph = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
-    topo = load_topology(plan.topology)
+    topo = topology if topology is not None else plan.topology_used()
     strategy = plan.strategy(graph, topo)
     mesh = make_mesh(topo)
 
     params = w.init_params(jax.random.key(seed))
     batch = w.make_batch(jax.random.key(seed + 1))
     opt_state = w.optimizer.init(params)
-    ref = jax.jit(w.train_step())(params, opt_state, batch)
+    value_and_grad = reference_value_and_grad(w.loss_fn, graph, strategy)
+
+    def unsharded(params, opt_state, batch):
+        loss, grads = value_and_grad(params, batch)
+        updates, opt_state = w.optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    ref = jax.jit(unsharded)(params, opt_state, batch)
 
     step, sh = apply.sharded_train_step(graph, strategy, mesh, w.optimizer, params=params,
                                         batch=batch, mesh_shape=plan.mesh, donate=False)

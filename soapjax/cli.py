@@ -18,11 +18,12 @@ import json
 import math
 import os
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 
-from soapjax.errors import SoapjaxError
+from soapjax.errors import SettingsError, SoapjaxError
 
-__all__ = ["CHECK_FAILED", "INTERRUPTED", "build_parser", "main"]
+__all__ = ["BROKEN_PIPE", "CHECK_FAILED", "INTERRUPTED", "build_parser", "main"]
 
 _EPILOG = """\
 typical use:
@@ -45,19 +46,67 @@ _MODEL_HELP = ("a zoo model (see `soapjax models`), or your own code: path/to/fi
                "batch[, optimizer]) (default: %(default)s)")
 
 
-def _number(kind: type, low: float, what: str):
-    """An argparse type: a finite `kind` >= `low`; anything else is a usage error (exit 2)."""
+def _number(kind: type, low: float, what: str, high: float = math.inf):
+    """An argparse type: a finite `kind` from `low` to `high`; anything else is a usage error
+    (exit 2)."""
 
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not math.isfinite(value) or value < low:
+        if not math.isfinite(value) or not low <= value <= high:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
         return value
 
     return parse
+
+
+class _OneWay(argparse.BooleanOptionalAction):
+    """``--flag`` / ``--no-flag``, refusing both on one command line (the last would win
+    silently)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        seen = f"_given_{self.dest}"
+        if getattr(namespace, seen, None) not in (None, option_string):
+            parser.error(f"{getattr(namespace, seen)} and {option_string} contradict each "
+                         "other; give one of them")
+        setattr(namespace, seen, option_string)
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _check_cache_dir(path: str | None) -> None:
+    """SettingsError unless `path` (a --cache-dir) is a directory or can become one."""
+    if path is None:
+        return
+    from pathlib import Path
+
+    p = Path(path)
+    folder = p
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise SettingsError(f"--cache-dir {path}: {folder} is a file; expected a directory for "
+                            "the cost cache (it is made if missing)")
+
+
+def _check_output(option: str, path: str | None, suffix: str) -> None:
+    """SettingsError before any work unless `path` (an --OPTION file to write) is a file path
+    in a directory that exists or can be made (not a directory itself)."""
+    if path is None:
+        return
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        raise SettingsError(f"{option} {path}: a directory; expected a file path, e.g. "
+                            f"{p / ('timeline' + suffix)}")
+    folder = p.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise SettingsError(f"{option} {path}: cannot write there ({folder} is "
+                            f"{'not a directory' if not folder.is_dir() else 'not writable'})")
 
 
 def _add_size(p: argparse.ArgumentParser, default: str | None, help: str) -> None:
@@ -304,6 +353,51 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_calibrate)
 
 
+# Set by the command line's Ctrl-C handler and cleared when the command ends: a Ctrl-C Python
+# raised inside a callback that swallows exceptions (jax's garbage-collection callbacks print
+# "Exception ignored" and go on) is raised again at the next progress line.
+_CTRL_C = threading.Event()
+
+
+@contextlib.contextmanager
+def _ctrl_c_kept() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt and is remembered until the command ends (`_CTRL_C`):
+    `_interruptible` progress callbacks raise it again if it was swallowed. Left alone where a
+    caller has a handler of its own or Ctrl-C is ignored (a background job); taken over from
+    the one ``import soapjax`` sets while the command line starts."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None) or \
+            (signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+             and getattr(signal.getsignal(signal.SIGINT), "__module__", "") != "soapjax"):
+        yield
+        return
+
+    def handler(signum, frame):
+        _CTRL_C.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _CTRL_C.clear()
+
+
+def _interruptible(progress):
+    """A progress callback that first raises a Ctrl-C swallowed since (`_ctrl_c_kept`); with
+    `progress` None, only that."""
+    def check(line: str) -> None:
+        if _CTRL_C.is_set():
+            raise KeyboardInterrupt
+        if progress is not None:
+            progress(line)
+
+    return check
+
+
 @contextlib.contextmanager
 def _ctrl_c_ends_at_once(command: str) -> Iterator[None]:
     """Ctrl-C ends the process at once (one line, status 130), even inside a compiled call.
@@ -318,8 +412,8 @@ def _ctrl_c_ends_at_once(command: str) -> Iterator[None]:
     import threading
 
     if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield  # a caller's own handler, or Ctrl-C ignored (a background job): leave them be
+            signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
+        yield  # Ctrl-C ignored (a background job): leave it be
         return
     read, write = os.pipe()
     os.set_blocking(write, False)
@@ -373,7 +467,8 @@ def _cmd_calibrate_links(args: argparse.Namespace) -> int:
               f"{seconds:.0f} s")
     if args.write:
         if topo.source_file is None:
-            raise SystemExit(f"{args.mesh}: no topology file to write (a cut topology?)")
+            raise SettingsError(f"{args.mesh}: a topology cut from a shipped one has no file of "
+                                "its own to write; give the whole topology's name or file")
         links.write_calibrated(topo.source_file, fits, compute, command=command, notes=notes)
     return 0
 
@@ -384,6 +479,12 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     if args.links:
         return _cmd_calibrate_links(args)
+    if args.write:
+        raise SettingsError("--write rewrites a topology file's measured collectives, so it "
+                            "needs --links (soapjax calibrate --links --mesh NAME --write); "
+                            "without --links calibrate compares a model's step with its parts "
+                            "and writes nothing")
+    _check_cache_dir(args.cache_dir)
 
     names = zoo.names() if args.model == "all" else (args.model,)
     rows = []
@@ -428,6 +529,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 def _cmd_profile(args: argparse.Namespace) -> int:
     from soapjax import cost, topology
 
+    _check_cache_dir(args.cache_dir)
     w = _load_model(args.model, args.size)
     g = _trace(w)
     topo = topology.load_topology(args.mesh)
@@ -539,6 +641,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     if args.plot:
         _require_plot(args.plot)
+    _check_output("--trace", args.trace, ".json")
     w, topo = _simulate_inputs(args)
     g = _trace(w)
     strategy = simulate.parse_strategy(g, topo, args.strategy, family=w.family)
@@ -583,7 +686,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     from soapjax.reshard import DEFAULT_MODE
-    from soapjax.search import SearchSettings
+    from soapjax.search import MAX_BUDGET_S, MAX_PROPOSALS, SearchSettings
 
     p = sub.add_parser(
         "plan",
@@ -605,10 +708,15 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mesh", default="dgx-h100x8", help="topology name or TOML path "
                    "(default: %(default)s; see `soapjax meshes`)" + _MESH_CUT)
     _add_batch_size(p)
-    p.add_argument("--budget", type=_SECONDS, default=SearchSettings.budget_s,
-                   help="search time in seconds (default: %(default)s)")
-    p.add_argument("--proposals", type=_COUNT, default=None, help="proposals per chain instead "
-                   "of a time budget: the same plan on any machine")
+    p.add_argument("--budget", default=None, type=_number(
+        float, 0.0, f"a number of seconds from 0 to {MAX_BUDGET_S} (a week)", MAX_BUDGET_S),
+        help=f"search time in seconds (default: {SearchSettings.budget_s:g}); it bounds the "
+        "search, measuring included, not loading or tracing your model (a model function that "
+        "never returns is yours to stop with Ctrl-C)")
+    p.add_argument("--proposals", type=_number(int, 1, f"an integer from 1 to "
+                                                        f"{MAX_PROPOSALS:,}", MAX_PROPOSALS),
+                   default=None, help="proposals per chain instead of a time budget: the same "
+                   "plan on any machine (not with --budget)")
     p.add_argument("--seed", type=_SEED, default=SearchSettings.seed,
                    help="random seed (default: %(default)s)")
     p.add_argument("--costs", default="auto", choices=("auto", "measured", "analytic"),
@@ -619,7 +727,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    "(slower the first time; cached) (default: %(default)s)")
     p.add_argument("--no-reduction", action="store_true",
                    help="never split reduction dims (FlexFlow's own space)")
-    p.add_argument("--pipelines", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--pipelines", action=_OneWay, default=None,
                    help="search pipeline stages too (the outermost mesh axis cut into stages; "
                    "GPipe, 1F1B, interleaved 1F1B), for models of many layers on many nodes; "
                    "--no-pipelines never; default: only when no plan without stages fits. "
@@ -637,12 +745,15 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import time
 
+    from soapjax.baselines import batch_split_note
     from soapjax.plan import check_plan_path
     from soapjax.report import plan_report
+    from soapjax.space import MeshShape
     from soapjax.topology import load_topology, stage_topology
 
     if args.plot:
         _require_plot(args.plot)
+    _check_output("--trace", args.trace, ".json")
     w = _load_model(args.model, args.size, batch_size=args.batch_size)
     topo = load_topology(args.mesh)
     name = f"{args.model}-{args.size}" if w.config else w.name
@@ -653,6 +764,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     g = _trace(w)
     plan, sim, others, cost_source, notes = _search_and_simulate(args, w, g, topo)
     strategy, info = plan.strategy(g, topo), dict(plan.search)
+    _interruptible(None)("")  # a Ctrl-C swallowed since the last progress line: nothing written
     out = plan.save(out)
     if args.trace:
         with open(args.trace, "w") as f:
@@ -670,6 +782,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 0
     header = _plan_header(args, w, g, topo, info, cost_source, time.perf_counter() - t0)
     header += notes
+    if note := batch_split_note(g, MeshShape.of(topo)):
+        header += [f"note: {note}; the data-parallel baseline is replicated"]
     fits = dict(info["baselines_fit"])
     baselines = [(n, t, fits.get(n, True)) for n, t in plan.baselines]
     print(plan_report(g, topo, strategy, sim, baselines=baselines, header=header))
@@ -688,10 +802,14 @@ def _search_and_simulate(args: argparse.Namespace, w, g, topo):
     from soapjax.search import SearchSettings, find_plan, print_progress
     from soapjax.space import MeshShape, SpaceLimits
 
-    settings = SearchSettings(budget_s=args.budget, max_proposals=args.proposals, seed=args.seed,
+    if args.budget is not None and args.proposals is not None:
+        raise SettingsError("--budget stops the search on time and --proposals on a count "
+                            "(the same plan on any machine); give one of them")
+    budget = SearchSettings.budget_s if args.budget is None else args.budget
+    settings = SearchSettings(budget_s=budget, max_proposals=args.proposals, seed=args.seed,
                               limits=SpaceLimits(allow_reduction=not args.no_reduction),
                               pipelines=args.pipelines)
-    progress = None if args.json else print_progress
+    progress = _interruptible(None if args.json else print_progress)
     cm = cost_model(g, topo, mode=args.costs, optimizer=w.optimizer)
     with Resharder(MeshShape.of(topo), mode=args.reshard) as resharder:  # shared with the report
         plan = find_plan(g, topo, settings=settings, costs=cm, reshard=resharder,
@@ -786,6 +904,9 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
         "bar's line saying by how much.",
     )
     p.add_argument("--plan", required=True, help="a plan file from `soapjax plan`")
+    p.add_argument("--mesh", default=None, help="the topology the plan was made on, where the "
+                   "plan cannot find it itself (default: the file it was read from, or the "
+                   "shipped topology of its name)")
     p.add_argument("--repeats", type=_COUNT, default=5, help="timed runs (default: %(default)s)")
     p.add_argument("--costs", default="auto", choices=("auto", "measured", "analytic"))
     p.add_argument("--reshard", default=DEFAULT_MODE, choices=("ideal", "xla"),
@@ -809,10 +930,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
     import soapjax_zoo as zoo
     from soapjax.check import compare_on_devices
     from soapjax.plan import Plan
+    from soapjax.topology import load_topology
 
     plan = Plan.load(args.plan)
+    topology = load_topology(args.mesh) if args.mesh is not None else None
     result = compare_on_devices(plan, zoo.for_plan(plan), repeats=args.repeats,
-                                costs=args.costs, reshard=args.reshard)
+                                costs=args.costs, reshard=args.reshard, topology=topology)
     bars = {"tolerance": args.tolerance, "bytes_tolerance": args.bytes_tolerance,
             "gradient_tolerance": args.gradient_tolerance}
     passed, lines = result.verdict(**bars)
@@ -847,6 +970,18 @@ def build_parser() -> argparse.ArgumentParser:
 CHECK_FAILED = 1
 # The exit status after Ctrl-C: 128 + SIGINT, as a shell reports a command SIGINT ended.
 INTERRUPTED = 130
+# The exit status when whoever reads the output stops (`soapjax models | head`): 128 + SIGPIPE,
+# as a shell reports a command SIGPIPE ended; nothing is printed.
+BROKEN_PIPE = 141
+
+
+def _quiet_stdout() -> None:
+    """Points stdout at /dev/null, so that Python's flush at exit finds no broken pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -861,10 +996,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return args.func(args)
+        with _ctrl_c_kept():
+            code = args.func(args)
+            if args.command != "plan":  # plan checked before it wrote the plan, not after
+                _interruptible(None)("")  # one swallowed at the end (a callback's) counts
+            return code
     except SoapjaxError as e:
         print(f"soapjax {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader stopped reading (`soapjax models | head`): not an error
+        _quiet_stdout()
+        return BROKEN_PIPE
     except OSError as e:  # a file the command was told to write (--out, --trace) or read
         print(f"soapjax {args.command}: error: {e.strerror or e}"
               + (f": {e.filename}" if e.filename else "")

@@ -51,6 +51,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -495,6 +496,10 @@ def cost_model(graph: OpGraph, topology: Topology, *, mode: Mode = "auto",
                         f"from the topology's device specs) or run on the target devices")
     source = "measured" if mode == "measured" or (mode == "auto" and ok) else "analytic"
     cache = DiskCache(None, {})
+    if cache_dir is not None and Path(cache_dir).expanduser().exists() \
+            and not Path(cache_dir).expanduser().is_dir():
+        raise CostError(f"cache_dir {os.fspath(cache_dir)!r} is a file; expected a directory for "
+                        "the cost cache (made if missing)")
     if source == "measured":
         root = cache_dir if cache_dir is not None else default_cache_dir()
         cache = DiskCache(root, _timing.backend_identity())

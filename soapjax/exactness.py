@@ -43,7 +43,8 @@ from soapjax.space import MeshShape
 
 __all__ = ["NUMBERS_TOLERANCE", "TOLERANCE", "GradientComparison", "LeafError",
            "VerificationError", "compare_gradients", "first_step", "narrowest_float",
-           "reading_operators", "rounding_tolerance", "step_difference"]
+           "reading_operators", "reference_value_and_grad", "rounding_tolerance",
+           "step_difference"]
 
 # The bar per float type: what a different reduction order moves a gradient by, with margin;
 # a wrong sharding moves it by the size of the gradient itself (module doc).
@@ -229,12 +230,31 @@ def first_step(graph: OpGraph, strategy: Any, mesh: Mesh, loss_fn: Callable[[Any
     host_params = jax.tree.map(_host, params)
     host_batch = jax.tree.map(_host, batch)
     options = dict(compiler_options) if compiler_options else None
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_fn), compiler_options=options)(
+    ref_loss, ref_grads = jax.jit(reference_value_and_grad(loss_fn, graph, strategy),
+                                  compiler_options=options)(
         jax.device_put(host_params, device), jax.device_put(host_batch, device))
     return compare_gradients(loss, grads, ref_loss, ref_grads,
                              tolerance=rounding_tolerance(graph) if tolerance is None
                              else tolerance, operators=reading_operators(graph),
                              computed_in=narrowest_float(graph))
+
+
+def reference_value_and_grad(loss_fn: Callable[[Any, Any], Any], graph: OpGraph,
+                             strategy: Any) -> Callable[[Any, Any], tuple[Any, Any]]:
+    """``jax.value_and_grad(loss_fn)``: the step a strategy must compute. Where the graph
+    accepts statistics per microbatch (`soapjax.graph.OpGraph.microbatch_statistics`) and the
+    strategy has M > 1 microbatches, the mean over the M microbatches of their own loss and
+    gradients (what gradient accumulation computes by those semantics)."""
+    m = getattr(strategy, "microbatches", 1)
+    if not (graph.microbatch_statistics and graph.sample_coupling and m > 1):
+        return jax.value_and_grad(loss_fn)
+
+    def accumulated(params, batch):
+        parts = jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
+        losses, grads = jax.lax.map(lambda b: jax.value_and_grad(loss_fn)(params, b), parts)
+        return jnp.mean(losses), jax.tree.map(lambda g: jnp.mean(g, axis=0), grads)
+
+    return accumulated
 
 
 def step_difference(out: Any, reference: Any) -> float:

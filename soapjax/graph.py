@@ -41,6 +41,7 @@ from typing import Any
 
 import jax
 import jax.extend  # noqa: F401  (jax.extend must be imported explicitly)
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
@@ -86,6 +87,14 @@ class OpGraph:
         the operators' equations and operands index (`evaluate` runs it).
       retrace: traces the same function again at another batch size (`at_batch_size`; None:
         not made by `trace`).
+      sample_coupling: where the step's samples interact, so that microbatches would compute
+        another step (a batch norm's statistics, a mixture of experts' capacity or
+        load-balancing loss, a mean over the unmasked tokens: `soapjax._grouping._Coupling`),
+        '' where they do not. Plans then keep one microbatch, unless
+        `microbatch_statistics`.
+      microbatch_statistics: the user accepts statistics per microbatch where the samples
+        interact (`trace`'s argument: what Megatron-LM and MaxText do with a mixture of
+        experts' capacity and auxiliary loss under gradient accumulation).
     """
 
     name: str
@@ -97,6 +106,8 @@ class OpGraph:
     program: Program = dataclasses.field(compare=False, hash=False, repr=False)
     retrace: Callable[[int], OpGraph] | None = dataclasses.field(
         default=None, compare=False, hash=False, repr=False)
+    sample_coupling: str = dataclasses.field(default="", compare=False)
+    microbatch_statistics: bool = dataclasses.field(default=False, compare=False)
     # what later stages work out once per graph (`memo`); not copied by dataclasses.replace
     _memo: dict = dataclasses.field(default_factory=dict, init=False, compare=False,
                                     hash=False, repr=False)
@@ -317,7 +328,8 @@ class OpGraph:
 
 
 def trace(fn: Callable, *example_args, params_argnums: int | Sequence[int] = 0,
-          batch_argnums: int | Sequence[int] = 1, name: str | None = None) -> OpGraph:
+          batch_argnums: int | Sequence[int] = 1, name: str | None = None,
+          microbatch_statistics: bool | None = None) -> OpGraph:
     """Traces `fn` (a loss: parameters and a batch to a scalar) into an `OpGraph`.
 
     Args:
@@ -327,15 +339,25 @@ def trace(fn: Callable, *example_args, params_argnums: int | Sequence[int] = 0,
       batch_argnums: which arguments hold the batch; dim 0 of every batch leaf is the sample
         dim. Other arguments are constants.
       name: the graph's name (default: the function's name).
+      microbatch_statistics: where the samples of a batch interact (`OpGraph.sample_coupling`),
+        let plans use microbatches anyway, each computing its statistics over its own samples
+        (Megatron-LM's semantics for a mixture of experts' capacity and auxiliary loss); the
+        step then computes another function than yours. By default such graphs keep one
+        microbatch, and their plans compute exactly your step. None (default): what `fn`
+        says in an attribute ``soapjax_microbatch_statistics`` (set on the zoo's mixture of
+        experts), else False.
 
     Returns:
       The operator graph.
 
     Raises:
       TraceError: no batch argument, arguments that do not fit `fn`, a batch whose leaves
-        disagree on the batch size, or a function that does not return a scalar.
+        disagree on the batch size, or a function that does not return a real floating-point
+        scalar.
     """
     fname = getattr(fn, "__name__", type(fn).__name__)
+    if microbatch_statistics is None:
+        microbatch_statistics = bool(getattr(fn, "soapjax_microbatch_statistics", False))
     pnums = _argnums(params_argnums, "params_argnums")
     bnums = _argnums(batch_argnums, "batch_argnums")
     _check_args(fn, fname, example_args, pnums, bnums)
@@ -349,9 +371,16 @@ def trace(fn: Callable, *example_args, params_argnums: int | Sequence[int] = 0,
     if len(out) != 1 or _dims.shape_of(out[0]) != ():
         got = ", ".join(str(v.aval) for v in out)
         raise TraceError(f"{fname} must return a scalar loss, but returned ({got})")
+    dtype = out[0].aval.dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TraceError(f"{fname} must return a real floating-point loss to differentiate, but "
+                         f"returned {dtype} ({out[0].aval}); return the loss before casting it "
+                         "(jax.grad needs a float: an integer has no gradient, a complex loss "
+                         "none that training follows)")
     program = Program(closed, _param_positions(example_args, pnums))
     params, batch = _leaves(example_args, program, pnums, bnums)
-    ops, unsupported = _Builder(program, params, batch, name or fname).build()
+    builder = _Builder(program, params, batch, name or fname)
+    ops, unsupported = builder.build()
 
     def retrace(size: int) -> OpGraph:
         args = list(abstract)
@@ -359,12 +388,13 @@ def trace(fn: Callable, *example_args, params_argnums: int | Sequence[int] = 0,
             args[b] = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype), args[b])
         return trace(fn, *args, params_argnums=params_argnums, batch_argnums=batch_argnums,
-                     name=name or fname)
+                     name=name or fname, microbatch_statistics=microbatch_statistics)
 
     return OpGraph(name=name or fname, operators=tuple(ops),
                    num_equations=_count_eqns(closed.jaxpr),
                    params=tuple(params), batch=tuple(batch), unsupported=tuple(unsupported),
-                   program=program, retrace=retrace)
+                   program=program, retrace=retrace, sample_coupling=builder.sample_coupling(),
+                   microbatch_statistics=bool(microbatch_statistics))
 
 
 def _param_positions(args, pnums) -> frozenset[int]:

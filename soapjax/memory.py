@@ -66,7 +66,8 @@ from soapjax.errors import PlanError
 from soapjax.graph import Operator, OpGraph
 from soapjax.space import RECOMPUTE_POLICIES, Config, MeshShape, RecomputePolicy, sample_dim
 
-__all__ = ["Residuals", "Segments", "attention_core", "check_microbatches", "layer_of",
+__all__ = ["Residuals", "Segments", "attention_core", "check_microbatches", "coupled_samples",
+           "layer_of",
            "microbatch_choices",
            "microbatch_degrees", "microbatch_error", "microbatch_shape", "random_operator",
            "recomputes", "residuals"]
@@ -364,14 +365,29 @@ def random_operator(graph: OpGraph) -> str | None:
         (op.name for op in graph.operators if draws_random_bits(graph, op.name)), None))
 
 
+def coupled_samples(graph: OpGraph) -> str:
+    """Where the samples of `graph`'s batch interact, so that microbatches would compute
+    another step (`OpGraph.sample_coupling`), unless the graph was traced accepting
+    statistics per microbatch (`OpGraph.microbatch_statistics`); '' where microbatches keep
+    the step."""
+    return "" if graph.microbatch_statistics else graph.sample_coupling
+
+
 def check_microbatches(graph: OpGraph, configs: Sequence[Config], mesh: MeshShape,
                        microbatches: int) -> None:
-    """PlanError naming the first operator whose per-device batch M does not divide, or that
-    draws random bits (see `random_operator`)."""
+    """PlanError naming the first operator whose per-device batch M does not divide, that
+    draws random bits (see `random_operator`), or where the samples interact
+    (`coupled_samples`)."""
     if microbatches > 1 and (name := random_operator(graph)) is not None:
         raise PlanError(f"operator {name!r} draws random bits (dropout): {microbatches} "
                         "microbatches would draw other masks than the whole batch, and the step "
                         "would not compute the unsharded step; use microbatches=1")
+    if microbatches > 1 and (why := coupled_samples(graph)):
+        raise PlanError(f"the samples of graph {graph.name!r} interact: {why}; {microbatches} "
+                        "microbatches would compute that over each microbatch, not the whole "
+                        "batch, and the step would not compute the unsharded step; use "
+                        "microbatches=1 (or trace with microbatch_statistics=True to accept "
+                        "statistics per microbatch)")
     for op, c in zip(graph.operators, configs):
         why = microbatch_error(op, c, mesh, microbatches)
         if why:
@@ -381,8 +397,9 @@ def check_microbatches(graph: OpGraph, configs: Sequence[Config], mesh: MeshShap
 
 def microbatch_choices(graph: OpGraph, limit: int = 64) -> tuple[int, ...]:
     """The microbatch counts worth trying: the divisors of the batch size up to `limit` (only
-    1 for a graph that draws random bits: `random_operator`)."""
-    if random_operator(graph) is not None:
+    1 for a graph that draws random bits, `random_operator`, or whose samples interact,
+    `coupled_samples`)."""
+    if random_operator(graph) is not None or coupled_samples(graph):
         return (1,)
     b = graph.batch_size
     return tuple(m for m in range(1, min(b, limit) + 1) if b % m == 0)

@@ -40,15 +40,16 @@ import difflib
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from soapjax.errors import PlanError
+from soapjax.errors import PlanError, TopologyError
 from soapjax.graph import OpGraph
 from soapjax.space import (
+    RECOMPUTE_POLICIES,
     Config,
     MeshShape,
     Strategy,
@@ -56,7 +57,7 @@ from soapjax.space import (
     strategy_from_names,
     to_partition_spec,
 )
-from soapjax.topology import Topology
+from soapjax.topology import Topology, is_shipped, load_topology
 
 __all__ = ["FORMAT", "VERSION", "Plan", "check_plan_path", "spec_text", "unique_keys"]
 
@@ -79,12 +80,6 @@ def _names_text(names: list[str], n: int = 6) -> str:
     return shown + (f", ... ({len(names) - n} more)" if len(names) > n else "")
 
 
-def _pipeline(data: dict) -> tuple[int, int, str]:
-    """The ``"pipeline"`` entry of a plan file as `Plan.pipeline`."""
-    return (int(data.get("stages", 1)), int(data.get("virtual_stages", 1)),
-            str(data.get("schedule", "1f1b")))
-
-
 def _stage_layers(data: dict) -> tuple[int, ...]:
     """The ``"pipeline"`` entry's ``"stage_layers"`` as `Plan.stage_layers`."""
     layers = data.get("stage_layers", [])
@@ -92,6 +87,88 @@ def _stage_layers(data: dict) -> tuple[int, ...]:
         raise PlanError(f"pipeline.stage_layers: expected a list of layer counts per stage, "
                         f"found {layers!r}")
     return tuple(layers)
+
+
+class _Reader:
+    """Typed reads of a plan file's values: each mistake a PlanError that names the entry
+    (``operators.fc1.axes``), what was expected and what was found."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def _error(self, path: str, expected: str, found: Any) -> PlanError:
+        shown = repr(found)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        return PlanError(f"{self.where}: {path}: expected {expected}, found {shown}")
+
+    def get(self, data: Mapping[str, Any], key: str, path: str) -> Any:
+        if key not in data:
+            raise PlanError(f"{self.where}: {path} is missing; a plan file has it as "
+                            "`soapjax plan` wrote it (write the plan again, or restore it)")
+        return data[key]
+
+    def obj(self, data: Mapping[str, Any], key: str, path: str | None = None, *,
+            required: bool = True) -> Mapping[str, Any]:
+        path = path or key
+        if not required and key not in data:
+            return {}
+        value = self.get(data, key, path)
+        if not isinstance(value, Mapping):
+            raise self._error(path, "a JSON object ({...})", value)
+        return value
+
+    def text(self, data: Mapping[str, Any], key: str, path: str, *,
+             default: str | None = None) -> str:
+        value = data.get(key, default) if default is not None else self.get(data, key, path)
+        if not isinstance(value, str):
+            raise self._error(path, "a string", value)
+        return value
+
+    def integer(self, value: Any, path: str, *, low: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise self._error(path, f"an integer >= {low}", value)
+        return value
+
+    def boolean(self, value: Any, path: str) -> bool:
+        if not isinstance(value, bool):
+            raise self._error(path, "true or false", value)
+        return value
+
+    def choice(self, value: Any, path: str, choices: Sequence[str]) -> str:
+        if value not in choices:
+            raise self._error(path, f"one of {', '.join(map(repr, choices))}", value)
+        return value
+
+    def axis_names(self, value: Any, path: str, mesh: MeshShape) -> tuple[str, ...]:
+        """A list of mesh axis names, each once."""
+        if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+            raise self._error(path, "a list of mesh axis names, e.g. [\"data\"]", value)
+        unknown = [a for a in value if a not in mesh.axis_names]
+        if unknown:
+            raise PlanError(f"{self.where}: {path}: mesh axes {unknown} are not in the plan's "
+                            f"mesh {_axes_text(mesh)}")
+        if len(set(value)) != len(value):
+            raise self._error(path, "each mesh axis at most once", value)
+        return tuple(value)
+
+    def axes(self, value: Any, path: str, mesh: MeshShape) -> tuple[tuple[str, ...], ...]:
+        """Per dim, the mesh axes splitting it: a list of lists of axis names, each axis
+        used at most once over all dims."""
+        if not isinstance(value, list) or not all(isinstance(d, list) for d in value):
+            raise self._error(path, "one list of mesh axis names per dim, e.g. "
+                              "[[\"data\"], [], [\"model\"]]", value)
+        dims = tuple(self.axis_names(d, f"{path}[{k}]", mesh) for k, d in enumerate(value))
+        used = [a for d in dims for a in d]
+        twice = sorted({a for a in used if used.count(a) > 1})
+        if twice:
+            raise PlanError(f"{self.where}: {path}: mesh axis {twice[0]!r} splits two dims; "
+                            "each axis splits at most one dim of an operator")
+        return dims
+
+    def config(self, op: Any, path: str, mesh: MeshShape) -> Config:
+        if not isinstance(op, Mapping):
+            raise self._error(path, "a JSON object with \"axes\"", op)
+        return Config(self.axes(self.get(op, "axes", f"{path}.axes"), f"{path}.axes", mesh))
 
 
 def _freeze(x: Any) -> Any:
@@ -149,6 +226,8 @@ class Plan:
         it have the gathered form.
       stage_layers: layers per pipeline stage where the stages are uneven (see `Strategy`);
         () for equal stages, and in files written without it.
+      topology_file: the file the topology was read from, where it is not one of soapjax's
+        (`soapjax.topology.is_shipped`): `soapjax check` reads it there; '' for a shipped one.
       simulated: the `soapjax.simulate.SimResult` `soapjax.search.find_plan` simulated the
         plan's strategy to (timeline included), so a report needs no second simulation; not
         saved (None for a loaded plan) and not part of the plan's identity.
@@ -177,6 +256,7 @@ class Plan:
     optimizer_axes: tuple[str, ...] = ()
     ring_attention: bool = False
     stage_layers: tuple[int, ...] = ()
+    topology_file: str = ""
     simulated: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -208,6 +288,7 @@ class Plan:
             model=graph.name, model_config=model_config, graph_fingerprint=graph.fingerprint(),
             num_operators=len(graph.operators), topology=topology.name,
             topology_fingerprint=topology.fingerprint(), mesh=mesh,
+            topology_file="" if is_shipped(topology) else str(Path(topology.source_file).resolve()),
             configs=tuple((op.name, c) for op, c in zip(graph.operators, strategy.configs)),
             zero_axes=tuple(strategy.zero_axes),
             params=tuple((leaf.path, specs[leaf.path]) for leaf in graph.params),
@@ -255,28 +336,27 @@ class Plan:
         mesh axes (``"topology": {"axes": ...}`` in the file) must be the topology's.
         """
         if graph.fingerprint() != self.graph_fingerprint:
-            names = [op.name for op in graph.operators]
-            mine = [n for n, _ in self.configs]
-            missing = [n for n in mine if n not in set(names)]
-            extra = [n for n in names if n not in set(mine)]
-            detail = ""
-            if missing or extra:
-                detail = (f"; operators in the plan but not the function: {missing[:3]}"
-                          f"; in the function but not the plan: {extra[:3]}")
             raise PlanError(
                 f"this plan was made for model {self.model!r} ({self.num_operators} operators, "
                 f"fingerprint {self.graph_fingerprint}), but the function traces to "
                 f"{graph.name!r} ({len(graph.operators)} operators, fingerprint "
-                f"{graph.fingerprint()}){detail}; make a new plan with `soapjax plan`")
+                f"{graph.fingerprint()}): {self._graph_difference(graph)}; make a new plan with "
+                "`soapjax plan`")
         self._check_names(graph)
         if topology is None:
             return
         if topology.fingerprint() != self.topology_fingerprint:
+            mesh = MeshShape.of(topology)
+            where = f" from {topology.source_file}" if topology.source_file else ""
+            what = (f"its mesh is {_axes_text(mesh)}, the plan's {_axes_text(self.mesh)}"
+                    if mesh != self.mesh else "the same mesh, but other devices, links or "
+                    "calibrated figures (an edited or another file of that name?)")
             raise PlanError(
                 f"this plan was made for topology {self.topology!r} (fingerprint "
-                f"{self.topology_fingerprint}, mesh {_axes_text(self.mesh)}), not "
-                f"{topology.name!r} (fingerprint {topology.fingerprint()}, mesh "
-                f"{_axes_text(MeshShape.of(topology))})")
+                f"{self.topology_fingerprint[:16]}, mesh {_axes_text(self.mesh)}), but the "
+                f"topology given is {topology.name!r}{where} (fingerprint "
+                f"{topology.fingerprint()[:16]}): {what}; give the topology the plan was made "
+                "on, or make a new plan on this one")
         if MeshShape.of(topology) != self.mesh:
             raise PlanError(
                 f"the plan's mesh axes {_axes_text(self.mesh)} differ from those of its "
@@ -284,6 +364,47 @@ class Plan:
                 "\"topology\": {\"axes\": ...} edited?); a plan's configs are for the mesh it "
                 "was searched on: restore the axes, or make a new plan with `soapjax plan "
                 "--mesh` on a topology file with the axes you want")
+
+    def _graph_difference(self, graph: OpGraph) -> str:
+        """What differs between the traced graph and the one the plan was made for, as far as
+        the plan tells."""
+        names = [op.name for op in graph.operators]
+        mine = [n for n, _ in self.configs]
+        missing = [n for n in mine if n not in set(names)]
+        extra = [n for n in names if n not in set(mine)]
+        if missing or extra:
+            return (f"operators in the plan but not the function: {missing[:3]}; in the "
+                    f"function but not the plan: {extra[:3]}")
+        if self.batch_size and graph.batch_size != self.batch_size:
+            return (f"the plan is for a batch of {self.batch_size} samples, the function's is "
+                    f"{graph.batch_size} (a plan made with --batch-size {self.batch_size} needs "
+                    "the model at that batch)")
+        roles = ["".join(op.roles) + "|" + "".join(r.role for r in op.reduction_dims)
+                 for op in graph.operators]
+        if self.roles and list(self.roles) != roles:
+            name = next(n for n, a, b in zip(names, self.roles, roles) if a != b)
+            return f"operator {name!r} has other dims than in the plan (another model size?)"
+        return ("the same operators, but other shapes or dtypes (another model size, batch or "
+                "precision?)")
+
+    def topology_used(self) -> Topology:
+        """The topology the plan was made on: its file (`topology_file`), else the shipped one
+        of its name.
+
+        Raises:
+          PlanError: the file is gone, or no topology of that name is shipped.
+        """
+        if self.topology_file:
+            if not Path(self.topology_file).is_file():
+                raise PlanError(f"this plan was made on topology {self.topology!r} from "
+                                f"{self.topology_file}, which is not there now; give that "
+                                "topology file (--mesh path/to/file.toml)")
+            return load_topology(self.topology_file)
+        try:
+            return load_topology(self.topology)
+        except TopologyError as e:
+            raise PlanError(f"this plan was made on topology {self.topology!r}, which cannot be "
+                            f"found ({e}); give its file (--mesh path/to/file.toml)") from None
 
     def _check_names(self, graph: OpGraph) -> None:
         """PlanError unless the plan's operator names are exactly `graph`'s (any order)."""
@@ -323,9 +444,11 @@ class Plan:
             "version": VERSION,
             "model": {"name": self.model, "config": self.model_config,
                       "fingerprint": self.graph_fingerprint, "num_operators": self.num_operators,
-                      "workload": self.workload, "batch_size": self.batch_size},
+                      "workload": self.workload,
+                      **({"batch_size": self.batch_size} if self.batch_size else {})},
             "topology": {"name": self.topology, "fingerprint": self.topology_fingerprint,
-                         "axes": dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))},
+                         "axes": dict(zip(self.mesh.axis_names, self.mesh.axis_sizes)),
+                         **({"file": self.topology_file} if self.topology_file else {})},
             "operators": self._operators_json(),
             "zero_axes": list(self.zero_axes),
             "optimizer_axes": list(self.optimizer_axes),
@@ -354,50 +477,73 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], *, where: str = "plan") -> Plan:
-        """Reads `to_json` output; raises PlanError naming what is missing or malformed."""
+        """Reads `to_json` output; raises PlanError naming what is missing or malformed, where
+        it is (``operators.fc1.axes``), and what was expected."""
         if not isinstance(data, Mapping) or data.get("format") != FORMAT:
             raise PlanError(f"{where}: not a soapjax plan (expected \"format\": \"{FORMAT}\")")
-        if data.get("version") != VERSION:
-            raise PlanError(f"{where}: plan format version {data.get('version')!r} is not "
-                            f"supported; this soapjax reads version {VERSION}")
+        version = data.get("version")
+        if version != VERSION or isinstance(version, bool):
+            found = (f"the string {version!r}" if isinstance(version, str)
+                     else "none" if version is None else repr(version))
+            raise PlanError(f"{where}: \"version\" must be the integer {VERSION} (this soapjax "
+                            f"reads plan format version {VERSION}), found {found}")
+        r = _Reader(where)
+        m, t = r.obj(data, "model"), r.obj(data, "topology")
+        axes = r.obj(t, "axes", "topology.axes")
+        for name, size in axes.items():
+            r.integer(size, f"topology.axes.{name}", low=1)
+        mesh = MeshShape(tuple(axes), tuple(axes.values()))
+        operators = r.obj(data, "operators")
+        configs = tuple((name, r.config(op, f"operators.{name}", mesh))
+                        for name, op in operators.items())
+        roles = tuple(r.text(op, "roles", f"operators.{name}.roles") if "roles" in op else None
+                      for name, op in operators.items())
+        roles = () if None in roles else roles
+        recompute = tuple(r.choice(op.get("recompute", "none"), f"operators.{name}.recompute",
+                                   RECOMPUTE_POLICIES) for name, op in operators.items())
+        recompute = () if all(p == "none" for p in recompute) else recompute
+        if roles:
+            _check_specs(operators, configs, roles, where)
+        batch_size = 0  # files written without it have none
+        if "batch_size" in m:
+            batch_size = r.integer(m["batch_size"], "model.batch_size", low=1)
+        params = r.obj(data, "params", required=False)
+        for path, spec in params.items():
+            r.axes(spec, f"params.{path}", mesh)
+        pipeline = r.obj(data, "pipeline", required=False)
         try:
-            m, t = data["model"], data["topology"]
-            mesh = MeshShape(tuple(t["axes"]), tuple(int(v) for v in t["axes"].values()))
-            configs = tuple((name, Config(tuple(tuple(a) for a in op["axes"])))
-                            for name, op in data["operators"].items())
-            roles = tuple(op.get("roles") for op in data["operators"].values())
-            roles = () if None in roles else roles
-            recompute = tuple(op.get("recompute", "none") for op in data["operators"].values())
-            recompute = () if all(p == "none" for p in recompute) else recompute
-            for name, c in configs:
-                bad = c.used_axes - set(mesh.axis_names)
-                if bad:
-                    raise PlanError(f"{where}: operator {name!r} uses mesh axes {sorted(bad)} "
-                                    f"not in the plan's mesh {list(mesh.axis_names)}")
-            if roles:
-                _check_specs(data["operators"], configs, roles, where)
             return cls(
-                model=m["name"], model_config=m.get("config", ""),
-                graph_fingerprint=m["fingerprint"], num_operators=int(m["num_operators"]),
-                topology=t["name"], topology_fingerprint=t["fingerprint"], mesh=mesh,
-                configs=configs, zero_axes=tuple(data.get("zero_axes", ())),
-                params=tuple((p, tuple(tuple(a) for a in s))
-                             for p, s in data.get("params", {}).items()),
+                model=r.text(m, "name", "model.name"), model_config=m.get("config", ""),
+                graph_fingerprint=r.text(m, "fingerprint", "model.fingerprint"),
+                num_operators=r.integer(r.get(m, "num_operators", "model.num_operators"),
+                                        "model.num_operators", low=1),
+                topology=r.text(t, "name", "topology.name"),
+                topology_fingerprint=r.text(t, "fingerprint", "topology.fingerprint"),
+                topology_file=r.text(t, "file", "topology.file", default=""),
+                mesh=mesh, configs=configs,
+                zero_axes=r.axis_names(data.get("zero_axes", []), "zero_axes", mesh),
+                params=tuple((p, r.axes(spec, f"params.{p}", mesh))
+                             for p, spec in params.items()),
                 predicted=_freeze(data.get("predicted", {})),
                 cost_source=data.get("cost_source", "analytic"),
                 search=_freeze(data.get("search", {})),
-                baselines=tuple((k, float(v)) for k, v in data.get("baselines", {}).items()),
+                baselines=tuple((k, float(v)) for k, v in
+                                r.obj(data, "baselines", required=False).items()),
                 roles=roles, workload=m.get("workload", ""),
-                microbatches=int(data.get("microbatches", 1)), recompute=recompute,
-                pipeline=_pipeline(data.get("pipeline", {})),
-                stage_layers=_stage_layers(data.get("pipeline", {})),
-                batch_size=int(m.get("batch_size", 0)),
-                optimizer_axes=tuple(data.get("optimizer_axes", ())),
-                ring_attention=data.get("ring_attention", False))
-        except (KeyError, TypeError, AttributeError, ValueError) as e:
-            if isinstance(e, PlanError):
-                raise
-            raise PlanError(f"{where}: malformed plan: {type(e).__name__}: {e}") from e
+                microbatches=r.integer(data.get("microbatches", 1), "microbatches", low=1),
+                recompute=recompute,
+                pipeline=(r.integer(pipeline.get("stages", 1), "pipeline.stages", low=1),
+                          r.integer(pipeline.get("virtual_stages", 1),
+                                    "pipeline.virtual_stages", low=1),
+                          r.text(pipeline, "schedule", "pipeline.schedule", default="1f1b")),
+                stage_layers=_stage_layers(pipeline), batch_size=batch_size,
+                optimizer_axes=r.axis_names(data.get("optimizer_axes", []), "optimizer_axes",
+                                            mesh),
+                ring_attention=r.boolean(data.get("ring_attention", False), "ring_attention"))
+        except PlanError as e:  # the reader's name the file; a Strategy's checks do not
+            raise (e if str(e).startswith(f"{where}: ") else PlanError(f"{where}: {e}")) from None
+        except (TypeError, ValueError) as e:
+            raise PlanError(f"{where}: malformed plan: {e}") from None
 
     def save(self, path: str | os.PathLike) -> Path:
         """Writes the plan atomically (a temp file, then a rename).
@@ -448,6 +594,9 @@ class Plan:
                             "expected the JSON file `soapjax plan` wrote") from None
         except json.JSONDecodeError as e:
             raise PlanError(f"{path}: not valid JSON ({e})") from e
+        except RecursionError:
+            raise PlanError(f"{path}: not valid JSON (nested too deeply to read); expected the "
+                            "JSON file `soapjax plan` wrote") from None
         except PlanError as e:
             raise PlanError(f"{path}: {e}") from None
         return cls.from_json(data, where=str(path))

@@ -611,13 +611,15 @@ def save_pictures(path: str | os.PathLike, graph: OpGraph, strategy: Strategy, m
     given results to compare, `comparison_figure` (``NAME-baselines.png``).
 
     Returns:
-      The paths written.
+      The paths written (a `path` without a suffix gets ``.png``).
 
     Raises:
       SettingsError: `path` ends in a format matplotlib cannot write (`check_picture_path`).
     """
     path = Path(path)
     check_picture_path(path)
+    if not path.suffix:  # matplotlib would write NAME.png: name the file that is written
+        path = path.with_name(path.name + ".png")
     path.parent.mkdir(parents=True, exist_ok=True)
     out = [path, path.with_name(f"{path.stem}-timeline{path.suffix or '.png'}")]
     figures = [plan_figure(graph, strategy, mesh), timeline_figure(result)]

@@ -88,8 +88,16 @@ from typing import Any
 
 import jax
 
-from soapjax._arguments import check_graph, check_settings, check_topology
+from soapjax._arguments import (
+    check_costs,
+    check_graph,
+    check_optimizer,
+    check_settings,
+    check_topology,
+)
 from soapjax._chain import (
+    MAX_BUDGET_S,
+    MAX_PROPOSALS,
     Progress,
     SearchSettings,
     _cost,
@@ -130,7 +138,8 @@ from soapjax.space import (
     within_limits,
 )
 
-__all__ = ["CONTEXT_PARALLEL_MIN_TOKENS", "PIPELINE_GRID", "Progress", "SearchResult",
+__all__ = ["CONTEXT_PARALLEL_MIN_TOKENS", "MAX_BUDGET_S", "MAX_PROPOSALS", "PIPELINE_GRID",
+           "Progress", "SearchResult",
            "SearchSettings", "balance_stages", "exhaustive", "find_plan", "grid_degrees",
            "improving_change", "interleave_choices", "make_simulation", "pipeline_grid",
            "print_progress", "random_strategy", "search", "stage_choices"]
@@ -767,6 +776,9 @@ def find_plan(graph: OpGraph, topology, *, settings: SearchSettings | None = Non
     check_graph(graph, "find_plan")
     check_topology(topology, "find_plan")
     check_settings(settings, SearchSettings, "find_plan")
+    check_costs(costs, "find_plan")
+    if optimizer is not None:
+        check_optimizer(optimizer, "find_plan")
     settings = settings if settings is not None else SearchSettings()
     cm = make_cost_model(graph, topology, mode=costs, optimizer=optimizer) \
         if isinstance(costs, str) else costs

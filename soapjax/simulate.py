@@ -38,7 +38,7 @@ from soapjax._simresult import MemoryBreakdown, SimResult, TaskRecord
 from soapjax._strategy_file import parse_strategy
 from soapjax.cost import cost_model as make_cost_model
 from soapjax.graph import OpGraph
-from soapjax.pipesim import PipelinedSimulation, PipelineResult, as_step_result
+from soapjax.pipesim import PipelinedSimulation, PipelineResult, as_step_result, layer_chunks
 from soapjax.reshard import DEFAULT_MODE, Resharder, ReshardModel
 from soapjax.space import MeshShape, Strategy, data_parallel
 from soapjax.topology import Topology, stage_topology
@@ -88,6 +88,8 @@ def open_simulation(graph: OpGraph, topology: Topology, strategy: Strategy | Non
             yield Simulation(graph, topology, costs, flat_resharder, strategy,
                              opt_state_factor=opt_state_factor)
             return
+        # the layers first: 4 stages of a 2-layer model is the model's limit, not the mesh's
+        layer_chunks(graph, strategy.stages * strategy.virtual_stages, strategy.stage_layers)
         stage = stage_topology(topology, strategy.stages)
         mode = getattr(flat_resharder, "mode", DEFAULT_MODE)
         with Resharder(MeshShape.of(stage), mode=mode) as stage_resharder:

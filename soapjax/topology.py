@@ -481,6 +481,15 @@ class Topology:
 # --- loading -------------------------------------------------------------------------------------
 
 
+def is_shipped(topology: Topology) -> bool:
+    """Whether `topology` is one of soapjax's (a file of ``meshes/``, or one cut from it), so
+    `load_topology` finds it by name; else it was read from a file of the user's."""
+    if topology.source_file is None:
+        return True
+    folder = Path(topology.source_file).resolve().parent
+    return any(folder == d.resolve() for d in _MESHES_DIRS)
+
+
 def list_topologies() -> tuple[str, ...]:
     """The names of the shipped topologies (the ``*.toml`` files in ``meshes/``), sorted."""
     names = {p.stem for d in _MESHES_DIRS if d.is_dir() for p in d.glob("*.toml")}
@@ -500,6 +509,9 @@ def load_topology(name_or_path: str | Path) -> Topology:
       TopologyError: no such topology, a cut the cluster cannot make, or a malformed file (the
         message names the file, the key and what was expected).
     """
+    if not str(name_or_path).strip():
+        raise TopologyError(f"expected a topology name (one of {', '.join(list_topologies())}) "
+                            f"or a path to a .toml file, got {str(name_or_path)!r}")
     path = Path(name_or_path)
     if path.suffix != ".toml" and len(path.parts) == 1 and not path.is_file():
         candidates = [d / f"{name_or_path}.toml" for d in _MESHES_DIRS]

@@ -87,6 +87,7 @@ from soapjax.exactness import (
     GradientComparison,
     VerificationError,
     first_step,
+    reference_value_and_grad,
     step_difference,
 )
 from soapjax.graph import OpGraph, trace
@@ -184,10 +185,12 @@ class CountingStep:
         self.count = 0
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> Any:
+        _check_not_donated(params, opt_state)
         try:
             out = self.partitioned(params, opt_state, batch, np.int32(self.count))
         except (ValueError, TypeError):
             if self.graph is not None:
+                check_params(self.graph, params, "run.step")
                 check_batch(self.graph, batch, "run.step")
             raise
         self.count += 1
@@ -364,8 +367,10 @@ def verify_first_step(run: ShardedTraining, loss_fn: Callable[[Any, Any], Any], 
     state = optimizer.init(params) if opt_state is None else opt_state
     options = dict(compiler_options) if compiler_options else None
 
+    value_and_grad = reference_value_and_grad(loss_fn, run.graph, run.strategy)
+
     def unsharded(p, o, b):
-        loss, grads = jax.value_and_grad(loss_fn)(p, b)
+        loss, grads = value_and_grad(p, b)
         updates, o = optimizer.update(grads, o, p)
         return optax.apply_updates(p, updates), o, loss
 
@@ -388,24 +393,64 @@ def verify_first_step(run: ShardedTraining, loss_fn: Callable[[Any, Any], Any], 
 
 def check_batch(graph: OpGraph, batch: Any, where: str) -> None:
     """PlanError unless `batch` has the leaves (pytree paths) the graph was traced with, each
-    of its shape but for dim 0 (a process's rows of it); the message names the first leaf
-    missing, extra or of another shape."""
-    flat = jax.tree_util.tree_flatten_with_path(batch)[0]
-    found = {jax.tree_util.keystr(path): np.shape(x) for path, x in flat}
-    traced = {leaf.path: leaf.shape for leaf in graph.batch}
+    of its shape and dtype (dim 0 may be one process's rows of the batch in a run of several
+    processes); the message names the first leaf missing, extra or of another shape or type."""
+    _check_leaves(graph.batch, batch, where, "batch", rows=jax.process_count())
+
+
+def check_params(graph: OpGraph, params: Any, where: str) -> None:
+    """PlanError unless `params` has the leaves (pytree paths), shapes and dtypes the graph was
+    traced with; the message names the first leaf missing, extra or of another shape or type."""
+    _check_leaves(graph.params, params, where, "parameters")
+
+
+def _check_leaves(traced_leaves, tree: Any, where: str, what: str, rows: int = 0) -> None:
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    found = {jax.tree_util.keystr(path): x for path, x in flat}
+    traced = {leaf.path: leaf for leaf in traced_leaves}
     missing = [p for p in traced if p not in found]
     extra = [p for p in found if p not in traced]
     if missing or extra:
-        what = (f"has no leaf {', '.join(missing)}" if missing else
-                f"has leaf {', '.join(extra)}, which the step was not traced with")
-        raise PlanError(f"{where}: the batch {what} (traced with {', '.join(traced)}; found "
-                        f"{', '.join(found) or 'none'}); expected a batch of the example "
-                        "batch's structure")
-    for path, shape in traced.items():
-        if found[path][1:] != shape[1:] or len(found[path]) != len(shape):
-            raise PlanError(f"{where}: batch leaf {path} has shape {found[path]}, but the step "
-                            f"was traced with {shape}; expected that shape (dim 0 may be one "
-                            "process's rows)")
+        has = "have" if what == "parameters" else "has"
+        problem = (f"{has} no leaf {_few(missing)}" if missing else
+                   f"{has} leaf {_few(extra)}, which the step was not traced with")
+        raise PlanError(f"{where}: the {what} {problem} (traced with {_few(list(traced))}; "
+                        f"found {_few(list(found)) or 'none'}); expected the {what} of the "
+                        f"structure shard_training was given")
+    for path, leaf in traced.items():
+        x = found[path]
+        shape, dtype = tuple(np.shape(x)), getattr(x, "dtype", None) or np.result_type(x)
+        ok_rows = shape[:1] == leaf.shape[:1] or (
+            rows > 1 and len(shape) and shape[0] * rows == leaf.shape[0])
+        if len(shape) != len(leaf.shape) or shape[1:] != leaf.shape[1:] or not ok_rows:
+            hint = (" (dim 0 may be one process's rows)" if rows > 1 else
+                    f"; dim 0 is the batch, {leaf.shape[0]} samples: give batches of that "
+                    "size (a batch of another size needs its own shard_training)"
+                    if what == "batch" and shape[1:] == leaf.shape[1:] else "")
+            raise PlanError(f"{where}: {what} leaf {path} has shape {shape}, but the step was "
+                            f"traced with {leaf.shape}{hint}")
+        if str(dtype) != str(leaf.dtype):
+            raise PlanError(f"{where}: {what} leaf {path} is {dtype}, but the step was traced "
+                            f"with {leaf.dtype}; pass {leaf.dtype} (e.g. x.astype("
+                            f"jnp.{leaf.dtype}))")
+
+
+def _few(names: list[str], n: int = 4) -> str:
+    return ", ".join(names[:n]) + (f", ... ({len(names) - n} more)" if len(names) > n else "")
+
+
+def _check_not_donated(*trees: Any) -> None:
+    """PlanError for an array an earlier step consumed: the step donates its parameters and
+    optimizer state, and reading a donated buffer ends the process (XLA: "Buffer has been
+    deleted or donated")."""
+    for name, tree in zip(("parameters", "optimizer state"), trees):
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if isinstance(x, jax.Array) and x.is_deleted():
+                raise PlanError(
+                    f"run.step: {name} leaf {jax.tree_util.keystr(path)} was donated to an "
+                    "earlier step and is gone; pass the params and opt_state the last step "
+                    "returned (params, opt_state, loss = run.step(params, opt_state, batch)), "
+                    "or shard_training(..., donate=False) to keep the inputs")
 
 
 def _pure_loss(loss_fn, params, name):

@@ -383,6 +383,9 @@ def build_moe(name: str, config: str, cfg: MoEConfig, api: str) -> Workload:
     shared = f", shared expert {cfg.shared_hidden}" if cfg.shared_hidden else ""
     routing = (f"capacity factor {cfg.capacity_factor}" if cfg.routing == "capacity"
                else "dropless: sorted tokens, ragged_dot")
+    # Megatron-LM's semantics: under gradient accumulation each microbatch routes its own
+    # tokens (its capacity) and averages its own load-balancing loss (`soapjax.trace`)
+    loss_fn.soapjax_microbatch_statistics = True
     return Workload(
         name=name, config=config, api="linen", family="transformer",
         description=(

@@ -161,10 +161,12 @@ def load(model: str, config: str = "default", *, api: str | None = None,
         if batch_size is not None:
             raise WorkloadError(f"--model {model!r} is user code: --batch-size is for zoo "
                                 "models; its function builds the batch it wants")
-        if config != "default" or api is not None:
-            raise WorkloadError(f"--model {model!r} is user code: --size and --api are for zoo "
-                                f"models (got config {config!r}, api {api!r}); its function "
-                                "builds the model it wants")
+        given = ([f"--size {config}"] if config not in ("default", "") else []) \
+            + ([f"--api {api}"] if api is not None else [])
+        if given:
+            raise WorkloadError(f"--model {model!r} is user code: {' and '.join(given)} "
+                                f"{'is' if len(given) == 1 else 'are'} for zoo models; its "
+                                "function builds the model it wants (drop the flag)")
         return user.load(model)
     if model not in _REGISTRY:
         try:
@@ -189,7 +191,12 @@ def for_plan(plan: Plan) -> Workload:
                         f"check` rebuilds the model by name (zoo models: {', '.join(names())}) "
                         "or from the --model text a plan of user code records (`soapjax plan "
                         "--model path/file.py:FUNCTION`)")
-    return load(plan.workload or plan.model, plan.model_config or "default")
+    if plan.workload:
+        return load(plan.workload, "default")
+    config = plan.model_config or "default"
+    default = get(plan.model, config).batch_size
+    batch = plan.batch_size if plan.batch_size and plan.batch_size != default else None
+    return load(plan.model, config, batch_size=batch)
 
 
 @functools.cache

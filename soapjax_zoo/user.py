@@ -77,6 +77,12 @@ def load(spec: str) -> Workload:
     where, sep, fn_name = spec.rpartition(":")
     if not sep or not where or not fn_name:
         raise WorkloadError(f"--model {spec!r}: expected {FORM}")
+    if ":" in where and not os.path.exists(where):
+        raise WorkloadError(f"--model {spec!r}: expected one ':' between the file or module and "
+                            f"the function ({FORM}), found {spec.count(':')}")
+    if not fn_name.isidentifier():
+        raise WorkloadError(f"--model {spec!r}: {fn_name!r} is not a function name; expected "
+                            f"{FORM}")
     module = _import_file(spec, where) if where.endswith(".py") or "/" in where \
         else _import_module(spec, where)
     fn = getattr(module, fn_name, None)
@@ -90,6 +96,9 @@ def load(spec: str) -> Workload:
         raise WorkloadError(f"--model {spec!r}: {where} has {what} {fn_name!r}{hint}")
     try:
         out = fn()
+    except SystemExit as e:  # sys.exit() in the user's code: not soapjax's exit
+        raise WorkloadError(f"--model {spec!r}: {fn_name}() called sys.exit({e.code!r}) "
+                            f"{_where(e)}instead of returning {FORM.split(', ', 1)[1]}") from None
     except Exception as e:  # noqa: BLE001  the user's code failed: say where and why
         raise WorkloadError(f"--model {spec!r}: {fn_name}() raised {_described(e)}") from e
     name = Path(where).stem if where.endswith(".py") else where.rpartition(".")[2]
@@ -112,6 +121,10 @@ def _import_file(spec: str, path: str) -> Any:
     sys.path.insert(0, str(file.parent))
     try:
         module_spec.loader.exec_module(module)
+    except SystemExit as e:
+        del sys.modules[module_name]
+        raise WorkloadError(f"--model {spec!r}: running {file} called sys.exit({e.code!r}) "
+                            f"{_where(e)}(a script's main guard missing?)") from None
     except Exception as e:  # noqa: BLE001  the user's file failed to run
         del sys.modules[module_name]
         raise WorkloadError(f"--model {spec!r}: running {file} raised {_described(e)}") from e
@@ -132,8 +145,17 @@ def _import_module(spec: str, name: str) -> Any:
                                 "PYTHONPATH are searched); for a file, give its path, "
                                 "path/to/file.py:FUNCTION") from None
         raise WorkloadError(f"--model {spec!r}: importing {name} raised {_described(e)}") from e
+    except SystemExit as e:
+        raise WorkloadError(f"--model {spec!r}: importing {name} called sys.exit({e.code!r}) "
+                            f"{_where(e)}(a script's main guard missing?)") from None
     except Exception as e:  # noqa: BLE001  the user's module failed to import
         raise WorkloadError(f"--model {spec!r}: importing {name} raised {_described(e)}") from e
+
+
+def _where(e: BaseException) -> str:
+    """``(at file.py:12) ``: where the user's code raised `e`, or ''."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return f"(at {frames[-1].filename}:{frames[-1].lineno}) " if frames else ""
 
 
 def _described(e: BaseException) -> str:

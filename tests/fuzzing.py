@@ -109,7 +109,10 @@ def subject(name: str) -> Subject:
             batch = jax.jit(w.make_batch, compiler_options=FAST)(jax.random.key(1))
             loss = w.loss_fn
         params = _jiggle(params)
-        graph = trace(loss, params, batch, name=name.replace(":", "-"))
+        # exact semantics even for the zoo's mixture of experts (which accepts statistics per
+        # microbatch: `soapjax.trace`): the reference is the whole batch's step
+        graph = trace(loss, params, batch, name=name.replace(":", "-"),
+                      microbatch_statistics=False)
         reference = jax.jit(jax.value_and_grad(loss), compiler_options=FAST)(params, batch)
     return Subject(name, graph, params, batch, loss, reference, reading_operators(graph))
 
@@ -223,7 +226,8 @@ def describe(strategy: Strategy, graph: OpGraph) -> str:
 
 def shrink(s: Subject, strategy: Strategy, topology: Topology) -> Strategy:
     """The failing `strategy` with as many of its choices undone (each operator's config
-    replicated, each step-level choice dropped) as keep it failing: a small reproducer."""
+    replicated, with every layer's where layers repeat; each step-level choice dropped) as
+    keep it failing: a small reproducer."""
     def fails(candidate: Strategy) -> bool:
         return check(s, candidate, topology).failed
 
@@ -235,9 +239,12 @@ def shrink(s: Subject, strategy: Strategy, topology: Topology) -> Strategy:
             candidate = dataclasses.replace(strategy, **{field: plain})
         if candidate != strategy and fails(candidate):
             strategy = candidate
+    group_of = {j: g for g in s.graph.repeated_blocks() for j in g}
     for j, op in enumerate(s.graph.operators):
-        if strategy.configs[j].used_axes:
-            candidate = strategy.replace(j, space.Config.replicated(op))
+        if strategy.configs[j].used_axes and group_of.get(j, [j])[0] == j:
+            candidate = strategy  # a layer's operator with every layer's (a scan's are tied)
+            for k in group_of.get(j, [j]):
+                candidate = candidate.replace(k, space.Config.replicated(s.graph.operators[k]))
             if fails(candidate):
                 strategy = candidate
     return strategy

@@ -138,7 +138,7 @@ def test_user_code_that_cannot_be_found(user_file, tmp_path, capsys):
     assert code == 2 and f"running {broken} raised ZeroDivisionError: division by zero" in err
     code, _, err = run(["plan", "--model", f"{user_file}:make_workload", "--config", "tiny"],
                        capsys)
-    assert code == 2 and "is user code: --size and --api are for zoo models" in err
+    assert code == 2 and "is user code: --size tiny is for zoo models" in err
     code, _, err = run(["plan", "--model", "gtp2"], capsys)
     assert code == 2 and "unknown model 'gtp2'" in err and "or user code: FILE.py:FUNCTION" in err
 
@@ -241,12 +241,13 @@ def test_batch_size_and_a_cut_cluster_reach_the_simulation(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["plan", "--budget", "-3"], "argument --budget: expected a number of seconds >= 0, "
-                                 "got '-3'"),
-    (["plan", "--budget", "nan"], "argument --budget: expected a number of seconds >= 0"),
-    (["plan", "--budget", "soon"], "argument --budget: expected a number of seconds >= 0, got "
-                                   "'soon'"),
-    (["plan", "--proposals", "0"], "argument --proposals: expected an integer >= 1, got '0'"),
+    (["plan", "--budget", "-3"], "argument --budget: expected a number of seconds from 0 to "
+                                 "604800 (a week), got '-3'"),
+    (["plan", "--budget", "nan"], "argument --budget: expected a number of seconds from 0 to"),
+    (["plan", "--budget", "soon"], "argument --budget: expected a number of seconds from 0 to "
+                                   "604800 (a week), got 'soon'"),
+    (["plan", "--proposals", "0"], "argument --proposals: expected an integer from 1 to "
+     "10,000,000, got '0'"),
     (["plan", "--seed", "-1"], "argument --seed: expected an integer >= 0, got '-1'"),
     (["check", "--plan", "p.json", "--repeats", "0"], "argument --repeats: expected an "
                                                       "integer >= 1"),
@@ -389,3 +390,145 @@ def test_ctrl_c_ends_calibrate_links_inside_a_compiled_call(tmp_path):
     finally:
         p.kill()
     assert (p.returncode, err) == (130, "\nsoapjax calibrate: interrupted\n")
+
+
+# --- the bad-input list of 2026-11-28 (issue 43): each one line and status 2, or right ------------
+
+BAD_USER = textwrap.dedent('''\
+    import sys
+    import jax.numpy as jnp
+
+    def _parts(cast):
+        params, batch = {"w": jnp.ones((4, 4))}, {"x": jnp.ones((8, 4))}
+        return (lambda p, b: cast(jnp.sum(b["x"] @ p["w"]))), params, batch
+
+    def make_int():
+        return _parts(lambda x: x.astype(jnp.int32))
+
+    def make_complex():
+        return _parts(lambda x: x.astype(jnp.complex64))
+
+    def make_exit():
+        sys.exit(3)
+    ''')
+
+
+@pytest.fixture
+def bad_user(tmp_path, monkeypatch):
+    (tmp_path / "bad_user.py").write_text(BAD_USER)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pipelines", "--no-pipelines"],
+     "--pipelines and --no-pipelines contradict each other; give one of them"),
+    (["--budget", "1e308"], "argument --budget: expected a number of seconds from 0 to 604800"),
+    (["--proposals", "100000000000000000000"], "argument --proposals: expected an integer from "
+     "1 to 10,000,000"),
+    (["--budget", "2", "--proposals", "100"], "--budget stops the search on time and "
+     "--proposals on a count (the same plan on any machine); give one of them"),
+    (["--mesh", ""], "expected a topology name (one of "),
+])
+def test_plan_refuses_contradictions_and_endless_searches(argv, message, capsys, tmp_path):
+    base = ["plan", "--model", "mlp", "--size", "tiny", "--costs", "analytic",
+            "--out", str(tmp_path / "p.json")]
+    code, _, err = run([*base, *(["--mesh", "cpu8"] if "--mesh" not in argv else []), *argv],
+                       capsys)
+    last = err.strip().splitlines()[-1]  # argparse's usage lines come first
+    assert code == 2 and message in last and last.startswith("soapjax plan: error:"), err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_a_batch_no_axis_divides_is_said(capsys, tmp_path):
+    code, out, _ = run(["plan", "--model", "mlp", "--size", "tiny", "--mesh", "cpu8", "--costs",
+                        "analytic", "--budget", "1", "--batch-size", "7",
+                        "--out", str(tmp_path / "p.json")], capsys)
+    assert code == 0
+    assert "note: the batch of 7 samples divides over no mesh axis (data=2, model=4)" in out
+    code, _, err = run(["simulate", "--model", "mlp", "--size", "tiny", "--mesh", "cpu8",
+                        "--batch-size", "7", "--strategy", "data-parallel"], capsys)
+    assert code == 2 and "data parallelism splits nothing" in err and "--batch-size" in err
+
+
+def test_output_options_are_checked_before_any_work(capsys, tmp_path):
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("")
+    code, out, err = run([*PLAN, *MLP, "--trace", str(tmp_path / "adir"),
+                          "--out", str(tmp_path / "p.json")], capsys)
+    assert code == 2 and out == "" and "--trace" in err and "a directory; expected a file" in err
+    code, _, err = run(["profile", "--model", "mlp", "--size", "tiny", "--mesh", "cpu8",
+                        "--cache-dir", str(tmp_path / "afile")], capsys)
+    assert code == 2 and "--cache-dir" in err and "is a file; expected a directory" in err
+    code, _, err = run(["calibrate", "--model", "mlp", "--write"], capsys)
+    assert code == 2 and "--write rewrites a topology file" in err and "needs --links" in err
+
+
+def test_a_picture_without_a_suffix_is_written_and_named_as_png(capsys, tmp_path):
+    code, out, _ = run([*PLAN, *MLP, "--plot", str(tmp_path / "outnoext"),
+                        "--out", str(tmp_path / "p.json")], capsys)
+    assert code == 0 and f"pictures: {tmp_path / 'outnoext.png'}," in out
+    assert (tmp_path / "outnoext.png").is_file() and not (tmp_path / "outnoext").exists()
+
+
+def test_user_code_that_returns_no_float_or_exits_is_one_line(bad_user, capsys):
+    for fn, message in (("make_int", "must return a real floating-point loss to differentiate, "
+                                     "but returned int32"),
+                        ("make_complex", "returned complex64"),
+                        ("make_exit", "make_exit() called sys.exit(3) (at ")):
+        code, _, err = run(["plan", "--model", f"bad_user.py:{fn}", "--mesh", "cpu8",
+                            "--costs", "analytic", "--budget", "1"], capsys)
+        assert code == 2 and message in err, err
+    code, _, err = run(["graph", "--model", "bad_user.py:make_int:extra"], capsys)
+    assert code == 2 and "expected one ':' between the file or module and the function" in err
+
+
+def test_a_broken_pipe_ends_quietly(monkeypatch, capsys):
+    import io
+
+    class Closed(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "_quiet_stdout", lambda: None)  # the test's stdout is not a pipe
+    monkeypatch.setattr("sys.stdout", Closed())
+    code = cli.main(["models", "--json"])
+    monkeypatch.undo()
+    assert code == cli.BROKEN_PIPE == 141
+    assert capsys.readouterr().err == ""
+
+
+CTRL_C_PLAN = ["plan", "--model", "mlp", "--size", "tiny", "--mesh", "cpu8", "--costs",
+               "analytic", "--budget", "8"]
+
+
+@pytest.mark.parametrize("after_s", [0.3, 1.3, 3.0])
+def test_ctrl_c_at_any_time_ends_in_one_line(after_s, tmp_path):
+    """Ctrl-C while jax imports, while the model traces (where a garbage-collection callback
+    could swallow it, and the search went on) and while the chains run: status 130, one line,
+    no plan written, no traceback."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    exe = Path(sys.executable).parent / "soapjax"  # the venv's console script
+    if not exe.is_file():
+        exe = shutil.which("soapjax")
+    assert exe is not None, "the soapjax command is not installed beside this python"
+    out = tmp_path / "p.json"
+    p = subprocess.Popen([str(exe), *CTRL_C_PLAN, "--out", str(out)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        time.sleep(after_s)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130 and "Traceback" not in err, err
+    assert err.rstrip().splitlines()[-1] in ("soapjax: interrupted while starting",
+                                             "soapjax plan: interrupted; no plan written")
+    assert not out.exists()

@@ -79,16 +79,35 @@ def test_refuses_another_model(graph, topo):
 def test_refuses_another_topology(graph, topo):
     mesh = space.MeshShape.of(topo)
     plan = Plan.make(graph, topo, space.data_parallel(graph, mesh))
-    with pytest.raises(PlanError, match=r"made for topology 'cpu8'.* not 'p100x16'"):
+    with pytest.raises(PlanError, match=r"made for topology 'cpu8'.* but the topology given is "
+                       r"'p100x16' from .*p100x16.toml .*: its mesh is \{node: 4, gpu: 4\}"):
         plan.strategy(graph, load_topology("p100x16"))
 
 
 @pytest.mark.parametrize("mutate, message", [
     (lambda d: d.update(format="x"), "not a soapjax plan"),
-    (lambda d: d.update(version=99), "version 99 is not supported"),
-    (lambda d: d.pop("model"), "malformed plan: KeyError: 'model'"),
+    (lambda d: d.update(version=99), r'"version" must be the integer 1 .*found 99'),
+    (lambda d: d.update(version="1"), r'"version" must be the integer 1 .*found the string \'1\''),
+    (lambda d: d.pop("model"), r"model is missing; a plan file has it"),
+    (lambda d: d.pop("topology"), r"topology is missing"),
+    (lambda d: d.update(operators=[]), r"operators: expected a JSON object \(\{\.\.\.\}\), "
+     r"found \[\]"),
     (lambda d: d["operators"]["fc1"].update(axes=[["data"], ["gpu"], []]),
-     r"operator 'fc1' uses mesh axes \['gpu'\] not in the plan's mesh"),
+     r"operators.fc1.axes\[1\]: mesh axes \['gpu'\] are not in the plan's mesh"),
+    (lambda d: d["operators"]["fc1"].update(axes="data"),
+     r"operators.fc1.axes: expected one list of mesh axis names per dim"),
+    (lambda d: d["operators"]["fc1"].update(axes=[["data"], ["data"], []]),
+     r"operators.fc1.axes: mesh axis 'data' splits two dims"),
+    (lambda d: d["operators"]["fc1"].update(recompute="sometimes"),
+     r"operators.fc1.recompute: expected one of 'none', 'selective', 'full', found 'sometimes'"),
+    (lambda d: d["model"].update(batch_size=0), r"model.batch_size: expected an integer >= 1, "
+     "found 0"),
+    (lambda d: d.update(microbatches=2.5), r"microbatches: expected an integer >= 1, found 2.5"),
+    (lambda d: d["params"].update({"['params']['fc1']['kernel']": [["gpu"], []]}),
+     r"params.\['params'\]\['fc1'\]\['kernel'\]\[0\]: mesh axes \['gpu'\] are not in"),
+    (lambda d: d.update(zero_axes="data"), r"zero_axes: expected a list of mesh axis names"),
+    (lambda d: d.update(ring_attention="yes"), r"ring_attention: expected true or false"),
+    (lambda d: d["pipeline"].update(stages=1.5), r"pipeline.stages: expected an integer >= 1"),
 ])
 def test_bad_files(graph, topo, tmp_path, mutate, message):
     plan = Plan.make(graph, topo, space.data_parallel(graph, space.MeshShape.of(topo)))
@@ -137,11 +156,12 @@ def test_old_plan_files_without_the_memory_fields_load(graph, topo, tmp_path):
 def test_bad_memory_fields(graph, topo):
     data = Plan.make(graph, topo, space.data_parallel(graph, space.MeshShape.of(topo))).to_json()
     data["microbatches"] = 0
-    with pytest.raises(PlanError, match="microbatches must be an integer >= 1"):
+    with pytest.raises(PlanError, match="microbatches: expected an integer >= 1, found 0"):
         Plan.from_json(data)
     data["microbatches"] = 1
-    data["operators"][graph.operators[0].name]["recompute"] = "some"
-    with pytest.raises(PlanError, match=r"recompute\[0\] is 'some'"):
+    name = graph.operators[0].name
+    data["operators"][name]["recompute"] = "some"
+    with pytest.raises(PlanError, match=rf"operators.{name}.recompute: expected one of"):
         Plan.from_json(data)
 
 
@@ -220,3 +240,10 @@ def test_load_and_save_name_the_path_not_a_temp_file(graph, topo, tmp_path):
     with pytest.raises(PlanError, match=r"latin1.json: not a plan file \(byte 12 is not UTF-8"):
         Plan.load(tmp_path / "latin1.json")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "latin1.json"]
+
+
+def test_a_deeply_nested_file_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 200_000)
+    with pytest.raises(PlanError, match=r"deep.json: not valid JSON \(nested too deeply"):
+        Plan.load(path)

@@ -162,8 +162,11 @@ def test_find_plan_is_the_search_with_its_defaults():
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("budget_s", -3, "budget_s must be a number of seconds >= 0, got -3"),
-    ("max_proposals", 0, "max_proposals must be None or an integer >= 1, got 0"),
+    ("budget_s", -3, "budget_s must be a number of seconds from 0 to 604800 (a week), got -3"),
+    ("budget_s", 1e308, "budget_s must be a number of seconds from 0 to 604800 (a week), got "
+                        "1e+308"),
+    ("max_proposals", 0, "max_proposals must be None or an integer from 1 to 10,000,000, got 0"),
+    ("max_proposals", 10**20, "max_proposals must be None or an integer from 1 to 10,000,000"),
     ("seed", -1, "seed must be an integer >= 0, got -1"),
     ("temperature", 0.0, "temperature must be a number > 0, got 0.0"),
     ("num_random", 1.5, "num_random must be an integer >= 0, got 1.5"),

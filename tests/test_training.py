@@ -213,7 +213,8 @@ def test_a_batch_missing_a_key_names_it(mlp):
                                   strategy="data-parallel")
     short = {k: v for k, v in batch.items() if k != "inputs"}
     message = (r"the batch has no leaf \['inputs'\] \(traced with \['inputs'\], \['label'\]; "
-               r"found \['label'\]\); expected a batch of the example batch's structure")
+               r"found \['label'\]\); expected the batch of the structure shard_training was "
+               r"given")
     with pytest.raises(PlanError, match="run.step: " + message):
         run.step(run.params, run.opt_state, short)
     with pytest.raises(PlanError, match="shard_batch: " + message):
