@@ -37,10 +37,12 @@ from flax import nnx
 
 import soapjax_zoo as zoo
 from soapjax import apply, space
+from soapjax._pipeline_layout import check_pipelinable
 from soapjax.errors import PlanError
 from soapjax.exactness import GradientComparison, compare_gradients, reading_operators
 from soapjax.graph import OpGraph, trace
-from soapjax.pipeline import SCHEDULES, check_pipeline
+from soapjax.memory import microbatch_choices
+from soapjax.pipeline import SCHEDULES
 from soapjax.search import interleave_choices, random_strategy, stage_choices
 from soapjax.space import RECOMPUTE_POLICIES, MeshShape, SpaceLimits, Strategy
 from soapjax.topology import Topology, make_mesh
@@ -136,7 +138,7 @@ def draw(s: Subject, topology: Topology, rng: np.random.Generator) -> Strategy:
                 policies[j] = policies[group[0]]
         strategy = dataclasses.replace(strategy, recompute=tuple(policies))
     if rng.random() < 0.25:
-        ms = [m for m in (2, 4) if graph.batch_size % m == 0]
+        ms = [m for m in microbatch_choices(graph) if m in (2, 4)]
         if ms:
             strategy = strategy.with_microbatches(int(rng.choice(ms)))
     if rng.random() < 0.25:
@@ -146,9 +148,18 @@ def draw(s: Subject, topology: Topology, rng: np.random.Generator) -> Strategy:
     if any(op.anchor == "attention" for op in graph.operators) and rng.random() < 0.3:
         strategy = dataclasses.replace(strategy, ring_attention=True)
     stages = stage_choices(graph, topology)
-    if stages and not strategy.ring_attention and rng.random() < 0.4:
+    if stages and not strategy.ring_attention and _pipelinable(graph) and rng.random() < 0.4:
         strategy = _pipelined(graph, strategy, stages, rng)
     return strategy
+
+
+def _pipelinable(graph: OpGraph) -> bool:
+    """Whether apply can pipeline `graph` at all (one layer scan, no random bits)."""
+    try:
+        check_pipelinable(graph, stages=1, microbatches=1)
+    except PlanError:
+        return False
+    return True
 
 
 def _subset(axes: list[str], rng: np.random.Generator) -> tuple[str, ...]:
@@ -163,11 +174,10 @@ def _pipelined(graph: OpGraph, strategy: Strategy, stages: tuple[int, ...],
     options = []
     for v in interleave_choices(graph, S):
         for schedule in SCHEDULES:
-            for m in (1, 2, 4, 8):
-                if graph.batch_size % m:
-                    continue
+            for m in microbatch_choices(graph):
                 try:
-                    check_pipeline(schedule, S, m, v)
+                    check_pipelinable(graph, stages=S, microbatches=m, virtual=v,
+                                      schedule=schedule)
                 except PlanError:
                     continue
                 options.append((v, schedule, m))

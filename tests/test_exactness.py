@@ -427,3 +427,53 @@ def test_a_cotangent_moving_an_axis_between_dims_is_left_to_xla():
     out = fuzzing.check(s, strategy, TOPOLOGY)
     assert out.comparison is not None, out.refused
     assert out.comparison.max_error <= X64, out.comparison.describe()
+
+
+def test_xla_still_computes_a_partly_scattered_partial_sum_wrongly():
+    """The canary of `soapjax._flatsim.scatter_target`'s rule: a contraction split over two
+    axes (node, model) whose result is constrained to split the batch over data and one of them
+    (a reduce-scatter over model, an all-reduce over node) gives wrong attention weights under
+    both of XLA's partitioners (jax 0.10.2); over one axis, or scattered over both, it is
+    right. The day this fails, XLA fixed it."""
+    mesh = jax.make_mesh((2, 2, 2), ("node", "data", "model"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+    def f(q, k, rsplit, target):
+        if rsplit is not None:
+            q = jax.lax.with_sharding_constraint(q, NamedSharding(mesh, P("data", None, None,
+                                                                          rsplit)))
+            k = jax.lax.with_sharding_constraint(k, NamedSharding(mesh, P("data", None, None,
+                                                                          rsplit)))
+        s = jax.lax.dot_general(q, k, (([3], [3]), ([0, 2], [0, 2])))
+        if target is not None:
+            s = jax.lax.with_sharding_constraint(s, NamedSharding(mesh, P(target)))
+        return jax.nn.softmax(s, axis=-1)
+
+    with jax.enable_x64(True):
+        q, k = (jax.random.normal(key, (8, 17, 4, 8), jnp.float64)
+                for key in jax.random.split(jax.random.key(0)))
+        want = f(q, k, None, None)
+        run = jax.jit(f, static_argnums=(2, 3))
+        wrong = float(jnp.max(jnp.abs(run(q, k, ("node", "model"), ("data", "model")) - want)))
+        right = float(jnp.max(jnp.abs(run(q, k, "model", ("data", "model")) - want)))
+    assert wrong > 0.1 and right < 1e-12
+
+
+def test_vit_with_a_partly_scattered_attention_score_is_exact():
+    """The randomized suite's find, shrunk (seed 2473 on cpu8-nodes): ViT's attention scores
+    with the head dim (contracted) over node and model, their readers' batch over data and
+    model; scattered over `model` alone, the scores came out wrong (loss 7.6e-4 off)."""
+    import fuzzing
+
+    topology = load_topology(str(Path(__file__).resolve().parent / "meshes" / "cpu8-nodes.toml"))
+    s = fuzzing.subject("corpus:vit")
+    strategy = space.Strategy(tuple(Config.replicated(op) for op in s.graph.operators))
+    for layer in ("0", "1"):
+        for name, axes in ((f"encoder/{layer}/attention/attention/dot_general",
+                            (("data",), (), (), (), ("node", "model"))),
+                           (f"encoder/{layer}/attention/attention/dot_general_1",
+                            (("data", "model"), (), ("node",), ()))):
+            strategy = strategy.replace(s.graph.index(name), Config(axes))
+    out = fuzzing.check(s, strategy, topology)
+    assert out.comparison is not None, out.refused
+    assert out.comparison.max_error <= X64, out.comparison.describe()
