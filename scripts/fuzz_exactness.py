@@ -15,13 +15,21 @@ scale. A strategy apply refuses (a `PlanError`) is counted apart, not as a failu
 is shrunk (`fuzzing.shrink`) to the fewest choices that still fail and printed with its seed;
 keep it as a test. Progress goes to stderr; the JSON at ``--out`` has every count, per subject.
 Exit status 1 when anything failed.
+
+Each strategy runs in a worker process (`--worker`, which keeps the subjects it built) with a
+deadline (``--deadline-s``): a step that hangs or aborts the process (XLA:CPU ends a
+collective no device pair completes after 40 s) is a failure of its own kind, and the next
+strategy runs in a fresh worker.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import select
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,7 +48,71 @@ import numpy as np  # noqa: E402
 from soapjax.topology import load_topology  # noqa: E402
 
 
+def _worker() -> int:
+    """Reads ``{"name", "topology", "seed", "shrink"}`` lines on stdin and writes one JSON line
+    of what `fuzzing.check` found for each (the subjects built once)."""
+    topologies = _topologies()
+    for line in sys.stdin:
+        job = json.loads(line)
+        t0 = time.time()
+        s = fuzzing.subject(job["name"])
+        topology = topologies[job["topology"]]
+        strategy = fuzzing.draw(s, topology, np.random.default_rng(job["seed"]))
+        out = fuzzing.check(s, strategy, topology)
+        record = {"refused": out.refused, "failed": out.failed, "describe": out.describe(),
+                  "error": out.comparison.max_error if out.comparison else None,
+                  "pipelined": strategy.pipelined,
+                  "strategy": fuzzing.describe(strategy, s.graph)}
+        if out.failed and job["shrink"]:
+            small = fuzzing.shrink(s, strategy, topology)
+            record["shrunk"] = fuzzing.describe(small, s.graph)
+            record["split"] = {op.name: [list(a) for a in cfg.axes]
+                               for op, cfg in zip(s.graph.operators, small.configs)
+                               if cfg.used_axes}
+        record["seconds"] = time.time() - t0
+        print(json.dumps(record), flush=True)
+    return 0
+
+
+def _topologies() -> dict:
+    return {"cpu8": load_topology("cpu8"),
+            "cpu8-nodes": load_topology(str(ROOT / "tests" / "meshes" / "cpu8-nodes.toml"))}
+
+
+class _Worker:
+    """A `--worker` process, restarted after it hangs or dies."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+
+    def run(self, job: dict, deadline_s: float) -> dict:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen([sys.executable, __file__, "--worker"],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, text=True)
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], deadline_s)
+        line = self.proc.stdout.readline() if ready else ""
+        if line:
+            return json.loads(line)
+        code = self.proc.poll()
+        self.close()
+        what = (f"HANG: no result in {deadline_s:.0f} s" if code is None
+                else f"ABORT: the worker ended with status {code}")
+        return {"refused": "", "failed": True, "describe": what, "error": None,
+                "pipelined": False, "strategy": "(see the seed)", "seconds": deadline_s}
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and sys.argv[1:] == ["--worker"]:
+        return _worker()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--strategies", type=int, default=2000, help="strategies compared in all "
@@ -50,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"subjects to fuzz (default: all {len(fuzzing.names())}; e.g. "
                    "corpus:convnext zoo:gpt:tiny)")
     p.add_argument("--out", default=None, help="write the counts as JSON here")
+    p.add_argument("--deadline-s", type=float, default=240.0, help="longest one strategy may "
+                   "take, compiling included, before it counts as a hang (default %(default)s)")
     p.add_argument("--no-shrink", dest="shrink", action="store_false",
                    help="report failures as drawn, without shrinking them")
     args = p.parse_args(argv)
@@ -57,50 +131,46 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in fuzzing.names()]
     if unknown:
         p.error(f"unknown subjects {unknown}; expected some of {fuzzing.names()}")
-    topologies = [load_topology("cpu8"), load_topology(str(ROOT / "tests" / "meshes"
-                                                           / "cpu8-nodes.toml"))]
+    topologies = list(_topologies())
     counts = {n: {"compared": 0, "refused": 0, "failed": 0, "worst": 0.0, "pipelined": 0,
                   "seconds": 0.0} for n in names}
     failures: list[dict] = []
     refusals: dict[str, int] = {}
+    worker = _Worker()
     start, compared, draws = time.time(), 0, 0
-    while compared < args.strategies:
-        name = names[draws % len(names)]
-        topology = topologies[(draws // len(names)) % len(topologies)]
-        seed = args.seed + draws
-        draws += 1
-        t0 = time.time()
-        s = fuzzing.subject(name)
-        strategy = fuzzing.draw(s, topology, np.random.default_rng(seed))
-        out = fuzzing.check(s, strategy, topology)
-        c = counts[name]
-        c["seconds"] += time.time() - t0
-        if out.comparison is None:
-            c["refused"] += 1
-            reason = out.refused.split(";")[0][:120]
-            refusals[reason] = refusals.get(reason, 0) + 1
-            continue
-        compared += 1
-        c["compared"] += 1
-        c["pipelined"] += int(strategy.pipelined)
-        c["worst"] = max(c["worst"], out.comparison.max_error)
-        if out.failed:
-            c["failed"] += 1
-            small = fuzzing.shrink(s, strategy, topology) if args.shrink else strategy
-            failures.append({"subject": name, "topology": topology.name, "seed": seed,
-                             "strategy": fuzzing.describe(strategy, s.graph),
-                             "shrunk": fuzzing.describe(small, s.graph),
-                             "split": {op.name: [list(a) for a in cfg.axes]
-                                       for op, cfg in zip(s.graph.operators, small.configs)
-                                       if cfg.used_axes},
-                             "comparison": out.comparison.describe()})
-            print(f"\nFAIL {name} on {topology.name} seed {seed}: {failures[-1]['shrunk']}; "
-                  f"{out.comparison.describe()}", file=sys.stderr)
-        if compared % 10 == 0 or compared == args.strategies:
-            sys.stderr.write(f"\r{compared}/{args.strategies} strategies compared "
-                             f"({sum(x['refused'] for x in counts.values())} refused, "
-                             f"{len(failures)} failed) in {time.time() - start:.0f} s")
-            sys.stderr.flush()
+    try:
+        while compared < args.strategies:
+            name = names[draws % len(names)]
+            topology = topologies[(draws // len(names)) % len(topologies)]
+            seed = args.seed + draws
+            draws += 1
+            r = worker.run({"name": name, "topology": topology, "seed": seed,
+                            "shrink": args.shrink}, args.deadline_s)
+            c = counts[name]
+            c["seconds"] += r["seconds"]
+            if r["refused"]:
+                c["refused"] += 1
+                reason = r["refused"].split(";")[0][:120]
+                refusals[reason] = refusals.get(reason, 0) + 1
+                continue
+            compared += 1
+            c["compared"] += 1
+            c["pipelined"] += int(r["pipelined"])
+            c["worst"] = max(c["worst"], r["error"] if r["error"] is not None else math.inf)
+            if r["failed"]:
+                c["failed"] += 1
+                failures.append({"subject": name, "topology": topology, "seed": seed,
+                                 "strategy": r["strategy"], "shrunk": r.get("shrunk", ""),
+                                 "split": r.get("split", {}), "comparison": r["describe"]})
+                print(f"\nFAIL {name} on {topology} seed {seed}: {r.get('shrunk', '')}; "
+                      f"{r['describe']}", file=sys.stderr)
+            if compared % 10 == 0 or compared == args.strategies:
+                sys.stderr.write(f"\r{compared}/{args.strategies} strategies compared "
+                                 f"({sum(x['refused'] for x in counts.values())} refused, "
+                                 f"{len(failures)} failed) in {time.time() - start:.0f} s")
+                sys.stderr.flush()
+    finally:
+        worker.close()
     sys.stderr.write("\n")
     total = {"strategies": compared, "draws": draws,
              "refused": sum(c["refused"] for c in counts.values()),

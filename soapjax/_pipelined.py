@@ -142,6 +142,7 @@ reverse, and a stacked parameter read outside the layers.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -384,13 +385,69 @@ def _run_in_stage(prog: Program, idxs: Sequence[int], env: dict,
              and (call := attention_call(prog.units[i].eqn)) is not None}
     start = 0
     for k, i in enumerate(idxs):
-        eqn = prog.units[i].eqn
-        if eqn.primitive.name == "gather":
+        unit = prog.units[i]
+        whole = _shifted_dims(unit.eqn)
+        if whole:
             prog.run_units(idxs[start:k], env, calls)
-            v = prog.units[i].ins[0]
-            env[v] = _whole_along(env[v], eqn.params["dimension_numbers"].start_index_map)
+            for v, dims in zip(unit.ins, whole):
+                if dims and v in env:
+                    env[v] = _whole_along(env[v], dims)
             start = k
     prog.run_units(idxs[start:], env, calls)
+
+
+def _shifted_dims(eqn: Any) -> list[tuple[int, ...]]:
+    """Per operand of `eqn`, the dims it indexes, slices, pads or concatenates along (empty
+    where none). Split there, XLA moves the slices' halos between a stage's devices with a
+    collective-permute (a gather aborts), which inside a stage's action hangs
+    (`check_compiled`); whole there, the stage gathers them instead."""
+    name, p = eqn.primitive.name, eqn.params
+    shape = getattr(eqn.invars[0].aval, "shape", ()) if eqn.invars else ()
+    if name == "gather":
+        return [tuple(p["dimension_numbers"].start_index_map)]
+    if name == "split":
+        return [(p["axis"],)]
+    if name == "slice":
+        return [tuple(d for d, n in enumerate(shape)
+                      if p["start_indices"][d] != 0 or p["limit_indices"][d] != n
+                      or (p["strides"] or (1,) * len(shape))[d] != 1)]
+    if name == "pad":
+        return [tuple(d for d, c in enumerate(p["padding_config"]) if c != (0, 0, 0))]
+    if name == "concatenate":
+        return [(p["dimension"],)] * len(eqn.invars)
+    if name == "rev":
+        return [tuple(p["dimensions"])]
+    if name in ("dynamic_slice", "dynamic_update_slice"):
+        sizes = p["slice_sizes"] if name == "dynamic_slice" else eqn.invars[1].aval.shape
+        return [tuple(d for d, n in enumerate(shape) if sizes[d] != n)]
+    return []
+
+
+# The named scopes of the pipeline's own sends (its per-direction ``lax.switch``, which every
+# device takes alike): collective-permutes there are well formed.
+SEND_SCOPES = ("pipeline_activations", "pipeline_gradients")
+
+
+def check_compiled(hlo_text: str) -> None:
+    """PlanError where XLA put a collective-permute of its own inside a stage's action: a
+    resharding inside the layers (a rotary embedding's halves of a split head dim, a shifted
+    slice) inside the ``lax.switch`` on the stage's action, which only that stage's devices
+    take. XLA:CPU waits for every device at a collective-permute, so that step would hang, and
+    abort after 40 s (a tiny Llama with its keys' head dim split, found by
+    `scripts/fuzz_exactness.py`). Checked on the compiled step, before it first runs."""
+    for line in hlo_text.splitlines():
+        if " collective-permute(" not in line and " collective-permute-start(" not in line:
+            continue
+        name = re.search(r'op_name="([^"]*)"', line)
+        where = name.group(1) if name else ""
+        if "/cond/branch_" in where and not any(s in where for s in SEND_SCOPES):
+            raise PlanError(
+                f"XLA exchanges data between the devices of a pipeline stage with a "
+                f"collective-permute inside the stage's own action ({where.split('/')[-1]!r} "
+                f"at {where}), which only that stage's devices run: the step would hang. The "
+                "plan splits a dim there that the layers slice or shift (a rotary "
+                "embedding's head dim, a sequence a convolution pads); plan this model's "
+                "stages with those dims whole, or without stages")
 
 
 def _whole_queries(call: AttentionCall) -> Callable:
@@ -401,8 +458,8 @@ def _whole_queries(call: AttentionCall) -> Callable:
 def _whole_along(x: Any, dims: Sequence[int]) -> Any:
     """`x` constrained to be unsplit along `dims` (its other dims as XLA chooses)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
+    if mesh.empty or not any(t == jax.sharding.AxisType.Auto for t in mesh.axis_types):
+        return x  # every axis manual (the stage's and the data's): nothing for XLA to place
     spec = PartitionSpec(*(None if d in dims else PartitionSpec.UNCONSTRAINED
                            for d in range(np.ndim(x))))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -68,6 +68,7 @@ from jax._src import config as _jax_config  # the scoped partitioner switch has 
 from jax.sharding import Mesh
 
 from soapjax._flatstep import constrained_loss, recompute_segments
+from soapjax._pipelined import check_compiled
 from soapjax._shardings import (
     TrainShardings,
     batch_shardings,
@@ -179,9 +180,10 @@ def sharded_train_step(graph: OpGraph, strategy: Any, mesh: Mesh,
                                          shardings.loss),
                      out_shardings=(shardings.params, shardings.opt_state, shardings.loss),
                      donate_argnums=(0, 1) if donate else (), compiler_options=options)
-    partitioned = PartitionedStep(jitted, chosen)
+    guard = _guard(check)
+    partitioned = PartitionedStep(jitted, chosen, guard=guard)
     partitioned.value_and_grad = _jitted_value_and_grad(value_and_grad, shardings, chosen,
-                                                        options)
+                                                        options, guard)
     return partitioned, shardings
 
 
@@ -202,16 +204,24 @@ def sharded_value_and_grad(graph: OpGraph, strategy: Any, mesh: Mesh, *, params:
     shardings = train_shardings(graph, check, mesh, optax.identity(), params=params, batch=batch)
     value_and_grad = _value_and_grad(check, shardings, allow_spatial_convolutions)
     return _jitted_value_and_grad(value_and_grad, shardings, chosen,
-                                  dict(compiler_options) if compiler_options else None), shardings
+                                  dict(compiler_options) if compiler_options else None,
+                                  _guard(check)), shardings
 
 
 def _jitted_value_and_grad(value_and_grad: Callable, shardings: TrainShardings,
                            partitioner: Literal["shardy", "gspmd"],
-                           options: dict[str, Any] | None) -> PartitionedStep:
+                           options: dict[str, Any] | None,
+                           guard: Callable[[str], None] | None) -> PartitionedStep:
     jitted = jax.jit(value_and_grad,
                      in_shardings=(shardings.params, shardings.batch, shardings.loss),
                      out_shardings=(shardings.loss, shardings.grads), compiler_options=options)
-    return PartitionedStep(jitted, partitioner, arity=3)
+    return PartitionedStep(jitted, partitioner, arity=3, guard=guard)
+
+
+def _guard(check: Checked) -> Callable[[str], None] | None:
+    """What the compiled step is checked by before it first runs: a pipelined step's program
+    for collectives inside a stage's own action (`soapjax._pipelined.check_compiled`)."""
+    return check_compiled if check.strategy.pipelined else None
 
 
 def _value_and_grad(check: Checked, shardings: TrainShardings, allow_spatial: bool
@@ -242,21 +252,29 @@ class PartitionedStep:
     """
 
     def __init__(self, jitted: Callable, partitioner: Literal["shardy", "gspmd"],
-                 arity: int = 4):
+                 arity: int = 4, guard: Callable[[str], None] | None = None):
         self.jitted = jitted
         self.partitioner = partitioner
         self._arity = arity
+        self._guard = guard
+        self._compiled: Any = None
         self.value_and_grad: PartitionedStep | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args = _with_step(args, self._arity)
         with _use_shardy(self.partitioner == "shardy"):
-            return self.jitted(*_with_step(args, self._arity), **kwargs)
+            if self._guard is None or kwargs:
+                return self.jitted(*args, **kwargs)
+            if self._compiled is None:  # compiled once, its program checked before it runs
+                self._compiled = self.lower(*args).compile()
+            return self._compiled(*args)
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
-        """`jax.jit(...).lower`; the result's ``compile()`` uses the same partitioner."""
+        """`jax.jit(...).lower`; the result's ``compile()`` uses the same partitioner (and
+        checks the compiled program, where the step has a guard: a pipelined one's)."""
         with _use_shardy(self.partitioner == "shardy"):
             return _Lowered(self.jitted.lower(*_with_step(args, self._arity), **kwargs),
-                            self.partitioner)
+                            self.partitioner, self._guard)
 
     def __repr__(self) -> str:
         return f"PartitionedStep({self.jitted!r}, partitioner={self.partitioner!r})"
@@ -269,12 +287,15 @@ def _with_step(args: tuple, arity: int) -> tuple:
 
 
 class _Lowered:
-    def __init__(self, lowered: Any, partitioner: str):
-        self._lowered, self._partitioner = lowered, partitioner
+    def __init__(self, lowered: Any, partitioner: str, guard: Callable[[str], None] | None):
+        self._lowered, self._partitioner, self._guard = lowered, partitioner, guard
 
     def compile(self, *args: Any, **kwargs: Any) -> Any:
         with _use_shardy(self._partitioner == "shardy"):
-            return self._lowered.compile(*args, **kwargs)
+            compiled = self._lowered.compile(*args, **kwargs)
+        if self._guard is not None:
+            self._guard(compiled.as_text())
+        return compiled
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._lowered, name)

@@ -41,11 +41,11 @@ from soapjax._pipeline_layout import check_pipelinable
 from soapjax.errors import PlanError
 from soapjax.exactness import GradientComparison, compare_gradients, reading_operators
 from soapjax.graph import OpGraph, trace
-from soapjax.memory import microbatch_choices
+from soapjax.memory import microbatch_choices, microbatch_error
 from soapjax.pipeline import SCHEDULES
 from soapjax.search import interleave_choices, random_strategy, stage_choices
 from soapjax.space import RECOMPUTE_POLICIES, MeshShape, SpaceLimits, Strategy
-from soapjax.topology import Topology, make_mesh
+from soapjax.topology import Topology, make_mesh, stage_topology
 
 NOISE = 0.05
 TOLERANCE = 1e-9  # float64, per leaf (soapjax.exactness)
@@ -127,8 +127,17 @@ def _jiggle(tree: Any, seed: int = 0) -> Any:
 
 def draw(s: Subject, topology: Topology, rng: np.random.Generator) -> Strategy:
     """A random strategy of `s` on `topology` (module doc)."""
-    graph, mesh = s.graph, MeshShape.of(topology)
-    strategy = random_strategy(graph, mesh, rng, LIMITS)
+    graph = s.graph
+    stages = stage_choices(graph, topology) if _pipelinable(graph) else ()
+    S = int(rng.choice(stages)) if stages and rng.random() < 0.4 else 1
+    # a pipelined strategy's configs are over one stage's devices (the outer axis cut)
+    mesh = MeshShape.of(stage_topology(topology, S) if S > 1 else topology)
+    # no attribute splits where the model convolves: a spatially split input to a convolution
+    # is refused (XLA computes it wrongly; `soapjax.apply.constrained_loss`), as the corpus
+    # tests plan them
+    convolves = any(op.anchor == "conv_general_dilated" for op in graph.operators)
+    strategy = random_strategy(graph, mesh, rng,
+                               dataclasses.replace(LIMITS, allow_attribute=not convolves))
     axes = list(mesh.axis_names)
     if rng.random() < 0.3:  # recomputation: per operator, tied over every layer's position
         policies = [RECOMPUTE_POLICIES[int(k)] for k in
@@ -138,18 +147,18 @@ def draw(s: Subject, topology: Topology, rng: np.random.Generator) -> Strategy:
                 policies[j] = policies[group[0]]
         strategy = dataclasses.replace(strategy, recompute=tuple(policies))
     if rng.random() < 0.25:
-        ms = [m for m in microbatch_choices(graph) if m in (2, 4)]
+        ms = [m for m in microbatch_choices(graph) if m in (2, 4)
+              and _divides(graph, strategy, mesh, m)]
         if ms:
             strategy = strategy.with_microbatches(int(rng.choice(ms)))
     if rng.random() < 0.25:
         strategy = dataclasses.replace(strategy, zero_axes=_subset(axes, rng))
     elif rng.random() < 0.2:
         strategy = dataclasses.replace(strategy, optimizer_axes=_subset(axes, rng))
+    if S > 1:
+        return _pipelined(graph, strategy, S, mesh, rng)
     if any(op.anchor == "attention" for op in graph.operators) and rng.random() < 0.3:
         strategy = dataclasses.replace(strategy, ring_attention=True)
-    stages = stage_choices(graph, topology)
-    if stages and not strategy.ring_attention and _pipelinable(graph) and rng.random() < 0.4:
-        strategy = _pipelined(graph, strategy, stages, rng)
     return strategy
 
 
@@ -167,14 +176,22 @@ def _subset(axes: list[str], rng: np.random.Generator) -> tuple[str, ...]:
     return picked or (axes[int(rng.integers(len(axes)))],)
 
 
-def _pipelined(graph: OpGraph, strategy: Strategy, stages: tuple[int, ...],
+def _divides(graph: OpGraph, strategy: Strategy, mesh: MeshShape, m: int) -> bool:
+    """Whether `m` microbatches divide every operator's per-device batch (apply refuses
+    them otherwise: `soapjax.memory.microbatch_error`)."""
+    return not any(microbatch_error(op, c, mesh, m)
+                   for op, c in zip(graph.operators, strategy.configs))
+
+
+def _pipelined(graph: OpGraph, strategy: Strategy, S: int, mesh: MeshShape,
                rng: np.random.Generator) -> Strategy:
-    """`strategy` with a random pipeline its numbers allow (else unchanged)."""
-    S = int(rng.choice(stages))
+    """`strategy` with a random pipeline of `S` stages its numbers allow (else unchanged)."""
     options = []
     for v in interleave_choices(graph, S):
         for schedule in SCHEDULES:
             for m in microbatch_choices(graph):
+                if not _divides(graph, strategy, mesh, m):
+                    continue
                 try:
                     check_pipelinable(graph, stages=S, microbatches=m, virtual=v,
                                       schedule=schedule)
@@ -188,14 +205,20 @@ def _pipelined(graph: OpGraph, strategy: Strategy, stages: tuple[int, ...],
 
 
 class Outcome(NamedTuple):
-    """What `check` found: a comparison, or the reason apply refused the strategy."""
+    """What `check` found: a comparison, the reason apply refused the strategy (a
+    `PlanError`), or the error it crashed with (anything else: a failure too)."""
 
     comparison: GradientComparison | None
     refused: str = ""
+    crashed: str = ""
 
     @property
     def failed(self) -> bool:
-        return self.comparison is not None and not self.comparison.passed
+        return bool(self.crashed) or (self.comparison is not None and not self.comparison.passed)
+
+    def describe(self) -> str:
+        return (f"CRASH {self.crashed}" if self.crashed else f"refused: {self.refused}"
+                if self.refused else self.comparison.describe())
 
 
 def check(s: Subject, strategy: Strategy, topology: Topology) -> Outcome:
@@ -205,10 +228,12 @@ def check(s: Subject, strategy: Strategy, topology: Topology) -> Outcome:
         try:
             fn, sh = apply.sharded_value_and_grad(s.graph, strategy, mesh, params=s.params,
                                                   batch=s.batch, compiler_options=FAST)
+            loss, grads = fn(apply.device_put_global(s.params, sh.params),
+                             apply.device_put_global(s.batch, sh.batch))
         except PlanError as e:
             return Outcome(None, str(e))
-        loss, grads = fn(apply.device_put_global(s.params, sh.params),
-                         apply.device_put_global(s.batch, sh.batch))
+        except Exception as e:  # noqa: BLE001  apply crashing is a failure to report
+            return Outcome(None, crashed=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
         return Outcome(compare_gradients(loss, grads, *s.reference, tolerance=TOLERANCE,
                                          operators=s.operators))
 
