@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from soapjax.space import MeshShape
+from soapjax.strategy.space import MeshShape
 from soapjax_zoo.gpt import GPT_SIZES
 from soapjax_zoo.llama import LLAMA_SIZES
 

@@ -10,12 +10,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from soapjax import baselines
-from soapjax.errors import PlanError
-from soapjax.graph import OpGraph
+from soapjax.base.errors import PlanError
+from soapjax.graph.opgraph import OpGraph
 from soapjax.search import SearchSettings, find_plan
-from soapjax.space import RECOMPUTE_POLICIES, MeshShape, Strategy
-from soapjax.topology import stage_topology
+from soapjax.strategy import baselines
+from soapjax.strategy.space import RECOMPUTE_POLICIES, MeshShape, Strategy
+from soapjax.topology.cluster import stage_topology
 
 
 def megatron_points(g: OpGraph, topo, grid: dict, label: str) -> dict[str, Strategy]:

@@ -38,18 +38,19 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import soapjax_zoo as zoo  # noqa: E402
-from soapjax import apply  # noqa: E402
-from soapjax.baselines import baselines  # noqa: E402
+from soapjax.apply import step as apply  # noqa: E402
 from soapjax.check import compare_on_devices  # noqa: E402
-from soapjax.cost import cost_model, quiet_gc  # noqa: E402
-from soapjax.graph import trace  # noqa: E402
-from soapjax.hlo import launched_kernels  # noqa: E402
-from soapjax.plan import Plan  # noqa: E402
-from soapjax.reshard import Resharder  # noqa: E402
+from soapjax.cost.operators import cost_model  # noqa: E402
+from soapjax.cost.reshard import Resharder  # noqa: E402
+from soapjax.graph.opgraph import trace  # noqa: E402
+from soapjax.measure import quiet_gc  # noqa: E402
+from soapjax.measure.hlo import launched_kernels  # noqa: E402
 from soapjax.search import SearchSettings, find_plan, random_strategy  # noqa: E402
-from soapjax.simulate import opt_state_factor, simulate  # noqa: E402
-from soapjax.space import MeshShape  # noqa: E402
-from soapjax.topology import load_topology, make_mesh  # noqa: E402
+from soapjax.simulate.front import opt_state_factor, simulate  # noqa: E402
+from soapjax.strategy.baselines import baselines  # noqa: E402
+from soapjax.strategy.plan import Plan  # noqa: E402
+from soapjax.strategy.space import MeshShape  # noqa: E402
+from soapjax.topology.cluster import load_topology, make_mesh  # noqa: E402
 from soapjax_eval.tables import expert_name, spearman  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,6 +59,7 @@ BEFORE_REV = "7929f7d"
 
 
 def before_topology(rev: str):
+    # the file's path in revisions before the topologies moved into the package
     text = subprocess.run(["git", "show", f"{rev}:meshes/cpu8.toml"], cwd=ROOT, check=True,
                           capture_output=True, text=True).stdout
     path = Path(tempfile.mkdtemp(prefix="soapjax-before-")) / "cpu8.toml"

@@ -25,12 +25,12 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
                                + " --xla_force_host_platform_device_count=8").strip()
 
 import soapjax_zoo as zoo  # noqa: E402
-from soapjax import baselines  # noqa: E402
 from soapjax.check import compare_on_devices  # noqa: E402
-from soapjax.graph import trace  # noqa: E402
-from soapjax.plan import Plan  # noqa: E402
+from soapjax.graph.opgraph import trace  # noqa: E402
 from soapjax.search import SearchSettings, find_plan  # noqa: E402
-from soapjax.topology import load_topology  # noqa: E402
+from soapjax.strategy import baselines  # noqa: E402
+from soapjax.strategy.plan import Plan  # noqa: E402
+from soapjax.topology.cluster import load_topology  # noqa: E402
 
 PLANS = ("data-parallel", "megatron", "fsdp", "expert-cnn", "expert-rnn", "searched")
 

@@ -33,7 +33,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 import soapjax_zoo as zoo  # noqa: E402
-from soapjax import cost  # noqa: E402
+from soapjax.cost import operators as cost  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

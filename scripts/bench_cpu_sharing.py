@@ -1,8 +1,8 @@
 """Why cpu8 steps take twice what the simulator says: kernels and collectives of 8 virtual
 devices sharing a 2-core host, timed in the settings a training step puts them in.
 
-Three probes, each with soapjax's loop harness (`soapjax.cost.time_loop`: many repetitions in
-one compiled program, dispatch amortised; the minimum over trials):
+Three probes, each with soapjax's loop harness (`soapjax.measure.time_loop`: many repetitions
+in one compiled program, dispatch amortised; the minimum over trials):
 
 * **kernels**: an elementwise kernel (``tanh``, 1 or 4 of them fused) and a matmul, timed on
   one device alone, on all 8 at once, and on all 8 with a 1 KB all-reduce after each kernel
@@ -44,7 +44,8 @@ from jax.sharding import (  # noqa: E402
     PartitionSpec as P,
 )
 
-from soapjax.cost import TimingOptions, kick, time_loop  # noqa: E402
+from soapjax.cost.operators import TimingOptions  # noqa: E402
+from soapjax.measure import kick, time_loop  # noqa: E402
 
 OPTIONS = TimingOptions(target_trial_s=0.02, trials=3)
 AXES = ("data", "model")
@@ -147,8 +148,8 @@ def repeat(mesh: Mesh, times: int = 5) -> None:
 def link_sweeps(_: Mesh, sweeps: int = 2) -> None:
     """On cpu8's mesh as `make_mesh` builds it, the one calibrate measures on (not the probes'
     mesh)."""
-    from soapjax import links
-    from soapjax.topology import load_topology, make_mesh
+    from soapjax.measure import links
+    from soapjax.topology.cluster import load_topology, make_mesh
 
     topo = load_topology("cpu8")
     mesh = make_mesh(topo)

@@ -11,7 +11,7 @@ recomputed, from shapes (nothing runs), and compares the FLOPs one device comput
   every while-loop trip counted (XLA counts a loop body once), the all-reduces' one FLOP per
   element left out (communication) and fused work on elements no fusion output reads left
   out; of that, what fusions recompute (*fusion duplicates*) is shown apart.
-* **predicted**: `soapjax.flops.FlopCounter` (forward, backward, recomputation, the
+* **predicted**: `soapjax.cost.flops.FlopCounter` (forward, backward, recomputation, the
   optimizer's update of the stored parameter shards).
 
 A second table breaks both down: by phase (forward, backward, update, from JAX's ``jvp`` and
@@ -38,13 +38,13 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
                                + " --xla_force_host_platform_device_count=8").strip()
 
 import soapjax_zoo as zoo
-from soapjax import baselines
 from soapjax.check import compiled_flops
-from soapjax.flops import FlopCounter
-from soapjax.graph import trace
+from soapjax.cost.flops import FlopCounter
+from soapjax.graph.opgraph import trace
 from soapjax.search import SearchSettings, find_plan
-from soapjax.space import MeshShape
-from soapjax.topology import load_topology, make_mesh
+from soapjax.strategy import baselines
+from soapjax.strategy.space import MeshShape
+from soapjax.topology.cluster import load_topology, make_mesh
 
 PLANS = ("data-parallel", "megatron", "fsdp", "expert-cnn", "expert-rnn", "searched",
          "recompute", "megatron-sp", "fsdp-recompute")

@@ -1,7 +1,7 @@
 """GPU simulator against Megatron-LM's published A100 iteration times (issue 31).
 
 Every row of Narayanan et al., SC'21, Table 1 (weak scaling, GPT 1.7B to 1T on 32 to 3072
-A100s; /work/shared/reference/published-gpu-measurements.md) is simulated in the configuration
+A100s; Megatron-LM, Narayanan et al. 2021, Table 1) is simulated in the configuration
 as published and its predicted iteration time set beside the published one:
 
 * published time: ``F / (GPUs x achieved FLOP/s per GPU)`` with the paper's count
@@ -10,10 +10,10 @@ as published and its predicted iteration time set beside the published one:
   V = 51200. The traced graph's own count of the matmuls' FLOPs, four times the layers' and
   three times the head's, is printed beside it as a check of the formula;
 * predicted time: the zoo's ``gpt`` at the row's size traced from shapes (nothing allocated),
-  `soapjax.baselines.megatron_3d` (TP, PP, microbatch size, virtual stages, recomputation,
+  `soapjax.strategy.baselines.megatron_3d` (TP, PP, microbatch size, virtual stages, recomputation,
   sequence parallelism as below) on ``dgx-a100x3072`` cut to the row's GPUs
-  (`soapjax.topology.scaled_topology`), simulated by `soapjax.simulate.simulate` with analytic
-  costs and the ideal resharding model, as `scripts/bench_scaling.py` and
+  (`soapjax.topology.cluster.scaled_topology`), simulated by `soapjax.simulate.front.simulate` with
+  analytic costs and the ideal resharding model, as `scripts/bench_scaling.py` and
   `scripts/bench_pipeline.py` do;
 * the error ``(predicted - published) / published`` and the FLOP utilisation each implies
   (the paper's F over time x GPUs x 312 TFLOP/s, the table's "% of peak").
@@ -28,11 +28,11 @@ uniform`` on every row (full activation recomputation of every layer, which is w
 four-pass F counts), and PyTorch DDP for the rows without pipeline stages, Megatron's "local"
 DDP for the others.
 Megatron keeps each stage's layers as its chunks run them (``layer_layout="chunks"``), where
-`soapjax.apply` keeps them in the model's layout and moves them every step under the
-interleaved schedule (`soapjax.pipesim`, module doc, 4: that would add 0.3-0.6 s and 8-9 GB
+`soapjax.apply.step` keeps them in the model's layout and moves them every step under the
+interleaved schedule (`soapjax.simulate.pipesim`, module doc, 4: that would add 0.3-0.6 s and 8-9 GB
 per GPU to the four interleaved rows).
 Assumed: no sequence parallelism (it came later, Korthikanti et al. 2022); the paper's
-scatter/gather of stage-to-stage sends, as `soapjax.pipesim` prices them (each of the TP
+scatter/gather of stage-to-stage sends, as `soapjax.simulate.pipesim` prices them (each of the TP
 devices sends 1/TP of the boundary activations over its own NIC, the receiver all-gathers them
 over NVLink); gradient synchronisation, overlap and fp16 as the simulator does them, whatever
 DDP flavour the row used; Megatron's dropout (0.1 on the embeddings, the attention
@@ -43,7 +43,7 @@ bytes). The table's achieved TFLOP/s were copied into the reference note by hand
 been checked against the paper here; the shapes, TP, PP, batches and node counts agree with
 run_table_1.sh.
 
-The device model is the GPU kernel model (`soapjax.kernels`) of the topology file's
+The device model is the GPU kernel model (`soapjax.cost.kernels`) of the topology file's
 ``[device.kernels]`` table: GEMMs with tile and wave quantisation over the A100's 108 SMs,
 fused memory-bound kernels cut at reductions, 3 us per kernel; collectives at NCCL's 0.8 of
 the links' line rates (the links' ``efficiency``, cited in the file). Two parameters are
@@ -82,12 +82,12 @@ sys.path.insert(0, str(ROOT))
 import numpy as np
 
 import soapjax_zoo
-from soapjax import baselines
-from soapjax.cost import cost_model
-from soapjax.errors import SoapjaxError
-from soapjax.graph import OpGraph, trace
-from soapjax.simulate import opt_state_factor, simulate
-from soapjax.topology import KernelSpec, Topology, load_topology, scaled_topology
+from soapjax.base.errors import SoapjaxError
+from soapjax.cost.operators import cost_model
+from soapjax.graph.opgraph import OpGraph, trace
+from soapjax.simulate.front import opt_state_factor, simulate
+from soapjax.strategy import baselines
+from soapjax.topology.cluster import KernelSpec, Topology, load_topology, scaled_topology
 from soapjax_zoo.gpt import GPT_SIZES
 
 MESH = "dgx-a100x3072"
@@ -189,9 +189,10 @@ class Prediction(NamedTuple):
 
 def row_topology(row: Row, params: Mapping[str, Any] | None) -> Topology:
     """``dgx-a100x3072`` cut to the row's GPUs, with fitted parameters applied (None: as
-    shipped). Parameters: ``"efficiency"``, a `soapjax.topology.Efficiency` (the file's
+    shipped). Parameters: ``"efficiency"``, a `soapjax.topology.cluster.Efficiency` (the file's
     ``[device.efficiency]``), and any field of its ``[device.kernels]`` table
-    (`soapjax.topology.KernelSpec`: ``gemm_efficiency``, ``memory_efficiency``, ``launch``)."""
+    (`soapjax.topology.cluster.KernelSpec`: ``gemm_efficiency``, ``memory_efficiency``,
+    ``launch``)."""
     topo = scaled_topology(load_topology(MESH), row.gpus)
     if not params:
         return topo

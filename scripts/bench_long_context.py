@@ -4,15 +4,15 @@ person would try, written to docs/long-context.md (issue 32, item 5).
 For each case (the zoo's ``llama`` at Llama 3's shapes: 8B at 128K tokens on `dgx-h100x8` and
 on `h100x64`, 70B at 32K on `h100x64`, and 8B at 32K on `dgx-h100x8`; 1M tokens a step: 8
 sequences of 128K or 32 of 32K), with analytic costs (the topology's GPU kernel model,
-`[device.kernels]`; attention is `soapjax.attention.flash_attention`, one operator priced as a
+`[device.kernels]`; attention is `soapjax.base.attention.flash_attention`, one operator priced as a
 flash kernel that keeps nothing ``s x s``) and the ideal resharding model:
 
-* the hand grid: `soapjax.baselines.megatron_3d` over TP in {1, 2, 4, 8} (sequence parallel
+* the hand grid: `soapjax.strategy.baselines.megatron_3d` over TP in {1, 2, 4, 8} (sequence parallel
   when TP > 1), CP in {1, 2, 4, 8} (queries local, keys and values all-gathered: where the
   sequence divides and mesh axes outside TP make it), PP in {1, 2, 4, 8} where the layers and
   the outermost mesh axis divide (1F1B), microbatch sizes 1 and 2 sequences, recompute none
   / selective / full, with and without Megatron's distributed optimizer. Each point is
-  simulated by `soapjax.simulate.simulate`; the fastest that fits in 80 GB is the best hand
+  simulated by `soapjax.simulate.front.simulate`; the fastest that fits in 80 GB is the best hand
   configuration;
 * the search: `soapjax.find_plan` with a time budget (``--budget``, default 100 s; seed 0),
   pipelined plans included as the hand grid has them (``SearchSettings(pipelines=True)``;
@@ -56,11 +56,11 @@ import _searched_row
 from _searched_row import search_into, strategy_words
 
 import soapjax_zoo
-from soapjax.cost import cost_model
-from soapjax.graph import OpGraph, trace
-from soapjax.simulate import SimResult, opt_state_factor, simulate
-from soapjax.space import MeshShape, Strategy
-from soapjax.topology import load_topology, stage_topology
+from soapjax.cost.operators import cost_model
+from soapjax.graph.opgraph import OpGraph, trace
+from soapjax.simulate.front import SimResult, opt_state_factor, simulate
+from soapjax.strategy.space import MeshShape, Strategy
+from soapjax.topology.cluster import load_topology, stage_topology
 
 
 class Case(NamedTuple):
@@ -193,7 +193,7 @@ def render(rows: list[dict], args) -> str:
         + ("" if args.pipelines else " --no-pipelines")
         + (f" --proposals {args.proposals}" if getattr(args, "proposals", None) else "")
         + "` (analytic costs: the topology's GPU "
-        "kernel model, attention one flash kernel (`soapjax.attention.flash_attention`: "
+        "kernel model, attention one flash kernel (`soapjax.base.attention.flash_attention`: "
         "nothing s x s in memory) at `attention_efficiency` "
         f"{load_topology('dgx-h100x8').device.kernels.attention_efficiency:g} of peak (what "
         "soapjax's own flash attention reached on an H100, docs/accuracy.md); ideal resharding "

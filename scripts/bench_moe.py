@@ -6,7 +6,7 @@ and on 256 H100s (`dgx-h100x1024` cut to 32 nodes), the fine-grained MoE on `h10
 capacity-factor dispatch, GShard's einsums), with analytic
 costs (the topology's GPU kernel model, `[device.kernels]`) and the ideal resharding model:
 
-* the hand grid: `soapjax.baselines.megatron_3d` over TP in {1, 2, 4, 8} (sequence parallel
+* the hand grid: `soapjax.strategy.baselines.megatron_3d` over TP in {1, 2, 4, 8} (sequence parallel
   when TP > 1), EP in {1, 2, 4, 8} (carved out of data parallelism, as Megatron-Core does), PP
   in {1, 2, 4} where the layers and the node axis divide (1F1B, no virtual stages), microbatch
   sizes 1, 2 and 4 samples, recompute none / selective / full, with and without Megatron's
@@ -14,7 +14,7 @@ costs (the topology's GPU kernel model, `[device.kernels]`) and the ideal reshar
   MaxText's rules
   (`baselines.maxtext_moe`: FSDP over every axis, the experts over the in-node axes, or over
   the node axis) with 1, 2 or 4 microbatches and the same recomputations. Each point is
-  simulated by `soapjax.simulate.simulate`; the fastest that fits in 80 GB is the best hand
+  simulated by `soapjax.simulate.front.simulate`; the fastest that fits in 80 GB is the best hand
   configuration;
 * the search: `soapjax.find_plan` with a time budget (``--budget``, default 90 s; seed 0;
   pipelined plans too with ``--pipelines``, as ``soapjax plan --pipelines``), its step time,
@@ -53,14 +53,14 @@ import _searched_row
 from _searched_row import search_into, strategy_words
 
 import soapjax_zoo
-from soapjax import baselines
-from soapjax.cost import cost_model
-from soapjax.errors import PlanError
-from soapjax.graph import OpGraph, trace
-from soapjax.memory import check_microbatches
-from soapjax.simulate import SimResult, opt_state_factor, simulate
-from soapjax.space import RECOMPUTE_POLICIES, MeshShape, Strategy
-from soapjax.topology import load_topology
+from soapjax.base.errors import PlanError
+from soapjax.cost.operators import cost_model
+from soapjax.graph.opgraph import OpGraph, trace
+from soapjax.simulate.front import SimResult, opt_state_factor, simulate
+from soapjax.strategy import baselines
+from soapjax.strategy.memory import check_microbatches
+from soapjax.strategy.space import RECOMPUTE_POLICIES, MeshShape, Strategy
+from soapjax.topology.cluster import load_topology
 
 
 class Case(NamedTuple):

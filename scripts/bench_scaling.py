@@ -3,7 +3,7 @@ docs/scaling.md.
 
 For each GPT size (Megatron's shapes, 1.3B .. 1T) on 8 .. 3072 A100s of `dgx-a100x3072`, and
 LLaMA 7B / 70B on `h100x64`, with analytic costs (the topologies' GPU kernel model,
-`soapjax.kernels`, and NCCL at the links' achieved bandwidth; `bench_pipeline.cost_words`):
+`soapjax.cost.kernels`, and NCCL at the links' achieved bandwidth; `bench_pipeline.cost_words`):
 
 * the searched plan (`soapjax.find_plan`, fixed proposals per chain, seed 0) in words: its
   tensor-parallel axes, data-parallel axes, microbatches M, recomputation, FSDP axes;
@@ -42,15 +42,15 @@ from _decoder_metrics import matmul_degrees, model_flops
 from bench_pipeline import cost_words, run_case as pipelined_run_case
 
 import soapjax_zoo
-from soapjax import baselines
-from soapjax.cost import cost_model
-from soapjax.errors import SoapjaxError
-from soapjax.graph import trace
-from soapjax.reshard import Resharder
+from soapjax.base.errors import SoapjaxError
+from soapjax.cost.operators import cost_model
+from soapjax.cost.reshard import Resharder
+from soapjax.graph.opgraph import trace
 from soapjax.search import SearchSettings, find_plan
-from soapjax.simulate import Simulation, opt_state_factor
-from soapjax.space import MeshShape
-from soapjax.topology import load_topology, scaled_topology
+from soapjax.simulate.front import Simulation, opt_state_factor
+from soapjax.strategy import baselines
+from soapjax.strategy.space import MeshShape
+from soapjax.topology.cluster import load_topology, scaled_topology
 from soapjax_zoo.gpt import GPT_SIZES
 from soapjax_zoo.llama import LLAMA_SIZES
 
@@ -228,7 +228,7 @@ def render(rows: list[dict], args) -> str:
             "of Megatron's 3D grid (PP over the stage counts that divide the layers and the "
             "nodes, every interleave the layers allow, TP 4 or 8, microbatch sizes and "
             "recompute as above), "
-            "both simulated by `soapjax.pipesim`, as in [pipelines.md](pipelines.md). "
+            "both simulated by `soapjax.simulate.pipesim`, as in [pipelines.md](pipelines.md). "
             "Memory is the fullest stage's.",
             "",
             "| model | GPUs | batch | searched plan | step (s) | model TFLOP/s/GPU | bubble | "
@@ -271,7 +271,7 @@ def render(rows: list[dict], args) -> str:
 
 def stage_counts_note(row: dict) -> str:
     """Why a GPT row's pipelined search had little to try: the stage counts (> 1) that divide
-    both its nodes (8 GPUs each) and its layers (`soapjax.search.stage_choices`)."""
+    both its nodes (8 GPUs each) and its layers (`soapjax.search.pipelines.stage_choices`)."""
     model, size = row["model"].split()
     if row["gpus"] % 8:
         return ""

@@ -17,10 +17,10 @@ import sys
 import time
 
 import soapjax_zoo as zoo
-from soapjax.graph import trace
-from soapjax.reshard import DEFAULT_MODE
+from soapjax.cost.reshard import DEFAULT_MODE
+from soapjax.graph.opgraph import trace
 from soapjax.search import SearchSettings, find_plan
-from soapjax.topology import load_topology
+from soapjax.topology.cluster import load_topology
 
 MESHES = ("p100x16", "k80x64", "dgx-h100x8", "dgx-h100x32", "h100x64")
 

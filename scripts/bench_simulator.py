@@ -14,11 +14,11 @@ the simulator's own; times are this process's CPU time, which other jobs on a bu
 disturb less than wall time, the best of `--repeats` runs. Costs are analytic (the roofline of
 the topology's devices) and reshardings use the ideal model (`Resharder(mode="ideal")`: XLA's
 answers change which collectives are priced, not the simulator's speed once they are cached).
-Devices: the paper's K80 cluster (`meshes/k80x64.toml`) cut to 1, 2, 4, 8 and 16 nodes of 4
-GPUs by `soapjax.topology.scaled_topology`, mesh ``node x gpu``. Under symmetric SPMD the task
-graph does not grow with the device count (one compute stream; channels that collectives use
-alike are one resource), unlike the paper's per-device tasks. Every row also checks that the
-walk's final delta state equals a full simulation of its strategy, task by task.
+Devices: the paper's K80 cluster (`soapjax/topology/meshes/k80x64.toml`) cut to 1, 2, 4, 8 and 16
+nodes of 4 GPUs by `soapjax.topology.cluster.scaled_topology`, mesh ``node x gpu``. Under symmetric
+SPMD the task graph does not grow with the device count (one compute stream; channels that
+collectives use alike are one resource), unlike the paper's per-device tasks. Every row also checks
+that the walk's final delta state equals a full simulation of its strategy, task by task.
 
 Usage::
 
@@ -36,10 +36,12 @@ import sys
 import time
 
 import soapjax_zoo as zoo
-from soapjax import cost, graph, space
-from soapjax.reshard import Resharder
-from soapjax.simulate import Simulation
-from soapjax.topology import load_topology, scaled_topology
+from soapjax.cost import operators as cost
+from soapjax.cost.reshard import Resharder
+from soapjax.graph import opgraph as graph
+from soapjax.simulate.front import Simulation
+from soapjax.strategy import space
+from soapjax.topology.cluster import load_topology, scaled_topology
 
 
 def bench(g, topo, *, proposals: int, full_every: int, seed: int, repeats: int) -> dict:

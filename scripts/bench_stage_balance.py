@@ -1,4 +1,4 @@
-"""Uneven pipeline stages: what `soapjax.search.balance_stages` gains where the head weighs.
+"""Uneven pipeline stages: what `soapjax.search.stages.balance_stages` gains where the head weighs.
 
 A pipeline's last stage runs the final norm, the head and the loss after its layers; with a
 large vocabulary that is worth a layer or more (Llama 3: 128,256 tokens, the head about one
@@ -6,11 +6,11 @@ of its 8B layers at 8K tokens, two at 2K, where attention weighs less), so with 
 the last is the slowest and every other waits on it each microbatch. Megatron-LM lets a
 person cut the stages unevenly (``--decoder-last-pipeline-num-layers``); soapjax's search
 walks the boundaries (`balance_stages`) and apply runs what it finds
-(`soapjax._pipeline_layout.stage_router`).
+(`soapjax.apply._pipeline_layout.stage_router`).
 
 For each case (the zoo's ``llama`` at Llama 3 8B's and Llama 2 7B's shapes, GPT 175B), on the
 case's cluster, analytic costs (the topology's GPU kernel model) and the ideal resharding
-model: Megatron's 3D configuration at each pipeline depth (`soapjax.baselines.megatron_3d`:
+model: Megatron's 3D configuration at each pipeline depth (`soapjax.strategy.baselines.megatron_3d`:
 TP 8 with sequence parallelism, 1F1B, microbatches of one sequence, selective recomputation)
 with equal stages, then the same with the boundaries `balance_stages` finds; the step, each
 stage's layers, what the move costs (the layers a stage runs but another keeps, sent every
@@ -37,15 +37,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import soapjax_zoo  # noqa: E402
-from soapjax.baselines import megatron_3d  # noqa: E402
-from soapjax.cost import cost_model  # noqa: E402
-from soapjax.graph import trace  # noqa: E402
-from soapjax.pipesim import PipelinedSimulation  # noqa: E402
-from soapjax.reshard import Resharder  # noqa: E402
+from soapjax.cost.operators import cost_model  # noqa: E402
+from soapjax.cost.reshard import Resharder  # noqa: E402
+from soapjax.graph.opgraph import trace  # noqa: E402
 from soapjax.search import balance_stages  # noqa: E402
-from soapjax.simulate import opt_state_factor  # noqa: E402
-from soapjax.space import MeshShape  # noqa: E402
-from soapjax.topology import load_topology, scaled_topology, stage_topology  # noqa: E402
+from soapjax.simulate.front import opt_state_factor  # noqa: E402
+from soapjax.simulate.pipesim import PipelinedSimulation  # noqa: E402
+from soapjax.strategy.baselines import megatron_3d  # noqa: E402
+from soapjax.strategy.space import MeshShape  # noqa: E402
+from soapjax.topology.cluster import load_topology, scaled_topology, stage_topology  # noqa: E402
 from soapjax_zoo import llama  # noqa: E402
 
 # Llama 3 8B's shapes (the zoo's long-context size with XLA's attention, as the 8K tokens a

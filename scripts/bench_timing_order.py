@@ -9,8 +9,8 @@ no longer asserts (a loaded 2-core host reorders them now and then; a benchmark 
 2. A batch split over ``data`` (2 devices of ``cpu8``) makes the shard's forward about half
    the whole operator's.
 
-Each figure is the cost stage's own measurement (`soapjax.cost`, measured costs on the local
-CPU, a fresh cache), printed with the ratio the test suite used to hold it to; the load
+Each figure is the cost stage's own measurement (`soapjax.cost.operators`, measured costs on the
+local CPU, a fresh cache), printed with the ratio the test suite used to hold it to; the load
 average is printed too, since other processes on the host only ever make times slower.
 """
 
@@ -30,10 +30,10 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from soapjax.cost import TimingOptions, cost_model  # noqa: E402
-from soapjax.graph import trace  # noqa: E402
-from soapjax.space import Config  # noqa: E402
-from soapjax.topology import load_topology  # noqa: E402
+from soapjax.cost.operators import TimingOptions, cost_model  # noqa: E402
+from soapjax.graph.opgraph import trace  # noqa: E402
+from soapjax.strategy.space import Config  # noqa: E402
+from soapjax.topology.cluster import load_topology  # noqa: E402
 
 
 class _Dense(nn.Module):

@@ -1,5 +1,5 @@
-"""On a GPU: `soapjax.attention.flash_attention(..., implementation="cudnn")` runs cuDNN's fused
-kernel, its bfloat16 loss and gradients match the blockwise attention's, and how much faster
+"""On a GPU: `soapjax.base.attention.flash_attention(..., implementation="cudnn")` runs cuDNN's
+fused kernel, its bfloat16 loss and gradients match the blockwise attention's, and how much faster
 it is. Prints one JSON line; exit status 1 where the numbers differ (2 without a GPU).
 
     PYTHONPATH=. python3 scripts/check_cudnn_attention.py            # ~30 s on an H100
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from soapjax.attention import flash_attention  # noqa: E402
+from soapjax.base.attention import flash_attention  # noqa: E402
 
 TOLERANCE = 2e-2
 

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import fuzzing  # noqa: E402
 import numpy as np  # noqa: E402
 
-from soapjax.topology import load_topology  # noqa: E402
+from soapjax.topology.cluster import load_topology  # noqa: E402
 
 
 def _worker() -> int:

@@ -8,14 +8,14 @@ In order:
 
 1. A header: jax version, backend, device kind and count; what one jitted call of almost
    nothing costs (dispatch and launch), and one iteration of the timing loop.
-2. Kernels on the default device (`soapjax.devicefit`, each timed in one compiled loop):
+2. Kernels on the default device (`soapjax.cost.devicefit`, each timed in one compiled loop):
    GEMMs in bfloat16 and float32 (float16 and float32 at ``highest`` precision for a few)
    over square and Transformer-like shapes, streaming ``x * a + b`` from 64 MiB to 1 GiB,
    a softmax and a layer norm, and causal attention (``jax.nn.dot_product_attention``, XLA's
    and cuDNN's) forward and forward+backward: achieved TFLOP/s or GB/s and the fraction of the
-   datasheet figure (the topology of the device kind: ``meshes/dgx-h100x8.toml`` cut to one
-   device for an H100; an H200 gets that file's device with the H200's memory).
-3. The fitted ``[device.efficiency]`` table (`soapjax.devicefit.fit_efficiency`), as TOML.
+   datasheet figure (the topology of the device kind: ``soapjax/topology/meshes/dgx-h100x8.toml``
+   cut to one device for an H100; an H200 gets that file's device with the H200's memory).
+3. The fitted ``[device.efficiency]`` table (`soapjax.cost.devicefit.fit_efficiency`), as TOML.
 4. One-device training steps (forward, backward, the zoo's AdamW update; jitted, parameters
    donated, the median of up to 10 calls after two warm-up calls) of GPT-2 small (float32),
    a 0.9B LLaMA (bfloat16) and GPT 1.3B (float16), against the simulator's unsharded step on
@@ -24,13 +24,13 @@ In order:
    FLOPs: three times the operators' forward FLOPs, as the analytic model counts them), and
    XLA's buffer assignment of each compiled step (``compiled.memory_analysis()``) beside the
    simulator's peak memory per device.
-5. Each model's operators timed one by one on the device (`soapjax.cost`'s measured costs, the
-   unsharded shard program of each, forward and backward; operators with the same program
+5. Each model's operators timed one by one on the device (`soapjax.cost.operators`'s measured costs,
+   the unsharded shard program of each, forward and backward; operators with the same program
    share one measurement), and the simulator's step with those measured costs: the
    simulator's structure on a GPU, apart from its kernel model. Each operator's measured time
    stands beside the kernel model's (the topology file's ``[device.kernels]``), so the
    operators the kernel model misprices are named.
-6. With ``--profile``: each step profiled (`soapjax.stepprofile`, three more calls): its
+6. With ``--profile``: each step profiled (`soapjax.measure.stepprofile`, three more calls): its
    kernels by class (GEMM, reduction, elementwise, copy, ...) and by source in the model,
    beside the kernel model's kernels of each class (`model_classes`), and the device's idle
    time; the trace and the compiled HLO are kept in OUT, and ``--render-from OUT`` reads them
@@ -76,14 +76,18 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 
 import soapjax_zoo as zoo  # noqa: E402
-from soapjax import devicefit, stepprofile  # noqa: E402
-from soapjax.cost import TimingOptions, cost_model, quiet_gc  # noqa: E402
-from soapjax.devices import local_topology  # noqa: E402
-from soapjax.graph import trace  # noqa: E402
-from soapjax.kernels import kernel_classes, shard_kernels  # noqa: E402
-from soapjax.simulate import opt_state_factor, simulate  # noqa: E402
-from soapjax.space import MeshShape, Strategy, configs  # noqa: E402
-from soapjax.topology import Efficiency, Topology, scaled_topology  # noqa: E402
+from soapjax.cost import devicefit
+from soapjax.cost.kernels import kernel_classes, shard_kernels  # noqa: E402
+from soapjax.cost.operators import TimingOptions, cost_model  # noqa: E402
+from soapjax.graph.opgraph import trace  # noqa: E402
+from soapjax.measure import (
+    quiet_gc,  # noqa: E402
+    stepprofile,  # noqa: E402
+)
+from soapjax.measure.devices import local_topology  # noqa: E402
+from soapjax.simulate.front import opt_state_factor, simulate  # noqa: E402
+from soapjax.strategy.space import MeshShape, Strategy, configs  # noqa: E402
+from soapjax.topology.cluster import Efficiency, Topology, scaled_topology  # noqa: E402
 from soapjax_zoo import gpt, gpt2, llama  # noqa: E402
 
 GRACE_S = 45.0  # past the budget, a subprocess still running is killed
@@ -316,8 +320,8 @@ def step_worker(args: argparse.Namespace, parts: Parts) -> None:
 
 
 def profile_step(spec: ModelSpec, compiled: Any, args: tuple, out: Path, parts: Parts) -> None:
-    """Three more calls under the profiler (`soapjax.stepprofile`): the step's kernels by class
-    and by source. The trace and the compiled module's text are kept beside the parts file,
+    """Three more calls under the profiler (`soapjax.measure.stepprofile`): the step's kernels by
+    class and by source. The trace and the compiled module's text are kept beside the parts file,
     so the classification can be redone without the device."""
     import shutil
 
@@ -337,7 +341,7 @@ def profile_step(spec: ModelSpec, compiled: Any, args: tuple, out: Path, parts: 
 
 
 def profile_record(trace_file: Path, hlo_text: str, calls: int, walls: list[float]) -> dict:
-    """A profiled step as the results keep it: `soapjax.stepprofile`'s summary of the trace,
+    """A profiled step as the results keep it: `soapjax.measure.stepprofile`'s summary of the trace,
     classified from the compiled module's text, with the module's loop copies."""
     prof = stepprofile.summarize(stepprofile.trace_kernels(trace_file),
                                  stepprofile.classify(hlo_text), calls, walls)
@@ -346,7 +350,7 @@ def profile_record(trace_file: Path, hlo_text: str, calls: int, walls: list[floa
 
 def ops_worker(args: argparse.Namespace, parts: Parts) -> None:
     """Each operator's unsharded shard program timed on the device, and the simulated step
-    with those times (`soapjax.cost`'s measured costs)."""
+    with those times (`soapjax.cost.operators`'s measured costs)."""
     spec = _model_arg(args)
     w, g = traced(spec)
     header = device_header()
@@ -432,19 +436,20 @@ def run_worker(what: list[str], parts: Parts, *, deadline: float, hard_end: floa
 def device_topology(kind: str, platform_name: str) -> tuple[Topology, str]:
     """A one-device topology of the measured device kind, and where its figures come from."""
     if platform_name == "cpu":
-        return scaled_topology(local_topology(), 1), ("the CPU's rough figures of "
-                                                      "meshes/cpu8.toml, one device")
+        return scaled_topology(local_topology(), 1), (
+            "the CPU's rough figures of soapjax/topology/meshes/cpu8.toml, one device")
     h100 = scaled_topology("dgx-h100x8", 1)
     if "h200" in kind.lower():
         device = dataclasses.replace(h100.device, kind="H200 SXM 141GB",
                                      memory_bytes=141 * 10**9, memory_bandwidth=4.8e12)
         return (dataclasses.replace(h100, name="h200-1", device=device),
-                "no shipped H200 topology: the H100 SXM device of meshes/dgx-h100x8.toml with "
+                "no shipped H200 topology: the H100 SXM device of "
+                "soapjax/topology/meshes/dgx-h100x8.toml with "
                 "the H200 datasheet's memory (141 GB at 4.8 TB/s); the same compute peaks")
     if "h100" in kind.lower() and "pcie" not in kind.lower():
-        return h100, "meshes/dgx-h100x8.toml (H100 SXM5) cut to one device"
+        return h100, "soapjax/topology/meshes/dgx-h100x8.toml (H100 SXM5) cut to one device"
     return h100, (f"no shipped topology for {kind!r}: the H100 SXM5 figures of "
-                  "meshes/dgx-h100x8.toml, so fractions are of an H100's peaks")
+                  "soapjax/topology/meshes/dgx-h100x8.toml, so fractions are of an H100's peaks")
 
 
 class Predicted(NamedTuple):
@@ -571,8 +576,8 @@ def op_rows(spec: ModelSpec, topo: Topology, out: Path, *, deadline: float, hard
 
 def model_classes(spec: ModelSpec, topo: Topology) -> dict[str, list[float]]:
     """The kernel model's unsharded step as ``[seconds, kernels]`` per class, the classes of
-    `soapjax.stepprofile`: each operator's kernels forward and backward
-    (`soapjax.kernels.kernel_classes`), operators it does not apply to as ``roofline``, and
+    `soapjax.measure.stepprofile`: each operator's kernels forward and backward
+    (`soapjax.cost.kernels.kernel_classes`), operators it does not apply to as ``roofline``, and
     the rest of the simulated step (the optimizer's update) as ``update``."""
     w, g = traced(spec)
     model = cost_model(g, topo, mode="analytic", optimizer=w.optimizer)
@@ -620,7 +625,7 @@ def render(results: dict) -> str:
     if results.get("overhead"):
         o = results["overhead"]
         lines += ["", f"One jitted call of a one-element add, waited for: {_ms(o['launch_s'])}; "
-                  f"one iteration of the timing loop (`soapjax._timing`): "
+                  f"one iteration of the timing loop (`soapjax.measure._timing`): "
                   f"{_ms(o['loop_floor_s'])}. Kernels (and operators) are timed inside that "
                   "loop, dispatch amortised and that iteration's cost taken off; kernels under "
                   "10 iterations' worth are left out of the fit."]
@@ -629,8 +634,9 @@ def render(results: dict) -> str:
         e = results["efficiency"]
         lines += ["", f"The fitted table ({e['rule']}):", "", "```toml", e["toml"].rstrip(), "```"]
     if results.get("attention_efficiency") is not None:
-        lines += ["", "soapjax's own flash attention (`soapjax.attention.flash_attention`, what "
-                  "apply runs), forward and backward, reached "
+        lines += ["", "soapjax's own flash attention "
+                  "(`soapjax.base.attention.flash_attention`, what apply runs), forward and "
+                  "backward, reached "
                   f"`attention_efficiency = {results['attention_efficiency']:.3f}` of the bf16 "
                   "peak as the kernel model counts its FLOPs (`devicefit."
                   "fit_attention_efficiency`): the figure for the topology's `[device.kernels]`."]
@@ -784,7 +790,7 @@ def _profile_tables(steps: list[dict], top: int = 10, memory_GBps: float | None 
     for s, p in _steps_with(steps, "profile", lines, "not profiled"):
         model = p.get("model", {})
         idle = p["wall_s"] - p["busy_s"]
-        lines += ["", f"{s['model']} {s['config']}, profiled (`soapjax.stepprofile`, "
+        lines += ["", f"{s['model']} {s['config']}, profiled (`soapjax.measure.stepprofile`, "
                   f"{p['calls']} calls): {p['kernels']:.0f} kernels per step; the device was "
                   f"busy {_ms(p['busy_s'])} of the step's {_ms(p['wall_s'])} (idle "
                   f"{_ms(idle)}, {idle / p['wall_s'] * 100:.0f}%); kernel time by class (the "

@@ -10,7 +10,7 @@ For each device count (``--devices``, default 8 and 64) and each case (``--cases
   float32) under the ``fsdp`` baseline (ZeRO-3 over every axis);
 * ``megatron-sp``: the same GPT under the ``megatron-sp`` baseline (tensor parallel over the
   node's axes with sequence parallelism, selective recomputation, data parallel across nodes);
-* ``pipeline``: the same GPT under `soapjax.baselines.megatron_3d` with ``pp=2`` (1F1B, 4
+* ``pipeline``: the same GPT under `soapjax.strategy.baselines.megatron_3d` with ``pp=2`` (1F1B, 4
   microbatches, tensor parallel over one stage's node axes);
 * ``expert``: the zoo's ``moe`` (8 experts top-2, capacity dispatch) under the ``maxtext-moe``
   baseline (FSDP, the experts split over the node's axes: all-to-alls);
@@ -18,18 +18,18 @@ For each device count (``--devices``, default 8 and 64) and each case (``--cases
   `megatron_3d` with ``tp=4, cp=2`` (the sequence split: keys and values gathered).
 
 (cases first, device counts inside, so that a run cut short has its first cases at every count)
-the applied step (`soapjax.apply.sharded_train_step`, parameters and optimizer state donated) is
-lowered from shapes alone and compiled for N devices, and its compiled HLO read: collectives
-by kind, count and bytes per device (`soapjax.hlo.collectives`, the parser `soapjax check`
+the applied step (`soapjax.apply.step.sharded_train_step`, parameters and optimizer state donated)
+is lowered from shapes alone and compiled for N devices, and its compiled HLO read: collectives
+by kind, count and bytes per device (`soapjax.measure.hlo.collectives`, the parser `soapjax check`
 reads XLA's collectives with; one inside a loop counted once per trip), which of them run
 asynchronously (``-start``/``-done`` pairs, and ``async-start`` wrappers) and what the schedule
 puts between start and done (GEMMs, other fusions, other collectives), and XLA's buffer
 assignment (``compiled.memory_analysis()``: arguments, outputs, aliased, temporaries, peak).
-Beside them, the simulator's prediction (`soapjax.simulate.simulate`, analytic costs, the ideal
-resharding model: `soapjax.find_plan`'s defaults) of the same strategy on the same mesh of H100s
-(``meshes/dgx-h100x8.toml``, ``dgx-h100x1024`` cut to N: ``node=N/8, data=2, model=4``): its
-collective bytes per kind (counted as `soapjax.check` counts them), bytes sent, peak memory per
-device, and the ratios predicted / XLA.
+Beside them, the simulator's prediction (`soapjax.simulate.front.simulate`, analytic costs, the
+ideal resharding model: `soapjax.find_plan`'s defaults) of the same strategy on the same mesh of
+H100s (``soapjax/topology/meshes/dgx-h100x8.toml``, ``dgx-h100x1024`` cut to N: ``node=N/8, data=2,
+model=4``): its collective bytes per kind (counted as `soapjax.check` counts them), bytes sent, peak
+memory per device, and the ratios predicted / XLA.
 
 How N devices are had on one GPU (``--methods``, tried in order per device count by a probe
 subprocess that compiles one sharded matmul, every method probed at the first count for the
@@ -98,12 +98,14 @@ import jax  # noqa: E402
 from _searched_row import strategy_words  # noqa: E402
 from gpu_kit import Parts  # noqa: E402
 
-from soapjax import apply, baselines, hlo  # noqa: E402
-from soapjax.cost import cost_model  # noqa: E402
-from soapjax.graph import trace  # noqa: E402
-from soapjax.simulate import opt_state_factor, simulate  # noqa: E402
-from soapjax.space import MeshShape  # noqa: E402
-from soapjax.topology import Topology, load_topology, make_mesh, stage_topology  # noqa: E402
+from soapjax.apply import step as apply
+from soapjax.cost.operators import cost_model  # noqa: E402
+from soapjax.graph.opgraph import trace  # noqa: E402
+from soapjax.measure import hlo  # noqa: E402
+from soapjax.simulate.front import opt_state_factor, simulate  # noqa: E402
+from soapjax.strategy import baselines
+from soapjax.strategy.space import MeshShape  # noqa: E402
+from soapjax.topology.cluster import Topology, load_topology, make_mesh, stage_topology  # noqa: E402
 from soapjax_zoo import gpt, llama, moe  # noqa: E402
 
 METHODS = ("topology", "mock", "deviceless", "cpu")
@@ -293,7 +295,7 @@ def device_record(devices: list) -> dict:
 
 
 def mesh_for(topo: Topology, devices: list):
-    """`soapjax.topology.make_mesh` of `topo` over `devices` (taken for the topology's GPUs
+    """`soapjax.topology.cluster.make_mesh` of `topo` over `devices` (taken for the topology's GPUs
     whatever their platform: the simulator's mesh, XLA's devices)."""
     platform = "gpu" if devices[0].platform in ("cuda", "rocm", "gpu") else devices[0].platform
     if platform != topo.platform:
@@ -309,7 +311,7 @@ def _norm(kind: str) -> str:
 
 
 def xla_collectives(text: str, mesh: MeshShape) -> list:
-    """`soapjax.hlo.collectives` as `soapjax check` reads them (an all-reduce only sliced
+    """`soapjax.measure.hlo.collectives` as `soapjax check` reads them (an all-reduce only sliced
     counted as the reduce-scatter XLA:GPU makes of it)."""
     return hlo.collectives(text, mesh, reduce_scatter_from_slices=True)
 
@@ -731,13 +733,13 @@ def render(results: dict) -> str:
              f"{head.get('jax', '?')} ({head.get('backend', '?')}, attached "
              f"{', '.join(head.get('attached', [])) or '?'}); XLA flags for the GPU compiles: "
              f"{meta['gpu_xla_flags'] or 'none'}. Each applied step "
-             "(`soapjax.apply.sharded_train_step`, parameters and optimizer state donated) is "
-             "compiled from shapes for N devices; collectives are read by `soapjax.hlo` as "
+             "(`soapjax.apply.step.sharded_train_step`, parameters and optimizer state donated) is "
+             "compiled from shapes for N devices; collectives are read by `soapjax.measure.hlo` as "
              "`soapjax check` reads them (bytes per device, a loop's counted per trip), memory "
              "is XLA's buffer assignment (`compiled.memory_analysis()`: arguments + outputs - "
              "aliased + temporaries, XLA:GPU's temporaries being one allocation; its own peak "
              "in the memory table where given). Predicted: "
-             "`soapjax.simulate.simulate` of the same strategy (analytic costs, ideal "
+             "`soapjax.simulate.front.simulate` of the same strategy (analytic costs, ideal "
              "resharding) on the H100 topology of N devices (`dgx-h100x8`, `dgx-h100x1024-N`).",
              "", "How N devices were had on one device:", ""]
     for p in probes:
@@ -815,7 +817,7 @@ def render(results: dict) -> str:
                      "are up to twice XLA:GPU's")
     if any((r.get("predicted") or {}).get("pipelined") for r in rows):
         notes.append("pipeline: the simulator's communication tasks are one stage's work "
-                     "(`soapjax.simulate.simulate`), its stage-to-stage sends priced apart; "
+                     "(`soapjax.simulate.front.simulate`), its stage-to-stage sends priced apart; "
                      "XLA's program holds every stage's")
     if notes:
         lines += ["", *(f"- {n}" for n in notes)]

@@ -40,10 +40,10 @@ import jax
 from bench_accuracy import compiled_step, plans_of, simulation
 
 import soapjax_zoo as zoo
-from soapjax import hlo
-from soapjax.graph import trace
-from soapjax.space import MeshShape
-from soapjax.topology import load_topology
+from soapjax.graph.opgraph import trace
+from soapjax.measure import hlo
+from soapjax.strategy.space import MeshShape
+from soapjax.topology.cluster import load_topology
 
 COMPUTE_TASKS = ("forward", "backward", "update")
 

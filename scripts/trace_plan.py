@@ -25,9 +25,9 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 from soapjax import cli  # noqa: E402
-from soapjax.apply import Checked  # noqa: E402
-from soapjax.plan import Plan  # noqa: E402
-from soapjax.space import Strategy  # noqa: E402
+from soapjax.apply.step import Checked  # noqa: E402
+from soapjax.strategy.plan import Plan  # noqa: E402
+from soapjax.strategy.space import Strategy  # noqa: E402
 
 
 def _carries_plan(frame) -> bool:

@@ -50,8 +50,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def describe_collectives(hlo_text: str, mesh) -> list[dict]:
     """Each collective of a compiled step: kind, shapes, mesh axes, and whether it crosses
-    processes (some group has devices of two processes), read with `soapjax.hlo`."""
-    from soapjax import hlo
+    processes (some group has devices of two processes), read with `soapjax.measure.hlo`."""
+    from soapjax.measure import hlo
 
     process = [d.process_index for d in mesh.devices.flat]  # HLO device id = mesh position
     out = []

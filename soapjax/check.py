@@ -10,16 +10,16 @@ Four questions, each with numbers:
    parameters, optimizer state and batch, and the largest absolute difference over the loss,
    the updated parameters and the optimizer state is reported.
 2. **Same collectives?** The collectives XLA put in the compiled sharded step (kind, count,
-   bytes per device, parsed by `soapjax.hlo`; one inside a loop counts once per iteration)
+   bytes per device, parsed by `soapjax.measure.hlo`; one inside a loop counts once per iteration)
    against the communication tasks the simulator predicted for the plan (same kinds, same
    byte convention).
 3. **Same time?** The measured step time (median of repeated runs) against the simulated one.
    On virtual CPU devices all devices share the host's cores, so the measured time is not a
    per-device time and this comparison only means something on real accelerators.
-4. **Same work?** The FLOPs one device computes in the compiled step (`soapjax.hlo.hlo_flops`:
-   XLA's cost analysis with every loop trip counted) against `soapjax.flops.FlopCounter`'s count
-   of the plan; docs/checks.md has the table and what is left between them (fusions recomputing
-   elementwise work, reported apart).
+4. **Same work?** The FLOPs one device computes in the compiled step
+   (`soapjax.measure.hlo.hlo_flops`: XLA's cost analysis with every loop trip counted) against
+   `soapjax.cost.flops.FlopCounter`'s count of the plan; docs/checks.md has the table and what is
+   left between them (fusions recomputing elementwise work, reported apart).
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ from typing import Any, Protocol
 import jax
 import optax
 
-from soapjax import apply, hlo
-from soapjax._timing import median_call
-from soapjax.cost import cost_model
+from soapjax.apply import step as apply
+from soapjax.cost.flops import step_flops
+from soapjax.cost.operators import cost_model
+from soapjax.cost.reshard import DEFAULT_MODE, Resharder
 from soapjax.exactness import (
     NUMBERS_TOLERANCE,
     GradientComparison,
@@ -42,14 +43,14 @@ from soapjax.exactness import (
     reference_value_and_grad,
     step_difference,
 )
-from soapjax.flops import step_flops
-from soapjax.graph import trace
-from soapjax.hlo import HloFlops, hlo_flops
-from soapjax.plan import Plan
-from soapjax.reshard import DEFAULT_MODE, Resharder
-from soapjax.simulate import opt_state_factor, simulate
-from soapjax.space import MeshShape
-from soapjax.topology import Topology, make_mesh
+from soapjax.graph.opgraph import trace
+from soapjax.measure import hlo
+from soapjax.measure._timing import median_call
+from soapjax.measure.hlo import HloFlops, hlo_flops
+from soapjax.simulate.front import opt_state_factor, simulate
+from soapjax.strategy.plan import Plan
+from soapjax.strategy.space import MeshShape
+from soapjax.topology.cluster import Topology, make_mesh
 
 __all__ = ["BYTES_TOLERANCE", "NUMBERS_TOLERANCE", "CheckResult", "TrainWorkload",
            "compare_on_devices", "compiled_flops"]
@@ -81,7 +82,7 @@ class CheckResult:
       hlo_flops: FLOPs per device of the compiled sharded step: XLA's ``cost_analysis``
         with every while-loop trip counted (XLA counts a loop body once) and its one FLOP
         per all-reduced element left out (communication); see `hlo_flops`.
-      predicted_flops: the same counted from the plan (`soapjax.flops.step_flops`: forward,
+      predicted_flops: the same counted from the plan (`soapjax.cost.flops.step_flops`: forward,
         backward, recomputation and the optimizer's update of the stored shards).
       reported_flops: ``cost_analysis()["flops"]`` as XLA reports it.
       duplicated_flops: the part of `hlo_flops` XLA's fusions recompute (`HloFlops`), which
@@ -213,7 +214,8 @@ def _norm(kind: str) -> str:
 
 def _sends(task) -> int:
     """How many collectives a simulated task stands for: a ring attention's sends of one
-    tensor are one task of cp - 1 sends (`soapjax._flatsim`), each of its buffer's bytes."""
+    tensor are one task of cp - 1 sends (`soapjax.simulate._flatsim`), each of its buffer's
+    bytes."""
     if task.name.startswith("collective_permute") and task.nbytes:
         return max(1, round(task.sent / task.nbytes))
     return 1
@@ -250,7 +252,7 @@ def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5,
 
     What `soapjax check` runs; the command line rebuilds the workload from the plan
     (`soapjax_zoo.for_plan`: a zoo model by name and config, or the user code the plan
-    records). The prediction uses the same defaults as `soapjax.search.find_plan`, so it is the
+    records). The prediction uses the same defaults as `soapjax.search.find.find_plan`, so it is the
     plan's own predicted step unless `costs` or `reshard` say otherwise.
 
     `topology` is the plan's own (`Plan.topology_used`: its file, else the shipped one of its
@@ -340,7 +342,8 @@ def compiled_flops(graph: Any, strategy: Any, mesh: Any, workload: TrainWorkload
 
     Raises:
       AssertionError: the count with loop bodies once is not ``cost_analysis()``'s, to XLA's
-        float32 rounding (an HLO instruction `soapjax.hlo.hlo_flops` prices otherwise than XLA).
+        float32 rounding (an HLO instruction `soapjax.measure.hlo.hlo_flops` prices otherwise than
+        XLA).
     """
     params, batch = workload.abstract_params(), workload.abstract_batch()
     step, sh = apply.sharded_train_step(graph, strategy, mesh, workload.optimizer,

@@ -21,7 +21,7 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 
-from soapjax.errors import SettingsError, SoapjaxError
+from soapjax.base.errors import SettingsError, SoapjaxError
 
 __all__ = ["BROKEN_PIPE", "CHECK_FAILED", "INTERRUPTED", "build_parser", "main"]
 
@@ -95,18 +95,14 @@ def _check_output(option: str, path: str | None, suffix: str) -> None:
     in a directory that exists or can be made (not a directory itself)."""
     if path is None:
         return
-    from pathlib import Path
+    from soapjax.base._paths import unwritable
 
-    p = Path(path)
-    if p.is_dir():
+    why, folder = unwritable(path)
+    if why == "directory":
         raise SettingsError(f"{option} {path}: a directory; expected a file path, e.g. "
-                            f"{p / ('timeline' + suffix)}")
-    folder = p.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-        raise SettingsError(f"{option} {path}: cannot write there ({folder} is "
-                            f"{'not a directory' if not folder.is_dir() else 'not writable'})")
+                            f"{folder / ('timeline' + suffix)}")
+    if why:
+        raise SettingsError(f"{option} {path}: cannot write there ({folder} is {why})")
 
 
 def _add_size(p: argparse.ArgumentParser, default: str | None, help: str) -> None:
@@ -139,7 +135,7 @@ def _add_batch_size(p: argparse.ArgumentParser) -> None:
 
 
 def _trace(w):
-    from soapjax.graph import trace
+    from soapjax.graph.opgraph import trace
 
     return trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
 
@@ -232,14 +228,15 @@ def _add_meshes(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "meshes",
         help="list the shipped cluster topologies",
-        description="List the topologies in meshes/: name, devices, mesh axes, device kind.",
+        description="List the shipped topologies (soapjax/topology/meshes/): name, devices, mesh "
+                    "axes, device kind.",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_cmd_meshes)
 
 
 def _cmd_meshes(args: argparse.Namespace) -> int:
-    from soapjax import topology
+    from soapjax.topology import cluster as topology
 
     rows = []
     for name in topology.list_topologies():
@@ -282,7 +279,7 @@ def _add_mesh(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_mesh_show(args: argparse.Namespace) -> int:
-    from soapjax import topology
+    from soapjax.topology import cluster as topology
 
     s = topology.load_topology(args.name).summary()
     if args.json:
@@ -440,7 +437,8 @@ def _ctrl_c_ends_at_once(command: str) -> Iterator[None]:
 def _cmd_calibrate_links(args: argparse.Namespace) -> int:
     import jax
 
-    from soapjax import links, topology
+    from soapjax.measure import links
+    from soapjax.topology import cluster as topology
 
     topo = topology.load_topology(args.mesh)
     log = (lambda s: None) if args.json else (lambda s: print(s, flush=True))
@@ -475,7 +473,7 @@ def _cmd_calibrate_links(args: argparse.Namespace) -> int:
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     import soapjax_zoo as zoo
-    from soapjax import cost
+    from soapjax.cost import operators as cost
 
     if args.links:
         return _cmd_calibrate_links(args)
@@ -527,7 +525,8 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from soapjax import cost, topology
+    from soapjax.cost import operators as cost
+    from soapjax.topology import cluster as topology
 
     _check_cache_dir(args.cache_dir)
     w = _load_model(args.model, args.size)
@@ -575,8 +574,8 @@ def _save_plot(path, graph, strategy, topology, sim, comparison=None) -> list:
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:
-    from soapjax.baselines import NAMES
-    from soapjax.reshard import DEFAULT_MODE
+    from soapjax.cost.reshard import DEFAULT_MODE
+    from soapjax.strategy.baselines import NAMES
 
     p = sub.add_parser(
         "simulate",
@@ -614,8 +613,8 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
 def _simulate_inputs(args: argparse.Namespace):
     """The workload and topology to simulate: as given, else the plan file's, else the
     defaults (gpt2, cpu8)."""
-    from soapjax.plan import FORMAT, Plan
-    from soapjax.topology import load_topology
+    from soapjax.strategy.plan import FORMAT, Plan
+    from soapjax.topology.cluster import load_topology
 
     model, config, mesh = args.model, args.size, args.mesh
     if (model is None or mesh is None) and args.strategy.endswith(".json"):
@@ -636,8 +635,9 @@ def _simulate_inputs(args: argparse.Namespace):
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from soapjax import cost, simulate
+    from soapjax.cost import operators as cost
     from soapjax.report import format_bytes
+    from soapjax.simulate import front as simulate
 
     if args.plot:
         _require_plot(args.plot)
@@ -685,7 +685,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
-    from soapjax.reshard import DEFAULT_MODE
+    from soapjax.cost.reshard import DEFAULT_MODE
     from soapjax.search import MAX_BUDGET_S, MAX_PROPOSALS, SearchSettings
 
     p = sub.add_parser(
@@ -731,7 +731,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    help="search pipeline stages too (the outermost mesh axis cut into stages; "
                    "GPipe, 1F1B, interleaved 1F1B), for models of many layers on many nodes; "
                    "--no-pipelines never; default: only when no plan without stages fits. "
-                   "`soapjax.apply` runs pipelined plans on one mesh with a stage axis")
+                   "`soapjax.apply.step` runs pipelined plans on one mesh with a stage axis")
     p.add_argument("--out", default=None, help="plan file to write "
                    "(default: plans/MODEL-CONFIG-MESH.json)")
     p.add_argument("--trace", default=None, help="write the plan's simulated timeline as "
@@ -745,11 +745,11 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import time
 
-    from soapjax.baselines import batch_split_note
-    from soapjax.plan import check_plan_path
     from soapjax.report import plan_report
-    from soapjax.space import MeshShape
-    from soapjax.topology import load_topology, stage_topology
+    from soapjax.strategy.baselines import batch_split_note
+    from soapjax.strategy.plan import check_plan_path
+    from soapjax.strategy.space import MeshShape
+    from soapjax.topology.cluster import load_topology, stage_topology
 
     if args.plot:
         _require_plot(args.plot)
@@ -797,10 +797,10 @@ def _search_and_simulate(args: argparse.Namespace, w, g, topo):
     """`find_plan` with the command's settings: (the plan, its `SimResult` as `find_plan`
     simulated it, the baselines' results (for --plot, with the same costs), where the costs
     came from, extra report lines (a pipelined plan's))."""
-    from soapjax.cost import cost_model
-    from soapjax.reshard import Resharder
+    from soapjax.cost.operators import cost_model
+    from soapjax.cost.reshard import Resharder
     from soapjax.search import SearchSettings, find_plan, print_progress
-    from soapjax.space import MeshShape, SpaceLimits
+    from soapjax.strategy.space import MeshShape, SpaceLimits
 
     if args.budget is not None and args.proposals is not None:
         raise SettingsError("--budget stops the search on time and --proposals on a count "
@@ -872,8 +872,8 @@ def _cost_counts(info: dict) -> str:
 
 
 def _baseline_results(g, topo, w, cm, resharder, info) -> dict:
-    from soapjax.baselines import baselines
-    from soapjax.simulate import compare
+    from soapjax.simulate.front import compare
+    from soapjax.strategy.baselines import baselines
 
     return compare(g, topo, baselines(g, topo, w.family), cost_model=cm, resharder=resharder,
                    opt_state_factor=info["opt_state_factor"])
@@ -884,7 +884,7 @@ def _baseline_results(g, topo, w, cm, resharder, info) -> dict:
 
 def _add_check(sub: argparse._SubParsersAction) -> None:
     from soapjax.check import BYTES_TOLERANCE, NUMBERS_TOLERANCE
-    from soapjax.reshard import DEFAULT_MODE
+    from soapjax.cost.reshard import DEFAULT_MODE
 
     p = sub.add_parser(
         "check",
@@ -929,8 +929,8 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
 def _cmd_check(args: argparse.Namespace) -> int:
     import soapjax_zoo as zoo
     from soapjax.check import compare_on_devices
-    from soapjax.plan import Plan
-    from soapjax.topology import load_topology
+    from soapjax.strategy.plan import Plan
+    from soapjax.topology.cluster import load_topology
 
     plan = Plan.load(args.plan)
     topology = load_topology(args.mesh) if args.mesh is not None else None

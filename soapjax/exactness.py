@@ -19,7 +19,7 @@ float type the traced step computes in: 1e-9 in float64, 1e-3 in float32, 4e-2 i
 
 `compare_gradients` compares two ``(loss, grads)`` and names the worst leaf with the operator
 that reads it; `first_step` runs the sharded step's loss and gradients
-(`soapjax.apply.sharded_value_and_grad`) and the unsharded ones of the user's own loss on one
+(`soapjax.apply.step.sharded_value_and_grad`) and the unsharded ones of the user's own loss on one
 device, and compares them. `soapjax check` and ``shard_training(..., verify=True)`` call it.
 """
 
@@ -36,10 +36,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from soapjax import apply
-from soapjax.errors import SoapjaxError
-from soapjax.graph import OpGraph
-from soapjax.space import MeshShape
+from soapjax.apply import step as apply
+from soapjax.base.errors import SoapjaxError
+from soapjax.graph.opgraph import OpGraph
+from soapjax.strategy.space import MeshShape
 
 __all__ = ["NUMBERS_TOLERANCE", "TOLERANCE", "GradientComparison", "LeafError",
            "VerificationError", "compare_gradients", "first_step", "narrowest_float",
@@ -204,7 +204,7 @@ def first_step(graph: OpGraph, strategy: Any, mesh: Mesh, loss_fn: Callable[[Any
                ) -> GradientComparison:
     """The strategy's sharded loss and gradients against the unsharded ones, on one batch.
 
-    The sharded side is `soapjax.apply.sharded_value_and_grad` of the traced graph on `mesh`;
+    The sharded side is `soapjax.apply.step.sharded_value_and_grad` of the traced graph on `mesh`;
     the reference is ``jax.value_and_grad(loss_fn)`` of the user's own function on one device
     (the first local one), jitted: both the cost of one more compile each, and the memory of
     the whole unsharded step on that device.
@@ -219,7 +219,7 @@ def first_step(graph: OpGraph, strategy: Any, mesh: Mesh, loss_fn: Callable[[Any
       tolerance: the bar (default: `rounding_tolerance` of the graph).
       compiler_options: XLA options for both compiles.
       sharded: the sharded ``(value_and_grad, shardings)`` when built already (a training
-        step's ``step.value_and_grad`` and its shardings, `soapjax.apply.sharded_train_step`).
+        step's ``step.value_and_grad`` and its shardings, `soapjax.apply.step.sharded_train_step`).
     """
     fn, sh = sharded or apply.sharded_value_and_grad(graph, strategy, mesh, params=params,
                                                      batch=batch, mesh_shape=mesh_shape,
@@ -242,8 +242,8 @@ def first_step(graph: OpGraph, strategy: Any, mesh: Mesh, loss_fn: Callable[[Any
 def reference_value_and_grad(loss_fn: Callable[[Any, Any], Any], graph: OpGraph,
                              strategy: Any) -> Callable[[Any, Any], tuple[Any, Any]]:
     """``jax.value_and_grad(loss_fn)``: the step a strategy must compute. Where the graph
-    accepts statistics per microbatch (`soapjax.graph.OpGraph.microbatch_statistics`) and the
-    strategy has M > 1 microbatches, the mean over the M microbatches of their own loss and
+    accepts statistics per microbatch (`soapjax.graph.opgraph.OpGraph.microbatch_statistics`) and
+    the strategy has M > 1 microbatches, the mean over the M microbatches of their own loss and
     gradients (what gradient accumulation computes by those semantics)."""
     m = getattr(strategy, "microbatches", 1)
     if not (graph.microbatch_statistics and graph.sample_coupling and m > 1):

@@ -11,8 +11,8 @@
 * `timeline_figure`: the simulated step as a Gantt chart: one row per device (the compute
   stream; identical on every device under SPMD) and one per link (collectives).
 * `comparison_figure`: predicted step time and bytes sent per device, against the baselines.
-* `pipeline_figure`: a timed pipeline schedule (`soapjax.pipeline.time_schedule`): a row per
-  device stage (stage 0 on top), a box per forward and per backward labelled with its
+* `pipeline_figure`: a timed pipeline schedule (`soapjax.strategy.pipeline.time_schedule`): a row
+  per device stage (stage 0 on top), a box per forward and per backward labelled with its
   microbatch; the bubble is the empty space.
 
 Each function returns a `matplotlib.figure.Figure` that pyplot does not hold on to: a notebook
@@ -51,12 +51,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from soapjax.errors import MissingDependencyError, PlanError, SettingsError
-from soapjax.graph import OpGraph
-from soapjax.pipeline import PipelineTimeline
-from soapjax.plan import Plan
+from soapjax.base.errors import MissingDependencyError, PlanError, SettingsError
+from soapjax.graph.opgraph import OpGraph
 from soapjax.report import byte_unit, group_repeats
-from soapjax.space import Config, MeshShape, Strategy, validate_config
+from soapjax.strategy.pipeline import PipelineTimeline
+from soapjax.strategy.plan import Plan
+from soapjax.strategy.space import Config, MeshShape, Strategy, validate_config
 
 __all__ = ["Cell", "Partition", "check_picture_path", "comparison_figure", "partitions",
            "pipeline_figure", "plan_figure", "require_matplotlib", "save_pictures",
@@ -64,7 +64,7 @@ __all__ = ["Cell", "Partition", "check_picture_path", "comparison_figure", "part
 
 INSTALL_HINT = "pip install 'soapjax[plot]'"
 
-# One colour per task kind of `soapjax.simulate` (its FORWARD, BACKWARD, ... constants).
+# One colour per task kind of `soapjax.simulate.front` (its FORWARD, BACKWARD, ... constants).
 KIND_COLORS = {
     "forward": "#4c72b0", "backward": "#dd8452", "update": "#55a868", "reshard": "#c44e52",
     "reshard_backward": "#8172b3", "partial_sum": "#937860", "inner_reduce": "#a6761d",
@@ -410,7 +410,7 @@ def timeline_figure(result, *, max_devices: int = 8, title: str | None = None):
     """The simulated step as a Gantt chart: a row per device and per link.
 
     Args:
-      result: a `soapjax.simulate.SimResult`.
+      result: a `soapjax.simulate.front.SimResult`.
       max_devices: device rows to draw (every device runs the same compute timeline under SPMD).
       title: the figure's title (default: step time and its breakdown).
 
@@ -421,7 +421,7 @@ def timeline_figure(result, *, max_devices: int = 8, title: str | None = None):
       (gid ``"call overhead"``), which the title counts apart from the tasks' compute.
     """
     if not hasattr(result, "tasks") or not hasattr(result, "channels"):
-        raise PlanError(f"expected a SimResult (soapjax.simulate.simulate), got "
+        raise PlanError(f"expected a SimResult (soapjax.simulate.front.simulate), got "
                         f"{type(result).__name__}")
     shown = min(result.num_devices, max_devices)
     tracks = [f"device {d}" for d in range(shown)] + list(result.channels)
@@ -480,7 +480,7 @@ def pipeline_figure(timeline: PipelineTimeline, *, title: str | None = None):
     stages are not drawn, their latency shows as the gaps it causes.
 
     Args:
-      timeline: a `soapjax.pipeline.PipelineTimeline` (`time_schedule`).
+      timeline: a `soapjax.strategy.pipeline.PipelineTimeline` (`time_schedule`).
       title: the figure's title (default: the pipeline, its step time and bubble).
 
     Returns:
@@ -488,8 +488,8 @@ def pipeline_figure(timeline: PipelineTimeline, *, title: str | None = None):
       a few thousand actions).
     """
     if not isinstance(timeline, PipelineTimeline):
-        raise PlanError(f"expected a PipelineTimeline (soapjax.pipeline.time_schedule), got "
-                        f"{type(timeline).__name__}")
+        raise PlanError("expected a PipelineTimeline (soapjax.strategy.pipeline.time_schedule), "
+                        f"got {type(timeline).__name__}")
     require_matplotlib()
     from matplotlib.patches import Patch, Rectangle
 
@@ -539,7 +539,7 @@ def comparison_figure(results: Mapping[str, Any], *, highlight: str | None = Non
     """Bars of predicted step time and bytes sent per device, one per strategy.
 
     Args:
-      results: strategy name -> a `SimResult` (`soapjax.simulate.compare`), or a mapping with
+      results: strategy name -> a `SimResult` (`soapjax.simulate.front.compare`), or a mapping with
         ``step_time_s`` and optionally ``bytes_moved`` and ``fits_in_memory`` (a plan's
         ``dict(plan.predicted)``).
       highlight: the strategy drawn in the accent colour, the others' times relative to it

@@ -12,10 +12,10 @@ import re
 from collections.abc import Hashable, Mapping, Sequence
 from html import escape
 
-from soapjax.graph import OpGraph
-from soapjax.plan import Plan, spec_text
-from soapjax.simulate import SimResult
-from soapjax.space import Strategy, to_partition_spec
+from soapjax.graph.opgraph import OpGraph
+from soapjax.simulate.front import SimResult
+from soapjax.strategy.plan import Plan, spec_text
+from soapjax.strategy.space import Strategy, to_partition_spec
 
 __all__ = ["byte_unit", "format_bytes", "graph_html", "group_repeats", "grouped_configs",
            "grouped_table_html", "plan_html", "plan_report", "register_html_reprs", "sim_html"]
@@ -78,6 +78,21 @@ def grouped_configs(graph: OpGraph, strategy: Strategy) -> list[tuple[str, int, 
     return [(name, len(ix), descs[ix[0]]) for name, ix in group_repeats(items)]
 
 
+def _state_notes(zero_axes: Sequence[str], optimizer_axes: Sequence[str], ring: bool,
+                 esc=lambda text: text) -> list[str]:
+    """A line each for ZeRO-3, the distributed optimizer and ring attention, where used."""
+    out = []
+    if zero_axes:
+        out.append("parameters, gradients and optimizer state sharded over "
+                   f"{esc(', '.join(zero_axes))} (ZeRO-3)")
+    if optimizer_axes:
+        out.append(f"optimizer state sharded over {esc(', '.join(optimizer_axes))} "
+                   "(distributed optimizer)")
+    if ring:
+        out.append("context-parallel attention as a ring (keys and values passed around)")
+    return out
+
+
 def plan_report(graph: OpGraph, topology, strategy: Strategy, sim, *,
                 baselines: Sequence[tuple[str, float, bool]], header: Sequence[str] = ()) -> str:
     """The text `soapjax plan` prints."""
@@ -90,14 +105,8 @@ def plan_report(graph: OpGraph, topology, strategy: Strategy, sim, *,
     for name, count, desc in rows:
         label = name + (f" x{count}" if count > 1 else "")
         lines.append(f"  {label:<{width}}  {desc}")
-    if strategy.zero_axes:
-        lines.append(f"  parameters, gradients and optimizer state sharded over "
-                     f"{', '.join(strategy.zero_axes)} (ZeRO-3)")
-    if strategy.optimizer_axes:
-        lines.append(f"  optimizer state sharded over {', '.join(strategy.optimizer_axes)} "
-                     "(distributed optimizer)")
-    if strategy.ring_attention:
-        lines.append("  context-parallel attention as a ring (keys and values passed around)")
+    lines += ["  " + line for line in _state_notes(strategy.zero_axes, strategy.optimizer_axes,
+                                                  strategy.ring_attention)]
     lines.append("")
     lines.append("predicted step time")
     t = sim.step_time_s
@@ -198,14 +207,7 @@ def plan_html(plan) -> str:
             lines.append("baselines: " + ", ".join(
                 f"{_esc(n)} {bt * 1e3:.4g} ms ({bt / t:.2f}\u00d7)"
                 for n, bt in sorted(plan.baselines, key=lambda b: b[1])))
-    if plan.zero_axes:
-        lines.append("parameters, gradients and optimizer state sharded over "
-                     f"{_esc(', '.join(plan.zero_axes))} (ZeRO-3)")
-    if plan.optimizer_axes:
-        lines.append(f"optimizer state sharded over {_esc(', '.join(plan.optimizer_axes))} "
-                     "(distributed optimizer)")
-    if plan.ring_attention:
-        lines.append("context-parallel attention as a ring (keys and values passed around)")
+    lines += _state_notes(plan.zero_axes, plan.optimizer_axes, plan.ring_attention, _esc)
     names = [n for n, _ in plan.configs]
     if plan.roles:
         specs = [spec_text(s) for s in plan.output_specs().values()]

@@ -17,7 +17,7 @@ nnx (``loss_fn(model, batch)``; the step trains the model's `nnx.Param` state)::
         params, opt_state, loss = run.step(params, opt_state, run.shard_batch(batch))
     nnx.update(model, params)
 
-**Planning.** The strategy defaults to ``"plan"``: `soapjax.search.find_plan` searches the
+**Planning.** The strategy defaults to ``"plan"``: `soapjax.search.find.find_plan` searches the
 topology (``search=SearchSettings(...)``, default 20 s; ``costs="auto"`` measures operators
 where the topology's devices are attached) and prints one line of progress. The plan is cached
 on disk (``$SOAPJAX_CACHE_DIR/plans``, default ``~/.cache/soapjax/plans``, beside the reshard
@@ -30,15 +30,15 @@ keeps), 4 ms to reuse the plan; with analytic costs and 300 proposals per chain 
 3.5 ms (tracing and compiling the step, the same either way, not counted). Other strategies: a
 `Strategy`, a `Plan`, a baseline by name (`PLANNERS`: ``"data-parallel"``, ``"megatron"``,
 ``"fsdp"``, ``"expert-cnn"``, ``"expert-rnn"``), or a ``planner(graph, mesh_shape) ->
-Strategy``. A pipelined strategy or plan (`soapjax.baselines.megatron_3d` with ``pp``) runs
-too, on the topology's mesh with its outermost axis cut into stages (`soapjax.apply`); the
+Strategy``. A pipelined strategy or plan (`soapjax.strategy.baselines.megatron_3d` with ``pp``) runs
+too, on the topology's mesh with its outermost axis cut into stages (`soapjax.apply.step`); the
 parameters stay in the model's layout.
 
 **A raw `jax.sharding.Mesh`** carries no topology, and planning needs one (links, device
 memory, peak FLOP/s). The named planners then use the local devices' shipped topology
-(`soapjax.cost.local_topology`: ``cpu8`` on a CPU) cut to the mesh's device count and given the
-mesh's axes: right for virtual CPU devices and one node of identical accelerators, a guess for
-anything with a network between nodes; pass ``mesh=`` a topology name, file or `Topology` to
+(`soapjax.cost.operators.local_topology`: ``cpu8`` on a CPU) cut to the mesh's device count and
+given the mesh's axes: right for virtual CPU devices and one node of identical accelerators, a guess
+for anything with a network between nodes; pass ``mesh=`` a topology name, file or `Topology` to
 plan a real cluster. Where no shipped topology has the local device kind, the error says so.
 
 Multi-host: every process runs the same script. `initialize_distributed` connects them, the
@@ -70,18 +70,17 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from soapjax._arguments import check_optimizer, check_settings
-from soapjax._cache import cache_root
-from soapjax.apply import (
+from soapjax.apply.step import (
     PartitionedStep,
     TrainShardings,
     device_put_global,
     sharded_train_step,
     validate_strategy,
 )
-from soapjax.baselines import NAMES as BASELINE_NAMES, baselines
-from soapjax.cost import local_backend_matches, local_topology
-from soapjax.errors import ArgumentError, PlanError, SoapjaxError
+from soapjax.base._cache import cache_root
+from soapjax.base.errors import ArgumentError, PlanError, SoapjaxError
+from soapjax.cost.operators import local_backend_matches, local_topology
+from soapjax.cost.reshard import DEFAULT_MODE
 from soapjax.exactness import (
     NUMBERS_TOLERANCE,
     GradientComparison,
@@ -90,13 +89,14 @@ from soapjax.exactness import (
     reference_value_and_grad,
     step_difference,
 )
-from soapjax.graph import OpGraph, trace
-from soapjax.plan import Plan
-from soapjax.reshard import DEFAULT_MODE
+from soapjax.graph.opgraph import OpGraph, trace
 from soapjax.search import SearchSettings, find_plan, print_progress
-from soapjax.simulate import opt_state_factor
-from soapjax.space import MeshShape, Strategy
-from soapjax.topology import Topology, load_topology, make_mesh, scaled_topology
+from soapjax.simulate.front import opt_state_factor
+from soapjax.strategy._arguments import check_optimizer, check_settings
+from soapjax.strategy.baselines import NAMES as BASELINE_NAMES, baselines
+from soapjax.strategy.plan import Plan
+from soapjax.strategy.space import MeshShape, Strategy
+from soapjax.topology.cluster import Topology, load_topology, make_mesh, scaled_topology
 
 __all__ = ["PLANNERS", "CountingStep", "PlanOptions", "ShardedTraining", "VerificationError",
            "initialize_distributed", "shard_training", "verify_first_step"]
@@ -115,7 +115,7 @@ class PlanOptions(NamedTuple):
 
     Attributes:
       search: the search settings (None: `SearchSettings()`).
-      costs: ``"auto"``, ``"measured"`` or ``"analytic"`` (`soapjax.cost.cost_model`).
+      costs: ``"auto"``, ``"measured"`` or ``"analytic"`` (`soapjax.cost.operators.cost_model`).
       optimizer: the training step's optax optimizer.
     """
 
@@ -136,7 +136,7 @@ def _baseline(name: str) -> NamedPlanner:
         return baselines(graph, topology)[name]
 
     planner.__name__ = planner.__qualname__ = name.replace("-", "_")
-    planner.__doc__ = f"The {name!r} baseline (`soapjax.baselines`)."
+    planner.__doc__ = f"The {name!r} baseline (`soapjax.strategy.baselines`)."
     return planner
 def initialize_distributed(*, auto: bool = False, timeout_s: int = 300) -> bool:
     """Connects this process to the others with `jax.distributed.initialize`, if there are any.
@@ -429,7 +429,8 @@ def _check_leaves(traced_leaves, tree: Any, where: str, what: str, rows: int = 0
                     if what == "batch" and shape[1:] == leaf.shape[1:] else "")
             raise PlanError(f"{where}: {what} leaf {path} has shape {shape}, but the step was "
                             f"traced with {leaf.shape}{hint}")
-        if str(dtype) != str(leaf.dtype):
+        # as jax.jit takes it: a NumPy int64 or float64 array is int32 or float32 without x64
+        if str(jax.dtypes.canonicalize_dtype(dtype)) != str(leaf.dtype):
             raise PlanError(f"{where}: {what} leaf {path} is {dtype}, but the step was traced "
                             f"with {leaf.dtype}; pass {leaf.dtype} (e.g. x.astype("
                             f"jnp.{leaf.dtype}))")
@@ -497,8 +498,8 @@ def _resolve_strategy(strategy, graph: OpGraph, mesh: Mesh, topology: Topology |
 def mesh_topology(mesh: Mesh) -> Topology:
     """The topology a named planner assumes for a raw `jax.sharding.Mesh` (module doc).
 
-    The local devices' shipped topology (`soapjax.cost.local_topology`), cut to the mesh's
-    device count (`soapjax.topology.scaled_topology`), with the mesh's axis names and sizes;
+    The local devices' shipped topology (`soapjax.cost.operators.local_topology`), cut to the mesh's
+    device count (`soapjax.topology.cluster.scaled_topology`), with the mesh's axis names and sizes;
     e.g. a ``Mesh(devices.reshape(4, 2), ("data", "model"))`` of 8 CPU devices plans on
     ``cpu8`` as ``data=4, model=2``, named ``cpu8-as-data4-model2``.
 
@@ -620,7 +621,7 @@ def _shared(plan: Plan | None) -> Plan:
 
 
 # Named planners for `shard_training(strategy=...)`: "plan" searches (or reuses its cache), the
-# others are the baselines every plan is compared with (`soapjax.baselines`).
+# others are the baselines every plan is compared with (`soapjax.strategy.baselines`).
 PLANNERS: Mapping[str, NamedPlanner] = types.MappingProxyType(
     {"plan": _plan, **{name: _baseline(name) for name in BASELINE_NAMES}})
 

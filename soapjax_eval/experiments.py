@@ -26,13 +26,14 @@ import soapjax_zoo
 
 # Every soapjax module the run uses is imported now, not half an hour later: a run must use one
 # version of the code even when the checkout changes under it.
-from soapjax import apply, cost, devices, hlo, reshard  # noqa: F401
-from soapjax.baselines import baselines
 from soapjax.check import compare_on_devices
-from soapjax.cost import CACHE_ENV, cache_root
-from soapjax.graph import trace
-from soapjax.pipesim import PipelineResult
-from soapjax.plan import Plan
+from soapjax.cost import (
+    operators as cost,
+    reshard,  # noqa: F401
+)
+from soapjax.cost.operators import CACHE_ENV, cache_root
+from soapjax.graph.opgraph import trace
+from soapjax.measure import devices
 from soapjax.search import (
     SearchSettings,
     exhaustive,
@@ -41,9 +42,12 @@ from soapjax.search import (
     make_simulation,
     random_strategy,
 )
-from soapjax.simulate import open_simulation, opt_state_factor
-from soapjax.space import MeshShape, Strategy, configs, data_parallel
-from soapjax.topology import load_topology, scaled_topology
+from soapjax.simulate.front import open_simulation, opt_state_factor
+from soapjax.simulate.pipesim import PipelineResult
+from soapjax.strategy.baselines import baselines
+from soapjax.strategy.plan import Plan
+from soapjax.strategy.space import MeshShape, Strategy, configs, data_parallel
+from soapjax.topology.cluster import load_topology, scaled_topology
 from soapjax_eval.modes import Mode
 from soapjax_eval.tables import expert_name
 

@@ -144,8 +144,8 @@ def _throughput_gap(reproduced: list[str], multi: list[dict]) -> list[str]:
         "optimistic or the 2018 baselines being weak.",
         "2. *No inter-operator placement (the O of SOAP).* Under one SPMD program every "
         "operator runs on every device; the paper's best RNN strategies (its Figure 14) put "
-        "different layers on different GPUs. Stages on sub-meshes, which DESIGN.md plans after "
-        "the SPMD path, would add that.",
+        "different layers on different GPUs. Stages on sub-meshes, which docs/design.md plans "
+        "after the SPMD path, would add that.",
         "3. *Analytic costs.* On the P100 and K80 clusters a roofline gives a config the same "
         "time whichever dim is split; the paper measured a 38% faster channel-split matmul in "
         "NMT (section 8.2.1) that only measured GPU costs (`cost_model(mode=\"measured\")` on "
@@ -192,8 +192,9 @@ def doc_comm(res: dict) -> str:
              "The expert row is not the paper's expert strategy. The paper's puts each layer of "
              "a node's replica on its own GPU (inter-operator model parallelism inside a node, "
              "data parallelism across nodes); one SPMD program cannot place operators on single "
-             "GPUs, so `soapjax.baselines.expert` splits the weights of the dense layers over "
-             "a node's GPUs instead, and the operators it cannot split that way (the LSTM loops "
+             "GPUs, so `soapjax.strategy.baselines.expert` splits the weights of the dense layers "
+             "over a node's GPUs instead, and the operators it cannot split that way (the LSTM "
+             "loops "
              "split only their batch dim, the embeddings are gathers) stay replicated on the "
              "node's GPUs: they compute the same thing four times and all-reduce their "
              "gradients across nodes whole. Hence its step time and bytes. Keeping the batch "
@@ -311,8 +312,8 @@ def _global_optimum_part(optimum: list[dict]) -> list[str]:
              f"{o['exhaustive_cpu_s']:.1f}", f"{o['search_cpu_s']:.1f}", o["proposals"]]
             for o in optimum]
     found = sum(o["found_optimum"] for o in optimum)
-    lines = ["**Global optimum.** Branch and bound (`soapjax.search.exhaustive`, once per "
-             "choice of ZeRO axes) against the MCMC search:", "",
+    lines = ["**Global optimum.** Branch and bound (`soapjax.search.optimality.exhaustive`, "
+             "once per choice of ZeRO axes) against the MCMC search:", "",
              md_table(["model", "topology", "mesh", "operators", "strategies", "optimum (ms)",
                        "search found (ms)", "optimal?", "exhaustive CPU s", "search CPU s",
                        "proposals"], rows), "",
@@ -348,7 +349,7 @@ def _local_optimality_part(res: dict) -> list[str]:
     lines = ["**Local optimality.** Every single-operator change of the searched plan "
              f"(at most {res['proposals']} proposals per chain, seed 0) on "
              f"{', '.join(map(str, devs))} P100s (the paper: 2, 4 and 8 devices), "
-             "simulated (`soapjax.search.improving_change`):", "",
+             "simulated (`soapjax.search.optimality.improving_change`):", "",
              md_table(["model", "GPUs", "operators", "neighbours", "plan step (ms)",
                        "local optimum?", "check CPU s"], lrows), "",
              f"{good} of {len(loc)} searched plans are local optima (paper: all)."]
@@ -424,8 +425,9 @@ def doc_accuracy(res: dict) -> str:
     errs = [abs(r["error"]) for r in single]
     within = sum(e <= 0.3 for e in errs)
     lines = [f"**One device** ({res['backend']}; `tiny` configs): the whole jitted training "
-             "step, timed in a loop inside one compiled program (`soapjax.cost.calibrate`), "
-             "against the simulated step of the unsharded plan with operator times measured on "
+             "step, timed in a loop inside one compiled program "
+             "(`soapjax.cost.operators.calibrate`), against the simulated step of the unsharded "
+             "plan with operator times measured on "
              "the same device in the same process (`cost_model(mode=\"measured\")`).", "",
              md_table(["model", "operators", "measured step (ms)", "spread",
                        "simulated step (ms)", "error"], rows), "",
@@ -541,12 +543,13 @@ SECTION_DOCS = {
         "soapjax's searched plan. The batch follows the paper (section 8.1: 64 samples, 256 for "
         "AlexNet) **per GPU**: the global batch grows with the GPUs, which is how we read Figure "
         "7, whose dashed ideal lines scale linearly. P100 and K80 clusters are the paper's "
-        "(`meshes/p100x16.toml`, `meshes/k80x64.toml`), cut to fewer GPUs by "
-        "`soapjax.topology.scaled_topology` (2 GPUs: two of one node; 8: two nodes). Costs are "
-        "**analytic** (no P100, K80 or H100 is attached): on the P100 and K80 clusters a "
+        "(`soapjax/topology/meshes/p100x16.toml`, `soapjax/topology/meshes/k80x64.toml`), cut to "
+        "fewer GPUs by "
+        "`soapjax.topology.cluster.scaled_topology` (2 GPUs: two of one node; 8: two nodes). "
+        "Costs are **analytic** (no P100, K80 or H100 is attached): on the P100 and K80 clusters a "
         "roofline of each device's datasheet figures (their topology files have no kernel "
         "table, so those times are lower bounds at 100% of peak); on the H100s the GPU kernel "
-        "model of the topologies' `[device.kernels]` table (`soapjax.kernels`: GEMMs at a "
+        "model of the topologies' `[device.kernels]` table (`soapjax.cost.kernels`: GEMMs at a "
         "fitted fraction of peak with tile and wave quantisation, memory-bound kernels at the "
         "achieved HBM bandwidth, launch overhead; docs/accuracy.md) and NCCL at 0.8 of each "
         "link's line rate. Communication uses the ideal resharding model. OOM marks a strategy "

@@ -131,7 +131,7 @@ class Block(nn.Module):
     hashed once more, so every layer and site draws its own masks. The seeds ride in the carry
     as float32 holding 24-bit integers (exact; their gradient is zero): soapjax's pipelines
     send the carry and its gradient from stage to stage, so it must be floating point
-    (`soapjax._pipelined`)."""
+    (`soapjax.apply._pipelined`)."""
 
     config: GPTConfig
 

@@ -34,7 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from soapjax.attention import flash_attention
+from soapjax.base.attention import flash_attention
 from soapjax_zoo.workload import (
     ModelConfigError,
     Workload,
@@ -70,7 +70,7 @@ class LlamaConfig:
         that float64 tests compute in float64); param_dtype: what parameters are stored in.
       attention: ``"xla"``, the scores, mask, softmax and ``probs v`` as plain equations (two
         operators of the graph, the ``T x T`` probabilities kept or recomputed);
-        ``"flash"``, `soapjax.attention.flash_attention` (one attention operator, blocks of
+        ``"flash"``, `soapjax.base.attention.flash_attention` (one attention operator, blocks of
         `attention_block` keys, nothing ``T x T`` kept), as long-context training runs it;
         ``"cudnn"``, the same operator run by cuDNN's fused kernel on a GPU where the
         sequence is whole (``implementation="cudnn"``; the blockwise one elsewhere).

@@ -27,14 +27,14 @@ stacked SwiGLU weights ``[E, d, ffn]`` applied group by group by a grouped matmu
 permutation, ``argsort`` of the sort order), weighted by the gates and summed over the ``k``.
 The sort is over the whole batch, as the code says: under GSPMD each device sees the global
 order, so what soapjax plans for this form is the expert FFN's ffn dim (Megatron) and ZeRO
-sharding of the weights, never the ragged rows or the expert dim (soapjax._dims says why).
+sharding of the weights, never the ragged rows or the expert dim (soapjax.graph._dims says why).
 
 Switch's load-balancing loss ``experts * sum_e(fraction of choices routed to e * mean router
 probability of e)`` (1 when the load is uniform), summed over layers and weighted by
 ``aux_loss_coef``, is added to the next-token cross entropy.
 
 The expert dim of the stacked weights and of the dispatched tokens is what expert parallelism
-splits (DESIGN.md: an expert dim split over a mesh axis, the tokens moved by all-to-all).
+splits (docs/design.md: an expert dim split over a mesh axis, the tokens moved by all-to-all).
 
 Sizes: ``mixtral-8x7b`` and ``mixtral-8x22b`` have Mixtral's released shapes (Jiang et al.
 2024; the configs of mistralai/Mixtral-8x7B-v0.1 and Mixtral-8x22B-v0.1) at 4096 tokens:

@@ -25,8 +25,8 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from soapjax.errors import PlanError, UnknownModelError, WorkloadError
-from soapjax.plan import Plan
+from soapjax.base.errors import PlanError, UnknownModelError, WorkloadError
+from soapjax.strategy.plan import Plan
 from soapjax_zoo import cnn, gpt, gpt2, llama, mlp, moe, rnn, user
 from soapjax_zoo.workload import ModelConfigError, Workload
 

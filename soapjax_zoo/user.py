@@ -53,7 +53,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from soapjax.errors import WorkloadError
+from soapjax.base.errors import WorkloadError
 from soapjax.training import _pure_loss
 from soapjax_zoo.workload import Workload
 

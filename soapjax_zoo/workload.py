@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 from jax.extend import core as jcore
 
-from soapjax.errors import SoapjaxError
+from soapjax.base.errors import SoapjaxError
 
 Family = Literal["cnn", "rnn", "transformer", "mlp"]
 Api = Literal["linen", "nnx"]

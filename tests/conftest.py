@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from soapjax.graph import trace
+from soapjax.graph.opgraph import trace
 from soapjax_zoo.gpt import GPT_CONFIGS, build_gpt
 from soapjax_zoo.llama import LLAMA_CONFIGS, build_llama
 
@@ -80,10 +80,10 @@ def assert_delta_equals_full(graph, topology, strategy, moves: int, seed: int = 
     fresh full simulation's, task by task."""
     import random
 
-    from soapjax import space
-    from soapjax.cost import cost_model
-    from soapjax.reshard import Resharder
-    from soapjax.simulate import Simulation
+    from soapjax.cost.operators import cost_model
+    from soapjax.cost.reshard import Resharder
+    from soapjax.simulate.front import Simulation
+    from soapjax.strategy import space
 
     mesh = space.MeshShape.of(topology)
     cm = cost_model(graph, topology, mode="analytic")

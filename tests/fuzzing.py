@@ -11,12 +11,12 @@ from its SOAP space with up to two mesh axes on a dim (`soapjax.search.random_st
 layers of a scan tied), and at random recomputation (per operator, or per position of every
 layer), microbatches, ZeRO-3 axes, the distributed optimizer, ring attention where the model
 has flash attention, and pipeline stages (every schedule and interleave the model's layer
-scan allows) where it has a layer scan. `check` applies it (`soapjax.apply.sharded_value_and_grad`
-on the topology's mesh of virtual CPU devices) and compares loss and every gradient leaf with
-the reference, each leaf relative to its own scale (`soapjax.exactness`): at most 1e-9. A
-strategy apply refuses (a `PlanError`: a config its validation does not allow) is counted as
-refused, not as a failure; `shrink` cuts a failing strategy down to the fewest changes from data
-parallelism that still fail.
+scan allows) where it has a layer scan. `check` applies it
+(`soapjax.apply.step.sharded_value_and_grad` on the topology's mesh of virtual CPU devices) and
+compares loss and every gradient leaf with the reference, each leaf relative to its own scale
+(`soapjax.exactness`): at most 1e-9. A strategy apply refuses (a `PlanError`: a config its
+validation does not allow) is counted as refused, not as a failure; `shrink` cuts a failing strategy
+down to the fewest changes from data parallelism that still fail.
 
 `tests/test_fuzz_exactness.py` runs a fixed few per subject in ``make test``;
 `scripts/fuzz_exactness.py` runs thousands.
@@ -36,16 +36,17 @@ import numpy as np
 from flax import nnx
 
 import soapjax_zoo as zoo
-from soapjax import apply, space
-from soapjax._pipeline_layout import check_pipelinable
-from soapjax.errors import PlanError
+from soapjax.apply import step as apply
+from soapjax.apply._pipeline_layout import check_pipelinable
+from soapjax.base.errors import PlanError
 from soapjax.exactness import GradientComparison, compare_gradients, reading_operators
-from soapjax.graph import OpGraph, trace
-from soapjax.memory import microbatch_choices, microbatch_error
-from soapjax.pipeline import SCHEDULES
+from soapjax.graph.opgraph import OpGraph, trace
 from soapjax.search import interleave_choices, random_strategy, stage_choices
-from soapjax.space import RECOMPUTE_POLICIES, MeshShape, SpaceLimits, Strategy
-from soapjax.topology import Topology, make_mesh, stage_topology
+from soapjax.strategy import space
+from soapjax.strategy.memory import microbatch_choices, microbatch_error
+from soapjax.strategy.pipeline import SCHEDULES
+from soapjax.strategy.space import RECOMPUTE_POLICIES, MeshShape, SpaceLimits, Strategy
+from soapjax.topology.cluster import Topology, make_mesh, stage_topology
 
 NOISE = 0.05
 TOLERANCE = 1e-9  # float64, per leaf (soapjax.exactness)
@@ -133,7 +134,7 @@ def draw(s: Subject, topology: Topology, rng: np.random.Generator) -> Strategy:
     # a pipelined strategy's configs are over one stage's devices (the outer axis cut)
     mesh = MeshShape.of(stage_topology(topology, S) if S > 1 else topology)
     # no attribute splits where the model convolves: a spatially split input to a convolution
-    # is refused (XLA computes it wrongly; `soapjax.apply.constrained_loss`), as the corpus
+    # is refused (XLA computes it wrongly; `soapjax.apply.step.constrained_loss`), as the corpus
     # tests plan them
     convolves = any(op.anchor == "conv_general_dilated" for op in graph.operators)
     strategy = random_strategy(graph, mesh, rng,
@@ -178,7 +179,7 @@ def _subset(axes: list[str], rng: np.random.Generator) -> tuple[str, ...]:
 
 def _divides(graph: OpGraph, strategy: Strategy, mesh: MeshShape, m: int) -> bool:
     """Whether `m` microbatches divide every operator's per-device batch (apply refuses
-    them otherwise: `soapjax.memory.microbatch_error`)."""
+    them otherwise: `soapjax.strategy.memory.microbatch_error`)."""
     return not any(microbatch_error(op, c, mesh, m)
                    for op, c in zip(graph.operators, strategy.configs))
 

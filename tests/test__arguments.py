@@ -1,12 +1,13 @@
-"""soapjax._arguments: an argument of the wrong kind is one ArgumentError saying what to pass."""
+"""soapjax.strategy._arguments: an argument of the wrong kind is one ArgumentError saying what to
+pass."""
 
 import optax
 import pytest
 
 from soapjax import SearchSettings
-from soapjax._arguments import check_graph, check_optimizer, check_settings, check_topology
-from soapjax.errors import ArgumentError, SoapjaxError
-from soapjax.topology import load_topology
+from soapjax.base.errors import ArgumentError, SoapjaxError
+from soapjax.strategy._arguments import check_graph, check_optimizer, check_settings, check_topology
+from soapjax.topology.cluster import load_topology
 
 
 @pytest.mark.parametrize("check, message", [

@@ -1,4 +1,4 @@
-"""Reductions inside an operator (`soapjax._inner`): found, priced, and what XLA runs."""
+"""Reductions inside an operator (`soapjax.graph._inner`): found, priced, and what XLA runs."""
 
 import dataclasses
 import functools
@@ -9,14 +9,15 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from soapjax import apply, hlo
-from soapjax._inner import inner_reductions
-from soapjax.cost import cost_model
-from soapjax.graph import trace
-from soapjax.reshard import Resharder
-from soapjax.simulate import simulate
-from soapjax.space import Config, MeshShape, data_parallel
-from soapjax.topology import load_topology, make_mesh
+from soapjax.apply import step as apply
+from soapjax.cost.operators import cost_model
+from soapjax.cost.reshard import Resharder
+from soapjax.graph._inner import inner_reductions
+from soapjax.graph.opgraph import trace
+from soapjax.measure import hlo
+from soapjax.simulate.front import simulate
+from soapjax.strategy.space import Config, MeshShape, data_parallel
+from soapjax.topology.cluster import load_topology, make_mesh
 
 B, T, D, V = 8, 4, 16, 32
 

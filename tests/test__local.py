@@ -1,4 +1,4 @@
-"""soapjax._local: shard programs keep custom derivative rules (never a silent primal)."""
+"""soapjax.graph._local: shard programs keep custom derivative rules (never a silent primal)."""
 
 import flax.linen as nn
 import jax
@@ -6,12 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from soapjax import space
-from soapjax._local import CustomRuleError, has_custom_rules, operator_fn
-from soapjax.flops import step_flops
-from soapjax.graph import trace
-from soapjax.space import MeshShape, data_parallel
-from soapjax.topology import load_topology
+from soapjax.cost.flops import step_flops
+from soapjax.graph._local import CustomRuleError, has_custom_rules, operator_fn
+from soapjax.graph.opgraph import trace
+from soapjax.strategy import space
+from soapjax.strategy.space import MeshShape, data_parallel
+from soapjax.topology.cluster import load_topology
 
 
 @jax.custom_vjp

@@ -1,5 +1,5 @@
-"""A pipelined strategy's layout (soapjax._pipeline_layout): the graphs it can run, the mesh it
-runs on, where its layers live. Nothing here compiles: the tiny GPT is traced at its shapes."""
+"""A pipelined strategy's layout (soapjax.apply._pipeline_layout): the graphs it can run, the mesh
+it runs on, where its layers live. Nothing here compiles: the tiny GPT is traced at its shapes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import soapjax_zoo
-from soapjax._pipeline_layout import (
+from soapjax.apply._pipeline_layout import (
     check_pipelinable,
     from_pipelined,
     pipelined_layout_shardings,
@@ -20,8 +20,8 @@ from soapjax._pipeline_layout import (
     stacked_params,
     to_pipelined,
 )
-from soapjax.errors import PlanError
-from soapjax.graph import trace
+from soapjax.base.errors import PlanError
+from soapjax.graph.opgraph import trace
 from soapjax_zoo.gpt import GPT_CONFIGS, build_gpt
 
 STAGES = 2

@@ -1,4 +1,5 @@
-"""The pipelined step (soapjax._pipelined): the unsharded step's numbers, the schedule's transfers.
+"""The pipelined step (soapjax.apply._pipelined): the unsharded step's numbers, the schedule's
+transfers.
 
 Every case runs on cpu8 as stage 2 x data 2 x model 2 with M = 4 microbatches of the batch of
 16, in float64, the layers' parameters split over ``model`` as Megatron-LM splits them (heads
@@ -21,12 +22,12 @@ import pytest
 from conftest import float64_model
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from soapjax._pipeline_layout import from_pipelined, pipelined_layout_shardings, to_pipelined
-from soapjax._pipelined import _Groups, _split_axes, pipelined_value_and_grad, ticks
-from soapjax.errors import PlanError
-from soapjax.hlo import collectives
-from soapjax.pipeline import SCHEDULES, device_orders
-from soapjax.space import RecomputePolicy
+from soapjax.apply._pipeline_layout import from_pipelined, pipelined_layout_shardings, to_pipelined
+from soapjax.apply._pipelined import _Groups, _split_axes, pipelined_value_and_grad, ticks
+from soapjax.base.errors import PlanError
+from soapjax.measure.hlo import collectives
+from soapjax.strategy.pipeline import SCHEDULES, device_orders
+from soapjax.strategy.space import RecomputePolicy
 
 FAST = {"xla_backend_optimization_level": 0}
 STAGES, MICROBATCHES, BATCH = 2, 4, 16
@@ -224,7 +225,7 @@ def pipeline_collectives(exe, m) -> list[tuple[str, str, tuple[str, ...], int]]:
 
 @pytest.mark.parametrize("model", [2, 4], ids=["model2-data2", "model4"])
 def test_scatter_gather_sends_one_piece_per_model_replica(model):
-    """Megatron-LM's scatter/gather (`soapjax._pipelined`): the activation a stage sends and
+    """Megatron-LM's scatter/gather (`soapjax.apply._pipelined`): the activation a stage sends and
     the gradient it sends back, replicated over the r = `model` replicas of Megatron's split,
     go as r pieces, one per replica, each 1/r of the whole along d_model (the last dim r
     divides), and the receiver all-gathers them over ``model``; the numbers stay the unsharded

@@ -1,4 +1,5 @@
-"""soapjax.apply and soapjax.training: a strategy applied computes what the unsharded step does.
+"""soapjax.apply.step and soapjax.training: a strategy applied computes what the unsharded step
+does.
 
 Every zoo model (tiny configs) is stepped once unsharded on one device (`jax.jit(train_step)`)
 and once sharded on the 8-device ``cpu8`` mesh (data=2 x model=4) under several strategies;
@@ -25,8 +26,8 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import soapjax_zoo as models
-from soapjax import baselines, hlo, space, training
-from soapjax.apply import (
+from soapjax import training
+from soapjax.apply.step import (
     TrainShardings,
     batch_shardings,
     constrained_loss,
@@ -37,15 +38,17 @@ from soapjax.apply import (
     strategy_from_names,
     validate_strategy,
 )
-from soapjax.cost import cost_model
-from soapjax.errors import PlanError
-from soapjax.graph import OpGraph, trace
-from soapjax.plan import Plan
-from soapjax.reshard import Resharder
+from soapjax.base.errors import PlanError
+from soapjax.cost.operators import cost_model
+from soapjax.cost.reshard import Resharder
+from soapjax.graph.opgraph import OpGraph, trace
+from soapjax.measure import hlo
 from soapjax.search import SearchSettings, search
-from soapjax.simulate import simulate
-from soapjax.space import Config, MeshShape, SpaceLimits, Strategy
-from soapjax.topology import load_topology, make_mesh
+from soapjax.simulate.front import simulate
+from soapjax.strategy import baselines, space
+from soapjax.strategy.plan import Plan
+from soapjax.strategy.space import Config, MeshShape, SpaceLimits, Strategy
+from soapjax.topology.cluster import load_topology, make_mesh
 from soapjax_zoo import mlp as mlp_module
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -269,7 +272,7 @@ def test_every_operator_output_and_operand_is_constrained(name, kind, mesh):
     operands = sum(len(op.inputs) if c.graph.replaceable(op.name) else
                    len([o for o in op.inputs if o.kind != "const"]) for op in c.graph.operators)
     # and a row-parallel matmul whose partial sums are reduce-scattered, its result inside
-    from soapjax._flatstep import _Layouts
+    from soapjax.apply._flatstep import _Layouts
     layouts = _Layouts(c.graph, strategy, mesh)
     outputs += sum(layouts.anchor_hook(j) is not None for j in range(len(c.graph.operators)))
     for constrain_operands, expected in ((True, outputs + operands), (False, outputs)):
@@ -286,7 +289,7 @@ def test_a_convolution_reduces_its_partial_sums_as_planned(mesh):
     # its output (an all-reduce of f32[8,3,3,16], 4608 B). Left to itself XLA instead gathered
     # the kernel (f32[3,3,16,16], 9216 B) in the forward and the backward pass, unless the
     # operands were constrained; apply now runs every convolution in `jax.shard_map`
-    # (`soapjax._manual`: XLA computed some kernel gradients wrongly), so it reduces the
+    # (`soapjax.apply._manual`: XLA computed some kernel gradients wrongly), so it reduces the
     # partial sums as planned with or without operand constraints.
     c = case("alexnet", x64=False)
     configs = list(make_strategy("data_parallel", c.graph).configs)

@@ -1,5 +1,5 @@
-"""Pipelined plans through soapjax.apply and soapjax.training: the unsharded step's numbers, the
-planned shardings in the model's layout, and the stage-to-stage bytes the simulator prices.
+"""Pipelined plans through soapjax.apply.step and soapjax.training: the unsharded step's numbers,
+the planned shardings in the model's layout, and the stage-to-stage bytes the simulator prices.
 
 Every case runs on ``tests/meshes/cpu8-nodes.toml`` (the 8 test devices as node=2 x data=2 x
 model=2): Megatron's 3D strategy with tp=2 and pp=2 cuts ``node`` into two stages, so the step
@@ -24,19 +24,19 @@ from test_corpus import relative_error as corpus_relative_error
 
 import soapjax_zoo
 from soapjax import training
-from soapjax._pipeline_layout import batch_axes
-from soapjax._pipelined import ticks
-from soapjax.apply import constrained_loss, device_put_global, sharded_train_step
-from soapjax.baselines import megatron_3d
-from soapjax.cost import cost_model
-from soapjax.errors import PlanError
-from soapjax.graph import trace
-from soapjax.hlo import collectives
-from soapjax.pipesim import PipelinedSimulation
-from soapjax.plan import Plan
-from soapjax.reshard import Resharder
-from soapjax.space import MeshShape
-from soapjax.topology import load_topology, make_mesh, stage_topology
+from soapjax.apply._pipeline_layout import batch_axes
+from soapjax.apply._pipelined import ticks
+from soapjax.apply.step import constrained_loss, device_put_global, sharded_train_step
+from soapjax.base.errors import PlanError
+from soapjax.cost.operators import cost_model
+from soapjax.cost.reshard import Resharder
+from soapjax.graph.opgraph import trace
+from soapjax.measure.hlo import collectives
+from soapjax.simulate.pipesim import PipelinedSimulation
+from soapjax.strategy.baselines import megatron_3d
+from soapjax.strategy.plan import Plan
+from soapjax.strategy.space import MeshShape
+from soapjax.topology.cluster import load_topology, make_mesh, stage_topology
 
 TOPOLOGY = load_topology(str(pathlib.Path(__file__).parent / "meshes" / "cpu8-nodes.toml"))
 STAGES, BATCH = 2, 16
@@ -163,7 +163,7 @@ def test_stage_to_stage_bytes_are_what_the_simulator_prices(virtual):
     """The compiled step's collective-permutes against `PipelinedSimulation.send_bytes`.
 
     The tick loop holds one collective-permute per direction and set of stages sending at
-    one tick (`soapjax._pipelined`); how often each runs is read from the tick table, as in
+    one tick (`soapjax.apply._pipelined`); how often each runs is read from the tick table, as in
     tests/test__pipelined.py. Summed over the step, the bytes each device position (one
     device of every stage's data x model grid) sends are 2 M sum(send_bytes): each chunk
     boundary's activation forward and its gradient back, per microbatch. Measured: 2048 bytes

@@ -1,11 +1,13 @@
 """The architecture, enforced: imports flow one way through the pipeline's stages.
 
-`STAGES` is the one written order of soapjax's modules, lowest first (docs/architecture.md
-walks it module by module). A module may import modules of its own stage or earlier ones,
-never a later one, not even inside a function; only the command line imports inside functions
-(to start fast). Two packages sit above the library and are never imported by it: the zoo
-(`soapjax_zoo`; only the command line may load models from it) and the evaluation
-(`soapjax_eval`; nothing in the library may).
+The stages are soapjax's folders (`soapjax.base`, `soapjax.graph`, ... `soapjax.apply`), each
+saying its place in the order as the first words of its ``__init__``'s docstring ("Stage 3,
+..."); the modules at the package's root sit above them all, in the order `TOP` gives
+(docs/architecture.md walks the folders and their modules). A module may import modules of its
+own stage or earlier ones, never a later one, not even inside a function; only the command line
+imports inside functions (to start fast). Two packages sit above the library and are never
+imported by it: the zoo (`soapjax_zoo`; only the command line may load models from it) and the
+evaluation (`soapjax_eval`; nothing in the library may).
 """
 
 from __future__ import annotations
@@ -17,42 +19,64 @@ from pathlib import Path
 
 import pytest
 
+from soapjax._moved import MOVED
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "soapjax"
 
-STAGES: tuple[tuple[str, ...], ...] = (
-    ("errors", "_cache", "_dtypes", "collectives", "attention"),  # no soapjax imports: leaves
-    ("_dims", "_ir", "_program", "_grouping", "graph", "_local", "_inner"),  # jaxpr -> OpGraph
-    ("_topology_file", "_routing", "topology"),  # meshes/*.toml -> Topology
-    ("space", "memory", "pipeline", "_arguments"),  # OpGraph x mesh -> configs, strategies;
-    # recompute, microbatches, pipeline stages and their schedules; the planners' argument checks
-    ("baselines", "plan", "_strategy_file"),  # expert strategies; the Plan file; --strategy
-    ("_hlo_text", "_timing", "devices", "links", "devicefit", "stepprofile", "roofline",
-     "kernels", "updates",
-     "flops", "cost", "_hlo_flops", "hlo", "_reshard_ideal", "_reshard_worker",
-     "reshard"),  # prices
-    ("_taskgraph", "_simresult", "_flatsim", "pipesim", "simulate"),  # strategy -> timeline
-    ("_chain", "search"),  # MCMC -> best plan
-    ("_pipeline_layout", "_validation", "_context_parallel", "_manual", "_flatstep",
-     "_pipelined", "_shardings", "apply"),  # plan -> sharded, jitted step
-    ("exactness", "training", "check"),  # gradients against the unsharded step; the training
-    # helper; a plan against the devices
+# The root's modules, above every folder, lowest first.
+TOP: tuple[tuple[str, ...], ...] = (
+    ("_moved", "exactness", "training", "check"),  # gradients against the unsharded step; the
+    # training helper; a plan against the devices; the old import paths
     ("report", "plot"),  # text, HTML and pictures
     ("cli", "__init__"),  # the command line; the public surface
 )
-STAGE = {name: i for i, names in enumerate(STAGES) for name in names}
 
-# Function-local soapjax imports still to move, each with why it is not fixed here.
-KNOWN_LOCAL: dict[tuple[str, str], str] = {}
+
+def _folders() -> dict[str, int]:
+    """Each stage folder and its place, read from its ``__init__``'s docstring."""
+    out = {}
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        m = re.match(r"Stage (\d+),", doc)
+        assert m, f"{init.relative_to(ROOT)}: its docstring must start 'Stage N, ...'"
+        out[init.parent.name] = int(m.group(1))
+    return out
+
+
+FOLDERS = _folders()
 
 
 def _modules() -> list[str]:
-    return sorted(p.stem for p in PACKAGE.glob("*.py"))
+    """Every module, as its path under soapjax/ with dots and no suffix (``strategy.space``,
+    ``graph.__init__``, ``cli``)."""
+    return sorted(".".join(p.relative_to(PACKAGE).with_suffix("").parts)
+                  for p in PACKAGE.rglob("*.py"))
+
+
+def _path(name: str) -> Path:
+    return PACKAGE.joinpath(*name.split(".")).with_suffix(".py")
+
+
+def _base(name: str) -> str:
+    """A module's own name (``space`` for ``strategy.space``; a folder's ``__init__`` is the
+    folder's name)."""
+    parts = name.split(".")
+    return parts[0] if parts[-1] == "__init__" and len(parts) > 1 else parts[-1]
+
+
+def _stage(name: str) -> int:
+    """`name`'s place: its folder's, or above every folder for the root's modules."""
+    top = name.split(".")[0]
+    if top in FOLDERS:
+        return FOLDERS[top]
+    row = next(k for k, names in enumerate(TOP) if top in names)
+    return max(FOLDERS.values()) + 1 + row
 
 
 def _imports(name: str) -> list[tuple[str, int, bool]]:
-    """(imported module, line, inside a function) for every import in soapjax/<name>.py."""
-    tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+    """(imported module, line, inside a function) for every import in `name`."""
+    tree = ast.parse(_path(name).read_text())
     out = []
 
     def visit(node: ast.AST, local: bool) -> None:
@@ -72,10 +96,25 @@ def _imports(name: str) -> list[tuple[str, int, bool]]:
 
 
 def test_every_module_has_a_stage():
-    missing = [m for m in _modules() if m not in STAGE]
-    assert not missing, f"add {missing} to STAGES (and docs/architecture.md)"
-    gone = [m for m in STAGE if m not in _modules()]
-    assert not gone, f"STAGES names modules that no longer exist: {gone}"
+    loose = [m for m in _modules() if "." not in m
+             and not any(m in names for names in TOP)]
+    assert not loose, f"add {loose} to TOP, or move them into a stage folder"
+    gone = [m for names in TOP for m in names if m not in _modules()]
+    assert not gone, f"TOP names modules that no longer exist: {gone}"
+    nested = [m for m in _modules() if m.count(".") > 1]
+    assert not nested, f"folders inside stage folders: {nested}"
+
+
+def test_no_module_over_700_lines_without_saying_why():
+    """A module past 700 lines says at its top, in its docstring, why it stays one."""
+    bad = []
+    for name in _modules():
+        text = _path(name).read_text()
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if text.count("\n") > 700 and "on purpose" not in doc and "stays one" not in doc:
+            bad.append(f"soapjax/{name.replace('.', '/')}.py: {text.count(chr(10))} lines")
+    assert not bad, "split these, or say in the docstring why each stays one:\n  " + \
+        "\n  ".join(bad)
 
 
 @pytest.mark.parametrize("name", _modules())
@@ -90,71 +129,78 @@ def test_imports_flow_one_way(name):
                        "library")
         if not module.startswith("soapjax."):
             continue
-        target = module.split(".")[1]
-        if STAGE[target] > STAGE[name]:
-            bad.append(f"line {line}: imports {target} (stage {STAGE[target]}), a later stage "
-                       f"than {name} (stage {STAGE[name]})")
-        if local and name != "cli" and (name, target) not in KNOWN_LOCAL:
+        target = module.removeprefix("soapjax.")
+        if target.split(".")[0] in MOVED:
+            bad.append(f"line {line}: imports {module}, an old path (soapjax._moved); import "
+                       f"soapjax.{MOVED[target.split('.')[0]]}")
+            continue
+        if _stage(target) > _stage(name):
+            bad.append(f"line {line}: imports {target} (stage {_stage(target)}), a later stage "
+                       f"than {name} (stage {_stage(name)})")
+        if local and name != "cli":
             bad.append(f"line {line}: imports {target} inside a function; move the code to "
                        f"the module it belongs to, or import at the top")
-    assert not bad, f"soapjax/{name}.py:\n  " + "\n  ".join(bad)
-
-
-def test_known_local_imports_are_still_there():
-    # Once fixed, an entry must leave KNOWN_LOCAL, so the list cannot go stale.
-    for name, target in KNOWN_LOCAL:
-        assert any(m == f"soapjax.{target}" and local for m, _, local in _imports(name)), (
-            f"{name} no longer imports {target} inside a function: drop it from KNOWN_LOCAL")
+    assert not bad, f"soapjax/{name.replace('.', '/')}.py:\n  " + "\n  ".join(bad)
 
 
 def test_the_architecture_doc_walks_every_module_in_stage_order():
     text = (ROOT / "docs" / "architecture.md").read_text()
-    order = re.findall(r"^- `soapjax/(\w+)\.py`", text, re.MULTILINE)
-    assert sorted(order) == _modules(), "docs/architecture.md: one line per module"
-    stages = [STAGE[m] for m in order]
+    order = [p.replace("/", ".") for p in
+             re.findall(r"^\s*- `soapjax/([\w/]+)\.py`", text, re.MULTILINE)]
+    listed = [m for m in _modules() if not m.endswith(".__init__")]
+    assert sorted(order) == listed, "docs/architecture.md: one line per module"
+    stages = [_stage(m) for m in order]
     assert stages == sorted(stages), "docs/architecture.md lists modules out of stage order"
 
 
 def test_every_module_has_a_test_file():
+    """soapjax/<folder>/<module>.py is tested in tests/test_<module>.py, or, for a private
+    helper, through the module named here (or its folder's test file)."""
     covered = {p.stem.removeprefix("test_") for p in (ROOT / "tests").glob("test_*.py")}
-    # Private helpers are tested through their public module.
     owner = {"_cache": "cost", "_dtypes": "cost", "_dims": "graph", "_ir": "graph",
-             "_program": "graph", "_grouping": "graph",
-             "_topology_file": "topology", "_routing": "topology", "collectives": "topology",
-             "_timing": "cost", "_reshard_ideal": "reshard", "_reshard_worker": "reshard",
+             "_program": "graph", "_grouping": "graph", "opgraph": "graph",
+             "_topology_file": "topology", "_routing": "topology", "cluster": "topology",
+             "collectives": "topology", "_timing": "cost", "operators": "cost",
+             "_reshard_ideal": "reshard", "_reshard_worker": "reshard",
              "_taskgraph": "simulate", "_simresult": "simulate", "_strategy_file": "simulate",
-                 "_flatsim": "simulate", "_chain": "search",
-             "_validation": "apply", "_shardings": "apply", "_flatstep": "apply",
+             "_flatsim": "simulate", "front": "simulate", "_chain": "search", "find": "search",
+             "_clock": "search", "grids": "search", "optimality": "search",
+             "_flat_memory": "simulate", "_flat_attention": "simulate", "_flat_tasks": "simulate",
+             "_flat_proposals": "simulate",
+             "pipelines": "search", "stages": "search",
+             "_validation": "apply", "_shardings": "apply", "_flatstep": "apply", "step": "apply",
              "_context_parallel": "flash_attention", "_manual": "expert_context_parallel",
-             "_hlo_text": "hlo", "_hlo_flops": "hlo",
+             "_hlo_text": "hlo", "_hlo_flops": "hlo", "_moved": "architecture", "_paths": "cli",
              "errors": "cli", "__init__": "notebook"}
-    missing = [m for m in _modules() if owner.get(m, m) not in covered]
+    missing = [m for m in _modules() if not m.endswith(".__init__")
+               and owner.get(_base(m), _base(m)) not in covered]
     assert not missing, f"no tests/test_<module>.py for {missing}"
 
 
 def test_test_files_are_named_after_their_module():
-    """One rule: soapjax/<module>.py is tested in tests/test_<module>.py, a private module's
-    underscore kept (soapjax/_inner.py: tests/test__inner.py); a test file of no one module
-    (the zoo, the corpus, the notebook) has a name that is no module's."""
-    modules = set(_modules())
+    """One rule: soapjax/<folder>/<module>.py is tested in tests/test_<module>.py, a private
+    module's underscore kept (soapjax/graph/_inner.py: tests/test__inner.py); a test file of no
+    one module (the zoo, the corpus, the notebook) has a name that is no module's."""
+    modules = {_base(m) for m in _modules()}
     bad = []
     for path in sorted((ROOT / "tests").glob("test_*.py")):
         name = path.stem.removeprefix("test_")
         if name.startswith("_") and name not in modules:
-            bad.append(f"{path.name}: no soapjax/{name}.py")
+            bad.append(f"{path.name}: no soapjax/.../{name}.py")
         elif f"_{name}" in modules:
-            bad.append(f"{path.name} tests soapjax/_{name}.py: name it test__{name}.py")
+            bad.append(f"{path.name} tests a module _{name}.py: name it test__{name}.py")
     assert not bad, "\n  ".join(["test files off the naming rule:", *bad])
 
 
 def _public_modules() -> list[str]:
-    return [m for m in _modules() if not m.startswith("_") or m == "__init__"]
+    return [m for m in _modules() if not _base(m).startswith("_") or m == "__init__"]
 
 
 @pytest.mark.parametrize("name", _public_modules())
 def test_public_modules_say_what_users_import(name):
     """Every public module lists its public names in `__all__`, and each one exists."""
-    module = importlib.import_module("soapjax" if name == "__init__" else f"soapjax.{name}")
+    module = importlib.import_module(
+        "soapjax." + name.removesuffix(".__init__") if name != "__init__" else "soapjax")
     names = getattr(module, "__all__", None)
     assert names is not None, f"soapjax/{name}.py has no __all__"
     assert len(set(names)) == len(names), f"soapjax/{name}.py: __all__ repeats a name"
@@ -170,7 +216,7 @@ _PRIVATE_CLASS = re.compile(r"(?<![\w.])_[A-Z]\w*")
 def _private_types_in_public_signatures(name: str) -> list[str]:
     """Where a public class's annotated field or a public function's or method's signature in
     soapjax/<name>.py names a private class (``_Program``)."""
-    tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+    tree = ast.parse(_path(name).read_text())
     out = []
 
     def check(node: ast.AST | None, where: str, line: int) -> None:
@@ -209,7 +255,7 @@ def test_no_module_patches_a_class_on_import():
     ``import soapjax``, to give classes their notebook HTML)."""
     bad = []
     for name in _modules():
-        for node in ast.parse((PACKAGE / f"{name}.py").read_text()).body:
+        for node in ast.parse(_path(name).read_text()).body:
             targets = node.targets if isinstance(node, ast.Assign) else (
                 [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
             bad += [f"soapjax/{name}.py:{node.lineno} sets {ast.unparse(t)}"
@@ -257,7 +303,7 @@ SCRIPTS = sorted([*ROOT.glob("scripts/*.py"), *ROOT.glob("soapjax_eval/*.py")])
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_scripts_and_the_evaluation_use_the_public_api(path):
     """The scripts and `soapjax_eval` import what soapjax's public modules list, as a user
-    would; what they need is re-exported there (`soapjax.cost.time_loop`, `hlo.launched_kernels`,
+    would; what they need is re-exported there (`soapjax.measure.time_loop`, `hlo.launched_kernels`,
     `cost.cache_root`). `scripts/_decoder_metrics.py` is the scripts' own helper."""
     bad = _private_uses(path)
     assert not bad, f"{path.relative_to(ROOT)} uses soapjax's private names:\n  " + "\n  ".join(bad)
@@ -274,7 +320,8 @@ FIXED_CHOICES = {
     "collective opcodes": ({"all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                             "collective-permute"}, {"collectives"}),
     "baselines": ({"data-parallel", "megatron", "fsdp", "megatron-sp", "fsdp-recompute",
-                   "expert-cnn", "expert-rnn"}, {"baselines"}),
+                   "expert-cnn", "expert-rnn", "maxtext-moe"}, {"baselines"}),
+    "attention implementations": ({"xla", "cudnn"}, {"attention"}),
 }
 
 
@@ -285,19 +332,20 @@ def test_fixed_choices_have_one_table(choice):
     names, owners = FIXED_CHOICES[choice]
     bad = []
     for module in _modules():
-        for node in ast.walk(ast.parse((PACKAGE / f"{module}.py").read_text())):
+        for node in ast.walk(ast.parse(_path(module).read_text())):
             if isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)):
                 items = node.keys if isinstance(node, ast.Dict) else node.elts
                 found = {e.value for e in items if isinstance(e, ast.Constant)} & names
-                if len(found) >= 2 and module not in owners:
+                if len(found) >= 2 and _base(module) not in owners:
                     bad.append(f"soapjax/{module}.py:{node.lineno} lists {sorted(found)}")
     assert not bad, f"{choice} spelled outside {sorted(owners)}:\n  " + "\n  ".join(bad)
 
 
 # The modules that may ask whether a strategy is pipelined: the simulator's and apply's.
-PIPELINE_AWARE = {"_flatsim", "pipesim", "simulate",  # the simulator
+PIPELINE_AWARE = {"_flatsim", "_flat_tasks", "pipesim",
+                  "front",  # the simulator
                   "_pipeline_layout", "_validation", "_flatstep", "_pipelined", "_shardings",
-                  "apply"}  # apply
+                  "step"}  # apply
 
 
 def test_only_the_simulator_and_apply_branch_on_pipeline_stages():
@@ -306,10 +354,10 @@ def test_only_the_simulator_and_apply_branch_on_pipeline_stages():
     command line, the training helper and the checks call those and never ask."""
     asking = {}
     for name in _modules():
-        tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+        tree = ast.parse(_path(name).read_text())
         lines = [n.lineno for n in ast.walk(tree)
                  if isinstance(n, ast.Attribute) and n.attr == "pipelined"]
-        if lines and name not in PIPELINE_AWARE:
+        if lines and _base(name) not in PIPELINE_AWARE:
             asking[name] = lines
     assert not asking, f"modules outside the simulator and apply read .pipelined: {asking}"
 
@@ -325,3 +373,18 @@ def test_a_plan_enters_no_module_more_than_three_times_through_check():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "trace_plan.py"), "--max", "3"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+
+
+def test_typed_choices_are_their_tables():
+    """A choice typed as a `Literal` names exactly its table's rows, so a checker that reads
+    the type and the code that reads the table agree."""
+    import typing
+
+    from soapjax.base.attention import IMPLEMENTATIONS, AttentionImplementation
+    from soapjax.strategy.pipeline import DEFAULT_SCHEDULE, SCHEDULES, ScheduleName
+    from soapjax.strategy.space import RECOMPUTE_POLICIES, RecomputePolicy
+
+    assert typing.get_args(ScheduleName) == tuple(SCHEDULES)
+    assert DEFAULT_SCHEDULE in SCHEDULES
+    assert typing.get_args(AttentionImplementation) == IMPLEMENTATIONS
+    assert typing.get_args(RecomputePolicy) == RECOMPUTE_POLICIES

@@ -1,4 +1,4 @@
-"""Ring attention (`soapjax.attention`) on cpu8: the float64 output and gradients of whole
+"""Ring attention (`soapjax.base.attention`) on cpu8: the float64 output and gradients of whole
 causal attention, with the sequence over a ring of 8 or of 4 (the batch over the other axis)
 or on one device, in contiguous blocks or zigzag; and the compiled step's collective-permutes,
 as `ring_sends` counts them."""
@@ -14,9 +14,9 @@ import pytest
 from jax.sharding import AxisType
 from test_corpus import FAST_COMPILE, X64_TOL, relative_error
 
-from soapjax import hlo
-from soapjax.attention import reference_attention, ring_attention, ring_sends, unzigzag, zigzag
-from soapjax.space import MeshShape
+from soapjax.base.attention import reference_attention, ring_attention, ring_sends, unzigzag, zigzag
+from soapjax.measure import hlo
+from soapjax.strategy.space import MeshShape
 
 SHAPE = (2, 64, 4, 8)  # [B, T, N, H]
 
@@ -135,7 +135,7 @@ def test_flash_attention_never_holds_the_scores_whole():
     are ``[B, K, G, T, S]``."""
     from jax.extend import core as jcore
 
-    from soapjax.attention import analysis_jaxpr, flash_attention
+    from soapjax.base.attention import analysis_jaxpr, flash_attention
 
     t, block = 256, 32
     q = jax.ShapeDtypeStruct((1, t, 4, 8), jnp.float32)
@@ -156,11 +156,11 @@ def test_flash_attention_never_holds_the_scores_whole():
 
 def test_flash_attention_skips_the_tiles_a_causal_mask_hides():
     """A tile of queries and keys that a causal mask hides whole is never computed, as a flash
-    kernel skips it (about half of ``T x S``: what `soapjax.kernels.FlashKernel` prices):
+    kernel skips it (about half of ``T x S``: what `soapjax.cost.kernels.FlashKernel` prices):
     keys and values that are NaN in the last key block poison only the queries that see it,
     their outputs and, backward, their gradients; computed and masked, ``0 x NaN`` would poison
     every query."""
-    from soapjax.attention import flash_attention
+    from soapjax.base.attention import flash_attention
 
     t, block = 64, 16
     q, k, v = (jax.random.normal(jax.random.key(i), (1, t, 4, 8)) for i in range(3))
@@ -181,7 +181,7 @@ def test_zigzag_sends_balance_the_gathered_forms_causal_tiles():
     device i computes 2i + 1 of every 2 cp units of work, with `zigzag_sends`' chunks every
     device the same; each device receives one even and one odd chunk, and every chunk goes
     to exactly one device."""
-    from soapjax.attention import zigzag_sends
+    from soapjax.base.attention import zigzag_sends
 
     cp, t, tile = 4, 128, 8
     half = t // cp // 2

@@ -14,7 +14,9 @@ from test_corpus import (
 )
 
 import soapjax_zoo
-from soapjax.baselines import (
+from soapjax.base.errors import PlanError
+from soapjax.graph.opgraph import trace
+from soapjax.strategy.baselines import (
     BASELINES,
     NAMES,
     baselines,
@@ -26,10 +28,8 @@ from soapjax.baselines import (
     megatron_grid,
     sequence_dims,
 )
-from soapjax.errors import PlanError
-from soapjax.graph import trace
-from soapjax.space import MeshShape, data_parallel
-from soapjax.topology import load_topology, make_mesh
+from soapjax.strategy.space import MeshShape, data_parallel
+from soapjax.topology.cluster import load_topology, make_mesh
 from soapjax_zoo import llama, moe
 
 DGX = load_topology("dgx-h100x8")  # one node: both axes are in-node

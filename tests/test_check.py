@@ -6,14 +6,15 @@ import json
 import pytest
 
 import soapjax_zoo as zoo
-from soapjax import baselines, cli, space
+from soapjax import cli
+from soapjax.base.errors import PlanError
 from soapjax.check import compiled_flops
-from soapjax.errors import PlanError
-from soapjax.flops import FlopCounter
-from soapjax.graph import trace
-from soapjax.plan import Plan
-from soapjax.space import MeshShape
-from soapjax.topology import load_topology, make_mesh
+from soapjax.cost.flops import FlopCounter
+from soapjax.graph.opgraph import trace
+from soapjax.strategy import baselines, space
+from soapjax.strategy.plan import Plan
+from soapjax.strategy.space import MeshShape
+from soapjax.topology.cluster import load_topology, make_mesh
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from soapjax import cli
-from soapjax.baselines import NAMES
+from soapjax.strategy.baselines import NAMES
 
 # The README's example, smaller: a ten-line file outside the package.
 USER_MODEL = textwrap.dedent('''\
@@ -311,7 +311,7 @@ def test_out_at_a_directory_or_an_unwritable_place_names_it(tmp_path, capsys):
 
 
 def test_ctrl_c_is_one_line_and_status_130(tmp_path, capsys, monkeypatch):
-    from soapjax import search
+    import soapjax.search as search  # what the command line imports find_plan from
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

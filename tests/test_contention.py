@@ -1,4 +1,4 @@
-"""Compute beside a running collective runs slower (`soapjax._taskgraph`, contention).
+"""Compute beside a running collective runs slower (`soapjax.simulate._taskgraph`, contention).
 
 A GPU's ``[device.kernels].overlap_slowdown`` (sigma): a compute task that starts while a
 collective issued before it still runs computes at ``1 / (1 + sigma)`` of its rate until the
@@ -19,22 +19,21 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
-from pathlib import Path
 
 import pytest
 
 import soapjax_zoo
 from soapjax import cli
-from soapjax._taskgraph import NONE, TaskGraph
-from soapjax.cost import cost_model
-from soapjax.errors import TopologyError
-from soapjax.graph import trace
-from soapjax.reshard import Resharder
-from soapjax.simulate import Simulation
-from soapjax.space import MeshShape, data_parallel
-from soapjax.topology import load_topology
+from soapjax.base.errors import TopologyError
+from soapjax.cost.operators import cost_model
+from soapjax.cost.reshard import Resharder
+from soapjax.graph.opgraph import trace
+from soapjax.simulate._taskgraph import NONE, TaskGraph
+from soapjax.simulate.front import Simulation
+from soapjax.strategy.space import MeshShape, data_parallel
+from soapjax.topology.cluster import MESHES_DIR, load_topology
 
-MESHES = Path(__file__).parent.parent / "meshes"
+MESHES = MESHES_DIR
 
 
 def chain(sigma: float) -> tuple[TaskGraph, dict[str, int]]:

@@ -11,7 +11,7 @@ leaf's wrong gradient hide under a large leaf's)
 * on a one-device mesh (data=1 x model=1), and on ``cpu8`` (data=2 x model=4) under data
   parallelism, Megatron-style tensor parallelism (over ``model``), FSDP (ZeRO-3 over both
   axes) and a searched plan (analytic costs, 200 proposals, seed 0): ``jax.grad`` of
-  `soapjax.apply.constrained_loss`, jitted with the strategy's parameter and batch shardings;
+  `soapjax.apply.step.constrained_loss`, jitted with the strategy's parameter and batch shardings;
 * end to end through `soapjax.training.shard_training` with ``optax.sgd(1.0)`` (gradient =
   parameters before - after), in float64 under data parallelism (its default), and in float32
   (the float64 case rounded) under the searched plan: loss and update within 1e-5, relative,
@@ -52,20 +52,21 @@ from corpus import ste as ste_model
 from flax import nnx
 from jax.sharding import Mesh
 
-from soapjax import baselines, space, training
-from soapjax._local import operator_fn
-from soapjax.apply import (
+from soapjax import training
+from soapjax.apply.step import (
     batch_shardings,
     constrained_loss,
     device_put_global,
     param_shardings,
 )
-from soapjax.cost import cost_model
+from soapjax.cost.operators import cost_model
 from soapjax.exactness import compare_gradients
-from soapjax.graph import OpGraph, trace
+from soapjax.graph._local import operator_fn
+from soapjax.graph.opgraph import OpGraph, trace
 from soapjax.search import SearchSettings, search
-from soapjax.space import MeshShape, SpaceLimits, Strategy
-from soapjax.topology import load_topology, make_mesh
+from soapjax.strategy import baselines, space
+from soapjax.strategy.space import MeshShape, SpaceLimits, Strategy
+from soapjax.topology.cluster import load_topology, make_mesh
 
 TOPOLOGY = load_topology("cpu8")
 MESH_SHAPE = MeshShape.of(TOPOLOGY)
@@ -103,7 +104,7 @@ class Case(NamedTuple):
       params: the trained parameters as a pytree (nnx: the `nnx.Param` state).
       batch: the batch.
       pure_loss: ``pure_loss(params, batch) -> scalar`` (nnx: merged inside).
-      graph: ``soapjax.graph.trace(pure_loss, params, batch)`` (float64 only).
+      graph: ``soapjax.graph.opgraph.trace(pure_loss, params, batch)`` (float64 only).
       ref_loss: the loss at (params, batch), by plain jax.
       ref_grads: ``jax.grad`` of the plain loss, like `params`.
       x64: float64 or float32.

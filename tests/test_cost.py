@@ -1,4 +1,4 @@
-"""soapjax.cost: measured and analytic operator times, the on-disk cache, the timing loop.
+"""soapjax.cost.operators: measured and analytic operator times, the on-disk cache, the timing loop.
 
 The roofline, the step's FLOPs, the local devices and the optimizer's update have their own
 files (tests/test_roofline.py, test_flops.py, test_devices.py, test_updates.py)."""
@@ -23,18 +23,20 @@ import numpy as np
 import pytest
 
 import soapjax_zoo as zoo
-from soapjax import _timing, cli, cost, hlo
-from soapjax._local import operator_fn
-from soapjax.cost import (
+from soapjax import cli
+from soapjax.cost import operators as cost
+from soapjax.cost.operators import (
     ANALYTIC_KERNEL_OVERHEAD_S,
     CostError,
     OpTime,
     TimingOptions,
     cost_model,
 )
-from soapjax.graph import trace
-from soapjax.space import Config, MeshShape, configs
-from soapjax.topology import load_topology
+from soapjax.graph._local import operator_fn
+from soapjax.graph.opgraph import trace
+from soapjax.measure import _timing, hlo
+from soapjax.strategy.space import Config, MeshShape, configs
+from soapjax.topology.cluster import load_topology
 
 # Short trials: the assertions below hold with wide margins, and the file must stay quick.
 FAST = TimingOptions(target_trial_s=0.004, trials=3)
@@ -146,7 +148,7 @@ def test_concurrent_processes_writing_the_cache_leave_whole_entries(tmp_path):
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from soapjax import _timing
+        from soapjax.measure import _timing
         from test_cost import _entry
         cache = _timing.DiskCache(sys.argv[1], _timing.backend_identity())
         for _ in range(20):

@@ -29,11 +29,11 @@ from test_corpus import X64_TOL, float64_workload, relative_error, worst_leaf
 from test_flash_attention import applied, case
 
 import soapjax_zoo
-from soapjax.attention import AttentionCall, attention_call, flash_attention
-from soapjax.errors import TopologyError
-from soapjax.graph import trace
-from soapjax.kernels import FlashKernel, flash_time, shard_kernels
-from soapjax.topology import KernelSpec, load_topology
+from soapjax.base.attention import AttentionCall, attention_call, flash_attention
+from soapjax.base.errors import TopologyError
+from soapjax.cost.kernels import FlashKernel, flash_time, shard_kernels
+from soapjax.graph.opgraph import trace
+from soapjax.topology.cluster import KernelSpec, load_topology
 from soapjax_zoo import llama
 
 CHECK = Path(__file__).resolve().parent.parent / "scripts" / "check_cudnn_attention.py"

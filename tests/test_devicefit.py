@@ -1,4 +1,5 @@
-"""soapjax.devicefit: kernels' FLOPs and bytes, the fit on synthetic timings, one real timing."""
+"""soapjax.cost.devicefit: kernels' FLOPs and bytes, the fit on synthetic timings, one real
+timing."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ import tomllib
 
 import pytest
 
-from soapjax import devicefit
-from soapjax._topology_file import Efficiency, _parse_efficiency
-from soapjax.devicefit import KernelTiming, fit_efficiency, format_efficiency
-from soapjax.topology import load_topology
+from soapjax.cost import devicefit
+from soapjax.cost.devicefit import KernelTiming, fit_efficiency, format_efficiency
+from soapjax.topology._topology_file import Efficiency, _parse_efficiency
+from soapjax.topology.cluster import load_topology
 
 H100 = load_topology("dgx-h100x8").device  # 989 TFLOP/s bf16, 67 float32, 3.35 TB/s
 

@@ -1,12 +1,12 @@
-"""soapjax.devices: whether the local devices are a topology's."""
+"""soapjax.measure.devices: whether the local devices are a topology's."""
 
 from __future__ import annotations
 
 import pytest
 
-from soapjax import devices
-from soapjax.errors import CostError
-from soapjax.topology import load_topology
+from soapjax.base.errors import CostError
+from soapjax.measure import devices
+from soapjax.topology.cluster import load_topology
 
 
 def test_kinds_match_on_model_numbers():
@@ -26,6 +26,6 @@ def test_the_local_cpu_is_cpu8s_and_no_gpus():
 def test_no_shipped_topology_of_the_local_device_is_an_error(monkeypatch):
     monkeypatch.setattr(devices, "list_topologies", lambda: ["dgx-h100x8"])
     monkeypatch.setattr(devices._timing, "local_platform", lambda: "tpu")
-    with pytest.raises(CostError, match=r"no shipped topology has the local device .*add one "
-                                        r"to meshes/"):
+    with pytest.raises(CostError, match=r"no shipped topology has the local device .*write one "
+                                        r"with that device kind"):
         devices.local_topology()

@@ -29,17 +29,17 @@ from test_apply import (
 )
 
 import soapjax_zoo as zoo
-from soapjax import space
-from soapjax._chain import OPTIMIZER_MOVES, SearchSettings, _Searcher
-from soapjax.baselines import megatron_3d, megatron_grid
-from soapjax.cost import cost_model
-from soapjax.errors import PlanError
-from soapjax.graph import trace
-from soapjax.plan import Plan
+from soapjax.base.errors import PlanError
+from soapjax.cost.operators import cost_model
+from soapjax.graph.opgraph import trace
 from soapjax.search import make_simulation
-from soapjax.simulate import parse_strategy, simulate
-from soapjax.space import Strategy
-from soapjax.topology import load_topology, make_mesh
+from soapjax.search._chain import OPTIMIZER_MOVES, SearchSettings, _Searcher
+from soapjax.simulate.front import parse_strategy, simulate
+from soapjax.strategy import space
+from soapjax.strategy.baselines import megatron_3d, megatron_grid
+from soapjax.strategy.plan import Plan
+from soapjax.strategy.space import Strategy
+from soapjax.topology.cluster import load_topology, make_mesh
 
 CPU8 = load_topology("cpu8")
 
@@ -92,7 +92,7 @@ def test_megatron_fc1_moments_split_over_data(mesh):
 
 
 def _collectives(strategy, c, mesh) -> set[str]:
-    from soapjax.apply import sharded_train_step
+    from soapjax.apply.step import sharded_train_step
     step, _ = sharded_train_step(c.graph, strategy, mesh, c.workload.optimizer,
                                  params=c.params, batch=c.batch)
     text = step.lower(c.params, c.opt_state, c.batch).compile().as_text()
@@ -199,7 +199,7 @@ def test_gpt_175b_on_512_a100s_sheds_seven_eighths_of_the_optimizer_state():
     1): the distributed optimizer keeps 1/8 of Adam's moments per device, 22.99 GB -> 2.87 GB,
     and the peak falls by the 20.1 GB difference, 58.61 GB -> 38.49 GB. (On 64 A100s TP 8 x
     PP 8 leaves no data parallelism: nothing to shard over, the same strategy.)"""
-    from soapjax.topology import scaled_topology
+    from soapjax.topology.cluster import scaled_topology
     topo = scaled_topology(load_topology("dgx-a100x3072"), 512)
     w = zoo.get("gpt", "175b", batch_size=64)
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)

@@ -7,7 +7,7 @@
   replicated over while its batch is split (4x for ``P('data')`` on ``data=2, model=4``; the
   canary below holds XLA to it). soapjax splits the input's channels with the output's, in
   whole groups, and runs every grouped convolution its config splits in `jax.shard_map`
-  (`soapjax._manual`), so every split (channels over one axis or both, with and without the
+  (`soapjax.apply._manual`), so every split (channels over one axis or both, with and without the
   batch split, the batch alone, 1-D and 2-D, a channel multiplier, a 4-group convolution)
   gives ``jax.grad``'s gradients.
 * **A dead value inside an operator** (a Mamba-style conv state sliced from the padded input
@@ -33,8 +33,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import soapjax_zoo as zoo
-from soapjax import apply, exactness, space, training
-from soapjax.baselines import baselines
+from soapjax import exactness, training
+from soapjax.apply import step as apply
 from soapjax.check import compare_on_devices
 from soapjax.exactness import (
     TOLERANCE,
@@ -43,10 +43,12 @@ from soapjax.exactness import (
     first_step,
     rounding_tolerance,
 )
-from soapjax.graph import trace
-from soapjax.plan import Plan
-from soapjax.space import Config, MeshShape
-from soapjax.topology import load_topology, make_mesh
+from soapjax.graph.opgraph import trace
+from soapjax.strategy import space
+from soapjax.strategy.baselines import baselines
+from soapjax.strategy.plan import Plan
+from soapjax.strategy.space import Config, MeshShape
+from soapjax.topology.cluster import load_topology, make_mesh
 
 TOPOLOGY = load_topology("cpu8")
 MESH_SHAPE = MeshShape.of(TOPOLOGY)  # data=2, model=4
@@ -194,7 +196,7 @@ def test_xla_still_gets_the_depthwise_kernel_gradient_wrong_with_the_batch_split
     gradient `model`-fold when its input's batch is split over `data` and replicated over
     `model` (split over both, or over `data` and the channels over `model`, it is right). The
     day this fails, XLA fixed it, and soapjax's `jax.shard_map` for grouped convolutions
-    (`soapjax._manual`) can go."""
+    (`soapjax.apply._manual`) can go."""
     mesh = make_mesh(TOPOLOGY)
     with jax.enable_x64(True):
         x = jax.random.normal(jax.random.key(0), (8, 8, 8, 8), jnp.float64)
@@ -391,7 +393,7 @@ def test_resnet18_split_across_two_later_operators_keeps_an_earlier_kernel_gradi
     `data`, and the next stage's projection convolution's batch over `data`, output channels
     over `model` and input channels over `node`, everything else replicated. Left to XLA's
     partitioner, stage2_block1/Conv_1's kernel gradient was 2.57 of its scale off; every
-    convolution now runs in `jax.shard_map` (`soapjax._manual`)."""
+    convolution now runs in `jax.shard_map` (`soapjax.apply._manual`)."""
     import fuzzing
 
     topology = load_topology(str(Path(__file__).resolve().parent / "meshes" / "cpu8-nodes.toml"))
@@ -413,7 +415,7 @@ def test_a_cotangent_moving_an_axis_between_dims_is_left_to_xla():
     partial sum over `model`, was constrained into the projection's layout (the heads'
     `data` moving to the sequence): both of XLA's partitioners then computed the value kernel's
     gradient wrong (0.998 of its scale). Such a cotangent is now constrained only where it
-    reaches the producer's layout by a reduce-scatter alone (`soapjax._flatstep`)."""
+    reaches the producer's layout by a reduce-scatter alone (`soapjax.apply._flatstep`)."""
     import fuzzing
 
     s = fuzzing.subject("corpus:nnx_scan_transformer")
@@ -430,7 +432,7 @@ def test_a_cotangent_moving_an_axis_between_dims_is_left_to_xla():
 
 
 def test_xla_still_computes_a_partly_scattered_partial_sum_wrongly():
-    """The canary of `soapjax._flatsim.scatter_target`'s rule: a contraction split over two
+    """The canary of `soapjax.simulate._flatsim.scatter_target`'s rule: a contraction split over two
     axes (node, model) whose result is constrained to split the batch over data and one of them
     (a reduce-scatter over model, an all-reduce over node) gives wrong attention weights under
     both of XLA's partitioners (jax 0.10.2); over one axis, or scattered over both, it is

@@ -16,10 +16,10 @@ unsharded step, and the compiled step's collectives against the simulator's, kin
   batch over ``data``; attention's queries stay local and its keys and values are
   all-gathered (one all-gather each per layer). Their cotangents are partial sums over the
   query shards, which apply constrains to the keys' and values' own layout (the sequence
-  split: `soapjax._flatstep`); XLA reduce-scatters them where the scores' and the output's
+  split: `soapjax.apply._flatstep`); XLA reduce-scatters them where the scores' and the output's
   matmuls make them, at those matmuls' operand (every query head after GQA's repeat: twice
   the keys' bytes), and runs the rotary embedding's backward and the repeat's sum on the
-  slice (`soapjax._inner.matmul_operands`); every weight's gradient, partial over the batch's
+  slice (`soapjax.graph._inner.matmul_operands`); every weight's gradient, partial over the batch's
   axis and the sequence's, is all-reduced over each on its own.
 
 The compiled program is ``jax.grad`` of the constrained loss in float64 (no optimizer: its
@@ -41,14 +41,15 @@ import pytest
 from conftest import assert_delta_equals_full
 from test_corpus import FAST_COMPILE, X64_TOL, float64_workload, relative_error, worst_leaf
 
-from soapjax import hlo, space
-from soapjax.apply import batch_shardings, constrained_loss, device_put_global, param_shardings
-from soapjax.cost import cost_model
-from soapjax.graph import OpGraph
-from soapjax.reshard import Resharder
-from soapjax.simulate import simulate
-from soapjax.space import Config, MeshShape, Strategy
-from soapjax.topology import load_topology, make_mesh
+from soapjax.apply.step import batch_shardings, constrained_loss, device_put_global, param_shardings
+from soapjax.cost.operators import cost_model
+from soapjax.cost.reshard import Resharder
+from soapjax.graph.opgraph import OpGraph
+from soapjax.measure import hlo
+from soapjax.simulate.front import simulate
+from soapjax.strategy import space
+from soapjax.strategy.space import Config, MeshShape, Strategy
+from soapjax.topology.cluster import load_topology, make_mesh
 from soapjax_zoo import llama, moe
 
 TOPOLOGY = load_topology("cpu8")
@@ -248,7 +249,7 @@ def test_context_parallel_collectives_are_priced_as_compiled():
 @pytest.mark.parametrize("kind", ["ep_model", "ep_data"])
 def test_expert_parallel_other_collectives(kind):
     """The rest of the MoE's collectives: nothing gathered (the router's top k runs on the
-    rows each device holds: `soapjax._manual`); every gradient's and partial cotangent's
+    rows each device holds: `soapjax.apply._manual`); every gradient's and partial cotangent's
     all-reduce the same, count and bytes; the load-balancing loss's means (module doc) the
     only difference, a few bytes each."""
     xla, predicted = compiled(kind), simulated(kind)[0]

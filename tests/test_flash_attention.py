@@ -1,4 +1,4 @@
-"""Flash attention as one operator of the graph (`soapjax.attention.flash_attention`, issue
+"""Flash attention as one operator of the graph (`soapjax.base.attention.flash_attention`, issue
 32): traced, priced and applied, in both forms of context parallelism.
 
 * The tiny llama with ``attention="flash"`` (`soapjax_zoo.llama`, 128 tokens in blocks of 32
@@ -6,7 +6,7 @@
   per layer, which splits its batch, its query sequence and its heads, nothing else.
 * Its float64 gradients on cpu8 equal the unsharded ``jax.grad`` (1e-12) data parallel, under
   context parallelism (the sequence over ``model``: the attention equation in `jax.shard_map`,
-  `soapjax._context_parallel`) gathered and as a ring (`Strategy.ring_attention`), each with
+  `soapjax.apply._context_parallel`) gathered and as a ring (`Strategy.ring_attention`), each with
   tensor parallelism too, under a searched plan, and pipelined (TP x CP x PP).
 * The compiled gathered step gathers each layer's keys and values once and reduce-scatters
   their cotangents once, and sends the halves of its query and output blocks to balance
@@ -30,27 +30,28 @@ from conftest import assert_delta_equals_full
 from test_corpus import FAST_COMPILE, X64_TOL, float64_workload, relative_error, worst_leaf
 
 import soapjax_zoo
-from soapjax import hlo, space
-from soapjax.apply import (
+from soapjax.apply.step import (
     batch_shardings,
     constrained_loss,
     device_put_global,
     param_shardings,
     sharded_train_step,
 )
-from soapjax.attention import ring_work
-from soapjax.baselines import megatron_3d
-from soapjax.cost import cost_model
-from soapjax.errors import PlanError
-from soapjax.graph import OpGraph, trace
-from soapjax.kernels import FlashKernel, flash_time, shard_kernels
-from soapjax.memory import attention_core, recomputes, residuals
-from soapjax.plan import Plan
-from soapjax.reshard import Resharder
+from soapjax.base.attention import ring_work
+from soapjax.base.errors import PlanError
+from soapjax.cost.kernels import FlashKernel, flash_time, shard_kernels
+from soapjax.cost.operators import cost_model
+from soapjax.cost.reshard import Resharder
+from soapjax.graph.opgraph import OpGraph, trace
+from soapjax.measure import hlo
 from soapjax.search import SearchSettings, find_plan
-from soapjax.simulate import simulate
-from soapjax.space import Config, MeshShape, Strategy
-from soapjax.topology import load_topology, make_mesh
+from soapjax.simulate.front import simulate
+from soapjax.strategy import space
+from soapjax.strategy.baselines import megatron_3d
+from soapjax.strategy.memory import attention_core, recomputes, residuals
+from soapjax.strategy.plan import Plan
+from soapjax.strategy.space import Config, MeshShape, Strategy
+from soapjax.topology.cluster import load_topology, make_mesh
 from soapjax_zoo import llama
 
 TOPOLOGY = load_topology("cpu8")
@@ -187,7 +188,7 @@ def test_context_parallel_collectives_are_priced_as_compiled():
         n, b = sim[kind]
         assert n == gathered[0], (kind, xla, sim)
         assert b == pytest.approx(gathered[1], rel=0.10), (kind, xla, sim)
-    # causal attention balanced (`soapjax.attention.zigzag_sends`): per layer each half of the
+    # causal attention balanced (`soapjax.base.attention.zigzag_sends`): per layer each half of the
     # query block to the device that computes it and each half of the output back, and their
     # cotangents the other way ([1, 16 tokens, 8 heads, 4] float64, 4 KiB each)
     balanced = (2 * 8, 2 * 8 * 1 * (SEQ_LEN // 4 // 2) * 8 * 4 * 8)
@@ -222,7 +223,7 @@ def test_ring_attention_sends_are_priced_as_compiled():
 
 def test_the_ring_costs_more_compute_than_the_gathered_form():
     """Over contiguous blocks the synchronous ring does the work of a whole block row
-    (`soapjax.attention.ring_work`), the gathered form a balanced causal half."""
+    (`soapjax.base.attention.ring_work`), the gathered form a balanced causal half."""
     graph = case()[0]
     j = graph.index("layers_0/attn")
     gathered, ringed = simulation("cp_model"), simulation("ring_model")
@@ -267,8 +268,9 @@ def test_the_searched_plan_trains_exactly():
 
 
 def test_a_pipelined_context_parallel_plan_trains_exactly():
-    """Inside pipeline stages (`soapjax._pipelined`) the attention equation runs at its traced
-    shapes under XLA's partitioner (not in `soapjax._context_parallel`'s shard_map): Megatron's
+    """Inside pipeline stages (`soapjax.apply._pipelined`) the attention equation runs at its traced
+    shapes under XLA's partitioner (not in `soapjax.apply._context_parallel`'s shard_map):
+    Megatron's
     TP 2 x CP 2 x PP 2 on the 2-node cpu8 mesh, 2 sequences a microbatch, computes the
     unsharded step in float64."""
     topology = load_topology(str(pathlib.Path(__file__).parent / "meshes" / "cpu8-nodes.toml"))
@@ -306,11 +308,12 @@ def test_a_pipelined_context_parallel_plan_trains_exactly():
 
 
 def test_inside_pipeline_stages_a_split_attention_is_priced_as_xla_runs_it():
-    """A pipeline stage's simulation (`Simulation(pipeline_stage=True)`, as `soapjax.pipesim`
-    builds it) prices a sequence-split attention as apply runs it there: every tile computed
+    """A pipeline stage's simulation (`Simulation(pipeline_stage=True)`, as
+    `soapjax.simulate.pipesim` builds it) prices a sequence-split attention as apply runs it there:
+    every tile computed
     (1 / `causal_tiles` the flat step's kernel time), and no balancing sends."""
-    from soapjax._flatsim import Simulation
-    from soapjax.kernels import causal_tiles
+    from soapjax.cost.kernels import causal_tiles
+    from soapjax.simulate._flatsim import Simulation
 
     graph = case()[0]
     cm = cost_model(graph, TOPOLOGY, mode="analytic")

@@ -1,4 +1,5 @@
-"""soapjax.flops: the FLOPs of equations and of a training step per device, as XLA counts them."""
+"""soapjax.cost.flops: the FLOPs of equations and of a training step per device, as XLA counts
+them."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from soapjax._dims import xla_flops
-from soapjax.baselines import fsdp
-from soapjax.flops import FlopCounter
-from soapjax.space import MeshShape, data_parallel
+from soapjax.cost.flops import FlopCounter
+from soapjax.graph._dims import xla_flops
+from soapjax.strategy.baselines import fsdp
+from soapjax.strategy.space import MeshShape, data_parallel
 from tests.test_cost import cpu8, dense_graph
 
 # --- FLOPs as XLA counts them --------------------------------------------------------------------

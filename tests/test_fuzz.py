@@ -12,20 +12,21 @@ import json
 import logging
 import random
 import re
-from pathlib import Path
 
 import pytest
 
 import soapjax_zoo as zoo
-from soapjax import _timing, cli, space, training
-from soapjax.errors import PlanError, TopologyError
-from soapjax.graph import trace
-from soapjax.plan import Plan
-from soapjax.reshard import Resharder, _normalise
-from soapjax.simulate import parse_strategy
-from soapjax.topology import load_topology
+from soapjax import cli, training
+from soapjax.base.errors import PlanError, TopologyError
+from soapjax.cost.reshard import Resharder, _normalise
+from soapjax.graph.opgraph import trace
+from soapjax.measure import _timing
+from soapjax.simulate.front import parse_strategy
+from soapjax.strategy import space
+from soapjax.strategy.plan import Plan
+from soapjax.topology.cluster import MESHES_DIR, load_topology
 
-MESHES = sorted((Path(__file__).resolve().parents[1] / "meshes").glob("*.toml"))
+MESHES = sorted(MESHES_DIR.glob("*.toml"))
 ODD_VALUES = [None, 0, -1, 2.5, 1e308, True, "x", "", [], {}, [[1]], ["model", "model"],
               {"a": None}, [["data"], 3]]
 ODD_TOML = ['"x"', "-1", "0", "[]", "{}", "true", "1e999", "nan", '"-3 GB/s"', '"12 parsecs"',

@@ -20,8 +20,8 @@ import fuzzing
 import numpy as np
 import pytest
 
-from soapjax import space
-from soapjax.topology import load_topology
+from soapjax.strategy import space
+from soapjax.topology.cluster import load_topology
 
 ROOT = Path(__file__).resolve().parent
 CPU8 = load_topology("cpu8")

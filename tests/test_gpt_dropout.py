@@ -29,16 +29,16 @@ from test_corpus import (
 )
 
 import soapjax_zoo
-from soapjax.apply import (
+from soapjax.apply.step import (
     device_put_global,
     sharded_train_step,
 )
-from soapjax.baselines import fsdp, megatron, megatron_3d
-from soapjax.graph import trace
-from soapjax.kernels import shard_kernels
-from soapjax.memory import random_operator
-from soapjax.space import MeshShape, Strategy, data_parallel
-from soapjax.topology import load_topology, make_mesh
+from soapjax.cost.kernels import shard_kernels
+from soapjax.graph.opgraph import trace
+from soapjax.strategy.baselines import fsdp, megatron, megatron_3d
+from soapjax.strategy.memory import random_operator
+from soapjax.strategy.space import MeshShape, Strategy, data_parallel
+from soapjax.topology.cluster import load_topology, make_mesh
 from soapjax_zoo.gpt import GPT_CONFIGS, GPT_SIZES, build_gpt
 from soapjax_zoo.workload import ModelConfigError, dropout
 
@@ -106,7 +106,7 @@ def test_dropout_is_applied_and_a_batch_fixes_the_masks():
 
 def test_the_graph_draws_no_random_bits():
     """No `jax.random` primitive in the loss: nothing soapjax refuses to microbatch or
-    pipeline (`soapjax.memory.random_operator`)."""
+    pipeline (`soapjax.strategy.memory.random_operator`)."""
     assert random_operator(case()[1]) is None
 
 
@@ -163,7 +163,7 @@ def test_a_pipelined_plan_with_dropout_computes_the_unsharded_step():
 def test_the_masks_cost_the_kernel_model_no_memory_traffic():
     """XLA fuses the mask's hash (iotas and integer ops) into its consumers, so the attention
     core's kernels move the bytes they move without dropout, plus the seeds
-    (`soapjax.kernels`: a value reached twice, as ``x ^ (x >> 16)`` reads x, is recomputed,
+    (`soapjax.cost.kernels`: a value reached twice, as ``x ^ (x >> 16)`` reads x, is recomputed,
     not read from memory)."""
     moved = {}
     for rate in (0.0, 0.1):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from soapjax.topology import Efficiency, load_topology
+from soapjax.topology.cluster import MESHES_DIR, Efficiency, load_topology
 
 ROOT = Path(__file__).resolve().parent.parent
 KIT = ROOT / "scripts" / "gpu_kit.py"
@@ -69,7 +69,7 @@ def test_the_fitted_table_loads_as_a_topology_files_device_efficiency(kit, tmp_p
     assert table["peak_flops"] == eff["peak_flops"]
     assert all(0 < f <= 1 for f in [*table["peak_flops"].values(), table["memory_bandwidth"]])
     # Pasted into a topology file, the project's parser reads the same table.
-    base = (ROOT / "meshes" / "dgx-h100x8.toml").read_text()
+    base = (MESHES_DIR / "dgx-h100x8.toml").read_text()
     (tmp_path / "fitted.toml").write_text(base + "\n" + text)
     device = load_topology(tmp_path / "fitted.toml").device
     assert device.efficiency == Efficiency(tuple(eff["peak_flops"].items()),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from soapjax.space import MeshShape
+from soapjax.strategy.space import MeshShape
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_mock_compile.py"

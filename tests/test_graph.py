@@ -1,4 +1,4 @@
-"""soapjax.graph: operators from jaxprs, dim roles, and the per-device shard programs."""
+"""soapjax.graph.opgraph: operators from jaxprs, dim roles, and the per-device shard programs."""
 
 import functools
 import json
@@ -12,9 +12,9 @@ import pytest
 
 import soapjax_zoo as models
 from soapjax import cli
-from soapjax._local import operator_fn
-from soapjax.errors import TraceError
-from soapjax.graph import trace
+from soapjax.base.errors import TraceError
+from soapjax.graph._local import operator_fn
+from soapjax.graph.opgraph import trace
 
 
 @functools.cache
@@ -377,8 +377,9 @@ def _scanned_mlp(kind: str):
 
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_a_scan_over_layers_is_planned_layer_by_layer(kind):
-    from soapjax import baselines, load_topology
-    from soapjax.space import MeshShape, param_specs
+    from soapjax import load_topology
+    from soapjax.strategy import baselines
+    from soapjax.strategy.space import MeshShape, param_specs
 
     loss_fn, params, batch = _scanned_mlp(kind)
     g = trace(loss_fn, params, batch)

@@ -1,4 +1,4 @@
-"""soapjax.hlo: collectives and FLOPs read from compiled HLO text."""
+"""soapjax.measure.hlo: collectives and FLOPs read from compiled HLO text."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from soapjax import hlo
-from soapjax.space import MeshShape
-from soapjax.topology import load_topology, make_mesh
+from soapjax.measure import hlo
+from soapjax.strategy.space import MeshShape
+from soapjax.topology.cluster import load_topology, make_mesh
 
 MESH_4x2 = MeshShape(("data", "model"), (4, 2))
 MESH_2x4 = MeshShape(("data", "model"), (2, 4))
@@ -328,7 +328,8 @@ def test_executions_multiply_through_nested_loops():
     assert hlo.summarize(cs, executed=True) == {"all-reduce": (16, 16 * 16)}
 
 
-# --- FLOPs (`soapjax._hlo_flops`) ---------------------------------------------------------------
+# --- FLOPs (`soapjax.measure._hlo_flops`)
+# ---------------------------------------------------------------
 
 
 def test_hlo_flops_counts_every_trip_of_a_loop_and_leaves_all_reduces_out():

@@ -1,4 +1,4 @@
-"""The GPU kernel model (`soapjax.kernels`): which kernels a shard runs, and what they cost.
+"""The GPU kernel model (`soapjax.cost.kernels`): which kernels a shard runs, and what they cost.
 
 * an attention score operator (matmul, mask, softmax) is a GEMM plus three fused kernels (a
   reduction ends a kernel) that read the scores three times and write the probabilities
@@ -24,10 +24,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from soapjax.cost import cost_model
-from soapjax.errors import TopologyError
-from soapjax.graph import trace
-from soapjax.kernels import (
+from soapjax.base.errors import TopologyError
+from soapjax.cost.kernels import (
     FusedKernel,
     Gemm,
     Kernels,
@@ -36,8 +34,10 @@ from soapjax.kernels import (
     kernels_time,
     shard_kernels,
 )
-from soapjax.roofline import analytic_op_time
-from soapjax.topology import KernelSpec, load_topology, scaled_topology
+from soapjax.cost.operators import cost_model
+from soapjax.cost.roofline import analytic_op_time
+from soapjax.graph.opgraph import trace
+from soapjax.topology.cluster import MESHES_DIR, KernelSpec, load_topology, scaled_topology
 
 SPEC = KernelSpec(gemm_efficiency=0.5, memory_efficiency=0.5, launch=0.0, sms=4, tile=(2, 2))
 A100 = scaled_topology(load_topology("dgx-a100x3072"), 8)
@@ -171,8 +171,7 @@ def test_device_kernels_table_is_parsed_and_checked(tmp_path):
     t = load_topology("dgx-a100x3072")
     assert t.device.kernels.sms == 108 and t.device.kernels.tile == (128, 128)
     assert t.device.kernels.float32_matmul == pytest.approx(156e12)
-    base = (pytest.importorskip("pathlib").Path(__file__).parent.parent / "meshes"
-            / "dgx-a100x3072.toml").read_text()
+    base = (MESHES_DIR / "dgx-a100x3072.toml").read_text()
     bad = re.sub(r"gemm_efficiency = [0-9.]+", "gemm_efficiency = 1.5", base)
     f = tmp_path / "bad.toml"
     f.write_text(bad)

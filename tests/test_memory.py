@@ -1,4 +1,5 @@
-"""The memory dimensions' rules (soapjax.memory): recomputation segments, microbatch shapes."""
+"""The memory dimensions' rules (soapjax.strategy.memory): recomputation segments, microbatch
+shapes."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ import jax.numpy as jnp
 import pytest
 
 import soapjax_zoo
-from soapjax import memory
-from soapjax.baselines import megatron_3d
-from soapjax.cost import cost_model
-from soapjax.errors import PlanError
-from soapjax.graph import trace
-from soapjax.simulate import simulate
-from soapjax.space import Config, MeshShape, Strategy, data_parallel
-from soapjax.topology import load_topology, scaled_topology
+from soapjax.base.errors import PlanError
+from soapjax.cost.operators import cost_model
+from soapjax.graph.opgraph import trace
+from soapjax.simulate.front import simulate
+from soapjax.strategy import memory
+from soapjax.strategy.baselines import megatron_3d
+from soapjax.strategy.space import Config, MeshShape, Strategy, data_parallel
+from soapjax.topology.cluster import load_topology, scaled_topology
 from soapjax_zoo.gpt import GPTConfig, build_gpt
 
 
@@ -197,9 +198,9 @@ def test_microbatches_must_divide_the_per_device_batch():
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from soapjax.apply import device_put_global, sharded_train_step  # noqa: E402
-from soapjax.baselines import megatron  # noqa: E402
-from soapjax.topology import make_mesh  # noqa: E402
+from soapjax.apply.step import device_put_global, sharded_train_step  # noqa: E402
+from soapjax.strategy.baselines import megatron  # noqa: E402
+from soapjax.topology.cluster import make_mesh  # noqa: E402
 
 FAST = {"xla_backend_optimization_level": 0}
 
@@ -307,8 +308,8 @@ def test_a_graph_that_draws_dropout_masks_keeps_one_microbatch():
     search never proposes them."""
     import corpus
 
-    from soapjax.apply import validate_strategy
-    from soapjax.memory import microbatch_choices, random_operator
+    from soapjax.apply.step import validate_strategy
+    from soapjax.strategy.memory import microbatch_choices, random_operator
     from soapjax.training import _pure_loss
 
     loss_fn, model, batch = corpus.get("dropout_nnx", dtype=jnp.float32)

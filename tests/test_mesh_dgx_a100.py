@@ -2,7 +2,7 @@
 
 Loading the 3072-device file takes ~0.1 s. The first collective priced over many nodes is the
 slow part: the routes between devices are searched once per source device (a widest-path
-search over the whole link graph, `soapjax._routing`), so data parallelism over 512 devices
+search over the whole link graph, `soapjax.topology._routing`), so data parallelism over 512 devices
 takes ~3 s to simulate, over 1024 ~13 s, over all 3072 1-2 min and 4 GB (heavy).
 """
 
@@ -13,12 +13,12 @@ import time
 import pytest
 
 import soapjax_zoo as zoo
-from soapjax import baselines
-from soapjax.baselines import intra_node_axes
-from soapjax.graph import trace
-from soapjax.simulate import simulate
-from soapjax.space import MeshShape, data_parallel
-from soapjax.topology import load_topology, scaled_topology
+from soapjax.graph.opgraph import trace
+from soapjax.simulate.front import simulate
+from soapjax.strategy import baselines
+from soapjax.strategy.baselines import intra_node_axes
+from soapjax.strategy.space import MeshShape, data_parallel
+from soapjax.topology.cluster import load_topology, scaled_topology
 
 NAME = "dgx-a100x3072"
 

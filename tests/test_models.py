@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import soapjax_zoo as zoo
-from soapjax.errors import SoapjaxError, UnknownModelError
+from soapjax.base.errors import SoapjaxError, UnknownModelError
 from soapjax_zoo.gpt2 import GPT2Config
 from soapjax_zoo.workload import ModelConfigError
 

@@ -11,7 +11,7 @@
 * form (b), dropless (``tiny-dropless``: tokens sorted by expert, ``jax.lax.ragged_dot``): a
   hand example of the sort and unsort; it computes the capacity form's loss where the capacity
   drops nothing; its grouped matmuls never split the ragged rows or the experts' group dim
-  (no config can: see soapjax._dims._ragged_dot) but split ffn and d_model; float64 gradients
+  (no config can: see soapjax.graph._dims._ragged_dot) but split ffn and d_model; float64 gradients
   exact on one device and on ``cpu8`` under data parallelism, Megatron (the experts' ffn dim
   over ``model``), FSDP and a searched plan;
 * every real size of both forms traces from shapes.
@@ -29,14 +29,15 @@ import pytest
 from jax.sharding import Mesh
 from test_corpus import FAST_COMPILE, X64_TOL, float64_workload, relative_error, worst_leaf
 
-from soapjax import _dims, baselines, space
-from soapjax.apply import batch_shardings, constrained_loss, device_put_global, param_shardings
-from soapjax.cost import cost_model
-from soapjax.graph import OpGraph, trace
+from soapjax.apply.step import batch_shardings, constrained_loss, device_put_global, param_shardings
+from soapjax.cost.operators import cost_model
+from soapjax.graph import _dims
+from soapjax.graph.opgraph import OpGraph, trace
 from soapjax.search import SearchSettings, search
-from soapjax.simulate import simulate
-from soapjax.space import Config, MeshShape, Strategy
-from soapjax.topology import load_topology, make_mesh
+from soapjax.simulate.front import simulate
+from soapjax.strategy import baselines, space
+from soapjax.strategy.space import Config, MeshShape, Strategy
+from soapjax.topology.cluster import load_topology, make_mesh
 from soapjax_zoo import moe
 
 TOPOLOGY = load_topology("cpu8")
@@ -234,7 +235,7 @@ def test_grouped_matmul_flops_as_xla_counts_them(mode):
 
 def test_dropless_rows_and_experts_are_never_split():
     # the grouped matmuls' ragged rows (sorted over the whole batch) and the experts' group dim
-    # are no iteration dims a config can split (soapjax._dims._ragged_dot): expert parallelism
+    # are no iteration dims a config can split (soapjax.graph._dims._ragged_dot): expert parallelism
     # of form (b) needs a ragged all-to-all no sharding expresses; the ffn and d_model dims
     # split as a dense SwiGLU's
     graph = float64_case(DROPLESS)[0]

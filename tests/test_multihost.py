@@ -139,11 +139,11 @@ from soapjax import training
 training.initialize_distributed()
 import jax, jax.numpy as jnp, numpy as np
 import soapjax_zoo as zoo
-from soapjax import hlo
+from soapjax.measure import hlo
 from soapjax_zoo import gpt
-from soapjax.baselines import megatron_3d
-from soapjax.graph import trace
-from soapjax.topology import load_topology
+from soapjax.strategy.baselines import megatron_3d
+from soapjax.graph.opgraph import trace
+from soapjax.topology.cluster import load_topology
 
 topology = load_topology(sys.argv[2])
 layers, stage_layers = int(sys.argv[4]), tuple(int(n) for n in sys.argv[5].split(",") if n)

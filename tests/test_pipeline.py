@@ -1,5 +1,5 @@
-"""The pipeline dimension's rules (soapjax.pipeline): schedules as per-stage action orders, and
-their timing (`time_schedule`) against closed forms, hand-derived timelines and a naive
+"""The pipeline dimension's rules (soapjax.strategy.pipeline): schedules as per-stage action orders,
+and their timing (`time_schedule`) against closed forms, hand-derived timelines and a naive
 fixed-point simulation."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from soapjax.errors import PlanError
-from soapjax.pipeline import (
+from soapjax.base.errors import PlanError
+from soapjax.strategy.pipeline import (
     SCHEDULES,
     Action,
     ChunkTimes,

@@ -1,4 +1,4 @@
-"""Simulating pipelined strategies (soapjax.pipesim): chunks from one stage's timeline, the
+"""Simulating pipelined strategies (soapjax.simulate.pipesim): chunks from one stage's timeline, the
 schedule, memory per stage, delta == full, and the search and plan files with stages."""
 
 from __future__ import annotations
@@ -8,14 +8,10 @@ import random
 
 import pytest
 
-from soapjax.baselines import megatron_3d
-from soapjax.cost import cost_model
-from soapjax.errors import PlanError
-from soapjax.graph import trace
-from soapjax.pipeline import pipeline_error
-from soapjax.pipesim import PipelinedSimulation, layer_chunks
-from soapjax.plan import Plan
-from soapjax.reshard import Resharder
+from soapjax.base.errors import PlanError
+from soapjax.cost.operators import cost_model
+from soapjax.cost.reshard import Resharder
+from soapjax.graph.opgraph import trace
 from soapjax.search import (
     SearchSettings,
     balance_stages,
@@ -26,9 +22,13 @@ from soapjax.search import (
     pipeline_grid,
     stage_choices,
 )
-from soapjax.simulate import Simulation, open_simulation
-from soapjax.space import MeshShape, configs
-from soapjax.topology import load_topology, stage_topology
+from soapjax.simulate.front import Simulation, open_simulation
+from soapjax.simulate.pipesim import PipelinedSimulation, layer_chunks
+from soapjax.strategy.baselines import GridPoint, megatron_3d
+from soapjax.strategy.pipeline import pipeline_error
+from soapjax.strategy.plan import Plan
+from soapjax.strategy.space import MeshShape, configs
+from soapjax.topology.cluster import load_topology, stage_topology
 
 A100 = load_topology("dgx-a100x3072-32")  # 4 DGX nodes: mesh node=4 x data=2 x model=4
 
@@ -274,10 +274,10 @@ def test_the_search_turns_to_stages_when_nothing_else_fits():
 
 
 def test_one_entry_point_simulates_a_pipelined_strategy_as_a_step():
-    """`soapjax.simulate.simulate` takes any strategy: a pipelined one's `SimResult` has the
+    """`soapjax.simulate.front.simulate` takes any strategy: a pipelined one's `SimResult` has the
     pipeline's step time, fit and fullest stage's memory, and the `PipelineResult` itself;
     `open_simulation` gives the pipelined simulation the search walks."""
-    from soapjax.simulate import open_simulation, simulate
+    from soapjax.simulate.front import open_simulation, simulate
 
     g = gpt()
     s = megatron_3d(g, A100, tp=4, pp=2, microbatch_size=2, recompute="none")
@@ -310,7 +310,7 @@ def test_the_pipelined_grid_offers_every_interleave_the_layers_allow():
                                                              (1, 3)]
     grid = pipeline_grid(g, topo, 35)
     assert set(grid) == {(1, "1f1b"), (3, "interleaved")}
-    v3 = grid[3, "interleaved"]
+    v3 = {p.name: st for p, st in grid[3, "interleaved"].items()}  # a point names itself
     assert list(v3)[:3] == [f"megatron-tp8-pp35-v3-mb1-{r}" for r in ("selective", "full",
                                                                     "none")]
     assert v3["megatron-tp8-pp35-v3-mb1-full"] == megatron_3d(
@@ -319,7 +319,7 @@ def test_the_pipelined_grid_offers_every_interleave_the_layers_allow():
     # only without interleaving
     assert {n for n in v3 if n.startswith("megatron-tp8-") and n.endswith("-full")} == {
         f"megatron-tp8-pp35-v3-mb{mb}-full" for mb in (1, 2, 4, 8)}
-    assert "megatron-tp8-pp35-mb280-full" in grid[1, "1f1b"]
+    assert GridPoint(tp=8, pp=35, mb=280, recompute="full") in grid[1, "1f1b"]
     assert all(pipeline_error(st.schedule, 35, st.microbatches, st.virtual_stages) is None
                for points in grid.values() for st in points.values())
 

@@ -1,15 +1,15 @@
-"""soapjax.plan: plan files round-trip, and refuse other models and topologies."""
+"""soapjax.strategy.plan: plan files round-trip, and refuse other models and topologies."""
 
 import json
 
 import pytest
 
 import soapjax_zoo as zoo
-from soapjax import space
-from soapjax.errors import PlanError
-from soapjax.graph import trace
-from soapjax.plan import Plan
-from soapjax.topology import load_topology
+from soapjax.base.errors import PlanError
+from soapjax.graph.opgraph import trace
+from soapjax.strategy import space
+from soapjax.strategy.plan import Plan
+from soapjax.topology.cluster import load_topology
 
 
 @pytest.fixture(scope="module")

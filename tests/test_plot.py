@@ -18,13 +18,19 @@ matplotlib.use("Agg")
 from matplotlib.patches import PathPatch, Rectangle  # noqa: E402
 
 import soapjax_zoo as zoo  # noqa: E402
-from soapjax import baselines, cli, pipeline, plot, simulate, space  # noqa: E402
-from soapjax.cost import cost_model  # noqa: E402
-from soapjax.errors import MissingDependencyError, PlanError  # noqa: E402
-from soapjax.graph import trace  # noqa: E402
-from soapjax.plan import Plan  # noqa: E402
-from soapjax.reshard import Resharder  # noqa: E402
-from soapjax.topology import load_topology  # noqa: E402
+from soapjax import cli, plot
+from soapjax.base.errors import MissingDependencyError, PlanError  # noqa: E402
+from soapjax.cost.operators import cost_model  # noqa: E402
+from soapjax.cost.reshard import Resharder  # noqa: E402
+from soapjax.graph.opgraph import trace  # noqa: E402
+from soapjax.simulate import front as simulate
+from soapjax.strategy import (
+    baselines,
+    pipeline,
+    space,  # noqa: E402
+)
+from soapjax.strategy.plan import Plan  # noqa: E402
+from soapjax.topology.cluster import load_topology  # noqa: E402
 
 TOPOLOGY = load_topology("cpu8")  # data=2 x model=4
 MESH = space.MeshShape.of(TOPOLOGY)

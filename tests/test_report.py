@@ -4,12 +4,12 @@ import pytest
 
 import soapjax_zoo
 from soapjax import report
-from soapjax.baselines import baselines
-from soapjax.graph import OpGraph, trace
-from soapjax.plan import Plan
+from soapjax.graph.opgraph import OpGraph, trace
 from soapjax.report import byte_unit, format_bytes, group_repeats, grouped_configs, plan_report
-from soapjax.simulate import SimResult, simulate
-from soapjax.topology import load_topology
+from soapjax.simulate.front import SimResult, simulate
+from soapjax.strategy.baselines import baselines
+from soapjax.strategy.plan import Plan
+from soapjax.topology.cluster import load_topology
 
 
 @pytest.mark.parametrize("n, text", [

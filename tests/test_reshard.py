@@ -1,4 +1,4 @@
-"""soapjax.reshard: the collectives of a resharding, ideal and as XLA compiles them.
+"""soapjax.cost.reshard: the collectives of a resharding, ideal and as XLA compiles them.
 
 One `Resharder` per mesh for the whole module, prefetched once, so the jax import of the
 compiling subprocess is paid once per mesh.
@@ -14,9 +14,9 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from soapjax import reshard as rs
-from soapjax.reshard import Collective, Resharder, ReshardError
-from soapjax.space import MeshShape
+from soapjax.cost import reshard as rs
+from soapjax.cost.reshard import Collective, Resharder, ReshardError
+from soapjax.strategy.space import MeshShape
 
 MESH = MeshShape(("data", "model"), (2, 4))
 SHAPE = (64, 1024)  # f32: 256 KiB in all, 64 KiB per model shard

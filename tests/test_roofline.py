@@ -1,4 +1,4 @@
-"""soapjax.roofline: the analytic cost model's dtype and efficiencies (`compute_dtype`,
+"""soapjax.cost.roofline: the analytic cost model's dtype and efficiencies (`compute_dtype`,
 ``[device.efficiency]``).
 
 A mixed-precision layer (``nn.Dense(dtype=float16, param_dtype=float32)``) casts its float32
@@ -12,20 +12,19 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from pathlib import Path
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
 
-from soapjax.cost import cost_model
-from soapjax.errors import TopologyError
-from soapjax.graph import trace
-from soapjax.roofline import ANALYTIC_KERNEL_OVERHEAD_S, compute_dtype, roofline_time
-from soapjax.topology import load_topology, scaled_topology
+from soapjax.base.errors import TopologyError
+from soapjax.cost.operators import cost_model
+from soapjax.cost.roofline import ANALYTIC_KERNEL_OVERHEAD_S, compute_dtype, roofline_time
+from soapjax.graph.opgraph import trace
+from soapjax.topology.cluster import MESHES_DIR, load_topology, scaled_topology
 
-MESHES = Path(__file__).resolve().parent.parent / "meshes"
+MESHES = MESHES_DIR
 A100_PEAK_16 = 312e12  # A100 SXM4 float16 and bfloat16 tensor-core peak, FLOP/s
 A100_PEAK_32 = 19.5e12
 

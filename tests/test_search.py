@@ -1,4 +1,4 @@
-"""soapjax.search: MCMC against the exhaustive optimum, baselines, memory, reproducibility."""
+"""soapjax.search.find: MCMC against the exhaustive optimum, baselines, memory, reproducibility."""
 
 import functools
 import json
@@ -10,10 +10,9 @@ import pytest
 
 import soapjax_zoo as zoo
 from soapjax import cli
-from soapjax.baselines import baselines, intra_node_axes
-from soapjax.cost import cost_model
-from soapjax.errors import SettingsError
-from soapjax.graph import trace
+from soapjax.base.errors import SettingsError
+from soapjax.cost.operators import cost_model
+from soapjax.graph.opgraph import trace
 from soapjax.search import (
     SearchSettings,
     exhaustive,
@@ -22,7 +21,8 @@ from soapjax.search import (
     make_simulation,
     search,
 )
-from soapjax.topology import load_topology
+from soapjax.strategy.baselines import GridPoint, baselines, intra_node_axes
+from soapjax.topology.cluster import load_topology
 
 
 @functools.cache
@@ -201,7 +201,7 @@ def test_layers_of_a_scan_share_one_config_and_delta_equals_full():
 def test_never_slower_than_megatrons_grid():
     """A transformer's search scores Megatron's grid (TP x microbatches x recomputation) and
     starts a chain from its best point: the plan is never slower than the grid's best."""
-    from soapjax.baselines import megatron_grid
+    from soapjax.strategy.baselines import megatron_grid
 
     w = zoo.get("gpt", "tiny", batch_size=16)
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt")
@@ -221,7 +221,7 @@ def test_never_slower_than_megatrons_grid():
 
 
 def test_find_plan_refuses_arguments_of_the_wrong_kind():
-    from soapjax.errors import ArgumentError
+    from soapjax.base.errors import ArgumentError
     w = zoo.get("mlp", "tiny")
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="mlp")
     with pytest.raises(ArgumentError, match=r"find_plan: expected topology to be a soapjax "
@@ -254,9 +254,9 @@ def test_find_plan_keeps_its_budget_with_measured_costs_on_a_cold_cache(tmp_path
 def test_the_search_never_returns_a_spatially_split_convolution():
     """apply refuses a convolution split (or fed) along height or width, so the search never
     records one as its best, whatever the space offers."""
-    from soapjax import space
-    from soapjax.search import _Searcher
-    from soapjax.space import MeshShape, SpaceLimits, Strategy
+    from soapjax.search._chain import _Searcher
+    from soapjax.strategy import space
+    from soapjax.strategy.space import MeshShape, SpaceLimits, Strategy
 
     w, g, topo, cm = setup("lenet", "cpu8")
     mesh = MeshShape.of(topo)
@@ -280,8 +280,8 @@ def test_megatrons_grid_in_the_search_takes_expert_parallel_degrees():
     """The search's Megatron grid gains the ep degrees every expert count takes (and cp only
     from `CONTEXT_PARALLEL_MIN_TOKENS`): on the tiny MoE (4 experts, 16 tokens) on cpu8 the
     searched plan is never slower than the grid's expert-parallel points that fit."""
-    from soapjax.baselines import megatron_grid
     from soapjax.search import grid_degrees
+    from soapjax.strategy.baselines import megatron_grid
 
     w, g, topo, cm = setup("moe", "cpu8")
     assert grid_degrees(g, topo) == {"ep": (1, 2, 4), "cp": (1,)}
@@ -304,8 +304,9 @@ def test_the_grid_starts_a_chain_in_expert_parallelism():
     its own (a chain from TP rarely moves every expert operator to an expert split): on the
     tiny MoE on cpu8 the starts are the grid's fastest and the fastest ``-ep`` point, and
     the latter is the fastest of the grid's expert-parallel points."""
-    from soapjax.search import _grid_starts, _Searcher, grid_degrees
-    from soapjax.space import SpaceLimits
+    from soapjax.search._chain import _Searcher
+    from soapjax.search.grids import _grid_starts, grid_degrees
+    from soapjax.strategy.space import SpaceLimits
 
     w, g, topo, cm = setup("moe", "cpu8")
     sim = make_simulation(g, topo, cost_model=cm)
@@ -313,7 +314,7 @@ def test_the_grid_starts_a_chain_in_expert_parallelism():
     starts = _grid_starts(sim, searcher, g, topo, None, SpaceLimits())
     expert = [n for n in starts if "-ep" in n]
     assert len(expert) == 1 and not any("-cp" in n for n in starts), list(starts)
-    from soapjax.baselines import megatron_grid
+    from soapjax.strategy.baselines import megatron_grid
 
     def key(strategy):
         sim.reset(strategy)
@@ -336,11 +337,11 @@ def test_the_pipelined_grid_takes_context_parallel_degrees():
     w = llama.build_llama("llama", "tiny-8k", cfg, "linen")
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="llama")
     points = pipeline_grid(g, load_topology("h100x64"), 2)[1, "1f1b"]
-    names = {n for n in points if "-cp" in n}
+    names = {p.name for p in points if p.cp > 1}
     assert {"megatron-tp8-cp4-pp2-mb1-full", "megatron-tp4-cp2-pp2-do-mb1-selective"} <= names
-    assert all(points[n].stages == 2 for n in names)
+    assert all(s.stages == 2 for p, s in points.items() if p.cp > 1)
     short = pipeline_grid(setup("llama", "cpu8")[1], load_topology("h100x64"), 2)
-    assert not any("-cp" in n for pts in short.values() for n in pts)
+    assert not any(p.cp > 1 for pts in short.values() for p in pts)
 
 
 def _grid_searcher(time: dict[str, float], fits, order: list):
@@ -373,21 +374,22 @@ def test_a_pipelines_grid_is_scored_along_its_coordinates_first():
     towards its best; points that do not fit rank by the memory-penalised cost. A grid of
     recomputation x microbatch sizes whose best (full, mb 8) the likely-first order reaches
     last is reached after 3 + 3 points."""
-    from soapjax.search import _score_points
+    from soapjax.search.grids import _score_points
 
-    names = [f"megatron-tp8-pp4-mb{mb}-{rec}" for mb in (1, 2, 4, 8)
-             for rec in ("selective", "full", "none")]
+    points = [GridPoint(tp=8, pp=4, mb=mb, recompute=rec) for mb in (1, 2, 4, 8)
+              for rec in ("selective", "full", "none")]
+    names = [p.name for p in points]
+    assert names[0] == "megatron-tp8-pp4-mb1-selective"  # a point names itself
     # step times; selective and none do not fit (peak 1.5x the memory)
-    time = {n: 10.0 - (int(n.split("-mb")[1].split("-")[0]) if "full" in n else 0)
-            for n in names}
+    time = {p.name: 10.0 - (p.mb if p.recompute == "full" else 0) for p in points}
     order = []
     searcher = _grid_searcher(time, lambda name: "full" in name, order)
-    key, best, _, seen = _score_points(searcher, {n: n for n in names}, None)
-    assert best == "megatron-tp8-pp4-mb8-full" and key == (False, 2.0)
+    key, best, _, seen = _score_points(searcher, {p: p.name for p in points}, None)
+    assert best == GridPoint(tp=8, pp=4, mb=8, recompute="full") and key == (False, 2.0)
     assert order[:6] == ["megatron-tp8-pp4-mb1-selective", "megatron-tp8-pp4-mb1-full",
                          "megatron-tp8-pp4-mb1-none", "megatron-tp8-pp4-mb2-full",
                          "megatron-tp8-pp4-mb4-full", "megatron-tp8-pp4-mb8-full"]
-    assert seen == set(names) and sorted(order) == sorted(names)
+    assert seen == set(points) and sorted(order) == sorted(names)
 
 
 def test_the_descent_moves_recomputation_with_another_coordinate_at_once():
@@ -396,17 +398,20 @@ def test_the_descent_moves_recomputation_with_another_coordinate_at_once():
     fits only at CP 4, and CP 4 with full recomputation is slower than CP 2 with it, is left
     at CP 2 full by the lines and reaches CP 4 none by the pair, before TP 4 CP 4 full (which
     a deadline would then cut)."""
-    from soapjax.search import _score_points
+    from soapjax.search.grids import _score_points
 
-    cp2, cp2_none, cp4, tp4_cp4, cp4_none = names = [
-        "megatron-tp8-cp2-pp2-mb1-full", "megatron-tp8-cp2-pp2-mb1-none",
-        "megatron-tp8-cp4-pp2-mb1-full", "megatron-tp4-cp4-pp2-mb1-full",
-        "megatron-tp8-cp4-pp2-mb1-none"]
+    points = [GridPoint(tp=8, cp=2, pp=2, recompute="full"),
+              GridPoint(tp=8, cp=2, pp=2, recompute="none"),
+              GridPoint(tp=8, cp=4, pp=2, recompute="full"),
+              GridPoint(tp=4, cp=4, pp=2, recompute="full"),
+              GridPoint(tp=8, cp=4, pp=2, recompute="none")]
+    cp2, cp2_none, cp4, tp4_cp4, cp4_none = (p.name for p in points)
+    assert cp2 == "megatron-tp8-cp2-pp2-mb1-full"
     time = {cp2: 10.0, cp2_none: 8.0, cp4: 11.0, tp4_cp4: 12.0, cp4_none: 7.0}
     order = []
     searcher = _grid_searcher(time, lambda name: name != cp2_none, order)
-    key, best, _, _ = _score_points(searcher, {n: n for n in names}, None)
-    assert best == cp4_none and key == (False, 7.0)
+    key, best, _, _ = _score_points(searcher, {p: p.name for p in points}, None)
+    assert best.name == cp4_none and key == (False, 7.0)
     assert order == [cp2, cp2_none, cp4, cp4_none, tp4_cp4]
 
 
@@ -420,7 +425,7 @@ def test_with_experts_the_pipelined_grids_take_every_tp():
         w = zoo.get(name, "tiny", batch_size=64)
         g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=name)
         points = pipeline_grid(g, load_topology("h100x64"), 2)
-        return {int(re.search(r"-tp(\d+)", n).group(1)) for pts in points.values() for n in pts}
+        return {p.tp for pts in points.values() for p in pts}
 
     assert tps("moe") == {1, 2, 4, 8}
     assert tps("gpt") == {4, 8}
@@ -432,8 +437,9 @@ def test_a_start_that_does_not_fit_is_tried_recomputing():
     start that fits nowhere is kept as it is."""
     import dataclasses
 
-    from soapjax.search import _recomputing, _Searcher
-    from soapjax.space import data_parallel
+    from soapjax.search._chain import _Searcher
+    from soapjax.search.find import _recomputing
+    from soapjax.strategy.space import data_parallel
 
     w, g, topo, cm = setup("gpt", "cpu8")
     sim = make_simulation(g, topo, cost_model=cm)

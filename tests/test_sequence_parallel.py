@@ -8,7 +8,7 @@ What XLA emits for one layer of the tiny GPT under ``megatron(..., sequence_para
 * forward: one all-gather of the split LayerNorm output that Q, K and V share and one of the
   second LayerNorm's output before fc1; a reduce-scatter of the row-parallel partial sums of
   attn/out and of fc2 into the sequence split (apply constrains each matmul's result there,
-  so the bias and fc2's residual are added on the slice: `soapjax._flatstep._Layouts`);
+  so the bias and fc2's residual are added on the slice: `soapjax.apply._flatstep._Layouts`);
 * backward, mirrored: an all-gather of each of those two outputs' cotangents and a
   reduce-scatter of fc1's input cotangent; of Q, K and V's input cotangents one
   reduce-scatter each (each reduced straight into the sequence split and the three slices
@@ -25,13 +25,14 @@ import jax
 import pytest
 from conftest import float64_model
 
-from soapjax import baselines, hlo
-from soapjax.apply import batch_shardings, constrained_loss, device_put_global, param_shardings
-from soapjax.cost import cost_model
-from soapjax.reshard import Resharder
-from soapjax.simulate import simulate
-from soapjax.space import MeshShape
-from soapjax.topology import load_topology, make_mesh
+from soapjax.apply.step import batch_shardings, constrained_loss, device_put_global, param_shardings
+from soapjax.cost.operators import cost_model
+from soapjax.cost.reshard import Resharder
+from soapjax.measure import hlo
+from soapjax.simulate.front import simulate
+from soapjax.strategy import baselines
+from soapjax.strategy.space import MeshShape
+from soapjax.topology.cluster import load_topology, make_mesh
 
 TOPOLOGY = load_topology("cpu8")
 MESH = MeshShape.of(TOPOLOGY)

@@ -1,4 +1,4 @@
-"""soapjax.simulate: the task graph, exact delta simulation, memory, trace export and CLI."""
+"""soapjax.simulate.front: the task graph, exact delta simulation, memory, trace export and CLI."""
 
 import dataclasses
 import functools
@@ -13,15 +13,17 @@ import optax
 import pytest
 
 import soapjax_zoo
-from soapjax import apply, cli, hlo
-from soapjax._hlo_text import leaf_bytes, parse_type, type_leaves
-from soapjax.cost import OpTime, cost_model
-from soapjax.errors import PlanError
-from soapjax.graph import trace
-from soapjax.reshard import Resharder
-from soapjax.simulate import Simulation, opt_state_factor, parse_strategy, simulate
-from soapjax.space import Config, MeshShape, Strategy, configs, data_parallel
-from soapjax.topology import load_topology, make_mesh
+from soapjax import cli
+from soapjax.apply import step as apply
+from soapjax.base.errors import PlanError
+from soapjax.cost.operators import OpTime, cost_model
+from soapjax.cost.reshard import Resharder
+from soapjax.graph.opgraph import trace
+from soapjax.measure import hlo
+from soapjax.measure._hlo_text import leaf_bytes, parse_type, type_leaves
+from soapjax.simulate.front import Simulation, opt_state_factor, parse_strategy, simulate
+from soapjax.strategy.space import Config, MeshShape, Strategy, configs, data_parallel
+from soapjax.topology.cluster import load_topology, make_mesh
 
 PAIR = """
 name = "pair"
@@ -601,7 +603,7 @@ def test_parse_strategy_refuses_json_that_is_no_strategy(spec):
 
 
 def test_parse_strategy_takes_every_baseline_name():
-    from soapjax.baselines import NAMES, baselines
+    from soapjax.strategy.baselines import NAMES, baselines
 
     _, g = zoo("mlp")
     topo = load_topology("cpu8")
@@ -654,7 +656,7 @@ MEMORY_CASES = [("mlp", "cpu8", 20), ("attention", "cpu8", 21), ("gpt2", "cpu8",
 def test_delta_equals_full_with_microbatches_and_recompute(kind, topo_name, seed):
     """Random walks that also change recompute policies (delta) and microbatches (a reset, as
     the search does it): after every move the state equals a full simulation, bit for bit."""
-    from soapjax.memory import microbatch_choices, microbatch_error
+    from soapjax.strategy.memory import microbatch_choices, microbatch_error
 
     rng = random.Random(seed)
     g = random_graph(kind, rng)

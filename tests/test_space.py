@@ -7,10 +7,17 @@ import pytest
 from jax.sharding import AbstractMesh
 
 import soapjax_zoo
-from soapjax.errors import PlanError
-from soapjax.graph import trace
-from soapjax.space import Config, MeshShape, SpaceLimits, configs, data_parallel, validate_config
-from soapjax.topology import load_topology
+from soapjax.base.errors import PlanError
+from soapjax.graph.opgraph import trace
+from soapjax.strategy.space import (
+    Config,
+    MeshShape,
+    SpaceLimits,
+    configs,
+    data_parallel,
+    validate_config,
+)
+from soapjax.topology.cluster import load_topology
 
 MESH = MeshShape(("data", "model"), (2, 4))
 D, M, DM = ("data",), ("model",), ("data", "model")

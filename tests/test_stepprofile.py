@@ -1,4 +1,5 @@
-"""soapjax.stepprofile: a real step profiled on the CPU, its kernels classified from its HLO."""
+"""soapjax.measure.stepprofile: a real step profiled on the CPU, its kernels classified from its
+HLO."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import soapjax_zoo as zoo
-from soapjax import stepprofile as sp
+from soapjax.measure import stepprofile as sp
 
 
 @pytest.fixture(scope="module")

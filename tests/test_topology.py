@@ -1,4 +1,5 @@
-"""Tests of soapjax.topology: the TOML format, shipped topologies, collective costs, jax meshes."""
+"""Tests of soapjax.topology.cluster: the TOML format, shipped topologies, collective costs, jax
+meshes."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from soapjax import cli
-from soapjax.errors import SoapjaxError, TopologyError
-from soapjax.topology import (
+from soapjax.base.errors import SoapjaxError, TopologyError
+from soapjax.topology.cluster import (
     Channel,
     Topology,
     list_topologies,
@@ -612,7 +613,7 @@ def test_a_shipped_name_with_a_count_is_the_cut_cluster():
 def test_routes_from_two_nodes_are_the_whole_graphs_routes(name):
     from itertools import combinations
 
-    from soapjax._routing import Routes
+    from soapjax.topology._routing import Routes
 
     t = load_topology(name)
     fast = t._routes()
@@ -683,10 +684,12 @@ def test_the_3072_gpu_cluster_is_summarised_and_priced_in_seconds():
 
 
 def test_the_collectives_table_is_the_one_list_of_kinds():
-    """Every list of collective kinds reads `soapjax.collectives.FORMULAS`: HLO's opcodes
+    """Every list of collective kinds reads `soapjax.base.collectives.FORMULAS`: HLO's opcodes
     (`hlo.KINDS`), the ideal resharding's kinds and the kinds `calibrate --links` measures,
     each with its measuring program."""
-    from soapjax import collectives, hlo, links, reshard
+    from soapjax.base import collectives
+    from soapjax.cost import reshard
+    from soapjax.measure import hlo, links
 
     assert collectives.COLLECTIVES == tuple(collectives.FORMULAS)
     assert hlo.KINDS == ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",

@@ -13,10 +13,10 @@ from jax.sharding import Mesh
 
 import soapjax_zoo as zoo
 from soapjax import SearchSettings, find_plan, training
-from soapjax.baselines import baselines
-from soapjax.errors import ArgumentError, PlanError
-from soapjax.graph import trace
-from soapjax.topology import load_topology
+from soapjax.base.errors import ArgumentError, PlanError
+from soapjax.graph.opgraph import trace
+from soapjax.strategy.baselines import baselines
+from soapjax.topology.cluster import load_topology
 
 SETTINGS = SearchSettings(max_proposals=100, seed=0)
 

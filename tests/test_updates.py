@@ -1,11 +1,11 @@
-"""soapjax.updates: what an optimizer's update reads, writes and reduces, from its jaxpr."""
+"""soapjax.cost.updates: what an optimizer's update reads, writes and reduces, from its jaxpr."""
 
 from __future__ import annotations
 
 import optax
 import pytest
 
-from soapjax.updates import DEFAULT_UPDATE_PASSES, update_passes, update_reductions
+from soapjax.cost.updates import DEFAULT_UPDATE_PASSES, update_passes, update_reductions
 
 OPTIMIZERS = {
     # (passes over the parameter bytes, scalars reduced per parameter)

@@ -24,12 +24,12 @@ from jax.sharding import Mesh
 from test_corpus import relative_error as corpus_relative_error
 
 import soapjax_zoo as zoo
-from soapjax import baselines
-from soapjax.apply import batch_shardings, constrained_loss, device_put_global, param_shardings
-from soapjax.graph import OpGraph, trace
-from soapjax.roofline import compute_dtype
-from soapjax.space import MeshShape, data_parallel
-from soapjax.topology import load_topology, make_mesh
+from soapjax.apply.step import batch_shardings, constrained_loss, device_put_global, param_shardings
+from soapjax.cost.roofline import compute_dtype
+from soapjax.graph.opgraph import OpGraph, trace
+from soapjax.strategy import baselines
+from soapjax.strategy.space import MeshShape, data_parallel
+from soapjax.topology.cluster import load_topology, make_mesh
 from soapjax_zoo import gpt, llama
 from soapjax_zoo.workload import Workload
 
@@ -275,7 +275,7 @@ def test_gpt_22b_fits_on_8_a100s_at_batch_4():
     """Issue 16's other case: GPT 22B (Megatron's shape, fp16 compute over float32 master
     parameters, Adam) on one DGX A100 at batch 4: parameters, gradients and Adam state are
     ~44 GB per GPU under TP8, so the plan must also keep activations small."""
-    from soapjax.topology import scaled_topology
+    from soapjax.topology.cluster import scaled_topology
 
     w = zoo.get("gpt", "22b", batch_size=4)
     topo = scaled_topology("dgx-a100x3072", 8)

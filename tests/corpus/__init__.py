@@ -79,7 +79,7 @@ class Entry:
       make: ``make(dtype=..., **options) -> (loss_fn, params_or_module, batch)``.
       description: one line: the idioms it exercises.
       has_conv: it convolves (plans must not split convolutions spatially: see
-        `soapjax.apply.constrained_loss`).
+        `soapjax.apply.step.constrained_loss`).
       options: the keyword arguments `get` passes by default (the small, fast variant).
       gradients_in: where ``make test`` holds its float64 gradients to ``jax.grad``:
         ``"corpus"`` (tests/test_corpus.py: one device, and cpu8 under data parallel,

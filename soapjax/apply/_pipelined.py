@@ -1,0 +1,1256 @@
+"""Pipeline parallelism as one SPMD program: the traced step cut at its layer scan, its chunks
+run on the ``stage`` mesh axis in a schedule's order, activations passed by `jax.lax.ppermute`.
+
+It stays one module past ~600 lines because its three parts (the program cut at its layer scan,
+the tick table with its buffer slots, the tick loop that runs them) are one program's pieces,
+used by nothing but each other: the loop reads the cut's values and the table's columns by
+position. What a pipeline decides before its step runs (the layer scan, the mesh, where the
+parameters live) is `soapjax.apply._pipeline_layout`.
+
+The traced loss (`soapjax.graph.opgraph.trace`) of a model whose layers are one scan over stacked
+parameters (``nn.scan``: the zoo's GPT and LLaMA) is cut in three
+(`soapjax.graph._program.LayerScan` records what each unrolled layer reads): the *prologue* (the
+equations before the layers: the embeddings), one *layer* (layer 0's equations as a function of its
+parameter slices, the carry and the values every layer reads), and the *epilogue* (final norm, head,
+loss). The L layers are cut into ``C = S * v`` chunks of ``L / C`` layers; device stage ``s`` holds
+chunks `soapjax.strategy.pipeline.chunks_of` ``(s, S, v)``, and every stacked parameter ``[L, ...]``
+is stored in the *pipelined layout* ``[v, S, L / C, ...]`` (chunk ``c = j S + s`` at ``[j, s]``),
+sharded over ``stage`` on its second dim, so a stage holds its own layers only
+(`soapjax.apply._pipeline_layout`: `to_pipelined`, `pipelined_layout_shardings`). Uneven stages
+(one virtual stage, ``stage_layers`` per stage) store them ``[1, S, max(stage_layers), ...]``
+(`stage_router`: each stage's run, padded), and each stage's layer scan passes the carry
+through its padding (a ``lax.cond`` on the count of layers it runs).
+
+The step is one program (as MaxText's and praxis's pipelines are): nothing new to launch, so it
+runs unchanged over processes under `jax.distributed`. In it:
+
+* the prologue runs SPMD on all devices, before the pipeline, for all M microbatches at once
+  (``jax.vmap`` over them); what it hands the layers and the epilogue is passed to every stage;
+  its backward runs after the pipeline, from the cotangents the stages return;
+* the layers run inside `jax.shard_map`, manual over ``stage`` and the data axes (those the
+  batch is split over, ``data_axes``): the other mesh axes stay automatic, so model sharding
+  still applies inside a stage, and each data group runs its own samples of each microbatch
+  (below);
+* the epilogue runs on the last stage, as part of the last chunk: its forward adds the
+  microbatch's loss, its backward seeds the chunk's backward with ``1 / M`` (``1 / (M D)``
+  with D data groups, below).
+
+The schedule is a static *tick table* (`ticks`): every stage runs the actions of
+`soapjax.strategy.pipeline.device_orders` in their order, each at the first tick at which what it
+needs has arrived (a forward: the previous chunk's forward, one tick earlier or more; a backward:
+the
+next chunk's backward). The ticks run as one ``lax.fori_loop``; at each tick
+
+1. every stage runs its own action: one ``lax.switch`` on ``kind[tick, stage]`` over the kinds
+   of action the schedule has (idle; forward or backward; of the first, a middle or the last
+   chunk), with the microbatch, the local chunk and the buffer slots read from
+   ``[tick, stage]`` tables;
+2. per direction, one ``lax.switch`` on the tick (every device takes the same branch, so the
+   collective in it is well formed) picks the ``ppermute`` over exactly the stage pairs that
+   send at that tick: the activations the forwards made go to the next chunk's stage, the
+   gradients the backwards made to the previous chunk's stage, and ticks without a send send
+   nothing.
+
+So the program holds one collective-permute per direction and set of sending stages, and one
+run sends what the schedule needs and nothing more: per microbatch and chunk boundary one
+activation forward and one gradient back, ``M (C - 1)`` of each (measured on the tiny GPT,
+stage 2 x data 2 x model 2, M = 4, Megatron's model split: 1F1B holds 1 + 1 collective-permutes
+of 2048 bytes per device (scatter/gather, below: half the 4096 of a microbatch's activation)
+and sends 4 + 4 times; interleaved with v = 2 and 4 layers 3 + 3 (one stage sending, the
+other, or both) and sends 12 + 12 stage-to-stage). A loop rather than
+unrolled ticks because the program then does not grow with M: unrolled, the interleaved tiny
+GPT compiled in 14-18 s, as a loop in 5-7 s (XLA:CPU, backend optimisation 0, 2 busy cores).
+
+The sends are Megatron-LM's *scatter/gather* (Narayanan et al. SC'21, section 4.1): a value
+replicated over the stage's automatic axes (the residual stream under tensor parallelism) would
+be sent whole by each of its ``r`` replicas, so each sends a ``1 / r`` piece over its own link
+and the receiver all-gathers the pieces over the ``r`` replicas. The rule, per value sent (as
+`soapjax.simulate.pipesim` prices it): ``R`` = the automatic mesh axes (all but the stage axis and
+the data axes) over which the value is not already split, ``r`` = the product of their sizes; if
+``r > 1`` and some dim of the value's per-device shape is divisible by ``r``, the *last* such
+dim is split over all of ``R``, in mesh order, for the transfer; otherwise the value goes
+whole. How a value is laid out over the automatic axes is XLA's and is not known inside the
+stage's shard_map, so every value sent is taken as replicated over all of them (what
+Megatron's split makes of the residual stream and its gradient), and held to it: constrained
+replicated, then to the split (a local slice), sent (the ppermute in a shard_map manual over
+``R`` too: in the stage's own, a ppermute gathers its operand over the automatic axes first)
+and constrained back to replicated (the all-gather). Without the first constraint XLA carries
+the split back into the layers (the tiny GPT's 1F1B step above then ran 16 all-gathers and 19
+all-reduces over ``model`` in the loop, 150,016 bytes, for the 8 all-reduces, 49,152 bytes,
+it runs either way). On the tiny GPT above (``R`` = model, ``r`` = 2): a microbatch's
+``[2, 8, 32]`` float64 activation goes as ``[2, 8, 16]``, 2048 bytes per device instead of
+4096, then one all-gather over ``model`` (4096 bytes out) per send; every other collective of
+the step is the same as without scatter/gather. Where the stages run whole
+microbatches while the batch is split over automatic data axes, a value's layout over those
+is XLA's own, so values go whole (where tried, constraining them deadlocked XLA:CPU: its
+resharding put collective-permutes in the stages' own branches, which only half the devices
+run); ``scatter_gather=False`` sends them
+whole too, as Megatron's ``--no-scatter-gather-tensors-in-pipeline`` does.
+
+Received values wait in slot buffers until their action runs; the slots are allocated from the
+tick table, so a stage keeps as many activations as its schedule has in flight (1F1B: at most S;
+GPipe: M). Without recomputation a forward keeps its chunk's residuals (what ``jax.vjp`` saves,
+but for the parameters and the values the stage already holds) in a slot until the backward;
+with ``recompute="full"`` it keeps only the chunk's input, and the backward recomputes the chunk's
+forward from it. Gradients are summed over microbatches and the loss is the mean of the
+microbatch losses: the unsharded step's, for a loss that is a mean over its samples (as the
+zoo's are). Microbatch ``k`` holds samples ``k, k + M, ...`` (as `soapjax.apply.step` splits them).
+
+Data parallelism inside a stage: the stages run the program traced at one data group's share
+of a microbatch (B / (M D) samples for D groups), so each group's backward adds its own
+partial gradients to its own accumulator, the loss of each group's share weighted 1 / (M D),
+and one ``psum`` over the data axes after the tick loop sums them: the gradients are
+synchronised once per step, as `soapjax.simulate.pipesim` prices it. With the data axes left
+automatic instead, XLA all-reduces every backward's parameter gradients over them as it adds them to
+the (data-replicated) accumulator, inside the loop: M times per step (measured on the tiny GPT,
+stage 2 x data 2 x model 2, M = 4, 1F1B: 68,480 bytes per backward on stage 0, 51,584 on stage
+1, where the sum once after the loop is 86,920, the loss and the embeddings' included). Where
+the data groups do not divide a microbatch, or a value the prologue hands the stages has no
+sample dim, the stages run whole microbatches and XLA places the reduction itself (in the loop).
+
+Usage::
+
+    graph = soapjax.graph.opgraph.trace(w.loss_fn, params, batch)
+    mesh = jax.make_mesh((2, 2, 2), ("stage", "data", "model"),
+                         axis_types=(AxisType.Auto,) * 3)
+    step = jax.jit(pipelined_value_and_grad(graph, mesh, stages=2, microbatches=4,
+                                            data_axes=("data",)))
+    specs = jax.tree.map(lambda _: PartitionSpec(), params)  # or a plan's
+    placed = jax.device_put(to_pipelined(graph, params, stages=2),
+                            pipelined_layout_shardings(graph, mesh, specs, stages=2))
+    batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data")))
+    loss, grads = step(placed, batch)                # grads in the pipelined layout
+    grads = from_pipelined(graph, grads, stages=2)   # the model's layout again
+
+XLA aborts the process (``Check failed: partition_group_list...`` in
+``spmd_partitioner_util.cc``, either partitioner) when it partitions a gather whose operand is
+split along a dim the gather indexes inside a `jax.shard_map` manual over some of the axes:
+LLaMA's untied head split over the vocabulary, as Megatron splits it, then the loss's
+``take_along_axis`` of the log-probabilities. So inside a stage a gather's operand is first made
+whole along the dims it indexes (`_run_in_stage`): on the last stage, one all-gather over
+``model`` of a microbatch's log-probabilities where an all-reduce of the picked ones would do
+(`tests/test__pipelined.py` keeps a canary of the abort).
+
+`soapjax.apply.step` runs a pipelined `Strategy` with `PipelinedStep`, its step program: the
+parameters in the model's layout on `pipelined_mesh` (the user's mesh, its outermost axis cut
+into ``stage``), reshaped to the pipelined layout inside the step and the gradients back.
+
+Refused with a `PlanError`: a loss that draws random bits (dropout: microbatches would draw
+other masks than the whole batch, as in `soapjax.strategy.memory.random_operator`), several layer
+scans or nested ones, scans that slice anything but parameters, stack per-layer outputs or run in
+reverse, and a stacked parameter read outside the layers.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from soapjax.apply._pipeline_layout import (
+    STAGE_AXIS,
+    batch_axes,
+    check_pipelinable,
+    check_stage_axis,
+    from_pipelined,
+    layer_recompute,
+    layer_scan,
+    pipelined_layout_shardings,
+    pipelined_mesh,
+    stacked_params,
+    stage_mesh_shape,
+    stage_router,
+    to_pipelined,
+)
+from soapjax.apply._validation import Checked, validate_program_inputs
+from soapjax.base.attention import AttentionCall, attention_call, bind_attention
+from soapjax.base.errors import PlanError
+from soapjax.graph._inner import splits_queries
+from soapjax.graph._program import LayerScan, Program
+from soapjax.graph.opgraph import OpGraph
+from soapjax.strategy.pipeline import DEFAULT_SCHEDULE, Action, ScheduleName, device_orders
+from soapjax.strategy.space import RECOMPUTE_POLICIES, MeshShape, RecomputePolicy
+
+__all__ = ["PipelinedStep", "pipelined_value_and_grad", "ticks"]
+
+
+# --------------------------------------------------------------------------------------------
+# The program cut at its layer scan
+
+
+class _Cut(NamedTuple):
+    """A traced program as prologue, one layer and epilogue, and what flows between them.
+
+    Attributes:
+      program: the program.
+      scan: its layer scan.
+      prologue, layer, epilogue: unit indices (``layer``: layer 0's, slices excluded).
+      params, batch: the program ids of the parameter and batch leaves, in flattening order.
+      stacked: positions in ``params`` of the scanned parameters, in the scan's order.
+      shared: ids the layers or epilogue read that do not depend on the batch.
+      per_mb: ids they read that do (one per microbatch); the layers' first carry first.
+      layer_reads, epilogue_reads: the ids of ``shared + per_mb`` each part reads.
+    """
+
+    program: Program
+    scan: LayerScan
+    prologue: tuple[int, ...]
+    layer: tuple[int, ...]
+    epilogue: tuple[int, ...]
+    params: tuple[int, ...]
+    batch: tuple[int, ...]
+    stacked: tuple[int, ...]
+    shared: tuple[int, ...]
+    per_mb: tuple[int, ...]
+    layer_reads: tuple[int, ...]
+    epilogue_reads: tuple[int, ...]
+
+
+def _cut(graph: OpGraph) -> _Cut:
+    """The graph's program cut at its layer scan (module doc)."""
+    prog = graph.program
+    scan, stacked = layer_scan(graph)
+    params = tuple(info.value for info in graph.params)
+    batch = tuple(info.value for info in graph.batch)
+    if list(prog.inputs) != list(params + batch) or len(prog.outputs) != 1:
+        raise PlanError(f"graph {graph.name!r}: pipelining needs a loss traced as "
+                        "loss_fn(params, batch) -> scalar")
+    in_layers = [i for i, u in enumerate(prog.units) if u.iteration]
+    first, last = in_layers[0], in_layers[-1]
+    assert in_layers == list(range(first, last + 1)), "a scan's units are contiguous"
+    layers = _layer_units(prog, range(first, last + 1), len(scan.steps))
+    epilogue = tuple(range(last + 1, len(prog.units)))
+    made = _made(prog, range(first))
+    epi_reads = (_read(prog, epilogue) | {prog.outputs[0]}) - _made(prog, epilogue)
+    strays = (epi_reads & _made(prog, range(first, last + 1))) - set(scan.carries[-1])
+    if strays:
+        raise PlanError(f"graph {graph.name!r}: what follows the layers reads values made "
+                        "inside them other than their final carry; pipelining needs it to "
+                        "read the carry only")
+    roots = {params[k] for k in stacked}
+    if roots & (_read(prog, range(first)) | epi_reads):
+        raise PlanError(f"graph {graph.name!r}: a stacked layer parameter is read outside the "
+                        "layers; pipelining needs it read by the layers only")
+    fixed = set(prog.consts) | set(prog.literals)
+    epi_reads -= set(scan.carries[-1]) | fixed
+    carry = tuple(dict.fromkeys(scan.carries[0]))
+    if not all(jnp.issubdtype(prog.jax_dtypes[v], jnp.inexact) for v in carry):
+        raise PlanError(f"graph {graph.name!r}: the layers' carry holds non-float values; "
+                        "pipelining sends the carry and its gradient between stages")
+    needed = (set(scan.consts) - fixed) | epi_reads
+    on_batch = _on_batch(prog, range(first), set(batch))
+    per_mb = carry + tuple(sorted(v for v in needed - set(carry) if v in on_batch))
+    shared = tuple(sorted(needed - set(per_mb)))
+    assert needed - set(per_mb + shared) == set() and (made | set(prog.inputs) | fixed) >= needed
+    return _Cut(prog, scan, tuple(range(first)), layers, epilogue, params, batch, stacked,
+                shared, per_mb, tuple(sorted(set(scan.consts) - fixed)), tuple(sorted(epi_reads)))
+
+
+def _layer_units(prog: Program, idxs: range, length: int) -> tuple[int, ...]:
+    """Layer 0's units (its slices excluded), after checking every layer runs the same
+    equations (a scan's body, inlined once per layer)."""
+    per_layer: list[list[int]] = [[] for _ in range(length)]
+    for i in idxs:
+        u = prog.units[i]
+        if len(u.iteration) != 1:
+            raise PlanError("pipelining needs one flat layer scan, but the layers hold a nested "
+                            "scan over parameters (nn.remat_scan)")
+        if i not in prog.slice_units:
+            per_layer[u.iteration[0][1]].append(i)
+    body = [prog.units[i].eqn for i in per_layer[0]]
+    for t, units in enumerate(per_layer):
+        assert [prog.units[i].eqn for i in units] == body, f"layer {t} is not layer 0's body"
+    return tuple(per_layer[0])
+
+
+def _made(prog: Program, idxs) -> set[int]:
+    return {v for i in idxs for v in prog.units[i].outs if v is not None}
+
+
+def _read(prog: Program, idxs) -> set[int]:
+    return {v for i in idxs for v in prog.units[i].ins}
+
+
+def _on_batch(prog: Program, idxs, batch: set[int]) -> set[int]:
+    """The ids computed by units `idxs` from the batch (and the batch leaves)."""
+    out = set(batch)
+    for i in idxs:
+        u = prog.units[i]
+        if any(v in out for v in u.ins):
+            out.update(v for v in u.outs if v is not None)
+    return out
+
+
+class _Groups(NamedTuple):
+    """The data groups a microbatch is cut into inside a stage (module doc).
+
+    Attributes:
+      axes: the mesh axes the groups are split over (manual in the stage's shard_map); empty
+        where a stage runs its whole microbatch.
+      count: how many groups (the product of the axes' sizes; 1 without axes).
+      batch_dims: per value of `_Cut.per_mb`, the dim that holds its samples.
+    """
+
+    axes: tuple[str, ...]
+    count: int
+    batch_dims: tuple[int, ...]
+
+
+def _data_groups(graph: OpGraph, outer: _Cut, mesh: Mesh, microbatches: int,
+                 data_axes: Sequence[str], stage_axis: str) -> tuple[_Cut, _Groups]:
+    """The program a stage runs, cut (`_cut`) at one data group's share of a microbatch, and
+    the groups. The microbatch's own cut without groups where `data_axes` split nothing, the
+    groups do not divide the microbatch, or a value the prologue hands the stages has no
+    sample dim (one the batch was reduced into): there XLA reduces the gradients where it
+    places them, as each microbatch's backward adds them (module doc).
+
+    Raises:
+      PlanError: a data axis is not on the mesh, or is the stage axis.
+    """
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    bad = [a for a in data_axes if a not in sizes or a == stage_axis]
+    if bad or len(set(data_axes)) < len(data_axes):
+        raise PlanError(f"data_axes={tuple(data_axes)}: expected distinct axes of the mesh "
+                        f"{sizes} other than the stage axis {stage_axis!r}, the ones the batch "
+                        f"is split over")
+    count = int(np.prod([sizes[a] for a in data_axes], dtype=np.int64))
+    whole = outer, _Groups((), 1, (0,) * len(outer.per_mb))
+    micro = graph.batch_size // microbatches
+    if count == 1 or micro % count:
+        return whole
+    cut = _cut(graph.at_batch_size(micro // count))
+    dims = _batch_dims(outer, cut, count)
+    return whole if dims is None else (cut, _Groups(tuple(data_axes), count, dims))
+
+
+def _batch_dims(outer: _Cut, cut: _Cut, count: int) -> tuple[int, ...] | None:
+    """Per per-microbatch value, its sample dim: the one dim `count` times smaller in `cut`
+    (traced at 1 / count of the samples) than in `outer`. None where a value has no such dim,
+    or where the two cuts do not pair value for value (same dtypes, shared values' shapes)."""
+    if (len(outer.shared), len(outer.per_mb)) != (len(cut.shared), len(cut.per_mb)):
+        return None
+    whole, share = outer.program.shapes, cut.program.shapes
+    dtypes_of_whole, dtypes_of_share = outer.program.jax_dtypes, cut.program.jax_dtypes
+    pairs = list(zip(outer.shared + outer.per_mb, cut.shared + cut.per_mb))
+    if any(dtypes_of_whole[a] != dtypes_of_share[b] or len(whole[a]) != len(share[b])
+           for a, b in pairs):
+        return None
+    if any(tuple(whole[a]) != tuple(share[b]) for a, b in pairs[:len(outer.shared)]):
+        return None
+    dims = []
+    for a, b in pairs[len(outer.shared):]:
+        differ = [d for d, (x, y) in enumerate(zip(whole[a], share[b])) if x != y]
+        if len(differ) != 1 or whole[a][differ[0]] != count * share[b][differ[0]]:
+            return None
+        dims.append(differ[0])
+    return tuple(dims)
+
+
+def _env(prog: Program, values: dict[int, Any]) -> dict[int, Any]:
+    env = dict(prog.consts)
+    env.update(prog.literals)
+    env.update(values)
+    return env
+
+
+def _prologue_fn(cut: _Cut) -> Callable:
+    """``(other params, batch) -> (shared values, per-microbatch values)``, the batch one
+    microbatch's (the function is vmapped over microbatches)."""
+    other = [v for k, v in enumerate(cut.params) if k not in cut.stacked]
+
+    def prologue(params: Sequence[Any], batch: Sequence[Any]) -> tuple[list, list]:
+        env = _env(cut.program, dict(zip(other, params)))
+        env.update(zip(cut.batch, batch))
+        cut.program.run_units(cut.prologue, env)
+        return [env[v] for v in cut.shared], [env[v] for v in cut.per_mb]
+
+    return prologue
+
+
+def _run_in_stage(prog: Program, idxs: Sequence[int], env: dict,
+                  whole_queries: bool = False) -> None:
+    """``prog.run_units(idxs, env)`` inside the stage's shard_map, with the operand of every
+    gather first made whole along the dims it indexes (module doc: XLA aborts otherwise). With
+    `whole_queries` (the plan splits attention's query sequence), every flash attention
+    equation is bound with its queries as one block and every tile computed
+    (`soapjax.base.attention.bind_attention`'s ``whole_queries``): XLA's partitioner runs that
+    attention there, and blocks of queries, or a conditional per tile, would have it gather
+    the queries whole and compute them on every device."""
+    calls = {i: _whole_queries(call) for i in idxs
+             if whole_queries and len(prog.units[i].ins) == 5
+             and (call := attention_call(prog.units[i].eqn)) is not None}
+    start = 0
+    for k, i in enumerate(idxs):
+        unit = prog.units[i]
+        whole = _shifted_dims(unit.eqn)
+        if whole:
+            prog.run_units(idxs[start:k], env, calls)
+            for v, dims in zip(unit.ins, whole):
+                if dims and v in env:
+                    env[v] = _whole_along(env[v], dims)
+            start = k
+    prog.run_units(idxs[start:], env, calls)
+
+
+def _shifted_dims(eqn: Any) -> list[tuple[int, ...]]:
+    """Per operand of `eqn`, the dims it indexes, slices, pads or concatenates along (empty
+    where none). Split there, XLA moves the slices' halos between a stage's devices with a
+    collective-permute (a gather aborts), which inside a stage's action hangs
+    (`check_compiled`); whole there, the stage gathers them instead."""
+    name, p = eqn.primitive.name, eqn.params
+    shape = getattr(eqn.invars[0].aval, "shape", ()) if eqn.invars else ()
+    if name == "gather":
+        return [tuple(p["dimension_numbers"].start_index_map)]
+    if name == "split":
+        return [(p["axis"],)]
+    if name == "slice":
+        return [tuple(d for d, n in enumerate(shape)
+                      if p["start_indices"][d] != 0 or p["limit_indices"][d] != n
+                      or (p["strides"] or (1,) * len(shape))[d] != 1)]
+    if name == "pad":
+        return [tuple(d for d, c in enumerate(p["padding_config"]) if c != (0, 0, 0))]
+    if name == "concatenate":
+        return [(p["dimension"],)] * len(eqn.invars)
+    if name == "rev":
+        return [tuple(p["dimensions"])]
+    if name in ("dynamic_slice", "dynamic_update_slice"):
+        sizes = p["slice_sizes"] if name == "dynamic_slice" else eqn.invars[1].aval.shape
+        return [tuple(d for d, n in enumerate(shape) if sizes[d] != n)]
+    return []
+
+
+# The named scopes of the pipeline's own sends (its per-direction ``lax.switch``, which every
+# device takes alike): collective-permutes there are well formed.
+SEND_SCOPES = ("pipeline_activations", "pipeline_gradients")
+
+
+def check_compiled(hlo_text: str) -> None:
+    """PlanError where XLA put a collective-permute of its own inside a stage's action: a
+    resharding inside the layers (a rotary embedding's halves of a split head dim, a shifted
+    slice) inside the ``lax.switch`` on the stage's action, which only that stage's devices
+    take. XLA:CPU waits for every device at a collective-permute, so that step would hang, and
+    abort after 40 s (a tiny Llama with its keys' head dim split, found by
+    `scripts/fuzz_exactness.py`). Checked on the compiled step, before it first runs."""
+    for line in hlo_text.splitlines():
+        if " collective-permute(" not in line and " collective-permute-start(" not in line:
+            continue
+        name = re.search(r'op_name="([^"]*)"', line)
+        where = name.group(1) if name else ""
+        if "/cond/branch_" in where and not any(s in where for s in SEND_SCOPES):
+            raise PlanError(
+                f"XLA exchanges data between the devices of a pipeline stage with a "
+                f"collective-permute inside the stage's own action ({where.split('/')[-1]!r} "
+                f"at {where}), which only that stage's devices run: the step would hang. The "
+                "plan splits a dim there that the layers slice or shift (a rotary "
+                "embedding's head dim, a sequence a convolution pads); plan this model's "
+                "stages with those dims whole, or without stages")
+
+
+def _whole_queries(call: AttentionCall) -> Callable:
+    return lambda q, k, v, q_pos, k_pos: [bind_attention(call, q, k, v, q_pos, k_pos,
+                                                         whole_queries=True)]
+
+
+def _whole_along(x: Any, dims: Sequence[int]) -> Any:
+    """`x` constrained to be unsplit along `dims` (its other dims as XLA chooses)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not any(t == jax.sharding.AxisType.Auto for t in mesh.axis_types):
+        return x  # every axis manual (the stage's and the data's): nothing for XLA to place
+    spec = PartitionSpec(*(None if d in dims else PartitionSpec.UNCONSTRAINED
+                           for d in range(np.ndim(x))))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def _split_axes(mesh: Mesh, stage_axis: str, data_axes: Sequence[str], groups: _Groups,
+                scatter_gather: bool) -> tuple[tuple[str, int], ...]:
+    """The axes (name, size) a value sent between stages is split over for the transfer (the
+    scatter/gather rule, module doc): the mesh's automatic axes in a stage, in mesh order, but
+    for `data_axes`. Empty without `scatter_gather`, or where the stages run whole microbatches
+    while the batch is split over an automatic data axis: how XLA lays a value out over it is
+    not known here."""
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    if not scatter_gather or (not groups.axes and any(sizes[a] > 1 for a in data_axes)):
+        return ()
+    return tuple((a, n) for a, n in sizes.items() if a != stage_axis and a not in data_axes)
+
+
+def _send_spec(shape: Sequence[int],
+               auto_axes: Sequence[tuple[str, int]]) -> PartitionSpec | None:
+    """How a value of (per-device) `shape`, replicated over the automatic mesh axes
+    `auto_axes` (name, size), is split for a stage-to-stage send (the scatter/gather rule,
+    module doc): its last dim that the product ``r`` of the axes' sizes divides, over all of
+    them in mesh order; None (sent whole) where ``r`` is 1 or no dim is divisible.
+
+    >>> _send_spec((2, 8, 32), [("data", 2), ("model", 2)])
+    P(None, None, ('data', 'model'))
+    >>> _send_spec((2, 8, 6), [("model", 4)])  # 6 is not a multiple of 4, 8 is
+    P(None, 'model', None)
+    >>> _send_spec((3, 5), [("model", 2)]) is None
+    True
+    """
+    r = int(np.prod([n for _, n in auto_axes], dtype=np.int64))
+    dims = [d for d, n in enumerate(shape) if n % r == 0]
+    if r == 1 or not dims:
+        return None
+    names = tuple(a for a, _ in auto_axes)
+    return PartitionSpec(*(names if d == dims[-1] else None for d in range(len(shape))))
+
+
+def _constrain(x: Any, spec: PartitionSpec) -> Any:
+    """`x` constrained to `spec` over the automatic axes of the mesh it is traced on."""
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(jax.sharding.get_abstract_mesh(), spec))
+
+
+def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = False,
+              whole_queries: bool = False, counted: bool = False) -> Callable:
+    """``(chunk params, values, x) -> y`` (the chunk's output carry) or, for the last chunk,
+    ``-> loss`` (the epilogue after it); `values` are those of the ids `reads`, the chunk
+    params ``[L / C, ...]`` per stacked parameter, in the scan's order. With `selective`, each
+    layer runs in a ``jax.checkpoint`` that saves the outputs of matmuls without batch dims
+    (``dots_with_no_batch_dims_saveable``: the projections and MLP matmuls, which read a
+    parameter) and recomputes the rest, the attention core's batched score and value matmuls
+    included: `soapjax.strategy.memory`'s selective recomputation, Megatron's. `whole_queries`: see
+    `_run_in_stage`. With `counted` (uneven stages), the function takes the number of layers
+    the chunk runs last (``(chunk params, values, x, count)``): its params hold a stage's
+    longest run, and layers from `count` on pass the carry through (a ``lax.cond``, so the
+    padding costs no compute)."""
+    prog, scan = cut.program, cut.scan
+
+    def layer(vals: Sequence[Any], carry: tuple, slices: list) -> tuple:
+        env = _env(prog, dict(zip(reads, vals)))
+        env.update(zip(scan.slices[0], slices))
+        env.update(zip(scan.carries[0], carry))
+        _run_in_stage(prog, cut.layer, env, whole_queries)
+        return tuple(env[v] for v in scan.carries[1])
+
+    if selective:
+        layer = jax.checkpoint(
+            layer, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+
+    def chunk(params: list, vals: Sequence[Any], x: tuple, count: Any = None) -> Any:
+        values = dict(zip(reads, vals))
+        if count is None:
+            y, _ = jax.lax.scan(lambda c, p: (layer(list(vals), c, p), None), x, params)
+        else:
+            def step(c: tuple, p_k: tuple) -> tuple:
+                p, k = p_k
+                return jax.lax.cond(k < count, lambda: layer(list(vals), c, p), lambda: c), None
+
+            depth = jax.tree.leaves(params)[0].shape[0]
+            y, _ = jax.lax.scan(step, x, (params, jnp.arange(depth)))
+        if not last:
+            return y
+        env = _env(prog, values)
+        env.update(zip(scan.carries[-1], y))
+        _run_in_stage(prog, cut.epilogue, env, whole_queries)
+        return env[prog.outputs[0]]
+
+    return chunk
+
+
+# --------------------------------------------------------------------------------------------
+# The schedule as a tick table, and its buffer slots
+
+
+def ticks(schedule: str, stages: int, microbatches: int,
+          virtual: int = 1) -> tuple[tuple[Action | None, ...], ...]:
+    """The schedule as ticks: per tick, the action each device stage runs (None: idle).
+
+    Every stage runs its `device_orders` in order, each action at the first tick at which its
+    input has arrived: a forward one tick or more after the previous chunk's forward, a
+    backward after the next chunk's backward (and its own forward).
+
+    >>> for row in ticks("1f1b", stages=2, microbatches=3):
+    ...     print(" ".join(f"{a.kind}{a.microbatch}" if a else "--" for a in row))
+    F0 --
+    F1 F0
+    -- B0
+    B0 F1
+    F2 B1
+    B1 F2
+    -- B2
+    B2 --
+    """
+    orders = device_orders(schedule, stages, microbatches, virtual)
+    chunks = stages * virtual
+    done: dict[Action, int] = {}
+    pos = [0] * stages
+    rows: list[tuple[Action | None, ...]] = []
+
+    def ready(a: Action, t: int) -> bool:
+        if a.kind == "F":
+            return a.chunk == 0 or done.get(Action("F", a.microbatch, a.chunk - 1), t) < t
+        return (a.chunk == chunks - 1
+                or done.get(Action("B", a.microbatch, a.chunk + 1), t) < t)
+
+    while any(p < len(o) for p, o in zip(pos, orders)):
+        t = len(rows)
+        row = tuple(o[p] if p < len(o) and ready(o[p], t) else None for p, o in zip(pos, orders))
+        assert any(row), f"{schedule}: no stage can move at tick {t}"
+        for s, a in enumerate(row):
+            if a is not None:
+                done[a] = t
+                pos[s] += 1
+        rows.append(row)
+    return tuple(rows)
+
+
+class _Slots(NamedTuple):
+    """Buffer slots from the tick table, per tick and stage (arrays ``[ticks, stages]``).
+
+    A stage keeps a received activation (its chunk's input) from the tick it arrives until its
+    forward (until its backward, with recomputation), a received cotangent (the gradient of its
+    chunk's output) until its backward, and a forward's residuals (per kind: middle or last
+    chunk) until its backward. Index ``n`` of a receive buffer of ``n`` slots is scratch:
+    stages that receive nothing at a tick write there.
+
+    Attributes:
+      activation_read, cotangent_read, residual: the slot the action at a tick reads (a
+        forward stores its residuals at `residual`, its backward reads them there).
+      activation_recv, cotangent_recv: the slot a value received at a tick goes to.
+      counts: slots per buffer: ``activations``, ``cotangents``, ``residuals`` (a middle
+        chunk's) and ``last_residuals`` (the last chunk's).
+    """
+
+    activation_read: np.ndarray
+    activation_recv: np.ndarray
+    cotangent_read: np.ndarray
+    cotangent_recv: np.ndarray
+    residual: np.ndarray
+    counts: dict[str, int]
+
+
+def _slots(rows: Sequence[Sequence[Action | None]], stages: int, chunks: int,
+           recompute: bool) -> _Slots:
+    done = {a: t for t, row in enumerate(rows) for a in row if a is not None}
+    shape = (len(rows), stages)
+    activation_read, activation_recv, cotangent_read, cotangent_recv, residual = (
+        np.zeros(shape, np.int32) for _ in range(5))
+    # (buffer, stage) -> (the tick a value arrives, the tick it is read last, the action)
+    spans: dict[tuple[str, int], list[tuple[int, int, Action]]] = {}
+    for a, t in done.items():
+        stage, mb, chunk = a.chunk % stages, a.microbatch, a.chunk
+        if a.kind == "F" and chunk > 0:
+            end = done[Action("B", mb, chunk)] if recompute else t
+            spans.setdefault(("activations", stage), []).append(
+                (done[Action("F", mb, chunk - 1)], end, a))
+        if a.kind == "B" and chunk < chunks - 1:
+            spans.setdefault(("cotangents", stage), []).append(
+                (done[Action("B", mb, chunk + 1)], t, a))
+        if a.kind == "F" and not recompute:
+            buffer = "last_residuals" if chunk == chunks - 1 else "residuals"
+            spans.setdefault((buffer, stage), []).append((t, done[Action("B", mb, chunk)], a))
+    counts = {k: 0 for k in ("activations", "cotangents", "residuals", "last_residuals")}
+    slot_of: dict[tuple[str, Action], int] = {}
+    for (buffer, _), span in spans.items():
+        free: list[int] = []  # per slot, the tick from which it is free
+        for start, end, a in sorted(span):
+            k = next((k for k, f in enumerate(free) if f <= start), len(free))
+            free[k:k + 1] = [end]
+            slot_of[buffer, a] = k
+        counts[buffer] = max(counts[buffer], len(free))
+    activation_recv[:], cotangent_recv[:] = counts["activations"], counts["cotangents"]  # scratch
+    for a, t in done.items():
+        stage, mb, chunk = a.chunk % stages, a.microbatch, a.chunk
+        if a.kind == "F" and chunk > 0:
+            activation_read[t, stage] = slot_of["activations", a]
+            activation_recv[done[Action("F", mb, chunk - 1)], stage] = slot_of["activations", a]
+        if a.kind == "B" and chunk > 0 and recompute:
+            activation_read[t, stage] = slot_of["activations", Action("F", mb, chunk)]
+        if a.kind == "B" and chunk < chunks - 1:
+            cotangent_read[t, stage] = slot_of["cotangents", a]
+            cotangent_recv[done[Action("B", mb, chunk + 1)], stage] = slot_of["cotangents", a]
+        if not recompute:
+            buffer = "last_residuals" if chunk == chunks - 1 else "residuals"
+            residual[t, stage] = slot_of[buffer, Action("F", mb, chunk)]
+    return _Slots(activation_read, activation_recv, cotangent_read, cotangent_recv, residual,
+                  counts)
+
+
+# The columns of `_Tables.actions`: what the action a stage runs at a tick reads.
+_MICROBATCH, _LOCAL_CHUNK, _ACTIVATION_SLOT, _RESIDUAL_SLOT, _COTANGENT_SLOT = range(5)
+
+
+class _Tables(NamedTuple):
+    """The tick table as the arrays the tick loop reads (``T`` ticks, ``S`` stages).
+
+    Attributes:
+      keys: the kinds of action (`_key`) the schedule runs, in branch order.
+      kind: ``[T, S]``: which of `keys` each stage runs at each tick.
+      actions: ``[T, S, 5]``: its microbatch, local chunk, activation slot, residual slot and
+        cotangent slot (the columns `_MICROBATCH` ... `_COTANGENT_SLOT`).
+      activation_recv, cotangent_recv: ``[T, S]``: the slot a received activation
+        (cotangent) goes to.
+      sends: per direction (activations, cotangents), the distinct sets of ``(source,
+        target)`` stage pairs that send at one tick, and ``[T]``: which set sends at each tick
+        (0: none; k: ``sets[k - 1]``).
+    """
+
+    keys: tuple[tuple, ...]
+    kind: np.ndarray
+    actions: np.ndarray
+    activation_recv: np.ndarray
+    cotangent_recv: np.ndarray
+    sends: tuple[tuple[tuple[tuple[tuple[int, int], ...], ...], np.ndarray], ...]
+
+
+def _tables(rows: Sequence[Sequence[Action | None]], stages: int, chunks: int,
+            slots: _Slots) -> _Tables:
+    keys = tuple(sorted({_key(a, chunks) for row in rows for a in row}))
+    kind = np.array([[keys.index(_key(a, chunks)) for a in row] for row in rows], np.int32)
+    actions = np.zeros((len(rows), stages, 5), np.int32)
+    for t, row in enumerate(rows):
+        for s, a in enumerate(row):
+            if a is not None:
+                actions[t, s, _MICROBATCH] = a.microbatch
+                actions[t, s, _LOCAL_CHUNK] = a.chunk // stages
+                actions[t, s, _ACTIVATION_SLOT] = slots.activation_read[t, s]
+                actions[t, s, _RESIDUAL_SLOT] = slots.residual[t, s]
+                actions[t, s, _COTANGENT_SLOT] = slots.cotangent_read[t, s]
+    sends = []
+    for direction, step, keep in (("F", 1, lambda c: c < chunks - 1), ("B", -1, lambda c: c > 0)):
+        per_tick = [tuple((s, (s + step) % stages) for s, a in enumerate(row)
+                          if a is not None and a.kind == direction and keep(a.chunk))
+                    for row in rows]
+        sets = tuple(sorted({p for p in per_tick if p}))
+        sends.append((sets, np.array([sets.index(p) + 1 if p else 0 for p in per_tick],
+                                     np.int32)))
+    return _Tables(keys, kind, actions, slots.activation_recv, slots.cotangent_recv,
+                   tuple(sends))
+
+
+# --------------------------------------------------------------------------------------------
+# A pipelined strategy's step program (soapjax.apply.step)
+
+
+class PipelinedStep:
+    """The `soapjax.apply._shardings.StepProgram` of a pipelined strategy (`Strategy.pipelined`).
+
+    It runs on `pipelined_mesh` (the user's mesh, its outermost axis cut into ``stage``), its
+    configs are over one stage's mesh (`stage_mesh_shape`), its stacked layer parameters are
+    split over ``stage`` on their layer dim in the model's layout, and its loss and gradients
+    come from `pipelined_value_and_grad` with the strategy's stages, microbatches, schedule,
+    `layer_recompute` and the axes it splits the batch over as data axes (`batch_axes`).
+
+    Attributes:
+      check: the checked strategy.
+      mesh: the pipelined mesh the step runs on.
+      config_mesh: one stage's mesh, the configs'.
+    """
+
+    def __init__(self, check: Checked):
+        self.check = check
+        stages = check.strategy.stages
+        self.mesh = pipelined_mesh(check.mesh, stages, STAGE_AXIS)
+        self.config_mesh = stage_mesh_shape(MeshShape.of(check.mesh), stages)
+
+    def param_layout(self, shardings: list[NamedSharding]) -> list[NamedSharding]:
+        """The shardings of their specs, each stacked layer parameter's split over ``stage``
+        on its layer dim (unsplit in one stage's specs)."""
+        out = list(shardings)
+        for k in stacked_params(self.check.graph):
+            out[k] = NamedSharding(self.mesh, PartitionSpec(STAGE_AXIS, *out[k].spec[1:]))
+        return out
+
+    def value_and_grad(self, param_shardings: Any, batch_shardings: Any, *,
+                       allow_spatial_convolutions: bool = False
+                       ) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
+        """``(params, batch, step) -> (loss, grads)``, parameters and gradients in the model's
+        layout (stacked ``[L, ...]``): the parameters reshaped to the pipelined layout
+        (`to_pipelined`) and constrained to their shardings there
+        (`pipelined_layout_shardings` of `param_shardings`), `pipelined_value_and_grad`, the
+        gradients reshaped back (`from_pipelined`); uneven stages move them with
+        `stage_router` and its transpose instead. ``step`` is unused: a pipelined graph
+        draws no random bits (`check_pipelinable`). The batch arrives on `batch_shardings`.
+        Its stages run without per-operator constraints, so spatially split convolutions are
+        not refused here (a graph with a layer scan of convolutions is not a zoo model)."""
+        del batch_shardings, allow_spatial_convolutions
+        graph, strategy = self.check.graph, self.check.strategy
+        validate_program_inputs(graph)
+        stages, virtual = strategy.stages, strategy.virtual_stages
+        run = pipelined_value_and_grad(
+            graph, self.mesh, stages=stages, microbatches=strategy.microbatches,
+            virtual=virtual, schedule=strategy.schedule,
+            recompute=layer_recompute(graph, strategy), stage_axis=STAGE_AXIS,
+            data_axes=batch_axes(graph, strategy),
+            whole_query_attention=splits_queries(graph, strategy.configs),
+            stage_layers=strategy.stage_layers)
+        placed = jax.tree.leaves(pipelined_layout_shardings(
+            graph, self.mesh, param_shardings, stages=stages, virtual=virtual,
+            stage_axis=STAGE_AXIS))
+        route = (stage_router(graph, self.mesh, strategy.stage_layers, STAGE_AXIS)
+                 if strategy.stage_layers else None)
+
+        def value_and_grad(params: Any, batch: Any, step: Any = None) -> tuple[Any, Any]:
+            del step  # no random bits: see above
+            moved = (route(params) if route is not None else
+                     to_pipelined(graph, params, stages=stages, virtual=virtual))
+            leaves, tree = jax.tree.flatten(moved)
+            leaves = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(leaves, placed)]
+            loss, grads = run(jax.tree.unflatten(tree, leaves), batch)
+            if route is not None:  # the gradients back the way the parameters came
+                (grads,) = jax.linear_transpose(route, params)(grads)
+                return loss, grads
+            return loss, from_pipelined(graph, grads, stages=stages, virtual=virtual)
+
+        return value_and_grad
+
+
+# --------------------------------------------------------------------------------------------
+# The pipelined step
+
+
+def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microbatches: int,
+                             virtual: int = 1, schedule: ScheduleName = DEFAULT_SCHEDULE,
+                             recompute: RecomputePolicy = "none", stage_axis: str = "stage",
+                             data_axes: Sequence[str] = (), scatter_gather: bool = True,
+                             whole_query_attention: bool = False,
+                             stage_layers: tuple[int, ...] = ()
+                             ) -> Callable[[Any, Any], tuple[Any, Any]]:
+    """``(params, batch) -> (loss, grads)``: what ``jax.value_and_grad(loss_fn)`` computes, as
+    a pipeline over the mesh's `stage_axis` (module doc). Jit it.
+
+    Args:
+      graph: the traced loss (``trace(loss_fn, params, batch)``), its layers one scan.
+      mesh: the mesh; its `stage_axis` has `stages` devices, other axes are left automatic.
+      stages: S, the pipeline's stages.
+      microbatches: M; the batch size must be a multiple of it.
+      virtual: v, chunks per stage (the interleaved schedule: 2 or more).
+      schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (`soapjax.strategy.pipeline`).
+      recompute: ``"full"``: each chunk's backward recomputes its forward from
+        the chunk's input; ``"selective"``: a forward keeps the outputs of its layers' matmuls
+        without batch dims (projections, MLP) and the backward recomputes the rest, the
+        attention core included (``jax.checkpoint`` with ``dots_with_no_batch_dims_saveable``
+        around each layer); ``"none"`` (default): a forward keeps every
+        residual.
+      stage_axis: the mesh axis of the stages.
+      data_axes: the mesh axes the batch is split over (``("data",)``). Inside a stage each
+        of their device groups runs its own samples of every microbatch and keeps its own
+        share of the gradients, summed over the groups once after the last backward (module
+        doc). Empty: the stages run whole microbatches, and XLA reduces the layers'
+        gradients over the batch's axes in every backward. Name every axis the batch is
+        split over: the other automatic axes are taken as model axes the values sent between
+        stages are replicated over (`scatter_gather`).
+      scatter_gather: Megatron-LM's scatter/gather of the values sent between stages (its
+        ``--no-scatter-gather-tensors-in-pipeline`` turns it off): each replica over the
+        automatic axes sends its piece, the receiver all-gathers them (module doc). False:
+        each sends the whole value.
+      whole_query_attention: bind every flash attention equation with its queries as one
+        block, every tile computed (`_run_in_stage`): for a plan that splits attention's
+        query sequence, which XLA's partitioner runs inside the stages.
+      stage_layers: uneven stages (one virtual stage): the layers each runs, first to last;
+        the parameters then come in `_pipeline_layout.stage_router`'s layout, each stage's
+        run padded to the longest, and so do the gradients.
+
+    Returns:
+      The function. It takes the parameters in the pipelined layout (`to_pipelined`; place
+      them with `pipelined_layout_shardings`) and the batch, and returns the loss and the
+      gradients in the pipelined layout.
+
+    Raises:
+      PlanError: the graph has no layer scan (or one that cannot be pipelined, module doc),
+        draws random bits, its layers do not divide into ``S v`` chunks, the batch into M
+        microbatches, the schedule's numbers do not make a pipeline, or `data_axes` are not
+        axes of the mesh besides `stage_axis`.
+    """
+    if recompute not in RECOMPUTE_POLICIES:
+        raise PlanError(f"recompute={recompute!r}: expected one of {RECOMPUTE_POLICIES}")
+    check_stage_axis(mesh, stages, stage_axis)
+    check_pipelinable(graph, stages=stages, microbatches=microbatches, virtual=virtual,
+                      schedule=schedule, stage_layers=stage_layers)
+    outer = _cut(graph.at_batch_size(graph.batch_size // microbatches))
+    cut, groups = _data_groups(graph, outer, mesh, microbatches, data_axes, stage_axis)
+    rows = ticks(schedule, stages, microbatches, virtual)
+    pipe = _Pipeline(outer, cut, groups, mesh, stage_axis, stages, virtual, microbatches, rows,
+                     recompute, data_axes, scatter_gather, whole_query_attention,
+                     tuple(stage_layers))
+    return pipe.value_and_grad
+
+
+def _split(x: Any, microbatches: int) -> Any:
+    """``[B, ...] -> [M, B / M, ...]``, microbatch k holding samples k, k + M, ..."""
+    m = microbatches
+    return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+
+
+def _row(buffer: Any, i: Any) -> Any:
+    """``buffer[i]``, `i` traced."""
+    return jax.lax.dynamic_index_in_dim(buffer, i, 0, keepdims=False)
+
+
+def _with_row(buffer: Any, i: Any, value: Any) -> Any:
+    """`buffer` with ``buffer[i] = value`` (in the buffer's dtype), `i` traced."""
+    return jax.lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), i, 0)
+
+
+def _add_to_row(buffer: Any, i: Any, value: Any) -> Any:
+    """`buffer` with ``buffer[i] += value``, `i` traced."""
+    return _with_row(buffer, i, _row(buffer, i) + value)
+
+
+class _ChunkFn(NamedTuple):
+    """A chunk function, ``(chunk params, floats, others, carry) -> carry`` (middle chunks) or
+    ``-> loss`` (the last, with the epilogue), and the ids of the values it reads: floats
+    (differentiated) and others."""
+
+    fn: Callable
+    floats: tuple[int, ...]
+    others: tuple[int, ...]
+
+
+class _Residuals(NamedTuple):
+    """How a forward's ``jax.vjp`` closure is kept: its pytree structure, for each leaf the
+    index of the input it is (kept where the stage holds it anyway) or None (stored), and the
+    stored leaves' shapes."""
+
+    tree: Any
+    spec: tuple[int | None, ...]
+    stored: tuple[jax.ShapeDtypeStruct, ...]
+
+
+class _Pipeline:
+    """The pieces of one pipelined step (`pipelined_value_and_grad`): `outer` is the program
+    at a microbatch's size (the prologue's), `cut` at one data group's share of it (the
+    stages')."""
+
+    def __init__(self, outer: _Cut, cut: _Cut, groups: _Groups, mesh: Mesh, stage_axis: str,
+                 stages: int, virtual: int, microbatches: int,
+                 rows: Sequence[Sequence[Action | None]], recompute: RecomputePolicy,
+                 data_axes: Sequence[str] = (), scatter_gather: bool = True,
+                 whole_query_attention: bool = False, stage_layers: tuple[int, ...] = ()):
+        self.outer, self.cut, self.groups = outer, cut, groups
+        self.stage_layers = stage_layers  # uneven stages: the layers each runs
+        self.mesh, self.stage_axis = mesh, stage_axis
+        self.split_axes = _split_axes(mesh, stage_axis, data_axes, groups, scatter_gather)
+        self.stages, self.microbatches, self.chunks = stages, microbatches, stages * virtual
+        self.rows = rows
+        self.full_recompute = recompute == "full"  # keep chunk inputs, not residuals
+        self.selective = recompute == "selective"
+        self.whole_queries = whole_query_attention
+        self.slots = _slots(rows, stages, self.chunks, self.full_recompute)
+        self.tables = _tables(rows, stages, self.chunks, self.slots)
+        program = cut.program
+        self.is_float = {v: bool(jnp.issubdtype(program.jax_dtypes[v], jnp.inexact))
+                         for v in cut.shared + cut.per_mb}
+        self.where = {v: ("shared", k) for k, v in enumerate(cut.shared)}
+        self.where.update({v: ("mb", k) for k, v in enumerate(cut.per_mb)})
+        self.carry_positions = tuple(cut.per_mb.index(v) for v in cut.scan.carries[0])
+        self.loss_dtype = program.jax_dtypes[program.outputs[0]]
+        self.chunk_fns = {last: self._make_chunk_fn(last) for last in (False, True)}
+
+    def _make_chunk_fn(self, last: bool) -> _ChunkFn:
+        """The function of a middle chunk, or with `last` of the last one."""
+        reads = set(self.cut.layer_reads) | (set(self.cut.epilogue_reads) if last else set())
+        values = self.cut.shared + self.cut.per_mb
+        floats = tuple(v for v in values if v in reads and self.is_float[v])
+        others = tuple(v for v in values if v in reads and not self.is_float[v])
+        fn = _chunk_fn(self.cut, last, floats + others, self.selective, self.whole_queries,
+                       counted=bool(self.stage_layers))
+        if self.stage_layers:  # the count rides last among the others (`_inputs`)
+            return _ChunkFn(lambda p, f, o, carry: fn(p, [*f, *o[:-1]], carry, o[-1]),
+                            floats, others)
+        return _ChunkFn(lambda p, f, o, carry: fn(p, [*f, *o], carry), floats, others)
+
+    # ---- outside the pipeline: prologue, split and gather
+
+    def value_and_grad(self, params: Any, batch: Any) -> tuple[Any, Any]:
+        cut = self.cut
+        leaves, tree = jax.tree.flatten(params)
+        stacked = [leaves[k] for k in cut.stacked]
+        other = [x for k, x in enumerate(leaves) if k not in cut.stacked]
+        micro = [_split(x, self.microbatches) for x in jax.tree.leaves(batch)]
+        prologue = _prologue_fn(self.outer)
+
+        def by_kind(values: list, is_float: list[bool]) -> tuple[list, list]:
+            return ([x for x, f in zip(values, is_float) if f],
+                    [x for x, f in zip(values, is_float) if not f])
+
+        def run_prologue(other_params: list) -> tuple:
+            shared, per_mb = jax.vmap(prologue, in_axes=(None, 0), out_axes=(None, 0))(
+                other_params, micro)
+            shared_floats, shared_others = by_kind(shared, self._floats("shared"))
+            mb_floats, mb_others = by_kind(per_mb, self._floats("mb"))
+            return (shared_floats, mb_floats), (shared_others, mb_others)
+
+        (shared_floats, mb_floats), prologue_vjp, (shared_others, mb_others) = jax.vjp(
+            run_prologue, other, has_aux=True)
+        loss, grads, d_shared, d_mb = self._shard_map()(
+            stacked, shared_floats, shared_others, mb_floats, mb_others)
+        (d_other,) = prologue_vjp(([x.sum(0) for x in d_shared], [x.sum(0) for x in d_mb]))
+        by_position, rest = dict(zip(cut.stacked, grads)), iter(d_other)
+        out = [by_position[k] if k in by_position else next(rest) for k in range(len(leaves))]
+        return loss.sum(), jax.tree.unflatten(tree, out)
+
+    def _shard_map(self) -> Callable:
+        """`_stage_program` manual over the stage axis and the data groups' axes: per stage,
+        its loss, its chunks' parameter gradients and the cotangents of what the prologue
+        handed it (shared, per microbatch)."""
+        axis = self.stage_axis
+        mb_floats, mb_others = self._mb_specs((None,))
+        d_mb, _ = self._mb_specs((axis, None))
+        return jax.shard_map(
+            self._stage_program, mesh=self.mesh, axis_names={axis, *self.groups.axes},
+            in_specs=(PartitionSpec(None, axis), PartitionSpec(), PartitionSpec(), mb_floats,
+                      mb_others),
+            out_specs=(PartitionSpec(axis), PartitionSpec(None, axis), PartitionSpec(axis),
+                       d_mb),
+            # The program's equations are bound as traced, literals and all, which the
+            # varying-axes check refuses ("div requires varying manual axes to match").
+            check_vma=False)
+
+    def _mb_specs(self, lead: tuple) -> tuple[list, list]:
+        """The specs of the per-microbatch floats and others (``[M, ...]``, after `lead`'s
+        dims): their samples split over the data axes, so each data group gets its own."""
+        data = self.groups.axes or None
+        shapes = [self.cut.program.shapes[v] for v in self.cut.per_mb]
+        specs = [PartitionSpec(*lead, *(data if k == dim else None for k in range(len(shape))))
+                 for shape, dim in zip(shapes, self.groups.batch_dims)]
+        floats = self._floats("mb")
+        return ([s for s, f in zip(specs, floats) if f],
+                [s for s, f in zip(specs, floats) if not f])
+
+    # ---- inside: one stage's program
+
+    def _stage_program(self, stacked: list, shared_floats: list, shared_others: list,
+                       mb_floats: list, mb_others: list) -> tuple:
+        # What one stage holds, kept on self while the program is traced (the branches read it).
+        self.stacked = [x[:, 0] for x in stacked]  # [v, L / C, ...]: this stage's
+        self.values = {"shared": _merge(shared_floats, shared_others, self._floats("shared")),
+                       "mb": _merge(mb_floats, mb_others, self._floats("mb"))}
+        self.stage = jax.lax.axis_index(self.stage_axis)
+        self.residuals = ({} if self.full_recompute else
+                          {last: self._probe(chunk) for last, chunk in self.chunk_fns.items()})
+        state = self._initial_state(shared_floats, mb_floats)
+        state = jax.lax.fori_loop(0, len(self.rows), self._tick, state)
+        loss, grads, d_shared = state["loss"], state["param_grads"], state["d_shared"]
+        if self.groups.axes:  # each data group's share, summed once per step (module doc)
+            loss, grads, d_shared = jax.lax.psum((loss, grads, d_shared), self.groups.axes)
+        return (loss[None], [g[:, None] for g in grads], [x[None] for x in d_shared],
+                [x[None] for x in state["d_mb"]])
+
+    def _floats(self, where: str) -> list[bool]:
+        ids = self.cut.shared if where == "shared" else self.cut.per_mb
+        return [self.is_float[v] for v in ids]
+
+    def _inputs(self, chunk: _ChunkFn, microbatch: Any,
+                local_chunk: Any) -> tuple[list, list, list]:
+        """The parameters of the stage's `local_chunk`, and the float and other values
+        `chunk` reads for `microbatch`."""
+        def value(v):
+            where, k = self.where[v]
+            x = self.values[where][k]
+            return x if where == "shared" else _row(x, microbatch)
+
+        others = [value(v) for v in chunk.others]
+        if self.stage_layers:  # the layers this stage runs (one chunk a stage)
+            others.append(jnp.asarray(self.stage_layers, jnp.int32)[self.stage])
+        return ([_row(p, local_chunk) for p in self.stacked], [value(v) for v in chunk.floats],
+                others)
+
+    def _carry_shapes(self) -> list[jax.ShapeDtypeStruct]:
+        program = self.cut.program
+        return [jax.ShapeDtypeStruct(program.shapes[v], program.jax_dtypes[v])
+                for v in self.cut.scan.carries[0]]
+
+    def _zeros(self, shapes: Sequence[Any], lead: tuple[int, ...] = ()) -> list:
+        return [jnp.zeros(lead + tuple(s.shape), s.dtype) for s in shapes]
+
+    def _probe(self, chunk: _ChunkFn) -> _Residuals:
+        """The residuals of a forward of `chunk` (traced once, abstractly)."""
+        params, floats, others = self._inputs(chunk, 0, 0)
+        carry = tuple(self._zeros(self._carry_shapes()))
+        found = {}
+
+        def probe(params, floats, others, carry):
+            found["tree"], found["spec"], stored = self._vjp(chunk, params, floats, others,
+                                                             carry)[1:]
+            return stored
+
+        shapes = jax.eval_shape(probe, params, floats, others, carry)
+        return _Residuals(found["tree"], found["spec"], tuple(shapes))
+
+    def _vjp(self, chunk: _ChunkFn, params, floats, others, carry) -> tuple[Any, Any, tuple, list]:
+        """The forward's output, the vjp closure's tree, its spec and the leaves to store."""
+        out, vjp = jax.vjp(lambda p, f, x: chunk.fn(p, f, others, x), params, floats, carry)
+        leaves, tree = jax.tree.flatten(vjp)
+        held = [*params, *floats, *others]
+        spec = tuple(next((k for k, h in enumerate(held) if h is leaf), None) for leaf in leaves)
+        return out, tree, spec, [leaf for leaf, k in zip(leaves, spec) if k is None]
+
+    def _initial_state(self, shared_floats: list, mb_floats: list) -> dict[str, Any]:
+        """The tick loop's state: the receive buffers (``activations``, ``cotangents``, a slot
+        more than `_Slots.counts` for scratch), the residual slots per kind of chunk, and the
+        sums: the parameters' gradients, the cotangents of what the prologue handed the stage,
+        the loss."""
+        carry = self._carry_shapes()
+        counts = self.slots.counts
+        return {
+            "activations": self._zeros(carry, (counts["activations"] + 1,)),
+            "cotangents": self._zeros(carry, (counts["cotangents"] + 1,)),
+            "residuals": {
+                last: self._zeros(kept.stored,
+                                  (max(counts["last_residuals" if last else "residuals"], 1),))
+                for last, kept in self.residuals.items()},
+            "param_grads": self._zeros(self.stacked),
+            "d_shared": self._zeros(shared_floats),
+            "d_mb": self._zeros(mb_floats),
+            "loss": jnp.zeros((), self.loss_dtype),
+        }
+
+    def _tick(self, tick: Any, state: dict) -> dict:
+        """One tick: every stage's action (a switch on the stage's kind), then the transfers:
+        per direction, the ppermute over the pairs that send at this tick (a switch on the
+        tick: every device takes the same branch, so the collective is well formed)."""
+        tables = self.tables
+        branches = [self._branch(key) for key in tables.keys]
+        action = jnp.asarray(tables.actions)[tick, self.stage]
+        if len(branches) == 1:
+            state, sent_forward, sent_back = branches[0](state, action)
+        else:
+            which = jnp.asarray(tables.kind)[tick, self.stage]
+            state, sent_forward, sent_back = jax.lax.switch(which, branches, state, action)
+        for (sets, sending), buffer, recv, value, name in zip(
+                tables.sends, ("activations", "cotangents"),
+                (tables.activation_recv, tables.cotangent_recv), (sent_forward, sent_back),
+                ("pipeline_activations", "pipeline_gradients")):
+            if not sets:
+                continue
+            moves = [self._none_like] + [self._permute(pairs, name) for pairs in sets]
+            got = jax.lax.switch(jnp.asarray(sending)[tick], moves, value)
+            slot = jnp.asarray(recv)[tick, self.stage]
+            state = {**state, buffer: [_with_row(b, slot, x) for b, x in zip(state[buffer], got)]}
+        return state
+
+    def _permute(self, pairs: tuple[tuple[int, int], ...], name: str) -> Callable:
+        """The ppermute over `pairs`, each value sent in the pieces of the scatter/gather rule
+        (module doc, `_send_spec`) and made whole again on arrival."""
+        def move(value: tuple) -> tuple:
+            with jax.named_scope(name):
+                specs = [_send_spec(np.shape(x), self.split_axes) for x in value]
+                return tuple(self._send(x, s, pairs) for x, s in zip(value, specs))
+
+        return move
+
+    def _send(self, x: Any, spec: PartitionSpec | None,
+              pairs: tuple[tuple[int, int], ...]) -> Any:
+        """`x` sent over `pairs`: whole, or with `spec` (`_send_spec`) each replica's piece
+        over its own link, then all-gathered (module doc)."""
+        if spec is None:
+            return jax.lax.ppermute(x, self.stage_axis, list(pairs))
+        replicated = PartitionSpec()
+        piece = jax.shard_map(lambda y: jax.lax.ppermute(y, self.stage_axis, list(pairs)),
+                              mesh=jax.sharding.get_abstract_mesh(), in_specs=spec,
+                              out_specs=spec, axis_names={a for a, _ in self.split_axes},
+                              check_vma=False)(_constrain(_constrain(x, replicated), spec))
+        return _constrain(piece, replicated)
+
+    def _none_like(self, value: tuple) -> tuple:
+        return self._none()
+
+    def _branch(self, key: tuple) -> Callable:
+        if key[0] == "idle":
+            return self._idle
+        kind, first, last = key
+        step = self._forward if kind == "F" else self._backward
+        return lambda state, action: step(state, action, first, last)
+
+    def _none(self) -> tuple:
+        return tuple(self._zeros(self._carry_shapes()))
+
+    def _idle(self, state: dict, action: Any) -> tuple[dict, tuple, tuple]:
+        return state, self._none(), self._none()
+
+    def _chunk_input(self, state: dict, action: Any, first: bool) -> tuple:
+        """The carry the chunk of `action` starts from: the prologue's for the first chunk,
+        else the activation received into its slot."""
+        if first:
+            return tuple(_row(self.values["mb"][k], action[_MICROBATCH])
+                         for k in self.carry_positions)
+        return tuple(_row(b, action[_ACTIVATION_SLOT]) for b in state["activations"])
+
+    def _forward(self, state: dict, action: Any, first: bool, last: bool):
+        chunk = self.chunk_fns[last]
+        params, floats, others = self._inputs(chunk, action[_MICROBATCH], action[_LOCAL_CHUNK])
+        carry = self._chunk_input(state, action, first)
+        if self.full_recompute:
+            out = chunk.fn(params, floats, others, carry)
+        else:
+            out, _, spec, stored = self._vjp(chunk, params, floats, others, carry)
+            assert spec == self.residuals[last].spec, "the forward saves what the probe saw"
+            slot = action[_RESIDUAL_SLOT]
+            state = {**state, "residuals": {**state["residuals"], last: [
+                _with_row(b, slot, v) for b, v in zip(state["residuals"][last], stored)]}}
+        if last:
+            share = self.microbatches * self.groups.count
+            return ({**state, "loss": state["loss"] + out.astype(self.loss_dtype) / share},
+                    self._none(), self._none())
+        return state, tuple(out), self._none()
+
+    def _backward(self, state: dict, action: Any, first: bool, last: bool):
+        chunk = self.chunk_fns[last]
+        microbatch, local_chunk = action[_MICROBATCH], action[_LOCAL_CHUNK]
+        vjp = self._pullback(state, action, first, last)
+        if last:
+            # the loss is the mean over microbatches and data groups of theirs
+            cotangent = jnp.full((), 1 / (self.microbatches * self.groups.count),
+                                 self.loss_dtype)
+        else:
+            cotangent = tuple(_row(b, action[_COTANGENT_SLOT]) for b in state["cotangents"])
+        d_params, d_floats, d_carry = vjp(cotangent)
+        state = {**state, "param_grads": [_add_to_row(g, local_chunk, d)
+                                          for g, d in zip(state["param_grads"], d_params)]}
+        state = self._accumulate(state, microbatch, zip(chunk.floats, d_floats))
+        if first:  # the gradient of the layers' input goes back to the prologue
+            state = self._accumulate(state, microbatch, zip(self.cut.scan.carries[0], d_carry))
+            return state, self._none(), self._none()
+        return state, self._none(), tuple(d_carry)
+
+    def _pullback(self, state: dict, action: Any, first: bool, last: bool) -> Callable:
+        """The chunk's vjp closure: recomputed from its input, or rebuilt from the residuals
+        its forward kept (and the inputs the stage holds anyway)."""
+        chunk = self.chunk_fns[last]
+        params, floats, others = self._inputs(chunk, action[_MICROBATCH], action[_LOCAL_CHUNK])
+        if self.full_recompute:
+            carry = self._chunk_input(state, action, first)
+            return jax.vjp(lambda p, f, x: chunk.fn(p, f, others, x), params, floats, carry)[1]
+        kept = self.residuals[last]
+        held = [*params, *floats, *others]
+        stored = iter(_row(b, action[_RESIDUAL_SLOT]) for b in state["residuals"][last])
+        return jax.tree.unflatten(kept.tree, [held[k] if k is not None else next(stored)
+                                              for k in kept.spec])
+
+    def _accumulate(self, state: dict, microbatch: Any, cotangents) -> dict:
+        """Adds the cotangents of values the prologue made: to the shared ones', or to
+        `microbatch`'s."""
+        d_shared, d_mb = list(state["d_shared"]), list(state["d_mb"])
+        shared = {v: k for k, v in enumerate(self._float_ids("shared"))}
+        per_mb = {v: k for k, v in enumerate(self._float_ids("mb"))}
+        for v, d in cotangents:
+            if v in shared:
+                d_shared[shared[v]] = d_shared[shared[v]] + d
+            else:
+                d_mb[per_mb[v]] = _add_to_row(d_mb[per_mb[v]], microbatch, d)
+        return {**state, "d_shared": d_shared, "d_mb": d_mb}
+
+    def _float_ids(self, where: str) -> list[int]:
+        ids = self.cut.shared if where == "shared" else self.cut.per_mb
+        return [v for v in ids if self.is_float[v]]
+
+
+def _merge(floats: Sequence[Any], others: Sequence[Any], is_float: Sequence[bool]) -> list:
+    """Floats and others back in one list, in the order `is_float` says."""
+    f, o = iter(floats), iter(others)
+    return [next(f) if b else next(o) for b in is_float]
+
+
+def _key(a: Action | None, chunks: int) -> tuple:
+    """The kind of branch an action runs: idle, or (F or B, first chunk, last chunk)."""
+    if a is None:
+        return ("idle",)
+    return (a.kind, a.chunk == 0, a.chunk == chunks - 1)

@@ -1,0 +1,214 @@
+"""The operator graph's records: operators, their operands and outputs, dim roles.
+
+Frozen, hashable metadata that every later stage reads (`soapjax.graph.opgraph` builds them, and
+re-exports them: import them from there). See `soapjax.graph.opgraph` for how they are made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+from soapjax.base._dtypes import itemsize
+
+Role = Literal["S", "A", "P", "-"]
+OperandKind = Literal["activation", "param", "batch", "const"]
+# Anchors whose operator holds a loop: its body's communication, if split, is per iteration.
+LOOP_ANCHORS = ("scan", "while")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReductionDim:
+    """A splittable reduction dim of an operator (splitting it leaves partial sums).
+
+    Attributes:
+      size: its extent.
+      role: the role of the dim it reduces (``P`` for a matmul's contracting dim against a
+        weight, ``S`` for a loss's mean over the batch, ``A`` otherwise).
+    """
+
+    size: int
+    role: Role
+
+
+class _Tensor:
+    """What `Operand` and `OutputTensor` share: their bytes, from the global shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand(_Tensor):
+    """One input of an operator.
+
+    Attributes:
+      kind: ``activation`` (another operator's output), ``param``, ``batch`` or ``const``.
+      source: the producing operator's name, or the pytree path of the parameter/batch leaf.
+      index: for an activation, which of the producer's `outputs` it is; else 0.
+      shape: its global shape.
+      dtype: its dtype name.
+      dims: for each of its dims, the operator's iteration dim it follows, or None when every
+        device needs it whole along that dim.
+      value: the value's id in the traced program (used to evaluate and constrain it).
+      layer: for one layer's slice of a stacked parameter (a scan over layers), its index
+        along the stacked leading dims; `source` then ends with it (``...['kernel'][3]``),
+        and `shape` is the slice's.
+      outside: the operator's reduction dims (iteration dims) its value does not flow into,
+        as a bias added after the matmul: where a config splits only such dims, the operand's
+        cotangent is whole, not a partial sum (XLA all-reduces the matmul's partial sums
+        before the add).
+    """
+
+    kind: OperandKind
+    source: str
+    index: int
+    shape: tuple[int, ...]
+    dtype: str
+    dims: tuple[int | None, ...]
+    value: int
+    layer: tuple[int, ...] = ()
+    outside: tuple[int, ...] = ()
+
+    @property
+    def leaf_path(self) -> str:
+        """The pytree path of the parameter or batch leaf (without the layer index)."""
+        suffix = "".join(f"[{i}]" for i in self.layer)
+        return self.source[: len(self.source) - len(suffix)] if suffix else self.source
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputTensor(_Tensor):
+    """A value an operator hands to other operators (or returns from the function).
+
+    Attributes:
+      shape: global shape.
+      dtype: dtype name.
+      dims: for each dim, the operator's iteration dim it follows, or None (replicated).
+      value: the value's id in the traced program.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    dims: tuple[int | None, ...]
+    value: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Operator:
+    """One node of the operator graph.
+
+    Attributes:
+      name: unique name from the Flax module path, e.g. ``layers_3/mlp/fc1``.
+      module: the module path alone ('' for code outside any module).
+      anchor: the primitive the operator is built around.
+      shape: the shape of its (primary) output, `outputs[0]`.
+      dtype: the dtype of that output.
+      roles: one role per output dim.
+      reduction_dims: its splittable reduction dims; iteration dim ``len(shape) + k`` is
+        ``reduction_dims[k]``.
+      flops: forward FLOPs.
+      bytes_accessed: bytes read and written by the fused operator (operands and outputs).
+      inputs: its operands, activations first in program order.
+      outputs: the values it exports; `outputs[0]` is the primary output.
+      num_equations: how many (inlined) equations were grouped into it.
+      replicate_only: built around a primitive soapjax does not understand: never split.
+      block_position: for an operator of one iteration of a scan over layers, its name with
+        the layer index replaced by ``*`` (``layers_*/fc1``): the operators of the same
+        position in every layer, which share one config (the paper's repeated blocks); ''
+        otherwise.
+      granularity: for each iteration dim, the greatest common divisor of the extents it
+        takes inside the operator (rotary embeddings slice a head dim of 8 into halves of 4:
+        4); a split must divide it, or the shards would need data from each other. () means
+        `iteration_sizes`.
+    """
+
+    name: str
+    module: str
+    anchor: str
+    shape: tuple[int, ...]
+    dtype: str
+    roles: tuple[Role, ...]
+    reduction_dims: tuple[ReductionDim, ...]
+    flops: float
+    bytes_accessed: float
+    inputs: tuple[Operand, ...]
+    outputs: tuple[OutputTensor, ...]
+    num_equations: int
+    replicate_only: bool = False
+    block_position: str = ""
+    granularity: tuple[int, ...] = ()
+
+    @property
+    def split_sizes(self) -> tuple[int, ...]:
+        """The sizes a split's degree must divide, per iteration dim (see `granularity`)."""
+        return self.granularity or self.iteration_sizes
+
+    @property
+    def iteration_sizes(self) -> tuple[int, ...]:
+        """Sizes of the iteration dims: output dims, then reduction dims."""
+        return self.shape + tuple(r.size for r in self.reduction_dims)
+
+    @property
+    def iteration_roles(self) -> tuple[str, ...]:
+        """Roles of the iteration dims; reduction dims read ``R``."""
+        return self.roles + ("R",) * len(self.reduction_dims)
+
+    @property
+    def computation(self) -> tuple:
+        """What the operator computes, as far as its record tells, short of tracing it: its
+        anchor, iteration dims and split sizes, FLOPs, bytes, equation count and its operands'
+        and outputs' kinds, shapes, dtypes and dims. Two operators of a repeated block with
+        equal `computation` are priced and simulated as one (`soapjax.cost.operators`'s kernels,
+        `soapjax.simulate._flatsim`'s views); the layers' `block_position` alone does not say that
+        (layer 0's first norm reads the embeddings, the next layers' add a residual and
+        a dropout to theirs)."""
+        return (self.anchor, self.iteration_sizes, self.iteration_roles, self.granularity,
+                self.replicate_only, self.flops, self.bytes_accessed, self.num_equations,
+                tuple((x.kind, x.shape, x.dtype, x.dims, x.outside) for x in self.inputs),
+                tuple((x.shape, x.dtype, x.dims) for x in self.outputs))
+
+    @property
+    def is_loop(self) -> bool:
+        """Built around a loop (``scan``, ``while``): an LSTM layer, say."""
+        return self.anchor in LOOP_ANCHORS
+
+    @property
+    def divisible_dims(self) -> tuple[int, ...]:
+        """The iteration dims a config may split.
+
+        A loop operator splits only its sample dims. Splitting any other dim (an LSTM's hidden
+        dim, its input contraction) makes XLA communicate inside the loop body at every step:
+        on rnnlm (tiny, 8 CPU devices, hidden split 4 ways) one step moved 449 KB where the
+        operator-level model sees 52 KB (`soapjax check`), since the partial sums, gate
+        relayouts and weight gradients are all synchronised per iteration. The simulator does
+        not price communication inside an operator, so the space leaves those splits out.
+        """
+        if self.replicate_only:
+            return ()
+        return tuple(i for i, (r, s) in enumerate(zip(self.iteration_roles, self.split_sizes))
+                     if r != "-" and s > 1 and (r == "S" or not self.is_loop))
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        """Pytree paths of the parameters it reads."""
+        return tuple(o.source for o in self.inputs if o.kind == "param")
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(o.nbytes for o in self.inputs if o.kind == "param")
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafInfo:
+    """A parameter or batch leaf of the traced function: pytree path, shape, dtype."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    value: int

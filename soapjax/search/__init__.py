@@ -1,0 +1,61 @@
+"""Stage 7, the execution optimizer: Metropolis-Hastings chains over strategies, scored by the
+simulator, and the plan entry point.
+
+- `find`: the entry (`find_plan`, `search`): the starts, the chains within the budget, the plan.
+- `_chain`: one chain, its moves and its acceptance rule (`SearchSettings`).
+- `grids`: Megatron's grid as the search scores it (`soapjax.strategy.baselines.GridPoint`s).
+- `pipelines`: the pipelines tried, their grids and the chains of the best.
+- `stages`: stage balancing, uneven stages where the step is faster.
+- `optimality`: the paper's optimality checks (section 8.4).
+- `_clock`: deadlines of the time budget.
+"""
+
+from soapjax.search._chain import random_strategy as random_strategy
+from soapjax.search.find import (
+    MAX_BUDGET_S as MAX_BUDGET_S,
+    MAX_PROPOSALS as MAX_PROPOSALS,
+    Progress as Progress,
+    SearchResult as SearchResult,
+    SearchSettings as SearchSettings,
+    find_plan as find_plan,
+    make_simulation as make_simulation,
+    print_progress as print_progress,
+    search as search,
+)
+from soapjax.search.grids import (
+    CONTEXT_PARALLEL_MIN_TOKENS as CONTEXT_PARALLEL_MIN_TOKENS,
+    grid_degrees as grid_degrees,
+)
+from soapjax.search.optimality import (
+    exhaustive as exhaustive,
+    improving_change as improving_change,
+)
+from soapjax.search.pipelines import (
+    PIPELINE_GRID as PIPELINE_GRID,
+    interleave_choices as interleave_choices,
+    pipeline_grid as pipeline_grid,
+    stage_choices as stage_choices,
+)
+from soapjax.search.stages import balance_stages as balance_stages
+
+__all__ = [
+    "CONTEXT_PARALLEL_MIN_TOKENS",
+    "MAX_BUDGET_S",
+    "MAX_PROPOSALS",
+    "PIPELINE_GRID",
+    "Progress",
+    "SearchResult",
+    "SearchSettings",
+    "balance_stages",
+    "exhaustive",
+    "find_plan",
+    "grid_degrees",
+    "improving_change",
+    "interleave_choices",
+    "make_simulation",
+    "pipeline_grid",
+    "print_progress",
+    "random_strategy",
+    "search",
+    "stage_choices",
+]

@@ -1,0 +1,319 @@
+"""One Metropolis-Hastings chain over strategies (`soapjax.search.find`'s building block).
+
+A chain starts from a strategy and proposes random moves, each scored by the simulation it
+walks (delta simulation, `Simulation.propose_many`, or full, `Simulation.propose_strategy`):
+a new config for one operator (for every layer at once where the operator is at the same
+position of a repeated block), a recompute policy (`RECOMPUTE_MOVES` of the moves), a
+number of microbatches (`MICROBATCH_MOVES`), Megatron's distributed optimizer on or off
+(`OPTIMIZER_MOVES`: the optimizer state sharded over every mesh axis its parameter is
+replicated on, `Strategy.optimizer_axes`), or, where the graph has attention operators and the
+strategy no pipeline stages, context parallelism's ring form on or off (`RING_MOVES`,
+`Strategy.ring_attention`). A move is accepted with probability
+``min(1, exp(beta * (cost(S) - cost(S*))))`` against the current strategy; the best strategy
+that fits in memory and that apply can run is recorded (`_Searcher.record`). `SearchSettings`
+says how long and how: its proposal count or deadline, seed, temperature, space limits. The
+search (`soapjax.search.find.search`) runs one chain per start and keeps the best.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import numpy as np
+
+from soapjax.base.errors import PlanError, SettingsError
+from soapjax.graph.opgraph import OpGraph
+from soapjax.simulate.front import Simulation
+from soapjax.strategy.memory import microbatch_choices, microbatch_error
+from soapjax.strategy.space import (
+    RECOMPUTE_POLICIES,
+    MeshShape,
+    SpaceLimits,
+    Strategy,
+    configs,
+    spatial_convolution,
+)
+
+__all__ = ["MAX_BUDGET_S", "MAX_PROPOSALS", "MICROBATCH_MOVES", "OPTIMIZER_MOVES",
+           "RECOMPUTE_MOVES", "RING_MOVES", "Progress", "SearchSettings", "random_strategy"]
+
+Progress = Callable[[str], None]
+
+# A budget or a proposal count past these never ends on any machine (a week; ten million
+# proposals per chain, hours at the fastest rates the search reaches): refused, not waited on.
+MAX_BUDGET_S = 7 * 24 * 3600
+MAX_PROPOSALS = 10**7
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSettings:
+    """How to search.
+
+    Attributes:
+      budget_s: wall-clock budget of the whole search, from its start: scoring the starts,
+        measuring shard programs (until 80% of it; estimated after: see
+        `soapjax.cost.operators.CostModel.measure_until`), Megatron's grids and every chain (20 s:
+        ``make plan`` of GPT-2 small on a DGX H100 searches 18 s).
+      max_proposals: proposals per chain; when set, the budget is ignored (reproducible).
+      seed: the random seed.
+      num_random: random strategies added to the initial candidates.
+      temperature: the relative slowdown accepted with probability 1/2 (see module doc).
+      limits: restrictions of the SOAP space (e.g. no R splits, as in FlexFlow).
+      simulation: ``"delta"`` (default) or ``"full"``: how each proposal is simulated (see
+        the module doc; the same chain either way, only slower in full).
+      pipelines: search plans with pipeline stages too (`soapjax.strategy.pipeline`), for graphs
+        with repeated layers: for each stage count S that divides the layers and the outermost
+        mesh axis and each interleave the layers allow, Megatron's grid at pp=S (TP 4 or 8)
+        is scored with `soapjax.simulate.pipesim.PipelinedSimulation`, and chains start from the
+        best pipelines' best points (`soapjax.search.find`'s module doc). True:
+        always; False: never; None (default): only when no plan without stages fits in
+        memory (a model too large for its cluster gets a pipelined plan instead of an error,
+        and every other search is unchanged).
+    """
+
+    budget_s: float = 20.0
+    max_proposals: int | None = None
+    seed: int = 0
+    num_random: int = 1
+    temperature: float = 0.02
+    limits: SpaceLimits = SpaceLimits()
+    simulation: Literal["delta", "full"] = "delta"
+    pipelines: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.pipelines not in (None, True, False):
+            raise SettingsError(f"SearchSettings.pipelines must be True, False or None (only "
+                                f"when nothing fits without stages), got {self.pipelines!r}")
+        if self.simulation not in ("delta", "full"):
+            raise SettingsError(f"SearchSettings.simulation must be 'delta' or 'full', got "
+                                f"{self.simulation!r}")
+        _check_number("budget_s", self.budget_s, 0.0,
+                      f"a number of seconds from 0 to {MAX_BUDGET_S} (a week)", MAX_BUDGET_S)
+        if self.max_proposals is not None:
+            _check_number("max_proposals", self.max_proposals, 1,
+                          f"None or an integer from 1 to {MAX_PROPOSALS:,}", MAX_PROPOSALS)
+        _check_number("seed", self.seed, 0, "an integer >= 0")
+        _check_number("num_random", self.num_random, 0, "an integer >= 0")
+        _check_number("temperature", self.temperature, math.ulp(0.0), "a number > 0")
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["limits"] = dataclasses.asdict(self.limits)
+        return d
+
+
+def _check_number(name: str, value: object, low: float, expected: str,
+                  high: float = math.inf) -> None:
+    """SettingsError unless `value` is a finite number from `low` to `high` (an integer if
+    `low` is)."""
+    kind = numbers.Integral if isinstance(low, int) else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) \
+            or not low <= value <= high:
+        raise SettingsError(f"SearchSettings.{name} must be {expected}, got {value!r}")
+
+
+def _cost(sim: Simulation) -> float:
+    t = sim.step_time()
+    cap = sim.topology.device.memory_bytes
+    over = sim.peak_memory_bytes() / cap - 1.0
+    return t if over <= 0 else t * (2.0 + 10.0 * over)
+
+
+def random_strategy(graph: OpGraph, mesh: MeshShape, rng: np.random.Generator,
+                    limits: SpaceLimits = SpaceLimits()) -> Strategy:
+    """A config for every operator drawn uniformly from its SOAP space (one per repeated
+    block position: every layer of a scan over layers gets the same)."""
+    return _tie_blocks(graph, Strategy(tuple(_pick(configs(op, mesh, limits), rng)
+                                             for op in graph.operators)))
+
+
+def _tie_blocks(graph: OpGraph, strategy: Strategy) -> Strategy:
+    """`strategy` with every layer of a repeated block given its first layer's config and
+    recomputation. Chains move a block's layers together (`_Searcher.tied`), so a start that
+    splits them differently (an expert strategy that reads one layer's operators by their
+    position) would stay untied wherever no proposal lands: a plan that a scan over layers,
+    whose stacked weights take one sharding, cannot apply."""
+    configs, recompute = list(strategy.configs), list(strategy.recompute)
+    for group in graph.repeated_blocks():
+        for j in group[1:]:
+            configs[j] = configs[group[0]]
+            if recompute:
+                recompute[j] = recompute[group[0]]
+    return dataclasses.replace(strategy, configs=tuple(configs), recompute=tuple(recompute))
+
+
+def _pick(choices, rng):
+    return choices[int(rng.integers(len(choices)))]
+
+
+def _changed(strategy: Strategy, members: list[int], config, policy: str | None) -> Strategy:
+    """`strategy` with operators `members` given `config` (if any) and `policy` (if any)."""
+    for j in members:
+        strategy = strategy.replace(j, config) if config is not None else strategy
+        strategy = strategy.with_recompute(j, policy) if policy else strategy
+    return strategy
+
+
+def _propose_all(sim: Simulation, members: list[int], config, policy: str | None = None) -> None:
+    """Delta-simulates every member taking `config` (None: its own) and recompute `policy`
+    (None: its own), as one pending proposal (`Simulation.propose_many`: one retiming pass)."""
+    sim.propose_many([(j, sim.choice(j)[0] if config is None else config, policy)
+                      for j in members])
+
+
+# How often a proposal changes a recompute policy (of one operator or one position of every
+# layer) or the number of microbatches instead of a config. A microbatch change re-simulates
+# the whole step (`Simulation.reset`), in delta and full simulation alike.
+RECOMPUTE_MOVES = 0.15
+MICROBATCH_MOVES = 0.03
+# How often a proposal turns the distributed optimizer on or off (a full re-simulation too).
+OPTIMIZER_MOVES = 0.02
+# How often it turns ring attention on or off, where it can (a full re-simulation too).
+RING_MOVES = 0.02
+
+
+class _Searcher:
+    """One search: the simulation, the SOAP spaces, the chains."""
+
+    def __init__(self, sim: Simulation, settings: SearchSettings, progress: Progress | None):
+        self.sim = sim
+        self.settings = settings
+        self.progress = progress
+        self.rng = np.random.default_rng(settings.seed)
+        mesh = MeshShape.of(sim.topology)
+        self.spaces = [configs(op, mesh, settings.limits) for op in sim.graph.operators]
+        # Operators at the same position of every layer of a scan over layers move together:
+        # a 48-layer model costs the search what one layer costs.
+        self.tied = {i: g for g in sim.graph.repeated_blocks() for i in g}
+        self.movable = [i for i, s in enumerate(self.spaces)
+                        if len(s) > 1 and self.tied.get(i, [i])[0] == i]
+        self.recomputable = [i for i in range(len(self.spaces)) if self.tied.get(i, [i])[0] == i]
+        self.microbatches = microbatch_choices(sim.graph)
+        self.mesh = mesh
+        self.proposals = self.accepted = 0
+        self.best: tuple[float, Strategy, str] | None = None
+        self.t0 = time.perf_counter()
+        self.history: list[tuple[float, float]] = []
+        self._last_print = 0.0
+        self._t_best = 0.0  # when the current chain last improved, seconds after its start
+        self.check_convolutions = not settings.limits.allow_spatial and any(
+            "conv" in op.anchor for op in sim.graph.operators)
+        self.has_attention = any(op.anchor == "attention" for op in sim.graph.operators)
+
+    def record(self, name: str) -> None:
+        if not self.sim.fits_in_memory():
+            return
+        if self.check_convolutions and spatial_convolution(self.sim.graph, self.sim.strategy):
+            return  # apply refuses it (XLA computes it wrongly): never a plan
+        t = self.sim.step_time()
+        if self.best is None or t < self.best[0]:
+            self.best = (t, self.sim.strategy, name)
+            self.history.append((time.perf_counter() - self.t0, t))
+
+    def chain(self, name: str, start: Strategy, deadline: float) -> None:
+        """Metropolis-Hastings from `start` until the deadline or proposal budget.
+
+        A proposal is delta-simulated (`Simulation.propose_many`) or, with
+        ``SearchSettings(simulation="full")`` and for any change of the microbatch count,
+        fully simulated (`Simulation.propose_strategy`); `accept` or `reject` ends it."""
+        sim, rng, s = self.sim, self.rng, self.settings
+        sim.reset(start)
+        self.record(name)
+        if not self.movable and not self.recomputable:
+            return
+        current = _cost(sim)
+        beta = math.log(2.0) / (s.temperature * current)
+        self._t_best = 0.0
+        best_here, since_best, n = current, 0, 0
+        t_start = time.perf_counter()
+        while True:
+            if s.max_proposals is not None:
+                if n >= s.max_proposals or since_best >= max(1, s.max_proposals // 2):
+                    break
+            else:
+                now = time.perf_counter()
+                if now >= deadline or (now - t_start) - self._t_best >= (deadline - t_start) / 2:
+                    break
+            n += 1
+            self.proposals += 1
+            move = self._draw(sim.microbatches, lambda: sim.strategy)
+            if move is None:  # a config or microbatch count the current strategy cannot take
+                since_best += 1
+                continue
+            members, config, policy, m = move
+            if isinstance(m, Strategy):  # ring attention toggled
+                sim.propose_strategy(m)
+            elif isinstance(m, tuple):  # the distributed optimizer's axes
+                sim.propose_strategy(dataclasses.replace(sim.strategy, optimizer_axes=m))
+            elif m is not None:
+                sim.propose_strategy(sim.strategy.with_microbatches(m))
+            elif s.simulation == "full":
+                sim.propose_strategy(_changed(sim.strategy, members, config, policy))
+            else:
+                _propose_all(sim, members, config, policy)
+            new = _cost(sim)
+            if new <= current or rng.random() < math.exp(beta * (current - new)):
+                sim.accept()
+                self.accepted += 1
+                current = new
+                if new < best_here:
+                    best_here, since_best = new, 0
+                    self._t_best = time.perf_counter() - t_start
+                    self.record(name)
+                else:
+                    since_best += 1
+            else:
+                sim.reject()
+                since_best += 1
+            self._report(name)
+
+    def _draw(self, m: int, current: Callable[[], Strategy]) -> tuple | None:
+        """A random move from the current strategy (`current()`, with `m` microbatches):
+        (members, config or None, policy or None, microbatches or the distributed optimizer's
+        new axes (a tuple) or the strategy with ring attention toggled or None), or None when
+        the drawn change does not divide the batch or cannot be made."""
+        rng = self.rng
+        r = rng.random()
+        if r >= 1.0 - OPTIMIZER_MOVES:
+            return [], None, None, () if current().optimizer_axes else self.mesh.axis_names
+        if self.has_attention and r >= 1.0 - OPTIMIZER_MOVES - RING_MOVES:
+            try:
+                toggled = dataclasses.replace(current(),
+                                              ring_attention=not current().ring_attention)
+            except PlanError:  # pipeline stages: the ring runs without them only
+                return None
+            return [], None, None, toggled
+        if r < MICROBATCH_MOVES and len(self.microbatches) > 1:
+            new = self.microbatches[int(rng.integers(len(self.microbatches)))]
+            ops = self.sim.graph.operators
+            if new == m or any(microbatch_error(op, c, self.mesh, new)
+                               for op, c in zip(ops, current().configs)):
+                return None
+            return [], None, None, new
+        if r < MICROBATCH_MOVES + RECOMPUTE_MOVES:
+            i = self.recomputable[int(rng.integers(len(self.recomputable)))]
+            return self.tied.get(i, [i]), None, _pick(RECOMPUTE_POLICIES, rng), None
+        if not self.movable:
+            return None
+        i = self.movable[int(rng.integers(len(self.movable)))]
+        config = _pick(self.spaces[i], rng)
+        if m > 1 and microbatch_error(self.sim.graph.operators[i], config, self.mesh, m):
+            return None
+        return self.tied.get(i, [i]), config, None, None
+
+    def _report(self, name: str, force: bool = False) -> None:
+        if self.progress is None:
+            return
+        now = time.perf_counter()
+        if not force and now - self._last_print < 0.5:
+            return
+        self._last_print = now
+        elapsed = now - self.t0
+        best = f"{self.best[0] * 1e3:.3f} ms" if self.best else "none fits yet"
+        self.progress(f"search: {elapsed:5.1f}s  chain {name:<14}  best {best}  "
+                      f"{self.proposals} proposals ({self.proposals / max(elapsed, 1e-9):,.0f}/s)")

@@ -1,0 +1,403 @@
+"""The execution optimizer: Metropolis-Hastings over strategies, scored by the simulator.
+
+As the FlexFlow paper (section 6): a proposal gives one operator, chosen uniformly at random,
+a config chosen uniformly at random from its SOAP space; delta simulation scores it; it is
+accepted with probability ``min(1, exp(beta * (cost(S) - cost(S*))))`` against the *current*
+strategy S. Every baseline (data parallel, Megatron, FSDP, the paper's experts) and some random
+strategies are initial candidates, and so are Megatron's grid's best point and, for a model
+with experts or a long sequence, the best grid point with expert or context parallelism (a
+chain from TP 8 seldom walks into them: `GRID_FAMILIES`); each gets an equal share of what
+the budget leaves after the starts are scored, and stops early when its best has not
+improved for half of its share. The budget bounds the whole search
+(`SearchSettings.budget_s`): measuring new shard programs stops at 80% of it
+(`soapjax.cost.operators.CostModel.measure_until`: later ones are estimated from the roofline and
+the operator's measured ones), scoring Megatron's grid at 30%, the chains 5% before its end. The
+best strategy that fits in device memory
+over all chains is returned, so it is never worse than the best baseline.
+
+**beta.** Costs are step times, whose scale varies by orders of magnitude between models and
+clusters, so beta is set relative to the chain's starting cost c0: ``beta = ln 2 / (t * c0)``
+with temperature ``t = 0.02``: a proposal 2% slower than the current strategy is accepted half
+the time, one 10% slower about 3% of the time.
+
+**Memory.** A strategy that does not fit costs its step time times ``2 + 10 * overflow`` (its
+excess as a fraction of device memory), so chains can walk through it but prefer fitting
+strategies; only fitting strategies are ever recorded as the best.
+
+**Reproducibility.** With `SearchSettings.max_proposals` set, chains stop on proposal counts
+only (and on no improvement for half of them), so a seed gives the same plan on any machine;
+with a time budget alone the number of proposals depends on the machine's speed.
+
+**Full or delta simulation.** Proposals are scored by delta simulation (the paper's Algorithm
+2: `Simulation.propose`, then `accept` or `reject`). ``SearchSettings(simulation="full")``
+scores every proposal by simulating the candidate strategy from scratch instead (Algorithm 1,
+`Simulation.reset`), as the paper's baseline in Table 4 and Figure 12 does. Both give exactly
+the same step times, so with the same seed and `max_proposals` both walk the same chain and
+return the same strategy; only the search time differs.
+
+**Repeated blocks and memory dimensions.** Operators at the same position of every layer
+(`OpGraph.repeated_blocks`: a scan over layers, or identical unrolled layers) move together:
+one proposal changes that position in every layer (`Simulation.propose_many`, one retiming
+pass), so a 96-layer model costs the search what one layer costs. Some proposals change a
+recompute policy (of one operator or one layer position) or the number of microbatches
+instead of a config. Megatron's grid (`baselines.megatron_grid`) is scored and its best point
+is a chain's start, so a plan is never slower than the grid.
+
+**Pipeline stages.** With ``SearchSettings(pipelines=True)`` (`soapjax plan --pipelines`), or
+by default when no plan without stages fits in memory, for each stage count S that divides
+the layers and the outermost mesh axis (`stage_choices`) and each virtual-stage count v whose
+S x v chunks cut the layers equally (`interleave_choices`), Megatron's grid at that pipeline
+(`pipeline_grid`: TP 4 or 8, the expert- and context-parallel degrees of `grid_degrees`,
+microbatch sizes 1, 2, 4, 8 ... and the per-replica batch, recompute none / selective / full,
+with and without the distributed optimizer) is scored (`soapjax.simulate.front.open_simulation`: a
+`soapjax.simulate.pipesim.PipelinedSimulation`) along its coordinates first (`_score_points`), in
+two passes (`_pipelined_chains`); the `CHAINED_PIPELINES` pipelines whose grids did best
+then each get a chain (configs, recompute, microbatches, over one stage's devices) from their
+best point (`_pipelined_chains` says why only those); the best plan over all grids and
+chains, pipelined or not, is returned. S and v are chosen among pipelines, not by moves
+within a chain. A chain's best at one virtual stage then has its stage boundaries walked
+over (`balance_stages`: a stage of fewer layers where the head weighs, each step sending the
+layers a stage runs but another keeps, priced), a walk on the schedule alone, the stage's
+simulation unchanged. The grid holds only what apply runs (the interleaved schedule's M a
+multiple of S: `soapjax.strategy.pipeline.pipeline_error`), and the chains' microbatch moves keep to
+the same rule.
+Every pipeline is priced as apply runs it: with v > 1 each step also moves the stacked layer
+parameters between the model's layout and the chunks' (`soapjax.simulate.pipesim`, module doc, 4),
+so a smaller bubble is weighed against those all-to-alls and the copy they hold.
+
+**One entry point.** `find_plan` is how soapjax plans: graph + topology + settings -> `Plan`.
+The command line (`soapjax plan`), the training helper (`shard_training(strategy="plan")`),
+`soapjax check`, the notebook and the scripts all call it, so the defaults live in one place:
+`SearchSettings()`, ``costs="auto"`` (measured where the topology's devices are attached,
+else the analytic roofline), and the ideal resharding model (`soapjax.cost.reshard.DEFAULT_MODE`;
+`find_plan` says why).
+
+One chain, its moves and its acceptance rule, is `soapjax.search._chain` (with `SearchSettings`,
+re-exported here); this module runs the chains within the budget and plans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import Any
+
+import jax
+
+from soapjax.base.errors import PlanError
+from soapjax.cost.operators import CostModel, cost_model as make_cost_model
+from soapjax.cost.reshard import DEFAULT_MODE, Resharder
+from soapjax.graph.opgraph import OpGraph
+from soapjax.search._chain import (
+    MAX_BUDGET_S,
+    MAX_PROPOSALS,
+    Progress,
+    SearchSettings,
+    _Searcher,
+    _tie_blocks,
+    random_strategy,
+)
+from soapjax.search.grids import _grid_starts, _within
+from soapjax.search.pipelines import _pipelined_chains
+from soapjax.simulate.front import (
+    Simulation,
+    default_pricing,
+    opt_state_factor,
+    simulate,
+)
+from soapjax.strategy._arguments import (
+    check_costs,
+    check_graph,
+    check_optimizer,
+    check_settings,
+    check_topology,
+)
+from soapjax.strategy.baselines import (
+    baselines as make_baselines,
+    with_recompute,
+)
+from soapjax.strategy.plan import Plan
+from soapjax.strategy.space import (
+    RECOMPUTE_POLICIES,
+    MeshShape,
+    Strategy,
+    data_parallel,
+)
+
+__all__ = ["FINAL_SHARE", "GRID_SHARE", "MAX_BUDGET_S", "MAX_PROPOSALS", "MEASURE_SHARE",
+           "Progress", "SearchResult", "SearchSettings", "find_plan", "make_simulation",
+           "print_progress", "random_strategy", "search"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+    """The outcome of a search.
+
+    Attributes:
+      strategy: the best strategy found that fits in memory.
+      step_time_s: its simulated step time.
+      start: the initial candidate whose chain found it.
+      baselines: (name, simulated step time, fits in memory) of every baseline.
+      proposals: proposals simulated, all chains.
+      accepted: proposals accepted.
+      search_time_s: wall-clock time of the search.
+      history: (seconds since the start, best step time so far) at each improvement.
+    """
+
+    strategy: Strategy
+    step_time_s: float
+    start: str
+    baselines: tuple[tuple[str, float, bool], ...]
+    proposals: int
+    accepted: int
+    search_time_s: float
+    history: tuple[tuple[float, float], ...]
+
+    def baseline_times(self) -> dict[str, float]:
+        return {name: t for name, t, _ in self.baselines}
+
+
+# Shares of a time budget (`SearchSettings.budget_s`, counted from the search's start):
+# measuring new shard programs stops at MEASURE_SHARE of it (later ones are estimated), scoring
+# Megatron's grid at GRID_SHARE (the points left are skipped), and the chains end FINAL_SHARE
+# before its end, left for simulating the plan found and writing it.
+MEASURE_SHARE = 0.8
+GRID_SHARE = 0.3
+FINAL_SHARE = 0.05
+
+
+class _Budget:
+    """Points in time of a search's budget; all None when it counts proposals instead."""
+
+    def __init__(self, t0: float, settings: SearchSettings):
+        self.t0 = t0
+        self.budget_s = None if settings.max_proposals is not None else settings.budget_s
+
+    def at(self, fraction: float) -> float | None:
+        return None if self.budget_s is None else self.t0 + fraction * self.budget_s
+
+
+
+def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
+           settings: SearchSettings = SearchSettings(), family: str | None = None,
+           opt_state_factor: float = 2.0, progress: Progress | None = None) -> SearchResult:
+    """Searches for the fastest strategy of `graph` on `topology` that fits in memory.
+
+    Args:
+      graph: the operator graph (`soapjax.trace`).
+      topology: the cluster (`soapjax.load_topology`).
+      cost_model: operator times (default: `soapjax.cost.operators.cost_model(graph, topology)`).
+      resharder: resharding collectives (default: `soapjax.cost.reshard.Resharder` in its default
+        mode, `soapjax.cost.reshard.DEFAULT_MODE`).
+      settings: budget, seed, space limits.
+      family: "cnn", "rnn", ... to choose the paper's expert strategy (None: both).
+      opt_state_factor: optimizer state bytes per parameter byte (2 for Adam).
+      progress: called with a one-line status about twice a second.
+
+    Returns:
+      The best strategy found, with the baselines' times.
+
+    Raises:
+      PlanError: no strategy at all fits in memory (not even the baselines or what the
+        search visited).
+    """
+    # The budget starts now: building the first simulation prices (and may measure) every
+    # operator of data parallelism.
+    budget = _Budget(time.perf_counter(), settings)
+    costs, resharder = default_pricing(graph, topology, cost_model=cost_model,
+                                       resharder=resharder)
+    measured = getattr(costs, "source", "") == "measured"
+    if measured:
+        costs.measure_until(budget.at(MEASURE_SHARE), progress)
+    try:
+        sim = make_simulation(graph, topology, cost_model=costs, resharder=resharder,
+                              opt_state_factor=opt_state_factor)
+        searcher = _Searcher(sim, settings, progress)
+        searcher.t0 = budget.t0
+        return _search(graph, topology, sim, searcher, budget, settings, family,
+                       opt_state_factor, progress, cost_model)
+    finally:
+        if measured:
+            costs.measure_until(None)
+
+
+def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budget: _Budget,
+            settings: SearchSettings, family: str | None, opt_state_factor: float,
+            progress: Progress | None, cost_model) -> SearchResult:
+    starts = dict(make_baselines(graph, topology, family))
+    mesh = MeshShape.of(topology)
+    for k in range(settings.num_random):
+        starts[f"random-{k}"] = random_strategy(graph, mesh, searcher.rng, settings.limits)
+    scored = []
+    if family in (None, "transformer") and graph.repeated_blocks():
+        starts.update(_grid_starts(sim, searcher, graph, topology, progress, settings.limits,
+                                   budget.at(GRID_SHARE)))
+    # Baselines outside the space the caller asked for (sequence parallelism splits a CNN's
+    # norms spatially, where convolutions are kept whole) are not starts.
+    starts = {name: _tie_blocks(graph, s) for name, s in starts.items()
+              if _within(graph, s, settings.limits)}
+    for n, (name, strategy) in enumerate(list(starts.items())):
+        if progress is not None:
+            how = ("operator costs measured on first use" if sim.cost_model.source == "measured"
+                   else "analytic operator costs")
+            progress(f"search: scoring start {n + 1}/{len(starts)} ({name}); {how}")
+        sim.reset(strategy)
+        scored.append((name, sim.step_time(), sim.fits_in_memory()))
+        searcher.record(name)
+        if not scored[-1][2] and graph.repeated_blocks():
+            starts[name] = _recomputing(sim, searcher, graph, name, strategy)
+    wanted = settings.pipelines if settings.pipelines is not None else searcher.best is None
+    pipelined = wanted and graph.repeated_blocks() and graph.batch_size > 1
+    # With a time budget, the chains share what the starts left, half of it for the pipelined
+    # chains when there are some; with a proposal count, each chain runs its proposals.
+    t_chains = time.perf_counter()
+    end = budget.at(1.0 - FINAL_SHARE)
+    if end is None:  # proposal counts: the chains' deadlines are never consulted
+        share = settings.budget_s / len(starts)
+    else:
+        flat_end = t_chains + (end - t_chains) / 2 if pipelined else end
+        share = max(flat_end - t_chains, 0.0) / len(starts)
+    for k, name in enumerate(starts):
+        searcher.chain(name, starts[name], t_chains + share * (k + 1))
+    if pipelined:
+        for result in _pipelined_chains(graph, topology, cost_model or sim.cost_model,
+                                        settings, opt_state_factor, progress, searcher, end):
+            if result is not None and (searcher.best is None or result[0] < searcher.best[0]):
+                searcher.best = result
+                searcher.history.append((time.perf_counter() - searcher.t0, result[0]))
+    searcher._report("done", force=True)
+    if searcher.best is None:
+        hint = ("" if wanted or not graph.repeated_blocks() else
+                " or allow pipeline stages (SearchSettings(pipelines=None or True), "
+                "`soapjax plan --pipelines`)")
+        raise PlanError(f"no strategy found for {graph.name!r} on {topology.name!r} fits in "
+                        f"{topology.device.memory_bytes / 2**30:.1f} GiB per device; plan for "
+                        f"a topology with more devices or more memory per device{hint}")
+    t, strategy, name = searcher.best
+    return SearchResult(strategy=strategy, step_time_s=t, start=name,
+                        baselines=tuple((n, st, f) for n, st, f in scored
+                                        if not n.startswith("random")),
+                        proposals=searcher.proposals, accepted=searcher.accepted,
+                        search_time_s=time.perf_counter() - searcher.t0,
+                        history=tuple(searcher.history))
+
+
+
+def _recomputing(sim: Simulation, searcher: _Searcher, graph: OpGraph, name: str,
+                 strategy: Strategy) -> Strategy:
+    """A start that does not fit, recomputing its layers as a person would try next
+    (`baselines.with_recompute`: selective, then full), each variant scored and recorded; the
+    fastest that fits, or the start itself (MaxText's MoE rules fit the fine-grained MoE on 64
+    H100s only with full recomputation: without it, its chain spent its share walking there)."""
+    best = None
+    for policy in RECOMPUTE_POLICIES[1:]:
+        variant = _tie_blocks(graph, with_recompute(graph, strategy, policy))
+        sim.reset(variant)
+        searcher.record(f"{name}-{policy}")
+        if sim.fits_in_memory() and (best is None or sim.step_time() < best[0]):
+            best = (sim.step_time(), variant)
+    return strategy if best is None else best[1]
+
+
+def make_simulation(graph: OpGraph, topology, *, cost_model=None, resharder=None,
+                    strategy: Strategy | None = None, opt_state_factor: float = 2.0) -> Simulation:
+    """A `Simulation` of a strategy without pipeline stages (default: data parallelism),
+    priced as `soapjax.simulate.front.default_pricing` says where no cost model or resharder is
+    given (`soapjax.simulate.front.open_simulation` takes any strategy)."""
+    cost_model, resharder = default_pricing(graph, topology, cost_model=cost_model,
+                                            resharder=resharder)
+    strategy = strategy if strategy is not None else data_parallel(graph, MeshShape.of(topology))
+    return Simulation(graph, topology, cost_model, resharder, strategy,
+                      opt_state_factor=opt_state_factor)
+
+
+
+
+# --- the one planning entry point -------------------------------------------------------------
+
+
+def find_plan(graph: OpGraph, topology, *, settings: SearchSettings | None = None,
+              costs: str | CostModel = "auto", reshard: str | Resharder = DEFAULT_MODE,
+              optimizer: Any = None, family: str | None = None, model_config: str = "",
+              workload: str = "", progress: Progress | None = None) -> Plan:
+    """Plans `graph` on `topology`: searches, simulates the best strategy, returns the `Plan`.
+
+    Every caller plans through this function (the CLI, `shard_training`, the notebook, the
+    scripts), so its defaults are soapjax's defaults.
+
+    **Resharding default: the ideal model.** Pricing each resharding by what XLA compiles
+    (``reshard="xla"``) is more faithful (docs/design.md; docs/checks.md shows where XLA differs),
+    but the search then compiles every transition a proposal brings in: two orders of
+    magnitude fewer proposals a second (docs/checks.md, "The resharding default"). A search that
+    scores a few proposals per second is a search in name only, so the default is ``"ideal"``
+    everywhere (`soapjax.cost.reshard.DEFAULT_MODE`); ask for ``"xla"`` to price XLA's choices.
+
+    Args:
+      graph: the operator graph (`soapjax.trace`).
+      topology: the cluster (`soapjax.load_topology`).
+      settings: budget, seed and space limits (default `SearchSettings()`: 20 s).
+      costs: ``"auto"`` (measured on the local backend when it has the topology's devices,
+        else the analytic roofline), ``"measured"``, ``"analytic"``, or a `CostModel`.
+      reshard: ``"ideal"`` (default) or ``"xla"``, or a `Resharder` (kept open).
+      optimizer: the optax optimizer of the training step: its update cost and the size of
+        its state (default: Adam's, two moments per parameter).
+      family: ``"cnn"``, ``"rnn"``, ... to choose the paper's expert baseline (None: both).
+      model_config: the zoo config name, recorded in the plan.
+      workload: the ``--model`` text that rebuilds the model (user code,
+        ``path/file.py:make_workload``), recorded in the plan so `soapjax check` can load it.
+      progress: called with a one-line status about twice a second (`print_progress`).
+
+    Returns:
+      The plan: the strategy, what the simulator predicts for it, the baselines' step times,
+      and how it was searched (``plan.search``: settings, proposals, search time, the start
+      that found it, which baselines fit in memory, the resharding model, and the best step
+      time after each improvement as ``history``, (seconds, step time) pairs).
+
+    Raises:
+      PlanError: no strategy fits in device memory.
+      CostError: ``costs="measured"`` where the topology's devices are not attached.
+    """
+    check_graph(graph, "find_plan")
+    check_topology(topology, "find_plan")
+    check_settings(settings, SearchSettings, "find_plan")
+    check_costs(costs, "find_plan")
+    if optimizer is not None:
+        check_optimizer(optimizer, "find_plan")
+    settings = settings if settings is not None else SearchSettings()
+    cm = make_cost_model(graph, topology, mode=costs, optimizer=optimizer) \
+        if isinstance(costs, str) else costs
+    factor = 2.0 if optimizer is None else opt_state_factor(optimizer, _abstract_params(graph))
+    resharder = Resharder(MeshShape.of(topology), mode=reshard) if isinstance(reshard, str) \
+        else reshard
+    try:
+        result = search(graph, topology, cost_model=cm, resharder=resharder, settings=settings,
+                        family=family, opt_state_factor=factor, progress=progress)
+        sim = simulate(graph, topology, result.strategy, cost_model=cm, resharder=resharder,
+                       opt_state_factor=factor)
+    finally:
+        if isinstance(reshard, str):
+            resharder.close()
+    info = settings.to_json() | {
+        "proposals": result.proposals, "accepted": result.accepted,
+        "search_time_s": result.search_time_s, "best_from": result.start,
+        "reshard": resharder.mode, "opt_state_factor": factor,
+        "baselines_fit": {name: fits for name, _, fits in result.baselines},
+        "history": [list(h) for h in result.history],
+        "cost_stats": cm.stats._asdict()}
+    return Plan.make(graph, topology, result.strategy, model_config=model_config,
+                     workload=workload, predicted=sim.to_json(), cost_source=cm.source,
+                     search=info, baselines=result.baseline_times(), simulated=sim)
+
+
+def _abstract_params(graph: OpGraph) -> list[jax.ShapeDtypeStruct]:
+    """The parameter leaves as a flat list (optimizer states are per leaf: same sizes)."""
+    return [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in graph.params]
+
+
+
+def print_progress(line: str) -> None:
+    """A progress callback that rewrites one line on stderr."""
+    sys.stderr.write("\r" + line[:120].ljust(120))
+    sys.stderr.flush()
+

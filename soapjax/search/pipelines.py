@@ -1,0 +1,208 @@
+"""The pipelined part of the search: which pipelines (stages S, virtual stages v, schedule) it
+tries, Megatron's grid at each (`pipeline_grid`), and the chains of the best
+(`_pipelined_chains`, which says why grids for all and chains for a few).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from soapjax.base.errors import PlanError
+from soapjax.cost.reshard import DEFAULT_MODE
+from soapjax.graph.opgraph import OpGraph
+from soapjax.search._chain import (
+    Progress,
+    SearchSettings,
+    _Searcher,
+)
+from soapjax.search._clock import past, share
+from soapjax.search.grids import _likely_first, _score_points, _within, grid_degrees
+from soapjax.search.stages import _num_layers, balance_stages
+from soapjax.simulate.front import (
+    open_simulation,
+)
+from soapjax.simulate.pipesim import layer_chunks
+from soapjax.strategy.baselines import (
+    GridPoint,
+    megatron_grid_points,
+)
+from soapjax.strategy.pipeline import pipeline_error
+from soapjax.strategy.space import (
+    SpaceLimits,
+    Strategy,
+)
+
+__all__ = ["CHAINED_PIPELINES", "PIPELINE_GRID", "PIPELINE_GRID_EXPERTS", "interleave_choices",
+           "pipeline_grid", "stage_choices"]
+
+
+
+# Megatron's grid at each pipeline depth, as the search scores it (TP 1 and 2 are left out: with
+# stages, Megatron-LM keeps TP at the node's 8, or 4); virtual stages are `interleave_choices`.
+PIPELINE_GRID = {"tp": (4, 8)}
+# ... and for a model with experts, where expert parallelism takes TP's place inside the node
+# (Megatron-LM's Mixtral 8x7B: TP 2, EP 8, PP 4): every TP.
+PIPELINE_GRID_EXPERTS = {"tp": (1, 2, 4, 8)}
+# How many pipelines (S, v, schedule), the fastest by their grid's best point, get a chain.
+CHAINED_PIPELINES = 3
+
+
+def stage_choices(graph: OpGraph, topology) -> tuple[int, ...]:
+    """Pipeline stage counts S > 1 worth trying: dividing the outermost mesh axis (whole
+    groups of nodes per stage) and the number of repeated layers."""
+    layers = _num_layers(graph)
+    outer = topology.axis_sizes[0] if len(topology.axis_sizes) > 1 else 1
+    return tuple(S for S in range(2, outer + 1) if outer % S == 0 and layers % S == 0)
+
+
+def interleave_choices(graph: OpGraph, stages: int) -> tuple[int, ...]:
+    """Virtual stages per device v worth trying at `stages` S: every v whose S x v chunks cut
+    the layers equally (`soapjax.simulate.pipesim.layer_chunks`, and apply's stacked stage weights):
+    GPT 530B's 105 layers on 35 stages take v in (1, 3) (Megatron-LM ran v = 3), on 5 stages
+    v in (1, 3, 7, 21)."""
+    layers = _num_layers(graph)
+    if stages < 2 or layers % stages:
+        return (1,)
+    return tuple(v for v in range(1, layers // stages + 1) if layers % (stages * v) == 0)
+
+
+def pipeline_grid(graph: OpGraph, topology, stages: int, limits: SpaceLimits = SpaceLimits()
+                  ) -> dict[tuple[int, str], dict[GridPoint, Strategy]]:
+    """Megatron's grid at `stages` pipeline stages, as the search scores it, by (virtual
+    stages, schedule): TP in `PIPELINE_GRID` (`PIPELINE_GRID_EXPERTS` with experts), every
+    `interleave_choices` v, the expert- and context-parallel degrees of `grid_degrees`, the
+    microbatch sizes and recomputations of `baselines.megatron_grid`; points outside `limits`,
+    or whose layers do not cut into S x v chunks, left out; each pipeline's points in the order
+    `_likely_first` gives. Every point is one apply runs (`megatron_3d` builds only
+    strategies `soapjax.strategy.pipeline.pipeline_error` accepts)."""
+    degrees = grid_degrees(graph, topology)
+    tp = (PIPELINE_GRID_EXPERTS if len(degrees["ep"]) > 1 else PIPELINE_GRID)["tp"]
+    grid = megatron_grid_points(graph, topology, pp=(stages,),
+                         interleave=interleave_choices(graph, stages), tp=tp, **degrees)
+    by_pipe: dict[tuple[int, str], dict[GridPoint, Strategy]] = {}
+    for point, st in grid.items():
+        if _within(graph, st, limits):
+            by_pipe.setdefault((st.virtual_stages, st.schedule), {})[point] = st
+    for v, schedule in list(by_pipe):
+        try:
+            layer_chunks(graph, stages * v)
+        except PlanError:
+            del by_pipe[v, schedule]
+            continue
+        by_pipe[v, schedule] = dict(sorted(by_pipe[v, schedule].items(), key=_likely_first))
+    return by_pipe
+
+
+def _pipelined_chains(graph: OpGraph, topology, cost_model, settings: SearchSettings,
+                      opt_state_factor: float, progress: Progress | None, flat: _Searcher,
+                      end: float | None = None):
+    """Every pipeline (S from `stage_choices`, v from `interleave_choices`) has Megatron's
+    grid at it scored (`pipeline_grid`); the `CHAINED_PIPELINES` whose grids did best each get
+    a chain from their best point. Yields each pipeline's best grid point, then each chain's
+    best, as (time, strategy, start name) or None. Proposals and acceptances add to `flat`'s
+    counts.
+
+    **Why grids for all, chains for a few.** Interleaving over every v the layers allow makes
+    many pipelines (GPT 530B on 280 A100s: S in {5, 7, 35}, 10 (S, v) pairs); an equal share
+    of the budget for each would leave every chain too short to matter. A grid point is one
+    simulation, and the grid's best already ranks the pipelines (Megatron's own choice, TP8
+    PP35 v3, is a grid point), so the chains go where the best grids are. With a deadline
+    `end`, the grids take the first half of the time left, the chains the second. The grids'
+    half is two passes: the first ranks the pipelines, each scoring its grid (`_score_points`:
+    along its coordinates first) for an equal share of the first quarter (a pipeline's grid
+    stops where its share does, after one point at least); the second goes on with the grids
+    of the `CHAINED_PIPELINES` best pipelines of distinct stage counts, each from its first
+    pass's best, in the second quarter (Mixtral 8x22B on 32 H100s: the first pass stops TP8
+    PP4's 123 points at microbatches of 2, 63.3 s; the second reaches microbatches of 4,
+    55.9 s, the grid's best). Pipelines
+    with the most stages come first (the least per device: a plan that fits comes early), and
+    once one fits, the pipelines left when the grids' half is spent are not opened (opening one
+    builds a simulation of the whole model: seconds for GPT 530B, whose 10 pipelines took the
+    search 74 s past a 60 s budget; now 57 s)."""
+    # The most stages first: they hold the least per device, so a plan that fits comes early
+    pipes = [(S, v, schedule, points) for S in sorted(stage_choices(graph, topology), reverse=True)
+             for (v, schedule), points in pipeline_grid(graph, topology, S,
+                                                        settings.limits).items()]
+    t_grid = time.perf_counter()
+    grid_end = None if end is None else t_grid + max(end - t_grid, 0.0) / 2
+    # the grids' time: a first pass over every pipeline ranks them, a second scores the rest of
+    # the best ones' grids
+    probe_end = None if grid_end is None else t_grid + (grid_end - t_grid) / 2
+    ranked = []
+    scored: dict[int, set[str]] = {}  # pipeline -> the names of its grid's points scored
+    for k, (S, v, schedule, points) in enumerate(pipes):
+        fits = any(not key[0] for key, *_ in ranked)
+        if fits and past(probe_end):  # opening a pipeline's simulation costs seconds at scale;
+            # past the deadline, only while nothing fits yet
+            if progress is not None:
+                progress(f"search: {len(pipes) - k} of {len(pipes)} pipelines left unscored "
+                         "(time budget)")
+            break
+        deadline = share(probe_end, len(pipes) - k)
+        if progress is not None:
+            progress(f"search: scoring Megatron's grid at {S} pipeline stages, {v} virtual "
+                     f"({len(points)} configurations; pipeline {k + 1} of {len(pipes)})")
+        with _pipeline_searcher(graph, topology, cost_model, settings, opt_state_factor,
+                                progress, flat, S, v, schedule, next(iter(points.values()))) \
+                as searcher:
+            key, name, start, seen = _score_points(searcher, points, deadline,
+                                                   until_fit=not fits)
+            ranked.append((key, k, name, start))
+            scored[k] = seen
+            yield searcher.best
+    # the second pass: the best pipeline of each stage count, the best CHAINED_PIPELINES of
+    # those (a first pass cut short ranks a stage count's grid by the few points it reached:
+    # LLaMA 70B at 32K on 64 H100s, whose best is at 2 stages, had its 3 best at 8)
+    per_stages: dict[int, tuple] = {}
+    for r in sorted(ranked):
+        per_stages.setdefault(pipes[r[1]][0], r)
+    best_pipes = sorted(per_stages.values())[:CHAINED_PIPELINES]
+    for j, (key, k, name, start) in enumerate(best_pipes):
+        S, v, schedule, points = pipes[k]
+        rest = {n: st for n, st in points.items() if n not in scored[k]}
+        if not rest or past(grid_end):
+            continue
+        rest = {name: start, **rest}  # the descent goes on from the first pass's best
+        if progress is not None:
+            progress(f"search: the rest of Megatron's grid at {S} pipeline stages, {v} virtual "
+                     f"({len(rest)} configurations)")
+        with _pipeline_searcher(graph, topology, cost_model, settings, opt_state_factor,
+                                progress, flat, S, v, schedule, start) as searcher:
+            better = _score_points(searcher, rest, share(grid_end, len(best_pipes) - j))
+            if better[0] < key:
+                ranked[next(i for i, r in enumerate(ranked) if r[1] == k)] = (
+                    better[0], k, better[1], better[2])
+            yield searcher.best
+    for j, (_, k, name, start) in enumerate(sorted(ranked)[:CHAINED_PIPELINES]):
+        if past(end):
+            break
+        S, v, schedule, _ = pipes[k]
+        deadline = share(end, min(len(ranked), CHAINED_PIPELINES) - j)
+        with _pipeline_searcher(graph, topology, cost_model, settings, opt_state_factor,
+                                progress, flat, S, v, schedule, start) as searcher:
+            # the chain walks the configs at the stage boundaries its start is best at
+            _, start, _ = balance_stages(searcher.sim,
+                                         (searcher.sim.step_time(), start, name.name), deadline)
+            searcher.chain(name.name, start, deadline if deadline is not None
+                           else time.perf_counter() + settings.budget_s / 4)
+            flat.proposals += searcher.proposals
+            flat.accepted += searcher.accepted
+            yield searcher.best
+
+
+@contextlib.contextmanager
+def _pipeline_searcher(graph: OpGraph, topology, cost_model, settings: SearchSettings,
+                       opt_state_factor: float, progress: Progress | None, flat: _Searcher,
+                       S: int, v: int, schedule: str, first: Strategy):
+    """A `_Searcher` over a `PipelinedSimulation` opened at `first`, its clock `flat`'s, its
+    microbatch moves those the schedule takes at S stages (`pipeline_error`)."""
+    with open_simulation(graph, topology, first, cost_model=cost_model,
+                         resharder=DEFAULT_MODE, opt_state_factor=opt_state_factor) as sim:
+        searcher = _Searcher(sim, settings, progress)
+        searcher.t0 = flat.t0
+        searcher.microbatches = tuple(
+            m for m in searcher.microbatches if pipeline_error(schedule, S, m, v) is None)
+        yield searcher
+
+

@@ -1,0 +1,67 @@
+"""Stage balancing: a pipelined chain's best with its stage boundaries moved where the step is
+faster (uneven stages, as Megatron-LM's ``--decoder-last-pipeline-num-layers``).
+"""
+
+from __future__ import annotations
+
+from soapjax.graph.opgraph import OpGraph
+from soapjax.search._clock import past
+from soapjax.simulate.pipesim import PipelinedSimulation
+from soapjax.strategy.space import (
+    Strategy,
+)
+
+__all__ = ["balance_stages"]
+
+
+def _num_layers(graph: OpGraph) -> int:
+    """The layers a pipeline cuts (the longest family of repeated blocks)."""
+    return max((len(g) for g in graph.repeated_blocks()), default=0)
+
+
+
+def balance_stages(sim: PipelinedSimulation, best: tuple[float, Strategy, str],
+                   end: float | None = None, *, rounds: int = 64
+                   ) -> tuple[float, Strategy, str]:
+    """`best` (a chain's best: time, strategy, start name) with its stage boundaries moved
+    where that makes the step faster: uneven stages (`Strategy.stage_layers`), the last one
+    lighter where the head weighs, as Megatron-LM's ``--decoder-last-pipeline-num-layers``.
+
+    A descent on one stage's simulation (`PipelinedSimulation.stage_layers_result`: the
+    boundaries change only the schedule's work, not the stage's simulation): from equal
+    stages, each round tries every boundary moved by one layer either way and keeps the
+    fastest that fits, until none is faster (or `rounds`, or `end`). Only where apply runs
+    it: one virtual stage, the layers dividing by the stages (`check_stage_layers`). The
+    search balances each chain's start (`_pipelined_chains`), where `sim` is at it already;
+    `sim` ends at the result."""
+    t, strategy, name = best
+    S, v, _, layers = strategy.pipeline
+    num_layers = _num_layers(sim.graph)
+    if v != 1 or S < 2 or layers or num_layers % S or num_layers < 2 * S or past(end):
+        return best
+    if sim.strategy != strategy:
+        sim.propose_strategy(strategy)
+        sim.accept()
+    even = [num_layers // S] * S
+    sizes = even
+    for _ in range(rounds):
+        if past(end):
+            break
+        tried = []
+        for b in range(S - 1):
+            for d in (1, -1):
+                cut = list(sizes)
+                cut[b] += d
+                cut[b + 1] -= d
+                if min(cut) < 1:
+                    continue
+                r = sim.stage_layers_result(tuple(cut))
+                if r.fits_in_memory:
+                    tried.append((r.step_time_s, cut))
+        if not tried or min(tried)[0] >= t:
+            break
+        t, sizes = min(tried)
+    if sizes == even:
+        return best
+    sim.set_stage_layers(tuple(sizes))
+    return sim.step_time(), sim.strategy, name

@@ -1,0 +1,91 @@
+"""The flat simulation's memory accounting (a part of `soapjax.simulate._flatsim.Simulation`):
+the bytes of a tensor's shard, where parameters and optimizer state are stored, and the buffers
+the step holds at its peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from soapjax.base._dtypes import itemsize
+from soapjax.simulate._simresult import (
+    UPDATE,
+    MemoryBreakdown,
+)
+from soapjax.strategy.space import (
+    MeshShape,
+    storage_spec,
+)
+
+__all__: list[str] = ["shard_bytes"]
+
+
+def shard_bytes(shape: Sequence[int], spec: Sequence[Sequence[str]], dtype: str,
+                mesh: MeshShape) -> int:
+    """Bytes of one device's shard of a tensor laid out as `spec` (per-dim mesh axes)."""
+    n = itemsize(dtype)
+    for size, axes in zip(shape, spec):
+        d = mesh.degree(axes)
+        n *= size // d if size % d == 0 else size
+    for size in shape[len(spec):]:
+        n *= size
+    return n
+
+
+class _MemoryAccounting:
+    """Memory per device of a `Simulation`: stored layouts, shard bytes, buffers at the peak."""
+
+    def _stored_spec(self, leaf: int) -> tuple[tuple[str, ...], ...]:
+        """A leaf's layout: `space.storage_spec` of its first reader's operand spec."""
+        layout = self._layout
+        j, o = layout.readers[leaf][0]
+        zero = self._zero if layout.leaf_is_param[leaf] else ()
+        key = ("stored", self._views[j].operand_specs[o], layout.leaf_shape[leaf], zero)
+        out = self._memo.get(key)
+        if out is None:
+            out = self._memo[key] = storage_spec(key[1], key[2], zero, self.mesh)
+        return out
+
+    def _shard_bytes(self, shape: tuple[int, ...], spec: tuple, dtype: str) -> int:
+        key = ("bytes", shape, spec, dtype)
+        out = self._memo.get(key)
+        if out is None:
+            out = self._memo[key] = shard_bytes(shape, spec, dtype, self.mesh)
+        return out
+
+    def _optimizer_spec(self, leaf: int, store: tuple) -> tuple[tuple[str, ...], ...]:
+        """Parameter `leaf`'s optimizer state layout: its stored layout `store` split further
+        over the distributed optimizer's axes (`space.optimizer_specs`)."""
+        if not self._optimizer:
+            return store
+        key = ("optimizer", store, self._layout.leaf_shape[leaf], self._optimizer)
+        out = self._memo.get(key)
+        if out is None:
+            out = self._memo[key] = storage_spec(store, key[2], self._optimizer, self.mesh)
+        return out
+
+    # --- accounting ---------------------------------------------------------------------------
+
+    def _count_buffers(self, tasks: list[int], sign: int) -> None:
+        info, counts = self._task_graph.info, self._buffer_counts
+        for t in tasks:
+            if info[t][0] != UPDATE:
+                n = info[t][1].nbytes
+                c = counts.get(n, 0) + sign
+                if c:
+                    counts[n] = c
+                else:
+                    del counts[n]
+
+    def _memory(self) -> MemoryBreakdown:
+        p = self._stored_bytes
+        if self._act is None:  # exact whatever the order of changes: a pure function of views
+            views = self._views
+            self._act = self._segments.activation_bytes(
+                [v.recomputes for v in views], [v.output_bytes for v in views],
+                [v.operand_bytes for v in views], [v.internal_bytes for v in views])
+        owned = (sum(unit.optimizer_bytes for unit in self._leaf_tasks) if self._optimizer
+                 else p)  # the distributed optimizer's shards (`Strategy.optimizer_axes`)
+        return MemoryBreakdown(params=p, grads=p, opt_state=round(owned * self.opt_state_factor),
+                               activations=self._act + self._leaf_bytes,
+                               comm_buffers=max(self._buffer_counts, default=0))

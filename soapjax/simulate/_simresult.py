@@ -1,0 +1,163 @@
+"""What a simulation returns: the step's timeline, memory and traffic, and its trace export.
+
+`soapjax.simulate.front.Simulation.result` freezes its state into a `SimResult` (one `TaskRecord`
+per task, in issue order, and a `MemoryBreakdown` of the peak); this module holds those records and
+what is made from them alone: JSON, and the Chrome trace format that Perfetto and
+chrome://tracing draw. Under one SPMD program every device runs the same compute timeline, so
+the trace draws one compute track per device (at most 64, the rest are the same) and one track
+per topology channel. `soapjax.simulate.front` re-exports everything here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+# Task kinds (`TaskRecord.kind`).
+FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
+RESHARD, RESHARD_BWD, PARTIAL_SUM, PARAM_GATHER, GRAD_SYNC, UPDATE_REDUCE = (
+    "reshard", "reshard_backward", "partial_sum", "param_gather", "grad_sync", "update_reduce")
+INNER_REDUCE, INNER_REDUCE_BWD = "inner_reduce", "inner_reduce_backward"
+
+
+class TaskRecord(NamedTuple):
+    """One task of the simulated timeline.
+
+    Attributes:
+      name: e.g. ``"forward layers_0/mlp/fc1"``, ``"all_gather layers_0/ln_1 -> layers_0/attn/query
+        over model"`` (a resharding; ``d(...)`` for its backward), ``"all_reduce grad
+        ['params']['fc1']['kernel'] over data"`` or ``"all_reduce norm ['params']['fc1']['kernel']
+        over model"`` (the optimizer's reduction of a split parameter: `OpCosts`).
+      kind: forward, backward, update, reshard, reshard_backward, partial_sum, inner_reduce
+        (the all-reduce of statistics an operator reduces over a split dim, ``"all_reduce
+        layers_0/ln_1 (statistics) over model"``: `soapjax.graph._inner`), inner_reduce_backward
+        (``d(... statistics)``), param_gather, grad_sync or update_reduce.
+      resources: ``("compute",)`` or the topology channel ids it occupies.
+      start_s, end_s: seconds from the start of the step.
+      nbytes: a collective's per-device buffer (`Topology.collective_time`'s ``nbytes``); 0 for
+        compute.
+      sent: the bytes each device sends in it (`collectives.bytes_sent`); 0 for compute.
+    """
+
+    name: str
+    kind: str
+    resources: tuple[str, ...]
+    start_s: float
+    end_s: float
+    nbytes: int
+    sent: float = 0.0
+
+
+class MemoryBreakdown(NamedTuple):
+    """Bytes per device at the peak (the same on every device under SPMD)."""
+
+    params: int
+    grads: int
+    opt_state: int
+    activations: int
+    comm_buffers: int
+
+    @property
+    def total(self) -> int:
+        return sum(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class SimResult:
+    """The simulated training step of one strategy.
+
+    Attributes:
+      step_time_s: predicted iteration time.
+      compute_s: busy time of the compute stream (forward, backward and update tasks), plus
+        what calling the step costs where the topology measured it (`[compute]`), with the
+        time compute lost beside running collectives (`contention_s`) included.
+      exposed_comm_s: ``step_time_s - compute_s``: communication not hidden behind compute.
+      bytes_moved: bytes each device sends over the whole step.
+      bytes_by_link_class: the same, by the link class that limits each collective.
+      peak_memory_bytes: peak bytes per device, one entry per device; all equal under SPMD
+        symmetry (every device holds same-size shards).
+      memory: what the peak is made of.
+      memory_capacity_bytes: each device's memory (`Topology.device.memory_bytes`).
+      fits_in_memory: whether the peak fits in it.
+      cost_source: where compute times came from (``measured``, ``analytic``, ...).
+      num_devices: devices in the mesh.
+      tasks: every task, in issue order.
+      channels: the topology channels, in trace order.
+      pipeline: for a pipelined strategy, its `soapjax.simulate.pipesim.PipelineResult` (the rest is
+        then one stage's work, with the pipeline's step time and fullest stage's memory).
+      contention_s: seconds compute ran longer beside running collectives (a GPU's
+        ``[device.kernels].overlap_slowdown``, `soapjax.simulate._taskgraph`); 0 without it.
+    """
+
+    step_time_s: float
+    compute_s: float
+    exposed_comm_s: float
+    bytes_moved: float
+    bytes_by_link_class: dict[str, float]
+    peak_memory_bytes: tuple[int, ...]
+    memory: MemoryBreakdown
+    memory_capacity_bytes: int
+    fits_in_memory: bool
+    cost_source: str
+    num_devices: int
+    tasks: tuple[TaskRecord, ...] = dataclasses.field(repr=False)
+    channels: tuple[str, ...] = dataclasses.field(repr=False, default=())
+    pipeline: Any = dataclasses.field(repr=False, default=None)
+    contention_s: float = 0.0
+
+    def to_json(self, *, tasks: bool = False) -> dict[str, Any]:
+        """The result as JSON-ready data; with ``tasks=True`` the whole timeline too. A
+        pipelined step's is its pipeline's (`soapjax.simulate.pipesim.PipelineResult.to_json`)."""
+        if self.pipeline is not None:
+            return self.pipeline.to_json()
+        out = {
+            "step_time_s": self.step_time_s, "compute_s": self.compute_s,
+            "exposed_comm_s": self.exposed_comm_s, "contention_s": self.contention_s,
+            "bytes_moved": self.bytes_moved,
+            "bytes_by_link_class": dict(self.bytes_by_link_class),
+            "peak_memory_bytes": list(self.peak_memory_bytes),
+            "memory": self.memory._asdict(), "memory_capacity_bytes": self.memory_capacity_bytes,
+            "fits_in_memory": self.fits_in_memory, "cost_source": self.cost_source,
+            "num_devices": self.num_devices, "num_tasks": len(self.tasks),
+        }
+        if tasks:
+            out["tasks"] = [t._asdict() | {"resources": list(t.resources)} for t in self.tasks]
+        return out
+
+    def to_chrome_trace(self, *, max_device_tracks: int = 64) -> dict[str, Any]:
+        """The timeline in Chrome trace format (Perfetto, chrome://tracing).
+
+        Process 1 has one track per device with the compute tasks (identical on every device
+        under SPMD; at most `max_device_tracks` of them, the rest are the same); process 2 has
+        one track per topology channel with the collectives on it. Times are microseconds.
+        """
+        shown = min(self.num_devices, max_device_tracks)
+        ev: list[dict[str, Any]] = [
+            _meta("process_name", 1, None, f"devices (SPMD: all {self.num_devices} identical)"),
+            _meta("process_name", 2, None, "links (topology channels)"),
+        ]
+        for d in range(shown):
+            ev.append(_meta("thread_name", 1, d, f"device:{d} compute"))
+        tid = {c: i for i, c in enumerate(self.channels)}
+        for c, i in tid.items():
+            ev.append(_meta("thread_name", 2, i, c))
+        for t in self.tasks:
+            base = {"name": t.name, "cat": t.kind, "ph": "X", "ts": t.start_s * 1e6,
+                    "dur": (t.end_s - t.start_s) * 1e6}
+            if t.resources == ("compute",):
+                ev.extend(base | {"pid": 1, "tid": d} for d in range(shown))
+            else:
+                args = {"nbytes": t.nbytes}
+                ev.extend(base | {"pid": 2, "tid": tid[c], "args": args} for c in t.resources)
+        other = {"step_time_s": self.step_time_s, "device_tracks": shown}
+        if shown < self.num_devices:
+            other["note"] = (f"{self.num_devices} devices run identical timelines; "
+                             f"{shown} device tracks shown")
+        return {"traceEvents": ev, "displayTimeUnit": "ms", "otherData": other}
+
+
+def _meta(what: str, pid: int, tid: int | None, name: str) -> dict[str, Any]:
+    ev = {"name": what, "ph": "M", "pid": pid, "args": {"name": name}}
+    if tid is not None:
+        ev["tid"] = tid
+    return ev

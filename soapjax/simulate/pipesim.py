@@ -1,0 +1,613 @@
+"""Simulating a pipelined strategy: one stage's SPMD step, cut into chunks, timed by a schedule.
+
+A strategy with S pipeline stages (`Strategy.stages`, `soapjax.strategy.pipeline`) splits the
+outermost mesh axis of the topology (``node``) S ways: each stage is the same group of devices (a
+`scaled_topology` of ``N / S`` devices), and every operator keeps its S/A/P/R config over that
+group's axes. The pipelined step is priced in three parts:
+
+1. **One stage's work.** A `Simulation` of the whole graph on one stage's devices, with the
+   strategy's configs, ZeRO axes, recompute policies and M microbatches, gives every
+   operator's forward and backward end on the compute stream. The layers (the graph's
+   repeated blocks) are cut into ``S x v`` equal chunks of consecutive layers (or, uneven,
+   into `Strategy.stage_layers` per stage: `layer_chunks`); the operators
+   after the last layer (final norm, head, loss) go with the last chunk. A chunk's forward
+   (backward) time for one microbatch is the span its operators take on that timeline,
+   divided by M; the span includes the communication the one-stage simulation could not hide
+   (tensor-parallel all-reduces, reshardings). The operators before the first layer (the
+   embedding) run as `soapjax.apply.step` runs them: SPMD on every device, before the pipeline
+   (their backward after it), at 1/S of their one-stage span.
+2. **The schedule.** `soapjax.strategy.pipeline.time_schedule` runs the schedule's per-stage orders
+   with those chunk times and the stage-to-stage sends: one microbatch's boundary activations
+   (the per-device shards of every value a later chunk reads from an earlier one), priced as a
+   point-to-point transfer over the outermost mesh axis of the full topology (the link between
+   two nodes), the same size back for the gradient.
+3. **The tail.** After its last backward, a stage synchronises its parameters' gradients and
+   updates them: the one-stage simulation's tail (its step end after the last backward), scaled
+   by the stage's share of the parameter bytes. The step ends when the slowest stage's does.
+4. **The layer layout** (``layer_layout``). `soapjax.apply.step` stores the stacked layer
+   parameters in the model's layout, ``[L, ...]`` split over the stages on the layer dim
+   (``"model"``). With v > 1 virtual stages that is not the chunks' layout (stage ``s`` holds
+   layers ``s L / S ..``, but runs chunks ``s, s + S, ..``), so every step reshapes them: one
+   all-to-all over the stages per stacked parameter, of the stage's shard of it, before the
+   pipeline, and one of its gradient after it (measured in the compiled step:
+   tests/test_apply_pipelined.py). Both are priced (`layout_move_bytes`), serial with the
+   step, and the chunks' copy of the parameters is held through it (the stage's parameter
+   memory counts it). Uneven stages (`Strategy.stage_layers`) keep ``L / S`` layers a
+   stage too and run their own: each step sends every stacked parameter's layers that a
+   stage runs but another keeps (`soapjax.strategy.pipeline.stage_routes`: one point-to-point send
+   per stacked parameter and shift, the gradients back the same way), and each stage holds the
+   longest stage's run, padded, and adds its gradients up in it. Megatron-LM stores them as
+   its chunks run (``"chunks"``): nothing moves; `scripts/bench_gpu_sim.py` prices its
+   configurations so. With v = 1 and equal stages the two layouts are one.
+
+**Memory** per stage: the one-stage simulation's parameters, gradients, optimizer state and
+communication buffers scaled by the stage's share of the parameter bytes (its layers, plus the
+parameters read outside the layers, which every stage holds as apply stores them), plus the
+activations
+of one microbatch's chunk (their share of the one-stage activations) times the schedule's peak
+in-flight (microbatch, chunk) pairs on that stage. The plan fits when the fullest stage fits.
+
+What is left out: the head on the last stage makes that stage slower, as it is (the search
+may then cut the stages unevenly: `soapjax.search.stages.balance_stages`, one virtual stage only),
+and the embedding's placement is apply's (SPMD), not a choice; compute and sends overlap as
+the schedule allows, with the sends on their own links (no contention with the gradient
+synchronisation); the layer layout's collectives overlap nothing (XLA may run them beside
+the prologue).
+
+Delta simulation: configs and recompute policies change through the one-stage `Simulation`'s
+delta simulation (exact, `soapjax.simulate.front`); the chunk times, schedule and memory are then
+recomputed from its timeline, a pure function of it, so delta == full holds here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from soapjax.base.errors import PlanError
+from soapjax.graph.opgraph import OpGraph
+from soapjax.simulate._flatsim import Simulation, shard_bytes
+from soapjax.simulate._simresult import MemoryBreakdown, SimResult
+from soapjax.strategy.pipeline import (
+    DEFAULT_SCHEDULE,
+    ChunkTimes,
+    PipelineTimeline,
+    check_stage_layers,
+    stage_routes,
+    time_schedule,
+)
+from soapjax.strategy.space import Config, MeshShape, Strategy
+from soapjax.topology.cluster import Topology, stage_topology
+
+__all__ = ["LAYER_LAYOUTS", "PipelineResult", "PipelinedSimulation", "as_step_result",
+           "layer_chunks"]
+
+# Where the stacked layer parameters live between steps (module doc, 4): the model's layout, as
+# soapjax.apply.step stores them, or the chunks', as Megatron-LM does.
+LAYER_LAYOUTS = ("model", "chunks")
+
+
+def _layer_span(graph: OpGraph) -> tuple[int, int]:
+    """The first and last operator index of the longest family of repeated layers."""
+    groups = graph.repeated_blocks()
+    longest = max((len(g) for g in groups), default=0)
+    members = [i for g in groups if len(g) == longest for i in g]
+    if not members:
+        raise PlanError(f"graph {graph.name!r} has no repeated layers (a scan over layers or "
+                        "identical unrolled layers) to cut into pipeline stages")
+    return min(members), max(members)
+
+
+def layer_chunks(graph: OpGraph, chunks: int, sizes: Sequence[int] = ()) -> list[int]:
+    """Each operator's model chunk (graph order), for the layers cut into `chunks` runs of
+    consecutive layers, equal ones or of `sizes` layers each (uneven stages:
+    `Strategy.stage_layers`); operators before the first layer are in chunk 0, after the last
+    in the last chunk, between two layers in the chunk of the layer before.
+
+    Raises:
+      PlanError: the graph has no repeated layers, or their number does not divide (or does
+        not add up to `sizes`).
+    """
+    layer_of: dict[int, int] = {}
+    groups = graph.repeated_blocks()
+    num_layers = max((len(g) for g in groups), default=0)
+    for group in groups:  # the longest family of layers (a model may repeat smaller blocks too)
+        if len(group) == num_layers:
+            for k, i in enumerate(group):
+                layer_of[i] = k
+    if not layer_of:
+        raise PlanError(f"graph {graph.name!r} has no repeated layers (a scan over layers or "
+                        "identical unrolled layers) to cut into pipeline stages")
+    if sizes:
+        if len(sizes) != chunks or sum(sizes) != num_layers:
+            raise PlanError(f"stage layers {tuple(sizes)} do not cut {num_layers} layers into "
+                            f"{chunks} pipeline chunks")
+    elif num_layers % chunks:
+        raise PlanError(f"{num_layers} layers do not cut into {chunks} equal pipeline chunks "
+                        "(stages x virtual stages must divide the layer count)")
+    sizes = tuple(sizes) or (num_layers // chunks,) * chunks
+    chunk_of_layer = [c for c, n in enumerate(sizes) for _ in range(n)]
+    first, last = min(layer_of), max(layer_of)
+    out, current = [], 0
+    for i in range(len(graph.operators)):
+        if i in layer_of:
+            current = chunk_of_layer[layer_of[i]]
+        elif i < first:
+            current = 0
+        elif i > last:
+            current = chunks - 1
+        out.append(current)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineResult:
+    """The simulated pipelined step.
+
+    Attributes:
+      step_time_s: predicted iteration time (the slowest stage's end, tail included).
+      timeline: the schedule's timeline (`soapjax.strategy.pipeline.PipelineTimeline`).
+      chunk_times: per-microbatch chunk and send times the schedule ran with.
+      stage_memory: per stage, what its peak per device is made of.
+      memory_capacity_bytes: each device's memory.
+      fits_in_memory: whether the fullest stage fits.
+      tail_s: per stage, its gradient synchronisation and update after its last backward.
+      prologue_s: the part before the first layer (embedding) run SPMD on every device:
+        (forward before the pipeline, backward after it).
+      layout_move_s: the stacked layer parameters moved from the model's layout to the
+        chunks' before the pipeline, and their gradients back after it (module doc, 4; 0
+        where the layouts agree).
+    """
+
+    step_time_s: float
+    timeline: PipelineTimeline
+    chunk_times: ChunkTimes
+    stage_memory: tuple[MemoryBreakdown, ...]
+    memory_capacity_bytes: int
+    fits_in_memory: bool
+    tail_s: tuple[float, ...]
+    prologue_s: tuple[float, float] = (0.0, 0.0)
+    layout_move_s: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return max(m.total for m in self.stage_memory)
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.timeline.bubble_fraction
+
+    def to_json(self) -> dict:
+        """JSON-ready summary (the plan file's ``predicted``): the keys a `SimResult` has that
+        apply here, and the pipeline's own."""
+        fullest = max(self.stage_memory, key=lambda m: m.total)
+        return {
+            "step_time_s": self.step_time_s, "fits_in_memory": self.fits_in_memory,
+            "peak_memory_bytes": [m.total for m in self.stage_memory],
+            "memory": fullest._asdict(), "memory_capacity_bytes": self.memory_capacity_bytes,
+            "pipeline": {"bubble_fraction": self.bubble_fraction,
+                         "in_flight": list(self.timeline.in_flight),
+                         "stage_end_s": list(self.timeline.stage_end_s),
+                         "tail_s": list(self.tail_s),
+                         "prologue_s": list(self.prologue_s),
+                         "layout_move_s": list(self.layout_move_s),
+                         "chunk_forward_s": list(self.chunk_times.forward_s),
+                         "chunk_backward_s": list(self.chunk_times.backward_s),
+                         "send_s": list(self.chunk_times.send_s)},
+        }
+
+
+class PipelinedSimulation:
+    """A pipelined strategy's step, kept up to date under config and recompute changes.
+
+    The interface the search uses of a `Simulation` (`propose`, `propose_many`, `accept`,
+    `reject`, `reset`, `step_time`, `fits_in_memory`, `choice`, `strategy`), with `topology`
+    the devices of ONE stage (the configs' mesh) and `full_topology` the whole cluster.
+    """
+
+    def __init__(self, graph: OpGraph, topology: Topology, cost_model, resharder,
+                 strategy: Strategy, *, opt_state_factor: float = 2.0,
+                 layer_layout: str = "model"):
+        if not strategy.pipelined:
+            raise PlanError("PipelinedSimulation needs a strategy with pipeline stages; "
+                            "use soapjax.simulate.front.Simulation for one without")
+        if layer_layout not in LAYER_LAYOUTS:
+            raise PlanError(f"layer_layout {layer_layout!r}: expected one of "
+                            f"{', '.join(LAYER_LAYOUTS)} (module doc)")
+        self.graph, self.full_topology = graph, topology
+        self.topology = stage_topology(topology, strategy.stages)
+        first, last = graph.memo("layer_span", lambda: _layer_span(graph))
+        # before the first layer (embedding): SPMD on every device, as apply runs it
+        self._prologue = [i < first for i in range(len(graph.operators))]
+        self._outside = [i < first or i > last for i in range(len(graph.operators))]
+        self._inner = Simulation(graph, self.topology,
+                                 _StageCosts(cost_model, MeshShape.of(self.topology)), resharder,
+                                 _flat(strategy), opt_state_factor=opt_state_factor,
+                                 pipeline_stage=True)
+        self._layer_layout = layer_layout
+        self._cut(strategy.pipeline)
+        self._result: PipelineResult | None = None
+        self._saved: PipelineResult | None = None
+
+    def _cut(self, pipeline: tuple[int, int, str, tuple[int, ...]]) -> None:
+        """What the pipeline's numbers decide, its stage layers included: each operator's
+        chunk, the stages' parameter shares, what the layer layout moves."""
+        graph = self.graph
+        self._pipeline = pipeline
+        stages, virtual, _, sizes = pipeline
+        chunks = stages * virtual
+        self._chunk = graph.memo(("layer_chunks", chunks, sizes),
+                                 lambda: layer_chunks(graph, chunks, sizes))
+        # parameters are kept L / S layers a stage in apply's model layout, uneven stages too
+        self._param_share = graph.memo(
+            ("param_shares", stages, chunks, sizes if self._layer_layout == "chunks" else ()),
+            self._param_shares)
+        # the stacked parameters' layer slices, by stacked parameter, where a step moves them
+        moves = virtual > 1 or bool(sizes)
+        self._stacked = (graph.memo("stacked_layer_params", self._stacked_layer_params)
+                         if self._layer_layout == "model" and moves else {})
+        self._routes = stage_routes(sum(sizes), sizes) if sizes else ()
+
+    def stage_layers_result(self, stage_layers: tuple[int, ...]) -> PipelineResult:
+        """The step of the current configs with the layers cut into `stage_layers` per stage
+        (() for equal stages), the simulation left as it was: one stage's simulation is the
+        same whatever the boundaries, so this is the schedule's work only (what the search's
+        balancing of the stages walks over: `soapjax.search.find`)."""
+        stages, virtual, schedule, _ = self._pipeline
+        check_stage_layers(tuple(stage_layers), stages, virtual)
+        pipeline, result = self._pipeline, self._result
+        try:
+            self._cut((stages, virtual, schedule, tuple(stage_layers)))
+            return self._compute()
+        finally:
+            self._cut(pipeline)  # all of it derived from the pipeline's numbers (memoised)
+            self._result = result
+
+    def set_stage_layers(self, stage_layers: tuple[int, ...]) -> float:
+        """Cuts the layers into `stage_layers` per stage from now on; the step time."""
+        stages, virtual, schedule, _ = self._pipeline
+        check_stage_layers(tuple(stage_layers), stages, virtual)
+        self._cut((stages, virtual, schedule, tuple(stage_layers)))
+        self._result = self._saved = None
+        return self.step_time()
+
+# --- the Simulation interface the search uses ----------------------------------------------
+
+    @property
+    def strategy(self) -> Strategy:
+        return self._inner.strategy.with_pipeline(*self._pipeline)
+
+    @property
+    def microbatches(self) -> int:
+        return self._inner.microbatches
+
+    @property
+    def mesh(self) -> MeshShape:
+        return self._inner.mesh
+
+    def choice(self, j: int) -> tuple[Config, str]:
+        return self._inner.choice(j)
+
+    def reset(self, strategy: Strategy) -> float:
+        if strategy.pipeline != self._pipeline:
+            raise PlanError("PipelinedSimulation.reset keeps the pipeline's stages, virtual "
+                            "stages, schedule and stage layers; make a new PipelinedSimulation "
+                            "to change them")
+        self._inner.reset(_flat(strategy))
+        self._result = None
+        return self.step_time()
+
+    def propose(self, i: int, config: Config, recompute: str | None = None) -> float:
+        return self.propose_many([(i, config, recompute)])
+
+    def propose_many(self, changes: Sequence[tuple[int, Config, str | None]]) -> float:
+        self._saved = self._result
+        self._inner.propose_many(changes)
+        self._result = None
+        return self.step_time()
+
+    def propose_strategy(self, strategy: Strategy) -> float:
+        """`Simulation.propose_strategy` within this pipeline (its stages, virtual stages and
+        schedule stay)."""
+        if strategy.pipeline != self._pipeline:
+            raise PlanError("PipelinedSimulation.propose_strategy keeps the pipeline's stages, "
+                            "virtual stages, schedule and stage layers")
+        self._saved = self._result
+        self._inner.propose_strategy(_flat(strategy))
+        self._result = None
+        return self.step_time()
+
+    def accept(self) -> None:
+        self._inner.accept()
+        self._saved = None
+
+    def reject(self) -> None:
+        self._inner.reject()
+        self._result, self._saved = self._saved, None
+
+    def step_time(self) -> float:
+        return self.result().step_time_s
+
+    def peak_memory_bytes(self) -> int:
+        return self.result().peak_memory_bytes
+
+    def fits_in_memory(self) -> bool:
+        return self.result().fits_in_memory
+
+    def stage_result(self) -> SimResult:
+        """One stage's simulated work for the whole batch (its M microbatches one after the
+        other, no pipeline): the timeline the chunks are cut from."""
+        return self._inner.result()
+
+    # --- the pipelined step ---------------------------------------------------------------------
+
+    def result(self) -> PipelineResult:
+        """The pipelined step of the current strategy (computed once per state)."""
+        if self._result is None:
+            self._result = self._compute()
+        return self._result
+
+    def _compute(self) -> PipelineResult:
+        S, v, schedule, _ = self._pipeline
+        inner, M = self._inner, self._inner.microbatches
+        chunks = S * v
+        fwd_end, bwd_end = inner.compute_ends()
+        pro_f = pro_b_end = 0.0  # the prologue's forward end and backward end, if any
+        f_last = [0.0] * chunks
+        b_last = [0.0] * chunks
+        for i, c in enumerate(self._chunk):
+            if self._prologue[i]:
+                pro_f, pro_b_end = max(pro_f, fwd_end[i]), max(pro_b_end, bwd_end[i])
+                continue
+            f_last[c] = max(f_last[c], fwd_end[i])
+            b_last[c] = max(b_last[c], bwd_end[i])
+        forward_done = max(fwd_end)
+        forward = [(f_last[c] - (f_last[c - 1] if c else pro_f)) / M for c in range(chunks)]
+        backward = [(b_last[c] - (b_last[c + 1] if c + 1 < chunks else forward_done)) / M
+                    for c in range(chunks)]
+        times = ChunkTimes(tuple(max(0.0, t) for t in forward),
+                           tuple(max(0.0, t) for t in backward), self._send_times())
+        timeline = time_schedule(schedule, S, M, v, times)
+        # The prologue runs SPMD on all S stages' devices: before the pipeline, its backward
+        # after it, each at 1/S of one stage's time for the whole batch.
+        before = pro_f / S
+        after = max(0.0, pro_b_end - b_last[0]) / S if pro_b_end else 0.0
+        tail = max(0.0, inner.timeline_end() - max(bwd_end))
+        tails = tuple(tail * share for share in self._param_share)
+        moves = self._layout_moves()
+        move = self._move_time(moves.sends)  # each way: parameters in, gradients out
+        step = before + move + max(timeline.step_s + after,
+                                   max(end + t for end, t in zip(timeline.stage_end_s, tails)))
+        step += move + inner.call_overhead  # one SPMD call, as unpipelined
+        memory = self._stage_memory(timeline, moves)
+        cap = self.topology.device.memory_bytes
+        return PipelineResult(step, timeline, times, memory, cap,
+                              max(m.total for m in memory) <= cap, tails, (before, after),
+                              (move, move))
+
+    def _stage_of_chunk(self, c: int) -> int:
+        return c % self._pipeline[0]
+
+    def _param_shares(self) -> tuple[float, ...]:
+        """Each stage's share of the parameter bytes: its layers' slices (``L / S`` layers,
+        as apply keeps them between steps, uneven stages too; ``layer_layout="chunks"``:
+        the layers it runs), plus every parameter read
+        outside the layers (embedding, head), which every stage holds as apply stores them
+        (the stage axis does not split them). Shares add up to more than 1."""
+        S, v = self._pipeline[:2]
+        kept = (layer_chunks(self.graph, S * v)
+                if self._pipeline[3] and self._layer_layout == "model" else self._chunk)
+        seen: dict[tuple[str, tuple[int, ...]], int] = {}
+        stage_of: dict[tuple[str, tuple[int, ...]], int | None] = {}
+        for i, (op, c) in enumerate(zip(self.graph.operators, kept)):
+            for x in op.inputs:
+                if x.kind == "param":
+                    key = (x.leaf_path, x.layer)
+                    everywhere = self._outside[i] and not x.layer
+                    if key not in seen:
+                        seen[key] = x.nbytes
+                        stage_of[key] = None if everywhere else self._stage_of_chunk(c)
+                    elif everywhere:
+                        stage_of[key] = None
+        total = sum(seen.values()) or 1
+        shares = [0.0] * S
+        for key, n in seen.items():
+            for s in range(S) if stage_of[key] is None else (stage_of[key],):
+                shares[s] += n / total
+        return tuple(shares)
+
+    def _stacked_layer_params(self) -> dict[str, tuple[str, ...]]:
+        """Per stacked parameter (its leaf path), the sources of its layer slices: the
+        parameters the layers read (module doc, 4)."""
+        out: dict[str, dict[str, None]] = {}
+        for i, op in enumerate(self.graph.operators):
+            if self._outside[i]:
+                continue
+            for x in op.inputs:
+                if x.kind == "param" and x.layer:
+                    out.setdefault(str(x.leaf_path), {})[x.source] = None
+        return {path: tuple(sources) for path, sources in out.items()}
+
+    def layout_move_bytes(self) -> tuple[int, ...]:
+        """The bytes each device puts into one of the collectives that move the stacked layer
+        parameters from the model's layout to the chunks' (the same again for the gradients
+        back; module doc, 4), one per collective, empty where nothing moves (one virtual
+        stage of equal stages, or ``layer_layout="chunks"``). Interleaved: per stacked
+        parameter, one all-to-all of the stage's shard of it (its ``L / S`` layers' stored
+        shards). Uneven stages: per stacked parameter and shift of `stage_routes`, one
+        point-to-point send of that many layers' shards."""
+        return self._layout_moves().sends
+
+    def _layout_moves(self) -> _LayoutMoves:
+        """What the layer layout moves and holds (module doc, 4), from one read of the
+        stage's stored parameter shards."""
+        if not self._stacked:
+            return _LayoutMoves((), 0, 0)
+        stored = self._inner.stored_param_bytes()
+        per_layer = [sum(stored[src] for src in sources) // len(sources)
+                     for sources in self._stacked.values()]
+        S, _, _, sizes = self._pipeline
+        kept = len(next(iter(self._stacked.values()))) // S  # a stage keeps L / S layers
+        if self._routes:
+            copy = max(sizes) * sum(per_layer)  # the longest stage's run, padded
+            return _LayoutMoves(tuple(n * r.rows for n in per_layer
+                                      for r in self._routes if r.delta),
+                                copy, copy - kept * sum(per_layer))
+        sends = tuple(n * kept for n in per_layer)
+        return _LayoutMoves(sends, sum(sends), 0)
+
+    def _move_time(self, sends: Sequence[int]) -> float:
+        """One way of the layer layout's collectives `sends` (module doc, 4) over the stage
+        groups of the outermost mesh axis: all-to-alls (interleaved) or point-to-point sends
+        (uneven)."""
+        axis, S = (self.full_topology.axis_names[0],), self._pipeline[0]
+        if self._routes:
+            return sum(self.full_topology.collective_time("point_to_point", n, axis)
+                       for n in sends)
+        return sum(self.full_topology.collective_time("all_to_all", n, axis, group_size=S)
+                   for n in sends)
+
+    def send_bytes(self) -> tuple[int, ...]:
+        """Per chunk boundary, the bytes each device sends for one microbatch: the shards of
+        every value a later chunk reads from an earlier one, each cut into the pieces the
+        scatter/gather rule sends (`_SendPlan`; the gradient goes back with the same size). A
+        step sends ``M`` times each, forward and back."""
+        return tuple(sum(piece for piece, _, _ in c) for c in self._crossings())
+
+    def _send_times(self) -> tuple[float, ...]:
+        """Per chunk boundary: the point-to-point transfer of the pieces over the outermost
+        mesh axis of the full topology, then the receiver's all-gathers of the pieces over
+        the axes they were cut along (the stage's own links)."""
+        axis = (self.full_topology.axis_names[0],)
+        times = []
+        for crossing in self._crossings():
+            t = self.full_topology.collective_time(
+                "point_to_point", sum(piece for piece, _, _ in crossing), axis)
+            for _, whole, axes in crossing:
+                if axes:
+                    t += self.topology.collective_time("all_gather", whole, axes)
+            times.append(t)
+        return tuple(times)
+
+    def _crossings(self) -> list[list[tuple[int, int, tuple[str, ...]]]]:
+        """Per chunk boundary, per value crossing it: ``(bytes sent, shard bytes, axes it is
+        gathered over)``.
+
+        Megatron-LM's scatter/gather (Narayanan et al. 2021, section 4.1), as
+        `soapjax.apply._pipelined` sends: a value replicated over some of the stage's mesh axes (the
+        residual stream under tensor parallelism) is cut along the last dim of its shard that
+        the product ``r`` of those axes' sizes divides; each replica sends its ``1/r`` piece
+        over its own link and the receiver all-gathers the pieces over those axes. A value
+        with no such dim is sent whole by every replica."""
+        chunks = len(set(self._chunk))
+        ops, inner = self.graph.operators, self._inner
+        mesh, M = self._inner.mesh, self._inner.microbatches
+        crossing: list[dict[tuple[str, int], tuple[int, int, tuple[str, ...]]]] = [
+            dict() for _ in range(chunks - 1)]
+        index = {op.name: i for i, op in enumerate(ops)}
+        for j, op in enumerate(ops):
+            for x in op.inputs:
+                if x.kind != "activation":
+                    continue
+                p = index[x.source]
+                lo, hi = self._chunk[p], self._chunk[j]
+                if lo == hi:
+                    continue
+                out = ops[p].outputs[x.index]
+                spec = inner.output_specs(p)[x.index]
+                nbytes = shard_bytes(out.shape, spec, out.dtype, mesh) // M
+                sent = _scatter(out.shape, spec, mesh, nbytes)
+                for b in range(lo, hi):
+                    crossing[b][(x.source, x.index)] = sent
+        return [list(c.values()) for c in crossing]
+
+    def _stage_memory(self, timeline: PipelineTimeline,
+                      moves: _LayoutMoves) -> tuple[MemoryBreakdown, ...]:
+        m = self._inner.memory_breakdown()
+        S, v = self._pipeline[:2]
+        act = self._inner.activation_bytes_by_operator()
+        total_act = sum(act) or 1
+        chunk_act = [0] * (S * v)
+        for i, c in enumerate(self._chunk):
+            chunk_act[c] += act[i]
+        out = []
+        for s in range(S):
+            share = self._param_share[s]
+            per_pair = max(chunk_act[c] for c in range(s, S * v, S)) / total_act
+            out.append(MemoryBreakdown(
+                params=int(m.params * share) + moves.copy,
+                grads=int(m.grads * share) + moves.padding,
+                opt_state=int(m.opt_state * share),
+                activations=int(m.activations * per_pair * timeline.in_flight[s]),
+                comm_buffers=m.comm_buffers))
+        return tuple(out)
+
+
+def as_step_result(pipelined: PipelineResult, stage: SimResult,
+                   num_devices: int) -> SimResult:
+    """The pipelined step as a `SimResult` for reports: step time, fits and memory of the
+    pipeline (its fullest stage), the compute, bytes and tasks of one stage's work."""
+    fullest = max(pipelined.stage_memory, key=lambda m: m.total)
+    return dataclasses.replace(
+        stage, step_time_s=pipelined.step_time_s,
+        exposed_comm_s=max(0.0, pipelined.step_time_s - stage.compute_s),
+        peak_memory_bytes=(fullest.total,) * num_devices, memory=fullest,
+        fits_in_memory=pipelined.fits_in_memory, num_devices=num_devices, pipeline=pipelined)
+
+
+class _LayoutMoves(NamedTuple):
+    """What the layer layout moves each step and holds (`PipelinedSimulation._layout_moves`):
+    the bytes each device puts into each collective (one way), the chunks' copy of a stage's
+    stacked parameters held through the step, and what uneven stages' gradients add in it
+    over the stage's own layers (they are added up in the padded run)."""
+
+    sends: tuple[int, ...]
+    copy: int
+    padding: int
+
+
+class _StageCosts:
+    """A cost model read over one stage's mesh: the configs of a pipeline stage name one
+    stage's devices, and `cost_model` may be the whole cluster's, whose ``op_time`` reads a
+    config's axes at the cluster's sizes (the node axis 4 where a stage has 2). Every time
+    comes from ``shard_time`` at the stage's degrees."""
+
+    def __init__(self, base, mesh: MeshShape):
+        self.base, self.mesh = base, mesh
+        self.source = base.source
+        self.update_reductions = getattr(base, "update_reductions", 0)
+
+    def op_time(self, op_index: int, config: Config):
+        return self.base.shard_time(op_index, config.degrees(self.mesh))
+
+    def shard_time(self, op_index: int, degrees: tuple[int, ...]):
+        return self.base.shard_time(op_index, degrees)
+
+    def update_time(self, param_shard_bytes: float) -> float:
+        return self.base.update_time(param_shard_bytes)
+
+
+def _flat(strategy: Strategy) -> Strategy:
+    """The strategy without its pipeline: what one stage runs."""
+    return dataclasses.replace(strategy, stages=1, virtual_stages=1, schedule=DEFAULT_SCHEDULE,
+                               stage_layers=())
+
+
+def _scatter(shape: Sequence[int], spec: Sequence[Sequence[str]], mesh: MeshShape,
+             nbytes: int) -> tuple[int, int, tuple[str, ...]]:
+    """``(bytes sent, shard bytes, gather axes)`` of one boundary value (`_crossings`): cut
+    ``r`` ways over the mesh axes it is not split over when a dim of its shard divides by
+    ``r`` (the microbatch's share of the batch dim aside: the rule's dim is in practice the
+    hidden one, the last)."""
+    used = {a for axes in spec for a in axes}
+    free = tuple(a for a in mesh.axis_names if a not in used)
+    r = mesh.degree(free)
+    if r == 1:
+        return nbytes, nbytes, ()
+    padded = [*spec, *[()] * (len(shape) - len(spec))]
+    local = [size // mesh.degree(axes) if size % mesh.degree(axes) == 0 else size
+             for size, axes in zip(shape, padded)]
+    if not any(d % r == 0 for d in local[1:]):  # dim 0: the batch, cut into microbatches
+        return nbytes, nbytes, ()
+    return nbytes // r, nbytes, free
