@@ -882,6 +882,55 @@ def _baseline_results(g, topo, w, cm, resharder, info) -> dict:
 # --- check --------------------------------------------------------------------------------------
 
 
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    from soapjax.apply.export import FORMATS
+
+    p = sub.add_parser(
+        "export",
+        help="write a plan's parameter and batch shardings for your own jax.jit loop",
+        description="Write a plan's shardings in the form a plain jax.jit training loop takes: "
+        "'specs', a PartitionSpec per parameter and batch leaf as Python text; 'json', the "
+        "same as JSON (paths to per-dim mesh axes, with the mesh). What jax.jit alone cannot "
+        "carry (the activations' layouts, recomputation, microbatches, the ring) is listed as "
+        "'not expressed', one line each; a pipelined plan is refused. Flax linen's "
+        "logical-axis rules are soapjax.apply.export.logical_axis_rules (they need your model's "
+        "logical names). The model is rebuilt from the plan, as `soapjax check` does.",
+    )
+    p.add_argument("--plan", required=True, help="a plan file from `soapjax plan`")
+    p.add_argument("--format", required=True, choices=FORMATS[:2],
+                   help="specs (Python text) or json")
+    p.add_argument("--out", default=None, help="file to write (default: print)")
+    p.set_defaults(func=_cmd_export)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    import soapjax_zoo as zoo
+    from soapjax.apply.export import export_json, partition_specs
+    from soapjax.graph.opgraph import trace
+    from soapjax.strategy.plan import Plan
+
+    plan = Plan.load(args.plan)
+    w = zoo.for_plan(plan)
+    graph = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=plan.model)
+    if args.format == "json":
+        text = export_json(graph, plan)
+    else:
+        exported = partition_specs(graph, plan)
+        lines = [f"# mesh: {dict(zip(exported.mesh.axis_names, exported.mesh.axis_sizes))}",
+                 "# params"]
+        lines += [f"{path}: {spec!r}" for path, spec in exported.params.items()]
+        lines += ["# batch"] + [f"{path}: {spec!r}" for path, spec in exported.batch.items()]
+        lines += ["# not expressed:"] + [f"#   {line}" for line in exported.not_expressed]
+        text = "\n".join(lines)
+    if args.out is None:
+        print(text)
+    else:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
 def _add_check(sub: argparse._SubParsersAction) -> None:
     from soapjax.check import BYTES_TOLERANCE, NUMBERS_TOLERANCE
     from soapjax.cost.reshard import DEFAULT_MODE
@@ -961,7 +1010,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in (_add_models, _add_graph, _add_meshes, _add_mesh, _add_calibrate, _add_profile,
-                _add_plan, _add_check, _add_simulate):
+                _add_plan, _add_check, _add_simulate, _add_export):
         add(sub)
     return parser
 

@@ -345,7 +345,7 @@ def test_fixed_choices_have_one_table(choice):
 PIPELINE_AWARE = {"_flatsim", "_flat_tasks", "pipesim",
                   "front",  # the simulator
                   "_pipeline_layout", "_validation", "_flatstep", "_pipelined", "_shardings",
-                  "step"}  # apply
+                  "step", "export"}  # apply
 
 
 def test_only_the_simulator_and_apply_branch_on_pipeline_stages():
