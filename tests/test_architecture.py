@@ -26,8 +26,9 @@ PACKAGE = ROOT / "soapjax"
 
 # The root's modules, above every folder, lowest first.
 TOP: tuple[tuple[str, ...], ...] = (
-    ("_moved", "exactness", "training", "check"),  # gradients against the unsharded step; the
-    # training helper; a plan against the devices; the old import paths
+    ("_moved", "exactness", "training", "checkpoint", "check"),  # gradients against the
+    # unsharded step; the training helper and its checkpoints; a plan against the devices; the
+    # old import paths
     ("report", "plot"),  # text, HTML and pictures
     ("cli", "__init__"),  # the command line; the public surface
 )
