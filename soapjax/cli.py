@@ -446,7 +446,7 @@ def _cmd_calibrate_links(args: argparse.Namespace) -> int:
         fits, compute, seconds = links.calibrate_links(topo, log=log)
     dev = jax.devices()[0]
     command = f"soapjax calibrate --links --mesh {args.mesh} --write"
-    if topo.platform == "cpu":  # as many virtual devices as this process had (the tests: 8)
+    if topo.capabilities.virtual_devices:  # as many as this process had (the tests: 8)
         command = (f"XLA_FLAGS=--xla_force_host_platform_device_count={len(jax.devices())} "
                    + command)
     notes = [(f"on {len(jax.devices())} x {dev.device_kind} ({dev.platform}), jax "

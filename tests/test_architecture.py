@@ -384,8 +384,11 @@ def test_typed_choices_are_their_tables():
     from soapjax.base.attention import IMPLEMENTATIONS, AttentionImplementation
     from soapjax.strategy.pipeline import DEFAULT_SCHEDULE, SCHEDULES, ScheduleName
     from soapjax.strategy.space import RECOMPUTE_POLICIES, RecomputePolicy
+    from soapjax.topology.cluster import CAPABILITIES, PLATFORMS, Platform
 
     assert typing.get_args(ScheduleName) == tuple(SCHEDULES)
     assert DEFAULT_SCHEDULE in SCHEDULES
     assert typing.get_args(AttentionImplementation) == IMPLEMENTATIONS
     assert typing.get_args(RecomputePolicy) == RECOMPUTE_POLICIES
+    # what a platform's XLA does is asked of the topology, one row per platform
+    assert set(CAPABILITIES) == set(PLATFORMS) == set(typing.get_args(Platform))

@@ -575,7 +575,7 @@ class _TaskBuilding:
         comm = self._memo.get(key, False)
         if comm is False:
             comm = self._pricing.comm("all_reduce", 4 * self._reductions, axes)
-            if comm is not None and self.topology.platform != "cpu":
+            if comm is not None and self.topology.capabilities.combines_all_reduces:
                 comm = comm._replace(dur=comm.dur / max(1, len(self.graph.params)))
             self._memo[key] = comm
         if comm is None:

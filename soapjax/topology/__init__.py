@@ -13,12 +13,14 @@ Its public names are `soapjax.topology.cluster`'s, re-exported here.
 from soapjax.topology import cluster as _cluster
 from soapjax.topology.cluster import (
     ALGORITHMS as ALGORITHMS,
+    CAPABILITIES as CAPABILITIES,
     COLLECTIVES as COLLECTIVES,
     KNOWN_DTYPES as KNOWN_DTYPES,
     LINK_CLASSES as LINK_CLASSES,
     MESHES_DIR as MESHES_DIR,
     PLATFORMS as PLATFORMS,
     REQUIRED_DTYPES as REQUIRED_DTYPES,
+    Capabilities as Capabilities,
     Channel as Channel,
     CollectiveModel as CollectiveModel,
     ComputeSharing as ComputeSharing,

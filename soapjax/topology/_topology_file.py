@@ -114,6 +114,31 @@ from soapjax.base.errors import TopologyError
 
 Platform = Literal["gpu", "cpu", "tpu"]
 PLATFORMS: tuple[str, ...] = ("gpu", "cpu", "tpu")
+
+
+class Capabilities(NamedTuple):
+    """What a platform's XLA does that the simulator and the command line must know, asked of
+    the topology (`Topology.capabilities`) instead of "is it the CPU?".
+
+    Attributes:
+      reduce_scatter: XLA turns the partitioner's all-reduce and slice into a reduce-scatter
+        (XLA:GPU and TPU; XLA:CPU runs the all-reduce of the whole input).
+      combines_all_reduces: XLA combines the optimizer's small per-parameter all-reduces (a
+        global-norm clip's scalars) into one collective (XLA:GPU's and TPU's combiners).
+      virtual_devices: the devices are virtual, as many as ``XLA_FLAGS=
+        --xla_force_host_platform_device_count=N`` says (XLA:CPU).
+    """
+
+    reduce_scatter: bool
+    combines_all_reduces: bool
+    virtual_devices: bool
+
+
+CAPABILITIES: dict[str, Capabilities] = {
+    "gpu": Capabilities(reduce_scatter=True, combines_all_reduces=True, virtual_devices=False),
+    "tpu": Capabilities(reduce_scatter=True, combines_all_reduces=True, virtual_devices=False),
+    "cpu": Capabilities(reduce_scatter=False, combines_all_reduces=False, virtual_devices=True),
+}
 LINK_CLASSES: tuple[str, ...] = ("nvlink", "pcie", "infiniband", "ethernet", "shared_memory", "ici")
 REQUIRED_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 KNOWN_DTYPES = (*REQUIRED_DTYPES, "float64", "int8", "float8_e4m3fn", "float8_e5m2")

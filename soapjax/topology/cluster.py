@@ -62,10 +62,12 @@ from soapjax.base.errors import TopologyError
 from soapjax.topology import _topology_file
 from soapjax.topology._routing import Hop, RingStats as RingStats, Routes
 from soapjax.topology._topology_file import (
+    CAPABILITIES as CAPABILITIES,
     KNOWN_DTYPES as KNOWN_DTYPES,
     LINK_CLASSES as LINK_CLASSES,
     PLATFORMS as PLATFORMS,
     REQUIRED_DTYPES as REQUIRED_DTYPES,
+    Capabilities as Capabilities,
     CollectiveModel as CollectiveModel,
     ComputeSharing as ComputeSharing,
     DeviceSpec as DeviceSpec,
@@ -75,10 +77,11 @@ from soapjax.topology._topology_file import (
     Platform as Platform,
 )
 
-__all__ = ["ALGORITHMS", "COLLECTIVES", "KNOWN_DTYPES", "LINK_CLASSES", "MESHES_DIR", "PLATFORMS",
-           "REQUIRED_DTYPES", "Channel", "CollectiveModel", "ComputeSharing", "DeviceSpec",
-           "Efficiency", "KernelSpec", "Link", "Platform", "RingStats", "Topology", "bytes_sent",
-           "list_topologies", "load_topology", "make_mesh", "scaled_topology", "stage_topology"]
+__all__ = ["ALGORITHMS", "CAPABILITIES", "COLLECTIVES", "Capabilities", "Channel",
+           "CollectiveModel", "ComputeSharing", "DeviceSpec", "Efficiency", "KNOWN_DTYPES",
+           "KernelSpec", "LINK_CLASSES", "Link", "MESHES_DIR", "PLATFORMS", "Platform",
+           "REQUIRED_DTYPES", "RingStats", "Topology", "bytes_sent", "list_topologies",
+           "load_topology", "make_mesh", "scaled_topology", "stage_topology"]
 
 # The shipped topologies: package data beside this module, in a checkout and installed alike
 # (`importlib.resources`; a wheel installs them unzipped).
@@ -187,6 +190,12 @@ class Topology:
         """The device ids of each node."""
         k = self.devices_per_node
         return tuple(tuple(range(i * k, (i + 1) * k)) for i in range(self.num_nodes))
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What its platform's XLA does that pricing and the command line must know
+        (`CAPABILITIES`)."""
+        return CAPABILITIES[self.platform]
 
     @property
     def mesh_shape(self) -> dict[str, int]:
@@ -324,15 +333,16 @@ class Topology:
         """The measured model of `kind` over `axes` (over an axis of `group_size` devices
         where a group spans part of `axes`); point_to_point reads collective_permute's.
 
-        On the cpu platform a reduce_scatter reads all_reduce's model: XLA:CPU has no pass that
-        turns the SPMD partitioner's all-reduce + slice into a reduce-scatter (XLA:GPU has),
+        Where the platform's XLA makes no reduce-scatters (`Capabilities.reduce_scatter`: the
+        CPU), a reduce_scatter reads all_reduce's model: XLA:CPU has no pass that turns the SPMD
+        partitioner's all-reduce + slice into a reduce-scatter (XLA:GPU has),
         so the compiled step runs an all-reduce of the whole input (`soapjax check` counts
         them: GPT-2 tiny under FSDP on cpu8, 36 all-reduces and no reduce-scatter).
         """
         if not self.collective_models:
             return None
         kind = "collective_permute" if kind == "point_to_point" else kind
-        if kind == "reduce_scatter" and self.platform == "cpu":
+        if kind == "reduce_scatter" and not self.capabilities.reduce_scatter:
             kind = "all_reduce"
         axes = self._normalise_axes(axes)
         by_key = {(m.kind, m.axes): m for m in self.collective_models}
@@ -656,7 +666,7 @@ def make_mesh(topology: Topology, devices: Sequence[jax.Device] | None = None) -
             fix = (
                 "set XLA_FLAGS=--xla_force_host_platform_device_count="
                 f"{need} before jax is imported"
-                if topology.platform == "cpu"
+                if topology.capabilities.virtual_devices
                 else f"run where {need} {topology.platform} devices are attached"
             )
         else:
