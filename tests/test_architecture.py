@@ -392,3 +392,58 @@ def test_typed_choices_are_their_tables():
     assert typing.get_args(RecomputePolicy) == RECOMPUTE_POLICIES
     # what a platform's XLA does is asked of the topology, one row per platform
     assert set(CAPABILITIES) == set(PLATFORMS) == set(typing.get_args(Platform))
+
+
+def _module_level_edges(name: str, names: set[str]) -> set[str]:
+    """The soapjax modules `name` imports at module level (``from soapjax.graph import _dims``
+    is an edge to ``graph._dims``; a name that is no module, to the module or package it is
+    read from)."""
+    def module(dotted: str) -> str | None:
+        rel = dotted.removeprefix("soapjax").lstrip(".")
+        if not rel:
+            return "__init__"
+        if rel in names:
+            return rel
+        return f"{rel}.__init__" if f"{rel}.__init__" in names else None
+
+    out = set()
+    for node in ast.parse(_path(name).read_text()).body:
+        if isinstance(node, ast.Import):
+            out |= {m for a in node.names if a.name.startswith("soapjax.")
+                    and (m := module(a.name))}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level \
+                and node.module.split(".")[0] == "soapjax":
+            for a in node.names:
+                m = module(f"{node.module}.{a.name}") or module(node.module)
+                if m:
+                    out.add(m)
+    return out - {name}
+
+
+def test_module_level_imports_have_no_cycle():
+    """Within a stage, modules may import each other, but never round in a circle: a cycle
+    works only by the order Python happens to import in. (A package's ``__init__`` importing
+    its own modules is how a package is read, not a cycle of theirs.)"""
+    names = set(_modules())
+    graph = {name: _module_level_edges(name, names) for name in names}
+    for name in names:
+        package = name.removesuffix(".__init__")
+        if name.endswith(".__init__"):
+            for other in names:
+                if other.startswith(package + "."):
+                    graph[other].discard(name)
+    seen: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        seen[node] = 1
+        for nxt in sorted(graph[node]):
+            if seen.get(nxt) == 1:
+                cycle = path[path.index(nxt):] + [nxt]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if nxt not in seen:
+                visit(nxt, path + [nxt])
+        seen[node] = 2
+
+    for node in sorted(graph):
+        if node not in seen:
+            visit(node, [node])
