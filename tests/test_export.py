@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding
 
 from soapjax import cli
@@ -179,3 +180,52 @@ def test_the_command_writes_json_and_specs(tmp_path, capsys):
     assert cli.main(["export", "--plan", str(plan_file), "--format", "specs"]) == 0
     printed = capsys.readouterr().out
     assert "['params']['fc1']['kernel']: P(" in printed and "# not expressed:" in printed
+
+
+class NnxBlock(nnx.Module):
+    """An nnx MLP with its layers in a list, as libraries write them (names "0", "1", "2")."""
+
+    def __init__(self, rngs):
+        self.layers = nnx.List([nnx.Linear(16, 64, rngs=rngs, param_dtype=jnp.float64),
+                                nnx.Linear(64, 64, rngs=rngs, param_dtype=jnp.float64),
+                                nnx.Linear(64, 16, rngs=rngs, param_dtype=jnp.float64)])
+
+    def __call__(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x) if i == 0 else layer(jax.nn.gelu(x))
+        return x
+
+
+def test_nnx_metadata_shards_a_plain_jit_step_as_the_helper_does():
+    with jax.enable_x64(True):
+        model = NnxBlock(nnx.Rngs(0))
+        batch = {"x": jax.random.normal(jax.random.key(1), (16, 16), jnp.float64),
+                 "y": jax.random.normal(jax.random.key(2), (16, 16), jnp.float64)}
+
+        def loss(m, b):
+            return jnp.mean((m(b["x"]) - b["y"]) ** 2)
+
+        graphdef, state = nnx.split(model, nnx.Param)
+
+        def pure(p, b):
+            return loss(nnx.merge(graphdef, p), b)
+
+        graph = trace(pure, state, batch, name="NnxBlock")
+        plan = Plan.make(graph, CPU8, megatron(graph, MeshShape.of(CPU8), ("model",)))
+        lines = export.annotate_nnx(model, graph, plan)
+        assert lines and "activations' layouts" in lines[0]
+        specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+        assert tuple(specs["layers"][0]["kernel"].get_value()) == (None, "model")
+        mesh = make_mesh(CPU8)
+        ps = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                          is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        exported = export.partition_specs(graph, plan, params=state, batch=batch)
+        bs = jax.tree.map(lambda s: NamedSharding(mesh, s), exported.batch)
+        optimizer = optax.sgd(0.1)
+        step = _plain_step(pure, optimizer, ps, bs)
+        new, _, value = _one_step(step, state, jax.device_put(batch, bs), optimizer, ps)
+        run = shard_training(loss, NnxBlock(nnx.Rngs(0)), batch, optimizer, mesh="cpu8",
+                             strategy=plan, name="NnxBlock", donate=False)
+        want, _, want_value = run.step(run.params, run.opt_state, run.shard_batch(batch))
+        _close(new, want)
+        _close(value, want_value)

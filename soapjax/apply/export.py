@@ -3,7 +3,7 @@
 `shard_training` and `soapjax.apply` run a plan whole: a sharding for every parameter and batch
 leaf, a constraint on every operator's activations, recomputation, microbatches, pipeline
 stages. A user who keeps their own loop takes the part `jax.jit` alone can carry, in one of
-three forms, and `jax.jit` with those shardings computes the same step (XLA's propagation places
+four forms, and `jax.jit` with those shardings computes the same step (XLA's propagation places
 the activations):
 
 - `partition_specs`: a `PartitionSpec` per parameter and per batch leaf, as pytrees like the
@@ -12,6 +12,8 @@ the activations):
 - `logical_axis_rules`: Flax linen's logical-axis rules (``nn.logical_axis_rules``), for a
   model whose parameters carry logical axis names (``nn.with_logical_partitioning``): each
   logical name mapped to the mesh axes the plan splits its dims over.
+- `annotate_nnx`: the same specs written into an nnx model's own metadata (each `nnx.Param`'s
+  ``out_sharding``), for code that reads ``nnx.get_partition_spec``.
 - `export_json`: the specs as JSON (parameter and batch paths to per-dim mesh axes), what
   ``soapjax export`` writes.
 
@@ -46,7 +48,8 @@ from soapjax.strategy.space import (
     to_partition_spec,
 )
 
-__all__ = ["FORMATS", "Exported", "export_json", "logical_axis_rules", "partition_specs"]
+__all__ = ["FORMATS", "Exported", "annotate_nnx", "export_json", "logical_axis_rules",
+           "partition_specs"]
 
 # `soapjax export --format`: the forms a plan is written in.
 FORMATS = ("specs", "json", "logical-rules")
@@ -143,6 +146,46 @@ def logical_axis_rules(graph: OpGraph, plan: Plan, logical: Any, *,
     rules = tuple((name, None if not a else a[0] if len(a) == 1 else a)
                   for name, a in chosen.items())
     return rules, tuple(lines)
+
+
+def annotate_nnx(model: Any, graph: OpGraph, plan: Plan) -> tuple[str, ...]:
+    """Writes the plan's parameter shardings into an nnx model's own metadata: each
+    `nnx.Param`'s ``out_sharding``, which ``nnx.get_partition_spec(nnx.state(model))`` and
+    Flax's sharding helpers read. `graph` is the model traced on its `nnx.Param` state (as
+    `shard_training` traces it). Returns `Exported.not_expressed`'s lines.
+
+    Raises:
+      PlanError: as `partition_specs`, or a model whose parameters are not the traced ones.
+    """
+    from flax import nnx
+
+    state = nnx.state(model, nnx.Param)
+    exported = partition_specs(graph, plan, params=state)
+    flat = jax.tree_util.tree_flatten_with_path(
+        exported.params, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]
+    specs = {_plain(path): spec for path, spec in flat}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Param):
+            spec = specs.get(tuple(path))
+            if spec is None:
+                raise PlanError(f"nnx parameter {'/'.join(map(str, path))} is not one the "
+                                "graph was traced with; trace the model's nnx.Param state")
+            axes = tuple(spec) + (None,) * (len(node.get_value().shape) - len(spec))
+            node.set_metadata("out_sharding", axes)
+    return exported.not_expressed
+
+
+def _plain(path: Sequence[Any]) -> tuple:
+    """A jax key path as the plain keys `nnx.iter_graph` gives (``('layers', 0, 'kernel')``)."""
+    out = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                out.append(getattr(k, attr))
+                break
+    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+        out.pop()  # a Variable's value, inside the state
+    return tuple(out)
 
 
 def export_json(graph: OpGraph, plan: Plan) -> str:
