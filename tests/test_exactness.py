@@ -479,3 +479,27 @@ def test_vit_with_a_partly_scattered_attention_score_is_exact():
     out = fuzzing.check(s, strategy, topology)
     assert out.comparison is not None, out.refused
     assert out.comparison.max_error <= X64, out.comparison.describe()
+
+
+def test_moe_with_a_cotangent_scattered_into_two_dims_is_exact():
+    """The randomized suite's find, shrunk (seed 10754 on cpu8-nodes): the tiny MoE's norm laid
+    out with the batch over data and model and the sequence over node, read by the token
+    dispatch with the batch over data and its groups over node and model. The dispatch's
+    cotangent, a partial sum over node and model, constrained straight to the norm's layout
+    (model reduce-scattered into the batch, node into the sequence) made the norm's scale
+    gradient 0.43 of its scale off; a reduce-scatter into one dim only is constrained so."""
+    import fuzzing
+
+    topology = load_topology(str(Path(__file__).resolve().parent / "meshes" / "cpu8-nodes.toml"))
+    s = fuzzing.subject("zoo:moe:tiny")
+    strategy = space.data_parallel(s.graph, MeshShape.of(topology))
+    for op in s.graph.operators:
+        if op.name.endswith("/moe_norm"):
+            strategy = strategy.replace(s.graph.index(op.name),
+                                        Config((("data", "model"), ("node",), ())))
+        elif op.name.endswith("/moe/dot_general_3"):
+            strategy = strategy.replace(s.graph.index(op.name),
+                                        Config(((), ("data",), ("node", "model"), (), ())))
+    out = fuzzing.check(s, strategy, topology)
+    assert out.comparison is not None, out.refused
+    assert out.comparison.max_error <= X64, out.comparison.describe()
