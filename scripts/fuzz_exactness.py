@@ -64,6 +64,9 @@ def _worker() -> int:
                   "pipelined": strategy.pipelined,
                   "strategy": fuzzing.describe(strategy, s.graph)}
         if out.failed and job["shrink"]:
+            # the failure first: a shrink that runs past the deadline must not hide it
+            print(json.dumps({**record, "seconds": time.time() - t0, "shrinking": True}),
+                  flush=True)
             small = fuzzing.shrink(s, strategy, topology)
             record["shrunk"] = fuzzing.describe(small, s.graph)
             record["split"] = {op.name: [list(a) for a in cfg.axes]
@@ -95,7 +98,17 @@ class _Worker:
         ready, _, _ = select.select([self.proc.stdout], [], [], deadline_s)
         line = self.proc.stdout.readline() if ready else ""
         if line:
-            return json.loads(line)
+            first = json.loads(line)
+            if not first.pop("shrinking", False):
+                return first
+            # a failure, now shrinking: given five deadlines more, else reported unshrunk
+            ready, _, _ = select.select([self.proc.stdout], [], [], 5 * deadline_s)
+            line = self.proc.stdout.readline() if ready else ""
+            if line:
+                return json.loads(line)
+            self.close()
+            first["describe"] += f" (not shrunk: shrinking ran past {5 * deadline_s:.0f} s)"
+            return first
         code = self.proc.poll()
         self.close()
         what = (f"HANG: no result in {deadline_s:.0f} s" if code is None
