@@ -78,6 +78,19 @@ def _one_step(step, params, batch, optimizer, param_shardings):
     return step(p, optimizer.init(p), batch)
 
 
+def _plain_jit_step(graph, plan, loss, params, batch, param_specs, optimizer):
+    """One step of plain `jax.jit` with `param_specs` (a pytree of `PartitionSpec`s) and the
+    plan's batch specs on `cpu8`: (new parameters, loss)."""
+    mesh = make_mesh(CPU8)
+    ps = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs,
+                      is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    exported = export.partition_specs(graph, plan, params=params, batch=batch)
+    bs = jax.tree.map(lambda s: NamedSharding(mesh, s), exported.batch)
+    step = _plain_step(loss, optimizer, ps, bs)
+    new, _, value = _one_step(step, params, jax.device_put(batch, bs), optimizer, ps)
+    return new, value
+
+
 def _helper_step(loss, params, batch, optimizer, plan):
     run = shard_training(loss, params, batch, optimizer, mesh="cpu8", strategy=plan, name="block",
                          donate=False)
@@ -118,16 +131,10 @@ def test_logical_axis_rules_shard_a_linen_model_as_the_plan_does(model):
     with jax.enable_x64(True):
         rules, lines = export.logical_axis_rules(graph, plan, logical, params=params)
         assert dict(rules)["mlp"] == "model" and dict(rules)["embed"] is None
-        mesh = make_mesh(CPU8)
         specs = nn.logical_to_mesh(logical, rules)
         # the biases carry no logical names: replicated, as the plan's own specs may differ
-        ps = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                          is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-        exported = export.partition_specs(graph, plan, params=params, batch=batch)
-        bs = jax.tree.map(lambda s: NamedSharding(mesh, s), exported.batch)
         optimizer = optax.sgd(0.1)
-        step = _plain_step(loss, optimizer, ps, bs)
-        new, _, value = _one_step(step, params, jax.device_put(batch, bs), optimizer, ps)
+        new, value = _plain_jit_step(graph, plan, loss, params, batch, specs, optimizer)
         assert new["mid"]["kernel"].sharding.spec == jax.sharding.PartitionSpec("model", None)
         ref_new, ref_value = _helper_step(loss, params, batch, optimizer, plan)
         _close(new, ref_new)
@@ -216,14 +223,8 @@ def test_nnx_metadata_shards_a_plain_jit_step_as_the_helper_does():
         assert lines and "activations' layouts" in lines[0]
         specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
         assert tuple(specs["layers"][0]["kernel"].get_value()) == (None, "model")
-        mesh = make_mesh(CPU8)
-        ps = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                          is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-        exported = export.partition_specs(graph, plan, params=state, batch=batch)
-        bs = jax.tree.map(lambda s: NamedSharding(mesh, s), exported.batch)
         optimizer = optax.sgd(0.1)
-        step = _plain_step(pure, optimizer, ps, bs)
-        new, _, value = _one_step(step, state, jax.device_put(batch, bs), optimizer, ps)
+        new, value = _plain_jit_step(graph, plan, pure, state, batch, specs, optimizer)
         run = shard_training(loss, NnxBlock(nnx.Rngs(0)), batch, optimizer, mesh="cpu8",
                              strategy=plan, name="NnxBlock", donate=False)
         want, _, want_value = run.step(run.params, run.opt_state, run.shard_batch(batch))
