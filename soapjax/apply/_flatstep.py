@@ -39,7 +39,7 @@ from soapjax.graph.opgraph import OpGraph
 from soapjax.simulate._flatsim import scatter_target, scattered_operand_axes
 from soapjax.strategy import space
 from soapjax.strategy.memory import Segments, recomputes
-from soapjax.strategy.space import Config, MeshShape, Strategy
+from soapjax.strategy.space import Config, MeshShape, Strategy, reduces_into
 
 __all__ = ["FlatStep", "constrained_loss", "recompute_segments", "step_keys"]
 
@@ -280,25 +280,14 @@ class _Layouts:
 
 def _reduce_scatters(spec: PartitionSpec, producer: PartitionSpec, partials: Sequence[str],
                      ndim: int) -> bool:
-    """Whether a cotangent laid out as `spec`, a partial sum over `partials`, reaches the
-    producer's layout by reducing those axes into its dims alone: every dim keeps its axes and
-    gains only partial ones (Megatron's sequence parallelism: the sequence dim gains ``model``).
-    Only then is the cotangent constrained to the producer's layout (`_Layouts.operands`): one
-    that also moves an axis between dims (heads over ``data`` -> the sequence over ``data``,
-    heads over ``model``) made XLA's partitioners (Shardy and GSPMD; docs/xla-workarounds.md)
-    compute a wrong gradient upstream (nnx_scan_transformer, found by
-    `scripts/fuzz_exactness.py`)."""
-    def dims(p: PartitionSpec) -> list[tuple[str, ...]]:
+    """`soapjax.strategy.space.reduces_into` of two `PartitionSpec`s: only then is a partial
+    cotangent constrained to its producer's layout (`_Layouts.operands`); else it goes back
+    in the reader's layout, all-reduced there, and XLA moves it."""
+    def dims(p: PartitionSpec) -> tuple[tuple[str, ...], ...]:
         out = [(a,) if isinstance(a, str) else tuple(a or ()) for a in p]
-        return out + [()] * (ndim - len(out))
+        return tuple(out + [()] * (ndim - len(out)))
 
-    pairs = list(zip(dims(spec), dims(producer)))
-    gaining = [b for f, b in pairs if len(b) > len(f)]
-    # the partial axes reduced into one dim only: scattered into two dims at once (the batch
-    # over `model` and the sequence over `node`), XLA computed the gradient upstream wrongly
-    # (a tiny MoE's norm scale 0.43 off; docs/xla-workarounds.md)
-    return len(gaining) <= 1 and all(b[:len(f)] == f and set(b[len(f):]) <= set(partials)
-                                     for f, b in pairs)
+    return reduces_into(dims(spec), dims(producer), partials)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))

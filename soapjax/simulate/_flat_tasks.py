@@ -39,6 +39,7 @@ from soapjax.strategy.space import (
     Config,
     MeshShape,
     Strategy,
+    reduces_into,
     validate_config,
 )
 
@@ -435,8 +436,12 @@ class _TaskBuilding:
         if len(summed) > 1:  # each reduced in this layout, then their sum moved once
             return _EdgeTasks(forward, [] if e != summed[0] else self._summed_tasks(summed))
         shared = self._same_layout(e, backward=True)
-        back = (self._reduced(j, o, dst, src) if partial else
-                self._activation_chain(x, sample, dst, src))
+        if partial and dst != src and not reduces_into(dst, src, partial):
+            # apply leaves it in the reader's layout: all-reduced there, then moved
+            back = self._reduced(j, o, dst, dst) + self._activation_chain(x, sample, dst, src)
+        else:
+            back = (self._reduced(j, o, dst, src) if partial else
+                    self._activation_chain(x, sample, dst, src))
         backward = [] if shared[0] != e else self._chain_tasks(
             back, layout.bwd_key(j, 1 + o),
             [self._backward_done(layout.edges[s][2]) for s in shared], RESHARD_BWD, e)

@@ -49,11 +49,11 @@ from soapjax.strategy.pipeline import (
 )
 from soapjax.topology.cluster import Topology
 
-__all__ = ["RECOMPUTE_POLICIES", "Config", "MeshLike", "MeshShape", "RecomputePolicy",
+__all__ = ["Config", "MeshLike", "MeshShape", "RECOMPUTE_POLICIES", "RecomputePolicy",
            "SpaceLimits", "Spec", "Strategy", "batch_specs", "configs", "data_parallel",
-           "dividing_axes", "fit_spec", "param_specs", "sample_dim", "spatial_convolution",
-           "storage_spec", "strategy_from_names", "to_partition_spec", "validate_config",
-           "within_limits"]
+           "dividing_axes", "fit_spec", "param_specs", "reduces_into", "sample_dim",
+           "spatial_convolution", "storage_spec", "strategy_from_names", "to_partition_spec",
+           "validate_config", "within_limits"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -600,6 +600,22 @@ def optimizer_specs(graph: OpGraph, strategy: Strategy, mesh: MeshShape) -> dict
     zero = strategy.zero_axes + tuple(a for a in strategy.optimizer_axes
                                       if a not in strategy.zero_axes)
     return param_specs(graph, dataclasses.replace(strategy, zero_axes=zero), mesh)
+
+
+def reduces_into(spec: Spec, producer: Spec, partials: Sequence[str]) -> bool:
+    """Whether a cotangent laid out as `spec`, a partial sum over `partials`, is reduced
+    straight into its producer's layout `producer` (a reduce-scatter) rather than all-reduced
+    where it is made: every dim keeps its axes and gains only partial ones, and only one dim
+    gains (Megatron's sequence parallelism: the sequence dim gains ``model``). Apply constrains
+    the cotangent so only then (`soapjax.apply._flatstep`), and the simulator prices it so:
+    an axis moving between dims, or partial axes scattered into two dims at once, made XLA
+    compute wrong gradients upstream (docs/xla-workarounds.md)."""
+    n = max(len(spec), len(producer))
+    pairs = list(zip(tuple(spec) + ((),) * (n - len(spec)),
+                     tuple(producer) + ((),) * (n - len(producer))))
+    gaining = [b for f, b in pairs if len(b) > len(f)]
+    return len(gaining) <= 1 and all(tuple(b[:len(f)]) == tuple(f)
+                                     and set(b[len(f):]) <= set(partials) for f, b in pairs)
 
 
 def fit_spec(spec: Spec, shape: Sequence[int], mesh: MeshShape) -> Spec:
