@@ -182,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                                  f"({sum(x['refused'] for x in counts.values())} refused, "
                                  f"{len(failures)} failed) in {time.time() - start:.0f} s")
                 sys.stderr.flush()
+    except KeyboardInterrupt:  # Ctrl-C ends the run early; what it compared is still reported
+        sys.stderr.write("\ninterrupted: the counts so far")
     finally:
         worker.close()
     sys.stderr.write("\n")
