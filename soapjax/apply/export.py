@@ -192,15 +192,17 @@ def export_json(graph: OpGraph, plan: Plan) -> str:
     """The plan's parameter and batch specs as JSON: ``{"mesh": {axis: size}, "params":
     {path: [axes per dim]}, "batch": {...}, "not_expressed": [...]}``, paths as
     `soapjax.graph.LeafInfo.path` writes them (``['params']['dense']['kernel']``)."""
-    strategy, mesh = _strategy(graph, plan)
-    pspecs = param_specs(graph, strategy, mesh)
-    bspecs = batch_specs(graph, strategy)
+    exported = partition_specs(graph, plan)  # by path: the leaves' dicts
+    mesh = exported.mesh
+
+    def axes(leaves: Sequence[LeafInfo], specs: dict[str, PartitionSpec]) -> dict[str, list]:
+        return {leaf.path: [list(_axes(a)) for a in specs[leaf.path]]
+                + [[]] * (len(leaf.shape) - len(specs[leaf.path])) for leaf in leaves}
+
     out = {"mesh": dict(zip(mesh.axis_names, mesh.axis_sizes)),
-           "params": {leaf.path: [list(a) for a in fit_spec(pspecs[leaf.path], leaf.shape, mesh)]
-                      for leaf in graph.params},
-           "batch": {leaf.path: [list(a) for a in fit_spec(bspecs[leaf.path], leaf.shape, mesh)]
-                     for leaf in graph.batch},
-           "not_expressed": list(_not_expressed(graph, strategy))}
+           "params": axes(graph.params, exported.params),
+           "batch": axes(graph.batch, exported.batch),
+           "not_expressed": list(exported.not_expressed)}
     return json.dumps(out, indent=1)
 
 
