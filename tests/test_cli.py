@@ -520,8 +520,12 @@ def test_ctrl_c_at_any_time_ends_in_one_line(after_s, tmp_path):
         exe = shutil.which("soapjax")
     assert exe is not None, "the soapjax command is not installed beside this python"
     out = tmp_path / "p.json"
+    # A shell that starts a job in the background (`make test &`, nohup) starts it with SIGINT
+    # ignored, and children inherit that: the command would never see the Ctrl-C (it ran to
+    # the end and exited 0 under such a run). The child takes Ctrl-C as a terminal gives it.
     p = subprocess.Popen([str(exe), *CTRL_C_PLAN, "--out", str(out)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+                         stderr=subprocess.PIPE, text=True, env=dict(os.environ),
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         time.sleep(after_s)
         p.send_signal(signal.SIGINT)

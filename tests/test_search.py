@@ -236,17 +236,34 @@ def test_find_plan_refuses_arguments_of_the_wrong_kind():
 def test_find_plan_keeps_its_budget_with_measured_costs_on_a_cold_cache(tmp_path):
     """The budget bounds the whole search, measuring included (it was counted after the starts
     were scored, and measuring inside the chains was not counted: 137 s for a 20 s budget on
-    the README's MLP). Past 80% of it, new shard programs are estimated, not measured."""
+    the README's MLP). Past 80% of it, new shard programs are estimated, not measured.
+
+    What may run past the budget is the one measurement under way at the deadline, and the
+    tracing around the search: the bar is the budget plus 10%, plus three times the longest
+    single measurement, plus 5 s (a measurement took 0.3-2 s on a calm machine, and over 3 s
+    with two test workers and a busy process beside them; the wall time once reached 8.4 s
+    there, against a fixed bar of 8.3 s)."""
     w = zoo.get("gpt2", "tiny")
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt2")
     topo = load_topology("cpu8")
     cm = cost_model(g, topo, mode="measured", cache_dir=tmp_path)
+    longest = [0.0]
+    measure = cm._measure_op
+
+    def timed(*args):
+        t = time.perf_counter()
+        try:
+            return measure(*args)
+        finally:
+            longest[0] = max(longest[0], time.perf_counter() - t)
+
+    cm._measure_op = timed
     budget = 3.0
     t0 = time.perf_counter()
     plan = find_plan(g, topo, costs=cm, settings=SearchSettings(budget_s=budget))
     wall = time.perf_counter() - t0  # the first simulation's measurements included
     search = plan.to_json()["search"]
-    assert search["search_time_s"] <= wall <= budget * 1.1 + 5
+    assert search["search_time_s"] <= wall <= budget * 1.1 + 3 * longest[0] + 5
     stats = search["cost_stats"]
     assert stats["measured"] >= 1 and stats["estimated"] >= 1  # a cold cache outlasts 2.4 s
 

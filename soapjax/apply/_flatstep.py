@@ -118,6 +118,11 @@ def constrained_loss(graph: OpGraph, strategy: Any, mesh: Mesh, *,
     grouped = _operator_programs(graph, strategy, layouts, constrain_operands, cps, manual)
     calls = {cp.unit: cp.run_unit for cp in cps.values()} | manual
     checkpoints = recompute_segments(graph, strategy)
+    stored = stored_inputs(graph, strategy, mesh, checkpoints)
+
+    def stored_input(op, o, value):
+        sharding = stored.get((op.name, o))
+        return value if sharding is None else jax.lax.with_sharding_constraint(value, sharding)
 
     # Operators that make keys from constants run equation by equation when keys advance.
     keyless = {name: fn for name, fn in grouped.items() if not graph.makes_keys(name)}
@@ -131,7 +136,7 @@ def constrained_loss(graph: OpGraph, strategy: Any, mesh: Mesh, *,
                               replace=grouped if keys is None else keyless,
                               checkpoints=checkpoints, keys=keys,
                               on_input=constrain_input if constrain_operands else None,
-                              calls=calls)
+                              calls=calls, on_checkpoint_input=stored_input if stored else None)
 
     return loss
 
@@ -155,6 +160,37 @@ def recompute_segments(graph: OpGraph, strategy: Strategy) -> list[list[str]]:
         if first >= 0:
             out.setdefault(first, []).append(graph.operators[j].name)
     return list(out.values())
+
+
+def stored_inputs(graph: OpGraph, strategy: Strategy, mesh: Mesh,
+                  checkpoints: Sequence[Sequence[str]]) -> dict[tuple[str, int], NamedSharding]:
+    """The parameters a recomputing operator reads in another layout than they are stored in
+    (under ZeRO-3, gathered): ``(operator name, operand index)`` -> the stored layout of the
+    parameter (its layer's slice), which its segment's ``jax.checkpoint`` takes them in.
+
+    Taken so, the gather runs inside the checkpoint: once in the forward pass and again when
+    the segment recomputes, and the gathered copy is not kept between them (as FSDP runs it,
+    and as the simulator prices it: `soapjax.strategy.memory`, "Recomputation"). Left to
+    itself, XLA's sharding propagation would gather the parameter before the checkpoint and
+    keep the whole copy for the backward pass (a ZeRO-3 plan of Llama 2 70B with every
+    layer recomputed would keep every gathered layer: docs/xla-workarounds.md).
+    """
+    if not checkpoints:
+        return {}
+    shape = MeshShape.of(mesh)
+    specs = space.param_specs(graph, strategy, shape)
+    out = {}
+    for group in checkpoints:
+        for name in group:
+            op, config = graph.operator(name), strategy.configs[graph.index(name)]
+            for o, x in enumerate(op.inputs):
+                if x.kind != "param":
+                    continue
+                store = specs[x.leaf_path][len(x.layer):]
+                if space.fit_spec(config.operand_axes(x.dims), x.shape, shape) != store:
+                    out[(name, o)] = NamedSharding(
+                        mesh, PartitionSpec(*(tuple(a) if a else None for a in store)))
+    return out
 
 
 def _operator_programs(graph: OpGraph, strategy: Strategy, layouts: _Layouts,

@@ -365,7 +365,8 @@ class Program:
 
     def run(self, flat_inputs, hook=None, swaps: Mapping[int, tuple] | None = None,
             checkpoints: Mapping[int, int] | None = None, keys=None,
-            reads: Mapping[int, Sequence[tuple]] | None = None) -> list:
+            reads: Mapping[int, Sequence[tuple]] | None = None,
+            pins: Mapping[int, Callable[[Any], Any]] | None = None) -> list:
         """Evaluates the program and returns the outputs' values.
 
         `swaps` maps an operator's last unit index to ``(its unit indices, fn, input ids,
@@ -378,7 +379,10 @@ class Program:
         use instead (apply folds the step number in, so dropout draws fresh masks every step).
         `reads` maps a unit index to ``(position, key, fn)`` triples: the unit reads
         ``fn(value)`` at that operand position instead of the value, computed once per value and
-        `key` (where that value is in scope) for every unit given the same key.
+        `key` (where that value is in scope) for every unit given the same key. `pins` maps a
+        value id to a function applied to the value where it enters one of `checkpoints` from
+        outside: what the checkpoint saves for its recomputation (apply keeps a parameter there
+        in its stored layout, so the recomputation gathers it again).
         """
         env = dict(self.consts)
         if keys is not None:
@@ -389,7 +393,7 @@ class Program:
         swaps = dict(swaps or {})
         skip = frozenset().union(*(sw[0] for sw in swaps.values())) if swaps else frozenset()
         self._run_block(list(range(len(self.units))), 0, env, hook, swaps, skip,
-                        dict(checkpoints or {}), reads)
+                        dict(checkpoints or {}), reads, pins)
         return [env[v] for v in self.outputs]
 
     def run_units(self, idxs: Sequence[int], env: dict,
@@ -410,7 +414,8 @@ class Program:
                 for i, fn in calls.items()}
 
     def _run_block(self, idxs: list[int], depth: int, env: dict, hook, swaps, skip,
-                   checkpoints: Mapping[int, int] | None = None, reads=None) -> None:
+                   checkpoints: Mapping[int, int] | None = None, reads=None,
+                   pins=None) -> None:
         i = 0
         while i < len(idxs):
             last = checkpoints.get(idxs[i]) if checkpoints else None
@@ -421,7 +426,7 @@ class Program:
                 if all(not self.units[k].region for k in idxs[i:j]):
                     self._run_checkpointed(idxs[i:j], depth, env, hook, swaps, skip,
                                            {"policy": jax.checkpoint_policies.nothing_saveable},
-                                           in_backward=True, reads=reads)
+                                           in_backward=True, reads=reads, pins=pins)
                     i = j
                     continue
             region = self.units[idxs[i]].region
@@ -443,9 +448,11 @@ class Program:
                                reads=reads)
 
     def _run_checkpointed(self, idxs: list[int], depth: int, env: dict, hook, swaps, skip,
-                          p: Mapping[str, Any], in_backward: bool = False, reads=None) -> None:
+                          p: Mapping[str, Any], in_backward: bool = False, reads=None,
+                          pins=None) -> None:
         """Units `idxs` inside `jax.checkpoint` with remat params `p`, the body at `depth`;
-        `in_backward`: the recomputation waits for the cotangent (`recompute_in_backward`)."""
+        `in_backward`: the recomputation waits for the cotangent (`recompute_in_backward`);
+        `pins`: see `run`."""
         block = set(idxs)
         made = {v for i in idxs for v in self.units[i].outs if v is not None}
         ins = sorted({v for i in idxs for v in self.units[i].ins
@@ -462,7 +469,9 @@ class Program:
             return [local[v] for v in outs]
 
         fn = jax.checkpoint(body, prevent_cse=p.get("prevent_cse", True), policy=p.get("policy"))
-        vals = (recompute_in_backward(fn) if in_backward else fn)(*(env[v] for v in ins))
+        pins = pins or {}
+        vals = (recompute_in_backward(fn) if in_backward else fn)(
+            *(pins[v](env[v]) if v in pins else env[v] for v in ins))
         env.update(zip(outs, vals))
 
     def _run_unit(self, i: int, env: dict, hook, swaps, skip, reads=None) -> None:

@@ -224,7 +224,8 @@ class OpGraph:
                  checkpoints: Sequence[Sequence[str]] = (),
                  keys: Callable[[Any], Any] | None = None,
                  on_input: Callable[[Operator, int, Any], Any] | None = None,
-                 calls: Mapping[int, Callable[..., Sequence[Any]]] | None = None):
+                 calls: Mapping[int, Callable[..., Sequence[Any]]] | None = None,
+                 on_checkpoint_input: Callable[[Operator, int, Any], Any] | None = None):
         """Runs the traced function on flat leaves, equation by equation (traceable under jit).
 
         Args:
@@ -249,6 +250,11 @@ class OpGraph:
           calls: program unit index -> a function that computes that one equation instead
             (its operands to its results), outside the operators in `replace` (apply runs a
             context-parallel attention equation in `jax.shard_map` so).
+          on_checkpoint_input: called as ``on_checkpoint_input(op, o, value)`` for operand
+            `op.inputs[o]` of an operator in one of `checkpoints` where that value enters the
+            group's ``jax.checkpoint`` from outside; the checkpoint takes (and saves for its
+            recomputation) what it returns instead (apply keeps a parameter there in its stored
+            layout, so the recomputation gathers it again, as the simulator prices it).
 
         Returns:
           The function's result (a scalar loss).
@@ -274,11 +280,19 @@ class OpGraph:
         replaced = frozenset().union(*(sw[0] for sw in swaps.values()))
         swaps.update((i, sw) for i, sw in self.program.unit_swaps(calls or {}).items()
                      if i not in replaced)
-        spans, taken = {}, -1
+        spans, taken, pins = {}, -1, {}
         for group in checkpoints:
             units = [u for name in group for u in self.program.local[name].units]
             if units and min(units) > taken:
                 spans[min(units)] = taken = max(units)
+                if on_checkpoint_input is not None:
+                    made = {t.value for name in group for t in self.operator(name).outputs}
+                    for name in group:
+                        op = self.operator(name)
+                        for o, x in enumerate(op.inputs):
+                            if x.kind != "const" and x.value not in made:
+                                pins.setdefault(x.value, functools.partial(
+                                    on_checkpoint_input, op, o))
         reads: dict[int, list[tuple]] = {}
         for op in self.operators if on_input is not None else ():
             if replace and op.name in replace:
@@ -294,7 +308,7 @@ class OpGraph:
                         reads.setdefault(i, []).append(
                             (pos, (op.name, o), functools.partial(on_input, op, o)))
         return self.program.run(flat_inputs, hook, swaps=swaps, checkpoints=spans, keys=keys,
-                                reads=reads)[0]
+                                reads=reads, pins=pins)[0]
 
     def makes_keys(self, name: str) -> bool:
         """Whether operator `name` makes PRNG keys from constants (reads a typed-key constant,

@@ -77,13 +77,23 @@ class _MemoryAccounting:
                 else:
                     del counts[n]
 
+    def _transient_bytes(self) -> list[int]:
+        """Per operator, the parameters it gathers inside its recomputing segment
+        (`_LeafTasks.transient_bytes`)."""
+        out = [0] * self._layout.n
+        for readers, unit in zip(self._layout.readers, self._leaf_tasks):
+            for (j, _), n in zip(readers, unit.transient_bytes):
+                out[j] += n
+        return out
+
     def _memory(self) -> MemoryBreakdown:
         p = self._stored_bytes
         if self._act is None:  # exact whatever the order of changes: a pure function of views
             views = self._views
             self._act = self._segments.activation_bytes(
                 [v.recomputes for v in views], [v.output_bytes for v in views],
-                [v.operand_bytes for v in views], [v.internal_bytes for v in views])
+                [v.operand_bytes for v in views], [v.internal_bytes for v in views],
+                self._transient_bytes())
         owned = (sum(unit.optimizer_bytes for unit in self._leaf_tasks) if self._optimizer
                  else p)  # the distributed optimizer's shards (`Strategy.optimizer_axes`)
         return MemoryBreakdown(params=p, grads=p, opt_state=round(owned * self.opt_state_factor),

@@ -232,7 +232,8 @@ class _Proposals:
         # ... and the edges that share a value with them (which one reshards it may change)
         edges = sorted({s for e in changed for s in layout.siblings[e]})
         leaves = [leaf for leaf in layout.op_leaves[i]
-                  if any((view.operand_specs[o], view.partial_groups[o])
+                  if view.recomputes != old.recomputes
+                  or any((view.operand_specs[o], view.partial_groups[o])
                          != (old.operand_specs[o], old.partial_groups[o])
                          for j, o in layout.readers[leaf] if j == i)]
         return op_comm, edges, leaves
@@ -301,14 +302,19 @@ class _Proposals:
         task_graph.set_dur(self._forward_task[i], view.forward_s)
         task_graph.set_dur(self._backward_task[i], view.backward_s)
         readers = {i} | {layout.edges[e][2] for e in edges}
-        readers |= {j for leaf in leaves for j, _ in layout.readers[leaf]}
-        producers = {i} | {layout.edges[e][0] for e in edges}
+        leaf_readers = {j for leaf in leaves for j, _ in layout.readers[leaf]}
+        readers |= leaf_readers
+        # a backward waits for its cotangents and its parameters' gathers again, which wait
+        # for the cotangents too
+        producers = {i} | {layout.edges[e][0] for e in edges} | leaf_readers
         for j in readers:
             t = self._forward_task[j]
             undo.deps.append((t, task_graph.set_deps(t, self._forward_deps(j))))
-        for j in producers:
+        for j in sorted(producers):
             t = self._backward_task[j]
             undo.deps.append((t, task_graph.set_deps(t, self._backward_deps(j))))
+            for head in self._regather_heads(j):
+                undo.deps.append((head, task_graph.set_deps(head, self._cotangent_deps(j))))
 
     def _take_pending(self) -> _Batch:
         if self._pending is None:

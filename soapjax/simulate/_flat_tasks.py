@@ -161,6 +161,12 @@ class _LeafTasks(NamedTuple):
     stored_bytes: int  # its stored shard (parameters; 0 for batch inputs)
     activation_bytes: int  # the batch shard and copies in other layouts, kept for the backward
     optimizer_bytes: int = 0  # the parameter's shard its optimizer state mirrors (parameters)
+    # per reader that recomputes and reads the parameter in another layout than it is stored
+    # in: the first and last task of its gather again before its backward (-1 for none), and
+    # the gathered copy's bytes, alive only while its segment runs (`_build_gathers`)
+    regather_heads: tuple[int, ...] = ()
+    regather_ends: tuple[int, ...] = ()
+    transient_bytes: tuple[int, ...] = ()
 
 
 def _by_dim(dims: Sequence[tuple[str, ...]], axes: tuple[str, ...]
@@ -537,7 +543,7 @@ class _TaskBuilding:
         shape, dtype = layout.leaf_shape[leaf], layout.leaf_dtype[leaf]
         store = self._stored_spec(leaf)
         stored = self._shard_bytes(shape, store, dtype)
-        gathers, gather_ends, gathered = self._build_gathers(leaf, store)
+        gathers, gather_ends, gathered, again = self._build_gathers(leaf, store)
         if not layout.leaf_is_param[leaf]:
             return _LeafTasks(gathers, gather_ends, 0, stored + gathered)
         opt = self._optimizer_spec(leaf, store)
@@ -552,8 +558,9 @@ class _TaskBuilding:
         # the distributed optimizer's all-gather of the updated shards
         regather = self._chain_tasks(self._pricing.chain(shape, dtype, opt, store),
                                      layout.key(seg, 1), [update], PARAM_GATHER, leaf)
+        heads, ends, transient = again
         return _LeafTasks(gathers + syncs + reduce + [update] + regather, gather_ends, stored,
-                          gathered, owned)
+                          gathered, owned, heads, ends, transient)
 
     def _build_update_reduce(self, leaf: int, store: tuple, seg: int, ready: list[int]
                              ) -> list[int]:
@@ -587,23 +594,44 @@ class _TaskBuilding:
             return []
         return self._chain_tasks((comm,), self._layout.key(seg, 0, 0), ready, UPDATE_REDUCE, leaf)
 
-    def _build_gathers(self, leaf: int, store: tuple) -> tuple[list[int], list[int], int]:
+    def _build_gathers(self, leaf: int, store: tuple
+                       ) -> tuple[list[int], list[int], int, tuple[tuple[int, ...], ...]]:
         """Each reader's resharding of `leaf` from its stored layout `store` (under ZeRO-3 an
-        all-gather): the tasks, the last one per reader (-1 for none), and the bytes of the
-        copies in other layouts, kept for the backward pass."""
+        all-gather): the tasks, the last one per reader (-1 for none), the bytes of the
+        copies in other layouts kept for the backward pass, and the gathers again of the
+        readers that recompute (`_LeafTasks.regather_heads`, ``regather_ends`` and
+        ``transient_bytes``).
+
+        A parameter (not a batch input) whose reader recomputes enters the reader's segment's
+        ``jax.checkpoint`` in its stored layout (`soapjax.apply._flatstep.stored_inputs`), so
+        the gathered copy lives only while the segment runs, and the segment gathers it again
+        when it recomputes: after the cotangents reach it (the recomputation waits for them:
+        `soapjax.graph._program.recompute_in_backward`), before its backward task.
+        """
         layout = self._layout
         shape, dtype = layout.leaf_shape[leaf], layout.leaf_dtype[leaf]
+        is_param = layout.leaf_is_param[leaf]
         tasks, ends, gathered = [], [], 0
+        heads, again, transient = [], [], []
         for j, o in layout.readers[leaf]:
             spec = self._views[j].operand_specs[o]
-            if spec != store:
-                gathered += self._shard_bytes(shape, spec, dtype)
-            chain = self._chain_tasks(self._per_microbatch(
-                self._pricing.chain(shape, dtype, store, spec)), layout.fwd_key(j, o), [],
-                PARAM_GATHER, leaf)
+            pieces = self._per_microbatch(self._pricing.chain(shape, dtype, store, spec))
+            chain = self._chain_tasks(pieces, layout.fwd_key(j, o), [], PARAM_GATHER, leaf)
             tasks += chain
             ends.append(chain[-1] if chain else -1)
-        return tasks, ends, gathered
+            regathers = is_param and spec != store and self._regathers and \
+                self._views[j].recomputes
+            key, room = self._regather_key(j, o) if regathers else (0, 0)
+            regathers = regathers and len(pieces) <= room
+            if spec != store and not regathers:
+                gathered += self._shard_bytes(shape, spec, dtype)
+            twice = self._chain_tasks(pieces, key, self._cotangent_deps(j), PARAM_GATHER,
+                                      leaf) if regathers else []
+            tasks += twice
+            heads.append(twice[0] if twice else -1)
+            again.append(twice[-1] if twice else -1)
+            transient.append(self._shard_bytes(shape, spec, dtype) if regathers else 0)
+        return tasks, ends, gathered, (tuple(heads), tuple(again), tuple(transient))
 
     def _build_grad_syncs(self, leaf: int, store: tuple) -> tuple[list[int], list[int]]:
         """The gradient synchronisation of each reader's contribution to parameter `leaf`,
@@ -657,13 +685,55 @@ class _TaskBuilding:
                     out.append(t)
         return out
 
-    def _backward_deps(self, j: int) -> list[int]:
-        """What operator `j`'s backward task waits for: its outputs' cotangents, back from each
-        consumer (after their resharding, where there is one)."""
+    def _regather_key(self, j: int, o: int) -> tuple[int, int]:
+        """The first key of operand `o`'s gather again before operator `j`'s backward, and how
+        many collectives it has room for.
+
+        Its keys must lie after the cotangents it waits for (the backward segments of the
+        operators after `j`) and before `j`'s backward task: the last slot of the segment just
+        before (``2n-2-j``, the next operator's backward segment, whose last slot no backward
+        uses), shared among `j`'s parameter operands. For the last operator that segment is
+        its own forward segment, whose last slot's first half holds its partial sums'
+        all-reduce: the second half, then. A gather that does not fit (none seen: a gather
+        is one to three collectives) is kept gathered instead (`_build_gathers`).
+        """
+        layout = self._layout
+        params = [p for p, (code, ref, _) in enumerate(layout.operands[j])
+                  if code == LEAF and layout.leaf_is_param[ref]]
+        first, room = (CHAIN // 2, CHAIN // 2) if j == layout.n - 1 else (0, CHAIN)
+        room //= len(params)
+        return (layout.key(2 * layout.n - 2 - j, layout.slots - 1, first + params.index(o) * room),
+                room)
+
+    def _cotangent_deps(self, j: int) -> list[int]:
+        """When operator `j`'s outputs' cotangents are back from each consumer (after their
+        resharding, where there is one): the tasks."""
         layout, out = self._layout, []
         for e in layout.out_edges[j]:
             chain = self._edge_tasks[e].backward
             out.append(chain[-1] if chain else self._backward_done(layout.edges[e][2]))
+        return out
+
+    def _backward_deps(self, j: int) -> list[int]:
+        """What operator `j`'s backward task waits for: its outputs' cotangents
+        (`_cotangent_deps`), and the gathers again of the parameters it recomputes with
+        (`_build_gathers`)."""
+        out = self._cotangent_deps(j)
+        for code, ref, reader in self._layout.operands[j]:
+            if code == LEAF:
+                ends = self._leaf_tasks[ref].regather_ends
+                if ends and ends[reader] >= 0:
+                    out.append(ends[reader])
+        return out
+
+    def _regather_heads(self, j: int) -> list[int]:
+        """The first tasks of operator `j`'s gathers again (`_build_gathers`)."""
+        out = []
+        for code, ref, reader in self._layout.operands[j]:
+            if code == LEAF:
+                heads = self._leaf_tasks[ref].regather_heads
+                if heads and heads[reader] >= 0:
+                    out.append(heads[reader])
         return out
 
     def _task_name(self, t: int) -> str:

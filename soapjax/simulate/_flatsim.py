@@ -200,6 +200,10 @@ class Simulation(_Proposals, _TaskBuilding, _AttentionPricing, _MemoryAccounting
         # attention operator there, every tile computed, nothing sent to balance it
         # (`soapjax.apply._pipelined`'s whole_query_attention)
         self._whole_queries = pipeline_stage
+        # a recomputing reader gathers its parameters again before its backward (flat apply:
+        # `soapjax.apply._flatstep.stored_inputs`); a pipeline's layers are run by
+        # `soapjax.apply._pipelined`, which keeps them as gathered
+        self._regathers = not pipeline_stage
         self.topology = topology
         self.cost_model = cost_model
         self.mesh = MeshShape.of(topology)

@@ -33,7 +33,11 @@ kept, what stays inside is recomputed. Hence the memory rule (`activation_bytes`
   2022, section 4.2.2). Values computed inside an operator that a matmul of it reads (a
   GeLU's output) are kept by it, at its layout;
 * while a segment's backward runs, its dropped outputs exist again: the peak adds the largest
-  segment's dropped bytes.
+  segment's dropped bytes;
+* a parameter a recomputing operator reads in another layout than it is stored in (under
+  ZeRO-3, gathered) enters the segment's checkpoint as stored and is gathered inside it, once
+  in the forward pass and again for the recomputation (as FSDP runs it): the gathered copy is
+  not kept, but counts among its segment's bytes while the segment runs.
 
 Example: an attention layer ``ln -> q, k, v -> scores (q k^T, softmax) -> probs v -> out``
 with ``"selective"`` everywhere recomputes ``scores`` and ``probs v``, one segment: the
@@ -278,8 +282,8 @@ class Segments:
         return out
 
     def kept_bytes(self, flags: Sequence[bool], outputs: Sequence[Sequence[int]],
-                   operands: Sequence[Sequence[int]], internal: Sequence[int]
-                   ) -> tuple[list[int], int]:
+                   operands: Sequence[Sequence[int]], internal: Sequence[int],
+                   transient: Sequence[int] = ()) -> tuple[list[int], int]:
         """Per operator, the bytes it keeps for the backward pass (module doc), and the largest
         segment's dropped bytes (alive again while its backward runs).
 
@@ -289,6 +293,9 @@ class Segments:
           operands: per operator, each operand's shard bytes at its layout.
           internal: per operator, the bytes of its internal values its backward reads
             (`Residuals.internal`) at its layout.
+          transient: per recomputing operator, bytes alive only while its segment runs (the
+            parameters it gathers inside the segment, and gathers again to recompute); empty
+            for none.
         """
         seg = self.segments(flags)
         kept, dropped = [0] * len(flags), {}
@@ -305,12 +312,16 @@ class Segments:
                 kept[j] += n
             else:
                 dropped[seg[j]] = dropped.get(seg[j], 0) + n
+        for j, n in enumerate(transient):
+            if n and flags[j]:
+                dropped[seg[j]] = dropped.get(seg[j], 0) + n
         return kept, max(dropped.values(), default=0)
 
     def activation_bytes(self, flags: Sequence[bool], outputs: Sequence[Sequence[int]],
-                         operands: Sequence[Sequence[int]], internal: Sequence[int]) -> int:
+                         operands: Sequence[Sequence[int]], internal: Sequence[int],
+                         transient: Sequence[int] = ()) -> int:
         """Activation bytes per device under the memory rule (module doc, `kept_bytes`)."""
-        kept, peak = self.kept_bytes(flags, outputs, operands, internal)
+        kept, peak = self.kept_bytes(flags, outputs, operands, internal, transient)
         return sum(kept) + peak
 
 
