@@ -13,6 +13,7 @@ the labels themselves live apart (`soapjax.graph._dims`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -62,6 +63,7 @@ _MODULE_NAME = re.compile(r"[\w][\w.\-]*")
 _PARAM_LEAF_NAMES = ("value",)  # nnx.Variable's attribute in state paths
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def module_of_param(path: str) -> str:
     """The module path of a parameter leaf path.
 
@@ -237,9 +239,13 @@ class _Builder:
         return "/".join(x for x in (f"{block or 'layer'}_{t}", mod) if x)
 
     def _scan_block(self, scan: int) -> str:
-        """The module a layer scan iterates over: the common prefix of its stacked leaves."""
-        return _common_prefix([module_of_param(leaf.path) for v in self.p.scans[scan]
-                               if (leaf := self._param_leaf(v)) is not None])
+        """The module a layer scan iterates over: the common prefix of its stacked leaves
+        (worked out once per scan)."""
+        memo = self.__dict__.setdefault("_scan_blocks", {})
+        if scan not in memo:
+            memo[scan] = _common_prefix([module_of_param(leaf.path) for v in self.p.scans[scan]
+                                         if (leaf := self._param_leaf(v)) is not None])
+        return memo[scan]
 
     def _kind(self, i: int) -> str:
         u, prims = self.p.units[i], self.info[i].primitives

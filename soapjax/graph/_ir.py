@@ -7,6 +7,7 @@ re-exports them: import them from there). See `soapjax.graph.opgraph` for how th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Literal
 
@@ -103,6 +104,10 @@ class OutputTensor(_Tensor):
 class Operator:
     """One node of the operator graph.
 
+    Its derived dims (`iteration_sizes`, `iteration_roles`, `split_sizes`, `divisible_dims`)
+    are computed once per operator (``functools.cached_property``: the search reads them
+    millions of times); equality and hashing read the fields alone.
+
     Attributes:
       name: unique name from the Flax module path, e.g. ``layers_3/mlp/fc1``.
       module: the module path alone ('' for code outside any module).
@@ -144,17 +149,17 @@ class Operator:
     block_position: str = ""
     granularity: tuple[int, ...] = ()
 
-    @property
+    @functools.cached_property
     def split_sizes(self) -> tuple[int, ...]:
         """The sizes a split's degree must divide, per iteration dim (see `granularity`)."""
         return self.granularity or self.iteration_sizes
 
-    @property
+    @functools.cached_property
     def iteration_sizes(self) -> tuple[int, ...]:
         """Sizes of the iteration dims: output dims, then reduction dims."""
         return self.shape + tuple(r.size for r in self.reduction_dims)
 
-    @property
+    @functools.cached_property
     def iteration_roles(self) -> tuple[str, ...]:
         """Roles of the iteration dims; reduction dims read ``R``."""
         return self.roles + ("R",) * len(self.reduction_dims)
@@ -178,7 +183,7 @@ class Operator:
         """Built around a loop (``scan``, ``while``): an LSTM layer, say."""
         return self.anchor in LOOP_ANCHORS
 
-    @property
+    @functools.cached_property
     def divisible_dims(self) -> tuple[int, ...]:
         """The iteration dims a config may split.
 

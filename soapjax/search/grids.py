@@ -61,7 +61,14 @@ def grid_degrees(graph: OpGraph, topology) -> dict[str, tuple[int, ...]]:
 
 
 def _within(graph: OpGraph, strategy: Strategy, limits: SpaceLimits) -> bool:
-    return all(within_limits(op, c, limits) for op, c in zip(graph.operators, strategy.configs))
+    # grid points of one layout share their configs (one tuple): checked once per layout
+    configs = strategy.configs
+    seen = graph.memo(("within limits", limits), dict)  # a cache of this function, added to
+    hit = seen.get(id(configs))
+    if hit is None or hit[0] is not configs:  # (the tuple itself kept: an id is not reused)
+        hit = seen[id(configs)] = (configs, all(
+            within_limits(op, c, limits) for op, c in zip(graph.operators, configs)))
+    return hit[1]
 
 
 # The kinds of parallelism whose best grid point gets a chain of its own beside the grid's best:

@@ -10,7 +10,8 @@ import copy
 import functools
 from collections.abc import Callable, Iterable, Sequence
 
-from soapjax.simulate._flat_tasks import _EdgeTasks, _LeafTasks, _OpComm, _View
+from soapjax.simulate._flat_leaves import _LeafTasks
+from soapjax.simulate._flat_tasks import _EdgeTasks, _OpComm, _View
 from soapjax.strategy.space import (
     Config,
     Strategy,

@@ -90,7 +90,8 @@ Example::
 This module is the `Simulation`'s front: what the search and `soapjax.simulate.front` call
 (the step time, memory, results, `reset`) and the state they share. Its parts are modules of
 their own, each a class `Simulation` is composed of: task building (`_flat_tasks`: an
-operator's view under a config, and the units built from views), attention pricing
+operator's view under a config, and the units built from views; `_flat_leaves`: a parameter's
+gathers, gradient synchronisation and update), attention pricing
 (`_flat_attention`: ring and zigzag attention), memory accounting (`_flat_memory`), and the
 proposals with their undo record (`_flat_proposals`). They share the object's state (the
 units, the views, the pricing), and the delta rules in `_flat_proposals` keep it equal, bit for
@@ -108,6 +109,7 @@ from soapjax.cost.reshard import ReshardModel
 from soapjax.graph.opgraph import OpGraph
 from soapjax.measure._timing import quiet_gc
 from soapjax.simulate._flat_attention import _AttentionPricing
+from soapjax.simulate._flat_leaves import _LeafBuilding
 from soapjax.simulate._flat_memory import _MemoryAccounting, shard_bytes
 from soapjax.simulate._flat_proposals import _Batch, _Proposals, _settled
 from soapjax.simulate._flat_tasks import (
@@ -164,7 +166,8 @@ class OpCosts(Protocol):
         ...
 
 
-class Simulation(_Proposals, _TaskBuilding, _AttentionPricing, _MemoryAccounting):
+class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
+                 _MemoryAccounting):
     """A strategy's simulated step, kept up to date under single-operator changes.
 
     The search owns one: `propose` delta-simulates a new config for one operator and returns the

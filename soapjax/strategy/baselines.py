@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 from soapjax.base.errors import PlanError, TopologyError
 from soapjax.graph.opgraph import Operator, OpGraph
-from soapjax.strategy.memory import check_microbatches
+from soapjax.strategy.memory import microbatch_refusal
 from soapjax.strategy.pipeline import DEFAULT_SCHEDULE
 from soapjax.strategy.space import (
     RECOMPUTE_POLICIES,
@@ -486,7 +486,14 @@ def megatron_3d(graph: OpGraph, topology, *, tp: int, pp: int = 1, dp: int | Non
                           lambda: megatron(graph, mesh, axes, sequence_parallel=sequence_parallel,
                                            expert_axes=experts, context_axes=context))
     strategy = dataclasses.replace(strategy, microbatches=per_replica // size)
-    check_microbatches(graph, strategy.configs, mesh, strategy.microbatches)
+    # once per layout and microbatch count (the grid asks again for every recomputation and
+    # optimizer sharding)
+    why = graph.memo(("megatron microbatches", mesh, tuple(axes), bool(sequence_parallel),
+                      tuple(experts), tuple(context), strategy.microbatches),
+                     lambda: microbatch_refusal(graph, strategy.configs, mesh,
+                                                strategy.microbatches))
+    if why:
+        raise PlanError(why)
     if pp > 1:
         strategy = strategy.with_pipeline(pp, interleave,
                                           "interleaved" if interleave > 1 else DEFAULT_SCHEDULE)

@@ -79,7 +79,8 @@ from soapjax.strategy.space import (
 __all__ = ["Residuals", "Segments", "attention_core", "check_microbatches", "coupled_samples",
            "layer_of",
            "microbatch_choices",
-           "microbatch_degrees", "microbatch_error", "microbatch_shape", "random_operator",
+           "microbatch_degrees", "microbatch_error", "microbatch_refusal", "microbatch_shape",
+           "random_operator",
            "recomputes", "residuals"]
 
 _MATMUL_ANCHORS = ("dot_general",)
@@ -394,22 +395,30 @@ def check_microbatches(graph: OpGraph, configs: Sequence[Config], mesh: MeshShap
                        microbatches: int) -> None:
     """PlanError naming the first operator whose per-device batch M does not divide, that
     draws random bits (see `random_operator`), or where the samples interact
-    (`coupled_samples`)."""
+    (`coupled_samples`): `microbatch_refusal`'s reason."""
+    why = microbatch_refusal(graph, configs, mesh, microbatches)
+    if why:
+        raise PlanError(why)
+
+
+def microbatch_refusal(graph: OpGraph, configs: Sequence[Config], mesh: MeshShape,
+                       microbatches: int) -> str:
+    """Why `microbatches` do not fit `configs` (`check_microbatches`), or ''."""
     if microbatches > 1 and (name := random_operator(graph)) is not None:
-        raise PlanError(f"operator {name!r} draws random bits (dropout): {microbatches} "
-                        "microbatches would draw other masks than the whole batch, and the step "
-                        "would not compute the unsharded step; use microbatches=1")
+        return (f"operator {name!r} draws random bits (dropout): {microbatches} "
+                "microbatches would draw other masks than the whole batch, and the step "
+                "would not compute the unsharded step; use microbatches=1")
     if microbatches > 1 and (why := coupled_samples(graph)):
-        raise PlanError(f"the samples of graph {graph.name!r} interact: {why}; {microbatches} "
-                        "microbatches would compute that over each microbatch, not the whole "
-                        "batch, and the step would not compute the unsharded step; use "
-                        "microbatches=1 (or trace with microbatch_statistics=True to accept "
-                        "statistics per microbatch)")
+        return (f"the samples of graph {graph.name!r} interact: {why}; {microbatches} "
+                "microbatches would compute that over each microbatch, not the whole "
+                "batch, and the step would not compute the unsharded step; use "
+                "microbatches=1 (or trace with microbatch_statistics=True to accept "
+                "statistics per microbatch)")
     for op, c in zip(graph.operators, configs):
         why = microbatch_error(op, c, mesh, microbatches)
         if why:
-            raise PlanError(f"{why}; choose microbatches dividing every operator's "
-                            "per-device batch")
+            return f"{why}; choose microbatches dividing every operator's per-device batch"
+    return ""
 
 
 def microbatch_choices(graph: OpGraph, limit: int = 64) -> tuple[int, ...]:

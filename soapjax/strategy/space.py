@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -82,6 +83,8 @@ class MeshShape:
                              f"{len(self.axis_sizes)} sizes {self.axis_sizes}")
         if len(set(self.axis_names)) != len(self.axis_names):
             raise ValueError(f"mesh axis names must be distinct, got {self.axis_names}")
+        # `degree` by axes, worked out once (not a field: equality and hashing ignore it)
+        object.__setattr__(self, "_degrees", {})
 
     @classmethod
     def of(cls, mesh: MeshLike) -> MeshShape:
@@ -113,7 +116,11 @@ class MeshShape:
 
     def degree(self, axes: Sequence[str]) -> int:
         """How many shards splitting over `axes` makes: the product of their sizes."""
-        return math.prod(self.axis_size(a) for a in axes)
+        key = axes if isinstance(axes, tuple) else tuple(axes)
+        out = self._degrees.get(key)
+        if out is None:
+            out = self._degrees[key] = math.prod(self.axis_size(a) for a in key)
+        return out
 
 
 # Anything with named mesh axes and their sizes: what a stage accepts where a mesh is meant.
@@ -382,12 +389,19 @@ def configs(op: Operator, mesh: MeshShape,
     only which device holds which shard, not any cost). The replicated config comes first.
     Only the `SpaceLimits.max_dims` largest allowed dims are split (ties: the first).
     """
-    spatial = not limits.allow_spatial and _image_like(op)
-    dims = [d for d in op.divisible_dims if _allowed(op.iteration_roles[d], limits)
-            and not (spatial and op.iteration_roles[d] == "A")]
-    sizes = op.split_sizes
+    # the same for every operator of the same dims (the layers of a model: one list for all)
+    return _configs(op.divisible_dims, op.iteration_roles, op.split_sizes, op.iteration_sizes,
+                    not limits.allow_spatial and _image_like(op), mesh, limits)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _configs(divisible: tuple[int, ...], roles: tuple[str, ...], sizes: tuple[int, ...],
+             iteration_sizes: tuple[int, ...], spatial: bool, mesh: MeshShape,
+             limits: SpaceLimits) -> tuple[Config, ...]:
+    dims = [d for d in divisible if _allowed(roles[d], limits)
+            and not (spatial and roles[d] == "A")]
     if len(dims) > limits.max_dims:
-        largest = sorted(dims, key=lambda d: -op.iteration_sizes[d])[:limits.max_dims]
+        largest = sorted(dims, key=lambda d: -iteration_sizes[d])[:limits.max_dims]
         dims = sorted(largest)
     out = []
     # Each axis goes to one of the allowed dims or to none (replicate over it).
@@ -541,9 +555,15 @@ def _split_sample(op: Operator, mesh: MeshShape, axes: Sequence[str]) -> Config:
 
 
 def sample_dim(op: Operator) -> int | None:
-    """The iteration dim that follows the batch, if any."""
+    """The iteration dim that follows the batch, if any (worked out once per operator)."""
+    memo = getattr(op, "__dict__", None)
+    if memo is not None and "_sample_dim" in memo:
+        return memo["_sample_dim"]
     roles = op.roles + tuple(r.role for r in op.reduction_dims)
-    return next((i for i, r in enumerate(roles) if r == "S"), None)
+    out = next((i for i, r in enumerate(roles) if r == "S"), None)
+    if memo is not None:
+        memo["_sample_dim"] = out  # (a frozen dataclass's __dict__; not a field)
+    return out
 
 
 def dividing_axes(size: int, axes: Sequence[str], mesh: MeshShape) -> tuple[str, ...]:

@@ -1,0 +1,203 @@
+"""The flat simulation's parameter leaves (a part of `soapjax.simulate._flatsim.Simulation`): a
+parameter's or batch input's gathers for each reader (and again before a recomputing reader's
+backward), its gradient synchronisation, the optimizer's reduction and update, and the
+distributed optimizer's gather of the updated shards.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from soapjax.simulate._simresult import (
+    GRAD_SYNC,
+    PARAM_GATHER,
+    UPDATE,
+    UPDATE_REDUCE,
+)
+from soapjax.simulate._taskgraph import CHAIN, LEAF, Comm
+
+__all__: list[str] = []
+
+
+class _LeafTasks(NamedTuple):
+    """A parameter's or batch input's tasks and bytes per device."""
+
+    tasks: list[int]  # gathers, gradient synchronisations, update
+    gather_ends: list[int]  # per reader: the last task of its gather, -1 for none
+    stored_bytes: int  # its stored shard (parameters; 0 for batch inputs)
+    activation_bytes: int  # the batch shard and copies in other layouts, kept for the backward
+    optimizer_bytes: int = 0  # the parameter's shard its optimizer state mirrors (parameters)
+    # per reader that recomputes and reads the parameter in another layout than it is stored
+    # in: the first and last task of its gather again before its backward (-1 for none), and
+    # the gathered copy's bytes, alive only while its segment runs (`_build_gathers`)
+    regather_heads: tuple[int, ...] = ()
+    regather_ends: tuple[int, ...] = ()
+    transient_bytes: tuple[int, ...] = ()
+
+
+class _LeafBuilding:
+    """The tasks of a `Simulation`'s parameter and batch leaves."""
+
+    def _build_leaf(self, leaf: int) -> _LeafTasks:
+        """A parameter's or batch input's tasks (gathers, gradient syncs, update) and bytes."""
+        layout = self._layout
+        shape, dtype = layout.leaf_shape[leaf], layout.leaf_dtype[leaf]
+        store = self._stored_spec(leaf)
+        stored = self._shard_bytes(shape, store, dtype)
+        gathers, gather_ends, gathered, again = self._build_gathers(leaf, store)
+        if not layout.leaf_is_param[leaf]:
+            return _LeafTasks(gathers, gather_ends, 0, stored + gathered)
+        opt = self._optimizer_spec(leaf, store)
+        owned = stored if opt == store else self._shard_bytes(shape, opt, dtype)
+        syncs, ready = self._build_grad_syncs(leaf, opt)
+        seg = layout.update_seg[leaf]
+        reduce = self._build_update_reduce(leaf, opt, seg, ready)
+        update = self._task_graph.new(layout.key(seg, 0, 1),
+                                      self._compute_time(self.cost_model.update_time(owned)),
+                                      (0,), reduce or ready,
+                                      (UPDATE, leaf))
+        # the distributed optimizer's all-gather of the updated shards
+        regather = self._chain_tasks(self._pricing.chain(shape, dtype, opt, store),
+                                     layout.key(seg, 1), [update], PARAM_GATHER, leaf)
+        heads, ends, transient = again
+        return _LeafTasks(gathers + syncs + reduce + [update] + regather, gather_ends, stored,
+                          gathered, owned, heads, ends, transient)
+
+    def _build_update_reduce(self, leaf: int, store: tuple, seg: int, ready: list[int]
+                             ) -> list[int]:
+        """The all-reduce of the scalars the optimizer reduces parameter `leaf` to (its share of
+        a global gradient norm), over the mesh axes its stored layout `store` splits it over;
+        none when the optimizer reduces nothing or the parameter is whole on every device.
+        Once per step, after the gradient's synchronisation: the update waits for it.
+
+        XLA's all-reduce combiner makes the scalars of every parameter one all-reduce. A GPU
+        runs that as one collective: each parameter's is priced at its share, the time of one
+        scalar all-reduce over the parameter count (about one all-reduce's latency in all
+        when every parameter is split). XLA:CPU runs a combined all-reduce as one rendezvous
+        per operand: each is priced whole there (GPT-2 tiny's 20 under Megatron: 1.9 ms).
+
+        (Under a global norm every update waits for every parameter's reduction; each waits
+        for its own here, which keeps a parameter's tasks one unit for the delta simulation.
+        On a device that runs its collectives and kernels one after the other, as XLA:CPU
+        does, that is the same time.)
+        """
+        axes = tuple(a for dim in store for a in dim)
+        if not self._reductions or not axes:
+            return []
+        key = ("norm", axes)
+        comm = self._memo.get(key, False)
+        if comm is False:
+            comm = self._pricing.comm("all_reduce", 4 * self._reductions, axes)
+            if comm is not None and self.topology.capabilities.combines_all_reduces:
+                comm = comm._replace(dur=comm.dur / max(1, len(self.graph.params)))
+            self._memo[key] = comm
+        if comm is None:
+            return []
+        return self._chain_tasks((comm,), self._layout.key(seg, 0, 0), ready, UPDATE_REDUCE, leaf)
+
+    def _build_gathers(self, leaf: int, store: tuple
+                       ) -> tuple[list[int], list[int], int, tuple[tuple[int, ...], ...]]:
+        """Each reader's resharding of `leaf` from its stored layout `store` (under ZeRO-3 an
+        all-gather): the tasks, the last one per reader (-1 for none), the bytes of the
+        copies in other layouts kept for the backward pass, and the gathers again of the
+        readers that recompute (`_LeafTasks.regather_heads`, ``regather_ends`` and
+        ``transient_bytes``).
+
+        A parameter (not a batch input) whose reader recomputes enters the reader's segment's
+        ``jax.checkpoint`` in its stored layout (`soapjax.apply._flatstep.stored_inputs`), so
+        the gathered copy lives only while the segment runs, and the segment gathers it again
+        when it recomputes: after the cotangents reach it (the recomputation waits for them:
+        `soapjax.graph._program.recompute_in_backward`), before its backward task.
+        """
+        layout = self._layout
+        shape, dtype = layout.leaf_shape[leaf], layout.leaf_dtype[leaf]
+        is_param = layout.leaf_is_param[leaf]
+        tasks, ends, gathered = [], [], 0
+        heads, again, transient = [], [], []
+        for j, o in layout.readers[leaf]:
+            spec = self._views[j].operand_specs[o]
+            pieces = self._per_microbatch(self._pricing.chain(shape, dtype, store, spec))
+            chain = self._chain_tasks(pieces, layout.fwd_key(j, o), [], PARAM_GATHER, leaf)
+            tasks += chain
+            ends.append(chain[-1] if chain else -1)
+            regathers = is_param and spec != store and self._regathers and \
+                self._views[j].recomputes
+            key, room = self._regather_key(j, o) if regathers else (0, 0)
+            regathers = regathers and len(pieces) <= room
+            if spec != store and not regathers:
+                gathered += self._shard_bytes(shape, spec, dtype)
+            twice = self._chain_tasks(pieces, key, self._cotangent_deps(j), PARAM_GATHER,
+                                      leaf) if regathers else []
+            tasks += twice
+            heads.append(twice[0] if twice else -1)
+            again.append(twice[-1] if twice else -1)
+            transient.append(self._shard_bytes(shape, spec, dtype) if regathers else 0)
+        return tasks, ends, gathered, (tuple(heads), tuple(again), tuple(transient))
+
+    def _build_grad_syncs(self, leaf: int, store: tuple) -> tuple[list[int], list[int]]:
+        """The gradient synchronisation of each reader's contribution to parameter `leaf`,
+        back to its stored layout `store`: the tasks, and those its update waits for.
+
+        Each reader's contribution is synchronised on its own, right after that reader's
+        backward, and the synced contributions are summed: XLA's partitioner puts the
+        all-reduce (or reduce-scatter) at the operation that makes the partial sum, before the
+        add, so a tied embedding's gradient is all-reduced twice (seen in compiled HLO).
+        """
+        layout = self._layout
+        shape, dtype = layout.leaf_shape[leaf], layout.leaf_dtype[leaf]
+        tasks, ready = [], []
+        for j, o in reversed(layout.readers[leaf]):
+            v = self._views[j]
+            chain = self._partial_chain(shape, dtype, v.operand_specs[o], store,
+                                        v.partial_groups[o])
+            sync = self._chain_tasks(chain, layout.bwd_key(j, 1 + o), [self._backward_task[j]],
+                                     GRAD_SYNC, leaf)
+            tasks += sync
+            ready += sync[-1:] if sync else [self._backward_task[j]]
+        return tasks, ready
+
+    def _partial_chain(self, shape: tuple[int, ...], dtype: str, src: tuple, dst: tuple,
+                       groups: tuple[tuple[str, ...], ...]) -> tuple[Comm, ...]:
+        """The resharding `src` -> `dst` of a sum partial over the axes of `groups` (one group
+        per iteration dim they split): one collective per dim, as XLA's partitioner reduces
+        the partial sums of each split contracting dim on its own. A weight's gradient under
+        context parallelism (the batch over ``data``, the sequence over ``model``) is two
+        all-reduces of the whole gradient, over ``model`` and over ``data``, not one over both
+        (docs/xla-workarounds.md: a dot or a sum over two dims split so, on cpu8). The groups `dst`
+        does not split are all-reduced in place first, the rest reduced into `dst` last."""
+        split = {a for axes in dst for a in axes}
+        early = [g for g in groups if not split & set(g)][: len(groups) - 1]
+        last = tuple(a for g in groups if g not in early for a in g)
+        chain = tuple(c for g in early for c in self._pricing.chain(shape, dtype, src, src, g))
+        return chain + self._pricing.chain(shape, dtype, src, dst,
+                                           tuple(a for a in self.mesh.axis_names if a in last))
+
+    def _regather_key(self, j: int, o: int) -> tuple[int, int]:
+        """The first key of operand `o`'s gather again before operator `j`'s backward, and how
+        many collectives it has room for.
+
+        Its keys must lie after the cotangents it waits for (the backward segments of the
+        operators after `j`) and before `j`'s backward task: the last slot of the segment just
+        before (``2n-2-j``, the next operator's backward segment, whose last slot no backward
+        uses), shared among `j`'s parameter operands. For the last operator that segment is
+        its own forward segment, whose last slot's first half holds its partial sums'
+        all-reduce: the second half, then. A gather that does not fit (none seen: a gather
+        is one to three collectives) is kept gathered instead (`_build_gathers`).
+        """
+        layout = self._layout
+        params = [p for p, (code, ref, _) in enumerate(layout.operands[j])
+                  if code == LEAF and layout.leaf_is_param[ref]]
+        first, room = (CHAIN // 2, CHAIN // 2) if j == layout.n - 1 else (0, CHAIN)
+        room //= len(params)
+        return (layout.key(2 * layout.n - 2 - j, layout.slots - 1, first + params.index(o) * room),
+                room)
+
+    def _regather_heads(self, j: int) -> list[int]:
+        """The first tasks of operator `j`'s gathers again (`_build_gathers`)."""
+        out = []
+        for code, ref, reader in self._layout.operands[j]:
+            if code == LEAF:
+                heads = self._leaf_tasks[ref].regather_heads
+                if heads and heads[reader] >= 0:
+                    out.append(heads[reader])
+        return out
