@@ -33,6 +33,7 @@ class _LeafTasks(NamedTuple):
     regather_heads: tuple[int, ...] = ()
     regather_ends: tuple[int, ...] = ()
     transient_bytes: tuple[int, ...] = ()
+    regathers: bool = False  # any reader gathers it again
 
 
 class _LeafBuilding:
@@ -61,7 +62,7 @@ class _LeafBuilding:
                                      layout.key(seg, 1), [update], PARAM_GATHER, leaf)
         heads, ends, transient = again
         return _LeafTasks(gathers + syncs + reduce + [update] + regather, gather_ends, stored,
-                          gathered, owned, heads, ends, transient)
+                          gathered, owned, heads, ends, transient, any(transient))
 
     def _build_update_reduce(self, leaf: int, store: tuple, seg: int, ready: list[int]
                              ) -> list[int]:

@@ -82,8 +82,9 @@ class _MemoryAccounting:
         (`_LeafTasks.transient_bytes`)."""
         out = [0] * self._layout.n
         for readers, unit in zip(self._layout.readers, self._leaf_tasks):
-            for (j, _), n in zip(readers, unit.transient_bytes):
-                out[j] += n
+            if unit.regathers:
+                for (j, _), n in zip(readers, unit.transient_bytes):
+                    out[j] += n
         return out
 
     def _memory(self) -> MemoryBreakdown:

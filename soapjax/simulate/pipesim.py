@@ -248,6 +248,9 @@ class PipelinedSimulation:
         self._stacked = (graph.memo("stacked_layer_params", self._stacked_layer_params)
                          if self._layer_layout == "model" and moves else {})
         self._routes = stage_routes(sum(sizes), sizes) if sizes else ()
+        # per chunk boundary, the values crossing it (producer, output), as `_crossings` reads
+        self._boundary = graph.memo(("chunk_boundaries", chunks, sizes),
+                                    lambda: _boundary_values(graph, self._chunk))
 
     def stage_layers_result(self, stage_layers: tuple[int, ...]) -> PipelineResult:
         """The step of the current configs with the layers cut into `stage_layers` per stage
@@ -480,13 +483,18 @@ class PipelinedSimulation:
         mesh axis of the full topology, then the receiver's all-gathers of the pieces over
         the axes they were cut along (the stage's own links)."""
         axis = (self.full_topology.axis_names[0],)
+        memo = self.__dict__.setdefault("_send_memo", {})  # a boundary's time by its pieces
         times = []
         for crossing in self._crossings():
-            t = self.full_topology.collective_time(
-                "point_to_point", sum(piece for piece, _, _ in crossing), axis)
-            for _, whole, axes in crossing:
-                if axes:
-                    t += self.topology.collective_time("all_gather", whole, axes)
+            key = tuple(crossing)
+            t = memo.get(key)
+            if t is None:
+                t = self.full_topology.collective_time(
+                    "point_to_point", sum(piece for piece, _, _ in crossing), axis)
+                for _, whole, axes in crossing:
+                    if axes:
+                        t += self.topology.collective_time("all_gather", whole, axes)
+                memo[key] = t
             times.append(t)
         return tuple(times)
 
@@ -500,27 +508,22 @@ class PipelinedSimulation:
         the product ``r`` of those axes' sizes divides; each replica sends its ``1/r`` piece
         over its own link and the receiver all-gathers the pieces over those axes. A value
         with no such dim is sent whole by every replica."""
-        chunks = len(set(self._chunk))
         ops, inner = self.graph.operators, self._inner
-        mesh, M = self._inner.mesh, self._inner.microbatches
-        crossing: list[dict[tuple[str, int], tuple[int, int, tuple[str, ...]]]] = [
-            dict() for _ in range(chunks - 1)]
-        index = {op.name: i for i, op in enumerate(ops)}
-        for j, op in enumerate(ops):
-            for x in op.inputs:
-                if x.kind != "activation":
-                    continue
-                p = index[x.source]
-                lo, hi = self._chunk[p], self._chunk[j]
-                if lo == hi:
-                    continue
-                out = ops[p].outputs[x.index]
-                spec = inner.output_specs(p)[x.index]
-                nbytes = shard_bytes(out.shape, spec, out.dtype, mesh) // M
-                sent = _scatter(out.shape, spec, mesh, nbytes)
-                for b in range(lo, hi):
-                    crossing[b][(x.source, x.index)] = sent
-        return [list(c.values()) for c in crossing]
+        mesh, M = inner.mesh, inner.microbatches
+        memo = self.__dict__.setdefault("_sent_memo", {})  # a value's pieces by its layout
+        out = []
+        for values in self._boundary:
+            row = []
+            for p, k in values:
+                key = (p, k, inner.output_specs(p)[k], M)
+                sent = memo.get(key)
+                if sent is None:
+                    x = ops[p].outputs[k]
+                    nbytes = shard_bytes(x.shape, key[2], x.dtype, mesh) // M
+                    sent = memo[key] = _scatter(x.shape, key[2], mesh, nbytes)
+                row.append(sent)
+            out.append(row)
+        return out
 
     def _stage_memory(self, timeline: PipelineTimeline,
                       moves: _LayoutMoves) -> tuple[MemoryBreakdown, ...]:
@@ -586,6 +589,23 @@ class _StageCosts:
 
     def update_time(self, param_shard_bytes: float) -> float:
         return self.base.update_time(param_shard_bytes)
+
+
+def _boundary_values(graph: OpGraph, chunk: Sequence[int]) -> tuple[tuple[tuple[int, int], ...],
+                                                                      ...]:
+    """Per chunk boundary, the activation values (producer, output index) a later chunk reads
+    from an earlier one, each once, in the order the readers first read them."""
+    ops = graph.operators
+    index = {op.name: i for i, op in enumerate(ops)}
+    crossing: list[dict[tuple[int, int], None]] = [dict() for _ in range(len(set(chunk)) - 1)]
+    for j, op in enumerate(ops):
+        for x in op.inputs:
+            if x.kind != "activation":
+                continue
+            p = index[x.source]
+            for b in range(chunk[p], chunk[j]):
+                crossing[b][(p, x.index)] = None
+    return tuple(tuple(c) for c in crossing)
 
 
 def _flat(strategy: Strategy) -> Strategy:
