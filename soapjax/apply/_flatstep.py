@@ -172,8 +172,7 @@ def stored_inputs(graph: OpGraph, strategy: Strategy, mesh: Mesh,
     the segment recomputes, and the gathered copy is not kept between them (as FSDP runs it,
     and as the simulator prices it: `soapjax.strategy.memory`, "Recomputation"). Left to
     itself, XLA's sharding propagation would gather the parameter before the checkpoint and
-    keep the whole copy for the backward pass (a ZeRO-3 plan of Llama 2 70B with every
-    layer recomputed would keep every gathered layer: docs/xla-workarounds.md).
+    keep the whole copy for the backward pass (docs/xla-workarounds.md).
     """
     if not checkpoints:
         return {}
