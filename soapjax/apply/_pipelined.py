@@ -176,7 +176,8 @@ from soapjax.graph.opgraph import OpGraph
 from soapjax.strategy.pipeline import DEFAULT_SCHEDULE, Action, ScheduleName, device_orders
 from soapjax.strategy.space import RECOMPUTE_POLICIES, MeshShape, RecomputePolicy
 
-__all__ = ["PipelinedStep", "pipelined_value_and_grad", "ticks"]
+__all__ = ["BranchRuns", "PipelinedStep", "branch_runs", "count_branch_runs",
+           "pipelined_value_and_grad", "ticks"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -451,6 +452,29 @@ def check_compiled(hlo_text: str) -> None:
                 "stages with those dims whole, or without stages")
 
 
+_PIPELINE_BRANCH = re.compile(r"shard_map/while/body/closed_call/cond/branch_(\d+)_fun/")
+
+
+def count_branch_runs(collectives: Sequence[Any], runs: BranchRuns) -> list[Any]:
+    """The compiled pipelined step's collectives (`soapjax.measure.hlo.HloCollective`) with
+    the ones inside a branch of the step's switches run as often as the schedule takes that
+    branch (`branch_runs`), not once per tick as HLO's loop count says: a collective of a
+    stage's action runs once per (tick, stage) taking it, summed over the stages (as one
+    stage's simulation prices the whole model); one of a send, once per tick sending so."""
+    out = []
+    for c in collectives:
+        m = _PIPELINE_BRANCH.search(c.op_name or "")
+        if m is None:
+            out.append(c)
+            continue
+        k, rest = int(m.group(1)), c.op_name[m.end():]
+        send = next((d for d, scope in enumerate(SEND_SCOPES) if rest.startswith(scope)), None)
+        counts = runs.actions if send is None else runs.sends[send]
+        n = counts[k] if k < len(counts) else runs.ticks
+        out.append(c._replace(executions=c.executions * n // runs.ticks))
+    return out
+
+
 def _whole_queries(call: AttentionCall) -> Callable:
     return lambda q, k, v, q_pos, k_pos: [bind_attention(call, q, k, v, q_pos, k_pos,
                                                          whole_queries=True)]
@@ -700,10 +724,66 @@ class _Tables(NamedTuple):
     sends: tuple[tuple[tuple[tuple[tuple[int, int], ...], ...], np.ndarray], ...]
 
 
-def _tables(rows: Sequence[Sequence[Action | None]], stages: int, chunks: int,
-            slots: _Slots) -> _Tables:
+class BranchRuns(NamedTuple):
+    """How often one pipelined step takes each branch of its switches (module doc): what the
+    compiled step's collectives inside a branch run, where XLA's HLO says only "once per
+    tick" (`soapjax.check` counts with these).
+
+    Attributes:
+      ticks: the ticks (the ``fori_loop``'s trip count).
+      actions: per branch of the switch on a stage's action (its kinds, in the switch's
+        order), how many (tick, stage) pairs take it: summed over the stages, as one stage's
+        simulation counts the whole model's operators.
+      sends: per direction (activations, then gradients), per branch of its switch (0: no
+        send), the ticks that take it.
+    """
+
+    ticks: int
+    actions: tuple[int, ...]
+    sends: tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def branch_runs(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> BranchRuns:
+    """`BranchRuns` of the step `pipelined_value_and_grad` builds for these numbers.
+
+    >>> branch_runs("1f1b", stages=2, microbatches=1)  # B and F of each chunk once; idle 4 x
+    BranchRuns(ticks=4, actions=(1, 1, 1, 1, 4), sends=((3, 1), (3, 1)))
+    """
+    rows = ticks(schedule, stages, microbatches, virtual)
+    chunks = stages * virtual
+    keys, kind = _kinds(rows, chunks)
+    sends = tuple(tuple(int(np.sum(which == j)) for j in range(len(sets) + 1))
+                  for sets, which in _sends(rows, stages, chunks))
+    return BranchRuns(len(rows), tuple(int(np.sum(kind == k)) for k in range(len(keys))),
+                      sends)
+
+
+def _kinds(rows: Sequence[Sequence[Action | None]], chunks: int
+           ) -> tuple[tuple[tuple, ...], np.ndarray]:
+    """The kinds of action (the switch's branches, in order) and each (tick, stage)'s."""
     keys = tuple(sorted({_key(a, chunks) for row in rows for a in row}))
     kind = np.array([[keys.index(_key(a, chunks)) for a in row] for row in rows], np.int32)
+    return keys, kind
+
+
+def _sends(rows: Sequence[Sequence[Action | None]], stages: int, chunks: int
+           ) -> tuple[tuple[tuple[tuple[tuple[int, int], ...], ...], np.ndarray], ...]:
+    """Per direction, the sets of stage pairs that send at one tick and which sends when
+    (`_Tables.sends`)."""
+    sends = []
+    for direction, step, keep in (("F", 1, lambda c: c < chunks - 1), ("B", -1, lambda c: c > 0)):
+        per_tick = [tuple((s, (s + step) % stages) for s, a in enumerate(row)
+                          if a is not None and a.kind == direction and keep(a.chunk))
+                    for row in rows]
+        sets = tuple(sorted({p for p in per_tick if p}))
+        sends.append((sets, np.array([sets.index(p) + 1 if p else 0 for p in per_tick],
+                                     np.int32)))
+    return tuple(sends)
+
+
+def _tables(rows: Sequence[Sequence[Action | None]], stages: int, chunks: int,
+            slots: _Slots) -> _Tables:
+    keys, kind = _kinds(rows, chunks)
     actions = np.zeros((len(rows), stages, 5), np.int32)
     for t, row in enumerate(rows):
         for s, a in enumerate(row):
@@ -713,16 +793,8 @@ def _tables(rows: Sequence[Sequence[Action | None]], stages: int, chunks: int,
                 actions[t, s, _ACTIVATION_SLOT] = slots.activation_read[t, s]
                 actions[t, s, _RESIDUAL_SLOT] = slots.residual[t, s]
                 actions[t, s, _COTANGENT_SLOT] = slots.cotangent_read[t, s]
-    sends = []
-    for direction, step, keep in (("F", 1, lambda c: c < chunks - 1), ("B", -1, lambda c: c > 0)):
-        per_tick = [tuple((s, (s + step) % stages) for s, a in enumerate(row)
-                          if a is not None and a.kind == direction and keep(a.chunk))
-                    for row in rows]
-        sets = tuple(sorted({p for p in per_tick if p}))
-        sends.append((sets, np.array([sets.index(p) + 1 if p else 0 for p in per_tick],
-                                     np.int32)))
     return _Tables(keys, kind, actions, slots.activation_recv, slots.cotangent_recv,
-                   tuple(sends))
+                   _sends(rows, stages, chunks))
 
 
 # --------------------------------------------------------------------------------------------
