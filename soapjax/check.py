@@ -33,7 +33,6 @@ import jax
 import optax
 
 from soapjax.apply import step as apply
-from soapjax.apply._pipelined import branch_runs, count_branch_runs
 from soapjax.cost.flops import step_flops
 from soapjax.cost.operators import cost_model
 from soapjax.cost.reshard import DEFAULT_MODE, Resharder
@@ -294,10 +293,7 @@ def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5,
 
     found = hlo.collectives(compiled.as_text(), MeshShape.of(topo),
                             reduce_scatter_from_slices=True)
-    if strategy.pipelined:  # a branch's collectives run when the schedule takes it
-        found = count_branch_runs(found, branch_runs(strategy.schedule, strategy.stages,
-                                                     strategy.microbatches,
-                                                     strategy.virtual_stages))
+    found = apply.collectives_as_run(found, strategy)
     cm = cost_model(graph, topo, mode=costs, optimizer=w.optimizer)
     with Resharder(MeshShape.of(topo), mode=reshard) as resharder:
         sim = simulate(graph, topo, strategy, cost_model=cm, resharder=resharder,

@@ -26,6 +26,7 @@ from soapjax.apply.step import (
     Partitioner as Partitioner,
     TrainShardings as TrainShardings,
     batch_shardings as batch_shardings,
+    collectives_as_run as collectives_as_run,
     constrained_loss as constrained_loss,
     device_put_global as device_put_global,
     opt_state_shardings as opt_state_shardings,

@@ -58,7 +58,7 @@ a strategy is pipelined after its check), and this one, the jitted step.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import jax
@@ -68,7 +68,7 @@ from jax._src import config as _jax_config  # the scoped partitioner switch has 
 from jax.sharding import Mesh
 
 from soapjax.apply._flatstep import constrained_loss, recompute_segments
-from soapjax.apply._pipelined import check_compiled
+from soapjax.apply._pipelined import branch_runs, check_compiled, count_branch_runs
 from soapjax.apply._shardings import (
     TrainShardings,
     batch_shardings,
@@ -89,6 +89,7 @@ __all__ = [
     "Partitioner",
     "TrainShardings",
     "batch_shardings",
+    "collectives_as_run",
     "constrained_loss",
     "device_put_global",
     "opt_state_shardings",
@@ -314,6 +315,19 @@ def _use_shardy(enabled: bool) -> Any:
     """A scope for ``jax_use_shardy_partitioner`` (part of jit's cache key)."""
     state = getattr(_jax_config, "use_shardy_partitioner", None)
     return contextlib.nullcontext() if state is None else state(enabled)
+
+
+def collectives_as_run(collectives: Sequence[Any], strategy: Any) -> list[Any]:
+    """The compiled step's collectives (`soapjax.measure.hlo.collectives` of its HLO) with
+    the executions one step runs: a pipelined step's collectives inside a branch of its
+    schedule's switches as often as the schedule takes the branch
+    (`soapjax.apply._pipelined.count_branch_runs`; HLO's loop count says every tick), summed
+    over the stages as the simulator prices one stage's devices running the whole model. A
+    flat step's are as they are."""
+    if not getattr(strategy, "pipelined", False):
+        return list(collectives)
+    return count_branch_runs(collectives, branch_runs(
+        strategy.schedule, strategy.stages, strategy.microbatches, strategy.virtual_stages))
 
 
 def device_put_global(tree: Any, shardings: Any) -> Any:
