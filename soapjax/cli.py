@@ -375,11 +375,22 @@ def _ctrl_c_kept() -> Iterator[None]:
         _CTRL_C.set()
         raise KeyboardInterrupt
 
+    previous_hook = sys.unraisablehook
+
+    def quiet(unraisable) -> None:
+        # A Ctrl-C raised inside a callback that swallows it (an import lock's weakref
+        # callback, a garbage-collection callback) would print "Exception ignored in ...
+        # Traceback"; it is remembered (`_CTRL_C`) and raised again, so say nothing.
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            previous_hook(unraisable)
+
     signal.signal(signal.SIGINT, handler)
+    sys.unraisablehook = quiet
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.unraisablehook = previous_hook
         _CTRL_C.clear()
 
 

@@ -502,6 +502,54 @@ CTRL_C_PLAN = ["plan", "--model", "mlp", "--size", "tiny", "--mesh", "cpu8", "--
                "analytic", "--budget", "8"]
 
 
+SWALLOWED = """
+import gc, signal, sys
+from soapjax import cli
+
+class Interrupted:
+    def __del__(self):
+        raise KeyboardInterrupt
+
+class Broken:
+    def __del__(self):
+        raise ValueError("not a Ctrl-C")
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+with cli._ctrl_c_kept():
+    Interrupted()
+    gc.collect()
+    print("swallowed", file=sys.stderr, flush=True)
+    cli._CTRL_C.set()  # what the handler does before it raises
+    try:
+        cli._interruptible(None)("a progress line")
+    except KeyboardInterrupt:
+        print("raised again", file=sys.stderr, flush=True)
+    Broken()
+    gc.collect()
+print("cleared" if not cli._CTRL_C.is_set() else "still set", file=sys.stderr)
+"""
+
+
+def test_a_ctrl_c_swallowed_by_a_callback_prints_no_traceback(tmp_path):
+    """A Ctrl-C that lands in a callback Python runs without raising (an import lock's weakref
+    callback: seen once in 3 x 3 `test_ctrl_c_at_any_time_ends_in_one_line` runs beside a busy
+    process) printed "Exception ignored in ... Traceback" before the command's one line. It is
+    remembered and raised again at the next progress line (`_interruptible`), so the command
+    line prints nothing for it; other unraisable exceptions are reported as before. In a
+    process of its own: pytest replaces the hook that prints them."""
+    import subprocess
+    import sys
+
+    (tmp_path / "swallowed.py").write_text(SWALLOWED)
+    out = subprocess.run([sys.executable, str(tmp_path / "swallowed.py")], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stderr.splitlines()
+    assert lines[0] == "swallowed"  # nothing before it: no "Exception ignored", no traceback
+    assert lines[1] == "raised again"
+    assert "ValueError: not a Ctrl-C" in out.stderr and lines[-1] == "cleared"
+
+
 @pytest.mark.parametrize("after_s", [0.3, 1.3, 3.0])
 def test_ctrl_c_at_any_time_ends_in_one_line(after_s, tmp_path):
     """Ctrl-C while jax imports, while the model traces (where a garbage-collection callback
