@@ -193,12 +193,14 @@ class _LeafBuilding:
         return (layout.key(2 * layout.n - 2 - j, layout.slots - 1, first + params.index(o) * room),
                 room)
 
-    def _regather_heads(self, j: int) -> list[int]:
-        """The first tasks of operator `j`'s gathers again (`_build_gathers`)."""
+    def _regather_tasks(self, j: int, *, ends: bool) -> list[int]:
+        """The first tasks (`ends`: the last) of operator `j`'s gathers again
+        (`_build_gathers`)."""
         out = []
         for code, ref, reader in self._layout.operands[j]:
             if code == LEAF:
-                heads = self._leaf_tasks[ref].regather_heads
-                if heads and heads[reader] >= 0:
-                    out.append(heads[reader])
+                unit = self._leaf_tasks[ref]
+                tasks = unit.regather_ends if ends else unit.regather_heads
+                if tasks and tasks[reader] >= 0:
+                    out.append(tasks[reader])
         return out

@@ -314,7 +314,7 @@ class _Proposals:
         for j in sorted(producers):
             t = self._backward_task[j]
             undo.deps.append((t, task_graph.set_deps(t, self._backward_deps(j))))
-            for head in self._regather_heads(j):
+            for head in self._regather_tasks(j, ends=False):
                 undo.deps.append((head, task_graph.set_deps(head, self._cotangent_deps(j))))
 
     def _take_pending(self) -> _Batch:

@@ -547,13 +547,7 @@ class _TaskBuilding:
         """What operator `j`'s backward task waits for: its outputs' cotangents
         (`_cotangent_deps`), and the gathers again of the parameters it recomputes with
         (`_build_gathers`)."""
-        out = self._cotangent_deps(j)
-        for code, ref, reader in self._layout.operands[j]:
-            if code == LEAF:
-                ends = self._leaf_tasks[ref].regather_ends
-                if ends and ends[reader] >= 0:
-                    out.append(ends[reader])
-        return out
+        return self._cotangent_deps(j) + self._regather_tasks(j, ends=True)
 
     def _task_name(self, t: int) -> str:
         kind, ref, *subject = self._task_graph.info[t]
