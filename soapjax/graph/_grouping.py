@@ -144,6 +144,7 @@ class _Builder:
         self.p = program
         self.fname = fname
         self.param_of = {leaf.value: leaf for leaf in params}
+        self._scan_blocks: dict[int, str] = {}  # `_scan_block` by scan
         self.batch_of = {leaf.value: leaf for leaf in batch}
         self.consumers: dict[int, list[int]] = {}
         for i, u in enumerate(program.units):
@@ -241,7 +242,7 @@ class _Builder:
     def _scan_block(self, scan: int) -> str:
         """The module a layer scan iterates over: the common prefix of its stacked leaves
         (worked out once per scan)."""
-        memo = self.__dict__.setdefault("_scan_blocks", {})
+        memo = self._scan_blocks
         if scan not in memo:
             memo[scan] = _common_prefix([module_of_param(leaf.path) for v in self.p.scans[scan]
                                          if (leaf := self._param_leaf(v)) is not None])

@@ -228,6 +228,10 @@ class PipelinedSimulation:
         self._layer_layout = layer_layout
         self._cut(strategy.pipeline)
         self._result: PipelineResult | None = None
+        # per boundary value (producer, output, layout, M): the pieces it is sent in; per
+        # boundary's pieces: its send time (`_crossings`, `_send_times`)
+        self._sent_memo: dict[tuple, tuple[int, int, tuple[str, ...]]] = {}
+        self._send_memo: dict[tuple, float] = {}
         self._saved: PipelineResult | None = None
 
     def _cut(self, pipeline: tuple[int, int, str, tuple[int, ...]]) -> None:
@@ -483,7 +487,7 @@ class PipelinedSimulation:
         mesh axis of the full topology, then the receiver's all-gathers of the pieces over
         the axes they were cut along (the stage's own links)."""
         axis = (self.full_topology.axis_names[0],)
-        memo = self.__dict__.setdefault("_send_memo", {})  # a boundary's time by its pieces
+        memo = self._send_memo
         times = []
         for crossing in self._crossings():
             key = tuple(crossing)
@@ -510,7 +514,7 @@ class PipelinedSimulation:
         with no such dim is sent whole by every replica."""
         ops, inner = self.graph.operators, self._inner
         mesh, M = inner.mesh, inner.microbatches
-        memo = self.__dict__.setdefault("_sent_memo", {})  # a value's pieces by its layout
+        memo = self._sent_memo
         out = []
         for values in self._boundary:
             row = []
