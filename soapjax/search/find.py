@@ -235,8 +235,8 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
                                    budget.at(GRID_SHARE)))
     # Baselines outside the space the caller asked for (sequence parallelism splits a CNN's
     # norms spatially, where convolutions are kept whole) are not starts.
-    starts = {name: _tie_blocks(graph, s) for name, s in starts.items()
-              if _within(graph, s, settings.limits)}
+    starts = {name: _tie_blocks(graph, s)
+              for name, s in _within(graph, starts, settings.limits).items()}
     for n, (name, strategy) in enumerate(list(starts.items())):
         if progress is not None:
             how = ("operator costs measured on first use" if sim.cost_model.source == "measured"

@@ -9,6 +9,9 @@ best with expert or context parallelism (`_grid_starts`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from soapjax.graph.opgraph import OpGraph
 from soapjax.search._chain import (
     Progress,
@@ -60,15 +63,21 @@ def grid_degrees(graph: OpGraph, topology) -> dict[str, tuple[int, ...]]:
     return {"ep": ep, "cp": cp}
 
 
-def _within(graph: OpGraph, strategy: Strategy, limits: SpaceLimits) -> bool:
-    # grid points of one layout share their configs (one tuple): checked once per layout
-    configs = strategy.configs
-    seen = graph.memo(("within limits", limits), dict)  # a cache of this function, added to
-    hit = seen.get(id(configs))
-    if hit is None or hit[0] is not configs:  # (the tuple itself kept: an id is not reused)
-        hit = seen[id(configs)] = (configs, all(
-            within_limits(op, c, limits) for op, c in zip(graph.operators, configs)))
-    return hit[1]
+def _within(graph: OpGraph, strategies: Mapping[Any, Strategy], limits: SpaceLimits
+            ) -> dict[Any, Strategy]:
+    """`strategies` (name or grid point -> strategy) without those outside `limits`, in
+    order. Grid points of one layout share their configs (one tuple): each tuple is checked
+    once."""
+    seen: dict[int, bool] = {}  # by id: the tuples stay alive in `strategies` meanwhile
+    out = {}
+    for key, strategy in strategies.items():
+        configs = strategy.configs
+        if id(configs) not in seen:
+            seen[id(configs)] = all(within_limits(op, c, limits)
+                                    for op, c in zip(graph.operators, configs))
+        if seen[id(configs)]:
+            out[key] = strategy
+    return out
 
 
 # The kinds of parallelism whose best grid point gets a chain of its own beside the grid's best:
@@ -88,9 +97,8 @@ def _grid_starts(sim: Simulation, searcher: _Searcher, graph: OpGraph, topology,
     scored)."""
     # In the order Megatron-LM users try them (`_likely_first`): a deadline that cuts the
     # grid (Mixtral 8x7B's 306 points with ep) cuts the unlikely points, not TP 4 and 8
-    grid = dict(sorted(((point, s) for point, s in megatron_grid_points(
-        graph, topology, **grid_degrees(graph, topology)).items()
-        if _within(graph, s, limits)), key=_likely_first))
+    grid = dict(sorted(_within(graph, megatron_grid_points(
+        graph, topology, **grid_degrees(graph, topology)), limits).items(), key=_likely_first))
     best: dict[str, tuple[tuple[bool, float], str, Strategy]] = {}
     for n, (point, strategy) in enumerate(grid.items()):
         if best and past(deadline):

@@ -81,9 +81,8 @@ def pipeline_grid(graph: OpGraph, topology, stages: int, limits: SpaceLimits = S
     grid = megatron_grid_points(graph, topology, pp=(stages,),
                          interleave=interleave_choices(graph, stages), tp=tp, **degrees)
     by_pipe: dict[tuple[int, str], dict[GridPoint, Strategy]] = {}
-    for point, st in grid.items():
-        if _within(graph, st, limits):
-            by_pipe.setdefault((st.virtual_stages, st.schedule), {})[point] = st
+    for point, st in _within(graph, grid, limits).items():
+        by_pipe.setdefault((st.virtual_stages, st.schedule), {})[point] = st
     for v, schedule in list(by_pipe):
         try:
             layer_chunks(graph, stages * v)
