@@ -99,6 +99,7 @@ from _searched_row import strategy_words  # noqa: E402
 from gpu_kit import Parts  # noqa: E402
 
 from soapjax.apply import step as apply
+from soapjax.check import simulated_collectives  # noqa: E402
 from soapjax.cost.operators import cost_model  # noqa: E402
 from soapjax.graph.opgraph import trace  # noqa: E402
 from soapjax.measure import hlo  # noqa: E402
@@ -328,17 +329,8 @@ def tally(items) -> dict[str, dict[str, float]]:
 
 def predicted_items(sim) -> list[tuple[str, float, int]]:
     """The simulator's communication tasks as ``(kind, bytes, times)``, counted as
-    `soapjax.check.compare_on_devices` counts them: kind from the task's name, a ring
-    attention's task of ``cp - 1`` sends (`sent` over its buffer) as that many."""
-    out = []
-    for t in sim.tasks:
-        if t.kind in ("forward", "backward", "update"):
-            continue
-        kind = t.name.split(" ", 1)[0]
-        times = (max(1, round(t.sent / t.nbytes)) if kind == "collective_permute" and t.nbytes
-                 else 1)
-        out.append((kind, t.nbytes, times))
-    return out
+    `soapjax.check.compare_on_devices` counts them (`soapjax.check.simulated_collectives`)."""
+    return simulated_collectives(sim.tasks)
 
 
 _COMPUTE = {"fusion", "custom-call", "dot", "convolution", "call", "while", "conditional"}

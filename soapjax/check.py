@@ -53,7 +53,7 @@ from soapjax.strategy.space import MeshShape
 from soapjax.topology.cluster import Topology, make_mesh
 
 __all__ = ["BYTES_TOLERANCE", "NUMBERS_TOLERANCE", "CheckResult", "TrainWorkload",
-           "compare_on_devices", "compiled_flops"]
+           "compare_on_devices", "compiled_flops", "simulated_collectives"]
 
 _COMPUTE = ("forward", "backward", "update")
 
@@ -213,12 +213,21 @@ def _norm(kind: str) -> str:
 
 
 def _sends(task) -> int:
-    """How many collectives a simulated task stands for: a ring attention's sends of one
-    tensor are one task of cp - 1 sends (`soapjax.simulate._flatsim`), each of its buffer's
-    bytes."""
+    """How many collectives a simulated task stands for: one per microbatch it runs in
+    (``task.runs``), and a ring attention's sends of one tensor are one task of cp - 1 sends
+    (`soapjax.simulate._flatsim`) each microbatch, each of its buffer's bytes."""
+    runs = max(1, task.runs)
     if task.name.startswith("collective_permute") and task.nbytes:
-        return max(1, round(task.sent / task.nbytes))
-    return 1
+        return runs * max(1, round(task.sent / runs / task.nbytes))
+    return runs
+
+
+def simulated_collectives(tasks) -> list[tuple[str, int, int]]:
+    """The simulator's communication tasks (`soapjax.simulate.TaskRecord`) as ``(kind, bytes
+    per device, times)``: kind from the task's name, each task as many collectives as it
+    stands for (`_sends`: one per microbatch, a ring attention's cp - 1 sends)."""
+    return [(t.name.split(" ", 1)[0], t.nbytes, _sends(t)) for t in tasks
+            if t.kind not in _COMPUTE]
 
 
 def _tally(items) -> tuple[tuple[str, int, float], ...]:
@@ -298,8 +307,7 @@ def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5,
     with Resharder(MeshShape.of(topo), mode=reshard) as resharder:
         sim = simulate(graph, topo, strategy, cost_model=cm, resharder=resharder,
                        opt_state_factor=opt_state_factor(w.optimizer, params))
-    predicted = [(t.name.split(" ", 1)[0], t.nbytes, _sends(t)) for t in sim.tasks
-                 if t.kind not in _COMPUTE]
+    predicted = simulated_collectives(sim.tasks)
     kinds = {d.device_kind for d in mesh.devices.flat}
     reported = _reported_flops(compiled)
     counted = hlo_flops(compiled.as_text())

@@ -184,3 +184,35 @@ def test_check_counts_a_pipelined_steps_collectives_as_the_schedule_runs_them(tm
     assert data["max_abs_diff"] < 1e-5
     assert data["predicted_collective_bytes"] == pytest.approx(data["hlo_collective_bytes"],
                                                                rel=0.10)
+
+
+def test_a_collective_run_once_per_microbatch_counts_once_per_microbatch():
+    """The simulator prices a collective every microbatch runs as one task of M times its time
+    and bytes sent, its buffer one microbatch's (`TaskRecord.runs` = M); the check counts it M
+    times, as XLA's loop runs it. So Megatron's tensor-parallel reshardings of tiny GPT move
+    the same bytes in all at 1, 2 and 4 microbatches (each buffer halves as the count
+    doubles), and so do the once-a-step gradient all-reduces. Before, a check of a plan with
+    M microbatches counted each of them once: 1F1B over 4 microbatches (TP4 PP2) read 0.32
+    of XLA's bytes, 1.003 since."""
+    from soapjax.check import simulated_collectives
+    from soapjax.cost.operators import cost_model
+    from soapjax.simulate.front import simulate
+
+    w = zoo.get("gpt", "tiny")
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt")
+    topo = load_topology("cpu8")
+    costs = cost_model(g, topo, mode="analytic", optimizer=w.optimizer)
+    totals, buffers = {}, {}
+    for m in (1, 2, 4):
+        strategy = baselines.megatron_3d(g, topo, tp=4, microbatch_size=4 // m,
+                                         recompute="none", sequence_parallel=True)
+        assert strategy.microbatches == m
+        tasks = simulate(g, topo, strategy, cost_model=costs, resharder="ideal").tasks
+        found = simulated_collectives(tasks)
+        assert {t.runs for t in tasks if t.kind == "reshard"} == {m}
+        assert {t.runs for t in tasks if t.kind == "grad_sync"} == {1}
+        totals[m] = sum(nbytes * times for _, nbytes, times in found)
+        buffers[m] = max(t.nbytes for t in tasks if t.kind == "reshard")
+    # the same bytes up to the scalars a microbatch all-reduces (4 bytes each, M times)
+    assert abs(totals[2] - totals[1]) <= 4 * 2 and abs(totals[4] - totals[1]) <= 4 * 4 * 2
+    assert buffers[1] == 2 * buffers[2] == 4 * buffers[4]

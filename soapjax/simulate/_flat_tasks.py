@@ -314,15 +314,15 @@ class _TaskBuilding:
         return self._per_microbatch(forward), self._per_microbatch(backward)
 
     def _per_microbatch(self, chain: tuple[Comm, ...]) -> tuple[Comm, ...]:
-        """`chain` run once per microbatch: M times its time and bytes sent."""
+        """`chain` run once per microbatch: M times its time, bytes sent and runs."""
         m = self._micro
         if m == 1 or not chain:
             return chain
         key = (chain, m)
         out = self._scaled.get(key)
         if out is None:
-            out = self._scaled[key] = tuple(c._replace(dur=c.dur * m, sent=c.sent * m)
-                                            for c in chain)
+            out = self._scaled[key] = tuple(c._replace(dur=c.dur * m, sent=c.sent * m,
+                                                       runs=c.runs * m) for c in chain)
         return out
 
     def _activation_chain(self, x: Any, sample: int | None, src: tuple, dst: tuple,

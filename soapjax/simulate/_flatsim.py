@@ -351,13 +351,14 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
                 ran = end - start if task_graph.contention else task_graph.dur[t]
                 compute += ran
                 slowed += ran - task_graph.dur[t]
-                records.append(TaskRecord(name, kind, ("compute",), start, end, 0))
+                records.append(TaskRecord(name, kind, ("compute",), start, end, 0, 0.0, 0))
                 continue
             sent += ref.sent
             by_class[ref.link_class] = by_class.get(ref.link_class, 0.0) + ref.sent
             channels = tuple(c for r in task_graph.res[t] if r  # 0: compute (`serial_comm`)
                              for c in pricing.resource_channels[r])
-            records.append(TaskRecord(name, kind, channels, start, end, ref.nbytes, ref.sent))
+            records.append(TaskRecord(name, kind, channels, start, end, ref.nbytes, ref.sent,
+                                      ref.runs))
         step = self.step_time()
         compute += self._call  # host work, not communication
         mem = self._memory()

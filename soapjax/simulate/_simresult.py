@@ -37,6 +37,8 @@ class TaskRecord(NamedTuple):
       nbytes: a collective's per-device buffer (`Topology.collective_time`'s ``nbytes``); 0 for
         compute.
       sent: the bytes each device sends in it (`collectives.bytes_sent`); 0 for compute.
+      runs: how many collectives of `nbytes` the task stands for: one per microbatch where
+        the strategy has several (its duration and `sent` are all of them); 0 for compute.
     """
 
     name: str
@@ -46,6 +48,7 @@ class TaskRecord(NamedTuple):
     end_s: float
     nbytes: int
     sent: float = 0.0
+    runs: int = 1
 
 
 class MemoryBreakdown(NamedTuple):

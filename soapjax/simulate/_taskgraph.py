@@ -362,6 +362,7 @@ class Comm(NamedTuple):
     res: tuple[int, ...]
     link_class: str
     sent: float  # bytes each device sends
+    runs: int = 1  # collectives of `nbytes` it stands for: one per microbatch (dur and sent: all)
 
 
 class Pricing:
