@@ -83,3 +83,50 @@ def test_the_fit_meets_a_rows_published_time_and_its_surrogate_is_close():
     a, b, c = bench.surrogate(SMALLEST)
     g, m = params["gemm_efficiency"], params["memory_efficiency"]
     assert a + b / g + c / m == pytest.approx(p.predicted_s, rel=0.02)
+
+
+def test_the_held_out_table_is_korthikanti_et_al_and_its_times_follow_from_the_mfus():
+    """Korthikanti et al. 2022's rows: zoo shapes, TP8 with data parallel size one, and the
+    published times from the MFUs of Megatron-LM's README: model FLOPs (three passes) over GPUs
+    x MFU x 312 TFLOP/s, e.g. 175B: 72 x 64 x 2048 x 96 x 12288^2 x (1 + 2048 / 73728 + 51200 /
+    14155776) = 1.4109e17 FLOPs over 64 x 0.514 x 312e12 = 13.75 s, as the paper says."""
+    assert set(bench.TABLES) == {"narayanan21", "korthikanti22", "korthikanti22-full"}
+    assert bench.TABLES["narayanan21"][1] is bench.ROWS
+    rows = {r.size: r for r in bench.KORTHIKANTI}
+    assert list(rows) == ["22b", "175b", "530b", "1t"]
+    for r in rows.values():
+        c = GPT_SIZES[r.size]
+        assert (c.num_heads, c.d_model, c.num_layers) == (r.heads, r.hidden, r.layers), r.label
+        assert r.gpus == r.tp * r.pp and r.passes == 3 and r.recompute == "selective"
+        assert r.sequence_parallel and r.layers % (r.pp * r.interleave) == 0
+    assert bench.paper_flops(rows["175b"]) == pytest.approx(1.4109e17, rel=1e-4)
+    published = {k: round(bench.published_time(r), 2) for k, r in rows.items()}
+    assert published == {"22b": 1.10, "175b": 13.75, "530b": 37.86, "1t": 71.45}
+    # the baseline: the same configurations with full recomputation, its times as published
+    for full, sel in zip(bench.KORTHIKANTI_FULL, bench.KORTHIKANTI):
+        assert full._replace(label=sel.label, recompute="selective", sequence_parallel=True,
+                             passes=3, seconds=None, table=sel.table) == sel
+        assert 1.28 < bench.published_time(full) / bench.published_time(sel) < 1.33
+    # with passes = 4 the general formula is Table 1's, term for term
+    r = SMALLEST
+    assert bench.paper_flops(r) == pytest.approx(
+        96 * r.batch * 2048 * r.layers * r.hidden ** 2
+        * (1 + 2048 / (6 * r.hidden) + 51200 / (16 * r.layers * r.hidden)), rel=1e-12)
+
+
+def test_a_pipelined_rows_terms_add_up_to_its_step():
+    """`pipeline_terms` cuts a pipelined step into compute, in-stage communication, bubble,
+    imbalance, sends, prologue, layout moves and tail: they add up to the predicted step, the
+    bubble at even stages is 1F1B's (S - 1) / M of the chunks' time, and the head's stage makes
+    the imbalance positive."""
+    row = SMALLEST._replace(pp=4, gpus=32, tp=1, batch=64, microbatch_size=2, label="1.7B PP4")
+    p = bench.predict(row)
+    assert p.terms is not None and p.note == ""
+    assert list(p.terms) == list(bench.TERMS)
+    assert sum(p.terms.values()) == pytest.approx(p.predicted_s, rel=1e-9)
+    chunks = p.terms["compute"] + p.terms["in-stage communication"]
+    m = 64 // 8 // 2  # per-pipeline batch over the microbatch size
+    assert p.terms["bubble"] == pytest.approx(chunks * 3 / m, rel=1e-6)
+    assert p.terms["stage imbalance"] > 0 and p.terms["layout moves"] == 0
+    assert min(p.terms.values()) >= 0
+    assert "PP4" in bench.render_terms([p]) and bench.render_terms([bench.predict(SMALLEST)]) == ""
