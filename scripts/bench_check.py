@@ -11,6 +11,13 @@ with the ratios predicted / XLA; the goal (issue 7) is within 10%.
 
     python scripts/bench_check.py                    # the whole zoo (~20 min on 2 cores)
     python scripts/bench_check.py --models mlp gpt2 --plans data-parallel searched
+    python scripts/bench_check.py --models gpt llama --plans pipelined   # issue 47's pipelines
+
+``pipelined`` is the zoo's layered models (GPT and LLaMA, tiny, with 4 layers where the
+interleaved schedule needs them) on 2 pipeline stages under Megatron's configuration
+(`soapjax.strategy.baselines.megatron_3d`): GPipe, 1F1B and interleaved, one and several
+microbatches, tensor parallelism (with sequence parallelism) inside the stages or data
+parallelism (`PIPELINED`).
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
 
+import dataclasses  # noqa: E402
+
 import soapjax_zoo as zoo  # noqa: E402
 from soapjax.check import compare_on_devices  # noqa: E402
 from soapjax.graph.opgraph import trace  # noqa: E402
@@ -31,8 +40,31 @@ from soapjax.search import SearchSettings, find_plan  # noqa: E402
 from soapjax.strategy import baselines  # noqa: E402
 from soapjax.strategy.plan import Plan  # noqa: E402
 from soapjax.topology.cluster import load_topology  # noqa: E402
+from soapjax_zoo.gpt import GPT_CONFIGS, build_gpt  # noqa: E402
+from soapjax_zoo.llama import LLAMA_CONFIGS, build_llama  # noqa: E402
 
-PLANS = ("data-parallel", "megatron", "fsdp", "expert-cnn", "expert-rnn", "searched")
+PLANS = ("data-parallel", "megatron", "fsdp", "expert-cnn", "expert-rnn", "searched",
+         "pipelined")
+
+# name -> (layers, megatron_3d's arguments, schedule) of the pipelined plans: 2 stages of
+# cpu8's data=2 axis, each stage the model=4 axis; the tiny batch is 8 samples
+PIPELINED = {
+    "pp2 gpipe tp4 M=1": (2, dict(tp=4, sequence_parallel=True), "gpipe"),
+    "pp2 1f1b tp4 M=1": (2, dict(tp=4, sequence_parallel=True), "1f1b"),
+    "pp2 1f1b tp4 M=4": (2, dict(tp=4, sequence_parallel=True, microbatch_size=2), "1f1b"),
+    "pp2 1f1b dp4 M=1": (2, dict(tp=1, microbatch_size=2), "1f1b"),
+    "pp2 gpipe dp4 M=2": (2, dict(tp=1, microbatch_size=1), "gpipe"),
+    "pp2 interleaved v2 tp4 M=2": (4, dict(tp=4, sequence_parallel=True, microbatch_size=4,
+                                           interleave=2), "interleaved"),
+}
+LAYERED = {"gpt": (GPT_CONFIGS, build_gpt), "llama": (LLAMA_CONFIGS, build_llama)}
+
+
+def pipelined(name, layers):
+    """The tiny layered model `name` with `layers` layers: its workload and graph."""
+    configs, build = LAYERED[name]
+    w = build(name, "tiny", dataclasses.replace(configs["tiny"], num_layers=layers), "linen")
+    return w, trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=name)
 
 
 def strategies(graph, topo, w, wanted):
@@ -56,9 +88,16 @@ def main(argv=None) -> int:
     for name in args.models:
         w = zoo.get(name, "tiny")
         graph = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=name)
-        for kind, strategy in strategies(graph, topo, w, args.plans).items():
-            plan = Plan.make(graph, topo, strategy, model_config="tiny")
-            r = compare_on_devices(plan, w, repeats=1, costs="analytic", reshard="xla")
+        cases = [(kind, s, w, graph) for kind, s in
+                 strategies(graph, topo, w, args.plans).items()]
+        if "pipelined" in args.plans and name in LAYERED:
+            for kind, (layers, settings, schedule) in PIPELINED.items():
+                wl, gl = pipelined(name, layers) if layers != 2 else (w, graph)
+                s = baselines.megatron_3d(gl, topo, pp=2, recompute="none", **settings)
+                cases.append((kind, s.with_pipeline(2, s.virtual_stages, schedule), wl, gl))
+        for kind, strategy, wk, gk in cases:
+            plan = Plan.make(gk, topo, strategy, model_config="tiny")
+            r = compare_on_devices(plan, wk, repeats=1, costs="analytic", reshard="xla")
             xla, pred = r.hlo_collective_bytes, r.predicted_collective_bytes
             ratio = 1.0 if xla == pred else pred / max(xla, 1.0)  # 0/0: both move nothing
             hs, ps = r.hlo_sent_bytes, r.predicted_sent_bytes

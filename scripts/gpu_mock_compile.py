@@ -330,7 +330,7 @@ def tally(items) -> dict[str, dict[str, float]]:
 def predicted_items(sim) -> list[tuple[str, float, int]]:
     """The simulator's communication tasks as ``(kind, bytes, times)``, counted as
     `soapjax.check.compare_on_devices` counts them (`soapjax.check.simulated_collectives`)."""
-    return simulated_collectives(sim.tasks)
+    return simulated_collectives(sim)
 
 
 _COMPUTE = {"fusion", "custom-call", "dot", "convolution", "call", "while", "conditional"}

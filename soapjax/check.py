@@ -47,7 +47,7 @@ from soapjax.graph.opgraph import trace
 from soapjax.measure import hlo
 from soapjax.measure._timing import median_call
 from soapjax.measure.hlo import HloFlops, hlo_flops
-from soapjax.simulate.front import opt_state_factor, simulate
+from soapjax.simulate.front import SimResult, opt_state_factor, simulate
 from soapjax.strategy.plan import Plan
 from soapjax.strategy.space import MeshShape
 from soapjax.topology.cluster import Topology, make_mesh
@@ -212,21 +212,16 @@ def _norm(kind: str) -> str:
     return kind.replace("-", "_")
 
 
-def _sends(task) -> int:
-    """How many collectives a simulated task stands for: one per microbatch it runs in
-    (``task.runs``), and a ring attention's sends of one tensor are one task of cp - 1 sends
-    (`soapjax.simulate._flatsim`) each microbatch, each of its buffer's bytes."""
-    runs = max(1, task.runs)
-    if task.name.startswith("collective_permute") and task.nbytes:
-        return runs * max(1, round(task.sent / runs / task.nbytes))
-    return runs
-
-
-def simulated_collectives(tasks) -> list[tuple[str, int, int]]:
-    """The simulator's communication tasks (`soapjax.simulate.TaskRecord`) as ``(kind, bytes
-    per device, times)``: kind from the task's name, each task as many collectives as it
-    stands for (`_sends`: one per microbatch, a ring attention's cp - 1 sends)."""
-    return [(t.name.split(" ", 1)[0], t.nbytes, _sends(t)) for t in tasks
+def simulated_collectives(sim: SimResult) -> list[tuple[str, int, int]]:
+    """The collectives a simulated step runs on a device, as ``(kind, bytes per device,
+    times)``: a flat step's communication tasks (`soapjax.simulate.TaskRecord`), kind from
+    the name, each as many collectives as it stands for (`TaskRecord.collectives`: one per
+    microbatch, a ring attention's cp - 1 sends); a pipelined step's as the pipeline runs them
+    (`soapjax.simulate.pipesim.PipelineResult.collectives`: every stage's branches summed,
+    as `soapjax.apply.collectives_as_run` counts the compiled step's)."""
+    if sim.pipeline is not None and sim.pipeline.collectives:
+        return list(sim.pipeline.collectives)
+    return [(t.name.split(" ", 1)[0], t.nbytes, t.collectives) for t in sim.tasks
             if t.kind not in _COMPUTE]
 
 
@@ -307,7 +302,7 @@ def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5,
     with Resharder(MeshShape.of(topo), mode=reshard) as resharder:
         sim = simulate(graph, topo, strategy, cost_model=cm, resharder=resharder,
                        opt_state_factor=opt_state_factor(w.optimizer, params))
-    predicted = simulated_collectives(sim.tasks)
+    predicted = simulated_collectives(sim)
     kinds = {d.device_kind for d in mesh.devices.flat}
     reported = _reported_flops(compiled)
     counted = hlo_flops(compiled.as_text())

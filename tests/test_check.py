@@ -160,28 +160,54 @@ def test_check_passes_a_ring_attention_plan(tmp_path, capsys):
                                                                rel=0.10)
 
 
-def test_check_counts_a_pipelined_steps_collectives_as_the_schedule_runs_them(tmp_path, capsys):
-    """Tiny GPT, Megatron TP4 on 2 pipeline stages (1F1B, 1 microbatch): every collective of
-    a stage's action sits in a branch of the step's switch inside its tick loop, which HLO
-    counts once per tick (4 ticks), where the schedule takes each branch once per (tick, stage)
-    running it (`soapjax.apply._pipelined.branch_runs`). Counted so, XLA's collective bytes
-    are the simulator's within 10% (docs/checks.md: per tick they were 3.65 times it)."""
-    from soapjax.apply._pipelined import branch_runs
-
+def _check_pipelined(tmp_path, capsys, **megatron):
+    """`soapjax check --json` of tiny GPT under `baselines.megatron_3d(**megatron)` on cpu8."""
     w = zoo.get("gpt", "tiny")
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt")
     topo = load_topology("cpu8")
-    strategy = baselines.megatron_3d(g, topo, tp=4, pp=2, recompute="none",
-                                     sequence_parallel=True)
+    strategy = baselines.megatron_3d(g, topo, recompute="none", **megatron)
+    path = tmp_path / "pipelined.json"
+    Plan.make(g, topo, strategy, model_config="tiny").save(path)
+    code = cli.main(["check", "--plan", str(path), "--costs", "analytic", "--reshard", "xla",
+                     "--repeats", "1", "--json"])
+    return strategy, code, json.loads(capsys.readouterr().out)
+
+
+def test_check_counts_a_pipelined_steps_collectives_as_the_schedule_runs_them(tmp_path, capsys):
+    """Tiny GPT on 2 pipeline stages (1F1B, 1 microbatch), data parallel over the 4 devices of
+    a stage: every collective of a stage's action sits in a branch of the step's switch inside
+    its tick loop, which HLO counts once per tick, where the schedule takes each branch once
+    per (tick, stage) running it (`soapjax.apply._pipelined.branch_runs`); the simulator's
+    step collectives (`PipelinedSimulation.step_collectives`) count a stacked parameter's
+    gradient all-reduce at one stage's layers, each send, and the two sums over the stage
+    axis apply runs after the pipeline. Counted so, XLA's bytes are the simulator's: 83,144
+    and 83,076 (a few scalars apart); before, 83,144 against 119,300 (every layer's gradients
+    counted on every device, no sends, no sums)."""
+    from soapjax.apply._pipelined import branch_runs
+
+    strategy, code, data = _check_pipelined(tmp_path, capsys, tp=1, pp=2, microbatch_size=2)
     assert strategy.pipelined and strategy.microbatches == 1
     runs = branch_runs(strategy.schedule, 2, 1)
     assert runs.ticks == 4 and sum(runs.actions) == 2 * 4  # 2 stages x 4 ticks
-    path = tmp_path / "pipelined.json"
-    Plan.make(g, topo, strategy, model_config="tiny").save(path)
-    assert cli.main(["check", "--plan", str(path), "--costs", "analytic", "--reshard", "ideal",
-                     "--repeats", "1", "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
-    assert data["max_abs_diff"] < 1e-5
+    assert code == 0 and data["max_abs_diff"] < 1e-5
+    assert data["predicted_collective_bytes"] == pytest.approx(data["hlo_collective_bytes"],
+                                                               rel=0.01)
+    pred, xla = data["predicted_collectives"], data["hlo_collectives"]
+    assert pred["collective_permute"] == xla["collective_permute"]  # 2 sends of 2,048 bytes
+
+
+@pytest.mark.xfail(strict=True, reason="XLA runs the first stage's layer without sequence "
+                   "parallelism (all-reduces where the plan has all-gathers and reduce-"
+                   "scatters): docs/checks.md")
+def test_check_of_a_pipelined_plan_with_tensor_and_sequence_parallel_stages(tmp_path, capsys):
+    """The same with Megatron's TP4 and sequence parallelism inside the stages (no data
+    parallelism): the simulator's step collectives are 1.155-1.169 times XLA's bytes, because
+    in the first stage XLA keeps the residual stream of the layer after the prologue's
+    hand-off whole and all-reduces the row-parallel outputs (2 all-reduces of 8,192 bytes in
+    the forward where the plan has 2 all-gathers and 2 reduce-scatters). Before the step's
+    collectives were counted, this passed at 1.014: the sends, their gathers and the stage
+    sums it left out made up for it."""
+    _, code, data = _check_pipelined(tmp_path, capsys, tp=4, pp=2, sequence_parallel=True)
     assert data["predicted_collective_bytes"] == pytest.approx(data["hlo_collective_bytes"],
                                                                rel=0.10)
 
@@ -207,8 +233,8 @@ def test_a_collective_run_once_per_microbatch_counts_once_per_microbatch():
         strategy = baselines.megatron_3d(g, topo, tp=4, microbatch_size=4 // m,
                                          recompute="none", sequence_parallel=True)
         assert strategy.microbatches == m
-        tasks = simulate(g, topo, strategy, cost_model=costs, resharder="ideal").tasks
-        found = simulated_collectives(tasks)
+        sim = simulate(g, topo, strategy, cost_model=costs, resharder="ideal")
+        tasks, found = sim.tasks, simulated_collectives(sim)
         assert {t.runs for t in tasks if t.kind == "reshard"} == {m}
         assert {t.runs for t in tasks if t.kind == "grad_sync"} == {1}
         totals[m] = sum(nbytes * times for _, nbytes, times in found)

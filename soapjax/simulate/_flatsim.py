@@ -121,7 +121,10 @@ from soapjax.simulate._flat_tasks import (
 from soapjax.simulate._simresult import (
     BACKWARD,
     FORWARD,
+    GRAD_SYNC,
+    PARAM_GATHER,
     UPDATE,
+    UPDATE_REDUCE,
     MemoryBreakdown,
     SimResult,
     TaskRecord,
@@ -357,8 +360,10 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
             by_class[ref.link_class] = by_class.get(ref.link_class, 0.0) + ref.sent
             channels = tuple(c for r in task_graph.res[t] if r  # 0: compute (`serial_comm`)
                              for c in pricing.resource_channels[r])
+            param = (self._layout.leaf_source[task_graph.info[t][2]]
+                     if kind in (PARAM_GATHER, GRAD_SYNC, UPDATE_REDUCE) else None)
             records.append(TaskRecord(name, kind, channels, start, end, ref.nbytes, ref.sent,
-                                      ref.runs))
+                                      ref.runs, param))
         step = self.step_time()
         compute += self._call  # host work, not communication
         mem = self._memory()

@@ -39,6 +39,8 @@ class TaskRecord(NamedTuple):
       sent: the bytes each device sends in it (`collectives.bytes_sent`); 0 for compute.
       runs: how many collectives of `nbytes` the task stands for: one per microbatch where
         the strategy has several (its duration and `sent` are all of them); 0 for compute.
+      param: the parameter leaf (its source, as in the name) a param_gather, grad_sync or
+        update_reduce task is for; None for the others.
     """
 
     name: str
@@ -49,6 +51,19 @@ class TaskRecord(NamedTuple):
     nbytes: int
     sent: float = 0.0
     runs: int = 1
+    param: str | None = None
+
+    @property
+    def collectives(self) -> int:
+        """How many collectives of `nbytes` the task stands for: one per microbatch it runs in
+        (`runs`), and a ring attention's sends of one tensor are one task of cp - 1 sends
+        (`soapjax.simulate._flatsim`) each microbatch; 0 for compute."""
+        if self.kind in (FORWARD, BACKWARD, UPDATE):
+            return 0
+        runs = max(1, self.runs)
+        if self.name.startswith("collective_permute") and self.nbytes:
+            return runs * max(1, round(self.sent / runs / self.nbytes))
+        return runs
 
 
 class MemoryBreakdown(NamedTuple):

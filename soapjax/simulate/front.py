@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -133,7 +134,8 @@ def simulate(graph: OpGraph, topology: Topology, strategy: Strategy, *,
     with open_simulation(graph, topology, strategy, cost_model=cost_model, resharder=resharder,
                          opt_state_factor=opt_state_factor, layer_layout=layer_layout) as sim:
         if isinstance(sim, PipelinedSimulation):
-            return as_step_result(sim.result(), sim.stage_result(), topology.num_devices)
+            pipelined = dataclasses.replace(sim.result(), collectives=sim.step_collectives())
+            return as_step_result(pipelined, sim.stage_result(), topology.num_devices)
         return sim.result()
 
 

@@ -24,6 +24,11 @@ group's axes. The pipelined step is priced in three parts:
 3. **The tail.** After its last backward, a stage synchronises its parameters' gradients and
    updates them: the one-stage simulation's tail (its step end after the last backward), scaled
    by the stage's share of the parameter bytes. The step ends when the slowest stage's does.
+   After the pipeline apply also sums two things over the stage axis, one all-reduce each
+   (seen in the compiled step; `PipelinedSimulation._stage_sum_bytes`): the cotangents of
+   what the prologue hands every stage (the whole batch's embeddings, before the prologue's
+   backward) and the gradients of the parameters the epilogue reads (final norm, head),
+   which every stage holds. Megatron-LM's layout (``"chunks"``, 4) runs neither.
 4. **The layer layout** (``layer_layout``). `soapjax.apply.step` stores the stacked layer
    parameters in the model's layout, ``[L, ...]`` split over the stages on the layer dim
    (``"model"``). With v > 1 virtual stages that is not the chunks' layout (stage ``s`` holds
@@ -68,6 +73,13 @@ from typing import NamedTuple
 from soapjax.base.errors import PlanError
 from soapjax.graph.opgraph import OpGraph
 from soapjax.simulate._flatsim import Simulation, shard_bytes
+from soapjax.simulate._pipe_cut import (
+    boundary_values,
+    epilogue_params,
+    layer_chunks,
+    layer_span,
+    prologue_handed,
+)
 from soapjax.simulate._simresult import MemoryBreakdown, SimResult
 from soapjax.strategy.pipeline import (
     DEFAULT_SCHEDULE,
@@ -88,59 +100,6 @@ __all__ = ["LAYER_LAYOUTS", "PipelineResult", "PipelinedSimulation", "as_step_re
 LAYER_LAYOUTS = ("model", "chunks")
 
 
-def _layer_span(graph: OpGraph) -> tuple[int, int]:
-    """The first and last operator index of the longest family of repeated layers."""
-    groups = graph.repeated_blocks()
-    longest = max((len(g) for g in groups), default=0)
-    members = [i for g in groups if len(g) == longest for i in g]
-    if not members:
-        raise PlanError(f"graph {graph.name!r} has no repeated layers (a scan over layers or "
-                        "identical unrolled layers) to cut into pipeline stages")
-    return min(members), max(members)
-
-
-def layer_chunks(graph: OpGraph, chunks: int, sizes: Sequence[int] = ()) -> list[int]:
-    """Each operator's model chunk (graph order), for the layers cut into `chunks` runs of
-    consecutive layers, equal ones or of `sizes` layers each (uneven stages:
-    `Strategy.stage_layers`); operators before the first layer are in chunk 0, after the last
-    in the last chunk, between two layers in the chunk of the layer before.
-
-    Raises:
-      PlanError: the graph has no repeated layers, or their number does not divide (or does
-        not add up to `sizes`).
-    """
-    layer_of: dict[int, int] = {}
-    groups = graph.repeated_blocks()
-    num_layers = max((len(g) for g in groups), default=0)
-    for group in groups:  # the longest family of layers (a model may repeat smaller blocks too)
-        if len(group) == num_layers:
-            for k, i in enumerate(group):
-                layer_of[i] = k
-    if not layer_of:
-        raise PlanError(f"graph {graph.name!r} has no repeated layers (a scan over layers or "
-                        "identical unrolled layers) to cut into pipeline stages")
-    if sizes:
-        if len(sizes) != chunks or sum(sizes) != num_layers:
-            raise PlanError(f"stage layers {tuple(sizes)} do not cut {num_layers} layers into "
-                            f"{chunks} pipeline chunks")
-    elif num_layers % chunks:
-        raise PlanError(f"{num_layers} layers do not cut into {chunks} equal pipeline chunks "
-                        "(stages x virtual stages must divide the layer count)")
-    sizes = tuple(sizes) or (num_layers // chunks,) * chunks
-    chunk_of_layer = [c for c, n in enumerate(sizes) for _ in range(n)]
-    first, last = min(layer_of), max(layer_of)
-    out, current = [], 0
-    for i in range(len(graph.operators)):
-        if i in layer_of:
-            current = chunk_of_layer[layer_of[i]]
-        elif i < first:
-            current = 0
-        elif i > last:
-            current = chunks - 1
-        out.append(current)
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class PipelineResult:
     """The simulated pipelined step.
@@ -158,6 +117,12 @@ class PipelineResult:
       layout_move_s: the stacked layer parameters moved from the model's layout to the
         chunks' before the pipeline, and their gradients back after it (module doc, 4; 0
         where the layouts agree).
+      collectives: the step's collectives as a device runs them, ``(kind, bytes per device,
+        times)`` (`PipelinedSimulation.step_collectives`); empty unless asked for
+        (`soapjax.simulate.front.simulate` asks).
+      stage_sums_s: the two all-reduces over the stage axis after the pipeline: the
+        cotangents of what the prologue hands the stages (before the prologue's backward),
+        and the gradients of the epilogue's parameters (after the stages' tails).
     """
 
     step_time_s: float
@@ -169,6 +134,8 @@ class PipelineResult:
     tail_s: tuple[float, ...]
     prologue_s: tuple[float, float] = (0.0, 0.0)
     layout_move_s: tuple[float, float] = (0.0, 0.0)
+    collectives: tuple[tuple[str, int, int], ...] = ()
+    stage_sums_s: tuple[float, float] = (0.0, 0.0)
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -217,10 +184,17 @@ class PipelinedSimulation:
                             f"{', '.join(LAYER_LAYOUTS)} (module doc)")
         self.graph, self.full_topology = graph, topology
         self.topology = stage_topology(topology, strategy.stages)
-        first, last = graph.memo("layer_span", lambda: _layer_span(graph))
+        first, last = graph.memo("layer_span", lambda: layer_span(graph))
         # before the first layer (embedding): SPMD on every device, as apply runs it
         self._prologue = [i < first for i in range(len(graph.operators))]
         self._outside = [i < first or i > last for i in range(len(graph.operators))]
+        # what apply sums over the stage axis after the pipeline (`_stage_sum_bytes`): the
+        # prologue's outputs the rest reads (float ones: their cotangents), the parameters the
+        # epilogue reads
+        self._handed = graph.memo("prologue_handed", lambda: prologue_handed(graph, first))
+        self.epilogue_params = graph.memo("epilogue_params",
+                                           lambda: epilogue_params(graph, last))
+        self._sum_memo: dict[int, float] = {}
         self._inner = Simulation(graph, self.topology,
                                  _StageCosts(cost_model, MeshShape.of(self.topology)), resharder,
                                  _flat(strategy), opt_state_factor=opt_state_factor,
@@ -254,7 +228,7 @@ class PipelinedSimulation:
         self._routes = stage_routes(sum(sizes), sizes) if sizes else ()
         # per chunk boundary, the values crossing it (producer, output), as `_crossings` reads
         self._boundary = graph.memo(("chunk_boundaries", chunks, sizes),
-                                    lambda: _boundary_values(graph, self._chunk))
+                                    lambda: boundary_values(graph, self._chunk))
 
     def stage_layers_result(self, stage_layers: tuple[int, ...]) -> PipelineResult:
         """The step of the current configs with the layers cut into `stage_layers` per stage
@@ -342,6 +316,37 @@ class PipelinedSimulation:
     def fits_in_memory(self) -> bool:
         return self.result().fits_in_memory
 
+    def step_collectives(self) -> tuple[tuple[str, int, int], ...]:
+        """The step's collectives as a device runs them, ``(kind, bytes per device, times)``,
+        each stage's branches summed (as `soapjax.apply.collectives_as_run` counts the compiled
+        step's): the stage simulation's own (every layer's, `TaskRecord.collectives` times),
+        but a stacked parameter's gradient synchronisation, update and gathers at one stage's
+        share of the layers (a device syncs the layers its stage keeps: ``L / S``, the
+        longest stage's padded run where stages are uneven); every chunk boundary's sends, a
+        collective-permute of each piece per microbatch each way, and the receiver's
+        all-gather of the pieces (scatter/gather); the layer layout's moves, each way; the
+        two sums over the stage axis after the pipeline (`_stage_sum_bytes`)."""
+        S, _, _, sizes = self._pipeline
+        stacked = self.graph.memo("stacked_layer_params", self._stacked_layer_params)
+        layers = len(next(iter(stacked.values()))) if stacked else 0
+        share = (max(sizes) if sizes else layers // S) / layers if layers else 1.0
+        layer_params = {src for sources in stacked.values() for src in sources}
+        out = []
+        for t in self._inner.result().tasks:
+            if t.collectives:
+                n = round(t.nbytes * share) if t.param in layer_params else t.nbytes
+                out.append((t.name.split(" ", 1)[0], n, t.collectives))
+        twice = 2 * self._inner.microbatches  # forward and back, each microbatch
+        for crossing in self._crossings():
+            for piece, whole, axes in crossing:
+                out.append(("collective_permute", piece, twice))
+                if axes:
+                    out.append(("all_gather", whole, twice))
+        kind = "collective_permute" if self._routes else "all_to_all"
+        out += [(kind, n, 2) for n in self._layout_moves().sends]
+        out += [("all_reduce", n, 1) for n in self._stage_sum_bytes() if n]
+        return tuple(out)
+
     def stage_result(self) -> SimResult:
         """One stage's simulated work for the whole batch (its M microbatches one after the
         other, no pipeline): the timeline the chunks are cut from."""
@@ -384,14 +389,47 @@ class PipelinedSimulation:
         tails = tuple(tail * share for share in self._param_share)
         moves = self._layout_moves()
         move = self._move_time(moves.sends)  # each way: parameters in, gradients out
-        step = before + move + max(timeline.step_s + after,
-                                   max(end + t for end, t in zip(timeline.stage_end_s, tails)))
+        handed, shared = (self._stage_sum_time(n) for n in self._stage_sum_bytes())
+        step = before + move + max(timeline.step_s + handed + after,
+                                   max(end + t for end, t in zip(timeline.stage_end_s, tails))
+                                   + shared)
         step += move + inner.call_overhead  # one SPMD call, as unpipelined
         memory = self._stage_memory(timeline, moves)
         cap = self.topology.device.memory_bytes
         return PipelineResult(step, timeline, times, memory, cap,
                               max(m.total for m in memory) <= cap, tails, (before, after),
-                              (move, move))
+                              (move, move), stage_sums_s=(handed, shared))
+
+    def _stage_sum_bytes(self) -> tuple[int, int]:
+        """The bytes per device of the two sums over the stage axis that apply's step runs
+        after the pipeline (`soapjax.apply._pipelined`: every stage holds what the prologue
+        hands the layers and the epilogue, and the epilogue's parameters, so each returns its
+        own gradient of them, zero where it does not read them): the cotangents of the
+        prologue's float outputs the rest reads (the whole batch's shards, before the
+        prologue's backward), and the gradients of the parameters the epilogue reads (final
+        norm, head; their stored shards). One all-reduce each (XLA combines a kind's).
+        Megatron-LM's layout (``layer_layout="chunks"``) runs neither: its first stage alone
+        holds the embedding's output (its all-reduce of a tied embedding's gradient between
+        the first and the last stage is left out)."""
+        if self._pipeline[0] < 2 or self._layer_layout == "chunks":
+            return 0, 0
+        inner, ops = self._inner, self.graph.operators
+        handed = sum(shard_bytes(ops[p].outputs[k].shape, inner.output_specs(p)[k],
+                                 ops[p].outputs[k].dtype, inner.mesh) for p, k in self._handed)
+        stored = inner.stored_param_bytes() if self.epilogue_params else {}
+        return handed, sum(stored.get(src, 0) for src in self.epilogue_params)
+
+    def _stage_sum_time(self, nbytes: int) -> float:
+        """An all-reduce of `nbytes` per device over the stage groups of the outermost mesh
+        axis (`_stage_sum_bytes`)."""
+        if not nbytes:
+            return 0.0
+        t = self._sum_memo.get(nbytes)
+        if t is None:
+            t = self._sum_memo[nbytes] = self.full_topology.collective_time(
+                "all_reduce", nbytes, (self.full_topology.axis_names[0],),
+                group_size=self._pipeline[0])
+        return t
 
     def _stage_of_chunk(self, c: int) -> int:
         return c % self._pipeline[0]
@@ -593,23 +631,6 @@ class _StageCosts:
 
     def update_time(self, param_shard_bytes: float) -> float:
         return self.base.update_time(param_shard_bytes)
-
-
-def _boundary_values(graph: OpGraph, chunk: Sequence[int]) -> tuple[tuple[tuple[int, int], ...],
-                                                                      ...]:
-    """Per chunk boundary, the activation values (producer, output index) a later chunk reads
-    from an earlier one, each once, in the order the readers first read them."""
-    ops = graph.operators
-    index = {op.name: i for i, op in enumerate(ops)}
-    crossing: list[dict[tuple[int, int], None]] = [dict() for _ in range(len(set(chunk)) - 1)]
-    for j, op in enumerate(ops):
-        for x in op.inputs:
-            if x.kind != "activation":
-                continue
-            p = index[x.source]
-            for b in range(chunk[p], chunk[j]):
-                crossing[b][(p, x.index)] = None
-    return tuple(tuple(c) for c in crossing)
 
 
 def _flat(strategy: Strategy) -> Strategy:

@@ -1,0 +1,108 @@
+"""Where a pipeline cuts the graph: each operator's layer chunk, and what crosses between the
+parts (a chunk boundary's activations, the prologue's hand-off to every stage, the epilogue's
+parameters). Read off the graph alone, memoised per graph by `soapjax.simulate.pipesim`, its
+only user.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from soapjax.base.errors import PlanError
+from soapjax.graph.opgraph import OpGraph
+
+__all__ = ["boundary_values", "epilogue_params", "layer_chunks", "layer_span", "prologue_handed"]
+
+
+def layer_span(graph: OpGraph) -> tuple[int, int]:
+    """The first and last operator index of the longest family of repeated layers."""
+    groups = graph.repeated_blocks()
+    longest = max((len(g) for g in groups), default=0)
+    members = [i for g in groups if len(g) == longest for i in g]
+    if not members:
+        raise PlanError(f"graph {graph.name!r} has no repeated layers (a scan over layers or "
+                        "identical unrolled layers) to cut into pipeline stages")
+    return min(members), max(members)
+
+
+def layer_chunks(graph: OpGraph, chunks: int, sizes: Sequence[int] = ()) -> list[int]:
+    """Each operator's model chunk (graph order), for the layers cut into `chunks` runs of
+    consecutive layers, equal ones or of `sizes` layers each (uneven stages:
+    `Strategy.stage_layers`); operators before the first layer are in chunk 0, after the last
+    in the last chunk, between two layers in the chunk of the layer before.
+
+    Raises:
+      PlanError: the graph has no repeated layers, or their number does not divide (or does
+        not add up to `sizes`).
+    """
+    layer_of: dict[int, int] = {}
+    groups = graph.repeated_blocks()
+    num_layers = max((len(g) for g in groups), default=0)
+    for group in groups:  # the longest family of layers (a model may repeat smaller blocks too)
+        if len(group) == num_layers:
+            for k, i in enumerate(group):
+                layer_of[i] = k
+    if not layer_of:
+        raise PlanError(f"graph {graph.name!r} has no repeated layers (a scan over layers or "
+                        "identical unrolled layers) to cut into pipeline stages")
+    if sizes:
+        if len(sizes) != chunks or sum(sizes) != num_layers:
+            raise PlanError(f"stage layers {tuple(sizes)} do not cut {num_layers} layers into "
+                            f"{chunks} pipeline chunks")
+    elif num_layers % chunks:
+        raise PlanError(f"{num_layers} layers do not cut into {chunks} equal pipeline chunks "
+                        "(stages x virtual stages must divide the layer count)")
+    sizes = tuple(sizes) or (num_layers // chunks,) * chunks
+    chunk_of_layer = [c for c, n in enumerate(sizes) for _ in range(n)]
+    first, last = min(layer_of), max(layer_of)
+    out, current = [], 0
+    for i in range(len(graph.operators)):
+        if i in layer_of:
+            current = chunk_of_layer[layer_of[i]]
+        elif i < first:
+            current = 0
+        elif i > last:
+            current = chunks - 1
+        out.append(current)
+    return out
+
+
+def boundary_values(graph: OpGraph, chunk: Sequence[int]) -> tuple[tuple[tuple[int, int], ...],
+                                                                      ...]:
+    """Per chunk boundary, the activation values (producer, output index) a later chunk reads
+    from an earlier one, each once, in the order the readers first read them."""
+    ops = graph.operators
+    index = {op.name: i for i, op in enumerate(ops)}
+    crossing: list[dict[tuple[int, int], None]] = [dict() for _ in range(len(set(chunk)) - 1)]
+    for j, op in enumerate(ops):
+        for x in op.inputs:
+            if x.kind != "activation":
+                continue
+            p = index[x.source]
+            for b in range(chunk[p], chunk[j]):
+                crossing[b][(p, x.index)] = None
+    return tuple(tuple(c) for c in crossing)
+
+
+def prologue_handed(graph: OpGraph, first: int) -> tuple[tuple[int, int], ...]:
+    """The prologue's float outputs (producer, output index) that operators from `first` on
+    read, each once: what apply hands every stage, whose cotangents it sums over them."""
+    ops = graph.operators
+    index = {op.name: i for i, op in enumerate(ops)}
+    out: dict[tuple[int, int], None] = {}
+    for op in ops[first:]:
+        for x in op.inputs:
+            if x.kind == "activation" and index[x.source] < first and "float" in str(x.dtype):
+                out[(index[x.source], x.index)] = None
+    return tuple(out)
+
+
+def epilogue_params(graph: OpGraph, last: int) -> tuple[str, ...]:
+    """The parameters (their sources) the operators after the last layer read: held by every
+    stage, their gradients summed over the stages."""
+    out: dict[str, None] = {}
+    for op in graph.operators[last + 1:]:
+        for x in op.inputs:
+            if x.kind == "param":
+                out[x.source] = None
+    return tuple(out)
