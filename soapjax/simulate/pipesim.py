@@ -192,7 +192,7 @@ class PipelinedSimulation:
         # prologue's outputs the rest reads (float ones: their cotangents), the parameters the
         # epilogue reads
         self._handed = graph.memo("prologue_handed", lambda: prologue_handed(graph, first))
-        self.epilogue_params = graph.memo("epilogue_params",
+        self._epilogue_params = graph.memo("epilogue_params",
                                            lambda: epilogue_params(graph, last))
         self._sum_memo: dict[int, float] = {}
         self._inner = Simulation(graph, self.topology,
@@ -416,8 +416,8 @@ class PipelinedSimulation:
         inner, ops = self._inner, self.graph.operators
         handed = sum(shard_bytes(ops[p].outputs[k].shape, inner.output_specs(p)[k],
                                  ops[p].outputs[k].dtype, inner.mesh) for p, k in self._handed)
-        stored = inner.stored_param_bytes() if self.epilogue_params else {}
-        return handed, sum(stored.get(src, 0) for src in self.epilogue_params)
+        stored = inner.stored_param_bytes() if self._epilogue_params else {}
+        return handed, sum(stored.get(src, 0) for src in self._epilogue_params)
 
     def _stage_sum_time(self, nbytes: int) -> float:
         """An all-reduce of `nbytes` per device over the stage groups of the outermost mesh
