@@ -99,7 +99,7 @@ from _searched_row import strategy_words  # noqa: E402
 from gpu_kit import Parts  # noqa: E402
 
 from soapjax.apply import step as apply
-from soapjax.check import simulated_collectives  # noqa: E402
+from soapjax.check import simulated_collectives, simulated_sent_bytes  # noqa: E402
 from soapjax.cost.operators import cost_model  # noqa: E402
 from soapjax.graph.opgraph import trace  # noqa: E402
 from soapjax.measure import hlo  # noqa: E402
@@ -501,8 +501,7 @@ def case_worker(args: argparse.Namespace, parts: Parts) -> None:
                peak_bytes=max(sim.peak_memory_bytes), memory=sim.memory._asdict(),
                fits=sim.fits_in_memory, collectives=tally(items),
                bytes=sum(b * k for _, b, k in items),
-               sent_bytes=sum(t.sent for t in sim.tasks
-                              if t.kind not in ("forward", "backward", "update")),
+               sent_bytes=simulated_sent_bytes(sim),
                pipelined=sim.pipeline is not None)
     say(f"{case.name} x{n}: predicted {sim.step_time_s * 1e3:.2f} ms, peak "
         f"{max(sim.peak_memory_bytes) / 1e9:.3g} GB")

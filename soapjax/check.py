@@ -53,7 +53,8 @@ from soapjax.strategy.space import MeshShape
 from soapjax.topology.cluster import Topology, make_mesh
 
 __all__ = ["BYTES_TOLERANCE", "NUMBERS_TOLERANCE", "CheckResult", "TrainWorkload",
-           "compare_on_devices", "compiled_flops", "simulated_collectives"]
+           "compare_on_devices", "compiled_flops", "simulated_collectives",
+           "simulated_sent_bytes"]
 
 _COMPUTE = ("forward", "backward", "update")
 
@@ -221,8 +222,17 @@ def simulated_collectives(sim: SimResult) -> list[tuple[str, int, int]]:
     as `soapjax.apply.collectives_as_run` counts the compiled step's)."""
     if sim.pipeline is not None and sim.pipeline.collectives:
         return list(sim.pipeline.collectives)
-    return [(t.name.split(" ", 1)[0], t.nbytes, t.collectives) for t in sim.tasks
+    return [(t.collective_kind, t.nbytes, t.collectives) for t in sim.tasks
             if t.kind not in _COMPUTE]
+
+
+def simulated_sent_bytes(sim: SimResult) -> float:
+    """The bytes each device sends over a simulated step: its communication tasks' (a flat
+    step's), or a pipelined step's collectives as the pipeline runs them
+    (`soapjax.simulate.pipesim.PipelineResult.sent_bytes`)."""
+    if sim.pipeline is not None and sim.pipeline.collectives:
+        return sim.pipeline.sent_bytes
+    return sum(t.sent for t in sim.tasks if t.kind not in _COMPUTE)
 
 
 def _tally(items) -> tuple[tuple[str, int, float], ...]:
@@ -313,7 +323,7 @@ def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5,
         predicted_step_s=sim.step_time_s, partitioner=getattr(step, "partitioner", "shardy"),
         devices=f"{mesh.devices.size} x {', '.join(sorted(kinds))}",
         hlo_sent_bytes=sum(c.sent * c.executions for c in found),
-        predicted_sent_bytes=sum(t.sent for t in sim.tasks if t.kind not in _COMPUTE),
+        predicted_sent_bytes=simulated_sent_bytes(sim),
         hlo_flops=reported + counted.loop_extra - counted.all_reduce - counted.sliced_away,
         duplicated_flops=counted.duplicated,
         predicted_flops=step_flops(graph, strategy, MeshShape.of(topo), optimizer=w.optimizer,

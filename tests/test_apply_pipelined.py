@@ -56,20 +56,23 @@ def model_case(name: str, layers: int):
     return float64_model(name, layers, BATCH)
 
 
-def strategy_of(name: str, virtual: int, recompute: str = "full"):
+def strategy_of(name: str, virtual: int, recompute: str = "full",
+                sequence_parallel: bool = False):
     graph = model_case(name, STAGES * virtual)[3]
     return megatron_3d(graph, TOPOLOGY, tp=2, pp=STAGES, interleave=virtual, microbatch_size=2,
-                       recompute=recompute)
+                       recompute=recompute, sequence_parallel=sequence_parallel)
 
 
 @functools.cache
-def compiled(name: str, virtual: int, recompute: str = "full"):
+def compiled(name: str, virtual: int, recompute: str = "full",
+             sequence_parallel: bool = False):
     """The compiled sharded step of the tiny model (2 layers per virtual stage) under
     megatron_3d(tp=2, pp=2, interleave=virtual): loss, gradients, executable, shardings."""
     _, params, batch, graph, _ = model_case(name, STAGES * virtual)
     opt = keep_gradients()
+    strategy = strategy_of(name, virtual, recompute, sequence_parallel)
     with jax.enable_x64(True):
-        step, shardings = sharded_train_step(graph, strategy_of(name, virtual, recompute),
+        step, shardings = sharded_train_step(graph, strategy,
                                              make_mesh(TOPOLOGY), opt, params=params,
                                              batch=batch, compiler_options=FAST)
         placed = device_put_global((params, opt.init(params), batch),
@@ -98,6 +101,36 @@ def test_a_pipelined_plan_computes_the_unsharded_step(name, virtual):
     loss, grads, _, _ = compiled(name, virtual)
     assert relative_error(grads, want) < 1e-12
     assert abs(float(loss) - float(want_loss)) / abs(float(want_loss)) < 1e-12
+
+
+@pytest.mark.parametrize("name,virtual", [("gpt", 1), ("llama", 2)],
+                         ids=["gpt-1f1b", "llama-interleaved"])
+def test_sequence_parallel_stages_compute_the_unsharded_step_and_send_their_shards(name,
+                                                                                    virtual):
+    """megatron_3d(tp=2, pp=2, sequence_parallel=True): the stages hold the residual stream
+    split along the sequence over ``model``, as the plan does (`StageLayouts`), so each device
+    sends its own half of it and nothing is gathered on arrival: every collective-permute
+    2,048 bytes (a microbatch's 2 x 8 x 32 float64 stream, halved), no all-gather in the
+    sends, the simulator's send bytes the same; inside the layers, the reduce-scatters of
+    sequence parallelism. Loss and every gradient equal the unsharded step's to 1e-12."""
+    want_loss, want = model_case(name, STAGES * virtual)[4]
+    loss, grads, exe, shardings = compiled(name, virtual, "none", True)
+    assert relative_error(grads, want) < 1e-12
+    assert abs(float(loss) - float(want_loss)) / abs(float(want_loss)) < 1e-12
+    found = collectives(exe.as_text(), shardings.loss.mesh)
+    sends = [c for c in found if "pipeline_" in c.op_name]
+    assert {(c.kind, c.nbytes) for c in sends} == {("collective-permute", 2048)}
+    scattered = [c for c in collectives(exe.as_text(), shardings.loss.mesh,
+                                        reduce_scatter_from_slices=True)
+                 if c.kind == "reduce-scatter" and c.axes == ("model",)]
+    assert len(scattered) >= 2 * virtual  # the attention's and the MLP's, each layer a stage
+    # runs (XLA:CPU all-reduces and slices; without sequence parallelism there are none)
+    graph = model_case(name, STAGES * virtual)[3]
+    sim = PipelinedSimulation(graph, TOPOLOGY, cost_model(graph, TOPOLOGY, mode="analytic"),
+                              Resharder(MeshShape.of(stage_topology(TOPOLOGY, STAGES)),
+                                        mode="ideal"),
+                              strategy_of(name, virtual, "none", True))
+    assert set(sim.send_bytes()) == {2048}
 
 
 def test_shardings_keep_the_model_layout_with_layers_split_over_stages():
@@ -172,8 +205,14 @@ def test_stage_to_stage_bytes_are_what_the_simulator_prices(virtual):
     replicas its half, all-gathered over ``model`` on arrival), 1F1B 4 + 4 sends = 16,384
     bytes, interleaved 12 + 12 = 49,152; simulated the same (send_bytes 2048 per boundary).
     Interleaved parameters also move, as all-to-alls, not permutes: the model layout's stage
-    split is not the chunks'. Inside a stage, Megatron's split holds: over ``model`` only
-    all-reduces of activations, and the sends' all-gathers.
+    split is not the chunks'. Inside a stage, Megatron's split holds (the stages constrain
+    their values to the plan's layouts, `soapjax.apply._pipelined.StageLayouts`): over
+    ``model``, all-reduces of activations and of the vocabulary-parallel loss's statistics,
+    the sends' all-gathers, and two more all-gathers: the log-probabilities made whole for the
+    loss's gather (8,192 bytes, forward and its recomputation: XLA aborts on a gather of a
+    split dim inside the stages' shard_map, `_run_in_stage`), and the tied embedding's
+    gradient where the prologue's backward adds the head's share to it (16,384 bytes; the
+    prologue runs where XLA places it).
     """
     _, _, exe, shardings = compiled("gpt", virtual)
     mesh = shardings.loss.mesh
@@ -184,8 +223,10 @@ def test_stage_to_stage_bytes_are_what_the_simulator_prices(virtual):
     for c in collectives(exe.as_text(), mesh):
         if c.axes == ("model",) and "pipeline_" in c.op_name:
             assert c.kind == "all-gather" and c.nbytes == 4096, c
+        elif c.axes == ("model",) and c.kind == "all-gather":
+            assert c.nbytes in (8192, 16384), c
         elif c.axes == ("model",):
-            assert c.kind == "all-reduce" and c.nbytes in (4096, 3 * 4096), c
+            assert c.kind == "all-reduce" and c.nbytes in (128, 256, 4096, 3 * 4096), c
         if c.kind != "collective-permute":
             continue
         scope = next(s for s in ("pipeline_activations", "pipeline_gradients") if s in c.op_name)
@@ -232,10 +273,12 @@ def test_the_layer_layouts_all_to_alls_are_what_the_simulator_prices(virtual):
 def test_the_gradients_are_synchronised_over_data_once_per_step(virtual):
     """megatron_3d splits the batch over ``data`` (`batch_axes`), so each data group runs its
     samples of every microbatch and the gradients are all-reduced over ``data`` once, after
-    the tick loop, as the simulator prices the synchronisation: 86,920 bytes per device with
+    the tick loop, as the simulator prices the synchronisation: 78,728 bytes per device with
     1F1B (one layer per stage under Megatron's split, 51,584 bytes, then the embeddings', the
-    final norm's and the loss, 35,336), 138,504 interleaved (two layers per stage, 51,584
-    more). Before the data groups, XLA all-reduced each backward's gradients inside the loop
+    final norm's and the loss, 27,144: the tied embedding's gradient on its vocabulary shard,
+    as the plan splits it; 8,192 bytes more before the stages held the plan's layouts),
+    130,312 interleaved (two layers per stage, 51,584 more). Before the data groups, XLA
+    all-reduced each backward's gradients inside the loop
     (GPT tiny 1F1B: 68,480 bytes per backward on stage 0, 51,584 on stage 1, M = 4 times)."""
     _, _, exe, shardings = compiled("gpt", virtual)
     graph = model_case("gpt", STAGES * virtual)[3]
@@ -243,7 +286,7 @@ def test_the_gradients_are_synchronised_over_data_once_per_step(virtual):
     over_data = [c for c in collectives(exe.as_text(), shardings.loss.mesh)
                  if "data" in (c.axes or ())]
     assert [(c.kind, c.executions) for c in over_data] == [("all-reduce", 1)] * len(over_data)
-    assert sum(c.nbytes for c in over_data) == {1: 86_920, 2: 138_504}[virtual]
+    assert sum(c.nbytes for c in over_data) == {1: 78_728, 2: 130_312}[virtual]
 
 
 # --- uneven stages ------------------------------------------------------------------------------

@@ -289,8 +289,9 @@ def test_one_entry_point_simulates_a_pipelined_strategy_as_a_step():
     costs = cost_model(g, A100, mode="analytic")
     got = simulate(g, A100, s, cost_model=costs)
     # with the step's collectives as a device runs them (what `soapjax check` compares)
-    assert got.pipeline.collectives == pipelined(s).step_collectives() != ()
-    assert dataclasses.replace(got.pipeline, collectives=()) == want
+    assert (got.pipeline.collectives, got.pipeline.sent_bytes) == pipelined(s).step_collectives()
+    assert got.pipeline.collectives != () and got.pipeline.sent_bytes > 0
+    assert dataclasses.replace(got.pipeline, collectives=(), sent_bytes=0.0) == want
     assert got.step_time_s == want.step_time_s
     assert got.fits_in_memory == want.fits_in_memory
     assert got.peak_memory_bytes == (want.peak_memory_bytes,) * A100.num_devices
@@ -368,3 +369,23 @@ def test_a_pipelined_plans_neighbours_are_walked_over_one_stages_mesh():
         summary = _sim_summary(sim)
         assert summary["stages"] == 2 and summary["step_time_s"] == before
         assert summary["bytes_per_device"] is None and summary["peak_memory_bytes"] > 0
+
+
+def test_sequence_parallel_stages_send_their_shards_and_gather_nothing():
+    """Megatron-LM's scatter/gather sends a residual stream replicated over the tensor-parallel
+    axes in pieces, one per replica, all-gathered on arrival. Under sequence parallelism the
+    stream is already split along the sequence over those axes: the layer's last operator
+    reduce-scatters its partial sums into that split (`held_specs`), so each device sends its
+    own shard and nothing is gathered, as `soapjax.apply._pipelined` runs it
+    (tests/test_apply_pipelined.py). The bytes each device sends are the same either way."""
+    g = gpt()
+    gathers = {}
+    for sp in (False, True):
+        sim = pipelined(megatron_3d(g, A100, tp=4, pp=2, microbatch_size=2, recompute="none",
+                                    sequence_parallel=sp), g)
+        twice = 2 * sim.microbatches
+        collectives, _ = sim.step_collectives()
+        gathers[sp] = [c for c in collectives if c[0] == "all_gather" and c[2] == twice]
+        permutes = [c for c in collectives if c[0] == "collective_permute"]
+        assert sum(n for _, n, _ in permutes) == sum(sim.send_bytes())
+    assert gathers[True] == [] and len(gathers[False]) == 1

@@ -69,18 +69,20 @@ and the receiver all-gathers the pieces over the ``r`` replicas. The rule, per v
 the data axes) over which the value is not already split, ``r`` = the product of their sizes; if
 ``r > 1`` and some dim of the value's per-device shape is divisible by ``r``, the *last* such
 dim is split over all of ``R``, in mesh order, for the transfer; otherwise the value goes
-whole. How a value is laid out over the automatic axes is XLA's and is not known inside the
-stage's shard_map, so every value sent is taken as replicated over all of them (what
-Megatron's split makes of the residual stream and its gradient), and held to it: constrained
-replicated, then to the split (a local slice), sent (the ppermute in a shard_map manual over
-``R`` too: in the stage's own, a ppermute gathers its operand over the automatic axes first)
-and constrained back to replicated (the all-gather). Without the first constraint XLA carries
-the split back into the layers (the tiny GPT's 1F1B step above then ran 16 all-gathers and 19
-all-reduces over ``model`` in the loop, 150,016 bytes, for the 8 all-reduces, 49,152 bytes,
-it runs either way). On the tiny GPT above (``R`` = model, ``r`` = 2): a microbatch's
-``[2, 8, 32]`` float64 activation goes as ``[2, 8, 16]``, 2048 bytes per device instead of
-4096, then one all-gather over ``model`` (4096 bytes out) per send; every other collective of
-the step is the same as without scatter/gather. Where the stages run whole
+whole. A value is held in its plan's layout over the automatic axes (`StageLayouts`: the
+layout of the operator that makes it; replicated without a plan, what Megatron's split makes
+of the residual stream and its gradient): constrained to it, then to the split (a local
+slice), sent (the ppermute in a shard_map manual over the split's axes too: in the stage's
+own, a ppermute gathers its operand over the automatic axes first) and constrained back to
+its layout (the all-gather). Under sequence parallelism the carry is split along the
+sequence over the model axes already, so each device sends its own shard and nothing is
+gathered. Without the first constraint XLA carries the split back into the layers (the tiny
+GPT's 1F1B step above then ran 16 all-gathers and 19 all-reduces over ``model`` in the
+loop, 150,016 bytes, for the 8 all-reduces, 49,152 bytes, it runs either way). On the tiny
+GPT above (``R`` = model, ``r`` = 2): a microbatch's ``[2, 8, 32]`` float64 activation goes
+as ``[2, 8, 16]``, 2048 bytes per device instead of 4096, then one all-gather over ``model``
+(4096 bytes out) per send; every other collective of the step is the same as without
+scatter/gather. Where the stages run whole
 microbatches while the batch is split over automatic data axes, a value's layout over those
 is XLA's own, so values go whole (where tried, constraining them deadlocked XLA:CPU: its
 resharding put collective-permutes in the stages' own branches, which only half the devices
@@ -143,8 +145,9 @@ reverse, and a stacked parameter read outside the layers.
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -152,6 +155,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from soapjax.apply._flatstep import _Layouts
 from soapjax.apply._pipeline_layout import (
     STAGE_AXIS,
     batch_axes,
@@ -176,8 +180,8 @@ from soapjax.graph.opgraph import OpGraph
 from soapjax.strategy.pipeline import DEFAULT_SCHEDULE, Action, ScheduleName, device_orders
 from soapjax.strategy.space import RECOMPUTE_POLICIES, MeshShape, RecomputePolicy
 
-__all__ = ["BranchRuns", "PipelinedStep", "branch_runs", "count_branch_runs",
-           "pipelined_value_and_grad", "ticks"]
+__all__ = ["BranchRuns", "PipelinedStep", "StageLayouts", "branch_runs", "stage_layouts",
+           "count_branch_runs", "pipelined_value_and_grad", "ticks"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,6 +200,7 @@ class _Cut(NamedTuple):
       shared: ids the layers or epilogue read that do not depend on the batch.
       per_mb: ids they read that do (one per microbatch); the layers' first carry first.
       layer_reads, epilogue_reads: the ids of ``shared + per_mb`` each part reads.
+      graph: the graph it was cut from.
     """
 
     program: Program
@@ -210,6 +215,7 @@ class _Cut(NamedTuple):
     per_mb: tuple[int, ...]
     layer_reads: tuple[int, ...]
     epilogue_reads: tuple[int, ...]
+    graph: OpGraph
 
 
 def _cut(graph: OpGraph) -> _Cut:
@@ -249,7 +255,8 @@ def _cut(graph: OpGraph) -> _Cut:
     shared = tuple(sorted(needed - set(per_mb)))
     assert needed - set(per_mb + shared) == set() and (made | set(prog.inputs) | fixed) >= needed
     return _Cut(prog, scan, tuple(range(first)), layers, epilogue, params, batch, stacked,
-                shared, per_mb, tuple(sorted(set(scan.consts) - fixed)), tuple(sorted(epi_reads)))
+                shared, per_mb, tuple(sorted(set(scan.consts) - fixed)), tuple(sorted(epi_reads)),
+                graph)
 
 
 def _layer_units(prog: Program, idxs: range, length: int) -> tuple[int, ...]:
@@ -374,14 +381,16 @@ def _prologue_fn(cut: _Cut) -> Callable:
 
 
 def _run_in_stage(prog: Program, idxs: Sequence[int], env: dict,
-                  whole_queries: bool = False) -> None:
+                  whole_queries: bool = False, hook: Callable | None = None,
+                  reads: Mapping[int, Sequence[tuple]] | None = None) -> None:
     """``prog.run_units(idxs, env)`` inside the stage's shard_map, with the operand of every
     gather first made whole along the dims it indexes (module doc: XLA aborts otherwise). With
     `whole_queries` (the plan splits attention's query sequence), every flash attention
     equation is bound with its queries as one block and every tile computed
     (`soapjax.base.attention.bind_attention`'s ``whole_queries``): XLA's partitioner runs that
     attention there, and blocks of queries, or a conditional per tile, would have it gather
-    the queries whole and compute them on every device."""
+    the queries whole and compute them on every device. `hook`, `reads`: `Program.run_units`'s
+    (the plan's output and operand layouts, `_Pipeline._constraint_hook`)."""
     calls = {i: _whole_queries(call) for i in idxs
              if whole_queries and len(prog.units[i].ins) == 5
              and (call := attention_call(prog.units[i].eqn)) is not None}
@@ -390,12 +399,12 @@ def _run_in_stage(prog: Program, idxs: Sequence[int], env: dict,
         unit = prog.units[i]
         whole = _shifted_dims(unit.eqn)
         if whole:
-            prog.run_units(idxs[start:k], env, calls)
+            prog.run_units(idxs[start:k], env, calls, hook, reads)
             for v, dims in zip(unit.ins, whole):
                 if dims and v in env:
                     env[v] = _whole_along(env[v], dims)
             start = k
-    prog.run_units(idxs[start:], env, calls)
+    prog.run_units(idxs[start:], env, calls, hook, reads)
 
 
 def _shifted_dims(eqn: Any) -> list[tuple[int, ...]]:
@@ -481,13 +490,32 @@ def _whole_queries(call: AttentionCall) -> Callable:
 
 
 def _whole_along(x: Any, dims: Sequence[int]) -> Any:
-    """`x` constrained to be unsplit along `dims` (its other dims as XLA chooses)."""
+    """`x` constrained to be unsplit along `dims` (its other dims as XLA chooses); its
+    cotangent is left where XLA makes it (the constraint's own transpose would make it whole
+    too: the scatter a gather's backward makes, all-gathered and sliced again for the matmul
+    before it, an all-gather of the log-probabilities per microbatch on the last stage)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not any(t == jax.sharding.AxisType.Auto for t in mesh.axis_types):
         return x  # every axis manual (the stage's and the data's): nothing for XLA to place
+    return _made_whole(x, tuple(dims))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _made_whole(x: Any, dims: tuple[int, ...]) -> Any:
     spec = PartitionSpec(*(None if d in dims else PartitionSpec.UNCONSTRAINED
                            for d in range(np.ndim(x))))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return _constrain(x, spec)
+
+
+def _made_whole_fwd(x, dims):
+    return _made_whole(x, dims), None
+
+
+def _made_whole_bwd(dims, _, ct):
+    return (ct,)
+
+
+_made_whole.defvjp(_made_whole_fwd, _made_whole_bwd)
 
 
 def _split_axes(mesh: Mesh, stage_axis: str, data_axes: Sequence[str], groups: _Groups,
@@ -503,12 +531,14 @@ def _split_axes(mesh: Mesh, stage_axis: str, data_axes: Sequence[str], groups: _
     return tuple((a, n) for a, n in sizes.items() if a != stage_axis and a not in data_axes)
 
 
-def _send_spec(shape: Sequence[int],
-               auto_axes: Sequence[tuple[str, int]]) -> PartitionSpec | None:
-    """How a value of (per-device) `shape`, replicated over the automatic mesh axes
+def _send_spec(shape: Sequence[int], auto_axes: Sequence[tuple[str, int]],
+               held: PartitionSpec = PartitionSpec()) -> PartitionSpec | None:
+    """How a value of (per-device) `shape`, held in `held` over the automatic mesh axes
     `auto_axes` (name, size), is split for a stage-to-stage send (the scatter/gather rule,
-    module doc): its last dim that the product ``r`` of the axes' sizes divides, over all of
-    them in mesh order; None (sent whole) where ``r`` is 1 or no dim is divisible.
+    module doc): with ``r`` the product of the sizes of the axes `held` does not split it
+    over, the last dim of its shard that ``r`` divides is split further over all of those, in
+    mesh order. `held` itself where ``r`` is 1 or no dim is divisible (each device sends its
+    own shard), None where that is replicated too (the value goes whole).
 
     >>> _send_spec((2, 8, 32), [("data", 2), ("model", 2)])
     P(None, None, ('data', 'model'))
@@ -516,13 +546,51 @@ def _send_spec(shape: Sequence[int],
     P(None, 'model', None)
     >>> _send_spec((3, 5), [("model", 2)]) is None
     True
+    >>> _send_spec((2, 8, 32), [("model", 4)], PartitionSpec(None, "model"))  # sequence split
+    P(None, 'model')
+    >>> _send_spec((2, 8, 32), [("data", 2), ("model", 2)], PartitionSpec(None, "model"))
+    P(None, 'model', 'data')
     """
-    r = int(np.prod([n for _, n in auto_axes], dtype=np.int64))
-    dims = [d for d, n in enumerate(shape) if n % r == 0]
+    dims_axes = [_axes(held[d]) if d < len(held) else () for d in range(len(shape))]
+    used = {a for axes in dims_axes for a in axes}
+    sizes = dict(auto_axes)
+    free = tuple(a for a, _ in auto_axes if a not in used)
+    r = int(np.prod([sizes[a] for a in free], dtype=np.int64))
+    local = [n // int(np.prod([sizes[a] for a in axes], dtype=np.int64))
+             for n, axes in zip(shape, dims_axes)]
+    dims = [d for d, n in enumerate(local) if n % r == 0]
     if r == 1 or not dims:
-        return None
-    names = tuple(a for a, _ in auto_axes)
-    return PartitionSpec(*(names if d == dims[-1] else None for d in range(len(shape))))
+        return held if used else None
+    return PartitionSpec(*(_spec_entry(axes + (free if d == dims[-1] else ()))
+                           for d, axes in enumerate(dims_axes)))
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    """A PartitionSpec entry as a tuple of axis names."""
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _spec_entry(axes: tuple[str, ...]) -> Any:
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _held_spec(spec: PartitionSpec | None, shape: Sequence[int], sizes: dict[str, int],
+               manual: set[str]) -> PartitionSpec:
+    """`spec` (a plan's layout of a value, over a stage's mesh) as a stage holds the value
+    inside its shard_map: the `manual` axes (the stage's and the data groups') dropped, the
+    value's (per data group) `shape` left whole along a dim its axes do not divide."""
+    if spec is None:
+        return PartitionSpec()
+    out = []
+    for d, n in enumerate(shape):
+        axes = tuple(a for a in (_axes(spec[d]) if d < len(spec) else ()) if a not in manual)
+        out.append(_spec_entry(axes) if n % int(np.prod([sizes[a] for a in axes],
+                                                        dtype=np.int64)) == 0 else None)
+    while out and out[-1] is None:
+        out.pop()
+    return PartitionSpec(*out)
 
 
 def _constrain(x: Any, spec: PartitionSpec) -> Any:
@@ -531,8 +599,28 @@ def _constrain(x: Any, spec: PartitionSpec) -> Any:
         x, NamedSharding(jax.sharding.get_abstract_mesh(), spec))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _constrain_operand(x: Any, spec: PartitionSpec, back: PartitionSpec | None) -> Any:
+    """`_constrain` to `spec`, its cotangent to `back` where given (else `spec`): the flat
+    step's operand constraint (`soapjax.apply._flatstep`) inside a stage."""
+    return _constrain(x, spec)
+
+
+def _constrain_operand_fwd(x, spec, back):
+    return _constrain(x, spec), None
+
+
+def _constrain_operand_bwd(spec, back, _, ct):
+    return (_constrain(ct, back if back is not None else spec),)
+
+
+_constrain_operand.defvjp(_constrain_operand_fwd, _constrain_operand_bwd)
+
+
 def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = False,
-              whole_queries: bool = False, counted: bool = False) -> Callable:
+              whole_queries: bool = False, counted: bool = False,
+              hook: Callable | None = None,
+              operand_reads: Mapping[int, Sequence[tuple]] | None = None) -> Callable:
     """``(chunk params, values, x) -> y`` (the chunk's output carry) or, for the last chunk,
     ``-> loss`` (the epilogue after it); `values` are those of the ids `reads`, the chunk
     params ``[L / C, ...]`` per stacked parameter, in the scan's order. With `selective`, each
@@ -543,14 +631,15 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
     `_run_in_stage`. With `counted` (uneven stages), the function takes the number of layers
     the chunk runs last (``(chunk params, values, x, count)``): its params hold a stage's
     longest run, and layers from `count` on pass the carry through (a ``lax.cond``, so the
-    padding costs no compute)."""
+    padding costs no compute). `hook`, `operand_reads`: `_run_in_stage`'s `hook` and
+    `reads`."""
     prog, scan = cut.program, cut.scan
 
     def layer(vals: Sequence[Any], carry: tuple, slices: list) -> tuple:
         env = _env(prog, dict(zip(reads, vals)))
         env.update(zip(scan.slices[0], slices))
         env.update(zip(scan.carries[0], carry))
-        _run_in_stage(prog, cut.layer, env, whole_queries)
+        _run_in_stage(prog, cut.layer, env, whole_queries, hook, operand_reads)
         return tuple(env[v] for v in scan.carries[1])
 
     if selective:
@@ -572,7 +661,7 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
             return y
         env = _env(prog, values)
         env.update(zip(scan.carries[-1], y))
-        _run_in_stage(prog, cut.epilogue, env, whole_queries)
+        _run_in_stage(prog, cut.epilogue, env, whole_queries, hook, operand_reads)
         return env[prog.outputs[0]]
 
     return chunk
@@ -840,8 +929,9 @@ class PipelinedStep:
         gradients reshaped back (`from_pipelined`); uneven stages move them with
         `stage_router` and its transpose instead. ``step`` is unused: a pipelined graph
         draws no random bits (`check_pipelinable`). The batch arrives on `batch_shardings`.
-        Its stages run without per-operator constraints, so spatially split convolutions are
-        not refused here (a graph with a layer scan of convolutions is not a zoo model)."""
+        Its stages constrain their operators' outputs and operands to the plan's layouts
+        (`stage_layouts`); spatially split convolutions are not refused here (a graph with a
+        layer scan of convolutions is not a zoo model)."""
         del batch_shardings, allow_spatial_convolutions
         graph, strategy = self.check.graph, self.check.strategy
         validate_program_inputs(graph)
@@ -852,7 +942,8 @@ class PipelinedStep:
             recompute=layer_recompute(graph, strategy), stage_axis=STAGE_AXIS,
             data_axes=batch_axes(graph, strategy),
             whole_query_attention=splits_queries(graph, strategy.configs),
-            stage_layers=strategy.stage_layers)
+            stage_layers=strategy.stage_layers,
+            layouts=stage_layouts(graph, strategy, self.mesh))
         placed = jax.tree.leaves(pipelined_layout_shardings(
             graph, self.mesh, param_shardings, stages=stages, virtual=virtual,
             stage_axis=STAGE_AXIS))
@@ -874,6 +965,44 @@ class PipelinedStep:
         return value_and_grad
 
 
+class StageLayouts(NamedTuple):
+    """Where a plan holds a pipelined step's values inside a stage: each operator's outputs'
+    layouts, by operator name, over one stage's mesh (as the flat step constrains them,
+    `soapjax.apply._flatstep`: a row-parallel output in its readers' layout where its partial
+    sums are reduce-scattered; `stage_layouts`).
+
+    A stage constrains every output its layers and the epilogue make to these, and every
+    activation they read (over the automatic axes; the stage's and the data groups' are
+    manual there), holds the layers' carry (the residual stream) in them at a chunk's start,
+    and sends the carry so between stages (each device its own shard, split further over
+    the axes its layout leaves it whole on: the scatter/gather rule, `_send_spec`), as
+    `soapjax.simulate.pipesim` prices them. Without them XLA places a stage's values itself
+    and the carry is taken as replicated over a stage's model axes (module doc); under
+    sequence parallelism (the carry split along the sequence) XLA then ran the first stage's
+    layers without it (all-reducing where the plan reduce-scatters and gathers), and with
+    the carry alone held, gathered weights inside the layers instead (tiny GPT, TP 4 x PP 2:
+    predicted / XLA collective bytes 1.169, then 0.646; with every output and operand
+    constrained 0.949, `tests/test_check.py`)."""
+
+    outputs: Mapping[str, tuple[PartitionSpec, ...]]
+    operands: Mapping[str, tuple[tuple[PartitionSpec | None, PartitionSpec | None], ...]]
+
+
+def stage_layouts(graph: OpGraph, strategy: Any, mesh: Mesh) -> StageLayouts:
+    """The layouts `strategy` (over one stage's mesh; `mesh` names its axes) gives `graph`'s
+    operator outputs and operands (with the layout each operand's cotangent goes back in, or
+    None), as `StageLayouts` holds them (`soapjax.apply._flatstep`'s)."""
+    layouts = _Layouts(graph, strategy, mesh)
+
+    def spec(s: NamedSharding | None) -> PartitionSpec | None:
+        return None if s is None else s.spec
+
+    return StageLayouts({op.name: tuple(s.spec for s in layouts.outputs(j))
+                         for j, op in enumerate(graph.operators)},
+                        {op.name: tuple((spec(s), spec(b)) for s, b in layouts.operands(j))
+                         for j, op in enumerate(graph.operators)})
+
+
 # --------------------------------------------------------------------------------------------
 # The pipelined step
 
@@ -883,7 +1012,8 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
                              recompute: RecomputePolicy = "none", stage_axis: str = "stage",
                              data_axes: Sequence[str] = (), scatter_gather: bool = True,
                              whole_query_attention: bool = False,
-                             stage_layers: tuple[int, ...] = ()
+                             stage_layers: tuple[int, ...] = (),
+                             layouts: StageLayouts | None = None
                              ) -> Callable[[Any, Any], tuple[Any, Any]]:
     """``(params, batch) -> (loss, grads)``: what ``jax.value_and_grad(loss_fn)`` computes, as
     a pipeline over the mesh's `stage_axis` (module doc). Jit it.
@@ -919,6 +1049,9 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
       stage_layers: uneven stages (one virtual stage): the layers each runs, first to last;
         the parameters then come in `_pipeline_layout.stage_router`'s layout, each stage's
         run padded to the longest, and so do the gradients.
+      layouts: where the stages hold their values (`StageLayouts`: a plan's,
+        `stage_layouts`); None: where XLA places them, the carry replicated over the
+        automatic axes (module doc).
 
     Returns:
       The function. It takes the parameters in the pipelined layout (`to_pipelined`; place
@@ -941,7 +1074,7 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
     rows = ticks(schedule, stages, microbatches, virtual)
     pipe = _Pipeline(outer, cut, groups, mesh, stage_axis, stages, virtual, microbatches, rows,
                      recompute, data_axes, scatter_gather, whole_query_attention,
-                     tuple(stage_layers))
+                     tuple(stage_layers), layouts)
     return pipe.value_and_grad
 
 
@@ -995,7 +1128,8 @@ class _Pipeline:
                  stages: int, virtual: int, microbatches: int,
                  rows: Sequence[Sequence[Action | None]], recompute: RecomputePolicy,
                  data_axes: Sequence[str] = (), scatter_gather: bool = True,
-                 whole_query_attention: bool = False, stage_layers: tuple[int, ...] = ()):
+                 whole_query_attention: bool = False, stage_layers: tuple[int, ...] = (),
+                 layouts: StageLayouts | None = None):
         self.outer, self.cut, self.groups = outer, cut, groups
         self.stage_layers = stage_layers  # uneven stages: the layers each runs
         self.mesh, self.stage_axis = mesh, stage_axis
@@ -1013,8 +1147,72 @@ class _Pipeline:
         self.where = {v: ("shared", k) for k, v in enumerate(cut.shared)}
         self.where.update({v: ("mb", k) for k, v in enumerate(cut.per_mb)})
         self.carry_positions = tuple(cut.per_mb.index(v) for v in cut.scan.carries[0])
+        self.constraints = self._constraints(layouts, data_axes)
+        self.operand_reads = self._operand_reads(layouts) if self.constraints else {}
+        self.entry, self.between = (tuple(self.constraints.get(v, PartitionSpec())
+                                          for v in carries)
+                                    for carries in (cut.scan.carries[0], cut.scan.carries[1]))
         self.loss_dtype = program.jax_dtypes[program.outputs[0]]
         self.chunk_fns = {last: self._make_chunk_fn(last) for last in (False, True)}
+
+    def _constraints(self, layouts: StageLayouts | None,
+                     data_axes: Sequence[str]) -> dict[int, PartitionSpec]:
+        """Per value id of the stage's program that an operator makes, its layout inside a
+        stage (`_held_spec` of the plan's). None where `layouts` is None, where a stage's mesh
+        has no automatic axes, and where the stages run whole microbatches while the batch is
+        split over automatic data axes (how XLA lays values out over those is its own:
+        `_split_axes`)."""
+        sizes = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))
+        manual = {self.stage_axis, *self.groups.axes}
+        if (layouts is None or all(a in manual for a in sizes)
+                or (not self.groups.axes and any(sizes[a] > 1 for a in data_axes))):
+            return {}
+        program = self.cut.program
+        return {t.value: _held_spec(spec, program.shapes[t.value], sizes, manual)
+                for op in self.cut.graph.operators if op.name in layouts.outputs
+                for t, spec in zip(op.outputs, layouts.outputs[op.name])}
+
+    def _operand_reads(self, layouts: StageLayouts) -> dict[int, list[tuple]]:
+        """`Program.run`'s ``reads`` constraining every activation the layers and the epilogue
+        read to its operator's layout (`StageLayouts.operands`), its cotangent to the layout
+        that says, as the flat step's ``on_input`` does (so a stage's backward reads the
+        gathered operand its forward kept, as the flat step's does)."""
+        sizes = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))
+        manual = {self.stage_axis, *self.groups.axes}
+        program, units = self.cut.program, set(self.cut.layer) | set(self.cut.epilogue)
+        reads: dict[int, list[tuple]] = {}
+        for op in self.cut.graph.operators:
+            mine = [i for i in program.local[op.name].units if i in units]
+            if not mine or op.name not in layouts.operands:
+                continue
+            first: dict[int, int] = {}
+            for o, ((spec, back), x) in enumerate(zip(layouts.operands[op.name], op.inputs)):
+                if x.kind == "activation" and spec is not None:
+                    first.setdefault(x.value, o)
+            for i in mine:
+                for pos, v in enumerate(program.units[i].ins):
+                    if v not in first:
+                        continue
+                    o = first[v]
+                    spec, back = layouts.operands[op.name][o]
+                    shape = op.inputs[o].shape
+                    held = _held_spec(spec, shape, sizes, manual)
+                    held_back = None if back is None else _held_spec(back, shape, sizes, manual)
+                    reads.setdefault(i, []).append(
+                        (pos, (op.name, o), functools.partial(_constrain_operand, spec=held,
+                                                              back=held_back)))
+        return reads
+
+    def _constraint_hook(self) -> Callable | None:
+        """`Program.run_units`'s hook holding every value a stage makes to `constraints`."""
+        constraints = self.constraints
+        if not constraints:
+            return None
+
+        def hook(v: int, value: Any) -> Any:
+            spec = constraints.get(v)
+            return value if spec is None else _constrain(value, spec)
+        return hook
 
     def _make_chunk_fn(self, last: bool) -> _ChunkFn:
         """The function of a middle chunk, or with `last` of the last one."""
@@ -1023,7 +1221,8 @@ class _Pipeline:
         floats = tuple(v for v in values if v in reads and self.is_float[v])
         others = tuple(v for v in values if v in reads and not self.is_float[v])
         fn = _chunk_fn(self.cut, last, floats + others, self.selective, self.whole_queries,
-                       counted=bool(self.stage_layers))
+                       counted=bool(self.stage_layers), hook=self._constraint_hook(),
+                       operand_reads=self.operand_reads)
         if self.stage_layers:  # the count rides last among the others (`_inputs`)
             return _ChunkFn(lambda p, f, o, carry: fn(p, [*f, *o[:-1]], carry, o[-1]),
                             floats, others)
@@ -1204,23 +1403,23 @@ class _Pipeline:
         (module doc, `_send_spec`) and made whole again on arrival."""
         def move(value: tuple) -> tuple:
             with jax.named_scope(name):
-                specs = [_send_spec(np.shape(x), self.split_axes) for x in value]
-                return tuple(self._send(x, s, pairs) for x, s in zip(value, specs))
+                return tuple(self._send(x, held, _send_spec(np.shape(x), self.split_axes, held),
+                                        pairs) for x, held in zip(value, self.between))
 
         return move
 
-    def _send(self, x: Any, spec: PartitionSpec | None,
+    def _send(self, x: Any, held: PartitionSpec, spec: PartitionSpec | None,
               pairs: tuple[tuple[int, int], ...]) -> Any:
-        """`x` sent over `pairs`: whole, or with `spec` (`_send_spec`) each replica's piece
-        over its own link, then all-gathered (module doc)."""
+        """`x`, held in `held`, sent over `pairs`: whole, or with `spec` (`_send_spec`) each
+        device's piece over its own link, then gathered back into `held` (module doc)."""
         if spec is None:
             return jax.lax.ppermute(x, self.stage_axis, list(pairs))
-        replicated = PartitionSpec()
+        axes = {a for entry in spec for a in _axes(entry)}
         piece = jax.shard_map(lambda y: jax.lax.ppermute(y, self.stage_axis, list(pairs)),
                               mesh=jax.sharding.get_abstract_mesh(), in_specs=spec,
-                              out_specs=spec, axis_names={a for a, _ in self.split_axes},
-                              check_vma=False)(_constrain(_constrain(x, replicated), spec))
-        return _constrain(piece, replicated)
+                              out_specs=spec, axis_names=axes,
+                              check_vma=False)(_constrain(_constrain(x, held), spec))
+        return _constrain(piece, held)
 
     def _none_like(self, value: tuple) -> tuple:
         return self._none()
@@ -1233,7 +1432,14 @@ class _Pipeline:
         return lambda state, action: step(state, action, first, last)
 
     def _none(self) -> tuple:
-        return tuple(self._zeros(self._carry_shapes()))
+        return self._hold(self._zeros(self._carry_shapes()))
+
+    def _hold(self, carry: Sequence[Any], layouts: Sequence[PartitionSpec] | None = None
+              ) -> tuple:
+        """The carry (or its cotangent) constrained to where the stages hold it (`between`,
+        or `layouts`): every branch of a switch that returns it returns it there."""
+        layouts = self.between if layouts is None else layouts
+        return tuple(_constrain(x, held) if len(held) else x for x, held in zip(carry, layouts))
 
     def _idle(self, state: dict, action: Any) -> tuple[dict, tuple, tuple]:
         return state, self._none(), self._none()
@@ -1242,9 +1448,13 @@ class _Pipeline:
         """The carry the chunk of `action` starts from: the prologue's for the first chunk,
         else the activation received into its slot."""
         if first:
-            return tuple(_row(self.values["mb"][k], action[_MICROBATCH])
-                         for k in self.carry_positions)
-        return tuple(_row(b, action[_ACTIVATION_SLOT]) for b in state["activations"])
+            carry = [_row(self.values["mb"][k], action[_MICROBATCH])
+                     for k in self.carry_positions]
+            layouts = self.entry
+        else:
+            carry = [_row(b, action[_ACTIVATION_SLOT]) for b in state["activations"]]
+            layouts = self.between
+        return self._hold(carry, layouts)
 
     def _forward(self, state: dict, action: Any, first: bool, last: bool):
         chunk = self.chunk_fns[last]
@@ -1262,7 +1472,7 @@ class _Pipeline:
             share = self.microbatches * self.groups.count
             return ({**state, "loss": state["loss"] + out.astype(self.loss_dtype) / share},
                     self._none(), self._none())
-        return state, tuple(out), self._none()
+        return state, self._hold(out), self._none()
 
     def _backward(self, state: dict, action: Any, first: bool, last: bool):
         chunk = self.chunk_fns[last]
@@ -1281,7 +1491,7 @@ class _Pipeline:
         if first:  # the gradient of the layers' input goes back to the prologue
             state = self._accumulate(state, microbatch, zip(self.cut.scan.carries[0], d_carry))
             return state, self._none(), self._none()
-        return state, self._none(), tuple(d_carry)
+        return state, self._none(), self._hold(d_carry)
 
     def _pullback(self, state: dict, action: Any, first: bool, last: bool) -> Callable:
         """The chunk's vjp closure: recomputed from its input, or rebuilt from the residuals

@@ -397,14 +397,19 @@ class Program:
         return [env[v] for v in self.outputs]
 
     def run_units(self, idxs: Sequence[int], env: dict,
-                  calls: Mapping[int, Callable[..., Sequence]] | None = None) -> None:
+                  calls: Mapping[int, Callable[..., Sequence]] | None = None,
+                  hook: Callable[[int, Any], Any] | None = None,
+                  reads: Mapping[int, Sequence[tuple]] | None = None) -> None:
         """Evaluates units `idxs` (in program order) into `env` (value id -> value), which must
         hold their inputs (`consts` and `literals` included); remat regions run inside
         `jax.checkpoint` as in `run`. A part of the program as a function of its own: the
         prologue, one layer, the epilogue (`soapjax.apply._pipelined`). `calls` maps a unit to a
-        function of its operands that computes its results instead."""
+        function of its operands that computes its results instead; `hook` is called as
+        ``hook(value id, value)`` on every value made, and what it returns is kept instead
+        (apply constrains operator outputs to their layouts there); `reads` as in `run` (apply
+        constrains operands there)."""
         swaps = self.unit_swaps(calls or {})
-        self._run_block(list(idxs), 0, env, None, swaps, frozenset(swaps))
+        self._run_block(list(idxs), 0, env, hook, swaps, frozenset(swaps), reads=reads)
 
     def unit_swaps(self, calls: Mapping[int, Callable[..., Sequence]]
                    ) -> dict[int, tuple[frozenset[int], Callable, list[int], list[int]]]:

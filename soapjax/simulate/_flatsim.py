@@ -279,6 +279,16 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
         return self._views[i].out_specs
 
     @_settled
+    def held_specs(self, i: int) -> tuple[tuple[tuple[str, ...], ...], ...]:
+        """Operator `i`'s outputs' layouts as the step holds them: `output_specs`, but for an
+        operator whose partial sums are reduce-scattered (`scatter_target`: a row-parallel
+        matmul under sequence parallelism), whose first output is made in its readers' layout.
+        What a pipeline sends between stages (`soapjax.simulate.pipesim`) and apply holds there."""
+        target = self._scatter[i][0]
+        specs = self._views[i].out_specs
+        return specs if target is None else (tuple(target), *specs[1:])
+
+    @_settled
     def stored_param_bytes(self) -> dict[str, int]:
         """Each parameter's stored shard per device, by its source (``Operand.source``: one
         layer's slice of a stacked parameter is a parameter of its own)."""

@@ -65,6 +65,12 @@ class TaskRecord(NamedTuple):
             return runs * max(1, round(self.sent / runs / self.nbytes))
         return runs
 
+    @property
+    def collective_kind(self) -> str:
+        """The collective a communication task runs (``all_gather``, ``all_reduce``, ...: its
+        name's first word); its name's first word (``forward``, ...) for compute."""
+        return self.name.split(" ", 1)[0]
+
 
 class MemoryBreakdown(NamedTuple):
     """Bytes per device at the peak (the same on every device under SPMD)."""

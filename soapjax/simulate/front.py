@@ -134,7 +134,9 @@ def simulate(graph: OpGraph, topology: Topology, strategy: Strategy, *,
     with open_simulation(graph, topology, strategy, cost_model=cost_model, resharder=resharder,
                          opt_state_factor=opt_state_factor, layer_layout=layer_layout) as sim:
         if isinstance(sim, PipelinedSimulation):
-            pipelined = dataclasses.replace(sim.result(), collectives=sim.step_collectives())
+            collectives, sent = sim.step_collectives()
+            pipelined = dataclasses.replace(sim.result(), collectives=collectives,
+                                            sent_bytes=sent)
             return as_step_result(pipelined, sim.stage_result(), topology.num_devices)
         return sim.result()
 

@@ -70,6 +70,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from soapjax.base.collectives import bytes_sent
 from soapjax.base.errors import PlanError
 from soapjax.graph.opgraph import OpGraph
 from soapjax.simulate._flatsim import Simulation, shard_bytes
@@ -120,6 +121,8 @@ class PipelineResult:
       collectives: the step's collectives as a device runs them, ``(kind, bytes per device,
         times)`` (`PipelinedSimulation.step_collectives`); empty unless asked for
         (`soapjax.simulate.front.simulate` asks).
+      sent_bytes: the bytes each device sends in those (`collectives.bytes_sent` of each,
+        over its group); 0 unless asked for, with `collectives`.
       stage_sums_s: the two all-reduces over the stage axis after the pipeline: the
         cotangents of what the prologue hands the stages (before the prologue's backward),
         and the gradients of the epilogue's parameters (after the stages' tails).
@@ -136,6 +139,7 @@ class PipelineResult:
     layout_move_s: tuple[float, float] = (0.0, 0.0)
     collectives: tuple[tuple[str, int, int], ...] = ()
     stage_sums_s: tuple[float, float] = (0.0, 0.0)
+    sent_bytes: float = 0.0
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -316,36 +320,46 @@ class PipelinedSimulation:
     def fits_in_memory(self) -> bool:
         return self.result().fits_in_memory
 
-    def step_collectives(self) -> tuple[tuple[str, int, int], ...]:
+    def step_collectives(self) -> tuple[tuple[tuple[str, int, int], ...], float]:
         """The step's collectives as a device runs them, ``(kind, bytes per device, times)``,
         each stage's branches summed (as `soapjax.apply.collectives_as_run` counts the compiled
-        step's): the stage simulation's own (every layer's, `TaskRecord.collectives` times),
-        but a stacked parameter's gradient synchronisation, update and gathers at one stage's
-        share of the layers (a device syncs the layers its stage keeps: ``L / S``, the
-        longest stage's padded run where stages are uneven); every chunk boundary's sends, a
-        collective-permute of each piece per microbatch each way, and the receiver's
-        all-gather of the pieces (scatter/gather); the layer layout's moves, each way; the
-        two sums over the stage axis after the pipeline (`_stage_sum_bytes`)."""
+        step's), and the bytes a device sends in them all: the stage simulation's own (every
+        layer's, `TaskRecord.collectives` times), but a stacked parameter's gradient
+        synchronisation, update and gathers at one stage's share of the layers (a device syncs
+        the layers its stage keeps: ``L / S``, the longest stage's padded run where stages are
+        uneven); every chunk boundary's sends, a collective-permute of each piece per
+        microbatch each way, and the receiver's all-gather of the pieces (scatter/gather); the
+        layer layout's moves, each way; the two sums over the stage axis after the pipeline
+        (`_stage_sum_bytes`)."""
         S, _, _, sizes = self._pipeline
         stacked = self.graph.memo("stacked_layer_params", self._stacked_layer_params)
         layers = len(next(iter(stacked.values()))) if stacked else 0
         share = (max(sizes) if sizes else layers // S) / layers if layers else 1.0
         layer_params = {src for sources in stacked.values() for src in sources}
-        out = []
+        out, sent = [], 0.0
         for t in self._inner.result().tasks:
             if t.collectives:
-                n = round(t.nbytes * share) if t.param in layer_params else t.nbytes
-                out.append((t.name.split(" ", 1)[0], n, t.collectives))
+                scale = share if t.param in layer_params else 1.0
+                out.append((t.collective_kind, round(t.nbytes * scale), t.collectives))
+                sent += t.sent * scale
         twice = 2 * self._inner.microbatches  # forward and back, each microbatch
+        mesh = self._inner.mesh
         for crossing in self._crossings():
             for piece, whole, axes in crossing:
                 out.append(("collective_permute", piece, twice))
+                sent += piece * twice
                 if axes:
                     out.append(("all_gather", whole, twice))
+                    sent += bytes_sent("all_gather", whole, mesh.degree(axes)) * twice
         kind = "collective_permute" if self._routes else "all_to_all"
-        out += [(kind, n, 2) for n in self._layout_moves().sends]
-        out += [("all_reduce", n, 1) for n in self._stage_sum_bytes() if n]
-        return tuple(out)
+        for n in self._layout_moves().sends:
+            out.append((kind, n, 2))
+            sent += 2 * n
+        for n in self._stage_sum_bytes():
+            if n:
+                out.append(("all_reduce", n, 1))
+                sent += bytes_sent("all_reduce", n, S)
+        return tuple(out), sent
 
     def stage_result(self) -> SimResult:
         """One stage's simulated work for the whole batch (its M microbatches one after the
@@ -557,7 +571,7 @@ class PipelinedSimulation:
         for values in self._boundary:
             row = []
             for p, k in values:
-                key = (p, k, inner.output_specs(p)[k], M)
+                key = (p, k, inner.held_specs(p)[k], M)
                 sent = memo.get(key)
                 if sent is None:
                     x = ops[p].outputs[k]
