@@ -208,11 +208,12 @@ LLAMA_SIZES = {
 _LLAMA3_8B = LlamaConfig(vocab_size=128256, num_kv_heads=8, mlp_hidden=14336, rope_base=500000.0)
 _LLAMA3_70B = dataclasses.replace(_LLAMA3_8B, num_layers=80, num_heads=64, d_model=8192,
                                   mlp_hidden=28672)
-# Llama 3 at long context: 1M tokens a step (32 sequences of 32K, 8 of 128K), flash attention.
+# Llama 3 at its pre-training context (8K) and long context: 1M tokens a step (128 sequences
+# of 8K, 32 of 32K, 8 of 128K), flash attention.
 LONG_CONTEXT_SIZES = {
     f"{size}-{k}k": dataclasses.replace(base, seq_len=k * 1024, batch_size=2**20 // (k * 1024),
                                         attention="flash")
-    for size, base in (("8b", _LLAMA3_8B), ("70b", _LLAMA3_70B)) for k in (32, 128)
+    for size, base in (("8b", _LLAMA3_8B), ("70b", _LLAMA3_70B)) for k in (8, 32, 128)
 }
 LLAMA_CONFIGS = {
     "default": LLAMA_SIZES["7b"],

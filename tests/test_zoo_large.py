@@ -65,14 +65,15 @@ NOMINAL = {
     ("gpt", "76.1b"): 76.1e9, ("gpt", "145.6b"): 145.6e9, ("gpt", "175b"): 175e9,
     ("gpt", "310.1b"): 310.1e9, ("gpt", "530b"): 530e9, ("gpt", "1t"): 1e12,
     ("llama", "7b"): 6.7e9, ("llama", "70b"): 70e9,
-    ("llama", "8b-32k"): 8e9, ("llama", "8b-128k"): 8e9, ("llama", "70b-32k"): 70e9,
-    ("llama", "70b-128k"): 70e9,
+    ("llama", "8b-8k"): 8e9, ("llama", "8b-32k"): 8e9, ("llama", "8b-128k"): 8e9,
+    ("llama", "70b-8k"): 70e9, ("llama", "70b-32k"): 70e9, ("llama", "70b-128k"): 70e9,
 }
 HEAVY = {("gpt", "145.6b"), ("gpt", "175b"), ("gpt", "310.1b"), ("gpt", "530b"),
          ("gpt", "1t"),  # 3-5 s to trace each
          # 1.5-2 s each, and the shapes of sizes `make test` keeps (make test-all runs them)
          ("gpt", "2.7b"), ("gpt", "3.6b"), ("gpt", "7.5b"), ("gpt", "18.4b"), ("gpt", "39.1b"),
-         ("gpt", "76.1b"), ("llama", "8b-128k"), ("llama", "70b-32k"), ("llama", "70b-128k")}
+         ("gpt", "76.1b"), ("llama", "8b-128k"), ("llama", "70b-8k"), ("llama", "70b-32k"),
+         ("llama", "70b-128k")}
 
 
 def gpt_params(c: gpt.GPTConfig) -> int:
@@ -108,8 +109,8 @@ def test_large_models_are_registered_with_their_sizes():
     assert zoo.configs("gpt") == ("default", "tiny", "tiny-dropout", "1.3b", "1.7b", "2.7b",
                                   "3.6b", "6.7b", "7.5b", "13b", "18.4b", "22b", "39.1b",
                                   "76.1b", "145.6b", "175b", "310.1b", "530b", "1t")
-    assert zoo.configs("llama") == ("default", "tiny", "tiny-flash", "7b", "70b", "8b-32k",
-                                    "8b-128k", "70b-32k", "70b-128k")
+    assert zoo.configs("llama") == ("default", "tiny", "tiny-flash", "7b", "70b", "8b-8k",
+                                    "8b-32k", "8b-128k", "70b-8k", "70b-32k", "70b-128k")
     assert gpt.GPT_CONFIGS["default"] == gpt.GPT_CONFIGS["1.3b"]
     assert llama.LLAMA_CONFIGS["default"] == llama.LLAMA_CONFIGS["7b"]
 
@@ -126,14 +127,16 @@ def test_sizes_have_the_papers_shapes(name, shape):
 
 
 @pytest.mark.parametrize(("size", "shape"), [
+    ("8b-8k", (4096, 32, 8, 32, 14336, 8192, 128)),
     ("8b-32k", (4096, 32, 8, 32, 14336, 32768, 32)),
     ("8b-128k", (4096, 32, 8, 32, 14336, 131072, 8)),
+    ("70b-8k", (8192, 64, 8, 80, 28672, 8192, 128)),
     ("70b-32k", (8192, 64, 8, 80, 28672, 32768, 32)),
     ("70b-128k", (8192, 64, 8, 80, 28672, 131072, 8)),
 ])
 def test_long_context_sizes_have_llama3s_shapes_and_1m_tokens_a_step(size, shape):
     """Llama 3's released configs (vocabulary 128256, RoPE base 500000), bf16 over float32,
-    at 32K and 128K tokens, 2**20 tokens a step."""
+    at 8K (their pre-training context), 32K and 128K tokens, 2**20 tokens a step."""
     c = llama.LONG_CONTEXT_SIZES[size]
     assert (c.d_model, c.num_heads, c.num_kv_heads, c.num_layers, c.mlp_hidden, c.seq_len,
             c.batch_size) == shape
