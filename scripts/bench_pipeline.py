@@ -12,7 +12,7 @@ the links' achieved bandwidth (`cost_words` says which, in the doc):
   model TFLOP/s per GPU, memory of the fullest stage, the pipeline bubble;
 * the best point of Megatron's 3D grid that fits (`baselines.megatron_grid` with PP in
   `search.stage_choices`, every interleave the layers allow (`search.interleave_choices`), TP
-  4 or 8 (`search.PIPELINE_GRID`), microbatches of 1, 2, 4, 8 ... samples and the whole
+  1 to 8 (`search.PIPELINE_GRID`), microbatches of 1, 2, 4, 8 ... samples and the whole
   per-replica batch (`baselines.microbatch_sizes`), recompute none / selective / full: the
   points of `search.pipeline_grid`), simulated by
   the same `PipelinedSimulation`: the search scores the same grid and starts from its best, so
@@ -195,7 +195,7 @@ def render(rows: list[dict], proposals: int) -> str:
         "stage-to-stage sends and each stage's gradient synchronisation.",
         "",
         "Megatron 3D grid: PP over the stage counts that divide the layers and the node count, "
-        "every interleave whose chunks cut the layers equally, TP 4 or 8 inside a node "
+        "every interleave whose chunks cut the layers equally, TP 1 to 8 inside a node "
         "(sequence parallel), DP over the rest, microbatches of 1, 2, 4, 8 ... or all "
         "per-replica samples, recompute none / selective (Megatron's: the attention core, "
         "scores to attention over values, recomputed) / full. "

@@ -226,7 +226,7 @@ def render(rows: list[dict], args) -> str:
             f"Searched with pipeline stages (`SearchSettings(pipelines=True)`, "
             f"{args.pipeline_proposals} proposals per chain) beside the fastest fitting point "
             "of Megatron's 3D grid (PP over the stage counts that divide the layers and the "
-            "nodes, every interleave the layers allow, TP 4 or 8, microbatch sizes and "
+            "nodes, every interleave the layers allow, TP 1 to 8, microbatch sizes and "
             "recompute as above), "
             "both simulated by `soapjax.simulate.pipesim`, as in [pipelines.md](pipelines.md). "
             "Memory is the fullest stage's.",

@@ -68,7 +68,7 @@ class SearchSettings:
         the module doc; the same chain either way, only slower in full).
       pipelines: search plans with pipeline stages too (`soapjax.strategy.pipeline`), for graphs
         with repeated layers: for each stage count S that divides the layers and the outermost
-        mesh axis and each interleave the layers allow, Megatron's grid at pp=S (TP 4 or 8)
+        mesh axis and each interleave the layers allow, Megatron's grid at pp=S (TP 1 to 8)
         is scored with `soapjax.simulate.pipesim.PipelinedSimulation`, and chains start from the
         best pipelines' best points (`soapjax.search.find`'s module doc). True:
         always; False: never; None (default): only when no plan without stages fits in

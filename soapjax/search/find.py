@@ -47,7 +47,7 @@ is a chain's start, so a plan is never slower than the grid.
 by default when no plan without stages fits in memory, for each stage count S that divides
 the layers and the outermost mesh axis (`stage_choices`) and each virtual-stage count v whose
 S x v chunks cut the layers equally (`interleave_choices`), Megatron's grid at that pipeline
-(`pipeline_grid`: TP 4 or 8, the expert- and context-parallel degrees of `grid_degrees`,
+(`pipeline_grid`: TP 1, 2, 4 or 8, the expert- and context-parallel degrees of `grid_degrees`,
 microbatch sizes 1, 2, 4, 8 ... and the per-replica batch, recompute none / selective / full,
 with and without the distributed optimizer) is scored (`soapjax.simulate.front.open_simulation`: a
 `soapjax.simulate.pipesim.PipelinedSimulation`) along its coordinates first (`_score_points`), in

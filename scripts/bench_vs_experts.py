@@ -1,0 +1,356 @@
+"""The searched plan against the best hand configuration of each case's expert grid, in one
+table (issue 46, "A search that finds what experts miss").
+
+For each case (`CASES`: Llama 2 70B on 64 H100s at batch 128 x 4096 beside MaxText's FSDP
+recipe; GPT 18.4B, 145.6B, 529.6B and 1T on the GPU counts and batches of Narayanan et al.'s
+Table 1; GPT 175B on 64 A100s at batch 64, and on 48, 96 and 32 A100s; Llama 3 8B and 70B
+on 64 H100s at 8K tokens; Mixtral 8x7B on 64 H100s and 8x22B on 256; Llama 3 8B at 128K on
+8 H100s), analytic costs (the topology's GPU kernel model and NCCL at the links' achieved
+bandwidth) and the ideal resharding model:
+
+* **the hand grid**: Megatron-LM's configurations with every option it has
+  (`baselines.megatron_grid`: TP 1-8 with sequence parallelism, PP over the stage counts
+  `search.stage_choices` gives and every interleave whose chunks cut the layers equally, the
+  expert- and context-parallel degrees of `search.grid_degrees`, microbatches of 1 to 8
+  samples (`MAX_MICROBATCH`),
+  recompute none / selective / full, with and without the distributed optimizer), priced with
+  their stacked layers where Megatron keeps them (``layer_layout="chunks"``: the chunks' own
+  layout, no moves; and again as `soapjax.apply` runs the same configuration: "as applied");
+  MaxText-style rules (`baselines.fsdp`, and `baselines.maxtext_moe` for
+  mixtures of experts) with 1, 2, 4 or 8 microbatches and each recomputation. The best hand
+  configuration is the fastest that fits in the GPU's memory;
+* **the search**: `soapjax.find_plan` (seed 0, ``--budget`` seconds, default 60; pipelined
+  plans included), its plan priced as `soapjax.apply` runs it;
+* **the ratio**: best hand step time / searched step time (above 1: the search wins), and
+  the searched step's terms: a device's compute (with recomputation; a pipelined plan's
+  stage: its whole-batch work over the stages), the pipeline bubble (of the schedule's
+  time), a device's exposed communication.
+
+Usage::
+
+    .venv/bin/python scripts/bench_vs_experts.py [--cases gpt-175b-64,llama2-70b-64]
+        [--budget 60] [--json rows.json] [--out docs/vs-experts.md]
+
+``--json`` keeps the rows of earlier runs (a case run again replaces its row), so the cases can
+run one at a time; ``--render-only --json rows.json`` prints (and with ``--out`` writes) the
+table from them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from _searched_row import strategy_words  # noqa: E402
+
+import soapjax_zoo  # noqa: E402
+from soapjax.base.errors import PlanError  # noqa: E402
+from soapjax.cost.operators import cost_model  # noqa: E402
+from soapjax.graph.opgraph import OpGraph, trace  # noqa: E402
+from soapjax.search import SearchSettings, find_plan, stage_choices  # noqa: E402
+from soapjax.search.grids import grid_degrees  # noqa: E402
+from soapjax.search.pipelines import interleave_choices  # noqa: E402
+from soapjax.simulate.front import open_simulation, opt_state_factor  # noqa: E402
+from soapjax.strategy import baselines  # noqa: E402
+from soapjax.strategy.memory import check_microbatches  # noqa: E402
+from soapjax.strategy.space import RECOMPUTE_POLICIES, MeshShape, Strategy  # noqa: E402
+from soapjax.topology.cluster import load_topology, scaled_topology  # noqa: E402
+
+A100 = "dgx-a100x3072"
+
+
+class Case(NamedTuple):
+    """One row: a zoo model (`model`, `size`) at `batch` sequences on `mesh`, cut to its
+    first `gpus` devices (None: all of it)."""
+
+    key: str
+    model: str
+    size: str
+    mesh: str
+    batch: int
+    gpus: int | None = None
+    note: str = ""
+
+
+CASES = (
+    Case("llama2-70b-64", "llama", "70b", "h100x64", 128,
+         note="MaxText's recipe: FSDP 8 x 8, 2 sequences per GPU, full remat"),
+    Case("gpt-18.4b-256", "gpt", "18.4b", A100, 1024, 256, "Table 1: TP8, DP32"),
+    Case("gpt-145.6b-1536", "gpt", "145.6b", A100, 2304, 1536, "Table 1: TP8 PP8 v2"),
+    Case("gpt-530b-2520", "gpt", "530b", A100, 2520, 2520, "Table 1: TP8 PP35 v3"),
+    Case("gpt-1t-3072", "gpt", "1t", A100, 3072, 3072, "Table 1: TP8 PP64"),
+    Case("gpt-175b-64", "gpt", "175b", A100, 64, 64),
+    Case("llama3-8b-8k-64", "llama", "8b-8k", "h100x64", 128),
+    Case("llama3-70b-8k-64", "llama", "70b-8k", "h100x64", 128),
+    Case("mixtral-8x7b-64", "moe", "mixtral-8x7b", "h100x64", 256),
+    Case("mixtral-8x22b-256", "moe", "mixtral-8x22b", "dgx-h100x1024-256", 256),
+    Case("llama3-8b-128k-8", "llama", "8b-128k", "dgx-h100x8", 8),
+    Case("gpt-175b-48", "gpt", "175b", A100, 96, 48, "a count Megatron's grid divides badly"),
+    Case("gpt-175b-96", "gpt", "175b", A100, 96, 96, "a count Megatron's grid divides badly"),
+    Case("gpt-175b-32", "gpt", "175b", A100, 32, 32, "memory-tight"),
+)
+MICROBATCHES = (1, 2, 4, 8)  # MaxText-style rules: gradient accumulation steps
+# Megatron's microbatch sizes at most this many samples (its published runs of these models
+# use 1 to 8; larger ones only add points: a full simulation each, about 0.25 s for GPT 175B)
+MAX_MICROBATCH = 8
+
+
+class Point(NamedTuple):
+    """One simulated configuration."""
+
+    name: str
+    step_s: float
+    memory: float  # peak bytes per GPU (a pipeline's fullest stage)
+    fits: bool
+
+
+def megatron_points(g: OpGraph, topo, max_microbatch: int = MAX_MICROBATCH
+                    ) -> dict[str, Strategy]:
+    """Megatron-LM's grid with every option (module doc), microbatches of at most
+    `max_microbatch` samples, by name."""
+    degrees = grid_degrees(g, topo)
+    grids = [baselines.megatron_grid_points(g, topo, **degrees)]
+    for S in stage_choices(g, topo):
+        grids.append(baselines.megatron_grid_points(
+            g, topo, pp=(S,), interleave=interleave_choices(g, S), **degrees))
+    return {p.name: s for grid in grids for p, s in grid.items() if p.mb <= max_microbatch}
+
+
+def maxtext_points(g: OpGraph, topo) -> dict[str, Strategy]:
+    """MaxText-style rules: FSDP over every axis (dense), or `baselines.maxtext_moe` with the
+    experts over the in-node axes or over the rest, with `MICROBATCHES` and each
+    recomputation, by name."""
+    mesh = MeshShape.of(topo)
+    bases = {"fsdp": baselines.fsdp(g, mesh)}
+    if grid_degrees(g, topo)["ep"] != (1,):
+        intra = baselines.intra_node_axes(topo) or tuple(mesh.axis_names[-1:])
+        outer = tuple(a for a in mesh.axis_names if a not in intra)
+        for where, axes in (("in-node", intra), ("across nodes", outer)):
+            try:
+                bases[f"maxtext-moe {where}"] = baselines.maxtext_moe(
+                    g, mesh, baselines.expert_parallel_axes(g, mesh, axes))
+            except PlanError:
+                continue
+    out = {}
+    for (name, base), m, rec in itertools.product(bases.items(), MICROBATCHES,
+                                                  RECOMPUTE_POLICIES):
+        try:
+            check_microbatches(g, base.configs, mesh, m)
+        except PlanError:
+            continue
+        out[f"{name} M={m} {rec}"] = baselines.with_recompute(
+            g, dataclasses.replace(base, microbatches=m), rec)
+    return out
+
+
+def score(g: OpGraph, topo, points: Mapping[str, Strategy], costs, factor: float,
+          layer_layout: str, progress: Callable[[str], None] = lambda _: None) -> list[Point]:
+    """Each strategy of `points` simulated, one simulation per pipeline shape (its strategies
+    proposed in turn and rejected, as the search scores its grid)."""
+    by_pipeline: dict[tuple, list[tuple[str, Strategy]]] = {}
+    for name, s in points.items():
+        by_pipeline.setdefault(s.pipeline, []).append((name, s))
+    out = []
+    for k, group in enumerate(by_pipeline.values()):
+        progress(f"  scoring pipeline shape {k + 1}/{len(by_pipeline)} ({len(group)} points)")
+        with open_simulation(g, topo, group[0][1], cost_model=costs, resharder="ideal",
+                             opt_state_factor=factor, layer_layout=layer_layout) as sim:
+            for name, s in group:
+                step = sim.propose_strategy(s)
+                out.append(Point(name, step, float(sim.peak_memory_bytes()),
+                                 sim.fits_in_memory()))
+                sim.reject()
+    return out
+
+
+def best(points: list[Point], prefix: str = "") -> Point | None:
+    fits = [p for p in points if p.fits and p.name.startswith(prefix)]
+    return min(fits, key=lambda p: p.step_s) if fits else None
+
+
+def run_case(case: Case, budget: float, progress: Callable[[str], None]) -> dict:
+    topo = load_topology(case.mesh)
+    if case.gpus is not None and case.gpus != topo.num_devices:
+        topo = scaled_topology(topo, case.gpus)
+    w = soapjax_zoo.get(case.model, case.size, batch_size=case.batch)
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    costs = cost_model(g, topo, mode="analytic", optimizer=w.optimizer)
+    factor = opt_state_factor(w.optimizer, w.abstract_params())
+    row: dict = {"case": case.key, "model": f"{case.model} {case.size}",
+                 "gpus": topo.num_devices, "batch": case.batch, "note": case.note}
+    t0 = time.perf_counter()
+    megatron = megatron_points(g, topo)
+    maxtext = maxtext_points(g, topo)
+    progress(f"{case.key}: {len(megatron)} Megatron points, {len(maxtext)} MaxText-style")
+    grid = (score(g, topo, {k: s for k, s in megatron.items() if s.pipelined}, costs, factor,
+                  "chunks", progress)
+            + score(g, topo, {k: s for k, s in megatron.items() if not s.pipelined}
+                    | maxtext, costs, factor, "model", progress))
+    row["grid_s"], row["grid_points"] = time.perf_counter() - t0, len(grid)
+    for key, prefix in (("hand", ""), ("megatron", "megatron"), ("maxtext", "")):
+        pick = best([p for p in grid if key != "maxtext" or p.name not in megatron], prefix)
+        row[key] = pick._asdict() if pick else None
+    if row["hand"] is not None:  # the same configuration as soapjax.apply runs it
+        hand = (megatron | maxtext)[row["hand"]["name"]]
+        row["hand"]["applied_s"] = score(g, topo, {"hand": hand}, costs, factor, "model")[0].step_s
+    least = min(grid, key=lambda p: p.memory) if grid else None
+    row["least_memory"] = least._asdict() if least else None
+    progress(f"{case.key}: best hand {row['hand'] and row['hand']['name']}; searching "
+             f"({budget:g} s)")
+    t0 = time.perf_counter()
+    try:
+        plan = find_plan(g, topo, settings=SearchSettings(budget_s=budget, seed=0,
+                                                          pipelines=True),
+                         costs=costs, optimizer=w.optimizer, family=w.family,
+                         model_config=case.size)
+    except PlanError as e:
+        row["search_s"], row["error"] = time.perf_counter() - t0, str(e).splitlines()[0]
+        return row
+    row["search_s"] = time.perf_counter() - t0
+    s = plan.strategy(g, topo)
+    info = plan.to_json()["search"]
+    with open_simulation(g, topo, s, cost_model=costs, resharder="ideal",
+                         opt_state_factor=factor) as sim:
+        r = sim.result()
+        stage = sim.stage_result() if s.pipelined else r
+        step, memory, fits = sim.step_time(), sim.peak_memory_bytes(), sim.fits_in_memory()
+    pipeline = r if s.pipelined else None
+    # one stage's whole-batch work, over its stages: what a device computes per step
+    per_device = s.stages if s.pipelined else 1
+    row["searched"] = {
+        "step_s": step, "memory": float(memory), "fits": fits, "plan_step_s": plan.step_time_s,
+        "words": strategy_words(s, topo),
+        "best_from": info.get("best_from"), "proposals": info.get("proposals"),
+        "compute_s": stage.compute_s / per_device,
+        "exposed_comm_s": stage.exposed_comm_s / per_device,
+        "bubble": pipeline.bubble_fraction if pipeline is not None else 0.0}
+    return row
+
+
+def ratio(row: dict) -> float | None:
+    if row.get("hand") and row.get("searched") and row["searched"]["fits"]:
+        return row["hand"]["step_s"] / row["searched"]["step_s"]
+    return None
+
+
+def _s(p: dict | None) -> str:
+    return f"{p['step_s']:.3f}" if p else "none fits"
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f}"
+
+
+def render(rows: list[dict], budget: float) -> str:
+    lines = [
+        "# Searched plans against the experts' grids (issue 46)",
+        "",
+        "`python scripts/bench_vs_experts.py` (analytic costs, ideal resharding; the search "
+        f"seed 0 with a {budget:g} s budget, pipelines included). Hand grid: Megatron-LM with "
+        "every option it has, its pipelined points priced with the layers where Megatron keeps "
+        "them; MaxText-style rules (FSDP; FSDP + experts). As applied: the same configuration "
+        "as soapjax.apply runs it (its stacked layers in the model's layout, moved to the "
+        "chunks' each step where interleaved; the prologue's outputs handed to every stage and "
+        "their cotangents summed over the stages). Ratio: best hand / searched step time (above "
+        "1: the search wins).",
+        "",
+        "| case | GPUs | batch | best hand configuration | step (s) | as applied (s) | mem (GB) "
+        "| searched plan | step (s) | mem (GB) | ratio | compute / bubble / exposed comm | "
+        "search (s) | proposals |",
+        "|---|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|",
+    ]
+    ratios = []
+    for row in rows:
+        hand, found = row.get("hand"), row.get("searched")
+        r = ratio(row)
+        if r is not None:
+            ratios.append(r)
+        if found:
+            wd = found["words"]
+            plan = (f"stages {wd['stages']}, mesh {wd['mesh']}, M={wd['microbatches']}, "
+                    f"recompute {wd['recompute']}, zero {wd['zero']} (from {found['best_from']})")
+            terms = (f"{found['compute_s']:.2f} / {found['bubble']:.1%} / "
+                     f"{found['exposed_comm_s']:.2f}")
+            found_cols = [plan, f"{found['step_s']:.3f}", _gb(found["memory"]),
+                          f"{r:.3f}" if r is not None else "-", terms,
+                          f"{row['search_s']:.0f}", str(found["proposals"])]
+        else:
+            found_cols = [f"error: {row.get('error', '?')}", "-", "-", "-", "-",
+                          f"{row.get('search_s', 0):.0f}", "-"]
+        lines.append("| " + " | ".join([
+            row["case"], str(row["gpus"]), str(row["batch"]),
+            hand["name"] if hand else "none fits", _s(hand),
+            f"{hand['applied_s']:.3f}" if hand else "-",
+            _gb(hand["memory"]) if hand else "-", *found_cols]) + " |")
+    if ratios:
+        geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        lines += ["", f"Geometric mean ratio over {len(ratios)} cases: {geo:.3f}; "
+                  f"cases at 1.25x or more: {sum(x >= 1.25 for x in ratios)}; below 1.00: "
+                  f"{sum(x < 0.995 for x in ratios)}."]
+    notes = [f"- {row['case']}: {row['note']}" for row in rows if row.get("note")]
+    nofit = [f"- {row['case']}: nothing in the hand grid fits; least memory "
+             f"{row['least_memory']['name']} at {_gb(row['least_memory']['memory'])} GB"
+             for row in rows if not row.get("hand") and row.get("least_memory")]
+    return "\n".join(lines + ([""] + notes if notes else []) + ([""] + nofit if nofit else [])
+                     ) + "\n"
+
+
+def _load(path: str | None) -> list[dict]:
+    if path and Path(path).exists():
+        return json.loads(Path(path).read_text())
+    return []
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default=",".join(c.key for c in CASES),
+                    help="comma-separated case keys (default: all): "
+                    + ", ".join(c.key for c in CASES))
+    ap.add_argument("--budget", type=float, default=60.0, help="search seconds per case")
+    ap.add_argument("--json", help="rows file: read, updated with the cases run, written")
+    ap.add_argument("--out", help="also write the table here (markdown)")
+    ap.add_argument("--render-only", action="store_true", help="print the table of --json")
+    args = ap.parse_args()
+    by_key = {c.key: c for c in CASES}
+    wanted = [k for k in args.cases.split(",") if k]
+    unknown = [k for k in wanted if k not in by_key]
+    if unknown:
+        ap.error(f"unknown case(s) {unknown}; expected some of {list(by_key)}")
+    rows = _load(args.json)
+    if not args.render_only:
+        def say(msg: str) -> None:
+            print(f"[{time.perf_counter() - start:7.0f}s] {msg}", file=sys.stderr, flush=True)
+
+        start = time.perf_counter()
+        for key in wanted:
+            row = run_case(by_key[key], args.budget, say)
+            r = ratio(row)
+            say(f"{key}: hand {_s(row.get('hand'))} s, searched "
+                f"{_s(row.get('searched'))} s, ratio {r if r is None else round(r, 3)}")
+            rows = [x for x in rows if x["case"] != key] + [row]
+            if args.json:
+                Path(args.json).write_text(json.dumps(rows, indent=1))
+    order = {c.key: i for i, c in enumerate(CASES)}
+    rows.sort(key=lambda x: order.get(x["case"], len(order)))
+    text = render(rows, args.budget)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""scripts/bench_vs_experts.py on a tiny GPT and the 8 CPU devices as 2 nodes: the hand grid
+is Megatron's with its pipelined points and the MaxText-style rules, each scored; the row's
+best hand configuration is the fastest that fits; the search's plan is priced as apply runs it
+and never slower than the grid's best as apply runs it (it starts from it); the table says the
+ratio."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_vs_experts as bench  # noqa: E402
+
+MESH = str(ROOT / "tests" / "meshes" / "cpu8-nodes.toml")
+
+
+def test_a_case_scores_the_experts_grid_and_searches():
+    case = bench.Case("tiny", "gpt", "tiny", MESH, 16, note="a test")
+    messages = []
+    row = bench.run_case(case, budget=2.0, progress=messages.append)
+    names = [row["hand"]["name"], row["megatron"]["name"], row["maxtext"]["name"]]
+    assert names[1].startswith("megatron") and names[2].startswith("fsdp")
+    assert row["hand"]["step_s"] == min(row["megatron"]["step_s"], row["maxtext"]["step_s"])
+    assert row["grid_points"] > 50 and any("pipeline shape" in m for m in messages)
+    found = row["searched"]
+    assert found["fits"] and found["proposals"] > 0
+    # it starts from the grid's best, priced as apply runs it
+    assert found["step_s"] <= row["hand"]["applied_s"] * 1.0001
+    assert found["step_s"] == found["plan_step_s"]
+    r = bench.ratio(row)
+    assert r is not None and r > 0.5
+    text = bench.render([row], 2.0)
+    assert f"| {r:.3f} |" in text and "Geometric mean ratio over 1 cases" in text
+    assert "- tiny: a test" in text
+
+
+def test_the_table_reports_the_geometric_mean_and_the_cases_that_fit_nothing():
+    def row(case, hand, found):
+        return {"case": case, "gpus": 8, "batch": 16, "note": "",
+                "hand": {"name": "h", "step_s": hand, "applied_s": hand, "memory": 1e9,
+                         "fits": True}
+                if hand else None,
+                "least_memory": {"name": "least", "step_s": 1.0, "memory": 9e10, "fits": False},
+                "searched": {"step_s": found, "memory": 1e9, "fits": True, "compute_s": 1.0,
+                             "exposed_comm_s": 0.1, "bubble": 0.0, "proposals": 10,
+                             "best_from": "x", "words": {
+                                 "stages": "1", "mesh": "data=8", "microbatches": "1",
+                                 "recompute": "none", "zero": "none", "optimizer": "none"}},
+                "search_s": 1.0}
+
+    rows = [row("a", 2.0, 1.0), row("b", 1.0, 1.0), row("c", None, 1.0)]
+    text = bench.render(rows, 60)
+    assert f"Geometric mean ratio over 2 cases: {math.sqrt(2):.3f}" in text
+    assert "cases at 1.25x or more: 1; below 1.00: 0" in text
+    assert "- c: nothing in the hand grid fits; least memory least at 90.0 GB" in text
