@@ -410,3 +410,27 @@ def test_past_the_measuring_deadline_shard_programs_are_estimated(tmp_path):
     assert costs.shard_time(i, (1, 1, 1)) == whole  # memoised, never re-estimated
     costs.measure_until(None)
     assert costs.shard_time(i, (4, 1, 1)).source == "measured"
+
+
+def test_no_measurement_starts_that_would_likely_run_past_the_deadline(tmp_path):
+    """A search's chains keep their share of the budget (issue 46: a ResNet on cpu8 with a
+    10 s budget made 0 proposals, its shard programs' timing having taken it all): a shard
+    program is not measured when the deadline is nearer than the longest measurement so far
+    took, but estimated; and past the deadline an optimizer update of a size not yet timed is
+    priced from the nearest size timed, in proportion to its bytes."""
+    g = dense_graph(32, 64)
+    i = g.index("b")
+    costs = measured(g, tmp_path)
+    assert costs.shard_time(i, (1, 1, 1)).source == "measured"
+    longest = costs._longest_s
+    assert longest > 0
+    costs.measure_until(time.perf_counter() + longest / 2)  # time left, but not enough
+    assert costs.shard_time(i, (2, 1, 1)).source == "estimated"
+    assert costs.stats.measured == 1 and costs.stats.estimated == 1
+    costs.measure_until(None)
+    small = costs.update_time(1 << 16)
+    measured_updates = costs.stats.updates_measured
+    costs.measure_until(time.perf_counter() - 1.0)
+    assert costs.update_time(1 << 20) == pytest.approx(small * 16, rel=1e-12)
+    assert costs.stats.updates_measured == measured_updates
+    costs.measure_until(None)

@@ -205,6 +205,7 @@ class CostModel:
         self._counts = dict(measured=0, disk_hits=0, shared=0, fallbacks=0, updates_measured=0,
                             estimated=0)
         self._deadline: float | None = None
+        self._longest_s = 0.0  # the longest a measurement has taken (`_time_left`)
         self._progress: Callable[[str], None] | None = None
         self._ratios: dict[int, list[float]] = {}  # operator -> measured / analytic, per pair
         self._passes = update_passes(optimizer)
@@ -226,9 +227,12 @@ class CostModel:
         None: always, the default).
 
         A shard program neither in memory nor in the on-disk cache when the deadline has
-        passed is not timed: it is priced ``"estimated"``, the roofline scaled by the median
-        ratio measured/roofline of the same operator's measured shard programs (of every
-        operator's, for one with none; the plain roofline before anything is measured).
+        passed, or is nearer than the longest a measurement has taken so far (the next one
+        would likely run past it), is not timed: it is priced ``"estimated"``, the roofline
+        scaled by the median ratio measured/roofline of the same operator's measured shard
+        programs (of every operator's, for one with none; the plain roofline before anything
+        is measured). An optimizer update of a size not yet timed is then priced from the
+        nearest size timed, in proportion to its bytes (the analytic update before any is).
         This is how `soapjax.search.find.find_plan` keeps its budget with measured costs: one
         shard program takes 0.3-2 s to compile and time on a CPU, and a search visits
         hundreds. `progress` is told of each measurement as it starts (a search would
@@ -324,15 +328,17 @@ class CostModel:
         if entry is not None:
             self._counts["disk_hits"] += 1
         else:
-            if self._deadline is not None:
-                left = self._deadline - time.perf_counter()
+            left = self._time_left()
+            if left is not None:
                 if left <= 0:
                     return _DEFERRED
                 if self._progress is not None:
                     self._progress(f"measuring shard program {self._counts['measured'] + 1}: "
                                    f"{self.graph.operators[op_index].name} at degrees "
                                    f"{list(degrees)} ({left:.0f} s left to measure)")
+            t0 = time.perf_counter()
             entry = self._measure_op(op_index, degrees, sig)
+            self._longest_s = max(self._longest_s, time.perf_counter() - t0)
             if entry is None:
                 return None
         back = entry["backward"]
@@ -343,6 +349,15 @@ class CostModel:
             self._ratios.setdefault(op_index, []).append(
                 (t.forward_s + t.backward_s) / (roof.forward_s + roof.backward_s))
         return t
+
+    def _time_left(self) -> float | None:
+        """Seconds left to measure (`measure_until`), 0 where the next measurement would
+        likely run past the deadline (it is nearer than the longest one so far); None
+        without a deadline."""
+        if self._deadline is None:
+            return None
+        left = self._deadline - time.perf_counter()
+        return left if left > self._longest_s else 0.0
 
     def _estimated(self, op_index: int, degrees: tuple[int, ...]) -> OpTime:
         """The roofline scaled by the operator's median measured/roofline ratio (every
@@ -389,17 +404,20 @@ class CostModel:
         if param_shard_bytes <= 0:
             return 0.0
         if self.source == "analytic":
-            device = self.topology.device
-            if device.kernels is not None:  # one fused kernel at the achieved bandwidth
-                return fused_time(FusedKernel(self._passes * param_shard_bytes),
-                                  device.memory_bandwidth, device.kernels)
-            return roofline_time(0.0, self._passes * param_shard_bytes, "float32", device)
+            return self._analytic_update(param_shard_bytes)
         lo = max(_MIN_UPDATE_BUCKET, 2 ** int(math.floor(math.log2(max(param_shard_bytes, 1)))))
         if param_shard_bytes <= lo:  # a power of two, or below the smallest bucket
             return self._update_at(lo)
         hi = 2 * lo
         t_lo, t_hi = self._update_at(lo), self._update_at(hi)
         return t_lo + (t_hi - t_lo) * (param_shard_bytes - lo) / (hi - lo)
+
+    def _analytic_update(self, param_shard_bytes: float) -> float:
+        device = self.topology.device
+        if device.kernels is not None:  # one fused kernel at the achieved bandwidth
+            return fused_time(FusedKernel(self._passes * param_shard_bytes),
+                              device.memory_bandwidth, device.kernels)
+        return roofline_time(0.0, self._passes * param_shard_bytes, "float32", device)
 
     def _update_at(self, nbytes: int) -> float:
         if nbytes in self._updates:
@@ -408,8 +426,17 @@ class CostModel:
         step, avals, make_carry = _timing.update_loop(self._optimizer, n)
         sig = _timing.signature("update", str(jax.make_jaxpr(step)(avals)))
         entry = self._cache.load(sig)
+        left = self._time_left()
+        if entry is None and left is not None and left <= 0:  # estimated (`measure_until`)
+            self._counts["estimated"] += 1
+            if not self._updates:
+                return self._analytic_update(nbytes)
+            near = min(self._updates, key=lambda k: abs(math.log2(k / nbytes)))
+            return self._updates[near] * nbytes / near
         if entry is None:
+            t0 = time.perf_counter()
             t = _timing.time_loop(step, make_carry(), self._options)
+            self._longest_s = max(self._longest_s, time.perf_counter() - t0)
             self._counts["updates_measured"] += 1
             entry = self._cache.entry(sig, "update", f"{nbytes} bytes", t, None)
             self._cache.store(sig, entry)

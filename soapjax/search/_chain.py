@@ -56,7 +56,7 @@ class SearchSettings:
 
     Attributes:
       budget_s: wall-clock budget of the whole search, from its start: scoring the starts,
-        measuring shard programs (until 80% of it; estimated after: see
+        measuring shard programs (until 60% of it; estimated after: see
         `soapjax.cost.operators.CostModel.measure_until`), Megatron's grids and every chain (20 s:
         ``make plan`` of GPT-2 small on a DGX H100 searches 18 s).
       max_proposals: proposals per chain; when set, the budget is ignored (reproducible).

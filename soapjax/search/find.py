@@ -9,9 +9,10 @@ with experts or a long sequence, the best grid point with expert or context para
 chain from TP 8 seldom walks into them: `GRID_FAMILIES`); each gets an equal share of what
 the budget leaves after the starts are scored, and stops early when its best has not
 improved for half of its share. The budget bounds the whole search
-(`SearchSettings.budget_s`): measuring new shard programs stops at 80% of it
-(`soapjax.cost.operators.CostModel.measure_until`: later ones are estimated from the roofline and
-the operator's measured ones), scoring Megatron's grid at 30%, the chains 5% before its end. The
+(`SearchSettings.budget_s`): measuring new shard programs stops at 60% of it, or earlier
+where the next one would likely run past that (`soapjax.cost.operators.CostModel.measure_until`:
+later ones are estimated from the roofline and the operator's measured ones), so the chains
+keep a real share; scoring Megatron's grid stops at 30%, the chains 5% before its end. The
 best strategy that fits in device memory
 over all chains is returned, so it is never worse than the best baseline.
 
@@ -162,7 +163,7 @@ class SearchResult:
 # measuring new shard programs stops at MEASURE_SHARE of it (later ones are estimated), scoring
 # Megatron's grid at GRID_SHARE (the points left are skipped), and the chains end FINAL_SHARE
 # before its end, left for simulating the plan found and writing it.
-MEASURE_SHARE = 0.8
+MEASURE_SHARE = 0.6
 GRID_SHARE = 0.3
 FINAL_SHARE = 0.05
 
