@@ -180,7 +180,10 @@ def best(points: list[Point], prefix: str = "") -> Point | None:
     return min(fits, key=lambda p: p.step_s) if fits else None
 
 
-def run_case(case: Case, budget: float, progress: Callable[[str], None]) -> dict:
+def run_case(case: Case, budget: float, progress: Callable[[str], None],
+             proposals: int | None = None, grid: bool = True) -> dict:
+    """One row (module doc). `proposals`: a fixed count per chain instead of the time budget
+    (the same plan on a faster or slower machine); without `grid`, the search alone."""
     topo = load_topology(case.mesh)
     if case.gpus is not None and case.gpus != topo.num_devices:
         topo = scaled_topology(topo, case.gpus)
@@ -190,6 +193,8 @@ def run_case(case: Case, budget: float, progress: Callable[[str], None]) -> dict
     factor = opt_state_factor(w.optimizer, w.abstract_params())
     row: dict = {"case": case.key, "model": f"{case.model} {case.size}",
                  "gpus": topo.num_devices, "batch": case.batch, "note": case.note}
+    if not grid:
+        return _search_into(row, case, g, topo, w, costs, factor, budget, proposals, progress)
     t0 = time.perf_counter()
     megatron = megatron_points(g, topo)
     maxtext = maxtext_points(g, topo)
@@ -207,12 +212,19 @@ def run_case(case: Case, budget: float, progress: Callable[[str], None]) -> dict
         row["hand"]["applied_s"] = score(g, topo, {"hand": hand}, costs, factor, "model")[0].step_s
     least = min(grid, key=lambda p: p.memory) if grid else None
     row["least_memory"] = least._asdict() if least else None
-    progress(f"{case.key}: best hand {row['hand'] and row['hand']['name']}; searching "
-             f"({budget:g} s)")
+    progress(f"{case.key}: best hand {row['hand'] and row['hand']['name']}")
+    return _search_into(row, case, g, topo, w, costs, factor, budget, proposals, progress)
+
+
+def _search_into(row: dict, case: Case, g: OpGraph, topo, w, costs, factor: float,
+                 budget: float, proposals: int | None, progress: Callable[[str], None]) -> dict:
+    progress(f"{case.key}: searching ({budget:g} s)" if proposals is None else
+             f"{case.key}: searching ({proposals} proposals a chain)")
     t0 = time.perf_counter()
     try:
         plan = find_plan(g, topo, settings=SearchSettings(budget_s=budget, seed=0,
-                                                          pipelines=True),
+                                                          pipelines=True,
+                                                          max_proposals=proposals),
                          costs=costs, optimizer=w.optimizer, family=w.family,
                          model_config=case.size)
     except PlanError as e:
@@ -320,6 +332,11 @@ def main() -> int:
                     help="comma-separated case keys (default: all): "
                     + ", ".join(c.key for c in CASES))
     ap.add_argument("--budget", type=float, default=60.0, help="search seconds per case")
+    ap.add_argument("--proposals", type=int,
+                    help="a fixed proposal count per chain instead of the budget (the same plan "
+                    "on any machine: run N and N/2 to see how much the result depends on it)")
+    ap.add_argument("--search-only", action="store_true",
+                    help="skip the hand grid (with --proposals: the robustness check)")
     ap.add_argument("--json", help="rows file: read, updated with the cases run, written")
     ap.add_argument("--out", help="also write the table here (markdown)")
     ap.add_argument("--render-only", action="store_true", help="print the table of --json")
@@ -336,7 +353,8 @@ def main() -> int:
 
         start = time.perf_counter()
         for key in wanted:
-            row = run_case(by_key[key], args.budget, say)
+            row = run_case(by_key[key], args.budget, say, args.proposals,
+                           not args.search_only)
             r = ratio(row)
             say(f"{key}: hand {_s(row.get('hand'))} s, searched "
                 f"{_s(row.get('searched'))} s, ratio {r if r is None else round(r, 3)}")

@@ -57,3 +57,14 @@ def test_the_table_reports_the_geometric_mean_and_the_cases_that_fit_nothing():
     assert f"Geometric mean ratio over 2 cases: {math.sqrt(2):.3f}" in text
     assert "cases at 1.25x or more: 1; below 1.00: 0" in text
     assert "- c: nothing in the hand grid fits; least memory least at 90.0 GB" in text
+
+
+def test_a_fixed_proposal_count_gives_the_same_plan_whatever_the_machine():
+    """``--proposals N --search-only``: the search alone, its chains counting proposals instead
+    of seconds, so two runs give the same plan (a machine twice as fast or slow too)."""
+    case = bench.Case("tiny", "gpt", "tiny", MESH, 16)
+    rows = [bench.run_case(case, 60.0, lambda _: None, proposals=10, grid=False)
+            for _ in range(2)]
+    assert "hand" not in rows[0] and rows[0]["searched"]["fits"]
+    assert rows[0]["searched"]["step_s"] == rows[1]["searched"]["step_s"]
+    assert rows[0]["searched"]["words"] == rows[1]["searched"]["words"]
