@@ -208,8 +208,9 @@ def run_case(case: Case, budget: float, progress: Callable[[str], None],
         pick = best([p for p in grid if key != "maxtext" or p.name not in megatron], prefix)
         row[key] = pick._asdict() if pick else None
     if row["hand"] is not None:  # the same configuration as soapjax.apply runs it
-        hand = (megatron | maxtext)[row["hand"]["name"]]
-        row["hand"]["applied_s"] = score(g, topo, {"hand": hand}, costs, factor, "model")[0].step_s
+        applied = score(g, topo, {"hand": (megatron | maxtext)[row["hand"]["name"]]}, costs,
+                        factor, "model")[0]
+        row["hand"]["applied_s"], row["hand"]["applied_fits"] = applied.step_s, applied.fits
     least = min(grid, key=lambda p: p.memory) if grid else None
     row["least_memory"] = least._asdict() if least else None
     progress(f"{case.key}: best hand {row['hand'] and row['hand']['name']}")
@@ -261,6 +262,12 @@ def _s(p: dict | None) -> str:
     return f"{p['step_s']:.3f}" if p else "none fits"
 
 
+def _applied(hand: dict | None) -> str:
+    if not hand or "applied_s" not in hand:
+        return "-"
+    return f"{hand['applied_s']:.3f}" + ("" if hand.get("applied_fits", True) else " (over)")
+
+
 def _gb(x: float) -> str:
     return f"{x / 1e9:.1f}"
 
@@ -275,8 +282,8 @@ def render(rows: list[dict], budget: float) -> str:
         "them; MaxText-style rules (FSDP; FSDP + experts). As applied: the same configuration "
         "as soapjax.apply runs it (its stacked layers in the model's layout, moved to the "
         "chunks' each step where interleaved; the prologue's outputs handed to every stage and "
-        "their cotangents summed over the stages). Ratio: best hand / searched step time (above "
-        "1: the search wins).",
+        "their cotangents summed over the stages; \"(over)\": it does not fit then). "
+        "Ratio: best hand / searched step time (above 1: the search wins).",
         "",
         "| case | GPUs | batch | best hand configuration | step (s) | as applied (s) | mem (GB) "
         "| searched plan | step (s) | mem (GB) | ratio | compute / bubble / exposed comm | "
@@ -304,7 +311,7 @@ def render(rows: list[dict], budget: float) -> str:
         lines.append("| " + " | ".join([
             row["case"], str(row["gpus"]), str(row["batch"]),
             hand["name"] if hand else "none fits", _s(hand),
-            f"{hand['applied_s']:.3f}" if hand else "-",
+            _applied(hand),
             _gb(hand["memory"]) if hand else "-", *found_cols]) + " |")
     if ratios:
         geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
