@@ -429,6 +429,32 @@ def leave_one_out(rows: Sequence[Row], fit: Fit = no_fit,
     return [predict(row, fit([r for r in rows if r is not row])) for row in rows]
 
 
+def leave_tables_out(tables: Mapping[str, tuple[str, Sequence[Row]]] = TABLES,
+                     fit: Fit | None = None) -> str:
+    """The protocol of issue 47: each table predicted with the parameters fitted on the
+    other tables' rows (one parameter set for the A100, never per table), then the 2022
+    software's tables (Korthikanti et al.: selective and full recomputation) fitted together
+    and the 2021 software's Table 1 predicted apart (measured slower on the same
+    configurations: docs/accuracy.md), each row's error and each table's mean and max."""
+    fit = fit or FIT
+    out = []
+    for held, (title, rows) in tables.items():
+        params = fit([r for name, (_, rs) in tables.items() if name != held for r in rs])
+        out.append(render([predict(r, params) for r in rows],
+                          f"Leave one table out: {title}, predicted with the fit on the other "
+                          f"tables {params}"))
+    newer = [n for n in tables if n.startswith("korthikanti22")]
+    if newer and "narayanan21" in tables:
+        params = fit([r for n in newer for r in tables[n][1]])
+        for name in newer + ["narayanan21"]:
+            title, rows = tables[name]
+            out.append(render([predict(r, params) for r in rows],
+                              f"The 2022 software's tables fitted together {params}: {title}"
+                              + (" (the 2021 software, apart)" if name == "narayanan21"
+                                 else "")))
+    return "\n\n".join(out)
+
+
 def summary(preds: Sequence[Prediction]) -> tuple[float, float] | None:
     """(mean, max) absolute error over the rows that were built."""
     errors = [abs(p.error) for p in preds if p.error is not None]
@@ -501,6 +527,11 @@ def main() -> int:
     p.add_argument("--leave-one-out", action="store_true",
                    help="also predict each row with parameters fitted on the others")
     p.add_argument("--json", default=None, help="also write the rows as JSON")
+    p.add_argument("--tables-out", action="store_true",
+                   help="instead: leave one table out. Each Megatron-LM A100 table predicted "
+                   "with the parameters fitted on the others' rows, then the 2022 software's "
+                   "two tables fitted alone and Table 1 (the 2021 software) predicted apart "
+                   "(every row simulated at the fit's design points once; ~30-60 min)")
     p.add_argument("--held-out", default=",".join(t for t in TABLES if t != "narayanan21"),
                    help="comma-separated tables to predict with Table 1's fit, none fitted "
                    "(default: every other table: "
@@ -520,6 +551,10 @@ def main() -> int:
                     + ", ".join(r.size for r in ROWS))
         rows = [r for r in ROWS if r.size in wanted]
     t0 = time.perf_counter()
+    if args.tables_out:
+        print(leave_tables_out())
+        print(f"\nrun time: {time.perf_counter() - t0:.0f} s")
+        return 0
     setup = next(q for q in __doc__.split("\n\n") if q.startswith("The configuration as"))
     print(setup.replace("\n", " "), "\n", flush=True)
     shipped = [predict(row, None) for row in rows]

@@ -130,3 +130,21 @@ def test_a_pipelined_rows_terms_add_up_to_its_step():
     assert p.terms["stage imbalance"] > 0 and p.terms["layout moves"] == 0
     assert min(p.terms.values()) >= 0
     assert "PP4" in bench.render_terms([p]) and bench.render_terms([bench.predict(SMALLEST)]) == ""
+
+
+def test_leaving_one_table_out_fits_on_the_others_and_reports_each_table():
+    """`leave_tables_out`: each table predicted with the fit on the other tables' rows (here
+    a fake fit that records what it was given), then the 2022 tables fitted together with
+    Table 1 reported apart."""
+    seen = []
+
+    def fit(rows):
+        seen.append(tuple(r.label for r in rows))
+        return None
+
+    tables = {"narayanan21": ("Table 1", bench.ROWS[:1]),
+              "korthikanti22": ("K22", bench.KORTHIKANTI[:1])}
+    text = bench.leave_tables_out(tables, fit)
+    assert seen == [("22B",), ("1.7B",), ("22B",)]
+    assert "Leave one table out: Table 1" in text and "Leave one table out: K22" in text
+    assert "(the 2021 software, apart)" in text
