@@ -8,9 +8,9 @@ results), BF16 rows, DGX H100 80GB (EOS), NeMo 25.02.01 (Llama 3.1) and 24.12 (G
 "seconds per step" of the last step of a short run as published. Configurations are the
 recipes' own tables (TP, PP, CP, VP, MBS, GBS, sequence length); what they leave unsaid is
 assumed as NeMo's performance recipes run it, and said here: no activation recomputation,
-sequence parallelism wherever TP > 1, Megatron's distributed optimizer, the interleaved
-schedule where VP > 1 (Megatron's chunk layout), Transformer Engine's fused attention (cuDNN:
-the zoo models with ``attention="cudnn"``, priced at the topology's
+no dropout, sequence parallelism wherever TP > 1, Megatron's distributed optimizer, the
+interleaved schedule where VP > 1 (Megatron's chunk layout), Transformer Engine's fused
+attention (cuDNN: the zoo models with ``attention="cudnn"``, priced at the topology's
 ``cudnn_attention_efficiency`` where a shard keeps the whole sequence; with context
 parallelism soapjax splits the sequence and prices its own blockwise kernel, where NeMo runs
 cuDNN's kernel per ring step: those rows are marked). The GPT-3 175B row at 512 GPUs is left
@@ -40,14 +40,13 @@ from typing import NamedTuple
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import soapjax_zoo  # noqa: E402
 from soapjax.base.errors import SoapjaxError  # noqa: E402
 from soapjax.cost.operators import cost_model  # noqa: E402
 from soapjax.graph.opgraph import trace  # noqa: E402
 from soapjax.simulate.front import opt_state_factor, simulate  # noqa: E402
 from soapjax.strategy import baselines  # noqa: E402
 from soapjax.topology.cluster import load_topology, scaled_topology  # noqa: E402
-from soapjax_zoo import llama  # noqa: E402
+from soapjax_zoo import gpt, llama  # noqa: E402
 
 MESH = "dgx-h100x1024"
 SOURCE = ("NVIDIA/dgxc-benchmarking v25.04.01 (85380ffe), BF16, DGX H100 80GB; NeMo 25.02.01 "
@@ -84,13 +83,14 @@ ROWS = (
 
 
 def workload(row: Row):
-    """The zoo model of `row` at its batch, Llama 3.1 with cuDNN's fused attention (module
-    doc)."""
+    """The zoo model of `row` at its batch with cuDNN's fused attention (module doc)."""
     if row.model == "llama":
         cfg = dataclasses.replace(llama.LONG_CONTEXT_SIZES[row.size], attention="cudnn",
                                   batch_size=row.batch)
         return llama.build_llama("llama", f"{row.size}-cudnn", cfg, "linen")
-    return soapjax_zoo.get(row.model, row.size, batch_size=row.batch)
+    cfg = dataclasses.replace(gpt.GPT_SIZES[row.size], attention="cudnn", dropout=0.0,
+                              batch_size=row.batch)
+    return gpt.build_gpt("gpt", f"{row.size}-cudnn", cfg, "linen")
 
 
 def predict(row: Row) -> dict:

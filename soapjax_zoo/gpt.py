@@ -36,7 +36,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from soapjax.base.attention import flash_attention
 from soapjax_zoo.workload import (
+    ATTENTION_KINDS,
     ModelConfigError,
     Workload,
     causal_attention,
@@ -61,6 +63,13 @@ class GPTConfig:
         default there and here): the probability of zeroing an attention probability, and an
         element of the attention's and the MLP's outputs before each residual add. Nonzero,
         the batch carries a ``dropout_seed`` per sequence (`soapjax_zoo.workload.dropout`).
+      attention: ``"xla"`` (the scores and probabilities in memory, a softmax between two
+        batched matmuls), ``"flash"`` (`soapjax.base.attention.flash_attention` over blocks of
+        `attention_block` keys, nothing ``T x T`` kept) or ``"cudnn"`` (the same operator run
+        by cuDNN's fused kernel on a GPU, as Transformer Engine's fused attention runs in
+        NeMo and Megatron-LM; the blockwise one elsewhere). The last two keep no attention
+        probabilities to drop out: they need ``dropout=0``.
+      attention_block: keys per block of the flash attention.
     """
 
     batch_size: int = 8
@@ -75,10 +84,19 @@ class GPTConfig:
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
     dropout: float = 0.1
+    attention: str = "xla"
+    attention_block: int = 512
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.dropout < 1.0:
             raise ModelConfigError(f"dropout {self.dropout} must be in [0, 1)")
+        if self.attention not in ATTENTION_KINDS:
+            raise ModelConfigError(f"GPTConfig.attention is {self.attention!r}; expected one of "
+                                   f"{ATTENTION_KINDS}")
+        if self.attention != "xla" and self.dropout:
+            raise ModelConfigError(
+                f"GPTConfig.attention={self.attention!r} keeps no attention probabilities to "
+                f"drop out, and dropout is {self.dropout}; set dropout=0.0, or attention='xla'")
         if self.d_model % self.num_heads:
             raise ModelConfigError(
                 f"d_model {self.d_model} must be divisible by num_heads {self.num_heads}"
@@ -105,9 +123,14 @@ class Attention(nn.Module):
                                   param_dtype=cfg.param_dtype)
         heads = (cfg.num_heads, cfg.head_dim)
         q, k, v = (dense(heads, name=n)(x) for n in ("query", "key", "value"))
-        drop = None if seeds is None else functools.partial(dropout, seeds=seeds,
-                                                            rate=cfg.dropout)
-        return dense(cfg.d_model, axis=(-2, -1), name="out")(causal_attention(q, k, v, drop))
+        if cfg.attention in ("flash", "cudnn"):
+            out = flash_attention(q, k, v, block=cfg.attention_block,
+                                  implementation="cudnn" if cfg.attention == "cudnn" else "xla")
+        else:
+            drop = None if seeds is None else functools.partial(dropout, seeds=seeds,
+                                                                rate=cfg.dropout)
+            out = causal_attention(q, k, v, drop)
+        return dense(cfg.d_model, axis=(-2, -1), name="out")(out)
 
 
 class MLP(nn.Module):

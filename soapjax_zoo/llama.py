@@ -36,13 +36,12 @@ import jax.numpy as jnp
 
 from soapjax.base.attention import flash_attention
 from soapjax_zoo.workload import (
+    ATTENTION_KINDS,
     ModelConfigError,
     Workload,
     causal_attention,
     decoder_workload,
 )
-
-ATTENTION_KINDS = ("xla", "flash", "cudnn")
 
 
 def check_heads(d_model: int, num_heads: int, num_kv_heads: int) -> None:

@@ -279,6 +279,11 @@ def decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
+# How a decoder's attention runs (GPTConfig.attention, LlamaConfig.attention): XLA's (scores in
+# memory), `soapjax.base.attention.flash_attention` blockwise, or cuDNN's fused kernel on a GPU.
+ATTENTION_KINDS = ("xla", "flash", "cudnn")
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                      dropout: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
     """``softmax(q k^T / sqrt(H), causal) v`` over ``[B, T, N, H]`` (k and v with as many heads
