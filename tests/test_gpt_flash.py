@@ -11,7 +11,7 @@ import functools
 import jax
 import pytest
 from test_corpus import X64_TOL, float64_workload, relative_error, worst_leaf
-from test_flash_attention import STRATEGIES, applied
+from test_flash_attention import applied
 
 from soapjax_zoo import gpt
 from soapjax_zoo.workload import ModelConfigError

@@ -175,7 +175,7 @@ from soapjax.apply._validation import Checked, validate_program_inputs
 from soapjax.base.attention import AttentionCall, attention_call, bind_attention
 from soapjax.base.errors import PlanError
 from soapjax.graph._inner import splits_queries
-from soapjax.graph._program import LayerScan, Program
+from soapjax.graph._program import LayerScan, Program, shifted_dims
 from soapjax.graph.opgraph import OpGraph
 from soapjax.strategy.pipeline import DEFAULT_SCHEDULE, Action, ScheduleName, device_orders
 from soapjax.strategy.space import RECOMPUTE_POLICIES, MeshShape, RecomputePolicy
@@ -397,7 +397,7 @@ def _run_in_stage(prog: Program, idxs: Sequence[int], env: dict,
     start = 0
     for k, i in enumerate(idxs):
         unit = prog.units[i]
-        whole = _shifted_dims(unit.eqn)
+        whole = shifted_dims(unit.eqn)
         if whole:
             prog.run_units(idxs[start:k], env, calls, hook, reads)
             for v, dims in zip(unit.ins, whole):
@@ -405,33 +405,6 @@ def _run_in_stage(prog: Program, idxs: Sequence[int], env: dict,
                     env[v] = _whole_along(env[v], dims)
             start = k
     prog.run_units(idxs[start:], env, calls, hook, reads)
-
-
-def _shifted_dims(eqn: Any) -> list[tuple[int, ...]]:
-    """Per operand of `eqn`, the dims it indexes, slices, pads or concatenates along (empty
-    where none). Split there, XLA moves the slices' halos between a stage's devices with a
-    collective-permute (a gather aborts), which inside a stage's action hangs
-    (`check_compiled`); whole there, the stage gathers them instead."""
-    name, p = eqn.primitive.name, eqn.params
-    shape = getattr(eqn.invars[0].aval, "shape", ()) if eqn.invars else ()
-    if name == "gather":
-        return [tuple(p["dimension_numbers"].start_index_map)]
-    if name == "split":
-        return [(p["axis"],)]
-    if name == "slice":
-        return [tuple(d for d, n in enumerate(shape)
-                      if p["start_indices"][d] != 0 or p["limit_indices"][d] != n
-                      or (p["strides"] or (1,) * len(shape))[d] != 1)]
-    if name == "pad":
-        return [tuple(d for d, c in enumerate(p["padding_config"]) if c != (0, 0, 0))]
-    if name == "concatenate":
-        return [(p["dimension"],)] * len(eqn.invars)
-    if name == "rev":
-        return [tuple(p["dimensions"])]
-    if name in ("dynamic_slice", "dynamic_update_slice"):
-        sizes = p["slice_sizes"] if name == "dynamic_slice" else eqn.invars[1].aval.shape
-        return [tuple(d for d, n in enumerate(shape) if sizes[d] != n)]
-    return []
 
 
 # The named scopes of the pipeline's own sends (its per-direction ``lax.switch``, which every

@@ -521,3 +521,31 @@ def bind_as_traced(eqn: jcore.JaxprEqn, args: Sequence[Any]) -> list[Any]:
     with eqn.ctx.manager:
         ans = eqn.primitive.bind(*subfuns, *args, **params)
     return list(ans) if eqn.primitive.multiple_results else [ans]
+
+
+def shifted_dims(eqn: Any) -> list[tuple[int, ...]]:
+    """Per operand of `eqn`, the dims it indexes, slices, pads or concatenates along (empty
+    where none). Split there inside a pipeline stage, XLA moves the slices' halos between a
+    stage's devices with a collective-permute (a gather aborts), which inside a stage's action
+    hangs (`soapjax.apply._pipelined.check_compiled`); whole there, the stage gathers them
+    instead (and `soapjax.simulate.pipesim` prices that gather)."""
+    name, p = eqn.primitive.name, eqn.params
+    shape = getattr(eqn.invars[0].aval, "shape", ()) if eqn.invars else ()
+    if name == "gather":
+        return [tuple(p["dimension_numbers"].start_index_map)]
+    if name == "split":
+        return [(p["axis"],)]
+    if name == "slice":
+        return [tuple(d for d, n in enumerate(shape)
+                      if p["start_indices"][d] != 0 or p["limit_indices"][d] != n
+                      or (p["strides"] or (1,) * len(shape))[d] != 1)]
+    if name == "pad":
+        return [tuple(d for d, c in enumerate(p["padding_config"]) if c != (0, 0, 0))]
+    if name == "concatenate":
+        return [(p["dimension"],)] * len(eqn.invars)
+    if name == "rev":
+        return [tuple(p["dimensions"])]
+    if name in ("dynamic_slice", "dynamic_update_slice"):
+        sizes = p["slice_sizes"] if name == "dynamic_slice" else eqn.invars[1].aval.shape
+        return [tuple(d for d, n in enumerate(shape) if sizes[d] != n)]
+    return []

@@ -9,9 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from soapjax.base.errors import PlanError
+from soapjax.graph._program import shifted_dims
 from soapjax.graph.opgraph import OpGraph
 
-__all__ = ["boundary_values", "epilogue_params", "layer_chunks", "layer_span", "prologue_handed"]
+__all__ = ["boundary_values", "epilogue_gathers", "epilogue_params", "layer_chunks", "layer_span",
+           "prologue_handed"]
 
 
 def layer_span(graph: OpGraph) -> tuple[int, int]:
@@ -105,4 +107,24 @@ def epilogue_params(graph: OpGraph, last: int) -> tuple[str, ...]:
         for x in op.inputs:
             if x.kind == "param":
                 out[x.source] = None
+    return tuple(out)
+
+
+def epilogue_gathers(graph: OpGraph, last: int
+                     ) -> tuple[tuple[int, int, tuple[int, ...], tuple[int | None, ...]], ...]:
+    """The values the operators after `last` (the epilogue: final norm, head, loss) index,
+    slice, pad or concatenate along some dims (`soapjax.graph._program.shifted_dims`: the
+    loss's gather of the labels' log-probabilities), which apply makes whole along those dims
+    inside the last stage (`soapjax.apply._pipelined._run_in_stage`: XLA cannot partition
+    them there): ``(operator index, value id, those dims, each of the value's dims' iteration
+    dim of the operator, None where it follows none)``."""
+    prog, out = graph.program, []
+    for j in range(last + 1, len(graph.operators)):
+        loc = prog.local[graph.operators[j].name]
+        for i in loc.units:
+            unit = prog.units[i]
+            for v, dims in zip(unit.ins, shifted_dims(unit.eqn)):
+                if dims and v in loc.lab:
+                    out.append((j, v, tuple(dims), tuple(loc.labels.lookup(lbl, loc.iter_of)
+                                                         for lbl in loc.lab[v])))
     return tuple(out)

@@ -76,6 +76,7 @@ from soapjax.graph.opgraph import OpGraph
 from soapjax.simulate._flatsim import Simulation, shard_bytes
 from soapjax.simulate._pipe_cut import (
     boundary_values,
+    epilogue_gathers,
     epilogue_params,
     layer_chunks,
     layer_span,
@@ -198,6 +199,9 @@ class PipelinedSimulation:
         self._handed = graph.memo("prologue_handed", lambda: prologue_handed(graph, first))
         self._epilogue_params = graph.memo("epilogue_params",
                                            lambda: epilogue_params(graph, last))
+        # what the last stage makes whole before the loss's gather (`_whole_gathers`)
+        self._gathers = graph.memo("epilogue_gathers", lambda: epilogue_gathers(graph, last))
+        self._gather_memo: dict = {}
         self._sum_memo: dict[int, float] = {}
         self._inner = Simulation(graph, self.topology,
                                  _StageCosts(cost_model, MeshShape.of(self.topology)), resharder,
@@ -359,7 +363,40 @@ class PipelinedSimulation:
             if n:
                 out.append(("all_reduce", n, 1))
                 sent += bytes_sent("all_reduce", n, S)
+        for n, axes, _ in self._whole_gathers():
+            out.append(("all_gather", n, self._inner.microbatches))
+            sent += bytes_sent("all_gather", n, self._inner.mesh.degree(axes)) * \
+                self._inner.microbatches
         return tuple(out), sent
+
+    def _whole_gathers(self) -> tuple[tuple[int, tuple[str, ...], float], ...]:
+        """The all-gathers the last stage runs each microbatch making a value of the epilogue
+        whole along the dims the loss gathers (`_pipe_cut.epilogue_gathers`; apply's
+        `_run_in_stage`), where the configs split it there: ``(bytes per device gathered,
+        one microbatch's; the axes; seconds)``. Tiny GPT's log-probabilities under Megatron's
+        vocabulary split: one of 16,384 bytes a microbatch (docs/checks.md). Megatron-LM's
+        layout (``layer_layout="chunks"``, what Megatron runs) has none: its loss reduces
+        the picked log-probabilities over the vocabulary split instead."""
+        if self._layer_layout == "chunks":
+            return ()
+        inner, prog = self._inner, self.graph.program
+        mesh, M, out = inner.mesh, inner.microbatches, []
+        for j, v, dims, iters in self._gathers:
+            config = inner.choice(j)[0]
+            axes = [config.axes[d] if d is not None and d < len(config.axes) else ()
+                    for d in iters]
+            gathered = tuple(a for d in dims for a in axes[d])
+            if not gathered:
+                continue
+            whole = [() if d in dims else a for d, a in enumerate(axes)]
+            key = (v, tuple(whole), gathered, M)
+            hit = self._gather_memo.get(key)
+            if hit is None:
+                n = shard_bytes(prog.shapes[v], whole, prog.dtypes[v], mesh) // M
+                hit = self._gather_memo[key] = (
+                    n, gathered, self.topology.collective_time("all_gather", n, gathered))
+            out.append(hit)
+        return tuple(out)
 
     def stage_result(self) -> SimResult:
         """One stage's simulated work for the whole batch (its M microbatches one after the
@@ -392,6 +429,8 @@ class PipelinedSimulation:
         forward = [(f_last[c] - (f_last[c - 1] if c else pro_f)) / M for c in range(chunks)]
         backward = [(b_last[c] - (b_last[c + 1] if c + 1 < chunks else forward_done)) / M
                     for c in range(chunks)]
+        # the last chunk's forward makes the loss's gathered values whole first
+        forward[-1] += sum(t for _, _, t in self._whole_gathers())
         times = ChunkTimes(tuple(max(0.0, t) for t in forward),
                            tuple(max(0.0, t) for t in backward), self._send_times())
         timeline = time_schedule(schedule, S, M, v, times)
