@@ -143,8 +143,11 @@ def test_leaving_one_table_out_fits_on_the_others_and_reports_each_table():
         return None
 
     tables = {"narayanan21": ("Table 1", bench.ROWS[:1]),
-              "korthikanti22": ("K22", bench.KORTHIKANTI[:1])}
+              "korthikanti22": ("K22", bench.KORTHIKANTI[:1]),
+              "korthikanti22-full": ("K22 full", bench.KORTHIKANTI_FULL[:1])}
     text = bench.leave_tables_out(tables, fit)
-    assert seen == [("22B",), ("1.7B",), ("22B",)]
+    assert seen == [("22B", "22B full"), ("1.7B", "22B full"), ("1.7B", "22B"),
+                    ("22B full",), ("22B",), ("22B", "22B full")]
+    assert "Within the 2022 software, leave one table out: K22 full" in text
     assert "Leave one table out: Table 1" in text and "Leave one table out: K22" in text
     assert "(the 2021 software, apart)" in text
