@@ -449,17 +449,23 @@ def test_the_pipelined_grids_take_every_tp():
     assert tps("gpt") == {1, 2, 4, 8}
 
 
-def test_a_start_that_does_not_fit_is_tried_recomputing():
-    """A start whose activations do not fit is scored again recomputing its layers (selective,
-    then full), as a person would try next; the fastest variant that fits replaces it, and a
-    start that fits nowhere is kept as it is."""
+def test_a_start_that_does_not_fit_is_made_to_fit():
+    """A start whose activations do not fit is scored again with 2, 4 and 8 times its
+    microbatches and recomputing its layers (selective, full), and both, as a person would try
+    next; the fastest variant that fits replaces it, and a start that fits nowhere is kept as
+    it is."""
     import dataclasses
 
     from soapjax.search._chain import _Searcher
-    from soapjax.search.find import _recomputing
-    from soapjax.strategy.space import data_parallel
+    from soapjax.search.find import _fitting
+    from soapjax.strategy.baselines import with_recompute
+    from soapjax.strategy.memory import microbatch_refusal
+    from soapjax.strategy.space import RECOMPUTE_POLICIES, data_parallel
 
-    w, g, topo, cm = setup("gpt", "cpu8")
+    w = zoo.get("gpt", "tiny", batch_size=64)  # 8 samples a device: up to 8 microbatches
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt")
+    topo = load_topology("cpu8")
+    cm = cost_model(g, topo, mode="analytic")
     sim = make_simulation(g, topo, cost_model=cm)
     start = data_parallel(g, sim.mesh)
     peaks = {}
@@ -474,12 +480,24 @@ def test_a_start_that_does_not_fit_is_tried_recomputing():
     searcher = _Searcher(sim, SearchSettings(max_proposals=10), None)
     sim.reset(start)
     assert not sim.fits_in_memory()
-    chosen = _recomputing(sim, searcher, g, "data-parallel", start)
-    assert set(chosen.recompute) - {"none"} and chosen.configs == start.configs
+    chosen = _fitting(sim, searcher, g, "data-parallel", start)
+    assert chosen.configs == start.configs
+    assert chosen.microbatches > 1 or set(chosen.recompute) - {"none"}
     sim.reset(chosen)
     assert sim.fits_in_memory()
+    fitting = []
+    for m in (1, 2, 4, 8):
+        if microbatch_refusal(g, start.configs, sim.mesh, m):
+            continue
+        for policy in RECOMPUTE_POLICIES:
+            if (m, policy) != (1, "none"):
+                sim.reset(with_recompute(g, dataclasses.replace(start, microbatches=m), policy))
+                if sim.fits_in_memory():
+                    fitting.append(sim.step_time())
+    sim.reset(chosen)
+    assert len(fitting) > 1 and sim.step_time() == min(fitting)
     assert searcher.best is not None and searcher.best[2].startswith("data-parallel-")
     tiny = dataclasses.replace(topo, device=dataclasses.replace(topo.device, memory_bytes=1))
     sim = make_simulation(g, tiny, cost_model=cm)
-    assert _recomputing(sim, _Searcher(sim, SearchSettings(max_proposals=10), None), g,
-                        "data-parallel", start) is start
+    assert _fitting(sim, _Searcher(sim, SearchSettings(max_proposals=10), None), g,
+                    "data-parallel", start) is start
