@@ -53,13 +53,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from _searched_row import strategy_words  # noqa: E402
+from _searched_row import search_into, strategy_words  # noqa: E402
 
 import soapjax_zoo  # noqa: E402
 from soapjax.base.errors import PlanError  # noqa: E402
 from soapjax.cost.operators import cost_model  # noqa: E402
 from soapjax.graph.opgraph import OpGraph, trace  # noqa: E402
-from soapjax.search import SearchSettings, find_plan, stage_choices  # noqa: E402
+from soapjax.search import stage_choices  # noqa: E402
 from soapjax.search.grids import grid_degrees  # noqa: E402
 from soapjax.search.pipelines import interleave_choices  # noqa: E402
 from soapjax.simulate.front import open_simulation, opt_state_factor  # noqa: E402
@@ -217,39 +217,36 @@ def run_case(case: Case, budget: float, progress: Callable[[str], None],
     return _search_into(row, case, g, topo, w, costs, factor, budget, proposals, progress)
 
 
-def _search_into(row: dict, case: Case, g: OpGraph, topo, w, costs, factor: float,
-                 budget: float, proposals: int | None, progress: Callable[[str], None]) -> dict:
-    progress(f"{case.key}: searching ({budget:g} s)" if proposals is None else
-             f"{case.key}: searching ({proposals} proposals a chain)")
-    t0 = time.perf_counter()
-    try:
-        plan = find_plan(g, topo, settings=SearchSettings(budget_s=budget, seed=0,
-                                                          pipelines=True,
-                                                          max_proposals=proposals),
-                         costs=costs, optimizer=w.optimizer, family=w.family,
-                         model_config=case.size)
-    except PlanError as e:
-        row["search_s"], row["error"] = time.perf_counter() - t0, str(e).splitlines()[0]
-        return row
-    row["search_s"] = time.perf_counter() - t0
-    s = plan.strategy(g, topo)
-    info = plan.to_json()["search"]
+class Searched(NamedTuple):
+    """The searched plan as apply runs it, and its step's terms (module doc)."""
+
+    step_s: float
+    memory: float
+    fits: bool
+    compute_s: float
+    exposed_comm_s: float
+    bubble: float
+
+
+def searched(g: OpGraph, topo, s: Strategy, costs, factor: float) -> Searched:
     with open_simulation(g, topo, s, cost_model=costs, resharder="ideal",
                          opt_state_factor=factor) as sim:
         r = sim.result()
         stage = sim.stage_result() if s.pipelined else r
         step, memory, fits = sim.step_time(), sim.peak_memory_bytes(), sim.fits_in_memory()
-    pipeline = r if s.pipelined else None
     # one stage's whole-batch work, over its stages: what a device computes per step
     per_device = s.stages if s.pipelined else 1
-    row["searched"] = {
-        "step_s": step, "memory": float(memory), "fits": fits, "plan_step_s": plan.step_time_s,
-        "words": strategy_words(s, topo),
-        "best_from": info.get("best_from"), "proposals": info.get("proposals"),
-        "compute_s": stage.compute_s / per_device,
-        "exposed_comm_s": stage.exposed_comm_s / per_device,
-        "bubble": pipeline.bubble_fraction if pipeline is not None else 0.0}
-    return row
+    return Searched(step, float(memory), fits, stage.compute_s / per_device,
+                    stage.exposed_comm_s / per_device, r.bubble_fraction if s.pipelined else 0.0)
+
+
+def _search_into(row: dict, case: Case, g: OpGraph, topo, w, costs, factor: float,
+                 budget: float, proposals: int | None, progress: Callable[[str], None]) -> dict:
+    progress(f"{case.key}: searching ({budget:g} s)" if proposals is None else
+             f"{case.key}: searching ({proposals} proposals a chain)")
+    return search_into(row, g, topo, w, case.size, costs, budget, True,
+                       lambda s: searched(g, topo, s, costs, factor),
+                       lambda g, s, t: strategy_words(s, t), proposals=proposals)
 
 
 def ratio(row: dict) -> float | None:

@@ -30,7 +30,6 @@ def test_a_case_scores_the_experts_grid_and_searches():
     assert found["fits"] and found["proposals"] > 0
     # it starts from the grid's best, priced as apply runs it
     assert found["step_s"] <= row["hand"]["applied_s"] * 1.0001
-    assert found["step_s"] == found["plan_step_s"]
     r = bench.ratio(row)
     assert r is not None and r > 0.5
     text = bench.render([row], 2.0)
