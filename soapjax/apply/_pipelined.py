@@ -945,8 +945,10 @@ class StageLayouts(NamedTuple):
     sums are reduce-scattered; `stage_layouts`).
 
     A stage constrains every output its layers and the epilogue make to these, and every
-    activation they read (over the automatic axes; the stage's and the data groups' are
-    manual there), holds the layers' carry (the residual stream) in them at a chunk's start,
+    activation its layers read (over the automatic axes; the stage's and the data groups' are
+    manual there; attention operators and the epilogue's operands are left to XLA:
+    `_Pipeline._operand_reads`), holds the layers' carry (the residual stream) in them at a
+    chunk's start,
     and sends the carry so between stages (each device its own shard, split further over
     the axes its layout leaves it whole on: the scatter/gather rule, `_send_spec`), as
     `soapjax.simulate.pipesim` prices them. Without them XLA places a stage's values itself
@@ -1142,21 +1144,25 @@ class _Pipeline:
             return {}
         program = self.cut.program
         return {t.value: _held_spec(spec, program.shapes[t.value], sizes, manual)
-                for op in self.cut.graph.operators if op.name in layouts.outputs
+                for op in self.cut.graph.operators
+                if op.name in layouts.outputs and op.anchor != "attention"
                 for t, spec in zip(op.outputs, layouts.outputs[op.name])}
 
     def _operand_reads(self, layouts: StageLayouts) -> dict[int, list[tuple]]:
-        """`Program.run`'s ``reads`` constraining every activation the layers and the epilogue
-        read to its operator's layout (`StageLayouts.operands`), its cotangent to the layout
-        that says, as the flat step's ``on_input`` does (so a stage's backward reads the
-        gathered operand its forward kept, as the flat step's does)."""
+        """`Program.run`'s ``reads`` constraining every activation the layers read to its
+        operator's layout (`StageLayouts.operands`), its cotangent to the layout that says,
+        as the flat step's ``on_input`` does (so a stage's backward reads the gathered
+        operand its forward kept, as the flat step's does). Not the epilogue's operands, nor
+        an attention operator's: constrained there, the loss's gather under context
+        parallelism (its batch dims split) made XLA's partitioner abort
+        (tests/test_flash_attention.py, the pipelined context-parallel plan)."""
         sizes = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))
         manual = {self.stage_axis, *self.groups.axes}
-        program, units = self.cut.program, set(self.cut.layer) | set(self.cut.epilogue)
+        program, units = self.cut.program, set(self.cut.layer)
         reads: dict[int, list[tuple]] = {}
         for op in self.cut.graph.operators:
             mine = [i for i in program.local[op.name].units if i in units]
-            if not mine or op.name not in layouts.operands:
+            if not mine or op.name not in layouts.operands or op.anchor == "attention":
                 continue
             first: dict[int, int] = {}
             for o, ((spec, back), x) in enumerate(zip(layouts.operands[op.name], op.inputs)):

@@ -91,7 +91,7 @@ from soapjax.strategy.pipeline import (
     stage_routes,
     time_schedule,
 )
-from soapjax.strategy.space import Config, MeshShape, Strategy
+from soapjax.strategy.space import Config, MeshShape, Strategy, sample_dim
 from soapjax.topology.cluster import Topology, stage_topology
 
 __all__ = ["LAYER_LAYOUTS", "PipelineResult", "PipelinedSimulation", "as_step_result",
@@ -382,13 +382,16 @@ class PipelinedSimulation:
         inner, prog = self._inner, self.graph.program
         mesh, M, out = inner.mesh, inner.microbatches, []
         for j, v, dims, iters in self._gathers:
-            config = inner.choice(j)[0]
+            config, batch = inner.choice(j)[0], sample_dim(self.graph.operators[j])
             axes = [config.axes[d] if d is not None and d < len(config.axes) else ()
                     for d in iters]
-            gathered = tuple(a for d in dims for a in axes[d])
+            # the batch's axes are the stages' data groups, manual in apply: kept split, not
+            # gathered
+            manual = [d for d, it in enumerate(iters) if it is not None and it == batch]
+            gathered = tuple(a for d in dims if d not in manual for a in axes[d])
             if not gathered:
                 continue
-            whole = [() if d in dims else a for d, a in enumerate(axes)]
+            whole = [a if d in manual or d not in dims else () for d, a in enumerate(axes)]
             key = (v, tuple(whole), gathered, M)
             hit = self._gather_memo.get(key)
             if hit is None:
