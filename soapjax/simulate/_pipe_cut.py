@@ -1,7 +1,8 @@
 """Where a pipeline cuts the graph: each operator's layer chunk, and what crosses between the
 parts (a chunk boundary's activations, the prologue's hand-off to every stage, the epilogue's
-parameters). Read off the graph alone, memoised per graph by `soapjax.simulate.pipesim`, its
-only user.
+parameters and the values its loss gathers), read off the graph alone and memoised per graph
+by `soapjax.simulate.pipesim`, its only user; and the pieces a boundary value is sent in
+(`send_pieces`, per layout).
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from collections.abc import Sequence
 from soapjax.base.errors import PlanError
 from soapjax.graph._program import shifted_dims
 from soapjax.graph.opgraph import OpGraph
+from soapjax.strategy.space import MeshShape
 
 __all__ = ["boundary_values", "epilogue_gathers", "epilogue_params", "layer_chunks", "layer_span",
-           "prologue_handed"]
+           "prologue_handed", "send_pieces"]
 
 
 def layer_span(graph: OpGraph) -> tuple[int, int]:
@@ -128,3 +130,22 @@ def epilogue_gathers(graph: OpGraph, last: int
                     out.append((j, v, tuple(dims), tuple(loc.labels.lookup(lbl, loc.iter_of)
                                                          for lbl in loc.lab[v])))
     return tuple(out)
+
+def send_pieces(shape: Sequence[int], spec: Sequence[Sequence[str]], mesh: MeshShape,
+                nbytes: int) -> tuple[int, int, tuple[str, ...]]:
+    """``(bytes sent, shard bytes, gather axes)`` of one boundary value (Megatron-LM's
+    scatter/gather; `soapjax.simulate.pipesim.PipelinedSimulation._crossings`): cut
+    ``r`` ways over the mesh axes it is not split over when a dim of its shard divides by
+    ``r`` (the microbatch's share of the batch dim aside: the rule's dim is in practice the
+    hidden one, the last)."""
+    used = {a for axes in spec for a in axes}
+    free = tuple(a for a in mesh.axis_names if a not in used)
+    r = mesh.degree(free)
+    if r == 1:
+        return nbytes, nbytes, ()
+    padded = [*spec, *[()] * (len(shape) - len(spec))]
+    local = [size // mesh.degree(axes) if size % mesh.degree(axes) == 0 else size
+             for size, axes in zip(shape, padded)]
+    if not any(d % r == 0 for d in local[1:]):  # dim 0: the batch, cut into microbatches
+        return nbytes, nbytes, ()
+    return nbytes // r, nbytes, free

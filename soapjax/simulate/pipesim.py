@@ -81,6 +81,7 @@ from soapjax.simulate._pipe_cut import (
     layer_chunks,
     layer_span,
     prologue_handed,
+    send_pieces,
 )
 from soapjax.simulate._simresult import MemoryBreakdown, SimResult
 from soapjax.strategy.pipeline import (
@@ -618,7 +619,7 @@ class PipelinedSimulation:
                 if sent is None:
                     x = ops[p].outputs[k]
                     nbytes = shard_bytes(x.shape, key[2], x.dtype, mesh) // M
-                    sent = memo[key] = _scatter(x.shape, key[2], mesh, nbytes)
+                    sent = memo[key] = send_pieces(x.shape, key[2], mesh, nbytes)
                 row.append(sent)
             out.append(row)
         return out
@@ -693,22 +694,3 @@ def _flat(strategy: Strategy) -> Strategy:
     """The strategy without its pipeline: what one stage runs."""
     return dataclasses.replace(strategy, stages=1, virtual_stages=1, schedule=DEFAULT_SCHEDULE,
                                stage_layers=())
-
-
-def _scatter(shape: Sequence[int], spec: Sequence[Sequence[str]], mesh: MeshShape,
-             nbytes: int) -> tuple[int, int, tuple[str, ...]]:
-    """``(bytes sent, shard bytes, gather axes)`` of one boundary value (`_crossings`): cut
-    ``r`` ways over the mesh axes it is not split over when a dim of its shard divides by
-    ``r`` (the microbatch's share of the batch dim aside: the rule's dim is in practice the
-    hidden one, the last)."""
-    used = {a for axes in spec for a in axes}
-    free = tuple(a for a in mesh.axis_names if a not in used)
-    r = mesh.degree(free)
-    if r == 1:
-        return nbytes, nbytes, ()
-    padded = [*spec, *[()] * (len(shape) - len(spec))]
-    local = [size // mesh.degree(axes) if size % mesh.degree(axes) == 0 else size
-             for size, axes in zip(shape, padded)]
-    if not any(d % r == 0 for d in local[1:]):  # dim 0: the batch, cut into microbatches
-        return nbytes, nbytes, ()
-    return nbytes // r, nbytes, free
