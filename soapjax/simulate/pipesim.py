@@ -335,7 +335,8 @@ class PipelinedSimulation:
         uneven); every chunk boundary's sends, a collective-permute of each piece per
         microbatch each way, and the receiver's all-gather of the pieces (scatter/gather); the
         layer layout's moves, each way; the two sums over the stage axis after the pipeline
-        (`_stage_sum_bytes`)."""
+        (`_stage_sum_bytes`); the last stage's all-gather of the values its loss gathers, each
+        microbatch (`_whole_gathers`)."""
         S, _, _, sizes = self._pipeline
         stacked = self.graph.memo("stacked_layer_params", self._stacked_layer_params)
         layers = len(next(iter(stacked.values()))) if stacked else 0
