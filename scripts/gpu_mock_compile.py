@@ -521,7 +521,9 @@ def case_worker(args: argparse.Namespace, parts: Parts) -> None:
 
     opt_state = jax.eval_shape(w.optimizer.init, params)
     t0 = time.perf_counter()
-    lowered = step.lower(placed(params, sh.params), placed(opt_state, sh.opt_state),
+    # (an interleaved pipeline keeps its stacked layers in chunk order: the step's layout)
+    lowered = step.lower(placed(apply.step_layout(params, sh.params), sh.params),
+                         placed(apply.step_layout(opt_state, sh.opt_state), sh.opt_state),
                          placed(batch, sh.batch))
     lower_s = time.perf_counter() - t0
     parts.emit("lowered", lower_s=lower_s, partitioner=step.partitioner)

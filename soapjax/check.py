@@ -302,7 +302,7 @@ def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5,
             apply.device_put_global(opt_state, sh.opt_state),
             apply.device_put_global(batch, sh.batch))
     compiled = step.lower(*args).compile()
-    out = step(*args)
+    out = apply.model_layout(step(*args))  # (stacked layers kept in chunk order: back)
     diff = step_difference(out, ref)
 
     found = hlo.collectives(compiled.as_text(), MeshShape.of(topo),
@@ -369,7 +369,8 @@ def compiled_flops(graph: Any, strategy: Any, mesh: Any, workload: TrainWorkload
                             tree, shardings)
 
     opt_state = jax.eval_shape(workload.optimizer.init, params)
-    compiled = step.lower(placed(params, sh.params), placed(opt_state, sh.opt_state),
+    compiled = step.lower(placed(apply.step_layout(params, sh.params), sh.params),
+                          placed(apply.step_layout(opt_state, sh.opt_state), sh.opt_state),
                           placed(batch, sh.batch)).compile()
     counted, reported = hlo_flops(compiled.as_text()), _reported_flops(compiled)
     # XLA sums in float32: equal to about 1e-7 of the total

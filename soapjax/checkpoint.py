@@ -1,7 +1,9 @@
 """Checkpoints of a sharded training run: saved with orbax, restored under any plan or mesh.
 
-A checkpoint holds the parameters and the optimizer state in the model's layout (a pipelined
-plan's step keeps them there too: `soapjax.apply.step`), each array as its global value, so it
+A checkpoint holds the parameters and the optimizer state in the model's layout (an interleaved
+pipeline's step keeps its stacked layer parameters in chunk order: `save` writes them in the
+model's order and `restore` puts them back in the run's: `soapjax.apply.model_layout`,
+`soapjax.apply.step_layout`), each array as its global value, so it
 restores under another plan, another mesh or another number of devices: `restore` reads every
 array straight onto the shardings of the run it is given (orbax reads each device's shard).
 
@@ -33,6 +35,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from soapjax.apply.step import model_layout, step_layout
 from soapjax.base.errors import PlanError
 from soapjax.training import ShardedTraining
 
@@ -55,8 +58,8 @@ def save(directory: str | os.PathLike, run: ShardedTraining, step: int, *,
     path = _folder(directory, step)
     if path.exists():
         raise PlanError(f"checkpoint {path} exists already; save under a new step, or remove it")
-    state = {"params": run.params if params is None else params,
-             "opt_state": run.opt_state if opt_state is None else opt_state}
+    state = model_layout({"params": run.params if params is None else params,
+                          "opt_state": run.opt_state if opt_state is None else opt_state})
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(path, state)
     checkpointer.wait_until_finished()
@@ -83,8 +86,9 @@ def restore(directory: str | os.PathLike, run: ShardedTraining, step: int | None
     if step not in steps(directory):
         raise PlanError(f"no finished checkpoint {path}; the ones there: "
                         f"{', '.join(map(str, steps(directory))) or 'none'}")
-    target = {"params": _abstract(run.params, run.shardings.params),
-              "opt_state": _abstract(run.opt_state, run.shardings.opt_state)}
+    # the model's layout (stacked layers in the model's order), then the run's
+    target = model_layout({"params": _abstract(run.params, run.shardings.params),
+                           "opt_state": _abstract(run.opt_state, run.shardings.opt_state)})
     checkpointer = ocp.StandardCheckpointer()
     try:
         restored = checkpointer.restore(path, target)
@@ -93,7 +97,8 @@ def restore(directory: str | os.PathLike, run: ShardedTraining, step: int | None
                         f"optimizer?): {str(e).splitlines()[0][:300]}") from None
     finally:
         checkpointer.close()
-    return restored["params"], restored["opt_state"]
+    return (step_layout(restored["params"], run.shardings.params),
+            step_layout(restored["opt_state"], run.shardings.opt_state))
 
 
 def steps(directory: str | os.PathLike) -> tuple[int, ...]:

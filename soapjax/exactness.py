@@ -226,6 +226,7 @@ def first_step(graph: OpGraph, strategy: Any, mesh: Mesh, loss_fn: Callable[[Any
                                                      compiler_options=compiler_options)
     loss, grads = fn(apply.device_put_global(params, sh.params),
                      apply.device_put_global(batch, sh.batch))
+    grads = apply.model_layout(grads)  # an interleaved pipeline's stacked layers in chunk order
     device = jax.local_devices()[0]
     host_params = jax.tree.map(_host, params)
     host_batch = jax.tree.map(_host, batch)

@@ -15,7 +15,7 @@ nnx (``loss_fn(model, batch)``; the step trains the model's `nnx.Param` state)::
     params, opt_state = run.params, run.opt_state
     for batch in batches:
         params, opt_state, loss = run.step(params, opt_state, run.shard_batch(batch))
-    nnx.update(model, params)
+    nnx.update(model, run.model_params(params))
 
 **Planning.** The strategy defaults to ``"plan"``: `soapjax.search.find.find_plan` searches the
 topology (``search=SearchSettings(...)``, default 20 s; ``costs="auto"`` measures operators
@@ -32,7 +32,12 @@ keeps), 4 ms to reuse the plan; with analytic costs and 300 proposals per chain 
 ``"fsdp"``, ``"expert-cnn"``, ``"expert-rnn"``), or a ``planner(graph, mesh_shape) ->
 Strategy``. A pipelined strategy or plan (`soapjax.strategy.baselines.megatron_3d` with ``pp``) runs
 too, on the topology's mesh with its outermost axis cut into stages (`soapjax.apply.step`); the
-parameters stay in the model's layout.
+parameters stay in the model's layout, but for an interleaved pipeline's (virtual stages): the
+step keeps its stacked layer parameters and their optimizer state in the order its chunks run
+them (`soapjax.apply._layer_order`), so ``run.params`` and what ``run.step`` returns hold them
+wrapped in `soapjax.apply.ChunkOrdered` (used as arrays they raise a PlanError).
+``run.model_params(params)`` gives the model's layout (for evaluation, ``nnx.update``, an
+export); `soapjax.checkpoint` saves and restores in the model's layout by itself.
 
 **A raw `jax.sharding.Mesh`** carries no topology, and planning needs one (links, device
 memory, peak FLOP/s). The named planners then use the local devices' shipped topology
@@ -74,6 +79,7 @@ from soapjax.apply.step import (
     PartitionedStep,
     TrainShardings,
     device_put_global,
+    model_layout,
     sharded_train_step,
     validate_strategy,
 )
@@ -217,7 +223,8 @@ class ShardedTraining:
         count as the step number (`apply.sharded_train_step`): the first call computes exactly
         your loss's gradient, later ones draw fresh dropout masks from the keys your loss holds
         (an nnx model's `Rngs`, a linen dropout key). Every process counts alike.
-      params: the parameters on their shardings (for nnx: the `nnx.Param` state).
+      params: the parameters on their shardings (for nnx: the `nnx.Param` state); an
+        interleaved pipeline's stacked layer parameters in chunk order (`model_params`).
       opt_state: the optimizer state on its shardings.
       shardings: every sharding of the step.
       graph: the traced operator graph.
@@ -235,6 +242,13 @@ class ShardedTraining:
     strategy: Strategy
     mesh: Mesh
     plan: Plan | None = None
+
+    def model_params(self, params: Any = None) -> Any:
+        """`params` (default ``self.params``; or gradients, or an optimizer state) in the
+        model's layout, as ``loss_fn`` and the model take them: an interleaved pipeline's
+        stacked layer parameters back from the chunk order the step keeps them in
+        (`soapjax.apply.model_layout`; the same tree where the plan has no virtual stages)."""
+        return model_layout(self.params if params is None else params)
 
     def shard_batch(self, batch: Any) -> Any:
         """Puts a batch on the batch shardings.
@@ -381,7 +395,7 @@ def verify_first_step(run: ShardedTraining, loss_fn: Callable[[Any, Any], Any], 
     got = run.step.partitioned(device_put_global(params, sh.params),
                                device_put_global(state, sh.opt_state),
                                device_put_global(batch, sh.batch), np.int32(0))
-    diff = step_difference(got, want)
+    diff = step_difference(model_layout(got), want)
     if not diff <= NUMBERS_TOLERANCE:
         raise VerificationError(
             f"shard_training(verify=True): the loss and gradients agree ({comparison.describe()}"

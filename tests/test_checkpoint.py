@@ -151,31 +151,44 @@ def _kill_run():
                           donate=False)
 
 
-def test_a_data_parallel_checkpoint_restores_under_a_pipelined_plan(tmp_path):
+@pytest.mark.parametrize("interleave", [1, 2], ids=["1f1b", "interleaved"])
+def test_a_data_parallel_checkpoint_restores_under_a_pipelined_plan(tmp_path, interleave):
     """Saved from data parallelism on `cpu8`, restored under Megatron's TP 2 x PP 2 on
-    ``cpu8-nodes`` (the pipelined step keeps the model's layout: nothing to convert), the
-    arrays equal; the next step under the pipeline is the next data-parallel step."""
+    ``cpu8-nodes`` (1F1B: the pipelined step keeps the model's layout; interleaved: it keeps
+    the stacked layers in chunk order, and `restore` puts them so), the arrays equal in the
+    model's layout; the next step under the pipeline is the next data-parallel step; saved
+    again from the pipeline, it restores under data parallelism equal to the pipeline's."""
     from conftest import float64_model
 
+    from soapjax.apply import ChunkOrdered, model_layout
+    from soapjax.apply._pipeline_layout import stacked_params
     from soapjax.strategy.baselines import megatron_3d
     from soapjax.strategy.plan import Plan
     from soapjax.topology.cluster import load_topology
 
     nodes = load_topology(str(ROOT / "tests" / "meshes" / "cpu8-nodes.toml"))
-    w, params, batch, graph, _ = float64_model("llama", 2, 8)
+    w, params, batch, graph, _ = float64_model("llama", 2 * interleave, 8)
     with jax.enable_x64(True):
         flat = shard_training(w.loss_fn, params, batch, optax.adam(1e-3), mesh="cpu8",
                               strategy="data-parallel", name="llama", donate=False)
         p1, s1, _ = flat.step(flat.params, flat.opt_state, flat.shard_batch(batch))
         checkpoint.save(tmp_path, flat, 1, params=p1, opt_state=s1)
         plan = Plan.make(graph, nodes, megatron_3d(graph, nodes, tp=2, pp=2,
+                                                   interleave=interleave,
                                                    microbatch_size=2, recompute="full"))
         piped = shard_training(w.loss_fn, params, batch, optax.adam(1e-3), mesh=nodes,
                                strategy=plan, name="llama", donate=False)
         assert piped.strategy.pipelined
         got_params, got_state = checkpoint.restore(tmp_path, piped, 1)
-        _equal(got_params, p1)
-        _equal(got_state, s1)
+        wrapped = [x for x in jax.tree.leaves(got_params, is_leaf=lambda x: isinstance(
+            x, ChunkOrdered)) if isinstance(x, ChunkOrdered)]
+        assert len(wrapped) == (0 if interleave == 1 else len(stacked_params(graph)))
+        _equal(model_layout(got_params), p1)
+        _equal(model_layout(got_state), s1)
         want = flat.step(p1, s1, flat.shard_batch(batch))
         got = piped.step(got_params, got_state, piped.shard_batch(batch))
-        _close(got[0], want[0], rel=1e-10)
+        _close(piped.model_params(got[0]), want[0], rel=1e-10)
+        checkpoint.save(tmp_path, piped, 2, params=got[0], opt_state=got[1])
+        back_params, back_state = checkpoint.restore(tmp_path, flat, 2)
+        _equal(back_params, piped.model_params(got[0]))
+        _equal(back_state, model_layout(got[1]))

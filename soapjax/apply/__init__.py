@@ -5,6 +5,8 @@ under jax.jit.
   parallelism, as
 - `_flatstep`: The step without pipeline stages: the traced loss with a sharding constraint on
   every operator.
+- `_layer_order`: An interleaved pipeline's stacked layer parameters kept in the order its chunks
+  run them.
 - `_manual`: Apply for equations XLA's partitioner gets wrong or runs whole: apply runs them in
 - `_pipeline_layout`: A pipelined strategy's layout: the layer scan its stages cut, the mesh it
   runs on, and where
@@ -22,6 +24,7 @@ Its public names are `soapjax.apply.step`'s, re-exported here.
 from soapjax.apply import step as _step
 from soapjax.apply.step import (
     Checked as Checked,
+    ChunkOrdered as ChunkOrdered,
     PartitionedStep as PartitionedStep,
     Partitioner as Partitioner,
     TrainShardings as TrainShardings,
@@ -29,11 +32,13 @@ from soapjax.apply.step import (
     collectives_as_run as collectives_as_run,
     constrained_loss as constrained_loss,
     device_put_global as device_put_global,
+    model_layout as model_layout,
     opt_state_shardings as opt_state_shardings,
     param_shardings as param_shardings,
     recompute_segments as recompute_segments,
     sharded_train_step as sharded_train_step,
     sharded_value_and_grad as sharded_value_and_grad,
+    step_layout as step_layout,
     strategy_from_names as strategy_from_names,
     train_shardings as train_shardings,
     validate_strategy as validate_strategy,

@@ -45,7 +45,7 @@ from soapjax.strategy.space import (
     batch_specs,
 )
 
-__all__ = ["STAGE_AXIS", "batch_axes", "check_chunks", "check_pipelinable", "check_stage_axis",
+__all__ = ["STAGE_AXIS", "batch_axes", "check_chunks", "chunk_ordered", "check_pipelinable", "check_stage_axis",
            "from_pipelined", "layer_recompute", "layer_scan", "pipelined_layout_shardings",
            "pipelined_mesh", "stacked_params", "stage_mesh_shape", "stage_router",
            "to_pipelined"]
@@ -202,26 +202,44 @@ def check_stage_axis(mesh: Mesh, stages: int, stage_axis: str) -> None:
 # The pipelined layout
 
 
-def to_pipelined(graph: OpGraph, params: Any, *, stages: int, virtual: int = 1) -> Any:
+def to_pipelined(graph: OpGraph, params: Any, *, stages: int, virtual: int = 1,
+                 chunk_ordered: bool = False) -> Any:
     """`params` (the model's pytree) with every stacked layer parameter ``[L, ...]`` reshaped
     to ``[v, S, L / (S v), ...]``: chunk ``c = j S + s`` at ``[j, s]``, so sharding the second dim
     over ``stage`` gives stage ``s`` its chunks `soapjax.strategy.pipeline.chunks_of` ``(s, S, v)``.
-    Others are unchanged. A reshape (jit-able); `from_pipelined` undoes it."""
+    Others are unchanged. A reshape (jit-able); `from_pipelined` undoes it. With
+    `chunk_ordered` the stacked parameters come in chunk order
+    (`soapjax.apply._layer_order`, unwrapped): stage ``s``'s rows are ``[s, j]`` of ``[S, v,
+    L / (S v), ...]``, and the two first dims swap (no row changes stage)."""
     scan, stacked = layer_scan(graph)
     per = check_chunks(graph, len(scan.steps), stages, virtual)
     leaves, tree = jax.tree.flatten(params)
     for k in stacked:
-        leaves[k] = jnp.reshape(leaves[k], (virtual, stages, per, *leaves[k].shape[1:]))
+        rest = leaves[k].shape[1:]
+        leaves[k] = (jnp.swapaxes(jnp.reshape(leaves[k], (stages, virtual, per, *rest)), 0, 1)
+                     if chunk_ordered else
+                     jnp.reshape(leaves[k], (virtual, stages, per, *rest)))
     return jax.tree.unflatten(tree, leaves)
 
 
-def from_pipelined(graph: OpGraph, params: Any, *, stages: int, virtual: int = 1) -> Any:
-    """The model's layout of parameters (or gradients) in the pipelined layout."""
+def from_pipelined(graph: OpGraph, params: Any, *, stages: int, virtual: int = 1,
+                   chunk_ordered: bool = False) -> Any:
+    """The model's layout of parameters (or gradients) in the pipelined layout (with
+    `chunk_ordered`, the stacked ones in chunk order: see `to_pipelined`)."""
     scan, stacked = layer_scan(graph)
     leaves, tree = jax.tree.flatten(params)
     for k in stacked:
-        leaves[k] = jnp.reshape(leaves[k], (len(scan.steps), *leaves[k].shape[3:]))
+        x = jnp.swapaxes(leaves[k], 0, 1) if chunk_ordered else leaves[k]
+        leaves[k] = jnp.reshape(x, (len(scan.steps), *leaves[k].shape[3:]))
     return jax.tree.unflatten(tree, leaves)
+
+
+def chunk_ordered(strategy: Strategy) -> bool:
+    """Whether `soapjax.apply.step` keeps a strategy's stacked layer parameters in chunk order
+    between steps (`soapjax.apply._layer_order`): an interleaved pipeline (v > 1) of equal
+    stages, where the chunks a stage runs are not its run of the model's layers. (Uneven
+    stages keep ``L / S`` layers a stage and move the difference: `stage_router`.)"""
+    return strategy.stages > 1 and strategy.virtual_stages > 1 and not strategy.stage_layers
 
 
 def stage_router(graph: OpGraph, mesh: Mesh, stage_layers: tuple[int, ...],

@@ -156,11 +156,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from soapjax.apply._flatstep import _Layouts
+from soapjax.apply._layer_order import ChunkOrdered, is_chunk_ordered
 from soapjax.apply._pipeline_layout import (
     STAGE_AXIS,
     batch_axes,
     check_pipelinable,
     check_stage_axis,
+    chunk_ordered,
     from_pipelined,
     layer_recompute,
     layer_scan,
@@ -883,13 +885,19 @@ class PipelinedStep:
         stages = check.strategy.stages
         self.mesh = pipelined_mesh(check.mesh, stages, STAGE_AXIS)
         self.config_mesh = stage_mesh_shape(MeshShape.of(check.mesh), stages)
+        self.chunk_ordered = chunk_ordered(check.strategy)
 
-    def param_layout(self, shardings: list[NamedSharding]) -> list[NamedSharding]:
+    def param_layout(self, shardings: list[NamedSharding]) -> list[Any]:
         """The shardings of their specs, each stacked layer parameter's split over ``stage``
-        on its layer dim (unsplit in one stage's specs)."""
-        out = list(shardings)
+        on its layer dim (unsplit in one stage's specs); in chunk order (wrapped in a
+        `ChunkOrdered`, `soapjax.apply._layer_order`) where the stages are interleaved
+        (`chunk_ordered`)."""
+        out: list[Any] = list(shardings)
+        strategy = self.check.strategy
         for k in stacked_params(self.check.graph):
             out[k] = NamedSharding(self.mesh, PartitionSpec(STAGE_AXIS, *out[k].spec[1:]))
+            if self.chunk_ordered:
+                out[k] = ChunkOrdered(out[k], strategy.stages, strategy.virtual_stages)
         return out
 
     def value_and_grad(self, param_shardings: Any, batch_shardings: Any, *,
@@ -923,17 +931,30 @@ class PipelinedStep:
         route = (stage_router(graph, self.mesh, strategy.stage_layers, STAGE_AXIS)
                  if strategy.stage_layers else None)
 
+        ordered = self.chunk_ordered
+
         def value_and_grad(params: Any, batch: Any, step: Any = None) -> tuple[Any, Any]:
             del step  # no random bits: see above
+            if ordered:  # the stored chunk order, unwrapped (wrapped again on the way out)
+                params = jax.tree.map(lambda x: x.value if is_chunk_ordered(x) else x,
+                                      params, is_leaf=is_chunk_ordered)
             moved = (route(params) if route is not None else
-                     to_pipelined(graph, params, stages=stages, virtual=virtual))
+                     to_pipelined(graph, params, stages=stages, virtual=virtual,
+                                  chunk_ordered=ordered))
             leaves, tree = jax.tree.flatten(moved)
             leaves = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(leaves, placed)]
             loss, grads = run(jax.tree.unflatten(tree, leaves), batch)
             if route is not None:  # the gradients back the way the parameters came
                 (grads,) = jax.linear_transpose(route, params)(grads)
                 return loss, grads
-            return loss, from_pipelined(graph, grads, stages=stages, virtual=virtual)
+            grads = from_pipelined(graph, grads, stages=stages, virtual=virtual,
+                                   chunk_ordered=ordered)
+            if ordered:
+                flat, tree = jax.tree.flatten(grads)
+                for k in stacked_params(graph):
+                    flat[k] = ChunkOrdered(flat[k], stages, virtual)
+                grads = jax.tree.unflatten(tree, flat)
+            return loss, grads
 
         return value_and_grad
 

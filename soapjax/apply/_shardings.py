@@ -36,6 +36,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from soapjax.apply._flatstep import FlatStep
+from soapjax.apply._layer_order import is_chunk_ordered, step_layout
 from soapjax.apply._pipelined import PipelinedStep
 from soapjax.apply._validation import Checked, check_strategy, validate_leaves
 from soapjax.base.errors import PlanError
@@ -93,6 +94,12 @@ def step_program(check: Checked) -> StepProgram:
 
 class TrainShardings(NamedTuple):
     """The shardings a sharded train step takes and returns.
+
+    An interleaved pipeline's stacked layer parameters are kept in chunk order between steps
+    (`soapjax.apply._layer_order`): their shardings, and those of the gradients and optimizer
+    state that mirror them, come wrapped in `ChunkOrdered` nodes, and the step takes and
+    returns such leaves wrapped alike (`device_put_global` puts a tree in the model's layout
+    into that order; `model_layout` takes it back).
 
     Attributes:
       params: a pytree like the parameters, of `NamedSharding`s.
@@ -198,9 +205,10 @@ def train_shardings(graph: OpGraph, strategy: Any, mesh: Mesh,
     gs = _param_shardings(program, check, params, space.optimizer_specs) \
         if check.strategy.optimizer_axes else ps
     bs = _batch_shardings(program, check, batch)
-    abstract = params if params is not None else jax.tree.unflatten(
-        jax.tree.structure(ps),
-        [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in graph.params])
+    abstract = (step_layout(jax.tree.map(_abstract, params), ps) if params is not None
+                else jax.tree.unflatten(jax.tree.structure(ps),
+                                        [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+                                         for leaf in graph.params]))
     os = opt_state_shardings(optimizer, abstract, gs)
     return TrainShardings(ps, os, bs, NamedSharding(program.mesh, PartitionSpec()), gs)
 
@@ -252,8 +260,9 @@ def _abstract(x: Any) -> Any:
 
 def _unflatten(infos: Sequence[LeafInfo], values: list[Any], like: Any, what: str) -> Any:
     """`values` in the pytree structure of `like`, or of the leaf paths when they are dict keys."""
-    if like is not None:
-        leaves, treedef = jax.tree.flatten(like)
+    if like is not None:  # (a tree in a step's layout: its structure without the wrappers)
+        leaves, treedef = jax.tree.flatten(jax.tree.map(
+            lambda x: x.value if is_chunk_ordered(x) else x, like, is_leaf=is_chunk_ordered))
         validate_leaves(infos, leaves, what)
         return jax.tree.unflatten(treedef, values)
     tree: dict[str, Any] = {}

@@ -68,6 +68,7 @@ from jax._src import config as _jax_config  # the scoped partitioner switch has 
 from jax.sharding import Mesh
 
 from soapjax.apply._flatstep import constrained_loss, recompute_segments
+from soapjax.apply._layer_order import ChunkOrdered, model_layout, step_layout
 from soapjax.apply._pipelined import branch_runs, check_compiled, count_branch_runs
 from soapjax.apply._shardings import (
     TrainShardings,
@@ -85,6 +86,7 @@ from soapjax.strategy.space import MeshShape, strategy_from_names
 
 __all__ = [
     "Checked",
+    "ChunkOrdered",
     "PartitionedStep",
     "Partitioner",
     "TrainShardings",
@@ -92,11 +94,13 @@ __all__ = [
     "collectives_as_run",
     "constrained_loss",
     "device_put_global",
+    "model_layout",
     "opt_state_shardings",
     "param_shardings",
     "recompute_segments",
     "sharded_train_step",
     "sharded_value_and_grad",
+    "step_layout",
     "strategy_from_names",
     "train_shardings",
     "validate_strategy",
@@ -340,12 +344,17 @@ def device_put_global(tree: Any, shardings: Any) -> Any:
     `jax.make_array_from_callback`. (For data that differs per process, use
     `jax.make_array_from_process_local_data`.)
 
+    Where `shardings` keeps stacked layer parameters in chunk order (an interleaved
+    pipeline's `TrainShardings`: `ChunkOrdered` nodes) and `tree` is in the model's layout,
+    those leaves are put in chunk order first (`step_layout`); `model_layout` undoes it.
+
     Args:
       tree: a pytree of arrays (host or device).
       shardings: a pytree like `tree` of `NamedSharding`s (or one sharding for all).
     """
     if isinstance(shardings, jax.sharding.Sharding):
         shardings = jax.tree.map(lambda _: shardings, tree)
+    tree = step_layout(tree, shardings)  # stacked layers in chunk order where the step keeps so
 
     def put(x, sharding):
         if sharding.is_fully_addressable:

@@ -123,8 +123,9 @@ def simulate(graph: OpGraph, topology: Topology, strategy: Strategy, *,
         strategy is priced by one of the same mode on one stage's mesh.
       opt_state_factor: optimizer state bytes per parameter byte (2 for Adam; `opt_state_factor`).
       layer_layout: a pipelined strategy's stacked layer parameters between steps
-        (`soapjax.simulate.pipesim.LAYER_LAYOUTS`): ``"model"``, as `soapjax.apply.step` stores
-        them, moved to the chunks' layout every step where v > 1; ``"chunks"``, as Megatron-LM does.
+        (`soapjax.simulate.pipesim.LAYER_LAYOUTS`): ``"model"``, as `soapjax.apply.step` runs
+        them (uneven stages' layers moved every step; an interleaved pipeline's kept in chunk
+        order); ``"chunks"``, as Megatron-LM does (nothing moved, nor summed over the stages).
 
     Returns:
       The step time, its breakdown, memory per device and the timeline; for a pipelined

@@ -30,14 +30,12 @@ group's axes. The pipelined step is priced in three parts:
    backward) and the gradients of the parameters the epilogue reads (final norm, head),
    which every stage holds. Megatron-LM's layout (``"chunks"``, 4) runs neither.
 4. **The layer layout** (``layer_layout``). `soapjax.apply.step` stores the stacked layer
-   parameters in the model's layout, ``[L, ...]`` split over the stages on the layer dim
-   (``"model"``). With v > 1 virtual stages that is not the chunks' layout (stage ``s`` holds
-   layers ``s L / S ..``, but runs chunks ``s, s + S, ..``), so every step reshapes them: one
-   all-to-all over the stages per stacked parameter, of the stage's shard of it, before the
-   pipeline, and one of its gradient after it (measured in the compiled step:
-   tests/test_apply_pipelined.py). Both are priced (`layout_move_bytes`), serial with the
-   step, and the chunks' copy of the parameters is held through it (the stage's parameter
-   memory counts it). Uneven stages (`Strategy.stage_layers`) keep ``L / S`` layers a
+   parameters ``[L, ...]`` split over the stages on the layer dim (``"model"``: the model's
+   shapes), ``L / S`` layers a stage; with v > 1 virtual stages in *chunk order*
+   (`soapjax.apply._layer_order`: stage ``s``'s rows are the chunks ``s, s + S, ..`` it runs),
+   so the step's reshape to the chunks moves nothing (no all-to-all in the compiled step:
+   tests/test_apply_pipelined.py; in the model's order it was one per stacked parameter each
+   way). Uneven stages (`Strategy.stage_layers`) keep ``L / S`` layers a
    stage too and run their own: each step sends every stacked parameter's layers that a
    stage runs but another keeps (`soapjax.strategy.pipeline.stage_routes`: one point-to-point send
    per stacked parameter and shift, the gradients back the same way), and each stage holds the
@@ -226,12 +224,14 @@ class PipelinedSimulation:
         chunks = stages * virtual
         self._chunk = graph.memo(("layer_chunks", chunks, sizes),
                                  lambda: layer_chunks(graph, chunks, sizes))
-        # parameters are kept L / S layers a stage in apply's model layout, uneven stages too
+        # parameters are kept L / S layers a stage in apply's layout, uneven stages too (an
+        # interleaved pipeline's in chunk order: a stage keeps the chunks it runs)
         self._param_share = graph.memo(
             ("param_shares", stages, chunks, sizes if self._layer_layout == "chunks" else ()),
             self._param_shares)
-        # the stacked parameters' layer slices, by stacked parameter, where a step moves them
-        moves = virtual > 1 or bool(sizes)
+        # the stacked parameters' layer slices, by stacked parameter, where a step moves them:
+        # uneven stages only (apply keeps an interleaved pipeline's in chunk order)
+        moves = bool(sizes)
         self._stacked = (graph.memo("stacked_layer_params", self._stacked_layer_params)
                          if self._layer_layout == "model" and moves else {})
         self._routes = stage_routes(sum(sizes), sizes) if sizes else ()
