@@ -27,12 +27,10 @@ from soapjax import training
 from soapjax.apply._pipeline_layout import batch_axes
 from soapjax.apply._pipelined import ticks
 from soapjax.apply.step import (
-    ChunkOrdered,
     constrained_loss,
     device_put_global,
     model_layout,
     sharded_train_step,
-    step_layout,
 )
 from soapjax.base.errors import PlanError
 from soapjax.cost.operators import cost_model

@@ -45,10 +45,10 @@ from soapjax.strategy.space import (
     batch_specs,
 )
 
-__all__ = ["STAGE_AXIS", "batch_axes", "check_chunks", "chunk_ordered", "check_pipelinable", "check_stage_axis",
-           "from_pipelined", "layer_recompute", "layer_scan", "pipelined_layout_shardings",
-           "pipelined_mesh", "stacked_params", "stage_mesh_shape", "stage_router",
-           "to_pipelined"]
+__all__ = ["STAGE_AXIS", "batch_axes", "check_chunks", "check_pipelinable", "check_stage_axis",
+           "chunk_ordered", "from_pipelined", "layer_recompute", "layer_scan",
+           "pipelined_layout_shardings", "pipelined_mesh", "stacked_params", "stage_mesh_shape",
+           "stage_router", "to_pipelined"]
 
 # The mesh axis of the pipeline stages in the mesh `soapjax.apply.step` runs a pipelined strategy
 # on.
