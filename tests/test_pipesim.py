@@ -128,14 +128,23 @@ def test_the_interleaved_schedule_moves_no_layers_as_apply_keeps_them_in_chunk_o
     """v = 2 on 2 stages: apply keeps the stacked layer parameters in the order the chunks run
     them (`soapjax.apply._layer_order`), so nothing moves between steps, as in Megatron's
     layout (``"chunks"``); apply's layout still sums the prologue's outputs' cotangents and
-    the head's gradients over the stages after the pipeline (module doc, 3), which Megatron's
-    does not, and nothing else differs: the same parameter memory per stage."""
+    the head's gradients over the stages after the pipeline (module doc, 3), where Megatron
+    all-reduces the tied embedding's gradient between its first and last stage, and nothing
+    else differs: the same parameter memory per stage."""
     s = megatron_3d(gpt(8), A100, tp=4, pp=2, interleave=2, microbatch_size=2,
                     recompute="none")
     model, chunks = (pipelined(s, gpt(8), lay).result() for lay in ("model", "chunks"))
     assert pipelined(s, gpt(8)).layout_move_bytes() == ()
     assert model.layout_move_s == chunks.layout_move_s == (0.0, 0.0)
-    assert chunks.stage_sums_s == (0.0, 0.0) and min(model.stage_sums_s) > 0
+    # Megatron's: only the tied embedding's gradient, all-reduced between the first and the
+    # last stage; apply's: the prologue's cotangents, and every epilogue parameter's gradient
+    megatron = pipelined(s, gpt(8), "chunks")
+    (tied,) = megatron._tied
+    stored = megatron._inner.stored_param_bytes()[tied]
+    assert "wte" in tied and megatron._stage_sum_bytes() == (0, stored)
+    assert chunks.stage_sums_s == (0.0, A100.collective_time("all_reduce", stored, ("node",),
+                                                              group_size=2))
+    assert min(model.stage_sums_s) > 0 and model.stage_sums_s[1] > chunks.stage_sums_s[1]
     assert chunks.step_time_s < model.step_time_s <= \
         chunks.step_time_s + sum(model.stage_sums_s) * (1 + 1e-12)
     assert [m.params for m in model.stage_memory] == [c.params for c in chunks.stage_memory]

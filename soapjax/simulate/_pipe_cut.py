@@ -112,6 +112,15 @@ def epilogue_params(graph: OpGraph, last: int) -> tuple[str, ...]:
     return tuple(out)
 
 
+def tied_params(graph: OpGraph, first: int, last: int) -> tuple[str, ...]:
+    """The parameters (their sources) read both before the first layer and after the last
+    (a tied embedding and head): Megatron-LM all-reduces their gradient between the first and
+    the last stage, the two that hold them."""
+    before = {x.source for op in graph.operators[:first] for x in op.inputs
+              if x.kind == "param"}
+    return tuple(src for src in epilogue_params(graph, last) if src in before)
+
+
 def epilogue_gathers(graph: OpGraph, last: int
                      ) -> tuple[tuple[int, int, tuple[int, ...], tuple[int | None, ...]], ...]:
     """The values the operators after `last` (the epilogue: final norm, head, loss) index,

@@ -28,34 +28,31 @@ group's axes. The pipelined step is priced in three parts:
    (seen in the compiled step; `PipelinedSimulation._stage_sum_bytes`): the cotangents of
    what the prologue hands every stage (the whole batch's embeddings, before the prologue's
    backward) and the gradients of the parameters the epilogue reads (final norm, head),
-   which every stage holds. Megatron-LM's layout (``"chunks"``, 4) runs neither.
+   which every stage holds. Megatron-LM's layout (``"chunks"``, 4) runs neither, but an
+   all-reduce of a tied embedding's gradient between its first and last stage.
 4. **The layer layout** (``layer_layout``). `soapjax.apply.step` stores the stacked layer
-   parameters ``[L, ...]`` split over the stages on the layer dim (``"model"``: the model's
-   shapes), ``L / S`` layers a stage; with v > 1 virtual stages in *chunk order*
-   (`soapjax.apply._layer_order`: stage ``s``'s rows are the chunks ``s, s + S, ..`` it runs),
-   so the step's reshape to the chunks moves nothing (no all-to-all in the compiled step:
-   tests/test_apply_pipelined.py; in the model's order it was one per stacked parameter each
-   way). Uneven stages (`Strategy.stage_layers`) keep ``L / S`` layers a
-   stage too and run their own: each step sends every stacked parameter's layers that a
-   stage runs but another keeps (`soapjax.strategy.pipeline.stage_routes`: one point-to-point send
-   per stacked parameter and shift, the gradients back the same way), and each stage holds the
-   longest stage's run, padded, and adds its gradients up in it. Megatron-LM stores them as
-   its chunks run (``"chunks"``): nothing moves; `scripts/bench_gpu_sim.py` prices its
-   configurations so. With v = 1 and equal stages the two layouts are one.
+   parameters ``[L, ...]`` split over the stages on the layer dim (``"model"``), ``L / S``
+   layers a stage; with v > 1 in chunk order (`soapjax.apply._layer_order`: stage ``s``'s
+   rows are the chunks it runs), so nothing moves (tests/test_apply_pipelined.py). Uneven
+   stages (`Strategy.stage_layers`) run other layers than they keep: each step sends every
+   stacked parameter's layers that a stage runs but another keeps
+   (`soapjax.strategy.pipeline.stage_routes`: a point-to-point send per stacked parameter and
+   shift, the gradients back the same way), and each stage holds the longest stage's run,
+   padded, and adds its gradients up in it. Megatron-LM (``"chunks"``): nothing moves;
+   `scripts/bench_gpu_sim.py` prices its configurations so.
 
 **Memory** per stage: the one-stage simulation's parameters, gradients, optimizer state and
 communication buffers scaled by the stage's share of the parameter bytes (its layers, plus the
 parameters read outside the layers, which every stage holds as apply stores them), plus the
-activations
-of one microbatch's chunk (their share of the one-stage activations) times the schedule's peak
-in-flight (microbatch, chunk) pairs on that stage. The plan fits when the fullest stage fits.
+activations of one microbatch's chunk (their share of the one-stage activations) times the
+schedule's peak in-flight (microbatch, chunk) pairs on that stage. The plan fits when the
+fullest stage fits.
 
 What is left out: the head on the last stage makes that stage slower, as it is (the search
 may then cut the stages unevenly: `soapjax.search.stages.balance_stages`, one virtual stage only),
 and the embedding's placement is apply's (SPMD), not a choice; compute and sends overlap as
 the schedule allows, with the sends on their own links (no contention with the gradient
-synchronisation); the layer layout's collectives overlap nothing (XLA may run them beside
-the prologue).
+synchronisation); uneven stages' layer moves overlap nothing.
 
 Delta simulation: configs and recompute policies change through the one-stage `Simulation`'s
 delta simulation (exact, `soapjax.simulate.front`); the chunk times, schedule and memory are then
@@ -80,6 +77,7 @@ from soapjax.simulate._pipe_cut import (
     layer_span,
     prologue_handed,
     send_pieces,
+    tied_params,
 )
 from soapjax.simulate._simresult import MemoryBreakdown, SimResult
 from soapjax.strategy.pipeline import (
@@ -198,6 +196,7 @@ class PipelinedSimulation:
         self._handed = graph.memo("prologue_handed", lambda: prologue_handed(graph, first))
         self._epilogue_params = graph.memo("epilogue_params",
                                            lambda: epilogue_params(graph, last))
+        self._tied = graph.memo("tied_params", lambda: tied_params(graph, first, last))
         # what the last stage makes whole before the loss's gather (`_whole_gathers`)
         self._gathers = graph.memo("epilogue_gathers", lambda: epilogue_gathers(graph, last))
         self._gather_memo: dict = {}
@@ -222,6 +221,8 @@ class PipelinedSimulation:
         self._pipeline = pipeline
         stages, virtual, _, sizes = pipeline
         chunks = stages * virtual
+        # the stages a sum over the stage axis spans: all, or Megatron's first and last
+        self._sum_group = 2 if self._layer_layout == "chunks" else stages
         self._chunk = graph.memo(("layer_chunks", chunks, sizes),
                                  lambda: layer_chunks(graph, chunks, sizes))
         # parameters are kept L / S layers a stage in apply's layout, uneven stages too (an
@@ -364,7 +365,7 @@ class PipelinedSimulation:
         for n in self._stage_sum_bytes():
             if n:
                 out.append(("all_reduce", n, 1))
-                sent += bytes_sent("all_reduce", n, S)
+                sent += bytes_sent("all_reduce", n, self._sum_group)
         for n, axes, _ in self._whole_gathers():
             out.append(("all_gather", n, self._inner.microbatches))
             sent += bytes_sent("all_gather", n, self._inner.mesh.degree(axes)) * \
@@ -466,15 +467,17 @@ class PipelinedSimulation:
         prologue's float outputs the rest reads (the whole batch's shards, before the
         prologue's backward), and the gradients of the parameters the epilogue reads (final
         norm, head; their stored shards). One all-reduce each (XLA combines a kind's).
-        Megatron-LM's layout (``layer_layout="chunks"``) runs neither: its first stage alone
-        holds the embedding's output (its all-reduce of a tied embedding's gradient between
-        the first and the last stage is left out)."""
-        if self._pipeline[0] < 2 or self._layer_layout == "chunks":
+        Megatron-LM's layout (``layer_layout="chunks"``): its first stage alone holds the
+        embedding's output, its last the head, and a tied embedding's gradient is all-reduced
+        between the two (`_pipe_cut.tied_params`)."""
+        if self._pipeline[0] < 2:
             return 0, 0
         inner, ops = self._inner, self.graph.operators
+        stored = inner.stored_param_bytes() if self._epilogue_params else {}
+        if self._layer_layout == "chunks":
+            return 0, sum(stored.get(src, 0) for src in self._tied)
         handed = sum(shard_bytes(ops[p].outputs[k].shape, inner.output_specs(p)[k],
                                  ops[p].outputs[k].dtype, inner.mesh) for p, k in self._handed)
-        stored = inner.stored_param_bytes() if self._epilogue_params else {}
         return handed, sum(stored.get(src, 0) for src in self._epilogue_params)
 
     def _stage_sum_time(self, nbytes: int) -> float:
@@ -486,7 +489,7 @@ class PipelinedSimulation:
         if t is None:
             t = self._sum_memo[nbytes] = self.full_topology.collective_time(
                 "all_reduce", nbytes, (self.full_topology.axis_names[0],),
-                group_size=self._pipeline[0])
+                group_size=self._sum_group)
         return t
 
     def _stage_of_chunk(self, c: int) -> int:
