@@ -276,10 +276,11 @@ def render(rows: list[dict], budget: float) -> str:
         "`python scripts/bench_vs_experts.py` (analytic costs, ideal resharding; the search "
         f"seed 0 with a {budget:g} s budget, pipelines included). Hand grid: Megatron-LM with "
         "every option it has, its pipelined points priced with the layers where Megatron keeps "
-        "them; MaxText-style rules (FSDP; FSDP + experts). As applied: the same configuration "
-        "as soapjax.apply runs it (its stacked layers in the model's layout, moved to the "
-        "chunks' each step where interleaved; the prologue's outputs handed to every stage and "
-        "their cotangents summed over the stages; \"(over)\": it does not fit then). "
+        "them (a tied embedding's gradient all-reduced between the first and last stage); "
+        "MaxText-style rules (FSDP; FSDP + experts). As applied: the same configuration "
+        "as soapjax.apply runs it (the prologue's outputs handed to every stage and their "
+        "cotangents summed over the stages, the head's gradients too; the log-probabilities "
+        "gathered before the loss's gather; \"(over)\": it does not fit then). "
         "Ratio: best hand / searched step time (above 1: the search wins).",
         "",
         "| case | GPUs | batch | best hand configuration | step (s) | as applied (s) | mem (GB) "
