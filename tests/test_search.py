@@ -432,6 +432,41 @@ def test_the_descent_moves_recomputation_with_another_coordinate_at_once():
     assert order == [cp2, cp2_none, cp4, cp4_none, tp4_cp4]
 
 
+def test_past_its_deadline_a_grid_where_nothing_fits_tries_each_shapes_floor_only():
+    """With ``until_fit`` (no pipeline has a plan that fits yet) a grid scored past its
+    deadline goes on only through each model-parallel shape's least-memory point (full
+    recomputation, distributed optimizer, microbatch of 1; `_memory_floor`), the most model
+    parallelism first, and stops at the first that fits: 3 points past the deadline of a grid
+    of 48, not the 47 the whole descent took; where no floor fits, every floor is tried and
+    nothing else."""
+    from soapjax.search.grids import _memory_floor, _score_points
+
+    points = [GridPoint(tp=tp, pp=4, do=do, mb=mb, recompute=rec) for tp in (2, 4, 8)
+              for do in (False, True) for mb in (1, 2, 4, 8)
+              for rec in ("selective", "full")]
+    floor = _memory_floor(points)
+    assert [p.name for p in floor] == ["megatron-tp8-pp4-do-mb1-full",
+                                      "megatron-tp4-pp4-do-mb1-full",
+                                      "megatron-tp2-pp4-do-mb1-full"]
+    time = {p.name: float(p.mb + 10 - p.tp) for p in points}
+    fits_at = "megatron-tp4-pp4-do-mb1-full"
+    order = []
+    searcher = _grid_searcher(time, lambda name: name == fits_at, order)
+    key, best, _, seen = _score_points(searcher, {p: p.name for p in points}, 0.0,
+                                       until_fit=True)
+    assert best.name == fits_at and key == (False, 7.0)
+    assert order == [points[0].name, floor[0].name, fits_at]
+    order.clear()
+    searcher = _grid_searcher(time, lambda name: False, order)
+    key, _, _, seen = _score_points(searcher, {p: p.name for p in points}, 0.0, until_fit=True)
+    assert key[0] and order == [points[0].name] + [p.name for p in floor]
+    # without a deadline the descent scores the whole grid, as before
+    order.clear()
+    _score_points(_grid_searcher(time, lambda name: False, order), {p: p.name for p in points},
+                  None, until_fit=True)
+    assert len(order) == len(points)
+
+
 def test_the_pipelined_grids_take_every_tp():
     """Expert parallelism takes TP's place inside the node (Megatron-LM's Mixtral: TP 2, EP 8;
     the best hand points of docs/moe.md are TP 2, EP 4), so with experts the pipelined grids
