@@ -76,6 +76,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from soapjax.apply.step import (
+    ChunkOrdered,
     PartitionedStep,
     TrainShardings,
     device_put_global,
@@ -198,6 +199,7 @@ class CountingStep:
             if self.graph is not None:
                 check_params(self.graph, params, "run.step")
                 check_batch(self.graph, batch, "run.step")
+                _check_layer_order(params, opt_state, self.partitioned)
             raise
         self.count += 1
         return out
@@ -418,7 +420,27 @@ def check_params(graph: OpGraph, params: Any, where: str) -> None:
     _check_leaves(graph.params, params, where, "parameters")
 
 
+def _check_layer_order(params: Any, opt_state: Any, step: PartitionedStep) -> None:
+    """PlanError where the step keeps stacked layers in chunk order (an interleaved
+    pipeline's) and `params` or `opt_state` come without it (in the model's layout)."""
+    given = [x for tree in (params, opt_state)
+             for x in jax.tree.leaves(tree, is_leaf=_is_ordered)]
+    if step.chunk_ordered and not any(isinstance(x, ChunkOrdered) for x in given):
+        raise PlanError(
+            "run.step: this plan's step keeps its stacked layer parameters and their optimizer "
+            "state in the order its interleaved pipeline's chunks run them (ChunkOrdered "
+            "leaves, as run.params and run.opt_state hold them and run.step returns them), "
+            "but it was given them in the model's layout; pass what run.step returned, or "
+            "place yours with soapjax.apply.device_put_global(params, run.shardings.params) "
+            "(and the same for the optimizer state), which puts them in that order")
+
+
+def _is_ordered(x: Any) -> bool:
+    return isinstance(x, ChunkOrdered)
+
+
 def _check_leaves(traced_leaves, tree: Any, where: str, what: str, rows: int = 0) -> None:
+    tree = jax.tree.map(lambda x: x.value if _is_ordered(x) else x, tree, is_leaf=_is_ordered)
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     found = {jax.tree_util.keystr(path): x for path, x in flat}
     traced = {leaf.path: leaf for leaf in traced_leaves}

@@ -121,6 +121,11 @@ def test_the_training_helper_keeps_chunk_order_and_steps_exactly():
 
         want = jax.jit(unsharded)(params, optimizer.init(params), batch)
         got = (run.model_params(new_params), model_layout(new_state))
+        # the model's layout handed back to the step: a clear error, not a step on
+        # permuted layers
+        with pytest.raises(PlanError, match="given them in the model's layout; pass what "
+                                            "run.step returned"):
+            run.step(got[0], got[1], run.shard_batch(batch))
     assert abs(float(loss) - float(want[2])) <= 1e-12 * abs(float(want[2]))
     assert relative_error(got, want[:2]) < 1e-10  # (leaves whose gradient is 0: a floor)
     # the updates moved each layer: in chunk order the leaves would differ

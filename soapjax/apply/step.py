@@ -187,6 +187,8 @@ def sharded_train_step(graph: OpGraph, strategy: Any, mesh: Mesh,
                      donate_argnums=(0, 1) if donate else (), compiler_options=options)
     guard = _guard(check)
     partitioned = PartitionedStep(jitted, chosen, guard=guard)
+    partitioned.chunk_ordered = any(isinstance(s, ChunkOrdered) for s in jax.tree.leaves(
+        shardings.params, is_leaf=lambda x: isinstance(x, ChunkOrdered)))
     partitioned.value_and_grad = _jitted_value_and_grad(value_and_grad, shardings, chosen,
                                                         options, guard)
     return partitioned, shardings
@@ -254,6 +256,8 @@ class PartitionedStep:
       jitted: the `jax.jit` function.
       value_and_grad: a training step's loss and gradients alone, ``(params, batch[, step])
         -> (loss, grads)`` (`sharded_train_step`); None otherwise.
+      chunk_ordered: whether the step takes and returns stacked layer parameters (and their
+        optimizer state) in an interleaved pipeline's chunk order (`ChunkOrdered` leaves).
     """
 
     def __init__(self, jitted: Callable, partitioner: Literal["shardy", "gspmd"],
@@ -264,6 +268,7 @@ class PartitionedStep:
         self._guard = guard
         self._compiled: Any = None
         self.value_and_grad: PartitionedStep | None = None
+        self.chunk_ordered = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args = _with_step(args, self._arity)
