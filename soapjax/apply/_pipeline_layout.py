@@ -11,7 +11,9 @@ dim, and reshaped inside the step to the *pipelined layout* ``[v, S, L / C, ...]
 ``c = j S + s`` at ``[j, s]``: `to_pipelined`, `from_pipelined`), sharded over ``stage`` on
 its second dim (`pipelined_layout_shardings`), so a stage holds its own chunks
 (`soapjax.strategy.pipeline.chunks_of`). With v = 1 both layouts give stage s the same layers, so
-the reshape moves nothing; with v > 1 it moves parameters and gradients between stages.
+the reshape moves nothing; with v > 1 `soapjax.apply.step` keeps them in chunk order
+(`soapjax.apply._layer_order`, `chunk_ordered`), and the reshape (``chunk_ordered=True``) moves
+nothing either.
 
 `soapjax.apply._validation` checks a pipelined strategy with these, `soapjax.apply._shardings`
 places its parameters, and `soapjax.apply._pipelined` runs it.

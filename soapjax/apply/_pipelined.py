@@ -135,7 +135,9 @@ whole along the dims it indexes (`_run_in_stage`): on the last stage, one all-ga
 
 `soapjax.apply.step` runs a pipelined `Strategy` with `PipelinedStep`, its step program: the
 parameters in the model's layout on `pipelined_mesh` (the user's mesh, its outermost axis cut
-into ``stage``), reshaped to the pipelined layout inside the step and the gradients back.
+into ``stage``; an interleaved pipeline's stacked layers in chunk order,
+`soapjax.apply._layer_order`), reshaped to the pipelined layout inside the step and the
+gradients back.
 
 Refused with a `PlanError`: a loss that draws random bits (dropout: microbatches would draw
 other masks than the whole batch, as in `soapjax.strategy.memory.random_operator`), several layer
@@ -870,7 +872,8 @@ class PipelinedStep:
 
     It runs on `pipelined_mesh` (the user's mesh, its outermost axis cut into ``stage``), its
     configs are over one stage's mesh (`stage_mesh_shape`), its stacked layer parameters are
-    split over ``stage`` on their layer dim in the model's layout, and its loss and gradients
+    split over ``stage`` on their layer dim in the model's layout (interleaved: in chunk
+    order, wrapped in `ChunkOrdered`: `chunk_ordered`), and its loss and gradients
     come from `pipelined_value_and_grad` with the strategy's stages, microbatches, schedule,
     `layer_recompute` and the axes it splits the batch over as data axes (`batch_axes`).
 
@@ -907,7 +910,8 @@ class PipelinedStep:
         layout (stacked ``[L, ...]``): the parameters reshaped to the pipelined layout
         (`to_pipelined`) and constrained to their shardings there
         (`pipelined_layout_shardings` of `param_shardings`), `pipelined_value_and_grad`, the
-        gradients reshaped back (`from_pipelined`); uneven stages move them with
+        gradients reshaped back (`from_pipelined`), interleaved ones from and to chunk order
+        (`ChunkOrdered` leaves in, out: no row changes stage); uneven stages move them with
         `stage_router` and its transpose instead. ``step`` is unused: a pipelined graph
         draws no random bits (`check_pipelinable`). The batch arrives on `batch_shardings`.
         Its stages constrain their operators' outputs and operands to the plan's layouts

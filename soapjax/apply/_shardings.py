@@ -18,8 +18,8 @@ and gradients. A pipelined strategy (`soapjax.apply._pipelined.PipelinedStep`) r
 ``stage`` and what is left of it): its shardings are over that mesh, in the model's layout, the
 specs those of one stage's mesh, and every stacked layer parameter ``[L, ...]`` is split over
 ``stage`` on its layer dim, so stage ``s`` holds layers ``s L / S`` to ``(s + 1) L / S - 1``
-(with virtual stages its chunks are others: the step moves them, see
-`soapjax.apply.step.sharded_train_step`). Example, the tiny GPT's stacked ``fc1`` kernel ``[2, 32,
+(with virtual stages its chunks are others, so their layer dim is kept in chunk order:
+`soapjax.apply._layer_order`). Example, the tiny GPT's stacked ``fc1`` kernel ``[2, 32,
 128]`` under Megatron with tp=2, pp=2 on ``node=2, data=2, model=2``: ``P('stage', None,
 'model')`` on ``stage=2, data=2, model=2``.
 """

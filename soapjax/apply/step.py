@@ -38,7 +38,8 @@ through `sharded_train_step` as one SPMD program (`soapjax.apply._pipelined`) on
 reshaped: its outermost axis of size n becomes ``stage`` (S) x that axis (n / S, dropped at 1),
 e.g. ``node=2, data=2, model=2`` -> ``stage=2, data=2, model=2``. The configs are over one
 stage's mesh, the parameters keep the model's layout with each stacked layer parameter split
-over ``stage`` on its layer dim (`train_shardings`), and the step keeps its interface.
+over ``stage`` on its layer dim (`train_shardings`; an interleaved pipeline's in the order its
+chunks run them: `soapjax.apply._layer_order`), and the step keeps its interface.
 
 Every function takes a `Strategy` or a plan (`soapjax.strategy.plan.Plan`: its ``strategy(graph)``
 checks the plan was made for the graph, and its ``mesh`` is checked against the mesh).
@@ -141,7 +142,10 @@ def sharded_train_step(graph: OpGraph, strategy: Any, mesh: Mesh,
     recomputing the attention core if one is ``"selective"``.
     With 1F1B the model layout's stage split is each stage's chunk, so nothing moves but the
     pipeline's sends; with v > 1 virtual stages a stage's chunks are not one run of layers,
-    and the parameters and gradients move between stages (all-to-alls) at the reshapes.
+    so the step keeps the stacked layer parameters, their gradients and the optimizer state
+    that mirrors them in chunk order (`soapjax.apply._layer_order`: `ChunkOrdered` leaves in
+    the shardings, the step's inputs and outputs; `device_put_global` puts a tree in the
+    model's layout so, `model_layout` takes it back) and nothing moves either.
 
     Args:
       graph: the traced graph of ``loss_fn(params, batch)``.
