@@ -467,6 +467,39 @@ def test_past_its_deadline_a_grid_where_nothing_fits_tries_each_shapes_floor_onl
     assert len(order) == len(points)
 
 
+def test_a_pipelined_chain_sets_every_layers_recompute_policy_at_once():
+    """A pipeline's layers run one recompute policy (apply's `layer_recompute`: the strongest
+    of its layer operators'), so on a pipelined simulation the chain's recompute moves set
+    every layer operator's policy at once and leave the embedding and head alone: every
+    strategy it proposes is priced as apply runs it. (Flat strategies keep moving one
+    operator position's.)"""
+    from soapjax.search._chain import _Searcher
+    from soapjax.simulate.front import open_simulation
+    from soapjax.strategy.baselines import megatron_3d
+
+    _, g, _, _ = setup("gpt", "cpu8")
+    topo = load_topology(str(pathlib.Path(__file__).parent / "meshes" / "cpu8-nodes.toml"))
+    start = megatron_3d(g, topo, tp=2, pp=2, microbatch_size=2, recompute="none")
+    layer = sorted(i for i, op in enumerate(g.operators) if op.block_position)
+    assert 0 < len(layer) < len(g.operators)
+    moved = []
+    with open_simulation(g, topo, start, cost_model=cost_model(g, topo, mode="analytic"),
+                         resharder="ideal") as sim:
+        searcher = _Searcher(sim, SearchSettings(max_proposals=400, seed=0), None)
+        propose = sim.propose_many
+
+        def spy(changes):
+            moved.append(sorted(j for j, _, policy in changes if policy is not None))
+            return propose(changes)
+
+        sim.propose_many = spy
+        searcher.chain("test", start, float("inf"))
+        policies = {sim.strategy.recompute_of(i) for i in layer}
+    recompute_moves = [m for m in moved if m]
+    assert recompute_moves and all(m == layer for m in recompute_moves)
+    assert len(policies) == 1  # the strategy the chain ends on: one policy over the layers
+
+
 def test_the_pipelined_grids_take_every_tp():
     """Expert parallelism takes TP's place inside the node (Megatron-LM's Mixtral: TP 2, EP 8;
     the best hand points of docs/moe.md are TP 2, EP 4), so with experts the pipelined grids

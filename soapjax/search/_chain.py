@@ -3,7 +3,8 @@
 A chain starts from a strategy and proposes random moves, each scored by the simulation it
 walks (delta simulation, `Simulation.propose_many`, or full, `Simulation.propose_strategy`):
 a new config for one operator (for every layer at once where the operator is at the same
-position of a repeated block), a recompute policy (`RECOMPUTE_MOVES` of the moves), a
+position of a repeated block), a recompute policy (`RECOMPUTE_MOVES` of the moves; of every
+layer operator at once where the strategy has pipeline stages, which run one), a
 number of microbatches (`MICROBATCH_MOVES`), Megatron's distributed optimizer on or off
 (`OPTIMIZER_MOVES`: the optimizer state sharded over every mesh axis its parameter is
 replicated on, `Strategy.optimizer_axes`), or, where the graph has attention operators and the
@@ -193,6 +194,11 @@ class _Searcher:
         self.movable = [i for i, s in enumerate(self.spaces)
                         if len(s) > 1 and self.tied.get(i, [i])[0] == i]
         self.recomputable = [i for i in range(len(self.spaces)) if self.tied.get(i, [i])[0] == i]
+        # A pipeline's layers run one recompute policy, the strongest any layer operator has
+        # (`soapjax.apply._pipeline_layout.layer_recompute`), and the rest none: there a
+        # recompute move sets every layer operator's at once, so what is priced is what runs.
+        self.layer_ops = ([i for i, op in enumerate(sim.graph.operators) if op.block_position]
+                          if getattr(sim.strategy, "pipelined", False) else [])
         self.microbatches = microbatch_choices(sim.graph)
         self.mesh = mesh
         self.proposals = self.accepted = 0
@@ -296,6 +302,8 @@ class _Searcher:
                 return None
             return [], None, None, new
         if r < MICROBATCH_MOVES + RECOMPUTE_MOVES:
+            if self.layer_ops:  # a pipeline's layers: one policy for all (see __init__)
+                return self.layer_ops, None, _pick(RECOMPUTE_POLICIES, rng), None
             i = self.recomputable[int(rng.integers(len(self.recomputable)))]
             return self.tied.get(i, [i]), None, _pick(RECOMPUTE_POLICIES, rng), None
         if not self.movable:
