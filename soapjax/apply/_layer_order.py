@@ -27,6 +27,7 @@ step's shardings (`soapjax.apply.step.device_put_global` does so by itself).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -106,6 +107,14 @@ def from_chunk_order(x: Any, stages: int, virtual: int) -> Any:
     return _permute(x, (stages, virtual), stages, virtual)
 
 
+@functools.lru_cache(maxsize=64)
+def _on_device(to_chunks: bool, stages: int, virtual: int, sharding: Any) -> Any:
+    """The permutation as a jitted program onto `sharding` (one per direction, numbers and
+    sharding: a checkpoint's dozens of leaves share a few compiles)."""
+    permute = to_chunk_order if to_chunks else from_chunk_order
+    return jax.jit(lambda a: permute(a, stages, virtual), out_shardings=sharding)
+
+
 def model_layout(tree: Any) -> Any:
     """`tree` (parameters, gradients, optimizer state or their shardings or shapes) with every
     `ChunkOrdered` leaf back in the model's layer order, unwrapped: what ``loss_fn`` and the
@@ -116,8 +125,7 @@ def model_layout(tree: Any) -> Any:
             return x
         v = x.value
         if isinstance(v, jax.Array):
-            return jax.jit(lambda a: from_chunk_order(a, x.stages, x.virtual),
-                           out_shardings=v.sharding)(v)
+            return _on_device(False, x.stages, x.virtual, v.sharding)(v)
         if isinstance(v, (jax.ShapeDtypeStruct, jax.sharding.Sharding)):
             return v  # a sharding, a shape: the same in either order
         return from_chunk_order(np.asarray(v), x.stages, x.virtual)
@@ -138,7 +146,7 @@ def step_layout(tree: Any, like: Any) -> Any:
         if isinstance(x, jax.Array):
             target = template.value if isinstance(template.value, jax.sharding.Sharding) \
                 else x.sharding
-            x = jax.jit(lambda a: to_chunk_order(a, s, v), out_shardings=target)(x)
+            x = _on_device(True, s, v, target)(x)
         elif not isinstance(x, jax.ShapeDtypeStruct):
             x = to_chunk_order(np.asarray(x), s, v)
         return ChunkOrdered(x, s, v)
