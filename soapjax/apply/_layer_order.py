@@ -38,7 +38,7 @@ from jax.tree_util import GetAttrKey
 from soapjax.base.errors import PlanError
 
 __all__ = ["ChunkOrdered", "from_chunk_order", "is_chunk_ordered", "model_layout",
-           "step_layout", "to_chunk_order"]
+           "step_layout", "to_chunk_order", "unwrapped"]
 
 _USE = ("this array is a stacked layer parameter (or its gradient or optimizer state) in an "
         "interleaved pipeline's chunk order, as soapjax's step keeps it between steps, not in "
@@ -82,6 +82,13 @@ jax.tree_util.register_pytree_with_keys(
 
 def is_chunk_ordered(x: Any) -> bool:
     return isinstance(x, ChunkOrdered)
+
+
+def unwrapped(tree: Any) -> Any:
+    """`tree` with every `ChunkOrdered` node replaced by its value, left in chunk order: the
+    structure of the model's layout (a step's own unpacking; `model_layout` reorders too)."""
+    return jax.tree.map(lambda x: x.value if is_chunk_ordered(x) else x, tree,
+                        is_leaf=is_chunk_ordered)
 
 
 def _permute(x: Any, first: tuple[int, int], stages: int, virtual: int) -> Any:

@@ -158,7 +158,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from soapjax.apply._flatstep import _Layouts
-from soapjax.apply._layer_order import ChunkOrdered, is_chunk_ordered
+from soapjax.apply._layer_order import ChunkOrdered, unwrapped
 from soapjax.apply._pipeline_layout import (
     STAGE_AXIS,
     batch_axes,
@@ -940,8 +940,7 @@ class PipelinedStep:
         def value_and_grad(params: Any, batch: Any, step: Any = None) -> tuple[Any, Any]:
             del step  # no random bits: see above
             if ordered:  # the stored chunk order, unwrapped (wrapped again on the way out)
-                params = jax.tree.map(lambda x: x.value if is_chunk_ordered(x) else x,
-                                      params, is_leaf=is_chunk_ordered)
+                params = unwrapped(params)
             moved = (route(params) if route is not None else
                      to_pipelined(graph, params, stages=stages, virtual=virtual,
                                   chunk_ordered=ordered))

@@ -36,7 +36,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from soapjax.apply._flatstep import FlatStep
-from soapjax.apply._layer_order import is_chunk_ordered, step_layout
+from soapjax.apply._layer_order import step_layout, unwrapped
 from soapjax.apply._pipelined import PipelinedStep
 from soapjax.apply._validation import Checked, check_strategy, validate_leaves
 from soapjax.base.errors import PlanError
@@ -261,8 +261,7 @@ def _abstract(x: Any) -> Any:
 def _unflatten(infos: Sequence[LeafInfo], values: list[Any], like: Any, what: str) -> Any:
     """`values` in the pytree structure of `like`, or of the leaf paths when they are dict keys."""
     if like is not None:  # (a tree in a step's layout: its structure without the wrappers)
-        leaves, treedef = jax.tree.flatten(jax.tree.map(
-            lambda x: x.value if is_chunk_ordered(x) else x, like, is_leaf=is_chunk_ordered))
+        leaves, treedef = jax.tree.flatten(unwrapped(like))
         validate_leaves(infos, leaves, what)
         return jax.tree.unflatten(treedef, values)
     tree: dict[str, Any] = {}

@@ -70,6 +70,7 @@ from jax.sharding import Mesh
 
 from soapjax.apply._flatstep import constrained_loss, recompute_segments
 from soapjax.apply._layer_order import ChunkOrdered, model_layout, step_layout
+from soapjax.apply._pipeline_layout import chunk_ordered
 from soapjax.apply._pipelined import branch_runs, check_compiled, count_branch_runs
 from soapjax.apply._shardings import (
     TrainShardings,
@@ -191,8 +192,7 @@ def sharded_train_step(graph: OpGraph, strategy: Any, mesh: Mesh,
                      donate_argnums=(0, 1) if donate else (), compiler_options=options)
     guard = _guard(check)
     partitioned = PartitionedStep(jitted, chosen, guard=guard)
-    partitioned.chunk_ordered = any(isinstance(s, ChunkOrdered) for s in jax.tree.leaves(
-        shardings.params, is_leaf=lambda x: isinstance(x, ChunkOrdered)))
+    partitioned.chunk_ordered = chunk_ordered(check.strategy)
     partitioned.value_and_grad = _jitted_value_and_grad(value_and_grad, shardings, chosen,
                                                         options, guard)
     return partitioned, shardings
