@@ -1,5 +1,6 @@
 """soapjax.search.find: MCMC against the exhaustive optimum, baselines, memory, reproducibility."""
 
+import dataclasses
 import functools
 import json
 import pathlib
@@ -14,14 +15,17 @@ from soapjax.base.errors import SettingsError
 from soapjax.cost.operators import cost_model
 from soapjax.graph.opgraph import trace
 from soapjax.search import (
+    RESHARD_FINALISTS,
     SearchSettings,
+    check_reshardings,
     exhaustive,
     find_plan,
     improving_change,
     make_simulation,
     search,
 )
-from soapjax.strategy.baselines import GridPoint, baselines, intra_node_axes
+from soapjax.simulate.front import simulate
+from soapjax.strategy.baselines import GridPoint, baselines, intra_node_axes, megatron_3d
 from soapjax.topology.cluster import load_topology
 
 
@@ -144,7 +148,7 @@ def test_search_settings_refuse_an_unknown_simulation():
 
 def test_find_plan_is_the_search_with_its_defaults():
     w, g, topo, _ = setup("gpt2", "p100x16")
-    settings = SearchSettings(max_proposals=200, seed=3)
+    settings = SearchSettings(max_proposals=200, seed=3, check_reshardings=False)
     plan = find_plan(g, topo, settings=settings, costs="analytic", optimizer=w.optimizer,
                      family=w.family, model_config="tiny")
     found = search(g, topo, settings=settings, family=w.family,
@@ -159,6 +163,53 @@ def test_find_plan_is_the_search_with_its_defaults():
     assert dict(info["baselines_fit"]) == {n: f for n, _, f in found.baselines}
     assert plan.cost_source == "analytic" and plan.model_config == "tiny"
     assert SearchSettings().budget_s == 20.0
+    assert SearchSettings().check_reshardings and "reshardings_checked" not in info
+
+
+def test_find_plan_prices_its_finalists_with_the_reshardings_xla_compiles():
+    """The search prices reshardings with the ideal model; `find_plan` prices its finalists
+    again with what XLA compiles and returns the fastest so priced. On the tiny ResNet (cpu8)
+    XLA makes some of every finalist's layout changes by gathering the tensor whole
+    (the issue's "Involuntary full rematerialization"), which the ideal model prices at a
+    fraction of their bytes: each is priced slower than the search saw it."""
+    w, g, topo, cm = setup("resnet101", "cpu8")
+    settings = SearchSettings(max_proposals=20, seed=0)
+    plan = find_plan(g, topo, settings=settings, costs=cm, family=w.family)
+    checked = plan.to_json()["search"]["reshardings_checked"]
+    rows = checked["finalists"]
+    assert 2 <= len(rows) <= RESHARD_FINALISTS and all(r["xla_s"] is not None for r in rows)
+    assert [r["ideal_s"] for r in rows] == sorted(r["ideal_s"] for r in rows)
+    assert any(r["replicated_whole"] for r in rows)
+    for r in rows:
+        assert r["transitions"] > 0
+        assert (r["xla_s"] > r["ideal_s"] * 1.001) == (r["replicated_whole"] > 0)
+    best = min((r for r in rows if r["fits"]), key=lambda r: r["xla_s"])
+    assert plan.step_time_s == best["xla_s"]
+    assert plan.to_json()["search"]["best_from"] == best["start"]
+    again = simulate(g, topo, plan.strategy(g, topo), cost_model=cm, resharder="xla")
+    assert again.step_time_s == plan.step_time_s  # the plan's prediction is XLA's pricing
+
+
+def test_the_resharding_check_picks_the_fastest_under_xla_whatever_the_ideal_order():
+    """`check_reshardings` re-prices every finalist and keeps the fastest that fits under XLA's
+    reshardings, not the first: given data parallelism behind FSDP as the search's first
+    choice (ideal times made up so), it returns the one XLA prices faster."""
+    w, g, topo, cm = setup("mlp", "cpu8")
+    plans = baselines(g, topo, w.family)
+    times = {name: simulate(g, topo, plans[name], cost_model=cm, resharder="xla").step_time_s
+             for name in ("data-parallel", "fsdp")}
+    slow, fast = sorted(times, key=times.get, reverse=True)
+    assert times[slow] > times[fast]
+    found = search(g, topo, cost_model=cm, settings=SearchSettings(max_proposals=1))
+    result = dataclasses.replace(found, finalists=((0.0, plans[slow], slow),
+                                                   (1.0, plans[fast], fast)))
+    chosen, sim, checked = check_reshardings(g, topo, result, cm)
+    assert chosen.start == fast and chosen.strategy == plans[fast]
+    assert chosen.step_time_s == sim.step_time_s == times[fast]
+    assert [r["start"] for r in checked["finalists"]] == [slow, fast]
+    # past its deadline only the first is checked, and it stands
+    chosen, _, checked = check_reshardings(g, topo, result, cm, deadline=0.0)
+    assert chosen.start == slow and checked["finalists"][1]["xla_s"] is None
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -569,3 +620,17 @@ def test_a_start_that_does_not_fit_is_made_to_fit():
     sim = make_simulation(g, tiny, cost_model=cm)
     assert _fitting(sim, _Searcher(sim, SearchSettings(max_proposals=10), None), g,
                     "data-parallel", start) is start
+
+
+def test_the_resharding_check_prices_a_pipelined_plan_on_one_stages_mesh():
+    """A pipelined finalist's configs name one stage's devices: its reshardings are compiled on
+    that mesh (4 of cpu8's devices for 2 stages), and its price is the pipelined simulation's
+    with XLA's reshardings."""
+    w, g, topo, cm = setup("gpt", "cpu8")
+    s = megatron_3d(g, topo, tp=4, pp=2, microbatch_size=1, sequence_parallel=True)
+    found = search(g, topo, cost_model=cm, settings=SearchSettings(max_proposals=1))
+    result = dataclasses.replace(found, finalists=((0.0, s, "tp4-pp2"),))
+    chosen, sim, checked = check_reshardings(g, topo, result, cm)
+    assert chosen.strategy == s and sim.pipeline is not None
+    assert checked["finalists"][0]["transitions"] > 0
+    assert sim.step_time_s == simulate(g, topo, s, cost_model=cm, resharder="xla").step_time_s

@@ -103,7 +103,7 @@ from soapjax.strategy.space import MeshLike, MeshShape
 
 __all__ = ["DEFAULT_MODE", "KINDS", "Collective", "Mode", "ReshardError", "ReshardModel",
            "Resharder", "Resharding", "Source", "Spec", "Transition", "ideal_collectives",
-           "reshard"]
+           "replicates_whole", "reshard"]
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +203,25 @@ def reshard(
     """
     with Resharder(mesh, mode, cache_dir) as resharder:
         return resharder.reshard(shape, dtype, src, dst, partial=partial)
+
+
+def replicates_whole(transition: Transition | Sequence[Any],
+                     collectives: Iterable[Collective]) -> bool:
+    """Whether `collectives` make `transition` by gathering the whole tensor on every device
+    where its destination still splits it: XLA's "Involuntary full rematerialization" (replicate,
+    then slice), which the ideal model never prices (docs/checks.md, "Reshardings checked
+    against XLA")."""
+    t = Transition(*transition)
+    if not any(_axes_of(d) for d in t.dst):
+        return False  # a replicated destination is gathered whole by any model
+    whole = math.prod(int(n) for n in t.shape) * itemsize(t.dtype)
+    return any(c.kind == "all_gather" and c.nbytes >= whole for c in collectives)
+
+
+def _axes_of(dim: Any) -> tuple[str, ...]:
+    if dim is None:
+        return ()
+    return (dim,) if isinstance(dim, str) else tuple(dim)
 
 
 def ideal_collectives(shape: Sequence[int], dtype: Any, src: Spec, dst: Spec, mesh: MeshLike, *,
@@ -315,6 +334,12 @@ class Resharder:
         """Counters: subprocess ``requests``, ``worker_starts``, transitions ``compiled``,
         ``disk_hits``, ``fallbacks``."""
         return dict(self._stats)
+
+    def answered(self) -> dict[Transition, Resharding]:
+        """Every transition answered so far (normalised: size-1 axes dropped, the dtype's
+        name), with its answer: what a simulation priced, when it has this resharder to
+        itself."""
+        return {Transition(*k): r for k, r in self._info.items()}
 
     def fallbacks(self) -> dict[Transition, str]:
         """Transitions answered by the ideal model because compiling failed, and why."""

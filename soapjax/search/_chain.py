@@ -75,6 +75,10 @@ class SearchSettings:
         always; False: never; None (default): only when no plan without stages fits in
         memory (a model too large for its cluster gets a pipelined plan instead of an error,
         and every other search is unchanged).
+      check_reshardings: with the ideal resharding model, price the best few plans found
+        again with the reshardings XLA compiles for them and return the fastest so priced
+        (`soapjax.search.find.find_plan`: a plan whose layout changes XLA makes by
+        replicating a tensor whole is priced so, and loses to one that needs none).
     """
 
     budget_s: float = 20.0
@@ -85,8 +89,12 @@ class SearchSettings:
     limits: SpaceLimits = SpaceLimits()
     simulation: Literal["delta", "full"] = "delta"
     pipelines: bool | None = None
+    check_reshardings: bool = True
 
     def __post_init__(self) -> None:
+        if self.check_reshardings not in (True, False):
+            raise SettingsError(f"SearchSettings.check_reshardings must be True or False, got "
+                                f"{self.check_reshardings!r}")
         if self.pipelines not in (None, True, False):
             raise SettingsError(f"SearchSettings.pipelines must be True, False or None (only "
                                 f"when nothing fits without stages), got {self.pipelines!r}")
@@ -203,6 +211,7 @@ class _Searcher:
         self.mesh = mesh
         self.proposals = self.accepted = 0
         self.best: tuple[float, Strategy, str] | None = None
+        self.bests: dict[str, tuple[float, Strategy, str]] = {}  # per start (`offer`)
         self.t0 = time.perf_counter()
         self.history: list[tuple[float, float]] = []
         self._last_print = 0.0
@@ -217,9 +226,27 @@ class _Searcher:
         if self.check_convolutions and spatial_convolution(self.sim.graph, self.sim.strategy):
             return  # apply refuses it (XLA computes it wrongly): never a plan
         t = self.sim.step_time()
+        self.offer((t, self.sim.strategy, name))
         if self.best is None or t < self.best[0]:
             self.best = (t, self.sim.strategy, name)
             self.history.append((time.perf_counter() - self.t0, t))
+
+    def offer(self, found: tuple[float, Strategy, str]) -> None:
+        """Keeps `found` (a fitting plan: time, strategy, start name) among each start's best,
+        the candidates `finalists` draws from."""
+        t, _, name = found
+        if name not in self.bests or t < self.bests[name][0]:
+            self.bests[name] = found
+
+    def finalists(self, k: int) -> tuple[tuple[float, Strategy, str], ...]:
+        """The `k` fastest distinct fitting plans among the starts' bests, fastest first."""
+        out: list[tuple[float, Strategy, str]] = []
+        for found in sorted(self.bests.values(), key=lambda f: f[0]):
+            if len(out) == k:
+                break
+            if all(found[1] != kept[1] for kept in out):
+                out.append(found)
+        return tuple(out)
 
     def chain(self, name: str, start: Strategy, deadline: float) -> None:
         """Metropolis-Hastings from `start` until the deadline or proposal budget.

@@ -88,7 +88,7 @@ import jax
 
 from soapjax.base.errors import PlanError
 from soapjax.cost.operators import CostModel, cost_model as make_cost_model
-from soapjax.cost.reshard import DEFAULT_MODE, Resharder
+from soapjax.cost.reshard import DEFAULT_MODE, Resharder, replicates_whole
 from soapjax.graph.opgraph import OpGraph
 from soapjax.search._chain import (
     MAX_BUDGET_S,
@@ -101,6 +101,7 @@ from soapjax.search._chain import (
 )
 from soapjax.search.grids import _grid_starts, _within
 from soapjax.search.pipelines import _pipelined_chains
+from soapjax.simulate import SimResult
 from soapjax.simulate.front import (
     Simulation,
     default_pricing,
@@ -126,10 +127,12 @@ from soapjax.strategy.space import (
     Strategy,
     data_parallel,
 )
+from soapjax.topology.cluster import stage_topology
 
 __all__ = ["FINAL_SHARE", "GRID_SHARE", "MAX_BUDGET_S", "MAX_PROPOSALS", "MEASURE_SHARE",
-           "Progress", "SearchResult", "SearchSettings", "find_plan", "make_simulation",
-           "print_progress", "random_strategy", "search"]
+           "RESHARD_CHECK_DEVICES", "RESHARD_CHECK_SHARE", "RESHARD_FINALISTS", "Progress",
+           "SearchResult", "SearchSettings", "check_reshardings", "find_plan",
+           "make_simulation", "print_progress", "random_strategy", "search"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +148,8 @@ class SearchResult:
       accepted: proposals accepted.
       search_time_s: wall-clock time of the search.
       history: (seconds since the start, best step time so far) at each improvement.
+      finalists: the fastest distinct plans among the starts' bests, fastest first, as
+        (step time, strategy, start name); the first is `strategy` (`RESHARD_FINALISTS`).
     """
 
     strategy: Strategy
@@ -155,6 +160,7 @@ class SearchResult:
     accepted: int
     search_time_s: float
     history: tuple[tuple[float, float], ...]
+    finalists: tuple[tuple[float, Strategy, str], ...] = ()
 
     def baseline_times(self) -> dict[str, float]:
         return {name: t for name, t, _ in self.baselines}
@@ -167,6 +173,16 @@ class SearchResult:
 MEASURE_SHARE = 0.6
 GRID_SHARE = 0.3
 FINAL_SHARE = 0.05
+
+# The plans `find_plan` prices again with the reshardings XLA compiles (`check_reshardings`):
+# the fastest distinct ones among the starts' bests, on meshes (one stage's, for a pipelined
+# plan) of at most RESHARD_CHECK_DEVICES devices (a subprocess of that many virtual CPU
+# devices compiles them; docs/checks.md, "Reshardings checked against XLA", times it).
+RESHARD_FINALISTS = 4
+RESHARD_CHECK_DEVICES = 256
+# With a time budget the chains end RESHARD_CHECK_SHARE earlier, left for that check, which
+# checks the finalists after the first only while the budget lasts.
+RESHARD_CHECK_SHARE = 0.1
 
 
 class _Budget:
@@ -183,7 +199,8 @@ class _Budget:
 
 def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
            settings: SearchSettings = SearchSettings(), family: str | None = None,
-           opt_state_factor: float = 2.0, progress: Progress | None = None) -> SearchResult:
+           opt_state_factor: float = 2.0, progress: Progress | None = None,
+           reserve: float = 0.0) -> SearchResult:
     """Searches for the fastest strategy of `graph` on `topology` that fits in memory.
 
     Args:
@@ -196,6 +213,8 @@ def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
       family: "cnn", "rnn", ... to choose the paper's expert strategy (None: both).
       opt_state_factor: optimizer state bytes per parameter byte (2 for Adam).
       progress: called with a one-line status about twice a second.
+      reserve: a share of the budget the chains leave at its end for the caller (`find_plan`
+        checks the finalists' reshardings in `RESHARD_CHECK_SHARE` of it).
 
     Returns:
       The best strategy found, with the baselines' times.
@@ -218,7 +237,7 @@ def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
         searcher = _Searcher(sim, settings, progress)
         searcher.t0 = budget.t0
         return _search(graph, topology, sim, searcher, budget, settings, family,
-                       opt_state_factor, progress, cost_model)
+                       opt_state_factor, progress, cost_model, reserve)
     finally:
         if measured:
             costs.measure_until(None)
@@ -226,7 +245,7 @@ def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
 
 def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budget: _Budget,
             settings: SearchSettings, family: str | None, opt_state_factor: float,
-            progress: Progress | None, cost_model) -> SearchResult:
+            progress: Progress | None, cost_model, reserve: float = 0.0) -> SearchResult:
     starts = dict(make_baselines(graph, topology, family))
     mesh = MeshShape.of(topology)
     for k in range(settings.num_random):
@@ -254,7 +273,7 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
     # With a time budget, the chains share what the starts left, half of it for the pipelined
     # chains when there are some; with a proposal count, each chain runs its proposals.
     t_chains = time.perf_counter()
-    end = budget.at(1.0 - FINAL_SHARE)
+    end = budget.at(1.0 - FINAL_SHARE - reserve)
     if end is None:  # proposal counts: the chains' deadlines are never consulted
         share = settings.budget_s / len(starts)
     else:
@@ -265,6 +284,8 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
     if pipelined:
         for result in _pipelined_chains(graph, topology, cost_model or sim.cost_model,
                                         settings, opt_state_factor, progress, searcher, end):
+            if result is not None:
+                searcher.offer(result)
             if result is not None and (searcher.best is None or result[0] < searcher.best[0]):
                 searcher.best = result
                 searcher.history.append((time.perf_counter() - searcher.t0, result[0]))
@@ -282,7 +303,8 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
                                         if not n.startswith("random")),
                         proposals=searcher.proposals, accepted=searcher.accepted,
                         search_time_s=time.perf_counter() - searcher.t0,
-                        history=tuple(searcher.history))
+                        history=tuple(searcher.history),
+                        finalists=searcher.finalists(RESHARD_FINALISTS))
 
 
 
@@ -341,12 +363,19 @@ def find_plan(graph: OpGraph, topology, *, settings: SearchSettings | None = Non
     Every caller plans through this function (the CLI, `shard_training`, the notebook, the
     scripts), so its defaults are soapjax's defaults.
 
-    **Resharding default: the ideal model.** Pricing each resharding by what XLA compiles
-    (``reshard="xla"``) is more faithful (docs/design.md; docs/checks.md shows where XLA differs),
-    but the search then compiles every transition a proposal brings in: two orders of
-    magnitude fewer proposals a second (docs/checks.md, "The resharding default"). A search that
-    scores a few proposals per second is a search in name only, so the default is ``"ideal"``
-    everywhere (`soapjax.cost.reshard.DEFAULT_MODE`); ask for ``"xla"`` to price XLA's choices.
+    **Resharding default: the ideal model, its finalists checked against XLA.** Pricing each
+    resharding by what XLA compiles (``reshard="xla"``) is more faithful (docs/design.md;
+    docs/checks.md shows where XLA differs), but the search then compiles every transition a
+    proposal brings in: two orders of magnitude fewer proposals a second (docs/checks.md, "The
+    resharding default"). A search that scores a few proposals per second is a search in name
+    only, so the search prices with ``"ideal"`` (`soapjax.cost.reshard.DEFAULT_MODE`). Then
+    (``SearchSettings.check_reshardings``, default on) its `RESHARD_FINALISTS` best distinct
+    plans are priced again with the reshardings XLA compiles for them (`check_reshardings`, in
+    the last `RESHARD_CHECK_SHARE` of the budget, one batch of compiles per mesh, cached on
+    disk), and the fastest so priced is the plan, its prediction XLA's: a plan whose layout
+    changes XLA makes by gathering a tensor whole is never priced as if it did not
+    (docs/checks.md, "Reshardings checked against XLA"). Ask for ``"xla"`` to search with
+    XLA's prices throughout.
 
     Args:
       graph: the operator graph (`soapjax.trace`).
@@ -380,16 +409,25 @@ def find_plan(graph: OpGraph, topology, *, settings: SearchSettings | None = Non
     if optimizer is not None:
         check_optimizer(optimizer, "find_plan")
     settings = settings if settings is not None else SearchSettings()
+    t0 = time.perf_counter()
     cm = make_cost_model(graph, topology, mode=costs, optimizer=optimizer) \
         if isinstance(costs, str) else costs
     factor = 2.0 if optimizer is None else opt_state_factor(optimizer, _abstract_params(graph))
     resharder = Resharder(MeshShape.of(topology), mode=reshard) if isinstance(reshard, str) \
         else reshard
     try:
+        check = settings.check_reshardings and resharder.mode == "ideal"
         result = search(graph, topology, cost_model=cm, resharder=resharder, settings=settings,
-                        family=family, opt_state_factor=factor, progress=progress)
-        sim = simulate(graph, topology, result.strategy, cost_model=cm, resharder=resharder,
-                       opt_state_factor=factor)
+                        family=family, opt_state_factor=factor, progress=progress,
+                        reserve=RESHARD_CHECK_SHARE if check else 0.0)
+        sim, checked = None, None
+        if check:
+            deadline = None if settings.max_proposals is not None else t0 + settings.budget_s
+            result, sim, checked = check_reshardings(graph, topology, result, cm, factor,
+                                                     progress, deadline)
+        if sim is None:
+            sim = simulate(graph, topology, result.strategy, cost_model=cm,
+                           resharder=resharder, opt_state_factor=factor)
     finally:
         if isinstance(reshard, str):
             resharder.close()
@@ -400,9 +438,89 @@ def find_plan(graph: OpGraph, topology, *, settings: SearchSettings | None = Non
         "baselines_fit": {name: fits for name, _, fits in result.baselines},
         "history": [list(h) for h in result.history],
         "cost_stats": cm.stats._asdict()}
+    if checked is not None:
+        info["reshardings_checked"] = checked
     return Plan.make(graph, topology, result.strategy, model_config=model_config,
                      workload=workload, predicted=sim.to_json(), cost_source=cm.source,
                      search=info, baselines=result.baseline_times(), simulated=sim)
+
+
+def check_reshardings(graph: OpGraph, topology, result: SearchResult, cost_model,
+                      opt_state_factor: float = 2.0, progress: Progress | None = None,
+                      deadline: float | None = None
+                      ) -> tuple[SearchResult, SimResult | None, dict]:
+    """The search's finalists priced again with the reshardings XLA compiles for them, and the
+    fastest that fits so priced.
+
+    The search prices reshardings with the ideal model (`find_plan` says why); XLA's SPMD
+    partitioner makes some layout changes by gathering the tensor whole and slicing it
+    ("Involuntary full rematerialization", `soapjax.cost.reshard.replicates_whole`), a
+    collective the ideal model prices at a fraction of its bytes. Each of
+    `result.finalists` on a mesh of at most `RESHARD_CHECK_DEVICES` devices is simulated
+    again with a ``mode="xla"`` `Resharder` (its transitions compiled in one batch, cached on
+    disk), and the fastest that fits wins. Past `deadline` (a `time.perf_counter` time)
+    the finalists after the first are left unchecked.
+
+    Returns:
+      The result with the winner (its step time as XLA's reshardings price it), the winner's
+      simulation (None where no finalist could be checked: the search's plan stands), and
+      what was checked: per finalist its start, ideal and XLA-priced step times, whether it
+      fits, its transitions and how many of them XLA makes by replicating whole (None for a
+      finalist left unchecked: on too large a mesh, or past the deadline), and the seconds it
+      all took.
+    """
+    t0 = time.perf_counter()
+    rows, best = [], None
+    resharders: dict[MeshShape, Resharder] = {}  # one compiling subprocess per mesh
+    try:
+        for k, (t_ideal, strategy, name) in enumerate(result.finalists):
+            mesh = MeshShape.of(stage_topology(topology, strategy.stages))  # the configs'
+            row = {"start": name, "ideal_s": t_ideal, "xla_s": None, "fits": None,
+                   "transitions": None, "replicated_whole": None}
+            rows.append(row)
+            if mesh.size > RESHARD_CHECK_DEVICES or (
+                    k and deadline is not None and time.perf_counter() >= deadline):
+                continue
+            if progress is not None:
+                progress(f"search: reshardings of plan {k + 1}/{len(result.finalists)} "
+                         f"({name}) compiled by XLA on {mesh.size} CPU devices")
+            if mesh not in resharders:
+                resharders[mesh] = Resharder(mesh, mode="xla")
+            asked = _Asked(resharders[mesh])
+            sim = simulate(graph, topology, strategy, cost_model=cost_model, resharder=asked,
+                           opt_state_factor=opt_state_factor)
+            answers = [asked.inner.lookup(*t[:4], partial=t[4]) for t in asked.seen]
+            row.update(xla_s=sim.step_time_s, fits=sim.fits_in_memory,
+                       transitions=len(asked.seen),
+                       replicated_whole=sum(replicates_whole(t, a.collectives)
+                                            for t, a in zip(asked.seen, answers)))
+            if sim.fits_in_memory and (best is None or sim.step_time_s < best[0]):
+                best = (sim.step_time_s, strategy, name, sim)
+    finally:
+        for resharder in resharders.values():
+            resharder.close()
+    checked = {"finalists": rows, "seconds": time.perf_counter() - t0}
+    if best is None:
+        return result, None, checked
+    t, strategy, name, sim = best
+    return dataclasses.replace(result, strategy=strategy, step_time_s=t, start=name), sim, \
+        checked
+
+
+class _Asked:
+    """A resharder that answers with `inner` and keeps what it was asked (`check_reshardings`:
+    one simulation's transitions, where `inner` serves several)."""
+
+    def __init__(self, inner: Resharder):
+        self.inner, self.mesh, self.mode = inner, inner.mesh, inner.mode
+        self.seen: dict[tuple, None] = {}
+
+    def reshard(self, shape, dtype, src, dst, *, partial=()):
+        self.seen[(tuple(shape), dtype, tuple(src), tuple(dst), tuple(partial))] = None
+        return self.inner.reshard(shape, dtype, src, dst, partial=partial)
+
+    def prefetch(self, transitions) -> int:
+        return self.inner.prefetch(transitions)
 
 
 def _abstract_params(graph: OpGraph) -> list[jax.ShapeDtypeStruct]:

@@ -80,7 +80,8 @@ def open_simulation(graph: OpGraph, topology: Topology, strategy: Strategy | Non
     A strategy without stages gets a `Simulation` on the topology's mesh, priced with
     `resharder` (or the default); a pipelined one a `PipelinedSimulation` whose configs are
     over one stage's devices, with a resharder for that stage's mesh in `resharder`'s mode,
-    made here and closed when the block ends. Both have the interface the search uses
+    made here and closed when the block ends (or `resharder` itself where it is on that
+    mesh: `soapjax.search.find` reads what it answered). Both have the interface the search uses
     (`propose`, `propose_many`, `propose_strategy`, `accept`, `reject`, `reset`, `step_time`,
     `fits_in_memory`, `result`). `layer_layout`: where a pipelined strategy's stacked layer
     parameters live between steps (`soapjax.simulate.pipesim.LAYER_LAYOUTS`): ``"model"`` as
@@ -97,9 +98,14 @@ def open_simulation(graph: OpGraph, topology: Topology, strategy: Strategy | Non
             return
         # the layers first: 4 stages of a 2-layer model is the model's limit, not the mesh's
         layer_chunks(graph, strategy.stages * strategy.virtual_stages, strategy.stage_layers)
-        stage = stage_topology(topology, strategy.stages)
+        stage_mesh = MeshShape.of(stage_topology(topology, strategy.stages))
+        if getattr(flat_resharder, "mesh", None) == stage_mesh:  # given for one stage
+            yield PipelinedSimulation(graph, topology, costs, flat_resharder, strategy,
+                                      opt_state_factor=opt_state_factor,
+                                      layer_layout=layer_layout)
+            return
         mode = getattr(flat_resharder, "mode", DEFAULT_MODE)
-        with Resharder(MeshShape.of(stage), mode=mode) as stage_resharder:
+        with Resharder(stage_mesh, mode=mode) as stage_resharder:
             yield PipelinedSimulation(graph, topology, costs, stage_resharder, strategy,
                                       opt_state_factor=opt_state_factor,
                                       layer_layout=layer_layout)
