@@ -315,7 +315,8 @@ def render(rows: list[dict], budget: float) -> str:
         geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
         lines += ["", f"Geometric mean ratio over {len(ratios)} cases: {geo:.3f}; "
                   f"cases at 1.25x or more: {sum(x >= 1.25 for x in ratios)}; below 1.00: "
-                  f"{sum(x < 0.995 for x in ratios)}."]
+                  f"{sum(x < 1.0 for x in ratios)} ({sum(x < 0.995 for x in ratios)} below "
+                  "0.995)."]
     notes = [f"- {row['case']}: {row['note']}" for row in rows if row.get("note")]
     nofit = [f"- {row['case']}: nothing in the hand grid fits; least memory "
              f"{row['least_memory']['name']} at {_gb(row['least_memory']['memory'])} GB"
