@@ -459,7 +459,8 @@ def check_reshardings(graph: OpGraph, topology, result: SearchResult, cost_model
     `result.finalists` on a mesh of at most `RESHARD_CHECK_DEVICES` devices is simulated
     again with a ``mode="xla"`` `Resharder` (its transitions compiled in one batch, cached on
     disk), and the fastest that fits wins. Past `deadline` (a `time.perf_counter` time)
-    the finalists after the first are left unchecked.
+    the finalists after the first are left unchecked; unchecked finalists do not compete, and
+    where the first (the search's plan) is on too large a mesh none is checked.
 
     Returns:
       The result with the winner (its step time as XLA's reshardings price it), the winner's
@@ -478,6 +479,8 @@ def check_reshardings(graph: OpGraph, topology, result: SearchResult, cost_model
             row = {"start": name, "ideal_s": t_ideal, "xla_s": None, "fits": None,
                    "transitions": None, "replicated_whole": None}
             rows.append(row)
+            if mesh.size > RESHARD_CHECK_DEVICES and not k:
+                break  # the search's own plan cannot be checked: it stands as priced
             if mesh.size > RESHARD_CHECK_DEVICES or (
                     k and deadline is not None and time.perf_counter() >= deadline):
                 continue
