@@ -19,6 +19,7 @@ from soapjax.search import (
     SearchSettings,
     check_reshardings,
     exhaustive,
+    find,
     find_plan,
     improving_change,
     make_simulation,
@@ -190,7 +191,8 @@ def test_find_plan_prices_its_finalists_with_the_reshardings_xla_compiles():
     assert again.step_time_s == plan.step_time_s  # the plan's prediction is XLA's pricing
 
 
-def test_the_resharding_check_picks_the_fastest_under_xla_whatever_the_ideal_order():
+def test_the_resharding_check_picks_the_fastest_under_xla_whatever_the_ideal_order(
+        monkeypatch):
     """`check_reshardings` re-prices every finalist and keeps the fastest that fits under XLA's
     reshardings, not the first: given data parallelism behind FSDP as the search's first
     choice (ideal times made up so), it returns the one XLA prices faster."""
@@ -210,6 +212,10 @@ def test_the_resharding_check_picks_the_fastest_under_xla_whatever_the_ideal_ord
     # past its deadline only the first is checked, and it stands
     chosen, _, checked = check_reshardings(g, topo, result, cm, deadline=0.0)
     assert chosen.start == slow and checked["finalists"][1]["xla_s"] is None
+    # the search's own plan on a mesh too large to compile: none is checked, it stands
+    monkeypatch.setattr(find, "RESHARD_CHECK_DEVICES", 4)
+    chosen, sim, checked = check_reshardings(g, topo, result, cm)
+    assert chosen is result and sim is None and checked["finalists"][0]["xla_s"] is None
 
 
 @pytest.mark.parametrize("field, value, message", [
