@@ -53,7 +53,7 @@ from soapjax.strategy.space import MeshShape
 from soapjax.topology.cluster import Topology, make_mesh
 
 __all__ = ["BYTES_TOLERANCE", "NUMBERS_TOLERANCE", "CheckResult", "TrainWorkload",
-           "compare_on_devices", "compiled_flops", "simulated_collectives",
+           "compare_on_devices", "compiled_flops", "plan_reshard_mode", "simulated_collectives",
            "simulated_sent_bytes"]
 
 _COMPUTE = ("forward", "backward", "update")
@@ -259,15 +259,30 @@ class TrainWorkload(Protocol):
     def train_step(self) -> Callable[..., Any]: ...
 
 
+def plan_reshard_mode(plan: Plan) -> str:
+    """The resharding model `plan`'s prediction was priced with: ``"xla"`` where `find_plan`
+    checked the plan's reshardings against XLA (`soapjax.search.find.check_reshardings`), else
+    the search's (``plan.search["reshard"]``; the default for a plan without one)."""
+    info = dict(plan.search)
+    checked = info.get("reshardings_checked")
+    if checked:
+        for row in dict(checked)["finalists"]:
+            row = dict(row)
+            if row["start"] == info.get("best_from") and row["xla_s"] is not None:
+                return "xla"
+    return info.get("reshard", DEFAULT_MODE)
+
+
 def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5, seed: int = 0,
-                       costs: str = "auto", reshard: str = DEFAULT_MODE,
+                       costs: str = "auto", reshard: str | None = None,
                        topology: Topology | None = None) -> CheckResult:
     """Applies `plan` to `workload` on the attached devices and compares (see the module doc).
 
     What `soapjax check` runs; the command line rebuilds the workload from the plan
     (`soapjax_zoo.for_plan`: a zoo model by name and config, or the user code the plan
     records). The prediction uses the same defaults as `soapjax.search.find.find_plan`, so it is the
-    plan's own predicted step unless `costs` or `reshard` say otherwise.
+    plan's own predicted step unless `costs` or `reshard` say otherwise (`reshard` None: the
+    plan's own, `plan_reshard_mode`).
 
     `topology` is the plan's own (`Plan.topology_used`: its file, else the shipped one of its
     name) unless given.
@@ -309,7 +324,8 @@ def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5,
                             reduce_scatter_from_slices=True)
     found = apply.collectives_as_run(found, strategy)
     cm = cost_model(graph, topo, mode=costs, optimizer=w.optimizer)
-    with Resharder(MeshShape.of(topo), mode=reshard) as resharder:
+    mode = plan_reshard_mode(plan) if reshard is None else reshard
+    with Resharder(MeshShape.of(topo), mode=mode) as resharder:
         sim = simulate(graph, topo, strategy, cost_model=cm, resharder=resharder,
                        opt_state_factor=opt_state_factor(w.optimizer, params))
     predicted = simulated_collectives(sim)

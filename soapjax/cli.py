@@ -993,9 +993,10 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
                    "shipped topology of its name)")
     p.add_argument("--repeats", type=_COUNT, default=5, help="timed runs (default: %(default)s)")
     p.add_argument("--costs", default="auto", choices=("auto", "measured", "analytic"))
-    p.add_argument("--reshard", default=DEFAULT_MODE, choices=("ideal", "xla"),
-                   help="resharding collectives the prediction prices (default: %(default)s, as "
-                   "`soapjax plan`)")
+    p.add_argument("--reshard", default=None, choices=("ideal", "xla"),
+                   help="resharding collectives the prediction prices (default: the plan's own: "
+                   "xla where `soapjax plan` priced its reshardings with what XLA compiles, "
+                   f"else its search's, {DEFAULT_MODE} by default)")
     p.add_argument("--tolerance", type=_number(float, 0.0, "a number >= 0"),
                    default=NUMBERS_TOLERANCE, help="the largest difference from the unsharded "
                    "step (loss, parameters, optimizer state) that passes (default: %(default)s)")
