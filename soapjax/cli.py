@@ -888,10 +888,12 @@ def _reshard_check(info: dict) -> str:
     if not done:
         return "; its finalists' reshardings not checked (meshes too large)"
     chosen = next((r for r in done if r["start"] == info["best_from"]), done[0])
+    failed = (f", {chosen['fallbacks']} not compiled: priced by the ideal model"
+              if chosen.get("fallbacks") else "")
     return (f"; {len(done)} of its {len(rows)} best plans priced again with XLA's "
             f"reshardings (the plan: "
             f"{chosen['transitions']} transitions, {chosen['replicated_whole']} made by "
-            f"replicating whole, {chosen['xla_s'] / chosen['ideal_s'] - 1:+.1%})")
+            f"replicating whole{failed}, {chosen['xla_s'] / chosen['ideal_s'] - 1:+.1%})")
 
 
 def _cost_counts(info: dict) -> str:

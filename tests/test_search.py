@@ -182,7 +182,7 @@ def test_find_plan_prices_its_finalists_with_the_reshardings_xla_compiles():
     assert [r["ideal_s"] for r in rows] == sorted(r["ideal_s"] for r in rows)
     assert any(r["replicated_whole"] for r in rows)
     for r in rows:
-        assert r["transitions"] > 0
+        assert r["transitions"] > 0 and r["fallbacks"] == 0
         assert (r["xla_s"] > r["ideal_s"] * 1.001) == (r["replicated_whole"] > 0)
     best = min((r for r in rows if r["fits"]), key=lambda r: r["xla_s"])
     assert plan.step_time_s == best["xla_s"]

@@ -466,9 +466,10 @@ def check_reshardings(graph: OpGraph, topology, result: SearchResult, cost_model
       The result with the winner (its step time as XLA's reshardings price it), the winner's
       simulation (None where no finalist could be checked: the search's plan stands), and
       what was checked: per finalist its start, ideal and XLA-priced step times, whether it
-      fits, its transitions and how many of them XLA makes by replicating whole (None for a
-      finalist left unchecked: on too large a mesh, or past the deadline), and the seconds it
-      all took.
+      fits, its transitions, how many of them XLA makes by replicating whole and how many
+      could not be compiled (priced by the ideal model instead: `Resharder.fallbacks`; None
+      for a finalist left unchecked: on too large a mesh, or past the deadline), and the
+      seconds it all took.
     """
     t0 = time.perf_counter()
     rows, best = [], None
@@ -477,7 +478,7 @@ def check_reshardings(graph: OpGraph, topology, result: SearchResult, cost_model
         for k, (t_ideal, strategy, name) in enumerate(result.finalists):
             mesh = MeshShape.of(stage_topology(topology, strategy.stages))  # the configs'
             row = {"start": name, "ideal_s": t_ideal, "xla_s": None, "fits": None,
-                   "transitions": None, "replicated_whole": None}
+                   "transitions": None, "replicated_whole": None, "fallbacks": None}
             rows.append(row)
             if mesh.size > RESHARD_CHECK_DEVICES and not k:
                 break  # the search's own plan cannot be checked: it stands as priced
@@ -496,7 +497,8 @@ def check_reshardings(graph: OpGraph, topology, result: SearchResult, cost_model
             row.update(xla_s=sim.step_time_s, fits=sim.fits_in_memory,
                        transitions=len(asked.seen),
                        replicated_whole=sum(replicates_whole(t, a.collectives)
-                                            for t, a in zip(asked.seen, answers)))
+                                            for t, a in zip(asked.seen, answers)),
+                       fallbacks=sum(a.source == "fallback" for a in answers))
             if sim.fits_in_memory and (best is None or sim.step_time_s < best[0]):
                 best = (sim.step_time_s, strategy, name, sim)
     finally:
