@@ -12,9 +12,10 @@ improved for half of its share. The budget bounds the whole search
 (`SearchSettings.budget_s`): measuring new shard programs stops at 60% of it, or earlier
 where the next one would likely run past that (`soapjax.cost.operators.CostModel.measure_until`:
 later ones are estimated from the roofline and the operator's measured ones), so the chains
-keep a real share; scoring Megatron's grid stops at 30%, the chains 5% before its end. The
-best strategy that fits in device memory
-over all chains is returned, so it is never worse than the best baseline.
+keep a real share; scoring Megatron's grid stops at 30%, the chains 5% before its end (15%
+where `find_plan` then checks the finalists' reshardings against XLA: `check_reshardings`).
+The best strategy that fits in device memory over all chains is returned, so it is never
+worse than the best baseline (as the search prices them).
 
 **beta.** Costs are step times, whose scale varies by orders of magnitude between models and
 clusters, so beta is set relative to the chain's starting cost c0: ``beta = ln 2 / (t * c0)``
