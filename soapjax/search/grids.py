@@ -139,20 +139,26 @@ def _score_points(searcher: _Searcher, points: dict[GridPoint, Strategy],
     not fit, its cost: the step time, penalised as the chains penalise a point that does not
     fit), name and strategy, and the names scored.
 
-    The order is a descent over the grid's coordinates (`GridPoint.coordinates`) before the rest in
-    their order: from the first point, every point on the line through the best so far along
+    The order is a descent over the grid's coordinates (`GridPoint.coordinates`) before the rest
+    in their order: from the first point, every point on the line through the best so far along
     one coordinate (recomputation, distributed optimizer, microbatch size, TP, EP, CP:
-    `_DESCENT`), the best moving to the line's best, one coordinate after another, until a
-    round moves it no more; then every point that differs from the best in recomputation and
-    one other coordinate at once (a point may fit without recomputation only at a higher CP or
-    TP degree, where with recomputation it is slower than the best so far), and the lines again
-    if that moved it; then the others. A grid cut by its deadline has then walked
-    towards its best along each coordinate (Mixtral 8x22B on 256 H100s at 4 stages, 162
+    `_DESCENT`), the best moving to the line's best, one coordinate after another, until a round
+    moves it no more; then every point that differs from the best in recomputation and one other
+    coordinate at once (a point may fit without recomputation only at a higher CP or TP degree,
+    where with recomputation it is slower than the best so far), and the lines again if that
+    moved it; then the others. After each line, a point it found faster than the best but over
+    memory is made to fit (`_fit_variants`: the distributed optimizer, smaller microbatches,
+    more recomputation, the first variant that fits), which no single line reaches (GPT 18.4B on
+    256 A100s at 4 x 5 stages: TP 1 fits only with the distributed optimizer and microbatches of
+    1; the grid's best reached at point 19 of 108, was 56). A grid cut by its deadline has then
+    walked towards its best along each coordinate (Mixtral 8x22B on 256 H100s at 4 stages, 162
     points: in 1.2 s `_likely_first`'s order reached 17.0 s a step, 15.4 s in 2 s; the descent
     reaches the grid's best, 11.9 s, in 1.2 s, at the microbatch size that order puts last)."""
     names = list(points)
     coords = {n: n.coordinates() for n in names}
     scored: dict[GridPoint, tuple[bool, float]] = {}
+    step: dict[GridPoint, float] = {}  # each scored point's step time, fitting or not
+    tried: set[GridPoint] = set()  # the points `made_to_fit` has tried to make fit
     best: GridPoint | None = None
 
     def stop() -> bool:
@@ -166,8 +172,24 @@ def _score_points(searcher: _Searcher, points: dict[GridPoint, Strategy],
         # penalty growing with its excess memory (`_chain._cost`), so the descent heads for
         # points that fit rather than for the fastest of those that do not
         scored[name] = (not searcher.sim.fits_in_memory(), _cost(searcher.sim))
+        step[name] = searcher.sim.step_time()
         if best is None or scored[name] < scored[best]:
             best = name
+
+    def made_to_fit() -> None:
+        """Every scored point faster than the best but over memory, made to fit
+        (`_fit_variants`): the first of its variants that fits, each scored (once a point:
+        `tried`)."""
+        for name in [n for n in scored if scored[n][0] and n not in tried
+                     and not scored[best][0] and step[n] < scored[best][1]]:
+            tried.add(name)
+            for variant in _fit_variants(name, names):
+                if stop():
+                    return
+                if variant not in scored:
+                    score(variant)
+                    if not scored[variant][0]:
+                        break
 
     score(names[0])
     moved = True
@@ -185,6 +207,7 @@ def _score_points(searcher: _Searcher, points: dict[GridPoint, Strategy],
                     if stop():
                         break
                     score(name)
+                made_to_fit()  # a faster point over memory may fit with others moved too
                 moved = moved or best != here
             if moved:
                 break
@@ -200,6 +223,23 @@ def _score_points(searcher: _Searcher, points: dict[GridPoint, Strategy],
                 if not scored[best][0]:
                     break
     return scored[best], best, points[best], set(scored)
+
+
+def _fit_variants(point: GridPoint, names: list[GridPoint]) -> list[GridPoint]:
+    """The grid's points that hold less than `point` in its model-parallel shape (TP, CP, EP,
+    stages, virtual stages) by the memory-saving coordinates alone: the distributed optimizer,
+    a smaller microbatch, more recomputation; in the order they likely cost time (no more
+    recomputation first, the largest microbatch first, the optimizer's shards before a smaller
+    microbatch). GPT 18.4B on 256 A100s at 4 stages x 5 virtual: TP 1 with microbatches of 4
+    is the fastest point but needs 243 GB; with the distributed optimizer and microbatches of
+    1 it fits, the grid's best, which no single coordinate's line reaches."""
+    rec = RECOMPUTE_POLICIES.index
+    return sorted((n for n in names
+                   if (n.tp, n.cp, n.ep, n.pp, n.v) == (point.tp, point.cp, point.ep, point.pp,
+                                                         point.v)
+                   and n != point and n.do >= point.do and n.mb <= point.mb
+                   and rec(n.recompute) >= rec(point.recompute)),
+                  key=lambda n: (rec(n.recompute), -n.mb, n.do))
 
 
 def _memory_floor(names: list[GridPoint]) -> list[GridPoint]:
