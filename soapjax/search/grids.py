@@ -146,14 +146,15 @@ def _score_points(searcher: _Searcher, points: dict[GridPoint, Strategy],
     moves it no more; then every point that differs from the best in recomputation and one other
     coordinate at once (a point may fit without recomputation only at a higher CP or TP degree,
     where with recomputation it is slower than the best so far), and the lines again if that
-    moved it; then the others. After each line, a point it found faster than the best but over
+    moved it; where the lines and pairs settle, a point they found faster than the best but over
     memory is made to fit (`_fit_variants`: the distributed optimizer, smaller microbatches,
-    more recomputation, the first variant that fits), which no single line reaches (GPT 18.4B on
-    256 A100s at 4 x 5 stages: TP 1 fits only with the distributed optimizer and microbatches of
-    1; the grid's best reached at point 19 of 108, was 56). A grid cut by its deadline has then
-    walked towards its best along each coordinate (Mixtral 8x22B on 256 H100s at 4 stages, 162
-    points: in 1.2 s `_likely_first`'s order reached 17.0 s a step, 15.4 s in 2 s; the descent
-    reaches the grid's best, 11.9 s, in 1.2 s, at the microbatch size that order puts last)."""
+    more recomputation; its shape's floor first), which no single line reaches, and the lines
+    again if that moved it (GPT 18.4B on 256 A100s at 4 x 5 stages: TP 1 fits only with the
+    distributed optimizer and microbatches of 1). Only then the others. A grid cut by its
+    deadline has then walked towards its best along each coordinate (Mixtral 8x22B on 256 H100s
+    at 4 stages, 162 points: in 1.2 s `_likely_first`'s order reached 17.0 s a step, 15.4 s in 2
+    s; the descent reaches the grid's best, 11.9 s, in 1.2 s, at the microbatch size that order
+    puts last)."""
     names = list(points)
     coords = {n: n.coordinates() for n in names}
     scored: dict[GridPoint, tuple[bool, float]] = {}
@@ -178,18 +179,22 @@ def _score_points(searcher: _Searcher, points: dict[GridPoint, Strategy],
 
     def made_to_fit() -> None:
         """Every scored point faster than the best but over memory, made to fit
-        (`_fit_variants`): the first of its variants that fits, each scored (once a point:
-        `tried`)."""
+        (`_fit_variants`): its shape's floor first (where that does not fit, nothing does),
+        then its variants until one fits, each scored (once a point: `tried`)."""
         for name in [n for n in scored if scored[n][0] and n not in tried
                      and not scored[best][0] and step[n] < scored[best][1]]:
             tried.add(name)
-            for variant in _fit_variants(name, names):
+            variants = _fit_variants(name, names)
+            # the shape's floor first: where even it holds too much, no variant fits
+            for variant in variants[-1:] + variants[:-1]:
                 if stop():
                     return
                 if variant not in scored:
                     score(variant)
-                    if not scored[variant][0]:
-                        break
+                if scored[variant][0] and variant is variants[-1]:
+                    break
+                if not scored[variant][0] and variant is not variants[-1]:
+                    break
 
     score(names[0])
     moved = True
@@ -207,10 +212,13 @@ def _score_points(searcher: _Searcher, points: dict[GridPoint, Strategy],
                     if stop():
                         break
                     score(name)
-                made_to_fit()  # a faster point over memory may fit with others moved too
                 moved = moved or best != here
             if moved:
                 break
+        if not moved:  # settled: a faster point over memory may fit with others moved too
+            here = best
+            made_to_fit()
+            moved = best != here
     for name in names:
         if stop():
             break
@@ -230,8 +238,9 @@ def _fit_variants(point: GridPoint, names: list[GridPoint]) -> list[GridPoint]:
     stages, virtual stages) by the memory-saving coordinates alone: the distributed optimizer,
     a smaller microbatch, more recomputation; in the order they likely cost time (no more
     recomputation first, the largest microbatch first, the optimizer's shards before a smaller
-    microbatch). GPT 18.4B on 256 A100s at 4 stages x 5 virtual: TP 1 with microbatches of 4
-    is the fastest point but needs 243 GB; with the distributed optimizer and microbatches of
+    microbatch), so the last holds the least (the shape's floor, `_memory_floor`'s). GPT 18.4B
+    on 256 A100s at 4 stages x 5 virtual: TP 1 with microbatches of 4 is the fastest point but
+    needs 243 GB; with the distributed optimizer and microbatches of
     1 it fits, the grid's best, which no single coordinate's line reaches."""
     rec = RECOMPUTE_POLICIES.index
     return sorted((n for n in names
