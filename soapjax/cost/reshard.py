@@ -335,12 +335,6 @@ class Resharder:
         ``disk_hits``, ``fallbacks``."""
         return dict(self._stats)
 
-    def answered(self) -> dict[Transition, Resharding]:
-        """Every transition answered so far (normalised: size-1 axes dropped, the dtype's
-        name), with its answer: what a simulation priced, when it has this resharder to
-        itself."""
-        return {Transition(*k): r for k, r in self._info.items()}
-
     def fallbacks(self) -> dict[Transition, str]:
         """Transitions answered by the ideal model because compiling failed, and why."""
         return {Transition(*k): r.note for k, r in self._info.items() if r.source == "fallback"}

@@ -78,14 +78,15 @@ def open_simulation(graph: OpGraph, topology: Topology, strategy: Strategy | Non
     """The stateful simulation of `strategy` (default: data parallelism) that a search walks.
 
     A strategy without stages gets a `Simulation` on the topology's mesh, priced with
-    `resharder` (or the default); a pipelined one a `PipelinedSimulation` whose configs are
-    over one stage's devices, with a resharder for that stage's mesh in `resharder`'s mode,
-    made here and closed when the block ends (or `resharder` itself where it is on that
-    mesh: `soapjax.search.find` reads what it answered). Both have the interface the search uses
-    (`propose`, `propose_many`, `propose_strategy`, `accept`, `reject`, `reset`, `step_time`,
-    `fits_in_memory`, `result`). `layer_layout`: where a pipelined strategy's stacked layer
-    parameters live between steps (`soapjax.simulate.pipesim.LAYER_LAYOUTS`): ``"model"`` as
-    `soapjax.apply.step` stores them, ``"chunks"`` as Megatron-LM does.
+    `resharder` (or the default); a pipelined one a `PipelinedSimulation` whose configs are over
+    one stage's devices, with a resharder for that stage's mesh in `resharder`'s mode, made here
+    and closed when the block ends (or `resharder` itself where it is on that mesh:
+    `soapjax.search.find.check_reshardings` gives one that keeps what it is asked). Both have
+    the interface the search uses (`propose`, `propose_many`, `propose_strategy`, `accept`,
+    `reject`, `reset`, `step_time`, `fits_in_memory`, `result`). `layer_layout`: where a
+    pipelined strategy's stacked layer parameters live between steps
+    (`soapjax.simulate.pipesim.LAYER_LAYOUTS`): ``"model"`` as `soapjax.apply.step` stores them,
+    ``"chunks"`` as Megatron-LM does.
     """
     strategy = strategy if strategy is not None else data_parallel(graph, MeshShape.of(topology))
     owned = resharder is None or isinstance(resharder, str)  # made here: closed here
