@@ -117,6 +117,16 @@ def test_xla_and_ideal_differ_where_design_says(resharder):
     ]
 
 
+def test_replicates_whole_names_xlas_replicate_then_slice(resharder):
+    """``P('data', None) -> P(None, 'model')``: XLA gathers the whole tensor and slices it
+    (the design case above), the ideal model slices first; a replicated destination is
+    gathered whole by any model and is not the pattern."""
+    src, dst = P("data", None), P(None, "model")
+    assert resharder.replicates_whole(SHAPE, "float32", src, dst)
+    assert not Resharder(MESH).replicates_whole(SHAPE, "float32", src, dst)
+    assert not resharder.replicates_whole(SHAPE, "float32", P("model", None), P())
+
+
 def test_prefetch_was_one_subprocess_batch(prefetched):
     _, compiled, stats, seconds = prefetched
     assert compiled == len(CASES)

@@ -103,7 +103,7 @@ from soapjax.strategy.space import MeshLike, MeshShape
 
 __all__ = ["DEFAULT_MODE", "KINDS", "Collective", "Mode", "ReshardError", "ReshardModel",
            "Resharder", "Resharding", "Source", "Spec", "Transition", "ideal_collectives",
-           "replicates_whole", "reshard"]
+           "reshard"]
 
 log = logging.getLogger(__name__)
 
@@ -205,25 +205,6 @@ def reshard(
         return resharder.reshard(shape, dtype, src, dst, partial=partial)
 
 
-def replicates_whole(transition: Transition | Sequence[Any],
-                     collectives: Iterable[Collective]) -> bool:
-    """Whether `collectives` make `transition` by gathering the whole tensor on every device
-    where its destination still splits it: XLA's "Involuntary full rematerialization" (replicate,
-    then slice), which the ideal model never prices (docs/checks.md, "Reshardings checked
-    against XLA")."""
-    t = Transition(*transition)
-    if not any(_axes_of(d) for d in t.dst):
-        return False  # a replicated destination is gathered whole by any model
-    whole = math.prod(int(n) for n in t.shape) * itemsize(t.dtype)
-    return any(c.kind == "all_gather" and c.nbytes >= whole for c in collectives)
-
-
-def _axes_of(dim: Any) -> tuple[str, ...]:
-    if dim is None:
-        return ()
-    return (dim,) if isinstance(dim, str) else tuple(dim)
-
-
 def ideal_collectives(shape: Sequence[int], dtype: Any, src: Spec, dst: Spec, mesh: MeshLike, *,
                       partial: Sequence[str] = ()) -> tuple[Collective, ...]:
     """The analytic model alone (``reshard(..., mode="ideal")`` without a Resharder)."""
@@ -311,6 +292,20 @@ class Resharder:
         if key not in self._info:
             self._resolve([key])
         return self._info[key]
+
+    def replicates_whole(
+        self, shape: Sequence[int], dtype: Any, src: Spec, dst: Spec, *, partial: Sequence[str] = ()
+    ) -> bool:
+        """Whether this resharder's answer makes the transition by gathering the whole tensor on
+        every device where its destination still splits it: XLA's "Involuntary full
+        rematerialization" (replicate, then slice), which the ideal model never prices
+        (docs/checks.md, "Reshardings checked against XLA")."""
+        key = _normalise(shape, dtype, src, dst, partial, self.mesh)
+        if not any(key.dst):
+            return False  # a replicated destination is gathered whole by any model
+        whole = math.prod(key.shape) * itemsize(key.dtype)
+        return any(c.kind == "all_gather" and c.nbytes >= whole
+                   for c in self.lookup(shape, dtype, src, dst, partial=partial).collectives)
 
     def prefetch(self, transitions: Iterable[Transition | Sequence[Any]]) -> int:
         """Answer many transitions at once: one subprocess batch for all not yet cached.

@@ -89,7 +89,7 @@ import jax
 
 from soapjax.base.errors import PlanError
 from soapjax.cost.operators import CostModel, cost_model as make_cost_model
-from soapjax.cost.reshard import DEFAULT_MODE, Resharder, replicates_whole
+from soapjax.cost.reshard import DEFAULT_MODE, Resharder
 from soapjax.graph.opgraph import OpGraph
 from soapjax.search._chain import (
     MAX_BUDGET_S,
@@ -455,7 +455,7 @@ def check_reshardings(graph: OpGraph, topology, result: SearchResult, cost_model
 
     The search prices reshardings with the ideal model (`find_plan` says why); XLA's SPMD
     partitioner makes some layout changes by gathering the tensor whole and slicing it
-    ("Involuntary full rematerialization", `soapjax.cost.reshard.replicates_whole`), a
+    ("Involuntary full rematerialization", `Resharder.replicates_whole`), a
     collective the ideal model prices at a fraction of its bytes. Each of
     `result.finalists` on a mesh of at most `RESHARD_CHECK_DEVICES` devices is simulated
     again with a ``mode="xla"`` `Resharder` (its transitions compiled in one batch, cached on
@@ -494,12 +494,13 @@ def check_reshardings(graph: OpGraph, topology, result: SearchResult, cost_model
             asked = _Asked(resharders[mesh])
             sim = simulate(graph, topology, strategy, cost_model=cost_model, resharder=asked,
                            opt_state_factor=opt_state_factor)
-            answers = [asked.inner.lookup(*t[:4], partial=t[4]) for t in asked.seen]
+            xla = asked.inner
             row.update(xla_s=sim.step_time_s, fits=sim.fits_in_memory,
                        transitions=len(asked.seen),
-                       replicated_whole=sum(replicates_whole(t, a.collectives)
-                                            for t, a in zip(asked.seen, answers)),
-                       fallbacks=sum(a.source == "fallback" for a in answers))
+                       replicated_whole=sum(xla.replicates_whole(*t[:4], partial=t[4])
+                                            for t in asked.seen),
+                       fallbacks=sum(xla.lookup(*t[:4], partial=t[4]).source == "fallback"
+                                     for t in asked.seen))
             if sim.fits_in_memory and (best is None or sim.step_time_s < best[0]):
                 best = (sim.step_time_s, strategy, name, sim)
     finally:
