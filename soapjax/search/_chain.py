@@ -225,18 +225,18 @@ class _Searcher:
             return
         if self.check_convolutions and spatial_convolution(self.sim.graph, self.sim.strategy):
             return  # apply refuses it (XLA computes it wrongly): never a plan
-        t = self.sim.step_time()
-        self.offer((t, self.sim.strategy, name))
-        if self.best is None or t < self.best[0]:
-            self.best = (t, self.sim.strategy, name)
-            self.history.append((time.perf_counter() - self.t0, t))
+        self.offer((self.sim.step_time(), self.sim.strategy, name))
 
     def offer(self, found: tuple[float, Strategy, str]) -> None:
         """Keeps `found` (a fitting plan: time, strategy, start name) among each start's best,
-        the candidates `finalists` draws from."""
+        the candidates `finalists` draws from, and as the best (with its time in `history`)
+        where it is faster."""
         t, _, name = found
         if name not in self.bests or t < self.bests[name][0]:
             self.bests[name] = found
+        if self.best is None or t < self.best[0]:
+            self.best = found
+            self.history.append((time.perf_counter() - self.t0, t))
 
     def finalists(self, k: int) -> tuple[tuple[float, Strategy, str], ...]:
         """The `k` fastest distinct fitting plans among the starts' bests, fastest first."""

@@ -287,9 +287,6 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
                                         settings, opt_state_factor, progress, searcher, end):
             if result is not None:
                 searcher.offer(result)
-            if result is not None and (searcher.best is None or result[0] < searcher.best[0]):
-                searcher.best = result
-                searcher.history.append((time.perf_counter() - searcher.t0, result[0]))
     searcher._report("done", force=True)
     if searcher.best is None:
         hint = ("" if wanted or not graph.repeated_blocks() else
