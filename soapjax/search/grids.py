@@ -244,11 +244,14 @@ def _fit_variants(point: GridPoint, names: list[GridPoint]) -> list[GridPoint]:
     1 it fits, the grid's best, which no single coordinate's line reaches."""
     rec = RECOMPUTE_POLICIES.index
     return sorted((n for n in names
-                   if (n.tp, n.cp, n.ep, n.pp, n.v) == (point.tp, point.cp, point.ep, point.pp,
-                                                         point.v)
-                   and n != point and n.do >= point.do and n.mb <= point.mb
-                   and rec(n.recompute) >= rec(point.recompute)),
+                   if _shape(n) == _shape(point) and n != point and n.do >= point.do
+                   and n.mb <= point.mb and rec(n.recompute) >= rec(point.recompute)),
                   key=lambda n: (rec(n.recompute), -n.mb, n.do))
+
+
+def _shape(point: GridPoint) -> tuple[int, ...]:
+    """A grid point's model-parallel shape: TP, CP, EP, stages, virtual stages."""
+    return (point.tp, point.cp, point.ep, point.pp, point.v)
 
 
 def _memory_floor(names: list[GridPoint]) -> list[GridPoint]:
@@ -261,7 +264,7 @@ def _memory_floor(names: list[GridPoint]) -> list[GridPoint]:
     at 8K tokens on 64 H100s overran a 60 s budget by 48 s so)."""
     least: dict[tuple, tuple[tuple, GridPoint]] = {}
     for n in names:
-        shape = (n.tp, n.cp, n.ep, n.pp, n.v)
+        shape = _shape(n)
         key = (-RECOMPUTE_POLICIES.index(n.recompute), not n.do, n.mb)
         if shape not in least or key < least[shape][0]:
             least[shape] = (key, n)
