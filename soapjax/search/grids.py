@@ -152,9 +152,9 @@ def _score_points(searcher: _Searcher, points: dict[GridPoint, Strategy],
     again if that moved it (GPT 18.4B on 256 A100s at 4 x 5 stages: TP 1 fits only with the
     distributed optimizer and microbatches of 1). Only then the others. A grid cut by its
     deadline has then walked towards its best along each coordinate (Mixtral 8x22B on 256 H100s
-    at 4 stages, 162 points: in 1.2 s `_likely_first`'s order reached 17.0 s a step, 15.4 s in 2
-    s; the descent reaches the grid's best, 11.9 s, in 1.2 s, at the microbatch size that order
-    puts last)."""
+    at 4 stages, 162 points: in 1.2 s `_likely_first`'s order reached 17.0 s a step, 15.4 s
+    in 2 s; the descent reaches the grid's best, 11.9 s, in 1.2 s, at the microbatch size that
+    order puts last)."""
     names = list(points)
     coords = {n: n.coordinates() for n in names}
     scored: dict[GridPoint, tuple[bool, float]] = {}
@@ -185,16 +185,24 @@ def _score_points(searcher: _Searcher, points: dict[GridPoint, Strategy],
                      and not scored[best][0] and step[n] < scored[best][1]]:
             tried.add(name)
             variants = _fit_variants(name, names)
-            # the shape's floor first: where even it holds too much, no variant fits
-            for variant in variants[-1:] + variants[:-1]:
+            if not variants:
+                continue
+            *faster, floor = variants
+            if stop():
+                return
+            if not fits(floor):  # where even the shape's floor holds too much, nothing fits
+                continue
+            for variant in faster:
                 if stop():
                     return
-                if variant not in scored:
-                    score(variant)
-                if scored[variant][0] and variant is variants[-1]:
+                if fits(variant):
                     break
-                if not scored[variant][0] and variant is not variants[-1]:
-                    break
+
+    def fits(name: GridPoint) -> bool:
+        """Whether `name` fits, scored first where it is not yet."""
+        if name not in scored:
+            score(name)
+        return not scored[name][0]
 
     score(names[0])
     moved = True
@@ -240,8 +248,8 @@ def _fit_variants(point: GridPoint, names: list[GridPoint]) -> list[GridPoint]:
     recomputation first, the largest microbatch first, the optimizer's shards before a smaller
     microbatch), so the last holds the least (the shape's floor, `_memory_floor`'s). GPT 18.4B
     on 256 A100s at 4 stages x 5 virtual: TP 1 with microbatches of 4 is the fastest point but
-    needs 243 GB; with the distributed optimizer and microbatches of
-    1 it fits, the grid's best, which no single coordinate's line reaches."""
+    needs 243 GB; with the distributed optimizer and microbatches of 1 it fits, the grid's
+    best, which no single coordinate's line reaches."""
     rec = RECOMPUTE_POLICIES.index
     return sorted((n for n in names
                    if _shape(n) == _shape(point) and n != point and n.do >= point.do
