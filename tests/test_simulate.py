@@ -492,6 +492,42 @@ def test_delta_equals_full_simulation(kind, topo_name, seed):
     assert sim.strategy == current
 
 
+def test_a_reset_to_the_strategy_simulated_keeps_its_build():
+    """`Simulation.reset` to the strategy it holds (a search opens a simulation at the point it
+    scores first) keeps the task graph it has, also after accepted delta proposals, and is
+    bit for bit a fresh simulation of it; any other strategy, or the same after a rejected
+    full proposal, is built anew."""
+    rng = random.Random(3)
+    g = random_graph("gpt2", rng)
+    topo = TOPOLOGIES["cpu8"]()
+    mesh = MeshShape.of(topo)
+    costs, rs = cost_model(g, topo, mode="analytic"), ideal(topo)
+    choices = [configs(op, mesh) for op in g.operators]
+    current = Strategy(tuple(rng.choice(c) for c in choices), (),
+                       recompute=("none",) * len(choices))
+    sim = Simulation(g, topo, costs, rs, current)
+    built = sim._task_graph
+    assert sim.reset(current) == sim.step_time() and sim._task_graph is built
+    for _ in range(10):  # delta proposals, accepted: the state is the strategy's
+        i = rng.randrange(len(choices))
+        current = current.replace(i, rng.choice(choices[i]))
+        sim.propose(i, current.configs[i])
+        sim.accept()
+    sim.reset(current)
+    assert sim._task_graph is built
+    same(sim, current, g, topo, costs, rs)
+    other = current.replace(0, next(c for c in choices[0] if c != current.configs[0]))
+    sim.reset(other)
+    assert sim._task_graph is not built
+    same(sim, other, g, topo, costs, rs)
+    built = sim._task_graph
+    sim.propose_strategy(current)  # a full proposal, rejected: stale until rebuilt
+    sim.reject()
+    sim.reset(other)
+    assert sim._task_graph is not built
+    same(sim, other, g, topo, costs, rs)
+
+
 def test_delta_equals_full_with_xla_reshardings(tmp_path):
     """The same property with the collectives XLA compiles (permutes, partial groups, ...)."""
     topo = load_topology("cpu8")

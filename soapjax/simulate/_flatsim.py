@@ -339,6 +339,10 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
         """Full simulation (Algorithm 1): rebuilds the task graph and timeline from scratch."""
         if self._pending is not None or self._before is not None:
             raise RuntimeError("accept() or reject() the pending proposal before reset()")
+        if self._stale is None and hasattr(self, "_views") and strategy == self.strategy:
+            # built already (a search opens a simulation at the point it then scores first):
+            # its full simulation is this one, a pure function of the strategy
+            return self.step_time()
         self._stale = None
         # The build allocates tens of thousands of small objects, none of them in a cycle.
         # Python's collector, run by that count, scans the whole heap, traced graph included:
