@@ -53,10 +53,12 @@ S x v chunks cut the layers equally (`interleave_choices`), Megatron's grid at t
 microbatch sizes 1, 2, 4, 8 ... and the per-replica batch, recompute none / selective / full,
 with and without the distributed optimizer) is scored (`soapjax.simulate.front.open_simulation`: a
 `soapjax.simulate.pipesim.PipelinedSimulation`) along its coordinates first (`_score_points`), in
-two passes (`_pipelined_chains`); the `CHAINED_PIPELINES` pipelines whose grids did best
-then each get a chain (configs, recompute, microbatches, over one stage's devices) from their
-best point (`_pipelined_chains` says why only those); the best plan over all grids and
-chains, pipelined or not, is returned. S and v are chosen among pipelines, not by moves
+two passes (`_Pipelines.grids`), right after the starts, in `PIPELINE_GRIDS_SHARE` of
+the time they leave; the `CHAINED_PIPELINES` pipelines whose grids did best then each get a
+chain (configs, recompute, microbatches, over one stage's devices) from their best point
+(`_Pipelines` says why only those), after the flat chains, the family whose best is behind
+getting the smaller share of the chains' time (`_flat_chains_share`); the best plan over all grids
+and chains, pipelined or not, is returned. S and v are chosen among pipelines, not by moves
 within a chain. A chain's best at one virtual stage then has its stage boundaries walked
 over (`balance_stages`: a stage of fewer layers where the head weighs, each step sending the
 layers a stage runs but another keeps, priced), a walk on the schedule alone, the stage's
@@ -101,7 +103,7 @@ from soapjax.search._chain import (
     random_strategy,
 )
 from soapjax.search.grids import _grid_starts, _within
-from soapjax.search.pipelines import _pipelined_chains
+from soapjax.search.pipelines import _Pipelines
 from soapjax.simulate import SimResult
 from soapjax.simulate.front import (
     Simulation,
@@ -166,6 +168,16 @@ class SearchResult:
     def baseline_times(self) -> dict[str, float]:
         return {name: t for name, t, _ in self.baselines}
 
+
+# With pipelines, their grids take PIPELINE_GRIDS_SHARE of the time the starts leave (the
+# chains the rest); of the chains' time, the family (flat or pipelined) whose best is behind
+# the other's by more than CHAINS_BEHIND takes MINOR_CHAINS_SHARE (`_flat_chains_share`). GPT 175B
+# on 96 A100s at 60 s: the flat chains took 19 s (none fits better than 29.8 s a step) and the
+# grids of the 33 pipelines 11 s, 9 of them scored, where the best pipelined points take
+# 13.9-14.5 s.
+PIPELINE_GRIDS_SHARE = 0.5
+CHAINS_BEHIND = 1.02
+MINOR_CHAINS_SHARE = 0.25
 
 # Shares of a time budget (`SearchSettings.budget_s`, counted from the search's start):
 # measuring new shard programs stops at MEASURE_SHARE of it (later ones are estimated), scoring
@@ -271,20 +283,33 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
             starts[name] = _fitting(sim, searcher, graph, name, strategy)
     wanted = settings.pipelines if settings.pipelines is not None else searcher.best is None
     pipelined = wanted and graph.repeated_blocks() and graph.batch_size > 1
-    # With a time budget, the chains share what the starts left, half of it for the pipelined
-    # chains when there are some; with a proposal count, each chain runs its proposals.
-    t_chains = time.perf_counter()
+    # With a time budget, what the starts left: with pipelines, first their grids
+    # (PIPELINE_GRIDS_SHARE of it), then the chains, the flat ones and the pipelined ones in
+    # turn, the family whose best is behind the other's by more than CHAINS_BEHIND (or has
+    # none that fits) MINOR_CHAINS_SHARE of their time, else half each (`_flat_chains_share`); with
+    # a proposal count, each chain runs its proposals.
     end = budget.at(1.0 - FINAL_SHARE - reserve)
+    pipes = None
+    if pipelined:
+        pipes = _Pipelines(graph, topology, cost_model or sim.cost_model, settings,
+                           opt_state_factor, progress, searcher)
+        now = time.perf_counter()
+        for result in pipes.grids(None if end is None else
+                                  now + max(end - now, 0.0) * PIPELINE_GRIDS_SHARE):
+            if result is not None:
+                searcher.offer(result)
+    t_chains = time.perf_counter()
     if end is None:  # proposal counts: the chains' deadlines are never consulted
         share = settings.budget_s / len(starts)
     else:
-        flat_end = t_chains + (end - t_chains) / 2 if pipelined else end
-        share = max(flat_end - t_chains, 0.0) / len(starts)
+        flat_share = 1.0 if pipes is None else _flat_chains_share(
+            min((t for t, s, _ in searcher.bests.values() if not s.pipelined), default=None),
+            pipes.best_time())
+        share = max(end - t_chains, 0.0) * flat_share / len(starts)
     for k, name in enumerate(starts):
         searcher.chain(name, starts[name], t_chains + share * (k + 1))
-    if pipelined:
-        for result in _pipelined_chains(graph, topology, cost_model or sim.cost_model,
-                                        settings, opt_state_factor, progress, searcher, end):
+    if pipes is not None:
+        for result in pipes.chains(end):
             if result is not None:
                 searcher.offer(result)
     searcher._report("done", force=True)
@@ -304,6 +329,25 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
                         history=tuple(searcher.history),
                         finalists=searcher.finalists(RESHARD_FINALISTS))
 
+
+
+def _flat_chains_share(flat_best: float | None, pipelined_best: float | None) -> float:
+    """The flat chains' share of the chains' time, the pipelined chains taking the rest, from
+    the best fitting step time of each family so far (None: none fits):
+    `MINOR_CHAINS_SHARE` where the flat plans' best is behind the pipelined grids' by more
+    than `CHAINS_BEHIND` or none fits, one minus it where the pipelined grids' best is behind
+    so, else half.
+
+    >>> _flat_chains_share(29.8, 14.1), _flat_chains_share(4.3, 4.9), _flat_chains_share(4.3, 4.31)
+    (0.25, 0.75, 0.5)
+    """
+    if pipelined_best is not None and (flat_best is None
+                                       or flat_best > CHAINS_BEHIND * pipelined_best):
+        return MINOR_CHAINS_SHARE
+    if flat_best is not None and (pipelined_best is None
+                                  or pipelined_best > CHAINS_BEHIND * flat_best):
+        return 1.0 - MINOR_CHAINS_SHARE
+    return 0.5
 
 
 # How many times more microbatches a start that does not fit tries (`_fitting`): 2, 4 and 8

@@ -1,6 +1,6 @@
 """The pipelined part of the search: which pipelines (stages S, virtual stages v, schedule) it
 tries, Megatron's grid at each (`pipeline_grid`), and the chains of the best
-(`_pipelined_chains`, which says why grids for all and chains for a few).
+(`_Pipelines`, which says why grids for all and chains for a few).
 """
 
 from __future__ import annotations
@@ -96,101 +96,121 @@ def pipeline_grid(graph: OpGraph, topology, stages: int, limits: SpaceLimits = S
     return by_pipe
 
 
-def _pipelined_chains(graph: OpGraph, topology, cost_model, settings: SearchSettings,
-                      opt_state_factor: float, progress: Progress | None, flat: _Searcher,
-                      end: float | None = None):
-    """Every pipeline (S from `stage_choices`, v from `interleave_choices`) has Megatron's
-    grid at it scored (`pipeline_grid`); the `CHAINED_PIPELINES` whose grids did best each get
-    a chain from their best point. Yields each pipeline's best grid point, then each chain's
-    best, as (time, strategy, start name) or None. Proposals and acceptances add to `flat`'s
-    counts.
+class _Pipelines:
+    """Every pipeline (S from `stage_choices`, v from `interleave_choices`) with Megatron's grid
+    at it (`pipeline_grid`): `grids` scores the grids, `chains` then walks from the best points
+    of the `CHAINED_PIPELINES` pipelines whose grids did best. Each yields each pipeline's best
+    point found, as (time, strategy, start name) or None. Proposals and acceptances add to
+    `flat`'s counts.
 
     **Why grids for all, chains for a few.** Interleaving over every v the layers allow makes
     many pipelines (GPT 530B on 280 A100s: S in {5, 7, 35}, 10 (S, v) pairs); an equal share
     of the budget for each would leave every chain too short to matter. A grid point is one
     simulation, and the grid's best already ranks the pipelines (Megatron's own choice, TP8
-    PP35 v3, is a grid point), so the chains go where the best grids are. With a deadline
-    `end`, the grids take the first half of the time left, the chains the second. The grids'
-    half is two passes: the first ranks the pipelines, each scoring its grid (`_score_points`:
-    along its coordinates first) for an equal share of the first quarter (a pipeline's grid
-    stops where its share does, after one point at least); the second goes on with the grids
-    of the `CHAINED_PIPELINES` best pipelines of distinct stage counts, each from its first
-    pass's best, in the second quarter (Mixtral 8x22B on 32 H100s: the first pass stops TP8
-    PP4's 123 points at microbatches of 2, 63.3 s; the second reaches microbatches of 4,
-    55.9 s, the grid's best). Pipelines
-    with the most stages come first (the least per device: a plan that fits comes early), and
-    once one fits, the pipelines left when the grids' half is spent are not opened (opening one
-    builds a simulation of the whole model: seconds for GPT 530B, whose 10 pipelines took the
-    search 74 s past a 60 s budget; now 57 s)."""
-    # The most stages first: they hold the least per device, so a plan that fits comes early
-    pipes = [(S, v, schedule, points) for S in sorted(stage_choices(graph, topology), reverse=True)
-             for (v, schedule), points in pipeline_grid(graph, topology, S,
-                                                        settings.limits).items()]
-    t_grid = time.perf_counter()
-    grid_end = None if end is None else t_grid + max(end - t_grid, 0.0) / 2
-    # the grids' time: a first pass over every pipeline ranks them, a second scores the rest of
-    # the best ones' grids
-    probe_end = None if grid_end is None else t_grid + (grid_end - t_grid) / 2
-    ranked = []
-    scored: dict[int, set[str]] = {}  # pipeline -> the names of its grid's points scored
-    for k, (S, v, schedule, points) in enumerate(pipes):
-        fits = any(not key[0] for key, *_ in ranked)
-        if fits and past(probe_end):  # opening a pipeline's simulation costs seconds at scale;
-            # past the deadline, only while nothing fits yet
-            if progress is not None:
-                progress(f"search: {len(pipes) - k} of {len(pipes)} pipelines left unscored "
-                         "(time budget)")
-            break
-        deadline = share(probe_end, len(pipes) - k)
-        if progress is not None:
-            progress(f"search: scoring Megatron's grid at {S} pipeline stages, {v} virtual "
-                     f"({len(points)} configurations; pipeline {k + 1} of {len(pipes)})")
-        with _pipeline_searcher(graph, topology, cost_model, settings, opt_state_factor,
-                                progress, flat, S, v, schedule, next(iter(points.values()))) \
-                as searcher:
-            key, name, start, seen = _score_points(searcher, points, deadline,
-                                                   until_fit=not fits)
-            ranked.append((key, k, name, start))
-            scored[k] = seen
-            yield searcher.best
-    # the second pass: the best pipeline of each stage count, the best CHAINED_PIPELINES of
-    # those (a first pass cut short ranks a stage count's grid by the few points it reached:
-    # LLaMA 70B at 32K on 64 H100s, whose best is at 2 stages, had its 3 best at 8)
-    per_stages: dict[int, tuple] = {}
-    for r in sorted(ranked):
-        per_stages.setdefault(pipes[r[1]][0], r)
-    best_pipes = sorted(per_stages.values())[:CHAINED_PIPELINES]
-    for j, (key, k, name, start) in enumerate(best_pipes):
-        S, v, schedule, points = pipes[k]
-        rest = {n: st for n, st in points.items() if n not in scored[k]}
-        if not rest or past(grid_end):
-            continue
-        rest = {name: start, **rest}  # the descent goes on from the first pass's best
-        if progress is not None:
-            progress(f"search: the rest of Megatron's grid at {S} pipeline stages, {v} virtual "
-                     f"({len(rest)} configurations)")
-        with _pipeline_searcher(graph, topology, cost_model, settings, opt_state_factor,
-                                progress, flat, S, v, schedule, start) as searcher:
-            better = _score_points(searcher, rest, share(grid_end, len(best_pipes) - j))
-            if better[0] < key:
-                ranked[next(i for i, r in enumerate(ranked) if r[1] == k)] = (
-                    better[0], k, better[1], better[2])
-            yield searcher.best
-    for j, (_, k, name, start) in enumerate(sorted(ranked)[:CHAINED_PIPELINES]):
-        if past(end):
-            break
-        S, v, schedule, _ = pipes[k]
-        deadline = share(end, min(len(ranked), CHAINED_PIPELINES) - j)
-        with _pipeline_searcher(graph, topology, cost_model, settings, opt_state_factor,
-                                progress, flat, S, v, schedule, start) as searcher:
-            # the chain walks the configs at the stage boundaries its start is best at
-            _, start, _ = balance_stages(searcher.sim,
-                                         (searcher.sim.step_time(), start, name.name), deadline)
-            searcher.chain(name.name, start, deadline if deadline is not None
-                           else time.perf_counter() + settings.budget_s / 4)
-            flat.proposals += searcher.proposals
-            flat.accepted += searcher.accepted
-            yield searcher.best
+    PP35 v3, is a grid point), so the chains go where the best grids are. The grids' time
+    (`grids`' deadline) is two passes: the first ranks the pipelines, each scoring its grid
+    (`_score_points`: along its coordinates first) for an equal share of the first half (a
+    pipeline's grid stops where its share does, after one point at least); the second goes on
+    with the grids of the `CHAINED_PIPELINES` best pipelines of distinct stage counts, each
+    from its first pass's best, in the second half (Mixtral 8x22B on 32 H100s: the first pass
+    stops TP8 PP4's 123 points at microbatches of 2, 63.3 s; the second reaches microbatches
+    of 4, 55.9 s, the grid's best). Pipelines with the most stages come first (the least per
+    device: a plan that fits comes early), and once one fits, the pipelines left when the
+    first half is spent are not opened (opening one builds a simulation of the whole model:
+    seconds for GPT 530B, whose 10 pipelines took the search 74 s past a 60 s budget; now
+    57 s)."""
+
+    def __init__(self, graph: OpGraph, topology, cost_model, settings: SearchSettings,
+                 opt_state_factor: float, progress: Progress | None, flat: _Searcher):
+        self._args = (graph, topology, cost_model, settings, opt_state_factor, progress, flat)
+        self._progress, self._flat, self._settings = progress, flat, settings
+        # The most stages first: they hold the least per device, so a plan that fits comes
+        # early
+        self.pipes = [(S, v, schedule, points)
+                      for S in sorted(stage_choices(graph, topology), reverse=True)
+                      for (v, schedule), points in pipeline_grid(graph, topology, S,
+                                                                 settings.limits).items()]
+        # per pipeline scored: (its best's key, the pipeline, its best's name and strategy)
+        self.ranked: list[tuple] = []
+        self._scored: dict[int, set] = {}  # pipeline -> the names of its grid's points scored
+
+    def best_time(self) -> float | None:
+        """The fastest fitting grid point scored so far (None: none fits yet)."""
+        fitting = [key[1] for key, *_ in self.ranked if not key[0]]
+        return min(fitting) if fitting else None
+
+    def _searcher(self, k: int, first: Strategy):
+        S, v, schedule, _ = self.pipes[k]
+        return _pipeline_searcher(*self._args, S, v, schedule, first)
+
+    def _say(self, message: str) -> None:
+        if self._progress is not None:
+            self._progress(message)
+
+    def grids(self, end: float | None):
+        """Scores the grids until `end` (a `time.perf_counter` time; None: every point), in
+        the two passes of the class doc; yields each pipeline's best."""
+        pipes, ranked = self.pipes, self.ranked
+        probe_end = None if end is None else time.perf_counter() + max(
+            end - time.perf_counter(), 0.0) / 2
+        for k, (S, v, schedule, points) in enumerate(pipes):
+            fits = any(not key[0] for key, *_ in ranked)
+            if fits and past(probe_end):  # opening a pipeline's simulation costs seconds at
+                # scale; past the deadline, only while nothing fits yet
+                self._say(f"search: {len(pipes) - k} of {len(pipes)} pipelines left unscored "
+                          "(time budget)")
+                break
+            self._say(f"search: scoring Megatron's grid at {S} pipeline stages, {v} virtual "
+                      f"({len(points)} configurations; pipeline {k + 1} of {len(pipes)})")
+            with self._searcher(k, next(iter(points.values()))) as searcher:
+                key, name, start, seen = _score_points(
+                    searcher, points, share(probe_end, len(pipes) - k), until_fit=not fits)
+                ranked.append((key, k, name, start))
+                self._scored[k] = seen
+                yield searcher.best
+        # the second pass: the best pipeline of each stage count, the best CHAINED_PIPELINES
+        # of those (a first pass cut short ranks a stage count's grid by the few points it
+        # reached: LLaMA 70B at 32K on 64 H100s, whose best is at 2 stages, had its 3 best
+        # at 8)
+        per_stages: dict[int, tuple] = {}
+        for r in sorted(ranked):
+            per_stages.setdefault(pipes[r[1]][0], r)
+        best_pipes = sorted(per_stages.values())[:CHAINED_PIPELINES]
+        for j, (key, k, name, start) in enumerate(best_pipes):
+            S, v, schedule, points = pipes[k]
+            rest = {n: st for n, st in points.items() if n not in self._scored[k]}
+            if not rest or past(end):
+                continue
+            rest = {name: start, **rest}  # the descent goes on from the first pass's best
+            self._say(f"search: the rest of Megatron's grid at {S} pipeline stages, {v} "
+                      f"virtual ({len(rest)} configurations)")
+            with self._searcher(k, start) as searcher:
+                better = _score_points(searcher, rest, share(end, len(best_pipes) - j))
+                if better[0] < key:
+                    ranked[next(i for i, r in enumerate(ranked) if r[1] == k)] = (
+                        better[0], k, better[1], better[2])
+                yield searcher.best
+
+    def chains(self, end: float | None):
+        """A chain from the best point of each of the `CHAINED_PIPELINES` pipelines whose
+        grids did best, sharing the time until `end` (None: `SearchSettings.max_proposals`
+        each); yields each chain's best."""
+        flat, settings = self._flat, self._settings
+        best = sorted(self.ranked)[:CHAINED_PIPELINES]
+        for j, (_, k, name, start) in enumerate(best):
+            if past(end):
+                break
+            deadline = share(end, len(best) - j)
+            with self._searcher(k, start) as searcher:
+                # the chain walks the configs at the stage boundaries its start is best at
+                _, start, _ = balance_stages(searcher.sim,
+                                             (searcher.sim.step_time(), start, name.name),
+                                             deadline)
+                searcher.chain(name.name, start, deadline if deadline is not None
+                               else time.perf_counter() + settings.budget_s / 4)
+                flat.proposals += searcher.proposals
+                flat.accepted += searcher.accepted
+                yield searcher.best
 
 
 @contextlib.contextmanager
