@@ -671,3 +671,29 @@ def test_the_resharding_check_prices_a_pipelined_plan_on_one_stages_mesh():
     assert chosen.strategy == s and sim.pipeline is not None
     assert checked["finalists"][0]["transitions"] > 0
     assert sim.step_time_s == simulate(g, topo, s, cost_model=cm, resharder="xla").step_time_s
+
+
+def test_a_first_pass_point_that_does_not_fit_is_made_to_fit():
+    """The pipelines' first pass ranks each pipeline by one point (`_likely_first`'s first),
+    with `fit_first` made to fit where it does not, whatever the deadline: its shape's floor,
+    then its variants by likely time (the distributed optimizer before more recomputation)
+    until one fits. Without it a pipeline whose first point is over memory ranks by that
+    point's penalised cost (Llama 3 70B at 8K tokens on 64 H100s: TP8 PP2 v5 fits only with
+    the distributed optimizer, and a 120 s search ranked it below a slower pipeline)."""
+    from soapjax.search.grids import _score_points
+
+    points = [GridPoint(tp=8, pp=2, v=5, do=do, mb=1, recompute=rec)
+              for rec in ("selective", "full", "none") for do in (False, True)]
+    names = [p.name for p in points]
+    time = {n: 31.0 + ("full" in n) * 3 - ("none" in n) + ("-do-" in n) * 0.1 for n in names}
+    order = []
+    searcher = _grid_searcher(time, lambda n: "-do-" in n and "none" not in n, order)
+    past = 0.0  # a deadline long gone: one point, then only what makes it fit
+    key, best, _, seen = _score_points(searcher, {p: p.name for p in points}, past,
+                                       fit_first=True)
+    assert order == ["megatron-tp8-pp2-v5-mb1-selective", "megatron-tp8-pp2-v5-do-mb1-full",
+                     "megatron-tp8-pp2-v5-do-mb1-selective"]
+    assert best.name == "megatron-tp8-pp2-v5-do-mb1-selective" and key == (False, 31.1)
+    order.clear()
+    key, _, _, _ = _score_points(searcher, {p: p.name for p in points}, past)
+    assert order == ["megatron-tp8-pp2-v5-mb1-selective"] and key[0]

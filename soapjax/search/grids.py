@@ -9,7 +9,7 @@ best with expert or context parallelism (`_grid_starts`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from soapjax.graph.opgraph import OpGraph
@@ -130,14 +130,16 @@ def _likely_first(point: tuple[GridPoint, Strategy]) -> tuple[int, int, int, int
 
 
 def _score_points(searcher: _Searcher, points: dict[GridPoint, Strategy],
-                  deadline: float | None, *, until_fit: bool = False
+                  deadline: float | None, *, until_fit: bool = False, fit_first: bool = False
                   ) -> tuple[tuple[bool, float], GridPoint, Strategy, set[GridPoint]]:
-    """Scores `points` until `deadline` (one at least; with `until_fit`, past it until one
-    fits, among each model-parallel shape's least-memory point, `_memory_floor`: while no
-    pipeline's grid has a plan that fits, a deadline must not hide one, as it hid GPT 70B at
-    32K tokens' on 64 H100s), each recorded as seen; returns the best's key (does
-    not fit, its cost: the step time, penalised as the chains penalise a point that does not
-    fit), name and strategy, and the names scored.
+    """Scores `points` until `deadline` (one at least; with `fit_first`, where the first
+    does not fit, it is made to fit as the descent below makes a point fit, whatever the
+    deadline: a pipeline ranked by one point is ranked by one that fits; with `until_fit`,
+    past it until one fits, among each model-parallel shape's least-memory point,
+    `_memory_floor`: while no pipeline's grid has a plan that fits, a deadline must not hide
+    one, as it hid GPT 70B at 32K tokens' on 64 H100s), each recorded as seen; returns the
+    best's key (does not fit, its cost: the step time, penalised as the chains penalise a
+    point that does not fit), name and strategy, and the names scored.
 
     The order is a descent over the grid's coordinates (`GridPoint.coordinates`) before the rest
     in their order: from the first point, every point on the line through the best so far along
@@ -179,24 +181,28 @@ def _score_points(searcher: _Searcher, points: dict[GridPoint, Strategy],
 
     def made_to_fit() -> None:
         """Every scored point faster than the best but over memory, made to fit
-        (`_fit_variants`): its shape's floor first (where that does not fit, nothing does),
-        then its variants until one fits, each scored (once a point: `tried`)."""
+        (`make_fit`)."""
         for name in [n for n in scored if scored[n][0] and n not in tried
                      and not scored[best][0] and step[n] < scored[best][1]]:
-            tried.add(name)
-            variants = _fit_variants(name, names)
-            if not variants:
-                continue
-            *faster, floor = variants
-            if stop():
+            if not make_fit(name, stop):
                 return
-            if not fits(floor):  # where even the shape's floor holds too much, nothing fits
-                continue
-            for variant in faster:
-                if stop():
-                    return
-                if fits(variant):
-                    break
+
+    def make_fit(name: GridPoint, stop: Callable[[], bool]) -> bool:
+        """`name` made to fit (`_fit_variants`): its shape's floor first (where that does not
+        fit, nothing does), then its variants until one fits, each scored (once a point:
+        `tried`); False where `stop` said to stop first."""
+        tried.add(name)
+        *faster, floor = _fit_variants(name, names) or [name]
+        if stop():
+            return False
+        if not fits(floor):
+            return True
+        for variant in faster:
+            if stop():
+                return False
+            if fits(variant):
+                break
+        return True
 
     def fits(name: GridPoint) -> bool:
         """Whether `name` fits, scored first where it is not yet."""
@@ -205,6 +211,8 @@ def _score_points(searcher: _Searcher, points: dict[GridPoint, Strategy],
         return not scored[name][0]
 
     score(names[0])
+    if fit_first and scored[names[0]][0]:
+        make_fit(names[0], lambda: False)
     moved = True
     while moved and not stop():
         moved = False

@@ -108,17 +108,22 @@ class _Pipelines:
     of the budget for each would leave every chain too short to matter. A grid point is one
     simulation, and the grid's best already ranks the pipelines (Megatron's own choice, TP8
     PP35 v3, is a grid point), so the chains go where the best grids are. The grids' time
-    (`grids`' deadline) is two passes: the first ranks the pipelines, each scoring its grid
-    (`_score_points`: along its coordinates first) for an equal share of the first half (a
-    pipeline's grid stops where its share does, after one point at least); the second goes on
-    with the grids of the `CHAINED_PIPELINES` best pipelines of distinct stage counts, each
-    from its first pass's best, in the second half (Mixtral 8x22B on 32 H100s: the first pass
-    stops TP8 PP4's 123 points at microbatches of 2, 63.3 s; the second reaches microbatches
-    of 4, 55.9 s, the grid's best). Pipelines with the most stages come first (the least per
-    device: a plan that fits comes early), and once one fits, the pipelines left when the
-    first half is spent are not opened (opening one builds a simulation of the whole model:
-    seconds for GPT 530B, whose 10 pipelines took the search 74 s past a 60 s budget; now
-    57 s)."""
+    (`grids`' deadline) is two passes. The first ranks the pipelines by one point each, the
+    one Megatron-LM users run first (`_likely_first`), made to fit where it does not
+    (`_score_points`' ``fit_first``: the distributed optimizer, smaller microbatches, more
+    recomputation), more only while no point of any pipeline fits: the same ranking on any
+    machine, where an equal share of time each ranked them by however many points a share
+    reached (Llama 3 70B at 8K tokens on 64 H100s: 31.600, 31.109 and 31.600 s a step at 30,
+    60 and 120 s budgets; ranked by one point made to fit, 31.571, 31.109, 31.109). The
+    second goes on with the grids of
+    the `CHAINED_PIPELINES` best pipelines of distinct stage counts, each from its first
+    pass's best (`_score_points`: along its coordinates first), until the deadline (Mixtral
+    8x22B on 32 H100s: a first pass that stopped TP8 PP4's 123 points at microbatches of 2,
+    63.3 s, then the second reached microbatches of 4, 55.9 s, the grid's best). Pipelines
+    with the most stages come first (the least per device: a plan that fits comes early), and
+    once one fits, the pipelines left when half the grids' time is spent are not opened
+    (opening one builds a simulation of the whole model: seconds for GPT 530B, whose 10
+    pipelines took the search 74 s past a 60 s budget; now 57 s)."""
 
     def __init__(self, graph: OpGraph, topology, cost_model, settings: SearchSettings,
                  opt_state_factor: float, progress: Progress | None, flat: _Searcher):
@@ -163,8 +168,12 @@ class _Pipelines:
             self._say(f"search: scoring Megatron's grid at {S} pipeline stages, {v} virtual "
                       f"({len(points)} configurations; pipeline {k + 1} of {len(pipes)})")
             with self._searcher(k, next(iter(points.values()))) as searcher:
+                # with a deadline, one point a pipeline (`_likely_first`'s first, made to fit
+                # where it does not; more only while nothing fits): the same ranking on any
+                # machine
                 key, name, start, seen = _score_points(
-                    searcher, points, share(probe_end, len(pipes) - k), until_fit=not fits)
+                    searcher, points, None if end is None else 0.0, until_fit=not fits,
+                    fit_first=True)
                 ranked.append((key, k, name, start))
                 self._scored[k] = seen
                 yield searcher.best
