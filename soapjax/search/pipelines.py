@@ -108,22 +108,22 @@ class _Pipelines:
     of the budget for each would leave every chain too short to matter. A grid point is one
     simulation, and the grid's best already ranks the pipelines (Megatron's own choice, TP8
     PP35 v3, is a grid point), so the chains go where the best grids are. The grids' time
-    (`grids`' deadline) is two passes. The first ranks the pipelines by one point each, the
-    one Megatron-LM users run first (`_likely_first`), made to fit where it does not
+    (`grids`' deadline) is two passes. The first ranks the pipelines by one point each (with
+    a deadline; without one, a proposal count's search, by their whole grids), the one
+    Megatron-LM users run first (`_likely_first`), made to fit where it does not
     (`_score_points`' ``fit_first``: the distributed optimizer, smaller microbatches, more
     recomputation), more only while no point of any pipeline fits: the same ranking on any
     machine, where an equal share of time each ranked them by however many points a share
     reached (Llama 3 70B at 8K tokens on 64 H100s: 31.600, 31.109 and 31.600 s a step at 30,
     60 and 120 s budgets; ranked by one point made to fit, 31.571, 31.109, 31.109). The
-    second goes on with the grids of
-    the `CHAINED_PIPELINES` best pipelines of distinct stage counts, each from its first
-    pass's best (`_score_points`: along its coordinates first), until the deadline (Mixtral
-    8x22B on 32 H100s: a first pass that stopped TP8 PP4's 123 points at microbatches of 2,
-    63.3 s, then the second reached microbatches of 4, 55.9 s, the grid's best). Pipelines
-    with the most stages come first (the least per device: a plan that fits comes early), and
-    once one fits, the pipelines left when half the grids' time is spent are not opened
-    (opening one builds a simulation of the whole model: seconds for GPT 530B, whose 10
-    pipelines took the search 74 s past a 60 s budget; now 57 s)."""
+    second goes on with the grids of the `CHAINED_PIPELINES` best pipelines of distinct stage
+    counts, each from its first pass's best (`_score_points`: along its coordinates first),
+    until the deadline (Mixtral 8x22B on 32 H100s: a first pass that stopped TP8 PP4's 123
+    points at microbatches of 2, 63.3 s, then the second reached microbatches of 4, 55.9 s,
+    the grid's best). Pipelines with the most stages come first (the least per device: a plan
+    that fits comes early), and once one fits, the pipelines left when half the grids' time
+    is spent are not opened (opening one builds a simulation of the whole model: seconds for
+    GPT 530B, whose 10 pipelines took the search 74 s past a 60 s budget; now 57 s)."""
 
     def __init__(self, graph: OpGraph, topology, cost_model, settings: SearchSettings,
                  opt_state_factor: float, progress: Progress | None, flat: _Searcher):
@@ -178,9 +178,8 @@ class _Pipelines:
                 self._scored[k] = seen
                 yield searcher.best
         # the second pass: the best pipeline of each stage count, the best CHAINED_PIPELINES
-        # of those (a first pass cut short ranks a stage count's grid by the few points it
-        # reached: LLaMA 70B at 32K on 64 H100s, whose best is at 2 stages, had its 3 best
-        # at 8)
+        # of those (the first ranks a stage count's grids by a few points: LLaMA 70B at 32K on
+        # 64 H100s, whose best is at 2 stages, had its 3 best at 8)
         per_stages: dict[int, tuple] = {}
         for r in sorted(ranked):
             per_stages.setdefault(pipes[r[1]][0], r)
