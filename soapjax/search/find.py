@@ -289,6 +289,7 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
     # none that fits) MINOR_CHAINS_SHARE of their time, else half each (`_flat_chains_share`); with
     # a proposal count, each chain runs its proposals.
     end = budget.at(1.0 - FINAL_SHARE - reserve)
+    flat_best = searcher.best[0] if searcher.best is not None else None  # the starts' best
     pipes = None
     if pipelined:
         pipes = _Pipelines(graph, topology, cost_model or sim.cost_model, settings,
@@ -302,9 +303,8 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
     if end is None:  # proposal counts: the chains' deadlines are never consulted
         share = settings.budget_s / len(starts)
     else:
-        flat_share = 1.0 if pipes is None else _flat_chains_share(
-            min((t for t, s, _ in searcher.bests.values() if not s.pipelined), default=None),
-            pipes.best_time())
+        flat_share = (1.0 if pipes is None else
+                      _flat_chains_share(flat_best, pipes.best_time()))
         share = max(end - t_chains, 0.0) * flat_share / len(starts)
     for k, name in enumerate(starts):
         searcher.chain(name, starts[name], t_chains + share * (k + 1))
