@@ -22,7 +22,8 @@ plan: $(STAMP)
 
 # Lint first (ruff: pyflakes, pycodestyle, import order; pyproject's [tool.ruff]), then
 # the suite without the `heavy` zoo checks (big models' train steps and default-size summaries;
-# every tiny model's train step still runs in tests/test_apply.py). make test-all runs those too.
+# every tiny model's train step still runs in tests/test_apply.py) and the `timing` ones (this
+# machine's own timings, skewed by the other worker). make test-all runs those too.
 # Both run the docstring examples of soapjax/ as doctests (pyproject: --doctest-modules).
 # The suite runs on two workers (pytest-xdist), a test file per worker at a time (its cached
 # traces and compiled steps stay in one process): on the 2-core machines this project is
@@ -32,7 +33,7 @@ PYTEST := $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 test: $(STAMP)
 	$(BIN)/ruff check soapjax soapjax_zoo soapjax_eval scripts tests
-	$(PYTEST) -m "not heavy" tests soapjax
+	$(PYTEST) -m "not heavy and not timing" tests soapjax
 
 test-all: $(STAMP)
 	$(BIN)/ruff check soapjax soapjax_zoo soapjax_eval scripts tests
