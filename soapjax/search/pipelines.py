@@ -156,8 +156,7 @@ class _Pipelines:
         """Scores the grids until `end` (a `time.perf_counter` time; None: every point), in
         the two passes of the class doc; yields each pipeline's best."""
         pipes, ranked = self.pipes, self.ranked
-        probe_end = None if end is None else time.perf_counter() + max(
-            end - time.perf_counter(), 0.0) / 2
+        probe_end = share(end, 2)
         for k, (S, v, schedule, points) in enumerate(pipes):
             fits = any(not key[0] for key, *_ in ranked)
             if fits and past(probe_end):  # opening a pipeline's simulation costs seconds at
