@@ -102,6 +102,7 @@ from soapjax.search._chain import (
     _tie_blocks,
     random_strategy,
 )
+from soapjax.search._clock import gc_frozen
 from soapjax.search.grids import _grid_starts, _within
 from soapjax.search.pipelines import _Pipelines
 from soapjax.simulate import SimResult
@@ -245,12 +246,13 @@ def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
     if measured:
         costs.measure_until(budget.at(MEASURE_SHARE), progress)
     try:
-        sim = make_simulation(graph, topology, cost_model=costs, resharder=resharder,
-                              opt_state_factor=opt_state_factor)
-        searcher = _Searcher(sim, settings, progress)
-        searcher.t0 = budget.t0
-        return _search(graph, topology, sim, searcher, budget, settings, family,
-                       opt_state_factor, progress, cost_model, reserve)
+        with gc_frozen():  # the search allocates by the million
+            sim = make_simulation(graph, topology, cost_model=costs, resharder=resharder,
+                                  opt_state_factor=opt_state_factor)
+            searcher = _Searcher(sim, settings, progress)
+            searcher.t0 = budget.t0
+            return _search(graph, topology, sim, searcher, budget, settings, family,
+                           opt_state_factor, progress, cost_model, reserve)
     finally:
         if measured:
             costs.measure_until(None)

@@ -357,6 +357,7 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
     def result(self) -> SimResult:
         """A frozen summary of the current state (a pending proposal included)."""
         task_graph, pricing = self._task_graph, self._pricing
+        task_graph.settle()
         records, compute, sent, slowed = [], 0.0, 0.0, 0.0
         by_class: dict[str, float] = {}
         for t in task_graph.order:
@@ -394,6 +395,7 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
     def timeline(self) -> list[tuple[str, float, float]]:
         """``(task name, start, end)`` of every task in issue order (for exact comparisons)."""
         task_graph = self._task_graph
+        task_graph.settle()
         return [(self._task_name(t), task_graph.start[t], task_graph.end[t])
                 for t in task_graph.order]
 

@@ -74,12 +74,9 @@ class TaskGraph:
       res: resources per task (a tuple of ints).
       deps: dependencies per task (a list of task ids, all with smaller keys).
       succ: the reverse of `deps`.
-      rprev, rnext: per task, aligned with `res`: the previous/next task on that resource, or
-        `NONE`.
-      reach: per task, the largest key among its successors and next tasks (-1 for none): how
-        far a change of its end can reach.
       info: opaque per-task data for the caller (what the task is, for records and traces).
-      order, okeys: the attached tasks sorted by key, and their keys.
+      order, okeys: the attached tasks sorted by key, and their keys (as of the last
+        `settle`: every pass and reader settles first).
       rtasks, rkeys: the same per resource.
       lo, hi: the smallest and largest key of a task whose inputs changed since the last pass
         (None when nothing did).
@@ -99,9 +96,6 @@ class TaskGraph:
         self.res: list[tuple[int, ...]] = []
         self.deps: list[list[int]] = []
         self.succ: list[list[int]] = []
-        self.rprev: list[list[int]] = []
-        self.rnext: list[list[int]] = []
-        self.reach: list[int] = []
         self.info: list[Any] = []
         self.free: list[int] = []
         self.order: list[int] = []
@@ -110,6 +104,10 @@ class TaskGraph:
         self.rkeys: list[list[int]] = [[] for _ in range(num_resources)]
         self.lo: int | None = None
         self.hi: int | None = None
+        # changes since the last `settle`: tasks attached, and tasks detached (their key and
+        # resources, should `new` reuse the id before it)
+        self._added: set[int] = set()
+        self._dropped: dict[int, tuple[int, tuple[int, ...]]] = {}
         # Task NONE stands for "no task": it ends at 0, has key -1 and is never attached, so
         # loops over neighbours need no test for a missing one.
         self.new(-1, 0.0, (), [], None)
@@ -131,9 +129,6 @@ class TaskGraph:
             self.res[t] = res
             self.deps[t] = deps
             self.succ[t] = []
-            self.rprev[t] = [NONE] * len(res)
-            self.rnext[t] = [NONE] * len(res)
-            self.reach[t] = -1
             self.info[t] = info
             self.busy[t] = _NAN
             return t
@@ -145,9 +140,6 @@ class TaskGraph:
         self.res.append(res)
         self.deps.append(deps)
         self.succ.append([])
-        self.rprev.append([NONE] * len(res))
-        self.rnext.append([NONE] * len(res))
-        self.reach.append(-1)
         self.info.append(info)
         self.busy.append(_NAN)
         return t
@@ -165,24 +157,18 @@ class TaskGraph:
         self.order = order
         self.okeys = [key[t] for t in order]
         rtasks: list[list[int]] = [[] for _ in range(self.num_resources)]
-        res, rprev, rnext, succ = self.res, self.rprev, self.rnext, self.succ
+        res, succ = self.res, self.succ
         for t in order:
-            for k, r in enumerate(res[t]):
-                lst = rtasks[r]
-                if lst:
-                    p = lst[-1]
-                    rprev[t][k] = p
-                    rnext[p][res[p].index(r)] = t
-                lst.append(t)
+            for r in res[t]:
+                rtasks[r].append(t)
             for d in self.deps[t]:
                 succ[d].append(t)
         self.rtasks = rtasks
         self.rkeys = [[key[t] for t in lst] for lst in rtasks]
-        for t in order:
-            self._update_reach(t)
 
     def full_pass(self) -> None:
         """Times every attached task from scratch, in key order (each resource FIFO)."""
+        self.settle()
         last = [0.0] * self.num_resources
         start, end, dur, deps, res = self.start, self.end, self.dur, self.deps, self.res
         sigma, busy, b = self.contention, self.busy, 0.0
@@ -201,6 +187,7 @@ class TaskGraph:
 
     def step_time(self) -> float:
         """The end of the last task: on each FIFO resource ends never decrease."""
+        self.settle()
         end, out = self.end, 0.0
         for lst in self.rtasks:
             if lst and end[lst[-1]] > out:
@@ -220,57 +207,60 @@ class TaskGraph:
             self.hi = k
 
     def attach(self, t: int) -> None:
-        """Inserts an allocated task into the order, its resources and its deps' successors."""
-        k = self.key[t]
-        i = bisect_left(self.okeys, k)
-        self.okeys.insert(i, k)
-        self.order.insert(i, t)
-        for j, r in enumerate(self.res[t]):
-            keys, lst = self.rkeys[r], self.rtasks[r]
-            i = bisect_left(keys, k)
-            p = lst[i - 1] if i > 0 else NONE
-            n = lst[i] if i < len(lst) else NONE
-            keys.insert(i, k)
-            lst.insert(i, t)
-            self.rprev[t][j] = p
-            self.rnext[t][j] = n
-            if p != NONE:
-                self.rnext[p][self.res[p].index(r)] = t
-                self._update_reach(p)
-            if n != NONE:
-                self.rprev[n][self.res[n].index(r)] = t
+        """Inserts an allocated task into the order, its resources and its deps' successors.
+
+        Its places in the order and on its resources are taken at the next `settle` (every
+        pass and reader settles first): a proposal that replaces many tasks (an operator of
+        every layer) merges them into those lists once, not one insertion each.
+        """
+        self._added.add(t)
         for d in self.deps[t]:
             self.succ[d].append(t)
-            self._update_reach(d)
-        self._update_reach(t)
         self.mark(t)
 
     def detach(self, t: int) -> None:
         """Removes a task from the order, its resources and its deps' successors.
 
         Its arrays stay intact, so `attach` puts it back exactly (a rejected proposal). The
-        task after it on each resource is marked: its predecessor changed.
+        task after it on each resource is marked at the next `settle`: its predecessor
+        changed.
         """
-        k = self.key[t]
-        i = bisect_left(self.okeys, k)
-        assert self.order[i] == t, "detaching a task that is not attached"
-        del self.okeys[i]
-        del self.order[i]
-        for j, r in enumerate(self.res[t]):
-            keys, lst = self.rkeys[r], self.rtasks[r]
-            i = bisect_left(keys, k)
-            del keys[i]
-            del lst[i]
-            p, n = self.rprev[t][j], self.rnext[t][j]
-            if p != NONE:
-                self.rnext[p][self.res[p].index(r)] = n
-                self._update_reach(p)
-            if n != NONE:
-                self.rprev[n][self.res[n].index(r)] = p
-                self.mark(n)
+        if t in self._added:  # attached since the last settle: never placed
+            self._added.remove(t)
+        else:
+            assert t not in self._dropped, "detaching a task that is not attached"
+            self._dropped[t] = (self.key[t], self.res[t])
         for d in self.deps[t]:
             self.succ[d].remove(t)
-            self._update_reach(d)
+
+    def settle(self) -> None:
+        """Places the tasks attached and removes those detached since the last settle, in the
+        order and on each resource, and marks the task after each removed one on each of its
+        resources (its predecessor there changed). A few changes to a list are made one by
+        one, many merged in one sort (a proposal of an operator of every layer makes
+        hundreds)."""
+        added, dropped = self._added, self._dropped
+        if not added and not dropped:
+            return
+        self._added, self._dropped = set(), {}
+        key, res = self.key, self.res
+        new = sorted(added, key=key.__getitem__)
+        gone = sorted(((t, k) for t, (k, _) in dropped.items()), key=lambda tk: tk[1])
+        _splice(self.order, self.okeys, key, new, gone)
+        touched: dict[int, tuple[list, list]] = {}
+        for t in new:
+            for r in res[t]:
+                touched.setdefault(r, ([], []))[0].append(t)
+        for t, k in gone:
+            for r in dropped[t][1]:
+                touched.setdefault(r, ([], []))[1].append((t, k))
+        for r, (ins, outs) in touched.items():
+            lst, keys = self.rtasks[r], self.rkeys[r]
+            _splice(lst, keys, key, ins, outs)
+            for _, k in outs:
+                i = bisect_left(keys, k)
+                if i < len(lst):
+                    self.mark(lst[i])
 
     def set_deps(self, t: int, deps: list[int]) -> list[int]:
         """Replaces an attached task's dependencies; returns the old list (marks it)."""
@@ -279,10 +269,8 @@ class TaskGraph:
             return old
         for d in old:
             self.succ[d].remove(t)
-            self._update_reach(d)
         for d in deps:
             self.succ[d].append(t)
-            self._update_reach(d)
         self.deps[t] = deps
         self.mark(t)
         return old
@@ -295,14 +283,6 @@ class TaskGraph:
             self.mark(t)
         return old
 
-    def _update_reach(self, t: int) -> None:
-        key, out = self.key, -1
-        for m in self.succ[t]:
-            out = max(out, key[m])
-        for m in self.rnext[t]:
-            out = max(out, key[m])
-        self.reach[t] = out
-
     def sweep(self) -> None:
         """Retimes the tasks the marks can reach, in key order (the delta pass).
 
@@ -312,17 +292,20 @@ class TaskGraph:
         resource. Past the horizon no task has an input that changed, so it stops there; before
         it, an unchanged task is recomputed to the same value (cheaper than tracking it).
         """
+        self.settle()
         lo, hi = self.lo, self.hi
         if lo is None:
             return
         self.lo = self.hi = None
         start, end, dur, deps, res = self.start, self.end, self.dur, self.deps, self.res
-        key, reach = self.key, self.reach
+        key, succ, rtasks = self.key, self.succ, self.rtasks
         last = [0.0] * self.num_resources
+        # per resource, the position of the next task on it the pass times
+        at = [0] * self.num_resources
         for r, keys in enumerate(self.rkeys):
-            j = bisect_left(keys, lo)
+            j = at[r] = bisect_left(keys, lo)
             if j:
-                last[r] = end[self.rtasks[r][j - 1]]
+                last[r] = end[rtasks[r][j - 1]]
         sigma, busy = self.contention, self.busy
         # B: ends on a FIFO resource never decrease, so the latest end among the collectives
         # before `lo` is the largest of their resources' last ends (as the full pass has it)
@@ -338,14 +321,26 @@ class TaskGraph:
             else:
                 e = s + dur[t]
             start[t] = s
-            if e != end[t]:
-                end[t] = e
-                hi = max(hi, reach[t])
+            if e == end[t]:
+                for r in rs:
+                    last[r] = e
+                    at[r] += 1
+                continue
+            end[t] = e
+            # the change reaches its successors and the next task on each of its resources
+            for m in succ[t]:
+                if key[m] > hi:
+                    hi = key[m]
             for r in rs:
                 last[r] = e
+                j = at[r] = at[r] + 1
+                lst = rtasks[r]
+                if j < len(lst) and key[lst[j]] > hi:
+                    hi = key[lst[j]]
 
     def discard_marks(self) -> None:
         """Forgets the marks (a rolled-back proposal restores the times itself)."""
+        self.settle()
         self.lo = self.hi = None
 
 
@@ -556,6 +551,33 @@ class Layout:
 
     def bwd_key(self, j: int, slot: int, pos: int = 0) -> int:
         return self.key(2 * self.n - 1 - j, slot, pos)
+
+
+_FEW = 16  # changes to a sorted list that `_splice` makes one by one (more: one sort)
+
+
+def _splice(lst: list[int], keys: list[int], key: list[int], new: list[int],
+            gone: list[tuple[int, int]]) -> None:
+    """Removes the tasks `gone` (``(task, its key)``) from `lst`, a list of tasks sorted by key
+    with their `keys` beside it, and inserts the tasks `new` (`key` their keys now)."""
+    if len(new) + len(gone) <= _FEW:
+        for t, k in gone:
+            i = bisect_left(keys, k)
+            assert lst[i] == t, "detaching a task that is not attached"
+            del keys[i]
+            del lst[i]
+        for t in new:
+            k = key[t]
+            i = bisect_left(keys, k)
+            keys.insert(i, k)
+            lst.insert(i, t)
+        return
+    if gone:
+        drop = {t for t, _ in gone}
+        lst[:] = [t for t in lst if t not in drop]
+    lst += new
+    lst.sort(key=key.__getitem__)  # two sorted runs: one merge
+    keys[:] = [key[t] for t in lst]
 
 
 _COMPUTE = (0,)  # the resources of a compute task
