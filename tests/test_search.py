@@ -142,6 +142,45 @@ def test_full_and_delta_simulation_walk_the_same_chain(name, mesh):
     assert delta.accepted < delta.proposals  # the chain rejected some proposals too
 
 
+@pytest.mark.parametrize("name, mesh, pipelined", [("lenet", "cpu8", False),
+                                                   ("gpt", "cpu8", True)])
+def test_a_strategy_priced_before_is_not_simulated_again(name, mesh, pipelined, monkeypatch):
+    """A chain keeps the price of every strategy it proposed (`_Searcher._priced`) and
+    rejects a strategy it proposes again without simulating it: the same chain, draw for
+    draw, as one that simulates every proposal (same seed: same proposals, acceptances,
+    history and plan), with fewer simulations."""
+    from soapjax.search import _chain
+    from soapjax.simulate.front import open_simulation
+
+    _, g, topo, cm = setup(name, mesh)
+    if pipelined:
+        topo = load_topology(str(pathlib.Path(__file__).parent / "meshes" / "cpu8-nodes.toml"))
+        cm = cost_model(g, topo, mode="analytic")
+        start = megatron_3d(g, topo, tp=2, pp=2, microbatch_size=2, recompute="none")
+    runs = {}
+    for memo in (True, False):
+        if not memo:  # remember nothing: every proposal simulated
+            monkeypatch.setattr(_chain._Searcher, "_remember", lambda self, s, cost: cost)
+        simulated = []
+        with open_simulation(g, topo, start if pipelined else None, cost_model=cm,
+                             resharder="ideal") as sim:
+            searcher = _chain._Searcher(sim, SearchSettings(max_proposals=400, seed=5), None)
+            for method in ("propose_many", "propose_strategy"):
+                def spy(*args, _inner=getattr(sim, method), **kwargs):
+                    simulated.append(1)
+                    return _inner(*args, **kwargs)
+                setattr(sim, method, spy)
+            searcher.chain("test", sim.strategy, float("inf"))
+            runs[memo] = (searcher.proposals, searcher.accepted, searcher.repriced,
+                          [t for _, t in searcher.history], sim.strategy, sim.step_time(),
+                          len(simulated))
+    kept, every = runs[True], runs[False]
+    assert kept[:2] == every[:2] and kept[3:6] == every[3:6]
+    assert every[2] == 0 < kept[2]  # strategies proposed again, priced from the memo
+    # some of them rejected again: never simulated (an accepted one is, to move there)
+    assert kept[6] < every[6]
+
+
 def test_search_settings_refuse_an_unknown_simulation():
     with pytest.raises(ValueError, match="simulation must be 'delta' or 'full', got 'fast'"):
         SearchSettings(simulation="fast")

@@ -162,10 +162,30 @@ def _pick(choices, rng):
 
 def _changed(strategy: Strategy, members: list[int], config, policy: str | None) -> Strategy:
     """`strategy` with operators `members` given `config` (if any) and `policy` (if any)."""
-    for j in members:
-        strategy = strategy.replace(j, config) if config is not None else strategy
-        strategy = strategy.with_recompute(j, policy) if policy else strategy
-    return strategy
+    changes: dict = {}
+    if config is not None:
+        configs = list(strategy.configs)
+        for j in members:
+            configs[j] = config
+        changes["configs"] = tuple(configs)
+    if policy:
+        recompute = list(strategy.recompute or ("none",) * len(strategy.configs))
+        for j in members:
+            recompute[j] = policy
+        changes["recompute"] = tuple(recompute)
+    return dataclasses.replace(strategy, **changes) if changes else strategy
+
+
+def _proposed(strategy: Strategy, move: tuple) -> Strategy:
+    """The strategy `move` (`_Searcher._draw`'s) makes of `strategy`."""
+    members, config, policy, m = move
+    if isinstance(m, Strategy):  # ring attention toggled
+        return m
+    if isinstance(m, tuple):  # the distributed optimizer's axes
+        return dataclasses.replace(strategy, optimizer_axes=m)
+    if m is not None:
+        return strategy.with_microbatches(m)
+    return _changed(strategy, members, config, policy)
 
 
 def _propose_all(sim: Simulation, members: list[int], config, policy: str | None = None) -> None:
@@ -175,6 +195,10 @@ def _propose_all(sim: Simulation, members: list[int], config, policy: str | None
                       for j in members])
 
 
+# The most strategies a chain remembers the price of (`_Searcher._priced`): a chain that comes
+# back to one (at a local best it draws the same few moves again and again) need not simulate
+# it again to reject it. About 10 KB a strategy of a 1,000-operator graph.
+PRICES_KEPT = 4096
 # How often a proposal changes a recompute policy (of one operator or one position of every
 # layer) or the number of microbatches instead of a config. A microbatch change re-simulates
 # the whole step (`Simulation.reset`), in delta and full simulation alike.
@@ -210,6 +234,10 @@ class _Searcher:
         self.microbatches = microbatch_choices(sim.graph)
         self.mesh = mesh
         self.proposals = self.accepted = 0
+        self.repriced = 0  # proposals priced from `_priced`, not simulated
+        # the price (`_cost`) of every strategy proposed, while it fits `PRICES_KEPT`: the
+        # simulation prices a strategy the same whichever way it got there (delta == full)
+        self._priced: dict[Strategy, float] = {}
         self.best: tuple[float, Strategy, str] | None = None
         self.bests: dict[str, tuple[float, Strategy, str]] = {}  # per start (`offer`)
         self.t0 = time.perf_counter()
@@ -253,7 +281,9 @@ class _Searcher:
 
         A proposal is delta-simulated (`Simulation.propose_many`) or, with
         ``SearchSettings(simulation="full")`` and for any change of the microbatch count,
-        fully simulated (`Simulation.propose_strategy`); `accept` or `reject` ends it."""
+        fully simulated (`Simulation.propose_strategy`); `accept` or `reject` ends it. A
+        strategy proposed before is priced from `_priced` instead and, if rejected, never
+        simulated: the same chain, draw for draw, as without it."""
         sim, rng, s = self.sim, self.rng, self.settings
         sim.reset(start)
         self.record(name)
@@ -278,19 +308,17 @@ class _Searcher:
             if move is None:  # a config or microbatch count the current strategy cannot take
                 since_best += 1
                 continue
-            members, config, policy, m = move
-            if isinstance(m, Strategy):  # ring attention toggled
-                sim.propose_strategy(m)
-            elif isinstance(m, tuple):  # the distributed optimizer's axes
-                sim.propose_strategy(dataclasses.replace(sim.strategy, optimizer_axes=m))
-            elif m is not None:
-                sim.propose_strategy(sim.strategy.with_microbatches(m))
-            elif s.simulation == "full":
-                sim.propose_strategy(_changed(sim.strategy, members, config, policy))
+            proposed = _proposed(sim.strategy, move)
+            new = self._priced.get(proposed)
+            simulated = new is None  # else priced before: the same price (delta == full)
+            if simulated:
+                self._propose(proposed, move)
+                new = self._remember(proposed, _cost(sim))
             else:
-                _propose_all(sim, members, config, policy)
-            new = _cost(sim)
+                self.repriced += 1
             if new <= current or rng.random() < math.exp(beta * (current - new)):
+                if not simulated:
+                    self._propose(proposed, move)
                 sim.accept()
                 self.accepted += 1
                 current = new
@@ -301,9 +329,27 @@ class _Searcher:
                 else:
                     since_best += 1
             else:
-                sim.reject()
+                if simulated:
+                    sim.reject()
                 since_best += 1
             self._report(name)
+
+    def _propose(self, proposed: Strategy, move: tuple) -> None:
+        """Proposes `move`, which makes `proposed`, on the simulation: delta-simulated, or
+        fully for a change of microbatches, the distributed optimizer or ring attention (or
+        with ``SearchSettings(simulation="full")``)."""
+        members, config, policy, m = move
+        if m is not None or self.settings.simulation == "full":
+            self.sim.propose_strategy(proposed)
+        else:
+            _propose_all(self.sim, members, config, policy)
+
+    def _remember(self, strategy: Strategy, cost: float) -> float:
+        """Keeps `cost` as `strategy`'s price (`_priced`, at most `PRICES_KEPT`); returns it."""
+        if len(self._priced) >= PRICES_KEPT:
+            self._priced.clear()
+        self._priced[strategy] = cost
+        return cost
 
     def _draw(self, m: int, current: Callable[[], Strategy]) -> tuple | None:
         """A random move from the current strategy (`current()`, with `m` microbatches):

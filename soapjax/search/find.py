@@ -102,7 +102,7 @@ from soapjax.search._chain import (
     _tie_blocks,
     random_strategy,
 )
-from soapjax.search._clock import gc_frozen
+from soapjax.search._clock import sparse_gc
 from soapjax.search.grids import _grid_starts, _within
 from soapjax.search.pipelines import _Pipelines
 from soapjax.simulate import SimResult
@@ -246,7 +246,7 @@ def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
     if measured:
         costs.measure_until(budget.at(MEASURE_SHARE), progress)
     try:
-        with gc_frozen():  # the search allocates by the million
+        with sparse_gc():  # the search allocates by the million
             sim = make_simulation(graph, topology, cost_model=costs, resharder=resharder,
                                   opt_state_factor=opt_state_factor)
             searcher = _Searcher(sim, settings, progress)

@@ -469,7 +469,10 @@ def time_schedule(schedule: str, stages: int, microbatches: int, virtual: int,
     binary.
 
     Cost: one pass over the ``2 M S v`` actions; the dependency order is computed once per
-    (schedule, stages, microbatches, virtual) and cached.
+    (schedule, stages, microbatches, virtual) and cached, and the last `TIMELINES_KEPT`
+    timelines are kept by their arguments (a third of a search's proposals on a pipeline
+    leave every chunk's time as another proposal had it: a change of the embedding's or the
+    head's layout, or of memory alone).
 
     Example: the 1F1B doctest of this module, forwards of 1 s and backwards of 2 s, no sends:
     ``(M + S - 1) (f + b) = 12 s``, of which each stage computes ``M (f + b) = 9 s``.
@@ -488,8 +491,17 @@ def time_schedule(schedule: str, stages: int, microbatches: int, virtual: int,
     if times.chunks != stages * virtual:
         raise PlanError(f"{stages} stages x {virtual} virtual stages make {stages * virtual} "
                         f"chunks, but the ChunkTimes has times for {times.chunks}")
-    compiled = _compile(schedule, stages, microbatches, virtual)
-    return _timeline(schedule, stages, microbatches, virtual, times, compiled)
+    return _kept_timeline(schedule, stages, microbatches, virtual, times)
+
+
+TIMELINES_KEPT = 256
+
+
+@functools.lru_cache(maxsize=TIMELINES_KEPT)
+def _kept_timeline(schedule: str, S: int, M: int, v: int, times: ChunkTimes
+                   ) -> PipelineTimeline:
+    """`_timeline` of these arguments (a pure function of them; the timeline is immutable)."""
+    return _timeline(schedule, S, M, v, times, _compile(schedule, S, M, v))
 
 
 def _timeline(schedule: str, S: int, M: int, v: int, times: ChunkTimes,
