@@ -181,6 +181,34 @@ def test_a_strategy_priced_before_is_not_simulated_again(name, mesh, pipelined, 
     assert kept[6] < every[6]
 
 
+def test_a_search_leaves_the_garbage_collector_as_it_found_it():
+    """The search runs with the collector's young generation collected less often and what
+    existed before it frozen (`sparse_gc`); after it (and after nested blocks) the thresholds
+    and the frozen objects are as they were, and a process's own frozen objects stay frozen."""
+    import gc
+
+    from soapjax.search._clock import sparse_gc
+
+    w, g, topo, cm = setup("mlp", "cpu4")
+    before = gc.get_threshold(), gc.get_freeze_count(), gc.isenabled()
+    with sparse_gc():
+        inside = gc.get_threshold()[0], gc.get_freeze_count()
+        with sparse_gc():
+            pass
+        assert (gc.get_threshold()[0], gc.get_freeze_count()) == inside
+    assert inside[0] >= 20_000 and inside[1] > 0
+    search(g, topo, cost_model=cm, settings=SearchSettings(max_proposals=20, seed=0))
+    assert (gc.get_threshold(), gc.get_freeze_count(), gc.isenabled()) == before
+    gc.freeze()  # the process's own
+    try:
+        frozen = gc.get_freeze_count()
+        with sparse_gc():
+            pass
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
 def test_search_settings_refuse_an_unknown_simulation():
     with pytest.raises(ValueError, match="simulation must be 'delta' or 'full', got 'fast'"):
         SearchSettings(simulation="fast")

@@ -812,3 +812,93 @@ def test_full_proposals_are_accepted_and_rejected_like_delta_ones(kind, topo_nam
     with pytest.raises(RuntimeError, match="accept"):
         sim.propose_strategy(current)
         sim.reset(current)
+
+
+@pytest.mark.parametrize("sigma", [0.0, 0.5])
+@pytest.mark.parametrize("seed", range(4))
+def test_task_graph_edits_time_as_a_graph_built_whole(sigma, seed):
+    """The delta pass after random edits (tasks detached and their ids released and reused
+    before the next settle, tasks attached, dependencies and durations changed; some edits
+    few, some many, so that both ways `settle` places tasks are taken) times every task
+    exactly as a graph built whole from the same tasks and timed by the full pass, bit for
+    bit; and a rejected edit's undo (detach the new, attach the old) times as before."""
+    from soapjax.simulate._taskgraph import TaskGraph
+
+    rng = random.Random(seed)
+    resources = 4
+    g = TaskGraph(resources, contention=sigma)
+    used: set[int] = set()
+
+    def fresh_key() -> int:
+        k = rng.randrange(100_000)
+        while k in used:
+            k = rng.randrange(100_000)
+        used.add(k)
+        return k
+
+    def random_task(graph, attached) -> int:
+        key = fresh_key()
+        res = rng.choice([(0,), (0,), (1,), (2,), (1, 2), (0, 3)])
+        earlier = [t for t in attached if graph.key[t] < key]
+        deps = rng.sample(earlier, min(len(earlier), rng.randrange(3)))
+        return graph.new(key, rng.choice([0.5, 1.0, 1.5, 2.25, 3.0]), res, deps, None)
+
+    attached: list[int] = []
+    for _ in range(120):
+        attached.append(random_task(g, attached))
+    g.build()
+    g.full_pass()
+
+    def whole(graph) -> dict[int, tuple[float, float]]:
+        """The attached tasks built into a new graph and fully timed, by key."""
+        h = TaskGraph(resources, contention=sigma)
+        ids = {}
+        for t in sorted(graph.order, key=graph.key.__getitem__):
+            ids[t] = h.new(graph.key[t], graph.dur[t], graph.res[t],
+                           [ids[d] for d in graph.deps[t]], None)
+        h.build()
+        h.full_pass()
+        return {h.key[t]: (h.start[t], h.end[t]) for t in h.order}
+
+    def timed(graph) -> dict[int, tuple[float, float]]:
+        graph.settle()
+        return {graph.key[t]: (graph.start[t], graph.end[t]) for t in graph.order}
+
+    for step in range(12):
+        many = step % 2 == 1
+        undo = step % 3 == 2  # rolled back after, as `Simulation.reject` does
+        n = rng.randrange(20, 40) if many else rng.randrange(1, 4)
+        # leaves of the dependency graph only (nothing attached waits on them)
+        leaves = [t for t in attached if not g.succ[t]]
+        gone = rng.sample(leaves, min(len(leaves), n))
+        before = timed(g)
+        for t in gone:
+            g.detach(t)
+            attached.remove(t)
+        if not undo:
+            g.release(gone)  # their ids may come back before the next settle
+        new = []
+        for _ in range(n):
+            t = random_task(g, attached)
+            g.attach(t)
+            attached.append(t)
+            new.append(t)
+        slower = rng.sample(attached, 3)
+        old_dur = [g.set_dur(t, g.dur[t] + 0.75) for t in slower]
+        g.sweep()
+        assert timed(g) == whole(g)
+        if undo:  # the new tasks out, the old ones back (the same ids), durations back
+            for t in new:
+                g.detach(t)
+                attached.remove(t)
+            g.release(new)
+            for t in gone:
+                g.attach(t)
+                attached.append(t)
+            for t, d in zip(slower, old_dur):
+                if t in attached:
+                    g.set_dur(t, d)
+            g.sweep()
+            assert timed(g) == whole(g)
+            if all(t in attached for t in slower):
+                assert timed(g) == before

@@ -19,7 +19,8 @@ _YOUNG = 20_000  # allocations (net of frees) between collections of the younges
 @contextlib.contextmanager
 def sparse_gc() -> Iterator[None]:
     """Within the block, Python's cyclic garbage collector leaves alone every object that
-    existed when the outermost block began (`gc.freeze`; `gc.unfreeze` after it), and collects
+    existed when the outermost block began (`gc.freeze`; `gc.unfreeze` after it, unless the
+    process had frozen objects itself before, which then stay as they were), and collects
     its youngest generation after 20,000 net allocations instead of 700 (the thresholds are
     restored after it).
 
@@ -30,7 +31,10 @@ def sparse_gc() -> Iterator[None]:
     """
     global _sparse
     if _sparse == 0:
-        gc.freeze()
+        # a process that froze objects itself (a server that forks) keeps them frozen
+        freeze = gc.get_freeze_count() == 0
+        if freeze:
+            gc.freeze()
         before = gc.get_threshold()
         gc.set_threshold(max(before[0], _YOUNG), *before[1:])
     _sparse += 1
@@ -40,7 +44,8 @@ def sparse_gc() -> Iterator[None]:
         _sparse -= 1
         if _sparse == 0:
             gc.set_threshold(*before)
-            gc.unfreeze()
+            if freeze:
+                gc.unfreeze()
 
 
 def past(deadline: float | None) -> bool:
