@@ -470,9 +470,9 @@ def time_schedule(schedule: str, stages: int, microbatches: int, virtual: int,
 
     Cost: one pass over the ``2 M S v`` actions; the dependency order is computed once per
     (schedule, stages, microbatches, virtual) and cached, and the last `TIMELINES_KEPT`
-    timelines are kept by their arguments (a third of a search's proposals on a pipeline
-    leave every chunk's time as another proposal had it: a change of the embedding's or the
-    head's layout, or of memory alone).
+    timelines are kept by their arguments (many of a search's proposals on a pipeline leave
+    every chunk's time as another proposal had it: a change of the embedding's or the head's
+    layout, or of memory alone; docs/vs-experts.md).
 
     Example: the 1F1B doctest of this module, forwards of 1 s and backwards of 2 s, no sends:
     ``(M + S - 1) (f + b) = 12 s``, of which each stage computes ``M (f + b) = 9 s``.
