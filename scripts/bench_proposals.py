@@ -22,7 +22,6 @@ Time ratios are machine-dependent: compare two revisions in one run on one machi
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import sys
 import time
@@ -30,6 +29,7 @@ import time
 import soapjax_zoo as zoo
 from soapjax.cost import operators as cost
 from soapjax.graph.opgraph import trace
+from soapjax.search import sparse_gc
 from soapjax.search.pipelines import pipeline_grid
 from soapjax.simulate import front
 from soapjax.strategy import space
@@ -78,8 +78,6 @@ def main(argv=None) -> int:
                for op, cs in zip(g.operators, choices)]
     costs = cost.cost_model(g, topo, mode="analytic", optimizer=w.optimizer)
     rng = random.Random(args.seed)
-    gc.freeze()  # as the search quiets the collector (soapjax.search._clock.sparse_gc)
-    gc.set_threshold(20_000, *gc.get_threshold()[1:])
     # a chain moves the operators at one position of every layer together (`_Searcher.tied`)
     tied = {} if args.single else {i: blk for blk in g.repeated_blocks() for i in blk}
     proposals = []
@@ -90,7 +88,8 @@ def main(argv=None) -> int:
     for changes in proposals:  # each new config's kernels priced (and memoised) untimed
         for j, config, _ in changes:
             costs.shard_time(j, config.degrees(stage_mesh))
-    with front.open_simulation(g, topo, strategy, cost_model=costs) as sim:
+    # the garbage collector as the search sets it
+    with sparse_gc(), front.open_simulation(g, topo, strategy, cost_model=costs) as sim:
         start = sim.step_time()
         t = time.perf_counter()
         for changes in proposals:

@@ -7,10 +7,12 @@ simulator, and the plan entry point.
 - `pipelines`: the pipelines tried, their grids and the chains of the best.
 - `stages`: stage balancing, uneven stages where the step is faster.
 - `optimality`: the paper's optimality checks (section 8.4).
-- `_clock`: deadlines of the time budget.
+- `_clock`: deadlines of the time budget; `sparse_gc`, the garbage collector as a search
+  sets it.
 """
 
 from soapjax.search._chain import random_strategy as random_strategy
+from soapjax.search._clock import sparse_gc as sparse_gc
 from soapjax.search.find import (
     MAX_BUDGET_S as MAX_BUDGET_S,
     MAX_PROPOSALS as MAX_PROPOSALS,
@@ -61,5 +63,6 @@ __all__ = [
     "print_progress",
     "random_strategy",
     "search",
+    "sparse_gc",
     "stage_choices",
 ]
