@@ -279,8 +279,9 @@ def render(rows: list[dict], budget: float) -> str:
         "them (a tied embedding's gradient all-reduced between the first and last stage); "
         "MaxText-style rules (FSDP; FSDP + experts). As applied: the same configuration "
         "as soapjax.apply runs it (the prologue's outputs handed to every stage and their "
-        "cotangents summed over the stages, the head's gradients too; the log-probabilities "
-        "gathered before the loss's gather; \"(over)\": it does not fit then). "
+        "cotangents summed over the stages, the head's gradients too; \"(over)\": it does "
+        "not fit then). Both pick the labels' log-probabilities by an all-reduce over the "
+        "vocabulary split. "
         "Ratio: best hand / searched step time (above 1: the search wins).",
         "",
         "| case | GPUs | batch | best hand configuration | step (s) | as applied (s) | mem (GB) "

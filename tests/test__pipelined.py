@@ -17,7 +17,10 @@ import subprocess
 import sys
 
 import jax
+import jax.extend
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import float64_model
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
@@ -339,3 +342,78 @@ def test_xla_still_aborts_on_a_gather_split_along_its_index_inside_shard_map():
                           text=True, timeout=120, check=False)
     assert proc.returncode != 0 and "Check failed: partition_group_list" in proc.stderr, (
         proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+
+
+def _gathers(jaxpr) -> list:
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "gather":
+            out.append(eqn)
+        for p in eqn.params.values():
+            if hasattr(p, "jaxpr"):
+                out += _gathers(p.jaxpr)
+    return out
+
+
+def _run(jaxpr, args, swap):
+    """`jaxpr` evaluated equation by equation, `swap(eqn)` (or None) computing one instead."""
+    env = dict(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        ins = [v.val if isinstance(v, jax.extend.core.Literal) else env[v] for v in eqn.invars]
+        fn = swap(eqn)
+        if fn is not None:
+            outs = fn(*ins)
+        elif eqn.primitive.name in ("jit", "pjit"):
+            outs = _run(eqn.params["jaxpr"].jaxpr, ins, swap)
+        else:
+            outs = eqn.primitive.bind(*ins, **eqn.params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs))
+    return [env[v] for v in jaxpr.outvars]
+
+
+TAKES = {  # take_along_axis as losses write it, and the forms jnp traces it to
+    "last": lambda x, i: jnp.take_along_axis(x, i[..., None], -1),
+    "clip": lambda x, i: jnp.take_along_axis(x, i[..., None], -1, mode="clip"),
+    "middle": lambda x, i: jnp.take_along_axis(x.transpose(0, 2, 1), i[:, None, :], 1),
+    "first": lambda x, i: jnp.take_along_axis(x.transpose(2, 0, 1), i[None], 0),
+    "one sample": lambda x, i: jnp.take_along_axis(x[:1], i[:1, :, None], -1),
+    "one token": lambda x, i: jnp.take_along_axis(x[:, :1], i[:, :1, None], -1),
+    "optax": lambda x, i: optax.softmax_cross_entropy_with_integer_labels(x, i),
+}
+
+
+@pytest.mark.parametrize("take", TAKES)
+@pytest.mark.parametrize("labels", [[[0, 4, 2], [1, 3, -1]], [[0, 7, 2], [1, 3, -9]]],
+                         ids=["in range", "out of range"])
+def test_a_picking_gather_runs_as_a_masked_sum_with_the_same_numbers(take, labels):
+    """`_masked_pick` (what a stage runs for a gather `picked_dim` names) against the gather
+    itself, in float64: the same values and gradients bit for bit, an index out of range
+    giving the gather's fill (NaN) or clamped; an embedding lookup and a plain index are not
+    picks."""
+    from soapjax.apply._pipelined import _masked_pick
+    from soapjax.graph._program import picked_dim
+
+    with jax.enable_x64(True):
+        x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 5)))
+        i = jnp.asarray(labels, jnp.int32)
+        closed = jax.make_jaxpr(TAKES[take])(x, i)
+        # optax's also picks element 0 of the picked values' size-1 dim (``[..., 0]``)
+        picks = [e for e in _gathers(closed.jaxpr) if picked_dim(e) is not None]
+        assert len(picks) == (2 if take == "optax" else 1)
+
+        def run(x, masked):
+            return _run(closed.jaxpr, [x, i], lambda e: _masked_pick(e, picked_dim(e))
+                        if masked and any(e is p for p in picks) else None)[0]
+
+        want, got = run(x, False), run(x, True)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        # FILL_OR_DROP fills an index out of range with NaN; "one token" keeps none of them
+        out_of_range = labels[0][1] == 7 and take not in ("clip", "one token")
+        assert np.isnan(np.asarray(want)).any() == out_of_range
+        grad = [jax.grad(lambda x, m=m: jnp.nansum(run(x, m) ** 2))(x) for m in (False, True)]
+        np.testing.assert_array_equal(np.asarray(grad[1]), np.asarray(grad[0]))
+        table = jnp.zeros((7, 4))
+        for lookup in (lambda t, j: t[j], lambda t, j: jnp.take(t, j[0], axis=1)):
+            eqns = _gathers(jax.make_jaxpr(lookup)(table, i).jaxpr)
+            assert eqns and all(picked_dim(e) is None for e in eqns)

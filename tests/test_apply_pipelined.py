@@ -212,10 +212,11 @@ def test_stage_to_stage_bytes_are_what_the_simulator_prices(virtual):
     Interleaved parameters also move, as all-to-alls, not permutes: the model layout's stage
     split is not the chunks'. Inside a stage, Megatron's split holds (the stages constrain
     their values to the plan's layouts, `soapjax.apply._pipelined.StageLayouts`): over
-    ``model``, all-reduces of activations and of the vocabulary-parallel loss's statistics,
-    the sends' all-gathers, and two more all-gathers: the log-probabilities made whole for the
-    loss's gather (8,192 bytes, forward and its recomputation: XLA aborts on a gather of a
-    split dim inside the stages' shard_map, `_run_in_stage`), and the tied embedding's
+    ``model``, all-reduces of activations and of the vocabulary-parallel loss's statistics
+    and picked log-probabilities (128 bytes a microbatch, forward and its recomputation: the
+    loss's ``take_along_axis`` runs as a masked sum, `_run_in_stage`; it ran as an all-gather
+    of the log-probabilities, 8,192 bytes, as XLA aborts on a gather of a split dim inside the
+    stages' shard_map), the sends' all-gathers, and one more all-gather: the tied embedding's
     gradient where the prologue's backward adds the head's share to it (16,384 bytes; the
     prologue runs where XLA places it).
     """
@@ -229,7 +230,7 @@ def test_stage_to_stage_bytes_are_what_the_simulator_prices(virtual):
         if c.axes == ("model",) and "pipeline_" in c.op_name:
             assert c.kind == "all-gather" and c.nbytes == 4096, c
         elif c.axes == ("model",) and c.kind == "all-gather":
-            assert c.nbytes in (8192, 16384), c
+            assert c.nbytes == 16384, c
         elif c.axes == ("model",):
             assert c.kind == "all-reduce" and c.nbytes in (128, 256, 4096, 3 * 4096), c
         if c.kind != "collective-permute":

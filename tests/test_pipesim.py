@@ -66,9 +66,9 @@ def test_layers_cut_into_chunks_with_embedding_first_and_head_last():
 def test_chunk_times_partition_one_stages_step():
     """The chunks' forward and backward spans (per microbatch, times M) and the prologue's
     (SPMD over the S stages' devices, so 1/S of its one-stage span) add up to the one-stage
-    simulation's compute span, but for the all-gather apply's last stage runs making the
-    log-probabilities whole for the loss's gather (`_whole_gathers`: TP4 splits the
-    vocabulary): the cut loses and invents nothing else."""
+    simulation's compute span, but for the all-reduce apply's last stage runs adding up the
+    picked log-probabilities for the loss (`_loss_collectives`: TP4 splits the vocabulary;
+    Megatron-LM's loss runs the same): the cut loses and invents nothing else."""
     s = megatron_3d(gpt(), A100, tp=4, pp=2, microbatch_size=2, recompute="none")
     sim = pipelined(s)
     r = sim.result()
@@ -76,14 +76,14 @@ def test_chunk_times_partition_one_stages_step():
     M, S = s.microbatches, s.stages
     before, after = r.prologue_s
     assert before > 0 and after > 0
-    gathers = [(n, axes) for n, axes, _ in sim._whole_gathers()]
-    # a replica's microbatch of 2 sequences' log-probabilities, 64 tokens x 256 words, float32
-    assert gathers == [(2 * 64 * 256 * 4, ("model",))]
-    forward = sum(r.chunk_times.forward_s) - sum(t for *_, t in sim._whole_gathers())
+    picks = [(kind, n, axes) for kind, n, axes, _ in sim._loss_collectives()]
+    # a replica's microbatch of 2 sequences' picked log-probabilities, 64 tokens, float32
+    assert picks == [("all_reduce", 2 * 64 * 4, ("model",))]
+    forward = sum(r.chunk_times.forward_s) - sum(t for *_, t in sim._loss_collectives())
     assert forward * M + before * S == pytest.approx(max(fwd), rel=1e-12)
     assert (forward + sum(r.chunk_times.backward_s)) * M \
         + (before + after) * S == pytest.approx(max(bwd), rel=1e-12)
-    assert pipelined(s, layer_layout="chunks")._whole_gathers() == ()  # Megatron's: none
+    assert pipelined(s, layer_layout="chunks")._loss_collectives() == sim._loss_collectives()
     assert r.step_time_s >= before + r.timeline.step_s + after
     # two stages: every chunk boundary sends one microbatch's residual stream, bf16, TP4 over
     # the stage's model axis does not split it (sequence-parallel regions aside)

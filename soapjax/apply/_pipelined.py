@@ -128,10 +128,12 @@ XLA aborts the process (``Check failed: partition_group_list...`` in
 ``spmd_partitioner_util.cc``, either partitioner) when it partitions a gather whose operand is
 split along a dim the gather indexes inside a `jax.shard_map` manual over some of the axes:
 LLaMA's untied head split over the vocabulary, as Megatron splits it, then the loss's
-``take_along_axis`` of the log-probabilities. So inside a stage a gather's operand is first made
-whole along the dims it indexes (`_run_in_stage`): on the last stage, one all-gather over
-``model`` of a microbatch's log-probabilities where an all-reduce of the picked ones would do
-(`tests/test__pipelined.py` keeps a canary of the abort).
+``take_along_axis`` of the log-probabilities. So inside a stage (`_run_in_stage`) a gather that
+picks one element along a dim per index (`soapjax.graph._program.picked_dim`: that
+``take_along_axis``) runs as a masked sum along the dim (`_masked_pick`): on the last stage, an
+all-reduce over ``model`` of a microbatch's picked log-probabilities, as Megatron-LM's
+vocabulary-parallel loss runs; any other gather's operand is first made whole along the dims it
+indexes (`tests/test__pipelined.py` keeps a canary of the abort).
 
 `soapjax.apply.step` runs a pipelined `Strategy` with `PipelinedStep`, its step program: the
 parameters in the model's layout on `pipelined_mesh` (the user's mesh, its outermost axis cut
@@ -179,7 +181,7 @@ from soapjax.apply._validation import Checked, validate_program_inputs
 from soapjax.base.attention import AttentionCall, attention_call, bind_attention
 from soapjax.base.errors import PlanError
 from soapjax.graph._inner import splits_queries
-from soapjax.graph._program import LayerScan, Program, shifted_dims
+from soapjax.graph._program import LayerScan, Program, picked_dim, shifted_dims
 from soapjax.graph.opgraph import OpGraph
 from soapjax.strategy.pipeline import DEFAULT_SCHEDULE, Action, ScheduleName, device_orders
 from soapjax.strategy.space import RECOMPUTE_POLICIES, MeshShape, RecomputePolicy
@@ -387,8 +389,9 @@ def _prologue_fn(cut: _Cut) -> Callable:
 def _run_in_stage(prog: Program, idxs: Sequence[int], env: dict,
                   whole_queries: bool = False, hook: Callable | None = None,
                   reads: Mapping[int, Sequence[tuple]] | None = None) -> None:
-    """``prog.run_units(idxs, env)`` inside the stage's shard_map, with the operand of every
-    gather first made whole along the dims it indexes (module doc: XLA aborts otherwise). With
+    """``prog.run_units(idxs, env)`` inside the stage's shard_map, with every gather that
+    picks one element per index run as a masked sum (`_masked_pick`) and the operand of every
+    other first made whole along the dims it indexes (module doc: XLA aborts otherwise). With
     `whole_queries` (the plan splits attention's query sequence), every flash attention
     equation is bound with its queries as one block and every tile computed
     (`soapjax.base.attention.bind_attention`'s ``whole_queries``): XLA's partitioner runs that
@@ -398,10 +401,12 @@ def _run_in_stage(prog: Program, idxs: Sequence[int], env: dict,
     calls = {i: _whole_queries(call) for i in idxs
              if whole_queries and len(prog.units[i].ins) == 5
              and (call := attention_call(prog.units[i].eqn)) is not None}
+    calls.update((i, _masked_pick(prog.units[i].eqn, d)) for i in idxs
+                 if (d := picked_dim(prog.units[i].eqn)) is not None)
     start = 0
     for k, i in enumerate(idxs):
         unit = prog.units[i]
-        whole = shifted_dims(unit.eqn)
+        whole = [] if i in calls else shifted_dims(unit.eqn)
         if whole:
             prog.run_units(idxs[start:k], env, calls, hook, reads)
             for v, dims in zip(unit.ins, whole):
@@ -464,6 +469,50 @@ def count_branch_runs(collectives: Sequence[Any], runs: BranchRuns) -> list[Any]
 def _whole_queries(call: AttentionCall) -> Callable:
     return lambda q, k, v, q_pos, k_pos: [bind_attention(call, q, k, v, q_pos, k_pos,
                                                          whole_queries=True)]
+
+
+def _masked_pick(eqn: Any, d: int) -> Callable:
+    """A gather that picks one element along dim `d` per index (`picked_dim`: the loss's
+    ``take_along_axis`` of the labels' log-probabilities) as a masked sum along `d`: split
+    there, each device sums its part and XLA adds the parts with one all-reduce of the picked
+    values, as Megatron-LM's vocabulary-parallel loss does, where the gather would abort
+    (module doc) or need its operand whole. Exact: every other term is zero; an index out of
+    range gives the gather's fill value (clamped in ``CLIP`` mode), its gradient zero."""
+    p = eqn.params
+    dn, out_shape = p["dimension_numbers"], eqn.outvars[0].aval.shape
+    mode, fill = p["mode"].name, p["fill_value"]
+    rank = len(eqn.invars[0].aval.shape)
+    index_rank = len(eqn.invars[1].aval.shape) - 1  # without the index vector's dim
+    pairs = dict(zip(dn.start_indices_batching_dims, dn.operand_batching_dims))
+    rest = [k for k in range(rank) if k != d]  # the picked values' dims, in operand order
+    # the output's dims: the offset dims (x's full slices, in order) where `offset_dims`
+    # says, the indices' dims elsewhere (a batching one as its operand dim; others size 1)
+    offsets = iter(k for k in rest if k not in dn.operand_batching_dims)
+    positions = iter(range(index_rank))
+    order = [next(offsets) if o in dn.offset_dims else pairs.get(next(positions))
+             for o in range(len(out_shape))]
+    transpose = [rest.index(k) for k in order if k is not None]
+
+    def pick(x, index):
+        n = x.shape[d]
+        # the index of each picked value, in x's dims but d (1 along its full slices)
+        i = jnp.reshape(index, index.shape[:-1])
+        i = jnp.transpose(i, [*dn.start_indices_batching_dims,
+                              *(j for j in range(index_rank) if j not in pairs)])
+        i = jnp.reshape(i, [x.shape[k] if k in dn.operand_batching_dims else 1 for k in rest])
+        if mode != "FILL_OR_DROP":
+            i = jnp.clip(i, 0, n - 1)
+        mask = jax.lax.broadcasted_iota(i.dtype, x.shape, d) == jnp.expand_dims(i, d)
+        picked = jnp.sum(jnp.where(mask, x, jnp.zeros((), x.dtype)), axis=d, dtype=x.dtype)
+        if mode == "FILL_OR_DROP":
+            filler = (fill if fill is not None else
+                      np.nan if jnp.issubdtype(x.dtype, jnp.inexact) else
+                      jnp.iinfo(x.dtype).min if jnp.issubdtype(x.dtype, jnp.signedinteger)
+                      else jnp.iinfo(x.dtype).max)
+            picked = jnp.where((i >= 0) & (i < n), picked, jnp.asarray(filler, x.dtype))
+        return [jnp.reshape(jnp.transpose(picked, transpose), out_shape)]
+
+    return pick
 
 
 def _whole_along(x: Any, dims: Sequence[int]) -> Any:

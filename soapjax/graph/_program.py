@@ -549,3 +549,30 @@ def shifted_dims(eqn: Any) -> list[tuple[int, ...]]:
         sizes = p["slice_sizes"] if name == "dynamic_slice" else eqn.invars[1].aval.shape
         return [tuple(d for d, n in enumerate(shape) if sizes[d] != n)]
     return []
+
+
+def picked_dim(eqn: Any) -> int | None:
+    """The dim a gather picks one element along per index, where `eqn` is such a gather
+    (``jnp.take_along_axis`` with one index per position: the loss's pick of the labels'
+    log-probabilities), else None. Each of its operand's other dims is a batch dim of the
+    indices or taken whole (a dim of size 1 is), the indices' other dims are of size 1: the
+    pick is a masked sum along that dim (`soapjax.apply._pipelined`: split along it, each
+    device sums its part and an all-reduce of the picked values adds them, as Megatron-LM's
+    vocabulary-parallel loss does)."""
+    if eqn.primitive.name != "gather" or len(eqn.invars) != 2:
+        return None
+    p = eqn.params
+    dn, shape = p["dimension_numbers"], eqn.invars[0].aval.shape
+    index_shape, sizes = eqn.invars[1].aval.shape, p["slice_sizes"]
+    if (len(dn.start_index_map) != 1 or tuple(dn.collapsed_slice_dims) != tuple(dn.start_index_map)
+            or not index_shape or index_shape[-1] != 1
+            or p["mode"].name not in ("FILL_OR_DROP", "CLIP", "PROMISE_IN_BOUNDS")):
+        return None
+    d = dn.start_index_map[0]
+    batch = dn.operand_batching_dims
+    if (sizes[d] != 1 or list(batch) != sorted(batch)
+            or any(sizes[k] != (1 if k in batch else shape[k]) for k in range(len(shape)) if k != d)
+            or any(n != 1 for j, n in enumerate(index_shape[:-1])
+                   if j not in dn.start_indices_batching_dims)):
+        return None
+    return d

@@ -1,21 +1,22 @@
 """Where a pipeline cuts the graph: each operator's layer chunk, and what crosses between the
 parts (a chunk boundary's activations, the prologue's hand-off to every stage, the epilogue's
 parameters and the values its loss gathers), read off the graph alone and memoised per graph
-by `soapjax.simulate.pipesim`, its only user; and the pieces a boundary value is sent in
-(`send_pieces`, per layout).
+by `soapjax.simulate.pipesim`, its only user; the pieces a boundary value is sent in
+(`send_pieces`, per layout) and the collectives the loss's gathers run (`loss_collectives`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from soapjax.base.errors import PlanError
-from soapjax.graph._program import shifted_dims
+from soapjax.graph._program import picked_dim, shifted_dims
 from soapjax.graph.opgraph import OpGraph
-from soapjax.strategy.space import MeshShape
+from soapjax.simulate._flat_memory import shard_bytes
+from soapjax.strategy.space import Config, MeshShape, sample_dim
 
 __all__ = ["boundary_values", "epilogue_gathers", "epilogue_params", "layer_chunks", "layer_span",
-           "prologue_handed", "send_pieces"]
+           "loss_collectives", "prologue_handed", "send_pieces"]
 
 
 def layer_span(graph: OpGraph) -> tuple[int, int]:
@@ -122,23 +123,64 @@ def tied_params(graph: OpGraph, first: int, last: int) -> tuple[str, ...]:
 
 
 def epilogue_gathers(graph: OpGraph, last: int
-                     ) -> tuple[tuple[int, int, tuple[int, ...], tuple[int | None, ...]], ...]:
+                     ) -> tuple[tuple[int, int, tuple[int, ...], tuple[int | None, ...], bool],
+                                ...]:
     """The values the operators after `last` (the epilogue: final norm, head, loss) index,
-    slice, pad or concatenate along some dims (`soapjax.graph._program.shifted_dims`: the
-    loss's gather of the labels' log-probabilities), which apply makes whole along those dims
-    inside the last stage (`soapjax.apply._pipelined._run_in_stage`: XLA cannot partition
-    them there): ``(operator index, value id, those dims, each of the value's dims' iteration
-    dim of the operator, None where it follows none)``."""
+    slice, pad or concatenate along some dims (`soapjax.graph._program.shifted_dims`), which
+    apply makes whole along those dims inside the last stage
+    (`soapjax.apply._pipelined._run_in_stage`: XLA cannot partition them there), but for a
+    gather that picks one element along a dim (`picked_dim`: the loss's pick of the labels'
+    log-probabilities), which apply runs as a masked sum: ``(operator index, value id, those
+    dims, each of the value's dims' iteration dim of the operator, None where it follows
+    none; whether it is picked)``."""
     prog, out = graph.program, []
     for j in range(last + 1, len(graph.operators)):
         loc = prog.local[graph.operators[j].name]
         for i in loc.units:
             unit = prog.units[i]
+            picked = picked_dim(unit.eqn) is not None
             for v, dims in zip(unit.ins, shifted_dims(unit.eqn)):
                 if dims and v in loc.lab:
                     out.append((j, v, tuple(dims), tuple(loc.labels.lookup(lbl, loc.iter_of)
-                                                         for lbl in loc.lab[v])))
+                                                         for lbl in loc.lab[v]), picked))
     return tuple(out)
+
+
+def loss_collectives(graph: OpGraph, gathers: Sequence[tuple], choice: Callable[[int], Config],
+                     mesh: MeshShape, microbatches: int, topology, memo: dict,
+                     megatron: bool = False) -> tuple[tuple[str, int, tuple[str, ...], float],
+                                                      ...]:
+    """The collectives the last stage runs each microbatch for the epilogue's `gathers`
+    (`epilogue_gathers`) where the configs (`choice`: an operator's) split them along the dims
+    they index: an all-gather making the value whole along them, or, for a picking gather, an
+    all-reduce of the picked values (each device sums its part: `picked_dim`) over those axes.
+    ``(kind, bytes per device of one microbatch, axes, seconds)``; `memo` keeps them by
+    value and layout. Tiny GPT's log-probabilities under Megatron's vocabulary split: an
+    all-reduce of a microbatch's picked ones (docs/checks.md). Megatron-LM (`megatron`) runs
+    the picks' all-reduces alone (its vocabulary-parallel loss)."""
+    prog, M, out = graph.program, microbatches, []
+    for j, v, dims, iters, picked in gathers:
+        if megatron and not picked:
+            continue
+        config, batch = choice(j), sample_dim(graph.operators[j])
+        axes = [config.axes[d] if d is not None and d < len(config.axes) else () for d in iters]
+        # the batch's axes are the stages' data groups, manual in apply: kept split, not
+        # gathered
+        manual = [d for d, it in enumerate(iters) if it is not None and it == batch]
+        gathered = tuple(a for d in dims if d not in manual for a in axes[d])
+        if not gathered:
+            continue
+        whole = tuple(a if d in manual or d not in dims else () for d, a in enumerate(axes))
+        key = (v, whole, gathered, M, picked)
+        hit = memo.get(key)
+        if hit is None:
+            shape = [1 if picked and d in dims else n for d, n in enumerate(prog.shapes[v])]
+            n = shard_bytes(shape, whole, prog.dtypes[v], mesh) // M
+            kind = "all_reduce" if picked else "all_gather"
+            hit = memo[key] = (kind, n, gathered, topology.collective_time(kind, n, gathered))
+        out.append(hit)
+    return tuple(out)
+
 
 def send_pieces(shape: Sequence[int], spec: Sequence[Sequence[str]], mesh: MeshShape,
                 nbytes: int) -> tuple[int, int, tuple[str, ...]]:

@@ -13,9 +13,12 @@ group's axes. The pipelined step is priced in three parts:
    after the last layer (final norm, head, loss) go with the last chunk. A chunk's forward
    (backward) time for one microbatch is the span its operators take on that timeline,
    divided by M; the span includes the communication the one-stage simulation could not hide
-   (tensor-parallel all-reduces, reshardings). The operators before the first layer (the
-   embedding) run as `soapjax.apply.step` runs them: SPMD on every device, before the pipeline
-   (their backward after it), at 1/S of their one-stage span.
+   (tensor-parallel all-reduces, reshardings); the last chunk's also the collectives its
+   loss's gathers run inside the stage (`_pipe_cut.loss_collectives`: where the vocabulary
+   is split, an all-reduce of the picked log-probabilities, as Megatron-LM's loss runs it).
+   The operators before the first layer (the embedding) run as `soapjax.apply.step` runs
+   them: SPMD on every device, before the pipeline (their backward after it), at 1/S of
+   their one-stage span.
 2. **The schedule.** `soapjax.strategy.pipeline.time_schedule` runs the schedule's per-stage orders
    with those chunk times and the stage-to-stage sends: one microbatch's boundary activations
    (the per-device shards of every value a later chunk reads from an earlier one), priced as a
@@ -75,6 +78,7 @@ from soapjax.simulate._pipe_cut import (
     epilogue_params,
     layer_chunks,
     layer_span,
+    loss_collectives,
     prologue_handed,
     send_pieces,
     tied_params,
@@ -88,7 +92,7 @@ from soapjax.strategy.pipeline import (
     stage_routes,
     time_schedule,
 )
-from soapjax.strategy.space import Config, MeshShape, Strategy, sample_dim
+from soapjax.strategy.space import Config, MeshShape, Strategy
 from soapjax.topology.cluster import Topology, stage_topology
 
 __all__ = ["LAYER_LAYOUTS", "PipelineResult", "PipelinedSimulation", "as_step_result",
@@ -197,7 +201,7 @@ class PipelinedSimulation:
         self._epilogue_params = graph.memo("epilogue_params",
                                            lambda: epilogue_params(graph, last))
         self._tied = graph.memo("tied_params", lambda: tied_params(graph, first, last))
-        # what the last stage makes whole before the loss's gather (`_whole_gathers`)
+        # what the last stage's loss gathers (`_loss_collectives`)
         self._gathers = graph.memo("epilogue_gathers", lambda: epilogue_gathers(graph, last))
         self._gather_memo: dict = {}
         self._sum_memo: dict[int, float] = {}
@@ -336,8 +340,8 @@ class PipelinedSimulation:
         uneven); every chunk boundary's sends, a collective-permute of each piece per
         microbatch each way, and the receiver's all-gather of the pieces (scatter/gather); the
         layer layout's moves, each way; the two sums over the stage axis after the pipeline
-        (`_stage_sum_bytes`); the last stage's all-gather of the values its loss gathers, each
-        microbatch (`_whole_gathers`)."""
+        (`_stage_sum_bytes`); the last stage's collectives for what its loss gathers, each
+        microbatch (`_loss_collectives`)."""
         S, _, _, sizes = self._pipeline
         stacked = self.graph.memo("stacked_layer_params", self._stacked_layer_params)
         layers = len(next(iter(stacked.values()))) if stacked else 0
@@ -366,43 +370,19 @@ class PipelinedSimulation:
             if n:
                 out.append(("all_reduce", n, 1))
                 sent += bytes_sent("all_reduce", n, self._sum_group)
-        for n, axes, _ in self._whole_gathers():
-            out.append(("all_gather", n, self._inner.microbatches))
-            sent += bytes_sent("all_gather", n, self._inner.mesh.degree(axes)) * \
-                self._inner.microbatches
+        for kind, n, axes, _ in self._loss_collectives():
+            out.append((kind, n, self._inner.microbatches))
+            sent += bytes_sent(kind, n, self._inner.mesh.degree(axes)) * self._inner.microbatches
         return tuple(out), sent
 
-    def _whole_gathers(self) -> tuple[tuple[int, tuple[str, ...], float], ...]:
-        """The all-gathers the last stage runs each microbatch making a value of the epilogue
-        whole along the dims the loss gathers (`_pipe_cut.epilogue_gathers`; apply's
-        `_run_in_stage`), where the configs split it there: ``(bytes per device gathered,
-        one microbatch's; the axes; seconds)``. Tiny GPT's log-probabilities under Megatron's
-        vocabulary split: one of 16,384 bytes a microbatch (docs/checks.md). Megatron-LM's
-        layout (``layer_layout="chunks"``, what Megatron runs) has none: its loss reduces
-        the picked log-probabilities over the vocabulary split instead."""
-        if self._layer_layout == "chunks":
-            return ()
-        inner, prog = self._inner, self.graph.program
-        mesh, M, out = inner.mesh, inner.microbatches, []
-        for j, v, dims, iters in self._gathers:
-            config, batch = inner.choice(j)[0], sample_dim(self.graph.operators[j])
-            axes = [config.axes[d] if d is not None and d < len(config.axes) else ()
-                    for d in iters]
-            # the batch's axes are the stages' data groups, manual in apply: kept split, not
-            # gathered
-            manual = [d for d, it in enumerate(iters) if it is not None and it == batch]
-            gathered = tuple(a for d in dims if d not in manual for a in axes[d])
-            if not gathered:
-                continue
-            whole = [a if d in manual or d not in dims else () for d, a in enumerate(axes)]
-            key = (v, tuple(whole), gathered, M)
-            hit = self._gather_memo.get(key)
-            if hit is None:
-                n = shard_bytes(prog.shapes[v], whole, prog.dtypes[v], mesh) // M
-                hit = self._gather_memo[key] = (
-                    n, gathered, self.topology.collective_time("all_gather", n, gathered))
-            out.append(hit)
-        return tuple(out)
+    def _loss_collectives(self) -> tuple[tuple[str, int, tuple[str, ...], float], ...]:
+        """The collectives the last stage runs each microbatch for what its loss gathers
+        (`_pipe_cut.loss_collectives`; apply's `_run_in_stage`): ``(kind, bytes per device,
+        one microbatch's; the axes; seconds)``."""
+        inner = self._inner
+        return loss_collectives(self.graph, self._gathers, lambda j: inner.choice(j)[0],
+                                inner.mesh, inner.microbatches, self.topology, self._gather_memo,
+                                megatron=self._layer_layout == "chunks")
 
     def stage_result(self) -> SimResult:
         """One stage's simulated work for the whole batch (its M microbatches one after the
@@ -435,8 +415,8 @@ class PipelinedSimulation:
         forward = [(f_last[c] - (f_last[c - 1] if c else pro_f)) / M for c in range(chunks)]
         backward = [(b_last[c] - (b_last[c + 1] if c + 1 < chunks else forward_done)) / M
                     for c in range(chunks)]
-        # the last chunk's forward makes the loss's gathered values whole first
-        forward[-1] += sum(t for _, _, t in self._whole_gathers())
+        # the last chunk's forward runs its loss's gathers' collectives
+        forward[-1] += sum(t for *_, t in self._loss_collectives())
         times = ChunkTimes(tuple(max(0.0, t) for t in forward),
                            tuple(max(0.0, t) for t in backward), self._send_times())
         timeline = time_schedule(schedule, S, M, v, times)
