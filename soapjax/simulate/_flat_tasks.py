@@ -163,6 +163,16 @@ def _by_dim(dims: Sequence[tuple[str, ...]], axes: tuple[str, ...]
 class _TaskBuilding:
     """The units of a `Simulation`'s task graph, built from its operators' views."""
 
+    def _validate(self, strategy: Strategy) -> None:
+        if len(strategy.configs) != self._layout.n:
+            raise PlanError(f"strategy has {len(strategy.configs)} configs, graph "
+                            f"{self.graph.name!r} has {self._layout.n} operators")
+        for field in ("zero_axes", "optimizer_axes"):
+            unknown = [a for a in getattr(strategy, field) if a not in self.mesh.axis_names]
+            if unknown:
+                raise PlanError(f"{field} {unknown} are not mesh axes "
+                                f"{list(self.mesh.axis_names)}")
+
     def _build(self, strategy: Strategy) -> None:
         """Builds the task graph of `strategy` (untimed)."""
         if strategy.pipelined:

@@ -103,7 +103,6 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from soapjax.base.errors import PlanError
 from soapjax.cost.operators import OpTime
 from soapjax.cost.reshard import ReshardModel
 from soapjax.graph.opgraph import OpGraph
@@ -398,16 +397,6 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
         task_graph.settle()
         return [(self._task_name(t), task_graph.start[t], task_graph.end[t])
                 for t in task_graph.order]
-
-    def _validate(self, strategy: Strategy) -> None:
-        if len(strategy.configs) != self._layout.n:
-            raise PlanError(f"strategy has {len(strategy.configs)} configs, graph "
-                            f"{self.graph.name!r} has {self._layout.n} operators")
-        for field in ("zero_axes", "optimizer_axes"):
-            unknown = [a for a in getattr(strategy, field) if a not in self.mesh.axis_names]
-            if unknown:
-                raise PlanError(f"{field} {unknown} are not mesh axes "
-                                f"{list(self.mesh.axis_names)}")
 
     # --- building units -----------------------------------------------------------------------
 
