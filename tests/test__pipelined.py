@@ -417,3 +417,23 @@ def test_a_picking_gather_runs_as_a_masked_sum_with_the_same_numbers(take, label
         for lookup in (lambda t, j: t[j], lambda t, j: jnp.take(t, j[0], axis=1)):
             eqns = _gathers(jax.make_jaxpr(lookup)(table, i).jaxpr)
             assert eqns and all(picked_dim(e) is None for e in eqns)
+
+
+def test_a_pick_of_bfloat16_or_integers_is_exact_and_of_booleans_is_not_a_pick():
+    """bf16 log-probabilities (bf16 compute) and integers pick exactly by a masked sum; a
+    boolean gather is left a gather (no sum of booleans)."""
+    from soapjax.apply._pipelined import _masked_pick
+    from soapjax.graph._program import picked_dim
+
+    i = jnp.asarray([[0, 4, 2], [1, 3, 4]], jnp.int32)
+    x = np.random.default_rng(1).standard_normal((2, 3, 5)) * 100
+    for dtype in (jnp.bfloat16, jnp.int32, jnp.bool_):
+        xs = jnp.asarray(x > 0 if dtype == jnp.bool_ else x, dtype)
+        closed = jax.make_jaxpr(TAKES["last"])(xs, i)
+        eqn = _gathers(closed.jaxpr)[0]
+        if dtype == jnp.bool_:
+            assert picked_dim(eqn) is None
+            continue
+        got = _run(closed.jaxpr, [xs, i], lambda e: _masked_pick(e, 2) if e is eqn else None)
+        np.testing.assert_array_equal(np.asarray(got[0], np.float64),
+                                      np.asarray(TAKES["last"](xs, i), np.float64))

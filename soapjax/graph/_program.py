@@ -561,6 +561,9 @@ def picked_dim(eqn: Any) -> int | None:
     vocabulary-parallel loss does)."""
     if eqn.primitive.name != "gather" or len(eqn.invars) != 2:
         return None
+    dtype = eqn.invars[0].aval.dtype
+    if is_key(dtype) or not jax.dtypes.issubdtype(dtype, np.number):  # booleans: no sum
+        return None
     p = eqn.params
     dn, shape = p["dimension_numbers"], eqn.invars[0].aval.shape
     index_shape, sizes = eqn.invars[1].aval.shape, p["slice_sizes"]
