@@ -24,6 +24,7 @@ import optax
 import pytest
 from conftest import float64_model
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from test_corpus import _eqns
 
 from soapjax.apply._pipeline_layout import from_pipelined, pipelined_layout_shardings, to_pipelined
 from soapjax.apply._pipelined import _Groups, _split_axes, pipelined_value_and_grad, ticks
@@ -345,14 +346,7 @@ def test_xla_still_aborts_on_a_gather_split_along_its_index_inside_shard_map():
 
 
 def _gathers(jaxpr) -> list:
-    out = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "gather":
-            out.append(eqn)
-        for p in eqn.params.values():
-            if hasattr(p, "jaxpr"):
-                out += _gathers(p.jaxpr)
-    return out
+    return [eqn for eqn in _eqns(jaxpr) if eqn.primitive.name == "gather"]
 
 
 def _run(jaxpr, args, swap):
