@@ -465,6 +465,52 @@ def test_the_grid_starts_a_chain_in_expert_parallelism():
     assert min(key(s) for s in starts.values()) == min(key(s) for s in grid.values())
 
 
+def test_a_flat_grid_whose_floor_does_not_fit_is_left_after_its_floor():
+    """`_grid_starts` scores each model-parallel shape's least-memory point first (full
+    recomputation, the distributed optimizer, microbatches of 1; the most model parallelism
+    first) until one fits: where none does, nothing else in the grid can, and nothing else is
+    scored (the time goes to the pipelines); where the first fits, the whole grid is scored
+    once each, and the start is the grid's fastest. The tiny GPT on cpu8 with 1 byte a device,
+    with just the least any point holds, and with room for all."""
+    from soapjax.search._chain import _Searcher
+    from soapjax.search.grids import _grid_starts, _memory_floor, _within, grid_degrees
+    from soapjax.strategy.baselines import megatron_grid_points
+    from soapjax.strategy.space import SpaceLimits
+
+    w, g, topo, cm = setup("gpt", "cpu8")
+    grid = _within(g, megatron_grid_points(g, topo, **grid_degrees(g, topo)), SpaceLimits())
+    floor = _memory_floor(list(grid))
+    assert len(floor) >= 3 and len(grid) > 2 * len(floor)
+    sim = make_simulation(g, topo, cost_model=cm)
+    peaks = {}
+    for point, strategy in grid.items():
+        sim.reset(strategy)
+        peaks[point] = sim.peak_memory_bytes()
+    assert min(peaks[p] for p in floor) == min(peaks.values())
+
+    def starts(memory_bytes):
+        t = dataclasses.replace(topo, device=dataclasses.replace(topo.device,
+                                                                 memory_bytes=memory_bytes))
+        sim = make_simulation(g, t, cost_model=cm)
+        searcher = _Searcher(sim, SearchSettings(max_proposals=10), None)
+        scored = []
+        searcher.record = scored.append
+        return _grid_starts(sim, searcher, g, t, None, SpaceLimits()), scored
+
+    found, scored = starts(1)
+    assert scored == [p.name for p in floor] and len(found) == 1
+    least = min(peaks.values())
+    found, scored = starts(least)  # one floor fits: the floors up to it, then the rest
+    first = next(k for k, p in enumerate(floor) if peaks[p] <= least)
+    assert scored[:first + 1] == [p.name for p in floor[:first + 1]]
+    assert sorted(scored) == sorted(p.name for p in grid)
+    found, scored = starts(max(peaks.values()) + 1)  # everything fits
+    assert scored[0] == floor[0].name and sorted(scored) == sorted(p.name for p in grid)
+    sim.reset(found[next(iter(found))])
+    assert sim.step_time() == min(
+        (sim.reset(s), sim.step_time())[1] for s in grid.values())
+
+
 def test_the_pipelined_grid_takes_context_parallel_degrees():
     """At a long sequence the pipelined grids have Megatron's context-parallel points too (the
     best hand plan for LLaMA 70B at 32K tokens on 64 H100s is TP8 CP4 PP2, docs/long-context.md):
@@ -563,8 +609,9 @@ def test_the_descent_makes_a_faster_point_over_memory_fit():
     256 A100s at 4 x 5 stages has its best at TP 1 with the distributed optimizer and
     microbatches of 1, where TP 1's line only finds points over memory. Here a grid of TP x
     microbatch x optimizer x recomputation whose fastest fitting point is TP 1, distributed
-    optimizer, microbatch 1: reached at point 35, where without it the rest's order reaches
-    it at point 43."""
+    optimizer, microbatch 1: reached at point 23 (made to fit before the pairs of
+    recomputation and another coordinate are tried; after them, point 35), where without it
+    the rest's order reaches it at point 43."""
     from soapjax.search.grids import _score_points
 
     points = [GridPoint(tp=tp, pp=4, do=do, mb=mb, recompute=rec)
@@ -584,7 +631,7 @@ def test_the_descent_makes_a_faster_point_over_memory_fit():
     key, best, _, _ = _score_points(_grid_searcher(time, fits, order), {p: p.name for p in points},
                                     None)
     assert best == GridPoint(tp=1, pp=4, do=True, mb=1, recompute="none")
-    assert order.index(best.name) + 1 == 35
+    assert order.index(best.name) + 1 == 23
 
 
 def test_past_its_deadline_a_grid_where_nothing_fits_tries_each_shapes_floor_only():

@@ -93,29 +93,52 @@ def _grid_starts(sim: Simulation, searcher: _Searcher, graph: OpGraph, topology,
     context-parallel degrees of `grid_degrees`); returns the chains' starts from it: the
     fastest point that fits (or the fastest), and for each family of `GRID_FAMILIES` the grid
     has (points with ``ep`` or ``cp`` above 1), that family's fastest, where it is another
-    point. Every point is recorded as seen. Points after `deadline` are skipped (one is always
-    scored)."""
+    point. Every point is recorded as seen.
+
+    First each model-parallel shape's least-memory point (`_memory_floor`, the most model
+    parallelism first) until one fits: where none does, no point of the grid can, and the rest
+    is left unscored (GPT 175B on 96 A100s: 60 points that cannot fit without pipeline stages
+    took a fifth of a 60 s budget the pipelines' grids then lacked); where one does, that is
+    one point more than the rest alone. Then the rest until `deadline` (None: all)."""
     # In the order Megatron-LM users try them (`_likely_first`): a deadline that cuts the
     # grid (Mixtral 8x7B's 306 points with ep) cuts the unlikely points, not TP 4 and 8
     grid = dict(sorted(_within(graph, megatron_grid_points(
         graph, topology, **grid_degrees(graph, topology)), limits).items(), key=_likely_first))
     best: dict[str, tuple[tuple[bool, float], str, Strategy]] = {}
-    for n, (point, strategy) in enumerate(grid.items()):
-        if best and past(deadline):
-            if progress is not None:
-                progress(f"search: {len(grid) - n} of Megatron's {len(grid)} grid points left "
-                         "unscored (time budget)")
-            break
+    seen: list[GridPoint] = []
+
+    def score(point: GridPoint) -> bool:
+        """Scores `point`, recorded as seen and kept where it is its family's fastest;
+        whether it fits."""
         if progress is not None:
-            progress(f"search: scoring Megatron's grid, {n + 1} of {len(grid)}")
-        sim.reset(strategy)
+            progress(f"search: scoring Megatron's grid, {len(seen) + 1} of {len(grid)}")
+        seen.append(point)
+        sim.reset(grid[point])
         searcher.record(point.name)
         key = (not sim.fits_in_memory(), sim.step_time())
         families = ["grid"] + [f for f, degree in GRID_FAMILIES.items()
                                if getattr(point, degree) > 1]
         for family in families:
             if family not in best or key < best[family][0]:
-                best[family] = (key, point.name, strategy)
+                best[family] = (key, point.name, grid[point])
+        return not key[0]
+
+    if not any(score(point) for point in _memory_floor(list(grid))):
+        if progress is not None:
+            progress(f"search: none of the {len(seen)} shapes of Megatron's grid without "
+                     "pipeline stages fits, even with full recomputation, the distributed "
+                     f"optimizer and microbatches of 1; its other {len(grid) - len(seen)} "
+                     "points left unscored")
+    else:
+        done = set(seen)
+        rest = [p for p in grid if p not in done]
+        for n, point in enumerate(rest):
+            if past(deadline):
+                if progress is not None:
+                    progress(f"search: {len(rest) - n} of Megatron's {len(grid)} grid points "
+                             "left unscored (time budget)")
+                break
+            score(point)
     return {name: strategy for _, name, strategy in best.values()}
 
 
@@ -145,14 +168,15 @@ def _score_points(searcher: _Searcher, points: dict[GridPoint, Strategy],
     in their order: from the first point, every point on the line through the best so far along
     one coordinate (recomputation, distributed optimizer, microbatch size, TP, EP, CP:
     `_DESCENT`), the best moving to the line's best, one coordinate after another, until a round
-    moves it no more; then every point that differs from the best in recomputation and one other
-    coordinate at once (a point may fit without recomputation only at a higher CP or TP degree,
-    where with recomputation it is slower than the best so far), and the lines again if that
-    moved it; where the lines and pairs settle, a point they found faster than the best but over
-    memory is made to fit (`_fit_variants`: the distributed optimizer, smaller microbatches,
-    more recomputation; its shape's floor first), which no single line reaches, and the lines
-    again if that moved it (GPT 18.4B on 256 A100s at 4 x 5 stages: TP 1 fits only with the
-    distributed optimizer and microbatches of 1). Only then the others. A grid cut by its
+    moves it no more; then a point the lines found faster than the best but over memory is made
+    to fit (`_fit_variants`: the distributed optimizer, smaller microbatches, more
+    recomputation; its shape's floor first), which no single line reaches, and the lines again
+    if that moved it (GPT 18.4B on 256 A100s at 4 x 5 stages: TP 1 fits only with the
+    distributed optimizer and microbatches of 1); where that settles too, every point that
+    differs from the best in recomputation and one other coordinate at once (a point may fit
+    without recomputation only at a higher CP or TP degree, where with recomputation it is
+    slower than the best so far), and the lines again if that moved it. Only then the
+    others. A grid cut by its
     deadline has then walked towards its best along each coordinate (Mixtral 8x22B on 256 H100s
     at 4 stages, 162 points: in 1.2 s `_likely_first`'s order reached 17.0 s a step, 15.4 s
     in 2 s; the descent reaches the grid's best, 11.9 s, in 1.2 s, at the microbatch size that
@@ -213,28 +237,36 @@ def _score_points(searcher: _Searcher, points: dict[GridPoint, Strategy],
     score(names[0])
     if fit_first and scored[names[0]][0]:
         make_fit(names[0], lambda: False)
+    def along(axes_list: list[tuple[str, ...]]) -> bool:
+        """Every unscored point apart from the best in exactly each `axes` in turn (the best
+        moving as it goes); whether the best moved."""
+        moved = False
+        for axes in axes_list:
+            here = best
+            for name in names:
+                if name in scored or not _apart(coords[name], coords[here], axes):
+                    continue
+                if stop():
+                    break
+                score(name)
+            moved = moved or best != here
+        return moved
+
+    def fitted() -> bool:
+        """`made_to_fit`; whether the best moved."""
+        here = best
+        made_to_fit()
+        return best != here
+
+    # one coordinate at a time; where that settles, a faster point over memory made to fit
+    # (its shape's floor, then its variants: GPT 175B on 96 A100s at 12 x 8 stages, the
+    # grid's best, TP4 with the distributed optimizer, selective recomputation and
+    # microbatches of 1, is TP4 mb2's variant), then recomputation with one other at once (a
+    # point that fits only with recomputation may be faster with more CP or TP and none)
     moved = True
     while moved and not stop():
-        moved = False
-        # one coordinate at a time; where that settles, recomputation with one other at once
-        # (a point that fits only with recomputation may be faster with more CP or TP and none)
-        lines = [(axis,) for axis in _DESCENT]
-        for pairs in (False, True):
-            for axes in ([(_DESCENT[0], a) for a in _DESCENT[1:]] if pairs else lines):
-                here = best
-                for name in names:
-                    if name in scored or not _apart(coords[name], coords[here], axes):
-                        continue
-                    if stop():
-                        break
-                    score(name)
-                moved = moved or best != here
-            if moved:
-                break
-        if not moved:  # settled: a faster point over memory may fit with others moved too
-            here = best
-            made_to_fit()
-            moved = best != here
+        moved = (along([(axis,) for axis in _DESCENT]) or fitted()
+                 or along([(_DESCENT[0], a) for a in _DESCENT[1:]]))
     for name in names:
         if stop():
             break
