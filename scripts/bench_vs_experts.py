@@ -31,9 +31,11 @@ Usage::
     .venv/bin/python scripts/bench_vs_experts.py [--cases gpt-175b-64,llama2-70b-64]
         [--budget 60] [--json rows.json] [--out docs/vs-experts.md]
 
-``--json`` keeps the rows of earlier runs (a case run again replaces its row), so the cases can
-run one at a time; ``--render-only --json rows.json`` prints (and with ``--out`` writes) the
-table from them.
+``--json`` keeps the rows of earlier runs (a case run again replaces its row; with
+``--search-only``, only its searched plan), so the cases can run one at a time, and a change to
+the search alone is measured without scoring the hand grids again (minutes a case); rescore
+them when the simulator's prices change. ``--render-only --json rows.json`` prints (and with
+``--out`` writes) the table from them.
 """
 
 from __future__ import annotations
@@ -249,6 +251,15 @@ def _search_into(row: dict, case: Case, g: OpGraph, topo, w, costs, factor: floa
                        lambda g, s, t: strategy_words(s, t), proposals=proposals)
 
 
+def updated(rows: list[dict], row: dict, search_only: bool) -> list[dict]:
+    """`rows` with `row` in place of its case's row; with `search_only`, the earlier row's
+    hand-grid columns kept (a search-only row has none)."""
+    before = next((x for x in rows if x["case"] == row["case"]), None)
+    if search_only and before is not None:
+        row = {k: v for k, v in before.items() if k not in ("search_s", "searched", "error")} | row
+    return [x for x in rows if x["case"] != row["case"]] + [row]
+
+
 def ratio(row: dict) -> float | None:
     if row.get("hand") and row.get("searched") and row["searched"]["fits"]:
         return row["hand"]["step_s"] / row["searched"]["step_s"]
@@ -343,7 +354,9 @@ def main() -> int:
                     help="a fixed proposal count per chain instead of the budget (the same plan "
                     "on any machine: run N and N/2 to see how much the result depends on it)")
     ap.add_argument("--search-only", action="store_true",
-                    help="skip the hand grid (with --proposals: the robustness check)")
+                    help="skip the hand grid (with --proposals: the robustness check); a "
+                    "case's hand-grid columns already in --json are kept (score the grid "
+                    "again when the simulator's prices changed)")
     ap.add_argument("--json", help="rows file: read, updated with the cases run, written")
     ap.add_argument("--out", help="also write the table here (markdown)")
     ap.add_argument("--render-only", action="store_true", help="print the table of --json")
@@ -365,7 +378,7 @@ def main() -> int:
             r = ratio(row)
             say(f"{key}: hand {_s(row.get('hand'))} s, searched "
                 f"{_s(row.get('searched'))} s, ratio {r if r is None else round(r, 3)}")
-            rows = [x for x in rows if x["case"] != key] + [row]
+            rows = updated(rows, row, args.search_only)
             if args.json:
                 Path(args.json).write_text(json.dumps(rows, indent=1))
     order = {c.key: i for i, c in enumerate(CASES)}

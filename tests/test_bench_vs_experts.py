@@ -69,3 +69,20 @@ def test_a_fixed_proposal_count_gives_the_same_plan_whatever_the_machine():
     assert "hand" not in rows[0] and rows[0]["searched"]["fits"]
     assert rows[0]["searched"]["step_s"] == rows[1]["searched"]["step_s"]
     assert rows[0]["searched"]["words"] == rows[1]["searched"]["words"]
+
+
+def test_a_search_only_run_keeps_the_hand_grids_columns_of_its_json():
+    """``--search-only --json rows.json``: a case's searched plan replaced, its hand grid (and
+    every other case) kept; without --search-only the whole row replaced."""
+    old = {"case": "a", "hand": {"step_s": 2.0}, "grid_s": 9.0, "search_s": 5.0,
+           "searched": {"step_s": 2.5}}
+    other = {"case": "b", "hand": None, "search_s": 1.0, "error": "none fits"}
+    new = {"case": "a", "gpus": 8, "search_s": 6.0, "searched": {"step_s": 1.9}}
+    rows = bench.updated([old, other], new, search_only=True)
+    assert rows == [other, {"case": "a", "hand": {"step_s": 2.0}, "grid_s": 9.0, "gpus": 8,
+                            "search_s": 6.0, "searched": {"step_s": 1.9}}]
+    assert bench.ratio({**rows[1], "searched": {"step_s": 1.6, "fits": True}}) == 1.25
+    failed = {"case": "b", "search_s": 2.0, "error": "still none"}
+    assert bench.updated(rows, failed, search_only=True)[-1] == {"case": "b", "hand": None,
+                                                                 **failed}
+    assert bench.updated(rows, new, search_only=False) == [other, new]
