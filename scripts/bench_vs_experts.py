@@ -373,12 +373,12 @@ def main() -> int:
 
         start = time.perf_counter()
         for key in wanted:
-            row = run_case(by_key[key], args.budget, say, args.proposals,
-                           not args.search_only)
+            rows = updated(rows, run_case(by_key[key], args.budget, say, args.proposals,
+                                          not args.search_only), args.search_only)
+            row = rows[-1]
             r = ratio(row)
             say(f"{key}: hand {_s(row.get('hand'))} s, searched "
                 f"{_s(row.get('searched'))} s, ratio {r if r is None else round(r, 3)}")
-            rows = updated(rows, row, args.search_only)
             if args.json:
                 Path(args.json).write_text(json.dumps(rows, indent=1))
     order = {c.key: i for i, c in enumerate(CASES)}
