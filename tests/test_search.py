@@ -86,6 +86,39 @@ def test_search_respects_device_memory(tmp_path):
     assert sim.fits_in_memory()
 
 
+def test_a_model_whose_states_alone_cannot_fit_is_refused_at_once():
+    """Where the parameters, their gradients and Adam's two moments (4 x the parameters'
+    bytes) exceed the devices' memory even spread evenly over all of them, no plan can fit:
+    the search says so before it spends its budget, with the least device count; with
+    memory for them and nothing else it searches (and finds nothing that fits, as before)."""
+    import math
+
+    import numpy as np
+
+    from soapjax.base.errors import PlanError
+    from soapjax.search.find import states_floor
+
+    w, g, topo, cm = setup("gpt", "cpu8")
+    states = 4 * sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in g.params)
+    per_device = states // topo.num_devices
+
+    def on(memory_bytes):
+        return dataclasses.replace(topo, device=dataclasses.replace(topo.device,
+                                                                    memory_bytes=memory_bytes))
+    short = on(per_device - 1000)
+    assert f"at least {math.ceil(states / (per_device - 1000))} such devices" in (
+        states_floor(g, short, 2.0))
+    t0 = time.perf_counter()
+    with pytest.raises(PlanError, match="can fit in .* GiB per device: the parameters, their "
+                       "gradients and the optimizer state alone take"):
+        search(g, short, cost_model=cm, settings=SearchSettings(budget_s=60, seed=0))
+    assert time.perf_counter() - t0 < 5
+    assert states_floor(g, on(per_device + 1000), 2.0) == ""
+    with pytest.raises(PlanError, match="no strategy found for 'gpt'"):
+        search(g, on(per_device + 1000), cost_model=cm,
+               settings=SearchSettings(max_proposals=5, seed=0, pipelines=False))
+
+
 def test_megatron_alternates_column_and_row_parallel():
     w, g, topo, cm = setup("gpt2", "p100x16")
     assert intra_node_axes(topo) == ("gpu",)

@@ -85,11 +85,13 @@ re-exported here); this module runs the chains within the budget and plans.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 from typing import Any
 
 import jax
+import numpy as np
 
 from soapjax.base.errors import PlanError
 from soapjax.cost.operators import CostModel, cost_model as make_cost_model
@@ -237,8 +239,14 @@ def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
 
     Raises:
       PlanError: no strategy at all fits in memory (not even the baselines or what the
-        search visited).
+        search visited); at once where the parameters, their gradients and the optimizer
+        state alone cannot fit (`states_floor`).
     """
+    floor = states_floor(graph, topology, opt_state_factor)
+    if floor:  # no plan can fit: said now, not after the budget
+        raise PlanError(f"no strategy for {graph.name!r} on {topology.name!r} can fit in "
+                        f"{topology.device.memory_bytes / 2**30:.1f} GiB per device: {floor}; "
+                        "plan for a topology with more devices or more memory per device")
     # The budget starts now: building the first simulation prices (and may measure) every
     # operator of data parallelism.
     budget = _Budget(time.perf_counter(), settings)
@@ -333,6 +341,23 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
                         history=tuple(searcher.history),
                         finalists=searcher.finalists(RESHARD_FINALISTS))
 
+
+
+def states_floor(graph: OpGraph, topology, opt_state_factor: float) -> str:
+    """Where the parameters, their gradients and the optimizer state (`opt_state_factor` x
+    the parameters' bytes) alone exceed the devices' memory even spread evenly over all of
+    them, a sentence saying so and how many such devices they need at least: no plan can fit
+    (every byte of them lives on some device, and the simulator keeps gradients in the
+    parameters' dtype); else ''."""
+    total = sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in graph.params)
+    total *= 2 + opt_state_factor
+    memory, n = topology.device.memory_bytes, topology.num_devices
+    if total <= memory * n:
+        return ""
+    return (f"the parameters, their gradients and the optimizer state alone take "
+            f"{total / 2**30:,.0f} GiB, {total / n / 2**30:.1f} GiB per device spread evenly "
+            f"over all {n}, so at least {math.ceil(total / memory)} such devices are needed "
+            "before any activation")
 
 
 def _flat_chains_share(flat_best: float | None, pipelined_best: float | None) -> float:
