@@ -399,8 +399,8 @@ def _fitting(sim: Simulation, searcher: _Searcher, graph: OpGraph, name: str,
              if factor == 1 or not microbatch_refusal(graph, strategy.configs, mesh, m)
              for policy in RECOMPUTE_POLICIES[0 if factor > 1 else 1:]]
     # the one that holds least first (the most microbatches, full recomputation): where it
-    # does not fit, none does (GPT 175B on 96 A100s: 11 variants of each of 10 starts, 20 s
-    # of a 60 s budget, where nothing without pipeline stages fits)
+    # does not fit, none does, and the other variants are not scored (GPT 175B on 96 A100s,
+    # where nothing without pipeline stages fits: docs/vs-experts.md)
     floor = max(tries, key=lambda t: (t[0], RECOMPUTE_POLICIES.index(t[1])))
     best = None
     for m, policy in [floor] + [t for t in tries if t != floor]:

@@ -97,9 +97,9 @@ def _grid_starts(sim: Simulation, searcher: _Searcher, graph: OpGraph, topology,
 
     First each model-parallel shape's least-memory point (`_memory_floor`, the most model
     parallelism first) until one fits: where none does, no point of the grid can, and the rest
-    is left unscored (GPT 175B on 96 A100s: 60 points that cannot fit without pipeline stages
-    took a fifth of a 60 s budget the pipelines' grids then lacked); where one does, that is
-    one point more than the rest alone. Then the rest until `deadline` (None: all)."""
+    is left unscored (GPT 175B on 96 A100s, where nothing fits without pipeline stages: the
+    time goes to the pipelines' grids, docs/vs-experts.md); where one does, that is one point
+    more than the rest alone. Then the rest until `deadline` (None: all)."""
     # In the order Megatron-LM users try them (`_likely_first`): a deadline that cuts the
     # grid (Mixtral 8x7B's 306 points with ep) cuts the unlikely points, not TP 4 and 8
     grid = dict(sorted(_within(graph, megatron_grid_points(
