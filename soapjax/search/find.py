@@ -342,7 +342,6 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
                         finalists=searcher.finalists(RESHARD_FINALISTS))
 
 
-
 def states_floor(graph: OpGraph, topology, opt_state_factor: float) -> str:
     """Where the parameters, their gradients and the optimizer state (`opt_state_factor` x
     the parameters' bytes) alone exceed the devices' memory even spread evenly over all of

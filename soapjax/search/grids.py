@@ -175,12 +175,11 @@ def _score_points(searcher: _Searcher, points: dict[GridPoint, Strategy],
     distributed optimizer and microbatches of 1); where that settles too, every point that
     differs from the best in recomputation and one other coordinate at once (a point may fit
     without recomputation only at a higher CP or TP degree, where with recomputation it is
-    slower than the best so far), and the lines again if that moved it. Only then the
-    others. A grid cut by its
-    deadline has then walked towards its best along each coordinate (Mixtral 8x22B on 256 H100s
-    at 4 stages, 162 points: in 1.2 s `_likely_first`'s order reached 17.0 s a step, 15.4 s
-    in 2 s; the descent reaches the grid's best, 11.9 s, in 1.2 s, at the microbatch size that
-    order puts last)."""
+    slower than the best so far), and the lines again if that moved it. Only then the others.
+    A grid cut by its deadline has then walked towards its best along each coordinate
+    (Mixtral 8x22B on 256 H100s at 4 stages, 162 points: in 1.2 s `_likely_first`'s order
+    reached 17.0 s a step, 15.4 s in 2 s; the descent reaches the grid's best, 11.9 s, in
+    1.2 s, at the microbatch size that order puts last)."""
     names = list(points)
     coords = {n: n.coordinates() for n in names}
     scored: dict[GridPoint, tuple[bool, float]] = {}
@@ -237,6 +236,7 @@ def _score_points(searcher: _Searcher, points: dict[GridPoint, Strategy],
     score(names[0])
     if fit_first and scored[names[0]][0]:
         make_fit(names[0], lambda: False)
+
     def along(axes_list: list[tuple[str, ...]]) -> bool:
         """Every unscored point apart from the best in exactly each `axes` in turn (the best
         moving as it goes); whether the best moved."""
