@@ -91,8 +91,8 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
 
+from soapjax.base._dtypes import itemsize
 from soapjax.base.errors import PlanError
 from soapjax.cost.operators import CostModel, cost_model as make_cost_model
 from soapjax.cost.reshard import DEFAULT_MODE, Resharder
@@ -348,7 +348,7 @@ def states_floor(graph: OpGraph, topology, opt_state_factor: float) -> str:
     them, a sentence saying so and how many such devices they need at least: no plan can fit
     (every byte of them lives on some device, and the simulator keeps gradients in the
     parameters' dtype); else ''."""
-    total = sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in graph.params)
+    total = sum(math.prod(p.shape) * itemsize(p.dtype) for p in graph.params)
     total *= 2 + opt_state_factor
     memory, n = topology.device.memory_bytes, topology.num_devices
     if total <= memory * n:
