@@ -38,6 +38,12 @@ def setup(name: str, mesh: str):
     return w, g, topo, cost_model(g, topo, mode="analytic")
 
 
+def _with_memory(topo, memory_bytes: int):
+    """`topo` with `memory_bytes` per device."""
+    return dataclasses.replace(topo, device=dataclasses.replace(topo.device,
+                                                                memory_bytes=memory_bytes))
+
+
 def test_mcmc_finds_the_exhaustive_optimum_on_4_devices():
     w, g, topo, cm = setup("mlp", "cpu4")
     sim = make_simulation(g, topo, cost_model=cm)
@@ -102,10 +108,7 @@ def test_a_model_whose_states_alone_cannot_fit_is_refused_at_once():
     states = 4 * sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in g.params)
     per_device = states // topo.num_devices
 
-    def on(memory_bytes):
-        return dataclasses.replace(topo, device=dataclasses.replace(topo.device,
-                                                                    memory_bytes=memory_bytes))
-    short = on(per_device - 1000)
+    short = _with_memory(topo, per_device - 1000)
     assert f"at least {math.ceil(states / (per_device - 1000))} such devices" in (
         states_floor(g, short, 2.0))
     t0 = time.perf_counter()
@@ -113,9 +116,9 @@ def test_a_model_whose_states_alone_cannot_fit_is_refused_at_once():
                        "gradients and the optimizer state alone take"):
         search(g, short, cost_model=cm, settings=SearchSettings(budget_s=60, seed=0))
     assert time.perf_counter() - t0 < 5
-    assert states_floor(g, on(per_device + 1000), 2.0) == ""
+    assert states_floor(g, _with_memory(topo, per_device + 1000), 2.0) == ""
     with pytest.raises(PlanError, match="no strategy found for 'gpt'"):
-        search(g, on(per_device + 1000), cost_model=cm,
+        search(g, _with_memory(topo, per_device + 1000), cost_model=cm,
                settings=SearchSettings(max_proposals=5, seed=0, pipelines=False))
 
 
@@ -522,8 +525,7 @@ def test_a_flat_grid_whose_floor_does_not_fit_is_left_after_its_floor():
     assert min(peaks[p] for p in floor) == min(peaks.values())
 
     def starts(memory_bytes):
-        t = dataclasses.replace(topo, device=dataclasses.replace(topo.device,
-                                                                 memory_bytes=memory_bytes))
+        t = _with_memory(topo, memory_bytes)
         sim = make_simulation(g, t, cost_model=cm)
         searcher = _Searcher(sim, SearchSettings(max_proposals=10), None)
         scored = []
@@ -777,8 +779,7 @@ def test_a_start_that_does_not_fit_is_made_to_fit():
             policy if op.block_position else "none" for op in g.operators)))
         peaks[policy] = sim.peak_memory_bytes()
     assert peaks["full"] < peaks["none"]
-    small = dataclasses.replace(topo, device=dataclasses.replace(
-        topo.device, memory_bytes=(peaks["full"] + peaks["none"]) // 2))
+    small = _with_memory(topo, (peaks["full"] + peaks["none"]) // 2)
     sim = make_simulation(g, small, cost_model=cm)
     searcher = _Searcher(sim, SearchSettings(max_proposals=10), None)
     sim.reset(start)
@@ -800,7 +801,7 @@ def test_a_start_that_does_not_fit_is_made_to_fit():
     sim.reset(chosen)
     assert len(fitting) > 1 and sim.step_time() == min(fitting)
     assert searcher.best is not None and searcher.best[2].startswith("data-parallel-")
-    tiny = dataclasses.replace(topo, device=dataclasses.replace(topo.device, memory_bytes=1))
+    tiny = _with_memory(topo, 1)
     sim = make_simulation(g, tiny, cost_model=cm)
     assert _fitting(sim, _Searcher(sim, SearchSettings(max_proposals=10), None), g,
                     "data-parallel", start) is start
