@@ -38,13 +38,27 @@ def megatron_points(g: OpGraph, topo, grid: dict, label: str) -> dict[str, Strat
     return out
 
 
-def strategy_words(strategy: Strategy, topo) -> dict[str, str]:
-    """A strategy's microbatches, recomputation, ZeRO and optimizer-state axes, pipeline
-    stages and (stage) mesh, in words."""
+def recompute_words(strategy: Strategy, graph: OpGraph | None = None) -> str:
+    """The policies a strategy recomputes under ("full", "full+selective", "none"); with
+    `graph`, where some of a layer's operators recompute and others keep their outputs, which
+    keep them ("full, kept: attn, attn/o": `soapjax.search.recompute`), by their name within
+    the layer."""
+    words = "+".join(sorted({p for p in strategy.recompute if p != "none"})) or "none"
+    if graph is None or words == "none":
+        return words
+    kept = sorted({op.name.split("/", 1)[1] for j, op in enumerate(graph.operators)
+                   if op.block_position and "/" in op.name
+                   and strategy.recompute_of(j) == "none"})
+    return f"{words}, kept: {', '.join(kept)}" if kept else words
+
+
+def strategy_words(strategy: Strategy, topo, graph: OpGraph | None = None) -> dict[str, str]:
+    """A strategy's microbatches, recomputation (`recompute_words`), ZeRO and optimizer-state
+    axes, pipeline stages and (stage) mesh, in words."""
     mesh = MeshShape.of(stage_topology(topo, strategy.stages) if strategy.stages > 1 else topo)
     return {
         "microbatches": str(strategy.microbatches),
-        "recompute": "+".join(sorted({p for p in strategy.recompute if p != "none"})) or "none",
+        "recompute": recompute_words(strategy, graph),
         "zero": "x".join(strategy.zero_axes) or "none",
         "optimizer": "x".join(strategy.optimizer_axes) or "none",
         "stages": f"{strategy.stages} ({strategy.schedule}, v{strategy.virtual_stages})"

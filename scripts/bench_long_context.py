@@ -135,7 +135,7 @@ def describe(g: OpGraph, strategy: Strategy, topo) -> dict[str, str]:
             words[part] = ", ".join(f"d{k}({n}):{'x'.join(a)}" for k, (n, a) in
                                     enumerate(zip(op.iteration_sizes, c.axes)) if a) \
                 or "replicated"
-    words.update(strategy_words(strategy, topo))
+    words.update(strategy_words(strategy, topo, g))
     return words
 
 

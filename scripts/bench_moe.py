@@ -141,7 +141,7 @@ def describe(g: OpGraph, strategy: Strategy, topo) -> dict[str, str]:
                     "moe/router", "moe/dot_general_3"):
             words[part] = ", ".join(
                 f"{d}:{'x'.join(a)}" for d, a in zip(_dim_names(op), c.axes) if a) or "replicated"
-    words.update(strategy_words(strategy, topo))
+    words.update(strategy_words(strategy, topo, g))
     return words
 
 

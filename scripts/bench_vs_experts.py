@@ -248,7 +248,7 @@ def _search_into(row: dict, case: Case, g: OpGraph, topo, w, costs, factor: floa
              f"{case.key}: searching ({proposals} proposals a chain)")
     return search_into(row, g, topo, w, case.size, costs, budget, True,
                        lambda s: searched(g, topo, s, costs, factor),
-                       lambda g, s, t: strategy_words(s, t), proposals=proposals)
+                       lambda g, s, t: strategy_words(s, t, g), proposals=proposals)
 
 
 def updated(rows: list[dict], row: dict, search_only: bool) -> list[dict]:

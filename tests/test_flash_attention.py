@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import Mesh
 from conftest import assert_delta_equals_full
 from test_corpus import FAST_COMPILE, X64_TOL, float64_workload, relative_error, worst_leaf
 
@@ -142,6 +143,41 @@ def test_gradients_are_exact(kind):
     got = applied(kind)[0]
     err = relative_error(got, want)
     assert err <= X64_TOL, f"{kind}: {err:.3g}; worst leaf {worst_leaf(got, want)}"
+
+
+def kept_attention(graph: OpGraph, strategy: Strategy, microbatches: int) -> Strategy:
+    """`strategy` as `soapjax.search.recompute` leaves long-context plans: every layer operator
+    recomputed but the attention core and its output projection, which keep their outputs;
+    `microbatches` microbatches."""
+    policies = tuple("none" if not op.block_position
+                     or op.name.split("/", 1)[1] in ("attn", "attn/o") else "full"
+                     for op in graph.operators)
+    return dataclasses.replace(strategy, recompute=policies, microbatches=microbatches)
+
+
+@pytest.mark.parametrize("where", ["one device", "cpu8"])
+def test_the_attention_kept_where_the_rest_recomputes_is_exact(where):
+    """The plan the search's recompute walk makes at long sequences (the attention core kept,
+    the rest of each layer recomputed, two microbatches) under context parallelism over
+    ``data`` and tensor parallelism over ``model``, and on one device: the float64 step's
+    gradients equal the unsharded ``jax.grad``, each leaf against its own scale."""
+    graph, params, batch, want = case()
+    strategy = kept_attention(graph, context_parallel(graph, "data", heads="model"), 2)
+    assert {strategy.recompute_of(j) for j, op in enumerate(graph.operators)
+            if op.block_position} == {"none", "full"}
+    mesh = (Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+            if where == "one device" else make_mesh(TOPOLOGY))
+    keep = optax.GradientTransformation(  # the state is the gradient; parameters unchanged
+        lambda p: jax.tree.map(jnp.zeros_like, p),
+        lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), g))
+    with jax.enable_x64(True):
+        step, sh = sharded_train_step(graph, strategy, mesh, keep, params=params, batch=batch,
+                                      compiler_options=FAST_COMPILE)
+        placed = device_put_global((params, keep.init(params), batch),
+                                   (sh.params, sh.opt_state, sh.batch))
+        _, got, _ = step(*placed)
+    err = relative_error(got, want)
+    assert err <= X64_TOL, f"{where}: {err:.3g}; worst leaf {worst_leaf(got, want)}"
 
 
 def compiled(kind: str) -> dict[str, tuple[int, float]]:

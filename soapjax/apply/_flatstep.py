@@ -15,6 +15,7 @@ the strategy has them. `soapjax.apply.step` re-exports the public names.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -437,6 +438,43 @@ class FlatStep:
         return _value_and_grad(self.check, batch_shardings, allow_spatial_convolutions)
 
 
+def _micro_configs(graph: OpGraph, micro: OpGraph, configs: Sequence[Config]) -> tuple:
+    """`configs` (of `graph`'s operators) for `micro`, the graph traced at a microbatch's
+    size: the same config where an operator keeps its iteration dims; where a dim of the
+    microbatch's size 1 vanished (a loss that sums its samples' and tokens' terms, traced at one
+    sample, has no sample dim: Llama 3 8B at 128K tokens, 8 sequences in 8 microbatches), that
+    dim's entry dropped, which splits it over nothing (one sample divides no further).
+
+    Raises:
+      PlanError: an operator's dims at the two sizes do not line up that way, or a dim that
+        vanished is split over mesh axes.
+    """
+    m = graph.batch_size // micro.batch_size
+    out = []
+    for op, small, config in zip(graph.operators, micro.operators, configs):
+        full, sizes = op.iteration_sizes, small.iteration_sizes
+        if len(full) == len(sizes):
+            out.append(config)
+            continue
+        axes, k = [], 0
+        for n, a in zip(full, config.axes):
+            if k < len(sizes) and sizes[k] in (n, n // m):
+                axes.append(a)
+                k += 1
+            elif n == m and not a:  # the sample dim, one sample a microbatch: gone
+                continue
+            else:
+                k = -1
+                break
+        if k != len(sizes):
+            raise PlanError(f"operator {op.name!r} has iteration dims {full} at batch "
+                            f"{graph.batch_size} and {sizes} at the microbatch size "
+                            f"{micro.batch_size}, which do not line up under its config "
+                            f"{config.axes}: plan with fewer microbatches")
+        out.append(dataclasses.replace(config, axes=tuple(axes)))
+    return tuple(out)
+
+
 def _value_and_grad(check: Checked, batch_shardings: Any,
                     allow_spatial_convolutions: bool) -> Callable:
     """``(params, batch, step) -> (loss, grads)`` of the constrained loss (its PRNG keys
@@ -458,7 +496,8 @@ def _value_and_grad(check: Checked, batch_shardings: Any,
         raise PlanError(f"graph {graph.name!r} traced at batch {micro.batch_size} has other "
                         f"operators than at {graph.batch_size}; microbatches need the same "
                         "operators at both sizes: plan with microbatches=1")
-    loss_fn = constrained_loss(micro, Strategy(strategy.configs, strategy.zero_axes, 1,
+    configs = _micro_configs(graph, micro, strategy.configs)
+    loss_fn = constrained_loss(micro, Strategy(configs, strategy.zero_axes, 1,
                                                strategy.recompute), mesh,
                                allow_spatial_convolutions=allow_spatial_convolutions)
     grad_fn = jax.value_and_grad(loss_fn)

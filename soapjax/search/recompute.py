@@ -1,0 +1,121 @@
+"""Recomputation chosen per operator within the device's memory (issue 46, point 2).
+
+Megatron-LM's recomputation is one of three policies for every layer: none, selective (the
+attention core recomputed) or full (the layer recomputed from its input). Where memory forces
+full recomputation, recomputing *everything* is seldom what is best: at long sequences the
+attention core is most of a layer's time and little of its memory (a flash kernel keeps its
+queries, keys, values, output and a row statistic, nothing ``s x s``), while the MLP and the
+projections are cheap to run again and hold most of the bytes. The SOAP space already has the
+plan that keeps some operators' outputs and recomputes the rest (`Strategy.recompute` is per
+operator; `soapjax.strategy.memory` prices it, `soapjax.apply._flatstep.recompute_segments`
+runs it), but a chain seldom walks to it: from a plan that fits with little room, keeping the
+attention's outputs alone overflows the memory, and the chain must first take more microbatches
+(a move 3 % of proposals make) and then that recompute move before leaving them again.
+
+`relaxed` walks there directly. From a fitting strategy, at its own microbatch count and at
+each larger one the batch allows (up to `MICROBATCH_STEPS` of them, each holding less per
+microbatch), it stops recomputing one operator position at a time (every layer's operator at
+that position at once, as a chain moves them: `soapjax.graph.opgraph.OpGraph.repeated_blocks`),
+each round the change that saves the most time per byte of memory it adds among those that
+still fit (a change that adds no memory first), until no change is faster and fits; the
+fastest plan of those walks is returned. Each change is delta-simulated and rejected, the one
+taken simulated again and accepted (`Simulation.propose_many`), so the plan's price is the
+full simulation's.
+
+Flat strategies only: a pipeline's layers run one policy, the strongest any of them has
+(`soapjax.apply._pipeline_layout.layer_recompute`), which the pipelines' grids choose among.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from soapjax.graph.opgraph import OpGraph
+from soapjax.simulate.front import Simulation
+from soapjax.strategy.memory import microbatch_choices, microbatch_error
+from soapjax.strategy.space import MeshShape, Strategy
+
+__all__ = ["MICROBATCH_STEPS", "relaxed"]
+
+# The microbatch counts tried beyond the strategy's own: the next MICROBATCH_STEPS larger ones
+# the batch and every operator's sample split allow.
+MICROBATCH_STEPS = 3
+
+
+def _positions(graph: OpGraph) -> list[list[int]]:
+    """The operators a recompute change moves together: every layer's operator at one
+    position of a repeated block, or one operator outside the blocks (graph order)."""
+    tied = {i: g for g in graph.repeated_blocks() for i in g}
+    return [tied.get(i, [i]) for i in range(len(graph.operators)) if tied.get(i, [i])[0] == i]
+
+
+def _counts(graph: OpGraph, strategy: Strategy, mesh: MeshShape) -> list[int]:
+    """The strategy's microbatch count, then up to `MICROBATCH_STEPS` larger ones every
+    operator's sample split divides."""
+    larger = [m for m in microbatch_choices(graph) if m > strategy.microbatches
+              and not any(microbatch_error(op, c, mesh, m)
+                          for op, c in zip(graph.operators, strategy.configs))]
+    return [strategy.microbatches] + larger[:MICROBATCH_STEPS]
+
+
+def _walk(sim: Simulation, positions: list[list[int]], deadline: float | None) -> None:
+    """From the simulation's (fitting) strategy, stops recomputing one position at a time,
+    the best change per byte first, while one is faster and fits; the changes taken stay
+    accepted on `sim`."""
+    cap = sim.topology.device.memory_bytes
+    while deadline is None or time.perf_counter() < deadline:
+        t0, m0 = sim.step_time(), sim.peak_memory_bytes()
+        best = None  # (-(saved / added), members)
+        for members in positions:
+            if sim.choice(members[0])[1] == "none":
+                continue
+            sim.propose_many([(j, sim.choice(j)[0], "none") for j in members])
+            t, m = sim.step_time(), sim.peak_memory_bytes()
+            sim.reject()
+            if t < t0 and m <= cap:
+                score = (t0 - t) / max(m - m0, 1)
+                if best is None or score > best[0]:
+                    best = (score, members)
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
+        if best is None:
+            return
+        sim.propose_many([(j, sim.choice(j)[0], "none") for j in best[1]])
+        sim.accept()
+
+
+def relaxed(sim: Simulation, graph: OpGraph, strategy: Strategy, deadline: float | None = None,
+            record: Callable[[], None] | None = None) -> tuple[float, Strategy] | None:
+    """The fastest fitting plan `strategy`'s recomputation relaxes to (module doc): ``(step
+    time, strategy)``, or None where none is faster than `strategy` or it recomputes nothing,
+    has pipeline stages or does not fit.
+
+    Args:
+      sim: a flat simulation (`soapjax.simulate.front.Simulation`), reset here.
+      graph: its graph.
+      strategy: where the walks start; tied over the repeated blocks (as chains keep them).
+      deadline: a `time.perf_counter` time after which no change is tried (None: none).
+      record: called with each walk's end on `sim` (the search's `_Searcher.record`).
+    """
+    if strategy.stages > 1 or not any(p != "none" for p in strategy.recompute):
+        return None
+    sim.reset(strategy)
+    if not sim.fits_in_memory():
+        return None
+    start = sim.step_time()
+    best: tuple[float, Strategy] | None = None
+    positions = _positions(graph)
+    for m in _counts(graph, strategy, MeshShape.of(sim.topology)):
+        if deadline is not None and time.perf_counter() >= deadline:
+            break
+        sim.reset(strategy.with_microbatches(m))
+        if not sim.fits_in_memory():
+            continue
+        _walk(sim, positions, deadline)
+        if record is not None:
+            record()
+        t = sim.step_time()
+        if t < start and (best is None or t < best[0]):
+            best = (t, sim.strategy)
+    return best

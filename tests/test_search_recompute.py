@@ -1,0 +1,122 @@
+"""Recomputation chosen per operator within the memory (`soapjax.search.recompute`): priced
+on real graphs, found by the search. Its plans computing the unsharded step's gradients:
+tests/test_flash_attention.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+
+import soapjax_zoo as zoo
+from soapjax.cost.operators import cost_model
+from soapjax.graph.opgraph import trace
+from soapjax.search import SearchSettings, make_simulation, search
+from soapjax.search._chain import _tie_blocks
+from soapjax.search.recompute import relaxed
+from soapjax.simulate.front import opt_state_factor, simulate
+from soapjax.strategy.baselines import megatron_3d, with_recompute
+from soapjax.topology.cluster import load_topology
+
+
+def _kept(graph, strategy) -> set[str]:
+    """The first layer's operators that keep their outputs, by their name in the layer."""
+    return {op.name.split("/", 1)[1] for j, op in enumerate(graph.operators)
+            if op.name.startswith("layers_0/") and strategy.recompute_of(j) == "none"}
+
+
+@functools.cache
+def llama_128k():
+    """Llama 3 8B at 128K tokens on one DGX H100 (docs/long-context.md's first case), analytic
+    costs, and Megatron's best hand configuration there: TP2 CP4, microbatches of 2, full
+    recomputation, the distributed optimizer."""
+    w = zoo.get("llama", "8b-128k")
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="llama")
+    topo = load_topology("dgx-h100x8")
+    cm = cost_model(g, topo, mode="analytic", optimizer=w.optimizer)
+    factor = opt_state_factor(w.optimizer, w.abstract_params())
+    hand = _tie_blocks(g, megatron_3d(g, topo, tp=2, cp=4, microbatch_size=2, recompute="full",
+                                      sequence_parallel=True, distributed_optimizer=True))
+    return g, topo, cm, factor, hand
+
+
+def test_long_context_keeps_the_attention_core_at_more_microbatches():
+    """At 128K tokens attention is most of a layer's time: recomputing the rest and keeping
+    the attention core's and its output projection's outputs is 22 % faster (393.9 s against
+    502.8 s), but fits only at microbatches of one sequence (77.8 GB; 102.8 GB at two), which
+    the walk finds by trying more microbatches; the price is the full simulation's."""
+    g, topo, cm, factor, hand = llama_128k()
+    sim = make_simulation(g, topo, cost_model=cm, resharder="ideal", opt_state_factor=factor)
+    sim.reset(hand)
+    start = sim.step_time()
+    assert hand.microbatches == 4 and sim.fits_in_memory()
+    t, found = relaxed(sim, g, hand)
+    assert t < 0.8 * start
+    assert found.microbatches == 8 and _kept(g, found) == {"attn", "attn/o"}
+    assert found.configs == hand.configs and found.optimizer_axes == hand.optimizer_axes
+    r = simulate(g, topo, found, cost_model=cm, resharder="ideal", opt_state_factor=factor)
+    assert r.step_time_s == pytest.approx(t, rel=1e-12) and r.fits_in_memory
+    # the same change at the hand configuration's own microbatches does not fit
+    same = dataclasses.replace(found, microbatches=hand.microbatches)
+    assert not simulate(g, topo, same, cost_model=cm, resharder="ideal",
+                        opt_state_factor=factor).fits_in_memory
+
+
+def test_the_search_starts_a_chain_from_the_relaxed_best_start():
+    """`search` relaxes its best start's recomputation and chains from it: a few proposals
+    suffice to end 22 % below the best hand configuration."""
+    g, topo, cm, factor, hand = llama_128k()
+    r = search(g, topo, cost_model=cm, resharder="ideal", opt_state_factor=factor,
+               settings=SearchSettings(max_proposals=5, seed=0, pipelines=False))
+    assert r.start == "megatron-tp2-cp4-do-mb2-full-kept"
+    best_hand = simulate(g, topo, hand, cost_model=cm, resharder="ideal",
+                         opt_state_factor=factor).step_time_s
+    assert r.step_time_s < 0.8 * best_hand
+    assert {"attn", "attn/o"} <= _kept(g, r.strategy)
+
+
+@functools.cache
+def tiny_flash():
+    w = zoo.get("llama", "tiny-flash", batch_size=8)
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="llama")
+    topo = load_topology("cpu8")
+    full = _tie_blocks(g, with_recompute(g, megatron_3d(g, topo, tp=4, cp=2), "full"))
+    return g, topo, cost_model(g, topo, mode="analytic"), full
+
+
+def _capped(topo, memory_bytes: int):
+    return dataclasses.replace(topo, device=dataclasses.replace(topo.device,
+                                                                memory_bytes=memory_bytes))
+
+
+def test_the_walk_keeps_what_the_memory_holds():
+    """The tiny flash llama on cpu8 (TP4 CP2, every layer operator recomputed): with room for
+    everything the walk ends where nothing recomputes, as fast as that plan; with the memory
+    cut to just above the full plan's peak (928,260 bytes simulated) it keeps the attention
+    core's outputs (899,588 bytes: its segments are smaller) but not the output projection's
+    as well (965,124)."""
+    g, topo, cm, full = tiny_flash()
+    sim = make_simulation(g, topo, cost_model=cm)
+    t, found = relaxed(sim, g, full)
+    none = dataclasses.replace(full, recompute=())
+    assert found.microbatches == 1 and all(p == "none" for p in found.recompute)
+    assert t == pytest.approx(simulate(g, topo, none, cost_model=cm).step_time_s, rel=1e-12)
+    capped = _capped(topo, 930_000)
+    sim = make_simulation(g, capped, cost_model=cm)
+    sim.reset(full)
+    start = sim.step_time()
+    t, found = relaxed(sim, g, full)
+    assert t < start and found.microbatches == 1
+    assert "attn" in _kept(g, found) and "attn/o" not in _kept(g, found)
+    assert simulate(g, capped, found, cost_model=cm).fits_in_memory
+
+
+def test_nothing_to_relax():
+    """None where the plan recomputes nothing, has pipeline stages or does not fit."""
+    g, topo, cm, full = tiny_flash()
+    sim = make_simulation(g, topo, cost_model=cm)
+    assert relaxed(sim, g, dataclasses.replace(full, recompute=())) is None
+    assert relaxed(sim, g, full.with_pipeline(2)) is None
+    small = make_simulation(g, _capped(topo, 100_000), cost_model=cm)
+    assert relaxed(small, g, full) is None
