@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh
 from conftest import assert_delta_equals_full
+from jax.sharding import Mesh
 from test_corpus import FAST_COMPILE, X64_TOL, float64_workload, relative_error, worst_leaf
 
 import soapjax_zoo
