@@ -14,6 +14,7 @@ from soapjax.base.errors import PlanError
 from soapjax.graph.opgraph import OpGraph
 from soapjax.search import SearchSettings, find_plan
 from soapjax.strategy import baselines
+from soapjax.strategy.memory import recomputes
 from soapjax.strategy.space import RECOMPUTE_POLICIES, MeshShape, Strategy
 from soapjax.topology.cluster import stage_topology
 
@@ -41,14 +42,18 @@ def megatron_points(g: OpGraph, topo, grid: dict, label: str) -> dict[str, Strat
 def recompute_words(strategy: Strategy, graph: OpGraph | None = None) -> str:
     """The policies a strategy recomputes under ("full", "full+selective", "none"); with
     `graph`, where some of a layer's operators recompute and others keep their outputs, which
-    keep them ("full, kept: attn, attn/o": `soapjax.search.recompute`), by their name within
+    keep them ("full, kept: attn, attn/o": `soapjax.search.recompute`; an operator kept is one
+    its policy does not recompute, `soapjax.strategy.memory.recomputes`), by their name within
     the layer."""
     words = "+".join(sorted({p for p in strategy.recompute if p != "none"})) or "none"
     if graph is None or words == "none":
         return words
-    kept = sorted({op.name.split("/", 1)[1] for j, op in enumerate(graph.operators)
-                   if op.block_position and "/" in op.name
-                   and strategy.recompute_of(j) == "none"})
+    layer = [(op, strategy.recompute_of(j)) for j, op in enumerate(graph.operators)
+             if op.block_position and "/" in op.name]
+    if not any(recomputes(op, policy) for op, policy in layer):
+        return words
+    kept = sorted({op.name.split("/", 1)[1] for op, policy in layer
+                   if not recomputes(op, policy)})
     return f"{words}, kept: {', '.join(kept)}" if kept else words
 
 

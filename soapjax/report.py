@@ -14,6 +14,7 @@ from html import escape
 
 from soapjax.graph.opgraph import OpGraph
 from soapjax.simulate.front import SimResult
+from soapjax.strategy.memory import recomputes
 from soapjax.strategy.plan import Plan, spec_text
 from soapjax.strategy.space import Strategy, to_partition_spec
 
@@ -71,9 +72,13 @@ def grouped_configs(graph: OpGraph, strategy: Strategy) -> list[tuple[str, int, 
     """(operator name pattern, count, config) rows; a repeated block is one row.
 
     ``layers_0/mlp/fc1`` ... ``layers_11/mlp/fc1`` with the same config read as
-    ``layers_{0..11}/mlp/fc1`` with a count of 12.
+    ``layers_{0..11}/mlp/fc1`` with a count of 12. An operator its recompute policy recomputes
+    in the backward pass (`soapjax.strategy.memory.recomputes`) says so after its config
+    (``recomputed (full)``); the others keep what their backward reads.
     """
-    descs = [c.describe(op) for op, c in zip(graph.operators, strategy.configs)]
+    descs = [c.describe(op) + (f"  recomputed ({strategy.recompute_of(j)})"
+                               if recomputes(op, strategy.recompute_of(j)) else "")
+             for j, (op, c) in enumerate(zip(graph.operators, strategy.configs))]
     items = [(op.name, d) for op, d in zip(graph.operators, descs)]
     return [(name, len(ix), descs[ix[0]]) for name, ix in group_repeats(items)]
 
@@ -107,6 +112,9 @@ def plan_report(graph: OpGraph, topology, strategy: Strategy, sim, *,
         lines.append(f"  {label:<{width}}  {desc}")
     lines += ["  " + line for line in _state_notes(strategy.zero_axes, strategy.optimizer_axes,
                                                   strategy.ring_attention)]
+    if strategy.microbatches > 1 and strategy.stages == 1:
+        lines.append(f"  gradients accumulated over {strategy.microbatches} microbatches of "
+                     f"{graph.batch_size // strategy.microbatches} samples")
     lines.append("")
     lines.append("predicted step time")
     t = sim.step_time_s

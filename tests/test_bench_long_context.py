@@ -67,3 +67,30 @@ def test_render_says_the_ratio_and_what_fills_memory_where_nothing_fits(row):
     least = bench_long_context.least_memory(full)
     assert f"The point of least memory, `{least['name']}`" in text
     assert "s x s probabilities" in text and "none of 24 fits" in text
+
+
+def test_the_searched_plan_says_which_layer_operators_keep_their_outputs():
+    """`_searched_row.recompute_words`: the policies, and where some of a layer's operators
+    recompute and others do not, the ones kept; a policy that recomputes nothing of a layer
+    (selective beside flash attention, which has no separate attention core) lists none."""
+    from _searched_row import recompute_words
+
+    import soapjax_zoo
+    from soapjax.graph.opgraph import trace
+    from soapjax.strategy.space import MeshShape, Strategy, data_parallel
+    from soapjax.topology.cluster import load_topology
+
+    w = soapjax_zoo.get("llama", "tiny-flash")
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="llama")
+    base = data_parallel(g, MeshShape.of(load_topology("cpu8")))
+
+    def policies(rule) -> Strategy:
+        return Strategy(base.configs, recompute=tuple(rule(op) for op in g.operators))
+
+    kept = policies(lambda op: "none" if not op.block_position
+                    or op.name.endswith(("/attn", "/attn/o")) else "full")
+    assert recompute_words(kept, g) == "full, kept: attn, attn/o"
+    assert recompute_words(kept) == "full"
+    selective = policies(lambda op: "selective" if op.block_position else "none")
+    assert recompute_words(selective, g) == "selective"
+    assert recompute_words(Strategy(base.configs), g) == "none"

@@ -1,5 +1,7 @@
 """What soapjax shows: sizes, repeated blocks collapsed, the plan text, notebook HTML."""
 
+import dataclasses
+
 import pytest
 
 import soapjax_zoo
@@ -54,6 +56,26 @@ def test_the_plan_text_lists_configs_baselines_bytes_and_memory():
     assert f"  {'data-parallel':<16} {dp.step_time_s * 1e3:10.3f} ms  {ratio:5.2f}x" in text
     assert f"bytes moved per device per step: {format_bytes(sim.bytes_moved)}" in text
     assert f"memory per device: {format_bytes(sim.memory.total)} of " in text
+
+
+def test_the_plan_text_says_what_is_recomputed_and_the_microbatches():
+    """A plan that keeps some layer operators' outputs and recomputes the rest (as
+    `soapjax.search.recompute` leaves one) says which, row by row, and its microbatches."""
+    w = soapjax_zoo.get("llama", "tiny-flash", batch_size=8)
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="llama")
+    topo = load_topology("cpu8")
+    base = baselines(g, topo, w.family)["megatron"]
+    policies = tuple("full" if op.block_position and not op.name.endswith("/attn") else "none"
+                     for op in g.operators)
+    strategy = dataclasses.replace(base, recompute=policies, microbatches=2)
+    text = plan_report(g, topo, strategy, simulate(g, topo, strategy), baselines=[])
+    rows = {line.split()[0]: line for line in text.splitlines()
+            if line.startswith("  layers_{0..1}/")}
+    assert rows["layers_{0..1}/mlp/up"].endswith("recomputed (full)")
+    assert "recomputed" not in rows["layers_{0..1}/attn"]
+    assert "  gradients accumulated over 2 microbatches of 4 samples" in text.splitlines()
+    plain = plan_report(g, topo, base, simulate(g, topo, base), baselines=[])
+    assert "recomputed" not in plain and "microbatches" not in plain
 
 
 def test_import_soapjax_gives_plans_graphs_and_sim_results_their_notebook_html():
