@@ -5,6 +5,7 @@ its plan recorded as the bench records a grid point."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable
@@ -19,23 +20,42 @@ from soapjax.strategy.space import RECOMPUTE_POLICIES, MeshShape, Strategy
 from soapjax.topology.cluster import stage_topology
 
 
+def attention_kept(g: OpGraph, s: Strategy) -> Strategy:
+    """`s` recomputing every layer operator in full but the attention block's (those named
+    ``attn`` or ``attn/...`` within the layer: projections, core, output), which keep their
+    outputs: Megatron-Core's ``--recompute-granularity selective --recompute-modules mlp
+    layernorm`` (``moe`` for an MoE layer), MaxText's ``remat_policy: save_dot_except_mlp``.
+    The hand grids' ``mlp`` recomputation, without pipeline stages only (with stages
+    `soapjax.apply` runs one policy for a chunk's layers)."""
+    def kept(name: str) -> bool:
+        part = name.split("/", 1)[1] if "/" in name else name
+        return part == "attn" or part.startswith("attn/")
+
+    return dataclasses.replace(s, recompute=tuple(
+        "full" if op.block_position and not kept(op.name) else "none" for op in g.operators))
+
+
 def megatron_points(g: OpGraph, topo, grid: dict, label: str) -> dict[str, Strategy]:
     """The Megatron-LM configurations of `grid` (``tp``, ``pp``, ``mb`` and ``ep`` or ``cp``;
     an absent degree is 1) that `baselines.megatron_3d` can build, each with and without the
     distributed optimizer, by name: `label` formatted with ``tp, ep, cp, pp, mb, rec``, then
-    ``" do"`` with the distributed optimizer."""
+    ``" do"`` with the distributed optimizer. ``rec`` is a policy of `RECOMPUTE_POLICIES` or,
+    without pipeline stages, ``mlp`` (`attention_kept`: Megatron-Core's MLP and norms
+    recomputed)."""
     out = {}
     for tp, ep, cp, pp, mb, rec, do in itertools.product(
             grid["tp"], grid.get("ep", (1,)), grid.get("cp", (1,)), grid["pp"], grid["mb"],
-            RECOMPUTE_POLICIES, (False, True)):
+            RECOMPUTE_POLICIES + ("mlp",), (False, True)):
+        if rec == "mlp" and pp > 1:
+            continue
         try:
             s = baselines.megatron_3d(g, topo, tp=tp, pp=pp, ep=ep, cp=cp, microbatch_size=mb,
-                                      recompute=rec, sequence_parallel=tp > 1,
-                                      distributed_optimizer=do)
+                                      recompute="full" if rec == "mlp" else rec,
+                                      sequence_parallel=tp > 1, distributed_optimizer=do)
         except PlanError:
             continue
         name = label.format(tp=tp, ep=ep, cp=cp, pp=pp, mb=mb, rec=rec)
-        out[name + (" do" if do else "")] = s
+        out[name + (" do" if do else "")] = attention_kept(g, s) if rec == "mlp" else s
     return out
 
 

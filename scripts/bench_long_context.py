@@ -11,7 +11,9 @@ flash kernel that keeps nothing ``s x s``) and the ideal resharding model:
   when TP > 1), CP in {1, 2, 4, 8} (queries local, keys and values all-gathered: where the
   sequence divides and mesh axes outside TP make it), PP in {1, 2, 4, 8} where the layers and
   the outermost mesh axis divide (1F1B), microbatch sizes 1 and 2 sequences, recompute none
-  / selective / full, with and without Megatron's distributed optimizer. Each point is
+  / selective / full (and without stages Megatron-Core's ``--recompute-modules mlp
+  layernorm``, ``mlp``: `_searched_row.attention_kept`), with and without Megatron's
+  distributed optimizer. Each point is
   simulated by `soapjax.simulate.front.simulate`; the fastest that fits in 80 GB is the best hand
   configuration;
 * the search: `soapjax.find_plan` with a time budget (``--budget``, default 100 s; seed 0),
@@ -201,7 +203,9 @@ def render(rows: list[dict], args) -> str:
         "vocabulary 128256, 8 key/value heads, bf16 compute over float32 parameters, AdamW), "
         "1M tokens a step: 8 sequences of 128K or 32 of 32K. Hand grid: Megatron-LM "
         "(`baselines.megatron_3d`) over TP 1/2/4/8 (sequence parallel when > 1), CP 1/2/4/8, "
-        "PP 1/2/4/8, microbatch sizes 1/2, recompute none/selective/full, with and without "
+        "PP 1/2/4/8, microbatch sizes 1/2, recompute none/selective/full (and without stages "
+        "Megatron-Core's `--recompute-modules mlp layernorm`, \"mlp\": the attention block "
+        "kept, the rest of each layer recomputed), with and without "
         "the distributed optimizer, where the mesh, the sequence and the layers allow. "
         "CP traffic: the bytes each GPU sends gathering the keys and values into attention "
         "(and reduce-scattering their cotangents) in one step. Memory: the peak per GPU (a "

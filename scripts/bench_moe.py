@@ -9,7 +9,8 @@ costs (the topology's GPU kernel model, `[device.kernels]`) and the ideal reshar
 * the hand grid: `soapjax.strategy.baselines.megatron_3d` over TP in {1, 2, 4, 8} (sequence parallel
   when TP > 1), EP in {1, 2, 4, 8} (carved out of data parallelism, as Megatron-Core does), PP
   in {1, 2, 4} where the layers and the node axis divide (1F1B, no virtual stages), microbatch
-  sizes 1, 2 and 4 samples, recompute none / selective / full, with and without Megatron's
+  sizes 1, 2 and 4 samples, recompute none / selective / full (and without stages
+  Megatron-Core's ``--recompute-modules mlp layernorm``, ``mlp``), with and without Megatron's
   distributed optimizer (the optimizer state sharded over the data-parallel axes); and
   MaxText's rules
   (`baselines.maxtext_moe`: FSDP over every axis, the experts over the in-node axes, or over
@@ -50,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import _searched_row
-from _searched_row import search_into, strategy_words
+from _searched_row import attention_kept, search_into, strategy_words
 
 import soapjax_zoo
 from soapjax.base.errors import PlanError
@@ -109,7 +110,8 @@ def megatron_points(g: OpGraph, topo, grid: dict = GRID) -> dict[str, Strategy]:
 
 def maxtext_points(g: OpGraph, topo, microbatches=MAXTEXT_MICROBATCHES) -> dict[str, Strategy]:
     """MaxText's rules (`baselines.maxtext_moe`) with the experts over the in-node axes (the
-    registered 'maxtext-moe') or over the outermost axis, by microbatches and recomputation."""
+    registered 'maxtext-moe') or over the outermost axis, by microbatches and recomputation
+    (``mlp``: MaxText's ``save_dot_except_mlp``, `_searched_row.attention_kept`)."""
     mesh = MeshShape.of(topo)
     intra = baselines.intra_node_axes(topo) or tuple(mesh.axis_names[-1:])
     outer = tuple(a for a in mesh.axis_names if a not in intra)
@@ -120,13 +122,15 @@ def maxtext_points(g: OpGraph, topo, microbatches=MAXTEXT_MICROBATCHES) -> dict[
         except PlanError:
             continue
         ep = mesh.degree(baselines.expert_parallel_axes(g, mesh, axes))
-        for m, rec in itertools.product(microbatches, RECOMPUTE_POLICIES):
+        for m, rec in itertools.product(microbatches, RECOMPUTE_POLICIES + ("mlp",)):
             try:
                 check_microbatches(g, base.configs, mesh, m)
             except PlanError:
                 continue
-            s = baselines.with_recompute(g, dataclasses.replace(base, microbatches=m), rec)
-            out[f"maxtext-moe ep{ep} {where} M={m} {rec}"] = s
+            micro = dataclasses.replace(base, microbatches=m)
+            out[f"maxtext-moe ep{ep} {where} M={m} {rec}"] = (
+                attention_kept(g, micro) if rec == "mlp" else
+                baselines.with_recompute(g, micro, rec))
     return out
 
 

@@ -13,11 +13,14 @@ bandwidth) and the ideal resharding model:
   `search.stage_choices` gives and every interleave whose chunks cut the layers equally, the
   expert- and context-parallel degrees of `search.grid_degrees`, microbatches of 1 to 8
   samples (`MAX_MICROBATCH`),
-  recompute none / selective / full, with and without the distributed optimizer), priced with
+  recompute none / selective / full, and without pipeline stages Megatron-Core's
+  ``--recompute-modules mlp layernorm``, ``mlp``: `_searched_row.attention_kept`; with and
+  without the distributed optimizer), priced with
   their stacked layers where Megatron keeps them (``layer_layout="chunks"``: the chunks' own
   layout, no moves; and again as `soapjax.apply` runs the same configuration: "as applied");
   MaxText-style rules (`baselines.fsdp`, and `baselines.maxtext_moe` for
-  mixtures of experts) with 1, 2, 4 or 8 microbatches and each recomputation. The best hand
+  mixtures of experts) with 1, 2, 4 or 8 microbatches and each recomputation (``mlp``:
+  MaxText's ``save_dot_except_mlp``). The best hand
   configuration is the fastest that fits in the GPU's memory;
 * **the search**: `soapjax.find_plan` (seed 0, ``--budget`` seconds, default 60; pipelined
   plans included), its plan priced as `soapjax.apply` runs it;
@@ -55,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from _searched_row import search_into, strategy_words  # noqa: E402
+from _searched_row import attention_kept, search_into, strategy_words  # noqa: E402
 
 import soapjax_zoo  # noqa: E402
 from soapjax.base.errors import PlanError  # noqa: E402
@@ -118,22 +121,29 @@ class Point(NamedTuple):
     fits: bool
 
 
-def megatron_points(g: OpGraph, topo, max_microbatch: int = MAX_MICROBATCH
-                    ) -> dict[str, Strategy]:
+def megatron_points(g: OpGraph, topo, max_microbatch: int = MAX_MICROBATCH,
+                    extra_only: bool = False) -> dict[str, Strategy]:
     """Megatron-LM's grid with every option (module doc), microbatches of at most
-    `max_microbatch` samples, by name."""
+    `max_microbatch` samples, by name; each point without stages recomputed in full also as
+    Megatron-Core's MLP and norms recomputed (`attention_kept`, ``...-mlp``; with pipeline
+    stages apply runs one policy for a chunk, so those are not priced). `extra_only`: those
+    alone."""
     degrees = grid_degrees(g, topo)
     grids = [baselines.megatron_grid_points(g, topo, **degrees)]
     for S in stage_choices(g, topo):
         grids.append(baselines.megatron_grid_points(
             g, topo, pp=(S,), interleave=interleave_choices(g, S), **degrees))
-    return {p.name: s for grid in grids for p, s in grid.items() if p.mb <= max_microbatch}
+    points = {p.name: s for grid in grids for p, s in grid.items() if p.mb <= max_microbatch}
+    extra = {name[:-len("full")] + "mlp": attention_kept(g, s) for name, s in points.items()
+             if not s.pipelined and name.endswith("-full")}
+    return extra if extra_only else points | extra
 
 
-def maxtext_points(g: OpGraph, topo) -> dict[str, Strategy]:
+def maxtext_points(g: OpGraph, topo, extra_only: bool = False) -> dict[str, Strategy]:
     """MaxText-style rules: FSDP over every axis (dense), or `baselines.maxtext_moe` with the
     experts over the in-node axes or over the rest, with `MICROBATCHES` and each
-    recomputation, by name."""
+    recomputation (and ``save_dot_except_mlp``, `attention_kept`: ``mlp``), by name.
+    `extra_only`: the ``mlp`` points alone."""
     mesh = MeshShape.of(topo)
     bases = {"fsdp": baselines.fsdp(g, mesh)}
     if grid_degrees(g, topo)["ep"] != (1,):
@@ -147,13 +157,16 @@ def maxtext_points(g: OpGraph, topo) -> dict[str, Strategy]:
                 continue
     out = {}
     for (name, base), m, rec in itertools.product(bases.items(), MICROBATCHES,
-                                                  RECOMPUTE_POLICIES):
+                                                  RECOMPUTE_POLICIES + ("mlp",)):
+        if extra_only and rec != "mlp":
+            continue
         try:
             check_microbatches(g, base.configs, mesh, m)
         except PlanError:
             continue
-        out[f"{name} M={m} {rec}"] = baselines.with_recompute(
-            g, dataclasses.replace(base, microbatches=m), rec)
+        micro = dataclasses.replace(base, microbatches=m)
+        out[f"{name} M={m} {rec}"] = (attention_kept(g, micro) if rec == "mlp" else
+                                      baselines.with_recompute(g, micro, rec))
     return out
 
 
@@ -182,17 +195,42 @@ def best(points: list[Point], prefix: str = "") -> Point | None:
     return min(fits, key=lambda p: p.step_s) if fits else None
 
 
-def run_case(case: Case, budget: float, progress: Callable[[str], None],
-             proposals: int | None = None, grid: bool = True) -> dict:
-    """One row (module doc). `proposals`: a fixed count per chain instead of the time budget
-    (the same plan on a faster or slower machine); without `grid`, the search alone."""
+def _setup(case: Case):
+    """The case's topology, workload, graph, analytic costs and optimizer-state factor."""
     topo = load_topology(case.mesh)
     if case.gpus is not None and case.gpus != topo.num_devices:
         topo = scaled_topology(topo, case.gpus)
     w = soapjax_zoo.get(case.model, case.size, batch_size=case.batch)
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
     costs = cost_model(g, topo, mode="analytic", optimizer=w.optimizer)
-    factor = opt_state_factor(w.optimizer, w.abstract_params())
+    return topo, w, g, costs, opt_state_factor(w.optimizer, w.abstract_params())
+
+
+def run_extra(case: Case, row: dict, progress: Callable[[str], None]) -> dict:
+    """`row`, the case's row of an earlier run, with the hand points added to the grid since
+    (`megatron_points` and `maxtext_points` with ``extra_only``: the attention kept where the
+    rest is recomputed) scored, and each best (hand, Megatron, MaxText-style) replaced where
+    one of them is faster and fits; the search's columns as they were."""
+    topo, w, g, costs, factor = _setup(case)
+    megatron = megatron_points(g, topo, extra_only=True)
+    points = megatron | maxtext_points(g, topo, extra_only=True)
+    progress(f"{case.key}: {len(points)} points added to the hand grid")
+    grid = score(g, topo, points, costs, factor, "model", progress)
+    row = dict(row, grid_points=row.get("grid_points", 0) + len(grid))
+    for key, prefix in (("hand", ""), ("megatron", "megatron"), ("maxtext", "")):
+        pick = best([p for p in grid if key != "maxtext" or p.name not in megatron], prefix)
+        if pick is not None and (row.get(key) is None or pick.step_s < row[key]["step_s"]):
+            row[key] = pick._asdict()
+            if key == "hand":  # without stages, as soapjax.apply runs it: the same price
+                row[key]["applied_s"], row[key]["applied_fits"] = pick.step_s, pick.fits
+    return row
+
+
+def run_case(case: Case, budget: float, progress: Callable[[str], None],
+             proposals: int | None = None, grid: bool = True) -> dict:
+    """One row (module doc). `proposals`: a fixed count per chain instead of the time budget
+    (the same plan on a faster or slower machine); without `grid`, the search alone."""
+    topo, w, g, costs, factor = _setup(case)
     row: dict = {"case": case.key, "model": f"{case.model} {case.size}",
                  "gpus": topo.num_devices, "batch": case.batch, "note": case.note}
     if not grid:
@@ -287,12 +325,14 @@ def render(rows: list[dict], budget: float) -> str:
         "`python scripts/bench_vs_experts.py` (analytic costs, ideal resharding; the search "
         f"seed 0 with a {budget:g} s budget, pipelines included). Hand grid: Megatron-LM with "
         "every option it has, its pipelined points priced with the layers where Megatron keeps "
-        "them (a tied embedding's gradient all-reduced between the first and last stage); "
-        "MaxText-style rules (FSDP; FSDP + experts). As applied: the same configuration "
-        "as soapjax.apply runs it (the prologue's outputs handed to every stage and their "
-        "cotangents summed over the stages, the head's gradients too; \"(over)\": it does "
-        "not fit then). Both pick the labels' log-probabilities by an all-reduce over the "
-        "vocabulary split. "
+        "them (a tied embedding's gradient all-reduced between the first and last stage), "
+        "and without stages Megatron-Core's `--recompute-modules mlp layernorm` too "
+        "(\"mlp\": the attention block kept, the rest of each layer recomputed); "
+        "MaxText-style rules (FSDP; FSDP + experts; `save_dot_except_mlp` as \"mlp\"). "
+        "As applied: the same configuration as soapjax.apply runs it (the prologue's "
+        "outputs handed to every stage and their cotangents summed over the stages, the "
+        "head's gradients too; \"(over)\": it does not fit then). Both pick the labels' "
+        "log-probabilities by an all-reduce over the vocabulary split. "
         "Ratio: best hand / searched step time (above 1: the search wins).",
         "",
         "| case | GPUs | batch | best hand configuration | step (s) | as applied (s) | mem (GB) "
@@ -357,6 +397,10 @@ def main() -> int:
                     help="skip the hand grid (with --proposals: the robustness check); a "
                     "case's hand-grid columns already in --json are kept (score the grid "
                     "again when the simulator's prices changed)")
+    ap.add_argument("--hand-extra", action="store_true",
+                    help="score only the hand points added since the rows in --json were made "
+                    "(Megatron-Core's and MaxText's MLP-only recomputation) and keep the "
+                    "faster hand configuration; the search's columns as they were")
     ap.add_argument("--json", help="rows file: read, updated with the cases run, written")
     ap.add_argument("--out", help="also write the table here (markdown)")
     ap.add_argument("--render-only", action="store_true", help="print the table of --json")
@@ -373,8 +417,14 @@ def main() -> int:
 
         start = time.perf_counter()
         for key in wanted:
-            rows = updated(rows, run_case(by_key[key], args.budget, say, args.proposals,
-                                          not args.search_only), args.search_only)
+            if args.hand_extra:
+                before = next((x for x in rows if x["case"] == key), None)
+                if before is None or "grid_points" not in before:
+                    ap.error(f"--hand-extra: no hand grid of {key!r} in --json to add to")
+                rows = updated(rows, run_extra(by_key[key], before, say), False)
+            else:
+                rows = updated(rows, run_case(by_key[key], args.budget, say, args.proposals,
+                                              not args.search_only), args.search_only)
             row = rows[-1]
             r = ratio(row)
             say(f"{key}: hand {_s(row.get('hand'))} s, searched "

@@ -25,9 +25,10 @@ def row():
 def test_grid_has_context_parallel_points_that_gather_keys_and_values(row):
     names = {p["name"]: p for p in row["grid"]}
     # cpu8 is data=2 x model=4: tp1 cp1 (dp 8), tp1 cp2 (CP over data, dp 4), tp4 cp1 (TP
-    # over model, dp 2), tp4 cp2 (CP over data, no replicas); each under 3 recomputations,
-    # with and without the distributed optimizer
-    assert len(names) == 4 * 3 * 2
+    # over model, dp 2), tp4 cp2 (CP over data, no replicas); each under 3 recomputations
+    # and Megatron-Core's MLP-only one ("mlp", without stages), with and without the
+    # distributed optimizer
+    assert len(names) == 4 * 4 * 2 and sum(n.split()[4] == "mlp" for n in names) == 8
     assert {n.rsplit(" mb1", 1)[0] for n in names} == {"tp1 cp1 pp1", "tp1 cp2 pp1",
                                                        "tp4 cp1 pp1", "tp4 cp2 pp1"}
     kv = {n: p["kv_bytes"] for n, p in names.items()}
@@ -66,7 +67,7 @@ def test_render_says_the_ratio_and_what_fills_memory_where_nothing_fits(row):
     text = bench_long_context.render([full], args)
     least = bench_long_context.least_memory(full)
     assert f"The point of least memory, `{least['name']}`" in text
-    assert "s x s probabilities" in text and "none of 24 fits" in text
+    assert "s x s probabilities" in text and "none of 32 fits" in text
 
 
 def test_the_searched_plan_says_which_layer_operators_keep_their_outputs():

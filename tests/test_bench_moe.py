@@ -27,12 +27,14 @@ def test_grid_has_expert_parallel_points_with_all_to_alls(row):
     names = {p["name"]: p for p in row["grid"]}
     # 8 sequences: tp1 (8 replicas of one sequence, microbatch size 1) with ep 1 or 2; tp2 (4
     # replicas of two, microbatch size 1 or 2) with ep 1 (TP takes data=2, leaving model=4: no
-    # ep 2); each under 3 recomputations, with and without the distributed optimizer;
+    # ep 2); each under 3 recomputations and Megatron-Core's MLP-only one ("mlp", without
+    # stages), with and without the distributed optimizer;
     # MaxText's rules with the experts over the in-node axes (ep4) and over the node axis
-    # (cpu8 has one node: ep1, FSDP alone), 3 recomputations each
-    assert sum(n.startswith("megatron") for n in names) == 24
-    assert sum(n.startswith("megatron") and n.endswith(" do") for n in names) == 12
-    assert sum(n.startswith("maxtext-moe") for n in names) == 6
+    # (cpu8 has one node: ep1, FSDP alone), 4 recomputations each (save_dot_except_mlp too)
+    assert sum(n.startswith("megatron") for n in names) == 32
+    assert sum(n.startswith("megatron") and n.endswith(" do") for n in names) == 16
+    assert sum(n.startswith("megatron") and " mlp" in n for n in names) == 8
+    assert sum(n.startswith("maxtext-moe") for n in names) == 8
     a2a = {n: p["all_to_all"] for n, p in names.items() if n.startswith("megatron")}
     # without expert parallelism or TP no all-to-all; experts over 2 devices add them (TP's
     # sequence-parallel layouts move some by all-to-all too)
