@@ -33,14 +33,21 @@ from collections.abc import Callable
 
 from soapjax.graph.opgraph import OpGraph
 from soapjax.simulate.front import Simulation
-from soapjax.strategy.memory import microbatch_choices, microbatch_error
+from soapjax.strategy.memory import microbatch_choices, microbatch_error, recomputes
 from soapjax.strategy.space import MeshShape, Strategy
 
-__all__ = ["MICROBATCH_STEPS", "relaxed"]
+__all__ = ["MICROBATCH_STEPS", "recomputes_any", "relaxed"]
 
 # The microbatch counts tried beyond the strategy's own: the next MICROBATCH_STEPS larger ones
 # the batch and every operator's sample split allow.
 MICROBATCH_STEPS = 3
+
+
+def recomputes_any(graph: OpGraph, strategy: Strategy) -> bool:
+    """Whether some operator of `graph` runs its forward again under `strategy`
+    (`soapjax.strategy.memory.recomputes`: selective recomputation of a layer whose attention
+    is one flash operator recomputes nothing)."""
+    return any(recomputes(op, strategy.recompute_of(j)) for j, op in enumerate(graph.operators))
 
 
 def _positions(graph: OpGraph) -> list[list[int]]:
@@ -59,7 +66,8 @@ def _counts(graph: OpGraph, strategy: Strategy, mesh: MeshShape) -> list[int]:
     return [strategy.microbatches] + larger[:MICROBATCH_STEPS]
 
 
-def _walk(sim: Simulation, positions: list[list[int]], deadline: float | None) -> None:
+def _walk(sim: Simulation, graph: OpGraph, positions: list[list[int]],
+          deadline: float | None) -> None:
     """From the simulation's (fitting) strategy, stops recomputing one position at a time,
     the best change per byte first, while one is faster and fits; the changes taken stay
     accepted on `sim`."""
@@ -68,7 +76,7 @@ def _walk(sim: Simulation, positions: list[list[int]], deadline: float | None) -
         t0, m0 = sim.step_time(), sim.peak_memory_bytes()
         best = None  # (-(saved / added), members)
         for members in positions:
-            if sim.choice(members[0])[1] == "none":
+            if not recomputes(graph.operators[members[0]], sim.choice(members[0])[1]):
                 continue
             sim.propose_many([(j, sim.choice(j)[0], "none") for j in members])
             t, m = sim.step_time(), sim.peak_memory_bytes()
@@ -98,7 +106,7 @@ def relaxed(sim: Simulation, graph: OpGraph, strategy: Strategy, deadline: float
       deadline: a `time.perf_counter` time after which no change is tried (None: none).
       record: called with each walk's end on `sim` (the search's `_Searcher.record`).
     """
-    if strategy.stages > 1 or not any(p != "none" for p in strategy.recompute):
+    if strategy.stages > 1 or not recomputes_any(graph, strategy):
         return None
     sim.reset(strategy)
     if not sim.fits_in_memory():
@@ -112,7 +120,7 @@ def relaxed(sim: Simulation, graph: OpGraph, strategy: Strategy, deadline: float
         sim.reset(strategy.with_microbatches(m))
         if not sim.fits_in_memory():
             continue
-        _walk(sim, positions, deadline)
+        _walk(sim, graph, positions, deadline)
         if record is not None:
             record()
         t = sim.step_time()
