@@ -74,7 +74,7 @@ def _walk(sim: Simulation, graph: OpGraph, positions: list[list[int]],
     cap = sim.topology.device.memory_bytes
     while deadline is None or time.perf_counter() < deadline:
         t0, m0 = sim.step_time(), sim.peak_memory_bytes()
-        best = None  # (-(saved / added), members)
+        best = None  # (seconds saved per byte added, members)
         for members in positions:
             if not recomputes(graph.operators[members[0]], sim.choice(members[0])[1]):
                 continue
