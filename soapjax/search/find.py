@@ -361,26 +361,29 @@ def _relaxed_starts(sim: Simulation, searcher: _Searcher, graph: OpGraph,
                     deadline: float | None) -> dict[str, Strategy]:
     """The best fitting plan seen so far and the `RELAXED_STARTS` - 1 fastest others that
     recompute something, their recomputation chosen per operator
-    (`soapjax.search.recompute.relaxed`, in that order, until `deadline`); the fastest result
-    that beats the plan it came from, as a start named after it (``...-kept``), or none. A
+    (`soapjax.search.recompute.relaxed`, in that order, until `deadline`); the fastest result,
+    where it beats the best plan seen, as a start named after the plan it came from
+    (``...-kept``), or none (where memory is ample the relaxed plans are grid points already
+    seen, and a start more would only thin the chains' time). A
     plan that recomputes is seldom the best seen where recomputing less fits: Llama 3 8B at
     128K tokens on 64 H100s, whose fastest grid point recomputes nothing and whose fastest
     relaxed one is TP2 CP4 with full recomputation (the attention kept, 2 % faster)."""
     seen = sorted((f for f in searcher.bests.values() if not f[1].pipelined),
                   key=lambda f: f[0])
     picks: list[tuple[float, Strategy, str]] = [searcher.best]
+    to_beat = searcher.best[0]  # (the walks' ends are recorded: the best may become one)
     for found in seen:
         if len(picks) == RELAXED_STARTS:
             break
         if recomputes_any(graph, found[1]) and all(found[1] != p[1] for p in picks):
             picks.append(found)
     best = None
-    for t, strategy, name in picks:
+    for _, strategy, name in picks:
         if deadline is not None and time.perf_counter() >= deadline:
             break
         found = relaxed(sim, graph, strategy, deadline,
                         lambda n=name: searcher.record(f"{n}-kept"))
-        if found is not None and (best is None or found[0] < best[0]):
+        if found is not None and found[0] < to_beat and (best is None or found[0] < best[0]):
             best = (found[0], found[1], f"{name}-kept")
     return {} if best is None else {best[2]: best[1]}
 
