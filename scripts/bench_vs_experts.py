@@ -37,8 +37,10 @@ Usage::
 ``--json`` keeps the rows of earlier runs (a case run again replaces its row; with
 ``--search-only``, only its searched plan), so the cases can run one at a time, and a change to
 the search alone is measured without scoring the hand grids again (minutes a case); rescore
-them when the simulator's prices change. ``--render-only --json rows.json`` prints (and with
-``--out`` writes) the table from them.
+them when the simulator's prices change. ``--hand-extra --json rows.json`` scores only the
+hand points added to the grids since those rows were made (Megatron-Core's MLP-only
+recomputation, ``mlp``) and keeps the faster hand configuration. ``--render-only --json
+rows.json`` prints (and with ``--out`` writes) the table from them.
 """
 
 from __future__ import annotations
