@@ -64,10 +64,10 @@ def recompute_words(strategy: Strategy, graph: OpGraph | None = None) -> str:
     `graph`, where some of a layer's operators recompute and others keep their outputs, which
     keep them ("full, kept: attn, attn/o": `soapjax.search.recompute`; an operator kept is one
     its policy does not recompute, `soapjax.strategy.memory.recomputes`), by their name within
-    the layer."""
+    the layer; not for a pipeline, whose chunks run one policy."""
     words = "+".join(sorted({p for p in strategy.recompute if p != "none"})) or "none"
-    if graph is None or words == "none":
-        return words
+    if graph is None or words == "none" or strategy.stages > 1:
+        return words  # (a pipeline's chunks run one policy: `layer_recompute`)
     layer = [(op, strategy.recompute_of(j)) for j, op in enumerate(graph.operators)
              if op.block_position and "/" in op.name]
     if not any(recomputes(op, policy) for op, policy in layer):

@@ -95,3 +95,4 @@ def test_the_searched_plan_says_which_layer_operators_keep_their_outputs():
     selective = policies(lambda op: "selective" if op.block_position else "none")
     assert recompute_words(selective, g) == "selective"
     assert recompute_words(Strategy(base.configs), g) == "none"
+    assert recompute_words(kept.with_pipeline(2), g) == "full"
