@@ -6,6 +6,7 @@ simulator, and the plan entry point.
 - `grids`: Megatron's grid as the search scores it (`soapjax.strategy.baselines.GridPoint`s).
 - `pipelines`: the pipelines tried, their grids and the chains of the best.
 - `stages`: stage balancing, uneven stages where the step is faster.
+- `recompute`: recomputation chosen per operator within the memory (`relaxed`).
 - `optimality`: the paper's optimality checks (section 8.4).
 - `_clock`: deadlines of the time budget; `sparse_gc`, the garbage collector as a search
   sets it.
