@@ -368,8 +368,7 @@ def _relaxed_starts(sim: Simulation, searcher: _Searcher, graph: OpGraph,
     plan that recomputes is seldom the best seen where recomputing less fits: Llama 3 8B at
     128K tokens on 64 H100s, whose fastest grid point recomputes nothing and whose fastest
     relaxed one is TP2 CP4 with full recomputation (the attention kept, 2 % faster)."""
-    seen = sorted((f for f in searcher.bests.values() if not f[1].pipelined),
-                  key=lambda f: f[0])
+    seen = sorted(searcher.bests.values(), key=lambda f: f[0])  # no stages yet
     picks: list[tuple[float, Strategy, str]] = [searcher.best]
     to_beat = searcher.best[0]  # (the walks' ends are recorded: the best may become one)
     for found in seen:
