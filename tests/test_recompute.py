@@ -29,8 +29,8 @@ def _kept(graph, strategy) -> set[str]:
 @functools.cache
 def llama_128k():
     """Llama 3 8B at 128K tokens on one DGX H100 (docs/long-context.md's first case), analytic
-    costs, and Megatron's best hand configuration there: TP2 CP4, microbatches of 2, full
-    recomputation, the distributed optimizer."""
+    costs, and the best of Megatron-LM's three recompute policies there: TP2 CP4,
+    microbatches of 2, full recomputation, the distributed optimizer."""
     w = zoo.get("llama", "8b-128k")
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="llama")
     topo = load_topology("dgx-h100x8")
