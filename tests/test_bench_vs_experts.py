@@ -86,3 +86,24 @@ def test_a_search_only_run_keeps_the_hand_grids_columns_of_its_json():
     assert bench.updated(rows, failed, search_only=True)[-1] == {"case": "b", "hand": None,
                                                                  **failed}
     assert bench.updated(rows, new, search_only=False) == [other, new]
+
+
+def test_hand_extra_scores_only_the_points_added_and_keeps_the_faster():
+    """`run_extra` (``--hand-extra``): only the "mlp" points (Megatron-Core's MLP-only
+    recomputation, MaxText's save_dot_except_mlp), without stages, scored and taken where
+    faster than the row's; the row's other columns untouched."""
+    case = bench.Case("tiny", "gpt", "tiny", MESH, 16)
+    slow = {"name": "earlier", "step_s": 1e9, "memory": 0.0, "fits": True, "applied_s": 1e9}
+    row = {"case": "tiny", "grid_points": 10, "hand": dict(slow), "megatron": dict(slow),
+           "maxtext": None, "searched": {"step_s": 1.0}}
+    messages = []
+    out = bench.run_extra(case, row, messages.append)
+    assert out["searched"] == row["searched"] and row["hand"] == slow  # a new row
+    assert out["megatron"]["name"].endswith("-mlp") and out["maxtext"]["name"].endswith(" mlp")
+    assert out["hand"]["step_s"] == min(out["megatron"]["step_s"], out["maxtext"]["step_s"])
+    assert out["hand"]["applied_s"] == out["hand"]["step_s"]
+    added = int(messages[0].split(": ")[1].split()[0])
+    assert out["grid_points"] == 10 + added and added > 0
+    topo, _, g, _, _ = bench._setup(case)
+    extra = bench.megatron_points(g, topo, extra_only=True)
+    assert extra and all(name.endswith("-mlp") and s.stages == 1 for name, s in extra.items())
