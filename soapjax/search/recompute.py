@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 from soapjax.graph.opgraph import OpGraph
 from soapjax.simulate.front import Simulation
-from soapjax.strategy.memory import microbatch_choices, microbatch_error, recomputes
+from soapjax.strategy.memory import microbatch_choices, microbatch_refusal, recomputes
 from soapjax.strategy.space import MeshShape, Strategy
 
 __all__ = ["MICROBATCH_STEPS", "recomputes_any", "relaxed"]
@@ -58,11 +58,10 @@ def _positions(graph: OpGraph) -> list[list[int]]:
 
 
 def _counts(graph: OpGraph, strategy: Strategy, mesh: MeshShape) -> list[int]:
-    """The strategy's microbatch count, then up to `MICROBATCH_STEPS` larger ones every
-    operator's sample split divides."""
+    """The strategy's microbatch count, then up to `MICROBATCH_STEPS` larger ones its configs
+    take (`soapjax.strategy.memory.microbatch_refusal`)."""
     larger = [m for m in microbatch_choices(graph) if m > strategy.microbatches
-              and not any(microbatch_error(op, c, mesh, m)
-                          for op, c in zip(graph.operators, strategy.configs))]
+              and not microbatch_refusal(graph, strategy.configs, mesh, m)]
     return [strategy.microbatches] + larger[:MICROBATCH_STEPS]
 
 
