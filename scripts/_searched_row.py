@@ -35,6 +35,22 @@ def attention_kept(g: OpGraph, s: Strategy) -> Strategy:
         "full" if op.block_position and not kept(op.name) else "none" for op in g.operators))
 
 
+def megatron_selective(g: OpGraph, s: Strategy) -> Strategy:
+    """`s` (selective recomputation) as Megatron-LM runs it on a mixture-of-experts layer:
+    its selective recomputation runs the attention core again (``core_attn``) and nothing of
+    the MoE layer, which moves its tokens by permutation, not by GShard's dispatch and combine
+    einsums (matmuls of two activations, which `soapjax.strategy.memory`'s selective rule, and
+    MaxText's ``minimal`` remat policy, recompute): the MoE layer's operators keep their
+    outputs (policy none; `soapjax.apply` runs that, `kept_positions`). The same strategy
+    where no layer operator under ``moe`` recomputes."""
+    def moe(name: str) -> bool:
+        return "/moe/" in name or name.endswith("/moe")
+
+    return dataclasses.replace(s, recompute=tuple(
+        "none" if op.block_position and moe(op.name) and s.recompute_of(j) == "selective"
+        else s.recompute_of(j) for j, op in enumerate(g.operators)))
+
+
 def megatron_points(g: OpGraph, topo, grid: dict, label: str) -> dict[str, Strategy]:
     """The Megatron-LM configurations of `grid` (``tp``, ``pp``, ``mb`` and ``ep`` or ``cp``;
     an absent degree is 1) that `baselines.megatron_3d` can build, each with and without the
@@ -55,26 +71,34 @@ def megatron_points(g: OpGraph, topo, grid: dict, label: str) -> dict[str, Strat
         except PlanError:
             continue
         name = label.format(tp=tp, ep=ep, cp=cp, pp=pp, mb=mb, rec=rec)
-        out[name + (" do" if do else "")] = attention_kept(g, s) if rec == "mlp" else s
+        out[name + (" do" if do else "")] = (attention_kept(g, s) if rec == "mlp" else
+                                             megatron_selective(g, s) if rec == "selective"
+                                             else s)
     return out
 
 
 def recompute_words(strategy: Strategy, graph: OpGraph | None = None) -> str:
     """The policies a strategy recomputes under ("full", "full+selective", "none"); with
-    `graph`, where some of a layer's operators recompute and others keep their outputs, which
-    keep them ("full, kept: attn, attn/o": `soapjax.search.recompute`; an operator kept is one
-    its policy does not recompute, `soapjax.strategy.memory.recomputes`), by their name within
-    the layer; not for a pipeline, whose chunks run one policy."""
+    `graph`, which of a layer's operators keep their outputs, by their name within the layer
+    (`soapjax.search.recompute`): under full recomputation those it does not recompute
+    (`soapjax.strategy.memory.recomputes`; "full, kept: attn, attn/o"), not for a pipeline,
+    whose chunks recomputed in full keep their input alone; under selective recomputation
+    the attention-core operators kept ("selective, kept: moe/dot_general_4", a pipeline's
+    too: `soapjax.apply._pipeline_layout.kept_positions`)."""
     words = "+".join(sorted({p for p in strategy.recompute if p != "none"})) or "none"
-    if graph is None or words == "none" or strategy.stages > 1:
-        return words  # (a pipeline's chunks run one policy: `layer_recompute`)
+    if graph is None or words == "none":
+        return words
     layer = [(op, strategy.recompute_of(j)) for j, op in enumerate(graph.operators)
              if op.block_position and "/" in op.name]
-    if not any(recomputes(op, policy) for op, policy in layer):
-        return words
-    kept = sorted({op.name.split("/", 1)[1] for op, policy in layer
-                   if not recomputes(op, policy)})
-    return f"{words}, kept: {', '.join(kept)}" if kept else words
+    if "full" in words:
+        if strategy.stages > 1 or not any(recomputes(op, policy) for op, policy in layer):
+            return words
+        kept = {op.name for op, policy in layer if not recomputes(op, policy)}
+    else:
+        kept = {op.name for op, policy in layer
+                if policy == "none" and recomputes(op, "selective")}
+    kept_words = sorted({name.split("/", 1)[1] for name in kept})
+    return f"{words}, kept: {', '.join(kept_words)}" if kept_words else words
 
 
 def strategy_words(strategy: Strategy, topo, graph: OpGraph | None = None) -> dict[str, str]:

@@ -9,7 +9,8 @@ costs (the topology's GPU kernel model, `[device.kernels]`) and the ideal reshar
 * the hand grid: `soapjax.strategy.baselines.megatron_3d` over TP in {1, 2, 4, 8} (sequence parallel
   when TP > 1), EP in {1, 2, 4, 8} (carved out of data parallelism, as Megatron-Core does), PP
   in {1, 2, 4} where the layers and the node axis divide (1F1B, no virtual stages), microbatch
-  sizes 1, 2 and 4 samples, recompute none / selective / full (and without stages
+  sizes 1, 2 and 4 samples, recompute none / selective (the attention core alone, as Megatron
+  runs it: `_searched_row.megatron_selective`) / full (and without stages
   Megatron-Core's ``--recompute-modules mlp layernorm``, ``mlp``), with and without Megatron's
   distributed optimizer (the optimizer state sharded over the data-parallel axes); and
   MaxText's rules

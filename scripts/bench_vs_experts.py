@@ -13,7 +13,9 @@ bandwidth) and the ideal resharding model:
   `search.stage_choices` gives and every interleave whose chunks cut the layers equally, the
   expert- and context-parallel degrees of `search.grid_degrees`, microbatches of 1 to 8
   samples (`MAX_MICROBATCH`),
-  recompute none / selective / full, and without pipeline stages Megatron-Core's
+  recompute none / selective (as Megatron runs it on a mixture-of-experts layer: the
+  attention core alone, `_searched_row.megatron_selective`) / full, and without pipeline
+  stages Megatron-Core's
   ``--recompute-modules mlp layernorm``, ``mlp``: `_searched_row.attention_kept`; with and
   without the distributed optimizer), priced with
   their stacked layers where Megatron keeps them (``layer_layout="chunks"``: the chunks' own
@@ -60,7 +62,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from _searched_row import attention_kept, search_into, strategy_words  # noqa: E402
+from _searched_row import (  # noqa: E402
+    attention_kept,
+    megatron_selective,
+    search_into,
+    strategy_words,
+)
 
 import soapjax_zoo  # noqa: E402
 from soapjax.base.errors import PlanError  # noqa: E402
@@ -135,7 +142,8 @@ def megatron_points(g: OpGraph, topo, max_microbatch: int = MAX_MICROBATCH,
     for S in stage_choices(g, topo):
         grids.append(baselines.megatron_grid_points(
             g, topo, pp=(S,), interleave=interleave_choices(g, S), **degrees))
-    points = {p.name: s for grid in grids for p, s in grid.items() if p.mb <= max_microbatch}
+    points = {p.name: megatron_selective(g, s) if p.recompute == "selective" else s
+              for grid in grids for p, s in grid.items() if p.mb <= max_microbatch}
     extra = {name[:-len("full")] + "mlp": attention_kept(g, s) for name, s in points.items()
              if not s.pipelined and name.endswith("-full")}
     return extra if extra_only else points | extra
@@ -328,6 +336,8 @@ def render(rows: list[dict], budget: float) -> str:
         f"seed 0 with a {budget:g} s budget, pipelines included). Hand grid: Megatron-LM with "
         "every option it has, its pipelined points priced with the layers where Megatron keeps "
         "them (a tied embedding's gradient all-reduced between the first and last stage), "
+        "its selective recomputation the attention core alone (on a mixture-of-experts layer "
+        "too, whose dispatch and combine einsums Megatron's token permutation does not have), "
         "and without stages Megatron-Core's `--recompute-modules mlp layernorm` too "
         "(\"mlp\": the attention block kept, the rest of each layer recomputed); "
         "MaxText-style rules (FSDP; FSDP + experts; `save_dot_except_mlp` as \"mlp\"). "

@@ -10,6 +10,7 @@ between the tests (`compiled`), so each is compiled once.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pathlib
 
@@ -24,8 +25,8 @@ from test_corpus import relative_error as corpus_relative_error
 
 import soapjax_zoo
 from soapjax import training
-from soapjax.apply._pipeline_layout import batch_axes
-from soapjax.apply._pipelined import ticks
+from soapjax.apply._pipeline_layout import batch_axes, kept_positions, layer_recompute
+from soapjax.apply._pipelined import pipelined_value_and_grad, ticks
 from soapjax.apply.step import (
     constrained_loss,
     device_put_global,
@@ -39,6 +40,7 @@ from soapjax.graph.opgraph import trace
 from soapjax.measure.hlo import collectives
 from soapjax.simulate.pipesim import PipelinedSimulation
 from soapjax.strategy.baselines import megatron_3d
+from soapjax.strategy.memory import recomputes
 from soapjax.strategy.plan import Plan
 from soapjax.strategy.space import MeshShape
 from soapjax.topology.cluster import load_topology, make_mesh, stage_topology
@@ -171,6 +173,52 @@ def test_selective_recomputation_keeps_the_numbers_and_sits_between_in_memory():
         assert relative_error(grads, want) < 1e-12, policy
         temp[policy] = exe.memory_analysis().temp_size_in_bytes
     assert temp["none"] > temp["selective"] > temp["full"]
+
+
+def test_selective_recomputation_keeps_the_attention_core_operators_a_plan_keeps():
+    """A selective plan whose attention-core operators (the scores and the probabilities'
+    product with the values, which selective recomputation runs again) have policy "none"
+    (`soapjax.search.recompute.relaxed` makes such plans): `kept_positions` names them, each
+    layer's checkpoint saves their outputs too (`_chunk_fn`'s ``kept``), so the compiled
+    step keeps more than plain selective recomputation and less than none. Loss and every
+    gradient leaf equal the unsharded step's to 1e-12 (float64, stage 2 x data 2 x model 2,
+    1F1B, 4 microbatches)."""
+    _, params, batch, graph, (want_loss, want) = model_case("gpt", STAGES)
+    base = strategy_of("gpt", 1, "selective")
+    strategy = dataclasses.replace(base, recompute=tuple(
+        "none" if op.block_position and recomputes(op, "selective") else base.recompute_of(j)
+        for j, op in enumerate(graph.operators)))
+    positions = kept_positions(graph, strategy)
+    assert len(positions) >= 2 and all("attn" in p for p in positions)
+    assert layer_recompute(graph, strategy) == "selective"
+    assert kept_positions(graph, base) == ()
+    opt = keep_gradients()
+    with jax.enable_x64(True):
+        step, shardings = sharded_train_step(graph, strategy, make_mesh(TOPOLOGY), opt,
+                                             params=params, batch=batch, compiler_options=FAST)
+        placed = device_put_global((params, opt.init(params), batch),
+                                   (shardings.params, shardings.opt_state, shardings.batch))
+        exe = step.lower(*placed).compile()
+        _, grads, loss = exe(*placed, np.int32(0))
+    assert relative_error(model_layout(grads), want) < 1e-12
+    assert abs(float(loss) - float(want_loss)) / abs(float(want_loss)) < 1e-12
+    temp = exe.memory_analysis().temp_size_in_bytes
+    assert (compiled("gpt", 1, "selective")[2].memory_analysis().temp_size_in_bytes < temp
+            < compiled("gpt", 1, "none")[2].memory_analysis().temp_size_in_bytes)
+
+
+def test_kept_operators_need_selective_recomputation():
+    """`pipelined_value_and_grad` refuses kept positions under another policy, and a position
+    no layer operator has, saying so."""
+    graph = model_case("gpt", STAGES)[3]
+    mesh = make_mesh(TOPOLOGY).devices.reshape(2, 2, 2)
+    mesh = Mesh(mesh, ("stage", "data", "model"), axis_types=(AxisType.Auto,) * 3)
+    with pytest.raises(PlanError, match="only under recompute='selective', not 'full'"):
+        pipelined_value_and_grad(graph, mesh, stages=STAGES, microbatches=4, recompute="full",
+                                 kept=("layers_*/attn/scores",))
+    with pytest.raises(PlanError, match="no operator of graph .* first layer is at them"):
+        pipelined_value_and_grad(graph, mesh, stages=STAGES, microbatches=4,
+                                 recompute="selective", kept=("layers_*/nowhere",))
 
 
 def test_shard_training_runs_a_pipelined_plan():

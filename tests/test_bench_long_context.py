@@ -72,8 +72,9 @@ def test_render_says_the_ratio_and_what_fills_memory_where_nothing_fits(row):
 
 def test_the_searched_plan_says_which_layer_operators_keep_their_outputs():
     """`_searched_row.recompute_words`: the policies, and where some of a layer's operators
-    recompute and others do not, the ones kept; a policy that recomputes nothing of a layer
-    (selective beside flash attention, which has no separate attention core) lists none."""
+    recompute and others do not, the ones kept (under selective recomputation, the attention
+    core's, a pipeline's too); a policy that recomputes nothing of a layer (selective beside
+    flash attention, which has no separate attention core) lists none."""
     from _searched_row import recompute_words
 
     import soapjax_zoo
@@ -96,3 +97,12 @@ def test_the_searched_plan_says_which_layer_operators_keep_their_outputs():
     assert recompute_words(selective, g) == "selective"
     assert recompute_words(Strategy(base.configs), g) == "none"
     assert recompute_words(kept.with_pipeline(2), g) == "full"
+    # selective recomputation with an attention core's operator kept (LLaMA's own attention:
+    # its scores and their product with the values, which selective recomputation runs again)
+    w = soapjax_zoo.get("llama", "tiny")
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="llama")
+    core = Strategy(data_parallel(g, MeshShape.of(load_topology("cpu8"))).configs,
+                    recompute=tuple("none" if not op.block_position
+                                    or op.name.endswith("/attn/dot_general_1") else "selective"
+                                    for op in g.operators))
+    assert recompute_words(core.with_pipeline(2), g) == "selective, kept: attn/dot_general_1"

@@ -58,3 +58,36 @@ def test_render_says_the_ratio(row):
     best = min(bench_moe.best_hand(row, p)["step_s"] for p in ("megatron", "maxtext")
                if bench_moe.best_hand(row, p))
     assert ratio == pytest.approx(best / row["searched"]["step_s"], abs=0.005)
+
+
+def test_megatrons_selective_recomputation_runs_the_attention_core_again_alone():
+    """Megatron-LM's selective recomputation of an MoE model (`_searched_row.megatron_selective`)
+    runs the attention core again and nothing of the MoE layer: the layer's dispatch and
+    combine einsums (matmuls of two activations, which soapjax's selective rule recomputes)
+    keep their outputs, and apply keeps them too (`kept_positions`)."""
+    from _searched_row import megatron_selective
+
+    import soapjax_zoo
+    from soapjax.apply._pipeline_layout import kept_positions
+    from soapjax.graph.opgraph import trace
+    from soapjax.strategy.baselines import megatron_3d
+    from soapjax.strategy.memory import recomputes
+    from soapjax.topology.cluster import load_topology
+
+    w = soapjax_zoo.get("moe", "tiny", batch_size=8)
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    s = megatron_3d(g, load_topology("cpu8"), tp=2, microbatch_size=1, recompute="selective",
+                    sequence_parallel=True)
+    m = megatron_selective(g, s)
+
+    def again(strategy):
+        return {op.name.split("/", 1)[1] for j, op in enumerate(g.operators)
+                if op.name.startswith("layers_0/") and recomputes(op, strategy.recompute_of(j))}
+
+    assert any(n.startswith("moe/") for n in again(s))
+    assert again(m) and all(n.startswith("attn") for n in again(m))
+    assert again(m) == {n for n in again(s) if not n.startswith("moe/")}
+    assert set(kept_positions(g, m.with_pipeline(2))) == {
+        f"layers_*/{n}" for n in again(s) - again(m)}
+    names = bench_moe.megatron_points(g, load_topology("cpu8"), GRID)
+    assert all(again(st) == again(m) for n, st in names.items() if n.endswith("selective"))

@@ -31,7 +31,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from soapjax.base.errors import PlanError
 from soapjax.graph._program import LayerScan
 from soapjax.graph.opgraph import OpGraph
-from soapjax.strategy.memory import coupled_samples, random_operator
+from soapjax.strategy.memory import coupled_samples, random_operator, recomputes
 from soapjax.strategy.pipeline import (
     DEFAULT_SCHEDULE,
     ScheduleName,
@@ -48,7 +48,7 @@ from soapjax.strategy.space import (
 )
 
 __all__ = ["STAGE_AXIS", "batch_axes", "check_chunks", "check_pipelinable", "check_stage_axis",
-           "chunk_ordered", "from_pipelined", "layer_recompute", "layer_scan",
+           "chunk_ordered", "from_pipelined", "kept_positions", "layer_recompute", "layer_scan",
            "pipelined_layout_shardings", "pipelined_mesh", "stacked_params", "stage_mesh_shape",
            "stage_router", "to_pipelined"]
 
@@ -340,11 +340,32 @@ def layer_recompute(graph: OpGraph, strategy: Strategy) -> RecomputePolicy:
     """The recompute policy the pipelined layers run under: ``"full"`` if a layer operator's
     policy (`Strategy.recompute`, operators with a `block_position`) is ``"full"``, else
     ``"selective"`` if one is, else ``"none"``. One policy for every layer, since a chunk is
-    recomputed or kept as a whole; operators outside the layers (embedding, head, loss) run as
-    under ``"none"``, but for the head in the last chunk, which follows the layers' policy."""
+    recomputed or kept as a whole (under ``"selective"``, `kept_positions` says which
+    attention-core operators keep their outputs as well); operators outside the layers
+    (embedding, head, loss) run as under ``"none"``, but for the head in the last chunk, which
+    follows the layers' policy."""
     found = {strategy.recompute_of(j) for j, op in enumerate(graph.operators)
              if op.block_position}
     return next((p for p in reversed(RECOMPUTE_POLICIES) if p in found), "none")
+
+
+def kept_positions(graph: OpGraph, strategy: Strategy) -> tuple[str, ...]:
+    """The layer positions (`Operator.block_position`) whose outputs the pipelined layers keep
+    although their policy (`layer_recompute`) is ``"selective"``: operators selective
+    recomputation runs again (`soapjax.strategy.memory.recomputes`: an attention core's
+    matmuls) whose own policy is ``"none"`` (`soapjax.search.recompute.relaxed` makes such
+    plans). Each layer's ``jax.checkpoint`` then saves their outputs too
+    (`soapjax.apply._pipelined._chunk_fn`'s ``kept``). Empty under any other layer policy: a
+    chunk recomputed in full keeps its input alone, and one not recomputed keeps everything.
+    """
+    if layer_recompute(graph, strategy) != "selective":
+        return ()
+    out: dict[str, None] = {}
+    for j, op in enumerate(graph.operators):
+        if (op.block_position and strategy.recompute_of(j) == "none"
+                and recomputes(op, "selective")):
+            out[op.block_position] = None
+    return tuple(out)
 
 
 def batch_axes(graph: OpGraph, strategy: Strategy) -> tuple[str, ...]:

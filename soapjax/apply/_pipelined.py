@@ -94,9 +94,12 @@ tick table, so a stage keeps as many activations as its schedule has in flight (
 GPipe: M). Without recomputation a forward keeps its chunk's residuals (what ``jax.vjp`` saves,
 but for the parameters and the values the stage already holds) in a slot until the backward;
 with ``recompute="full"`` it keeps only the chunk's input, and the backward recomputes the chunk's
-forward from it. Gradients are summed over microbatches and the loss is the mean of the
-microbatch losses: the unsharded step's, for a loss that is a mean over its samples (as the
-zoo's are). Microbatch ``k`` holds samples ``k, k + M, ...`` (as `soapjax.apply.step` splits them).
+forward from it; with ``"selective"`` each layer runs in a ``jax.checkpoint`` saving its
+matmuls' outputs and the outputs of the attention-core operators a plan keeps (``kept``,
+`kept_positions`), the rest recomputed. Gradients are summed over microbatches and the loss
+is the mean of the microbatch losses: the unsharded step's, for a loss that is a mean over its
+samples (as the zoo's are). Microbatch ``k`` holds samples ``k, k + M, ...`` (as
+`soapjax.apply.step` splits them).
 
 Data parallelism inside a stage: the stages run the program traced at one data group's share
 of a microbatch (B / (M D) samples for D groups), so each group's backward adds its own
@@ -157,6 +160,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from soapjax.apply._flatstep import _Layouts
@@ -168,6 +172,7 @@ from soapjax.apply._pipeline_layout import (
     check_stage_axis,
     chunk_ordered,
     from_pipelined,
+    kept_positions,
     layer_recompute,
     layer_scan,
     pipelined_layout_shardings,
@@ -646,7 +651,8 @@ _constrain_operand.defvjp(_constrain_operand_fwd, _constrain_operand_bwd)
 def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = False,
               whole_queries: bool = False, counted: bool = False,
               hook: Callable | None = None,
-              operand_reads: Mapping[int, Sequence[tuple]] | None = None) -> Callable:
+              operand_reads: Mapping[int, Sequence[tuple]] | None = None,
+              kept: frozenset[int] = frozenset()) -> Callable:
     """``(chunk params, values, x) -> y`` (the chunk's output carry) or, for the last chunk,
     ``-> loss`` (the epilogue after it); `values` are those of the ids `reads`, the chunk
     params ``[L / C, ...]`` per stacked parameter, in the scan's order. With `selective`, each
@@ -658,19 +664,29 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
     the chunk runs last (``(chunk params, values, x, count)``): its params hold a stage's
     longest run, and layers from `count` on pass the carry through (a ``lax.cond``, so the
     padding costs no compute). `hook`, `operand_reads`: `_run_in_stage`'s `hook` and
-    `reads`."""
+    `reads`. `kept` (with `selective`): layer 0's value ids the checkpoint saves as well
+    (named `KEPT_NAME`: the outputs of the operators `kept_positions` says; the rest of the
+    attention core is recomputed as before)."""
     prog, scan = cut.program, cut.scan
+    layer_hook = hook
+    if kept:
+        def layer_hook(v: int, value: Any) -> Any:
+            value = value if hook is None else hook(v, value)
+            return checkpoint_name(value, KEPT_NAME) if v in kept else value
 
     def layer(vals: Sequence[Any], carry: tuple, slices: list) -> tuple:
         env = _env(prog, dict(zip(reads, vals)))
         env.update(zip(scan.slices[0], slices))
         env.update(zip(scan.carries[0], carry))
-        _run_in_stage(prog, cut.layer, env, whole_queries, hook, operand_reads)
+        _run_in_stage(prog, cut.layer, env, whole_queries, layer_hook, operand_reads)
         return tuple(env[v] for v in scan.carries[1])
 
     if selective:
-        layer = jax.checkpoint(
-            layer, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        if kept:
+            policy = jax.checkpoint_policies.save_from_both_policies(
+                policy, jax.checkpoint_policies.save_only_these_names(KEPT_NAME))
+        layer = jax.checkpoint(layer, policy=policy)
 
     def chunk(params: list, vals: Sequence[Any], x: tuple, count: Any = None) -> Any:
         values = dict(zip(reads, vals))
@@ -691,6 +707,10 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
         return env[prog.outputs[0]]
 
     return chunk
+
+
+# The name `_chunk_fn` gives the values a selectively recomputed layer keeps beyond its matmuls.
+KEPT_NAME = "soapjax_kept"
 
 
 # --------------------------------------------------------------------------------------------
@@ -924,7 +944,8 @@ class PipelinedStep:
     split over ``stage`` on their layer dim in the model's layout (interleaved: in chunk
     order, wrapped in `ChunkOrdered`: `chunk_ordered`), and its loss and gradients
     come from `pipelined_value_and_grad` with the strategy's stages, microbatches, schedule,
-    `layer_recompute` and the axes it splits the batch over as data axes (`batch_axes`).
+    `layer_recompute` (with `kept_positions`) and the axes it splits the batch over as data
+    axes (`batch_axes`).
 
     Attributes:
       check: the checked strategy.
@@ -974,6 +995,7 @@ class PipelinedStep:
             graph, self.mesh, stages=stages, microbatches=strategy.microbatches,
             virtual=virtual, schedule=strategy.schedule,
             recompute=layer_recompute(graph, strategy), stage_axis=STAGE_AXIS,
+            kept=kept_positions(graph, strategy),
             data_axes=batch_axes(graph, strategy),
             whole_query_attention=splits_queries(graph, strategy.configs),
             stage_layers=strategy.stage_layers,
@@ -1061,7 +1083,8 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
                              data_axes: Sequence[str] = (), scatter_gather: bool = True,
                              whole_query_attention: bool = False,
                              stage_layers: tuple[int, ...] = (),
-                             layouts: StageLayouts | None = None
+                             layouts: StageLayouts | None = None,
+                             kept: Sequence[str] = ()
                              ) -> Callable[[Any, Any], tuple[Any, Any]]:
     """``(params, batch) -> (loss, grads)``: what ``jax.value_and_grad(loss_fn)`` computes, as
     a pipeline over the mesh's `stage_axis` (module doc). Jit it.
@@ -1075,10 +1098,10 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
       schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (`soapjax.strategy.pipeline`).
       recompute: ``"full"``: each chunk's backward recomputes its forward from
         the chunk's input; ``"selective"``: a forward keeps the outputs of its layers' matmuls
-        without batch dims (projections, MLP) and the backward recomputes the rest, the
-        attention core included (``jax.checkpoint`` with ``dots_with_no_batch_dims_saveable``
-        around each layer); ``"none"`` (default): a forward keeps every
-        residual.
+        without batch dims (projections, MLP) and of the operators at `kept`, and the backward
+        recomputes the rest, the attention core included (``jax.checkpoint`` with
+        ``dots_with_no_batch_dims_saveable`` around each layer); ``"none"`` (default): a
+        forward keeps every residual.
       stage_axis: the mesh axis of the stages.
       data_axes: the mesh axes the batch is split over (``("data",)``). Inside a stage each
         of their device groups runs its own samples of every microbatch and keeps its own
@@ -1100,6 +1123,9 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
       layouts: where the stages hold their values (`StageLayouts`: a plan's,
         `stage_layouts`); None: where XLA places them, the carry replicated over the
         automatic axes (module doc).
+      kept: with ``recompute="selective"``, layer positions (`Operator.block_position`)
+        whose outputs each layer's checkpoint saves as well (`kept_positions`: attention-core
+        operators a plan keeps).
 
     Returns:
       The function. It takes the parameters in the pipelined layout (`to_pipelined`; place
@@ -1110,10 +1136,14 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
       PlanError: the graph has no layer scan (or one that cannot be pipelined, module doc),
         draws random bits, its layers do not divide into ``S v`` chunks, the batch into M
         microbatches, the schedule's numbers do not make a pipeline, or `data_axes` are not
-        axes of the mesh besides `stage_axis`.
+        axes of the mesh besides `stage_axis`, or `kept` names positions without
+        ``recompute="selective"`` or that no layer operator has.
     """
     if recompute not in RECOMPUTE_POLICIES:
         raise PlanError(f"recompute={recompute!r}: expected one of {RECOMPUTE_POLICIES}")
+    if kept and recompute != "selective":
+        raise PlanError(f"kept={tuple(kept)}: operators are kept beyond the matmuls only "
+                        f"under recompute='selective', not {recompute!r}")
     check_stage_axis(mesh, stages, stage_axis)
     check_pipelinable(graph, stages=stages, microbatches=microbatches, virtual=virtual,
                       schedule=schedule, stage_layers=stage_layers)
@@ -1122,8 +1152,23 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
     rows = ticks(schedule, stages, microbatches, virtual)
     pipe = _Pipeline(outer, cut, groups, mesh, stage_axis, stages, virtual, microbatches, rows,
                      recompute, data_axes, scatter_gather, whole_query_attention,
-                     tuple(stage_layers), layouts)
+                     tuple(stage_layers), layouts, _kept_values(cut, kept))
     return pipe.value_and_grad
+
+
+def _kept_values(cut: _Cut, positions: Sequence[str]) -> frozenset[int]:
+    """The value ids of layer 0's operators at `positions` (the layer program's), which
+    `_chunk_fn` keeps; PlanError for a position no operator of layer 0 has."""
+    layer, wanted = set(cut.layer), set(positions)
+    out, seen = set(), set()
+    for op in cut.graph.operators:
+        if op.block_position in wanted and layer & set(cut.program.local[op.name].units):
+            seen.add(op.block_position)
+            out.update(t.value for t in op.outputs)
+    if wanted - seen:
+        raise PlanError(f"kept positions {sorted(wanted - seen)}: no operator of graph "
+                        f"{cut.graph.name!r}'s first layer is at them")
+    return frozenset(out)
 
 
 def _split(x: Any, microbatches: int) -> Any:
@@ -1177,8 +1222,9 @@ class _Pipeline:
                  rows: Sequence[Sequence[Action | None]], recompute: RecomputePolicy,
                  data_axes: Sequence[str] = (), scatter_gather: bool = True,
                  whole_query_attention: bool = False, stage_layers: tuple[int, ...] = (),
-                 layouts: StageLayouts | None = None):
+                 layouts: StageLayouts | None = None, kept: frozenset[int] = frozenset()):
         self.outer, self.cut, self.groups = outer, cut, groups
+        self.kept = kept  # layer 0's values a selective layer keeps (`_chunk_fn`)
         self.stage_layers = stage_layers  # uneven stages: the layers each runs
         self.mesh, self.stage_axis = mesh, stage_axis
         self.split_axes = _split_axes(mesh, stage_axis, data_axes, groups, scatter_gather)
@@ -1274,7 +1320,7 @@ class _Pipeline:
         others = tuple(v for v in values if v in reads and not self.is_float[v])
         fn = _chunk_fn(self.cut, last, floats + others, self.selective, self.whole_queries,
                        counted=bool(self.stage_layers), hook=self._constraint_hook(),
-                       operand_reads=self.operand_reads)
+                       operand_reads=self.operand_reads, kept=self.kept)
         if self.stage_layers:  # the count rides last among the others (`_inputs`)
             return _ChunkFn(lambda p, f, o, carry: fn(p, [*f, *o[:-1]], carry, o[-1]),
                             floats, others)

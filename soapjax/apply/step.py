@@ -140,7 +140,9 @@ def sharded_train_step(graph: OpGraph, strategy: Any, mesh: Mesh,
     reshaped back, so the optimizer updates the model's layout. The layers recompute as
     `soapjax.apply._pipeline_layout.layer_recompute` says: in full from each chunk's input if a
     layer operator's policy is ``"full"``, keeping the projections' and MLP's matmul outputs and
-    recomputing the attention core if one is ``"selective"``.
+    recomputing the attention core if one is ``"selective"`` (but for the attention-core
+    operators whose policy is ``"none"``, which keep their outputs:
+    `soapjax.apply._pipeline_layout.kept_positions`).
     With 1F1B the model layout's stage split is each stage's chunk, so nothing moves but the
     pipeline's sends; with v > 1 virtual stages a stage's chunks are not one run of layers,
     so the step keeps the stacked layer parameters, their gradients and the optimizer state

@@ -49,7 +49,8 @@ does not fit is made to fit (`_fitting`), its least-memory variant tried first. 
 recomputation of the best plan seen and of the fastest others that recompute is then chosen
 per operator within the memory (`_relaxed_starts`, `soapjax.search.recompute.relaxed`: the
 attention core kept where the rest is recomputed, say), and the fastest of those is a start
-of its own.
+of its own; a pipeline's chain starts from its start so relaxed where its layers recompute
+selectively (`soapjax.search.pipelines`).
 
 **Pipeline stages.** With ``SearchSettings(pipelines=True)`` (`soapjax plan --pipelines`), or
 by default when no plan without stages fits in memory, for each stage count S that divides
@@ -113,7 +114,7 @@ from soapjax.search._chain import (
 from soapjax.search._clock import sparse_gc
 from soapjax.search.grids import _grid_starts, _within
 from soapjax.search.pipelines import _Pipelines
-from soapjax.search.recompute import recomputes_any, relaxed
+from soapjax.search.recompute import RELAX_SHARE, recomputes_any, relaxed
 from soapjax.simulate import SimResult
 from soapjax.simulate.front import (
     Simulation,
@@ -207,9 +208,8 @@ RESHARD_CHECK_DEVICES = 256
 # checks the finalists after the first only while the budget lasts.
 RESHARD_CHECK_SHARE = 0.1
 # The recomputation of the best plan seen after the starts and of the fastest others that
-# recompute (RELAXED_STARTS in all) chosen per operator (`_relaxed_starts`) takes at most
-# RELAX_SHARE of a time budget.
-RELAX_SHARE = 0.1
+# The best start and the fastest others that recompute (RELAXED_STARTS in all), their
+# recompute chosen per operator (`_relaxed_starts`) in at most RELAX_SHARE of a time budget.
 RELAXED_STARTS = 3
 
 

@@ -18,6 +18,7 @@ from soapjax.search._chain import (
 )
 from soapjax.search._clock import past, share
 from soapjax.search.grids import _likely_first, _score_points, _within, grid_degrees
+from soapjax.search.recompute import RELAX_SHARE, relaxed
 from soapjax.search.stages import _num_layers, balance_stages
 from soapjax.simulate.front import (
     open_simulation,
@@ -213,11 +214,27 @@ class _Pipelines:
                 _, start, _ = balance_stages(searcher.sim,
                                              (searcher.sim.step_time(), start, name.name),
                                              deadline)
-                searcher.chain(name.name, start, deadline if deadline is not None
+                start, label = self._relaxed(searcher, start, name.name, deadline)
+                searcher.chain(label, start, deadline if deadline is not None
                                else time.perf_counter() + settings.budget_s / 4)
                 flat.proposals += searcher.proposals
                 flat.accepted += searcher.accepted
                 yield searcher.best
+
+
+    def _relaxed(self, searcher: _Searcher, start: Strategy, name: str,
+                 deadline: float | None) -> tuple[Strategy, str]:
+        """`start` with its layers' attention core kept where that is faster and fits
+        (`soapjax.search.recompute.relaxed`, in `RELAX_SHARE` of the chain's time: a
+        selectively recomputed pipeline only), and the chain's start name (``...-kept``
+        then); else `start` and `name` (docs/vs-experts.md: Mixtral 8x22B's combine einsum
+        kept)."""
+        if deadline is not None:
+            deadline = time.perf_counter() + RELAX_SHARE * max(0.0, deadline
+                                                                - time.perf_counter())
+        found = relaxed(searcher.sim, self._args[0], start, deadline,
+                        lambda: searcher.record(f"{name}-kept"))
+        return (start, name) if found is None else (found[1], f"{name}-kept")
 
 
 @contextlib.contextmanager

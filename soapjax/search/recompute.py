@@ -22,8 +22,13 @@ fastest plan of those walks is returned. Each change is delta-simulated and reje
 taken simulated again and accepted (`Simulation.propose_many`), so the plan's price is the
 full simulation's.
 
-Flat strategies only: a pipeline's layers run one policy, the strongest any of them has
-(`soapjax.apply._pipeline_layout.layer_recompute`), which the pipelines' grids choose among.
+A pipelined strategy is walked where its layers recompute selectively (the attention core
+run again, nothing in full) and at its own microbatch count (its schedule's): apply runs a
+pipeline's layers under one policy, the strongest any layer operator has
+(`soapjax.apply._pipeline_layout.layer_recompute`), and keeps, beyond what selective
+recomputation keeps, the outputs of the attention-core operators whose policy is none
+(`soapjax.apply._pipeline_layout.kept_positions`), so the walk changes those alone; a chunk
+recomputed in full keeps its input only, so a pipeline recomputing in full is not walked.
 """
 
 from __future__ import annotations
@@ -36,11 +41,15 @@ from soapjax.simulate.front import Simulation
 from soapjax.strategy.memory import microbatch_choices, microbatch_refusal, recomputes
 from soapjax.strategy.space import MeshShape, Strategy
 
-__all__ = ["MICROBATCH_STEPS", "recomputes_any", "relaxed"]
+__all__ = ["MICROBATCH_STEPS", "RELAX_SHARE", "recomputes_any", "relaxed"]
 
 # The microbatch counts tried beyond the strategy's own: the next MICROBATCH_STEPS larger ones
 # the batch and every operator's sample split allow.
 MICROBATCH_STEPS = 3
+
+# The share of a search's time budget (flat plans: `soapjax.search.find`'s starts) or of a
+# pipeline chain's (`soapjax.search.pipelines`) that these walks may take.
+RELAX_SHARE = 0.1
 
 
 def recomputes_any(graph: OpGraph, strategy: Strategy) -> bool:
@@ -50,16 +59,31 @@ def recomputes_any(graph: OpGraph, strategy: Strategy) -> bool:
     return any(recomputes(op, strategy.recompute_of(j)) for j, op in enumerate(graph.operators))
 
 
-def _positions(graph: OpGraph) -> list[list[int]]:
+def _positions(graph: OpGraph, layers_only: bool = False) -> list[list[int]]:
     """The operators a recompute change moves together: every layer's operator at one
-    position of a repeated block, or one operator outside the blocks (graph order)."""
+    position of a repeated block, or one operator outside the blocks (graph order); with
+    `layers_only`, the layers' positions alone."""
     tied = {i: g for g in graph.repeated_blocks() for i in g}
-    return [tied.get(i, [i]) for i in range(len(graph.operators)) if tied.get(i, [i])[0] == i]
+    return [tied.get(i, [i]) for i in range(len(graph.operators)) if tied.get(i, [i])[0] == i
+            and (not layers_only or graph.operators[i].block_position)]
+
+
+def _walkable(graph: OpGraph, strategy: Strategy) -> bool:
+    """Whether `relaxed` walks `strategy`: it recomputes something, and if it has pipeline
+    stages, no layer operator in full (module doc)."""
+    if not recomputes_any(graph, strategy):
+        return False
+    return strategy.stages == 1 or not any(
+        strategy.recompute_of(j) == "full" for j, op in enumerate(graph.operators)
+        if op.block_position)
 
 
 def _counts(graph: OpGraph, strategy: Strategy, mesh: MeshShape) -> list[int]:
-    """The strategy's microbatch count, then up to `MICROBATCH_STEPS` larger ones its configs
-    take (`soapjax.strategy.memory.microbatch_refusal`)."""
+    """The strategy's microbatch count, then (without pipeline stages) up to
+    `MICROBATCH_STEPS` larger ones its configs take
+    (`soapjax.strategy.memory.microbatch_refusal`)."""
+    if strategy.stages > 1:
+        return [strategy.microbatches]
     larger = [m for m in microbatch_choices(graph) if m > strategy.microbatches
               and not microbatch_refusal(graph, strategy.configs, mesh, m)]
     return [strategy.microbatches] + larger[:MICROBATCH_STEPS]
@@ -96,23 +120,24 @@ def relaxed(sim: Simulation, graph: OpGraph, strategy: Strategy, deadline: float
             record: Callable[[], None] | None = None) -> tuple[float, Strategy] | None:
     """The fastest fitting plan `strategy`'s recomputation relaxes to (module doc): ``(step
     time, strategy)``, or None where none is faster than `strategy` or it recomputes nothing,
-    has pipeline stages or does not fit.
+    has pipeline stages whose layers recompute in full, or does not fit.
 
     Args:
-      sim: a flat simulation (`soapjax.simulate.front.Simulation`), reset here.
+      sim: a simulation of `strategy`'s kind (`soapjax.simulate.front.open_simulation`: flat,
+        or of its pipeline), reset here.
       graph: its graph.
       strategy: where the walks start; tied over the repeated blocks (as chains keep them).
       deadline: a `time.perf_counter` time after which no change is tried (None: none).
       record: called with each walk's end on `sim` (the search's `_Searcher.record`).
     """
-    if strategy.stages > 1 or not recomputes_any(graph, strategy):
+    if not _walkable(graph, strategy):
         return None
     sim.reset(strategy)
     if not sim.fits_in_memory():
         return None
     start = sim.step_time()
     best: tuple[float, Strategy] | None = None
-    positions = _positions(graph)
+    positions = _positions(graph, layers_only=strategy.stages > 1)
     for m in _counts(graph, strategy, MeshShape.of(sim.topology)):
         if deadline is not None and time.perf_counter() >= deadline:
             break
