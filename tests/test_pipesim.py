@@ -411,3 +411,46 @@ def test_sequence_parallel_stages_send_their_shards_and_gather_nothing():
         permutes = [c for c in collectives if c[0] == "collective_permute"]
         assert sum(n for _, n, _ in permutes) == sum(sim.send_bytes())
     assert gathers[True] == [] and len(gathers[False]) == 1
+
+
+@functools.cache
+def moe(layers: int = 4):
+    from soapjax_zoo.moe import MOE_CONFIGS, build_moe
+    cfg = dataclasses.replace(MOE_CONFIGS["tiny"], batch_size=16, num_layers=layers)
+    w = build_moe("moe", "test", cfg, "linen")
+    return trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="moe")
+
+
+def test_coupled_samples_reduce_the_gradients_at_every_backward():
+    """An MoE's load-balancing loss couples the samples of a microbatch, so apply's stages run
+    whole microbatches and XLA reduces each gradient as every backward adds it: each chunk's
+    backward takes its parameters' gradient synchronisations (`grad_sync_seconds`) again, M
+    times a step, and the step's collectives count them M times; Megatron-LM's layout
+    (``"chunks"``) reduces once. Delta equals full there too."""
+    g = moe()
+    assert g.sample_coupling
+    start = megatron_3d(g, A100, tp=4, pp=2, microbatch_size=2, recompute="selective")
+    M = start.microbatches
+    assert M > 1
+    applied, megatron = pipelined(start, g), pipelined(start, g, layer_layout="chunks")
+    synced = applied._inner.grad_sync_seconds()
+    assert sum(synced) > 0
+    per_chunk = [0.0, 0.0]
+    for i, c in enumerate(layer_chunks(g, 2)):
+        if not applied._prologue[i]:
+            per_chunk[c] += synced[i]
+    got, want = applied.result().chunk_times.backward_s, megatron.result().chunk_times.backward_s
+    assert got == pytest.approx([w + s for w, s in zip(want, per_chunk)], rel=1e-12)
+    assert applied.step_time() > megatron.step_time()
+
+    def grad_syncs(sim):
+        return sum(n * runs for kind, n, runs in sim.step_collectives()[0] if kind == "all_reduce")
+
+    assert grad_syncs(applied) > grad_syncs(megatron)
+    rng, mesh = random.Random(0), applied.mesh
+    spaces = [configs(op, mesh) for op in g.operators]
+    for step in range(6):
+        i = rng.randrange(len(spaces))
+        applied.propose(i, rng.choice(spaces[i]), rng.choice(("none", "selective", None)))
+        applied.accept() if step % 2 else applied.reject()
+        assert applied.result().step_time_s == pipelined(applied.strategy, g).step_time()

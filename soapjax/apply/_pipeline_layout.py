@@ -76,9 +76,6 @@ def layer_scan(graph: OpGraph) -> tuple[LayerScan, tuple[int, ...]]:
     if scan.steps != tuple(range(len(scan.steps))):
         raise PlanError(f"graph {graph.name!r}: its layer scan runs in reverse; pipelining "
                         "needs the layers in order")
-    if any(scan.ys):
-        raise PlanError(f"graph {graph.name!r}: its layer scan stacks per-layer outputs; "
-                        "pipelining needs layers that pass only their carry on")
     position = {info.value: k for k, info in enumerate(graph.params)}
     stacked = []
     for sid in scan.slices[0]:

@@ -8,14 +8,17 @@ position. What a pipeline decides before its step runs (the layer scan, the mesh
 parameters live) is `soapjax.apply._pipeline_layout`.
 
 The traced loss (`soapjax.graph.opgraph.trace`) of a model whose layers are one scan over stacked
-parameters (``nn.scan``: the zoo's GPT and LLaMA) is cut in three
+parameters (``nn.scan``: the zoo's GPT, LLaMA and MoE) is cut in three
 (`soapjax.graph._program.LayerScan` records what each unrolled layer reads): the *prologue* (the
 equations before the layers: the embeddings), one *layer* (layer 0's equations as a function of its
 parameter slices, the carry and the values every layer reads), and the *epilogue* (final norm, head,
-loss). The L layers are cut into ``C = S * v`` chunks of ``L / C`` layers; device stage ``s`` holds
-chunks `soapjax.strategy.pipeline.chunks_of` ``(s, S, v)``, and every stacked parameter ``[L, ...]``
-is stored in the *pipelined layout* ``[v, S, L / C, ...]`` (chunk ``c = j S + s`` at ``[j, s]``),
-sharded over ``stage`` on its second dim, so a stage holds its own layers only
+loss). Outputs the layers stack (the MoE's per-layer load-balancing loss) ride with the carry
+as ``[L, ...]`` stacks, each chunk adding its layers' rows, the last handing them to the
+epilogue (`_chunk_fn`). The L layers are cut into ``C = S * v`` chunks of ``L / C`` layers;
+device stage ``s`` holds chunks `soapjax.strategy.pipeline.chunks_of` ``(s, S, v)``, and every
+stacked parameter ``[L, ...]`` is stored in the *pipelined layout* ``[v, S, L / C, ...]`` (chunk
+``c = j S + s`` at ``[j, s]``), sharded over ``stage`` on its second dim, so a stage holds its
+own layers only
 (`soapjax.apply._pipeline_layout`: `to_pipelined`, `pipelined_layout_shardings`). Uneven stages
 (one virtual stage, ``stage_layers`` per stage) store them ``[1, S, max(stage_layers), ...]``
 (`stage_router`: each stage's run, padded), and each stage's layer scan passes the carry
@@ -212,6 +215,10 @@ class _Cut(NamedTuple):
       per_mb: ids they read that do (one per microbatch); the layers' first carry first.
       layer_reads, epilogue_reads: the ids of ``shared + per_mb`` each part reads.
       graph: the graph it was cut from.
+      stacked_ys: per output a layer stacks (``(carry, aux)`` of an MoE layer: its
+        load-balancing loss), the id of the ``[L, ...]`` stack the epilogue reads; the
+        epilogue's units that stack them are not in ``epilogue`` (the pipeline carries the
+        stack from chunk to chunk and hands the last chunk the whole of it: `_chunk_fn`).
     """
 
     program: Program
@@ -227,6 +234,7 @@ class _Cut(NamedTuple):
     layer_reads: tuple[int, ...]
     epilogue_reads: tuple[int, ...]
     graph: OpGraph
+    stacked_ys: tuple[int, ...] = ()
 
 
 def _cut(graph: OpGraph) -> _Cut:
@@ -242,9 +250,11 @@ def _cut(graph: OpGraph) -> _Cut:
     first, last = in_layers[0], in_layers[-1]
     assert in_layers == list(range(first, last + 1)), "a scan's units are contiguous"
     layers = _layer_units(prog, range(first, last + 1), len(scan.steps))
-    epilogue = tuple(range(last + 1, len(prog.units)))
+    stacks = _ys_stacks(prog, scan, range(last + 1, len(prog.units)), graph.name)
+    epilogue = tuple(i for i in range(last + 1, len(prog.units)) if i not in stacks)
     made = _made(prog, range(first))
-    epi_reads = (_read(prog, epilogue) | {prog.outputs[0]}) - _made(prog, epilogue)
+    epi_reads = ((_read(prog, epilogue) | {prog.outputs[0]}) - _made(prog, epilogue)
+                 - set(stacks.values()))
     strays = (epi_reads & _made(prog, range(first, last + 1))) - set(scan.carries[-1])
     if strays:
         raise PlanError(f"graph {graph.name!r}: what follows the layers reads values made "
@@ -267,7 +277,27 @@ def _cut(graph: OpGraph) -> _Cut:
     assert needed - set(per_mb + shared) == set() and (made | set(prog.inputs) | fixed) >= needed
     return _Cut(prog, scan, tuple(range(first)), layers, epilogue, params, batch, stacked,
                 shared, per_mb, tuple(sorted(set(scan.consts) - fixed)), tuple(sorted(epi_reads)),
-                graph)
+                graph, tuple(stacks.values()))
+
+
+def _ys_stacks(prog: Program, scan: LayerScan, idxs: range, name: str) -> dict[int, int]:
+    """Per output the layers stack (`LayerScan.ys`, in the layer's order), the unit among
+    `idxs` that stacks it (the traced ``jnp.stack`` of every layer's value) and its result:
+    ``{unit: stack id}``; PlanError where a layer's output is stacked other than once, in
+    order, or is not a float (the pipeline carries the stack and its cotangent)."""
+    if not scan.ys or not scan.ys[0]:
+        return {}
+    out: dict[int, int] = {}
+    for k in range(len(scan.ys[0])):
+        wanted = [step[k] for step in scan.ys]
+        found = [i for i in idxs if list(prog.units[i].ins) == wanted]
+        if (len(found) != 1 or not jnp.issubdtype(prog.jax_dtypes[wanted[0]], jnp.inexact)
+                or prog.units[found[0]].outs[0] is None):
+            raise PlanError(f"graph {name!r}: its layer scan stacks a per-layer output that "
+                            "the rest does not read as one stack of floats; pipelining "
+                            "carries such a stack from stage to stage and needs it so")
+        out[found[0]] = prog.units[found[0]].outs[0]
+    return out
 
 
 def _layer_units(prog: Program, idxs: range, length: int) -> tuple[int, ...]:
@@ -324,8 +354,10 @@ def _data_groups(graph: OpGraph, outer: _Cut, mesh: Mesh, microbatches: int,
                  data_axes: Sequence[str], stage_axis: str) -> tuple[_Cut, _Groups]:
     """The program a stage runs, cut (`_cut`) at one data group's share of a microbatch, and
     the groups. The microbatch's own cut without groups where `data_axes` split nothing, the
-    groups do not divide the microbatch, or a value the prologue hands the stages has no
-    sample dim (one the batch was reduced into): there XLA reduces the gradients where it
+    groups do not divide the microbatch, a value the prologue hands the stages has no
+    sample dim (one the batch was reduced into), or the samples interact
+    (`OpGraph.sample_coupling`: an MoE layer's load-balancing loss, a statistic over the
+    microbatch as the unpipelined step computes it): there XLA reduces the gradients where it
     places them, as each microbatch's backward adds them (module doc).
 
     Raises:
@@ -340,8 +372,8 @@ def _data_groups(graph: OpGraph, outer: _Cut, mesh: Mesh, microbatches: int,
     count = int(np.prod([sizes[a] for a in data_axes], dtype=np.int64))
     whole = outer, _Groups((), 1, (0,) * len(outer.per_mb))
     micro = graph.batch_size // microbatches
-    if count == 1 or micro % count:
-        return whole
+    if count == 1 or micro % count or graph.sample_coupling:
+        return whole  # (coupled samples: statistics over the microbatch, as unpipelined)
     cut = _cut(graph.at_batch_size(micro // count))
     dims = _batch_dims(outer, cut, count)
     return whole if dims is None else (cut, _Groups(tuple(data_axes), count, dims))
@@ -666,7 +698,10 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
     padding costs no compute). `hook`, `operand_reads`: `_run_in_stage`'s `hook` and
     `reads`. `kept` (with `selective`): layer 0's value ids the checkpoint saves as well
     (named `KEPT_NAME`: the outputs of the operators `kept_positions` says; the rest of the
-    attention core is recomputed as before)."""
+    attention core is recomputed as before). Where the layers stack outputs
+    (`_Cut.stacked_ys`), ``x`` ends with one ``[L, ...]`` stack of each, which the chunk adds
+    its layers' rows to from row ``offset`` (the function's last argument) and passes on with
+    its carry, and the last chunk hands the epilogue whole."""
     prog, scan = cut.program, cut.scan
     layer_hook = hook
     if kept:
@@ -674,12 +709,17 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
             value = value if hook is None else hook(v, value)
             return checkpoint_name(value, KEPT_NAME) if v in kept else value
 
-    def layer(vals: Sequence[Any], carry: tuple, slices: list) -> tuple:
+    ys = scan.ys[0] if cut.stacked_ys else ()  # layer 0's outputs the layers stack
+
+    def layer(vals: Sequence[Any], carry: tuple, slices: list) -> tuple[tuple, tuple]:
         env = _env(prog, dict(zip(reads, vals)))
         env.update(zip(scan.slices[0], slices))
         env.update(zip(scan.carries[0], carry))
         _run_in_stage(prog, cut.layer, env, whole_queries, layer_hook, operand_reads)
-        return tuple(env[v] for v in scan.carries[1])
+        return tuple(env[v] for v in scan.carries[1]), tuple(env[v] for v in ys)
+
+    def passed(carry: tuple) -> tuple[tuple, tuple]:  # a padding layer (uneven stages)
+        return carry, tuple(jnp.zeros(prog.shapes[v], prog.jax_dtypes[v]) for v in ys)
 
     if selective:
         policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
@@ -688,21 +728,29 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
                 policy, jax.checkpoint_policies.save_only_these_names(KEPT_NAME))
         layer = jax.checkpoint(layer, policy=policy)
 
-    def chunk(params: list, vals: Sequence[Any], x: tuple, count: Any = None) -> Any:
+    def chunk(params: list, vals: Sequence[Any], x: tuple, count: Any = None,
+              offset: Any = None) -> Any:
         values = dict(zip(reads, vals))
+        carry, stacks = tuple(x[:len(x) - len(ys)]), tuple(x[len(x) - len(ys):])
+        depth = jax.tree.leaves(params)[0].shape[0]
         if count is None:
-            y, _ = jax.lax.scan(lambda c, p: (layer(list(vals), c, p), None), x, params)
+            y, made = jax.lax.scan(lambda c, p: layer(list(vals), c, p), carry, params)
         else:
             def step(c: tuple, p_k: tuple) -> tuple:
                 p, k = p_k
-                return jax.lax.cond(k < count, lambda: layer(list(vals), c, p), lambda: c), None
+                return jax.lax.cond(k < count, lambda: layer(list(vals), c, p),
+                                    lambda: passed(c))
 
-            depth = jax.tree.leaves(params)[0].shape[0]
-            y, _ = jax.lax.scan(step, x, (params, jnp.arange(depth)))
+            y, made = jax.lax.scan(step, carry, (params, jnp.arange(depth)))
+        # the chunk's layers' rows of each stack (`_Cut.stacked_ys`), from row `offset` (rows
+        # past a stage's count hold zeros: its padding)
+        rows = None if offset is None else offset + jnp.arange(depth)
+        stacks = tuple(b.at[rows].add(m, mode="drop") for b, m in zip(stacks, made))
         if not last:
-            return y
+            return (*y, *stacks)
         env = _env(prog, values)
         env.update(zip(scan.carries[-1], y))
+        env.update(zip(cut.stacked_ys, stacks))
         _run_in_stage(prog, cut.epilogue, env, whole_queries, hook, operand_reads)
         return env[prog.outputs[0]]
 
@@ -1243,8 +1291,10 @@ class _Pipeline:
         self.carry_positions = tuple(cut.per_mb.index(v) for v in cut.scan.carries[0])
         self.constraints = self._constraints(layouts, data_axes)
         self.operand_reads = self._operand_reads(layouts) if self.constraints else {}
+        # the carry's layouts (the stacks of the layers' outputs it carries replicated)
+        stacks = (PartitionSpec(),) * len(cut.stacked_ys)
         self.entry, self.between = (tuple(self.constraints.get(v, PartitionSpec())
-                                          for v in carries)
+                                          for v in carries) + stacks
                                     for carries in (cut.scan.carries[0], cut.scan.carries[1]))
         self.loss_dtype = program.jax_dtypes[program.outputs[0]]
         self.chunk_fns = {last: self._make_chunk_fn(last) for last in (False, True)}
@@ -1321,10 +1371,15 @@ class _Pipeline:
         fn = _chunk_fn(self.cut, last, floats + others, self.selective, self.whole_queries,
                        counted=bool(self.stage_layers), hook=self._constraint_hook(),
                        operand_reads=self.operand_reads, kept=self.kept)
-        if self.stage_layers:  # the count rides last among the others (`_inputs`)
-            return _ChunkFn(lambda p, f, o, carry: fn(p, [*f, *o[:-1]], carry, o[-1]),
-                            floats, others)
-        return _ChunkFn(lambda p, f, o, carry: fn(p, [*f, *o], carry), floats, others)
+        # the count (uneven stages) and the stacks' row (`_Cut.stacked_ys`) ride last among the
+        # others (`_inputs`)
+        extra = (("count",) if self.stage_layers else ()) + (
+            ("offset",) if self.cut.stacked_ys else ())
+        n = len(extra)
+
+        def call(p: list, f: list, o: list, carry: tuple) -> Any:
+            return fn(p, [*f, *o[:len(o) - n]], carry, **dict(zip(extra, o[len(o) - n:])))
+        return _ChunkFn(call, floats, others)
 
     # ---- outside the pipeline: prologue, split and gather
 
@@ -1419,13 +1474,24 @@ class _Pipeline:
         others = [value(v) for v in chunk.others]
         if self.stage_layers:  # the layers this stage runs (one chunk a stage)
             others.append(jnp.asarray(self.stage_layers, jnp.int32)[self.stage])
+        if self.cut.stacked_ys:  # the chunk's first layer: its row of the stacks
+            if self.stage_layers:
+                starts = np.cumsum((0,) + self.stage_layers[:-1])
+                others.append(jnp.asarray(starts, jnp.int32)[self.stage])
+            else:
+                per_chunk = len(self.cut.scan.steps) // self.chunks
+                others.append((local_chunk * self.stages + self.stage) * per_chunk)
         return ([_row(p, local_chunk) for p in self.stacked], [value(v) for v in chunk.floats],
                 others)
 
     def _carry_shapes(self) -> list[jax.ShapeDtypeStruct]:
-        program = self.cut.program
-        return [jax.ShapeDtypeStruct(program.shapes[v], program.jax_dtypes[v])
-                for v in self.cut.scan.carries[0]]
+        """The carry a chunk takes and passes on: the layers' own, then a ``[L, ...]`` stack
+        of each output they stack (`_Cut.stacked_ys`)."""
+        program, scan = self.cut.program, self.cut.scan
+        own = [jax.ShapeDtypeStruct(program.shapes[v], program.jax_dtypes[v])
+               for v in scan.carries[0]]
+        return own + [jax.ShapeDtypeStruct(program.shapes[v], program.jax_dtypes[v])
+                      for v in self.cut.stacked_ys]
 
     def _zeros(self, shapes: Sequence[Any], lead: tuple[int, ...] = ()) -> list:
         return [jnp.zeros(lead + tuple(s.shape), s.dtype) for s in shapes]
@@ -1545,9 +1611,10 @@ class _Pipeline:
     def _chunk_input(self, state: dict, action: Any, first: bool) -> tuple:
         """The carry the chunk of `action` starts from: the prologue's for the first chunk,
         else the activation received into its slot."""
-        if first:
+        if first:  # (the stacks of the layers' outputs start empty)
             carry = [_row(self.values["mb"][k], action[_MICROBATCH])
                      for k in self.carry_positions]
+            carry += self._zeros(self._carry_shapes()[len(carry):])
             layouts = self.entry
         else:
             carry = [_row(b, action[_ACTIVATION_SLOT]) for b in state["activations"]]

@@ -128,7 +128,7 @@ from soapjax.simulate._simresult import (
     SimResult,
     TaskRecord,
 )
-from soapjax.simulate._taskgraph import Comm, Layout, Pricing
+from soapjax.simulate._taskgraph import CHAIN, Comm, Layout, Pricing
 from soapjax.strategy.memory import (
     Segments,
 )
@@ -261,6 +261,20 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
         them."""
         end = self._task_graph.end
         return ([end[t] for t in self._forward_task], [end[t] for t in self._backward_task])
+
+    @_settled
+    def grad_sync_seconds(self) -> list[float]:
+        """Per operator (graph order), the seconds of the gradient synchronisations of the
+        parameters it reads, run after its backward (`_LeafBuilding._build_grad_syncs`): what
+        a step that reduces the gradients at every microbatch's backward pays again each
+        microbatch (`soapjax.simulate.pipesim`, a pipeline of coupled samples)."""
+        task_graph, layout = self._task_graph, self._layout
+        per_segment = layout.slots * CHAIN
+        out = [0.0] * layout.n
+        for t in task_graph.order:
+            if task_graph.info[t][0] == GRAD_SYNC:  # its key is its reader's backward's
+                out[2 * layout.n - 1 - task_graph.key[t] // per_segment] += task_graph.dur[t]
+        return out
 
     @_settled
     def activation_bytes_by_operator(self) -> list[int]:

@@ -33,6 +33,10 @@ group's axes. The pipelined step is priced in three parts:
    backward) and the gradients of the parameters the epilogue reads (final norm, head),
    which every stage holds. Megatron-LM's layout (``"chunks"``, 4) runs neither, but an
    all-reduce of a tied embedding's gradient between its first and last stage.
+   Where the samples interact (`OpGraph.sample_coupling`: an MoE's load-balancing loss),
+   apply's stages run whole microbatches and XLA reduces the gradients at every backward:
+   each chunk's backward also takes its gradient syncs (`Simulation.grad_sync_seconds`), M
+   times a step (Megatron-LM, ``"chunks"``: statistics per rank, one reduction).
 4. **The layer layout** (``layer_layout``). `soapjax.apply.step` stores the stacked layer
    parameters ``[L, ...]`` split over the stages on the layer dim (``"model"``), ``L / S``
    layers a stage; with v > 1 in chunk order (`soapjax.apply._layer_order`: stage ``s``'s
@@ -193,6 +197,10 @@ class PipelinedSimulation:
         first, last = graph.memo("layer_span", lambda: layer_span(graph))
         # before the first layer (embedding): SPMD on every device, as apply runs it
         self._prologue = [i < first for i in range(len(graph.operators))]
+        # Where the samples interact (an MoE layer's load-balancing statistics), apply's stages
+        # run whole microbatches, and XLA reduces the gradients as every backward adds them
+        # (module doc, 3); Megatron-LM computes such statistics per rank and reduces once
+        self._sync_each_microbatch = bool(graph.sample_coupling) and layer_layout == "model"
         self._outside = [i < first or i > last for i in range(len(graph.operators))]
         # what apply sums over the stage axis after the pipeline (`_stage_sum_bytes`): the
         # prologue's outputs the rest reads (float ones: their cotangents), the parameters the
@@ -347,12 +355,18 @@ class PipelinedSimulation:
         layers = len(next(iter(stacked.values()))) if stacked else 0
         share = (max(sizes) if sizes else layers // S) / layers if layers else 1.0
         layer_params = {src for sources in stacked.values() for src in sources}
+        # the gradients the pipeline reduces at every microbatch's backward (coupled samples:
+        # all but the prologue's parameters'), else once
+        each = (self._inner.microbatches if self._sync_each_microbatch else 1)
+        prologue = {x.source for i, op in enumerate(self.graph.operators) if self._prologue[i]
+                    for x in op.inputs if x.kind == "param"}
         out, sent = [], 0.0
         for t in self._inner.result().tasks:
             if t.collectives:
                 scale = share if t.param in layer_params else 1.0
-                out.append((t.collective_kind, round(t.nbytes * scale), t.collectives))
-                sent += t.sent * scale
+                runs = (each if t.kind == "grad_sync" and t.param not in prologue else 1)
+                out.append((t.collective_kind, round(t.nbytes * scale), t.collectives * runs))
+                sent += t.sent * scale * runs
         twice = 2 * self._inner.microbatches  # forward and back, each microbatch
         mesh = self._inner.mesh
         for crossing in self._crossings():
@@ -415,6 +429,10 @@ class PipelinedSimulation:
         forward = [(f_last[c] - (f_last[c - 1] if c else pro_f)) / M for c in range(chunks)]
         backward = [(b_last[c] - (b_last[c + 1] if c + 1 < chunks else forward_done)) / M
                     for c in range(chunks)]
+        if self._sync_each_microbatch and M > 1:  # each backward reduces its gradients
+            for i, (c, t) in enumerate(zip(self._chunk, inner.grad_sync_seconds())):
+                if not self._prologue[i]:
+                    backward[c] += t
         # the last chunk's forward runs its loss's gathers' collectives
         forward[-1] += sum(t for *_, t in self._loss_collectives())
         times = ChunkTimes(tuple(max(0.0, t) for t in forward),
