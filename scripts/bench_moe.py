@@ -12,7 +12,11 @@ costs (the topology's GPU kernel model, `[device.kernels]`) and the ideal reshar
   sizes 1, 2 and 4 samples, recompute none / selective (the attention core alone, as Megatron
   runs it: `_searched_row.megatron_selective`) / full (and without stages
   Megatron-Core's ``--recompute-modules mlp layernorm``, ``mlp``), with and without Megatron's
-  distributed optimizer (the optimizer state sharded over the data-parallel axes); and
+  distributed optimizer (the optimizer state sharded over the data-parallel axes), its
+  pipelined points priced as Megatron runs them (``layer_layout="chunks"``: each stage's
+  layers where its chunks run them, the load-balancing statistics per rank and the gradients
+  reduced once a step, where `soapjax.apply`'s exact stages reduce them at every backward:
+  `soapjax.simulate.pipesim`, module doc, 3); and
   MaxText's rules
   (`baselines.maxtext_moe`: FSDP over every axis, the experts over the in-node axes, or over
   the node axis) with 1, 2 or 4 microbatches and the same recomputations. Each point is
@@ -96,8 +100,12 @@ def all_to_all_bytes(r: SimResult) -> float:
     return sum(t.sent for t in r.tasks if t.name.startswith("all_to_all"))
 
 
-def point(name: str, g: OpGraph, topo, strategy: Strategy, costs, factor: float) -> Point:
-    r = simulate(g, topo, strategy, cost_model=costs, resharder="ideal", opt_state_factor=factor)
+def point(name: str, g: OpGraph, topo, strategy: Strategy, costs, factor: float,
+          layer_layout: str = "model") -> Point:
+    """`strategy` simulated as `soapjax.apply` runs it, or with ``layer_layout="chunks"`` as
+    Megatron-LM runs a pipeline (`soapjax.simulate.pipesim`)."""
+    r = simulate(g, topo, strategy, cost_model=costs, resharder="ideal", opt_state_factor=factor,
+                 layer_layout=layer_layout)
     return Point(name, r.step_time_s, max(r.peak_memory_bytes), r.fits_in_memory,
                  all_to_all_bytes(r))
 
@@ -166,8 +174,10 @@ def run_case(case: Case, budget: float, pipelines: bool | None, grid: dict = GRI
     costs = cost_model(g, topo, mode="analytic", optimizer=w.optimizer)
     factor = opt_state_factor(w.optimizer, w.abstract_params())
     t0 = time.perf_counter()
-    points = [point(name, g, topo, s, costs, factor) for name, s in
-              (megatron_points(g, topo, grid) | maxtext_points(g, topo)).items()]
+    megatron = megatron_points(g, topo, grid)
+    points = [point(name, g, topo, s, costs, factor,
+                    "chunks" if name in megatron and s.stages > 1 else "model")
+              for name, s in (megatron | maxtext_points(g, topo)).items()]
     row["grid_s"] = time.perf_counter() - t0
     row["grid"] = [p._asdict() for p in points]
     return search_into(row, g, topo, w, case.size, costs, budget, pipelines,
