@@ -207,9 +207,9 @@ RESHARD_CHECK_DEVICES = 256
 # With a time budget the chains end RESHARD_CHECK_SHARE earlier, left for that check, which
 # checks the finalists after the first only while the budget lasts.
 RESHARD_CHECK_SHARE = 0.1
-# The recomputation of the best plan seen after the starts and of the fastest others that
-# The best start and the fastest others that recompute (RELAXED_STARTS in all), their
-# recompute chosen per operator (`_relaxed_starts`) in at most RELAX_SHARE of a time budget.
+# The best plan seen after the starts and the fastest others that recompute (RELAXED_STARTS in
+# all), their recompute chosen per operator (`_relaxed_starts`) in at most RELAX_SHARE of a
+# time budget.
 RELAXED_STARTS = 3
 
 

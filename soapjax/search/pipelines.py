@@ -221,7 +221,6 @@ class _Pipelines:
                 flat.accepted += searcher.accepted
                 yield searcher.best
 
-
     def _relaxed(self, searcher: _Searcher, start: Strategy, name: str,
                  deadline: float | None) -> tuple[Strategy, str]:
         """`start` with its layers' attention core kept where that is faster and fits
