@@ -70,22 +70,28 @@ def strategy_of(name: str, virtual: int, recompute: str = "full",
                        recompute=recompute, sequence_parallel=sequence_parallel)
 
 
+def run_step(graph, strategy, params, batch):
+    """`strategy`'s sharded step of `graph` compiled (float64, `FAST`) and run once on
+    `params` and `batch`: loss, gradients (in the stored layout), executable, shardings."""
+    opt = keep_gradients()
+    with jax.enable_x64(True):
+        step, shardings = sharded_train_step(graph, strategy, make_mesh(TOPOLOGY), opt,
+                                             params=params, batch=batch, compiler_options=FAST)
+        placed = device_put_global((params, opt.init(params), batch),
+                                   (shardings.params, shardings.opt_state, shardings.batch))
+        exe = step.lower(*placed).compile()
+        _, grads, loss = exe(*placed, np.int32(0))
+    return loss, grads, exe, shardings
+
+
 @functools.cache
 def compiled(name: str, virtual: int, recompute: str = "full",
              sequence_parallel: bool = False):
     """The compiled sharded step of the tiny model (2 layers per virtual stage) under
     megatron_3d(tp=2, pp=2, interleave=virtual): loss, gradients, executable, shardings."""
     _, params, batch, graph, _ = model_case(name, STAGES * virtual)
-    opt = keep_gradients()
     strategy = strategy_of(name, virtual, recompute, sequence_parallel)
-    with jax.enable_x64(True):
-        step, shardings = sharded_train_step(graph, strategy,
-                                             make_mesh(TOPOLOGY), opt, params=params,
-                                             batch=batch, compiler_options=FAST)
-        placed = device_put_global((params, opt.init(params), batch),
-                                   (shardings.params, shardings.opt_state, shardings.batch))
-        exe = step.lower(*placed).compile()
-        _, grads, loss = exe(*placed, np.int32(0))
+    loss, grads, exe, shardings = run_step(graph, strategy, params, batch)
     return loss, model_layout(grads), exe, shardings
 
 
@@ -192,14 +198,7 @@ def test_selective_recomputation_keeps_the_attention_core_operators_a_plan_keeps
     assert len(positions) >= 2 and all("attn" in p for p in positions)
     assert layer_recompute(graph, strategy) == "selective"
     assert kept_positions(graph, base) == ()
-    opt = keep_gradients()
-    with jax.enable_x64(True):
-        step, shardings = sharded_train_step(graph, strategy, make_mesh(TOPOLOGY), opt,
-                                             params=params, batch=batch, compiler_options=FAST)
-        placed = device_put_global((params, opt.init(params), batch),
-                                   (shardings.params, shardings.opt_state, shardings.batch))
-        exe = step.lower(*placed).compile()
-        _, grads, loss = exe(*placed, np.int32(0))
+    loss, grads, exe, shardings = run_step(graph, strategy, params, batch)
     assert relative_error(model_layout(grads), want) < 1e-12
     assert abs(float(loss) - float(want_loss)) / abs(float(want_loss)) < 1e-12
     temp = exe.memory_analysis().temp_size_in_bytes
@@ -360,15 +359,7 @@ def compiled_uneven(name: str, stage_layers: tuple[int, ...], recompute: str):
     _, params, batch, graph, _ = model_case(name, sum(stage_layers))
     strategy = megatron_3d(graph, TOPOLOGY, tp=2, pp=STAGES, microbatch_size=2,
                            recompute=recompute).with_pipeline(STAGES, 1, "1f1b", stage_layers)
-    opt = keep_gradients()
-    with jax.enable_x64(True):
-        step, shardings = sharded_train_step(graph, strategy, make_mesh(TOPOLOGY), opt,
-                                             params=params, batch=batch, compiler_options=FAST)
-        placed = device_put_global((params, opt.init(params), batch),
-                                   (shardings.params, shardings.opt_state, shardings.batch))
-        exe = step.lower(*placed).compile()
-        _, grads, loss = exe(*placed, np.int32(0))
-    return loss, grads, exe, shardings, strategy
+    return (*run_step(graph, strategy, params, batch), strategy)
 
 
 UNEVEN = [("gpt", (1, 3), "full"), ("llama", (3, 1), "selective"), ("gpt", (3, 1), "none")]
@@ -531,14 +522,9 @@ def test_an_moe_pipeline_carries_the_stacked_losses_and_computes_the_microbatche
     def microbatched(p, b):
         return sum(loss_fn(p, jax.tree.map(lambda x: x[k::M], b)) for k in range(M)) / M
 
-    opt = keep_gradients()
     with jax.enable_x64(True):
         want_loss, want = jax.jit(jax.value_and_grad(microbatched),
                                   compiler_options=FAST)(params, batch)
-        step, shardings = sharded_train_step(graph, strategy, make_mesh(TOPOLOGY), opt,
-                                             params=params, batch=batch, compiler_options=FAST)
-        placed = device_put_global((params, opt.init(params), batch),
-                                   (shardings.params, shardings.opt_state, shardings.batch))
-        _, grads, loss = step.lower(*placed).compile()(*placed, np.int32(0))
+    loss, grads, _, _ = run_step(graph, strategy, params, batch)
     assert relative_error(model_layout(grads), want) < 1e-12
     assert abs(float(loss) - float(want_loss)) / abs(float(want_loss)) < 1e-12
