@@ -245,13 +245,15 @@ def reference_value_and_grad(loss_fn: Callable[[Any, Any], Any], graph: OpGraph,
     """``jax.value_and_grad(loss_fn)``: the step a strategy must compute. Where the graph
     accepts statistics per microbatch (`soapjax.graph.opgraph.OpGraph.microbatch_statistics`) and
     the strategy has M > 1 microbatches, the mean over the M microbatches of their own loss and
-    gradients (what gradient accumulation computes by those semantics)."""
+    gradients (what gradient accumulation computes by those semantics), microbatch ``k``
+    holding samples ``k, k + M, ...`` as `soapjax.apply` splits them."""
     m = getattr(strategy, "microbatches", 1)
     if not (graph.microbatch_statistics and graph.sample_coupling and m > 1):
         return jax.value_and_grad(loss_fn)
 
     def accumulated(params, batch):
-        parts = jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
+        parts = jax.tree.map(
+            lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1), batch)
         losses, grads = jax.lax.map(lambda b: jax.value_and_grad(loss_fn)(params, b), parts)
         return jnp.mean(losses), jax.tree.map(lambda g: jnp.mean(g, axis=0), grads)
 
