@@ -87,7 +87,7 @@ from soapjax.simulate._pipe_cut import (
     send_pieces,
     tied_params,
 )
-from soapjax.simulate._simresult import MemoryBreakdown, SimResult
+from soapjax.simulate._simresult import GRAD_SYNC, MemoryBreakdown, SimResult
 from soapjax.strategy.pipeline import (
     DEFAULT_SCHEDULE,
     ChunkTimes,
@@ -364,7 +364,7 @@ class PipelinedSimulation:
         for t in self._inner.result().tasks:
             if t.collectives:
                 scale = share if t.param in layer_params else 1.0
-                runs = (each if t.kind == "grad_sync" and t.param not in prologue else 1)
+                runs = (each if t.kind == GRAD_SYNC and t.param not in prologue else 1)
                 out.append((t.collective_kind, round(t.nbytes * scale), t.collectives * runs))
                 sent += t.sent * scale * runs
         twice = 2 * self._inner.microbatches  # forward and back, each microbatch
