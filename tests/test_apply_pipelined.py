@@ -25,6 +25,7 @@ from test_corpus import relative_error as corpus_relative_error
 
 import soapjax_zoo
 from soapjax import training
+from soapjax.apply import _pipelined
 from soapjax.apply._pipeline_layout import batch_axes, kept_positions, layer_recompute
 from soapjax.apply._pipelined import pipelined_value_and_grad, ticks
 from soapjax.apply.step import (
@@ -503,12 +504,14 @@ def test_an_moe_pipeline_carries_the_stacked_losses_and_computes_the_microbatche
     into the loss: the pipeline carries that ``[L]`` stack from chunk to chunk beside the
     residual stream (each chunk adds its layers' rows) and hands the last chunk the whole of
     it. Its samples interact (the loss is a statistic over the microbatch, which the zoo's
-    MoE accepts per microbatch), so the stages run whole microbatches, not data groups' shares
-    of them: the step is the mean over the 4 microbatches (samples k, k + 4, ...) of the
-    loss, as unpipelined. Megatron's TP2 PP2 (SP), 1F1B with selective recomputation as
-    Megatron runs it on an MoE layer (its einsums kept: `kept_positions`) and interleaved
-    with 2 virtual stages: loss and every gradient leaf to 1e-12 (float64, stage 2 x data 2
-    x model 2). (With data groups instead, the gradients were 17 % off.)"""
+    MoE accepts per microbatch) through sums over them (`OpGraph.sample_sums`: the means of
+    the routes and the router's probabilities), so each data group runs its share of every
+    microbatch and adds those sums across the groups (`_Groups.sums`): the step is the mean
+    over the 4 microbatches (samples k, k + 4, ...) of the loss, as unpipelined. Megatron's
+    TP2 PP2 (SP), 1F1B with selective recomputation as Megatron runs it on an MoE layer (its
+    einsums kept: `kept_positions`) and interleaved with 2 virtual stages: loss and every
+    gradient leaf to 1e-12 (float64, stage 2 x data 2 x model 2). (Without the sums added,
+    each group's statistics its own: loss half, gradients 65 % off.)"""
     loss_fn, graph, params, batch = moe_case(layers)
     strategy = megatron_3d(graph, TOPOLOGY, tp=2, pp=STAGES, interleave=virtual,
                            microbatch_size=1, recompute=recompute, sequence_parallel=True)
@@ -518,6 +521,11 @@ def test_an_moe_pipeline_carries_the_stacked_losses_and_computes_the_microbatche
     M = strategy.microbatches
     assert M == 4 and graph.program.layer_scans[0].ys  # the stacked losses
     assert bool(kept_positions(graph, strategy)) == (recompute == "selective")
+    outer = _pipelined._cut(graph.at_batch_size(graph.batch_size // M))
+    _, groups = _pipelined._data_groups(graph, outer, make_mesh(TOPOLOGY), M, ("data",),
+                                        "node")
+    assert groups.axes == ("data",) and len(groups.sums) == 2 * layers + 1  # + the loss's
+    assert groups.literals  # the means' divisors, at the microbatch's size
 
     def microbatched(p, b):
         return sum(loss_fn(p, jax.tree.map(lambda x: x[k::M], b)) for k in range(M)) / M
@@ -525,6 +533,57 @@ def test_an_moe_pipeline_carries_the_stacked_losses_and_computes_the_microbatche
     with jax.enable_x64(True):
         want_loss, want = jax.jit(jax.value_and_grad(microbatched),
                                   compiler_options=FAST)(params, batch)
+    loss, grads, _, _ = run_step(graph, strategy, params, batch)
+    assert relative_error(model_layout(grads), want) < 1e-12
+    assert abs(float(loss) - float(want_loss)) / abs(float(want_loss)) < 1e-12
+
+
+def test_a_batch_norm_inside_pipelined_layers_computes_the_whole_batch_statistics():
+    """Layers that normalise by the batch's mean and variance (a batch norm in training mode,
+    written out: statistics over the samples that then meet each sample), scanned, pipelined
+    over 2 stages with the batch split over ``data`` x ``model`` (4 data groups of 4 samples,
+    one microbatch: the graph keeps the user's step): each group adds its sums over the
+    samples across the groups (`_Groups.sums`: every layer's mean and variance and the loss's
+    mean) and divides by the whole batch's count (`_Groups.literals`), so loss and every
+    gradient leaf equal ``jax.value_and_grad`` of the unsharded loss to 1e-12 (float64)."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            h = nn.Dense(16, param_dtype=jnp.float64)(x)
+            mean = h.mean(axis=0)
+            var = ((h - mean) ** 2).mean(axis=0)
+            return x + jnp.tanh((h - mean) / jnp.sqrt(var + 1e-5)), None
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(16, param_dtype=jnp.float64)(x)
+            x, _ = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                           length=4)()(x, None)
+            return nn.Dense(1, param_dtype=jnp.float64)(x)
+
+    net = Net()
+
+    def loss_fn(p, b):
+        return jnp.mean((net.apply(p, b["x"]) - b["y"]) ** 2)
+
+    with jax.enable_x64(True):
+        keys = jax.random.split(jax.random.PRNGKey(0), 3)
+        batch = {"x": jax.random.normal(keys[0], (BATCH, 8), jnp.float64),
+                 "y": jax.random.normal(keys[1], (BATCH, 1), jnp.float64)}
+        params = net.init(keys[2], batch["x"])
+        graph = trace(loss_fn, params, batch)
+        want_loss, want = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+        _, groups = _pipelined._data_groups(graph, _pipelined._cut(graph), make_mesh(TOPOLOGY),
+                                            1, ("data", "model"), "node")
+    assert graph.sample_coupling and not graph.microbatch_statistics
+    assert groups.count == 4 and len(groups.sums) == 2 * 4 + 1
+    assert sorted({float(x) for x in groups.literals.values()}) == [BATCH]  # not 4
+    strategy = megatron_3d(graph, TOPOLOGY, tp=1, pp=STAGES, microbatch_size=4,
+                           recompute="full")
+    assert strategy.microbatches == 1
     loss, grads, _, _ = run_step(graph, strategy, params, batch)
     assert relative_error(model_layout(grads), want) < 1e-12
     assert abs(float(loss) - float(want_loss)) / abs(float(want_loss)) < 1e-12

@@ -442,6 +442,40 @@ def test_named_axis_batch_norm_under_vmap_is_a_reduction():
     assert "psum" in {u.eqn.primitive.name for u in g.program.units}
 
 
+def test_sample_sums_are_the_sums_over_the_batch_that_its_statistics_start_from():
+    """`OpGraph.sample_sums`: a mean loss sums its samples once and couples nothing; a batch
+    norm written out (mean, variance of the centred values, then each sample divided) sums
+    them three times, the variance's sum after the mean meets each sample; a max over the
+    batch, and a sort of its samples, are no sums: None."""
+    w, x = jnp.ones((12, 16)), jnp.ones((8, 12))
+
+    def mean_loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w))
+
+    def batch_norm(w, x):
+        h = x @ w
+        mean = h.mean(axis=0)
+        var = ((h - mean) ** 2).mean(axis=0)
+        return jnp.mean((h - mean) / jnp.sqrt(var + 1e-5))
+
+    def by_max(w, x):
+        h = x @ w
+        return jnp.mean(h / h.max(axis=0))
+
+    def sorted_batch(w, x):
+        return jnp.mean(jnp.sort(x @ w, axis=0)[:4])
+
+    sums = {}
+    for fn in (mean_loss, batch_norm, by_max, sorted_batch):
+        g = trace(fn, w, x)
+        sums[fn.__name__] = g.sample_sums
+        made = {v: u.eqn.primitive.name for u in g.program.units for v in u.outs}
+        assert all(made[v] == "reduce_sum" for v in g.sample_sums or ())
+        assert bool(g.sample_coupling) == (fn is not mean_loss)
+    assert [len(sums[k]) for k in ("mean_loss", "batch_norm")] == [1, 3]
+    assert sums["by_max"] is None and sums["sorted_batch"] is None
+
+
 def test_identical_unrolled_layers_are_repeated_blocks():
     """A Python loop of identical blocks (named, or linen's auto names) gets block positions as
     a scan over layers does; a first and last Dense of other shapes do not; blocks that differ

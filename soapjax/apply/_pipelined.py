@@ -343,11 +343,18 @@ class _Groups(NamedTuple):
         where a stage runs its whole microbatch.
       count: how many groups (the product of the axes' sizes; 1 without axes).
       batch_dims: per value of `_Cut.per_mb`, the dim that holds its samples.
+      sums: where the samples interact (`OpGraph.sample_coupling`), the stage program's sums
+        over them (`OpGraph.sample_sums`), which the groups add across each other: each then
+        computes the whole microbatch's statistics (`_whole_statistics`).
+      literals: with `sums`, the stage program's literals traced at the whole microbatch's
+        size where they differ at a group's (a mean's divisor), by value id.
     """
 
     axes: tuple[str, ...]
     count: int
     batch_dims: tuple[int, ...]
+    sums: frozenset[int] = frozenset()
+    literals: Mapping[int, Any] = {}
 
 
 def _data_groups(graph: OpGraph, outer: _Cut, mesh: Mesh, microbatches: int,
@@ -357,8 +364,11 @@ def _data_groups(graph: OpGraph, outer: _Cut, mesh: Mesh, microbatches: int,
     groups do not divide the microbatch, a value the prologue hands the stages has no
     sample dim (one the batch was reduced into), or the samples interact
     (`OpGraph.sample_coupling`: an MoE layer's load-balancing loss, a statistic over the
-    microbatch as the unpipelined step computes it): there XLA reduces the gradients where it
-    places them, as each microbatch's backward adds them (module doc).
+    microbatch as the unpipelined step computes it) other than through sums over them, or the
+    two programs do not pair unit for unit: there XLA reduces the gradients where it places
+    them, as each microbatch's backward adds them (module doc). Where the samples interact
+    through sums only (`OpGraph.sample_sums`), the groups add those sums across each other
+    and each computes the whole microbatch's statistics (`_whole_statistics`).
 
     Raises:
       PlanError: a data axis is not on the mesh, or is the stage axis.
@@ -372,11 +382,46 @@ def _data_groups(graph: OpGraph, outer: _Cut, mesh: Mesh, microbatches: int,
     count = int(np.prod([sizes[a] for a in data_axes], dtype=np.int64))
     whole = outer, _Groups((), 1, (0,) * len(outer.per_mb))
     micro = graph.batch_size // microbatches
-    if count == 1 or micro % count or graph.sample_coupling:
-        return whole  # (coupled samples: statistics over the microbatch, as unpipelined)
+    if count == 1 or micro % count or (graph.sample_coupling and graph.sample_sums is None):
+        return whole  # (statistics over the microbatch, as unpipelined, other than by sums)
     cut = _cut(graph.at_batch_size(micro // count))
     dims = _batch_dims(outer, cut, count)
-    return whole if dims is None else (cut, _Groups(tuple(data_axes), count, dims))
+    if dims is None:
+        return whole
+    if not graph.sample_coupling:
+        return cut, _Groups(tuple(data_axes), count, dims)
+    # the sums by the microbatch's trace (paired value for value with the group's: a trace at
+    # one sample cannot tell its sample dim from a dim of size one)
+    literals = _whole_statistics(outer.program, cut.program)
+    if literals is None or outer.graph.sample_sums is None:
+        return whole
+    return cut, _Groups(tuple(data_axes), count, dims, frozenset(outer.graph.sample_sums),
+                        literals)
+
+
+def _whole_statistics(whole: Program, share: Program) -> dict[int, Any] | None:
+    """What a group's program (`share`, traced at its share of a microbatch) needs, besides
+    its sums over the samples added across the groups, to compute the statistics of the
+    whole microbatch (`whole`, traced at its size): the literals that differ between the two
+    traces, whole's, by value id (a mean's divisor, a ``1 / B`` scale of each sample's loss
+    before a sum). None where the programs do not pair unit for unit (the same primitives on
+    the same value ids), as traces of one function at two batch sizes do.
+
+    Every statistic is a sum over the samples followed by computations without a sample dim
+    (`OpGraph.sample_sums`): with the sums added across the groups and these literals, each
+    group computes what the unpipelined step computes on the whole microbatch, and each
+    sample's own values (a token's route by the batch's load) too. So every group's loss is
+    the microbatch's, and the gradients, summed over the groups with the ``1 / (M D)`` seed
+    (module doc), are the microbatch's: the transpose of the sum across the groups is a sum
+    across them, of each group's share of the cotangent."""
+    a, b = whole.units, share.units
+    if len(a) != len(b) or any(x.eqn.primitive is not y.eqn.primitive or x.ins != y.ins
+                               or x.outs != y.outs for x, y in zip(a, b)):
+        return None
+    if whole.literals.keys() != share.literals.keys():
+        return None
+    return {v: whole.literals[v] for v, x in share.literals.items()
+            if not np.array_equal(np.asarray(whole.literals[v]), np.asarray(x))}
 
 
 def _batch_dims(outer: _Cut, cut: _Cut, count: int) -> tuple[int, ...] | None:
@@ -684,7 +729,8 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
               whole_queries: bool = False, counted: bool = False,
               hook: Callable | None = None,
               operand_reads: Mapping[int, Sequence[tuple]] | None = None,
-              kept: frozenset[int] = frozenset()) -> Callable:
+              kept: frozenset[int] = frozenset(),
+              literals: Mapping[int, Any] | None = None) -> Callable:
     """``(chunk params, values, x) -> y`` (the chunk's output carry) or, for the last chunk,
     ``-> loss`` (the epilogue after it); `values` are those of the ids `reads`, the chunk
     params ``[L / C, ...]`` per stacked parameter, in the scan's order. With `selective`, each
@@ -701,8 +747,15 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
     attention core is recomputed as before). Where the layers stack outputs
     (`_Cut.stacked_ys`), ``x`` ends with one ``[L, ...]`` stack of each, which the chunk adds
     its layers' rows to from row ``offset`` (the function's last argument) and passes on with
-    its carry, and the last chunk hands the epilogue whole."""
+    its carry, and the last chunk hands the epilogue whole. `literals`: values of literal ids
+    the chunk reads instead of the program's (`_Groups.literals`)."""
     prog, scan = cut.program, cut.scan
+    literals = dict(literals or {})
+
+    def env_of(values: Mapping[int, Any]) -> dict[int, Any]:
+        env = _env(prog, values)
+        env.update(literals)
+        return env
     layer_hook = hook
     if kept:
         def layer_hook(v: int, value: Any) -> Any:
@@ -712,7 +765,7 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
     ys = scan.ys[0] if cut.stacked_ys else ()  # layer 0's outputs the layers stack
 
     def layer(vals: Sequence[Any], carry: tuple, slices: list) -> tuple[tuple, tuple]:
-        env = _env(prog, dict(zip(reads, vals)))
+        env = env_of(dict(zip(reads, vals)))
         env.update(zip(scan.slices[0], slices))
         env.update(zip(scan.carries[0], carry))
         _run_in_stage(prog, cut.layer, env, whole_queries, layer_hook, operand_reads)
@@ -748,7 +801,7 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
         stacks = tuple(b.at[rows].add(m, mode="drop") for b, m in zip(stacks, made))
         if not last:
             return (*y, *stacks)
-        env = _env(prog, values)
+        env = env_of(values)
         env.update(zip(scan.carries[-1], y))
         env.update(zip(cut.stacked_ys, stacks))
         _run_in_stage(prog, cut.epilogue, env, whole_queries, hook, operand_reads)
@@ -1362,6 +1415,18 @@ class _Pipeline:
             return value if spec is None else _constrain(value, spec)
         return hook
 
+    def _stage_hook(self) -> Callable | None:
+        """`_constraint_hook`, after adding each of `_Groups.sums` across the data groups (a
+        ``psum`` over their axes: the whole microbatch's sum, `_whole_statistics`)."""
+        constrain, sums, axes = self._constraint_hook(), self.groups.sums, self.groups.axes
+        if not sums:
+            return constrain
+
+        def hook(v: int, value: Any) -> Any:
+            value = jax.lax.psum(value, axes) if v in sums else value
+            return value if constrain is None else constrain(v, value)
+        return hook
+
     def _make_chunk_fn(self, last: bool) -> _ChunkFn:
         """The function of a middle chunk, or with `last` of the last one."""
         reads = set(self.cut.layer_reads) | (set(self.cut.epilogue_reads) if last else set())
@@ -1369,8 +1434,9 @@ class _Pipeline:
         floats = tuple(v for v in values if v in reads and self.is_float[v])
         others = tuple(v for v in values if v in reads and not self.is_float[v])
         fn = _chunk_fn(self.cut, last, floats + others, self.selective, self.whole_queries,
-                       counted=bool(self.stage_layers), hook=self._constraint_hook(),
-                       operand_reads=self.operand_reads, kept=self.kept)
+                       counted=bool(self.stage_layers), hook=self._stage_hook(),
+                       operand_reads=self.operand_reads, kept=self.kept,
+                       literals=self.groups.literals)
         # the count (uneven stages) and the stacks' row (`_Cut.stacked_ys`) ride last among the
         # others (`_inputs`)
         extra = (("count",) if self.stage_layers else ()) + (

@@ -156,6 +156,10 @@ class _Builder:
         """Where the traced step's samples interact, or '' (see `_Coupling`)."""
         return _Coupling(self).find()
 
+    def sample_sums(self) -> tuple[int, ...] | None:
+        """The sums over the samples the step's statistics start from (`_Coupling.sums`)."""
+        return _Coupling(self).sums()
+
     def build(self) -> tuple[list[Operator], list[str]]:
         self._global_labels()
         self._stacks()
@@ -811,6 +815,37 @@ class _Coupling:
                 return f"{why} ({name} in operator {self._operator_of(i)!r})"
             state.update((v, new) for v in outs)
         return ""
+
+    def sums(self) -> tuple[int, ...] | None:
+        """The sums over the sample dim that every statistic of the batch starts from (value
+        ids of the reductions' results), where the samples interact through such sums only: a
+        sum over a batch is the sum of its parts' sums, so a program run on a part of the
+        batch computes the whole batch's statistics once these are summed across the parts
+        (`soapjax.apply._pipelined`'s data groups). Every value without a sample dim that the
+        batch reaches is a statistic, made from these sums, statistics and constants; a
+        statistic may meet each sample. None where the batch is reduced some other way: a
+        max, a sort or a cumulative sum over the samples, a loop that takes the batch in and
+        gives no sample dim out."""
+        p = self.b.p
+        state = {v: _SAMPLE for v in self.b.batch_of}
+        births: list[int] = []
+        for u in p.units:
+            ins = [state.get(v, _CONST) for v in u.ins]
+            outs = [v for v in u.outs if v is not None]
+            if not any(ins):
+                continue  # constants only
+            if all(self._per_sample(v) for v in outs):
+                new = _SAMPLE
+            elif _SAMPLE not in ins:
+                new = _LINEAR  # a statistic of statistics (and constants)
+            elif (u.eqn.primitive.name in _LINEAR_REDUCTIONS and self._sums_samples(u)
+                  and not any(self._per_sample(v) for v in outs)):
+                births.extend(outs)
+                new = _LINEAR
+            else:
+                return None
+            state.update((v, new) for v in outs)
+        return tuple(births)
 
     def _sums_samples(self, u) -> bool:
         """Whether `u` (a linear reduction) sums over a sample dim of a per-sample operand."""

@@ -92,6 +92,11 @@ class OpGraph:
         load-balancing loss, a mean over the unmasked tokens: `soapjax.graph._grouping._Coupling`),
         '' where they do not. Plans then keep one microbatch, unless
         `microbatch_statistics`.
+      sample_sums: where the samples interact through sums over them only, the value ids
+        of those sums (the reductions' results in `program`): parts of a batch that add these
+        across each other compute the whole batch's statistics (`soapjax.apply`'s data groups
+        inside pipeline stages); () where nothing sums the samples, None where some
+        statistic is not such a sum (a max or a sort over the batch) or it is not known.
       microbatch_statistics: the user accepts statistics per microbatch where the samples
         interact (`trace`'s argument: what Megatron-LM and MaxText do with a mixture of
         experts' capacity and auxiliary loss under gradient accumulation).
@@ -107,6 +112,7 @@ class OpGraph:
     retrace: Callable[[int], OpGraph] | None = dataclasses.field(
         default=None, compare=False, hash=False, repr=False)
     sample_coupling: str = dataclasses.field(default="", compare=False)
+    sample_sums: tuple[int, ...] | None = dataclasses.field(default=None, compare=False)
     microbatch_statistics: bool = dataclasses.field(default=False, compare=False)
     # what later stages work out once per graph (`memo`); not copied by dataclasses.replace
     _memo: dict = dataclasses.field(default_factory=dict, init=False, compare=False,
@@ -408,6 +414,7 @@ def trace(fn: Callable, *example_args, params_argnums: int | Sequence[int] = 0,
                    num_equations=_count_eqns(closed.jaxpr),
                    params=tuple(params), batch=tuple(batch), unsupported=tuple(unsupported),
                    program=program, retrace=retrace, sample_coupling=builder.sample_coupling(),
+                   sample_sums=builder.sample_sums(),
                    microbatch_statistics=bool(microbatch_statistics))
 
 

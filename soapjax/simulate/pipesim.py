@@ -33,10 +33,10 @@ group's axes. The pipelined step is priced in three parts:
    backward) and the gradients of the parameters the epilogue reads (final norm, head),
    which every stage holds. Megatron-LM's layout (``"chunks"``, 4) runs neither, but an
    all-reduce of a tied embedding's gradient between its first and last stage.
-   Where the samples interact (`OpGraph.sample_coupling`: an MoE's load-balancing loss),
-   apply's stages run whole microbatches and XLA reduces the gradients at every backward:
-   each chunk's backward also takes its gradient syncs (`Simulation.grad_sync_seconds`), M
-   times a step (Megatron-LM, ``"chunks"``: statistics per rank, one reduction).
+   Where the samples interact other than by sums (`OpGraph.sample_sums` None: dropless MoE
+   routing sorts the batch's tokens), apply's stages run whole microbatches and XLA reduces
+   the gradients at every backward: each chunk's backward also takes its gradient syncs
+   (`Simulation.grad_sync_seconds`), M times a step (Megatron, ``"chunks"``: once).
 4. **The layer layout** (``layer_layout``). `soapjax.apply.step` stores the stacked layer
    parameters ``[L, ...]`` split over the stages on the layer dim (``"model"``), ``L / S``
    layers a stage; with v > 1 in chunk order (`soapjax.apply._layer_order`: stage ``s``'s
@@ -197,10 +197,11 @@ class PipelinedSimulation:
         first, last = graph.memo("layer_span", lambda: layer_span(graph))
         # before the first layer (embedding): SPMD on every device, as apply runs it
         self._prologue = [i < first for i in range(len(graph.operators))]
-        # Where the samples interact (an MoE layer's load-balancing statistics), apply's stages
-        # run whole microbatches, and XLA reduces the gradients as every backward adds them
-        # (module doc, 3); Megatron-LM computes such statistics per rank and reduces once
-        self._sync_each_microbatch = bool(graph.sample_coupling) and layer_layout == "model"
+        # Where the samples interact other than by sums (module doc, 3), apply's stages run
+        # whole microbatches, and XLA reduces the gradients as every backward adds them;
+        # Megatron-LM computes such statistics per rank and reduces once
+        self._sync_each_microbatch = (bool(graph.sample_coupling) and graph.sample_sums is None
+                                      and layer_layout == "model")
         self._outside = [i < first or i > last for i in range(len(graph.operators))]
         # what apply sums over the stage axis after the pipeline (`_stage_sum_bytes`): the
         # prologue's outputs the rest reads (float ones: their cotangents), the parameters the
