@@ -115,6 +115,11 @@ stage 2 x data 2 x model 2, M = 4, 1F1B: 68,480 bytes per backward on stage 0, 5
 1, where the sum once after the loop is 86,920, the loss and the embeddings' included). Where
 the data groups do not divide a microbatch, or a value the prologue hands the stages has no
 sample dim, the stages run whole microbatches and XLA places the reduction itself (in the loop).
+Where the samples interact (a statistic over the microbatch: an MoE's load-balancing loss, a
+batch norm), the groups add each sum over the samples the statistics start from across each
+other (`_Groups.sums`, a ``psum``), so every group computes the microbatch's statistics
+(`_whole_statistics`); where a statistic is no sum (a sort over the batch), the stages run
+whole microbatches.
 
 Usage::
 
