@@ -11,10 +11,11 @@ with the ratios predicted / XLA; the goal (issue 7) is within 10%.
 
     python scripts/bench_check.py                    # the whole zoo (~20 min on 2 cores)
     python scripts/bench_check.py --models mlp gpt2 --plans data-parallel searched
-    python scripts/bench_check.py --models gpt llama --plans pipelined   # issue 47's pipelines
+    python scripts/bench_check.py --models gpt llama moe --plans pipelined   # issue 47's pipelines
 
-``pipelined`` is the zoo's layered models (GPT and LLaMA, tiny, with 4 layers where the
-interleaved schedule needs them) on 2 pipeline stages under Megatron's configuration
+``pipelined`` is the zoo's layered models (GPT, LLaMA and the MoE, tiny, with 4 layers where
+the interleaved schedule needs them; the MoE's data groups add its load-balancing statistics'
+sums across each other) on 2 pipeline stages under Megatron's configuration
 (`soapjax.strategy.baselines.megatron_3d`): GPipe, 1F1B and interleaved, one and several
 microbatches, tensor parallelism (with sequence parallelism) inside the stages or data
 parallelism (`PIPELINED`).
@@ -42,6 +43,7 @@ from soapjax.strategy.plan import Plan  # noqa: E402
 from soapjax.topology.cluster import load_topology  # noqa: E402
 from soapjax_zoo.gpt import GPT_CONFIGS, build_gpt  # noqa: E402
 from soapjax_zoo.llama import LLAMA_CONFIGS, build_llama  # noqa: E402
+from soapjax_zoo.moe import MOE_CONFIGS, build_moe  # noqa: E402
 
 PLANS = ("data-parallel", "megatron", "fsdp", "expert-cnn", "expert-rnn", "searched",
          "pipelined")
@@ -57,7 +59,8 @@ PIPELINED = {
     "pp2 interleaved v2 tp4 M=2": (4, dict(tp=4, sequence_parallel=True, microbatch_size=4,
                                            interleave=2), "interleaved"),
 }
-LAYERED = {"gpt": (GPT_CONFIGS, build_gpt), "llama": (LLAMA_CONFIGS, build_llama)}
+LAYERED = {"gpt": (GPT_CONFIGS, build_gpt), "llama": (LLAMA_CONFIGS, build_llama),
+           "moe": (MOE_CONFIGS, build_moe)}
 
 
 def pipelined(name, layers):

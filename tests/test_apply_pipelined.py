@@ -425,6 +425,38 @@ def test_a_model_that_draws_dropout_masks_is_refused():
             r"draws random bits \(dropout\); pipelined microbatches would draw other masks")
 
 
+def test_a_layer_scan_that_stacks_integers_is_refused():
+    """The pipeline carries the per-layer outputs a layer scan stacks, and their cotangents,
+    from stage to stage (`_ys_stacks`): a stack of integers (each layer's count of positive
+    activations, which the loss reads) has no cotangent to carry, so it is refused, saying
+    why."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            h = jnp.tanh(nn.Dense(16)(x))
+            return x + h, (h > 0).sum().astype(jnp.int32)
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x, counts = nn.scan(Block, variable_axes={"params": 0},
+                                split_rngs={"params": True}, length=4)()(x, None)
+            return x, counts
+
+    net, x = Net(), jnp.ones((BATCH, 16))
+
+    def loss_fn(p, b):
+        y, counts = net.apply(p, b["x"])
+        return jnp.mean(y ** 2) + 1e-6 * counts.sum().astype(jnp.float32)
+
+    params = net.init(jax.random.PRNGKey(0), x)
+    graph = trace(loss_fn, params, {"x": x})
+    refused(graph, megatron_3d(graph, TOPOLOGY, tp=1, pp=STAGES, microbatch_size=4),
+            "stacks a per-layer output that the rest does not read as one stack of floats")
+
+
 def test_uneven_stages_apply_cannot_run_are_refused():
     """Uneven stages keep L / S layers a stage between steps: 4 layers on 2 stages cut 1 / 3
     run; the same model's 3 layers cut 1 / 2 do not (the stages do not divide them)."""
