@@ -197,6 +197,7 @@ def test_check_counts_a_pipelined_steps_collectives_as_the_schedule_runs_them(tm
     assert pred["collective_permute"] == xla["collective_permute"]  # 2 sends of 2,048 bytes
 
 
+@pytest.mark.heavy  # a minute of compiling; scripts/bench_check.py --plans pipelined runs it
 def test_check_of_an_moe_pipeline_whose_data_groups_sum_their_statistics(tmp_path, capsys):
     """The tiny MoE on 2 pipeline stages, data parallel over a stage's 4 devices, 2
     microbatches: each data group adds the sums its load-balancing statistics start from
