@@ -37,6 +37,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from soapjax.apply import step as apply
+from soapjax.apply._flatstep import split_microbatches
 from soapjax.base.errors import SoapjaxError
 from soapjax.graph.opgraph import OpGraph
 from soapjax.strategy.space import MeshShape
@@ -252,8 +253,7 @@ def reference_value_and_grad(loss_fn: Callable[[Any, Any], Any], graph: OpGraph,
         return jax.value_and_grad(loss_fn)
 
     def accumulated(params, batch):
-        parts = jax.tree.map(
-            lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1), batch)
+        parts = jax.tree.map(lambda x: split_microbatches(x, m), batch)
         losses, grads = jax.lax.map(lambda b: jax.value_and_grad(loss_fn)(params, b), parts)
         return jnp.mean(losses), jax.tree.map(lambda g: jnp.mean(g, axis=0), grads)
 

@@ -438,6 +438,15 @@ class FlatStep:
         return _value_and_grad(self.check, batch_shardings, allow_spatial_convolutions)
 
 
+def split_microbatches(x: Any, microbatches: int) -> Any:
+    """``[B, ...] -> [M, B / M, ...]``, microbatch ``k`` holding samples ``k, k + M, ...``: how
+    every microbatched step splits a batch (flat, pipelined, and the reference of
+    `soapjax.exactness`), so that a device splits its own shard of the sample dim and no
+    data moves."""
+    m = microbatches
+    return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+
+
 def _micro_configs(graph: OpGraph, micro: OpGraph, configs: Sequence[Config]) -> tuple:
     """`configs` (of `graph`'s operators) for `micro`, the graph traced at a microbatch's
     size: the same config where an operator keeps its iteration dims; where a dim of the
@@ -503,7 +512,7 @@ def _value_and_grad(check: Checked, batch_shardings: Any,
     grad_fn = jax.value_and_grad(loss_fn)
 
     def split(x, sharding):
-        y = jax.numpy.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+        y = split_microbatches(x, m)
         spec = PartitionSpec(None, *sharding.spec)
         return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, spec))
 

@@ -171,7 +171,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from soapjax.apply._flatstep import _Layouts
+from soapjax.apply._flatstep import _Layouts, split_microbatches
 from soapjax.apply._layer_order import ChunkOrdered, unwrapped
 from soapjax.apply._pipeline_layout import (
     STAGE_AXIS,
@@ -1277,12 +1277,6 @@ def _kept_values(cut: _Cut, positions: Sequence[str]) -> frozenset[int]:
     return frozenset(out)
 
 
-def _split(x: Any, microbatches: int) -> Any:
-    """``[B, ...] -> [M, B / M, ...]``, microbatch k holding samples k, k + M, ..."""
-    m = microbatches
-    return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
-
-
 def _row(buffer: Any, i: Any) -> Any:
     """``buffer[i]``, `i` traced."""
     return jax.lax.dynamic_index_in_dim(buffer, i, 0, keepdims=False)
@@ -1459,7 +1453,7 @@ class _Pipeline:
         leaves, tree = jax.tree.flatten(params)
         stacked = [leaves[k] for k in cut.stacked]
         other = [x for k, x in enumerate(leaves) if k not in cut.stacked]
-        micro = [_split(x, self.microbatches) for x in jax.tree.leaves(batch)]
+        micro = [split_microbatches(x, self.microbatches) for x in jax.tree.leaves(batch)]
         prologue = _prologue_fn(self.outer)
 
         def by_kind(values: list, is_float: list[bool]) -> tuple[list, list]:
