@@ -105,6 +105,34 @@ def test_every_baseline_has_a_config_per_operator(name):
         assert len(strategy.configs) == len(g.operators)
 
 
+@pytest.mark.parametrize("name", ["gpt", "llama", "moe"])
+def test_every_layer_of_a_scan_runs_one_config_in_every_baseline(name):
+    # The layers' parameters are stacked, one layout for all: a layer at another config made
+    # XLA move its slice of the stack every step by all-to-alls no price held (the tiny MoE
+    # under Megatron TP4: its shared expert's residual add led the walk to column-parallel
+    # down projections, and the second layer went row parallel throughout)
+    g, family = graph(name)
+    built = dict(baselines(g, CPU8, family))
+    built["megatron-3d-tp4"] = megatron_3d(g, CPU8, tp=4, recompute="none")
+    built["megatron-3d-tp4-sp"] = megatron_3d(g, CPU8, tp=4, recompute="none",
+                                              sequence_parallel=True)
+    assert g.repeated_blocks()
+    for label, strategy in built.items():
+        for group in g.repeated_blocks():
+            names = (label, g.operators[group[0]].name)
+            assert len({strategy.configs[i] for i in group}) == 1, names
+
+
+def test_megatron_follows_the_matmuls_input_not_a_value_added_to_its_result():
+    # the tiny MoE's shared expert's down projection adds the routed experts' output (no dim
+    # split over model) to its own: its contracted input arrives split over its ffn dim, so it
+    # is row parallel, and the next layer starts as the first did
+    g, _ = graph("moe")
+    got = by_name(g, megatron_3d(g, CPU8, tp=4, recompute="none"))
+    assert got["layers_0/moe/shared/down"] == (D, (), (), M)  # [B, T, d | ffn]
+    assert got["layers_1/attn/q"] == got["layers_0/attn/q"] == (D, (), M, (), ())
+
+
 # --- Megatron's configuration space ---------------------------------------------------------------
 
 A100 = load_topology("dgx-a100x3072-16")  # two DGX A100s: node=2 (InfiniBand), data=2, model=4

@@ -14,10 +14,10 @@ from soapjax.apply._pipeline_layout import kept_positions
 from soapjax.cost.operators import cost_model
 from soapjax.graph.opgraph import trace
 from soapjax.search import SearchSettings, make_simulation, search
-from soapjax.search._chain import _tie_blocks
 from soapjax.search.recompute import relaxed
 from soapjax.simulate.front import open_simulation, opt_state_factor, simulate
 from soapjax.strategy.baselines import megatron_3d, with_recompute
+from soapjax.strategy.space import tie_blocks
 from soapjax.topology.cluster import load_topology
 
 
@@ -37,7 +37,7 @@ def llama_128k():
     topo = load_topology("dgx-h100x8")
     cm = cost_model(g, topo, mode="analytic", optimizer=w.optimizer)
     factor = opt_state_factor(w.optimizer, w.abstract_params())
-    hand = _tie_blocks(g, megatron_3d(g, topo, tp=2, cp=4, microbatch_size=2, recompute="full",
+    hand = tie_blocks(g, megatron_3d(g, topo, tp=2, cp=4, microbatch_size=2, recompute="full",
                                       sequence_parallel=True, distributed_optimizer=True))
     return g, topo, cm, factor, hand
 
@@ -99,7 +99,7 @@ def tiny_flash():
     w = zoo.get("llama", "tiny-flash", batch_size=8)
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="llama")
     topo = load_topology("cpu8")
-    full = _tie_blocks(g, with_recompute(g, megatron_3d(g, topo, tp=4, cp=2), "full"))
+    full = tie_blocks(g, with_recompute(g, megatron_3d(g, topo, tp=4, cp=2), "full"))
     return g, topo, cost_model(g, topo, mode="analytic"), full
 
 

@@ -38,6 +38,7 @@ from soapjax.strategy.space import (
     Strategy,
     configs,
     spatial_convolution,
+    tie_blocks,
 )
 
 __all__ = ["MAX_BUDGET_S", "MAX_PROPOSALS", "MICROBATCH_MOVES", "OPTIMIZER_MOVES",
@@ -137,23 +138,8 @@ def random_strategy(graph: OpGraph, mesh: MeshShape, rng: np.random.Generator,
                     limits: SpaceLimits = SpaceLimits()) -> Strategy:
     """A config for every operator drawn uniformly from its SOAP space (one per repeated
     block position: every layer of a scan over layers gets the same)."""
-    return _tie_blocks(graph, Strategy(tuple(_pick(configs(op, mesh, limits), rng)
+    return tie_blocks(graph, Strategy(tuple(_pick(configs(op, mesh, limits), rng)
                                              for op in graph.operators)))
-
-
-def _tie_blocks(graph: OpGraph, strategy: Strategy) -> Strategy:
-    """`strategy` with every layer of a repeated block given its first layer's config and
-    recomputation. Chains move a block's layers together (`_Searcher.tied`), so a start that
-    splits them differently (an expert strategy that reads one layer's operators by their
-    position) would stay untied wherever no proposal lands: a plan that a scan over layers,
-    whose stacked weights take one sharding, cannot apply."""
-    configs, recompute = list(strategy.configs), list(strategy.recompute)
-    for group in graph.repeated_blocks():
-        for j in group[1:]:
-            configs[j] = configs[group[0]]
-            if recompute:
-                recompute[j] = recompute[group[0]]
-    return dataclasses.replace(strategy, configs=tuple(configs), recompute=tuple(recompute))
 
 
 def _pick(choices, rng):

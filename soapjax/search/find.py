@@ -108,7 +108,6 @@ from soapjax.search._chain import (
     Progress,
     SearchSettings,
     _Searcher,
-    _tie_blocks,
     random_strategy,
 )
 from soapjax.search._clock import sparse_gc
@@ -140,6 +139,7 @@ from soapjax.strategy.space import (
     MeshShape,
     Strategy,
     data_parallel,
+    tie_blocks,
 )
 from soapjax.topology.cluster import stage_topology
 
@@ -291,7 +291,7 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
                                    budget.at(GRID_SHARE)))
     # Baselines outside the space the caller asked for (sequence parallelism splits a CNN's
     # norms spatially, where convolutions are kept whole) are not starts.
-    starts = {name: _tie_blocks(graph, s)
+    starts = {name: tie_blocks(graph, s)
               for name, s in _within(graph, starts, settings.limits).items()}
     for n, (name, strategy) in enumerate(list(starts.items())):
         if progress is not None:
@@ -448,7 +448,7 @@ def _fitting(sim: Simulation, searcher: _Searcher, graph: OpGraph, name: str,
     floor = max(tries, key=lambda t: (t[0], RECOMPUTE_POLICIES.index(t[1])))
     best = None
     for m, policy in [floor] + [t for t in tries if t != floor]:
-        variant = _tie_blocks(graph, with_recompute(
+        variant = tie_blocks(graph, with_recompute(
             graph, dataclasses.replace(strategy, microbatches=m), policy))
         sim.reset(variant)
         searcher.record(f"{name}-m{m}-{policy}")

@@ -46,6 +46,7 @@ from soapjax.strategy.space import (
     data_parallel,
     dividing_axes,
     sample_dim,
+    tie_blocks,
 )
 from soapjax.topology.cluster import stage_topology
 
@@ -93,12 +94,19 @@ def _assign(op: Operator, axes_of: list[list[str]], d: int | None, axes: Sequenc
 
 
 def _incoming(graph: OpGraph, configs: list[Config], op: Operator) -> dict[int, list[str]]:
-    """Iteration dim -> axes, as the operator's main activation input arrives split."""
+    """Iteration dim -> axes, as the operator's main activation input arrives split.
+
+    The main input is the largest activation that meets a reduction dim of the operator (a
+    matmul's contracted input), else the largest: an operator that adds a value to its
+    matmul's result (a residual branch grouped into the projection that ends it) follows how
+    its matmul's input arrives, not the added value."""
     out: dict[int, list[str]] = {}
     acts = [o for o in op.inputs if o.kind == "activation"]
     if not acts:
         return out
-    main = max(acts, key=lambda o: len(o.shape) and o.nbytes)
+    n = len(op.shape)
+    main = max(acts, key=lambda o: (any(d is not None and d >= n for d in o.dims),
+                                    len(o.shape) and o.nbytes))
     p = graph.index(main.source)
     spec = configs[p].operand_axes(graph.operators[p].outputs[main.index].dims)
     for axes, d in zip(spec, main.dims):
@@ -131,7 +139,8 @@ def _layered(graph: OpGraph, mesh: MeshShape, outer: Sequence[str], inner: Seque
             for dim, axes in incoming.items():
                 _assign(op, axes_of, dim, [a for a in axes if a in inner], mesh)
         configs.append(Config(tuple(tuple(a) for a in axes_of)))
-    return Strategy(tuple(configs))
+    # one config per layer position: the first layer's, as the search ties its starts
+    return tie_blocks(graph, Strategy(tuple(configs)))
 
 
 def _a_dims(op: Operator) -> list[int]:

@@ -53,8 +53,8 @@ from soapjax.topology.cluster import Topology
 __all__ = ["Config", "MeshLike", "MeshShape", "RECOMPUTE_POLICIES", "RecomputePolicy",
            "SpaceLimits", "Spec", "Strategy", "batch_specs", "configs", "data_parallel",
            "dividing_axes", "fit_spec", "param_specs", "reduces_into", "sample_dim",
-           "spatial_convolution", "storage_spec", "strategy_from_names", "to_partition_spec",
-           "validate_config", "within_limits"]
+           "spatial_convolution", "storage_spec", "strategy_from_names", "tie_blocks",
+           "to_partition_spec", "validate_config", "within_limits"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -535,6 +535,25 @@ def strategy_from_names(graph: OpGraph, configs: Mapping[str, Config], *,
 def _abbrev(names: Sequence[str], n: int = 6) -> str:
     shown = ", ".join(repr(x) for x in names[:n])
     return shown + (f", ... ({len(names) - n} more)" if len(names) > n else "")
+
+
+def tie_blocks(graph: OpGraph, strategy: Strategy) -> Strategy:
+    """`strategy` with every layer of a repeated block (`OpGraph.repeated_blocks`) given its
+    first layer's config and recomputation.
+
+    A scan's layers stack their weights, one sharding for all of them: a layer split
+    otherwise has XLA move its slice of the stack every step (all-to-alls that no operator's
+    price holds). The search's chains move a block's layers together, so a start split
+    otherwise would stay so wherever no proposal lands; the baselines, which walk the graph
+    in order (the first layer's input arrives from the embedding, the others' from a layer),
+    are tied here too."""
+    configs, recompute = list(strategy.configs), list(strategy.recompute)
+    for group in graph.repeated_blocks():
+        for j in group[1:]:
+            configs[j] = configs[group[0]]
+            if recompute:
+                recompute[j] = recompute[group[0]]
+    return dataclasses.replace(strategy, configs=tuple(configs), recompute=tuple(recompute))
 
 
 def data_parallel(graph: OpGraph, mesh: MeshShape) -> Strategy:
