@@ -24,6 +24,9 @@ Each is a `Strategy` scored by the same simulator, so comparisons are like for l
 DP, microbatches, recomputation and the distributed optimizer, and for mixtures of experts and
 long sequences expert parallelism (``ep``: `expert_dim`) and context parallelism (``cp``:
 `sequence_dims`).
+
+The module stays one: its strategies share one walk over the graph (`_layered`), its table
+(`BASELINES`) and Megatron's grid are built from them.
 """
 
 from __future__ import annotations

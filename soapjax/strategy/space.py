@@ -26,6 +26,9 @@ those axes completes: Megatron's row-parallel layer is ``Config(((), (), ("model
 
 A `Strategy` is one config per operator of a graph, in the graph's operator order, plus the
 mesh axes over which parameters are stored sharded beyond what the configs need (ZeRO-3).
+
+The module stays one: it is the vocabulary every later stage reads (configs, strategies, the
+specs they give parameters, batches and optimizer state, and a scan's layers tied to one config).
 """
 
 from __future__ import annotations
