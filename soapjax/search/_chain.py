@@ -139,7 +139,7 @@ def random_strategy(graph: OpGraph, mesh: MeshShape, rng: np.random.Generator,
     """A config for every operator drawn uniformly from its SOAP space (one per repeated
     block position: every layer of a scan over layers gets the same)."""
     return tie_blocks(graph, Strategy(tuple(_pick(configs(op, mesh, limits), rng)
-                                             for op in graph.operators)))
+                                            for op in graph.operators)))
 
 
 def _pick(choices, rng):
