@@ -142,8 +142,8 @@ def _layered(graph: OpGraph, mesh: MeshShape, outer: Sequence[str], inner: Seque
             for dim, axes in incoming.items():
                 _assign(op, axes_of, dim, [a for a in axes if a in inner], mesh)
         configs.append(Config(tuple(tuple(a) for a in axes_of)))
-    # one config per layer position: the first layer's, as the search ties its starts
-    return tie_blocks(graph, Strategy(tuple(configs)))
+    # one config per layer position: the last layer's, the steady state the walk reached
+    return tie_blocks(graph, Strategy(tuple(configs)), layer=-1)
 
 
 def _a_dims(op: Operator) -> list[int]:

@@ -540,22 +540,21 @@ def _abbrev(names: Sequence[str], n: int = 6) -> str:
     return shown + (f", ... ({len(names) - n} more)" if len(names) > n else "")
 
 
-def tie_blocks(graph: OpGraph, strategy: Strategy) -> Strategy:
-    """`strategy` with every layer of a repeated block (`OpGraph.repeated_blocks`) given its
-    first layer's config and recomputation.
+def tie_blocks(graph: OpGraph, strategy: Strategy, layer: int = 0) -> Strategy:
+    """`strategy` with every layer of a repeated block (`OpGraph.repeated_blocks`) given the
+    config and recomputation of its layer `layer` (0: the first; -1: the last).
 
     A scan's layers stack their weights, one sharding for all of them: a layer split
     otherwise has XLA move its slice of the stack every step (all-to-alls that no operator's
-    price holds). The search's chains move a block's layers together, so a start split
-    otherwise would stay so wherever no proposal lands; the baselines, which walk the graph
-    in order (the first layer's input arrives from the embedding, the others' from a layer),
-    are tied here too."""
+    price holds). The search's chains move a block's layers together and tie their starts to
+    the first layer; the baselines, which walk the graph in order (the first layer's input
+    arrives from the embedding, the others' from a layer), tie to the last, the steady state."""
     configs, recompute = list(strategy.configs), list(strategy.recompute)
     for group in graph.repeated_blocks():
-        for j in group[1:]:
-            configs[j] = configs[group[0]]
+        for j in group:
+            configs[j] = configs[group[layer]]
             if recompute:
-                recompute[j] = recompute[group[0]]
+                recompute[j] = recompute[group[layer]]
     return dataclasses.replace(strategy, configs=tuple(configs), recompute=tuple(recompute))
 
 
