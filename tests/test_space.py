@@ -1,5 +1,6 @@
 """The SOAP space: what `configs` enumerates for each kind of operator, and MeshShape."""
 
+import dataclasses
 import functools
 
 import jax
@@ -15,6 +16,7 @@ from soapjax.strategy.space import (
     SpaceLimits,
     configs,
     data_parallel,
+    tie_blocks,
     validate_config,
 )
 from soapjax.topology.cluster import load_topology
@@ -119,3 +121,25 @@ def test_mesh_shape_of_a_topology_and_a_jax_mesh():
 def test_mesh_shape_refuses_nonsense(names, sizes, message):
     with pytest.raises(ValueError, match=message):
         MeshShape(names, sizes)
+
+
+@pytest.mark.parametrize("layer", [0, -1])
+def test_tie_blocks_gives_every_layer_one_layers_config_and_policy(layer):
+    # tiny GPT, 2 scanned layers: layer 0's fc1 column parallel, layer 1's row parallel
+    g = graph("gpt")
+    groups = g.repeated_blocks()
+    first, last = next(grp for grp in groups if g.operators[grp[0]].name.endswith("fc1"))
+    base = data_parallel(g, MESH)
+    column, row = Config((D, (), M, ())), Config((D, (), (), M))
+    edited = list(base.configs)
+    edited[first], edited[last] = column, row
+    recompute = ["none"] * len(edited)
+    recompute[last] = "full"
+    tied = tie_blocks(g, dataclasses.replace(base, configs=tuple(edited),
+                                             recompute=tuple(recompute)), layer=layer)
+    want = (column, "none") if layer == 0 else (row, "full")
+    assert (tied.configs[first], tied.recompute_of(first)) == want
+    assert (tied.configs[last], tied.recompute_of(last)) == want
+    assert all(len({tied.configs[i] for i in grp}) == 1 for grp in groups)
+    assert [c for i, c in enumerate(tied.configs) if i not in (first, last)] == \
+        [c for i, c in enumerate(base.configs) if i not in (first, last)]
