@@ -33,7 +33,7 @@ PYTEST := $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 test: $(STAMP)
 	$(BIN)/ruff check soapjax soapjax_zoo soapjax_eval scripts tests
-	$(PYTEST) -m "not heavy and not timing" --durations=25 tests soapjax
+	$(PYTEST) -m "not heavy and not timing and not long" --durations=25 tests soapjax
 
 test-all: $(STAMP)
 	$(BIN)/ruff check soapjax soapjax_zoo soapjax_eval scripts tests

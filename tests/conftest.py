@@ -6,6 +6,7 @@ this one runs on the CPU).
 """
 
 import dataclasses
+import fnmatch
 import functools
 import os
 import shutil
@@ -40,11 +41,37 @@ def _has_gpu() -> bool:
     return probe.stdout.strip() == "gpu"
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m and -k deselect: the whole files are seen
 def pytest_collection_modifyitems(config, items):
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if gpu and not _has_gpu():
         for item in gpu:
             item.add_marker(pytest.mark.skip(reason="marked gpu: jax finds no GPU here"))
+    _mark_long(config, items)
+
+
+def _mark_long(config, items) -> None:
+    """Marks the tests tests/long_tests.py lists ``long``; where a file was collected whole,
+    an entry of it that names no collected test is an error (a renamed test, a dropped
+    parameter), so the list cannot go stale silently."""
+    from long_tests import LONG
+
+    def names(key: str, nodeid: str) -> bool:  # the test, all its parameters, or a pattern
+        return (nodeid == key or nodeid.split("[")[0] == key
+                or ("*" in key and fnmatch.fnmatchcase(nodeid, key.replace("[", "[[]"))))
+
+    matched = set()
+    for item in items:
+        keys = [key for key in LONG if names(key, item.nodeid)]
+        if keys:
+            item.add_marker(pytest.mark.long)
+            matched.update(keys)
+    whole = {item.nodeid.split("::")[0] for item in items} - {
+        arg.split("::")[0] for arg in config.args if "::" in arg}
+    stale = [key for key in LONG if key.split("::")[0] in whole and key not in matched]
+    if stale:
+        raise pytest.UsageError("tests/long_tests.py names tests that are not collected "
+                                f"(renamed or removed?): {', '.join(stale)}")
 
 
 _LAYERED = {"gpt": (GPT_CONFIGS, build_gpt), "llama": (LLAMA_CONFIGS, build_llama)}

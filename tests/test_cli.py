@@ -492,7 +492,7 @@ def test_a_broken_pipe_ends_quietly(monkeypatch, capsys):
 
     monkeypatch.setattr(cli, "_quiet_stdout", lambda: None)  # the test's stdout is not a pipe
     monkeypatch.setattr("sys.stdout", Closed())
-    code = cli.main(["models", "--json"])
+    code = cli.main(["mesh", "show", "cpu8", "--json"])
     monkeypatch.undo()
     assert code == cli.BROKEN_PIPE == 141
     assert capsys.readouterr().err == ""

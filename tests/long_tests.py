@@ -1,0 +1,187 @@
+"""The suite's longest checks, marked ``long`` (tests/conftest.py): `make test` leaves them out
+so that it runs in under ten minutes on 2 cores, `make test-all` runs them.
+
+Each is a second (third, ...) instance of a property that a faster test `make test` runs still
+holds, or an end-to-end run of a script whose parts have their own tests; the value says which.
+An id is a file, a test function (all its parameters) or one parametrized test. An id that no
+longer names a collected test fails the collection of the whole suite (tests/conftest.py), so
+the list cannot go stale silently. Durations: `make test` prints its 25 slowest tests; the
+choice was made from a full run's ``--durations=0`` (2026-11-30: 1,559 s on 2 workers).
+"""
+
+LONG: dict[str, str] = {
+    # scripts run end to end on the CPU (their functions have their own tests)
+    "tests/test_evaluate.py::test_tiny_run_writes_every_section_with_numbers":
+        "bench_evaluate's run (74 s); its statistic: test_spearman_matches_the_textbook_"
+        "example",
+    "tests/test_evaluate.py::test_tiny_run_numbers_hang_together": "the same run",
+    "tests/test_evaluate.py::test_render_rewrites_the_doc_from_a_run": "the same run",
+    "tests/test_gpu_mock_compile.py::test_every_case_compiled_by_the_first_method_that_works":
+        "the GPU kit's mocked multi-GPU compile run on CPU (70 s): "
+        "test_async_pairs_of_gpu_hlo_and_what_runs_inside_them reads GPU HLO",
+    "tests/test_gpu_mock_compile.py::test_collectives_are_read_and_set_beside_the_prediction":
+        "the same run",
+    "tests/test_gpu_mock_compile.py::test_async_pairs_and_memory_are_read": "the same run",
+    "tests/test_gpu_mock_compile.py::test_the_section_is_a_markdown_table_of_every_case":
+        "the same run",
+    "tests/test_gpu_kit.py::test_every_section_is_there_and_nothing_failed":
+        "the GPU kit run on CPU (64 s); tests/test_kernels.py and tests/test_devicefit.py "
+        "hold its fits",
+    "tests/test_gpu_kit.py::test_kernels_are_timed_with_positive_rates": "the same run",
+    "tests/test_gpu_kit.py::test_the_fitted_table_loads_as_a_topology_files_device_efficiency":
+        "the same run",
+    "tests/test_gpu_kit.py::test_the_flash_attention_efficiency_is_fitted_as_the_kernel_model_"
+    "counts": "the same run",
+    "tests/test_gpu_kit.py::test_the_step_is_measured_and_predicted": "the same run",
+    "tests/test_gpu_kit.py::test_every_operator_is_timed_beside_the_kernel_model": "the same run",
+    "tests/test_gpu_kit.py::test_the_step_is_profiled_beside_the_kernel_model": "the same run",
+    "tests/test_gpu_kit.py::test_an_earlier_runs_profiles_are_read_again_without_the_device":
+        "the same run",
+    "tests/test_gpu_kit.py::test_the_markdown_section_has_every_table": "the same run",
+    "tests/test_gpu_kit.py::test_a_kernel_filter_keeps_the_named_kernels_only": "a second run",
+    "tests/test_notebook.py::test_notebook_runs":
+        "the notebook's cells (22 s): test_notebook_is_clean_json; the helper it calls is "
+        "tests/test_training.py's",
+    # soapjax check: one pipelined check stays (the schedule's collectives)
+    "tests/test_check.py::test_check_passes_a_ring_attention_plan":
+        "67 s; ring attention's sends: tests/test_attention.py::"
+        "test_the_compiled_ring_sends_what_ring_sends_counts[4]",
+    "tests/test_check.py::test_check_of_a_pipelined_plan_with_tensor_and_sequence_parallel_"
+    "stages": "42 s; test_check_counts_a_pipelined_steps_collectives_as_the_schedule_runs_them "
+              "and tests/test_apply_pipelined.py's sequence-parallel stages",
+    # exactness: one instance per strategy family stays
+    "tests/test_multihost.py::test_two_processes_run_a_pipelined_plan_one_stage_each[uneven]":
+        "48 s; [equal] and tests/test_apply_pipelined.py's uneven stages",
+    "tests/test_apply_pipelined.py::test_an_moe_pipeline_carries_the_stacked_losses_and_"
+    "computes_the_microbatched_step[interleaved-none]": "39 s; [1f1b-selective-moe-kept]",
+    "tests/test_apply_pipelined.py::test_a_pipelined_plan_computes_the_unsharded_step[gpt-1f1b]":
+        "tests/test__pipelined.py's gpt 1F1B and [gpt-interleaved]",
+    "tests/test_apply_pipelined.py::test_a_pipelined_plan_computes_the_unsharded_step"
+    "[llama-1f1b]": "[llama-3-1-selective] of test_uneven_stages_compute_the_unsharded_step",
+    "tests/test_apply_pipelined.py::test_a_pipelined_plan_computes_the_unsharded_step"
+    "[llama-interleaved]": "test_sequence_parallel_stages_compute_the_unsharded_step_and_send_"
+                           "their_shards[llama-interleaved]",
+    "tests/test_apply_pipelined.py::test_uneven_stages_compute_the_unsharded_step[gpt-3-1-none]":
+        "[gpt-1-3-full], [llama-3-1-selective]",
+    "tests/test_apply_pipelined.py::test_selective_recomputation_keeps_the_numbers_and_sits_"
+    "between_in_memory": "test_selective_recomputation_keeps_the_attention_core_operators_a_"
+                         "plan_keeps, [llama-3-1-selective]",
+    "tests/test_checkpoint.py::test_a_data_parallel_checkpoint_restores_under_a_pipelined_plan"
+    "[interleaved]": "34 s; [1f1b]",
+    "tests/test__layer_order.py::test_the_training_helper_keeps_chunk_order_and_steps_exactly":
+        "34 s; tests/test_checkpoint.py's pipelined restore (the helper's chunk order) and "
+        "this file's layout tests",
+    "tests/test_exactness.py::test_the_reference_of_coupled_samples_splits_microbatches_as_"
+    "apply_does": "34 s; tests/test_apply_pipelined.py's batch norm and MoE pipelines",
+    "tests/test__pipelined.py::test_the_pipelined_step_computes_the_unsharded_step"
+    "[gpt-gpipe-saved]": "[gpt-1f1b-saved]; GPipe: test_1f1b_keeps_fewer_activations_than_gpipe",
+    "tests/test__pipelined.py::test_the_pipelined_step_computes_the_unsharded_step"
+    "[gpt-interleaved-saved]": "tests/test_apply_pipelined.py::test_a_pipelined_plan_computes_"
+                               "the_unsharded_step[gpt-interleaved]",
+    "tests/test__pipelined.py::test_the_pipelined_step_computes_the_unsharded_step"
+    "[llama-1f1b-saved]": "[gpt-1f1b-saved]; LLaMA: tests/test_apply_pipelined.py's",
+    "tests/test__pipelined.py::test_scatter_gather_sends_one_piece_per_model_replica[model4]":
+        "[model2-data2]",
+    "tests/test_attention.py::test_ring_attention_is_attention[8-contiguous-True]":
+        "31 s; [4-contiguous-True], [8-contiguous-False]",
+    "tests/test_attention.py::test_ring_attention_is_attention[8-zigzag-True]":
+        "21 s; [4-zigzag-True]",
+    "tests/test_attention.py::test_the_compiled_ring_sends_what_ring_sends_counts[8]": "[4]",
+    "tests/test_apply.py::test_sharded_step_matches_unsharded[inception_v3-data_parallel]":
+        "22 s; data parallelism on the other models, convolutions on resnet101",
+    "tests/test_apply.py::test_sharded_step_matches_unsharded[resnet101-data_parallel]":
+        "[resnet101-random0], [resnet101-searched]",
+    "tests/test_apply.py::test_sharded_step_matches_unsharded[rnntc-data_parallel]":
+        "[rnntc-random0], [rnntc-searched]",
+    "tests/test_apply.py::test_sharded_step_matches_unsharded[nmt-data_parallel]":
+        "[nmt-random0], [nmt-searched]",
+    "tests/test_training.py::test_scanned_layers_train_with_the_default_plan"
+    "[nnx_scan_transformer]": "[linen_scan_transformer]; nnx scans: tests/test_corpus.py",
+    "tests/test_exactness.py::test_grouped_convolutions_split_over_channels_give_exact_"
+    "gradients[multiplier2d]": "[depthwise2d], [grouped2d]",
+    "tests/test_exactness.py::test_grouped_convolutions_split_over_channels_give_exact_"
+    "gradients[depthwise1d]": "[depthwise2d]",
+    "tests/test_corpus.py::test_one_device_gradient_is_exact[resnet18]":
+        "test_cpu8_gradient_is_exact[resnet18-*] (its reference is the one-device step)",
+    "tests/test_corpus.py::test_one_device_gradient_is_exact[linen_remat_scan_transformer]":
+        "test_cpu8_gradient_is_exact[linen_remat_scan_transformer-*]",
+    "tests/test_corpus.py::test_one_device_gradient_is_exact[nnx_scan_transformer]":
+        "test_cpu8_gradient_is_exact[nnx_scan_transformer-*]",
+    "tests/test_corpus.py::test_one_device_gradient_is_exact[t5_encdec]":
+        "test_cpu8_gradient_is_exact[t5_encdec-*]",
+    "tests/test_corpus.py::test_shard_training_float32_step_matches[linen_remat_scan_"
+    "transformer]": "test_shard_training_float64_gradient_is_exact[linen_remat_scan_transformer]",
+    "tests/test_corpus.py::test_shard_training_float32_step_matches[nnx_scan_transformer]":
+        "test_shard_training_float64_gradient_is_exact[nnx_scan_transformer]",
+    "tests/test_corpus.py::test_shard_training_float32_step_matches[resnet18]":
+        "test_shard_training_float64_gradient_is_exact[resnet18]",
+    "tests/test_corpus.py::test_every_shard_program_builds[whisper]":
+        "tests/test_fuzz_exactness.py::test_a_random_strategy_is_exact[corpus:whisper]",
+    "tests/test_fuzz_exactness.py::test_one_device_is_exact[corpus:whisper]":
+        "test_a_random_strategy_is_exact[corpus:whisper]",
+    "tests/test_fuzz_exactness.py::test_one_device_is_exact[corpus:convnext]":
+        "tests/test_corpus.py's convnext",
+    "tests/test_fuzz_exactness.py::test_one_device_is_exact[corpus:mobilenet]":
+        "tests/test_corpus.py's mobilenet, tests/test_exactness.py's depthwise convolutions",
+    "tests/test_moe.py::test_dropless_is_the_capacity_form_that_drops_nothing":
+        "test_dropless_cpu8_gradient_is_exact",
+    "tests/test_gpt_dropout.py::test_a_pipelined_plan_with_dropout_computes_the_unsharded_step":
+        "test_sharded_gradients_with_dropout_are_the_unsharded, tests/test_memory.py's "
+        "dropout microbatch",
+    "tests/test_memory.py::test_microbatches_and_recompute_compute_the_unsharded_step[llama]":
+        "[gpt]",
+    "tests/test_memory.py::test_zero3_with_recompute_computes_the_unsharded_step[gpt]":
+        "[llama]",
+    "tests/test_graph.py::test_evaluate_reproduces_the_loss[lenet]": "[gpt2], [nmt]",
+    "tests/test_graph.py::test_evaluate_reproduces_the_loss[rnntc]": "[gpt2], [nmt]",
+    # the big zoo models' summaries
+    "tests/test_zoo_large.py::test_gpt_22b_fits_on_8_a100s_at_batch_4":
+        "tests/test_memory.py::test_megatron_selective_with_sequence_parallelism_fits[22b-tp8]",
+    "tests/test_zoo_large.py::test_a_9b_decoder_at_4096_tokens_fits_on_h100x64":
+        "test_every_size_traces_from_shapes",
+    "tests/test_distributed_optimizer.py::test_gpt_175b_on_512_a100s_sheds_seven_eighths_of_"
+    "the_optimizer_state": "test_the_update_is_on_shards_and_all_gathered",
+    # second round: what stays is one instance per strategy family and model family
+    "tests/test_multihost.py::test_two_processes_run_a_pipelined_plan_one_stage_each[equal]":
+        "33 s; test_two_processes_compute_the_single_process_step (processes), "
+        "tests/test_apply_pipelined.py (pipelines)",
+    "tests/test_checkpoint.py::test_a_data_parallel_checkpoint_restores_under_a_pipelined_plan"
+    "[1f1b]": "33 s; test_a_checkpoint_restores_under_another_plan_and_device_count, "
+              "tests/test_apply_pipelined.py::test_shard_training_runs_a_pipelined_plan",
+    "tests/test_apply_pipelined.py::test_uneven_stages_compute_the_unsharded_step"
+    "[gpt-1-3-full]": "[llama-3-1-selective]",
+    "tests/test_apply_pipelined.py::test_sequence_parallel_stages_compute_the_unsharded_step_"
+    "and_send_their_shards[gpt-1f1b]": "[llama-interleaved]",
+    "tests/test_exactness.py::test_grouped_convolutions_split_over_channels_give_exact_"
+    "gradients[grouped2d]": "[depthwise2d] (the same rule for a group's channels)",
+    "tests/test_exactness.py::test_xla_still_computes_a_partly_scattered_partial_sum_wrongly":
+        "a canary for an XLA fix; the workaround's exactness: "
+        "test_vit_with_a_partly_scattered_attention_score_is_exact",
+    "tests/test_moe.py::test_one_device_gradient_is_exact":
+        "test_cpu8_gradient_is_exact (the same reference)",
+    "tests/test_memory.py::test_megatron_selective_with_sequence_parallelism_fits"
+    "[175b-tp8-pp8]": "[22b-tp8]",
+    "tests/test_graph.py::test_evaluate_reproduces_the_loss[nmt]": "[gpt2]",
+    "tests/test_attention.py::test_ring_attention_is_attention[8-contiguous-False]":
+        "[4-contiguous-True]",
+    "tests/test_flash_attention.py::test_gradients_are_exact[ring_model]":
+        "[ring_data_tp_model]",
+    "tests/test_cost.py::test_profile_measures_each_signature_once":
+        "test_a_split_batch_is_measured_at_its_shard",
+    "tests/test_recompute.py::test_the_search_starts_a_chain_from_the_relaxed_best_start":
+        "test_the_search_relaxes_a_recomputing_plan_where_the_best_recomputes_nothing",
+    "tests/test_cudnn_attention.py::test_applied_on_cpu8_its_gradients_are_exact"
+    "[ring_data_tp_model]": "[dp]; ring attention: tests/test_flash_attention.py",
+    "tests/test_corpus.py::test_one_device_gradient_is_exact":
+        "test_cpu8_gradient_is_exact[*-data_parallel]: the one-device step with the batch split",
+    "tests/test_corpus.py::test_shard_training_float32_step_matches":
+        "test_shard_training_float64_gradient_is_exact (the helper), "
+        "test_cpu8_gradient_is_exact[*-searched] (the plan)",
+    "tests/test_corpus.py::test_cpu8_gradient_is_exact[*-fsdp]":
+        "[*-megatron] and [*-searched] on every corpus model; FSDP: tests/test_apply.py, "
+        "tests/test_memory.py's ZeRO-3",
+    "tests/test_fuzz_exactness.py::test_one_device_is_exact":
+        "test_a_random_strategy_is_exact on the same models, against the same reference",
+    "tests/test_apply.py::test_sharded_step_matches_unsharded[*-random0]":
+        "[*-searched]; random strategies: tests/test_fuzz_exactness.py",
+}
