@@ -22,12 +22,15 @@ plan: $(STAMP)
 
 # Lint first (ruff: pyflakes, pycodestyle, import order; pyproject's [tool.ruff]), then
 # the suite without the `heavy` zoo checks (big models' train steps and default-size summaries;
-# every tiny model's train step still runs in tests/test_apply.py) and the `timing` ones (this
-# machine's own timings, skewed by the other worker). make test-all runs those too.
+# every tiny model's train step still runs in tests/test_apply.py), the `timing` ones (this
+# machine's own timings, skewed by the other worker) and the `long` ones (tests/long_tests.py:
+# the longest checks, each with the faster test that keeps its property in make test).
+# make test-all runs them all: run it after changing apply, the simulator or the search.
 # Both run the docstring examples of soapjax/ as doctests (pyproject: --doctest-modules).
 # The suite runs on two workers (pytest-xdist), a test file per worker at a time (its cached
 # traces and compiled steps stay in one process): on the 2-core machines this project is
-# built on, 407 s where one process took 641 s. PYTEST_WORKERS=0 runs it in one process.
+# built on, 407 s where one process took 641 s (when the suite was a third of its size).
+# PYTEST_WORKERS=0 runs it in one process.
 PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 

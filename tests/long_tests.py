@@ -184,4 +184,17 @@ LONG: dict[str, str] = {
         "test_a_random_strategy_is_exact on the same models, against the same reference",
     "tests/test_apply.py::test_sharded_step_matches_unsharded[*-random0]":
         "[*-searched]; random strategies: tests/test_fuzz_exactness.py",
+    # third round
+    "tests/test_corpus.py::test_cpu8_gradient_is_exact[*-megatron]":
+        "[*-searched] and [*-data_parallel] on every corpus model; Megatron's splits: "
+        "tests/test_baselines.py, tests/test_apply.py",
+    "tests/test_fuzz_exactness.py::test_a_random_strategy_is_exact[corpus:whisper]":
+        "the other corpus models' random strategies; encoder-decoder attention: "
+        "tests/test_corpus.py's t5_encdec",
+    "tests/test__pipelined.py::test_the_stages_send_what_the_schedule_needs[interleaved]":
+        "[1f1b]; interleaved sends: tests/test_apply_pipelined.py::test_sequence_parallel_"
+        "stages_compute_the_unsharded_step_and_send_their_shards[llama-interleaved]",
+    "tests/test_memory.py::test_zero3_with_recompute_gathers_again_as_simulated":
+        "test_zero3_with_recompute_computes_the_unsharded_step[llama]; the gathers' price: "
+        "tests/test_simulate.py",
 }
