@@ -48,7 +48,7 @@ from soapjax.measure import hlo
 from soapjax.measure._timing import median_call
 from soapjax.measure.hlo import HloFlops, hlo_flops
 from soapjax.simulate.front import SimResult, opt_state_factor, simulate
-from soapjax.strategy.plan import Plan
+from soapjax.strategy.plan import Plan, untied_warning
 from soapjax.strategy.space import MeshShape
 from soapjax.topology.cluster import Topology, make_mesh
 
@@ -90,6 +90,8 @@ class CheckResult:
         the simulator does not model.
       gradients: the loss and each gradient leaf against the unsharded ones
         (`soapjax.exactness.GradientComparison`), None where not compared.
+      warnings: what the prediction leaves out for this plan (a scan's layers read in other
+        layouts: `soapjax.strategy.space.untied_warning`), shown above the bars.
     """
 
     max_abs_diff: float
@@ -108,6 +110,7 @@ class CheckResult:
     reported_flops: float = 0.0
     duplicated_flops: float = 0.0
     gradients: GradientComparison | None = None
+    warnings: tuple[str, ...] = ()
 
     @property
     def flops_ratio(self) -> float:
@@ -141,6 +144,7 @@ class CheckResult:
             "reported_flops": self.reported_flops, "flops_ratio": self.flops_ratio,
             "duplicated_flops": self.duplicated_flops,
             "gradients": self.gradients.to_json() if self.gradients is not None else None,
+            "warnings": list(self.warnings),
         }
 
     def verdict(self, *, tolerance: float = NUMBERS_TOLERANCE,
@@ -205,7 +209,8 @@ class CheckResult:
                    f"(ratio {self.flops_ratio:.3f})"),
                   f"step time: measured {self.measured_step_s * 1e3:.3f} ms, predicted "
                   f"{self.predicted_step_s * 1e3:.3f} ms (not a bar)", ""]
-        lines += bars + [f"verdict: {'PASS' if passed else 'FAIL'}"]
+        lines += [*self.warnings, *([""] if self.warnings else []), *bars,
+                  f"verdict: {'PASS' if passed else 'FAIL'}"]
         return "\n".join(lines)
 
 
@@ -344,7 +349,8 @@ def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5,
         duplicated_flops=counted.duplicated,
         predicted_flops=step_flops(graph, strategy, MeshShape.of(topo), optimizer=w.optimizer,
                                    params=params, stored=_stored_shapes(graph, sh)).total,
-        reported_flops=reported, gradients=gradients)
+        reported_flops=reported, gradients=gradients,
+        warnings=tuple(w for w in [untied_warning(graph, strategy)] if w))
 
 
 def _stored_shapes(graph: Any, shardings: Any) -> list[tuple[int, ...]]:

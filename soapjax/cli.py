@@ -649,6 +649,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from soapjax.cost import operators as cost
     from soapjax.report import format_bytes
     from soapjax.simulate import front as simulate
+    from soapjax.strategy.plan import untied_warning
 
     if args.plot:
         _require_plot(args.plot)
@@ -661,13 +662,16 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     r = simulate.simulate(g, topo, strategy, cost_model=costs, resharder=args.reshard,
                           opt_state_factor=factor)
     notes = _pipeline_notes(strategy, r)
+    untied = untied_warning(g, strategy)
     if args.trace:
         with open(args.trace, "w") as f:
             json.dump(r.to_chrome_trace(), f)
     pictures = _save_plot(args.plot, g, strategy, topo, r) if args.plot else []
     if args.json:
-        _print_json(r.to_json())
+        _print_json(r.to_json() | ({"warnings": [untied]} if untied else {}))
         return 0
+    if untied:
+        notes.append(untied)
     m = r.memory
     links = ", ".join(f"{k} {format_bytes(v)}" for k, v in r.bytes_by_link_class.items()) or "none"
     config = f" ({w.config})" if w.config else ""

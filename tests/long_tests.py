@@ -197,4 +197,8 @@ LONG: dict[str, str] = {
     "tests/test_memory.py::test_zero3_with_recompute_gathers_again_as_simulated":
         "test_zero3_with_recompute_computes_the_unsharded_step[llama]; the gathers' price: "
         "tests/test_simulate.py",
+    "tests/test_check.py::test_check_warns_of_a_plan_whose_scan_layers_read_other_layouts":
+        "16 s; tests/test_plan.py::test_a_layer_reading_its_stacked_slice_in_another_layout_"
+        "is_named, tests/test_cli.py::test_simulate_warns_of_a_plan_whose_scan_layers_read_"
+        "other_layouts",
 }

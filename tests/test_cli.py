@@ -584,3 +584,36 @@ def test_ctrl_c_at_any_time_ends_in_one_line(after_s, tmp_path):
     assert err.rstrip().splitlines()[-1] in ("soapjax: interrupted while starting",
                                              "soapjax plan: interrupted; no plan written")
     assert not out.exists()
+
+
+def test_simulate_warns_of_a_plan_whose_scan_layers_read_other_layouts(tmp_path, capsys):
+    """A plan file edited by hand so that the tiny GPT's second layer runs fc1 row parallel
+    where the first runs it column parallel: the stacked kernel is stored as the first reads
+    it, XLA moves the second's slice every step, and the prediction does not price the move;
+    `simulate` says so in its report and its JSON."""
+    import dataclasses
+
+    import soapjax_zoo
+    from soapjax.graph.opgraph import trace
+    from soapjax.strategy.plan import Plan
+    from soapjax.strategy.space import Config, MeshShape, data_parallel
+    from soapjax.topology.cluster import load_topology
+
+    w, topo = soapjax_zoo.get("gpt", "tiny"), load_topology("cpu8")
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    first, last = next(grp for grp in g.repeated_blocks()
+                       if g.operators[grp[0]].name.endswith("fc1"))
+    base = data_parallel(g, MeshShape.of(topo))
+    configs = list(base.configs)
+    configs[first] = Config((("data",), (), ("model",), ()))
+    configs[last] = Config((("data",), (), (), ("model",)))
+    path = tmp_path / "untied.json"
+    Plan.make(g, topo, dataclasses.replace(base, configs=tuple(configs)),
+              model_config="tiny").save(str(path))
+    code, out, _ = run(["simulate", "--strategy", str(path), "--costs", "analytic"], capsys)
+    assert code == 0
+    assert "warning: layer 1 of stacked parameter" in out and "fc1" in out
+    assert "the prediction does not price" in out
+    code, out, _ = run(["simulate", "--strategy", str(path), "--costs", "analytic", "--json"],
+                       capsys)
+    assert code == 0 and json.loads(out)["warnings"][0].startswith("warning: layer 1 of")

@@ -1,5 +1,6 @@
 """soapjax.strategy.plan: plan files round-trip, and refuse other models and topologies."""
 
+import dataclasses
 import json
 
 import pytest
@@ -8,7 +9,7 @@ import soapjax_zoo as zoo
 from soapjax.base.errors import PlanError
 from soapjax.graph.opgraph import trace
 from soapjax.strategy import space
-from soapjax.strategy.plan import Plan
+from soapjax.strategy.plan import Plan, untied_layers, untied_warning
 from soapjax.topology.cluster import load_topology
 
 
@@ -247,3 +248,29 @@ def test_a_deeply_nested_file_is_refused_in_one_line(tmp_path):
     path.write_text("[" * 200_000)
     with pytest.raises(PlanError, match=r"deep.json: not valid JSON \(nested too deeply"):
         Plan.load(path)
+
+
+def test_a_layer_reading_its_stacked_slice_in_another_layout_is_named():
+    # tiny GPT, 2 scanned layers: fc1's stacked kernel [2, 32, 128] is stored as layer 0 reads
+    # it (column parallel: its ffn dim over model); layer 1 row parallel reads its slice with
+    # the contracted dim over model, a move XLA makes every step and the simulator does not
+    # price; the bias [2, 128] is read split in layer 0, whole in layer 1
+    w = zoo.get("gpt", "tiny")
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt")
+    D, M = ("data",), ("model",)
+    MESH = space.MeshShape(("data", "model"), (2, 4))
+    first, last = next(grp for grp in g.repeated_blocks()
+                       if g.operators[grp[0]].name.endswith("fc1"))
+    base = space.data_parallel(g, MESH)
+    edited = list(base.configs)
+    edited[first], edited[last] = space.Config((D, (), M, ())), space.Config((D, (), (), M))
+    untied = untied_layers(g, dataclasses.replace(base, configs=tuple(edited)))
+    kernel = [u for u in untied if u[0].endswith("['kernel']")]
+    assert kernel == [(kernel[0][0], (1,), ((), M), (M, ()))]
+    assert "fc1" in kernel[0][0] and {u[1] for u in untied} == {(1,)} and len(untied) == 2
+    text = untied_warning(g, dataclasses.replace(base, configs=tuple(edited)))
+    assert text.startswith(f"warning: layer 1 of stacked parameter {untied[0][0]} is read split")
+    assert "and 1 more" in text and "tie_blocks" in text
+    tied = space.tie_blocks(g, dataclasses.replace(base, configs=tuple(edited)))
+    assert untied_layers(g, tied) == [] and untied_warning(g, tied) is None
+    assert untied_layers(g, base) == []

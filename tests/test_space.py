@@ -143,3 +143,4 @@ def test_tie_blocks_gives_every_layer_one_layers_config_and_policy(layer):
     assert all(len({tied.configs[i] for i in grp}) == 1 for grp in groups)
     assert [c for i, c in enumerate(tied.configs) if i not in (first, last)] == \
         [c for i, c in enumerate(base.configs) if i not in (first, last)]
+

@@ -54,6 +54,7 @@ from soapjax.strategy.space import (
     RECOMPUTE_POLICIES,
     Config,
     MeshShape,
+    Spec,
     Strategy,
     param_specs,
     strategy_from_names,
@@ -650,3 +651,44 @@ def _check_specs(operators: Mapping[str, Any], configs, roles, where: str) -> No
                             f"{[list(a) for a in config.axes]} give {implied!r}; the axes are "
                             "what the plan applies and the spec is derived from them: edit "
                             f"\"axes\" (and the spec to match), or delete \"spec\"")
+
+
+def untied_layers(graph: OpGraph, strategy: Strategy) -> list[tuple[str, tuple[int, ...], Spec,
+                                                                    Spec]]:
+    """The layers of a scan that read their slice of a stacked parameter in another layout
+    than the scan's first layer reads it at the same position, as (parameter path, layer
+    index, the first layer's axes per dim, this layer's), one per parameter and layer.
+
+    A stacked parameter is stored as its first layer's slice is read (`space.param_specs`), so XLA
+    moves every such slice each step, and its gradient back (all-to-alls), which no
+    operator's price holds: the simulator does not price them. The search and the baselines
+    never make such plans (`space.tie_blocks`); a plan file written or edited by hand can.
+    """
+    first: dict[tuple[str, str], Spec] = {}
+    out = []
+    for op, config in zip(graph.operators, strategy.configs):
+        for operand in op.inputs:
+            if operand.kind != "param" or not operand.layer:
+                continue
+            axes = config.operand_axes(operand.dims)
+            seen = first.setdefault((operand.leaf_path, op.block_position), axes)
+            if axes != seen:
+                out.append((operand.leaf_path, tuple(operand.layer), seen, axes))
+    return out
+
+
+def untied_warning(graph: OpGraph, strategy: Strategy) -> str | None:
+    """`untied_layers` as one line for a report, None where every layer is tied."""
+    untied = untied_layers(graph, strategy)
+    if not untied:
+        return None
+    path, layer, first, axes = untied[0]
+    more = f" and {len(untied) - 1} more" if len(untied) > 1 else ""
+
+    def text(spec: Spec) -> str:
+        return "(" + ", ".join("+".join(a) if a else "-" for a in spec) + ")"
+    return (f"warning: layer {', '.join(map(str, layer))} of stacked parameter {path} is read "
+            f"split as {text(axes)} where the scan's first layer reads it {text(first)}{more}: "
+            "a scan stores its layers' weights in one layout, so XLA moves such slices every "
+            "step, which the prediction does not price; give every layer of the scan one config "
+            "(soapjax.strategy.space.tie_blocks), as every plan soapjax makes does")
