@@ -91,7 +91,7 @@ class CheckResult:
       gradients: the loss and each gradient leaf against the unsharded ones
         (`soapjax.exactness.GradientComparison`), None where not compared.
       warnings: what the prediction leaves out for this plan (a scan's layers read in other
-        layouts: `soapjax.strategy.space.untied_warning`), shown above the bars.
+        layouts: `soapjax.strategy.plan.untied_warning`), shown above the bars.
     """
 
     max_abs_diff: float

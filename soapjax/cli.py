@@ -668,7 +668,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             json.dump(r.to_chrome_trace(), f)
     pictures = _save_plot(args.plot, g, strategy, topo, r) if args.plot else []
     if args.json:
-        _print_json(r.to_json() | ({"warnings": [untied]} if untied else {}))
+        _print_json(r.to_json() | {"warnings": [untied] if untied else []})
         return 0
     if untied:
         notes.append(untied)
