@@ -63,6 +63,7 @@ import os
 import sys
 import tempfile
 import types
+import warnings
 from collections.abc import Callable, Mapping
 from importlib import metadata
 from pathlib import Path
@@ -101,7 +102,7 @@ from soapjax.search import SearchSettings, find_plan, print_progress
 from soapjax.simulate.front import opt_state_factor
 from soapjax.strategy._arguments import check_optimizer, check_settings
 from soapjax.strategy.baselines import NAMES as BASELINE_NAMES, baselines
-from soapjax.strategy.plan import Plan
+from soapjax.strategy.plan import Plan, untied_warning
 from soapjax.strategy.space import MeshShape, Strategy
 from soapjax.topology.cluster import Topology, load_topology, make_mesh, scaled_topology
 
@@ -330,6 +331,9 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
     strategy = _resolve_strategy(strategy, graph, mesh, topology, options)
     plan = strategy if isinstance(strategy, Plan) else None
     strategy = validate_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)  # a plan's, too
+    untied = untied_warning(graph, strategy)
+    if untied:  # it runs (XLA moves the slices); a plan's predicted step leaves them out
+        warnings.warn(untied.removeprefix("warning: "), stacklevel=2)
     step, shardings = sharded_train_step(graph, strategy, mesh, optimizer, params=params,
                                          batch=batch, mesh_shape=mesh_shape, donate=donate,
                                          compiler_options=compiler_options)

@@ -226,3 +226,29 @@ def test_a_batch_missing_a_key_names_it(mlp):
     assert run.step.count == 0
     _, _, loss = run.step(run.params, run.opt_state, run.shard_batch(batch))
     assert np.isfinite(loss) and run.step.count == 1
+
+
+def test_a_strategy_whose_scan_layers_read_other_layouts_is_run_with_a_warning():
+    """The tiny GPT with its second layer's fc1 row parallel where the first's is column
+    parallel: the helper builds the step (XLA moves the stacked slice every step) and warns
+    that the move is not priced; tied, it says nothing."""
+    import dataclasses
+    import warnings
+
+    from soapjax.strategy import baselines
+    from soapjax.strategy.space import Config, MeshShape
+
+    w = zoo.get("gpt", "tiny")
+    graph = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt")
+    strategy = baselines.megatron(graph, MeshShape.of(load_topology("cpu8")), ("model",))
+    first, last = next(grp for grp in graph.repeated_blocks()
+                       if graph.operators[grp[0]].name.endswith("fc1"))
+    configs = list(strategy.configs)
+    configs[last] = Config((("data",), (), (), ("model",)))
+    untied = dataclasses.replace(strategy, configs=tuple(configs))
+    args = (w.loss_fn, w.abstract_params(), w.abstract_batch(), w.optimizer)
+    with pytest.warns(UserWarning, match=r"^layer 1 of stacked parameter .*fc1.* not price"):
+        training.shard_training(*args, mesh="cpu8", strategy=untied, name="gpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        training.shard_training(*args, mesh="cpu8", strategy=strategy, name="gpt")
