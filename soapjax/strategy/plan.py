@@ -684,11 +684,9 @@ def untied_warning(graph: OpGraph, strategy: Strategy) -> str | None:
         return None
     path, layer, first, axes = untied[0]
     more = f" and {len(untied) - 1} more" if len(untied) > 1 else ""
-
-    def text(spec: Spec) -> str:
-        return "(" + ", ".join("+".join(a) if a else "-" for a in spec) + ")"
+    axes_text, first_text = (spec_text(to_partition_spec(s)) for s in (axes, first))
     return (f"warning: layer {', '.join(map(str, layer))} of stacked parameter {path} is read "
-            f"split as {text(axes)} where the scan's first layer reads it {text(first)}{more}: "
+            f"split as {axes_text} where the scan's first layer reads it {first_text}{more}: "
             "a scan stores its layers' weights in one layout, so XLA moves such slices every "
             "step, which the prediction does not price; give every layer of the scan one config "
             "(soapjax.strategy.space.tie_blocks), as every plan soapjax makes does")
