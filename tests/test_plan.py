@@ -274,3 +274,32 @@ def test_a_layer_reading_its_stacked_slice_in_another_layout_is_named():
     tied = space.tie_blocks(g, dataclasses.replace(base, configs=tuple(edited)))
     assert untied_layers(g, tied) == [] and untied_warning(g, tied) is None
     assert untied_layers(g, base) == []
+
+
+def test_a_pipelined_plan_file_is_read_on_one_stage_s_mesh(tmp_path):
+    """A pipelined plan's configs name one stage's devices: on 4 DGX nodes cut into 2 stages
+    a stage's ``node`` axis is 2, so the embedding's 8 features split over node x model
+    (2 x 4) fit a stage, where the whole cluster's node x model would be 16 ways. Read back
+    from its file it is the same strategy (it was refused as 16 ways)."""
+    from soapjax.strategy._strategy_file import parse_strategy
+    from soapjax.strategy.baselines import megatron_3d
+
+    w = zoo.get("gpt", "tiny", batch_size=16)
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    topo = load_topology("dgx-a100x3072-32")
+    strategy = megatron_3d(g, topo, tp=4, pp=2, microbatch_size=2, recompute="none")
+    i = g.index("wte")
+    axes = [() for _ in g.operators[i].iteration_sizes]
+    axes[1] = ("node", "model")
+    configs = list(strategy.configs)
+    configs[i] = space.Config(tuple(axes))
+    strategy = dataclasses.replace(strategy, configs=tuple(configs))
+    path = Plan.make(g, topo, strategy, model_config="tiny").save(tmp_path / "plan.json")
+    again = parse_strategy(g, topo, str(path))
+    assert again == strategy and again.configs[i].axes[1] == ("node", "model")
+    edited = json.loads(path.read_text())
+    edited["operators"]["wte"]["axes"][1] = ["node", "data", "model"]  # 16 ways in a stage
+    del edited["operators"]["wte"]["spec"]
+    path.write_text(json.dumps(edited))
+    with pytest.raises(PlanError, match="'wte': dim 1 of size 8 .* cannot be split 16 ways"):
+        parse_strategy(g, topo, str(path))

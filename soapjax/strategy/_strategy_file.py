@@ -24,7 +24,7 @@ from soapjax.strategy.space import (
     strategy_from_names,
     validate_config,
 )
-from soapjax.topology.cluster import Topology
+from soapjax.topology.cluster import Topology, stage_topology
 
 
 def parse_strategy(graph: OpGraph, topology: Topology, spec: str | Mapping[str, Any], *,
@@ -65,8 +65,11 @@ def parse_strategy(graph: OpGraph, topology: Topology, spec: str | Mapping[str, 
         path, spec = spec, _read_strategy_file(spec)
         if spec.get("format") == plan_mod.FORMAT:
             strategy = plan_mod.Plan.from_json(spec, where=path).strategy(graph, topology)
-            for i, config in enumerate(strategy.configs):  # an edited file may not fit
-                validate_config(graph, i, config, mesh)
+            # an edited file may not fit; a pipelined plan's configs name one stage's devices
+            stage = (MeshShape.of(stage_topology(topology, strategy.stages))
+                     if strategy.pipelined else mesh)
+            for i, config in enumerate(strategy.configs):
+                validate_config(graph, i, config, stage)
             _check_zero_axes(list(strategy.zero_axes), mesh)
             _check_zero_axes(list(strategy.optimizer_axes), mesh, "optimizer_axes")
             return strategy
