@@ -119,9 +119,10 @@ def strategy_words(strategy: Strategy, topo, graph: OpGraph | None = None) -> di
 def search_into(row: dict, g: OpGraph, topo, w: Any, model_config: str, costs, budget: float,
                 pipelines: bool | None, point: Callable[..., Any],
                 describe: Callable[..., dict], progress=None,
-                proposals: int | None = None) -> dict:
+                proposals: int | None = None, processes: int | None = None) -> dict:
     """Searches `g` on `topo` (seed 0, `budget` seconds, or `proposals` per chain whatever
-    the time: the same plan on a busy machine) and fills `row`: ``search_s`` and either
+    the time: the same plan on a busy machine; its chains in `processes`, None: one per core)
+    and fills `row`: ``search_s`` and either
     ``error`` (the PlanError's first line) or ``searched`` (``point("searched", ...)`` as a
     dict, with the plan's `describe` words, the grid point it started from and its
     proposals). Returns `row`."""
@@ -133,6 +134,7 @@ def search_into(row: dict, g: OpGraph, topo, w: Any, model_config: str, costs, b
         plan = find_plan(g, topo, settings=SearchSettings(budget_s=budget, seed=0,
                                                           pipelines=pipelines,
                                                           max_proposals=proposals,
+                                                          processes=processes,
                                                           check_reshardings=False),
                          costs=costs, optimizer=w.optimizer, family=w.family,
                          model_config=model_config, progress=progress)

@@ -237,14 +237,17 @@ def run_extra(case: Case, row: dict, progress: Callable[[str], None]) -> dict:
 
 
 def run_case(case: Case, budget: float, progress: Callable[[str], None],
-             proposals: int | None = None, grid: bool = True) -> dict:
+             proposals: int | None = None, grid: bool = True, processes: int | None = 1
+             ) -> dict:
     """One row (module doc). `proposals`: a fixed count per chain instead of the time budget
-    (the same plan on a faster or slower machine); without `grid`, the search alone."""
+    (the same plan on a faster or slower machine); without `grid`, the search alone;
+    `processes`: the search's chains in that many (None: one per core)."""
     topo, w, g, costs, factor = _setup(case)
     row: dict = {"case": case.key, "model": f"{case.model} {case.size}",
                  "gpus": topo.num_devices, "batch": case.batch, "note": case.note}
     if not grid:
-        return _search_into(row, case, g, topo, w, costs, factor, budget, proposals, progress)
+        return _search_into(row, case, g, topo, w, costs, factor, budget, proposals, progress,
+                            processes)
     t0 = time.perf_counter()
     megatron = megatron_points(g, topo)
     maxtext = maxtext_points(g, topo)
@@ -264,7 +267,8 @@ def run_case(case: Case, budget: float, progress: Callable[[str], None],
     least = min(grid, key=lambda p: p.memory) if grid else None
     row["least_memory"] = least._asdict() if least else None
     progress(f"{case.key}: best hand {row['hand'] and row['hand']['name']}")
-    return _search_into(row, case, g, topo, w, costs, factor, budget, proposals, progress)
+    return _search_into(row, case, g, topo, w, costs, factor, budget, proposals, progress,
+                        processes)
 
 
 class Searched(NamedTuple):
@@ -291,12 +295,14 @@ def searched(g: OpGraph, topo, s: Strategy, costs, factor: float) -> Searched:
 
 
 def _search_into(row: dict, case: Case, g: OpGraph, topo, w, costs, factor: float,
-                 budget: float, proposals: int | None, progress: Callable[[str], None]) -> dict:
+                 budget: float, proposals: int | None, progress: Callable[[str], None],
+                 processes: int | None = 1) -> dict:
     progress(f"{case.key}: searching ({budget:g} s)" if proposals is None else
              f"{case.key}: searching ({proposals} proposals a chain)")
     return search_into(row, g, topo, w, case.size, costs, budget, True,
                        lambda s: searched(g, topo, s, costs, factor),
-                       lambda g, s, t: strategy_words(s, t, g), proposals=proposals)
+                       lambda g, s, t: strategy_words(s, t, g), proposals=proposals,
+                       processes=processes)
 
 
 def updated(rows: list[dict], row: dict, search_only: bool) -> list[dict]:
@@ -405,6 +411,9 @@ def main() -> int:
     ap.add_argument("--proposals", type=int,
                     help="a fixed proposal count per chain instead of the budget (the same plan "
                     "on any machine: run N and N/2 to see how much the result depends on it)")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="processes for each search's chains (default: 1, the issue's one core; "
+                    "0: one per core)")
     ap.add_argument("--search-only", action="store_true",
                     help="skip the hand grid (with --proposals: the robustness check); a "
                     "case's hand-grid columns already in --json are kept (score the grid "
@@ -436,7 +445,8 @@ def main() -> int:
                 rows = updated(rows, run_extra(by_key[key], before, say), False)
             else:
                 rows = updated(rows, run_case(by_key[key], args.budget, say, args.proposals,
-                                              not args.search_only), args.search_only)
+                                              not args.search_only, args.processes or None),
+                               args.search_only)
             row = rows[-1]
             r = ratio(row)
             say(f"{key}: hand {_s(row.get('hand'))} s, searched "

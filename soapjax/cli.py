@@ -734,6 +734,11 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    "plan on any machine (not with --budget)")
     p.add_argument("--seed", type=_SEED, default=SearchSettings.seed,
                    help="random seed (default: %(default)s)")
+    p.add_argument("--processes", type=_number(int, 1, "an integer from 1 to 1024", 1024),
+                   default=None, help="processes that run the search's chains side by side "
+                   "(default: one per core; 1: all in this one). Any number gives the same plan "
+                   "with --proposals; with a time budget, more processes walk further. With "
+                   "measured costs the chains stay in this process")
     p.add_argument("--costs", default="auto", choices=("auto", "measured", "analytic"),
                    help="operator times: measured on the local backend, or the roofline of the "
                    "topology's device (auto: measured when the topology's devices are attached)")
@@ -827,6 +832,7 @@ def _search_and_simulate(args: argparse.Namespace, w, g, topo):
                             "(the same plan on any machine); give one of them")
     budget = SearchSettings.budget_s if args.budget is None else args.budget
     settings = SearchSettings(budget_s=budget, max_proposals=args.proposals, seed=args.seed,
+                              processes=args.processes,
                               limits=SpaceLimits(allow_reduction=not args.no_reduction),
                               pipelines=args.pipelines,
                               check_reshardings=not args.no_reshard_check)

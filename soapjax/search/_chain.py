@@ -18,12 +18,13 @@ search (`soapjax.search.find.search`) runs one chain per start and keeps the bes
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import numbers
 import time
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -42,7 +43,8 @@ from soapjax.strategy.space import (
 )
 
 __all__ = ["MAX_BUDGET_S", "MAX_PROPOSALS", "MICROBATCH_MOVES", "OPTIMIZER_MOVES",
-           "RECOMPUTE_MOVES", "RING_MOVES", "Progress", "SearchSettings", "random_strategy"]
+           "RECOMPUTE_MOVES", "RING_MOVES", "ChainOutcome", "Progress", "SearchSettings",
+           "random_strategy"]
 
 Progress = Callable[[str], None]
 
@@ -80,6 +82,12 @@ class SearchSettings:
         again with the reshardings XLA compiles for them and return the fastest so priced
         (`soapjax.search.find.find_plan`: a plan whose layout changes XLA makes by
         replicating a tensor whole is priced so, and loses to one that needs none).
+      processes: how many processes run the chains (`soapjax.search._parallel`): None
+        (default) one per core this process may run on, 1 all in this process. Each chain
+        draws from its own random stream (the seed and the chain's place), so a proposal
+        count's search returns the same plan with any number. With measured operator costs
+        the chains stay in this process (measuring runs XLA, which a forked process must
+        not).
     """
 
     budget_s: float = 20.0
@@ -91,6 +99,7 @@ class SearchSettings:
     simulation: Literal["delta", "full"] = "delta"
     pipelines: bool | None = None
     check_reshardings: bool = True
+    processes: int | None = None
 
     def __post_init__(self) -> None:
         if self.check_reshardings not in (True, False):
@@ -110,6 +119,9 @@ class SearchSettings:
         _check_number("seed", self.seed, 0, "an integer >= 0")
         _check_number("num_random", self.num_random, 0, "an integer >= 0")
         _check_number("temperature", self.temperature, math.ulp(0.0), "a number > 0")
+        if self.processes is not None:
+            _check_number("processes", self.processes, 1,
+                          "None (one per core) or an integer from 1 to 1024", 1024)
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -196,6 +208,24 @@ OPTIMIZER_MOVES = 0.02
 RING_MOVES = 0.02
 
 
+class ChainOutcome(NamedTuple):
+    """What one chain found (`_Searcher.outcome`), to add to the search's (`_Searcher.absorb`):
+    wherever it ran, in this process or another (`soapjax.search._parallel`).
+
+    Attributes:
+      bests: the fitting plans it recorded, the best per start name, as (step time,
+        strategy, start name).
+      history: (seconds since the search's start, its best so far) at each improvement.
+      proposals, accepted, repriced: its counts (`_Searcher`'s).
+    """
+
+    bests: tuple[tuple[float, Strategy, str], ...]
+    history: tuple[tuple[float, float], ...]
+    proposals: int
+    accepted: int
+    repriced: int
+
+
 class _Searcher:
     """One search: the simulation, the SOAP spaces, the chains."""
 
@@ -229,6 +259,9 @@ class _Searcher:
         self.t0 = time.perf_counter()
         self.history: list[tuple[float, float]] = []
         self._last_print = 0.0
+        # in progress lines: the proposals made and the best time found before this
+        # searcher's (`view`)
+        self._shown, self._known = 0, math.inf
         self._t_best = 0.0  # when the current chain last improved, seconds after its start
         self.check_convolutions = not settings.limits.allow_spatial and any(
             "conv" in op.anchor for op in sim.graph.operators)
@@ -251,6 +284,45 @@ class _Searcher:
         if self.best is None or t < self.best[0]:
             self.best = found
             self.history.append((time.perf_counter() - self.t0, t))
+
+    def view(self, rng: np.random.Generator) -> _Searcher:
+        """A searcher for one chain (`soapjax.search._parallel`): this one's simulation,
+        spaces, clock and memory of prices, with `rng` for its random stream and bests,
+        history and counts of its own, which `absorb` adds back here."""
+        out = copy.copy(self)
+        out.rng = rng
+        out.proposals = out.accepted = out.repriced = 0
+        out.best, out.bests, out.history = None, {}, []
+        out._shown = self._shown + self.proposals
+        out._known = min(self._known, self.best[0] if self.best is not None else math.inf)
+        return out
+
+    def outcome(self, best_only: bool = False) -> ChainOutcome:
+        """What this searcher found: its bests per start name (`best_only`: its best alone),
+        history and counts."""
+        bests = (((self.best,) if self.best is not None else ()) if best_only
+                 else tuple(self.bests.values()))
+        return ChainOutcome(bests, tuple(self.history), self.proposals, self.accepted,
+                            self.repriced)
+
+    def absorb(self, outcome: ChainOutcome) -> None:
+        """Adds what a chain found (`outcome`) to this search: its plans among the starts'
+        bests and the best, its improvements to the history (kept where they improved on
+        the search's best at their time), its counts."""
+        for found in outcome.bests:
+            t, _, name = found
+            if name not in self.bests or t < self.bests[name][0]:
+                self.bests[name] = found
+            if self.best is None or t < self.best[0]:
+                self.best = found
+        kept: list[tuple[float, float]] = []
+        for point in sorted([*self.history, *outcome.history]):
+            if not kept or point[1] < kept[-1][1]:
+                kept.append(point)
+        self.history = kept
+        self.proposals += outcome.proposals
+        self.accepted += outcome.accepted
+        self.repriced += outcome.repriced
 
     def finalists(self, k: int) -> tuple[tuple[float, Strategy, str], ...]:
         """The `k` fastest distinct fitting plans among the starts' bests, fastest first."""
@@ -381,6 +453,8 @@ class _Searcher:
             return
         self._last_print = now
         elapsed = now - self.t0
-        best = f"{self.best[0] * 1e3:.3f} ms" if self.best else "none fits yet"
+        t = min(self._known, self.best[0] if self.best is not None else math.inf)
+        best = f"{t * 1e3:.3f} ms" if t < math.inf else "none fits yet"
+        made = self._shown + self.proposals
         self.progress(f"search: {elapsed:5.1f}s  chain {name:<14}  best {best}  "
-                      f"{self.proposals} proposals ({self.proposals / max(elapsed, 1e-9):,.0f}/s)")
+                      f"{made} proposals ({made / max(elapsed, 1e-9):,.0f}/s)")

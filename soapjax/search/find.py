@@ -8,7 +8,10 @@ strategies are initial candidates, and so are Megatron's grid's best point and, 
 with experts or a long sequence, the best grid point with expert or context parallelism (a
 chain from TP 8 seldom walks into them: `GRID_FAMILIES`); each gets an equal share of what
 the budget leaves after the starts are scored, and stops early when its best has not
-improved for half of its share. The budget bounds the whole search
+improved for half of its share. The chains run side by side, one process per core
+(`soapjax.search._parallel`: each with its own random stream, so any number of processes
+returns the same plan for a proposal count; every process has the whole time, so P of them
+give the chains P times the time). The budget bounds the whole search
 (`SearchSettings.budget_s`): measuring new shard programs stops at 60% of it, or earlier
 where the next one would likely run past that (`soapjax.cost.operators.CostModel.measure_until`:
 later ones are estimated from the roofline and the operator's measured ones), so the chains
@@ -105,12 +108,14 @@ from soapjax.graph.opgraph import OpGraph
 from soapjax.search._chain import (
     MAX_BUDGET_S,
     MAX_PROPOSALS,
+    ChainOutcome,
     Progress,
     SearchSettings,
     _Searcher,
     random_strategy,
 )
 from soapjax.search._clock import sparse_gc
+from soapjax.search._parallel import ChainTask, lanes, run_chains
 from soapjax.search.grids import _grid_starts, _within
 from soapjax.search.pipelines import _Pipelines
 from soapjax.search.recompute import RELAX_SHARE, recomputes_any, relaxed
@@ -326,19 +331,17 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
                                   now + max(end - now, 0.0) * PIPELINE_GRIDS_SHARE):
             if result is not None:
                 searcher.offer(result)
-    t_chains = time.perf_counter()
-    if end is None:  # proposal counts: the chains' deadlines are never consulted
-        share = settings.budget_s / len(starts)
-    else:
-        flat_share = (1.0 if pipes is None else
-                      _flat_chains_share(flat_best, pipes.best_time()))
-        share = max(end - t_chains, 0.0) * flat_share / len(starts)
-    for k, name in enumerate(starts):
-        searcher.chain(name, starts[name], t_chains + share * (k + 1))
+    # the chains: one from each start, then one from each of the best pipelines, each with
+    # its share of the time (`soapjax.search._parallel`: side by side, one process per core)
+    flat_share = 1.0 if pipes is None else _flat_chains_share(flat_best, pipes.best_time())
+    tasks = [(_flat_chain(searcher, name, start), flat_share / len(starts))
+             for name, start in starts.items()]
     if pipes is not None:
-        for result in pipes.chains(end):
-            if result is not None:
-                searcher.offer(result)
+        piped = pipes.chain_tasks()
+        tasks += [(task, (1.0 - flat_share) / len(piped)) for task in piped]
+    measured = getattr(sim.cost_model, "source", "") == "measured"
+    run_chains(tasks, settings.seed, lanes(settings.processes, len(tasks), measured), end,
+               lambda _, outcome: searcher.absorb(outcome), progress)
     searcher._report("done", force=True)
     if searcher.best is None:
         hint = ("" if wanted or not graph.repeated_blocks() else
@@ -355,6 +358,19 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
                         search_time_s=time.perf_counter() - searcher.t0,
                         history=tuple(searcher.history),
                         finalists=searcher.finalists(RESHARD_FINALISTS))
+
+
+def _flat_chain(searcher: _Searcher, name: str, start: Strategy) -> ChainTask:
+    """The chain from start `name` (`start`) as `soapjax.search._parallel.run_chains` runs it:
+    on `searcher`'s simulation (a forked lane's copy of it), with a searcher of its own
+    (`_Searcher.view`)."""
+    def run(deadline: float | None, rng, forked: bool) -> ChainOutcome:
+        view = searcher.view(rng)
+        if forked:
+            view.progress = None
+        view.chain(name, start, math.inf if deadline is None else deadline)
+        return view.outcome()
+    return run
 
 
 def _relaxed_starts(sim: Simulation, searcher: _Searcher, graph: OpGraph,

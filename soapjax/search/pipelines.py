@@ -12,11 +12,13 @@ from soapjax.base.errors import PlanError
 from soapjax.cost.reshard import DEFAULT_MODE
 from soapjax.graph.opgraph import OpGraph
 from soapjax.search._chain import (
+    ChainOutcome,
     Progress,
     SearchSettings,
     _Searcher,
 )
 from soapjax.search._clock import past, share
+from soapjax.search._parallel import ChainTask, empty_outcome
 from soapjax.search.grids import _likely_first, _score_points, _within, grid_degrees
 from soapjax.search.recompute import RELAX_SHARE, relaxed
 from soapjax.search.stages import _num_layers, balance_stages
@@ -99,7 +101,7 @@ def pipeline_grid(graph: OpGraph, topology, stages: int, limits: SpaceLimits = S
 
 class _Pipelines:
     """Every pipeline (S from `stage_choices`, v from `interleave_choices`) with Megatron's grid
-    at it (`pipeline_grid`): `grids` scores the grids, `chains` then walks from the best points
+    at it (`pipeline_grid`): `grids` scores the grids, `chain_tasks` then walks from the best points
     of the `CHAINED_PIPELINES` pipelines whose grids did best. Each yields each pipeline's best
     point found, as (time, strategy, start name) or None. Proposals and acceptances add to
     `flat`'s counts.
@@ -199,27 +201,34 @@ class _Pipelines:
                         better[0], k, better[1], better[2])
                 yield searcher.best
 
-    def chains(self, end: float | None):
+    def chain_tasks(self) -> list[ChainTask]:
         """A chain from the best point of each of the `CHAINED_PIPELINES` pipelines whose
-        grids did best, sharing the time until `end` (None: `SearchSettings.max_proposals`
-        each); yields each chain's best."""
-        flat, settings = self._flat, self._settings
-        best = sorted(self.ranked)[:CHAINED_PIPELINES]
-        for j, (_, k, name, start) in enumerate(best):
-            if past(end):
-                break
-            deadline = share(end, len(best) - j)
+        grids did best, as `soapjax.search._parallel.run_chains` runs them: each opens its
+        pipeline's simulation, walks its start's stage boundaries (`balance_stages`) and
+        recomputation (`_relaxed`), then chains; its outcome is its best."""
+        return [self._chain_task(k, name, start)
+                for _, k, name, start in sorted(self.ranked)[:CHAINED_PIPELINES]]
+
+    def _chain_task(self, k: int, name, start: Strategy) -> ChainTask:
+        settings = self._settings
+
+        def run(deadline: float | None, rng, forked: bool) -> ChainOutcome:
+            if past(deadline):  # opening a pipeline's simulation costs seconds at scale
+                return empty_outcome()
             with self._searcher(k, start) as searcher:
+                searcher.rng = rng
+                searcher._shown = self._flat.proposals
+                if forked:
+                    searcher.progress = None
                 # the chain walks the configs at the stage boundaries its start is best at
-                _, start, _ = balance_stages(searcher.sim,
+                _, begin, _ = balance_stages(searcher.sim,
                                              (searcher.sim.step_time(), start, name.name),
                                              deadline)
-                start, label = self._relaxed(searcher, start, name.name, deadline)
-                searcher.chain(label, start, deadline if deadline is not None
+                begin, label = self._relaxed(searcher, begin, name.name, deadline)
+                searcher.chain(label, begin, deadline if deadline is not None
                                else time.perf_counter() + settings.budget_s / 4)
-                flat.proposals += searcher.proposals
-                flat.accepted += searcher.accepted
-                yield searcher.best
+                return searcher.outcome(best_only=True)
+        return run
 
     def _relaxed(self, searcher: _Searcher, start: Strategy, name: str,
                  deadline: float | None) -> tuple[Strategy, str]:

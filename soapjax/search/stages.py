@@ -32,7 +32,7 @@ def balance_stages(sim: PipelinedSimulation, best: tuple[float, Strategy, str],
     stages, each round tries every boundary moved by one layer either way and keeps the
     fastest that fits, until none is faster (or `rounds`, or `end`). Only where apply runs
     it: one virtual stage, the layers dividing by the stages (`check_stage_layers`). The
-    search balances each chain's start (`_Pipelines.chains`), where `sim` is at it already;
+    search balances each chain's start (`_Pipelines.chain_tasks`), where `sim` is at it already;
     `sim` ends at the result."""
     t, strategy, name = best
     S, v, _, layers = strategy.pipeline
