@@ -284,19 +284,20 @@ def test_the_pipelines_grids_are_scored_before_the_flat_chains():
 
 
 def test_the_search_turns_to_stages_when_nothing_else_fits():
-    """Devices of 700 KB: no plan without stages fits the 4-layer GPT (the flat search says so
-    and points at pipelines; at 1 MB the distributed optimizer now makes a flat plan fit); by
+    """Devices of 600 KB: the flat search finds no plan without stages that fits the 4-layer
+    GPT, says so and points at pipelines (at 700 KB its chains reach FSDP with recomputation
+    and 2 microbatches, 649 KB; at 1 MB the distributed optimizer makes a flat plan fit); by
     default the search then tries stages and returns one that fits."""
 
     small = dataclasses.replace(A100, device=dataclasses.replace(A100.device,
-                                                                 memory_bytes=700_000))
+                                                                 memory_bytes=600_000))
     settings = SearchSettings(max_proposals=10, seed=0)
     with pytest.raises(PlanError, match="or allow pipeline stages"):
         find_plan(gpt(), small, settings=dataclasses.replace(settings, pipelines=False),
                   costs="analytic")
     plan = find_plan(gpt(), small, settings=settings, costs="analytic")
     assert plan.pipeline[0] > 1
-    assert max(dict(plan.predicted)["peak_memory_bytes"]) <= 700_000
+    assert max(dict(plan.predicted)["peak_memory_bytes"]) <= 600_000
 
 
 def test_one_entry_point_simulates_a_pipelined_strategy_as_a_step():

@@ -66,8 +66,7 @@ def parse_strategy(graph: OpGraph, topology: Topology, spec: str | Mapping[str, 
         if spec.get("format") == plan_mod.FORMAT:
             strategy = plan_mod.Plan.from_json(spec, where=path).strategy(graph, topology)
             # an edited file may not fit; a pipelined plan's configs name one stage's devices
-            stage = (MeshShape.of(stage_topology(topology, strategy.stages))
-                     if strategy.pipelined else mesh)
+            stage = MeshShape.of(stage_topology(topology, strategy.stages))
             for i, config in enumerate(strategy.configs):
                 validate_config(graph, i, config, stage)
             _check_zero_axes(list(strategy.zero_axes), mesh)
