@@ -853,3 +853,31 @@ def test_a_first_pass_point_that_does_not_fit_is_made_to_fit():
     order.clear()
     key, _, _, _ = _score_points(searcher, {p: p.name for p in points}, past)
     assert order == ["megatron-tp8-pp2-v5-mb1-selective"] and key[0]
+
+
+def test_a_chain_that_stalls_goes_back_to_its_best_point():
+    """A chain whose best has not improved for a quarter of its proposals goes back to its
+    best point (once until it improves again) and walks on from there: each restart is a
+    reset to a strategy the chain recorded as its best."""
+    from soapjax.search import _chain
+    from soapjax.simulate.front import open_simulation
+
+    _, g, topo, cm = setup("lenet", "cpu8")
+    with open_simulation(g, topo, None, cost_model=cm, resharder="ideal") as sim:
+        searcher = _chain._Searcher(sim, SearchSettings(max_proposals=400, seed=5), None)
+        resets, bests = [], []
+        real_reset, real_offer = sim.reset, searcher.offer
+
+        def reset(strategy):
+            resets.append(strategy)
+            return real_reset(strategy)
+
+        def offer(found):
+            bests.append(found[1])
+            return real_offer(found)
+        sim.reset, searcher.offer = reset, offer
+        searcher.chain("test", sim.strategy, float("inf"))
+    # (a proposal of another microbatch count or optimizer layout resets the simulation too)
+    assert searcher.restarts >= 1
+    assert sum(any(r == b for b in bests) for r in resets[1:]) >= searcher.restarts
+    assert searcher.proposals <= 400

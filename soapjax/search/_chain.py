@@ -11,7 +11,8 @@ replicated on, `Strategy.optimizer_axes`), or, where the graph has attention ope
 strategy no pipeline stages, context parallelism's ring form on or off (`RING_MOVES`,
 `Strategy.ring_attention`). A move is accepted with probability
 ``min(1, exp(beta * (cost(S) - cost(S*))))`` against the current strategy; the best strategy
-that fits in memory and that apply can run is recorded (`_Searcher.record`). `SearchSettings`
+that fits in memory and that apply can run is recorded (`_Searcher.record`). A chain that
+stalls goes back to its best point and walks again from there (`RESTART_AFTER`). `SearchSettings`
 says how long and how: its proposal count or deadline, seed, temperature, space limits. The
 search (`soapjax.search.find.search`) runs one chain per start and keeps the best.
 """
@@ -43,8 +44,8 @@ from soapjax.strategy.space import (
 )
 
 __all__ = ["MAX_BUDGET_S", "MAX_PROPOSALS", "MICROBATCH_MOVES", "OPTIMIZER_MOVES",
-           "RECOMPUTE_MOVES", "RING_MOVES", "ChainOutcome", "Progress", "SearchSettings",
-           "random_strategy"]
+           "RECOMPUTE_MOVES", "RESTART_AFTER", "RING_MOVES", "ChainOutcome", "Progress",
+           "SearchSettings", "random_strategy"]
 
 Progress = Callable[[str], None]
 
@@ -206,6 +207,9 @@ MICROBATCH_MOVES = 0.03
 OPTIMIZER_MOVES = 0.02
 # How often it turns ring attention on or off, where it can (a full re-simulation too).
 RING_MOVES = 0.02
+# A chain whose best has not improved for this share of its time (of its proposal count)
+# goes back to its best point, once until it improves again; at half it ends (`_Searcher.chain`).
+RESTART_AFTER = 0.25
 
 
 class ChainOutcome(NamedTuple):
@@ -251,6 +255,7 @@ class _Searcher:
         self.mesh = mesh
         self.proposals = self.accepted = 0
         self.repriced = 0  # proposals priced from `_priced`, not simulated
+        self.restarts = 0  # chains sent back to their best point (`chain`)
         # the price (`_cost`) of every strategy proposed, while it fits `PRICES_KEPT`: the
         # simulation prices a strategy the same whichever way it got there (delta == full)
         self._priced: dict[Strategy, float] = {}
@@ -291,7 +296,7 @@ class _Searcher:
         history and counts of its own, which `absorb` adds back here."""
         out = copy.copy(self)
         out.rng = rng
-        out.proposals = out.accepted = out.repriced = 0
+        out.proposals = out.accepted = out.repriced = out.restarts = 0
         out.best, out.bests, out.history = None, {}, []
         out._shown = self._shown + self.proposals
         out._known = min(self._known, self.best[0] if self.best is not None else math.inf)
@@ -341,7 +346,11 @@ class _Searcher:
         ``SearchSettings(simulation="full")`` and for any change of the microbatch count,
         fully simulated (`Simulation.propose_strategy`); `accept` or `reject` ends it. A
         strategy proposed before is priced from `_priced` instead and, if rejected, never
-        simulated: the same chain, draw for draw, as without it."""
+        simulated: the same chain, draw for draw, as without it. A chain whose best has not
+        improved for `RESTART_AFTER` of its time (of its proposal count) goes back to its
+        best point once (`restarts` counts it; it had walked away from it on moves that
+        were slower, as the temperature lets it) and walks again from there; at half, it
+        ends, leaving the rest of its time to the chains after it."""
         sim, rng, s = self.sim, self.rng, self.settings
         sim.reset(start)
         self.record(name)
@@ -351,15 +360,26 @@ class _Searcher:
         beta = math.log(2.0) / (s.temperature * current)
         self._t_best = 0.0
         best_here, since_best, n = current, 0, 0
+        # the chain's best point, and whether it went back there since it last improved
+        best_point, restarted = sim.strategy, False
         t_start = time.perf_counter()
         while True:
             if s.max_proposals is not None:
                 if n >= s.max_proposals or since_best >= max(1, s.max_proposals // 2):
                     break
+                stalled = since_best >= max(1, int(s.max_proposals * RESTART_AFTER))
             else:
                 now = time.perf_counter()
-                if now >= deadline or (now - t_start) - self._t_best >= (deadline - t_start) / 2:
+                idle, share = (now - t_start) - self._t_best, deadline - t_start
+                if now >= deadline or idle >= share / 2:
                     break
+                stalled = idle >= share * RESTART_AFTER
+            if stalled and not restarted:  # back to its best point, once per improvement
+                restarted = True
+                if sim.strategy != best_point:
+                    sim.reset(best_point)
+                    current = best_here  # its price there (delta == full)
+                    self.restarts += 1
             n += 1
             self.proposals += 1
             move = self._draw(sim.microbatches, lambda: sim.strategy)
@@ -382,6 +402,7 @@ class _Searcher:
                 current = new
                 if new < best_here:
                     best_here, since_best = new, 0
+                    best_point, restarted = sim.strategy, False
                     self._t_best = time.perf_counter() - t_start
                     self.record(name)
                 else:
