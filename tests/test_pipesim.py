@@ -271,10 +271,11 @@ def test_the_pipelines_grids_are_scored_before_the_flat_chains():
     """With pipelines, their grids are scored right after the starts, before any chain walks:
     the chains' time is then shared by how the two families' bests compare
     (`soapjax.search.find._flat_chains_share`, with a time budget; GPT 175B on 96 A100s gave
-    its flat chains 19 of 60 s where no flat plan came within 2x of the pipelined grids)."""
+    its flat chains 19 of 60 s where no flat plan came within 2x of the pipelined grids).
+    One process: each chain says its progress (in lanes, the search says how many are done)."""
     said = []
     plan = find_plan(gpt(), A100, settings=SearchSettings(max_proposals=5, seed=0,
-                                                          pipelines=True,
+                                                          pipelines=True, processes=1,
                                                           check_reshardings=False),
                      costs="analytic", progress=said.append)
     grid = next(k for k, m in enumerate(said) if "pipeline stages" in m)

@@ -1,17 +1,18 @@
 """The search's chains side by side: one process per core (issue 46, point 3).
 
 A search ends with its chains (`soapjax.search._chain`): one from each start and one from each
-of the best pipelines. Each is independent of the others: it starts from its own strategy,
-draws from its own random stream (`chain_rng`: the search's seed and the chain's place in the
-list) and returns what it found (`ChainOutcome`). `run_chains` runs them in *lanes*: the
-chains are dealt to the lanes by their shares of the time (the largest first, each to the
-lane with the least so far), and each lane runs its chains one after the other in a process
-of its own, forked from the search's: it inherits the traced graph, the simulations and every
-price worked out so far, copy on write, and sends back only what its chains found. The
-outcomes are added to the search in the chains' order (`_Searcher.absorb`), so a proposal
-count's search returns the same plan with one lane or many
-(tests/test__parallel.py); with a time budget, as before, how far each chain gets depends
-on the machine.
+of the best pipelines (and before them, the descents over the best pipelines' grids,
+`soapjax.search.pipelines`, run the same way). Each is independent of the others: it starts
+from its own strategy, draws from its own random stream (`chain_rng`: the search's seed and
+the chain's place in the list) and returns what it found (`ChainOutcome`). `run_chains` runs
+them in *lanes*: the chains are dealt to the lanes by their shares of the time (the largest
+first, each to the lane with the least so far), and each lane runs its chains one after the
+other in a process of its own, forked from the search's: it inherits the traced graph, the
+simulations and every price worked out so far, copy on write, and sends back only what its
+chains found. The outcomes are added to the search in the chains' order
+(`_Searcher.absorb`), so a proposal count's search returns the same plan with one lane or
+many (tests/test__parallel.py); with a time budget, as before, how far each chain gets
+depends on the machine.
 
 **Time.** With a deadline (`end`) every lane has the whole time until it, so P lanes give the
 chains P times what one process gives them. A lane's chains share its time by their weights:
@@ -39,19 +40,23 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from soapjax.base.errors import SoapjaxError
 from soapjax.search._chain import ChainOutcome
 
-__all__ = ["ChainTask", "chain_rng", "empty_outcome", "lanes", "run_chains"]
+__all__ = ["ChainTask", "Task", "chain_rng", "empty_outcome", "lanes", "run_chains"]
 
 # A chain as `run_chains` runs it: called with its deadline (a `time.perf_counter` time, or
 # None: a proposal count's search), its random stream and whether it runs in a lane's process
 # (which prints no progress: the search's process says how the lanes are doing); returns what
 # it found.
 ChainTask = Callable[[float | None, np.random.Generator, bool], ChainOutcome]
+# Any work `run_chains` runs so, returning what its caller reads (picklable): a chain, or a
+# pipeline grid's descent (`soapjax.search.pipelines._Pipelines.grids`).
+Task = Callable[[float | None, np.random.Generator, bool], Any]
 
 _EMPTY = ChainOutcome((), (), 0, 0, 0)
 
@@ -73,10 +78,11 @@ def lanes(processes: int | None, chains: int, measured: bool) -> int:
     return max(1, min(processes, chains))
 
 
-def run_chains(tasks: Sequence[tuple[ChainTask, float]], seed: int, processes: int,
-               end: float | None, on_outcome: Callable[[int, ChainOutcome], None],
+def run_chains(tasks: Sequence[tuple[Task, float]], seed: int, processes: int,
+               end: float | None, on_outcome: Callable[[int, Any], None],
                progress: Callable[[str], None] | None = None) -> None:
-    """Runs every chain of `tasks` (each with its weight: its share of a lane's time) in
+    """Runs every chain of `tasks` (each with its weight: its share of a lane's time; or any
+    `Task`, the pipeline grids' descents) in
     `processes` lanes until `end` (a `time.perf_counter` time; None: each its proposal
     count), and calls `on_outcome(k, outcome)` for every chain in their order, as the last
     in order ends (one lane: as each ends).
@@ -109,7 +115,7 @@ def _deal(weights: Sequence[float], processes: int) -> list[list[int]]:
     return [sorted(lane) for lane in dealt if lane]
 
 
-def _run_lane(tasks: Sequence[tuple[ChainTask, float]], lane: Sequence[int], seed: int,
+def _run_lane(tasks: Sequence[tuple[Task, float]], lane: Sequence[int], seed: int,
               end: float | None, forked: bool):
     """Runs `lane`'s chains one after the other (module doc, Time); yields each one's place
     and outcome."""
@@ -124,8 +130,8 @@ def _run_lane(tasks: Sequence[tuple[ChainTask, float]], lane: Sequence[int], see
         yield k, task(deadline, chain_rng(seed, k), forked)
 
 
-def _forked(tasks: Sequence[tuple[ChainTask, float]], dealt: list[list[int]], seed: int,
-            end: float | None, progress: Callable[[str], None] | None) -> dict[int, ChainOutcome]:
+def _forked(tasks: Sequence[tuple[Task, float]], dealt: list[list[int]], seed: int,
+            end: float | None, progress: Callable[[str], None] | None) -> dict[int, Any]:
     """Each lane of `dealt` in a forked process (`_lane_main`); the chains' outcomes by place."""
     ctx = multiprocessing.get_context("fork")
     procs, conns = [], []
@@ -151,9 +157,9 @@ def _forked(tasks: Sequence[tuple[ChainTask, float]], dealt: list[list[int]], se
 
 
 def _collect(conns: list, count: int, lanes: int,
-             progress: Callable[[str], None] | None) -> dict[int, ChainOutcome]:
+             progress: Callable[[str], None] | None) -> dict[int, Any]:
     """Reads the lanes' messages until each has sent its end; the outcomes by place."""
-    outcomes: dict[int, ChainOutcome] = {}
+    outcomes: dict[int, Any] = {}
     open_ = list(conns)
     last = 0.0
     while open_:
@@ -182,7 +188,7 @@ def _collect(conns: list, count: int, lanes: int,
     return outcomes
 
 
-def _lane_main(send, tasks: Sequence[tuple[ChainTask, float]], lane: Sequence[int], seed: int,
+def _lane_main(send, tasks: Sequence[tuple[Task, float]], lane: Sequence[int], seed: int,
                end: float | None) -> None:
     """A lane's process: runs its chains, sends each outcome, then its end (or what a chain
     raised, and its traceback)."""

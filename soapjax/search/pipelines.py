@@ -18,7 +18,7 @@ from soapjax.search._chain import (
     _Searcher,
 )
 from soapjax.search._clock import past, share
-from soapjax.search._parallel import ChainTask, empty_outcome
+from soapjax.search._parallel import ChainTask, empty_outcome, lanes, run_chains
 from soapjax.search.grids import _likely_first, _score_points, _within, grid_degrees
 from soapjax.search.recompute import RELAX_SHARE, relaxed
 from soapjax.search.stages import _num_layers, balance_stages
@@ -126,12 +126,19 @@ class _Pipelines:
     the grid's best). Pipelines with the most stages come first (the least per device: a plan
     that fits comes early), and once one fits, the pipelines left when half the grids' time
     is spent are not opened (opening one builds a simulation of the whole model: seconds for
-    GPT 530B, whose 10 pipelines took the search 74 s past a 60 s budget; now 57 s)."""
+    GPT 530B, whose 10 pipelines took the search 74 s past a 60 s budget; now 57 s).
+
+    Both passes run side by side as the chains do (`soapjax.search._parallel`): the first
+    pass's pipelines dealt to the lanes in turn, each lane judging "a point fits" by its own
+    pipelines, and each descent of the second in a lane of its own with the whole time
+    until the deadline (GPT 175B on 96 A100s at 30 s: 21 of the 33 pipelines scored in two
+    processes where one scored 13; docs/vs-experts.md)."""
 
     def __init__(self, graph: OpGraph, topology, cost_model, settings: SearchSettings,
                  opt_state_factor: float, progress: Progress | None, flat: _Searcher):
         self._args = (graph, topology, cost_model, settings, opt_state_factor, progress, flat)
         self._progress, self._flat, self._settings = progress, flat, settings
+        self._measured = getattr(cost_model, "source", "") == "measured"
         # The most stages first: they hold the least per device, so a plan that fits comes
         # early
         self.pipes = [(S, v, schedule, points)
@@ -160,25 +167,27 @@ class _Pipelines:
         the two passes of the class doc; yields each pipeline's best."""
         pipes, ranked = self.pipes, self.ranked
         probe_end = share(end, 2)
-        for k, (S, v, schedule, points) in enumerate(pipes):
-            fits = any(not key[0] for key, *_ in ranked)
-            if fits and past(probe_end):  # opening a pipeline's simulation costs seconds at
-                # scale; past the deadline, only while nothing fits yet
-                self._say(f"search: {len(pipes) - k} of {len(pipes)} pipelines left unscored "
-                          "(time budget)")
-                break
-            self._say(f"search: scoring Megatron's grid at {S} pipeline stages, {v} virtual "
-                      f"({len(points)} configurations; pipeline {k + 1} of {len(pipes)})")
-            with self._searcher(k, next(iter(points.values()))) as searcher:
-                # with a deadline, one point a pipeline (`_likely_first`'s first, made to fit
-                # where it does not; more only while nothing fits): the same ranking on any
-                # machine
-                key, name, start, seen = _score_points(
-                    searcher, points, None if end is None else 0.0, until_fit=not fits,
-                    fit_first=True)
+        # side by side, as the chains (`soapjax.search._parallel`): the pipelines dealt to
+        # the lanes in turn, each lane knowing whether a point of its own pipelines fits
+        settings = self._settings
+        count = lanes(settings.processes, len(pipes), self._measured)
+        if count > 1:
+            self._say(f"search: scoring Megatron's grids at {len(pipes)} pipelines in {count} "
+                      "processes")
+        probed: list = [None] * len(pipes)
+        lane_fits = [False]  # one list: each lane's process has its own copy of it
+        run_chains([(self._probe(k, probe_end, end is None, lane_fits), 1.0)
+                    for k in range(len(pipes))],
+                   settings.seed, count, end, lambda k, result: probed.__setitem__(k, result))
+        left = sum(result is None for result in probed)
+        if left:
+            self._say(f"search: {left} of {len(pipes)} pipelines left unscored (time budget)")
+        for k, result in enumerate(probed):
+            if result is not None:
+                key, name, start, seen, best = result
                 ranked.append((key, k, name, start))
                 self._scored[k] = seen
-                yield searcher.best
+                yield best
         # the second pass: the best pipeline of each stage count, the best CHAINED_PIPELINES
         # of those (the first ranks a stage count's grids by a few points: LLaMA 70B at 32K on
         # 64 H100s, whose best is at 2 stages, had its 3 best at 8)
@@ -186,20 +195,73 @@ class _Pipelines:
         for r in sorted(ranked):
             per_stages.setdefault(pipes[r[1]][0], r)
         best_pipes = sorted(per_stages.values())[:CHAINED_PIPELINES]
-        for j, (key, k, name, start) in enumerate(best_pipes):
+        descents = []
+        for key, k, name, start in best_pipes:
             S, v, schedule, points = pipes[k]
             rest = {n: st for n, st in points.items() if n not in self._scored[k]}
-            if not rest or past(end):
+            if rest:  # the descent goes on from the first pass's best
+                descents.append((k, key, {name: start, **rest}))
+        if not descents or past(end):
+            return
+        self._say(f"search: the rest of Megatron's grids at {len(descents)} pipelines ("
+                  + ", ".join(f"{pipes[k][0]} stages, {pipes[k][1]} virtual: {len(rest)}"
+                              for k, _, rest in descents) + " configurations)")
+        # side by side, as the chains (`soapjax.search._parallel`): each descent its own
+        # pipeline's simulation, the whole time until `end` in a lane of its own
+        found: list = [None] * len(descents)
+        settings = self._settings
+        run_chains([(self._descent(k, next(iter(rest.values())), rest), 1.0)
+                    for k, _, rest in descents],
+                   settings.seed, lanes(settings.processes, len(descents), self._measured),
+                   end, lambda j, result: found.__setitem__(j, result))
+        for (k, key, _), result in zip(descents, found):
+            if result is None:
                 continue
-            rest = {name: start, **rest}  # the descent goes on from the first pass's best
-            self._say(f"search: the rest of Megatron's grid at {S} pipeline stages, {v} "
-                      f"virtual ({len(rest)} configurations)")
+            better, best = result
+            if better[0] < key:
+                ranked[next(i for i, r in enumerate(ranked) if r[1] == k)] = (
+                    better[0], k, better[1], better[2])
+            yield best
+
+    def _probe(self, k: int, probe_end: float | None, whole: bool, lane_fits: list[bool]):
+        """Pipeline `k`'s first pass (`grids`), as `soapjax.search._parallel.run_chains` runs
+        it: one point of its grid (`_likely_first`'s first, made to fit where it does not;
+        more only while no point of the lane's pipelines fits; `whole`: a proposal count's
+        search, every point); None, unscored, once one fits and `probe_end` is past (opening
+        a pipeline's simulation costs seconds at scale). `lane_fits` is what the pipelines
+        run before it in its process found: whether one fits. Returns what `_score_points`
+        returns and the best plan found."""
+        def run(deadline: float | None, rng, forked: bool):
+            if lane_fits[0] and past(probe_end):
+                return None
+            S, v, schedule, points = self.pipes[k]
+            if not forked:
+                self._say(f"search: scoring Megatron's grid at {S} pipeline stages, {v} "
+                          f"virtual ({len(points)} configurations; pipeline {k + 1} of "
+                          f"{len(self.pipes)})")
+            with self._searcher(k, next(iter(points.values()))) as searcher:
+                if forked:
+                    searcher.progress = None
+                # with a deadline, one point a pipeline: the same ranking on any machine
+                key, name, start, seen = _score_points(
+                    searcher, points, None if whole else 0.0, until_fit=not lane_fits[0],
+                    fit_first=True)
+                lane_fits[0] = lane_fits[0] or not key[0]
+                return key, name, start, seen, searcher.best
+        return run
+
+    def _descent(self, k: int, start: Strategy, rest: dict):
+        """Pipeline `k`'s grid points `rest` scored from `start` (`_score_points`, until the
+        deadline it is run with), as `soapjax.search._parallel.run_chains` runs it: returns
+        what `_score_points` returns and the best plan found, or None past its deadline."""
+        def run(deadline: float | None, rng, forked: bool):
+            if past(deadline):
+                return None
             with self._searcher(k, start) as searcher:
-                better = _score_points(searcher, rest, share(end, len(best_pipes) - j))
-                if better[0] < key:
-                    ranked[next(i for i, r in enumerate(ranked) if r[1] == k)] = (
-                        better[0], k, better[1], better[2])
-                yield searcher.best
+                if forked:
+                    searcher.progress = None
+                return _score_points(searcher, rest, deadline), searcher.best
+        return run
 
     def chain_tasks(self) -> list[ChainTask]:
         """A chain from the best point of each of the `CHAINED_PIPELINES` pipelines whose
