@@ -102,9 +102,9 @@ def pipeline_grid(graph: OpGraph, topology, stages: int, limits: SpaceLimits = S
 class _Pipelines:
     """Every pipeline (S from `stage_choices`, v from `interleave_choices`) with Megatron's grid
     at it (`pipeline_grid`): `grids` scores the grids, `chain_tasks` then walks from the best points
-    of the `CHAINED_PIPELINES` pipelines whose grids did best. Each yields each pipeline's best
-    point found, as (time, strategy, start name) or None. Proposals and acceptances add to
-    `flat`'s counts.
+    of the `CHAINED_PIPELINES` pipelines whose grids did best. `grids` yields each pipeline's
+    best point found, as (time, strategy, start name) or None; a chain's outcome (its best,
+    its proposals and acceptances) is added to the search's (`_Searcher.absorb`).
 
     **Why grids for all, chains for a few.** Interleaving over every v the layers allow makes
     many pipelines (GPT 530B on 280 A100s: S in {5, 7, 35}, 10 (S, v) pairs); an equal share
