@@ -250,10 +250,12 @@ def test_batch_size_and_a_cut_cluster_reach_the_simulation(capsys):
     (["plan", "--proposals", "0"], "argument --proposals: expected an integer from 1 to "
      "10,000,000, got '0'"),
     (["plan", "--seed", "-1"], "argument --seed: expected an integer >= 0, got '-1'"),
+    (["plan", "--processes", "0"], "argument --processes: expected an integer from 1 to "
+                                   "1024, got '0'"),
     (["check", "--plan", "p.json", "--repeats", "0"], "argument --repeats: expected an "
                                                       "integer >= 1"),
 ], ids=["negative-budget", "nan-budget", "word-budget", "zero-proposals", "negative-seed",
-        "zero-repeats"])
+        "zero-processes", "zero-repeats"])
 def test_nonsense_numbers_are_usage_errors(argv, message, capsys):
     code, _, err = run(argv, capsys)
     assert code == 2 and message in err and err.startswith("usage: soapjax")
