@@ -127,10 +127,11 @@ def test_a_lane_killed_is_said_not_waited_on():
 
 def test_how_many_lanes():
     cores = len(os.sched_getaffinity(0))
-    assert _parallel.lanes(None, 100, measured=False) == min(cores, 100)
-    assert _parallel.lanes(4, 3, measured=False) == 3  # at most one a chain
-    assert _parallel.lanes(4, 1, measured=False) == 1
-    assert _parallel.lanes(8, 10, measured=True) == 1  # measuring runs XLA: not forked
+    assert _parallel.lanes(None, 100) == min(cores, 100)
+    assert _parallel.lanes(4, 3) == 3  # at most one a chain
+    assert _parallel.lanes(4, 1) == 1
+    # measuring runs XLA, the XLA resharder a subprocess behind one pipe: not forked
+    assert _parallel.lanes(8, 10, forkable=False) == 1
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, 2000])
@@ -138,3 +139,17 @@ def test_processes_must_be_a_count(bad):
     from soapjax.base.errors import SettingsError
     with pytest.raises(SettingsError, match="processes must be None"):
         SearchSettings(processes=bad)
+
+
+def test_a_search_that_compiles_its_reshardings_stays_in_one_process(monkeypatch):
+    """With XLA's compiled reshardings the chains talk to one compiling subprocess through
+    one pipe, which forked lanes would share: they run in the search's process."""
+    from soapjax.cost.reshard import Resharder
+    from soapjax.strategy.space import MeshShape
+
+    w, g, topo, cm = setup("mlp", "cpu8")
+    forks = _forks(monkeypatch)
+    with Resharder(MeshShape.of(topo), mode="xla") as resharder:
+        found = search(g, topo, cost_model=cm, resharder=resharder, family=w.family,
+                       settings=SearchSettings(max_proposals=4, seed=0, processes=2))
+    assert forks == [] and found.proposals > 0

@@ -23,7 +23,9 @@ stops early (its best has not improved for half its time) leaves the rest to the
 **One lane, in this process**, where `lanes` says so: one core or ``processes=1``, a single
 chain, measured operator costs (a chain may measure a shard program it proposes, and
 measuring compiles and runs it on the attached devices: XLA's runtime is threaded, and a
-forked process must not use what its threads held), or a platform other than Linux (macOS's
+forked process must not use what its threads held), XLA's compiled reshardings (``soapjax
+plan --reshard xla``: one compiling subprocess the search talks to through a pipe, which
+forked lanes would share), or a platform other than Linux (macOS's
 system libraries are not safe to fork; Windows has no fork). A forked lane uses JAX only to
 trace the shard programs of configs it prices first (`jax.make_jaxpr`, no XLA runtime); JAX's
 warning that forking a process that uses it may deadlock is silenced for that reason, at the
@@ -67,11 +69,12 @@ def chain_rng(seed: int, k: int) -> np.random.Generator:
     return np.random.default_rng([seed, k])
 
 
-def lanes(processes: int | None, chains: int, measured: bool) -> int:
+def lanes(processes: int | None, chains: int, forkable: bool = True) -> int:
     """How many lanes (processes) run `chains` chains: `processes` (None: one per core this
     process may run on), at most one per chain, and one where forking is not safe (the
-    module doc: measured costs, a platform other than Linux)."""
-    if measured or not sys.platform.startswith("linux") or chains < 2:
+    module doc: not `forkable`, with measured costs or XLA's compiled reshardings; a
+    platform other than Linux)."""
+    if not forkable or not sys.platform.startswith("linux") or chains < 2:
         return 1
     if processes is None:
         processes = len(os.sched_getaffinity(0))

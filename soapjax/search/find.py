@@ -276,8 +276,12 @@ def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
                                   opt_state_factor=opt_state_factor)
             searcher = _Searcher(sim, settings, progress)
             searcher.t0 = budget.t0
+            # a chain may measure (XLA's runtime) or ask the resharder's compiling
+            # subprocess: then none runs in a forked process (`soapjax.search._parallel`)
+            forkable = not measured and not (isinstance(resharder, Resharder)
+                                             and resharder.mode != "ideal")
             return _search(graph, topology, sim, searcher, budget, settings, family,
-                           opt_state_factor, progress, cost_model, reserve)
+                           opt_state_factor, progress, cost_model, reserve, forkable)
     finally:
         if measured:
             costs.measure_until(None)
@@ -285,7 +289,8 @@ def search(graph: OpGraph, topology, *, cost_model=None, resharder=None,
 
 def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budget: _Budget,
             settings: SearchSettings, family: str | None, opt_state_factor: float,
-            progress: Progress | None, cost_model, reserve: float = 0.0) -> SearchResult:
+            progress: Progress | None, cost_model, reserve: float = 0.0,
+            forkable: bool = True) -> SearchResult:
     starts = dict(make_baselines(graph, topology, family))
     mesh = MeshShape.of(topology)
     for k in range(settings.num_random):
@@ -339,8 +344,7 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
     if pipes is not None:
         piped = pipes.chain_tasks()
         tasks += [(task, (1.0 - flat_share) / len(piped)) for task in piped]
-    measured = getattr(sim.cost_model, "source", "") == "measured"
-    run_chains(tasks, settings.seed, lanes(settings.processes, len(tasks), measured), end,
+    run_chains(tasks, settings.seed, lanes(settings.processes, len(tasks), forkable), end,
                lambda _, outcome: searcher.absorb(outcome), progress)
     searcher._report("done", force=True)
     if searcher.best is None:

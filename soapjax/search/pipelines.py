@@ -170,7 +170,7 @@ class _Pipelines:
         # side by side, as the chains (`soapjax.search._parallel`): the pipelines dealt to
         # the lanes in turn, each lane knowing whether a point of its own pipelines fits
         settings = self._settings
-        count = lanes(settings.processes, len(pipes), self._measured)
+        count = lanes(settings.processes, len(pipes), not self._measured)
         if count > 1:
             self._say(f"search: scoring Megatron's grids at {len(pipes)} pipelines in {count} "
                       "processes")
@@ -212,7 +212,7 @@ class _Pipelines:
         settings = self._settings
         run_chains([(self._descent(k, next(iter(rest.values())), rest), 1.0)
                     for k, _, rest in descents],
-                   settings.seed, lanes(settings.processes, len(descents), self._measured),
+                   settings.seed, lanes(settings.processes, len(descents), not self._measured),
                    end, lambda j, result: found.__setitem__(j, result))
         for (k, key, _), result in zip(descents, found):
             if result is None:
