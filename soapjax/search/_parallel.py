@@ -85,10 +85,10 @@ def run_chains(tasks: Sequence[tuple[Task, float]], seed: int, processes: int,
                end: float | None, on_outcome: Callable[[int, Any], None],
                progress: Callable[[str], None] | None = None) -> None:
     """Runs every chain of `tasks` (each with its weight: its share of a lane's time; or any
-    `Task`, the pipeline grids' descents) in
-    `processes` lanes until `end` (a `time.perf_counter` time; None: each its proposal
-    count), and calls `on_outcome(k, outcome)` for every chain in their order, as the last
-    in order ends (one lane: as each ends).
+    `Task`, as the pipeline grids' passes) in `processes` lanes until `end` (a
+    `time.perf_counter` time; None: each its proposal count), and calls `on_outcome(k,
+    outcome)` for every chain in their order, once the last lane ends (one lane: as each
+    chain ends).
 
     Raises:
       whatever a chain raised (with the traceback of the process it ran in, as a note), or
