@@ -73,8 +73,8 @@ def default_pricing(graph: OpGraph, topology: Topology, *, cost_model: OpCosts |
 def open_simulation(graph: OpGraph, topology: Topology, strategy: Strategy | None = None, *,
                     cost_model: OpCosts | None = None,
                     resharder: ReshardModel | str | None = None,
-                    opt_state_factor: float = 2.0, layer_layout: str = "model"
-                    ) -> Iterator[Simulation | PipelinedSimulation]:
+                    opt_state_factor: float = 2.0, layer_layout: str = "model",
+                    fold: bool = False) -> Iterator[Simulation | PipelinedSimulation]:
     """The stateful simulation of `strategy` (default: data parallelism) that a search walks.
 
     A strategy without stages gets a `Simulation` on the topology's mesh, priced with
@@ -103,13 +103,13 @@ def open_simulation(graph: OpGraph, topology: Topology, strategy: Strategy | Non
         if getattr(flat_resharder, "mesh", None) == stage_mesh:  # given for one stage
             yield PipelinedSimulation(graph, topology, costs, flat_resharder, strategy,
                                       opt_state_factor=opt_state_factor,
-                                      layer_layout=layer_layout)
+                                      layer_layout=layer_layout, fold=fold)
             return
         mode = getattr(flat_resharder, "mode", DEFAULT_MODE)
         with Resharder(stage_mesh, mode=mode) as stage_resharder:
             yield PipelinedSimulation(graph, topology, costs, stage_resharder, strategy,
                                       opt_state_factor=opt_state_factor,
-                                      layer_layout=layer_layout)
+                                      layer_layout=layer_layout, fold=fold)
     finally:
         if owned:
             flat_resharder.close()

@@ -87,6 +87,7 @@ from soapjax.simulate._pipe_cut import (
     send_pieces,
     tied_params,
 )
+from soapjax.simulate._pipe_fold import MIN_LAYERS, FoldedStage, layer_fold, tied
 from soapjax.simulate._simresult import GRAD_SYNC, MemoryBreakdown, SimResult
 from soapjax.strategy.pipeline import (
     DEFAULT_SCHEDULE,
@@ -185,7 +186,7 @@ class PipelinedSimulation:
 
     def __init__(self, graph: OpGraph, topology: Topology, cost_model, resharder,
                  strategy: Strategy, *, opt_state_factor: float = 2.0,
-                 layer_layout: str = "model"):
+                 layer_layout: str = "model", fold: bool = False):
         if not strategy.pipelined:
             raise PlanError("PipelinedSimulation needs a strategy with pipeline stages; "
                             "use soapjax.simulate.front.Simulation for one without")
@@ -214,10 +215,15 @@ class PipelinedSimulation:
         self._gathers = graph.memo("epilogue_gathers", lambda: epilogue_gathers(graph, last))
         self._gather_memo: dict = {}
         self._sum_memo: dict[int, float] = {}
-        self._inner = Simulation(graph, self.topology,
-                                 _StageCosts(cost_model, MeshShape.of(self.topology)), resharder,
-                                 _flat(strategy), opt_state_factor=opt_state_factor,
-                                 pipeline_stage=True)
+        costs = _StageCosts(cost_model, MeshShape.of(self.topology))
+        layers = graph.memo("layer_fold", lambda: layer_fold(graph)) if fold else None
+        self._inner: Simulation | FoldedStage
+        if layers is not None and layers.layers >= MIN_LAYERS and tied(graph, layers, strategy):
+            self._inner = FoldedStage(graph, layers, self.topology, costs, resharder,
+                                      _flat(strategy), opt_state_factor=opt_state_factor)
+        else:
+            self._inner = Simulation(graph, self.topology, costs, resharder, _flat(strategy),
+                                     opt_state_factor=opt_state_factor, pipeline_stage=True)
         self._layer_layout = layer_layout
         self._cut(strategy.pipeline)
         self._result: PipelineResult | None = None

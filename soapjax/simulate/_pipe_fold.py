@@ -1,0 +1,420 @@
+"""One pipeline stage's simulation on a few of its layers: what the search prices a pipeline with.
+
+A pipeline's stage simulation (`soapjax.simulate.pipesim`) runs the whole graph on one stage's
+devices, every layer of it: GPT 175B's 96 layers are ~6,000 tasks, and a chain's proposal
+(the operator at one position of every layer, `soapjax.search._chain`) rebuilds and retimes all
+of them. The layers of a scan are alike and a chain keeps them tied (one config and recompute
+policy per position), so the stage's timeline is periodic in them: after the first layer (the
+embedding before it) each layer's forward takes the same time, each layer's backward too, but
+for the last (the head after it). `FoldedStage` simulates two graphs that keep only the first
+``K`` layers (`FOLD_LAYERS`: 3 and 4; the epilogue reads the last kept layer where it read the
+last layer: `folded_graph`) and reads the whole graph's timeline, memory and layouts off them:
+
+* **forward ends**: the first ``K`` layers' are the whole graph's (the forward runs in program
+  order: a prefix); later layers' add the last kept layer's forward span, per position
+  (``F(m) = F(K-1) + (m - K + 1) (F(K-1) - F(K-2))``);
+* **backward ends, the epilogue's and the prologue's, the timeline's end, parameter, gradient,
+  optimizer-state and activation bytes**: linear in the layer count, read off the two graphs
+  (``X(L) = X(K2) + (L - K2) (X(K2) - X(K1))``); the middle layers' backward ends step by one
+  middle layer's backward span, per position; the first layer's by its own;
+* **per operator, what its config decides** (its config, layouts, kept activation bytes, the
+  seconds of its gradient synchronisations, its parameters' stored bytes): the kept layer at the
+  same place (the first, the last, or a middle one).
+
+This is exact where the timeline is periodic after the first layer and before the last (the
+usual case: docs/vs-experts.md measures the folded price against the whole one); a
+communication backlog that builds up over the layers is linear in their count and so
+extrapolated too. The search prices its pipelines' chains with it and their bests again with
+the whole graph (`soapjax.search.pipelines`); `soapjax.simulate.front.simulate` never folds.
+
+A strategy whose layers are not tied cannot be folded: proposals must change every layer at a
+position alike (`PlanError` otherwise). Delta and full simulation of each folded graph are the
+`Simulation`'s own, so they stay bit-identical here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from soapjax.base.errors import PlanError
+from soapjax.graph.opgraph import Operator, OpGraph
+from soapjax.simulate._flatsim import Simulation
+from soapjax.simulate._simresult import MemoryBreakdown
+from soapjax.strategy.space import Config, Strategy
+
+__all__ = ["FOLD_LAYERS", "MIN_LAYERS", "FoldedStage", "LayerFold", "folded_graph", "layer_fold",
+           "tied"]
+
+# The layers the two folded graphs keep (K1, K2 = K1 + 1): the first layer, a middle one whose
+# spans are periodic (the timeline's transient after the embedding is one layer), the last.
+FOLD_LAYERS = (3, 4)
+# Graphs with fewer layers than this are simulated whole (a fold would not save much).
+MIN_LAYERS = 12
+
+
+class LayerFold(NamedTuple):
+    """Where the graph's layers are: ``layers`` runs of ``per_layer`` operators from index
+    ``first``, each the same operators at the same positions (`layer_fold`)."""
+
+    first: int
+    per_layer: int
+    layers: int
+
+    def place(self, i: int) -> tuple[int, int]:
+        """Operator `i`'s ``(layer, position)``: layer -1 before the layers, `layers` after."""
+        k = i - self.first
+        if k < 0:
+            return -1, i
+        if k >= self.layers * self.per_layer:
+            return self.layers, k - self.layers * self.per_layer
+        return divmod(k, self.per_layer)
+
+    def index(self, layer: int, position: int, layers: int | None = None) -> int:
+        """The index of the operator at `position` of `layer` in a graph of `layers` layers
+        (default: this one's); layer -1 is the prologue, `layers` the epilogue."""
+        n = self.layers if layers is None else layers
+        if layer < 0:
+            return position
+        if layer >= n:
+            return self.first + n * self.per_layer + position
+        return self.first + layer * self.per_layer + position
+
+
+def _signature(op: Operator, kinds: bool = True) -> tuple:
+    return (op.block_position, op.anchor, op.iteration_sizes, op.iteration_roles,
+            tuple((x.kind if kinds else "", x.shape, x.dims) for x in op.inputs),
+            tuple(o.shape for o in op.outputs))
+
+
+def layer_fold(graph: OpGraph) -> LayerFold | None:
+    """The graph's layers as a `LayerFold`, or None where they cannot be folded: no family of
+    repeated layers, layers that are not consecutive runs of the same operators, or an
+    operator that reads a layer other than its own or the one before (the prologue's values
+    aside; the epilogue may read any layer, counted from the last)."""
+    groups = graph.repeated_blocks()
+    longest = max((len(g) for g in groups), default=0)
+    family = [g for g in groups if len(g) == longest]
+    if longest < 2:
+        return None
+    starts = [min(g[m] for g in family) for m in range(longest)]
+    per_layer = starts[1] - starts[0]
+    if per_layer < 1 or any(b - a != per_layer for a, b in zip(starts, starts[1:])):
+        return None
+    fold = LayerFold(starts[0], per_layer, longest)
+    ops = graph.operators
+    if fold.first + longest * per_layer > len(ops):
+        return None
+    for g in family:  # every member where the runs put it
+        if any(fold.place(i) != (m, fold.place(g[0])[1]) for m, i in enumerate(g)):
+            return None
+    pos = {op.name: i for i, op in enumerate(ops)}
+
+    def reads(op: Operator, m: int) -> tuple:
+        """Where `op` (of layer m) reads its activations, relative to its layer."""
+        out = []
+        for x in op.inputs:
+            if x.kind == "activation":
+                p, q = fold.place(pos[x.source])
+                out.append((x.source,) if p == -1 else (p - m, q, x.index))
+        return tuple(out)
+
+    # layer 0 reads the prologue (or the batch) where the others read the layer before: its
+    # operators alone, their operands' kinds aside
+    base = [(_signature(ops[fold.index(1, q)]), reads(ops[fold.index(1, q)], 1))
+            for q in range(per_layer)]
+    if any(_signature(ops[fold.index(0, q)], kinds=False) != _signature(ops[fold.index(1, q)],
+                                                                       kinds=False)
+           for q in range(per_layer)):
+        return None
+    for m in range(2, longest):
+        for q in range(per_layer):
+            op = ops[fold.index(m, q)]
+            if (_signature(op), reads(op, m)) != base[q]:
+                return None
+    if any(r[0] not in (0, -1) for b in base for r in b[1] if len(r) == 3):
+        return None  # a layer reads further back than the layer before it
+    for op in ops[fold.index(longest, 0):]:  # the epilogue reads the last layer alone
+        for x in op.inputs:
+            if x.kind == "activation" and fold.place(pos[x.source])[0] not in (-1, longest,
+                                                                               longest - 1):
+                return None
+    return fold
+
+
+def folded_graph(graph: OpGraph, fold: LayerFold, keep: int) -> OpGraph:
+    """`graph` with only its first `keep` layers: the prologue, those layers and the epilogue,
+    whose reads of the last layers are rewired to the last kept ones (the same position, as
+    many layers from the end). Operator names are the kept operators' own; the program, the
+    parameter and batch leaves are `graph`'s."""
+    ops = graph.operators
+    shift = fold.layers - keep
+    kept: list[Operator] = list(ops[:fold.first + keep * fold.per_layer])
+    pos = {op.name: i for i, op in enumerate(ops)}
+    for i in range(fold.index(fold.layers, 0), len(ops)):
+        op = ops[i]
+        inputs = []
+        for x in op.inputs:
+            if x.kind == "activation":
+                m, q = fold.place(pos[x.source])
+                if 0 <= m < fold.layers:
+                    if m - shift < 0:
+                        raise PlanError(f"{op.name!r} reads layer {m} of {fold.layers}: "
+                                        f"too deep to fold to {keep} layers")
+                    src = ops[fold.index(m - shift, q)]
+                    x = dataclasses.replace(x, source=src.name,
+                                            value=src.outputs[x.index].value)
+            inputs.append(x)
+        kept.append(dataclasses.replace(op, inputs=tuple(inputs)))
+    return dataclasses.replace(graph, operators=tuple(kept))
+
+
+def _untied(fold: LayerFold, strategy: Strategy) -> int | None:
+    """The first layer operator whose config or recompute policy is not its first layer's
+    twin's, or None."""
+    policies = strategy.recompute or ("none",) * len(strategy.configs)
+    for q in range(fold.per_layer):
+        first = fold.index(0, q)
+        want = (strategy.configs[first], policies[first])
+        for m in range(1, fold.layers):
+            i = fold.index(m, q)
+            if (strategy.configs[i], policies[i]) != want:
+                return i
+    return None
+
+
+def tied(graph: OpGraph, fold: LayerFold, strategy: Strategy) -> bool:
+    """Whether `strategy` gives every layer of `graph` (`fold`) the same configs and
+    recompute policies, as a folded stage needs."""
+    return len(strategy.configs) == len(graph.operators) and _untied(fold, strategy) is None
+
+
+class FoldedStage:
+    """One pipeline stage's `Simulation` of the whole graph, read off two simulations of its
+    first `FOLD_LAYERS` layers (module doc): the part of a `Simulation`'s interface that
+    `soapjax.simulate.pipesim.PipelinedSimulation` reads (its ``_inner``), over the whole
+    graph's operator indices. ``result()`` (the task records) is not kept: a folded stage has
+    no whole timeline to give."""
+
+    def __init__(self, graph: OpGraph, fold: LayerFold, topology, cost_model, resharder,
+                 strategy: Strategy, *, opt_state_factor: float = 2.0):
+        self.graph, self._fold = graph, fold
+        self.topology = topology
+        n = len(graph.operators)
+        # per operator of the whole graph, its twin in each folded graph (its config's
+        # stand-in): the prologue and epilogue their own, the first and last layer the first
+        # and last kept, the others the last-but-one kept
+        self._twins = []
+        self._sims: list[Simulation] = []
+        for keep in FOLD_LAYERS:
+            twins = []
+            for i in range(n):
+                m, q = fold.place(i)
+                if 0 <= m < fold.layers:
+                    m = m if m < keep - 1 else (keep - 1 if m == fold.layers - 1 else keep - 2)
+                elif m == fold.layers:
+                    m = keep
+                twins.append(fold.index(m, q, keep))
+            self._twins.append(twins)
+            folded = graph.memo(("folded_graph", keep), lambda: folded_graph(graph, fold, keep))
+            self._sims.append(Simulation(folded, topology, _FoldedCosts(cost_model, fold, keep),
+                                         resharder, self._folded(strategy, keep),
+                                         opt_state_factor=opt_state_factor,
+                                         pipeline_stage=True))
+        self._sources: dict[str, str] | None = None
+
+    # --- strategies and proposals -----------------------------------------------------------
+
+    def _folded(self, strategy: Strategy, keep: int) -> Strategy:
+        """`strategy` (the whole graph's, its layers tied) on the graph of `keep` layers."""
+        self._check_tied(strategy)
+        fold = self._fold
+        kept = [i for i in range(len(self.graph.operators))
+                if fold.place(i)[0] < keep or fold.place(i)[0] == fold.layers]
+        recompute = tuple(strategy.recompute[i] for i in kept) if strategy.recompute else ()
+        return dataclasses.replace(strategy, configs=tuple(strategy.configs[i] for i in kept),
+                                   recompute=recompute)
+
+    def _check_tied(self, strategy: Strategy) -> None:
+        i = _untied(self._fold, strategy)
+        if i is not None:
+            first = self.graph.operators[self._fold.index(0, self._fold.place(i)[1])]
+            raise PlanError(f"a folded stage simulation needs every layer's operators alike; "
+                            f"{self.graph.operators[i].name!r} has another config or "
+                            f"recompute policy than {first.name!r}: simulate the stage whole "
+                            "(fold=False)")
+
+    def _changes(self, changes: Sequence[tuple[int, Config, str | None]], keep: int
+                 ) -> list[tuple[int, Config, str | None]]:
+        """The whole graph's `changes` on the graph of `keep` layers: a layer's position
+        changes in every layer alike (`PlanError` otherwise), so its kept layers' take it."""
+        fold = self._fold
+        by_position: dict[int, list] = {}
+        out = []
+        for i, config, policy in changes:
+            m, q = fold.place(i)
+            if 0 <= m < fold.layers:
+                by_position.setdefault(q, []).append((m, config, policy))
+                if m < keep:
+                    out.append((fold.index(m, q, keep), config, policy))
+            else:
+                out.append((fold.index(m, q, keep), config, policy))
+        for q, moved in by_position.items():
+            if len(moved) != fold.layers or len({m for m, _, _ in moved}) != fold.layers or \
+                    len({(c, p) for _, c, p in moved}) != 1:
+                raise PlanError(f"a folded stage simulation moves every layer's operators "
+                                f"alike; a proposal moved {len(moved)} of the "
+                                f"{fold.layers} at position "
+                                f"{self.graph.operators[fold.index(0, q)].block_position!r} "
+                                "(or not alike): simulate the stage whole (fold=False)")
+        return out
+
+    def reset(self, strategy: Strategy) -> float:
+        for keep, sim in zip(FOLD_LAYERS, self._sims):
+            sim.reset(self._folded(strategy, keep))
+        return 0.0
+
+    def propose_many(self, changes: Sequence[tuple[int, Config, str | None]]) -> float:
+        folded = [self._changes(changes, keep) for keep in FOLD_LAYERS]
+        for sim, ch in zip(self._sims, folded):
+            sim.propose_many(ch)
+        return 0.0
+
+    def propose_strategy(self, strategy: Strategy) -> float:
+        folded = [self._folded(strategy, keep) for keep in FOLD_LAYERS]
+        for sim, s in zip(self._sims, folded):
+            sim.propose_strategy(s)
+        return 0.0
+
+    def accept(self) -> None:
+        for sim in self._sims:
+            sim.accept()
+
+    def reject(self) -> None:
+        for sim in self._sims:
+            sim.reject()
+
+    @property
+    def strategy(self) -> Strategy:
+        """The whole graph's strategy (the larger folded graph's, its layers unfolded)."""
+        s, twins = self._sims[1].strategy, self._twins[1]
+        recompute = tuple(s.recompute[t] for t in twins) if s.recompute else ()
+        return dataclasses.replace(s, configs=tuple(s.configs[t] for t in twins),
+                                   recompute=recompute)
+
+    @property
+    def microbatches(self) -> int:
+        return self._sims[1].microbatches
+
+    @property
+    def mesh(self):
+        return self._sims[1].mesh
+
+    @property
+    def call_overhead(self) -> float:
+        return self._sims[1].call_overhead
+
+    # --- what a config decides, per operator: its twin's ------------------------------------
+
+    def choice(self, j: int) -> tuple[Config, str]:
+        return self._sims[1].choice(self._twins[1][j])
+
+    def output_specs(self, i: int):
+        return self._sims[1].output_specs(self._twins[1][i])
+
+    def held_specs(self, i: int):
+        return self._sims[1].held_specs(self._twins[1][i])
+
+    def grad_sync_seconds(self) -> list[float]:
+        per = self._sims[1].grad_sync_seconds()
+        return [per[t] for t in self._twins[1]]
+
+    def activation_bytes_by_operator(self) -> list[int]:
+        per = self._sims[1].activation_bytes_by_operator()
+        return [per[t] for t in self._twins[1]]
+
+    def stored_param_bytes(self) -> dict[str, int]:
+        """Each parameter's stored shard per device, by its source in the whole graph (a
+        dropped layer's slice: its twin's)."""
+        if self._sources is None:
+            twin_ops = self._sims[1].graph.operators
+            self._sources = {}
+            for op, t in zip(self.graph.operators, self._twins[1]):
+                for x, y in zip(op.inputs, twin_ops[t].inputs):
+                    if x.kind == "param":
+                        self._sources[x.source] = y.source
+        stored = self._sims[1].stored_param_bytes()
+        return {src: stored[twin] for src, twin in self._sources.items()}
+
+    # --- the timeline and memory: extrapolated over the layers ------------------------------
+
+    def _linear(self, small: float, large: float) -> float:
+        """A quantity linear in the layer count, from its values at the two folds."""
+        return large + (self._fold.layers - FOLD_LAYERS[1]) * (large - small)
+
+    def compute_ends(self) -> tuple[list[float], list[float]]:
+        """When each operator's forward and backward compute tasks end (module doc)."""
+        fold, (k1, k2) = self._fold, FOLD_LAYERS
+        (f1, b1), (f2, b2) = (sim.compute_ends() for sim in self._sims)
+        L, n = fold.layers, fold.per_layer
+        fwd, bwd = [0.0] * len(self.graph.operators), [0.0] * len(self.graph.operators)
+        for i in range(fold.first):  # the prologue
+            fwd[i] = f2[i]
+            bwd[i] = self._linear(b1[i], b2[i])
+        for e in range(len(self.graph.operators) - fold.index(L, 0)):  # the epilogue
+            i, i1, i2 = fold.index(L, e), fold.index(k1, e, k1), fold.index(k2, e, k2)
+            fwd[i] = self._linear(f1[i1], f2[i2])
+            bwd[i] = self._linear(b1[i1], b2[i2])
+        for q in range(n):
+            at = [fold.index(m, q, k2) for m in range(k2)]
+            step_f = f2[at[-1]] - f2[at[-2]]
+            for m in range(L):
+                fwd[fold.index(m, q)] = (f2[at[m]] if m < k2 else
+                                         f2[at[-1]] + (m - k2 + 1) * step_f)
+            # the last k1 - 1 layers' backward ends from the top, then a middle layer's
+            # backward span down to layer 1, then layer 0's own
+            for r in range(k1 - 1):
+                bwd[fold.index(L - 1 - r, q)] = self._linear(
+                    b1[fold.index(k1 - 1 - r, q, k1)], b2[fold.index(k2 - 1 - r, q, k2)])
+            step_b = b2[at[1]] - b2[at[2]]
+            for m in range(L - k1, 0, -1):
+                bwd[fold.index(m, q)] = bwd[fold.index(m + 1, q)] + step_b
+            bwd[fold.index(0, q)] = bwd[fold.index(1, q)] + b2[at[0]] - b2[at[1]]
+        return fwd, bwd
+
+    def timeline_end(self) -> float:
+        return self._linear(self._sims[0].timeline_end(), self._sims[1].timeline_end())
+
+    def memory_breakdown(self) -> MemoryBreakdown:
+        small, large = (sim.memory_breakdown() for sim in self._sims)
+        return MemoryBreakdown(*(round(self._linear(a, b)) for a, b in zip(small[:4], large[:4])),
+                               comm_buffers=large.comm_buffers)
+
+    def result(self):
+        raise PlanError("a folded stage simulation keeps no whole timeline; simulate the "
+                        "stage whole (fold=False) for its tasks")
+
+
+class _FoldedCosts:
+    """The whole graph's cost model read by a folded graph's operator indices (the epilogue's
+    are `keep` layers' operators earlier there)."""
+
+    def __init__(self, base, fold: LayerFold, keep: int):
+        self.base = base
+        self.source = base.source
+        self.update_reductions = getattr(base, "update_reductions", 0)
+        self._epilogue = fold.index(keep, 0, keep)
+        self._shift = (fold.layers - keep) * fold.per_layer
+
+    def _whole(self, j: int) -> int:
+        return j + self._shift if j >= self._epilogue else j
+
+    def op_time(self, op_index: int, config: Config):
+        return self.base.op_time(self._whole(op_index), config)
+
+    def shard_time(self, op_index: int, degrees: tuple[int, ...]):
+        return self.base.shard_time(self._whole(op_index), degrees)
+
+    def update_time(self, param_shard_bytes: float) -> float:
+        return self.base.update_time(param_shard_bytes)
