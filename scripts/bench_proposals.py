@@ -6,9 +6,10 @@ stage count, virtual stages and microbatch size the search scores), every operat
 (`space.configs`), and proposals on one Megatron point (TP8, pipelined, selective
 recomputation, sequence parallelism, microbatches of 1): random configs proposed, priced (step
 time and whether it fits) and rejected, each for the operator at one position of every layer
-at once, as a chain proposes (`--single`: for one operator of one layer). Each proposed
-config's kernels are priced (and memoised) before the timed pass; the garbage collector is set
-as the search sets it. Issue 46's
+at once, as a chain proposes (`--single`: for one operator of one layer), on the stage
+simulated on a few of its layers as the search's pipelines are (`--whole`: every layer).
+Each proposed config's kernels are priced (and memoised) before the timed pass; the garbage
+collector is set as the search sets it. Issue 46's
 goal is 10x the proposals per second of the 2026-11-28 code for GPT 175B, 530B and 1T.
 
 Time ratios are machine-dependent: compare two revisions in one run on one machine
@@ -49,6 +50,10 @@ def main(argv=None) -> int:
                     help="virtual stages per device (default: 12)")
     ap.add_argument("--proposals", type=int, default=60, help="proposals timed (default: 60)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--whole", action="store_true",
+                    help="simulate the stage's every layer (default: on a few of its layers, "
+                         "as the search does: soapjax.simulate._pipe_fold; --single is whole: "
+                         "a fold needs the layers tied)")
     ap.add_argument("--single", action="store_true",
                     help="propose one operator of one layer at a time (default: an operator "
                          "at the same position of every layer at once, as a chain proposes)")
@@ -89,7 +94,8 @@ def main(argv=None) -> int:
         for j, config, _ in changes:
             costs.shard_time(j, config.degrees(stage_mesh))
     # the garbage collector as the search sets it
-    with sparse_gc(), front.open_simulation(g, topo, strategy, cost_model=costs) as sim:
+    with sparse_gc(), front.open_simulation(g, topo, strategy, cost_model=costs,
+                                            fold=not (args.whole or args.single)) as sim:
         start = sim.step_time()
         t = time.perf_counter()
         for changes in proposals:
@@ -100,6 +106,7 @@ def main(argv=None) -> int:
         dt = time.perf_counter() - t
         assert sim.step_time() == start  # every proposal rejected: back where it began
     what = "one operator" if args.single else "every layer's operator at a position"
+    what += ", the stage whole" if args.whole or args.single else ", the stage folded"
     print(f"TP8 PP{args.stages} v{args.virtual}, {m} microbatches ({start:.3f} s a step), "
           f"{what} a proposal: {args.proposals / dt:.1f} proposals/s", flush=True)
     return 0

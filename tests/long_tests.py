@@ -10,6 +10,9 @@ choice was made from a full run's ``--durations=0`` (2026-11-30: 1,559 s on 2 wo
 """
 
 LONG: dict[str, str] = {
+    "tests/test__pipe_fold.py::test_a_search_with_folded_stages_ends_where_whole_stages_end":
+        "two pipelined searches of a 16-layer GPT (25 s); the folded stage's prices equal the "
+        "whole stage's: test_folded_stage_prices_gpt_as_the_whole_stage",
     # scripts run end to end on the CPU (their functions have their own tests)
     "tests/test_evaluate.py::test_tiny_run_writes_every_section_with_numbers":
         "bench_evaluate's run (74 s); its statistic: test_spearman_matches_the_textbook_"

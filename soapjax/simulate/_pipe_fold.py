@@ -135,19 +135,17 @@ def layer_fold(graph: OpGraph) -> LayerFold | None:
                 return None
     if any(r[0] not in (0, -1) for b in base for r in b[1] if len(r) == 3):
         return None  # a layer reads further back than the layer before it
-    for op in ops[fold.index(longest, 0):]:  # the epilogue reads the last layer alone
-        for x in op.inputs:
-            if x.kind == "activation" and fold.place(pos[x.source])[0] not in (-1, longest,
-                                                                               longest - 1):
-                return None
     return fold
 
 
 def folded_graph(graph: OpGraph, fold: LayerFold, keep: int) -> OpGraph:
     """`graph` with only its first `keep` layers: the prologue, those layers and the epilogue,
     whose reads of the last layers are rewired to the last kept ones (the same position, as
-    many layers from the end). Operator names are the kept operators' own; the program, the
-    parameter and batch leaves are `graph`'s."""
+    many layers from the end), and its reads of the layers before them (a mixture of experts'
+    loss adds every layer's load-balancing term) to the first kept layer: the folds' count of
+    those reads is linear in their layers, as `FoldedStage` needs, and none at the whole
+    graph's. Operator names are the kept operators' own; the program, the parameter and batch
+    leaves are `graph`'s."""
     ops = graph.operators
     shift = fold.layers - keep
     kept: list[Operator] = list(ops[:fold.first + keep * fold.per_layer])
@@ -159,10 +157,7 @@ def folded_graph(graph: OpGraph, fold: LayerFold, keep: int) -> OpGraph:
             if x.kind == "activation":
                 m, q = fold.place(pos[x.source])
                 if 0 <= m < fold.layers:
-                    if m - shift < 0:
-                        raise PlanError(f"{op.name!r} reads layer {m} of {fold.layers}: "
-                                        f"too deep to fold to {keep} layers")
-                    src = ops[fold.index(m - shift, q)]
+                    src = ops[fold.index(max(m - shift, 0), q)]
                     x = dataclasses.replace(x, source=src.name,
                                             value=src.outputs[x.index].value)
             inputs.append(x)
@@ -368,10 +363,14 @@ class FoldedStage:
             bwd[i] = self._linear(b1[i1], b2[i2])
         for q in range(n):
             at = [fold.index(m, q, k2) for m in range(k2)]
-            step_f = f2[at[-1]] - f2[at[-2]]
-            for m in range(L):
-                fwd[fold.index(m, q)] = (f2[at[m]] if m < k2 else
-                                         f2[at[-1]] + (m - k2 + 1) * step_f)
+            # the layers before the last kept one: the whole graph's (a prefix of it; the last
+            # kept layer's forward is the last layer's, whose readers are the epilogue's: a
+            # row-parallel matmul's reduce-scatter is made in its readers' layout)
+            step_f = f2[at[-2]] - f2[at[-3]]
+            for m in range(L - 1):
+                fwd[fold.index(m, q)] = (f2[at[m]] if m < k2 - 1 else
+                                         f2[at[-2]] + (m - k2 + 2) * step_f)
+            fwd[fold.index(L - 1, q)] = fwd[fold.index(L - 2, q)] + f2[at[-1]] - f2[at[-2]]
             # the last k1 - 1 layers' backward ends from the top, then a middle layer's
             # backward span down to layer 1, then layer 0's own
             for r in range(k1 - 1):

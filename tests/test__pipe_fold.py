@@ -1,0 +1,202 @@
+"""A pipeline stage simulated on a few of its layers (`soapjax.simulate._pipe_fold`): the
+whole stage's step, memory and chunk times read off the folds equal the whole simulation's."""
+
+import contextlib
+import dataclasses
+import random
+
+import pytest
+
+from soapjax.base.errors import PlanError
+from soapjax.cost import operators as cost
+from soapjax.graph.opgraph import trace
+from soapjax.simulate import front
+from soapjax.simulate._flatsim import Simulation
+from soapjax.simulate._pipe_fold import FOLD_LAYERS, FoldedStage, folded_graph, layer_fold
+from soapjax.strategy import space
+from soapjax.strategy.baselines import megatron_3d
+from soapjax.strategy.memory import microbatch_error
+from soapjax.strategy.space import MeshShape
+from soapjax.topology.cluster import load_topology, stage_topology
+from soapjax_zoo import gpt, llama, moe
+
+TOPOLOGY = "dgx-a100x3072-32"  # 4 DGX A100s: analytic GPU costs, nothing attached
+
+
+def _graph(kind: str, layers: int = 16):
+    if kind == "gpt":  # Megatron's dropout: layer 0 reads the seed, the others a carried key
+        w = gpt.build_gpt("gpt", "fold", dataclasses.replace(
+            gpt._TINY, num_layers=layers, dropout=0.1, batch_size=16), "linen")
+    elif kind == "llama":  # RoPE, grouped-query attention, SwiGLU
+        w = llama.build_llama("llama", "fold", dataclasses.replace(
+            llama.LLAMA_CONFIGS["tiny"], num_layers=layers, batch_size=16), "linen")
+    else:
+        w = moe.build_moe("moe", "fold", dataclasses.replace(
+            moe._TINY, num_layers=layers, batch_size=16), "linen")
+    return trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name), w
+
+
+@pytest.fixture(scope="module")
+def gpt16():
+    return _graph("gpt")
+
+
+@pytest.fixture(scope="module")
+def llama16():
+    return _graph("llama")
+
+
+def _summary(sim):
+    r = sim.result()
+    t = r.chunk_times
+    return (r.step_time_s, r.peak_memory_bytes, *t.forward_s, *t.backward_s, *t.send_s,
+            *r.tail_s, *r.prologue_s, *(m.total for m in r.stage_memory))
+
+
+def _assert_close(whole, folded):
+    assert len(whole) == len(folded)
+    for a, b in zip(whole, folded):
+        assert b == pytest.approx(a, rel=1e-9, abs=1e-15)
+
+
+def _walk(graph, workload, stages, virtual, tp, seed=0, proposals=25, strategies=()):
+    """The whole and the folded simulation walked through the same tied proposals (some
+    accepted), then reset to `strategies`; their summaries at every step."""
+    topology = load_topology(TOPOLOGY)
+    mesh = MeshShape.of(stage_topology(topology, stages))
+    start = megatron_3d(graph, topology, tp=tp, pp=stages, microbatch_size=1,
+                        interleave=virtual, recompute="selective", sequence_parallel=True)
+    m = start.microbatches
+    choices = [[c for c in space.configs(op, mesh) if not microbatch_error(op, c, mesh, m)]
+               for op in graph.operators]
+    costs = cost.cost_model(graph, topology, mode="analytic", optimizer=workload.optimizer)
+    rng = random.Random(seed)
+    tied = {i: block for block in graph.repeated_blocks() for i in block}
+    moves = []
+    for _ in range(proposals):
+        i = rng.randrange(len(graph.operators))
+        config = rng.choice(choices[i])
+        policy = rng.choice([None, "none", "full", "selective"]) if i in tied else None
+        moves.append(([(j, config, policy) for j in tied.get(i, [i])], rng.random() < 0.3))
+    out = {}
+    for fold in (False, True):
+        with front.open_simulation(graph, topology, start, cost_model=costs, fold=fold) as sim:
+            assert isinstance(sim._inner, FoldedStage if fold else Simulation)
+            seen = [_summary(sim)]
+            for changes, keep in moves:
+                sim.propose_many(changes)
+                seen.append(_summary(sim))
+                sim.accept() if keep else sim.reject()
+                seen.append(_summary(sim))
+            for s in strategies:
+                sim.reset(s(start))
+                seen.append(_summary(sim))
+                sim.propose_strategy(s(sim.strategy).with_microbatches(m // 2))
+                seen.append(_summary(sim))
+                sim.reject()
+            if virtual == 1:  # uneven stages: the layers' moves read the stored shards
+                cut = [16 // stages] * stages
+                cut[0] -= 1
+                cut[-1] += 1
+                r = sim.stage_layers_result(tuple(cut))
+                seen.append((r.step_time_s, r.peak_memory_bytes, *r.chunk_times.forward_s))
+            out[fold] = (seen, sim.strategy)
+    assert out[True][1] == out[False][1]  # the folded stage's strategy is the whole graph's
+    return out[False][0], out[True][0]
+
+
+def test_layer_fold_finds_the_layers_and_folds_the_graph(gpt16):
+    graph, _ = gpt16
+    fold = layer_fold(graph)
+    assert fold is not None and fold.layers == 16
+    assert graph.operators[fold.first].name == "layers_0/ln_1"
+    assert graph.operators[fold.index(fold.layers, 0)].name == "ln_f"
+    for keep in FOLD_LAYERS:
+        g = folded_graph(graph, fold, keep)
+        assert len(g.operators) == len(graph.operators) - (16 - keep) * fold.per_layer
+        ln_f = g.operator("ln_f")
+        # the epilogue reads the last kept layer where it read the last layer
+        assert [x.source for x in ln_f.inputs if x.kind == "activation"] == [
+            f"layers_{keep - 1}/mlp/fc2"]
+        assert g.params == graph.params
+
+
+@pytest.mark.parametrize("stages,virtual,tp", [(4, 2, 2), (4, 1, 8), (2, 2, 4)])
+def test_folded_stage_prices_gpt_as_the_whole_stage(gpt16, stages, virtual, tp):
+    graph, workload = gpt16
+    whole, folded = _walk(graph, workload, stages, virtual, tp, seed=stages + virtual)
+    _assert_close(whole, folded)
+
+
+def test_folded_stage_prices_llama_with_zero_and_the_distributed_optimizer(llama16):
+    graph, workload = llama16
+
+    def zero(s):
+        return dataclasses.replace(s, zero_axes=("data",))
+
+    def distributed(s):
+        return dataclasses.replace(s, optimizer_axes=("data",), recompute=())
+
+    whole, folded = _walk(graph, workload, 2, 2, 4, strategies=(zero, distributed))
+    _assert_close(whole, folded)
+
+
+def test_folded_stage_needs_tied_layers(gpt16):
+    graph, workload = gpt16
+    topology = load_topology(TOPOLOGY)
+    start = megatron_3d(graph, topology, tp=2, pp=4, microbatch_size=1, recompute="selective")
+    fold = layer_fold(graph)
+    one = fold.index(5, 1)  # layer 5's query projection alone, in another layout
+    other = next(c for c in space.configs(graph.operators[one],
+                                          MeshShape.of(stage_topology(topology, 4)))
+                 if c != start.configs[one])
+    untied = dataclasses.replace(start, configs=tuple(
+        other if i == one else c for i, c in enumerate(start.configs)))
+    costs = cost.cost_model(graph, topology, mode="analytic", optimizer=workload.optimizer)
+    with contextlib.ExitStack() as stack:
+        # an untied strategy is simulated whole
+        sim = stack.enter_context(front.open_simulation(graph, topology, untied,
+                                                        cost_model=costs, fold=True))
+        assert isinstance(sim._inner, Simulation)
+        sim = stack.enter_context(front.open_simulation(graph, topology, start,
+                                                        cost_model=costs, fold=True))
+        assert isinstance(sim._inner, FoldedStage)
+        with pytest.raises(PlanError, match="every layer's operators alike"):
+            sim.propose(one, untied.configs[one])
+        with pytest.raises(PlanError, match="every layer's operators alike"):
+            sim.reset(untied)
+        with pytest.raises(PlanError, match="no whole timeline"):
+            sim.stage_result()
+
+
+def test_layers_that_are_not_alike_are_simulated_whole():
+    # the tiny mixture of experts' grouping puts layer 0's load-balancing sum into the last
+    # layer's expert matmul: its layers are not alike, and nothing folds
+    graph, workload = _graph("moe")
+    assert layer_fold(graph) is None
+    topology = load_topology(TOPOLOGY)
+    start = megatron_3d(graph, topology, tp=2, pp=2, microbatch_size=1, recompute="selective")
+    costs = cost.cost_model(graph, topology, mode="analytic", optimizer=workload.optimizer)
+    with front.open_simulation(graph, topology, start, cost_model=costs, fold=True) as sim:
+        assert isinstance(sim._inner, Simulation)
+
+
+def test_a_search_with_folded_stages_ends_where_whole_stages_end(gpt16, monkeypatch):
+    # the search's pipelines are simulated folded; with every pipeline simulated whole, the
+    # same proposal count ends on the same plan at the same price
+    from soapjax.search import find, pipelines
+    graph, workload = gpt16
+    topology = load_topology(TOPOLOGY)
+    costs = cost.cost_model(graph, topology, mode="analytic", optimizer=workload.optimizer)
+    settings = find.SearchSettings(max_proposals=8, seed=0, pipelines=True, processes=1)
+    folded = find.search(graph, topology, cost_model=costs, settings=settings)
+    opened = pipelines.open_simulation
+
+    def whole(*args, **kwargs):
+        return opened(*args, **{**kwargs, "fold": False})
+
+    monkeypatch.setattr(pipelines, "open_simulation", whole)
+    found = find.search(graph, topology, cost_model=costs, settings=settings)
+    assert folded.strategy.pipelined and found.strategy == folded.strategy
+    assert folded.step_time_s == pytest.approx(found.step_time_s, rel=1e-9)
+    assert folded.proposals == found.proposals
