@@ -217,7 +217,7 @@ class FoldedStage:
                                          resharder, self._folded(strategy, keep),
                                          opt_state_factor=opt_state_factor,
                                          pipeline_stage=True))
-        self._sources: dict[str, str] | None = None
+        self._sources: list[tuple[str, str]] | None = None
 
     # --- strategies and proposals -----------------------------------------------------------
 
@@ -334,13 +334,14 @@ class FoldedStage:
         dropped layer's slice: its twin's)."""
         if self._sources is None:
             twin_ops = self._sims[1].graph.operators
-            self._sources = {}
+            sources: dict[str, str] = {}
             for op, t in zip(self.graph.operators, self._twins[1]):
                 for x, y in zip(op.inputs, twin_ops[t].inputs):
                     if x.kind == "param":
-                        self._sources[x.source] = y.source
+                        sources[x.source] = y.source
+            self._sources = list(sources.items())
         stored = self._sims[1].stored_param_bytes()
-        return {src: stored[twin] for src, twin in self._sources.items()}
+        return {src: stored[twin] for src, twin in self._sources}
 
     # --- the timeline and memory: extrapolated over the layers ------------------------------
 
@@ -352,34 +353,45 @@ class FoldedStage:
         """When each operator's forward and backward compute tasks end (module doc)."""
         fold, (k1, k2) = self._fold, FOLD_LAYERS
         (f1, b1), (f2, b2) = (sim.compute_ends() for sim in self._sims)
-        L, n = fold.layers, fold.per_layer
-        fwd, bwd = [0.0] * len(self.graph.operators), [0.0] * len(self.graph.operators)
-        for i in range(fold.first):  # the prologue
-            fwd[i] = f2[i]
-            bwd[i] = self._linear(b1[i], b2[i])
-        for e in range(len(self.graph.operators) - fold.index(L, 0)):  # the epilogue
-            i, i1, i2 = fold.index(L, e), fold.index(k1, e, k1), fold.index(k2, e, k2)
-            fwd[i] = self._linear(f1[i1], f2[i2])
-            bwd[i] = self._linear(b1[i1], b2[i2])
-        for q in range(n):
-            at = [fold.index(m, q, k2) for m in range(k2)]
-            # the layers before the last kept one: the whole graph's (a prefix of it; the last
-            # kept layer's forward is the last layer's, whose readers are the epilogue's: a
-            # row-parallel matmul's reduce-scatter is made in its readers' layout)
-            step_f = f2[at[-2]] - f2[at[-3]]
-            for m in range(L - 1):
-                fwd[fold.index(m, q)] = (f2[at[m]] if m < k2 - 1 else
-                                         f2[at[-2]] + (m - k2 + 2) * step_f)
-            fwd[fold.index(L - 1, q)] = fwd[fold.index(L - 2, q)] + f2[at[-1]] - f2[at[-2]]
-            # the last k1 - 1 layers' backward ends from the top, then a middle layer's
-            # backward span down to layer 1, then layer 0's own
-            for r in range(k1 - 1):
-                bwd[fold.index(L - 1 - r, q)] = self._linear(
-                    b1[fold.index(k1 - 1 - r, q, k1)], b2[fold.index(k2 - 1 - r, q, k2)])
-            step_b = b2[at[1]] - b2[at[2]]
-            for m in range(L - k1, 0, -1):
-                bwd[fold.index(m, q)] = bwd[fold.index(m + 1, q)] + step_b
-            bwd[fold.index(0, q)] = bwd[fold.index(1, q)] + b2[at[0]] - b2[at[1]]
+        L, n, first = fold.layers, fold.per_layer, fold.first
+        more = L - k2  # layers the whole graph has beyond the larger fold
+
+        def layer(ends: list[float], m: int) -> list[float]:
+            return ends[first + m * n:first + (m + 1) * n]
+
+        def linear(small: list[float], large: list[float]) -> list[float]:
+            return [b + more * (b - a) for a, b in zip(small, large)]
+
+        # forward: the layers before the last kept one are the whole graph's (a prefix of it;
+        # the last kept layer's forward is the last layer's, whose readers are the epilogue's:
+        # a row-parallel matmul's reduce-scatter is made in its readers' layout); the others
+        # step by the last such layer's span; the last by the last kept layer's
+        ahead = layer(f2, k2 - 2)
+        step_f = [a - b for a, b in zip(ahead, layer(f2, k2 - 3))]
+        last_f = [a - b for a, b in zip(layer(f2, k2 - 1), ahead)]
+        fwd = f2[:first + (k2 - 1) * n]
+        for m in range(k2 - 1, L - 1):
+            k = m - k2 + 2
+            fwd += [a + k * d for a, d in zip(ahead, step_f)]
+        fwd += [a + d for a, d in zip(fwd[-n:], last_f)]
+        fwd += linear(f1[first + k1 * n:], f2[first + k2 * n:])  # the epilogue
+        # backward: the last k1 - 1 layers' ends linear in the layer count, counted from the
+        # top; then a middle layer's backward span down to layer 1; then layer 0's own
+        top = [linear(layer(b1, k1 - 1 - r), layer(b2, k2 - 1 - r)) for r in range(k1 - 1)]
+        step_b = [a - b for a, b in zip(layer(b2, 1), layer(b2, 2))]
+        middle = []
+        below = top[-1]
+        for _ in range(L - k1, 0, -1):
+            below = [a + d for a, d in zip(below, step_b)]
+            middle.append(below)
+        bottom = [a + d - e for a, d, e in zip(below, layer(b2, 0), layer(b2, 1))]
+        bwd = linear(b1[:first], b2[:first])  # the prologue
+        bwd += bottom
+        for row in reversed(middle):
+            bwd += row
+        for row in reversed(top):
+            bwd += row
+        bwd += linear(b1[first + k1 * n:], b2[first + k2 * n:])  # the epilogue
         return fwd, bwd
 
     def timeline_end(self) -> float:

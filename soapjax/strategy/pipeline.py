@@ -382,8 +382,10 @@ class PipelineTimeline:
 
     Attributes:
       schedule, stages, microbatches, virtual: the pipeline.
+      times: the chunk and send times it was timed with.
       start_s, end_s: when each action starts and ends, the stages' orders one after the other
-        (stage 0's first); `tasks` pairs them with their actions.
+        (stage 0's first); `tasks` pairs them with their actions (properties, timed again
+        with their records when first read).
       send_start_s, send_end_s: likewise, when the send of each action's output to another stage
         starts and ends (0.0 for actions that send nothing); `sends` lists them.
       step_s: when the last action anywhere ends.
@@ -398,10 +400,7 @@ class PipelineTimeline:
     stages: int
     microbatches: int
     virtual: int
-    start_s: tuple[float, ...] = dataclasses.field(repr=False)
-    end_s: tuple[float, ...] = dataclasses.field(repr=False)
-    send_start_s: tuple[float, ...] = dataclasses.field(repr=False)
-    send_end_s: tuple[float, ...] = dataclasses.field(repr=False)
+    times: ChunkTimes = dataclasses.field(repr=False)
     step_s: float
     stage_end_s: tuple[float, ...]
     busy_s: tuple[float, ...]
@@ -409,7 +408,29 @@ class PipelineTimeline:
     in_flight: tuple[int, ...]
 
     # Built on first use: the search reads the summaries above, and records for the 10^5
-    # actions of a large pipeline cost ten times the timing itself.
+    # actions of a large pipeline cost ten times the timing itself (the actions' times are
+    # timed again, recorded, when first asked for: `_recorded`).
+    @functools.cached_property
+    def _records(self) -> tuple[tuple[float, ...], ...]:
+        return _recorded(self.stages, self.microbatches, self.virtual, self.times,
+                         _compile(self.schedule, self.stages, self.microbatches, self.virtual))
+
+    @property
+    def start_s(self) -> tuple[float, ...]:
+        return self._records[0]
+
+    @property
+    def end_s(self) -> tuple[float, ...]:
+        return self._records[1]
+
+    @property
+    def send_start_s(self) -> tuple[float, ...]:
+        return self._records[2]
+
+    @property
+    def send_end_s(self) -> tuple[float, ...]:
+        return self._records[3]
+
     @functools.cached_property
     def orders(self) -> tuple[tuple[Action, ...], ...]:
         """Each device stage's actions (`device_orders`)."""
@@ -506,6 +527,35 @@ def _kept_timeline(schedule: str, S: int, M: int, v: int, times: ChunkTimes
 
 def _timeline(schedule: str, S: int, M: int, v: int, times: ChunkTimes,
               compiled: _Compiled) -> PipelineTimeline:
+    duration = times.forward_s + times.backward_s
+    send = times.send_s
+    free = [0.0] * S
+    link_free = [0.0] * (2 * S)
+    arrive = [0.0] * (2 * M * S * v)
+    # The hot loop: a few list reads and comparisons per action; the actions' own times are
+    # not kept (`_recorded` keeps them, for the timeline's records).
+    for _, s, d, waits_for, link, boundary, delivers in zip(*compiled.steps):
+        t = free[s]
+        if waits_for >= 0 and arrive[waits_for] > t:
+            t = arrive[waits_for]
+        e = free[s] = t + duration[d]
+        if link >= 0:
+            ts = link_free[link]
+            if e > ts:  # noqa: PLR1730 (a comparison is 7x faster than a call to max)
+                ts = e
+            link_free[link] = arrive[delivers] = ts + send[boundary]
+    busy = tuple(M * sum(duration[c] + duration[S * v + c] for c in chunks_of(s, S, v))
+                 for s in range(S))
+    step = max(free)
+    bubble = 1.0 - sum(busy) / S / step if step > 0 else 0.0
+    return PipelineTimeline(schedule, S, M, v, times, step, tuple(free), busy, bubble,
+                            compiled.in_flight)
+
+
+def _recorded(S: int, M: int, v: int, times: ChunkTimes, compiled: _Compiled
+              ) -> tuple[tuple[float, ...], ...]:
+    """`_timeline`'s loop again, keeping every action's start and end and its send's:
+    ``(start_s, end_s, send_start_s, send_end_s)`` (`PipelineTimeline`)."""
     n = 2 * M * S * v
     duration = times.forward_s + times.backward_s
     send = times.send_s
@@ -514,7 +564,6 @@ def _timeline(schedule: str, S: int, M: int, v: int, times: ChunkTimes,
     arrive = [0.0] * n
     start, end = [0.0] * n, [0.0] * n
     send_start, send_end = [0.0] * n, [0.0] * n
-    # The hot loop: a few list reads and comparisons per action, 0.25 us in CPython 3.11.
     for task, s, d, waits_for, link, boundary, delivers in zip(*compiled.steps):
         t = free[s]
         if waits_for >= 0 and arrive[waits_for] > t:
@@ -524,18 +573,12 @@ def _timeline(schedule: str, S: int, M: int, v: int, times: ChunkTimes,
         free[s] = end[task] = e
         if link >= 0:
             ts = link_free[link]
-            if e > ts:  # noqa: PLR1730 (a comparison is 7x faster than a call to max)
+            if e > ts:  # noqa: PLR1730
                 ts = e
             te = ts + send[boundary]
             link_free[link] = arrive[delivers] = send_end[task] = te
             send_start[task] = ts
-    busy = tuple(M * sum(duration[c] + duration[S * v + c] for c in chunks_of(s, S, v))
-                 for s in range(S))
-    step = max(free)
-    bubble = 1.0 - sum(busy) / S / step if step > 0 else 0.0
-    return PipelineTimeline(schedule, S, M, v, tuple(start), tuple(end),
-                            tuple(send_start), tuple(send_end), step, tuple(free), busy, bubble,
-                            compiled.in_flight)
+    return tuple(start), tuple(end), tuple(send_start), tuple(send_end)
 
 
 @functools.lru_cache(maxsize=8)
