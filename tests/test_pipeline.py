@@ -286,3 +286,40 @@ def test_bad_chunk_times_say_what_was_expected():
     with pytest.raises(PlanError, match="needs 2 or more virtual stages"):
         time_schedule("interleaved", 4, 8, 1, ChunkTimes.uniform(4, 1.0, 1.0))
     assert ChunkTimes([1, 2], [3, 4], [0]).forward_s == (1.0, 2.0)  # lists become float tuples
+
+
+@pytest.mark.parametrize("schedule, S, M, v", [("1f1b", 8, 1024, 1), ("interleaved", 4, 512, 4),
+                                               ("gpipe", 4, 2048, 1)])
+def test_steady_periods_are_skipped_and_the_timeline_stays_the_same(schedule, S, M, v,
+                                                                      monkeypatch):
+    # `_timeline` skips the periods of a steady pipeline (a period a constant later than the
+    # one before); the action-by-action loop (`_recorded`, the timeline's records) gives
+    # the same stage ends, on chunk times a folded stage gives (the first and last chunks
+    # apart) and on random ones
+    from soapjax.strategy import pipeline
+    compiled = pipeline._compile(schedule, S, M, v)
+    assert compiled.periodic is not None and compiled.periodic.periods >= 3
+    jumped = []
+    jump = pipeline._jump
+    monkeypatch.setattr(pipeline, "_jump", lambda *a: jumped.append(jump(*a)) or jumped[-1])
+    rng = random.Random(f"{schedule}{S}{M}{v}")
+    C = S * v
+    for uniform in (True, False):
+        if uniform:
+            f, b = rng.uniform(0.5, 1.5), rng.uniform(1.0, 3.0)
+            times = ChunkTimes((f * 1.3, *[f] * (C - 2), f * 2.1),
+                               (b * 1.2, *[b] * (C - 2), b * 1.9),
+                               (rng.uniform(0.0, 0.3),) * (C - 1))
+        else:
+            times = ChunkTimes(tuple(rng.uniform(0.3, 2.0) for _ in range(C)),
+                               tuple(rng.uniform(0.5, 4.0) for _ in range(C)),
+                               tuple(rng.uniform(0.0, 0.5) for _ in range(C - 1)))
+        t = pipeline._timeline(schedule, S, M, v, times, compiled)
+        start, end, _, _ = pipeline._recorded(S, M, v, times, compiled)
+        ends = [max(end[k] for k in range(s * 2 * M * v, (s + 1) * 2 * M * v))
+                for s in range(S)]
+        assert t.stage_end_s == pytest.approx(ends, rel=1e-12)
+        assert t.step_s == pytest.approx(max(end), rel=1e-12)
+    # 1F1B and interleaved stages wait for each other and settle; GPipe's stages run their
+    # forwards each at its own pace (none waits for a backward), so nothing repeats exactly
+    assert any(jumped) == (schedule != "gpipe")
