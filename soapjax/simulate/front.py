@@ -86,7 +86,10 @@ def open_simulation(graph: OpGraph, topology: Topology, strategy: Strategy | Non
     `reject`, `reset`, `step_time`, `fits_in_memory`, `result`). `layer_layout`: where a
     pipelined strategy's stacked layer parameters live between steps
     (`soapjax.simulate.pipesim.LAYER_LAYOUTS`): ``"model"`` as `soapjax.apply.step` stores them,
-    ``"chunks"`` as Megatron-LM does.
+    ``"chunks"`` as Megatron-LM does. `fold`: a pipelined strategy's stage simulated on a few
+    of its layers where they are alike and tied (`soapjax.simulate._pipe_fold`: the same
+    prices, no task records; what the search's pipelines use); a proposal that unties them
+    is then refused.
     """
     strategy = strategy if strategy is not None else data_parallel(graph, MeshShape.of(topology))
     owned = resharder is None or isinstance(resharder, str)  # made here: closed here

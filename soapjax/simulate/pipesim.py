@@ -64,6 +64,12 @@ synchronisation); uneven stages' layer moves overlap nothing.
 Delta simulation: configs and recompute policies change through the one-stage `Simulation`'s
 delta simulation (exact, `soapjax.simulate.front`); the chunk times, schedule and memory are then
 recomputed from its timeline, a pure function of it, so delta == full holds here too.
+
+**Folded** (``fold=True``, what the search opens): where the layers are alike and the strategy
+ties them, the one-stage simulation is a `soapjax.simulate._pipe_fold.FoldedStage`, which reads
+the whole stage's timeline and memory off simulations of its first 3 and 4 layers: the same
+prices to rounding (tests/test__pipe_fold.py), at a tenth of the work for GPT 175B's 96
+layers. It keeps no task records (`stage_result`, `step_collectives` need the stage whole).
 """
 
 from __future__ import annotations
@@ -182,6 +188,7 @@ class PipelinedSimulation:
     The interface the search uses of a `Simulation` (`propose`, `propose_many`, `accept`,
     `reject`, `reset`, `step_time`, `fits_in_memory`, `choice`, `strategy`), with `topology`
     the devices of ONE stage (the configs' mesh) and `full_topology` the whole cluster.
+    `fold`: simulate the stage on a few of its layers where they fold (module doc).
     """
 
     def __init__(self, graph: OpGraph, topology: Topology, cost_model, resharder,
