@@ -103,9 +103,7 @@ def main(argv=None) -> int:
             sim.step_time()
             sim.fits_in_memory()
             sim.reject()
-        kept = getattr(pipeline, "_kept_timeline", None)
-        if kept is not None:
-            kept.cache_clear()
+        pipeline.forget_timelines()
         t = time.perf_counter()
         for changes in proposals:
             sim.propose_many(changes)

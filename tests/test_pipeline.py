@@ -293,15 +293,16 @@ def test_bad_chunk_times_say_what_was_expected():
 def test_steady_periods_are_skipped_and_the_timeline_stays_the_same(schedule, S, M, v,
                                                                       monkeypatch):
     # `_timeline` skips the periods of a steady pipeline (a period a constant later than the
-    # one before); the action-by-action loop (`_recorded`, the timeline's records) gives
+    # one before); the action-by-action loop (`recorded`, the timeline's records) gives
     # the same stage ends, on chunk times a folded stage gives (the first and last chunks
     # apart) and on random ones
-    from soapjax.strategy import pipeline
+    from soapjax.strategy import _schedule_time, pipeline
     compiled = pipeline._compile(schedule, S, M, v)
     assert compiled.periodic is not None and compiled.periodic.periods >= 3
     jumped = []
-    jump = pipeline._jump
-    monkeypatch.setattr(pipeline, "_jump", lambda *a: jumped.append(jump(*a)) or jumped[-1])
+    jump = _schedule_time._jump
+    monkeypatch.setattr(_schedule_time, "_jump",
+                        lambda *a: jumped.append(jump(*a)) or jumped[-1])
     rng = random.Random(f"{schedule}{S}{M}{v}")
     C = S * v
     for uniform in (True, False):
@@ -314,8 +315,9 @@ def test_steady_periods_are_skipped_and_the_timeline_stays_the_same(schedule, S,
             times = ChunkTimes(tuple(rng.uniform(0.3, 2.0) for _ in range(C)),
                                tuple(rng.uniform(0.5, 4.0) for _ in range(C)),
                                tuple(rng.uniform(0.0, 0.5) for _ in range(C - 1)))
-        t = pipeline._timeline(schedule, S, M, v, times, compiled)
-        start, end, _, _ = pipeline._recorded(S, M, v, times, compiled)
+        pipeline.forget_timelines()
+        t = pipeline.time_schedule(schedule, S, M, v, times)
+        start, end, _, _ = _schedule_time.recorded(S, M, v, times, compiled)
         ends = [max(end[k] for k in range(s * 2 * M * v, (s + 1) * 2 * M * v))
                 for s in range(S)]
         assert t.stage_end_s == pytest.approx(ends, rel=1e-12)

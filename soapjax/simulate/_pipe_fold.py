@@ -1,4 +1,5 @@
-"""One pipeline stage's simulation on a few of its layers: what the search prices a pipeline with.
+"""One pipeline stage's simulation on a few of its layers: what the search prices a pipeline with;
+and the cost models a stage's simulation reads (`StageCosts`, a folded graph's `_FoldedCosts`).
 
 A pipeline's stage simulation (`soapjax.simulate.pipesim`) runs the whole graph on one stage's
 devices, every layer of it: GPT 175B's 96 layers are ~6,000 tasks, and a chain's proposal
@@ -42,10 +43,10 @@ from soapjax.base.errors import PlanError
 from soapjax.graph.opgraph import Operator, OpGraph
 from soapjax.simulate._flatsim import Simulation
 from soapjax.simulate._simresult import MemoryBreakdown
-from soapjax.strategy.space import Config, Strategy
+from soapjax.strategy.space import Config, MeshShape, Strategy
 
-__all__ = ["FOLD_LAYERS", "MIN_LAYERS", "FoldedStage", "LayerFold", "folded_graph", "layer_fold",
-           "tied"]
+__all__ = ["FOLD_LAYERS", "MIN_LAYERS", "FoldedStage", "LayerFold", "StageCosts", "folded_graph",
+           "layer_fold", "tied"]
 
 # The layers the two folded graphs keep (K1, K2 = K1 + 1): the first layer, a middle one whose
 # spans are periodic (the timeline's transient after the embedding is one layer), the last.
@@ -426,6 +427,27 @@ class _FoldedCosts:
 
     def shard_time(self, op_index: int, degrees: tuple[int, ...]):
         return self.base.shard_time(self._whole(op_index), degrees)
+
+    def update_time(self, param_shard_bytes: float) -> float:
+        return self.base.update_time(param_shard_bytes)
+
+
+class StageCosts:
+    """A cost model read over one stage's mesh: the configs of a pipeline stage name one
+    stage's devices, and `cost_model` may be the whole cluster's, whose ``op_time`` reads a
+    config's axes at the cluster's sizes (the node axis 4 where a stage has 2). Every time
+    comes from ``shard_time`` at the stage's degrees."""
+
+    def __init__(self, base, mesh: MeshShape):
+        self.base, self.mesh = base, mesh
+        self.source = base.source
+        self.update_reductions = getattr(base, "update_reductions", 0)
+
+    def op_time(self, op_index: int, config: Config):
+        return self.base.shard_time(op_index, config.degrees(self.mesh))
+
+    def shard_time(self, op_index: int, degrees: tuple[int, ...]):
+        return self.base.shard_time(op_index, degrees)
 
     def update_time(self, param_shard_bytes: float) -> float:
         return self.base.update_time(param_shard_bytes)

@@ -93,7 +93,7 @@ from soapjax.simulate._pipe_cut import (
     send_pieces,
     tied_params,
 )
-from soapjax.simulate._pipe_fold import MIN_LAYERS, FoldedStage, layer_fold, tied
+from soapjax.simulate._pipe_fold import MIN_LAYERS, FoldedStage, StageCosts, layer_fold, tied
 from soapjax.simulate._simresult import GRAD_SYNC, MemoryBreakdown, SimResult
 from soapjax.strategy.pipeline import (
     DEFAULT_SCHEDULE,
@@ -222,7 +222,7 @@ class PipelinedSimulation:
         self._gathers = graph.memo("epilogue_gathers", lambda: epilogue_gathers(graph, last))
         self._gather_memo: dict = {}
         self._sum_memo: dict[int, float] = {}
-        costs = _StageCosts(cost_model, MeshShape.of(self.topology))
+        costs = StageCosts(cost_model, MeshShape.of(self.topology))
         layers = graph.memo("layer_fold", lambda: layer_fold(graph)) if fold else None
         self._inner: Simulation | FoldedStage
         if layers is not None and layers.layers >= MIN_LAYERS and tied(graph, layers, strategy):
@@ -683,27 +683,6 @@ class _LayoutMoves(NamedTuple):
     sends: tuple[int, ...]
     copy: int
     padding: int
-
-
-class _StageCosts:
-    """A cost model read over one stage's mesh: the configs of a pipeline stage name one
-    stage's devices, and `cost_model` may be the whole cluster's, whose ``op_time`` reads a
-    config's axes at the cluster's sizes (the node axis 4 where a stage has 2). Every time
-    comes from ``shard_time`` at the stage's degrees."""
-
-    def __init__(self, base, mesh: MeshShape):
-        self.base, self.mesh = base, mesh
-        self.source = base.source
-        self.update_reductions = getattr(base, "update_reductions", 0)
-
-    def op_time(self, op_index: int, config: Config):
-        return self.base.shard_time(op_index, config.degrees(self.mesh))
-
-    def shard_time(self, op_index: int, degrees: tuple[int, ...]):
-        return self.base.shard_time(op_index, degrees)
-
-    def update_time(self, param_shard_bytes: float) -> float:
-        return self.base.update_time(param_shard_bytes)
 
 
 def _flat(strategy: Strategy) -> Strategy:

@@ -7,6 +7,7 @@ microbatches, pipeline stages and schedules, the baselines, and plan files.
   from).
 - `memory`: The memory dimensions of a strategy: activation recomputation and microbatches.
 - `pipeline`: The pipeline dimension (the O of SOAP): stages, virtual stages and their schedules.
+- `_schedule_time`: Timing a pipeline schedule (`pipeline.time_schedule`'s engine).
 - `plan`: Plans: a strategy with its provenance, saved as versioned JSON.
 - `space`: The SOAP search space on named mesh axes: the configs of an operator, and strategies.
 """

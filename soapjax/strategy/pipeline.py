@@ -50,7 +50,6 @@ F0 B0 F1 B1 F2 B2
 
 from __future__ import annotations
 
-import array
 import dataclasses
 import functools
 import math
@@ -58,11 +57,12 @@ from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 from soapjax.base.errors import PlanError
+from soapjax.strategy._schedule_time import Compiled, compile_orders, recorded, stage_ends
 
 __all__ = ["Action", "ChunkTimes", "DEFAULT_SCHEDULE", "PipelineTimeline", "SCHEDULES", "Schedule",
            "ScheduleName", "StageRoute", "TimedAction", "TimedSend", "check_pipeline",
            "check_stage_layers", "chunks_of", "device_orders", "pipeline_error", "stage_routes",
-           "time_schedule"]
+           "forget_timelines", "time_schedule"]
 
 
 class Action(NamedTuple):
@@ -409,11 +409,11 @@ class PipelineTimeline:
 
     # Built on first use: the search reads the summaries above, and records for the 10^5
     # actions of a large pipeline cost ten times the timing itself (the actions' times are
-    # timed again, recorded, when first asked for: `_recorded`).
+    # timed again, recorded, when first asked for: `soapjax.strategy._schedule_time.recorded`).
     @functools.cached_property
     def _records(self) -> tuple[tuple[float, ...], ...]:
-        return _recorded(self.stages, self.microbatches, self.virtual, self.times,
-                         _compile(self.schedule, self.stages, self.microbatches, self.virtual))
+        return recorded(self.stages, self.microbatches, self.virtual, self.times,
+                        _compile(self.schedule, self.stages, self.microbatches, self.virtual))
 
     @property
     def start_s(self) -> tuple[float, ...]:
@@ -460,42 +460,6 @@ class PipelineTimeline:
         return tuple(out)
 
 
-class _Compiled(NamedTuple):
-    """A pipeline's dependency structure, timed by `_timeline` for any `ChunkTimes`.
-
-    `steps` are seven columns (arrays, 4 bytes an entry: a 786,432-action pipeline takes 22
-    MB) with one entry per action, each action after every action whose output it needs:
-    its position in `PipelineTimeline.tasks`, its stage, its index into ``forward_s +
-    backward_s``, the arrival slot of its input from another stage (or -1), the link its output
-    leaves on (``0 .. S-1``: activations from that stage, ``S + s``: gradients to stage s; or
-    -1), its index into ``send_s``, and the arrival slot its send fills.
-
-    `periodic` is where the steps repeat (`_Periodic`), or None.
-    """
-
-    steps: tuple[array.array, ...]
-    in_flight: tuple[int, ...]
-    periodic: _Periodic | None = None
-
-
-class _Periodic(NamedTuple):
-    """A run of `_Compiled.steps` that repeats: from step ``start``, ``periods`` periods of
-    ``length`` steps, each the one before with its tasks ``tasks`` later in their stages'
-    orders and its arrival slots ``slots`` later (the same microbatches' actions, ``p``
-    microbatches on). What a period reads that an earlier one wrote is, at each period's
-    start, ``pending`` (shifted by ``slots`` a period); it touches the stages ``stages`` and
-    the links ``links``. `_timeline` skips the periods once one ends exactly a constant later
-    than the one before (`_jump`)."""
-
-    start: int
-    length: int
-    periods: int
-    slots: int
-    stages: tuple[int, ...]
-    links: tuple[int, ...]
-    pending: tuple[int, ...]
-
-
 def time_schedule(schedule: str, stages: int, microbatches: int, virtual: int,
                   times: ChunkTimes) -> PipelineTimeline:
     """Times a pipeline schedule: an event simulation of `device_orders`.
@@ -510,7 +474,8 @@ def time_schedule(schedule: str, stages: int, microbatches: int, virtual: int,
     order. The arithmetic is plain float sums and maxima: exact for times that are exact in
     binary.
 
-    Cost: one pass over the ``2 M S v`` actions; the dependency order is computed once per
+    Cost (`soapjax.strategy._schedule_time`): one pass over the ``2 M S v`` actions, less
+    the periods a steady pipeline repeats; the dependency order is computed once per
     (schedule, stages, microbatches, virtual) and cached, and the last `TIMELINES_KEPT`
     timelines are kept by their arguments (many of a search's proposals on a pipeline leave
     every chunk's time as another proposal had it: a change of the embedding's or the head's
@@ -536,58 +501,17 @@ def time_schedule(schedule: str, stages: int, microbatches: int, virtual: int,
     return _kept_timeline(schedule, stages, microbatches, virtual, times)
 
 
+# The most timelines `time_schedule` keeps by their arguments.
 TIMELINES_KEPT = 256
 
 
 @functools.lru_cache(maxsize=TIMELINES_KEPT)
 def _kept_timeline(schedule: str, S: int, M: int, v: int, times: ChunkTimes
                    ) -> PipelineTimeline:
-    """`_timeline` of these arguments (a pure function of them; the timeline is immutable)."""
-    return _timeline(schedule, S, M, v, times, _compile(schedule, S, M, v))
-
-
-def _timeline(schedule: str, S: int, M: int, v: int, times: ChunkTimes,
-              compiled: _Compiled) -> PipelineTimeline:
+    """The timeline of these arguments (a pure function of them; the timeline is immutable)."""
+    compiled = _compile(schedule, S, M, v)
+    free = stage_ends(S, M, v, times, compiled)
     duration = times.forward_s + times.backward_s
-    send = times.send_s
-    free = [0.0] * S
-    link_free = [0.0] * (2 * S)
-    arrive = [0.0] * (2 * M * S * v)
-    # The hot loop: a few list reads and comparisons per action; the actions' own times are
-    # not kept (`_recorded` keeps them, for the timeline's records).
-    def run(lo: int, hi: int) -> None:
-        for _, s, d, waits_for, link, boundary, delivers in zip(
-                *(column[lo:hi] for column in compiled.steps)):
-            t = free[s]
-            if waits_for >= 0 and arrive[waits_for] > t:
-                t = arrive[waits_for]
-            e = free[s] = t + duration[d]
-            if link >= 0:
-                ts = link_free[link]
-                if e > ts:  # noqa: PLR1730 (a comparison is 7x faster than a call to max)
-                    ts = e
-                link_free[link] = arrive[delivers] = ts + send[boundary]
-
-    per = compiled.periodic
-    if per is None:
-        run(0, len(compiled.steps[0]))
-    else:
-        run(0, per.start)
-        before = None
-        k = 0
-        while k < per.periods:
-            at = per.start + k * per.length
-            state = ([free[s] for s in per.stages] + [link_free[x] for x in per.links]
-                     + [arrive[w + k * per.slots] for w in per.pending])
-            if before is not None and k + 1 < per.periods:
-                skip = _jump(before, state, per, k, free, link_free, arrive)
-                if skip:
-                    k += skip
-                    continue
-            before = state
-            run(at, at + per.length)
-            k += 1
-        run(per.start + per.periods * per.length, len(compiled.steps[0]))
     busy = tuple(M * sum(duration[c] + duration[S * v + c] for c in chunks_of(s, S, v))
                  for s in range(S))
     step = max(free)
@@ -596,192 +520,12 @@ def _timeline(schedule: str, S: int, M: int, v: int, times: ChunkTimes,
                             compiled.in_flight)
 
 
-# How close a period's increments must be (relative to the times) to count as one constant.
-_STEADY_TOLERANCE = 1e-12
-
-
-def _jump(before: list[float], state: list[float], per: _Periodic, k: int, free: list[float],
-          link_free: list[float], arrive: list[float]) -> int:
-    """At the start of period `k` of `per`, where `state` (the stages' and links' free times
-    and the pending arrivals) is `before` (period k - 1's start) plus one constant: the
-    periods until the last are all the same constant later (each is a max-plus map of the
-    one before, which commutes with adding a constant), so the state jumps there. Returns the
-    periods skipped (0: the increments differ)."""
-    lam = state[0] - before[0]
-    scale = max(abs(state[0]), abs(state[-1]), 1e-300) * _STEADY_TOLERANCE
-    for a, b in zip(before, state):
-        if abs(b - a - lam) > scale:
-            return 0
-    skip = per.periods - 1 - k  # the last period and what follows run as they are
-    if skip <= 0:
-        return 0
-    add = skip * lam
-    for s in per.stages:
-        free[s] += add
-    for x in per.links:
-        link_free[x] += add
-    for w in per.pending:
-        arrive[w + (k + skip) * per.slots] = arrive[w + k * per.slots] + add
-    return skip
-
-
-# The fewest steps a period of `_Periodic` spans: checking the state at each period's start
-# costs a pass over it, a small share of a period this long.
-_MIN_PERIOD_STEPS = 2048
-
-
-def _periodic(rows: list[tuple[int, ...]], S: int, M: int, v: int) -> _Periodic | None:
-    """The longest run of `rows` (`_Compiled.steps` as rows) that repeats every ``p``
-    microbatches (p = 1 and p = S tried, as many of them as make a period of
-    `_MIN_PERIOD_STEPS` steps; each stage's forward and backward, or one of them), with what
-    a period needs from the ones before it checked to be the same, shifted, at every
-    period's start (`_Periodic`); None without three periods."""
-    C, n = S * v, len(rows)
-    best: _Periodic | None = None
-    # a steady 1F1B stage runs a microbatch's 2v actions each period, GPipe's v (forwards,
-    # then backwards); the interleaved schedule repeats every S microbatches
-    for base, actions in ((1, 2 * v), (S, 2 * v), (1, v)):
-        if M % base:
-            continue
-        steps_per = actions * base * S  # every stage's actions of `base` microbatches
-        p = base * max(1, -(-_MIN_PERIOD_STEPS // steps_per))
-        length, tasks, slots = actions * p * S, actions * p, p * C
-        if 3 * length > n:
-            continue
-        # the longest run where each row is the one a period before, shifted
-        run_start, run_len, cur = 0, 0, 0
-        for i in range(n - length):
-            t, s, d, w, link, b, dl = rows[i]
-            u = rows[i + length]
-            same = (u[0] == t + tasks and u[1] == s and u[2] == d and u[4] == link
-                    and u[5] == b and u[3] == (w + slots if w >= 0 else -1)
-                    and u[6] == (dl + slots if dl >= 0 else -1))
-            cur = cur + 1 if same else 0
-            if cur > run_len:
-                run_start, run_len = i - cur + 1, cur
-        periods = (run_len + length) // length
-        if periods < 3:
-            continue
-        start = run_start
-        # per period's start, the arrival slots written before it and read from it on
-        at: list[list[int]] = [[] for _ in range(periods)]
-        read = {r[3]: i for i, r in enumerate(rows) if r[3] >= 0}
-        for i, r in enumerate(rows):
-            w = r[6]
-            if w < 0 or w not in read:
-                continue
-            first = max(0, (i - start) // length + 1)  # the first period start after i
-            for k in range(first, periods):
-                if start + k * length > read[w]:
-                    break
-                at[k].append(w)
-        pending = tuple(sorted(at[0]))
-        if any(sorted(at[k]) != [w + k * slots for w in pending] for k in range(1, periods)):
-            continue
-        period_rows = rows[start:start + length]
-        found = _Periodic(start, length, periods, slots,
-                          tuple(sorted({r[1] for r in period_rows})),
-                          tuple(sorted({r[4] for r in period_rows if r[4] >= 0})), pending)
-        if best is None or found.periods * found.length > best.periods * best.length:
-            best = found
-    return best
-
-
-def _recorded(S: int, M: int, v: int, times: ChunkTimes, compiled: _Compiled
-              ) -> tuple[tuple[float, ...], ...]:
-    """`_timeline`'s loop again, keeping every action's start and end and its send's:
-    ``(start_s, end_s, send_start_s, send_end_s)`` (`PipelineTimeline`)."""
-    n = 2 * M * S * v
-    duration = times.forward_s + times.backward_s
-    send = times.send_s
-    free = [0.0] * S
-    link_free = [0.0] * (2 * S)
-    arrive = [0.0] * n
-    start, end = [0.0] * n, [0.0] * n
-    send_start, send_end = [0.0] * n, [0.0] * n
-    for task, s, d, waits_for, link, boundary, delivers in zip(*compiled.steps):
-        t = free[s]
-        if waits_for >= 0 and arrive[waits_for] > t:
-            t = arrive[waits_for]
-        e = t + duration[d]
-        start[task] = t
-        free[s] = end[task] = e
-        if link >= 0:
-            ts = link_free[link]
-            if e > ts:  # noqa: PLR1730
-                ts = e
-            te = ts + send[boundary]
-            link_free[link] = arrive[delivers] = send_end[task] = te
-            send_start[task] = ts
-    return tuple(start), tuple(end), tuple(send_start), tuple(send_end)
+def forget_timelines() -> None:
+    """Drops the timelines `time_schedule` keeps (a benchmark then times each again)."""
+    _kept_timeline.cache_clear()
 
 
 @functools.lru_cache(maxsize=8)
-def _compile(schedule: str, S: int, M: int, v: int) -> _Compiled:
-    orders = device_orders(schedule, S, M, v)
-    offset = [0] * S
-    for s in range(1, S):
-        offset[s] = offset[s - 1] + len(orders[s - 1])
-    C = S * v
-    steps = [_step(S, M, C, s, offset[s] + p, orders[s][p])
-             for s, p in _dependency_order(orders, M, C)]
-    columns = tuple(array.array("i", column) for column in zip(*steps))
-    return _Compiled(columns, tuple(map(_peak_in_flight, orders)),
-                     _periodic(steps, S, M, v) if S > 1 else None)
-
-
-def _step(S: int, M: int, C: int, s: int, task: int, a: Action) -> tuple[int, ...]:
-    """One of `_Compiled.steps`. Arrival slots: ``m C + c`` for the activation into F(m, c),
-    ``M C + m C + c`` for the gradient into B(m, c)."""
-    k = a.microbatch * C + a.chunk
-    if S == 1:  # every chunk on one stage: its order alone keeps the dependencies
-        return (task, s, a.chunk if a.kind == "F" else C + a.chunk, -1, -1, -1, -1)
-    if a.kind == "F":
-        waits = k if a.chunk > 0 else -1
-        if a.chunk < C - 1:
-            return (task, s, a.chunk, waits, s, a.chunk, k + 1)
-        return (task, s, a.chunk, waits, -1, -1, -1)
-    waits = M * C + k if a.chunk < C - 1 else -1
-    if a.chunk > 0:  # the gradient crosses boundary c - 1, from stage s to stage s - 1
-        return (task, s, C + a.chunk, waits, S + (s - 1) % S, a.chunk - 1, M * C + k - 1)
-    return (task, s, C + a.chunk, waits, -1, -1, -1)
-
-
-def _dependency_order(orders, M: int, C: int) -> list[tuple[int, int]]:
-    """(stage, position) of every action, each after the actions whose outputs it needs,
-    position by position: every action reads only actions at its position or before
-    (`device_orders`' schedules), so round k runs each stage's action at position k, in
-    sweeps over the stages until all have run. The steady part of a schedule is then the
-    same rounds again and again (`_periodic`)."""
-    f_done, b_done = bytearray(M * C), bytearray(M * C)
-    out: list[tuple[int, int]] = []
-    longest = max(map(len, orders))
-    for k in range(longest):
-        todo = [s for s, order in enumerate(orders) if k < len(order)]
-        while todo:
-            left = []
-            for s in todo:
-                kind, m, c = orders[s][k]
-                j = m * C + c
-                if kind == "F":
-                    if c and not f_done[j - 1]:
-                        left.append(s)
-                        continue
-                    f_done[j] = 1
-                else:
-                    if c < C - 1 and not b_done[j + 1]:
-                        left.append(s)
-                        continue
-                    b_done[j] = 1
-                out.append((s, k))
-            assert len(left) < len(todo), f"deadlock in the pipeline orders at position {k}"
-            todo = left
-    return out
-
-
-def _peak_in_flight(order: tuple[Action, ...]) -> int:
-    live = peak = 0
-    for a in order:
-        live += 1 if a.kind == "F" else -1
-        peak = max(peak, live)
-    return peak
+def _compile(schedule: str, S: int, M: int, v: int) -> Compiled:
+    """The pipeline's actions in dependency order, compiled once per pipeline."""
+    return compile_orders(S, M, v, device_orders(schedule, S, M, v))
