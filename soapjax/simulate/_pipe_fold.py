@@ -36,7 +36,7 @@ position alike (`PlanError` otherwise). Delta and full simulation of each folded
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from soapjax.base.errors import PlanError
@@ -218,7 +218,7 @@ class FoldedStage:
                                          resharder, self._folded(strategy, keep),
                                          opt_state_factor=opt_state_factor,
                                          pipeline_stage=True))
-        self._sources: list[tuple[str, str]] | None = None
+        self._sources: dict[str, str] | None = None
 
     # --- strategies and proposals -----------------------------------------------------------
 
@@ -330,19 +330,17 @@ class FoldedStage:
         per = self._sims[1].activation_bytes_by_operator()
         return [per[t] for t in self._twins[1]]
 
-    def stored_param_bytes(self) -> dict[str, int]:
+    def stored_param_bytes(self) -> Mapping[str, int]:
         """Each parameter's stored shard per device, by its source in the whole graph (a
-        dropped layer's slice: its twin's)."""
+        dropped layer's slice: its twin's), read from the larger fold as asked."""
         if self._sources is None:
             twin_ops = self._sims[1].graph.operators
-            sources: dict[str, str] = {}
+            self._sources = {}
             for op, t in zip(self.graph.operators, self._twins[1]):
                 for x, y in zip(op.inputs, twin_ops[t].inputs):
                     if x.kind == "param":
-                        sources[x.source] = y.source
-            self._sources = list(sources.items())
-        stored = self._sims[1].stored_param_bytes()
-        return {src: stored[twin] for src, twin in self._sources}
+                        self._sources[x.source] = y.source
+        return _TwinBytes(self._sims[1].stored_param_bytes(), self._sources)
 
     # --- the timeline and memory: extrapolated over the layers ------------------------------
 
@@ -406,6 +404,22 @@ class FoldedStage:
     def result(self):
         raise PlanError("a folded stage simulation keeps no whole timeline; simulate the "
                         "stage whole (fold=False) for its tasks")
+
+
+class _TwinBytes(Mapping):
+    """The whole graph's parameters' stored bytes, each its twin's in a folded graph."""
+
+    def __init__(self, stored: Mapping[str, int], twins: dict[str, str]):
+        self._stored, self._twins = stored, twins
+
+    def __getitem__(self, source: str) -> int:
+        return self._stored[self._twins[source]]
+
+    def __iter__(self):
+        return iter(self._twins)
+
+    def __len__(self) -> int:
+        return len(self._twins)
 
 
 class _FoldedCosts:

@@ -251,6 +251,8 @@ class PipelinedSimulation:
         self._sum_group = 2 if self._layer_layout == "chunks" else stages
         self._chunk = graph.memo(("layer_chunks", chunks, sizes),
                                  lambda: layer_chunks(graph, chunks, sizes))
+        # each chunk's operators past the prologue, a range of indices (they are consecutive)
+        self._ranges = graph.memo(("chunk_ranges", chunks, sizes), self._chunk_ranges)
         # parameters are kept L / S layers a stage in apply's layout, uneven stages too (an
         # interleaved pipeline's in chunk order: a stage keeps the chunks it runs)
         self._param_share = graph.memo(
@@ -265,6 +267,16 @@ class PipelinedSimulation:
         # per chunk boundary, the values crossing it (producer, output), as `_crossings` reads
         self._boundary = graph.memo(("chunk_boundaries", chunks, sizes),
                                     lambda: boundary_values(graph, self._chunk))
+
+    def _chunk_ranges(self) -> tuple[tuple[int, int], ...]:
+        """Each chunk's operators past the prologue, ``(first, end)`` indices."""
+        first = self._prologue.index(False) if False in self._prologue else len(self._chunk)
+        bounds = [first] * (max(self._chunk) + 2)
+        for i in range(first, len(self._chunk)):
+            bounds[self._chunk[i] + 1] = i + 1
+        for c in range(1, len(bounds)):  # a chunk without operators past the prologue
+            bounds[c] = max(bounds[c], bounds[c - 1])
+        return tuple(zip(bounds, bounds[1:]))
 
     def stage_layers_result(self, stage_layers: tuple[int, ...]) -> PipelineResult:
         """The step of the current configs with the layers cut into `stage_layers` per stage
@@ -430,15 +442,13 @@ class PipelinedSimulation:
         inner, M = self._inner, self._inner.microbatches
         chunks = S * v
         fwd_end, bwd_end = inner.compute_ends()
-        pro_f = pro_b_end = 0.0  # the prologue's forward end and backward end, if any
-        f_last = [0.0] * chunks
-        b_last = [0.0] * chunks
-        for i, c in enumerate(self._chunk):
-            if self._prologue[i]:
-                pro_f, pro_b_end = max(pro_f, fwd_end[i]), max(pro_b_end, bwd_end[i])
-                continue
-            f_last[c] = max(f_last[c], fwd_end[i])
-            b_last[c] = max(b_last[c], bwd_end[i])
+        # the prologue's forward end and backward end, if any; each chunk's last ends (a
+        # chunk's operators are consecutive: `layer_chunks`)
+        first = self._ranges[0][0]
+        pro_f = max(fwd_end[:first], default=0.0)
+        pro_b_end = max(bwd_end[:first], default=0.0)
+        f_last = [max(fwd_end[lo:hi], default=0.0) for lo, hi in self._ranges]
+        b_last = [max(bwd_end[lo:hi], default=0.0) for lo, hi in self._ranges]
         forward_done = max(fwd_end)
         forward = [(f_last[c] - (f_last[c - 1] if c else pro_f)) / M for c in range(chunks)]
         backward = [(b_last[c] - (b_last[c + 1] if c + 1 < chunks else forward_done)) / M
@@ -646,9 +656,8 @@ class PipelinedSimulation:
         S, v = self._pipeline[:2]
         act = self._inner.activation_bytes_by_operator()
         total_act = sum(act) or 1
-        chunk_act = [0] * (S * v)
-        for i, c in enumerate(self._chunk):
-            chunk_act[c] += act[i]
+        chunk_act = [sum(act[lo:hi]) for lo, hi in self._ranges]
+        chunk_act[0] += sum(act[:self._ranges[0][0]])  # the prologue's, with the first chunk
         out = []
         for s in range(S):
             share = self._param_share[s]

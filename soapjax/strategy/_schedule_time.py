@@ -133,7 +133,7 @@ def _jump(before: list[float], state: list[float], per: _Periodic, k: int, free:
 
 # The fewest steps a period of `_Periodic` spans: checking the state at each period's start
 # costs a pass over it, a small share of a period this long.
-_MIN_PERIOD_STEPS = 2048
+_MIN_PERIOD_STEPS = 1024
 
 
 def _periodic(rows: list[tuple[int, ...]], S: int, M: int, v: int) -> _Periodic | None:
