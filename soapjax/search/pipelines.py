@@ -314,8 +314,8 @@ def _pipeline_searcher(graph: OpGraph, topology, cost_model, settings: SearchSet
     """A `_Searcher` over a `PipelinedSimulation` opened at `first`, its clock `flat`'s, its
     microbatch moves those the schedule takes at S stages (`pipeline_error`). The stage is
     simulated on a few of its layers where they fold (`soapjax.simulate._pipe_fold`: the
-    whole stage's prices to rounding, at a tenth of the work for GPT 175B's 96 layers; the
-    chains keep the layers tied, as folding needs)."""
+    whole stage's prices to rounding at a fraction of the work, docs/vs-experts.md; the chains
+    keep the layers tied, as folding needs)."""
     with open_simulation(graph, topology, first, cost_model=cost_model,
                          resharder=DEFAULT_MODE, opt_state_factor=opt_state_factor,
                          fold=True) as sim:

@@ -11,9 +11,10 @@ for the last (the head after it). `FoldedStage` simulates two graphs that keep o
 ``K`` layers (`FOLD_LAYERS`: 3 and 4; the epilogue reads the last kept layer where it read the
 last layer: `folded_graph`) and reads the whole graph's timeline, memory and layouts off them:
 
-* **forward ends**: the first ``K`` layers' are the whole graph's (the forward runs in program
-  order: a prefix); later layers' add the last kept layer's forward span, per position
-  (``F(m) = F(K-1) + (m - K + 1) (F(K-1) - F(K-2))``);
+* **forward ends**: the kept layers' but the last are the whole graph's (the forward runs in
+  program order: a prefix); later layers' step by the last of those layers' forward span, per
+  position; the last layer's by the last kept layer's (whose readers are the epilogue's, as the
+  last layer's are: a row-parallel matmul's reduce-scatter is made in its readers' layout);
 * **backward ends, the epilogue's and the prologue's, the timeline's end, parameter, gradient,
   optimizer-state and activation bytes**: linear in the layer count, read off the two graphs
   (``X(L) = X(K2) + (L - K2) (X(K2) - X(K1))``); the middle layers' backward ends step by one
@@ -23,10 +24,11 @@ last layer: `folded_graph`) and reads the whole graph's timeline, memory and lay
   same place (the first, the last, or a middle one).
 
 This is exact where the timeline is periodic after the first layer and before the last (the
-usual case: docs/vs-experts.md measures the folded price against the whole one); a
-communication backlog that builds up over the layers is linear in their count and so
-extrapolated too. The search prices its pipelines' chains with it and their bests again with
-the whole graph (`soapjax.search.pipelines`); `soapjax.simulate.front.simulate` never folds.
+usual case: tests/test__pipe_fold.py and docs/vs-experts.md measure the folded price against
+the whole one); a communication backlog that builds up over the layers is
+linear in their count and so extrapolated too. The search prices its pipelines with it
+(`soapjax.search.pipelines`); the plan it returns is priced whole
+(`soapjax.simulate.front.simulate`, which never folds).
 
 A strategy whose layers are not tied cannot be folded: proposals must change every layer at a
 position alike (`PlanError` otherwise). Delta and full simulation of each folded graph are the

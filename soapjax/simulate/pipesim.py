@@ -68,8 +68,8 @@ recomputed from its timeline, a pure function of it, so delta == full holds here
 **Folded** (``fold=True``, what the search opens): where the layers are alike and the strategy
 ties them, the one-stage simulation is a `soapjax.simulate._pipe_fold.FoldedStage`, which reads
 the whole stage's timeline and memory off simulations of its first 3 and 4 layers: the same
-prices to rounding (tests/test__pipe_fold.py), at a tenth of the work for GPT 175B's 96
-layers. It keeps no task records (`stage_result`, `step_collectives` need the stage whole).
+prices to rounding (tests/test__pipe_fold.py), at a fraction of the work (docs/vs-experts.md).
+It keeps no task records (`stage_result`, `step_collectives` need the stage whole).
 """
 
 from __future__ import annotations
