@@ -16,6 +16,8 @@ import array
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 __all__ = ["Compiled", "compile_orders", "recorded", "stage_ends"]
 
 
@@ -136,13 +138,20 @@ def _jump(before: list[float], state: list[float], per: _Periodic, k: int, free:
 _MIN_PERIOD_STEPS = 1024
 
 
-def _periodic(rows: list[tuple[int, ...]], S: int, M: int, v: int) -> _Periodic | None:
-    """The longest run of `rows` (`Compiled.steps` as rows) that repeats every ``p``
+def _periodic(columns: tuple[array.array, ...], S: int, M: int, v: int) -> _Periodic | None:
+    """The longest run of the steps (`Compiled.steps`' `columns`) that repeats every ``p``
     microbatches (p = 1 and p = S tried, as many of them as make a period of
     `_MIN_PERIOD_STEPS` steps; each stage's forward and backward, or one of them), with what
     a period needs from the ones before it checked to be the same, shifted, at every
     period's start (`_Periodic`); None without three periods."""
-    C, n = S * v, len(rows)
+    task, stage, dur, waits, link, boundary, delivers = (np.frombuffer(c, dtype=np.int32)
+                                                          for c in columns)
+    C, n = S * v, len(task)
+    writer = np.full(2 * M * C, -1)  # per arrival slot, the step that fills it, and reads it
+    reader = np.full(2 * M * C, -1)
+    steps = np.arange(n)
+    writer[delivers[delivers >= 0]] = steps[delivers >= 0]
+    reader[waits[waits >= 0]] = steps[waits >= 0]
     best: _Periodic | None = None
     # a steady 1F1B stage runs a microbatch's 2v actions each period, GPipe's v (forwards,
     # then backwards); the interleaved schedule repeats every S microbatches
@@ -154,40 +163,34 @@ def _periodic(rows: list[tuple[int, ...]], S: int, M: int, v: int) -> _Periodic 
         length, tasks, slots = actions * p * S, actions * p, p * C
         if 3 * length > n:
             continue
-        # the longest run where each row is the one a period before, shifted
-        run_start, run_len, cur = 0, 0, 0
-        for i in range(n - length):
-            t, s, d, w, link, b, dl = rows[i]
-            u = rows[i + length]
-            same = (u[0] == t + tasks and u[1] == s and u[2] == d and u[4] == link
-                    and u[5] == b and u[3] == (w + slots if w >= 0 else -1)
-                    and u[6] == (dl + slots if dl >= 0 else -1))
-            cur = cur + 1 if same else 0
-            if cur > run_len:
-                run_start, run_len = i - cur + 1, cur
+        # the longest run where each step is the one a period before, shifted
+        a, b = slice(0, n - length), slice(length, n)
+        same = ((task[b] == task[a] + tasks) & (stage[b] == stage[a]) & (dur[b] == dur[a])
+                & (link[b] == link[a]) & (boundary[b] == boundary[a])
+                & (waits[b] == np.where(waits[a] >= 0, waits[a] + slots, -1))
+                & (delivers[b] == np.where(delivers[a] >= 0, delivers[a] + slots, -1)))
+        edges = np.diff(np.concatenate(([0], same.astype(np.int8), [0])))
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        if not len(starts):
+            continue
+        longest = int(np.argmax(ends - starts))
+        start, run_len = int(starts[longest]), int(ends[longest] - starts[longest])
         periods = (run_len + length) // length
         if periods < 3:
             continue
-        start = run_start
         # per period's start, the arrival slots written before it and read from it on
-        at: list[list[int]] = [[] for _ in range(periods)]
-        read = {r[3]: i for i, r in enumerate(rows) if r[3] >= 0}
-        for i, r in enumerate(rows):
-            w = r[6]
-            if w < 0 or w not in read:
-                continue
-            first = max(0, (i - start) // length + 1)  # the first period start after i
-            for k in range(first, periods):
-                if start + k * length > read[w]:
-                    break
-                at[k].append(w)
-        pending = tuple(sorted(at[0]))
-        if any(sorted(at[k]) != [w + k * slots for w in pending] for k in range(1, periods)):
+        at = []
+        for k in range(periods):
+            bound = start + k * length
+            at.append(np.flatnonzero((writer >= 0) & (writer < bound) & (reader >= bound)))
+        pending = at[0]
+        if any(len(at[k]) != len(pending) or not np.array_equal(at[k], pending + k * slots)
+               for k in range(1, periods)):
             continue
-        period_rows = rows[start:start + length]
         found = _Periodic(start, length, periods, slots,
-                          tuple(sorted({r[1] for r in period_rows})),
-                          tuple(sorted({r[4] for r in period_rows if r[4] >= 0})), pending)
+                          tuple(sorted(set(stage[start:start + length].tolist()))),
+                          tuple(sorted(set(link[start:start + length].tolist()) - {-1})),
+                          tuple(pending.tolist()))
         if best is None or found.periods * found.length > best.periods * best.length:
             best = found
     return best
@@ -232,7 +235,7 @@ def compile_orders(S: int, M: int, v: int, orders: Sequence[Sequence]) -> Compil
              for s, p in _dependency_order(orders, M, C)]
     columns = tuple(array.array("i", column) for column in zip(*steps))
     return Compiled(columns, tuple(map(_peak_in_flight, orders)),
-                    _periodic(steps, S, M, v) if S > 1 else None)
+                    _periodic(columns, S, M, v) if S > 1 else None)
 
 
 def _step(S: int, M: int, C: int, s: int, task: int, a) -> tuple[int, ...]:

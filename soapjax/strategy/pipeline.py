@@ -525,7 +525,9 @@ def forget_timelines() -> None:
     _kept_timeline.cache_clear()
 
 
-@functools.lru_cache(maxsize=8)
+# A search's pipelines with their microbatch counts are a few dozen compiled orders (GPT
+# 529.6B's 60 s search: 17), seconds each to compile again.
+@functools.lru_cache(maxsize=32)
 def _compile(schedule: str, S: int, M: int, v: int) -> Compiled:
     """The pipeline's actions in dependency order, compiled once per pipeline."""
     return compile_orders(S, M, v, device_orders(schedule, S, M, v))
