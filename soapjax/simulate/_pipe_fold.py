@@ -168,6 +168,14 @@ def folded_graph(graph: OpGraph, fold: LayerFold, keep: int) -> OpGraph:
     return dataclasses.replace(graph, operators=tuple(kept))
 
 
+def _kept_strategy(strategy: Strategy, kept: Sequence[int]) -> Strategy:
+    """`strategy` on a folded graph: the configs and recompute policies of the operators it
+    keeps (`kept`, whole-graph indices in its order)."""
+    recompute = tuple(strategy.recompute[i] for i in kept) if strategy.recompute else ()
+    return dataclasses.replace(strategy, configs=tuple(strategy.configs[i] for i in kept),
+                               recompute=recompute)
+
+
 def _untied(fold: LayerFold, strategy: Strategy) -> int | None:
     """The first layer operator whose config or recompute policy is not its first layer's
     twin's, or None."""
@@ -199,40 +207,38 @@ class FoldedStage:
                  strategy: Strategy, *, opt_state_factor: float = 2.0):
         self.graph, self._fold = graph, fold
         self.topology = topology
-        n = len(graph.operators)
-        # per operator of the whole graph, its twin in each folded graph (its config's
+        n, large = len(graph.operators), FOLD_LAYERS[-1]
+        # per operator of the whole graph, its twin in the larger folded graph (its config's
         # stand-in): the prologue and epilogue their own, the first and last layer the first
         # and last kept, the others the last-but-one kept
         self._twins = []
+        for i in range(n):
+            m, q = fold.place(i)
+            if 0 <= m < fold.layers:
+                m = m if m < large - 1 else (large - 1 if m == fold.layers - 1 else large - 2)
+            elif m == fold.layers:
+                m = large
+            self._twins.append(fold.index(m, q, large))
+        # per folded graph, the whole graph's operators it keeps, in its order
+        self._kept = [[i for i in range(n) if fold.place(i)[0] < keep
+                       or fold.place(i)[0] == fold.layers] for keep in FOLD_LAYERS]
+        self._check_tied(strategy)
         self._sims: list[Simulation] = []
-        for keep in FOLD_LAYERS:
-            twins = []
-            for i in range(n):
-                m, q = fold.place(i)
-                if 0 <= m < fold.layers:
-                    m = m if m < keep - 1 else (keep - 1 if m == fold.layers - 1 else keep - 2)
-                elif m == fold.layers:
-                    m = keep
-                twins.append(fold.index(m, q, keep))
-            self._twins.append(twins)
+        for keep, kept in zip(FOLD_LAYERS, self._kept):
             folded = graph.memo(("folded_graph", keep), lambda: folded_graph(graph, fold, keep))
             self._sims.append(Simulation(folded, topology, _FoldedCosts(cost_model, fold, keep),
-                                         resharder, self._folded(strategy, keep),
+                                         resharder, _kept_strategy(strategy, kept),
                                          opt_state_factor=opt_state_factor,
                                          pipeline_stage=True))
         self._sources: dict[str, str] | None = None
 
     # --- strategies and proposals -----------------------------------------------------------
 
-    def _folded(self, strategy: Strategy, keep: int) -> Strategy:
-        """`strategy` (the whole graph's, its layers tied) on the graph of `keep` layers."""
+    def _folds(self, strategy: Strategy) -> list[Strategy]:
+        """`strategy` (the whole graph's, its layers tied: `PlanError` otherwise) on each
+        folded graph."""
         self._check_tied(strategy)
-        fold = self._fold
-        kept = [i for i in range(len(self.graph.operators))
-                if fold.place(i)[0] < keep or fold.place(i)[0] == fold.layers]
-        recompute = tuple(strategy.recompute[i] for i in kept) if strategy.recompute else ()
-        return dataclasses.replace(strategy, configs=tuple(strategy.configs[i] for i in kept),
-                                   recompute=recompute)
+        return [_kept_strategy(strategy, kept) for kept in self._kept]
 
     def _check_tied(self, strategy: Strategy) -> None:
         i = _untied(self._fold, strategy)
@@ -269,8 +275,8 @@ class FoldedStage:
         return out
 
     def reset(self, strategy: Strategy) -> float:
-        for keep, sim in zip(FOLD_LAYERS, self._sims):
-            sim.reset(self._folded(strategy, keep))
+        for sim, folded in zip(self._sims, self._folds(strategy)):
+            sim.reset(folded)
         return 0.0
 
     def propose_many(self, changes: Sequence[tuple[int, Config, str | None]]) -> float:
@@ -280,9 +286,8 @@ class FoldedStage:
         return 0.0
 
     def propose_strategy(self, strategy: Strategy) -> float:
-        folded = [self._folded(strategy, keep) for keep in FOLD_LAYERS]
-        for sim, s in zip(self._sims, folded):
-            sim.propose_strategy(s)
+        for sim, folded in zip(self._sims, self._folds(strategy)):
+            sim.propose_strategy(folded)
         return 0.0
 
     def accept(self) -> None:
@@ -296,53 +301,53 @@ class FoldedStage:
     @property
     def strategy(self) -> Strategy:
         """The whole graph's strategy (the larger folded graph's, its layers unfolded)."""
-        s, twins = self._sims[1].strategy, self._twins[1]
+        s, twins = self._sims[-1].strategy, self._twins
         recompute = tuple(s.recompute[t] for t in twins) if s.recompute else ()
         return dataclasses.replace(s, configs=tuple(s.configs[t] for t in twins),
                                    recompute=recompute)
 
     @property
     def microbatches(self) -> int:
-        return self._sims[1].microbatches
+        return self._sims[-1].microbatches
 
     @property
     def mesh(self):
-        return self._sims[1].mesh
+        return self._sims[-1].mesh
 
     @property
     def call_overhead(self) -> float:
-        return self._sims[1].call_overhead
+        return self._sims[-1].call_overhead
 
     # --- what a config decides, per operator: its twin's ------------------------------------
 
     def choice(self, j: int) -> tuple[Config, str]:
-        return self._sims[1].choice(self._twins[1][j])
+        return self._sims[-1].choice(self._twins[j])
 
     def output_specs(self, i: int):
-        return self._sims[1].output_specs(self._twins[1][i])
+        return self._sims[-1].output_specs(self._twins[i])
 
     def held_specs(self, i: int):
-        return self._sims[1].held_specs(self._twins[1][i])
+        return self._sims[-1].held_specs(self._twins[i])
 
     def grad_sync_seconds(self) -> list[float]:
-        per = self._sims[1].grad_sync_seconds()
-        return [per[t] for t in self._twins[1]]
+        per = self._sims[-1].grad_sync_seconds()
+        return [per[t] for t in self._twins]
 
     def activation_bytes_by_operator(self) -> list[int]:
-        per = self._sims[1].activation_bytes_by_operator()
-        return [per[t] for t in self._twins[1]]
+        per = self._sims[-1].activation_bytes_by_operator()
+        return [per[t] for t in self._twins]
 
     def stored_param_bytes(self) -> Mapping[str, int]:
         """Each parameter's stored shard per device, by its source in the whole graph (a
         dropped layer's slice: its twin's), read from the larger fold as asked."""
         if self._sources is None:
-            twin_ops = self._sims[1].graph.operators
+            twin_ops = self._sims[-1].graph.operators
             self._sources = {}
-            for op, t in zip(self.graph.operators, self._twins[1]):
+            for op, t in zip(self.graph.operators, self._twins):
                 for x, y in zip(op.inputs, twin_ops[t].inputs):
                     if x.kind == "param":
                         self._sources[x.source] = y.source
-        return _TwinBytes(self._sims[1].stored_param_bytes(), self._sources)
+        return _TwinBytes(self._sims[-1].stored_param_bytes(), self._sources)
 
     # --- the timeline and memory: extrapolated over the layers ------------------------------
 
@@ -355,13 +360,12 @@ class FoldedStage:
         fold, (k1, k2) = self._fold, FOLD_LAYERS
         (f1, b1), (f2, b2) = (sim.compute_ends() for sim in self._sims)
         L, n, first = fold.layers, fold.per_layer, fold.first
-        more = L - k2  # layers the whole graph has beyond the larger fold
 
         def layer(ends: list[float], m: int) -> list[float]:
             return ends[first + m * n:first + (m + 1) * n]
 
         def linear(small: list[float], large: list[float]) -> list[float]:
-            return [b + more * (b - a) for a, b in zip(small, large)]
+            return [self._linear(a, b) for a, b in zip(small, large)]
 
         # forward: the layers before the last kept one are the whole graph's (a prefix of it;
         # the last kept layer's forward is the last layer's, whose readers are the epilogue's:
@@ -396,7 +400,7 @@ class FoldedStage:
         return fwd, bwd
 
     def timeline_end(self) -> float:
-        return self._linear(self._sims[0].timeline_end(), self._sims[1].timeline_end())
+        return self._linear(self._sims[0].timeline_end(), self._sims[-1].timeline_end())
 
     def memory_breakdown(self) -> MemoryBreakdown:
         small, large = (sim.memory_breakdown() for sim in self._sims)
