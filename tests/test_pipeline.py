@@ -24,7 +24,8 @@ from soapjax.strategy.pipeline import (
 )
 
 CASES = [("gpipe", 4, 6, 1), ("1f1b", 4, 6, 1), ("1f1b", 4, 2, 1), ("1f1b", 1, 3, 1),
-         ("interleaved", 4, 8, 2), ("interleaved", 2, 2, 3), ("interleaved", 3, 6, 4)]
+         ("interleaved", 4, 8, 2), ("interleaved", 2, 2, 3), ("interleaved", 3, 6, 4),
+         ("zb-h1", 4, 6, 1), ("zb-h1", 4, 2, 1), ("zb-h1", 1, 3, 1)]
 
 
 def run_in_lockstep(orders, S, v):
@@ -41,7 +42,8 @@ def run_in_lockstep(orders, S, v):
             need = ([("F", a.microbatch, a.chunk - 1)] if a.kind == "F" and a.chunk else []) + (
                 [("F", a.microbatch, a.chunk)] + ([("B", a.microbatch, a.chunk + 1)]
                                                   if a.chunk < last else [])
-                if a.kind == "B" else [])
+                if a.kind == "B" else []) + (
+                [("B", a.microbatch, a.chunk)] if a.kind == "W" else [])
             if all(n in done for n in need):
                 ready.append((s, a))
         assert ready, f"deadlock at tick {tick}: {[o[p] for p, o in zip(pos, orders)]}"
@@ -57,10 +59,13 @@ def test_every_stage_runs_each_of_its_chunks_forward_then_backward_once(schedule
     orders = device_orders(schedule, S, M, v)
     assert len(orders) == S
     for s, order in enumerate(orders):
-        want = {(k, m, c) for k in "FB" for m in range(M) for c in chunks_of(s, S, v)}
+        kinds = "FBW" if SCHEDULES[schedule].splits_backward else "FB"
+        want = {(k, m, c) for k in kinds for m in range(M) for c in chunks_of(s, S, v)}
         assert sorted(map(tuple, order)) == sorted(want)
         for m, c in itertools.product(range(M), chunks_of(s, S, v)):
             assert order.index(Action("F", m, c)) < order.index(Action("B", m, c))
+            if "W" in kinds:
+                assert order.index(Action("B", m, c)) < order.index(Action("W", m, c))
     run_in_lockstep(orders, S, v)
 
 
@@ -116,8 +121,10 @@ def test_every_schedule_of_the_table_is_tested_and_follows_its_rules():
 def naive_times(orders, S, v, times):
     """The timing rules solved by brute force: start from all-zero times and re-evaluate every
     action and every link (served in order of readiness, ties by microbatch) until nothing
-    changes. Returns {action: (start, end)}."""
+    changes; with W actions in the orders, B runs its part of the backward and W the rest.
+    Returns {action: (start, end)}."""
     C, ends = S * v, {}
+    split = any(a.kind == "W" for order in orders for a in order)
     while True:
         arrive = {}
         links: dict[tuple[str, int], list] = {}
@@ -138,7 +145,10 @@ def naive_times(orders, S, v, times):
             t = 0.0
             for a in order:
                 t = max(t, arrive.get(tuple(a), 0.0))
-                duration = (times.forward_s if a.kind == "F" else times.backward_s)[a.chunk]
+                duration = {"F": times.forward_s[a.chunk],
+                            "B": times.backward_s[a.chunk] - (times.weight_s[a.chunk] if split
+                                                              else 0.0),
+                            "W": times.weight_s[a.chunk]}[a.kind]
                 new[a] = (t, t + duration)
                 t += duration
         if {a: e for a, (_, e) in new.items()} == ends:
@@ -151,13 +161,15 @@ def naive_times(orders, S, v, times):
 def test_time_schedule_equals_a_naive_fixed_point_on_random_times(schedule, S, M, v):
     rng = random.Random(f"{schedule}{S}{M}{v}")
     C = S * v
-    times = ChunkTimes(tuple(rng.randint(1, 8) / 4 for _ in range(C)),
-                       tuple(rng.randint(1, 8) / 4 for _ in range(C)),
-                       tuple(rng.randint(0, 8) / 4 for _ in range(C - 1)))
+    backward = tuple(rng.randint(1, 8) / 4 for _ in range(C))
+    times = ChunkTimes(tuple(rng.randint(1, 8) / 4 for _ in range(C)), backward,
+                       tuple(rng.randint(0, 8) / 4 for _ in range(C - 1)),
+                       tuple(b * rng.randint(0, 4) / 4 for b in backward))
     t = time_schedule(schedule, S, M, v, times)
     want = naive_times(device_orders(schedule, S, M, v), S, v, times)
     assert {task.action: (task.start_s, task.end_s) for task in t.tasks} == want
-    assert [task.stage for task in t.tasks] == [s for s in range(S) for _ in range(2 * M * v)]
+    actions = (3 if SCHEDULES[schedule].splits_backward else 2) * M * v
+    assert [task.stage for task in t.tasks] == [s for s in range(S) for _ in range(actions)]
     assert t.step_s == max(end for _, end in want.values())
     assert t.stage_end_s == tuple(max(want[a][1] for a in o) for o in t.orders)
     assert t.busy_s == tuple(M * sum(times.forward_s[c] + times.backward_s[c]
@@ -178,6 +190,36 @@ def test_plain_pipelines_take_M_plus_S_minus_1_slots(schedule, S, M):
         assert t.in_flight == tuple(min(S - s, M) for s in range(S))
     else:
         assert t.in_flight == (M,) * S
+
+
+@pytest.mark.parametrize("S, M", [(2, 2), (4, 4), (4, 8), (8, 16), (8, 64), (64, 512)])
+@pytest.mark.parametrize("f, b, w", [(1.0, 2.0, 1.0), (1.0, 2.0, 0.5), (1.0, 2.5, 0.75)])
+def test_zero_bubble_h1_takes_S_minus_1_slots_of_f_plus_b_minus_2w(S, M, f, b, w):
+    """ZB-H1 (Qi et al. 2024): with the backward's weight part w deferred, the bubble is
+    (S - 1)(f + b - 2 w), against 1F1B's (S - 1)(f + b) (M >= S; times exact in binary), and
+    every stage holds up to S microbatches (1F1B's first stage's count)."""
+    times = ChunkTimes.uniform(S, f, b, weight_s=w)
+    t = time_schedule("zb-h1", S, M, 1, times)
+    assert t.step_s == M * (f + b) + (S - 1) * (f + b - 2 * w)
+    assert time_schedule("1f1b", S, M, 1, times).step_s == (M + S - 1) * (f + b)
+    assert t.busy_s == (M * (f + b),) * S
+    assert t.in_flight == (S,) * S
+
+
+def test_zero_bubble_h1_orders_each_stages_w_after_the_b_s_microbatches_later():
+    assert [" ".join(f"{a.kind}{a.microbatch}" for a in o)
+            for o in device_orders("zb-h1", 3, 4)] == [
+        "F0 F1 F2 B0 W0 F3 B1 W1 B2 W2 B3 W3",
+        "F0 F1 B0 F2 B1 W0 F3 B2 W1 B3 W2 W3",
+        "F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3"]
+
+
+def test_weight_times_are_checked():
+    with pytest.raises(PlanError, match=r"weight_s\[0\] is 3.0, more than the chunk's whole"):
+        ChunkTimes((1.0,), (2.0,), (), (3.0,))
+    with pytest.raises(PlanError, match="2 weight-gradient times"):
+        ChunkTimes((1.0,), (2.0,), (), (0.5, 0.5))
+    assert ChunkTimes((1.0,), (2.0,), ()).weight_s == (0.0,)
 
 
 @pytest.mark.parametrize("S, v, M", [(2, 2, 2), (2, 2, 6), (4, 2, 8), (4, 4, 4), (4, 4, 12),

@@ -171,6 +171,14 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from soapjax.apply._deferred import (
+    DEFERRED_NAME,
+    WeightMatmul,
+    deferred_dot,
+    stash_shapes,
+    weight_grads,
+    weight_matmuls,
+)
 from soapjax.apply._flatstep import _Layouts, split_microbatches
 from soapjax.apply._layer_order import ChunkOrdered, unwrapped
 from soapjax.apply._pipeline_layout import (
@@ -475,7 +483,8 @@ def _prologue_fn(cut: _Cut) -> Callable:
 
 def _run_in_stage(prog: Program, idxs: Sequence[int], env: dict,
                   whole_queries: bool = False, hook: Callable | None = None,
-                  reads: Mapping[int, Sequence[tuple]] | None = None) -> None:
+                  reads: Mapping[int, Sequence[tuple]] | None = None,
+                  swaps: Mapping[int, Callable] | None = None) -> None:
     """``prog.run_units(idxs, env)`` inside the stage's shard_map, with every gather that
     picks one element per index run as a masked sum (`_masked_pick`) and the operand of every
     other first made whole along the dims it indexes (module doc: XLA aborts otherwise). With
@@ -484,12 +493,15 @@ def _run_in_stage(prog: Program, idxs: Sequence[int], env: dict,
     (`soapjax.base.attention.bind_attention`'s ``whole_queries``): XLA's partitioner runs that
     attention there, and blocks of queries, or a conditional per tile, would have it gather
     the queries whole and compute them on every device. `hook`, `reads`: `Program.run_units`'s
-    (the plan's output and operand layouts, `_Pipeline._constraint_hook`)."""
+    (the plan's output and operand layouts, `_Pipeline._constraint_hook`). `swaps`: more
+    units run by other functions of their operands (the weight matmuls of a split backward,
+    `soapjax.apply._deferred`)."""
     calls = {i: _whole_queries(call) for i in idxs
              if whole_queries and len(prog.units[i].ins) == 5
              and (call := attention_call(prog.units[i].eqn)) is not None}
     calls.update((i, _masked_pick(prog.units[i].eqn, d)) for i in idxs
                  if (d := picked_dim(prog.units[i].eqn)) is not None)
+    calls.update(swaps or {})
     start = 0
     for k, i in enumerate(idxs):
         unit = prog.units[i]
@@ -735,7 +747,8 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
               hook: Callable | None = None,
               operand_reads: Mapping[int, Sequence[tuple]] | None = None,
               kept: frozenset[int] = frozenset(),
-              literals: Mapping[int, Any] | None = None) -> Callable:
+              literals: Mapping[int, Any] | None = None,
+              deferred: Sequence[WeightMatmul] = ()) -> Callable:
     """``(chunk params, values, x) -> y`` (the chunk's output carry) or, for the last chunk,
     ``-> loss`` (the epilogue after it); `values` are those of the ids `reads`, the chunk
     params ``[L / C, ...]`` per stacked parameter, in the scan's order. With `selective`, each
@@ -753,7 +766,10 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
     (`_Cut.stacked_ys`), ``x`` ends with one ``[L, ...]`` stack of each, which the chunk adds
     its layers' rows to from row ``offset`` (the function's last argument) and passes on with
     its carry, and the last chunk hands the epilogue whole. `literals`: values of literal ids
-    the chunk reads instead of the program's (`_Groups.literals`)."""
+    the chunk reads instead of the program's (`_Groups.literals`). `deferred`: the layer's
+    weight matmuls, run as `soapjax.apply._deferred.deferred_dot` (a split backward); the
+    function then takes their stash (``stash``: per matmul two ``[L / C, ...]`` stacks of
+    zeros, `stash_shapes`), whose cotangents are what the weights' gradients are made of."""
     prog, scan = cut.program, cut.scan
     literals = dict(literals or {})
 
@@ -769,11 +785,15 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
 
     ys = scan.ys[0] if cut.stacked_ys else ()  # layer 0's outputs the layers stack
 
-    def layer(vals: Sequence[Any], carry: tuple, slices: list) -> tuple[tuple, tuple]:
+    def layer(vals: Sequence[Any], carry: tuple, slices: list,
+              stash: Sequence[Any] = ()) -> tuple[tuple, tuple]:
         env = env_of(dict(zip(reads, vals)))
         env.update(zip(scan.slices[0], slices))
         env.update(zip(scan.carries[0], carry))
-        _run_in_stage(prog, cut.layer, env, whole_queries, layer_hook, operand_reads)
+        swaps = {m.unit: _weight_matmul(m, prog, stash[2 * k:2 * k + 2], selective,
+                                        (operand_reads or {}).get(m.unit, ()))
+                 for k, m in enumerate(deferred)}
+        _run_in_stage(prog, cut.layer, env, whole_queries, layer_hook, operand_reads, swaps)
         return tuple(env[v] for v in scan.carries[1]), tuple(env[v] for v in ys)
 
     def passed(carry: tuple) -> tuple[tuple, tuple]:  # a padding layer (uneven stages)
@@ -781,25 +801,29 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
 
     if selective:
         policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-        if kept:
+        names = (KEPT_NAME,) * bool(kept) + (DEFERRED_NAME,) * bool(deferred)
+        if names:
             policy = jax.checkpoint_policies.save_from_both_policies(
-                policy, jax.checkpoint_policies.save_only_these_names(KEPT_NAME))
+                policy, jax.checkpoint_policies.save_only_these_names(*names))
         layer = jax.checkpoint(layer, policy=policy)
 
     def chunk(params: list, vals: Sequence[Any], x: tuple, count: Any = None,
-              offset: Any = None) -> Any:
+              offset: Any = None, stash: Sequence[Any] = ()) -> Any:
         values = dict(zip(reads, vals))
         carry, stacks = tuple(x[:len(x) - len(ys)]), tuple(x[len(x) - len(ys):])
         depth = jax.tree.leaves(params)[0].shape[0]
+        stash = list(stash) or [jnp.zeros((depth, *x.shape), x.dtype)  # nothing to hand on
+                                for x in stash_shapes(prog, deferred)]
         if count is None:
-            y, made = jax.lax.scan(lambda c, p: layer(list(vals), c, p), carry, params)
+            y, made = jax.lax.scan(lambda c, ps: layer(list(vals), c, *ps), carry,
+                                   (params, stash))
         else:
             def step(c: tuple, p_k: tuple) -> tuple:
-                p, k = p_k
-                return jax.lax.cond(k < count, lambda: layer(list(vals), c, p),
+                p, st, k = p_k
+                return jax.lax.cond(k < count, lambda: layer(list(vals), c, p, st),
                                     lambda: passed(c))
 
-            y, made = jax.lax.scan(step, carry, (params, jnp.arange(depth)))
+            y, made = jax.lax.scan(step, carry, (params, stash, jnp.arange(depth)))
         # the chunk's layers' rows of each stack (`_Cut.stacked_ys`), from row `offset` (rows
         # past a stage's count hold zeros: its padding)
         rows = None if offset is None else offset + jnp.arange(depth)
@@ -817,6 +841,23 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
 
 # The name `_chunk_fn` gives the values a selectively recomputed layer keeps beyond its matmuls.
 KEPT_NAME = "soapjax_kept"
+
+
+def _weight_matmul(m: WeightMatmul, prog: Program, stash: Sequence[Any], selective: bool,
+                   reads: Sequence[tuple]) -> Callable:
+    """The function `_run_in_stage` runs weight matmul `m` with (`deferred_dot`, taking the
+    layer's `stash` pair), its operands held to their layouts first (`reads`, as
+    `Program.run_units` holds the other units'), its output named for a selective layer's
+    checkpoint to save (as the matmuls' outputs are)."""
+    dot = deferred_dot(prog.units[m.unit].eqn, m.weight)
+
+    def run(*args: Any) -> list[Any]:
+        args = list(args)
+        for pos, _, fn in reads:
+            args[pos] = fn(args[pos])
+        out = dot(args[1 - m.weight], args[m.weight], *stash)
+        return [checkpoint_name(out, DEFERRED_NAME) if selective else out]
+    return run
 
 
 # --------------------------------------------------------------------------------------------
@@ -849,6 +890,8 @@ def ticks(schedule: str, stages: int, microbatches: int,
     rows: list[tuple[Action | None, ...]] = []
 
     def ready(a: Action, t: int) -> bool:
+        if a.kind == "W":  # its B ran earlier on the same stage
+            return True
         if a.kind == "F":
             return a.chunk == 0 or done.get(Action("F", a.microbatch, a.chunk - 1), t) < t
         return (a.chunk == chunks - 1
@@ -871,16 +914,18 @@ class _Slots(NamedTuple):
 
     A stage keeps a received activation (its chunk's input) from the tick it arrives until its
     forward (until its backward, with recomputation), a received cotangent (the gradient of its
-    chunk's output) until its backward, and a forward's residuals (per kind: middle or last
-    chunk) until its backward. Index ``n`` of a receive buffer of ``n`` slots is scratch:
-    stages that receive nothing at a tick write there.
+    chunk's output) until its backward, a forward's residuals (per kind: middle or last
+    chunk) until its backward, and, where the schedule splits the backward, a B's stash (what
+    its W reads, `soapjax.apply._deferred`) until its W. Index ``n`` of a receive buffer of
+    ``n`` slots is scratch: stages that receive nothing at a tick write there.
 
     Attributes:
       activation_read, cotangent_read, residual: the slot the action at a tick reads (a
         forward stores its residuals at `residual`, its backward reads them there).
+      stash: the slot a B stores its stash at and its W reads it from.
       activation_recv, cotangent_recv: the slot a value received at a tick goes to.
       counts: slots per buffer: ``activations``, ``cotangents``, ``residuals`` (a middle
-        chunk's) and ``last_residuals`` (the last chunk's).
+        chunk's), ``last_residuals`` (the last chunk's) and ``stash``.
     """
 
     activation_read: np.ndarray
@@ -888,6 +933,7 @@ class _Slots(NamedTuple):
     cotangent_read: np.ndarray
     cotangent_recv: np.ndarray
     residual: np.ndarray
+    stash: np.ndarray
     counts: dict[str, int]
 
 
@@ -895,8 +941,8 @@ def _slots(rows: Sequence[Sequence[Action | None]], stages: int, chunks: int,
            recompute: bool) -> _Slots:
     done = {a: t for t, row in enumerate(rows) for a in row if a is not None}
     shape = (len(rows), stages)
-    activation_read, activation_recv, cotangent_read, cotangent_recv, residual = (
-        np.zeros(shape, np.int32) for _ in range(5))
+    activation_read, activation_recv, cotangent_read, cotangent_recv, residual, stash = (
+        np.zeros(shape, np.int32) for _ in range(6))
     # (buffer, stage) -> (the tick a value arrives, the tick it is read last, the action)
     spans: dict[tuple[str, int], list[tuple[int, int, Action]]] = {}
     for a, t in done.items():
@@ -911,7 +957,10 @@ def _slots(rows: Sequence[Sequence[Action | None]], stages: int, chunks: int,
         if a.kind == "F" and not recompute:
             buffer = "last_residuals" if chunk == chunks - 1 else "residuals"
             spans.setdefault((buffer, stage), []).append((t, done[Action("B", mb, chunk)], a))
-    counts = {k: 0 for k in ("activations", "cotangents", "residuals", "last_residuals")}
+        if a.kind == "W":
+            spans.setdefault(("stash", stage), []).append((done[Action("B", mb, chunk)], t, a))
+    counts = {k: 0 for k in ("activations", "cotangents", "residuals", "last_residuals",
+                             "stash")}
     slot_of: dict[tuple[str, Action], int] = {}
     for (buffer, _), span in spans.items():
         free: list[int] = []  # per slot, the tick from which it is free
@@ -923,6 +972,9 @@ def _slots(rows: Sequence[Sequence[Action | None]], stages: int, chunks: int,
     activation_recv[:], cotangent_recv[:] = counts["activations"], counts["cotangents"]  # scratch
     for a, t in done.items():
         stage, mb, chunk = a.chunk % stages, a.microbatch, a.chunk
+        if a.kind == "W":
+            stash[t, stage] = stash[done[Action("B", mb, chunk)], stage] = slot_of["stash", a]
+            continue
         if a.kind == "F" and chunk > 0:
             activation_read[t, stage] = slot_of["activations", a]
             activation_recv[done[Action("F", mb, chunk - 1)], stage] = slot_of["activations", a]
@@ -935,11 +987,12 @@ def _slots(rows: Sequence[Sequence[Action | None]], stages: int, chunks: int,
             buffer = "last_residuals" if chunk == chunks - 1 else "residuals"
             residual[t, stage] = slot_of[buffer, Action("F", mb, chunk)]
     return _Slots(activation_read, activation_recv, cotangent_read, cotangent_recv, residual,
-                  counts)
+                  stash, counts)
 
 
 # The columns of `_Tables.actions`: what the action a stage runs at a tick reads.
-_MICROBATCH, _LOCAL_CHUNK, _ACTIVATION_SLOT, _RESIDUAL_SLOT, _COTANGENT_SLOT = range(5)
+(_MICROBATCH, _LOCAL_CHUNK, _ACTIVATION_SLOT, _RESIDUAL_SLOT, _COTANGENT_SLOT,
+ _STASH_SLOT) = range(6)
 
 
 class _Tables(NamedTuple):
@@ -948,8 +1001,8 @@ class _Tables(NamedTuple):
     Attributes:
       keys: the kinds of action (`_key`) the schedule runs, in branch order.
       kind: ``[T, S]``: which of `keys` each stage runs at each tick.
-      actions: ``[T, S, 5]``: its microbatch, local chunk, activation slot, residual slot and
-        cotangent slot (the columns `_MICROBATCH` ... `_COTANGENT_SLOT`).
+      actions: ``[T, S, 6]``: its microbatch, local chunk, activation slot, residual slot,
+        cotangent slot and stash slot (the columns `_MICROBATCH` ... `_STASH_SLOT`).
       activation_recv, cotangent_recv: ``[T, S]``: the slot a received activation
         (cotangent) goes to.
       sends: per direction (activations, cotangents), the distinct sets of ``(source,
@@ -1025,7 +1078,7 @@ def _sends(rows: Sequence[Sequence[Action | None]], stages: int, chunks: int
 def _tables(rows: Sequence[Sequence[Action | None]], stages: int, chunks: int,
             slots: _Slots) -> _Tables:
     keys, kind = _kinds(rows, chunks)
-    actions = np.zeros((len(rows), stages, 5), np.int32)
+    actions = np.zeros((len(rows), stages, 6), np.int32)
     for t, row in enumerate(rows):
         for s, a in enumerate(row):
             if a is not None:
@@ -1034,6 +1087,7 @@ def _tables(rows: Sequence[Sequence[Action | None]], stages: int, chunks: int,
                 actions[t, s, _ACTIVATION_SLOT] = slots.activation_read[t, s]
                 actions[t, s, _RESIDUAL_SLOT] = slots.residual[t, s]
                 actions[t, s, _COTANGENT_SLOT] = slots.cotangent_read[t, s]
+                actions[t, s, _STASH_SLOT] = slots.stash[t, s]
     return _Tables(keys, kind, actions, slots.activation_recv, slots.cotangent_recv,
                    _sends(rows, stages, chunks))
 
@@ -1349,6 +1403,11 @@ class _Pipeline:
                                           for v in carries) + stacks
                                     for carries in (cut.scan.carries[0], cut.scan.carries[1]))
         self.loss_dtype = program.jax_dtypes[program.outputs[0]]
+        # a schedule that splits the backward: the layers' weight matmuls defer their weights'
+        # gradients to the W actions (`soapjax.apply._deferred`)
+        split = any(a is not None and a.kind == "W" for row in rows for a in row)
+        self.deferred = weight_matmuls(program, cut.scan, cut.layer) if split else ()
+        self.stash_shapes = stash_shapes(program, self.deferred)
         self.chunk_fns = {last: self._make_chunk_fn(last) for last in (False, True)}
 
     def _constraints(self, layouts: StageLayouts | None,
@@ -1435,15 +1494,16 @@ class _Pipeline:
         fn = _chunk_fn(self.cut, last, floats + others, self.selective, self.whole_queries,
                        counted=bool(self.stage_layers), hook=self._stage_hook(),
                        operand_reads=self.operand_reads, kept=self.kept,
-                       literals=self.groups.literals)
+                       literals=self.groups.literals, deferred=self.deferred)
         # the count (uneven stages) and the stacks' row (`_Cut.stacked_ys`) ride last among the
         # others (`_inputs`)
         extra = (("count",) if self.stage_layers else ()) + (
             ("offset",) if self.cut.stacked_ys else ())
         n = len(extra)
 
-        def call(p: list, f: list, o: list, carry: tuple) -> Any:
-            return fn(p, [*f, *o[:len(o) - n]], carry, **dict(zip(extra, o[len(o) - n:])))
+        def call(p: list, f: list, o: list, carry: tuple, stash: Sequence[Any] = ()) -> Any:
+            return fn(p, [*f, *o[:len(o) - n]], carry, **dict(zip(extra, o[len(o) - n:])),
+                      stash=stash)
         return _ChunkFn(call, floats, others)
 
     # ---- outside the pipeline: prologue, split and gather
@@ -1577,11 +1637,25 @@ class _Pipeline:
 
     def _vjp(self, chunk: _ChunkFn, params, floats, others, carry) -> tuple[Any, Any, tuple, list]:
         """The forward's output, the vjp closure's tree, its spec and the leaves to store."""
-        out, vjp = jax.vjp(lambda p, f, x: chunk.fn(p, f, others, x), params, floats, carry)
+        out, vjp = self._chunk_vjp(chunk, params, floats, others, carry)
         leaves, tree = jax.tree.flatten(vjp)
         held = [*params, *floats, *others]
         spec = tuple(next((k for k, h in enumerate(held) if h is leaf), None) for leaf in leaves)
         return out, tree, spec, [leaf for leaf, k in zip(leaves, spec) if k is None]
+
+    def _chunk_vjp(self, chunk: _ChunkFn, params, floats, others, carry) -> tuple[Any, Any]:
+        """``jax.vjp`` of the chunk in its parameters, floats and carry (and, where its weight
+        matmuls defer their gradients, a stash of zeros: `soapjax.apply._deferred`)."""
+        if not self.deferred:
+            return jax.vjp(lambda p, f, x: chunk.fn(p, f, others, x), params, floats, carry)
+        stash = self._zeros(self.stash_shapes, (self.depth,))
+        return jax.vjp(lambda p, f, x, st: chunk.fn(p, f, others, x, st), params, floats,
+                       carry, stash)
+
+    @property
+    def depth(self) -> int:
+        """The layers of one chunk's parameters (the longest stage's, uneven)."""
+        return int(self.stacked[0].shape[1])
 
     def _initial_state(self, shared_floats: list, mb_floats: list) -> dict[str, Any]:
         """The tick loop's state: the receive buffers (``activations``, ``cotangents``, a slot
@@ -1597,6 +1671,7 @@ class _Pipeline:
                 last: self._zeros(kept.stored,
                                   (max(counts["last_residuals" if last else "residuals"], 1),))
                 for last, kept in self.residuals.items()},
+            "stash": self._zeros(self.stash_shapes, (max(counts["stash"], 1), self.depth)),
             "param_grads": self._zeros(self.stacked),
             "d_shared": self._zeros(shared_floats),
             "d_mb": self._zeros(mb_floats),
@@ -1657,6 +1732,8 @@ class _Pipeline:
         if key[0] == "idle":
             return self._idle
         kind, first, last = key
+        if kind == "W":
+            return self._weights
         step = self._forward if kind == "F" else self._backward
         return lambda state, action: step(state, action, first, last)
 
@@ -1714,9 +1791,13 @@ class _Pipeline:
                                  self.loss_dtype)
         else:
             cotangent = tuple(_row(b, action[_COTANGENT_SLOT]) for b in state["cotangents"])
-        d_params, d_floats, d_carry = vjp(cotangent)
+        d_params, d_floats, d_carry, *d_stash = vjp(cotangent)
         state = {**state, "param_grads": [_add_to_row(g, local_chunk, d)
                                           for g, d in zip(state["param_grads"], d_params)]}
+        if self.deferred:  # what the W of this action computes the weights' gradients from
+            slot = action[_STASH_SLOT]
+            state = {**state, "stash": [_with_row(b, slot, d)
+                                        for b, d in zip(state["stash"], d_stash[0])]}
         state = self._accumulate(state, microbatch, zip(chunk.floats, d_floats))
         if first:  # the gradient of the layers' input goes back to the prologue
             state = self._accumulate(state, microbatch, zip(self.cut.scan.carries[0], d_carry))
@@ -1730,12 +1811,23 @@ class _Pipeline:
         params, floats, others = self._inputs(chunk, action[_MICROBATCH], action[_LOCAL_CHUNK])
         if self.full_recompute:
             carry = self._chunk_input(state, action, first)
-            return jax.vjp(lambda p, f, x: chunk.fn(p, f, others, x), params, floats, carry)[1]
+            return self._chunk_vjp(chunk, params, floats, others, carry)[1]
         kept = self.residuals[last]
         held = [*params, *floats, *others]
         stored = iter(_row(b, action[_RESIDUAL_SLOT]) for b in state["residuals"][last])
         return jax.tree.unflatten(kept.tree, [held[k] if k is not None else next(stored)
                                               for k in kept.spec])
+
+    def _weights(self, state: dict, action: Any) -> tuple[dict, tuple, tuple]:
+        """A W action: the gradients of its chunk's weights from the stash its B left
+        (`soapjax.apply._deferred.weight_grads`), added to the stage's."""
+        local_chunk = action[_LOCAL_CHUNK]
+        params = [_row(p, local_chunk) for p in self.stacked]
+        stash = [_row(b, action[_STASH_SLOT]) for b in state["stash"]]
+        grads = weight_grads(self.cut.program, self.deferred, params, stash)
+        state = {**state, "param_grads": [g if d is None else _add_to_row(g, local_chunk, d)
+                                          for g, d in zip(state["param_grads"], grads)]}
+        return state, self._none(), self._none()
 
     def _accumulate(self, state: dict, microbatch: Any, cotangents) -> dict:
         """Adds the cotangents of values the prologue made: to the shared ones', or to
@@ -1762,7 +1854,10 @@ def _merge(floats: Sequence[Any], others: Sequence[Any], is_float: Sequence[bool
 
 
 def _key(a: Action | None, chunks: int) -> tuple:
-    """The kind of branch an action runs: idle, or (F or B, first chunk, last chunk)."""
+    """The kind of branch an action runs: idle, (F or B, first chunk, last chunk), or W (the
+    same for every chunk)."""
     if a is None:
         return ("idle",)
+    if a.kind == "W":
+        return ("W", False, False)
     return (a.kind, a.chunk == 0, a.chunk == chunks - 1)

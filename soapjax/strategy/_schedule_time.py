@@ -26,17 +26,19 @@ class Compiled(NamedTuple):
 
     `steps` are seven columns (arrays, 4 bytes an entry: a 786,432-action pipeline takes 22
     MB) with one entry per action, each action after every action whose output it needs:
-    its position in `PipelineTimeline.tasks`, its stage, its index into ``forward_s +
-    backward_s``, the arrival slot of its input from another stage (or -1), the link its output
+    its position in `PipelineTimeline.tasks`, its stage, its index into
+    ``ChunkTimes.durations(split)`` (F, B, W: ``c``, ``C + c``, ``2 C + c``), the arrival slot of its input from another stage (or -1), the link its output
     leaves on (``0 .. S-1``: activations from that stage, ``S + s``: gradients to stage s; or
     -1), its index into ``send_s``, and the arrival slot its send fills.
 
-    `periodic` is where the steps repeat (`_Periodic`), or None.
+    `periodic` is where the steps repeat (`_Periodic`), or None. `split`: the orders hold W
+    actions (the backward split in two).
     """
 
     steps: tuple[array.array, ...]
     in_flight: tuple[int, ...]
     periodic: _Periodic | None = None
+    split: bool = False
 
 
 class _Periodic(NamedTuple):
@@ -61,7 +63,7 @@ def stage_ends(S: int, M: int, v: int, times, compiled: Compiled) -> list[float]
     """When each stage's last action ends, timed with `times` (a ``ChunkTimes``): each stage
     runs its actions in order, an action starts when its stage is free and its input has
     arrived, each link sends one microbatch at a time (`time_schedule`'s rules)."""
-    duration = times.forward_s + times.backward_s
+    duration = times.durations(compiled.split)
     send = times.send_s
     free = [0.0] * S
     link_free = [0.0] * (2 * S)
@@ -155,7 +157,8 @@ def _periodic(columns: tuple[array.array, ...], S: int, M: int, v: int) -> _Peri
     best: _Periodic | None = None
     # a steady 1F1B stage runs a microbatch's 2v actions each period, GPipe's v (forwards,
     # then backwards); the interleaved schedule repeats every S microbatches
-    for base, actions in ((1, 2 * v), (S, 2 * v), (1, v)):
+    per = n // (M * S)  # a stage's actions per microbatch: 2 v, or 3 v with W's
+    for base, actions in ((1, per), (S, per), (1, v)):
         if M % base:
             continue
         steps_per = actions * base * S  # every stage's actions of `base` microbatches
@@ -200,12 +203,12 @@ def recorded(S: int, M: int, v: int, times, compiled: Compiled
              ) -> tuple[tuple[float, ...], ...]:
     """`stage_ends`' loop again, keeping every action's start and end and its send's:
     ``(start_s, end_s, send_start_s, send_end_s)`` (`PipelineTimeline`'s records)."""
-    n = 2 * M * S * v
-    duration = times.forward_s + times.backward_s
+    n = len(compiled.steps[0])
+    duration = times.durations(compiled.split)
     send = times.send_s
     free = [0.0] * S
     link_free = [0.0] * (2 * S)
-    arrive = [0.0] * n
+    arrive = [0.0] * (2 * M * S * v)
     start, end = [0.0] * n, [0.0] * n
     send_start, send_end = [0.0] * n, [0.0] * n
     for task, s, d, waits_for, link, boundary, delivers in zip(*compiled.steps):
@@ -234,14 +237,17 @@ def compile_orders(S: int, M: int, v: int, orders: Sequence[Sequence]) -> Compil
     steps = [_step(S, M, C, s, offset[s] + p, orders[s][p])
              for s, p in _dependency_order(orders, M, C)]
     columns = tuple(array.array("i", column) for column in zip(*steps))
-    return Compiled(columns, tuple(map(_peak_in_flight, orders)),
-                    _periodic(columns, S, M, v) if S > 1 else None)
+    split = any(a.kind == "W" for order in orders for a in order)
+    return Compiled(columns, tuple(_peak_in_flight(order, split) for order in orders),
+                    _periodic(columns, S, M, v) if S > 1 else None, split)
 
 
 def _step(S: int, M: int, C: int, s: int, task: int, a) -> tuple[int, ...]:
     """One of `Compiled.steps`. Arrival slots: ``m C + c`` for the activation into F(m, c),
     ``M C + m C + c`` for the gradient into B(m, c)."""
     k = a.microbatch * C + a.chunk
+    if a.kind == "W":  # after its B, on the same stage: the order keeps it
+        return (task, s, 2 * C + a.chunk, -1, -1, -1, -1)
     if S == 1:  # every chunk on one stage: its order alone keeps the dependencies
         return (task, s, a.chunk if a.kind == "F" else C + a.chunk, -1, -1, -1, -1)
     if a.kind == "F":
@@ -271,7 +277,9 @@ def _dependency_order(orders, M: int, C: int) -> list[tuple[int, int]]:
             for s in todo:
                 kind, m, c = orders[s][k]
                 j = m * C + c
-                if kind == "F":
+                if kind == "W":
+                    pass
+                elif kind == "F":
                     if c and not f_done[j - 1]:
                         left.append(s)
                         continue
@@ -287,9 +295,12 @@ def _dependency_order(orders, M: int, C: int) -> list[tuple[int, int]]:
     return out
 
 
-def _peak_in_flight(order: Sequence) -> int:
+def _peak_in_flight(order: Sequence, split: bool) -> int:
+    """The most (microbatch, chunk) pairs whose forward has run and whose backward (its W,
+    where `split`: what W reads is kept until then) has not."""
+    done = "W" if split else "B"
     live = peak = 0
     for a in order:
-        live += 1 if a.kind == "F" else -1
+        live += 1 if a.kind == "F" else -1 if a.kind == done else 0
         peak = max(peak, live)
     return peak

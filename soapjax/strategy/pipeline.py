@@ -16,6 +16,15 @@ microbatches:
   pattern over virtual microbatches ``(microbatch, chunk)`` taken in groups of S microbatches
   per chunk; the bubble shrinks by v at the price of v times more stage-to-stage transfers.
   It needs M to be a multiple of S.
+* ``"zb-h1"`` (Qi et al. 2024, *Zero Bubble Pipeline Parallelism*, ZB-H1): 1F1B's order of
+  forwards and backwards with the backward split in two: ``B``, the gradient of the chunk's
+  input (what the previous stage waits for), and ``W``, the gradients of its layers'
+  weights, which nothing waits for. Stage ``s`` runs ``W(m)`` right after ``B(m + s)`` (the
+  last ``s`` after its last backward), so the gradients travel back at the pace of the B's
+  alone and the W's fill the idle time they leave: the bubble falls from ``(S - 1)(f + b)``
+  to ``(S - 1)(f + b - 2 w)`` (w the W part of b), exactly that for equal chunks and free
+  sends. Every stage then holds up to S microbatches (forward run, W not yet), as 1F1B's
+  first stage does.
 
 `SCHEDULES` holds each schedule's rules (`Schedule`: virtual stages or not, whether M must be a
 multiple of S) and its order; `device_orders` gives those orders as data, simulation
@@ -67,7 +76,9 @@ __all__ = ["Action", "ChunkTimes", "DEFAULT_SCHEDULE", "PipelineTimeline", "SCHE
 
 class Action(NamedTuple):
     """One step of a device stage's order: the forward (``"F"``) or backward (``"B"``) of model
-    chunk `chunk` (0 .. S*v - 1, in model order) on microbatch `microbatch`."""
+    chunk `chunk` (0 .. S*v - 1, in model order) on microbatch `microbatch`; under a schedule
+    that splits the backward (`Schedule.splits_backward`), ``"B"`` is the gradient of the
+    chunk's input and ``"W"`` the gradients of its layers' weights."""
 
     kind: str
     microbatch: int
@@ -82,11 +93,14 @@ class Schedule(NamedTuple):
         stages, M microbatches and v virtual stages per device, in the order it runs them.
       virtual: whether it runs 2 or more virtual stages per device (else exactly 1).
       whole_rounds: whether M must be a multiple of S (microbatches go round in groups of S).
+      splits_backward: whether its orders hold W actions, the backward split into the input's
+        gradient (B) and the weights' (W).
     """
 
     order: Callable[[int, int, int, int], tuple[Action, ...]]
     virtual: bool = False
     whole_rounds: bool = False
+    splits_backward: bool = False
 
 
 def pipeline_error(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> str | None:
@@ -236,7 +250,8 @@ def device_orders(schedule: str, stages: int, microbatches: int,
                   virtual: int = 1) -> tuple[tuple[Action, ...], ...]:
     """The order of forward and backward actions on each device stage, stage 0 first.
 
-    Every (microbatch, chunk) of a stage appears once as F and once as B, its F before its B.
+    Every (microbatch, chunk) of a stage appears once as F and once as B, its F before its B
+    (and, where the schedule splits the backward, once as W, after its B).
 
     Raises:
       PlanError: the numbers do not make a pipeline of that schedule (`check_pipeline`).
@@ -253,6 +268,16 @@ def _gpipe(s: int, S: int, M: int, v: int) -> tuple[Action, ...]:
 
 def _1f1b(s: int, S: int, M: int, v: int) -> tuple[Action, ...]:
     return _warm_up_then_alternate(s, S, M, v, warmup=min(S - s - 1, M))
+
+
+def _zb_h1(s: int, S: int, M: int, v: int) -> tuple[Action, ...]:
+    """1F1B's order, each stage's W of microbatch m right after its B of m + s (module doc)."""
+    out: list[Action] = []
+    for a in _1f1b(s, S, M, v):
+        out.append(a)
+        if a.kind == "B" and a.microbatch >= s:
+            out.append(Action("W", a.microbatch - s, a.chunk))
+    return tuple(out) + tuple(Action("W", m, s) for m in range(max(M - s, 0), M))
 
 
 def _interleaved(s: int, S: int, M: int, v: int) -> tuple[Action, ...]:
@@ -280,9 +305,10 @@ SCHEDULES: dict[str, Schedule] = {
     "gpipe": Schedule(_gpipe),
     "1f1b": Schedule(_1f1b),
     "interleaved": Schedule(_interleaved, virtual=True, whole_rounds=True),
+    "zb-h1": Schedule(_zb_h1, splits_backward=True),
 }
 # A schedule's name, as `Strategy.schedule` and the plan file hold it (a key of `SCHEDULES`).
-ScheduleName = Literal["gpipe", "1f1b", "interleaved"]
+ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1"]
 # The schedule of a strategy without stages, and of a plan file written before schedules.
 DEFAULT_SCHEDULE: ScheduleName = "1f1b"
 
@@ -310,14 +336,21 @@ class ChunkTimes:
       send_s: one time per boundary between consecutive chunks (``S * v - 1``): sending one
         microbatch's activation from chunk ``c`` to chunk ``c + 1``; its gradient goes back over
         the same boundary in the same time.
+      weight_s: per chunk, the part of its backward that computes its layers' weight
+        gradients, at most ``backward_s``: a schedule that splits the backward runs it as the
+        chunk's W, the rest as its B (`Schedule.splits_backward`); others ignore it. Empty:
+        zeros.
     """
 
     forward_s: tuple[float, ...]
     backward_s: tuple[float, ...]
     send_s: tuple[float, ...]
+    weight_s: tuple[float, ...] = ()
 
     def __post_init__(self):
-        for name in ("forward_s", "backward_s", "send_s"):
+        if not len(self.weight_s):
+            object.__setattr__(self, "weight_s", (0.0,) * len(self.backward_s))
+        for name in ("forward_s", "backward_s", "send_s", "weight_s"):
             object.__setattr__(self, name, _seconds(name, getattr(self, name)))
         n = len(self.forward_s)
         if n == 0:
@@ -328,6 +361,14 @@ class ChunkTimes:
         if len(self.send_s) != n - 1:
             raise PlanError(f"ChunkTimes of {n} chunks needs {n - 1} send times (one per "
                             f"boundary between consecutive chunks), got {len(self.send_s)}")
+        if len(self.weight_s) != n:
+            raise PlanError(f"ChunkTimes has {n} forward times but {len(self.weight_s)} "
+                            "weight-gradient times; expected one per chunk")
+        for c, (w, b) in enumerate(zip(self.weight_s, self.backward_s)):
+            if w > b:
+                raise PlanError(f"ChunkTimes.weight_s[{c}] is {w!r}, more than the chunk's "
+                                f"whole backward ({b!r}); it is the part of it that computes "
+                                "the weight gradients")
 
     @property
     def chunks(self) -> int:
@@ -335,9 +376,19 @@ class ChunkTimes:
 
     @classmethod
     def uniform(cls, chunks: int, forward_s: float, backward_s: float,
-                send_s: float = 0.0) -> ChunkTimes:
+                send_s: float = 0.0, weight_s: float = 0.0) -> ChunkTimes:
         """The same times for every chunk and every boundary."""
-        return cls((forward_s,) * chunks, (backward_s,) * chunks, (send_s,) * (chunks - 1))
+        return cls((forward_s,) * chunks, (backward_s,) * chunks, (send_s,) * (chunks - 1),
+                   (weight_s,) * chunks)
+
+    def durations(self, split: bool) -> tuple[float, ...]:
+        """The time of each kind of action, as `soapjax.strategy._schedule_time` indexes
+        them: every chunk's forward, then its backward (its B alone where `split`), then its
+        W (zero where not `split`)."""
+        if not split:
+            return self.forward_s + self.backward_s + (0.0,) * len(self.weight_s)
+        return (self.forward_s + tuple(b - w for b, w in zip(self.backward_s, self.weight_s))
+                + self.weight_s)
 
 
 def _seconds(name: str, values) -> tuple[float, ...]:
@@ -393,7 +444,8 @@ class PipelineTimeline:
       busy_s: per stage, the time it computes.
       bubble_fraction: ``1 - mean(busy_s) / step_s``, the share of the step stages sit idle.
       in_flight: per stage, the peak number of (microbatch, chunk) pairs whose forward has run
-        and whose backward has not: the activations the stage holds at once.
+        and whose backward (its W, where the schedule splits it) has not: the activations the
+        stage holds at once.
     """
 
     schedule: str
@@ -511,8 +563,7 @@ def _kept_timeline(schedule: str, S: int, M: int, v: int, times: ChunkTimes
     """The timeline of these arguments (a pure function of them; the timeline is immutable)."""
     compiled = _compile(schedule, S, M, v)
     free = stage_ends(S, M, v, times, compiled)
-    duration = times.forward_s + times.backward_s
-    busy = tuple(M * sum(duration[c] + duration[S * v + c] for c in chunks_of(s, S, v))
+    busy = tuple(M * sum(times.forward_s[c] + times.backward_s[c] for c in chunks_of(s, S, v))
                  for s in range(S))
     step = max(free)
     bubble = 1.0 - sum(busy) / S / step if step > 0 else 0.0

@@ -1,0 +1,160 @@
+"""The backward of a pipelined layer split in two, for a schedule that defers the weights'
+gradients (`soapjax.strategy.pipeline`'s ``"zb-h1"``): B, the gradient of the layer's input,
+which the previous stage waits for, and W, the gradients of its weights, which nothing waits
+for and the schedule runs later.
+
+Each matmul of a layer that reads one of the layer's parameters (a *weight matmul*: a
+``dot_general`` with a parameter slice for an operand, or its cast to the compute dtype) runs
+as `deferred_dot`: its forward is the matmul; its backward returns the gradient of its other
+operand and, for the weight, zero; and it hands on the two values the weight's gradient is
+made of, the operand ``x`` and the output's cotangent ``dy``, as the cotangents of two *stash*
+inputs the matmul takes and does not read (zeros of their shapes, one stacked ``[layers,
+...]`` pair per weight matmul, scanned with the layers). So ``jax.vjp`` of a chunk, run in
+the B action, computes everything of the backward but the weights' matmul gradients, and
+returns the stash; the W action (`weight_grads`) computes each weight's gradient from it:
+the same transpose of the same matmul ``jax.vjp`` would have run, then the cast back to the
+parameter's dtype, summed over the matmuls that read it. This is what zero-bubble
+implementations do with their linear layers (Qi et al. 2024, section 3; Megatron-LM's
+``--defer-embedding-wgrad-compute`` and the like keep ``x`` and ``dy`` for later the same
+way). Values are the unsplit backward's to rounding: the same products, added in another
+order (float64 tests: tests/test_apply_pipelined.py).
+
+What a pending W holds is its stash: per weight matmul of each of the chunk's layers, its
+operand and its output's cotangent (`stash_shapes`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from soapjax.graph._program import LayerScan, Program, bind_as_traced
+
+__all__ = ["DEFERRED_NAME", "WeightMatmul", "deferred_dot", "stash_shapes", "weight_grads",
+           "weight_matmuls"]
+
+# The name a weight matmul's output carries, so a selectively recomputed layer saves it as
+# it saves the matmuls' outputs (`soapjax.apply._pipelined._chunk_fn`).
+DEFERRED_NAME = "soapjax_deferred_dot"
+
+
+class WeightMatmul(NamedTuple):
+    """One weight matmul of the layer program (`weight_matmuls`).
+
+    Attributes:
+      unit: its unit in the program.
+      weight: which operand (0 or 1) is the weight.
+      param: the position of the weight's parameter in the layer's slices
+        (`LayerScan.slices`), the chunk's parameter list.
+      cast: the parameter's dtype where the matmul reads it cast (bf16 compute over float32
+        parameters), else None.
+    """
+
+    unit: int
+    weight: int
+    param: int
+    cast: Any = None
+
+
+def weight_matmuls(program: Program, scan: LayerScan, layer: Sequence[int]
+                   ) -> tuple[WeightMatmul, ...]:
+    """The layer's weight matmuls: each ``dot_general`` among units `layer` whose one operand
+    is a parameter slice of layer 0 (or a ``convert_element_type`` of one) and whose other
+    is a float value that is none."""
+    slices = {v: k for k, v in enumerate(scan.slices[0])}
+    maker = {o: i for i in layer for o in program.units[i].outs if o is not None}
+    inexact = functools.partial(_is_inexact, program)
+    out = []
+    for i in layer:
+        unit = program.units[i]
+        if unit.eqn.primitive.name != "dot_general" or len(unit.ins) != 2:
+            continue
+        found = [_param_of(program, maker, slices, v) for v in unit.ins]
+        if sum(f is not None for f in found) != 1 or not all(map(inexact, unit.ins)):
+            continue
+        weight = 0 if found[0] is not None else 1
+        param, cast = found[weight]
+        out.append(WeightMatmul(i, weight, param, cast))
+    return tuple(out)
+
+
+def _is_inexact(program: Program, v: int) -> bool:
+    return bool(jnp.issubdtype(program.jax_dtypes[v], jnp.inexact))
+
+
+def _param_of(program: Program, maker: dict[int, int], slices: dict[int, int], v: int
+              ) -> tuple[int, Any] | None:
+    """``(slice position, cast from dtype or None)`` where `v` is a parameter slice or its
+    cast, else None."""
+    if v in slices:
+        return slices[v], None
+    i = maker.get(v)
+    if i is None:
+        return None
+    unit = program.units[i]
+    if unit.eqn.primitive.name == "convert_element_type" and unit.ins[0] in slices:
+        return slices[unit.ins[0]], program.jax_dtypes[unit.ins[0]]
+    return None
+
+
+def stash_shapes(program: Program, matmuls: Sequence[WeightMatmul]
+                 ) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """Per weight matmul, the shapes of one layer's stash: its other operand, then its
+    output (the cotangent's)."""
+    out = []
+    for m in matmuls:
+        unit = program.units[m.unit]
+        for v in (unit.ins[1 - m.weight], unit.outs[0]):
+            out.append(jax.ShapeDtypeStruct(program.shapes[v], program.jax_dtypes[v]))
+    return tuple(out)
+
+
+def _bind(eqn: Any, weight: int, x: Any, w: Any) -> Any:
+    return bind_as_traced(eqn, [w, x] if weight == 0 else [x, w])[0]
+
+
+def deferred_dot(eqn: Any, weight: int) -> Callable[[Any, Any, Any, Any], Any]:
+    """``(x, w, stash_x, stash_dy) -> y``: the matmul `eqn` (its weight operand at
+    `weight`), whose backward gives ``x`` its gradient, ``w`` zero, and the stash inputs
+    ``x`` and the output's cotangent (module doc)."""
+    @jax.custom_vjp
+    def dot(x, w, stash_x, stash_dy):
+        return _bind(eqn, weight, x, w)
+
+    def forward(x, w, stash_x, stash_dy):
+        return _bind(eqn, weight, x, w), (x, w)
+
+    def backward(saved, dy):
+        x, w = saved
+        (dx,) = jax.vjp(lambda a: _bind(eqn, weight, a, w), x)[1](dy)
+        return dx, jnp.zeros_like(w), x, dy
+
+    dot.defvjp(forward, backward)
+    return dot
+
+
+def weight_grads(program: Program, matmuls: Sequence[WeightMatmul], params: Sequence[Any],
+                 stash: Sequence[Any]) -> list[Any | None]:
+    """The gradients of the chunk's `params` (``[layers, ...]`` each) from its `stash` (per
+    weight matmul, ``x`` and ``dy`` stacked over the layers: `stash_shapes`): each matmul's
+    transpose for its weight, per layer, cast back to the parameter's dtype, summed per
+    parameter; None for parameters no weight matmul reads."""
+    grads: list[Any] = [None] * len(params)
+    for k, m in enumerate(matmuls):
+        eqn = program.units[m.unit].eqn
+        xs, dys = stash[2 * k], stash[2 * k + 1]
+        w = params[m.param]
+        w = w if m.cast is None else w.astype(program.jax_dtypes[program.units[m.unit]
+                                                                 .ins[m.weight]])
+
+        def one(x, dy, w_, eqn=eqn, weight=m.weight):
+            return jax.vjp(lambda a: _bind(eqn, weight, x, a), w_)[1](dy)[0]
+
+        d = jax.vmap(one)(xs, dys, w)
+        d = d if m.cast is None else d.astype(m.cast)
+        grads[m.param] = d if grads[m.param] is None else grads[m.param] + d
+    return grads
