@@ -27,9 +27,10 @@ class Compiled(NamedTuple):
     `steps` are seven columns (arrays, 4 bytes an entry: a 786,432-action pipeline takes 22
     MB) with one entry per action, each action after every action whose output it needs:
     its position in `PipelineTimeline.tasks`, its stage, its index into
-    ``ChunkTimes.durations(split)`` (F, B, W: ``c``, ``C + c``, ``2 C + c``), the arrival slot of its input from another stage (or -1), the link its output
-    leaves on (``0 .. S-1``: activations from that stage, ``S + s``: gradients to stage s; or
-    -1), its index into ``send_s``, and the arrival slot its send fills.
+    ``ChunkTimes.durations(split)`` (F, B, W: ``c``, ``C + c``, ``2 C + c``), the arrival
+    slot of its input from another stage (or -1), the link its output leaves on (``0 ..
+    S-1``: activations from that stage, ``S + s``: gradients to stage s; or -1), its index
+    into ``send_s``, and the arrival slot its send fills.
 
     `periodic` is where the steps repeat (`_Periodic`), or None. `split`: the orders hold W
     actions (the backward split in two).
