@@ -16,7 +16,7 @@ with the ratios predicted / XLA; the goal (issue 7) is within 10%.
 ``pipelined`` is the zoo's layered models (GPT, LLaMA and the MoE, tiny, with 4 layers where
 the interleaved schedule needs them; the MoE's data groups add its load-balancing statistics'
 sums across each other) on 2 pipeline stages under Megatron's configuration
-(`soapjax.strategy.baselines.megatron_3d`): GPipe, 1F1B and interleaved, one and several
+(`soapjax.strategy.baselines.megatron_3d`): GPipe, 1F1B, interleaved and ZB-H1, one and several
 microbatches, tensor parallelism (with sequence parallelism) inside the stages or data
 parallelism (`PIPELINED`).
 """
@@ -58,6 +58,8 @@ PIPELINED = {
     "pp2 gpipe dp4 M=2": (2, dict(tp=1, microbatch_size=1), "gpipe"),
     "pp2 interleaved v2 tp4 M=2": (4, dict(tp=4, sequence_parallel=True, microbatch_size=4,
                                            interleave=2), "interleaved"),
+    "pp2 zb-h1 tp4 M=4": (2, dict(tp=4, sequence_parallel=True, microbatch_size=2), "zb-h1"),
+    "pp2 zb-h1 dp4 M=4": (2, dict(tp=1, microbatch_size=1), "zb-h1"),
 }
 LAYERED = {"gpt": (GPT_CONFIGS, build_gpt), "llama": (LLAMA_CONFIGS, build_llama),
            "moe": (MOE_CONFIGS, build_moe)}

@@ -117,10 +117,15 @@ def _bind(eqn: Any, weight: int, x: Any, w: Any) -> Any:
     return bind_as_traced(eqn, [w, x] if weight == 0 else [x, w])[0]
 
 
-def deferred_dot(eqn: Any, weight: int) -> Callable[[Any, Any, Any, Any], Any]:
+def deferred_dot(eqn: Any, weight: int, hold_x: Callable[[Any], Any] | None = None,
+                 hold_dy: Callable[[Any], Any] | None = None
+                 ) -> Callable[[Any, Any, Any, Any], Any]:
     """``(x, w, stash_x, stash_dy) -> y``: the matmul `eqn` (its weight operand at
     `weight`), whose backward gives ``x`` its gradient, ``w`` zero, and the stash inputs
-    ``x`` and the output's cotangent (module doc)."""
+    ``x`` and the output's cotangent (module doc). `hold_x`, `hold_dy`: applied to ``x``
+    and to the cotangent before they are used (a stage holds them in the layouts the matmul
+    reads and makes them in: under sequence parallelism gathered, as the unsplit backward
+    uses them, so that W gathers nothing again)."""
     @jax.custom_vjp
     def dot(x, w, stash_x, stash_dy):
         return _bind(eqn, weight, x, w)
@@ -130,8 +135,9 @@ def deferred_dot(eqn: Any, weight: int) -> Callable[[Any, Any, Any, Any], Any]:
 
     def backward(saved, dy):
         x, w = saved
+        dy = dy if hold_dy is None else hold_dy(dy)
         (dx,) = jax.vjp(lambda a: _bind(eqn, weight, a, w), x)[1](dy)
-        return dx, jnp.zeros_like(w), x, dy
+        return dx, jnp.zeros_like(w), x if hold_x is None else hold_x(x), dy
 
     dot.defvjp(forward, backward)
     return dot

@@ -748,7 +748,8 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
               operand_reads: Mapping[int, Sequence[tuple]] | None = None,
               kept: frozenset[int] = frozenset(),
               literals: Mapping[int, Any] | None = None,
-              deferred: Sequence[WeightMatmul] = ()) -> Callable:
+              deferred: Sequence[WeightMatmul] = (),
+              stash_specs: Sequence[PartitionSpec | None] = ()) -> Callable:
     """``(chunk params, values, x) -> y`` (the chunk's output carry) or, for the last chunk,
     ``-> loss`` (the epilogue after it); `values` are those of the ids `reads`, the chunk
     params ``[L / C, ...]`` per stacked parameter, in the scan's order. With `selective`, each
@@ -769,7 +770,8 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
     the chunk reads instead of the program's (`_Groups.literals`). `deferred`: the layer's
     weight matmuls, run as `soapjax.apply._deferred.deferred_dot` (a split backward); the
     function then takes their stash (``stash``: per matmul two ``[L / C, ...]`` stacks of
-    zeros, `stash_shapes`), whose cotangents are what the weights' gradients are made of."""
+    zeros, `stash_shapes`), whose cotangents are what the weights' gradients are made of,
+    held in `stash_specs` (`_Pipeline._stash_specs`)."""
     prog, scan = cut.program, cut.scan
     literals = dict(literals or {})
 
@@ -791,7 +793,8 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
         env.update(zip(scan.slices[0], slices))
         env.update(zip(scan.carries[0], carry))
         swaps = {m.unit: _weight_matmul(m, prog, stash[2 * k:2 * k + 2], selective,
-                                        (operand_reads or {}).get(m.unit, ()))
+                                        (operand_reads or {}).get(m.unit, ()),
+                                        stash_specs[2 * k:2 * k + 2] or (None, None))
                  for k, m in enumerate(deferred)}
         _run_in_stage(prog, cut.layer, env, whole_queries, layer_hook, operand_reads, swaps)
         return tuple(env[v] for v in scan.carries[1]), tuple(env[v] for v in ys)
@@ -843,13 +846,49 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
 KEPT_NAME = "soapjax_kept"
 
 
+def _dot_output_spec(eqn: Any, specs: Sequence[PartitionSpec]) -> PartitionSpec | None:
+    """The layout a ``dot_general`` makes its output in from its operands' (`specs`): batch
+    and the left operand's free dims as the left holds them, the right's free dims as the
+    right does, partial sums over split contracting dims taken whole; None where an axis
+    would split two dims."""
+    (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
+    ranks = [len(v.aval.shape) for v in eqn.invars]
+
+    def axes(k: int, d: int) -> tuple[str, ...]:
+        spec = specs[k]
+        return _axes(spec[d]) if d < len(spec) else ()
+
+    dims = ([axes(0, d) for d in batch_l]
+            + [axes(0, d) for d in range(ranks[0]) if d not in (*contract_l, *batch_l)]
+            + [axes(1, d) for d in range(ranks[1]) if d not in (*contract_r, *batch_r)])
+    used = [a for entry in dims for a in entry]
+    if len(used) != len(set(used)):
+        return None
+    entries = [_spec_entry(a) if a else None for a in dims]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+def _read_spec(reads: Sequence[tuple], pos: int) -> PartitionSpec | None:
+    """The layout `reads` (`_Pipeline._operand_reads`' entries of one unit) holds operand
+    `pos` in, or None."""
+    return next((fn.keywords["spec"] for p, _, fn in reads
+                 if p == pos and isinstance(fn, functools.partial)), None)
+
+
 def _weight_matmul(m: WeightMatmul, prog: Program, stash: Sequence[Any], selective: bool,
-                   reads: Sequence[tuple]) -> Callable:
+                   reads: Sequence[tuple], specs: Sequence[PartitionSpec | None] = (None, None)
+                   ) -> Callable:
     """The function `_run_in_stage` runs weight matmul `m` with (`deferred_dot`, taking the
     layer's `stash` pair), its operands held to their layouts first (`reads`, as
-    `Program.run_units` holds the other units'), its output named for a selective layer's
+    `Program.run_units` holds the other units'), the stash held in `specs` (operand,
+    cotangent: `_Pipeline._stash_specs`), its output named for a selective layer's
     checkpoint to save (as the matmuls' outputs are)."""
-    dot = deferred_dot(prog.units[m.unit].eqn, m.weight)
+    x_spec, dy_spec = specs
+    dot = deferred_dot(prog.units[m.unit].eqn, m.weight,
+                       *(None if spec is None else functools.partial(_constrain, spec=spec)
+                         for spec in (x_spec, dy_spec)))
 
     def run(*args: Any) -> list[Any]:
         args = list(args)
@@ -1408,6 +1447,7 @@ class _Pipeline:
         split = any(a is not None and a.kind == "W" for row in rows for a in row)
         self.deferred = weight_matmuls(program, cut.scan, cut.layer) if split else ()
         self.stash_shapes = stash_shapes(program, self.deferred)
+        self.stash_specs = self._stash_specs(layouts)
         self.chunk_fns = {last: self._make_chunk_fn(last) for last in (False, True)}
 
     def _constraints(self, layouts: StageLayouts | None,
@@ -1462,6 +1502,40 @@ class _Pipeline:
                                                               back=held_back)))
         return reads
 
+    def _stash_specs(self, layouts: StageLayouts | None) -> tuple[PartitionSpec | None, ...]:
+        """Where a stage holds its stash (`soapjax.apply._deferred`), per weight matmul: the
+        operand as the matmul read it, and the output's cotangent as the matmul makes the
+        output, before any reduction of its partial sums (a row-parallel matmul's whole, where
+        the stage holds the output reduce-scattered), so neither W nor B gathers what the
+        unsplit backward would have gathered once. None: where XLA puts it (no layouts)."""
+        if not self.deferred or not self.constraints or layouts is None:
+            return (None,) * (2 * len(self.deferred))
+        program = self.cut.program
+        sizes = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))
+        manual = {self.stage_axis, *self.groups.axes}
+        op_of = {i: op for op in self.cut.graph.operators
+                 for i in program.local[op.name].units}
+        out: list[PartitionSpec | None] = []
+        for m in self.deferred:
+            unit = program.units[m.unit]
+            op = op_of[m.unit]
+            slice_id = self.cut.scan.slices[0][m.param]
+            w_spec = next((_held_spec(spec, program.shapes[slice_id], sizes, manual)
+                           for x, (spec, _) in zip(op.inputs, layouts.operands[op.name])
+                           if x.value == slice_id and spec is not None), PartitionSpec())
+            x_spec = _read_spec(self.operand_reads.get(m.unit, ()), 1 - m.weight)
+            if x_spec is None:  # made inside the operator (GPT's GELU before fc2): as its
+                shape = program.shapes[unit.ins[1 - m.weight]]  # inputs of that shape are
+                alike = [spec for x, (spec, _) in zip(op.inputs, layouts.operands[op.name])
+                         if x.kind == "activation" and spec is not None
+                         and tuple(program.shapes[x.value]) == tuple(shape)]
+                held = {_held_spec(spec, shape, sizes, manual) for spec in alike}
+                if len(held) == 1:  # (SwiGLU's gate and up alike)
+                    x_spec = held.pop()
+            specs = [w_spec, x_spec] if m.weight == 0 else [x_spec, w_spec]
+            out += [x_spec, None if x_spec is None else _dot_output_spec(unit.eqn, specs)]
+        return tuple(out)
+
     def _constraint_hook(self) -> Callable | None:
         """`Program.run_units`'s hook holding every value a stage makes to `constraints`."""
         constraints = self.constraints
@@ -1494,7 +1568,8 @@ class _Pipeline:
         fn = _chunk_fn(self.cut, last, floats + others, self.selective, self.whole_queries,
                        counted=bool(self.stage_layers), hook=self._stage_hook(),
                        operand_reads=self.operand_reads, kept=self.kept,
-                       literals=self.groups.literals, deferred=self.deferred)
+                       literals=self.groups.literals, deferred=self.deferred,
+                       stash_specs=self.stash_specs)
         # the count (uneven stages) and the stacks' row (`_Cut.stacked_ys`) ride last among the
         # others (`_inputs`)
         extra = (("count",) if self.stage_layers else ()) + (
@@ -1796,8 +1871,8 @@ class _Pipeline:
                                           for g, d in zip(state["param_grads"], d_params)]}
         if self.deferred:  # what the W of this action computes the weights' gradients from
             slot = action[_STASH_SLOT]
-            state = {**state, "stash": [_with_row(b, slot, d)
-                                        for b, d in zip(state["stash"], d_stash[0])]}
+            state = {**state, "stash": self._held_stash(
+                [_with_row(b, slot, d) for b, d in zip(state["stash"], d_stash[0])])}
         state = self._accumulate(state, microbatch, zip(chunk.floats, d_floats))
         if first:  # the gradient of the layers' input goes back to the prologue
             state = self._accumulate(state, microbatch, zip(self.cut.scan.carries[0], d_carry))
@@ -1823,11 +1898,16 @@ class _Pipeline:
         (`soapjax.apply._deferred.weight_grads`), added to the stage's."""
         local_chunk = action[_LOCAL_CHUNK]
         params = [_row(p, local_chunk) for p in self.stacked]
-        stash = [_row(b, action[_STASH_SLOT]) for b in state["stash"]]
+        stash = [_row(b, action[_STASH_SLOT]) for b in self._held_stash(state["stash"])]
         grads = weight_grads(self.cut.program, self.deferred, params, stash)
         state = {**state, "param_grads": [g if d is None else _add_to_row(g, local_chunk, d)
                                           for g, d in zip(state["param_grads"], grads)]}
         return state, self._none(), self._none()
+
+    def _held_stash(self, buffers: Sequence[Any]) -> list[Any]:
+        """The stash buffers (``[slots, layers, ...]``) held where `stash_specs` says."""
+        return [b if spec is None else _constrain(b, PartitionSpec(None, None, *spec))
+                for b, spec in zip(buffers, self.stash_specs)]
 
     def _accumulate(self, state: dict, microbatch: Any, cotangents) -> dict:
         """Adds the cotangents of values the prologue made: to the shared ones', or to
