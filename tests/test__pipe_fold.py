@@ -200,3 +200,20 @@ def test_a_search_with_folded_stages_ends_where_whole_stages_end(gpt16, monkeypa
     assert folded.strategy.pipelined and found.strategy == folded.strategy
     assert folded.step_time_s == pytest.approx(found.step_time_s, rel=1e-9)
     assert folded.proposals == found.proposals
+
+
+def test_folded_stage_prices_zero_bubble_as_the_whole_stage(gpt16):
+    """ZB-H1's W per chunk reads each operator's forward time (its twin's, folded): the same
+    prices as the whole stage's."""
+    graph, workload = gpt16
+    topology = load_topology(TOPOLOGY)
+    start = megatron_3d(graph, topology, tp=8, pp=4, microbatch_size=1,
+                        recompute="selective").with_pipeline(4, 1, "zb-h1")
+    costs = cost.cost_model(graph, topology, mode="analytic", optimizer=workload.optimizer)
+    seen = {}
+    for fold in (False, True):
+        with front.open_simulation(graph, topology, start, cost_model=costs, fold=fold) as sim:
+            assert isinstance(sim._inner, FoldedStage if fold else Simulation)
+            seen[fold] = (*_summary(sim), *sim.result().chunk_times.weight_s)
+    assert all(w > 0 for w in seen[True][-4:])
+    _assert_close(seen[False], seen[True])

@@ -227,7 +227,7 @@ def test_a_plan_file_keeps_the_stage_layers(tmp_path):
         s.with_pipeline(2, 2, "interleaved", (3, 5))
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "uneven"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "uneven", "zb-h1"])
 def test_delta_equals_full_for_pipelined_strategies(schedule):
     """Random config and recompute moves through the pipelined simulation (delta, with
     rejections): after each, the step time and per-stage memory equal a fresh simulation's."""
@@ -236,6 +236,8 @@ def test_delta_equals_full_for_pipelined_strategies(schedule):
                         recompute="selective")
     if schedule == "uneven":
         start = start.with_pipeline(2, 1, "1f1b", (3, 1))
+    if schedule == "zb-h1":
+        start = start.with_pipeline(2, 1, "zb-h1")
     sim = pipelined(start)
     rng = random.Random(0)
     mesh = sim.mesh
@@ -465,3 +467,56 @@ def test_coupled_samples_reduce_the_gradients_at_every_backward_unless_they_meet
         applied.propose(i, rng.choice(spaces[i]), rng.choice(("none", "selective", None)))
         applied.accept() if step % 2 else applied.reject()
         assert applied.result().step_time_s == pipelined(applied.strategy, g).step_time()
+
+
+def test_zero_bubble_prices_the_layers_weight_matmuls_as_w_and_is_faster_at_depth():
+    """ZB-H1 at 4 stages of 2 layers (TP4 PP4, 16 microbatches): each layer chunk's W is its
+    weight matmuls' share of its forward time (`_pipe_cut.weight_shares`: the projections
+    and the MLP, not the attention core), at most its backward; 1F1B's schedule ignores it;
+    the step is shorter by (S - 1) of 2 W's less what the sends and the tail change, and
+    every stage holds up to S microbatches (1F1B: S - s)."""
+    from soapjax.simulate._pipe_cut import weight_shares
+
+    graph = gpt(8)
+    shares = weight_shares(graph)
+    by_name = dict(zip((op.name for op in graph.operators), shares))
+    assert by_name["layers_0/attn/query"] > 0.9 and by_name["layers_0/mlp/fc1"] > 0.9
+    assert by_name["layers_0/attn/dot_general"] == 0 and by_name["layers_0/ln_1"] == 0
+    start = megatron_3d(graph, A100, tp=4, pp=4, microbatch_size=1, recompute="selective")
+    one = pipelined(start, graph).result()
+    zb = pipelined(start.with_pipeline(4, 1, "zb-h1"), graph).result()
+    assert one.chunk_times.forward_s == zb.chunk_times.forward_s
+    assert one.chunk_times.backward_s == zb.chunk_times.backward_s
+    assert all(0 < w < b for w, b in zip(zb.chunk_times.weight_s, zb.chunk_times.backward_s))
+    assert zb.step_time_s < one.step_time_s
+    assert zb.timeline.in_flight == (4, 4, 4, 4) and one.timeline.in_flight == (4, 3, 2, 1)
+    sim = pipelined(start, graph)
+    assert sim.schedule_result("zb-h1").step_time_s == zb.step_time_s
+    assert sim.step_time() == one.step_time_s  # left as it was
+    with pytest.raises(PlanError, match="needs 2 or more virtual stages"):
+        sim.schedule_result("interleaved")
+
+
+def test_the_search_picks_the_schedule_that_fits_and_is_fastest():
+    """`choose_schedule`: from 1F1B to ZB-H1 where that is faster and fits; kept where ZB-H1's
+    memory does not fit (its later stages hold S microbatches)."""
+    from soapjax.search import choose_schedule
+
+    graph = gpt(8)
+    start = megatron_3d(graph, A100, tp=4, pp=4, microbatch_size=1, recompute="selective")
+    sim = pipelined(start, graph)
+    t, s, name = choose_schedule(sim, (sim.step_time(), start, "start"))
+    assert s.schedule == "zb-h1" and name == "start" and t < pipelined(start, graph).step_time()
+    assert sim.strategy == s and t == pipelined(s, graph).step_time()
+    one_f_one_b = pipelined(start, graph).result().peak_memory_bytes
+    zb = sim.result().peak_memory_bytes
+    assert zb > one_f_one_b
+    # a device with room for 1F1B's fullest stage and not for ZB-H1's
+    device = dataclasses.replace(A100.device, memory_bytes=(one_f_one_b + zb) // 2)
+    small = dataclasses.replace(A100, device=device)
+    tight = PipelinedSimulation(graph, small, cost_model(graph, small, mode="analytic"),
+                                Resharder(MeshShape.of(stage_topology(small, 4)), mode="ideal"),
+                                start)
+    assert tight.fits_in_memory() and not tight.schedule_result("zb-h1").fits_in_memory
+    kept = choose_schedule(tight, (tight.step_time(), start, "start"))
+    assert kept[1].schedule == "1f1b" and kept[0] == tight.step_time()

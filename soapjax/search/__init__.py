@@ -41,7 +41,10 @@ from soapjax.search.pipelines import (
     pipeline_grid as pipeline_grid,
     stage_choices as stage_choices,
 )
-from soapjax.search.stages import balance_stages as balance_stages
+from soapjax.search.stages import (
+    balance_stages as balance_stages,
+    choose_schedule as choose_schedule,
+)
 
 __all__ = [
     "CONTEXT_PARALLEL_MIN_TOKENS",
@@ -53,6 +56,7 @@ __all__ = [
     "SearchResult",
     "SearchSettings",
     "balance_stages",
+    "choose_schedule",
     "check_reshardings",
     "exhaustive",
     "find_plan",

@@ -21,7 +21,7 @@ from soapjax.search._clock import past, share
 from soapjax.search._parallel import ChainTask, empty_outcome, lanes, run_chains
 from soapjax.search.grids import _likely_first, _score_points, _within, grid_degrees
 from soapjax.search.recompute import RELAX_SHARE, relaxed
-from soapjax.search.stages import _num_layers, balance_stages
+from soapjax.search.stages import _num_layers, balance_stages, choose_schedule
 from soapjax.simulate.front import (
     open_simulation,
 )
@@ -266,8 +266,9 @@ class _Pipelines:
     def chain_tasks(self) -> list[ChainTask]:
         """A chain from the best point of each of the `CHAINED_PIPELINES` pipelines whose
         grids did best, as `soapjax.search._parallel.run_chains` runs them: each opens its
-        pipeline's simulation, walks its start's stage boundaries (`balance_stages`) and
-        recomputation (`_relaxed`), then chains; its outcome is its best."""
+        pipeline's simulation, picks its start's schedule (`choose_schedule`), walks its
+        stage boundaries (`balance_stages`) and recomputation (`_relaxed`), then chains; its
+        outcome is its best."""
         return [self._chain_task(k, name, start)
                 for _, k, name, start in sorted(self.ranked)[:CHAINED_PIPELINES]]
 
@@ -282,10 +283,10 @@ class _Pipelines:
                 searcher._shown = self._flat.proposals
                 if forked:
                     searcher.progress = None
-                # the chain walks the configs at the stage boundaries its start is best at
-                _, begin, _ = balance_stages(searcher.sim,
-                                             (searcher.sim.step_time(), start, name.name),
-                                             deadline)
+                # the chain walks the configs under the schedule and at the stage
+                # boundaries its start is best at
+                _, begin, _ = balance_stages(searcher.sim, choose_schedule(
+                    searcher.sim, (searcher.sim.step_time(), start, name.name)), deadline)
                 begin, label = self._relaxed(searcher, begin, name.name, deadline)
                 searcher.chain(label, begin, deadline if deadline is not None
                                else time.perf_counter() + settings.budget_s / 4)

@@ -1,17 +1,21 @@
-"""Stage balancing: a pipelined chain's best with its stage boundaries moved where the step is
-faster (uneven stages, as Megatron-LM's ``--decoder-last-pipeline-num-layers``).
+"""What a pipeline's chain walks that leaves its stage's simulation as it is: the schedule
+(`choose_schedule`: ZB-H1 where its deferred weight gradients fill the bubble and its
+memory fits) and the stage boundaries (`balance_stages`: uneven stages, as Megatron-LM's
+``--decoder-last-pipeline-num-layers``).
 """
 
 from __future__ import annotations
 
+from soapjax.base.errors import PlanError
 from soapjax.graph.opgraph import OpGraph
 from soapjax.search._clock import past
 from soapjax.simulate.pipesim import PipelinedSimulation
+from soapjax.strategy.pipeline import SCHEDULES
 from soapjax.strategy.space import (
     Strategy,
 )
 
-__all__ = ["balance_stages"]
+__all__ = ["balance_stages", "choose_schedule"]
 
 
 def _num_layers(graph: OpGraph) -> int:
@@ -64,4 +68,35 @@ def balance_stages(sim: PipelinedSimulation, best: tuple[float, Strategy, str],
     if sizes == even:
         return best
     sim.set_stage_layers(tuple(sizes))
+    return sim.step_time(), sim.strategy, name
+
+
+def choose_schedule(sim: PipelinedSimulation, best: tuple[float, Strategy, str]
+                    ) -> tuple[float, Strategy, str]:
+    """`best` (time, strategy, start name) under the fastest schedule that fits among those
+    for its number of virtual stages (`SCHEDULES`: 1F1B, GPipe and ZB-H1 for one; the
+    interleaved for more), each priced on `sim`'s stage as it is
+    (`PipelinedSimulation.schedule_result`); `sim` ends at the result. ZB-H1 holds more
+    microbatches on the later stages than 1F1B (up to S on each), so where memory is tight
+    the choice stays."""
+    t, strategy, name = best
+    S, v, schedule, _ = strategy.pipeline
+    if S < 2:
+        return best
+    if sim.strategy != strategy:
+        sim.propose_strategy(strategy)
+        sim.accept()
+    found = t, schedule
+    for other, rules in SCHEDULES.items():
+        if other == schedule or rules.virtual != (v > 1):
+            continue
+        try:
+            r = sim.schedule_result(other)
+        except PlanError:  # not at these microbatches
+            continue
+        if r.fits_in_memory and r.step_time_s < found[0]:
+            found = r.step_time_s, other
+    if found[1] == schedule:
+        return best
+    sim.set_schedule(found[1])
     return sim.step_time(), sim.strategy, name

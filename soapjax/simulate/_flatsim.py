@@ -277,6 +277,13 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
         return out
 
     @_settled
+    def forward_seconds(self) -> list[float]:
+        """Per operator (graph order), its forward's compute seconds in the step (every
+        microbatch): what the pipeline simulation prices a split backward's W from
+        (`soapjax.simulate.pipesim`)."""
+        return [v.forward_s for v in self._views]
+
+    @_settled
     def activation_bytes_by_operator(self) -> list[int]:
         """The bytes each operator keeps for the backward pass per device, one microbatch,
         before recompute (`soapjax.strategy.memory.Segments.kept_bytes` with no operator

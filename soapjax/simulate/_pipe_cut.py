@@ -2,11 +2,13 @@
 parts (a chunk boundary's activations, the prologue's hand-off to every stage, the epilogue's
 parameters and the values its loss gathers), read off the graph alone and memoised per graph
 by `soapjax.simulate.pipesim`, its only user; the pieces a boundary value is sent in
-(`send_pieces`, per layout) and the collectives the loss's gathers run (`loss_collectives`).
+(`send_pieces`, per layout), the collectives the loss's gathers run (`loss_collectives`), and
+the share of each operator's work a split backward defers to its W (`weight_shares`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from soapjax.base.errors import PlanError
@@ -16,7 +18,7 @@ from soapjax.simulate._flat_memory import shard_bytes
 from soapjax.strategy.space import Config, MeshShape, sample_dim
 
 __all__ = ["boundary_values", "epilogue_gathers", "epilogue_params", "layer_chunks", "layer_span",
-           "loss_collectives", "prologue_handed", "send_pieces"]
+           "loss_collectives", "prologue_handed", "send_pieces", "weight_shares"]
 
 
 def layer_span(graph: OpGraph) -> tuple[int, int]:
@@ -200,3 +202,38 @@ def send_pieces(shape: Sequence[int], spec: Sequence[Sequence[str]], mesh: MeshS
     if not any(d % r == 0 for d in local[1:]):  # dim 0: the batch, cut into microbatches
         return nbytes, nbytes, ()
     return nbytes // r, nbytes, free
+
+
+def weight_shares(graph: OpGraph) -> tuple[float, ...]:
+    """Per operator (graph order), the share of its forward's FLOPs in *weight matmuls*:
+    ``dot_general`` equations whose one operand is a parameter (a layer's slice included) or
+    its cast and whose other is a float value. A schedule that splits the backward
+    (`soapjax.strategy.pipeline`'s ``"zb-h1"``) runs their weights' gradients, the same FLOPs
+    again, as its W actions (`soapjax.apply._deferred`, which defers these matmuls in the
+    layers); `soapjax.simulate.pipesim` prices a layer operator's W as this share of its
+    forward's time. Other equations count one FLOP per output element."""
+    prog = graph.program
+    weights = set(prog.param_like)
+    for u in prog.units:  # a parameter's cast to the compute dtype is one too
+        if u.eqn.primitive.name == "convert_element_type" and u.ins and u.ins[0] in weights:
+            weights.update(v for v in u.outs if v is not None)
+    inexact = [d.startswith(("float", "bfloat")) for d in prog.dtypes]
+    out = []
+    for op in graph.operators:
+        total = weight = 0.0
+        for i in prog.local[op.name].units:
+            u = prog.units[i]
+            outs = [v for v in u.outs if v is not None]
+            if u.eqn.primitive.name == "dot_general" and len(u.ins) == 2 and outs:
+                (contract, _), _ = u.eqn.params["dimension_numbers"]
+                lhs = prog.shapes[u.ins[0]]
+                flops = 2.0 * math.prod(prog.shapes[outs[0]]) * math.prod(lhs[d] for d in contract)
+                total += flops
+                if (sum(v in weights for v in u.ins) == 1
+                        and all(inexact[v] for v in u.ins)):
+                    weight += flops
+            else:
+                total += sum(math.prod(prog.shapes[v]) for v in outs)
+        out.append(weight / total if total else 0.0)
+    return tuple(out)
+

@@ -333,6 +333,10 @@ class FoldedStage:
         per = self._sims[-1].grad_sync_seconds()
         return [per[t] for t in self._twins]
 
+    def forward_seconds(self) -> list[float]:
+        per = self._sims[-1].forward_seconds()
+        return [per[t] for t in self._twins]
+
     def activation_bytes_by_operator(self) -> list[int]:
         per = self._sims[-1].activation_bytes_by_operator()
         return [per[t] for t in self._twins]

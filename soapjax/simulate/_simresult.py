@@ -5,13 +5,16 @@ per task, in issue order, and a `MemoryBreakdown` of the peak); this module hold
 what is made from them alone: JSON, and the Chrome trace format that Perfetto and
 chrome://tracing draw. Under one SPMD program every device runs the same compute timeline, so
 the trace draws one compute track per device (at most 64, the rest are the same) and one track
-per topology channel. `soapjax.simulate.front` re-exports everything here.
+per topology channel. A pipelined step's own result, `PipelineResult` (made by
+`soapjax.simulate.pipesim`), is here too. `soapjax.simulate.front` re-exports everything here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, NamedTuple
+
+from soapjax.strategy.pipeline import ChunkTimes, PipelineTimeline
 
 # Task kinds (`TaskRecord.kind`).
 FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
@@ -185,3 +188,84 @@ def _meta(what: str, pid: int, tid: int | None, name: str) -> dict[str, Any]:
     if tid is not None:
         ev["tid"] = tid
     return ev
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineResult:
+    """The simulated pipelined step.
+
+    Attributes:
+      step_time_s: predicted iteration time (the slowest stage's end, tail included).
+      timeline: the schedule's timeline (`soapjax.strategy.pipeline.PipelineTimeline`).
+      chunk_times: per-microbatch chunk and send times the schedule ran with.
+      stage_memory: per stage, what its peak per device is made of.
+      memory_capacity_bytes: each device's memory.
+      fits_in_memory: whether the fullest stage fits.
+      tail_s: per stage, its gradient synchronisation and update after its last backward.
+      prologue_s: the part before the first layer (embedding) run SPMD on every device:
+        (forward before the pipeline, backward after it).
+      layout_move_s: the stacked layer parameters moved from the model's layout to the
+        chunks' before the pipeline, and their gradients back after it (module doc, 4; 0
+        where the layouts agree).
+      collectives: the step's collectives as a device runs them, ``(kind, bytes per device,
+        times)`` (`PipelinedSimulation.step_collectives`); empty unless asked for
+        (`soapjax.simulate.front.simulate` asks).
+      sent_bytes: the bytes each device sends in those (`collectives.bytes_sent` of each,
+        over its group); 0 unless asked for, with `collectives`.
+      stage_sums_s: the two all-reduces over the stage axis after the pipeline: the
+        cotangents of what the prologue hands the stages (before the prologue's backward),
+        and the gradients of the epilogue's parameters (after the stages' tails).
+    """
+
+    step_time_s: float
+    timeline: PipelineTimeline
+    chunk_times: ChunkTimes
+    stage_memory: tuple[MemoryBreakdown, ...]
+    memory_capacity_bytes: int
+    fits_in_memory: bool
+    tail_s: tuple[float, ...]
+    prologue_s: tuple[float, float] = (0.0, 0.0)
+    layout_move_s: tuple[float, float] = (0.0, 0.0)
+    collectives: tuple[tuple[str, int, int], ...] = ()
+    stage_sums_s: tuple[float, float] = (0.0, 0.0)
+    sent_bytes: float = 0.0
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return max(m.total for m in self.stage_memory)
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.timeline.bubble_fraction
+
+    def to_json(self) -> dict:
+        """JSON-ready summary (the plan file's ``predicted``): the keys a `SimResult` has that
+        apply here, and the pipeline's own."""
+        fullest = max(self.stage_memory, key=lambda m: m.total)
+        return {
+            "step_time_s": self.step_time_s, "fits_in_memory": self.fits_in_memory,
+            "peak_memory_bytes": [m.total for m in self.stage_memory],
+            "memory": fullest._asdict(), "memory_capacity_bytes": self.memory_capacity_bytes,
+            "pipeline": {"bubble_fraction": self.bubble_fraction,
+                         "in_flight": list(self.timeline.in_flight),
+                         "stage_end_s": list(self.timeline.stage_end_s),
+                         "tail_s": list(self.tail_s),
+                         "prologue_s": list(self.prologue_s),
+                         "layout_move_s": list(self.layout_move_s),
+                         "chunk_forward_s": list(self.chunk_times.forward_s),
+                         "chunk_backward_s": list(self.chunk_times.backward_s),
+                         "chunk_weight_s": list(self.chunk_times.weight_s),
+                         "send_s": list(self.chunk_times.send_s)},
+        }
+
+
+def as_step_result(pipelined: PipelineResult, stage: SimResult,
+                   num_devices: int) -> SimResult:
+    """The pipelined step as a `SimResult` for reports: step time, fits and memory of the
+    pipeline (its fullest stage), the compute, bytes and tasks of one stage's work."""
+    fullest = max(pipelined.stage_memory, key=lambda m: m.total)
+    return dataclasses.replace(
+        stage, step_time_s=pipelined.step_time_s,
+        exposed_comm_s=max(0.0, pipelined.step_time_s - stage.compute_s),
+        peak_memory_bytes=(fullest.total,) * num_devices, memory=fullest,
+        fits_in_memory=pipelined.fits_in_memory, num_devices=num_devices, pipeline=pipelined)

@@ -20,7 +20,10 @@ group's axes. The pipelined step is priced in three parts:
    them: SPMD on every device, before the pipeline (their backward after it), at 1/S of
    their one-stage span.
 2. **The schedule.** `soapjax.strategy.pipeline.time_schedule` runs the schedule's per-stage orders
-   with those chunk times and the stage-to-stage sends: one microbatch's boundary activations
+   with those chunk times (a schedule that splits the backward, ZB-H1, runs each chunk's
+   weight gradients apart: its layer operators' weight matmuls' share of their forward time,
+   `_pipe_cut.weight_shares`, as apply defers them: `soapjax.apply._deferred`) and the
+   stage-to-stage sends: one microbatch's boundary activations
    (the per-device shards of every value a later chunk reads from an earlier one), priced as a
    point-to-point transfer over the outermost mesh axis of the full topology (the link between
    two nodes), the same size back for the gradient.
@@ -92,13 +95,22 @@ from soapjax.simulate._pipe_cut import (
     prologue_handed,
     send_pieces,
     tied_params,
+    weight_shares,
 )
 from soapjax.simulate._pipe_fold import MIN_LAYERS, FoldedStage, StageCosts, layer_fold, tied
-from soapjax.simulate._simresult import GRAD_SYNC, MemoryBreakdown, SimResult
+from soapjax.simulate._simresult import (
+    GRAD_SYNC,
+    MemoryBreakdown,
+    PipelineResult,
+    SimResult,
+    as_step_result,
+)
 from soapjax.strategy.pipeline import (
     DEFAULT_SCHEDULE,
+    SCHEDULES,
     ChunkTimes,
     PipelineTimeline,
+    check_pipeline,
     check_stage_layers,
     stage_routes,
     time_schedule,
@@ -112,74 +124,6 @@ __all__ = ["LAYER_LAYOUTS", "PipelineResult", "PipelinedSimulation", "as_step_re
 # Where the stacked layer parameters live between steps (module doc, 4): the model's layout, as
 # soapjax.apply.step stores them, or the chunks', as Megatron-LM does.
 LAYER_LAYOUTS = ("model", "chunks")
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineResult:
-    """The simulated pipelined step.
-
-    Attributes:
-      step_time_s: predicted iteration time (the slowest stage's end, tail included).
-      timeline: the schedule's timeline (`soapjax.strategy.pipeline.PipelineTimeline`).
-      chunk_times: per-microbatch chunk and send times the schedule ran with.
-      stage_memory: per stage, what its peak per device is made of.
-      memory_capacity_bytes: each device's memory.
-      fits_in_memory: whether the fullest stage fits.
-      tail_s: per stage, its gradient synchronisation and update after its last backward.
-      prologue_s: the part before the first layer (embedding) run SPMD on every device:
-        (forward before the pipeline, backward after it).
-      layout_move_s: the stacked layer parameters moved from the model's layout to the
-        chunks' before the pipeline, and their gradients back after it (module doc, 4; 0
-        where the layouts agree).
-      collectives: the step's collectives as a device runs them, ``(kind, bytes per device,
-        times)`` (`PipelinedSimulation.step_collectives`); empty unless asked for
-        (`soapjax.simulate.front.simulate` asks).
-      sent_bytes: the bytes each device sends in those (`collectives.bytes_sent` of each,
-        over its group); 0 unless asked for, with `collectives`.
-      stage_sums_s: the two all-reduces over the stage axis after the pipeline: the
-        cotangents of what the prologue hands the stages (before the prologue's backward),
-        and the gradients of the epilogue's parameters (after the stages' tails).
-    """
-
-    step_time_s: float
-    timeline: PipelineTimeline
-    chunk_times: ChunkTimes
-    stage_memory: tuple[MemoryBreakdown, ...]
-    memory_capacity_bytes: int
-    fits_in_memory: bool
-    tail_s: tuple[float, ...]
-    prologue_s: tuple[float, float] = (0.0, 0.0)
-    layout_move_s: tuple[float, float] = (0.0, 0.0)
-    collectives: tuple[tuple[str, int, int], ...] = ()
-    stage_sums_s: tuple[float, float] = (0.0, 0.0)
-    sent_bytes: float = 0.0
-
-    @property
-    def peak_memory_bytes(self) -> int:
-        return max(m.total for m in self.stage_memory)
-
-    @property
-    def bubble_fraction(self) -> float:
-        return self.timeline.bubble_fraction
-
-    def to_json(self) -> dict:
-        """JSON-ready summary (the plan file's ``predicted``): the keys a `SimResult` has that
-        apply here, and the pipeline's own."""
-        fullest = max(self.stage_memory, key=lambda m: m.total)
-        return {
-            "step_time_s": self.step_time_s, "fits_in_memory": self.fits_in_memory,
-            "peak_memory_bytes": [m.total for m in self.stage_memory],
-            "memory": fullest._asdict(), "memory_capacity_bytes": self.memory_capacity_bytes,
-            "pipeline": {"bubble_fraction": self.bubble_fraction,
-                         "in_flight": list(self.timeline.in_flight),
-                         "stage_end_s": list(self.timeline.stage_end_s),
-                         "tail_s": list(self.tail_s),
-                         "prologue_s": list(self.prologue_s),
-                         "layout_move_s": list(self.layout_move_s),
-                         "chunk_forward_s": list(self.chunk_times.forward_s),
-                         "chunk_backward_s": list(self.chunk_times.backward_s),
-                         "send_s": list(self.chunk_times.send_s)},
-        }
 
 
 class PipelinedSimulation:
@@ -292,6 +236,33 @@ class PipelinedSimulation:
         finally:
             self._cut(pipeline)  # all of it derived from the pipeline's numbers (memoised)
             self._result = result
+
+    def schedule_result(self, schedule: str) -> PipelineResult:
+        """The step of the current configs under another `schedule` of the same stages,
+        virtual stages and stage layers, the simulation left as it was: the schedule's work
+        only, as `stage_layers_result` (what the search's choice of a schedule reads:
+        `soapjax.search.stages.choose_schedule`).
+
+        Raises:
+          PlanError: the schedule does not take this pipeline (`check_pipeline`).
+        """
+        stages, virtual, _, sizes = self._pipeline
+        check_pipeline(schedule, stages, self.microbatches, virtual)
+        pipeline, result = self._pipeline, self._result
+        try:
+            self._cut((stages, virtual, schedule, sizes))
+            return self._compute()
+        finally:
+            self._cut(pipeline)
+            self._result = result
+
+    def set_schedule(self, schedule: str) -> float:
+        """Runs `schedule` from now on (`schedule_result`'s rules); the step time."""
+        stages, virtual, _, sizes = self._pipeline
+        check_pipeline(schedule, stages, self.microbatches, virtual)
+        self._cut((stages, virtual, schedule, sizes))
+        self._result = self._saved = None
+        return self.step_time()
 
     def set_stage_layers(self, stage_layers: tuple[int, ...]) -> float:
         """Cuts the layers into `stage_layers` per stage from now on; the step time."""
@@ -459,8 +430,9 @@ class PipelinedSimulation:
                     backward[c] += t
         # the last chunk's forward runs its loss's gathers' collectives
         forward[-1] += sum(t for *_, t in self._loss_collectives())
-        times = ChunkTimes(tuple(max(0.0, t) for t in forward),
-                           tuple(max(0.0, t) for t in backward), self._send_times())
+        backward = [max(0.0, t) for t in backward]
+        times = ChunkTimes(tuple(max(0.0, t) for t in forward), tuple(backward),
+                           self._send_times(), self._weight_times(backward))
         timeline = time_schedule(schedule, S, M, v, times)
         # The prologue runs SPMD on all S stages' devices: before the pipeline, its backward
         # after it, each at 1/S of one stage's time for the whole batch.
@@ -480,6 +452,19 @@ class PipelinedSimulation:
         return PipelineResult(step, timeline, times, memory, cap,
                               max(m.total for m in memory) <= cap, tails, (before, after),
                               (move, move), stage_sums_s=(handed, shared))
+
+    def _weight_times(self, backward: Sequence[float]) -> tuple[float, ...]:
+        """Per chunk, one microbatch's weight gradients in its layers' matmuls: what a
+        schedule that splits the backward runs as the chunk's W (`_pipe_cut.weight_shares`
+        of each layer operator's forward time, the same FLOPs again; at most the chunk's
+        backward). Zeros for other schedules."""
+        if not SCHEDULES[self._pipeline[2]].splits_backward:
+            return (0.0,) * len(backward)
+        shares = self.graph.memo("weight_shares", lambda: weight_shares(self.graph))
+        seconds, M, outside = self._inner.forward_seconds(), self._inner.microbatches, self._outside
+        return tuple(min(b, sum(shares[i] * seconds[i] for i in range(lo, hi)
+                                if shares[i] and not outside[i]) / M)
+                     for b, (lo, hi) in zip(backward, self._ranges))
 
     def _stage_sum_bytes(self) -> tuple[int, int]:
         """The bytes per device of the two sums over the stage axis that apply's step runs
@@ -669,18 +654,6 @@ class PipelinedSimulation:
                 activations=int(m.activations * per_pair * timeline.in_flight[s]),
                 comm_buffers=m.comm_buffers))
         return tuple(out)
-
-
-def as_step_result(pipelined: PipelineResult, stage: SimResult,
-                   num_devices: int) -> SimResult:
-    """The pipelined step as a `SimResult` for reports: step time, fits and memory of the
-    pipeline (its fullest stage), the compute, bytes and tasks of one stage's work."""
-    fullest = max(pipelined.stage_memory, key=lambda m: m.total)
-    return dataclasses.replace(
-        stage, step_time_s=pipelined.step_time_s,
-        exposed_comm_s=max(0.0, pipelined.step_time_s - stage.compute_s),
-        peak_memory_bytes=(fullest.total,) * num_devices, memory=fullest,
-        fits_in_memory=pipelined.fits_in_memory, num_devices=num_devices, pipeline=pipelined)
 
 
 class _LayoutMoves(NamedTuple):
