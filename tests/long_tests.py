@@ -14,9 +14,10 @@ LONG: dict[str, str] = {
         "two pipelined searches of a 16-layer GPT (25 s); the folded stage's prices equal the "
         "whole stage's: test_folded_stage_prices_gpt_as_the_whole_stage",
     "tests/test__pipelined.py::test_a_split_backward_computes_each_gradient_leaf_of_the_"
-    "unsharded_step[llama-none]": "another compiled ZB-H1 step (10 s); GPT's runs in make test",
+    "unsharded_step[llama-zb-h1-1-none]": "another compiled ZB-H1 step (10 s); GPT's and the "
+    "interleaved LLaMA's run in make test",
     "tests/test__pipelined.py::test_a_split_backward_computes_each_gradient_leaf_of_the_"
-    "unsharded_step[llama-full]": "the same",
+    "unsharded_step[llama-zb-h1-1-full]": "the same",
     # scripts run end to end on the CPU (their functions have their own tests)
     "tests/test_evaluate.py::test_tiny_run_writes_every_section_with_numbers":
         "bench_evaluate's run (74 s); its statistic: test_spearman_matches_the_textbook_"

@@ -26,9 +26,11 @@ from conftest import float64_model
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from test_corpus import _eqns
 
+from soapjax.apply._deferred import weight_matmuls
 from soapjax.apply._pipeline_layout import from_pipelined, pipelined_layout_shardings, to_pipelined
-from soapjax.apply._pipelined import _Groups, _split_axes, pipelined_value_and_grad, ticks
+from soapjax.apply._pipelined import _cut, _Groups, _split_axes, pipelined_value_and_grad, ticks
 from soapjax.base.errors import PlanError
+from soapjax.exactness import compare_gradients
 from soapjax.measure.hlo import collectives
 from soapjax.strategy.pipeline import SCHEDULES, device_orders
 from soapjax.strategy.space import RecomputePolicy
@@ -114,9 +116,11 @@ def assert_unsharded(name: str, virtual: int, loss, grads) -> None:
 CASES = [("gpt", "gpipe", 1, "none", ("data",)), ("gpt", "1f1b", 1, "none", ("data",)),
          ("gpt", "1f1b", 1, "full", ("data",)), ("gpt", "interleaved", 2, "none", ("data",)),
          ("gpt", "1f1b", 1, "full", ()), ("llama", "1f1b", 1, "none", ("data",)),
-         ("gpt", "zb-h1", 1, "selective", ("data",))]
+         ("gpt", "zb-h1", 1, "selective", ("data",)),
+         ("llama", "zb-interleaved", 2, "none", ("data",))]
 IDS = ["gpt-gpipe-saved", "gpt-1f1b-saved", "gpt-1f1b-recomputed", "gpt-interleaved-saved",
-       "gpt-1f1b-recomputed-whole-microbatches", "llama-1f1b-saved", "gpt-zb-h1-selective"]
+       "gpt-1f1b-recomputed-whole-microbatches", "llama-1f1b-saved", "gpt-zb-h1-selective",
+       "llama-zb-interleaved-saved"]
 
 
 def test_every_schedule_of_the_table_runs_here():
@@ -434,19 +438,18 @@ def test_a_pick_of_bfloat16_or_integers_is_exact_and_of_booleans_is_not_a_pick()
                                       np.asarray(TAKES["last"](xs, i), np.float64))
 
 
-@pytest.mark.parametrize("name,recompute", [("gpt", "selective"), ("llama", "none"),
-                                            ("llama", "full")])
-def test_a_split_backward_computes_each_gradient_leaf_of_the_unsharded_step(name, recompute):
-    """ZB-H1 (the weights' gradients deferred to W actions, `soapjax.apply._deferred`): every
+@pytest.mark.parametrize("name,schedule,virtual,recompute", [
+    ("gpt", "zb-h1", 1, "selective"), ("llama", "zb-interleaved", 2, "none"),
+    ("llama", "zb-h1", 1, "none"), ("llama", "zb-h1", 1, "full")])
+def test_a_split_backward_computes_each_gradient_leaf_of_the_unsharded_step(
+        name, schedule, virtual, recompute):
+    """ZB-H1 and the zero-bubble interleaved schedule (the weights' gradients deferred to W
+    actions, `soapjax.apply._deferred`): every
     gradient leaf within 1e-12 of its own scale (`compare_gradients`), the weight matmuls
     found (GPT: q, k, v, out, fc1, fc2; Llama: q, k, v, o, gate, up, down) so the W branch
     is the one computing their gradients."""
-    from soapjax.apply._deferred import weight_matmuls
-    from soapjax.apply._pipelined import _cut
-    from soapjax.exactness import compare_gradients
-
-    loss, grads, exe = compiled(name, "zb-h1", 1, recompute)
-    _, _, graph, (want_loss, want) = model_case(name, STAGES)
+    loss, grads, exe = compiled(name, schedule, virtual, recompute)
+    _, _, graph, (want_loss, want) = model_case(name, STAGES * virtual)
     cut = _cut(graph)
     assert len(weight_matmuls(cut.program, cut.scan, cut.layer)) == {"gpt": 6, "llama": 7}[name]
     comparison = compare_gradients(loss, grads, want_loss, want, tolerance=1e-12)

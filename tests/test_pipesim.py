@@ -16,6 +16,7 @@ from soapjax.graph.opgraph import trace
 from soapjax.search import (
     SearchSettings,
     balance_stages,
+    choose_schedule,
     find_plan,
     improving_change,
     interleave_choices,
@@ -23,6 +24,7 @@ from soapjax.search import (
     pipeline_grid,
     stage_choices,
 )
+from soapjax.simulate._pipe_cut import weight_shares
 from soapjax.simulate.front import Simulation, open_simulation
 from soapjax.simulate.pipesim import PipelinedSimulation, layer_chunks
 from soapjax.strategy.baselines import GridPoint, megatron_3d
@@ -475,8 +477,6 @@ def test_zero_bubble_prices_the_layers_weight_matmuls_as_w_and_is_faster_at_dept
     and the MLP, not the attention core), at most its backward; 1F1B's schedule ignores it;
     the step is shorter by (S - 1) of 2 W's less what the sends and the tail change, and
     every stage holds up to S microbatches (1F1B: S - s)."""
-    from soapjax.simulate._pipe_cut import weight_shares
-
     graph = gpt(8)
     shares = weight_shares(graph)
     by_name = dict(zip((op.name for op in graph.operators), shares))
@@ -500,8 +500,6 @@ def test_zero_bubble_prices_the_layers_weight_matmuls_as_w_and_is_faster_at_dept
 def test_the_search_picks_the_schedule_that_fits_and_is_fastest():
     """`choose_schedule`: from 1F1B to ZB-H1 where that is faster and fits; kept where ZB-H1's
     memory does not fit (its later stages hold S microbatches)."""
-    from soapjax.search import choose_schedule
-
     graph = gpt(8)
     start = megatron_3d(graph, A100, tp=4, pp=4, microbatch_size=1, recompute="selective")
     sim = pipelined(start, graph)

@@ -1,7 +1,7 @@
 """What a pipeline's chain walks that leaves its stage's simulation as it is: the schedule
-(`choose_schedule`: ZB-H1 where its deferred weight gradients fill the bubble and its
-memory fits) and the stage boundaries (`balance_stages`: uneven stages, as Megatron-LM's
-``--decoder-last-pipeline-num-layers``).
+(`choose_schedule`: a zero-bubble schedule where its deferred weight gradients fill the
+bubble and its memory fits) and the stage boundaries (`balance_stages`: uneven stages, as
+Megatron-LM's ``--decoder-last-pipeline-num-layers``).
 """
 
 from __future__ import annotations
@@ -75,10 +75,11 @@ def choose_schedule(sim: PipelinedSimulation, best: tuple[float, Strategy, str]
                     ) -> tuple[float, Strategy, str]:
     """`best` (time, strategy, start name) under the fastest schedule that fits among those
     for its number of virtual stages (`SCHEDULES`: 1F1B, GPipe and ZB-H1 for one; the
-    interleaved for more), each priced on `sim`'s stage as it is
-    (`PipelinedSimulation.schedule_result`); `sim` ends at the result. ZB-H1 holds more
-    microbatches on the later stages than 1F1B (up to S on each), so where memory is tight
-    the choice stays."""
+    interleaved schedule and its zero-bubble form for more), each priced on `sim`'s stage as
+    it is
+    (`PipelinedSimulation.schedule_result`); `sim` ends at the result. The zero-bubble
+    schedules hold more microbatches on the later stages (ZB-H1: up to S on each), so where
+    memory is tight the choice stays."""
     t, strategy, name = best
     S, v, schedule, _ = strategy.pipeline
     if S < 2:

@@ -264,11 +264,12 @@ def _step(S: int, M: int, C: int, s: int, task: int, a) -> tuple[int, ...]:
 
 def _dependency_order(orders, M: int, C: int) -> list[tuple[int, int]]:
     """(stage, position) of every action, each after the actions whose outputs it needs,
-    position by position: every action reads only actions at its position or before
-    (`device_orders`' schedules), so round k runs each stage's action at position k, in
-    sweeps over the stages until all have run. The steady part of a schedule is then the
-    same rounds again and again (`_periodic`)."""
-    f_done, b_done = bytearray(M * C), bytearray(M * C)
+    position by position where every action reads only actions at its position or before
+    (the schedules of `device_orders` but for some that place W actions: then
+    `_greedy_order`): round k runs each stage's action at position k, in sweeps over the
+    stages until all have run. The steady part of a schedule is then the same rounds again
+    and again (`_periodic`)."""
+    done = _Done(M, C)
     out: list[tuple[int, int]] = []
     longest = max(map(len, orders))
     for k in range(longest):
@@ -276,24 +277,52 @@ def _dependency_order(orders, M: int, C: int) -> list[tuple[int, int]]:
         while todo:
             left = []
             for s in todo:
-                kind, m, c = orders[s][k]
-                j = m * C + c
-                if kind == "W":
-                    pass
-                elif kind == "F":
-                    if c and not f_done[j - 1]:
-                        left.append(s)
-                        continue
-                    f_done[j] = 1
+                if done.take(orders[s][k]):
+                    out.append((s, k))
                 else:
-                    if c < C - 1 and not b_done[j + 1]:
-                        left.append(s)
-                        continue
-                    b_done[j] = 1
-                out.append((s, k))
-            assert len(left) < len(todo), f"deadlock in the pipeline orders at position {k}"
+                    left.append(s)
+            if len(left) == len(todo):
+                return _greedy_order(orders, M, C)
             todo = left
     return out
+
+
+def _greedy_order(orders, M: int, C: int) -> list[tuple[int, int]]:
+    """`_dependency_order` where some action reads one at a later position of another
+    stage: each stage runs as far as it can, in sweeps over the stages."""
+    done = _Done(M, C)
+    out: list[tuple[int, int]] = []
+    pos = [0] * len(orders)
+    while any(p < len(o) for p, o in zip(pos, orders)):
+        moved = False
+        for s, order in enumerate(orders):
+            while pos[s] < len(order) and done.take(order[pos[s]]):
+                out.append((s, pos[s]))
+                pos[s] += 1
+                moved = True
+        assert moved, f"deadlock in the pipeline orders at positions {pos}"
+    return out
+
+
+class _Done:
+    """Which forwards and backwards have run; `take` runs an action if what it needs has."""
+
+    def __init__(self, M: int, C: int):
+        self.C = C
+        self.f, self.b = bytearray(M * C), bytearray(M * C)
+
+    def take(self, action) -> bool:
+        kind, m, c = action
+        j = m * self.C + c
+        if kind == "F":
+            if c and not self.f[j - 1]:
+                return False
+            self.f[j] = 1
+        elif kind == "B":
+            if c < self.C - 1 and not self.b[j + 1]:
+                return False
+            self.b[j] = 1
+        return True  # a W: after its B, on the same stage (the order keeps it)
 
 
 def _peak_in_flight(order: Sequence, split: bool) -> int:
