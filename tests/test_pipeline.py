@@ -233,6 +233,18 @@ def test_zero_bubble_interleaving_shortens_the_interleaved_bubble_in_the_same_me
         pipeline._weights_deferred(pipeline._1f1b(2, 4, 8, 1), 2))
 
 
+def test_a_split_backward_holds_the_stash_of_what_waits_for_its_w():
+    """ZB-H1 over 3 stages and 4 microbatches: stage 1 passes through 2 forwards waiting for
+    their B and 1 B waiting for its W, or 1 and 2; with a stash of half an activation its
+    peak is 2.5 activations (1F1B's stage 1: 2); at a stash of one, `in_flight`."""
+    t = time_schedule("zb-h1", 3, 4, 1, ChunkTimes.uniform(3, 1.0, 2.0, weight_s=1.0))
+    assert t.held_pairs[1] == ((1, 2), (2, 1))
+    assert t.held(1, 0.5) == 2.5 and t.held(1, 1.0) == t.in_flight[1] == 3
+    assert t.held(1, 2.0) == 5.0  # recomputing: the stash is more than the forward keeps
+    plain = time_schedule("1f1b", 3, 4, 1, ChunkTimes.uniform(3, 1.0, 2.0))
+    assert plain.held_pairs == () and plain.held(1, 0.5) == plain.in_flight[1] == 2
+
+
 def test_weight_times_are_checked():
     with pytest.raises(PlanError, match=r"weight_s\[0\] is 3.0, more than the chunk's whole"):
         ChunkTimes((1.0,), (2.0,), (), (3.0,))

@@ -22,10 +22,12 @@ from soapjax.search import (
     interleave_choices,
     make_simulation,
     pipeline_grid,
+    pipelines,
     stage_choices,
 )
+from soapjax.search._chain import _Searcher
 from soapjax.simulate._pipe_cut import weight_shares
-from soapjax.simulate.front import Simulation, open_simulation
+from soapjax.simulate.front import Simulation, folds, open_simulation
 from soapjax.simulate.pipesim import PipelinedSimulation, layer_chunks
 from soapjax.strategy.baselines import GridPoint, megatron_3d
 from soapjax.strategy.pipeline import pipeline_error
@@ -518,3 +520,24 @@ def test_the_search_picks_the_schedule_that_fits_and_is_fastest():
     assert tight.fits_in_memory() and not tight.schedule_result("zb-h1").fits_in_memory
     kept = choose_schedule(tight, (tight.step_time(), start, "start"))
     assert kept[1].schedule == "1f1b" and kept[0] == tight.step_time()
+
+
+def test_the_search_prices_its_fastest_folded_plans_again_whole(monkeypatch):
+    """`_settle_folded`: a pipelined plan whose folded price was too low (here made so) is
+    priced again on its whole stage, and the best follows."""
+    graph = gpt(12)  # folded from 12 layers on (`_pipe_fold.MIN_LAYERS`)
+    piped = megatron_3d(graph, A100, tp=4, pp=4, microbatch_size=1, recompute="selective")
+    flat = megatron_3d(graph, A100, tp=4, pp=1, microbatch_size=1)
+    assert folds(graph, piped) and not folds(graph, flat)
+    whole_piped = pipelined(piped, graph).step_time()
+    with open_simulation(graph, A100, flat, cost_model=cost_model(graph, A100, mode="analytic"),
+                         resharder="ideal") as sim:
+        t_flat = sim.step_time()
+        searcher = _Searcher(sim, SearchSettings(), None)
+    searcher.bests = {"piped": (0.5 * t_flat, piped, "piped"), "flat": (t_flat, flat, "flat")}
+    searcher.best = searcher.bests["piped"]
+    priced = pipelines._settle_folded(searcher, graph, A100,
+                                     cost_model(graph, A100, mode="analytic"), 2.0)
+    assert priced == 1
+    assert searcher.bests["piped"][0] == pytest.approx(whole_piped)
+    assert searcher.best == min(searcher.bests.values(), key=lambda f: f[0])

@@ -119,7 +119,7 @@ from soapjax.search._chain import (
 from soapjax.search._clock import sparse_gc
 from soapjax.search._parallel import ChainTask, lanes, run_chains
 from soapjax.search.grids import _grid_starts, _within
-from soapjax.search.pipelines import _Pipelines
+from soapjax.search.pipelines import _Pipelines, _settle_folded
 from soapjax.search.recompute import RELAX_SHARE, recomputes_any, relaxed
 from soapjax.simulate import SimResult
 from soapjax.simulate.front import (
@@ -348,6 +348,8 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
         tasks += [(task, (1.0 - flat_share) / len(piped)) for task in piped]
     run_chains(tasks, settings.seed, lanes(settings.processes, len(tasks), forkable), end,
                lambda _, outcome: searcher.absorb(outcome), progress)
+    if pipes is not None:  # the pipelined plans' folded prices checked on whole stages
+        _settle_folded(searcher, graph, topology, cost_model or sim.cost_model, opt_state_factor)
     searcher._report("done", force=True)
     if searcher.best is None:
         hint = ("" if wanted or not graph.repeated_blocks() else

@@ -6,6 +6,7 @@ tries, Megatron's grid at each (`pipeline_grid`), and the chains of the best
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 
 from soapjax.base.errors import PlanError
@@ -23,6 +24,7 @@ from soapjax.search.grids import _likely_first, _score_points, _within, grid_deg
 from soapjax.search.recompute import RELAX_SHARE, relaxed
 from soapjax.search.stages import _num_layers, balance_stages, choose_schedule
 from soapjax.simulate.front import (
+    folds,
     open_simulation,
 )
 from soapjax.simulate.pipesim import layer_chunks
@@ -306,6 +308,42 @@ class _Pipelines:
         found = relaxed(searcher.sim, self._args[0], start, deadline,
                         lambda: searcher.record(f"{name}-kept"))
         return (start, name) if found is None else (found[1], f"{name}-kept")
+
+
+# How many of a search's fastest pipelined plans `_settle_folded` prices again, at most.
+SETTLED_PLANS = 3
+
+
+def _settle_folded(searcher: _Searcher, graph: OpGraph, topology, cost_model,
+                  opt_state_factor: float) -> int:
+    """The search's pipelined plans were priced on folded stages (`_pipeline_searcher`),
+    which extrapolate the stage's timeline from a few layers: exact while its terms stay
+    linear in the layers, not where one crosses another beyond the folds (the head waiting
+    for its weights' gather in a few layers and for the layers in all of them; GPT 18.4B on
+    256 A100s, docs/vs-experts.md). Here the fastest of them are priced again on their whole
+    stage, fastest first (at most `SETTLED_PLANS`), until a plan priced exactly (one without
+    stages, or one priced whole) is as fast as the next one's folded price; the whole prices
+    replace the folded ones among the starts' bests, and the best follows. Returns how many
+    were priced again."""
+    whole: set[str] = set()
+    for _ in range(SETTLED_PLANS):
+        exact = min((f[0] for k, f in searcher.bests.items()
+                     if not folds(graph, f[1]) or k in whole), default=math.inf)
+        pending = sorted((f[0], k) for k, f in searcher.bests.items()
+                         if folds(graph, f[1]) and k not in whole)
+        if not pending or pending[0][0] >= exact:
+            break
+        _, key = pending[0]
+        t, strategy, name = searcher.bests[key]
+        with open_simulation(graph, topology, strategy, cost_model=cost_model,
+                             resharder=DEFAULT_MODE, opt_state_factor=opt_state_factor) as sim:
+            priced = sim.step_time() if sim.fits_in_memory() else math.inf
+        whole.add(key)
+        searcher.bests[key] = (priced, strategy, name)
+    if whole:
+        fits = [f for f in searcher.bests.values() if f[0] < math.inf]
+        searcher.best = min(fits, key=lambda f: f[0]) if fits else None
+    return len(whole)
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from soapjax.simulate.front import (
     TaskRecord as TaskRecord,
     compare as compare,
     default_pricing as default_pricing,
+    folds as folds,
     open_simulation as open_simulation,
     opt_state_factor as opt_state_factor,
     parse_strategy as parse_strategy,

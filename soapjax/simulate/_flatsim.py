@@ -284,6 +284,13 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
         return [v.forward_s for v in self._views]
 
     @_settled
+    def io_bytes_by_operator(self) -> list[int]:
+        """Per operator (graph order), the bytes per device of its activation operands and
+        its outputs for one microbatch, at their layouts here: what a split backward stashes
+        for a weight matmul's W (`soapjax.simulate.pipesim`)."""
+        return [sum(v.operand_bytes) + sum(v.output_bytes) for v in self._views]
+
+    @_settled
     def activation_bytes_by_operator(self) -> list[int]:
         """The bytes each operator keeps for the backward pass per device, one microbatch,
         before recompute (`soapjax.strategy.memory.Segments.kept_bytes` with no operator

@@ -337,6 +337,10 @@ class FoldedStage:
         per = self._sims[-1].forward_seconds()
         return [per[t] for t in self._twins]
 
+    def io_bytes_by_operator(self) -> list[int]:
+        per = self._sims[-1].io_bytes_by_operator()
+        return [per[t] for t in self._twins]
+
     def activation_bytes_by_operator(self) -> list[int]:
         per = self._sims[-1].activation_bytes_by_operator()
         return [per[t] for t in self._twins]

@@ -39,6 +39,7 @@ from soapjax.cost.operators import cost_model as make_cost_model
 from soapjax.cost.reshard import DEFAULT_MODE, Resharder, ReshardModel
 from soapjax.graph.opgraph import OpGraph
 from soapjax.simulate._flatsim import OpCosts, Simulation, shard_bytes
+from soapjax.simulate._pipe_fold import MIN_LAYERS, layer_fold, tied
 from soapjax.simulate._simresult import MemoryBreakdown, SimResult, TaskRecord
 from soapjax.simulate.pipesim import (
     PipelinedSimulation,
@@ -52,7 +53,7 @@ from soapjax.topology.cluster import Topology, stage_topology
 
 __all__ = [
     "MemoryBreakdown", "OpCosts", "PipelineResult", "PipelinedSimulation", "SimResult",
-    "Simulation", "TaskRecord", "compare", "default_pricing", "open_simulation",
+    "Simulation", "TaskRecord", "compare", "default_pricing", "folds", "open_simulation",
     "opt_state_factor", "parse_strategy", "shard_bytes", "simulate",
 ]
 
@@ -116,6 +117,17 @@ def open_simulation(graph: OpGraph, topology: Topology, strategy: Strategy | Non
     finally:
         if owned:
             flat_resharder.close()
+
+
+def folds(graph: OpGraph, strategy: Strategy) -> bool:
+    """Whether ``open_simulation(..., fold=True)`` prices `strategy` on a folded stage (a
+    pipelined strategy whose layers are alike, tied and many enough:
+    `soapjax.simulate._pipe_fold`): prices extrapolated from a few layers, which the search
+    checks on the whole stage for the plans it ends on."""
+    if not strategy.pipelined:
+        return False
+    fold = graph.memo("layer_fold", lambda: layer_fold(graph))
+    return fold is not None and fold.layers >= MIN_LAYERS and tied(graph, fold, strategy)
 
 
 def simulate(graph: OpGraph, topology: Topology, strategy: Strategy, *,

@@ -55,8 +55,9 @@ group's axes. The pipelined step is priced in three parts:
 communication buffers scaled by the stage's share of the parameter bytes (its layers, plus the
 parameters read outside the layers, which every stage holds as apply stores them), plus the
 activations of one microbatch's chunk (their share of the one-stage activations) times the
-schedule's peak in-flight (microbatch, chunk) pairs on that stage. The plan fits when the
-fullest stage fits.
+schedule's peak in-flight (microbatch, chunk) pairs on that stage (a split backward's pairs
+whose B has run and W has not at their stash's share of one: `PipelineTimeline.held`). The
+plan fits when the fullest stage fits.
 
 What is left out: the head on the last stage makes that stage slower, as it is (the search
 may then cut the stages unevenly: `soapjax.search.stages.balance_stages`, one virtual stage only),
@@ -643,17 +644,30 @@ class PipelinedSimulation:
         total_act = sum(act) or 1
         chunk_act = [sum(act[lo:hi]) for lo, hi in self._ranges]
         chunk_act[0] += sum(act[:self._ranges[0][0]])  # the prologue's, with the first chunk
+        stash = self._stash_bytes() if timeline.held_pairs else [0] * (S * v)
         out = []
         for s in range(S):
             share = self._param_share[s]
             per_pair = max(chunk_act[c] for c in range(s, S * v, S)) / total_act
+            one = m.activations * per_pair  # one (microbatch, chunk)'s, recomputation kept
+            # (more than one where the forward keeps less than the stash: full recomputation)
+            ratio = max(stash[c] for c in range(s, S * v, S)) / one if one else 1.0
             out.append(MemoryBreakdown(
                 params=int(m.params * share) + moves.copy,
                 grads=int(m.grads * share) + moves.padding,
                 opt_state=int(m.opt_state * share),
-                activations=int(m.activations * per_pair * timeline.in_flight[s]),
+                activations=int(one * timeline.held(s, ratio)),
                 comm_buffers=m.comm_buffers))
         return tuple(out)
+
+    def _stash_bytes(self) -> list[int]:
+        """Per chunk, what a microbatch whose B has run and W has not holds under a split
+        backward: its layer operators' weight matmuls' operands and outputs (the stash,
+        `soapjax.apply._deferred`; the residuals are dropped at the B)."""
+        shares = self.graph.memo("weight_shares", lambda: weight_shares(self.graph))
+        io, outside = self._inner.io_bytes_by_operator(), self._outside
+        return [sum(io[i] for i in range(lo, hi) if shares[i] and not outside[i])
+                for lo, hi in self._ranges]
 
 
 class _LayoutMoves(NamedTuple):

@@ -33,13 +33,16 @@ class Compiled(NamedTuple):
     into ``send_s``, and the arrival slot its send fills.
 
     `periodic` is where the steps repeat (`_Periodic`), or None. `split`: the orders hold W
-    actions (the backward split in two).
+    actions (the backward split in two); `held` then has, per stage, the pairs ``(forwards
+    whose B has not run, B's whose W has not)`` the stage passes through that no other pair
+    of it exceeds in both (`_held_pairs`).
     """
 
     steps: tuple[array.array, ...]
     in_flight: tuple[int, ...]
     periodic: _Periodic | None = None
     split: bool = False
+    held: tuple[tuple[tuple[int, int], ...], ...] = ()
 
 
 class _Periodic(NamedTuple):
@@ -240,7 +243,8 @@ def compile_orders(S: int, M: int, v: int, orders: Sequence[Sequence]) -> Compil
     columns = tuple(array.array("i", column) for column in zip(*steps))
     split = any(a.kind == "W" for order in orders for a in order)
     return Compiled(columns, tuple(_peak_in_flight(order, split) for order in orders),
-                    _periodic(columns, S, M, v) if S > 1 else None, split)
+                    _periodic(columns, S, M, v) if S > 1 else None, split,
+                    tuple(map(_held_pairs, orders)) if split else ())
 
 
 def _step(S: int, M: int, C: int, s: int, task: int, a) -> tuple[int, ...]:
@@ -323,6 +327,24 @@ class _Done:
                 return False
             self.b[j] = 1
         return True  # a W: after its B, on the same stage (the order keeps it)
+
+
+def _held_pairs(order: Sequence) -> tuple[tuple[int, int], ...]:
+    """The ``(forwards whose B has not run, B's whose W has not)`` counts a stage's `order`
+    passes through, but those another exceeds in both: the peak of ``a x + b y`` over the
+    order, for any ``a, b >= 0``, is at one of them."""
+    seen = set()
+    fb = bw = 0
+    for a in order:
+        if a.kind == "F":
+            fb += 1
+        elif a.kind == "B":
+            fb, bw = fb - 1, bw + 1
+        else:
+            bw -= 1
+        seen.add((fb, bw))
+    return tuple(sorted(p for p in seen
+                        if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in seen)))
 
 
 def _peak_in_flight(order: Sequence, split: bool) -> int:

@@ -466,7 +466,9 @@ class PipelineTimeline:
       bubble_fraction: ``1 - mean(busy_s) / step_s``, the share of the step stages sit idle.
       in_flight: per stage, the peak number of (microbatch, chunk) pairs whose forward has run
         and whose backward (its W, where the schedule splits it) has not: the activations the
-        stage holds at once.
+        stage holds at once (`held`: less, where what waits for its W is less).
+      held_pairs: where the schedule splits the backward, per stage, the counts of pairs
+        waiting for their B and for their W it passes through (`held`).
     """
 
     schedule: str
@@ -479,6 +481,16 @@ class PipelineTimeline:
     busy_s: tuple[float, ...]
     bubble_fraction: float
     in_flight: tuple[int, ...]
+    held_pairs: tuple[tuple[tuple[int, int], ...], ...] = ()
+
+    def held(self, stage: int, stash: float) -> float:
+        """What `stage` holds at its peak, in microbatches' activations, where a microbatch
+        whose B has run and W has not holds `stash` of one (its weight matmuls' operands and
+        cotangents, `soapjax.apply._deferred`; more than one where the forward keeps less,
+        recomputing): `in_flight` for a schedule that does not split the backward."""
+        if not self.held_pairs:
+            return float(self.in_flight[stage])
+        return max(fb + stash * bw for fb, bw in self.held_pairs[stage])
 
     # Built on first use: the search reads the summaries above, and records for the 10^5
     # actions of a large pipeline cost ten times the timing itself (the actions' times are
@@ -589,7 +601,7 @@ def _kept_timeline(schedule: str, S: int, M: int, v: int, times: ChunkTimes
     step = max(free)
     bubble = 1.0 - sum(busy) / S / step if step > 0 else 0.0
     return PipelineTimeline(schedule, S, M, v, times, step, tuple(free), busy, bubble,
-                            compiled.in_flight)
+                            compiled.in_flight, compiled.held)
 
 
 def forget_timelines() -> None:
