@@ -12,7 +12,13 @@ from soapjax.cost import operators as cost
 from soapjax.graph.opgraph import trace
 from soapjax.simulate import front
 from soapjax.simulate._flatsim import Simulation
-from soapjax.simulate._pipe_fold import FOLD_LAYERS, FoldedStage, folded_graph, layer_fold
+from soapjax.simulate._pipe_fold import (
+    FOLD_LAYERS,
+    FoldedStage,
+    LayerFold,
+    folded_graph,
+    layer_fold,
+)
 from soapjax.strategy import space
 from soapjax.strategy.baselines import megatron_3d
 from soapjax.strategy.memory import microbatch_error
@@ -217,3 +223,37 @@ def test_folded_stage_prices_zero_bubble_as_the_whole_stage(gpt16):
             seen[fold] = (*_summary(sim), *sim.result().chunk_times.weight_s)
     assert all(w > 0 for w in seen[True][-4:])
     _assert_close(seen[False], seen[True])
+
+
+class _Fold:
+    """A folded graph's simulation as `FoldedStage` reads it: one operator before the
+    layers, one per layer, a head and a loss after; the layers' forwards 1 s each from t = 1,
+    the head ready at `ready` (its weights' gather: the same in any number of layers) and 0.5
+    s long, the loss 0.25 s after it."""
+
+    def __init__(self, layers: int, ready: float):
+        ends = [1.0 + k for k in range(layers + 1)]  # the prologue's, then each layer's
+        head_start = max(ends[-1], ready)
+        self.starts = [0.0] + ends[:-1] + [head_start, head_start + 0.5]
+        self.ends = ends + [head_start + 0.5, head_start + 0.75]
+
+    def compute_ends(self):
+        return self.ends, [0.0] * len(self.ends)
+
+    def forward_starts(self):
+        return self.starts
+
+
+@pytest.mark.parametrize("ready,want,late", [(0.0, 17.75, 0.0), (6.5, 17.75, 10.5),
+                                             (30.0, 30.75, 0.0)])
+def test_the_epilogue_waits_for_what_it_waited_for_in_the_folds(ready, want, late):
+    """The head of a 16-layer graph, ready at `ready` whatever the layers (its weights'
+    gather): layer-bound in 3 and 4 layers and in 16 (0.0), bound by its gather in 3 and 4
+    and by the layers in 16 (6.5: a linear extrapolation says 7.25, 10.5 s early), or by its
+    gather in all (30.0). The loss ends 0.75 s after the head starts; `late`: how much later
+    the forward ends than the linear extrapolation says."""
+    stage = FoldedStage.__new__(FoldedStage)
+    stage._fold = LayerFold(first=1, per_layer=1, layers=16)
+    stage._sims = [_Fold(3, ready), _Fold(4, ready)]
+    ends, later = stage._epilogue_forward(17.0)  # the 16th layer ends at 17 s
+    assert ends[-1] == want and later == late

@@ -263,6 +263,12 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
         return ([end[t] for t in self._forward_task], [end[t] for t in self._backward_task])
 
     @_settled
+    def forward_starts(self) -> list[float]:
+        """When each operator's forward compute task starts (graph order; `compute_ends`)."""
+        start = self._task_graph.start
+        return [start[t] for t in self._forward_task]
+
+    @_settled
     def grad_sync_seconds(self) -> list[float]:
         """Per operator (graph order), the seconds of the gradient synchronisations of the
         parameters it reads, run after its backward (`_LeafBuilding._build_grad_syncs`): what
