@@ -20,7 +20,8 @@ way). Values are the unsplit backward's to rounding: the same products, added in
 order (float64 tests: tests/test_apply_pipelined.py).
 
 What a pending W holds is its stash: per weight matmul of each of the chunk's layers, its
-operand and its output's cotangent (`stash_shapes`).
+operand (once for the matmuls that read the same one: attention's q, k and v) and its
+output's cotangent (`stash_shapes`).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ import jax.numpy as jnp
 
 from soapjax.graph._program import LayerScan, Program, bind_as_traced
 
-__all__ = ["DEFERRED_NAME", "WeightMatmul", "deferred_dot", "stash_shapes", "weight_grads",
-           "weight_matmuls"]
+__all__ = ["DEFERRED_NAME", "WeightMatmul", "deferred_dot", "stash_of", "stash_shapes",
+           "weight_grads", "weight_matmuls"]
 
 # The name a weight matmul's output carries, so a selectively recomputed layer saves it as
 # it saves the matmuls' outputs (`soapjax.apply._pipelined._chunk_fn`).
@@ -52,12 +53,20 @@ class WeightMatmul(NamedTuple):
         (`LayerScan.slices`), the chunk's parameter list.
       cast: the parameter's dtype where the matmul reads it cast (bf16 compute over float32
         parameters), else None.
+      stash_x: the index into the stash (`stash_shapes`) of its other operand, which an
+        earlier weight matmul reading the same value (attention's q, k and v) stashes once for
+        all of them, and `stash_dy` of its output's cotangent.
+      own_x: whether this matmul stashes its operand (the first to read it), else it reads
+        the earlier one's.
     """
 
     unit: int
     weight: int
     param: int
     cast: Any = None
+    stash_x: int = 0
+    stash_dy: int = 1
+    own_x: bool = True
 
 
 def weight_matmuls(program: Program, scan: LayerScan, layer: Sequence[int]
@@ -69,6 +78,8 @@ def weight_matmuls(program: Program, scan: LayerScan, layer: Sequence[int]
     maker = {o: i for i in layer for o in program.units[i].outs if o is not None}
     inexact = functools.partial(_is_inexact, program)
     out = []
+    stashed: dict[int, int] = {}  # operand value id -> its stash index
+    size = 0
     for i in layer:
         unit = program.units[i]
         if unit.eqn.primitive.name != "dot_general" or len(unit.ins) != 2:
@@ -78,7 +89,12 @@ def weight_matmuls(program: Program, scan: LayerScan, layer: Sequence[int]
             continue
         weight = 0 if found[0] is not None else 1
         param, cast = found[weight]
-        out.append(WeightMatmul(i, weight, param, cast))
+        x = unit.ins[1 - weight]
+        own = x not in stashed
+        if own:
+            stashed[x], size = size, size + 1
+        out.append(WeightMatmul(i, weight, param, cast, stashed[x], size, own))
+        size += 1
     return tuple(out)
 
 
@@ -103,14 +119,21 @@ def _param_of(program: Program, maker: dict[int, int], slices: dict[int, int], v
 
 def stash_shapes(program: Program, matmuls: Sequence[WeightMatmul]
                  ) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """Per weight matmul, the shapes of one layer's stash: its other operand, then its
-    output (the cotangent's)."""
+    """The shapes of one layer's stash, in the matmuls' order: each weight matmul's other
+    operand (where it is the first to read it: `WeightMatmul.own_x`), then its output (the
+    cotangent's)."""
     out = []
     for m in matmuls:
         unit = program.units[m.unit]
-        for v in (unit.ins[1 - m.weight], unit.outs[0]):
+        for v in (unit.ins[1 - m.weight],) * m.own_x + (unit.outs[0],):
             out.append(jax.ShapeDtypeStruct(program.shapes[v], program.jax_dtypes[v]))
     return tuple(out)
+
+
+def stash_of(m: WeightMatmul, stash: Sequence[Any]) -> list[Any]:
+    """What weight matmul `m` takes of a layer's `stash`: its operand's entry (where it owns
+    it) and its cotangent's."""
+    return [stash[m.stash_x]] * m.own_x + [stash[m.stash_dy]]
 
 
 def _bind(eqn: Any, weight: int, x: Any, w: Any) -> Any:
@@ -118,26 +141,28 @@ def _bind(eqn: Any, weight: int, x: Any, w: Any) -> Any:
 
 
 def deferred_dot(eqn: Any, weight: int, hold_x: Callable[[Any], Any] | None = None,
-                 hold_dy: Callable[[Any], Any] | None = None
-                 ) -> Callable[[Any, Any, Any, Any], Any]:
-    """``(x, w, stash_x, stash_dy) -> y``: the matmul `eqn` (its weight operand at
-    `weight`), whose backward gives ``x`` its gradient, ``w`` zero, and the stash inputs
-    ``x`` and the output's cotangent (module doc). `hold_x`, `hold_dy`: applied to ``x``
-    and to the cotangent before they are used (a stage holds them in the layouts the matmul
-    reads and makes them in: under sequence parallelism gathered, as the unsplit backward
-    uses them, so that W gathers nothing again)."""
+                 hold_dy: Callable[[Any], Any] | None = None, own_x: bool = True
+                 ) -> Callable[..., Any]:
+    """``(x, w, stash_x, stash_dy) -> y`` (without ``stash_x`` where not `own_x`: an earlier
+    matmul stashes the same operand): the matmul `eqn` (its weight operand at `weight`),
+    whose backward gives ``x`` its gradient, ``w`` zero, and the stash inputs ``x`` and the
+    output's cotangent (module doc). `hold_x`, `hold_dy`: applied to ``x`` and to the
+    cotangent before they are used (a stage holds them in the layouts the matmul reads and
+    makes them in: under sequence parallelism gathered, as the unsplit backward uses them, so
+    that W gathers nothing again)."""
     @jax.custom_vjp
-    def dot(x, w, stash_x, stash_dy):
+    def dot(x, w, *stash):
         return _bind(eqn, weight, x, w)
 
-    def forward(x, w, stash_x, stash_dy):
+    def forward(x, w, *stash):
         return _bind(eqn, weight, x, w), (x, w)
 
     def backward(saved, dy):
         x, w = saved
         dy = dy if hold_dy is None else hold_dy(dy)
         (dx,) = jax.vjp(lambda a: _bind(eqn, weight, a, w), x)[1](dy)
-        return dx, jnp.zeros_like(w), x if hold_x is None else hold_x(x), dy
+        kept = (x if hold_x is None else hold_x(x),) * own_x
+        return (dx, jnp.zeros_like(w), *kept, dy)
 
     dot.defvjp(forward, backward)
     return dot
@@ -145,14 +170,14 @@ def deferred_dot(eqn: Any, weight: int, hold_x: Callable[[Any], Any] | None = No
 
 def weight_grads(program: Program, matmuls: Sequence[WeightMatmul], params: Sequence[Any],
                  stash: Sequence[Any]) -> list[Any | None]:
-    """The gradients of the chunk's `params` (``[layers, ...]`` each) from its `stash` (per
-    weight matmul, ``x`` and ``dy`` stacked over the layers: `stash_shapes`): each matmul's
+    """The gradients of the chunk's `params` (``[layers, ...]`` each) from its `stash` (the
+    weight matmuls' ``x`` and ``dy`` stacked over the layers: `stash_shapes`): each matmul's
     transpose for its weight, per layer, cast back to the parameter's dtype, summed per
     parameter; None for parameters no weight matmul reads."""
     grads: list[Any] = [None] * len(params)
-    for k, m in enumerate(matmuls):
+    for m in matmuls:
         eqn = program.units[m.unit].eqn
-        xs, dys = stash[2 * k], stash[2 * k + 1]
+        xs, dys = stash[m.stash_x], stash[m.stash_dy]
         w = params[m.param]
         w = w if m.cast is None else w.astype(program.jax_dtypes[program.units[m.unit]
                                                                  .ins[m.weight]])

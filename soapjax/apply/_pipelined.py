@@ -175,6 +175,7 @@ from soapjax.apply._deferred import (
     DEFERRED_NAME,
     WeightMatmul,
     deferred_dot,
+    stash_of,
     stash_shapes,
     weight_grads,
     weight_matmuls,
@@ -749,7 +750,8 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
               kept: frozenset[int] = frozenset(),
               literals: Mapping[int, Any] | None = None,
               deferred: Sequence[WeightMatmul] = (),
-              stash_specs: Sequence[PartitionSpec | None] = ()) -> Callable:
+              matmul_specs: Sequence[tuple[PartitionSpec | None, PartitionSpec | None]] = ()
+              ) -> Callable:
     """``(chunk params, values, x) -> y`` (the chunk's output carry) or, for the last chunk,
     ``-> loss`` (the epilogue after it); `values` are those of the ids `reads`, the chunk
     params ``[L / C, ...]`` per stacked parameter, in the scan's order. With `selective`, each
@@ -771,7 +773,8 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
     weight matmuls, run as `soapjax.apply._deferred.deferred_dot` (a split backward); the
     function then takes their stash (``stash``: per matmul two ``[L / C, ...]`` stacks of
     zeros, `stash_shapes`), whose cotangents are what the weights' gradients are made of,
-    held in `stash_specs` (`_Pipeline._stash_specs`)."""
+    held in `matmul_specs` (per weight matmul, its operand's and its cotangent's:
+    `_Pipeline._stash_specs`)."""
     prog, scan = cut.program, cut.scan
     literals = dict(literals or {})
 
@@ -792,9 +795,9 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
         env = env_of(dict(zip(reads, vals)))
         env.update(zip(scan.slices[0], slices))
         env.update(zip(scan.carries[0], carry))
-        swaps = {m.unit: _weight_matmul(m, prog, stash[2 * k:2 * k + 2], selective,
+        swaps = {m.unit: _weight_matmul(m, prog, stash_of(m, stash), selective,
                                         (operand_reads or {}).get(m.unit, ()),
-                                        stash_specs[2 * k:2 * k + 2] or (None, None))
+                                        matmul_specs[k] if matmul_specs else (None, None))
                  for k, m in enumerate(deferred)}
         _run_in_stage(prog, cut.layer, env, whole_queries, layer_hook, operand_reads, swaps)
         return tuple(env[v] for v in scan.carries[1]), tuple(env[v] for v in ys)
@@ -888,7 +891,7 @@ def _weight_matmul(m: WeightMatmul, prog: Program, stash: Sequence[Any], selecti
     x_spec, dy_spec = specs
     dot = deferred_dot(prog.units[m.unit].eqn, m.weight,
                        *(None if spec is None else functools.partial(_constrain, spec=spec)
-                         for spec in (x_spec, dy_spec)))
+                         for spec in (x_spec, dy_spec)), own_x=m.own_x)
 
     def run(*args: Any) -> list[Any]:
         args = list(args)
@@ -1447,7 +1450,10 @@ class _Pipeline:
         split = any(a is not None and a.kind == "W" for row in rows for a in row)
         self.deferred = weight_matmuls(program, cut.scan, cut.layer) if split else ()
         self.stash_shapes = stash_shapes(program, self.deferred)
-        self.stash_specs = self._stash_specs(layouts)
+        self.matmul_specs = self._stash_specs(layouts)
+        self.stash_specs = tuple(  # per entry of the stash (`stash_shapes`)
+            spec for m, (x, dy) in zip(self.deferred, self.matmul_specs)
+            for spec in (x,) * m.own_x + (dy,))
         self.chunk_fns = {last: self._make_chunk_fn(last) for last in (False, True)}
 
     def _constraints(self, layouts: StageLayouts | None,
@@ -1502,20 +1508,21 @@ class _Pipeline:
                                                               back=held_back)))
         return reads
 
-    def _stash_specs(self, layouts: StageLayouts | None) -> tuple[PartitionSpec | None, ...]:
+    def _stash_specs(self, layouts: StageLayouts | None
+                     ) -> tuple[tuple[PartitionSpec | None, PartitionSpec | None], ...]:
         """Where a stage holds its stash (`soapjax.apply._deferred`), per weight matmul: the
         operand as the matmul read it, and the output's cotangent as the matmul makes the
         output, before any reduction of its partial sums (a row-parallel matmul's whole, where
         the stage holds the output reduce-scattered), so neither W nor B gathers what the
         unsplit backward would have gathered once. None: where XLA puts it (no layouts)."""
         if not self.deferred or not self.constraints or layouts is None:
-            return (None,) * (2 * len(self.deferred))
+            return ((None, None),) * len(self.deferred)
         program = self.cut.program
         sizes = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))
         manual = {self.stage_axis, *self.groups.axes}
         op_of = {i: op for op in self.cut.graph.operators
                  for i in program.local[op.name].units}
-        out: list[PartitionSpec | None] = []
+        out: list[tuple[PartitionSpec | None, PartitionSpec | None]] = []
         for m in self.deferred:
             unit = program.units[m.unit]
             op = op_of[m.unit]
@@ -1533,7 +1540,7 @@ class _Pipeline:
                 if len(held) == 1:  # (SwiGLU's gate and up alike)
                     x_spec = held.pop()
             specs = [w_spec, x_spec] if m.weight == 0 else [x_spec, w_spec]
-            out += [x_spec, None if x_spec is None else _dot_output_spec(unit.eqn, specs)]
+            out.append((x_spec, None if x_spec is None else _dot_output_spec(unit.eqn, specs)))
         return tuple(out)
 
     def _constraint_hook(self) -> Callable | None:
@@ -1569,7 +1576,7 @@ class _Pipeline:
                        counted=bool(self.stage_layers), hook=self._stage_hook(),
                        operand_reads=self.operand_reads, kept=self.kept,
                        literals=self.groups.literals, deferred=self.deferred,
-                       stash_specs=self.stash_specs)
+                       matmul_specs=self.matmul_specs)
         # the count (uneven stages) and the stacks' row (`_Cut.stacked_ys`) ride last among the
         # others (`_inputs`)
         extra = (("count",) if self.stage_layers else ()) + (

@@ -261,6 +261,8 @@ class _Searcher:
         self._priced: dict[Strategy, float] = {}
         self.best: tuple[float, Strategy, str] | None = None
         self.bests: dict[str, tuple[float, Strategy, str]] = {}  # per start (`offer`)
+        # every plan a chain's outcome brought (`absorb`), a start's best among them or not
+        self.absorbed: list[tuple[float, Strategy, str]] = []
         self.t0 = time.perf_counter()
         self.history: list[tuple[float, float]] = []
         self._last_print = 0.0
@@ -297,7 +299,7 @@ class _Searcher:
         out = copy.copy(self)
         out.rng = rng
         out.proposals = out.accepted = out.repriced = out.restarts = 0
-        out.best, out.bests, out.history = None, {}, []
+        out.best, out.bests, out.history, out.absorbed = None, {}, [], []
         out._shown = self._shown + self.proposals
         out._known = min(self._known, self.best[0] if self.best is not None else math.inf)
         return out
@@ -314,6 +316,7 @@ class _Searcher:
         """Adds what a chain found (`outcome`) to this search: its plans among the starts'
         bests and the best, its improvements to the history (kept where they improved on
         the search's best at their time), its counts."""
+        self.absorbed += outcome.bests
         for found in outcome.bests:
             t, _, name = found
             if name not in self.bests or t < self.bests[name][0]:

@@ -315,34 +315,41 @@ SETTLED_PLANS = 3
 
 
 def _settle_folded(searcher: _Searcher, graph: OpGraph, topology, cost_model,
-                  opt_state_factor: float) -> int:
+                   opt_state_factor: float) -> int:
     """The search's pipelined plans were priced on folded stages (`_pipeline_searcher`),
     which extrapolate the stage's timeline from a few layers: exact while its terms stay
-    linear in the layers, not where one crosses another beyond the folds (the head waiting
-    for its weights' gather in a few layers and for the layers in all of them; GPT 18.4B on
-    256 A100s, docs/vs-experts.md). Here the fastest of them are priced again on their whole
-    stage, fastest first (at most `SETTLED_PLANS`), until a plan priced exactly (one without
-    stages, or one priced whole) is as fast as the next one's folded price; the whole prices
-    replace the folded ones among the starts' bests, and the best follows. Returns how many
-    were priced again."""
-    whole: set[str] = set()
+    linear in the layers, and not always where one crosses another beyond the folds
+    (docs/vs-experts.md). Here the fastest of them (the starts' bests and every plan a
+    chain brought, `_Searcher.absorbed`: a chain's best may have displaced its start's grid
+    point with a price too low) are priced again on their whole stage, fastest first (at
+    most `SETTLED_PLANS`), until a plan priced exactly (one without stages, or one priced
+    whole) is as fast as the next one's folded price; the whole prices replace the folded
+    ones among the starts' bests, and the best follows. Returns how many were priced
+    again."""
+    claims: dict[Strategy, tuple[float, Strategy, str]] = {}
+    for found in (*searcher.absorbed, *searcher.bests.values()):
+        if found[1] not in claims or found[0] < claims[found[1]][0]:
+            claims[found[1]] = found
+    folded = [s for s in claims if folds(graph, s)]
+    whole: dict[Strategy, float] = {}
     for _ in range(SETTLED_PLANS):
-        exact = min((f[0] for k, f in searcher.bests.items()
-                     if not folds(graph, f[1]) or k in whole), default=math.inf)
-        pending = sorted((f[0], k) for k, f in searcher.bests.items()
-                         if folds(graph, f[1]) and k not in whole)
-        if not pending or pending[0][0] >= exact:
+        exact = min([f[0] for s, f in claims.items() if s not in folded]
+                    + list(whole.values()), default=math.inf)
+        pending = sorted((s for s in folded if s not in whole), key=lambda s: claims[s][0])
+        if not pending or claims[pending[0]][0] >= exact:
             break
-        _, key = pending[0]
-        t, strategy, name = searcher.bests[key]
-        with open_simulation(graph, topology, strategy, cost_model=cost_model,
+        with open_simulation(graph, topology, pending[0], cost_model=cost_model,
                              resharder=DEFAULT_MODE, opt_state_factor=opt_state_factor) as sim:
-            priced = sim.step_time() if sim.fits_in_memory() else math.inf
-        whole.add(key)
-        searcher.bests[key] = (priced, strategy, name)
-    if whole:
-        fits = [f for f in searcher.bests.values() if f[0] < math.inf]
-        searcher.best = min(fits, key=lambda f: f[0]) if fits else None
+            whole[pending[0]] = sim.step_time() if sim.fits_in_memory() else math.inf
+    if not whole:
+        return 0
+    bests: dict[str, tuple[float, Strategy, str]] = {}
+    for s, (t, _, name) in claims.items():  # per start, its fastest, priced whole where it was
+        found = (whole.get(s, t), s, name)
+        if name not in bests or found[0] < bests[name][0]:
+            bests[name] = found
+    searcher.bests = {name: f for name, f in bests.items() if f[0] < math.inf}
+    searcher.best = min(searcher.bests.values(), key=lambda f: f[0], default=None)
     return len(whole)
 
 

@@ -290,11 +290,11 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
         return [v.forward_s for v in self._views]
 
     @_settled
-    def io_bytes_by_operator(self) -> list[int]:
-        """Per operator (graph order), the bytes per device of its activation operands and
-        its outputs for one microbatch, at their layouts here: what a split backward stashes
-        for a weight matmul's W (`soapjax.simulate.pipesim`)."""
-        return [sum(v.operand_bytes) + sum(v.output_bytes) for v in self._views]
+    def io_bytes_by_operator(self) -> list[tuple[tuple[int, ...], int]]:
+        """Per operator (graph order), the bytes per device of each of its operands (0 but
+        for activations) and of its outputs for one microbatch, at their layouts here: what a
+        split backward stashes for a weight matmul's W (`soapjax.simulate.pipesim`)."""
+        return [(tuple(v.operand_bytes), sum(v.output_bytes)) for v in self._views]
 
     @_settled
     def activation_bytes_by_operator(self) -> list[int]:

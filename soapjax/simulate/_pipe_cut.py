@@ -18,7 +18,7 @@ from soapjax.simulate._flat_memory import shard_bytes
 from soapjax.strategy.space import Config, MeshShape, sample_dim
 
 __all__ = ["boundary_values", "epilogue_gathers", "epilogue_params", "layer_chunks", "layer_span",
-           "loss_collectives", "prologue_handed", "send_pieces", "weight_shares"]
+           "loss_collectives", "prologue_handed", "send_pieces", "stash_bytes", "weight_shares"]
 
 
 def layer_span(graph: OpGraph) -> tuple[int, int]:
@@ -237,3 +237,28 @@ def weight_shares(graph: OpGraph) -> tuple[float, ...]:
         out.append(weight / total if total else 0.0)
     return tuple(out)
 
+
+
+def stash_bytes(graph: OpGraph, ranges: Sequence[tuple[int, int]], shares: Sequence[float],
+                io: Sequence[tuple[tuple[int, ...], int]], outside: Sequence[bool]) -> list[int]:
+    """Per chunk (its operators' index `ranges`), what a microbatch whose B has run and W
+    has not holds under a split backward: its layer operators' (not `outside`) weight
+    matmuls' (`shares` above 0: `weight_shares`) operands, each value once (attention's q, k
+    and v read one), and outputs, per device (`io`: `Simulation.io_bytes_by_operator`): the
+    stash of `soapjax.apply._deferred`; the residuals are dropped at the B."""
+    ops = graph.operators
+    out = []
+    for lo, hi in ranges:
+        seen: set[tuple[str, int]] = set()
+        total = 0
+        for i in range(lo, hi):
+            if not shares[i] or outside[i]:
+                continue
+            operands, outputs = io[i]
+            total += outputs
+            for x, nbytes in zip(ops[i].inputs, operands):
+                if nbytes and (x.source, x.index) not in seen:
+                    seen.add((x.source, x.index))
+                    total += nbytes
+        out.append(total)
+    return out

@@ -338,7 +338,7 @@ class FoldedStage:
         per = self._sims[-1].forward_seconds()
         return [per[t] for t in self._twins]
 
-    def io_bytes_by_operator(self) -> list[int]:
+    def io_bytes_by_operator(self) -> list[tuple[tuple[int, ...], int]]:
         per = self._sims[-1].io_bytes_by_operator()
         return [per[t] for t in self._twins]
 

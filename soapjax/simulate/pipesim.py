@@ -95,6 +95,7 @@ from soapjax.simulate._pipe_cut import (
     loss_collectives,
     prologue_handed,
     send_pieces,
+    stash_bytes,
     tied_params,
     weight_shares,
 )
@@ -662,12 +663,10 @@ class PipelinedSimulation:
 
     def _stash_bytes(self) -> list[int]:
         """Per chunk, what a microbatch whose B has run and W has not holds under a split
-        backward: its layer operators' weight matmuls' operands and outputs (the stash,
-        `soapjax.apply._deferred`; the residuals are dropped at the B)."""
+        backward (`_pipe_cut.stash_bytes`)."""
         shares = self.graph.memo("weight_shares", lambda: weight_shares(self.graph))
-        io, outside = self._inner.io_bytes_by_operator(), self._outside
-        return [sum(io[i] for i in range(lo, hi) if shares[i] and not outside[i])
-                for lo, hi in self._ranges]
+        return stash_bytes(self.graph, self._ranges, shares, self._inner.io_bytes_by_operator(),
+                           self._outside)
 
 
 class _LayoutMoves(NamedTuple):
