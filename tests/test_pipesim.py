@@ -26,7 +26,7 @@ from soapjax.search import (
     stage_choices,
 )
 from soapjax.search._chain import _Searcher
-from soapjax.simulate._pipe_cut import weight_shares
+from soapjax.simulate._pipe_cut import weight_operands, weight_shares
 from soapjax.simulate.front import Simulation, folds, open_simulation
 from soapjax.simulate.pipesim import PipelinedSimulation, layer_chunks
 from soapjax.strategy.baselines import GridPoint, megatron_3d
@@ -501,15 +501,19 @@ def test_zero_bubble_prices_the_layers_weight_matmuls_as_w_and_is_faster_at_dept
 
 def test_the_search_picks_the_schedule_that_fits_and_is_fastest():
     """`choose_schedule`: from 1F1B to ZB-H1 where that is faster and fits; kept where ZB-H1's
-    memory does not fit (its later stages hold S microbatches)."""
+    memory does not fit (its later stages hold S microbatches, each waiting for its W with
+    its stash)."""
     graph = gpt(8)
     start = megatron_3d(graph, A100, tp=4, pp=4, microbatch_size=1, recompute="selective")
     sim = pipelined(start, graph)
     t, s, name = choose_schedule(sim, (sim.step_time(), start, "start"))
     assert s.schedule == "zb-h1" and name == "start" and t < pipelined(start, graph).step_time()
     assert sim.strategy == s and t == pipelined(s, graph).step_time()
+    # recomputed in full, a layer keeps its input alone, and a microbatch waiting for its W
+    # its weight matmuls' operands and cotangents: ZB-H1's later stages hold more than 1F1B's
+    start = megatron_3d(graph, A100, tp=4, pp=4, microbatch_size=1, recompute="full")
     one_f_one_b = pipelined(start, graph).result().peak_memory_bytes
-    zb = sim.result().peak_memory_bytes
+    zb = pipelined(start.with_pipeline(4, 1, "zb-h1"), graph).result().peak_memory_bytes
     assert zb > one_f_one_b
     # a device with room for 1F1B's fullest stage and not for ZB-H1's
     device = dataclasses.replace(A100.device, memory_bytes=(one_f_one_b + zb) // 2)
@@ -541,3 +545,49 @@ def test_the_search_prices_its_fastest_folded_plans_again_whole(monkeypatch):
     assert priced == 1
     assert searcher.bests["piped"][0] == pytest.approx(whole_piped)
     assert searcher.best == min(searcher.bests.values(), key=lambda f: f[0])
+
+
+def test_a_start_displaced_by_a_chains_mispriced_plan_comes_back():
+    """A chain's best that claimed less than its start's grid point (a folded price too low)
+    displaces the point among the starts' bests; priced again whole it is slower, and the
+    grid point, which the search still holds among what the chains brought
+    (`_Searcher.absorbed`), is the start's best again."""
+    graph = gpt(12)
+    costs = cost_model(graph, A100, mode="analytic")
+    slow = megatron_3d(graph, A100, tp=4, pp=4, microbatch_size=1, recompute="full")
+    fast = megatron_3d(graph, A100, tp=4, pp=4, microbatch_size=1, recompute="selective")
+    t_slow, t_fast = (pipelined(s, graph).step_time() for s in (slow, fast))
+    assert t_fast < t_slow
+    with open_simulation(graph, A100, fast, cost_model=costs, resharder="ideal") as sim:
+        searcher = _Searcher(sim, SearchSettings(), None)
+    searcher.absorbed = [(t_fast, fast, "grid"), (0.5 * t_fast, slow, "grid")]
+    searcher.bests = {"grid": (0.5 * t_fast, slow, "grid")}
+    searcher.best = searcher.bests["grid"]
+    assert pipelines._settle_folded(searcher, graph, A100, costs, 2.0) == 2
+    assert searcher.best[1] == fast and searcher.best[0] == pytest.approx(t_fast)
+
+
+def test_a_split_backwards_stash_counts_each_operand_once():
+    """`_pipe_cut.stash_bytes`: per chunk, the weight matmuls' outputs and the operands they
+    multiply (`weight_operands`), attention's q, k and v reading one value counted once, as
+    apply stashes them."""
+    graph = gpt(8)
+    start = megatron_3d(graph, A100, tp=4, pp=4, microbatch_size=1,
+                        recompute="selective").with_pipeline(4, 1, "zb-h1")
+    sim = pipelined(start, graph)
+    shares = weight_shares(graph)
+    io = sim._inner.io_bytes_by_operator()
+    lo, hi = sim._ranges[1]
+    weights = [i for i in range(lo, hi) if shares[i]]
+    names = [graph.operators[i].name.split("/", 1)[1] for i in weights]
+    assert names == ["attn/query", "attn/key", "attn/value", "attn/out", "mlp/fc1",
+                     "mlp/fc2"] * 2
+    # q, k, v read x (their third operand) once; out, fc1 the same place; fc2 its GELU'd
+    # input (made inside it from its first operand), not the residual stream it adds
+    assert [weight_operands(graph)[i] for i in weights[:6]] == [(2,), (2,), (2,), (2,), (2,),
+                                                                 (0,)]
+    x_once = [i for k, i in enumerate(weights) if k % 6 not in (1, 2)]
+    want = (sum(io[i][1] for i in weights) + sum(io[i][0][2] for i in x_once if i not in
+                                                  weights[5::6])
+            + sum(io[i][0][0] for i in weights[5::6]))
+    assert sim._stash_bytes()[1] == want

@@ -18,7 +18,8 @@ from soapjax.simulate._flat_memory import shard_bytes
 from soapjax.strategy.space import Config, MeshShape, sample_dim
 
 __all__ = ["boundary_values", "epilogue_gathers", "epilogue_params", "layer_chunks", "layer_span",
-           "loss_collectives", "prologue_handed", "send_pieces", "stash_bytes", "weight_shares"]
+           "loss_collectives", "prologue_handed", "send_pieces", "stash_bytes", "weight_operands",
+           "weight_shares"]
 
 
 def layer_span(graph: OpGraph) -> tuple[int, int]:
@@ -213,10 +214,7 @@ def weight_shares(graph: OpGraph) -> tuple[float, ...]:
     layers); `soapjax.simulate.pipesim` prices a layer operator's W as this share of its
     forward's time. Other equations count one FLOP per output element."""
     prog = graph.program
-    weights = set(prog.param_like)
-    for u in prog.units:  # a parameter's cast to the compute dtype is one too
-        if u.eqn.primitive.name == "convert_element_type" and u.ins and u.ins[0] in weights:
-            weights.update(v for v in u.outs if v is not None)
+    weights = _weight_values(prog)
     inexact = [d.startswith(("float", "bfloat")) for d in prog.dtypes]
     out = []
     for op in graph.operators:
@@ -239,12 +237,36 @@ def weight_shares(graph: OpGraph) -> tuple[float, ...]:
 
 
 
-def stash_bytes(graph: OpGraph, ranges: Sequence[tuple[int, int]], shares: Sequence[float],
-                io: Sequence[tuple[tuple[int, ...], int]], outside: Sequence[bool]) -> list[int]:
+def weight_operands(graph: OpGraph) -> tuple[tuple[int, ...], ...]:
+    """Per operator, the positions of its operands that its weight matmuls (`weight_shares`)
+    read as their other operand: the operand itself, or where the matmul reads a value made
+    inside the operator (GPT's GELU before fc2), the operands of that value's shape, as
+    `soapjax.apply._pipelined` holds its stash."""
+    prog = graph.program
+    weights = _weight_values(prog)
+    out = []
+    for op in graph.operators:
+        found: set[int] = set()
+        for i in prog.local[op.name].units:
+            u = prog.units[i]
+            if (u.eqn.primitive.name != "dot_general" or len(u.ins) != 2
+                    or sum(v in weights for v in u.ins) != 1):
+                continue
+            x = u.ins[0] if u.ins[1] in weights else u.ins[1]
+            at = [k for k, o in enumerate(op.inputs) if o.value == x]
+            found.update(at or (k for k, o in enumerate(op.inputs) if o.kind == "activation"
+                                and tuple(prog.shapes[o.value]) == tuple(prog.shapes[x])))
+        out.append(tuple(sorted(found)))
+    return tuple(out)
+
+
+def stash_bytes(graph: OpGraph, ranges: Sequence[tuple[int, int]],
+                operands: Sequence[tuple[int, ...]], io: Sequence[tuple[tuple[int, ...], int]],
+                outside: Sequence[bool]) -> list[int]:
     """Per chunk (its operators' index `ranges`), what a microbatch whose B has run and W
     has not holds under a split backward: its layer operators' (not `outside`) weight
-    matmuls' (`shares` above 0: `weight_shares`) operands, each value once (attention's q, k
-    and v read one), and outputs, per device (`io`: `Simulation.io_bytes_by_operator`): the
+    matmuls' operands (`operands`: `weight_operands`; each value once: attention's q, k and
+    v read one) and outputs, per device (`io`: `Simulation.io_bytes_by_operator`): the
     stash of `soapjax.apply._deferred`; the residuals are dropped at the B."""
     ops = graph.operators
     out = []
@@ -252,13 +274,24 @@ def stash_bytes(graph: OpGraph, ranges: Sequence[tuple[int, int]], shares: Seque
         seen: set[tuple[str, int]] = set()
         total = 0
         for i in range(lo, hi):
-            if not shares[i] or outside[i]:
+            if not operands[i] or outside[i]:
                 continue
-            operands, outputs = io[i]
+            read, outputs = io[i]
             total += outputs
-            for x, nbytes in zip(ops[i].inputs, operands):
-                if nbytes and (x.source, x.index) not in seen:
+            for k in operands[i]:
+                x = ops[i].inputs[k]
+                if (x.source, x.index) not in seen:
                     seen.add((x.source, x.index))
-                    total += nbytes
+                    total += read[k]
         out.append(total)
     return out
+
+
+def _weight_values(prog) -> set[int]:
+    """The program's parameters (layers' slices included) and their casts to the compute
+    dtype: what a weight matmul reads as its weight."""
+    weights = set(prog.param_like)
+    for u in prog.units:
+        if u.eqn.primitive.name == "convert_element_type" and u.ins and u.ins[0] in weights:
+            weights.update(v for v in u.outs if v is not None)
+    return weights

@@ -97,6 +97,7 @@ from soapjax.simulate._pipe_cut import (
     send_pieces,
     stash_bytes,
     tied_params,
+    weight_operands,
     weight_shares,
 )
 from soapjax.simulate._pipe_fold import MIN_LAYERS, FoldedStage, StageCosts, layer_fold, tied
@@ -664,9 +665,9 @@ class PipelinedSimulation:
     def _stash_bytes(self) -> list[int]:
         """Per chunk, what a microbatch whose B has run and W has not holds under a split
         backward (`_pipe_cut.stash_bytes`)."""
-        shares = self.graph.memo("weight_shares", lambda: weight_shares(self.graph))
-        return stash_bytes(self.graph, self._ranges, shares, self._inner.io_bytes_by_operator(),
-                           self._outside)
+        operands = self.graph.memo("weight_operands", lambda: weight_operands(self.graph))
+        return stash_bytes(self.graph, self._ranges, operands,
+                           self._inner.io_bytes_by_operator(), self._outside)
 
 
 class _LayoutMoves(NamedTuple):
