@@ -46,8 +46,9 @@ next chunk's backward). The ticks run as one ``lax.fori_loop``; at each tick
 
 1. every stage runs its own action: one ``lax.switch`` on ``kind[tick, stage]`` over the kinds
    of action the schedule has (idle; forward or backward; of the first, a middle or the last
-   chunk), with the microbatch, the local chunk and the buffer slots read from
-   ``[tick, stage]`` tables;
+   chunk; and, where the schedule splits the backward, W: the weights' gradients of a
+   chunk, `soapjax.apply._deferred`), with the microbatch, the local chunk and the buffer
+   slots read from ``[tick, stage]`` tables;
 2. per direction, one ``lax.switch`` on the tick (every device takes the same branch, so the
    collective in it is well formed) picks the ``ppermute`` over exactly the stage pairs that
    send at that tick: the activations the forwards made go to the next chunk's stage, the
@@ -771,8 +772,9 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
     its carry, and the last chunk hands the epilogue whole. `literals`: values of literal ids
     the chunk reads instead of the program's (`_Groups.literals`). `deferred`: the layer's
     weight matmuls, run as `soapjax.apply._deferred.deferred_dot` (a split backward); the
-    function then takes their stash (``stash``: per matmul two ``[L / C, ...]`` stacks of
-    zeros, `stash_shapes`), whose cotangents are what the weights' gradients are made of,
+    function then takes their stash (``stash``: ``[L / C, ...]`` stacks of zeros, per
+    weight matmul its operand's, once per value, and its cotangent's: `stash_shapes`), whose
+    cotangents are what the weights' gradients are made of,
     held in `matmul_specs` (per weight matmul, its operand's and its cotangent's:
     `_Pipeline._stash_specs`)."""
     prog, scan = cut.program, cut.scan
