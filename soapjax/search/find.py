@@ -66,11 +66,12 @@ with and without the distributed optimizer) is scored (`soapjax.simulate.front.o
 two passes (`_Pipelines.grids`), right after the starts, in `PIPELINE_GRIDS_SHARE` of
 the time they leave; the `CHAINED_PIPELINES` pipelines whose grids did best then each get a
 chain (configs, recompute, microbatches, over one stage's devices) from their best point
-under the fastest schedule that fits (`choose_schedule`: ZB-H1's deferred weight gradients
-where they shorten the bubble; `_Pipelines` says why only those pipelines), after the flat
-chains, the family whose best is behind
-getting the smaller share of the chains' time (`_flat_chains_share`); the best plan over all grids
-and chains, pipelined or not, is returned. S and v are chosen among pipelines, not by moves
+under the fastest schedule that fits (`choose_schedule`: a zero-bubble schedule's deferred
+weight gradients where they shorten the bubble; `_Pipelines` says why only those
+pipelines), after the flat chains, the family whose best is behind getting the smaller share
+of the chains' time (`_flat_chains_share`); the fastest pipelined plans, priced on folded
+stages, are priced again whole (`soapjax.search.pipelines._settle_folded`), and the best
+plan over all grids and chains, pipelined or not, is returned. S and v are chosen among pipelines, not by moves
 within a chain. A chain's best at one virtual stage then has its stage boundaries walked
 over (`balance_stages`: a stage of fewer layers where the head weighs, each step sending the
 layers a stage runs but another keeps, priced), a walk on the schedule alone, the stage's
