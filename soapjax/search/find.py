@@ -72,12 +72,12 @@ pipelines), after the flat chains, the family whose best is behind getting the s
 of the chains' time (`_flat_chains_share`); the fastest pipelined plans, priced on folded
 stages, are priced again whole (`soapjax.search.pipelines._settle_folded`), and the best
 plan over all grids and chains, pipelined or not, is returned. S and v are chosen among
-pipelines, not by moves within a chain. A chain's best at one virtual stage then has its stage boundaries walked
-over (`balance_stages`: a stage of fewer layers where the head weighs, each step sending the
-layers a stage runs but another keeps, priced), a walk on the schedule alone, the stage's
-simulation unchanged. The grid holds only what apply runs (the interleaved schedule's M a
-multiple of S: `soapjax.strategy.pipeline.pipeline_error`), and the chains' microbatch moves keep to
-the same rule.
+pipelines, not by moves within a chain. A chain's best at one virtual stage then has its
+stage boundaries walked over (`balance_stages`: a stage of fewer layers where the head
+weighs, each step sending the layers a stage runs but another keeps, priced), a walk on the
+schedule alone, the stage's simulation unchanged. The grid holds only what apply runs (the
+interleaved schedule's M a multiple of S: `soapjax.strategy.pipeline.pipeline_error`), and
+the chains' microbatch moves keep to the same rule.
 Every pipeline is priced as apply runs it: with v > 1 each step also moves the stacked layer
 parameters between the model's layout and the chunks' (`soapjax.simulate.pipesim`, module doc, 4),
 so a smaller bubble is weighed against those all-to-alls and the copy they hold.
