@@ -619,3 +619,19 @@ def test_a_batch_norm_inside_pipelined_layers_computes_the_whole_batch_statistic
     loss, grads, _, _ = run_step(graph, strategy, params, batch)
     assert relative_error(model_layout(grads), want) < 1e-12
     assert abs(float(loss) - float(want_loss)) / abs(float(want_loss)) < 1e-12
+
+
+def test_a_zero_bubble_plan_that_keeps_attention_core_operators_computes_the_unsharded_step():
+    """The plan above (selective recomputation keeping the attention core's operators) under
+    ZB-H1: each layer's checkpoint saves the kept values and the deferred weight matmuls'
+    outputs (`_chunk_fn`'s names), and every gradient leaf equals the unsharded step's to
+    1e-12 (as the search's Mixtral 8x22B plan runs: docs/vs-experts.md)."""
+    _, params, batch, graph, (want_loss, want) = model_case("gpt", STAGES)
+    base = strategy_of("gpt", 1, "selective")
+    strategy = dataclasses.replace(base, recompute=tuple(
+        "none" if op.block_position and recomputes(op, "selective") else base.recompute_of(j)
+        for j, op in enumerate(graph.operators))).with_pipeline(STAGES, 1, "zb-h1")
+    assert len(kept_positions(graph, strategy)) >= 2
+    loss, grads, _, _ = run_step(graph, strategy, params, batch)
+    assert relative_error(model_layout(grads), want) < 1e-12
+    assert abs(float(loss) - float(want_loss)) / abs(float(want_loss)) < 1e-12
