@@ -4,20 +4,21 @@ gradient of the layer's input, which the previous stage waits for, and W, the gr
 its weights, which nothing waits for and the schedule runs later.
 
 Each matmul of a layer that reads one of the layer's parameters (a *weight matmul*: a
-``dot_general`` with a parameter slice for an operand, or its cast to the compute dtype) runs
-as `deferred_dot`: its forward is the matmul; its backward returns the gradient of its other
-operand and, for the weight, zero; and it hands on the two values the weight's gradient is
-made of, the operand ``x`` and the output's cotangent ``dy``, as the cotangents of two *stash*
-inputs the matmul takes and does not read (zeros of their shapes stacked ``[layers, ...]``,
-scanned with the layers; an operand several matmuls read is stashed by the first alone).
-So ``jax.vjp`` of a chunk, run in the B action, computes everything of the backward but the
-weights' matmul gradients, and returns the stash; the W action (`weight_grads`) computes each weight's gradient from it:
-the same transpose of the same matmul ``jax.vjp`` would have run, then the cast back to the
-parameter's dtype, summed over the matmuls that read it. This is what zero-bubble
-implementations do with their linear layers (Qi et al. 2024, section 3; Megatron-LM's
-``--defer-embedding-wgrad-compute`` and the like keep ``x`` and ``dy`` for later the same
-way). Values are the unsplit backward's to rounding: the same products, added in another
-order (float64 tests: tests/test__pipelined.py, tests/test_apply_pipelined.py).
+``dot_general`` with a parameter slice for an operand, or its cast to the compute dtype)
+runs as `deferred_dot`: its forward is the matmul; its backward returns the gradient of its
+other operand and, for the weight, zero; and it hands on the two values the weight's
+gradient is made of, the operand ``x`` and the output's cotangent ``dy``, as the cotangents
+of two *stash* inputs the matmul takes and does not read (zeros of their shapes stacked
+``[layers, ...]``, scanned with the layers; an operand several matmuls read is stashed by
+the first alone). So ``jax.vjp`` of a chunk, run in the B action, computes everything of the
+backward but the weights' matmul gradients, and returns the stash; the W action
+(`weight_grads`) computes each weight's gradient from it: the same transpose of the same
+matmul ``jax.vjp`` would have run, then the cast back to the parameter's dtype, summed over
+the matmuls that read it. This is what zero-bubble implementations do with their linear
+layers (Qi et al. 2024, section 3; Megatron-LM's ``--defer-embedding-wgrad-compute`` and the
+like keep ``x`` and ``dy`` for later the same way). Values are the unsplit backward's to
+rounding: the same products, added in another order (float64 tests:
+tests/test__pipelined.py, tests/test_apply_pipelined.py).
 
 What a pending W holds is its stash: per weight matmul of each of the chunk's layers, its
 operand (once for the matmuls that read the same one: attention's q, k and v) and its
