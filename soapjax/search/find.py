@@ -350,6 +350,8 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
     run_chains(tasks, settings.seed, lanes(settings.processes, len(tasks), forkable), end,
                lambda _, outcome: searcher.absorb(outcome), progress)
     if pipes is not None:  # the pipelined plans' folded prices checked on whole stages
+        if progress is not None:
+            progress("search: pricing the fastest pipelined plans again on whole stages")
         _settle_folded(searcher, graph, topology, cost_model or sim.cost_model, opt_state_factor)
     searcher._report("done", force=True)
     if searcher.best is None:
