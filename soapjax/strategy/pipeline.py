@@ -114,7 +114,7 @@ def pipeline_error(schedule: str, stages: int, microbatches: int, virtual: int =
     >>> pipeline_error("1f1b", stages=4, microbatches=6) is None
     True
     >>> pipeline_error("1f1b", stages=4, microbatches=6, virtual=2)
-    "2 virtual stages per device need the 'interleaved' schedule, not '1f1b'"
+    "2 virtual stages per device need the 'interleaved' or 'zb-interleaved' schedule, not '1f1b'"
     """
     if schedule not in SCHEDULES:
         return f"pipeline schedule {schedule!r} is not one of {', '.join(SCHEDULES)}"
