@@ -754,7 +754,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    help="never split reduction dims (FlexFlow's own space)")
     p.add_argument("--pipelines", action=_OneWay, default=None,
                    help="search pipeline stages too (the outermost mesh axis cut into stages; "
-                   "GPipe, 1F1B, interleaved 1F1B), for models of many layers on many nodes; "
+                   "1F1B and interleaved 1F1B as Megatron's grid, then GPipe or the "
+                   "zero-bubble schedules where faster), for models of many layers on many "
+                   "nodes; "
                    "--no-pipelines never; default: only when no plan without stages fits. "
                    "`soapjax.apply.step` runs pipelined plans on one mesh with a stage axis")
     p.add_argument("--out", default=None, help="plan file to write "
