@@ -3,6 +3,8 @@ applied on 8 virtual CPU devices and held to ``jax.grad`` of the user's loss in 
 
     python scripts/fuzz_exactness.py --strategies 2000 --out fuzz.json   # about an hour
     python scripts/fuzz_exactness.py --only corpus:convnext --strategies 50
+    python scripts/fuzz_exactness.py --strategies 40 --schedules zb-h1 zb-interleaved \
+        --only zoo:gpt:tiny zoo:llama:tiny zoo:moe:tiny    # pipelined, those schedules alone
 
 Subjects and strategies are `tests/fuzzing.py`'s (every corpus model and the zoo's tiny models
 with a layer scan, experts and flash attention; configs from the SOAP space with up to two
@@ -45,19 +47,21 @@ sys.path.insert(0, str(ROOT / "tests"))
 import fuzzing  # noqa: E402
 import numpy as np  # noqa: E402
 
+from soapjax.strategy.pipeline import SCHEDULES  # noqa: E402
 from soapjax.topology.cluster import load_topology  # noqa: E402
 
 
 def _worker() -> int:
-    """Reads ``{"name", "topology", "seed", "shrink"}`` lines on stdin and writes one JSON line
-    of what `fuzzing.check` found for each (the subjects built once)."""
+    """Reads ``{"name", "topology", "seed", "shrink", "schedules"}`` lines on stdin and
+    writes one JSON line of what `fuzzing.check` found for each (the subjects built once)."""
     topologies = _topologies()
     for line in sys.stdin:
         job = json.loads(line)
         t0 = time.time()
         s = fuzzing.subject(job["name"])
         topology = topologies[job["topology"]]
-        strategy = fuzzing.draw(s, topology, np.random.default_rng(job["seed"]))
+        strategy = fuzzing.draw(s, topology, np.random.default_rng(job["seed"]),
+                                job.get("schedules"))
         out = fuzzing.check(s, strategy, topology)
         record = {"refused": out.refused, "failed": out.failed, "describe": out.describe(),
                   "error": out.comparison.max_error if out.comparison else None,
@@ -139,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
                    "take, compiling included, before it counts as a hang (default %(default)s)")
     p.add_argument("--no-shrink", dest="shrink", action="store_false",
                    help="report failures as drawn, without shrinking them")
+    p.add_argument("--schedules", nargs="+", default=None, metavar="SCHEDULE",
+                   choices=sorted(SCHEDULES),
+                   help="pipelined strategies alone, of these schedules (the subjects that "
+                   "take stages: the zoo's layered models), e.g. --schedules zb-h1 "
+                   "zb-interleaved --only zoo:gpt:tiny zoo:llama:tiny zoo:moe:tiny")
     args = p.parse_args(argv)
     names = args.only or fuzzing.names()
     unknown = [n for n in names if n not in fuzzing.names()]
@@ -158,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             seed = args.seed + draws
             draws += 1
             r = worker.run({"name": name, "topology": topology, "seed": seed,
-                            "shrink": args.shrink}, args.deadline_s)
+                            "shrink": args.shrink, "schedules": args.schedules},
+                           args.deadline_s)
             c = counts[name]
             c["seconds"] += r["seconds"]
             if r["refused"]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, NamedTuple
 
 import corpus
@@ -126,11 +126,15 @@ def _jiggle(tree: Any, seed: int = 0) -> Any:
                         if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def draw(s: Subject, topology: Topology, rng: np.random.Generator) -> Strategy:
-    """A random strategy of `s` on `topology` (module doc)."""
+def draw(s: Subject, topology: Topology, rng: np.random.Generator,
+         schedules: Collection[str] | None = None) -> Strategy:
+    """A random strategy of `s` on `topology` (module doc). `schedules`: pipelined ones alone
+    (where the subject takes stages), of those schedules."""
     graph = s.graph
     stages = stage_choices(graph, topology) if _pipelinable(graph) else ()
     S = int(rng.choice(stages)) if stages and rng.random() < 0.4 else 1
+    if schedules is not None and stages and S == 1:
+        S = int(rng.choice(stages))
     # a pipelined strategy's configs are over one stage's devices (the outer axis cut)
     mesh = MeshShape.of(stage_topology(topology, S) if S > 1 else topology)
     # no attribute splits where the model convolves: a spatially split input to a convolution
@@ -157,7 +161,7 @@ def draw(s: Subject, topology: Topology, rng: np.random.Generator) -> Strategy:
     elif rng.random() < 0.2:
         strategy = dataclasses.replace(strategy, optimizer_axes=_subset(axes, rng))
     if S > 1:
-        return _pipelined(graph, strategy, S, mesh, rng)
+        return _pipelined(graph, strategy, S, mesh, rng, schedules)
     if any(op.anchor == "attention" for op in graph.operators) and rng.random() < 0.3:
         strategy = dataclasses.replace(strategy, ring_attention=True)
     return strategy
@@ -185,11 +189,13 @@ def _divides(graph: OpGraph, strategy: Strategy, mesh: MeshShape, m: int) -> boo
 
 
 def _pipelined(graph: OpGraph, strategy: Strategy, S: int, mesh: MeshShape,
-               rng: np.random.Generator) -> Strategy:
-    """`strategy` with a random pipeline of `S` stages its numbers allow (else unchanged)."""
+               rng: np.random.Generator, schedules: Collection[str] | None = None
+               ) -> Strategy:
+    """`strategy` with a random pipeline of `S` stages its numbers allow (else unchanged), of
+    `schedules` where given."""
     options = []
     for v in interleave_choices(graph, S):
-        for schedule in SCHEDULES:
+        for schedule in SCHEDULES if schedules is None else schedules:
             for m in microbatch_choices(graph):
                 if not _divides(graph, strategy, mesh, m):
                     continue

@@ -59,3 +59,15 @@ def test_a_random_strategy_is_exact(name):
 def _seed(name: str) -> int:
     """A seed per subject that does not move with Python's string hashing."""
     return sum((k + 1) * ord(c) for k, c in enumerate(name))
+
+
+def test_draws_keep_to_the_schedules_asked_for():
+    """`fuzzing.draw(..., schedules=...)` (the long run's ``--schedules``): pipelined
+    strategies alone, of those schedules; without it, the same draws as ever."""
+    s = fuzzing.subject("zoo:gpt:tiny")
+    wanted = ("zb-h1", "zb-interleaved")
+    for seed in range(6):
+        drawn = fuzzing.draw(s, NODES, np.random.default_rng(seed), wanted)
+        assert drawn.pipelined and drawn.schedule in wanted
+        assert (fuzzing.draw(s, NODES, np.random.default_rng(seed))
+                == fuzzing.draw(s, NODES, np.random.default_rng(seed), None))
