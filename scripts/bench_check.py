@@ -86,6 +86,9 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="*", default=list(zoo.names()))
     ap.add_argument("--plans", nargs="*", default=list(PLANS), choices=PLANS)
     ap.add_argument("--mesh", default="cpu8")
+    ap.add_argument("--rows", nargs="*", default=list(PIPELINED), choices=list(PIPELINED),
+                    metavar="ROW", help="the pipelined plans to run (default: all of them: "
+                    + ", ".join(repr(k) for k in PIPELINED) + ")")
     args = ap.parse_args(argv)
     topo = load_topology(args.mesh)
     rows = []
@@ -97,6 +100,8 @@ def main(argv=None) -> int:
                  strategies(graph, topo, w, args.plans).items()]
         if "pipelined" in args.plans and name in LAYERED:
             for kind, (layers, settings, schedule) in PIPELINED.items():
+                if kind not in args.rows:
+                    continue
                 wl, gl = pipelined(name, layers) if layers != 2 else (w, graph)
                 s = baselines.megatron_3d(gl, topo, pp=2, recompute="none", **settings)
                 cases.append((kind, s.with_pipeline(2, s.virtual_stages, schedule), wl, gl))

@@ -570,7 +570,8 @@ def test_a_start_displaced_by_a_chains_mispriced_plan_comes_back():
 def test_a_split_backwards_stash_counts_each_operand_once():
     """`_pipe_cut.stash_bytes`: per chunk, the weight matmuls' outputs and the operands they
     multiply (`weight_operands`), attention's q, k and v reading one value counted once, as
-    apply stashes them."""
+    apply stashes them; without sequence parallelism each as the matmul uses it (nothing
+    for W to gather again)."""
     graph = gpt(8)
     start = megatron_3d(graph, A100, tp=4, pp=4, microbatch_size=1,
                         recompute="selective").with_pipeline(4, 1, "zb-h1")
@@ -584,10 +585,55 @@ def test_a_split_backwards_stash_counts_each_operand_once():
                      "mlp/fc2"] * 2
     # q, k, v read x (their third operand) once; out, fc1 the same place; fc2 its GELU'd
     # input (made inside it from its first operand), not the residual stream it adds
-    assert [weight_operands(graph)[i] for i in weights[:6]] == [(2,), (2,), (2,), (2,), (2,),
-                                                                 (0,)]
+    assert [weight_operands(graph)[i] for i in weights[:6]] == [
+        ((2, True),)] * 5 + [((0, False),)]
     x_once = [i for k, i in enumerate(weights) if k % 6 not in (1, 2)]
     want = (sum(io[i][1] for i in weights) + sum(io[i][0][2] for i in x_once if i not in
                                                   weights[5::6])
             + sum(io[i][0][0] for i in weights[5::6]))
     assert sim._stash_bytes()[1] == want
+    assert sim._stash()[1][1] == ((), ())
+
+
+def test_a_lean_stash_keeps_what_sequence_parallelism_splits_and_w_gathers_it_again():
+    """Under sequence parallelism the stash keeps q/k/v's and fc1's operand (the norm's
+    output) split along the sequence as the stage holds it, and out's and fc2's cotangents
+    as their reduce-scatter hands them back: 1/4 of the gathered bytes at TP4; each W
+    all-gathers those again over the model axes (apply's `_Pipeline._stash_specs`), which
+    the chunk's W is priced with, and its backward and collectives where they are more
+    than the unsplit backward's (`Kept.moved`), M times."""
+    graph = gpt(8)
+    start = megatron_3d(graph, A100, tp=4, pp=4, microbatch_size=1, recompute="selective",
+                        sequence_parallel=True).with_pipeline(4, 1, "zb-h1")
+    sim = pipelined(start, graph)
+    lo, hi = sim._ranges[1]
+    io, used = sim._inner.stash_io_by_operator(), sim._inner.io_bytes_by_operator()
+    by_name = {graph.operators[i].name.split("/", 1)[1]: i
+               for i in range(lo, lo + (hi - lo) // 2)}
+    q, out, fc1, fc2 = (by_name[n] for n in ("attn/query", "attn/out", "mlp/fc1", "mlp/fc2"))
+    for i, kept in ((q, io[q][0][2]), (fc1, io[fc1][0][2]), (out, io[out][1][0]),
+                    (fc2, io[fc2][1][0])):
+        assert kept.axes and kept.used == 4 * kept.kept
+    assert io[q][0][2].used == used[q][0][2] and io[out][1][0].used == used[out][1]
+    assert not io[fc2][0][0].axes or weight_operands(graph)[fc2] == ((0, False),)
+    xs, dys = sim._stash()[1][1]
+    assert len(xs) == 2 * 2 and len(dys) == 2 * 2  # two layers a chunk: (q, fc1), (out, fc2)
+    lean = sum(e.used - e.kept for e in (*xs, *dys))
+    weights = [i for i in range(lo, hi) if weight_shares(graph)[i]]
+    x_once = [i for k, i in enumerate(weights) if k % 6 not in (1, 2, 5)]
+    as_used = (sum(used[i][1] for i in weights) + sum(used[i][0][2] for i in x_once)
+               + sum(used[i][0][0] for i in weights[5::6]))
+    assert lean > 0 and sim._stash_bytes()[1] == as_used - lean
+    # selectively recomputed, the unsplit backward gathers the operands again (W's moved
+    # from it); the cotangents are gathered once more
+    assert all(e.moved for e in xs) and not any(e.moved for e in dys)
+    moved, more = sim._weight_gather_times()[1]
+    assert moved > 0 and more > 0
+    r = sim.result()
+    assert r.chunk_times.weight_s[1] > moved + more
+    collectives, _ = sim.step_collectives()
+    M = sim._inner.microbatches
+    assert sum(1 for k, n, t in collectives if k == "all_gather" and t == M
+               and n in {e.used for e in dys}) >= 2 * len(sim._ranges)
+
+

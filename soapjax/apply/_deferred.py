@@ -142,31 +142,56 @@ def _bind(eqn: Any, weight: int, x: Any, w: Any) -> Any:
 
 
 def deferred_dot(eqn: Any, weight: int, hold_x: Callable[[Any], Any] | None = None,
-                 hold_dy: Callable[[Any], Any] | None = None, own_x: bool = True
-                 ) -> Callable[..., Any]:
+                 hold_dy: Callable[[Any], Any] | None = None, own_x: bool = True,
+                 keep_x: Callable[[Any], Any] | None = None,
+                 keep_dy: Callable[[Any], Any] | None = None) -> Callable[..., Any]:
     """``(x, w, stash_x, stash_dy) -> y`` (without ``stash_x`` where not `own_x`: an earlier
     matmul stashes the same operand): the matmul `eqn` (its weight operand at `weight`),
     whose backward gives ``x`` its gradient, ``w`` zero, and the stash inputs ``x`` and the
     output's cotangent (module doc). `hold_x`, `hold_dy`: applied to ``x`` and to the
     cotangent before they are used (a stage holds them in the layouts the matmul reads and
-    makes them in: under sequence parallelism gathered, as the unsplit backward uses them, so
-    that W gathers nothing again)."""
+    makes them in: under sequence parallelism gathered, as the unsplit backward uses them).
+
+    `keep_x`, `keep_dy`: where given, the stash takes the value these hold instead, a
+    smaller layout than the matmul's (a *lean* stash, which W gathers again: under sequence
+    parallelism the operand split along the sequence, as the stage held it before the
+    matmul gathered it, and a row-parallel matmul's cotangent as its reduce-scatter
+    handed it back). With `keep_x` the function takes ``(x, w, raw, *stash)``: ``raw`` is
+    the operand before the caller gathered it (what is stashed, and what the backward
+    saves in place of ``x``, which it does not need); its gradient is zero (``x``'s carries
+    the whole)."""
+    lean = keep_x is not None
+
     @jax.custom_vjp
-    def dot(x, w, *stash):
+    def dot(x, w, *rest):
         return _bind(eqn, weight, x, w)
 
-    def forward(x, w, *stash):
-        return _bind(eqn, weight, x, w), (x, w)
+    def forward(x, w, *rest):
+        return _bind(eqn, weight, x, w), ((rest[0] if lean else x), w)
 
     def backward(saved, dy):
-        x, w = saved
+        kept, w = saved  # the operand (lean: as the caller held it before gathering) and w
+        dy_kept = None if keep_dy is None else keep_dy(dy)  # before the matmul's layout
         dy = dy if hold_dy is None else hold_dy(dy)
-        (dx,) = jax.vjp(lambda a: _bind(eqn, weight, a, w), x)[1](dy)
-        kept = (x if hold_x is None else hold_x(x),) * own_x
-        return (dx, jnp.zeros_like(w), *kept, dy)
+        dy_kept = dy if dy_kept is None else dy_kept
+        if lean:
+            dx = _operand_grad(eqn, weight, w, dy)
+            return (dx, jnp.zeros_like(w), jnp.zeros_like(kept), *(keep_x(kept),) * own_x,
+                    dy_kept)
+        (dx,) = jax.vjp(lambda a: _bind(eqn, weight, a, w), kept)[1](dy)
+        stash_x = (kept if hold_x is None else hold_x(kept),) * own_x
+        return (dx, jnp.zeros_like(w), *stash_x, dy_kept)
 
     dot.defvjp(forward, backward)
     return dot
+
+
+def _operand_grad(eqn: Any, weight: int, w: Any, dy: Any) -> Any:
+    """The gradient of the matmul's other operand from its output's cotangent `dy` (the
+    transpose ``jax.vjp`` runs; it reads the operand's shape only)."""
+    x = eqn.invars[1 - weight].aval
+    like = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return jax.linear_transpose(lambda a: _bind(eqn, weight, a, w), like)(dy)[0]
 
 
 def weight_grads(program: Program, matmuls: Sequence[WeightMatmul], params: Sequence[Any],

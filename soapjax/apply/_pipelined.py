@@ -162,6 +162,7 @@ reverse, and a stacked parameter read outside the layers.
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -751,8 +752,7 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
               kept: frozenset[int] = frozenset(),
               literals: Mapping[int, Any] | None = None,
               deferred: Sequence[WeightMatmul] = (),
-              matmul_specs: Sequence[tuple[PartitionSpec | None, PartitionSpec | None]] = ()
-              ) -> Callable:
+              matmul_specs: Sequence[_StashSpecs] = ()) -> Callable:
     """``(chunk params, values, x) -> y`` (the chunk's output carry) or, for the last chunk,
     ``-> loss`` (the epilogue after it); `values` are those of the ids `reads`, the chunk
     params ``[L / C, ...]`` per stacked parameter, in the scan's order. With `selective`, each
@@ -775,8 +775,7 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
     function then takes their stash (``stash``: ``[L / C, ...]`` stacks of zeros, per
     weight matmul its operand's, once per value, and its cotangent's: `stash_shapes`), whose
     cotangents are what the weights' gradients are made of,
-    held in `matmul_specs` (per weight matmul, its operand's and its cotangent's:
-    `_Pipeline._stash_specs`)."""
+    held in `matmul_specs` (per weight matmul: `_Pipeline._stash_specs`)."""
     prog, scan = cut.program, cut.scan
     literals = dict(literals or {})
 
@@ -799,7 +798,7 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
         env.update(zip(scan.carries[0], carry))
         swaps = {m.unit: _weight_matmul(m, prog, stash_of(m, stash), selective,
                                         (operand_reads or {}).get(m.unit, ()),
-                                        matmul_specs[k] if matmul_specs else (None, None))
+                                        matmul_specs[k] if matmul_specs else _StashSpecs())
                  for k, m in enumerate(deferred)}
         _run_in_stage(prog, cut.layer, env, whole_queries, layer_hook, operand_reads, swaps)
         return tuple(env[v] for v in scan.carries[1]), tuple(env[v] for v in ys)
@@ -875,6 +874,25 @@ def _dot_output_spec(eqn: Any, specs: Sequence[PartitionSpec]) -> PartitionSpec 
     return PartitionSpec(*entries)
 
 
+def _smaller(held: PartitionSpec | None, used: PartitionSpec | None, shape: Sequence[int],
+             sizes: Mapping[str, int]) -> PartitionSpec | None:
+    """`held` where a stash keeps a value in it (`_Pipeline._stash_specs`): where it splits
+    the value into smaller pieces per device than `used` does; else `used`."""
+    if held is None or used is None:
+        return used
+    return held if _per_device(held, shape, sizes) < _per_device(used, shape, sizes) else used
+
+
+def _per_device(spec: PartitionSpec, shape: Sequence[int], sizes: Mapping[str, int]) -> int:
+    """Elements of a value of `shape` per device under `spec` (a dim an axis does not divide
+    counted whole)."""
+    n = 1
+    for k, size in enumerate(shape):
+        d = math.prod(sizes[a] for a in _axes(spec[k])) if k < len(spec) else 1
+        n *= size // d if size % d == 0 else size
+    return n
+
+
 def _read_spec(reads: Sequence[tuple], pos: int) -> PartitionSpec | None:
     """The layout `reads` (`_Pipeline._operand_reads`' entries of one unit) holds operand
     `pos` in, or None."""
@@ -882,24 +900,48 @@ def _read_spec(reads: Sequence[tuple], pos: int) -> PartitionSpec | None:
                  if p == pos and isinstance(fn, functools.partial)), None)
 
 
+class _StashSpecs(NamedTuple):
+    """Where a stage holds one weight matmul's operand and output cotangent
+    (`_Pipeline._stash_specs`): as the matmul reads and makes them (`x`, `dy`), and as its
+    stash keeps them (`x_kept`, `dy_kept`: the same, or the smaller layout the stage held
+    them in before the matmul gathered them, which W gathers again). None: XLA's choice."""
+
+    x: PartitionSpec | None = None
+    dy: PartitionSpec | None = None
+    x_kept: PartitionSpec | None = None
+    dy_kept: PartitionSpec | None = None
+
+    @property
+    def lean_x(self) -> bool:
+        return self.x_kept is not None and self.x_kept != self.x
+
+    @property
+    def lean_dy(self) -> bool:
+        return self.dy_kept is not None and self.dy_kept != self.dy
+
+
 def _weight_matmul(m: WeightMatmul, prog: Program, stash: Sequence[Any], selective: bool,
-                   reads: Sequence[tuple], specs: Sequence[PartitionSpec | None] = (None, None)
-                   ) -> Callable:
+                   reads: Sequence[tuple], specs: _StashSpecs = _StashSpecs()) -> Callable:
     """The function `_run_in_stage` runs weight matmul `m` with (`deferred_dot`, taking the
     layer's `stash` pair), its operands held to their layouts first (`reads`, as
-    `Program.run_units` holds the other units'), the stash held in `specs` (operand,
-    cotangent: `_Pipeline._stash_specs`), its output named for a selective layer's
-    checkpoint to save (as the matmuls' outputs are)."""
-    x_spec, dy_spec = specs
-    dot = deferred_dot(prog.units[m.unit].eqn, m.weight,
-                       *(None if spec is None else functools.partial(_constrain, spec=spec)
-                         for spec in (x_spec, dy_spec)), own_x=m.own_x)
+    `Program.run_units` holds the other units'), the operand and the output's cotangent held
+    in `specs` (`_Pipeline._stash_specs`; a lean stash keeps the operand as it was before
+    `reads` gathered it), its output named for a selective layer's checkpoint to save (as
+    the matmuls' outputs are)."""
+    def hold(spec: PartitionSpec | None) -> Callable | None:
+        return None if spec is None else functools.partial(_constrain, spec=spec)
+
+    dot = deferred_dot(prog.units[m.unit].eqn, m.weight, hold(specs.x), hold(specs.dy),
+                       own_x=m.own_x, keep_x=hold(specs.x_kept) if specs.lean_x else None,
+                       keep_dy=hold(specs.dy_kept) if specs.lean_dy else None)
+    lean_x = specs.lean_x
 
     def run(*args: Any) -> list[Any]:
         args = list(args)
+        raw = args[1 - m.weight]  # as the stage holds it, before the matmul's layout
         for pos, _, fn in reads:
             args[pos] = fn(args[pos])
-        out = dot(args[1 - m.weight], args[m.weight], *stash)
+        out = dot(args[1 - m.weight], args[m.weight], *(raw,) * lean_x, *stash)
         return [checkpoint_name(out, DEFERRED_NAME) if selective else out]
     return run
 
@@ -1453,9 +1495,10 @@ class _Pipeline:
         self.deferred = weight_matmuls(program, cut.scan, cut.layer) if split else ()
         self.stash_shapes = stash_shapes(program, self.deferred)
         self.matmul_specs = self._stash_specs(layouts)
-        self.stash_specs = tuple(  # per entry of the stash (`stash_shapes`)
-            spec for m, (x, dy) in zip(self.deferred, self.matmul_specs)
-            for spec in (x,) * m.own_x + (dy,))
+        # per entry of the stash (`stash_shapes`): as kept, and as W's matmuls read it
+        self.stash_specs, self.stash_reads = (tuple(
+            spec for m, specs in zip(self.deferred, self.matmul_specs)
+            for spec in (specs[x],) * m.own_x + (specs[dy],)) for x, dy in ((2, 3), (0, 1)))
         self.chunk_fns = {last: self._make_chunk_fn(last) for last in (False, True)}
 
     def _constraints(self, layouts: StageLayouts | None,
@@ -1510,21 +1553,25 @@ class _Pipeline:
                                                               back=held_back)))
         return reads
 
-    def _stash_specs(self, layouts: StageLayouts | None
-                     ) -> tuple[tuple[PartitionSpec | None, PartitionSpec | None], ...]:
+    def _stash_specs(self, layouts: StageLayouts | None) -> tuple[_StashSpecs, ...]:
         """Where a stage holds its stash (`soapjax.apply._deferred`), per weight matmul: the
-        operand as the matmul read it, and the output's cotangent as the matmul makes the
-        output, before any reduction of its partial sums (a row-parallel matmul's whole, where
-        the stage holds the output reduce-scattered), so neither W nor B gathers what the
-        unsplit backward would have gathered once. None: where XLA puts it (no layouts)."""
+        operand as the matmul reads it, and the output's cotangent as the matmul makes the
+        output, before any reduction of its partial sums (a row-parallel matmul's whole,
+        where the stage holds the output reduce-scattered); and as the stash keeps them: in
+        the layout the stage holds the value in outside the matmul where that is smaller
+        per device (the *lean* stash: under sequence parallelism the operand split along
+        the sequence as its maker left it, a row-parallel matmul's cotangent as its
+        reduce-scatter hands it back), which W gathers again; else as the matmul uses them,
+        so W gathers nothing. `soapjax.simulate.pipesim` prices the same rule. None: where
+        XLA puts it (no layouts)."""
         if not self.deferred or not self.constraints or layouts is None:
-            return ((None, None),) * len(self.deferred)
+            return (_StashSpecs(),) * len(self.deferred)
         program = self.cut.program
         sizes = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))
         manual = {self.stage_axis, *self.groups.axes}
         op_of = {i: op for op in self.cut.graph.operators
                  for i in program.local[op.name].units}
-        out: list[tuple[PartitionSpec | None, PartitionSpec | None]] = []
+        out: list[_StashSpecs] = []
         for m in self.deferred:
             unit = program.units[m.unit]
             op = op_of[m.unit]
@@ -1532,9 +1579,10 @@ class _Pipeline:
             w_spec = next((_held_spec(spec, program.shapes[slice_id], sizes, manual)
                            for x, (spec, _) in zip(op.inputs, layouts.operands[op.name])
                            if x.value == slice_id and spec is not None), PartitionSpec())
+            x_id = unit.ins[1 - m.weight]
             x_spec = _read_spec(self.operand_reads.get(m.unit, ()), 1 - m.weight)
             if x_spec is None:  # made inside the operator (GPT's GELU before fc2): as its
-                shape = program.shapes[unit.ins[1 - m.weight]]  # inputs of that shape are
+                shape = program.shapes[x_id]  # inputs of that shape are
                 alike = [spec for x, (spec, _) in zip(op.inputs, layouts.operands[op.name])
                          if x.kind == "activation" and spec is not None
                          and tuple(program.shapes[x.value]) == tuple(shape)]
@@ -1542,7 +1590,14 @@ class _Pipeline:
                 if len(held) == 1:  # (SwiGLU's gate and up alike)
                     x_spec = held.pop()
             specs = [w_spec, x_spec] if m.weight == 0 else [x_spec, w_spec]
-            out.append((x_spec, None if x_spec is None else _dot_output_spec(unit.eqn, specs)))
+            dy_spec = None if x_spec is None else _dot_output_spec(unit.eqn, specs)
+            y_shape = program.shapes[unit.outs[0]]
+            made = {self.constraints[t.value] for t in op.outputs  # the operator's output
+                    if t.value in self.constraints and tuple(t.shape) == tuple(y_shape)}
+            out.append(_StashSpecs(
+                x_spec, dy_spec,
+                _smaller(self.constraints.get(x_id), x_spec, program.shapes[x_id], sizes),
+                _smaller(made.pop() if len(made) == 1 else None, dy_spec, y_shape, sizes)))
         return tuple(out)
 
     def _constraint_hook(self) -> Callable | None:
@@ -1904,10 +1959,13 @@ class _Pipeline:
 
     def _weights(self, state: dict, action: Any) -> tuple[dict, tuple, tuple]:
         """A W action: the gradients of its chunk's weights from the stash its B left
-        (`soapjax.apply._deferred.weight_grads`), added to the stage's."""
+        (`soapjax.apply._deferred.weight_grads`), read in the layouts the matmuls use (a
+        lean stash gathered again), added to the stage's."""
         local_chunk = action[_LOCAL_CHUNK]
         params = [_row(p, local_chunk) for p in self.stacked]
         stash = [_row(b, action[_STASH_SLOT]) for b in self._held_stash(state["stash"])]
+        stash = [x if spec is None else _constrain(x, PartitionSpec(None, *spec))  # gathered
+                 for x, spec in zip(stash, self.stash_reads)]  # again where kept lean
         grads = weight_grads(self.cut.program, self.deferred, params, stash)
         state = {**state, "param_grads": [g if d is None else _add_to_row(g, local_chunk, d)
                                           for g, d in zip(state["param_grads"], grads)]}

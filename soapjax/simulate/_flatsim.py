@@ -124,6 +124,7 @@ from soapjax.simulate._simresult import (
     PARAM_GATHER,
     UPDATE,
     UPDATE_REDUCE,
+    Kept,
     MemoryBreakdown,
     SimResult,
     TaskRecord,
@@ -131,6 +132,7 @@ from soapjax.simulate._simresult import (
 from soapjax.simulate._taskgraph import CHAIN, Comm, Layout, Pricing
 from soapjax.strategy.memory import (
     Segments,
+    microbatch_shape,
 )
 from soapjax.strategy.space import (
     Config,
@@ -295,6 +297,48 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
         for activations) and of its outputs for one microbatch, at their layouts here: what a
         split backward stashes for a weight matmul's W (`soapjax.simulate.pipesim`)."""
         return [(tuple(v.operand_bytes), sum(v.output_bytes)) for v in self._views]
+
+    @_settled
+    def stash_io_by_operator(self) -> list[tuple[tuple[Kept, ...], tuple[Kept, ...]]]:
+        """Per operator (graph order), per operand and per output, what a split backward's
+        lean stash keeps of it for one microbatch (`soapjax.apply._pipelined`'s rule): the
+        value in the layout its maker holds it in (an operand: its maker's `held_specs`; an
+        output: its own, a row-parallel matmul's reduce-scattered under sequence
+        parallelism) where that is smaller per device than the layout this operator uses it
+        in, then gathered again for W (`Kept`; moved where the operator recomputes: apply's
+        checkpoint of a recomputed layer gathers the operand again in the backward, for the
+        weight's gradient, which W now does); else as used. Non-activations: zeros."""
+        ops, index = self.graph.operators, self._index_of_name()
+        out = []
+        for j, (op, v) in enumerate(zip(ops, self._views)):
+            def kept(x: Any, used_spec: Any, used: int, held_spec: Any,
+                     moved: bool = False) -> Kept:
+                if held_spec is None:
+                    return Kept(used, used, ())
+                held = shard_bytes(microbatch_shape(x.shape, x.dims, self._sample[j],
+                                                    self._micro), held_spec, x.dtype, self.mesh)
+                if held >= used:
+                    return Kept(used, used, ())
+                had = {a for entry in used_spec for a in entry}
+                return Kept(held, used, tuple(a for entry in held_spec for a in entry
+                                              if a not in had), moved)
+
+            def maker(x: Any) -> int | None:
+                return index.get(x.source) if x.kind == "activation" else None
+            operands = tuple(
+                kept(x, s, n, None if maker(x) is None else self.held_specs(maker(x))[x.index],
+                     v.policy != "none")
+                if n else Kept(0, 0, ())
+                for x, s, n in zip(op.inputs, v.operand_specs, v.operand_bytes))
+            held = self.held_specs(j)
+            outputs = tuple(kept(x, s, n, h)
+                            for x, s, n, h in zip(op.outputs, v.out_specs, v.output_bytes, held))
+            out.append((operands, outputs))
+        return out
+
+    def _index_of_name(self) -> dict[str, int]:
+        return self.graph.memo("operator_index",
+                               lambda: {op.name: j for j, op in enumerate(self.graph.operators)})
 
     @_settled
     def activation_bytes_by_operator(self) -> list[int]:

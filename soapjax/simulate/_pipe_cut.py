@@ -15,6 +15,7 @@ from soapjax.base.errors import PlanError
 from soapjax.graph._program import picked_dim, shifted_dims
 from soapjax.graph.opgraph import OpGraph
 from soapjax.simulate._flat_memory import shard_bytes
+from soapjax.simulate._simresult import Kept
 from soapjax.strategy.space import Config, MeshShape, sample_dim
 
 __all__ = ["boundary_values", "epilogue_gathers", "epilogue_params", "layer_chunks", "layer_span",
@@ -237,16 +238,17 @@ def weight_shares(graph: OpGraph) -> tuple[float, ...]:
 
 
 
-def weight_operands(graph: OpGraph) -> tuple[tuple[int, ...], ...]:
+def weight_operands(graph: OpGraph) -> tuple[tuple[tuple[int, bool], ...], ...]:
     """Per operator, the positions of its operands that its weight matmuls (`weight_shares`)
-    read as their other operand: the operand itself, or where the matmul reads a value made
-    inside the operator (GPT's GELU before fc2), the operands of that value's shape, as
-    `soapjax.apply._pipelined` holds its stash."""
+    read as their other operand, each with whether the matmul reads the operand itself
+    (True), or a value made inside the operator from it (GPT's GELU before fc2: False, and
+    the operands of that value's shape are given), as `soapjax.apply._pipelined` holds its
+    stash (only what a matmul reads itself can be kept lean)."""
     prog = graph.program
     weights = _weight_values(prog)
     out = []
     for op in graph.operators:
-        found: set[int] = set()
+        found: dict[int, bool] = {}
         for i in prog.local[op.name].units:
             u = prog.units[i]
             if (u.eqn.primitive.name != "dot_general" or len(u.ins) != 2
@@ -254,37 +256,49 @@ def weight_operands(graph: OpGraph) -> tuple[tuple[int, ...], ...]:
                 continue
             x = u.ins[0] if u.ins[1] in weights else u.ins[1]
             at = [k for k, o in enumerate(op.inputs) if o.value == x]
-            found.update(at or (k for k, o in enumerate(op.inputs) if o.kind == "activation"
-                                and tuple(prog.shapes[o.value]) == tuple(prog.shapes[x])))
-        out.append(tuple(sorted(found)))
+            alike = [k for k, o in enumerate(op.inputs) if o.kind == "activation"
+                     and tuple(prog.shapes[o.value]) == tuple(prog.shapes[x])]
+            for k in at or alike:
+                found[k] = found.get(k, False) or bool(at)
+        out.append(tuple(sorted(found.items())))
     return tuple(out)
 
 
 def stash_bytes(graph: OpGraph, ranges: Sequence[tuple[int, int]],
-                operands: Sequence[tuple[int, ...]], io: Sequence[tuple[tuple[int, ...], int]],
-                outside: Sequence[bool]) -> list[int]:
+                operands: Sequence[tuple[tuple[int, bool], ...]],
+                io: Sequence[tuple[tuple[Kept, ...], tuple[Kept, ...]]],
+                outside: Sequence[bool]
+                ) -> tuple[list[int], list[tuple[tuple[Kept, ...], tuple[Kept, ...]]]]:
     """Per chunk (its operators' index `ranges`), what a microbatch whose B has run and W
-    has not holds under a split backward: its layer operators' (not `outside`) weight
-    matmuls' operands (`operands`: `weight_operands`; each value once: attention's q, k and
-    v read one) and outputs, per device (`io`: `Simulation.io_bytes_by_operator`): the
-    stash of `soapjax.apply._deferred`; the residuals are dropped at the B."""
+    has not holds under a split backward, and what its W gathers again: its layer
+    operators' (not `outside`) weight matmuls' operands (`operands`: `weight_operands`; each
+    value once: attention's q, k and v read one) and outputs, per device, as the stash keeps
+    them (`io`: `Simulation.stash_io_by_operator`; lean where the stage holds a value
+    smaller than the matmul uses it, an operand made inside the operator as used): the
+    stash of `soapjax.apply._deferred`; the residuals are dropped at the B. The second list
+    holds, per chunk, its lean entries (`Kept`: operands, then outputs' cotangents), which
+    its W all-gathers again each microbatch."""
     ops = graph.operators
-    out = []
+    totals, gathers = [], []
     for lo, hi in ranges:
         seen: set[tuple[str, int]] = set()
-        total = 0
+        total, lean_x, lean_dy = 0, [], []
         for i in range(lo, hi):
             if not operands[i] or outside[i]:
                 continue
             read, outputs = io[i]
-            total += outputs
-            for k in operands[i]:
+            xs = []
+            for k, direct in operands[i]:
                 x = ops[i].inputs[k]
                 if (x.source, x.index) not in seen:
                     seen.add((x.source, x.index))
-                    total += read[k]
-        out.append(total)
-    return out
+                    xs.append(read[k] if direct else Kept(read[k].used, read[k].used, ()))
+            total += sum(e.kept for e in (*xs, *outputs))
+            lean_x += [e for e in xs if e.axes]
+            lean_dy += [e for e in outputs if e.axes]
+        totals.append(total)
+        gathers.append((tuple(lean_x), tuple(lean_dy)))
+    return totals, gathers
 
 
 def _weight_values(prog) -> set[int]:

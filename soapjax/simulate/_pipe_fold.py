@@ -45,7 +45,7 @@ from typing import NamedTuple
 from soapjax.base.errors import PlanError
 from soapjax.graph.opgraph import Operator, OpGraph
 from soapjax.simulate._flatsim import Simulation
-from soapjax.simulate._simresult import MemoryBreakdown
+from soapjax.simulate._simresult import Kept, MemoryBreakdown
 from soapjax.strategy.space import Config, MeshShape, Strategy
 
 __all__ = ["FOLD_LAYERS", "MIN_LAYERS", "FoldedStage", "LayerFold", "StageCosts", "folded_graph",
@@ -340,6 +340,10 @@ class FoldedStage:
 
     def io_bytes_by_operator(self) -> list[tuple[tuple[int, ...], int]]:
         per = self._sims[-1].io_bytes_by_operator()
+        return [per[t] for t in self._twins]
+
+    def stash_io_by_operator(self) -> list[tuple[tuple[Kept, ...], tuple[Kept, ...]]]:
+        per = self._sims[-1].stash_io_by_operator()
         return [per[t] for t in self._twins]
 
     def activation_bytes_by_operator(self) -> list[int]:

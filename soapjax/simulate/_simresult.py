@@ -75,6 +75,20 @@ class TaskRecord(NamedTuple):
         return self.name.split(" ", 1)[0]
 
 
+class Kept(NamedTuple):
+    """What a split backward's stash keeps of one value for a weight matmul's W, per device
+    and microbatch (`Simulation.stash_io_by_operator`): `kept` bytes, the `used` bytes of
+    the layout the matmul reads it in, and the mesh axes W all-gathers it over to get there
+    (none where it is kept as used). `moved`: an operand of an operator that recomputes
+    (selective or full), whose unsplit backward gathers it again for the weight's gradient
+    (W's gather replaces that one); else W's is one more."""
+
+    kept: int
+    used: int
+    axes: tuple[str, ...]
+    moved: bool = False
+
+
 class MemoryBreakdown(NamedTuple):
     """Bytes per device at the peak (the same on every device under SPMD)."""
 

@@ -103,6 +103,7 @@ from soapjax.simulate._pipe_cut import (
 from soapjax.simulate._pipe_fold import MIN_LAYERS, FoldedStage, StageCosts, layer_fold, tied
 from soapjax.simulate._simresult import (
     GRAD_SYNC,
+    Kept,
     MemoryBreakdown,
     PipelineResult,
     SimResult,
@@ -380,6 +381,14 @@ class PipelinedSimulation:
         for n in self._layout_moves().sends:
             out.append((kind, n, 2))
             sent += 2 * n
+        if SCHEDULES[self._pipeline[2]].splits_backward:  # a lean stash's W gathers again
+            for xs, dys in self._stash()[1]:
+                for e in (*xs, *dys):
+                    if e.moved:  # the stage simulation's backward gathers it (B's, now W's)
+                        continue
+                    out.append(("all_gather", e.used, self._inner.microbatches))
+                    sent += (bytes_sent("all_gather", e.used, mesh.degree(e.axes))
+                             * self._inner.microbatches)
         for n in self._stage_sum_bytes():
             if n:
                 out.append(("all_reduce", n, 1))
@@ -434,8 +443,13 @@ class PipelinedSimulation:
         # the last chunk's forward runs its loss's gathers' collectives
         forward[-1] += sum(t for *_, t in self._loss_collectives())
         backward = [max(0.0, t) for t in backward]
+        weight = self._weight_times(backward)
+        if any(weight):  # a lean stash's W gathers its operands and cotangents again
+            for c, (moved, more) in enumerate(self._weight_gather_times()):
+                backward[c] += more
+                weight[c] += moved + more
         times = ChunkTimes(tuple(max(0.0, t) for t in forward), tuple(backward),
-                           self._send_times(), self._weight_times(backward))
+                           self._send_times(), tuple(weight))
         timeline = time_schedule(schedule, S, M, v, times)
         # The prologue runs SPMD on all S stages' devices: before the pipeline, its backward
         # after it, each at 1/S of one stage's time for the whole batch.
@@ -456,18 +470,37 @@ class PipelinedSimulation:
                               max(m.total for m in memory) <= cap, tails, (before, after),
                               (move, move), stage_sums_s=(handed, shared))
 
-    def _weight_times(self, backward: Sequence[float]) -> tuple[float, ...]:
+    def _weight_gather_times(self) -> list[tuple[float, float]]:
+        """Per chunk, the seconds of one microbatch's W gathering its lean stash again
+        (`_pipe_cut.stash_bytes`): those the unsplit backward gathers too, which the B then
+        does not (operands of recomputing operators: `Kept.moved`), and those it does
+        not (the outputs' cotangents, which the B gathers for its own matmul as well;
+        operands the forward gathered and the backward kept). XLA compiles as many
+        (tests/test_apply_pipelined.py, docs/checks.md)."""
+        memo = self._send_memo
+        out = []
+        for xs, dys in self._stash()[1]:
+            pair = [0.0, 0.0]
+            for e in (*xs, *dys):
+                key = ("all_gather", e.used, e.axes)
+                if key not in memo:
+                    memo[key] = self.topology.collective_time("all_gather", e.used, e.axes)
+                pair[not e.moved] += memo[key]
+            out.append((pair[0], pair[1]))
+        return out
+
+    def _weight_times(self, backward: Sequence[float]) -> list[float]:
         """Per chunk, one microbatch's weight gradients in its layers' matmuls: what a
         schedule that splits the backward runs as the chunk's W (`_pipe_cut.weight_shares`
         of each layer operator's forward time, the same FLOPs again; at most the chunk's
         backward). Zeros for other schedules."""
         if not SCHEDULES[self._pipeline[2]].splits_backward:
-            return (0.0,) * len(backward)
+            return [0.0] * len(backward)
         shares = self.graph.memo("weight_shares", lambda: weight_shares(self.graph))
         seconds, M, outside = self._inner.forward_seconds(), self._inner.microbatches, self._outside
-        return tuple(min(b, sum(shares[i] * seconds[i] for i in range(lo, hi)
-                                if shares[i] and not outside[i]) / M)
-                     for b, (lo, hi) in zip(backward, self._ranges))
+        return [min(b, sum(shares[i] * seconds[i] for i in range(lo, hi)
+                           if shares[i] and not outside[i]) / M)
+                for b, (lo, hi) in zip(backward, self._ranges)]
 
     def _stage_sum_bytes(self) -> tuple[int, int]:
         """The bytes per device of the two sums over the stage axis that apply's step runs
@@ -665,9 +698,14 @@ class PipelinedSimulation:
     def _stash_bytes(self) -> list[int]:
         """Per chunk, what a microbatch whose B has run and W has not holds under a split
         backward (`_pipe_cut.stash_bytes`)."""
+        return self._stash()[0]
+
+    def _stash(self) -> tuple[list[int], list[tuple[tuple[Kept, ...], tuple[Kept, ...]]]]:
+        """`_pipe_cut.stash_bytes` of the current strategy: per chunk, the stash's bytes,
+        and its lean entries (operands, cotangents) that W gathers again."""
         operands = self.graph.memo("weight_operands", lambda: weight_operands(self.graph))
         return stash_bytes(self.graph, self._ranges, operands,
-                           self._inner.io_bytes_by_operator(), self._outside)
+                           self._inner.stash_io_by_operator(), self._outside)
 
 
 class _LayoutMoves(NamedTuple):
