@@ -755,7 +755,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pipelines", action=_OneWay, default=None,
                    help="search pipeline stages too (the outermost mesh axis cut into stages; "
                    "1F1B and interleaved 1F1B as Megatron's grid, then GPipe or the "
-                   "zero-bubble schedules where faster), for models of many layers on many "
+                   "zero-bubble schedules, their stash lean or gathered, where faster), for "
+                   "models of many layers on many "
                    "nodes; "
                    "--no-pipelines never; default: only when no plan without stages fits. "
                    "`soapjax.apply.step` runs pipelined plans on one mesh with a stage axis")

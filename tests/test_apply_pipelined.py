@@ -640,7 +640,8 @@ def test_a_zero_bubble_plan_that_keeps_attention_core_operators_computes_the_uns
 
 
 def test_a_zero_bubble_plan_under_sequence_parallelism_keeps_its_stash_lean_and_exact():
-    """ZB-H1 at TP2 with sequence parallelism: the stash keeps what the stage holds split
+    """ZB-H1 at TP2 with sequence parallelism, and its gathered form (the stash kept as the
+    matmuls use it, W gathering nothing: 1F1B's collectives): ZB-H1's stash keeps what the stage holds split
     along the sequence as it holds it (the norms' outputs q/k/v and fc1 read, the cotangents
     out's and fc2's reduce-scatters hand back) and each W all-gathers it again
     (`_Pipeline._stash_specs`). Every gradient leaf within 1e-12 of its own scale, and the
@@ -649,7 +650,7 @@ def test_a_zero_bubble_plan_under_sequence_parallelism_keeps_its_stash_lean_and_
     replacing the recomputation's), as each runs."""
     _, params, batch, graph, (want_loss, want) = model_case("gpt", STAGES)
     gathered = {}
-    for schedule in ("zb-h1", "1f1b"):
+    for schedule in ("zb-h1", "zb-h1-gathered", "1f1b"):
         strategy = strategy_of("gpt", 1, "selective", True).with_pipeline(STAGES, 1, schedule)
         loss, grads, exe, shardings = run_step(graph, strategy, params, batch)
         comparison = compare_gradients(loss, model_layout(grads), want_loss, want,
@@ -669,3 +670,4 @@ def test_a_zero_bubble_plan_under_sequence_parallelism_keeps_its_stash_lean_and_
             # again for their weights' gradients: W's replaces that one
             assert all(e.moved for xs, _ in lean for e in xs)
     assert again > 0 and gathered["zb-h1"] - gathered["1f1b"] == again
+    assert gathered["zb-h1-gathered"] == gathered["1f1b"]  # the stash kept as used

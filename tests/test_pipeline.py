@@ -107,9 +107,13 @@ def test_bad_pipelines_are_refused_with_what_was_expected():
 
 
 def test_every_schedule_of_the_table_is_tested_and_follows_its_rules():
-    """`SCHEDULES` is the one list of schedules: each has cases here (orders and timing) and in
-    tests/test__pipelined.py (run), and `pipeline_error` reads its row's rules."""
-    assert {case[0] for case in CASES} == set(SCHEDULES)
+    """`SCHEDULES` is the one list of schedules: each order has cases here (orders and
+    timing) and in tests/test__pipelined.py (run; the gathered-stash forms run the orders of
+    the zero-bubble ones), and `pipeline_error` reads its row's rules."""
+    assert {SCHEDULES[case[0]].order for case in CASES} == {r.order for r in SCHEDULES.values()}
+    assert all(SCHEDULES[f"{name}-gathered"] == rules._replace(gathered_stash=True)
+               for name, rules in SCHEDULES.items() if rules.splits_backward
+               and not rules.gathered_stash)
     for name, rules in SCHEDULES.items():
         v = 2 if rules.virtual else 1
         assert pipeline_error(name, stages=4, microbatches=8, virtual=v) is None

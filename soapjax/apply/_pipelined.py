@@ -207,7 +207,13 @@ from soapjax.base.errors import PlanError
 from soapjax.graph._inner import splits_queries
 from soapjax.graph._program import LayerScan, Program, picked_dim, shifted_dims
 from soapjax.graph.opgraph import OpGraph
-from soapjax.strategy.pipeline import DEFAULT_SCHEDULE, Action, ScheduleName, device_orders
+from soapjax.strategy.pipeline import (
+    DEFAULT_SCHEDULE,
+    SCHEDULES,
+    Action,
+    ScheduleName,
+    device_orders,
+)
 from soapjax.strategy.space import RECOMPUTE_POLICIES, MeshShape, RecomputePolicy
 
 __all__ = ["BranchRuns", "PipelinedStep", "StageLayouts", "branch_runs", "stage_layouts",
@@ -1398,7 +1404,8 @@ def pipelined_value_and_grad(graph: OpGraph, mesh: Mesh, *, stages: int, microba
     rows = ticks(schedule, stages, microbatches, virtual)
     pipe = _Pipeline(outer, cut, groups, mesh, stage_axis, stages, virtual, microbatches, rows,
                      recompute, data_axes, scatter_gather, whole_query_attention,
-                     tuple(stage_layers), layouts, _kept_values(cut, kept))
+                     tuple(stage_layers), layouts, _kept_values(cut, kept),
+                     lean_stash=not SCHEDULES[schedule].gathered_stash)
     return pipe.value_and_grad
 
 
@@ -1462,8 +1469,10 @@ class _Pipeline:
                  rows: Sequence[Sequence[Action | None]], recompute: RecomputePolicy,
                  data_axes: Sequence[str] = (), scatter_gather: bool = True,
                  whole_query_attention: bool = False, stage_layers: tuple[int, ...] = (),
-                 layouts: StageLayouts | None = None, kept: frozenset[int] = frozenset()):
+                 layouts: StageLayouts | None = None, kept: frozenset[int] = frozenset(),
+                 lean_stash: bool = True):
         self.outer, self.cut, self.groups = outer, cut, groups
+        self.lean_stash = lean_stash  # a split backward's stash as the stage holds values
         self.kept = kept  # layer 0's values a selective layer keeps (`_chunk_fn`)
         self.stage_layers = stage_layers  # uneven stages: the layers each runs
         self.mesh, self.stage_axis = mesh, stage_axis
@@ -1561,9 +1570,10 @@ class _Pipeline:
         the layout the stage holds the value in outside the matmul where that is smaller
         per device (the *lean* stash: under sequence parallelism the operand split along
         the sequence as its maker left it, a row-parallel matmul's cotangent as its
-        reduce-scatter hands it back), which W gathers again; else as the matmul uses them,
-        so W gathers nothing. `soapjax.simulate.pipesim` prices the same rule. None: where
-        XLA puts it (no layouts)."""
+        reduce-scatter hands it back), which W gathers again; else, and under the schedules
+        whose stash is gathered (`Schedule.gathered_stash`), as the matmul uses them, so W
+        gathers nothing. `soapjax.simulate.pipesim` prices the same rule. None: where XLA
+        puts it (no layouts)."""
         if not self.deferred or not self.constraints or layouts is None:
             return (_StashSpecs(),) * len(self.deferred)
         program = self.cut.program
@@ -1594,6 +1604,9 @@ class _Pipeline:
             y_shape = program.shapes[unit.outs[0]]
             made = {self.constraints[t.value] for t in op.outputs  # the operator's output
                     if t.value in self.constraints and tuple(t.shape) == tuple(y_shape)}
+            if not self.lean_stash:  # kept as used (`Schedule.gathered_stash`)
+                out.append(_StashSpecs(x_spec, dy_spec, x_spec, dy_spec))
+                continue
             out.append(_StashSpecs(
                 x_spec, dy_spec,
                 _smaller(self.constraints.get(x_id), x_spec, program.shapes[x_id], sizes),

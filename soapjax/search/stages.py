@@ -75,11 +75,11 @@ def choose_schedule(sim: PipelinedSimulation, best: tuple[float, Strategy, str]
                     ) -> tuple[float, Strategy, str]:
     """`best` (time, strategy, start name) under the fastest schedule that fits among those
     for its number of virtual stages (`SCHEDULES`: 1F1B, GPipe and ZB-H1 for one; the
-    interleaved schedule and its zero-bubble form for more), each priced on `sim`'s stage as
-    it is
+    interleaved schedule and its zero-bubble form for more; the zero-bubble ones with their
+    stash lean or gathered), each priced on `sim`'s stage as it is
     (`PipelinedSimulation.schedule_result`); `sim` ends at the result. The zero-bubble
-    schedules hold more microbatches on the later stages (ZB-H1: up to S on each), so where
-    memory is tight the choice stays."""
+    schedules hold more microbatches on the later stages (ZB-H1: up to S on each), and
+    their gathered forms a larger stash, so where memory is tight the choice stays."""
     t, strategy, name = best
     S, v, schedule, _ = strategy.pipeline
     if S < 2:

@@ -702,10 +702,14 @@ class PipelinedSimulation:
 
     def _stash(self) -> tuple[list[int], list[tuple[tuple[Kept, ...], tuple[Kept, ...]]]]:
         """`_pipe_cut.stash_bytes` of the current strategy: per chunk, the stash's bytes,
-        and its lean entries (operands, cotangents) that W gathers again."""
+        and its lean entries (operands, cotangents) that W gathers again (none under a
+        schedule whose stash is gathered: `Schedule.gathered_stash`)."""
         operands = self.graph.memo("weight_operands", lambda: weight_operands(self.graph))
-        return stash_bytes(self.graph, self._ranges, operands,
-                           self._inner.stash_io_by_operator(), self._outside)
+        io = self._inner.stash_io_by_operator()
+        if SCHEDULES[self._pipeline[2]].gathered_stash:  # every value kept as used
+            io = [tuple(tuple(Kept(e.used, e.used, ()) for e in side) for side in op)
+                  for op in io]
+        return stash_bytes(self.graph, self._ranges, operands, io, self._outside)
 
 
 class _LayoutMoves(NamedTuple):

@@ -31,6 +31,16 @@ microbatches:
   280 microbatches: 914 against 932 time units), its stages holding no more than the
   interleaved schedule's do.
 
+What a pending W holds is its *stash* (`soapjax.apply._deferred`): each weight matmul's
+operand and its output's cotangent. Under these two names the stash keeps each value as the
+stage holds it where that is smaller than the matmul uses it (under sequence parallelism the
+norms' outputs split along the sequence, a row-parallel matmul's cotangent as its
+reduce-scatter hands it back), and the W all-gathers it again: a stash no larger than the
+residuals a forward keeps, so ZB-H1's stages hold no more than 1F1B's first one, its
+promise. ``"zb-h1-gathered"`` and ``"zb-interleaved-gathered"`` run the same orders with the
+stash kept as the matmuls use it: no gathers again, and up to three times the bytes held
+under sequence parallelism (without it the two are the same).
+
 `SCHEDULES` holds each schedule's rules (`Schedule`: virtual stages or not, whether M must be a
 multiple of S) and its order; `device_orders` gives those orders as data, simulation
 (`soapjax.simulate.front`) times them and apply (`soapjax.apply.step`) runs them, so both follow one
@@ -100,12 +110,17 @@ class Schedule(NamedTuple):
       whole_rounds: whether M must be a multiple of S (microbatches go round in groups of S).
       splits_backward: whether its orders hold W actions, the backward split into the input's
         gradient (B) and the weights' (W).
+      gathered_stash: with `splits_backward`, whether the stash a pending W holds is kept as
+        the weight matmuls use it (gathered), rather than as the stage holds the values
+        (split along the sequence under sequence parallelism), which W gathers again
+        (module doc).
     """
 
     order: Callable[[int, int, int, int], tuple[Action, ...]]
     virtual: bool = False
     whole_rounds: bool = False
     splits_backward: bool = False
+    gathered_stash: bool = False
 
 
 def pipeline_error(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> str | None:
@@ -327,9 +342,13 @@ SCHEDULES: dict[str, Schedule] = {
     "zb-h1": Schedule(_zb_h1, splits_backward=True),
     "zb-interleaved": Schedule(_zb_interleaved, virtual=True, whole_rounds=True,
                                splits_backward=True),
+    "zb-h1-gathered": Schedule(_zb_h1, splits_backward=True, gathered_stash=True),
+    "zb-interleaved-gathered": Schedule(_zb_interleaved, virtual=True, whole_rounds=True,
+                                        splits_backward=True, gathered_stash=True),
 }
 # A schedule's name, as `Strategy.schedule` and the plan file hold it (a key of `SCHEDULES`).
-ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-interleaved"]
+ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-interleaved",
+                       "zb-h1-gathered", "zb-interleaved-gathered"]
 # The schedule of a strategy without stages, and of a plan file written before schedules.
 DEFAULT_SCHEDULE: ScheduleName = "1f1b"
 
