@@ -641,11 +641,11 @@ def test_a_zero_bubble_plan_that_keeps_attention_core_operators_computes_the_uns
 
 def test_a_zero_bubble_plan_under_sequence_parallelism_keeps_its_stash_lean_and_exact():
     """ZB-H1 at TP2 with sequence parallelism, and its gathered form (the stash kept as the
-    matmuls use it, W gathering nothing: 1F1B's collectives): ZB-H1's stash keeps what the
-    stage holds split along the sequence as it holds it (the norms' outputs q/k/v and fc1 read, the cotangents
-    out's and fc2's reduce-scatters hand back) and each W all-gathers it again
-    (`_Pipeline._stash_specs`). Every gradient leaf within 1e-12 of its own scale, and the
-    compiled step all-gathers, over 1F1B's step, exactly the bytes the simulator adds for
+    matmuls use it, W gathering nothing: 1F1B's collectives). ZB-H1's stash keeps what the
+    stage holds split along the sequence as it holds it (the norms' outputs q/k/v and fc1
+    read, the cotangents out's and fc2's reduce-scatters hand back) and each W all-gathers it
+    again (`_Pipeline._stash_specs`). Every gradient leaf within 1e-12 of its own scale, and
+    the compiled step all-gathers, over 1F1B's step, exactly the bytes the simulator adds for
     the W's gathers (`PipelinedSimulation.step_collectives`: the cotangents', the operands'
     replacing the recomputation's), as each runs."""
     _, params, batch, graph, (want_loss, want) = model_case("gpt", STAGES)
