@@ -255,5 +255,6 @@ def test_the_epilogue_waits_for_what_it_waited_for_in_the_folds(ready, want, lat
     stage = FoldedStage.__new__(FoldedStage)
     stage._fold = LayerFold(first=1, per_layer=1, layers=16)
     stage._sims = [_Fold(3, ready), _Fold(4, ready)]
-    ends, later = stage._epilogue_forward(17.0)  # the 16th layer ends at 17 s
+    ends, later = stage._epilogue_forward(  # the 16th layer ends at 17 s
+        17.0, [sim.compute_ends()[0] for sim in stage._sims])
     assert ends[-1] == want and later == late

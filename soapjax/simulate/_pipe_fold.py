@@ -224,6 +224,8 @@ class FoldedStage:
         self._kept = [[i for i in range(n) if fold.place(i)[0] < keep
                        or fold.place(i)[0] == fold.layers] for keep in FOLD_LAYERS]
         self._check_tied(strategy)
+        # `compute_ends` and the epilogue's delay of the current state (reset by each change)
+        self._ends: tuple[list[float], list[float], float] | None = None
         self._sims: list[Simulation] = []
         for keep, kept in zip(FOLD_LAYERS, self._kept):
             folded = graph.memo(("folded_graph", keep), lambda: folded_graph(graph, fold, keep))
@@ -276,26 +278,31 @@ class FoldedStage:
         return out
 
     def reset(self, strategy: Strategy) -> float:
+        self._ends = None
         for sim, folded in zip(self._sims, self._folds(strategy)):
             sim.reset(folded)
         return 0.0
 
     def propose_many(self, changes: Sequence[tuple[int, Config, str | None]]) -> float:
         folded = [self._changes(changes, keep) for keep in FOLD_LAYERS]
+        self._ends = None
         for sim, ch in zip(self._sims, folded):
             sim.propose_many(ch)
         return 0.0
 
     def propose_strategy(self, strategy: Strategy) -> float:
+        self._ends = None
         for sim, folded in zip(self._sims, self._folds(strategy)):
             sim.propose_strategy(folded)
         return 0.0
 
     def accept(self) -> None:
+        self._ends = None
         for sim in self._sims:
             sim.accept()
 
     def reject(self) -> None:
+        self._ends = None
         for sim in self._sims:
             sim.reject()
 
@@ -370,8 +377,15 @@ class FoldedStage:
 
     def compute_ends(self) -> tuple[list[float], list[float]]:
         """When each operator's forward and backward compute tasks end (module doc)."""
+        if self._ends is None:
+            self._ends = self._extrapolate()
+        return self._ends[0], self._ends[1]
+
+    def _extrapolate(self) -> tuple[list[float], list[float], float]:
+        """`compute_ends`, and how much later than linearly extrapolated the epilogue's
+        forward ends (`_epilogue_forward`)."""
         fold, (k1, k2) = self._fold, FOLD_LAYERS
-        (f1, b1), (f2, b2) = (sim.compute_ends() for sim in self._sims)
+        (f1, b1), (f2, b2) = ends = [sim.compute_ends() for sim in self._sims]
         L, n, first = fold.layers, fold.per_layer, fold.first
 
         def layer(ends: list[float], m: int) -> list[float]:
@@ -392,7 +406,7 @@ class FoldedStage:
             k = m - k2 + 2
             fwd += [a + k * d for a, d in zip(ahead, step_f)]
         fwd += [a + d for a, d in zip(fwd[-n:], last_f)]
-        epilogue, late = self._epilogue_forward(fwd[-1])
+        epilogue, late = self._epilogue_forward(fwd[-1], [f for f, _ in ends])
         fwd += epilogue
         # backward: the last k1 - 1 layers' ends linear in the layer count, counted from the
         # top; then a middle layer's backward span down to layer 1; then layer 0's own
@@ -411,12 +425,13 @@ class FoldedStage:
         for row in reversed(top):
             bwd += row
         bwd += linear(b1[first + k1 * n:], b2[first + k2 * n:])  # the epilogue
-        return fwd, [t + late for t in bwd]
+        return fwd, [t + late for t in bwd], late
 
-    def _epilogue_forward(self, after: float) -> tuple[list[float], float]:
-        """The epilogue's forward ends, from the last layer's (`after`), and how much later
-        the forward ends than extrapolated linearly (the backward and the step's end start
-        that much later too).
+    def _epilogue_forward(self, after: float, ends: Sequence[list[float]]
+                          ) -> tuple[list[float], float]:
+        """The epilogue's forward ends, from the last layer's (`after`; `ends`: each fold's
+        forward ends), and how much later the forward ends than extrapolated linearly (the
+        backward and the step's end start that much later too).
 
         The epilogue's operators run one after another on the compute stream. Where one
         started in both folds when the one before it ended, it does so in the whole graph
@@ -430,7 +445,6 @@ class FoldedStage:
         the head's forward 11 s early)."""
         (k1, k2), sims = FOLD_LAYERS, self._sims
         lo = [self._fold.first + k * self._fold.per_layer for k in (k1, k2)]
-        ends = [sim.compute_ends()[0] for sim in sims]
         starts = [sim.forward_starts() for sim in sims]
         out = []
         for p in range(len(ends[1]) - lo[1]):
@@ -449,16 +463,8 @@ class FoldedStage:
         return out, (out[-1] - linear if out else 0.0)
 
     def timeline_end(self) -> float:
-        # the last layer's forward end as `compute_ends` extrapolates it, its last operator's
-        fold, k2 = self._fold, FOLD_LAYERS[1]
-        f2 = self._sims[-1].compute_ends()[0]
-
-        def at(m: int) -> float:  # layer m's last operator's forward end in the larger fold
-            return f2[fold.first + (m + 1) * fold.per_layer - 1]
-
-        ahead = at(k2 - 2)
-        last = ahead + (fold.layers - k2) * (ahead - at(k2 - 3)) + (at(k2 - 1) - ahead)
-        late = self._epilogue_forward(last)[1]
+        self.compute_ends()  # the epilogue's delay with it
+        late = self._ends[2]
         return self._linear(self._sims[0].timeline_end(), self._sims[-1].timeline_end()) + late
 
     def memory_breakdown(self) -> MemoryBreakdown:
