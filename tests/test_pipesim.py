@@ -607,7 +607,8 @@ def test_a_lean_stash_keeps_what_sequence_parallelism_splits_and_w_gathers_it_ag
                         sequence_parallel=True).with_pipeline(4, 1, "zb-h1")
     sim = pipelined(start, graph)
     lo, hi = sim._ranges[1]
-    io, used = sim._inner.stash_io_by_operator(), sim._inner.io_bytes_by_operator()
+    io = sim._inner.stash_io_by_operator(range(len(graph.operators)))
+    used = sim._inner.io_bytes_by_operator()
     by_name = {graph.operators[i].name.split("/", 1)[1]: i
                for i in range(lo, lo + (hi - lo) // 2)}
     q, out, fc1, fc2 = (by_name[n] for n in ("attn/query", "attn/out", "mlp/fc1", "mlp/fc2"))

@@ -101,6 +101,7 @@ bit, to a full simulation (`tests/test_simulate.py`). The task graph's engine is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from soapjax.cost.operators import OpTime
@@ -299,8 +300,9 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
         return [(tuple(v.operand_bytes), sum(v.output_bytes)) for v in self._views]
 
     @_settled
-    def stash_io_by_operator(self) -> list[tuple[tuple[Kept, ...], tuple[Kept, ...]]]:
-        """Per operator (graph order), per operand and per output, what a split backward's
+    def stash_io_by_operator(self, indices: Sequence[int]
+                             ) -> dict[int, tuple[tuple[Kept, ...], tuple[Kept, ...]]]:
+        """Per operator of `indices`, per operand and per output, what a split backward's
         lean stash keeps of it for one microbatch (`soapjax.apply._pipelined`'s rule): the
         value in the layout its maker holds it in (an operand: its maker's `held_specs`; an
         output: its own, a row-parallel matmul's reduce-scattered under sequence
@@ -309,8 +311,10 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
         checkpoint of a recomputed layer gathers the operand again in the backward, for the
         weight's gradient, which W now does); else as used. Non-activations: zeros."""
         ops, index = self.graph.operators, self._index_of_name()
-        out = []
-        for j, (op, v) in enumerate(zip(ops, self._views)):
+        out = {}
+        for j in indices:
+            op, v = ops[j], self._views[j]
+
             def kept(x: Any, used_spec: Any, used: int, held_spec: Any,
                      moved: bool = False) -> Kept:
                 if held_spec is None:
@@ -333,7 +337,7 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
             held = self.held_specs(j)
             outputs = tuple(kept(x, s, n, h)
                             for x, s, n, h in zip(op.outputs, v.out_specs, v.output_bytes, held))
-            out.append((operands, outputs))
+            out[j] = (operands, outputs)
         return out
 
     def _index_of_name(self) -> dict[str, int]:

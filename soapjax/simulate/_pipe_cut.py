@@ -9,7 +9,7 @@ the share of each operator's work a split backward defers to its W (`weight_shar
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from soapjax.base.errors import PlanError
 from soapjax.graph._program import picked_dim, shifted_dims
@@ -266,18 +266,18 @@ def weight_operands(graph: OpGraph) -> tuple[tuple[tuple[int, bool], ...], ...]:
 
 def stash_bytes(graph: OpGraph, ranges: Sequence[tuple[int, int]],
                 operands: Sequence[tuple[tuple[int, bool], ...]],
-                io: Sequence[tuple[tuple[Kept, ...], tuple[Kept, ...]]],
+                io: Mapping[int, tuple[tuple[Kept, ...], tuple[Kept, ...]]],
                 outside: Sequence[bool]
                 ) -> tuple[list[int], list[tuple[tuple[Kept, ...], tuple[Kept, ...]]]]:
     """Per chunk (its operators' index `ranges`), what a microbatch whose B has run and W
     has not holds under a split backward, and what its W gathers again: its layer
     operators' (not `outside`) weight matmuls' operands (`operands`: `weight_operands`; each
     value once: attention's q, k and v read one) and outputs, per device, as the stash keeps
-    them (`io`: `Simulation.stash_io_by_operator`; lean where the stage holds a value
-    smaller than the matmul uses it, an operand made inside the operator as used): the
-    stash of `soapjax.apply._deferred`; the residuals are dropped at the B. The second list
-    holds, per chunk, its lean entries (`Kept`: operands, then outputs' cotangents), which
-    its W all-gathers again each microbatch."""
+    them (`io`: `Simulation.stash_io_by_operator` of those operators; lean where the stage
+    holds a value smaller than the matmul uses it, an operand made inside the operator as
+    used): the stash of `soapjax.apply._deferred`; the residuals are dropped at the B. The
+    second list holds, per chunk, its lean entries (`Kept`: operands, then outputs'
+    cotangents), which its W all-gathers again each microbatch."""
     ops = graph.operators
     totals, gathers = [], []
     for lo, hi in ranges:

@@ -349,9 +349,10 @@ class FoldedStage:
         per = self._sims[-1].io_bytes_by_operator()
         return [per[t] for t in self._twins]
 
-    def stash_io_by_operator(self) -> list[tuple[tuple[Kept, ...], tuple[Kept, ...]]]:
-        per = self._sims[-1].stash_io_by_operator()
-        return [per[t] for t in self._twins]
+    def stash_io_by_operator(self, indices: Sequence[int]
+                             ) -> dict[int, tuple[tuple[Kept, ...], tuple[Kept, ...]]]:
+        per = self._sims[-1].stash_io_by_operator(sorted({self._twins[i] for i in indices}))
+        return {i: per[self._twins[i]] for i in indices}
 
     def activation_bytes_by_operator(self) -> list[int]:
         per = self._sims[-1].activation_bytes_by_operator()

@@ -444,8 +444,9 @@ class PipelinedSimulation:
         forward[-1] += sum(t for *_, t in self._loss_collectives())
         backward = [max(0.0, t) for t in backward]
         weight = self._weight_times(backward)
-        if any(weight):  # a lean stash's W gathers its operands and cotangents again
-            for c, (moved, more) in enumerate(self._weight_gather_times()):
+        stash = self._stash() if SCHEDULES[schedule].splits_backward else None
+        if stash is not None:  # a lean stash's W gathers its operands and cotangents again
+            for c, (moved, more) in enumerate(self._weight_gather_times(stash[1])):
                 backward[c] += more
                 weight[c] += moved + more
         times = ChunkTimes(tuple(max(0.0, t) for t in forward), tuple(backward),
@@ -464,22 +465,24 @@ class PipelinedSimulation:
                                    max(end + t for end, t in zip(timeline.stage_end_s, tails))
                                    + shared)
         step += move + inner.call_overhead  # one SPMD call, as unpipelined
-        memory = self._stage_memory(timeline, moves)
+        memory = self._stage_memory(timeline, moves, None if stash is None else stash[0])
         cap = self.topology.device.memory_bytes
         return PipelineResult(step, timeline, times, memory, cap,
                               max(m.total for m in memory) <= cap, tails, (before, after),
                               (move, move), stage_sums_s=(handed, shared))
 
-    def _weight_gather_times(self) -> list[tuple[float, float]]:
+    def _weight_gather_times(self, lean: Sequence[tuple[tuple[Kept, ...], tuple[Kept, ...]]]
+                             | None = None) -> list[tuple[float, float]]:
         """Per chunk, the seconds of one microbatch's W gathering its lean stash again
         (`_pipe_cut.stash_bytes`): those the unsplit backward gathers too, which the B then
         does not (operands of recomputing operators: `Kept.moved`), and those it does
         not (the outputs' cotangents, which the B gathers for its own matmul as well;
         operands the forward gathered and the backward kept). XLA compiles as many
-        (tests/test_apply_pipelined.py, docs/checks.md)."""
+        (tests/test_apply_pipelined.py, docs/checks.md). `lean`: `_stash`'s second part,
+        where already made."""
         memo = self._send_memo
         out = []
-        for xs, dys in self._stash()[1]:
+        for xs, dys in self._stash()[1] if lean is None else lean:
             pair = [0.0, 0.0]
             for e in (*xs, *dys):
                 key = ("all_gather", e.used, e.axes)
@@ -671,15 +674,20 @@ class PipelinedSimulation:
             out.append(row)
         return out
 
-    def _stage_memory(self, timeline: PipelineTimeline,
-                      moves: _LayoutMoves) -> tuple[MemoryBreakdown, ...]:
+    def _stage_memory(self, timeline: PipelineTimeline, moves: _LayoutMoves,
+                      stash: Sequence[int] | None = None) -> tuple[MemoryBreakdown, ...]:
+        """Per stage, its peak memory per device; `stash`: per chunk, the stash's bytes
+        under a split backward (`_stash`), where already made."""
         m = self._inner.memory_breakdown()
         S, v = self._pipeline[:2]
         act = self._inner.activation_bytes_by_operator()
         total_act = sum(act) or 1
         chunk_act = [sum(act[lo:hi]) for lo, hi in self._ranges]
         chunk_act[0] += sum(act[:self._ranges[0][0]])  # the prologue's, with the first chunk
-        stash = self._stash_bytes() if timeline.held_pairs else [0] * (S * v)
+        if not timeline.held_pairs:
+            stash = [0] * (S * v)
+        elif stash is None:
+            stash = self._stash_bytes()
         out = []
         for s in range(S):
             share = self._param_share[s]
@@ -705,10 +713,14 @@ class PipelinedSimulation:
         and its lean entries (operands, cotangents) that W gathers again (none under a
         schedule whose stash is gathered: `Schedule.gathered_stash`)."""
         operands = self.graph.memo("weight_operands", lambda: weight_operands(self.graph))
-        io = self._inner.stash_io_by_operator()
+        wanted = [i for lo, hi in self._ranges for i in range(lo, hi)
+                  if operands[i] and not self._outside[i]]
         if SCHEDULES[self._pipeline[2]].gathered_stash:  # every value kept as used
-            io = [tuple(tuple(Kept(e.used, e.used, ()) for e in side) for side in op)
-                  for op in io]
+            used = self._inner.io_bytes_by_operator()
+            io = {i: (tuple(Kept(n, n, ()) for n in used[i][0]),
+                      (Kept(used[i][1], used[i][1], ()),)) for i in wanted}
+        else:
+            io = self._inner.stash_io_by_operator(wanted)
         return stash_bytes(self.graph, self._ranges, operands, io, self._outside)
 
 
