@@ -347,9 +347,9 @@ def render(rows: list[dict], budget: float) -> str:
         "and without stages Megatron-Core's `--recompute-modules mlp layernorm` too "
         "(\"mlp\": the attention block kept, the rest of each layer recomputed); "
         "MaxText-style rules (FSDP; FSDP + experts; `save_dot_except_mlp` as \"mlp\"). "
-        "As applied: the same configuration as soapjax.apply runs it (the prologue's "
-        "outputs handed to every stage and their cotangents summed over the stages, the "
-        "head's gradients too; \"(over)\": it does not fit then). Both pick the labels' "
+        "As applied: the same configuration as soapjax.apply runs it (every stage holds "
+        "the parameters read outside the layers, their gradients summed over the stages; "
+        "\"(over)\": it does not fit then). Both pick the labels' "
         "log-probabilities by an all-reduce over the vocabulary split. "
         "Ratio: best hand / searched step time (above 1: the search wins).",
         "",

@@ -131,8 +131,8 @@ def test_more_stages_hold_fewer_parameters_per_device():
 def test_the_interleaved_schedule_moves_no_layers_as_apply_keeps_them_in_chunk_order():
     """v = 2 on 2 stages: apply keeps the stacked layer parameters in the order the chunks run
     them (`soapjax.apply._layer_order`), so nothing moves between steps, as in Megatron's
-    layout (``"chunks"``); apply's layout still sums the prologue's outputs' cotangents and
-    the head's gradients over the stages after the pipeline (module doc, 3), where Megatron
+    layout (``"chunks"``); apply's layout still sums the gradients of the parameters read
+    outside the layers over the stages after the pipeline (module doc, 3), where Megatron
     all-reduces the tied embedding's gradient between its first and last stage, and nothing
     else differs: the same parameter memory per stage."""
     s = megatron_3d(gpt(8), A100, tp=4, pp=2, interleave=2, microbatch_size=2,
@@ -141,16 +141,19 @@ def test_the_interleaved_schedule_moves_no_layers_as_apply_keeps_them_in_chunk_o
     assert pipelined(s, gpt(8)).layout_move_bytes() == ()
     assert model.layout_move_s == chunks.layout_move_s == (0.0, 0.0)
     # Megatron's: only the tied embedding's gradient, all-reduced between the first and the
-    # last stage; apply's: the prologue's cotangents, and every epilogue parameter's gradient
-    megatron = pipelined(s, gpt(8), "chunks")
+    # last stage; apply's: every parameter read outside the layers, over all the stages
+    megatron, ours = pipelined(s, gpt(8), "chunks"), pipelined(s, gpt(8))
     (tied,) = megatron._tied
-    stored = megatron._inner.stored_param_bytes()[tied]
-    assert "wte" in tied and megatron._stage_sum_bytes() == (0, stored)
-    assert chunks.stage_sums_s == (0.0, A100.collective_time("all_reduce", stored, ("node",),
-                                                              group_size=2))
-    assert min(model.stage_sums_s) > 0 and model.stage_sums_s[1] > chunks.stage_sums_s[1]
+    stored = megatron._inner.stored_param_bytes()
+    assert "wte" in tied and megatron._stage_sum_bytes() == stored[tied]
+    assert chunks.stage_sum_s == A100.collective_time("all_reduce", stored[tied], ("node",),
+                                                      group_size=2)
+    outside = sorted(src.split("'")[-2] for src in ours._outside_params)
+    assert outside == ["bias", "embedding", "embedding", "scale"]  # wpe, wte; final norm
+    assert ours._stage_sum_bytes() == sum(stored[src] for src in ours._outside_params)
+    assert model.stage_sum_s > chunks.stage_sum_s
     assert chunks.step_time_s < model.step_time_s <= \
-        chunks.step_time_s + sum(model.stage_sums_s) * (1 + 1e-12)
+        chunks.step_time_s + model.stage_sum_s * (1 + 1e-12)
     assert [m.params for m in model.stage_memory] == [c.params for c in chunks.stage_memory]
     flat = megatron_3d(gpt(8), A100, tp=4, pp=2, microbatch_size=2, recompute="none")
     assert pipelined(flat, gpt(8)).layout_move_bytes() == ()

@@ -29,7 +29,10 @@ runs unchanged over processes under `jax.distributed`. In it:
 
 * the prologue runs SPMD on all devices, before the pipeline, for all M microbatches at once
   (``jax.vmap`` over them); what it hands the layers and the epilogue is passed to every stage;
-  its backward runs after the pipeline, from the cotangents the stages return;
+  its backward runs after the pipeline, on each stage from the cotangents that stage returns
+  (the first stage's, of the embeddings; the epilogue's parameters', on the last), and the
+  gradients of the parameters read outside the layers are summed over the stages (one
+  all-reduce of those, not of the activations handed to the stages, a whole batch's);
 * the layers run inside `jax.shard_map`, manual over ``stage`` and the data axes (those the
   batch is split over, ``data_axes``): the other mesh axes stay automatic, so model sharding
   still applies inside a stage, and each data group runs its own samples of each microbatch
@@ -1683,7 +1686,11 @@ class _Pipeline:
             run_prologue, other, has_aux=True)
         loss, grads, d_shared, d_mb = self._shard_map()(
             stacked, shared_floats, shared_others, mb_floats, mb_others)
-        (d_other,) = prologue_vjp(([x.sum(0) for x in d_shared], [x.sum(0) for x in d_mb]))
+        # each stage's own cotangents through the prologue's backward (linear), its parameters'
+        # gradients then summed over the stages: one all-reduce of those, not of the
+        # activations the prologue hands the stages (module doc)
+        (d_other,) = jax.vmap(prologue_vjp)((d_shared, d_mb))
+        d_other = [x.sum(0) for x in d_other]
         by_position, rest = dict(zip(cut.stacked, grads)), iter(d_other)
         out = [by_position[k] if k in by_position else next(rest) for k in range(len(leaves))]
         return loss.sum(), jax.tree.unflatten(tree, out)

@@ -19,7 +19,7 @@ from soapjax.simulate._simresult import Kept
 from soapjax.strategy.space import Config, MeshShape, sample_dim
 
 __all__ = ["boundary_values", "epilogue_gathers", "epilogue_params", "layer_chunks", "layer_span",
-           "loss_collectives", "prologue_handed", "send_pieces", "stash_bytes", "weight_operands",
+           "loss_collectives", "outside_params", "send_pieces", "stash_bytes", "weight_operands",
            "weight_shares"]
 
 
@@ -93,24 +93,23 @@ def boundary_values(graph: OpGraph, chunk: Sequence[int]) -> tuple[tuple[tuple[i
     return tuple(tuple(c) for c in crossing)
 
 
-def prologue_handed(graph: OpGraph, first: int) -> tuple[tuple[int, int], ...]:
-    """The prologue's float outputs (producer, output index) that operators from `first` on
-    read, each once: what apply hands every stage, whose cotangents it sums over them."""
-    ops = graph.operators
-    index = {op.name: i for i, op in enumerate(ops)}
-    out: dict[tuple[int, int], None] = {}
-    for op in ops[first:]:
+def epilogue_params(graph: OpGraph, last: int) -> tuple[str, ...]:
+    """The parameters (their sources) the operators after the last layer read."""
+    out: dict[str, None] = {}
+    for op in graph.operators[last + 1:]:
         for x in op.inputs:
-            if x.kind == "activation" and index[x.source] < first and "float" in str(x.dtype):
-                out[(index[x.source], x.index)] = None
+            if x.kind == "param":
+                out[x.source] = None
     return tuple(out)
 
 
-def epilogue_params(graph: OpGraph, last: int) -> tuple[str, ...]:
-    """The parameters (their sources) the operators after the last layer read: held by every
-    stage, their gradients summed over the stages."""
+def outside_params(graph: OpGraph, first: int, last: int) -> tuple[str, ...]:
+    """The parameters (their sources) read outside the layers, before the first or after
+    the last (embeddings, final norm, head), each once: held by every stage as apply keeps
+    them, their gradients summed over the stages."""
+    ops = graph.operators
     out: dict[str, None] = {}
-    for op in graph.operators[last + 1:]:
+    for op in (*ops[:first], *ops[last + 1:]):
         for x in op.inputs:
             if x.kind == "param":
                 out[x.source] = None
