@@ -238,9 +238,10 @@ def test_check_of_a_pipelined_plan_with_tensor_and_sequence_parallel_stages(tmp_
     the carry before every send, and the check read 1.169. The sends match byte for byte; the
     all-gathers but one of 8,192 bytes (the epilogue's operands are left to XLA); the
     reduce-scatters but one of 8,192 (the tied embedding's gradient summed over the stages,
-    which XLA slices to its vocabulary shard after the all-reduce the simulator prices). The loss picks the labels' log-probabilities on the last stage by a masked sum and
-    an all-reduce of the picked ones each microbatch (XLA cannot partition its gather inside
-    the stages' shard_map; `PipelinedSimulation._loss_collectives`)."""
+    which XLA slices to its vocabulary shard after the all-reduce the simulator prices). The
+    loss picks the labels' log-probabilities on the last stage by a masked sum and an
+    all-reduce of the picked ones each microbatch (XLA cannot partition its gather inside the
+    stages' shard_map; `PipelinedSimulation._loss_collectives`)."""
     _, code, data = _check_pipelined(tmp_path, capsys, tp=4, pp=2, sequence_parallel=True)
     assert code == 0 and data["max_abs_diff"] < 1e-5
     assert data["predicted_collective_bytes"] == pytest.approx(data["hlo_collective_bytes"],
