@@ -145,15 +145,19 @@ def test_the_interleaved_schedule_moves_no_layers_as_apply_keeps_them_in_chunk_o
     megatron, ours = pipelined(s, gpt(8), "chunks"), pipelined(s, gpt(8))
     (tied,) = megatron._tied
     stored = megatron._inner.stored_param_bytes()
-    assert "wte" in tied and megatron._stage_sum_bytes() == stored[tied]
-    assert chunks.stage_sum_s == A100.collective_time("all_reduce", stored[tied], ("node",),
-                                                      group_size=2)
-    outside = sorted(src.split("'")[-2] for src in ours._outside_params)
-    assert outside == ["bias", "embedding", "embedding", "scale"]  # wpe, wte; final norm
-    assert ours._stage_sum_bytes() == sum(stored[src] for src in ours._outside_params)
-    assert model.stage_sum_s > chunks.stage_sum_s
+    assert "wte" in tied and megatron._stage_sum_bytes() == (0, stored[tied])
+    assert chunks.stage_sums_s == (0.0, A100.collective_time("all_reduce", stored[tied],
+                                                              ("node",), group_size=2))
+    # the prologue's alone: the position embedding; the epilogue's: the tied embedding and
+    # the final norm
+    assert [src.split("'")[-4] for src in ours._prologue_params] == ["wpe"]
+    assert sorted(src.split("'")[-4] for src in ours._epilogue_params) == ["ln_f", "ln_f",
+                                                                           "wte"]
+    assert ours._stage_sum_bytes() == tuple(sum(stored[src] for src in sources) for sources
+                                            in (ours._prologue_params, ours._epilogue_params))
+    assert min(model.stage_sums_s) > 0 and model.stage_sums_s[1] > chunks.stage_sums_s[1]
     assert chunks.step_time_s < model.step_time_s <= \
-        chunks.step_time_s + model.stage_sum_s * (1 + 1e-12)
+        chunks.step_time_s + sum(model.stage_sums_s) * (1 + 1e-12)
     assert [m.params for m in model.stage_memory] == [c.params for c in chunks.stage_memory]
     flat = megatron_3d(gpt(8), A100, tp=4, pp=2, microbatch_size=2, recompute="none")
     assert pipelined(flat, gpt(8)).layout_move_bytes() == ()

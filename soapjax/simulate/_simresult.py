@@ -226,8 +226,9 @@ class PipelineResult:
         (`soapjax.simulate.front.simulate` asks).
       sent_bytes: the bytes each device sends in those (`collectives.bytes_sent` of each,
         over its group); 0 unless asked for, with `collectives`.
-      stage_sum_s: the all-reduce over the stage axis after the pipeline: the gradients of
-        the parameters read outside the layers (after the stages' tails).
+      stage_sums_s: the two all-reduces over the stage axis after the pipeline: the
+        gradients of the parameters the prologue alone reads (after its backward), and of
+        those the epilogue reads (after the stages' tails).
     """
 
     step_time_s: float
@@ -240,7 +241,7 @@ class PipelineResult:
     prologue_s: tuple[float, float] = (0.0, 0.0)
     layout_move_s: tuple[float, float] = (0.0, 0.0)
     collectives: tuple[tuple[str, int, int], ...] = ()
-    stage_sum_s: float = 0.0
+    stage_sums_s: tuple[float, float] = (0.0, 0.0)
     sent_bytes: float = 0.0
 
     @property

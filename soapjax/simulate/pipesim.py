@@ -30,13 +30,14 @@ group's axes. The pipelined step is priced in three parts:
 3. **The tail.** After its last backward, a stage synchronises its parameters' gradients and
    updates them: the one-stage simulation's tail (its step end after the last backward), scaled
    by the stage's share of the parameter bytes. The step ends when the slowest stage's does.
-   After the pipeline apply also sums over the stage axis, in one all-reduce (seen in the
-   compiled step; `PipelinedSimulation._stage_sum_bytes`), the gradients of the parameters
-   read outside the layers (embeddings, final norm, head), which every stage holds: each
-   stage runs the prologue's backward on its own cotangents of what the prologue handed it
-   (the first stage's are the embeddings', the others' zero) and the epilogue's parameters'.
-   Megatron-LM's layout (``"chunks"``, 4) runs none, but an all-reduce of a tied
-   embedding's gradient between its first and last stage.
+   After the pipeline apply also sums over the stage axis the gradients of the parameters
+   read outside the layers (embeddings, final norm, head), which every stage holds (seen in
+   the compiled step; `PipelinedSimulation._stage_sum_bytes`): each stage runs the
+   prologue's backward on its own cotangents of what the prologue handed it (the first
+   stage's are the embeddings', the others' zero), so the prologue's parameters' sum
+   follows that backward, beside the stages' tails, and the epilogue's (a tied embedding's
+   with them) follows the tails. Megatron-LM's layout (``"chunks"``, 4) runs neither, but
+   an all-reduce of a tied embedding's gradient between its first and last stage.
    Where the samples interact other than by sums (`OpGraph.sample_sums` None: dropless MoE
    routing sorts the batch's tokens), apply's stages run whole microbatches and XLA reduces
    the gradients at every backward: each chunk's backward also takes its gradient syncs
@@ -90,6 +91,7 @@ from soapjax.simulate._flatsim import Simulation, shard_bytes
 from soapjax.simulate._pipe_cut import (
     boundary_values,
     epilogue_gathers,
+    epilogue_params,
     layer_chunks,
     layer_span,
     loss_collectives,
@@ -160,9 +162,13 @@ class PipelinedSimulation:
                                       and layer_layout == "model")
         self._outside = [i < first or i > last for i in range(len(graph.operators))]
         # what apply sums over the stage axis after the pipeline (`_stage_sum_bytes`): the
-        # gradients of the parameters read outside the layers
-        self._outside_params = graph.memo("outside_params",
-                                          lambda: outside_params(graph, first, last))
+        # gradients of the parameters read outside the layers, the prologue's alone and the
+        # epilogue's
+        self._epilogue_params = graph.memo("epilogue_params",
+                                           lambda: epilogue_params(graph, last))
+        self._prologue_params = tuple(
+            src for src in graph.memo("outside_params", lambda: outside_params(graph, first, last))
+            if src not in self._epilogue_params)
         self._tied = graph.memo("tied_params", lambda: tied_params(graph, first, last))
         # what the last stage's loss gathers (`_loss_collectives`)
         self._gathers = graph.memo("epilogue_gathers", lambda: epilogue_gathers(graph, last))
@@ -387,10 +393,10 @@ class PipelinedSimulation:
                     out.append(("all_gather", e.used, self._inner.microbatches))
                     sent += (bytes_sent("all_gather", e.used, mesh.degree(e.axes))
                              * self._inner.microbatches)
-        n = self._stage_sum_bytes()
-        if n:
-            out.append(("all_reduce", n, 1))
-            sent += bytes_sent("all_reduce", n, self._sum_group)
+        for n in self._stage_sum_bytes():
+            if n:
+                out.append(("all_reduce", n, 1))
+                sent += bytes_sent("all_reduce", n, self._sum_group)
         for kind, n, axes, _ in self._loss_collectives():
             out.append((kind, n, self._inner.microbatches))
             sent += bytes_sent(kind, n, self._inner.mesh.degree(axes)) * self._inner.microbatches
@@ -458,8 +464,8 @@ class PipelinedSimulation:
         tails = tuple(tail * share for share in self._param_share)
         moves = self._layout_moves()
         move = self._move_time(moves.sends)  # each way: parameters in, gradients out
-        shared = self._stage_sum_time(self._stage_sum_bytes())
-        step = before + move + max(timeline.step_s + after,
+        handed, shared = (self._stage_sum_time(n) for n in self._stage_sum_bytes())
+        step = before + move + max(timeline.step_s + after + handed,
                                    max(end + t for end, t in zip(timeline.stage_end_s, tails))
                                    + shared)
         step += move + inner.call_overhead  # one SPMD call, as unpipelined
@@ -467,7 +473,7 @@ class PipelinedSimulation:
         cap = self.topology.device.memory_bytes
         return PipelineResult(step, timeline, times, memory, cap,
                               max(m.total for m in memory) <= cap, tails, (before, after),
-                              (move, move), stage_sum_s=shared)
+                              (move, move), stage_sums_s=(handed, shared))
 
     def _weight_gather_times(self, lean: Sequence[tuple[tuple[Kept, ...], tuple[Kept, ...]]]
                              | None = None) -> list[tuple[float, float]]:
@@ -503,21 +509,25 @@ class PipelinedSimulation:
                            if shares[i] and not outside[i]) / M)
                 for b, (lo, hi) in zip(backward, self._ranges)]
 
-    def _stage_sum_bytes(self) -> int:
-        """The bytes per device of the sum over the stage axis that apply's step runs after
-        the pipeline (`soapjax.apply._pipelined`: every stage holds the parameters read
+    def _stage_sum_bytes(self) -> tuple[int, int]:
+        """The bytes per device of the two sums over the stage axis that apply's step runs
+        after the pipeline (`soapjax.apply._pipelined`: every stage holds the parameters read
         outside the layers, runs the prologue's backward on its own cotangents of what the
         prologue handed it, and the epilogue's, so each has its own part of their gradients,
-        zero where it does not read them): the gradients of the parameters the prologue and
-        the epilogue read (embeddings, final norm, head; their stored shards), one
-        all-reduce. Megatron-LM's layout (``layer_layout="chunks"``): its first stage alone
-        holds the embedding, its last the head, and a tied embedding's gradient is
-        all-reduced between the two (`_pipe_cut.tied_params`)."""
+        zero where it does not read them): the gradients of the parameters the prologue
+        alone reads (embeddings, but a tied one), after the prologue's backward, and of
+        those the epilogue reads (final norm, head, a tied embedding), after the stages'
+        tails; their stored shards, one all-reduce each. Megatron-LM's layout
+        (``layer_layout="chunks"``): its first stage alone holds the embedding, its last the
+        head, and a tied embedding's gradient is all-reduced between the two
+        (`_pipe_cut.tied_params`)."""
         if self._pipeline[0] < 2:
-            return 0
-        stored = self._inner.stored_param_bytes() if self._outside_params else {}
-        sources = self._tied if self._layer_layout == "chunks" else self._outside_params
-        return sum(stored.get(src, 0) for src in sources)
+            return 0, 0
+        stored = self._inner.stored_param_bytes()
+        if self._layer_layout == "chunks":
+            return 0, sum(stored.get(src, 0) for src in self._tied)
+        return (sum(stored.get(src, 0) for src in self._prologue_params),
+                sum(stored.get(src, 0) for src in self._epilogue_params))
 
     def _stage_sum_time(self, nbytes: int) -> float:
         """An all-reduce of `nbytes` per device over the stage groups of the outermost mesh
