@@ -346,6 +346,10 @@ SCHEDULES: dict[str, Schedule] = {
     "zb-interleaved-gathered": Schedule(_zb_interleaved, virtual=True, whole_rounds=True,
                                         splits_backward=True, gathered_stash=True),
 }
+# Per schedule, the first one of `SCHEDULES` with its order (a gathered stash's form: the
+# lean one's), which its compiled order is cached under.
+_SAME_ORDER = {name: next(n for n, r in SCHEDULES.items() if r.order is rules.order)
+               for name, rules in SCHEDULES.items()}
 # A schedule's name, as `Strategy.schedule` and the plan file hold it (a key of `SCHEDULES`).
 ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-interleaved",
                        "zb-h1-gathered", "zb-interleaved-gathered"]
@@ -517,7 +521,8 @@ class PipelineTimeline:
     @functools.cached_property
     def _records(self) -> tuple[tuple[float, ...], ...]:
         return recorded(self.stages, self.microbatches, self.virtual, self.times,
-                        _compile(self.schedule, self.stages, self.microbatches, self.virtual))
+                        _compile(_SAME_ORDER[self.schedule], self.stages, self.microbatches,
+                                 self.virtual))
 
     @property
     def start_s(self) -> tuple[float, ...]:
@@ -613,7 +618,7 @@ TIMELINES_KEPT = 256
 def _kept_timeline(schedule: str, S: int, M: int, v: int, times: ChunkTimes
                    ) -> PipelineTimeline:
     """The timeline of these arguments (a pure function of them; the timeline is immutable)."""
-    compiled = _compile(schedule, S, M, v)
+    compiled = _compile(_SAME_ORDER[schedule], S, M, v)
     free = stage_ends(S, M, v, times, compiled)
     busy = tuple(M * sum(times.forward_s[c] + times.backward_s[c] for c in chunks_of(s, S, v))
                  for s in range(S))
