@@ -114,6 +114,10 @@ def test_every_schedule_of_the_table_is_tested_and_follows_its_rules():
     assert all(SCHEDULES[f"{name}-gathered"] == rules._replace(gathered_stash=True)
                for name, rules in SCHEDULES.items() if rules.splits_backward
                and not rules.gathered_stash)
+    times = ChunkTimes.uniform(4, 1.0, 2.0, weight_s=0.5)  # one compiled order for both
+    lean, gathered = (time_schedule(n, 4, 8, 1, times) for n in ("zb-h1", "zb-h1-gathered"))
+    assert (lean.step_s, lean.stage_end_s) == (gathered.step_s, gathered.stage_end_s)
+    assert gathered.schedule == "zb-h1-gathered"
     for name, rules in SCHEDULES.items():
         v = 2 if rules.virtual else 1
         assert pipeline_error(name, stages=4, microbatches=8, virtual=v) is None
