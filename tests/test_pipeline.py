@@ -100,7 +100,8 @@ def test_bad_pipelines_are_refused_with_what_was_expected():
         check_pipeline("zigzag", 2, 2)
     with pytest.raises(PlanError, match="microbatches must be an integer >= 1, got 0"):
         check_pipeline("1f1b", 2, 0)
-    with pytest.raises(PlanError, match="2 virtual stages per device need the 'interleaved'"):
+    with pytest.raises(PlanError, match="2 virtual stages per device need a schedule of virtual "
+                       r"stages \('interleaved', 'zb-interleaved' or 'zb-interleaved-gathered'\)"):
         check_pipeline("1f1b", 2, 4, 2)
     with pytest.raises(PlanError, match="needs 2 or more virtual stages"):
         check_pipeline("interleaved", 2, 4, 1)

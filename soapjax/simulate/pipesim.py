@@ -1,5 +1,10 @@
 """Simulating a pipelined strategy: one stage's SPMD step, cut into chunks, timed by a schedule.
 
+This module stays one past 700 lines: `PipelinedSimulation` is one class whose parts (the
+chunks' times, the schedule, the split backward's W and stash, the sums over the stages,
+memory) read the same cut and state of the stage's simulation; what needs none of that lives
+in `soapjax.simulate._pipe_cut`, `_pipe_fold` and `_simresult`.
+
 A strategy with S pipeline stages (`Strategy.stages`, `soapjax.strategy.pipeline`) splits the
 outermost mesh axis of the topology (``node``) S ways: each stage is the same group of devices (a
 `scaled_topology` of ``N / S`` devices), and every operator keeps its S/A/P/R config over that

@@ -128,8 +128,8 @@ def pipeline_error(schedule: str, stages: int, microbatches: int, virtual: int =
 
     >>> pipeline_error("1f1b", stages=4, microbatches=6) is None
     True
-    >>> pipeline_error("1f1b", stages=4, microbatches=6, virtual=2)
-    "2 virtual stages per device need the 'interleaved' or 'zb-interleaved' schedule, not '1f1b'"
+    >>> print(pipeline_error("1f1b", stages=4, microbatches=6, virtual=2))  # doctest: +ELLIPSIS
+    2 virtual stages per device need a schedule of virtual stages ('interleaved', ...), not '1f1b'
     """
     if schedule not in SCHEDULES:
         return f"pipeline schedule {schedule!r} is not one of {', '.join(SCHEDULES)}"
@@ -145,8 +145,10 @@ def pipeline_error(schedule: str, stages: int, microbatches: int, virtual: int =
         return (f"the {schedule} schedule needs the microbatches ({microbatches}) to be a "
                 f"multiple of the stages ({stages})")
     if not rules.virtual and virtual != 1:
-        names = " or ".join(repr(n) for n, r in SCHEDULES.items() if r.virtual)
-        return f"{virtual} virtual stages per device need the {names} schedule, not {schedule!r}"
+        names = [repr(n) for n, r in SCHEDULES.items() if r.virtual]
+        names = ", ".join(names[:-1]) + " or " + names[-1]
+        return (f"{virtual} virtual stages per device need a schedule of virtual stages "
+                f"({names}), not {schedule!r}")
     return None
 
 
