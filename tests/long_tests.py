@@ -18,6 +18,9 @@ LONG: dict[str, str] = {
     "interleaved LLaMA's run in make test",
     "tests/test__pipelined.py::test_a_split_backward_computes_each_gradient_leaf_of_the_"
     "unsharded_step[llama-zb-h1-1-full]": "the same",
+    "tests/test_apply_pipelined.py::test_a_zero_bubble_plan_under_sequence_parallelism_keeps_"
+    "its_stash_lean_and_exact[full]": "three more compiled steps (20 s); the selective case "
+    "runs in make test, and the full one's extra gathers were measured (docs/checks.md)",
     # scripts run end to end on the CPU (their functions have their own tests)
     "tests/test_evaluate.py::test_tiny_run_writes_every_section_with_numbers":
         "bench_evaluate's run (74 s); its statistic: test_spearman_matches_the_textbook_"

@@ -641,19 +641,22 @@ def test_a_zero_bubble_plan_that_keeps_attention_core_operators_computes_the_uns
     assert abs(float(loss) - float(want_loss)) / abs(float(want_loss)) < 1e-12
 
 
-def test_a_zero_bubble_plan_under_sequence_parallelism_keeps_its_stash_lean_and_exact():
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_a_zero_bubble_plan_under_sequence_parallelism_keeps_its_stash_lean_and_exact(
+        recompute):
     """ZB-H1 at TP2 with sequence parallelism, and its gathered form (the stash kept as the
     matmuls use it, W gathering nothing: 1F1B's collectives). ZB-H1's stash keeps what the
     stage holds split along the sequence as it holds it (the norms' outputs q/k/v and fc1
     read, the cotangents out's and fc2's reduce-scatters hand back) and each W all-gathers it
     again (`_Pipeline._stash_specs`). Every gradient leaf within 1e-12 of its own scale, and
     the compiled step all-gathers, over 1F1B's step, exactly the bytes the simulator adds for
-    the W's gathers (`PipelinedSimulation.step_collectives`: the cotangents', the operands'
-    replacing the recomputation's), as each runs."""
+    the W's gathers (`PipelinedSimulation.step_collectives`: the cotangents', and the
+    operands' but under selective recomputation, where they replace the backward's own
+    gathers; a fully recomputed chunk gathers them for its forward again), as each runs."""
     _, params, batch, graph, (want_loss, want) = model_case("gpt", STAGES)
     gathered = {}
     for schedule in ("zb-h1", "zb-h1-gathered", "1f1b"):
-        strategy = strategy_of("gpt", 1, "selective", True).with_pipeline(STAGES, 1, schedule)
+        strategy = strategy_of("gpt", 1, recompute, True).with_pipeline(STAGES, 1, schedule)
         loss, grads, exe, shardings = run_step(graph, strategy, params, batch)
         comparison = compare_gradients(loss, model_layout(grads), want_loss, want,
                                        tolerance=1e-12)
@@ -670,6 +673,6 @@ def test_a_zero_bubble_plan_under_sequence_parallelism_keeps_its_stash_lean_and_
             assert all(len(xs) == len(dys) == 2 for xs, dys in lean)  # a layer a chunk
             # a selectively recomputed layer's backward gathers q/k/v's and fc1's operand
             # again for their weights' gradients: W's replaces that one
-            assert all(e.moved for xs, _ in lean for e in xs)
+            assert all(e.moved == (recompute == "selective") for xs, _ in lean for e in xs)
     assert again > 0 and gathered["zb-h1"] - gathered["1f1b"] == again
     assert gathered["zb-h1-gathered"] == gathered["1f1b"]  # the stash kept as used

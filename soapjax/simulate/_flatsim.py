@@ -307,9 +307,10 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
         value in the layout its maker holds it in (an operand: its maker's `held_specs`; an
         output: its own, a row-parallel matmul's reduce-scattered under sequence
         parallelism) where that is smaller per device than the layout this operator uses it
-        in, then gathered again for W (`Kept`; moved where the operator recomputes: apply's
-        checkpoint of a recomputed layer gathers the operand again in the backward, for the
-        weight's gradient, which W now does); else as used. Non-activations: zeros."""
+        in, then gathered again for W (`Kept`; moved where the operator is selectively
+        recomputed: apply's checkpoint of such a layer gathers the operand again in the
+        backward for the weight's gradient alone, which W now does, where a fully recomputed
+        chunk gathers it for its forward anyway); else as used. Non-activations: zeros."""
         ops, index = self.graph.operators, self._index_of_name()
         out = {}
         for j in indices:
@@ -331,7 +332,7 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
                 return index.get(x.source) if x.kind == "activation" else None
             operands = tuple(
                 kept(x, s, n, None if maker(x) is None else self.held_specs(maker(x))[x.index],
-                     v.policy != "none")
+                     v.policy == "selective")
                 if n else Kept(0, 0, ())
                 for x, s, n in zip(op.inputs, v.operand_specs, v.operand_bytes))
             held = self.held_specs(j)

@@ -79,9 +79,9 @@ class Kept(NamedTuple):
     """What a split backward's stash keeps of one value for a weight matmul's W, per device
     and microbatch (`Simulation.stash_io_by_operator`): `kept` bytes, the `used` bytes of
     the layout the matmul reads it in, and the mesh axes W all-gathers it over to get there
-    (none where it is kept as used). `moved`: an operand of an operator that recomputes
-    (selective or full), whose unsplit backward gathers it again for the weight's gradient
-    (W's gather replaces that one); else W's is one more."""
+    (none where it is kept as used). `moved`: an operand of a selectively recomputed
+    operator, whose unsplit backward gathers it again for the weight's gradient alone (W's
+    gather replaces that one); else W's is one more."""
 
     kept: int
     used: int

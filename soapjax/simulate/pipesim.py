@@ -484,9 +484,10 @@ class PipelinedSimulation:
                              | None = None) -> list[tuple[float, float]]:
         """Per chunk, the seconds of one microbatch's W gathering its lean stash again
         (`_pipe_cut.stash_bytes`): those the unsplit backward gathers too, which the B then
-        does not (operands of recomputing operators: `Kept.moved`), and those it does
-        not (the outputs' cotangents, which the B gathers for its own matmul as well;
-        operands the forward gathered and the backward kept). XLA compiles as many
+        does not (operands of selectively recomputed operators: `Kept.moved`), and those it
+        does not (the outputs' cotangents, which the B gathers for its own matmul as well;
+        operands the forward gathered and the backward kept, or a fully recomputed chunk's
+        forward gathers again). XLA compiles as many
         (tests/test_apply_pipelined.py, docs/checks.md). `lean`: `_stash`'s second part,
         where already made."""
         memo = self._send_memo
