@@ -19,7 +19,7 @@ from soapjax.simulate._simresult import Kept
 from soapjax.strategy.space import Config, MeshShape, sample_dim
 
 __all__ = ["boundary_values", "epilogue_gathers", "epilogue_params", "layer_chunks", "layer_span",
-           "loss_collectives", "outside_params", "send_pieces", "stash_bytes", "weight_operands",
+           "loss_collectives", "prologue_params", "send_pieces", "stash_bytes", "weight_operands",
            "weight_shares"]
 
 
@@ -93,35 +93,26 @@ def boundary_values(graph: OpGraph, chunk: Sequence[int]) -> tuple[tuple[tuple[i
     return tuple(tuple(c) for c in crossing)
 
 
+def prologue_params(graph: OpGraph, first: int) -> tuple[str, ...]:
+    """The parameters (their sources) the operators before the first layer read."""
+    return _params_read(graph.operators[:first])
+
+
 def epilogue_params(graph: OpGraph, last: int) -> tuple[str, ...]:
     """The parameters (their sources) the operators after the last layer read."""
-    out: dict[str, None] = {}
-    for op in graph.operators[last + 1:]:
-        for x in op.inputs:
-            if x.kind == "param":
-                out[x.source] = None
-    return tuple(out)
+    return _params_read(graph.operators[last + 1:])
 
 
-def outside_params(graph: OpGraph, first: int, last: int) -> tuple[str, ...]:
-    """The parameters (their sources) read outside the layers, before the first or after
-    the last (embeddings, final norm, head), each once: held by every stage as apply keeps
-    them, their gradients summed over the stages."""
-    ops = graph.operators
-    out: dict[str, None] = {}
-    for op in (*ops[:first], *ops[last + 1:]):
-        for x in op.inputs:
-            if x.kind == "param":
-                out[x.source] = None
-    return tuple(out)
+def _params_read(ops: Sequence) -> tuple[str, ...]:
+    """The parameters (their sources) `ops` read, each once, in order."""
+    return tuple(dict.fromkeys(x.source for op in ops for x in op.inputs if x.kind == "param"))
 
 
 def tied_params(graph: OpGraph, first: int, last: int) -> tuple[str, ...]:
     """The parameters (their sources) read both before the first layer and after the last
     (a tied embedding and head): Megatron-LM all-reduces their gradient between the first and
     the last stage, the two that hold them."""
-    before = {x.source for op in graph.operators[:first] for x in op.inputs
-              if x.kind == "param"}
+    before = set(prologue_params(graph, first))
     return tuple(src for src in epilogue_params(graph, last) if src in before)
 
 

@@ -100,7 +100,7 @@ from soapjax.simulate._pipe_cut import (
     layer_chunks,
     layer_span,
     loss_collectives,
-    outside_params,
+    prologue_params,
     send_pieces,
     stash_bytes,
     tied_params,
@@ -172,7 +172,7 @@ class PipelinedSimulation:
         self._epilogue_params = graph.memo("epilogue_params",
                                            lambda: epilogue_params(graph, last))
         self._prologue_params = tuple(
-            src for src in graph.memo("outside_params", lambda: outside_params(graph, first, last))
+            src for src in graph.memo("prologue_params", lambda: prologue_params(graph, first))
             if src not in self._epilogue_params)
         self._tied = graph.memo("tied_params", lambda: tied_params(graph, first, last))
         # what the last stage's loss gathers (`_loss_collectives`)
