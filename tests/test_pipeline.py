@@ -10,7 +10,7 @@ import random
 import pytest
 
 from soapjax.base.errors import PlanError
-from soapjax.strategy import pipeline
+from soapjax.strategy import _schedule_time, pipeline
 from soapjax.strategy.pipeline import (
     SCHEDULES,
     Action,
@@ -378,7 +378,6 @@ def test_steady_periods_are_skipped_and_the_timeline_stays_the_same(schedule, S,
     # one before); the action-by-action loop (`recorded`, the timeline's records) gives
     # the same stage ends, on chunk times a folded stage gives (the first and last chunks
     # apart) and on random ones
-    from soapjax.strategy import _schedule_time, pipeline
     compiled = pipeline._compile(schedule, S, M, v)
     assert compiled.periodic is not None and compiled.periodic.periods >= 3
     jumped = []
@@ -407,3 +406,52 @@ def test_steady_periods_are_skipped_and_the_timeline_stays_the_same(schedule, S,
     # 1F1B and interleaved stages wait for each other and settle; GPipe's stages run their
     # forwards each at its own pace (none waits for a backward), so nothing repeats exactly
     assert any(jumped) == (schedule != "gpipe")
+
+
+def sweep_order(orders, M, C):
+    """The dependency order as the plain sweeps make it: round k runs each stage's action at
+    position k, in sweeps over the stages (stage order) until all have run; None where a
+    sweep runs nothing (an action reads one of a later round)."""
+    ran, out = set(), []
+    for k in range(max(map(len, orders))):
+        todo = [s for s, order in enumerate(orders) if k < len(order)]
+        while todo:
+            left = []
+            for s in todo:
+                kind, m, c = orders[s][k]
+                need = {"F": ("F", m, c - 1), "B": ("B", m, c + 1)}.get(kind)
+                if need is None or not 0 <= need[2] < C or need in ran:
+                    ran.add((kind, m, c))
+                    out.append((s, k))
+                else:
+                    left.append(s)
+            if len(left) == len(todo):
+                return None
+            todo = left
+    return out
+
+
+def _takes(schedule, S, M, v):
+    try:
+        check_pipeline(schedule, S, M, v)
+    except PlanError:
+        return False
+    return True
+
+
+ORDER_CASES = [(schedule, S, M, v) for schedule in SCHEDULES
+               for S, M, v in [(2, 4, 1), (4, 8, 1), (3, 7, 1), (8, 16, 1), (4, 8, 2), (3, 6, 4),
+                               (8, 16, 2)]
+               if _takes(schedule, S, M, v)]
+
+
+@pytest.mark.parametrize("schedule, S, M, v", ORDER_CASES,
+                         ids=[f"{c[0]}-S{c[1]}-M{c[2]}-v{c[3]}" for c in ORDER_CASES])
+def test_the_dependency_order_is_the_plain_sweeps_order(schedule, S, M, v):
+    # `_dependency_order` works a round's sweeps out past its first (GPipe's backwards take
+    # S sweeps a round); the order, which links serve their sends in, stays the sweeps'
+    orders = device_orders(schedule, S, M, v)
+    want = sweep_order(orders, M, S * v)
+    got = _schedule_time._dependency_order(orders, M, S * v)
+    assert got == (want if want is not None else _schedule_time._greedy_order(orders, M, S * v))
+    assert sorted(got) == sorted((s, k) for s, o in enumerate(orders) for k in range(len(o)))

@@ -272,23 +272,64 @@ def _dependency_order(orders, M: int, C: int) -> list[tuple[int, int]]:
     (the schedules of `device_orders` but for some that place W actions: then
     `_greedy_order`): round k runs each stage's action at position k, in sweeps over the
     stages until all have run. The steady part of a schedule is then the same rounds again
-    and again (`_periodic`)."""
+    and again (`_periodic`).
+
+    Past a round's first sweep the sweeps are worked out rather than run (GPipe's
+    backwards, each waiting for the next stage's, take S sweeps a round): an action left
+    reads one other action (a forward the previous chunk's, a backward the next chunk's),
+    so it runs in sweep 2 where that one ran in the first, else in that one's sweep where
+    that one's stage comes first in a sweep, and in the sweep after where it comes later."""
     done = _Done(M, C)
     out: list[tuple[int, int]] = []
     longest = max(map(len, orders))
     for k in range(longest):
-        todo = [s for s, order in enumerate(orders) if k < len(order)]
-        while todo:
-            left = []
-            for s in todo:
-                if done.take(orders[s][k]):
+        left = []
+        for s, order in enumerate(orders):
+            if k < len(order):
+                if done.take(order[k]):
                     out.append((s, k))
                 else:
                     left.append(s)
-            if len(left) == len(todo):
+        if left:
+            later = _later_sweeps([orders[s][k] for s in left], left, done)
+            if later is None:
                 return _greedy_order(orders, M, C)
-            todo = left
+            out.extend((s, k) for s in later)
     return out
+
+
+def _later_sweeps(actions: list, stages: list[int], done: _Done) -> list[int] | None:
+    """`_dependency_order`'s sweeps of a round from its second: the `stages` of the
+    `actions` its first sweep left, in the order the sweeps run them (each then marked
+    done); None where one waits for an action of a later round."""
+    C = done.C
+    at = {}  # the action a left action reads, by what it is -> its index in `actions`
+    for i, (kind, m, c) in enumerate(actions):
+        at[kind, m, c] = i
+    sweep = [0] * len(actions)
+    for i in range(len(actions)):
+        chain = [i]  # follow what it reads down to one whose sweep is known
+        prev, first = -1, 2
+        while True:
+            kind, m, c = actions[chain[-1]]
+            need = (kind, m, c - 1) if kind == "F" else (kind, m, c + 1)
+            j = at.get(need)
+            if j is None:
+                if need[2] < 0 or need[2] >= C or done.ran(need):
+                    break
+                return None
+            if sweep[j]:
+                prev, first = j, sweep[j]
+                break
+            chain.append(j)
+        for a in reversed(chain):
+            first += prev >= 0 and stages[prev] > stages[a]
+            sweep[a] = first
+            prev = a
+    ranked = sorted(range(len(actions)), key=lambda i: (sweep[i], stages[i]))
+    for i in ranked:
+        done.take(actions[i])
+    return [stages[i] for i in ranked]
 
 
 def _greedy_order(orders, M: int, C: int) -> list[tuple[int, int]]:
@@ -327,6 +368,11 @@ class _Done:
                 return False
             self.b[j] = 1
         return True  # a W: after its B, on the same stage (the order keeps it)
+
+    def ran(self, action) -> bool:
+        """Whether the forward or backward `action` has run."""
+        kind, m, c = action
+        return bool((self.f if kind == "F" else self.b)[m * self.C + c])
 
 
 def _held_pairs(order: Sequence) -> tuple[tuple[int, int], ...]:

@@ -635,9 +635,10 @@ def forget_timelines() -> None:
     _kept_timeline.cache_clear()
 
 
-# A search's pipelines with their microbatch counts are a few dozen compiled orders (GPT
-# 529.6B's 60 s search: 17), seconds each to compile again.
-@functools.lru_cache(maxsize=32)
+# A search's pipelines with their microbatch counts are dozens of compiled orders (up to
+# 60 on the cases of docs/vs-experts.md), seconds each to compile again at hundreds of
+# thousands of actions (28 bytes an action).
+@functools.lru_cache(maxsize=96)
 def _compile(schedule: str, S: int, M: int, v: int) -> Compiled:
     """The pipeline's actions in dependency order, compiled once per pipeline."""
     return compile_orders(S, M, v, device_orders(schedule, S, M, v))
