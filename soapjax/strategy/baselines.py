@@ -183,9 +183,11 @@ def expert_dim(op: Operator) -> int | None:
 
 
 def _experts(graph: OpGraph) -> dict[str, int]:
-    """Expert operator -> its experts (the extent a split of its expert dim must divide)."""
-    return {op.name: op.split_sizes[d] for op in graph.operators
-            if (d := expert_dim(op)) is not None}
+    """Expert operator -> its experts (the extent a split of its expert dim must divide);
+    worked out once per graph (every Megatron point of a search's grids asks)."""
+    return graph.memo("experts", lambda: {op.name: op.split_sizes[d]
+                                          for op in graph.operators
+                                          if (d := expert_dim(op)) is not None})
 
 
 def _tokens(operand) -> bool:
