@@ -386,7 +386,8 @@ def with_recompute(graph: OpGraph, strategy: Strategy, recompute: RecomputePolic
     the embedding, final norm and head keep their outputs."""
     if recompute not in RECOMPUTE_POLICIES:
         raise PlanError(f"recompute={recompute!r}: expected one of {RECOMPUTE_POLICIES}")
-    policies = tuple(recompute if op.block_position else "none" for op in graph.operators)
+    policies = graph.memo(("layers recompute", recompute), lambda: tuple(
+        recompute if op.block_position else "none" for op in graph.operators))
     return dataclasses.replace(strategy, recompute=policies)
 
 
