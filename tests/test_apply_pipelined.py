@@ -45,7 +45,7 @@ from soapjax.simulate.pipesim import PipelinedSimulation
 from soapjax.strategy.baselines import megatron_3d
 from soapjax.strategy.memory import recomputes
 from soapjax.strategy.plan import Plan
-from soapjax.strategy.space import MeshShape
+from soapjax.strategy.space import Config, MeshShape
 from soapjax.topology.cluster import load_topology, make_mesh, stage_topology
 
 TOPOLOGY = load_topology(str(pathlib.Path(__file__).parent / "meshes" / "cpu8-nodes.toml"))
@@ -403,6 +403,36 @@ def test_uneven_stages_send_the_layers_the_simulator_prices():
                                         mode="ideal"), strategy)
     assert forward == back == sorted(sim.layout_move_bytes())
     assert sum(forward) == 51_584
+
+
+# --- what would hang: refused at compile, and never searched ---------------------------------
+
+
+def test_a_layout_change_xla_makes_by_permuting_tiles_is_refused_and_never_searched():
+    """The search once split the attention's output projection's tokens over ``data`` and its
+    output over ``model`` inside GPT 175B's stages, where Megatron's layout splits the
+    heads it reads over both: XLA moves the attention's output there with a
+    collective-permute, which only the stage's own devices would run (its step would hang).
+    Apply refuses the plan at compile (`_pipelined.check_compiled`); the simulator names
+    the same reads (`PipelinedSimulation.stage_permutes`, the search's guard:
+    `soapjax.search._chain._hangs`), and none of Megatron's layout."""
+    _, params, batch, graph, _ = model_case("gpt", STAGES)
+    base = megatron_3d(graph, TOPOLOGY, tp=4, pp=STAGES, microbatch_size=2, recompute="none",
+                       sequence_parallel=True)
+    moved = dataclasses.replace(base, configs=tuple(
+        Config(((), ("data",), ("model",), (), ())) if op.name.endswith("attn/out") else c
+        for op, c in zip(graph.operators, base.configs)))
+    stage = MeshShape.of(stage_topology(TOPOLOGY, STAGES))
+
+    def flagged(strategy):
+        sim = PipelinedSimulation(graph, TOPOLOGY, cost_model(graph, TOPOLOGY, mode="analytic"),
+                                  Resharder(stage, mode="ideal"), strategy)
+        return {name for name, _ in sim.stage_permutes()}
+
+    assert flagged(base) == set()
+    assert flagged(moved) == {"layers_0/attn/out", "layers_1/attn/out"}
+    with pytest.raises(PlanError, match="collective-permute inside the stage's own action"):
+        run_step(graph, moved, params, batch)
 
 
 # --- what cannot run: refused before anything compiles ------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import random
 
 import pytest
@@ -15,6 +16,7 @@ from soapjax.cost.reshard import Resharder
 from soapjax.graph.opgraph import trace
 from soapjax.search import (
     SearchSettings,
+    _chain,
     balance_stages,
     choose_schedule,
     find_plan,
@@ -32,17 +34,17 @@ from soapjax.simulate.pipesim import PipelinedSimulation, layer_chunks
 from soapjax.strategy.baselines import GridPoint, megatron_3d
 from soapjax.strategy.pipeline import pipeline_error
 from soapjax.strategy.plan import Plan
-from soapjax.strategy.space import MeshShape, configs
+from soapjax.strategy.space import Config, MeshShape, configs
 from soapjax.topology.cluster import load_topology, stage_topology
 
 A100 = load_topology("dgx-a100x3072-32")  # 4 DGX nodes: mesh node=4 x data=2 x model=4
 
 
 @functools.cache
-def gpt(layers: int = 4):
+def gpt(layers: int = 4, heads: int = 4):
     from soapjax_zoo.gpt import GPTConfig, build_gpt
-    cfg = GPTConfig(batch_size=16, seq_len=64, vocab_size=256, num_layers=layers, num_heads=4,
-                    d_model=64, dtype="bfloat16")
+    cfg = GPTConfig(batch_size=16, seq_len=64, vocab_size=256, num_layers=layers,
+                    num_heads=heads, d_model=64, dtype="bfloat16")
     w = build_gpt("gpt", "test", cfg, "linen")
     return trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt")
 
@@ -645,3 +647,30 @@ def test_a_lean_stash_keeps_what_sequence_parallelism_splits_and_w_gathers_it_ag
                and n in {e.used for e in dys}) >= 2 * len(sim._ranges)
 
 
+
+
+def test_the_search_keeps_no_pipelined_plan_whose_stages_would_hang():
+    """A layout change inside the layers that XLA makes by permuting tiles between a stage's
+    devices (the attention's output, heads split over data and model under Megatron's
+    layout, read with its tokens over data and the output over model: tests/
+    test_apply_pipelined.py shows apply refusing such a plan) costs a chain infinity and is
+    never recorded; Megatron's own layout is, at its price. The data groups' axis (node,
+    which the stage runs apart) moves nothing inside a stage."""
+    g = gpt(4, 8)
+    base = megatron_3d(g, A100, tp=8, pp=2, microbatch_size=2, recompute="none",
+                       sequence_parallel=True)
+    moved = dataclasses.replace(base, configs=tuple(
+        Config((("node",), ("data",), ("model",), (), ())) if op.name.endswith("attn/out")
+        else c for op, c in zip(g.operators, base.configs)))
+    sim = pipelined(moved, g)
+    assert {name for name, _ in sim.stage_permutes()} == {
+        f"layers_{k}/attn/out" for k in range(2)}  # the first two layers stand for all
+    searcher = _Searcher(sim, SearchSettings(max_proposals=10), None)
+    assert _chain._cost(sim) == math.inf
+    searcher.record("moved")
+    assert searcher.best is None
+    sim.reset(base)
+    assert sim.stage_permutes() == ()
+    searcher.record("megatron")
+    assert searcher.best is not None and searcher.best[0] == _chain._cost(sim) == \
+        sim.step_time()

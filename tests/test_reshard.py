@@ -7,6 +7,7 @@ compiling subprocess is paid once per mesh.
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import time
 
@@ -342,3 +343,43 @@ def test_errors(src, dst, partial, match):
 def test_bad_mode():
     with pytest.raises(ReshardError, match=r"mode 'gpu': expected 'xla' or 'ideal'"):
         Resharder(MESH, "gpu")
+
+
+def test_permute_free_transitions_compile_without_a_collective_permute(cache_root):
+    """`permute_free`'s class, compiled by XLA on a 3-axis mesh: 60 random transitions of it
+    (a seeded draw, partial sums among them) make none, where a pipeline stage would hang
+    on one (`soapjax.apply._pipelined.check_compiled`); outside it XLA makes them, the
+    transitions of an expert layer whose axes change places and of a gather of one axis
+    while another is sliced among them. (700 such random transitions on three meshes:
+    docs/checks.md.)"""
+    mesh = MeshShape(("node", "data", "model"), (2, 2, 2))
+    rng = random.Random(7)
+
+    def spec(rank):
+        dims = [[] for _ in range(rank)]
+        for a in mesh.axis_names:
+            if (d := rng.randrange(rank + 1)) < rank:
+                dims[d].append(a)
+        for d in dims:
+            rng.shuffle(d)
+        return tuple(tuple(d) for d in dims)
+
+    free = []
+    while len(free) < 60:
+        rank = rng.choice([2, 3, 4])
+        src, dst = spec(rank), spec(rank)
+        partial = tuple(a for a in mesh.axis_names
+                        if rng.random() < 0.15 and not any(a in d for d in src))
+        if rs.permute_free(src, dst, mesh):
+            free.append(((16,) * rank, "float32", src, dst, partial))
+    outside = [((8, 16, 4, 8), "float32", ((), ("node", "model"), (), ()),
+                (("node",), ("model",), (), ()), ()),
+               ((16, 16, 16), "float32", (("model",), (), ()), ((), (), ("data",)), ())]
+    assert not any(rs.permute_free(t[2], t[3], mesh) for t in outside)
+    with Resharder(mesh, "xla", cache_dir=cache_root) as xla:
+        xla.prefetch(free + outside)
+        kinds = [{c.kind for c in xla.lookup(*t[:4], partial=t[4]).collectives}
+                 for t in free + outside]
+    assert [t for t, k in zip(free, kinds) if "collective_permute" in k] == []
+    assert all("collective_permute" in k for k in kinds[len(free):])
+    assert sum(bool(k) for k in kinds[:len(free)]) >= 30  # most of them move data

@@ -141,10 +141,21 @@ def _check_number(name: str, value: object, low: float, expected: str,
 
 
 def _cost(sim: Simulation) -> float:
+    if _hangs(sim):
+        return math.inf
     t = sim.step_time()
     cap = sim.topology.device.memory_bytes
     over = sim.peak_memory_bytes() / cap - 1.0
     return t if over <= 0 else t * (2.0 + 10.0 * over)
+
+
+def _hangs(sim: Simulation) -> bool:
+    """Whether apply would refuse the simulated plan because its pipeline stages would hang:
+    a layout change inside a stage's action that XLA may make with a collective-permute
+    (`soapjax.simulate.pipesim.PipelinedSimulation.stage_permutes`). The chains treat it as
+    infinitely slow and `_Searcher.record` keeps none."""
+    permutes = getattr(sim, "stage_permutes", None)  # a pipelined simulation's
+    return permutes is not None and bool(permutes())
 
 
 def random_strategy(graph: OpGraph, mesh: MeshShape, rng: np.random.Generator,
@@ -279,6 +290,8 @@ class _Searcher:
             return
         if self.check_convolutions and spatial_convolution(self.sim.graph, self.sim.strategy):
             return  # apply refuses it (XLA computes it wrongly): never a plan
+        if _hangs(self.sim):
+            return  # apply refuses it (its stages would hang): never a plan
         self.offer((self.sim.step_time(), self.sim.strategy, name))
 
     def offer(self, found: tuple[float, Strategy, str]) -> None:
@@ -360,7 +373,9 @@ class _Searcher:
         if not self.movable and not self.recomputable:
             return
         current = _cost(sim)
-        beta = math.log(2.0) / (s.temperature * current)
+        # (a start apply would refuse costs infinity: its time sets the temperature)
+        beta = math.log(2.0) / (s.temperature * (current if math.isfinite(current)
+                                                 else sim.step_time()))
         self._t_best = 0.0
         best_here, since_best, n = current, 0, 0
         # the chain's best point, and whether it went back there since it last improved

@@ -105,7 +105,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from soapjax.cost.operators import OpTime
-from soapjax.cost.reshard import ReshardModel
+from soapjax.cost.reshard import ReshardModel, permute_free
 from soapjax.graph.opgraph import OpGraph
 from soapjax.measure._timing import quiet_gc
 from soapjax.simulate._flat_attention import _AttentionPricing
@@ -340,6 +340,39 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
                             for x, s, n, h in zip(op.outputs, v.out_specs, v.output_bytes, held))
             out[j] = (operands, outputs)
         return out
+
+    @_settled
+    def permuting_reads(self, indices: Sequence[int], manual: Sequence[str] = ()
+                        ) -> tuple[tuple[str, int], ...]:
+        """``(operator, operand)`` of each read by the operators `indices` whose layout change
+        XLA may make with a collective-permute (`soapjax.cost.reshard.permute_free` false):
+        from the layout the value is held in (its maker's `held_specs`; a parameter's or
+        batch input's stored layout) to the one the operator reads it in. A pipeline stage
+        makes these changes inside its own action, where a collective-permute would hang
+        (`soapjax.apply._pipelined.check_compiled`): the search keeps no pipelined plan
+        with one (`soapjax.search._chain`). The `manual` axes (a pipeline's data groups, which
+        the stage's program runs apart) are left out of both layouts: XLA does not
+        partition over them there."""
+        layout, ops, index = self._layout, self.graph.operators, self._index_of_name()
+
+        def auto(spec: Any) -> tuple:
+            return tuple(tuple(a for a in entry if a not in manual) for entry in spec)
+
+        wanted = set(indices)
+        stored = {(j, o): leaf for leaf, readers in enumerate(layout.readers)
+                  for j, o in readers if j in wanted}
+        out = []
+        for j in sorted(wanted):
+            for o, x in enumerate(ops[j].inputs):
+                if (j, o) in stored:
+                    src = self._stored_spec(stored[j, o])
+                elif x.kind == "activation" and x.source in index:
+                    src = self.held_specs(index[x.source])[x.index]
+                else:
+                    continue
+                if not permute_free(auto(src), auto(self._dst(j, o)), self.mesh):
+                    out.append((ops[j].name, o))
+        return tuple(out)
 
     def _index_of_name(self) -> dict[str, int]:
         return self.graph.memo("operator_index",

@@ -19,8 +19,8 @@ from soapjax.simulate._simresult import Kept
 from soapjax.strategy.space import Config, MeshShape, sample_dim
 
 __all__ = ["boundary_values", "epilogue_gathers", "epilogue_params", "layer_chunks", "layer_span",
-           "loss_collectives", "prologue_params", "send_pieces", "stash_bytes", "weight_operands",
-           "weight_shares"]
+           "loss_collectives", "prologue_params", "send_pieces", "shifted_reads", "stash_bytes",
+           "weight_operands", "weight_shares"]
 
 
 def layer_span(graph: OpGraph) -> tuple[int, int]:
@@ -127,8 +127,16 @@ def epilogue_gathers(graph: OpGraph, last: int
     log-probabilities), which apply runs as a masked sum: ``(operator index, value id, those
     dims, each of the value's dims' iteration dim of the operator, None where it follows
     none; whether it is picked)``."""
+    return shifted_reads(graph, last + 1)
+
+
+def shifted_reads(graph: OpGraph, start: int
+                  ) -> tuple[tuple[int, int, tuple[int, ...], tuple[int | None, ...], bool],
+                             ...]:
+    """`epilogue_gathers`' entries for the operators from `start` on (the layers' too: what
+    a pipeline stage runs in its actions, `soapjax.simulate.pipesim`'s `stage_permutes`)."""
     prog, out = graph.program, []
-    for j in range(last + 1, len(graph.operators)):
+    for j in range(start, len(graph.operators)):
         loc = prog.local[graph.operators[j].name]
         for i in loc.units:
             unit = prog.units[i]

@@ -334,6 +334,10 @@ class FoldedStage:
     def output_specs(self, i: int):
         return self._sims[-1].output_specs(self._twins[i])
 
+    def permuting_reads(self, indices: Sequence[int], manual: Sequence[str] = ()
+                        ) -> tuple[tuple[str, int], ...]:
+        return self._sims[-1].permuting_reads(sorted({self._twins[i] for i in indices}), manual)
+
     def held_specs(self, i: int):
         return self._sims[-1].held_specs(self._twins[i])
 

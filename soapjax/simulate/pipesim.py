@@ -102,6 +102,7 @@ from soapjax.simulate._pipe_cut import (
     loss_collectives,
     prologue_params,
     send_pieces,
+    shifted_reads,
     stash_bytes,
     tied_params,
     weight_operands,
@@ -126,7 +127,7 @@ from soapjax.strategy.pipeline import (
     stage_routes,
     time_schedule,
 )
-from soapjax.strategy.space import Config, MeshShape, Strategy
+from soapjax.strategy.space import Config, MeshShape, Strategy, batch_specs
 from soapjax.topology.cluster import Topology, stage_topology
 
 __all__ = ["LAYER_LAYOUTS", "PipelineResult", "PipelinedSimulation", "as_step_result",
@@ -415,6 +416,36 @@ class PipelinedSimulation:
         return loss_collectives(self.graph, self._gathers, lambda j: inner.choice(j)[0],
                                 inner.mesh, inner.microbatches, self.topology, self._gather_memo,
                                 megatron=self._layer_layout == "chunks")
+
+    def stage_permutes(self) -> tuple[tuple[str, int], ...]:
+        """The reads inside the stages (by the layers and the epilogue, which run in the
+        stages' actions) whose layout change XLA may make with a collective-permute
+        (`Simulation.permuting_reads`): apply refuses such a plan, whose step would hang
+        (`soapjax.apply._pipelined.check_compiled`). () for a plan apply can run."""
+        graph = self.graph
+        first, last = graph.memo("layer_span", lambda: layer_span(graph))
+        # every layer runs the first one's configs (`tie_blocks`): its reads, the next
+        # layer's of it, and the epilogue's
+        reads = graph.memo("stage_reads", lambda: _stage_reads(graph, first, last))
+        # the batch's axes are the stages' data groups, manual inside a stage, but where the
+        # samples interact other than by sums (`soapjax.apply._pipelined._data_groups`)
+        manual = () if graph.sample_coupling and graph.sample_sums is None else tuple(
+            {a: None for spec in batch_specs(graph, self.strategy).values()
+             for a in (spec[0] if spec else ())})
+        out = list(self._inner.permuting_reads(reads, manual))
+        # a dim the layers slice, pad or concatenate, split: apply gathers it whole for the
+        # forward (`soapjax.apply._pipelined._run_in_stage`), and XLA moves the backward's
+        # halos with collective-permutes (a rotary embedding's halves of a split head dim)
+        mesh = self.mesh
+        shifts = graph.memo("stage_shifts", lambda: tuple(
+            e for e in shifted_reads(graph, first) if e[0] in reads))
+        for j, _, dims, iters, picked in shifts:
+            axes = self.choice(j)[0].axes
+            if not picked and any(iters[k] is not None and iters[k] < len(axes) and any(
+                    mesh.axis_size(a) > 1 and a not in manual for a in axes[iters[k]])
+                                  for k in dims):
+                out.append((graph.operators[j].name, -1))
+        return tuple(dict.fromkeys(out))
 
     def stage_result(self) -> SimResult:
         """One stage's simulated work for the whole batch (its M microbatches one after the
@@ -731,6 +762,16 @@ class PipelinedSimulation:
         else:
             io = self._inner.stash_io_by_operator(wanted)
         return stash_bytes(self.graph, self._ranges, operands, io, self._outside)
+
+
+def _stage_reads(graph: OpGraph, first: int, last: int) -> frozenset[int]:
+    """The operators `PipelinedSimulation.stage_permutes` reads for: the first two layers'
+    (of the `first` .. `last` span; the second's first reads the first's last) and the
+    epilogue's."""
+    layers = max((len(g) for g in graph.repeated_blocks()), default=1)
+    per = (last - first + 1) // max(layers, 1)
+    return frozenset([*range(first, min(last + 1, first + 2 * per)),
+                      *range(last + 1, len(graph.operators))])
 
 
 class _LayoutMoves(NamedTuple):
