@@ -420,8 +420,11 @@ class PipelinedSimulation:
     def stage_permutes(self) -> tuple[tuple[str, int], ...]:
         """The reads inside the stages (by the layers and the epilogue, which run in the
         stages' actions) whose layout change XLA may make with a collective-permute
-        (`Simulation.permuting_reads`): apply refuses such a plan, whose step would hang
-        (`soapjax.apply._pipelined.check_compiled`). () for a plan apply can run."""
+        (`Simulation.permuting_reads`), and ``(operator, -1)`` for each operator there that
+        splits a dim it slices, pads or concatenates (`_pipe_cut.shifted_reads`): apply
+        refuses such a plan, whose step would hang (`soapjax.apply._pipelined
+        .check_compiled`). () for a plan apply can run (docs/checks.md, "Collective-permutes
+        inside a stage", for what it does not see)."""
         graph = self.graph
         first, last = graph.memo("layer_span", lambda: layer_span(graph))
         # every layer runs the first one's configs (`tie_blocks`): its reads, the next

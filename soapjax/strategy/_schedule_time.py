@@ -303,7 +303,7 @@ def _later_sweeps(actions: list, stages: list[int], done: _Done) -> list[int] | 
     `actions` its first sweep left, in the order the sweeps run them (each then marked
     done); None where one waits for an action of a later round."""
     C = done.C
-    at = {}  # the action a left action reads, by what it is -> its index in `actions`
+    at = {}  # each left action -> its index in `actions`
     for i, (kind, m, c) in enumerate(actions):
         at[kind, m, c] = i
     sweep = [0] * len(actions)
