@@ -47,8 +47,13 @@ sys.path.insert(0, str(ROOT / "tests"))
 import fuzzing  # noqa: E402
 import numpy as np  # noqa: E402
 
+from soapjax.cost.operators import cost_model  # noqa: E402
+from soapjax.simulate.front import open_simulation  # noqa: E402
 from soapjax.strategy.pipeline import SCHEDULES  # noqa: E402
 from soapjax.topology.cluster import load_topology  # noqa: E402
+
+# apply's refusal of a step that would hang (`soapjax.apply._pipelined.check_compiled`)
+HANG = "collective-permute inside the stage's own action"
 
 
 def _worker() -> int:
@@ -66,7 +71,8 @@ def _worker() -> int:
         record = {"refused": out.refused, "failed": out.failed, "describe": out.describe(),
                   "error": out.comparison.max_error if out.comparison else None,
                   "pipelined": strategy.pipelined,
-                  "strategy": fuzzing.describe(strategy, s.graph)}
+                  "strategy": fuzzing.describe(strategy, s.graph),
+                  "guarded": _guarded(s.graph, strategy, topology)}
         if out.failed and job["shrink"]:
             # the failure first: a shrink that runs past the deadline must not hide it
             print(json.dumps({**record, "seconds": time.time() - t0, "shrinking": True}),
@@ -79,6 +85,17 @@ def _worker() -> int:
         record["seconds"] = time.time() - t0
         print(json.dumps(record), flush=True)
     return 0
+
+
+def _guarded(graph, strategy, topology) -> bool | None:
+    """Whether the search's guard names a layout change inside a pipelined plan's stages that
+    XLA may make with a collective-permute (`PipelinedSimulation.stage_permutes`: the
+    search keeps no such plan); None for a plan without stages."""
+    if not strategy.pipelined:
+        return None
+    with open_simulation(graph, topology, strategy, resharder="ideal",
+                         cost_model=cost_model(graph, topology, mode="analytic")) as sim:
+        return bool(sim.stage_permutes())
 
 
 def _topologies() -> dict:
@@ -158,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                   "seconds": 0.0} for n in names}
     failures: list[dict] = []
     refusals: dict[str, int] = {}
+    guard = {(a, b): 0 for a in ("named", "clean") for b in ("refused", "ran")}
     worker = _Worker()
     start, compared, draws = time.time(), 0, 0
     try:
@@ -171,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                            args.deadline_s)
             c = counts[name]
             c["seconds"] += r["seconds"]
+            if r.get("guarded") is not None:  # a pipelined plan: the search's guard against
+                hangs = HANG in r["refused"]     # what apply refuses, side by side
+                guard[("named" if r["guarded"] else "clean", "refused" if hangs else "ran")] += 1
             if r["refused"]:
                 c["refused"] += 1
                 reason = r["refused"].split(";")[0][:120]
@@ -211,9 +232,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(failures)} failed; worst error {total['worst']:.2e} (bar {fuzzing.TOLERANCE:g})")
     for reason, n in sorted(refusals.items(), key=lambda kv: -kv[1])[:8]:
         print(f"refused {n:>5} x  {reason}")
+    hung = guard["named", "refused"] + guard["clean", "refused"]
+    ran = guard["named", "ran"] + guard["clean", "ran"]
+    print(f"pipelined plans apply refused for a collective-permute inside a stage: {hung}, "
+          f"the search's guard (PipelinedSimulation.stage_permutes) named "
+          f"{guard['named', 'refused']} of them; of the {ran} it did not refuse so, the guard "
+          f"named {guard['named', 'ran']}")
     if args.out:
         Path(args.out).write_text(json.dumps({"total": total, "subjects": counts,
-                                              "failures": failures, "refusals": refusals},
+                                              "failures": failures, "refusals": refusals,
+                                              "guard": {f"{a} {b}": n
+                                                        for (a, b), n in guard.items()}},
                                              indent=1))
     return 1 if failures else 0
 
