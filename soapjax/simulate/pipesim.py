@@ -438,15 +438,27 @@ class PipelinedSimulation:
         out = list(self._inner.permuting_reads(reads, manual))
         # a dim the layers slice, pad or concatenate, split: apply gathers it whole for the
         # forward (`soapjax.apply._pipelined._run_in_stage`), and XLA moves the backward's
-        # halos with collective-permutes (a rotary embedding's halves of a split head dim)
+        # halos with collective-permutes (a rotary embedding's halves of a split head dim);
+        # and where the value read arrives split along it (an operand apply leaves to XLA,
+        # as attention's: flash attention pads its blocks)
         mesh = self.mesh
+
+        def split(axes: Sequence[str]) -> bool:
+            return any(mesh.axis_size(a) > 1 and a not in manual for a in axes)
+
         shifts = graph.memo("stage_shifts", lambda: tuple(
             e for e in shifted_reads(graph, first) if e[0] in reads))
-        for j, _, dims, iters, picked in shifts:
+        index = graph.memo("operator_index",
+                           lambda: {op.name: j for j, op in enumerate(graph.operators)})
+        for j, v, dims, iters, picked in shifts:
+            if picked:
+                continue
             axes = self.choice(j)[0].axes
-            if not picked and any(iters[k] is not None and iters[k] < len(axes) and any(
-                    mesh.axis_size(a) > 1 and a not in manual for a in axes[iters[k]])
-                                  for k in dims):
+            held = next((self._inner.held_specs(index[x.source])[x.index]
+                         for x in graph.operators[j].inputs
+                         if x.value == v and x.kind == "activation" and x.source in index), ())
+            if any(iters[k] is not None and iters[k] < len(axes) and split(axes[iters[k]])
+                   or k < len(held) and split(held[k]) for k in dims):
                 out.append((graph.operators[j].name, -1))
         return tuple(dict.fromkeys(out))
 
