@@ -58,7 +58,6 @@ PIPELINED = {
     "pp2 gpipe dp4 M=2": (2, dict(tp=1, microbatch_size=1), "gpipe"),
     "pp2 1f1b dp4 M=1 do": (2, dict(tp=1, microbatch_size=2, distributed_optimizer=True),
                             "1f1b"),
-
     "pp2 interleaved v2 tp4 M=2": (4, dict(tp=4, sequence_parallel=True, microbatch_size=4,
                                            interleave=2), "interleaved"),
     "pp2 zb-h1 tp4 M=4": (2, dict(tp=4, sequence_parallel=True, microbatch_size=2), "zb-h1"),

@@ -647,15 +647,13 @@ def test_a_lean_stash_keeps_what_sequence_parallelism_splits_and_w_gathers_it_ag
                and n in {e.used for e in dys}) >= 2 * len(sim._ranges)
 
 
-
-
 def test_the_search_keeps_no_pipelined_plan_whose_stages_would_hang():
     """A layout change inside the layers that XLA makes by permuting tiles between a stage's
     devices (the attention's output, heads split over data and model under Megatron's
     layout, read with its tokens over data and the output over model: tests/
     test_apply_pipelined.py shows apply refusing such a plan) costs a chain infinity and is
-    never recorded; Megatron's own layout is, at its price. The data groups' axis (node,
-    which the stage runs apart) moves nothing inside a stage."""
+    never recorded; Megatron's own layout is, at its price. (The changed operator keeps
+    the batch split over node, the stages' data groups' axis.)"""
     g = gpt(4, 8)
     base = megatron_3d(g, A100, tp=8, pp=2, microbatch_size=2, recompute="none",
                        sequence_parallel=True)
