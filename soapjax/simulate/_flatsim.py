@@ -358,9 +358,13 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
         def auto(spec: Any) -> tuple:
             return tuple(tuple(a for a in entry if a not in manual) for entry in spec)
 
-        wanted = set(indices)
-        stored = {(j, o): leaf for leaf, readers in enumerate(layout.readers)
-                  for j, o in readers if j in wanted}
+        wanted = frozenset(indices)
+        key = ("leaf reads", wanted)  # the graph's structure: the same for every strategy
+        stored = self._memo.get(key)
+        if stored is None:
+            stored = self._memo[key] = {(j, o): leaf for leaf, readers
+                                        in enumerate(layout.readers)
+                                        for j, o in readers if j in wanted}
         out = []
         for j in sorted(wanted):
             for o, x in enumerate(ops[j].inputs):

@@ -127,7 +127,7 @@ from soapjax.strategy.pipeline import (
     stage_routes,
     time_schedule,
 )
-from soapjax.strategy.space import Config, MeshShape, Strategy, batch_specs
+from soapjax.strategy.space import Config, MeshShape, Strategy
 from soapjax.topology.cluster import Topology, stage_topology
 
 __all__ = ["LAYER_LAYOUTS", "PipelineResult", "PipelinedSimulation", "as_step_result",
@@ -433,8 +433,9 @@ class PipelinedSimulation:
         # the batch's axes are the stages' data groups, manual inside a stage, but where the
         # samples interact other than by sums (`soapjax.apply._pipelined._data_groups`)
         manual = () if graph.sample_coupling and graph.sample_sums is None else tuple(
-            {a: None for spec in batch_specs(graph, self.strategy).values()
-             for a in (spec[0] if spec else ())})
+            {a: None for j, o in graph.memo("batch_readers", lambda: _batch_readers(graph))
+             for a in (self.choice(j)[0].operand_axes(graph.operators[j].inputs[o].dims)
+                       or ((),))[0]})
         out = list(self._inner.permuting_reads(reads, manual))
         # a dim the layers slice, pad or concatenate, split: apply gathers it whole for the
         # forward (`soapjax.apply._pipelined._run_in_stage`), and XLA moves the backward's
@@ -777,6 +778,17 @@ class PipelinedSimulation:
         else:
             io = self._inner.stash_io_by_operator(wanted)
         return stash_bytes(self.graph, self._ranges, operands, io, self._outside)
+
+
+def _batch_readers(graph: OpGraph) -> tuple[tuple[int, int], ...]:
+    """Each batch leaf's first reader, ``(operator, operand)``: what its layout follows
+    (`soapjax.strategy.space.batch_specs`)."""
+    first: dict[str, tuple[int, int]] = {}
+    for j, op in enumerate(graph.operators):
+        for o, x in enumerate(op.inputs):
+            if x.kind == "batch":
+                first.setdefault(x.source, (j, o))
+    return tuple(first.values())
 
 
 def _stage_reads(graph: OpGraph, first: int, last: int) -> frozenset[int]:
