@@ -126,6 +126,11 @@ class OpGraph:
             out = self._memo[key] = compute()
         return out
 
+    def operator_index(self) -> dict[str, int]:
+        """Each operator's index in `operators`, by its name (worked out once: `memo`)."""
+        return self.memo("operator_index",
+                         lambda: {op.name: j for j, op in enumerate(self.operators)})
+
     def at_batch_size(self, size: int) -> OpGraph:
         """The same function traced again with `size` samples per batch (microbatches: the
         jaxpr has the batch size in its shapes). Operator names are the same.

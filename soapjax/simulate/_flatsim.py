@@ -311,7 +311,7 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
         recomputed: apply's checkpoint of such a layer gathers the operand again in the
         backward for the weight's gradient alone, which W now does, where a fully recomputed
         chunk gathers it for its forward anyway); else as used. Non-activations: zeros."""
-        ops, index = self.graph.operators, self._index_of_name()
+        ops, index = self.graph.operators, self.graph.operator_index()
         out = {}
         for j in indices:
             op, v = ops[j], self._views[j]
@@ -353,7 +353,7 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
         with one (`soapjax.search._chain`). The `manual` axes (a pipeline's data groups, which
         the stage's program runs apart) are left out of both layouts: XLA does not
         partition over them there."""
-        layout, ops, index = self._layout, self.graph.operators, self._index_of_name()
+        layout, ops, index = self._layout, self.graph.operators, self.graph.operator_index()
 
         def auto(spec: Any) -> tuple:
             return tuple(tuple(a for a in entry if a not in manual) for entry in spec)
@@ -377,10 +377,6 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
                 if not permute_free(auto(src), auto(self._dst(j, o)), self.mesh):
                     out.append((ops[j].name, o))
         return tuple(out)
-
-    def _index_of_name(self) -> dict[str, int]:
-        return self.graph.memo("operator_index",
-                               lambda: {op.name: j for j, op in enumerate(self.graph.operators)})
 
     @_settled
     def activation_bytes_by_operator(self) -> list[int]:

@@ -449,8 +449,7 @@ class PipelinedSimulation:
 
         shifts = graph.memo("stage_shifts", lambda: tuple(
             e for e in shifted_reads(graph, first) if e[0] in reads))
-        index = graph.memo("operator_index",
-                           lambda: {op.name: j for j, op in enumerate(graph.operators)})
+        index = graph.operator_index()
         for j, v, dims, iters, picked in shifts:
             if picked:
                 continue
