@@ -667,11 +667,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         with open(args.trace, "w") as f:
             json.dump(r.to_chrome_trace(), f)
     pictures = _save_plot(args.plot, g, strategy, topo, r) if args.plot else []
+    warnings = [x for x in (untied, _stage_permute_warning(r)) if x]
     if args.json:
-        _print_json(r.to_json() | {"warnings": [untied] if untied else []})
+        _print_json(r.to_json() | {"warnings": warnings})
         return 0
-    if untied:
-        notes.append(untied)
+    notes += warnings
     m = r.memory
     links = ", ".join(f"{k} {format_bytes(v)}" for k, v in r.bytes_by_link_class.items()) or "none"
     config = f" ({w.config})" if w.config else ""
@@ -867,6 +867,23 @@ def _pipeline_notes(strategy, result) -> list[str]:
             f"{strategy.schedule}, {strategy.microbatches} microbatches; bubble "
             f"{p.bubble_fraction:.1%}; memory per device by stage: {mem}; configs are over "
             "one stage's devices"]
+
+
+def _stage_permute_warning(result) -> str | None:
+    """A pipelined plan apply would refuse (its stages would hang), from the simulator's
+    `PipelineResult.stage_permutes`; None for any other."""
+    p = result.pipeline
+    reads = p.stage_permutes if p is not None else ()
+    if not reads:
+        return None
+    named = ", ".join(f"{op} (operand {o})" if o >= 0 else f"{op} (a split dim it slices or pads)"
+                      for op, o in reads[:6]) + (f" and {len(reads) - 6} more"
+                                                  if len(reads) > 6 else "")
+    return ("warning: apply will refuse this plan: inside a pipeline stage XLA may make these "
+            f"reads' layout changes with a collective-permute, which would hang the step: "
+            f"{named}. Read those values in the layout their producer writes (or keep the dim "
+            "whole), or let `soapjax plan` search: it keeps no such plan (docs/checks.md, "
+            "\"Collective-permutes inside a stage\")")
 
 
 def _plan_header(args: argparse.Namespace, w, g, topo, info: dict, cost_source: str,

@@ -620,3 +620,45 @@ def test_simulate_warns_of_a_plan_whose_scan_layers_read_other_layouts(tmp_path,
     code, out, _ = run(["simulate", "--strategy", str(path), "--costs", "analytic", "--json"],
                        capsys)
     assert code == 0 and json.loads(out)["warnings"][0].startswith("warning: layer 1 of")
+
+
+def test_simulate_warns_of_a_pipelined_plan_whose_stages_would_hang(tmp_path, capsys):
+    """A plan file edited by hand so that, inside the tiny GPT's pipeline stages, the
+    attention's output projection reads its tokens over ``data`` and writes over ``model``
+    where Megatron's layout splits the heads it reads over both: XLA makes that layout change
+    with a collective-permute, which apply refuses inside a stage (its step would hang:
+    tests/test_apply_pipelined.py). `simulate` names both layers' reads, in its report and its
+    JSON; Megatron's own layout gets no such warning."""
+    import dataclasses
+    import pathlib
+
+    import soapjax_zoo
+    from soapjax.graph.opgraph import trace
+    from soapjax.strategy.baselines import megatron_3d
+    from soapjax.strategy.plan import Plan
+    from soapjax.strategy.space import Config
+    from soapjax.topology.cluster import load_topology
+
+    mesh = pathlib.Path(__file__).parent / "meshes" / "cpu8-nodes.toml"
+    w, topo = soapjax_zoo.get("gpt", "tiny"), load_topology(str(mesh))
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    base = megatron_3d(g, topo, tp=4, pp=2, microbatch_size=2, recompute="none",
+                       sequence_parallel=True)
+    moved = dataclasses.replace(base, configs=tuple(
+        Config(((), ("data",), ("model",), (), ())) if op.name.endswith("attn/out") else c
+        for op, c in zip(g.operators, base.configs)))
+    for name, strategy in (("megatron", base), ("moved", moved)):
+        Plan.make(g, topo, strategy, model_config="tiny").save(str(tmp_path / f"{name}.json"))
+    args = ["--costs", "analytic", "--mesh", str(mesh)]
+    code, out, _ = run(["simulate", "--strategy", str(tmp_path / "megatron.json"), *args], capsys)
+    assert code == 0 and "pipeline: 2 stages" in out and "apply will refuse" not in out
+    code, out, _ = run(["simulate", "--strategy", str(tmp_path / "moved.json"), *args], capsys)
+    assert code == 0
+    assert ("warning: apply will refuse this plan" in out
+            and "layers_0/attn/out (operand 0)" in out and "layers_1/attn/out (operand 0)" in out)
+    code, out, _ = run(["simulate", "--strategy", str(tmp_path / "moved.json"), *args, "--json"],
+                       capsys)
+    result = json.loads(out)
+    assert code == 0 and result["warnings"][0].startswith("warning: apply will refuse")
+    assert result["pipeline"]["stage_permutes"] == [["layers_0/attn/out", 0],
+                                                     ["layers_1/attn/out", 0]]

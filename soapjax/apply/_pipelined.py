@@ -550,8 +550,11 @@ def check_compiled(hlo_text: str) -> None:
                 f"collective-permute inside the stage's own action ({where.split('/')[-1]!r} "
                 f"at {where}), which only that stage's devices run: the step would hang. The "
                 "plan splits a dim there that the layers slice or shift (a rotary "
-                "embedding's head dim, a sequence a convolution pads); plan this model's "
-                "stages with those dims whole, or without stages")
+                "embedding's head dim, a sequence a convolution pads), or reads a value in a "
+                "layout XLA reaches only by moving tiles between devices; `soapjax simulate` "
+                "names the operators. Plan this model's stages with those reads in their "
+                "producers' layouts and those dims whole, or let `soapjax plan` search (it "
+                "keeps no such plan), or plan without stages")
 
 
 _PIPELINE_BRANCH = re.compile(r"shard_map/while/body/closed_call/cond/branch_(\d+)_fun/")

@@ -229,6 +229,11 @@ class PipelineResult:
       stage_sums_s: the two all-reduces over the stage axis after the pipeline: the
         gradients of the parameters the prologue alone reads (after its backward), and of
         those the epilogue reads (after the stages' tails).
+      stage_permutes: ``(operator, operand)`` of each read inside the stages that XLA may
+        make with a collective-permute, ``(operator, -1)`` for a split dim the operator
+        slices or pads (`PipelinedSimulation.stage_permutes`): apply refuses such a plan,
+        whose step would hang; empty for a plan apply runs, and unless asked for
+        (`soapjax.simulate.front.simulate` asks).
     """
 
     step_time_s: float
@@ -243,6 +248,7 @@ class PipelineResult:
     collectives: tuple[tuple[str, int, int], ...] = ()
     stage_sums_s: tuple[float, float] = (0.0, 0.0)
     sent_bytes: float = 0.0
+    stage_permutes: tuple[tuple[str, int], ...] = ()
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -269,7 +275,8 @@ class PipelineResult:
                          "chunk_forward_s": list(self.chunk_times.forward_s),
                          "chunk_backward_s": list(self.chunk_times.backward_s),
                          "chunk_weight_s": list(self.chunk_times.weight_s),
-                         "send_s": list(self.chunk_times.send_s)},
+                         "send_s": list(self.chunk_times.send_s),
+                         "stage_permutes": [list(r) for r in self.stage_permutes]},
         }
 
 

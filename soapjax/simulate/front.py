@@ -159,7 +159,8 @@ def simulate(graph: OpGraph, topology: Topology, strategy: Strategy, *,
         if isinstance(sim, PipelinedSimulation):
             collectives, sent = sim.step_collectives()
             pipelined = dataclasses.replace(sim.result(), collectives=collectives,
-                                            sent_bytes=sent)
+                                            sent_bytes=sent,
+                                            stage_permutes=sim.stage_permutes())
             return as_step_result(pipelined, sim.stage_result(), topology.num_devices)
         return sim.result()
 
