@@ -59,9 +59,17 @@ BEFORE_REV = "7929f7d"
 
 
 def before_topology(rev: str):
-    # the file's path in revisions before the topologies moved into the package
-    text = subprocess.run(["git", "show", f"{rev}:meshes/cpu8.toml"], cwd=ROOT, check=True,
-                          capture_output=True, text=True).stdout
+    """`cpu8` as revision `rev` shipped it: in the package (02dfcae on) or, before, meshes/."""
+    for where in ("soapjax/topology/meshes/cpu8.toml", "meshes/cpu8.toml"):
+        shown = subprocess.run(["git", "show", f"{rev}:{where}"], cwd=ROOT,
+                               capture_output=True, text=True)
+        if shown.returncode == 0:
+            break
+    else:
+        raise SystemExit(f"--before {rev}: no cpu8.toml in that revision (looked for "
+                         f"soapjax/topology/meshes/cpu8.toml and meshes/cpu8.toml): "
+                         f"{shown.stderr.strip()}")
+    text = shown.stdout
     path = Path(tempfile.mkdtemp(prefix="soapjax-before-")) / "cpu8.toml"
     path.write_text(text)
     return load_topology(path)
