@@ -21,6 +21,7 @@ from soapjax.strategy.pipeline import (
     chunks_of,
     device_orders,
     pipeline_error,
+    stage_holds,
     time_schedule,
 )
 
@@ -455,3 +456,16 @@ def test_the_dependency_order_is_the_plain_sweeps_order(schedule, S, M, v):
     got = _schedule_time._dependency_order(orders, M, S * v)
     assert got == (want if want is not None else _schedule_time._greedy_order(orders, M, S * v))
     assert sorted(got) == sorted((s, k) for s, o in enumerate(orders) for k in range(len(o)))
+
+
+def test_what_a_stage_holds_comes_from_the_orders_alone():
+    # `stage_holds` (no compiled dependency order) says what the timed pipeline says, for
+    # every schedule and shape of ORDER_CASES
+    for schedule, S, M, v in ORDER_CASES:
+        timeline = time_schedule(schedule, S, M, v, ChunkTimes.uniform(S * v, 1.0, 2.0))
+        holds = stage_holds(schedule, S, M, v)
+        assert holds == (timeline.in_flight, timeline.held_pairs), (schedule, S, M, v)
+        assert [holds.held(s, 0.5) for s in range(S)] == [timeline.held(s, 0.5)
+                                                          for s in range(S)]
+    with pytest.raises(PlanError):
+        stage_holds("interleaved", 4, 8, 1)

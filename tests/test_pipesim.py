@@ -531,8 +531,41 @@ def test_the_search_picks_the_schedule_that_fits_and_is_fastest():
                                 Resharder(MeshShape.of(stage_topology(small, 4)), mode="ideal"),
                                 start)
     assert tight.fits_in_memory() and not tight.schedule_result("zb-h1").fits_in_memory
+    assert not tight.schedule_fits("zb-h1") and tight.schedule_fits("1f1b")
+    timed = []  # what the choice times: not a schedule that does not fit
+    tight.schedule_result = lambda other, f=tight.schedule_result: timed.append(other) or f(other)
     kept = choose_schedule(tight, (tight.step_time(), start, "start"))
     assert kept[1].schedule == "1f1b" and kept[0] == tight.step_time()
+    assert "zb-h1" not in timed and "zb-h1-gathered" not in timed
+
+
+def test_a_schedule_fits_as_its_timed_result_says():
+    """`PipelinedSimulation.schedule_fits` (what `choose_schedule` asks before it times a
+    schedule) against `schedule_result(...).fits_in_memory`, for every schedule each pipeline
+    takes, plain and interleaved, selective and full recomputation, on devices from
+    roomy to tight; the simulation left as it was."""
+    from soapjax.strategy.pipeline import SCHEDULES
+
+    graph = gpt(8)
+    agreed = {True: 0, False: 0}
+    for v, recompute in ((1, "selective"), (1, "full"), (2, "none"), (2, "full")):
+        start = megatron_3d(graph, A100, tp=4, pp=4, microbatch_size=1, recompute=recompute,
+                            interleave=v)
+        peaks = {o: pipelined(start.with_pipeline(4, v, o), graph).result().peak_memory_bytes
+                 for o, rules in SCHEDULES.items() if rules.virtual == (v > 1)}
+        for cap in sorted(peaks.values()):
+            device = dataclasses.replace(A100.device, memory_bytes=cap)
+            topo = dataclasses.replace(A100, device=device)
+            sim = PipelinedSimulation(graph, topo, cost_model(graph, topo, mode="analytic"),
+                                      Resharder(MeshShape.of(stage_topology(topo, 4)),
+                                                mode="ideal"), start)
+            before = sim.step_time()
+            for other in peaks:
+                fits = sim.schedule_fits(other)
+                assert fits == sim.schedule_result(other).fits_in_memory, (v, recompute, other)
+                agreed[fits] += 1
+            assert sim.step_time() == before and sim.strategy == start
+    assert agreed[True] and agreed[False]
 
 
 def test_the_search_prices_its_fastest_folded_plans_again_whole(monkeypatch):

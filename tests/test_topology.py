@@ -111,6 +111,18 @@ def test_groups_of_an_axis_follow_the_mesh():
     assert t.groups(()) == tuple((d,) for d in range(16))
 
 
+def test_intra_node_axes_are_the_axes_whose_groups_stay_in_a_node():
+    """p100x16 (node=4 x gpu=4): the gpu groups are nodes; dgx-a100x3072-64 (node=8 x data=2
+    x model=4): both in-node axes; cpu8-nodes (node=2 x data=2 x model=2, nodes of 4): data
+    and model. The answer is kept on the topology (one object each time)."""
+    p100 = load_topology("p100x16")
+    assert p100.intra_node_axes() == ("gpu",)
+    assert p100.intra_node_axes() is p100.intra_node_axes()
+    assert load_topology("dgx-a100x3072-64").intra_node_axes() == ("data", "model")
+    nodes = load_topology(str(Path(__file__).parent / "meshes" / "cpu8-nodes.toml"))
+    assert nodes.intra_node_axes() == ("data", "model")  # node=2 x data=2 x model=2
+
+
 # --- collective costs: closed forms ------------------------------------------------------------
 
 

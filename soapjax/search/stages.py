@@ -91,7 +91,9 @@ def choose_schedule(sim: PipelinedSimulation, best: tuple[float, Strategy, str]
     for other, rules in SCHEDULES.items():
         if other == schedule or rules.virtual != (v > 1):
             continue
-        try:
+        try:  # one that does not fit is not timed (`schedule_fits`: no compiled order)
+            if not sim.schedule_fits(other):
+                continue
             r = sim.schedule_result(other)
         except PlanError:  # not at these microbatches
             continue

@@ -122,8 +122,10 @@ from soapjax.strategy.pipeline import (
     SCHEDULES,
     ChunkTimes,
     PipelineTimeline,
+    StageHolds,
     check_pipeline,
     check_stage_layers,
+    stage_holds,
     stage_routes,
     time_schedule,
 )
@@ -266,6 +268,28 @@ class PipelinedSimulation:
         try:
             self._cut((stages, virtual, schedule, sizes))
             return self._compute()
+        finally:
+            self._cut(pipeline)
+            self._result = result
+
+    def schedule_fits(self, schedule: str) -> bool:
+        """Whether the current configs fit in memory under another `schedule`, as
+        `schedule_result` would say, without timing it: what each stage holds comes from the
+        schedule's orders (`stage_holds`), not its compiled dependency order (seconds at
+        hundreds of thousands of actions). The simulation is left as it was.
+
+        Raises:
+          PlanError: the schedule does not take this pipeline (`check_pipeline`).
+        """
+        stages, virtual, _, sizes = self._pipeline
+        holds = stage_holds(schedule, stages, self.microbatches, virtual)
+        pipeline, result = self._pipeline, self._result
+        try:
+            self._cut((stages, virtual, schedule, sizes))
+            stash = self._stash() if SCHEDULES[schedule].splits_backward else None
+            memory = self._stage_memory(holds, self._layout_moves(),
+                                        None if stash is None else stash[0])
+            return max(m.total for m in memory) <= self.topology.device.memory_bytes
         finally:
             self._cut(pipeline)
             self._result = result
@@ -729,10 +753,11 @@ class PipelinedSimulation:
             out.append(row)
         return out
 
-    def _stage_memory(self, timeline: PipelineTimeline, moves: _LayoutMoves,
+    def _stage_memory(self, timeline: PipelineTimeline | StageHolds, moves: _LayoutMoves,
                       stash: Sequence[int] | None = None) -> tuple[MemoryBreakdown, ...]:
-        """Per stage, its peak memory per device; `stash`: per chunk, the stash's bytes
-        under a split backward (`_stash`), where already made."""
+        """Per stage, its peak memory per device, holding what `timeline` says it holds;
+        `stash`: per chunk, the stash's bytes under a split backward (`_stash`), where
+        already made."""
         m = self._inner.memory_breakdown()
         S, v = self._pipeline[:2]
         act = self._inner.activation_bytes_by_operator()

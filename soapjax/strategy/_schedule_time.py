@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["Compiled", "compile_orders", "recorded", "stage_ends"]
+__all__ = ["Compiled", "compile_orders", "holds", "recorded", "stage_ends"]
 
 
 class Compiled(NamedTuple):
@@ -241,10 +241,19 @@ def compile_orders(S: int, M: int, v: int, orders: Sequence[Sequence]) -> Compil
     steps = [_step(S, M, C, s, offset[s] + p, orders[s][p])
              for s, p in _dependency_order(orders, M, C)]
     columns = tuple(array.array("i", column) for column in zip(*steps))
+    in_flight, split, held = holds(orders)
+    return Compiled(columns, in_flight, _periodic(columns, S, M, v) if S > 1 else None, split,
+                    held)
+
+
+def holds(orders: Sequence[Sequence]) -> tuple[tuple[int, ...], bool,
+                                               tuple[tuple[tuple[int, int], ...], ...]]:
+    """What the stages' `orders` hold, as `Compiled` has it: per stage its peak in flight
+    (`_peak_in_flight`), whether the orders split the backward (W actions), and then per
+    stage its `_held_pairs` (else ``()``). From the orders alone: no dependency order."""
     split = any(a.kind == "W" for order in orders for a in order)
-    return Compiled(columns, tuple(_peak_in_flight(order, split) for order in orders),
-                    _periodic(columns, S, M, v) if S > 1 else None, split,
-                    tuple(map(_held_pairs, orders)) if split else ())
+    return (tuple(_peak_in_flight(order, split) for order in orders), split,
+            tuple(map(_held_pairs, orders)) if split else ())
 
 
 def _step(S: int, M: int, C: int, s: int, task: int, a) -> tuple[int, ...]:

@@ -76,13 +76,9 @@ def batch_split_note(graph: OpGraph, mesh: MeshShape) -> str | None:
 
 
 def intra_node_axes(topology) -> tuple[str, ...]:
-    """Mesh axes whose device groups stay inside one node (they see NVLink, not the network)."""
-    out = []
-    for axis in topology.axis_names:
-        groups = topology.groups((axis,))
-        if all(len({topology.node_of(d) for d in g}) == 1 for g in groups):
-            out.append(axis)
-    return tuple(out)
+    """Mesh axes whose device groups stay inside one node (they see NVLink, not the network):
+    `Topology.intra_node_axes`, kept on the topology (Megatron's grid asks for every point)."""
+    return topology.intra_node_axes()
 
 
 def _assign(op: Operator, axes_of: list[list[str]], d: int | None, axes: Sequence[str],

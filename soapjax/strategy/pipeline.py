@@ -81,12 +81,18 @@ from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 from soapjax.base.errors import PlanError
-from soapjax.strategy._schedule_time import Compiled, compile_orders, recorded, stage_ends
+from soapjax.strategy._schedule_time import (
+    Compiled,
+    compile_orders,
+    holds,
+    recorded,
+    stage_ends,
+)
 
 __all__ = ["Action", "ChunkTimes", "DEFAULT_SCHEDULE", "PipelineTimeline", "SCHEDULES", "Schedule",
-           "ScheduleName", "StageRoute", "TimedAction", "TimedSend", "check_pipeline",
-           "check_stage_layers", "chunks_of", "device_orders", "pipeline_error", "stage_routes",
-           "forget_timelines", "time_schedule"]
+           "ScheduleName", "StageHolds", "StageRoute", "TimedAction", "TimedSend",
+           "check_pipeline", "check_stage_layers", "chunks_of", "device_orders",
+           "pipeline_error", "stage_holds", "stage_routes", "forget_timelines", "time_schedule"]
 
 
 class Action(NamedTuple):
@@ -509,13 +515,8 @@ class PipelineTimeline:
     held_pairs: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     def held(self, stage: int, stash: float) -> float:
-        """What `stage` holds at its peak, in microbatches' activations, where a microbatch
-        whose B has run and W has not holds `stash` of one (its weight matmuls' operands and
-        cotangents, `soapjax.apply._deferred`; more than one where the forward keeps less,
-        recomputing): `in_flight` for a schedule that does not split the backward."""
-        if not self.held_pairs:
-            return float(self.in_flight[stage])
-        return max(fb + stash * bw for fb, bw in self.held_pairs[stage])
+        """`StageHolds.held` of this timeline's schedule."""
+        return StageHolds(self.in_flight, self.held_pairs).held(stage, stash)
 
     # Built on first use: the search reads the summaries above, and records for the 10^5
     # actions of a large pipeline cost ten times the timing itself (the actions' times are
@@ -569,6 +570,42 @@ class PipelineTimeline:
             elif kind == "B" and c > 0:
                 out.append(TimedSend(s, (s - 1) % S, m, c - 1, "B", ts, te))
         return tuple(out)
+
+
+class StageHolds(NamedTuple):
+    """What each stage of a pipeline holds at its peak, as `PipelineTimeline` has it
+    (`in_flight`, `held_pairs`), from the schedule's orders alone (`stage_holds`)."""
+
+    in_flight: tuple[int, ...]
+    held_pairs: tuple[tuple[tuple[int, int], ...], ...] = ()
+
+    def held(self, stage: int, stash: float) -> float:
+        """What `stage` holds at its peak, in microbatches' activations, where a microbatch
+        whose B has run and W has not holds `stash` of one (its weight matmuls' operands and
+        cotangents, `soapjax.apply._deferred`; more than one where the forward keeps less,
+        recomputing): `in_flight` for a schedule that does not split the backward."""
+        if not self.held_pairs:
+            return float(self.in_flight[stage])
+        return max(fb + stash * bw for fb, bw in self.held_pairs[stage])
+
+
+@functools.lru_cache(maxsize=96)
+def stage_holds(schedule: str, stages: int, microbatches: int, virtual: int) -> StageHolds:
+    """What each stage holds at its peak under `schedule` (`StageHolds`): the same as the
+    timed pipeline's (`time_schedule`), without its dependency order, which takes seconds to
+    compile at hundreds of thousands of actions; what a search reads to rule out a schedule
+    that does not fit before it times it (`soapjax.search.stages.choose_schedule`).
+
+    >>> stage_holds("1f1b", 4, 8, 1).in_flight, stage_holds("gpipe", 4, 8, 1).in_flight
+    ((4, 3, 2, 1), (8, 8, 8, 8))
+
+    Raises:
+      PlanError: the numbers do not make a pipeline (`check_pipeline`).
+    """
+    check_pipeline(schedule, stages, microbatches, virtual)
+    in_flight, _, held = holds(device_orders(_SAME_ORDER[schedule], stages, microbatches,
+                                             virtual))
+    return StageHolds(in_flight, held)
 
 
 def time_schedule(schedule: str, stages: int, microbatches: int, virtual: int,

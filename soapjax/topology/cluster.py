@@ -206,6 +206,13 @@ class Topology:
         """The node that holds a device id."""
         return device // self.devices_per_node
 
+    def intra_node_axes(self) -> tuple[str, ...]:
+        """The mesh axes whose device groups stay inside one node (they see the node's links,
+        NVLink, not the network), in mesh order; worked out once per topology."""
+        return self._cached(("intra_node_axes",), lambda: tuple(
+            a for a in self.axis_names
+            if all(len({self.node_of(d) for d in g}) == 1 for g in self.groups((a,)))))
+
     def groups(self, axes: Sequence[str]) -> tuple[tuple[int, ...], ...]:
         """The device groups a collective over ``axes`` runs on, each in ring order.
 
