@@ -85,8 +85,9 @@ It keeps no task records (`stage_result`, `step_collectives` need the stage whol
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 from soapjax.base.collectives import bytes_sent
@@ -129,7 +130,7 @@ from soapjax.strategy.pipeline import (
     stage_routes,
     time_schedule,
 )
-from soapjax.strategy.space import Config, MeshShape, Strategy
+from soapjax.strategy.space import Config, MeshShape, Strategy, batch_readers
 from soapjax.topology.cluster import Topology, stage_topology
 
 __all__ = ["LAYER_LAYOUTS", "PipelineResult", "PipelinedSimulation", "as_step_result",
@@ -245,13 +246,8 @@ class PipelinedSimulation:
         balancing of the stages walks over: `soapjax.search.find`)."""
         stages, virtual, schedule, _ = self._pipeline
         check_stage_layers(tuple(stage_layers), stages, virtual)
-        pipeline, result = self._pipeline, self._result
-        try:
-            self._cut((stages, virtual, schedule, tuple(stage_layers)))
+        with self._cut_as((stages, virtual, schedule, tuple(stage_layers))):
             return self._compute()
-        finally:
-            self._cut(pipeline)  # all of it derived from the pipeline's numbers (memoised)
-            self._result = result
 
     def schedule_result(self, schedule: str) -> PipelineResult:
         """The step of the current configs under another `schedule` of the same stages,
@@ -264,13 +260,8 @@ class PipelinedSimulation:
         """
         stages, virtual, _, sizes = self._pipeline
         check_pipeline(schedule, stages, self.microbatches, virtual)
-        pipeline, result = self._pipeline, self._result
-        try:
-            self._cut((stages, virtual, schedule, sizes))
+        with self._cut_as((stages, virtual, schedule, sizes)):
             return self._compute()
-        finally:
-            self._cut(pipeline)
-            self._result = result
 
     def schedule_fits(self, schedule: str) -> bool:
         """Whether the current configs fit in memory under another `schedule`, as
@@ -283,15 +274,23 @@ class PipelinedSimulation:
         """
         stages, virtual, _, sizes = self._pipeline
         holds = stage_holds(schedule, stages, self.microbatches, virtual)
-        pipeline, result = self._pipeline, self._result
-        try:
-            self._cut((stages, virtual, schedule, sizes))
+        with self._cut_as((stages, virtual, schedule, sizes)):
             stash = self._stash() if SCHEDULES[schedule].splits_backward else None
             memory = self._stage_memory(holds, self._layout_moves(),
                                         None if stash is None else stash[0])
             return max(m.total for m in memory) <= self.topology.device.memory_bytes
-        finally:
+
+    @contextlib.contextmanager
+    def _cut_as(self, pipeline: tuple[int, int, str, tuple[int, ...]]) -> Iterator[None]:
+        """Inside the block, the simulation cut as `pipeline` (stages, virtual stages,
+        schedule, stage layers); after it, as it was, its result too (all a cut sets is
+        derived from the pipeline's numbers, memoised)."""
+        saved, result = self._pipeline, self._result
+        try:
             self._cut(pipeline)
+            yield
+        finally:
+            self._cut(saved)
             self._result = result
 
     def set_schedule(self, schedule: str) -> float:
@@ -457,7 +456,7 @@ class PipelinedSimulation:
         # the batch's axes are the stages' data groups, manual inside a stage, but where the
         # samples interact other than by sums (`soapjax.apply._pipelined._data_groups`)
         manual = () if graph.sample_coupling and graph.sample_sums is None else tuple(
-            {a: None for j, o in graph.memo("batch_readers", lambda: _batch_readers(graph))
+            {a: None for j, o in batch_readers(graph).values()
              for a in (self.choice(j)[0].operand_axes(graph.operators[j].inputs[o].dims)
                        or ((),))[0]})
         out = list(self._inner.permuting_reads(reads, manual))
@@ -802,17 +801,6 @@ class PipelinedSimulation:
         else:
             io = self._inner.stash_io_by_operator(wanted)
         return stash_bytes(self.graph, self._ranges, operands, io, self._outside)
-
-
-def _batch_readers(graph: OpGraph) -> tuple[tuple[int, int], ...]:
-    """Each batch leaf's first reader, ``(operator, operand)``: what its layout follows
-    (`soapjax.strategy.space.batch_specs`)."""
-    first: dict[str, tuple[int, int]] = {}
-    for j, op in enumerate(graph.operators):
-        for o, x in enumerate(op.inputs):
-            if x.kind == "batch":
-                first.setdefault(x.source, (j, o))
-    return tuple(first.values())
 
 
 def _stage_reads(graph: OpGraph, first: int, last: int) -> frozenset[int]:

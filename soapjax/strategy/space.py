@@ -54,7 +54,8 @@ from soapjax.strategy.pipeline import (
 from soapjax.topology.cluster import Topology
 
 __all__ = ["Config", "MeshLike", "MeshShape", "RECOMPUTE_POLICIES", "RecomputePolicy",
-           "SpaceLimits", "Spec", "Strategy", "batch_specs", "configs", "data_parallel",
+           "SpaceLimits", "Spec", "Strategy", "batch_readers", "batch_specs", "configs",
+           "data_parallel",
            "dividing_axes", "fit_spec", "param_specs", "reduces_into", "sample_dim",
            "spatial_convolution", "storage_spec", "strategy_from_names", "tie_blocks",
            "to_partition_spec", "validate_config", "within_limits"]
@@ -683,13 +684,26 @@ def storage_spec(operand_axes: Spec, shape: Sequence[int], zero_axes: Sequence[s
     return _with_zero(fit_spec(operand_axes, shape, mesh), shape, zero_axes, mesh)
 
 
+def batch_readers(graph: OpGraph) -> dict[str, tuple[int, int]]:
+    """Each read batch leaf's first reader, ``(operator, operand)`` by the leaf's path, in
+    the order they are first read: what the leaf's layout follows (`batch_specs`). Worked out
+    once per graph (`OpGraph.memo`); not to be changed."""
+    def first() -> dict[str, tuple[int, int]]:
+        out: dict[str, tuple[int, int]] = {}
+        for j, op in enumerate(graph.operators):
+            for o, x in enumerate(op.inputs):
+                if x.kind == "batch":
+                    out.setdefault(x.source, (j, o))
+        return out
+    return graph.memo("batch_readers", first)
+
+
 def batch_specs(graph: OpGraph, strategy: Strategy) -> dict[str, Spec]:
     """How each batch leaf is fed: as its first consumer needs it (replicated if unread)."""
-    out: dict[str, Spec] = {}
-    for op, config in zip(graph.operators, strategy.configs):
-        for operand in op.inputs:
-            if operand.kind == "batch" and operand.source not in out:
-                out[operand.source] = config.operand_axes(operand.dims)
+    ops = graph.operators
+    out: dict[str, Spec] = {
+        leaf: strategy.configs[j].operand_axes(ops[j].inputs[o].dims)
+        for leaf, (j, o) in batch_readers(graph).items()}
     for leaf in graph.batch:
         out.setdefault(leaf.path, ((),) * len(leaf.shape))
     return out
