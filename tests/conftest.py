@@ -18,7 +18,13 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+    _flags += " --xla_force_host_platform_device_count=8"
+# The suite's time is mostly XLA compiling small steps, and LLVM optimising their code is
+# much of that, for steps run once or twice; the HLO passes (SPMD partitioning, fusion, the
+# collectives the tests read) run as ever. Timings measured here are the unoptimised code's.
+if "xla_backend_optimization_level" not in _flags:
+    _flags += " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = _flags.strip()
 
 # jax only now, once its flags are set.
 import jax
