@@ -334,31 +334,25 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
     if pipelined:
         pipes = _Pipelines(graph, topology, cost_model or sim.cost_model, settings,
                            opt_state_factor, progress, searcher)
-    try:
-        if pipes is not None:
-            now = time.perf_counter()
-            for result in pipes.grids(None if end is None else
-                                      now + max(end - now, 0.0) * PIPELINE_GRIDS_SHARE):
-                if result is not None:
-                    searcher.offer(result)
-        # the chains: one from each start, then one from each of the best pipelines, each with
-        # its share of the time (`soapjax.search._parallel`: side by side, one process per core)
-        flat_share = 1.0 if pipes is None else _flat_chains_share(flat_best, pipes.best_time())
-        tasks = [(_flat_chain(searcher, name, start), flat_share / len(starts))
-                 for name, start in starts.items()]
-        if pipes is not None:
-            piped = pipes.chain_tasks()
-            tasks += [(task, (1.0 - flat_share) / len(piped)) for task in piped]
-        run_chains(tasks, settings.seed, lanes(settings.processes, len(tasks), forkable), end,
-                   lambda _, outcome: searcher.absorb(outcome), progress)
-        if pipes is not None:  # the pipelined plans' folded prices checked on whole stages
-            if progress is not None:
-                progress("search: pricing the fastest pipelined plans again on whole stages")
-            _settle_folded(searcher, graph, topology, cost_model or sim.cost_model,
-                           opt_state_factor)
-    finally:
-        if pipes is not None:
-            pipes.close()
+        now = time.perf_counter()
+        for result in pipes.grids(None if end is None else
+                                  now + max(end - now, 0.0) * PIPELINE_GRIDS_SHARE):
+            if result is not None:
+                searcher.offer(result)
+    # the chains: one from each start, then one from each of the best pipelines, each with
+    # its share of the time (`soapjax.search._parallel`: side by side, one process per core)
+    flat_share = 1.0 if pipes is None else _flat_chains_share(flat_best, pipes.best_time())
+    tasks = [(_flat_chain(searcher, name, start), flat_share / len(starts))
+             for name, start in starts.items()]
+    if pipes is not None:
+        piped = pipes.chain_tasks()
+        tasks += [(task, (1.0 - flat_share) / len(piped)) for task in piped]
+    run_chains(tasks, settings.seed, lanes(settings.processes, len(tasks), forkable), end,
+               lambda _, outcome: searcher.absorb(outcome), progress)
+    if pipes is not None:  # the pipelined plans' folded prices checked on whole stages
+        if progress is not None:
+            progress("search: pricing the fastest pipelined plans again on whole stages")
+        _settle_folded(searcher, graph, topology, cost_model or sim.cost_model, opt_state_factor)
     searcher._report("done", force=True)
     if searcher.best is None:
         hint = ("" if wanted or not graph.repeated_blocks() else

@@ -24,7 +24,6 @@ from soapjax.search.grids import _likely_first, _score_points, _within, grid_deg
 from soapjax.search.recompute import RELAX_SHARE, relaxed
 from soapjax.search.stages import _num_layers, balance_stages, choose_schedule
 from soapjax.simulate.front import (
-    StagePool,
     folds,
     open_simulation,
 )
@@ -139,11 +138,7 @@ class _Pipelines:
 
     def __init__(self, graph: OpGraph, topology, cost_model, settings: SearchSettings,
                  opt_state_factor: float, progress: Progress | None, flat: _Searcher):
-        # the pipelines at one stage count share its one-stage simulation (`StagePool`: each
-        # would build the same one at the same grid points), closed by `close`
-        self._pool = StagePool()
-        self._args = (graph, topology, cost_model, settings, opt_state_factor, progress, flat,
-                      self._pool)
+        self._args = (graph, topology, cost_model, settings, opt_state_factor, progress, flat)
         self._progress, self._flat, self._settings = progress, flat, settings
         self._measured = getattr(cost_model, "source", "") == "measured"
         # The most stages first: they hold the least per device, so a plan that fits comes
@@ -155,16 +150,6 @@ class _Pipelines:
         # per pipeline scored: (its best's key, the pipeline, its best's name and strategy)
         self.ranked: list[tuple] = []
         self._scored: dict[int, set] = {}  # pipeline -> the names of its grid's points scored
-
-    def close(self) -> None:
-        """Closes the pool of stage simulations the pipelines shared."""
-        self._pool.close()
-
-    def __enter__(self) -> _Pipelines:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def best_time(self) -> float | None:
         """The fastest fitting grid point scored so far (None: none fits yet)."""
@@ -371,16 +356,15 @@ def _settle_folded(searcher: _Searcher, graph: OpGraph, topology, cost_model,
 @contextlib.contextmanager
 def _pipeline_searcher(graph: OpGraph, topology, cost_model, settings: SearchSettings,
                        opt_state_factor: float, progress: Progress | None, flat: _Searcher,
-                       pool: StagePool, S: int, v: int, schedule: str, first: Strategy):
+                       S: int, v: int, schedule: str, first: Strategy):
     """A `_Searcher` over a `PipelinedSimulation` opened at `first`, its clock `flat`'s, its
     microbatch moves those the schedule takes at S stages (`pipeline_error`). The stage is
     simulated on a few of its layers where they fold (`soapjax.simulate._pipe_fold`: the
     whole stage's prices to rounding at a fraction of the work, docs/vs-experts.md; the chains
-    keep the layers tied, as folding needs). The one-stage simulation is `pool`'s, shared with
-    the other pipelines at S stages."""
+    keep the layers tied, as folding needs)."""
     with open_simulation(graph, topology, first, cost_model=cost_model,
                          resharder=DEFAULT_MODE, opt_state_factor=opt_state_factor,
-                         fold=True, stage_pool=pool) as sim:
+                         fold=True) as sim:
         searcher = _Searcher(sim, settings, progress)
         searcher.t0 = flat.t0
         searcher.microbatches = tuple(

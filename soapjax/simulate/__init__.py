@@ -21,7 +21,6 @@ from soapjax.simulate.front import (
     PipelineResult as PipelineResult,
     SimResult as SimResult,
     Simulation as Simulation,
-    StagePool as StagePool,
     TaskRecord as TaskRecord,
     compare as compare,
     default_pricing as default_pricing,

@@ -41,7 +41,6 @@ from soapjax.graph.opgraph import OpGraph
 from soapjax.simulate._flatsim import OpCosts, Simulation, shard_bytes
 from soapjax.simulate._pipe_fold import MIN_LAYERS, layer_fold, tied
 from soapjax.simulate._simresult import MemoryBreakdown, SimResult, TaskRecord
-from soapjax.simulate._stage_pool import StagePool
 from soapjax.simulate.pipesim import (
     PipelinedSimulation,
     PipelineResult,
@@ -54,8 +53,8 @@ from soapjax.topology.cluster import Topology, stage_topology
 
 __all__ = [
     "MemoryBreakdown", "OpCosts", "PipelineResult", "PipelinedSimulation", "SimResult",
-    "Simulation", "StagePool", "TaskRecord", "compare", "default_pricing", "folds",
-    "open_simulation", "opt_state_factor", "parse_strategy", "shard_bytes", "simulate",
+    "Simulation", "TaskRecord", "compare", "default_pricing", "folds", "open_simulation",
+    "opt_state_factor", "parse_strategy", "shard_bytes", "simulate",
 ]
 
 
@@ -76,8 +75,7 @@ def open_simulation(graph: OpGraph, topology: Topology, strategy: Strategy | Non
                     cost_model: OpCosts | None = None,
                     resharder: ReshardModel | str | None = None,
                     opt_state_factor: float = 2.0, layer_layout: str = "model",
-                    fold: bool = False, stage_pool: StagePool | None = None
-                    ) -> Iterator[Simulation | PipelinedSimulation]:
+                    fold: bool = False) -> Iterator[Simulation | PipelinedSimulation]:
     """The stateful simulation of `strategy` (default: data parallelism) that a search walks.
 
     A strategy without stages gets a `Simulation` on the topology's mesh, priced with
@@ -92,9 +90,7 @@ def open_simulation(graph: OpGraph, topology: Topology, strategy: Strategy | Non
     ``"chunks"`` as Megatron-LM does. `fold`: a pipelined strategy's stage simulated on a few
     of its layers where they are alike and tied (`soapjax.simulate._pipe_fold`: the same
     prices, no task records; what the search's pipelines use); a proposal that unties them
-    is then refused. `stage_pool`: a pipelined strategy's one-stage simulation (and its
-    stage resharder) shared with the other simulations opened with the same pool at the same
-    stage count (`StagePool`: what a search's pipelines share; the prices are the same).
+    is then refused.
     """
     strategy = strategy if strategy is not None else data_parallel(graph, MeshShape.of(topology))
     owned = resharder is None or isinstance(resharder, str)  # made here: closed here
@@ -108,19 +104,16 @@ def open_simulation(graph: OpGraph, topology: Topology, strategy: Strategy | Non
         # the layers first: 4 stages of a 2-layer model is the model's limit, not the mesh's
         layer_chunks(graph, strategy.stages * strategy.virtual_stages, strategy.stage_layers)
         stage_mesh = MeshShape.of(stage_topology(topology, strategy.stages))
-        given = getattr(flat_resharder, "mesh", None) == stage_mesh  # given for one stage
+        if getattr(flat_resharder, "mesh", None) == stage_mesh:  # given for one stage
+            yield PipelinedSimulation(graph, topology, costs, flat_resharder, strategy,
+                                      opt_state_factor=opt_state_factor,
+                                      layer_layout=layer_layout, fold=fold)
+            return
         mode = getattr(flat_resharder, "mode", DEFAULT_MODE)
-        with contextlib.ExitStack() as stack:
-            if given:
-                stage_resharder = flat_resharder
-            elif stage_pool is not None:
-                stage_resharder = stage_pool.resharder(stage_mesh, mode)
-            else:
-                stage_resharder = stack.enter_context(Resharder(stage_mesh, mode=mode))
+        with Resharder(stage_mesh, mode=mode) as stage_resharder:
             yield PipelinedSimulation(graph, topology, costs, stage_resharder, strategy,
                                       opt_state_factor=opt_state_factor,
-                                      layer_layout=layer_layout, fold=fold,
-                                      stage_pool=stage_pool)
+                                      layer_layout=layer_layout, fold=fold)
     finally:
         if owned:
             flat_resharder.close()

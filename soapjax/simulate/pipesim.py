@@ -118,7 +118,6 @@ from soapjax.simulate._simresult import (
     SimResult,
     as_step_result,
 )
-from soapjax.simulate._stage_pool import SharedStage, StagePool
 from soapjax.strategy.pipeline import (
     DEFAULT_SCHEDULE,
     SCHEDULES,
@@ -149,14 +148,11 @@ class PipelinedSimulation:
     `reject`, `reset`, `step_time`, `fits_in_memory`, `choice`, `strategy`), with `topology`
     the devices of ONE stage (the configs' mesh) and `full_topology` the whole cluster.
     `fold`: simulate the stage on a few of its layers where they fold (module doc).
-    `stage_pool`: the one-stage simulation shared with the pool's other pipelines of the same
-    stage count (`soapjax.simulate._stage_pool`: a search's pipelines).
     """
 
     def __init__(self, graph: OpGraph, topology: Topology, cost_model, resharder,
                  strategy: Strategy, *, opt_state_factor: float = 2.0,
-                 layer_layout: str = "model", fold: bool = False,
-                 stage_pool: StagePool | None = None):
+                 layer_layout: str = "model", fold: bool = False):
         if not strategy.pipelined:
             raise PlanError("PipelinedSimulation needs a strategy with pipeline stages; "
                             "use soapjax.simulate.front.Simulation for one without")
@@ -187,27 +183,15 @@ class PipelinedSimulation:
         self._gathers = graph.memo("epilogue_gathers", lambda: epilogue_gathers(graph, last))
         self._gather_memo: dict = {}
         self._sum_memo: dict[int, float] = {}
+        costs = StageCosts(cost_model, MeshShape.of(self.topology))
         layers = graph.memo("layer_fold", lambda: layer_fold(graph)) if fold else None
-        folded = (layers is not None and layers.layers >= MIN_LAYERS
-                  and tied(graph, layers, strategy))
-
-        def make() -> Simulation | FoldedStage:
-            costs = StageCosts(cost_model, MeshShape.of(self.topology))
-            if folded:
-                return FoldedStage(graph, layers, self.topology, costs, resharder,
-                                   _flat(strategy), opt_state_factor=opt_state_factor)
-            return Simulation(graph, self.topology, costs, resharder, _flat(strategy),
-                              opt_state_factor=opt_state_factor, pipeline_stage=True)
-
-        # the one-stage simulation, shared with the pool's other pipelines at this stage count
-        # (`soapjax.simulate._stage_pool`; read through `_inner`, which takes it)
-        if stage_pool is None:
-            self._shared = SharedStage(make(), self)
+        self._inner: Simulation | FoldedStage
+        if layers is not None and layers.layers >= MIN_LAYERS and tied(graph, layers, strategy):
+            self._inner = FoldedStage(graph, layers, self.topology, costs, resharder,
+                                      _flat(strategy), opt_state_factor=opt_state_factor)
         else:
-            keep = (graph, topology, cost_model, resharder)
-            self._shared = stage_pool.stage(
-                (*map(id, keep), strategy.stages, folded, opt_state_factor), keep, make, self,
-                _flat(strategy))
+            self._inner = Simulation(graph, self.topology, costs, resharder, _flat(strategy),
+                                     opt_state_factor=opt_state_factor, pipeline_stage=True)
         self._layer_layout = layer_layout
         self._cut(strategy.pipeline)
         self._result: PipelineResult | None = None
@@ -339,12 +323,6 @@ class PipelinedSimulation:
     def mesh(self) -> MeshShape:
         return self._inner.mesh
 
-    @property
-    def _inner(self) -> Simulation | FoldedStage:
-        """The one-stage simulation at this pipeline's strategy (taken from the pipelines it
-        is shared with: `soapjax.simulate._stage_pool`)."""
-        return self._shared.take(self)
-
     def choice(self, j: int) -> tuple[Config, str]:
         return self._inner.choice(j)
 
@@ -353,7 +331,7 @@ class PipelinedSimulation:
             raise PlanError("PipelinedSimulation.reset keeps the pipeline's stages, virtual "
                             "stages, schedule and stage layers; make a new PipelinedSimulation "
                             "to change them")
-        self._shared.reset(self, _flat(strategy))
+        self._inner.reset(_flat(strategy))
         self._result = None
         return self.step_time()
 
