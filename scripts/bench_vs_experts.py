@@ -28,8 +28,9 @@ bandwidth) and the ideal resharding model:
   plans included), its plan priced as `soapjax.apply` runs it;
 * **the ratio**: best hand step time / searched step time (above 1: the search wins), and
   the searched step's terms: a device's compute (with recomputation; a pipelined plan's
-  stage: its whole-batch work over the stages), the pipeline bubble (of the schedule's
-  time), a device's exposed communication.
+  stage: its whole-batch work over the stages), the part of it recomputation adds (the same
+  plan's compute with every operator keeping its outputs, subtracted), the pipeline bubble
+  (of the schedule's time), a device's exposed communication.
 
 Usage::
 
@@ -280,18 +281,25 @@ class Searched(NamedTuple):
     compute_s: float
     exposed_comm_s: float
     bubble: float
+    recompute_s: float
 
 
 def searched(g: OpGraph, topo, s: Strategy, costs, factor: float) -> Searched:
-    with open_simulation(g, topo, s, cost_model=costs, resharder="ideal",
-                         opt_state_factor=factor) as sim:
-        r = sim.result()
-        stage = sim.stage_result() if s.pipelined else r
-        step, memory, fits = sim.step_time(), sim.peak_memory_bytes(), sim.fits_in_memory()
+    def stage_compute(strategy: Strategy) -> tuple[float, float, float, bool, object, object]:
+        with open_simulation(g, topo, strategy, cost_model=costs, resharder="ideal",
+                             opt_state_factor=factor) as sim:
+            r = sim.result()
+            stage = sim.stage_result() if strategy.pipelined else r
+            return (sim.step_time(), float(sim.peak_memory_bytes()), stage.compute_s,
+                    sim.fits_in_memory(), stage, r)
+
+    step, memory, compute, fits, stage, r = stage_compute(s)
+    # what recomputation adds: the same plan's compute with every operator keeping its outputs
+    kept = stage_compute(dataclasses.replace(s, recompute=()))[2] if s.recompute else compute
     # one stage's whole-batch work, over its stages: what a device computes per step
     per_device = s.stages if s.pipelined else 1
-    return Searched(step, float(memory), fits, stage.compute_s / per_device,
-                    stage.exposed_comm_s / per_device, r.bubble_fraction if s.pipelined else 0.0)
+    return Searched(step, memory, fits, compute / per_device, stage.exposed_comm_s / per_device,
+                    r.bubble_fraction if s.pipelined else 0.0, (compute - kept) / per_device)
 
 
 def _search_into(row: dict, case: Case, g: OpGraph, topo, w, costs, factor: float,
@@ -354,7 +362,8 @@ def render(rows: list[dict], budget: float) -> str:
         "Ratio: best hand / searched step time (above 1: the search wins).",
         "",
         "| case | GPUs | batch | best hand configuration | step (s) | as applied (s) | mem (GB) "
-        "| searched plan | step (s) | mem (GB) | ratio | compute / bubble / exposed comm | "
+        "| searched plan | step (s) | mem (GB) | ratio | compute / of it recompute / bubble / "
+        "exposed comm | "
         "search (s) | proposals |",
         "|---|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|",
     ]
@@ -368,7 +377,8 @@ def render(rows: list[dict], budget: float) -> str:
             wd = found["words"]
             plan = (f"stages {wd['stages']}, mesh {wd['mesh']}, M={wd['microbatches']}, "
                     f"recompute {wd['recompute']}, zero {wd['zero']} (from {found['best_from']})")
-            terms = (f"{found['compute_s']:.2f} / {found['bubble']:.1%} / "
+            recompute = (f"{found['recompute_s']:.2f}" if "recompute_s" in found else "-")
+            terms = (f"{found['compute_s']:.2f} / {recompute} / {found['bubble']:.1%} / "
                      f"{found['exposed_comm_s']:.2f}")
             found_cols = [plan, f"{found['step_s']:.3f}", _gb(found["memory"]),
                           f"{r:.3f}" if r is not None else "-", terms,

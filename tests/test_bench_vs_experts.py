@@ -6,9 +6,14 @@ ratio."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pathlib
 import sys
+
+import pytest
+
+from soapjax.strategy import baselines
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -37,6 +42,21 @@ def test_a_case_scores_the_experts_grid_and_searches():
     text = bench.render([row], 2.0)
     assert f"| {r:.3f} |" in text and "Geometric mean ratio over 1 cases" in text
     assert "- tiny: a test" in text
+
+
+def test_the_searched_step_says_what_recomputation_adds_to_its_compute():
+    """The recompute term: the plan's compute less the same plan's with every operator
+    keeping its outputs (zero where nothing is recomputed), flat and pipelined alike."""
+    case = bench.Case("tiny", "gpt", "tiny", MESH, 16)
+    topo, _, g, costs, factor = bench._setup(case)
+    flat = baselines.megatron_3d(g, topo, tp=4, pp=1, recompute="full")
+    piped = baselines.megatron_3d(g, topo, tp=4, pp=2, recompute="full")
+    for full in (flat, piped):
+        none = bench.searched(g, topo, dataclasses.replace(full, recompute=()), costs, factor)
+        got = bench.searched(g, topo, full, costs, factor)
+        assert none.recompute_s == 0.0
+        assert got.recompute_s > 0.0
+        assert got.compute_s - got.recompute_s == pytest.approx(none.compute_s, rel=1e-12)
 
 
 def test_the_table_reports_the_geometric_mean_and_the_cases_that_fit_nothing():
