@@ -301,7 +301,9 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
         devices are attached, else the analytic roofline), ``"measured"`` or ``"analytic"``.
       opt_state: an existing optimizer state to place; default ``optimizer.init(params)``,
         computed directly on its shardings.
-      name: the graph's name (default: the loss's, or the nnx model's class name).
+      name: the graph's name (default: a `Plan`'s model's, so that a plan made by ``soapjax
+        plan --model file.py:fn`` binds to the same model here; else the loss's, or the nnx
+        model's class name).
       donate: donate params and optimizer state to the step.
       compiler_options: XLA options for the step's `jax.jit`.
       verify: run the first step both sharded and unsharded before returning, on ``batch``
@@ -323,6 +325,10 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
     """
     check_optimizer(optimizer, "shard_training")
     check_settings(search, SearchSettings, "shard_training", name="search")
+    if name is None and isinstance(strategy, Plan):
+        # the graph named as the plan's (`soapjax plan --model file.py:fn` names it after the
+        # file): the operators outside any module take the graph's name
+        name = strategy.model
     loss_fn, params, name = _pure_loss(loss_fn, params, name)
     mesh, topology = _resolve_mesh(mesh)
     mesh_shape = MeshShape.of(topology) if topology is not None else None

@@ -252,3 +252,59 @@ def test_a_strategy_whose_scan_layers_read_other_layouts_is_run_with_a_warning()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         training.shard_training(*args, mesh="cpu8", strategy=strategy, name="gpt")
+
+
+# A user's file as `soapjax plan --model FILE.py:make_workload` loads it: a contrastive model
+# (every sample's logits against every other's) whose temperature is a weakly typed scalar
+# parameter (``jnp.array(2.0)``), given as arrays.
+CLIP_FILE = '''\
+import flax.linen as nn, jax, jax.numpy as jnp, optax
+
+class CLIP(nn.Module):
+    @nn.compact
+    def __call__(self, img, txt):
+        i = nn.Dense(8, name="img")(img)
+        t = nn.Dense(8, name="txt")(txt)
+        i = i / jnp.linalg.norm(i, axis=-1, keepdims=True)
+        t = t / jnp.linalg.norm(t, axis=-1, keepdims=True)
+        return jnp.exp(self.param("scale", lambda k: jnp.array(2.0))) * i @ t.T
+
+def clip_loss(params, batch):
+    logits = CLIP().apply(params, batch["img"], batch["txt"])
+    labels = jnp.arange(logits.shape[0])
+    return (optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+            + optax.softmax_cross_entropy_with_integer_labels(logits.T, labels).mean())
+
+def make_workload():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    batch = {"img": jax.random.normal(k1, (16, 12)), "txt": jax.random.normal(k2, (16, 10))}
+    return clip_loss, CLIP().init(jax.random.key(1), batch["img"], batch["txt"]), batch
+'''
+
+
+def test_a_plan_made_by_the_command_line_binds_to_the_same_model_here(tmp_path, capsys):
+    """`soapjax plan --model clip.py:make_workload` names the graph after the file and traces
+    the params from their shapes (`jax.eval_shape`, weakly typed where they are); here the same
+    function, its params given as arrays, takes the plan as it is (the graph named as the
+    plan's, traced with the arrays' weak types), and its first step is exact."""
+    import importlib.util
+
+    from soapjax import cli
+    from soapjax.strategy.plan import Plan
+
+    path = tmp_path / "clip.py"
+    path.write_text(CLIP_FILE)
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", "--model", f"{path}:make_workload", "--mesh", "cpu8", "--costs",
+                     "analytic", "--proposals", "50", "--out", str(out)]) == 0
+    capsys.readouterr()
+    spec = importlib.util.spec_from_file_location("clip_user_file", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    loss_fn, params, batch = module.make_workload()
+    assert jax.tree.leaves(params["params"]["scale"])[0].weak_type
+    plan = Plan.load(out)
+    run = training.shard_training(loss_fn, params, batch, module.optax.adam(1e-3),
+                                  mesh="cpu8", strategy=plan, verify=True)
+    assert run.graph.name == "clip" == plan.model
+    assert [op.name for op in run.graph.operators] == [name for name, _ in plan.configs]

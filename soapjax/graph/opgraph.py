@@ -493,7 +493,10 @@ def _abstract(x):
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
     if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+        # weakly typed as jax.jit and jax.eval_shape see it (a parameter made by
+        # jnp.array(2.0)): the same jaxpr from arrays as from their `jax.eval_shape`
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                    weak_type=bool(getattr(x, "weak_type", False)))
     return x
 
 
