@@ -507,6 +507,77 @@ def test_moe_with_a_cotangent_scattered_into_two_dims_is_exact():
     assert out.comparison.max_error <= X64, out.comparison.describe()
 
 
+def test_gqa_with_a_cotangent_scattered_over_some_of_its_partial_axes_is_exact():
+    """The randomized suite's find, shrunk (seed 2026120155 on cpu8-nodes): the corpus GQA
+    decoder's value projection with the batch over node and data, read by the attention's
+    probabilities-times-values matmul with the batch over node and the queries over data and
+    model. The values' cotangent, a partial sum over data and model, constrained straight to
+    the projection's layout (data reduce-scattered into the batch, model left to an
+    all-reduce) made the projection's kernel gradient 0.73 of its scale off; it is
+    constrained so only where every partial axis is scattered."""
+    import fuzzing
+
+    topology = load_topology(str(Path(__file__).resolve().parent / "meshes" / "cpu8-nodes.toml"))
+    s = fuzzing.subject("corpus:gqa_decoder")
+    strategy = space.data_parallel(s.graph, MeshShape.of(topology))
+    for op in s.graph.operators:
+        if op.name.endswith("/attn/v"):
+            strategy = strategy.replace(s.graph.index(op.name),
+                                        Config((("node", "data"), (), (), (), ())))
+        elif op.name.endswith("/attn/dot_general_1"):
+            strategy = strategy.replace(s.graph.index(op.name),
+                                        Config((("node",), ("data", "model"), (), (), ())))
+    out = fuzzing.check(s, strategy, topology)
+    assert out.comparison is not None, out.refused
+    assert out.comparison.max_error <= X64, out.comparison.describe()
+
+
+def test_xla_still_miscomputes_a_cotangent_scattered_over_some_of_its_partial_axes():
+    """The XLA behaviour above in plain JAX (docs/xla-workarounds.md), the canary that says
+    when the workaround may go: a GQA attention's values [B, S, K, H] made with the batch over
+    node and data, the probabilities [B, N, T, S] with the batch over node and the queries
+    over data and model, the values' cotangent constrained to their own layout in the
+    backward (a custom_vjp, as apply constrains it). Both partitioners, jax 0.10.2: the
+    value kernel's gradient 1.01 of its scale off; every partial axis scattered (the batch
+    over node, data and model), exact."""
+    import functools
+
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("node", "data", "model"))
+
+    def constrain(x, *spec):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+    def operand(x, spec, back):
+        return constrain(x, *spec)
+
+    operand.defvjp(lambda x, spec, back: (operand(x, spec, back), None),
+                   lambda spec, back, _, ct: (constrain(ct, *back),))
+    rng = np.random.default_rng(0)
+    with jax.enable_x64(True):
+        x = jnp.asarray(rng.standard_normal((8, 8, 32)))
+        kernel = jnp.asarray(rng.standard_normal((32, 2, 8)))
+        probs = jnp.asarray(rng.standard_normal((8, 4, 8, 8)))
+
+        def loss(kernel, made):
+            v = jnp.einsum("BTD,DKH->BTKH", x, kernel)
+            if made is not None:
+                v = operand(constrain(v, made), ("node",), (made,))
+            p = constrain(probs, "node", None, ("data", "model")) if made is not None else probs
+            return jnp.sum(jnp.einsum("BNTS,BSNH->BTNH", p, jnp.repeat(v, 2, axis=2)) ** 2)
+
+        grad = jax.jit(jax.grad(loss), static_argnums=1)
+        want = grad(kernel, None)
+
+        def error(made):
+            return float(jnp.max(jnp.abs(grad(kernel, made) - want)) / jnp.max(jnp.abs(want)))
+
+        assert error(("node", "data")) > 0.5  # some partial axes scattered: wrong
+        assert error(("node", "data", "model")) < 1e-12  # every one: exact
+
+
 def test_the_reference_of_coupled_samples_splits_microbatches_as_apply_does():
     """Where a graph accepts statistics per microbatch (the zoo's MoE: its load-balancing loss
     is a mean times a mean over the microbatch's tokens), the reference step is the mean of

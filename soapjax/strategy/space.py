@@ -647,17 +647,19 @@ def optimizer_specs(graph: OpGraph, strategy: Strategy, mesh: MeshShape) -> dict
 def reduces_into(spec: Spec, producer: Spec, partials: Sequence[str]) -> bool:
     """Whether a cotangent laid out as `spec`, a partial sum over `partials`, is reduced
     straight into its producer's layout `producer` (a reduce-scatter) rather than all-reduced
-    where it is made: every dim keeps its axes and gains only partial ones, and only one dim
-    gains (Megatron's sequence parallelism: the sequence dim gains ``model``). Apply constrains
-    the cotangent so only then (`soapjax.apply._flatstep`), and the simulator prices it so:
-    an axis moving between dims, or partial axes scattered into two dims at once, made XLA
-    compute wrong gradients upstream (docs/xla-workarounds.md)."""
+    where it is made: every dim keeps its axes and gains only partial ones, only one dim
+    gains, and it gains every partial axis (Megatron's sequence parallelism: the sequence dim
+    gains ``model``). Apply constrains the cotangent so only then (`soapjax.apply._flatstep`),
+    and the simulator prices it so: an axis moving between dims, partial axes scattered into
+    two dims at once, or some partial axes scattered and the others left to an all-reduce,
+    made XLA compute wrong gradients upstream (docs/xla-workarounds.md)."""
     n = max(len(spec), len(producer))
     pairs = list(zip(tuple(spec) + ((),) * (n - len(spec)),
                      tuple(producer) + ((),) * (n - len(producer))))
-    gaining = [b for f, b in pairs if len(b) > len(f)]
-    return len(gaining) <= 1 and all(tuple(b[:len(f)]) == tuple(f)
-                                     and set(b[len(f):]) <= set(partials) for f, b in pairs)
+    gained = [set(b[len(f):]) for f, b in pairs if len(b) > len(f)]
+    return (len(gained) <= 1 and all(set(g) == set(partials) for g in gained)
+            and all(tuple(b[:len(f)]) == tuple(f) and set(b[len(f):]) <= set(partials)
+                    for f, b in pairs))
 
 
 def fit_spec(spec: Spec, shape: Sequence[int], mesh: MeshShape) -> Spec:
