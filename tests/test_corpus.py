@@ -395,12 +395,17 @@ def test_resnet18_perturbed_gradient_is_exact(kind):
 # the queries' splits the keys' too. Apply is exact (it runs operators at their traced shapes,
 # the gradients in tests/test_fuzz_exactness.py); the cost stage then times that operator by
 # its roofline estimate. The fix is to recompute an input-free operand inside each reader, as
-# XLA does with iotas.
-SHARD_PROGRAM_GAPS = {"gemma3"}
+# XLA does with iotas. CLIP's loss picks each row's and column's matching pair with labels made
+# by an iota (``jnp.arange(B)``) inside the operator: a shard program that splits the logits'
+# rows keeps the iota at the whole batch, and the gather refuses the mismatch (the same fix).
+SHARD_PROGRAM_GAPS = {
+    "gemma3": "an input-free operand ties the queries' and keys' sequence dims",
+    "clip": "an iota inside the operator keeps the whole batch where the logits are split",
+}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    strict=True, reason="an input-free operand ties the queries' and keys' sequence dims"))
+    strict=True, reason=SHARD_PROGRAM_GAPS[n]))
     if n in SHARD_PROGRAM_GAPS else n for n in NAMES])
 def test_every_shard_program_builds(name):
     """Every operator's per-device program (what the cost stage times) builds at the shard
@@ -486,6 +491,7 @@ IDIOMS = {
     "qwen3": {"sin", "cos", "rsqrt", "logistic"},
     "whisper": {"conv_general_dilated", "tanh"},
     "kv_cache_decoder": {"dynamic_update_slice"},
+    "clip": {"exp", "sqrt", "transpose"},
 }
 # Grouped convolutions (feature_group_count > 1): depthwise, a channel multiplier, 4 groups.
 GROUPED = {"convnext": 1, "mobilenet": 2, "mamba": 1}

@@ -476,6 +476,35 @@ def test_sample_sums_are_the_sums_over_the_batch_that_its_statistics_start_from(
     assert sums["by_max"] is None and sums["sorted_batch"] is None
 
 
+def test_pairs_of_samples_couple_the_batch():
+    """A value over pairs of samples (two sample dims: a contrastive loss's logits
+    ``img @ txt.T``, distances between every two samples) makes each sample's loss read the
+    others': coupled, and no sum over the parts of a batch makes it (`sample_sums` None).
+    Microbatches would contrast each microbatch within itself (the corpus CLIP: loss 2.79
+    against 3.43 with 2, before this was seen). The batch split into groups and summed stays
+    uncoupled."""
+    w = jnp.ones((12, 16))
+    batch = {"img": jnp.ones((8, 12)), "txt": jnp.ones((8, 12))}
+
+    def contrastive(w, b):
+        logits = (b["img"] @ w) @ (b["txt"] @ w).T
+        return jnp.mean(jax.nn.log_softmax(logits, axis=-1).diagonal())
+
+    def pairwise(w, b):
+        h = b["img"] @ w
+        return jnp.sum((h[:, None, :] - h[None, :, :]) ** 2)
+
+    def grouped(w, b):
+        return jnp.sum((b["img"] @ w).reshape(4, 2, -1) ** 2)
+
+    for fn, why in ((contrastive, "dot_general gives a value over pairs of samples"),
+                    (pairwise, "sub gives a value over pairs of samples")):
+        g = trace(fn, w, batch)
+        assert g.sample_coupling.startswith(why) and g.sample_sums is None
+    g = trace(grouped, w, batch)
+    assert g.sample_coupling == "" and g.sample_sums is not None
+
+
 def test_identical_unrolled_layers_are_repeated_blocks():
     """A Python loop of identical blocks (named, or linen's auto names) gets block positions as
     a scan over layers does; a first and last Dense of other shapes do not; blocks that differ

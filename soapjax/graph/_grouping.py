@@ -773,8 +773,10 @@ class _Coupling:
     two such values multiply or divide (a mean over the batch's unmasked tokens: a sum over a
     sum; a load-balancing loss: a mean times a mean), where a nonlinear function takes one (a
     square), where the sample dim is reduced other than by a sum (a max over the batch, a
-    cumulative sum over its tokens), or where a loop takes the batch in and gives no sample dim
-    out. `find` names the first such equation and its operator.
+    cumulative sum over its tokens), where a loop takes the batch in and gives no sample dim
+    out, or where a value holds two sample dims (pairs of samples: a contrastive loss's logits
+    ``img @ txt.T``, distances between samples), each made from another sample's values.
+    `find` names the first such equation and its operator.
     """
 
     def __init__(self, builder: _Builder):
@@ -782,6 +784,12 @@ class _Coupling:
 
     def _per_sample(self, vid: int) -> bool:
         return any(self.b.role(vid, d) == "S" for d in range(len(self.b.p.shapes[vid])))
+
+    def _pairs(self, vid: int) -> bool:
+        """Whether value `vid` holds two sample dims of different labels (pairs of samples)."""
+        b = self.b
+        return len({b.gl[vid][d] for d in range(len(b.p.shapes[vid]))
+                    if b.role(vid, d) == "S"}) > 1
 
     def find(self) -> str:
         b, p = self.b, self.b.p
@@ -803,6 +811,8 @@ class _Coupling:
                 elif name == "div" and ins[1:] and ins[1] == _LINEAR:
                     why = "a division by a statistic of the whole batch"
                 new = _LINEAR
+            elif any(self._pairs(v) for v in outs):
+                why = f"{name} gives a value over pairs of samples"
             elif all(self._per_sample(v) for v in outs):
                 new = _SAMPLE
             elif name in _LINEAR_REDUCTIONS and self._sums_samples(u):
@@ -834,6 +844,8 @@ class _Coupling:
             outs = [v for v in u.outs if v is not None]
             if not any(ins):
                 continue  # constants only
+            if any(self._pairs(v) for v in outs):
+                return None  # pairs of samples: no sum over the parts of a batch makes them
             if all(self._per_sample(v) for v in outs):
                 new = _SAMPLE
             elif _SAMPLE not in ins:

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 
 from corpus import (
     bert_encoder,
+    clip,
     convnext,
     dropout_nnx,
     gemma3,
@@ -175,6 +176,10 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
           "nnx decoder writing its keys and values into nnx.Cache variables by "
           "dynamic_update_slice (dead in training), causal mask by jnp.full/where, tied "
           "embeddings", gradients_in="fuzz"),
+    Entry("clip", "linen", clip.make,
+          "CLIP-style contrastive pair of towers: L2-normalised embeddings, a weakly typed "
+          "temperature (jnp.array), logits img @ txt.T over pairs of samples (the samples "
+          "interact: one microbatch), symmetric cross-entropy", gradients_in="fuzz"),
 )}
 
 
