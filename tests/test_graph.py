@@ -476,13 +476,14 @@ def test_sample_sums_are_the_sums_over_the_batch_that_its_statistics_start_from(
     assert sums["by_max"] is None and sums["sorted_batch"] is None
 
 
-def test_pairs_of_samples_couple_the_batch():
+def test_samples_reading_each_other_couple_the_batch():
     """A value over pairs of samples (two sample dims: a contrastive loss's logits
-    ``img @ txt.T``, distances between every two samples) makes each sample's loss read the
-    others': coupled, and no sum over the parts of a batch makes it (`sample_sums` None).
-    Microbatches would contrast each microbatch within itself (the corpus CLIP: loss 2.79
-    against 3.43 with 2, before this was seen). The batch split into groups and summed stays
-    uncoupled."""
+    ``img @ txt.T``, distances between every two samples), or values moved along the sample
+    dim (mixup with the batch flipped, a permuted or shifted batch), makes a sample's loss read
+    other samples': coupled, and no sum over the parts of a batch makes it (`sample_sums`
+    None). Microbatches would mix or contrast each microbatch within itself (the corpus CLIP:
+    loss 2.79 against 3.43 with 2, before this was seen). The batch split into groups and
+    summed stays uncoupled."""
     w = jnp.ones((12, 16))
     batch = {"img": jnp.ones((8, 12)), "txt": jnp.ones((8, 12))}
 
@@ -494,13 +495,28 @@ def test_pairs_of_samples_couple_the_batch():
         h = b["img"] @ w
         return jnp.sum((h[:, None, :] - h[None, :, :]) ** 2)
 
+    def mixup(w, b):
+        x = 0.7 * b["img"] + 0.3 * b["img"][::-1]
+        return jnp.mean(jnp.tanh(x @ w))
+
+    def permuted(w, b):
+        h = b["img"] @ w
+        return jnp.mean((h - h[jnp.array([3, 1, 2, 0, 7, 5, 6, 4])]) ** 2)
+
+    def shifted(w, b):
+        h = b["img"] @ w
+        return jnp.mean((h[1:] - h[:-1]) ** 2)
+
     def grouped(w, b):
         return jnp.sum((b["img"] @ w).reshape(4, 2, -1) ** 2)
 
     for fn, why in ((contrastive, "dot_general gives a value over pairs of samples"),
-                    (pairwise, "sub gives a value over pairs of samples")):
+                    (pairwise, "sub gives a value over pairs of samples"),
+                    (mixup, "rev moves values along the sample dim"),
+                    (permuted, "gather moves values along the sample dim"),
+                    (shifted, "slice moves values along the sample dim")):
         g = trace(fn, w, batch)
-        assert g.sample_coupling.startswith(why) and g.sample_sums is None
+        assert g.sample_coupling.startswith(why) and g.sample_sums is None, fn.__name__
     g = trace(grouped, w, batch)
     assert g.sample_coupling == "" and g.sample_sums is not None
 

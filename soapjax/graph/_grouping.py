@@ -774,9 +774,11 @@ class _Coupling:
     sum; a load-balancing loss: a mean times a mean), where a nonlinear function takes one (a
     square), where the sample dim is reduced other than by a sum (a max over the batch, a
     cumulative sum over its tokens), where a loop takes the batch in and gives no sample dim
-    out, or where a value holds two sample dims (pairs of samples: a contrastive loss's logits
-    ``img @ txt.T``, distances between samples), each made from another sample's values.
-    `find` names the first such equation and its operator.
+    out, where a value holds two sample dims (pairs of samples: a contrastive loss's logits
+    ``img @ txt.T``, distances between samples), or where values move along the sample dim
+    (`_moves_samples`: the batch reversed, shifted, permuted, sliced or padded, as mixup with
+    a flipped batch does), so that a sample reads another's. `find` names the first such
+    equation and its operator.
     """
 
     def __init__(self, builder: _Builder):
@@ -813,6 +815,8 @@ class _Coupling:
                 new = _LINEAR
             elif any(self._pairs(v) for v in outs):
                 why = f"{name} gives a value over pairs of samples"
+            elif self._moves_samples(u):
+                why = f"{name} moves values along the sample dim"
             elif all(self._per_sample(v) for v in outs):
                 new = _SAMPLE
             elif name in _LINEAR_REDUCTIONS and self._sums_samples(u):
@@ -844,8 +848,8 @@ class _Coupling:
             outs = [v for v in u.outs if v is not None]
             if not any(ins):
                 continue  # constants only
-            if any(self._pairs(v) for v in outs):
-                return None  # pairs of samples: no sum over the parts of a batch makes them
+            if any(self._pairs(v) for v in outs) or self._moves_samples(u):
+                return None  # a sample reads another's: no sum over the parts makes that
             if all(self._per_sample(v) for v in outs):
                 new = _SAMPLE
             elif _SAMPLE not in ins:
@@ -858,6 +862,40 @@ class _Coupling:
                 return None
             state.update((v, new) for v in outs)
         return tuple(births)
+
+    def _moves_samples(self, u) -> bool:
+        """Whether `u` moves values along a sample dim of its operand: reverses, slices, pads,
+        concatenates along it, gathers or scatters by index along it (a sample then reads
+        another sample's values: a batch flipped for mixup, shifted, permuted)."""
+        b, name, params = self.b, u.eqn.primitive.name, u.eqn.params
+        if not u.ins or u.ins[0] not in b.gl:
+            return False
+        shape = b.p.shapes[u.ins[0]]
+        if name == "rev":
+            dims = tuple(params["dimensions"])
+        elif name == "slice":
+            strides = params["strides"] or (1,) * len(shape)
+            dims = tuple(d for d, (lo, hi, st) in enumerate(zip(
+                params["start_indices"], params["limit_indices"], strides))
+                if lo != 0 or hi != shape[d] or st != 1)
+        elif name == "dynamic_slice":
+            dims = tuple(d for d, n in enumerate(params["slice_sizes"]) if n != shape[d])
+        elif name == "pad":
+            dims = tuple(d for d, (lo, hi, inner) in enumerate(params["padding_config"])
+                         if lo or hi or inner)
+        elif name == "concatenate":
+            d = params["dimension"]
+            return any(v in b.gl and b.role(v, d) == "S" for v in u.ins)
+        elif name == "gather":
+            dims = tuple(params["dimension_numbers"].start_index_map)
+        elif name.startswith("scatter"):
+            dims = tuple(params["dimension_numbers"].scatter_dims_to_operand_dims)
+        elif name == "dynamic_update_slice":
+            update = b.p.shapes[u.ins[1]] if len(u.ins) > 1 else shape
+            dims = tuple(d for d, (n, m) in enumerate(zip(update, shape)) if n != m)
+        else:
+            return False
+        return any(b.role(u.ins[0], d) == "S" for d in dims)
 
     def _sums_samples(self, u) -> bool:
         """Whether `u` (a linear reduction) sums over a sample dim of a per-sample operand."""
