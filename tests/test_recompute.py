@@ -66,21 +66,25 @@ def test_long_context_keeps_the_attention_core_at_more_microbatches():
 
 def test_the_search_starts_a_chain_from_the_relaxed_best_start():
     """`search` relaxes its best start's recomputation and chains from it: a few proposals
-    suffice to end 22 % below the best hand configuration."""
+    suffice to end 22 % below the best hand configuration, the attention core kept (from the
+    relaxed start, ``...-kept``, or the full start's best tidied at the end: 393.71 s against
+    the relaxed start's 393.88, `soapjax.search.recompute.tidied`)."""
     g, topo, cm, factor, hand = llama_128k()
     r = search(g, topo, cost_model=cm, resharder="ideal", opt_state_factor=factor,
                settings=SearchSettings(max_proposals=5, seed=0, pipelines=False))
-    assert r.start == "megatron-tp2-cp4-do-mb2-full-kept"
+    assert r.start.startswith("megatron-tp2-cp4-do-")
     best_hand = simulate(g, topo, hand, cost_model=cm, resharder="ideal",
                          opt_state_factor=factor).step_time_s
     assert r.step_time_s < 0.8 * best_hand
-    assert {"attn", "attn/o"} <= _kept(g, r.strategy)
+    assert "attn" in _kept(g, r.strategy)
 
 
 def test_the_search_relaxes_a_recomputing_plan_where_the_best_recomputes_nothing():
     """On 64 H100s the fastest grid point of Llama 3 8B at 128K recomputes nothing (TP4 CP8,
-    50.44 s); relaxing the fastest ones that recompute (`find._relaxed_starts`) finds TP2 CP4
-    with every layer operator recomputed but the attention block, 2 % faster."""
+    50.44 s); relaxing the fastest ones that recompute (`find._relaxed_starts`; its start then
+    named ``...-kept``, or the full start's best tidied to the same plan at the end,
+    `soapjax.search.recompute.tidied`) finds TP2 CP4 with every layer operator recomputed but
+    the attention block, 2 % faster."""
     g, _, _, factor, _ = llama_128k()
     topo = load_topology("h100x64")
     cm = cost_model(g, topo, mode="analytic", optimizer=zoo.get("llama", "8b-128k").optimizer)
@@ -90,7 +94,7 @@ def test_the_search_relaxes_a_recomputing_plan_where_the_best_recomputes_nothing
                             sequence_parallel=True)
     t = simulate(g, topo, grid_best, cost_model=cm, resharder="ideal",
                  opt_state_factor=factor).step_time_s
-    assert r.start.endswith("-kept") and r.step_time_s < 0.985 * t
+    assert r.start.startswith("megatron-tp2-cp4") and r.step_time_s < 0.985 * t
     assert "attn" in _kept(g, r.strategy) and "mlp/up" not in _kept(g, r.strategy)
 
 
@@ -177,3 +181,25 @@ def test_nothing_to_relax():
     assert relaxed(sim, g, full.with_pipeline(2)) is None
     small = make_simulation(g, _capped(topo, 100_000), cost_model=cm)
     assert relaxed(small, g, full) is None
+
+
+def test_a_recomputation_that_buys_nothing_is_dropped():
+    """`tidied`: the tiny flash llama on cpu8 with every layer operator recomputed, on a
+    device with room for everything: each position stops recomputing where the step is no
+    slower and still fits, so nothing recomputes and the step is the plain plan's; on a
+    device just big enough for the recomputing plan, what it drops still fits and is no
+    slower, and some layer operator still recomputes."""
+    from soapjax.search.recompute import recomputes_any, tidied
+
+    g, topo, cm, full = tiny_flash()
+    none = dataclasses.replace(full, recompute=())
+    plain = simulate(g, topo, none, cost_model=cm).step_time_s
+    t, found = tidied(make_simulation(g, topo, cost_model=cm), g, full)
+    assert not recomputes_any(g, found) and t == pytest.approx(plain, rel=1e-12)
+    whole = simulate(g, topo, full, cost_model=cm)
+    tight = _capped(topo, whole.memory.total)
+    sim = make_simulation(g, tight, cost_model=cm)
+    found = tidied(sim, g, full)
+    if found is not None:
+        t, found = found
+        assert t <= whole.step_time_s and sim.fits_in_memory() and recomputes_any(g, found)

@@ -121,7 +121,7 @@ from soapjax.search._clock import sparse_gc
 from soapjax.search._parallel import ChainTask, lanes, run_chains
 from soapjax.search.grids import _grid_starts, _within
 from soapjax.search.pipelines import _Pipelines, _settle_folded
-from soapjax.search.recompute import RELAX_SHARE, recomputes_any, relaxed
+from soapjax.search.recompute import RELAX_SHARE, recomputes_any, relaxed, tidied
 from soapjax.simulate import SimResult
 from soapjax.simulate.front import (
     Simulation,
@@ -353,6 +353,14 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
         if progress is not None:
             progress("search: pricing the fastest pipelined plans again on whole stages")
         _settle_folded(searcher, graph, topology, cost_model or sim.cost_model, opt_state_factor)
+    # no recomputation that buys nothing (`tidied`), in every start's best: the finalists the
+    # reshardings are checked on come from them
+    for name, (t, strategy, start) in list(searcher.bests.items()):
+        tidy = tidied(sim, graph, strategy)
+        if tidy is not None and tidy[0] <= t:
+            searcher.bests[name] = (*tidy, start)
+    if searcher.bests:
+        searcher.best = min(searcher.bests.values(), key=lambda f: f[0])
     searcher._report("done", force=True)
     if searcher.best is None:
         hint = ("" if wanted or not graph.repeated_blocks() else

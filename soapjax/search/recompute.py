@@ -41,7 +41,7 @@ from soapjax.simulate.front import Simulation
 from soapjax.strategy.memory import microbatch_choices, microbatch_refusal, recomputes
 from soapjax.strategy.space import MeshShape, Strategy
 
-__all__ = ["MICROBATCH_STEPS", "RELAX_SHARE", "recomputes_any", "relaxed"]
+__all__ = ["MICROBATCH_STEPS", "RELAX_SHARE", "recomputes_any", "relaxed", "tidied"]
 
 # The microbatch counts tried beyond the strategy's own: the next MICROBATCH_STEPS larger ones
 # the batch and every operator's sample split allow.
@@ -151,3 +151,31 @@ def relaxed(sim: Simulation, graph: OpGraph, strategy: Strategy, deadline: float
         if t < start and (best is None or t < best[0]):
             best = (t, sim.strategy)
     return best
+
+
+def tidied(sim: Simulation, graph: OpGraph, strategy: Strategy) -> tuple[float, Strategy] | None:
+    """`strategy` (flat, fitting) without the recomputation that buys nothing: each operator
+    position that recomputes (every layer's at once) stops where the step is no slower and
+    still fits, in graph order, one pass. A chain keeps a recomputation that costs no time
+    (its forward run again where the device waits for a collective anyway) as readily as one
+    that saves memory, and apply then runs it: the corpus CLIP on cpu8 recomputed four
+    operators with memory to spare, and XLA gathered one's output again in the backward, a
+    collective nothing priced. Returns ``(step time, strategy)``, or None where nothing
+    changed (or `strategy` has stages, recomputes nothing or does not fit)."""
+    if strategy.stages > 1 or not recomputes_any(graph, strategy):
+        return None
+    sim.reset(strategy)
+    if not sim.fits_in_memory():
+        return None
+    cap, changed = sim.topology.device.memory_bytes, False
+    for members in _positions(graph):
+        if not recomputes(graph.operators[members[0]], sim.choice(members[0])[1]):
+            continue
+        t0 = sim.step_time()
+        sim.propose_many([(j, sim.choice(j)[0], "none") for j in members])
+        if sim.step_time() <= t0 and sim.peak_memory_bytes() <= cap:
+            sim.accept()
+            changed = True
+        else:
+            sim.reject()
+    return (sim.step_time(), sim.strategy) if changed else None
