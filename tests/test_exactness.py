@@ -490,18 +490,24 @@ def test_moe_with_a_cotangent_scattered_into_two_dims_is_exact():
     cotangent, a partial sum over node and model, constrained straight to the norm's layout
     (model reduce-scattered into the batch, node into the sequence) made the norm's scale
     gradient 0.43 of its scale off; a reduce-scatter into one dim only is constrained so."""
+    _assert_exact_on_nodes("zoo:moe:tiny", {
+        "/moe_norm": Config((("data", "model"), ("node",), ())),
+        "/moe/dot_general_3": Config(((), ("data",), ("node", "model"), (), ()))})
+
+
+def _assert_exact_on_nodes(subject: str, configs: dict[str, Config]) -> None:
+    """The randomized suite's `subject` on cpu8-nodes under data parallelism but for the
+    operators whose names end with a key of `configs` (that config): every gradient leaf
+    within float64's bar of its own scale."""
     import fuzzing
 
     topology = load_topology(str(Path(__file__).resolve().parent / "meshes" / "cpu8-nodes.toml"))
-    s = fuzzing.subject("zoo:moe:tiny")
+    s = fuzzing.subject(subject)
     strategy = space.data_parallel(s.graph, MeshShape.of(topology))
     for op in s.graph.operators:
-        if op.name.endswith("/moe_norm"):
-            strategy = strategy.replace(s.graph.index(op.name),
-                                        Config((("data", "model"), ("node",), ())))
-        elif op.name.endswith("/moe/dot_general_3"):
-            strategy = strategy.replace(s.graph.index(op.name),
-                                        Config(((), ("data",), ("node", "model"), (), ())))
+        for suffix, config in configs.items():
+            if op.name.endswith(suffix):
+                strategy = strategy.replace(s.graph.index(op.name), config)
     out = fuzzing.check(s, strategy, topology)
     assert out.comparison is not None, out.refused
     assert out.comparison.max_error <= X64, out.comparison.describe()
@@ -515,21 +521,9 @@ def test_gqa_with_a_cotangent_scattered_over_some_of_its_partial_axes_is_exact()
     the projection's layout (data reduce-scattered into the batch, model left to an
     all-reduce) made the projection's kernel gradient 0.73 of its scale off; it is
     constrained so only where every partial axis is scattered."""
-    import fuzzing
-
-    topology = load_topology(str(Path(__file__).resolve().parent / "meshes" / "cpu8-nodes.toml"))
-    s = fuzzing.subject("corpus:gqa_decoder")
-    strategy = space.data_parallel(s.graph, MeshShape.of(topology))
-    for op in s.graph.operators:
-        if op.name.endswith("/attn/v"):
-            strategy = strategy.replace(s.graph.index(op.name),
-                                        Config((("node", "data"), (), (), (), ())))
-        elif op.name.endswith("/attn/dot_general_1"):
-            strategy = strategy.replace(s.graph.index(op.name),
-                                        Config((("node",), ("data", "model"), (), (), ())))
-    out = fuzzing.check(s, strategy, topology)
-    assert out.comparison is not None, out.refused
-    assert out.comparison.max_error <= X64, out.comparison.describe()
+    _assert_exact_on_nodes("corpus:gqa_decoder", {
+        "/attn/v": Config((("node", "data"), (), (), (), ())),
+        "/attn/dot_general_1": Config((("node",), ("data", "model"), (), (), ()))})
 
 
 def test_xla_still_miscomputes_a_cotangent_scattered_over_some_of_its_partial_axes():
