@@ -353,9 +353,10 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
         if progress is not None:
             progress("search: pricing the fastest pipelined plans again on whole stages")
         _settle_folded(searcher, graph, topology, cost_model or sim.cost_model, opt_state_factor)
-    # no recomputation that buys nothing (`tidied`), in every start's best: the finalists the
-    # reshardings are checked on come from them
-    for name, (t, strategy, start) in list(searcher.bests.items()):
+    # no recomputation that buys nothing (`tidied`), in the fastest starts' bests: the
+    # finalists the reshardings are checked on (a few delta simulations each)
+    fastest = sorted(searcher.bests.items(), key=lambda item: item[1][0])[:RESHARD_FINALISTS]
+    for name, (t, strategy, start) in fastest:
         tidy = tidied(sim, graph, strategy)
         if tidy is not None and tidy[0] <= t:
             searcher.bests[name] = (*tidy, start)

@@ -158,10 +158,10 @@ def tidied(sim: Simulation, graph: OpGraph, strategy: Strategy) -> tuple[float, 
     position that recomputes (every layer's at once) stops where the step is no slower and
     still fits, in graph order, one pass. A chain keeps a recomputation that costs no time
     (its forward run again where the device waits for a collective anyway) as readily as one
-    that saves memory, and apply then runs it: the corpus CLIP on cpu8 recomputed four
-    operators with memory to spare, and XLA gathered one's output again in the backward, a
-    collective nothing priced. Returns ``(step time, strategy)``, or None where nothing
-    changed (or `strategy` has stages, recomputes nothing or does not fit)."""
+    that saves memory, and apply then runs it, with whatever XLA does again in it (a
+    recomputed output gathered again in the backward, a collective the simulator does not
+    price: docs/checks.md). Returns ``(step time, strategy)``, or None where nothing changed
+    (or `strategy` has stages, recomputes nothing or does not fit)."""
     if strategy.stages > 1 or not recomputes_any(graph, strategy):
         return None
     sim.reset(strategy)
