@@ -434,3 +434,32 @@ def test_no_measurement_starts_that_would_likely_run_past_the_deadline(tmp_path)
     assert costs.update_time(1 << 20) == pytest.approx(small * 16, rel=1e-12)
     assert costs.stats.updates_measured == measured_updates
     costs.measure_until(None)
+
+
+def test_an_operator_without_shard_programs_is_said_once(caplog):
+    """A contrastive loss picks each row's matching pair with labels from an iota inside its
+    operator, and its shard programs that split the logits do not build (the known gap of
+    tests/test_corpus.py): each is priced by a fallback, and the warning is said once for the
+    operator, not once for each of its degrees."""
+    import logging
+
+    import optax
+
+    def loss(w, b):
+        logits = (b["img"] @ w) @ (b["txt"] @ w).T
+        labels = jnp.arange(logits.shape[0])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    w, batch = jnp.ones((12, 16)), {"img": jnp.ones((8, 12)), "txt": jnp.ones((8, 12))}
+    graph = trace(loss, w, batch, name="clip")
+    cm = cost.cost_model(graph, load_topology("cpu8"), mode="analytic")
+    j = graph.index("clip")
+    roles = graph.operators[j].iteration_roles
+    degrees = [tuple(k if d == i else 1 for d in range(len(roles)))
+               for i in range(len(roles)) for k in (2, 4)]
+    with caplog.at_level(logging.DEBUG, logger="soapjax.cost.operators"):
+        sigs = [cm.signature(j, d) for d in degrees]
+    assert sigs.count(None) >= 2
+    said = [r for r in caplog.records if r.levelno == logging.WARNING
+            and "no shard program for clip" in r.getMessage()]
+    assert len(said) == 1 and "not said again" in said[0].getMessage()

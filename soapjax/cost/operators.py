@@ -200,6 +200,7 @@ class CostModel:
         self._by_degrees: dict[tuple[int, tuple[int, ...]], OpTime] = {}
         self._by_sig: dict[str, OpTime] = {}
         self._sig_of: dict[tuple[int, tuple[int, ...]], str | None] = {}
+        self._unbuilt: set[int] = set()  # operators one of whose shard programs failed to build
         self._updates: dict[int, float] = {}  # measured, per power-of-two size
         self._update_memo: dict[float, float] = {}
         self._counts = dict(measured=0, disk_hits=0, shared=0, fallbacks=0, updates_measured=0,
@@ -275,9 +276,15 @@ class CostModel:
                 self._sig_of[key] = _timing.signature("operator", str(jax.make_jaxpr(fn)(*avals)),
                                                _diff_mask(self.graph.operators[op_index]))
             except Exception as e:  # noqa: BLE001  an exotic equation: priced by a fallback
-                log.warning("no shard program for %s at degrees %s (%s: %s); priced by a "
-                            "fallback", self.graph.operators[op_index].name, list(degrees),
-                            type(e).__name__, _first_line(e))
+                # once an operator (its other degrees fail alike; the plan's header counts
+                # every fallback)
+                first = op_index not in self._unbuilt
+                self._unbuilt.add(op_index)
+                (log.warning if first else log.debug)(
+                    "no shard program for %s at degrees %s (%s: %s); priced by a fallback%s",
+                    self.graph.operators[op_index].name, list(degrees), type(e).__name__,
+                    _first_line(e), " (its other degrees that fail: not said again)"
+                    if first else "")
                 self._sig_of[key] = None
         return self._sig_of[key]
 
