@@ -481,9 +481,11 @@ def test_samples_reading_each_other_couple_the_batch():
     ``img @ txt.T``, distances between every two samples), or values moved along the sample
     dim (mixup with the batch flipped, a permuted or shifted batch), makes a sample's loss read
     other samples': coupled, and no sum over the parts of a batch makes it (`sample_sums`
-    None). Microbatches would mix or contrast each microbatch within itself (the corpus CLIP:
-    loss 2.79 against 3.43 with 2, before this was seen). The batch split into groups and
-    summed stays uncoupled."""
+    None), and so does a reshape that groups the samples (pairs of views side by side: apply's
+    microbatches take every M-th sample and would split a group; a group summed element by
+    element is coupled too, conservatively). Microbatches would mix or contrast each
+    microbatch within itself (the corpus CLIP: loss 2.79 against 3.43 with 2, before this was
+    seen). The samples merged with their tokens and split out again stay uncoupled."""
     w = jnp.ones((12, 16))
     batch = {"img": jnp.ones((8, 12)), "txt": jnp.ones((8, 12))}
 
@@ -507,17 +509,23 @@ def test_samples_reading_each_other_couple_the_batch():
         h = b["img"] @ w
         return jnp.mean((h[1:] - h[:-1]) ** 2)
 
-    def grouped(w, b):
-        return jnp.sum((b["img"] @ w).reshape(4, 2, -1) ** 2)
+    def pairs_of_views(w, b):
+        g = (b["img"] @ w).reshape(4, 2, -1)
+        return jnp.sum((g[:, 0] - g[:, 1]) ** 2)
+
+    def tokens(w, b):  # [B, T, F] -> [B * T, F] -> [B, T, F]
+        h = jnp.stack([b["img"], b["txt"]], axis=1) @ w
+        return jnp.sum(jnp.tanh(h.reshape(16, -1)).reshape(8, 2, -1) ** 2)
 
     for fn, why in ((contrastive, "dot_general gives a value over pairs of samples"),
                     (pairwise, "sub gives a value over pairs of samples"),
                     (mixup, "rev moves values along the sample dim"),
                     (permuted, "gather moves values along the sample dim"),
-                    (shifted, "slice moves values along the sample dim")):
+                    (shifted, "slice moves values along the sample dim"),
+                    (pairs_of_views, "reshape splits the sample dim into groups of samples")):
         g = trace(fn, w, batch)
         assert g.sample_coupling.startswith(why) and g.sample_sums is None, fn.__name__
-    g = trace(grouped, w, batch)
+    g = trace(tokens, w, batch)
     assert g.sample_coupling == "" and g.sample_sums is not None
 
 

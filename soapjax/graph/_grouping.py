@@ -775,9 +775,10 @@ class _Coupling:
     square), where the sample dim is reduced other than by a sum (a max over the batch, a
     cumulative sum over its tokens), where a loop takes the batch in and gives no sample dim
     out, where a value holds two sample dims (pairs of samples: a contrastive loss's logits
-    ``img @ txt.T``, distances between samples), or where values move along the sample dim
+    ``img @ txt.T``, distances between samples), where values move along the sample dim
     (`_moves_samples`: the batch reversed, shifted, permuted, sliced or padded, as mixup with
-    a flipped batch does), so that a sample reads another's. `find` names the first such
+    a flipped batch does), so that a sample reads another's, or where a reshape groups the
+    samples (`_groups_samples`: pairs of views side by side). `find` names the first such
     equation and its operator.
     """
 
@@ -817,6 +818,8 @@ class _Coupling:
                 why = f"{name} gives a value over pairs of samples"
             elif self._moves_samples(u):
                 why = f"{name} moves values along the sample dim"
+            elif self._groups_samples(u):
+                why = f"{name} splits the sample dim into groups of samples"
             elif all(self._per_sample(v) for v in outs):
                 new = _SAMPLE
             elif name in _LINEAR_REDUCTIONS and self._sums_samples(u):
@@ -848,7 +851,8 @@ class _Coupling:
             outs = [v for v in u.outs if v is not None]
             if not any(ins):
                 continue  # constants only
-            if any(self._pairs(v) for v in outs) or self._moves_samples(u):
+            if any(self._pairs(v) for v in outs) or self._moves_samples(u) \
+                    or self._groups_samples(u):
                 return None  # a sample reads another's: no sum over the parts makes that
             if all(self._per_sample(v) for v in outs):
                 new = _SAMPLE
@@ -896,6 +900,25 @@ class _Coupling:
         else:
             return False
         return any(b.role(u.ins[0], d) == "S" for d in dims)
+
+    def _groups_samples(self, u) -> bool:
+        """Whether `u` is a reshape that splits the sample dim into groups of samples
+        (``[B, F] -> [B / 2, 2, F]``: two views of an image side by side, a batch of pairs):
+        a sample dim of its result that is not a whole number of batches. Merging the samples
+        with their tokens (``[B, T] -> [B * T]``) and splitting them out again keep whole
+        samples. Apply's microbatches take every M-th sample, so a group would be split."""
+        b = self.b
+        if u.eqn.primitive.name != "reshape" or not u.outs or u.outs[0] is None:
+            return False
+        x, out = u.ins[0], u.outs[0]
+        if x not in b.gl or not self._per_sample(x):
+            return False
+        size = self._batch_size()
+        return any(n % size for d, n in enumerate(b.p.shapes[out]) if b.role(out, d) == "S")
+
+    def _batch_size(self) -> int:
+        """The batch's size (dim 0 of its leaves)."""
+        return next((self.b.p.shapes[v][0] for v in self.b.batch_of), 1)
 
     def _sums_samples(self, u) -> bool:
         """Whether `u` (a linear reduction) sums over a sample dim of a per-sample operand."""
