@@ -187,8 +187,8 @@ def test_a_recomputation_that_buys_nothing_is_dropped():
     """`tidied`: the tiny flash llama on cpu8 with every layer operator recomputed, on a
     device with room for everything: each position stops recomputing where the step is no
     slower and still fits, so nothing recomputes and the step is the plain plan's; on a
-    device just big enough for the recomputing plan, what it drops still fits and is no
-    slower, and some layer operator still recomputes."""
+    device just big enough for the recomputing plan, it drops what still fits (faster: 35.8
+    against 37.9 ms) and some layer operator still recomputes."""
     from soapjax.search.recompute import recomputes_any, tidied
 
     g, topo, cm, full = tiny_flash()
@@ -199,7 +199,5 @@ def test_a_recomputation_that_buys_nothing_is_dropped():
     whole = simulate(g, topo, full, cost_model=cm)
     tight = _capped(topo, whole.memory.total)
     sim = make_simulation(g, tight, cost_model=cm)
-    found = tidied(sim, g, full)
-    if found is not None:
-        t, found = found
-        assert t <= whole.step_time_s and sim.fits_in_memory() and recomputes_any(g, found)
+    t, found = tidied(sim, g, full)
+    assert t < whole.step_time_s and sim.fits_in_memory() and recomputes_any(g, found)
