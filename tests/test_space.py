@@ -147,10 +147,11 @@ def test_tie_blocks_gives_every_layer_one_layers_config_and_policy(layer):
 
 
 def test_a_cotangent_reduces_into_its_producer_only_with_every_partial_axis_scattered():
-    """`space.reduces_into`: one dim gains, and it gains every partial axis (Megatron's
-    sequence parallelism); an axis moving between dims, two dims gaining, or some partial
-    axes scattered with the others left to an all-reduce is not (XLA computed wrong gradients
-    through each: docs/xla-workarounds.md)."""
+    """`space.reduces_into`: one dim gains, and where it is already split it gains every
+    partial axis (Megatron's sequence parallelism); an axis moving between dims, two dims
+    gaining, or some partial axes scattered into an already split dim with the others left to
+    an all-reduce is not (XLA computed wrong gradients through each:
+    docs/xla-workarounds.md)."""
     from soapjax.strategy.space import reduces_into
 
     # sequence parallelism: the sequence dim gains model, the cotangent's one partial axis
@@ -159,9 +160,11 @@ def test_a_cotangent_reduces_into_its_producer_only_with_every_partial_axis_scat
                         ["model", "data"])
     # the same layout: reduced where it is
     assert reduces_into((("data",), ()), (("data",), ()), ["model"])
-    # some partial axes scattered, the others all-reduced (the GQA decoder's values)
+    # some partial axes scattered into an already split dim, the others all-reduced (the GQA
+    # decoder's values); into an unsplit dim it is exact (LLaMA's sequence parallelism)
     assert not reduces_into((("node",), (), (), ()), (("node", "data"), (), (), ()),
                             ["data", "model"])
+    assert reduces_into(((), (), (), ()), ((), (), ("data",), ()), ["data", "model"])
     # two dims gaining; an axis moving between dims; a gained axis that is not partial
     assert not reduces_into(((), (), ()), (("model",), ("node",), ()), ["model", "node"])
     assert not reduces_into((("data",), ()), ((), ("data",)), ["data"])

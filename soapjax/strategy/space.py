@@ -648,16 +648,17 @@ def reduces_into(spec: Spec, producer: Spec, partials: Sequence[str]) -> bool:
     """Whether a cotangent laid out as `spec`, a partial sum over `partials`, is reduced
     straight into its producer's layout `producer` (a reduce-scatter) rather than all-reduced
     where it is made: every dim keeps its axes and gains only partial ones, only one dim
-    gains, and it gains every partial axis (Megatron's sequence parallelism: the sequence dim
-    gains ``model``). Apply constrains the cotangent so only then (`soapjax.apply._flatstep`),
-    and the simulator prices it so: an axis moving between dims, partial axes scattered into
-    two dims at once, or some partial axes scattered and the others left to an all-reduce,
-    made XLA compute wrong gradients upstream (docs/xla-workarounds.md)."""
+    gains, and where that dim is already split it gains every partial axis (Megatron's
+    sequence parallelism: the sequence dim gains ``model``). Apply constrains the cotangent so
+    only then (`soapjax.apply._flatstep`), and the simulator prices it so: an axis moving
+    between dims, partial axes scattered into two dims at once, or some partial axes
+    scattered into an already split dim and the others left to an all-reduce, made XLA
+    compute wrong gradients upstream (docs/xla-workarounds.md)."""
     n = max(len(spec), len(producer))
     pairs = list(zip(tuple(spec) + ((),) * (n - len(spec)),
                      tuple(producer) + ((),) * (n - len(producer))))
-    gained = [set(b[len(f):]) for f, b in pairs if len(b) > len(f)]
-    return (len(gained) <= 1 and all(set(g) == set(partials) for g in gained)
+    gaining = [(f, set(b[len(f):])) for f, b in pairs if len(b) > len(f)]
+    return (len(gaining) <= 1 and all(not f or g == set(partials) for f, g in gaining)
             and all(tuple(b[:len(f)]) == tuple(f) and set(b[len(f):]) <= set(partials)
                     for f, b in pairs))
 
