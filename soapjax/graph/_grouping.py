@@ -814,12 +814,8 @@ class _Coupling:
                 elif name == "div" and ins[1:] and ins[1] == _LINEAR:
                     why = "a division by a statistic of the whole batch"
                 new = _LINEAR
-            elif any(self._pairs(v) for v in outs):
-                why = f"{name} gives a value over pairs of samples"
-            elif self._moves_samples(u):
-                why = f"{name} moves values along the sample dim"
-            elif self._groups_samples(u):
-                why = f"{name} splits the sample dim into groups of samples"
+            elif reads := self._reads_others(u, outs):
+                why = f"{name} {reads}"
             elif all(self._per_sample(v) for v in outs):
                 new = _SAMPLE
             elif name in _LINEAR_REDUCTIONS and self._sums_samples(u):
@@ -851,8 +847,7 @@ class _Coupling:
             outs = [v for v in u.outs if v is not None]
             if not any(ins):
                 continue  # constants only
-            if any(self._pairs(v) for v in outs) or self._moves_samples(u) \
-                    or self._groups_samples(u):
+            if self._reads_others(u, outs):
                 return None  # a sample reads another's: no sum over the parts makes that
             if all(self._per_sample(v) for v in outs):
                 new = _SAMPLE
@@ -866,6 +861,18 @@ class _Coupling:
                 return None
             state.update((v, new) for v in outs)
         return tuple(births)
+
+    def _reads_others(self, u, outs: list[int]) -> str:
+        """How equation `u` makes a sample read other samples' values (`find` and `sums` both
+        ask), or '': a value over pairs of samples, values moved along the sample dim, the
+        samples grouped by a reshape."""
+        if any(self._pairs(v) for v in outs):
+            return "gives a value over pairs of samples"
+        if self._moves_samples(u):
+            return "moves values along the sample dim"
+        if self._groups_samples(u):
+            return "splits the sample dim into groups of samples"
+        return ""
 
     def _moves_samples(self, u) -> bool:
         """Whether `u` moves values along a sample dim of its operand: reverses, slices, pads,
