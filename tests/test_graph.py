@@ -481,11 +481,15 @@ def test_samples_reading_each_other_couple_the_batch():
     ``img @ txt.T``, distances between every two samples), or values moved along the sample
     dim (mixup with the batch flipped, a permuted or shifted batch), makes a sample's loss read
     other samples': coupled, and no sum over the parts of a batch makes it (`sample_sums`
-    None), and so does a reshape that groups the samples (pairs of views side by side: apply's
-    microbatches take every M-th sample and would split a group; a group summed element by
-    element is coupled too, conservatively). Microbatches would mix or contrast each
-    microbatch within itself (the corpus CLIP: loss 2.79 against 3.43 with 2, before this was
-    seen). The samples merged with their tokens and split out again stay uncoupled."""
+    None); so does an equation that runs along the sample dim (a cumulative sum, a top-k over
+    the samples' losses), and a reshape that groups the samples (pairs of views side by side:
+    apply's microbatches take every M-th sample and would split a group; a group summed
+    element by element is coupled too, conservatively). Microbatches would mix or contrast
+    each microbatch within itself (the corpus CLIP: loss 2.79 against 3.43 with 2, before this
+    was seen; a SigLIP-style loss with both towers fed the same images, its loss 3 % off, and a
+    cumulative sum over the batch, 68 % off, before the sample dims of one label and the
+    equations running along the batch were seen). The samples merged with their tokens and
+    split out again stay uncoupled."""
     w = jnp.ones((12, 16))
     batch = {"img": jnp.ones((8, 12)), "txt": jnp.ones((8, 12))}
 
@@ -513,6 +517,16 @@ def test_samples_reading_each_other_couple_the_batch():
         g = (b["img"] @ w).reshape(4, 2, -1)
         return jnp.sum((g[:, 0] - g[:, 1]) ** 2)
 
+    def one_tower(w, b):  # SigLIP-style: both sides from the same images, one sample label
+        h = b["img"] @ w
+        return jnp.sum(jax.nn.log_sigmoid((2 * jnp.eye(8) - 1) * (h @ (h ** 2).T)))
+
+    def cumulative(w, b):  # a Cox likelihood's risk sets: a cumulative sum over the batch
+        return jnp.sum(jax.lax.cumlogsumexp(jnp.tanh(b["img"] @ w)[:, 0]))
+
+    def hardest(w, b):  # online hard example mining: the top quarter of the samples' losses
+        return jnp.mean(jax.lax.top_k(jnp.sum(jnp.tanh(b["img"] @ w), axis=1), 2)[0])
+
     def tokens(w, b):  # [B, T, F] -> [B * T, F] -> [B, T, F]
         h = jnp.stack([b["img"], b["txt"]], axis=1) @ w
         return jnp.sum(jnp.tanh(h.reshape(16, -1)).reshape(8, 2, -1) ** 2)
@@ -522,7 +536,10 @@ def test_samples_reading_each_other_couple_the_batch():
                     (mixup, "rev moves values along the sample dim"),
                     (permuted, "gather moves values along the sample dim"),
                     (shifted, "slice moves values along the sample dim"),
-                    (pairs_of_views, "reshape splits the sample dim into groups of samples")):
+                    (pairs_of_views, "reshape splits the sample dim into groups of samples"),
+                    (one_tower, "dot_general gives a value over pairs of samples"),
+                    (cumulative, "cumlogsumexp moves values along the sample dim or runs"),
+                    (hardest, "top_k moves values along the sample dim or runs")):
         g = trace(fn, w, batch)
         assert g.sample_coupling.startswith(why) and g.sample_sums is None, fn.__name__
     g = trace(tokens, w, batch)

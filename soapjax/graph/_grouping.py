@@ -753,6 +753,10 @@ def mark_unrolled_layers(ops: list[Operator]) -> list[Operator]:
 _CONST, _SAMPLE, _LINEAR = 0, 1, 2
 # Reductions linear in what they reduce: a sum over samples is the sum of the microbatches'.
 _LINEAR_REDUCTIONS = frozenset({"reduce_sum", "psum", "dot_general"})
+# Equations that run along one axis of their operand (the parameter naming it): along the
+# sample dim, a sample's result reads the samples before it (a cumulative sum) or all (a sort).
+_ALONG_AXIS = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis",
+               "cumlogsumexp": "axis", "sort": "dimension"}
 # What keeps a value that is linear in the batch linear (with constants, or another such).
 _LINEAR_OPS = frozenset({"add", "add_any", "sub", "neg", "convert_element_type", "reshape",
                          "broadcast_in_dim", "squeeze", "expand_dims", "copy", "copy_p",
@@ -789,10 +793,11 @@ class _Coupling:
         return any(self.b.role(vid, d) == "S" for d in range(len(self.b.p.shapes[vid])))
 
     def _pairs(self, vid: int) -> bool:
-        """Whether value `vid` holds two sample dims of different labels (pairs of samples)."""
+        """Whether value `vid` holds two sample dims (pairs of samples): of different labels
+        (``img @ txt.T``) or of one (``a @ b.T`` with both towers fed the same images, whose
+        sample dims the grouping joins)."""
         b = self.b
-        return len({b.gl[vid][d] for d in range(len(b.p.shapes[vid]))
-                    if b.role(vid, d) == "S"}) > 1
+        return sum(b.role(vid, d) == "S" for d in range(len(b.p.shapes[vid]))) > 1
 
     def find(self) -> str:
         b, p = self.b, self.b.p
@@ -869,7 +874,7 @@ class _Coupling:
         if any(self._pairs(v) for v in outs):
             return "gives a value over pairs of samples"
         if self._moves_samples(u):
-            return "moves values along the sample dim"
+            return "moves values along the sample dim or runs along it"
         if self._groups_samples(u):
             return "splits the sample dim into groups of samples"
         return ""
@@ -877,7 +882,8 @@ class _Coupling:
     def _moves_samples(self, u) -> bool:
         """Whether `u` moves values along a sample dim of its operand: reverses, slices, pads,
         concatenates along it, gathers or scatters by index along it (a sample then reads
-        another sample's values: a batch flipped for mixup, shifted, permuted)."""
+        another sample's values: a batch flipped for mixup, shifted, permuted), or runs along
+        it (a cumulative sum, a sort, a top-k, a window, an FFT over the samples)."""
         b, name, params = self.b, u.eqn.primitive.name, u.eqn.params
         if not u.ins or u.ins[0] not in b.gl:
             return False
@@ -904,6 +910,14 @@ class _Coupling:
         elif name == "dynamic_update_slice":
             update = b.p.shapes[u.ins[1]] if len(u.ins) > 1 else shape
             dims = tuple(d for d, (n, m) in enumerate(zip(update, shape)) if n != m)
+        elif name in _ALONG_AXIS:
+            dims = (params[_ALONG_AXIS[name]],)
+        elif name == "top_k":
+            dims = (len(shape) - 1,)
+        elif name.startswith("reduce_window"):
+            dims = tuple(d for d, n in enumerate(params["window_dimensions"]) if n != 1)
+        elif name == "fft":
+            dims = tuple(range(len(shape) - len(params["fft_lengths"]), len(shape)))
         else:
             return False
         return any(b.role(u.ins[0], d) == "S" for d in dims)
