@@ -235,9 +235,9 @@ def check(s: Subject, strategy: Strategy, topology: Topology) -> Outcome:
         try:
             fn, sh = apply.sharded_value_and_grad(s.graph, strategy, mesh, params=s.params,
                                                   batch=s.batch, compiler_options=FAST)
-            loss, grads = fn(apply.device_put_global(s.params, sh.params),
-                             apply.device_put_global(s.batch, sh.batch))
-        except PlanError as e:
+            loss, grads = jax.block_until_ready(fn(apply.device_put_global(s.params, sh.params),
+                                                   apply.device_put_global(s.batch, sh.batch)))
+        except PlanError as e:  # (blocked: a step failing at run time is a crash, reported)
             return Outcome(None, str(e))
         except Exception as e:  # noqa: BLE001  apply crashing is a failure to report
             return Outcome(None, crashed=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")

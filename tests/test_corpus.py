@@ -492,6 +492,7 @@ IDIOMS = {
     "whisper": {"conv_general_dilated", "tanh"},
     "kv_cache_decoder": {"dynamic_update_slice"},
     "clip": {"exp", "sqrt", "transpose"},
+    "fnet": {"fft", "real"},
 }
 # Grouped convolutions (feature_group_count > 1): depthwise, a channel multiplier, 4 groups.
 GROUPED = {"convnext": 1, "mobilenet": 2, "mamba": 1}

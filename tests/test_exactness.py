@@ -608,3 +608,75 @@ def test_the_reference_of_coupled_samples_splits_microbatches_as_apply_does():
     assert float(loss) == pytest.approx(float(want_loss), rel=1e-12)
     assert exactness.compare_gradients(loss, grads, want_loss, want, tolerance=1e-12).passed
     assert abs(float(blocks) - float(want_loss)) > 1e-6  # the split matters here
+
+
+def test_fnet_under_microbatches_with_its_norm_split_runs_exact():
+    """The randomized suite's find on the corpus FNet, shrunk (seed 2026120424 of an outside
+    FNet on cpu8): 2 microbatches, the first mixing norm's batch over data and features over
+    model, every other operator whole. XLA:CPU gave the FFT in the microbatch loop's body a
+    layout its FFT cannot run (a runtime RET_CHECK: no step at all); apply unrolls the loop
+    of a graph with an FFT on CPU devices."""
+    import fuzzing
+
+    s = fuzzing.subject("corpus:fnet")
+    strategy = space.Strategy(tuple(Config.replicated(op) for op in s.graph.operators))
+    strategy = strategy.with_microbatches(2).replace(s.graph.index("blocks_0/mix_norm"),
+                                                     Config((("data",), (), ("model",))))
+    out = fuzzing.check(s, strategy, TOPOLOGY)
+    assert out.comparison is not None, out.refused or out.crashed
+    assert out.comparison.max_error <= X64, out.comparison.describe()
+
+
+_FFT_CANARY = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+jax.config.update("jax_enable_x64", True)
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 6, 16)))
+w = jnp.asarray(np.random.default_rng(1).standard_normal((16, 16)))
+def c(v, *spec):
+    return jax.lax.with_sharding_constraint(v, NamedSharding(mesh, P(*spec)))
+def mixed(w, x, spec):  # the FFT's input split along the tokens, a transform dim
+    h = c(x @ w, *spec) if spec is not None else x @ w
+    return jnp.sum(jnp.tanh(jnp.fft.fft2(h, axes=(-2, -1)).real))
+def block(w, x, norm):  # an FNet block, the norm's layout another than the FFT's
+    h = c(x @ w) if norm is not None else x @ w
+    y = h + jnp.fft.fft2(h, axes=(-2, -1)).real
+    y = c(c(y), *norm) if norm is not None else y
+    y = (y - y.mean(-1, keepdims=True)) / jnp.sqrt(y.var(-1, keepdims=True) + 1e-6)
+    return jnp.sum(jnp.tanh(c(y) if norm is not None else y))
+def looped(w, x, unroll):  # over 2 microbatches, samples k, k + 2, ... as apply takes them
+    def body(acc, xm):
+        return acc + jax.grad(block)(w, xm, ("data", None, "model")), None
+    xs = x.reshape(4, 2, 6, 16).swapaxes(0, 1)
+    return jax.lax.scan(body, jnp.zeros_like(w), xs, unroll=unroll)[0]
+for name, fn, want in (
+        ("split", lambda w, x: jax.grad(mixed)(w, x, (None, "model")),
+         jax.grad(mixed)(w, x, None)),
+        ("looped", lambda w, x: looped(w, x, 1), jax.grad(block)(w, x, None)),
+        ("unrolled", lambda w, x: looped(w, x, True), jax.grad(block)(w, x, None))):
+    try:
+        got = jax.block_until_ready(jax.jit(fn)(w, x))
+        print(name, "error", float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))))
+    except Exception as e:
+        print(name, "failed", "RET_CHECK" in str(e) and "fft" in str(e))
+"""
+
+
+def test_xla_cpu_still_cannot_run_an_fft_split_or_resharded_in_a_loop():
+    """The canary of the two FFT rules (docs/xla-workarounds.md), in plain JAX in a process of
+    its own (XLA aborts the process at exit after such a failure): an FFT whose transform dim
+    is split, and an FFT in a loop whose result is resharded (the FNet above's 2 microbatches),
+    fail at run time on XLA:CPU (jax 0.10.2); the loop unrolled runs, exact."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", _FFT_CANARY], env=env, capture_output=True,
+                         text=True, timeout=300)
+    lines = dict(line.split(" ", 1) for line in run.stdout.splitlines())
+    assert lines.get("split") == "failed True", run.stdout + run.stderr[-2000:]
+    assert lines.get("looped") == "failed True", run.stdout + run.stderr[-2000:]
+    assert float(lines["unrolled"].split()[1]) < 1e-12

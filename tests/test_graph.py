@@ -664,3 +664,24 @@ def test_a_pool_after_the_last_block_is_not_folded_into_the_stem():
     assert [o.kind for o in g.operators[pool].inputs] == ["activation"]
     stem = g.operators[names.index("reduce_window_max")]
     assert [o.source for o in stem.inputs] == ["bn1"]
+
+
+def test_an_fft_never_splits_its_transform_dims():
+    """An FFT's operator keeps the dims it transforms whole (XLA:CPU cannot run an FFT split
+    there: docs/xla-workarounds.md); its batch dim stays splittable, and the operators around
+    it may split the tokens and features: a token mixing by ``fft2`` over [B, T, F], and an
+    ``rfft`` over the features whose result the same operator reduces."""
+    w = jnp.ones((12, 16))
+    x = jnp.ones((8, 6, 12))
+
+    def loss(w, x):
+        h = x @ w
+        y = jnp.tanh(h + jnp.fft.fft2(h, axes=(-2, -1)).real)
+        return jnp.mean(jnp.fft.rfft(y, axis=-1).real ** 2)
+
+    g = trace(loss, w, x)
+    mixing, head = [op for op in g.operators if op.anchor == "fft"]
+    assert mixing.roles == ("S", "-", "-")
+    # the rfft over the features, then the mean: its transform dim is reduced, kept whole
+    assert [r.role for r in head.reduction_dims] == ["S", "A", "-"]
+    assert g.operators[0].roles == ("S", "A", "P")

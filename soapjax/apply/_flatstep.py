@@ -484,6 +484,11 @@ def _micro_configs(graph: OpGraph, micro: OpGraph, configs: Sequence[Config]) ->
     return tuple(out)
 
 
+def _on_cpu(mesh: Mesh) -> bool:
+    """Whether `mesh`'s devices are XLA:CPU's."""
+    return mesh.devices.flat[0].platform == "cpu"
+
+
 def _value_and_grad(check: Checked, batch_shardings: Any,
                     allow_spatial_convolutions: bool) -> Callable:
     """``(params, batch, step) -> (loss, grads)`` of the constrained loss (its PRNG keys
@@ -510,6 +515,8 @@ def _value_and_grad(check: Checked, batch_shardings: Any,
                                                strategy.recompute), mesh,
                                allow_spatial_convolutions=allow_spatial_convolutions)
     grad_fn = jax.value_and_grad(loss_fn)
+    # XLA:CPU gives an FFT in a loop body a layout its FFT cannot run (docs/xla-workarounds.md)
+    unroll = m if _on_cpu(mesh) and any(op.anchor == "fft" for op in graph.operators) else 1
 
     def split(x, sharding):
         y = split_microbatches(x, m)
@@ -527,7 +534,7 @@ def _value_and_grad(check: Checked, batch_shardings: Any,
         first = jax.tree.map(lambda x: x[0], micro_batches)
         zeros = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype),
                              jax.eval_shape(grad_fn, params, first))
-        total, _ = jax.lax.scan(body, zeros, micro_batches)
+        total, _ = jax.lax.scan(body, zeros, micro_batches, unroll=unroll)
         return jax.tree.map(lambda x: x / m, total)
 
     return value_and_grad

@@ -560,6 +560,11 @@ class _Builder:
         # *this* operator reads. A pooling layer's channels are A, though a conv's are P.
         param_dims = {d for o in operands if o.kind == "param" for d in o.dims if d is not None}
         roles = [_per_operator_role(r, d in param_dims) for d, r in enumerate(roles)]
+        for d in self._transformed_dims(group, ls, lab, iter_of):
+            if d < len(roles):
+                roles[d] = "-"
+            else:  # a transform dim the operator then reduces
+                red_dims[d - len(roles)] = dataclasses.replace(red_dims[d - len(roles)], role="-")
         red_dims = [dataclasses.replace(r, role=_per_operator_role(r.role,
                                                                    len(roles) + k in param_dims))
                     for k, r in enumerate(red_dims)]
@@ -627,6 +632,24 @@ class _Builder:
                     lab[v] = lb
                     source[v] = src
         return ls, lab, env, reduced, summed
+
+    def _transformed_dims(self, group: list[int], ls, lab, iter_of: dict[int, int]) -> set[int]:
+        """The iteration dims an FFT of `group` transforms along (its operand's and result's
+        last ``len(fft_lengths)`` dims): never split. XLA:CPU's FFT cannot run on the layout
+        the partitioner gives a transform dim it splits (a runtime RET_CHECK; a plain-JAX
+        canary in tests/test_exactness.py), and a split transform needs all-to-alls anyway;
+        the operators around it may still split those dims, resharded at its boundary."""
+        dims: set[int] = set()
+        for i in group:
+            u = self.p.units[i]
+            if u.eqn.primitive.name != "fft":
+                continue
+            k = len(u.eqn.params["fft_lengths"])
+            for v in (*u.ins[:1], *u.outs[:1]):
+                if v is not None and v in lab:
+                    dims.update(d for x in lab[v][len(lab[v]) - k:]
+                                if (d := ls.lookup(x, iter_of)) is not None)
+        return dims
 
     def _output_roles(self, out_vid: int, ls, lab, iter_of: dict[int, int]) -> list[Role]:
         """The primary output's dims become iteration dims 0..n-1 (a repeated one: '-')."""

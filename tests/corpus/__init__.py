@@ -46,6 +46,7 @@ from corpus import (
     clip,
     convnext,
     dropout_nnx,
+    fnet,
     gemma3,
     gqa_decoder,
     kv_cache_decoder,
@@ -180,6 +181,9 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
           "CLIP-style contrastive pair of towers: L2-normalised embeddings, a weakly typed "
           "temperature (jnp.array), logits img @ txt.T over pairs of samples (the samples "
           "interact: one microbatch), symmetric cross-entropy", gradients_in="fuzz"),
+    Entry("fnet", "linen", fnet.make,
+          "FNet-style encoder: tokens mixed by jnp.fft.fft2's real part (complex values, no "
+          "parameters), residual LayerNorms, GELU MLP, blocks in a list", gradients_in="fuzz"),
 )}
 
 
