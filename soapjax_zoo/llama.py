@@ -222,6 +222,9 @@ LLAMA_CONFIGS = {
     "tiny-flash": LlamaConfig(batch_size=2, seq_len=128, vocab_size=64, num_layers=2,
                               num_heads=8, num_kv_heads=4, d_model=32, mlp_hidden=64,
                               dtype=None, attention="flash", attention_block=32),
+    # four layers: pipelines of 4 stages, or 2 with 2 virtual stages each (interleaved)
+    "tiny-deep": LlamaConfig(batch_size=8, seq_len=8, vocab_size=64, num_layers=4, num_heads=8,
+                             num_kv_heads=4, d_model=32, mlp_hidden=64, dtype=None),
     **LLAMA_SIZES,
     **LONG_CONTEXT_SIZES,
 }

@@ -71,3 +71,20 @@ def test_draws_keep_to_the_schedules_asked_for():
         assert drawn.pipelined and drawn.schedule in wanted
         assert (fuzzing.draw(s, NODES, np.random.default_rng(seed))
                 == fuzzing.draw(s, NODES, np.random.default_rng(seed), None))
+
+
+def test_an_interleaved_pipeline_is_drawn_and_exact():
+    """The four-layer LLaMA draws interleaved pipelines (2 stages of 2 virtual stages on
+    ``cpu8``), which the two-layer subjects cannot: its gradients come back with the stacked
+    layers in chunk order (`soapjax.apply.model_layout` puts them back) and match
+    ``jax.grad``. Before the subject was added, no interleaved pipeline was ever drawn, and the
+    check compared chunk-ordered gradients with the model's (a crash, not a comparison)."""
+    s = fuzzing.subject("zoo:llama:tiny-deep")
+    rng = np.random.default_rng(3)
+    for _ in range(TRIES):
+        strategy = fuzzing.draw(s, CPU8, rng, ("interleaved", "zb-interleaved"))
+        assert strategy.virtual_stages == 2, fuzzing.describe(strategy, s.graph)
+        out = fuzzing.check(s, strategy, CPU8)
+        if not out.refused:
+            break
+    assert not out.failed and out.comparison is not None, out.describe()

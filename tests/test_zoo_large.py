@@ -109,8 +109,9 @@ def test_large_models_are_registered_with_their_sizes():
     assert zoo.configs("gpt") == ("default", "tiny", "tiny-dropout", "1.3b", "1.7b", "2.7b",
                                   "3.6b", "6.7b", "7.5b", "13b", "18.4b", "22b", "39.1b",
                                   "76.1b", "145.6b", "175b", "310.1b", "530b", "1t")
-    assert zoo.configs("llama") == ("default", "tiny", "tiny-flash", "7b", "70b", "8b-8k",
-                                    "8b-32k", "8b-128k", "70b-8k", "70b-32k", "70b-128k")
+    assert zoo.configs("llama") == ("default", "tiny", "tiny-flash", "tiny-deep", "7b", "70b",
+                                    "8b-8k", "8b-32k", "8b-128k", "70b-8k", "70b-32k",
+                                    "70b-128k")
     assert gpt.GPT_CONFIGS["default"] == gpt.GPT_CONFIGS["1.3b"]
     assert llama.LLAMA_CONFIGS["default"] == llama.LLAMA_CONFIGS["7b"]
 
