@@ -259,7 +259,8 @@ def test_a_collective_run_once_per_microbatch_counts_once_per_microbatch():
     the same bytes in all at 1, 2 and 4 microbatches (each buffer halves as the count
     doubles), and so do the once-a-step gradient all-reduces. Before, a check of a plan with
     M microbatches counted each of them once: 1F1B over 4 microbatches (TP4 PP2) read 0.32
-    of XLA's bytes, 1.003 since."""
+    of XLA's bytes, 1.003 since. The gradients' all-reduces run every microbatch too (flat
+    apply's loop reduces each microbatch's as it adds them: the test below)."""
     from soapjax.check import simulated_collectives
     from soapjax.cost.operators import cost_model
     from soapjax.simulate.front import simulate
@@ -268,7 +269,7 @@ def test_a_collective_run_once_per_microbatch_counts_once_per_microbatch():
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt")
     topo = load_topology("cpu8")
     costs = cost_model(g, topo, mode="analytic", optimizer=w.optimizer)
-    totals, buffers = {}, {}
+    totals, buffers, syncs = {}, {}, {}
     for m in (1, 2, 4):
         strategy = baselines.megatron_3d(g, topo, tp=4, microbatch_size=4 // m,
                                          recompute="none", sequence_parallel=True)
@@ -276,12 +277,47 @@ def test_a_collective_run_once_per_microbatch_counts_once_per_microbatch():
         sim = simulate(g, topo, strategy, cost_model=costs, resharder="ideal")
         tasks, found = sim.tasks, simulated_collectives(sim)
         assert {t.runs for t in tasks if t.kind == "reshard"} == {m}
-        assert {t.runs for t in tasks if t.kind == "grad_sync"} == {1}
-        totals[m] = sum(nbytes * times for _, nbytes, times in found)
+        assert {t.runs for t in tasks if t.kind == "grad_sync"} == {m}
+        synced = sum(t.nbytes * t.runs for t in tasks if t.kind == "grad_sync")
+        totals[m] = sum(nbytes * times for _, nbytes, times in found) - synced
+        syncs[m] = synced
         buffers[m] = max(t.nbytes for t in tasks if t.kind == "reshard")
     # the same bytes up to the scalars a microbatch all-reduces (4 bytes each, M times)
     assert abs(totals[2] - totals[1]) <= 4 * 2 and abs(totals[4] - totals[1]) <= 4 * 4 * 2
     assert buffers[1] == 2 * buffers[2] == 4 * buffers[4]
+    assert syncs[2] == 2 * syncs[1] and syncs[4] == 4 * syncs[1]
+
+
+def test_flat_microbatches_sync_the_gradients_as_often_as_xla():
+    """Flat apply accumulates M microbatches' gradients in a loop, and XLA all-reduces each
+    microbatch's as it adds them (docs/checks.md; the strict xfail
+    `tests/test_apply.py::test_microbatches_reduce_data_parallel_gradients_once`): the
+    simulator prices M syncs, so its all-reduced bytes are XLA's at 1, 2 and 4 microbatches
+    (tiny GPT at batch 32, data parallel on cpu8; before, it priced one: 0.25 of XLA's at 4)."""
+    from soapjax.apply.step import sharded_value_and_grad
+    from soapjax.check import simulated_collectives
+    from soapjax.cost.operators import cost_model
+    from soapjax.measure import hlo
+    from soapjax.simulate.front import simulate
+    from soapjax.strategy import space
+    from soapjax.strategy.space import MeshShape
+    from soapjax.topology.cluster import make_mesh
+
+    w = zoo.get("gpt", "tiny", batch_size=32)
+    params, batch = w.abstract_params(), w.abstract_batch()
+    g = trace(w.loss_fn, params, batch, name="gpt")
+    topo = load_topology("cpu8")
+    mesh = make_mesh(topo)
+    costs = cost_model(g, topo, mode="analytic", optimizer=w.optimizer)
+    for m in (1, 2, 4):
+        strategy = space.data_parallel(g, MeshShape.of(topo)).with_microbatches(m)
+        sim = simulate(g, topo, strategy, cost_model=costs, resharder="ideal")
+        predicted = sum(n * k for kind, n, k in simulated_collectives(sim)
+                        if kind == "all_reduce")
+        fn, _ = sharded_value_and_grad(g, strategy, mesh, params=params, batch=batch)
+        text = fn.lower(params, batch, 0).compile().as_text()
+        xla = hlo.summarize(hlo.collectives(text, mesh), executed=True)["all-reduce"][1]
+        assert predicted == pytest.approx(xla, rel=0.01), m
 
 
 def _plan_and_check(model: str, path, capsys) -> tuple[Plan, dict]:

@@ -142,7 +142,11 @@ class _LeafBuilding:
         Each reader's contribution is synchronised on its own, right after that reader's
         backward, and the synced contributions are summed: XLA's partitioner puts the
         all-reduce (or reduce-scatter) at the operation that makes the partial sum, before the
-        add, so a tied embedding's gradient is all-reduced twice (seen in compiled HLO).
+        add, so a tied embedding's gradient is all-reduced twice (seen in compiled HLO). With
+        M microbatches flat apply's loop synchronises each microbatch's contribution as it
+        adds it: M times (`Simulation._sync_each_microbatch`; not in a pipeline's stage), but
+        for the all-reduces XLA:GPU moves out of the loop (`Capabilities.
+        sinks_loop_all_reduces`).
         """
         layout = self._layout
         shape, dtype = layout.leaf_shape[leaf], layout.leaf_dtype[leaf]
@@ -151,6 +155,9 @@ class _LeafBuilding:
             v = self._views[j]
             chain = self._partial_chain(shape, dtype, v.operand_specs[o], store,
                                         v.partial_groups[o])
+            if self._sync_each_microbatch:
+                chain = tuple(c if c.kind == "all_reduce" and self._sinks_all_reduces
+                              else self._per_microbatch((c,))[0] for c in chain)
             sync = self._chain_tasks(chain, layout.bwd_key(j, 1 + o), [self._backward_task[j]],
                                      GRAD_SYNC, leaf)
             tasks += sync

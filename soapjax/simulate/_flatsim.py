@@ -212,6 +212,12 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
         # `soapjax.apply._flatstep.stored_inputs`); a pipeline's layers are run by
         # `soapjax.apply._pipelined`, which keeps them as gathered
         self._regathers = not pipeline_stage
+        # flat apply accumulates M microbatches' gradients in a loop, and XLA reduces each
+        # one's partial gradients as it adds them (docs/checks.md: M times the bytes), but for
+        # the all-reduces XLA:GPU moves out of the loop; a pipeline's stages sum their data
+        # groups once (`soapjax.simulate.pipesim` prices it)
+        self._sync_each_microbatch = not pipeline_stage
+        self._sinks_all_reduces = topology.capabilities.sinks_loop_all_reduces
         self.topology = topology
         self.cost_model = cost_model
         self.mesh = MeshShape.of(topology)

@@ -127,15 +127,22 @@ class Capabilities(NamedTuple):
         global-norm clip's scalars) into one collective (XLA:GPU's and TPU's combiners).
       virtual_devices: the devices are virtual, as many as ``XLA_FLAGS=
         --xla_force_host_platform_device_count=N`` says (XLA:CPU).
+      sinks_loop_all_reduces: XLA moves an all-reduce whose result a loop only accumulates
+        out of the loop, once after it (XLA:GPU's ``WhileLoopAllReduceCodeMotion``, in its
+        collective optimisations; reduce-scatters only under a flag that is off by default).
+        XLA:CPU runs it every iteration (measured: docs/checks.md); TPU's pipeline is not
+        public, so it is priced as the CPU's.
     """
 
     reduce_scatter: bool
     combines_all_reduces: bool
     virtual_devices: bool
+    sinks_loop_all_reduces: bool = False
 
 
 CAPABILITIES: dict[str, Capabilities] = {
-    "gpu": Capabilities(reduce_scatter=True, combines_all_reduces=True, virtual_devices=False),
+    "gpu": Capabilities(reduce_scatter=True, combines_all_reduces=True, virtual_devices=False,
+                        sinks_loop_all_reduces=True),
     "tpu": Capabilities(reduce_scatter=True, combines_all_reduces=True, virtual_devices=False),
     "cpu": Capabilities(reduce_scatter=False, combines_all_reduces=False, virtual_devices=True),
 }
