@@ -902,3 +902,29 @@ def test_task_graph_edits_time_as_a_graph_built_whole(sigma, seed):
             assert timed(g) == whole(g)
             if all(t in attached for t in slower):
                 assert timed(g) == before
+
+
+def test_microbatch_gradient_syncs_follow_the_platform():
+    """A flat plan's gradient syncs with M microbatches: every microbatch's on CPU devices
+    (XLA:CPU all-reduces each microbatch's gradients in apply's loop:
+    tests/test_check.py::test_flat_microbatches_sync_the_gradients_as_often_as_xla), once on
+    GPUs, whose XLA moves an all-reduce the loop only accumulates out of it
+    (`Capabilities.sinks_loop_all_reduces`); a reduce-scatter (the distributed optimizer's)
+    stays in the loop on both, so with it a GPU's syncs run more often, not M times (its
+    scalars and indivisible leaves are still all-reduced)."""
+    w = soapjax_zoo.get("gpt", "tiny", batch_size=32)
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt")
+
+    def runs(topology, m: int, optimizer_axes: tuple[str, ...] = ()) -> int:
+        strategy = data_parallel(g, MeshShape.of(topology)).with_microbatches(m)
+        strategy = dataclasses.replace(strategy, optimizer_axes=optimizer_axes)
+        sim = simulate(g, topology, strategy, resharder="ideal",
+                       cost_model=cost_model(g, topology, mode="analytic"))
+        return sum(t.runs for t in sim.tasks if t.kind == "grad_sync")
+
+    cpu, gpu = load_topology("cpu8"), load_topology("dgx-h100x8")
+    assert not cpu.capabilities.sinks_loop_all_reduces and gpu.capabilities.sinks_loop_all_reduces
+    assert runs(cpu, 4) == 4 * runs(cpu, 1)
+    assert runs(gpu, 4) == runs(gpu, 1)
+    zero = gpu.axis_names[:1]
+    assert runs(gpu, 1, zero) < runs(gpu, 4, zero) < 4 * runs(gpu, 1, zero)
