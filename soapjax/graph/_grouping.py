@@ -81,6 +81,12 @@ def module_of_param(path: str) -> str:
     return "/".join(keys[:-1])
 
 
+def _fft_axes(params: dict, rank: int) -> range:
+    """The axes an ``fft`` equation of `params` transforms along, of an operand of `rank`
+    dims: its last ``len(fft_lengths)``."""
+    return range(rank - len(params["fft_lengths"]), rank)
+
+
 def _per_operator_role(global_role: Role, splits_param: bool) -> Role:
     if global_role in ("S", "-"):
         return global_role
@@ -644,11 +650,10 @@ class _Builder:
             u = self.p.units[i]
             if u.eqn.primitive.name != "fft":
                 continue
-            k = len(u.eqn.params["fft_lengths"])
             for v in (*u.ins[:1], *u.outs[:1]):
                 if v is not None and v in lab:
-                    dims.update(d for x in lab[v][len(lab[v]) - k:]
-                                if (d := ls.lookup(x, iter_of)) is not None)
+                    dims.update(d for a in _fft_axes(u.eqn.params, len(lab[v]))
+                                if (d := ls.lookup(lab[v][a], iter_of)) is not None)
         return dims
 
     def _output_roles(self, out_vid: int, ls, lab, iter_of: dict[int, int]) -> list[Role]:
@@ -940,7 +945,7 @@ class _Coupling:
         elif name.startswith("reduce_window"):
             dims = tuple(d for d, n in enumerate(params["window_dimensions"]) if n != 1)
         elif name == "fft":
-            dims = tuple(range(len(shape) - len(params["fft_lengths"]), len(shape)))
+            dims = tuple(_fft_axes(params, len(shape)))
         else:
             return False
         return any(b.role(u.ins[0], d) == "S" for d in dims)
