@@ -24,7 +24,15 @@ if "xla_force_host_platform_device_count" not in _flags:
 # collectives the tests read) run as ever. Timings measured here are the unoptimised code's.
 if "xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
+# XLA:CPU's fusion emitters compile a step's fusions about a third slower than its older
+# loop emitter (tests/test__pipelined.py: 74-82 s of CPU time against 50-51 s); the tests that
+# hold XLA:CPU's own counts (FLOPs, kernels) compile with them on (`XLA_DEFAULT_EMITTERS`).
+if "xla_cpu_use_fusion_emitters" not in _flags:
+    _flags += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = _flags.strip()
+
+# compiler options that put back XLA:CPU's default emitters for one compile
+XLA_DEFAULT_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
 
 # jax only now, once its flags are set.
 import jax

@@ -4,6 +4,7 @@ import functools
 import json
 
 import pytest
+from conftest import XLA_DEFAULT_EMITTERS
 
 import soapjax_zoo as zoo
 from soapjax import cli
@@ -96,7 +97,8 @@ def test_compiled_flops_per_device_match_the_prediction(case):
     strategy = baselines.baselines(g, topo)[case[1]]
     mesh = MeshShape.of(topo)
     xla = compiled_flops(g, strategy, make_mesh(topo), w, mesh_shape=mesh,
-                         compiler_options={"xla_backend_optimization_level": 0})
+                         compiler_options={"xla_backend_optimization_level": 0,
+                                           **XLA_DEFAULT_EMITTERS})
     predicted = counter.step(strategy, mesh).total
     assert xla.compute / predicted == pytest.approx(FLOP_PLANS[case], abs=0.002)
     assert (xla.compute - xla.duplicated) / predicted == pytest.approx(1.0, abs=0.05)

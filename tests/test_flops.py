@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from conftest import XLA_DEFAULT_EMITTERS
 
 from soapjax.cost.flops import FlopCounter
 from soapjax.graph._dims import xla_flops
@@ -60,7 +61,7 @@ FLOP_CASES = {
 def test_xla_flops_count_what_xla_counts(case):
     fn, avals, (flops, transcendentals) = FLOP_CASES[case]
     counted = xla_flops(jax.make_jaxpr(fn)(*avals).jaxpr)
-    analysis = jax.jit(fn).lower(*avals).compile().cost_analysis()
+    analysis = jax.jit(fn).lower(*avals).compile(XLA_DEFAULT_EMITTERS).cost_analysis()
     assert (counted.flops, counted.transcendentals) == (flops, transcendentals)
     assert (analysis.get("flops", 0.0), analysis.get("transcendentals", 0.0)) == (
         flops, transcendentals)

@@ -6,6 +6,7 @@ import pytest
 
 import soapjax_zoo
 from soapjax import report
+from soapjax.cost.operators import cost_model
 from soapjax.graph.opgraph import OpGraph, trace
 from soapjax.report import byte_unit, format_bytes, group_repeats, grouped_configs, plan_report
 from soapjax.simulate.front import SimResult, simulate
@@ -43,8 +44,9 @@ def test_the_plan_text_lists_configs_baselines_bytes_and_memory():
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt2")
     topo = load_topology("cpu8")
     base = baselines(g, topo, w.family)
-    sim = simulate(g, topo, base["megatron"])
-    dp = simulate(g, topo, base["data-parallel"])
+    costs = cost_model(g, topo, mode="analytic")  # the text is the subject, not the timings
+    sim = simulate(g, topo, base["megatron"], cost_model=costs)
+    dp = simulate(g, topo, base["data-parallel"], cost_model=costs)
     text = plan_report(g, topo, base["megatron"], sim, header=["gpt2 on cpu8"],
                        baselines=[("data-parallel", dp.step_time_s, dp.fits_in_memory)])
     rows = grouped_configs(g, base["megatron"])
@@ -68,13 +70,15 @@ def test_the_plan_text_says_what_is_recomputed_and_the_microbatches():
     policies = tuple("full" if op.block_position and not op.name.endswith("/attn") else "none"
                      for op in g.operators)
     strategy = dataclasses.replace(base, recompute=policies, microbatches=2)
-    text = plan_report(g, topo, strategy, simulate(g, topo, strategy), baselines=[])
+    costs = cost_model(g, topo, mode="analytic")
+    text = plan_report(g, topo, strategy, simulate(g, topo, strategy, cost_model=costs),
+                       baselines=[])
     rows = {line.split()[0]: line for line in text.splitlines()
             if line.startswith("  layers_{0..1}/")}
     assert rows["layers_{0..1}/mlp/up"].endswith("recomputed (full)")
     assert "recomputed" not in rows["layers_{0..1}/attn"]
     assert "  gradients accumulated over 2 microbatches of 4 samples" in text.splitlines()
-    plain = plan_report(g, topo, base, simulate(g, topo, base), baselines=[])
+    plain = plan_report(g, topo, base, simulate(g, topo, base, cost_model=costs), baselines=[])
     assert "recomputed" not in plain and "microbatches" not in plain
 
 

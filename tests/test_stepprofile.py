@@ -10,6 +10,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import XLA_DEFAULT_EMITTERS
 
 import soapjax_zoo as zoo
 from soapjax.measure import stepprofile as sp
@@ -22,7 +23,7 @@ def gpt2_step():
     opt_state = jax.jit(w.optimizer.init)(params)
     batch = w.make_batch(jax.random.key(1))
     compiled = jax.jit(w.train_step(), donate_argnums=(0, 1)).lower(
-        params, opt_state, batch).compile()
+        params, opt_state, batch).compile(XLA_DEFAULT_EMITTERS)  # XLA:CPU's own kernels
     params, opt_state, _ = jax.block_until_ready(compiled(params, opt_state, batch))
     return compiled, (params, opt_state, batch)
 
