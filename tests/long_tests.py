@@ -249,4 +249,14 @@ LONG: dict[str, str] = {
                                 "exact[linen_scan_transformer] (the helper on that model) and "
                                 "its test_cpu8_gradient_is_exact[linen_scan_transformer-"
                                 "searched]",
+    # sixth round (make test at 11.4 minutes here after the compile flags of tests/conftest.py)
+    "tests/test_exactness.py::test_xla_cpu_still_cannot_run_an_fft_split_or_resharded_in_a_"
+    "loop": "a canary on XLA itself (9 s, a process of its own); the workarounds it holds up "
+            "run in make test: test_fnet_under_microbatches_with_its_norm_split_runs_exact",
+    "tests/test_apply.py::test_microbatches_reduce_data_parallel_gradients_once":
+        "a strict xfail (an apply gap, docs/checks.md); the same compiled bytes are read by "
+        "tests/test_check.py::test_flat_microbatches_sync_the_gradients_as_often_as_xla",
+    "tests/test_zoo_large.py::test_every_size_traces_from_shapes[gpt-22b]":
+        "the same closed forms at [gpt-1.3b], [gpt-1.7b] and [gpt-6.7b]",
+    "tests/test_zoo_large.py::test_every_size_traces_from_shapes[gpt-13b]": "the same",
 }
