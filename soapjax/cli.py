@@ -21,6 +21,7 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 
+from soapjax.base._progress import end_progress, print_progress
 from soapjax.base.errors import SettingsError, SoapjaxError
 
 __all__ = ["BROKEN_PIPE", "CHECK_FAILED", "INTERRUPTED", "build_parser", "main"]
@@ -547,12 +548,11 @@ def _cmd_profile(args: argparse.Namespace) -> int:
                             optimizer=w.optimizer)
 
     def progress(p: cost.ProfileProgress) -> None:
-        sys.stderr.write(f"\r{p.done}/{p.total} shard programs, {p.distinct} distinct, "
-                         f"{p.measured} measured, {p.elapsed_s:.1f}s")
-        sys.stderr.flush()
+        print_progress(f"{p.done}/{p.total} shard programs, {p.distinct} distinct, "
+                       f"{p.measured} measured, {p.elapsed_s:.1f}s")
 
     r = costs.profile(progress=progress)
-    sys.stderr.write("\n")
+    end_progress()
     print(f"{w.name} ({args.size}) on {topo.name}: {costs.source} costs; {r.pairs} "
           f"(operator, config) pairs, {r.shard_programs} shard programs, {r.distinct} distinct "
           f"signatures; {r.measured} measured now, {r.fallbacks} fallbacks; {r.seconds:.1f}s")
@@ -827,7 +827,7 @@ def _search_and_simulate(args: argparse.Namespace, w, g, topo):
     came from, extra report lines (a pipelined plan's))."""
     from soapjax.cost.operators import cost_model
     from soapjax.cost.reshard import Resharder
-    from soapjax.search import SearchSettings, find_plan, print_progress
+    from soapjax.search import SearchSettings, find_plan
     from soapjax.strategy.space import MeshShape, SpaceLimits
 
     if args.budget is not None and args.proposals is not None:
@@ -846,7 +846,7 @@ def _search_and_simulate(args: argparse.Namespace, w, g, topo):
                          optimizer=w.optimizer, family=w.family, model_config=w.config,
                          workload=_workload_text(args.model), progress=progress)
         if progress:
-            sys.stderr.write("\n")
+            end_progress()
         info = dict(plan.search)
         others = _baseline_results(g, topo, w, cm, resharder, info) if args.plot else {}
     return plan, plan.simulated, others, cm.source, _pipeline_notes(plan.strategy(g, topo),

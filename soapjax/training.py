@@ -86,6 +86,7 @@ from soapjax.apply.step import (
     validate_strategy,
 )
 from soapjax.base._cache import cache_root
+from soapjax.base._progress import end_progress, print_progress
 from soapjax.base.errors import ArgumentError, PlanError, SoapjaxError
 from soapjax.cost.operators import local_backend_matches, local_topology
 from soapjax.cost.reshard import DEFAULT_MODE
@@ -98,7 +99,7 @@ from soapjax.exactness import (
     step_difference,
 )
 from soapjax.graph.opgraph import OpGraph, trace
-from soapjax.search import SearchSettings, find_plan, print_progress
+from soapjax.search import SearchSettings, find_plan
 from soapjax.simulate.front import opt_state_factor
 from soapjax.strategy._arguments import check_optimizer, check_settings
 from soapjax.strategy.baselines import NAMES as BASELINE_NAMES, baselines
@@ -588,7 +589,7 @@ def _plan(graph: OpGraph, topology: Topology, options: PlanOptions) -> Plan:
                                                   f"{settings.budget_s:g} s search"))
     plan = find_plan(graph, topology, settings=settings, costs=options.costs,
                      optimizer=options.optimizer, progress=print_progress)
-    sys.stderr.write("\n")
+    end_progress()
     _write_cached(path, key, plan)
     info, dp = dict(plan.search), dict(plan.baselines).get("data-parallel")
     versus = f" (data parallel {dp * 1e3:.4g} ms)" if dp else ""

@@ -97,13 +97,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 import time
 from typing import Any
 
 import jax
 
 from soapjax.base._dtypes import itemsize
+from soapjax.base._progress import print_progress
 from soapjax.base.errors import PlanError
 from soapjax.cost.operators import CostModel, cost_model as make_cost_model
 from soapjax.cost.reshard import DEFAULT_MODE, Resharder
@@ -693,8 +693,4 @@ def _abstract_params(graph: OpGraph) -> list[jax.ShapeDtypeStruct]:
 
 
 
-def print_progress(line: str) -> None:
-    """A progress callback that rewrites one line on stderr."""
-    sys.stderr.write("\r" + line[:120].ljust(120))
-    sys.stderr.flush()
 
