@@ -287,6 +287,16 @@ def test_non_scalar_loss():
         trace(lambda p, b: b["x"] @ p["w"], PARAMS, BATCH)
 
 
+def test_a_loss_with_aux_values_is_told_to_return_the_loss_alone():
+    def loss_and_metrics(p, b):
+        out = b["x"] @ p["w"]
+        return jnp.mean(out ** 2), {"largest": out.max()}
+
+    with pytest.raises(TraceError, match=r"returned \(float32\[\], float32\[\]\); a loss with "
+                       r"other values \(as for jax.value_and_grad\(..., has_aux=True\)"):
+        trace(loss_and_metrics, PARAMS, BATCH)
+
+
 def test_unknown_model_on_the_command_line(capsys):
     assert cli.main(["graph", "--model", "gtp2"]) == 2
     assert "unknown model 'gtp2'" in capsys.readouterr().err

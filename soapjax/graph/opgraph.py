@@ -395,7 +395,14 @@ def trace(fn: Callable, *example_args, params_argnums: int | Sequence[int] = 0,
     out = closed.jaxpr.outvars
     if len(out) != 1 or _dims.shape_of(out[0]) != ():
         got = ", ".join(str(v.aval) for v in out)
-        raise TraceError(f"{fname} must return a scalar loss, but returned ({got})")
+        aux = (len(out) > 1 and _dims.shape_of(out[0]) == ()
+               and jnp.issubdtype(out[0].aval.dtype, jnp.floating))
+        raise TraceError(
+            f"{fname} must return a scalar loss, but returned ({got})"
+            + ("; a loss with other values (as for jax.value_and_grad(..., has_aux=True): "
+               "metrics, logits, updated batch statistics) is not planned: return the loss "
+               "alone, and compute the other values in a jitted function of their own "
+               "(docs/apply.md)" if aux else ""))
     dtype = out[0].aval.dtype
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TraceError(f"{fname} must return a real floating-point loss to differentiate, but "
