@@ -76,6 +76,7 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
+from soapjax.apply._validation import validate_trainable
 from soapjax.apply.step import (
     ChunkOrdered,
     PartitionedStep,
@@ -334,6 +335,7 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
     mesh, topology = _resolve_mesh(mesh)
     mesh_shape = MeshShape.of(topology) if topology is not None else None
     graph = trace(loss_fn, params, batch, name=name)
+    validate_trainable(graph)  # before any planning
     options = PlanOptions(search, costs, optimizer)
     strategy = _resolve_strategy(strategy, graph, mesh, topology, options)
     plan = strategy if isinstance(strategy, Plan) else None

@@ -39,7 +39,7 @@ from soapjax.apply.step import (
     strategy_from_names,
     validate_strategy,
 )
-from soapjax.base.errors import PlanError
+from soapjax.base.errors import PlanError, TraceError
 from soapjax.cost.operators import cost_model
 from soapjax.cost.reshard import Resharder
 from soapjax.graph.opgraph import OpGraph, trace
@@ -821,3 +821,18 @@ def test_microbatches_reduce_data_parallel_gradients_once(mesh):
         return hlo.summarize(hlo.collectives(text, mesh), executed=True)["all-reduce"][1]
 
     assert all_reduced(4) <= 1.05 * all_reduced(1)
+
+
+def test_a_boolean_parameter_is_named_before_the_step_is_built(mesh):
+    """The lower-level step refuses a parameter leaf jax.grad cannot differentiate, naming it
+    (`soapjax.apply._validation.validate_trainable`), where jax.jit would fail later with
+    its own message."""
+    params = {"w": jnp.ones((4, 2)), "mask": jnp.ones((2,), bool)}
+
+    def loss(p, b):
+        return jnp.mean(jnp.where(p["mask"], b["x"] @ p["w"], 0.0))
+
+    graph = trace(loss, params, {"x": jnp.ones((8, 4))})
+    strategy = space.data_parallel(graph, MESH_SHAPE)
+    with pytest.raises(TraceError, match=r"parameter leaf \['mask'\] of graph 'loss' is bool\[2\]"):
+        sharded_value_and_grad(graph, strategy, mesh, params=params)

@@ -7,13 +7,15 @@ with analytic costs and a proposal budget, so the searches are reproducible and 
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import Mesh
 
 import soapjax_zoo as zoo
 from soapjax import SearchSettings, find_plan, training
-from soapjax.base.errors import ArgumentError, PlanError
+from soapjax.base.errors import ArgumentError, PlanError, TraceError
 from soapjax.graph.opgraph import trace
 from soapjax.strategy.baselines import baselines
 from soapjax.topology.cluster import load_topology
@@ -308,3 +310,20 @@ def test_a_plan_made_by_the_command_line_binds_to_the_same_model_here(tmp_path, 
                                   mesh="cpu8", strategy=plan, verify=True)
     assert run.graph.name == "clip" == plan.model
     assert [op.name for op in run.graph.operators] == [name for name, _ in plan.configs]
+
+
+def test_an_integer_parameter_is_named_before_anything_is_planned(capsys, cache_dir):
+    """A step counter kept among the parameters: the step would fail inside jax.jit with jax's
+    own message after the search (``grad requires real- or complex-valued inputs``); the leaf
+    is named first, and nothing is planned or cached."""
+    params = {"w": jnp.ones((3, 2)), "step": jnp.zeros((), jnp.int32)}
+
+    def loss(p, b):
+        return jnp.mean((b["x"] @ p["w"]) ** 2)
+
+    with pytest.raises(TraceError, match=r"parameter leaf \['step'\] of graph 'loss' is "
+                       r"int32\[\]: the step differentiates floating-point parameters only"):
+        training.shard_training(loss, params, {"x": jnp.ones((8, 3))}, optax.sgd(0.1),
+                                mesh="cpu8", costs="analytic", search=SETTINGS)
+    assert "planning" not in capsys.readouterr().err
+    assert not list(cache_dir.glob("plans/*.json"))

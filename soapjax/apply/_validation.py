@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from soapjax.apply._pipeline_layout import STAGE_AXIS, check_pipelinable, stage_mesh_shape
-from soapjax.base.errors import PlanError
+from soapjax.base.errors import PlanError, TraceError
 from soapjax.graph.opgraph import LeafInfo, OpGraph
 from soapjax.strategy.memory import check_microbatches
 from soapjax.strategy.space import MeshShape, Strategy, spatial_convolution
@@ -56,6 +56,7 @@ def check_strategy(graph: OpGraph, strategy: Any, mesh: Mesh, *,
         return strategy
     if isinstance(strategy, Checked):
         strategy = strategy.strategy
+    validate_trainable(graph)
     checked = validate_strategy(graph, strategy, mesh, mesh_shape=mesh_shape)
     return Checked(checked, graph, mesh, spatial_convolution(graph, checked))
 
@@ -210,6 +211,26 @@ def _unwrap(obj: Any, graph: OpGraph) -> tuple[Strategy, MeshShape | None]:
 
 def _fmt_mesh(m: MeshShape) -> str:
     return "(" + ", ".join(f"{n}={s}" for n, s in zip(m.axis_names, m.axis_sizes)) + ")"
+
+
+def validate_trainable(graph: OpGraph) -> None:
+    """Every parameter leaf is one ``jax.grad`` differentiates: floating-point (or complex).
+
+    Raises:
+      TraceError: an integer, boolean or key leaf among the parameters, named, with what to do
+        (where the step would fail inside ``jax.jit`` with jax's own message).
+    """
+    for leaf in graph.params:
+        try:
+            inexact = bool(np.issubdtype(np.dtype(leaf.dtype), np.inexact))
+        except TypeError:  # a PRNG key's dtype
+            inexact = False
+        if not inexact:
+            raise TraceError(
+                f"parameter leaf {leaf.path} of graph {graph.name!r} is {leaf.dtype}"
+                f"{list(leaf.shape)}: the step differentiates floating-point parameters only "
+                f"(jax.grad refuses {leaf.dtype}); keep integer, boolean or key state out of the "
+                "parameters (close over it, or pass it as a constant argument) and trace again")
 
 
 def validate_program_inputs(graph: OpGraph) -> None:
