@@ -277,7 +277,7 @@ class ShardedTraining:
 def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch: Any,
                    optimizer: optax.GradientTransformation, *,
                    mesh: Mesh | Topology | str = "cpu8",
-                   strategy: Strategy | Plan | Planner | str = "plan",
+                   strategy: Strategy | Plan | Planner | str | None = "plan",
                    search: SearchSettings | None = None, costs: str = "auto",
                    opt_state: Any = None, name: str | None = None, donate: bool = True,
                    compiler_options: Mapping[str, Any] | None = None,
@@ -295,8 +295,8 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
       optimizer: the optax transformation.
       mesh: a `jax.sharding.Mesh` (Auto axes), a `Topology`, or a topology name or path; a
         topology's mesh is built over ``jax.devices()`` (every process's devices).
-      strategy: ``"plan"`` (default: search, or reuse the cached plan; module doc), another
-        name in `PLANNERS` (a baseline), a `Strategy`, a `Plan`, or a planner
+      strategy: ``"plan"`` (default, as is None: search, or reuse the cached plan; module
+        doc), another name in `PLANNERS` (a baseline), a `Strategy`, a `Plan`, or a planner
         ``(graph, mesh_shape) -> Strategy``.
       search: the search settings of ``"plan"`` (default `SearchSettings()`: 20 s).
       costs: how ``"plan"`` prices operators: ``"auto"`` (measured where the topology's
@@ -327,6 +327,7 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
     """
     check_optimizer(optimizer, "shard_training")
     check_settings(search, SearchSettings, "shard_training", name="search")
+    strategy = "plan" if strategy is None else strategy
     if name is None and isinstance(strategy, Plan):
         # the graph named as the plan's (`soapjax plan --model file.py:fn` names it after the
         # file): the operators outside any module take the graph's name

@@ -327,3 +327,10 @@ def test_an_integer_parameter_is_named_before_anything_is_planned(capsys, cache_
                                 mesh="cpu8", costs="analytic", search=SETTINGS)
     assert "planning" not in capsys.readouterr().err
     assert not list(cache_dir.glob("plans/*.json"))
+
+
+def test_strategy_none_is_the_default_plan(mlp, capsys):
+    """``strategy=None``, as users write for "the default", plans as ``"plan"`` does (it was a
+    PlanError: expected a soapjax Strategy, got NoneType)."""
+    default = shard(mlp)
+    assert shard(mlp, strategy=None).plan.configs == default.plan.configs
