@@ -27,6 +27,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import soapjax_zoo as models
 from soapjax import training
+from soapjax.apply._validation import validate_trainable
 from soapjax.apply.step import (
     TrainShardings,
     batch_shardings,
@@ -836,3 +837,20 @@ def test_a_boolean_parameter_is_named_before_the_step_is_built(mesh):
     strategy = space.data_parallel(graph, MESH_SHAPE)
     with pytest.raises(TraceError, match=r"parameter leaf \['mask'\] of graph 'loss' is bool\[2\]"):
         sharded_value_and_grad(graph, strategy, mesh, params=params)
+
+
+def test_every_floating_point_parameter_is_trainable_bfloat16_too():
+    """`validate_trainable` asks jax which dtypes are floating-point: bfloat16 and float16
+    parameters pass (numpy alone calls bfloat16 no float: the first version refused it), a
+    typed PRNG key among the parameters is named."""
+    def loss(p, b):
+        return jnp.mean((b["x"] @ p["w"].astype(jnp.float32)) * p["s"].astype(jnp.float32))
+
+    batch = {"x": jnp.ones((8, 4))}
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+        validate_trainable(trace(loss, {"w": jnp.ones((4, 2), dtype), "s": jnp.ones((), dtype)},
+                                 batch))
+    keyed = trace(lambda p, b: loss(p, b) + 0 * jax.random.uniform(p["k"]),
+                  {"w": jnp.ones((4, 2)), "s": jnp.ones(()), "k": jax.random.key(0)}, batch)
+    with pytest.raises(TraceError, match=r"parameter leaf \['k'\] of graph .* is key<fry>\[\]"):
+        validate_trainable(keyed)

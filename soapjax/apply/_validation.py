@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
@@ -222,7 +223,7 @@ def validate_trainable(graph: OpGraph) -> None:
     """
     for leaf in graph.params:
         try:
-            inexact = bool(np.issubdtype(np.dtype(leaf.dtype), np.inexact))
+            inexact = bool(jnp.issubdtype(jnp.dtype(leaf.dtype), jnp.inexact))  # bfloat16 too
         except TypeError:  # a PRNG key's dtype
             inexact = False
         if not inexact:
