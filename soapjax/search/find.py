@@ -690,7 +690,3 @@ class _Asked:
 def _abstract_params(graph: OpGraph) -> list[jax.ShapeDtypeStruct]:
     """The parameter leaves as a flat list (optimizer states are per leaf: same sizes)."""
     return [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in graph.params]
-
-
-
-
