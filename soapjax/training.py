@@ -611,7 +611,7 @@ def _cache_key(graph: OpGraph, topology: Topology, settings: SearchSettings,
     measured = options.costs == "measured" or (options.costs == "auto"
                                                and local_backend_matches(topology)[0])
     factor = 2.0 if options.optimizer is None else opt_state_factor(
-        options.optimizer, [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in graph.params])
+        options.optimizer, graph.abstract_params())
     return {"graph": graph.fingerprint(), "topology": topology.fingerprint(),
             "soapjax": _version(), "search": settings.to_json(),
             "costs": "measured" if measured else "analytic", "reshard": DEFAULT_MODE,

@@ -695,3 +695,17 @@ def test_an_fft_never_splits_its_transform_dims():
     # the rfft over the features, then the mean: its transform dim is reduced, kept whole
     assert [r.role for r in head.reduction_dims] == ["S", "A", "-"]
     assert g.operators[0].roles == ("S", "A", "P")
+
+
+def test_abstract_params_keep_the_parameters_tree():
+    """`OpGraph.abstract_params`: the parameters in their own pytree (an optimizer's ``init``
+    follows it), a tuple of them for several parameter arguments."""
+    g = trace(_loss, PARAMS, BATCH)
+    tree = g.abstract_params()
+    assert jax.tree.structure(tree) == jax.tree.structure(PARAMS)
+    assert [(x.shape, x.dtype) for x in jax.tree.leaves(tree)] == [
+        (x.shape, x.dtype) for x in jax.tree.leaves(PARAMS)]
+    two = trace(lambda p, b, q: _loss(p, b) + jnp.sum(q["v"]), PARAMS, BATCH,
+                {"v": jnp.ones(3)}, params_argnums=(0, 2))
+    assert jax.tree.structure(two.abstract_params()) == jax.tree.structure(
+        (PARAMS, {"v": 0}))

@@ -334,3 +334,24 @@ def test_strategy_none_is_the_default_plan(mlp, capsys):
     PlanError: expected a soapjax Strategy, got NoneType)."""
     default = shard(mlp)
     assert shard(mlp, strategy=None).plan.configs == default.plan.configs
+
+
+def test_an_optimizer_whose_state_follows_the_parameters_tree_plans(mlp, cache_dir):
+    """`optax.multi_transform` with a label pytree (a frozen layer) reads the parameters' own
+    tree in ``init``: the plan's cache key and the search priced its state on a flat list of
+    leaves and crashed (``pytree structure error``); now on the graph's parameter tree, so
+    the frozen layer holds no optimizer state in the plan's memory either."""
+    params = mlp.abstract_params()
+    labels = jax.tree_util.tree_map_with_path(
+        lambda kp, _: "frozen" if "fc1" in jax.tree_util.keystr(kp) else "train", params)
+    optimizer = optax.multi_transform({"train": optax.adam(1e-3),
+                                       "frozen": optax.set_to_zero()}, labels)
+    run = training.shard_training(mlp.loss_fn, params, mlp.abstract_batch(), optimizer,
+                                  name="mlp", mesh="cpu8", costs="analytic", search=SETTINGS)
+    [path] = cache_dir.glob("plans/*.json")
+    factor = json.loads(path.read_text())["key"]["opt_state_factor"]
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    trained = sum(x.size for kp, x in leaves if "fc1" not in jax.tree_util.keystr(kp))
+    # Adam's two moments of the trained leaves (and its step counter: a few bytes)
+    assert factor == pytest.approx(2 * trained / sum(x.size for _, x in leaves), abs=1e-3)
+    assert run.plan is not None

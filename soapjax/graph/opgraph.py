@@ -100,6 +100,8 @@ class OpGraph:
       microbatch_statistics: the user accepts statistics per microbatch where the samples
         interact (`trace`'s argument: what Megatron-LM and MaxText do with a mixture of
         experts' capacity and auxiliary loss under gradient accumulation).
+      params_tree: the parameters' pytree structure (a tuple of the parameter arguments' when
+        there are several; None: not made by `trace`), for `abstract_params`.
     """
 
     name: str
@@ -114,6 +116,7 @@ class OpGraph:
     sample_coupling: str = dataclasses.field(default="", compare=False)
     sample_sums: tuple[int, ...] | None = dataclasses.field(default=None, compare=False)
     microbatch_statistics: bool = dataclasses.field(default=False, compare=False)
+    params_tree: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
     # what later stages work out once per graph (`memo`); not copied by dataclasses.replace
     _memo: dict = dataclasses.field(default_factory=dict, init=False, compare=False,
                                     hash=False, repr=False)
@@ -130,6 +133,14 @@ class OpGraph:
         """Each operator's index in `operators`, by its name (worked out once: `memo`)."""
         return self.memo("operator_index",
                          lambda: {op.name: j for j, op in enumerate(self.operators)})
+
+    def abstract_params(self) -> Any:
+        """The parameters as `jax.ShapeDtypeStruct`s in their own pytree (what an optimizer's
+        ``init`` reads: `optax.multi_transform`'s labels and masks follow that structure), or
+        a flat list where the structure is not known."""
+        leaves = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in self.params]
+        return leaves if self.params_tree is None else jax.tree.unflatten(self.params_tree,
+                                                                          leaves)
 
     def at_batch_size(self, size: int) -> OpGraph:
         """The same function traced again with `size` samples per batch (microbatches: the
@@ -427,7 +438,10 @@ def trace(fn: Callable, *example_args, params_argnums: int | Sequence[int] = 0,
                    params=tuple(params), batch=tuple(batch), unsupported=tuple(unsupported),
                    program=program, retrace=retrace, sample_coupling=builder.sample_coupling(),
                    sample_sums=builder.sample_sums(),
-                   microbatch_statistics=bool(microbatch_statistics))
+                   microbatch_statistics=bool(microbatch_statistics),
+                   params_tree=jax.tree.structure(
+                       example_args[pnums[0]] if len(pnums) == 1
+                       else tuple(example_args[i] for i in pnums)))
 
 
 def _param_positions(args, pnums) -> frozenset[int]:

@@ -100,8 +100,6 @@ import math
 import time
 from typing import Any
 
-import jax
-
 from soapjax.base._dtypes import itemsize
 from soapjax.base._progress import print_progress
 from soapjax.base.errors import PlanError
@@ -570,7 +568,7 @@ def find_plan(graph: OpGraph, topology, *, settings: SearchSettings | None = Non
     t0 = time.perf_counter()
     cm = make_cost_model(graph, topology, mode=costs, optimizer=optimizer) \
         if isinstance(costs, str) else costs
-    factor = 2.0 if optimizer is None else opt_state_factor(optimizer, _abstract_params(graph))
+    factor = 2.0 if optimizer is None else opt_state_factor(optimizer, graph.abstract_params())
     resharder = Resharder(MeshShape.of(topology), mode=reshard) if isinstance(reshard, str) \
         else reshard
     try:
@@ -685,8 +683,3 @@ class _Asked:
 
     def prefetch(self, transitions) -> int:
         return self.inner.prefetch(transitions)
-
-
-def _abstract_params(graph: OpGraph) -> list[jax.ShapeDtypeStruct]:
-    """The parameter leaves as a flat list (optimizer states are per leaf: same sizes)."""
-    return [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in graph.params]
