@@ -854,3 +854,36 @@ def test_every_floating_point_parameter_is_trainable_bfloat16_too():
                   {"w": jnp.ones((4, 2)), "s": jnp.ones(()), "k": jax.random.key(0)}, batch)
     with pytest.raises(TraceError, match=r"parameter leaf \['k'\] of graph .* is key<fry>\[\]"):
         validate_trainable(keyed)
+
+
+def test_a_debug_print_left_in_the_model_traces_and_trains_exactly(mesh, capfd):
+    """``jax.debug.print`` inside a model (left in, as users do) made an operator with no
+    output, and tracing crashed (``max() arg is an empty sequence``). The print and what only
+    it reads are in no operator now; the operators are those of the model without it, and the
+    float64 gradients under Megatron are jax.grad's, the print still printing."""
+    def model(printing):
+        def loss(p, b):
+            h = jax.nn.relu(b["x"] @ p["w1"])
+            if printing:
+                jax.debug.print("mean activation {m}", m=h.mean())
+            return jnp.mean((h @ p["w2"] - b["y"]) ** 2)
+        return loss
+
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(0)
+        params = {"w1": jnp.asarray(rng.standard_normal((6, 16))),
+                  "w2": jnp.asarray(rng.standard_normal((16, 3)))}
+        batch = {"x": jnp.asarray(rng.standard_normal((8, 6))),
+                 "y": jnp.asarray(rng.standard_normal((8, 3)))}
+        graph = trace(model(True), params, batch, name="printing")
+        plain = trace(model(False), params, batch, name="printing")
+        assert [op.name for op in graph.operators] == [op.name for op in plain.operators]
+        strategy = baselines.megatron(graph, MESH_SHAPE, ("model",))
+        fn, sh = sharded_value_and_grad(graph, strategy, mesh, params=params, batch=batch)
+        loss, grads = fn(device_put_global(params, sh.params), device_put_global(batch, sh.batch))
+        want_loss, want = jax.value_and_grad(model(False))(params, batch)
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-12)
+    for k in params:
+        np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(want[k]), rtol=1e-12,
+                                   atol=1e-12 * float(jnp.abs(want[k]).max()))
+    assert "mean activation" in capfd.readouterr().out

@@ -46,6 +46,8 @@ _SOFT_ANCHORS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argma
 # What `_sink_side_branches` never moves to a later operator: anchors and reductions.
 _STAYS = frozenset(_ANCHORS) | {p for p in _SOFT_ANCHORS if p not in ("gather", "psum")}
 # Cheap primitives folded into their neighbours (XLA fuses them).
+# primitives that only print or call back, returning nothing: no operator of their own
+_DEBUG_PRINTS = frozenset({"debug_print", "debug_callback"})
 _CHEAP = frozenset("""
 add sub mul div rem pow integer_pow max min neg sign floor ceil round is_finite exp exp2 log
 log1p expm1 tanh logistic sin cos tan asin acos atan atan2 sinh cosh asinh acosh atanh sqrt
@@ -429,12 +431,16 @@ class _Builder:
                                   for c in cons)
 
     def _live(self) -> set[int]:
-        """Units the function's result depends on."""
+        """Units the function's result depends on, and those with effects other than a debug
+        print's: ``jax.debug.print`` and ``jax.debug.callback`` (`_DEBUG_PRINTS`: they return
+        nothing) and what only they read are evaluated where they stand, in no operator (a
+        dead equation's place), where they made an operator with no output (a crash)."""
         needed = set(self.p.outputs)
         live = set()
         for i in reversed(range(len(self.p.units))):
             u = self.p.units[i]
-            if any(v in needed for v in u.outs if v is not None) or u.eqn.effects:
+            effects = u.eqn.effects and u.eqn.primitive.name not in _DEBUG_PRINTS
+            if any(v in needed for v in u.outs if v is not None) or effects:
                 live.add(i)
                 needed.update(u.ins)
         return live
