@@ -45,9 +45,9 @@ _SOFT_ANCHORS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argma
                  "reduce_and", "reduce_or", "gather", "psum")
 # What `_sink_side_branches` never moves to a later operator: anchors and reductions.
 _STAYS = frozenset(_ANCHORS) | {p for p in _SOFT_ANCHORS if p not in ("gather", "psum")}
-# Cheap primitives folded into their neighbours (XLA fuses them).
-# primitives that only print or call back, returning nothing: no operator of their own
+# Primitives that only print or call back, returning nothing: no operator of their own.
 _DEBUG_PRINTS = frozenset({"debug_print", "debug_callback"})
+# Cheap primitives folded into their neighbours (XLA fuses them).
 _CHEAP = frozenset("""
 add sub mul div rem pow integer_pow max min neg sign floor ceil round is_finite exp exp2 log
 log1p expm1 tanh logistic sin cos tan asin acos atan atan2 sinh cosh asinh acosh atanh sqrt
