@@ -271,8 +271,21 @@ def test_batch_sizes_disagree():
 
 
 def test_scalar_batch_leaf():
-    with pytest.raises(TraceError, match=r"batch leaf \['n'\] .* is a scalar"):
+    """A value that is not per sample (a temperature) in the batch is refused, and the error
+    says how to pass it: a closure, which traces and gives jax.grad's gradient."""
+    with pytest.raises(TraceError, match=r"batch leaf \['n'\] .* is a scalar; expected dim 0 "
+                       r".*; pass values that are not per sample to _loss another way: "
+                       r"functools.partial\(_loss, ...\)"):
         trace(_loss, PARAMS, {"x": jnp.ones((4, 3)), "n": jnp.float32(1)})
+
+    def scaled(p, b, n):
+        return _loss(p, b) / n
+
+    params = {"w": jnp.arange(6.0).reshape(3, 2)}
+    batch = {"x": jnp.arange(12.0).reshape(4, 3)}
+    g = trace(functools.partial(scaled, n=jnp.float32(2)), params, batch)
+    got = g.evaluate(*jax.tree.leaves((params, batch)))
+    assert float(got) == pytest.approx(float(_loss(params, batch)) / 2)
 
 
 def test_argnum_out_of_range():

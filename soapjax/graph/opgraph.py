@@ -489,18 +489,23 @@ def _check_args(fn, fname, args, pnums, bnums) -> None:
             raise TraceError(f"batch argument {i} of {fname} has no arrays; expected a pytree "
                              "of arrays whose dim 0 is the batch")
         first = None
+        # values the batch holds that are not per sample (a temperature, a table of class
+        # embeddings) go in through the loss's closure
+        closure = (f"; pass values that are not per sample to {fname} another way: "
+                   f"functools.partial({fname}, ...) or a closure over them (traced as "
+                   "constants of the step)")
         for kp, leaf in leaves:
             shape = tuple(np.shape(leaf))
             where = jax.tree_util.keystr(kp) or f"argument {i}"
             if not shape:
                 raise TraceError(f"batch leaf {where} of {fname} is a scalar; expected dim 0 "
-                                 "to be the batch (sample) dim")
+                                 "to be the batch (sample) dim" + closure)
             if first is None:
                 first = (where, shape[0])
             elif shape[0] != first[1]:
                 raise TraceError(f"batch leaf {where} has batch size {shape[0]} (shape {shape}), "
                                  f"but {first[0]} has {first[1]}; dim 0 of every batch leaf "
-                                 "must be the batch")
+                                 "must be the batch" + closure)
 
 
 def _signature(fn) -> str:
