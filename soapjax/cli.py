@@ -806,10 +806,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                      "search_time_s": info["search_time_s"], "proposals": info["proposals"],
                      "fits_in_memory": sim.fits_in_memory, "plan_file": str(out),
                      "cost_source": cost_source, "bytes_moved": sim.bytes_moved,
+                     "estimated_operators": list(info.get("estimated_operators") or ()),
                      "peak_memory_bytes": list(sim.peak_memory_bytes)})
         return 0
     header = _plan_header(args, w, g, topo, info, cost_source, time.perf_counter() - t0)
     header += notes
+    if note := _estimated_note(info, str(out)):
+        header.append(note)
     if note := batch_split_note(g, MeshShape.of(topo)):
         header += [f"note: {note}; the data-parallel baseline is replicated"]
     fits = dict(info["baselines_fit"])
@@ -924,6 +927,22 @@ def _reshard_check(info: dict) -> str:
             f"reshardings (the plan: "
             f"{chosen['transitions']} transitions, {chosen['replicated_whole']} made by "
             f"replicating whole{failed}, {chosen['xla_s'] / chosen['ideal_s'] - 1:+.1%})")
+
+
+def _estimated_note(info: dict, out: str | None) -> str | None:
+    """The line that says the plan's prediction rests on estimated operator times (the
+    search's measuring budget ran out before their shard programs: `estimated_operators`),
+    and how to measure them; None where none is."""
+    names = list(info.get("estimated_operators") or ())
+    if not names:
+        return None
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    simulate = (f"`soapjax simulate --strategy {out}`" if out else "`soapjax simulate` of the "
+                "plan")
+    return (f"note: {len(names)} of the plan's operators are priced by estimate, not measured "
+            f"(the measuring budget ran out: {shown}); {simulate} measures them and may "
+            "predict another step time; a larger --budget, or `soapjax profile` first, "
+            "measures them during the search")
 
 
 def _cost_counts(info: dict) -> str:
