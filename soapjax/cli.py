@@ -931,7 +931,7 @@ def _reshard_check(info: dict) -> str:
 
 def _estimated_note(info: dict, out: str | None) -> str | None:
     """The line that says the plan's prediction rests on estimated operator times (the
-    search's measuring budget ran out before their shard programs: `estimated_operators`),
+    search's measuring budget ran out before their shard programs: `CostModel.estimated_in`),
     and how to measure them; None where none is."""
     names = list(info.get("estimated_operators") or ())
     if not names:

@@ -412,6 +412,34 @@ def test_past_the_measuring_deadline_shard_programs_are_estimated(tmp_path):
     assert costs.shard_time(i, (4, 1, 1)).source == "measured"
 
 
+def test_a_strategys_estimated_operators_are_named_without_measuring_them(tmp_path):
+    """`CostModel.estimated_in`: the operators a plan's prediction prices by estimate (what
+    `soapjax plan` names), found without measuring anything, and the deadline gone after
+    (the next question measures). At microbatches, as the simulation asks: a microbatch's
+    shard, a program of its own."""
+    from soapjax.strategy import space
+
+    g = dense_graph(32, 64)
+    costs = measured(g, tmp_path)
+    mesh = MeshShape.of(cpu8())
+    strategy = space.data_parallel(g, mesh)
+
+    def sig(i):
+        return costs.signature(i, strategy.configs[i].degrees(mesh))
+
+    b = g.index("b")
+    twins = [op.name for i, op in enumerate(g.operators) if sig(i) == sig(b)]  # b's program
+    for i, config in enumerate(strategy.configs):  # every other program measured
+        if sig(i) != sig(b):
+            assert costs.op_time(i, config).source == "measured"
+    n = costs.stats.measured
+    assert "b" in twins and costs.estimated_in(strategy) == twins
+    assert costs.stats.measured == n
+    assert costs.estimated_in(strategy.with_microbatches(2)) == [op.name for op in g.operators]
+    assert costs.stats.measured == n
+    assert costs._deadline is None
+
+
 def test_no_measurement_starts_that_would_likely_run_past_the_deadline(tmp_path):
     """A search's chains keep their share of the budget (issue 46: a ResNet on cpu8 with a
     10 s budget made 0 proposals, its shard programs' timing having taken it all): a shard

@@ -87,6 +87,7 @@ from soapjax.measure.devices import (
     local_backend_matches as local_backend_matches,
     local_topology as local_topology,
 )
+from soapjax.strategy.memory import microbatch_degrees
 from soapjax.strategy.space import Config, MeshShape, SpaceLimits, configs
 from soapjax.topology.cluster import Topology
 
@@ -240,6 +241,25 @@ class CostModel:
         otherwise stand still on a line for minutes).
         """
         self._deadline, self._progress = deadline, progress
+
+    def estimated_in(self, strategy: Any) -> list[str]:
+        """The operators of a flat `strategy` whose shard program is priced ``"estimated"``
+        (left unmeasured when the measuring deadline passed: `measure_until`): a plan's
+        predicted step rests on their roofline estimates, and a simulation that measures them
+        (`soapjax simulate` of the plan) can differ from it. Asked as the simulation asks (a
+        microbatch's shard where there are microbatches), with the deadline past: nothing is
+        measured here (a layer priced by its twin's program is estimated where the twin's
+        was), and the deadline is None after."""
+        m = strategy.microbatches
+        self.measure_until(-math.inf)
+        try:
+            return [op.name for i, (op, config) in enumerate(zip(self.graph.operators,
+                                                                 strategy.configs))
+                    if (self.op_time(i, config) if m == 1 else self.shard_time(
+                        i, microbatch_degrees(op, config.degrees(self.mesh), m))
+                        ).source == "estimated"]
+        finally:
+            self.measure_until(None)
 
     # --- operators -------------------------------------------------------------------------------
 

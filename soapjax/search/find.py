@@ -151,8 +151,8 @@ from soapjax.topology.cluster import stage_topology
 
 __all__ = ["FINAL_SHARE", "GRID_SHARE", "MAX_BUDGET_S", "MAX_PROPOSALS", "MEASURE_SHARE",
            "RESHARD_CHECK_DEVICES", "RESHARD_CHECK_SHARE", "RESHARD_FINALISTS", "Progress",
-           "SearchResult", "SearchSettings", "check_reshardings", "estimated_operators",
-           "find_plan", "make_simulation", "print_progress", "random_strategy", "search"]
+           "SearchResult", "SearchSettings", "check_reshardings", "find_plan",
+           "make_simulation", "print_progress", "random_strategy", "search"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -597,20 +597,10 @@ def find_plan(graph: OpGraph, topology, *, settings: SearchSettings | None = Non
     if checked is not None:
         info["reshardings_checked"] = checked
     if cm.source == "measured" and result.strategy.stages == 1:
-        info["estimated_operators"] = estimated_operators(graph, result.strategy, cm)
+        info["estimated_operators"] = cm.estimated_in(result.strategy)
     return Plan.make(graph, topology, result.strategy, model_config=model_config,
                      workload=workload, predicted=sim.to_json(), cost_source=cm.source,
                      search=info, baselines=result.baseline_times(), simulated=sim)
-
-
-def estimated_operators(graph: OpGraph, strategy: Strategy, cost_model: Any) -> list[str]:
-    """The operators of a flat `strategy` whose shard program `cost_model` priced
-    ``"estimated"`` (left unmeasured when the search's measuring budget ran out:
-    `soapjax.cost.operators.CostModel.measure_until`): the plan's predicted step rests on
-    their roofline estimates, and `soapjax simulate` of the plan, which measures them, can
-    differ from it."""
-    return [op.name for i, (op, config) in enumerate(zip(graph.operators, strategy.configs))
-            if cost_model.op_time(i, config).source == "estimated"]
 
 
 def check_reshardings(graph: OpGraph, topology, result: SearchResult, cost_model,
