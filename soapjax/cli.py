@@ -975,8 +975,10 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
         "export",
         help="write a plan's parameter and batch shardings for your own jax.jit loop",
         description="Write a plan's shardings in the form a plain jax.jit training loop takes: "
-        "'specs', a PartitionSpec per parameter and batch leaf as Python text; 'json', the "
-        "same as JSON (paths to per-dim mesh axes, with the mesh). What jax.jit alone cannot "
+        "'specs', Python a script can run or import (MESH_AXES, and PARAM_SPECS and "
+        "BATCH_SPECS: a PartitionSpec per leaf keyed by its jax.tree_util.keystr path, with "
+        "the line that lays them over your pytrees); 'json', the same as JSON (paths to "
+        "per-dim mesh axes, with the mesh). What jax.jit alone cannot "
         "carry (the activations' layouts, recomputation, microbatches, the ring) is listed as "
         "'not expressed', one line each; a pipelined plan is refused. Flax linen's "
         "logical-axis rules are soapjax.apply.export.logical_axis_rules (they need your model's "
@@ -1001,13 +1003,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     if args.format == "json":
         text = export_json(graph, plan)
     else:
-        exported = partition_specs(graph, plan)
-        lines = [f"# mesh: {dict(zip(exported.mesh.axis_names, exported.mesh.axis_sizes))}",
-                 "# params"]
-        lines += [f"{path}: {spec!r}" for path, spec in exported.params.items()]
-        lines += ["# batch"] + [f"{path}: {spec!r}" for path, spec in exported.batch.items()]
-        lines += ["# not expressed:"] + [f"#   {line}" for line in exported.not_expressed]
-        text = "\n".join(lines)
+        text = _specs_text(partition_specs(graph, plan), args.plan)
     if args.out is None:
         print(text)
     else:
@@ -1015,6 +1011,28 @@ def _cmd_export(args: argparse.Namespace) -> int:
             f.write(text + "\n")
         print(f"wrote {args.out}")
     return 0
+
+
+def _specs_text(exported, plan_path: str) -> str:
+    """`soapjax export --format specs`: the plan's specs as Python a training script can
+    paste or import: the mesh's axes, and per parameter and batch leaf its `PartitionSpec`
+    keyed by the leaf's path (``jax.tree_util.keystr``), with how to lay them over a
+    pytree; what the specs do not carry as comments."""
+    def table(name: str, specs: dict) -> list[str]:
+        return [f"{name} = {{"] + [f"    {path!r}: {spec!r}," for path, spec in specs.items()] \
+            + ["}"]
+
+    mesh = dict(zip(exported.mesh.axis_names, exported.mesh.axis_sizes))
+    lines = [f"# soapjax export --plan {plan_path}: a PartitionSpec per parameter and batch "
+             "leaf, keyed by the leaf's path",
+             "# (jax.tree_util.keystr); over your pytrees:",
+             "#   specs = jax.tree_util.tree_map_with_path(",
+             "#       lambda path, _: PARAM_SPECS[jax.tree_util.keystr(path)], params)",
+             "from jax.sharding import PartitionSpec as P", "",
+             f"MESH_AXES = {mesh!r}", ""]
+    lines += table("PARAM_SPECS", exported.params) + [""] + table("BATCH_SPECS", exported.batch)
+    lines += ["", "# not expressed:"] + [f"#   {line}" for line in exported.not_expressed]
+    return "\n".join(lines)
 
 
 def _add_check(sub: argparse._SubParsersAction) -> None:

@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
+import soapjax_zoo as zoo
 from soapjax import cli
 from soapjax.apply import export
 from soapjax.base.errors import PlanError
@@ -180,13 +181,27 @@ def test_the_command_writes_json_and_specs(tmp_path, capsys):
     out = tmp_path / "specs.json"
     assert cli.main(["export", "--plan", str(plan_file), "--format", "json",
                      "--out", str(out)]) == 0
+    assert capsys.readouterr().out == f"wrote {out}\n"
     data = json.loads(out.read_text())
     assert data["mesh"] == {"data": 2, "model": 4}
     assert all(isinstance(v, list) for v in data["params"].values())
     assert data["not_expressed"]
     assert cli.main(["export", "--plan", str(plan_file), "--format", "specs"]) == 0
     printed = capsys.readouterr().out
-    assert "['params']['fc1']['kernel']: P(" in printed and "# not expressed:" in printed
+    assert "# not expressed:" in printed
+    # Python a script can run (it was "path: spec" lines before, which no script could), the
+    # specs laid over the model's own parameters as its comment says, equal to the JSON's
+    names: dict = {}
+    exec(printed, names)  # noqa: S102  the command's own output
+    assert names["MESH_AXES"] == {"data": 2, "model": 4}
+    w = zoo.get("mlp", "tiny")
+    specs = jax.tree_util.tree_map_with_path(
+        lambda path, _: names["PARAM_SPECS"][jax.tree_util.keystr(path)], w.abstract_params())
+    flat = jax.tree_util.tree_flatten_with_path(
+        specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]
+    assert {jax.tree_util.keystr(k): [list(export._axes(e)) for e in spec]
+            for k, spec in flat} == data["params"]
+    assert set(names["BATCH_SPECS"]) == set(data["batch"])
 
 
 class NnxBlock(nnx.Module):
