@@ -599,7 +599,30 @@ def _plan(graph: OpGraph, topology: Topology, options: PlanOptions) -> Plan:
     _say(f"soapjax: plan for {graph.name} on {topology.name}: predicted "
          f"{plan.step_time_s * 1e3:.4g} ms per step{versus}, {info['proposals']:,} proposals in "
          f"{info['search_time_s']:.1f} s; cached in {path}")
+    for line in _plan_caveats(info):
+        _say(f"soapjax: {line}")
     return _shared(plan)
+
+
+def _plan_caveats(info: dict) -> list[str]:
+    """What a user should know of a plan just searched, from its search info: layout changes
+    XLA makes by replicating the tensor whole (XLA then prints "Involuntary full
+    rematerialization" warnings for them: priced so, not a fault), and operators whose times
+    were estimated when the measuring budget ran out (`CostModel.estimated_in`)."""
+    lines = []
+    checked = dict(info.get("reshardings_checked") or {})
+    rows = [dict(r) for r in checked.get("finalists", ())]
+    chosen = next((r for r in rows if r["start"] == info.get("best_from")
+                   and r.get("xla_s") is not None), None)
+    if chosen and chosen.get("replicated_whole"):
+        lines.append(f"XLA makes {chosen['replicated_whole']} of the plan's layout changes by "
+                     "replicating the tensor whole (its 'Involuntary full rematerialization' "
+                     "warnings); the predicted time prices them so")
+    if estimated := list(info.get("estimated_operators") or ()):
+        lines.append(f"{len(estimated)} of the plan's operators are priced by estimate, not "
+                     "measured (the search's measuring budget ran out); a larger search "
+                     "budget measures them")
+    return lines
 
 
 def _say(line: str) -> None:

@@ -355,3 +355,28 @@ def test_an_optimizer_whose_state_follows_the_parameters_tree_plans(mlp, cache_d
     # Adam's two moments of the trained leaves (and its step counter: a few bytes)
     assert factor == pytest.approx(2 * trained / sum(x.size for _, x in leaves), abs=1e-3)
     assert run.plan is not None
+
+
+def test_a_plan_searched_here_says_what_xla_will_warn_of_and_what_was_estimated():
+    """After planning, the helper says what would otherwise puzzle: layout changes XLA makes
+    by replicating a tensor whole (XLA prints an "Involuntary full rematerialization" warning
+    for each: priced so, found on a user's normalizing flow on cpu8), and operators the
+    search priced by estimate; a plan with neither says nothing more. The search info is read
+    as a loaded plan holds it too (pairs)."""
+    row = {"start": "random-0", "ideal_s": 0.0077, "xla_s": 0.0079, "fits": True,
+           "transitions": 20, "replicated_whole": 2, "fallbacks": 0}
+    other = dict(row, start="megatron", xla_s=None, replicated_whole=None)
+    info = {"best_from": "random-0", "estimated_operators": ["Conv_0", "Dense_1"],
+            "reshardings_checked": {"finalists": [row, other], "seconds": 1.0}}
+    want = ["XLA makes 2 of the plan's layout changes by replicating the tensor whole (its "
+            "'Involuntary full rematerialization' warnings); the predicted time prices them so",
+            "2 of the plan's operators are priced by estimate, not measured (the search's "
+            "measuring budget ran out); a larger search budget measures them"]
+    assert training._plan_caveats(info) == want
+    frozen = {"best_from": "random-0", "estimated_operators": ("Conv_0", "Dense_1"),
+              "reshardings_checked": (("finalists", (tuple(row.items()), tuple(other.items()))),
+                                      ("seconds", 1.0))}
+    assert training._plan_caveats(frozen) == want
+    assert training._plan_caveats({"best_from": "megatron", "reshardings_checked":
+                                   {"finalists": [other]}}) == []
+    assert training._plan_caveats({}) == []
