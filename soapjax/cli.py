@@ -647,7 +647,7 @@ def _simulate_inputs(args: argparse.Namespace):
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from soapjax.cost import operators as cost
-    from soapjax.report import format_bytes
+    from soapjax.report import format_bytes, sent_bytes, step_terms
     from soapjax.simulate import front as simulate
     from soapjax.strategy.plan import untied_warning
 
@@ -673,15 +673,17 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         return 0
     notes += warnings
     m = r.memory
-    links = ", ".join(f"{k} {format_bytes(v)}" for k, v in r.bytes_by_link_class.items()) or "none"
+    sent, by_class = sent_bytes(r)
+    links = ", ".join(f"{k} {format_bytes(v)}" for k, v in by_class.items()) or "none"
     config = f" ({w.config})" if w.config else ""
     print(f"{w.name}{config} on {topo.name} ({r.num_devices} devices), {args.strategy}:")
-    print(f"  step time  {r.step_time_s * 1e3:.4g} ms = compute {r.compute_s * 1e3:.4g} ms + "
-          f"exposed communication {r.exposed_comm_s * 1e3:.4g} ms ({r.cost_source} costs)")
-    if r.contention_s > 0:
-        print(f"  contention {r.contention_s * 1e3:.4g} ms of the compute: kernels slowed beside "
+    terms = " + ".join(f"{name} {t * 1e3:.4g} ms" for name, t in step_terms(r))
+    print(f"  step time  {r.step_time_s * 1e3:.4g} ms = {terms} ({r.cost_source} costs)")
+    contention = r.contention_s / (r.pipeline.timeline.stages if r.pipeline else 1)
+    if contention > 0:  # (a pipelined step's: a device's share, as its compute)
+        print(f"  contention {contention * 1e3:.4g} ms of the compute: kernels slowed beside "
               f"running collectives ([device.kernels].overlap_slowdown)")
-    print(f"  sent       {format_bytes(r.bytes_moved)} per device ({links})")
+    print(f"  sent       {format_bytes(sent)} per device ({links})")
     for line in notes:
         print("  " + line)
     print(f"  memory     {format_bytes(m.total)} per device of "

@@ -19,7 +19,8 @@ from soapjax.strategy.plan import Plan, spec_text
 from soapjax.strategy.space import Strategy, to_partition_spec
 
 __all__ = ["byte_unit", "format_bytes", "graph_html", "group_repeats", "grouped_configs",
-           "grouped_table_html", "plan_html", "plan_report", "register_html_reprs", "sim_html"]
+           "grouped_table_html", "plan_html", "plan_report", "register_html_reprs", "sent_bytes",
+           "sim_html", "step_terms"]
 
 # The block index of a repeated module: the first path component ending in _N with more after
 # it (`layers_3/mlp/fc1`, `layer2_0/conv1`), or a bare number (`3/mlp/fc1`: list-held layers),
@@ -125,12 +126,11 @@ def plan_report(graph: OpGraph, topology, strategy: Strategy, sim, *,
         lines.append(f"  {name:<{width}} {bt * 1e3:10.3f} ms  {bt / t:5.2f}x the plan's time"
                      f"{note}")
     lines.append("")
-    by_class = ", ".join(f"{k} {format_bytes(v)}"
-                         for k, v in sorted(_items(sim.bytes_by_link_class)))
-    lines.append(f"bytes moved per device per step: {format_bytes(sim.bytes_moved)}"
+    sent, classes = sent_bytes(sim)
+    by_class = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(classes.items()))
+    lines.append(f"bytes moved per device per step: {format_bytes(sent)}"
                  + (f" ({by_class})" if by_class else ""))
-    lines.append(f"compute {sim.compute_s * 1e3:.3f} ms, exposed communication "
-                 f"{sim.exposed_comm_s * 1e3:.3f} ms")
+    lines.append(", ".join(f"{name} {t * 1e3:.3f} ms" for name, t in step_terms(sim)))
     m = sim.memory
     lines.append(f"memory per device: {format_bytes(m.total)} of "
                  f"{format_bytes(sim.memory_capacity_bytes)} (parameters {format_bytes(m.params)}, "
@@ -254,15 +254,43 @@ def graph_html(graph: OpGraph) -> str:
     return f"<div>{head}{table}</div>"
 
 
+def step_terms(sim) -> tuple[tuple[str, float], ...]:
+    """A simulated step's time in parts that add up to it, for reports, ``(name, seconds)``:
+    compute and exposed communication of a flat step; of a pipelined one, a device's own
+    compute (the one-stage simulation's over all the layers, over the stages: what
+    `SimResult.compute_s` holds there, which the reports printed beside the step as if one
+    device ran it all: "771 ms = compute 4439 ms + exposed communication 0 ms") and the rest
+    (the collectives a stage waits on, the bubble, the sends, the prologue and the tail)."""
+    if sim.pipeline is None:
+        return (("compute", sim.compute_s), ("exposed communication", sim.exposed_comm_s))
+    compute = sim.compute_s / sim.pipeline.timeline.stages
+    return (("compute", compute),
+            ("communication, bubble, sends, prologue and tail",
+             max(0.0, sim.step_time_s - compute)))
+
+
+def sent_bytes(sim) -> tuple[float, dict[str, float]]:
+    """The bytes a device sends in a simulated step, and by link class: a flat step's
+    tasks'; a pipelined step's, the one-stage simulation's over all the layers, over the
+    stages (a device's share; what `SimResult.bytes_moved` holds there is every stage's, and
+    `PipelineResult.sent_bytes` counts every stage's branches as the compiled program holds
+    them, for `soapjax check`)."""
+    classes = dict(_items(sim.bytes_by_link_class))
+    if sim.pipeline is None:
+        return sim.bytes_moved, classes
+    stages = sim.pipeline.timeline.stages
+    return sim.bytes_moved / stages, {k: v / stages for k, v in classes.items()}
+
+
 def sim_html(sim) -> str:
     """A `SimResult` as a small HTML table."""
     m = sim.memory
-    links = ", ".join(f"{_esc(k)} {format_bytes(v)}" for k, v in _items(sim.bytes_by_link_class))
+    sent, by_class = sent_bytes(sim)
+    links = ", ".join(f"{_esc(k)} {format_bytes(v)}" for k, v in by_class.items())
     rows = [
         ("step time", f"{sim.step_time_s * 1e3:.4g} ms ({_esc(sim.cost_source)} costs)"),
-        ("compute", f"{sim.compute_s * 1e3:.4g} ms"),
-        ("exposed communication", f"{sim.exposed_comm_s * 1e3:.4g} ms"),
-        ("sent per device", format_bytes(sim.bytes_moved) + (f" ({links})" if links else "")),
+        *((_esc(name), f"{t * 1e3:.4g} ms") for name, t in step_terms(sim)),
+        ("sent per device", format_bytes(sent) + (f" ({links})" if links else "")),
         ("memory per device",
          f"{format_bytes(m.total)} of {format_bytes(sim.memory_capacity_bytes)}"
          f"{'' if sim.fits_in_memory else ': DOES NOT FIT'}"),

@@ -60,6 +60,37 @@ def test_the_plan_text_lists_configs_baselines_bytes_and_memory():
     assert f"memory per device: {format_bytes(sim.memory.total)} of " in text
 
 
+def test_a_pipelined_steps_parts_are_a_devices_and_add_up_to_the_step():
+    """A pipelined step's compute and bytes are a device's share: its `SimResult` holds the
+    one-stage simulation's, over all the layers (the reports printed it beside the step:
+    Llama 2 70B on 64 H100s in 8 stages, "771 ms = compute 4439 ms + exposed communication
+    0 ms", 521.8 GB sent per device); the parts add up to the step, and a flat step's are
+    its own."""
+    w = soapjax_zoo.get("gpt", "tiny", batch_size=16)
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt")
+    topo = load_topology("dgx-a100x3072-32")
+    costs = cost_model(g, topo, mode="analytic")
+    flat = baselines(g, topo, w.family)["megatron"]
+    stages = 2
+    piped = flat.with_microbatches(4).with_pipeline(stages, 1, "1f1b")
+    sim = simulate(g, topo, piped, cost_model=costs)
+    assert sim.pipeline is not None and sim.compute_s > sim.step_time_s  # every stage's
+    (name, compute), (_, rest) = report.step_terms(sim)
+    assert name == "compute" and compute == pytest.approx(sim.compute_s / stages)
+    assert 0 < compute < sim.step_time_s and compute + rest == pytest.approx(sim.step_time_s)
+    sent, classes = report.sent_bytes(sim)
+    assert sent == pytest.approx(sim.bytes_moved / stages)
+    assert sum(classes.values()) == pytest.approx(sent)
+    text = plan_report(g, topo, piped, sim, baselines=[])
+    assert f"bytes moved per device per step: {format_bytes(sent)}" in text
+    assert (f"compute {compute * 1e3:.3f} ms, communication, bubble, sends, prologue and tail "
+            f"{rest * 1e3:.3f} ms") in text
+    one = simulate(g, topo, flat, cost_model=costs)
+    assert report.step_terms(one) == (("compute", one.compute_s),
+                                      ("exposed communication", one.exposed_comm_s))
+    assert report.sent_bytes(one)[0] == one.bytes_moved
+
+
 def test_the_plan_text_says_what_is_recomputed_and_the_microbatches():
     """A plan that keeps some layer operators' outputs and recomputes the rest (as
     `soapjax.search.recompute` leaves one) says which, row by row, and its microbatches."""
