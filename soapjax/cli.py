@@ -775,7 +775,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import time
 
-    from soapjax.report import plan_report
+    from soapjax.report import plan_report, sent_bytes
     from soapjax.strategy.baselines import batch_split_note
     from soapjax.strategy.plan import check_plan_path
     from soapjax.strategy.space import MeshShape
@@ -807,7 +807,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         _print_json({"step_time_s": sim.step_time_s, "baselines": dict(plan.baselines),
                      "search_time_s": info["search_time_s"], "proposals": info["proposals"],
                      "fits_in_memory": sim.fits_in_memory, "plan_file": str(out),
-                     "cost_source": cost_source, "bytes_moved": sim.bytes_moved,
+                     "cost_source": cost_source, "bytes_moved": sent_bytes(sim)[0],
                      "estimated_operators": list(info.get("estimated_operators") or ()),
                      "peak_memory_bytes": list(sim.peak_memory_bytes)})
         return 0
