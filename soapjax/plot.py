@@ -14,6 +14,8 @@
 * `pipeline_figure`: a timed pipeline schedule (`soapjax.strategy.pipeline.time_schedule`): a row
   per device stage (stage 0 on top), a box per forward and per backward labelled with its
   microbatch; the bubble is the empty space.
+* `step_timeline_figure`: the one of the two that draws a simulated step: a flat step's
+  timeline, a pipelined step's schedule (what `save_pictures` writes as ``NAME-timeline``).
 
 Each function returns a `matplotlib.figure.Figure` that pyplot does not hold on to: a notebook
 shows it inline (as the value of a cell), ``fig.savefig("plan.png")`` writes it. matplotlib is
@@ -58,9 +60,9 @@ from soapjax.strategy.pipeline import PipelineTimeline
 from soapjax.strategy.plan import Plan
 from soapjax.strategy.space import Config, MeshShape, Strategy, validate_config
 
-__all__ = ["Cell", "Partition", "check_picture_path", "comparison_figure", "partitions",
-           "pipeline_figure", "plan_figure", "require_matplotlib", "save_pictures",
-           "timeline_figure"]
+__all__ = ["MAX_DRAWN_ACTIONS", "Cell", "Partition", "check_picture_path", "comparison_figure",
+           "partitions", "pipeline_figure", "plan_figure", "require_matplotlib", "save_pictures",
+           "step_timeline_figure", "timeline_figure"]
 
 INSTALL_HINT = "pip install 'soapjax[plot]'"
 
@@ -622,13 +624,34 @@ def save_pictures(path: str | os.PathLike, graph: OpGraph, strategy: Strategy, m
         path = path.with_name(path.name + ".png")
     path.parent.mkdir(parents=True, exist_ok=True)
     out = [path, path.with_name(f"{path.stem}-timeline{path.suffix or '.png'}")]
-    figures = [plan_figure(graph, strategy, mesh), timeline_figure(result)]
+    figures = [plan_figure(graph, strategy, mesh), step_timeline_figure(result)]
     if comparison:
         out.append(path.with_name(f"{path.stem}-baselines{path.suffix or '.png'}"))
         figures.append(comparison_figure(comparison))
     for p, fig in zip(out, figures):
         fig.savefig(p, dpi=dpi)
     return out
+
+
+# A pipelined step's schedule is drawn box by box up to this many actions (`pipeline_figure`).
+MAX_DRAWN_ACTIONS = 5000
+
+
+def step_timeline_figure(result):
+    """The step's timeline `save_pictures` writes: `timeline_figure` of a flat step; of a
+    pipelined one, its schedule (`pipeline_figure`: the stages' chunks, the bubble), since
+    its `SimResult`'s tasks are the one-stage simulation's over every layer, which drawn
+    against the pipeline's step overflowed it; past `MAX_DRAWN_ACTIONS` those tasks, titled
+    for what they are."""
+    p = result.pipeline
+    if p is None:
+        return timeline_figure(result)
+    if len(p.timeline.tasks) <= MAX_DRAWN_ACTIONS:
+        return pipeline_figure(p.timeline)
+    return timeline_figure(result, title=(
+        f"one stage's devices running every layer, {len(p.timeline.tasks):,} pipeline actions "
+        f"too many to draw (the step: {result.step_time_s:.4g} s, bubble "
+        f"{p.bubble_fraction:.1%})"))
 
 
 def check_picture_path(path: str | os.PathLike) -> None:

@@ -605,15 +605,12 @@ def _plan(graph: OpGraph, topology: Topology, options: PlanOptions) -> Plan:
 
 
 def _plan_caveats(info: dict) -> list[str]:
-    """What a user should know of a plan just searched, from its search info: layout changes
-    XLA makes by replicating the tensor whole (XLA then prints "Involuntary full
-    rematerialization" warnings for them: priced so, not a fault), and operators whose times
-    were estimated when the measuring budget ran out (`CostModel.estimated_in`)."""
-    lines = []
-    checked = dict(info.get("reshardings_checked") or {})
-    rows = [dict(r) for r in checked.get("finalists", ())]
-    chosen = next((r for r in rows if r["start"] == info.get("best_from")
-                   and r.get("xla_s") is not None), None)
+    """What a user should know of a plan just searched (its search info): layout changes XLA
+    makes by replicating whole (XLA warns of each: priced so, not a fault), and operators
+    priced by estimate when the measuring budget ran out (`CostModel.estimated_in`)."""
+    lines, rows = [], dict(info.get("reshardings_checked") or {}).get("finalists", ())
+    chosen = next((dict(r) for r in rows if dict(r)["start"] == info.get("best_from")
+                   and dict(r).get("xla_s") is not None), None)
     if chosen and chosen.get("replicated_whole"):
         lines.append(f"XLA makes {chosen['replicated_whole']} of the plan's layout changes by "
                      "replicating the tensor whole (its 'Involuntary full rematerialization' "

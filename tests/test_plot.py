@@ -367,3 +367,24 @@ def test_sim_result_html(results):
     html = results["megatron"]._repr_html_()
     r = results["megatron"]
     assert f"{r.step_time_s * 1e3:.4g} ms" in html and "8, " in html
+
+
+def test_a_pipelined_steps_timeline_picture_is_its_schedule(monkeypatch):
+    """`soapjax plan --plot` of a pipelined plan drew the one-stage simulation's tasks (every
+    layer) against the pipeline's step, past its end; it draws the schedule now, a box per
+    action, and past `MAX_DRAWN_ACTIONS` those tasks, titled for what they are."""
+    w = zoo.get("gpt", "tiny", batch_size=16)
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt")
+    topo = load_topology("dgx-a100x3072-32")
+    flat = baselines.baselines(g, topo, w.family)["megatron"]
+    piped = flat.with_microbatches(4).with_pipeline(2, 1, "1f1b")
+    r = simulate.simulate(g, topo, piped, cost_model=cost_model(g, topo, mode="analytic"))
+    (ax,) = plot.step_timeline_figure(r).axes
+    boxes = [p for p in ax.patches if (p.get_gid() or "").startswith("stage ")]
+    assert len(boxes) == len(r.pipeline.timeline.tasks) == 2 * 2 * 4
+    monkeypatch.setattr(plot, "MAX_DRAWN_ACTIONS", 4)
+    fig = plot.step_timeline_figure(r)
+    assert fig._suptitle.get_text().startswith("one stage's devices running every layer, 16 "
+                                               "pipeline actions too many to draw")
+    one = simulate.simulate(g, topo, flat, cost_model=cost_model(g, topo, mode="analytic"))
+    assert plot.step_timeline_figure(one)._suptitle.get_text().startswith("simulated step")
