@@ -85,6 +85,8 @@ def test_a_pipelined_steps_parts_are_a_devices_and_add_up_to_the_step():
     assert f"bytes moved per device per step: {format_bytes(sent)}" in text
     assert (f"compute {compute * 1e3:.3f} ms, communication, bubble, sends, prologue and tail "
             f"{rest * 1e3:.3f} ms") in text
+    assert "the fullest stage's (each stage's: the pipeline line)" in text
+    assert "(SPMD)" not in text  # stages hold different layers
     one = simulate(g, topo, flat, cost_model=costs)
     assert report.step_terms(one) == (("compute", one.compute_s),
                                       ("exposed communication", one.exposed_comm_s))
