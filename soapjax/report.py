@@ -261,8 +261,8 @@ def step_terms(sim) -> tuple[tuple[str, float], ...]:
     compute and exposed communication of a flat step; of a pipelined one, a device's own
     compute (the one-stage simulation's over all the layers, over the stages: what
     `SimResult.compute_s` holds there, which the reports printed beside the step as if one
-    device ran it all: "771 ms = compute 4439 ms + exposed communication 0 ms") and the rest
-    (the collectives a stage waits on, the bubble, the sends, the prologue and the tail)."""
+    device ran every layer) and the rest (the collectives a stage waits on, the bubble, the
+    sends, the prologue and the tail)."""
     if sim.pipeline is None:
         return (("compute", sim.compute_s), ("exposed communication", sim.exposed_comm_s))
     compute = sim.compute_s / sim.pipeline.timeline.stages
