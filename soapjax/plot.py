@@ -55,7 +55,8 @@ from typing import Any, NamedTuple
 
 from soapjax.base.errors import MissingDependencyError, PlanError, SettingsError
 from soapjax.graph.opgraph import OpGraph
-from soapjax.report import byte_unit, group_repeats
+from soapjax.report import byte_unit, group_repeats, sent_bytes
+from soapjax.simulate.front import SimResult
 from soapjax.strategy.pipeline import PipelineTimeline
 from soapjax.strategy.plan import Plan
 from soapjax.strategy.space import Config, MeshShape, Strategy, validate_config
@@ -558,7 +559,8 @@ def comparison_figure(results: Mapping[str, Any], *, highlight: str | None = Non
     if highlight not in results:
         raise PlanError(f"highlight {highlight!r} is not among the results {names}")
     times = [_metric(results[n], "step_time_s", n) for n in names]
-    sent = [_metric(results[n], "bytes_moved", n, math.nan) for n in names]
+    sent = [sent_bytes(results[n])[0] if isinstance(results[n], SimResult)  # (a device's)
+            else _metric(results[n], "bytes_moved", n, math.nan) for n in names]
     fits = [_metric(results[n], "fits_in_memory", n, True) for n in names]
     t0 = times[names.index(highlight)]
     scale, unit = _time_unit(max(times))

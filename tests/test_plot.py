@@ -388,3 +388,8 @@ def test_a_pipelined_steps_timeline_picture_is_its_schedule(monkeypatch):
                                                "pipeline actions too many to draw")
     one = simulate.simulate(g, topo, flat, cost_model=cost_model(g, topo, mode="analytic"))
     assert plot.step_timeline_figure(one)._suptitle.get_text().startswith("simulated step")
+    # beside the baselines (--plot's third picture), a device's bytes: not every stage's
+    fig = plot.comparison_figure({"plan": r, "megatron": one})
+    bars = {p.get_gid(): p for ax in fig.axes for p in ax.patches if p.get_gid()}
+    assert bars["bytes sent/plan"].get_width() * 1e3 == pytest.approx(r.bytes_moved / 2)
+    assert bars["bytes sent/megatron"].get_width() * 1e3 == pytest.approx(one.bytes_moved)
