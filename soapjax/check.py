@@ -92,6 +92,9 @@ class CheckResult:
         (`soapjax.exactness.GradientComparison`), None where not compared.
       warnings: what the prediction leaves out for this plan (a scan's layers read in other
         layouts: `soapjax.strategy.plan.untied_warning`), shown above the bars.
+      stages: the plan's pipeline stages; with more than one, the collectives and bytes on
+        both sides are every stage's actions summed, as the compiled program holds them
+        (`soapjax.apply.collectives_as_run`), not one device's.
     """
 
     max_abs_diff: float
@@ -111,6 +114,7 @@ class CheckResult:
     duplicated_flops: float = 0.0
     gradients: GradientComparison | None = None
     warnings: tuple[str, ...] = ()
+    stages: int = 1
 
     @property
     def flops_ratio(self) -> float:
@@ -118,6 +122,11 @@ class CheckResult:
         if not self.predicted_flops:
             return 1.0 if not self.hlo_flops else float("inf")
         return self.hlo_flops / self.predicted_flops
+
+    @property
+    def _summed(self) -> str:
+        return (f" (the {self.stages} stages' actions summed, as the program holds them)"
+                if self.stages > 1 else "")
 
     @property
     def hlo_collective_bytes(self) -> float:
@@ -202,8 +211,8 @@ class CheckResult:
         sent = (self.predicted_sent_bytes / self.hlo_sent_bytes if self.hlo_sent_bytes
                 else float("nan"))
         lines += ["", f"predicted / XLA collective bytes: {ratio:.3f}",
-                  f"bytes sent per device: XLA {self.hlo_sent_bytes:,.0f}, predicted "
-                  f"{self.predicted_sent_bytes:,.0f} (ratio {sent:.3f})",
+                  f"bytes sent per device{self._summed}: XLA {self.hlo_sent_bytes:,.0f}, "
+                  f"predicted {self.predicted_sent_bytes:,.0f} (ratio {sent:.3f})",
                   (f"FLOPs per device: XLA {self.hlo_flops:,.0f} (fusions recompute "
                    f"{self.duplicated_flops:,.0f}), predicted {self.predicted_flops:,.0f} "
                    f"(ratio {self.flops_ratio:.3f})"),
@@ -350,7 +359,8 @@ def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5,
         predicted_flops=step_flops(graph, strategy, MeshShape.of(topo), optimizer=w.optimizer,
                                    params=params, stored=_stored_shapes(graph, sh)).total,
         reported_flops=reported, gradients=gradients,
-        warnings=tuple(w for w in [untied_warning(graph, strategy)] if w))
+        warnings=tuple(w for w in [untied_warning(graph, strategy)] if w),
+        stages=strategy.stages)
 
 
 def _stored_shapes(graph: Any, shardings: Any) -> list[tuple[int, ...]]:

@@ -1,5 +1,6 @@
 """soapjax check: a plan applied on cpu8 against the unsharded step and the simulator."""
 
+import dataclasses
 import functools
 import json
 
@@ -9,7 +10,7 @@ from conftest import XLA_DEFAULT_EMITTERS
 import soapjax_zoo as zoo
 from soapjax import cli
 from soapjax.base.errors import PlanError
-from soapjax.check import compiled_flops, plan_reshard_mode
+from soapjax.check import CheckResult, compiled_flops, plan_reshard_mode
 from soapjax.cost.flops import FlopCounter
 from soapjax.graph.opgraph import trace
 from soapjax.strategy import baselines, space
@@ -366,7 +367,6 @@ def test_check_warns_of_a_plan_whose_scan_layers_read_other_layouts(tmp_path, ca
     bars."""
     import dataclasses
 
-    from soapjax.check import CheckResult
 
     w = zoo.get("gpt", "tiny")
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt")
@@ -393,3 +393,15 @@ def test_check_warns_of_a_plan_whose_scan_layers_read_other_layouts(tmp_path, ca
     result = CheckResult(0.0, 1.0, 1.0, (), (), 0.0, 0.0, "shardy", "8 x cpu",
                          warnings=tuple(data["warnings"]))
     assert data["warnings"][0] in result.table()
+
+
+def test_a_pipelined_checks_bytes_say_they_are_every_stages():
+    """A pipelined plan's collectives are counted on both sides as the compiled program
+    holds them, every stage's actions summed (`collectives_as_run`): the table says so where
+    it says bytes sent per device, and a flat plan's says nothing more."""
+    flat = CheckResult(0.0, 1.0, 1.0, (), (), 0.0, 0.0, "shardy", "8 x cpu",
+                       hlo_sent_bytes=100.0, predicted_sent_bytes=99.0)
+    assert "bytes sent per device: XLA 100, predicted 99 (ratio 0.990)" in flat.table()
+    piped = dataclasses.replace(flat, stages=2)
+    assert ("bytes sent per device (the 2 stages' actions summed, as the program holds them): "
+            "XLA 100, predicted 99 (ratio 0.990)") in piped.table()
