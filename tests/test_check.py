@@ -365,9 +365,6 @@ def test_check_warns_of_a_plan_whose_scan_layers_read_other_layouts(tmp_path, ca
     second layer's slice every step, by collectives the simulator does not predict; the
     numbers stay the unsharded step's, the bytes fall short, and check says why above its
     bars."""
-    import dataclasses
-
-
     w = zoo.get("gpt", "tiny")
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt")
     topo = load_topology("cpu8")
