@@ -135,7 +135,6 @@ def test_check_passes_a_ring_attention_plan(tmp_path, capsys):
     `model`, `Strategy.ring_attention`): the numbers of the unsharded step, and the ring's
     collective-permutes as predicted (a simulated ring task stands for its cp - 1 sends;
     XLA sends the key positions once for both layers, the simulator per layer)."""
-    import dataclasses
 
     w = zoo.get("llama", "tiny-flash")
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="llama")
