@@ -36,7 +36,7 @@ outline (hatched for partial sums) is a `Rectangle` with gid ``"{label}/cell {ro
 In `timeline_figure` each bar collection has gid ``"{track}/{kind}"`` (``"device 0/forward"``,
 ``"{channel}/grad_sync"``); in `comparison_figure` each bar has gid ``"step time/{name}"`` or
 ``"bytes sent/{name}"``; in `pipeline_figure` each box is a `Rectangle` with gid
-``"stage {s}/{F|B} {microbatch}/chunk {c}"`` and its label, if drawn, a text with that gid
+``"stage {s}/{F|B|W} {microbatch}/chunk {c}"`` and its label, if drawn, a text with that gid
 plus ``"/label"``.
 
 One module past ~600 lines, on purpose: it is the one module that imports matplotlib (an
@@ -477,10 +477,11 @@ def timeline_figure(result, *, max_devices: int = 8, title: str | None = None):
 def pipeline_figure(timeline: PipelineTimeline, *, title: str | None = None):
     """A timed pipeline schedule: a row per device stage, a box per forward and backward.
 
-    Stage 0 is on top and time runs to the right; forwards are blue, backwards orange, each box
-    labelled with its microbatch where it is wide enough. With virtual stages (interleaving) a
-    stage's later chunks are drawn lighter. What is left empty is the bubble; sends between
-    stages are not drawn, their latency shows as the gaps it causes.
+    Stage 0 is on top and time runs to the right; forwards are blue, backwards orange, and
+    where the schedule splits the backward (zero-bubble's) its weight gradients (W) yellow,
+    each box labelled with its microbatch where it is wide enough. With virtual stages
+    (interleaving) a stage's later chunks are drawn lighter. What is left empty is the bubble;
+    sends between stages are not drawn, their latency shows as the gaps it causes.
 
     Args:
       timeline: a `soapjax.strategy.pipeline.PipelineTimeline` (`time_schedule`).
@@ -506,7 +507,7 @@ def pipeline_figure(timeline: PipelineTimeline, *, title: str | None = None):
         x, width = task.start_s * scale, (task.end_s - task.start_s) * scale
         gid = f"stage {task.stage}/{kind} {m}/chunk {c}"
         light = 0.5 * (c // S) / (v - 1) if v > 1 else 0.0
-        color = _lighter(KIND_COLORS["forward" if kind == "F" else "backward"], light)
+        color = _lighter(_ACTION_COLORS[kind], light)
         ax.add_patch(Rectangle((x, task.stage - 0.4), width, 0.8, facecolor=color,
                                edgecolor="white", linewidth=0.5, gid=gid))
         if width * points_per_unit >= 5 * len(str(m)) + 3:
@@ -516,8 +517,9 @@ def pipeline_figure(timeline: PipelineTimeline, *, title: str | None = None):
     ax.set_ylim(S - 0.5, -0.5)
     ax.set_yticks(range(S), [f"stage {s}" for s in range(S)], fontsize=7)
     ax.set_xlabel(f"time ({unit})")
-    ax.legend(handles=[Patch(facecolor=KIND_COLORS["forward"], label="forward"),
-                       Patch(facecolor=KIND_COLORS["backward"], label="backward")],
+    kinds = {task.action[0] for task in timeline.tasks}
+    ax.legend(handles=[Patch(facecolor=_ACTION_COLORS[k], label=label)
+                       for k, label in _ACTION_LABELS.items() if k in kinds or k != "W"],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     virtual = f" \u00d7 {v} virtual" if v > 1 else ""
     fig.suptitle(title or (
@@ -525,6 +527,12 @@ def pipeline_figure(timeline: PipelineTimeline, *, title: str | None = None):
         f"{timeline.step_s * scale:.4g} {unit}, bubble {timeline.bubble_fraction:.1%}"),
         fontsize=10)
     return fig
+
+
+# A pipeline action's colour: forward, backward (of the input, where the schedule splits the
+# backward: zero-bubble's B), and the weights' gradients (its W).
+_ACTION_COLORS = {"F": KIND_COLORS["forward"], "B": KIND_COLORS["backward"], "W": "#e6ab02"}
+_ACTION_LABELS = {"F": "forward", "B": "backward", "W": "weight gradients (W)"}
 
 
 def _lighter(color: str, amount: float) -> tuple[float, float, float]:

@@ -393,3 +393,21 @@ def test_a_pipelined_steps_timeline_picture_is_its_schedule(monkeypatch):
     bars = {p.get_gid(): p for ax in fig.axes for p in ax.patches if p.get_gid()}
     assert bars["bytes sent/plan"].get_width() * 1e3 == pytest.approx(r.bytes_moved / 2)
     assert bars["bytes sent/megatron"].get_width() * 1e3 == pytest.approx(one.bytes_moved)
+
+
+def test_a_split_backwards_weight_gradients_have_their_own_colour():
+    """Zero-bubble schedules split the backward into B and W: W was drawn in B's colour under
+    the legend's "backward"; it has its own colour and legend entry now, and a schedule
+    without W shows two entries."""
+    times = pipeline.ChunkTimes((1.0,) * 2, (1.0,) * 2, (0.0,), weight_s=(0.5,) * 2)
+    t = pipeline.time_schedule("zb-h1", 2, 2, 1, times)
+    (ax,) = plot.pipeline_figure(t).axes
+    colours = {k: {p.get_facecolor() for p in ax.patches if f"/{k} " in (p.get_gid() or "")}
+               for k in "FBW"}
+    assert all(len(c) == 1 for c in colours.values())
+    assert len({next(iter(c)) for c in colours.values()}) == 3
+    assert [x.get_text() for x in ax.get_legend().get_texts()] == [
+        "forward", "backward", "weight gradients (W)"]
+    (ax,) = plot.pipeline_figure(pipeline.time_schedule(
+        "1f1b", 2, 2, 1, pipeline.ChunkTimes.uniform(2, 1.0, 1.0))).axes
+    assert [x.get_text() for x in ax.get_legend().get_texts()] == ["forward", "backward"]
