@@ -603,6 +603,31 @@ def test_chrome_trace_is_valid_json_with_named_tracks():
     assert "16 devices run identical timelines" in capped["otherData"]["note"]
 
 
+def test_a_pipelined_steps_trace_has_the_pipeline_and_names_the_stage_simulation():
+    """`soapjax simulate --trace` of a pipelined plan wrote the one-stage simulation's tasks
+    (every layer on one stage's devices) as "devices (SPMD: all identical)": the pipeline
+    itself is in the trace now (a track per stage, an event per action, ending with the
+    schedule), and the stage simulation's processes say what they are."""
+    from soapjax.strategy.baselines import baselines
+
+    w = soapjax_zoo.get("gpt", "tiny", batch_size=16)
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt")
+    topo = load_topology("dgx-a100x3072-32")
+    piped = baselines(g, topo, w.family)["megatron"].with_microbatches(4).with_pipeline(
+        2, 1, "zb-h1")
+    r = simulate(g, topo, piped, cost_model=cost_model(g, topo, mode="analytic"))
+    events = json.loads(json.dumps(r.to_chrome_trace()))["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events
+             if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names[1].startswith("stage simulation (every layer on one stage's devices)")
+    assert names[3] == "pipeline: zb-h1, 2 stages, 4 microbatches"
+    actions = [e for e in events if e["ph"] == "X" and e["pid"] == 3]
+    tl = r.pipeline.timeline
+    assert len(actions) == len(tl.tasks) and {e["cat"] for e in actions} == {
+        "pipeline F", "pipeline B", "pipeline W"}
+    assert max(e["ts"] + e["dur"] for e in actions) == pytest.approx(tl.step_s * 1e6)
+
+
 def test_parse_strategy_errors_name_the_operator(tmp_path):
     _, g = zoo("mlp")
     topo = load_topology("cpu8")

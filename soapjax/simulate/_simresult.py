@@ -171,12 +171,31 @@ class SimResult:
         Process 1 has one track per device with the compute tasks (identical on every device
         under SPMD; at most `max_device_tracks` of them, the rest are the same); process 2 has
         one track per topology channel with the collectives on it. Times are microseconds.
+
+        A pipelined step's tasks are the one-stage simulation's, every layer on one stage's
+        devices (where the chunk times come from), not the step: process 3 has the pipeline
+        itself, a track per stage with its forwards, backwards and weight gradients, and
+        processes 1 and 2 say what they hold.
         """
         shown = min(self.num_devices, max_device_tracks)
+        staged = "stage simulation (every layer on one stage's devices): " \
+            if self.pipeline is not None else ""
         ev: list[dict[str, Any]] = [
-            _meta("process_name", 1, None, f"devices (SPMD: all {self.num_devices} identical)"),
-            _meta("process_name", 2, None, "links (topology channels)"),
+            _meta("process_name", 1, None,
+                  f"{staged}devices (SPMD: all {self.num_devices} identical)"),
+            _meta("process_name", 2, None, f"{staged}links (topology channels)"),
         ]
+        if self.pipeline is not None:
+            tl = self.pipeline.timeline
+            ev.append(_meta("process_name", 3, None,
+                            f"pipeline: {tl.schedule}, {tl.stages} stages, {tl.microbatches} "
+                            "microbatches"))
+            ev += [_meta("thread_name", 3, s, f"stage {s}") for s in range(tl.stages)]
+            ev += [{"name": f"{a.action[0]} {a.action[1]}", "cat": f"pipeline {a.action[0]}",
+                    "ph": "X", "ts": a.start_s * 1e6, "dur": (a.end_s - a.start_s) * 1e6,
+                    "pid": 3, "tid": a.stage,
+                    "args": {"microbatch": a.action[1], "chunk": a.action[2]}}
+                   for a in tl.tasks]
         for d in range(shown):
             ev.append(_meta("thread_name", 1, d, f"device:{d} compute"))
         tid = {c: i for i, c in enumerate(self.channels)}
