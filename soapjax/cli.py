@@ -290,7 +290,8 @@ def _cmd_mesh_show(args: argparse.Namespace) -> int:
     flops = ", ".join(f"{k} {v:g}" for k, v in d["peak_tflops"].items())
     print(f"{s['name']}: {s['description']}")
     print(
-        f"  {s['num_devices']} {s['platform']} devices = {s['num_nodes']} nodes x "
+        f"  {s['num_devices']} {s['platform']} devices = {s['num_nodes']} "
+        f"node{'s' if s['num_nodes'] != 1 else ''} x "
         f"{s['devices_per_node']}, each {d['kind']}: {d['memory_GB']:g} GB at "
         f"{d['memory_bandwidth_GBps']:g} GB/s; peak TFLOP/s {flops}"
     )
