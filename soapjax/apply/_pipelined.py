@@ -764,7 +764,8 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
               kept: frozenset[int] = frozenset(),
               literals: Mapping[int, Any] | None = None,
               deferred: Sequence[WeightMatmul] = (),
-              matmul_specs: Sequence[_StashSpecs] = ()) -> Callable:
+              matmul_specs: Sequence[_StashSpecs] = (),
+              carry_specs: Sequence[PartitionSpec | None] = ()) -> Callable:
     """``(chunk params, values, x) -> y`` (the chunk's output carry) or, for the last chunk,
     ``-> loss`` (the epilogue after it); `values` are those of the ids `reads`, the chunk
     params ``[L / C, ...]`` per stacked parameter, in the scan's order. With `selective`, each
@@ -787,7 +788,11 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
     function then takes their stash (``stash``: ``[L / C, ...]`` stacks of zeros, per
     weight matmul its operand's, once per value, and its cotangent's: `stash_shapes`), whose
     cotangents are what the weights' gradients are made of,
-    held in `matmul_specs` (per weight matmul: `_Pipeline._stash_specs`)."""
+    held in `matmul_specs` (per weight matmul: `_Pipeline._stash_specs`). `carry_specs`:
+    where the stages hold the carry (`_Pipeline.between`; None: left to XLA), held so at
+    every layer's start and after the chunk's layers: left to XLA, the layer scan's carry took
+    the layout its first reader or its maker had (a prologue splitting the sequence, an
+    epilogue the batch) and was gathered again inside every layer."""
     prog, scan = cut.program, cut.scan
     literals = dict(literals or {})
 
@@ -803,8 +808,13 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
 
     ys = scan.ys[0] if cut.stacked_ys else ()  # layer 0's outputs the layers stack
 
+    def held(carry: Sequence[Any]) -> tuple:  # the carry where the stages hold it
+        return tuple(x if spec is None else _constrain(x, spec)
+                     for x, spec in zip(carry, carry_specs or (None,) * len(carry)))
+
     def layer(vals: Sequence[Any], carry: tuple, slices: list,
               stash: Sequence[Any] = ()) -> tuple[tuple, tuple]:
+        carry = held(carry)
         env = env_of(dict(zip(reads, vals)))
         env.update(zip(scan.slices[0], slices))
         env.update(zip(scan.carries[0], carry))
@@ -843,6 +853,7 @@ def _chunk_fn(cut: _Cut, last: bool, reads: Sequence[int], selective: bool = Fal
                                     lambda: passed(c))
 
             y, made = jax.lax.scan(step, carry, (params, stash, jnp.arange(depth)))
+        y = held(y)
         # the chunk's layers' rows of each stack (`_Cut.stacked_ys`), from row `offset` (rows
         # past a stage's count hold zeros: its padding)
         rows = None if offset is None else offset + jnp.arange(depth)
@@ -1498,10 +1509,10 @@ class _Pipeline:
         self.carry_positions = tuple(cut.per_mb.index(v) for v in cut.scan.carries[0])
         self.constraints = self._constraints(layouts, data_axes)
         self.operand_reads = self._operand_reads(layouts) if self.constraints else {}
-        # the carry's layouts (the stacks of the layers' outputs it carries replicated)
-        stacks = (PartitionSpec(),) * len(cut.stacked_ys)
-        self.entry, self.between = (tuple(self.constraints.get(v, PartitionSpec())
-                                          for v in carries) + stacks
+        # the carry's layouts: the plan's where it has one (replicated too), else None (left
+        # to XLA: without layouts, and the stacks of the layers' outputs it carries)
+        stacks = (None,) * len(cut.stacked_ys)
+        self.entry, self.between = (tuple(self.constraints.get(v) for v in carries) + stacks
                                     for carries in (cut.scan.carries[0], cut.scan.carries[1]))
         self.loss_dtype = program.jax_dtypes[program.outputs[0]]
         # a schedule that splits the backward: the layers' weight matmuls defer their weights'
@@ -1652,7 +1663,8 @@ class _Pipeline:
                        counted=bool(self.stage_layers), hook=self._stage_hook(),
                        operand_reads=self.operand_reads, kept=self.kept,
                        literals=self.groups.literals, deferred=self.deferred,
-                       matmul_specs=self.matmul_specs)
+                       matmul_specs=self.matmul_specs,
+                       carry_specs=self.between[:len(self.cut.scan.carries[1])])
         # the count (uneven stages) and the stacks' row (`_Cut.stacked_ys`) ride last among the
         # others (`_inputs`)
         extra = (("count",) if self.stage_layers else ()) + (
@@ -1869,8 +1881,9 @@ class _Pipeline:
         (module doc, `_send_spec`) and made whole again on arrival."""
         def move(value: tuple) -> tuple:
             with jax.named_scope(name):
-                return tuple(self._send(x, held, _send_spec(np.shape(x), self.split_axes, held),
-                                        pairs) for x, held in zip(value, self.between))
+                held = [PartitionSpec() if h is None else h for h in self.between]
+                return tuple(self._send(x, h, _send_spec(np.shape(x), self.split_axes, h), pairs)
+                             for x, h in zip(value, held))
 
         return move
 
@@ -1905,25 +1918,28 @@ class _Pipeline:
     def _hold(self, carry: Sequence[Any], layouts: Sequence[PartitionSpec] | None = None
               ) -> tuple:
         """The carry (or its cotangent) constrained to where the stages hold it (`between`,
-        or `layouts`): every branch of a switch that returns it returns it there."""
+        or `layouts`; None: left to XLA): every branch of a switch that returns it returns it
+        there."""
         layouts = self.between if layouts is None else layouts
-        return tuple(_constrain(x, held) if len(held) else x for x, held in zip(carry, layouts))
+        return tuple(x if held is None else _constrain(x, held)
+                     for x, held in zip(carry, layouts))
 
     def _idle(self, state: dict, action: Any) -> tuple[dict, tuple, tuple]:
         return state, self._none(), self._none()
 
     def _chunk_input(self, state: dict, action: Any, first: bool) -> tuple:
-        """The carry the chunk of `action` starts from: the prologue's for the first chunk,
-        else the activation received into its slot."""
+        """The carry the chunk of `action` starts from: the prologue's for the first chunk
+        (in its maker's layout, `entry`, then converted once to the layers' own, `between`,
+        as the simulator prices the first layer's read), else the activation received into
+        its slot."""
         if first:  # (the stacks of the layers' outputs start empty)
             carry = [_row(self.values["mb"][k], action[_MICROBATCH])
                      for k in self.carry_positions]
             carry += self._zeros(self._carry_shapes()[len(carry):])
-            layouts = self.entry
+            carry = self._hold(carry, self.entry)
         else:
             carry = [_row(b, action[_ACTIVATION_SLOT]) for b in state["activations"]]
-            layouts = self.between
-        return self._hold(carry, layouts)
+        return self._hold(carry, self.between)
 
     def _forward(self, state: dict, action: Any, first: bool, last: bool):
         chunk = self.chunk_fns[last]
