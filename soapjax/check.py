@@ -47,6 +47,7 @@ from soapjax.graph.opgraph import trace
 from soapjax.measure import hlo
 from soapjax.measure._timing import median_call
 from soapjax.measure.hlo import HloFlops, hlo_flops
+from soapjax.search.find import checked_finalist
 from soapjax.simulate.front import SimResult, opt_state_factor, simulate
 from soapjax.strategy.plan import Plan, untied_warning
 from soapjax.strategy.space import MeshShape
@@ -278,13 +279,7 @@ def plan_reshard_mode(plan: Plan) -> str:
     checked the plan's reshardings against XLA (`soapjax.search.find.check_reshardings`), else
     the search's (``plan.search["reshard"]``; the default for a plan without one)."""
     info = dict(plan.search)
-    checked = info.get("reshardings_checked")
-    if checked:
-        for row in dict(checked)["finalists"]:
-            row = dict(row)
-            if row["start"] == info.get("best_from") and row["xla_s"] is not None:
-                return "xla"
-    return info.get("reshard", DEFAULT_MODE)
+    return "xla" if checked_finalist(info) is not None else info.get("reshard", DEFAULT_MODE)
 
 
 def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5, seed: int = 0,

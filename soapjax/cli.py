@@ -916,6 +916,8 @@ def _reshard_check(info: dict) -> str:
     """What `find_plan`'s check of the finalists' reshardings found: ``"; 4 of its 4 best plans
     priced again with XLA's reshardings (the plan: 96 transitions, 9 made by replicating
     whole, +7.1%)"``."""
+    from soapjax.search import checked_finalist
+
     checked = info.get("reshardings_checked")
     if not checked:
         return ""
@@ -923,7 +925,7 @@ def _reshard_check(info: dict) -> str:
     done = [r for r in rows if r["xla_s"] is not None]
     if not done:
         return "; its finalists' reshardings not checked (meshes too large)"
-    chosen = next((r for r in done if r["start"] == info["best_from"]), done[0])
+    chosen = checked_finalist(info) or done[0]
     failed = (f", {chosen['fallbacks']} not compiled: priced by the ideal model"
               if chosen.get("fallbacks") else "")
     return (f"; {len(done)} of its {len(rows)} best plans priced again with XLA's "

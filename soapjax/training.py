@@ -100,7 +100,7 @@ from soapjax.exactness import (
     step_difference,
 )
 from soapjax.graph.opgraph import OpGraph, trace
-from soapjax.search import SearchSettings, find_plan
+from soapjax.search import SearchSettings, checked_finalist, find_plan
 from soapjax.simulate.front import opt_state_factor
 from soapjax.strategy._arguments import check_optimizer, check_settings
 from soapjax.strategy.baselines import NAMES as BASELINE_NAMES, baselines
@@ -608,9 +608,7 @@ def _plan_caveats(info: dict) -> list[str]:
     """What a user should know of a plan just searched (its search info): layout changes XLA
     makes by replicating whole (XLA warns of each: priced so, not a fault), and operators
     priced by estimate when the measuring budget ran out (`CostModel.estimated_in`)."""
-    lines, rows = [], dict(info.get("reshardings_checked") or {}).get("finalists", ())
-    chosen = next((dict(r) for r in rows if dict(r)["start"] == info.get("best_from")
-                   and dict(r).get("xla_s") is not None), None)
+    lines, chosen = [], checked_finalist(info)
     if chosen and chosen.get("replicated_whole"):
         lines.append(f"XLA makes {chosen['replicated_whole']} of the plan's layout changes by "
                      "replicating the tensor whole (its 'Involuntary full rematerialization' "

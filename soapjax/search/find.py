@@ -151,7 +151,7 @@ from soapjax.topology.cluster import stage_topology
 
 __all__ = ["FINAL_SHARE", "GRID_SHARE", "MAX_BUDGET_S", "MAX_PROPOSALS", "MEASURE_SHARE",
            "RESHARD_CHECK_DEVICES", "RESHARD_CHECK_SHARE", "RESHARD_FINALISTS", "Progress",
-           "SearchResult", "SearchSettings", "check_reshardings", "find_plan",
+           "SearchResult", "SearchSettings", "check_reshardings", "checked_finalist", "find_plan",
            "make_simulation", "print_progress", "random_strategy", "search"]
 
 
@@ -669,6 +669,17 @@ def check_reshardings(graph: OpGraph, topology, result: SearchResult, cost_model
     t, strategy, name, sim = best
     return dataclasses.replace(result, strategy=strategy, step_time_s=t, start=name), sim, \
         checked
+
+
+def checked_finalist(info: Any) -> dict | None:
+    """The row `check_reshardings` wrote for the plan itself (in a plan's search info, or its
+    frozen pairs): the finalist it was found from, priced with XLA's reshardings; None where
+    that one was not checked."""
+    for row in dict(dict(info).get("reshardings_checked") or {}).get("finalists", ()):
+        row = dict(row)
+        if row["start"] == dict(info).get("best_from") and row.get("xla_s") is not None:
+            return row
+    return None
 
 
 class _Asked:
