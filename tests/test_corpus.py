@@ -493,6 +493,8 @@ IDIOMS = {
     "kv_cache_decoder": {"dynamic_update_slice"},
     "clip": {"exp", "sqrt", "transpose"},
     "fnet": {"fft", "real"},
+    "unet": {"conv_general_dilated", "exp", "cos", "rsqrt"},
+    "gnn": {"gather", "scatter-add"},
 }
 # Grouped convolutions (feature_group_count > 1): depthwise, a channel multiplier, 4 groups.
 GROUPED = {"convnext": 1, "mobilenet": 2, "mamba": 1}
@@ -509,6 +511,9 @@ def test_corpus_model_uses_its_idiom(name):
         groups = {e.params["feature_group_count"] for e in _eqns(closed.jaxpr)
                   if e.primitive.name == "conv_general_dilated"} - {1}
         assert len(groups) >= GROUPED[name], groups
+    if name == "unet":  # nn.ConvTranspose: a convolution of a dilated input
+        assert any(set(e.params["lhs_dilation"]) != {1} for e in _eqns(closed.jaxpr)
+                   if e.primitive.name == "conv_general_dilated")
     if name == "mixed_precision":
         dots = [e for e in _eqns(closed.jaxpr) if e.primitive.name == "dot_general"]
         assert dots and all(e.invars[0].aval.dtype == jnp.bfloat16 for e in dots)

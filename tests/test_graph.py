@@ -264,8 +264,11 @@ def test_mismatched_shapes():
 
 
 def test_batch_sizes_disagree():
+    """Leaves of different lengths (a batch of graphs packed end to end: nodes and edges) are
+    refused, the error saying how to lay them out per sample (tests/corpus/gnn.py's way)."""
     with pytest.raises(TraceError,
-                       match=r"batch leaf \['y'\] has batch size 5 .* but \['x'\] has 4"):
+                       match=r"batch leaf \['y'\] has batch size 5 .* but \['x'\] has 4.*"
+                             r"laid out per sample instead, padded to one size"):
         trace(lambda p, b: _loss(p, b) + b["y"].sum(), PARAMS,
               {"x": jnp.ones((4, 3)), "y": jnp.ones(5)})
 

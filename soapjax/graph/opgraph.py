@@ -505,7 +505,11 @@ def _check_args(fn, fname, args, pnums, bnums) -> None:
             elif shape[0] != first[1]:
                 raise TraceError(f"batch leaf {where} has batch size {shape[0]} (shape {shape}), "
                                  f"but {first[0]} has {first[1]}; dim 0 of every batch leaf "
-                                 "must be the batch" + closure)
+                                 "must be the batch. Samples of different sizes packed end to "
+                                 "end (a batch of graphs' nodes and edges, packed sequences) "
+                                 "are laid out per sample instead, padded to one size, with "
+                                 "indices local to their sample ([samples, nodes, ...], "
+                                 "[samples, edges]; jax.vmap of the per-sample code)" + closure)
 
 
 def _signature(fn) -> str:

@@ -48,6 +48,7 @@ from corpus import (
     dropout_nnx,
     fnet,
     gemma3,
+    gnn,
     gqa_decoder,
     kv_cache_decoder,
     linen_scan_transformer,
@@ -64,6 +65,7 @@ from corpus import (
     safe_norm,
     ste,
     t5_encdec,
+    unet,
     vit,
     whisper,
 )
@@ -184,6 +186,15 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
     Entry("fnet", "linen", fnet.make,
           "FNet-style encoder: tokens mixed by jnp.fft.fft2's real part (complex values, no "
           "parameters), residual LayerNorms, GELU MLP, blocks in a list", gradients_in="fuzz"),
+    Entry("unet", "linen", unet.make,
+          "diffusion U-Net: sinusoidal timestep MLP added per channel, GroupNorm, a strided "
+          "downsampling convolution, attention at low resolution, nn.ConvTranspose upsampling, "
+          "a skip concatenated on the channels, noise levels gathered by timestep",
+          has_conv=True, gradients_in="fuzz"),
+    Entry("gnn", "linen", gnn.make,
+          "message-passing graph network over graphs padded to one size: vmapped gathers of "
+          "edge ends, jax.ops.segment_sum per receiver (a batched scatter-add) and in-degree "
+          "mean, residual LayerNorm, layers '0'..'2', sum pooling", gradients_in="fuzz"),
 )}
 
 
