@@ -138,7 +138,8 @@ def _add_batch_size(p: argparse.ArgumentParser) -> None:
 def _trace(w):
     from soapjax.graph.opgraph import trace
 
-    return trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    return trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name,
+                 has_aux=w.has_aux)
 
 
 def _workload_text(model: str) -> str:
@@ -1004,7 +1005,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     plan = Plan.load(args.plan)
     w = zoo.for_plan(plan)
-    graph = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=plan.model)
+    graph = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=plan.model,
+                  has_aux=w.has_aux)
     if args.format == "json":
         text = export_json(graph, plan)
     else:

@@ -89,6 +89,9 @@ class GradientComparison:
       loss_error: ``|loss - reference| / max(|reference|, tiny)``.
       leaves: one `LeafError` per parameter leaf, in ``jax.tree.leaves`` order.
       tolerance: the bar each error is held to.
+      aux: for a loss traced with ``has_aux=True``, one `LeafError` per leaf of what it
+        returns beside the loss (its path prefixed ``aux``, no operator), each against its
+        own scale as the gradients are.
     """
 
     loss: float
@@ -96,6 +99,7 @@ class GradientComparison:
     loss_error: float
     leaves: tuple[LeafError, ...]
     tolerance: float
+    aux: tuple[LeafError, ...] = ()
 
     @property
     def worst(self) -> LeafError | None:
@@ -106,7 +110,8 @@ class GradientComparison:
     def max_error(self) -> float:
         """The largest of the loss's and every leaf's error."""
         worst = self.worst
-        return max(self.loss_error, worst.error if worst else 0.0)
+        return max(self.loss_error, worst.error if worst else 0.0,
+                   max((e.error for e in self.aux), default=0.0))
 
     @property
     def passed(self) -> bool:
@@ -121,6 +126,9 @@ class GradientComparison:
         worst = self.worst
         leaf = (f"; worst gradient leaf {worst.path} (read by operator {worst.operator!r}) "
                 f"{worst.error:.3g} of its scale {worst.scale:.3g}" if worst else "")
+        aux = max(self.aux, key=lambda e: e.error, default=None)
+        if aux is not None:
+            leaf += f"; worst aux value {aux.path} {aux.error:.3g} of its scale {aux.scale:.3g}"
         return (f"{'PASS' if self.passed else 'FAIL'} gradients: loss {self.loss:.8g} against "
                 f"{self.reference_loss:.8g} (relative {self.loss_error:.3g}){leaf} (bar "
                 f"{self.tolerance:g}, relative per leaf)")
@@ -131,7 +139,8 @@ class GradientComparison:
                 "loss_error": self.loss_error, "tolerance": self.tolerance,
                 "passed": self.passed, "max_error": self.max_error,
                 "worst": dataclasses.asdict(worst) if worst else None,
-                "leaves": [dataclasses.asdict(e) for e in self.leaves]}
+                "leaves": [dataclasses.asdict(e) for e in self.leaves],
+                "aux": [dataclasses.asdict(e) for e in self.aux]}
 
 
 def narrowest_float(graph: OpGraph) -> str:
@@ -148,7 +157,8 @@ def rounding_tolerance(graph: OpGraph) -> float:
 
 def compare_gradients(loss: Any, grads: Any, reference_loss: Any, reference_grads: Any, *,
                       tolerance: float, operators: Sequence[str] | None = None,
-                      computed_in: str | None = None) -> GradientComparison:
+                      computed_in: str | None = None, aux: Any = None,
+                      reference_aux: Any = None) -> GradientComparison:
     """Each gradient leaf's error relative to its own scale (module doc), and the loss's.
 
     Args:
@@ -159,6 +169,8 @@ def compare_gradients(loss: Any, grads: Any, reference_loss: Any, reference_grad
       operators: per leaf (``jax.tree.leaves`` order), the operator that reads it.
       computed_in: the float type the gradients were computed in, whose rounding sets the
         floor (`narrowest_float`; default: the coarsest of the two trees' leaf types).
+      aux, reference_aux: what a loss traced with ``has_aux=True`` returns beside the loss,
+        sharded and unsharded (`GradientComparison.aux`); None without.
 
     Raises:
       ValueError: the two gradient pytrees differ in structure or in a leaf's shape.
@@ -194,7 +206,25 @@ def compare_gradients(loss: Any, grads: Any, reference_loss: Any, reference_grad
     loss_error = abs(loss_v - ref_v) / max(abs(ref_v), np.finfo(np.float64).tiny)
     if math.isnan(loss_v) != math.isnan(ref_v):
         loss_error = math.inf
-    return GradientComparison(loss_v, ref_v, loss_error, tuple(leaves), tolerance)
+    return GradientComparison(loss_v, ref_v, loss_error, tuple(leaves), tolerance,
+                              _aux_errors(aux, reference_aux))
+
+
+def _aux_errors(aux: Any, reference: Any) -> tuple[LeafError, ...]:
+    """Each aux leaf's ``max |got - want| / max |want|`` (`GradientComparison.aux`)."""
+    if reference is None:
+        return ()
+    want, tree = jax.tree_util.tree_flatten_with_path(reference)
+    got, got_tree = jax.tree.flatten(aux)
+    if got_tree != jax.tree.structure(reference):
+        raise ValueError(f"the sharded aux pytree {got_tree} is not the reference's")
+    out = []
+    for (path, w), g in zip(want, got):
+        w, g = _host(w).astype(np.float64), _host(g).astype(np.float64)
+        scale = float(np.nanmax(np.abs(w), initial=0.0)) or 1.0
+        out.append(LeafError("aux" + jax.tree_util.keystr(path), "", _max_diff(g, w) / scale,
+                             scale))
+    return tuple(out)
 
 
 def first_step(graph: OpGraph, strategy: Any, mesh: Mesh, loss_fn: Callable[[Any, Any], Any],
@@ -227,6 +257,9 @@ def first_step(graph: OpGraph, strategy: Any, mesh: Mesh, loss_fn: Callable[[Any
                                                      compiler_options=compiler_options)
     loss, grads = fn(apply.device_put_global(params, sh.params),
                      apply.device_put_global(batch, sh.batch))
+    aux = ref_aux = None
+    if graph.has_aux:
+        loss, aux = loss
     grads = apply.model_layout(grads)  # an interleaved pipeline's stacked layers in chunk order
     device = jax.local_devices()[0]
     host_params = jax.tree.map(_host, params)
@@ -235,22 +268,26 @@ def first_step(graph: OpGraph, strategy: Any, mesh: Mesh, loss_fn: Callable[[Any
     ref_loss, ref_grads = jax.jit(reference_value_and_grad(loss_fn, graph, strategy),
                                   compiler_options=options)(
         jax.device_put(host_params, device), jax.device_put(host_batch, device))
+    if graph.has_aux:
+        ref_loss, ref_aux = ref_loss
     return compare_gradients(loss, grads, ref_loss, ref_grads,
                              tolerance=rounding_tolerance(graph) if tolerance is None
                              else tolerance, operators=reading_operators(graph),
-                             computed_in=narrowest_float(graph))
+                             computed_in=narrowest_float(graph), aux=aux,
+                             reference_aux=ref_aux)
 
 
 def reference_value_and_grad(loss_fn: Callable[[Any, Any], Any], graph: OpGraph,
                              strategy: Any) -> Callable[[Any, Any], tuple[Any, Any]]:
-    """``jax.value_and_grad(loss_fn)``: the step a strategy must compute. Where the graph
+    """``jax.value_and_grad(loss_fn)`` (``has_aux=True`` for a graph traced so): the step a
+    strategy must compute. Where the graph
     accepts statistics per microbatch (`soapjax.graph.opgraph.OpGraph.microbatch_statistics`) and
     the strategy has M > 1 microbatches, the mean over the M microbatches of their own loss and
     gradients (what gradient accumulation computes by those semantics), microbatch ``k``
     holding samples ``k, k + M, ...`` as `soapjax.apply` splits them."""
     m = getattr(strategy, "microbatches", 1)
     if not (graph.microbatch_statistics and graph.sample_coupling and m > 1):
-        return jax.value_and_grad(loss_fn)
+        return jax.value_and_grad(loss_fn, has_aux=graph.has_aux)  # has_aux keeps M = 1
 
     def accumulated(params, batch):
         parts = jax.tree.map(lambda x: split_microbatches(x, m), batch)

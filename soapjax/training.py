@@ -23,11 +23,8 @@ where the topology's devices are attached) and prints one line of progress. The 
 on disk (``$SOAPJAX_CACHE_DIR/plans``, default ``~/.cache/soapjax/plans``, beside the reshard
 cache), keyed by the graph's fingerprint (`OpGraph.fingerprint`), the topology's, the soapjax
 version, the search settings, where costs come from and the optimizer's state size; the next
-run with the same key reads it instead ("reusing cached plan ... from <path>"). Measured on
-a 2-core CPU with 8 virtual devices, GPT-2 tiny on ``cpu8``: with the defaults (measured costs,
-a 20 s search) 95 s to plan the first time (operator timings included, which their own cache
-keeps), 4 ms to reuse the plan; with analytic costs and 300 proposals per chain 0.37 s and
-3.5 ms (tracing and compiling the step, the same either way, not counted). Other strategies: a
+run with the same key reads it instead ("reusing cached plan ... from <path>"; docs/apply.md
+says how long each takes). Other strategies: a
 `Strategy`, a `Plan`, a baseline by name (`PLANNERS`: ``"data-parallel"``, ``"megatron"``,
 ``"fsdp"``, ``"expert-cnn"``, ``"expert-rnn"``), or a ``planner(graph, mesh_shape) ->
 Strategy``. A pipelined strategy or plan (`soapjax.strategy.baselines.megatron_3d` with ``pp``) runs
@@ -223,7 +220,8 @@ class ShardedTraining:
     """What `shard_training` returns: the sharded step and the placed training state.
 
     Attributes:
-      step: jitted ``step(params, opt_state, batch) -> (params, opt_state, loss)``; it donates
+      step: jitted ``step(params, opt_state, batch) -> (params, opt_state, loss)`` (``loss``
+        is ``(loss, aux)`` with `shard_training`'s ``has_aux=True``); it donates
         params and opt_state, so keep only what it returns. It counts its calls and passes the
         count as the step number (`apply.sharded_train_step`): the first call computes exactly
         your loss's gradient, later ones draw fresh dropout masks from the keys your loss holds
@@ -281,7 +279,7 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
                    search: SearchSettings | None = None, costs: str = "auto",
                    opt_state: Any = None, name: str | None = None, donate: bool = True,
                    compiler_options: Mapping[str, Any] | None = None,
-                   verify: bool = False) -> ShardedTraining:
+                   verify: bool = False, has_aux: bool = False) -> ShardedTraining:
     """Traces the loss, applies a strategy, and places the training state on the mesh.
 
     Args:
@@ -315,6 +313,10 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
         `VerificationError` naming the leaf and the operator that reads it. Its cost: two
         more compiles (the sharded gradients, the unsharded step) and three step-sized runs;
         docs/apply.md has the figures.
+      has_aux: ``loss_fn`` returns ``(loss, aux)`` (as for ``jax.value_and_grad(...,
+        has_aux=True)``: metrics, a linen model's updated ``batch_stats``); the step then
+        returns ``(params, opt_state, (loss, aux))``, aux computed inside the sharded step,
+        not differentiated. Plans keep one microbatch and no pipeline stages.
 
     Returns:
       The `ShardedTraining`.
@@ -335,7 +337,7 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
     loss_fn, params, name = _pure_loss(loss_fn, params, name)
     mesh, topology = _resolve_mesh(mesh)
     mesh_shape = MeshShape.of(topology) if topology is not None else None
-    graph = trace(loss_fn, params, batch, name=name)
+    graph = trace(loss_fn, params, batch, name=name, has_aux=has_aux)
     validate_trainable(graph)  # before any planning
     options = PlanOptions(search, costs, optimizer)
     strategy = _resolve_strategy(strategy, graph, mesh, topology, options)

@@ -188,7 +188,21 @@ def _workload(spec: str, fn_name: str, out: Any, name: str) -> Workload:
                             f"batch); found sizes {sorted(sizes, key=str)}")
     return Workload(name=name, config="", api=api, family=None, description=spec,
                     batch_size=sizes.pop(), loss_fn=loss_fn, init_params=_filler(params, 0.02),
-                    make_batch=_filler(batch, 1.0), optimizer=optimizer)
+                    make_batch=_filler(batch, 1.0), optimizer=optimizer,
+                    has_aux=_returns_aux(loss_fn, params, batch))
+
+
+def _returns_aux(loss_fn: Callable, params: Any, batch: Any) -> bool:
+    """Whether ``loss_fn`` returns ``(loss, aux)`` (a pair whose first element is a scalar), as
+    a training loop's loss with metrics or batch statistics does: planned with
+    ``has_aux=True`` (`soapjax.training.shard_training`'s), so its plans bind there. A loss
+    that fails here is left to tracing, which says why."""
+    try:
+        out = jax.eval_shape(loss_fn, params, batch)
+    except Exception:  # noqa: BLE001 - tracing reports the user's error with its context
+        return False
+    return (isinstance(out, (tuple, list)) and len(out) == 2
+            and getattr(out[0], "shape", None) == ())
 
 
 def _check_leaves(spec: str, fn_name: str, what: str, tree: Any) -> None:

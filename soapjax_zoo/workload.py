@@ -49,6 +49,8 @@ class Workload:
       init_params: ``init_params(rng) -> params``; only the trained parameters.
       make_batch: ``make_batch(rng) -> dict[str, jax.Array]``; synthetic, right shapes and dtypes.
       optimizer: the optax transformation of the training step.
+      has_aux: ``loss_fn`` returns ``(loss, aux)`` (user code whose loss returns metrics or
+        batch statistics beside it, `soapjax_zoo.user`); traced with ``has_aux=True``.
 
     Example::
 
@@ -69,6 +71,7 @@ class Workload:
     init_params: Callable[[jax.Array], Any]
     make_batch: Callable[[jax.Array], Batch]
     optimizer: optax.GradientTransformation
+    has_aux: bool = False
 
     def abstract_params(self) -> Any:
         """The parameters as `jax.ShapeDtypeStruct`s, traced with `jax.eval_shape` (no memory)."""
@@ -83,7 +86,8 @@ class Workload:
         return jax.eval_shape(self.optimizer.init, self.abstract_params())
 
     def train_step(self) -> TrainStep:
-        """Returns the pure step ``step(params, opt_state, batch) -> (params, opt_state, loss)``.
+        """Returns the pure step ``step(params, opt_state, batch) -> (params, opt_state, loss)``
+        (``loss`` is ``(loss, aux)`` with `has_aux`).
 
         It is `jax.value_and_grad` of `loss_fn`, then `optimizer.update` and
         `optax.apply_updates`; not jitted, so callers can trace or shard it as they like.
@@ -91,7 +95,7 @@ class Workload:
         loss_fn, optimizer = self.loss_fn, self.optimizer
 
         def step(params: Any, opt_state: Any, batch: Batch) -> tuple[Any, Any, jax.Array]:
-            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+            loss, grads = jax.value_and_grad(loss_fn, has_aux=self.has_aux)(params, batch)
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
 

@@ -303,14 +303,21 @@ def test_non_scalar_loss():
         trace(lambda p, b: b["x"] @ p["w"], PARAMS, BATCH)
 
 
-def test_a_loss_with_aux_values_is_told_to_return_the_loss_alone():
+def test_a_loss_with_aux_values_is_told_to_pass_has_aux():
     def loss_and_metrics(p, b):
         out = b["x"] @ p["w"]
         return jnp.mean(out ** 2), {"largest": out.max()}
 
-    with pytest.raises(TraceError, match=r"returned \(float32\[\], float32\[\]\); a loss with "
-                       r"other values \(as for jax.value_and_grad\(..., has_aux=True\)"):
+    with pytest.raises(TraceError, match=r"returned \(float32\[\], float32\[\]\); for a loss "
+                       r"with other values \(as jax.value_and_grad\(..., has_aux=True\) .*"
+                       r"pass has_aux=True"):
         trace(loss_and_metrics, PARAMS, BATCH)
+    g = trace(loss_and_metrics, PARAMS, BATCH, has_aux=True)
+    params = {"w": jnp.arange(6.0).reshape(3, 2)}
+    batch = {"x": jnp.arange(12.0).reshape(4, 3)}
+    loss, aux = g.evaluate(*jax.tree.leaves((params, batch)))
+    want_loss, want_aux = loss_and_metrics(params, batch)
+    assert float(loss) == float(want_loss) and float(aux["largest"]) == float(want_aux["largest"])
 
 
 def test_unknown_model_on_the_command_line(capsys):

@@ -80,10 +80,11 @@ def constrained_loss(graph: OpGraph, strategy: Any, mesh: Mesh, *,
         the plan has 5 over `data`, 6.4 ms where it runs in 4.3).
 
     Returns:
-      ``loss(params, batch, step=None) -> scalar``; params and batch must have the traced
-      leaves. With ``step`` (an int32 scalar, the training step's number), every PRNG key the
-      program makes from constants (dropout's) is folded with it (`step_keys`): step 0 computes
-      exactly the traced function, later steps draw fresh masks.
+      ``loss(params, batch, step=None) -> scalar`` (``-> (loss, aux)`` for a graph traced
+      with ``has_aux=True``); params and batch must have the traced leaves. With ``step``
+      (an int32 scalar, the training step's number), every PRNG key the program makes from
+      constants (dropout's) is folded with it (`step_keys`): step 0 computes exactly the
+      traced function, later steps draw fresh masks.
 
     Raises:
       PlanError: see `validate_strategy`; a convolution split spatially; and, when called, leaves
@@ -501,9 +502,10 @@ def _value_and_grad(check: Checked, batch_shardings: Any,
     bits keeps M = 1, `soapjax.strategy.memory.random_operator`, so no keys to advance there)."""
     graph, mesh = check.graph, check.mesh
     strategy, m = check.strategy, check.strategy.microbatches
-    if m == 1:
+    if m == 1:  # a graph with aux values (has_aux) keeps M = 1: `microbatch_refusal`
         return jax.value_and_grad(constrained_loss(
-            graph, check, mesh, allow_spatial_convolutions=allow_spatial_convolutions))
+            graph, check, mesh, allow_spatial_convolutions=allow_spatial_convolutions),
+            has_aux=graph.has_aux)
     micro = graph.at_batch_size(graph.batch_size // m)
     names = [op.name for op in graph.operators]
     if [op.name for op in micro.operators] != names:

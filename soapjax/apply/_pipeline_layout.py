@@ -104,6 +104,9 @@ def check_pipelinable(graph: OpGraph, *, stages: int, microbatches: int, virtual
     `stage_layers`), the batch into M microbatches, no random bits drawn, and a schedule the
     numbers make a pipeline of."""
     check_pipeline(schedule, stages, microbatches, virtual)
+    if graph.has_aux:
+        raise PlanError(f"graph {graph.name!r} returns values beside its loss (has_aux), "
+                        "which a pipeline does not hand back; plan it without stages")
     if microbatches > 1 and (why := coupled_samples(graph)):
         raise PlanError(f"graph {graph.name!r}: its samples interact ({why}); a pipeline's "
                         f"{microbatches} microbatches would compute that per microbatch; "

@@ -273,7 +273,7 @@ def _differentiated(graph: OpGraph) -> tuple[list[list[bool]], set[tuple[int, in
         needs.append(any(d))
         wanted.update((index[o.source], o.index) for o, x in zip(op.inputs, d)
                       if x and o.kind == "activation")
-    results = set(graph.program.outputs)
+    results = set(graph.program.outputs[:1])  # the loss: aux outputs get no cotangent
     wanted.update((i, k) for i, op in enumerate(graph.operators) if needs[i]
                   for k, t in enumerate(op.outputs) if t.value in results and is_float(t.dtype))
     return diff, wanted

@@ -100,6 +100,8 @@ class OpGraph:
       microbatch_statistics: the user accepts statistics per microbatch where the samples
         interact (`trace`'s argument: what Megatron-LM and MaxText do with a mixture of
         experts' capacity and auxiliary loss under gradient accumulation).
+      aux_tree: the structure of what the traced function returns beside its loss (`trace`'s
+        `has_aux`; None: the loss alone); its leaves are ``program.outputs[1:]``.
       params_tree: the parameters' pytree structure (a tuple of the parameter arguments' when
         there are several; None: not made by `trace`), for `abstract_params`.
     """
@@ -116,6 +118,7 @@ class OpGraph:
     sample_coupling: str = dataclasses.field(default="", compare=False)
     sample_sums: tuple[int, ...] | None = dataclasses.field(default=None, compare=False)
     microbatch_statistics: bool = dataclasses.field(default=False, compare=False)
+    aux_tree: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
     params_tree: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
     # what later stages work out once per graph (`memo`); not copied by dataclasses.replace
     _memo: dict = dataclasses.field(default_factory=dict, init=False, compare=False,
@@ -279,7 +282,7 @@ class OpGraph:
             layout, so the recomputation gathers it again, as the simulator prices it).
 
         Returns:
-          The function's result (a scalar loss).
+          The function's result: the scalar loss, or ``(loss, aux)`` (`has_aux`).
 
         Raises:
           ValueError: `replace` names an operator that is unknown or not `replaceable`.
@@ -329,8 +332,18 @@ class OpGraph:
                         o = first[v]
                         reads.setdefault(i, []).append(
                             (pos, (op.name, o), functools.partial(on_input, op, o)))
-        return self.program.run(flat_inputs, hook, swaps=swaps, checkpoints=spans, keys=keys,
-                                reads=reads, pins=pins)[0]
+        out = self.program.run(flat_inputs, hook, swaps=swaps, checkpoints=spans, keys=keys,
+                               reads=reads, pins=pins)
+        return out[0] if self.aux_tree is None else (out[0], self.aux(out[1:]))
+
+    @property
+    def has_aux(self) -> bool:
+        """Whether the traced function returns ``(loss, aux)`` (`trace`'s `has_aux`)."""
+        return self.aux_tree is not None
+
+    def aux(self, leaves: Sequence[Any]) -> Any:
+        """The aux pytree of its leaves (the program's outputs after the loss)."""
+        return jax.tree.unflatten(self.aux_tree, list(leaves))
 
     def makes_keys(self, name: str) -> bool:
         """Whether operator `name` makes PRNG keys from constants (reads a typed-key constant,
@@ -365,7 +378,7 @@ class OpGraph:
 
 def trace(fn: Callable, *example_args, params_argnums: int | Sequence[int] = 0,
           batch_argnums: int | Sequence[int] = 1, name: str | None = None,
-          microbatch_statistics: bool | None = None) -> OpGraph:
+          microbatch_statistics: bool | None = None, has_aux: bool = False) -> OpGraph:
     """Traces `fn` (a loss: parameters and a batch to a scalar) into an `OpGraph`.
 
     Args:
@@ -382,6 +395,11 @@ def trace(fn: Callable, *example_args, params_argnums: int | Sequence[int] = 0,
         microbatch, and their plans compute exactly your step. None (default): what `fn`
         says in an attribute ``soapjax_microbatch_statistics`` (set on the zoo's mixture of
         experts), else False.
+      has_aux: `fn` returns ``(loss, aux)``, as ``jax.value_and_grad(..., has_aux=True)``
+        takes it: metrics, a linen model's updated ``batch_stats``. The aux leaves are the
+        program's outputs after the loss (`OpGraph.aux_tree`), computed by the operators as
+        the loss is, not differentiated; `OpGraph.evaluate` returns ``(loss, aux)``. Such a
+        graph keeps one microbatch and no pipeline stages (`soapjax.strategy.memory`).
 
     Returns:
       The operator graph.
@@ -389,7 +407,7 @@ def trace(fn: Callable, *example_args, params_argnums: int | Sequence[int] = 0,
     Raises:
       TraceError: no batch argument, arguments that do not fit `fn`, a batch whose leaves
         disagree on the batch size, or a function that does not return a real floating-point
-        scalar.
+        scalar (with `has_aux`: a pair whose first element is one).
     """
     fname = getattr(fn, "__name__", type(fn).__name__)
     if microbatch_statistics is None:
@@ -398,22 +416,29 @@ def trace(fn: Callable, *example_args, params_argnums: int | Sequence[int] = 0,
     bnums = _argnums(batch_argnums, "batch_argnums")
     _check_args(fn, fname, example_args, pnums, bnums)
     abstract = jax.tree.map(_abstract, example_args)
+    aux_trees: list[Any] = []
+    traced = _flat_loss_and_aux(fn, fname, aux_trees) if has_aux else fn
     try:
-        closed = jax.make_jaxpr(fn)(*abstract)
+        closed = jax.make_jaxpr(traced)(*abstract)
+    except TraceError:
+        raise
     except Exception as e:  # the user's function failed on these arguments: say which and why
         raise TraceError(f"tracing {fname} with the example arguments "
                          f"{_describe_args(abstract)} failed: {type(e).__name__}: {e}") from e
     out = closed.jaxpr.outvars
-    if len(out) != 1 or _dims.shape_of(out[0]) != ():
+    if has_aux and _dims.shape_of(out[0]) != ():
+        raise TraceError(f"{fname} (has_aux=True) must return (loss, aux) with a scalar loss, "
+                         f"but its loss is {out[0].aval}; return the mean (or sum) over the "
+                         "batch as the loss")
+    if not has_aux and (len(out) != 1 or _dims.shape_of(out[0]) != ()):
         got = ", ".join(str(v.aval) for v in out)
         aux = (len(out) > 1 and _dims.shape_of(out[0]) == ()
                and jnp.issubdtype(out[0].aval.dtype, jnp.floating))
         raise TraceError(
             f"{fname} must return a scalar loss, but returned ({got})"
-            + ("; a loss with other values (as for jax.value_and_grad(..., has_aux=True): "
-               "metrics, logits, updated batch statistics) is not planned: return the loss "
-               "alone, and compute the other values in a jitted function of their own "
-               "(docs/apply.md)" if aux else ""))
+            + ("; for a loss with other values (as jax.value_and_grad(..., has_aux=True) "
+               "takes it: metrics, updated batch statistics), pass has_aux=True"
+               if aux else ""))
     dtype = out[0].aval.dtype
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TraceError(f"{fname} must return a real floating-point loss to differentiate, but "
@@ -431,7 +456,8 @@ def trace(fn: Callable, *example_args, params_argnums: int | Sequence[int] = 0,
             args[b] = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype), args[b])
         return trace(fn, *args, params_argnums=params_argnums, batch_argnums=batch_argnums,
-                     name=name or fname, microbatch_statistics=microbatch_statistics)
+                     name=name or fname, microbatch_statistics=microbatch_statistics,
+                     has_aux=has_aux)
 
     return OpGraph(name=name or fname, operators=tuple(ops),
                    num_equations=_count_eqns(closed.jaxpr),
@@ -439,9 +465,27 @@ def trace(fn: Callable, *example_args, params_argnums: int | Sequence[int] = 0,
                    program=program, retrace=retrace, sample_coupling=builder.sample_coupling(),
                    sample_sums=builder.sample_sums(),
                    microbatch_statistics=bool(microbatch_statistics),
+                   aux_tree=aux_trees[0] if has_aux else None,
                    params_tree=jax.tree.structure(
                        example_args[pnums[0]] if len(pnums) == 1
                        else tuple(example_args[i] for i in pnums)))
+
+
+def _flat_loss_and_aux(fn: Callable, fname: str, trees: list) -> Callable:
+    """`fn` returning ``(loss, aux)`` as the flat list ``[loss, *aux leaves]``, the aux's
+    structure appended to `trees` when traced."""
+    def flat(*args):
+        out = fn(*args)
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            got = type(out).__name__ + (f" of {len(out)}" if isinstance(out, (tuple, list))
+                                        else "")
+            raise TraceError(f"{fname} (has_aux=True) must return a pair (loss, aux), but "
+                             f"returned a {got}")
+        leaves, tree = jax.tree.flatten(out[1])
+        trees.append(tree)
+        return [out[0], *leaves]
+
+    return flat
 
 
 def _param_positions(args, pnums) -> frozenset[int]:

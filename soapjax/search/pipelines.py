@@ -58,7 +58,10 @@ CHAINED_PIPELINES = 3
 
 def stage_choices(graph: OpGraph, topology) -> tuple[int, ...]:
     """Pipeline stage counts S > 1 worth trying: dividing the outermost mesh axis (whole
-    groups of nodes per stage) and the number of repeated layers."""
+    groups of nodes per stage) and the number of repeated layers; none for a graph that
+    returns values beside its loss (`OpGraph.has_aux`: a pipeline does not hand them back)."""
+    if graph.has_aux:
+        return ()
     layers = _num_layers(graph)
     outer = topology.axis_sizes[0] if len(topology.axis_sizes) > 1 else 1
     return tuple(S for S in range(2, outer + 1) if outer % S == 0 and layers % S == 0)

@@ -408,6 +408,10 @@ def microbatch_refusal(graph: OpGraph, configs: Sequence[Config], mesh: MeshShap
         return (f"operator {name!r} draws random bits (dropout): {microbatches} "
                 "microbatches would draw other masks than the whole batch, and the step "
                 "would not compute the unsharded step; use microbatches=1")
+    if microbatches > 1 and graph.has_aux:
+        return (f"graph {graph.name!r} returns values beside its loss (has_aux): "
+                f"{microbatches} microbatches would compute them per microbatch, not over the "
+                "whole batch; use microbatches=1")
     if microbatches > 1 and (why := coupled_samples(graph)):
         return (f"the samples of graph {graph.name!r} interact: {why}; {microbatches} "
                 "microbatches would compute that over each microbatch, not the whole "
@@ -423,9 +427,9 @@ def microbatch_refusal(graph: OpGraph, configs: Sequence[Config], mesh: MeshShap
 
 def microbatch_choices(graph: OpGraph, limit: int = 64) -> tuple[int, ...]:
     """The microbatch counts worth trying: the divisors of the batch size up to `limit` (only
-    1 for a graph that draws random bits, `random_operator`, or whose samples interact,
-    `coupled_samples`)."""
-    if random_operator(graph) is not None or coupled_samples(graph):
+    1 for a graph that draws random bits, `random_operator`, whose samples interact,
+    `coupled_samples`, or that returns values beside its loss, `OpGraph.has_aux`)."""
+    if random_operator(graph) is not None or coupled_samples(graph) or graph.has_aux:
         return (1,)
     b = graph.batch_size
     return tuple(m for m in range(1, min(b, limit) + 1) if b % m == 0)
