@@ -232,3 +232,42 @@ def test_a_users_file_whose_loss_returns_aux_plans_on_the_command_line_and_binds
     (want_loss, want_aux), _ = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
     assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
     assert _relative(aux, want_aux) <= 1e-5
+
+
+# flax's BatchNorm keeps float32 statistics and writes the float64 batch's into them
+@pytest.mark.filterwarnings("ignore:scatter inputs have incompatible types:FutureWarning")
+def test_an_nnx_model_hands_back_its_batch_statistics_to_update_it_with():
+    """nnx's BatchNorm updates its `BatchStat`s in the model the loss merges; returned as the
+    aux (``nnx.state(model, nnx.BatchStat)``) they come back from the sharded step, and
+    ``nnx.update`` writes them into the user's model: nnx's running averages, kept."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            kw = {"rngs": rngs, "param_dtype": jnp.float64}
+            self.fc1 = nnx.Linear(6, 8, use_bias=False, **kw)
+            self.bn = nnx.BatchNorm(8, use_running_average=False, **kw)
+            self.fc2 = nnx.Linear(8, 4, **kw)
+
+        def __call__(self, x):
+            return self.fc2(nnx.relu(self.bn(self.fc1(x))))
+
+    def loss_fn(model, batch):
+        logits = model(batch["x"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        return loss, nnx.state(model, nnx.BatchStat)
+
+    with jax.enable_x64(True):
+        model = Net(nnx.Rngs(0))
+        batch = {"x": jax.random.normal(jax.random.key(0), (8, 6), jnp.float64),
+                 "y": jax.random.randint(jax.random.key(1), (8,), 0, 4)}
+        run = training.shard_training(loss_fn, model, batch, optax.sgd(0.1), mesh="cpu8",
+                                      strategy="fsdp", compiler_options=OPTIONS, verify=True,
+                                      has_aux=True)
+        _, _, (loss, stats) = run.step(run.params, run.opt_state, run.shard_batch(batch))
+        want_loss, want_stats = loss_fn(nnx.clone(model), batch)
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-13)
+    assert _relative(stats, want_stats) <= 1e-6  # BatchStats are float32
+    assert float(np.abs(model.bn.mean[...]).max()) == 0.0  # the initial running mean
+    nnx.update(model, stats)
+    np.testing.assert_array_equal(model.bn.mean[...], want_stats["bn"]["mean"][...])
