@@ -12,6 +12,9 @@ device.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -139,6 +142,15 @@ def test_a_pipelined_strategy_is_refused_for_a_graph_with_aux(tmp_path, monkeypa
     with pytest.raises(PlanError, match=r"returns values beside its loss \(has_aux\), which a "
                                         r"pipeline does not hand back"):
         validate_strategy(graph, strategy, make_mesh(topo))
+    # where nothing fits, the error says why stages and microbatches were not tried
+    states = 4 * sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in graph.params)
+    tight = dataclasses.replace(topo, device=dataclasses.replace(
+        topo.device, memory_bytes=states // topo.num_devices + 1000))
+    with pytest.raises(PlanError, match=r"no strategy found .*; its loss returns values beside "
+                                        r"it \(has_aux\), so plans keep one microbatch and no "
+                                        r"pipeline stages"):
+        find_plan(graph, tight, settings=SearchSettings(max_proposals=5, seed=0),
+                  costs="analytic")
     # and the search, asked for pipelines, offers none (the loss alone would have them)
     plain = trace(w.loss_fn, w.abstract_params(), w.abstract_batch())
     assert stage_choices(plain, topo) and stage_choices(graph, topo) == ()

@@ -362,7 +362,9 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
         searcher.best = min(searcher.bests.values(), key=lambda f: f[0])
     searcher._report("done", force=True)
     if searcher.best is None:
-        hint = ("" if wanted or not graph.repeated_blocks() else
+        hint = ("; its loss returns values beside it (has_aux), so plans keep one microbatch "
+                "and no pipeline stages: the loss alone would let the search use both"
+                if graph.has_aux else "" if wanted or not graph.repeated_blocks() else
                 " or allow pipeline stages (SearchSettings(pipelines=None or True), "
                 "`soapjax plan --pipelines`)")
         raise PlanError(f"no strategy found for {graph.name!r} on {topology.name!r} fits in "
