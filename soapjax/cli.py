@@ -819,6 +819,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         header.append(note)
     if note := batch_split_note(g, MeshShape.of(topo)):
         header += [f"note: {note}; the data-parallel baseline is replicated"]
+    if g.has_aux:
+        header += ["note: the loss returns values beside it (planned as has_aux=True: run it "
+                   "with shard_training(..., has_aux=True)), so the plan keeps one microbatch "
+                   "and no pipeline stages" + (" (--pipelines has no effect)"
+                                              if args.pipelines else "")]
     fits = dict(info["baselines_fit"])
     baselines = [(n, t, fits.get(n, True)) for n, t in plan.baselines]
     print(plan_report(g, topo, strategy, sim, baselines=baselines, header=header))

@@ -233,7 +233,8 @@ def test_a_users_file_whose_loss_returns_aux_plans_on_the_command_line_and_binds
     out = tmp_path / "plan.json"
     assert cli.main(["plan", "--model", spec, "--mesh", "cpu8", "--costs", "analytic",
                      "--proposals", "20", "--out", str(out)]) == 0
-    capsys.readouterr()
+    assert ("note: the loss returns values beside it (planned as has_aux=True: run it with "
+            "shard_training(..., has_aux=True))") in capsys.readouterr().out
     plan = Plan.load(str(out))
     module = zoo.load(spec)  # the user's module, imported as the command line imports it
     loss_fn = module.loss_fn
