@@ -1309,8 +1309,8 @@ class StageLayouts(NamedTuple):
     sums are reduce-scattered; `stage_layouts`).
 
     A stage constrains every output its layers and the epilogue make to these, and every
-    activation its layers read (over the automatic axes; the stage's and the data groups' are
-    manual there; attention operators and the epilogue's operands are left to XLA:
+    activation its layers and the epilogue read (over the automatic axes; the stage's and the
+    data groups' are manual there; attention operators' operands are left to XLA:
     `_Pipeline._operand_reads`), holds the layers' carry (the residual stream) in them at a
     chunk's start,
     and sends the carry so between stages (each device its own shard, split further over
@@ -1546,16 +1546,18 @@ class _Pipeline:
                 for t, spec in zip(op.outputs, layouts.outputs[op.name])}
 
     def _operand_reads(self, layouts: StageLayouts) -> dict[int, list[tuple]]:
-        """`Program.run`'s ``reads`` constraining every activation the layers read to its
-        operator's layout (`StageLayouts.operands`), its cotangent to the layout that says,
-        as the flat step's ``on_input`` does (so a stage's backward reads the gathered
-        operand its forward kept, as the flat step's does). Not the epilogue's operands, nor
-        an attention operator's: constrained there, the loss's gather under context
-        parallelism (its batch dims split) made XLA's partitioner abort
-        (tests/test_flash_attention.py, the pipelined context-parallel plan)."""
+        """`Program.run`'s ``reads`` constraining every activation the layers and the
+        epilogue read to its operator's layout (`StageLayouts.operands`), its cotangent to the
+        layout that says, as the flat step's ``on_input`` does (so a stage's backward reads
+        the gathered operand its forward kept, as the flat step's does). Not an attention
+        operator's (XLA places those itself, as their outputs: `_constraints`). The
+        epilogue's once were left to XLA too, which then computed a replicated tied head on
+        the final norm's batch split and gathered the logits, where the plan gathers the
+        norm's output (tests/test_check.py, the pipelined plan whose layers read another
+        layout)."""
         sizes = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))
         manual = {self.stage_axis, *self.groups.axes}
-        program, units = self.cut.program, set(self.cut.layer)
+        program, units = self.cut.program, set(self.cut.layer) | set(self.cut.epilogue)
         reads: dict[int, list[tuple]] = {}
         for op in self.cut.graph.operators:
             mine = [i for i in program.local[op.name].units if i in units]
