@@ -120,6 +120,18 @@ def test_a_graph_with_aux_keeps_one_microbatch_and_no_stages():
     loss_fn, params, batch = _workload(jnp.float32)
     graph = trace(loss_fn, params, batch, has_aux=True)
     assert graph.has_aux and len(graph.program.outputs) == 1 + 5  # loss, 4 statistics, accuracy
+    # a plan cached for the loss alone (microbatches, stages) is never read for a graph with
+    # aux values, even where they add no operator (the labels handed back as they came)
+    def loss_alone(p, b):
+        return loss_fn(p, b)[0]
+
+    def with_labels(p, b):
+        return loss_alone(p, b), b["label"]
+
+    alone = trace(loss_alone, params, batch, name="net")
+    labelled = trace(with_labels, params, batch, name="net", has_aux=True)
+    assert [op.name for op in alone.operators] == [op.name for op in labelled.operators]
+    assert alone.fingerprint() != labelled.fingerprint()
     assert memory.microbatch_choices(graph) == (1,)
     topo = load_topology("cpu8")
     dp = data_parallel(graph, MeshShape.of(topo))

@@ -221,9 +221,12 @@ class OpGraph:
             })
         tensors = [{"src": self.operators[i].name, "dst": self.operators[j].name,
                     "shape": list(o.shape), "dtype": o.dtype} for i, j, o in self.edges()]
-        return {"model": self.name, "num_equations": self.num_equations,
-                "num_operators": len(self.operators), "batch_size": self.batch_size,
-                "operators": ops, "tensors": tensors, "unsupported": list(self.unsupported)}
+        out = {"model": self.name, "num_equations": self.num_equations,
+               "num_operators": len(self.operators), "batch_size": self.batch_size,
+               "operators": ops, "tensors": tensors, "unsupported": list(self.unsupported)}
+        if self.has_aux:  # (only then: the fingerprints of other graphs stay as they were)
+            out["aux_outputs"] = len(self.program.outputs) - 1
+        return out
 
     def table(self) -> str:
         """A readable operator table (`soapjax graph`)."""
