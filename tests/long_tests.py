@@ -259,4 +259,9 @@ LONG: dict[str, str] = {
     "tests/test_zoo_large.py::test_every_size_traces_from_shapes[gpt-22b]":
         "the same closed forms at [gpt-1.3b], [gpt-1.7b] and [gpt-6.7b]",
     "tests/test_zoo_large.py::test_every_size_traces_from_shapes[gpt-13b]": "the same",
+    "tests/test_fuzz_exactness.py::test_an_interleaved_pipeline_is_drawn_and_exact":
+        "a drawn interleaved pipeline checked (13 s): an interleaved step's exactness is "
+        "tests/test__pipelined.py::test_the_pipelined_step_computes_the_unsharded_step"
+        "[llama-zb-interleaved-saved], its gradients put back in the model's layout "
+        "tests/test__layer_order.py's",
 }

@@ -4,7 +4,7 @@ A sinusoidal timestep embedding (``jnp.exp`` of an ``arange``, cos and sin conca
 a two-layer MLP; residual blocks of **GroupNorm** (4 groups: the channels reshaped into groups
 and normalised over space and the group's channels), swish and 3x3 convolutions, the time
 embedding added per channel (``[:, None, None, :]``), a 1x1 shortcut where the channels change;
-a strided downsampling convolution, self-attention over the 8x8 positions of the low
+a strided downsampling convolution, self-attention over the 4x4 positions of the low
 resolution (``nn.MultiHeadDotProductAttention`` on the flattened map), a **transposed
 convolution** upsampling by 2 (``nn.ConvTranspose``: a convolution with a dilated input), a
 skip connection concatenated on the channels. The loss is the noise-prediction MSE at noise
@@ -80,7 +80,7 @@ class UNet(nn.Module):
         return nn.Conv(x.shape[-1], (3, 3), padding=1, param_dtype=pd, name="out")(u)
 
 
-def make(*, dtype=jnp.float32, batch_size: int = 8, image_size: int = 16, channels: int = 8,
+def make(*, dtype=jnp.float32, batch_size: int = 8, image_size: int = 8, channels: int = 8,
          seed: int = 0, compiler_options=None):
     """The U-Net's ``(loss_fn, params, batch)``."""
     model = UNet(ch=channels, param_dtype=dtype)
