@@ -264,7 +264,10 @@ def test_a_users_file_whose_loss_returns_aux_plans_on_the_command_line_and_binds
 def test_an_nnx_model_hands_back_its_batch_statistics_to_update_it_with():
     """nnx's BatchNorm updates its `BatchStat`s in the model the loss merges; returned as the
     aux (``nnx.state(model, nnx.BatchStat)``) they come back from the sharded step, and
-    ``nnx.update`` writes them into the user's model: nnx's running averages, kept."""
+    ``nnx.update`` writes them into the user's model. Each step's are one update of the
+    statistics the model had at `shard_training` (traced into the step as constants), not a
+    running average across steps: the second step's are the first model's update on the
+    second batch (docs/apply.md says how to keep a running average)."""
     from flax import nnx
 
     class Net(nnx.Module):
@@ -289,8 +292,16 @@ def test_an_nnx_model_hands_back_its_batch_statistics_to_update_it_with():
         run = training.shard_training(loss_fn, model, batch, optax.sgd(0.1), mesh="cpu8",
                                       strategy="fsdp", compiler_options=OPTIONS, verify=True,
                                       has_aux=True)
-        _, _, (loss, stats) = run.step(run.params, run.opt_state, run.shard_batch(batch))
-        want_loss, want_stats = loss_fn(nnx.clone(model), batch)
+        first = nnx.clone(model)
+        params, opt_state, (loss, stats) = run.step(run.params, run.opt_state,
+                                                    run.shard_batch(batch))
+        want_loss, want_stats = loss_fn(nnx.clone(first), batch)
+        other = {"x": batch["x"] * 2.0 + 1.0, "y": batch["y"]}
+        stepped = nnx.clone(first)  # the step's parameters, the first statistics
+        nnx.update(stepped, jax.tree.map(np.asarray, run.model_params(params)))
+        _, want_second = loss_fn(stepped, other)
+        _, _, (_, second) = run.step(params, opt_state, run.shard_batch(other))
+    assert _relative(second, want_second) <= 1e-6
     assert float(loss) == pytest.approx(float(want_loss), rel=1e-13)
     assert _relative(stats, want_stats) <= 1e-6  # BatchStats are float32
     assert float(np.abs(model.bn.mean[...]).max()) == 0.0  # the initial running mean
