@@ -32,10 +32,18 @@ def run_kit(out: Path, env: dict[str, str]) -> dict:
     return json.loads((out / "results.json").read_text())
 
 
+def kit_env() -> dict[str, str]:
+    """The environment the kit runs in: CPU, and XLA:CPU's default emitters (the suite's
+    loop emitter, tests/conftest.py, makes kernels the kit's profile cannot place)."""
+    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_cpu_use_fusion_emitters=false",
+                                                    "--xla_cpu_use_fusion_emitters=true")
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
+
+
 @pytest.fixture(scope="module")
 def kit(tmp_path_factory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("kit")
-    return run_kit(out, dict(os.environ, JAX_PLATFORMS="cpu")), out
+    return run_kit(out, kit_env()), out
 
 
 def test_every_section_is_there_and_nothing_failed(kit):
@@ -138,7 +146,7 @@ def test_the_step_is_profiled_beside_the_kernel_model(kit):
 def test_an_earlier_runs_profiles_are_read_again_without_the_device(kit, tmp_path):
     results, out = kit
     cmd = [sys.executable, str(KIT), "--render-from", str(out), "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+    proc = subprocess.run(cmd, env=kit_env(), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     again = json.loads((tmp_path / "results.json").read_text())
@@ -155,7 +163,7 @@ def test_an_earlier_runs_profiles_are_read_again_without_the_device(kit, tmp_pat
 def test_a_kernel_filter_keeps_the_named_kernels_only(tmp_path):
     cmd = [sys.executable, str(KIT), "--quick", "--models", "--no-ops", "--kernels",
            "attention,gemm 64x", "--budget-s", "60", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+    proc = subprocess.run(cmd, env=kit_env(), capture_output=True,
                           text=True, timeout=200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
