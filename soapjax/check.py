@@ -43,7 +43,7 @@ from soapjax.exactness import (
     reference_value_and_grad,
     step_difference,
 )
-from soapjax.graph.opgraph import OpGraph, trace
+from soapjax.graph.opgraph import trace
 from soapjax.measure import hlo
 from soapjax.measure._timing import median_call
 from soapjax.measure.hlo import HloFlops, hlo_flops
@@ -343,8 +343,8 @@ def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5,
     reported = _reported_flops(compiled)
     counted = hlo_flops(compiled.as_text())
     return CheckResult(
-        max_abs_diff=diff, loss=float(_loss(out[2], graph)),
-        reference_loss=float(_loss(ref[2], graph)),
+        max_abs_diff=diff, loss=float(graph.loss_and_aux(out[2])[0]),
+        reference_loss=float(graph.loss_and_aux(ref[2])[0]),
         hlo_collectives=_tally((c.kind, c.nbytes, c.executions) for c in found),
         predicted_collectives=_tally(predicted), measured_step_s=median_call(step, args, repeats),
         predicted_step_s=sim.step_time_s, partitioner=getattr(step, "partitioner", "shardy"),
@@ -364,11 +364,6 @@ def _stored_shapes(graph: Any, shardings: Any) -> list[tuple[int, ...]]:
     """Each parameter leaf's shard shape as the applied step stores it (its sharding's)."""
     return [tuple(s.shard_shape(leaf.shape))
             for s, leaf in zip(jax.tree.leaves(shardings.params), graph.params)]
-
-
-def _loss(out: Any, graph: OpGraph) -> Any:
-    """The loss of a step's ``loss`` output (``(loss, aux)`` for a graph with aux values)."""
-    return out[0] if graph.has_aux else out
 
 
 def _reported_flops(compiled: Any) -> float:

@@ -257,9 +257,7 @@ def first_step(graph: OpGraph, strategy: Any, mesh: Mesh, loss_fn: Callable[[Any
                                                      compiler_options=compiler_options)
     loss, grads = fn(apply.device_put_global(params, sh.params),
                      apply.device_put_global(batch, sh.batch))
-    aux = ref_aux = None
-    if graph.has_aux:
-        loss, aux = loss
+    loss, aux = graph.loss_and_aux(loss)
     grads = apply.model_layout(grads)  # an interleaved pipeline's stacked layers in chunk order
     device = jax.local_devices()[0]
     host_params = jax.tree.map(_host, params)
@@ -268,8 +266,7 @@ def first_step(graph: OpGraph, strategy: Any, mesh: Mesh, loss_fn: Callable[[Any
     ref_loss, ref_grads = jax.jit(reference_value_and_grad(loss_fn, graph, strategy),
                                   compiler_options=options)(
         jax.device_put(host_params, device), jax.device_put(host_batch, device))
-    if graph.has_aux:
-        ref_loss, ref_aux = ref_loss
+    ref_loss, ref_aux = graph.loss_and_aux(ref_loss)
     return compare_gradients(loss, grads, ref_loss, ref_grads,
                              tolerance=rounding_tolerance(graph) if tolerance is None
                              else tolerance, operators=reading_operators(graph),

@@ -348,6 +348,11 @@ class OpGraph:
         """The aux pytree of its leaves (the program's outputs after the loss)."""
         return jax.tree.unflatten(self.aux_tree, list(leaves))
 
+    def loss_and_aux(self, value: Any) -> tuple[Any, Any]:
+        """``(loss, aux)`` of what the traced function returns (a step's loss output): the
+        pair itself where it `has_aux`, else ``(value, None)``."""
+        return tuple(value) if self.has_aux else (value, None)
+
     def makes_keys(self, name: str) -> bool:
         """Whether operator `name` makes PRNG keys from constants (reads a typed-key constant,
         or holds `random_seed`/`random_wrap`): dropout's key, before it is split and drawn."""
