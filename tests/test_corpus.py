@@ -495,6 +495,7 @@ IDIOMS = {
     "fnet": {"fft", "real"},
     "unet": {"conv_general_dilated", "exp", "cos", "rsqrt"},
     "gnn": {"gather", "scatter-add"},
+    "neural_ode": {"scan", "tanh", "concatenate"},
 }
 # Grouped convolutions (feature_group_count > 1): depthwise, a channel multiplier, 4 groups.
 GROUPED = {"convnext": 1, "mobilenet": 2, "mamba": 1}

@@ -26,6 +26,7 @@ import json
 import math
 from pathlib import Path
 
+import corpus
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,6 +47,7 @@ from soapjax.exactness import (
     rounding_tolerance,
 )
 from soapjax.graph.opgraph import trace
+from soapjax.search import SearchSettings
 from soapjax.strategy import space
 from soapjax.strategy.baselines import baselines
 from soapjax.strategy.plan import Plan
@@ -294,6 +296,30 @@ def test_a_dead_value_inside_an_operator_is_dropped(strategy):
         assert [u.eqn.primitive.name for u in prog.units].count("slice") == 0
         _, _, loss = run.step(run.params, run.opt_state, run.shard_batch(batch))
         assert float(loss) == pytest.approx(float(loss_fn(model, batch)), rel=1e-12)
+
+
+@pytest.mark.parametrize("strategy", ["data-parallel", "plan"])
+def test_a_loop_its_loss_sums_over_the_batch_splits_the_batch_exactly(strategy, monkeypatch,
+                                                                      tmp_path):
+    """A neural ODE (`corpus.neural_ode`: RK4 steps in a ``fori_loop``) whose loss reads the
+    final state: grouped with its loss, the loop is one operator whose batch dim is a reduction
+    dim of role S. Data parallelism splits it there; the space refused it (a loop operator
+    split only an *output* S dim), so the search's first simulation, of data parallelism,
+    raised PlanError and ``shard_training`` could plan nothing for the model."""
+    monkeypatch.setenv("SOAPJAX_CACHE_DIR", str(tmp_path))  # a plan searched here, not cached
+    with jax.enable_x64(True):
+        loss_fn, params, batch = corpus.get("neural_ode", dtype=jnp.float64,
+                                            compiler_options=FAST)
+        run = training.shard_training(loss_fn, params, batch, optax.sgd(1.0), mesh="cpu8",
+                                      strategy=strategy, costs="analytic",
+                                      search=SearchSettings(max_proposals=50, seed=0),
+                                      verify=True, compiler_options=FAST)
+    j = next(j for j, op in enumerate(run.graph.operators) if op.is_loop)
+    loop = run.graph.operators[j]
+    d = space.sample_dim(loop)
+    assert d >= len(loop.shape) and d in loop.divisible_dims  # the batch, summed inside
+    if strategy == "data-parallel":
+        assert run.strategy.configs[j].axes[d] == ("data", "model")
 
 
 # --- check and verify catch a scaled gradient under Adam ----------------------------------------

@@ -193,10 +193,15 @@ class Operator:
         operator-level model sees 52 KB (`soapjax check`), since the partial sums, gate
         relayouts and weight gradients are all synchronised per iteration. The simulator does
         not price communication inside an operator, so the space leaves those splits out.
+        A reduction dim goes by its own role (`ReductionDim.role`): a loop whose result is
+        summed over the batch (a ``fori_loop`` model grouped with its loss) splits that batch
+        as data parallelism does (`soapjax.strategy.space.sample_dim`), and a transform dim
+        an operator reduces ("-") is never split.
         """
         if self.replicate_only:
             return ()
-        return tuple(i for i, (r, s) in enumerate(zip(self.iteration_roles, self.split_sizes))
+        roles = self.roles + tuple(r.role for r in self.reduction_dims)
+        return tuple(i for i, (r, s) in enumerate(zip(roles, self.split_sizes))
                      if r != "-" and s > 1 and (r == "S" or not self.is_loop))
 
     @property

@@ -58,6 +58,7 @@ from corpus import (
     mixed_precision,
     mobilenet,
     named_axis_bn,
+    neural_ode,
     nnx_scan_transformer,
     numbered_layers,
     qwen3,
@@ -195,6 +196,10 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
           "message-passing graph network over graphs padded to one size: vmapped gathers of "
           "edge ends, jax.ops.segment_sum per receiver (a batched scatter-add) and in-degree "
           "mean, residual LayerNorm, layers '0'..'2', sum pooling", gradients_in="fuzz"),
+    Entry("neural_ode", "linen", neural_ode.make,
+          "neural ODE: a vector field of self.param weights integrated by RK4 in a "
+          "jax.lax.fori_loop (a while loop), the loss read off the final state (the loop and "
+          "its batch mean one operator)", gradients_in="fuzz"),
 )}
 
 
