@@ -44,8 +44,8 @@ from soapjax.strategy.space import MeshShape
 
 __all__ = ["NUMBERS_TOLERANCE", "TOLERANCE", "GradientComparison", "LeafError",
            "VerificationError", "compare_gradients", "first_step", "narrowest_float",
-           "reading_operators", "reference_value_and_grad", "rounding_tolerance",
-           "step_difference"]
+           "reading_operators", "reference_inputs", "reference_value_and_grad",
+           "rounding_tolerance", "step_difference"]
 
 # The bar per float type: what a different reduction order moves a gradient by, with margin;
 # a wrong sharding moves it by the size of the gradient itself (module doc).
@@ -236,9 +236,10 @@ def first_step(graph: OpGraph, strategy: Any, mesh: Mesh, loss_fn: Callable[[Any
     """The strategy's sharded loss and gradients against the unsharded ones, on one batch.
 
     The sharded side is `soapjax.apply.step.sharded_value_and_grad` of the traced graph on `mesh`;
-    the reference is ``jax.value_and_grad(loss_fn)`` of the user's own function on one device
-    (the first local one), jitted: both the cost of one more compile each, and the memory of
-    the whole unsharded step on that device.
+    the reference is ``jax.value_and_grad(loss_fn)`` of the user's own function, jitted, on
+    one device (`reference_inputs`: or the devices the user's own sharding constraints or
+    context mesh name): both the cost of one more compile each, and the memory of the whole
+    unsharded step on that device.
 
     Args:
       graph: the traced graph of ``loss_fn(params, batch)``.
@@ -259,19 +260,23 @@ def first_step(graph: OpGraph, strategy: Any, mesh: Mesh, loss_fn: Callable[[Any
                      apply.device_put_global(batch, sh.batch))
     loss, aux = graph.loss_and_aux(loss)
     grads = apply.model_layout(grads)  # an interleaved pipeline's stacked layers in chunk order
-    device = jax.local_devices()[0]
-    host_params = jax.tree.map(_host, params)
-    host_batch = jax.tree.map(_host, batch)
     options = dict(compiler_options) if compiler_options else None
     ref_loss, ref_grads = jax.jit(reference_value_and_grad(loss_fn, graph, strategy),
-                                  compiler_options=options)(
-        jax.device_put(host_params, device), jax.device_put(host_batch, device))
+                                  compiler_options=options)(*reference_inputs((params, batch)))
     ref_loss, ref_aux = graph.loss_and_aux(ref_loss)
     return compare_gradients(loss, grads, ref_loss, ref_grads,
                              tolerance=rounding_tolerance(graph) if tolerance is None
                              else tolerance, operators=reading_operators(graph),
                              computed_in=narrowest_float(graph), aux=aux,
                              reference_aux=ref_aux)
+
+
+def reference_inputs(tree: Any) -> Any:
+    """`tree` on the default device, uncommitted, for the unsharded reference: jitted, the
+    user's function then runs where it would run for the user (one device; the devices of the
+    user's own sharding constraints or ``jax.set_mesh`` context, which inputs committed to one
+    device would conflict with: "incompatible devices for jitted computation")."""
+    return jax.device_put(jax.tree.map(_host, tree))
 
 
 def reference_value_and_grad(loss_fn: Callable[[Any, Any], Any], graph: OpGraph,

@@ -93,6 +93,7 @@ from soapjax.exactness import (
     GradientComparison,
     VerificationError,
     first_step,
+    reference_inputs,
     reference_value_and_grad,
     step_difference,
 )
@@ -353,7 +354,8 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
     if not _is_abstract(params):
         placed = device_put_global(params, shardings.params)
         if opt_state is None:
-            opt = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(placed)
+            with jax.set_mesh(mesh):  # not a caller's context mesh (docs/apply.md)
+                opt = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(placed)
         else:
             opt = device_put_global(opt_state, shardings.opt_state)
     run = ShardedTraining(CountingStep(step, graph), placed, opt, shardings, graph, strategy,
@@ -398,7 +400,6 @@ def verify_first_step(run: ShardedTraining, loss_fn: Callable[[Any, Any], Any], 
             "(e.g. strategy='data-parallel') meanwhile")
     state = optimizer.init(params) if opt_state is None else opt_state
     options = dict(compiler_options) if compiler_options else None
-
     value_and_grad = reference_value_and_grad(loss_fn, run.graph, run.strategy)
 
     def unsharded(p, o, b):
@@ -406,9 +407,8 @@ def verify_first_step(run: ShardedTraining, loss_fn: Callable[[Any, Any], Any], 
         updates, o = optimizer.update(grads, o, p)
         return optax.apply_updates(p, updates), o, loss
 
-    device = jax.local_devices()[0]
     want = jax.jit(unsharded, compiler_options=options)(
-        *jax.device_put((params, state, batch), device))
+        *reference_inputs((params, state, batch)))
     sh = run.shardings
     got = run.step.partitioned(device_put_global(params, sh.params),
                                device_put_global(state, sh.opt_state),

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from flax import linen as nn, nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import soapjax_zoo as zoo
 from soapjax import exactness, training
@@ -320,6 +320,53 @@ def test_a_loop_its_loss_sums_over_the_batch_splits_the_batch_exactly(strategy, 
     assert d >= len(loop.shape) and d in loop.divisible_dims  # the batch, summed inside
     if strategy == "data-parallel":
         assert run.strategy.configs[j].axes[d] == ("data", "model")
+
+
+class _Annotated(nn.Module):
+    """Written for hand sharding, MaxText's way: logical names on the activations and the
+    kernels, mapped to mesh axes by the caller's rules under the caller's mesh."""
+
+    @nn.compact
+    def __call__(self, x):
+        partitioned = nn.with_logical_partitioning
+        x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+        h = nn.Dense(32, param_dtype=jnp.float64, kernel_init=partitioned(
+            nn.initializers.lecun_normal(), ("embed", "mlp")))(x)
+        h = nn.with_logical_constraint(nn.gelu(h), ("batch", "length", "mlp"))
+        return nn.Dense(8, param_dtype=jnp.float64, kernel_init=partitioned(
+            nn.initializers.lecun_normal(), ("mlp", "embed")))(h)
+
+
+def test_a_model_sharded_by_hand_runs_the_plan_inside_its_own_mesh(monkeypatch, tmp_path):
+    """``shard_training`` called inside the user's ``jax.set_mesh`` (its devices in another
+    order than soapjax's mesh) and logical-axis rules, on a model with constraints of its own:
+    the trace leaves the constraints out, saying so (they name the user's mesh; the plan sets
+    the layouts), every step runs on soapjax's mesh, and ``verify`` runs the reference where
+    the user's function runs. Before, the first jitted call failed ("Received incompatible
+    devices for jitted computation": jit's context mesh against the step's shardings), and
+    without the context the reference, on one device, failed on the constraints' devices."""
+    monkeypatch.setenv("SOAPJAX_CACHE_DIR", str(tmp_path))
+    model = _Annotated()
+    user_mesh = Mesh(np.array(jax.devices()[::-1]).reshape(4, 2), ("fsdp", "tensor"),
+                     axis_types=(AxisType.Auto,) * 2)
+    rules = (("batch", "fsdp"), ("length", None), ("embed", None), ("mlp", "tensor"))
+    with jax.enable_x64(True), jax.set_mesh(user_mesh), nn.logical_axis_rules(rules):
+        x = jax.random.normal(jax.random.key(0), (16, 4, 8), jnp.float64)
+        batch = {"x": x, "y": jnp.cos(x)}
+        params = nn.unbox(jax.jit(model.init)(jax.random.key(1), x)["params"])
+
+        def loss_fn(params, batch):
+            return jnp.mean((model.apply({"params": params}, batch["x"]) - batch["y"]) ** 2)
+
+        with pytest.warns(UserWarning, match="applies 2 sharding constraint"):
+            run = training.shard_training(loss_fn, params, batch, optax.sgd(1.0), mesh="cpu8",
+                                          strategy="megatron", verify=True,
+                                          compiler_options=FAST)
+        _, _, loss = run.step(run.params, run.opt_state, run.shard_batch(batch))
+        want = float(loss_fn(params, batch))
+    assert run.graph.program.dropped == 2
+    assert "sharding_constraint" not in {u.eqn.primitive.name for u in run.graph.program.units}
+    assert float(loss) == pytest.approx(want, rel=1e-12)
 
 
 # --- check and verify catch a scaled gradient under Adam ----------------------------------------

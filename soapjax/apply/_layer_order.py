@@ -119,7 +119,16 @@ def _on_device(to_chunks: bool, stages: int, virtual: int, sharding: Any) -> Any
     """The permutation as a jitted program onto `sharding` (one per direction, numbers and
     sharding: a checkpoint's dozens of leaves share a few compiles)."""
     permute = to_chunk_order if to_chunks else from_chunk_order
-    return jax.jit(lambda a: permute(a, stages, virtual), out_shardings=sharding)
+    jitted = jax.jit(lambda a: permute(a, stages, virtual), out_shardings=sharding)
+    mesh = getattr(sharding, "mesh", None)
+    if not isinstance(mesh, jax.sharding.Mesh):
+        return jitted
+
+    def run(a: Any) -> Any:  # on its own mesh, whatever the caller's context mesh
+        with jax.set_mesh(mesh):
+            return jitted(a)
+
+    return run
 
 
 def model_layout(tree: Any) -> Any:

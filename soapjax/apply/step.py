@@ -193,7 +193,7 @@ def sharded_train_step(graph: OpGraph, strategy: Any, mesh: Mesh,
                      out_shardings=(shardings.params, shardings.opt_state, shardings.loss),
                      donate_argnums=(0, 1) if donate else (), compiler_options=options)
     guard = _guard(check)
-    partitioned = PartitionedStep(jitted, chosen, guard=guard)
+    partitioned = PartitionedStep(jitted, chosen, guard=guard, mesh=shardings.loss.mesh)
     partitioned.chunk_ordered = chunk_ordered(check.strategy)
     partitioned.value_and_grad = _jitted_value_and_grad(value_and_grad, shardings, chosen,
                                                         options, guard)
@@ -228,7 +228,8 @@ def _jitted_value_and_grad(value_and_grad: Callable, shardings: TrainShardings,
     jitted = jax.jit(value_and_grad,
                      in_shardings=(shardings.params, shardings.batch, shardings.loss),
                      out_shardings=(shardings.loss, shardings.grads), compiler_options=options)
-    return PartitionedStep(jitted, partitioner, arity=3, guard=guard)
+    return PartitionedStep(jitted, partitioner, arity=3, guard=guard,
+                           mesh=shardings.loss.mesh)
 
 
 def _guard(check: Checked) -> Callable[[str], None] | None:
@@ -267,9 +268,11 @@ class PartitionedStep:
     """
 
     def __init__(self, jitted: Callable, partitioner: Literal["shardy", "gspmd"],
-                 arity: int = 4, guard: Callable[[str], None] | None = None):
+                 arity: int = 4, guard: Callable[[str], None] | None = None,
+                 mesh: Mesh | None = None):
         self.jitted = jitted
         self.partitioner = partitioner
+        self.mesh = mesh
         self._arity = arity
         self._guard = guard
         self._compiled: Any = None
@@ -278,7 +281,7 @@ class PartitionedStep:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args = _with_step(args, self._arity)
-        with _use_shardy(self.partitioner == "shardy"):
+        with _use_shardy(self.partitioner == "shardy"), _in_mesh(self.mesh):
             if self._guard is None or kwargs:
                 return self.jitted(*args, **kwargs)
             if self._compiled is None:  # compiled once, its program checked before it runs
@@ -288,12 +291,20 @@ class PartitionedStep:
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """`jax.jit(...).lower`; the result's ``compile()`` uses the same partitioner (and
         checks the compiled program, where the step has a guard: a pipelined one's)."""
-        with _use_shardy(self.partitioner == "shardy"):
+        with _use_shardy(self.partitioner == "shardy"), _in_mesh(self.mesh):
             return _Lowered(self.jitted.lower(*_with_step(args, self._arity), **kwargs),
                             self.partitioner, self._guard)
 
     def __repr__(self) -> str:
         return f"PartitionedStep({self.jitted!r}, partitioner={self.partitioner!r})"
+
+
+def _in_mesh(mesh: Mesh | None) -> contextlib.AbstractContextManager:
+    """`mesh` as jax's context mesh (`jax.set_mesh`) while a step runs, whatever the caller's:
+    under a user's ``with jax.set_mesh(their_mesh)`` (MaxText-style code), a jitted function
+    whose shardings name another mesh, or the same devices in another order, is refused
+    ("Received incompatible devices for jitted computation"). None: the caller's context."""
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
 
 def _with_step(args: tuple, arity: int) -> tuple:
@@ -373,7 +384,8 @@ def device_put_global(tree: Any, shardings: Any) -> Any:
             # reuses its buffer (even with may_alias=False), and a donating step would delete it.
             return jax.device_put(np.asarray(x) if isinstance(x, jax.Array) else x, sharding)
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return jax.jit(lambda a: a, out_shardings=sharding)(x)
+            with _in_mesh(getattr(sharding, "mesh", None)):
+                return jax.jit(lambda a: a, out_shardings=sharding)(x)
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 

@@ -23,6 +23,9 @@ from soapjax.graph import _dims
 
 _INLINED = ("jit", "pjit", "closed_call", "core_call")
 _REMAT = ("remat2", "checkpoint")
+# The user's own layout hints (`jax.lax.with_sharding_constraint`, `nn.with_logical_constraint`
+# under a mesh): identities on the numbers, left out of the program (`Program.dropped`).
+_LAYOUT_HINTS = ("sharding_constraint",)
 
 
 @dataclasses.dataclass
@@ -185,7 +188,9 @@ class Program:
       taken by `lax.index_in_dim` and the per-iteration outputs stacked, which computes what
       the scan computes. Its operators are named like unrolled layers (``layers_0/fc1``).
 
-    Other loops (an LSTM's scan over time) stay one equation: one loop operator.
+    Other loops (an LSTM's scan over time) stay one equation: one loop operator. The user's
+    own sharding constraints (``with_sharding_constraint``) are left out, outside loops
+    (`dropped` counts them): the plan sets the layouts.
     """
 
     def __init__(self, closed: jcore.ClosedJaxpr, param_inputs: frozenset[int] = frozenset()):
@@ -202,6 +207,9 @@ class Program:
         self.literals: dict[int, Any] = {}
         self.units: list[Unit] = []
         self.consts: dict[int, Any] = {}
+        # the user's sharding constraints left out (`_LAYOUT_HINTS`): the plan sets the layouts,
+        # and a constraint names the user's mesh, which the step's and the reference's need not be
+        self.dropped: int = 0
         env: dict[jcore.Var, int] = {}
         for v, c in zip(closed.jaxpr.constvars, closed.consts):
             env[v] = self._new(v)
@@ -282,6 +290,9 @@ class Program:
                 self._assign(env, eqn.outvars, outs)
             elif name == "scan" and self._is_layer_scan(eqn, ins):
                 self._assign(env, eqn.outvars, self._unroll(eqn, ins, stack, region, iteration))
+            elif name in _LAYOUT_HINTS:
+                self.dropped += 1
+                self._assign(env, eqn.outvars, ins)
             else:
                 outs = [None if isinstance(v, jcore.DropVar) else self._bind(env, v)
                         for v in eqn.outvars]

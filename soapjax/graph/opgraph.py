@@ -36,6 +36,7 @@ import functools
 import hashlib
 import inspect
 import json
+import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -454,6 +455,12 @@ def trace(fn: Callable, *example_args, params_argnums: int | Sequence[int] = 0,
                          "(jax.grad needs a float: an integer has no gradient, a complex loss "
                          "none that training follows)")
     program = Program(closed, _param_positions(example_args, pnums))
+    if program.dropped:
+        warnings.warn(
+            f"{fname} applies {program.dropped} sharding constraint(s) of its own "
+            "(jax.lax.with_sharding_constraint, nn.with_logical_constraint under a mesh); "
+            "soapjax's plan sets every layout, so the traced step leaves them out (they change "
+            "no number); remove them, or keep them for your own runs", stacklevel=2)
     params, batch = _leaves(example_args, program, pnums, bnums)
     builder = _Builder(program, params, batch, name or fname)
     ops, unsupported = builder.build()
