@@ -31,6 +31,7 @@ from soapjax.graph.opgraph import trace
 from soapjax.search.pipelines import stage_choices
 from soapjax.strategy import memory
 from soapjax.strategy.baselines import megatron_3d
+from soapjax.strategy.plan import Plan
 from soapjax.strategy.space import MeshShape, data_parallel
 from soapjax.topology.cluster import load_topology, make_mesh
 
@@ -132,8 +133,15 @@ def test_a_graph_with_aux_keeps_one_microbatch_and_no_stages():
     labelled = trace(with_labels, params, batch, name="net", has_aux=True)
     assert [op.name for op in alone.operators] == [op.name for op in labelled.operators]
     assert alone.fingerprint() != labelled.fingerprint()
-    assert memory.microbatch_choices(graph) == (1,)
+    # a plan file says which, and binding it to the other names the difference
     topo = load_topology("cpu8")
+    plan = Plan.from_json(Plan.make(labelled, topo, data_parallel(labelled, MeshShape.of(topo))
+                                    ).to_json())
+    assert plan.aux_outputs == 1
+    with pytest.raises(PlanError, match=r"the plan's loss returned \(loss, aux\) with 1 aux "
+                                        r"leaves, this function returns its loss alone"):
+        plan.validate_for(alone)
+    assert memory.microbatch_choices(graph) == (1,)
     dp = data_parallel(graph, MeshShape.of(topo))
     with pytest.raises(PlanError, match=r"returns values beside its loss \(has_aux\): 2 "
                                         r"microbatches would compute them per microbatch"):

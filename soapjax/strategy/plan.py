@@ -229,6 +229,7 @@ class Plan:
         it have the gathered form.
       stage_layers: layers per pipeline stage where the stages are uneven (see `Strategy`);
         () for equal stages, and in files written without it.
+      aux_outputs: the leaves the loss returns beside it (``has_aux``); 0 in older files.
       topology_file: the file the topology was read from, where it is not one of soapjax's
         (`soapjax.topology.cluster.is_shipped`): `soapjax check` reads it there; '' for a shipped
         one.
@@ -260,6 +261,7 @@ class Plan:
     optimizer_axes: tuple[str, ...] = ()
     ring_attention: bool = False
     stage_layers: tuple[int, ...] = ()
+    aux_outputs: int = 0
     topology_file: str = ""
     simulated: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -307,7 +309,7 @@ class Plan:
             batch_size=graph.batch_size if graph.batch else 0,
             optimizer_axes=tuple(strategy.optimizer_axes),
             ring_attention=strategy.ring_attention, stage_layers=strategy.stage_layers,
-            simulated=simulated)
+            aux_outputs=len(graph.program.outputs) - 1, simulated=simulated)
 
     @property
     def step_time_s(self) -> float | None:
@@ -379,6 +381,10 @@ class Plan:
         if missing or extra:
             return (f"operators in the plan but not the function: {missing[:3]}; in the "
                     f"function but not the plan: {extra[:3]}")
+        if len(graph.program.outputs) - 1 != self.aux_outputs:
+            said = [f"(loss, aux) with {n} aux leaves" if n else "its loss alone"
+                    for n in (self.aux_outputs, len(graph.program.outputs) - 1)]
+            return f"the plan's loss returned {said[0]}, this function returns {said[1]}"
         if self.batch_size and graph.batch_size != self.batch_size:
             return (f"the plan is for a batch of {self.batch_size} samples, the function's is "
                     f"{graph.batch_size} (a plan made with --batch-size {self.batch_size} needs "
@@ -449,7 +455,8 @@ class Plan:
             "model": {"name": self.model, "config": self.model_config,
                       "fingerprint": self.graph_fingerprint, "num_operators": self.num_operators,
                       "workload": self.workload,
-                      **({"batch_size": self.batch_size} if self.batch_size else {})},
+                      **({"batch_size": self.batch_size} if self.batch_size else {}),
+                      **({"aux_outputs": self.aux_outputs} if self.aux_outputs else {})},
             "topology": {"name": self.topology, "fingerprint": self.topology_fingerprint,
                          "axes": dict(zip(self.mesh.axis_names, self.mesh.axis_sizes)),
                          **({"file": self.topology_file} if self.topology_file else {})},
@@ -542,6 +549,7 @@ class Plan:
                           r.text(pipeline, "schedule", "pipeline.schedule",
                                  default=DEFAULT_SCHEDULE)),
                 stage_layers=_stage_layers(pipeline), batch_size=batch_size,
+                aux_outputs=r.integer(m.get("aux_outputs", 0), "model.aux_outputs", low=0),
                 optimizer_axes=r.axis_names(data.get("optimizer_axes", []), "optimizer_axes",
                                             mesh),
                 ring_attention=r.boolean(data.get("ring_attention", False), "ring_attention"))
