@@ -19,6 +19,7 @@ import math
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 
 from soapjax.base._progress import end_progress, print_progress
@@ -1150,6 +1151,28 @@ def _quiet_stdout() -> None:
         pass
 
 
+@contextlib.contextmanager
+def _warnings_as_lines(command: str) -> Iterator[None]:
+    """soapjax's own warnings printed as the command's lines (``soapjax plan: warning: ...``),
+    not as Python shows a warning (the file, line and source of a call inside soapjax, which
+    say nothing to whoever typed the command); other packages' warnings as Python shows them.
+    The format only (`warnings.formatwarning`): where warnings are recorded (pytest's
+    ``warns``), they still are."""
+    formatted = warnings.formatwarning
+    home = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+    def format_warning(message, category, filename, lineno, line=None):
+        if issubclass(category, UserWarning) and os.path.abspath(filename).startswith(home):
+            return f"soapjax {command}: warning: {message}\n"
+        return formatted(message, category, filename, lineno, line)
+
+    warnings.formatwarning = format_warning
+    try:
+        yield
+    finally:
+        warnings.formatwarning = formatted
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status: 0, 2 for a usage error or bad input (one
     line on stderr), 130 (`INTERRUPTED`) after Ctrl-C."""
@@ -1162,7 +1185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        with _ctrl_c_kept():
+        with _ctrl_c_kept(), _warnings_as_lines(args.command):
             code = args.func(args)
             if args.command != "plan":  # plan checked before it wrote the plan, not after
                 _interruptible(None)("")  # one swallowed at the end (a callback's) counts

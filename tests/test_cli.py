@@ -4,6 +4,7 @@ traceback; a plan file simulates as the plan it holds."""
 import json
 import re
 import textwrap
+import warnings
 
 import pytest
 
@@ -678,3 +679,28 @@ def test_simulate_warns_of_a_pipelined_plan_whose_stages_would_hang(tmp_path, ca
     assert code == 0 and result["warnings"][0].startswith("warning: apply will refuse")
     assert result["pipeline"]["stage_permutes"] == [["layers_0/attn/out", 0],
                                                      ["layers_1/attn/out", 0]]
+
+
+def test_a_loss_with_its_own_sharding_constraints_is_traced_without_them(tmp_path, capsys):
+    """A user's file sharded by hand (`with_sharding_constraint` on a mesh of its own): the
+    command warns that the trace leaves the constraint out, as a line of the command's own
+    (`_warnings_as_lines`), not as Python prints a warning from inside soapjax."""
+    path = tmp_path / "by_hand.py"
+    source = USER_MODEL.replace(
+        "        logits = model.apply(params, batch[\"x\"])\n",
+        "        mesh = jax.make_mesh((8,), ('dp',), (jax.sharding.AxisType.Auto,))\n"
+        "        x = jax.lax.with_sharding_constraint(\n"
+        "            batch['x'], jax.sharding.NamedSharding(mesh, jax.P('dp')))\n"
+        "        logits = model.apply(params, x)\n")
+    assert source != USER_MODEL
+    path.write_text(source)
+    with pytest.warns(UserWarning, match=r"loss_fn applies 1 sharding constraint\(s\) of its "
+                                         r"own .* the traced step leaves them out"):
+        code, stdout, _ = run(["graph", "--model", f"{path}:make_workload", "--json"], capsys)
+    assert code == 0 and json.loads(stdout)["num_operators"] == 3
+    with cli._warnings_as_lines("graph"):
+        mine = warnings.formatwarning("said", UserWarning, cli.__file__, 1)
+        theirs = warnings.formatwarning("said", UserWarning, str(path), 1)
+    assert mine == "soapjax graph: warning: said\n"
+    assert theirs.startswith(f"{path}:1: UserWarning: said")
+    assert warnings.formatwarning("said", UserWarning, cli.__file__, 1) != mine  # put back
