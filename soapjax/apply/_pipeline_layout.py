@@ -376,9 +376,9 @@ def batch_axes(graph: OpGraph, strategy: Strategy) -> tuple[str, ...]:
     strategy on stage x data x model: ``("data",)``. An axis the layers do not split their
     samples over is not one the stages' data groups may take (`soapjax.apply._pipelined`'s
     groups run every operator on their share of the samples): there the plan's own layouts
-    hold (a searched plan splitting the tokens over ``model`` at the embedding, the layers
-    over their features, ran as data parallel over ``model`` inside the stages, its weights
-    gathered, where the simulator priced the plan's collectives: predicted / XLA 1.735)."""
+    hold. (A plan splitting the tokens over ``model`` at the embedding and the layers' features
+    over ``model`` ran as data parallel over ``model`` inside the stages, its weights gathered,
+    where the simulator priced the plan: docs/checks.md.)"""
     axes: dict[str, None] = {}
     for spec in batch_specs(graph, strategy).values():
         axes.update(dict.fromkeys(spec[0] if spec else ()))
