@@ -354,7 +354,7 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
     if not _is_abstract(params):
         placed = device_put_global(params, shardings.params)
         if opt_state is None:
-            with jax.set_mesh(mesh):  # not a caller's context mesh (docs/apply.md)
+            with jax.set_mesh(shardings.loss.mesh):  # not a caller's (docs/apply.md)
                 opt = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(placed)
         else:
             opt = device_put_global(opt_state, shardings.opt_state)
