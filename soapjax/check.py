@@ -40,6 +40,7 @@ from soapjax.exactness import (
     NUMBERS_TOLERANCE,
     GradientComparison,
     first_step,
+    reference_inputs,
     reference_value_and_grad,
     step_difference,
 )
@@ -317,7 +318,7 @@ def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5,
         updates, opt_state = w.optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    ref = jax.jit(unsharded)(params, opt_state, batch)
+    ref = jax.jit(unsharded)(*reference_inputs((params, opt_state, batch)))
 
     step, sh = apply.sharded_train_step(graph, strategy, mesh, w.optimizer, params=params,
                                         batch=batch, mesh_shape=plan.mesh, donate=False)

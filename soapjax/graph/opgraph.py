@@ -226,7 +226,7 @@ class OpGraph:
                "num_operators": len(self.operators), "batch_size": self.batch_size,
                "operators": ops, "tensors": tensors, "unsupported": list(self.unsupported)}
         if self.has_aux:  # (only then: the fingerprints of other graphs stay as they were)
-            out["aux_outputs"] = len(self.program.outputs) - 1
+            out["aux_outputs"] = self.aux_outputs
         return out
 
     def table(self) -> str:
@@ -344,6 +344,11 @@ class OpGraph:
     def has_aux(self) -> bool:
         """Whether the traced function returns ``(loss, aux)`` (`trace`'s `has_aux`)."""
         return self.aux_tree is not None
+
+    @property
+    def aux_outputs(self) -> int:
+        """How many leaves the traced function returns beside its loss (0 for the loss alone)."""
+        return len(self.program.outputs) - 1
 
     def aux(self, leaves: Sequence[Any]) -> Any:
         """The aux pytree of its leaves (the program's outputs after the loss)."""

@@ -309,7 +309,7 @@ class Plan:
             batch_size=graph.batch_size if graph.batch else 0,
             optimizer_axes=tuple(strategy.optimizer_axes),
             ring_attention=strategy.ring_attention, stage_layers=strategy.stage_layers,
-            aux_outputs=len(graph.program.outputs) - 1, simulated=simulated)
+            aux_outputs=graph.aux_outputs, simulated=simulated)
 
     @property
     def step_time_s(self) -> float | None:
@@ -381,9 +381,9 @@ class Plan:
         if missing or extra:
             return (f"operators in the plan but not the function: {missing[:3]}; in the "
                     f"function but not the plan: {extra[:3]}")
-        if len(graph.program.outputs) - 1 != self.aux_outputs:
+        if graph.aux_outputs != self.aux_outputs:
             said = [f"(loss, aux) with {n} aux leaves" if n else "its loss alone"
-                    for n in (self.aux_outputs, len(graph.program.outputs) - 1)]
+                    for n in (self.aux_outputs, graph.aux_outputs)]
             return f"the plan's loss returned {said[0]}, this function returns {said[1]}"
         if self.batch_size and graph.batch_size != self.batch_size:
             return (f"the plan is for a batch of {self.batch_size} samples, the function's is "
