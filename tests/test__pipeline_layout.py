@@ -13,7 +13,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import soapjax_zoo
 from soapjax.apply._pipeline_layout import (
-    batch_axes,
     check_pipelinable,
     from_pipelined,
     pipelined_layout_shardings,
@@ -23,7 +22,7 @@ from soapjax.apply._pipeline_layout import (
 )
 from soapjax.base.errors import PlanError
 from soapjax.graph.opgraph import trace
-from soapjax.strategy.space import Config, MeshShape, data_parallel, sample_dim
+from soapjax.strategy.space import Config, MeshShape, batch_axes, data_parallel, sample_dim
 from soapjax_zoo.gpt import GPT_CONFIGS, build_gpt
 
 STAGES = 2

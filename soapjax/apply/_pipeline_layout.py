@@ -44,11 +44,9 @@ from soapjax.strategy.space import (
     MeshShape,
     RecomputePolicy,
     Strategy,
-    batch_specs,
-    sample_dim,
 )
 
-__all__ = ["STAGE_AXIS", "batch_axes", "check_chunks", "check_pipelinable", "check_stage_axis",
+__all__ = ["STAGE_AXIS", "check_chunks", "check_pipelinable", "check_stage_axis",
            "chunk_ordered", "from_pipelined", "kept_positions", "layer_recompute", "layer_scan",
            "pipelined_layout_shardings", "pipelined_mesh", "stacked_params", "stage_mesh_shape",
            "stage_router", "to_pipelined"]
@@ -367,24 +365,3 @@ def kept_positions(graph: OpGraph, strategy: Strategy) -> tuple[str, ...]:
                 and recomputes(op, "selective")):
             out[op.block_position] = None
     return tuple(out)
-
-
-def batch_axes(graph: OpGraph, strategy: Strategy) -> tuple[str, ...]:
-    """The mesh axes `strategy` splits the batch's samples over: those of every batch leaf's
-    dim 0 (`soapjax.strategy.space.batch_specs`), in the order they first appear, that every
-    layer operator (one with a `block_position`) splits its sample dim over too. Megatron's 3D
-    strategy on stage x data x model: ``("data",)``. An axis the layers do not split their
-    samples over is not one the stages' data groups may take (`soapjax.apply._pipelined`'s
-    groups run every operator on their share of the samples): there the plan's own layouts
-    hold. (A plan splitting the tokens over ``model`` at the embedding and the layers' features
-    over ``model`` ran as data parallel over ``model`` inside the stages, its weights gathered,
-    where the simulator priced the plan: docs/checks.md.)"""
-    axes: dict[str, None] = {}
-    for spec in batch_specs(graph, strategy).values():
-        axes.update(dict.fromkeys(spec[0] if spec else ()))
-    for j, op in enumerate(graph.operators):
-        d = sample_dim(op)
-        if op.block_position and d is not None:
-            split = set(strategy.configs[j].axes[d])
-            axes = {a: None for a in axes if a in split}
-    return tuple(axes)

@@ -189,7 +189,6 @@ from soapjax.apply._flatstep import _Layouts, split_microbatches
 from soapjax.apply._layer_order import ChunkOrdered, unwrapped
 from soapjax.apply._pipeline_layout import (
     STAGE_AXIS,
-    batch_axes,
     check_pipelinable,
     check_stage_axis,
     chunk_ordered,
@@ -217,7 +216,7 @@ from soapjax.strategy.pipeline import (
     ScheduleName,
     device_orders,
 )
-from soapjax.strategy.space import RECOMPUTE_POLICIES, MeshShape, RecomputePolicy
+from soapjax.strategy.space import RECOMPUTE_POLICIES, MeshShape, RecomputePolicy, batch_axes
 
 __all__ = ["BranchRuns", "PipelinedStep", "StageLayouts", "branch_runs", "stage_layouts",
            "count_branch_runs", "pipelined_value_and_grad", "ticks"]

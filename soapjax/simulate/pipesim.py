@@ -87,6 +87,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
@@ -130,7 +131,7 @@ from soapjax.strategy.pipeline import (
     stage_routes,
     time_schedule,
 )
-from soapjax.strategy.space import Config, MeshShape, Strategy, batch_readers
+from soapjax.strategy.space import Config, MeshShape, Strategy, batch_axes
 from soapjax.topology.cluster import Topology, stage_topology
 
 __all__ = ["LAYER_LAYOUTS", "PipelineResult", "PipelinedSimulation", "as_step_result",
@@ -453,12 +454,14 @@ class PipelinedSimulation:
         # every layer runs the first one's configs (`tie_blocks`): its reads, the next
         # layer's of it, and the epilogue's
         reads = graph.memo("stage_reads", lambda: _stage_reads(graph, first, last))
-        # the batch's axes are the stages' data groups, manual inside a stage, but where the
-        # samples interact other than by sums (`soapjax.apply._pipelined._data_groups`)
-        manual = () if graph.sample_coupling and graph.sample_sums is None else tuple(
-            {a: None for j, o in batch_readers(graph).values()
-             for a in (self.choice(j)[0].operand_axes(graph.operators[j].inputs[o].dims)
-                       or ((),))[0]})
+        # the batch's axes the layers split their samples over are the stages' data groups,
+        # manual inside a stage, but where they do not divide a microbatch or the samples
+        # interact other than by sums (`soapjax.apply._pipelined._data_groups`)
+        manual = batch_axes(graph, self._inner.strategy)
+        if (graph.sample_coupling and graph.sample_sums is None
+                or graph.batch_size // self._inner.microbatches
+                % math.prod(self.mesh.axis_size(a) for a in manual)):
+            manual = ()
         out = list(self._inner.permuting_reads(reads, manual))
         # a dim the layers slice, pad or concatenate, split: apply gathers it whole for the
         # forward (`soapjax.apply._pipelined._run_in_stage`), and XLA moves the backward's

@@ -54,7 +54,8 @@ from soapjax.strategy.pipeline import (
 from soapjax.topology.cluster import Topology
 
 __all__ = ["Config", "MeshLike", "MeshShape", "RECOMPUTE_POLICIES", "RecomputePolicy",
-           "SpaceLimits", "Spec", "Strategy", "batch_readers", "batch_specs", "configs",
+           "SpaceLimits", "Spec", "Strategy", "batch_axes", "batch_readers", "batch_specs",
+           "configs",
            "data_parallel",
            "dividing_axes", "fit_spec", "param_specs", "reduces_into", "sample_dim",
            "spatial_convolution", "storage_spec", "strategy_from_names", "tie_blocks",
@@ -710,6 +711,32 @@ def batch_specs(graph: OpGraph, strategy: Strategy) -> dict[str, Spec]:
     for leaf in graph.batch:
         out.setdefault(leaf.path, ((),) * len(leaf.shape))
     return out
+
+
+def batch_axes(graph: OpGraph, strategy: Strategy) -> tuple[str, ...]:
+    """The mesh axes `strategy` splits the batch's samples over: those of every batch leaf's
+    dim 0 (`batch_specs`), in the order they first appear, that every layer operator (one with
+    a `block_position`) splits its sample dim over too. Megatron's 3D strategy on stage x data
+    x model: ``("data",)``. A pipelined plan's stages take these axes as their data groups
+    (`soapjax.apply._pipelined`'s groups run every operator on their share of the samples), and
+    the simulator's guard against collective-permutes inside a stage leaves them out
+    (`soapjax.simulate.pipesim.PipelinedSimulation.stage_permutes`). An axis the layers do not
+    split their samples over is not one the data groups may take: there the plan's own
+    layouts hold. (A plan splitting the tokens over ``model`` at the embedding and the layers'
+    features over ``model`` ran as data parallel over ``model`` inside the stages, its weights
+    gathered, where the simulator priced the plan: docs/checks.md.)"""
+    axes: dict[str, None] = {}
+    for spec in batch_specs(graph, strategy).values():
+        axes.update(dict.fromkeys(spec[0] if spec else ()))
+    layers = graph.memo("layer_sample_dims", lambda: tuple(
+        (j, d) for j, op in enumerate(graph.operators)
+        if op.block_position and (d := sample_dim(op)) is not None))
+    for j, d in layers:
+        if not axes:
+            break
+        split = strategy.configs[j].axes[d]
+        axes = {a: None for a in axes if a in split}
+    return tuple(axes)
 
 
 def _with_zero(spec: Spec, shape: Sequence[int], zero_axes: Sequence[str], mesh: MeshShape) -> Spec:
