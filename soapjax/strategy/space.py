@@ -731,11 +731,14 @@ def batch_axes(graph: OpGraph, strategy: Strategy) -> tuple[str, ...]:
     layers = graph.memo("layer_sample_dims", lambda: tuple(
         (j, d) for j, op in enumerate(graph.operators)
         if op.block_position and (d := sample_dim(op)) is not None))
-    for j, d in layers:
-        if not axes:
-            break
-        split = strategy.configs[j].axes[d]
-        axes = {a: None for a in axes if a in split}
+    configs, seen = strategy.configs, set()
+    for j, d in layers:  # (tied layers repeat their splits: each distinct one read once)
+        split = configs[j].axes[d]
+        if split not in seen:
+            seen.add(split)
+            axes = {a: None for a in axes if a in split}
+            if not axes:
+                break
     return tuple(axes)
 
 
