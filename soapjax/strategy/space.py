@@ -55,10 +55,8 @@ from soapjax.topology.cluster import Topology
 
 __all__ = ["Config", "MeshLike", "MeshShape", "RECOMPUTE_POLICIES", "RecomputePolicy",
            "SpaceLimits", "Spec", "Strategy", "batch_axes", "batch_readers", "batch_specs",
-           "configs",
-           "data_parallel",
-           "dividing_axes", "fit_spec", "param_specs", "reduces_into", "sample_dim",
-           "spatial_convolution", "storage_spec", "strategy_from_names", "tie_blocks",
+           "configs", "data_parallel", "dividing_axes", "fit_spec", "param_specs", "reduces_into",
+           "sample_dim", "spatial_convolution", "storage_spec", "strategy_from_names", "tie_blocks",
            "to_partition_spec", "validate_config", "within_limits"]
 
 
