@@ -49,7 +49,8 @@ PLANS = ("data-parallel", "megatron", "fsdp", "expert-cnn", "expert-rnn", "searc
          "pipelined")
 
 # name -> (layers, megatron_3d's arguments, schedule) of the pipelined plans: 2 stages of
-# cpu8's data=2 axis, each stage the model=4 axis; the tiny batch is 8 samples
+# cpu8's data=2 axis, each stage the model=4 axis; the tiny batch is 8 samples; no
+# recomputation unless the arguments say
 PIPELINED = {
     "pp2 gpipe tp4 M=1": (2, dict(tp=4, sequence_parallel=True), "gpipe"),
     "pp2 1f1b tp4 M=1": (2, dict(tp=4, sequence_parallel=True), "1f1b"),
@@ -62,6 +63,10 @@ PIPELINED = {
                                            interleave=2), "interleaved"),
     "pp2 zb-h1 tp4 M=4": (2, dict(tp=4, sequence_parallel=True, microbatch_size=2), "zb-h1"),
     "pp2 zb-h1 dp4 M=4": (2, dict(tp=1, microbatch_size=1), "zb-h1"),
+    # Megatron's selective recomputation inside the stages (docs/checks.md: the backward
+    # gathers the layers' sequence-parallel inputs again, which the simulator does not price)
+    "pp2 1f1b tp4 M=1 selective": (2, dict(tp=4, sequence_parallel=True,
+                                           recompute="selective"), "1f1b"),
 }
 LAYERED = {"gpt": (GPT_CONFIGS, build_gpt), "llama": (LLAMA_CONFIGS, build_llama),
            "moe": (MOE_CONFIGS, build_moe)}
@@ -105,7 +110,7 @@ def main(argv=None) -> int:
                 if kind not in args.rows:
                     continue
                 wl, gl = pipelined(name, layers) if layers != 2 else (w, graph)
-                s = baselines.megatron_3d(gl, topo, pp=2, recompute="none", **settings)
+                s = baselines.megatron_3d(gl, topo, pp=2, **{"recompute": "none", **settings})
                 cases.append((kind, s.with_pipeline(2, s.virtual_stages, schedule), wl, gl))
         for kind, strategy, wk, gk in cases:
             plan = Plan.make(gk, topo, strategy, model_config="tiny")

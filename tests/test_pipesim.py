@@ -705,3 +705,41 @@ def test_the_search_keeps_no_pipelined_plan_whose_stages_would_hang():
     searcher.record("megatron")
     assert searcher.best is not None and searcher.best[0] == _chain._cost(sim) == \
         sim.step_time()
+
+
+def test_a_selectively_recomputed_layer_gathers_its_weight_matmuls_operands_again():
+    """Megatron's layout with sequence parallelism: each layer gathers its norms' outputs
+    (split along the sequence) for the column-parallel matmuls after them. Under selective
+    recomputation apply's checkpoint of a layer keeps those outputs split and gathers them
+    again in the backward for the weights' gradients (XLA's all-gathers inside
+    ``rematted_computation``: `scripts/bench_check.py`'s "pp2 1f1b tp4 M=1 selective" row,
+    GPT tiny 0.885 of XLA's bytes before, 1.021 now; docs/checks.md). The simulator prices
+    each such gather once more per microbatch, in the step's collectives and the chunk's
+    backward; not without recomputation, nor under ZB-H1's lean stash, whose W gathers
+    them (`_weight_gather_times`)."""
+    g = gpt()
+    base = dict(tp=4, pp=2, microbatch_size=2, sequence_parallel=True)
+    none = pipelined(megatron_3d(g, A100, recompute="none", **base))
+    selective = megatron_3d(g, A100, recompute="selective", **base)
+    sim = pipelined(selective)
+    again = sim.regathers()
+    assert none.regathers() == []
+    # per layer: the first norm's output for the query, key and value matmuls (one gather,
+    # shared), the second norm's for the MLP's first matmul; two layers a chunk
+    layers = [i for i, op in enumerate(g.operators) if op.block_position]
+    readers = {g.operators[j].name.split("/", 1)[1]
+               for j, _ in sim._inner.forward_gathers(layers)}
+    assert readers == {"attn/query", "mlp/fc1"}
+    M = sim.microbatches
+    assert all(c.kind == "all_gather" and c.runs == M for _, c in again)
+    assert sorted(c for c, _ in again) == [0, 0, 0, 0, 1, 1, 1, 1]
+    # in the step's collectives once more each, and in the chunks' backward
+
+    def gathers(s):
+        return sum(t for k, _, t in s.step_collectives()[0] if k == "all_gather")
+    assert gathers(sim) - gathers(none) == len(again) * M
+    assert sim.step_collectives()[1] - none.step_collectives()[1] == pytest.approx(
+        sum(c.sent for _, c in again))
+    assert all(s > n for s, n in zip(sim.result().chunk_times.backward_s,
+                                     none.result().chunk_times.backward_s))
+    assert pipelined(selective.with_pipeline(2, 1, "zb-h1")).regathers() == []

@@ -348,6 +348,24 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
         return out
 
     @_settled
+    def recomputes(self, j: int) -> bool:
+        """Whether operator `j` runs its forward again in the backward under its policy."""
+        return self._views[j].recomputes
+
+    @_settled
+    def forward_gathers(self, indices: Sequence[int]) -> list[tuple[int, Comm]]:
+        """The all-gathers of the forward reshardings the operators `indices` read their
+        activations through, ``(reader, collective)``, each resharding once (by the edge that
+        makes it, `_resharded_by`); the collective is every microbatch's (`Comm.runs`). What
+        a checkpointed layer gathers again in its backward
+        (`soapjax.simulate.pipesim.PipelinedSimulation.regathers`)."""
+        wanted, info, out = frozenset(indices), self._task_graph.info, []
+        for e, (_, _, j, _) in enumerate(self._layout.edges):
+            if j in wanted:
+                out.extend((j, c) for t in self._edge_tasks[e].forward
+                           if (c := info[t][1]).kind == "all_gather")
+        return out
+
     def permuting_reads(self, indices: Sequence[int], manual: Sequence[str] = ()
                         ) -> tuple[tuple[str, int], ...]:
         """``(operator, operand)`` of each read by the operators `indices` whose layout change

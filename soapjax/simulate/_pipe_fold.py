@@ -46,6 +46,7 @@ from soapjax.base.errors import PlanError
 from soapjax.graph.opgraph import Operator, OpGraph
 from soapjax.simulate._flatsim import Simulation
 from soapjax.simulate._simresult import Kept, MemoryBreakdown
+from soapjax.simulate._taskgraph import Comm
 from soapjax.strategy.space import Config, MeshShape, Strategy
 
 __all__ = ["FOLD_LAYERS", "MIN_LAYERS", "FoldedStage", "LayerFold", "StageCosts", "folded_graph",
@@ -340,6 +341,15 @@ class FoldedStage:
 
     def held_specs(self, i: int):
         return self._sims[-1].held_specs(self._twins[i])
+
+    def recomputes(self, j: int) -> bool:
+        return self._sims[-1].recomputes(self._twins[j])
+
+    def forward_gathers(self, indices: Sequence[int]) -> list[tuple[int, Comm]]:
+        per: dict[int, list] = {}
+        for t, c in self._sims[-1].forward_gathers(sorted({self._twins[i] for i in indices})):
+            per.setdefault(t, []).append(c)
+        return [(i, c) for i in indices for c in per.get(self._twins[i], ())]
 
     def grad_sync_seconds(self) -> list[float]:
         per = self._sims[-1].grad_sync_seconds()

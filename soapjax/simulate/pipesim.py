@@ -119,6 +119,7 @@ from soapjax.simulate._simresult import (
     SimResult,
     as_step_result,
 )
+from soapjax.simulate._taskgraph import Comm
 from soapjax.strategy.pipeline import (
     DEFAULT_SCHEDULE,
     SCHEDULES,
@@ -415,6 +416,9 @@ class PipelinedSimulation:
         for n in self._layout_moves().sends:
             out.append((kind, n, 2))
             sent += 2 * n
+        for _, c in self.regathers():  # a selectively checkpointed layer's backward
+            out.append(("all_gather", c.nbytes, c.runs))
+            sent += c.sent
         if SCHEDULES[self._pipeline[2]].splits_backward:  # a lean stash's W gathers again
             for xs, dys in self._stash()[1]:
                 for e in (*xs, *dys):
@@ -523,6 +527,14 @@ class PipelinedSimulation:
                     backward[c] += t
         # the last chunk's forward runs its loss's gathers' collectives
         forward[-1] += sum(t for *_, t in self._loss_collectives())
+        regathered = self._regathered()
+        if regathered:  # each microbatch's backward gathers them again, beside the data
+            # gradient's matmul (the forward's FLOPs again), which Megatron-LM and XLA's
+            # scheduler overlap it with: what the matmul does not hide
+            seconds = inner.forward_seconds()
+            shares = self.graph.memo("weight_shares", lambda: weight_shares(self.graph))
+            for j, comm in regathered:
+                backward[self._chunk[j]] += max(0.0, comm.dur - shares[j] * seconds[j]) / M
         backward = [max(0.0, t) for t in backward]
         weight = self._weight_times(backward)
         stash = self._stash() if SCHEDULES[schedule].splits_backward else None
@@ -551,6 +563,34 @@ class PipelinedSimulation:
         return PipelineResult(step, timeline, times, memory, cap,
                               max(m.total for m in memory) <= cap, tails, (before, after),
                               (move, move), stage_sums_s=(handed, shared))
+
+    def regathers(self) -> list[tuple[int, Comm]]:
+        """``(chunk, collective)`` of each all-gather a layer's backward runs again: where the
+        layers run under selective recomputation, apply's ``jax.checkpoint`` of a layer
+        (`soapjax.apply._pipelined`) saves the matmuls' outputs and the kept values, not the
+        gathered copy a weight matmul reads (a sequence-parallel norm's output gathered for
+        the column-parallel matmul after it, as Megatron-LM keeps it), so the backward gathers
+        it again for the weight's gradient: each forward all-gather into a weight matmul
+        (`_pipe_cut.weight_shares`) that does not itself recompute, once per microbatch (the
+        collective's `Comm.runs`). None under a lean stash's split backward, whose W gathers
+        its operands (`_weight_gather_times`), nor without selective recomputation
+        (docs/checks.md: XLA's all-gathers inside ``rematted_computation``). The chunk's
+        backward pays what the data gradient's matmul (its forward's FLOPs again) does not
+        hide of each: Megatron-LM overlaps the two, as XLA's scheduler may."""
+        return [(self._chunk[j], c) for j, c in self._regathered()]
+
+    def _regathered(self) -> list[tuple[int, Comm]]:
+        """`regathers` by reader: ``(operator, collective)``."""
+        schedule = SCHEDULES[self._pipeline[2]]
+        if schedule.splits_backward and not schedule.gathered_stash:
+            return []
+        inner, graph = self._inner, self.graph
+        layer = [i for lo, hi in self._ranges for i in range(lo, hi) if not self._outside[i]]
+        policies = {inner.choice(i)[1] for i in layer if graph.operators[i].block_position}
+        if "full" in policies or "selective" not in policies:
+            return []
+        shares = graph.memo("weight_shares", lambda: weight_shares(graph))
+        return inner.forward_gathers([i for i in layer if shares[i] and not inner.recomputes(i)])
 
     def _weight_gather_times(self, lean: Sequence[tuple[tuple[Kept, ...], tuple[Kept, ...]]]
                              | None = None) -> list[tuple[float, float]]:
