@@ -712,8 +712,8 @@ def test_a_selectively_recomputed_layer_gathers_its_weight_matmuls_operands_agai
     (split along the sequence) for the column-parallel matmuls after them. Under selective
     recomputation apply's checkpoint of a layer keeps those outputs split and gathers them
     again in the backward for the weights' gradients (XLA's all-gathers inside
-    ``rematted_computation``: `scripts/bench_check.py`'s "pp2 1f1b tp4 M=1 selective" row,
-    GPT tiny 0.885 of XLA's bytes before, 1.021 now; docs/checks.md). The simulator prices
+    ``rematted_computation``: `scripts/bench_check.py`'s "pp2 1f1b tp4 M=1 selective" row;
+    docs/checks.md). The simulator prices
     each such gather once more per microbatch, in the step's collectives and the chunk's
     backward; not without recomputation, nor under ZB-H1's lean stash, whose W gathers
     them (`_weight_gather_times`)."""
