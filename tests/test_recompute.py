@@ -152,10 +152,11 @@ def mixtral_8x22b():
 def test_a_selective_pipeline_keeps_the_expert_outputs_combined():
     """A pipelined plan recomputing selectively is walked at its own microbatches, its layer
     operators alone: Mixtral 8x22B's best hand configuration (TP4 EP2 PP8 v7; 4.744 s as
-    apply runs it, its layers' backward gathering the sequence-parallel inputs again beside
-    the data gradients' matmuls (4.743 s before that was priced), whose data groups add the load-balancing statistics' sums across each
+    apply runs it, whose data groups add the load-balancing statistics' sums across each
     other and reduce the gradients once a step: 15.842 s when the stages ran whole
-    microbatches and reduced them at every backward) keeps the combine einsum's output (the
+    microbatches and reduced them at every backward; its layers' backward gathers the
+    sequence-parallel inputs again beside the data gradients' matmuls, 4.743 s before that
+    was priced) keeps the combine einsum's output (the
     experts' outputs summed back per token, which selective recomputation runs again: a
     matmul of two activations), 0.053 s faster and still fitting; `kept_positions` says so to
     apply, and the price is the full simulation's."""
