@@ -101,7 +101,7 @@ bit, to a full simulation (`tests/test_simulate.py`). The task graph's engine is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from soapjax.cost.operators import OpTime
@@ -130,7 +130,7 @@ from soapjax.simulate._simresult import (
     SimResult,
     TaskRecord,
 )
-from soapjax.simulate._taskgraph import CHAIN, Comm, Layout, Pricing
+from soapjax.simulate._taskgraph import CHAIN, EDGE, Comm, Layout, Pricing
 from soapjax.strategy.memory import (
     Segments,
     microbatch_shape,
@@ -348,8 +348,14 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
         return out
 
     @_settled
+    def policies(self, indices: Iterable[int]) -> set[str]:
+        """The recompute policies of the operators `indices` (one call for many `choice`s)."""
+        views = self._views
+        return {views[i].policy for i in indices}
+
     def recomputes(self, j: int) -> bool:
-        """Whether operator `j` runs its forward again in the backward under its policy."""
+        """Whether operator `j` runs its forward again in the backward under its policy
+        (cheaper than asking `soapjax.strategy.memory.recomputes`, as `choice`)."""
         return self._views[j].recomputes
 
     @_settled
@@ -359,11 +365,17 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
         makes it, `_resharded_by`); the collective is every microbatch's (`Comm.runs`). What
         a checkpointed layer gathers again in its backward
         (`soapjax.simulate.pipesim.PipelinedSimulation.regathers`)."""
-        wanted, info, out = frozenset(indices), self._task_graph.info, []
-        for e, (_, _, j, _) in enumerate(self._layout.edges):
-            if j in wanted:
-                out.extend((j, c) for t in self._edge_tasks[e].forward
-                           if (c := info[t][1]).kind == "all_gather")
+        key = ("reader edges", tuple(indices))  # the graph's structure: for every strategy
+        edges = self._memo.get(key)
+        if edges is None:
+            operands = self._layout.operands
+            edges = self._memo[key] = tuple((j, e) for j in key[1]
+                                            for code, e, _ in operands[j] if code == EDGE)
+        info, tasks, out = self._task_graph.info, self._edge_tasks, []
+        for j, e in edges:
+            for t in tasks[e].forward:
+                if (c := info[t][1]).kind == "all_gather":
+                    out.append((j, c))
         return out
 
     def permuting_reads(self, indices: Sequence[int], manual: Sequence[str] = ()

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from soapjax.base.errors import PlanError
@@ -341,6 +341,9 @@ class FoldedStage:
 
     def held_specs(self, i: int):
         return self._sims[-1].held_specs(self._twins[i])
+
+    def policies(self, indices: Iterable[int]) -> set[str]:
+        return self._sims[-1].policies({self._twins[i] for i in indices})
 
     def recomputes(self, j: int) -> bool:
         return self._sims[-1].recomputes(self._twins[j])

@@ -584,13 +584,24 @@ class PipelinedSimulation:
         schedule = SCHEDULES[self._pipeline[2]]
         if schedule.splits_backward and not schedule.gathered_stash:
             return []
-        inner, graph = self._inner, self.graph
-        layer = [i for lo, hi in self._ranges for i in range(lo, hi) if not self._outside[i]]
-        policies = {inner.choice(i)[1] for i in layer if graph.operators[i].block_position}
+        inner = self._inner
+        blocks, readers = self.graph.memo(("regather_candidates", self._ranges),
+                                          self._regather_candidates)
+        policies = inner.policies(blocks)
         if "full" in policies or "selective" not in policies:
             return []
+        return inner.forward_gathers([i for i in readers if not inner.recomputes(i)])
+
+    def _regather_candidates(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The chunks' layer operators (`_ranges`, past the prologue and before the epilogue)
+        that have a `block_position` (their policies make the layers'), and those that are
+        weight matmuls (`_pipe_cut.weight_shares`): what `_regathered` reads, per pipeline
+        shape."""
+        graph = self.graph
+        layer = [i for lo, hi in self._ranges for i in range(lo, hi) if not self._outside[i]]
         shares = graph.memo("weight_shares", lambda: weight_shares(graph))
-        return inner.forward_gathers([i for i in layer if shares[i] and not inner.recomputes(i)])
+        return (tuple(i for i in layer if graph.operators[i].block_position),
+                tuple(i for i in layer if shares[i]))
 
     def _weight_gather_times(self, lean: Sequence[tuple[tuple[Kept, ...], tuple[Kept, ...]]]
                              | None = None) -> list[tuple[float, float]]:
