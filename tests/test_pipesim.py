@@ -28,6 +28,7 @@ from soapjax.search import (
     stage_choices,
 )
 from soapjax.search._chain import _Searcher
+from soapjax.search.stages import _uneven_boundaries
 from soapjax.simulate._pipe_cut import weight_operands, weight_shares
 from soapjax.simulate.front import Simulation, folds, open_simulation
 from soapjax.simulate.pipesim import PipelinedSimulation, layer_chunks
@@ -224,6 +225,18 @@ def test_the_search_lightens_the_stage_that_carries_a_heavy_head():
                                   recompute="none"), gpt(8))
     best = (light.step_time(), light.strategy, "megatron")
     assert balance_stages(light, best) == best
+
+
+def test_the_stage_walk_moves_layers_only_between_stages_that_differ():
+    """The walk prices a move at a boundary only where the stages on either side differ:
+    on 4 equal stages of the heavy-headed GPT the first (the embedding's) and the last (the
+    head's) differ from their neighbours, the middle two are equal (to rounding), and a layer
+    moved between those either way is not faster, so it is not priced."""
+    sim = pipelined(megatron_3d(heavy_head(), A100, tp=4, pp=4, microbatch_size=1,
+                                recompute="none"), heavy_head())
+    assert _uneven_boundaries(sim.result(), [2, 2, 2, 2]) == [0, 2]
+    for cut in ((2, 3, 1, 2), (2, 1, 3, 2)):
+        assert sim.stage_layers_result(cut).step_time_s >= sim.step_time()
 
 
 def test_a_plan_file_keeps_the_stage_layers(tmp_path):

@@ -115,8 +115,8 @@ from soapjax.search._chain import (
     _Searcher,
     random_strategy,
 )
-from soapjax.search._clock import sparse_gc
-from soapjax.search._parallel import ChainTask, lanes, run_chains
+from soapjax.search._clock import past, sparse_gc
+from soapjax.search._parallel import ChainTask, empty_outcome, lanes, run_chains
 from soapjax.search.grids import _grid_starts, _within
 from soapjax.search.pipelines import _Pipelines, _settle_folded
 from soapjax.search.recompute import RELAX_SHARE, recomputes_any, relaxed, tidied
@@ -385,6 +385,8 @@ def _flat_chain(searcher: _Searcher, name: str, start: Strategy) -> ChainTask:
     on `searcher`'s simulation (a forked lane's copy of it), with a searcher of its own
     (`_Searcher.view`)."""
     def run(deadline: float | None, rng, forked: bool) -> ChainOutcome:
+        if past(deadline):  # no share of the time (`_flat_chains_share`): not even its reset
+            return empty_outcome()
         view = searcher.view(rng)
         if forked:
             view.progress = None
@@ -442,16 +444,24 @@ def states_floor(graph: OpGraph, topology, opt_state_factor: float) -> str:
 
 def _flat_chains_share(flat_best: float | None, pipelined_best: float | None) -> float:
     """The flat chains' share of the chains' time, the pipelined chains taking the rest, from
-    the best fitting step time of each family so far (None: none fits):
-    `MINOR_CHAINS_SHARE` where the flat plans' best is behind the pipelined grids' by more
-    than `CHAINS_BEHIND` or none fits, one minus it where the pipelined grids' best is behind
-    so, else half.
+    the best fitting step time of each family so far (None: none fits): none where no flat
+    plan fits and a pipelined one does, `MINOR_CHAINS_SHARE` where the flat plans' best is
+    behind the pipelined grids' by more than `CHAINS_BEHIND`, one minus it where the
+    pipelined grids' best is behind so or none fits, else half.
+
+    No flat plan fits when neither a start nor Megatron's grid without stages does, nor the
+    starts with 8 times their microbatches and every layer recomputed (`_fitting`): the
+    chains from those starts walk plans over memory, and at scale a handful of proposals
+    each (docs/vs-experts.md, "The search's time at GPT 1T's scale").
 
     >>> _flat_chains_share(29.8, 14.1), _flat_chains_share(4.3, 4.9), _flat_chains_share(4.3, 4.31)
     (0.25, 0.75, 0.5)
+    >>> _flat_chains_share(None, 14.1), _flat_chains_share(4.3, None)
+    (0.0, 0.75)
     """
-    if pipelined_best is not None and (flat_best is None
-                                       or flat_best > CHAINS_BEHIND * pipelined_best):
+    if flat_best is None and pipelined_best is not None:
+        return 0.0
+    if pipelined_best is not None and flat_best > CHAINS_BEHIND * pipelined_best:
         return MINOR_CHAINS_SHARE
     if flat_best is not None and (pipelined_best is None
                                   or pipelined_best > CHAINS_BEHIND * flat_best):

@@ -6,10 +6,12 @@ Megatron-LM's ``--decoder-last-pipeline-num-layers``).
 
 from __future__ import annotations
 
+import math
+
 from soapjax.base.errors import PlanError
 from soapjax.graph.opgraph import OpGraph
 from soapjax.search._clock import past
-from soapjax.simulate.pipesim import PipelinedSimulation
+from soapjax.simulate.pipesim import PipelinedSimulation, PipelineResult
 from soapjax.strategy.pipeline import SCHEDULES
 from soapjax.strategy.space import (
     Strategy,
@@ -33,11 +35,12 @@ def balance_stages(sim: PipelinedSimulation, best: tuple[float, Strategy, str],
 
     A descent on one stage's simulation (`PipelinedSimulation.stage_layers_result`: the
     boundaries change only the schedule's work, not the stage's simulation): from equal
-    stages, each round tries every boundary moved by one layer either way and keeps the
-    fastest that fits, until none is faster (or `rounds`, or `end`). Only where apply runs
-    it: one virtual stage, the layers dividing by the stages (`check_stage_layers`). The
-    search balances each chain's start (`_Pipelines.chain_tasks`), where `sim` is at it already;
-    `sim` ends at the result."""
+    stages, each round tries every boundary between two stages that differ
+    (`_uneven_boundaries`) moved by one layer either way and keeps the fastest that fits,
+    until none is faster (or `rounds`, or `end`). Only where apply runs it: one virtual
+    stage, the layers dividing by the stages (`check_stage_layers`). The search balances
+    each chain's start (`_Pipelines.chain_tasks`), where `sim` is at it already; `sim` ends
+    at the result."""
     t, strategy, name = best
     S, v, _, layers = strategy.pipeline
     num_layers = _num_layers(sim.graph)
@@ -47,12 +50,12 @@ def balance_stages(sim: PipelinedSimulation, best: tuple[float, Strategy, str],
         sim.propose_strategy(strategy)
         sim.accept()
     even = [num_layers // S] * S
-    sizes = even
+    sizes, current = even, sim.result()
     for _ in range(rounds):
         if past(end):
             break
         tried = []
-        for b in range(S - 1):
+        for b in _uneven_boundaries(current, sizes):
             for d in (1, -1):
                 cut = list(sizes)
                 cut[b] += d
@@ -61,14 +64,31 @@ def balance_stages(sim: PipelinedSimulation, best: tuple[float, Strategy, str],
                     continue
                 r = sim.stage_layers_result(tuple(cut))
                 if r.fits_in_memory:
-                    tried.append((r.step_time_s, cut))
-        if not tried or min(tried)[0] >= t:
+                    tried.append((r.step_time_s, cut, r))
+        if not tried or min(tried, key=_time_then_cut)[0] >= t:
             break
-        t, sizes = min(tried)
+        t, sizes, current = min(tried, key=_time_then_cut)
     if sizes == even:
         return best
     sim.set_stage_layers(tuple(sizes))
     return sim.step_time(), sim.strategy, name
+
+
+def _time_then_cut(tried: tuple) -> tuple:
+    return tried[:2]
+
+
+def _uneven_boundaries(result: PipelineResult, sizes: list[int]) -> list[int]:
+    """The boundaries `balance_stages` moves a layer across: those between two stages that differ
+    (in layers, or in what one microbatch costs them forward, backward and in its weight
+    gradients, or in their tails, beyond rounding). Moving a layer between two equal stages
+    makes one heavier by as much as the other gets lighter: the schedule's steady period is
+    set by its heaviest stage and its fill and drain by their sum, so it is not faster."""
+    times = result.chunk_times
+    stage = [(sizes[s], times.forward_s[s], times.backward_s[s], times.weight_s[s],
+              result.tail_s[s]) for s in range(len(sizes))]
+    return [b for b in range(len(sizes) - 1)
+            if not all(math.isclose(x, y, rel_tol=1e-9) for x, y in zip(stage[b], stage[b + 1]))]
 
 
 def choose_schedule(sim: PipelinedSimulation, best: tuple[float, Strategy, str]
