@@ -78,9 +78,7 @@ weighs, each step sending the layers a stage runs but another keeps, priced), a 
 schedule alone, the stage's simulation unchanged. The grid holds only what apply runs (the
 interleaved schedule's M a multiple of S: `soapjax.strategy.pipeline.pipeline_error`), and
 the chains' microbatch moves keep to the same rule.
-Every pipeline is priced as apply runs it: with v > 1 each step also moves the stacked layer
-parameters between the model's layout and the chunks' (`soapjax.simulate.pipesim`, module doc, 4),
-so a smaller bubble is weighed against those all-to-alls and the copy they hold.
+Every pipeline is priced as apply runs it (`soapjax.simulate.pipesim`, module doc).
 
 **One entry point.** `find_plan` is how soapjax plans: graph + topology + settings -> `Plan`.
 The command line (`soapjax plan`), the training helper (`shard_training(strategy="plan")`),
@@ -188,10 +186,8 @@ class SearchResult:
 
 # With pipelines, their grids take PIPELINE_GRIDS_SHARE of the time the starts leave (the
 # chains the rest); of the chains' time, the family (flat or pipelined) whose best is behind
-# the other's by more than CHAINS_BEHIND takes MINOR_CHAINS_SHARE (`_flat_chains_share`). GPT 175B
-# on 96 A100s at 60 s: the flat chains took 19 s (none fits better than 29.8 s a step) and the
-# grids of the 33 pipelines 11 s, 9 of them scored, where the best pipelined points take
-# 13.9-14.5 s.
+# the other's by more than CHAINS_BEHIND takes MINOR_CHAINS_SHARE (`_flat_chains_share`;
+# docs/vs-experts.md measures it).
 PIPELINE_GRIDS_SHARE = 0.5
 CHAINS_BEHIND = 1.02
 MINOR_CHAINS_SHARE = 0.25
@@ -385,7 +381,7 @@ def _flat_chain(searcher: _Searcher, name: str, start: Strategy) -> ChainTask:
     on `searcher`'s simulation (a forked lane's copy of it), with a searcher of its own
     (`_Searcher.view`)."""
     def run(deadline: float | None, rng, forked: bool) -> ChainOutcome:
-        if past(deadline):  # no share of the time (`_flat_chains_share`): not even its reset
+        if past(deadline):  # no time (`_flat_chains_share`): not even its reset
             return empty_outcome()
         view = searcher.view(rng)
         if forked:
@@ -443,21 +439,15 @@ def states_floor(graph: OpGraph, topology, opt_state_factor: float) -> str:
 
 
 def _flat_chains_share(flat_best: float | None, pipelined_best: float | None) -> float:
-    """The flat chains' share of the chains' time, the pipelined chains taking the rest, from
-    the best fitting step time of each family so far (None: none fits): none where no flat
-    plan fits and a pipelined one does, `MINOR_CHAINS_SHARE` where the flat plans' best is
-    behind the pipelined grids' by more than `CHAINS_BEHIND`, one minus it where the
-    pipelined grids' best is behind so or none fits, else half.
+    """The flat chains' share of the chains' time (the pipelined ones take the rest), from
+    each family's best fitting step time so far (None: none fits): none where no flat plan
+    fits (nor any start made to fit, `_fitting`: the chains would walk plans over memory,
+    docs/vs-experts.md) and a pipelined one does, `MINOR_CHAINS_SHARE` where the flat
+    best is behind the pipelined by more than `CHAINS_BEHIND`, one minus it the other way
+    round or where no pipelined plan fits, else half.
 
-    No flat plan fits when neither a start nor Megatron's grid without stages does, nor the
-    starts with 8 times their microbatches and every layer recomputed (`_fitting`): the
-    chains from those starts walk plans over memory, and at scale a handful of proposals
-    each (docs/vs-experts.md, "The search's time at GPT 1T's scale").
-
-    >>> _flat_chains_share(29.8, 14.1), _flat_chains_share(4.3, 4.9), _flat_chains_share(4.3, 4.31)
-    (0.25, 0.75, 0.5)
-    >>> _flat_chains_share(None, 14.1), _flat_chains_share(4.3, None)
-    (0.0, 0.75)
+    >>> [_flat_chains_share(*x) for x in ((29.8, 14.1), (4.3, 4.9), (4.3, 4.31), (None, 1))]
+    [0.25, 0.75, 0.5, 0.0]
     """
     if flat_best is None and pipelined_best is not None:
         return 0.0
