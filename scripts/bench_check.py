@@ -64,7 +64,7 @@ PIPELINED = {
     "pp2 zb-h1 tp4 M=4": (2, dict(tp=4, sequence_parallel=True, microbatch_size=2), "zb-h1"),
     "pp2 zb-h1 dp4 M=4": (2, dict(tp=1, microbatch_size=1), "zb-h1"),
     # Megatron's selective recomputation inside the stages (docs/checks.md: the backward
-    # gathers the layers' sequence-parallel inputs again, which the simulator does not price)
+    # gathers the layers' sequence-parallel inputs again, `PipelinedSimulation.regathers`)
     "pp2 1f1b tp4 M=1 selective": (2, dict(tp=4, sequence_parallel=True,
                                            recompute="selective"), "1f1b"),
 }

@@ -3,6 +3,7 @@ shapes."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -394,3 +395,36 @@ def test_zero3_with_recompute_gathers_again_as_simulated():
     assert found["fsdp-recompute"][0] == found["fsdp"][0] + layer_params
     assert predicted == found
     assert kept["fsdp-recompute"] < kept["fsdp"]
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_full_recompute_gathers_its_activations_again_as_simulated(name):
+    """Megatron with sequence parallelism on cpu8, every layer operator recomputed in full:
+    each recomputing reader's ``jax.checkpoint`` keeps its input as the producer made it (a
+    norm's output split along the sequence) and gathers it again in the backward, inside
+    XLA's ``rematted_computation``; the simulator prices the same all-gathers again
+    (`_build_again`: count and bytes), none without recomputation."""
+    from soapjax.measure import hlo
+
+    w, params, batch, graph = float64_case(name, batch_size=16)
+    topo = load_topology("cpu8")
+    mesh, costs = make_mesh(topo), cost_model(graph, topo, mode="analytic")
+    base = megatron_3d(graph, topo, tp=4, sequence_parallel=True, recompute="none")
+    found, predicted = {}, {}
+    for policy in ("none", "full"):
+        strategy = dataclasses.replace(base, recompute=layered_recompute(graph, policy, "none"))
+        _, _, step, placed = run_step(graph, strategy, params, batch, mesh)
+        with jax.enable_x64(True):
+            text = step.lower(*placed).compile().as_text()
+        again = [c for c in hlo.collectives(text, MeshShape.of(topo))
+                 if c.kind == "all-gather" and "rematted_computation" in c.op_name]
+        found[policy] = (len(again), sum(c.nbytes for c in again))
+        r = simulate(graph, topo, strategy, cost_model=costs)
+        predicted[policy] = [(t.name, t.nbytes) for t in r.tasks
+                             if t.kind == "reshard" and t.name.startswith("all_gather")]
+    assert found["none"] == (0, 0) and found["full"][0] > 0
+    more = [t for t in predicted["full"] if t not in predicted["none"] or
+            predicted["full"].count(t) > predicted["none"].count(t)]
+    assert (len(predicted["full"]) - len(predicted["none"]),
+            sum(n for _, n in predicted["full"]) - sum(n for _, n in predicted["none"])) == \
+        found["full"], (found, more)

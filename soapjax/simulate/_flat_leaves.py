@@ -14,7 +14,7 @@ from soapjax.simulate._simresult import (
     UPDATE,
     UPDATE_REDUCE,
 )
-from soapjax.simulate._taskgraph import CHAIN, LEAF, Comm
+from soapjax.simulate._taskgraph import CHAIN, EDGE, LEAF, Comm
 
 __all__: list[str] = []
 
@@ -187,17 +187,19 @@ class _LeafBuilding:
         Its keys must lie after the cotangents it waits for (the backward segments of the
         operators after `j`) and before `j`'s backward task: the last slot of the segment just
         before (``2n-2-j``, the next operator's backward segment, whose last slot no backward
-        uses), shared among `j`'s parameter operands. For the last operator that segment is
-        its own forward segment, whose last slot's first half holds its partial sums'
-        all-reduce: the second half, then. A gather that does not fit (none seen: a gather
-        is one to three collectives) is kept gathered instead (`_build_gathers`).
+        uses), shared among `j`'s parameter and activation operands (an activation's
+        resharding again: `_build_again`). For the last operator that segment is its own
+        forward segment, whose last slot's first half holds its partial sums' all-reduce: the
+        second half, then. A gather that does not fit (none seen: a gather is one to three
+        collectives) is kept gathered instead (`_build_gathers`; an activation's is then not
+        priced again).
         """
         layout = self._layout
-        params = [p for p, (code, ref, _) in enumerate(layout.operands[j])
-                  if code == LEAF and layout.leaf_is_param[ref]]
+        shared = [p for p, (code, ref, _) in enumerate(layout.operands[j])
+                  if code == EDGE or (code == LEAF and layout.leaf_is_param[ref])]
         first, room = (CHAIN // 2, CHAIN // 2) if j == layout.n - 1 else (0, CHAIN)
-        room //= len(params)
-        return (layout.key(2 * layout.n - 2 - j, layout.slots - 1, first + params.index(o) * room),
+        room //= len(shared)
+        return (layout.key(2 * layout.n - 2 - j, layout.slots - 1, first + shared.index(o) * room),
                 room)
 
     def _regather_tasks(self, j: int, *, ends: bool) -> list[int]:

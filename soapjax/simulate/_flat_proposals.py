@@ -259,7 +259,7 @@ class _Proposals:
         src = (view if p == i else self._views[p]).out_specs[k]
         consumer = view if j == i else self._views[j]
         return (src, consumer.operand_specs[o], consumer.partials[o],
-                consumer.matmul_specs[o])
+                consumer.matmul_specs[o], consumer.recomputes)
         # (a change of `scatter_target` is caught apart: `_rescatter`)
 
     def _replace_units(self, undo: _Undo, op_comm_of: list[int], edges: list[int],
@@ -273,7 +273,7 @@ class _Proposals:
         undo.leaves = [(leaf, self._leaf_tasks[leaf]) for leaf in leaves]
         old = undo.old_tasks = [t for _, unit in undo.op_comm
                                 for t in unit.forward + unit.backward]
-        old += [t for _, unit in undo.edges for t in unit.forward + unit.backward]
+        old += [t for _, unit in undo.edges for t in unit.forward + unit.backward + unit.again]
         old += [t for _, unit in undo.leaves for t in unit.tasks]
         for t in old:
             task_graph.detach(t)
@@ -284,7 +284,7 @@ class _Proposals:
             new += unit.forward + unit.backward
         for e in edges:
             unit = self._edge_tasks[e] = self._build_edge(e)
-            new += unit.forward + unit.backward
+            new += unit.forward + unit.backward + unit.again
         for leaf in leaves:
             before, unit = self._leaf_tasks[leaf], self._build_leaf(leaf)
             self._leaf_tasks[leaf] = unit
@@ -305,16 +305,16 @@ class _Proposals:
         readers = {i} | {layout.edges[e][2] for e in edges}
         leaf_readers = {j for leaf in leaves for j, _ in layout.readers[leaf]}
         readers |= leaf_readers
-        # a backward waits for its cotangents and its parameters' gathers again, which wait
-        # for the cotangents too
+        # a backward waits for its cotangents and its parameters' and activations' gathers
+        # again, which wait for the cotangents too
         producers = {i} | {layout.edges[e][0] for e in edges} | leaf_readers
         for j in readers:
             t = self._forward_task[j]
             undo.deps.append((t, task_graph.set_deps(t, self._forward_deps(j))))
-        for j in sorted(producers):
+        for j in sorted(producers | readers):
             t = self._backward_task[j]
             undo.deps.append((t, task_graph.set_deps(t, self._backward_deps(j))))
-            for head in self._regather_tasks(j, ends=False):
+            for head in self._regather_tasks(j, ends=False) + self._again_tasks(j, ends=False):
                 undo.deps.append((head, task_graph.set_deps(head, self._cotangent_deps(j))))
 
     def _take_pending(self) -> _Batch:

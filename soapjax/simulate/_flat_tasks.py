@@ -150,6 +150,9 @@ class _EdgeTasks(NamedTuple):
 
     forward: list[int]  # its resharding (empty when a sibling edge's serves it: `_resharded_by`)
     backward: list[int]  # its cotangent's way back (empty when a sibling's serves it)
+    # its resharding again before a recomputing reader's backward (`_build_again`; empty
+    # when the reader keeps its outputs, or a sibling's serves it: `_again_by`)
+    again: list[int] = []
 
 
 def _by_dim(dims: Sequence[tuple[str, ...]], axes: tuple[str, ...]
@@ -205,6 +208,8 @@ class _TaskBuilding:
         for j in range(layout.n):
             task_graph.deps[self._forward_task[j]] = self._forward_deps(j)
             task_graph.deps[self._backward_task[j]] = self._backward_deps(j)
+            for head in self._again_tasks(j, ends=False):
+                task_graph.deps[head] = self._cotangent_deps(j)
         self._act = None
         self._stored_bytes = sum(unit.stored_bytes for unit in self._leaf_tasks)
         self._leaf_bytes = sum(unit.activation_bytes for unit in self._leaf_tasks)
@@ -432,8 +437,10 @@ class _TaskBuilding:
         # differ (`soapjax.apply._flatstep`: Q, K and V's into the sequence split, a reduce-scatter
         # each); only where they are the same are several summed after their all-reduces
         summed = self._summed_partials(e) if partial and dst == src else [e]
+        again = self._build_again(e)
         if len(summed) > 1:  # each reduced in this layout, then their sum moved once
-            return _EdgeTasks(forward, [] if e != summed[0] else self._summed_tasks(summed))
+            return _EdgeTasks(forward, [] if e != summed[0] else self._summed_tasks(summed),
+                              again)
         shared = self._same_layout(e, backward=True)
         if partial and dst != src and not reduces_into(dst, src, partial):
             # apply leaves it in the reader's layout: all-reduced there, then moved
@@ -444,7 +451,54 @@ class _TaskBuilding:
         backward = [] if shared[0] != e else self._chain_tasks(
             back, layout.bwd_key(j, 1 + o),
             [self._backward_done(layout.edges[s][2]) for s in shared], RESHARD_BWD, e)
-        return _EdgeTasks(forward, backward)
+        return _EdgeTasks(forward, backward, again)
+
+    def _again_by(self, e: int) -> int:
+        """The edge whose resharding again serves edge `e`'s recomputing reader: the last of
+        `e`'s siblings into the same layout (`_same_layout`, in program order) whose reader
+        recomputes, the first backward of them (its checkpoint makes the copy once for the
+        readers it holds; the others' backwards come after it, as task keys must)."""
+        layout, views = self._layout, self._views
+        return next(s for s in reversed(self._same_layout(e))
+                    if views[layout.edges[s][2]].recomputes)
+
+    def _build_again(self, e: int) -> list[int]:
+        """Edge `e`'s resharding again, before its reader's backward, where the reader
+        recomputes: the reader's ``jax.checkpoint`` (`soapjax.apply._flatstep`; a pipeline's
+        layer, `soapjax.apply._pipelined`) keeps the value as its producer made it and runs
+        the change of layout again with the rest of its forward, after the cotangents reach it
+        (compiled HLO: the all-gathers inside ``rematted_computation``, docs/checks.md). Its
+        first task waits for those cotangents (set with the compute tasks' dependencies:
+        `_again_tasks`); keys from the reader's gathers-again slot (`_regather_key`). Empty
+        where the reader keeps its outputs, the layout does not change, or a sibling's serves
+        it (`_again_by`)."""
+        layout = self._layout
+        p, k, j, o = layout.edges[e]
+        if not self._views[j].recomputes or self._again_by(e) != e:
+            return []
+        x = self.graph.operators[j].inputs[o]
+        chain = self._activation_chain(x, self._sample[j],
+                                       self._scatter[p][0] or self._views[p].out_specs[k],
+                                       self._dst(j, o))
+        key, room = self._regather_key(j, o)
+        if not chain or len(chain) > room:
+            return []
+        return self._chain_tasks(chain, key, [], RESHARD, e)
+
+    def _again_tasks(self, j: int, *, ends: bool) -> list[int]:
+        """The last tasks of operator `j`'s activations' reshardings again (`_build_again`,
+        on the edge that serves each: what its backward waits for); not `ends`: the first
+        tasks of those on `j`'s own edges (each waits for `j`'s cotangents)."""
+        out, layout = [], self._layout
+        if not self._views[j].recomputes:
+            return out
+        for code, ref, _ in layout.operands[j]:
+            if code != EDGE:
+                continue
+            chain = self._edge_tasks[self._again_by(ref) if ends else ref].again
+            if chain:
+                out.append(chain[-1] if ends else chain[0])
+        return out
 
     def _reduced_in_place(self, j: int, o: int) -> tuple[Comm, ...]:
         """The all-reduce of operand `o`'s partial cotangent in operator `j`'s layout, where it
@@ -556,8 +610,9 @@ class _TaskBuilding:
     def _backward_deps(self, j: int) -> list[int]:
         """What operator `j`'s backward task waits for: its outputs' cotangents
         (`_cotangent_deps`), and the gathers again of the parameters it recomputes with
-        (`_build_gathers`)."""
-        return self._cotangent_deps(j) + self._regather_tasks(j, ends=True)
+        (`_build_gathers`) and of its activations (`_build_again`)."""
+        return (self._cotangent_deps(j) + self._regather_tasks(j, ends=True)
+                + self._again_tasks(j, ends=True))
 
     def _task_name(self, t: int) -> str:
         kind, ref, *subject = self._task_graph.info[t]

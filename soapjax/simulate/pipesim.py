@@ -420,10 +420,10 @@ class PipelinedSimulation:
             out.append(("all_gather", c.nbytes, c.runs))
             sent += c.sent
         if SCHEDULES[self._pipeline[2]].splits_backward:  # a lean stash's W gathers again
+            # (a selectively recomputed layer's operands too, `Kept.moved`: the gather its
+            # unsplit backward would run again, `regathers`, is W's now)
             for xs, dys in self._stash()[1]:
                 for e in (*xs, *dys):
-                    if e.moved:  # the stage simulation's backward gathers it (B's, now W's)
-                        continue
                     out.append(("all_gather", e.used, self._inner.microbatches))
                     sent += (bytes_sent("all_gather", e.used, mesh.degree(e.axes))
                              * self._inner.microbatches)
