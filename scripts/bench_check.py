@@ -67,6 +67,9 @@ PIPELINED = {
     # gathers the layers' sequence-parallel inputs again, `PipelinedSimulation.regathers`)
     "pp2 1f1b tp4 M=1 selective": (2, dict(tp=4, sequence_parallel=True,
                                            recompute="selective"), "1f1b"),
+    # and under a split backward with a lean stash, whose W gathers the operands again
+    "pp2 zb-h1 tp4 M=4 selective": (2, dict(tp=4, sequence_parallel=True, microbatch_size=2,
+                                            recompute="selective"), "zb-h1"),
 }
 LAYERED = {"gpt": (GPT_CONFIGS, build_gpt), "llama": (LLAMA_CONFIGS, build_llama),
            "moe": (MOE_CONFIGS, build_moe)}
