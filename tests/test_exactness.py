@@ -369,6 +369,29 @@ def test_a_model_sharded_by_hand_runs_the_plan_inside_its_own_mesh(monkeypatch, 
     assert float(loss) == pytest.approx(want, rel=1e-12)
 
 
+def test_a_plan_step_traces_inside_the_callers_jit_and_eval_shape():
+    """The applied step sets its own mesh as jax's context while it runs; called under a
+    trace (the caller's ``jax.jit``, or ``jax.eval_shape`` as scripts/bench_accuracy.py does)
+    jax refuses ``set_mesh`` ("can only be used outside of `jax.jit`"), and every plan of the
+    bench failed so. Under a trace the outer call's context stands; the numbers are the step's."""
+    w = zoo.get("mlp", "tiny")
+    graph = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    strategy = baselines(graph, TOPOLOGY)["megatron"]
+    params, batch = w.init_params(jax.random.key(0)), w.make_batch(jax.random.key(1))
+    step, sh = apply.sharded_train_step(graph, strategy, make_mesh(TOPOLOGY), w.optimizer,
+                                        params=params, batch=batch, donate=False)
+    args = (apply.device_put_global(params, sh.params),
+            apply.device_put_global(w.optimizer.init(params), sh.opt_state),
+            apply.device_put_global(batch, sh.batch))
+    shapes = jax.eval_shape(step, *args)
+    direct = step(*args)
+    inside = jax.jit(lambda *a: step(*a))(*args)
+    assert jax.tree.map(lambda s: (s.shape, s.dtype), shapes) == jax.tree.map(
+        lambda x: (x.shape, x.dtype), direct)
+    for a, b in zip(jax.tree.leaves(direct), jax.tree.leaves(inside), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 # --- check and verify catch a scaled gradient under Adam ----------------------------------------
 
 
