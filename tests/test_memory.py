@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ import pytest
 import soapjax_zoo
 from soapjax.base.errors import PlanError
 from soapjax.cost.operators import cost_model
+from soapjax.exactness import compare_gradients
 from soapjax.graph.opgraph import trace
 from soapjax.simulate.front import simulate
 from soapjax.strategy import memory
@@ -397,13 +399,18 @@ def test_zero3_with_recompute_gathers_again_as_simulated():
     assert kept["fsdp-recompute"] < kept["fsdp"]
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama"])
-def test_full_recompute_gathers_its_activations_again_as_simulated(name):
-    """Megatron with sequence parallelism on cpu8, every layer operator recomputed in full:
-    each recomputing reader's ``jax.checkpoint`` keeps its input as the producer made it (a
-    norm's output split along the sequence) and gathers it again in the backward, inside
-    XLA's ``rematted_computation``; the simulator prices the same all-gathers again
-    (`_build_again`: count and bytes), none without recomputation."""
+@pytest.mark.parametrize("name,policy", [("gpt", "full"), ("llama", "full"),
+                                         ("llama", "selective")])
+def test_recompute_gathers_its_activations_again_as_simulated(name, policy):
+    """Megatron with sequence parallelism on cpu8, every layer operator recomputed in full
+    (or the attention core alone: selective): each recomputing reader's ``jax.checkpoint``
+    keeps its input as the producer made it (a norm's output split along the sequence; under
+    selective, the grouped-query keys and values split over their heads) and gathers it again
+    in the backward, inside XLA's ``rematted_computation``; the simulator prices the same
+    all-gathers again (`_build_again`: count and bytes), none without recomputation. Under
+    selective the checkpoint holds the attention core and nothing else: Llama's key and value
+    projections run between its first and last equations, and were recomputed with it (and
+    the norm's output gathered again for them), which nothing priced. The step is exact."""
     from soapjax.measure import hlo
 
     w, params, batch, graph = float64_case(name, batch_size=16)
@@ -411,20 +418,34 @@ def test_full_recompute_gathers_its_activations_again_as_simulated(name):
     mesh, costs = make_mesh(topo), cost_model(graph, topo, mode="analytic")
     base = megatron_3d(graph, topo, tp=4, sequence_parallel=True, recompute="none")
     found, predicted = {}, {}
-    for policy in ("none", "full"):
-        strategy = dataclasses.replace(base, recompute=layered_recompute(graph, policy, "none"))
-        _, _, step, placed = run_step(graph, strategy, params, batch, mesh)
+    for each in ("none", policy):
+        strategy = dataclasses.replace(base, recompute=layered_recompute(graph, each, "none"))
+        loss, grads, step, placed = run_step(graph, strategy, params, batch, mesh)
         with jax.enable_x64(True):
             text = step.lower(*placed).compile().as_text()
+            if each == "selective":
+                lowered = step.lower(*placed).as_text(debug_info=True)
         again = [c for c in hlo.collectives(text, MeshShape.of(topo))
                  if c.kind == "all-gather" and "rematted_computation" in c.op_name]
-        found[policy] = (len(again), sum(c.nbytes for c in again))
+        found[each] = (len(again), sum(c.nbytes for c in again))
         r = simulate(graph, topo, strategy, cost_model=costs)
-        predicted[policy] = [(t.name, t.nbytes) for t in r.tasks
+        predicted[each] = [(t.name, t.nbytes) for t in r.tasks
                              if t.kind == "reshard" and t.name.startswith("all_gather")]
-    assert found["none"] == (0, 0) and found["full"][0] > 0
-    more = [t for t in predicted["full"] if t not in predicted["none"] or
-            predicted["full"].count(t) > predicted["none"].count(t)]
-    assert (len(predicted["full"]) - len(predicted["none"]),
-            sum(n for _, n in predicted["full"]) - sum(n for _, n in predicted["none"])) == \
-        found["full"], (found, more)
+    assert found["none"] == (0, 0) and found[policy][0] > 0
+    more = [t for t in predicted[policy] if t not in predicted["none"] or
+            predicted[policy].count(t) > predicted["none"].count(t)]
+    assert (len(predicted[policy]) - len(predicted["none"]),
+            sum(n for _, n in predicted[policy]) - sum(n for _, n in predicted["none"])) == \
+        found[policy], (found, more)
+    with jax.enable_x64(True):  # exact, each gradient leaf against its own scale
+        want_loss, want = jax.jit(jax.value_and_grad(w.loss_fn))(params, batch)
+    exact = compare_gradients(float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)],
+                              float(want_loss), [np.asarray(g) for g in jax.tree.leaves(want)],
+                              tolerance=1e-12)
+    assert exact.max_error <= 1e-12, exact.worst
+    if policy == "selective":  # the recomputation's matmuls: the attention core's, batched
+        rematted = {m.group(1) for m in re.finditer(
+            r'^(#loc\d+) = loc\("[^"]*rematted_computation/dot_general"', lowered, re.M)}
+        dots = [line for line in lowered.splitlines() if "stablehlo.dot_general" in line
+                and re.search(r"loc\((#loc\d+)\)\s*$", line).group(1) in rematted]
+        assert dots and all("batching_dims" in d for d in dots), dots

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -375,7 +375,7 @@ class Program:
         return self._inline(closed, list(vids), stack, region, iteration)[0]
 
     def run(self, flat_inputs, hook=None, swaps: Mapping[int, tuple] | None = None,
-            checkpoints: Mapping[int, int] | None = None, keys=None,
+            checkpoints: Mapping[int, Collection[int]] | None = None, keys=None,
             reads: Mapping[int, Sequence[tuple]] | None = None,
             pins: Mapping[int, Callable[[Any], Any]] | None = None) -> list:
         """Evaluates the program and returns the outputs' values.
@@ -383,11 +383,14 @@ class Program:
         `swaps` maps an operator's last unit index to ``(its unit indices, fn, input ids,
         output ids)``: those units are skipped, and at the last one ``fn(*inputs)`` gives the
         outputs instead. Remat regions run inside `jax.checkpoint` with their traced policy.
-        `checkpoints` maps a first unit index to a last one: those units (outside any remat
-        region) run inside one `jax.checkpoint` saving nothing (recomputation,
-        `soapjax.strategy.memory`). `keys`, when given, maps every PRNG key the program makes from
-        constants (a typed-key constant, the result of `random_seed` or `random_wrap`) to the key to
-        use instead (apply folds the step number in, so dropout draws fresh masks every step).
+        `checkpoints` maps a first unit index to the units of one group (outside any remat
+        region), which run inside one `jax.checkpoint` saving nothing (recomputation,
+        `soapjax.strategy.memory`); other units between the group's first and last run before
+        the checkpoint, or after it where they read what the group makes
+        (`_checkpoint_order`), so the checkpoint recomputes the group and nothing else.
+        `keys`, when given, maps every PRNG key the program makes from constants (a typed-key
+        constant, the result of `random_seed` or `random_wrap`) to the key to use instead
+        (apply folds the step number in, so dropout draws fresh masks every step).
         `reads` maps a unit index to ``(position, key, fn)`` triples: the unit reads
         ``fn(value)`` at that operand position instead of the value, computed once per value and
         `key` (where that value is in scope) for every unit given the same key. `pins` maps a
@@ -403,9 +406,62 @@ class Program:
         env.update(zip(self.inputs, flat_inputs))
         swaps = dict(swaps or {})
         skip = frozenset().union(*(sw[0] for sw in swaps.values())) if swaps else frozenset()
-        self._run_block(list(range(len(self.units))), 0, env, hook, swaps, skip,
-                        dict(checkpoints or {}), reads, pins)
+        order, spans = self._checkpoint_order(checkpoints or {}, swaps, skip)
+        self._run_block(order, 0, env, hook, swaps, skip, spans, reads, pins)
         return [env[v] for v in self.outputs]
+
+    def _checkpoint_order(self, checkpoints: Mapping[int, Collection[int]],
+                          swaps: Mapping[int, tuple], skip: frozenset[int]
+                          ) -> tuple[list[int], dict[int, frozenset]]:
+        """The units in the order `run` runs them, and each checkpoint's first unit -> the
+        units its `jax.checkpoint` runs (contiguous in that order).
+
+        Between a group's first and last unit the program may run other operators' units
+        (a grouped-query attention's key and value projections between the queries' scaling
+        and the scores): run inside the checkpoint, they would be recomputed in the backward
+        pass, with the gathers of their inputs, where the group alone recomputes. So the units
+        of the span that read nothing the group makes (through units of the span) run before
+        it, the group runs in one checkpoint, and the rest after it. A unit replaced by an
+        operator's function (`swaps`) reads and makes that operator's values (its other units,
+        `skip`, nothing); a span whose
+        group reads a value made after the group's start by a unit that itself reads the
+        group's (the two interleaved both ways), or which holds a remat region, runs as
+        traced: all of its units inside the checkpoint."""
+        order, spans, at = [], {}, 0
+        for first in sorted(checkpoints):
+            group = frozenset(checkpoints[first])
+            last = max(group)
+            order.extend(range(at, first))
+            span = list(range(first, last + 1))
+            at = last + 1
+            if any(self.units[k].region for k in span):
+                order.extend(span)
+                spans[first] = frozenset(span)
+                continue
+            ins_outs = {k: (swaps[k][2], swaps[k][3]) if k in swaps else ((), ()) if k in skip
+                        else (self.units[k].ins, self.units[k].outs) for k in span}
+            tainted, made_after, before, after, crossed = set(), set(), [], [], False
+            for k in span:
+                ins, outs = ins_outs[k]
+                made = {v for v in outs if v is not None}
+                if k in group:
+                    crossed = crossed or any(v in made_after for v in ins)
+                    tainted |= made
+                elif any(v in tainted for v in ins):
+                    after.append(k)
+                    tainted |= made
+                    made_after |= made
+                else:
+                    before.append(k)
+            if crossed:
+                order.extend(span)
+                spans[first] = frozenset(span)
+                continue
+            body = [k for k in span if k in group]
+            order.extend(before + body + after)
+            spans[body[0]] = frozenset(body)
+        order.extend(range(at, len(self.units)))
+        return order, spans
 
     def run_units(self, idxs: Sequence[int], env: dict,
                   calls: Mapping[int, Callable[..., Sequence]] | None = None,
@@ -430,14 +486,14 @@ class Program:
                 for i, fn in calls.items()}
 
     def _run_block(self, idxs: list[int], depth: int, env: dict, hook, swaps, skip,
-                   checkpoints: Mapping[int, int] | None = None, reads=None,
+                   checkpoints: Mapping[int, frozenset[int]] | None = None, reads=None,
                    pins=None) -> None:
         i = 0
         while i < len(idxs):
-            last = checkpoints.get(idxs[i]) if checkpoints else None
-            if last is not None:
+            span = checkpoints.get(idxs[i]) if checkpoints else None
+            if span is not None:
                 j = i
-                while j < len(idxs) and idxs[j] <= last:
+                while j < len(idxs) and idxs[j] in span:
                     j += 1
                 if all(not self.units[k].region for k in idxs[i:j]):
                     self._run_checkpointed(idxs[i:j], depth, env, hook, swaps, skip,

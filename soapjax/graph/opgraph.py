@@ -267,9 +267,12 @@ class OpGraph:
             the values of `Operator.outputs`. Only operators whose equations are contiguous in
             the program can be replaced (`replaceable`).
           checkpoints: groups of operator names, each evaluated inside one ``jax.checkpoint``
-            that saves nothing (recomputation, `soapjax.strategy.memory`): the equations from the
-            group's first to its last. A group overlapping an earlier one, or a remat region
-            of the model, is evaluated as traced.
+            that saves nothing (recomputation, `soapjax.strategy.memory`): the group's
+            equations, those of other operators between them run before the checkpoint (or
+            after it, where they read the group's values). A group overlapping an earlier one
+            is evaluated as traced; one spanning a remat region of the model, or interleaved
+            both ways with another operator, recomputes every equation from its first to its
+            last.
           keys: applied to every PRNG key the program makes from constants (`makes_keys`);
             operators that make keys must then not be replaced.
           on_input: called as ``on_input(op, o, value)`` for operand `op.inputs[o]` (an
@@ -313,7 +316,8 @@ class OpGraph:
         for group in checkpoints:
             units = [u for name in group for u in self.program.local[name].units]
             if units and min(units) > taken:
-                spans[min(units)] = taken = max(units)
+                spans[min(units)] = units
+                taken = max(units)
                 if on_checkpoint_input is not None:
                     made = {t.value for name in group for t in self.operator(name).outputs}
                     for name in group:
