@@ -152,16 +152,19 @@ def recompute_in_backward(checkpointed: Callable) -> Callable:
 
 def _after(saved, cotangent):
     """`saved` (its float arrays) made to depend on `cotangent` by a data edge no compiler folds:
-    ``where(isnan(c), nan, x)`` with ``c`` one element of the cotangent is ``x`` exactly unless
-    the cotangent is already NaN. XLA:CPU removes optimization barriers *before* it schedules (XLA's
-    `OptimizationBarrierExpander` sits in the CPU pipeline before layout assignment; on GPU it
-    runs after scheduling), so there only a real data edge keeps the recomputation in the
-    backward pass."""
+    ``where(isnan(c), nan, x)`` with ``c`` the largest element of a cotangent is ``x`` exactly
+    unless the cotangent already holds a NaN. XLA:CPU removes optimization barriers *before* it
+    schedules (XLA's `OptimizationBarrierExpander` sits in the CPU pipeline before layout
+    assignment; on GPU it runs after scheduling), so there only a real data edge keeps the
+    recomputation in the backward pass. The largest element, not the first: of a cotangent
+    split over devices, XLA gathered the whole array to take its first element (tiny Llama
+    under tensor parallelism: one all-gather of the attention's cotangent per recomputed
+    layer); a maximum is a local reduction and an all-reduce of one number."""
     leaves = [c for c in jax.tree.leaves(cotangent)
               if getattr(c, "size", 0) and jax.numpy.issubdtype(c.dtype, jax.numpy.floating)]
     if not leaves:
         return saved
-    c = jax.numpy.ravel(leaves[0])[0]
+    c = jax.numpy.max(leaves[0])
     nan = jax.numpy.isnan(c)
 
     def tie(x):
