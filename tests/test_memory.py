@@ -399,6 +399,44 @@ def test_zero3_with_recompute_gathers_again_as_simulated():
     assert kept["fsdp-recompute"] < kept["fsdp"]
 
 
+def test_every_moe_layer_recomputes_as_simulated():
+    """Full recomputation of the tiny MoE (Megatron TP4 with sequence parallelism): the second
+    layer's checkpoint began with an equation traced where the first layer ends (a scalar
+    product of its MoE block), inside the first layer's span, and apply dropped the
+    second layer's checkpoint (overlapping groups ran as traced): that layer recomputed
+    nothing, kept its activations, and the simulator priced it recomputed. Now each layer's
+    checkpoint holds its own equations (`Program._checkpoint_order`): XLA's all-to-alls are
+    the simulator's (the dispatch and combine of both layers again: 6, where 5 ran), and so
+    are its all-gathers but the router's int32 expert choices (gathered once per layer and
+    again, not priced) and two 32-byte statistics the simulator gathers again. Exact."""
+    from soapjax.measure import hlo
+
+    w, params, batch, graph = float64_case("moe", batch_size=16)
+    topo = load_topology("cpu8")
+    mesh, costs = make_mesh(topo), cost_model(graph, topo, mode="analytic")
+    strategy = megatron_3d(graph, topo, tp=4, sequence_parallel=True, recompute="full")
+    loss, grads, step, placed = run_step(graph, strategy, params, batch, mesh)
+    with jax.enable_x64(True):
+        text = step.lower(*placed).compile().as_text()
+        want_loss, want = jax.jit(jax.value_and_grad(w.loss_fn))(params, batch)
+    exact = compare_gradients(float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)],
+                              float(want_loss), [np.asarray(g) for g in jax.tree.leaves(want)],
+                              tolerance=1e-12)
+    assert exact.max_error <= 1e-12, exact.worst
+    compiled = hlo.collectives(text, MeshShape.of(topo))
+    r = simulate(graph, topo, strategy, cost_model=costs)
+
+    def tally(sizes):
+        return len(sizes), sum(sizes)
+
+    assert tally([c.nbytes for c in compiled if c.kind == "all-to-all"]) == \
+        tally([t.nbytes for t in r.tasks if t.name.startswith("all_to_all")]) == (6, 6144)
+    gathers = tally([c.nbytes for c in compiled
+                     if c.kind == "all-gather" and not c.shapes[0].startswith("s32")])
+    priced = tally([t.nbytes for t in r.tasks if t.name.startswith("all_gather")])
+    assert (priced[0] - gathers[0], priced[1] - gathers[1]) == (2, 64)
+
+
 @pytest.mark.parametrize("name,policy", [("gpt", "full"), ("llama", "full"),
                                          ("llama", "selective")])
 def test_recompute_gathers_its_activations_again_as_simulated(name, policy):

@@ -421,31 +421,33 @@ class Program:
 
         Between a group's first and last unit the program may run other operators' units
         (a grouped-query attention's key and value projections between the queries' scaling
-        and the scores): run inside the checkpoint, they would be recomputed in the backward
-        pass, with the gathers of their inputs, where the group alone recomputes. So the units
-        of the span that read nothing the group makes (through units of the span) run before
-        it, the group runs in one checkpoint, and the rest after it. A unit replaced by an
-        operator's function (`swaps`) reads and makes that operator's values (its other units,
-        `skip`, nothing); a span whose
-        group reads a value made after the group's start by a unit that itself reads the
-        group's (the two interleaved both ways), or which holds a remat region, runs as
-        traced: all of its units inside the checkpoint."""
-        order, spans, at = [], {}, 0
+        and the scores; a later layer's scalar, traced where the layer before ends): run
+        inside the checkpoint, they would be recomputed in the backward pass, with the gathers
+        of their inputs, where the group alone recomputes. So the units of the span that read
+        nothing the group makes (through units of the span) run before it, the group runs in
+        one checkpoint, and the rest after it; groups are taken in program order, and an
+        earlier group's checkpoint moves whole. A unit replaced by an operator's function
+        (`swaps`) reads and makes that operator's values (its other units, `skip`, nothing).
+        A span whose group reads a value made after the group's start by a unit that itself
+        reads the group's (the two interleaved both ways) runs all of its units inside the
+        checkpoint; a group that would cut an earlier checkpoint in two, or whose span holds
+        a remat region, recomputes nothing."""
+        order = list(range(len(self.units)))
+        pos = {u: u for u in order}
+        spans: dict[int, frozenset] = {}
+        block_of: dict[int, int] = {}  # a unit in a checkpoint -> that checkpoint's key
         for first in sorted(checkpoints):
             group = frozenset(checkpoints[first])
-            last = max(group)
-            order.extend(range(at, first))
-            span = list(range(first, last + 1))
-            at = last + 1
-            if any(self.units[k].region for k in span):
-                order.extend(span)
-                spans[first] = frozenset(span)
+            if any(k in block_of for k in group):
                 continue
-            ins_outs = {k: (swaps[k][2], swaps[k][3]) if k in swaps else ((), ()) if k in skip
-                        else (self.units[k].ins, self.units[k].outs) for k in span}
+            lo, hi = min(pos[k] for k in group), max(pos[k] for k in group)
+            span = order[lo:hi + 1]
+            if any(self.units[k].region for k in span):
+                continue
             tainted, made_after, before, after, crossed = set(), set(), [], [], False
             for k in span:
-                ins, outs = ins_outs[k]
+                ins, outs = ((swaps[k][2], swaps[k][3]) if k in swaps else ((), ()) if k in skip
+                             else (self.units[k].ins, self.units[k].outs))
                 made = {v for v in outs if v is not None}
                 if k in group:
                     crossed = crossed or any(v in made_after for v in ins)
@@ -456,14 +458,20 @@ class Program:
                     made_after |= made
                 else:
                     before.append(k)
+            earlier = {block_of[k] for k in span if k in block_of}
             if crossed:
-                order.extend(span)
-                spans[first] = frozenset(span)
+                if not earlier:
+                    spans[span[0]] = frozenset(span)
+                    block_of.update((k, span[0]) for k in span)
                 continue
+            late = {block_of[k] for k in after if k in block_of}
+            if late & {block_of[k] for k in before if k in block_of}:
+                continue  # an earlier checkpoint would be cut in two
             body = [k for k in span if k in group]
-            order.extend(before + body + after)
+            order[lo:hi + 1] = before + body + after
+            pos.update((k, lo + i) for i, k in enumerate(order[lo:hi + 1]))
             spans[body[0]] = frozenset(body)
-        order.extend(range(at, len(self.units)))
+            block_of.update((k, body[0]) for k in body)
         return order, spans
 
     def run_units(self, idxs: Sequence[int], env: dict,

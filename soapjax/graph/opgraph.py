@@ -269,10 +269,10 @@ class OpGraph:
           checkpoints: groups of operator names, each evaluated inside one ``jax.checkpoint``
             that saves nothing (recomputation, `soapjax.strategy.memory`): the group's
             equations, those of other operators between them run before the checkpoint (or
-            after it, where they read the group's values). A group overlapping an earlier one
-            is evaluated as traced; one spanning a remat region of the model, or interleaved
-            both ways with another operator, recomputes every equation from its first to its
-            last.
+            after it, where they read the group's values; `Program._checkpoint_order`). A
+            group interleaved both ways with another operator recomputes every equation from
+            its first to its last; one spanning a remat region of the model, or one that would
+            cut an earlier group's checkpoint in two, recomputes nothing.
           keys: applied to every PRNG key the program makes from constants (`makes_keys`);
             operators that make keys must then not be replaced.
           on_input: called as ``on_input(op, o, value)`` for operand `op.inputs[o]` (an
@@ -312,12 +312,11 @@ class OpGraph:
         replaced = frozenset().union(*(sw[0] for sw in swaps.values()))
         swaps.update((i, sw) for i, sw in self.program.unit_swaps(calls or {}).items()
                      if i not in replaced)
-        spans, taken, pins = {}, -1, {}
+        spans, pins = {}, {}
         for group in checkpoints:
             units = [u for name in group for u in self.program.local[name].units]
-            if units and min(units) > taken:
+            if units:
                 spans[min(units)] = units
-                taken = max(units)
                 if on_checkpoint_input is not None:
                     made = {t.value for name in group for t in self.operator(name).outputs}
                     for name in group:
