@@ -732,3 +732,40 @@ def test_abstract_params_keep_the_parameters_tree():
                 {"v": jnp.ones(3)}, params_argnums=(0, 2))
     assert jax.tree.structure(two.abstract_params()) == jax.tree.structure(
         (PARAMS, {"v": 0}))
+
+
+def test_a_recomputed_segment_checkpoints_its_own_equations_alone():
+    """`Program._checkpoint_order`: another operator's equation between a segment's first and
+    last runs before its checkpoint (it reads nothing the segment makes) or after it (it
+    does); a segment interleaved both ways keeps its whole span in the checkpoint; one that
+    would cut an earlier segment's checkpoint in two runs without recomputation, with a
+    warning (its activations are kept, more memory than the plan's prediction). The values
+    are the traced function's whatever the order."""
+    def f(p, x):
+        a = jnp.sin(x * p)      # units 0 (mul), 1 (sin)
+        b = jnp.cos(x)          # unit 2
+        c = a * b               # unit 3: reads a and b
+        return jnp.sum(c + (b + 1.0))  # units 4-6
+
+    g = trace(f, jnp.ones(4), jnp.ones(4))
+    program = g.program
+    assert [u.eqn.primitive.name for u in program.units][:4] == ["mul", "sin", "cos", "mul"]
+    # {sin, mul}: cos reads nothing they make, so it runs before the checkpoint
+    order, spans = program._checkpoint_order({1: {1, 3}}, {}, frozenset())
+    assert order == [0, 2, 1, 3, 4, 5, 6] and spans == {1: frozenset({1, 3})}
+    # {sin, cos} and {mul, add}: nothing between either's equations, the program's order
+    order, spans = program._checkpoint_order({1: {1, 2}, 3: {3, 4}}, {}, frozenset())
+    assert spans == {1: frozenset({1, 2}), 3: frozenset({3, 4})} and order == list(range(7))
+    # {sin, mul} then {cos, add}: the second's span would cut the first's checkpoint (sin
+    # before it, mul, reading cos, after it): the second is not recomputed, and says so
+    with pytest.warns(UserWarning, match="run without recomputation"):
+        order, spans = program._checkpoint_order({1: {1, 3}, 2: {2, 4}}, {}, frozenset())
+    assert spans == {1: frozenset({1, 3})}
+    # interleaved both ways: {mul (x * p), mul (a * b)} with sin and cos between, the second
+    # reading sin's result made from the first's: the whole span recomputes
+    order, spans = program._checkpoint_order({0: {0, 3}}, {}, frozenset())
+    assert spans == {0: frozenset({0, 1, 2, 3})}
+    x, p = jnp.linspace(0.0, 1.0, 4), jnp.full(4, 0.5)
+    with pytest.warns(UserWarning, match="run without recomputation"):
+        got = jax.grad(lambda p: program.run([p, x], checkpoints={1: {1, 3}, 2: {2, 4}})[0])(p)
+    np.testing.assert_allclose(got, jax.grad(f)(p, x), rtol=1e-6)

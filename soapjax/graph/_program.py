@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -413,6 +414,15 @@ class Program:
         self._run_block(order, 0, env, hook, swaps, skip, spans, reads, pins)
         return [env[v] for v in self.outputs]
 
+    def _warn_not_recomputed(self, group: frozenset[int]) -> None:
+        names = sorted({name for name, loc in self.local.items() if group & set(loc.units)})
+        warnings.warn(
+            f"the plan recomputes {len(names)} operator(s) ({', '.join(names[:4])}"
+            f"{', ...' if len(names) > 4 else ''}) whose equations interleave with another "
+            f"recomputed segment's, so that no checkpoint can hold them alone: they run without "
+            f"recomputation and keep their activations, more memory than the plan's "
+            f"prediction; recompute both segments' operators alike to avoid it", stacklevel=4)
+
     def _checkpoint_order(self, checkpoints: Mapping[int, Collection[int]],
                           swaps: Mapping[int, tuple], skip: frozenset[int]
                           ) -> tuple[list[int], dict[int, frozenset]]:
@@ -466,7 +476,8 @@ class Program:
                 continue
             late = {block_of[k] for k in after if k in block_of}
             if late & {block_of[k] for k in before if k in block_of}:
-                continue  # an earlier checkpoint would be cut in two
+                self._warn_not_recomputed(group)  # an earlier checkpoint would be cut in two
+                continue
             body = [k for k in span if k in group]
             order[lo:hi + 1] = before + body + after
             pos.update((k, lo + i) for i, k in enumerate(order[lo:hi + 1]))
