@@ -517,12 +517,12 @@ class Program:
                 j = i
                 while j < len(idxs) and idxs[j] in span:
                     j += 1
-                if all(not self.units[k].region for k in idxs[i:j]):
-                    self._run_checkpointed(idxs[i:j], depth, env, hook, swaps, skip,
-                                           {"policy": jax.checkpoint_policies.nothing_saveable},
-                                           in_backward=True, reads=reads, pins=pins)
-                    i = j
-                    continue
+                # no remat region in a span: `_checkpoint_order` leaves such groups out
+                self._run_checkpointed(idxs[i:j], depth, env, hook, swaps, skip,
+                                       {"policy": jax.checkpoint_policies.nothing_saveable},
+                                       in_backward=True, reads=reads, pins=pins)
+                i = j
+                continue
             region = self.units[idxs[i]].region
             if len(region) > depth:  # a nested remat region: as far as it goes
                 j = i
