@@ -389,17 +389,15 @@ def test_resnet18_perturbed_gradient_is_exact(kind):
 # --- shard programs -----------------------------------------------------------------------------
 
 
-# Gemma-3's second layer reads the RoPE positions as an operand (the first layer builds them from
-# an iota, computed whole in its own operator): an operand's dims join the labels of every value
-# it meets, so its queries' and keys' sequence dims become one, and a shard program that splits
-# the queries' splits the keys' too. Apply is exact (it runs operators at their traced shapes,
-# the gradients in tests/test_fuzz_exactness.py); the cost stage then times that operator by
-# its roofline estimate. The fix is to recompute an input-free operand inside each reader, as
-# XLA does with iotas. CLIP's loss picks each row's and column's matching pair with labels made
-# by an iota (``jnp.arange(B)``) inside the operator: a shard program that splits the logits'
-# rows keeps the iota at the whole batch, and the gather refuses the mismatch (the same fix).
+# CLIP's loss picks each row's and column's matching pair with labels made by an iota
+# (``jnp.arange(B)``) inside the operator: a shard program that splits the logits' rows keeps the
+# iota at the whole batch, and the gather refuses the mismatch. Apply is exact (it runs operators
+# at their traced shapes, the gradients in tests/test_fuzz_exactness.py); the cost stage then
+# times that operator by its roofline estimate. The fix is to recompute an input-free operand
+# inside each reader, as XLA does with iotas. (Gemma-3's second layer, whose queries' and keys'
+# sequence dims one operand ties, was here until such a dim became one no config splits:
+# tests/test_tied_dims.py.)
 SHARD_PROGRAM_GAPS = {
-    "gemma3": "an input-free operand ties the queries' and keys' sequence dims",
     "clip": "an iota inside the operator keeps the whole batch where the logits are split",
 }
 
@@ -496,6 +494,8 @@ IDIOMS = {
     "unet": {"conv_general_dilated", "exp", "cos", "rsqrt"},
     "gnn": {"gather", "scatter-add"},
     "neural_ode": {"scan", "tanh", "concatenate"},
+    "padded_lm": {"cumsum", "random_bits", "pad", "concatenate", "rsqrt"},
+    "mixer_mod": {"top_k", "scatter-add", "remat2", "transpose", "gather"},
 }
 # Grouped convolutions (feature_group_count > 1): depthwise, a channel multiplier, 4 groups.
 GROUPED = {"convnext": 1, "mobilenet": 2, "mamba": 1}

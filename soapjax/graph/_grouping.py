@@ -662,14 +662,21 @@ class _Builder:
                                 if (d := ls.lookup(lab[v][a], iter_of)) is not None)
         return dims
 
-    def _output_roles(self, out_vid: int, ls, lab, iter_of: dict[int, int]) -> list[Role]:
-        """The primary output's dims become iteration dims 0..n-1 (a repeated one: '-')."""
+    def _output_roles(self, out_vid: int, ls, lab, iter_of: dict[int, int | None]) -> list[Role]:
+        """The primary output's dims become iteration dims 0..n-1. A label the output holds
+        twice (attention scores whose queries and keys are one operand's sequence, sliced
+        from a fused QKV projection; a Gram matrix ``x @ x.T``) is never split: its dims are
+        '-' and it maps to no iteration dim (None), so every operand dim it labels is read
+        whole. Splitting one of its dims would split the operand, and so both dims, where
+        the config says one: the cost stage's shard program would compute another shape,
+        and the simulator would miss the gather XLA makes for the other."""
+        classes = [ls.find(lbl) for lbl in lab[out_vid]]
         roles: list[Role] = []
-        for d, lbl in enumerate(lab[out_vid]):
-            dup = ls.find(lbl) in iter_of
-            roles.append("-" if dup else self.role(out_vid, d))
-            if not dup:
-                iter_of[ls.find(lbl)] = d
+        for d, c in enumerate(classes):
+            tied = classes.count(c) > 1 and ls.size[c] > 1
+            roles.append("-" if tied or c in iter_of else self.role(out_vid, d))
+            if c not in iter_of:
+                iter_of[c] = None if tied else d
         return roles
 
     def _reduction_dims(self, reduced, first: int, ls, lab, iter_of: dict[int, int],
@@ -677,7 +684,8 @@ class _Builder:
         """The splittable reduced labels become iteration dims after the output's."""
         red_dims: list[ReductionDim] = []
         for lbl in reduced:
-            if ls.lookup(lbl, iter_of) is not None or ls.size[lbl] <= 1 or "seq" in ls.marks(lbl):
+            if (ls.lookup(lbl, iter_of) is not None or ls.find(lbl) in iter_of
+                    or ls.size[lbl] <= 1 or "seq" in ls.marks(lbl)):
                 continue
             k = first + len(red_dims)
             iter_of[ls.find(lbl)] = k

@@ -306,12 +306,16 @@ def _rewrite(eqn, name: str, params: dict, args: list, out_shapes: list) -> None
         full = params["slice_sizes"]
         operand = args[0]
         params["slice_sizes"] = tuple(min(s, _shape_of(operand)[d]) for d, s in enumerate(full))
-    elif name == "slice" and params.get("strides") is None:
-        # A slice of a split dim takes the same fraction of the shard (an LSTM's gates).
+    elif name == "slice":
+        # A slice of a split dim takes the same fraction of the shard (an LSTM's gates), with
+        # its stride (`jax.lax.associative_scan`'s even and odd elements); a dim not split
+        # keeps its traced bounds.
         have, full = _shape_of(args[0]), eqn.invars[0].aval.shape
+        strides = params.get("strides") or (1,) * len(have)
         starts = tuple(s * h // f for s, h, f in zip(params["start_indices"], have, full))
         params["start_indices"] = starts
-        params["limit_indices"] = tuple(s + o for s, o in zip(starts, out))
+        params["limit_indices"] = tuple(s + (o - 1) * k + 1 if o else s
+                                        for s, o, k in zip(starts, out, strides))
     elif name == "conv_general_dilated" and params["feature_group_count"] > 1:
         # A grouped (depthwise) convolution split over channels holds whole groups
         # (`soapjax.graph._dims`): as many fewer groups as it has fewer input channels.

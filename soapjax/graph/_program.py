@@ -57,7 +57,7 @@ class OperatorLabels:
     labels: _dims.LabelSet
     lab: dict[int, tuple[int, ...]]  # value id -> labels
     env: dict  # inner jaxpr var -> labels (bodies of scan, remat2, custom_jvp_call, ...)
-    iter_of: dict[int, int]  # canonical label -> iteration dim
+    iter_of: dict[int, int | None]  # canonical label -> iteration dim (None: never split)
 
     def shard_shape(self, labels: Sequence[int], shape: Sequence[int],
                     degrees: Sequence[int]) -> tuple[int, ...]:

@@ -19,7 +19,8 @@ from the config. Output dims carry the paper's roles (Table 1):
 * ``S`` sample: follows the batch dim (dim 0) of the batch inputs;
 * ``P`` parameter: splitting it splits a parameter;
 * ``A`` attribute: any other divisible dim (sequence, height, width);
-* ``-`` not divisible (size 1, a scan's iteration axis, a repeated dim).
+* ``-`` not divisible (size 1, a scan's iteration axis, a dim the output holds twice: both copies,
+  as in attention scores whose queries and keys are sliced from one fused QKV projection).
 
 Example::
 

@@ -56,11 +56,13 @@ from corpus import (
     lstm_dropout,
     mamba,
     mixed_precision,
+    mixer_mod,
     mobilenet,
     named_axis_bn,
     neural_ode,
     nnx_scan_transformer,
     numbered_layers,
+    padded_lm,
     qwen3,
     resnet,
     safe_norm,
@@ -200,6 +202,16 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
           "neural ODE: a vector field of self.param weights integrated by RK4 in a "
           "jax.lax.fori_loop (a while loop), the loss read off the final state (the loop and "
           "its batch mean one operator)", gradients_in="fuzz"),
+    Entry("padded_lm", "linen", padded_lm.make,
+          "OPT/BLOOM-style LM on right-padded batches: positions and ALiBi biases from "
+          "cumsum of the padding mask, a linear recurrence by lax.associative_scan, "
+          "nn.WeightNorm, layer scale, per-sample stochastic depth, label smoothing, a "
+          "masked mean", gradients_in="fuzz"),
+    Entry("mixer_mod", "linen", mixer_mod.make,
+          "MLP-Mixer blocks (token mixing by a Dense over swapaxes) sharing one block's "
+          "parameters under nn.remat with a policy, a mixture-of-depths MLP (lax.top_k, "
+          "take_along_axis, .at[].add), a latent cross-attention readout (broadcast_to), "
+          "nn.SpectralNorm", gradients_in="fuzz"),
 )}
 
 
