@@ -389,22 +389,11 @@ def test_resnet18_perturbed_gradient_is_exact(kind):
 # --- shard programs -----------------------------------------------------------------------------
 
 
-# CLIP's loss picks each row's and column's matching pair with labels made by an iota
-# (``jnp.arange(B)``) inside the operator: a shard program that splits the logits' rows keeps the
-# iota at the whole batch, and the gather refuses the mismatch. Apply is exact (it runs operators
-# at their traced shapes, the gradients in tests/test_fuzz_exactness.py); the cost stage then
-# times that operator by its roofline estimate. The fix is to recompute an input-free operand
-# inside each reader, as XLA does with iotas. (Gemma-3's second layer, whose queries' and keys'
-# sequence dims one operand ties, was here until such a dim became one no config splits:
-# tests/test_tied_dims.py.)
-SHARD_PROGRAM_GAPS = {
-    "clip": "an iota inside the operator keeps the whole batch where the logits are split",
-}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    strict=True, reason=SHARD_PROGRAM_GAPS[n]))
-    if n in SHARD_PROGRAM_GAPS else n for n in NAMES])
+# Every corpus model's, with no exception since 2026-12-04: Gemma-3's second layer (queries' and
+# keys' sequence dims tied by one operand: tests/test_tied_dims.py) and CLIP's loss (the labels
+# of its batched gather, ``arange(B)``, kept whole where the logits' rows are split) were strict
+# xfails until then.
+@pytest.mark.parametrize("name", NAMES)
 def test_every_shard_program_builds(name):
     """Every operator's per-device program (what the cost stage times) builds at the shard
     shapes of every config in the search space, and returns outputs of those shapes. The

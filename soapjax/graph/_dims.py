@@ -567,10 +567,11 @@ def _gather(ls: LabelSet, p, ins, in_shapes, out_shapes) -> Labels:
     for od, idx_d in zip(batch_out, range(len(indices) - 1)):
         ls.union(out[od], indices[idx_d])
     # Batched gathers (take_along_axis, vmap of an index): the operand's batching dims are the
-    # indices' batching dims, split alike.
+    # indices' batching dims, split alike; indices built from iotas (CLIP's ``arange(B)``
+    # labels, weak) are cut as the operand is.
     for od, idx_d in zip(getattr(dn, "operand_batching_dims", ()),
                          getattr(dn, "start_indices_batching_dims", ())):
-        ls.union(operand[od], indices[idx_d])
+        ls.link(indices[idx_d], operand[od])
     return tuple(out)
 
 
