@@ -485,6 +485,7 @@ IDIOMS = {
     "neural_ode": {"scan", "tanh", "concatenate"},
     "padded_lm": {"cumsum", "random_bits", "pad", "concatenate", "rsqrt"},
     "mixer_mod": {"top_k", "scatter-add", "remat2", "transpose", "gather"},
+    "switch_moe": {"argmax", "cumsum", "dot_general", "eq"},
 }
 # Grouped convolutions (feature_group_count > 1): depthwise, a channel multiplier, 4 groups.
 GROUPED = {"convnext": 1, "mobilenet": 2, "mamba": 1}

@@ -67,6 +67,7 @@ from corpus import (
     resnet,
     safe_norm,
     ste,
+    switch_moe,
     t5_encdec,
     unet,
     vit,
@@ -212,6 +213,10 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
           "parameters under nn.remat with a policy, a mixture-of-depths MLP (lax.top_k, "
           "take_along_axis, .at[].add), a latent cross-attention readout (broadcast_to), "
           "nn.SpectralNorm", gradients_in="fuzz"),
+    Entry("switch_moe", "linen", switch_moe.make,
+          "Switch-Transformer-style encoder: top-1 routing by argmax, buffer positions by "
+          "cumsum of one-hot choices, a capacity mask, dispatch and combine einsums over "
+          "stacked expert weights, a load-balancing loss", gradients_in="fuzz"),
 )}
 
 
