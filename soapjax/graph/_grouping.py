@@ -546,7 +546,7 @@ class _Builder:
         ls, lab, env, reduced, summed = self._local_labels(group, inputs)
         out_vid = exports[0]
         out_shape = self.p.shapes[out_vid]
-        iter_of: dict[int, int] = {}  # label class -> iteration dim
+        iter_of: dict[int, int | None] = {}  # label class -> iteration dim (None: never split)
         roles = self._output_roles(out_vid, ls, lab, iter_of)
         red_dims = self._reduction_dims(reduced, len(out_shape), ls, lab, iter_of, inputs)
 
@@ -645,7 +645,8 @@ class _Builder:
                     source[v] = src
         return ls, lab, env, reduced, summed
 
-    def _transformed_dims(self, group: list[int], ls, lab, iter_of: dict[int, int]) -> set[int]:
+    def _transformed_dims(self, group: list[int], ls, lab,
+                          iter_of: dict[int, int | None]) -> set[int]:
         """The iteration dims an FFT of `group` transforms along (its operand's and result's
         last ``len(fft_lengths)`` dims): never split. XLA:CPU's FFT cannot run on the layout
         the partitioner gives a transform dim it splits (a runtime RET_CHECK; a plain-JAX
@@ -679,7 +680,7 @@ class _Builder:
                 iter_of[c] = None if tied else d
         return roles
 
-    def _reduction_dims(self, reduced, first: int, ls, lab, iter_of: dict[int, int],
+    def _reduction_dims(self, reduced, first: int, ls, lab, iter_of: dict[int, int | None],
                         inputs: list[int]) -> list[ReductionDim]:
         """The splittable reduced labels become iteration dims after the output's."""
         red_dims: list[ReductionDim] = []
