@@ -296,11 +296,28 @@ def sharded_grads(graph: Any, strategy: Strategy, mesh: Mesh, params: Any, batch
                   x64: bool = True) -> Any:
     """`soapjax_grads` of any traced graph, its parameters and batch."""
     with jax.enable_x64(x64):
-        loss = constrained_loss(graph, strategy, mesh)
-        ps = param_shardings(graph, strategy, mesh, params=params)
-        bs = batch_shardings(graph, strategy, mesh, batch=batch)
-        grad = jit(jax.grad(loss), in_shardings=(ps, bs), out_shardings=ps)
-        return grad(*device_put_global((params, batch), (ps, bs)))
+        grad, args = _sharded_grad(graph, strategy, mesh, params, batch)
+        return grad(*args)
+
+
+def sharded_grads_and_hlo(graph: Any, strategy: Strategy, mesh: Mesh, params: Any,
+                          batch: Any) -> tuple[Any, str]:
+    """`sharded_grads` in float64, and the compiled step's HLO text (its collectives)."""
+    with jax.enable_x64(True):
+        grad, args = _sharded_grad(graph, strategy, mesh, params, batch)
+        return grad(*args), grad.lower(*args).compile().as_text()
+
+
+def _sharded_grad(graph: Any, strategy: Strategy, mesh: Mesh, params: Any,
+                  batch: Any) -> tuple[Callable, tuple[Any, Any]]:
+    """``jax.grad`` of the constrained loss, jitted with the strategy's parameter and batch
+    shardings, and ``(params, batch)`` placed so (call it under the `jax.enable_x64` the
+    values were made in)."""
+    ps = param_shardings(graph, strategy, mesh, params=params)
+    bs = batch_shardings(graph, strategy, mesh, batch=batch)
+    grad = jit(jax.grad(constrained_loss(graph, strategy, mesh)), in_shardings=(ps, bs),
+               out_shardings=ps)
+    return grad, device_put_global((params, batch), (ps, bs))
 
 
 def tolerance(name: str, x64: bool) -> float:

@@ -39,9 +39,14 @@ import jax
 import numpy as np
 import pytest
 from conftest import assert_delta_equals_full
-from test_corpus import FAST_COMPILE, X64_TOL, float64_workload, relative_error, worst_leaf
+from test_corpus import (
+    X64_TOL,
+    float64_workload,
+    relative_error,
+    sharded_grads_and_hlo,
+    worst_leaf,
+)
 
-from soapjax.apply.step import batch_shardings, constrained_loss, device_put_global, param_shardings
 from soapjax.cost.operators import cost_model
 from soapjax.cost.reshard import Resharder
 from soapjax.graph.opgraph import OpGraph
@@ -119,13 +124,7 @@ def applied(kind: str):
     name, build = STRATEGIES[kind]
     graph, params, batch, _ = float64_case(name)
     strategy, mesh = build(graph), make_mesh(TOPOLOGY)
-    with jax.enable_x64(True):
-        ps = param_shardings(graph, strategy, mesh, params=params)
-        bs = batch_shardings(graph, strategy, mesh, batch=batch)
-        grad = jax.jit(jax.grad(constrained_loss(graph, strategy, mesh)), in_shardings=(ps, bs),
-                       out_shardings=ps, compiler_options=FAST_COMPILE)
-        args = device_put_global((params, batch), (ps, bs))
-        return grad(*args), grad.lower(*args).compile().as_text()
+    return sharded_grads_and_hlo(graph, strategy, mesh, params, batch)
 
 
 def compiled(kind: str) -> dict[str, tuple[int, float]]:

@@ -28,14 +28,19 @@ import optax
 import pytest
 from conftest import assert_delta_equals_full
 from jax.sharding import Mesh
-from test_corpus import FAST_COMPILE, X64_TOL, float64_workload, relative_error, worst_leaf
+from test_corpus import (
+    FAST_COMPILE,
+    X64_TOL,
+    float64_workload,
+    relative_error,
+    sharded_grads,
+    sharded_grads_and_hlo,
+    worst_leaf,
+)
 
 import soapjax_zoo
 from soapjax.apply.step import (
-    batch_shardings,
-    constrained_loss,
     device_put_global,
-    param_shardings,
     sharded_train_step,
 )
 from soapjax.base.attention import ring_work
@@ -128,13 +133,7 @@ def applied(kind: str, workload=None):
     tiny flash llama, `case`), and the compiled step's HLO."""
     graph, params, batch, _ = (workload or case)()
     strategy, mesh = STRATEGIES[kind](graph), make_mesh(TOPOLOGY)
-    with jax.enable_x64(True):
-        ps = param_shardings(graph, strategy, mesh, params=params)
-        bs = batch_shardings(graph, strategy, mesh, batch=batch)
-        grad = jax.jit(jax.grad(constrained_loss(graph, strategy, mesh)), in_shardings=(ps, bs),
-                       out_shardings=ps, compiler_options=FAST_COMPILE)
-        args = device_put_global((params, batch), (ps, bs))
-        return grad(*args), grad.lower(*args).compile().as_text()
+    return sharded_grads_and_hlo(graph, strategy, mesh, params, batch)
 
 
 @pytest.mark.parametrize("kind", STRATEGIES)
@@ -294,12 +293,7 @@ def test_the_searched_plan_trains_exactly():
     plan = find_plan(graph, TOPOLOGY, settings=SearchSettings(max_proposals=150, seed=0),
                      costs="analytic")
     strategy, mesh = plan.strategy(graph, TOPOLOGY), make_mesh(TOPOLOGY)
-    with jax.enable_x64(True):
-        ps = param_shardings(graph, strategy, mesh, params=params)
-        bs = batch_shardings(graph, strategy, mesh, batch=batch)
-        grad = jax.jit(jax.grad(constrained_loss(graph, strategy, mesh)), in_shardings=(ps, bs),
-                       out_shardings=ps, compiler_options=FAST_COMPILE)
-        got = grad(*device_put_global((params, batch), (ps, bs)))
+    got = sharded_grads(graph, strategy, mesh, params, batch)
     assert relative_error(got, want) <= X64_TOL
 
 

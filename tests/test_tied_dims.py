@@ -20,9 +20,16 @@ import corpus
 import jax
 import jax.numpy as jnp
 import pytest
-from test_corpus import FAST_COMPILE, X64_TOL, case, jiggle, relative_error, worst_leaf
+from test_corpus import (
+    FAST_COMPILE,
+    X64_TOL,
+    case,
+    jiggle,
+    relative_error,
+    sharded_grads_and_hlo,
+    worst_leaf,
+)
 
-from soapjax.apply.step import batch_shardings, constrained_loss, device_put_global, param_shardings
 from soapjax.cost.operators import cost_model
 from soapjax.cost.reshard import Resharder
 from soapjax.graph.opgraph import trace
@@ -89,15 +96,9 @@ def test_a_sequence_split_plan_gathers_what_the_simulator_prices():
     assert graph.operator("0/attn/qkv").shape[1] == SEQ_LEN
     # the sequence split before the scores
     assert strategy.configs[graph.index("0/attn/qkv")].axes[1] == ("model",)
+    got, text = sharded_grads_and_hlo(graph, strategy, mesh, params, batch)
     with jax.enable_x64(True):
-        ps = param_shardings(graph, strategy, mesh, params=params)
-        bs = batch_shardings(graph, strategy, mesh, batch=batch)
-        grad = jax.jit(jax.grad(constrained_loss(graph, strategy, mesh)), in_shardings=(ps, bs),
-                       out_shardings=ps, compiler_options=FAST_COMPILE)
-        args = device_put_global((params, batch), (ps, bs))
-        got, want = grad(*args), jax.jit(jax.grad(loss), compiler_options=FAST_COMPILE)(
-            params, batch)
-        text = grad.lower(*args).compile().as_text()
+        want = jax.jit(jax.grad(loss), compiler_options=FAST_COMPILE)(params, batch)
     err = relative_error(got, want)
     assert err <= X64_TOL, f"{err:.3g}; worst leaf {worst_leaf(got, want)}"
 
