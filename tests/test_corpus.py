@@ -503,6 +503,7 @@ IDIOMS = {
     "padded_lm": {"cumsum", "random_bits", "pad", "concatenate", "rsqrt"},
     "mixer_mod": {"top_k", "scatter-add", "remat2", "transpose", "gather"},
     "switch_moe": {"argmax", "cumsum", "dot_general", "eq"},
+    "wavenet": {"conv_general_dilated", "cond", "tanh", "logistic", "reshape"},
 }
 # Grouped convolutions (feature_group_count > 1): depthwise, a channel multiplier, 4 groups.
 GROUPED = {"convnext": 1, "mobilenet": 2, "mamba": 1}
@@ -522,6 +523,12 @@ def test_corpus_model_uses_its_idiom(name):
     if name == "unet":  # nn.ConvTranspose: a convolution of a dilated input
         assert any(set(e.params["lhs_dilation"]) != {1} for e in _eqns(closed.jaxpr)
                    if e.primitive.name == "conv_general_dilated")
+    if name == "wavenet":  # dilated causal convolutions, vmap's grouped one of the heads
+        convs = [e for e in _eqns(closed.jaxpr) if e.primitive.name == "conv_general_dilated"]
+        assert {e.params["rhs_dilation"] for e in convs} >= {(2,), (4,), (8,)}
+        assert any(e.params["feature_group_count"] == 4 for e in convs)
+        assert any(e.primitive.name == "reshape" and e.params["dimensions"] is not None
+                   for e in _eqns(closed.jaxpr))
     if name == "mixed_precision":
         dots = [e for e in _eqns(closed.jaxpr) if e.primitive.name == "dot_general"]
         assert dots and all(e.invars[0].aval.dtype == jnp.bfloat16 for e in dots)

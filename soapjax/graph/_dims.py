@@ -469,8 +469,11 @@ def _first_order(ls: LabelSet, name: str, p, ins, in_shapes, out_shapes, prims) 
                 ls.link(ins[0][i], out[d])
         return EqnInfo([tuple(out)], reduced, flops, prims)
     if name in ("reshape", "squeeze", "expand_dims"):
-        src = ins[0] or ls.fresh_many(in_shapes[0])
-        return EqnInfo([_reshape_map(ls, src, in_shapes[0], out_shapes[0])], reduced, flops, prims)
+        src, shape = ins[0] or ls.fresh_many(in_shapes[0]), in_shapes[0]
+        if name == "reshape" and p.get("dimensions") is not None:  # transposed, then reshaped
+            src = tuple(src[d] for d in p["dimensions"])
+            shape = tuple(shape[d] for d in p["dimensions"])
+        return EqnInfo([_reshape_map(ls, src, shape, out_shapes[0])], reduced, flops, prims)
     if name == "transpose":
         src = ins[0] or ls.fresh_many(in_shapes[0])
         return EqnInfo([tuple(src[d] for d in p["permutation"])], reduced, flops, prims)

@@ -713,6 +713,12 @@ class _Builder:
             d = ls.lookup(lbl, iter_of)
             if d is not None:
                 grain[d] = math.gcd(grain[d], size)
+            # its channels reshaped into (groups, channels per group), as vmap's grouped
+            # convolution of an ensemble's members is: the minor part would split every group
+            for part in ls.parts_of(lbl)[1:] if size > 1 else ():
+                dp = ls.lookup(part, iter_of)
+                if dp is not None and dp != d:
+                    grain[dp] = 1
         return () if grain == sizes else tuple(grain)
 
     def _reduction_role(self, ls, k, iter_of, inputs, lab) -> Role:

@@ -298,6 +298,11 @@ def _rewrite(eqn, name: str, params: dict, args: list, out_shapes: list) -> None
         if any(h != 1 and h != w for h, w in zip(have, want)):
             args[0] = _crop(args[0], tuple(h if h == 1 else min(h, w) for h, w in zip(have, want)))
     elif name == "reshape":
+        # ``lax.reshape(x, sizes, dimensions)`` reads `x` transposed by `dimensions` first
+        # (vmap's batching rules for a convolution with batched weights emit it): transpose
+        # the shard, then reshape it to the shard's result.
+        if params.get("dimensions") is not None:
+            args[0] = jax.lax.transpose(args[0], tuple(params["dimensions"]))
         params["new_sizes"] = out
         params["dimensions"] = None
     elif name in ("iota", "random_bits", "rng_uniform") and "shape" in params:

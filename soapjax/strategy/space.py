@@ -463,8 +463,11 @@ def spatial_convolution(graph: OpGraph, strategy: Strategy) -> tuple[str, str] |
             for j, (it, src) in enumerate(zip(operand.dims, produced)):
                 axes = strategy.configs[i].axes[src] if src is not None else ()
                 if axes and (it is None or roles[it] == "A"):
+                    where = (f"spatial dim {j}" if it is not None else
+                             f"dim {j}, which it reads whole (no dim of its own follows it: "
+                             "merged into its features or its window)")
                     return op.name, (f"its input from {operand.source!r} arrives split over "
-                                     f"{axes} along spatial dim {j}")
+                                     f"{axes} along {where}")
     return None
 
 

@@ -71,6 +71,7 @@ from corpus import (
     t5_encdec,
     unet,
     vit,
+    wavenet,
     whisper,
 )
 
@@ -217,6 +218,11 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
           "Switch-Transformer-style encoder: top-1 routing by argmax, buffer positions by "
           "cumsum of one-hot choices, a capacity mask, dispatch and combine einsums over "
           "stacked expert weights, a load-balancing loss", gradients_in="fuzz"),
+    Entry("wavenet", "linen", wavenet.make,
+          "WaveNet-style audio model: dilated causal convolutions (kernel_dilation 1-8), gated "
+          "tanh*sigmoid activations, GroupNorm, summed skip connections, an ensemble of output "
+          "heads by nn.vmap over the parameters, a masked mean guarded by lax.cond",
+          gradients_in="fuzz"),
 )}
 
 
