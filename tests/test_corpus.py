@@ -504,6 +504,7 @@ IDIOMS = {
     "mixer_mod": {"top_k", "scatter-add", "remat2", "transpose", "gather"},
     "switch_moe": {"argmax", "cumsum", "dot_general", "eq"},
     "wavenet": {"conv_general_dilated", "cond", "tanh", "logistic", "reshape"},
+    "nchw_sr": {"conv_general_dilated", "rev", "reduce_window_max", "rsqrt"},
 }
 # Grouped convolutions (feature_group_count > 1): depthwise, a channel multiplier, 4 groups.
 GROUPED = {"convnext": 1, "mobilenet": 2, "mamba": 1}

@@ -59,6 +59,7 @@ from corpus import (
     mixer_mod,
     mobilenet,
     named_axis_bn,
+    nchw_sr,
     neural_ode,
     nnx_scan_transformer,
     numbered_layers,
@@ -223,6 +224,10 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
           "tanh*sigmoid activations, GroupNorm, summed skip connections, an ensemble of output "
           "heads by nn.vmap over the parameters, a masked mean guarded by lax.cond",
           gradients_in="fuzz"),
+    Entry("nchw_sr", "nnx", nchw_sr.make,
+          "super-resolution network ported from PyTorch in NCHW: lax.conv_general_dilated with "
+          "OIHW kernels, reflection padding, hand-written BatchNorm2d with running stats, "
+          "strided conv, reduce_window max pool, PixelShuffle", has_conv=True, gradients_in="fuzz"),
 )}
 
 
