@@ -505,6 +505,7 @@ IDIOMS = {
     "switch_moe": {"argmax", "cumsum", "dot_general", "eq"},
     "wavenet": {"conv_general_dilated", "cond", "tanh", "logistic", "reshape"},
     "nchw_sr": {"conv_general_dilated", "rev", "reduce_window_max", "rsqrt"},
+    "vivit": {"conv_general_dilated", "transpose", "concatenate", "tanh"},
 }
 # Grouped convolutions (feature_group_count > 1): depthwise, a channel multiplier, 4 groups.
 GROUPED = {"convnext": 1, "mobilenet": 2, "mamba": 1}
@@ -530,6 +531,9 @@ def test_corpus_model_uses_its_idiom(name):
         assert any(e.params["feature_group_count"] == 4 for e in convs)
         assert any(e.primitive.name == "reshape" and e.params["dimensions"] is not None
                    for e in _eqns(closed.jaxpr))
+    if name == "vivit":  # a 3D convolution: [B, T, H, W, C] clips
+        assert any(len(e.invars[0].aval.shape) == 5 for e in _eqns(closed.jaxpr)
+                   if e.primitive.name == "conv_general_dilated")
     if name == "mixed_precision":
         dots = [e for e in _eqns(closed.jaxpr) if e.primitive.name == "dot_general"]
         assert dots and all(e.invars[0].aval.dtype == jnp.bfloat16 for e in dots)

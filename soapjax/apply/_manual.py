@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
+from soapjax.graph._inner import convolutions, halo_split
 from soapjax.graph.opgraph import OpGraph
 from soapjax.strategy.space import Config
 
@@ -74,28 +75,19 @@ def conv_units(graph: OpGraph, j: int, cfg: Config
                ) -> dict[int, tuple[PartitionSpec, PartitionSpec, PartitionSpec, tuple[str, ...]]]:
     """Operator `j`'s convolutions under `cfg`: program unit -> the specs of its input, kernel
     and output, and the mesh axes its partial sums are reduced over (its input channels'
-    split). A convolution `cfg` splits spatially (a halo to exchange) is left to XLA; one built
-    from constants alone is computed whole, as XLA does (module doc)."""
-    prog = graph.program
-    loc = prog.local[graph.operators[j].name]
+    split). A convolution `cfg` splits spatially with a halo to exchange is left to XLA (plans
+    refuse those: `soapjax.strategy.space.spatial_convolution`); one split at the edges of
+    windows that do not overlap (a patch embedding's frames or rows) runs here like any other;
+    one built from constants alone is computed whole, as XLA does (module doc)."""
     out: dict[int, tuple[PartitionSpec, PartitionSpec, PartitionSpec, tuple[str, ...]]] = {}
-    for i in loc.units:
-        u = prog.units[i]
-        if u.eqn.primitive.name != "conv_general_dilated":
-            continue
-        if any(v not in loc.lab for v in (*u.ins[:2], u.outs[0])):
-            continue
-
-        def axes_of(v: int) -> list[tuple[str, ...]]:
-            return [tuple(cfg.axes[d]) if (d := loc.labels.lookup(x, loc.iter_of)) is not None
-                    else () for x in loc.lab[v]]
-
-        lhs, rhs, res = axes_of(u.ins[0]), axes_of(u.ins[1]), axes_of(u.outs[0])
-        dn = u.eqn.params["dimension_numbers"]
-        if any(lhs[d] for d in dn.lhs_spec[2:]) or any(res[d] for d in dn.out_spec[2:]):
+    sizes = graph.operators[j].iteration_sizes
+    for conv in convolutions(graph, j):
+        if halo_split(conv, cfg.axes, sizes) is not None:
             continue  # split spatially: XLA exchanges the halo
+        lhs, rhs, res = (_axes_of(cfg, dims) for dims in (conv.lhs, conv.rhs, conv.out))
+        dn = conv.eqn.params["dimension_numbers"]
         reduced = tuple(a for a in lhs[dn.lhs_spec[1]] if a not in res[dn.out_spec[1]])
-        out[i] = (_spec(lhs), _spec(rhs), _spec(res), reduced)
+        out[conv.unit] = (_spec(lhs), _spec(rhs), _spec(res), reduced)
     return out
 
 
@@ -111,6 +103,10 @@ def manual_calls(graph: OpGraph, configs: Sequence[Config], mesh: Mesh
         for i, specs in conv_units(graph, j, cfg).items():
             calls[i] = _conv(graph.program.units[i].eqn, *specs, mesh)
     return calls
+
+
+def _axes_of(cfg: Config, dims: tuple[int | None, ...]) -> list[tuple[str, ...]]:
+    return [tuple(cfg.axes[d]) if d is not None else () for d in dims]
 
 
 def _spec(axes: Sequence[tuple[str, ...]]) -> PartitionSpec:

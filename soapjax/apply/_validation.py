@@ -183,8 +183,10 @@ def refuse_spatial_convolutions(checked: Checked) -> None:
         raise PlanError(
             f"convolution operator {name!r}: {why}; XLA's SPMD partitioner (jax "
             f"{jax.__version__}) computes spatially split convolutions wrongly, so soapjax "
-            "refuses them. Plan convolutions without attribute splits (SpaceLimits("
-            "allow_attribute=False)), or pass allow_spatial_convolutions=True to run it anyway")
+            "refuses them (a split at the edges of windows that do not overlap, a patch "
+            "embedding's, is exact and allowed). Plan convolutions without splits of their "
+            "spatial dims (soapjax's search returns none; SpaceLimits(allow_attribute=False) "
+            "keeps a space off them), or pass allow_spatial_convolutions=True to run it anyway")
 
 
 # --- helpers ------------------------------------------------------------------------------------

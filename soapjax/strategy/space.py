@@ -44,6 +44,7 @@ from typing import Literal, get_args
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from soapjax.base.errors import PlanError
+from soapjax.graph._inner import convolutions, split_windows
 from soapjax.graph.opgraph import Operand, Operator, OpGraph
 from soapjax.strategy.pipeline import (
     DEFAULT_SCHEDULE,
@@ -449,11 +450,17 @@ def spatial_convolution(graph: OpGraph, strategy: Strategy) -> tuple[str, str] |
     height or width, which no per-operator space can see.
     """
     position = {op.name: i for i, op in enumerate(graph.operators)}
-    for op, cfg in zip(graph.operators, strategy.configs):
+    for k, (op, cfg) in enumerate(zip(graph.operators, strategy.configs)):
         if "conv" not in op.anchor:
             continue
         roles = op.iteration_roles
-        if any(cfg.axes[d] and roles[d] == "A" for d in range(len(op.shape))):
+        halo = split_windows(graph, k, cfg.axes)
+        if halo is not None:  # whatever the dims' roles (a position embedding's make them P)
+            return op.name, f"its config {cfg.describe(op)}: {halo[1]}"
+        # dims split at the edges of windows that do not overlap (a patch embedding's)
+        tiled = {b for conv in convolutions(graph, k)
+                 for a, b in conv.spatial() if a == b and b is not None and cfg.axes[b]}
+        if any(cfg.axes[d] and roles[d] == "A" and d not in tiled for d in range(len(op.shape))):
             return op.name, f"its config {cfg.describe(op)} splits a spatial (A) dim"
         for operand in op.inputs:
             if operand.kind != "activation":
@@ -462,7 +469,7 @@ def spatial_convolution(graph: OpGraph, strategy: Strategy) -> tuple[str, str] |
             produced = graph.operators[i].outputs[operand.index].dims
             for j, (it, src) in enumerate(zip(operand.dims, produced)):
                 axes = strategy.configs[i].axes[src] if src is not None else ()
-                if axes and (it is None or roles[it] == "A"):
+                if axes and (it is None or roles[it] == "A") and it not in tiled:
                     where = (f"spatial dim {j}" if it is not None else
                              f"dim {j}, which it reads whole (no dim of its own follows it: "
                              "merged into its features or its window)")

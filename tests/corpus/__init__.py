@@ -72,6 +72,7 @@ from corpus import (
     t5_encdec,
     unet,
     vit,
+    vivit,
     wavenet,
     whisper,
 )
@@ -228,6 +229,10 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
           "super-resolution network ported from PyTorch in NCHW: lax.conv_general_dilated with "
           "OIHW kernels, reflection padding, hand-written BatchNorm2d with running stats, "
           "strided conv, reduce_window max pool, PixelShuffle", has_conv=True, gradients_in="fuzz"),
+    Entry("vivit", "linen", vivit.make,
+          "ViViT-style video classifier: a 3D-convolution tubelet embedding, factorised "
+          "space-time attention (frames folded into the batch, then patches after a transpose), "
+          "a tiled class token", has_conv=True, gradients_in="fuzz"),
 )}
 
 
