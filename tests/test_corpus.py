@@ -506,6 +506,8 @@ IDIOMS = {
     "wavenet": {"conv_general_dilated", "cond", "tanh", "logistic", "reshape"},
     "nchw_sr": {"conv_general_dilated", "rev", "reduce_window_max", "rsqrt"},
     "vivit": {"conv_general_dilated", "transpose", "concatenate", "tanh"},
+    "recurrent_bn": {"scan", "top_k", "rsqrt", "logistic"},
+    "expert_choice": {"top_k", "gather", "scatter-add", "transpose"},
 }
 # Grouped convolutions (feature_group_count > 1): depthwise, a channel multiplier, 4 groups.
 GROUPED = {"convnext": 1, "mobilenet": 2, "mamba": 1}

@@ -327,6 +327,11 @@ def _rewrite(eqn, name: str, params: dict, args: list, out_shapes: list) -> None
         channel = params["dimension_numbers"].lhs_spec[1]
         have, full = _shape_of(args[0])[channel], eqn.invars[0].aval.shape[channel]
         params["feature_group_count"] = params["feature_group_count"] * have // full
+    elif name == "top_k":
+        # the rows' dim a config splits (the batch a hard-example loss takes its top k of):
+        # a shard takes at most its own length (XLA gathers the rows first; priced locally,
+        # as a sort along a split dim is)
+        params["k"] = min(params["k"], _shape_of(args[0])[params.get("axis", -1)])
     elif name == "split":
         total = sum(params["sizes"])
         have = _shape_of(args[0])[params["axis"]]

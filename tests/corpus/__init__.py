@@ -46,6 +46,7 @@ from corpus import (
     clip,
     convnext,
     dropout_nnx,
+    expert_choice,
     fnet,
     gemma3,
     gnn,
@@ -65,6 +66,7 @@ from corpus import (
     numbered_layers,
     padded_lm,
     qwen3,
+    recurrent_bn,
     resnet,
     safe_norm,
     ste,
@@ -233,6 +235,14 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
           "ViViT-style video classifier: a 3D-convolution tubelet embedding, factorised "
           "space-time attention (frames folded into the batch, then patches after a transpose), "
           "a tiled class token", has_conv=True, gradients_in="fuzz"),
+    Entry("recurrent_bn", "linen", recurrent_bn.make,
+          "LSTM with recurrent batch normalisation (batch statistics inside the nn.scan'd "
+          "cell at every step), mean and max pooling over time, hard-example mining by "
+          "lax.top_k over the batch's per-sample losses", gradients_in="fuzz"),
+    Entry("expert_choice", "linen", expert_choice.make,
+          "expert-choice mixture of experts: each expert takes its top-C tokens of the whole "
+          "batch (lax.top_k over transposed router scores), gathers them by index, stacked "
+          "expert weights, outputs added back with .at[index].add", gradients_in="fuzz"),
 )}
 
 
