@@ -508,6 +508,7 @@ IDIOMS = {
     "vivit": {"conv_general_dilated", "transpose", "concatenate", "tanh"},
     "recurrent_bn": {"scan", "top_k", "rsqrt", "logistic"},
     "expert_choice": {"top_k", "gather", "scatter-add", "transpose"},
+    "bigru_tagger": {"scan", "gather", "select_n", "logistic", "concatenate"},
 }
 # Grouped convolutions (feature_group_count > 1): depthwise, a channel multiplier, 4 groups.
 GROUPED = {"convnext": 1, "mobilenet": 2, "mamba": 1}

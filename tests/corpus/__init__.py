@@ -43,6 +43,7 @@ import jax.numpy as jnp
 
 from corpus import (
     bert_encoder,
+    bigru_tagger,
     clip,
     convnext,
     dropout_nnx,
@@ -243,6 +244,10 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
           "expert-choice mixture of experts: each expert takes its top-C tokens of the whole "
           "batch (lax.top_k over transposed router scores), gathers them by index, stacked "
           "expert weights, outputs added back with .at[index].add", gradients_in="fuzz"),
+    Entry("bigru_tagger", "linen", bigru_tagger.make,
+          "bidirectional GRU tagger with Flax's RNN API over variable-length sequences "
+          "(nn.Bidirectional of nn.RNN with seq_lengths: per-sample masks and flips), "
+          "return_carry, a masked token loss and a sentence loss", gradients_in="fuzz"),
 )}
 
 
