@@ -509,6 +509,7 @@ IDIOMS = {
     "recurrent_bn": {"scan", "top_k", "rsqrt", "logistic"},
     "expert_choice": {"top_k", "gather", "scatter-add", "transpose"},
     "bigru_tagger": {"scan", "gather", "select_n", "logistic", "concatenate"},
+    "dynamic_conv": {"conv_general_dilated", "rsqrt", "reshape"},
 }
 # Grouped convolutions (feature_group_count > 1): depthwise, a channel multiplier, 4 groups.
 GROUPED = {"convnext": 1, "mobilenet": 2, "mamba": 1}

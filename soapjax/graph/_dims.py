@@ -235,6 +235,20 @@ def _unify_all(ls: LabelSet, a: Labels, b: Labels) -> None:
         ls.union(x, y)
 
 
+def tiled_windows(eqn: Any, k: int) -> bool:
+    """Whether convolution `eqn`'s spatial dim `k` is tiled by its windows without overlap (a
+    patch embedding: the stride equal to the window, no padding or dilation, the input exactly
+    the windows), so that a run of whole windows of the input gives a run of the result by
+    itself, with no halo from its neighbours."""
+    p, dn = eqn.params, eqn.params["dimension_numbers"]
+    window = eqn.invars[1].aval.shape[dn.rhs_spec[2 + k]]
+    size_in = eqn.invars[0].aval.shape[dn.lhs_spec[2 + k]]
+    size_out = eqn.outvars[0].aval.shape[dn.out_spec[2 + k]]
+    return (p["window_strides"][k] == window and tuple(p["padding"][k]) == (0, 0)
+            and p["lhs_dilation"][k] == 1 and p["rhs_dilation"][k] == 1
+            and size_in == size_out * window)
+
+
 def _reshape_map(ls: LabelSet, src: Labels, src_shape, dst_shape) -> Labels:
     """Labels of a reshape's result: 1:1 dims unify, merged or split dims derive from the major."""
     out = list(ls.fresh_many(dst_shape))

@@ -54,6 +54,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from soapjax.base.attention import attention_call
+from soapjax.graph._dims import tiled_windows
 from soapjax.graph.opgraph import OpGraph
 
 # Primitives that reduce axes of their first operand (`axes`), and dot_general's contraction.
@@ -295,13 +296,9 @@ class Convolution(NamedTuple):
         so that a device holding a run of whole windows of the input computes its run of the
         result by itself (no halo); `iteration_size`, the size of the iteration dim both
         follow, is the result's, so a split of it splits input and result at window edges."""
-        p, dn = self.eqn.params, self.eqn.params["dimension_numbers"]
-        window = self.eqn.invars[1].aval.shape[dn.rhs_spec[2 + k]]
-        size_in = self.eqn.invars[0].aval.shape[dn.lhs_spec[2 + k]]
-        size_out = self.eqn.outvars[0].aval.shape[dn.out_spec[2 + k]]
-        return (p["window_strides"][k] == window and tuple(p["padding"][k]) == (0, 0)
-                and p["lhs_dilation"][k] == 1 and p["rhs_dilation"][k] == 1
-                and size_in == size_out * window and iteration_size == size_out)
+        size_out = self.eqn.outvars[0].aval.shape[self.eqn.params["dimension_numbers"]
+                                                  .out_spec[2 + k]]
+        return tiled_windows(self.eqn, k) and iteration_size == size_out
 
 
 def convolutions(graph: OpGraph, j: int) -> tuple[Convolution, ...]:

@@ -131,6 +131,11 @@ class Operator:
         takes inside the operator (rotary embeddings slice a head dim of 8 into halves of 4:
         4); a split must divide it, or the shards would need data from each other. () means
         `iteration_sizes`.
+      halo_dims: the iteration dims a convolution inside follows with a spatial dim whose
+        windows overlap or are padded (a split would need its neighbours' rows: a halo). The
+        search space leaves them whole whatever their role (a position embedding makes a
+        convolution's rows P, a pooling inside the operator R): XLA computes such splits
+        wrongly (`soapjax.strategy.space.spatial_convolution`).
     """
 
     name: str
@@ -148,6 +153,7 @@ class Operator:
     replicate_only: bool = False
     block_position: str = ""
     granularity: tuple[int, ...] = ()
+    halo_dims: tuple[int, ...] = ()
 
     @functools.cached_property
     def split_sizes(self) -> tuple[int, ...]:

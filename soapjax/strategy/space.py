@@ -44,7 +44,7 @@ from typing import Literal, get_args
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from soapjax.base.errors import PlanError
-from soapjax.graph._inner import convolutions, split_windows
+from soapjax.graph._inner import split_windows
 from soapjax.graph.opgraph import Operand, Operator, OpGraph
 from soapjax.strategy.pipeline import (
     DEFAULT_SCHEDULE,
@@ -394,16 +394,17 @@ def configs(op: Operator, mesh: MeshShape,
     Only the `SpaceLimits.max_dims` largest allowed dims are split (ties: the first).
     """
     # the same for every operator of the same dims (the layers of a model: one list for all)
+    spatial = not limits.allow_spatial
     return _configs(op.divisible_dims, op.iteration_roles, op.split_sizes, op.iteration_sizes,
-                    not limits.allow_spatial and _image_like(op), mesh, limits)
+                    spatial and _image_like(op), op.halo_dims if spatial else (), mesh, limits)
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _configs(divisible: tuple[int, ...], roles: tuple[str, ...], sizes: tuple[int, ...],
-             iteration_sizes: tuple[int, ...], spatial: bool, mesh: MeshShape,
-             limits: SpaceLimits) -> tuple[Config, ...]:
+             iteration_sizes: tuple[int, ...], spatial: bool, halo: tuple[int, ...],
+             mesh: MeshShape, limits: SpaceLimits) -> tuple[Config, ...]:
     dims = [d for d in divisible if _allowed(roles[d], limits)
-            and not (spatial and roles[d] == "A")]
+            and not (spatial and roles[d] == "A") and d not in halo]
     if len(dims) > limits.max_dims:
         largest = sorted(dims, key=lambda d: -iteration_sizes[d])[:limits.max_dims]
         dims = sorted(largest)
@@ -443,7 +444,9 @@ def validate_config(graph: OpGraph, i: int, config: Config, mesh: MeshShape) -> 
 
 
 def spatial_convolution(graph: OpGraph, strategy: Strategy) -> tuple[str, str] | None:
-    """(name, why) of the first convolution that splits, or receives split, a spatial dim.
+    """(name, why) of the first convolution that splits, or receives split, a spatial dim
+    with a halo (`Operator.halo_dims`; read from the convolution itself, whatever the dims'
+    roles: a split at the edges of windows that do not overlap, a patch embedding's, is exact).
 
     `soapjax.apply.step` refuses such strategies (XLA computes them wrongly) and the search never
     returns one: an operator of another kind may split a dim that flows into a convolution's
@@ -453,15 +456,9 @@ def spatial_convolution(graph: OpGraph, strategy: Strategy) -> tuple[str, str] |
     for k, (op, cfg) in enumerate(zip(graph.operators, strategy.configs)):
         if "conv" not in op.anchor:
             continue
-        roles = op.iteration_roles
         halo = split_windows(graph, k, cfg.axes)
         if halo is not None:  # whatever the dims' roles (a position embedding's make them P)
             return op.name, f"its config {cfg.describe(op)}: {halo[1]}"
-        # dims split at the edges of windows that do not overlap (a patch embedding's)
-        tiled = {b for conv in convolutions(graph, k)
-                 for a, b in conv.spatial() if a == b and b is not None and cfg.axes[b]}
-        if any(cfg.axes[d] and roles[d] == "A" and d not in tiled for d in range(len(op.shape))):
-            return op.name, f"its config {cfg.describe(op)} splits a spatial (A) dim"
         for operand in op.inputs:
             if operand.kind != "activation":
                 continue
@@ -469,7 +466,7 @@ def spatial_convolution(graph: OpGraph, strategy: Strategy) -> tuple[str, str] |
             produced = graph.operators[i].outputs[operand.index].dims
             for j, (it, src) in enumerate(zip(operand.dims, produced)):
                 axes = strategy.configs[i].axes[src] if src is not None else ()
-                if axes and (it is None or roles[it] == "A") and it not in tiled:
+                if axes and (it is None or it in op.halo_dims):
                     where = (f"spatial dim {j}" if it is not None else
                              f"dim {j}, which it reads whole (no dim of its own follows it: "
                              "merged into its features or its window)")

@@ -47,6 +47,7 @@ from corpus import (
     clip,
     convnext,
     dropout_nnx,
+    dynamic_conv,
     expert_choice,
     fnet,
     gemma3,
@@ -248,6 +249,11 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
           "bidirectional GRU tagger with Flax's RNN API over variable-length sequences "
           "(nn.Bidirectional of nn.RNN with seq_lengths: per-sample masks and flips), "
           "return_carry, a masked token loss and a sentence loss", gradients_in="fuzz"),
+    Entry("dynamic_conv", "linen", dynamic_conv.make,
+          "image classifier with a weight-standardised convolution (an nn.Conv param hook) "
+          "and a per-sample dynamic depthwise convolution (kernels predicted per sample, "
+          "jax.vmap'd conv), spatial dims pooled inside the operator", has_conv=True,
+          gradients_in="fuzz"),
 )}
 
 
