@@ -264,3 +264,67 @@ def test_a_reshape_that_transposes_first_labels_its_dims_so():
     # it reduces over the input's channels, a parameter dim as in any convolution (the
     # operand's channels were labelled as its time steps: an attribute dim)
     assert [(r.size, r.role) for r in mix.reduction_dims] == [(8, "P")]
+
+
+def test_an_nnx_vmapped_ensemble_of_convolutions_trains_exactly():
+    """The same idiom in nnx: heads made by `nnx.vmap` under `nnx.split_rngs` and run by
+    `nnx.vmap` over the module (``in_axes=(0, None)``); float64 data parallel on `cpu8`
+    equals `jax.grad`, every leaf against its own scale."""
+    import optax
+    from flax import nnx
+
+    from soapjax.apply import step as apply
+    from soapjax.exactness import compare_gradients
+    from soapjax.topology.cluster import make_mesh
+
+    class Head(nnx.Module):
+        def __init__(self, rngs):
+            self.conv = nnx.Conv(8, 8, (3,), padding="CAUSAL", param_dtype=jnp.float64,
+                                 rngs=rngs)
+            self.out = nnx.Conv(8, 4, (1,), param_dtype=jnp.float64, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(nnx.relu(self.conv(x)))
+
+    class Ensemble(nnx.Module):
+        def __init__(self, rngs):
+            self.stem = nnx.Conv(3, 8, (3,), padding="SAME", param_dtype=jnp.float64,
+                                 rngs=rngs)
+
+            @nnx.split_rngs(splits=4)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return Head(rngs)
+
+            self.heads = make(rngs)
+
+        def __call__(self, x):
+            @nnx.vmap(in_axes=(0, None), out_axes=0)
+            def run(head, h):
+                return head(h)
+
+            return run(self.heads, nnx.relu(self.stem(x)))  # [members, B, T, classes]
+
+    with jax.enable_x64(True):
+        graphdef, params, rest = nnx.split(Ensemble(nnx.Rngs(0)), nnx.Param, ...)
+        batch = {"x": jax.random.normal(jax.random.key(1), (8, 16, 3), jnp.float64),
+                 "y": jax.random.randint(jax.random.key(2), (8, 16), 0, 4)}
+
+        def loss(p, b):
+            logits = nnx.merge(graphdef, p, rest)(b["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits, jnp.broadcast_to(b["y"], logits.shape[:-1])).mean()
+
+        closed = jax.make_jaxpr(loss)(params, batch)
+        assert any(e.primitive.name == "reshape" and e.params["dimensions"] is not None
+                   for e in closed.jaxpr.eqns), "the idiom under test"
+        g = trace(loss, params, batch)
+        topology = load_topology("cpu8")
+        s = data_parallel(g, MeshShape.of(topology))
+        fn, sh = apply.sharded_value_and_grad(g, s, make_mesh(topology), params=params,
+                                              batch=batch)
+        got = fn(apply.device_put_global(params, sh.params),
+                 apply.device_put_global(batch, sh.batch))
+        result = compare_gradients(*got, *jax.value_and_grad(loss)(params, batch),
+                                   tolerance=1e-12)
+    assert result.passed, result.describe()
