@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 
 from soapjax.cost.flops import step_flops
+from soapjax.exactness import first_step
 from soapjax.graph._local import CustomRuleError, has_custom_rules, operator_fn
 from soapjax.graph.opgraph import trace
 from soapjax.strategy import space
 from soapjax.strategy.space import MeshShape, data_parallel
-from soapjax.topology.cluster import load_topology
+from soapjax.topology.cluster import load_topology, make_mesh
 
 
 @jax.custom_vjp
@@ -230,10 +231,6 @@ def test_a_reshape_that_transposes_first_is_computed_so(strategy):
     computed as a plain reshape in operator programs: with nothing split, the loss was 7 %
     off and every gradient wrong, silently. In float64 on `cpu8`, the loss and every gradient
     leaf equal `jax.grad`'s, each against its own scale."""
-    from soapjax.apply import step as apply
-    from soapjax.exactness import compare_gradients
-    from soapjax.topology.cluster import make_mesh
-
     with jax.enable_x64(True):
         loss, params, batch = _ensemble_case()
         closed = jax.make_jaxpr(loss)(params, batch)
@@ -244,12 +241,8 @@ def test_a_reshape_that_transposes_first_is_computed_so(strategy):
         mesh = MeshShape.of(topology)
         s = (space.Strategy(tuple(space.Config.replicated(op) for op in g.operators))
              if strategy == "replicated" else data_parallel(g, mesh))
-        fn, sh = apply.sharded_value_and_grad(g, s, make_mesh(topology), params=params,
-                                              batch=batch)
-        got = fn(apply.device_put_global(params, sh.params),
-                 apply.device_put_global(batch, sh.batch))
-        want = jax.value_and_grad(loss)(params, batch)
-        result = compare_gradients(*got, *want, tolerance=1e-12)
+        result = first_step(g, s, make_mesh(topology), loss, params, batch,
+                            tolerance=1e-12)
         assert result.passed, result.describe()
 
 
@@ -272,10 +265,6 @@ def test_an_nnx_vmapped_ensemble_of_convolutions_trains_exactly():
     equals `jax.grad`, every leaf against its own scale."""
     import optax
     from flax import nnx
-
-    from soapjax.apply import step as apply
-    from soapjax.exactness import compare_gradients
-    from soapjax.topology.cluster import make_mesh
 
     class Head(nnx.Module):
         def __init__(self, rngs):
@@ -321,10 +310,6 @@ def test_an_nnx_vmapped_ensemble_of_convolutions_trains_exactly():
         g = trace(loss, params, batch)
         topology = load_topology("cpu8")
         s = data_parallel(g, MeshShape.of(topology))
-        fn, sh = apply.sharded_value_and_grad(g, s, make_mesh(topology), params=params,
-                                              batch=batch)
-        got = fn(apply.device_put_global(params, sh.params),
-                 apply.device_put_global(batch, sh.batch))
-        result = compare_gradients(*got, *jax.value_and_grad(loss)(params, batch),
-                                   tolerance=1e-12)
+        result = first_step(g, s, make_mesh(topology), loss, params, batch,
+                            tolerance=1e-12)
     assert result.passed, result.describe()

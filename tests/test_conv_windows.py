@@ -18,7 +18,7 @@ import pytest
 from soapjax.apply import step as apply
 from soapjax.apply._manual import conv_units
 from soapjax.base.errors import PlanError
-from soapjax.exactness import compare_gradients
+from soapjax.exactness import first_step
 from soapjax.graph._inner import convolutions, halo_split
 from soapjax.graph.opgraph import trace
 from soapjax.strategy import space
@@ -103,12 +103,8 @@ def test_a_patch_embedding_split_over_frames_trains_exactly(split):
                  for d, a in split.items()}
         s = _split(g, 0, split)
         assert spatial_convolution(g, s) is None
-        fn, sh = apply.sharded_value_and_grad(g, s, make_mesh(TOPOLOGY), params=params,
-                                              batch=batch)
-        got = fn(apply.device_put_global(params, sh.params),
-                 apply.device_put_global(batch, sh.batch))
-        result = compare_gradients(*got, *jax.value_and_grad(loss)(params, batch),
-                                   tolerance=1e-12)
+        result = first_step(g, s, make_mesh(TOPOLOGY), loss, params, batch,
+                            tolerance=1e-12)
     assert result.passed, result.describe()
     assert conv.unit in conv_units(g, 0, s.configs[0])  # run in shard_map, not by XLA
 
@@ -186,10 +182,6 @@ def test_a_depthwise_convolution_reading_split_channels_is_exact():
         channels = g.operators[first].iteration_roles.index("P")
         s = _split(g, first, {0: ("data",), channels: ("model",)})
         assert spatial_convolution(g, s) is None
-        fn, sh = apply.sharded_value_and_grad(g, s, make_mesh(TOPOLOGY), params=params,
-                                              batch=batch)
-        got = fn(apply.device_put_global(params, sh.params),
-                 apply.device_put_global(batch, sh.batch))
-        result = compare_gradients(*got, *jax.value_and_grad(loss)(params, batch),
-                                   tolerance=1e-12)
+        result = first_step(g, s, make_mesh(TOPOLOGY), loss, params, batch,
+                            tolerance=1e-12)
     assert result.passed, result.describe()
