@@ -603,25 +603,11 @@ class _Builder:
             granularity=granularity, halo_dims=halo)
 
     def _halo_dims(self, group, ls, lab, iter_of, sizes) -> tuple[int, ...]:
-        """`Operator.halo_dims`: the iteration dims its convolutions' spatial dims follow,
-        but those tiled by windows that do not overlap where input and result follow one dim
-        of the result's size (a patch embedding's, split exactly at window edges)."""
-        out: set[int] = set()
-        for i in group:
-            u = self.p.units[i]
-            if u.eqn.primitive.name != "conv_general_dilated":
-                continue
-            x, y = u.ins[0], u.outs[0]
-            if x not in lab or y not in lab:
-                continue
-            dn = u.eqn.params["dimension_numbers"]
-            for k, (a, b) in enumerate(zip(dn.lhs_spec[2:], dn.out_spec[2:])):
-                da, db = ls.lookup(lab[x][a], iter_of), ls.lookup(lab[y][b], iter_of)
-                if (da == db and db is not None and _dims.tiled_windows(u.eqn, k)
-                        and sizes[db] == self.p.shapes[y][b]):
-                    continue
-                out.update(d for d in (da, db) if d is not None)
-        return tuple(sorted(out))
+        """`Operator.halo_dims`: the iteration dims its convolutions' spatial dims follow
+        where a split needs a halo (`soapjax.graph._dims.Convolution.needs_halo`)."""
+        convs = _dims.read_convolutions(group, self.p.units, lab,
+                                        lambda x: ls.lookup(x, iter_of))
+        return tuple(sorted(set().union(*(c.halo_dims(sizes) for c in convs))))
 
     def _boundary(self, group: list[int], anchor: int) -> tuple[list[int], list[int]]:
         """The values a group reads from outside, and those it exports (primary first)."""

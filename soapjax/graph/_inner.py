@@ -54,7 +54,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from soapjax.base.attention import attention_call
-from soapjax.graph._dims import tiled_windows
+from soapjax.graph._dims import Convolution, read_convolutions
 from soapjax.graph.opgraph import OpGraph
 
 # Primitives that reduce axes of their first operand (`axes`), and dot_general's contraction.
@@ -274,33 +274,6 @@ def attention_call_of(graph: OpGraph, j: int):
     return None if i is None else attention_call(graph.program.units[i].eqn)
 
 
-class Convolution(NamedTuple):
-    """A convolution equation of an operator: which iteration dim each dim of its input
-    (``lhs``), kernel (``rhs``) and result (``out``) follows (None: no iteration dim follows
-    it; the equation computes that dim whole), as `convolutions` reads them."""
-
-    unit: int
-    eqn: Any
-    lhs: tuple[int | None, ...]
-    rhs: tuple[int | None, ...]
-    out: tuple[int | None, ...]
-
-    def spatial(self) -> tuple[tuple[int | None, int | None], ...]:
-        """Per spatial dim, the iteration dims its input and its result follow."""
-        dn = self.eqn.params["dimension_numbers"]
-        return tuple((self.lhs[a], self.out[b]) for a, b in zip(dn.lhs_spec[2:], dn.out_spec[2:]))
-
-    def local_windows(self, k: int, iteration_size: int) -> bool:
-        """Whether spatial dim `k`'s windows tile it without overlap (a patch embedding: the
-        stride equal to the window, no padding or dilation, the input exactly the windows),
-        so that a device holding a run of whole windows of the input computes its run of the
-        result by itself (no halo); `iteration_size`, the size of the iteration dim both
-        follow, is the result's, so a split of it splits input and result at window edges."""
-        size_out = self.eqn.outvars[0].aval.shape[self.eqn.params["dimension_numbers"]
-                                                  .out_spec[2 + k]]
-        return tiled_windows(self.eqn, k) and iteration_size == size_out
-
-
 def convolutions(graph: OpGraph, j: int) -> tuple[Convolution, ...]:
     """Operator `j`'s convolution equations (those built from constants alone left out: they
     are computed whole)."""
@@ -308,19 +281,9 @@ def convolutions(graph: OpGraph, j: int) -> tuple[Convolution, ...]:
 
 
 def _convolutions(graph: OpGraph, j: int) -> tuple[Convolution, ...]:
-    prog = graph.program
-    loc = prog.local[graph.operators[j].name]
-    out = []
-    for i in loc.units:
-        u = prog.units[i]
-        if u.eqn.primitive.name != "conv_general_dilated":
-            continue
-        if any(v not in loc.lab for v in (*u.ins[:2], u.outs[0])):
-            continue
-        lhs, rhs, res = (tuple(loc.labels.lookup(x, loc.iter_of) for x in loc.lab[v])
-                         for v in (*u.ins[:2], u.outs[0]))
-        out.append(Convolution(i, u.eqn, lhs, rhs, res))
-    return tuple(out)
+    loc = graph.program.local[graph.operators[j].name]
+    return read_convolutions(loc.units, graph.program.units, loc.lab,
+                             lambda x: loc.labels.lookup(x, loc.iter_of))
 
 
 def split_windows(graph: OpGraph, j: int, axes: Sequence[Sequence[str]]
@@ -341,13 +304,11 @@ def halo_split(conv: Convolution, axes: Sequence[Sequence[str]], sizes: Sequence
                ) -> str | None:
     """Why `conv`'s spatial dims, split as the per-iteration-dim mesh `axes` split them, need
     a halo; None where none is split, or each is split at the edges of windows that do not
-    overlap, its input and result alike (`Convolution.local_windows`)."""
+    overlap, its input and result alike (`Convolution.needs_halo`)."""
     for k, (a, b) in enumerate(conv.spatial()):
         ax_in = tuple(axes[a]) if a is not None else ()
         ax_out = tuple(axes[b]) if b is not None else ()
-        if not ax_in and not ax_out:
-            continue
-        if a == b and conv.local_windows(k, sizes[b]):
+        if not (ax_in or ax_out) or not conv.needs_halo(k, sizes):
             continue
         return (f"its convolution's spatial dim {k} is split over {list(ax_in or ax_out)} "
                 f"(input {list(ax_in)}, result {list(ax_out)}), where its windows overlap or "
