@@ -28,6 +28,7 @@ from soapjax.graph._ir import (
     OutputTensor,
     ReductionDim,
     Role,
+    read_convolutions,
 )
 from soapjax.graph._program import OperatorLabels, Program
 
@@ -604,9 +605,8 @@ class _Builder:
 
     def _halo_dims(self, group, ls, lab, iter_of, sizes) -> tuple[int, ...]:
         """`Operator.halo_dims`: the iteration dims its convolutions' spatial dims follow
-        where a split needs a halo (`soapjax.graph._dims.Convolution.needs_halo`)."""
-        convs = _dims.read_convolutions(group, self.p.units, lab,
-                                        lambda x: ls.lookup(x, iter_of))
+        where a split needs a halo (`soapjax.graph._ir.Convolution.needs_halo`)."""
+        convs = read_convolutions(group, self.p.units, lab, lambda x: ls.lookup(x, iter_of))
         return tuple(sorted(set().union(*(c.halo_dims(sizes) for c in convs))))
 
     def _boundary(self, group: list[int], anchor: int) -> tuple[list[int], list[int]]:

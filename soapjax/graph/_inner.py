@@ -54,7 +54,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from soapjax.base.attention import attention_call
-from soapjax.graph._dims import Convolution, read_convolutions
+from soapjax.graph._ir import Convolution, read_convolutions
 from soapjax.graph.opgraph import OpGraph
 
 # Primitives that reduce axes of their first operand (`axes`), and dot_general's contraction.

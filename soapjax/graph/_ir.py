@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple
 
 from soapjax.base._dtypes import itemsize
 
@@ -228,3 +229,63 @@ class LeafInfo:
     shape: tuple[int, ...]
     dtype: str
     value: int
+
+
+class Convolution(NamedTuple):
+    """A convolution equation of an operator: which iteration dim each dim of its input
+    (``lhs``), kernel (``rhs``) and result (``out``) follows (None: no iteration dim follows
+    it; the equation computes that dim whole), as `read_convolutions` reads them."""
+
+    unit: int
+    eqn: Any
+    lhs: tuple[int | None, ...]
+    rhs: tuple[int | None, ...]
+    out: tuple[int | None, ...]
+
+    def spatial(self) -> tuple[tuple[int | None, int | None], ...]:
+        """Per spatial dim, the iteration dims its input and its result follow."""
+        dn = self.eqn.params["dimension_numbers"]
+        return tuple((self.lhs[a], self.out[b]) for a, b in zip(dn.lhs_spec[2:], dn.out_spec[2:]))
+
+    def local_windows(self, k: int, iteration_size: int) -> bool:
+        """Whether spatial dim `k`'s windows tile it without overlap (a patch embedding: the
+        stride equal to the window, no padding or dilation, the input exactly the windows),
+        so that a device holding a run of whole windows of the input computes its run of the
+        result by itself (no halo); `iteration_size`, the size of the iteration dim both
+        follow, is the result's, so a split of it splits input and result at window edges."""
+        p, dn = self.eqn.params, self.eqn.params["dimension_numbers"]
+        window = self.eqn.invars[1].aval.shape[dn.rhs_spec[2 + k]]
+        size_in = self.eqn.invars[0].aval.shape[dn.lhs_spec[2 + k]]
+        size_out = self.eqn.outvars[0].aval.shape[dn.out_spec[2 + k]]
+        return (p["window_strides"][k] == window and tuple(p["padding"][k]) == (0, 0)
+                and p["lhs_dilation"][k] == 1 and p["rhs_dilation"][k] == 1
+                and size_in == size_out * window and iteration_size == size_out)
+
+    def needs_halo(self, k: int, sizes: Sequence[int]) -> bool:
+        """Whether a split of spatial dim `k` (`sizes`: the operator's iteration sizes) needs
+        its neighbours' rows: anything but a dim the input and result both follow, tiled by
+        windows that do not overlap (`local_windows`)."""
+        a, b = self.spatial()[k]
+        return not (a == b and b is not None and self.local_windows(k, sizes[b]))
+
+    def halo_dims(self, sizes: Sequence[int]) -> set[int]:
+        """The iteration dims its spatial dims that need a halo follow (`needs_halo`)."""
+        return {d for k, pair in enumerate(self.spatial()) if self.needs_halo(k, sizes)
+                for d in pair if d is not None}
+
+
+def read_convolutions(units: Sequence[int], program_units: Sequence[Any], lab: dict,
+                      lookup: Callable[[int], int | None]) -> tuple[Convolution, ...]:
+    """The convolution equations among `units` (indices into `program_units`), each dim read
+    through `lookup` (a label -> its iteration dim); one whose operands or result carry no
+    labels (built from constants alone: computed whole) left out."""
+    out = []
+    for i in units:
+        u = program_units[i]
+        if u.eqn.primitive.name != "conv_general_dilated":
+            continue
+        if any(v not in lab for v in (*u.ins[:2], u.outs[0])):
+            continue
+        lhs, rhs, res = (tuple(lookup(x) for x in lab[v]) for v in (*u.ins[:2], u.outs[0]))
+        out.append(Convolution(i, u.eqn, lhs, rhs, res))
+    return tuple(out)
