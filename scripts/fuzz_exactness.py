@@ -13,10 +13,12 @@ attention, pipeline stages with every schedule and interleave the model allows),
 robin over the subjects and over two topologies: ``cpu8`` (data=2 x model=4) and
 ``cpu8-nodes`` (node=2 x data=2 x model=2, where stages cut the node axis). Each is compared
 leaf by leaf (`soapjax.exactness`): the loss and every gradient leaf within 1e-9 of its own
-scale. A strategy apply refuses (a `PlanError`) is counted apart, not as a failure. A failure
-is shrunk (`fuzzing.shrink`) to the fewest choices that still fail and printed with its seed;
-keep it as a test. Progress goes to stderr; the JSON at ``--out`` has every count, per subject.
-Exit status 1 when anything failed.
+scale (float32's bar for a model that rounds to float32 whatever its parameters' type:
+``jax.nn.dot_product_attention`` takes its softmax in float32). A strategy apply refuses (a
+`PlanError`) is counted apart, not as a failure. A failure is shrunk (`fuzzing.shrink`) to the
+fewest choices that still fail and printed with its seed; keep it as a test. Progress goes to
+stderr; the JSON at ``--out`` has every count, per subject. Exit status 1 when anything
+failed.
 
 Each strategy runs in a worker process (`--worker`, which keeps the subjects it built) with a
 deadline (``--deadline-s``): a step that hangs or aborts the process (XLA:CPU ends a
@@ -70,7 +72,7 @@ def _worker() -> int:
         out = fuzzing.check(s, strategy, topology)
         record = {"refused": out.refused, "failed": out.failed, "describe": out.describe(),
                   "error": out.comparison.max_error if out.comparison else None,
-                  "pipelined": strategy.pipelined,
+                  "bar": s.tolerance, "pipelined": strategy.pipelined,
                   "strategy": fuzzing.describe(strategy, s.graph),
                   "guarded": _guarded(s.graph, strategy, topology)}
         if out.failed and job["shrink"]:
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown subjects {unknown}; expected some of {fuzzing.names()}")
     topologies = list(_topologies())
     counts = {n: {"compared": 0, "refused": 0, "failed": 0, "worst": 0.0, "pipelined": 0,
-                  "seconds": 0.0} for n in names}
+                  "seconds": 0.0, "bar": fuzzing.TOLERANCE} for n in names}
     failures: list[dict] = []
     refusals: dict[str, int] = {}
     guard = {(a, b): 0 for a in ("named", "clean") for b in ("refused", "ran")}
@@ -189,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                            args.deadline_s)
             c = counts[name]
             c["seconds"] += r["seconds"]
+            c["bar"] = r.get("bar", c["bar"])
             if r.get("guarded") is not None:  # a pipelined plan: the search's guard against
                 hangs = HANG in r["refused"]     # what apply refuses, side by side
                 guard[("named" if r["guarded"] else "clean", "refused" if hangs else "ran")] += 1
@@ -224,12 +227,15 @@ def main(argv: list[str] | None = None) -> int:
              "pipelined": sum(c["pipelined"] for c in counts.values()),
              "worst": max(c["worst"] for c in counts.values()),
              "seconds": round(time.time() - start, 1)}
-    print(f"{'subject':<40}{'compared':>9}{'refused':>9}{'failed':>8}{'worst error':>13}")
+    print(f"{'subject':<40}{'compared':>9}{'refused':>9}{'failed':>8}{'worst error':>13}"
+          f"{'bar':>8}")
     for n, c in counts.items():
-        print(f"{n:<40}{c['compared']:>9}{c['refused']:>9}{c['failed']:>8}{c['worst']:>13.2e}")
+        print(f"{n:<40}{c['compared']:>9}{c['refused']:>9}{c['failed']:>8}{c['worst']:>13.2e}"
+              f"{c['bar']:>8.0e}")
     print(f"{compared} strategies over {len(names)} subjects ({total['pipelined']} pipelined, "
           f"{total['refused']} more refused by apply) in {total['seconds']:.0f} s: "
-          f"{len(failures)} failed; worst error {total['worst']:.2e} (bar {fuzzing.TOLERANCE:g})")
+          f"{len(failures)} failed; worst error {total['worst']:.2e} (bar {fuzzing.TOLERANCE:g}, "
+          f"or float32's where a model rounds to float32 whatever its parameters' type)")
     for reason, n in sorted(refusals.items(), key=lambda kv: -kv[1])[:8]:
         print(f"refused {n:>5} x  {reason}")
     hung = guard["named", "refused"] + guard["clean", "refused"]

@@ -39,7 +39,13 @@ import soapjax_zoo as zoo
 from soapjax.apply import step as apply
 from soapjax.apply._pipeline_layout import check_pipelinable
 from soapjax.base.errors import PlanError
-from soapjax.exactness import GradientComparison, compare_gradients, reading_operators
+from soapjax.exactness import (
+    GradientComparison,
+    compare_gradients,
+    narrowest_float,
+    reading_operators,
+    rounding_tolerance,
+)
 from soapjax.graph.opgraph import OpGraph, trace
 from soapjax.search import interleave_choices, random_strategy, stage_choices
 from soapjax.strategy import space
@@ -49,7 +55,7 @@ from soapjax.strategy.space import RECOMPUTE_POLICIES, MeshShape, SpaceLimits, S
 from soapjax.topology.cluster import Topology, make_mesh, stage_topology
 
 NOISE = 0.05
-TOLERANCE = 1e-9  # float64, per leaf (soapjax.exactness)
+TOLERANCE = 1e-9  # float64, per leaf (soapjax.exactness); `Subject.tolerance` may be coarser
 FAST = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False,
         "xla_llvm_disable_expensive_passes": True}
 LIMITS = SpaceLimits(max_axes_per_dim=2)
@@ -73,6 +79,11 @@ class Subject(NamedTuple):
       loss: the pure ``loss(params, batch)`` the graph traced.
       reference: ``(loss, grads)`` of the user's loss, unsharded, on one device.
       operators: per parameter leaf, the operator reading it.
+      tolerance: the bar per leaf: `TOLERANCE`, or coarser where the model rounds to a
+        narrower float whatever its parameters' type (``jax.nn.dot_product_attention``
+        takes its softmax in float32: `soapjax.exactness.rounding_tolerance`).
+      computed_in: the narrowest float type the step computes in, whose rounding sets the
+        floor of a leaf whose true gradient is zero (`soapjax.exactness.compare_gradients`).
     """
 
     name: str
@@ -82,6 +93,8 @@ class Subject(NamedTuple):
     loss: Callable[[Any, Any], Any]
     reference: tuple[Any, Any]
     operators: list[str]
+    tolerance: float
+    computed_in: str
 
 
 def names() -> list[str]:
@@ -118,7 +131,8 @@ def subject(name: str) -> Subject:
         graph = trace(loss, params, batch, name=name.replace(":", "-"),
                       microbatch_statistics=False)
         reference = jax.jit(jax.value_and_grad(loss), compiler_options=FAST)(params, batch)
-    return Subject(name, graph, params, batch, loss, reference, reading_operators(graph))
+    return Subject(name, graph, params, batch, loss, reference, reading_operators(graph),
+                   max(TOLERANCE, rounding_tolerance(graph)), narrowest_float(graph))
 
 
 def _jiggle(tree: Any, seed: int = 0) -> Any:
@@ -244,7 +258,8 @@ def check(s: Subject, strategy: Strategy, topology: Topology) -> Outcome:
             return Outcome(None, crashed=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
         # an interleaved pipeline's stacked layers come back in chunk order
         return Outcome(compare_gradients(loss, apply.model_layout(grads), *s.reference,
-                                         tolerance=TOLERANCE, operators=s.operators))
+                                         tolerance=s.tolerance, operators=s.operators,
+                                         computed_in=s.computed_in))
 
 
 def describe(strategy: Strategy, graph: OpGraph) -> str:

@@ -510,6 +510,9 @@ IDIOMS = {
     "expert_choice": {"top_k", "gather", "scatter-add", "transpose"},
     "bigru_tagger": {"scan", "gather", "select_n", "logistic", "concatenate"},
     "dynamic_conv": {"conv_general_dilated", "rsqrt", "reshape"},
+    "swin": {"gather", "concatenate", "transpose", "slice", "tanh"},
+    "dit": {"cumprod", "random_bits", "select_n", "exp", "cos", "sin"},
+    "mla_packed": {"cummax", "complex", "real", "imag", "pad", "logistic"},
 }
 # Grouped convolutions (feature_group_count > 1): depthwise, a channel multiplier, 4 groups.
 GROUPED = {"convnext": 1, "mobilenet": 2, "mamba": 1}

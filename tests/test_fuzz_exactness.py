@@ -39,7 +39,7 @@ def test_one_device_is_exact(name):
     s = fuzzing.subject(name)
     out = fuzzing.check(s, space.data_parallel(s.graph, space.MeshShape.of(ONE)), ONE)
     assert out.comparison is not None, out.refused
-    assert out.comparison.max_error <= fuzzing.TOLERANCE, out.comparison.describe()
+    assert out.comparison.max_error <= s.tolerance, out.comparison.describe()
 
 
 @pytest.mark.parametrize("name", SUBJECTS)

@@ -769,3 +769,47 @@ def test_a_recomputed_segment_checkpoints_its_own_equations_alone():
     with pytest.warns(UserWarning, match="run without recomputation"):
         got = jax.grad(lambda p: program.run([p, x], checkpoints={1: {1, 3}, 2: {2, 4}})[0])(p)
     np.testing.assert_allclose(got, jax.grad(f)(p, x), rtol=1e-6)
+
+
+def test_swin_windows_split_with_the_batch_they_come_from():
+    """Swin's window attention, under data parallelism, gathered every block's activations
+    twice over the data axis (8 all-gathers forward, their cotangents in the backward, XLA
+    compiled and the simulator priced them):
+
+    * the qkv projection's operator partitions ``[B, H, W, C]`` into windows ``[B * H/w *
+      W/w, w * w, C]``: its first dim is the merged one, and the operand's B (its major
+      part) was read whole. A split of the windows by a degree that divides B is B's split
+      (the operator's granularity keeps it so);
+    * the attention module reshapes the projection into ``[windows, tokens, 3, heads, head
+      dim]`` where the relative position bias table's gather opens an operator; the reshape
+      joined that operator with no dim related to the gather's, so its output was read
+      whole. It now belongs to the attention's first matmul, which reads it split by windows.
+    """
+    import corpus
+
+    from soapjax.apply import step as apply
+    from soapjax.measure import hlo
+    from soapjax.strategy import space
+    from soapjax.topology.cluster import load_topology, make_mesh
+
+    loss_fn, params, batch = corpus.get("swin")
+    g = trace(loss_fn, params, batch, name="swin")
+    for op in g.operators:
+        if op.name.endswith("attn/qkv"):
+            x = next(o for o in op.inputs if o.kind == "activation")
+            assert x.dims[0] == 0 and op.split_sizes[0] == 8, (x.dims, op.split_sizes)
+        if op.name.endswith("attn/gather"):  # the bias alone: no activation read
+            assert [o for o in op.inputs if o.kind == "activation"] == [], op.inputs
+        if op.name.endswith("attn/dot_general"):
+            qkv = next(o for o in op.inputs if o.source.endswith("attn/qkv"))
+            assert qkv.dims[0] is not None, (op.name, qkv.dims)  # its windows: a split dim
+    topo = load_topology("cpu8")
+    strategy = space.data_parallel(g, space.MeshShape.of(topo))
+    mesh = make_mesh(topo)
+    fn, sh = apply.sharded_value_and_grad(g, strategy, mesh, params=params, batch=batch,
+                                          compiler_options={"xla_backend_optimization_level": 0})
+    args = apply.device_put_global((params, batch), (sh.params, sh.batch))
+    text = fn.lower(*args, jax.numpy.zeros((), jax.numpy.int32)).compile().as_text()
+    gathers = [(c.shapes, c.op_name) for c in hlo.collectives(text, mesh)
+               if c.kind == "all-gather"]
+    assert not gathers, gathers

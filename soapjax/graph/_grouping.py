@@ -133,6 +133,25 @@ def _attention_heads(operands: list[Operand], out_shape, granularity: tuple[int,
     return out, tuple(grain)
 
 
+def _merged_major(ls: _dims.LabelSet, x: int, iter_of: dict[int, int | None]) -> int | None:
+    """The iteration dim a reshape merges dim `x` into as its major part, if any (asked of
+    the samples alone: `_Builder._operator`).
+
+    Swin partitions ``[B, H, W, C]`` into windows ``[B * H/w * W/w, w * w, C]`` inside its qkv
+    projection's operator (a PyTorch port flattens ``[B, T, D]`` to ``[B * T, D]`` before a
+    linear layer the same way): the operator's first dim is the merged one, and the operand's
+    B, read whole before, is split with it: a degree that divides B splits B alone (the
+    operator's granularity keeps it so). Asked of other dims, it would cap their splits where
+    reading them whole is the better plan: grouped-query attention's query heads merge the
+    key-value heads with the group (``repeat``), and Megatron splits 8 heads 4 ways over 2
+    key-value heads, replicated."""
+    for whole, parts in ls.merged_into(x):
+        d = ls.lookup(whole, iter_of)
+        if d is not None and ls.find(parts[0]) == ls.find(x):
+            return d
+    return None
+
+
 def _common_prefix(paths: Sequence[str]) -> str:
     split = [p.split("/") for p in paths if p]
     if not split:
@@ -350,6 +369,7 @@ class _Builder:
             group_of[i] = g
             groups[g].append(i)
         self._sink_side_branches(groups, group_of, anchors)
+        self._sink_detached_parts(groups, group_of, anchors)
         for g in groups:
             g.sort()
         groups, anchors = self._split_off_side_reductions(groups, anchors)
@@ -492,6 +512,39 @@ class _Builder:
                     groups[g].append(i)
             members[:] = sorted(mset)
 
+    def _sink_detached_parts(self, groups: list[list[int]], group_of: list[int],
+                             anchors: list[int]) -> None:
+        """Moves each part of an operator that shares no value with its anchor's and reduces
+        nothing into the first operator that reads it.
+
+        Swin's window attention reshapes the qkv projection into ``[windows, tokens, 3,
+        heads, head dim]`` in the attention module, where the relative position bias table's
+        gather opens an operator; the reshape joined that operator, but nothing in it relates
+        the reshape's dims to the gather's, so its output had no iteration dims (read whole):
+        every data-parallel plan gathered every block's qkv whole. In the attention's first
+        matmul, which reads it, its dims are the matmul's. (`_sink_side_branches` moves a
+        unit only into the one operator that reads it: q, k and v are read by two.)
+        """
+        units = self.p.units
+        for h, members in enumerate(groups):
+            if len(members) < 2:
+                continue
+            for part in self._connected(members):
+                if anchors[h] in part or any(
+                        units[i].eqn.primitive.name in _STAYS
+                        or any(v in self.is_output for v in units[i].outs if v is not None)
+                        for i in part):
+                    continue
+                cons = {group_of[c] for i in part for v in units[i].outs if v is not None
+                        for c in self.consumers.get(v, ()) if group_of[c] is not None}
+                if not cons or min(cons) <= h:
+                    continue
+                g = min(cons)
+                for i in part:
+                    group_of[i] = g
+                    groups[g].append(i)
+                members[:] = [i for i in members if i not in part]
+
     def _ancestors(self, vid: int, members: set[int]) -> set[int]:
         """Units of `members` that the value `vid` depends on."""
         out: set[int] = set()
@@ -551,14 +604,19 @@ class _Builder:
         roles = self._output_roles(out_vid, ls, lab, iter_of)
         red_dims = self._reduction_dims(reduced, len(out_shape), ls, lab, iter_of, inputs)
 
+        merge_grain: dict[int, int] = {}  # iteration dim -> what its splits must divide
+
         def dims_of(v):  # a dim split twice in one tensor (an LSTM's H x 4H kernel): once
             out: list[int | None] = []
-            for x in lab[v]:
+            for k, x in enumerate(lab[v]):
                 d = ls.lookup(x, iter_of)
                 if d is None and (parts := ls.parts_of(x)):
                     # a fused projection's output dim that a reshape splits into heads and head
                     # dims: it follows its major part (a head's block of it is contiguous)
                     d = ls.lookup(parts[0], iter_of)
+                if (d is None and self.role(v, k) == "S"
+                        and (d := _merged_major(ls, x, iter_of)) is not None):
+                    merge_grain[d] = math.gcd(merge_grain.get(d, 0), ls.size[x])
                 out.append(None if d in out else d)
             return tuple(out)
 
@@ -590,6 +648,11 @@ class _Builder:
             position += name[len(self.group_module[g]):]
         anchor_name = self._anchor_name(anchor)
         granularity = self._granularity(out_shape, red_dims, lab, ls, iter_of)
+        if merge_grain:  # a split of a merged dim is its major part's while it divides it
+            grain = list(granularity or out_shape + tuple(r.size for r in red_dims))
+            for d, size in merge_grain.items():
+                grain[d] = math.gcd(grain[d], size)
+            granularity = tuple(grain)
         if anchor_name == "attention":
             granularity = _attention_granularity(out_shape, red_dims, granularity)
             operands, granularity = _attention_heads(operands, out_shape, granularity)

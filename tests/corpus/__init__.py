@@ -46,6 +46,7 @@ from corpus import (
     bigru_tagger,
     clip,
     convnext,
+    dit,
     dropout_nnx,
     dynamic_conv,
     expert_choice,
@@ -60,6 +61,7 @@ from corpus import (
     mamba,
     mixed_precision,
     mixer_mod,
+    mla_packed,
     mobilenet,
     named_axis_bn,
     nchw_sr,
@@ -72,6 +74,7 @@ from corpus import (
     resnet,
     safe_norm,
     ste,
+    swin,
     switch_moe,
     t5_encdec,
     unet,
@@ -253,6 +256,22 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
           "image classifier with a weight-standardised convolution (an nn.Conv param hook) "
           "and a per-sample dynamic depthwise convolution (kernels predicted per sample, "
           "jax.vmap'd conv), spatial dims pooled inside the operator", has_conv=True,
+          gradients_in="fuzz"),
+    Entry("swin", "linen", swin.make,
+          "Swin Transformer: patches by reshape and transpose, window partition, attention "
+          "inside windows by jax.nn.dot_product_attention with a relative position bias "
+          "gathered from a table, shifted windows by jnp.roll and a region mask, patch merging "
+          "by strided slices", gradients_in="fuzz"),
+    Entry("dit", "nnx", dit.make,
+          "diffusion transformer: patchify, sinusoidal timestep MLP, label dropout by "
+          "jnp.where of an nnx.Rngs draw, adaLN-Zero (one Dense split six ways, zero-"
+          "initialised), nnx.MultiHeadAttention, unpatchify, noise and variance split, the "
+          "forward diffusion by jnp.cumprod in the loss", gradients_in="fuzz"),
+    Entry("mla_packed", "linen", mla_packed.make,
+          "DeepSeek-V2-style multi-head latent attention over packed documents: positions "
+          "from segment ids by lax.cummax, a same-document causal mask into "
+          "jax.nn.dot_product_attention, low-rank queries and a compressed key-value latent, "
+          "a shared rotary key broadcast to the heads, RoPE by complex numbers",
           gradients_in="fuzz"),
 )}
 
