@@ -513,6 +513,9 @@ IDIOMS = {
     "swin": {"gather", "concatenate", "transpose", "slice", "tanh"},
     "dit": {"cumprod", "random_bits", "select_n", "exp", "cos", "sin"},
     "mla_packed": {"cummax", "complex", "real", "imag", "pad", "logistic"},
+    "pinn": {"tanh", "add_any", "integer_pow", "unstack"},
+    "wgan_gp": {"conv_general_dilated", "stop_gradient", "sqrt"},
+    "gat": {"scatter-max", "scatter-add", "gather", "exp"},
 }
 # Grouped convolutions (feature_group_count > 1): depthwise, a channel multiplier, 4 groups.
 GROUPED = {"convnext": 1, "mobilenet": 2, "mamba": 1}

@@ -314,7 +314,8 @@ def _flops(name: str, params, in_shapes, out_shapes) -> float:
         return float(_numel(in_shapes[0]))
     if name in ("gather", "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims",
                 "convert_element_type", "iota", "slice", "dynamic_slice", "concatenate", "pad",
-                "copy", "copy_p", "stop_gradient", "split", "select_n", "rev", "stack"):
+                "copy", "copy_p", "stop_gradient", "split", "select_n", "rev", "stack",
+                "unstack"):
         return 0.0
     return float(sum(_numel(s) for s in out_shapes))
 
@@ -497,6 +498,12 @@ def _first_order(ls: LabelSet, name: str, p, ins, in_shapes, out_shapes, prims) 
         new = ls.fresh_many((out_shapes[0][axis],))
         return EqnInfo([tuple(srcs[0][:axis]) + new + tuple(srcs[0][axis:])], reduced, flops,
                        prims)
+    if name == "unstack":  # jnp.unstack (a function's inputs unpacked: a PINN's t and x):
+        axis = p["axis"]  # stack's inverse; the unpacked dim is never split (each result one
+        src = ins[0] or ls.fresh_many(in_shapes[0])  # of its entries)
+        ls.grain(src[axis], 1)
+        out = tuple(src[:axis]) + tuple(src[axis + 1:])
+        return EqnInfo([out] * len(out_shapes), reduced, flops, prims)
     if name == "top_k":  # the k largest along the last dim: the leading dims pass through,
         # the k dim is new and never split (a shard's top k are not the top k of the row)
         src = ins[0] or ls.fresh_many(in_shapes[0])
@@ -690,7 +697,7 @@ _XLA_FREE = frozenset({
     "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "iota", "slice",
     "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "copy", "copy_p",
     "stop_gradient", "split", "rev", "gather", "sharding_constraint", "optimization_barrier",
-    "device_put", "stack", "mesh_cast", "reshard", "pvary", "bitcast_convert_type"})
+    "device_put", "stack", "unstack", "mesh_cast", "reshard", "pvary", "bitcast_convert_type"})
 _XLA_TRANSCENDENTAL = frozenset({
     "exp", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "sqrt", "rsqrt",
     "cbrt", "pow", "atan2", "erf", "acosh"})

@@ -38,7 +38,8 @@ _ANCHORS = ("scan", "while", "cond", "conv_general_dilated", "dot_general", "rag
             "reduce_window_max", "reduce_window_sum", "reduce_window_min", "reduce_window",
             "select_and_gather_add",
             "sort", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "fft",
-            "scatter", "scatter-add", "scatter_add", "dynamic_update_slice", "top_k")
+            "scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter-min", "scatter-max",
+            "dynamic_update_slice", "top_k")
 # Anchors only when they start a new module: a reduction opening a layer norm or a loss starts
 # an operator, one inside a softmax folds into the matmul before it. A gather that reads a
 # parameter (an embedding lookup) is a full anchor.
@@ -50,12 +51,13 @@ _STAYS = frozenset(_ANCHORS) | {p for p in _SOFT_ANCHORS if p not in ("gather", 
 _DEBUG_PRINTS = frozenset({"debug_print", "debug_callback"})
 # Cheap primitives folded into their neighbours (XLA fuses them).
 _CHEAP = frozenset("""
-add sub mul div rem pow integer_pow max min neg sign floor ceil round is_finite exp exp2 log
+add add_any sub mul div rem pow integer_pow max min neg sign floor ceil round is_finite exp exp2 log
 log1p expm1 tanh logistic sin cos tan asin acos atan atan2 sinh cosh asinh acosh atanh sqrt
 rsqrt cbrt abs erf erfc erf_inv lgamma digamma square eq ne lt le gt ge and or not xor select_n
 clamp convert_element_type bitcast_convert_type nextafter shift_left shift_right_logical
 shift_right_arithmetic population_count real imag conj complex stop_gradient copy copy_p
-broadcast_in_dim reshape squeeze expand_dims transpose rev slice dynamic_slice concatenate stack pad
+broadcast_in_dim reshape squeeze expand_dims transpose rev slice dynamic_slice concatenate stack
+unstack pad
 iota split sharding_constraint mesh_cast reduce_precision random_seed random_bits random_split
 random_fold_in random_wrap random_unwrap threefry2x32 custom_jvp_call custom_vjp_call remat2
 checkpoint pjit jit closed_call optimization_barrier
@@ -131,6 +133,34 @@ def _attention_heads(operands: list[Operand], out_shape, granularity: tuple[int,
             grain[2] = math.gcd(grain[2], o.shape[2])
         out.append(o)
     return out, tuple(grain)
+
+
+def _through_reshapes(loc: OperatorLabels, shapes, grain: Sequence[int]) -> tuple[int, ...]:
+    """`grain` (per iteration dim, the size its splits must divide) cut to where each dim a
+    reshape ties to iteration dims, not one itself, splits evenly at every extent it takes.
+
+    Swin's shifted block rolls ``[B, H, W, C]`` along H (slices of 7 and 1 rows concatenated)
+    and partitions H into (windows, rows per window), the rows merged into each window's
+    tokens: splitting the tokens splits H, which its 7-row slice cannot follow (the shard
+    program failed to build). A degree is kept while every smaller one works too."""
+    ls = loc.labels
+    sizes: dict[int, set[int]] = {}
+    for v, labels in loc.lab.items():
+        for lbl, size in zip(labels, shapes[v]):
+            if size > 1:
+                sizes.setdefault(ls.find(lbl), set()).add(size)
+    uneven = [(lbl, sizes[ls.find(lbl)]) for v, labels in loc.lab.items() for lbl in labels
+              if len(sizes.get(ls.find(lbl), ())) > 1 and ls.lookup(lbl, loc.iter_of) is None]
+    out = list(grain)
+    for d, g in enumerate(grain):
+        degrees = [1] * len(grain)
+        for k in (k for k in range(2, g + 1) if g % k == 0) if uneven else ():
+            degrees[d] = k
+            if any(e % loc.split_degree(lbl, degrees) for lbl, extents in uneven
+                   for e in extents):
+                out[d] = max(j for j in range(1, k) if g % j == 0)
+                break
+    return tuple(out)
 
 
 def _merged_major(ls: _dims.LabelSet, x: int, iter_of: dict[int, int | None]) -> int | None:
@@ -656,6 +686,10 @@ class _Builder:
         if anchor_name == "attention":
             granularity = _attention_granularity(out_shape, red_dims, granularity)
             operands, granularity = _attention_heads(operands, out_shape, granularity)
+        granularity = _through_reshapes(self.p.local[name], self.p.shapes, granularity
+                                        or out_shape + tuple(r.size for r in red_dims))
+        if granularity == out_shape + tuple(r.size for r in red_dims):
+            granularity = ()
         halo = self._halo_dims(group, ls, lab, iter_of, out_shape + tuple(r.size for r in red_dims))
         return Operator(
             name=name, module=self.group_module[g], anchor=anchor_name,

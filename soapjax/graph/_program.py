@@ -70,16 +70,16 @@ class OperatorLabels:
         """How many ways dim `lbl` (of extent `size`) is split: its iteration dim's degree, or,
         for a dim a reshape splits into iteration dims (a fused q projection reshaped to heads
         and head dims), the product of theirs."""
-        degree = self._split(lbl, degrees)
+        degree = self.split_degree(lbl, degrees)
         return degree if size % degree == 0 else 1
 
-    def _split(self, lbl: int, degrees: Sequence[int], depth: int = 0) -> int:
+    def split_degree(self, lbl: int, degrees: Sequence[int], depth: int = 0) -> int:
         d = self.labels.lookup(lbl, self.iter_of)
         if d is not None:
             return degrees[d]
         parts = self.labels.parts_of(lbl)
         if parts and depth < 4:  # a key projection split into kv heads that `repeat` merges
-            return math.prod(self._split(p, degrees, depth + 1) for p in parts)
+            return math.prod(self.split_degree(p, degrees, depth + 1) for p in parts)
         return self._merged_share(lbl, degrees)
 
     def _merged_share(self, lbl: int, degrees: Sequence[int]) -> int:

@@ -51,6 +51,7 @@ from corpus import (
     dynamic_conv,
     expert_choice,
     fnet,
+    gat,
     gemma3,
     gnn,
     gqa_decoder,
@@ -69,6 +70,7 @@ from corpus import (
     nnx_scan_transformer,
     numbered_layers,
     padded_lm,
+    pinn,
     qwen3,
     recurrent_bn,
     resnet,
@@ -81,6 +83,7 @@ from corpus import (
     vit,
     vivit,
     wavenet,
+    wgan_gp,
     whisper,
 )
 
@@ -273,6 +276,20 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
           "jax.nn.dot_product_attention, low-rank queries and a compressed key-value latent, "
           "a shared rotary key broadcast to the heads, RoPE by complex numbers",
           gradients_in="fuzz"),
+    Entry("pinn", "linen", pinn.make,
+          "physics-informed network for Burgers' equation: the PDE residual by jax.grad of "
+          "the network in its inputs inside the loss (second order for u_xx), vmap'd over "
+          "collocation points, initial and boundary losses", gradients_in="fuzz"),
+    Entry("wgan_gp", "linen", wgan_gp.make,
+          "WGAN-GP critic step: strided-conv critic and a ConvTranspose generator, fakes under "
+          "stop_gradient, the gradient penalty by jax.vmap of jax.grad of the critic in its "
+          "input (a second-order backward), the generator's loss through stop_gradient'd "
+          "critic parameters", has_conv=True, gradients_in="fuzz"),
+    Entry("gat", "linen", gat.make,
+          "graph attention network over a batch of graphs (jax.vmap'd per-graph code): edge "
+          "logits gathered by sender and receiver, a segment softmax by jax.ops.segment_max "
+          "(scatter-max) and segment_sum, heads concatenated then averaged, a masked node "
+          "loss", gradients_in="fuzz"),
 )}
 
 
