@@ -175,16 +175,23 @@ def test_folded_stage_needs_tied_layers(gpt16):
             sim.stage_result()
 
 
-def test_layers_that_are_not_alike_are_simulated_whole():
-    # the tiny mixture of experts' grouping puts layer 0's load-balancing sum into the last
-    # layer's expert matmul: its layers are not alike, and nothing folds
+def test_the_mixture_of_experts_layers_fold_and_price_as_whole_stages():
+    # the tiny mixture of experts' grouping put layer 0's load-balancing sum (a scalar side
+    # computation, sharing no value with its operator's anchor) into the last layer's expert
+    # matmul, so its layers were not alike and nothing folded; it now joins the operator that
+    # reads it (`soapjax.graph._grouping`), the layers are alike, and the folded stage prices
+    # the pipeline as the whole stages do
     graph, workload = _graph("moe")
-    assert layer_fold(graph) is None
+    assert layer_fold(graph) is not None
     topology = load_topology(TOPOLOGY)
     start = megatron_3d(graph, topology, tp=2, pp=2, microbatch_size=1, recompute="selective")
     costs = cost.cost_model(graph, topology, mode="analytic", optimizer=workload.optimizer)
-    with front.open_simulation(graph, topology, start, cost_model=costs, fold=True) as sim:
-        assert isinstance(sim._inner, Simulation)
+    times = []
+    for fold in (True, False):
+        with front.open_simulation(graph, topology, start, cost_model=costs, fold=fold) as sim:
+            assert isinstance(sim._inner, FoldedStage if fold else Simulation)
+            times.append(sim.step_time())
+    assert times[0] == pytest.approx(times[1], rel=1e-9)
 
 
 def test_a_search_with_folded_stages_ends_where_whole_stages_end(gpt16, monkeypatch):
