@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -72,12 +72,17 @@ class LeafError:
       operator: the first operator that reads the parameter ('' if none does).
       error: ``max |got - want|`` over the leaf, divided by `scale`.
       scale: the leaf's own ``max |want|``, or the floor where that is smaller (module doc).
+      noise: the leaf's own ``max |want|`` is under the floor: its true gradient is zero (a
+        bias a normalisation removes) and what both sides hold is rounding noise, whose sign
+        one step of Adam follows by its whole learning rate (`step_difference` leaves such
+        parameters out).
     """
 
     path: str
     operator: str
     error: float
     scale: float
+    noise: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,9 +149,18 @@ class GradientComparison:
 
 
 def narrowest_float(graph: OpGraph) -> str:
-    """The narrowest float type any value of `graph`'s program has (a bfloat16 matmul over
-    float32 parameters: ``"bfloat16"``): what its rounding is."""
-    found = [d for d in set(graph.program.dtypes) if d in TOLERANCE]
+    """The narrowest float type of the values of `graph`'s program that its parameters flow
+    into (a bfloat16 matmul over float32 parameters: ``"bfloat16"``; a float32 softmax inside
+    ``jax.nn.dot_product_attention`` of float64 ones: ``"float32"``): what its gradients'
+    rounding is. A float32 mask or padding the batch alone makes (``optax.ctc_loss``'s
+    paddings) rounds nothing the gradients pass through."""
+    prog = graph.program
+    reached = set(prog.param_like)
+    for u in prog.units:
+        if reached.intersection(u.ins):
+            reached.update(v for v in u.outs if v is not None)
+    found = {prog.dtypes[v] for v in reached} & set(TOLERANCE)
+    found = found or set(prog.dtypes) & set(TOLERANCE)
     return max(found, key=lambda d: TOLERANCE[d], default="float32")
 
 
@@ -201,7 +215,7 @@ def compare_gradients(loss: Any, grads: Any, reference_loss: Any, reference_grad
         denom = max(scale, floor) or 1.0
         leaves.append(LeafError(jax.tree_util.keystr(path),
                                 operators[k] if operators is not None else "", diff / denom,
-                                denom))
+                                denom, scale < floor))
     loss_v, ref_v = float(_host(loss)), float(_host(reference_loss))
     loss_error = abs(loss_v - ref_v) / max(abs(ref_v), np.finfo(np.float64).tiny)
     if math.isnan(loss_v) != math.isnan(ref_v):
@@ -299,12 +313,17 @@ def reference_value_and_grad(loss_fn: Callable[[Any, Any], Any], graph: OpGraph,
     return accumulated
 
 
-def step_difference(out: Any, reference: Any) -> float:
-    """The largest ``|a - b|`` over the leaves of two step results (parameters, optimizer
-    state, loss); infinite where one has a NaN the other has not."""
+def step_difference(out: Any, reference: Any, *, skip_params: Collection[int] = ()) -> float:
+    """The largest ``|a - b|`` over the leaves of two step results ``(parameters, optimizer
+    state, loss)``; infinite where one has a NaN the other has not. `skip_params`: the
+    parameter leaves (``jax.tree.leaves`` order) left out, those whose gradient is rounding
+    noise (`LeafError.noise`): a step of Adam moves them by its learning rate, either way."""
+    pairs = [(a, b) for k, (a, b) in enumerate(zip(jax.tree.leaves(out[0]),
+                                                   jax.tree.leaves(reference[0])))
+             if k not in skip_params]
+    pairs += zip(jax.tree.leaves(out[1:]), jax.tree.leaves(reference[1:]))
     return max((_max_diff(_host(a).astype(np.float64), _host(b).astype(np.float64))
-                for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(reference))
-                if np.size(a)), default=0.0)
+                for a, b in pairs if np.size(a)), default=0.0)
 
 
 def reading_operators(graph: OpGraph) -> list[str]:

@@ -516,9 +516,11 @@ IDIOMS = {
     "pinn": {"tanh", "add_any", "integer_pow", "unstack"},
     "wgan_gp": {"conv_general_dilated", "stop_gradient", "sqrt"},
     "gat": {"scatter-max", "scatter-add", "gather", "exp"},
+    "conformer": {"conv_general_dilated", "logistic", "rsqrt", "log"},
+    "glow": {"lu", "conv_general_dilated", "logistic", "transpose"},
 }
 # Grouped convolutions (feature_group_count > 1): depthwise, a channel multiplier, 4 groups.
-GROUPED = {"convnext": 1, "mobilenet": 2, "mamba": 1}
+GROUPED = {"convnext": 1, "mobilenet": 2, "mamba": 1, "conformer": 1}
 
 
 @pytest.mark.parametrize("name", NAMES)

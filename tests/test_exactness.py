@@ -45,6 +45,7 @@ from soapjax.exactness import (
     compare_gradients,
     first_step,
     rounding_tolerance,
+    step_difference,
 )
 from soapjax.graph.opgraph import trace
 from soapjax.search import SearchSettings
@@ -87,6 +88,32 @@ def test_a_leaf_whose_gradient_is_zero_is_held_to_the_floor():
     bad = compare_gradients(0.5, {"w": want["w"], "bias": np.array([0.1, 0.0])}, 0.5, want,
                             tolerance=1e-9)
     assert not bad.passed and bad.worst.path == "['bias']"
+    assert [e.noise for e in c.leaves] == [True, False]  # 'bias' sorts first
+
+
+def test_the_step_leaves_out_a_parameter_whose_gradient_is_noise():
+    """A bias before a normalisation has a zero gradient: both steps hold rounding noise, and
+    Adam's first update is ``lr * g / |g|``, so they move it by the learning rate, maybe in
+    opposite directions. `soapjax check` failed the step bar on a correct Conformer plan so
+    (0.00197 at lr 1e-3), and ``shard_training(verify=True)`` would have raised; the step's
+    bar leaves such parameters out (their gradients are held to the floor)."""
+    import optax
+
+    want = {"bias": np.zeros(3), "w": np.array([1.0, -2.0, 0.5])}
+    got = {"bias": np.array([1e-6, -1e-6, 0.0]), "w": want["w"] * (1 + 1e-9)}
+    c = compare_gradients(0.5, got, 0.5, want, tolerance=1e-3, computed_in="float32")
+    assert c.passed and [e.noise for e in c.leaves] == [True, False]
+    adam = optax.adam(1e-3)
+    params = {"bias": np.zeros(3), "w": np.ones(3)}
+
+    def step(g):
+        updates, state = adam.update(g, adam.init(params), params)
+        return optax.apply_updates(params, updates), state, 0.5
+
+    ours, ref = step(got), step(want)
+    assert step_difference(ours, ref) == pytest.approx(1e-3, rel=0.02)  # the noise's sign
+    skip = {k for k, e in enumerate(c.leaves) if e.noise}
+    assert step_difference(ours, ref, skip_params=skip) < 1e-6  # its Adam moments: ~g
 
 
 def test_nans_fail_and_a_nan_reference_says_so():

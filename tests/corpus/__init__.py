@@ -45,6 +45,7 @@ from corpus import (
     bert_encoder,
     bigru_tagger,
     clip,
+    conformer,
     convnext,
     dit,
     dropout_nnx,
@@ -53,6 +54,7 @@ from corpus import (
     fnet,
     gat,
     gemma3,
+    glow,
     gnn,
     gqa_decoder,
     kv_cache_decoder,
@@ -290,6 +292,16 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
           "logits gathered by sender and receiver, a segment softmax by jax.ops.segment_max "
           "(scatter-max) and segment_sum, heads concatenated then averaged, a masked node "
           "loss", gradients_in="fuzz"),
+    Entry("conformer", "linen", conformer.make,
+          "Conformer ASR encoder with CTC: strided 2D-convolution subsampling, macaron "
+          "feed-forward halves, self-attention with a key padding mask, the convolution "
+          "module (GLU by jnp.split of the channels, a depthwise 1D convolution, batch "
+          "statistics), optax.ctc_loss", has_conv=True, gradients_in="fuzz"),
+    Entry("glow", "linen", glow.make,
+          "Glow normalizing flow: squeeze by reshape and transpose, ActNorm, an invertible 1x1 "
+          "convolution whose log-determinant is jnp.linalg.slogdet of its matrix (an LU in "
+          "the step), affine couplings (jnp.split, a zero-initialised convolution), bits per "
+          "dimension", has_conv=True, gradients_in="fuzz"),
 )}
 
 
