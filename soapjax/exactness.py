@@ -14,8 +14,10 @@ dividing rounding noise by nothing: it is the largest gradient of all leaves tim
 largest gradient's size lies. A gradient scaled by a constant c has error ``|c - 1|``; a
 reduction missing over a 2-way split about 0.5; rounding of a different reduction order
 about ``eps`` times a small factor. The bar (`rounding_tolerance`) is set by the narrowest
-float type the traced step computes in: 1e-9 in float64, 1e-3 in float32, 4e-2 in bfloat16
-(10 of its ulps), 1e-2 in float16.
+float type the parameters flow through in the traced step (`narrowest_float`): 1e-9 in
+float64, 1e-3 in float32, 4e-2 in bfloat16 (10 of its ulps), 1e-2 in float16. A parameter
+whose true gradient is zero (`LeafError.noise`) is left out of the step's bar
+(`step_difference`): one step of Adam moves it by its learning rate, either way.
 
 `compare_gradients` compares two ``(loss, grads)`` and names the worst leaf with the operator
 that reads it; `first_step` runs the sharded step's loss and gradients
