@@ -339,7 +339,7 @@ def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5,
             apply.device_put_global(batch, sh.batch))
     compiled = step.lower(*args).compile()
     out = apply.model_layout(step(*args))  # (stacked layers kept in chunk order: back)
-    noise = tuple(k for k, e in enumerate(gradients.leaves) if e.noise)
+    noise = gradients.noise_leaves
     diff = step_difference(out, ref, skip_params=noise)
 
     found = hlo.collectives(compiled.as_text(), MeshShape.of(topo),

@@ -109,6 +109,12 @@ class GradientComparison:
     aux: tuple[LeafError, ...] = ()
 
     @property
+    def noise_leaves(self) -> tuple[int, ...]:
+        """The parameter leaves whose true gradient is zero (`LeafError.noise`), in
+        ``jax.tree.leaves`` order: what `step_difference` leaves out."""
+        return tuple(k for k, e in enumerate(self.leaves) if e.noise)
+
+    @property
     def worst(self) -> LeafError | None:
         """The leaf with the largest error (None without leaves)."""
         return max(self.leaves, key=lambda e: e.error, default=None)

@@ -413,10 +413,7 @@ def verify_first_step(run: ShardedTraining, loss_fn: Callable[[Any, Any], Any], 
     got = run.step.partitioned(device_put_global(params, sh.params),
                                device_put_global(state, sh.opt_state),
                                device_put_global(batch, sh.batch), np.int32(0))
-    # a parameter whose true gradient is zero (a bias before a normalisation) is moved by the
-    # learning rate in the direction of its rounding noise, on either side: left out
-    diff = step_difference(model_layout(got), want,
-                           skip_params={k for k, e in enumerate(comparison.leaves) if e.noise})
+    diff = step_difference(model_layout(got), want, skip_params=comparison.noise_leaves)
     if not diff <= NUMBERS_TOLERANCE:
         raise VerificationError(
             f"shard_training(verify=True): the loss and gradients agree ({comparison.describe()}"
