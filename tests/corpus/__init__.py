@@ -77,6 +77,7 @@ from corpus import (
     recurrent_bn,
     resnet,
     safe_norm,
+    shared_layers,
     ste,
     swin,
     switch_moe,
@@ -302,6 +303,11 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
           "convolution whose log-determinant is jnp.linalg.slogdet of its matrix (an LU in "
           "the step), affine couplings (jnp.split, a zero-initialised convolution), bits per "
           "dimension", has_conv=True, gradients_in="fuzz"),
+    Entry("shared_layers", "linen", shared_layers.make,
+          "weights shared across depth: ALBERT's factorised embedding and one encoder layer "
+          "called three times in a Python loop, then a Universal-Transformer recurrence by "
+          "nn.scan with variable_broadcast='params' and a per-step embedding, a tied "
+          "masked-token head", gradients_in="fuzz"),
 )}
 
 
