@@ -40,11 +40,11 @@ from soapjax.apply import step as apply
 from soapjax.apply._pipeline_layout import check_pipelinable
 from soapjax.base.errors import PlanError
 from soapjax.exactness import (
+    TOLERANCE as EXACT_BARS,
     GradientComparison,
     compare_gradients,
     narrowest_float,
     reading_operators,
-    rounding_tolerance,
 )
 from soapjax.graph.opgraph import OpGraph, trace
 from soapjax.search import interleave_choices, random_strategy, stage_choices
@@ -93,8 +93,12 @@ class Subject(NamedTuple):
     loss: Callable[[Any, Any], Any]
     reference: tuple[Any, Any]
     operators: list[str]
-    tolerance: float
     computed_in: str
+
+    @property
+    def tolerance(self) -> float:
+        """The bar per leaf (see the attribute list): `computed_in`'s."""
+        return max(TOLERANCE, EXACT_BARS[self.computed_in])
 
 
 def names() -> list[str]:
@@ -132,7 +136,7 @@ def subject(name: str) -> Subject:
                       microbatch_statistics=False)
         reference = jax.jit(jax.value_and_grad(loss), compiler_options=FAST)(params, batch)
     return Subject(name, graph, params, batch, loss, reference, reading_operators(graph),
-                   max(TOLERANCE, rounding_tolerance(graph)), narrowest_float(graph))
+                   narrowest_float(graph))
 
 
 def _jiggle(tree: Any, seed: int = 0) -> Any:

@@ -144,20 +144,20 @@ def _through_reshapes(loc: OperatorLabels, shapes, grain: Sequence[int]) -> tupl
     tokens: splitting the tokens splits H, which its 7-row slice cannot follow (the shard
     program failed to build). A degree is kept while every smaller one works too."""
     ls = loc.labels
-    sizes: dict[int, set[int]] = {}
+    extents: dict[int, set[int]] = {}  # label class -> the sizes it takes
     for v, labels in loc.lab.items():
         for lbl, size in zip(labels, shapes[v]):
             if size > 1:
-                sizes.setdefault(ls.find(lbl), set()).add(size)
-    uneven = [(lbl, sizes[ls.find(lbl)]) for v, labels in loc.lab.items() for lbl in labels
-              if len(sizes.get(ls.find(lbl), ())) > 1 and ls.lookup(lbl, loc.iter_of) is None]
+                extents.setdefault(ls.find(lbl), set()).add(size)
+    uneven = {lbl for labels in loc.lab.values() for lbl in labels
+              if len(extents.get(ls.find(lbl), ())) > 1 and ls.lookup(lbl, loc.iter_of) is None}
     out = list(grain)
-    for d, g in enumerate(grain):
+    for d, g in enumerate(grain if uneven else ()):
         degrees = [1] * len(grain)
-        for k in (k for k in range(2, g + 1) if g % k == 0) if uneven else ():
+        for k in (k for k in range(2, g + 1) if g % k == 0):
             degrees[d] = k
-            if any(e % loc.split_degree(lbl, degrees) for lbl, extents in uneven
-                   for e in extents):
+            if any(e % loc.split_degree(lbl, degrees) for lbl in uneven
+                   for e in extents[ls.find(lbl)]):
                 out[d] = max(j for j in range(1, k) if g % j == 0)
                 break
     return tuple(out)
@@ -677,20 +677,20 @@ class _Builder:
         if position:  # the same position in every layer: the operator's name, layer-free
             position += name[len(self.group_module[g]):]
         anchor_name = self._anchor_name(anchor)
+        sizes = out_shape + tuple(r.size for r in red_dims)
         granularity = self._granularity(out_shape, red_dims, lab, ls, iter_of)
         if merge_grain:  # a split of a merged dim is its major part's while it divides it
-            grain = list(granularity or out_shape + tuple(r.size for r in red_dims))
+            grain = list(granularity or sizes)
             for d, size in merge_grain.items():
                 grain[d] = math.gcd(grain[d], size)
             granularity = tuple(grain)
         if anchor_name == "attention":
             granularity = _attention_granularity(out_shape, red_dims, granularity)
             operands, granularity = _attention_heads(operands, out_shape, granularity)
-        granularity = _through_reshapes(self.p.local[name], self.p.shapes, granularity
-                                        or out_shape + tuple(r.size for r in red_dims))
-        if granularity == out_shape + tuple(r.size for r in red_dims):
+        granularity = _through_reshapes(self.p.local[name], self.p.shapes, granularity or sizes)
+        if granularity == sizes:
             granularity = ()
-        halo = self._halo_dims(group, ls, lab, iter_of, out_shape + tuple(r.size for r in red_dims))
+        halo = self._halo_dims(group, ls, lab, iter_of, sizes)
         return Operator(
             name=name, module=self.group_module[g], anchor=anchor_name,
             shape=out_shape, dtype=self.p.dtypes[out_vid], roles=tuple(roles),
