@@ -519,6 +519,7 @@ IDIOMS = {
     "conformer": {"conv_general_dilated", "logistic", "rsqrt", "log"},
     "glow": {"lu", "conv_general_dilated", "logistic", "transpose"},
     "shared_layers": {"scan", "dot_general", "gather", "tanh"},
+    "phi3_fused": {"split", "slice", "concatenate", "logistic"},
 }
 # Grouped convolutions (feature_group_count > 1): depthwise, a channel multiplier, 4 groups.
 GROUPED = {"convnext": 1, "mobilenet": 2, "mamba": 1, "conformer": 1}

@@ -10,9 +10,11 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from soapjax.base.errors import PlanError
+from soapjax.graph._cuts import inner_cuts, moved_elements
 from soapjax.graph._inner import (
     inner_reductions,
     matmul_operands,
+    query_dims,
 )
 from soapjax.simulate._flat_memory import shard_bytes
 from soapjax.simulate._simresult import (
@@ -55,7 +57,8 @@ class _View(NamedTuple):
     operand_specs: tuple[tuple[tuple[str, ...], ...], ...]
     partials: tuple[tuple[str, ...], ...]  # per operand: axes its cotangent is a partial sum on
     reduction_axes: tuple[str, ...]  # the axes splitting its reduction dims (partial sums)
-    inner_forward: tuple[Comm, ...]  # all-reduces of statistics it reduces over split dims
+    inner_forward: tuple[Comm, ...]  # all-reduces of statistics it reduces over split dims,
+    # then the moves of pieces it cuts along split dims (`soapjax.graph._cuts`)
     inner_backward: tuple[Comm, ...]  # ... and their backward (`soapjax.graph._inner`)
     output_bytes: tuple[int, ...]  # per output, its shard (one microbatch's)
     operand_bytes: tuple[int, ...]  # per operand, its shard at its layout here (0: not activation)
@@ -303,7 +306,8 @@ class _TaskBuilding:
     def _inner_chains(self, j: int, config: Config) -> tuple[tuple[Comm, ...], tuple[Comm, ...]]:
         """The all-reduces of the statistics operator `j` reduces over dims `config` splits
         (`soapjax.graph._inner`), forward and backward: per set of mesh axes one collective of all
-        of them (XLA combines them), priced as one all-reduce per statistic, each microbatch."""
+        of them (XLA combines them), priced as one all-reduce per statistic, each microbatch;
+        then the moves of pieces it cuts or joins along split dims (`_cut_moves`)."""
         groups: dict[tuple[str, ...], list[tuple[Comm, bool]]] = {}
         for r in inner_reductions(self.graph, j):
             axes = tuple(a for a in self.mesh.axis_names
@@ -326,7 +330,32 @@ class _TaskBuilding:
 
         forward = tuple(c for cs in groups.values() for c in combined([c for c, _ in cs]))
         backward = tuple(c for cs in groups.values() for c in combined([c for c, b in cs if b]))
+        moves = self._cut_moves(j, config)
+        forward += tuple(c for c, _ in moves)
+        backward += tuple(c for c, b in moves if b)
         return self._per_microbatch(forward), self._per_microbatch(backward)
+
+    def _cut_moves(self, j: int, config: Config) -> list[tuple[Comm, bool]]:
+        """The collective-permutes of the pieces operator `j` cuts from, or joins into, a dim
+        `config` splits (`soapjax.graph._cuts`: each device's block of a piece is not where
+        its block of the whole is), each with whether the backward moves them back."""
+        out = []
+        queries = query_dims(self.graph, j)
+        if queries is not None and config.axes[queries.sequence]:
+            return out  # context parallelism: apply runs the attention's program itself
+        for cut in inner_cuts(self.graph, j):
+            axes = tuple(config.axes[cut.dim])
+            degree = self.mesh.degree(axes) if axes else 1
+            moved = moved_elements(cut, degree)
+            if not moved:
+                continue
+            shape = microbatch_shape(cut.shape, cut.dims, self._sample[j], self._micro)
+            block = shard_bytes(shape, config.operand_axes(cut.dims), cut.dtype, self.mesh)
+            c = self._pricing.comm("collective_permute",
+                                   block * moved / (cut.whole / degree), axes)
+            if c is not None:
+                out.append((c, cut.backward))
+        return out
 
     def _per_microbatch(self, chain: tuple[Comm, ...]) -> tuple[Comm, ...]:
         """`chain` run once per microbatch: M times its time, bytes sent and runs."""
@@ -622,7 +651,11 @@ class _TaskBuilding:
         if kind == UPDATE:
             return f"update {layout.leaf_source[ref]}"
         x = subject[0]
-        inner = "ring" if ref.kind == "collective_permute" else "statistics"  # `_ring_chain`
+        inner = "statistics"
+        if kind in (INNER_REDUCE, INNER_REDUCE_BWD) and ref.kind == "collective_permute":
+            # `_ring_chain`'s sends, else `_cut_moves`
+            ring = self._ring and query_dims(self.graph, x) is not None
+            inner = "ring" if ring else "pieces moved"
         what = (layout.edge_name[x] if kind == RESHARD else f"d({layout.edge_name[x]})"
                 if kind == RESHARD_BWD else f"{ops[x].name} (partial sums)"
                 if kind == PARTIAL_SUM else f"{ops[x].name} ({inner})"

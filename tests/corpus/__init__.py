@@ -72,6 +72,7 @@ from corpus import (
     nnx_scan_transformer,
     numbered_layers,
     padded_lm,
+    phi3_fused,
     pinn,
     qwen3,
     recurrent_bn,
@@ -308,6 +309,10 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
           "called three times in a Python loop, then a Universal-Transformer recurrence by "
           "nn.scan with variable_broadcast='params' and a per-step embedding, a tied "
           "masked-token head", gradients_in="fuzz"),
+    Entry("phi3_fused", "linen", phi3_fused.make,
+          "Phi-3-style decoder with fused projections: one qkv_proj cut into unequal query, "
+          "key and value columns by slicing (GQA), one gate_up_proj split by jnp.split, "
+          "rotate-half RoPE, logits[:, :-1] against tokens[:, 1:]", gradients_in="fuzz"),
 )}
 
 
