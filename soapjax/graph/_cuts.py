@@ -76,13 +76,17 @@ def inner_cuts(graph: OpGraph, j: int) -> tuple[InnerCut, ...]:
     return graph.memo(("inner_cuts", j), lambda: _find(graph, j))
 
 
-def _from_params(graph: OpGraph) -> frozenset[int]:
+def values_from_params(graph: OpGraph) -> frozenset[int]:
+    """The program's float values computed from the parameters, through float values and
+    not through ``stop_gradient``: the ones whose cotangents a backward computes (a one-hot of
+    an argmax, through a comparison's booleans, has none)."""
     def reach() -> frozenset[int]:
         prog = graph.program
         reached = set(prog.param_like)
         for u in prog.units:
-            if reached.intersection(u.ins):
-                reached.update(v for v in u.outs if v is not None)
+            if u.eqn.primitive.name != "stop_gradient" and reached.intersection(u.ins):
+                reached.update(v for v in u.outs
+                               if v is not None and "float" in prog.dtypes[v])
         return frozenset(reached)
     return graph.memo("values_from_params", reach)
 
@@ -118,7 +122,7 @@ def _find(graph: OpGraph, j: int) -> tuple[InnerCut, ...]:
     loc = prog.local.get(op.name)
     if loc is None:
         return ()
-    from_params = _from_params(graph)
+    from_params = values_from_params(graph)
 
     def dims_of(vid: int) -> tuple[int | None, ...]:
         return tuple(loc.labels.lookup(lb, loc.iter_of) for lb in loc.lab.get(vid, ()))
@@ -144,7 +148,7 @@ def _find(graph: OpGraph, j: int) -> tuple[InnerCut, ...]:
         if axis is None:
             continue
         dims = dims_of(whole)
-        dim = dims[axis] if dims[axis] is not None else _major(loc, loc.lab[whole][axis])
+        dim = dims[axis] if dims[axis] is not None else major_dim(loc, loc.lab[whole][axis])
         if dim is None:
             continue
         pieces = _pieces(name, u.eqn.params, [tuple(prog.shapes[v]) for v in operands], axis)
@@ -159,7 +163,7 @@ def _find(graph: OpGraph, j: int) -> tuple[InnerCut, ...]:
     return tuple(out)
 
 
-def _major(loc, label: int) -> int | None:
+def major_dim(loc, label: int) -> int | None:
     """The iteration dim of the major part a reshape splits `label` into, if any: the cut dim
     is then split into contiguous blocks as that part is (heads after a fused projection, cut
     into queries, keys and values before the reshape)."""

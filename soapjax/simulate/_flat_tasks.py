@@ -653,9 +653,10 @@ class _TaskBuilding:
         x = subject[0]
         inner = "statistics"
         if kind in (INNER_REDUCE, INNER_REDUCE_BWD) and ref.kind == "collective_permute":
-            # `_ring_chain`'s sends, else `_cut_moves`
-            ring = self._ring and query_dims(self.graph, x) is not None
-            inner = "ring" if ring else "pieces moved"
+            # context parallelism's sends (`_ring_chain`, `_zigzag_chain`), else `_cut_moves`
+            queries = query_dims(self.graph, x)
+            cp = queries is not None and self._views[x].config.axes[queries.sequence]
+            inner = "ring" if cp else "pieces moved"
         what = (layout.edge_name[x] if kind == RESHARD else f"d({layout.edge_name[x]})"
                 if kind == RESHARD_BWD else f"{ops[x].name} (partial sums)"
                 if kind == PARTIAL_SUM else f"{ops[x].name} ({inner})"
