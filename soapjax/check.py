@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
@@ -283,14 +283,26 @@ def plan_reshard_mode(plan: Plan) -> str:
     return "xla" if checked_finalist(info) is not None else info.get("reshard", DEFAULT_MODE)
 
 
-def _noise_note(paths: Sequence[str]) -> str:
-    """What the step's bar leaves out: the parameters whose true gradient is zero."""
-    if not paths:
+def _noise_note(gradients: GradientComparison) -> str:
+    """What the step's bar leaves out: the parameters whose true gradient is zero, and the
+    elements of others whose gradient the bar lets either side hold with the other sign."""
+    paths = [gradients.leaves[k].path for k in gradients.noise_leaves]
+    open_ = [e for e in gradients.leaves if e.unsettled is not None]
+    out = []
+    if paths:
+        shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+        out.append(f"{len(paths)} parameter(s) whose true gradient is zero (rounding noise on "
+                   f"both sides, which one Adam step follows by its learning rate, either "
+                   f"way): {shown}")
+    if open_:
+        n = sum(int(e.unsettled.sum()) for e in open_)
+        out.append(f"{n:,} element(s) of {len(open_)} other parameter(s) whose reference "
+                   f"gradient is within the gradient bar of zero (either sign passes it, and "
+                   f"Adam's first step follows the sign)")
+    if not out:
         return ""
-    shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
-    return (f"the step's bar leaves out {len(paths)} parameter(s) whose true gradient is zero "
-            f"(rounding noise on both sides, which one Adam step follows by its learning rate, "
-            f"either way): {shown}; their gradients are held to the gradient bar")
+    return ("the step's bar leaves out " + "; and ".join(out)
+            + "; their gradients are held to the gradient bar")
 
 
 def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5, seed: int = 0,
@@ -339,8 +351,7 @@ def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5,
             apply.device_put_global(batch, sh.batch))
     compiled = step.lower(*args).compile()
     out = apply.model_layout(step(*args))  # (stacked layers kept in chunk order: back)
-    noise = gradients.noise_leaves
-    diff = step_difference(out, ref, skip_params=noise)
+    diff = step_difference(out, ref, gradients=gradients)
 
     found = hlo.collectives(compiled.as_text(), MeshShape.of(topo),
                             reduce_scatter_from_slices=True)
@@ -368,8 +379,8 @@ def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5,
         predicted_flops=step_flops(graph, strategy, MeshShape.of(topo), optimizer=w.optimizer,
                                    params=params, stored=_stored_shapes(graph, sh)).total,
         reported_flops=reported, gradients=gradients,
-        warnings=tuple(w for w in [untied_warning(graph, strategy), _noise_note(
-            [gradients.leaves[k].path for k in noise])] if w),
+        warnings=tuple(w for w in [untied_warning(graph, strategy), _noise_note(gradients)]
+                       if w),
         stages=strategy.stages)
 
 

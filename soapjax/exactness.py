@@ -78,6 +78,11 @@ class LeafError:
         bias a normalisation removes) and what both sides hold is rounding noise, whose sign
         one step of Adam follows by its whole learning rate (`step_difference` leaves such
         parameters out).
+      unsettled: of another leaf, a mask of the elements whose reference gradient is within
+        the bar of zero (``|want| <= tolerance * scale``): the bar lets either side hold the
+        other sign there, and Adam's first step follows it by the learning rate (bfloat16's
+        bar is 4 % of the leaf's scale); None where there are none. `step_difference` leaves
+        them out too.
     """
 
     path: str
@@ -85,6 +90,13 @@ class LeafError:
     error: float
     scale: float
     noise: bool = False
+    unsettled: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields, `unsettled` as a count of elements."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["unsettled"] = int(self.unsettled.sum()) if self.unsettled is not None else 0
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,9 +163,9 @@ class GradientComparison:
         return {"loss": self.loss, "reference_loss": self.reference_loss,
                 "loss_error": self.loss_error, "tolerance": self.tolerance,
                 "passed": self.passed, "max_error": self.max_error,
-                "worst": dataclasses.asdict(worst) if worst else None,
-                "leaves": [dataclasses.asdict(e) for e in self.leaves],
-                "aux": [dataclasses.asdict(e) for e in self.aux]}
+                "worst": worst.to_json() if worst else None,
+                "leaves": [e.to_json() for e in self.leaves],
+                "aux": [e.to_json() for e in self.aux]}
 
 
 def narrowest_float(graph: OpGraph) -> str:
@@ -221,9 +233,11 @@ def compare_gradients(loss: Any, grads: Any, reference_loss: Any, reference_grad
     for k, ((path, _), g, w, scale) in enumerate(zip(want_leaves, got, want, scales)):
         diff = _max_diff(g, w)
         denom = max(scale, floor) or 1.0
+        near = np.abs(np.nan_to_num(w.astype(np.float64))) <= tolerance * denom
         leaves.append(LeafError(jax.tree_util.keystr(path),
                                 operators[k] if operators is not None else "", diff / denom,
-                                denom, scale < floor))
+                                denom, scale < floor,
+                                near if scale >= floor and near.any() else None))
     loss_v, ref_v = float(_host(loss)), float(_host(reference_loss))
     loss_error = abs(loss_v - ref_v) / max(abs(ref_v), np.finfo(np.float64).tiny)
     if math.isnan(loss_v) != math.isnan(ref_v):
@@ -321,17 +335,47 @@ def reference_value_and_grad(loss_fn: Callable[[Any, Any], Any], graph: OpGraph,
     return accumulated
 
 
-def step_difference(out: Any, reference: Any, *, skip_params: Collection[int] = ()) -> float:
+def step_difference(out: Any, reference: Any, *, skip_params: Collection[int] = (),
+                    gradients: GradientComparison | None = None) -> float:
     """The largest ``|a - b|`` over the leaves of two step results ``(parameters, optimizer
     state, loss)``; infinite where one has a NaN the other has not. `skip_params`: the
     parameter leaves (``jax.tree.leaves`` order) left out, those whose gradient is rounding
-    noise (`LeafError.noise`): a step of Adam moves them by its learning rate, either way."""
-    pairs = [(a, b) for k, (a, b) in enumerate(zip(jax.tree.leaves(out[0]),
-                                                   jax.tree.leaves(reference[0])))
-             if k not in skip_params]
-    pairs += zip(jax.tree.leaves(out[1:]), jax.tree.leaves(reference[1:]))
-    return max((_max_diff(_host(a).astype(np.float64), _host(b).astype(np.float64))
-                for a, b in pairs if np.size(a)), default=0.0)
+    noise (`LeafError.noise`): a step of Adam moves them by its learning rate, either way.
+    `gradients`: the step's gradient comparison, whose noise leaves are left out so, and
+    within the other parameter leaves the elements whose gradient's sign the bar leaves
+    open (`LeafError.unsettled`), in the parameters and in every part of the optimizer state
+    shaped like them (Adam's moments)."""
+    skip = set(skip_params) | set(gradients.noise_leaves if gradients is not None else ())
+    masks = [e.unsettled for e in gradients.leaves] if gradients is not None else []
+    params = jax.tree.structure(reference[0])
+    pairs = []
+    for got, want in zip(_param_shaped(out[1:], params), _param_shaped(reference[1:], params)):
+        if isinstance(want, list):  # the parameters, or a tree of the optimizer state like them
+            pairs += [(a, b, masks[k] if k < len(masks) else None)
+                      for k, (a, b) in enumerate(zip(got, want)) if k not in skip]
+        else:
+            pairs.append((got, want, None))
+    pairs += [(a, b, masks[k] if k < len(masks) else None)
+              for k, (a, b) in enumerate(zip(jax.tree.leaves(out[0]),
+                                             jax.tree.leaves(reference[0]))) if k not in skip]
+    return max((_max_diff(*_settled(_host(a).astype(np.float64),
+                                    _host(b).astype(np.float64), m))
+                for a, b, m in pairs if np.size(a)), default=0.0)
+
+
+def _param_shaped(state: Any, params: Any) -> list[Any]:
+    """The leaves of `state`, where a subtree has the parameters' structure `params` (Adam's
+    moments) its leaves as one list (parameter order)."""
+    subtrees = jax.tree.leaves(state, is_leaf=lambda x: jax.tree.structure(x) == params)
+    return [jax.tree.leaves(t) if jax.tree.structure(t) == params else t for t in subtrees]
+
+
+def _settled(got: np.ndarray, want: np.ndarray, unsettled: np.ndarray | None
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """`got` and `want` with the `unsettled` elements (a mask of their shape) left out."""
+    if unsettled is None or unsettled.shape != want.shape:
+        return got, want
+    return got[~unsettled], want[~unsettled]
 
 
 def reading_operators(graph: OpGraph) -> list[str]:

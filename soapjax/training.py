@@ -413,7 +413,7 @@ def verify_first_step(run: ShardedTraining, loss_fn: Callable[[Any, Any], Any], 
     got = run.step.partitioned(device_put_global(params, sh.params),
                                device_put_global(state, sh.opt_state),
                                device_put_global(batch, sh.batch), np.int32(0))
-    diff = step_difference(model_layout(got), want, skip_params=comparison.noise_leaves)
+    diff = step_difference(model_layout(got), want, gradients=comparison)
     if not diff <= NUMBERS_TOLERANCE:
         raise VerificationError(
             f"shard_training(verify=True): the loss and gradients agree ({comparison.describe()}"

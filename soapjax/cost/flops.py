@@ -165,7 +165,8 @@ class FlopCounter:
         for i, (op, config) in enumerate(zip(self.graph.operators, strategy.configs)):
             c = self.operator(i, config.degrees(mesh))
             fwd_side = c.forward.plus(c.residuals)
-            if recomputes(op, strategy.recompute_of(i)):  # saved nothing: F, then F + R again
+            if recomputes(op, strategy.recompute_of(i)) or self.graph.remat_recomputes(i):
+                # saved nothing (the plan's or the model's remat): F, then F + R again
                 fwd += c.forward.flops
                 again += fwd_side.flops
                 trans += c.forward.transcendentals

@@ -363,6 +363,70 @@ class OpGraph:
         pair itself where it `has_aux`, else ``(value, None)``."""
         return tuple(value) if self.has_aux else (value, None)
 
+    def remat_recomputes(self, j: int) -> bool:
+        """Whether operator `j`'s forward runs again in the backward because the model itself
+        wraps it in a remat region (`jax.checkpoint`, `nn.remat`, `nnx.remat`, a scan's
+        ``remat``) whose policy keeps none of its outputs: every equation of it inside such a
+        region. Policies that save nothing (the default) keep none; ``everything_saveable``
+        keeps all; the dot policies (``dots_saveable``, ``dots_with_no_batch_dims_saveable``)
+        keep a matmul's result, so an operator built around a matmul is counted as kept (its
+        elementwise tail, recomputed, is not counted), but for an attention core's matmuls
+        of two activations under ``dots_with_no_batch_dims_saveable``. Other policies (names
+        saved by ``checkpoint_name``, offloading) are counted as saving nothing.
+
+        The simulator and the FLOP count treat such an operator as recomputing, as a plan's
+        ``"full"`` recomputation would (`soapjax.strategy.memory.recomputes`); apply keeps the
+        model's regions as they are (`Program`).
+        """
+        return self.memo(("remat_recomputes", j), lambda: self._remat_recomputes(j))
+
+    def remat_rereads(self, j: int) -> bool:
+        """Whether the recomputation of a `remat_recomputes` operator `j` in the backward
+        needs its first output again: another operator in the same remat region (one call of
+        it: each layer of a scan its own) reads it, and recomputes with it. XLA computes
+        again only what a backward inside the region reads: a matmul whose output leaves the
+        region (the layer's last projection, summed into the residual stream the next layer
+        reads) is not run again, nor the all-reduce of its partial sums."""
+        return self.memo(("remat_rereads", j), lambda: self._remat_rereads(j))
+
+    def _remat_rereads(self, j: int) -> bool:
+        region = self._region_of(j)
+        if region is None or not self.remat_recomputes(j):
+            return False
+        name = self.operators[j].name
+        return any(self._region_of(r) == region and self.remat_recomputes(r)
+                   for r, op in enumerate(self.operators) if r != j and any(
+                       x.kind == "activation" and x.source == name and x.index == 0
+                       for x in op.inputs))
+
+    def _region_of(self, j: int) -> int | None:
+        """The innermost remat region all of operator `j`'s equations lie in, if one."""
+        prog = self.program
+        units = prog.local[self.operators[j].name].units if self.operators[j].name in \
+            prog.local else ()
+        regions = {prog.units[u].region[-1] if prog.units[u].region else None for u in units}
+        return regions.pop() if len(regions) == 1 else None
+
+    def _remat_recomputes(self, j: int) -> bool:
+        prog = self.program
+        op = self.operators[j]
+        units = prog.local[op.name].units if op.name in prog.local else ()
+        if not units or not all(prog.units[u].region for u in units):
+            return False
+        matmul = op.anchor == "dot_general"
+        batched = matmul and sum(x.kind == "activation" for x in op.inputs) > 1  # attention's
+        for u in units:
+            policy = prog.regions[prog.units[u].region[-1]].get("policy")
+            if policy is None:
+                continue  # nothing saved
+            name = getattr(policy, "__name__", None) or type(policy).__name__
+            if name == "everything_saveable":
+                return False
+            if name in ("DotsSaveable", "dots_saveable", "checkpoint_dots") and matmul and not (
+                    batched and getattr(policy, "only_if_no_batch_dims", False)):
+                return False
+        return True
+
     def makes_keys(self, name: str) -> bool:
         """Whether operator `name` makes PRNG keys from constants (reads a typed-key constant,
         or holds `random_seed`/`random_wrap`): dropout's key, before it is split and drawn."""

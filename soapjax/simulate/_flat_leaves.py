@@ -121,8 +121,9 @@ class _LeafBuilding:
             chain = self._chain_tasks(pieces, layout.fwd_key(j, o), [], PARAM_GATHER, leaf)
             tasks += chain
             ends.append(chain[-1] if chain else -1)
+            # (a model's own remat region gathers once: the gathered copy is what enters it)
             regathers = is_param and spec != store and self._regathers and \
-                self._views[j].recomputes
+                self._views[j].recomputes and not self.graph.remat_recomputes(j)
             key, room = self._regather_key(j, o) if regathers else (0, 0)
             regathers = regathers and len(pieces) <= room
             if spec != store and not regathers:

@@ -255,7 +255,7 @@ class _TaskBuilding:
             else:  # one microbatch's shard, M times (`soapjax.strategy.memory`)
                 t = self.cost_model.shard_time(
                     j, microbatch_degrees(op, config.degrees(self.mesh), m))
-            recompute = recomputes(op, policy)
+            recompute = recomputes(op, policy) or self.graph.remat_recomputes(j)
             forward = m * self._compute_time(float(t.forward_s))
             backward = m * self._compute_time(float(t.backward_s))
             if recompute:
@@ -397,11 +397,14 @@ class _TaskBuilding:
     def _build_op_comm(self, j: int) -> _OpComm:
         """Operator `j`'s own collectives: after its forward task the all-reduces of the
         statistics it reduces over split dims (`_inner_chains`), then of its partial sums (none
-        unless it splits a reduction); after its backward task the statistics' backward."""
+        unless it splits a reduction); after its backward task the statistics' backward, and
+        where the model's own remat runs the partial sums again (`OpGraph.remat_rereads`),
+        those first."""
         v, layout = self._views[j], self._layout
         key = layout.fwd_key(j, layout.slots - 1)
         forward = self._chain_tasks(v.inner_forward, key, [self._forward_task[j]],
                                     INNER_REDUCE, j)
+        again: tuple[Comm, ...] = ()
         if v.reduction_axes:
             x = self.graph.operators[j].outputs[0]
             target = self._scatter[j][0] or v.out_specs[0]  # reduce-scattered, else all-reduced
@@ -409,8 +412,10 @@ class _TaskBuilding:
                                            v.reduction_axes)
             forward += self._chain_tasks(chain, key + len(forward),
                                          forward[-1:] or [self._forward_task[j]], PARTIAL_SUM, j)
+            if self.graph.remat_rereads(j):  # the model's remat runs its partial sums again
+                again = chain
         # slot 0 holds the backward task at position 0; the statistics follow it
-        backward = self._chain_tasks(v.inner_backward, layout.bwd_key(j, 0, 1),
+        backward = self._chain_tasks(again + v.inner_backward, layout.bwd_key(j, 0, 1),
                                      [self._backward_task[j]], INNER_REDUCE_BWD, j)
         return _OpComm(forward, len(v.inner_forward), backward)
 
