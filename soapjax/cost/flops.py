@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from soapjax.base._dtypes import is_float
 from soapjax.graph._dims import Flops as Flops, xla_flops
 from soapjax.graph._local import CustomRuleError, operator_fn
+from soapjax.graph._remat import remat_recomputes
 from soapjax.graph.opgraph import OpGraph
 from soapjax.strategy.memory import recomputes
 from soapjax.strategy.space import MeshShape, param_specs
@@ -165,7 +166,7 @@ class FlopCounter:
         for i, (op, config) in enumerate(zip(self.graph.operators, strategy.configs)):
             c = self.operator(i, config.degrees(mesh))
             fwd_side = c.forward.plus(c.residuals)
-            if recomputes(op, strategy.recompute_of(i)) or self.graph.remat_recomputes(i):
+            if recomputes(op, strategy.recompute_of(i)) or remat_recomputes(self.graph, i):
                 # saved nothing (the plan's or the model's remat): F, then F + R again
                 fwd += c.forward.flops
                 again += fwd_side.flops

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from soapjax.graph._remat import remat_recomputes
 from soapjax.simulate._simresult import (
     GRAD_SYNC,
     PARAM_GATHER,
@@ -123,7 +124,7 @@ class _LeafBuilding:
             ends.append(chain[-1] if chain else -1)
             # (a model's own remat region gathers once: the gathered copy is what enters it)
             regathers = is_param and spec != store and self._regathers and \
-                self._views[j].recomputes and not self.graph.remat_recomputes(j)
+                self._views[j].recomputes and not remat_recomputes(self.graph, j)
             key, room = self._regather_key(j, o) if regathers else (0, 0)
             regathers = regathers and len(pieces) <= room
             if spec != store and not regathers:

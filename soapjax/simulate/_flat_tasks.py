@@ -16,6 +16,7 @@ from soapjax.graph._inner import (
     matmul_operands,
     query_dims,
 )
+from soapjax.graph._remat import remat_recomputes, remat_rereads
 from soapjax.simulate._flat_memory import shard_bytes
 from soapjax.simulate._simresult import (
     BACKWARD,
@@ -255,7 +256,7 @@ class _TaskBuilding:
             else:  # one microbatch's shard, M times (`soapjax.strategy.memory`)
                 t = self.cost_model.shard_time(
                     j, microbatch_degrees(op, config.degrees(self.mesh), m))
-            recompute = recomputes(op, policy) or self.graph.remat_recomputes(j)
+            recompute = recomputes(op, policy) or remat_recomputes(self.graph, j)
             forward = m * self._compute_time(float(t.forward_s))
             backward = m * self._compute_time(float(t.backward_s))
             if recompute:
@@ -398,7 +399,7 @@ class _TaskBuilding:
         """Operator `j`'s own collectives: after its forward task the all-reduces of the
         statistics it reduces over split dims (`_inner_chains`), then of its partial sums (none
         unless it splits a reduction); after its backward task the statistics' backward, and
-        where the model's own remat runs the partial sums again (`OpGraph.remat_rereads`),
+        where the model's own remat runs the partial sums again (`soapjax.graph._remat`),
         those first."""
         v, layout = self._views[j], self._layout
         key = layout.fwd_key(j, layout.slots - 1)
@@ -412,7 +413,7 @@ class _TaskBuilding:
                                            v.reduction_axes)
             forward += self._chain_tasks(chain, key + len(forward),
                                          forward[-1:] or [self._forward_task[j]], PARTIAL_SUM, j)
-            if self.graph.remat_rereads(j):  # the model's remat runs its partial sums again
+            if remat_rereads(self.graph, j):  # the model's remat runs its partial sums again
                 again = chain
         # slot 0 holds the backward task at position 0; the statistics follow it
         backward = self._chain_tasks(again + v.inner_backward, layout.bwd_key(j, 0, 1),
