@@ -1,7 +1,7 @@
 """A model's own remat regions (`jax.checkpoint`, `nn.remat`, `nnx.remat` around scanned layers)
 priced as XLA runs them: the operators inside recompute their forward in the backward, with its
 statistics, partial sums and reshardings, but a parameter gathered outside the region is not
-gathered again (`OpGraph.remat_recomputes`)."""
+gathered again (`soapjax.graph._remat`)."""
 
 import flax.linen as nn
 import jax
@@ -12,6 +12,7 @@ from conftest import assert_delta_equals_full
 from soapjax.check import compare_on_devices
 from soapjax.cost.flops import FlopCounter
 from soapjax.cost.operators import cost_model
+from soapjax.graph._remat import remat_recomputes, remat_rereads
 from soapjax.graph.opgraph import trace
 from soapjax.simulate.front import simulate
 from soapjax.strategy import baselines, space
@@ -52,7 +53,7 @@ def _graph(policy):
 ])
 def test_operators_inside_a_models_remat_region_recompute(policy, recomputed):
     g = _graph(policy)
-    got = {op.name for j, op in enumerate(g.operators) if g.remat_recomputes(j)}
+    got = {op.name for j, op in enumerate(g.operators) if remat_recomputes(g, j)}
     assert got == recomputed, [op.name for op in g.operators]
 
 
@@ -60,7 +61,7 @@ def test_only_what_a_backward_in_the_region_reads_is_computed_again():
     """The block's last matmul feeds the next block, outside the region: XLA does not run it
     again (nor its partial sums' all-reduce); the others feed the block's own backward."""
     g = _graph(None)
-    again = {op.name for j, op in enumerate(g.operators) if g.remat_rereads(j)}
+    again = {op.name for j, op in enumerate(g.operators) if remat_rereads(g, j)}
     assert again == {"b0/ln", "b0/fc1"}
 
 
