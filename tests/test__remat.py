@@ -93,22 +93,17 @@ def _check(model: str, plan: str):
 
 
 @pytest.mark.parametrize("model, plan, rel", [("nnx_scan_transformer", "expert-rnn", 0.05),
-                                              ("linen_scan_transformer", "megatron-sp", 0.01),
-                                              ("linen_scan_transformer", "megatron", 0.01)])
+                                              ("linen_scan_transformer", "megatron", 0.01),
+                                              ("linen_scan_transformer", "fsdp", 0.01)])
 def test_check_of_scanned_remat_layers_matches_xla(model, plan, rel):
     """Scanned layers under the model's own remat (`nnx.remat`, `nn.remat` in `nn.scan`):
-    XLA's collective bytes (0.71, 0.79 and 0.90 of them predicted before the model's remat was
+    XLA's collective bytes (0.71 and 0.90 of them predicted before the model's remat was
     priced: the recomputed forward's all-reduces and all-gathers, inside
-    ``rematted_computation``; 1.07 and 1.10 while every recomputed partial sum was counted
-    again)."""
+    ``rematted_computation``; 1.10 of them while every recomputed partial sum was counted
+    again). FSDP: XLA gathers each parameter once (the gathered copy is what enters the
+    region), and so does the simulator (1.42 while it gathered them again)."""
     g, topo, strategy, r = _check(model, plan)
     assert r.max_abs_diff < 1e-5
     assert r.predicted_collective_bytes == pytest.approx(r.hlo_collective_bytes, rel=rel)
-    assert_delta_equals_full(g, topo, strategy, moves=30)
-
-
-def test_a_parameter_gathered_outside_the_models_remat_is_not_gathered_again():
-    """FSDP over scanned remat layers: XLA gathers each parameter once (the gathered copy is
-    what enters the region), and so does the simulator."""
-    _, _, _, r = _check("linen_scan_transformer", "fsdp")
-    assert r.predicted_collective_bytes == pytest.approx(r.hlo_collective_bytes, rel=0.01)
+    if plan != "fsdp":
+        assert_delta_equals_full(g, topo, strategy, moves=20)
