@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -199,10 +199,10 @@ def _operator_programs(graph: OpGraph, strategy: Strategy, layouts: _Layouts,
                        manual: dict[int, Callable]) -> dict[str, Callable]:
     """Operator name -> the program that computes it at once, for every operator whose
     equations run together (`OpGraph.replaceable`): a loop split over its batch per group of
-    samples (`_grouped_loop`), any other its own program (`soapjax.graph._local.operator_fn`, its
-    row-parallel matmul's result constrained where its partial sums are reduce-scattered:
-    `_Layouts.anchor_hook`); with `constrain_operands`, its operands constrained to the specs
-    its config gives them (`_Layouts.operands`); a context-parallel attention operator (`cps`:
+    samples (`_grouped_loop`), any other its own program (`soapjax.graph._local.operator_fn`,
+    the values it makes held in its config's layout: `_Layouts.value_hook`); with
+    `constrain_operands`, its operands constrained to the specs its config gives them
+    (`_Layouts.operands`); a context-parallel attention operator (`cps`:
     operator index -> `soapjax.apply._context_parallel.ContextParallel`) its attention equation in
     `jax.shard_map`; a top k over split rows and a grouped convolution (`manual`: program
     unit -> its computation, `soapjax.apply._manual`) in `jax.shard_map` too."""
@@ -216,7 +216,7 @@ def _operator_programs(graph: OpGraph, strategy: Strategy, layouts: _Layouts,
                                  if constrain_operands else fn)
             continue
         fn = (_grouped_loop(graph, op, cfg, mesh)
-              or operator_fn(graph, op.name, on_value=layouts.anchor_hook(j),
+              or operator_fn(graph, op.name, on_value=layouts.value_hook(j, manual),
                              calls=manual)[0])
         if constrain_operands:
             fn = _with_operand_constraints(
@@ -287,10 +287,78 @@ class _Layouts:
             out.append((sharding, back))
         return out
 
-    def anchor_hook(self, j: int) -> Callable | None:
+    def value_hook(self, j: int, manual: Mapping[int, Any] | None = None) -> Callable:
         """``on_value`` for `soapjax.graph._local.operator_fn` of operator `j`: where its partial
-        sums are reduce-scattered, its matmul's result constrained to the target layout (the
-        one equation of its anchor primitive; None where there is no such one)."""
+        sums are reduce-scattered, its matmul's result constrained to the target layout
+        (`_anchor_hook`); else the values `held` gives, held there in the forward pass only,
+        so that XLA computes the operator where the plan, and the simulator, put it.
+
+        Left to its sharding propagation, XLA placed values inside an operator by their uses
+        in the backward pass too: MobileNet's ReLU6 before a 1x1 projection that reads its
+        input whole was computed on the channel shards (where the backward pass masks the
+        cotangent), gathered, and its input gathered again for those masks (1.36x the plan's
+        collective bytes; `tests/test_apply.py`). The cotangents stay XLA's to place:
+        constrained too, they made it all-reduce the projection's input cotangent whole where
+        the plan reduce-scatters it into the producer's layout (`operands`' ``back``)."""
+        anchor = self._anchor_hook(j)
+        if anchor is not None:
+            return anchor
+        held = self.held(j, manual)
+
+        def hook(v: int, value: Any) -> Any:
+            return _held(value, held[v]) if v in held else value
+        return hook
+
+    def held(self, j: int, manual: Mapping[int, Any] | None = None
+             ) -> dict[int, NamedSharding]:
+        """Value id -> its layout under operator `j`'s config (`_value_axes`), for every
+        floating value the operator's own equations make whose layout is known, except those
+        an equation run in `jax.shard_map` reads (`manual`: program unit -> its computation,
+        `soapjax.apply._manual`), whose specs say where they go."""
+        op, cfg = self.graph.operators[j], self.strategy.configs[j]
+        prog = self.graph.program
+        loc = prog.local[op.name]
+        read = {v for i in loc.units if i in (manual or {}) for v in prog.units[i].ins}
+        out = {}
+        for i in loc.units:
+            for v in prog.units[i].outs:
+                if (v is None or v in read or v not in loc.lab or "float" not in prog.dtypes[v]
+                        or len(loc.lab[v]) != len(prog.shapes[v])):
+                    continue
+                axes = self._value_axes(loc, cfg, v)
+                if axes is not None:
+                    out[v] = self._sharding(axes)
+        return out
+
+    def _value_axes(self, loc: Any, cfg: Config, v: int) -> list[tuple[str, ...]] | None:
+        """The axes `cfg` splits each dim of value `v` over (a dim that merges several, as a
+        fused projection's columns before the heads are made: those of its major part), or
+        None where that is not known or no `PartitionSpec`: a dim the labels tie to no
+        iteration dim (a batch dim before windows merge it with others), a merged dim split
+        in a minor part, a dim its axes do not divide."""
+        def axes_of(lbl: int) -> tuple[str, ...] | None:
+            if not any(r in loc.iter_of for r in loc.labels.chain(lbl)):
+                return None
+            d = loc.labels.lookup(lbl, loc.iter_of)
+            return tuple(cfg.axes[d]) if d is not None else ()
+
+        out = []
+        for lbl, size in zip(loc.lab[v], self.graph.program.shapes[v]):
+            axes = () if size == 1 else axes_of(lbl)
+            if axes is None:  # a merged dim: split as its major part, if the rest is whole
+                parts = [axes_of(p) for p in loc.labels.parts_of(lbl)]
+                if not parts or None in parts or any(parts[1:]):
+                    return None
+                axes = parts[0]
+            if size % self.shape.degree(axes):
+                return None
+            out.append(axes)
+        return out
+
+    def _anchor_hook(self, j: int) -> Callable | None:
+        """Where operator `j`'s partial sums are reduce-scattered, ``on_value`` that constrains
+        its matmul's result to the target layout (the one equation of its anchor primitive;
+        None where there is no such one, or no target)."""
         target = self.targets[j]
         if target is None:
             return None
@@ -344,6 +412,24 @@ def _constrain_operand_bwd(sharding, back, _, ct):
 
 
 _constrain_operand.defvjp(_constrain_operand_fwd, _constrain_operand_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _held(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """``with_sharding_constraint(x, sharding)`` in the forward pass only: its cotangent goes
+    back unconstrained (`_Layouts.value_hook`)."""
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _held_fwd(x, sharding):
+    return _held(x, sharding), None
+
+
+def _held_bwd(sharding, _, ct):
+    return (ct,)
+
+
+_held.defvjp(_held_fwd, _held_bwd)
 
 
 def _with_operand_constraints(fn: Callable,

@@ -160,6 +160,10 @@ _LAYOUT = frozenset({"reshape", "squeeze", "expand_dims", "transpose", "copy", "
                      "convert_element_type", "reduce_precision"})
 
 
+# What makes an operand's partial cotangent: its transpose reads the cotangent of what it read.
+_MATMULS = frozenset({"dot_general", "conv_general_dilated"})
+
+
 class MatmulOperand(NamedTuple):
     """The value a matmul reads in an operand's place, where the operator computes on the
     operand first (see the module docstring).
@@ -175,9 +179,10 @@ class MatmulOperand(NamedTuple):
 
 
 def matmul_operands(graph: OpGraph, j: int) -> tuple[MatmulOperand | None, ...]:
-    """Per input of operator `j`, what its first matmul (``dot_general``) reads in the input's
-    place when that is computed from the input by more than layout and dtype changes (a
-    rotary embedding, a repeat); None where the matmul reads the input itself, or none does.
+    """Per input of operator `j`, what its first matmul (``dot_general``, or a convolution)
+    reads in the input's place when that is computed from the input by more than layout and
+    dtype changes (a rotary embedding, a repeat, the half of the channels a coupling layer's
+    convolution reads); None where the matmul reads the input itself, or none does.
 
     >>> import jax.numpy as jnp
     >>> from soapjax.graph.opgraph import trace
@@ -206,7 +211,7 @@ def _matmul_operands(graph: OpGraph, j: int) -> tuple[MatmulOperand | None, ...]
             hit = [v for v in u.ins if v in reached]
             if not hit:
                 continue
-            if u.eqn.primitive.name == "dot_general":
+            if u.eqn.primitive.name in _MATMULS:
                 if reached[hit[0]] and hit[0] in loc.lab:
                     found = MatmulOperand(
                         tuple(prog.shapes[hit[0]]), prog.dtypes[hit[0]],
