@@ -29,6 +29,7 @@ from soapjax.graph._ir import (
     ReductionDim,
     Role,
     read_convolutions,
+    read_poolings,
 )
 from soapjax.graph._program import OperatorLabels, Program
 
@@ -701,10 +702,14 @@ class _Builder:
             granularity=granularity, halo_dims=halo)
 
     def _halo_dims(self, group, ls, lab, iter_of, sizes) -> tuple[int, ...]:
-        """`Operator.halo_dims`: the iteration dims its convolutions' spatial dims follow
-        where a split needs a halo (`soapjax.graph._ir.Convolution.needs_halo`)."""
-        convs = read_convolutions(group, self.p.units, lab, lambda x: ls.lookup(x, iter_of))
-        return tuple(sorted(set().union(*(c.halo_dims(sizes) for c in convs))))
+        """`Operator.halo_dims`: the iteration dims its convolutions' spatial dims and its
+        poolings' windowed dims follow where a split needs a halo
+        (`soapjax.graph._ir.Convolution.needs_halo`, `soapjax.graph._ir.Pooling.halo_dims`)."""
+        def lookup(x):
+            return ls.lookup(x, iter_of)
+        windows = (*read_convolutions(group, self.p.units, lab, lookup),
+                   *read_poolings(group, self.p.units, lab, lookup))
+        return tuple(sorted(set().union(*(w.halo_dims(sizes) for w in windows))))
 
     def _boundary(self, group: list[int], anchor: int) -> tuple[list[int], list[int]]:
         """The values a group reads from outside, and those it exports (primary first)."""

@@ -132,11 +132,12 @@ class Operator:
         takes inside the operator (rotary embeddings slice a head dim of 8 into halves of 4:
         4); a split must divide it, or the shards would need data from each other. () means
         `iteration_sizes`.
-      halo_dims: the iteration dims a convolution inside follows with a spatial dim whose
-        windows overlap or are padded (a split would need its neighbours' rows: a halo). The
-        search space leaves them whole whatever their role (a position embedding makes a
-        convolution's rows P, a pooling inside the operator R): XLA computes such splits
-        wrongly (`soapjax.strategy.space.spatial_convolution`).
+      halo_dims: the iteration dims a convolution or a pooling inside follows with a spatial
+        dim whose windows overlap or are padded (a split would need its neighbours' rows: a
+        halo). The search space leaves them whole whatever their role (a position embedding
+        makes a convolution's rows P, a pooling inside the operator R): XLA computes such
+        splits of a convolution wrongly (`soapjax.strategy.space.spatial_convolution`), and
+        exchanges a pooling's halos with collectives the simulator does not price.
     """
 
     name: str
@@ -272,6 +273,54 @@ class Convolution(NamedTuple):
         """The iteration dims its spatial dims that need a halo follow (`needs_halo`)."""
         return {d for k, pair in enumerate(self.spatial()) if self.needs_halo(k, sizes)
                 for d in pair if d is not None}
+
+
+class Pooling(NamedTuple):
+    """A pooling equation of an operator (``reduce_window_max``, ``reduce_window_sum``, any
+    ``reduce_window``): which iteration dim each dim of its input (``lhs``) and result
+    (``out``) follows (None: none), as `read_poolings` reads them."""
+
+    unit: int
+    eqn: Any
+    lhs: tuple[int | None, ...]
+    out: tuple[int | None, ...]
+
+    def halo_dims(self, sizes: Sequence[int]) -> set[int]:
+        """The iteration dims its windowed dims follow where a split needs its neighbours'
+        elements (`sizes`: the operator's iteration sizes): every windowed dim but one the
+        input and result both follow, tiled by windows that do not overlap (a 2x2 pool of
+        stride 2 without padding), as `Convolution.needs_halo` reads a convolution's."""
+        p = self.eqn.params
+        size_in, size_out = self.eqn.invars[0].aval.shape, self.eqn.outvars[0].aval.shape
+        out: set[int] = set()
+        for k, (a, b) in enumerate(zip(self.lhs, self.out)):
+            window, stride = p["window_dimensions"][k], p["window_strides"][k]
+            plain = (tuple(p["padding"][k]) == (0, 0) and p["base_dilation"][k] == 1
+                     and p["window_dilation"][k] == 1)
+            if window == 1 and stride == 1 and plain:
+                continue  # not a windowed dim
+            tiled = (a == b and b is not None and plain and window == stride
+                     and size_in[k] == size_out[k] * window and sizes[b] == size_out[k])
+            if not tiled:
+                out |= {d for d in (a, b) if d is not None}
+        return out
+
+
+def read_poolings(units: Sequence[int], program_units: Sequence[Any], lab: dict,
+                  lookup: Callable[[int], int | None]) -> tuple[Pooling, ...]:
+    """The pooling equations among `units` (indices into `program_units`), each dim read
+    through `lookup` (a label -> its iteration dim); one whose input or result carries no
+    labels left out."""
+    out = []
+    for i in units:
+        u = program_units[i]
+        if not u.eqn.primitive.name.startswith("reduce_window"):
+            continue
+        if any(v not in lab for v in (u.ins[0], u.outs[0])):
+            continue
+        lhs, res = (tuple(lookup(x) for x in lab[v]) for v in (u.ins[0], u.outs[0]))
+        out.append(Pooling(i, u.eqn, lhs, res))
+    return tuple(out)
 
 
 def read_convolutions(units: Sequence[int], program_units: Sequence[Any], lab: dict,
