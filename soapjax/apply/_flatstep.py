@@ -5,7 +5,8 @@ The traced forward pass is re-evaluated equation by equation inside `jax.jit`
 ``jax.lax.with_sharding_constraint(value, NamedSharding(mesh, config.output_spec(op, k)))``;
 an operator whose equations run together (`OpGraph.replaceable`: most of them) is computed by
 its own program (`soapjax.graph._local.operator_fn`) with its operands constrained to the specs its
-config gives them too, and the operands of the others (a loss interleaved with its labels'
+config gives them too (and the values it makes held there in the forward pass:
+`_Layouts.held`), and the operands of the others (a loss interleaved with its labels'
 preprocessing) are constrained where their equations read them. No model code changes;
 autodiff carries the constraints to the backward pass, and XLA's SPMD partitioner inserts the
 collectives (`constrained_loss`). `FlatStep` is its `soapjax.apply._shardings.StepProgram`: the
