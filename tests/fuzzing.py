@@ -84,6 +84,8 @@ class Subject(NamedTuple):
         takes its softmax in float32: `soapjax.exactness.rounding_tolerance`).
       computed_in: the narrowest float type the step computes in, whose rounding sets the
         floor of a leaf whose true gradient is zero (`soapjax.exactness.compare_gradients`).
+      compiler_options: what the reference and every applied step compile with: `FAST`,
+        and a corpus model's `corpus.Entry.exact_compile` over it.
     """
 
     name: str
@@ -94,6 +96,7 @@ class Subject(NamedTuple):
     reference: tuple[Any, Any]
     operators: list[str]
     computed_in: str
+    compiler_options: dict[str, Any] = FAST
 
     @property
     def tolerance(self) -> float:
@@ -111,6 +114,7 @@ def names() -> list[str]:
 def subject(name: str) -> Subject:
     """The subject `name` (built once per process)."""
     kind, rest = name.split(":", 1)
+    options = FAST | dict(corpus.CORPUS[rest].exact_compile if kind == "corpus" else ())
     with jax.enable_x64(True):
         if kind == "corpus":
             loss_fn, arg, batch = corpus.get(rest, dtype=jnp.float64, compiler_options=FAST)
@@ -134,9 +138,9 @@ def subject(name: str) -> Subject:
         # microbatch: `soapjax.trace`): the reference is the whole batch's step
         graph = trace(loss, params, batch, name=name.replace(":", "-"),
                       microbatch_statistics=False)
-        reference = jax.jit(jax.value_and_grad(loss), compiler_options=FAST)(params, batch)
+        reference = jax.jit(jax.value_and_grad(loss), compiler_options=options)(params, batch)
     return Subject(name, graph, params, batch, loss, reference, reading_operators(graph),
-                   narrowest_float(graph))
+                   narrowest_float(graph), options)
 
 
 def _jiggle(tree: Any, seed: int = 0) -> Any:
@@ -253,13 +257,15 @@ def check(s: Subject, strategy: Strategy, topology: Topology) -> Outcome:
     with jax.enable_x64(True):
         try:
             fn, sh = apply.sharded_value_and_grad(s.graph, strategy, mesh, params=s.params,
-                                                  batch=s.batch, compiler_options=FAST)
+                                                  batch=s.batch,
+                                                  compiler_options=s.compiler_options)
             loss, grads = jax.block_until_ready(fn(apply.device_put_global(s.params, sh.params),
                                                    apply.device_put_global(s.batch, sh.batch)))
         except PlanError as e:  # (blocked: a step failing at run time is a crash, reported)
             return Outcome(None, str(e))
         except Exception as e:  # noqa: BLE001  apply crashing is a failure to report
-            return Outcome(None, crashed=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            first = (str(e).splitlines() or [""])[0]  # an assertion may have no message
+            return Outcome(None, crashed=f"{type(e).__name__}: {first[:300]}")
         # an interleaved pipeline's stacked layers come back in chunk order
         return Outcome(compare_gradients(loss, apply.model_layout(grads), *s.reference,
                                          tolerance=s.tolerance, operators=s.operators,

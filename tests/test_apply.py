@@ -314,6 +314,35 @@ def test_an_operators_own_values_stay_where_its_config_puts_them():
     assert r.predicted_collective_bytes == pytest.approx(r.hlo_collective_bytes, rel=0.02)
 
 
+def test_a_value_one_split_dim_gives_two_dims_is_left_to_xla(mesh):
+    """PointNet's orthogonality penalty ``|A A^T - I|^2``: the Gram matrix's rows and columns
+    are both A's rows, one iteration dim of the loss's operator, so a config splitting it has
+    no `PartitionSpec` for the Gram matrix (``P(None, 'model', 'model')``): holding it
+    (`_Layouts.held`) crashed the step with jax's `DuplicateSpecError`. Such a value is left to
+    XLA, and the step is exact."""
+    with jax.enable_x64(True):
+        k = jax.random.split(jax.random.key(0), 2)
+        params = {"w": jax.random.normal(k[0], (4, 16))}
+        batch = {"x": jax.random.normal(k[1], (8, 16, 4))}
+
+        def loss_fn(p, b):
+            a = b["x"] @ p["w"]
+            gram = a @ jnp.swapaxes(a, 1, 2)
+            return ((gram - jnp.eye(16)) ** 2).mean()
+
+        graph = trace(loss_fn, params, batch, name="gram")
+        assert [op.iteration_sizes for op in graph.operators][-1] == (16, 8, 16)
+        strategy = Strategy((Config(((), ("data",), ("model",), ())),
+                             Config(((), ("data",), ("model",)))))
+        fn, sh = sharded_value_and_grad(graph, strategy, mesh, params=params, batch=batch,
+                                        compiler_options=FAST_COMPILE)
+        loss, grads = fn(device_put_global(params, sh.params), device_put_global(batch, sh.batch))
+        want_loss, want = jax.value_and_grad(loss_fn)(params, batch)
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-12)
+    np.testing.assert_allclose(np.asarray(grads["w"]), np.asarray(want["w"]), rtol=1e-12,
+                               atol=1e-12 * float(np.abs(np.asarray(want["w"])).max()))
+
+
 def test_a_convolution_reduces_its_partial_sums_as_planned(mesh):
     # AlexNet's conv3 splits its input channels (R) over data: the plan reduces partial sums of
     # its output (an all-reduce of f32[8,3,3,16], 4608 B). Left to itself XLA instead gathered

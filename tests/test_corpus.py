@@ -520,6 +520,12 @@ IDIOMS = {
     "glow": {"lu", "conv_general_dilated", "logistic", "transpose"},
     "shared_layers": {"scan", "dot_general", "gather", "tanh"},
     "phi3_fused": {"split", "slice", "concatenate", "logistic"},
+    "dlrm": {"rem", "gather", "concatenate", "max"},
+    "pointnet": {"conv_general_dilated", "reduce_max", "dot_general", "random_bits"},
+    "vq_vae": {"argmin", "gather", "stop_gradient", "conv_general_dilated"},
+    "rwkv": {"scan", "pad", "remat2", "name"},
+    "deep_kernel_gp": {"cholesky", "triangular_solve", "platform_index", "cond"},
+    "capsnet": {"scan", "conv_general_dilated", "stop_gradient", "dot_general"},
 }
 # Grouped convolutions (feature_group_count > 1): depthwise, a channel multiplier, 4 groups.
 GROUPED = {"convnext": 1, "mobilenet": 2, "mamba": 1, "conformer": 1}

@@ -16,6 +16,8 @@
 * `soapjax check` and ``shard_training(verify=True)`` fail a plan whose step scales one
   gradient leaf by a constant under Adam (a test-only hook breaks the step on purpose), which
   the step comparison alone passes.
+* **A platform-dependent index** (`jnp.diag`'s `cond` on `platform_index`) is folded into the
+  operator that reads it: an operator of its own, recomputed, it crashed JAX's linearisation.
 * **The reference of coupled samples** (statistics per microbatch: the MoE's load-balancing
   loss) splits its microbatches as apply does (samples k, k + M, ...), not into blocks.
 """
@@ -772,6 +774,29 @@ def test_fnet_under_microbatches_with_its_norm_split_runs_exact():
     strategy = strategy.with_microbatches(2).replace(s.graph.index("blocks_0/mix_norm"),
                                                      Config((("data",), (), ("model",))))
     out = fuzzing.check(s, strategy, TOPOLOGY)
+    assert out.comparison is not None, out.refused or out.crashed
+    assert out.comparison.max_error <= X64, out.comparison.describe()
+
+
+def test_a_platform_dependent_index_joins_the_cond_that_reads_it():
+    """The randomized suite's find on the corpus's deep-kernel GP (seed 15 on cpu8-nodes),
+    shrunk: `jnp.diag` picks its implementation by a `cond` on `platform_index`, an equation of
+    no operands that was an operator of its own. Recomputed after a recomputed `y @ alpha`, its
+    index reached the `cond` with a materialised float0 tangent, and JAX's linearisation of
+    `cond` asserts there is none (an AssertionError without a message: no step). It is a cheap
+    equation now, folded into the operator that reads it."""
+    import dataclasses
+
+    import fuzzing
+
+    s = fuzzing.subject("corpus:deep_kernel_gp")
+    names = [op.name for op in s.graph.operators]
+    assert "platform_index" not in names and any(
+        op.anchor == "cond" for op in s.graph.operators), names
+    strategy = space.Strategy(tuple(Config.replicated(op) for op in s.graph.operators))
+    recompute = ["none"] * len(names)
+    recompute[-2:] = ["selective", "full"]  # y @ alpha, then the loss with its diag
+    out = fuzzing.check(s, dataclasses.replace(strategy, recompute=tuple(recompute)), TOPOLOGY)
     assert out.comparison is not None, out.refused or out.crashed
     assert out.comparison.max_error <= X64, out.comparison.describe()
 

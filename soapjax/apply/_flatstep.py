@@ -354,7 +354,7 @@ class _Layouts:
             if size % self.shape.degree(axes):
                 return None
             out.append(axes)
-        return out
+        return out if _distinct(out) else None
 
     def _anchor_hook(self, j: int) -> Callable | None:
         """Where operator `j`'s partial sums are reduce-scattered, ``on_value`` that constrains
@@ -377,11 +377,21 @@ class _Layouts:
             d = loc.labels.lookup(lbl, loc.iter_of)
             a = by_dim.get(d, cfg.axes[d] if d is not None and d < len(op.shape) else ())
             axes.append(a if size % self.shape.degree(a) == 0 else ())
+        if not _distinct(axes):
+            return None
         sharding = self._sharding(axes)
 
         def hook(v: int, value: Any) -> Any:
             return jax.lax.with_sharding_constraint(value, sharding) if v == vid else value
         return hook
+
+
+def _distinct(axes: Sequence[Sequence[str]]) -> bool:
+    """Whether no mesh axis splits two of a value's dims: a value whose dims two tie to one
+    iteration dim (PointNet's ``A @ A.T - eye``, a square whose rows and columns its labels
+    join) has no `PartitionSpec` of that split, and is left to XLA."""
+    used = [a for dim in axes for a in dim]
+    return len(used) == len(set(used))
 
 
 def _reduce_scatters(spec: PartitionSpec, producer: PartitionSpec, partials: Sequence[str],

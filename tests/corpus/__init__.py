@@ -44,10 +44,13 @@ import jax.numpy as jnp
 from corpus import (
     bert_encoder,
     bigru_tagger,
+    capsnet,
     clip,
     conformer,
     convnext,
+    deep_kernel_gp,
     dit,
+    dlrm,
     dropout_nnx,
     dynamic_conv,
     expert_choice,
@@ -74,9 +77,11 @@ from corpus import (
     padded_lm,
     phi3_fused,
     pinn,
+    pointnet,
     qwen3,
     recurrent_bn,
     resnet,
+    rwkv,
     safe_norm,
     shared_layers,
     ste,
@@ -86,6 +91,7 @@ from corpus import (
     unet,
     vit,
     vivit,
+    vq_vae,
     wavenet,
     wgan_gp,
     whisper,
@@ -111,6 +117,8 @@ class Entry:
         Megatron, FSDP, a searched plan and `shard_training`) or ``"fuzz"``
         (tests/test_fuzz_exactness.py: one device, and seeded random strategies on cpu8 and
         cpu8-nodes). Every model is in the randomized suite's long run either way.
+      exact_compile: XLA options its exactness checks compile with over the suite's fast
+        ones, where those compute the model wrongly (docs/xla-workarounds.md).
     """
 
     name: str
@@ -120,6 +128,7 @@ class Entry:
     has_conv: bool = False
     options: tuple[tuple[str, Any], ...] = ()
     gradients_in: Literal["corpus", "fuzz"] = "corpus"
+    exact_compile: tuple[tuple[str, Any], ...] = ()
 
 
 CORPUS: dict[str, Entry] = {e.name: e for e in (
@@ -313,6 +322,38 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
           "Phi-3-style decoder with fused projections: one qkv_proj cut into unequal query, "
           "key and value columns by slicing (GQA), one gate_up_proj split by jnp.split, "
           "rotate-half RoPE, logits[:, :-1] against tokens[:, 1:]", gradients_in="fuzz"),
+    Entry("dlrm", "linen", dlrm.make,
+          "DLRM-style recommender: a bottom MLP, multi-hot embedding bags (ids hashed by %, "
+          "an nn.Embed and two jnp.take tables, masked means, empty bags), pairwise dot "
+          "interactions gathered by jnp.triu_indices, a top MLP, sigmoid cross-entropy",
+          gradients_in="fuzz"),
+    Entry("pointnet", "linen", pointnet.make,
+          "PointNet classifier: T-Nets predicting per-sample 3x3 and 16x16 transforms "
+          "(kernel-1 convolutions, BatchNorm, max over points, identity-initialised), points "
+          "times their transform (both operands activations), an orthogonality penalty, "
+          "dropout", has_conv=True, gradients_in="fuzz",
+          # XLA:CPU at backend optimisation level 0 loses the max pool's gradient (its
+          # location mask compares the pooled value with an input it computed apart)
+          exact_compile=(("xla_backend_optimization_level", 1),)),
+    Entry("vq_vae", "linen", vq_vae.make,
+          "VQ-VAE: strided-conv encoder, nearest codebook vector by argmin of distances, "
+          "codes gathered by jnp.take, codebook and commitment losses by stop_gradient, the "
+          "straight-through z + sg(q - z), a ConvTranspose decoder", has_conv=True,
+          gradients_in="fuzz"),
+    Entry("rwkv", "linen", rwkv.make,
+          "RWKV-4-style LM: token shift by jnp.pad, the WKV recurrence as a lax.scan over "
+          "time in log space (a running maximum), learned decays, squared-ReLU channel "
+          "mixing, checkpoint_name'd projections under nn.remat(save_only_these_names), "
+          "tied logits", gradients_in="fuzz"),
+    Entry("deep_kernel_gp", "linen", deep_kernel_gp.make,
+          "deep kernel learning: an MLP's features into an RBF kernel over the batch's pairs "
+          "of samples plus noise on the diagonal, the exact GP marginal likelihood by "
+          "cho_factor / cho_solve (Cholesky and triangular solves)", gradients_in="fuzz"),
+    Entry("capsnet", "linen", capsnet.make,
+          "capsule network: primary capsules by reshape of a strided convolution, squash, "
+          "per-pair transforms by an einsum over a 4-D parameter, routing by agreement in a "
+          "lax.fori_loop (a scan) over stop_gradient'd predictions, the margin loss", has_conv=True,
+          gradients_in="fuzz"),
 )}
 
 
