@@ -801,6 +801,40 @@ def test_a_platform_dependent_index_joins_the_cond_that_reads_it():
     assert out.comparison.max_error <= X64, out.comparison.describe()
 
 
+def test_xla_cpu_at_level_0_still_loses_a_max_pools_gradient():
+    """The canary of `corpus.Entry.exact_compile` (docs/xla-workarounds.md): PointNet's shared
+    MLP, two layers of a batch norm with a scale and a bias (as flax's, the variance clipped at
+    zero) and a ReLU, pooled by a max over the points. Jax differentiates the max by comparing
+    the input with the pooled value; XLA:CPU at ``xla_backend_optimization_level=0`` (the
+    suite's, for speed) computes the two apart and the gradient below the pool comes out
+    wrong, in `jax.jit` alone, while level 1 agrees with the unjitted gradient (this small
+    program shows it with XLA's fusion emitters; PointNet itself with the suite's older
+    emitter too). When this fails, XLA computes it right: see whether PointNet still needs
+    its ``exact_compile``."""
+    def layer(h, kernel):
+        h = h @ kernel
+        mean, sq = h.mean((0, 1)), (h * h).mean((0, 1))
+        var = jnp.maximum(0.0, sq - mean * mean)
+        return jax.nn.relu((h - mean) * (jax.lax.rsqrt(var + 1e-5) * 1.1) + 0.1)
+
+    def loss(w):
+        h = layer(layer(x, w["w1"]), w["w2"]).max(axis=1)
+        return jax.nn.log_softmax(h @ w["w3"])[:, 0].mean()
+
+    with jax.enable_x64(True):
+        k = jax.random.split(jax.random.key(0), 8)
+        x = jax.random.normal(k[0], (8, 16, 3))
+        w = {"w1": jax.random.normal(k[1], (3, 16)),
+             "w2": 0.3 * jax.random.normal(k[3], (16, 32)),
+             "w3": 0.3 * jax.random.normal(k[4], (32, 8))}
+        got = {level: jax.jit(jax.grad(loss), compiler_options={
+            "xla_backend_optimization_level": level, "xla_cpu_use_fusion_emitters": True})(w)
+               for level in (0, 1)}
+        err = {level: max(float(jnp.abs(g[n] - got[1][n]).max() / jnp.abs(got[1][n]).max())
+                          for n in ("w1", "w2")) for level, g in got.items()}
+    assert err[0] > 0.1, err
+
+
 _FFT_CANARY = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P

@@ -699,6 +699,28 @@ def test_a_pool_after_the_last_block_is_not_folded_into_the_stem():
     assert [o.source for o in stem.inputs] == ["bn1"]
 
 
+def test_checkpoint_names_and_platform_indices_are_no_operators():
+    """``checkpoint_name`` (MaxText's way of naming what a remat policy keeps: the `name`
+    primitive) is an identity, and `jnp.diag`'s `platform_index` a constant: both fold into
+    the operators around them, at no FLOPs. Each was an operator of its own (the corpus RWKV's
+    six named projections: 31 operators, not 25, and a check 1.155x off in bytes; recomputed,
+    the deep-kernel GP's index crashed JAX's linearisation of the `cond` reading it)."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    w = jnp.ones((12, 16))
+    x = jnp.ones((8, 12))
+
+    def loss(w, x, named):
+        h = x @ w
+        h = checkpoint_name(h, "proj") if named else h
+        return jnp.mean(jnp.tanh(h) ** 2) + jnp.diag(h[:, :8]).sum()
+
+    named, plain = (trace(lambda w, x, n=n: loss(w, x, n), w, x) for n in (True, False))
+    assert [op.name for op in named.operators] == [op.name for op in plain.operators]
+    assert not any("name" in op.name or "platform" in op.name for op in named.operators)
+    assert [op.flops for op in named.operators] == [op.flops for op in plain.operators]
+
+
 def test_an_fft_never_splits_its_transform_dims():
     """An FFT's operator keeps the dims it transforms whole (XLA:CPU cannot run an FFT split
     there: docs/xla-workarounds.md); its batch dim stays splittable, and the operators around

@@ -89,7 +89,7 @@ _GEMMS = ("dot_general", "conv_general_dilated")
 # Equations that only relabel memory: a group of nothing else is folded into the layouts of
 # the kernels around it.
 _LAYOUT = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose",
-                     "iota", "stop_gradient", "copy"})
+                     "iota", "stop_gradient", "copy", "name"})
 _SLICES = frozenset({"gather", "dynamic_slice", "slice"})
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
                          "reduce_or", "argmax", "argmin", "reduce_precision_sum", "cumsum",

@@ -315,7 +315,7 @@ def _flops(name: str, params, in_shapes, out_shapes) -> float:
     if name in ("gather", "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims",
                 "convert_element_type", "iota", "slice", "dynamic_slice", "concatenate", "pad",
                 "copy", "copy_p", "stop_gradient", "split", "select_n", "rev", "stack",
-                "unstack"):
+                "unstack", "name"):
         return 0.0
     return float(sum(_numel(s) for s in out_shapes))
 
@@ -697,7 +697,8 @@ _XLA_FREE = frozenset({
     "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "iota", "slice",
     "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "copy", "copy_p",
     "stop_gradient", "split", "rev", "gather", "sharding_constraint", "optimization_barrier",
-    "device_put", "stack", "unstack", "mesh_cast", "reshard", "pvary", "bitcast_convert_type"})
+    "device_put", "stack", "unstack", "mesh_cast", "reshard", "pvary", "bitcast_convert_type",
+    "name"})
 _XLA_TRANSCENDENTAL = frozenset({
     "exp", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "sqrt", "rsqrt",
     "cbrt", "pow", "atan2", "erf", "acosh"})
@@ -744,7 +745,7 @@ _FOLD = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide
 def _fold(name: str, params, vals: list) -> Any:
     """The value of an equation on constants, where it is one value everywhere."""
     if name in ("broadcast_in_dim", "convert_element_type", "reshape", "squeeze",
-                "expand_dims", "copy", "copy_p"):
+                "expand_dims", "copy", "copy_p", "name"):
         return vals[0]
     if name == "integer_pow":
         return vals[0] ** params["y"]

@@ -61,7 +61,7 @@ broadcast_in_dim reshape squeeze expand_dims transpose rev slice dynamic_slice c
 unstack pad
 iota split sharding_constraint mesh_cast reduce_precision random_seed random_bits random_split
 random_fold_in random_wrap random_unwrap threefry2x32 custom_jvp_call custom_vjp_call remat2
-checkpoint pjit jit closed_call optimization_barrier platform_index
+checkpoint pjit jit closed_call optimization_barrier platform_index name
 """.split())
 # Name-stack entries that are module names (not `jit(...)` or an einsum's `...qhd,...khd->...`).
 # A name may be a number: libraries name the layers they hold in a Python list "0", "1", ...
