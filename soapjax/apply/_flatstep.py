@@ -462,8 +462,10 @@ def _grouped_loop(graph: OpGraph, op: Any, cfg: Config, mesh: Mesh) -> Callable 
     backward loop, once per step: T times the bytes of one gradient synchronisation (rnnlm tiny: 549
     KB where data parallelism needs 83 KB). With a group dim the gradient comes out per group,
     summed over the groups once after the loop: one all-reduce, as the simulator prices it. The
-    result is the same function (float32 rounding aside). None where this does not apply: not a
-    loop, batch not split, no parameters read, an output without the batch dim, equations
+    result is the same function (float32 rounding aside). The same for a value the model
+    computes from parameters before the loop (RWKV's decays ``-exp(w)``: its cotangent too was
+    all-reduced at every step). None where this does not apply: not a loop, batch not split,
+    nothing read without the batch dim, an output without the batch dim, equations
     interleaved with other operators', constants that carry the batch, a custom derivative rule
     inside (it was traced for the whole batch and cannot be re-bound per group), or random bits
     drawn inside (dropout: drawn per group, the masks would differ from the traced program's).
@@ -471,8 +473,9 @@ def _grouped_loop(graph: OpGraph, op: Any, cfg: Config, mesh: Mesh) -> Callable 
     d = space.sample_dim(op)
     if not op.is_loop or d is None or d >= len(cfg.axes) or not cfg.axes[d]:
         return None
-    if not any(o.kind == "param" for o in op.inputs) or not graph.replaceable(op.name):
-        return None
+    if not any(o.kind != "const" and d not in o.dims for o in op.inputs) or not (
+            graph.replaceable(op.name)):
+        return None  # nothing read the same by every sample: no gradient summed in the loop
     if has_custom_rules(graph, op.name) or draws_random_bits(graph, op.name):
         return None  # rules traced for the whole batch; random bits drawn at the whole shape
     out_pos = [t.dims.index(d) if d in t.dims else None for t in op.outputs]

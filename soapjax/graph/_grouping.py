@@ -63,6 +63,9 @@ iota split sharding_constraint mesh_cast reduce_precision random_seed random_bit
 random_fold_in random_wrap random_unwrap threefry2x32 custom_jvp_call custom_vjp_call remat2
 checkpoint pjit jit closed_call optimization_barrier platform_index name
 """.split())
+# Identities that name their operand (`checkpoint_name`: what a remat policy keeps): they stay
+# with the operator that made the value, whichever module names it.
+_NAMES_VALUES = frozenset({"name"})
 # Name-stack entries that are module names (not `jit(...)` or an einsum's `...qhd,...khd->...`).
 # A name may be a number: libraries name the layers they hold in a Python list "0", "1", ...
 _MODULE_NAME = re.compile(r"[\w][\w.\-]*")
@@ -353,7 +356,7 @@ class _Builder:
         for i, u in enumerate(units):
             if i not in live or i in self.p.slice_units:  # dead code (XLA drops it), or a
                 continue  # layer's parameter slice, read as that layer's parameter
-            kind = self._kind(i)
+            kind, name = self._kind(i), u.eqn.primitive.name
             ins = [value_group[v] if v in value_group else after[v] for v in u.ins
                    if v in value_group or v in after]
             latest = max(ins) if ins else None
@@ -364,7 +367,7 @@ class _Builder:
             if same is not None and (latest is None or same >= latest) and (mod or kind == "soft"):
                 latest = same
             g = latest
-            if (kind == "cheap" and mod and latest is not None
+            if (kind == "cheap" and mod and latest is not None and name not in _NAMES_VALUES
                     and mod != self.group_mod(anchors[latest]) and self._feeds_only(i, mod)):
                 g = None  # a module's prologue (a norm's squares): decided by its consumer
             if kind in ("anchor", "unknown") or (

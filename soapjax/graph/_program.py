@@ -539,14 +539,19 @@ class Program:
     def _run_region(self, idxs: list[int], depth: int, r: int, env: dict, hook, swaps, skip,
                     reads=None):
         self._run_checkpointed(idxs, depth + 1, env, hook, swaps, skip, self.regions[r],
-                               reads=reads)
+                               reads=reads, hold_inputs=True)
 
     def _run_checkpointed(self, idxs: list[int], depth: int, env: dict, hook, swaps, skip,
                           p: Mapping[str, Any], in_backward: bool = False, reads=None,
-                          pins=None) -> None:
+                          pins=None, hold_inputs: bool = False) -> None:
         """Units `idxs` inside `jax.checkpoint` with remat params `p`, the body at `depth`;
         `in_backward`: the recomputation waits for the cotangent (`recompute_in_backward`);
-        `pins`: see `run`."""
+        `pins`: see `run`; `hold_inputs` (a model's own remat region): the region's inputs
+        pass `hook` again inside the checkpoint, so that its recomputation in the backward
+        reads each operator's output in the layout the operator gives it. Left to XLA, the
+        recomputation took a value in the layout of its first reader inside the region: the
+        corpus RWKV's block input, whole, saved as the batch slice its first norm reads and
+        gathered again for the residual add (docs/checks.md)."""
         block = set(idxs)
         made = {v for i in idxs for v in self.units[i].outs if v is not None}
         ins = sorted({v for i in idxs for v in self.units[i].ins
@@ -558,7 +563,8 @@ class Program:
         def body(*vals):
             local = dict(self.consts)
             local.update(self.literals)
-            local.update(zip(ins, vals))
+            local.update((v, hook(v, x)) if hold_inputs and hook is not None else (v, x)
+                         for v, x in zip(ins, vals))
             self._run_block(idxs, depth, local, hook, swaps, skip, reads=reads)
             return [local[v] for v in outs]
 
