@@ -526,6 +526,10 @@ IDIOMS = {
     "rwkv": {"scan", "pad", "remat2", "name"},
     "deep_kernel_gp": {"cholesky", "triangular_solve", "platform_index", "cond"},
     "capsnet": {"scan", "conv_general_dilated", "stop_gradient", "dot_general"},
+    "hyena": {"fft", "pad", "conv_general_dilated", "split"},
+    "soft_moe": {"dot_general", "reduce_max", "exp", "sqrt"},
+    "sparsemax_tabular": {"sort", "cumsum", "gather", "logistic"},
+    "byol": {"conv_general_dilated", "stop_gradient", "rev", "sqrt"},
 }
 # Grouped convolutions (feature_group_count > 1): depthwise, a channel multiplier, 4 groups.
 GROUPED = {"convnext": 1, "mobilenet": 2, "mamba": 1, "conformer": 1}

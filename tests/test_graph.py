@@ -699,6 +699,26 @@ def test_a_pool_after_the_last_block_is_not_folded_into_the_stem():
     assert [o.source for o in stem.inputs] == ["bn1"]
 
 
+def test_an_fft_along_a_moved_axis_keeps_its_operand_whole_but_the_batch():
+    """`jnp.fft.rfft(x, n=2T, axis=1)` of ``[B, T, C]`` (the corpus Hyena's long convolution):
+    jax moves the time axis last (a transpose, then a pad to ``n``) before the FFT, and
+    XLA:CPU's FFT cannot run on that operand split along the channels between (the same
+    RET_CHECK as a split transform dim: docs/xla-workarounds.md). Its operator keeps every dim
+    but the batch whole; an FFT along the last axis still splits the dims before it."""
+    def loss(w, x, axis):
+        h = x @ w
+        y = jnp.fft.irfft(jnp.fft.rfft(h, n=16, axis=axis), n=16, axis=axis)
+        return jnp.mean(jnp.tanh(y) ** 2)
+
+    w, x = jnp.ones((6, 8)), jnp.ones((4, 8, 6))
+    moved = trace(lambda w, x: loss(w, x, 1), w, x)
+    rfft = next(op for op in moved.operators if op.anchor == "fft")
+    assert rfft.iteration_roles == ("S", "-", "-")
+    last = trace(lambda w, x: loss(w, x, 2), w, x)
+    rfft = next(op for op in last.operators if op.anchor == "fft")
+    assert rfft.iteration_roles == ("S", "A", "-")
+
+
 def test_checkpoint_names_and_platform_indices_are_no_operators():
     """``checkpoint_name`` (MaxText's way of naming what a remat policy keeps: the `name`
     primitive) is an identity, and `jnp.diag`'s `platform_index` a constant: both fold into

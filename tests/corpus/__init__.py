@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from corpus import (
     bert_encoder,
     bigru_tagger,
+    byol,
     capsnet,
     clip,
     conformer,
@@ -60,6 +61,7 @@ from corpus import (
     glow,
     gnn,
     gqa_decoder,
+    hyena,
     kv_cache_decoder,
     linen_scan_transformer,
     llama_gqa,
@@ -84,6 +86,8 @@ from corpus import (
     rwkv,
     safe_norm,
     shared_layers,
+    soft_moe,
+    sparsemax_tabular,
     ste,
     swin,
     switch_moe,
@@ -353,6 +357,27 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
           "capsule network: primary capsules by reshape of a strided convolution, squash, "
           "per-pair transforms by an einsum over a 4-D parameter, routing by agreement in a "
           "lax.fori_loop (a scan) over stop_gradient'd predictions, the margin loss", has_conv=True,
+          gradients_in="fuzz"),
+    Entry("hyena", "linen", hyena.make,
+          "Hyena-style LM: a short depthwise causal convolution, implicit long filters from an "
+          "MLP over positional sinusoids with a decay window, the long convolution by "
+          "jnp.fft.rfft / irfft padded to twice the length, gating", has_conv=True,
+          gradients_in="fuzz"),
+    Entry("soft_moe", "linen", soft_moe.make,
+          "Soft MoE ViT: slots as softmax-over-tokens mixes of every token, combine weights a "
+          "softmax over slots, experts as einsums over stacked weights, L2-normalised logits "
+          "with a learned scale", gradients_in="fuzz"),
+    Entry("sparsemax_tabular", "linen", sparsemax_tabular.make,
+          "TabNet-style tabular classifier: sparsemax masks by jnp.sort, jnp.cumsum and "
+          "take_along_axis, priors multiplied across decision steps, GLU blocks, BatchNorm "
+          "with batch statistics, an entropy regulariser", gradients_in="fuzz",
+          # XLA:CPU at backend optimisation level 0 computes its sharded step wrongly (the
+          # unsharded reference rightly): level 1 gives jax.grad's gradients
+          exact_compile=(("xla_backend_optimization_level", 1),)),
+    Entry("byol", "linen", byol.make,
+          "BYOL step: two views made in the loss (a flip, a per-sample jitter), online "
+          "encoder, projector and predictor, the target network held in the parameters "
+          "under stop_gradient (a zero gradient), the symmetric cosine loss", has_conv=True,
           gradients_in="fuzz"),
 )}
 
