@@ -835,6 +835,20 @@ def test_xla_cpu_at_level_0_still_loses_a_max_pools_gradient():
     assert err[0] > 0.1, err
 
 
+def test_xla_still_gathers_an_fft_split_along_its_batch():
+    """The canary of an FFT operator's whole dims (`soapjax.graph._grouping`,
+    `_transformed_dims`): `jnp.fft.fft` along the last axis of ``[8, 16, 32]`` split over
+    `data` along the batch alone, input and output held there, compiles to an all-gather of
+    the whole transform (XLA computes it whole on every device). When this fails, XLA
+    partitions an FFT's batch: let the FFT's operator split it again."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    split = NamedSharding(mesh, P("data"))
+    x = jax.device_put(jnp.ones((8, 16, 32)), split)
+    text = jax.jit(lambda x: jnp.fft.fft(x, axis=-1).real, in_shardings=split,
+                   out_shardings=split).lower(x).compile().as_text()
+    assert any("all-gather(" in line and "c64[8,16,32]" in line for line in text.splitlines())
+
+
 _FFT_CANARY = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
