@@ -65,7 +65,17 @@ def _worker() -> int:
     for line in sys.stdin:
         job = json.loads(line)
         t0 = time.time()
-        s = fuzzing.subject(job["name"])
+        try:
+            s = fuzzing.subject(job["name"])
+        except Exception as e:  # noqa: BLE001  a subject that cannot be built: say why
+            first = (str(e).splitlines() or [""])[0]
+            print(json.dumps({"refused": "", "failed": True, "error": None,
+                              "bar": fuzzing.TOLERANCE,
+                              "pipelined": False, "strategy": "", "guarded": None,
+                              "describe": f"CRASH building the subject: {type(e).__name__}: "
+                                          f"{first[:300]}",
+                              "seconds": time.time() - t0}), flush=True)
+            continue
         topology = topologies[job["topology"]]
         strategy = fuzzing.draw(s, topology, np.random.default_rng(job["seed"]),
                                 job.get("schedules"))
