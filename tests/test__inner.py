@@ -175,3 +175,37 @@ def test_check_of_glow_prices_the_half_it_convolves():
     r = compare_on_devices(plan, w, repeats=1, costs="analytic", reshard="xla")
     assert r.max_abs_diff < 1e-5
     assert r.predicted_collective_bytes == pytest.approx(r.hlo_collective_bytes, rel=0.10)
+
+
+def test_check_of_a_glu_prices_the_partial_sums_of_its_whole_matmul():
+    """The corpus sparsemax TabNet's GLU blocks (one Dense to twice the width, cut in halves,
+    one gating the other by a sigmoid), each Dense's contraction split over `data`: XLA
+    all-reduces each matmul's whole result (``f32[8,32]``) before the sigmoid. The simulator
+    priced the partial sums at the operator's output (``f32[8,16]``): 0.67 of XLA's bytes on
+    the searched plan; `soapjax.graph._inner.partial_sum_value` gives the matmul's result, and
+    delta simulation stays full simulation's."""
+    from conftest import assert_delta_equals_full
+
+    from soapjax.check import compare_on_devices
+    from soapjax.graph._inner import partial_sum_value
+    from soapjax.strategy.plan import Plan
+    from soapjax.strategy.space import Strategy
+    from soapjax_zoo.user import load
+
+    w = load("corpus.sparsemax_tabular:make")
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    glus = [j for j, op in enumerate(g.operators) if op.name.endswith("/fc")]
+    assert glus and all(partial_sum_value(g, j).shape == (8, 32) for j in glus)
+    configs = []
+    for j, op in enumerate(g.operators):
+        axes = [()] * len(op.iteration_sizes)
+        if j in glus and len(op.iteration_sizes) > len(op.shape):
+            axes[len(op.shape)] = ("data",)  # the contraction: a reduction dim after the output's
+        configs.append(Config(tuple(axes)))
+    topo = load_topology("cpu8")
+    strategy = Strategy(tuple(configs))
+    r = compare_on_devices(Plan.make(g, topo, strategy), w, repeats=1, costs="analytic",
+                           reshard="xla")
+    assert r.max_abs_diff < 1e-5
+    assert r.predicted_collective_bytes == pytest.approx(r.hlo_collective_bytes, rel=0.05)
+    assert_delta_equals_full(g, topo, strategy, moves=20)

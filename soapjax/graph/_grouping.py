@@ -90,6 +90,10 @@ def module_of_param(path: str) -> str:
     return "/".join(keys[:-1])
 
 
+# What jnp.fft does to its input between moving the axis last and transforming it (`n=`).
+_LENGTHS = frozenset({"pad", "slice", "convert_element_type", "copy"})
+
+
 def _fft_axes(params: dict, rank: int) -> range:
     """The axes an ``fft`` equation of `params` transforms along, of an operand of `rank`
     dims: its last ``len(fft_lengths)``."""
@@ -760,22 +764,31 @@ class _Builder:
 
     def _transformed_dims(self, group: list[int], ls, lab,
                           iter_of: dict[int, int | None]) -> set[int]:
-        """The iteration dims an FFT of `group` reads or makes: never split. XLA's SPMD
-        partitioner computes an FFT whole whatever its operand's split (it gathers a batch
-        split over `data` before `jnp.fft.fft` along the last axis; a plain-JAX canary in
-        tests/test_exactness.py), so a split there would be priced as parallel work XLA does
-        not do (the corpus Hyena's plan: 0.65 of XLA's collective bytes); XLA:CPU's FFT
-        cannot even run on some of the layouts a split gives it (a transform dim, or the
-        channels of a transposed operand: a runtime RET_CHECK). The operators around it may
-        split those dims, resharded at its boundary."""
+        """The iteration dims an FFT of `group` keeps whole: those it transforms along (its
+        operand's and result's last ``len(fft_lengths)`` dims), and where its operand is a
+        transpose (jax moves the axis of `jnp.fft.rfft(x, axis=1)` last), every dim of the
+        operand but the first. XLA:CPU's FFT cannot run on the layout the partitioner gives a
+        transform dim it splits (a runtime RET_CHECK; a plain-JAX canary in
+        tests/test_exactness.py), nor on a transposed operand split along a dim in between
+        (the channels of the corpus Hyena's `jnp.fft.irfft` along the time of ``[B, T, C]``);
+        a split transform needs all-to-alls anyway. The operators around it may still split
+        those dims, resharded at its boundary."""
         dims: set[int] = set()
+        producer = self._producer  # value -> the unit making it (`_group`)
         for i in group:
             u = self.p.units[i]
             if u.eqn.primitive.name != "fft":
                 continue
+            moved, v = False, u.ins[0]
+            while v in producer and not moved:  # through the pads and slices of a length
+                prim = self.p.units[producer[v]].eqn.primitive.name
+                moved = prim == "transpose"
+                v = self.p.units[producer[v]].ins[0] if prim in _LENGTHS else None
             for v in (*u.ins[:1], *u.outs[:1]):
                 if v is not None and v in lab:
-                    dims.update(d for a in range(len(lab[v]))
+                    axes = range(1, len(lab[v])) if moved else _fft_axes(u.eqn.params,
+                                                                         len(lab[v]))
+                    dims.update(d for a in axes
                                 if (d := ls.lookup(lab[v][a], iter_of)) is not None)
         return dims
 

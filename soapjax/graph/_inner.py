@@ -50,6 +50,7 @@ operand itself up to layout and dtype.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -221,6 +222,72 @@ def _matmul_operands(graph: OpGraph, j: int) -> tuple[MatmulOperand | None, ...]
             reached.update((v, moved) for v in u.outs if v is not None)
         out.append(found)
     return tuple(out)
+
+
+class PartialSum(NamedTuple):
+    """A matmul's result whose partial sums are reduced inside its operator
+    (`partial_sum_value`).
+
+    Attributes:
+      shape, dtype: its global shape and dtype.
+      dims: per dim, the iteration dim it follows.
+      summed: the iteration dims the matmul contracts: the axes splitting them leave the
+        partial sums.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    dims: tuple[int | None, ...]
+    summed: tuple[int, ...]
+
+
+def partial_sum_value(graph: OpGraph, j: int) -> PartialSum | None:
+    """Where operator `j`'s one matmul sums over a dim its output lacks and uses the sum
+    non-linearly before the output (a GLU: one Dense to twice the width, cut in halves, one
+    gating the other by a sigmoid), the matmul's result: a split of that dim leaves partial
+    sums XLA all-reduces there, at the result's shape, not at the output's (the corpus
+    sparsemax TabNet's gate: ``f32[8,32]``, not its output's ``f32[8,16]``). None where the
+    sum reaches the output linearly or the output's shape is the result's (a Dense, its bias
+    and activation), or the operator has other matmuls (attention's scores and values).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from soapjax.graph.opgraph import trace
+    >>> def glu(w, x):
+    ...     a, b = jnp.split(x @ w, 2, axis=-1)
+    ...     return jnp.sum(a * jax.nn.sigmoid(b))
+    >>> g = trace(glu, jnp.ones((12, 32)), jnp.ones((8, 12)))
+    >>> partial_sum_value(g, 0).shape
+    (8, 32)
+    """
+    return graph.memo(("partial_sum_value", j), lambda: _partial_sum_value(graph, j))
+
+
+def _partial_sum_value(graph: OpGraph, j: int) -> PartialSum | None:
+    op = graph.operators[j]
+    prog = graph.program
+    loc = prog.local.get(op.name)
+    if loc is None:
+        return None
+    units = [prog.units[i] for i in loc.units]
+    matmuls = [k for k, u in enumerate(units) if u.eqn.primitive.name == "dot_general"]
+    if len(matmuls) != 1 or len(op.outputs) != 1:
+        return None  # (parts of the result other operators read: their own partial sums)
+    k = matmuls[0]
+    result = units[k].outs[0]
+    if (result is None or result not in loc.lab or result in set(loc.exports)
+            or math.prod(prog.shapes[result]) == math.prod(op.outputs[0].shape)
+            or _linear_to_output(units[k + 1:], result)):
+        return None
+    def dims_of(vid: int) -> tuple[int | None, ...]:
+        return tuple(loc.labels.lookup(lb, loc.iter_of) for lb in loc.lab.get(vid, ()))
+
+    dims = dims_of(result)
+    if any(d is None and size > 1 for d, size in zip(dims, prog.shapes[result])):
+        return None  # a dim no iteration dim gives (a fused projection's columns): left
+    (contracted, _), _ = units[k].eqn.params["dimension_numbers"]
+    lhs = dims_of(units[k].ins[0])
+    summed = tuple(sorted({lhs[a] for a in contracted if a < len(lhs) and lhs[a] is not None}))
+    return PartialSum(tuple(prog.shapes[result]), prog.dtypes[result], dims, summed)
 
 
 class QueryDims(NamedTuple):

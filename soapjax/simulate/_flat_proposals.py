@@ -10,6 +10,7 @@ import copy
 import functools
 from collections.abc import Callable, Iterable, Sequence
 
+from soapjax.graph._inner import partial_sum_value
 from soapjax.simulate._flat_leaves import _LeafTasks
 from soapjax.simulate._flat_tasks import _EdgeTasks, _OpComm, _View
 from soapjax.strategy.space import (
@@ -222,10 +223,12 @@ class _Proposals:
         whether its own collectives do (`_build_op_comm`), the edges and the leaves (the rest
         keep their tasks)."""
         layout = self._layout
+        # a matmul reducing its partial sums inside: which of them its config's axes split
+        inside = partial_sum_value(self.graph, i) is not None
         op_comm = ((view.out_specs[0:1], view.reduction_axes, view.inner_forward,
-                    view.inner_backward)
+                    view.inner_backward, view.config.axes if inside else None)
                    != (old.out_specs[0:1], old.reduction_axes, old.inner_forward,
-                       old.inner_backward))
+                       old.inner_backward, old.config.axes if inside else None))
         # an edge starts after its producer's collectives and its way back after its consumer's
         changed = [e for e in layout.in_edges[i] + layout.out_edges[i]
                    if self._edge_signature(e, i, view) != self._edge_signature(e, i, old)

@@ -14,6 +14,7 @@ from soapjax.graph._cuts import inner_cuts, moved_elements
 from soapjax.graph._inner import (
     inner_reductions,
     matmul_operands,
+    partial_sum_value,
     query_dims,
 )
 from soapjax.graph._remat import remat_recomputes, remat_rereads
@@ -407,10 +408,18 @@ class _TaskBuilding:
                                     INNER_REDUCE, j)
         again: tuple[Comm, ...] = ()
         if v.reduction_axes:
-            x = self.graph.operators[j].outputs[0]
-            target = self._scatter[j][0] or v.out_specs[0]  # reduce-scattered, else all-reduced
-            chain = self._activation_chain(x, self._sample[j], v.out_specs[0], target,
-                                           v.reduction_axes)
+            x, src = self.graph.operators[j].outputs[0], v.out_specs[0]
+            target = self._scatter[j][0] or src  # reduce-scattered, else all-reduced
+            chain, partial, axes = (), v.reduction_axes, v.config.axes
+            summed = partial_sum_value(self.graph, j)
+            if summed is not None and self._scatter[j][0] is None:  # reduced before the output
+                inside = tuple(a for d in summed.summed for a in axes[d])
+                if inside:  # the matmul's own sums: at its result, over the axes splitting them
+                    spec = tuple(tuple(axes[d]) if d is not None else () for d in summed.dims)
+                    chain = self._activation_chain(summed, self._sample[j], spec, spec, inside)
+                    partial = tuple(a for a in partial if a not in inside)  # the output's rest
+            if partial:
+                chain += self._activation_chain(x, self._sample[j], src, target, partial)
             forward += self._chain_tasks(chain, key + len(forward),
                                          forward[-1:] or [self._forward_task[j]], PARTIAL_SUM, j)
             if remat_rereads(self.graph, j):  # the model's remat runs its partial sums again
