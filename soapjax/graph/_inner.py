@@ -246,9 +246,12 @@ def partial_sum_value(graph: OpGraph, j: int) -> PartialSum | None:
     non-linearly before the output (a GLU: one Dense to twice the width, cut in halves, one
     gating the other by a sigmoid), the matmul's result: a split of that dim leaves partial
     sums XLA all-reduces there, at the result's shape, not at the output's (the corpus
-    sparsemax TabNet's gate: ``f32[8,32]``, not its output's ``f32[8,16]``). None where the
-    sum reaches the output linearly or the output's shape is the result's (a Dense, its bias
-    and activation), or the operator has other matmuls (attention's scores and values).
+    sparsemax TabNet's gate: ``f32[8,32]``, not its output's ``f32[8,16]``; tied logits
+    reduced to a loss). None where the sum reaches the output linearly, where the result is
+    as large as the output (a Dense, its bias and activation), where a dim of it follows no
+    iteration dim (a fused projection's columns), or where the operator has other matmuls
+    (attention's scores and values) or other outputs (DiT's adaLN Dense, cut six ways for
+    six readers, each reduced where it is read).
 
     >>> import jax, jax.numpy as jnp
     >>> from soapjax.graph.opgraph import trace
@@ -271,19 +274,20 @@ def _partial_sum_value(graph: OpGraph, j: int) -> PartialSum | None:
     units = [prog.units[i] for i in loc.units]
     matmuls = [k for k, u in enumerate(units) if u.eqn.primitive.name == "dot_general"]
     if len(matmuls) != 1 or len(op.outputs) != 1:
-        return None  # (parts of the result other operators read: their own partial sums)
+        return None
     k = matmuls[0]
     result = units[k].outs[0]
     if (result is None or result not in loc.lab or result in set(loc.exports)
             or math.prod(prog.shapes[result]) == math.prod(op.outputs[0].shape)
             or _linear_to_output(units[k + 1:], result)):
         return None
+
     def dims_of(vid: int) -> tuple[int | None, ...]:
         return tuple(loc.labels.lookup(lb, loc.iter_of) for lb in loc.lab.get(vid, ()))
 
     dims = dims_of(result)
     if any(d is None and size > 1 for d, size in zip(dims, prog.shapes[result])):
-        return None  # a dim no iteration dim gives (a fused projection's columns): left
+        return None
     (contracted, _), _ = units[k].eqn.params["dimension_numbers"]
     lhs = dims_of(units[k].ins[0])
     summed = tuple(sorted({lhs[a] for a in contracted if a < len(lhs) and lhs[a] is not None}))
