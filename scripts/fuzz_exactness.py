@@ -68,12 +68,10 @@ def _worker() -> int:
         try:
             s = fuzzing.subject(job["name"])
         except Exception as e:  # noqa: BLE001  a subject that cannot be built: say why
-            first = (str(e).splitlines() or [""])[0]
             print(json.dumps({"refused": "", "failed": True, "error": None,
                               "bar": fuzzing.TOLERANCE,
                               "pipelined": False, "strategy": "", "guarded": None,
-                              "describe": f"CRASH building the subject: {type(e).__name__}: "
-                                          f"{first[:300]}",
+                              "describe": f"CRASH building the subject: {fuzzing.error_line(e)}",
                               "seconds": time.time() - t0}), flush=True)
             continue
         topology = topologies[job["topology"]]

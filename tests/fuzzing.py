@@ -251,6 +251,12 @@ class Outcome(NamedTuple):
                 if self.refused else self.comparison.describe())
 
 
+def error_line(e: BaseException) -> str:
+    """``Type: the first line of its message`` (an assertion may have none), at most 300
+    characters of it: how a crash is reported."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+
+
 def check(s: Subject, strategy: Strategy, topology: Topology) -> Outcome:
     """Applies `strategy` and compares its loss and gradients with the reference."""
     mesh = make_mesh(topology)
@@ -264,8 +270,7 @@ def check(s: Subject, strategy: Strategy, topology: Topology) -> Outcome:
         except PlanError as e:  # (blocked: a step failing at run time is a crash, reported)
             return Outcome(None, str(e))
         except Exception as e:  # noqa: BLE001  apply crashing is a failure to report
-            first = (str(e).splitlines() or [""])[0]  # an assertion may have no message
-            return Outcome(None, crashed=f"{type(e).__name__}: {first[:300]}")
+            return Outcome(None, crashed=error_line(e))
         # an interleaved pipeline's stacked layers come back in chunk order
         return Outcome(compare_gradients(loss, apply.model_layout(grads), *s.reference,
                                          tolerance=s.tolerance, operators=s.operators,
