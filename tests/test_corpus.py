@@ -172,6 +172,36 @@ def case(name: str, x64: bool = True, noise: float | None = None) -> Case:
         return _prepare(name, loss_fn, arg, batch, x64=True)
 
 
+class Traced(NamedTuple):
+    """What the graph-only tests read of a model (`traced`)."""
+
+    pure_loss: Callable
+    params: Any
+    batch: Any
+    graph: Any
+
+
+@functools.cache
+def traced(name: str) -> Traced:
+    """The float64 model's pure loss and traced graph: `case`'s where this file holds the
+    model's gradients (the case is built anyway), else traced from the model as made, without
+    the perturbation and the reference gradient (tests/test_fuzz_exactness.py holds those
+    models' gradients, each in a process of its own making)."""
+    if corpus.CORPUS[name].gradients_in == "corpus":
+        c = case(name)
+        return Traced(c.pure_loss, c.params, c.batch, c.graph)
+    loss_fn, arg, batch = _made(name)
+    with jax.enable_x64(True):
+        if corpus.CORPUS[name].api == "nnx":
+            graphdef, params, rest = nnx.split(arg, nnx.Param, ...)
+
+            def pure_loss(p, b):  # as `_prepare`'s
+                return loss_fn(nnx.merge(graphdef, p, jax.tree.map(lambda x: x, rest)), b)
+        else:
+            params, pure_loss = arg, loss_fn
+        return Traced(pure_loss, params, batch, trace(pure_loss, params, batch, name=name))
+
+
 def _rounded(c: Case) -> Case:
     """The case with its float parameters, state and batch rounded to float32 (the models'
     ``param_dtype`` only chooses what ``init`` creates; computation follows the arrays)."""
@@ -263,7 +293,7 @@ def searched(name: str) -> Strategy:
     seed 0); convolutions are never split spatially (`constrained_loss` refuses that: XLA
     computes it wrongly). The float32 graph has the same operators, so it takes the same plan."""
     c = case(name)
-    limits = SpaceLimits(allow_attribute=not c.entry.has_conv)
+    limits = SpaceLimits(allow_attribute=not corpus.CORPUS[name].has_conv)
     cm = cost_model(c.graph, TOPOLOGY, mode="analytic")
     return search(c.graph, TOPOLOGY, cost_model=cm,
                   settings=SearchSettings(max_proposals=200, seed=0, limits=limits)).strategy
@@ -416,8 +446,8 @@ def test_every_shard_program_builds(name):
     shapes of every config in the search space, and returns outputs of those shapes. The
     dgx-h100x8 topology has cpu8's mesh (data=2 x model=4), so this covers both."""
     assert MeshShape.of(load_topology("dgx-h100x8")) == MESH_SHAPE
-    c = case(name)
-    limits = SpaceLimits(allow_attribute=not c.entry.has_conv)
+    c = traced(name)
+    limits = SpaceLimits(allow_attribute=not corpus.CORPUS[name].has_conv)
     failures = []
     with jax.enable_x64(True):
         for op in c.graph.operators:
@@ -537,7 +567,7 @@ GROUPED = {"convnext": 1, "mobilenet": 2, "mamba": 1, "conformer": 1}
 
 @pytest.mark.parametrize("name", NAMES)
 def test_corpus_model_uses_its_idiom(name):
-    c = case(name)
+    c = traced(name)
     with jax.enable_x64(True):
         closed = jax.make_jaxpr(c.pure_loss)(c.params, c.batch)
     prims = _primitives(closed.jaxpr)
