@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from soapjax.base._dtypes import is_float
+from soapjax.graph._cotangents import differentiated_operands, differentiated_values
 from soapjax.graph._dims import Flops as Flops, xla_flops
 from soapjax.graph._local import CustomRuleError, operator_fn
 from soapjax.graph._remat import remat_recomputes
@@ -259,23 +260,12 @@ def _minus(a: Flops, b: Flops) -> Flops:
     return Flops(*(max(x - y, 0.0) for x, y in zip(a, b)))
 
 
-def _differentiated(graph: OpGraph) -> tuple[list[list[bool]], set[tuple[int, int]]]:
-    """Which operands of each operator get cotangents (float parameters, and activations
-    computed from parameters), and which outputs ``(operator, k)`` receive one (read by an
-    operator that differentiates it, or the function's result)."""
-    index = {op.name: i for i, op in enumerate(graph.operators)}
-    needs: list[bool] = []
-    diff: list[list[bool]] = []
-    wanted: set[tuple[int, int]] = set()
-    for op in graph.operators:
-        d = [is_float(o.dtype) and (o.kind == "param" or (o.kind == "activation"
-                                                          and needs[index[o.source]]))
-             for o in op.inputs]
-        diff.append(d)
-        needs.append(any(d))
-        wanted.update((index[o.source], o.index) for o, x in zip(op.inputs, d)
-                      if x and o.kind == "activation")
-    results = set(graph.program.outputs[:1])  # the loss: aux outputs get no cotangent
-    wanted.update((i, k) for i, op in enumerate(graph.operators) if needs[i]
-                  for k, t in enumerate(op.outputs) if t.value in results and is_float(t.dtype))
+def _differentiated(graph: OpGraph) -> tuple[list[tuple[bool, ...]], set[tuple[int, int]]]:
+    """Which operands of each operator get cotangents, and which outputs ``(operator, k)``
+    receive one (`soapjax.graph._cotangents`: from the parameters, and read by the loss not
+    through ``stop_gradient``; aux outputs get none)."""
+    values = differentiated_values(graph)
+    diff = [differentiated_operands(graph, i) for i in range(len(graph.operators))]
+    wanted = {(i, k) for i, op in enumerate(graph.operators)
+              for k, t in enumerate(op.outputs) if t.value in values}
     return diff, wanted

@@ -74,6 +74,7 @@ from soapjax.cost.roofline import (
     roofline_time as roofline_time,
 )
 from soapjax.cost.updates import update_passes, update_reductions as update_reductions
+from soapjax.graph._cotangents import has_backward
 from soapjax.graph._local import operator_fn
 from soapjax.graph.opgraph import Operator, OpGraph, trace
 from soapjax.measure import _timing
@@ -280,11 +281,17 @@ class CostModel:
         return hit
 
     def shard_time(self, op_index: int, degrees: tuple[int, ...]) -> OpTime:
-        """`op_time` by degrees per iteration dim instead of a config."""
+        """`op_time` by degrees per iteration dim instead of a config. An operator whose
+        outputs the backward pass does not differentiate has no backward
+        (`soapjax.graph._cotangents.has_backward`: a target network under ``stop_gradient``,
+        the batch's augmentation): its backward time is 0."""
         key = (op_index, tuple(degrees))
         hit = self._by_degrees.get(key)
         if hit is None:
-            hit = self._by_degrees[key] = self._price(*key)
+            hit = self._price(*key)
+            if hit.backward_s and not has_backward(self.graph, op_index):
+                hit = hit._replace(backward_s=0.0)
+            self._by_degrees[key] = hit
         return hit
 
     def signature(self, op_index: int, degrees: tuple[int, ...]) -> str | None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from soapjax.graph._cotangents import values_from_params
 from soapjax.graph.opgraph import OpGraph
 
 _CUTS = frozenset({"slice", "split", "concatenate", "pad"})
@@ -74,21 +75,6 @@ class InnerCut(NamedTuple):
 def inner_cuts(graph: OpGraph, j: int) -> tuple[InnerCut, ...]:
     """The equations of operator `j` that cut or join a dim one of its iteration dims follows."""
     return graph.memo(("inner_cuts", j), lambda: _find(graph, j))
-
-
-def values_from_params(graph: OpGraph) -> frozenset[int]:
-    """The program's float values computed from the parameters, through float values and
-    not through ``stop_gradient``: the ones whose cotangents a backward computes (a one-hot of
-    an argmax, through a comparison's booleans, has none)."""
-    def reach() -> frozenset[int]:
-        prog = graph.program
-        reached = set(prog.param_like)
-        for u in prog.units:
-            if u.eqn.primitive.name != "stop_gradient" and reached.intersection(u.ins):
-                reached.update(v for v in u.outs
-                               if v is not None and "float" in prog.dtypes[v])
-        return frozenset(reached)
-    return graph.memo("values_from_params", reach)
 
 
 def _pieces(name: str, params: dict, shapes: list[tuple[int, ...]], axis: int

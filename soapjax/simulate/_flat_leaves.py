@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from soapjax.graph._cotangents import differentiated_operands
 from soapjax.graph._remat import remat_recomputes
 from soapjax.simulate._simresult import (
     GRAD_SYNC,
@@ -154,6 +155,10 @@ class _LeafBuilding:
         shape, dtype = layout.leaf_shape[leaf], layout.leaf_dtype[leaf]
         tasks, ready = [], []
         for j, o in reversed(layout.readers[leaf]):
+            if not differentiated_operands(self.graph, j)[o]:
+                # no gradient from this reader (`soapjax.graph._cotangents`): nothing to sync
+                ready.append(self._backward_task[j])
+                continue
             v = self._views[j]
             chain = self._partial_chain(shape, dtype, v.operand_specs[o], store,
                                         v.partial_groups[o])

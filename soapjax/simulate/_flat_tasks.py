@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from soapjax.base.errors import PlanError
+from soapjax.graph._cotangents import differentiated_operands, has_backward
 from soapjax.graph._cuts import inner_cuts, moved_elements
 from soapjax.graph._inner import (
     inner_reductions,
@@ -257,6 +258,10 @@ class _TaskBuilding:
             else:  # one microbatch's shard, M times (`soapjax.strategy.memory`)
                 t = self.cost_model.shard_time(
                     j, microbatch_degrees(op, config.degrees(self.mesh), m))
+            # an operator without a backward (`soapjax.graph._cotangents`) sends no cotangents
+            # back and makes no partial sums of them; recomputing, it runs its forward again
+            # (inside its segment's checkpoint, for the backward of the others there)
+            differentiated = differentiated_operands(self.graph, j)
             recompute = recomputes(op, policy) or remat_recomputes(self.graph, j)
             forward = m * self._compute_time(float(t.forward_s))
             backward = m * self._compute_time(float(t.backward_s))
@@ -264,8 +269,8 @@ class _TaskBuilding:
                 backward += forward
             outs = tuple(config.operand_axes(x.dims) for x in op.outputs)
             specs = tuple(config.operand_axes(x.dims) for x in op.inputs)
-            partials = tuple(config.cotangent_partials(x, self.mesh.axis_names)
-                             for x in op.inputs)
+            partials = tuple(config.cotangent_partials(x, self.mesh.axis_names) if d else ()
+                             for x, d in zip(op.inputs, differentiated))
             ring = self._ring_of(j, config)
             if ring is not None:  # the keys and values stay split; the ring moves them
                 forward, backward = forward * ring.work, backward * ring.work
@@ -291,6 +296,8 @@ class _TaskBuilding:
             elif not self._whole_queries:
                 zigzag = self._zigzag_chain(j, config)
                 inner_forward, inner_backward = inner_forward + zigzag, inner_backward + zigzag
+            if not has_backward(self.graph, j):
+                inner_backward = ()
             if recompute:  # the forward it runs again all-reduces its statistics again
                 inner_backward = inner_forward + inner_backward
             v = self._views_memo[key] = _View(
@@ -485,6 +492,8 @@ class _TaskBuilding:
         if len(summed) > 1:  # each reduced in this layout, then their sum moved once
             return _EdgeTasks(forward, [] if e != summed[0] else self._summed_tasks(summed),
                               again)
+        if not differentiated_operands(self.graph, j)[o]:  # no cotangent comes back
+            return _EdgeTasks(forward, [], again)
         shared = self._same_layout(e, backward=True)
         if partial and dst != src and not reduces_into(dst, src, partial):
             # apply leaves it in the reader's layout: all-reduced there, then moved

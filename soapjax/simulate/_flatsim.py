@@ -106,6 +106,7 @@ from typing import Any, Protocol
 
 from soapjax.cost.operators import OpTime
 from soapjax.cost.reshard import ReshardModel, permute_free
+from soapjax.graph._cotangents import differentiated_operands, has_backward
 from soapjax.graph.opgraph import OpGraph
 from soapjax.measure._timing import quiet_gc
 from soapjax.simulate._flat_attention import _AttentionPricing
@@ -565,11 +566,14 @@ def _canonical_operators(graph: OpGraph) -> list[int]:
     is the same computation (`Operator.computation`, the key the cost model shares a layer's
     price under), else itself: their views under one config are equal, so they are worked out
     once (a 96-layer model prices one layer's operators, not 96). A looser key than the cost
-    model's would make a view depend on which twin was priced first, and delta != full."""
+    model's would make a view depend on which twin was priced first, and delta != full; so
+    is what the backward differentiates of it (`soapjax.graph._cotangents`: BYOL's target
+    network is its online network's computation, under ``stop_gradient``)."""
     canon = list(range(len(graph.operators)))
     for group in graph.repeated_blocks():
-        first = graph.operators[group[0]].computation
-        for j in group[1:]:
-            if graph.operators[j].computation == first:
-                canon[j] = group[0]
+        first: dict[tuple, int] = {}
+        for j in group:
+            key = (graph.operators[j].computation, differentiated_operands(graph, j),
+                   has_backward(graph, j))
+            canon[j] = first.setdefault(key, j)
     return canon

@@ -65,6 +65,7 @@ from typing import NamedTuple
 
 from soapjax.base.attention import attention_call
 from soapjax.base.errors import PlanError
+from soapjax.graph._cotangents import differentiated_values
 from soapjax.graph._grouping import attention_heads
 from soapjax.graph._local import draws_random_bits
 from soapjax.graph.opgraph import Operator, OpGraph
@@ -199,7 +200,10 @@ def _residuals(graph: OpGraph, j: int) -> Residuals:
         return Residuals((True,) * len(op.inputs), (True,) * len(op.outputs), ())
     prog = graph.program
     units = [prog.units[i] for i in loc.units]
-    live = set(loc.inputs)  # values that depend on the operator's inputs (differentiable)
+    live = set(loc.inputs)  # values that depend on the operator's inputs (not constants)
+    # the values the backward differentiates (`soapjax.graph._cotangents`): not the batch's,
+    # not a target network's under ``stop_gradient``
+    diff = differentiated_values(graph)
     root: dict[int, int] = {}  # a value -> the value it is a copy of (`_ALIASES`)
     for u in units:
         if any(v in live for v in u.ins if v is not None):
@@ -218,9 +222,16 @@ def _residuals(graph: OpGraph, j: int) -> Residuals:
             if v is None or v not in live or not _floating(prog.dtypes[v]):
                 continue
             others = [w for k, w in enumerate(u.ins) if k != i]
-            if name in _BILINEAR and not any(w in live for w in others if w is not None):
-                continue  # times a constant: its derivative reads the constant only
-            if name == "div" and i == 0 and not any(w in live for w in others[:1]):
+            if name in _BILINEAR:  # read for the other factor's cotangent
+                if not any(w in diff for w in others if w is not None):
+                    continue  # times a constant: its derivative reads the constant only
+            elif name == "div" and i == 0:  # x / y: read for y's cotangent
+                if not any(w in diff for w in others[:1]):
+                    continue
+            elif name == "div":  # y: read for either's
+                if not any(w in diff for w in u.ins if w is not None):
+                    continue
+            elif v not in diff:  # a nonlinear function's operand: read for its own cotangent
                 continue
             read.add(root.get(v, v))
             if name in _MATMULS or attention_call(u.eqn) is not None:  # flash attention saves
