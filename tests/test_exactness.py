@@ -838,11 +838,12 @@ def test_xla_cpu_at_level_0_still_loses_a_max_pools_gradient():
 def test_xla_still_gathers_an_fft_split_along_its_batch():
     """`jnp.fft.fft` along the last axis of ``[8, 16, 32]`` split over `data` along the batch
     alone, input and output held there, compiles to an all-gather of the whole transform (XLA
-    computes it whole on every device), where the simulator prices an FFT's batch split as
-    parallel work: the corpus Hyena's plan reads 0.65 of XLA's collective bytes
-    (docs/xla-workarounds.md). Keeping an FFT's operator whole priced it right, but XLA:CPU's
-    FFT then failed in FNet's backward under a norm splitting its tokens, so it is not done;
-    when this fails, XLA partitions an FFT's batch and the gap is gone."""
+    computes it whole on every device), and the simulator prices it so
+    (`soapjax.graph._cuts.fft_gathers`; the corpus Hyena's plan read 0.65 of XLA's collective
+    bytes before, docs/xla-workarounds.md). Keeping an FFT's operator whole would save the
+    gathers, but XLA:CPU's FFT then failed in FNet's backward under a norm splitting its
+    tokens, so it is not done; when this fails, XLA partitions an FFT's batch, and
+    `fft_gathers` prices gathers it no longer makes."""
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
     split = NamedSharding(mesh, P("data"))
     x = jax.device_put(jnp.ones((8, 16, 32)), split)

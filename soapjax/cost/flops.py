@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from soapjax.base._dtypes import is_float
 from soapjax.graph._cotangents import differentiated_operands, differentiated_values
+from soapjax.graph._cuts import computed_degrees
 from soapjax.graph._dims import Flops as Flops, xla_flops
 from soapjax.graph._local import CustomRuleError, operator_fn
 from soapjax.graph._remat import remat_recomputes
@@ -133,6 +134,8 @@ class FlopCounter:
         count is divided over the shards, but for the matmuls, counted at shard shapes with
         the rules' primal bodies.
         """
+        if degrees is not None:  # a transform XLA computes whole (`computed_degrees`)
+            degrees = computed_degrees(self.graph, i, tuple(degrees))
         if degrees is None or math.prod(degrees) == 1:
             if i not in self._whole:
                 fn, avals = operator_fn(self.graph, self.graph.operators[i].name)

@@ -75,6 +75,7 @@ from soapjax.cost.roofline import (
 )
 from soapjax.cost.updates import update_passes, update_reductions as update_reductions
 from soapjax.graph._cotangents import has_backward
+from soapjax.graph._cuts import computed_degrees
 from soapjax.graph._local import operator_fn
 from soapjax.graph.opgraph import Operator, OpGraph, trace
 from soapjax.measure import _timing
@@ -287,8 +288,8 @@ class CostModel:
         the batch's augmentation): its backward time is 0."""
         key = (op_index, tuple(degrees))
         hit = self._by_degrees.get(key)
-        if hit is None:
-            hit = self._price(*key)
+        if hit is None:  # (a transform XLA computes whole: at its whole degrees)
+            hit = self._price(op_index, computed_degrees(self.graph, op_index, key[1]))
             if hit.backward_s and not has_backward(self.graph, op_index):
                 hit = hit._replace(backward_s=0.0)
             self._by_degrees[key] = hit

@@ -212,3 +212,63 @@ def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
     """Integer points t in [a0, a1) and in [b0, b1) (both ends real)."""
     lo, hi = max(math.ceil(a0), math.ceil(b0)), min(math.ceil(a1), math.ceil(b1))
     return float(max(0, hi - lo))
+
+
+# --- transforms XLA computes whole ------------------------------------------------------------
+
+
+class FftGather(NamedTuple):
+    """An ``fft`` whose operand XLA gathers whole (`fft_gathers`).
+
+    Attributes:
+      shape, dtype, dims: the gathered value's global shape, dtype, and per dim the
+        iteration dim it follows (None: none): the transform's operand, or (backward) its
+        result, whose cotangent is gathered.
+      backward: whether it is the backward's gather (of the result's cotangent).
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    dims: tuple[int | None, ...]
+    backward: bool
+
+
+def fft_gathers(graph: OpGraph, j: int) -> tuple[FftGather, ...]:
+    """The all-gathers XLA's partitioner makes around operator `j`'s ``fft`` equations: it has
+    no rule that partitions a transform, so it gathers a split operand whole (every dim, the
+    batch's too), computes the transform on every device and slices the result where a split
+    reader needs it (`tests/test_exactness.py::test_xla_still_gathers_an_fft_split_along_its_
+    batch`); the backward gathers the result's cotangent likewise. Each transform is an
+    operator of its own (the grouping anchors one at an ``fft``) whose operands and outputs
+    apply holds in its layout, so each gathers, forward and backward; whether a gather moves
+    anything depends on the config (a dim it splits), whether the backward's runs on the
+    operator having a backward (`soapjax.graph._cotangents`)."""
+    return graph.memo(("fft_gathers", j), lambda: _fft_gathers(graph, j))
+
+
+def _fft_gathers(graph: OpGraph, j: int) -> tuple[FftGather, ...]:
+    op, prog = graph.operators[j], graph.program
+    loc = prog.local.get(op.name)
+    if loc is None:
+        return ()
+
+    def gather(v: int | None, backward: bool) -> list[FftGather]:
+        if v is None or v not in loc.lab:
+            return []
+        dims = tuple(loc.labels.lookup(lb, loc.iter_of) for lb in loc.lab[v])
+        return [FftGather(tuple(prog.shapes[v]), prog.dtypes[v], dims, backward)]
+
+    out: list[FftGather] = []
+    for i in loc.units:
+        u = prog.units[i]
+        if u.eqn.primitive.name == "fft":
+            out += gather(u.ins[0], False) + gather(u.outs[0], True)
+    return tuple(out)
+
+
+def computed_degrees(graph: OpGraph, j: int, degrees: tuple[int, ...]) -> tuple[int, ...]:
+    """The degrees operator `j`'s compute is priced and counted at under `degrees`: all 1
+    where it holds a transform and `degrees` split a dim the transform's operand or result
+    follows (XLA computes it whole on every device, `fft_gathers`), else `degrees`."""
+    split = {d for g in fft_gathers(graph, j) for d in g.dims if d is not None and degrees[d] > 1}
+    return (1,) * len(degrees) if split else degrees

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 from soapjax.base.errors import PlanError
 from soapjax.graph._cotangents import differentiated_operands, has_backward
-from soapjax.graph._cuts import inner_cuts, moved_elements
+from soapjax.graph._cuts import fft_gathers, inner_cuts, moved_elements
 from soapjax.graph._inner import (
     inner_reductions,
     matmul_operands,
@@ -316,7 +316,8 @@ class _TaskBuilding:
         """The all-reduces of the statistics operator `j` reduces over dims `config` splits
         (`soapjax.graph._inner`), forward and backward: per set of mesh axes one collective of all
         of them (XLA combines them), priced as one all-reduce per statistic, each microbatch;
-        then the moves of pieces it cuts or joins along split dims (`_cut_moves`)."""
+        then the moves of pieces it cuts or joins along split dims (`_cut_moves`), and the
+        gathers of what its transforms read (`soapjax.graph._cuts.fft_gathers`)."""
         groups: dict[tuple[str, ...], list[tuple[Comm, bool]]] = {}
         for r in inner_reductions(self.graph, j):
             axes = tuple(a for a in self.mesh.axis_names
@@ -342,6 +343,14 @@ class _TaskBuilding:
         moves = self._cut_moves(j, config)
         forward += tuple(c for c, _ in moves)
         backward += tuple(c for c, b in moves if b)
+        for g in fft_gathers(self.graph, j):  # XLA computes a transform whole: gathered first
+            axes = tuple(a for d in g.dims if d is not None for a in config.axes[d])
+            shape = microbatch_shape(g.shape, g.dims, self._sample[j], self._micro)
+            c = self._pricing.comm("all_gather", shard_bytes(shape, (), g.dtype, self.mesh),
+                                   axes) if axes else None  # (its result's bytes, as XLA's)
+            if c is not None:
+                backward, forward = (backward + (c,), forward) if g.backward else (
+                    backward, forward + (c,))
         return self._per_microbatch(forward), self._per_microbatch(backward)
 
     def _cut_moves(self, j: int, config: Config) -> list[tuple[Comm, bool]]:
