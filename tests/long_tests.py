@@ -323,4 +323,7 @@ LONG: dict[str, str] = {
     "tests/test__pipelined.py::test_the_pipelined_step_computes_the_unsharded_step"
     "[gpt-1f1b-recomputed]": "[gpt-1f1b-recomputed-whole-microbatches] (1F1B with its layers "
     "recomputed)",
+    "tests/test__cotangents.py::test_check_of_byol_prices_no_backward_for_its_target_network"
+    "[data_parallel]": "[target_split] (its target operators' batch split over data too: no "
+    "gradient synchronisation of theirs, and no cotangent moves)",
 }
