@@ -107,3 +107,13 @@ def test_check_of_byol_prices_no_backward_for_its_target_network(kind):
     # XLA's count without what its fusions recompute and with it
     assert r.hlo_flops - r.duplicated_flops <= r.predicted_flops <= r.hlo_flops
     assert_delta_equals_full(g, topo, strategy, moves=20)
+
+
+def test_a_cotangent_goes_back_through_complex_values():
+    """A value made from the parameters through an FFT's complex result is differentiated: the
+    corpus Hyena's implicit filter (an MLP of positions, its ``rfft``) has a backward (a first
+    version took only float dtypes and left the filter's MLP without one)."""
+    w = load("corpus.hyena:make")
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    filters = [j for j, op in enumerate(g.operators) if "/filter_" in op.name]
+    assert filters and all(has_backward(g, j) for j in range(len(g.operators)))

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from soapjax.base._dtypes import is_float
+
 if TYPE_CHECKING:
     from soapjax.graph.opgraph import OpGraph
 
@@ -39,7 +41,8 @@ __all__: list[str] = ["differentiated_operands", "differentiated_values", "has_b
 
 
 def _floating(dtype: str) -> bool:
-    return "float" in dtype or dtype.startswith("bf")
+    """Float or complex (an FFT's result carries its operand's cotangent back)."""
+    return is_float(dtype)
 
 
 def values_from_params(graph: OpGraph) -> frozenset[int]:

@@ -258,9 +258,8 @@ class _TaskBuilding:
             else:  # one microbatch's shard, M times (`soapjax.strategy.memory`)
                 t = self.cost_model.shard_time(
                     j, microbatch_degrees(op, config.degrees(self.mesh), m))
-            # an operator without a backward (`soapjax.graph._cotangents`) sends no cotangents
-            # back and makes no partial sums of them; recomputing, it runs its forward again
-            # (inside its segment's checkpoint, for the backward of the others there)
+            # no cotangents back, no partial sums of them where there is no backward
+            # (`soapjax.graph._cotangents`); recomputing, the forward runs again all the same
             differentiated = differentiated_operands(self.graph, j)
             recompute = recomputes(op, policy) or remat_recomputes(self.graph, j)
             forward = m * self._compute_time(float(t.forward_s))
@@ -471,9 +470,10 @@ class _TaskBuilding:
         if backward and views[j].partials[o]:
             return [e]
         out = []
-        for s in layout.siblings[e]:
+        for s in layout.siblings[e]:  # backward: of those that get a cotangent back
             js, os = layout.edges[s][2:]
-            if s == e or (self._dst(js, os) == dst and not (backward and views[js].partials[os])):
+            if s == e or (self._dst(js, os) == dst and not (backward and (
+                    views[js].partials[os] or not differentiated_operands(self.graph, js)[os]))):
                 out.append(s)
         return out
 
