@@ -185,8 +185,9 @@ class Traced(NamedTuple):
 def traced(name: str) -> Traced:
     """The float64 model's pure loss and traced graph: `case`'s where this file holds the
     model's gradients (the case is built anyway), else traced from the model as made, without
-    the perturbation and the reference gradient (tests/test_fuzz_exactness.py holds those
-    models' gradients, each in a process of its own making)."""
+    the perturbation and the reference gradient, which nothing here reads
+    (tests/test_fuzz_exactness.py holds those models' gradients against references of its
+    own)."""
     if corpus.CORPUS[name].gradients_in == "corpus":
         c = case(name)
         return Traced(c.pure_loss, c.params, c.batch, c.graph)

@@ -169,9 +169,11 @@ _MATMULS = frozenset({"dot_general", "conv_general_dilated"})
 def residuals(graph: OpGraph, j: int) -> Residuals:
     """What operator `j`'s backward reads, from its own equations (the VJP of each).
 
-    A value is read when an equation's derivative reads it: any operand of a nonlinear
-    equation (``tanh``, ``exp``, a norm's ``rsqrt``), the other factor of a product or
-    matmul (where that factor depends on the operator's inputs), a divisor; never the operands
+    A value is read when an equation's derivative reads it for a cotangent the backward
+    computes (`soapjax.graph._cotangents`: nothing for a value only the batch or a
+    ``stop_gradient`` leads to): an operand of a nonlinear equation (``tanh``, ``exp``, a
+    norm's ``rsqrt``) that is differentiated, the other factor of a product or matmul whose
+    factor is differentiated, a divisor; never the operands
     of linear equations whose derivative reads nothing (adds, subtractions, sums, slices,
     conversions and reshapes, which pass the need on to their operand). An input or output
     read is kept once, by its producer (`Segments.activation_bytes`). Of the values computed
