@@ -74,10 +74,10 @@ from soapjax.cost.roofline import (
     roofline_time as roofline_time,
 )
 from soapjax.cost.updates import update_passes, update_reductions as update_reductions
-from soapjax.graph._cotangents import has_backward
+from soapjax.graph._cotangents import differentiated_operands, has_backward
 from soapjax.graph._cuts import computed_degrees
 from soapjax.graph._local import operator_fn
-from soapjax.graph.opgraph import Operator, OpGraph, trace
+from soapjax.graph.opgraph import OpGraph, trace
 from soapjax.measure import _timing
 from soapjax.measure._timing import (
     DiskCache,
@@ -302,7 +302,7 @@ class CostModel:
             try:
                 fn, avals = self._program(op_index, key[1])
                 self._sig_of[key] = _timing.signature("operator", str(jax.make_jaxpr(fn)(*avals)),
-                                               _diff_mask(self.graph.operators[op_index]))
+                                               _diff_mask(self.graph, op_index))
             except Exception as e:  # noqa: BLE001  an exotic equation: priced by a fallback
                 # once an operator (its other degrees fail alike; the plan's header counts
                 # every fallback)
@@ -408,8 +408,8 @@ class CostModel:
             fn, avals = self._program(op_index, degrees)
             args = _timing.random_args(avals)
             fwd = _timing.time_forward(fn, args, self._options)
-            diff = [o.kind in ("activation", "param") for o in op.inputs]
-            bwd = _timing.time_backward(fn, args, diff, self._options)
+            diff = list(differentiated_operands(self.graph, op_index))
+            bwd = _timing.time_backward(fn, args, diff, self._options) if any(diff) else None
         except Exception as e:  # noqa: BLE001  compile or run failure: priced by a fallback
             log.warning("timing %s at degrees %s failed (%s: %s); priced by a fallback",
                         op.name, list(degrees), type(e).__name__, _first_line(e))
@@ -514,8 +514,11 @@ class CostModel:
                              self._counts["fallbacks"] - fallbacks0, time.perf_counter() - t0)
 
 
-def _diff_mask(op: Operator) -> str:
-    return "".join("d" if o.kind in ("activation", "param") else "-" for o in op.inputs)
+def _diff_mask(graph: OpGraph, op_index: int) -> str:
+    """Which operands a shard program's timed backward differentiates: those the step's
+    backward computes a cotangent of (`soapjax.graph._cotangents`; none for an operator
+    without a backward, whose backward is then not timed)."""
+    return "".join("d" if d else "-" for d in differentiated_operands(graph, op_index))
 
 
 def cost_model(graph: OpGraph, topology: Topology, *, mode: Mode = "auto",
