@@ -91,8 +91,10 @@ def differentiated_operands(graph: OpGraph, j: int) -> tuple[bool, ...]:
         op, prog = graph.operators[j], graph.program
         diff = differentiated_values(graph)
         loc = prog.local.get(op.name)
-        if loc is None or not has_backward(graph, j):
-            return tuple(x.value in diff and has_backward(graph, j) for x in op.inputs)
+        if not has_backward(graph, j):
+            return (False,) * len(op.inputs)
+        if loc is None:
+            return tuple(x.value in diff for x in op.inputs)
         needed = {t.value for t in op.outputs if t.value in diff}
         for i in reversed(loc.units):
             u = prog.units[i]

@@ -110,9 +110,6 @@ def _find(graph: OpGraph, j: int) -> tuple[InnerCut, ...]:
         return ()
     from_params = values_from_params(graph)
 
-    def dims_of(vid: int) -> tuple[int | None, ...]:
-        return tuple(loc.labels.lookup(lb, loc.iter_of) for lb in loc.lab.get(vid, ()))
-
     out = []
     for i in loc.units:
         u = prog.units[i]
@@ -133,7 +130,7 @@ def _find(graph: OpGraph, j: int) -> tuple[InnerCut, ...]:
             axis, operands = _slice_axis(prog.shapes[u.ins[0]], u.eqn.params), u.ins[:1]
         if axis is None:
             continue
-        dims = dims_of(whole)
+        dims = loc.dims_of(whole)
         dim = dims[axis] if dims[axis] is not None else major_dim(loc, loc.lab[whole][axis])
         if dim is None:
             continue
@@ -255,8 +252,7 @@ def _fft_gathers(graph: OpGraph, j: int) -> tuple[FftGather, ...]:
     def gather(v: int | None, backward: bool) -> list[FftGather]:
         if v is None or v not in loc.lab:
             return []
-        dims = tuple(loc.labels.lookup(lb, loc.iter_of) for lb in loc.lab[v])
-        return [FftGather(tuple(prog.shapes[v]), prog.dtypes[v], dims, backward)]
+        return [FftGather(tuple(prog.shapes[v]), prog.dtypes[v], loc.dims_of(v), backward)]
 
     out: list[FftGather] = []
     for i in loc.units:

@@ -89,12 +89,6 @@ class InnerReduction(NamedTuple):
     backward: bool
 
 
-def _dims_of(loc: Any, vid: int) -> tuple[int | None, ...]:
-    """Per dim of value `vid` inside an operator (`loc`: its `OperatorLabels`), the iteration
-    dim it follows (None: none)."""
-    return tuple(loc.labels.lookup(lb, loc.iter_of) for lb in loc.lab.get(vid, ()))
-
-
 def inner_reductions(graph: OpGraph, j: int) -> tuple[InnerReduction, ...]:
     """The reductions inside operator `j` that a split of their dims makes collective."""
     return graph.memo(("inner_reductions", j), lambda: _find(graph, j))
@@ -122,7 +116,7 @@ def _find(graph: OpGraph, j: int) -> tuple[InnerReduction, ...]:
             (axes, _), _ = u.eqn.params["dimension_numbers"]
         else:
             axes = u.eqn.params.get("axes", ())
-        src = _dims_of(loc, u.ins[0])
+        src = loc.dims_of(u.ins[0])
         reduced = tuple(sorted({src[a] for a in axes if a < len(src) and src[a] is not None}))
         if not reduced:
             continue
@@ -133,7 +127,7 @@ def _find(graph: OpGraph, j: int) -> tuple[InnerReduction, ...]:
         differentiable = name in _DIFFERENTIABLE and any(
             w.eqn.primitive.name != "stop_gradient" for w in used)
         out.append(InnerReduction(name, reduced, tuple(prog.shapes[result]),
-                                  prog.dtypes[result], _dims_of(loc, result),
+                                  prog.dtypes[result], loc.dims_of(result),
                                   kept and differentiable))
     return tuple(out)
 
@@ -219,7 +213,7 @@ def _matmul_operands(graph: OpGraph, j: int) -> tuple[MatmulOperand | None, ...]
                 if reached[hit[0]] and hit[0] in loc.lab:
                     found = MatmulOperand(
                         tuple(prog.shapes[hit[0]]), prog.dtypes[hit[0]],
-                        _dims_of(loc, hit[0]))
+                        loc.dims_of(hit[0]))
                 break
             moved = any(reached[v] for v in hit) or u.eqn.primitive.name not in _LAYOUT
             reached.update((v, moved) for v in u.outs if v is not None)
@@ -285,11 +279,11 @@ def _partial_sum_value(graph: OpGraph, j: int) -> PartialSum | None:
             or _linear_to_output(units[k + 1:], result)):
         return None
 
-    dims = _dims_of(loc, result)
+    dims = loc.dims_of(result)
     if any(d is None and size > 1 for d, size in zip(dims, prog.shapes[result])):
         return None
     (contracted, _), _ = units[k].eqn.params["dimension_numbers"]
-    lhs = _dims_of(loc, units[k].ins[0])
+    lhs = loc.dims_of(units[k].ins[0])
     summed = tuple(sorted({lhs[a] for a in contracted if a < len(lhs) and lhs[a] is not None}))
     return PartialSum(tuple(prog.shapes[result]), prog.dtypes[result], dims, summed)
 

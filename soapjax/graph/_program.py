@@ -59,6 +59,11 @@ class OperatorLabels:
     env: dict  # inner jaxpr var -> labels (bodies of scan, remat2, custom_jvp_call, ...)
     iter_of: dict[int, int | None]  # canonical label -> iteration dim (None: never split)
 
+    def dims_of(self, vid: int) -> tuple[int | None, ...]:
+        """Per dim of value `vid` (one of this operator's), the iteration dim it follows
+        (None: none); () for a value it has no labels of."""
+        return tuple(self.labels.lookup(lb, self.iter_of) for lb in self.lab.get(vid, ()))
+
     def shard_shape(self, labels: Sequence[int], shape: Sequence[int],
                     degrees: Sequence[int]) -> tuple[int, ...]:
         out = []

@@ -239,12 +239,9 @@ def _residuals(graph: OpGraph, j: int) -> Residuals:
             if name in _MATMULS or attention_call(u.eqn) is not None:  # flash attention saves
                 by_matmul.add(root.get(v, v))  # its operands (a rotary embedding's outputs)
     outer = set(loc.inputs) | set(loc.exports)
-
-    def dims(v: int) -> tuple[int | None, ...]:
-        return tuple(loc.labels.lookup(lb, loc.iter_of) for lb in loc.lab.get(v, ()))
-
-    internal = tuple((tuple(prog.shapes[v]), prog.dtypes[v], dims(v))
-                     for v in sorted(by_matmul - outer) if len(dims(v)) == len(prog.shapes[v]))
+    internal = tuple((tuple(prog.shapes[v]), prog.dtypes[v], loc.dims_of(v))
+                     for v in sorted(by_matmul - outer)
+                     if len(loc.dims_of(v)) == len(prog.shapes[v]))
     if op.anchor == "attention":  # flash attention keeps a log-sum-exp per query and head
         b, t, n = op.shape[:3]
         internal = tuple((shape, dtype, attention_heads(dims, shape, n))
