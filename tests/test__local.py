@@ -313,3 +313,32 @@ def test_an_nnx_vmapped_ensemble_of_convolutions_trains_exactly():
         result = first_step(g, s, make_mesh(topology), loss, params, batch,
                             tolerance=1e-12)
     assert result.passed, result.describe()
+
+
+def argsort_loss(p, b):
+    """MAE's masking: the rows' order of per-sample noise (``jnp.argsort``: a sort of the
+    noise and an iota of positions, the iota built inside the operator), the kept quarter
+    gathered per sample."""
+    order = jnp.argsort(b["noise"], axis=1)[:, :4]
+    kept = jnp.take_along_axis(b["x"] @ p["w"], order[:, :, None].repeat(16, axis=2), axis=1)
+    return jnp.mean(kept ** 2)
+
+
+def test_an_argsort_splits_its_positions_with_its_keys():
+    """The positions argsort sorts beside the keys are an iota (weak labels, never joined):
+    they are cut as the keys are, so the sort's shard program builds at a batch split and
+    each row's order is the whole sort's (it raised "Arguments to sort must have equal
+    shapes", and the operator was priced by a fallback)."""
+    noise = jax.random.uniform(jax.random.key(0), (8, 16))
+    p = {"w": jnp.ones((32, 16))}
+    b = {"x": jnp.ones((8, 16, 32)), "noise": noise}
+    g = trace(argsort_loss, p, b)
+    (op,) = [o for o in g.operators if o.anchor == "sort"]
+    assert op.roles[0] == "S"
+    degrees = (8,) + (1,) * (len(op.iteration_sizes) - 1)
+    fn, avals = operator_fn(g, op.name, degrees, rules="primal")
+    assert avals[0].shape == (1, 16)
+    (index,) = fn(noise[:1])  # the kept positions, repeated over the features: [1, 4, 16, 1]
+    assert index.shape == (1, 4, 16, 1)
+    np.testing.assert_array_equal(np.asarray(index)[0, :, 0, 0],
+                                  np.argsort(np.asarray(noise[0]))[:4])

@@ -561,6 +561,10 @@ IDIOMS = {
     "soft_moe": {"dot_general", "reduce_max", "exp", "sqrt"},
     "sparsemax_tabular": {"sort", "cumsum", "gather", "logistic"},
     "byol": {"conv_general_dilated", "stop_gradient", "rev", "sqrt"},
+    "mae": {"sort", "gather", "scatter", "tile", "concatenate"},
+    "sngan": {"conv_general_dilated", "stop_gradient", "rsqrt", "custom_jvp_call"},
+    "perceiver": {"sin", "cos", "concatenate", "lt", "dot_general"},
+    "ensemble": {"dot_general", "log", "log1p"},
 }
 # Grouped convolutions (feature_group_count > 1): depthwise, a channel multiplier, 4 groups.
 GROUPED = {"convnext": 1, "mobilenet": 2, "mamba": 1, "conformer": 1}
@@ -589,6 +593,9 @@ def test_corpus_model_uses_its_idiom(name):
     if name == "vivit":  # a 3D convolution: [B, T, H, W, C] clips
         assert any(len(e.invars[0].aval.shape) == 5 for e in _eqns(closed.jaxpr)
                    if e.primitive.name == "conv_general_dilated")
+    if name == "ensemble":  # nn.vmap's members: matmuls batched over the member axis
+        assert any(e.params["dimension_numbers"][1][0] for e in _eqns(closed.jaxpr)
+                   if e.primitive.name == "dot_general")
     if name == "mixed_precision":
         dots = [e for e in _eqns(closed.jaxpr) if e.primitive.name == "dot_general"]
         assert dots and all(e.invars[0].aval.dtype == jnp.bfloat16 for e in dots)

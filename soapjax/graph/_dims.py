@@ -403,15 +403,19 @@ def _first_order(ls: LabelSet, name: str, p, ins, in_shapes, out_shapes, prims) 
     if name == "ragged_dot_general":
         return _ragged_dot(ls, p, ins, in_shapes, out_shapes, flops, prims)
     if name == "sort":  # along `dimension`: a shard's order is not the order of the whole
+        # The operands' other dims are one dim each; an operand built from an iota (argsort's
+        # positions, weak) is cut as the keys are, and the results follow the keys.
         srcs = [x or ls.fresh_many(shape) for x, shape in zip(ins, in_shapes)]
         axis = p["dimension"]
-        for other in srcs[1:]:
-            for d, (a, b) in enumerate(zip(srcs[0], other)):
-                if d != axis:
-                    ls.union(a, b)
+        base = next((s for s in srcs
+                     if not ls.weak.intersection(s[:axis] + s[axis + 1:])), srcs[0])
+        for other in srcs:
+            for d, (a, b) in enumerate(zip(base, other)):
+                if d != axis and other is not base:
+                    ls.link(b, a)
         new = ls.fresh(in_shapes[0][axis])
         ls.mark(new, "seq")
-        out = (*srcs[0][:axis], new, *srcs[0][axis + 1:])
+        out = (*base[:axis], new, *base[axis + 1:])
         return EqnInfo([out] * len(out_shapes), reduced, flops, prims)
     if name == "conv_general_dilated":
         dn = p["dimension_numbers"]

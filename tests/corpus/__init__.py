@@ -54,6 +54,7 @@ from corpus import (
     dlrm,
     dropout_nnx,
     dynamic_conv,
+    ensemble,
     expert_choice,
     fnet,
     gat,
@@ -66,6 +67,7 @@ from corpus import (
     linen_scan_transformer,
     llama_gqa,
     lstm_dropout,
+    mae,
     mamba,
     mixed_precision,
     mixer_mod,
@@ -77,6 +79,7 @@ from corpus import (
     nnx_scan_transformer,
     numbered_layers,
     padded_lm,
+    perceiver,
     phi3_fused,
     pinn,
     pointnet,
@@ -86,6 +89,7 @@ from corpus import (
     rwkv,
     safe_norm,
     shared_layers,
+    sngan,
     soft_moe,
     sparsemax_tabular,
     ste,
@@ -379,6 +383,22 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
           "encoder, projector and predictor, the target network held in the parameters "
           "under stop_gradient (a zero gradient), the symmetric cosine loss", has_conv=True,
           gradients_in="fuzz"),
+    Entry("mae", "linen", mae.make,
+          "masked autoencoder: per-sample random masking by jnp.argsort of noise, the kept "
+          "patches and the unshuffle by take_along_axis with per-sample indices, a tiled mask "
+          "token, norm_pix targets, the loss over the masked patches alone", gradients_in="fuzz"),
+    Entry("sngan", "linen", sngan.make,
+          "SN-GAN discriminator: Flax's nn.SpectralNorm around strided convolutions (a power "
+          "iteration per call, u and sigma in batch_stats, mutable and discarded) and "
+          "nn.WeightNorm around the head, the hinge loss on real and fake images",
+          has_conv=True, gradients_in="fuzz"),
+    Entry("perceiver", "linen", perceiver.make,
+          "Perceiver IO: a learned latent array broadcast to the batch, cross-attention to "
+          "inputs with Fourier position features and a length mask, one latent block's "
+          "weights called twice, a learned decoder query", gradients_in="fuzz"),
+    Entry("ensemble", "linen", ensemble.make,
+          "deep ensemble by nn.vmap: every parameter with a leading member axis, the input "
+          "shared (in_axes=None), a Gaussian NLL per member", gradients_in="fuzz"),
 )}
 
 
