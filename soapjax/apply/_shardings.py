@@ -40,6 +40,7 @@ from soapjax.apply._layer_order import step_layout, unwrapped
 from soapjax.apply._pipelined import PipelinedStep
 from soapjax.apply._validation import Checked, check_strategy, validate_leaves
 from soapjax.base.errors import PlanError
+from soapjax.cost.updates import update_whole_dims, whole_along
 from soapjax.graph.opgraph import LeafInfo, OpGraph
 from soapjax.strategy import space
 from soapjax.strategy.space import MeshShape
@@ -108,7 +109,12 @@ class TrainShardings(NamedTuple):
       loss: the loss's sharding (replicated).
       grads: a pytree like the parameters: where the step puts the gradients before the
         update, the layout of the optimizer state that mirrors them (the parameters' shardings
-        split over `Strategy.optimizer_axes`: a reduce-scatter over them, not an all-reduce).
+        split over `Strategy.optimizer_axes`: a reduce-scatter over them, not an all-reduce),
+        whole along the dims an update contracts (Muon's matrices:
+        `soapjax.cost.updates.update_whole_dims`; gathered there, the update then needs no
+        collective, and its result is sliced back to the parameter's own sharding).
+      whole_updates: some parameter's update contracts its dims: the step constrains the
+        updates to `grads` too, so the update is computed there.
     """
 
     params: Any
@@ -116,6 +122,7 @@ class TrainShardings(NamedTuple):
     batch: Any
     loss: NamedSharding
     grads: Any = None
+    whole_updates: bool = False
 
 
 def param_shardings(graph: OpGraph, strategy: Any, mesh: Mesh, *, params: Any = None,
@@ -204,13 +211,25 @@ def train_shardings(graph: OpGraph, strategy: Any, mesh: Mesh,
     ps = _param_shardings(program, check, params)
     gs = _param_shardings(program, check, params, space.optimizer_specs) \
         if check.strategy.optimizer_axes else ps
+    whole = update_whole_dims(optimizer, graph.abstract_params()).whole
+    if any(whole):
+        # an update that contracts a parameter's dims (Muon) reads its gradient whole along
+        # them and keeps its state so (`soapjax.cost.updates.update_whole_dims`)
+        specs_of = space.optimizer_specs if check.strategy.optimizer_axes else space.param_specs
+        by_path = {leaf.path: dims for leaf, dims in zip(graph.params, whole)}
+
+        def gathered(g, s, m):
+            return {path: whole_along(spec, by_path.get(path, ()))
+                    for path, spec in specs_of(g, s, m).items()}
+        gs = _param_shardings(program, check, params, gathered)
     bs = _batch_shardings(program, check, batch)
     abstract = (step_layout(jax.tree.map(_abstract, params), ps) if params is not None
                 else jax.tree.unflatten(jax.tree.structure(ps),
                                         [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
                                          for leaf in graph.params]))
     os = opt_state_shardings(optimizer, abstract, gs)
-    return TrainShardings(ps, os, bs, NamedSharding(program.mesh, PartitionSpec()), gs)
+    return TrainShardings(ps, os, bs, NamedSharding(program.mesh, PartitionSpec()), gs,
+                          any(whole))
 
 
 # --- helpers ------------------------------------------------------------------------------------

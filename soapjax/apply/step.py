@@ -185,6 +185,10 @@ def sharded_train_step(graph: OpGraph, strategy: Any, mesh: Mesh,
     def step(params, opt_state, batch, count):
         loss, grads = value_and_grad(params, batch, count)
         updates, opt_state = optimizer.update(grads, opt_state, params)
+        if shardings.whole_updates:
+            # computed where the gradient was put, so the partitioner does not split an
+            # update's matrix products after the parameters' sharding
+            updates = jax.lax.with_sharding_constraint(updates, shardings.grads)
         return optax.apply_updates(params, updates), opt_state, loss
 
     options = dict(compiler_options) if compiler_options else None

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from soapjax.base._dtypes import is_float
+from soapjax.cost.updates import update_whole_dims
 from soapjax.graph._cotangents import differentiated_operands, differentiated_values
 from soapjax.graph._cuts import computed_degrees
 from soapjax.graph._dims import Flops as Flops, xla_flops
@@ -122,6 +123,7 @@ class FlopCounter:
         self._whole: dict[int, OperatorFlops] = {}
         self._shard: dict[tuple[int, tuple[int, ...]], OperatorFlops] = {}
         self._updates: dict[tuple, float] = {}
+        self._update_whole: tuple[tuple[int, ...], ...] | None = None
         self._diff, self._wanted = _differentiated(graph)
 
     def operator(self, i: int, degrees: tuple[int, ...] | None = None) -> OperatorFlops:
@@ -196,6 +198,15 @@ class FlopCounter:
         shapes (its masks see the parameters' tree; a global norm sums the device's shards)."""
         if self.optimizer is None:
             return 0.0
+        if self._update_whole is None:
+            params = jax.tree.unflatten(self._treedef, [jax.ShapeDtypeStruct(leaf.shape,
+                                                                              leaf.dtype)
+                                                         for leaf in self.graph.params])
+            self._update_whole = update_whole_dims(self.optimizer, params).whole
+        # an update that contracts a parameter's dims runs on it whole along them (Muon)
+        shards = tuple(tuple(leaf.shape[d] if d in whole else n for d, n in enumerate(shape))
+                       for leaf, shape, whole in zip(self.graph.params, shards,
+                                                     self._update_whole))
         if shards not in self._updates:
             leaves = [jax.ShapeDtypeStruct(shape, leaf.dtype)
                       for leaf, shape in zip(self.graph.params, shards)]

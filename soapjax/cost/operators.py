@@ -73,7 +73,11 @@ from soapjax.cost.roofline import (
     compute_dtype as compute_dtype,
     roofline_time as roofline_time,
 )
-from soapjax.cost.updates import update_passes, update_reductions as update_reductions
+from soapjax.cost.updates import (
+    update_passes,
+    update_reductions as update_reductions,
+    update_whole_dims,
+)
 from soapjax.graph._cotangents import differentiated_operands, has_backward
 from soapjax.graph._cuts import computed_degrees
 from soapjax.graph._local import operator_fn
@@ -187,6 +191,8 @@ class CostModel:
       source: ``"measured"`` or ``"analytic"``: how times are obtained.
       update_reductions: values the optimizer's update reduces each parameter to
         (`update_reductions`: 1 under a global-norm clip, 0 for plain Adam).
+      update_whole: parameter path -> the dims its update contracts, for the parameters
+        whose update does (Muon: `soapjax.cost.updates.update_whole_dims`).
     """
 
     def __init__(self, graph: OpGraph, topology: Topology, *, source: str, mesh: MeshShape,
@@ -214,6 +220,10 @@ class CostModel:
         self._ratios: dict[int, list[float]] = {}  # operator -> measured / analytic, per pair
         self._passes = update_passes(optimizer)
         self.update_reductions = update_reductions(optimizer)
+        dims = update_whole_dims(optimizer, graph.abstract_params())
+        self.update_whole = {leaf.path: d for leaf, d in zip(graph.params, dims.whole) if d}
+        self._update_flops = {leaf.path: (f, leaf.dtype)
+                              for leaf, f in zip(graph.params, dims.flops) if f}
         self._dtypes: dict[int, str] = {}
         self._kernels: dict[Any, Kernels] = {}
 
@@ -434,6 +444,13 @@ class CostModel:
         if hit is None:
             hit = self._update_memo[param_shard_bytes] = self._update(param_shard_bytes)
         return hit
+
+    def update_matmul_time(self, path: str) -> float:
+        """Seconds of the matrix products the optimizer's update of parameter `path` runs on
+        the whole parameter (Muon's Newton-Schulz iteration), at the device's matmul
+        roofline; 0 for an update without them."""
+        flops, dtype = self._update_flops.get(path, (0.0, "float32"))
+        return roofline_time(flops, 0.0, dtype, self.topology.device) if flops else 0.0
 
     def _update(self, param_shard_bytes: float) -> float:
         if param_shard_bytes <= 0:

@@ -10,12 +10,21 @@ the update's jaxpr on one float32 vector of 1,024 elements (nothing runs):
   ``7 * bytes / bandwidth``.
 * `update_reductions`: scalars the update reduces each parameter to (a global-norm clip: 1),
   each an all-reduce over the axes a split parameter is stored on.
+
+A third, `update_whole_dims`, is read from the update of the model's own parameters: the dims
+of each parameter its update contracts (Muon's Newton-Schulz iteration multiplies each
+matrix's momentum by its transpose; Shampoo's preconditioners likewise). Such an update needs
+the whole matrix on a device: apply gathers the gradient whole along those dims and keeps that
+parameter's optimizer state so (`soapjax.apply._shardings.train_shardings`), as distributed
+Muon does (gather, orthogonalise, keep the shard), and the simulator prices the gather, the
+state's memory and the update's matrix products.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +32,8 @@ from jax.extend import core as jcore
 
 from soapjax.base._dtypes import itemsize
 
-__all__ = ["DEFAULT_UPDATE_PASSES", "update_passes", "update_reductions"]
+__all__ = ["DEFAULT_UPDATE_PASSES", "UpdateDims", "update_passes", "update_reductions",
+           "update_whole_dims", "whole_along"]
 
 # Adam reads parameters, gradients and two moments and writes parameters and both moments:
 # 7 passes over the parameter bytes (when the optimizer is not known).
@@ -90,3 +100,218 @@ def update_passes(optimizer: Any) -> float:
         return 3.0 + 2.0 * size / (1024 * 4)
     except Exception:  # noqa: BLE001  an optimizer that needs more than one array
         return DEFAULT_UPDATE_PASSES
+
+
+class UpdateDims(NamedTuple):
+    """What the optimizer's update does across a parameter's dims (`update_whole_dims`).
+
+    Attributes:
+      whole: per parameter leaf (flattening order), the dims its update contracts: () for an
+        update that is elementwise in the parameter (Adam, SGD, Adafactor's factored means,
+        global norms: partial sums, not contractions).
+      flops: per parameter leaf, the FLOPs of its update's matrix products at the whole
+        parameter's shape (0 where there are none).
+    """
+
+    whole: tuple[tuple[int, ...], ...]
+    flops: tuple[float, ...]
+
+
+def update_whole_dims(optimizer: Any, params: Any) -> UpdateDims:
+    """The dims of each parameter the optimizer's update contracts, read from the update's
+    jaxpr at the parameters' shapes (nothing runs): each value's dims carry the parameter dims
+    they come from (through elementwise arithmetic, broadcasts, transposes, reshapes, vmap's
+    batched products, loops and nested calls), and a ``dot_general`` that contracts a dim
+    makes the parameter dims it came from whole. An optimizer whose update cannot be traced
+    on the parameters' shapes reads as elementwise.
+
+    >>> import jax, optax
+    >>> p = {"b": jax.ShapeDtypeStruct((8,), "float32"), "w": jax.ShapeDtypeStruct((8, 16),
+    ...      "float32")}
+    >>> update_whole_dims(optax.adam(1e-3), p).whole, update_whole_dims(
+    ...     optax.contrib.muon(1e-3), p).whole
+    (((), ()), ((), (0, 1)))
+    """
+    leaves = jax.tree.leaves(params)
+    none = UpdateDims(((),) * len(leaves), (0.0,) * len(leaves))
+    if optimizer is None or not leaves:
+        return none
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    try:
+        state = jax.eval_shape(optimizer.init, abstract)
+        closed = jax.make_jaxpr(optimizer.update)(abstract, state, abstract)
+    except Exception:  # noqa: BLE001  an update that cannot be traced on these shapes
+        return none
+    n_state = len(jax.tree.leaves(state))
+    ins: list[_Origins] = [_fresh(i, x.shape) for i, x in enumerate(leaves)]
+    ins += [None] * n_state + [_fresh(i, x.shape) for i, x in enumerate(leaves)]
+    walk = _Walk()
+    walk.run(closed.jaxpr, ins)
+    whole = tuple(tuple(sorted(d for j, d in walk.whole if j == i and leaves[i].shape[d] > 1))
+                  for i in range(len(leaves)))
+    return UpdateDims(whole, tuple(walk.flops.get(i, 0.0) for i in range(len(leaves))))
+
+
+def whole_along(spec: Sequence[tuple[str, ...]], dims: Sequence[int]
+                ) -> tuple[tuple[str, ...], ...]:
+    """`spec` (mesh axes per dim) with `dims` whole: the layout an update that contracts
+    those dims reads its gradient and keeps its state in.
+
+    >>> whole_along((("data",), ("model",)), (1,))
+    (('data',), ())
+    """
+    return tuple(() if d in dims else tuple(a) for d, a in enumerate(spec))
+
+
+# Per value, per dim: the (parameter leaf, dim) pairs it comes from; None: from none.
+_Origins = tuple[frozenset, ...] | None
+
+
+def _fresh(i: int, shape: Sequence[int]) -> _Origins:
+    return tuple(frozenset({(i, d)}) for d in range(len(shape)))
+
+
+def _union(*sets) -> frozenset:
+    return frozenset().union(*sets)
+
+
+class _Walk:
+    """Carries `_Origins` through a jaxpr, recording the contracted parameter dims."""
+
+    def __init__(self):
+        self.whole: set[tuple[int, int]] = set()
+        self.flops: dict[int, float] = {}
+
+    def run(self, jaxpr, ins: Sequence[_Origins]) -> list[_Origins]:
+        env: dict[Any, _Origins] = {}
+        for v, o in zip(jaxpr.invars, ins):
+            env[v] = o
+        for eqn in jaxpr.eqns:
+            args = [None if isinstance(v, jcore.Literal) else env.get(v) for v in eqn.invars]
+            outs = self._eqn(eqn, args)
+            env.update(zip(eqn.outvars, outs))
+        return [None if isinstance(v, jcore.Literal) else env.get(v) for v in jaxpr.outvars]
+
+    def _eqn(self, eqn, args: list[_Origins]) -> list[_Origins]:
+        name, p = eqn.primitive.name, eqn.params
+        shapes = [getattr(v.aval, "shape", ()) for v in eqn.invars]
+        out_shapes = [getattr(v.aval, "shape", ()) for v in eqn.outvars]
+        if name == "dot_general":
+            return [self._dot(p, args, shapes, out_shapes[0])]
+        if name == "scan":
+            return self._scan(p, args)
+        if name == "while":
+            return self._while(p, args)
+        if name == "cond":
+            branches = [self.run(b.jaxpr, args[1:]) for b in p["branches"]]
+            return [_join(outs) for outs in zip(*branches)]
+        subs = [s for s in jcore.jaxprs_in_params(p)]
+        if subs:
+            sub = subs[0]
+            outs = self.run(sub, args[len(args) - len(sub.invars):])
+            return outs if len(outs) == len(eqn.outvars) else [None] * len(eqn.outvars)
+        a = args[0] if args else None
+        if name == "broadcast_in_dim":
+            out = [frozenset()] * len(out_shapes[0])
+            if a is not None:
+                for i, d in enumerate(p["broadcast_dimensions"]):
+                    if shapes[0][i] == out_shapes[0][d]:
+                        out[d] = a[i]
+            return [tuple(out)]
+        if name == "transpose":
+            return [None if a is None else tuple(a[d] for d in p["permutation"])]
+        if name == "reshape":
+            return [_reshape(a, shapes[0], out_shapes[0])]
+        if name == "squeeze":
+            return [None if a is None else tuple(o for d, o in enumerate(a)
+                                                 if d not in p["dimensions"])]
+        if name.startswith(("reduce_", "arg")) and "axes" in p:
+            return [None if a is None else tuple(o for d, o in enumerate(a) if d not in p["axes"])
+                    for _ in eqn.outvars]
+        # elementwise and everything else: a result dim of an operand's extent is that dim
+        outs = []
+        for shape in out_shapes:
+            per = [frozenset()] * len(shape)
+            for x, xs in zip(args, shapes):
+                if x is not None and len(xs) == len(shape):
+                    per = [o | (x[d] if xs[d] == shape[d] else frozenset())
+                           for d, o in enumerate(per)]
+            outs.append(tuple(per) if any(per) else None)
+        return outs
+
+    def _dot(self, p, args, shapes, out_shape) -> _Origins:
+        (lc, rc), (lb, rb) = p["dimension_numbers"]
+        lhs = args[0] or tuple(frozenset() for _ in shapes[0])
+        rhs = args[1] or tuple(frozenset() for _ in shapes[1])
+        for d in lc:
+            self.whole |= lhs[d]
+        for d in rc:
+            self.whole |= rhs[d]
+        flops = 2.0 * math.prod(out_shape) * math.prod(shapes[0][d] for d in lc)
+        for i in {i for o in lhs + rhs for i, _ in o}:
+            self.flops[i] = self.flops.get(i, 0.0) + flops
+        lfree = [d for d in range(len(lhs)) if d not in lc and d not in lb]
+        rfree = [d for d in range(len(rhs)) if d not in rc and d not in rb]
+        out = ([lhs[a] | rhs[b] for a, b in zip(lb, rb)] + [lhs[d] for d in lfree]
+               + [rhs[d] for d in rfree])
+        return tuple(out) if any(out) else None
+
+    def _scan(self, p, args) -> list[_Origins]:
+        consts, n_carry = p["num_consts"], p["num_carry"]
+        body = p["jaxpr"].jaxpr
+        carry = list(args[consts:consts + n_carry])
+        xs = [None if x is None else x[1:] for x in args[consts + n_carry:]]
+        before = dict(self.flops)
+        for _ in range(2):  # a carry's origins reach a fixed point in two passes here
+            outs = self.run(body, list(args[:consts]) + carry + xs)
+            carry = [_join((c, o)) for c, o in zip(carry, outs[:n_carry])]
+        for i, f in self.flops.items():  # each pass counted the body once: length times
+            self.flops[i] = before.get(i, 0.0) + (f - before.get(i, 0.0)) / 2 * p["length"]
+        ys = [None if y is None else (frozenset(),) + y for y in outs[n_carry:]]
+        return carry + ys
+
+    def _while(self, p, args) -> list[_Origins]:
+        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        carry = list(args[nc + nb:])
+        before = dict(self.flops)
+        for _ in range(2):
+            outs = self.run(p["body_jaxpr"].jaxpr, list(args[nc:nc + nb]) + carry)
+            carry = [_join((c, o)) for c, o in zip(carry, outs)]
+        for i, f in self.flops.items():  # the trip count is not known: the body once
+            self.flops[i] = before.get(i, 0.0) + (f - before.get(i, 0.0)) / 2
+        return carry
+
+
+def _join(values: Sequence[_Origins]) -> _Origins:
+    given = [v for v in values if v is not None]
+    if not given:
+        return None
+    n = max(len(v) for v in given)
+    return tuple(_union(*(v[d] for v in given if len(v) == n)) for d in range(n))
+
+
+def _reshape(a: _Origins, src: Sequence[int], dst: Sequence[int]) -> _Origins:
+    """A reshape's result dims: each group of operand dims that becomes a group of result dims
+    of the same size carries the group's origins (a dim of size 1 carries none)."""
+    if a is None:
+        return None
+    out = [frozenset()] * len(dst)
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        i0, j0, si, sj = i, j, 1, 1
+        if i < len(src):
+            si, i = src[i], i + 1
+        if j < len(dst):
+            sj, j = dst[j], j + 1
+        while si != sj and (i < len(src) or j < len(dst)):
+            if si < sj and i < len(src):
+                si, i = si * src[i], i + 1
+            elif j < len(dst):
+                sj, j = sj * dst[j], j + 1
+            else:
+                si, i = si * src[i], i + 1
+        group = _union(*(a[d] for d in range(i0, i) if src[d] > 1))
+        for d in range(j0, j):
+            if dst[d] > 1:
+                out[d] = group
+    return tuple(out)

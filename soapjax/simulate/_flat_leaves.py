@@ -55,8 +55,10 @@ class _LeafBuilding:
         syncs, ready = self._build_grad_syncs(leaf, opt)
         seg = layout.update_seg[leaf]
         reduce = self._build_update_reduce(leaf, opt, seg, ready)
+        matmuls = self._update_matmul_time(leaf)
         update = self._task_graph.new(layout.key(seg, 0, 1),
-                                      self._compute_time(self.cost_model.update_time(owned)),
+                                      self._compute_time(self.cost_model.update_time(owned)
+                                                         + matmuls),
                                       (0,), reduce or ready,
                                       (UPDATE, leaf))
         # the distributed optimizer's all-gather of the updated shards
@@ -65,6 +67,16 @@ class _LeafBuilding:
         heads, ends, transient = again
         return _LeafTasks(gathers + syncs + reduce + [update] + regather, gather_ends, stored,
                           gathered, owned, heads, ends, transient, any(transient))
+
+    def _update_matmul_time(self, leaf: int) -> float:
+        """The matrix products of parameter `leaf`'s update (Muon's), on the whole parameter
+        (`OpCosts.update_whole`; a scanned layer's slice takes its share)."""
+        entry = self._update_whole.get(self._layout.leaf_source[leaf])
+        time_of = getattr(self.cost_model, "update_matmul_time", None)
+        if entry is None or time_of is None:
+            return 0.0
+        _, path, share = entry
+        return time_of(path) * share
 
     def _build_update_reduce(self, leaf: int, store: tuple, seg: int, ready: list[int]
                              ) -> list[int]:

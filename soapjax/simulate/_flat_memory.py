@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from soapjax.base._dtypes import itemsize
+from soapjax.cost.updates import whole_along
 from soapjax.simulate._simresult import (
     UPDATE,
     MemoryBreakdown,
@@ -55,13 +56,17 @@ class _MemoryAccounting:
 
     def _optimizer_spec(self, leaf: int, store: tuple) -> tuple[tuple[str, ...], ...]:
         """Parameter `leaf`'s optimizer state layout: its stored layout `store` split further
-        over the distributed optimizer's axes (`space.optimizer_specs`)."""
-        if not self._optimizer:
+        over the distributed optimizer's axes (`space.optimizer_specs`), and whole along the
+        dims its update contracts (`OpCosts.update_whole`: the gradient is gathered there)."""
+        whole = self._update_whole.get(self._layout.leaf_source[leaf], ((),))[0]
+        if not self._optimizer and not whole:
             return store
-        key = ("optimizer", store, self._layout.leaf_shape[leaf], self._optimizer)
+        key = ("optimizer", store, self._layout.leaf_shape[leaf], self._optimizer, whole)
         out = self._memo.get(key)
         if out is None:
-            out = self._memo[key] = storage_spec(store, key[2], self._optimizer, self.mesh)
+            split = storage_spec(store, key[2], self._optimizer, self.mesh) \
+                if self._optimizer else store
+            out = self._memo[key] = whole_along(split, whole)
         return out
 
     # --- accounting ---------------------------------------------------------------------------
@@ -95,8 +100,13 @@ class _MemoryAccounting:
                 [v.recomputes for v in views], [v.output_bytes for v in views],
                 [v.operand_bytes for v in views], [v.internal_bytes for v in views],
                 self._transient_bytes())
-        owned = (sum(unit.optimizer_bytes for unit in self._leaf_tasks) if self._optimizer
-                 else p)  # the distributed optimizer's shards (`Strategy.optimizer_axes`)
-        return MemoryBreakdown(params=p, grads=p, opt_state=round(owned * self.opt_state_factor),
+        # the distributed optimizer's shards (`Strategy.optimizer_axes`); an update that
+        # contracts a parameter's dims keeps its state and gradient whole along them
+        owned = (sum(unit.optimizer_bytes for unit in self._leaf_tasks)
+                 if self._optimizer or self._update_whole else p)
+        grads = (sum(max(unit.stored_bytes, unit.optimizer_bytes) for unit in self._leaf_tasks)
+                 if self._update_whole else p)
+        return MemoryBreakdown(params=p, grads=grads,
+                               opt_state=round(owned * self.opt_state_factor),
                                activations=self._act + self._leaf_bytes,
                                comm_buffers=max(self._buffer_counts, default=0))

@@ -101,7 +101,8 @@ bit, to a full simulation (`tests/test_simulate.py`). The task graph's engine is
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from soapjax.cost.operators import OpTime
@@ -155,6 +156,10 @@ class OpCosts(Protocol):
       update_reductions: scalars the optimizer's update reduces each parameter to (a global
         gradient norm: 1; `soapjax.cost.operators.update_reductions`); a parameter stored split over
         mesh axes all-reduces them over those axes before its update. Optional (0 when absent).
+      update_whole: parameter path -> the dims its update contracts (Muon's matrices;
+        `soapjax.cost.updates.update_whole_dims`): its gradient is synchronised whole along
+        them, its optimizer state kept so, and ``update_matmul_time(path)`` adds the update's
+        matrix products. Optional (none when absent).
     """
 
     source: str
@@ -170,6 +175,22 @@ class OpCosts(Protocol):
     def update_time(self, param_shard_bytes: float) -> float:
         """Seconds of the optimizer update of a parameter shard of that many bytes."""
         ...
+
+
+def _update_whole(graph: OpGraph, whole: Mapping[str, tuple[int, ...]] | None
+                  ) -> dict[str, tuple[tuple[int, ...], str, float]]:
+    """Per parameter operand source whose update contracts some of its dims
+    (`OpCosts.update_whole`, by leaf path): those dims (a scanned layer's slice drops the
+    layer dims), its leaf's path, and the slice's share of the leaf."""
+    out: dict[str, tuple[tuple[int, ...], str, float]] = {}
+    sizes = {leaf.path: math.prod(leaf.shape) for leaf in graph.params}
+    for op in graph.operators if whole else ():
+        for x in op.inputs:
+            if x.kind == "param" and x.leaf_path in whole:
+                k = len(x.layer)
+                out[x.source] = (tuple(d - k for d in whole[x.leaf_path] if d >= k),
+                                 x.leaf_path, math.prod(x.shape) / sizes[x.leaf_path])
+    return out
 
 
 class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
@@ -224,6 +245,7 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
         self.mesh = MeshShape.of(topology)
         self.opt_state_factor = float(opt_state_factor)
         self._reductions = int(getattr(cost_model, "update_reductions", 0))
+        self._update_whole = _update_whole(graph, getattr(cost_model, "update_whole", None))
         sharing = topology.compute  # devices sharing the host's cores (`[compute]`)
         self._stretch = sharing.stretch(topology.num_devices) if sharing else 1.0
         self._kernel_overhead = sharing.kernel_overhead if sharing else 0.0

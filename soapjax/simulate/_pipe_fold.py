@@ -524,6 +524,7 @@ class _FoldedCosts:
         self.base = base
         self.source = base.source
         self.update_reductions = getattr(base, "update_reductions", 0)
+        self.update_whole = getattr(base, "update_whole", {})
         self._epilogue = fold.index(keep, 0, keep)
         self._shift = (fold.layers - keep) * fold.per_layer
 
@@ -539,6 +540,9 @@ class _FoldedCosts:
     def update_time(self, param_shard_bytes: float) -> float:
         return self.base.update_time(param_shard_bytes)
 
+    def update_matmul_time(self, path: str) -> float:
+        return getattr(self.base, "update_matmul_time", lambda _: 0.0)(path)
+
 
 class StageCosts:
     """A cost model read over one stage's mesh: the configs of a pipeline stage name one
@@ -550,6 +554,7 @@ class StageCosts:
         self.base, self.mesh = base, mesh
         self.source = base.source
         self.update_reductions = getattr(base, "update_reductions", 0)
+        self.update_whole = getattr(base, "update_whole", {})
 
     def op_time(self, op_index: int, config: Config):
         return self.base.shard_time(op_index, config.degrees(self.mesh))
@@ -559,3 +564,6 @@ class StageCosts:
 
     def update_time(self, param_shard_bytes: float) -> float:
         return self.base.update_time(param_shard_bytes)
+
+    def update_matmul_time(self, path: str) -> float:
+        return getattr(self.base, "update_matmul_time", lambda _: 0.0)(path)
