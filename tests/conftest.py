@@ -115,10 +115,11 @@ def float64_model(name: str, layers: int, batch_size: int, *, fast: bool = False
     return w, params, batch, graph, want
 
 
-def assert_delta_equals_full(graph, topology, strategy, moves: int, seed: int = 1) -> None:
-    """`moves` random single-operator moves from `strategy` (analytic costs, ideal resharding),
-    each accepted or rejected at random: after each, the delta simulation's timeline equals a
-    fresh full simulation's, task by task."""
+def assert_delta_equals_full(graph, topology, strategy, moves: int, seed: int = 1,
+                             optimizer=None) -> None:
+    """`moves` random single-operator moves from `strategy` (analytic costs, ideal resharding,
+    the step's `optimizer` if given), each accepted or rejected at random: after each, the
+    delta simulation's timeline equals a fresh full simulation's, task by task."""
     import random
 
     from soapjax.cost.operators import cost_model
@@ -127,7 +128,7 @@ def assert_delta_equals_full(graph, topology, strategy, moves: int, seed: int = 
     from soapjax.strategy import space
 
     mesh = space.MeshShape.of(topology)
-    cm = cost_model(graph, topology, mode="analytic")
+    cm = cost_model(graph, topology, mode="analytic", optimizer=optimizer)
     rng = random.Random(seed)
     choices = [space.configs(op, mesh) for op in graph.operators]
     with Resharder(mesh, mode="ideal") as resharder:

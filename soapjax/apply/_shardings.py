@@ -115,6 +115,9 @@ class TrainShardings(NamedTuple):
         collective, and its result is sliced back to the parameter's own sharding).
       whole_updates: some parameter's update contracts its dims: the step constrains the
         updates to `grads` too, so the update is computed there.
+      update_params: where the update reads the parameters, when one whose update contracts
+        its dims also reads the parameter (Muon's weight decay): whole along those dims (an
+        all-gather), the others as stored; None: as stored.
     """
 
     params: Any
@@ -123,6 +126,7 @@ class TrainShardings(NamedTuple):
     loss: NamedSharding
     grads: Any = None
     whole_updates: bool = False
+    update_params: Any = None
 
 
 def param_shardings(graph: OpGraph, strategy: Any, mesh: Mesh, *, params: Any = None,
@@ -211,7 +215,8 @@ def train_shardings(graph: OpGraph, strategy: Any, mesh: Mesh,
     ps = _param_shardings(program, check, params)
     gs = _param_shardings(program, check, params, space.optimizer_specs) \
         if check.strategy.optimizer_axes else ps
-    whole = update_whole_dims(optimizer, graph.abstract_params()).whole
+    dims = update_whole_dims(optimizer, graph.abstract_params())
+    whole, ups = dims.whole, None
     if any(whole):
         # an update that contracts a parameter's dims (Muon) reads its gradient whole along
         # them and keeps its state so (`soapjax.cost.updates.update_whole_dims`)
@@ -222,6 +227,13 @@ def train_shardings(graph: OpGraph, strategy: Any, mesh: Mesh,
             return {path: whole_along(spec, by_path.get(path, ()))
                     for path, spec in specs_of(g, s, m).items()}
         gs = _param_shardings(program, check, params, gathered)
+        if any(w and r for w, r in zip(whole, dims.reads_params)):
+            # its update reads the parameter too (weight decay): there as well
+            reads = {leaf.path for leaf, w, r in zip(graph.params, whole, dims.reads_params)
+                     if w and r}
+            ups = _param_shardings(program, check, params, lambda g, s, m: {
+                path: whole_along(spec, by_path.get(path, ()) if path in reads else ())
+                for path, spec in space.param_specs(g, s, m).items()})
     bs = _batch_shardings(program, check, batch)
     abstract = (step_layout(jax.tree.map(_abstract, params), ps) if params is not None
                 else jax.tree.unflatten(jax.tree.structure(ps),
@@ -229,7 +241,7 @@ def train_shardings(graph: OpGraph, strategy: Any, mesh: Mesh,
                                          for leaf in graph.params]))
     os = opt_state_shardings(optimizer, abstract, gs)
     return TrainShardings(ps, os, bs, NamedSharding(program.mesh, PartitionSpec()), gs,
-                          any(whole))
+                          any(whole), ups)
 
 
 # --- helpers ------------------------------------------------------------------------------------

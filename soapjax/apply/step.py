@@ -184,7 +184,9 @@ def sharded_train_step(graph: OpGraph, strategy: Any, mesh: Mesh,
 
     def step(params, opt_state, batch, count):
         loss, grads = value_and_grad(params, batch, count)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
+        read = params if shardings.update_params is None else \
+            jax.lax.with_sharding_constraint(params, shardings.update_params)
+        updates, opt_state = optimizer.update(grads, opt_state, read)
         if shardings.whole_updates:
             # computed where the gradient was put, so the partitioner does not split an
             # update's matrix products after the parameters' sharding

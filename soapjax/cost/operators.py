@@ -193,6 +193,7 @@ class CostModel:
         (`update_reductions`: 1 under a global-norm clip, 0 for plain Adam).
       update_whole: parameter path -> the dims its update contracts, for the parameters
         whose update does (Muon: `soapjax.cost.updates.update_whole_dims`).
+      update_reads: the paths of those whose update reads the parameter too (weight decay).
     """
 
     def __init__(self, graph: OpGraph, topology: Topology, *, source: str, mesh: MeshShape,
@@ -222,6 +223,8 @@ class CostModel:
         self.update_reductions = update_reductions(optimizer)
         dims = update_whole_dims(optimizer, graph.abstract_params())
         self.update_whole = {leaf.path: d for leaf, d in zip(graph.params, dims.whole) if d}
+        self.update_reads = {leaf.path for leaf, d, r in zip(graph.params, dims.whole,
+                                                               dims.reads_params) if d and r}
         self._update_flops = {leaf.path: (f, leaf.dtype)
                               for leaf, f in zip(graph.params, dims.flops) if f}
         self._dtypes: dict[int, str] = {}

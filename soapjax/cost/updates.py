@@ -111,10 +111,13 @@ class UpdateDims(NamedTuple):
         global norms: partial sums, not contractions).
       flops: per parameter leaf, the FLOPs of its update's matrix products at the whole
         parameter's shape (0 where there are none).
+      reads_params: per parameter leaf, whether its update reads the parameter itself
+        (weight decay), not only its gradient and state.
     """
 
     whole: tuple[tuple[int, ...], ...]
     flops: tuple[float, ...]
+    reads_params: tuple[bool, ...] = ()
 
 
 def update_whole_dims(optimizer: Any, params: Any) -> UpdateDims:
@@ -133,7 +136,7 @@ def update_whole_dims(optimizer: Any, params: Any) -> UpdateDims:
     (((), ()), ((), (0, 1)))
     """
     leaves = jax.tree.leaves(params)
-    none = UpdateDims(((),) * len(leaves), (0.0,) * len(leaves))
+    none = UpdateDims(((),) * len(leaves), (0.0,) * len(leaves), (False,) * len(leaves))
     if optimizer is None or not leaves:
         return none
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
@@ -142,14 +145,17 @@ def update_whole_dims(optimizer: Any, params: Any) -> UpdateDims:
         closed = jax.make_jaxpr(optimizer.update)(abstract, state, abstract)
     except Exception:  # noqa: BLE001  an update that cannot be traced on these shapes
         return none
-    n_state = len(jax.tree.leaves(state))
+    n, n_state = len(leaves), len(jax.tree.leaves(state))
+    # the gradients' dims are tagged by leaf, the parameters' by leaf + n
     ins: list[_Origins] = [_fresh(i, x.shape) for i, x in enumerate(leaves)]
-    ins += [None] * n_state + [_fresh(i, x.shape) for i, x in enumerate(leaves)]
+    ins += [None] * n_state + [_fresh(n + i, x.shape) for i, x in enumerate(leaves)]
     walk = _Walk()
-    walk.run(closed.jaxpr, ins)
-    whole = tuple(tuple(sorted(d for j, d in walk.whole if j == i and leaves[i].shape[d] > 1))
-                  for i in range(len(leaves)))
-    return UpdateDims(whole, tuple(walk.flops.get(i, 0.0) for i in range(len(leaves))))
+    outs = walk.run(closed.jaxpr, ins)
+    whole = tuple(tuple(sorted({d for j, d in walk.whole if j % n == i
+                                and leaves[i].shape[d] > 1})) for i in range(n))
+    read = {j - n for o in outs if o is not None for dim in o for j, _ in dim if j >= n}
+    flops = tuple(walk.flops.get(i, 0.0) + walk.flops.get(n + i, 0.0) for i in range(n))
+    return UpdateDims(whole, flops, tuple(i in read for i in range(n)))
 
 
 def whole_along(spec: Sequence[tuple[str, ...]], dims: Sequence[int]

@@ -54,19 +54,25 @@ class _LeafBuilding:
         owned = stored if opt == store else self._shard_bytes(shape, opt, dtype)
         syncs, ready = self._build_grad_syncs(leaf, opt)
         seg = layout.update_seg[leaf]
-        reduce = self._build_update_reduce(leaf, opt, seg, ready)
+        # an update that contracts the parameter's dims and reads the parameter (Muon's weight
+        # decay) reads it gathered as its gradient is (XLA gathers it next to the update)
+        entry = self._update_whole.get(layout.leaf_source[leaf])
+        read = self._chain_tasks(self._pricing.chain(shape, dtype, store, opt),
+                                 layout.key(seg, 0, 0), ready, PARAM_GATHER, leaf) \
+            if entry is not None and entry[3] else []
+        reduce = self._build_update_reduce(leaf, opt, seg, read[-1:] or ready, len(read))
         matmuls = self._update_matmul_time(leaf)
-        update = self._task_graph.new(layout.key(seg, 0, 1),
+        update = self._task_graph.new(layout.key(seg, 0, len(read) + 1),
                                       self._compute_time(self.cost_model.update_time(owned)
                                                          + matmuls),
-                                      (0,), reduce or ready,
+                                      (0,), reduce or read[-1:] or ready,
                                       (UPDATE, leaf))
         # the distributed optimizer's all-gather of the updated shards
         regather = self._chain_tasks(self._pricing.chain(shape, dtype, opt, store),
                                      layout.key(seg, 1), [update], PARAM_GATHER, leaf)
         heads, ends, transient = again
-        return _LeafTasks(gathers + syncs + reduce + [update] + regather, gather_ends, stored,
-                          gathered, owned, heads, ends, transient, any(transient))
+        return _LeafTasks(gathers + syncs + reduce + read + [update] + regather, gather_ends,
+                          stored, gathered, owned, heads, ends, transient, any(transient))
 
     def _update_matmul_time(self, leaf: int) -> float:
         """The matrix products of parameter `leaf`'s update (Muon's), on the whole parameter
@@ -75,11 +81,11 @@ class _LeafBuilding:
         time_of = getattr(self.cost_model, "update_matmul_time", None)
         if entry is None or time_of is None:
             return 0.0
-        _, path, share = entry
+        _, path, share, _ = entry
         return time_of(path) * share
 
-    def _build_update_reduce(self, leaf: int, store: tuple, seg: int, ready: list[int]
-                             ) -> list[int]:
+    def _build_update_reduce(self, leaf: int, store: tuple, seg: int, ready: list[int],
+                             first: int = 0) -> list[int]:
         """The all-reduce of the scalars the optimizer reduces parameter `leaf` to (its share of
         a global gradient norm), over the mesh axes its stored layout `store` splits it over;
         none when the optimizer reduces nothing or the parameter is whole on every device.
@@ -108,7 +114,8 @@ class _LeafBuilding:
             self._memo[key] = comm
         if comm is None:
             return []
-        return self._chain_tasks((comm,), self._layout.key(seg, 0, 0), ready, UPDATE_REDUCE, leaf)
+        return self._chain_tasks((comm,), self._layout.key(seg, 0, first), ready, UPDATE_REDUCE,
+                                 leaf)
 
     def _build_gathers(self, leaf: int, store: tuple
                        ) -> tuple[list[int], list[int], int, tuple[tuple[int, ...], ...]]:

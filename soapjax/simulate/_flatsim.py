@@ -159,7 +159,8 @@ class OpCosts(Protocol):
       update_whole: parameter path -> the dims its update contracts (Muon's matrices;
         `soapjax.cost.updates.update_whole_dims`): its gradient is synchronised whole along
         them, its optimizer state kept so, and ``update_matmul_time(path)`` adds the update's
-        matrix products. Optional (none when absent).
+        matrix products; where the path is in ``update_reads`` (weight decay) the parameter is
+        gathered so for the update as well. Optional (none when absent).
     """
 
     source: str
@@ -177,19 +178,23 @@ class OpCosts(Protocol):
         ...
 
 
-def _update_whole(graph: OpGraph, whole: Mapping[str, tuple[int, ...]] | None
-                  ) -> dict[str, tuple[tuple[int, ...], str, float]]:
+def _update_whole(graph: OpGraph, whole: Mapping[str, tuple[int, ...]] | None,
+                  reads: Iterable[str] = ()
+                  ) -> dict[str, tuple[tuple[int, ...], str, float, bool]]:
     """Per parameter operand source whose update contracts some of its dims
     (`OpCosts.update_whole`, by leaf path): those dims (a scanned layer's slice drops the
-    layer dims), its leaf's path, and the slice's share of the leaf."""
-    out: dict[str, tuple[tuple[int, ...], str, float]] = {}
+    layer dims), its leaf's path, the slice's share of the leaf, and whether the update reads
+    the parameter too (`OpCosts.update_reads`)."""
+    reads = set(reads)
+    out: dict[str, tuple[tuple[int, ...], str, float, bool]] = {}
     sizes = {leaf.path: math.prod(leaf.shape) for leaf in graph.params}
     for op in graph.operators if whole else ():
         for x in op.inputs:
             if x.kind == "param" and x.leaf_path in whole:
                 k = len(x.layer)
                 out[x.source] = (tuple(d - k for d in whole[x.leaf_path] if d >= k),
-                                 x.leaf_path, math.prod(x.shape) / sizes[x.leaf_path])
+                                 x.leaf_path, math.prod(x.shape) / sizes[x.leaf_path],
+                                 x.leaf_path in reads)
     return out
 
 
@@ -245,7 +250,8 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
         self.mesh = MeshShape.of(topology)
         self.opt_state_factor = float(opt_state_factor)
         self._reductions = int(getattr(cost_model, "update_reductions", 0))
-        self._update_whole = _update_whole(graph, getattr(cost_model, "update_whole", None))
+        self._update_whole = _update_whole(graph, getattr(cost_model, "update_whole", None),
+                                           getattr(cost_model, "update_reads", ()))
         sharing = topology.compute  # devices sharing the host's cores (`[compute]`)
         self._stretch = sharing.stretch(topology.num_devices) if sharing else 1.0
         self._kernel_overhead = sharing.kernel_overhead if sharing else 0.0

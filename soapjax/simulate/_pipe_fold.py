@@ -525,6 +525,7 @@ class _FoldedCosts:
         self.source = base.source
         self.update_reductions = getattr(base, "update_reductions", 0)
         self.update_whole = getattr(base, "update_whole", {})
+        self.update_reads = getattr(base, "update_reads", set())
         self._epilogue = fold.index(keep, 0, keep)
         self._shift = (fold.layers - keep) * fold.per_layer
 
@@ -555,6 +556,7 @@ class StageCosts:
         self.source = base.source
         self.update_reductions = getattr(base, "update_reductions", 0)
         self.update_whole = getattr(base, "update_whole", {})
+        self.update_reads = getattr(base, "update_reads", set())
 
     def op_time(self, op_index: int, config: Config):
         return self.base.shard_time(op_index, config.degrees(self.mesh))
