@@ -125,8 +125,9 @@ def update_whole_dims(optimizer: Any, params: Any) -> UpdateDims:
     jaxpr at the parameters' shapes (nothing runs): each value's dims carry the parameter dims
     they come from (through elementwise arithmetic, broadcasts, transposes, reshapes, vmap's
     batched products, loops and nested calls), and a ``dot_general`` that contracts a dim
-    makes the parameter dims it came from whole. An optimizer whose update cannot be traced
-    on the parameters' shapes reads as elementwise.
+    into a matrix makes the parameter dims it came from whole (one to a scalar, as
+    D-Adaptation's and Prodigy's ``vdot``, is a sum of partial sums, as a norm is). An
+    optimizer whose update cannot be traced on the parameters' shapes reads as elementwise.
 
     >>> import jax, optax
     >>> p = {"b": jax.ShapeDtypeStruct((8,), "float32"), "w": jax.ShapeDtypeStruct((8, 16),
@@ -249,10 +250,11 @@ class _Walk:
         (lc, rc), (lb, rb) = p["dimension_numbers"]
         lhs = args[0] or tuple(frozenset() for _ in shapes[0])
         rhs = args[1] or tuple(frozenset() for _ in shapes[1])
-        for d in lc:
-            self.whole |= lhs[d]
-        for d in rc:
-            self.whole |= rhs[d]
+        if math.prod(out_shape) > 1:  # a product to a scalar (``vdot``) sums partial sums
+            for d in lc:
+                self.whole |= lhs[d]
+            for d in rc:
+                self.whole |= rhs[d]
         flops = 2.0 * math.prod(out_shape) * math.prod(shapes[0][d] for d in lc)
         for i in {i for o in lhs + rhs for i, _ in o}:
             self.flops[i] = self.flops.get(i, 0.0) + flops
