@@ -54,6 +54,7 @@ import optax
 from flax import nnx
 
 from soapjax.base.errors import WorkloadError
+from soapjax.cost.updates import optimizer_problem
 from soapjax.training import _pure_loss
 from soapjax_zoo.workload import Workload
 
@@ -181,6 +182,10 @@ def _workload(spec: str, fn_name: str, out: Any, name: str) -> Workload:
     api = "nnx" if isinstance(params, nnx.Module) else "linen"
     loss_fn, params, name = _pure_loss(loss_fn, params, name)
     _check_leaves(spec, fn_name, "params", params)
+    problem = optimizer_problem(optimizer, params)
+    if problem:
+        raise WorkloadError(f"--model {spec!r}: the optimizer {fn_name}() returned cannot "
+                            f"update its parameters: {problem}")
     _check_leaves(spec, fn_name, "batch", batch)
     sizes = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
     if len(sizes) != 1 or None in sizes:

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec
 
 from soapjax.cost.updates import (
     DEFAULT_UPDATE_PASSES,
+    optimizer_problem,
     update_passes,
     update_reductions,
     update_whole_dims,
@@ -95,6 +96,50 @@ def _muon_llama_decayed():
     return _muon_llama(weight_decay=0.1)
 
 
+def _galore_llama():
+    import corpus
+
+    loss_fn, params, batch = corpus.get("llama_gqa")
+    return loss_fn, params, batch, optax.contrib.galore(1e-3, rank=4)
+
+
+def _lbfgs_llama():
+    import corpus
+
+    return (*corpus.get("llama_gqa"), optax.lbfgs())
+
+
+def test_galore_factors_its_matrices_whole():
+    """GaLore's projector is the SVD of each matrix's gradient: both dims whole (a
+    factorisation reads the whole matrix), where its products alone contract one."""
+    dims = update_whole_dims(optax.contrib.galore(1e-3, rank=2), P)
+    assert dims.whole == ((), (), (0, 1), (0, 1))
+
+
+def test_an_optimizer_the_step_cannot_run_is_refused_plainly():
+    """L-BFGS's line search needs the loss itself; Lookahead updates `LookaheadParams`: the
+    command line and apply say so before anything is searched or compiled (the search
+    crashed in the measured update's timing with optax's traceback)."""
+    from soapjax import apply
+    from soapjax.base.errors import ArgumentError, WorkloadError
+    from soapjax.strategy.space import data_parallel
+    from soapjax.topology.cluster import make_mesh
+    from soapjax_zoo.user import load
+
+    assert optimizer_problem(optax.adam(1e-3), P) is None
+    assert "needs the loss itself" in optimizer_problem(optax.lbfgs(), P)
+    assert "LookaheadParams" in optimizer_problem(
+        optax.lookahead(optax.adam(1e-3), sync_period=2, slow_step_size=0.5), P)
+    with pytest.raises(WorkloadError, match="cannot update its parameters.*line search"):
+        load(f"{__name__}:_lbfgs_llama")
+    loss_fn, params, batch, lbfgs = _lbfgs_llama()
+    g = trace(loss_fn, params, batch)
+    topo = load_topology("cpu8")
+    with pytest.raises(ArgumentError, match="optimizer: .*needs the loss itself"):
+        apply.sharded_train_step(g, data_parallel(g, MeshShape.of(topo)), make_mesh(topo),
+                                 lbfgs, params=params, batch=batch)
+
+
 def test_an_update_that_reads_the_parameter_says_so():
     """AdamW's and Muon's weight decay read the parameter; Adam and Muon without decay read
     only the gradient and the state."""
@@ -143,12 +188,13 @@ def _update(optimizer, loss_fn, params, state, batch):
     return optax.apply_updates(params, updates), state, loss
 
 
-@pytest.mark.parametrize("loader", ["_muon_llama", "_muon_llama_decayed"])
+@pytest.mark.parametrize("loader", ["_muon_llama", "_muon_llama_decayed", "_galore_llama"])
 def test_the_simulator_prices_muons_gathers_as_xla_compiles_them(loader):
     """The same plan checked: XLA's collectives are the prediction's (the gradient gathers
     included; with weight decay the parameters' too, which the update reads: without them
     XLA split the products after the parameters, 0.574 of its bytes predicted), the update's
-    matrix products are in the predicted FLOPs, and delta simulation equals full."""
+    matrix products are in the predicted FLOPs, and delta simulation equals full. GaLore
+    likewise (0.752 before its SVD made both dims whole)."""
     from soapjax.check import compare_on_devices
     from soapjax.strategy import baselines
     from soapjax.strategy.plan import Plan

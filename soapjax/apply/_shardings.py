@@ -39,8 +39,8 @@ from soapjax.apply._flatstep import FlatStep
 from soapjax.apply._layer_order import step_layout, unwrapped
 from soapjax.apply._pipelined import PipelinedStep
 from soapjax.apply._validation import Checked, check_strategy, validate_leaves
-from soapjax.base.errors import PlanError
-from soapjax.cost.updates import update_whole_dims, whole_along
+from soapjax.base.errors import ArgumentError, PlanError
+from soapjax.cost.updates import optimizer_problem, update_whole_dims, whole_along
 from soapjax.graph.opgraph import LeafInfo, OpGraph
 from soapjax.strategy import space
 from soapjax.strategy.space import MeshShape
@@ -210,6 +210,10 @@ def train_shardings(graph: OpGraph, strategy: Any, mesh: Mesh,
                     optimizer: optax.GradientTransformation, *, params: Any = None,
                     batch: Any = None, mesh_shape: MeshShape | None = None) -> TrainShardings:
     """The shardings of parameters, optimizer state, batch and loss (see the functions above)."""
+    problem = optimizer_problem(optimizer, graph.abstract_params())
+    if problem:
+        raise ArgumentError(f"optimizer: {problem}. The step calls init(params) and "
+                            "update(grads, opt_state, params) as a plain optax loop does")
     check = checked(graph, strategy, mesh, mesh_shape)
     program = step_program(check)
     ps = _param_shardings(program, check, params)

@@ -28,12 +28,13 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jcore
 
 from soapjax.base._dtypes import itemsize
 
-__all__ = ["DEFAULT_UPDATE_PASSES", "UpdateDims", "update_passes", "update_reductions",
-           "update_whole_dims", "whole_along"]
+__all__ = ["DEFAULT_UPDATE_PASSES", "UpdateDims", "optimizer_problem", "update_passes",
+           "update_reductions", "update_whole_dims", "whole_along"]
 
 # Adam reads parameters, gradients and two moments and writes parameters and both moments:
 # 7 passes over the parameter bytes (when the optimizer is not known).
@@ -102,6 +103,41 @@ def update_passes(optimizer: Any) -> float:
         return DEFAULT_UPDATE_PASSES
 
 
+def optimizer_problem(optimizer: Any, params: Any) -> str | None:
+    """Why `optimizer` cannot be the step's, or None: the step calls ``optimizer.init(params)``
+    and ``optimizer.update(grads, opt_state, params)`` as a plain optax loop does, and this
+    traces both on the parameters' shapes (nothing runs). An optimizer whose update needs the
+    loss itself (``optax.lbfgs``'s line search: ``value``, ``grad``, ``value_fn``) or
+    parameters of another structure (``optax.lookahead``'s `LookaheadParams`) says so here,
+    not in a traceback from inside the search or the step.
+
+    >>> import jax, optax
+    >>> p = {"w": jax.ShapeDtypeStruct((4, 4), "float32")}
+    >>> optimizer_problem(optax.adam(1e-3), p) is None
+    True
+    >>> "its update needs the loss itself" in optimizer_problem(optax.lbfgs(), p)
+    True
+    """
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+    try:
+        state = jax.eval_shape(optimizer.init, abstract)
+    except Exception as e:  # noqa: BLE001  whatever the optimizer raises, said plainly
+        return f"optimizer.init(params) raised {type(e).__name__}: {e}"
+    try:
+        jax.eval_shape(optimizer.update, abstract, state, abstract)
+    except Exception as e:  # noqa: BLE001
+        said = f"optimizer.update(grads, opt_state, params) raised {type(e).__name__}: {e}"
+        if "value_fn" in str(e) or "'value'" in str(e):
+            said += ("; its update needs the loss itself (a line search: value, grad, "
+                     "value_fn), which a step that hands it the gradients alone cannot give: "
+                     "use a first-order optimizer (optax.adam, optax.contrib.muon, ...)")
+        elif "fast" in str(e):
+            said += ("; optax.lookahead updates optax.LookaheadParams (fast and slow "
+                     "parameters), where the step hands it your loss's parameters as they are")
+        return said
+    return None
+
+
 class UpdateDims(NamedTuple):
     """What the optimizer's update does across a parameter's dims (`update_whole_dims`).
 
@@ -126,8 +162,9 @@ def update_whole_dims(optimizer: Any, params: Any) -> UpdateDims:
     they come from (through elementwise arithmetic, broadcasts, transposes, reshapes, vmap's
     batched products, loops and nested calls), and a ``dot_general`` that contracts a dim
     into a matrix makes the parameter dims it came from whole (one to a scalar, as
-    D-Adaptation's and Prodigy's ``vdot``, is a sum of partial sums, as a norm is). An
-    optimizer whose update cannot be traced on the parameters' shapes reads as elementwise.
+    D-Adaptation's and Prodigy's ``vdot``, is a sum of partial sums, as a norm is), as does
+    a factorisation (GaLore's SVD) of the matrix it factors. An optimizer whose update cannot
+    be traced on the parameters' shapes reads as elementwise.
 
     >>> import jax, optax
     >>> p = {"b": jax.ShapeDtypeStruct((8,), "float32"), "w": jax.ShapeDtypeStruct((8, 16),
@@ -169,6 +206,10 @@ def whole_along(spec: Sequence[tuple[str, ...]], dims: Sequence[int]
     """
     return tuple(() if d in dims else tuple(a) for d, a in enumerate(spec))
 
+
+# Linear algebra that reads a whole matrix (the last two dims of its operands).
+_FACTORISATIONS = frozenset({"svd", "eigh", "eig", "qr", "householder_product", "lu",
+                             "cholesky", "triangular_solve", "schur", "hessenberg", "tridiagonal"})
 
 # Per value, per dim: the (parameter leaf, dim) pairs it comes from; None: from none.
 _Origins = tuple[frozenset, ...] | None
@@ -218,6 +259,11 @@ class _Walk:
             outs = self.run(sub, args[len(args) - len(sub.invars):])
             return outs if len(outs) == len(eqn.outvars) else [None] * len(eqn.outvars)
         a = args[0] if args else None
+        if name in _FACTORISATIONS:  # a matrix factorised (GaLore's SVD): its last two dims
+            for x in args:
+                if x is not None and len(x) >= 2:
+                    self.whole |= x[-2] | x[-1]
+            return [None] * len(eqn.outvars)
         if name == "broadcast_in_dim":
             out = [frozenset()] * len(out_shapes[0])
             if a is not None:
