@@ -40,7 +40,7 @@ from soapjax.apply._layer_order import step_layout, unwrapped
 from soapjax.apply._pipelined import PipelinedStep
 from soapjax.apply._validation import Checked, check_strategy, validate_leaves
 from soapjax.base.errors import ArgumentError, PlanError
-from soapjax.cost.updates import optimizer_problem, update_whole_dims, whole_along
+from soapjax.cost.updates import optimizer_problem, update_whole_dims, whole_update_spec
 from soapjax.graph.opgraph import LeafInfo, OpGraph
 from soapjax.strategy import space
 from soapjax.strategy.space import MeshShape
@@ -223,21 +223,26 @@ def train_shardings(graph: OpGraph, strategy: Any, mesh: Mesh,
     whole, ups = dims.whole, None
     if any(whole):
         # an update that contracts a parameter's dims (Muon) reads its gradient whole along
-        # them and keeps its state so (`soapjax.cost.updates.update_whole_dims`)
+        # them and keeps its state so, split over the ZeRO and distributed optimizer axes on
+        # its other dims (`soapjax.cost.updates.whole_update_spec`)
         specs_of = space.optimizer_specs if check.strategy.optimizer_axes else space.param_specs
-        by_path = {leaf.path: dims for leaf, dims in zip(graph.params, whole)}
+        leaves = {leaf.path: (leaf.shape, dims) for leaf, dims in zip(graph.params, whole)}
+        axes = check.strategy.zero_axes + tuple(a for a in check.strategy.optimizer_axes
+                                                if a not in check.strategy.zero_axes)
 
-        def gathered(g, s, m):
-            return {path: whole_along(spec, by_path.get(path, ()))
-                    for path, spec in specs_of(g, s, m).items()}
+        def gathered(g, s, m, reading=None):
+            stored, opt = space.param_specs(g, s, m), specs_of(g, s, m)
+            return {path: whole_update_spec(stored[path], leaves[path][0], leaves[path][1],
+                                            axes, m)
+                    if leaves.get(path, ((), ()))[1] and (reading is None or path in reading)
+                    else (opt if reading is None else stored)[path] for path in opt}
         gs = _param_shardings(program, check, params, gathered)
         if any(w and r for w, r in zip(whole, dims.reads_params)):
             # its update reads the parameter too (weight decay): there as well
             reads = {leaf.path for leaf, w, r in zip(graph.params, whole, dims.reads_params)
                      if w and r}
-            ups = _param_shardings(program, check, params, lambda g, s, m: {
-                path: whole_along(spec, by_path.get(path, ()) if path in reads else ())
-                for path, spec in space.param_specs(g, s, m).items()})
+            ups = _param_shardings(program, check, params,
+                                   lambda g, s, m: gathered(g, s, m, reads))
     bs = _batch_shardings(program, check, batch)
     abstract = (step_layout(jax.tree.map(_abstract, params), ps) if params is not None
                 else jax.tree.unflatten(jax.tree.structure(ps),

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from soapjax.base._dtypes import is_float
-from soapjax.cost.updates import update_whole_dims
+from soapjax.cost.updates import update_whole_dims, whole_update_spec
 from soapjax.graph._cotangents import differentiated_operands, differentiated_values
 from soapjax.graph._cuts import computed_degrees
 from soapjax.graph._dims import Flops as Flops, xla_flops
@@ -185,7 +185,32 @@ class FlopCounter:
             else self._stored_shapes(strategy, mesh)
         bwd += self._gradient_sums({leaf.path: math.prod(shape) for leaf, shape
                                     in zip(self.graph.params, shards) if is_float(leaf.dtype)})
-        return StepFlops(fwd, bwd, again, self._update(shards), trans)
+        return StepFlops(fwd, bwd, again, self._update(self._update_shapes(strategy, mesh,
+                                                                            shards)), trans)
+
+    def _update_shapes(self, strategy: Any, mesh: MeshShape,
+                       shards: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+        """The shards the optimizer updates: the stored ones, but where the update contracts
+        a parameter's dims (Muon), the layout apply gives it (`whole_update_spec`)."""
+        if self.optimizer is None:
+            return shards
+        if self._update_whole is None:
+            params = jax.tree.unflatten(self._treedef, [jax.ShapeDtypeStruct(leaf.shape,
+                                                                              leaf.dtype)
+                                                         for leaf in self.graph.params])
+            self._update_whole = update_whole_dims(self.optimizer, params).whole
+        if not any(self._update_whole):
+            return shards
+        specs = param_specs(self.graph, strategy, mesh)
+        axes = tuple(strategy.zero_axes) + tuple(a for a in strategy.optimizer_axes
+                                                 if a not in strategy.zero_axes)
+        out = []
+        for leaf, shape, whole in zip(self.graph.params, shards, self._update_whole):
+            if whole:
+                spec = whole_update_spec(specs[leaf.path], leaf.shape, whole, axes, mesh)
+                shape = tuple(n // mesh.degree(a) for n, a in zip(leaf.shape, spec))
+            out.append(tuple(shape))
+        return tuple(out)
 
     def _stored_shapes(self, strategy: Any, mesh: MeshShape) -> tuple[tuple[int, ...], ...]:
         """The shape of the shard of each parameter leaf one device stores (and updates)."""
@@ -198,15 +223,6 @@ class FlopCounter:
         shapes (its masks see the parameters' tree; a global norm sums the device's shards)."""
         if self.optimizer is None:
             return 0.0
-        if self._update_whole is None:
-            params = jax.tree.unflatten(self._treedef, [jax.ShapeDtypeStruct(leaf.shape,
-                                                                              leaf.dtype)
-                                                         for leaf in self.graph.params])
-            self._update_whole = update_whole_dims(self.optimizer, params).whole
-        # an update that contracts a parameter's dims runs on it whole along them (Muon)
-        shards = tuple(tuple(leaf.shape[d] if d in whole else n for d, n in enumerate(shape))
-                       for leaf, shape, whole in zip(self.graph.params, shards,
-                                                     self._update_whole))
         if shards not in self._updates:
             leaves = [jax.ShapeDtypeStruct(shape, leaf.dtype)
                       for leaf, shape in zip(self.graph.params, shards)]

@@ -32,9 +32,10 @@ import numpy as np
 from jax.extend import core as jcore
 
 from soapjax.base._dtypes import itemsize
+from soapjax.strategy.space import MeshShape, storage_spec
 
 __all__ = ["DEFAULT_UPDATE_PASSES", "UpdateDims", "optimizer_problem", "update_passes",
-           "update_reductions", "update_whole_dims", "whole_along"]
+           "update_reductions", "update_whole_dims", "whole_along", "whole_update_spec"]
 
 # Adam reads parameters, gradients and two moments and writes parameters and both moments:
 # 7 passes over the parameter bytes (when the optimizer is not known).
@@ -205,6 +206,25 @@ def whole_along(spec: Sequence[tuple[str, ...]], dims: Sequence[int]
     (('data',), ())
     """
     return tuple(() if d in dims else tuple(a) for d, a in enumerate(spec))
+
+
+def whole_update_spec(spec: Sequence[tuple[str, ...]], shape: Sequence[int],
+                      dims: Sequence[int], axes: Sequence[str], mesh: MeshShape
+                      ) -> tuple[tuple[str, ...], ...]:
+    """The layout an update that contracts `dims` reads its gradient and keeps its state in:
+    the parameter's `spec` whole along `dims`, then split over the ZeRO and distributed
+    optimizer `axes` it no longer uses, on its other dims (each on the largest that stays
+    divisible): a stacked layer dim so split has each device update its share of the layers'
+    matrices, as a ZeRO-1 distributed Muon does.
+
+    >>> from soapjax.strategy.space import MeshShape
+    >>> mesh = MeshShape(("data", "model"), (2, 4))
+    >>> whole_update_spec(((), (), ("model",)), (4, 32, 64), (1, 2), ("data",), mesh)
+    (('data',), (), ())
+    """
+    out = whole_along(spec, dims)
+    used = {a for d in out for a in d}
+    return storage_spec(out, shape, [a for a in axes if a not in used], mesh, avoid=dims)
 
 
 # Linear algebra that reads a whole matrix (the last two dims of its operands).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from soapjax.cost.updates import whole_along
 from soapjax.graph._cotangents import differentiated_operands
 from soapjax.graph._remat import remat_recomputes
 from soapjax.simulate._simresult import (
@@ -59,7 +60,7 @@ class _LeafBuilding:
         entry = self._update_whole.get(layout.leaf_source[leaf])
         read = self._chain_tasks(self._pricing.chain(shape, dtype, store, opt),
                                  layout.key(seg, 0, 0), ready, PARAM_GATHER, leaf) \
-            if entry is not None and entry[3] else []
+            if entry is not None and entry.reads else []
         reduce = self._build_update_reduce(leaf, opt, seg, read[-1:] or ready, len(read))
         matmuls = self._update_matmul_time(leaf)
         update = self._task_graph.new(layout.key(seg, 0, len(read) + 1),
@@ -67,8 +68,13 @@ class _LeafBuilding:
                                                          + matmuls),
                                       (0,), reduce or read[-1:] or ready,
                                       (UPDATE, leaf))
-        # the distributed optimizer's all-gather of the updated shards
-        regather = self._chain_tasks(self._pricing.chain(shape, dtype, opt, store),
+        # the distributed optimizer's all-gather of the updated shards (a scanned layer's
+        # slice updated by its share of the devices: gathered along the layer dims apply
+        # splits over those axes, as the stored slice)
+        layer_axes = self._optimizer_layout(leaf, store)[1]
+        gather = (self._pricing.comm("all_gather", stored, layer_axes),) if layer_axes \
+            else self._pricing.chain(shape, dtype, opt, store)
+        regather = self._chain_tasks(tuple(c for c in gather if c is not None),
                                      layout.key(seg, 1), [update], PARAM_GATHER, leaf)
         heads, ends, transient = again
         return _LeafTasks(gathers + syncs + reduce + read + [update] + regather, gather_ends,
@@ -81,8 +87,12 @@ class _LeafBuilding:
         time_of = getattr(self.cost_model, "update_matmul_time", None)
         if entry is None or time_of is None:
             return 0.0
-        _, path, share, _ = entry
-        return time_of(path) * share
+        # this device's part: the matrices (or layers) the optimizer axes leave it
+        shape, dtype = self._layout.leaf_shape[leaf], self._layout.leaf_dtype[leaf]
+        store = self._stored_spec(leaf)
+        part = (self._shard_bytes(shape, self._optimizer_spec(leaf, store), dtype)
+                / max(1, self._shard_bytes(shape, whole_along(store, entry.dims), dtype)))
+        return time_of(entry.path) * entry.share * part
 
     def _build_update_reduce(self, leaf: int, store: tuple, seg: int, ready: list[int],
                              first: int = 0) -> list[int]:

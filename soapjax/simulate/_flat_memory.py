@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from soapjax.base._dtypes import itemsize
-from soapjax.cost.updates import whole_along
+from soapjax.cost.updates import whole_update_spec
 from soapjax.simulate._simresult import (
     UPDATE,
     MemoryBreakdown,
@@ -56,17 +56,36 @@ class _MemoryAccounting:
 
     def _optimizer_spec(self, leaf: int, store: tuple) -> tuple[tuple[str, ...], ...]:
         """Parameter `leaf`'s optimizer state layout: its stored layout `store` split further
-        over the distributed optimizer's axes (`space.optimizer_specs`), and whole along the
-        dims its update contracts (`OpCosts.update_whole`: the gradient is gathered there)."""
-        whole = self._update_whole.get(self._layout.leaf_source[leaf], ((),))[0]
-        if not self._optimizer and not whole:
-            return store
-        key = ("optimizer", store, self._layout.leaf_shape[leaf], self._optimizer, whole)
+        over the distributed optimizer's axes (`space.optimizer_specs`); for one whose update
+        contracts some of its dims (`OpCosts.update_whole`), whole along them and split over
+        the ZeRO and optimizer axes on its other dims, as apply lays it out
+        (`soapjax.cost.updates.whole_update_spec`). A scanned layer's slice has no layer dims
+        to split: the axes apply puts on them (each device updating its share of the layers)
+        are put on the slice's own dims instead, which moves and keeps the same bytes."""
+        return self._optimizer_layout(leaf, store)[0]
+
+    def _optimizer_layout(self, leaf: int, store: tuple
+                          ) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
+        """`_optimizer_spec`, and the axes apply splits a scanned layer's stacked leaf over
+        on its layer dims (() for the rest)."""
+        entry = self._update_whole.get(self._layout.leaf_source[leaf])
+        if not self._optimizer and entry is None:
+            return store, ()
+        shape = self._layout.leaf_shape[leaf]
+        key = ("optimizer", store, shape, self._zero, self._optimizer, entry)
         out = self._memo.get(key)
         if out is None:
-            split = storage_spec(store, key[2], self._optimizer, self.mesh) \
-                if self._optimizer else store
-            out = self._memo[key] = whole_along(split, whole)
+            if entry is None:
+                out = storage_spec(store, shape, self._optimizer, self.mesh), ()
+            else:
+                k = entry.layers
+                full = whole_update_spec(((),) * k + tuple(store), entry.leaf_shape,
+                                         entry.leaf_dims, self._zero + self._optimizer,
+                                         self.mesh)
+                on_layers = tuple(a for dim in full[:k] for a in dim)
+                out = (storage_spec(full[k:], shape, on_layers, self.mesh) if on_layers
+                       else tuple(full[k:])), on_layers
+            self._memo[key] = out
         return out
 
     # --- accounting ---------------------------------------------------------------------------

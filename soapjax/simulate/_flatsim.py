@@ -103,7 +103,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from soapjax.cost.operators import OpTime
 from soapjax.cost.reshard import ReshardModel, permute_free
@@ -178,23 +178,33 @@ class OpCosts(Protocol):
         ...
 
 
+class _WholeUpdate(NamedTuple):
+    """A parameter operand whose update contracts some of its dims (`_update_whole`)."""
+
+    dims: tuple[int, ...]  # those dims of the operand (a scanned layer's slice: of the slice)
+    path: str  # its leaf's path
+    share: float  # the slice's share of the leaf (1 for a leaf read whole)
+    reads: bool  # the update reads the parameter too (`OpCosts.update_reads`)
+    layers: int  # the leaf's layer dims the slice drops
+    leaf_dims: tuple[int, ...]  # the contracted dims of the leaf
+    leaf_shape: tuple[int, ...]
+
+
 def _update_whole(graph: OpGraph, whole: Mapping[str, tuple[int, ...]] | None,
-                  reads: Iterable[str] = ()
-                  ) -> dict[str, tuple[tuple[int, ...], str, float, bool]]:
+                  reads: Iterable[str] = ()) -> dict[str, _WholeUpdate]:
     """Per parameter operand source whose update contracts some of its dims
-    (`OpCosts.update_whole`, by leaf path): those dims (a scanned layer's slice drops the
-    layer dims), its leaf's path, the slice's share of the leaf, and whether the update reads
-    the parameter too (`OpCosts.update_reads`)."""
+    (`OpCosts.update_whole`, by leaf path)."""
     reads = set(reads)
-    out: dict[str, tuple[tuple[int, ...], str, float, bool]] = {}
-    sizes = {leaf.path: math.prod(leaf.shape) for leaf in graph.params}
+    out: dict[str, _WholeUpdate] = {}
+    shapes = {leaf.path: tuple(leaf.shape) for leaf in graph.params}
     for op in graph.operators if whole else ():
         for x in op.inputs:
             if x.kind == "param" and x.leaf_path in whole:
-                k = len(x.layer)
-                out[x.source] = (tuple(d - k for d in whole[x.leaf_path] if d >= k),
-                                 x.leaf_path, math.prod(x.shape) / sizes[x.leaf_path],
-                                 x.leaf_path in reads)
+                k, path = len(x.layer), x.leaf_path
+                out[x.source] = _WholeUpdate(
+                    tuple(d - k for d in whole[path] if d >= k), path,
+                    math.prod(x.shape) / math.prod(shapes[path]), path in reads, k,
+                    tuple(whole[path]), shapes[path])
     return out
 
 

@@ -688,9 +688,10 @@ def fit_spec(spec: Spec, shape: Sequence[int], mesh: MeshShape) -> Spec:
 
 
 def storage_spec(operand_axes: Spec, shape: Sequence[int], zero_axes: Sequence[str],
-                 mesh: MeshShape) -> Spec:
-    """How a parameter read with `operand_axes` is stored (see `param_specs`)."""
-    return _with_zero(fit_spec(operand_axes, shape, mesh), shape, zero_axes, mesh)
+                 mesh: MeshShape, avoid: Sequence[int] = ()) -> Spec:
+    """How a parameter read with `operand_axes` is stored (see `param_specs`); the zero axes
+    never on the dims `avoid`."""
+    return _with_zero(fit_spec(operand_axes, shape, mesh), shape, zero_axes, mesh, avoid)
 
 
 def batch_readers(graph: OpGraph) -> dict[str, tuple[int, int]]:
@@ -747,13 +748,15 @@ def batch_axes(graph: OpGraph, strategy: Strategy) -> tuple[str, ...]:
     return tuple(axes)
 
 
-def _with_zero(spec: Spec, shape: Sequence[int], zero_axes: Sequence[str], mesh: MeshShape) -> Spec:
+def _with_zero(spec: Spec, shape: Sequence[int], zero_axes: Sequence[str], mesh: MeshShape,
+               avoid: Sequence[int] = ()) -> Spec:
     axes = [list(a) for a in spec]
     used = {a for dim in spec for a in dim}
     for axis in zero_axes:
         if axis in used:
             continue
-        order = sorted(range(len(shape)), key=lambda d: -shape[d] // max(1, mesh.degree(axes[d])))
+        order = sorted((d for d in range(len(shape)) if d not in avoid),
+                       key=lambda d: -shape[d] // max(1, mesh.degree(axes[d])))
         for d in order:
             if shape[d] % (mesh.degree(axes[d]) * mesh.axis_size(axis)) == 0:
                 axes[d].append(axis)
