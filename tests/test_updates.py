@@ -270,7 +270,8 @@ def test_a_distributed_optimizer_splits_muons_stacked_layers():
     over ``model``), a stacked matrix's gradient and Muon state are whole along the matrix
     dims and split over ``node`` along the layer dim: each device orthogonalises its share of
     the layers (a ZeRO-1 distributed Muon), then the updated layers are gathered. The step is
-    the unsharded one, and XLA's collectives and FLOPs are the prediction's within 10 %."""
+    the unsharded one, XLA's collectives and FLOPs are the prediction's within 10 %, and delta
+    simulation equals full."""
     from soapjax import apply
     from soapjax.check import compare_on_devices
     from soapjax.strategy import baselines
@@ -291,3 +292,4 @@ def test_a_distributed_optimizer_splits_muons_stacked_layers():
     assert r.max_abs_diff < 1e-5
     assert r.predicted_collective_bytes == pytest.approx(r.hlo_collective_bytes, rel=0.10)
     assert r.predicted_flops == pytest.approx(r.hlo_flops, rel=0.10)
+    assert_delta_equals_full(g, topo, strategy, moves=20, optimizer=w.optimizer)
