@@ -226,15 +226,23 @@ def test_the_simulator_prices_muons_gathers_as_xla_compiles_them(loader):
     XLA split the products after the parameters, 0.574 of its bytes predicted), the update's
     matrix products are in the predicted FLOPs, and delta simulation equals full. GaLore
     likewise (0.752 before its SVD made both dims whole)."""
-    from soapjax.check import compare_on_devices
     from soapjax.strategy import baselines
+
+    _runs_as_priced(loader, load_topology("cpu8"),
+                    lambda g, topo: baselines.megatron(g, MeshShape.of(topo), ("model",)))
+
+
+def _runs_as_priced(loader, topo, make_strategy):
+    """`check` of the strategy on the model `loader` returns: the step XLA compiles computes
+    the unsharded one, its collective bytes and FLOPs are the prediction's within 10 %, and
+    delta simulation equals full."""
+    from soapjax.check import compare_on_devices
     from soapjax.strategy.plan import Plan
     from soapjax_zoo.user import load
 
     w = load(f"{__name__}:{loader}")
     g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
-    topo = load_topology("cpu8")
-    strategy = baselines.megatron(g, MeshShape.of(topo), ("model",))
+    strategy = make_strategy(g, topo)
     r = compare_on_devices(Plan.make(g, topo, strategy), w, repeats=1, costs="analytic",
                            reshard="xla")
     assert r.max_abs_diff < 1e-5
@@ -269,27 +277,11 @@ def test_a_distributed_optimizer_splits_muons_stacked_layers():
     """Under Megatron's distributed optimizer (``cpu8-nodes``: node=2 x data=2 x model=2, TP
     over ``model``), a stacked matrix's gradient and Muon state are whole along the matrix
     dims and split over ``node`` along the layer dim: each device orthogonalises its share of
-    the layers (a ZeRO-1 distributed Muon), then the updated layers are gathered. The step is
-    the unsharded one, XLA's collectives and FLOPs are the prediction's within 10 %, and delta
-    simulation equals full."""
-    from soapjax import apply
-    from soapjax.check import compare_on_devices
+    the layers (a ZeRO-1 distributed Muon; the layout: the float64 test above), then the
+    updated layers are gathered; it runs as priced (`_runs_as_priced`)."""
     from soapjax.strategy import baselines
-    from soapjax.strategy.plan import Plan
-    from soapjax.topology.cluster import make_mesh
-    from soapjax_zoo.user import load
 
-    w = load(f"{__name__}:_muon_gpt")
-    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
-    topo = load_topology(str(Path(__file__).parent / "meshes" / "cpu8-nodes.toml"))
-    strategy = baselines.megatron_3d(g, topo, tp=2, distributed_optimizer=True)
-    _, sh = apply.sharded_train_step(g, strategy, make_mesh(topo), w.optimizer,
-                                     params=w.abstract_params(), batch=w.abstract_batch())
-    fc1 = sh.grads["params"]["layers"]["mlp"]["fc1"]["kernel"]
-    assert fc1.spec == PartitionSpec("node", None, None)
-    r = compare_on_devices(Plan.make(g, topo, strategy), w, repeats=1, costs="analytic",
-                           reshard="xla")
-    assert r.max_abs_diff < 1e-5
-    assert r.predicted_collective_bytes == pytest.approx(r.hlo_collective_bytes, rel=0.10)
-    assert r.predicted_flops == pytest.approx(r.hlo_flops, rel=0.10)
-    assert_delta_equals_full(g, topo, strategy, moves=20, optimizer=w.optimizer)
+    _runs_as_priced("_muon_gpt", load_topology(str(Path(__file__).parent / "meshes"
+                                                   / "cpu8-nodes.toml")),
+                    lambda g, topo: baselines.megatron_3d(g, topo, tp=2,
+                                                          distributed_optimizer=True))

@@ -112,7 +112,9 @@ class TrainShardings(NamedTuple):
         split over `Strategy.optimizer_axes`: a reduce-scatter over them, not an all-reduce),
         whole along the dims an update contracts (Muon's matrices:
         `soapjax.cost.updates.update_whole_dims`; gathered there, the update then needs no
-        collective, and its result is sliced back to the parameter's own sharding).
+        collective, and its result is sliced back to the parameter's own sharding), split
+        over the ZeRO and distributed optimizer axes on the other dims
+        (`soapjax.cost.updates.whole_update_spec`).
       whole_updates: some parameter's update contracts its dims: the step constrains the
         updates to `grads` too, so the update is computed there.
       update_params: where the update reads the parameters, when one whose update contracts
