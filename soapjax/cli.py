@@ -1014,9 +1014,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
     graph = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=plan.model,
                   has_aux=w.has_aux)
     if args.format == "json":
-        text = export_json(graph, plan)
+        text = export_json(graph, plan, w.optimizer)
     else:
-        text = _specs_text(partition_specs(graph, plan), args.plan)
+        text = _specs_text(partition_specs(graph, plan, optimizer=w.optimizer), args.plan)
     if args.out is None:
         print(text)
     else:

@@ -159,6 +159,12 @@ def test_what_the_specs_cannot_carry_is_said_one_line_each(model):
     exported = export.partition_specs(graph, Plan.make(graph, CPU8, strategy))
     text = "\n".join(exported.not_expressed)
     assert "2 microbatches" in text and "recomputation" in text
+    assert "whole matrices" not in text  # no optimizer given, or an elementwise one
+    assert "whole matrices" not in "\n".join(export.partition_specs(
+        graph, plan, optimizer=optax.adam(1e-3)).not_expressed)
+    muon = export.partition_specs(graph, plan, optimizer=optax.contrib.muon(1e-3))
+    assert any(line.startswith("the optimizer's update multiplies whole matrices")
+               for line in muon.not_expressed)
 
 
 def test_a_pipelined_plan_is_refused_with_what_to_do(model):

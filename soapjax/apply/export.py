@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec
 
 from soapjax.apply._validation import validate_leaves
 from soapjax.base.errors import PlanError
+from soapjax.cost.updates import update_whole_dims
 from soapjax.graph.opgraph import LeafInfo, OpGraph
 from soapjax.strategy.plan import Plan
 from soapjax.strategy.space import (
@@ -71,7 +72,7 @@ class Exported(NamedTuple):
 
 
 def partition_specs(graph: OpGraph, plan: Plan, *, params: Any = None,
-                    batch: Any = None) -> Exported:
+                    batch: Any = None, optimizer: Any = None) -> Exported:
     """The plan's parameter and batch shardings as `PartitionSpec` pytrees (module doc).
 
     Args:
@@ -79,6 +80,8 @@ def partition_specs(graph: OpGraph, plan: Plan, *, params: Any = None,
       plan: the `Plan` (`Plan.make(graph, topology, strategy)` for a strategy of your own).
       params, batch: the parameters and an example batch (arrays or `jax.ShapeDtypeStruct`s),
         for their pytree structure; optional for nested dicts with string keys.
+      optimizer: the step's optax optimizer, when known: one whose update multiplies whole
+        matrices (Muon, GaLore) adds what apply does for it to `Exported.not_expressed`.
 
     Raises:
       PlanError: a pipelined plan (its stage layout needs its own step), a plan for another
@@ -89,7 +92,7 @@ def partition_specs(graph: OpGraph, plan: Plan, *, params: Any = None,
     bspecs = batch_specs(graph, strategy)
     return Exported(_tree(graph.params, pspecs, mesh, params, "params"),
                     _tree(graph.batch, bspecs, mesh, batch, "batch"), mesh,
-                    _not_expressed(graph, strategy))
+                    _not_expressed(graph, strategy, optimizer))
 
 
 def logical_axis_rules(graph: OpGraph, plan: Plan, logical: Any, *,
@@ -188,11 +191,12 @@ def _plain(path: Sequence[Any]) -> tuple:
     return tuple(out)
 
 
-def export_json(graph: OpGraph, plan: Plan) -> str:
+def export_json(graph: OpGraph, plan: Plan, optimizer: Any = None) -> str:
     """The plan's parameter and batch specs as JSON: ``{"mesh": {axis: size}, "params":
     {path: [axes per dim]}, "batch": {...}, "not_expressed": [...]}``, paths as
-    `soapjax.graph.LeafInfo.path` writes them (``['params']['dense']['kernel']``)."""
-    exported = partition_specs(graph, plan)  # by path: the leaves' dicts
+    `soapjax.graph.LeafInfo.path` writes them (``['params']['dense']['kernel']``);
+    `optimizer` as for `partition_specs`."""
+    exported = partition_specs(graph, plan, optimizer=optimizer)  # by path: the leaves' dicts
     mesh = exported.mesh
 
     def axes(leaves: Sequence[LeafInfo], specs: dict[str, PartitionSpec]) -> dict[str, list]:
@@ -229,9 +233,17 @@ def _tree(leaves: Sequence[LeafInfo], specs: dict[str, Spec], mesh: MeshShape, l
     return jax.tree.unflatten(treedef, values)
 
 
-def _not_expressed(graph: OpGraph, strategy: Strategy) -> tuple[str, ...]:
+def _not_expressed(graph: OpGraph, strategy: Strategy, optimizer: Any = None
+                   ) -> tuple[str, ...]:
     lines = ["the activations' layouts (a sharding constraint per operator) are left to "
              "XLA's sharding propagation"]
+    whole = update_whole_dims(optimizer, graph.abstract_params()).whole
+    if any(whole):
+        lines.append(f"the optimizer's update multiplies whole matrices ({sum(map(bool, whole))} "
+                     "parameters: Muon's or GaLore's): apply puts their gradients, optimizer "
+                     "state and updates whole along those dims (jax.lax.with_sharding_"
+                     "constraint); without that XLA splits the update's products after the "
+                     "parameters' specs, slower than the plan was priced")
     if any(p != "none" for p in strategy.recompute):
         lines.append("recomputation: wrap the layers in jax.checkpoint yourself")
     if strategy.microbatches > 1:
