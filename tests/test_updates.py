@@ -285,3 +285,25 @@ def test_a_distributed_optimizer_splits_muons_stacked_layers():
                                                    / "cpu8-nodes.toml")),
                     lambda g, topo: baselines.megatron_3d(g, topo, tp=2,
                                                           distributed_optimizer=True))
+
+
+def test_an_update_that_needs_the_parameters_tree_is_priced_not_timed():
+    """`optax.multi_transform` with a label tree (Muon for the hidden matrices, AdamW for the
+    rest, as Muon's users write it) cannot update the lone vector the measured cost model
+    times an update on: its update time is the analytic one (the search crashed there with
+    optax's pytree error), and its Muon matrices are still read as contracted."""
+    import corpus
+
+    from soapjax.cost.operators import cost_model
+
+    loss_fn, params, batch = corpus.get("llama_gqa")
+    labels = jax.tree_util.tree_map_with_path(
+        lambda p, x: "muon" if x.ndim == 2 and "embed" not in jax.tree_util.keystr(p)
+        else "adam", params)
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.multi_transform(
+        {"muon": optax.contrib.muon(1e-3), "adam": optax.adamw(1e-3)}, labels))
+    g = trace(loss_fn, params, batch)
+    cm = cost_model(g, load_topology("cpu8"), mode="measured", optimizer=optimizer)
+    assert cm.update_time(4096.0) == cm._analytic_update(4096.0) > 0
+    whole = update_whole_dims(optimizer, params).whole
+    assert sum(map(bool, whole)) == 15  # 2 layers x 7 matrices, and the head

@@ -478,8 +478,15 @@ class CostModel:
         if nbytes in self._updates:
             return self._updates[nbytes]
         n = max(1, nbytes // 4)
-        step, avals, make_carry = _timing.update_loop(self._optimizer, n)
-        sig = _timing.signature("update", str(jax.make_jaxpr(step)(avals)))
+        try:
+            step, avals, make_carry = _timing.update_loop(self._optimizer, n)
+            sig = _timing.signature("update", str(jax.make_jaxpr(step)(avals)))
+        except Exception as e:  # noqa: BLE001  it needs the parameters' own tree
+            # (`optax.multi_transform`'s labels, a mask tree): priced, not timed, on a vector
+            log.info("the optimizer's update cannot run on a lone vector (%s: %s); its time is "
+                     "the analytic one", type(e).__name__, e)
+            self._updates[nbytes] = self._analytic_update(nbytes)
+            return self._updates[nbytes]
         entry = self._cache.load(sig)
         left = self._time_left()
         if entry is None and left is not None and left <= 0:  # estimated (`measure_until`)
