@@ -212,7 +212,9 @@ def train_shardings(graph: OpGraph, strategy: Any, mesh: Mesh,
                     optimizer: optax.GradientTransformation, *, params: Any = None,
                     batch: Any = None, mesh_shape: MeshShape | None = None) -> TrainShardings:
     """The shardings of parameters, optimizer state, batch and loss (see the functions above)."""
-    problem = optimizer_problem(optimizer, graph.abstract_params())
+    # the parameters in their own tree, which an optimizer's labels and masks follow
+    tree = graph.abstract_params() if graph.params_tree is not None else params
+    problem = optimizer_problem(optimizer, tree) if tree is not None else None
     if problem:
         raise ArgumentError(f"optimizer: {problem}. The step calls init(params) and "
                             "update(grads, opt_state, params) as a plain optax loop does")
@@ -221,7 +223,7 @@ def train_shardings(graph: OpGraph, strategy: Any, mesh: Mesh,
     ps = _param_shardings(program, check, params)
     gs = _param_shardings(program, check, params, space.optimizer_specs) \
         if check.strategy.optimizer_axes else ps
-    dims = update_whole_dims(optimizer, graph.abstract_params())
+    dims = update_whole_dims(optimizer, tree if tree is not None else graph.abstract_params())
     whole, ups = dims.whole, None
     if any(whole):
         # an update that contracts a parameter's dims (Muon) reads its gradient whole along
