@@ -13,11 +13,13 @@ the update's jaxpr on one float32 vector of 1,024 elements (nothing runs):
 
 A third, `update_whole_dims`, is read from the update of the model's own parameters: the dims
 of each parameter its update contracts (Muon's Newton-Schulz iteration multiplies each
-matrix's momentum by its transpose; Shampoo's preconditioners likewise). Such an update needs
-the whole matrix on a device: apply gathers the gradient whole along those dims and keeps that
-parameter's optimizer state so (`soapjax.apply._shardings.train_shardings`), as distributed
+matrix's momentum by its transpose; GaLore factors each gradient by an SVD). Such an update
+needs the whole matrix on a device: apply gathers the gradient whole along those dims and keeps
+that parameter's optimizer state so, split over the ZeRO and distributed optimizer axes on its
+other dims (`whole_update_spec`; `soapjax.apply._shardings.train_shardings`), as distributed
 Muon does (gather, orthogonalise, keep the shard), and the simulator prices the gather, the
-state's memory and the update's matrix products.
+state's memory and the update's matrix products. `optimizer_problem` says why an optimizer
+cannot be a step's at all (one whose update needs the loss itself).
 """
 
 from __future__ import annotations
