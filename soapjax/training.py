@@ -22,7 +22,8 @@ topology (``search=SearchSettings(...)``, default 20 s; ``costs="auto"`` measure
 where the topology's devices are attached) and prints one line of progress. The plan is cached
 on disk (``$SOAPJAX_CACHE_DIR/plans``, default ``~/.cache/soapjax/plans``, beside the reshard
 cache), keyed by the graph's fingerprint (`OpGraph.fingerprint`), the topology's, the soapjax
-version, the search settings, where costs come from and the optimizer's state size; the next
+version, the search settings, where costs come from, the optimizer's state size and the dims
+its update multiplies whole (Muon's: `soapjax.cost.updates.update_whole_dims`); the next
 run with the same key reads it instead ("reusing cached plan ... from <path>"; docs/apply.md
 says how long each takes). Other strategies: a
 `Strategy`, a `Plan`, a baseline by name (`PLANNERS`: ``"data-parallel"``, ``"megatron"``,
@@ -88,6 +89,7 @@ from soapjax.base._progress import end_progress, print_progress
 from soapjax.base.errors import ArgumentError, PlanError, SoapjaxError
 from soapjax.cost.operators import local_backend_matches, local_topology
 from soapjax.cost.reshard import DEFAULT_MODE
+from soapjax.cost.updates import update_whole_dims
 from soapjax.exactness import (
     NUMBERS_TOLERANCE,
     GradientComparison,
@@ -632,10 +634,15 @@ def _cache_key(graph: OpGraph, topology: Topology, settings: SearchSettings,
                                                and local_backend_matches(topology)[0])
     factor = 2.0 if options.optimizer is None else opt_state_factor(
         options.optimizer, graph.abstract_params())
-    return {"graph": graph.fingerprint(), "topology": topology.fingerprint(),
-            "soapjax": _version(), "search": settings.to_json(),
-            "costs": "measured" if measured else "analytic", "reshard": DEFAULT_MODE,
-            "opt_state_factor": round(factor, 9)}
+    key = {"graph": graph.fingerprint(), "topology": topology.fingerprint(),
+           "soapjax": _version(), "search": settings.to_json(),
+           "costs": "measured" if measured else "analytic", "reshard": DEFAULT_MODE,
+           "opt_state_factor": round(factor, 9)}
+    dims = update_whole_dims(options.optimizer, graph.abstract_params())
+    if any(dims.whole):  # Muon's plan is not SGD's with momentum, whose state is as large
+        key["update_whole"] = [list(d) for d in dims.whole]
+        key["update_reads"] = list(dims.reads_params)
+    return key
 
 
 def _version() -> str:

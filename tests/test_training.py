@@ -91,6 +91,25 @@ def test_cache_key_changes_with_topology_and_settings(mlp, capsys, cache_dir):
     assert len(files) == 3 and sum(f.startswith("mlp-cpu8-as-data4-model2-") for f in files) == 1
 
 
+def test_cache_key_tells_muon_from_sgd_with_momentum(mlp):
+    """SGD with momentum and Muon keep one moment per matrix alike (the key's state size told
+    them apart only by Muon's Adam for the biases here), but Muon's update multiplies whole
+    matrices, which changes the plan: the key says which dims; Adam's key is as it was (no
+    update dims in it)."""
+    from soapjax.topology.cluster import load_topology
+
+    graph = trace(mlp.loss_fn, mlp.abstract_params(), mlp.abstract_batch(), name="mlp")
+    topo = load_topology("cpu8")
+
+    def key(optimizer):
+        return training._cache_key(graph, topo, SETTINGS,
+                                   training.PlanOptions(SETTINGS, "analytic", optimizer))
+    sgd, muon = key(optax.sgd(0.1, momentum=0.9)), key(optax.contrib.muon(1e-3))
+    assert "update_whole" not in sgd
+    assert sum(1 for d in muon["update_whole"] if d == [0, 1]) == 3  # the MLP's 3 kernels
+    assert "update_whole" not in key(optax.adam(1e-3))
+
+
 def test_a_corrupt_cache_file_is_replanned_with_a_warning(mlp, capsys, cache_dir):
     first = shard(mlp)
     [path] = (cache_dir / "plans").glob("*.json")
