@@ -18,37 +18,35 @@ nnx (``loss_fn(model, batch)``; the step trains the model's `nnx.Param` state)::
     nnx.update(model, run.model_params(params))
 
 **Planning.** The strategy defaults to ``"plan"``: `soapjax.search.find.find_plan` searches the
-topology (``search=SearchSettings(...)``, default 20 s; ``costs="auto"`` measures operators
-where the topology's devices are attached) and prints one line of progress. The plan is cached
-on disk (``$SOAPJAX_CACHE_DIR/plans``, default ``~/.cache/soapjax/plans``, beside the reshard
-cache), keyed by the graph's fingerprint (`OpGraph.fingerprint`), the topology's, the soapjax
-version, the search settings, where costs come from, the optimizer's state size and the dims
-its update multiplies whole (Muon's: `soapjax.cost.updates.update_whole_dims`); the next
-run with the same key reads it instead ("reusing cached plan ... from <path>"; docs/apply.md
-says how long each takes). Other strategies: a
-`Strategy`, a `Plan`, a baseline by name (`PLANNERS`: ``"data-parallel"``, ``"megatron"``,
-``"fsdp"``, ``"expert-cnn"``, ``"expert-rnn"``), or a ``planner(graph, mesh_shape) ->
-Strategy``. A pipelined strategy or plan (`soapjax.strategy.baselines.megatron_3d` with ``pp``) runs
-too, on the topology's mesh with its outermost axis cut into stages (`soapjax.apply.step`); the
-parameters stay in the model's layout, but for an interleaved pipeline's (virtual stages): the
-step keeps its stacked layer parameters and their optimizer state in the order its chunks run
-them (`soapjax.apply._layer_order`), so ``run.params`` and what ``run.step`` returns hold them
-wrapped in `soapjax.apply.ChunkOrdered` (used as arrays they raise a PlanError).
-``run.model_params(params)`` gives the model's layout (for evaluation, ``nnx.update``, an
-export); `soapjax.checkpoint` saves and restores in the model's layout by itself.
+topology (``search=SearchSettings(...)``, default 20 s; ``costs="auto"`` measures operators where
+the topology's devices are attached) and prints one line of progress. The plan is cached on disk
+(``$SOAPJAX_CACHE_DIR/plans``, default ``~/.cache/soapjax/plans``), keyed by the graph's
+fingerprint (`OpGraph.fingerprint`), the topology's, the soapjax version, the search settings,
+where costs come from, the optimizer's state size and the dims its update multiplies whole
+(`soapjax.cost.updates.update_signature`); the next run with the same key reads it instead
+("reusing cached plan ... from <path>"; docs/apply.md says how long each takes). Other strategies:
+a `Strategy`, a `Plan`, a baseline by name (`PLANNERS`: ``"data-parallel"``, ``"megatron"``,
+``"fsdp"``, ``"expert-cnn"``, ``"expert-rnn"``), or a ``planner(graph, mesh_shape) -> Strategy``. A
+pipelined strategy or plan (`soapjax.strategy.baselines.megatron_3d` with ``pp``) runs too, on the
+topology's mesh with its outermost axis cut into stages (`soapjax.apply.step`); the parameters stay
+in the model's layout, but for an interleaved pipeline's (virtual stages): the step keeps its
+stacked layer parameters and their optimizer state in the order its chunks run them
+(`soapjax.apply._layer_order`), so ``run.params`` and what ``run.step`` returns hold them wrapped
+in `soapjax.apply.ChunkOrdered` (used as arrays they raise a PlanError).
+``run.model_params(params)`` gives the model's layout (for evaluation, ``nnx.update``, an export);
+`soapjax.checkpoint` saves and restores in the model's layout by itself.
 
-**A raw `jax.sharding.Mesh`** carries no topology, and planning needs one (links, device
-memory, peak FLOP/s). The named planners then use the local devices' shipped topology
-(`soapjax.cost.operators.local_topology`: ``cpu8`` on a CPU) cut to the mesh's device count and
-given the mesh's axes: right for virtual CPU devices and one node of identical accelerators, a guess
-for anything with a network between nodes; pass ``mesh=`` a topology name, file or `Topology` to
-plan a real cluster. Where no shipped topology has the local device kind, the error says so.
+**A raw `jax.sharding.Mesh`** carries no topology, which planning needs. The named planners then
+use the local devices' shipped topology (`soapjax.cost.operators.local_topology`: ``cpu8`` on a
+CPU) cut to the mesh's device count and given the mesh's axes: right for virtual CPU devices and
+one node of identical accelerators, a guess for anything with a network between nodes; pass
+``mesh=`` a topology name, file or `Topology` to plan a real cluster. Where no shipped topology has
+the local device kind, the error says so.
 
-Multi-host: every process runs the same script. `initialize_distributed` connects them, the
-mesh spans every process's devices, and `shard_training` builds global arrays from the values
-each process holds (`jax.make_array_from_callback`). With ``strategy="plan"`` process 0 plans
-(or reads its cache) and sends the plan to the others, since a timed search (or measured costs)
-can end differently on each process and every process must apply the same strategy.
+Multi-host: every process runs the same script: `initialize_distributed` connects them, the mesh
+spans every process's devices, `shard_training` builds global arrays from each process's values
+(`jax.make_array_from_callback`), and with ``strategy="plan"`` process 0 plans (or reads its cache)
+and sends the plan to the others (a timed search can end differently on each process).
 """
 
 from __future__ import annotations
@@ -89,7 +87,7 @@ from soapjax.base._progress import end_progress, print_progress
 from soapjax.base.errors import ArgumentError, PlanError, SoapjaxError
 from soapjax.cost.operators import local_backend_matches, local_topology
 from soapjax.cost.reshard import DEFAULT_MODE
-from soapjax.cost.updates import update_whole_dims
+from soapjax.cost.updates import update_signature
 from soapjax.exactness import (
     NUMBERS_TOLERANCE,
     GradientComparison,
@@ -632,17 +630,12 @@ def _cache_key(graph: OpGraph, topology: Topology, settings: SearchSettings,
                options: PlanOptions) -> dict[str, Any]:
     measured = options.costs == "measured" or (options.costs == "auto"
                                                and local_backend_matches(topology)[0])
-    factor = 2.0 if options.optimizer is None else opt_state_factor(
-        options.optimizer, graph.abstract_params())
-    key = {"graph": graph.fingerprint(), "topology": topology.fingerprint(),
-           "soapjax": _version(), "search": settings.to_json(),
-           "costs": "measured" if measured else "analytic", "reshard": DEFAULT_MODE,
-           "opt_state_factor": round(factor, 9)}
-    dims = update_whole_dims(options.optimizer, graph.abstract_params())
-    if any(dims.whole):  # Muon's plan is not SGD's with momentum, whose state is as large
-        key["update_whole"] = [list(d) for d in dims.whole]
-        key["update_reads"] = list(dims.reads_params)
-    return key
+    params = graph.abstract_params()
+    factor = 2.0 if options.optimizer is None else opt_state_factor(options.optimizer, params)
+    return {"graph": graph.fingerprint(), "topology": topology.fingerprint(),
+            "soapjax": _version(), "search": settings.to_json(), "reshard": DEFAULT_MODE,
+            "costs": "measured" if measured else "analytic", "opt_state_factor": round(factor, 9),
+            **update_signature(options.optimizer, params)}
 
 
 def _version() -> str:

@@ -37,7 +37,8 @@ from soapjax.base._dtypes import itemsize
 from soapjax.strategy.space import MeshShape, storage_spec
 
 __all__ = ["DEFAULT_UPDATE_PASSES", "UpdateDims", "optimizer_problem", "update_passes",
-           "update_reductions", "update_whole_dims", "whole_along", "whole_update_spec"]
+           "update_reductions", "update_signature", "update_whole_dims", "whole_along",
+           "whole_update_spec"]
 
 # Adam reads parameters, gradients and two moments and writes parameters and both moments:
 # 7 passes over the parameter bytes (when the optimizer is not known).
@@ -197,6 +198,24 @@ def update_whole_dims(optimizer: Any, params: Any) -> UpdateDims:
     read = {j - n for o in outs if o is not None for dim in o for j, _ in dim if j >= n}
     flops = tuple(walk.flops.get(i, 0.0) + walk.flops.get(n + i, 0.0) for i in range(n))
     return UpdateDims(whole, flops, tuple(i in read for i in range(n)))
+
+
+def update_signature(optimizer: Any, params: Any) -> dict[str, list]:
+    """What of the update a plan depends on beyond its state's size, for a plan cache's key:
+    the dims it multiplies whole and whether it reads each parameter; {} for an update that
+    multiplies none (Adam's key stays as it was). SGD with momentum and Muon keep one moment
+    per matrix alike; their plans differ.
+
+    >>> import jax, optax
+    >>> p = {"w": jax.ShapeDtypeStruct((4, 8), "float32")}
+    >>> update_signature(optax.adam(1e-3), p), update_signature(optax.contrib.muon(1e-3), p)
+    ({}, {'update_whole': [[0, 1]], 'update_reads': [False]})
+    """
+    dims = update_whole_dims(optimizer, params)
+    if not any(dims.whole):
+        return {}
+    return {"update_whole": [list(d) for d in dims.whole],
+            "update_reads": list(dims.reads_params)}
 
 
 def whole_along(spec: Sequence[tuple[str, ...]], dims: Sequence[int]
