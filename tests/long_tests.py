@@ -326,4 +326,7 @@ LONG: dict[str, str] = {
     "tests/test__cotangents.py::test_check_of_byol_prices_no_backward_for_its_target_network"
     "[data_parallel]": "[target_split] (its target operators' batch split over data too: no "
     "gradient synchronisation of theirs, and no cotangent moves)",
+    "tests/test_updates.py::test_the_simulator_prices_muons_gathers_as_xla_compiles_them"
+    "[_muon_llama]": "[_muon_llama_decayed] (Muon's gradient gathered as priced, and the "
+    "parameter its weight decay reads)",
 }
