@@ -40,7 +40,7 @@ from soapjax.apply._layer_order import step_layout, unwrapped
 from soapjax.apply._pipelined import PipelinedStep
 from soapjax.apply._validation import Checked, check_strategy, validate_leaves
 from soapjax.base.errors import ArgumentError, PlanError
-from soapjax.cost.updates import optimizer_problem, update_whole_dims, whole_update_spec
+from soapjax.cost.updates import update_whole_dims, whole_update_spec
 from soapjax.graph.opgraph import LeafInfo, OpGraph
 from soapjax.strategy import space
 from soapjax.strategy.space import MeshShape
@@ -214,39 +214,36 @@ def train_shardings(graph: OpGraph, strategy: Any, mesh: Mesh,
     """The shardings of parameters, optimizer state, batch and loss (see the functions above)."""
     # the parameters in their own tree, which an optimizer's labels and masks follow
     tree = graph.abstract_params() if graph.params_tree is not None else params
-    problem = optimizer_problem(optimizer, tree) if tree is not None else None
-    if problem:
-        raise ArgumentError(f"optimizer: {problem}. The step calls init(params) and "
+    dims = update_whole_dims(optimizer, tree if tree is not None else graph.abstract_params())
+    if dims.problem and tree is not None:  # (a flat placeholder: no labels to follow)
+        raise ArgumentError(f"optimizer: {dims.problem}. The step calls init(params) and "
                             "update(grads, opt_state, params) as a plain optax loop does")
     check = checked(graph, strategy, mesh, mesh_shape)
     program = step_program(check)
     ps = _param_shardings(program, check, params)
     gs = _param_shardings(program, check, params, space.optimizer_specs) \
         if check.strategy.optimizer_axes else ps
-    dims = update_whole_dims(optimizer, tree if tree is not None else graph.abstract_params())
     whole, ups = dims.whole, None
     if any(whole):
         # an update that contracts a parameter's dims (Muon) reads its gradient whole along
         # them and keeps its state so, split over the ZeRO and distributed optimizer axes on
         # its other dims (`soapjax.cost.updates.whole_update_spec`)
-        specs_of = space.optimizer_specs if check.strategy.optimizer_axes else space.param_specs
-        leaves = {leaf.path: (leaf.shape, dims) for leaf, dims in zip(graph.params, whole)}
-        axes = check.strategy.zero_axes + tuple(a for a in check.strategy.optimizer_axes
-                                                if a not in check.strategy.zero_axes)
+        leaves = {leaf.path: (leaf.shape, w) for leaf, w in zip(graph.params, whole) if w}
+        axes = space.optimizer_state_axes(check.strategy)
 
-        def gathered(g, s, m, reading=None):
-            stored, opt = space.param_specs(g, s, m), specs_of(g, s, m)
-            return {path: whole_update_spec(stored[path], leaves[path][0], leaves[path][1],
-                                            axes, m)
-                    if leaves.get(path, ((), ()))[1] and (reading is None or path in reading)
-                    else (opt if reading is None else stored)[path] for path in opt}
-        gs = _param_shardings(program, check, params, gathered)
-        if any(w and r for w, r in zip(whole, dims.reads_params)):
-            # its update reads the parameter too (weight decay): there as well
-            reads = {leaf.path for leaf, w, r in zip(graph.params, whole, dims.reads_params)
-                     if w and r}
-            ups = _param_shardings(program, check, params,
-                                   lambda g, s, m: gathered(g, s, m, reads))
+        def whole_where(specs_of: Callable, paths: Any) -> Callable:
+            def specs(g, s, m):
+                stored = space.param_specs(g, s, m)
+                return {path: whole_update_spec(stored[path], *leaves[path], axes, m)
+                        if path in paths else spec for path, spec in specs_of(g, s, m).items()}
+            return specs
+        gs = _param_shardings(program, check, params, whole_where(
+            space.optimizer_specs if check.strategy.optimizer_axes else space.param_specs,
+            leaves))
+        reads = {leaf.path for leaf, w, r in zip(graph.params, whole, dims.reads_params)
+                 if w and r}
+        if reads:  # its update reads the parameter too (weight decay): there as well
+            ups = _param_shardings(program, check, params, whole_where(space.param_specs, reads))
     bs = _batch_shardings(program, check, batch)
     abstract = (step_layout(jax.tree.map(_abstract, params), ps) if params is not None
                 else jax.tree.unflatten(jax.tree.structure(ps),

@@ -40,7 +40,7 @@ from soapjax.graph._local import CustomRuleError, operator_fn
 from soapjax.graph._remat import remat_recomputes
 from soapjax.graph.opgraph import OpGraph
 from soapjax.strategy.memory import recomputes
-from soapjax.strategy.space import MeshShape, param_specs
+from soapjax.strategy.space import MeshShape, optimizer_state_axes, param_specs
 
 __all__ = ["FlopCounter", "Flops", "OperatorFlops", "StepFlops", "step_flops"]
 
@@ -202,8 +202,7 @@ class FlopCounter:
         if not any(self._update_whole):
             return shards
         specs = param_specs(self.graph, strategy, mesh)
-        axes = tuple(strategy.zero_axes) + tuple(a for a in strategy.optimizer_axes
-                                                 if a not in strategy.zero_axes)
+        axes = optimizer_state_axes(strategy)
         out = []
         for leaf, shape, whole in zip(self.graph.params, shards, self._update_whole):
             if whole:

@@ -109,11 +109,11 @@ def update_passes(optimizer: Any) -> float:
 
 def optimizer_problem(optimizer: Any, params: Any) -> str | None:
     """Why `optimizer` cannot be the step's, or None: the step calls ``optimizer.init(params)``
-    and ``optimizer.update(grads, opt_state, params)`` as a plain optax loop does, and this
-    traces both on the parameters' shapes (nothing runs). An optimizer whose update needs the
-    loss itself (``optax.lbfgs``'s line search: ``value``, ``grad``, ``value_fn``) or
-    parameters of another structure (``optax.lookahead``'s `LookaheadParams`) says so here,
-    not in a traceback from inside the search or the step.
+    and ``optimizer.update(grads, opt_state, params)`` as a plain optax loop does, and
+    `update_whole_dims` traces both on the parameters' shapes (nothing runs). An optimizer
+    whose update needs the loss itself (``optax.lbfgs``'s line search: ``value``, ``grad``,
+    ``value_fn``) or parameters of another structure (``optax.lookahead``'s
+    `LookaheadParams`) says so here, not in a traceback from inside the search or the step.
 
     >>> import jax, optax
     >>> p = {"w": jax.ShapeDtypeStruct((4, 4), "float32")}
@@ -122,24 +122,19 @@ def optimizer_problem(optimizer: Any, params: Any) -> str | None:
     >>> "its update needs the loss itself" in optimizer_problem(optax.lbfgs(), p)
     True
     """
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
-    try:
-        state = jax.eval_shape(optimizer.init, abstract)
-    except Exception as e:  # noqa: BLE001  whatever the optimizer raises, said plainly
-        return f"optimizer.init(params) raised {type(e).__name__}: {e}"
-    try:
-        jax.eval_shape(optimizer.update, abstract, state, abstract)
-    except Exception as e:  # noqa: BLE001
-        said = f"optimizer.update(grads, opt_state, params) raised {type(e).__name__}: {e}"
-        if "value_fn" in str(e) or "'value'" in str(e):
-            said += ("; its update needs the loss itself (a line search: value, grad, "
-                     "value_fn), which a step that hands it the gradients alone cannot give: "
-                     "use a first-order optimizer (optax.adam, optax.contrib.muon, ...)")
-        elif "fast" in str(e):
-            said += ("; optax.lookahead updates optax.LookaheadParams (fast and slow "
-                     "parameters), where the step hands it your loss's parameters as they are")
-        return said
-    return None
+    return update_whole_dims(optimizer, params).problem
+
+
+def _problem(call: str, e: Exception) -> str:
+    said = f"{call} raised {type(e).__name__}: {e}"
+    if "value_fn" in str(e) or "'value'" in str(e):
+        said += ("; its update needs the loss itself (a line search: value, grad, value_fn), "
+                 "which a step that hands it the gradients alone cannot give: use a "
+                 "first-order optimizer (optax.adam, optax.contrib.muon, ...)")
+    elif "fast" in str(e):
+        said += ("; optax.lookahead updates optax.LookaheadParams (fast and slow parameters), "
+                 "where the step hands it your loss's parameters as they are")
+    return said
 
 
 class UpdateDims(NamedTuple):
@@ -153,11 +148,14 @@ class UpdateDims(NamedTuple):
         parameter's shape (0 where there are none).
       reads_params: per parameter leaf, whether its update reads the parameter itself
         (weight decay), not only its gradient and state.
+      problem: why the optimizer cannot update these parameters at all (`optimizer_problem`),
+        or None.
     """
 
     whole: tuple[tuple[int, ...], ...]
     flops: tuple[float, ...]
     reads_params: tuple[bool, ...] = ()
+    problem: str | None = None
 
 
 def update_whole_dims(optimizer: Any, params: Any) -> UpdateDims:
@@ -168,7 +166,8 @@ def update_whole_dims(optimizer: Any, params: Any) -> UpdateDims:
     into a matrix makes the parameter dims it came from whole (one to a scalar, as
     D-Adaptation's and Prodigy's ``vdot``, is a sum of partial sums, as a norm is), as does
     a factorisation (GaLore's SVD) of the matrix it factors. An optimizer whose update cannot
-    be traced on the parameters' shapes reads as elementwise.
+    be traced on the parameters' shapes reads as elementwise, with the reason in
+    `UpdateDims.problem`.
 
     >>> import jax, optax
     >>> p = {"b": jax.ShapeDtypeStruct((8,), "float32"), "w": jax.ShapeDtypeStruct((8, 16),
@@ -181,12 +180,15 @@ def update_whole_dims(optimizer: Any, params: Any) -> UpdateDims:
     none = UpdateDims(((),) * len(leaves), (0.0,) * len(leaves), (False,) * len(leaves))
     if optimizer is None or not leaves:
         return none
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
     try:
         state = jax.eval_shape(optimizer.init, abstract)
+    except Exception as e:  # noqa: BLE001  whatever the optimizer raises, said plainly
+        return none._replace(problem=_problem("optimizer.init(params)", e))
+    try:
         closed = jax.make_jaxpr(optimizer.update)(abstract, state, abstract)
-    except Exception:  # noqa: BLE001  an update that cannot be traced on these shapes
-        return none
+    except Exception as e:  # noqa: BLE001
+        return none._replace(problem=_problem("optimizer.update(grads, opt_state, params)", e))
     n, n_state = len(leaves), len(jax.tree.leaves(state))
     # the gradients' dims are tagged by leaf, the parameters' by leaf + n
     ins: list[_Origins] = [_fresh(i, x.shape) for i, x in enumerate(leaves)]
@@ -294,7 +296,7 @@ class _Walk:
         if name == "cond":
             branches = [self.run(b.jaxpr, args[1:]) for b in p["branches"]]
             return [_join(outs) for outs in zip(*branches)]
-        subs = [s for s in jcore.jaxprs_in_params(p)]
+        subs = list(jcore.jaxprs_in_params(p))
         if subs:
             sub = subs[0]
             outs = self.run(sub, args[len(args) - len(sub.invars):])

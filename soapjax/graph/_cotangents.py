@@ -40,11 +40,6 @@ __all__: list[str] = ["differentiated_operands", "differentiated_values", "has_b
                       "values_from_params"]
 
 
-def _floating(dtype: str) -> bool:
-    """Float or complex (an FFT's result carries its operand's cotangent back)."""
-    return is_float(dtype)
-
-
 def values_from_params(graph: OpGraph) -> frozenset[int]:
     """The program's float values computed from the parameters, through float values and
     not through ``stop_gradient``: the ones a tangent reaches (a one-hot of an argmax, through
@@ -55,7 +50,7 @@ def values_from_params(graph: OpGraph) -> frozenset[int]:
         for u in prog.units:
             if u.eqn.primitive.name != "stop_gradient" and reached.intersection(u.ins):
                 reached.update(v for v in u.outs
-                               if v is not None and _floating(prog.dtypes[v]))
+                               if v is not None and is_float(prog.dtypes[v]))
         return frozenset(reached)
     return graph.memo("values_from_params", reach)
 
@@ -70,7 +65,7 @@ def differentiated_values(graph: OpGraph) -> frozenset[int]:
         for u in reversed(prog.units):
             if u.eqn.primitive.name == "stop_gradient" or not needed.intersection(u.outs):
                 continue
-            needed.update(v for v in u.ins if v is not None and _floating(prog.dtypes[v]))
+            needed.update(v for v in u.ins if v is not None and is_float(prog.dtypes[v]))
         return frozenset(needed & values_from_params(graph))
     return graph.memo("differentiated_values", reach)
 
@@ -100,7 +95,7 @@ def differentiated_operands(graph: OpGraph, j: int) -> tuple[bool, ...]:
             u = prog.units[i]
             if u.eqn.primitive.name == "stop_gradient" or not needed.intersection(u.outs):
                 continue
-            needed.update(v for v in u.ins if v is not None and _floating(prog.dtypes[v]))
+            needed.update(v for v in u.ins if v is not None and is_float(prog.dtypes[v]))
         # by the operator's own reads (`loc.inputs`, in operand order): a folded stage's graph
         # rewires an operand to another layer's value (`soapjax.simulate._pipe_fold`)
         return tuple(v in diff and v in needed for v in loc.inputs)

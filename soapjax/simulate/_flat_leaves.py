@@ -51,7 +51,7 @@ class _LeafBuilding:
         gathers, gather_ends, gathered, again = self._build_gathers(leaf, store)
         if not layout.leaf_is_param[leaf]:
             return _LeafTasks(gathers, gather_ends, 0, stored + gathered)
-        opt = self._optimizer_spec(leaf, store)
+        opt, layer_axes = self._optimizer_layout(leaf, store)
         owned = stored if opt == store else self._shard_bytes(shape, opt, dtype)
         syncs, ready = self._build_grad_syncs(leaf, opt)
         seg = layout.update_seg[leaf]
@@ -62,7 +62,7 @@ class _LeafBuilding:
                                  layout.key(seg, 0, 0), ready, PARAM_GATHER, leaf) \
             if entry is not None and entry.reads else []
         reduce = self._build_update_reduce(leaf, opt, seg, read[-1:] or ready, len(read))
-        matmuls = self._update_matmul_time(leaf)
+        matmuls = self._update_matmul_time(leaf, store, opt)
         update = self._task_graph.new(layout.key(seg, 0, len(read) + 1),
                                       self._compute_time(self.cost_model.update_time(owned)
                                                          + matmuls),
@@ -71,7 +71,6 @@ class _LeafBuilding:
         # the distributed optimizer's all-gather of the updated shards (a scanned layer's
         # slice updated by its share of the devices: gathered along the layer dims apply
         # splits over those axes, as the stored slice)
-        layer_axes = self._optimizer_layout(leaf, store)[1]
         gather = (self._pricing.comm("all_gather", stored, layer_axes),) if layer_axes \
             else self._pricing.chain(shape, dtype, opt, store)
         regather = self._chain_tasks(tuple(c for c in gather if c is not None),
@@ -80,17 +79,17 @@ class _LeafBuilding:
         return _LeafTasks(gathers + syncs + reduce + read + [update] + regather, gather_ends,
                           stored, gathered, owned, heads, ends, transient, any(transient))
 
-    def _update_matmul_time(self, leaf: int) -> float:
+    def _update_matmul_time(self, leaf: int, store: tuple, opt: tuple) -> float:
         """The matrix products of parameter `leaf`'s update (Muon's), on the whole parameter
-        (`OpCosts.update_whole`; a scanned layer's slice takes its share)."""
+        (`OpCosts.update_whole`; a scanned layer's slice takes its share), stored as `store`
+        and updated as `opt`."""
         entry = self._update_whole.get(self._layout.leaf_source[leaf])
         time_of = getattr(self.cost_model, "update_matmul_time", None)
         if entry is None or time_of is None:
             return 0.0
         # this device's part: the matrices (or layers) the optimizer axes leave it
         shape, dtype = self._layout.leaf_shape[leaf], self._layout.leaf_dtype[leaf]
-        store = self._stored_spec(leaf)
-        part = (self._shard_bytes(shape, self._optimizer_spec(leaf, store), dtype)
+        part = (self._shard_bytes(shape, opt, dtype)
                 / max(1, self._shard_bytes(shape, whole_along(store, entry.dims), dtype)))
         return time_of(entry.path) * entry.share * part
 

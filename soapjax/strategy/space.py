@@ -645,9 +645,15 @@ def optimizer_specs(graph: OpGraph, strategy: Strategy, mesh: MeshShape) -> dict
     ``optimizer_axes=("data",)`` on ``data=2, model=4``: the parameter ``P(None, 'model')``,
     its moments ``P('data', 'model')``.
     """
-    zero = strategy.zero_axes + tuple(a for a in strategy.optimizer_axes
-                                      if a not in strategy.zero_axes)
-    return param_specs(graph, dataclasses.replace(strategy, zero_axes=zero), mesh)
+    return param_specs(graph, dataclasses.replace(
+        strategy, zero_axes=optimizer_state_axes(strategy)), mesh)
+
+
+def optimizer_state_axes(strategy: Strategy) -> tuple[str, ...]:
+    """The axes the optimizer state is split over: ZeRO's, then the distributed optimizer's
+    it does not name already."""
+    return tuple(strategy.zero_axes) + tuple(a for a in strategy.optimizer_axes
+                                             if a not in strategy.zero_axes)
 
 
 def reduces_into(spec: Spec, producer: Spec, partials: Sequence[str]) -> bool:
