@@ -233,7 +233,7 @@ def compare_gradients(loss: Any, grads: Any, reference_loss: Any, reference_grad
     for k, ((path, _), g, w, scale) in enumerate(zip(want_leaves, got, want, scales)):
         diff = _max_diff(g, w)
         denom = max(scale, floor) or 1.0
-        near = np.abs(np.nan_to_num(w.astype(np.float64))) <= tolerance * denom
+        near = np.abs(np.nan_to_num(_wide(w))) <= tolerance * denom
         leaves.append(LeafError(jax.tree_util.keystr(path),
                                 operators[k] if operators is not None else "", diff / denom,
                                 denom, scale < floor,
@@ -256,7 +256,7 @@ def _aux_errors(aux: Any, reference: Any) -> tuple[LeafError, ...]:
         raise ValueError(f"the sharded aux pytree {got_tree} is not the reference's")
     out = []
     for (path, w), g in zip(want, got):
-        w, g = _host(w).astype(np.float64), _host(g).astype(np.float64)
+        w, g = _wide(_host(w)), _wide(_host(g))
         scale = float(np.nanmax(np.abs(w), initial=0.0)) or 1.0
         out.append(LeafError("aux" + jax.tree_util.keystr(path), "", _max_diff(g, w) / scale,
                              scale))
@@ -358,8 +358,7 @@ def step_difference(out: Any, reference: Any, *, skip_params: Collection[int] = 
         # a part of the optimizer state shaped like the parameters: the noise leaves' moments
         # (a tenth of their noise) stay compared, as before the masks
         pairs += masked(got, want, ()) if isinstance(want, list) else [(got, want, None)]
-    return max((_max_diff(*_settled(_host(a).astype(np.float64),
-                                    _host(b).astype(np.float64), m))
+    return max((_max_diff(*_settled(_wide(_host(a)), _wide(_host(b)), m))
                 for a, b, m in pairs if np.size(a)), default=0.0)
 
 
@@ -406,6 +405,12 @@ def _max_diff(got: np.ndarray, want: np.ndarray) -> float:
     if np.any(np.isnan(got) != nan) if np.issubdtype(got.dtype, np.inexact) else np.any(nan):
         return math.inf
     return float(np.max(np.abs(np.where(nan, 0, got - want))))
+
+
+def _wide(x: np.ndarray) -> np.ndarray:
+    """`x` in float64, or complex128 where complex: a complex parameter's imaginary part is
+    half its value, and of its gradient (a Fourier neural operator's spectral weights)."""
+    return x.astype(np.complex128 if np.iscomplexobj(x) else np.float64)
 
 
 def _host(x: Any) -> np.ndarray:

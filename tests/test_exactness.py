@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 import corpus
@@ -152,6 +153,29 @@ def test_nans_fail_and_a_nan_reference_says_so():
     assert not ref_nan.passed
     assert "the unsharded loss itself is NaN" in ref_nan.describe()
 
+
+
+def test_a_complex_parameters_imaginary_part_is_compared():
+    """A Fourier neural operator's spectral weights are complex (tests/corpus/fno.py). The
+    step's bar cast every leaf to float64, so an update wrong only in its imaginary part
+    passed (with numpy's ComplexWarning); the gradients' near-zero mask did the same."""
+    want = {"w": np.array([1.0 + 2.0j, -0.5 + 0.25j])}
+    got = {"w": np.array([1.0 - 2.0j, -0.5 + 0.25j])}  # the first one's conjugate
+    c = compare_gradients(0.5, got, 0.5, want, tolerance=1e-9)
+    assert c.leaves[0].error == pytest.approx(4.0 / abs(1 + 2j)) and not c.passed
+    sgd = optax.sgd(0.1)
+    params = {"w": np.ones(2, np.complex128)}
+
+    def step(g):
+        updates, state = sgd.update(g, sgd.init(params), params)
+        return optax.apply_updates(params, updates), state, 0.5
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", np.exceptions.ComplexWarning)
+        assert step_difference(step(got), step(want)) == pytest.approx(0.4)
+        imaginary = {"w": np.array([0.5j, 1.0])}
+        c = compare_gradients(0.5, imaginary, 0.5, imaginary, tolerance=1e-9)
+    assert c.passed and c.leaves[0].unsettled is None  # 0.5j's sign is settled: it is not 0
 
 def test_trees_of_another_structure_are_refused():
     with pytest.raises(ValueError, match="pytree"):

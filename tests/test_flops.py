@@ -54,6 +54,13 @@ FLOP_CASES = {
         (2, 4, 4, 3), jnp.float32)), (3552, 0)),
     "softmax": (lambda x: jax.nn.softmax(x, axis=-1), (_X,), (504, 128)),
     "log-softmax and its gradient": (_vjp(jax.nn.log_softmax), (_X, _X), (1016, 136)),
+    # an FFT: 8 per operand element times floor(log2) of each length, multiplied (XLA's rule,
+    # not n log n: 12 x 12 counts 3 * 3); an rfft's operand is real, an irfft's the half spectrum
+    "rfft2 of a field, irfft2 back": (
+        lambda x: jnp.fft.irfft2(jnp.fft.rfft2(x, axes=(1, 2)), s=(12, 12), axes=(1, 2)),
+        (jax.ShapeDtypeStruct((2, 12, 12, 3), jnp.float32),), (8 * 9 * 864 + 8 * 9 * 504, 0)),
+    "complex fft along 16": (lambda z: jnp.fft.fft(z, axis=-1),
+                             (jax.ShapeDtypeStruct((4, 16), jnp.complex64),), (2048, 0)),
 }
 
 

@@ -310,6 +310,10 @@ def _flops(name: str, params, in_shapes, out_shapes) -> float:
         return 2.0 * _numel(out_shapes[0]) * per_out
     if name.startswith("reduce_window"):
         return float(_numel(out_shapes[0]) * math.prod(params["window_dimensions"]))
+    if name == "fft":  # Cooley-Tukey: 5 n log2 n per transform of n complex points
+        n = math.prod(params["fft_lengths"])
+        complex_side = max(_numel(in_shapes[0]), _numel(out_shapes[0]))
+        return 5.0 * complex_side * math.log2(n) if n > 1 else 0.0
     if name.startswith(("reduce_", "argm", "cum")):
         return float(_numel(in_shapes[0]))
     if name in ("gather", "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims",
@@ -679,9 +683,10 @@ def _unify_each(ls: LabelSet, a: Sequence[Labels], b: Sequence[Labels]) -> None:
 # *transcendentals*, a separate count (a sigmoid is 1 / (1 + exp(-x)): 3 FLOPs and one); a
 # reduction (inputs - outputs) times its reducer; a pooling window (size - 1) per output, its
 # gradient as XLA:CPU expands it; layout, indexing and gathers nothing; a convolution only its
-# in-bounds taps. What the lowering folds (constants, `x * 1`) is free. Unlike XLA, a scan
-# counts its body `length` times (XLA's cost analysis counts a while loop's body once, whatever
-# its trip count); a `while` whose trip count the jaxpr does not fix counts once, as XLA's does.
+# in-bounds taps; an FFT 8 per operand element times the product of its lengths' floor(log2).
+# What the lowering folds (constants, `x * 1`) is free. Unlike XLA, a scan counts its body
+# `length` times (XLA's cost analysis counts a while loop's body once, whatever its trip
+# count); a `while` whose trip count the jaxpr does not fix counts once, as XLA's does.
 # Checked against ``compiled.cost_analysis()`` primitive by primitive in tests/test_flops.py.
 
 
@@ -708,11 +713,13 @@ _XLA_TRANSCENDENTAL = frozenset({
     "cbrt", "pow", "atan2", "erf", "acosh"})
 
 
-def xla_flops(jaxpr: jcore.Jaxpr) -> Flops:
+def xla_flops(jaxpr: jcore.Jaxpr, constants: Sequence[Any] = ()) -> Flops:
     """The FLOPs of `jaxpr` as XLA counts the HLO it lowers to (see above), scans unrolled.
 
     What the lowering folds away costs nothing: equations on constants only (a literal, or a
     broadcast of one), a multiply by one, an add or subtract of zero, a divide by one.
+    `constants`: per invar of `jaxpr`, its one value where the caller passes a constant (a
+    literal into a call's body), else None.
 
     >>> import jax, jax.numpy as jnp
     >>> f = lambda x, w: jnp.tanh(x @ w) * 1.0 + 1.0
@@ -720,7 +727,8 @@ def xla_flops(jaxpr: jcore.Jaxpr) -> Flops:
     >>> xla_flops(jax.make_jaxpr(f)(x, w).jaxpr)   # 2*8*4*16 + 8*4 adds; 8*4 tanh
     Flops(flops=1056.0, transcendentals=32.0, matmul=1024.0)
     """
-    splat: dict[Any, Any] = {}  # vars known to hold one value everywhere: that value
+    splat: dict[Any, Any] = {v: c for v, c in zip(jaxpr.invars, constants) if c is not None}
+    # ^ vars known to hold one value everywhere: that value
 
     def value(v) -> Any:
         if isinstance(v, jcore.Literal):
@@ -737,7 +745,7 @@ def xla_flops(jaxpr: jcore.Jaxpr) -> Flops:
                 continue
         if _is_identity(eqn.primitive.name, vals):
             continue
-        total = total.plus(_xla_eqn(eqn))
+        total = total.plus(_xla_eqn(eqn, vals))
     return total
 
 
@@ -775,7 +783,7 @@ def _is_identity(name: str, vals: list) -> bool:
     return False
 
 
-def _xla_eqn(eqn) -> Flops:
+def _xla_eqn(eqn, vals: list) -> Flops:
     name, p = eqn.primitive.name, eqn.params
     if name == "scan":
         return Flops().plus(xla_flops(p["jaxpr"].jaxpr), float(p["length"]))
@@ -787,7 +795,7 @@ def _xla_eqn(eqn) -> Flops:
         return xla_flops(analysis_jaxpr(eqn).jaxpr)
     subs = list(jcore.jaxprs_in_params(p))
     if subs:  # calls, custom derivative rules, remat: the primal body
-        return xla_flops(subs[0])
+        return xla_flops(subs[0], vals if len(subs[0].invars) == len(vals) else ())
     if name in _XLA_FREE:
         return Flops()
     in_shapes = [shape_of(v) for v in eqn.invars]
@@ -817,6 +825,9 @@ def _xla_eqn(eqn) -> Flops:
     if name == "conv_general_dilated":
         f = _conv_flops(p, in_shapes, out_shapes)
         return Flops(f, 0.0, f)
+    if name == "fft":  # 4 complex multiply-adds per operand element per log2 of each length
+        logs = math.prod(int(n).bit_length() - 1 for n in p["fft_lengths"])
+        return Flops(8.0 * logs * _numel(in_shapes[0]))
     if name.startswith(("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
                         "reduce_or", "reduce_xor", "argmax", "argmin")):
         per = 6.0 if name.startswith("arg") else 1.0  # a variadic reducer: compares, selects

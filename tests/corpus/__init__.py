@@ -57,6 +57,7 @@ from corpus import (
     ensemble,
     expert_choice,
     fnet,
+    fno,
     gat,
     gemma3,
     glow,
@@ -399,6 +400,11 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
     Entry("ensemble", "linen", ensemble.make,
           "deep ensemble by nn.vmap: every parameter with a leading member axis, the input "
           "shared (in_axes=None), a Gaussian NLL per member", gradients_in="fuzz"),
+    Entry("fno", "linen", fno.make,
+          "Fourier neural operator: complex spectral weights (complex64, complex128 beside "
+          "float64), rfft2, two corners of low modes mixed by a complex einsum and written "
+          "into a zero spectrum by .at[].set, irfft2, a 1x1 conv path, the relative L2 loss",
+          has_conv=True, gradients_in="fuzz"),
 )}
 
 
