@@ -67,6 +67,7 @@ from corpus import (
     kv_cache_decoder,
     linen_scan_transformer,
     llama_gqa,
+    lru,
     lstm_dropout,
     mae,
     mamba,
@@ -405,6 +406,11 @@ CORPUS: dict[str, Entry] = {e.name: e for e in (
           "float64), rfft2, two corners of low modes mixed by a complex einsum and written "
           "into a zero spectrum by .at[].set, irfft2, a 1x1 conv path, the relative L2 loss",
           has_conv=True, gradients_in="fuzz"),
+    Entry("lru", "linen", lru.make,
+          "Linear Recurrent Unit: a complex diagonal recurrence by jax.lax.associative_scan, "
+          "complex matrices from real and imaginary parameters, gamma_log initialised from two "
+          "other parameters, the layer nn.vmap'ed over the batch with its parameters broadcast",
+          gradients_in="fuzz"),
 )}
 
 
