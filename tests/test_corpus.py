@@ -565,7 +565,7 @@ IDIOMS = {
     "sngan": {"conv_general_dilated", "stop_gradient", "rsqrt", "custom_jvp_call"},
     "perceiver": {"sin", "cos", "concatenate", "lt", "dot_general"},
     "fno": {"fft", "scatter", "conv_general_dilated", "dot_general"},
-    "lru": {"exp", "complex", "real", "pad", "concatenate", "dot_general"},
+    "lru": {"exp", "real", "pad", "concatenate", "dot_general"},
     "ensemble": {"dot_general", "log", "log1p"},
 }
 # Grouped convolutions (feature_group_count > 1): depthwise, a channel multiplier, 4 groups.
