@@ -36,6 +36,7 @@ from soapjax.apply import step as apply
 from soapjax.cost.flops import step_flops
 from soapjax.cost.operators import cost_model
 from soapjax.cost.reshard import DEFAULT_MODE, Resharder
+from soapjax.cost.updates import freeze
 from soapjax.exactness import (
     NUMBERS_TOLERANCE,
     GradientComparison,
@@ -324,8 +325,8 @@ def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5,
         found or built from the attached devices.
     """
     w = workload
-    graph = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name,
-                  has_aux=getattr(w, "has_aux", False))
+    graph = freeze(trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name,
+                         has_aux=getattr(w, "has_aux", False)), w.optimizer)
     topo = topology if topology is not None else plan.topology_used()
     strategy = plan.strategy(graph, topo)
     mesh = make_mesh(topo)

@@ -136,11 +136,13 @@ def _add_batch_size(p: argparse.ArgumentParser) -> None:
                    "of the model size's (zoo models), e.g. Megatron's global batch of 512")
 
 
-def _trace(w):
+def _trace(w, name: str | None = None):
+    """`w`'s graph, with the parameters its optimizer freezes marked (`freeze`)."""
+    from soapjax.cost.updates import freeze
     from soapjax.graph.opgraph import trace
 
-    return trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name,
-                 has_aux=w.has_aux)
+    return freeze(trace(w.loss_fn, w.abstract_params(), w.abstract_batch(),
+                        name=name or w.name, has_aux=w.has_aux), w.optimizer)
 
 
 def _workload_text(model: str) -> str:
@@ -1006,13 +1008,11 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 def _cmd_export(args: argparse.Namespace) -> int:
     import soapjax_zoo as zoo
     from soapjax.apply.export import export_json, partition_specs
-    from soapjax.graph.opgraph import trace
     from soapjax.strategy.plan import Plan
 
     plan = Plan.load(args.plan)
     w = zoo.for_plan(plan)
-    graph = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=plan.model,
-                  has_aux=w.has_aux)
+    graph = _trace(w, name=plan.model)
     if args.format == "json":
         text = export_json(graph, plan, w.optimizer)
     else:

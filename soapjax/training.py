@@ -87,7 +87,7 @@ from soapjax.base._progress import end_progress, print_progress
 from soapjax.base.errors import ArgumentError, PlanError, SoapjaxError
 from soapjax.cost.operators import local_backend_matches, local_topology
 from soapjax.cost.reshard import DEFAULT_MODE
-from soapjax.cost.updates import update_signature
+from soapjax.cost.updates import freeze, update_signature
 from soapjax.exactness import (
     NUMBERS_TOLERANCE,
     GradientComparison,
@@ -338,7 +338,7 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
     loss_fn, params, name = _pure_loss(loss_fn, params, name)
     mesh, topology = _resolve_mesh(mesh)
     mesh_shape = MeshShape.of(topology) if topology is not None else None
-    graph = trace(loss_fn, params, batch, name=name, has_aux=has_aux)
+    graph = freeze(trace(loss_fn, params, batch, name=name, has_aux=has_aux), optimizer)
     validate_trainable(graph)  # before any planning
     options = PlanOptions(search, costs, optimizer)
     strategy = _resolve_strategy(strategy, graph, mesh, topology, options)

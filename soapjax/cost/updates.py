@@ -34,11 +34,12 @@ import numpy as np
 from jax.extend import core as jcore
 
 from soapjax.base._dtypes import itemsize
+from soapjax.graph.opgraph import OpGraph
 from soapjax.strategy.space import MeshShape, storage_spec
 
-__all__ = ["DEFAULT_UPDATE_PASSES", "UpdateDims", "optimizer_problem", "update_passes",
-           "update_reductions", "update_signature", "update_whole_dims", "whole_along",
-           "whole_update_spec"]
+__all__ = ["DEFAULT_UPDATE_PASSES", "UpdateDims", "freeze", "frozen_leaves",
+           "optimizer_problem", "update_passes", "update_reductions", "update_signature",
+           "update_whole_dims", "whole_along", "whole_update_spec"]
 
 # Adam reads parameters, gradients and two moments and writes parameters and both moments:
 # 7 passes over the parameter bytes (when the optimizer is not known).
@@ -150,12 +151,14 @@ class UpdateDims(NamedTuple):
         (weight decay), not only its gradient and state.
       problem: why the optimizer cannot update these parameters at all (`optimizer_problem`),
         or None.
+      frozen: per parameter leaf, whether the optimizer freezes it (`frozen_leaves`).
     """
 
     whole: tuple[tuple[int, ...], ...]
     flops: tuple[float, ...]
     reads_params: tuple[bool, ...] = ()
     problem: str | None = None
+    frozen: tuple[bool, ...] = ()
 
 
 def update_whole_dims(optimizer: Any, params: Any) -> UpdateDims:
@@ -199,14 +202,69 @@ def update_whole_dims(optimizer: Any, params: Any) -> UpdateDims:
                                 and leaves[i].shape[d] > 1})) for i in range(n))
     read = {j - n for o in outs if o is not None for dim in o for j, _ in dim if j >= n}
     flops = tuple(walk.flops.get(i, 0.0) + walk.flops.get(n + i, 0.0) for i in range(n))
-    return UpdateDims(whole, flops, tuple(i in read for i in range(n)))
+    return UpdateDims(whole, flops, tuple(i in read for i in range(n)),
+                      frozen=_frozen(closed.jaxpr, n))
+
+
+def frozen_leaves(optimizer: Any, params: Any) -> tuple[bool, ...]:
+    """Per parameter leaf (flattening order), whether `optimizer` freezes it: its update is a
+    constant (zeros) and nothing the update returns reads its gradient. ``optax.set_to_zero()``
+    under ``optax.multi_transform``, Flax's way to fine-tune part of a model (a LoRA's base
+    weights, a frozen backbone), does so. XLA then computes no such gradient (dead code in the
+    step): no weight-gradient product, no synchronisation, no gradient buffer, no update; the
+    graph marks them (`soapjax.graph.opgraph.OpGraph.with_frozen`) and the simulator, the
+    memory rule and the FLOP count leave that work out. A gradient that feeds anything
+    else, a global norm's clip over every leaf, is not frozen: XLA computes it.
+
+    >>> import jax, optax
+    >>> p = {"base": jax.ShapeDtypeStruct((8, 8), "float32"),
+    ...      "head": jax.ShapeDtypeStruct((8, 2), "float32")}
+    >>> labels = {"base": "frozen", "head": "train"}
+    >>> frozen_leaves(optax.multi_transform({"train": optax.adam(1e-3),
+    ...                                      "frozen": optax.set_to_zero()}, labels), p)
+    (True, False)
+    """
+    dims = update_whole_dims(optimizer, params)
+    return dims.frozen or (False,) * len(jax.tree.leaves(params))
+
+
+def freeze(graph: OpGraph, optimizer: Any) -> OpGraph:
+    """`graph` with the parameters `optimizer` freezes marked (`frozen_leaves`,
+    `OpGraph.with_frozen`); `graph` itself where it freezes none or is None. What the command
+    line, `soapjax check` and `soapjax.training.shard_training` trace a model's graph with, so
+    its plans are priced and keyed (the fingerprint names the frozen leaves) as it trains."""
+    if optimizer is None or not graph.params:
+        return graph
+    return graph.with_frozen(frozen_leaves(optimizer, graph.abstract_params()))
+
+
+def _frozen(jaxpr: jcore.Jaxpr, n: int) -> tuple[bool, ...]:
+    """`frozen_leaves` of an update's jaxpr ``(grads[n], state, params[n]) -> (updates[n],
+    state)``: each value's inputs as a bit set, equations with bodies read as depending on
+    all their operands."""
+    bits: dict[Any, int] = {v: 1 << i for i, v in enumerate(jaxpr.invars)}
+
+    def of(v: Any) -> int:
+        return 0 if isinstance(v, jcore.Literal) else bits.get(v, 0)
+
+    for eqn in jaxpr.eqns:
+        mask = 0
+        for v in eqn.invars:
+            mask |= of(v)
+        for v in eqn.outvars:
+            bits[v] = mask
+    read = 0
+    for v in jaxpr.outvars:
+        read |= of(v)
+    return tuple(of(jaxpr.outvars[i]) == 0 and not read >> i & 1 for i in range(n))
 
 
 def update_signature(optimizer: Any, params: Any) -> dict[str, list]:
     """What of the update a plan depends on beyond its state's size, for a plan cache's key:
-    the dims it multiplies whole and whether it reads each parameter; {} for an update that
-    multiplies none (Adam's key stays as it was). SGD with momentum and Muon keep one moment
-    per matrix alike; their plans differ.
+    the dims it multiplies whole and whether it reads each parameter, and the leaves it
+    freezes (`frozen_leaves`); {} for an update that multiplies none and freezes none (Adam's
+    key stays as it was). SGD with momentum and Muon keep one moment per matrix alike; their
+    plans differ.
 
     >>> import jax, optax
     >>> p = {"w": jax.ShapeDtypeStruct((4, 8), "float32")}
@@ -214,10 +272,13 @@ def update_signature(optimizer: Any, params: Any) -> dict[str, list]:
     ({}, {'update_whole': [[0, 1]], 'update_reads': [False]})
     """
     dims = update_whole_dims(optimizer, params)
-    if not any(dims.whole):
-        return {}
-    return {"update_whole": [list(d) for d in dims.whole],
-            "update_reads": list(dims.reads_params)}
+    out: dict[str, list] = {}
+    if any(dims.whole):
+        out.update(update_whole=[list(d) for d in dims.whole],
+                   update_reads=list(dims.reads_params))
+    if any(dims.frozen):
+        out["frozen"] = [i for i, f in enumerate(dims.frozen) if f]
+    return out
 
 
 def whole_along(spec: Sequence[tuple[str, ...]], dims: Sequence[int]

@@ -2,14 +2,17 @@
 therefore have a backward at all.
 
 ``jax.grad`` of the loss with respect to the parameters computes a cotangent for a value only
-where both hold: the value depends on a parameter through floating-point values (not through
-``stop_gradient``, not through a comparison's booleans or an argmax's indices), and the loss
-depends on it through floating-point values not cut by ``stop_gradient``. Everything else is a
-constant to the backward pass, and XLA runs nothing for it: a BYOL target network applied under
-``stop_gradient`` (its parameters' gradients are zeros XLA makes, without collectives), the
-batch's augmentation, an aux metric the loss never reads. The simulator prices no backward
-task, no cotangent moves and no gradient synchronisation for them, and the memory rule keeps
-nothing for their backward (`soapjax.strategy.memory.residuals`).
+where both hold: the value depends on a trained parameter through floating-point values (not
+through ``stop_gradient``, not through a comparison's booleans or an argmax's indices), and the
+loss depends on it through floating-point values not cut by ``stop_gradient``. A parameter the
+optimizer freezes (`OpGraph.frozen`: ``optax.set_to_zero`` under ``optax.multi_transform``) is
+not trained: the step's optimizer never reads its gradient, so XLA computes none. Everything
+else is a constant to the backward pass, and XLA runs nothing for it: a BYOL target network
+applied under ``stop_gradient`` (its parameters' gradients are zeros XLA makes, without
+collectives), the batch's augmentation, an aux metric the loss never reads, a LoRA's base
+model below its first adapter. The simulator prices no backward task, no cotangent moves and
+no gradient synchronisation for them, and the memory rule keeps nothing for their backward
+(`soapjax.strategy.memory.residuals`).
 
 Loops, custom derivatives and other equations with bodies are taken whole: every
 floating-point operand of one whose outputs are differentiated counts as differentiated (a
@@ -37,16 +40,29 @@ if TYPE_CHECKING:
     from soapjax.graph.opgraph import OpGraph
 
 __all__: list[str] = ["differentiated_operands", "differentiated_values", "has_backward",
-                      "values_from_params"]
+                      "trained_values", "values_from_params"]
+
+
+def trained_values(graph: OpGraph) -> frozenset[int]:
+    """The program's values of the trained parameters: every parameter leaf and its layers'
+    slices, but those `OpGraph.frozen` names."""
+    def find() -> frozenset[int]:
+        prog = graph.program
+        if not graph.frozen:
+            return frozenset(prog.param_like)
+        frozen = {leaf.value for leaf in graph.params if leaf.path in set(graph.frozen)}
+        return frozenset(v for v in prog.param_like
+                         if v not in frozen and prog.slice_of.get(v, (v,))[0] not in frozen)
+    return graph.memo("trained_values", find)
 
 
 def values_from_params(graph: OpGraph) -> frozenset[int]:
-    """The program's float values computed from the parameters, through float values and
-    not through ``stop_gradient``: the ones a tangent reaches (a one-hot of an argmax, through
-    a comparison's booleans, has none)."""
+    """The program's float values computed from the trained parameters (`trained_values`),
+    through float values and not through ``stop_gradient``: the ones a tangent reaches (a
+    one-hot of an argmax, through a comparison's booleans, has none)."""
     def reach() -> frozenset[int]:
         prog = graph.program
-        reached = set(prog.param_like)
+        reached = set(trained_values(graph))
         for u in prog.units:
             if u.eqn.primitive.name != "stop_gradient" and reached.intersection(u.ins):
                 reached.update(v for v in u.outs

@@ -106,6 +106,8 @@ class OpGraph:
         `has_aux`; None: the loss alone); its leaves are ``program.outputs[1:]``.
       params_tree: the parameters' pytree structure (a tuple of the parameter arguments' when
         there are several; None: not made by `trace`), for `abstract_params`.
+      frozen: the paths of the parameter leaves the training step does not train (`with_frozen`):
+        the backward pass computes no gradient for them.
     """
 
     name: str
@@ -122,6 +124,7 @@ class OpGraph:
     microbatch_statistics: bool = dataclasses.field(default=False, compare=False)
     aux_tree: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
     params_tree: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+    frozen: tuple[str, ...] = ()
     # what later stages work out once per graph (`memo`); not copied by dataclasses.replace
     _memo: dict = dataclasses.field(default_factory=dict, init=False, compare=False,
                                     hash=False, repr=False)
@@ -147,6 +150,27 @@ class OpGraph:
         return leaves if self.params_tree is None else jax.tree.unflatten(self.params_tree,
                                                                           leaves)
 
+    def with_frozen(self, frozen: Sequence[bool]) -> OpGraph:
+        """This graph with the parameter leaves flagged in `frozen` (one flag per leaf, in
+        `params` order) left untrained: the optimizer never reads their gradients
+        (`soapjax.cost.updates.frozen_leaves`: ``optax.set_to_zero`` under
+        ``optax.multi_transform``), so XLA computes none. The backward pass then
+        differentiates only the values the trained parameters reach
+        (`soapjax.graph._cotangents`): no weight gradient, synchronisation, gradient buffer
+        or update for a frozen leaf, and no backward at all before the first trained one (a
+        LoRA's base model below its first adapter). A plan does not depend on them (the
+        fingerprint is the same); a plan cache's key names them
+        (`soapjax.cost.updates.update_signature`).
+
+        Raises:
+          ValueError: not one flag per parameter leaf.
+        """
+        if len(frozen) != len(self.params):
+            raise ValueError(f"with_frozen: expected one flag per parameter leaf "
+                             f"({len(self.params)}), got {len(frozen)}")
+        paths = tuple(leaf.path for leaf, f in zip(self.params, frozen) if f)
+        return self if paths == self.frozen else dataclasses.replace(self, frozen=paths)
+
     def at_batch_size(self, size: int) -> OpGraph:
         """The same function traced again with `size` samples per batch (microbatches: the
         jaxpr has the batch size in its shapes). Operator names are the same.
@@ -160,7 +184,10 @@ class OpGraph:
         if size < 1 or self.batch_size % size:
             raise TraceError(f"batch size {size} does not divide graph {self.name!r}'s batch "
                              f"of {self.batch_size}")
-        return self if size == self.batch_size else self.retrace(size)
+        if size == self.batch_size:
+            return self
+        again = self.retrace(size)
+        return dataclasses.replace(again, frozen=self.frozen) if self.frozen else again
 
     def operator(self, name: str) -> Operator:
         """The operator called `name`; raises KeyError naming close matches."""

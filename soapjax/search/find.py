@@ -51,9 +51,8 @@ even at its least memory, the rest of it is not scored: `grids._grid_starts`); a
 does not fit is made to fit (`_fitting`), its least-memory variant tried first. The
 recomputation of the best plan seen and of the fastest others that recompute is then chosen
 per operator within the memory (`_relaxed_starts`, `soapjax.search.recompute.relaxed`: the
-attention core kept where the rest is recomputed, say), and the fastest of those is a start
-of its own; a pipeline's chain starts from its start so relaxed where its layers recompute
-selectively (`soapjax.search.pipelines`).
+attention core kept where the rest is recomputed, say), and the fastest of those is a start of
+its own; a pipeline's chain starts from its start relaxed so (`soapjax.search.pipelines`).
 
 **Pipeline stages.** With ``SearchSettings(pipelines=True)`` (`soapjax plan --pipelines`), or
 by default when no plan without stages fits in memory, for each stage count S that divides
@@ -77,15 +76,14 @@ stage boundaries walked over (`balance_stages`: a stage of fewer layers where th
 weighs, each step sending the layers a stage runs but another keeps, priced), a walk on the
 schedule alone, the stage's simulation unchanged. The grid holds only what apply runs (the
 interleaved schedule's M a multiple of S: `soapjax.strategy.pipeline.pipeline_error`), and
-the chains' microbatch moves keep to the same rule.
-Every pipeline is priced as apply runs it (`soapjax.simulate.pipesim`, module doc).
+the chains' microbatch moves keep to the same rule. Every pipeline is priced as apply runs it
+(`soapjax.simulate.pipesim`, module doc).
 
 **One entry point.** `find_plan` is how soapjax plans: graph + topology + settings -> `Plan`.
 The command line (`soapjax plan`), the training helper (`shard_training(strategy="plan")`),
 `soapjax check`, the notebook and the scripts all call it, so the defaults live in one place:
-`SearchSettings()`, ``costs="auto"`` (measured where the topology's devices are attached,
-else the analytic roofline), and the ideal resharding model (`soapjax.cost.reshard.DEFAULT_MODE`;
-`find_plan` says why).
+`SearchSettings()`, ``costs="auto"`` (measured where the topology's devices are attached, else
+the analytic roofline), and the ideal resharding model (`DEFAULT_MODE`; `find_plan` says why).
 
 One chain, its moves and its acceptance rule, is `soapjax.search._chain` (with `SearchSettings`,
 re-exported here); this module runs the chains within the budget and plans.
@@ -103,6 +101,7 @@ from soapjax.base._progress import print_progress
 from soapjax.base.errors import PlanError
 from soapjax.cost.operators import CostModel, cost_model as make_cost_model
 from soapjax.cost.reshard import DEFAULT_MODE, Resharder
+from soapjax.cost.updates import freeze
 from soapjax.graph.opgraph import OpGraph
 from soapjax.search._chain import (
     MAX_BUDGET_S,
@@ -542,8 +541,8 @@ def find_plan(graph: OpGraph, topology, *, settings: SearchSettings | None = Non
       costs: ``"auto"`` (measured on the local backend when it has the topology's devices,
         else the analytic roofline), ``"measured"``, ``"analytic"``, or a `CostModel`.
       reshard: ``"ideal"`` (default) or ``"xla"``, or a `Resharder` (kept open).
-      optimizer: the optax optimizer of the training step: its update cost and the size of
-        its state (default: Adam's, two moments per parameter).
+      optimizer: the optax optimizer of the training step: its update cost, its state's size
+        and the parameters it freezes (`freeze`; default: Adam's, two moments per parameter).
       family: ``"cnn"``, ``"rnn"``, ... to choose the paper's expert baseline (None: both).
       model_config: the zoo config name, recorded in the plan.
       workload: the ``--model`` text that rebuilds the model (user code,
@@ -566,6 +565,7 @@ def find_plan(graph: OpGraph, topology, *, settings: SearchSettings | None = Non
     check_costs(costs, "find_plan")
     if optimizer is not None:
         check_optimizer(optimizer, "find_plan")
+        graph = freeze(graph, optimizer)  # priced as it trains (the fingerprint is the same)
     settings = settings if settings is not None else SearchSettings()
     t0 = time.perf_counter()
     cm = make_cost_model(graph, topology, mode=costs, optimizer=optimizer) \

@@ -51,6 +51,8 @@ class _LeafBuilding:
         gathers, gather_ends, gathered, again = self._build_gathers(leaf, store)
         if not layout.leaf_is_param[leaf]:
             return _LeafTasks(gathers, gather_ends, 0, stored + gathered)
+        if layout.leaf_source[leaf] in self._frozen:  # no gradient, state or update
+            return _LeafTasks(gathers, gather_ends, stored, gathered, 0, *again, any(again[2]))
         opt, layer_axes = self._optimizer_layout(leaf, store)
         owned = stored if opt == store else self._shard_bytes(shape, opt, dtype)
         syncs, ready = self._build_grad_syncs(leaf, opt)

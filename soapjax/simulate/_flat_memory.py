@@ -121,10 +121,15 @@ class _MemoryAccounting:
                 self._transient_bytes())
         # the distributed optimizer's shards (`Strategy.optimizer_axes`); an update that
         # contracts a parameter's dims keeps its state and gradient whole along them
+        # (a frozen parameter has neither: `OpGraph.frozen`)
         owned = (sum(unit.optimizer_bytes for unit in self._leaf_tasks)
-                 if self._optimizer or self._update_whole else p)
+                 if self._optimizer or self._update_whole or self._frozen else p)
         grads = (sum(max(unit.stored_bytes, unit.optimizer_bytes) for unit in self._leaf_tasks)
                  if self._update_whole else p)
+        if self._frozen:
+            grads -= sum(unit.stored_bytes for source, unit in zip(self._layout.leaf_source,
+                                                                    self._leaf_tasks)
+                         if source in self._frozen)
         return MemoryBreakdown(params=p, grads=grads,
                                opt_state=round(owned * self.opt_state_factor),
                                activations=self._act + self._leaf_bytes,

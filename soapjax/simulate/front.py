@@ -37,6 +37,7 @@ import jax
 from soapjax.base._dtypes import itemsize
 from soapjax.cost.operators import cost_model as make_cost_model
 from soapjax.cost.reshard import DEFAULT_MODE, Resharder, ReshardModel
+from soapjax.cost.updates import frozen_leaves
 from soapjax.graph.opgraph import OpGraph
 from soapjax.simulate._flatsim import OpCosts, Simulation, shard_bytes
 from soapjax.simulate._pipe_fold import MIN_LAYERS, layer_fold, tied
@@ -195,10 +196,14 @@ def opt_state_factor(optimizer: Any, params: Any) -> float:
     """Optimizer state bytes per parameter byte, from `jax.eval_shape` (nothing allocated).
 
     Example: ``opt_state_factor(optax.adam(1e-3), params)`` is 2.0 (plus a step counter).
+    Per byte of the trained parameters: those the optimizer freezes
+    (`soapjax.cost.updates.frozen_leaves`, a LoRA's base weights) hold no state, and the
+    simulator counts the state on the others' shards.
     """
-    def nbytes(tree: Any) -> int:
-        return sum(math.prod(x.shape) * itemsize(x.dtype)
-                   for x in jax.tree.leaves(tree) if hasattr(x, "shape"))
+    def nbytes(leaves: Any) -> int:
+        return sum(math.prod(x.shape) * itemsize(x.dtype) for x in leaves if hasattr(x, "shape"))
 
     state = jax.eval_shape(optimizer.init, params)
-    return nbytes(state) / max(nbytes(params), 1)
+    leaves = jax.tree.leaves(params)
+    trained = [x for x, f in zip(leaves, frozen_leaves(optimizer, params)) if not f]
+    return nbytes(jax.tree.leaves(state)) / max(nbytes(trained), 1)
