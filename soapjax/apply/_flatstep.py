@@ -282,6 +282,10 @@ class _Layouts:
             if x.kind == "activation" and partials:
                 p = self.graph.index(x.source)
                 src = self.outputs(p)[x.index]
+                if x.layer:  # a layer's slice of a stacked value: the slice's own dims
+                    spec = tuple(src.spec)
+                    spec += (None,) * (len(x.layer) + len(x.shape) - len(spec))
+                    src = NamedSharding(self.mesh, PartitionSpec(*x.read_of(spec)))
                 if src.spec != sharding.spec and _reduce_scatters(sharding.spec, src.spec,
                                                                   partials, len(x.shape)):
                     back = src

@@ -826,7 +826,7 @@ class _Builder:
     def _operand(self, v: int, g: int, dims: tuple[int | None, ...],
                  outside: tuple[int, ...] = ()) -> Operand:
         kind, source, index = self._source(v, g)
-        layer = self.p.slice_of[v][1] if kind == "param" and v in self.p.slice_of else ()
+        layer = self.p.slice_of[v][1] if kind != "batch" and v in self.p.slice_of else ()
         return Operand(kind, source, index, self.p.shapes[v], self.p.dtypes[v], dims, v, layer,
                        outside)
 
@@ -867,6 +867,9 @@ class _Builder:
             return "batch", self.batch_of[v].path, 0
         if v in self.exported:
             return "activation", *self.exported[v]
+        root = self.p.slice_of.get(v, (v,))[0]
+        if root in self.exported:  # a layer's slice of a value stacked before the layer scan
+            return "activation", *self.exported[root]
         return "const", f"const_{v}", 0
 
 

@@ -10,9 +10,11 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeVar
 
 from soapjax.base._dtypes import itemsize
+
+T = TypeVar("T")
 
 Role = Literal["S", "A", "P", "-"]
 OperandKind = Literal["activation", "param", "batch", "const"]
@@ -60,7 +62,10 @@ class Operand(_Tensor):
       value: the value's id in the traced program (used to evaluate and constrain it).
       layer: for one layer's slice of a stacked parameter (a scan over layers), its index
         along the stacked leading dims; `source` then ends with it (``...['kernel'][3]``),
-        and `shape` is the slice's.
+        and `shape` is the slice's. Likewise for an activation that is one layer's slice of a
+        value stacked before the layer scan (a LoRA's merged ``W + A @ B`` of every layer):
+        `source` names the operator that made the stack, `shape` is the slice's, and
+        `read_of` drops the layer dims from what that operator's output has per dim.
       outside: the operator's reduction dims (iteration dims) its value does not flow into,
         as a bias added after the matmul: where a config splits only such dims, the operand's
         cotangent is whole, not a partial sum (XLA all-reduces the matmul's partial sums
@@ -76,6 +81,12 @@ class Operand(_Tensor):
     value: int
     layer: tuple[int, ...] = ()
     outside: tuple[int, ...] = ()
+
+    def read_of(self, produced: Sequence[T]) -> tuple[T, ...]:
+        """Of `produced` (one entry per dim of the producer's output: its spec, its dims),
+        the entries of the dims this operand reads: all of them, but a layer's slice drops
+        the stacked layer dims it indexes (`layer`)."""
+        return tuple(produced)[len(self.layer):]
 
     @property
     def leaf_path(self) -> str:

@@ -371,7 +371,7 @@ class Program:
         self.slice_units.update(range(first, len(self.units)))
         if root in self.param_like:
             self.param_like.add(out)
-            self.slice_of[out] = (root, index)
+        self.slice_of[out] = (root, index)  # (a value computed before the scan: its slice too)
         return out
 
     def _slice_root(self, vid: int) -> tuple[int, tuple[int, ...]]:

@@ -259,7 +259,7 @@ class _Proposals:
     def _edge_signature(self, e: int, i: int, view: _View) -> tuple:
         """What edge `e`'s collectives depend on, with operator `i` under `view`."""
         p, k, j, o = self._layout.edges[e]
-        src = (view if p == i else self._views[p]).out_specs[k]
+        src = (view if p == i else self._views[p]).out_specs[k]  # (a slice's: the same key)
         consumer = view if j == i else self._views[j]
         return (src, consumer.operand_specs[o], consumer.partials[o],
                 consumer.matmul_specs[o], consumer.recomputes)

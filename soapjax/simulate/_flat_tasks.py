@@ -487,10 +487,10 @@ class _TaskBuilding:
         x = self.graph.operators[j].inputs[o]
         # a reduce-scattered output is made in its readers' layout; its cotangent goes back to
         # the config's (the reduce-scatter's transpose: an all-gather)
-        src, dst = self._views[p].out_specs[k], self._dst(j, o)
-        sample = self._sample[j]
+        made = x.read_of(self._scatter[p][0] or self._views[p].out_specs[k])
+        src, dst, sample = x.read_of(self._views[p].out_specs[k]), self._dst(j, o), self._sample[j]
         forward = [] if self._resharded_by(e) != e else self._chain_tasks(
-            self._activation_chain(x, sample, self._scatter[p][0] or src, dst),
+            self._activation_chain(x, sample, made, dst),
             layout.fwd_key(j, o), [self._output_ready(p, k)], RESHARD, e)
         partial = self._views[j].partials[o]
         # apply reduces a partial cotangent straight into its producer's layout where the two
@@ -539,9 +539,8 @@ class _TaskBuilding:
         if not self._views[j].recomputes or self._again_by(e) != e:
             return []
         x = self.graph.operators[j].inputs[o]
-        chain = self._activation_chain(x, self._sample[j],
-                                       self._scatter[p][0] or self._views[p].out_specs[k],
-                                       self._dst(j, o))
+        made = self._scatter[p][0] or self._views[p].out_specs[k]
+        chain = self._activation_chain(x, self._sample[j], x.read_of(made), self._dst(j, o))
         key, room = self._regather_key(j, o)
         if not chain or len(chain) > room:
             return []
@@ -628,7 +627,7 @@ class _TaskBuilding:
         p, k, j, o = layout.edges[summed[0]]
         x = self.graph.operators[j].inputs[o]
         move = self._activation_chain(x, self._sample[j], self._views[j].operand_specs[o],
-                                      self._views[p].out_specs[k])
+                                      x.read_of(self._views[p].out_specs[k]))
         first = len(self._reduced_in_place(j, o))
         return tasks + self._chain_tasks(move, layout.bwd_key(j, 1 + o) + first, tasks[-1:],
                                          RESHARD_BWD, summed[0])

@@ -379,7 +379,8 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
             def maker(x: Any) -> int | None:
                 return index.get(x.source) if x.kind == "activation" else None
             operands = tuple(
-                kept(x, s, n, None if maker(x) is None else self.held_specs(maker(x))[x.index],
+                kept(x, s, n, None if maker(x) is None
+                     else x.read_of(self.held_specs(maker(x))[x.index]),
                      v.policy == "selective")
                 if n else Kept(0, 0, ())
                 for x, s, n in zip(op.inputs, v.operand_specs, v.operand_bytes))
@@ -449,7 +450,7 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
                 if (j, o) in stored:
                     src = self._stored_spec(stored[j, o])
                 elif x.kind == "activation" and x.source in index:
-                    src = self.held_specs(index[x.source])[x.index]
+                    src = x.read_of(self.held_specs(index[x.source])[x.index])
                 else:
                     continue
                 if not permute_free(auto(src), auto(self._dst(j, o)), self.mesh):

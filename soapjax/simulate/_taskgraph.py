@@ -546,11 +546,13 @@ class Layout:
         self.update_seg = {leaf: 2 * n + r for r, leaf in enumerate(params)}
         self.edge_name = [f"{ops[p].name} -> {ops[j].name}" for p, _, j, _ in self.edges]
         # Edges that carry the same producer output, in edge order (a value read by several
-        # operators): the forward resharding to one layout is done once for all of them.
-        by_output: dict[tuple[int, int], list[int]] = {}
-        for e, (p, k, _, _) in enumerate(self.edges):
-            by_output.setdefault((p, k), []).append(e)
-        self.siblings: list[list[int]] = [by_output[(p, k)] for p, k, _, _ in self.edges]
+        # operators): the forward resharding to one layout is done once for all of them (one
+        # layer's slice of a stacked value: the readers of that slice).
+        by_output: dict[tuple[int, int, tuple[int, ...]], list[int]] = {}
+        keys = [(p, k, ops[j].inputs[o].layer) for p, k, j, o in self.edges]
+        for e, key in enumerate(keys):
+            by_output.setdefault(key, []).append(e)
+        self.siblings: list[list[int]] = [by_output[key] for key in keys]
 
     def key(self, seg: int, slot: int, pos: int = 0) -> int:
         return (seg * self.slots + slot) * CHAIN + pos

@@ -107,7 +107,7 @@ def _incoming(graph: OpGraph, configs: list[Config], op: Operator) -> dict[int, 
     main = max(acts, key=lambda o: (any(d is not None and d >= n for d in o.dims),
                                     len(o.shape) and o.nbytes))
     p = graph.index(main.source)
-    spec = configs[p].operand_axes(graph.operators[p].outputs[main.index].dims)
+    spec = configs[p].operand_axes(main.read_of(graph.operators[p].outputs[main.index].dims))
     for axes, d in zip(spec, main.dims):
         if d is not None and axes:
             out.setdefault(d, []).extend(axes)

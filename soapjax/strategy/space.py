@@ -463,7 +463,7 @@ def spatial_convolution(graph: OpGraph, strategy: Strategy) -> tuple[str, str] |
             if operand.kind != "activation":
                 continue
             i = position[operand.source]
-            produced = graph.operators[i].outputs[operand.index].dims
+            produced = operand.read_of(graph.operators[i].outputs[operand.index].dims)
             for j, (it, src) in enumerate(zip(operand.dims, produced)):
                 axes = strategy.configs[i].axes[src] if src is not None else ()
                 if axes and (it is None or it in op.halo_dims):
