@@ -250,3 +250,24 @@ def test_a_layers_slice_of_a_merged_stack_reads_the_operator_that_made_it():
     assert r.predicted_collective_bytes == pytest.approx(r.hlo_collective_bytes, rel=0.10)
     assert_delta_equals_full(g, topo, baselines.megatron(g, MeshShape.of(topo), ("model",)),
                              moves=20, optimizer=w.optimizer)
+
+
+def test_the_analytic_backward_of_a_frozen_matmul_is_its_input_gradient_alone():
+    """The analytic and GPU kernel models price a matmul's backward as its two transposes;
+    a frozen weight's (a LoRA's ``k_proj``) is the input gradient alone, half; the adapted
+    ``q_proj`` reads the merged weight, both halves (`soapjax.cost.roofline.backward_share`)."""
+    from soapjax.cost.operators import cost_model
+    from soapjax.cost.roofline import backward_share
+
+    loss_fn, params, batch, optimizer = _lora()
+    g = trace(loss_fn, params, batch, name="lora")
+    frozen = freeze(g, optimizer)
+    topo = load_topology("dgx-h100x8")
+    j = {name: frozen.index(f"layers_1/self_attn/{name}") for name in ("k_proj", "q_proj")}
+    assert backward_share(frozen, j["k_proj"]) == 0.5 == 1 - backward_share(g, j["k_proj"]) / 2
+    assert backward_share(frozen, j["q_proj"]) == 1.0
+    ones = (1,) * len(frozen.operators[j["k_proj"]].iteration_sizes)
+    half = cost_model(frozen, topo, mode="analytic").shard_time(j["k_proj"], ones)
+    whole = cost_model(g, topo, mode="analytic").shard_time(j["k_proj"], ones)
+    assert half.forward_s == whole.forward_s
+    assert half.backward_s == pytest.approx(whole.backward_s / 2)

@@ -70,6 +70,7 @@ from soapjax.cost.roofline import (
     ANALYTIC_KERNEL_OVERHEAD_S as ANALYTIC_KERNEL_OVERHEAD_S,
     OpTime as OpTime,
     analytic_op_time as analytic_op_time,
+    backward_share,
     compute_dtype as compute_dtype,
     roofline_time as roofline_time,
 )
@@ -334,6 +335,12 @@ class CostModel:
                            rules="primal")
 
     def _analytic(self, op_index: int, degrees: tuple[int, ...]) -> OpTime:
+        t = self._analytic_forward_and_backward(op_index, degrees)
+        share = backward_share(self.graph, op_index)  # (a frozen weight: no weight gradient)
+        return t if share == 1.0 else t._replace(backward_s=t.backward_s * share)
+
+    def _analytic_forward_and_backward(self, op_index: int, degrees: tuple[int, ...]
+                                       ) -> OpTime:
         if op_index not in self._dtypes:
             self._dtypes[op_index] = compute_dtype(self.graph, op_index)
         op, device = self.graph.operators[op_index], self.topology.device

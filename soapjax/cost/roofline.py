@@ -33,11 +33,12 @@ from jax.extend import core as jcore
 
 from soapjax.base._dtypes import is_float
 from soapjax.base.errors import TopologyError
+from soapjax.graph._cotangents import differentiated_operands
 from soapjax.graph.opgraph import Operator, OpGraph
 from soapjax.topology.cluster import DeviceSpec
 
-__all__ = ["ANALYTIC_KERNEL_OVERHEAD_S", "OpTime", "analytic_op_time", "compute_dtype",
-           "roofline_time"]
+__all__ = ["ANALYTIC_KERNEL_OVERHEAD_S", "OpTime", "analytic_op_time", "backward_share",
+           "compute_dtype", "roofline_time"]
 
 # A fixed cost per kernel in the analytic model: a launch on a GPU costs 2-5 us before any work;
 # a kernel that moves 4 bytes is not free. One forward is counted as one kernel, a backward as
@@ -155,6 +156,28 @@ def _find_anchor(eqns) -> Any:
             if found is not None:
                 return found
     return None
+
+
+def backward_share(graph: OpGraph, j: int) -> float:
+    """The part of operator `j`'s analytic backward (twice its forward: a matmul's input and
+    weight gradients) the step computes. Where the operator's matmul or convolution reads
+    parameters, its weight gradient is half and the gradient of what it reads beside them
+    the other half; a side nothing differentiates is left out (`soapjax.graph._cotangents`):
+    a frozen weight (`OpGraph.frozen`: a LoRA's base matmuls compute their input gradient
+    alone), or a first layer's batch input (its weight gradient alone). 1 otherwise."""
+    def share() -> float:
+        op = graph.operators[j]
+        local = graph.program.local.get(op.name)
+        if local is None or _find_anchor([graph.program.units[u].eqn
+                                          for u in local.units]) is None:
+            return 1.0
+        diff = differentiated_operands(graph, j)
+        params = [d for x, d in zip(op.inputs, diff) if x.kind == "param"]
+        rest = [d for x, d in zip(op.inputs, diff) if x.kind != "param"]
+        if not params or not any(diff):
+            return 1.0
+        return (any(params) + any(rest)) / 2
+    return graph.memo(("backward_share", j), share)
 
 
 def analytic_op_time(op: Operator, degrees: tuple[int, ...], device: DeviceSpec,
