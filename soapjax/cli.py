@@ -695,7 +695,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
           f"{format_bytes(r.memory_capacity_bytes)}: "
           f"{'fits' if r.fits_in_memory else 'DOES NOT FIT'} (params {format_bytes(m.params)}, "
           f"grads {format_bytes(m.grads)}, optimizer {format_bytes(m.opt_state)}, activations "
-          f"{format_bytes(m.activations)}, communication buffers {format_bytes(m.comm_buffers)})")
+          f"{format_bytes(m.activations)}, communication buffers {format_bytes(m.comm_buffers)}"
+          + (f", constants {format_bytes(m.constants)}" if m.constants else "") + ")")
     if args.trace:
         print(f"  trace      {args.trace} ({len(r.tasks)} tasks; open in https://ui.perfetto.dev)")
     if pictures:

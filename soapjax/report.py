@@ -136,7 +136,8 @@ def plan_report(graph: OpGraph, topology, strategy: Strategy, sim, *,
                  f"{format_bytes(sim.memory_capacity_bytes)} (parameters {format_bytes(m.params)}, "
                  f"gradients {format_bytes(m.grads)}, optimizer {format_bytes(m.opt_state)}, "
                  f"activations {format_bytes(m.activations)}, buffers "
-                 f"{format_bytes(m.comm_buffers)}); "
+                 f"{format_bytes(m.comm_buffers)}"
+                 + (f", constants {format_bytes(m.constants)}" if m.constants else "") + "); "
                  + (f"same on all {sim.num_devices} devices (SPMD)" if sim.pipeline is None
                     else "the fullest stage's (each stage's: the pipeline line)"))
     return "\n".join(lines)

@@ -271,3 +271,28 @@ def test_the_analytic_backward_of_a_frozen_matmul_is_its_input_gradient_alone():
     whole = cost_model(g, topo, mode="analytic").shard_time(j["k_proj"], ones)
     assert half.forward_s == whole.forward_s
     assert half.backward_s == pytest.approx(whole.backward_s / 2)
+
+
+def test_a_base_closed_over_by_the_loss_is_warned_of_and_counted_on_every_device(monkeypatch):
+    """LoRA written with the base captured by the loss's closure: the step embeds the base
+    as constants, whole on every device. The trace says so, with what to do (pass it as
+    frozen parameters), and the plan's memory counts it (it was left out: 3.6 kB of
+    parameters for a 91 kB model). (The warning's floor, 1 MiB, lowered for a tiny model.)"""
+    from soapjax.cost.operators import cost_model
+    from soapjax.graph import _constants
+
+    monkeypatch.setattr(_constants, "_CONSTANT_WARNING_BYTES", 0)
+
+    loss_fn, params, batch, _ = _lora()
+    base, lora = params["base"], params["lora"]
+    with pytest.warns(UserWarning, match=r"closes over .* no plan can split them.*"
+                                         r"optax.set_to_zero"):
+        g = trace(lambda lora, batch: loss_fn({"base": base, "lora": lora}, batch), lora,
+                  batch, name="lora_closure")
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(base))
+    assert g.constant_bytes >= nbytes
+    topo = load_topology("cpu8")
+    sim = simulate(g, topo, baselines.data_parallel(g, MeshShape.of(topo)),
+                   cost_model=cost_model(g, topo, mode="analytic"))
+    assert sim.memory.constants == g.constant_bytes
+    assert sim.memory.total >= nbytes + sum(x.nbytes for x in jax.tree.leaves(lora))

@@ -50,6 +50,7 @@ from jax.extend import core as jcore
 from soapjax.base._dtypes import is_key
 from soapjax.base.errors import TraceError
 from soapjax.graph import _dims
+from soapjax.graph._constants import constant_bytes, warn_of_constants
 from soapjax.graph._grouping import _Builder, module_of_param
 from soapjax.graph._ir import (
     LOOP_ANCHORS as LOOP_ANCHORS,
@@ -149,6 +150,13 @@ class OpGraph:
         leaves = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in self.params]
         return leaves if self.params_tree is None else jax.tree.unflatten(self.params_tree,
                                                                           leaves)
+
+    @property
+    def constant_bytes(self) -> int:
+        """Bytes of the arrays the traced function closes over (its jaxpr's constants: a
+        closed-over table, a base model's weights): the step holds them whole on every
+        device, and no plan splits them."""
+        return self.memo("constant_bytes", lambda: constant_bytes(self.program))
 
     def with_frozen(self, frozen: Sequence[bool]) -> OpGraph:
         """This graph with the parameter leaves flagged in `frozen` (one flag per leaf, in
@@ -498,6 +506,7 @@ def trace(fn: Callable, *example_args, params_argnums: int | Sequence[int] = 0,
             "soapjax's plan sets every layout, so the traced step leaves them out (they change "
             "no number); remove them, or keep them for your own runs", stacklevel=2)
     params, batch = _leaves(example_args, program, pnums, bnums)
+    warn_of_constants(program, params, fname)
     builder = _Builder(program, params, batch, name or fname)
     ops, unsupported = builder.build()
 

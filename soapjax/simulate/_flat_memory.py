@@ -133,4 +133,5 @@ class _MemoryAccounting:
         return MemoryBreakdown(params=p, grads=grads,
                                opt_state=round(owned * self.opt_state_factor),
                                activations=self._act + self._leaf_bytes,
-                               comm_buffers=max(self._buffer_counts, default=0))
+                               comm_buffers=max(self._buffer_counts, default=0),
+                               constants=self.graph.constant_bytes)

@@ -488,7 +488,7 @@ class FoldedStage:
     def memory_breakdown(self) -> MemoryBreakdown:
         small, large = (sim.memory_breakdown() for sim in self._sims)
         return MemoryBreakdown(*(round(self._linear(a, b)) for a, b in zip(small[:4], large[:4])),
-                               comm_buffers=large.comm_buffers)
+                               comm_buffers=large.comm_buffers, constants=large.constants)
 
     def result(self):
         raise PlanError("a folded stage simulation keeps no whole timeline; simulate the "

@@ -90,13 +90,15 @@ class Kept(NamedTuple):
 
 
 class MemoryBreakdown(NamedTuple):
-    """Bytes per device at the peak (the same on every device under SPMD)."""
+    """Bytes per device at the peak (the same on every device under SPMD); `constants`: the
+    arrays the loss closes over, whole on every device (`OpGraph.constant_bytes`)."""
 
     params: int
     grads: int
     opt_state: int
     activations: int
     comm_buffers: int
+    constants: int = 0
 
     @property
     def total(self) -> int:

@@ -833,7 +833,7 @@ class PipelinedSimulation:
                 grads=int(m.grads * share) + moves.padding,
                 opt_state=int(m.opt_state * share),
                 activations=int(one * timeline.held(s, ratio)),
-                comm_buffers=m.comm_buffers))
+                comm_buffers=m.comm_buffers, constants=m.constants))
         return tuple(out)
 
     def _stash_bytes(self) -> list[int]:
