@@ -66,12 +66,12 @@ from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
+from soapjax._nnx import pure_loss, trained_only
 from soapjax.apply._validation import validate_trainable
 from soapjax.apply.step import (
     ChunkOrdered,
@@ -280,15 +280,17 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
                    search: SearchSettings | None = None, costs: str = "auto",
                    opt_state: Any = None, name: str | None = None, donate: bool = True,
                    compiler_options: Mapping[str, Any] | None = None,
-                   verify: bool = False, has_aux: bool = False) -> ShardedTraining:
+                   verify: bool = False, has_aux: bool = False, wrt: Any = None
+                   ) -> ShardedTraining:
     """Traces the loss, applies a strategy, and places the training state on the mesh.
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar``; for an nnx model,
         ``loss_fn(model, batch) -> scalar``.
       params: the parameters (a pytree of arrays), or an `nnx.Module` whose `nnx.Param` state
-        is trained (its other state is held constant). `jax.ShapeDtypeStruct`s give the step
-        and shardings only (``params`` and ``opt_state`` are then None; initialise with
+        is trained (its other state is held constant; with `wrt`, the parameters it selects).
+        `jax.ShapeDtypeStruct`s give the step and shardings only (``params`` and
+        ``opt_state`` are then None; initialise with
         ``jax.jit(init, out_shardings=run.shardings.params)``).
       batch: an example batch (arrays or `jax.ShapeDtypeStruct`s); dim 0 is the batch.
       optimizer: the optax transformation.
@@ -318,6 +320,9 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
         has_aux=True)``: metrics, a linen model's updated ``batch_stats``); the step then
         returns ``(params, opt_state, (loss, aux))``, aux computed inside the sharded step,
         not differentiated. Plans keep one microbatch and no pipeline stages.
+      wrt: for an nnx model, the filter of the parameters to train, as ``nnx.Optimizer(model,
+        tx, wrt=nnx.LoRAParam)`` takes it: the others stay parameters (a plan may split
+        them), left as they are and no gradient computed for them (docs/apply.md).
 
     Returns:
       The `ShardedTraining`.
@@ -335,7 +340,9 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
         # the graph named as the plan's (`soapjax plan --model file.py:fn` names it after the
         # file): the operators outside any module take the graph's name
         name = strategy.model
-    loss_fn, params, name = _pure_loss(loss_fn, params, name)
+    if wrt is not None:
+        optimizer = trained_only(params, wrt, optimizer)
+    loss_fn, params, name = pure_loss(loss_fn, params, name)
     mesh, topology = _resolve_mesh(mesh)
     mesh_shape = MeshShape.of(topology) if topology is not None else None
     graph = freeze(trace(loss_fn, params, batch, name=name, has_aux=has_aux), optimizer)
@@ -504,24 +511,6 @@ def _check_not_donated(*trees: Any) -> None:
                     "earlier step and is gone; pass the params and opt_state the last step "
                     "returned (params, opt_state, loss = run.step(params, opt_state, batch)), "
                     "or shard_training(..., donate=False) to keep the inputs")
-
-
-def _pure_loss(loss_fn, params, name):
-    from flax import nnx
-
-    if not isinstance(params, nnx.Module):
-        return loss_fn, params, name
-    model = params
-    graphdef, trained, rest = nnx.split(model, nnx.Param, ...)
-
-    def loss(p, batch):
-        # A fresh copy of the other state (batch statistics, RNG streams) on every call: merged
-        # as it is, its Variables belong to the caller's trace level, and a model that applies
-        # nnx.scan or nnx.vmap inside (scan over layers) fails to trace with "Cannot extract
-        # graph node from different trace level".
-        return loss_fn(nnx.merge(graphdef, p, jax.tree.map(jnp.asarray, rest)), batch)
-
-    return loss, trained, name or type(model).__name__
 
 
 def _resolve_mesh(mesh) -> tuple[Mesh, Topology | None]:

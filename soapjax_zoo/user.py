@@ -53,9 +53,9 @@ import numpy as np
 import optax
 from flax import nnx
 
+from soapjax._nnx import pure_loss
 from soapjax.base.errors import WorkloadError
 from soapjax.cost.updates import optimizer_problem
-from soapjax.training import _pure_loss
 from soapjax_zoo.workload import Workload
 
 FORM = ("FILE.py:FUNCTION or package.module:FUNCTION, a function returning "
@@ -180,7 +180,7 @@ def _workload(spec: str, fn_name: str, out: Any, name: str) -> Workload:
         raise WorkloadError(f"--model {spec!r}: {fn_name}() returned {type(optimizer).__name__} "
                             "as the optimizer; expected an optax GradientTransformation")
     api = "nnx" if isinstance(params, nnx.Module) else "linen"
-    loss_fn, params, name = _pure_loss(loss_fn, params, name)
+    loss_fn, params, name = pure_loss(loss_fn, params, name)
     _check_leaves(spec, fn_name, "params", params)
     problem = optimizer_problem(optimizer, params)
     if problem:

@@ -26,7 +26,7 @@ PACKAGE = ROOT / "soapjax"
 
 # The root's modules, above every folder, lowest first.
 TOP: tuple[tuple[str, ...], ...] = (
-    ("_moved", "exactness", "training", "checkpoint", "check"),  # gradients against the
+    ("_moved", "exactness", "_nnx", "training", "checkpoint", "check"),  # gradients against the
     # unsharded step; the training helper and its checkpoints; a plan against the devices; the
     # old import paths
     ("report", "plot"),  # text, HTML and pictures
@@ -173,7 +173,8 @@ def test_every_module_has_a_test_file():
              "_validation": "apply", "_shardings": "apply", "_flatstep": "apply", "step": "apply",
              "_context_parallel": "flash_attention", "_manual": "expert_context_parallel",
              "_hlo_text": "hlo", "_hlo_flops": "hlo", "_moved": "architecture", "_paths": "cli",
-             "errors": "cli", "__init__": "notebook", "_constants": "frozen"}
+             "errors": "cli", "__init__": "notebook", "_constants": "frozen",
+             "_nnx": "training"}
     missing = [m for m in _modules() if not m.endswith(".__init__")
                and owner.get(_base(m), _base(m)) not in covered]
     assert not missing, f"no tests/test_<module>.py for {missing}"

@@ -311,12 +311,12 @@ def test_a_graph_that_draws_dropout_masks_keeps_one_microbatch():
     search never proposes them."""
     import corpus
 
+    from soapjax._nnx import pure_loss
     from soapjax.apply.step import validate_strategy
     from soapjax.strategy.memory import microbatch_choices, random_operator
-    from soapjax.training import _pure_loss
 
     loss_fn, model, batch = corpus.get("dropout_nnx", dtype=jnp.float32)
-    loss, params, _ = _pure_loss(loss_fn, model, "dropout_nnx")
+    loss, params, _ = pure_loss(loss_fn, model, "dropout_nnx")
     graph = trace(loss, params, batch)
     assert random_operator(graph) is not None and microbatch_choices(graph) == (1,)
     mesh = MeshShape.of(load_topology("cpu8"))

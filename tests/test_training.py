@@ -200,8 +200,8 @@ def test_each_step_draws_fresh_dropout_masks(name, random):
                                   strategy="data-parallel", donate=False)
     placed = run.shard_batch(batch)
     losses = [float(run.step(run.params, run.opt_state, placed)[2]) for _ in range(3)]
-    from soapjax.training import _pure_loss
-    pure, params, _ = _pure_loss(loss_fn, model, name)
+    from soapjax._nnx import pure_loss
+    pure, params, _ = pure_loss(loss_fn, model, name)
     assert losses[0] == pytest.approx(float(jax.jit(pure)(params, batch)), rel=1e-6)
     if random:
         assert len(set(losses)) == 3, losses
@@ -400,3 +400,64 @@ def test_a_plan_searched_here_says_what_xla_will_warn_of_and_what_was_estimated(
     assert training._plan_caveats({"best_from": "megatron", "reshardings_checked":
                                    {"finalists": [other]}}) == []
     assert training._plan_caveats({}) == []
+
+
+class _LoRAMLP:
+    """An nnx MLP whose hidden layers are `nnx.LoRALinear` (rank 2), as nnx users fine-tune."""
+
+    def __new__(cls, dtype):
+        from flax import nnx
+
+        class Net(nnx.Module):
+            def __init__(self, rngs):
+                self.fc1 = nnx.LoRALinear(16, 32, lora_rank=2, rngs=rngs, param_dtype=dtype)
+                self.fc2 = nnx.LoRALinear(32, 32, lora_rank=2, rngs=rngs, param_dtype=dtype)
+                self.head = nnx.Linear(32, 4, rngs=rngs, param_dtype=dtype)
+
+            def __call__(self, x):
+                return self.head(jax.nn.relu(self.fc2(jax.nn.relu(self.fc1(x)))))
+
+        return Net(nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("strategy", ["megatron", "fsdp"])
+def test_an_nnx_model_trains_only_what_wrt_selects(strategy):
+    """``wrt=nnx.LoRAParam``, as ``nnx.Optimizer(model, tx, wrt=...)`` takes it: the adapters
+    train, the base stays a parameter (split by the plan) the optimizer leaves as it is, no
+    gradient computed for it (the graph marks it frozen). In float64 on ``cpu8``, the first
+    step is verified against the unsharded one leaf by leaf (``verify=True``), and the base
+    is the same after a step (the adapters' ``lora_b`` moved; ``lora_a``, whose gradient is
+    zero while ``lora_b`` is, as nnx initialises it, stays too)."""
+    from flax import nnx
+
+    with jax.enable_x64(True):
+        model = _LoRAMLP(jnp.float64)
+        x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 16)))
+        batch = {"x": x, "y": jnp.tanh(x[:, :4])}
+
+        def loss_fn(model, batch):
+            return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+        run = training.shard_training(loss_fn, model, batch, optax.adam(1e-2), mesh="cpu8",
+                                      strategy=strategy, wrt=nnx.LoRAParam, verify=True)
+        params, _, _ = run.step(run.params, run.opt_state, run.shard_batch(batch))
+    frozen = set(run.graph.frozen)
+    assert frozen and all("lora" not in path for path in frozen)
+    assert len(frozen) == 6  # the kernels and biases of fc1, fc2 and the head
+    after = dict(nnx.to_flat_state(run.model_params(params)))
+    for path, old in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        same = np.array_equal(*(np.asarray(jax.tree.leaves(v)[0]) for v in (old, after[path])))
+        assert same != (path[-1] == "lora_b"), path
+
+
+def test_wrt_is_refused_for_a_pytree_and_for_a_filter_that_selects_nothing(mlp):
+    from flax import nnx
+
+    with pytest.raises(ArgumentError, match="optax.set_to_zero"):
+        training.shard_training(mlp.loss_fn, mlp.abstract_params(), mlp.abstract_batch(),
+                                optax.adam(1e-3), strategy="data-parallel", wrt=nnx.LoRAParam)
+    model = _LoRAMLP(jnp.float32)
+    with pytest.raises(ArgumentError, match="selects none"):
+        training.shard_training(lambda m, b: jnp.mean(m(b["x"])), model,
+                                {"x": jnp.ones((8, 16))}, optax.adam(1e-3),
+                                strategy="data-parallel", wrt=nnx.BatchStat)
