@@ -48,7 +48,7 @@ def test_grid_has_context_parallel_points_that_gather_keys_and_values(row):
     assert names["tp1 cp1 pp1 mb1 full"]["scores"] == 1 * 8 * 8 * 8 * 4
     assert names["tp1 cp2 pp1 mb1 full"]["scores"] == 1 * 8 * 4 * 8 * 4
     assert all(set(p["breakdown"]) == {"params", "grads", "opt_state", "activations",
-                                       "comm_buffers"} for p in names.values())
+                                       "comm_buffers", "constants"} for p in names.values())
 
 
 def test_searched_plan_fits_and_is_never_slower_than_the_grid(row):
