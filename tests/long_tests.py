@@ -329,4 +329,9 @@ LONG: dict[str, str] = {
     "tests/test_updates.py::test_the_simulator_prices_muons_gathers_as_xla_compiles_them"
     "[_muon_llama]": "[_muon_llama_decayed] (Muon's gradient gathered as priced, and the "
     "parameter its weight decay reads)",
+    "tests/test_apply.py::test_sharded_step_matches_unsharded[resnet101-searched]":
+        "a searched CNN plan applied exactly: [alexnet-searched] and [lenet-searched]; a residual "
+        "network's, the corpus ResNet-18's in tests/test_corpus.py (searched, float64)",
+    "tests/test_apply.py::test_sharded_step_matches_unsharded[nmt-searched]":
+        "a searched RNN plan applied exactly: [rnntc-searched] and [rnnlm-searched]",
 }
