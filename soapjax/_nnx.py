@@ -8,7 +8,8 @@ held constant) and returns ``loss(params, batch)``. Given ``wrt`` (an nnx filter
 are trained: the model's other `nnx.Param` variables (a LoRA's base) stay parameters, so a
 plan can split them, and the optimizer leaves them as they are (`optax.set_to_zero` under
 `optax.multi_transform`), so no gradient is computed for them
-(`soapjax.cost.updates.frozen_leaves`).
+(`soapjax.cost.updates.frozen_leaves`). An `nnx.Optimizer` in place of the optax
+transformation says both (`optax_of`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,19 @@ def pure_loss(loss_fn: Callable, params: Any, name: str | None) -> tuple[Callabl
         return loss_fn(nnx.merge(graphdef, p, jax.tree.map(jnp.asarray, rest)), batch)
 
     return loss, trained, name or type(model).__name__
+
+
+def optax_of(model: Any, optimizer: Any, wrt: Any = None) -> Any:
+    """The optax transformation to train `model` with: `optimizer` itself, restricted to
+    `wrt` where given (`trained_only`); an `nnx.Optimizer` (``nnx.Optimizer(model, tx,
+    wrt=nnx.LoRAParam)``, as nnx users build one) gives its ``tx`` and, unless `wrt` is
+    given, its ``wrt``. Anything else is returned as it is, for the caller to refuse."""
+    from flax import nnx
+
+    if isinstance(optimizer, nnx.Optimizer):
+        wrt = optimizer.wrt if wrt is None and optimizer.wrt is not nnx.Param else wrt
+        optimizer = optimizer.tx
+    return optimizer if wrt is None else trained_only(model, wrt, optimizer)
 
 
 def trained_only(model: Any, wrt: Any, optimizer: optax.GradientTransformation

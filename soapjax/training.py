@@ -71,7 +71,7 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from soapjax._nnx import pure_loss, trained_only
+from soapjax._nnx import optax_of, pure_loss
 from soapjax.apply._validation import validate_trainable
 from soapjax.apply.step import (
     ChunkOrdered,
@@ -293,7 +293,8 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
         ``opt_state`` are then None; initialise with
         ``jax.jit(init, out_shardings=run.shardings.params)``).
       batch: an example batch (arrays or `jax.ShapeDtypeStruct`s); dim 0 is the batch.
-      optimizer: the optax transformation.
+      optimizer: the optax transformation (for an nnx model, an `nnx.Optimizer` too: its
+        ``tx`` and ``wrt``).
       mesh: a `jax.sharding.Mesh` (Auto axes), a `Topology`, or a topology name or path; a
         topology's mesh is built over ``jax.devices()`` (every process's devices).
       strategy: ``"plan"`` (default, as is None: search, or reuse the cached plan; module
@@ -333,6 +334,7 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
       TopologyError: the topology needs devices that are not attached.
       VerificationError: with ``verify=True``, the sharded step computes other numbers.
     """
+    optimizer = optax_of(params, optimizer, wrt)
     check_optimizer(optimizer, "shard_training")
     check_settings(search, SearchSettings, "shard_training", name="search")
     strategy = "plan" if strategy is None else strategy
@@ -340,8 +342,6 @@ def shard_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch:
         # the graph named as the plan's (`soapjax plan --model file.py:fn` names it after the
         # file): the operators outside any module take the graph's name
         name = strategy.model
-    if wrt is not None:
-        optimizer = trained_only(params, wrt, optimizer)
     loss_fn, params, name = pure_loss(loss_fn, params, name)
     mesh, topology = _resolve_mesh(mesh)
     mesh_shape = MeshShape.of(topology) if topology is not None else None

@@ -7,7 +7,9 @@ batch, optimizer)``:
 * ``params``: the parameters (arrays or `jax.ShapeDtypeStruct`s), or an `nnx.Module`, whose
   `nnx.Param` state is trained (as `soapjax.training.shard_training` does);
 * ``batch``: one example batch (arrays or `jax.ShapeDtypeStruct`s; dim 0 is the batch);
-* ``optimizer``: an optax transformation (default ``optax.adam(1e-3)``).
+* ``optimizer``: an optax transformation (default ``optax.adam(1e-3)``), or for an nnx model
+  an `nnx.Optimizer` (its ``tx``, and its ``wrt``: the parameters it trains, the others
+  frozen).
 
 A ten-line example, ``my_model.py``::
 
@@ -53,7 +55,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from soapjax._nnx import pure_loss
+from soapjax._nnx import optax_of, pure_loss
 from soapjax.base.errors import WorkloadError
 from soapjax.cost.updates import optimizer_problem
 from soapjax_zoo.workload import Workload
@@ -172,7 +174,7 @@ def _workload(spec: str, fn_name: str, out: Any, name: str) -> Workload:
         raise WorkloadError(f"--model {spec!r}: {fn_name}() must return (loss_fn, params or "
                             f"nnx.Module, batch[, optimizer]); it returned {found}")
     loss_fn, params, batch = out[:3]
-    optimizer = out[3] if len(out) == 4 else optax.adam(1e-3)
+    optimizer = optax_of(params, out[3]) if len(out) == 4 else optax.adam(1e-3)
     if not callable(loss_fn):
         raise WorkloadError(f"--model {spec!r}: {fn_name}() returned {type(loss_fn).__name__} "
                             "as loss_fn; expected a function loss_fn(params, batch) -> scalar")

@@ -5,6 +5,7 @@ with analytic costs and a proposal budget, so the searches are reproducible and 
 """
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -420,14 +421,15 @@ class _LoRAMLP:
         return Net(nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("strategy", ["megatron", "fsdp"])
-def test_an_nnx_model_trains_only_what_wrt_selects(strategy):
+@pytest.mark.parametrize("strategy, how", [("megatron", "wrt"), ("fsdp", "nnx.Optimizer")])
+def test_an_nnx_model_trains_only_what_wrt_selects(strategy, how):
     """``wrt=nnx.LoRAParam``, as ``nnx.Optimizer(model, tx, wrt=...)`` takes it: the adapters
     train, the base stays a parameter (split by the plan) the optimizer leaves as it is, no
     gradient computed for it (the graph marks it frozen). In float64 on ``cpu8``, the first
     step is verified against the unsharded one leaf by leaf (``verify=True``), and the base
     is the same after a step (the adapters' ``lora_b`` moved; ``lora_a``, whose gradient is
-    zero while ``lora_b`` is, as nnx initialises it, stays too)."""
+    zero while ``lora_b`` is, as nnx initialises it, stays too). An ``nnx.Optimizer(model,
+    tx, wrt=...)`` in place of the optax transformation says the same."""
     from flax import nnx
 
     with jax.enable_x64(True):
@@ -438,8 +440,11 @@ def test_an_nnx_model_trains_only_what_wrt_selects(strategy):
         def loss_fn(model, batch):
             return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
-        run = training.shard_training(loss_fn, model, batch, optax.adam(1e-2), mesh="cpu8",
-                                      strategy=strategy, wrt=nnx.LoRAParam, verify=True)
+        tx = optax.adam(1e-2)
+        kwargs = ({"wrt": nnx.LoRAParam} if how == "wrt" else
+                  {"optimizer": nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)})
+        run = training.shard_training(loss_fn, model, batch, **{"optimizer": tx, **kwargs},
+                                      mesh="cpu8", strategy=strategy, verify=True)
         params, _, _ = run.step(run.params, run.opt_state, run.shard_batch(batch))
     frozen = set(run.graph.frozen)
     assert frozen and all("lora" not in path for path in frozen)
@@ -461,3 +466,43 @@ def test_wrt_is_refused_for_a_pytree_and_for_a_filter_that_selects_nothing(mlp):
         training.shard_training(lambda m, b: jnp.mean(m(b["x"])), model,
                                 {"x": jnp.ones((8, 16))}, optax.adam(1e-3),
                                 strategy="data-parallel", wrt=nnx.BatchStat)
+
+
+LORA_FILE = '''
+import jax, jax.numpy as jnp, optax
+from flax import nnx
+
+class Net(nnx.Module):
+    def __init__(self, rngs):
+        self.fc1 = nnx.LoRALinear(16, 32, lora_rank=2, rngs=rngs)
+        self.head = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(jax.nn.relu(self.fc1(x)))
+
+def make():
+    model = Net(nnx.Rngs(0))
+    loss_fn = lambda model, batch: jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+    batch = {"x": jnp.ones((8, 16)), "y": jnp.zeros((8, 4))}
+    return loss_fn, model, batch, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.LoRAParam)
+'''
+
+
+def test_a_users_file_returning_an_nnx_optimizer_plans_its_wrt_alone(tmp_path, capsys):
+    """``--model file.py:make`` returning an ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)``
+    as its optimizer: the adapters train, the base is planned frozen."""
+    from soapjax import cli
+    from soapjax.cost.updates import frozen_leaves
+    from soapjax_zoo.user import load
+
+    path = tmp_path / "lora_user.py"
+    path.write_text(LORA_FILE)
+    w = load(f"{path}:make")
+    assert frozen_leaves(w.optimizer, w.abstract_params()) == (
+        True, True, False, False, True, True)  # fc1's bias, kernel, lora a, b; the head's
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", "--model", f"{path}:make", "--mesh", "cpu8", "--costs",
+                     "analytic", "--proposals", "20", "--out", str(out)]) == 0
+    # the adapters' gradients alone (lora_a [16, 2], lora_b [2, 32]: 384 B, split or not)
+    grads = re.search(r"gradients ([\d.]+) (k?B)", capsys.readouterr().out)
+    assert grads.group(2) == "B" and float(grads.group(1)) <= 384
