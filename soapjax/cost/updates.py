@@ -231,8 +231,9 @@ def frozen_leaves(optimizer: Any, params: Any) -> tuple[bool, ...]:
 def freeze(graph: OpGraph, optimizer: Any) -> OpGraph:
     """`graph` with the parameters `optimizer` freezes marked (`frozen_leaves`,
     `OpGraph.with_frozen`); `graph` itself where it freezes none or is None. What the command
-    line, `soapjax check` and `soapjax.training.shard_training` trace a model's graph with, so
-    its plans are priced and keyed (the fingerprint names the frozen leaves) as it trains."""
+    line, `soapjax check`, `soapjax.training.shard_training` and `find_plan` plan a model's
+    graph with, so its plans are priced as it trains (the fingerprint is the same; the plan
+    cache's key names the frozen leaves: `update_signature`)."""
     if optimizer is None or not graph.params:
         return graph
     return graph.with_frozen(frozen_leaves(optimizer, graph.abstract_params()))

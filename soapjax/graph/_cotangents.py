@@ -50,7 +50,8 @@ def trained_values(graph: OpGraph) -> frozenset[int]:
         prog = graph.program
         if not graph.frozen:
             return frozenset(prog.param_like)
-        frozen = {leaf.value for leaf in graph.params if leaf.path in set(graph.frozen)}
+        paths = set(graph.frozen)
+        frozen = {leaf.value for leaf in graph.params if leaf.path in paths}
         return frozenset(v for v in prog.param_like
                          if v not in frozen and prog.slice_of.get(v, (v,))[0] not in frozen)
     return graph.memo("trained_values", find)

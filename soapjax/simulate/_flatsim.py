@@ -263,8 +263,9 @@ class Simulation(_Proposals, _TaskBuilding, _LeafBuilding, _AttentionPricing,
         self._update_whole = _update_whole(graph, getattr(cost_model, "update_whole", None),
                                            getattr(cost_model, "update_reads", ()))
         # the parameter operands (slices included) the step does not train (`OpGraph.frozen`)
+        frozen = set(graph.frozen)
         self._frozen = frozenset(x.source for op in graph.operators for x in op.inputs
-                                 if x.kind == "param" and x.leaf_path in set(graph.frozen))
+                                 if x.kind == "param" and x.leaf_path in frozen)
         sharing = topology.compute  # devices sharing the host's cores (`[compute]`)
         self._stretch = sharing.stretch(topology.num_devices) if sharing else 1.0
         self._kernel_overhead = sharing.kernel_overhead if sharing else 0.0
