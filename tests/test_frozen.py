@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 from conftest import assert_delta_equals_full
-from test_updates import _step_is_exact
+from test_updates import _runs_as_priced, _step_is_exact
 
 from soapjax.cost.updates import freeze, frozen_leaves, update_signature
 from soapjax.graph._cotangents import has_backward
@@ -139,21 +139,9 @@ def test_check_of_a_lora_plan_counts_what_xla_computes():
     the base was known frozen, the prediction counted its weight gradients and their
     synchronisation: bytes 1.379 and FLOPs 1.292 of XLA's (data parallel: 7.383 and 1.364;
     docs/checks.md)."""
-    from soapjax.check import compare_on_devices
-    from soapjax.strategy.plan import Plan
-    from soapjax_zoo.user import load
-
-    topo = load_topology("cpu8")
-    w = load(f"{__name__}:_lora_loader")
-    g = freeze(trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name),
-               w.optimizer)
-    strategy = baselines.megatron(g, MeshShape.of(topo), ("model",))
-    r = compare_on_devices(Plan.make(g, topo, strategy), w, repeats=1, costs="analytic",
-                           reshard="xla")
-    assert r.max_abs_diff < 1e-5
-    assert r.predicted_collective_bytes == pytest.approx(r.hlo_collective_bytes, rel=0.10)
-    assert r.predicted_flops == pytest.approx(r.hlo_flops, rel=0.10)
-    assert_delta_equals_full(g, topo, strategy, moves=20, optimizer=w.optimizer)
+    _runs_as_priced("_lora_loader", load_topology("cpu8"),
+                    lambda g, topo: baselines.megatron(g, MeshShape.of(topo), ("model",)),
+                    module=__name__)
 
 
 def _gpt_attention_frozen():

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec
 
 from soapjax.cost.updates import (
     DEFAULT_UPDATE_PASSES,
+    freeze,
     optimizer_problem,
     update_passes,
     update_reductions,
@@ -232,16 +233,18 @@ def test_the_simulator_prices_muons_gathers_as_xla_compiles_them(loader):
                     lambda g, topo: baselines.megatron(g, MeshShape.of(topo), ("model",)))
 
 
-def _runs_as_priced(loader, topo, make_strategy):
-    """`check` of the strategy on the model `loader` returns: the step XLA compiles computes
-    the unsharded one, its collective bytes and FLOPs are the prediction's within 10 %, and
-    delta simulation equals full."""
+def _runs_as_priced(loader, topo, make_strategy, module=__name__):
+    """`check` of the strategy on the model `loader` (a function of `module`) returns: the
+    step XLA compiles computes the unsharded one, its collective bytes and FLOPs are the
+    prediction's within 10 %, and delta simulation equals full (the graph as `check` plans
+    it: the parameters its optimizer freezes marked)."""
     from soapjax.check import compare_on_devices
     from soapjax.strategy.plan import Plan
     from soapjax_zoo.user import load
 
-    w = load(f"{__name__}:{loader}")
-    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    w = load(f"{module}:{loader}")
+    g = freeze(trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name),
+               w.optimizer)
     strategy = make_strategy(g, topo)
     r = compare_on_devices(Plan.make(g, topo, strategy), w, repeats=1, costs="analytic",
                            reshard="xla")
