@@ -292,9 +292,13 @@ def _noise_note(gradients: GradientComparison) -> str:
     out = []
     if paths:
         shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
-        out.append(f"{len(paths)} parameter(s) whose true gradient is zero (rounding noise on "
-                   f"both sides, which one Adam step follows by its learning rate, either "
-                   f"way): {shown}")
+        what = ("whose true gradient is zero (float64: under float32's resolution of the "
+                "largest; rounding noise on both sides" if gradients.float64 else
+                "whose gradient is under the model-wide floor (zero, or too small to tell from "
+                "float32 rounding without a float64 run of the loss; rounding noise on both "
+                "sides")
+        out.append(f"{len(paths)} parameter(s) {what}, which one Adam step follows by its "
+                   f"learning rate, either way): {shown}")
     if open_:
         n = sum(int(e.unsettled.sum()) for e in open_)
         out.append(f"{n:,} element(s) of {len(open_)} other parameter(s) whose reference "

@@ -19,6 +19,16 @@ float64, 1e-3 in float32, 4e-2 in bfloat16 (10 of its ulps), 1e-2 in float16. A 
 whose true gradient is zero (`LeafError.noise`) is left out of the step's bar
 (`step_difference`): one step of Adam moves it by its learning rate, either way.
 
+The floor is one number for the whole model, so it also lifted the bar of a leaf whose gradient
+is real but small (a GRU's recurrent kernels, 1e-5 of the largest gradient): that leaf was
+held to a thousandth of the floor, and a gradient of it 30 % off passed. Where the unsharded
+step can be run in float64 (`float64_reference`: a float32 model whose loss computes every
+float in float64 once its parameters and batch are), the float32 gradients are held against
+the float64 ones instead, each leaf's floor its own: `_NOISE_TERMS` times what the unsharded
+float32 step itself is off by on that leaf (never above the model-wide floor), so a small
+real gradient is held to its own scale, and a leaf is noise only where its float64 gradient
+is below the float32 resolution of the largest one.
+
 `compare_gradients` compares two ``(loss, grads)`` and names the worst leaf with the operator
 that reads it; `first_step` runs the sharded step's loss and gradients
 (`soapjax.apply.step.sharded_value_and_grad`) and the unsharded ones of the user's own loss on one
@@ -28,14 +38,17 @@ device, and compares them. `soapjax check` and ``shard_training(..., verify=True
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
+import jax.extend  # noqa: F401  (jax.extend must be imported explicitly)
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.extend import core as jcore
 from jax.sharding import Mesh
 
 from soapjax.apply import step as apply
@@ -45,7 +58,8 @@ from soapjax.graph.opgraph import OpGraph
 from soapjax.strategy.space import MeshShape
 
 __all__ = ["NUMBERS_TOLERANCE", "TOLERANCE", "GradientComparison", "LeafError",
-           "VerificationError", "compare_gradients", "first_step", "narrowest_float",
+           "VerificationError", "compare_gradients", "first_step", "float64_reference",
+           "narrowest_float",
            "reading_operators", "reference_inputs", "reference_value_and_grad",
            "rounding_tolerance", "step_difference"]
 
@@ -111,6 +125,8 @@ class GradientComparison:
       aux: for a loss traced with ``has_aux=True``, one `LeafError` per leaf of what it
         returns beside the loss (its path prefixed ``aux``, no operator), each against its
         own scale as the gradients are.
+      float64: the gradients were held against the unsharded step's in float64, each leaf
+        with its own floor (module doc), rather than against its float32 gradients.
     """
 
     loss: float
@@ -119,6 +135,7 @@ class GradientComparison:
     leaves: tuple[LeafError, ...]
     tolerance: float
     aux: tuple[LeafError, ...] = ()
+    float64: bool = False
 
     @property
     def noise_leaves(self) -> tuple[int, ...]:
@@ -154,15 +171,16 @@ class GradientComparison:
         aux = max(self.aux, key=lambda e: e.error, default=None)
         if aux is not None:
             leaf += f"; worst aux value {aux.path} {aux.error:.3g} of its scale {aux.scale:.3g}"
+        against = " against float64" if self.float64 else ""
         return (f"{'PASS' if self.passed else 'FAIL'} gradients: loss {self.loss:.8g} against "
                 f"{self.reference_loss:.8g} (relative {self.loss_error:.3g}){leaf} (bar "
-                f"{self.tolerance:g}, relative per leaf)")
+                f"{self.tolerance:g}, relative per leaf{against})")
 
     def to_json(self) -> dict[str, Any]:
         worst = self.worst
         return {"loss": self.loss, "reference_loss": self.reference_loss,
                 "loss_error": self.loss_error, "tolerance": self.tolerance,
-                "passed": self.passed, "max_error": self.max_error,
+                "passed": self.passed, "max_error": self.max_error, "float64": self.float64,
                 "worst": worst.to_json() if worst else None,
                 "leaves": [e.to_json() for e in self.leaves],
                 "aux": [e.to_json() for e in self.aux]}
@@ -192,7 +210,7 @@ def rounding_tolerance(graph: OpGraph) -> float:
 def compare_gradients(loss: Any, grads: Any, reference_loss: Any, reference_grads: Any, *,
                       tolerance: float, operators: Sequence[str] | None = None,
                       computed_in: str | None = None, aux: Any = None,
-                      reference_aux: Any = None) -> GradientComparison:
+                      reference_aux: Any = None, truth: Any = None) -> GradientComparison:
     """Each gradient leaf's error relative to its own scale (module doc), and the loss's.
 
     Args:
@@ -205,6 +223,9 @@ def compare_gradients(loss: Any, grads: Any, reference_loss: Any, reference_grad
         floor (`narrowest_float`; default: the coarsest of the two trees' leaf types).
       aux, reference_aux: what a loss traced with ``has_aux=True`` returns beside the loss,
         sharded and unsharded (`GradientComparison.aux`); None without.
+      truth: the unsharded gradients computed in float64 (`float64_reference`), of the same
+        structure: the sharded ones are held against them, each leaf with a floor of its own
+        (module doc); None: against `reference_grads`, one floor for all.
 
     Raises:
       ValueError: the two gradient pytrees differ in structure or in a leaf's shape.
@@ -228,9 +249,12 @@ def compare_gradients(loss: Any, grads: Any, reference_loss: Any, reference_grad
                   if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)}
         eps = max((float(jnp.finfo(d).eps) for d in dtypes),
                   default=float(jnp.finfo(jnp.float32).eps))
-    floor = max(scales, default=0.0) * min(1.0, _NOISE_TERMS * eps / tolerance)
+    floors, want = _floors(want, scales, eps, tolerance, truth)
+    if truth is not None:
+        scales = [float(np.nanmax(np.abs(w), initial=0.0)) for w in want]
     leaves = []
-    for k, ((path, _), g, w, scale) in enumerate(zip(want_leaves, got, want, scales)):
+    for k, ((path, _), g, w, scale, floor) in enumerate(zip(want_leaves, got, want, scales,
+                                                            floors)):
         diff = _max_diff(g, w)
         denom = max(scale, floor) or 1.0
         near = np.abs(np.nan_to_num(_wide(w))) <= tolerance * denom
@@ -243,7 +267,36 @@ def compare_gradients(loss: Any, grads: Any, reference_loss: Any, reference_grad
     if math.isnan(loss_v) != math.isnan(ref_v):
         loss_error = math.inf
     return GradientComparison(loss_v, ref_v, loss_error, tuple(leaves), tolerance,
-                              _aux_errors(aux, reference_aux))
+                              _aux_errors(aux, reference_aux), float64=truth is not None)
+
+
+def _floors(want: list[np.ndarray], scales: list[float], eps: float, tolerance: float,
+            truth: Any) -> tuple[list[float], list[np.ndarray]]:
+    """Each leaf's floor, and what the sharded gradients are held against (module doc).
+
+    Without `truth`: one floor, the largest gradient times ``_NOISE_TERMS * eps / tolerance``,
+    and the float32 reference. With it (float64 gradients): the float64 ones, and per leaf
+    ``_NOISE_TERMS`` times what the float32 reference is off by there (at least an `eps` of
+    the leaf's own scale) over `tolerance`, never above the model-wide floor; a leaf whose
+    float64 gradient is below `eps` of the largest one keeps the model-wide floor (its true
+    gradient is zero at this precision, and both sides hold rounding noise)."""
+    floor = max(scales, default=0.0) * min(1.0, _NOISE_TERMS * eps / tolerance)
+    if truth is None:
+        return [floor] * len(want), want
+    exact = [_host(x) for x in jax.tree.leaves(truth)]
+    if len(exact) != len(want) or any(t.shape != w.shape for t, w in zip(exact, want)):
+        raise ValueError("the float64 gradients' leaves are not the reference's")
+    sizes = [float(np.nanmax(np.abs(t), initial=0.0)) for t in exact]
+    zero = max(sizes, default=0.0) * eps
+    floor = max(sizes, default=0.0) * min(1.0, _NOISE_TERMS * eps / tolerance)
+    floors = []
+    for t, w, size in zip(exact, want, sizes):
+        if size <= zero:
+            floors.append(floor)
+            continue
+        off = max(_max_diff(_wide(w), _wide(t)), eps * size)
+        floors.append(min(floor, _NOISE_TERMS * off / tolerance))
+    return floors, exact
 
 
 def _aux_errors(aux: Any, reference: Any) -> tuple[LeafError, ...]:
@@ -271,11 +324,14 @@ def first_step(graph: OpGraph, strategy: Any, mesh: Mesh, loss_fn: Callable[[Any
                ) -> GradientComparison:
     """The strategy's sharded loss and gradients against the unsharded ones, on one batch.
 
-    The sharded side is `soapjax.apply.step.sharded_value_and_grad` of the traced graph on `mesh`;
-    the reference is ``jax.value_and_grad(loss_fn)`` of the user's own function, jitted, on
-    one device (`reference_inputs`: or the devices the user's own sharding constraints or
-    context mesh name): both the cost of one more compile each, and the memory of the whole
-    unsharded step on that device.
+    Where some leaf's gradient is under the model-wide floor (module doc), they are held
+    against the unsharded gradients in float64 where the loss runs so (`float64_reference`),
+    each leaf with its own floor. The sharded side is
+    `soapjax.apply.step.sharded_value_and_grad` of the traced graph on `mesh`; the reference
+    is ``jax.value_and_grad(loss_fn)`` of the user's own function, jitted, on one device
+    (`reference_inputs`: or the devices the user's own sharding constraints or context mesh
+    name): both the cost of one more compile each, and the memory of the whole unsharded step
+    on that device.
 
     Args:
       graph: the traced graph of ``loss_fn(params, batch)``.
@@ -300,11 +356,55 @@ def first_step(graph: OpGraph, strategy: Any, mesh: Mesh, loss_fn: Callable[[Any
     ref_loss, ref_grads = jax.jit(reference_value_and_grad(loss_fn, graph, strategy),
                                   compiler_options=options)(*reference_inputs((params, batch)))
     ref_loss, ref_aux = graph.loss_and_aux(ref_loss)
-    return compare_gradients(loss, grads, ref_loss, ref_grads,
-                             tolerance=rounding_tolerance(graph) if tolerance is None
-                             else tolerance, operators=reading_operators(graph),
-                             computed_in=narrowest_float(graph), aux=aux,
-                             reference_aux=ref_aux)
+    compare = functools.partial(compare_gradients, loss, grads, ref_loss, ref_grads,
+                                tolerance=rounding_tolerance(graph) if tolerance is None
+                                else tolerance, operators=reading_operators(graph),
+                                computed_in=narrowest_float(graph), aux=aux,
+                                reference_aux=ref_aux)
+    out = compare()
+    if not out.noise_leaves:  # every leaf is held to its own scale already
+        return out
+    exact = float64_reference(loss_fn, graph, strategy, params, batch)
+    return out if exact is None else compare(truth=exact)
+
+
+def float64_reference(loss_fn: Callable[[Any, Any], Any], graph: OpGraph, strategy: Any,
+                      params: Any, batch: Any) -> Any | None:
+    """The unsharded step's gradients computed in float64, for a float32 model: its float
+    parameters and batch cast to float64 and the loss run under ``jax.enable_x64`` on one
+    device (one more compile, and twice the unsharded step's memory). None where that is not
+    float64 throughout: the graph's gradients are not float32 (`narrowest_float`: a float64
+    model is its own truth; a bfloat16 one is not float32's), or some value of the loss is
+    still of a narrower float type (a dtype the model fixes, ``x.astype(jnp.float32)``), so
+    its float64 gradients would round as the float32 ones do."""
+    if narrowest_float(graph) != "float32":
+        return None
+    wide = functools.partial(jax.tree.map, lambda x: x.astype(np.float64)
+                             if jnp.issubdtype(x.dtype, jnp.floating) else x)
+    fn = reference_value_and_grad(loss_fn, graph, strategy)
+    with jax.enable_x64(True):
+        inputs = wide(jax.tree.map(_host, (params, batch)))
+        try:
+            jaxpr = jax.make_jaxpr(fn)(*inputs)
+        except Exception:  # noqa: BLE001  (a loss that will not run in float64 has no truth)
+            return None
+        if not _float64_throughout(jaxpr.jaxpr):
+            return None
+        _, grads = jax.jit(fn)(*reference_inputs(inputs))
+        return jax.tree.map(np.asarray, grads)
+
+
+def _float64_throughout(jaxpr: Any) -> bool:
+    """No value of `jaxpr` (sub-jaxprs included) is of a float type narrower than float64."""
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            dtype = getattr(v.aval, "dtype", None)
+            if dtype is not None and jnp.issubdtype(dtype, jnp.floating) \
+                    and jnp.dtype(dtype).itemsize < 8:
+                return False
+        if not all(_float64_throughout(sub) for sub in jcore.jaxprs_in_params(eqn.params)):
+            return False
+    return True
 
 
 def reference_inputs(tree: Any) -> Any:

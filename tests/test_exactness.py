@@ -1,7 +1,9 @@
 """soapjax.exactness: gradients leaf by leaf; the defects it exists to catch, each kept as a test.
 
 * `compare_gradients` on hand-made trees: a leaf scaled by a constant c has error |c - 1|, a
-  leaf whose true gradient is zero is held to the floor, NaNs fail, a NaN reference says so.
+  leaf whose true gradient is zero is held to the floor, NaNs fail, a NaN reference says so;
+  a float32 leaf whose gradient is real but under the floor is held to its own scale against
+  the float64 gradients (a millionth of the largest, 1.3x: it passed the floor).
 * **Grouped and depthwise convolutions** (float64, `cpu8`): XLA's SPMD partitioner computes a
   grouped convolution's kernel gradient multiplied by the size of the mesh axes its input is
   replicated over while its batch is split (4x for ``P('data')`` on ``data=2, model=4``; the
@@ -525,6 +527,91 @@ def test_verify_refuses_a_step_that_scales_one_gradient(monkeypatch):
             training.shard_training(loss, params, batch, optax.adam(1e-3), mesh="cpu8",
                                     strategy="data-parallel", verify=True,
                                     compiler_options=FAST)
+
+
+class _SmallFirstLayers(nn.Module):
+    """``first``'s and ``pre``'s gradients about 1e-6 of the head bias's (``mid``'s kernel is
+    tiny); ``pre``'s bias has none at all (the batch mean is taken out after it)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(32, name="pre")(x)
+        h = nn.tanh(nn.Dense(32, name="first")(h - h.mean(0, keepdims=True)))
+        h = nn.tanh(nn.Dense(32, kernel_init=nn.initializers.normal(1e-6), name="mid")(h))
+        return nn.Dense(8, name="head")(h)
+
+
+def _small_first_layers(dtype=None):
+    """The model's loss; with `dtype`, its input and logits cast to it whatever theirs."""
+    model = _SmallFirstLayers()
+    kx, ky, kp = jax.random.split(jax.random.key(3), 3)
+    batch = {"x": jax.random.normal(kx, (16, 24)), "y": jax.random.randint(ky, (16,), 0, 8)}
+    params = model.init(kp, batch["x"])
+
+    def loss_fn(params, batch):
+        logits = model.apply(params, batch["x"] if dtype is None
+                             else batch["x"].astype(dtype))
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(dtype or
+                                                                         logits.dtype),
+                                                               batch["y"]).mean()
+
+    return loss_fn, params, batch
+
+
+def test_a_small_real_gradient_scaled_by_a_third_fails_against_float64():
+    """The model-wide floor (the largest gradient x 30 eps / bar) held a leaf whose gradient
+    is real but a millionth of the largest to a thousandth of the floor: that gradient 1.3x
+    passed. Against the float64 gradients each leaf has its own floor, what the float32
+    unsharded step is off by there (x 30, over the bar): it fails by 0.3; the leaf whose
+    true gradient is zero keeps the model-wide floor."""
+    loss_fn, params, batch = _small_first_layers()
+    graph = trace(loss_fn, params, batch, name="small_first_layers")
+    loss, ref = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+    scales = {jax.tree_util.keystr(k): float(jnp.abs(g).max())
+              for k, g in jax.tree_util.tree_leaves_with_path(ref)}
+    assert scales["['params']['first']['kernel']"] < 1e-5 * max(scales.values())
+    got = jax.tree_util.tree_map_with_path(
+        lambda k, g: 1.3 * g if jax.tree_util.keystr(k) == "['params']['first']['kernel']"
+        else g, ref)
+    exact = exactness.float64_reference(loss_fn, graph, space.data_parallel(
+        graph, MeshShape(("data",), (1,))), params, batch)
+    assert exact is not None
+    kw = dict(tolerance=rounding_tolerance(graph), computed_in="float32")
+    assert compare_gradients(loss, got, loss, ref, **kw).passed  # the floor alone: passes
+    bad = compare_gradients(loss, got, loss, ref, truth=exact, **kw)
+    assert not bad.passed and bad.float64 and "against float64" in bad.describe()
+    assert bad.worst.path == "['params']['first']['kernel']"
+    assert bad.worst.error == pytest.approx(0.3, rel=1e-3)
+    ok = compare_gradients(loss, ref, loss, ref, truth=exact, **kw)
+    assert ok.passed and ok.max_error < 1e-5
+    assert [ok.leaves[k].path for k in ok.noise_leaves] == ["['params']['pre']['bias']"]
+
+
+def test_check_holds_small_gradients_of_a_megatron_step_to_their_own_scale(monkeypatch):
+    """`first_step` on ``cpu8`` under Megatron (the float32 step, sharded for real): the
+    small gradients pass against float64, each leaf but the zero one held to its own
+    scale; the same step with one of them 1.3x fails, naming it."""
+    loss_fn, params, batch = _small_first_layers()
+    graph = trace(loss_fn, params, batch, name="small_first_layers")
+    strategy = baselines(graph, TOPOLOGY)["megatron"]
+    run = lambda: first_step(graph, strategy, make_mesh(TOPOLOGY), loss_fn, params, batch,  # noqa: E731
+                             mesh_shape=MESH_SHAPE, compiler_options=FAST)
+    ok = run()
+    assert ok.passed and ok.float64, ok.describe()
+    assert [ok.leaves[k].path for k in ok.noise_leaves] == ["['params']['pre']['bias']"]
+    _scale_one_leaf(monkeypatch, "['params']['pre']['kernel']", 1.3)
+    bad = run()
+    assert not bad.passed and bad.worst.path == "['params']['pre']['kernel']", bad.describe()
+
+
+def test_a_loss_that_fixes_float32_somewhere_keeps_the_model_wide_floor():
+    """A loss with a value it computes in float32 whatever its inputs (``astype``) has no
+    float64 truth (its gradients would round as the float32 ones do): `float64_reference`
+    says so, and the comparison keeps the one floor."""
+    loss_fn, params, batch = _small_first_layers(jnp.float32)
+    graph = trace(loss_fn, params, batch, name="small_first_layers_f32")
+    assert exactness.float64_reference(loss_fn, graph, space.data_parallel(
+        graph, MeshShape(("data",), (1,))), params, batch) is None
 
 
 def test_a_layer_equation_dead_in_all_but_the_last_layer_stays_in_every_layer():
