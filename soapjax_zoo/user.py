@@ -31,9 +31,13 @@ A ten-line example, ``my_model.py``::
 
 The workload is named after the file or module (``my_model``), which is the traced graph's
 name and so part of its fingerprint. Where ``params`` or ``batch`` are `ShapeDtypeStruct`s,
-`Workload.init_params` and `Workload.make_batch` draw them (normal floats, zero integers), for
-`soapjax check`. Like uvicorn, the current directory is searched for ``package.module``; a file
-is run with its own folder on ``sys.path`` while it is imported.
+`Workload.init_params` and `Workload.make_batch` draw them for `soapjax check`: normal floats
+(parameters at 0.02), and integers uniform below what they index where the loss reads them
+only as indices (tokens, labels: `index_bounds`), else zeros. Pass the parameters themselves
+where their initialisation matters to the check (at 0.02 an attention is nearly uniform, and
+its queries' gradients under float32's resolution of the largest). Like uvicorn, the current
+directory is searched for ``package.module``; a file is run with its own folder on
+``sys.path`` while it is imported.
 """
 
 from __future__ import annotations
@@ -45,15 +49,17 @@ import importlib.util
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.extend  # noqa: F401  (jax.extend must be imported explicitly)
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.extend import core as jcore
 
 from soapjax._nnx import optax_of, pure_loss
 from soapjax.base.errors import WorkloadError
@@ -195,7 +201,8 @@ def _workload(spec: str, fn_name: str, out: Any, name: str) -> Workload:
                             f"batch); found sizes {sorted(sizes, key=str)}")
     return Workload(name=name, config="", api=api, family=None, description=spec,
                     batch_size=sizes.pop(), loss_fn=loss_fn, init_params=_filler(params, 0.02),
-                    make_batch=_filler(batch, 1.0), optimizer=optimizer,
+                    make_batch=_filler(batch, 1.0, index_bounds(loss_fn, params, batch)),
+                    optimizer=optimizer,
                     has_aux=_returns_aux(loss_fn, params, batch))
 
 
@@ -223,22 +230,130 @@ def _check_leaves(spec: str, fn_name: str, what: str, tree: Any) -> None:
                                 "jax.ShapeDtypeStruct")
 
 
-def _filler(tree: Any, scale: float) -> Callable[[jax.Array], Any]:
-    """``fn(rng)``: the tree itself where it holds arrays, else drawn values of its shapes."""
+def _filler(tree: Any, scale: float, bounds: Sequence[int | None] = ()
+            ) -> Callable[[jax.Array], Any]:
+    """``fn(rng)``: the tree itself where it holds arrays, else drawn values of its shapes:
+    floats normal times `scale`, integers uniform below their leaf's bound in `bounds` (leaf
+    order; `index_bounds`), else zeros."""
     if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree)):
         return lambda rng: tree
 
     def draw(rng: jax.Array) -> Any:
         leaves, treedef = jax.tree.flatten(tree)
         keys = jax.random.split(rng, len(leaves))
-        return jax.tree.unflatten(treedef, [_draw(k, x, scale) for k, x in zip(keys, leaves)])
+        limits = list(bounds) + [None] * (len(leaves) - len(bounds))
+        return jax.tree.unflatten(treedef, [_draw(k, x, scale, b)
+                                            for k, x, b in zip(keys, leaves, limits)])
 
     return draw
 
 
-def _draw(key: jax.Array, x: Any, scale: float) -> jax.Array:
+def _draw(key: jax.Array, x: Any, scale: float, bound: int | None = None) -> jax.Array:
     if not isinstance(x, jax.ShapeDtypeStruct):
         return x
     if jnp.issubdtype(x.dtype, jnp.floating):
         return (scale * jax.random.normal(key, x.shape)).astype(x.dtype)
+    if bound and jnp.issubdtype(x.dtype, jnp.integer):
+        return jax.random.randint(key, x.shape, 0, bound, x.dtype)
     return jnp.zeros(x.shape, x.dtype)
+
+
+# What an index may go through on its way to a gather and stay an index: shape moves, a
+# negative index's wrap-around (``where(i < 0, i + n, i)``), index vectors built by concatenation.
+_INDEX_MOVES = {"reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "slice",
+                "copy", "copy_p", "concatenate", "select_n", "add", "sub", "dynamic_slice",
+                "convert_element_type", "rev"}
+_COMPARES = {"eq", "ne", "lt", "le", "gt", "ge"}
+
+
+def index_bounds(loss_fn: Callable, params: Any, batch: Any) -> list[int | None]:
+    """Per batch leaf (``jax.tree.leaves`` order), the count an integer leaf's values may be
+    drawn below, where the loss reads it only as indices (the tokens an embedding gathers,
+    the labels a cross-entropy picks by ``take_along_axis`` or compares with a one-hot's
+    iota) and in comparisons: the smallest such count over its uses. None (draw zeros) for a
+    float leaf, or an integer one used otherwise (arithmetic, a cast to float, a carry).
+
+    Drawn tokens all zero make every position of a language model alike, so its attention's
+    query and key gradients are zero and `soapjax check` cannot see them split wrongly.
+
+    >>> import jax, jax.numpy as jnp
+    >>> table = jax.ShapeDtypeStruct((50, 4), jnp.float32)
+    >>> ids = jax.ShapeDtypeStruct((8, 3), jnp.int32)
+    >>> index_bounds(lambda p, b: p[b["ids"]].sum() * b["n"].sum(), table,
+    ...              {"ids": ids, "n": ids})
+    [50, None]
+    """
+    try:
+        closed = jax.make_jaxpr(loss_fn)(params, batch)
+    except Exception:  # noqa: BLE001  (tracing reports the user's error with its context)
+        return [None] * len(jax.tree.leaves(batch))
+    jaxpr = closed.jaxpr
+    ins = jaxpr.invars[len(jax.tree.leaves(params)):]
+    return [_bound(jaxpr, {v}) if jnp.issubdtype(x.dtype, jnp.integer) else None
+            for v, x in zip(ins, jax.tree.leaves(batch))]
+
+
+def _bound(jaxpr: Any, held: set) -> int | None:
+    """The smallest count the values of `held` (variables of `jaxpr`) index; None where one
+    of them is used other than as an index or in a comparison, or indexes nothing."""
+    found: list[int] = []
+    if not _uses(jaxpr, set(held), found):
+        return None
+    return min(found) if found and min(found) > 1 else None
+
+
+def _uses(jaxpr: Any, held: set, found: list[int]) -> bool:
+    """Walks `jaxpr`, adding to `held` what an index becomes and to `found` the counts it
+    indexes; False at a use that is not an index's (`_bound`)."""
+    for eqn in jaxpr.eqns:
+        used = [k for k, v in enumerate(eqn.invars) if not _literal(v) and v in held]
+        if not used:
+            continue
+        name = eqn.primitive.name
+        subs = _called(eqn)
+        if name in _COMPARES:  # a one-hot's ``eq`` with an iota: an index below its length
+            other = eqn.invars[1 - used[0]] if len(eqn.invars) == 2 else None
+            n = _iota_size(jaxpr, other) if name == "eq" else None
+            if n:
+                found.append(n)
+        elif name == "gather" and used == [1]:
+            dims = eqn.params["dimension_numbers"].start_index_map
+            shape, sizes = eqn.invars[0].aval.shape, eqn.params["slice_sizes"]
+            found.append(min(shape[d] - sizes[d] + 1 for d in dims))
+        elif name == "dynamic_slice" and 0 not in used:
+            continue  # start indices: clamped into range
+        elif name in _INDEX_MOVES and all(jnp.issubdtype(v.aval.dtype, jnp.integer)
+                                           for v in eqn.outvars):
+            held.update(eqn.outvars)
+        elif len(subs) == 1 and len(subs[0].invars) == len(eqn.invars) \
+                and len(subs[0].outvars) == len(eqn.outvars) and name != "while":
+            inner = {subs[0].invars[k] for k in used}
+            if not _uses(subs[0], inner, found):
+                return False
+            held.update(o for o, i in zip(eqn.outvars, subs[0].outvars) if i in inner)
+        else:
+            return False
+    return True
+
+
+def _called(eqn: Any) -> list:
+    return list(jcore.jaxprs_in_params(eqn.params))
+
+
+def _literal(v: Any) -> bool:
+    return isinstance(v, jcore.Literal)
+
+
+def _iota_size(jaxpr: Any, v: Any) -> int | None:
+    """The length of the iota `v` is (through broadcasts and shape moves), or None."""
+    while v is not None and not _literal(v):
+        eqn = next((e for e in jaxpr.eqns if v in e.outvars), None)
+        if eqn is None:
+            return None
+        if eqn.primitive.name == "iota":
+            return eqn.params["shape"][eqn.params["dimension"]]
+        if eqn.primitive.name not in ("broadcast_in_dim", "reshape", "convert_element_type",
+                                      "expand_dims"):
+            return None
+        v = eqn.invars[0]
+    return None

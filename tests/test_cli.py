@@ -136,6 +136,93 @@ def test_user_functions_that_return_the_wrong_thing(tmp_path, capsys, body):
     assert err.count("\n") == 1 and re.search(message, err), err
 
 
+# An attention LM without positions, its batch ShapeDtypeStructs: drawn tokens all zero made
+# every position alike, so its queries' and keys' gradients were zero and check could not see
+# them.
+ATTENTION_LM = textwrap.dedent('''\
+    import flax.linen as nn, jax, jax.numpy as jnp, optax
+
+    class LM(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            x = nn.Embed(64, 16, name="embed")(tokens)
+            q, k, v = (nn.Dense(16, name=n)(x) for n in "qkv")
+            s = jnp.einsum("btd,bsd->bts", q, k) / 4.0
+            x = x + jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((8, 8), bool)), s, -1e9)) @ v
+            return nn.Dense(64, name="head")(x)
+
+    def make_workload():
+        tokens = jax.ShapeDtypeStruct((8, 8), jnp.int32)
+        lengths = jax.ShapeDtypeStruct((8,), jnp.int32)
+        batch = {"tokens": tokens, "targets": tokens, "lengths": lengths}
+        params = LM().init(jax.random.key(0), jnp.zeros((8, 8), jnp.int32))
+        def loss_fn(params, batch):
+            ce = optax.softmax_cross_entropy_with_integer_labels(
+                LM().apply(params, batch["tokens"]), batch["targets"])
+            keep = jnp.arange(8) < 8 - batch["lengths"][:, None] % 2
+            return jnp.where(keep, ce, 0.0).sum() / keep.sum()
+        return loss_fn, params, batch
+    ''')
+
+
+def test_drawn_integers_are_indices_below_what_they_index():
+    """`index_bounds`: an integer the loss reads only as an index (an embedding's gather, a
+    label picked by ``take_along_axis``, a one-hot's ``eq`` with an iota) is drawn below
+    the smallest count it indexes; one used otherwise (``%``, a length) stays zeros."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from soapjax_zoo.user import index_bounds
+
+    table = jax.ShapeDtypeStruct((50, 4), jnp.float32)
+    ids = jax.ShapeDtypeStruct((8, 3), jnp.int32)
+
+    def loss_fn(p, b):
+        x = p[b["ids"]].sum(-1)  # [8, 3]
+        ce = optax.softmax_cross_entropy_with_integer_labels(x, b["labels"]).sum()
+        hot = jax.nn.one_hot(b["classes"], 7).sum()
+        return ce + hot + (jnp.arange(3) < b["n"][:, None] % 2).sum()
+
+    batch = {"ids": ids, "labels": jax.ShapeDtypeStruct((8,), jnp.int32),
+             "classes": jax.ShapeDtypeStruct((8,), jnp.int32),
+             "n": jax.ShapeDtypeStruct((8,), jnp.int32)}
+    assert index_bounds(loss_fn, table, batch) == [7, 50, 3, None]  # classes, ids, labels, n
+
+
+def test_check_of_an_attention_lm_from_shapes_sees_its_query_gradients(tmp_path):
+    """`soapjax check` of an attention LM whose batch is `jax.ShapeDtypeStruct`s: the tokens
+    are drawn over its vocabulary, so the queries' and keys' gradients are real (not left
+    out as zero: all four were with zero tokens), held to their own scale against float64,
+    and the Megatron plan passes."""
+    import jax
+
+    from soapjax_zoo.user import load
+
+    path = tmp_path / "attention_lm.py"
+    path.write_text(ATTENTION_LM)
+    w = load(f"{path}:make_workload")
+    batch = w.make_batch(jax.random.key(1))
+    assert int(batch["tokens"].max()) > 32 and int(batch["targets"].min()) >= 0
+    assert int(batch["targets"].max()) < 64 and not batch["lengths"].any()
+    from soapjax.check import compare_on_devices
+    from soapjax.graph.opgraph import trace
+    from soapjax.strategy import baselines
+    from soapjax.strategy.plan import Plan
+    from soapjax.strategy.space import MeshShape
+    from soapjax.topology.cluster import load_topology
+
+    topo = load_topology("cpu8")
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    r = compare_on_devices(Plan.make(g, topo, baselines.megatron(g, MeshShape.of(topo),
+                                                                   ("model",))),
+                           w, repeats=1, costs="analytic")
+    noise = [r.gradients.leaves[k].path for k in r.gradients.noise_leaves]
+    assert noise == ["['params']['k']['bias']"]  # a softmax cancels it: truly zero
+    assert r.gradients.float64
+    assert r.gradients.passed and r.verdict()[0], r.table()
+
+
 def test_user_code_that_cannot_be_found(user_file, tmp_path, capsys):
     cases = {
         f"{tmp_path}/missing.py:make_workload": f"no file '{tmp_path}/missing.py' (relative "
