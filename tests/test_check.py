@@ -403,6 +403,38 @@ def test_a_pipelined_checks_bytes_say_they_are_every_stages():
             "XLA 100, predicted 99 (ratio 0.990)") in piped.table()
 
 
+def test_a_pipelined_plans_layers_split_samples_the_batch_arrives_whole_over_once():
+    """Tiny GPT in 2 stages on ``node x data x model`` (1F1B, 2 microbatches), the layers
+    splitting their samples over ``data`` and ``model`` but the embedding the batch over
+    ``data`` alone (as a searched plan had it). The stages took only ``data`` as their data
+    groups (`soapjax.strategy.space.batch_axes` asked the batch leaves too), so ``model``
+    stayed automatic inside a stage and XLA all-reduced every layer's weight gradients over
+    it at each microbatch's backward, where the simulator priced one sum: predicted / XLA
+    bytes 0.594 on the searched plan, XLA's 318,672 bytes here. The data groups are the axes
+    the layers split their samples over now: one sum after the pipeline, as priced (82,120
+    bytes), and the numbers equal. The simulator still prices the loss's gather of the
+    logits over ``model`` (its config splits the batch over ``data`` alone), which the groups
+    skip, each computing its share: predicted / XLA 1.149 here, the searched plan 0.997."""
+    from pathlib import Path
+
+    from soapjax.check import compare_on_devices
+
+    w = zoo.get("gpt", "tiny")
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt")
+    topo = load_topology(str(Path(__file__).parent / "meshes" / "cpu8-nodes.toml"))
+    strategy = baselines.megatron_3d(g, topo, tp=1, pp=2, recompute="none",
+                                     microbatch_size=1)
+    strategy = strategy.replace(g.index("wte"), space.Config((("data",), (), ())))
+    strategy = strategy.replace(g.index("gpt"), space.Config(((), ("data",), ())))  # the loss
+    assert {s[0] for s in space.batch_specs(g, strategy).values()} == {("data",)}
+    assert space.batch_axes(g, strategy) == ("data", "model")
+    r = compare_on_devices(Plan.make(g, topo, strategy, model_config="tiny"), w, repeats=1,
+                           costs="analytic")
+    assert r.max_abs_diff < 1e-5 and r.gradients.passed, r.gradients.describe()
+    assert r.hlo_collective_bytes < 100_000
+    assert 1.0 <= r.predicted_collective_bytes / r.hlo_collective_bytes < 1.2
+
+
 def test_a_pipelined_plan_whose_layers_read_another_layout_than_the_prologue_checks(
         tmp_path, capsys):
     """Tiny GPT, Megatron TP4 in 2 stages (1F1B), with the position embedding splitting the

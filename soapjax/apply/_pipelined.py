@@ -34,7 +34,8 @@ runs unchanged over processes under `jax.distributed`. In it:
   gradients of the parameters read outside the layers are summed over the stages (one
   all-reduce of those, not of the activations handed to the stages, a whole batch's);
 * the layers run inside `jax.shard_map`, manual over ``stage`` and the data axes (those the
-  batch is split over, ``data_axes``): the other mesh axes stay automatic, so model sharding
+  layers split their samples over, ``data_axes``: `soapjax.strategy.space.batch_axes`, whether
+  or not the batch arrives split over them): the other mesh axes stay automatic, so model sharding
   still applies inside a stage, and each data group runs its own samples of each microbatch
   (below);
 * the epilogue runs on the last stage, as part of the last chunk: its forward adds the

@@ -726,32 +726,34 @@ def batch_specs(graph: OpGraph, strategy: Strategy) -> dict[str, Spec]:
 
 
 def batch_axes(graph: OpGraph, strategy: Strategy) -> tuple[str, ...]:
-    """The mesh axes `strategy` splits the batch's samples over: those of every batch leaf's
-    dim 0 (`batch_specs`), in the order they first appear, that every layer operator (one with
-    a `block_position`) splits its sample dim over too. Megatron's 3D strategy on stage x data
-    x model: ``("data",)``. A pipelined plan's stages take these axes as their data groups
-    (`soapjax.apply._pipelined`'s groups run every operator on their share of the samples), and
-    the simulator's guard against collective-permutes inside a stage leaves them out
+    """The mesh axes every layer operator (one with a `block_position`) of `strategy` splits
+    its sample dim over, in the first layer's order. Megatron's 3D strategy on stage x data x
+    model: ``("data",)``. A pipelined plan's stages take these axes as their data groups
+    (`soapjax.apply._pipelined`'s groups run every operator on their share of the samples, and
+    sum their gradients once, after the pipeline), and the simulator's guard against
+    collective-permutes inside a stage leaves them out
     (`soapjax.simulate.pipesim.PipelinedSimulation.stage_permutes`). An axis the layers do not
     split their samples over is not one the data groups may take: there the plan's own
     layouts hold. (A plan splitting the tokens over ``model`` at the embedding and the layers'
     features over ``model`` ran as data parallel over ``model`` inside the stages, its weights
-    gathered, where the simulator priced the plan: docs/checks.md.)"""
-    axes: dict[str, None] = {}
-    for spec in batch_specs(graph, strategy).values():
-        axes.update(dict.fromkeys(spec[0] if spec else ()))
+    gathered, where the simulator priced the plan: docs/checks.md.) An axis the layers split
+    their samples over is one, whether or not the batch arrives split over it: left automatic
+    inside a stage, XLA all-reduced the layers' gradients over it at every microbatch's
+    backward, where the simulator priced one sum (docs/checks.md)."""
     layers = graph.memo("layer_sample_dims", lambda: tuple(
         (j, d) for j, op in enumerate(graph.operators)
         if op.block_position and (d := sample_dim(op)) is not None))
     configs, seen = strategy.configs, set()
+    axes: dict[str, None] | None = None
     for j, d in layers:  # (tied layers repeat their splits: each distinct one read once)
         split = configs[j].axes[d]
         if split not in seen:
             seen.add(split)
-            axes = {a: None for a in axes if a in split}
+            axes = dict.fromkeys(split) if axes is None else {a: None for a in axes
+                                                               if a in split}
             if not axes:
                 break
-    return tuple(axes)
+    return tuple(axes or ())
 
 
 def _with_zero(spec: Spec, shape: Sequence[int], zero_axes: Sequence[str], mesh: MeshShape,
