@@ -435,26 +435,29 @@ def test_a_layout_change_xla_makes_by_permuting_tiles_is_refused_and_never_searc
         run_step(graph, moved, params, batch)
 
 
-def test_a_plan_whose_layers_keep_a_batch_axis_off_their_samples_is_refused_and_never_searched():
+def test_a_plan_whose_layers_keep_a_batch_axis_off_one_operators_samples_runs_in_groups():
     """Megatron's layout with each layer's second norm splitting its tokens over ``model``
-    and its samples over nothing: the layers no longer split their samples over ``data``,
-    so the stages' data groups do not take it (`soapjax.strategy.space.batch_axes`) and XLA
-    partitions over it inside the stages, where the norm's read gathers ``data`` and slices
-    ``model`` at once: a collective-permute. The guard once left out every axis the batch
-    arrives split over and named nothing here (16 of the 28 pipelined plans apply refused
-    in a fuzz run, docs/checks.md); it now leaves out the data groups' axes alone."""
-    _, params, batch, graph, _ = model_case("gpt", STAGES)
+    and its samples over nothing. The stages' data groups once took only the axes every
+    layer operator splits its samples over: none here, so XLA partitioned over ``data``
+    inside the stages, where the norm's read gathered ``data`` and sliced ``model`` at once
+    (a collective-permute: apply refused the plan, and the guard named the norms). The groups
+    take every axis some layer operator splits its samples over and none splits another dim
+    over (`soapjax.strategy.space.batch_axes`): ``data``, so the norm runs on its group's
+    samples, nothing moves across the group, the guard names nothing, and loss and every
+    gradient leaf equal the unsharded step's to 1e-12."""
+    _, params, batch, graph, (want_loss, want) = model_case("gpt", STAGES)
     base = megatron_3d(graph, TOPOLOGY, tp=2, pp=STAGES, microbatch_size=2, recompute="none")
     moved = dataclasses.replace(base, configs=tuple(
         Config(((), ("model",), ())) if op.name.endswith("ln_2") else c
         for op, c in zip(graph.operators, base.configs)))
-    assert batch_axes(graph, base) == ("data",) and batch_axes(graph, moved) == ()
+    assert batch_axes(graph, base) == ("data",) and batch_axes(graph, moved) == ("data",)
     stage = MeshShape.of(stage_topology(TOPOLOGY, STAGES))
     sim = PipelinedSimulation(graph, TOPOLOGY, cost_model(graph, TOPOLOGY, mode="analytic"),
                               Resharder(stage, mode="ideal"), moved)
-    assert {name for name, _ in sim.stage_permutes()} >= {"layers_0/ln_2", "layers_1/ln_2"}
-    with pytest.raises(PlanError, match="collective-permute inside the stage's own action"):
-        run_step(graph, moved, params, batch)
+    assert sim.stage_permutes() == ()
+    loss, grads, _, _ = run_step(graph, moved, params, batch)
+    assert relative_error(model_layout(grads), want) < 1e-12
+    assert abs(float(loss) - float(want_loss)) / abs(float(want_loss)) < 1e-12
 
 
 # --- what cannot run: refused before anything compiles ------------------------------------------

@@ -87,7 +87,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
@@ -111,6 +110,7 @@ from soapjax.simulate._pipe_cut import (
     weight_shares,
 )
 from soapjax.simulate._pipe_fold import MIN_LAYERS, FoldedStage, StageCosts, layer_fold, tied
+from soapjax.simulate._pipe_groups import as_run, group_axes
 from soapjax.simulate._simresult import (
     GRAD_SYNC,
     Kept,
@@ -132,7 +132,7 @@ from soapjax.strategy.pipeline import (
     stage_routes,
     time_schedule,
 )
-from soapjax.strategy.space import Config, MeshShape, Strategy, batch_axes
+from soapjax.strategy.space import Config, MeshShape, Strategy
 from soapjax.topology.cluster import Topology, stage_topology
 
 __all__ = ["LAYER_LAYOUTS", "PipelineResult", "PipelinedSimulation", "as_step_result",
@@ -187,12 +187,18 @@ class PipelinedSimulation:
         self._sum_memo: dict[int, float] = {}
         costs = StageCosts(cost_model, MeshShape.of(self.topology))
         layers = graph.memo("layer_fold", lambda: layer_fold(graph)) if fold else None
+        # the strategy as given (the search's view: `strategy`, `choice`), and as the stages'
+        # data groups run it (what the stage simulation prices: `_pipe_groups.as_run`)
+        self._first = first
+        self._user = _flat(strategy)
+        self._pending: Strategy | None = None
+        run = self._as_run(self._user)
         self._inner: Simulation | FoldedStage
         if layers is not None and layers.layers >= MIN_LAYERS and tied(graph, layers, strategy):
             self._inner = FoldedStage(graph, layers, self.topology, costs, resharder,
-                                      _flat(strategy), opt_state_factor=opt_state_factor)
+                                      run, opt_state_factor=opt_state_factor)
         else:
-            self._inner = Simulation(graph, self.topology, costs, resharder, _flat(strategy),
+            self._inner = Simulation(graph, self.topology, costs, resharder, run,
                                      opt_state_factor=opt_state_factor, pipeline_stage=True)
         self._layer_layout = layer_layout
         self._cut(strategy.pipeline)
@@ -315,7 +321,7 @@ class PipelinedSimulation:
 
     @property
     def strategy(self) -> Strategy:
-        return self._inner.strategy.with_pipeline(*self._pipeline)
+        return self._user.with_pipeline(*self._pipeline)
 
     @property
     def microbatches(self) -> int:
@@ -326,14 +332,15 @@ class PipelinedSimulation:
         return self._inner.mesh
 
     def choice(self, j: int) -> tuple[Config, str]:
-        return self._inner.choice(j)
+        return self._user.configs[j], self._user.recompute_of(j)
 
     def reset(self, strategy: Strategy) -> float:
         if strategy.pipeline != self._pipeline:
             raise PlanError("PipelinedSimulation.reset keeps the pipeline's stages, virtual "
                             "stages, schedule and stage layers; make a new PipelinedSimulation "
                             "to change them")
-        self._inner.reset(_flat(strategy))
+        self._user = _flat(strategy)
+        self._inner.reset(self._as_run(self._user))
         self._result = None
         return self.step_time()
 
@@ -341,8 +348,21 @@ class PipelinedSimulation:
         return self.propose_many([(i, config, recompute)])
 
     def propose_many(self, changes: Sequence[tuple[int, Config, str | None]]) -> float:
-        self._saved = self._result
-        self._inner.propose_many(changes)
+        """The changes, each operator from the first layer on run as the stages' data groups
+        run it (`_pipe_groups.as_run`): where a change moves the groups, the other stage
+        operators whose layouts they set change with it."""
+        user = self._user
+        for i, config, recompute in changes:
+            user = user.replace(i, config)
+            if recompute is not None:
+                user = user.with_recompute(i, recompute)
+        run, now = self._as_run(user), self._inner.strategy
+        changed = {i for i, _, _ in changes}
+        moved = [(i, run.configs[i], r) for i, _, r in changes]
+        moved += [(j, run.configs[j], None) for j in range(self._first, len(run.configs))
+                  if j not in changed and run.configs[j] != now.configs[j]]
+        self._saved, self._pending = self._result, user
+        self._inner.propose_many(moved)
         self._result = None
         return self.step_time()
 
@@ -352,18 +372,31 @@ class PipelinedSimulation:
         if strategy.pipeline != self._pipeline:
             raise PlanError("PipelinedSimulation.propose_strategy keeps the pipeline's stages, "
                             "virtual stages, schedule and stage layers")
-        self._saved = self._result
-        self._inner.propose_strategy(_flat(strategy))
+        self._saved, self._pending = self._result, _flat(strategy)
+        self._inner.propose_strategy(self._as_run(self._pending))
         self._result = None
         return self.step_time()
 
     def accept(self) -> None:
         self._inner.accept()
+        if self._pending is not None:
+            self._user, self._pending = self._pending, None
         self._saved = None
 
     def reject(self) -> None:
         self._inner.reject()
+        self._pending = None
         self._result, self._saved = self._saved, None
+
+    def _as_run(self, strategy: Strategy) -> Strategy:
+        """`strategy` (flat) as the stages' data groups run it (`_pipe_groups.as_run`)."""
+        return as_run(self.graph, strategy, self._groups(strategy), self._first,
+                      MeshShape.of(self.topology))
+
+    def _groups(self, strategy: Strategy) -> tuple[str, ...]:
+        """The axes the stages' data groups take under `strategy` (`_pipe_groups`)."""
+        return group_axes(self.graph, strategy, MeshShape.of(self.topology),
+                          strategy.microbatches)
 
     def step_time(self) -> float:
         return self.result().step_time_s
@@ -461,11 +494,7 @@ class PipelinedSimulation:
         # the batch's axes the layers split their samples over are the stages' data groups,
         # manual inside a stage, but where they do not divide a microbatch or the samples
         # interact other than by sums (`soapjax.apply._pipelined._data_groups`)
-        manual = batch_axes(graph, self._inner.strategy)
-        if (graph.sample_coupling and graph.sample_sums is None
-                or graph.batch_size // self._inner.microbatches
-                % math.prod(self.mesh.axis_size(a) for a in manual)):
-            manual = ()
+        manual = self._groups(self._user)
         out = list(self._inner.permuting_reads(reads, manual))
         # a dim the layers slice, pad or concatenate, split: apply gathers it whole for the
         # forward (`soapjax.apply._pipelined._run_in_stage`), and XLA moves the backward's

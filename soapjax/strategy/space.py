@@ -726,34 +726,41 @@ def batch_specs(graph: OpGraph, strategy: Strategy) -> dict[str, Spec]:
 
 
 def batch_axes(graph: OpGraph, strategy: Strategy) -> tuple[str, ...]:
-    """The mesh axes every layer operator (one with a `block_position`) of `strategy` splits
-    its sample dim over, in the first layer's order. Megatron's 3D strategy on stage x data x
-    model: ``("data",)``. A pipelined plan's stages take these axes as their data groups
-    (`soapjax.apply._pipelined`'s groups run every operator on their share of the samples, and
-    sum their gradients once, after the pipeline), and the simulator's guard against
+    """The mesh axes a pipelined plan's stages take as their data groups: those some layer
+    operator (one with a `block_position`) of `strategy` splits its sample dim over and no
+    layer operator splits another dim over, in the order they first appear. Megatron's 3D
+    strategy on stage x data x model: ``("data",)``. `soapjax.apply._pipelined`'s groups run
+    every operator of a stage on their share of the samples, manual in its `jax.shard_map`,
+    and sum their gradients once, after the pipeline; the simulator's guard against
     collective-permutes inside a stage leaves them out
-    (`soapjax.simulate.pipesim.PipelinedSimulation.stage_permutes`). An axis the layers do not
-    split their samples over is not one the data groups may take: there the plan's own
-    layouts hold. (A plan splitting the tokens over ``model`` at the embedding and the layers'
-    features over ``model`` ran as data parallel over ``model`` inside the stages, its weights
-    gathered, where the simulator priced the plan: docs/checks.md.) An axis the layers split
-    their samples over is one, whether or not the batch arrives split over it: left automatic
-    inside a stage, XLA all-reduced the layers' gradients over it at every microbatch's
-    backward, where the simulator priced one sum (docs/checks.md)."""
+    (`soapjax.simulate.pipesim.PipelinedSimulation.stage_permutes`).
+
+    An axis a layer operator splits another dim over (Megatron's features over ``model``)
+    is not one the groups may take: there the plan's own layouts hold. (A plan splitting the
+    tokens over ``model`` at the embedding and the layers' features over ``model`` ran as data
+    parallel over ``model`` inside the stages, its weights gathered, where the simulator
+    priced the plan: docs/checks.md.) An axis some layer operator splits its samples over is
+    one, whether or not the batch arrives split over it and whether or not every layer
+    operator splits its samples so: left automatic inside a stage, XLA all-reduced the layers'
+    gradients over it at every microbatch's backward, where the simulator priced one sum
+    (docs/checks.md); a layer operator the plan runs on all the samples runs on its group's
+    share, priced as the plan says (its compute and gathers: above what runs)."""
     layers = graph.memo("layer_sample_dims", lambda: tuple(
-        (j, d) for j, op in enumerate(graph.operators)
-        if op.block_position and (d := sample_dim(op)) is not None))
+        (j, sample_dim(op)) for j, op in enumerate(graph.operators) if op.block_position))
     configs, seen = strategy.configs, set()
-    axes: dict[str, None] | None = None
-    for j, d in layers:  # (tied layers repeat their splits: each distinct one read once)
-        split = configs[j].axes[d]
-        if split not in seen:
-            seen.add(split)
-            axes = dict.fromkeys(split) if axes is None else {a: None for a in axes
-                                                               if a in split}
-            if not axes:
-                break
-    return tuple(axes or ())
+    samples: dict[str, None] = {}
+    other: set[str] = set()
+    for j, d in layers:  # (tied layers repeat their configs: each distinct one read once)
+        axes = configs[j].axes
+        if axes in seen:
+            continue
+        seen.add(axes)
+        for k, split in enumerate(axes):
+            if k == d:
+                samples.update(dict.fromkeys(split))
+            else:
+                other.update(split)
+    return tuple(a for a in samples if a not in other)
 
 
 def _with_zero(spec: Spec, shape: Sequence[int], zero_axes: Sequence[str], mesh: MeshShape,

@@ -1,0 +1,68 @@
+"""A pipeline stage's data groups, and the configs its operators run with inside them.
+
+Apply runs a stage's operators (the layers, and the epilogue in the last stage) inside a
+`jax.shard_map` manual over the stage axis and the stage's *data groups*: the mesh axes the
+layers split their samples over (`soapjax.strategy.space.batch_axes`), where they divide a
+microbatch and the samples interact only through sums (`soapjax.apply._pipelined
+._data_groups`). Each group runs every one of those operators on its own share of the
+samples, whatever the operator's config says: a loss whose config splits the batch over
+``data`` alone runs on the group's share over ``data`` and ``model``, with no gather of the
+logits; a final norm whose config splits the sequence over ``data`` runs on the group's
+samples whole along the sequence. `as_run` is the strategy so: each stage operator with a
+sample dim has the group axes on that dim and on no other. `PipelinedSimulation` prices the
+stage with it, so what the simulator prices is what the step runs (docs/checks.md, "A
+pipeline's data groups").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from soapjax.graph.opgraph import OpGraph
+from soapjax.strategy.space import Config, MeshShape, Strategy, batch_axes, sample_dim
+
+__all__ = ["as_run", "group_axes"]
+
+
+def group_axes(graph: OpGraph, strategy: Strategy, mesh: MeshShape,
+               microbatches: int) -> tuple[str, ...]:
+    """The axes a stage's data groups take under `strategy` (module doc): `batch_axes`, but
+    none where the samples interact other than by sums, or the groups do not divide a
+    microbatch (apply then runs each stage on whole microbatches)."""
+    manual = batch_axes(graph, strategy)
+    if (graph.sample_coupling and graph.sample_sums is None
+            or graph.batch_size // microbatches % math.prod(mesh.axis_size(a) for a in manual)):
+        return ()
+    return manual
+
+
+def as_run(graph: OpGraph, strategy: Strategy, groups: tuple[str, ...], first: int,
+           mesh: MeshShape) -> Strategy:
+    """`strategy` (one stage's, flat) with each operator from `first` on (the first layer's:
+    the layers and the epilogue) that has a sample dim running as the `groups` run it: the
+    group axes on its sample dim (after the axes already there, kept) and on no other dim.
+    Operators without a sample dim, the prologue's, and one whose samples per device would
+    not divide into the strategy's microbatches so, keep their configs. The same strategy
+    where `groups` is empty or nothing changes."""
+    if not groups:
+        return strategy
+    wanted = set(groups)
+    configs = list(strategy.configs)
+    for j in range(first, len(configs)):
+        op = graph.operators[j]
+        d = sample_dim(op)
+        if d is None:
+            continue
+        axes = configs[j].axes
+        if wanted <= set(axes[d]) and not any(wanted & set(split)
+                                              for k, split in enumerate(axes) if k != d):
+            continue
+        run = [tuple(a for a in split if a not in wanted) for split in axes]
+        run[d] = tuple(a for a in axes[d] if a not in wanted) + groups
+        if op.iteration_sizes[d] % (mesh.degree(run[d]) * strategy.microbatches):
+            continue
+        configs[j] = Config(tuple(run))
+    if configs == list(strategy.configs):
+        return strategy
+    return dataclasses.replace(strategy, configs=tuple(configs))
