@@ -274,7 +274,10 @@ def index_bounds(loss_fn: Callable, params: Any, batch: Any) -> list[int | None]
     float leaf, or an integer one used otherwise (arithmetic, a cast to float, a carry).
 
     Drawn tokens all zero make every position of a language model alike, so its attention's
-    query and key gradients are zero and `soapjax check` cannot see them split wrongly.
+    query and key gradients are zero and `soapjax check` cannot see them split wrongly. An
+    index shifted by a sum (``i + n``: how ``jnp`` wraps a negative index) is taken for the
+    index it was: a loss that gathers at ``ids + 1`` may draw one past its table's end (a
+    gather then clamps or fills, as jax's gathers do); pass such a batch itself.
 
     >>> import jax, jax.numpy as jnp
     >>> table = jax.ShapeDtypeStruct((50, 4), jnp.float32)

@@ -744,7 +744,7 @@ def batch_axes(graph: OpGraph, strategy: Strategy) -> tuple[str, ...]:
     operator splits its samples so: left automatic inside a stage, XLA all-reduced the layers'
     gradients over it at every microbatch's backward, where the simulator priced one sum
     (docs/checks.md); a layer operator the plan runs on all the samples runs on its group's
-    share, priced as the plan says (its compute and gathers: above what runs)."""
+    share, and is priced so (`soapjax.simulate._pipe_groups.as_run`)."""
     layers = graph.memo("layer_sample_dims", lambda: tuple(
         (j, sample_dim(op)) for j, op in enumerate(graph.operators) if op.block_position))
     configs, seen = strategy.configs, set()
@@ -752,9 +752,9 @@ def batch_axes(graph: OpGraph, strategy: Strategy) -> tuple[str, ...]:
     other: set[str] = set()
     for j, d in layers:  # (tied layers repeat their configs: each distinct one read once)
         axes = configs[j].axes
-        if axes in seen:
+        if (axes, d) in seen:
             continue
-        seen.add(axes)
+        seen.add((axes, d))
         for k, split in enumerate(axes):
             if k == d:
                 samples.update(dict.fromkeys(split))
