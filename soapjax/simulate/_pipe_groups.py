@@ -22,7 +22,7 @@ import math
 from soapjax.graph.opgraph import OpGraph
 from soapjax.strategy.space import Config, MeshShape, Strategy, batch_axes, sample_dim
 
-__all__ = ["as_run", "group_axes"]
+__all__ = ["as_run", "group_axes", "run_config"]
 
 
 def group_axes(graph: OpGraph, strategy: Strategy, mesh: MeshShape,
@@ -40,29 +40,34 @@ def group_axes(graph: OpGraph, strategy: Strategy, mesh: MeshShape,
 def as_run(graph: OpGraph, strategy: Strategy, groups: tuple[str, ...], first: int,
            mesh: MeshShape) -> Strategy:
     """`strategy` (one stage's, flat) with each operator from `first` on (the first layer's:
-    the layers and the epilogue) that has a sample dim running as the `groups` run it: the
-    group axes on its sample dim (after the axes already there, kept) and on no other dim.
-    Operators without a sample dim, the prologue's, and one whose samples per device would
-    not divide into the strategy's microbatches so, keep their configs. The same strategy
+    the layers and the epilogue) run as the `groups` run it (`run_config`). The same strategy
     where `groups` is empty or nothing changes."""
     if not groups:
         return strategy
-    wanted = set(groups)
     configs = list(strategy.configs)
     for j in range(first, len(configs)):
-        op = graph.operators[j]
-        d = sample_dim(op)
-        if d is None:
-            continue
-        axes = configs[j].axes
-        if wanted <= set(axes[d]) and not any(wanted & set(split)
-                                              for k, split in enumerate(axes) if k != d):
-            continue
-        run = [tuple(a for a in split if a not in wanted) for split in axes]
-        run[d] = tuple(a for a in axes[d] if a not in wanted) + groups
-        if op.iteration_sizes[d] % (mesh.degree(run[d]) * strategy.microbatches):
-            continue
-        configs[j] = Config(tuple(run))
+        configs[j] = run_config(graph, j, configs[j], groups, mesh, strategy.microbatches)
     if configs == list(strategy.configs):
         return strategy
     return dataclasses.replace(strategy, configs=tuple(configs))
+
+
+def run_config(graph: OpGraph, j: int, config: Config, groups: tuple[str, ...],
+               mesh: MeshShape, microbatches: int) -> Config:
+    """Operator `j`'s `config` as the stages' data `groups` run it, for an operator of a stage
+    (module doc): the group axes on its sample dim (after the axes already there, kept) and
+    on no other dim. Unchanged for an operator without a sample dim, or one whose samples per
+    device would not divide into `microbatches` so."""
+    op = graph.operators[j]
+    d = sample_dim(op)
+    if d is None or not groups:
+        return config
+    wanted, axes = set(groups), config.axes
+    if wanted <= set(axes[d]) and not any(wanted & set(split)
+                                          for k, split in enumerate(axes) if k != d):
+        return config
+    run = [tuple(a for a in split if a not in wanted) for split in axes]
+    run[d] = tuple(a for a in axes[d] if a not in wanted) + groups
+    if op.iteration_sizes[d] % (mesh.degree(run[d]) * microbatches):
+        return config
+    return Config(tuple(run))

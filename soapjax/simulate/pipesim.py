@@ -110,7 +110,7 @@ from soapjax.simulate._pipe_cut import (
     weight_shares,
 )
 from soapjax.simulate._pipe_fold import MIN_LAYERS, FoldedStage, StageCosts, layer_fold, tied
-from soapjax.simulate._pipe_groups import as_run, group_axes
+from soapjax.simulate._pipe_groups import as_run, group_axes, run_config
 from soapjax.simulate._simresult import (
     GRAD_SYNC,
     Kept,
@@ -191,8 +191,9 @@ class PipelinedSimulation:
         # data groups run it (what the stage simulation prices: `_pipe_groups.as_run`)
         self._first = first
         self._user = _flat(strategy)
-        self._pending: Strategy | None = None
-        run = self._as_run(self._user)
+        self._groups_now = self._groups(self._user)
+        self._run = run = self._as_run(self._user)
+        self._pending: tuple[Strategy, Strategy, tuple[str, ...]] | None = None
         self._inner: Simulation | FoldedStage
         if layers is not None and layers.layers >= MIN_LAYERS and tied(graph, layers, strategy):
             self._inner = FoldedStage(graph, layers, self.topology, costs, resharder,
@@ -340,7 +341,10 @@ class PipelinedSimulation:
                             "stages, schedule and stage layers; make a new PipelinedSimulation "
                             "to change them")
         self._user = _flat(strategy)
-        self._inner.reset(self._as_run(self._user))
+        self._groups_now = self._groups(self._user)
+        self._run = self._as_run(self._user)
+        self._inner.reset(self._run)
+        self._pending = None
         self._result = None
         return self.step_time()
 
@@ -356,12 +360,24 @@ class PipelinedSimulation:
             user = user.replace(i, config)
             if recompute is not None:
                 user = user.with_recompute(i, recompute)
-        run, now = self._as_run(user), self._inner.strategy
+        ops, first = self.graph.operators, self._first
+        # the groups follow the layers' configs alone
+        groups = (self._groups(user) if any(ops[i].block_position for i, _, _ in changes)
+                  else self._groups_now)
+        if groups == self._groups_now:  # the changed operators alone move
+            configs = list(self._run.configs)
+            for i, config, _ in changes:
+                configs[i] = config if i < first else run_config(
+                    self.graph, i, config, groups, self.mesh, user.microbatches)
+            run = dataclasses.replace(user, configs=tuple(configs))
+        else:
+            run = self._as_run(user, groups)
         changed = {i for i, _, _ in changes}
         moved = [(i, run.configs[i], r) for i, _, r in changes]
-        moved += [(j, run.configs[j], None) for j in range(self._first, len(run.configs))
-                  if j not in changed and run.configs[j] != now.configs[j]]
-        self._saved, self._pending = self._result, user
+        if groups != self._groups_now:
+            moved += [(j, run.configs[j], None) for j in range(first, len(run.configs))
+                      if j not in changed and run.configs[j] != self._run.configs[j]]
+        self._saved, self._pending = self._result, (user, run, groups)
         self._inner.propose_many(moved)
         self._result = None
         return self.step_time()
@@ -372,15 +388,19 @@ class PipelinedSimulation:
         if strategy.pipeline != self._pipeline:
             raise PlanError("PipelinedSimulation.propose_strategy keeps the pipeline's stages, "
                             "virtual stages, schedule and stage layers")
-        self._saved, self._pending = self._result, _flat(strategy)
-        self._inner.propose_strategy(self._as_run(self._pending))
+        user = _flat(strategy)
+        groups = self._groups(user)
+        run = self._as_run(user, groups)
+        self._saved, self._pending = self._result, (user, run, groups)
+        self._inner.propose_strategy(run)
         self._result = None
         return self.step_time()
 
     def accept(self) -> None:
         self._inner.accept()
         if self._pending is not None:
-            self._user, self._pending = self._pending, None
+            self._user, self._run, self._groups_now = self._pending
+            self._pending = None
         self._saved = None
 
     def reject(self) -> None:
@@ -388,10 +408,11 @@ class PipelinedSimulation:
         self._pending = None
         self._result, self._saved = self._saved, None
 
-    def _as_run(self, strategy: Strategy) -> Strategy:
-        """`strategy` (flat) as the stages' data groups run it (`_pipe_groups.as_run`)."""
-        return as_run(self.graph, strategy, self._groups(strategy), self._first,
-                      MeshShape.of(self.topology))
+    def _as_run(self, strategy: Strategy, groups: tuple[str, ...] | None = None) -> Strategy:
+        """`strategy` (flat) as the stages' data groups (`groups`, else its own) run it
+        (`_pipe_groups.as_run`)."""
+        return as_run(self.graph, strategy, self._groups(strategy) if groups is None else groups,
+                      self._first, MeshShape.of(self.topology))
 
     def _groups(self, strategy: Strategy) -> tuple[str, ...]:
         """The axes the stages' data groups take under `strategy` (`_pipe_groups`)."""
