@@ -756,3 +756,50 @@ def test_a_selectively_recomputed_layer_gathers_its_weight_matmuls_operands_agai
     assert all(s > n for s, n in zip(sim.result().chunk_times.backward_s,
                                      none.result().chunk_times.backward_s))
     assert pipelined(selective.with_pipeline(2, 1, "zb-h1")).regathers() == []
+
+
+def test_proposals_that_move_the_stages_data_groups_delta_simulate_as_full():
+    """`PipelinedSimulation` prices its stage with the strategy as the stages' data groups
+    run it (`soapjax.simulate._pipe_groups.as_run`). A proposal that moves a layer
+    operator's sample split moves the groups, and with them every stage operator's config
+    as run: after each of 40 random moves of a tiny GPT's whole block positions (two stages
+    on ``node x data x model``, the embedding over ``data`` alone), accepted or rejected at
+    random, the step time and the collectives equal a fresh simulation's, and some of the
+    moves moved the groups."""
+    from pathlib import Path
+
+    import soapjax_zoo as zoo
+
+    w = zoo.get("gpt", "tiny")
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name="gpt")
+    topo = load_topology(str(Path(__file__).parent / "meshes" / "cpu8-nodes.toml"))
+    current = megatron_3d(g, topo, tp=1, pp=2, recompute="none", microbatch_size=2)
+    current = current.replace(g.index("wte"), Config((("data",), (), ())))
+    stage = MeshShape.of(stage_topology(topo, 2))
+    cm, rng = cost_model(g, topo, mode="analytic"), random.Random(3)
+    choices = [configs(op, stage) for op in g.operators]
+    moved_groups = 0
+    with Resharder(stage, mode="ideal") as resharder:
+        sim = PipelinedSimulation(g, topo, cm, resharder, current)
+        for _ in range(40):
+            i = rng.randrange(len(choices))
+            config = rng.choice(choices[i])
+            block = g.operators[i].block_position
+            twins = [j for j, op in enumerate(g.operators)
+                     if block and op.block_position == block] or [i]
+            candidate = current
+            for j in twins:
+                candidate = candidate.replace(j, config)
+            groups = sim._groups_now
+            step = sim.propose_many([(j, config, None) for j in twins])
+            full = PipelinedSimulation(g, topo, cm, resharder, candidate)
+            assert step == full.step_time()
+            assert sim.result().collectives == full.result().collectives
+            moved_groups += full._groups_now != groups
+            if rng.random() < 0.5:
+                sim.accept()
+                current = candidate
+            else:
+                sim.reject()
+            assert sim.strategy == current
+    assert moved_groups >= 2
