@@ -11,8 +11,10 @@ outermost mesh axis of the topology (``node``) S ways: each stage is the same gr
 group's axes. The pipelined step is priced in three parts:
 
 1. **One stage's work.** A `Simulation` of the whole graph on one stage's devices, with the
-   strategy's configs, ZeRO axes, recompute policies and M microbatches, gives every
-   operator's forward and backward end on the compute stream. The layers (the graph's
+   strategy's configs as the stages' data groups run them (`_pipe_groups.as_run`: the
+   group axes on each stage operator's sample dim), ZeRO axes, recompute policies and M
+   microbatches, gives every operator's forward and backward end on the compute stream.
+   The layers (the graph's
    repeated blocks) are cut into ``S x v`` equal chunks of consecutive layers (or, uneven,
    into `Strategy.stage_layers` per stage: `layer_chunks`); the operators
    after the last layer (final norm, head, loss) go with the last chunk. A chunk's forward
