@@ -249,9 +249,7 @@ def compare_gradients(loss: Any, grads: Any, reference_loss: Any, reference_grad
                   if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)}
         eps = max((float(jnp.finfo(d).eps) for d in dtypes),
                   default=float(jnp.finfo(jnp.float32).eps))
-    floors, want = _floors(want, scales, eps, tolerance, truth)
-    if truth is not None:
-        scales = [float(np.nanmax(np.abs(w), initial=0.0)) for w in want]
+    floors, want, scales = _floors(want, scales, eps, tolerance, truth)
     leaves = []
     for k, ((path, _), g, w, scale, floor) in enumerate(zip(want_leaves, got, want, scales,
                                                             floors)):
@@ -271,18 +269,20 @@ def compare_gradients(loss: Any, grads: Any, reference_loss: Any, reference_grad
 
 
 def _floors(want: list[np.ndarray], scales: list[float], eps: float, tolerance: float,
-            truth: Any) -> tuple[list[float], list[np.ndarray]]:
-    """Each leaf's floor, and what the sharded gradients are held against (module doc).
+            truth: Any) -> tuple[list[float], list[np.ndarray], list[float]]:
+    """Each leaf's floor, what the sharded gradients are held against, and its scales (module
+    doc).
 
     Without `truth`: one floor, the largest gradient times ``_NOISE_TERMS * eps / tolerance``,
-    and the float32 reference. With it (float64 gradients): the float64 ones, and per leaf
-    ``_NOISE_TERMS`` times what the float32 reference is off by there (at least an `eps` of
-    the leaf's own scale) over `tolerance`, never above the model-wide floor; a leaf whose
-    float64 gradient is below `eps` of the largest one keeps the model-wide floor (its true
-    gradient is zero at this precision, and both sides hold rounding noise)."""
-    floor = max(scales, default=0.0) * min(1.0, _NOISE_TERMS * eps / tolerance)
+    and the float32 reference with its `scales`. With it (float64 gradients): the float64
+    ones and their scales, and per leaf ``_NOISE_TERMS`` times what the float32 reference is
+    off by there (at least an `eps` of the leaf's own scale) over `tolerance`, never above the
+    model-wide floor; a leaf whose float64 gradient is below `eps` of the largest one keeps
+    the model-wide floor (its true gradient is zero at this precision, and both sides hold
+    rounding noise)."""
     if truth is None:
-        return [floor] * len(want), want
+        floor = max(scales, default=0.0) * min(1.0, _NOISE_TERMS * eps / tolerance)
+        return [floor] * len(want), want, scales
     exact = [_host(x) for x in jax.tree.leaves(truth)]
     if len(exact) != len(want) or any(t.shape != w.shape for t, w in zip(exact, want)):
         raise ValueError("the float64 gradients' leaves are not the reference's")
@@ -296,7 +296,7 @@ def _floors(want: list[np.ndarray], scales: list[float], eps: float, tolerance: 
             continue
         off = max(_max_diff(_wide(w), _wide(t)), eps * size)
         floors.append(min(floor, _NOISE_TERMS * off / tolerance))
-    return floors, exact
+    return floors, exact, sizes
 
 
 def _aux_errors(aux: Any, reference: Any) -> tuple[LeafError, ...]:
