@@ -43,6 +43,7 @@ directory is searched for ``package.module``; a file is run with its own folder 
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -201,7 +202,8 @@ def _workload(spec: str, fn_name: str, out: Any, name: str) -> Workload:
                             f"batch); found sizes {sorted(sizes, key=str)}")
     return Workload(name=name, config="", api=api, family=None, description=spec,
                     batch_size=sizes.pop(), loss_fn=loss_fn, init_params=_filler(params, 0.02),
-                    make_batch=_filler(batch, 1.0, index_bounds(loss_fn, params, batch)),
+                    make_batch=_filler(batch, 1.0,
+                                       lambda: index_bounds(loss_fn, params, batch)),
                     optimizer=optimizer,
                     has_aux=_returns_aux(loss_fn, params, batch))
 
@@ -230,18 +232,20 @@ def _check_leaves(spec: str, fn_name: str, what: str, tree: Any) -> None:
                                 "jax.ShapeDtypeStruct")
 
 
-def _filler(tree: Any, scale: float, bounds: Sequence[int | None] = ()
-            ) -> Callable[[jax.Array], Any]:
+def _filler(tree: Any, scale: float,
+            bounds: Callable[[], Sequence[int | None]] = tuple) -> Callable[[jax.Array], Any]:
     """``fn(rng)``: the tree itself where it holds arrays, else drawn values of its shapes:
-    floats normal times `scale`, integers uniform below their leaf's bound in `bounds` (leaf
-    order; `index_bounds`), else zeros."""
+    floats normal times `scale`, integers uniform below their leaf's bound in ``bounds()``
+    (leaf order; `index_bounds`, worked out at the first draw: loading a workload traces
+    nothing for it), else zeros."""
     if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree)):
         return lambda rng: tree
+    bounds = functools.cache(bounds)
 
     def draw(rng: jax.Array) -> Any:
         leaves, treedef = jax.tree.flatten(tree)
         keys = jax.random.split(rng, len(leaves))
-        limits = list(bounds) + [None] * (len(leaves) - len(bounds))
+        limits = list(bounds()) + [None] * (len(leaves) - len(bounds()))
         return jax.tree.unflatten(treedef, [_draw(k, x, scale, b)
                                             for k, x, b in zip(keys, leaves, limits)])
 
