@@ -792,6 +792,7 @@ def test_proposals_that_move_the_stages_data_groups_delta_simulate_as_full():
                 candidate = candidate.replace(j, config)
             groups = sim._groups_now
             step = sim.propose_many([(j, config, None) for j in twins])
+            assert sim.strategy == candidate  # (the pending proposal's, as the search reads it)
             full = PipelinedSimulation(g, topo, cm, resharder, candidate)
             assert step == full.step_time()
             assert sim.result().collectives == full.result().collectives

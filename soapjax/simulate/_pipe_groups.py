@@ -25,14 +25,14 @@ from soapjax.strategy.space import Config, MeshShape, Strategy, batch_axes, samp
 __all__ = ["as_run", "group_axes", "run_config"]
 
 
-def group_axes(graph: OpGraph, strategy: Strategy, mesh: MeshShape,
-               microbatches: int) -> tuple[str, ...]:
-    """The axes a stage's data groups take under `strategy` (module doc): `batch_axes`, but
-    none where the samples interact other than by sums, or the groups do not divide a
-    microbatch (apply then runs each stage on whole microbatches)."""
+def group_axes(graph: OpGraph, strategy: Strategy, mesh: MeshShape) -> tuple[str, ...]:
+    """The axes a stage's data groups take under `strategy` on the stage's `mesh` (module
+    doc): `batch_axes`, but none where the samples interact other than by sums, or the groups
+    do not divide a microbatch (apply then runs each stage on whole microbatches)."""
     manual = batch_axes(graph, strategy)
+    micro = graph.batch_size // strategy.microbatches
     if (graph.sample_coupling and graph.sample_sums is None
-            or graph.batch_size // microbatches % math.prod(mesh.axis_size(a) for a in manual)):
+            or micro % math.prod(mesh.axis_size(a) for a in manual)):
         return ()
     return manual
 

@@ -324,7 +324,7 @@ class PipelinedSimulation:
 
     @property
     def strategy(self) -> Strategy:
-        return self._user.with_pipeline(*self._pipeline)
+        return self._proposed()[0].with_pipeline(*self._pipeline)
 
     @property
     def microbatches(self) -> int:
@@ -335,7 +335,8 @@ class PipelinedSimulation:
         return self._inner.mesh
 
     def choice(self, j: int) -> tuple[Config, str]:
-        return self._user.configs[j], self._user.recompute_of(j)
+        user = self._proposed()[0]
+        return user.configs[j], user.recompute_of(j)
 
     def reset(self, strategy: Strategy) -> float:
         if strategy.pipeline != self._pipeline:
@@ -410,6 +411,11 @@ class PipelinedSimulation:
         self._pending = None
         self._result, self._saved = self._saved, None
 
+    def _proposed(self) -> tuple[Strategy, Strategy, tuple[str, ...]]:
+        """The strategy as given, as run and its groups, of the state simulated now: the
+        pending proposal's until `accept` or `reject`, as the stage simulation's own."""
+        return self._pending or (self._user, self._run, self._groups_now)
+
     def _as_run(self, strategy: Strategy, groups: tuple[str, ...] | None = None) -> Strategy:
         """`strategy` (flat) as the stages' data groups (`groups`, else its own) run it
         (`_pipe_groups.as_run`)."""
@@ -418,8 +424,7 @@ class PipelinedSimulation:
 
     def _groups(self, strategy: Strategy) -> tuple[str, ...]:
         """The axes the stages' data groups take under `strategy` (`_pipe_groups`)."""
-        return group_axes(self.graph, strategy, MeshShape.of(self.topology),
-                          strategy.microbatches)
+        return group_axes(self.graph, strategy, MeshShape.of(self.topology))
 
     def step_time(self) -> float:
         return self.result().step_time_s
@@ -517,7 +522,7 @@ class PipelinedSimulation:
         # the batch's axes the layers split their samples over are the stages' data groups,
         # manual inside a stage, but where they do not divide a microbatch or the samples
         # interact other than by sums (`soapjax.apply._pipelined._data_groups`)
-        manual = self._groups(self._user)
+        manual = self._proposed()[2]
         out = list(self._inner.permuting_reads(reads, manual))
         # a dim the layers slice, pad or concatenate, split: apply gathers it whole for the
         # forward (`soapjax.apply._pipelined._run_in_stage`), and XLA moves the backward's
