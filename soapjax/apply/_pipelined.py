@@ -28,7 +28,10 @@ The step is one program (as MaxText's and praxis's pipelines are): nothing new t
 runs unchanged over processes under `jax.distributed`. In it:
 
 * the prologue runs SPMD on all devices, before the pipeline, for all M microbatches at once
-  (``jax.vmap`` over them); what it hands the layers and the epilogue is passed to every stage;
+  (``jax.vmap`` over them), each operator's outputs held to the plan's layouts (as the flat
+  step holds them: left to XLA, an embedding's were laid out with the samples whole, from which
+  XLA reached the stages' data groups by replicating and slicing, not by the all-to-all the
+  simulator prices); what it hands the layers and the epilogue is passed to every stage;
   its backward runs after the pipeline, on each stage from the cotangents that stage returns
   (the first stage's, of the embeddings; the epilogue's parameters', on the last), and the
   gradients of the parameters read outside the layers are summed over the stages (one
@@ -479,15 +482,16 @@ def _env(prog: Program, values: dict[int, Any]) -> dict[int, Any]:
     return env
 
 
-def _prologue_fn(cut: _Cut) -> Callable:
+def _prologue_fn(cut: _Cut, hook: Callable | None = None) -> Callable:
     """``(other params, batch) -> (shared values, per-microbatch values)``, the batch one
-    microbatch's (the function is vmapped over microbatches)."""
+    microbatch's (the function is vmapped over microbatches). `hook`: `Program.run_units`'s
+    (`_Pipeline.prologue_constraints`')."""
     other = [v for k, v in enumerate(cut.params) if k not in cut.stacked]
 
     def prologue(params: Sequence[Any], batch: Sequence[Any]) -> tuple[list, list]:
         env = _env(cut.program, dict(zip(other, params)))
         env.update(zip(cut.batch, batch))
-        cut.program.run_units(cut.prologue, env)
+        cut.program.run_units(cut.prologue, env, hook=hook)
         return [env[v] for v in cut.shared], [env[v] for v in cut.per_mb]
 
     return prologue
@@ -731,6 +735,18 @@ def _held_spec(spec: PartitionSpec | None, shape: Sequence[int], sizes: dict[str
     while out and out[-1] is None:
         out.pop()
     return PartitionSpec(*out)
+
+
+def _constraining(constraints: Mapping[int, PartitionSpec]) -> Callable | None:
+    """`Program.run_units`'s hook holding the values `constraints` names (by id) to their
+    layouts; None where it names none."""
+    if not constraints:
+        return None
+
+    def hook(v: int, value: Any) -> Any:
+        spec = constraints.get(v)
+        return value if spec is None else _constrain(value, spec)
+    return hook
 
 
 def _constrain(x: Any, spec: PartitionSpec) -> Any:
@@ -1308,14 +1324,14 @@ class StageLayouts(NamedTuple):
     `soapjax.apply._flatstep`: a row-parallel output in its readers' layout where its partial
     sums are reduce-scattered; `stage_layouts`).
 
-    A stage constrains every output its layers and the epilogue make to these, and every
-    activation its layers and the epilogue read (over the automatic axes; the stage's and the
-    data groups' are manual there; attention operators' operands are left to XLA:
-    `_Pipeline._operand_reads`), holds the layers' carry (the residual stream) in them at a
-    chunk's start,
-    and sends the carry so between stages (each device its own shard, split further over
-    the axes its layout leaves it whole on: the scatter/gather rule, `_send_spec`), as
-    `soapjax.simulate.pipesim` prices them. Without them XLA places a stage's values itself
+    The prologue constrains its operators' outputs to these (over the whole mesh); a stage
+    every output its layers and the epilogue make, and every activation its layers and the
+    epilogue read (over the automatic axes; the stage's and the data groups' are manual
+    there; attention operators' operands are left to XLA: `_Pipeline._operand_reads`), holds
+    the layers' carry (the residual stream) in them at a chunk's start, and sends the carry
+    so between stages (each device its own shard, split further over the axes its layout
+    leaves it whole on: the scatter/gather rule, `_send_spec`), as `soapjax.simulate.pipesim`
+    prices them. Without them XLA places a stage's values itself
     and the carry is taken as replicated over a stage's model axes (module doc); under
     sequence parallelism (the carry split along the sequence) XLA then ran the first stage's
     layers without it (all-reducing where the plan reduce-scatters and gathers), and with
@@ -1508,6 +1524,8 @@ class _Pipeline:
         self.where.update({v: ("mb", k) for k, v in enumerate(cut.per_mb)})
         self.carry_positions = tuple(cut.per_mb.index(v) for v in cut.scan.carries[0])
         self.constraints = self._constraints(layouts, data_axes)
+        self.prologue_constraints = ({} if layouts is None else
+                                     self._prologue_constraints(layouts))
         self.operand_reads = self._operand_reads(layouts) if self.constraints else {}
         # the carry's layouts: the plan's where it has one (replicated too), else None (left
         # to XLA: without layouts, and the stacks of the layers' outputs it carries)
@@ -1543,6 +1561,18 @@ class _Pipeline:
         return {t.value: _held_spec(spec, program.shapes[t.value], sizes, manual)
                 for op in self.cut.graph.operators
                 if op.name in layouts.outputs and op.anchor != "attention"
+                for t, spec in zip(op.outputs, layouts.outputs[op.name])}
+
+    def _prologue_constraints(self, layouts: StageLayouts) -> dict[int, PartitionSpec]:
+        """Per value id of the prologue's program (`outer`) that an operator before the first
+        layer makes, its plan's layout over the whole mesh (no manual axes there; replicated
+        over the stage axis, which no layout names)."""
+        sizes = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))
+        program, units = self.outer.program, set(self.outer.prologue)
+        return {t.value: _held_spec(spec, program.shapes[t.value], sizes, set())
+                for op in self.outer.graph.operators
+                if op.name in layouts.outputs and op.anchor != "attention"
+                and set(program.local[op.name].units) <= units
                 for t, spec in zip(op.outputs, layouts.outputs[op.name])}
 
     def _operand_reads(self, layouts: StageLayouts) -> dict[int, list[tuple]]:
@@ -1634,14 +1664,7 @@ class _Pipeline:
 
     def _constraint_hook(self) -> Callable | None:
         """`Program.run_units`'s hook holding every value a stage makes to `constraints`."""
-        constraints = self.constraints
-        if not constraints:
-            return None
-
-        def hook(v: int, value: Any) -> Any:
-            spec = constraints.get(v)
-            return value if spec is None else _constrain(value, spec)
-        return hook
+        return _constraining(self.constraints)
 
     def _stage_hook(self) -> Callable | None:
         """`_constraint_hook`, after adding each of `_Groups.sums` across the data groups (a
@@ -1686,7 +1709,7 @@ class _Pipeline:
         stacked = [leaves[k] for k in cut.stacked]
         other = [x for k, x in enumerate(leaves) if k not in cut.stacked]
         micro = [split_microbatches(x, self.microbatches) for x in jax.tree.leaves(batch)]
-        prologue = _prologue_fn(self.outer)
+        prologue = _prologue_fn(self.outer, _constraining(self.prologue_constraints))
 
         def by_kind(values: list, is_float: list[bool]) -> tuple[list, list]:
             return ([x for x, f in zip(values, is_float) if f],
