@@ -12,6 +12,7 @@ with the ratios predicted / XLA; the goal (issue 7) is within 10%.
     python scripts/bench_check.py                    # the whole zoo (~20 min on 2 cores)
     python scripts/bench_check.py --models mlp gpt2 --plans data-parallel searched
     python scripts/bench_check.py --models gpt llama moe --plans pipelined   # issue 47's pipelines
+    python scripts/bench_check.py --models gpt llama moe --plans searched-pipelined
 
 ``pipelined`` is the zoo's layered models (GPT, LLaMA and the MoE, tiny, with 4 layers where
 the interleaved schedule needs them; the MoE's data groups add its load-balancing statistics'
@@ -19,6 +20,11 @@ sums across each other) on 2 pipeline stages under Megatron's configuration
 (`soapjax.strategy.baselines.megatron_3d`): GPipe, 1F1B, interleaved and ZB-H1, one and several
 microbatches, tensor parallelism (with sequence parallelism) inside the stages or data
 parallelism (`PIPELINED`).
+
+``searched-pipelined`` is what a user gets from ``soapjax plan --pipelines``: the layered
+models searched with stages on ``tests/meshes/cpu8-nodes.toml`` (node=2 x data=2 x model=2,
+the stages cutting ``node``), 300 proposals per chain, seeds 0 to 2 (`SEARCH_SEEDS`), each
+plan checked on that mesh (a seed whose best plan has no stages is reported as such).
 """
 
 from __future__ import annotations
@@ -46,7 +52,10 @@ from soapjax_zoo.llama import LLAMA_CONFIGS, build_llama  # noqa: E402
 from soapjax_zoo.moe import MOE_CONFIGS, build_moe  # noqa: E402
 
 PLANS = ("data-parallel", "megatron", "fsdp", "expert-cnn", "expert-rnn", "searched",
-         "pipelined")
+         "pipelined", "searched-pipelined")
+NODES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "meshes",
+                     "cpu8-nodes.toml")
+SEARCH_SEEDS = (0, 1, 2)
 
 # name -> (layers, megatron_3d's arguments, schedule) of the pipelined plans: 2 stages of
 # cpu8's data=2 axis, each stage the model=4 axis; the tiny batch is 8 samples; no
@@ -91,6 +100,22 @@ def strategies(graph, topo, w, wanted):
     return out
 
 
+def searched_pipelines(graph, w) -> list[tuple]:
+    """The plans ``soapjax plan --pipelines`` finds for `graph` on ``cpu8-nodes``, one per seed
+    of `SEARCH_SEEDS`, as `main`'s cases."""
+    topo = load_topology(NODES)
+    out = []
+    for seed in SEARCH_SEEDS:
+        plan = find_plan(graph, topo, costs="analytic", optimizer=w.optimizer,
+                         settings=SearchSettings(max_proposals=300, seed=seed, pipelines=True,
+                                                 processes=1))
+        s = plan.strategy(graph, topo)
+        what = (f"S={s.stages} {s.schedule} M={s.microbatches}" if s.pipelined
+                else "no stages")
+        out.append((f"searched seed {seed} ({what})", s, w, graph, topo))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="*", default=list(zoo.names()))
@@ -106,7 +131,7 @@ def main(argv=None) -> int:
     for name in args.models:
         w = zoo.get(name, "tiny")
         graph = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=name)
-        cases = [(kind, s, w, graph) for kind, s in
+        cases = [(kind, s, w, graph, topo) for kind, s in
                  strategies(graph, topo, w, args.plans).items()]
         if "pipelined" in args.plans and name in LAYERED:
             for kind, (layers, settings, schedule) in PIPELINED.items():
@@ -114,9 +139,12 @@ def main(argv=None) -> int:
                     continue
                 wl, gl = pipelined(name, layers) if layers != 2 else (w, graph)
                 s = baselines.megatron_3d(gl, topo, pp=2, **{"recompute": "none", **settings})
-                cases.append((kind, s.with_pipeline(2, s.virtual_stages, schedule), wl, gl))
-        for kind, strategy, wk, gk in cases:
-            plan = Plan.make(gk, topo, strategy, model_config="tiny")
+                cases.append((kind, s.with_pipeline(2, s.virtual_stages, schedule), wl, gl,
+                              topo))
+        if "searched-pipelined" in args.plans and name in LAYERED:
+            cases += searched_pipelines(graph, w)
+        for kind, strategy, wk, gk, tk in cases:
+            plan = Plan.make(gk, tk, strategy, model_config="tiny")
             r = compare_on_devices(plan, wk, repeats=1, costs="analytic", reshard="xla")
             xla, pred = r.hlo_collective_bytes, r.predicted_collective_bytes
             ratio = 1.0 if xla == pred else pred / max(xla, 1.0)  # 0/0: both move nothing

@@ -168,7 +168,7 @@ def test_every_module_has_a_test_file():
              "_clock": "search", "grids": "search", "optimality": "search",
              "_flat_memory": "simulate", "_flat_attention": "simulate", "_flat_tasks": "simulate",
              "_flat_proposals": "simulate", "_flat_leaves": "simulate", "_pipe_cut": "pipesim",
-             "_pipe_groups": "pipesim",
+             "_stage_groups": "pipesim",
              "_schedule_time": "pipeline",
              "pipelines": "search", "stages": "search",
              "_validation": "apply", "_shardings": "apply", "_flatstep": "apply", "step": "apply",

@@ -760,7 +760,7 @@ def test_a_selectively_recomputed_layer_gathers_its_weight_matmuls_operands_agai
 
 def test_proposals_that_move_the_stages_data_groups_delta_simulate_as_full():
     """`PipelinedSimulation` prices its stage with the strategy as the stages' data groups
-    run it (`soapjax.simulate._pipe_groups.as_run`). A proposal that moves a layer
+    run it (`soapjax.strategy._stage_groups.as_run`). A proposal that moves a layer
     operator's sample split moves the groups, and with them every stage operator's config
     as run: after each of 40 random moves of a tiny GPT's whole block positions (two stages
     on ``node x data x model``, the embedding over ``data`` alone), accepted or rejected at

@@ -532,6 +532,10 @@ class FlatStep:
         self.mesh = check.mesh
         self.config_mesh = MeshShape.of(check.mesh)
 
+    def stored(self, strategy: Any) -> Any:
+        """The plan's own strategy."""
+        return strategy
+
     def param_layout(self, shardings: list[NamedSharding]) -> list[NamedSharding]:
         """The parameters' shardings: those of their specs, unchanged."""
         return shardings

@@ -210,9 +210,11 @@ from soapjax.apply._pipeline_layout import (
 from soapjax.apply._validation import Checked, validate_program_inputs
 from soapjax.base.attention import AttentionCall, attention_call, bind_attention
 from soapjax.base.errors import PlanError
+from soapjax.cost.reshard_steps import steps as layout_steps
 from soapjax.graph._inner import splits_queries
 from soapjax.graph._program import LayerScan, Program, picked_dim, shifted_dims
 from soapjax.graph.opgraph import OpGraph
+from soapjax.strategy._stage_groups import stage_strategy
 from soapjax.strategy.pipeline import (
     DEFAULT_SCHEDULE,
     SCHEDULES,
@@ -749,6 +751,14 @@ def _constraining(constraints: Mapping[int, PartitionSpec]) -> Callable | None:
     return hook
 
 
+def _held_through(x: Any, layouts: Sequence[tuple]) -> Any:
+    """`x` held to each of `layouts` (tuples of mesh axis names per dim) in turn: a layout
+    change made in steps (`_Pipeline._hand_off`)."""
+    for layout in layouts:
+        x = _constrain(x, PartitionSpec(*(_spec_entry(axes) for axes in layout)))
+    return x
+
+
 def _constrain(x: Any, spec: PartitionSpec) -> Any:
     """`x` constrained to `spec` over the automatic axes of the mesh it is traced on."""
     return jax.lax.with_sharding_constraint(
@@ -1245,6 +1255,12 @@ class PipelinedStep:
         self.config_mesh = stage_mesh_shape(MeshShape.of(check.mesh), stages)
         self.chunk_ordered = chunk_ordered(check.strategy)
 
+    def stored(self, strategy: Any) -> Any:
+        """`strategy` with its stage operators as the data groups run them
+        (`soapjax.strategy._stage_groups.stage_strategy`): stored split over a group axis, a
+        parameter was gathered into the stages at every step, as each group reads it whole."""
+        return stage_strategy(self.check.graph, strategy, self.config_mesh)
+
     def param_layout(self, shardings: list[NamedSharding]) -> list[Any]:
         """The shardings of their specs, each stacked layer parameter's split over ``stage``
         on its layer dim (unsplit in one stage's specs); in chunk order (wrapped in a
@@ -1724,8 +1740,11 @@ class _Pipeline:
 
         (shared_floats, mb_floats), prologue_vjp, (shared_others, mb_others) = jax.vjp(
             run_prologue, other, has_aux=True)
+        into, back = self._hand_off()
+        mb_floats = [_held_through(x, chain) for x, chain in zip(mb_floats, into)]
         loss, grads, d_shared, d_mb = self._shard_map()(
             stacked, shared_floats, shared_others, mb_floats, mb_others)
+        d_mb = [_held_through(x, chain) for x, chain in zip(d_mb, back)]
         # each stage's own cotangents through the prologue's backward (linear), its parameters'
         # gradients then summed over the stages: one all-reduce of those, not of the
         # activations the prologue hands the stages (module doc)
@@ -1734,6 +1753,45 @@ class _Pipeline:
         by_position, rest = dict(zip(cut.stacked, grads)), iter(d_other)
         out = [by_position[k] if k in by_position else next(rest) for k in range(len(leaves))]
         return loss.sum(), jax.tree.unflatten(tree, out)
+
+    def _hand_off(self) -> tuple[list[tuple], list[tuple]]:
+        """Per float the prologue hands the stages per microbatch, the layouts it is held to
+        on its way into the stages (``[M, ...]``, from its maker's to the data groups') and
+        its cotangent on its way back (``[S, M, ...]``), each step permute-free
+        (`soapjax.cost.reshard_steps`); empty where the change is permute-free as it is,
+        where no chain makes it, or where mesh axes stay automatic inside a stage (where the
+        stage holds the value over those is XLA's). Made in one go, a change that slices the
+        samples over one group axis and moves another to them (an embedding's hidden dim split
+        over ``model``, the groups ``data`` and ``model``) XLA makes by replicating the value
+        whole and slicing it again, where the simulator prices a slice and an all-to-all."""
+        sizes = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))
+        mesh = MeshShape(tuple(self.mesh.axis_names), tuple(self.mesh.axis_sizes))
+        automatic = [a for a, n in sizes.items()
+                     if n > 1 and a != self.stage_axis and a not in self.groups.axes]
+        floats = self._floats("mb")
+        into: list[tuple] = []
+        back: list[tuple] = []
+        for k, v in enumerate(self.outer.per_mb):
+            if not floats[k]:
+                continue
+            made = self.prologue_constraints.get(v)
+            if automatic or made is None or not self.groups.axes:
+                into.append(())
+                back.append(())
+                continue
+            shape = tuple(self.outer.program.shapes[v])
+            dtype = self.outer.program.jax_dtypes[v]
+            dim = self.groups.batch_dims[k]
+            held = tuple(_axes(made[d]) if d < len(made) else () for d in range(len(shape)))
+            grouped = tuple(self.groups.axes if d == dim else () for d in range(len(shape)))
+            chains = (layout_steps((self.microbatches, *shape), dtype, ((), *held),
+                                   ((), *grouped), mesh),
+                      layout_steps((self.stages, self.microbatches, *shape), dtype,
+                                   ((self.stage_axis,), (), *grouped),
+                                   ((self.stage_axis,), (), *held), mesh))
+            into.append(tuple(chains[0] or ()))
+            back.append(tuple(chains[1] or ()))
+        return into, back
 
     def _shard_map(self) -> Callable:
         """`_stage_program` manual over the stage axis and the data groups' axes: per stage,

@@ -72,6 +72,12 @@ class StepProgram(Protocol):
     mesh: Mesh
     config_mesh: MeshShape
 
+    def stored(self, strategy: Any) -> Any:
+        """The strategy the parameters' specs are read from (`soapjax.strategy.space
+        .param_specs`), as the simulator prices their storage: the plan's; a pipeline's with
+        its stage operators as its data groups run them, whole over the group axes."""
+        ...
+
     def param_layout(self, shardings: list[NamedSharding]) -> list[NamedSharding]:
         """The parameters' shardings (``graph.params`` order, on `mesh`) from those of their
         specs: what the step's own layout adds (a pipeline: the stacked layer parameters split
@@ -260,7 +266,7 @@ def train_shardings(graph: OpGraph, strategy: Any, mesh: Mesh,
 def _param_shardings(program: StepProgram, check: Checked, params: Any,
                      specs_of: Callable = space.param_specs) -> Any:
     graph = check.graph
-    specs = specs_of(graph, check.strategy, program.config_mesh)  # the simulator's
+    specs = specs_of(graph, program.stored(check.strategy), program.config_mesh)  # the simulator's
     out = program.param_layout(_fitted(graph.params, specs, program.mesh))
     return _unflatten(graph.params, out, params, "params")
 

@@ -16,22 +16,12 @@ from soapjax.graph._program import picked_dim, shifted_dims
 from soapjax.graph.opgraph import OpGraph
 from soapjax.simulate._flat_memory import shard_bytes
 from soapjax.simulate._simresult import Kept
+from soapjax.strategy._stage_groups import layer_span
 from soapjax.strategy.space import Config, MeshShape, sample_dim
 
 __all__ = ["boundary_values", "epilogue_gathers", "epilogue_params", "layer_chunks", "layer_span",
            "loss_collectives", "prologue_params", "send_pieces", "shifted_reads", "stash_bytes",
            "weight_operands", "weight_shares"]
-
-
-def layer_span(graph: OpGraph) -> tuple[int, int]:
-    """The first and last operator index of the longest family of repeated layers."""
-    groups = graph.repeated_blocks()
-    longest = max((len(g) for g in groups), default=0)
-    members = [i for g in groups if len(g) == longest for i in g]
-    if not members:
-        raise PlanError(f"graph {graph.name!r} has no repeated layers (a scan over layers or "
-                        "identical unrolled layers) to cut into pipeline stages")
-    return min(members), max(members)
 
 
 def layer_chunks(graph: OpGraph, chunks: int, sizes: Sequence[int] = ()) -> list[int]:

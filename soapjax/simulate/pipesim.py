@@ -11,7 +11,7 @@ outermost mesh axis of the topology (``node``) S ways: each stage is the same gr
 group's axes. The pipelined step is priced in three parts:
 
 1. **One stage's work.** A `Simulation` of the whole graph on one stage's devices, with the
-   strategy's configs as the stages' data groups run them (`_pipe_groups.as_run`: the
+   strategy's configs as the stages' data groups run them (`_stage_groups.as_run`: the
    group axes on each stage operator's sample dim), ZeRO axes, recompute policies and M
    microbatches, gives every operator's forward and backward end on the compute stream.
    The layers (the graph's
@@ -112,7 +112,6 @@ from soapjax.simulate._pipe_cut import (
     weight_shares,
 )
 from soapjax.simulate._pipe_fold import MIN_LAYERS, FoldedStage, StageCosts, layer_fold, tied
-from soapjax.simulate._pipe_groups import as_run, group_axes, run_config
 from soapjax.simulate._simresult import (
     GRAD_SYNC,
     Kept,
@@ -122,6 +121,7 @@ from soapjax.simulate._simresult import (
     as_step_result,
 )
 from soapjax.simulate._taskgraph import Comm
+from soapjax.strategy._stage_groups import as_run, group_axes, run_config
 from soapjax.strategy.pipeline import (
     DEFAULT_SCHEDULE,
     SCHEDULES,
@@ -190,7 +190,7 @@ class PipelinedSimulation:
         costs = StageCosts(cost_model, MeshShape.of(self.topology))
         layers = graph.memo("layer_fold", lambda: layer_fold(graph)) if fold else None
         # the strategy as given (the search's view: `strategy`, `choice`), and as the stages'
-        # data groups run it (what the stage simulation prices: `_pipe_groups.as_run`)
+        # data groups run it (what the stage simulation prices: `_stage_groups.as_run`)
         self._first = first
         self._user = _flat(strategy)
         self._groups_now = self._groups(self._user)
@@ -356,7 +356,7 @@ class PipelinedSimulation:
 
     def propose_many(self, changes: Sequence[tuple[int, Config, str | None]]) -> float:
         """The changes, each operator from the first layer on run as the stages' data groups
-        run it (`_pipe_groups.as_run`): where a change moves the groups, the other stage
+        run it (`_stage_groups.as_run`): where a change moves the groups, the other stage
         operators whose layouts they set change with it."""
         user = self._user
         for i, config, recompute in changes:
@@ -418,12 +418,12 @@ class PipelinedSimulation:
 
     def _as_run(self, strategy: Strategy, groups: tuple[str, ...] | None = None) -> Strategy:
         """`strategy` (flat) as the stages' data groups (`groups`, else its own) run it
-        (`_pipe_groups.as_run`)."""
+        (`_stage_groups.as_run`)."""
         return as_run(self.graph, strategy, self._groups(strategy) if groups is None else groups,
                       self._first, MeshShape.of(self.topology))
 
     def _groups(self, strategy: Strategy) -> tuple[str, ...]:
-        """The axes the stages' data groups take under `strategy` (`_pipe_groups`)."""
+        """The axes the stages' data groups take under `strategy` (`_stage_groups`)."""
         return group_axes(self.graph, strategy, MeshShape.of(self.topology))
 
     def step_time(self) -> float:

@@ -744,7 +744,7 @@ def batch_axes(graph: OpGraph, strategy: Strategy) -> tuple[str, ...]:
     operator splits its samples so: left automatic inside a stage, XLA all-reduced the layers'
     gradients over it at every microbatch's backward, where the simulator priced one sum
     (docs/checks.md); a layer operator the plan runs on all the samples runs on its group's
-    share, and is priced so (`soapjax.simulate._pipe_groups.as_run`)."""
+    share, and is priced so (`soapjax.strategy._stage_groups.as_run`)."""
     layers = graph.memo("layer_sample_dims", lambda: tuple(
         (j, sample_dim(op)) for j, op in enumerate(graph.operators) if op.block_position))
     configs, seen = strategy.configs, set()

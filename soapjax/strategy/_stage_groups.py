@@ -11,7 +11,9 @@ logits; a final norm whose config splits the sequence over ``data`` runs on the 
 samples whole along the sequence. `as_run` is the strategy so: each stage operator with a
 sample dim has the group axes on that dim and on no other. `PipelinedSimulation` prices the
 stage with it, so what the simulator prices is what the step runs (docs/checks.md, "A
-pipeline's data groups").
+pipeline's data groups"), and apply stores the parameters so (`stage_strategy`: a parameter
+stored split over a group axis was gathered whole into the stages at every step, docs/checks.md,
+"Parameters stored as the groups read them").
 """
 
 from __future__ import annotations
@@ -19,10 +21,29 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from soapjax.base.errors import PlanError
 from soapjax.graph.opgraph import OpGraph
 from soapjax.strategy.space import Config, MeshShape, Strategy, batch_axes, sample_dim
 
-__all__ = ["as_run", "group_axes", "run_config"]
+__all__ = ["as_run", "group_axes", "layer_span", "run_config", "stage_strategy"]
+
+
+def layer_span(graph: OpGraph) -> tuple[int, int]:
+    """The first and last operator index of the longest family of repeated layers."""
+    groups = graph.repeated_blocks()
+    longest = max((len(g) for g in groups), default=0)
+    members = [i for g in groups if len(g) == longest for i in g]
+    if not members:
+        raise PlanError(f"graph {graph.name!r} has no repeated layers (a scan over layers or "
+                        "identical unrolled layers) to cut into pipeline stages")
+    return min(members), max(members)
+
+
+def stage_strategy(graph: OpGraph, strategy: Strategy, mesh: MeshShape) -> Strategy:
+    """A pipelined `strategy` (over one stage's `mesh`) as its stages run it: `as_run` with
+    the data groups `group_axes` names, from the first layer on."""
+    first, _ = graph.memo("layer_span", lambda: layer_span(graph))
+    return as_run(graph, strategy, group_axes(graph, strategy, mesh), first, mesh)
 
 
 def group_axes(graph: OpGraph, strategy: Strategy, mesh: MeshShape) -> tuple[str, ...]:

@@ -1,0 +1,116 @@
+"""A layout change as steps XLA makes without replicating: slices, all-to-alls, gathers.
+
+XLA's SPMD partitioner makes a layout change in one go when it is `permute_free` (a local
+slice, one all-to-all, gathers; docs/checks.md, "Collective-permutes inside a stage"); many
+others it makes by replicating the tensor whole and slicing again ("Involuntary full
+rematerialization"), or by exchanging tiles with collective-permutes. The same change made as
+a chain of permute-free steps, each held by its own sharding constraint, XLA makes step by
+step, as the ideal resharding model prices it (slices first, gathers last):
+
+>>> from soapjax.strategy.space import MeshShape
+>>> mesh = MeshShape(("node", "data", "model"), (2, 2, 2))
+>>> steps((8, 8, 32), "float32", ((), (), ("model",)), (("data", "model"), (), ()), mesh)
+((('data',), (), ('model',)),)
+
+(the samples sliced over ``data`` first, then ``model`` moved to them by one all-to-all; XLA
+made the change in one go by an all-gather of the whole tensor over ``model``: four times the
+bytes). `steps` finds the cheapest such chain as the ideal model prices its steps
+(`soapjax.cost.reshard.ideal_collectives`, bytes per device summed); ``()`` where the change
+is permute-free already, None where no chain of such steps reaches the destination (an axis
+that changes its place within a dim). `soapjax.apply` holds a value to each step in turn.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from soapjax.cost.reshard import ideal_collectives, permute_free
+from soapjax.strategy.space import MeshShape
+
+__all__ = ["Layout", "steps"]
+
+Layout = tuple[tuple[str, ...], ...]
+
+# a chain has at most this many steps (each slices, moves or gathers something), and the
+# search looks at no more than MAX_STATES layouts: a tensor's dims and a mesh's axes are few
+MAX_STEPS = 6
+MAX_STATES = 4000
+# what a step costs beside its bytes: fewer steps where bytes tie
+STEP_COST = 1e-3
+
+
+def steps(shape: Sequence[int], dtype: Any, src: Any, dst: Any,
+          mesh: MeshShape) -> tuple[Layout, ...] | None:
+    """The layouts to hold a value of `shape` in between `src` and `dst` (each a tuple of
+    mesh axis names per dim, or a `PartitionSpec`) so that every step is permute-free on
+    `mesh`, cheapest first by the ideal model's bytes; ``()`` where the change is
+    permute-free as it is, None where no such chain reaches `dst` (module doc)."""
+    a, b = _layout(src, len(shape), mesh), _layout(dst, len(shape), mesh)
+    if permute_free(a, b, mesh):
+        return ()
+    return _search(tuple(int(n) for n in shape), str(np.dtype(dtype)), a, b, mesh)
+
+
+@functools.lru_cache(maxsize=4096)
+def _search(shape: tuple[int, ...], dtype: str, src: Layout, dst: Layout,
+            mesh: MeshShape) -> tuple[Layout, ...] | None:
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    wanted = {a for axes in dst for a in axes}
+    frontier = [(0.0, 0, src, ())]
+    seen: dict[Layout, float] = {src: 0.0}
+    order = 0
+    while frontier and len(seen) < MAX_STATES:
+        cost, _, here, path = heapq.heappop(frontier)
+        if here == dst:
+            return path[:-1]
+        if cost > seen.get(here, float("inf")) or len(path) >= MAX_STEPS:
+            continue
+        for there in _moves(here, wanted, sizes, shape):
+            if not permute_free(here, there, mesh):
+                continue
+            step = sum(c.nbytes for c in ideal_collectives(shape, dtype, here, there, mesh))
+            total = cost + step + STEP_COST
+            if total < seen.get(there, float("inf")):
+                seen[there] = total
+                order += 1
+                heapq.heappush(frontier, (total, order, there, path + (there,)))
+    return None
+
+
+def _moves(here: Layout, wanted: set[str], sizes: dict[str, int],
+           shape: tuple[int, ...]) -> list[Layout]:
+    """The layouts one step from `here`: an axis of the destination sliced onto the end of a
+    dim, the last axis of a dim gathered, or the last axes of a dim moved to the end of
+    another (one all-to-all); every dim still divided by its axes."""
+    used = {a for axes in here for a in axes}
+    out = []
+    for d, axes in enumerate(here):
+        for a in sorted(wanted - used):  # slice
+            out.append(_with(here, d, axes + (a,)))
+        if axes:  # gather the last
+            out.append(_with(here, d, axes[:-1]))
+        for k in range(1, len(axes) + 1):  # move the last k to another dim
+            for e in range(len(here)):
+                if e != d:
+                    out.append(_with(_with(here, d, axes[:-k]), e, here[e] + axes[-k:]))
+    return [t for t in out if all(n % int(np.prod([sizes[a] for a in axes], dtype=np.int64))
+                                  == 0 for n, axes in zip(shape, t))]
+
+
+def _with(layout: Layout, d: int, axes: tuple[str, ...]) -> Layout:
+    return layout[:d] + (axes,) + layout[d + 1:]
+
+
+def _layout(spec: Any, rank: int, mesh: MeshShape) -> Layout:
+    """`spec` as a tuple of axis-name tuples, one per dim, size-1 axes dropped."""
+    entries = list(spec) + [None] * (rank - len(spec))
+    out = []
+    for entry in entries[:rank]:
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        out.append(tuple(a for a in axes if mesh.axis_size(a) > 1))
+    return tuple(out)
