@@ -58,6 +58,54 @@ def pipelined(strategy, graph=None, layer_layout="model"):
                                strategy, layer_layout=layer_layout)
 
 
+def test_the_search_offers_no_stages_to_layers_apply_cannot_pipeline():
+    """Four identical layers made in a Python loop (unrolled, not scanned): the simulator can cut
+    them into stages, apply cannot (it pipelines one scan over stacked parameters). `soapjax
+    plan --pipelines` returned a 2-stage plan for such a model (the Qwen3 of the corpus on
+    `cpu8-nodes`), which `soapjax check` then refused; the search now offers it no stages,
+    and says why."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from soapjax.search import SearchSettings, find_plan
+    from soapjax.search.pipelines import pipeline_refusal
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x + nn.Dense(32)(nn.gelu(nn.Dense(64)(nn.LayerNorm()(x))))
+
+    class Unrolled(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(32, name="embed")(x)
+            for k in range(4):
+                x = Block(name=f"layers_{k}")(x)
+            return nn.Dense(8, name="head")(x)
+
+    model = Unrolled()
+    x = jnp.zeros((16, 32))
+    params = jax.eval_shape(model.init, jax.random.key(0), x)
+
+    def loss(p, b):
+        return optax.softmax_cross_entropy_with_integer_labels(
+            model.apply(p, b["x"]), b["y"]).mean()
+
+    g = trace(loss, params, {"x": x, "y": jnp.zeros((16,), jnp.int32)}, name="unrolled")
+    assert len(g.repeated_blocks()[0]) == 4 and layer_chunks(g, 2)
+    assert "not one scan" in pipeline_refusal(g)
+    assert stage_choices(g, A100) == ()
+    said = []
+    plan = find_plan(g, A100, costs="analytic", progress=said.append,
+                     settings=SearchSettings(max_proposals=10, seed=0, pipelines=True,
+                                             processes=1))
+    assert not plan.strategy(g, A100).pipelined
+    assert any("no pipeline stages for 'unrolled'" in line for line in said), said
+    assert pipeline_refusal(gpt()) == ""
+
+
 def test_layers_cut_into_chunks_with_embedding_first_and_head_last():
     g = gpt()
     chunk = layer_chunks(g, 2)

@@ -32,6 +32,7 @@ from soapjax.strategy.baselines import (
     GridPoint,
     megatron_grid_points,
 )
+from soapjax.strategy.memory import random_operator
 from soapjax.strategy.pipeline import pipeline_error
 from soapjax.strategy.space import (
     SpaceLimits,
@@ -39,7 +40,7 @@ from soapjax.strategy.space import (
 )
 
 __all__ = ["CHAINED_PIPELINES", "PIPELINE_GRID", "PIPELINE_GRID_EXPERTS", "interleave_choices",
-           "pipeline_grid", "stage_choices"]
+           "pipeline_grid", "pipeline_refusal", "stage_choices"]
 
 
 
@@ -58,13 +59,31 @@ CHAINED_PIPELINES = 3
 
 def stage_choices(graph: OpGraph, topology) -> tuple[int, ...]:
     """Pipeline stage counts S > 1 worth trying: dividing the outermost mesh axis (whole
-    groups of nodes per stage) and the number of repeated layers; none for a graph that
-    returns values beside its loss (`OpGraph.has_aux`: a pipeline does not hand them back)."""
-    if graph.has_aux:
+    groups of nodes per stage) and the number of repeated layers; none for a graph apply
+    cannot pipeline (`pipeline_refusal`)."""
+    if pipeline_refusal(graph):
         return ()
     layers = _num_layers(graph)
     outer = topology.axis_sizes[0] if len(topology.axis_sizes) > 1 else 1
     return tuple(S for S in range(2, outer + 1) if outer % S == 0 and layers % S == 0)
+
+
+def pipeline_refusal(graph: OpGraph) -> str:
+    """Why apply cannot run `graph` as a pipeline (`soapjax.apply._pipeline_layout
+    .check_pipelinable`'s refusals that hold at any stage count), or "": it returns values
+    beside its loss (`OpGraph.has_aux`: a pipeline does not hand them back), its layers are
+    not one scan over stacked parameters in order (identical unrolled layers the simulator
+    can cut, apply cannot), or an operator draws random bits. The search offers such a graph
+    no stages: a plan it returned with them, `soapjax check` and the training helper refused."""
+    if graph.has_aux:
+        return "it returns values beside its loss (has_aux)"
+    scans = graph.program.layer_scans
+    if len(scans) != 1 or scans[0].steps != tuple(range(len(scans[0].steps))):
+        return ("its layers are not one scan over stacked parameters (nn.scan, nnx.scan)"
+                if not scans else "its layers are not one scan in order")
+    if (random := random_operator(graph)) is not None:
+        return f"operator {random!r} draws random bits (dropout)"
+    return ""
 
 
 def interleave_choices(graph: OpGraph, stages: int) -> tuple[int, ...]:
