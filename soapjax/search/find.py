@@ -115,7 +115,7 @@ from soapjax.search._chain import (
 from soapjax.search._clock import past, sparse_gc
 from soapjax.search._parallel import ChainTask, empty_outcome, lanes, run_chains
 from soapjax.search.grids import _grid_starts, _within
-from soapjax.search.pipelines import _Pipelines, _settle_folded, pipeline_refusal
+from soapjax.search.pipelines import _Pipelines, _settle_folded, no_fit_hint, stages_refused
 from soapjax.search.recompute import RELAX_SHARE, recomputes_any, relaxed, tidied
 from soapjax.simulate import SimResult
 from soapjax.simulate.front import (
@@ -316,11 +316,8 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
         starts.update(_relaxed_starts(sim, searcher, graph, deadline))
     wanted = settings.pipelines if settings.pipelines is not None else searcher.best is None
     pipelined = wanted and graph.repeated_blocks() and graph.batch_size > 1
-    if pipelined and (why := pipeline_refusal(graph)):
+    if pipelined and stages_refused(graph, progress):
         pipelined = False
-        if progress is not None:
-            progress(f"search: no pipeline stages for {graph.name!r}: {why}, which apply "
-                     "cannot pipeline; plans without stages only")
     # With a time budget, what the starts left: with pipelines, first their grids
     # (PIPELINE_GRIDS_SHARE of it), then the chains, the flat ones and the pipelined ones in
     # turn, the family whose best is behind the other's by more than CHAINS_BEHIND (or has
@@ -362,18 +359,10 @@ def _search(graph: OpGraph, topology, sim: Simulation, searcher: _Searcher, budg
         searcher.best = min(searcher.bests.values(), key=lambda f: f[0])
     searcher._report("done", force=True)
     if searcher.best is None:
-        why = pipeline_refusal(graph) if graph.repeated_blocks() else ""
-        hint = ("; its loss returns values beside it (has_aux), so plans keep one microbatch "
-                "and no pipeline stages: the loss alone would let the search use both"
-                if graph.has_aux else
-                f"; its layers get no pipeline stages ({why}): scanned layers "
-                "(nn.scan, nnx.scan) without dropout would let the search use them"
-                if why else "" if wanted or not graph.repeated_blocks() else
-                " or allow pipeline stages (SearchSettings(pipelines=None or True), "
-                "`soapjax plan --pipelines`)")
         raise PlanError(f"no strategy found for {graph.name!r} on {topology.name!r} fits in "
                         f"{topology.device.memory_bytes / 2**30:.1f} GiB per device; plan for "
-                        f"a topology with more devices or more memory per device{hint}")
+                        f"a topology with more devices or more memory per device"
+                        f"{no_fit_hint(graph, wanted)}")
     t, strategy, name = searcher.best
     return SearchResult(strategy=strategy, step_time_s=t, start=name,
                         baselines=tuple((n, st, f) for n, st, f in scored

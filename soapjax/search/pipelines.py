@@ -40,7 +40,8 @@ from soapjax.strategy.space import (
 )
 
 __all__ = ["CHAINED_PIPELINES", "PIPELINE_GRID", "PIPELINE_GRID_EXPERTS", "interleave_choices",
-           "pipeline_grid", "pipeline_refusal", "stage_choices"]
+           "no_fit_hint", "pipeline_grid", "pipeline_refusal", "stage_choices",
+           "stages_refused"]
 
 
 
@@ -84,6 +85,31 @@ def pipeline_refusal(graph: OpGraph) -> str:
     if (random := random_operator(graph)) is not None:
         return f"operator {random!r} draws random bits (dropout)"
     return ""
+
+
+def stages_refused(graph: OpGraph, progress: Progress | None) -> bool:
+    """Whether `graph` gets no stages (`pipeline_refusal`), said to `progress` where so."""
+    why = pipeline_refusal(graph)
+    if why and progress is not None:
+        progress(f"search: no pipeline stages for {graph.name!r}: {why}, which apply cannot "
+                 "pipeline; plans without stages only")
+    return bool(why)
+
+
+def no_fit_hint(graph: OpGraph, wanted: bool) -> str:
+    """What the search's "no strategy fits" error adds about pipelines: why `graph` got none
+    (`pipeline_refusal`), or that they were not `wanted`; "" where they were tried."""
+    why = pipeline_refusal(graph) if graph.repeated_blocks() else ""
+    if graph.has_aux:
+        return ("; its loss returns values beside it (has_aux), so plans keep one microbatch "
+                "and no pipeline stages: the loss alone would let the search use both")
+    if why:
+        return (f"; its layers get no pipeline stages ({why}): scanned layers (nn.scan, "
+                "nnx.scan) without dropout would let the search use them")
+    if wanted or not graph.repeated_blocks():
+        return ""
+    return (" or allow pipeline stages (SearchSettings(pipelines=None or True), "
+            "`soapjax plan --pipelines`)")
 
 
 def interleave_choices(graph: OpGraph, stages: int) -> tuple[int, ...]:
