@@ -70,7 +70,7 @@ def test_the_search_offers_no_stages_to_layers_apply_cannot_pipeline():
     import optax
 
     from soapjax.search import SearchSettings, find_plan
-    from soapjax.search.pipelines import pipeline_refusal
+    from soapjax.search.pipelines import no_fit_hint, pipeline_refusal
 
     class Block(nn.Module):
         @nn.compact
@@ -103,7 +103,10 @@ def test_the_search_offers_no_stages_to_layers_apply_cannot_pipeline():
                                              processes=1))
     assert not plan.strategy(g, A100).pipelined
     assert any("no pipeline stages for 'unrolled'" in line for line in said), said
-    assert pipeline_refusal(gpt()) == ""
+    # where nothing fits, the error says why no stages were tried
+    assert "its layers get no pipeline stages (its layers are not one scan" in no_fit_hint(g,
+                                                                                          True)
+    assert pipeline_refusal(gpt()) == "" and no_fit_hint(gpt(), True) == ""
 
 
 def test_layers_cut_into_chunks_with_embedding_first_and_head_last():
