@@ -487,7 +487,7 @@ def _env(prog: Program, values: dict[int, Any]) -> dict[int, Any]:
 def _prologue_fn(cut: _Cut, hook: Callable | None = None) -> Callable:
     """``(other params, batch) -> (shared values, per-microbatch values)``, the batch one
     microbatch's (the function is vmapped over microbatches). `hook`: `Program.run_units`'s
-    (`_Pipeline.prologue_constraints`')."""
+    (the one holding values to `_Pipeline.prologue_constraints`)."""
     other = [v for k, v in enumerate(cut.params) if k not in cut.stacked]
 
     def prologue(params: Sequence[Any], batch: Sequence[Any]) -> tuple[list, list]:

@@ -16,8 +16,8 @@ step, as the ideal resharding model prices it (slices first, gathers last):
 made the change in one go by an all-gather of the whole tensor over ``model``: four times the
 bytes). `steps` finds the cheapest such chain as the ideal model prices its steps
 (`soapjax.cost.reshard.ideal_collectives`, bytes per device summed); ``()`` where the change
-is permute-free already, None where no chain of such steps reaches the destination (an axis
-that changes its place within a dim). `soapjax.apply` holds a value to each step in turn.
+is permute-free already, None where the search finds none within `MAX_STEPS` steps and
+`MAX_STATES` layouts. `soapjax.apply` holds a pipeline's hand-off to each step in turn.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def steps(shape: Sequence[int], dtype: Any, src: Any, dst: Any,
           mesh: MeshShape) -> tuple[Layout, ...] | None:
     """The layouts to hold a value of `shape` in between `src` and `dst` (each a tuple of
     mesh axis names per dim, or a `PartitionSpec`) so that every step is permute-free on
-    `mesh`, cheapest first by the ideal model's bytes; ``()`` where the change is
-    permute-free as it is, None where no such chain reaches `dst` (module doc)."""
+    `mesh`, the cheapest such chain by the ideal model's bytes; ``()`` where the change is
+    permute-free as it is, None where the search finds none (module doc)."""
     a, b = _layout(src, len(shape), mesh), _layout(dst, len(shape), mesh)
     if permute_free(a, b, mesh):
         return ()
