@@ -12,8 +12,9 @@ samples whole along the sequence. `as_run` is the strategy so: each stage operat
 sample dim has the group axes on that dim and on no other. `PipelinedSimulation` prices the
 stage with it, so what the simulator prices is what the step runs (docs/checks.md, "A
 pipeline's data groups"), and apply stores the parameters so (`stage_strategy`: a parameter
-stored split over a group axis was gathered whole into the stages at every step, docs/checks.md,
-"Parameters stored as the groups read them").
+stored split over a group axis was gathered whole into the stages at every step;
+docs/checks.md, "The hand-off in permute-free steps; parameters stored as the groups read
+them").
 """
 
 from __future__ import annotations
