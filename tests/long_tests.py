@@ -342,4 +342,7 @@ LONG: dict[str, str] = {
     "tests/test_check.py::test_a_pipelined_plans_prologue_makes_its_values_in_the_plans_"
     "layouts": "test_a_pipelined_plans_hand_off_and_head_are_what_the_simulator_prices (its "
     "embedding in a layout of its own too: left to XLA, the same rematerialization)",
+    "tests/test_check.py::test_a_pipelined_plans_epilogue_runs_as_the_stages_data_groups_run_"
+    "it": "test_a_pipelined_plans_hand_off_and_head_are_what_the_simulator_prices (its head "
+    "splits the vocabulary over a group axis: run, stored and priced as the groups run it)",
 }
