@@ -3,16 +3,23 @@ them, compiled on the 8 CPU devices."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from soapjax.cost.reshard import ideal_collectives, permute_free
 from soapjax.cost.reshard_steps import steps
-from soapjax.measure import hlo
 from soapjax.strategy.space import MeshShape
+
+_SPEC = importlib.util.spec_from_file_location(
+    "bench_reshard_steps", Path(__file__).resolve().parent.parent / "scripts"
+    / "bench_reshard_steps.py")
+_BENCH = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(_BENCH)
 
 NODES = MeshShape(("node", "data", "model"), (2, 2, 2))
 # an embedding's output [M, B, S, D] as a searched plan made it (the hidden dim over `model`),
@@ -23,19 +30,10 @@ SHAPE = (1, 8, 8, 32)
 
 
 def compiled(layouts, shape=SHAPE) -> list[tuple[str, float, tuple[str, ...]]]:
-    """XLA's collectives for a value held to each of `layouts` in turn, on ``NODES``."""
+    """XLA's collectives for a value held to each of `layouts` in turn, on ``NODES``
+    (`scripts/bench_reshard_steps.py`'s compile)."""
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(NODES.axis_sizes), NODES.axis_names)
-
-    def spec(layout):
-        return PartitionSpec(*(axes or None for axes in layout))
-
-    def f(x):
-        for layout in layouts[1:]:
-            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(layout)))
-        return x
-    x = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec(layouts[0])))
-    text = jax.jit(f).lower(x).compile().as_text()
-    return [(c.kind, c.nbytes, c.axes) for c in hlo.collectives(text, NODES)]
+    return [(c.kind, c.nbytes, c.axes) for c in _BENCH.compiled(mesh, shape, layouts)]
 
 
 def ideal(layouts, shape=SHAPE) -> list[tuple[str, float, tuple[str, ...]]]:
