@@ -1765,7 +1765,7 @@ class _Pipeline:
         over ``model``, the groups ``data`` and ``model``) XLA makes by replicating the value
         whole and slicing it again, where the simulator prices a slice and an all-to-all."""
         sizes = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))
-        mesh = MeshShape(tuple(self.mesh.axis_names), tuple(self.mesh.axis_sizes))
+        mesh = MeshShape.of(self.mesh)
         automatic = [a for a, n in sizes.items()
                      if n > 1 and a != self.stage_axis and a not in self.groups.axes]
         floats = self._floats("mb")

@@ -66,10 +66,9 @@ def _ideal_order(src: Layout, dst: Layout, shape: tuple[int, ...],
     that change dims moved to the ends of theirs, then the rest gathered; None otherwise (and
     `_search` looks further). Most changes a pipeline's hand-off makes are so, found at once."""
     home = {a: d for d, axes in enumerate(dst) for a in axes}
-    held = {a for axes in src for a in axes}
+    held = {a: d for d, axes in enumerate(src) for a in axes}
     sliced = tuple(axes + tuple(a for a in dst[d] if a not in held) for d, axes in enumerate(src))
-    moving = [a for axes in src for a in axes if a in home and home[a] != src.index(
-        next(x for x in src if a in x))]
+    moving = [a for a, d in held.items() if a in home and home[a] != d]
     moved = tuple(tuple(a for a in axes if a not in moving)
                   + tuple(a for a in dst[d] if a in moving) for d, axes in enumerate(sliced))
     chain = [layout for layout in (sliced, moved) if layout not in (src, dst)]
@@ -77,10 +76,14 @@ def _ideal_order(src: Layout, dst: Layout, shape: tuple[int, ...],
     layouts = [src, *chain, dst]
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     if (all(permute_free(x, y, mesh) for x, y in zip(layouts, layouts[1:]))
-            and all(n % math.prod(sizes[a] for a in axes) == 0
-                    for layout in chain for n, axes in zip(shape, layout))):
+            and all(_divides(layout, shape, sizes) for layout in chain)):
         return tuple(chain)
     return None
+
+
+def _divides(layout: Layout, shape: tuple[int, ...], sizes: dict[str, int]) -> bool:
+    """Whether every dim of `shape` divides by its axes in `layout`."""
+    return all(n % math.prod(sizes[a] for a in axes) == 0 for n, axes in zip(shape, layout))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -125,8 +128,7 @@ def _moves(here: Layout, wanted: set[str], sizes: dict[str, int],
             for e in range(len(here)):
                 if e != d:
                     out.append(_with(_with(here, d, axes[:-k]), e, here[e] + axes[-k:]))
-    return [t for t in out if all(n % int(np.prod([sizes[a] for a in axes], dtype=np.int64))
-                                  == 0 for n, axes in zip(shape, t))]
+    return [t for t in out if _divides(t, shape, sizes)]
 
 
 def _with(layout: Layout, d: int, axes: tuple[str, ...]) -> Layout:
