@@ -18,7 +18,8 @@ compares loss and every gradient leaf with the reference, each leaf relative to 
 validation does not allow) is counted as refused, not as a failure; `shrink` cuts a failing strategy
 down to the fewest changes from data parallelism that still fail.
 
-`tests/test_fuzz_exactness.py` runs a fixed few per subject in ``make test``;
+``make test`` runs a fixed few per subject (`one_device`, `seeded`): the corpus models' in
+`tests/test_corpus.py`, the zoo's in `tests/test_fuzz_exactness.py`;
 `scripts/fuzz_exactness.py` runs thousands.
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Collection
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import corpus
@@ -52,12 +54,11 @@ from soapjax.strategy import space
 from soapjax.strategy.memory import microbatch_choices, microbatch_error
 from soapjax.strategy.pipeline import SCHEDULES
 from soapjax.strategy.space import RECOMPUTE_POLICIES, MeshShape, SpaceLimits, Strategy
-from soapjax.topology.cluster import Topology, make_mesh, stage_topology
+from soapjax.topology.cluster import Topology, load_topology, make_mesh, stage_topology
 
 NOISE = 0.05
 TOLERANCE = 1e-9  # float64, per leaf (soapjax.exactness); `Subject.tolerance` may be coarser
-FAST = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False,
-        "xla_llvm_disable_expensive_passes": True}
+FAST = corpus.FAST_COMPILE
 LIMITS = SpaceLimits(max_axes_per_dim=2)
 # The zoo's tiny models the corpus lacks the idioms of: a layer scan (pipelines; four layers
 # for 4 stages and interleaved ones), experts, soapjax's own flash attention (ring
@@ -110,6 +111,42 @@ def names() -> list[str]:
             + [f"zoo:{m}:{c}" for m, c in ZOO])
 
 
+# --- make test's few: a seeded random strategy per subject ----------------------------------------
+
+# Every subject whose float64 gradients tests/test_corpus.py's fixed strategies do not hold
+# already: the corpus models with ``gradients_in="fuzz"`` (checked in tests/test_corpus.py,
+# whose process makes the model anyway: `corpus.made64`) and the zoo's
+# (tests/test_fuzz_exactness.py).
+MAKE_TEST = [n for n in names() if not n.startswith("corpus:")
+             or corpus.CORPUS[n.split(":", 1)[1]].gradients_in == "fuzz"]
+TRIES = 4  # a strategy apply refuses (`PlanError`) is redrawn, up to so many times
+CPU8 = load_topology("cpu8")
+NODES = load_topology(str(Path(__file__).resolve().parent / "meshes" / "cpu8-nodes.toml"))
+ONE = load_topology("cpu8-1")
+
+
+def one_device(name: str) -> Outcome:
+    """The unsharded data-parallel strategy of subject `name` on one device, checked."""
+    s = subject(name)
+    return check(s, space.data_parallel(s.graph, MeshShape.of(ONE)), ONE)
+
+
+def seeded(name: str) -> tuple[Strategy, Topology, Outcome]:
+    """Make test's random strategy of `name` (one of `MAKE_TEST`): drawn with a seed of its
+    own on ``cpu8`` (data=2 x model=4) or ``cpu8-nodes`` (node=2 x data=2 x model=2, where
+    stages cut the node axis; the subjects alternate) and checked; one apply refuses is
+    redrawn, up to `TRIES` times. Returns the last strategy, its topology and outcome."""
+    s = subject(name)
+    rng = np.random.default_rng(sum((k + 1) * ord(c) for k, c in enumerate(name)))
+    topology = (CPU8, NODES)[MAKE_TEST.index(name) % 2]
+    for _ in range(TRIES):
+        strategy = draw(s, topology, rng)
+        out = check(s, strategy, topology)
+        if not out.refused:
+            break
+    return strategy, topology, out
+
+
 @functools.cache
 def subject(name: str) -> Subject:
     """The subject `name` (built once per process)."""
@@ -117,7 +154,7 @@ def subject(name: str) -> Subject:
     options = FAST | dict(corpus.CORPUS[rest].exact_compile if kind == "corpus" else ())
     with jax.enable_x64(True):
         if kind == "corpus":
-            loss_fn, arg, batch = corpus.get(rest, dtype=jnp.float64, compiler_options=FAST)
+            loss_fn, arg, batch = corpus.made64(rest)  # (shared with tests/test_corpus.py)
             if corpus.CORPUS[rest].api == "nnx":
                 graphdef, params, other = nnx.split(arg, nnx.Param, ...)
 
@@ -144,9 +181,11 @@ def subject(name: str) -> Subject:
 
 
 def _jiggle(tree: Any, seed: int = 0) -> Any:
+    """N(0, `NOISE`) added to every float leaf, in numpy (XLA would compile an add per
+    shape; the sum is the same IEEE one)."""
     rng = np.random.default_rng(seed)
-    return jax.tree.map(lambda x: x + jnp.asarray(NOISE * rng.standard_normal(x.shape), x.dtype)
-                        if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+    return jax.tree.map(lambda x: jnp.asarray(np.asarray(x) + (NOISE * rng.standard_normal(
+        x.shape)).astype(x.dtype)) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
 def draw(s: Subject, topology: Topology, rng: np.random.Generator,

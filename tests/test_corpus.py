@@ -26,9 +26,14 @@ reference is ``nnx.value_and_grad`` of the user's loss on the merged model, chec
 ``jax.grad`` of that pure loss. A float64 difference above 1e-12 is a wrong gradient, not
 rounding: sharded reduction orders move float64 results by ~1e-15.
 
-Each model's cases, references and traced graphs are built once (`case`, cached) and shared by
-its tests; `test_every_shard_program_builds` also builds every per-device program the cost
-stage would time.
+The corpus models this file holds no fixed strategies' gradients of
+(``gradients_in="fuzz"``) are held to ``jax.grad`` here too, on one device and under a seeded
+random strategy on ``cpu8`` or ``cpu8-nodes`` (tests/fuzzing.py's subjects): this process makes
+every corpus model anyway, and making one is most of what a check of it costs.
+
+Each model is made once (`corpus.made64`); its cases, references and traced graphs are built
+once (`case`, cached) and shared by its tests; `test_every_shard_program_builds` also builds
+every per-device program the cost stage would time.
 
 mixed_precision computes in bfloat16, so it is held to bfloat16's precision instead (see
 `BF16_TOL`). The whole file compiles ~100 small programs; run it alone with
@@ -43,6 +48,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import corpus
+import fuzzing
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,8 +91,7 @@ NOISE = 0.05
 # max it is built on (1/2) disagree; perturbed, it is compared too
 # (test_resnet18_perturbed_gradient_is_exact).
 PERTURB = {"resnet18": 0.0}
-FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0,
-                "xla_llvm_disable_expensive_passes": True}
+FAST_COMPILE = corpus.FAST_COMPILE
 STRATEGIES = ("data_parallel", "megatron", "fsdp", "searched")
 
 
@@ -140,19 +145,12 @@ def jiggle(tree: Any, noise: float, seed: int = 0) -> Any:
     """Adds N(0, noise) to every float leaf (deterministic): parameters a few steps in."""
     rng = np.random.default_rng(seed)
 
-    def add(x):
+    def add(x):  # in numpy: XLA would compile an add per shape (the same IEEE sum)
         if not noise or not jnp.issubdtype(x.dtype, jnp.floating):
             return x
-        return x + jnp.asarray(noise * rng.standard_normal(x.shape), x.dtype)
+        return jnp.asarray(np.asarray(x) + (noise * rng.standard_normal(x.shape)).astype(x.dtype))
 
     return jax.tree.map(add, tree)
-
-
-@functools.cache
-def _made(name: str) -> tuple[Callable, Any, Any]:
-    """The float64 model as its corpus entry makes it (made once)."""
-    with jax.enable_x64(True):
-        return corpus.get(name, dtype=jnp.float64, compiler_options=FAST_COMPILE)
 
 
 @functools.cache
@@ -162,7 +160,7 @@ def case(name: str, x64: bool = True, noise: float | None = None) -> Case:
     noise = PERTURB.get(name, NOISE) if noise is None else noise
     if not x64:
         return _rounded(case(name, True, noise))
-    loss_fn, arg, batch = _made(name)
+    loss_fn, arg, batch = corpus.made64(name)
     with jax.enable_x64(True):
         if corpus.CORPUS[name].api == "nnx":
             arg = nnx.clone(arg)
@@ -183,24 +181,14 @@ class Traced(NamedTuple):
 
 @functools.cache
 def traced(name: str) -> Traced:
-    """The float64 model's pure loss and traced graph: `case`'s where this file holds the
-    model's gradients (the case is built anyway), else traced from the model as made, without
-    the perturbation and the reference gradient, which nothing here reads
-    (tests/test_fuzz_exactness.py holds those models' gradients against references of its
-    own)."""
+    """The float64 model's pure loss, parameters, batch and traced graph: `case`'s where this
+    file holds the model's gradients under its fixed strategies, else its `fuzzing.subject`'s
+    (test_a_random_strategy_is_exact holds those models' gradients)."""
     if corpus.CORPUS[name].gradients_in == "corpus":
         c = case(name)
         return Traced(c.pure_loss, c.params, c.batch, c.graph)
-    loss_fn, arg, batch = _made(name)
-    with jax.enable_x64(True):
-        if corpus.CORPUS[name].api == "nnx":
-            graphdef, params, rest = nnx.split(arg, nnx.Param, ...)
-
-            def pure_loss(p, b):  # as `_prepare`'s
-                return loss_fn(nnx.merge(graphdef, p, jax.tree.map(lambda x: x, rest)), b)
-        else:
-            params, pure_loss = arg, loss_fn
-        return Traced(pure_loss, params, batch, trace(pure_loss, params, batch, name=name))
+    s = fuzzing.subject(f"corpus:{name}")
+    return Traced(s.loss, s.params, s.batch, s.graph)
 
 
 def _rounded(c: Case) -> Case:
@@ -372,8 +360,30 @@ def check_grads(c: Case, got: Any, where: str) -> None:
 
 NAMES = corpus.names()
 # The models whose float64 gradients this file holds under its fixed strategies; the others'
-# are in tests/test_fuzz_exactness.py (`corpus.Entry.gradients_in`).
+# under a seeded random strategy each (`corpus.Entry.gradients_in`; below).
 GRADIENT_NAMES = [n for n in NAMES if corpus.CORPUS[n].gradients_in == "corpus"]
+# The others: tests/fuzzing.py's subjects, checked here, where their models are made anyway
+FUZZ_NAMES = [n.split(":", 1)[1] for n in fuzzing.MAKE_TEST if n.startswith("corpus:")]
+
+
+@pytest.mark.parametrize("name", FUZZ_NAMES)
+def test_one_device_is_exact(name):
+    """The unsharded data-parallel strategy on one device against ``jax.grad`` of the user's
+    loss, every leaf within its subject's bar (`fuzzing.one_device`)."""
+    out = fuzzing.one_device(f"corpus:{name}")
+    assert out.comparison is not None, out.refused
+    assert out.comparison.max_error <= fuzzing.subject(f"corpus:{name}").tolerance, \
+        out.comparison.describe()
+
+
+@pytest.mark.parametrize("name", FUZZ_NAMES)
+def test_a_random_strategy_is_exact(name):
+    """A seeded random strategy (every freedom of the SOAP space, stages where the model has a
+    layer scan) on ``cpu8`` or ``cpu8-nodes`` against ``jax.grad`` (`fuzzing.seeded`)."""
+    strategy, topology, out = fuzzing.seeded(f"corpus:{name}")
+    assert not out.refused, f"{fuzzing.TRIES} strategies refused; the last: {out.refused}"
+    assert not out.failed, (topology.name,
+                            fuzzing.describe(strategy, traced(name).graph), out.describe())
 
 
 @pytest.mark.parametrize("name", GRADIENT_NAMES)

@@ -1,64 +1,39 @@
-"""The randomized exactness suite's fast part (`tests/fuzzing.py`; the long run, thousands of
-strategies over every subject, is `scripts/fuzz_exactness.py`).
+"""The randomized exactness suite's fast part for the zoo's subjects (`tests/fuzzing.py`; the
+long run, thousands of strategies over every subject, is `scripts/fuzz_exactness.py`).
 
-For every subject whose float64 gradients tests/test_corpus.py does not hold already (the
-corpus models with ``gradients_in="fuzz"``, and the zoo's tiny models with a layer scan,
-experts, flash attention): the unsharded data-parallel strategy on one device, and a seeded
-random strategy on ``cpu8`` (data=2 x model=4) or ``cpu8-nodes`` (node=2 x data=2 x model=2,
-where pipeline stages cut the node axis; the subjects alternate), applied and compared with
-``jax.grad`` of the user's loss: the loss and every gradient leaf within 1e-9 of its own scale.
-A strategy apply refuses (`PlanError`) is redrawn, up to `TRIES` times. The randomized
-suite's finds are kept as tests of their own in tests/test_exactness.py.
+For the zoo's tiny models with what the corpus lacks (a layer scan, experts, flash attention):
+the unsharded data-parallel strategy on one device, and a seeded random strategy on ``cpu8``
+(data=2 x model=4) or ``cpu8-nodes`` (node=2 x data=2 x model=2, where pipeline stages cut the
+node axis; the subjects alternate), applied and compared with ``jax.grad`` of the user's loss:
+the loss and every gradient leaf within 1e-9 of its own scale (`fuzzing.one_device`,
+`fuzzing.seeded`). The corpus models' subjects are checked the same way in
+tests/test_corpus.py, whose process makes those models anyway. The randomized suite's finds
+are kept as tests of their own in tests/test_exactness.py.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import corpus
 import fuzzing
 import numpy as np
 import pytest
+from fuzzing import CPU8, NODES, TRIES
 
-from soapjax.strategy import space
-from soapjax.topology.cluster import load_topology
-
-ROOT = Path(__file__).resolve().parent
-CPU8 = load_topology("cpu8")
-NODES = load_topology(str(ROOT / "meshes" / "cpu8-nodes.toml"))
-ONE = load_topology("cpu8-1")
-TRIES = 4
+ZOO = [n for n in fuzzing.MAKE_TEST if n.startswith("zoo:")]
 
 
-SUBJECTS = [n for n in fuzzing.names() if not n.startswith("corpus:")
-            or corpus.CORPUS[n.split(":", 1)[1]].gradients_in == "fuzz"]
-
-
-@pytest.mark.parametrize("name", SUBJECTS)
+@pytest.mark.parametrize("name", ZOO)
 def test_one_device_is_exact(name):
-    s = fuzzing.subject(name)
-    out = fuzzing.check(s, space.data_parallel(s.graph, space.MeshShape.of(ONE)), ONE)
+    out = fuzzing.one_device(name)
     assert out.comparison is not None, out.refused
-    assert out.comparison.max_error <= s.tolerance, out.comparison.describe()
+    assert out.comparison.max_error <= fuzzing.subject(name).tolerance, out.comparison.describe()
 
 
-@pytest.mark.parametrize("name", SUBJECTS)
+@pytest.mark.parametrize("name", ZOO)
 def test_a_random_strategy_is_exact(name):
-    s = fuzzing.subject(name)
-    rng = np.random.default_rng(_seed(name))
-    topology = (CPU8, NODES)[SUBJECTS.index(name) % 2]
-    for _ in range(TRIES):
-        strategy = fuzzing.draw(s, topology, rng)
-        out = fuzzing.check(s, strategy, topology)
-        if not out.refused:
-            break
+    strategy, topology, out = fuzzing.seeded(name)
     assert not out.refused, f"{TRIES} strategies refused; the last: {out.refused}"
-    assert not out.failed, (topology.name, fuzzing.describe(strategy, s.graph), out.describe())
-
-
-def _seed(name: str) -> int:
-    """A seed per subject that does not move with Python's string hashing."""
-    return sum((k + 1) * ord(c) for k, c in enumerate(name))
+    assert not out.failed, (topology.name, fuzzing.describe(strategy, fuzzing.subject(name).graph),
+                            out.describe())
 
 
 def test_draws_keep_to_the_schedules_asked_for():

@@ -36,9 +36,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
+import jax
 import jax.numpy as jnp
 
 from corpus import (
@@ -125,8 +127,9 @@ class Entry:
       gradients_in: where ``make test`` holds its float64 gradients to ``jax.grad``:
         ``"corpus"`` (tests/test_corpus.py: one device, and cpu8 under data parallel,
         Megatron, FSDP, a searched plan and `shard_training`) or ``"fuzz"``
-        (tests/test_fuzz_exactness.py: one device, and seeded random strategies on cpu8 and
-        cpu8-nodes). Every model is in the randomized suite's long run either way.
+        (tests/test_corpus.py too, by tests/fuzzing.py: one device, and a seeded random
+        strategy on cpu8 or cpu8-nodes). Every model is in the randomized suite's long run
+        either way.
       exact_compile: XLA options its exactness checks compile with over the suite's fast
         ones, where those compute the model wrongly (docs/xla-workarounds.md).
     """
@@ -437,3 +440,18 @@ def get(name: str, *, dtype: Any = jnp.float32, **options: Any) -> tuple[Callabl
         raise KeyError(f"no corpus model {name!r}; expected one of {names()}{hint}")
     entry = CORPUS[name]
     return entry.make(dtype=dtype, **{**dict(entry.options), **options})
+
+
+# XLA's options for a test's programs: compiled fast, run once on a handful of values
+FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0,
+                "xla_llvm_disable_expensive_passes": True}
+
+
+@functools.cache
+def made64(name: str) -> tuple[Callable, Any, Any]:
+    """`get`'s float64 model, its init compiled with `FAST_COMPILE`, made once per process
+    and shared by every test that reads it (making a model, its init compiled, is most of
+    what a test of one costs): tests/test_corpus.py's cases and tests/fuzzing.py's subjects.
+    Callers copy before changing it (an nnx module: ``nnx.clone``)."""
+    with jax.enable_x64(True):
+        return get(name, dtype=jnp.float64, compiler_options=FAST_COMPILE)
