@@ -359,7 +359,7 @@ def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5,
     diff = step_difference(out, ref, gradients=gradients)
 
     found = hlo.collectives(compiled.as_text(), MeshShape.of(topo),
-                            reduce_scatter_from_slices=True)
+                            reduce_scatter_from_slices=True, narrow_as_sent=True)
     found = apply.collectives_as_run(found, strategy)
     cm = cost_model(graph, topo, mode=costs, optimizer=w.optimizer)
     mode = plan_reshard_mode(plan) if reshard is None else reshard

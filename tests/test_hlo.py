@@ -232,6 +232,77 @@ def test_all_reduce_then_slice_reads_as_reduce_scatter_on_request():
     assert _one(other, MESH_2x4, reduce_scatter_from_slices=True).kind == "all-reduce"
 
 
+# XLA:CPU's float normalization: bfloat16 collectives sent in float32. A promoted all-reduce, an
+# all-gather of a bfloat16 value widened in a fusion, and a combined all-reduce of a float32
+# gradient, a widened one and a bfloat16 sum accumulated in float32.
+WIDENED = """HloModule m, num_partitions=8
+
+%sum_promoted (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%widen (w: bf16[8,16]) -> f32[8,16] {
+  %w = bf16[8,16]{1,0} parameter(0)
+  ROOT %c = f32[8,16]{1,0} convert(%w)
+}
+
+%narrow (y: f32[32]) -> bf16[32] {
+  %y = f32[32]{0} parameter(0)
+  ROOT %c = bf16[32]{0} convert(%y)
+}
+
+%widened_sum (v: bf16[4,32]) -> f32[32] {
+  %v = bf16[4,32]{1,0} parameter(0)
+  %cv = f32[4,32]{1,0} convert(%v)
+  %zero = f32[] constant(0)
+  ROOT %r = f32[32]{0} reduce(%cv, %zero), dimensions={0}, to_apply=%sum_promoted
+}
+
+ENTRY %main (p: f32[16,32], q: bf16[8,16], g: f32[64], h: bf16[4,32], k: bf16[32]) -> f32[] {
+  %p = f32[16,32]{1,0} parameter(0)
+  %q = bf16[8,16]{1,0} parameter(1)
+  %g = f32[64]{0} parameter(2)
+  %h = bf16[4,32]{1,0} parameter(3)
+  %k = bf16[32]{0} parameter(4)
+  %all-reduce = f32[16,32] all-reduce(%p), replica_groups=[2,4]<=[8], to_apply=%sum_promoted
+  %f = f32[8,16]{1,0} fusion(%q), kind=kLoop, calls=%widen
+  %all-gather = f32[16,16]{1,0} all-gather(%f), replica_groups=[4,2]<=[8], dimensions={0}
+  %wk = f32[32]{0} convert(%k)
+  %s = f32[32]{0} fusion(%h), kind=kLoop, calls=%widened_sum
+  %ar = (f32[64], f32[32], f32[32]) all-reduce(%g, %wk, %s), replica_groups=[2,4]<=[8], to_apply=%t
+  %g0 = f32[64]{0} get-tuple-element(%ar), index=0
+  %g1 = f32[32]{0} get-tuple-element(%ar), index=1
+  %g2 = f32[32]{0} get-tuple-element(%ar), index=2
+  %n1 = bf16[32]{0} convert(%g1)
+  %n2 = bf16[32]{0} fusion(%g2), kind=kLoop, calls=%narrow
+  %ng = bf16[16,16]{1,0} convert(%all-gather)
+  ROOT %z = f32[64]{0} add(%g0, %g0)
+}
+"""
+
+
+def test_bfloat16_collectives_xla_cpu_widened_read_as_the_program_sends_them():
+    """`narrow_as_sent`: each float32 buffer XLA:CPU widened from bfloat16 (and narrows again
+    after) counts its bfloat16 bytes (the program's own type, what a GPU sends); a float32
+    gradient in the same combined all-reduce keeps its 4 bytes; without the option every
+    buffer is read as compiled."""
+    raw = hlo.collectives(WIDENED, MESH_2x4)
+    assert [c.nbytes for c in raw] == [16 * 32 * 4, 16 * 16 * 4, (64 + 32 + 32) * 4]
+    sent = hlo.collectives(WIDENED, MESH_2x4, narrow_as_sent=True)
+    assert [c.nbytes for c in sent] == [16 * 32 * 2, 16 * 16 * 2, 64 * 4 + 32 * 2 + 32 * 2]
+    assert sent[2].shapes == ("f32[64]", "bf16[32]", "bf16[32]")
+    # a float32 value the program computed in float32 (no convert of a 2-byte one) stays so
+    plain = WIDENED.replace("to_apply=%sum_promoted\n  %f", "to_apply=%sum\n  %f")
+    assert hlo.collectives(plain, MESH_2x4, narrow_as_sent=True)[0].nbytes == 16 * 32 * 4
+    # a widened value the program goes on using in float32 was sent in float32 (a float32
+    # parameter's gradient computed in bfloat16 and widened before its all-reduce)
+    kept = WIDENED.replace("%n1 = bf16[32]{0} convert(%g1)", "%n1 = f32[32]{0} add(%g1, %g1)")
+    assert hlo.collectives(kept, MESH_2x4, narrow_as_sent=True)[2].shapes == (
+        "f32[64]", "f32[32]", "bf16[32]")
+
+
 # --- real compiled HLO ---------------------------------------------------------------------------
 
 
@@ -349,3 +420,23 @@ def test_hlo_flops_counts_every_trip_of_a_loop_and_leaves_all_reduces_out():
         summed.lower(jax.ShapeDtypeStruct((64, 32), jnp.float32)).compile().as_text())
     assert reduced.all_reduce == 32  # XLA's 1 FLOP per element: communication here
     assert reduced.compute == 8 * 32 - 32  # each device sums its 8 rows
+
+
+def test_compiled_bfloat16_partial_sums_read_as_bfloat16(mesh):
+    """A bfloat16 matmul pair with the hidden dim split over ``model``: XLA:CPU all-gathers a
+    widened copy and all-reduces the partial sums promoted to float32; read as sent, both are
+    the bfloat16 bytes of the values."""
+    def f(x, w1, w2):
+        return jnp.tanh(x @ w1) @ w2
+
+    shardings = (NamedSharding(mesh, P("data", None)), NamedSharding(mesh, P(None, "model")),
+                 NamedSharding(mesh, P("model", None)))
+    args = (jax.ShapeDtypeStruct((16, 32), jnp.bfloat16),
+            jax.ShapeDtypeStruct((32, 64), jnp.bfloat16),
+            jax.ShapeDtypeStruct((64, 32), jnp.bfloat16))
+    text = jax.jit(f, in_shardings=shardings).lower(*args).compile().as_text()
+    raw = hlo.collectives(text, mesh)
+    sent = hlo.collectives(text, mesh, narrow_as_sent=True)
+    assert raw and all("f32" in c.shapes[0] for c in raw)  # as XLA:CPU compiled them
+    assert [c.nbytes * 2 for c in sent] == [c.nbytes for c in raw]
+    assert all(c.shapes[0].startswith("bf16") for c in sent)

@@ -141,6 +141,7 @@ def collectives(
     device_ids: Any = None,
     *,
     reduce_scatter_from_slices: bool = False,
+    narrow_as_sent: bool = False,
 ) -> list[HloCollective]:
     """The collectives of compiled HLO text, in text order.
 
@@ -156,6 +157,12 @@ def collectives(
         1/group_size of its elements (directly or as a fusion around a dynamic-slice) as one
         reduce-scatter of the same input. The GPU pipeline's ``ReduceScatterCreator`` pass
         makes this rewrite; the CPU pipeline does not, so CPU HLO shows the pair.
+      narrow_as_sent: report a float32 collective that XLA:CPU widened from a 2-byte float
+        (bfloat16, float16) at that type, as the program's own types and a GPU send it:
+        XLA:CPU's float normalization sends such collectives in float32 (an all-reduce whose
+        reduction its promotion pass renamed ``..._promoted``; another collective whose every
+        operand is a 2-byte value widened by a ``convert``, alone or as a fusion's root), twice
+        the bytes (`_widened_from_narrow`).
 
     Returns:
       One `HloCollective` per collective instruction (``-done`` halves skipped).
@@ -170,6 +177,8 @@ def collectives(
             if base is None or suffix == "-done":
                 continue
             leaves = type_leaves(_data_node(base, suffix, inst.type))
+            if narrow_as_sent:
+                leaves = _as_sent(leaves, _widened_from_narrow(inst, base, comp, module))
             nbytes = sum(leaf_bytes(leaf) for leaf in leaves)
             if base == "reduce-scatter" and (groups := _groups(inst, module.num_devices)):
                 nbytes *= len(groups[0])  # the output is one member's part of the input
@@ -273,6 +282,86 @@ def _groups(inst: Inst, num_devices: int | None) -> tuple[tuple[int, ...], ...]:
     if m:
         return parse_groups_at(inst.attrs, m.end(), num_devices)[0]
     return (tuple(range(num_devices)),) if num_devices is not None else ()
+
+
+_NARROW = ("bf16", "f16")
+
+
+def _widened_from_narrow(inst: Inst, base: str, comp: list[Inst], module: Module
+                         ) -> list[str | None]:
+    """Per operand of a collective of XLA:CPU's, the 2-byte float type (``"bf16"`` or
+    ``"f16"``) its float32 buffer was in the program before XLA's float normalization widened
+    it, else None (see `collectives`): every operand of an all-reduce whose reduction is named
+    ``..._promoted`` (the type named as the module's other 2-byte floats are: both are 2
+    bytes); else an operand that is a ``convert`` of a 2-byte float value, or a ``reduce`` of
+    one (a 2-byte sum XLA:CPU accumulates in float32), alone or as the root of a fusion (a
+    combined all-reduce of gradients holds both kinds and float32 ones)."""
+    if base == "all-reduce" and any(c.endswith("_promoted")
+                                    for c in callees(inst).get("to_apply", [])):
+        narrow = "bf16" if any("bf16" in i.type for c in module.computations.values()
+                               for i in c) else "f16"
+        return [narrow] * len(inst.operands)
+    local = {i.name: i for i in comp}
+    out: list[str | None] = []
+    for k, name in enumerate(inst.operands):
+        if not _narrowed_after(inst, k, len(inst.operands), comp, module):
+            out.append(None)  # the program used the float32 sum as float32: it sent float32
+            continue
+        source, scope = local.get(name), local
+        if source is not None and source.opcode == "fusion":
+            called = callees(source).get("calls", [])
+            body = module.computations.get(called[0], []) if called else []
+            source, scope = (body[-1], {i.name: i for i in body}) if body else (None, {})
+        if source is not None and source.opcode == "reduce" and source.operands:
+            source = scope.get(source.operands[0])  # a 2-byte reduce XLA:CPU ran in float32
+        widened = (scope.get(source.operands[0]) if source is not None
+                   and source.opcode == "convert" and source.operands else None)
+        dtype = widened.type.split("[", 1)[0] if widened is not None else ""
+        out.append(dtype if dtype in _NARROW else None)
+    return out
+
+
+def _narrowed_after(inst: Inst, k: int, n: int, comp: list[Inst], module: Module) -> bool:
+    """Whether every use of a collective's `k`-th result (of `n`; a tuple's through its
+    ``get-tuple-element``) converts it to a 2-byte float, directly or first thing inside a
+    fusion (its parameters of that result's type read by such converts alone): the float32
+    buffer is the normalization's, not the program's (a float32 gradient of a float32
+    parameter, computed in bfloat16 and widened before its all-reduce, stays float32)."""
+    names = {inst.name}
+    if n > 1 or inst.type.startswith("("):
+        names = {i.name for i in comp if i.opcode == "get-tuple-element"
+                 and i.operands == (inst.name,) and re.search(rf"index={k}\b", i.attrs)}
+    users = [(i, name) for i in comp for name in names if name in i.operands]
+    if not users:
+        return False
+    for user, name in users:
+        if user.opcode == "convert":
+            if user.type.split("[", 1)[0] not in _NARROW:
+                return False
+            continue
+        if user.opcode != "fusion":
+            return False
+        called = callees(user).get("calls", [])
+        body = module.computations.get(called[0], []) if called else []
+        kind = next((i.type for i in comp if i.name == name), "").split("{", 1)[0]
+        params = {i.name for i in body if i.opcode == "parameter"
+                  and i.type.split("{", 1)[0] == kind}
+        reads = [i for i in body if params.intersection(i.operands)]
+        if not params or not reads or any(i.opcode != "convert" or i.type.split("[", 1)[0]
+                                          not in _NARROW for i in reads):
+            return False
+    return True
+
+
+def _as_sent(leaves: list, narrow: list[str | None]) -> list:
+    """`leaves` with each float32 buffer whose operand `narrow` names a 2-byte type at that
+    type; where the buffers are not one per operand, only if every operand is narrow."""
+    if len(narrow) != len(leaves):
+        if not narrow or None in narrow:
+            return leaves
+        narrow = [narrow[0]] * len(leaves)
+    return [(n, dims) if n and dtype == "f32" else (dtype, dims)
+            for (dtype, dims), n in zip(leaves, narrow)]
 
 
 def _collective(
