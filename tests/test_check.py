@@ -551,3 +551,45 @@ def test_a_pipelined_plan_whose_layers_read_another_layout_than_the_prologue_che
     assert code == 0 and data["max_abs_diff"] < 1e-5
     assert data["predicted_collective_bytes"] == pytest.approx(data["hlo_collective_bytes"],
                                                                rel=0.05)
+
+
+def _bf16_mlp():
+    """A user's MLP in bfloat16 throughout (parameters and compute), as ``(loss_fn, params,
+    batch)`` of shapes: `check` draws the values."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            kw = {"dtype": jnp.bfloat16, "param_dtype": jnp.bfloat16}
+            return nn.Dense(16, **kw)(nn.gelu(nn.Dense(128, **kw)(x)))
+
+    model, x = MLP(), jax.ShapeDtypeStruct((32, 64), jnp.bfloat16)
+    batch = {"x": x, "y": jax.ShapeDtypeStruct((32,), jnp.int32)}
+
+    def loss_fn(params, batch):
+        logits = model.apply(params, batch["x"]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    return loss_fn, jax.eval_shape(model.init, jax.random.key(0), x), batch
+
+
+def test_a_bfloat16_models_collectives_are_read_as_the_program_sends_them():
+    """Megatron's plan of a bfloat16 MLP on ``cpu8``: XLA:CPU sends its bfloat16 partial sums
+    and gradients in float32 (its float normalization), twice the bytes of the program's own
+    types; `check` reads them as sent (`soapjax.measure.hlo.collectives`' ``narrow_as_sent``):
+    the simulator's bytes within 10 % (0.5 read as compiled)."""
+    from soapjax.check import compare_on_devices
+    from soapjax_zoo.user import load
+
+    w = load(f"{__name__}:_bf16_mlp")
+    g = trace(w.loss_fn, w.abstract_params(), w.abstract_batch(), name=w.name)
+    topo = load_topology("cpu8")
+    r = compare_on_devices(Plan.make(g, topo, baselines.megatron(g, MeshShape.of(topo),
+                                                                 ("model",))),
+                           w, repeats=1, costs="analytic")
+    assert r.predicted_collective_bytes == pytest.approx(r.hlo_collective_bytes, rel=0.10)
+    assert {k for k, n, b in r.hlo_collectives} >= {"all_reduce"}
