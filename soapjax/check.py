@@ -44,6 +44,7 @@ from soapjax.exactness import (
     reference_inputs,
     reference_value_and_grad,
     step_difference,
+    widened,
 )
 from soapjax.graph.opgraph import trace
 from soapjax.measure import hlo
@@ -294,6 +295,9 @@ def _noise_note(gradients: GradientComparison) -> str:
         shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
         what = ("whose true gradient is zero (float64: under float32's resolution of the "
                 "largest; rounding noise on both sides" if gradients.float64 else
+                "whose true gradient is zero (the step widened to float32: under the model's "
+                "2-byte float resolution of the largest; rounding noise on both sides"
+                if gradients.widened else
                 "whose gradient is under the model-wide floor (zero, or too small to tell from "
                 "float32 rounding without a float64 run of the loss; rounding noise on both "
                 "sides")
@@ -356,6 +360,11 @@ def compare_on_devices(plan: Plan, workload: TrainWorkload, *, repeats: int = 5,
             apply.device_put_global(batch, sh.batch))
     compiled = step.lower(*args).compile()
     out = apply.model_layout(step(*args))  # (stacked layers kept in chunk order: back)
+    if gradients.widened:  # the unsharded step's own 2-byte rounding is off: its widened run
+        try:
+            ref = widened(unsharded)(params, opt_state, batch)
+        except Exception:  # noqa: BLE001  (the widening cannot follow the optimizer: as run)
+            pass
     diff = step_difference(out, ref, gradients=gradients)
 
     found = hlo.collectives(compiled.as_text(), MeshShape.of(topo),

@@ -29,6 +29,18 @@ float32 step itself is off by on that leaf (never above the model-wide floor), s
 real gradient is held to its own scale, and a leaf is noise only where its float64 gradient
 is below the float32 resolution of the largest one.
 
+A model that computes in bfloat16 or float16 has no float64 run (its dtypes are its own), and
+its unsharded gradients can be farther from the exact ones than the sharded step's (equal
+terms accumulated in bfloat16: a head bias's gradient -0.891 unsharded, -1.008 sharded, about
+-0.999 exact; docs/checks.md). Where such a model fails the bar, the unsharded step is run
+again with its 2-byte floats widened to float32 (`widened_reference`: the differentiated
+step's jaxpr evaluated with every bfloat16 and float16 type float32, so custom derivative
+rules are kept as they were applied), and the gradients are held against that, as against
+float64 above; `soapjax check` holds the step against the widened step too. In the step
+(`step_difference`), a bfloat16 or float16 value may differ by one unit in its last place at
+its magnitude: an update of the learning rate's size rounds to a bfloat16 parameter's
+resolution (0.0078 at magnitude 1) either way.
+
 `compare_gradients` compares two ``(loss, grads)`` and names the worst leaf with the operator
 that reads it; `first_step` runs the sharded step's loss and gradients
 (`soapjax.apply.step.sharded_value_and_grad`) and the unsharded ones of the user's own loss on one
@@ -61,6 +73,7 @@ __all__ = ["NUMBERS_TOLERANCE", "TOLERANCE", "GradientComparison", "LeafError",
            "VerificationError", "compare_gradients", "first_step", "float64_reference",
            "narrowest_float",
            "reading_operators", "reference_inputs", "reference_value_and_grad",
+           "widened", "widened_reference",
            "rounding_tolerance", "step_difference"]
 
 # The bar per float type: what a different reduction order moves a gradient by, with margin;
@@ -127,6 +140,8 @@ class GradientComparison:
         own scale as the gradients are.
       float64: the gradients were held against the unsharded step's in float64, each leaf
         with its own floor (module doc), rather than against its float32 gradients.
+      widened: held so against the unsharded step with its bfloat16 and float16 values
+        widened to float32 (`widened_reference`), rather than against its own gradients.
     """
 
     loss: float
@@ -136,6 +151,7 @@ class GradientComparison:
     tolerance: float
     aux: tuple[LeafError, ...] = ()
     float64: bool = False
+    widened: bool = False
 
     @property
     def noise_leaves(self) -> tuple[int, ...]:
@@ -171,7 +187,8 @@ class GradientComparison:
         aux = max(self.aux, key=lambda e: e.error, default=None)
         if aux is not None:
             leaf += f"; worst aux value {aux.path} {aux.error:.3g} of its scale {aux.scale:.3g}"
-        against = " against float64" if self.float64 else ""
+        against = (" against float32, the model's 2-byte floats widened" if self.widened else
+                   " against float64" if self.float64 else "")
         return (f"{'PASS' if self.passed else 'FAIL'} gradients: loss {self.loss:.8g} against "
                 f"{self.reference_loss:.8g} (relative {self.loss_error:.3g}){leaf} (bar "
                 f"{self.tolerance:g}, relative per leaf{against})")
@@ -181,6 +198,7 @@ class GradientComparison:
         return {"loss": self.loss, "reference_loss": self.reference_loss,
                 "loss_error": self.loss_error, "tolerance": self.tolerance,
                 "passed": self.passed, "max_error": self.max_error, "float64": self.float64,
+                "widened": self.widened,
                 "worst": worst.to_json() if worst else None,
                 "leaves": [e.to_json() for e in self.leaves],
                 "aux": [e.to_json() for e in self.aux]}
@@ -210,7 +228,8 @@ def rounding_tolerance(graph: OpGraph) -> float:
 def compare_gradients(loss: Any, grads: Any, reference_loss: Any, reference_grads: Any, *,
                       tolerance: float, operators: Sequence[str] | None = None,
                       computed_in: str | None = None, aux: Any = None,
-                      reference_aux: Any = None, truth: Any = None) -> GradientComparison:
+                      reference_aux: Any = None, truth: Any = None,
+                      widened: bool = False) -> GradientComparison:
     """Each gradient leaf's error relative to its own scale (module doc), and the loss's.
 
     Args:
@@ -226,6 +245,7 @@ def compare_gradients(loss: Any, grads: Any, reference_loss: Any, reference_grad
       truth: the unsharded gradients computed in float64 (`float64_reference`), of the same
         structure: the sharded ones are held against them, each leaf with a floor of its own
         (module doc); None: against `reference_grads`, one floor for all.
+      widened: `truth` is `widened_reference`'s float32 run, not a float64 one.
 
     Raises:
       ValueError: the two gradient pytrees differ in structure or in a leaf's shape.
@@ -265,7 +285,8 @@ def compare_gradients(loss: Any, grads: Any, reference_loss: Any, reference_grad
     if math.isnan(loss_v) != math.isnan(ref_v):
         loss_error = math.inf
     return GradientComparison(loss_v, ref_v, loss_error, tuple(leaves), tolerance,
-                              _aux_errors(aux, reference_aux), float64=truth is not None)
+                              _aux_errors(aux, reference_aux),
+                              float64=truth is not None and not widened, widened=widened)
 
 
 def _floors(want: list[np.ndarray], scales: list[float], eps: float, tolerance: float,
@@ -362,6 +383,9 @@ def first_step(graph: OpGraph, strategy: Any, mesh: Mesh, loss_fn: Callable[[Any
                                 computed_in=narrowest_float(graph), aux=aux,
                                 reference_aux=ref_aux)
     out = compare()
+    if not out.passed and narrowest_float(graph) in _NARROW_FLOATS:
+        wide = widened_reference(loss_fn, graph, strategy, params, batch)
+        return out if wide is None else compare(truth=wide, widened=True)
     if not out.noise_leaves or bar < TOLERANCE["float32"]:
         # every leaf is held to its own scale already; or the bar is finer than float32's:
         # the float64 run rounds none of the values the model rounds to float32, so at such
@@ -395,6 +419,131 @@ def float64_reference(loss_fn: Callable[[Any, Any], Any], graph: OpGraph, strate
             return None
         _, grads = jax.jit(fn)(*reference_inputs(inputs))
         return jax.tree.map(np.asarray, grads)
+
+
+_NARROW_FLOATS = ("bfloat16", "float16")
+
+
+def widened_reference(loss_fn: Callable[[Any, Any], Any], graph: OpGraph, strategy: Any,
+                      params: Any, batch: Any) -> Any | None:
+    """The unsharded step's gradients with the model's bfloat16 and float16 values computed
+    in float32 (module doc): ``jax.value_and_grad`` of the user's loss run by `widened`. None
+    where the graph computes in no 2-byte float, or the widening cannot follow the program."""
+    if narrowest_float(graph) not in _NARROW_FLOATS:
+        return None
+    try:
+        _, grads = widened(reference_value_and_grad(loss_fn, graph, strategy))(params, batch)
+    except Exception:  # noqa: BLE001  (a program the widening cannot follow: no truth)
+        return None
+    return jax.tree.map(np.asarray, grads)
+
+
+def widened(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with every 2-byte float of its program widened to float32: traced at its
+    arguments' own types, its jaxpr then evaluated with the inputs, literals, and the types
+    equations convert to or accumulate in widened, jitted on one device (`reference_inputs`).
+    Raises where the program holds something the widening cannot follow (a bit cast of a
+    2-byte value)."""
+    def run(*args: Any) -> Any:
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
+        closed = jax.make_jaxpr(fn)(*shapes)
+        out_tree = jax.tree.structure(jax.eval_shape(fn, *shapes))
+        flat = [_widened(_host(x)) for x in jax.tree.leaves(args)]
+        outs = jax.jit(lambda *xs: _eval_widened(closed.jaxpr, closed.consts, xs))(
+            *reference_inputs(flat))
+        return jax.tree.unflatten(out_tree, outs)
+
+    return run
+
+
+def _narrow(dtype: Any) -> bool:
+    try:
+        return np.dtype(dtype) in (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+    except TypeError:
+        return False
+
+
+def _widened(x: Any) -> Any:
+    return x.astype(np.float32) if hasattr(x, "dtype") and _narrow(x.dtype) else x
+
+
+def _eval_widened(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    """`jaxpr` evaluated on `args` with every 2-byte float widened to float32
+    (`widened_reference`)."""
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return _widened(np.asarray(v.val)) if isinstance(v, jcore.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, map(_widened, consts)))
+    env.update(zip(jaxpr.invars, map(_widened, args)))
+    for eqn in jaxpr.eqns:
+        outs = _widened_eqn(eqn, [read(v) for v in eqn.invars])
+        env.update((v, x) for v, x in zip(eqn.outvars, outs)
+                   if not isinstance(v, jcore.DropVar))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _closed(closed: Any) -> Callable[..., list[Any]]:
+    return lambda *xs: _eval_widened(closed.jaxpr, closed.consts, xs)
+
+
+def _widened_eqn(eqn: Any, ins: list[Any]) -> list[Any]:
+    """One equation of `_eval_widened`: calls and rematerialised regions inline, a
+    conditional, a scan and a while loop rebuilt on widened bodies, any other primitive bound
+    with its 2-byte float parameters widened."""
+    name, p = eqn.primitive.name, eqn.params
+    if name in ("jit", "pjit", "closed_call", "custom_jvp_call", "custom_vjp_call"):
+        called = p.get("jaxpr") or p.get("call_jaxpr") or p.get("fun_jaxpr")
+        return _closed(called)(*ins)
+    if name in ("checkpoint", "remat"):
+        return _eval_widened(p["jaxpr"], (), ins)
+    if name == "cond":
+        return list(jax.lax.switch(ins[0], [_closed(b) for b in p["branches"]], *ins[1:]))
+    if name == "scan":
+        nc, ncarry, body = p["num_consts"], p["num_carry"], p["jaxpr"]
+        consts, carry, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
+
+        def step(c, x):
+            outs = _closed(body)(*consts, *c, *x)
+            return outs[:ncarry], outs[ncarry:]
+
+        carry, ys = jax.lax.scan(step, list(carry), list(xs), length=p["length"],
+                                 reverse=p["reverse"])
+        return [*carry, *ys]
+    if name == "while":
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        cc, bc, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
+        return list(jax.lax.while_loop(lambda s: _closed(p["cond_jaxpr"])(*cc, *s)[0],
+                                       lambda s: _closed(p["body_jaxpr"])(*bc, *s),
+                                       list(init)))
+    if name == "reduce_precision":
+        return [ins[0]]
+    if name == "bitcast_convert_type" and any(_narrow(getattr(x, "dtype", None)) or
+                                              _narrow(p.get("new_dtype")) for x in ins):
+        raise ValueError("a bit cast of a 2-byte float has no widened form")
+    params = {k: np.dtype(np.float32) if _narrow(v) else _widened_program(v)
+              for k, v in p.items()}
+    out = eqn.primitive.bind(*ins, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _widened_program(v: Any) -> Any:
+    """A parameter that is a program (a scatter's ``update_jaxpr``) traced again at its
+    inputs' widened types; anything else as it is."""
+    closed = isinstance(v, jcore.ClosedJaxpr)
+    jaxpr = v.jaxpr if closed else v
+    if not isinstance(jaxpr, jcore.Jaxpr):
+        return v
+    consts = v.consts if closed else ()
+    avals = [jax.ShapeDtypeStruct(x.aval.shape, np.float32 if _narrow(x.aval.dtype)
+                                  else x.aval.dtype) for x in jaxpr.invars]
+    again = jax.make_jaxpr(lambda *xs: _eval_widened(jaxpr, consts, xs))(*avals)
+    if closed:
+        return again
+    if again.consts:
+        raise ValueError("a widened update program with constants")
+    return again.jaxpr
 
 
 def _float64_throughout(jaxpr: Any) -> bool:
@@ -461,8 +610,25 @@ def step_difference(out: Any, reference: Any, *, skip_params: Collection[int] = 
         # a part of the optimizer state shaped like the parameters: the noise leaves' moments
         # (a tenth of their noise) stay compared, as before the masks
         pairs += masked(got, want, ()) if isinstance(want, list) else [(got, want, None)]
-    return max((_max_diff(*_settled(_wide(_host(a)), _wide(_host(b)), m))
-                for a, b, m in pairs if np.size(a)), default=0.0)
+    def difference(a: Any, b: Any, m: np.ndarray | None) -> float:
+        got, want = _wide(_host(a)), _wide(_host(b))
+        return _max_diff(*_settled(got, want, _one_ulp(a, b, got, want, m)))
+
+    return max((difference(a, b, m) for a, b, m in pairs if np.size(a)), default=0.0)
+
+
+def _one_ulp(a: Any, b: Any, got: np.ndarray, want: np.ndarray, unsettled: np.ndarray | None
+             ) -> np.ndarray | None:
+    """`unsettled`, and where `a` or `b` is a bfloat16 or float16 array the elements within
+    one unit in the last place of that type at their magnitude (module doc)."""
+    narrow = [np.dtype(x.dtype) for x in (a, b) if _narrow(getattr(x, "dtype", None))]
+    if not narrow or np.iscomplexobj(want) or got.shape != want.shape:
+        return unsettled
+    eps = max(float(jnp.finfo(d).eps) for d in narrow)
+    size = np.maximum(np.abs(np.nan_to_num(got)), np.abs(np.nan_to_num(want)))
+    ulp = eps * np.exp2(np.floor(np.log2(np.where(size > 0, size, 1.0))))
+    close = np.abs(np.nan_to_num(got - want)) <= ulp
+    return close if unsettled is None or unsettled.shape != close.shape else close | unsettled
 
 
 def _param_shaped(state: Any, params: Any) -> list[Any]:

@@ -593,3 +593,5 @@ def test_a_bfloat16_models_collectives_are_read_as_the_program_sends_them():
                            w, repeats=1, costs="analytic")
     assert r.predicted_collective_bytes == pytest.approx(r.hlo_collective_bytes, rel=0.10)
     assert {k for k, n, b in r.hlo_collectives} >= {"all_reduce"}
+    passed, lines = r.verdict()
+    assert passed, lines

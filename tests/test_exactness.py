@@ -1016,3 +1016,71 @@ def test_xla_cpu_still_cannot_run_an_fft_split_or_resharded_in_a_loop():
     assert lines.get("split") == "failed True", run.stdout + run.stderr[-2000:]
     assert lines.get("looped") == "failed True", run.stdout + run.stderr[-2000:]
     assert float(lines["unrolled"].split()[1]) < 1e-12
+
+
+def _bf16_head():
+    """An embedding, a ReLU layer and a head over 1,001 classes in bfloat16 (parameters and
+    compute), the labels all 0: the head bias's gradient at class 0 is the mean of 192 equal
+    terms, which the unsharded step accumulates in bfloat16 about 10 % off."""
+    class Head(nn.Module):
+        @nn.compact
+        def __call__(self, t):
+            kw = {"dtype": jnp.bfloat16, "param_dtype": jnp.bfloat16}
+            head = nn.Dense(1001, name="head", **kw)
+            h = nn.Embed(1001, 32, **kw)(t)
+            return head(jax.nn.relu(nn.Dense(64, **kw)(h)))
+
+    model = Head()
+    tokens = jax.random.randint(jax.random.key(1), (24, 8), 0, 1001)
+    batch = {"t": tokens, "y": jnp.zeros((24, 8), jnp.int32)}
+    params = model.init(jax.random.key(0), tokens)
+
+    def loss_fn(params, batch):
+        logp = jax.nn.log_softmax(model.apply(params, batch["t"]))
+        return -jnp.take_along_axis(logp, batch["y"][..., None], -1).mean()
+
+    return loss_fn, params, batch
+
+
+def test_a_bfloat16_models_gradients_are_held_against_its_widened_step(monkeypatch):
+    """`first_step` of a model in bfloat16 throughout, data parallel on ``cpu8``: its own
+    gradients fail the bar (the unsharded step's head bias at class 0 is the farther from the
+    exact -0.999), so both are held against the step with its bfloat16 values widened to
+    float32 (`widened_reference`): the sharded one passes; with one leaf doubled it fails,
+    naming it."""
+    loss_fn, params, batch = _bf16_head()
+    graph = trace(loss_fn, params, batch, name="bf16_head")
+    strategy = baselines(graph, TOPOLOGY)["data-parallel"]
+    run = lambda: first_step(graph, strategy, make_mesh(TOPOLOGY), loss_fn, params, batch,  # noqa: E731
+                             mesh_shape=MESH_SHAPE)
+    exact = exactness.widened_reference(loss_fn, graph, strategy, params, batch)
+    unsharded = float(jax.jit(jax.grad(loss_fn))(params, batch)["params"]["head"]["bias"][0])
+    assert float(exact["params"]["head"]["bias"][0]) == pytest.approx(-0.999, abs=2e-3)
+    assert abs(unsharded + 0.999) > 0.05  # bfloat16's own accumulation
+    ok = run()
+    assert ok.passed and ok.widened and "2-byte floats widened" in ok.describe(), ok.describe()
+    _scale_one_leaf(monkeypatch, "['params']['head']['kernel']", 2.0)
+    bad = run()
+    assert not bad.passed and bad.worst.path == "['params']['head']['kernel']", bad.describe()
+
+
+def test_widened_runs_a_bfloat16_program_in_float32():
+    """`exactness.widened`: a bfloat16 function (a scan, a cond, a scatter-add, relu's custom
+    derivative, differentiated) runs as the same function written in float32."""
+    def make(dtype):
+        def f(w, x):
+            def body(c, xi):
+                y = jax.lax.cond(xi.sum() > 0, jnp.tanh, jax.nn.relu, xi * w + c)
+                return y, y.sum()
+            c, ys = jax.lax.scan(body, jnp.zeros_like(w), x)
+            return jnp.zeros(8, dtype).at[jnp.arange(32) % 8].add(c).sum() + ys.sum()
+        return lambda w, x: jax.value_and_grad(f)(w.astype(dtype), x.astype(dtype))
+    w = jax.random.normal(jax.random.key(0), (32,)).astype(jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (5, 32)).astype(jnp.bfloat16)
+    wide = exactness.widened(make(jnp.bfloat16))(w, x)
+    f32 = jax.jit(make(jnp.float32))(w, x)
+    assert wide[1].dtype == jnp.float32
+    for a, b in zip(jax.tree.leaves(wide), jax.tree.leaves(f32)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    narrow = jax.jit(make(jnp.bfloat16))(w, x)
+    assert not np.allclose(np.asarray(narrow[1], np.float32), np.asarray(f32[1]), rtol=1e-6)
