@@ -157,12 +157,13 @@ def collectives(
         1/group_size of its elements (directly or as a fusion around a dynamic-slice) as one
         reduce-scatter of the same input. The GPU pipeline's ``ReduceScatterCreator`` pass
         makes this rewrite; the CPU pipeline does not, so CPU HLO shows the pair.
-      narrow_as_sent: report a float32 collective that XLA:CPU widened from a 2-byte float
-        (bfloat16, float16) at that type, as the program's own types and a GPU send it:
-        XLA:CPU's float normalization sends such collectives in float32 (an all-reduce whose
-        reduction its promotion pass renamed ``..._promoted``; another collective whose every
-        operand is a 2-byte value widened by a ``convert``, alone or as a fusion's root), twice
-        the bytes (`_widened_from_narrow`).
+      narrow_as_sent: report each float32 buffer of a collective that XLA:CPU widened from a
+        2-byte float (bfloat16, float16) at that type, as the program's own types and a GPU
+        send it: XLA:CPU's float normalization sends such collectives in float32, twice the
+        bytes. Such a buffer: any of an all-reduce whose reduction its promotion pass renamed
+        ``..._promoted``; else one that is a 2-byte value widened (a ``convert``, or a
+        ``reduce`` of one, alone or as a fusion's root) and that every use narrows again
+        (`_widened_from_narrow`).
 
     Returns:
       One `HloCollective` per collective instruction (``-done`` halves skipped).
