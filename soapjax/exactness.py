@@ -473,7 +473,9 @@ def _eval_widened(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> lis
     env: dict[Any, Any] = {}
 
     def read(v: Any) -> Any:
-        return _widened(np.asarray(v.val)) if isinstance(v, jcore.Literal) else env[v]
+        if isinstance(v, jcore.Literal):  # at its own type (a Python scalar's is weak)
+            return _widened(np.asarray(v.val, dtype=getattr(v.aval, "dtype", None)))
+        return env[v]
 
     env.update(zip(jaxpr.constvars, map(_widened, consts)))
     env.update(zip(jaxpr.invars, map(_widened, args)))
