@@ -448,7 +448,7 @@ def widened(fn: Callable[..., Any]) -> Callable[..., Any]:
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
         closed = jax.make_jaxpr(fn)(*shapes)
         out_tree = jax.tree.structure(jax.eval_shape(fn, *shapes))
-        flat = [_widened(_host(x)) for x in jax.tree.leaves(args)]
+        flat = [_host(x) for x in jax.tree.leaves(args)]  # (2-byte floats come back float32)
         outs = jax.jit(lambda *xs: _eval_widened(closed.jaxpr, closed.consts, xs))(
             *reference_inputs(flat))
         return jax.tree.unflatten(out_tree, outs)

@@ -170,7 +170,7 @@ def subject(name: str) -> Subject:
                                   if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
             batch = jax.jit(w.make_batch, compiler_options=FAST)(jax.random.key(1))
             loss = w.loss_fn
-        params = _jiggle(params)
+        params = jiggle(params, NOISE)
         # exact semantics even for the zoo's mixture of experts (which accepts statistics per
         # microbatch: `soapjax.trace`): the reference is the whole batch's step
         graph = trace(loss, params, batch, name=name.replace(":", "-"),
@@ -180,12 +180,17 @@ def subject(name: str) -> Subject:
                    narrowest_float(graph), options)
 
 
-def _jiggle(tree: Any, seed: int = 0) -> Any:
-    """N(0, `NOISE`) added to every float leaf, in numpy (XLA would compile an add per
-    shape; the sum is the same IEEE one)."""
+def jiggle(tree: Any, noise: float, seed: int = 0) -> Any:
+    """Adds N(0, noise) to every float leaf (deterministic): parameters a few steps in. In
+    numpy: XLA would compile an add per leaf shape (the sum is the same IEEE one)."""
     rng = np.random.default_rng(seed)
-    return jax.tree.map(lambda x: jnp.asarray(np.asarray(x) + (NOISE * rng.standard_normal(
-        x.shape)).astype(x.dtype)) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+    def add(x):
+        if not noise or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return jnp.asarray(np.asarray(x) + (noise * rng.standard_normal(x.shape)).astype(x.dtype))
+
+    return jax.tree.map(add, tree)
 
 
 def draw(s: Subject, topology: Topology, rng: np.random.Generator,

@@ -92,6 +92,7 @@ NOISE = 0.05
 # (test_resnet18_perturbed_gradient_is_exact).
 PERTURB = {"resnet18": 0.0}
 FAST_COMPILE = corpus.FAST_COMPILE
+jiggle = fuzzing.jiggle  # (tests/test_gpt_dropout.py and test_tied_dims.py import it from here)
 STRATEGIES = ("data_parallel", "megatron", "fsdp", "searched")
 
 
@@ -139,18 +140,6 @@ def float64_workload(w: Any, name: str) -> tuple[OpGraph, Any, Any, Any]:
         grads = jax.jit(jax.grad(w.loss_fn), compiler_options=FAST_COMPILE)(params, batch)
         graph = trace(w.loss_fn, params, batch, name=name)
     return graph, params, batch, grads
-
-
-def jiggle(tree: Any, noise: float, seed: int = 0) -> Any:
-    """Adds N(0, noise) to every float leaf (deterministic): parameters a few steps in."""
-    rng = np.random.default_rng(seed)
-
-    def add(x):  # in numpy: XLA would compile an add per shape (the same IEEE sum)
-        if not noise or not jnp.issubdtype(x.dtype, jnp.floating):
-            return x
-        return jnp.asarray(np.asarray(x) + (noise * rng.standard_normal(x.shape)).astype(x.dtype))
-
-    return jax.tree.map(add, tree)
 
 
 @functools.cache
